@@ -1,0 +1,4 @@
+"""Transport-neutral contracts and the consumer runtime.
+
+Nothing in this package imports FastAPI, SQLAlchemy or a database driver.
+"""

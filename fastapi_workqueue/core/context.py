@@ -1,0 +1,180 @@
+"""What a running handler can see and do: its abort signal, heartbeat, attempt and log."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Protocol
+
+MAX_PROGRESS_MESSAGE = 500
+
+
+class AbortReason(StrEnum):
+    """Why the runtime aborted a handler."""
+
+    CANCELLED = "Cancelled"
+    """An operator discarded the running delivery; it becomes Discarded when the handler returns."""
+    LEASE_LOST = "LeaseLost"
+    """The lease expired or was taken over; the handler's outcome is ignored."""
+    MAX_PROCESSING_SECONDS = "MaxProcessingSeconds"
+    """The handler ran past the subscription's cap; a failed attempt."""
+    SHUTDOWN = "Shutdown"
+    """The host is stopping; the delivery goes back to Pending without consuming the attempt."""
+
+
+class WorkAborted(Exception):
+    """Raised by :meth:`AbortSignal.raise_if_aborted` inside an aborted handler."""
+
+    def __init__(self, reason: AbortReason) -> None:
+        super().__init__(f"work aborted: {reason.value}")
+        self.reason = reason
+
+
+class AbortSignal:
+    """Tells a handler that it must stop, and why.
+
+    The runtime also cancels the handler's task when it aborts, so an ``await`` inside the
+    handler raises :class:`asyncio.CancelledError`; check :attr:`aborted` in CPU-bound loops.
+    """
+
+    __slots__ = ("_event", "_listeners", "_reason")
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self._reason: AbortReason | None = None
+        self._listeners: list[Callable[[AbortReason], None]] = []
+
+    @property
+    def aborted(self) -> bool:
+        """True once the runtime has aborted the handler."""
+        return self._reason is not None
+
+    @property
+    def reason(self) -> AbortReason | None:
+        """The reason of the abort, or None while the handler may go on."""
+        return self._reason
+
+    def abort(self, reason: AbortReason) -> bool:
+        """Aborts with ``reason``; the first reason wins. Returns True when this call aborted."""
+        if self._reason is not None:
+            return False
+        self._reason = reason
+        self._event.set()
+        for listener in self._listeners:
+            listener(reason)
+        return True
+
+    def add_listener(self, listener: Callable[[AbortReason], None]) -> None:
+        """Calls ``listener(reason)`` when the signal aborts."""
+        self._listeners.append(listener)
+
+    async def wait(self) -> AbortReason:
+        """Waits until the signal aborts and returns the reason."""
+        await self._event.wait()
+        assert self._reason is not None
+        return self._reason
+
+    def raise_if_aborted(self) -> None:
+        """Raises :class:`WorkAborted` when the signal has aborted."""
+        if self._reason is not None:
+            raise WorkAborted(self._reason)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A small operator hint: a percentage and a short message (≤ 500 characters)."""
+
+    percent: int | None = None
+    message: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.percent is not None and not 0 <= self.percent <= 100:
+            raise ValueError(f"progress percent must be within 0..100, got {self.percent}")
+        if self.message is not None and len(self.message) > MAX_PROGRESS_MESSAGE:
+            raise ValueError(
+                f"progress message is {len(self.message)} characters; at most {MAX_PROGRESS_MESSAGE} are allowed"
+            )
+
+
+class Heartbeater(Protocol):
+    async def __call__(self, progress: Progress | None) -> bool: ...
+
+
+class OnceStore(Protocol):
+    async def __call__(self, key: str, fn: Callable[[], Awaitable[Any]], ttl_seconds: float) -> bool: ...
+
+
+class WorkContext:
+    """Everything a handler may use besides its message.
+
+    ``signal`` aborts with a reason (``Cancelled``, ``LeaseLost``, ``MaxProcessingSeconds``,
+    ``Shutdown``); ``heartbeat()`` renews the lease and stores progress; ``attempt`` counts from 1.
+    """
+
+    __slots__ = (
+        "_heartbeat",
+        "_once",
+        "attempt",
+        "delivery_id",
+        "log",
+        "max_attempts",
+        "principal",
+        "signal",
+        "subscription",
+    )
+
+    def __init__(
+        self,
+        *,
+        subscription: str,
+        delivery_id: str,
+        attempt: int,
+        max_attempts: int,
+        signal: AbortSignal,
+        heartbeat: Heartbeater,
+        log: logging.LoggerAdapter[logging.Logger],
+        principal: str | None = None,
+        once: OnceStore | None = None,
+    ) -> None:
+        self.subscription = subscription
+        self.delivery_id = delivery_id
+        self.attempt = attempt
+        self.max_attempts = max_attempts
+        self.signal = signal
+        self.log = log
+        self.principal = principal
+        self._heartbeat = heartbeat
+        self._once = once
+
+    @property
+    def is_final_attempt(self) -> bool:
+        """True when a failure of this attempt dead-letters the delivery."""
+        return self.attempt >= self.max_attempts
+
+    async def heartbeat(self, progress: Progress | dict[str, Any] | None = None) -> bool:
+        """Renews the lease now and stores ``progress``.
+
+        Returns False once the lease is lost or an operator cancelled the delivery: stop then.
+        ``progress`` may be a :class:`Progress` or ``{"Percent": 40, "Message": "..."}``.
+        """
+        if isinstance(progress, dict):
+            progress = Progress(
+                percent=progress.get("Percent", progress.get("percent")),
+                message=progress.get("Message", progress.get("message")),
+            )
+        if self.signal.aborted:
+            return False
+        return await self._heartbeat(progress)
+
+    async def once(self, key: str, fn: Callable[[], Awaitable[Any]], *, ttl_seconds: float = 86400) -> bool:
+        """Runs ``fn`` unless it already succeeded for ``key`` (within ``ttl_seconds``).
+
+        Returns True when ``fn`` ran now, False when it had already run. Repeats become rare,
+        not impossible: a worker that dies between ``fn`` and the marker runs it again.
+        """
+        if self._once is None:
+            raise RuntimeError("context.once needs a transport that stores markers")
+        return await self._once(key, fn, ttl_seconds)

@@ -1,0 +1,180 @@
+"""Handler registration: what a handler takes, and how a claimed delivery becomes its message."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import typing
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from .context import WorkContext
+from .envelope import WorkMessage
+from .errors import ConfigurationError
+from .outcomes import FatalWorkError, WorkOutcome
+from .transport import ClaimedDelivery
+
+HandlerFunc = Callable[..., Awaitable[WorkOutcome | None]]
+
+
+class PayloadInvalid(FatalWorkError):
+    """The payload does not validate against the handler's type: the delivery dead-letters at once."""
+
+
+@dataclass(slots=True)
+class HandlerSpec:
+    """A registered handler and what its signature asks for."""
+
+    key: str
+    func: HandlerFunc
+    payload_type: Any = Any
+    message_param: str | None = None
+    context_param: str | None = None
+    other_params: list[str] = field(default_factory=list)
+    _adapter: TypeAdapter[Any] | None = None
+    _message_model: type[WorkMessage[Any]] | None = None
+
+    @property
+    def adapter(self) -> TypeAdapter[Any]:
+        if self._adapter is None:
+            self._adapter = TypeAdapter(self.payload_type)
+        return self._adapter
+
+    def build_message(self, delivery: ClaimedDelivery, subscription: str) -> WorkMessage[Any]:
+        """Parses and validates the payload; raises :class:`PayloadInvalid` when it does not fit."""
+        raw = json.loads(delivery.payload_json) if delivery.payload_json is not None else None
+        if self.payload_type is Any:
+            payload = raw
+        else:
+            try:
+                payload = self.adapter.validate_python(raw)
+            except ValidationError as exc:
+                raise PayloadInvalid(
+                    f"payload does not validate against {_type_name(self.payload_type)}: "
+                    f"{exc.error_count()} error(s): {_short_errors(exc)}"
+                ) from exc
+        return WorkMessage[Any].model_construct(
+            message_id=delivery.message_id,
+            topic=delivery.topic,
+            subscription=subscription,
+            delivery_id=delivery.delivery_id,
+            attempt=delivery.attempt,
+            partition_key=delivery.partition_key,
+            attributes=delivery.attributes,
+            payload=payload,
+            payload_ref=delivery.payload_ref,
+            correlation_id=delivery.correlation_id,
+            published_at=delivery.published_at,
+        )
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or repr(tp)
+
+
+def _short_errors(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "payload"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def inspect_handler(key: str, func: HandlerFunc) -> HandlerSpec:
+    """Reads a handler's signature: the ``WorkMessage[T]`` parameter, the ``WorkContext`` one, the rest.
+
+    The message parameter is the one annotated ``WorkMessage[...]`` (or named ``message``), the
+    context the one annotated ``WorkContext`` (or named ``context``). Every other parameter must
+    have a default (FastAPI ``Depends(...)`` for dependencies).
+    """
+    if not inspect.iscoroutinefunction(func):
+        raise ConfigurationError(f"handler {key!r} must be an async function (async def)")
+    try:
+        hints = typing.get_type_hints(func)
+    except Exception as exc:
+        raise ConfigurationError(f"handler {key!r}: cannot resolve its type hints ({exc})") from exc
+    spec = HandlerSpec(key=key, func=func)
+    for name, param in inspect.signature(func).parameters.items():
+        annotation = hints.get(name, param.annotation)
+        origin = typing.get_origin(annotation) or annotation
+        if _is_work_message(origin) or (spec.message_param is None and name == "message" and annotation is param.empty):
+            spec.message_param = name
+            spec.payload_type = _payload_type(annotation)
+        elif annotation is WorkContext or (name == "context" and annotation is param.empty):
+            spec.context_param = name
+        else:
+            if param.default is param.empty and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+                raise ConfigurationError(
+                    f"handler {key!r}: parameter {name!r} is neither the WorkMessage nor the WorkContext "
+                    "and has no default; give it a dependency (name = Depends(...)) or remove it"
+                )
+            spec.other_params.append(name)
+    if spec.message_param is None:
+        raise ConfigurationError(
+            f"handler {key!r} needs a parameter annotated WorkMessage[YourPayload] (or named 'message')"
+        )
+    return spec
+
+
+def _is_work_message(tp: Any) -> bool:
+    if not isinstance(tp, type):
+        return False
+    return issubclass(tp, WorkMessage)
+
+
+def _payload_type(annotation: Any) -> Any:
+    metadata = getattr(annotation, "__pydantic_generic_metadata__", None)
+    if metadata and metadata.get("args"):
+        return metadata["args"][0]
+    args = typing.get_args(annotation)
+    return args[0] if args else Any
+
+
+class HandlerRegistry:
+    """Handlers by key. A key may be registered once."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, HandlerSpec] = {}
+
+    def add(self, key: str, func: HandlerFunc) -> HandlerSpec:
+        if not key or not isinstance(key, str):
+            raise ConfigurationError("a handler key must be a non-empty string")
+        existing = self._handlers.get(key)
+        if existing is not None and existing.func is not func:
+            raise ConfigurationError(
+                f"handler key {key!r} is already registered by {_qualname(existing.func)}; "
+                f"{_qualname(func)} cannot take it too: give one of them another key"
+            )
+        spec = inspect_handler(key, func)
+        self._handlers[key] = spec
+        return spec
+
+    def get(self, key: str) -> HandlerSpec | None:
+        return self._handlers.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._handlers
+
+    def keys(self) -> list[str]:
+        return sorted(self._handlers)
+
+
+def _qualname(func: Callable[..., Any]) -> str:
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
+
+
+Invoker = Callable[[HandlerSpec, WorkMessage[Any], WorkContext], Awaitable[WorkOutcome | None]]
+"""Calls a handler with its message, context and (in the web layer) its resolved dependencies."""
+
+
+async def call_plain(spec: HandlerSpec, message: WorkMessage[Any], context: WorkContext) -> WorkOutcome | None:
+    """Calls a handler that has no dependencies."""
+    kwargs: dict[str, Any] = {}
+    if spec.message_param:
+        kwargs[spec.message_param] = message
+    if spec.context_param:
+        kwargs[spec.context_param] = context
+    return await spec.func(**kwargs)

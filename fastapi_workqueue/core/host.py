@@ -1,0 +1,289 @@
+"""The host: plans which subscriptions this process runs, re-plans, sweeps, and reports health."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import Field
+
+from .handlers import Invoker
+from .runtime import Consumer, Resolver, Settler
+from .topology import SubscriptionState
+from .transport import Transport
+from .wire import WireModel
+
+log = logging.getLogger("fastapi_workqueue.host")
+
+HealthState = Literal["Running", "Paused", "HandlerNotRegistered", "Unsupported", "Error"]
+WAKE_ALL = "*"
+
+
+class SubscriptionPlan(WireModel):
+    """Which subscriptions a process runs: ``name`` (or ``"*"`` for all) and how many at once."""
+
+    name: str = "*"
+    concurrency: int = Field(default=4, ge=1)
+
+
+class SubscriptionHealth(WireModel):
+    """The state of one planned subscription in this process."""
+
+    subscription: str
+    state: HealthState
+    reason: str | None = None
+    concurrency: int = 0
+    active: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class HostOptions:
+    """Timings of the host (milliseconds, as in the settings)."""
+
+    idle_poll_min_ms: int = 250
+    idle_poll_max_ms: int = 5000
+    shutdown_drain_ms: int = 8000
+    sweeper_enabled: bool = True
+    sweeper_interval_ms: int = 60000
+    reconcile_interval_ms: int = 30000
+    sweep_batch: int = 1000
+    principal: str | None = None
+
+
+def unsupported_reason(transport: Transport, sub: SubscriptionState) -> str | None:
+    """Why ``transport`` cannot run ``sub`` here, or None when it can."""
+    caps = transport.capabilities
+    if sub.partition_mode == "Ordered" and not caps.ordered:
+        return f"Ordered needs a database topic; the {transport.name} transport cannot keep order per key"
+    if sub.partition_mode == "Exclusive" and not caps.exclusive:
+        return f"Exclusive is not available on the {transport.name} transport"
+    return None
+
+
+class Host:
+    """Runs the planned subscriptions of one process, with the sweeper and the reconcile loop."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        resolve: Resolver,
+        invoke: Invoker,
+        *,
+        plan: Sequence[SubscriptionPlan] = (SubscriptionPlan(),),
+        options: HostOptions = HostOptions(),
+        max_deliveries: int | None = None,
+        stop_when_idle: bool = False,
+    ) -> None:
+        self.transport = transport
+        self._resolve = resolve
+        self._invoke = invoke
+        self.plan = list(plan)
+        self.options = options
+        self._max_deliveries = max_deliveries
+        self._stop_when_idle = stop_when_idle
+        self.settler = Settler(transport)
+        self.consumers: dict[str, Consumer] = {}
+        self._health: dict[str, SubscriptionHealth] = {}
+        self._by_id: dict[str, str] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
+        self._reconcile_lock = asyncio.Lock()
+        self._stopping: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Plans the subscriptions and starts consumers, the sweeper and the reconcile loop."""
+        if self._started:
+            return
+        self._started = True
+        self.settler.start()
+        self.transport.add_wakeup_listener(self._on_wakeup)
+        await self.reconcile()
+        if self.options.sweeper_enabled:
+            self._tasks.append(asyncio.create_task(self._sweep_loop(), name="workqueue-sweeper"))
+        if self.options.reconcile_interval_ms > 0:
+            self._tasks.append(asyncio.create_task(self._reconcile_loop(), name="workqueue-reconcile"))
+
+    async def stop(self) -> None:
+        """Stops claiming everywhere, drains (SPEC §4), releases leftovers, stops the loops."""
+        if not self._started:
+            return
+        self._started = False
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        drain = self.options.shutdown_drain_ms / 1000
+        await asyncio.gather(*(c.stop(drain) for c in self.consumers.values()), *self._stopping,
+                             return_exceptions=True)
+        self.consumers.clear()
+        await self.settler.close()
+
+    async def wait_finished(self) -> None:
+        """Waits until every consumer's claim loop ended (budget spent, or idle in one-shot mode)."""
+        await asyncio.gather(*(c.wait_finished() for c in list(self.consumers.values())))
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def _concurrency_for(self, name: str) -> int | None:
+        named = next((p for p in self.plan if p.name == name), None)
+        if named is not None:
+            return named.concurrency
+        wildcard = next((p for p in self.plan if p.name == WAKE_ALL), None)
+        return None if wildcard is None else wildcard.concurrency
+
+    async def reconcile(self) -> None:
+        """Re-plans from the stored topology: starts, pauses, resumes and updates consumers."""
+        async with self._reconcile_lock:
+            try:
+                subscriptions = await self.transport.list_subscriptions()
+            except Exception as exc:
+                log.error("reconcile: cannot read subscriptions (%s)", exc)
+                for name in self._health:
+                    if name not in self.consumers:
+                        self._health[name] = SubscriptionHealth(
+                            subscription=name, state="Error", reason=f"cannot read the topology: {exc}"
+                        )
+                return
+            await self._apply(subscriptions)
+
+    async def _apply(self, subscriptions: list[SubscriptionState]) -> None:
+        health: dict[str, SubscriptionHealth] = {}
+        self._by_id = {str(s.id): s.name for s in subscriptions}
+        seen: set[str] = set()
+        for sub in subscriptions:
+            if sub.host_type != "worker":
+                continue
+            concurrency = self._concurrency_for(sub.name)
+            if concurrency is None:
+                continue
+            seen.add(sub.name)
+            state, reason = self._desired_state(sub)
+            consumer = self.consumers.get(sub.name)
+            if state == "Running":
+                if consumer is None:
+                    consumer = Consumer(
+                        self.transport, self.settler, sub, self._resolve, self._invoke,
+                        concurrency=concurrency,
+                        idle_poll_min=self.options.idle_poll_min_ms / 1000,
+                        idle_poll_max=self.options.idle_poll_max_ms / 1000,
+                        principal=self.options.principal,
+                        max_deliveries=self._max_deliveries,
+                        stop_when_idle=self._stop_when_idle,
+                    )
+                    self.consumers[sub.name] = consumer
+                    consumer.start()
+                    log.info("%s: running (concurrency %d)", sub.name, concurrency)
+                else:
+                    consumer.update(sub, concurrency)
+            elif consumer is not None:
+                log.info("%s: stopping (%s)", sub.name, state)
+                self.consumers.pop(sub.name)
+                self._stop_later(consumer)
+            health[sub.name] = SubscriptionHealth(
+                subscription=sub.name, state=state, reason=reason, concurrency=concurrency
+            )
+        for entry in self.plan:
+            if entry.name != WAKE_ALL and entry.name not in seen and entry.name not in health:
+                known = next((s for s in subscriptions if s.name == entry.name), None)
+                reason = (
+                    f"subscription {entry.name!r} is served outside this host (host_type external)"
+                    if known is not None
+                    else f"subscription {entry.name!r} does not exist; declare it or check the name"
+                )
+                health[entry.name] = SubscriptionHealth(
+                    subscription=entry.name,
+                    state="Unsupported" if known is not None else "Error",
+                    reason=reason,
+                    concurrency=entry.concurrency,
+                )
+        for name in list(self.consumers):
+            if name not in seen:
+                self._stop_later(self.consumers.pop(name))
+        self._health = health
+
+    def _stop_later(self, consumer: Consumer) -> None:
+        """Stops a consumer that is no longer planned, draining it in the background."""
+        task = asyncio.create_task(consumer.stop(self.options.shutdown_drain_ms / 1000))
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+
+    def _desired_state(self, sub: SubscriptionState) -> tuple[HealthState, str | None]:
+        reason = unsupported_reason(self.transport, sub)
+        if reason is not None:
+            return "Unsupported", reason
+        if self._resolve(sub.handler_key) is None:
+            return "HandlerNotRegistered", (
+                f"no handler is registered under {sub.handler_key!r} in this process; "
+                "register it with @queue.handler(...) and import its module"
+            )
+        if sub.status != "Active":
+            return "Paused", f"subscription {sub.name!r} is {sub.status}"
+        if sub.topic_status != "Active":
+            return "Paused", f"topic {sub.topic!r} is {sub.topic_status}"
+        return "Running", None
+
+    def health(self) -> list[SubscriptionHealth]:
+        """Each planned subscription's state, with what runs now."""
+        report = []
+        for name, entry in sorted(self._health.items()):
+            consumer = self.consumers.get(name)
+            if consumer is not None and entry.state == "Running":
+                state: HealthState = "Running"
+                reason = None
+                if consumer.last_error is not None:
+                    state, reason = "Error", consumer.last_error
+                entry = entry.model_copy(update={"active": consumer.active, "state": state, "reason": reason})
+            report.append(entry)
+        return report
+
+    # -- loops -------------------------------------------------------------------------------
+
+    def _on_wakeup(self, subscription_id: str) -> None:
+        if subscription_id == WAKE_ALL:
+            for consumer in self.consumers.values():
+                consumer.wake()
+            return
+        name = self._by_id.get(subscription_id)
+        target = self.consumers.get(name) if name is not None else None
+        if target is not None:
+            target.wake()
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.reconcile_interval_ms / 1000)
+            await self.reconcile()
+
+    async def sweep_once(self) -> int:
+        """Runs sweeper passes until one finds less than a full batch; returns leases expired."""
+        expired = 0
+        for _ in range(100):
+            report = await self.transport.sweep(self.options.sweep_batch)
+            if not report.ran:
+                break
+            expired += report.expired
+            if report.expired:
+                for consumer in self.consumers.values():
+                    consumer.wake()
+            batch = self.options.sweep_batch
+            if report.expired < batch and max(report.purged_deliveries, report.purged_messages,
+                                              report.purged_deduplication) < batch:
+                break
+        return expired
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            try:
+                await self.sweep_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("sweeper pass failed (%s); next pass in %d ms", exc, self.options.sweeper_interval_ms)
+            await asyncio.sleep(self.options.sweeper_interval_ms / 1000)

@@ -1,0 +1,75 @@
+"""What a handler returns or raises, and what becomes of the delivery."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+
+@dataclass(frozen=True, slots=True)
+class Complete:
+    """The work is done: the delivery becomes Completed."""
+
+    kind: ClassVar[Literal["Complete"]] = "Complete"
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Try again later: after ``delay_seconds``, or after full-jitter backoff when it is None."""
+
+    reason: str
+    delay_seconds: float | None = None
+    kind: ClassVar[Literal["Retry"]] = "Retry"
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """The work can never succeed: dead-letter it now, whatever attempts remain."""
+
+    reason: str
+    kind: ClassVar[Literal["DeadLetter"]] = "DeadLetter"
+
+
+WorkOutcome = Complete | Retry | DeadLetter
+"""The return type of a handler."""
+
+
+class Outcome:
+    """Builders for handler outcomes: ``return Outcome.complete()``."""
+
+    @staticmethod
+    def complete() -> Complete:
+        """The delivery is done."""
+        return _COMPLETE
+
+    @staticmethod
+    def retry(reason: str, delay_seconds: float | None = None) -> Retry:
+        """Retry after ``delay_seconds``, or after full-jitter backoff; dead-letters when attempts are spent."""
+        if delay_seconds is not None and delay_seconds < 0:
+            raise ValueError(f"delay_seconds must be >= 0, got {delay_seconds}")
+        return Retry(reason=reason, delay_seconds=delay_seconds)
+
+    @staticmethod
+    def dead_letter(reason: str) -> DeadLetter:
+        """Dead-letter the delivery now."""
+        return DeadLetter(reason=reason)
+
+
+_COMPLETE = Complete()
+
+
+class TransientWorkError(Exception):
+    """Raise for a temporary problem (rate limit, outage): the delivery is retried with backoff."""
+
+    def __init__(self, reason: str, delay_seconds: float | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.delay_seconds = delay_seconds
+
+
+class FatalWorkError(Exception):
+    """Raise for poison input that will never succeed: the delivery is dead-lettered at once."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

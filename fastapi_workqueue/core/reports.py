@@ -1,0 +1,108 @@
+"""What operators read and get back: stats, backlog, deliveries, partitions, action results."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any, Literal
+
+from .wire import WireModel
+
+DeliveryStatus = Literal["Pending", "InFlight", "Completed", "DeadLettered", "Discarded"]
+PartitionCondition = Literal["Blocked", "InFlight", "Idle"]
+
+
+class SubscriptionStats(WireModel):
+    """Counts of one subscription's deliveries by state."""
+
+    subscription: str
+    topic: str
+    status: str
+    partition_mode: str
+    pending: int
+    claimable: int
+    in_flight: int
+    dead_lettered: int
+    completed: int
+    discarded: int
+    oldest_pending_at: datetime | None = None
+
+
+class Backlog(WireModel):
+    """Work an autoscaler should see: claimable Pending (single flight per key) plus InFlight."""
+
+    subscription: str
+    claimable: int
+    in_flight: int
+    backlog: int
+
+
+class DeliveryInfo(WireModel):
+    """One delivery as operators see it. ``payload`` is only filled for admins."""
+
+    delivery_id: str
+    subscription: str
+    message_id: uuid.UUID
+    topic: str | None = None
+    partition_key: str | None = None
+    status: DeliveryStatus
+    attempt: int
+    max_attempts: int
+    reason: str | None = None
+    last_error: str | None = None
+    note: str | None = None
+    cancel_requested: bool = False
+    progress_percent: int | None = None
+    progress_message: str | None = None
+    visible_at: datetime | None = None
+    lease_expires_at: datetime | None = None
+    created_at: datetime | None = None
+    claimed_at: datetime | None = None
+    settled_at: datetime | None = None
+    attributes: dict[str, str] | None = None
+    correlation_id: str | None = None
+    payload: Any = None
+
+
+class PartitionInfo(WireModel):
+    """A key of an Exclusive or Ordered subscription with live work."""
+
+    partition_key: str
+    condition: PartitionCondition
+    head_delivery_id: str | None = None
+    head_status: str | None = None
+    head_attempt: int | None = None
+    head_visible_at: datetime | None = None
+    waiting_items: int
+
+
+class ActionResult(WireModel):
+    """The answer to replay or discard."""
+
+    result: Literal["Replayed", "Discarded", "CancelRequested", "NotFound", "NotDeadLettered", "AlreadyTerminal"]
+    delivery_id: str
+    subscription: str
+    cancel_requested: bool = False
+    status: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the action took effect."""
+        return self.result in ("Replayed", "Discarded", "CancelRequested")
+
+
+class SweepReport(WireModel):
+    """What one sweeper pass did; ``ran`` is False when another process held the sweep lock."""
+
+    ran: bool
+    retried: int = 0
+    dead_lettered: int = 0
+    discarded: int = 0
+    purged_deliveries: int = 0
+    purged_messages: int = 0
+    purged_deduplication: int = 0
+
+    @property
+    def expired(self) -> int:
+        """Leases expired in this pass."""
+        return self.retried + self.dead_lettered + self.discarded

@@ -1,0 +1,101 @@
+"""Topics and subscriptions: the topology a queue runs, and the policy of each subscription."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .filters import validate_filter
+from .wire import WireModel
+
+PartitionMode = Literal["None", "Exclusive", "Ordered"]
+HeartbeatMode = Literal["Auto", "Manual"]
+SubscriptionStatus = Literal["Active", "Paused"]
+HostType = Literal["worker", "external"]
+
+DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,199}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Topic and subscription names: 1-200 letters, digits, ``.``, ``_``, ``:`` or ``-``."""
+    if not _NAME.match(value):
+        raise ValueError(
+            f"{kind} name {value!r} is not valid: use 1 to 200 letters, digits, '.', '_', ':' or '-', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+class Topic(WireModel):
+    """A named stream that producers publish to."""
+
+    name: str
+    transport: str = "database"
+    max_payload_bytes: int | None = Field(default=None, gt=0)
+    is_fifo: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_name("topic", value)
+
+
+class Subscription(WireModel):
+    """A named consumer of a topic: every matching message gives it one delivery."""
+
+    name: str
+    topic: str
+    handler_key: str
+    partition_mode: PartitionMode = "None"
+    lease_seconds: float = Field(default=60, gt=0)
+    max_attempts: int = Field(default=5, ge=1)
+    backoff_base_seconds: float = Field(default=1, ge=0)
+    backoff_max_seconds: float = Field(default=300, ge=0)
+    max_processing_seconds: float | None = Field(default=None, gt=0)
+    heartbeat_mode: HeartbeatMode = "Auto"
+    filter: dict[str, Any] | None = None
+    status: SubscriptionStatus = "Active"
+    host_type: HostType = "worker"
+    retention_seconds: float = Field(default=DEFAULT_RETENTION_SECONDS, ge=0)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_name("subscription", value)
+
+    @field_validator("topic")
+    @classmethod
+    def _topic(cls, value: str) -> str:
+        return check_name("topic", value)
+
+    @field_validator("filter")
+    @classmethod
+    def _filter(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if value is None else validate_filter(value)
+
+    @model_validator(mode="after")
+    def _backoff(self) -> Subscription:
+        if self.backoff_max_seconds < self.backoff_base_seconds:
+            raise ValueError(
+                f"backoff_max_seconds ({self.backoff_max_seconds}) is below backoff_base_seconds "
+                f"({self.backoff_base_seconds}); raise the maximum or lower the base"
+            )
+        return self
+
+    @property
+    def heartbeat_interval_seconds(self) -> float:
+        """How often the runtime renews an Auto lease: min(lease / 3, 30 s)."""
+        return min(self.lease_seconds / 3, 30.0)
+
+
+class SubscriptionState(Subscription):
+    """A subscription as the transport stores it, with the state of its topic."""
+
+    id: int | str
+    topic_status: SubscriptionStatus = "Active"
+    transport_name: str = "database"
+    is_fifo: bool = False

@@ -1,0 +1,9 @@
+"""The database transport: PostgreSQL (asyncpg), with SQLite and SQL Server to follow.
+
+Nothing here knows FastAPI. A caller's SQLAlchemy session is accepted for publishing inside the
+caller's transaction.
+"""
+
+from .factory import create_database_transport
+
+__all__ = ["create_database_transport"]

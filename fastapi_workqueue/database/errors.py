@@ -1,0 +1,81 @@
+"""Maps driver exceptions to the library's own at the transport boundary."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from ..core.errors import ConfigurationError, TransportError, TransportUnavailable
+
+T = TypeVar("T")
+
+_RETRYABLE_SQLSTATES = {"40001", "40P01", "55P03"}  # serialization, deadlock, lock not available
+_UNAVAILABLE_SQLSTATES_PREFIX = ("08", "57P")  # connection exceptions, operator intervention
+_MISSING_SCHEMA_SQLSTATES = {"3F000", "42883", "42P01"}  # schema, function, table missing
+_AUTH_SQLSTATES = {"28000", "28P01"}
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a driver exception, when it carries one."""
+    code = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
+    if code is None and exc.__cause__ is not None and exc.__cause__ is not exc:
+        return sqlstate(exc.__cause__)
+    return code if isinstance(code, str) else None
+
+
+def map_error(exc: BaseException, operation: str) -> Exception:
+    """Turns a driver exception into a :class:`TransportError` (or a configuration error)."""
+    if isinstance(exc, TransportError | ConfigurationError):
+        return exc
+    code = sqlstate(exc)
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if code in _AUTH_SQLSTATES:
+        return ConfigurationError(
+            f"{operation}: the database refused the credentials ({text}); check WORKQUEUE_DATABASE_URL"
+        )
+    if code in _MISSING_SCHEMA_SQLSTATES:
+        return ConfigurationError(
+            f"{operation}: the work queue schema is missing or out of date ({text}); run "
+            "`queue.migrate()` (or `workqueue migrate`), or set WORKQUEUE_AUTO_MIGRATE=1"
+        )
+    if code in _RETRYABLE_SQLSTATES:
+        return TransportError(f"{operation}: {text}", retryable=True)
+    if code is not None and code.startswith(_UNAVAILABLE_SQLSTATES_PREFIX):
+        return TransportUnavailable(f"{operation}: the database is unavailable ({text}); retry later")
+    if isinstance(exc, OSError | ConnectionError | asyncio.TimeoutError) or _is_connection_error(exc):
+        return TransportUnavailable(f"{operation}: the database is unavailable ({text}); retry later")
+    return TransportError(f"{operation}: {text}")
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    name = type(exc).__name__
+    return name in {
+        "ConnectionDoesNotExistError",
+        "InterfaceError",
+        "InternalClientError",
+        "ConnectionFailureError",
+        "CannotConnectNowError",
+        "TooManyConnectionsError",
+        "ClientCannotConnectError",
+        "OperationalError",
+    }
+
+
+async def with_retries(
+    operation: str, call: Callable[[], Awaitable[T]], *, attempts: int = 3, base_delay: float = 0.05
+) -> T:
+    """Runs ``call``, retrying deadlocks, serialization failures and dropped connections."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return await call()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            mapped = map_error(exc, operation)
+            if attempt == attempts or not (isinstance(mapped, TransportError) and mapped.retryable):
+                if mapped is exc:
+                    raise
+                raise mapped from exc
+            await asyncio.sleep(base_delay * 2 ** (attempt - 1))
+    raise AssertionError("unreachable")

@@ -1,0 +1,23 @@
+"""Chooses the database transport from the URL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.errors import ConfigurationError
+
+
+def create_database_transport(url: str, **options: Any) -> Any:
+    """A transport for ``url``: ``postgresql+asyncpg://…`` (more dialects follow)."""
+    scheme = url.partition("://")[0].split("+", 1)[0].lower()
+    if scheme in ("postgresql", "postgres"):
+        try:
+            from .postgres import PostgresTransport
+        except ImportError as exc:  # pragma: no cover - depends on the installed extras
+            raise ConfigurationError(
+                "PostgreSQL needs asyncpg: pip install 'fastapi-workqueue[postgres]'"
+            ) from exc
+        return PostgresTransport(url, **options)
+    raise ConfigurationError(
+        f"database URL scheme {scheme!r} is not supported; use postgresql+asyncpg://user@host/db"
+    )

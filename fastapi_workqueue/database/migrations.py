@@ -1,0 +1,52 @@
+"""Applies the versioned SQL migrations and records what it applied."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import asyncpg
+from asyncpg.pool import PoolConnectionProxy
+
+from ..core.errors import ConfigurationError
+from .sql_files import migrations
+
+log = logging.getLogger("fastapi_workqueue.migrations")
+
+_BOOTSTRAP = """
+CREATE SCHEMA IF NOT EXISTS workqueue;
+CREATE TABLE IF NOT EXISTS workqueue.schema_migration (
+    version     integer PRIMARY KEY,
+    name        text NOT NULL,
+    checksum    text NOT NULL,
+    applied_at  timestamptz NOT NULL DEFAULT now()
+);
+"""
+
+
+async def apply_postgres_migrations(conn: asyncpg.Connection[Any] | PoolConnectionProxy[Any]) -> list[str]:
+    """Applies every migration not yet recorded, in one transaction, one process at a time."""
+    applied_now: list[str] = []
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext('workqueue.migrate')::bigint)")
+        await conn.execute(_BOOTSTRAP)
+        rows = await conn.fetch("SELECT version, name, checksum FROM workqueue.schema_migration")
+        done = {r["version"]: r for r in rows}
+        for migration in migrations("postgresql"):
+            label = f"{migration.version:04d}_{migration.name}"
+            recorded = done.get(migration.version)
+            if recorded is not None:
+                if recorded["checksum"] != migration.checksum:
+                    raise ConfigurationError(
+                        f"migration {label} was changed after it was applied to this database; "
+                        "ship schema changes as a new migration file"
+                    )
+                continue
+            log.info("applying migration %s", label)
+            await conn.execute(migration.sql)
+            await conn.execute(
+                "INSERT INTO workqueue.schema_migration (version, name, checksum) VALUES ($1, $2, $3)",
+                migration.version, migration.name, migration.checksum,
+            )
+            applied_now.append(label)
+    return applied_now

@@ -1,0 +1,371 @@
+"""WorkQueue: the one object an app creates. Topology, handlers, publish, lifespan, routers."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends
+from pydantic import ValidationError
+
+from .core.envelope import (
+    MAX_ENVELOPE_BYTES,
+    PreparedMessage,
+    PublishError,
+    PublishRequest,
+    PublishResult,
+    PublishStatus,
+    RequestRejected,
+    aborted_results,
+    prepare,
+)
+from .core.errors import ConfigurationError
+from .core.handlers import HandlerFunc, HandlerRegistry, HandlerSpec
+from .core.host import Host, SubscriptionPlan
+from .core.reports import (
+    ActionResult,
+    Backlog,
+    DeliveryInfo,
+    DeliveryStatus,
+    PartitionCondition,
+    PartitionInfo,
+    SubscriptionStats,
+    SweepReport,
+)
+from .core.topology import Subscription, SubscriptionStatus, Topic
+from .core.transport import Transport
+from .settings import WorkQueueSettings
+from .web.di import DependencyInvoker
+from .web.health import ExtensionHealth, build_health_router
+from .web.session import RequestSessions, current_session
+
+log = logging.getLogger("fastapi_workqueue")
+
+F = TypeVar("F", bound=HandlerFunc)
+
+
+class WorkQueue:
+    """A durable work queue for a FastAPI or Starlette app.
+
+    ``app = FastAPI(lifespan=queue.lifespan)`` opens the transport with the app and runs the
+    host (consumers, sweeper, reconcile loop) until the app stops. Handlers register with
+    ``@queue.handler(key)``; ``await queue.publish(topic, [PublishRequest(...)])`` publishes,
+    joining the request's transaction when one is open.
+    """
+
+    def __init__(
+        self,
+        settings: WorkQueueSettings | None = None,
+        *,
+        topics: Iterable[Topic] = (),
+        subscriptions: Iterable[Subscription] = (),
+        transport: Transport | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else WorkQueueSettings()
+        self.topics: dict[str, Topic] = {}
+        self.subscriptions: dict[str, Subscription] = {}
+        for topic in topics:
+            self.add_topic(topic)
+        for subscription in subscriptions:
+            self.add_subscription(subscription)
+        self.handlers = HandlerRegistry()
+        self._invoker = DependencyInvoker()
+        self._transport = transport
+        self._owns_transport = transport is None
+        self._host: Host | None = None
+        self._opened = 0
+        self._sessions = RequestSessions(self._database_url)
+        self.health_router: APIRouter = build_health_router(self)
+
+    # -- declaration -------------------------------------------------------------------------
+
+    def add_topic(self, topic: Topic) -> None:
+        """Declares a topic (synced to the store at start-up)."""
+        if topic.name in self.topics and self.topics[topic.name] != topic:
+            raise ConfigurationError(f"topic {topic.name!r} is declared twice with different settings")
+        self.topics[topic.name] = topic
+
+    def add_subscription(self, subscription: Subscription) -> None:
+        """Declares a subscription (synced to the store at start-up)."""
+        if subscription.name in self.subscriptions and self.subscriptions[subscription.name] != subscription:
+            raise ConfigurationError(
+                f"subscription {subscription.name!r} is declared twice with different settings"
+            )
+        if subscription.topic not in self.topics:
+            raise ConfigurationError(
+                f"subscription {subscription.name!r} names topic {subscription.topic!r}, which is not declared; "
+                f"add Topic(name={subscription.topic!r}) to the WorkQueue's topics"
+            )
+        self.subscriptions[subscription.name] = subscription
+
+    def handler(self, key: str) -> Callable[[F], F]:
+        """Registers an async handler under ``key``; subscriptions name the key.
+
+        The handler takes ``message: WorkMessage[Payload]``, optionally ``context: WorkContext``,
+        and any FastAPI dependencies (``Depends``), resolved per attempt.
+        """
+
+        def register(func: F) -> F:
+            spec = self.handlers.add(key, func)
+            self._invoker.prepare(spec)
+            return func
+
+        return register
+
+    def resolve_handler(self, key: str) -> HandlerSpec | None:
+        return self.handlers.get(key)
+
+    # -- transport ---------------------------------------------------------------------------
+
+    def _database_url(self) -> str:
+        url = self.settings.database_url
+        if not url:
+            raise ConfigurationError(
+                "no database is configured: set WORKQUEUE_DATABASE_URL (for example "
+                "postgresql+asyncpg://postgres@127.0.0.1:5432/app) or WorkQueueSettings(database_url=...)"
+            )
+        return url
+
+    @property
+    def transport(self) -> Transport:
+        """The transport messages live on (created from the settings on first use)."""
+        if self._transport is None:
+            from .database import create_database_transport
+
+            self._transport = create_database_transport(
+                self._database_url(), pool_max_size=self.settings.pool_size, listen=self.settings.listen
+            )
+        return self._transport
+
+    @property
+    def host(self) -> Host | None:
+        """The running host, when this process runs one."""
+        return self._host
+
+    @property
+    def engine(self) -> Any:
+        """A SQLAlchemy ``AsyncEngine`` on the queue's database, for the app's own tables."""
+        return self._sessions.engine
+
+    @property
+    def sessionmaker(self) -> Any:
+        """An ``async_sessionmaker`` on :attr:`engine`."""
+        return self._sessions.sessionmaker
+
+    @property
+    def session(self) -> Any:
+        """A dependency: a session in a transaction per request, committed before the response.
+
+        ``async def endpoint(session: AsyncSession = queue.session)``. Publishes made during the
+        request join its transaction; an exception rolls both back.
+        """
+        return Depends(self._sessions.dependency, scope="function")
+
+    async def open(self) -> None:
+        """Opens the transport (and migrates / syncs the topology as the settings say)."""
+        self._opened += 1
+        if self._opened > 1:
+            return
+        try:
+            await self.transport.open()
+            if self.settings.auto_migrate:
+                applied = await self.transport.migrate()
+                if applied:
+                    log.info("applied migrations: %s", ", ".join(applied))
+            if self.settings.sync_topology and (self.topics or self.subscriptions):
+                await self.transport.sync_topology(list(self.topics.values()), list(self.subscriptions.values()))
+        except BaseException:
+            self._opened = 0
+            with contextlib.suppress(Exception):
+                await self.transport.close()
+            raise
+
+    async def close(self) -> None:
+        """Stops the host if it runs and closes the transport."""
+        if self._opened == 0:
+            return
+        self._opened -= 1
+        if self._opened > 0:
+            return
+        await self.stop_host()
+        await self._sessions.dispose()
+        if self._transport is not None:
+            await self._transport.close()
+
+    async def migrate(self) -> list[str]:
+        """Applies pending schema migrations; returns those applied now."""
+        if self._opened:
+            return await self.transport.migrate()
+        await self.transport.open()
+        try:
+            return await self.transport.migrate()
+        finally:
+            await self.transport.close()
+
+    # -- host --------------------------------------------------------------------------------
+
+    def build_host(
+        self,
+        plan: Sequence[SubscriptionPlan] | None = None,
+        *,
+        max_deliveries: int | None = None,
+        stop_when_idle: bool = False,
+        **option_overrides: Any,
+    ) -> Host:
+        """A host for this queue's handlers (the lifespan builds one from the settings)."""
+        options = self.settings.host_options()
+        if option_overrides:
+            from dataclasses import replace
+
+            options = replace(options, **option_overrides)
+        return Host(
+            self.transport,
+            self.resolve_handler,
+            self._invoker,
+            plan=plan if plan is not None else self.settings.subscriptions,
+            options=options,
+            max_deliveries=max_deliveries,
+            stop_when_idle=stop_when_idle,
+        )
+
+    async def start_host(self) -> Host:
+        if self._host is None:
+            self._host = self.build_host()
+            await self._host.start()
+        return self._host
+
+    async def stop_host(self) -> None:
+        host, self._host = self._host, None
+        if host is not None:
+            await host.stop()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Any = None) -> AsyncIterator[dict[str, Any]]:
+        """The app's lifespan: ``FastAPI(lifespan=queue.lifespan)``, or ``async with queue.lifespan(app):``."""
+        self._invoker.app = app
+        await self.open()
+        try:
+            if self.settings.host_enabled and os.environ.get("WORKQUEUE_DISABLE_HOST", "") not in ("1", "true"):
+                await self.start_host()
+            else:
+                log.info("work queue host is off in this process")
+            yield {"workqueue": self}
+        finally:
+            await self.close()
+
+    def health(self) -> ExtensionHealth:
+        """The state of the host and of every subscription it plans."""
+        if self._opened == 0:
+            return ExtensionHealth(status="Stopped", reason="the app's lifespan has not started the queue")
+        if self._host is None:
+            return ExtensionHealth(status="Disabled", reason="the host is off in this process")
+        subscriptions = self._host.health()
+        degraded = any(s.state == "Error" for s in subscriptions)
+        return ExtensionHealth(status="Degraded" if degraded else "Running", subscriptions=subscriptions)
+
+    # -- publish -----------------------------------------------------------------------------
+
+    async def publish(
+        self,
+        topic: str,
+        requests: Sequence[PublishRequest | Mapping[str, Any]],
+        *,
+        session: Any = None,
+    ) -> list[PublishResult]:
+        """Publishes ``requests`` to ``topic``; one result per request, in order.
+
+        With ``session`` (an ``AsyncSession`` or ``AsyncConnection``), or inside a request that
+        uses :attr:`session`, the publish joins that transaction: a rollback publishes nothing.
+        Otherwise it commits on its own. A call is all-or-nothing: when any request is refused,
+        none is published and the others report ``BatchAborted``.
+        """
+        if session is None:
+            session = current_session.get()
+        declared = self.topics.get(topic)
+        cap = MAX_ENVELOPE_BYTES
+        if declared is not None and declared.max_payload_bytes is not None:
+            cap = min(cap, declared.max_payload_bytes)
+        prepared: list[PreparedMessage] = []
+        failures: dict[int, PublishResult] = {}
+        for index, raw in enumerate(requests):
+            try:
+                request = raw if isinstance(raw, PublishRequest) else PublishRequest.model_validate(raw)
+                prepared.append(prepare(request, max_envelope_bytes=cap))
+            except RequestRejected as exc:
+                failures[index] = PublishResult(
+                    status=PublishStatus.REJECTED,
+                    message_id=getattr(raw, "message_id", None),
+                    error=exc.error,
+                )
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                failures[index] = PublishResult(
+                    status=PublishStatus.REJECTED,
+                    error=PublishError(
+                        code="InvalidRequest",
+                        message=f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}",
+                        field=str(first["loc"][0]) if first["loc"] else None,
+                    ),
+                )
+        if failures:
+            return aborted_results(len(requests), failures)
+        return await self.transport.publish(topic, prepared, session=session)
+
+    # -- operate -----------------------------------------------------------------------------
+
+    async def sweep(self, limit: int = 1000) -> SweepReport:
+        """Runs one sweeper pass now (lease expiry and retention)."""
+        return await self.transport.sweep(limit)
+
+    async def stats(self, subscription: str | None = None) -> list[SubscriptionStats]:
+        return await self.transport.stats(subscription)
+
+    async def backlog(self, subscription: str) -> Backlog | None:
+        return await self.transport.backlog(subscription)
+
+    async def dead_letters(
+        self, subscription: str, *, limit: int = 100, after: str | None = None, include_payload: bool = False
+    ) -> list[DeliveryInfo]:
+        return await self.transport.list_deliveries(
+            subscription, "DeadLettered", limit=limit, after=after, include_payload=include_payload
+        )
+
+    async def deliveries(
+        self, subscription: str, status: DeliveryStatus, *, limit: int = 100, after: str | None = None,
+        include_payload: bool = False,
+    ) -> list[DeliveryInfo]:
+        return await self.transport.list_deliveries(
+            subscription, status, limit=limit, after=after, include_payload=include_payload
+        )
+
+    async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:
+        return await self.transport.get_delivery(delivery_id, include_payload=include_payload)
+
+    async def partitions(
+        self, subscription: str, condition: PartitionCondition | None = None, *, limit: int = 100
+    ) -> list[PartitionInfo]:
+        return await self.transport.partitions(subscription, condition, limit=limit)
+
+    async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
+        """DeadLettered → Pending, same MessageID and Ordered position, attempts reset."""
+        return await self.transport.replay(subscription, delivery_id, note)
+
+    async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
+        """Pending/DeadLettered → Discarded; InFlight → cancel requested (Discarded when it returns)."""
+        return await self.transport.discard(subscription, delivery_id, reason)
+
+    async def set_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:
+        """Pauses or resumes a subscription (None when it does not exist)."""
+        changed = await self.transport.set_subscription_status(subscription, status)
+        if self._host is not None and changed:
+            await self._host.reconcile()
+        return changed
+
+    async def pause(self, subscription: str) -> bool | None:
+        return await self.set_status(subscription, "Paused")
+
+    async def resume(self, subscription: str) -> bool | None:
+        return await self.set_status(subscription, "Active")

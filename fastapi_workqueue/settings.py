@@ -1,0 +1,64 @@
+"""Settings of a WorkQueue, read from ``WORKQUEUE_*`` environment variables (pydantic-settings)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .core.host import HostOptions, SubscriptionPlan
+
+
+class WorkQueueSettings(BaseSettings):
+    """How the queue connects and how this process's host runs.
+
+    Every field can be set in the environment: ``WORKQUEUE_DATABASE_URL``,
+    ``WORKQUEUE_SUBSCRIPTIONS='[{"name": "*", "concurrency": 8}]'``, ``WORKQUEUE_DISABLE_HOST=1`` …
+    """
+
+    model_config = SettingsConfigDict(env_prefix="WORKQUEUE_", extra="ignore")
+
+    enabled: bool = True
+    """Run the host (consumers, sweeper, reconcile loop) in this process."""
+    database_url: str | None = None
+    """``postgresql+asyncpg://user:password@host:5432/db``."""
+    system_principal: str | None = None
+    """Who handlers act as; handed to them as ``context.principal``."""
+    subscriptions: list[SubscriptionPlan] = Field(default_factory=lambda: [SubscriptionPlan()])
+    """Which subscriptions this process runs and how many deliveries of each at once."""
+    idle_poll_min_ms: int = Field(default=250, ge=1)
+    idle_poll_max_ms: int = Field(default=5000, ge=1)
+    shutdown_drain_ms: int = Field(default=8000, ge=0)
+    sweeper_enabled: bool = True
+    sweeper_interval_ms: int = Field(default=60000, ge=10)
+    reconcile_interval_ms: int = Field(default=30000, ge=0)
+    disable_host: bool = False
+    """``WORKQUEUE_DISABLE_HOST=1`` keeps the host off in one process without touching the rest."""
+    auto_migrate: bool = False
+    """Apply pending schema migrations at start-up."""
+    sync_topology: bool = True
+    """Write the topics and subscriptions declared in code to the database at start-up."""
+    pool_size: int = Field(default=10, ge=1)
+    """Connections the queue keeps to the database (besides one for LISTEN)."""
+    listen: bool = True
+    """Wake idle consumers with LISTEN/NOTIFY on PostgreSQL (polling stays as the fallback)."""
+
+    @property
+    def host_enabled(self) -> bool:
+        """True when this process should run the host."""
+        return self.enabled and not self.disable_host
+
+    def host_options(self) -> HostOptions:
+        """The host's timings."""
+        if self.idle_poll_max_ms < self.idle_poll_min_ms:
+            raise ValueError(
+                f"idle_poll_max_ms ({self.idle_poll_max_ms}) is below idle_poll_min_ms ({self.idle_poll_min_ms})"
+            )
+        return HostOptions(
+            idle_poll_min_ms=self.idle_poll_min_ms,
+            idle_poll_max_ms=self.idle_poll_max_ms,
+            shutdown_drain_ms=self.shutdown_drain_ms,
+            sweeper_enabled=self.sweeper_enabled,
+            sweeper_interval_ms=self.sweeper_interval_ms,
+            reconcile_interval_ms=self.reconcile_interval_ms,
+            principal=self.system_principal,
+        )

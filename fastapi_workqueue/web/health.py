@@ -1,0 +1,40 @@
+"""``GET /health/extensions``: the state of every subscription this process plans."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from fastapi import APIRouter, Response
+
+from ..core.host import SubscriptionHealth
+from ..core.wire import WireModel
+
+if TYPE_CHECKING:
+    from ..queue import WorkQueue
+
+
+class ExtensionHealth(WireModel):
+    """The work queue's part of the health report."""
+
+    name: Literal["WorkQueue"] = "WorkQueue"
+    status: Literal["Running", "Disabled", "Stopped", "Degraded"]
+    reason: str | None = None
+    subscriptions: list[SubscriptionHealth] = []
+
+
+class HealthReport(WireModel):
+    extensions: list[ExtensionHealth]
+
+
+def build_health_router(queue: WorkQueue) -> APIRouter:
+    router = APIRouter(tags=["health"])
+
+    @router.get("/health/extensions", response_model=HealthReport, summary="Work queue health")
+    async def extensions_health(response: Response) -> HealthReport:
+        """Each planned subscription: Running, Paused, HandlerNotRegistered, Unsupported or Error."""
+        report = queue.health()
+        if report.status == "Degraded":
+            response.status_code = 503
+        return HealthReport(extensions=[report])
+
+    return router

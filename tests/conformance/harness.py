@@ -1,0 +1,111 @@
+"""What the conformance suite needs from a transport beyond the Transport contract.
+
+Each transport under test provides a :class:`Harness`: the transport itself, a way to open a
+caller's transaction (C08) and a way to hold the sweep lock (C32).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fastapi_workqueue import PublishRequest, PublishResult, Subscription, Topic
+from fastapi_workqueue.core.envelope import prepare
+from fastapi_workqueue.core.transport import ClaimedDelivery, Settlement, SettleResult, Transport
+
+
+class Harness(Protocol):
+    name: str
+    transport: Transport
+
+    def session(self) -> AbstractAsyncContextManager[Any]:
+        """An AsyncSession on the transport's database with an open transaction."""
+        ...
+
+    def hold_sweep_lock(self) -> AbstractAsyncContextManager[None]:
+        """Holds the sweep lock as another process's pass would."""
+        ...
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@dataclass
+class World:
+    """A topic with its subscriptions, named so no other test sees them."""
+
+    transport: Transport
+    topic: str
+    subs: dict[str, str] = field(default_factory=dict)
+
+    def __getitem__(self, role: str) -> str:
+        return self.subs[role]
+
+    async def publish(self, *requests: PublishRequest | dict[str, Any], session: Any = None) -> list[PublishResult]:
+        items = [r if isinstance(r, PublishRequest) else PublishRequest(**r) for r in requests]
+        return await self.transport.publish(self.topic, [prepare(r) for r in items], session=session)
+
+    async def publish_one(self, **fields: Any) -> PublishResult:
+        [result] = await self.publish(PublishRequest(**fields))
+        assert result.status.value in ("Accepted", "Duplicate"), result
+        return result
+
+    async def claim(self, role: str, limit: int = 10) -> list[ClaimedDelivery]:
+        return await self.transport.claim(self.subs[role], limit)
+
+    async def claim_one(self, role: str) -> ClaimedDelivery:
+        claimed = await self.claim(role, 1)
+        assert len(claimed) == 1, f"expected one claimable delivery on {role}, got {len(claimed)}"
+        return claimed[0]
+
+    async def settle(self, delivery: ClaimedDelivery, kind: str = "Complete", **extra: Any) -> SettleResult:
+        [result] = await self.transport.settle([Settlement(delivery.delivery_id, delivery.lease_token, kind, **extra)])  # type: ignore[arg-type]
+        return result
+
+    async def drain(self, role: str, *, kind: str = "Complete") -> list[ClaimedDelivery]:
+        """Claims and settles one at a time until nothing is claimable; returns them in order."""
+        done: list[ClaimedDelivery] = []
+        while True:
+            claimed = await self.claim(role, 1)
+            if not claimed:
+                return done
+            await self.settle(claimed[0], kind)
+            done.append(claimed[0])
+
+    async def status(self, delivery_id: str) -> str:
+        info = await self.transport.get_delivery(delivery_id)
+        assert info is not None
+        return info.status
+
+
+async def make_world(transport: Transport, subscriptions: Sequence[dict[str, Any]], **topic: Any) -> World:
+    """Creates a topic and subscriptions; each dict has a ``role`` plus Subscription fields."""
+    world = World(transport=transport, topic=unique("topic"))
+    subs = []
+    for spec in subscriptions:
+        spec = dict(spec)
+        role = spec.pop("role")
+        name = unique(role)
+        world.subs[role] = name
+        subs.append(Subscription(name=name, topic=world.topic, handler_key=spec.pop("handler_key", "test"), **spec))
+    await transport.sync_topology([Topic(name=world.topic, **topic)], subs)
+    return world
+
+
+async def eventually(check: Any, within: float = 5.0, interval: float = 0.02) -> Any:
+    """Polls ``check()`` (sync or async) until it returns a truthy value."""
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        value = check()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {within} s")
+        await asyncio.sleep(interval)

@@ -1,0 +1,80 @@
+"""Conformance C31–C33: retention, the sweep lock, stats and backlog."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fastapi_workqueue import PublishRequest
+
+from .harness import Harness, make_world
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_c31_retention_purges_terminal_only(harness: Harness) -> None:
+    world = await make_world(
+        harness.transport, [{"role": "a", "retention_seconds": 0.2, "max_attempts": 1, "lease_seconds": 30}]
+    )
+    results = await world.publish(*[PublishRequest(payload=i) for i in range(5)])
+    c = await world.claim("a", 4)
+    await world.settle(c[0], "Complete")
+    await world.settle(c[1], "DeadLetter", reason="x")
+    await world.settle(c[2], "Complete")
+    assert (await harness.transport.discard(world["a"], c[2].delivery_id, "x")).result == "AlreadyTerminal"
+    pending = await world.claim("a", 1)  # the fifth stays claimable below
+    assert len(pending) == 1
+    await world.settle(pending[0], "Release")
+    in_flight = c[3]
+    await asyncio.sleep(0.35)
+    report = await harness.transport.sweep()
+    assert report.ran and report.purged_deliveries >= 2
+    assert await harness.transport.get_delivery(c[0].delivery_id) is None
+    assert await harness.transport.get_delivery(c[2].delivery_id) is None
+    for kept, status in ((c[1], "DeadLettered"), (in_flight, "InFlight"), (pending[0], "Pending")):
+        info = await harness.transport.get_delivery(kept.delivery_id)
+        assert info is not None and info.status == status
+    assert len(results) == 5
+
+
+async def test_c32_two_sweepers_only_one_pass_runs(harness: Harness) -> None:
+    async with harness.hold_sweep_lock():
+        report = await harness.transport.sweep()
+        assert report.ran is False
+        assert report.expired == 0
+    reports = await asyncio.gather(*(harness.transport.sweep() for _ in range(4)))
+    assert any(r.ran for r in reports)
+    assert (await harness.transport.sweep()).ran
+
+
+async def test_c33_stats_and_backlog_agree_with_deliveries(harness: Harness) -> None:
+    world = await make_world(
+        harness.transport, [{"role": "x", "partition_mode": "Exclusive", "max_attempts": 1}]
+    )
+    # key a: 3 deliveries, key b: 2, no key: 2
+    await world.publish(
+        *[PublishRequest(partition_key="a", payload=i) for i in range(3)],
+        *[PublishRequest(partition_key="b", payload=i) for i in range(2)],
+        *[PublishRequest(payload=i) for i in range(2)],
+    )
+    [stats] = await harness.transport.stats(world["x"])
+    assert (stats.pending, stats.claimable, stats.in_flight) == (7, 4, 0)
+    backlog = await harness.transport.backlog(world["x"])
+    assert backlog is not None and (backlog.claimable, backlog.in_flight, backlog.backlog) == (4, 0, 4)
+
+    claimed = await world.claim("x", 2)  # which two is the transport's choice
+    [stats] = await harness.transport.stats(world["x"])
+    assert stats.in_flight == 2 and stats.pending == 5
+    backlog = await harness.transport.backlog(world["x"])
+    assert backlog is not None and backlog.in_flight == 2
+    assert backlog.backlog == backlog.claimable + 2
+    # Settle everything one way or another and check the counts by state.
+    await world.settle(claimed[0], "Complete")
+    await world.settle(claimed[1], "DeadLetter", reason="x")
+    rest = await world.drain("x")
+    assert len(rest) == 5
+    [stats] = await harness.transport.stats(world["x"])
+    assert (stats.pending, stats.in_flight, stats.dead_lettered, stats.completed, stats.discarded) == (0, 0, 1, 6, 0)
+    backlog = await harness.transport.backlog(world["x"])
+    assert backlog is not None and backlog.backlog == 0

@@ -1,0 +1,109 @@
+"""Conformance C25–C30: operator actions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fastapi_workqueue import PublishRequest
+from fastapi_workqueue.core.transport import HeartbeatRequest
+
+from .harness import Harness, make_world
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_c25_replay_dead_letter_keeps_message_id_resets_attempts_keeps_note(harness: Harness) -> None:
+    world = await make_world(harness.transport, [{"role": "a", "max_attempts": 1}])
+    [published] = await world.publish(PublishRequest(payload=1))
+    delivery = await world.claim_one("a")
+    await world.settle(delivery, "Fail", error="boom")
+    [dead] = await harness.transport.list_deliveries(world["a"], "DeadLettered")
+    assert dead.delivery_id == delivery.delivery_id and dead.last_error == "boom"
+
+    result = await harness.transport.replay(world["a"], delivery.delivery_id, "deployed fix 1.2.3")
+    assert result.ok and result.result == "Replayed" and result.status == "Pending"
+    info = await harness.transport.get_delivery(delivery.delivery_id)
+    assert info is not None and info.status == "Pending" and info.attempt == 0
+    assert info.note == "deployed fix 1.2.3" and info.message_id == published.message_id
+    again = await world.claim_one("a")
+    assert again.message_id == published.message_id and again.attempt == 1
+
+    # Only dead letters can be replayed.
+    assert (await harness.transport.replay(world["a"], again.delivery_id, None)).result == "NotDeadLettered"
+    assert (await harness.transport.replay(world["a"], "999999999", None)).result == "NotFound"
+
+
+async def test_c26_discard_pending_or_dead_lettered_keeps_reason(harness: Harness) -> None:
+    world = await make_world(harness.transport, [{"role": "a", "max_attempts": 1}])
+    await world.publish(PublishRequest(payload=1), PublishRequest(payload=2))
+    dead = await world.claim_one("a")
+    await world.settle(dead, "DeadLetter", reason="poison")
+    pending_info = (await harness.transport.list_deliveries(world["a"], "Pending"))[0]
+
+    for delivery_id in (dead.delivery_id, pending_info.delivery_id):
+        result = await harness.transport.discard(world["a"], delivery_id, "operator skip")
+        assert result.result == "Discarded" and not result.cancel_requested
+        info = await harness.transport.get_delivery(delivery_id)
+        assert info is not None and info.status == "Discarded" and info.reason == "operator skip"
+    assert await world.claim("a") == []
+    assert (await harness.transport.discard(world["a"], dead.delivery_id, "again")).result == "AlreadyTerminal"
+
+
+async def test_c27_discard_in_flight_requests_cancel_then_discarded_never_retried(harness: Harness) -> None:
+    world = await make_world(
+        harness.transport,
+        [{"role": "x", "partition_mode": "Exclusive", "backoff_base_seconds": 0, "backoff_max_seconds": 0}],
+    )
+    await world.publish(PublishRequest(partition_key="k", payload=1), PublishRequest(partition_key="k", payload=2))
+    running = await world.claim_one("x")
+    result = await harness.transport.discard(world["x"], running.delivery_id, "hung")
+    assert result.result == "CancelRequested" and result.cancel_requested
+    [hb] = await harness.transport.heartbeat([HeartbeatRequest(running.delivery_id, running.lease_token)])
+    assert hb.cancel_requested and not hb.alive
+    # The key stays busy until the holder returns ...
+    assert await world.claim("x") == []
+    # ... and whatever it returns, the delivery is Discarded and the key is free.
+    assert await world.settle(running, "Retry", reason="handler says retry", delay_seconds=0) == "Discarded"
+    info = await harness.transport.get_delivery(running.delivery_id)
+    assert info is not None and info.status == "Discarded" and info.reason == "hung"
+    nxt = await world.claim_one("x")
+    assert nxt.delivery_id != running.delivery_id
+
+
+async def test_c28_cancel_requested_with_dead_holder_is_discarded_at_lease_expiry(harness: Harness) -> None:
+    world = await make_world(harness.transport, [{"role": "a", "lease_seconds": 0.2}])
+    await world.publish_one(payload=1)
+    delivery = await world.claim_one("a")
+    assert (await harness.transport.discard(world["a"], delivery.delivery_id, "stuck")).cancel_requested
+    await asyncio.sleep(0.35)
+    report = await harness.transport.sweep()
+    assert report.discarded >= 1
+    assert await world.status(delivery.delivery_id) == "Discarded"
+    assert await world.claim("a") == []
+
+
+async def test_c29_release_on_shutdown_returns_to_pending_without_consuming_attempt(harness: Harness) -> None:
+    world = await make_world(harness.transport, [{"role": "o", "partition_mode": "Ordered"}])
+    await world.publish(PublishRequest(partition_key="k", payload=1), PublishRequest(partition_key="k", payload=2))
+    delivery = await world.claim_one("o")
+    assert await world.settle(delivery, "Release", reason="shutdown") == "Pending"
+    info = await harness.transport.get_delivery(delivery.delivery_id)
+    assert info is not None and info.status == "Pending" and info.attempt == 0
+    again = await world.claim_one("o")
+    assert again.delivery_id == delivery.delivery_id and again.attempt == 1
+
+
+async def test_c30_paused_subscription_accrues_but_is_not_claimed_until_resumed(harness: Harness) -> None:
+    world = await make_world(harness.transport, [{"role": "a"}])
+    assert await harness.transport.set_subscription_status(world["a"], "Paused") is True
+    await world.publish(PublishRequest(payload=1), PublishRequest(payload=2))
+    assert await world.claim("a", 10) == []
+    [stats] = await harness.transport.stats(world["a"])
+    assert stats.pending == 2 and stats.status == "Paused"
+    backlog = await harness.transport.backlog(world["a"])
+    assert backlog is not None and backlog.claimable == 0
+    assert await harness.transport.set_subscription_status(world["a"], "Active") is True
+    assert len(await world.claim("a", 10)) == 2
+    assert await harness.transport.set_subscription_status("no-such-subscription", "Paused") is None
