@@ -11,8 +11,9 @@ import pytest
 
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
+# Each test session gets a database of its own (several sessions may run at once on one server).
 PG_URL = os.environ.get(
-    "WORKQUEUE_TEST_DATABASE_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/workqueue_test"
+    "WORKQUEUE_TEST_DATABASE_URL", f"postgresql+asyncpg://postgres@127.0.0.1:5432/workqueue_test_{os.getpid()}"
 )
 
 
@@ -36,9 +37,23 @@ async def recreate_database(url: str) -> None:
         await admin.close()
 
 
+async def drop_database(url: str) -> None:
+    dsn = to_asyncpg_dsn(url)
+    base, _, name = dsn.rpartition("/")
+    admin = await asyncpg.connect(f"{base}/postgres")
+    try:
+        await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+            name,
+        )
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+    finally:
+        await admin.close()
+
+
 @pytest.fixture(scope="session")
-async def pg_url() -> str:
-    """A freshly created, migrated PostgreSQL database for this test session."""
+async def pg_url() -> AsyncIterator[str]:
+    """A freshly created, migrated PostgreSQL database for this test session (dropped at the end)."""
     await recreate_database(PG_URL)
     transport = PostgresTransport(PG_URL, listen=False)
     await transport.open()
@@ -46,7 +61,9 @@ async def pg_url() -> str:
         await transport.migrate()
     finally:
         await transport.close()
-    return PG_URL
+    yield PG_URL
+    if "WORKQUEUE_TEST_DATABASE_URL" not in os.environ:
+        await drop_database(PG_URL)
 
 
 @pytest.fixture

@@ -1,0 +1,77 @@
+"""Helpers for tests that run a whole WorkQueue (host, handlers, lifespan) on the test database."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from fastapi_workqueue import Subscription, SubscriptionPlan, Topic, WorkQueue, WorkQueueSettings
+
+from .conftest import unique
+
+FAST = {
+    "idle_poll_min_ms": 10,
+    "idle_poll_max_ms": 100,
+    "sweeper_interval_ms": 100,
+    "reconcile_interval_ms": 200,
+    "shutdown_drain_ms": 300,
+}
+
+
+def make_queue(
+    pg_url: str,
+    subscriptions: list[dict[str, Any]],
+    *,
+    concurrency: int = 4,
+    topic: dict[str, Any] | None = None,
+    **settings: Any,
+) -> tuple[WorkQueue, str, dict[str, str]]:
+    """A queue with one topic and the given subscriptions (each dict has a ``role``).
+
+    Returns the queue, the topic name and the subscription names by role. The host plans only
+    these subscriptions, with the fast timings above unless overridden.
+    """
+    topic_name = unique("topic")
+    names: dict[str, str] = {}
+    subs = []
+    for spec in subscriptions:
+        spec = dict(spec)
+        role = spec.pop("role")
+        names[role] = unique(role)
+        subs.append(Subscription(name=names[role], topic=topic_name, handler_key=spec.pop("handler_key", role), **spec))
+    options = {**FAST, **settings}
+    queue = WorkQueue(
+        WorkQueueSettings(
+            database_url=pg_url,
+            subscriptions=[SubscriptionPlan(name=n, concurrency=concurrency) for n in names.values()],
+            **options,
+        ),
+        topics=[Topic(name=topic_name, **(topic or {}))],
+        subscriptions=subs,
+    )
+    return queue, topic_name, names
+
+
+async def wait_for(check: Callable[[], Any], within: float = 10.0, interval: float = 0.02) -> Any:
+    """Polls ``check()`` (sync or async) until it is truthy; fails after ``within`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        value = check()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not met within {within} s")
+        await asyncio.sleep(interval)
+
+
+async def delivery_status(queue: WorkQueue, subscription: str, message_id: Any) -> Any:
+    """The one delivery of ``message_id`` on ``subscription`` (any state), or None."""
+    for status in ("Pending", "InFlight", "Completed", "DeadLettered", "Discarded"):
+        for info in await queue.deliveries(subscription, status, limit=1000):  # type: ignore[arg-type]
+            if info.message_id == message_id:
+                return info
+    return None

@@ -1,0 +1,206 @@
+"""The queue inside a FastAPI app: lifespan, health, reconcile, request sessions, wake-ups."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, HTTPException
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from fastapi_workqueue import (
+    Outcome,
+    PublishRequest,
+    Subscription,
+    SubscriptionPlan,
+    Topic,
+    WorkMessage,
+    WorkOutcome,
+    WorkQueue,
+    WorkQueueSettings,
+)
+
+from .conftest import unique
+from .support import FAST, delivery_status, make_queue, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def client(app: FastAPI) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+async def test_health_reports_each_planned_subscription(pg_url: str) -> None:
+    queue, _, subs = make_queue(pg_url, [{"role": "run"}, {"role": "paused"}, {"role": "orphan"}])
+    missing = unique("missing")
+    queue.settings.subscriptions.append(SubscriptionPlan(name=missing))
+
+    @queue.handler("run")
+    async def run(message: WorkMessage[Any]) -> WorkOutcome:
+        return Outcome.complete()
+
+    @queue.handler("paused")
+    async def paused(message: WorkMessage[Any]) -> WorkOutcome:
+        return Outcome.complete()
+
+    app = FastAPI(lifespan=queue.lifespan)
+    app.include_router(queue.health_router)
+    async with queue.lifespan(app), client(app) as http:
+        await queue.pause(subs["paused"])
+        response = await http.get("/health/extensions")
+        assert response.status_code == 503  # the unknown subscription is an Error
+        [ext] = response.json()["Extensions"]
+        states = {s["Subscription"]: (s["State"], s["Reason"]) for s in ext["Subscriptions"]}
+        assert states[subs["run"]] == ("Running", None)
+        assert states[subs["paused"]][0] == "Paused"
+        assert states[subs["orphan"]][0] == "HandlerNotRegistered"
+        assert "orphan" in states[subs["orphan"]][1]
+        assert states[missing][0] == "Error" and "does not exist" in states[missing][1]
+
+
+async def test_pause_resume_and_new_subscriptions_take_effect_without_restart(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "a"}])
+    handled: list[str] = []
+
+    @queue.handler("a")
+    async def handle(message: WorkMessage[str]) -> WorkOutcome:
+        handled.append(message.payload)
+        return Outcome.complete()
+
+    late_name = unique("late")
+    queue.settings.subscriptions.append(SubscriptionPlan(name=late_name))
+    async with queue.lifespan(None):
+        assert queue.host is not None
+        # Paused by an operator elsewhere (not through this queue object): the reconcile loop notices.
+        await queue.transport.set_subscription_status(subs["a"], "Paused")
+        await wait_for(lambda: _state(queue, subs["a"]) == "Paused")
+        await queue.publish(topic, [PublishRequest(payload="while paused")])
+        await asyncio.sleep(0.3)
+        assert handled == []
+        await queue.transport.set_subscription_status(subs["a"], "Active")
+        await wait_for(lambda: handled == ["while paused"])
+
+        # A subscription created after start, by another deployment, is planned on the next reconcile.
+        assert _state(queue, late_name) == "Error"
+        other = WorkQueue(
+            WorkQueueSettings(database_url=pg_url, enabled=False),
+            topics=[Topic(name=topic)],
+            subscriptions=[Subscription(name=late_name, topic=topic, handler_key="a", lease_seconds=3)],
+        )
+        async with other.lifespan(None):
+            pass
+        await wait_for(lambda: _state(queue, late_name) == "Running")
+        [result] = await queue.publish(topic, [PublishRequest(payload="to both")])
+        await wait_for(lambda: handled.count("to both") == 2)
+
+        # A changed lease reaches the running consumer.
+        changed = WorkQueue(
+            WorkQueueSettings(database_url=pg_url, enabled=False),
+            topics=[Topic(name=topic)],
+            subscriptions=[Subscription(name=late_name, topic=topic, handler_key="a", lease_seconds=7)],
+        )
+        async with changed.lifespan(None):
+            pass
+        await wait_for(
+            lambda: queue.host is not None and queue.host.consumers[late_name].subscription.lease_seconds == 7
+        )
+        assert result.message_id is not None
+
+
+async def test_disable_host_env_keeps_the_host_off(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORKQUEUE_DISABLE_HOST", "1")
+    queue, topic, subs = make_queue(pg_url, [{"role": "a"}])
+    calls = 0
+
+    @queue.handler("a")
+    async def handle(message: WorkMessage[Any]) -> WorkOutcome:
+        nonlocal calls
+        calls += 1
+        return Outcome.complete()
+
+    app = FastAPI(lifespan=queue.lifespan)
+    app.include_router(queue.health_router)
+    async with queue.lifespan(app), client(app) as http:
+        assert queue.host is None
+        [result] = await queue.publish(topic, [PublishRequest(payload=1)])
+        await asyncio.sleep(0.3)
+        body = (await http.get("/health/extensions")).json()
+        assert body["Extensions"][0]["Status"] == "Disabled"
+        info = await delivery_status(queue, subs["a"], result.message_id)
+        assert info.status == "Pending"
+    assert calls == 0
+
+
+async def test_request_session_commits_before_response_and_publish_joins_it(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "a"}], enabled=False)
+    table = unique("orders").replace("-", "_")
+    app = FastAPI(lifespan=queue.lifespan)
+
+    @app.post("/orders/{n}")
+    async def create(n: int, fail: bool = False, session: AsyncSession = queue.session) -> dict[str, Any]:
+        await session.execute(text(f"INSERT INTO {table} (n) VALUES (:n)"), {"n": n})
+        [result] = await queue.publish(topic, [PublishRequest(payload={"n": n})])
+        if fail:
+            raise HTTPException(status_code=409, detail="refused after publishing")
+        return {"message_id": str(result.message_id), "status": result.status}
+
+    async with queue.lifespan(app), client(app) as http:
+        async with queue.engine.begin() as conn:
+            await conn.execute(
+                text(f"CREATE TABLE {table} (n int, CONSTRAINT {table}_n UNIQUE (n) DEFERRABLE INITIALLY DEFERRED)")
+            )
+        ok = await http.post("/orders/1")
+        assert ok.status_code == 200 and ok.json()["status"] == "Accepted"
+        refused = await http.post("/orders/2", params={"fail": True})
+        assert refused.status_code == 409
+        # The commit fails (deferred unique violation) before the response: a 500, nothing published.
+        with pytest.raises(Exception, match=r"unique|duplicate"):
+            await http.post("/orders/1")
+        async with queue.engine.connect() as conn:
+            rows = (await conn.execute(text(f"SELECT n FROM {table} ORDER BY n"))).scalars().all()
+        assert rows == [1]
+        [stats] = await queue.stats(subs["a"])
+        assert stats.pending == 1
+
+
+async def test_notification_wakes_an_idle_consumer_before_its_poll(pg_url: str) -> None:
+    queue, topic, _ = make_queue(pg_url, [{"role": "a"}], idle_poll_min_ms=20_000, idle_poll_max_ms=20_000)
+    handled = asyncio.Event()
+
+    @queue.handler("a")
+    async def handle(message: WorkMessage[Any]) -> WorkOutcome:
+        handled.set()
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        await asyncio.sleep(0.3)  # the consumer found nothing and sleeps for 20 s
+        await queue.publish(topic, [PublishRequest(payload=1)])
+        await asyncio.wait_for(handled.wait(), timeout=5)
+
+
+async def test_unknown_database_gives_a_clear_error() -> None:
+    queue = WorkQueue(
+        WorkQueueSettings(database_url="postgresql+asyncpg://postgres@127.0.0.1:5432/no_such_db_here", **FAST)
+    )
+    with pytest.raises(Exception, match=r"no_such_db_here|does not exist"):
+        async with queue.lifespan(None):
+            pass
+
+
+async def test_missing_database_url_says_what_to_set() -> None:
+    from fastapi_workqueue import ConfigurationError
+
+    queue = WorkQueue(WorkQueueSettings(database_url=None))
+    with pytest.raises(ConfigurationError, match="WORKQUEUE_DATABASE_URL"):
+        async with queue.lifespan(None):
+            pass
+
+
+def _state(queue: WorkQueue, name: str) -> str | None:
+    host = queue.host
+    if host is None:
+        return None
+    return next((h.state for h in host.health() if h.subscription == name), None)

@@ -1,0 +1,328 @@
+"""The consumer runtime under a real host: handlers, outcomes, dependencies, aborts, heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from fastapi import Depends
+from pydantic import BaseModel
+
+from fastapi_workqueue import (
+    AbortReason,
+    ConfigurationError,
+    FatalWorkError,
+    Outcome,
+    PublishRequest,
+    TransientWorkError,
+    WorkContext,
+    WorkMessage,
+    WorkOutcome,
+)
+
+from .support import delivery_status, make_queue, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Order(BaseModel):
+    order_id: int
+    email: str
+
+
+async def test_typed_payload_and_yield_dependency_per_attempt(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "email", "backoff_base_seconds": 0, "backoff_max_seconds": 0}])
+    events: list[str] = []
+    seen: list[tuple[Order, int, str]] = []
+
+    async def resource() -> AsyncIterator[str]:
+        events.append("open")
+        try:
+            yield "mailer"
+        finally:
+            events.append("close")
+
+    @queue.handler("email")
+    async def send(message: WorkMessage[Order], context: WorkContext, mailer: str = Depends(resource)) -> WorkOutcome:
+        events.append(f"run {context.attempt}")
+        seen.append((message.payload, context.attempt, mailer))
+        if context.attempt == 1:
+            raise TransientWorkError("smtp busy", delay_seconds=0)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        [result] = await queue.publish(topic, [PublishRequest(payload={"order_id": 7, "email": "a@b.c"})])
+        info = await wait_for(lambda: _terminal(queue, subs["email"], result.message_id))
+    assert info.status == "Completed" and info.attempt == 2
+    assert seen == [(Order(order_id=7, email="a@b.c"), 1, "mailer"), (Order(order_id=7, email="a@b.c"), 2, "mailer")]
+    assert events == ["open", "run 1", "close", "open", "run 2", "close"]
+
+
+async def test_invalid_payload_dead_letters_at_once_with_the_validation_error(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "email", "max_attempts": 5}])
+    calls = 0
+
+    @queue.handler("email")
+    async def send(message: WorkMessage[Order]) -> WorkOutcome:
+        nonlocal calls
+        calls += 1
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        [result] = await queue.publish(topic, [PublishRequest(payload={"order_id": "not a number"})])
+        info = await wait_for(lambda: _terminal(queue, subs["email"], result.message_id))
+    assert calls == 0
+    assert info.status == "DeadLettered" and info.attempt == 1
+    assert "Order" in (info.reason or "") and "order_id" in (info.reason or "") and "email" in (info.reason or "")
+
+
+async def test_outcomes_and_errors_map_to_delivery_states(pg_url: str) -> None:
+    queue, topic, subs = make_queue(
+        pg_url, [{"role": "h", "max_attempts": 2, "backoff_base_seconds": 0, "backoff_max_seconds": 0}]
+    )
+
+    @queue.handler("h")
+    async def handle(message: WorkMessage[dict[str, str]], context: WorkContext) -> WorkOutcome | None:
+        action = message.payload["do"]
+        if action == "none":
+            return None
+        if action == "fatal":
+            raise FatalWorkError("cannot ever work")
+        if action == "crash":
+            raise ValueError(f"bad thing on attempt {context.attempt}")
+        if action == "dead":
+            return Outcome.dead_letter("poison")
+        if action == "retry":
+            return Outcome.retry("later", delay_seconds=0)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        results = await queue.publish(
+            topic, [PublishRequest(payload={"do": d}) for d in ("none", "fatal", "crash", "dead", "retry", "ok")]
+        )
+        infos = [await wait_for(lambda r=r: _terminal(queue, subs["h"], r.message_id)) for r in results]
+    by_action = dict(zip(("none", "fatal", "crash", "dead", "retry", "ok"), infos, strict=True))
+    assert by_action["none"].status == "Completed"
+    assert by_action["ok"].status == "Completed"
+    assert (by_action["fatal"].status, by_action["fatal"].attempt) == ("DeadLettered", 1)
+    assert by_action["fatal"].reason == "cannot ever work"
+    assert (by_action["crash"].status, by_action["crash"].attempt) == ("DeadLettered", 2)
+    assert by_action["crash"].last_error == "ValueError: bad thing on attempt 2"
+    assert (by_action["dead"].status, by_action["dead"].reason) == ("DeadLettered", "poison")
+    assert (by_action["retry"].status, by_action["retry"].attempt) == ("DeadLettered", 2)
+    assert "later" in (by_action["retry"].reason or "")
+
+
+async def test_operator_cancel_aborts_running_handler_and_discards(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "slow", "lease_seconds": 0.9}])
+    started = asyncio.Event()
+    reasons: list[AbortReason | None] = []
+
+    @queue.handler("slow")
+    async def slow(message: WorkMessage[Any], context: WorkContext) -> WorkOutcome:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        finally:
+            reasons.append(context.signal.reason)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        [result] = await queue.publish(topic, [PublishRequest(payload=1)])
+        await asyncio.wait_for(started.wait(), 10)
+        [running] = await queue.deliveries(subs["slow"], "InFlight")
+        action = await queue.discard(subs["slow"], running.delivery_id, "operator: hung")
+        assert action.result == "CancelRequested" and action.cancel_requested
+        info = await wait_for(lambda: _terminal(queue, subs["slow"], result.message_id))
+    assert reasons == [AbortReason.CANCELLED]
+    assert info.status == "Discarded" and info.reason == "operator: hung"
+
+
+async def test_manual_heartbeat_reports_cancel_and_lost_lease_aborts(pg_url: str) -> None:
+    queue, topic, subs = make_queue(
+        pg_url,
+        [
+            {"role": "manual", "heartbeat_mode": "Manual", "lease_seconds": 0.6, "backoff_base_seconds": 0,
+             "backoff_max_seconds": 0},
+        ],
+    )
+    heartbeats: list[bool] = []
+    reasons: list[AbortReason | None] = []
+    attempts: list[int] = []
+
+    @queue.handler("manual")
+    async def manual(message: WorkMessage[str], context: WorkContext) -> WorkOutcome:
+        attempts.append(context.attempt)
+        if message.payload == "cancel-me":
+            for _ in range(100):
+                alive = await context.heartbeat({"Percent": 10, "Message": "working"})
+                heartbeats.append(alive)
+                if not alive:
+                    return Outcome.complete()
+                await asyncio.sleep(0.05)
+        if message.payload == "stuck" and context.attempt == 1:
+            # Never heartbeats: the lease runs out and the runtime aborts with LeaseLost.
+            try:
+                await asyncio.sleep(30)
+            finally:
+                reasons.append(context.signal.reason)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        [cancel] = await queue.publish(topic, [PublishRequest(payload="cancel-me")])
+        await wait_for(lambda: len(heartbeats) >= 3)
+        [running] = await queue.deliveries(subs["manual"], "InFlight")
+        progress = await queue.get_delivery(running.delivery_id)
+        assert progress is not None and progress.progress_percent == 10 and progress.progress_message == "working"
+        await queue.discard(subs["manual"], running.delivery_id, "stop")
+        cancelled = await wait_for(lambda: _terminal(queue, subs["manual"], cancel.message_id))
+        [stuck] = await queue.publish(topic, [PublishRequest(payload="stuck")])
+        recovered = await wait_for(lambda: _terminal(queue, subs["manual"], stuck.message_id))
+    assert heartbeats[-1] is False and all(heartbeats[:-1])
+    assert cancelled.status == "Discarded"
+    assert reasons == [AbortReason.LEASE_LOST]
+    assert recovered.status == "Completed" and recovered.attempt == 2
+
+
+async def test_auto_heartbeat_keeps_a_long_handler_leased(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "long", "lease_seconds": 0.6}])
+    runs = 0
+
+    @queue.handler("long")
+    async def long(message: WorkMessage[Any], context: WorkContext) -> WorkOutcome:
+        nonlocal runs
+        runs += 1
+        await asyncio.sleep(2.0)
+        assert not context.signal.aborted
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        [result] = await queue.publish(topic, [PublishRequest(payload=1)])
+        info = await wait_for(lambda: _terminal(queue, subs["long"], result.message_id))
+    assert runs == 1
+    assert info.status == "Completed" and info.attempt == 1
+
+
+async def test_max_processing_seconds_aborts_and_counts_a_failed_attempt(pg_url: str) -> None:
+    queue, topic, subs = make_queue(
+        pg_url, [{"role": "cap", "max_processing_seconds": 0.3, "max_attempts": 2, "backoff_base_seconds": 0,
+                  "backoff_max_seconds": 0}]
+    )
+    reasons: list[AbortReason | None] = []
+
+    @queue.handler("cap")
+    async def capped(message: WorkMessage[Any], context: WorkContext) -> WorkOutcome:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            reasons.append(context.signal.reason)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        [result] = await queue.publish(topic, [PublishRequest(payload=1)])
+        info = await wait_for(lambda: _terminal(queue, subs["cap"], result.message_id))
+    assert reasons == [AbortReason.MAX_PROCESSING_SECONDS] * 2
+    assert info.status == "DeadLettered" and info.attempt == 2
+    assert "max_processing_seconds" in (info.last_error or "")
+
+
+async def test_shutdown_aborts_after_drain_and_releases_without_consuming_attempt(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "slow"}], shutdown_drain_ms=200)
+    started = asyncio.Event()
+    reasons: list[AbortReason | None] = []
+    quick_done = asyncio.Event()
+
+    @queue.handler("slow")
+    async def slow(message: WorkMessage[str], context: WorkContext) -> WorkOutcome:
+        if message.payload == "quick":
+            await asyncio.sleep(0.1)
+            quick_done.set()
+            return Outcome.complete()
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        finally:
+            reasons.append(context.signal.reason)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        [result] = await queue.publish(topic, [PublishRequest(payload="slow")])
+        await asyncio.wait_for(started.wait(), 10)
+        [quick] = await queue.publish(topic, [PublishRequest(payload="quick")])
+        await asyncio.sleep(0.02)
+    # The quick handler finished inside the drain; the slow one was aborted and released.
+    assert quick_done.is_set()
+    assert reasons == [AbortReason.SHUTDOWN]
+    await queue.open()
+    try:
+        info = await delivery_status(queue, subs["slow"], result.message_id)
+        assert info.status == "Pending" and info.attempt == 0
+        assert (await delivery_status(queue, subs["slow"], quick.message_id)).status == "Completed"
+    finally:
+        await queue.close()
+
+
+async def test_exclusive_keys_never_run_twice_at_once_in_one_process(pg_url: str) -> None:
+    queue, topic, _ = make_queue(pg_url, [{"role": "x", "partition_mode": "Exclusive"}], concurrency=8)
+    running: Counter[str] = Counter()
+    overlaps: list[str] = []
+    done: list[str] = []
+
+    @queue.handler("x")
+    async def handle(message: WorkMessage[int], context: WorkContext) -> WorkOutcome:
+        key = message.partition_key or ""
+        running[key] += 1
+        if running[key] > 1:
+            overlaps.append(key)
+        await asyncio.sleep(0.01)
+        running[key] -= 1
+        done.append(key)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        for batch in range(3):
+            await queue.publish(topic, [PublishRequest(partition_key=f"k{i % 4}", payload=batch) for i in range(12)])
+        await wait_for(lambda: len(done) == 36, within=20)
+    assert overlaps == []
+
+
+async def test_a_handler_key_cannot_be_registered_twice(pg_url: str) -> None:
+    queue, _, _ = make_queue(pg_url, [{"role": "a"}])
+
+    @queue.handler("a")
+    async def first(message: WorkMessage[Any]) -> WorkOutcome:
+        return Outcome.complete()
+
+    with pytest.raises(ConfigurationError, match="already registered"):
+
+        @queue.handler("a")
+        async def second(message: WorkMessage[Any]) -> WorkOutcome:
+            return Outcome.complete()
+
+
+async def test_handler_signature_problems_are_refused_at_registration(pg_url: str) -> None:
+    queue, _, _ = make_queue(pg_url, [{"role": "a"}])
+    with pytest.raises(ConfigurationError, match="async"):
+        queue.handler("sync")(lambda message: None)  # type: ignore[arg-type,return-value]
+
+    async def loose(message: WorkMessage[Any], limit: int) -> WorkOutcome:
+        return Outcome.complete()
+
+    with pytest.raises(ConfigurationError, match="limit"):
+        queue.handler("loose")(loose)
+
+    async def no_message(context: WorkContext) -> WorkOutcome:
+        return Outcome.complete()
+
+    with pytest.raises(ConfigurationError, match="WorkMessage"):
+        queue.handler("nomsg")(no_message)
+
+
+async def _terminal(queue: Any, subscription: str, message_id: Any) -> Any:
+    info = await delivery_status(queue, subscription, message_id)
+    if info is not None and info.status in ("Completed", "DeadLettered", "Discarded"):
+        return info
+    return None
