@@ -181,6 +181,8 @@ async def test_manual_heartbeat_reports_cancel_and_lost_lease_aborts(pg_url: str
         cancelled = await wait_for(lambda: _terminal(queue, subs["manual"], cancel.message_id))
         [stuck] = await queue.publish(topic, [PublishRequest(payload="stuck")])
         recovered = await wait_for(lambda: _terminal(queue, subs["manual"], stuck.message_id))
+        # The first run's abort and the sweeper's expiry race; the abort follows within a moment.
+        await wait_for(lambda: reasons)
     assert heartbeats[-1] is False and all(heartbeats[:-1])
     assert cancelled.status == "Discarded"
     assert reasons == [AbortReason.LEASE_LOST]

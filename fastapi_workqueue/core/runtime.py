@@ -113,6 +113,7 @@ class _Running:
     renewed_at: float = 0.0
     progress: Progress | None = None
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
+    lease_timer: asyncio.TimerHandle | None = None
 
 
 Resolver = Callable[[str], HandlerSpec | None]
@@ -305,7 +306,17 @@ class Consumer:
             running.timers.append(
                 loop.call_later(sub.max_processing_seconds, self._abort, running, AbortReason.MAX_PROCESSING_SECONDS)
             )
+        self._arm_lease_timer(running)
         running.task = asyncio.create_task(self._run(running), name=f"workqueue:{self.name}:{delivery.delivery_id}")
+
+    def _arm_lease_timer(self, running: _Running) -> None:
+        """Aborts the handler with LeaseLost when its lease runs out without a renewal."""
+        if running.lease_timer is not None:
+            running.lease_timer.cancel()
+        delay = max(0.0, running.lease_deadline - time.monotonic())
+        running.lease_timer = asyncio.get_running_loop().call_later(
+            delay, self._abort, running, AbortReason.LEASE_LOST
+        )
 
     def _abort(self, running: _Running, reason: AbortReason) -> None:
         if running.signal.abort(reason):
@@ -333,6 +344,8 @@ class Consumer:
         finally:
             for timer in running.timers:
                 timer.cancel()
+            if running.lease_timer is not None:
+                running.lease_timer.cancel()
             self._running.pop(delivery.delivery_id, None)
             self._slot_freed.set()
 
@@ -439,18 +452,17 @@ class Consumer:
         else:
             running.renewed_at = sent_at
             running.lease_deadline = sent_at + self.subscription.lease_seconds
+            if not running.signal.aborted:
+                self._arm_lease_timer(running)
 
     async def _heartbeat_loop(self) -> None:
-        """Renews Auto leases, polls Manual ones for cancels, and aborts handlers whose lease ran out."""
+        """Renews the Auto leases that are due, in one batch per tick."""
         while True:
             interval = self.subscription.heartbeat_interval_seconds
             await asyncio.sleep(min(interval, 1.0) if self._running else min(interval, 5.0))
             if not self._running:
                 continue
             now = time.monotonic()
-            for running in list(self._running.values()):
-                if now >= running.lease_deadline and not running.signal.aborted:
-                    self._abort(running, AbortReason.LEASE_LOST)
             due = [
                 r for r in self._running.values()
                 if not r.signal.aborted and now - r.renewed_at >= interval * 0.95

@@ -34,6 +34,12 @@ def map_error(exc: BaseException, operation: str) -> Exception:
         return ConfigurationError(
             f"{operation}: the database refused the credentials ({text}); check WORKQUEUE_DATABASE_URL"
         )
+    if code == "42501":
+        return ConfigurationError(
+            f"{operation}: the database role lacks a privilege ({text}); a runtime role needs "
+            "sql/postgresql/roles/runtime_role.sql (re-run it after migrations), and migrations need the "
+            "schema owner: run them as the owner, not with WORKQUEUE_AUTO_MIGRATE under the runtime role"
+        )
     if code in _MISSING_SCHEMA_SQLSTATES:
         return ConfigurationError(
             f"{operation}: the work queue schema is missing or out of date ({text}); run "

@@ -13,6 +13,11 @@ from .sql_files import migrations
 
 log = logging.getLogger("fastapi_workqueue.migrations")
 
+_REVOKE_PUBLIC = """
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA workqueue FROM PUBLIC;
+REVOKE ALL ON ALL PROCEDURES IN SCHEMA workqueue FROM PUBLIC;
+"""
+
 _BOOTSTRAP = """
 CREATE SCHEMA IF NOT EXISTS workqueue;
 CREATE TABLE IF NOT EXISTS workqueue.schema_migration (
@@ -29,7 +34,8 @@ async def apply_postgres_migrations(conn: asyncpg.Connection[Any] | PoolConnecti
     applied_now: list[str] = []
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(hashtext('workqueue.migrate')::bigint)")
-        await conn.execute(_BOOTSTRAP)
+        if await conn.fetchval("SELECT to_regclass('workqueue.schema_migration')") is None:
+            await conn.execute(_BOOTSTRAP)
         rows = await conn.fetch("SELECT version, name, checksum FROM workqueue.schema_migration")
         done = {r["version"]: r for r in rows}
         for migration in migrations("postgresql"):
@@ -49,4 +55,7 @@ async def apply_postgres_migrations(conn: asyncpg.Connection[Any] | PoolConnecti
                 migration.version, migration.name, migration.checksum,
             )
             applied_now.append(label)
+        if applied_now:
+            # New functions get no PUBLIC EXECUTE: only the owner and workqueue_runtime may call them.
+            await conn.execute(_REVOKE_PUBLIC)
     return applied_now

@@ -1,0 +1,193 @@
+"""The migration runner: records what it applied, applies it once, refuses changed files."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from fastapi_workqueue.core.errors import ConfigurationError
+from fastapi_workqueue.database import sql_files
+from fastapi_workqueue.database.migrations import apply_postgres_migrations
+from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
+
+from .conftest import recreate_database
+
+pytestmark = pytest.mark.timeout(60)
+
+SQL_DIR = Path(__file__).resolve().parents[1] / "sql" / "postgresql"
+MIGRATION_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+FUNCTION = re.compile(r"\bCREATE\s+(?:OR\s+REPLACE\s+)?FUNCTION\s+workqueue\.(\w+)\s*\(", re.IGNORECASE)
+
+
+def files_on_disk() -> list[tuple[int, str, str]]:
+    """(version, name, checksum) of every migration file in the source checkout, in order."""
+    found = []
+    for path in SQL_DIR.iterdir():
+        match = MIGRATION_FILE.match(path.name)
+        if match:
+            checksum = hashlib.sha256(path.read_text(encoding="utf-8").encode()).hexdigest()
+            found.append((int(match.group(1)), match.group(2), checksum))
+    return sorted(found)
+
+
+def labels() -> list[str]:
+    return [f"{version:04d}_{name}" for version, name, _ in files_on_disk()]
+
+
+def defined_functions() -> set[str]:
+    names: set[str] = set()
+    for migration in sql_files.migrations("postgresql"):
+        names.update(FUNCTION.findall(migration.sql))
+    return names
+
+
+async def schema_functions(conn: asyncpg.Connection[Any]) -> set[str]:
+    rows = await conn.fetch(
+        "SELECT p.proname FROM pg_catalog.pg_proc p WHERE p.pronamespace = 'workqueue'::regnamespace"
+    )
+    return {r["proname"] for r in rows}
+
+
+@pytest.fixture
+async def scratch_url(pg_url: str) -> AsyncIterator[str]:
+    """An empty database of its own, dropped afterwards."""
+    base, _, _ = pg_url.rpartition("/")
+    name = f"wq_scratch_{uuid.uuid4().hex[:10]}"
+    url = f"{base}/{name}"
+    await recreate_database(url)
+    try:
+        yield url
+    finally:
+        admin = await asyncpg.connect(f"{to_asyncpg_dsn(base)}/postgres")
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
+
+
+async def test_applied_migrations_are_recorded_one_per_file(pg_url: str) -> None:
+    on_disk = files_on_disk()
+    assert [version for version, _, _ in on_disk] == list(range(1, len(on_disk) + 1))
+    assert len(on_disk) >= 3
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        rows = await conn.fetch("SELECT version, name, checksum FROM workqueue.schema_migration ORDER BY version")
+    finally:
+        await conn.close()
+    assert [(r["version"], r["name"], r["checksum"]) for r in rows] == on_disk
+
+
+async def test_running_again_applies_nothing(pg_url: str) -> None:
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        before = await conn.fetch("SELECT version, checksum, applied_at FROM workqueue.schema_migration ORDER BY 1")
+        assert await apply_postgres_migrations(conn) == []
+        assert await apply_postgres_migrations(conn) == []
+        after = await conn.fetch("SELECT version, checksum, applied_at FROM workqueue.schema_migration ORDER BY 1")
+    finally:
+        await conn.close()
+    assert [tuple(r) for r in after] == [tuple(r) for r in before]
+
+    transport = PostgresTransport(pg_url, listen=False, pool_max_size=1)
+    await transport.open()
+    try:
+        assert await transport.migrate() == []
+    finally:
+        await transport.close()
+
+
+async def test_changed_migration_is_refused(scratch_url: str) -> None:
+    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+    try:
+        assert await apply_postgres_migrations(conn) == labels()
+        for label in labels():
+            version = int(label[:4])
+            original = await conn.fetchval(
+                "SELECT checksum FROM workqueue.schema_migration WHERE version = $1", version
+            )
+            await conn.execute(
+                "UPDATE workqueue.schema_migration SET checksum = 'edited' WHERE version = $1", version
+            )
+            with pytest.raises(ConfigurationError, match=f"migration {label} was changed"):
+                await apply_postgres_migrations(conn)
+            # The failed run rolled back and left the connection usable.
+            assert conn.is_in_transaction() is False
+            await conn.execute(
+                "UPDATE workqueue.schema_migration SET checksum = $2 WHERE version = $1", version, original
+            )
+
+        # Through the transport the error is the same ConfigurationError, not retried away.
+        await conn.execute("UPDATE workqueue.schema_migration SET checksum = 'edited' WHERE version = 1")
+        transport = PostgresTransport(scratch_url, listen=False, pool_max_size=1)
+        await transport.open()
+        try:
+            with pytest.raises(ConfigurationError, match=labels()[0]):
+                await transport.migrate()
+        finally:
+            await transport.close()
+    finally:
+        await conn.close()
+
+
+async def test_concurrent_runners_apply_each_migration_once(scratch_url: str) -> None:
+    dsn = to_asyncpg_dsn(scratch_url)
+    conns: list[asyncpg.Connection[Any]] = []
+    runners: list[asyncio.Task[list[str]]] = []
+    try:
+        for _ in range(3):
+            conns.append(await asyncpg.connect(dsn))
+        gate, first, second = conns
+        # Hold the runners' lock so both are certainly running, and waiting, at the same time.
+        gate_tx = gate.transaction()
+        await gate_tx.start()
+        await gate.execute("SELECT pg_advisory_xact_lock(hashtext('workqueue.migrate')::bigint)")
+        runners += [asyncio.create_task(apply_postgres_migrations(c)) for c in (first, second)]
+        waiting = 0
+        for _ in range(250):
+            waiting = await gate.fetchval(
+                "SELECT count(*) FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_database d ON d.oid = l.database "
+                "WHERE l.locktype = 'advisory' AND NOT l.granted AND d.datname = current_database()"
+            )
+            if waiting == 2:
+                break
+            await asyncio.sleep(0.02)
+        await gate_tx.commit()
+        results = await asyncio.wait_for(asyncio.gather(*runners), timeout=30)
+        assert waiting == 2
+
+        assert sorted(results, key=len) == [[], labels()]
+        rows = await gate.fetch("SELECT version, name, checksum, applied_at FROM workqueue.schema_migration ORDER BY 1")
+        assert [(r["version"], r["name"], r["checksum"]) for r in rows] == files_on_disk()
+        assert len({r["applied_at"] for r in rows}) == 1  # one transaction applied them all
+        assert await schema_functions(gate) == defined_functions()
+    finally:
+        for task in runners:
+            task.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
+        for conn in conns:
+            await conn.close()
+
+
+async def test_sql_files_are_found_and_every_function_exists(pg_url: str) -> None:
+    found = sql_files.migrations("postgresql")
+    on_disk = files_on_disk()
+    assert [(m.version, m.name, m.checksum) for m in found] == on_disk
+    assert [m.name for m in found][:3] == ["schema", "operations", "privileges"]
+
+    expected = defined_functions()
+    assert {"publish", "claim", "heartbeat", "settle", "sweep", "sync_topic", "sync_subscription"} <= expected
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        present = await schema_functions(conn)
+    finally:
+        await conn.close()
+    assert sorted(expected - present) == []
+    assert sorted(present - expected) == []  # nothing in the schema that no migration defines

@@ -1,0 +1,301 @@
+"""The runtime role: EXECUTE on the queue's functions, no privilege on its tables (0003 + roles/)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+from fastapi_workqueue import ConfigurationError, PublishRequest, PublishStatus, Subscription, Topic
+from fastapi_workqueue.core.envelope import prepare
+from fastapi_workqueue.core.transport import HeartbeatRequest, Settlement
+from fastapi_workqueue.database import sql_files
+from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
+
+from .conftest import unique
+
+pytestmark = pytest.mark.timeout(60)
+
+RUNTIME_ROLE = "workqueue_runtime"
+
+# Every table privilege and every sequence privilege PostgreSQL knows of.
+TABLE_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
+SEQUENCE_PRIVILEGES = ("USAGE", "SELECT", "UPDATE")
+
+
+def role_name(prefix: str) -> str:
+    """A role name no other test uses, valid without quoting."""
+    return f"{prefix}_{uuid.uuid4().hex[:10]}"
+
+
+def url_as(url: str, role: str) -> str:
+    """The same database URL, logging in as ``role`` (the server trusts local connections)."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{role}@{rest.rsplit('@', 1)[-1]}"
+
+
+async def role_exists(conn: asyncpg.Connection[Any], role: str) -> bool:
+    return bool(await conn.fetchval("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = $1)", role))
+
+
+async def drop_role(conn: asyncpg.Connection[Any], role: str) -> None:
+    """Drops a role that owns nothing; DROP OWNED takes away the privileges granted to it here."""
+    if await role_exists(conn, role):
+        await conn.execute(f"DROP OWNED BY {role}")
+        await conn.execute(f"DROP ROLE {role}")
+
+
+@pytest.fixture
+async def admin(pg_url: str) -> AsyncIterator[asyncpg.Connection[Any]]:
+    """A connection as the migrating superuser (the schema owner)."""
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def runtime_role(admin: asyncpg.Connection[Any]) -> AsyncIterator[str]:
+    """workqueue_runtime, set up by the role script; dropped afterwards when this test created it."""
+    existed = await role_exists(admin, RUNTIME_ROLE)
+    await admin.execute(sql_files.read("postgresql", "roles", "runtime_role.sql"))
+    try:
+        yield RUNTIME_ROLE
+    finally:
+        if not existed:
+            await drop_role(admin, RUNTIME_ROLE)
+
+
+@pytest.fixture
+async def app_login(admin: asyncpg.Connection[Any], runtime_role: str) -> AsyncIterator[str]:
+    """A login role whose only privileges are those of workqueue_runtime."""
+    login = role_name("wq_app")
+    await admin.execute(f"CREATE ROLE {login} LOGIN")
+    try:
+        await admin.execute(f"GRANT {runtime_role} TO {login}")
+        yield login
+    finally:
+        await drop_role(admin, login)
+
+
+@pytest.fixture
+async def outsider(admin: asyncpg.Connection[Any]) -> AsyncIterator[str]:
+    """A login role that is not a member of workqueue_runtime."""
+    login = role_name("wq_out")
+    await admin.execute(f"CREATE ROLE {login} LOGIN")
+    try:
+        yield login
+    finally:
+        await drop_role(admin, login)
+
+
+async def test_role_script_loads_and_is_plain_sql() -> None:
+    sql = sql_files.read("postgresql", "roles", "runtime_role.sql")
+    assert "CREATE ROLE workqueue_runtime NOLOGIN" in sql
+    # Sent as one string through a driver: no psql meta-command may appear.
+    assert not [line for line in sql.splitlines() if line.lstrip().startswith("\\")]
+
+
+async def test_no_function_of_the_schema_is_executable_by_public(admin: asyncpg.Connection[Any]) -> None:
+    rows = await admin.fetch(
+        """
+        SELECT p.proname,
+               EXISTS (SELECT 1 FROM aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a
+                       WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE') AS public_execute
+        FROM pg_catalog.pg_proc p
+        WHERE p.pronamespace = 'workqueue'::regnamespace
+        """
+    )
+    assert {r["proname"] for r in rows} >= {"publish", "claim", "heartbeat", "settle", "sweep", "refresh_partition"}
+    assert [r["proname"] for r in rows if r["public_execute"]] == []
+
+
+async def test_role_script_is_idempotent_and_grants_functions_only(
+    admin: asyncpg.Connection[Any], runtime_role: str
+) -> None:
+    # A table privilege granted by mistake is taken away by the next run of the script.
+    await admin.execute(f"GRANT SELECT, UPDATE ON workqueue.delivery TO {runtime_role}")
+    await admin.execute(f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA workqueue TO {runtime_role}")
+    await admin.execute(sql_files.read("postgresql", "roles", "runtime_role.sql"))
+    await admin.execute(sql_files.read("postgresql", "roles", "runtime_role.sql"))
+
+    role = await admin.fetchrow(
+        "SELECT rolcanlogin, rolsuper, rolcreaterole, rolcreatedb FROM pg_catalog.pg_roles WHERE rolname = $1",
+        runtime_role,
+    )
+    assert role is not None and not any(role.values())
+    assert await admin.fetchval("SELECT has_schema_privilege($1, 'workqueue', 'USAGE')", runtime_role)
+    assert not await admin.fetchval("SELECT has_schema_privilege($1, 'workqueue', 'CREATE')", runtime_role)
+
+    functions = await admin.fetch(
+        "SELECT p.proname, has_function_privilege($1, p.oid, 'EXECUTE') AS ok FROM pg_catalog.pg_proc p "
+        "WHERE p.pronamespace = 'workqueue'::regnamespace",
+        runtime_role,
+    )
+    assert functions and [f["proname"] for f in functions if not f["ok"]] == []
+
+    granted = []
+    relations = await admin.fetch(
+        "SELECT c.oid, c.relname, c.relkind FROM pg_catalog.pg_class c "
+        "WHERE c.relnamespace = 'workqueue'::regnamespace AND c.relkind IN ('r', 'p', 'v', 'm', 'f', 'S')"
+    )
+    assert {r["relname"] for r in relations} >= {"delivery", "message", "partition", "schema_migration"}
+    for rel in relations:
+        if rel["relkind"] == "S":
+            for privilege in SEQUENCE_PRIVILEGES:
+                if await admin.fetchval("SELECT has_sequence_privilege($1, $2::oid, $3)", runtime_role, rel["oid"],
+                                        privilege):
+                    granted.append((rel["relname"], privilege))
+        else:
+            for privilege in TABLE_PRIVILEGES:
+                if await admin.fetchval("SELECT has_table_privilege($1, $2::oid, $3)", runtime_role, rel["oid"],
+                                        privilege):
+                    granted.append((rel["relname"], privilege))
+            if await admin.fetchval(
+                "SELECT has_any_column_privilege($1, $2::oid, 'SELECT, INSERT, UPDATE, REFERENCES')",
+                runtime_role, rel["oid"],
+            ):
+                granted.append((rel["relname"], "column"))
+    assert granted == []
+
+
+async def test_runtime_login_runs_the_queue_but_cannot_touch_tables(pg_url: str, app_login: str) -> None:
+    url = url_as(pg_url, app_login)
+    transport = PostgresTransport(url, listen=False, pool_max_size=2)
+    engine = create_async_engine(url)
+    await transport.open()
+    raw: asyncpg.Connection[Any] | None = None
+    try:
+        raw = await asyncpg.connect(to_asyncpg_dsn(url))
+        assert await transport.run_in_connection(lambda c: c.fetchval("SELECT current_user")) == app_login
+        assert await raw.fetchval("SELECT current_user") == app_login
+
+        # The runtime role may declare its own topology: sync_* are functions like the others.
+        topic, sub = unique("topic"), unique("runtime")
+        await transport.sync_topology(
+            [Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="test", lease_seconds=30)]
+        )
+        assert sub in {s.name for s in await transport.list_subscriptions()}
+
+        [published] = await transport.publish(topic, [prepare(PublishRequest(payload={"n": 1}))])
+        assert published.status is PublishStatus.ACCEPTED, published
+        # Publishing in the caller's own transaction works as the runtime role too.
+        async with AsyncSession(engine) as session, session.begin():
+            [in_tx] = await transport.publish(topic, [prepare(PublishRequest(payload={"n": 2}))], session=session)
+        assert in_tx.status is PublishStatus.ACCEPTED, in_tx
+
+        claimed = await transport.claim(sub, 1)
+        assert len(claimed) == 1 and claimed[0].message_id == published.message_id
+        delivery = claimed[0]
+        [beat] = await transport.heartbeat([HeartbeatRequest(delivery.delivery_id, delivery.lease_token, 50, "half")])
+        assert beat.alive and not beat.cancel_requested
+
+        # The tables are out of reach: no write, no read, not even through a helper function that
+        # is not SECURITY DEFINER (it runs with the caller's rights).
+        denied = [
+            ("UPDATE workqueue.delivery SET status = 'Completed' WHERE id = $1", (int(delivery.delivery_id),)),
+            ("DELETE FROM workqueue.delivery WHERE id = $1", (int(delivery.delivery_id),)),
+            (
+                "INSERT INTO workqueue.delivery (subscription_id, message_id, max_attempts, backoff_base_seconds, "
+                "backoff_max_seconds) VALUES (1, $1, 1, 0, 0)",
+                (delivery.message_id,),
+            ),
+            ("SELECT * FROM workqueue.message", ()),
+            ("SELECT * FROM workqueue.delivery", ()),
+            ("UPDATE workqueue.partition SET holder_id = NULL", ()),
+            ("SELECT * FROM workqueue.schema_migration", ()),
+            ("SELECT nextval(pg_get_serial_sequence('workqueue.delivery', 'id'))", ()),
+            ("SELECT workqueue.refresh_partition(1, 'k', 1::smallint)", ()),
+            ("CREATE TABLE workqueue.intruder (id integer)", ()),
+        ]
+        for sql, args in denied:
+            with pytest.raises(asyncpg.exceptions.InsufficientPrivilegeError):
+                await raw.execute(sql, *args)
+
+        info = await transport.get_delivery(delivery.delivery_id)
+        assert info is not None and info.status == "InFlight" and info.progress_percent == 50
+
+        assert await transport.settle([Settlement(delivery.delivery_id, delivery.lease_token, "Complete")]) == [
+            "Completed"
+        ]
+        [second] = await transport.claim(sub, 10)
+        assert second.message_id == in_tx.message_id
+        assert await transport.settle([Settlement(second.delivery_id, second.lease_token, "Complete")]) == [
+            "Completed"
+        ]
+
+        # Housekeeping and operator reads work as the runtime role too.
+        assert (await transport.sweep()).ran in (True, False)
+        [stats] = await transport.stats(sub)
+        assert stats.completed == 2 and stats.pending == 0 and stats.in_flight == 0
+    finally:
+        await engine.dispose()
+        if raw is not None:
+            await raw.close()
+        await transport.close()
+
+
+async def test_runtime_login_receives_wakeups(pg_url: str, app_login: str) -> None:
+    transport = PostgresTransport(url_as(pg_url, app_login), listen=True, pool_max_size=2)
+    await transport.open()
+    woken: list[str] = []
+    transport.add_wakeup_listener(woken.append)
+    try:
+        topic, sub = unique("topic"), unique("wakeup")
+        await transport.sync_topology([Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="test")])
+        [state] = [s for s in await transport.list_subscriptions() if s.name == sub]
+        await transport.publish(topic, [prepare(PublishRequest(payload=1))])
+        for _ in range(250):
+            if state.id in woken:
+                break
+            await asyncio.sleep(0.02)
+        assert state.id in woken
+        [claimed] = await transport.claim(sub, 1)
+        assert await transport.settle([Settlement(claimed.delivery_id, claimed.lease_token, "Complete")]) == [
+            "Completed"
+        ]
+    finally:
+        await transport.close()
+
+
+async def test_role_without_runtime_membership_cannot_call_functions(
+    pg_url: str, admin: asyncpg.Connection[Any], runtime_role: str, outsider: str
+) -> None:
+    url = url_as(pg_url, outsider)
+    conn = await asyncpg.connect(to_asyncpg_dsn(url))
+    try:
+        # Without USAGE on the schema it cannot even name the function.
+        with pytest.raises(asyncpg.exceptions.InsufficientPrivilegeError, match="schema workqueue"):
+            await conn.fetch("SELECT * FROM workqueue.claim($1, $2)", "any", 1)
+
+        # With USAGE, the function itself refuses: that is what 0003 took from PUBLIC.
+        await admin.execute(f"GRANT USAGE ON SCHEMA workqueue TO {outsider}")
+        for sql, args in [
+            ("SELECT * FROM workqueue.claim($1, $2)", ("any", 1)),
+            ("SELECT * FROM workqueue.sweep()", ()),
+            ("SELECT workqueue.sync_topic($1, NULL, false)", ("intruder",)),
+            ("SELECT * FROM workqueue.settle($1::bigint[], $2::uuid[], $3::text[], $4::float8[], $5::text[], "
+             "$6::text[])", ([1], [uuid.uuid4()], ["Complete"], [None], [None], [None])),
+        ]:
+            with pytest.raises(asyncpg.exceptions.InsufficientPrivilegeError, match="permission denied for function"):
+                await conn.fetch(sql, *args)
+        assert not await conn.fetchval("SELECT pg_has_role($1, 'MEMBER')", runtime_role)
+    finally:
+        await conn.close()
+
+    # Through the transport the refusal is a configuration error that names the role script.
+    transport = PostgresTransport(url, listen=False, pool_max_size=1)
+    await transport.open()
+    try:
+        with pytest.raises(ConfigurationError, match="permission denied") as raised:
+            await transport.claim("any", 1)
+        assert "runtime_role.sql" in str(raised.value)
+    finally:
+        await transport.close()
+    assert await admin.fetchval("SELECT count(*) FROM workqueue.topic WHERE name = 'intruder'") == 0
