@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
 from fastapi import Depends
@@ -328,3 +328,22 @@ async def _terminal(queue: Any, subscription: str, message_id: Any) -> Any:
     if info is not None and info.status in ("Completed", "DeadLettered", "Discarded"):
         return info
     return None
+
+
+async def test_annotated_dependencies_and_model_payloads(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "a"}])
+    seen: list[tuple[Order, int]] = []
+
+    def limit() -> int:
+        return 42
+
+    @queue.handler("a")
+    async def handle(message: WorkMessage[Order], cap: Annotated[int, Depends(limit)]) -> WorkOutcome:
+        seen.append((message.payload, cap))
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        [result] = await queue.publish(topic, [PublishRequest(payload=Order(order_id=3, email="x@y.z"))])
+        info = await wait_for(lambda: _terminal(queue, subs["a"], result.message_id))
+    assert info.status == "Completed"
+    assert seen == [(Order(order_id=3, email="x@y.z"), 42)]

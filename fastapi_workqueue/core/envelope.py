@@ -180,10 +180,13 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
         raise RequestRejected(
             "InvalidField", "BackoffSeconds must be a non-empty list of seconds >= 0", "backoff_seconds"
         )
+    payload = request.payload
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump(mode="json")
     try:
-        payload_json = _dumps(request.payload)
+        payload_json = _dumps(payload)
         canonical = _dumps(
-            [request.partition_key, attributes, request.payload, request.payload_ref, request.correlation_id],
+            [request.partition_key, attributes, payload, request.payload_ref, request.correlation_id],
             sort_keys=True,
         )
     except (TypeError, ValueError) as exc:

@@ -93,12 +93,15 @@ def inspect_handler(key: str, func: HandlerFunc) -> HandlerSpec:
     if not inspect.iscoroutinefunction(func):
         raise ConfigurationError(f"handler {key!r} must be an async function (async def)")
     try:
-        hints = typing.get_type_hints(func)
+        hints = typing.get_type_hints(func, include_extras=True)
     except Exception as exc:
         raise ConfigurationError(f"handler {key!r}: cannot resolve its type hints ({exc})") from exc
     spec = HandlerSpec(key=key, func=func)
     for name, param in inspect.signature(func).parameters.items():
         annotation = hints.get(name, param.annotation)
+        declared_dependency = _has_dependency_metadata(annotation)
+        if typing.get_origin(annotation) is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
         origin = typing.get_origin(annotation) or annotation
         if _is_work_message(origin) or (spec.message_param is None and name == "message" and annotation is param.empty):
             spec.message_param = name
@@ -106,7 +109,11 @@ def inspect_handler(key: str, func: HandlerFunc) -> HandlerSpec:
         elif annotation is WorkContext or (name == "context" and annotation is param.empty):
             spec.context_param = name
         else:
-            if param.default is param.empty and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+            if (
+                param.default is param.empty
+                and not declared_dependency
+                and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL)
+            ):
                 raise ConfigurationError(
                     f"handler {key!r}: parameter {name!r} is neither the WorkMessage nor the WorkContext "
                     "and has no default; give it a dependency (name = Depends(...)) or remove it"
@@ -117,6 +124,13 @@ def inspect_handler(key: str, func: HandlerFunc) -> HandlerSpec:
             f"handler {key!r} needs a parameter annotated WorkMessage[YourPayload] (or named 'message')"
         )
     return spec
+
+
+def _has_dependency_metadata(annotation: Any) -> bool:
+    """True for ``Annotated[T, Depends(...)]`` (any metadata object with a ``dependency``)."""
+    if typing.get_origin(annotation) is not typing.Annotated:
+        return False
+    return any(hasattr(meta, "dependency") for meta in typing.get_args(annotation)[1:])
 
 
 def _is_work_message(tp: Any) -> bool:

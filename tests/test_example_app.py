@@ -1,0 +1,206 @@
+"""The example app, driven in-process over HTTP against the test database, its host running.
+
+The example's subscription names are fixed, so each test uses customers of its own and asserts on
+its own orders and MessageIDs, never on global counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+from sqlalchemy import func, select, text
+
+from example_app.main import create_app
+from example_app.models import AuditEntry, Order
+from fastapi_workqueue import DeliveryInfo, WorkQueue, WorkQueueSettings
+
+T = TypeVar("T")
+
+WAIT_SECONDS = 20.0
+
+
+@dataclass
+class Example:
+    client: httpx.AsyncClient
+    queue: WorkQueue
+
+
+@pytest.fixture(scope="module")
+async def example(pg_url: str) -> AsyncIterator[Example]:
+    """The example app with its lifespan entered (host running), and an HTTP client on it."""
+    settings = WorkQueueSettings(
+        database_url=pg_url,
+        auto_migrate=True,
+        subscriptions=[{"name": "orders.email"}, {"name": "orders.audit"}],
+        idle_poll_min_ms=20,
+        idle_poll_max_ms=200,
+        sweeper_interval_ms=500,
+        reconcile_interval_ms=1000,
+        shutdown_drain_ms=2000,
+    )
+    app = create_app(settings)
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://example") as client,
+    ):
+        yield Example(client=client, queue=app.state.queue)
+
+
+def new_customer() -> str:
+    return f"customer-{uuid.uuid4().hex[:10]}"
+
+
+async def eventually(check: Callable[[], Awaitable[T | None]], what: str, within: float = WAIT_SECONDS) -> T:
+    """Polls ``check()`` until it returns a truthy value; fails after ``within`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        value = await check()
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"{what}: not within {within} s")
+        await asyncio.sleep(0.05)
+
+
+async def place_order(client: httpx.AsyncClient, customer: str, email: str, amount_cents: int = 1000) -> dict[str, Any]:
+    response = await client.post("/orders", json={"customer": customer, "email": email, "amount_cents": amount_cents})
+    assert response.status_code == 201, response.text
+    body: dict[str, Any] = response.json()
+    assert body["publish"]["Status"] == "Accepted", body
+    return body
+
+
+async def get_order(client: httpx.AsyncClient, order_id: int) -> dict[str, Any]:
+    response = await client.get(f"/orders/{order_id}")
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+async def find_delivery(queue: WorkQueue, subscription: str, message_id: str) -> DeliveryInfo | None:
+    """The delivery of ``message_id`` on ``subscription``, whatever its state."""
+    for status in ("Pending", "InFlight", "Completed", "DeadLettered", "Discarded"):
+        for info in await queue.deliveries(subscription, status, limit=1000):
+            if str(info.message_id) == message_id:
+                return info
+    return None
+
+
+async def test_an_order_is_emailed_and_audited(example: Example) -> None:
+    customer = new_customer()
+    placed = await place_order(example.client, customer, f"{customer}@example.com", 1250)
+    order_id, message_id = placed["order_id"], placed["publish"]["MessageID"]
+
+    async def emailed_and_audited() -> dict[str, Any] | None:
+        order = await get_order(example.client, order_id)
+        return order if order["emailed_at"] and order["audit"] else None
+
+    order = await eventually(emailed_and_audited, f"order {order_id} emailed and audited")
+    assert order["message_id"] == message_id
+    assert order["email_attempts"] == 1
+    assert order["email_error"] is None
+    assert order["audit"] == [f"order {order_id} created: 1250 cents"]
+    for subscription in ("orders.email", "orders.audit"):
+        delivery = await find_delivery(example.queue, subscription, message_id)
+        assert delivery is not None and delivery.status == "Completed" and delivery.attempt == 1, delivery
+
+
+async def test_a_flaky_address_succeeds_on_the_second_attempt(example: Example) -> None:
+    customer = new_customer()
+    placed = await place_order(example.client, customer, f"{customer}.flaky@example.com")
+    order_id, message_id = placed["order_id"], placed["publish"]["MessageID"]
+
+    async def emailed() -> dict[str, Any] | None:
+        order = await get_order(example.client, order_id)
+        return order if order["emailed_at"] else None
+
+    order = await eventually(emailed, f"order {order_id} emailed")
+    assert order["email_attempts"] == 2
+    assert order["email_error"] is None
+
+    async def completed() -> DeliveryInfo | None:
+        delivery = await find_delivery(example.queue, "orders.email", message_id)
+        return delivery if delivery is not None and delivery.status == "Completed" else None
+
+    delivery = await eventually(completed, "the email delivery completed")
+    assert delivery.attempt == 2
+    assert delivery.last_error is not None and "mail server busy" in delivery.last_error
+
+
+async def test_an_invalid_address_is_dead_lettered_at_once(example: Example) -> None:
+    customer = new_customer()
+    placed = await place_order(example.client, customer, f"invalid-{customer}@example.com")
+    order_id, message_id = placed["order_id"], placed["publish"]["MessageID"]
+
+    async def dead_letter() -> DeliveryInfo | None:
+        letters = await example.queue.dead_letters("orders.email", limit=1000)
+        return next((d for d in letters if str(d.message_id) == message_id), None)
+
+    letter = await eventually(dead_letter, f"order {order_id}'s email dead-lettered")
+    assert letter.attempt == 1  # FatalWorkError: no retries, although max_attempts is 3
+    assert letter.max_attempts == 3
+    assert letter.reason is not None and "does not exist" in letter.reason
+
+    async def audited() -> dict[str, Any] | None:
+        order = await get_order(example.client, order_id)
+        return order if order["audit"] else None
+
+    order = await eventually(audited, f"order {order_id} audited")  # the other subscription is unaffected
+    assert order["emailed_at"] is None
+    assert order["email_attempts"] == 1
+    assert "does not exist" in order["email_error"]
+
+
+async def test_a_failure_after_publishing_rolls_back_the_order_and_its_message(example: Example) -> None:
+    customer = new_customer()
+    body = {"customer": customer, "email": f"{customer}@example.com", "amount_cents": 500, "fail_after_publish": True}
+    response = await example.client.post("/orders", json=body)
+    assert response.status_code == 400, response.text
+    detail = response.json()["detail"]
+    order_id, message_id = detail["order_id"], detail["message_id"]
+
+    assert (await example.client.get(f"/orders/{order_id}")).status_code == 404
+    async with example.queue.sessionmaker() as session:
+        orders = await session.scalar(select(func.count()).select_from(Order).where(Order.customer == customer))
+        messages = await session.scalar(
+            text("SELECT count(*) FROM workqueue.message WHERE id = CAST(:id AS uuid)"), {"id": message_id}
+        )
+    assert orders == 0
+    assert messages == 0
+    for subscription in ("orders.email", "orders.audit"):
+        assert await find_delivery(example.queue, subscription, message_id) is None
+
+
+async def test_audit_lines_follow_publish_order_per_customer(example: Example) -> None:
+    customer = new_customer()
+    order_ids = [
+        (await place_order(example.client, customer, f"{customer}@example.com", amount))["order_id"]
+        for amount in (100, 200, 300, 400, 500)
+    ]
+
+    async def audit_trail() -> list[int] | None:
+        async with example.queue.sessionmaker() as session:
+            rows = await session.scalars(
+                select(AuditEntry.order_id).where(AuditEntry.customer == customer).order_by(AuditEntry.id)
+            )
+            trail = list(rows)
+        return trail if len(trail) == len(order_ids) else None
+
+    assert await eventually(audit_trail, f"{customer}'s audit trail") == order_ids
+
+
+async def test_health_reports_both_subscriptions_running(example: Example) -> None:
+    response = await example.client.get("/health/extensions")
+    assert response.status_code == 200, response.text
+    [extension] = response.json()["Extensions"]
+    assert extension["Status"] == "Running"
+    states = {s["Subscription"]: s["State"] for s in extension["Subscriptions"]}
+    assert states == {"orders.email": "Running", "orders.audit": "Running"}
