@@ -330,12 +330,13 @@ async def _terminal(queue: Any, subscription: str, message_id: Any) -> Any:
     return None
 
 
+def limit() -> int:
+    return 42
+
+
 async def test_annotated_dependencies_and_model_payloads(pg_url: str) -> None:
     queue, topic, subs = make_queue(pg_url, [{"role": "a"}])
     seen: list[tuple[Order, int]] = []
-
-    def limit() -> int:
-        return 42
 
     @queue.handler("a")
     async def handle(message: WorkMessage[Order], cap: Annotated[int, Depends(limit)]) -> WorkOutcome:
