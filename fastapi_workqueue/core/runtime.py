@@ -1,10 +1,11 @@
 """The consumer runtime: claims deliveries of one subscription, runs handlers, renews leases, settles.
 
-One :class:`Consumer` per subscription per process. It claims as many deliveries as it has free
-slots (``concurrency``), runs each handler in a task of its own with a :class:`WorkContext`,
-renews Auto leases in batches every min(lease / 3, 30 s), aborts handlers whose delivery was
-cancelled, whose lease was lost or which ran too long, and settles through a shared
-:class:`Settler` that batches settles into one round trip.
+One :class:`Consumer` per subscription per process. It keeps up to ``concurrency`` handlers
+running, claiming as many deliveries as it has free slots. Each handler runs in a task of its
+own with a :class:`WorkContext`. Auto leases are renewed in batches every min(lease / 3, 30 s);
+a handler whose delivery was cancelled, whose lease was lost or which ran too long is aborted:
+its signal says why and its task is cancelled. Outcomes go to the shared :class:`Settler`, which
+writes them in batches; a slot is free again as soon as its handler returns.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .context import AbortReason, AbortSignal, Progress, WorkContext
-from .errors import TransportError
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
-from .outcomes import Complete, DeadLetter, FatalWorkError, Retry, TransientWorkError, WorkOutcome
+from .outcomes import Complete, DeadLetter, FatalWorkError, Retry, TransientWorkError
+from .settler import Settler
 from .topology import SubscriptionState
 from .transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
 
@@ -29,94 +30,22 @@ log = logging.getLogger("fastapi_workqueue.runtime")
 
 MAX_ERROR_TEXT = 4000
 
+Resolver = Callable[[str], HandlerSpec | None]
 
-class Settler:
-    """Batches settles from every consumer of a process into few round trips.
-
-    A settle waits for its batch to be written; while one batch is in flight the next one
-    gathers. Settles are retried while the store is unreachable, up to ``give_up_after`` seconds;
-    after that the lease expires and the sweeper takes the delivery back.
-    """
-
-    def __init__(self, transport: Transport, *, max_batch: int = 500, give_up_after: float = 60.0) -> None:
-        self._transport = transport
-        self._max_batch = max_batch
-        self._give_up_after = give_up_after
-        self._pending: list[tuple[Settlement, asyncio.Future[SettleResult]]] = []
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._closing = False
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="workqueue-settler")
-
-    async def close(self) -> None:
-        self._closing = True
-        self._wake.set()
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def settle(self, settlement: Settlement) -> SettleResult:
-        if self._task is None or self._task.done():
-            results = await self._transport.settle([settlement])
-            return results[0]
-        future: asyncio.Future[SettleResult] = asyncio.get_running_loop().create_future()
-        self._pending.append((settlement, future))
-        self._wake.set()
-        return await asyncio.shield(future)
-
-    async def _run(self) -> None:
-        while True:
-            if not self._pending:
-                if self._closing:
-                    return
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            batch, self._pending = self._pending[: self._max_batch], self._pending[self._max_batch :]
-            await self._write(batch)
-
-    async def _write(self, batch: list[tuple[Settlement, asyncio.Future[SettleResult]]]) -> None:
-        deadline = time.monotonic() + self._give_up_after
-        delay = 0.1
-        while True:
-            try:
-                results = await self._transport.settle([s for s, _ in batch])
-            except Exception as exc:
-                if time.monotonic() > deadline or not (isinstance(exc, TransportError) and exc.retryable):
-                    log.error("settle failed for %d deliveries (%s); their leases will expire", len(batch), exc)
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    return
-                log.warning("settle failed (%s); retrying in %.1f s", exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                continue
-            for (_, future), result in zip(batch, results, strict=True):
-                if not future.done():
-                    future.set_result(result)
-            return
+__all__ = ["Consumer", "Resolver", "Settler"]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Running:
     delivery: ClaimedDelivery
     signal: AbortSignal
-    started: float
     lease_deadline: float
+    renewed_at: float
     task: asyncio.Task[None] | None = None
-    handler_task: asyncio.Task[Any] | None = None
-    renewed_at: float = 0.0
-    progress: Progress | None = None
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
     lease_timer: asyncio.TimerHandle | None = None
-
-
-Resolver = Callable[[str], HandlerSpec | None]
+    entered: bool = False
+    released: bool = False
 
 
 class Consumer:
@@ -154,6 +83,7 @@ class Consumer:
         self._on_error = on_error
         self.claimed_total = 0
         self.completed_total = 0
+        self.settled_total = 0
         self._running: dict[str, _Running] = {}
         self._wake = asyncio.Event()
         self._slot_freed = asyncio.Event()
@@ -161,6 +91,9 @@ class Consumer:
         self._loop_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.last_error: str | None = None
+        self._log = logging.LoggerAdapter(
+            logging.getLogger(f"fastapi_workqueue.handler.{subscription.handler_key}"), {}
+        )
 
     # -- control -----------------------------------------------------------------------------
 
@@ -170,10 +103,11 @@ class Consumer:
 
     @property
     def active(self) -> int:
-        """Deliveries this consumer is running now."""
+        """Handlers this consumer is running now."""
         return len(self._running)
 
     def start(self) -> None:
+        self.settler.start()
         self._loop_task = asyncio.create_task(self._claim_loop(), name=f"workqueue-claim:{self.name}")
         self._heartbeat_task = asyncio.create_task(
             self._heartbeat_loop(), name=f"workqueue-heartbeat:{self.name}"
@@ -191,13 +125,15 @@ class Consumer:
             self._slot_freed.set()
 
     async def wait_finished(self) -> None:
-        """Waits until the claim loop has ended (budget spent, idle with ``stop_when_idle``, or stop)."""
+        """Waits until the claim loop ended (budget spent, idle in one-shot mode, or stop),
+        every handler returned and every settle is written."""
         if self._loop_task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
         while self._running:
             self._slot_freed.clear()
             await self._slot_freed.wait()
+        await self.settler.flush()
 
     async def stop(self, drain_seconds: float) -> None:
         """Stops claiming, drains, aborts the rest with Shutdown, drains again, releases leftovers."""
@@ -216,18 +152,18 @@ class Consumer:
         leftovers = list(self._running.values())
         if leftovers:
             log.warning("%s: %d handlers ignored Shutdown; releasing their deliveries", self.name, len(leftovers))
+            for running in leftovers:
+                running.released = True
             with contextlib.suppress(Exception):
                 await self.transport.settle(
                     [Settlement(r.delivery.delivery_id, r.delivery.lease_token, "Release",
                                 reason="released at shutdown") for r in leftovers]
                 )
-            for running in leftovers:
-                if running.task is not None:
-                    running.task.cancel()
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat_task
+        await self.settler.flush()
 
     async def _drain(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -247,9 +183,10 @@ class Consumer:
         while not self._stopping:
             free = self.concurrency - len(self._running)
             if self.max_deliveries is not None:
-                free = min(free, self.max_deliveries - self.claimed_total)
-                if free <= 0 and self.claimed_total >= self.max_deliveries:
+                budget = self.max_deliveries - self.claimed_total
+                if budget <= 0:
                     return
+                free = min(free, budget)
             if free <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
@@ -283,7 +220,7 @@ class Consumer:
                 idle = min(idle * 2, self.idle_poll_max)
 
     async def _sleep(self, seconds: float) -> None:
-        """Sleeps until a wake-up, a freed slot (when full), or ``seconds``."""
+        """Sleeps until a wake-up or ``seconds`` (with jitter, so processes do not poll in step)."""
         if self._wake.is_set() or self._stopping:
             return
         with contextlib.suppress(TimeoutError):
@@ -292,13 +229,7 @@ class Consumer:
     def _start(self, delivery: ClaimedDelivery) -> None:
         now = time.monotonic()
         sub = self.subscription
-        running = _Running(
-            delivery=delivery,
-            signal=AbortSignal(),
-            started=now,
-            lease_deadline=now + sub.lease_seconds,
-            renewed_at=now,
-        )
+        running = _Running(delivery, AbortSignal(), now + sub.lease_seconds, now)
         self.claimed_total += 1
         self._running[delivery.delivery_id] = running
         loop = asyncio.get_running_loop()
@@ -307,7 +238,7 @@ class Consumer:
                 loop.call_later(sub.max_processing_seconds, self._abort, running, AbortReason.MAX_PROCESSING_SECONDS)
             )
         self._arm_lease_timer(running)
-        running.task = asyncio.create_task(self._run(running), name=f"workqueue:{self.name}:{delivery.delivery_id}")
+        running.task = loop.create_task(self._run(running))
 
     def _arm_lease_timer(self, running: _Running) -> None:
         """Aborts the handler with LeaseLost when its lease runs out without a renewal."""
@@ -319,83 +250,86 @@ class Consumer:
         )
 
     def _abort(self, running: _Running, reason: AbortReason) -> None:
+        """Signals the handler why it must stop and cancels its task."""
         if running.signal.abort(reason):
             log.info("%s: delivery %s aborted (%s)", self.name, running.delivery.delivery_id, reason.value)
-            if running.handler_task is not None and not running.handler_task.done():
-                running.handler_task.cancel()
+            # A task that has not started yet sees the signal when it does (cancelling it then would
+            # skip its clean-up).
+            if running.entered and running.task is not None and not running.task.done():
+                running.task.cancel()
 
     # -- running one delivery ----------------------------------------------------------------
 
     async def _run(self, running: _Running) -> None:
-        delivery = running.delivery
+        settlement: Settlement | None = None
         try:
             settlement = await self._execute(running)
-            if settlement is not None:
-                result = await self.settler.settle(settlement)
-                if result == "LeaseLost":
-                    log.warning("%s: delivery %s settled after its lease was lost; outcome ignored",
-                                self.name, delivery.delivery_id)
-                elif result == "Completed":
-                    self.completed_total += 1
         except asyncio.CancelledError:
+            # Cancelled from outside (the event loop is going away): give the delivery back.
+            if not running.signal.aborted:
+                running.signal.abort(AbortReason.SHUTDOWN)
+            settlement = self._settlement_for_abort(running)
             raise
-        except Exception as exc:
-            log.error("%s: settling delivery %s failed: %s", self.name, delivery.delivery_id, exc)
         finally:
             for timer in running.timers:
                 timer.cancel()
             if running.lease_timer is not None:
                 running.lease_timer.cancel()
-            self._running.pop(delivery.delivery_id, None)
+            self._running.pop(running.delivery.delivery_id, None)
             self._slot_freed.set()
+            if settlement is not None and not running.released:
+                self.settler.submit(settlement, self._settled)
+
+    def _settled(self, settlement: Settlement, result: SettleResult | None) -> None:
+        self.settled_total += 1
+        if result == "Completed":
+            self.completed_total += 1
+        elif result == "LeaseLost" and settlement.reason != "LeaseLost":
+            log.warning("%s: delivery %s settled after its lease was lost; outcome ignored",
+                        self.name, settlement.delivery_id)
 
     async def _execute(self, running: _Running) -> Settlement | None:
+        running.entered = True
+        if running.signal.aborted:
+            return self._settlement_for_abort(running)
         delivery = running.delivery
         sub = self.subscription
-        spec = self._resolve(sub.handler_key)
         base = (delivery.delivery_id, delivery.lease_token)
+        spec = self._resolve(sub.handler_key)
         if spec is None:
             # The handler went away (a reconcile raced us): give the delivery back untouched.
             return Settlement(*base, "Release", reason=f"handler {sub.handler_key!r} is not registered here")
+        try:
+            message = spec.build_message(delivery, sub.name)
+        except PayloadInvalid as exc:
+            return Settlement(*base, "DeadLetter", reason=str(exc), error=_error_text(exc))
         context = WorkContext(
             subscription=sub.name,
             delivery_id=delivery.delivery_id,
             attempt=delivery.attempt,
             max_attempts=delivery.max_attempts,
             signal=running.signal,
-            heartbeat=lambda progress: self._manual_heartbeat(running, progress),
-            log=logging.LoggerAdapter(
-                logging.getLogger(f"fastapi_workqueue.handler.{sub.handler_key}"),
-                {"subscription": sub.name, "delivery_id": delivery.delivery_id,
-                 "message_id": str(delivery.message_id), "attempt": delivery.attempt},
-            ),
+            heartbeat=_ManualHeartbeat(self, running),
+            log=_DeliveryLog(self._log.logger, sub.name, delivery),
             principal=self.principal,
         )
+        task = running.task
         try:
-            message = spec.build_message(delivery, sub.name)
-        except PayloadInvalid as exc:
-            return Settlement(*base, "DeadLetter", reason=str(exc), error=_error_text(exc))
-        async def call_handler() -> WorkOutcome | None:
-            return await self._invoke(spec, message, context)
-
-        handler_task = asyncio.create_task(call_handler())
-        running.handler_task = handler_task
-        try:
-            outcome = await asyncio.shield(handler_task)
+            outcome = await self._invoke(spec, message, context)
         except asyncio.CancelledError as exc:
-            if not handler_task.done():
-                # This task was cancelled from outside (the loop is going away): stop the handler
-                # and give the delivery back.
-                self._abort(running, AbortReason.SHUTDOWN)
-                with contextlib.suppress(BaseException):
-                    await handler_task
-                return Settlement(*base, "Release", reason="released at shutdown")
+            if not running.signal.aborted:
+                raise  # not ours: the loop is going away
+            if task is not None:
+                task.uncancel()
             return self._settlement_for_abort(running) or _settlement_for_error(base, exc)
         except Exception as exc:
+            if running.signal.aborted and task is not None and task.cancelling():
+                task.uncancel()
             return self._settlement_for_abort(running) or _settlement_for_error(base, exc)
-        aborted = self._settlement_for_abort(running)
-        if aborted is not None or running.signal.reason == AbortReason.LEASE_LOST:
-            return aborted
+        if running.signal.aborted:
+            if task is not None and task.cancelling():
+                task.uncancel()
+            return self._settlement_for_abort(running)
         if outcome is None or isinstance(outcome, Complete):
             return Settlement(*base, "Complete")
         if isinstance(outcome, Retry):
@@ -430,18 +364,21 @@ class Consumer:
 
     # -- heartbeats --------------------------------------------------------------------------
 
-    async def _manual_heartbeat(self, running: _Running, progress: Progress | None) -> bool:
+    async def manual_heartbeat(self, running: _Running, progress: Progress | None) -> bool:
         delivery = running.delivery
+        sent_at = time.monotonic()
         try:
             [result] = await self.transport.heartbeat(
                 [HeartbeatRequest(delivery.delivery_id, delivery.lease_token,
                                   progress.percent if progress else None,
                                   progress.message if progress else None)]
             )
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:
             log.warning("%s: heartbeat of %s failed (%s)", self.name, delivery.delivery_id, exc)
             return not running.signal.aborted and time.monotonic() < running.lease_deadline
-        self._apply_heartbeat(running, result.alive, result.cancel_requested, time.monotonic())
+        self._apply_heartbeat(running, result.alive, result.cancel_requested, sent_at)
         return result.alive and not running.signal.aborted
 
     def _apply_heartbeat(self, running: _Running, alive: bool, cancel_requested: bool, sent_at: float) -> None:
@@ -449,26 +386,23 @@ class Consumer:
             self._abort(running, AbortReason.CANCELLED)
         elif not alive:
             self._abort(running, AbortReason.LEASE_LOST)
-        else:
+        elif not running.signal.aborted:
             running.renewed_at = sent_at
             running.lease_deadline = sent_at + self.subscription.lease_seconds
-            if not running.signal.aborted:
-                self._arm_lease_timer(running)
+            self._arm_lease_timer(running)
 
     async def _heartbeat_loop(self) -> None:
         """Renews the Auto leases that are due, in one batch per tick."""
         while True:
             interval = self.subscription.heartbeat_interval_seconds
             await asyncio.sleep(min(interval, 1.0) if self._running else min(interval, 5.0))
-            if not self._running:
-                continue
+            if not self._running or self.subscription.heartbeat_mode == "Manual":
+                continue  # Manual: the handler renews its own lease
             now = time.monotonic()
             due = [
                 r for r in self._running.values()
                 if not r.signal.aborted and now - r.renewed_at >= interval * 0.95
             ]
-            if self.subscription.heartbeat_mode == "Manual":
-                due = []  # the handler renews its own lease
             if not due:
                 continue
             try:
@@ -484,6 +418,35 @@ class Consumer:
                 self._apply_heartbeat(running, result.alive, result.cancel_requested, now)
 
 
+class _ManualHeartbeat:
+    """``context.heartbeat`` of one delivery."""
+
+    __slots__ = ("_consumer", "_running")
+
+    def __init__(self, consumer: Consumer, running: _Running) -> None:
+        self._consumer = consumer
+        self._running = running
+
+    async def __call__(self, progress: Progress | None) -> bool:
+        return await self._consumer.manual_heartbeat(self._running, progress)
+
+
+class _DeliveryLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """``context.log``: the handler's logger with the delivery's ids on every record."""
+
+    def __init__(self, logger: logging.Logger, subscription: str, delivery: ClaimedDelivery) -> None:
+        super().__init__(logger, {})
+        self._subscription = subscription
+        self._delivery = delivery
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        delivery = self._delivery
+        extra = {"subscription": self._subscription, "delivery_id": delivery.delivery_id,
+                 "message_id": str(delivery.message_id), "attempt": delivery.attempt}
+        kwargs["extra"] = {**extra, **(kwargs.get("extra") or {})}
+        return msg, kwargs
+
+
 def _error_text(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= MAX_ERROR_TEXT else text[: MAX_ERROR_TEXT - 3] + "..."
@@ -496,6 +459,3 @@ def _settlement_for_error(base: tuple[str, str], exc: BaseException) -> Settleme
         return Settlement(*base, "Retry", delay_seconds=exc.delay_seconds, reason=exc.reason,
                           error=_error_text(exc))
     return Settlement(*base, "Fail", reason=f"{type(exc).__name__}", error=_error_text(exc))
-
-
-SettleCallback = Callable[[Settlement, SettleResult], Awaitable[None]]

@@ -1,0 +1,113 @@
+"""Writes settles in batches: whatever gathers while one batch is in flight goes in the next."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from .errors import TransportError
+from .transport import Settlement, SettleResult, Transport
+
+log = logging.getLogger("fastapi_workqueue.settler")
+
+SettleDone = Callable[[Settlement, SettleResult | None], None]
+"""Called once a settle is written (with its result) or given up (with None)."""
+
+
+class Settler:
+    """Batches the settles of every consumer of a process into few round trips.
+
+    A settle is submitted without waiting; the handler's slot is free at once. While the store is
+    unreachable, a batch is retried for up to ``give_up_after`` seconds; after that its leases
+    expire and the sweeper takes the deliveries back, so nothing is lost.
+    """
+
+    def __init__(self, transport: Transport, *, max_batch: int = 500, give_up_after: float = 60.0) -> None:
+        self._transport = transport
+        self._max_batch = max_batch
+        self._give_up_after = give_up_after
+        self._pending: list[tuple[Settlement, SettleDone | None]] = []
+        self._in_flight = 0
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    @property
+    def backlog(self) -> int:
+        """Settles submitted and not yet written."""
+        return len(self._pending) + self._in_flight
+
+    def start(self) -> None:
+        if self._task is None:
+            self._closing = False
+            self._task = asyncio.create_task(self._run(), name="workqueue-settler")
+
+    def submit(self, settlement: Settlement, done: SettleDone | None = None) -> None:
+        """Queues a settle for the next batch."""
+        self._pending.append((settlement, done))
+        self._idle.clear()
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self.start()
+
+    async def flush(self) -> None:
+        """Waits until every submitted settle is written (or given up)."""
+        while self.backlog:
+            self._idle.clear()
+            await self._idle.wait()
+
+    async def close(self) -> None:
+        """Writes what is queued, then stops."""
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            if not self._pending:
+                self._idle.set()
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch, self._pending = self._pending[: self._max_batch], self._pending[self._max_batch :]
+            self._in_flight = len(batch)
+            try:
+                await self._write(batch)
+            finally:
+                self._in_flight = 0
+
+    async def _write(self, batch: list[tuple[Settlement, SettleDone | None]]) -> None:
+        deadline = time.monotonic() + self._give_up_after
+        delay = 0.1
+        settlements = [s for s, _ in batch]
+        while True:
+            try:
+                results: list[SettleResult | None] = list(await self._transport.settle(settlements))
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                retryable = isinstance(exc, TransportError) and exc.retryable
+                if time.monotonic() > deadline or not retryable:
+                    log.error("settle failed for %d deliveries (%s); their leases will expire", len(batch), exc)
+                    results = [None] * len(batch)
+                    break
+                log.warning("settle failed (%s); retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        for (settlement, done), result in zip(batch, results, strict=True):
+            if done is not None:
+                try:
+                    done(settlement, result)
+                except Exception:  # pragma: no cover - a callback must not stop the settler
+                    log.exception("settle callback failed")
