@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -348,3 +349,58 @@ async def test_annotated_dependencies_and_model_payloads(pg_url: str) -> None:
         info = await wait_for(lambda: _terminal(queue, subs["a"], result.message_id))
     assert info.status == "Completed"
     assert seen == [(Order(order_id=3, email="x@y.z"), 42)]
+
+
+async def test_context_once_runs_the_side_effect_once_across_retries(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "a", "backoff_base_seconds": 0, "backoff_max_seconds": 0}])
+    sent: list[str] = []
+    answers: list[bool] = []
+
+    @queue.handler("a")
+    async def handle(message: WorkMessage[str], context: WorkContext) -> WorkOutcome:
+        async def send() -> None:
+            sent.append(message.payload)
+
+        answers.append(await context.once(f"welcome:{message.message_id}", send))
+        if context.attempt == 1:
+            raise TransientWorkError("the next step failed", delay_seconds=0)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        [result] = await queue.publish(topic, [PublishRequest(payload="mail")])
+        info = await wait_for(lambda: _terminal(queue, subs["a"], result.message_id))
+    assert info.status == "Completed" and info.attempt == 2
+    assert sent == ["mail"]
+    assert answers == [True, False]
+
+
+async def test_context_once_busy_key_releases_without_spending_an_attempt(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "a", "max_attempts": 1}])
+    gate = asyncio.Event()
+    entered = asyncio.Event()
+    key = f"shared-{uuid.uuid4()}"
+
+    @queue.handler("a")
+    async def handle(message: WorkMessage[str], context: WorkContext) -> WorkOutcome:
+        async def slow() -> None:
+            entered.set()
+            await gate.wait()
+
+        await context.once(key, slow)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        [first] = await queue.publish(topic, [PublishRequest(payload="first")])
+        await asyncio.wait_for(entered.wait(), 10)
+        [second] = await queue.publish(topic, [PublishRequest(payload="second")])
+
+        async def second_released() -> Any:
+            info = await delivery_status(queue, subs["a"], second.message_id)
+            return info if info is not None and info.status == "Pending" and info.reason else None
+
+        waiting = await wait_for(second_released)
+        gate.set()
+        done = await wait_for(lambda: _terminal(queue, subs["a"], first.message_id))
+    assert done.status == "Completed"
+    # Released for a few seconds without spending its only attempt.
+    assert waiting.attempt == 0 and "being run by another attempt" in (waiting.reason or "")

@@ -25,6 +25,17 @@ class AbortReason(StrEnum):
     """The host is stopping; the delivery goes back to Pending without consuming the attempt."""
 
 
+class OnceBusy(Exception):
+    """Raised by :meth:`WorkContext.once` while another attempt runs the same key.
+
+    The runtime gives the delivery back for a few seconds without spending an attempt.
+    """
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"once key {key!r} is being run by another attempt")
+        self.key = key
+
+
 class WorkAborted(Exception):
     """Raised by :meth:`AbortSignal.raise_if_aborted` inside an aborted handler."""
 

@@ -15,11 +15,11 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .context import AbortReason, AbortSignal, Progress, WorkContext
+from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .outcomes import Complete, DeadLetter, FatalWorkError, Retry, TransientWorkError
 from .settler import Settler
@@ -29,6 +29,7 @@ from .transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResu
 log = logging.getLogger("fastapi_workqueue.runtime")
 
 MAX_ERROR_TEXT = 4000
+ONCE_BUSY_RETRY_SECONDS = 5.0
 
 Resolver = Callable[[str], HandlerSpec | None]
 
@@ -312,6 +313,7 @@ class Consumer:
             heartbeat=_ManualHeartbeat(self, running),
             log=_DeliveryLog(self._log.logger, sub.name, delivery),
             principal=self.principal,
+            once=_OnceStore(self, running),
         )
         task = running.task
         try:
@@ -322,6 +324,11 @@ class Consumer:
             if task is not None:
                 task.uncancel()
             return self._settlement_for_abort(running) or _settlement_for_error(base, exc)
+        except OnceBusy as exc:
+            if running.signal.aborted:
+                return self._settlement_for_abort(running)
+            # Another attempt runs the same once() key: come back later without spending a try.
+            return Settlement(*base, "Release", delay_seconds=ONCE_BUSY_RETRY_SECONDS, reason=str(exc))
         except Exception as exc:
             if running.signal.aborted and task is not None and task.cancelling():
                 task.uncancel()
@@ -429,6 +436,34 @@ class _ManualHeartbeat:
 
     async def __call__(self, progress: Progress | None) -> bool:
         return await self._consumer.manual_heartbeat(self._running, progress)
+
+
+class _OnceStore:
+    """``context.once`` of one delivery: a marker per key in the transport."""
+
+    __slots__ = ("_consumer", "_running")
+
+    def __init__(self, consumer: Consumer, running: _Running) -> None:
+        self._consumer = consumer
+        self._running = running
+
+    async def __call__(self, key: str, fn: Callable[[], Awaitable[Any]], ttl_seconds: float) -> bool:
+        transport = self._consumer.transport
+        sub = self._consumer.subscription
+        hold = max(sub.lease_seconds, sub.max_processing_seconds or 0.0, 60.0)
+        state, token = await transport.once_begin(key, hold)
+        if state == "Done":
+            return False
+        if state == "Busy" or token is None:
+            raise OnceBusy(key)
+        try:
+            await fn()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(transport.once_abort(key, token))
+            raise
+        await asyncio.shield(transport.once_finish(key, token, ttl_seconds))
+        return True
 
 
 class _DeliveryLog(logging.LoggerAdapter):  # type: ignore[type-arg]

@@ -352,6 +352,20 @@ class PostgresTransport:
         by_id: dict[str, SettleResult] = {str(r["delivery_id"]): r["result"] for r in rows}
         return [by_id.get(s.delivery_id, "LeaseLost") for s in settlements]
 
+    # -- once markers ------------------------------------------------------------------------
+
+    async def once_begin(self, key: str, running_seconds: float) -> tuple[str, str | None]:
+        rows = await self._fetch("once", "SELECT * FROM workqueue.once_begin($1, $2)", key, running_seconds)
+        return rows[0]["state"], _sid(rows[0]["token"])
+
+    async def once_finish(self, key: str, token: str, ttl_seconds: float) -> bool:
+        rows = await self._fetch("once", "SELECT workqueue.once_finish($1, $2, $3) AS ok", key, token, ttl_seconds)
+        return bool(rows[0]["ok"])
+
+    async def once_abort(self, key: str, token: str) -> bool:
+        rows = await self._fetch("once", "SELECT workqueue.once_abort($1, $2) AS ok", key, token)
+        return bool(rows[0]["ok"])
+
     # -- housekeeping ------------------------------------------------------------------------
 
     async def sweep(self, limit: int = 1000) -> SweepReport:
