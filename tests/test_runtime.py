@@ -404,3 +404,53 @@ async def test_context_once_busy_key_releases_without_spending_an_attempt(pg_url
     assert done.status == "Completed"
     # Released for a few seconds without spending its only attempt.
     assert waiting.attempt == 0 and "being run by another attempt" in (waiting.reason or "")
+
+
+async def test_slow_handlers_never_hold_more_than_concurrency(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "slow"}], concurrency=2)
+    done: list[int] = []
+
+    @queue.handler("slow")
+    async def slow(message: WorkMessage[int]) -> WorkOutcome:
+        await asyncio.sleep(0.12)
+        done.append(message.payload)
+        return Outcome.complete()
+
+    most = 0
+    async with queue.lifespan(None):
+        assert queue.host is not None
+        consumer = queue.host.consumers[subs["slow"]]
+        await queue.publish(topic, [PublishRequest(payload=i) for i in range(8)])
+        while len(done) < 8:
+            most = max(most, consumer.held)
+            await asyncio.sleep(0.005)
+    assert sorted(done) == list(range(8))
+    assert most == 2  # nothing claimed ahead of free slots
+
+
+async def test_fast_handlers_are_fed_ahead_and_all_complete(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "fast"}], concurrency=2)
+    done: list[int] = []
+    running = 0
+    most_running = 0
+
+    @queue.handler("fast")
+    async def fast(message: WorkMessage[int]) -> WorkOutcome:
+        nonlocal running, most_running
+        running += 1
+        most_running = max(most_running, running)
+        await asyncio.sleep(0)
+        running -= 1
+        done.append(message.payload)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        for batch in range(4):
+            await queue.publish(topic, [PublishRequest(payload=batch * 500 + i) for i in range(500)])
+        await wait_for(lambda: len(done) == 2000, within=30)
+        assert queue.host is not None
+        consumer = queue.host.consumers[subs["fast"]]
+        claimed_ahead = consumer.claimed_total
+    assert sorted(done) == list(range(2000))
+    assert most_running <= 2  # concurrency bounds running handlers, whatever was claimed ahead
+    assert claimed_ahead == 2000

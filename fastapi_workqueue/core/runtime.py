@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,9 @@ log = logging.getLogger("fastapi_workqueue.runtime")
 
 MAX_ERROR_TEXT = 4000
 ONCE_BUSY_RETRY_SECONDS = 5.0
+PREFETCH_BELOW_SECONDS = 0.05
+MAX_PREFETCH = 100
+"""Handlers that take less than this on average get a second set of deliveries claimed ahead."""
 
 Resolver = Callable[[str], HandlerSpec | None]
 
@@ -45,6 +50,7 @@ class _Running:
     task: asyncio.Task[None] | None = None
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
     lease_timer: asyncio.TimerHandle | None = None
+    started_at: float = 0.0
     entered: bool = False
     released: bool = False
 
@@ -66,6 +72,7 @@ class Consumer:
         principal: str | None = None,
         max_deliveries: int | None = None,
         stop_when_idle: bool = False,
+        prefetch: int | None = None,
         on_error: Callable[[str], None] | None = None,
     ) -> None:
         if concurrency < 1:
@@ -81,7 +88,12 @@ class Consumer:
         self.principal = principal
         self.max_deliveries = max_deliveries
         self.stop_when_idle = stop_when_idle
+        self.prefetch = prefetch
         self._on_error = on_error
+        self._held: dict[str, _Running] = {}
+        self._buffer: deque[_Running] = deque()
+        self._handler_seconds: float | None = None
+        self._claim_seconds: float | None = None
         self.claimed_total = 0
         self.completed_total = 0
         self.settled_total = 0
@@ -107,6 +119,11 @@ class Consumer:
         """Handlers this consumer is running now."""
         return len(self._running)
 
+    @property
+    def held(self) -> int:
+        """Deliveries this consumer holds under lease: running, or claimed ahead and waiting for a slot."""
+        return len(self._held)
+
     def start(self) -> None:
         self.settler.start()
         self._loop_task = asyncio.create_task(self._claim_loop(), name=f"workqueue-claim:{self.name}")
@@ -131,7 +148,7 @@ class Consumer:
         if self._loop_task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        while self._running:
+        while self._held:
             self._slot_freed.clear()
             await self._slot_freed.wait()
         await self.settler.flush()
@@ -144,6 +161,7 @@ class Consumer:
         if self._loop_task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        self._release_buffer()
         await self._drain(drain_seconds)
         if self._running:
             log.info("%s: aborting %d running handlers (Shutdown)", self.name, len(self._running))
@@ -166,6 +184,25 @@ class Consumer:
                 await self._heartbeat_task
         await self.settler.flush()
 
+    def _release_buffer(self) -> None:
+        """Gives back deliveries claimed ahead and not started, without spending their attempt."""
+        while self._buffer:
+            running = self._buffer.popleft()
+            self._drop(running)
+            delivery = running.delivery
+            self.settler.submit(
+                Settlement(delivery.delivery_id, delivery.lease_token, "Release", reason="released at shutdown"),
+                self._settled,
+            )
+
+    def _drop(self, running: _Running) -> None:
+        for timer in running.timers:
+            timer.cancel()
+        if running.lease_timer is not None:
+            running.lease_timer.cancel()
+        self._held.pop(running.delivery.delivery_id, None)
+        self._running.pop(running.delivery.delivery_id, None)
+
     async def _drain(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while self._running:
@@ -182,7 +219,10 @@ class Consumer:
         idle = self.idle_poll_min
         failures = 0
         while not self._stopping:
-            free = self.concurrency - len(self._running)
+            prefetch = self._prefetch_target()
+            free = self.concurrency + prefetch - len(self._held)
+            if prefetch and len(self._held) > self.concurrency:
+                free = 0  # claim ahead again once what was claimed ahead is running
             if self.max_deliveries is not None:
                 budget = self.max_deliveries - self.claimed_total
                 if budget <= 0:
@@ -194,7 +234,7 @@ class Consumer:
                 continue
             self._wake.clear()
             try:
-                batch = await self.transport.claim(self.name, free)
+                batch = await self._claim(free)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -211,14 +251,38 @@ class Consumer:
             if batch:
                 idle = self.idle_poll_min
                 for delivery in batch:
-                    self._start(delivery)
+                    self._hold(delivery)
+                self._fill()
                 if len(batch) == free:
                     continue
-            elif self.stop_when_idle and not self._running:
+            elif self.stop_when_idle and not self._held:
                 return
             await self._sleep(idle)
             if not self._wake.is_set():
                 idle = min(idle * 2, self.idle_poll_max)
+
+    def _prefetch_target(self) -> int:
+        """How many deliveries to claim ahead of free slots.
+
+        While handlers are short (under ``PREFETCH_BELOW_SECONDS`` on average), the runtime claims
+        ahead what the running handlers will finish within one claim round trip, so a fast
+        handler never waits for the store. Slow handlers get nothing ahead: work stays claimable
+        by other processes.
+        """
+        if self.prefetch is not None:
+            return self.prefetch
+        handler, claim = self._handler_seconds, self._claim_seconds
+        if handler is None or claim is None or handler > PREFETCH_BELOW_SECONDS or self.max_deliveries is not None:
+            return 0
+        return min(MAX_PREFETCH, math.ceil(self.concurrency * claim / max(handler, 1e-6)))
+
+    async def _claim(self, limit: int) -> list[ClaimedDelivery]:
+        started = time.monotonic()
+        batch = await self.transport.claim(self.name, limit)
+        took = time.monotonic() - started
+        previous = self._claim_seconds
+        self._claim_seconds = took if previous is None else previous * 0.8 + took * 0.2
+        return batch
 
     async def _sleep(self, seconds: float) -> None:
         """Sleeps until a wake-up or ``seconds`` (with jitter, so processes do not poll in step)."""
@@ -227,18 +291,29 @@ class Consumer:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout=seconds * random.uniform(0.9, 1.1))
 
-    def _start(self, delivery: ClaimedDelivery) -> None:
+    def _hold(self, delivery: ClaimedDelivery) -> None:
+        """Takes a claimed delivery under lease, waiting for a free slot."""
         now = time.monotonic()
-        sub = self.subscription
-        running = _Running(delivery, AbortSignal(), now + sub.lease_seconds, now)
+        running = _Running(delivery, AbortSignal(), now + self.subscription.lease_seconds, now)
         self.claimed_total += 1
-        self._running[delivery.delivery_id] = running
+        self._held[delivery.delivery_id] = running
+        self._buffer.append(running)
+        self._arm_lease_timer(running)
+
+    def _fill(self) -> None:
+        """Starts held deliveries while there are free slots."""
+        while self._buffer and len(self._running) < self.concurrency and not self._stopping:
+            self._start(self._buffer.popleft())
+
+    def _start(self, running: _Running) -> None:
+        sub = self.subscription
+        running.started_at = time.monotonic()
+        self._running[running.delivery.delivery_id] = running
         loop = asyncio.get_running_loop()
         if sub.max_processing_seconds is not None:
             running.timers.append(
                 loop.call_later(sub.max_processing_seconds, self._abort, running, AbortReason.MAX_PROCESSING_SECONDS)
             )
-        self._arm_lease_timer(running)
         running.task = loop.create_task(self._run(running))
 
     def _arm_lease_timer(self, running: _Running) -> None:
@@ -272,14 +347,14 @@ class Consumer:
             settlement = self._settlement_for_abort(running)
             raise
         finally:
-            for timer in running.timers:
-                timer.cancel()
-            if running.lease_timer is not None:
-                running.lease_timer.cancel()
-            self._running.pop(running.delivery.delivery_id, None)
-            self._slot_freed.set()
+            self._drop(running)
+            took = time.monotonic() - running.started_at
+            previous = self._handler_seconds
+            self._handler_seconds = took if previous is None else previous * 0.9 + took * 0.1
             if settlement is not None and not running.released:
                 self.settler.submit(settlement, self._settled)
+            self._fill()
+            self._slot_freed.set()
 
     def _settled(self, settlement: Settlement, result: SettleResult | None) -> None:
         self.settled_total += 1
@@ -402,14 +477,14 @@ class Consumer:
         """Renews the Auto leases that are due, in one batch per tick."""
         while True:
             interval = self.subscription.heartbeat_interval_seconds
-            await asyncio.sleep(min(interval, 1.0) if self._running else min(interval, 5.0))
-            if not self._running or self.subscription.heartbeat_mode == "Manual":
-                continue  # Manual: the handler renews its own lease
+            await asyncio.sleep(min(interval, 1.0) if self._held else min(interval, 5.0))
+            if not self._held:
+                continue
+            # Manual: the handler renews its own lease; deliveries held ahead are renewed here.
+            manual = self.subscription.heartbeat_mode == "Manual"
+            due_held = list(self._buffer) if manual else list(self._held.values())
             now = time.monotonic()
-            due = [
-                r for r in self._running.values()
-                if not r.signal.aborted and now - r.renewed_at >= interval * 0.95
-            ]
+            due = [r for r in due_held if not r.signal.aborted and now - r.renewed_at >= interval * 0.95]
             if not due:
                 continue
             try:

@@ -71,6 +71,41 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     )
 
 
+async def _keep_session(conn: Any) -> None:
+    """Pool reset: nothing to undo. The queue's statements leave no session state (no SET, LISTEN,
+    cursors or session locks); an open transaction is still rolled back by the pool. The default
+    reset would cost a round trip per use of a connection."""
+
+
+def _claimed(r: Mapping[str, Any]) -> ClaimedDelivery:
+    return ClaimedDelivery(
+        delivery_id=str(r["delivery_id"]),
+        lease_token=str(r["lease_token"]),
+        attempt=r["attempt"],
+        max_attempts=r["max_attempts"],
+        lease_expires_at=r["lease_expires_at"],
+        message_id=r["message_id"],
+        topic=r["topic"],
+        partition_key=r["partition_key"],
+        attributes=json.loads(r["attributes"]) if r["attributes"] else {},
+        payload_json=r["payload"],
+        payload_ref=r["payload_ref"],
+        correlation_id=r["correlation_id"],
+        published_at=r["published_at"],
+    )
+
+
+def _settle_args(settlements: Sequence[Settlement]) -> tuple[list[Any], ...]:
+    return (
+        [int(s.delivery_id) for s in settlements],
+        [s.lease_token for s in settlements],
+        [s.kind for s in settlements],
+        [s.delay_seconds for s in settlements],
+        [s.reason for s in settlements],
+        [s.error for s in settlements],
+    )
+
+
 def _json_or_none(value: Any) -> Any:
     if value is None or not isinstance(value, str):
         return value
@@ -124,6 +159,7 @@ class PostgresTransport:
                 min_size=self._pool_min_size,
                 max_size=self._pool_max_size,
                 init=_init_connection,
+                reset=_keep_session,
                 timeout=self._connect_timeout,
             )
         except Exception as exc:
@@ -292,24 +328,7 @@ class PostgresTransport:
 
     async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
         rows = await self._fetch(f"claim from {subscription}", _CLAIM, subscription, limit, retry=False)
-        return [
-            ClaimedDelivery(
-                delivery_id=str(r["delivery_id"]),
-                lease_token=str(r["lease_token"]),
-                attempt=r["attempt"],
-                max_attempts=r["max_attempts"],
-                lease_expires_at=r["lease_expires_at"],
-                message_id=r["message_id"],
-                topic=r["topic"],
-                partition_key=r["partition_key"],
-                attributes=json.loads(r["attributes"]) if r["attributes"] else {},
-                payload_json=r["payload"],
-                payload_ref=r["payload_ref"],
-                correlation_id=r["correlation_id"],
-                published_at=r["published_at"],
-            )
-            for r in rows
-        ]
+        return [_claimed(r) for r in rows]
 
     async def heartbeat(self, requests: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
         if not requests:
@@ -339,16 +358,7 @@ class PostgresTransport:
     async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]:
         if not settlements:
             return []
-        rows = await self._fetch(
-            "settle",
-            _SETTLE,
-            [int(s.delivery_id) for s in settlements],
-            [s.lease_token for s in settlements],
-            [s.kind for s in settlements],
-            [s.delay_seconds for s in settlements],
-            [s.reason for s in settlements],
-            [s.error for s in settlements],
-        )
+        rows = await self._fetch("settle", _SETTLE, *_settle_args(settlements))
         by_id: dict[str, SettleResult] = {str(r["delivery_id"]): r["result"] for r in rows}
         return [by_id.get(s.delivery_id, "LeaseLost") for s in settlements]
 
