@@ -136,8 +136,11 @@ def _text_field(name: str, value: str | None, limit: int = MAX_KEY_LENGTH) -> No
         )
 
 
-def _dumps(value: Any, *, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=sort_keys, allow_nan=False)
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False).encode
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())
 
 
 def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_BYTES) -> PreparedMessage:
@@ -184,17 +187,17 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
     if isinstance(payload, BaseModel):
         payload = payload.model_dump(mode="json")
     try:
-        payload_json = _dumps(payload)
-        canonical = _dumps(
-            [request.partition_key, attributes, payload, request.payload_ref, request.correlation_id],
-            sort_keys=True,
-        )
+        # Keys sorted: the stored form is canonical, so equal content hashes equally.
+        payload_json = _encode(payload)
     except (TypeError, ValueError) as exc:
         raise RequestRejected(
             "InvalidPayload", f"the Payload is not JSON: {exc}; send JSON values only", "payload"
         ) from exc
-    attributes_json = _dumps(attributes)
-    size = len(payload_json.encode()) + len(attributes_json.encode())
+    attributes_json = _encode(attributes) if attributes else "{}"
+    content = "\n".join(
+        (_encode([request.partition_key, request.payload_ref, request.correlation_id]), attributes_json, payload_json)
+    )
+    size = _utf8_len(payload_json) + _utf8_len(attributes_json)
     if size > max_envelope_bytes:
         raise RequestRejected(
             "EnvelopeTooLarge",
@@ -210,7 +213,7 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
         payload_json=payload_json,
         payload_ref=request.payload_ref,
         correlation_id=request.correlation_id,
-        content_hash=hashlib.sha256(canonical.encode()).hexdigest(),
+        content_hash=hashlib.sha256(content.encode()).hexdigest(),
         deduplication_key=request.deduplication_key,
         deduplication_ttl_seconds=request.deduplication_ttl_seconds or DEFAULT_DEDUPLICATION_TTL_SECONDS,
         delay_seconds=request.delay_seconds,

@@ -77,6 +77,24 @@ async def _keep_session(conn: Any) -> None:
     reset would cost a round trip per use of a connection."""
 
 
+_ACCEPTED = PublishStatus.ACCEPTED
+
+
+def _publish_result(row: Mapping[str, Any], message: PreparedMessage) -> PublishResult:
+    status = row["status"]
+    if status == "Accepted":
+        return PublishResult.model_construct(status=_ACCEPTED, message_id=message.message_id, error=None)
+    error = None
+    if row["error_code"] is not None:
+        error = PublishError(code=row["error_code"], message=row["error_message"])
+    mid = row["message_id"]
+    return PublishResult(
+        status=PublishStatus(status),
+        message_id=None if mid is None else uuid.UUID(str(mid)),
+        error=error,
+    )
+
+
 def _claimed(r: Mapping[str, Any]) -> ClaimedDelivery:
     return ClaimedDelivery(
         delivery_id=str(r["delivery_id"]),
@@ -310,19 +328,8 @@ class PostgresTransport:
                 raise map_error(exc, f"publish to {topic}") from exc
         else:
             rows = await self._fetch(f"publish to {topic}", _PUBLISH, *args)
-        return [self._publish_result(r) for r in sorted(rows, key=lambda r: r["idx"])]
-
-    @staticmethod
-    def _publish_result(row: Mapping[str, Any]) -> PublishResult:
-        error = None
-        if row["error_code"] is not None:
-            error = PublishError(code=row["error_code"], message=row["error_message"])
-        mid = row["message_id"]
-        return PublishResult(
-            status=PublishStatus(row["status"]),
-            message_id=None if mid is None else uuid.UUID(str(mid)),
-            error=error,
-        )
+        rows.sort(key=lambda r: r["idx"])
+        return [_publish_result(r, m) for r, m in zip(rows, messages, strict=True)]
 
     # -- consume -----------------------------------------------------------------------------
 
