@@ -267,6 +267,7 @@ def create_app(settings: WorkQueueSettings | None = None) -> FastAPI:
     app = FastAPI(title="Orders: a fastapi-workqueue example", lifespan=lifespan)
     app.state.queue = queue
     app.include_router(build_router(queue))
+    app.include_router(queue.router)  # REST publish and operator API under /work-queue (API keys)
     app.include_router(queue.health_router)
     return app
 

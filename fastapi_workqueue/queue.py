@@ -28,6 +28,7 @@ from .core.host import Host, SubscriptionPlan
 from .core.reports import (
     ActionResult,
     Backlog,
+    BindingReport,
     DeliveryInfo,
     DeliveryStatus,
     PartitionCondition,
@@ -38,8 +39,10 @@ from .core.reports import (
 from .core.topology import Subscription, SubscriptionStatus, Topic
 from .core.transport import Transport
 from .settings import WorkQueueSettings
+from .web.auth import Authorizer, api_key_authorizer
 from .web.di import DependencyInvoker
 from .web.health import ExtensionHealth, build_health_router
+from .web.routes import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES, build_router
 from .web.session import RequestSessions, current_session
 
 log = logging.getLogger("fastapi_workqueue")
@@ -79,6 +82,33 @@ class WorkQueue:
         self._opened = 0
         self._sessions = RequestSessions(self._database_url)
         self.health_router: APIRouter = build_health_router(self)
+        self._router: APIRouter | None = None
+
+    # -- routers -----------------------------------------------------------------------------
+
+    @property
+    def router(self) -> APIRouter:
+        """The REST publish and operator API under ``/work-queue``, checked with API keys."""
+        if self._router is None:
+            self._router = self.create_router()
+        return self._router
+
+    def create_router(
+        self,
+        *,
+        authorize: Authorizer | None = None,
+        prefix: str = "/work-queue",
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ) -> APIRouter:
+        """The REST API with your own ``authorize`` dependency (OAuth, sessions …) or other limits.
+
+        ``authorize`` takes ``SecurityScopes`` and returns a ``Principal``; it raises 401/403.
+        """
+        return build_router(
+            self, authorize or api_key_authorizer(self), prefix=prefix, max_body_bytes=max_body_bytes,
+            max_batch=max_batch,
+        )
 
     # -- declaration -------------------------------------------------------------------------
 
@@ -356,6 +386,10 @@ class WorkQueue:
     async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
         """Pending/DeadLettered → Discarded; InFlight → cancel requested (Discarded when it returns)."""
         return await self.transport.discard(subscription, delivery_id, reason)
+
+    async def validate_bindings(self) -> BindingReport:
+        """Checks the store: schema version, capabilities, what the transport leaves out."""
+        return await self.transport.validate_bindings()
 
     async def set_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:
         """Pauses or resumes a subscription (None when it does not exist)."""

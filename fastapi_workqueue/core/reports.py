@@ -106,3 +106,19 @@ class SweepReport(WireModel):
     def expired(self) -> int:
         """Leases expired in this pass."""
         return self.retried + self.dead_lettered + self.discarded
+
+
+class BindingIssue(WireModel):
+    """Something wrong (or worth knowing) about how the queue is bound to its store."""
+
+    severity: Literal["Error", "Warning", "Info"]
+    subject: str
+    message: str
+
+
+class BindingReport(WireModel):
+    """The answer of validate-bindings: ``ok`` is False when any issue is an Error."""
+
+    transport: str
+    ok: bool
+    issues: list[BindingIssue]

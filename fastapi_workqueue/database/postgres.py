@@ -6,14 +6,19 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 import asyncpg
 
 from ..core.envelope import PreparedMessage, PublishError, PublishResult, PublishStatus
+from ..core.errors import ConfigurationError
+from ..core.keys import ApiKeyInfo, StoredKey
 from ..core.reports import (
     ActionResult,
     Backlog,
+    BindingIssue,
+    BindingReport,
     DeliveryInfo,
     DeliveryStatus,
     PartitionCondition,
@@ -35,6 +40,7 @@ from .errors import map_error, with_retries
 from .listener import NotificationListener
 from .migrations import apply_postgres_migrations
 from .session import SessionExecutor
+from .sql_files import migrations
 
 log = logging.getLogger("fastapi_workqueue.postgres")
 
@@ -501,6 +507,65 @@ class PostgresTransport:
             cancel_requested=bool(row.get("cancel_requested", False)),
             status=row["delivery_status"],
         )
+
+    async def prune(self, older_than_seconds: float, *, batch: int = 5000) -> int:
+        """Removes Completed and Discarded deliveries settled more than ``older_than_seconds`` ago."""
+        total = 0
+        while True:
+            rows = await self._fetch("prune", "SELECT workqueue.prune($1, $2) AS n", older_than_seconds, batch)
+            removed = int(rows[0]["n"])
+            total += removed
+            if removed < batch:
+                return total
+
+    async def validate_bindings(self) -> BindingReport:
+        """Checks the schema version and what this transport offers."""
+        issues: list[BindingIssue] = []
+        try:
+            rows = await self._fetch("validate bindings", "SELECT * FROM workqueue.schema_versions()")
+        except ConfigurationError as exc:
+            issues.append(BindingIssue(severity="Error", subject="schema", message=str(exc)))
+            rows = []
+        applied = {r["version"]: r["checksum"] for r in rows}
+        for migration in migrations("postgresql"):
+            label = f"{migration.version:04d}_{migration.name}"
+            if migration.version not in applied:
+                issues.append(BindingIssue(
+                    severity="Error", subject=f"migration {label}",
+                    message="not applied to this database; run `workqueue migrate` as the schema owner",
+                ))
+            elif applied[migration.version] != migration.checksum:
+                issues.append(BindingIssue(
+                    severity="Error", subject=f"migration {label}",
+                    message="applied with different content than this release ships; restore the file",
+                ))
+        ok = not any(i.severity == "Error" for i in issues)
+        return BindingReport(transport=self.name, ok=ok, issues=issues)
+
+    # -- API keys ----------------------------------------------------------------------------
+
+    async def api_key_create(
+        self, key_id: uuid.UUID, name: str, prefix: str, key_hash: str, scopes: list[str], expires_at: datetime | None
+    ) -> None:
+        await self._fetch(
+            "create API key", "SELECT workqueue.api_key_create($1, $2, $3, $4, $5, $6)",
+            key_id, name, prefix, key_hash, scopes, expires_at,
+        )
+
+    async def api_key_lookup(self, prefix: str) -> StoredKey | None:
+        rows = await self._fetch("check API key", "SELECT * FROM workqueue.api_key_lookup($1)", prefix)
+        if not rows:
+            return None
+        r = rows[0]
+        return StoredKey(id=str(r["id"]), name=r["name"], key_hash=r["key_hash"], scopes=tuple(r["scopes"]))
+
+    async def api_key_list(self) -> list[ApiKeyInfo]:
+        rows = await self._fetch("list API keys", "SELECT * FROM workqueue.api_key_list()")
+        return [ApiKeyInfo.model_validate(dict(r)) for r in rows]
+
+    async def api_key_revoke(self, key: str) -> int:
+        rows = await self._fetch("revoke API key", "SELECT workqueue.api_key_revoke($1) AS n", key)
+        return int(rows[0]["n"])
 
     # -- helpers for tests and tools ---------------------------------------------------------
 

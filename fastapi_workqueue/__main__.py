@@ -1,0 +1,5 @@
+"""``python -m fastapi_workqueue``: the ``workqueue`` command."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,346 @@
+"""The ``workqueue`` command (also ``python -m fastapi_workqueue``).
+
+Every command reads the database from ``--database-url`` or ``WORKQUEUE_DATABASE_URL``, prints
+a table for people and JSON with ``--json``. ``work`` runs a subscription's handlers from your
+app: ``workqueue work --app myapp.queue:queue --subscription orders.email --once``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+import click
+
+from ..core.errors import ConfigurationError, WorkQueueError
+from ..core.keys import SCOPES, create_key
+from ..core.reports import PartitionCondition
+from .output import emit_json, table
+
+T = TypeVar("T")
+
+
+class Context:
+    def __init__(self, database_url: str | None, as_json: bool) -> None:
+        self.database_url = database_url
+        self.as_json = as_json
+
+    def url(self) -> str:
+        if not self.database_url:
+            raise click.UsageError(
+                "no database: pass --database-url or set WORKQUEUE_DATABASE_URL "
+                "(for example postgresql+asyncpg://postgres@127.0.0.1:5432/app)"
+            )
+        return self.database_url
+
+
+def run(ctx: Context, action: Callable[[Any], Awaitable[T]]) -> T:
+    """Opens a transport on the database, runs ``action(transport)``, closes it."""
+    from ..database import create_database_transport
+
+    async def main() -> T:
+        transport = create_database_transport(ctx.url(), listen=False, pool_max_size=2)
+        await transport.open()
+        try:
+            return await action(transport)
+        finally:
+            await transport.close()
+
+    try:
+        return asyncio.run(main())
+    except (WorkQueueError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+pass_context = click.make_pass_decorator(Context)
+
+
+@click.group()
+@click.option("--database-url", envvar="WORKQUEUE_DATABASE_URL", help="postgresql+asyncpg://user@host/db")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@click.version_option(package_name="fastapi-workqueue")
+@click.pass_context
+def cli(click_ctx: click.Context, database_url: str | None, as_json: bool) -> None:
+    """Operate a fastapi-workqueue: publish, inspect, replay, discard, run workers."""
+    click_ctx.obj = Context(database_url, as_json)
+
+
+@cli.command()
+@pass_context
+def migrate(ctx: Context) -> None:
+    """Apply pending schema migrations (run as the schema owner)."""
+    applied = run(ctx, lambda t: t.migrate())
+    if ctx.as_json:
+        emit_json({"Applied": applied})
+    else:
+        click.echo("applied: " + ", ".join(applied) if applied else "the schema is up to date")
+
+
+@cli.command()
+@click.option("--topic", required=True)
+@click.option("--payload", required=True, help="JSON, e.g. '{\"order\": 7}'.")
+@click.option("--partition-key")
+@click.option("--attribute", "attributes", multiple=True, help="NAME=VALUE, repeatable.")
+@click.option("--correlation-id")
+@click.option("--count", default=1, show_default=True, type=click.IntRange(1, 100000))
+@pass_context
+def publish(
+    ctx: Context, topic: str, payload: str, partition_key: str | None, attributes: tuple[str, ...],
+    correlation_id: str | None, count: int,
+) -> None:
+    """Publish a test message (or --count of them, in one call)."""
+    from ..core.envelope import PublishRequest, RequestRejected, prepare
+
+    try:
+        body = json.loads(payload)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--payload") from exc
+    attrs: dict[str, str] = {}
+    for item in attributes:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise click.BadParameter(f"{item!r} is not NAME=VALUE", param_hint="--attribute")
+        attrs[name] = value
+    try:
+        prepared = [
+            prepare(PublishRequest(payload=body, partition_key=partition_key, attributes=attrs,
+                                   correlation_id=correlation_id))
+            for _ in range(count)
+        ]
+    except RequestRejected as exc:
+        raise click.ClickException(exc.error.message) from exc
+    results = run(ctx, lambda t: t.publish(topic, prepared))
+    if ctx.as_json:
+        emit_json(results)
+    else:
+        table(results, ["status", "message_id"])
+    if any(not r.ok for r in results):
+        first = next(r for r in results if not r.ok)
+        raise click.ClickException(first.error.message if first.error else first.status.value)
+
+
+@cli.command()
+@click.option("--subscription")
+@pass_context
+def stats(ctx: Context, subscription: str | None) -> None:
+    """Deliveries per state, per subscription."""
+    rows = run(ctx, lambda t: t.stats(subscription))
+    if subscription and not rows:
+        raise click.ClickException(f"subscription {subscription!r} does not exist")
+    if ctx.as_json:
+        emit_json(rows)
+    else:
+        table(rows, ["subscription", "status", "partition_mode", "pending", "claimable", "in_flight",
+                     "dead_lettered", "completed", "discarded"])
+
+
+@cli.command("dead-letters")
+@click.option("--subscription", required=True)
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 10000))
+@click.option("--after", help="Page after this delivery id.")
+@click.option("--payload", "include_payload", is_flag=True, help="Include payloads.")
+@pass_context
+def dead_letters(ctx: Context, subscription: str, limit: int, after: str | None, include_payload: bool) -> None:
+    """Dead-lettered deliveries with their reason and last error."""
+    rows = run(ctx, lambda t: _existing(t, subscription, t.list_deliveries(
+        subscription, "DeadLettered", limit=limit, after=after, include_payload=include_payload)))
+    if ctx.as_json:
+        emit_json(rows)
+    else:
+        table(rows, ["delivery_id", "message_id", "partition_key", "attempt", "reason", "last_error", "settled_at"])
+
+
+@cli.command()
+@click.option("--subscription", required=True)
+@click.option("--condition", type=click.Choice(["Blocked", "InFlight", "Idle"]))
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 10000))
+@pass_context
+def partitions(ctx: Context, subscription: str, condition: PartitionCondition | None, limit: int) -> None:
+    """Keys of an Exclusive or Ordered subscription: Blocked, InFlight or Idle."""
+    rows = run(ctx, lambda t: _existing(t, subscription, t.partitions(subscription, condition, limit=limit)))
+    if ctx.as_json:
+        emit_json(rows)
+    else:
+        table(rows, ["partition_key", "condition", "head_delivery_id", "head_status", "head_attempt",
+                     "waiting_items"])
+
+
+@cli.command()
+@click.option("--subscription", required=True)
+@click.option("--delivery", "delivery_id", required=True)
+@click.option("--note", help="What changed (kept on the delivery).")
+@pass_context
+def replay(ctx: Context, subscription: str, delivery_id: str, note: str | None) -> None:
+    """Replay a dead letter: Pending again, same MessageID and Ordered position."""
+    _action(ctx, run(ctx, lambda t: t.replay(subscription, delivery_id, note)))
+
+
+@cli.command()
+@click.option("--subscription", required=True)
+@click.option("--delivery", "delivery_id", required=True)
+@click.option("--reason", help="Why (kept on the delivery).")
+@pass_context
+def discard(ctx: Context, subscription: str, delivery_id: str, reason: str | None) -> None:
+    """Discard a Pending or DeadLettered delivery, or cancel one that runs."""
+    _action(ctx, run(ctx, lambda t: t.discard(subscription, delivery_id, reason)))
+
+
+def _action(ctx: Context, result: Any) -> None:
+    if ctx.as_json:
+        emit_json(result)
+    else:
+        extra = " (the handler is told to stop; the delivery is Discarded when it returns)" if (
+            result.cancel_requested) else ""
+        click.echo(f"{result.result}: delivery {result.delivery_id} of {result.subscription}{extra}")
+    if not result.ok:
+        sys.exit(1)
+
+
+@cli.command()
+@click.option("--subscription", required=True)
+@pass_context
+def backlog(ctx: Context, subscription: str) -> None:
+    """Claimable Pending (single flight per key) plus InFlight, for autoscalers."""
+    result = run(ctx, lambda t: t.backlog(subscription))
+    if result is None:
+        raise click.ClickException(f"subscription {subscription!r} does not exist")
+    if ctx.as_json:
+        emit_json(result)
+    else:
+        table([result], ["subscription", "claimable", "in_flight", "backlog"])
+
+
+def _set_status(ctx: Context, subscription: str, status: str) -> None:
+    changed = run(ctx, lambda t: t.set_subscription_status(subscription, status))
+    if changed is None:
+        raise click.ClickException(f"subscription {subscription!r} does not exist")
+    if ctx.as_json:
+        emit_json({"Subscription": subscription, "Status": status, "Changed": changed})
+    else:
+        click.echo(f"{subscription}: {status}" + ("" if changed else " (it already was)"))
+
+
+@cli.command()
+@click.option("--subscription", required=True)
+@pass_context
+def pause(ctx: Context, subscription: str) -> None:
+    """Stop claiming from a subscription (deliveries still accrue)."""
+    _set_status(ctx, subscription, "Paused")
+
+
+@cli.command()
+@click.option("--subscription", required=True)
+@pass_context
+def resume(ctx: Context, subscription: str) -> None:
+    """Claim from a paused subscription again."""
+    _set_status(ctx, subscription, "Active")
+
+
+@cli.command("validate-bindings")
+@pass_context
+def validate_bindings(ctx: Context) -> None:
+    """Check the schema and what the transport offers; exit 1 on an Error."""
+    report = run(ctx, lambda t: t.validate_bindings())
+    if ctx.as_json:
+        emit_json(report)
+    else:
+        click.echo(f"{report.transport}: {'ok' if report.ok else 'problems found'}")
+        table(report.issues, ["severity", "subject", "message"], empty="no issues")
+    if not report.ok:
+        sys.exit(1)
+
+
+@cli.command()
+@click.option("--older-than", "older_than", default="7d", show_default=True,
+              help="Age of Completed and Discarded deliveries to remove: 3600, 90m, 12h, 7d.")
+@pass_context
+def prune(ctx: Context, older_than: str) -> None:
+    """Remove Completed and Discarded deliveries settled longer ago than --older-than."""
+    seconds = parse_duration(older_than)
+    removed = run(ctx, lambda t: t.prune(seconds))
+    if ctx.as_json:
+        emit_json({"Removed": removed})
+    else:
+        click.echo(f"removed {removed} deliveries settled more than {older_than} ago")
+
+
+@cli.group("api-keys")
+def api_keys() -> None:
+    """Create, list and revoke API keys for the REST API."""
+
+
+@api_keys.command("create")
+@click.option("--name", required=True, help="Who or what uses the key.")
+@click.option("--scopes", required=True, help=f"Comma-separated: {', '.join(SCOPES)}.")
+@click.option("--expires-in", help="Lifetime: 3600, 90m, 12h, 30d.")
+@pass_context
+def api_keys_create(ctx: Context, name: str, scopes: str, expires_in: str | None) -> None:
+    """Create a key; it is shown once."""
+    wanted = [s.strip() for s in scopes.split(",") if s.strip()]
+    expires = datetime.now(UTC) + timedelta(seconds=parse_duration(expires_in)) if expires_in else None
+    created = run(ctx, lambda t: create_key(t, name, wanted, expires))
+    if ctx.as_json:
+        emit_json(created)
+    else:
+        click.echo(created.key)
+        click.echo(f"(key {created.prefix} for {created.name}, scopes {', '.join(created.scopes)}; "
+                   "store it now, it is not shown again)", err=True)
+
+
+@api_keys.command("list")
+@pass_context
+def api_keys_list(ctx: Context) -> None:
+    """List keys (never their secrets)."""
+    keys = run(ctx, lambda t: t.api_key_list())
+    if ctx.as_json:
+        emit_json(keys)
+    else:
+        table(keys, ["prefix", "name", "scopes", "created_at", "expires_at", "revoked_at", "last_used_at"])
+
+
+@api_keys.command("revoke")
+@click.argument("key")
+@pass_context
+def api_keys_revoke(ctx: Context, key: str) -> None:
+    """Revoke a key by its prefix, id or name."""
+    count = run(ctx, lambda t: t.api_key_revoke(key))
+    if ctx.as_json:
+        emit_json({"Revoked": count})
+    elif count:
+        click.echo(f"revoked {count} key(s)")
+    if not count:
+        raise click.ClickException(f"no active key matches {key!r}")
+
+
+def parse_duration(text: str) -> float:
+    """``3600`` → 3600 s; ``90m``, ``12h``, ``7d`` as written."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip().lower()
+    try:
+        if text and text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r} is not a duration (use 3600, 90m, 12h or 7d)") from exc
+
+
+async def _existing(transport: Any, subscription: str, pending: Awaitable[T]) -> T:
+    names = {s.name for s in await transport.list_subscriptions()}
+    if subscription not in names:
+        close = getattr(pending, "close", None)
+        if close is not None:
+            close()
+        raise ConfigurationError(f"subscription {subscription!r} does not exist")
+    return await pending
+
+
+def main() -> None:
+    """Entry point of the ``workqueue`` command."""
+    from .work import work
+
+    cli.add_command(work)
+    cli(prog_name="workqueue")

@@ -1,0 +1,78 @@
+"""Who may call the REST API: API keys with scopes, or the app's own dependency.
+
+An authorizer is a FastAPI dependency that takes ``SecurityScopes`` and returns a
+:class:`~fastapi_workqueue.core.keys.Principal`, raising 401 without valid credentials and 403
+without the scopes the route asks for. The default one checks API keys sent as
+``Authorization: Bearer <key>`` or ``X-API-Key: <key>``; an app with OAuth or sessions passes
+its own to ``queue.create_router(authorize=...)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Depends, HTTPException, status
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer, SecurityScopes
+
+from ..core.errors import TransportError
+from ..core.keys import ApiKeyStore, Principal, verify_key
+
+if TYPE_CHECKING:
+    from ..queue import WorkQueue
+
+Authorizer = Callable[..., Awaitable[Principal]]
+
+_bearer = HTTPBearer(auto_error=False, description="An API key created with `workqueue api-keys create`.")
+_header = APIKeyHeader(name="X-API-Key", auto_error=False, description="The same API key, in a header of its own.")
+
+
+def require_scopes(principal: Principal, security_scopes: SecurityScopes) -> Principal:
+    """Raises 403 naming the scopes ``principal`` lacks."""
+    missing = [s for s in security_scopes.scopes if not principal.has(s)]
+    if missing:
+        raise HTTPException(
+            status_code=status.HTTP_403_FORBIDDEN,
+            detail=f"this credential lacks the scope {', '.join(missing)}",
+        )
+    return principal
+
+
+def api_key_authorizer(queue: WorkQueue) -> Authorizer:
+    """The default authorizer: API keys stored (hashed) by the queue's transport."""
+
+    async def authorize(
+        security_scopes: SecurityScopes,
+        bearer: HTTPAuthorizationCredentials | None = Depends(_bearer),
+        header_key: str | None = Depends(_header),
+    ) -> Principal:
+        key = header_key or (bearer.credentials if bearer is not None else None)
+        challenge = {"WWW-Authenticate": "Bearer"}
+        if not key:
+            raise HTTPException(
+                status_code=status.HTTP_401_UNAUTHORIZED,
+                detail="an API key is required: send Authorization: Bearer <key> or X-API-Key: <key>",
+                headers=challenge,
+            )
+        store: Any = queue.transport
+        if not hasattr(store, "api_key_lookup"):
+            raise HTTPException(status_code=status.HTTP_501_NOT_IMPLEMENTED, detail="this transport stores no API keys")
+        try:
+            principal = await verify_key(_as_store(store), key)
+        except TransportError as exc:
+            raise HTTPException(
+                status_code=status.HTTP_503_SERVICE_UNAVAILABLE, detail=f"cannot check the API key now: {exc}"
+            ) from exc
+        if principal is None:
+            raise HTTPException(
+                status_code=status.HTTP_401_UNAUTHORIZED,
+                detail="the API key is not valid (unknown, expired or revoked)",
+                headers=challenge,
+            )
+        return require_scopes(principal, security_scopes)
+
+    return authorize
+
+
+def _as_store(store: Any) -> ApiKeyStore:
+    return store  # type: ignore[no-any-return]

@@ -1,0 +1,336 @@
+"""The REST API: publish for producers outside the app, and the operator endpoints.
+
+``app.include_router(queue.router)`` mounts it under ``/work-queue``. Every route names the scope
+it needs; see :mod:`fastapi_workqueue.web.auth` for how callers are checked.
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the route signatures, whose
+# annotations name aliases local to build_router.
+
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+
+from fastapi import APIRouter, Body, HTTPException, Path, Query, Request, Response, Security, status
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import Field
+
+from ..core.envelope import PublishRequest, PublishResult
+from ..core.errors import ConfigurationError, TransportError, TransportUnavailable
+from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_PUBLISH, SCOPE_READ, Principal
+from ..core.reports import (
+    ActionResult,
+    Backlog,
+    BindingReport,
+    DeliveryInfo,
+    DeliveryStatus,
+    PartitionCondition,
+    PartitionInfo,
+    SubscriptionStats,
+)
+from ..core.wire import WireModel
+from .auth import Authorizer
+
+if TYPE_CHECKING:
+    from ..queue import WorkQueue
+
+T = TypeVar("T")
+
+DEFAULT_MAX_BODY_BYTES = 5 * 1024 * 1024
+DEFAULT_MAX_BATCH = 1000
+
+
+class ReplayBody(WireModel):
+    """What the operator says about a replay (kept on the delivery)."""
+
+    note: str | None = None
+
+
+class DiscardBody(WireModel):
+    """Why the operator drops the delivery (kept on it)."""
+
+    reason: str | None = None
+
+
+class StatusChange(WireModel):
+    subscription: str
+    status: Literal["Active", "Paused"]
+    changed: bool
+
+
+class PublishProblem(WireModel):
+    """One refused item: its index in the array, the field, and what to change."""
+
+    index: int
+    code: str
+    message: str
+    field: str | None = None
+
+
+class PublishRefused(WireModel):
+    """422/409 answer: nothing of the call was published. ``detail`` as in FastAPI's own errors."""
+
+    detail: list[PublishProblem] = Field(alias="detail")
+    results: list[PublishResult] = Field(alias="results")
+
+
+class _BoundedBodyRoute(APIRoute):
+    """Refuses a body over ``max_body_bytes`` with 413 before anything parses it."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        limit = self.max_body_bytes
+
+        async def bounded(request: Request) -> Response:
+            declared = request.headers.get("content-length")
+            too_large = JSONResponse(
+                status_code=status.HTTP_413_CONTENT_TOO_LARGE,
+                content={"detail": f"the body is larger than {limit} bytes; publish in smaller calls"},
+            )
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                return too_large
+            if request.method in ("POST", "PUT", "PATCH"):
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        return too_large
+                    chunks.append(chunk)
+                request._body = b"".join(chunks)
+            return await handler(request)
+
+        return bounded
+
+
+def build_router(
+    queue: "WorkQueue",
+    authorize: Authorizer,
+    *,
+    prefix: str = "/work-queue",
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_batch: int = DEFAULT_MAX_BATCH,
+) -> APIRouter:
+    """The publish and operator routes of ``queue``, checked by ``authorize``."""
+
+    class Route(_BoundedBodyRoute):
+        pass
+
+    Route.max_body_bytes = max_body_bytes
+    router = APIRouter(prefix=prefix, tags=["work queue"], route_class=Route)
+
+    def caller(scope: str) -> Any:
+        return Security(authorize, scopes=[scope])
+
+    Publisher = Annotated[Principal, caller(SCOPE_PUBLISH)]
+    Reader = Annotated[Principal, caller(SCOPE_READ)]
+    Operator = Annotated[Principal, caller(SCOPE_OPERATE)]
+    Sub = Annotated[str, Path(description="The subscription's name.")]
+
+    async def known_subscription(name: str) -> None:
+        try:
+            names = {s.name for s in await queue.transport.list_subscriptions()}
+        except TransportError as exc:
+            raise _unavailable(exc) from exc
+        if name not in names:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {name!r} does not exist")
+
+    @router.post(
+        "/topics/{topic}/messages",
+        response_model=list[PublishResult],
+        summary="Publish messages",
+        responses={
+            404: {"description": "The topic does not exist."},
+            409: {"model": PublishRefused, "description": "A MessageID was reused for other content."},
+            413: {"description": "The body or the batch is too large."},
+            422: {"model": PublishRefused, "description": "An item is invalid; nothing was published."},
+            503: {"description": "The store is unavailable; retry with the same MessageIDs."},
+        },
+    )
+    async def publish(
+        topic: Annotated[str, Path(description="The topic to publish to.")],
+        requests: Annotated[list[PublishRequest], Body(description="Messages, published in array order.")],
+        principal: Publisher,
+        response: Response,
+    ) -> Any:
+        """Publishes an array of messages in one transaction: all of them or none.
+
+        One result per message, in order: Accepted, Duplicate (same MessageID and content, or a
+        live DeduplicationKey) with the stored MessageID. PascalCase and snake_case are accepted.
+        """
+        if len(requests) > max_batch:
+            raise HTTPException(
+                status.HTTP_413_CONTENT_TOO_LARGE,
+                detail=f"{len(requests)} messages in one call; at most {max_batch} are accepted",
+            )
+        try:
+            results = await queue.publish(topic, requests)
+        except TransportError as exc:
+            raise _unavailable(exc) from exc
+        if results and all(r.error is not None and r.error.code == "UnknownTopic" for r in results):
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"topic {topic!r} does not exist")
+        problems = [
+            PublishProblem(index=i, code=r.error.code, message=r.error.message, field=r.error.field)
+            for i, r in enumerate(results)
+            if r.error is not None and r.error.code != "BatchAborted"
+        ]
+        if problems:
+            conflict = all(p.code == "MessageIDConflict" for p in problems)
+            code = status.HTTP_409_CONFLICT if conflict else status.HTTP_422_UNPROCESSABLE_CONTENT
+            body = PublishRefused(detail=problems, results=results)
+            return JSONResponse(status_code=code, content=body.model_dump(mode="json", by_alias=True))
+        return results
+
+    @router.get("/stats", response_model=list[SubscriptionStats], summary="Delivery counts by state")
+    async def stats(
+        principal: Reader, subscription: Annotated[str | None, Query(description="One subscription.")] = None
+    ) -> list[SubscriptionStats]:
+        """Pending, claimable, InFlight, DeadLettered, Completed and Discarded per subscription."""
+        if subscription is not None:
+            await known_subscription(subscription)
+        return await _call(queue.stats(subscription))
+
+    @router.get("/subscriptions/{subscription}/backlog", response_model=Backlog, summary="Backlog for autoscalers")
+    async def backlog(subscription: Sub, principal: Reader) -> Backlog:
+        """Claimable Pending (single flight per key applied) plus InFlight: exact."""
+        await known_subscription(subscription)
+        result = await _call(queue.backlog(subscription))
+        if result is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {subscription!r} does not exist")
+        return result
+
+    @router.get(
+        "/subscriptions/{subscription}/dead-letters", response_model=list[DeliveryInfo], summary="Dead letters"
+    )
+    async def dead_letters(
+        subscription: Sub,
+        principal: Reader,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        after: Annotated[str | None, Query(description="Page after this delivery id.")] = None,
+    ) -> list[DeliveryInfo]:
+        """Dead-lettered deliveries, oldest first, with reason and last error (payloads for admins)."""
+        await known_subscription(subscription)
+        return await _call(queue.dead_letters(
+            subscription, limit=limit, after=after, include_payload=principal.has(SCOPE_ADMIN)
+        ))
+
+    @router.get(
+        "/subscriptions/{subscription}/deliveries", response_model=list[DeliveryInfo], summary="Deliveries by state"
+    )
+    async def deliveries(
+        subscription: Sub,
+        principal: Reader,
+        status_: Annotated[DeliveryStatus, Query(alias="status")] = "InFlight",
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        after: Annotated[str | None, Query(description="Page after this delivery id.")] = None,
+    ) -> list[DeliveryInfo]:
+        """Deliveries of one state, oldest first (payloads for admins)."""
+        await known_subscription(subscription)
+        return await _call(queue.deliveries(
+            subscription, status_, limit=limit, after=after, include_payload=principal.has(SCOPE_ADMIN)
+        ))
+
+    @router.get(
+        "/subscriptions/{subscription}/deliveries/{delivery_id}", response_model=DeliveryInfo, summary="One delivery"
+    )
+    async def delivery(subscription: Sub, delivery_id: str, principal: Reader) -> DeliveryInfo:
+        """A delivery with its state, attempts, progress, reason and last error (payload for admins)."""
+        info = await _call(queue.get_delivery(delivery_id, include_payload=principal.has(SCOPE_ADMIN)))
+        if info is None or info.subscription != subscription:
+            raise HTTPException(
+                status.HTTP_404_NOT_FOUND, detail=f"delivery {delivery_id!r} of {subscription!r} not found"
+            )
+        return info
+
+    @router.get(
+        "/subscriptions/{subscription}/partitions", response_model=list[PartitionInfo], summary="Keys and their state"
+    )
+    async def partitions(
+        subscription: Sub,
+        principal: Reader,
+        condition: Annotated[PartitionCondition | None, Query()] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> list[PartitionInfo]:
+        """Keys of an Exclusive or Ordered subscription: Blocked, InFlight or Idle, with head and waiting count."""
+        await known_subscription(subscription)
+        return await _call(queue.partitions(subscription, condition, limit=limit))
+
+    @router.get("/validate-bindings", response_model=BindingReport, summary="Check the queue's bindings")
+    async def validate_bindings(principal: Reader) -> BindingReport:
+        """Schema version, transport capabilities and what they leave out."""
+        return await _call(queue.validate_bindings())
+
+    @router.post(
+        "/subscriptions/{subscription}/deliveries/{delivery_id}/replay",
+        response_model=ActionResult,
+        summary="Replay a dead letter",
+    )
+    async def replay(
+        subscription: Sub, delivery_id: str, principal: Operator, body: ReplayBody | None = None
+    ) -> Any:
+        """DeadLettered → Pending, same MessageID and Ordered position, attempts reset, note kept."""
+        result = await _call(queue.replay(subscription, delivery_id, body.note if body else None))
+        return _action_response(result)
+
+    @router.post(
+        "/subscriptions/{subscription}/deliveries/{delivery_id}/discard",
+        response_model=ActionResult,
+        summary="Discard a delivery, or cancel it while it runs",
+    )
+    async def discard(
+        subscription: Sub, delivery_id: str, principal: Operator, body: DiscardBody | None = None
+    ) -> Any:
+        """Pending/DeadLettered → Discarded. InFlight → cancel requested (CancelRequested): the handler
+        is aborted with Cancelled and the delivery becomes Discarded when it returns."""
+        result = await _call(queue.discard(subscription, delivery_id, body.reason if body else None))
+        return _action_response(result)
+
+    @router.post("/subscriptions/{subscription}/pause", response_model=StatusChange, summary="Pause a subscription")
+    async def pause(subscription: Sub, principal: Operator) -> StatusChange:
+        """Stops claiming; deliveries still accrue."""
+        return await _status(subscription, "Paused")
+
+    @router.post("/subscriptions/{subscription}/resume", response_model=StatusChange, summary="Resume a subscription")
+    async def resume(subscription: Sub, principal: Operator) -> StatusChange:
+        """Claims again."""
+        return await _status(subscription, "Active")
+
+    async def _status(subscription: str, new: Literal["Active", "Paused"]) -> StatusChange:
+        changed = await _call(queue.set_status(subscription, new))
+        if changed is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {subscription!r} does not exist")
+        return StatusChange(subscription=subscription, status=new, changed=changed)
+
+    return router
+
+
+def _action_response(result: ActionResult) -> Any:
+    if result.result == "NotFound":
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            detail=f"delivery {result.delivery_id!r} of subscription {result.subscription!r} not found",
+        )
+    if not result.ok:
+        return JSONResponse(status_code=status.HTTP_409_CONFLICT, content=result.model_dump(mode="json", by_alias=True))
+    return result
+
+
+async def _call(awaitable: Awaitable[T]) -> T:
+    try:
+        return await awaitable
+    except ConfigurationError as exc:
+        raise HTTPException(status.HTTP_500_INTERNAL_SERVER_ERROR, detail=str(exc)) from exc
+    except TransportError as exc:
+        raise _unavailable(exc) from exc
+
+
+def _unavailable(exc: TransportError) -> HTTPException:
+    if isinstance(exc, TransportUnavailable) or exc.retryable:
+        return HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE, detail=f"the queue's store is unavailable: {exc}",
+            headers={"Retry-After": "1"},
+        )
+    return HTTPException(status.HTTP_500_INTERNAL_SERVER_ERROR, detail=str(exc))
+
