@@ -1,0 +1,460 @@
+"""The database transport, dialect-neutral: every queue operation is one call of a named routine.
+
+A routine is a PostgreSQL function, a SQL Server stored procedure, or (SQLite) a Python function
+running the dialect's named statements in one transaction: same name, same parameters, same
+result columns everywhere. :class:`RoutineTransport` maps the transport contract onto those
+calls; a dialect subclass supplies :meth:`RoutineTransport.call`, the connection handling and
+migrations.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from ..core.envelope import PreparedMessage, PublishError, PublishResult, PublishStatus
+from ..core.errors import ConfigurationError
+from ..core.keys import ApiKeyInfo, StoredKey
+from ..core.reports import (
+    ActionResult,
+    Backlog,
+    BindingIssue,
+    BindingReport,
+    DeliveryInfo,
+    DeliveryStatus,
+    PartitionCondition,
+    PartitionInfo,
+    SubscriptionStats,
+    SweepReport,
+)
+from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
+from ..core.transport import (
+    Capabilities,
+    ClaimedDelivery,
+    HeartbeatRequest,
+    HeartbeatResult,
+    Settlement,
+    SettleResult,
+    WakeupListener,
+)
+from .sql_files import migrations
+
+Row = Mapping[str, Any]
+
+
+class RoutineTransport:
+    """The Transport contract on top of the queue routines of one database."""
+
+    name = "database"
+    dialect = ""
+    capabilities = Capabilities()
+
+    def __init__(self) -> None:
+        self._wakeup_listeners: list[WakeupListener] = []
+
+    # -- what a dialect provides -------------------------------------------------------------
+
+    @abstractmethod
+    async def call(
+        self, routine: str, *, retry: bool = True, session: Any = None, **params: Any
+    ) -> Sequence[Row]:
+        """Runs routine ``routine`` with named ``params`` in a transaction of its own (or in
+        ``session``'s) and returns its result rows. Lists are arrays; the dialect encodes them."""
+
+    @abstractmethod
+    async def open(self) -> None: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    @abstractmethod
+    async def migrate(self) -> list[str]: ...
+
+    # -- wake-ups ----------------------------------------------------------------------------
+
+    def add_wakeup_listener(self, listener: WakeupListener) -> None:
+        self._wakeup_listeners.append(listener)
+
+    def _dispatch_wakeup(self, subscription_id: str) -> None:
+        for listener in self._wakeup_listeners:
+            listener(subscription_id)
+
+    async def _scalar(self, routine: str, **params: Any) -> Any:
+        rows = await self.call(routine, **params)
+        return next(iter(rows[0].values())) if rows else None
+
+    # -- topology ----------------------------------------------------------------------------
+
+    async def sync_topology(self, topics: Sequence[Topic], subscriptions: Sequence[Subscription]) -> None:
+        for topic in topics:
+            await self.call(
+                "sync_topic", p_name=topic.name, p_max_payload_bytes=topic.max_payload_bytes,
+                p_is_fifo=topic.is_fifo, p_transport=topic.transport,
+            )
+        for sub in subscriptions:
+            await self.call(
+                "sync_subscription",
+                p_name=sub.name, p_topic=sub.topic, p_handler_key=sub.handler_key,
+                p_partition_mode=sub.partition_mode, p_lease_seconds=sub.lease_seconds,
+                p_max_attempts=sub.max_attempts, p_backoff_base_seconds=sub.backoff_base_seconds,
+                p_backoff_max_seconds=sub.backoff_max_seconds, p_max_processing_seconds=sub.max_processing_seconds,
+                p_heartbeat_mode=sub.heartbeat_mode, p_filter=None if sub.filter is None else json.dumps(sub.filter),
+                p_host_type=sub.host_type, p_retention_seconds=sub.retention_seconds, p_status=sub.status,
+            )
+
+    async def list_subscriptions(self) -> list[SubscriptionState]:
+        rows = await self.call("list_subscriptions")
+        return [
+            SubscriptionState(
+                id=str(r["id"]), name=r["name"], topic=r["topic"], handler_key=r["handler_key"],
+                partition_mode=r["partition_mode"], lease_seconds=r["lease_seconds"],
+                max_attempts=r["max_attempts"], backoff_base_seconds=r["backoff_base_seconds"],
+                backoff_max_seconds=r["backoff_max_seconds"], max_processing_seconds=r["max_processing_seconds"],
+                heartbeat_mode=r["heartbeat_mode"], filter=json_value(r["filter"]), status=r["status"],
+                host_type=r["host_type"], retention_seconds=r["retention_seconds"], topic_status=r["topic_status"],
+                transport_name=r["transport"], is_fifo=bool(r["is_fifo"]),
+            )
+            for r in rows
+        ]
+
+    async def list_topics(self) -> list[Topic]:
+        rows = await self.call("list_topics")
+        return [
+            Topic(name=r["name"], transport=r["transport"], max_payload_bytes=r["max_payload_bytes"],
+                  is_fifo=bool(r["is_fifo"]))
+            for r in rows
+        ]
+
+    async def set_subscription_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:
+        rows = await self.call("set_subscription_status", p_name=subscription, p_status=status)
+        return None if not rows else bool(rows[0]["changed"])
+
+    # -- publish -----------------------------------------------------------------------------
+
+    async def publish(
+        self, topic: str, messages: Sequence[PreparedMessage], *, session: Any = None
+    ) -> list[PublishResult]:
+        if not messages:
+            return []
+        rows = list(await self.call(
+            "publish",
+            session=session,
+            retry=session is None,
+            p_topic=topic,
+            p_message_ids=[m.message_id for m in messages],
+            p_partition_keys=[m.partition_key for m in messages],
+            p_attributes=[m.attributes_json for m in messages],
+            p_payloads=[m.payload_json for m in messages],
+            p_payload_refs=[m.payload_ref for m in messages],
+            p_correlation_ids=[m.correlation_id for m in messages],
+            p_content_hashes=[m.content_hash for m in messages],
+            p_deduplication_keys=[m.deduplication_key for m in messages],
+            p_deduplication_ttls=[m.deduplication_ttl_seconds for m in messages],
+            p_delays=[m.delay_seconds for m in messages],
+            p_not_befores=[m.not_before for m in messages],
+            p_max_attempts=[m.max_attempts for m in messages],
+            p_backoff_schedules=[None if m.backoff_seconds is None else json.dumps(m.backoff_seconds)
+                                 for m in messages],
+            p_envelope_bytes=[m.envelope_bytes for m in messages],
+        ))
+        rows.sort(key=lambda r: r["idx"])
+        return [publish_result(r, m) for r, m in zip(rows, messages, strict=True)]
+
+    # -- consume -----------------------------------------------------------------------------
+
+    async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
+        rows = await self.call("claim", retry=False, p_subscription=subscription, p_limit=limit)
+        return [claimed(r) for r in rows]
+
+    async def heartbeat(self, requests: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
+        if not requests:
+            return []
+        rows = await self.call(
+            "heartbeat",
+            p_ids=[int(r.delivery_id) for r in requests],
+            p_tokens=[r.lease_token for r in requests],
+            p_percents=[r.percent for r in requests],
+            p_messages=[r.message for r in requests],
+        )
+        by_id = {str(r["delivery_id"]): r for r in rows}
+        results = []
+        for request in requests:
+            row = by_id.get(request.delivery_id)
+            results.append(HeartbeatResult(
+                delivery_id=request.delivery_id,
+                alive=bool(row and row["alive"]),
+                cancel_requested=bool(row and row["cancel_requested"]),
+                lease_expires_at=row["lease_expires_at"] if row else None,
+            ))
+        return results
+
+    async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]:
+        if not settlements:
+            return []
+        rows = await self.call(
+            "settle",
+            p_ids=[int(s.delivery_id) for s in settlements],
+            p_tokens=[s.lease_token for s in settlements],
+            p_outcomes=[s.kind for s in settlements],
+            p_delays=[s.delay_seconds for s in settlements],
+            p_reasons=[s.reason for s in settlements],
+            p_errors=[s.error for s in settlements],
+        )
+        by_id: dict[str, SettleResult] = {str(r["delivery_id"]): r["result"] for r in rows}
+        return [by_id.get(s.delivery_id, "LeaseLost") for s in settlements]
+
+    # -- once markers ------------------------------------------------------------------------
+
+    async def once_begin(self, key: str, running_seconds: float) -> tuple[str, str | None]:
+        rows = await self.call("once_begin", p_key=key, p_running_seconds=running_seconds)
+        return rows[0]["state"], sid(rows[0]["token"])
+
+    async def once_finish(self, key: str, token: str, ttl_seconds: float) -> bool:
+        return bool(await self._scalar("once_finish", p_key=key, p_token=token, p_ttl_seconds=ttl_seconds))
+
+    async def once_abort(self, key: str, token: str) -> bool:
+        return bool(await self._scalar("once_abort", p_key=key, p_token=token))
+
+    # -- housekeeping ------------------------------------------------------------------------
+
+    async def sweep(self, limit: int = 1000) -> SweepReport:
+        rows = await self.call("sweep", p_limit=limit)
+        return SweepReport.model_validate(as_dict(rows[0]))
+
+    async def prune(self, older_than_seconds: float, *, batch: int = 5000) -> int:
+        """Removes Completed and Discarded deliveries settled more than ``older_than_seconds`` ago."""
+        total = 0
+        while True:
+            removed = int(await self._scalar("prune", p_older_than_seconds=older_than_seconds, p_limit=batch))
+            total += removed
+            if removed < batch:
+                return total
+
+    # -- operate -----------------------------------------------------------------------------
+
+    async def stats(self, subscription: str | None = None) -> list[SubscriptionStats]:
+        rows = await self.call("stats", p_subscription=subscription)
+        return [
+            SubscriptionStats(
+                subscription=r["subscription"], topic=r["topic"], status=r["subscription_status"],
+                partition_mode=r["partition_mode"], pending=r["pending"], claimable=r["claimable"],
+                in_flight=r["in_flight"], dead_lettered=r["dead_lettered"], completed=r["completed"],
+                discarded=r["discarded"], oldest_pending_at=r["oldest_pending_at"],
+            )
+            for r in rows
+        ]
+
+    async def backlog(self, subscription: str) -> Backlog | None:
+        rows = await self.call("backlog", p_subscription=subscription)
+        return Backlog.model_validate(as_dict(rows[0])) if rows else None
+
+    async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:
+        try:
+            numeric = int(delivery_id)
+        except ValueError:
+            return None
+        rows = await self.call("get_delivery", p_delivery_id=numeric)
+        return delivery_info(rows[0], None, include_payload) if rows else None
+
+    async def list_deliveries(
+        self,
+        subscription: str,
+        status: DeliveryStatus,
+        *,
+        limit: int = 100,
+        after: str | None = None,
+        include_payload: bool = False,
+    ) -> list[DeliveryInfo]:
+        rows = await self.call(
+            "list_deliveries", p_subscription=subscription, p_status=status, p_limit=limit,
+            p_after_id=int(after) if after else 0,
+        )
+        return [delivery_info(r, subscription, include_payload) for r in rows]
+
+    async def partitions(
+        self, subscription: str, condition: PartitionCondition | None = None, *, limit: int = 100
+    ) -> list[PartitionInfo]:
+        rows = await self.call("partitions", p_subscription=subscription, p_condition=condition, p_limit=limit)
+        return [
+            PartitionInfo(
+                partition_key=r["partition_key"], condition=r["condition"],
+                head_delivery_id=sid(r["head_delivery_id"]), head_status=r["head_status"],
+                head_attempt=r["head_attempt"], head_visible_at=r["head_visible_at"],
+                waiting_items=r["waiting_items"],
+            )
+            for r in rows
+        ]
+
+    async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
+        return await self._action("replay", subscription, delivery_id, p_note=note)
+
+    async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
+        return await self._action("discard", subscription, delivery_id, p_reason=reason)
+
+    async def _action(self, routine: str, subscription: str, delivery_id: str, **text: Any) -> ActionResult:
+        try:
+            numeric = int(delivery_id)
+        except ValueError:
+            return ActionResult(result="NotFound", delivery_id=delivery_id, subscription=subscription)
+        rows = await self.call(routine, p_subscription=subscription, p_delivery_id=numeric, **text)
+        row = rows[0]
+        return ActionResult(
+            result=row["result"],
+            delivery_id=delivery_id,
+            subscription=subscription,
+            cancel_requested=bool(row.get("cancel_requested", False)),
+            status=row["delivery_status"],
+        )
+
+    async def validate_bindings(self) -> BindingReport:
+        """Checks that every migration this release ships is applied, unchanged."""
+        issues: list[BindingIssue] = []
+        try:
+            rows = await self.call("schema_versions")
+        except ConfigurationError as exc:
+            issues.append(BindingIssue(severity="Error", subject="schema", message=str(exc)))
+            rows = []
+        applied = {r["version"]: r["checksum"] for r in rows}
+        for migration in migrations(self.dialect):
+            label = f"{migration.version:04d}_{migration.name}"
+            if migration.version not in applied:
+                issues.append(BindingIssue(
+                    severity="Error", subject=f"migration {label}",
+                    message="not applied to this database; run `workqueue migrate` as the schema owner",
+                ))
+            elif applied[migration.version] != migration.checksum:
+                issues.append(BindingIssue(
+                    severity="Error", subject=f"migration {label}",
+                    message="applied with different content than this release ships; restore the file",
+                ))
+        issues.extend(await self.dialect_issues())
+        ok = not any(i.severity == "Error" for i in issues)
+        return BindingReport(transport=self.name, ok=ok, issues=issues)
+
+    async def dialect_issues(self) -> list[BindingIssue]:
+        """What a dialect adds to validate-bindings (settings to change, features it lacks)."""
+        return []
+
+    # -- API keys ----------------------------------------------------------------------------
+
+    async def api_key_create(
+        self, key_id: uuid.UUID, name: str, prefix: str, key_hash: str, scopes: list[str], expires_at: datetime | None
+    ) -> None:
+        await self.call(
+            "api_key_create", p_id=key_id, p_name=name, p_prefix=prefix, p_key_hash=key_hash, p_scopes=scopes,
+            p_expires_at=expires_at,
+        )
+
+    async def api_key_lookup(self, prefix: str) -> StoredKey | None:
+        rows = await self.call("api_key_lookup", p_prefix=prefix)
+        if not rows:
+            return None
+        r = rows[0]
+        return StoredKey(id=str(r["id"]), name=r["name"], key_hash=r["key_hash"], scopes=tuple(json_list(r["scopes"])))
+
+    async def api_key_list(self) -> list[ApiKeyInfo]:
+        rows = await self.call("api_key_list")
+        return [ApiKeyInfo.model_validate({**as_dict(r), "scopes": json_list(r["scopes"])})
+                for r in rows]
+
+    async def api_key_revoke(self, key: str) -> int:
+        return int(await self._scalar("api_key_revoke", p_key=key))
+
+
+# -- rows → models -------------------------------------------------------------------------------
+
+
+def as_dict(row: Row) -> dict[str, Any]:
+    """A driver row as a plain dict."""
+    return dict(row.items())
+
+
+def json_value(value: Any) -> Any:
+    """A JSON column as Python: drivers hand over text or already-parsed values."""
+    if value is None or not isinstance(value, str):
+        return value
+    return json.loads(value)
+
+
+def json_list(value: Any) -> list[str]:
+    """An array column (a native array, or JSON text where the database has no arrays)."""
+    if isinstance(value, str):
+        return list(json.loads(value))
+    return list(value or [])
+
+
+def sid(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+_ACCEPTED = PublishStatus.ACCEPTED
+
+
+def publish_result(row: Row, message: PreparedMessage) -> PublishResult:
+    status = row["status"]
+    if status == "Accepted":
+        return PublishResult.model_construct(status=_ACCEPTED, message_id=message.message_id, error=None)
+    error = None
+    if row["error_code"] is not None:
+        error = PublishError(code=row["error_code"], message=row["error_message"])
+    mid = row["message_id"]
+    return PublishResult(
+        status=PublishStatus(status),
+        message_id=None if mid is None else uuid.UUID(str(mid)),
+        error=error,
+    )
+
+
+def claimed(r: Row) -> ClaimedDelivery:
+    attributes = r["attributes"]
+    return ClaimedDelivery(
+        delivery_id=str(r["delivery_id"]),
+        lease_token=str(r["lease_token"]),
+        attempt=r["attempt"],
+        max_attempts=r["max_attempts"],
+        lease_expires_at=r["lease_expires_at"],
+        message_id=r["message_id"] if isinstance(r["message_id"], uuid.UUID) else uuid.UUID(str(r["message_id"])),
+        topic=r["topic"],
+        partition_key=r["partition_key"],
+        attributes=json.loads(attributes) if isinstance(attributes, str) else dict(attributes or {}),
+        payload_json=r["payload"],
+        payload_ref=r["payload_ref"],
+        correlation_id=r["correlation_id"],
+        published_at=r["published_at"],
+    )
+
+
+def delivery_info(row: Row, subscription: str | None, include_payload: bool) -> DeliveryInfo:
+    keys = set(row.keys())
+
+    def get(name: str, default: Any = None) -> Any:
+        return row[name] if name in keys else default
+
+    return DeliveryInfo(
+        delivery_id=str(row["delivery_id"]),
+        subscription=subscription or row["subscription"],
+        message_id=row["message_id"],
+        topic=get("topic"),
+        partition_key=row["partition_key"],
+        status=row["status"],
+        attempt=row["attempt"],
+        max_attempts=row["max_attempts"],
+        reason=row["reason"],
+        last_error=row["last_error"],
+        note=row["note"],
+        cancel_requested=bool(get("cancel_requested", False)),
+        progress_percent=get("progress_percent"),
+        progress_message=get("progress_message"),
+        visible_at=get("visible_at"),
+        lease_expires_at=get("lease_expires_at"),
+        created_at=row["created_at"],
+        claimed_at=get("claimed_at"),
+        settled_at=row["settled_at"],
+        attributes=json_value(row["attributes"]),
+        correlation_id=row["correlation_id"],
+        payload=json_value(row["payload"]) if include_payload else None,
+    )
