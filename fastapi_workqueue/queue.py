@@ -155,7 +155,8 @@ class WorkQueue:
         if not url:
             raise ConfigurationError(
                 "no database is configured: set WORKQUEUE_DATABASE_URL (for example "
-                "postgresql+asyncpg://postgres@127.0.0.1:5432/app) or WorkQueueSettings(database_url=...)"
+                "postgresql+asyncpg://postgres@127.0.0.1:5432/app or sqlite+aiosqlite:///app.db) or "
+                "WorkQueueSettings(database_url=...)"
             )
         return url
 
@@ -201,7 +202,7 @@ class WorkQueue:
             return
         try:
             await self.transport.open()
-            if self.settings.auto_migrate:
+            if self.settings.migrate_at_start:
                 applied = await self.transport.migrate()
                 if applied:
                     log.info("applied migrations: %s", ", ".join(applied))

@@ -7,6 +7,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .core.host import HostOptions, SubscriptionPlan
 
+DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///workqueue.db"
+"""Where the queue lives when nothing else is configured: an SQLite file in the working directory."""
+
 
 class WorkQueueSettings(BaseSettings):
     """How the queue connects and how this process's host runs.
@@ -19,8 +22,9 @@ class WorkQueueSettings(BaseSettings):
 
     enabled: bool = True
     """Run the host (consumers, sweeper, reconcile loop) in this process."""
-    database_url: str | None = None
-    """``postgresql+asyncpg://user:password@host:5432/db``."""
+    database_url: str | None = DEFAULT_DATABASE_URL
+    """``postgresql+asyncpg://user:password@host:5432/db``; by default an SQLite file, ``workqueue.db``,
+    in the working directory."""
     system_principal: str | None = None
     """Who handlers act as; handed to them as ``context.principal``."""
     subscriptions: list[SubscriptionPlan] = Field(default_factory=lambda: [SubscriptionPlan()])
@@ -33,14 +37,22 @@ class WorkQueueSettings(BaseSettings):
     reconcile_interval_ms: int = Field(default=30000, ge=0)
     disable_host: bool = False
     """``WORKQUEUE_DISABLE_HOST=1`` keeps the host off in one process without touching the rest."""
-    auto_migrate: bool = False
-    """Apply pending schema migrations at start-up."""
+    auto_migrate: bool | None = None
+    """Apply pending schema migrations at start-up. Unset: yes on SQLite (embedded), no elsewhere
+    (run ``workqueue migrate`` as the schema owner)."""
     sync_topology: bool = True
     """Write the topics and subscriptions declared in code to the database at start-up."""
     pool_size: int = Field(default=10, ge=1)
     """Connections the queue keeps to the database (besides one for LISTEN)."""
     listen: bool = True
     """Wake idle consumers with LISTEN/NOTIFY on PostgreSQL (polling stays as the fallback)."""
+
+    @property
+    def migrate_at_start(self) -> bool:
+        """Whether start-up applies pending migrations."""
+        if self.auto_migrate is not None:
+            return self.auto_migrate
+        return (self.database_url or "").startswith("sqlite")
 
     @property
     def host_enabled(self) -> bool:

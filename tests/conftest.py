@@ -66,6 +66,21 @@ async def pg_url() -> AsyncIterator[str]:
         await drop_database(PG_URL)
 
 
+@pytest.fixture(scope="session")
+async def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A migrated SQLite file for this test session."""
+    from fastapi_workqueue.database.sqlite import SqliteTransport
+
+    url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('sqlite') / 'workqueue.db'}"
+    transport = SqliteTransport(url)
+    await transport.open()
+    try:
+        await transport.migrate()
+    finally:
+        await transport.close()
+    return url
+
+
 @pytest.fixture
 async def pg_transport(pg_url: str) -> AsyncIterator[PostgresTransport]:
     transport = PostgresTransport(pg_url, listen=False, pool_max_size=4)

@@ -8,8 +8,12 @@ from ..core.errors import ConfigurationError
 
 
 def create_database_transport(url: str, **options: Any) -> Any:
-    """A transport for ``url``: ``postgresql+asyncpg://…`` (more dialects follow)."""
+    """A transport for ``url``: ``postgresql+asyncpg://…`` or ``sqlite+aiosqlite:///file.db``."""
     scheme = url.partition("://")[0].split("+", 1)[0].lower()
+    if scheme == "sqlite":
+        from .sqlite import SqliteTransport
+
+        return SqliteTransport(url, **options)
     if scheme in ("postgresql", "postgres"):
         try:
             from .postgres import PostgresTransport
@@ -19,5 +23,6 @@ def create_database_transport(url: str, **options: Any) -> Any:
             ) from exc
         return PostgresTransport(url, **options)
     raise ConfigurationError(
-        f"database URL scheme {scheme!r} is not supported; use postgresql+asyncpg://user@host/db"
+        f"database URL scheme {scheme!r} is not supported; use postgresql+asyncpg://user@host/db or "
+        "sqlite+aiosqlite:///path/to/file.db"
     )

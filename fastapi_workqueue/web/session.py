@@ -21,6 +21,8 @@ def to_sqlalchemy_url(url: str) -> str:
     scheme, _, rest = url.partition("://")
     if scheme in ("postgresql", "postgres"):
         return f"postgresql+asyncpg://{rest}"
+    if scheme == "sqlite":
+        return f"sqlite+aiosqlite://{rest}"
     return url
 
 
@@ -37,7 +39,10 @@ class RequestSessions:
         if self._engine is None:
             from sqlalchemy.ext.asyncio import create_async_engine
 
-            self._engine = create_async_engine(to_sqlalchemy_url(self._url_getter()), pool_pre_ping=True)
+            url = to_sqlalchemy_url(self._url_getter())
+            # SQLite: wait for the single writer instead of failing at once.
+            options: dict[str, Any] = {"connect_args": {"timeout": 10}} if url.startswith("sqlite") else {}
+            self._engine = create_async_engine(url, pool_pre_ping=True, **options)
         return self._engine
 
     @property

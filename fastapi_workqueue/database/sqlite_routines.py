@@ -1,0 +1,636 @@
+"""The queue routines for SQLite: the same names, parameters and results as PostgreSQL's functions.
+
+Each routine runs the named statements of ``sql/sqlite/queries.sql`` through an :class:`Executor`
+inside the one transaction the transport opened (``BEGIN IMMEDIATE``: SQLite's single writer),
+so a routine is as atomic as its PostgreSQL twin. The logic mirrors ``sql/postgresql`` step by
+step; comments name the differences.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from ..core.filters import matches
+
+Row = dict[str, Any]
+
+
+class Executor(Protocol):
+    async def fetch(self, query: str, /, **params: Any) -> list[Row]: ...
+    async def execute(self, query: str, /, **params: Any) -> int: ...
+
+
+@dataclass
+class Call:
+    """One routine call: where to run statements, the time it runs at, who to wake afterwards."""
+
+    ex: Executor
+    now: float
+    wake: set[int] = field(default_factory=set)
+
+
+Routine = Callable[..., Awaitable[list[Row]]]
+ROUTINES: dict[str, Routine] = {}
+READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions", "list_subscriptions",
+             "list_topics", "schema_versions", "api_key_list"}
+"""Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
+
+
+def routine(fn: Routine) -> Routine:
+    ROUTINES[fn.__name__.removeprefix("r_")] = fn
+    return fn
+
+
+def ts(value: float | None) -> datetime | None:
+    """Epoch seconds → an aware UTC datetime."""
+    return None if value is None else datetime.fromtimestamp(value, UTC)
+
+
+def epoch(value: datetime | None) -> float | None:
+    return None if value is None else value.timestamp()
+
+
+def backoff_seconds(attempt: int, base: float, maximum: float, schedule: str | None) -> float:
+    """Full-jitter exponential backoff, or the fixed schedule a delivery was published with."""
+    if schedule:
+        steps = json.loads(schedule)
+        if steps:
+            step: float = float(steps[min(max(attempt, 1), len(steps)) - 1])
+            return step
+    return random.random() * min(maximum, base * 2.0 ** (max(attempt, 1) - 1))
+
+
+# -- partitions ----------------------------------------------------------------------------------
+
+
+async def refresh_partition(c: Call, subscription_id: int, key: str, mode: int) -> bool:
+    """Re-derives a key's row from its deliveries; True when the key can be claimed now."""
+    await c.ex.execute("partition_touch", subscription_id=subscription_id, key=key)
+    [part] = await c.ex.fetch("partition_get", subscription_id=subscription_id, key=key)
+    holder = part["holder_id"]
+    if holder is not None:
+        rows = await c.ex.fetch("delivery_status", id=holder)
+        if not rows or rows[0]["status"] != "InFlight":
+            holder = None
+    next_id: int | None = None
+    next_visible: float | None = None
+    blocked: int | None = None
+    if mode == 2:
+        heads = await c.ex.fetch("ordered_head", subscription_id=subscription_id, key=key)
+        if heads:
+            head = heads[0]
+            if head["status"] == "InFlight":
+                holder = head["id"]
+            elif head["status"] == "DeadLettered":
+                blocked = head["id"]
+            elif holder is None:
+                next_id, next_visible = head["id"], head["visible_at"]
+    elif holder is None:
+        nxt = await c.ex.fetch("exclusive_next", subscription_id=subscription_id, key=key)
+        if nxt:
+            next_id, next_visible = nxt[0]["id"], nxt[0]["visible_at"]
+    if holder is None and next_id is None and blocked is None:
+        await c.ex.execute("partition_delete", subscription_id=subscription_id, key=key)
+        return False
+    await c.ex.execute(
+        "partition_set", subscription_id=subscription_id, key=key, holder_id=holder, next_id=next_id,
+        next_visible_at=next_visible, blocked_id=blocked,
+    )
+    return holder is None and next_visible is not None and next_visible <= c.now
+
+
+async def _refresh_keys(c: Call, keys: set[tuple[int, str, int]]) -> None:
+    for subscription_id, key, mode in sorted(keys):
+        if await refresh_partition(c, subscription_id, key, mode):
+            c.wake.add(subscription_id)
+
+
+# -- topology ------------------------------------------------------------------------------------
+
+
+@routine
+async def r_sync_topic(c: Call, p_name: str, p_max_payload_bytes: int | None, p_is_fifo: bool,
+                       p_transport: str = "database") -> list[Row]:
+    await c.ex.execute("topic_insert", name=p_name, transport=p_transport, max_payload_bytes=p_max_payload_bytes,
+                       is_fifo=int(p_is_fifo), now=c.now)
+    return [{"sync_topic": None}]
+
+
+@routine
+async def r_sync_subscription(c: Call, **p: Any) -> list[Row]:
+    params = {k.removeprefix("p_"): v for k, v in p.items()}
+    params.setdefault("status", "Active")
+    existing = await c.ex.fetch("subscription_get", name=params["name"])
+    if not existing:
+        [row] = await c.ex.fetch("subscription_insert", **params, now=c.now)
+        return [{"sync_subscription": row["id"]}]
+    current = existing[0]
+    live = (await c.ex.fetch("subscription_live_count", id=current["id"]))[0]["n"]
+    if live and current["topic"] != params["topic"]:
+        raise ValueError(
+            f"subscription {params['name']} has live deliveries of topic {current['topic']}; it cannot move to topic "
+            f"{params['topic']} until they are settled or discarded"
+        )
+    if live and current["partition_mode"] != params["partition_mode"]:
+        raise ValueError(
+            f"subscription {params['name']} has live deliveries routed for partition mode {current['partition_mode']}; "
+            f"change it to {params['partition_mode']} once they are settled or discarded, or create a new subscription"
+        )
+    params.pop("status")
+    await c.ex.execute("subscription_update", **params, id=current["id"], now=c.now)
+    return [{"sync_subscription": current["id"]}]
+
+
+@routine
+async def r_set_subscription_status(c: Call, p_name: str, p_status: str) -> list[Row]:
+    existing = await c.ex.fetch("subscription_get", name=p_name)
+    if not existing:
+        return []
+    old = existing[0]["status"]
+    await c.ex.execute("subscription_set_status", name=p_name, status=p_status, now=c.now)
+    if p_status == "Active" and old != "Active":
+        c.wake.add(existing[0]["id"])
+    return [{"subscription": p_name, "status": p_status, "changed": old != p_status}]
+
+
+@routine
+async def r_list_subscriptions(c: Call) -> list[Row]:
+    return await c.ex.fetch("subscription_list")
+
+
+@routine
+async def r_list_topics(c: Call) -> list[Row]:
+    return await c.ex.fetch("topic_list")
+
+
+# -- publish -------------------------------------------------------------------------------------
+
+_CONFLICT_TEXT = (
+    "a message with this MessageID and different content was already published; use a new MessageID for new content"
+)
+
+
+@routine
+async def r_publish(
+    c: Call, p_topic: str, p_message_ids: Sequence[Any], p_partition_keys: Sequence[str | None],
+    p_attributes: Sequence[str], p_payloads: Sequence[str | None], p_payload_refs: Sequence[str | None],
+    p_correlation_ids: Sequence[str | None], p_content_hashes: Sequence[str],
+    p_deduplication_keys: Sequence[str | None], p_deduplication_ttls: Sequence[float | None],
+    p_delays: Sequence[float | None], p_not_befores: Sequence[datetime | None],
+    p_max_attempts: Sequence[int | None], p_backoff_schedules: Sequence[str | None],
+    p_envelope_bytes: Sequence[int],
+) -> list[Row]:
+    n = len(p_message_ids)
+    ids = [str(m) for m in p_message_ids]
+    topic = await c.ex.fetch("topic_get", name=p_topic)
+    if not topic:
+        text = f"topic '{p_topic}' does not exist; declare it in the WorkQueue topics or create it first"
+        return [{"idx": i + 1, "status": "Rejected", "message_id": ids[i], "error_code": "UnknownTopic",
+                 "error_message": text} for i in range(n)]
+    cap = topic[0]["max_payload_bytes"]
+
+    # Classify every item before writing anything (as PostgreSQL's classify-first path does).
+    status: list[str] = []
+    result_ids: list[str] = []
+    first_by_id: dict[str, tuple[int, str]] = {}
+    first_by_key: dict[str, str] = {}
+    for i in range(n):
+        mid, content, key = ids[i], p_content_hashes[i], p_deduplication_keys[i]
+        if cap is not None and p_envelope_bytes[i] > cap:
+            status.append("Rejected")
+            result_ids.append(mid)
+            continue
+        if mid in first_by_id:
+            status.append("Duplicate" if first_by_id[mid][1] == content else "MessageIDConflict")
+            result_ids.append(mid)
+            continue
+        first_by_id[mid] = (i, content)
+        stored = await c.ex.fetch("message_hash", id=mid)
+        if stored:
+            status.append("Duplicate" if stored[0]["content_hash"] == content else "MessageIDConflict")
+            result_ids.append(mid)
+            continue
+        if key is not None:
+            live = await c.ex.fetch("dedup_live", topic=p_topic, key=key, now=c.now)
+            if live:
+                status.append("Duplicate")
+                result_ids.append(str(live[0]["message_id"]))
+                continue
+            if key in first_by_key:
+                status.append("Duplicate")
+                result_ids.append(first_by_key[key])
+                continue
+            first_by_key[key] = mid
+        status.append("Accepted")
+        result_ids.append(mid)
+
+    failed = next((i for i, s in enumerate(status) if s in ("Rejected", "MessageIDConflict")), None)
+    if failed is not None:
+        code = "EnvelopeTooLarge" if status[failed] == "Rejected" else "MessageIDConflict"
+        rows = []
+        for i, s in enumerate(status):
+            if s == "Rejected":
+                text = (f"the envelope is {p_envelope_bytes[i]} bytes; topic '{p_topic}' accepts at most {cap} bytes "
+                        "(max_payload_bytes); send a PayloadRef to the data instead")
+                rows.append({"idx": i + 1, "status": s, "message_id": result_ids[i], "error_code": "EnvelopeTooLarge",
+                             "error_message": text})
+            elif s == "MessageIDConflict":
+                rows.append({"idx": i + 1, "status": s, "message_id": result_ids[i], "error_code": s,
+                             "error_message": _CONFLICT_TEXT})
+            else:
+                text = (f"not published: item {failed} of this call was refused ({code}) and a publish call is "
+                        "all-or-nothing")
+                rows.append({"idx": i + 1, "status": "Rejected", "message_id": result_ids[i],
+                             "error_code": "BatchAborted", "error_message": text})
+        return rows
+
+    accepted = [i for i, s in enumerate(status) if s == "Accepted"]
+    subscriptions = await c.ex.fetch("subscriptions_of_topic", topic=p_topic)
+    filters = [None if s["filter"] is None else json.loads(s["filter"]) for s in subscriptions]
+    for i in accepted:
+        await c.ex.execute(
+            "message_insert", id=ids[i], topic=p_topic, partition_key=p_partition_keys[i], attributes=p_attributes[i],
+            payload=p_payloads[i], payload_ref=p_payload_refs[i], correlation_id=p_correlation_ids[i],
+            deduplication_key=p_deduplication_keys[i], content_hash=p_content_hashes[i], now=c.now,
+        )
+        if p_deduplication_keys[i] is not None:
+            ttl = p_deduplication_ttls[i]
+            ttl = 300.0 if ttl is None else ttl
+            await c.ex.execute("dedup_upsert", topic=p_topic, key=p_deduplication_keys[i], message_id=ids[i],
+                               expires_at=c.now + ttl)
+
+    # Fan-out: (item, subscription) pairs whose filter matches, in array order.
+    pairs = []
+    for i in accepted:
+        attributes = json.loads(p_attributes[i]) if p_attributes[i] else {}
+        for sub, spec in zip(subscriptions, filters, strict=True):
+            if matches(spec, attributes):
+                pairs.append((i, sub))
+    keyed = sorted({(sub["id"], p_partition_keys[i]) for i, sub in pairs
+                    if p_partition_keys[i] is not None and sub["partition_mode"] != "None"})
+    for subscription_id, key in keyed:
+        await c.ex.execute("partition_touch", subscription_id=subscription_id, key=key)
+
+    first_of_key: dict[tuple[int, str], tuple[int, int, float]] = {}
+    for i, sub in pairs:
+        key = p_partition_keys[i]
+        partition_mode = sub["partition_mode"]
+        mode = 0 if key is None or partition_mode == "None" else (1 if partition_mode == "Exclusive" else 2)
+        not_before = epoch(p_not_befores[i])
+        visible = max(c.now, not_before if not_before is not None else c.now + (p_delays[i] or 0.0))
+        [row] = await c.ex.fetch(
+            "delivery_insert", subscription_id=sub["id"], message_id=ids[i], partition_key=key, key_mode=mode,
+            max_attempts=p_max_attempts[i] or sub["max_attempts"], backoff_base_seconds=sub["backoff_base_seconds"],
+            backoff_max_seconds=sub["backoff_max_seconds"], backoff_schedule=p_backoff_schedules[i],
+            visible_at=visible, now=c.now,
+        )
+        if mode == 0:
+            if visible <= c.now:
+                c.wake.add(sub["id"])
+            continue
+        current = first_of_key.get((sub["id"], key))  # type: ignore[arg-type]
+        # Ordered: the first new delivery of the key; Exclusive: its earliest visible one.
+        if current is None or (mode == 1 and (visible, row["id"]) < (current[2], current[1])):
+            first_of_key[(sub["id"], key)] = (mode, row["id"], visible)  # type: ignore[index]
+    for (subscription_id, key), (mode, delivery_id, visible) in sorted(first_of_key.items()):
+        advanced = await c.ex.execute(
+            "partition_advance", subscription_id=subscription_id, key=key, id=delivery_id, visible_at=visible,
+            key_mode=mode,
+        )
+        if advanced and visible <= c.now:
+            c.wake.add(subscription_id)
+    return [{"idx": i + 1, "status": status[i], "message_id": result_ids[i], "error_code": None,
+             "error_message": None} for i in range(n)]
+
+
+# -- consume -------------------------------------------------------------------------------------
+
+
+@routine
+async def r_claim(c: Call, p_subscription: str, p_limit: int) -> list[Row]:
+    subs = await c.ex.fetch("subscription_active", name=p_subscription)
+    if not subs or p_limit < 1:
+        return []
+    sub = subs[0]
+    keyed: list[Row] = []
+    if sub["partition_mode"] != "None":
+        keyed = await c.ex.fetch("partition_ready", subscription_id=sub["id"], now=c.now, limit=p_limit)
+    share = p_limit if not keyed else max(p_limit - len(keyed), p_limit // 2)
+    unkeyed = await c.ex.fetch("claimable_unkeyed", subscription_id=sub["id"], now=c.now, limit=share)
+    if keyed and len(keyed) + len(unkeyed) > p_limit:
+        keyed = keyed[: p_limit - len(unkeyed)]
+    out: list[Row] = []
+    lease_expires = c.now + sub["lease_seconds"]
+    stale: list[str] = []
+    for candidate, key in [(k["next_id"], k["partition_key"]) for k in keyed] + [(u["id"], None) for u in unkeyed]:
+        rows = await c.ex.fetch("delivery_claim", id=candidate, token=str(uuid.uuid4()),
+                                lease_expires_at=lease_expires, now=c.now)
+        if not rows:
+            if key is not None:
+                stale.append(key)
+            continue
+        d = rows[0]
+        if d["key_mode"] > 0:
+            await c.ex.execute("partition_hold", subscription_id=sub["id"], key=d["partition_key"], id=d["id"])
+        [m] = await c.ex.fetch("message_get", id=d["message_id"])
+        out.append({
+            "delivery_id": d["id"], "lease_token": d["lease_token"], "attempt": d["attempt"],
+            "max_attempts": d["max_attempts"], "lease_expires_at": ts(d["lease_expires_at"]),
+            "message_id": m["id"], "topic": m["topic"], "partition_key": m["partition_key"],
+            "attributes": m["attributes"], "payload": m["payload"], "payload_ref": m["payload_ref"],
+            "correlation_id": m["correlation_id"], "published_at": ts(m["published_at"]),
+        })
+    # A key that pointed at a delivery no longer Pending is re-derived.
+    mode = 1 if sub["partition_mode"] == "Exclusive" else 2
+    for key in stale:
+        await refresh_partition(c, sub["id"], key, mode)
+    out.sort(key=lambda r: r["delivery_id"])
+    return out
+
+
+@routine
+async def r_heartbeat(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_percents: Sequence[int | None],
+                      p_messages: Sequence[str | None]) -> list[Row]:
+    out = []
+    for delivery_id, token, percent, message in zip(p_ids, p_tokens, p_percents, p_messages, strict=True):
+        held = await c.ex.fetch("delivery_held", id=delivery_id, token=str(token))
+        if not held:
+            out.append({"delivery_id": delivery_id, "alive": False, "cancel_requested": False,
+                        "lease_expires_at": ts(None)})
+            continue
+        [row] = await c.ex.fetch(
+            "delivery_heartbeat", id=delivery_id, token=str(token), percent=percent, message=message,
+            lease_expires_at=c.now + held[0]["lease_seconds"],
+        )
+        cancel = bool(row["cancel_requested"])
+        out.append({"delivery_id": delivery_id, "alive": not cancel, "cancel_requested": cancel,
+                    "lease_expires_at": ts(row["lease_expires_at"])})
+    return out
+
+
+@routine
+async def r_settle(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_outcomes: Sequence[str],
+                   p_delays: Sequence[float | None], p_reasons: Sequence[str | None],
+                   p_errors: Sequence[str | None]) -> list[Row]:
+    out = []
+    keys: set[tuple[int, str, int]] = set()
+    items = sorted(zip(p_ids, p_tokens, p_outcomes, p_delays, p_reasons, p_errors, strict=True))
+    results: dict[int, str] = {}
+    for delivery_id, token, outcome, delay, reason, error in items:
+        held = await c.ex.fetch("delivery_held", id=delivery_id, token=str(token))
+        if not held:
+            continue
+        d = held[0]
+        if d["cancel_requested"]:
+            new = "Discarded"
+        elif outcome == "Complete":
+            new = "Completed"
+        elif outcome == "Release":
+            new = "Pending"
+        elif outcome == "DeadLetter" or d["attempt"] >= d["max_attempts"]:
+            new = "DeadLettered"
+        else:
+            new = "Pending"
+        attempt = max(d["attempt"] - 1, 0) if outcome == "Release" and new == "Pending" else d["attempt"]
+        visible = None
+        if new == "Pending":
+            wait = (delay or 0.0) if outcome == "Release" else (
+                delay if delay is not None else backoff_seconds(
+                    d["attempt"], d["backoff_base_seconds"], d["backoff_max_seconds"], d["backoff_schedule"]))
+            visible = c.now + wait
+        if d["cancel_requested"]:
+            new_reason = d["reason"]
+        elif outcome == "Complete":
+            new_reason = None
+        elif new == "DeadLettered" and outcome != "DeadLetter":
+            cause = reason if reason is not None else error
+            new_reason = f"max attempts reached: {cause}" if cause is not None else "max attempts reached"
+        else:
+            new_reason = reason if reason is not None else d["reason"]
+        await c.ex.execute(
+            "delivery_settle", id=delivery_id, status=new, attempt=attempt, visible_at=visible, reason=new_reason,
+            last_error=error if error is not None else d["last_error"],
+            settled_at=c.now if new in ("Completed", "Discarded", "DeadLettered") else None,
+        )
+        results[delivery_id] = new
+        if d["key_mode"] > 0:
+            keys.add((d["subscription_id"], d["partition_key"], d["key_mode"]))
+    await _refresh_keys(c, keys)
+    for delivery_id in p_ids:
+        out.append({"delivery_id": delivery_id, "result": results.get(delivery_id, "LeaseLost")})
+    return out
+
+
+# -- sweeper -------------------------------------------------------------------------------------
+
+
+@routine
+async def r_expire_leases(c: Call, p_limit: int) -> list[Row]:
+    expired = await c.ex.fetch("expired_leases", now=c.now, limit=p_limit)
+    keys: set[tuple[int, str, int]] = set()
+    out = []
+    for d in expired:
+        final = d["attempt"] >= d["max_attempts"]
+        if d["cancel_requested"]:
+            new, reason, error, visible = "Discarded", d["reason"], d["last_error"], None
+        elif final:
+            new, reason = "DeadLettered", "lease expired on the final attempt"
+            error, visible = "lease expired: the holder stopped renewing it", None
+        else:
+            new, reason = "Pending", "lease expired"
+            error = "lease expired: the holder stopped renewing it"
+            visible = c.now + backoff_seconds(d["attempt"], d["backoff_base_seconds"], d["backoff_max_seconds"],
+                                              d["backoff_schedule"])
+        await c.ex.execute(
+            "delivery_settle", id=d["id"], status=new, attempt=d["attempt"], visible_at=visible, reason=reason,
+            last_error=error, settled_at=None if new == "Pending" else c.now,
+        )
+        out.append({"delivery_id": d["id"], "result": new})
+        if d["key_mode"] > 0:
+            keys.add((d["subscription_id"], d["partition_key"], d["key_mode"]))
+    await _refresh_keys(c, keys)
+    return out
+
+
+@routine
+async def r_purge(c: Call, p_limit: int) -> list[Row]:
+    return [{
+        "purged_deliveries": await c.ex.execute("purge_deliveries", now=c.now, limit=p_limit),
+        "purged_messages": await c.ex.execute("purge_messages", now=c.now, limit=p_limit),
+        "purged_deduplication": await c.ex.execute("purge_deduplication", now=c.now, limit=p_limit),
+    }]
+
+
+SWEEP_LOCK = "workqueue.sweep"
+
+
+@routine
+async def r_sweep(c: Call, p_limit: int = 1000) -> list[Row]:
+    """One pass at a time: the pass holds the ``workqueue.sweep`` lock row while it runs (SQLite's
+    single writer already keeps two passes from overlapping; the row also refuses a pass while
+    another process holds it)."""
+    holder = str(uuid.uuid4())
+    await c.ex.execute("lock_take", name=SWEEP_LOCK, holder=holder, expires_at=c.now + 60, now=c.now)
+    owner = await c.ex.fetch("lock_holder", name=SWEEP_LOCK)
+    if not owner or owner[0]["holder"] != holder:
+        return [{"ran": False, "retried": 0, "dead_lettered": 0, "discarded": 0, "purged_deliveries": 0,
+                 "purged_messages": 0, "purged_deduplication": 0}]
+    expired = await r_expire_leases(c, p_limit)
+    [purged] = await r_purge(c, p_limit)
+    await c.ex.execute("purge_once_markers", now=c.now, limit=p_limit)
+    await c.ex.execute("lock_release", name=SWEEP_LOCK, holder=holder)
+    return [{
+        "ran": True,
+        "retried": sum(1 for e in expired if e["result"] == "Pending"),
+        "dead_lettered": sum(1 for e in expired if e["result"] == "DeadLettered"),
+        "discarded": sum(1 for e in expired if e["result"] == "Discarded"),
+        **purged,
+    }]
+
+
+@routine
+async def r_prune(c: Call, p_older_than_seconds: float, p_limit: int) -> list[Row]:
+    return [{"prune": await c.ex.execute("prune_deliveries", cutoff=c.now - p_older_than_seconds, limit=p_limit)}]
+
+
+# -- operator actions ----------------------------------------------------------------------------
+
+
+@routine
+async def r_replay(c: Call, p_subscription: str, p_delivery_id: int, p_note: str | None) -> list[Row]:
+    found = await c.ex.fetch("delivery_of_subscription", id=p_delivery_id, subscription=p_subscription)
+    if not found:
+        return [{"result": "NotFound", "delivery_status": None}]
+    d = found[0]
+    if await c.ex.execute("delivery_replay", id=p_delivery_id, note=p_note, now=c.now) == 0:
+        if d["key_mode"] > 0:
+            await refresh_partition(c, d["subscription_id"], d["partition_key"], d["key_mode"])
+        [now] = await c.ex.fetch("delivery_status", id=p_delivery_id)
+        return [{"result": "NotDeadLettered", "delivery_status": now["status"]}]
+    if d["key_mode"] == 0 or await refresh_partition(c, d["subscription_id"], d["partition_key"], d["key_mode"]):
+        c.wake.add(d["subscription_id"])
+    return [{"result": "Replayed", "delivery_status": "Pending"}]
+
+
+@routine
+async def r_discard(c: Call, p_subscription: str, p_delivery_id: int, p_reason: str | None) -> list[Row]:
+    found = await c.ex.fetch("delivery_of_subscription", id=p_delivery_id, subscription=p_subscription)
+    if not found:
+        return [{"result": "NotFound", "cancel_requested": False, "delivery_status": None}]
+    d = found[0]
+    if await c.ex.execute("delivery_cancel", id=p_delivery_id, reason=p_reason):
+        return [{"result": "CancelRequested", "cancel_requested": True, "delivery_status": "InFlight"}]
+    if await c.ex.execute("delivery_discard", id=p_delivery_id, reason=p_reason, now=c.now):
+        if d["key_mode"] > 0 and await refresh_partition(c, d["subscription_id"], d["partition_key"], d["key_mode"]):
+            c.wake.add(d["subscription_id"])
+        return [{"result": "Discarded", "cancel_requested": False, "delivery_status": "Discarded"}]
+    [now] = await c.ex.fetch("delivery_status", id=p_delivery_id)
+    return [{"result": "AlreadyTerminal", "cancel_requested": False, "delivery_status": now["status"]}]
+
+
+# -- operator reads ------------------------------------------------------------------------------
+
+_TIMES = ("visible_at", "lease_expires_at", "created_at", "claimed_at", "settled_at", "oldest_pending_at",
+          "head_visible_at", "expires_at", "revoked_at", "last_used_at", "published_at")
+
+
+def with_times(rows: list[Row]) -> list[Row]:
+    """Epoch columns as datetimes, as the other databases return them."""
+    for row in rows:
+        for name in _TIMES:
+            if name in row:
+                row[name] = ts(row[name])
+    return rows
+
+
+@routine
+async def r_stats(c: Call, p_subscription: str | None = None) -> list[Row]:
+    return with_times(await c.ex.fetch("stats", subscription=p_subscription, now=c.now))
+
+
+@routine
+async def r_backlog(c: Call, p_subscription: str) -> list[Row]:
+    rows = await c.ex.fetch("backlog", subscription=p_subscription, now=c.now)
+    for row in rows:
+        row["backlog"] = row["claimable"] + row["in_flight"]
+    return rows
+
+
+@routine
+async def r_get_delivery(c: Call, p_delivery_id: int) -> list[Row]:
+    return with_times(await c.ex.fetch("delivery_get", id=p_delivery_id))
+
+
+@routine
+async def r_list_deliveries(
+    c: Call, p_subscription: str, p_status: str, p_limit: int, p_after_id: int = 0
+) -> list[Row]:
+    return with_times(await c.ex.fetch("delivery_list", subscription=p_subscription, status=p_status, limit=p_limit,
+                                       after_id=p_after_id))
+
+
+@routine
+async def r_partitions(c: Call, p_subscription: str, p_condition: str | None, p_limit: int) -> list[Row]:
+    return with_times(await c.ex.fetch("partitions", subscription=p_subscription, condition=p_condition,
+                                       limit=p_limit, now=c.now))
+
+
+@routine
+async def r_schema_versions(c: Call) -> list[Row]:
+    return await c.ex.fetch("schema_versions")
+
+
+# -- once markers --------------------------------------------------------------------------------
+
+
+@routine
+async def r_once_begin(c: Call, p_key: str, p_running_seconds: float) -> list[Row]:
+    token = str(uuid.uuid4())
+    if await c.ex.execute("once_take", key=p_key, token=token, expires_at=c.now + p_running_seconds, now=c.now):
+        return [{"state": "Run", "token": token}]
+    [row] = await c.ex.fetch("once_get", key=p_key)
+    return [{"state": "Done" if row["state"] == "Done" else "Busy", "token": None}]
+
+
+@routine
+async def r_once_finish(c: Call, p_key: str, p_token: str, p_ttl_seconds: float) -> list[Row]:
+    done = await c.ex.execute("once_finish", key=p_key, token=str(p_token), expires_at=c.now + p_ttl_seconds)
+    return [{"once_finish": done > 0}]
+
+
+@routine
+async def r_once_abort(c: Call, p_key: str, p_token: str) -> list[Row]:
+    return [{"once_abort": await c.ex.execute("once_abort", key=p_key, token=str(p_token)) > 0}]
+
+
+# -- API keys ------------------------------------------------------------------------------------
+
+
+@routine
+async def r_api_key_create(c: Call, p_id: Any, p_name: str, p_prefix: str, p_key_hash: str, p_scopes: list[str],
+                           p_expires_at: datetime | None) -> list[Row]:
+    await c.ex.execute("api_key_create", id=str(p_id), name=p_name, prefix=p_prefix, key_hash=p_key_hash,
+                       scopes=json.dumps(p_scopes), now=c.now, expires_at=epoch(p_expires_at))
+    return [{"api_key_create": None}]
+
+
+@routine
+async def r_api_key_lookup(c: Call, p_prefix: str) -> list[Row]:
+    await c.ex.execute("api_key_touch", prefix=p_prefix, now=c.now)
+    return await c.ex.fetch("api_key_lookup", prefix=p_prefix, now=c.now)
+
+
+@routine
+async def r_api_key_list(c: Call) -> list[Row]:
+    return with_times(await c.ex.fetch("api_key_list"))
+
+
+@routine
+async def r_api_key_revoke(c: Call, p_key: str) -> list[Row]:
+    return [{"api_key_revoke": await c.ex.execute("api_key_revoke", key=p_key, now=c.now)}]

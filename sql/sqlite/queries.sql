@@ -1,0 +1,349 @@
+-- fastapi-workqueue: the SQLite statements, by name.
+--
+-- SQLite has no stored procedures: each queue operation (the same routines as PostgreSQL's
+-- functions and SQL Server's procedures, with the same names) is a Python function in
+-- fastapi_workqueue/database/sqlite_routines.py that runs these statements inside one
+-- BEGIN IMMEDIATE transaction. Parameters are named (:name); times are epoch seconds.
+
+-- name: topic_get
+SELECT name, max_payload_bytes, status FROM topic WHERE name = :name;
+
+-- name: topic_insert
+INSERT INTO topic (name, transport, max_payload_bytes, is_fifo, created_at, updated_at)
+VALUES (:name, :transport, :max_payload_bytes, :is_fifo, :now, :now)
+ON CONFLICT (name) DO UPDATE
+SET max_payload_bytes = excluded.max_payload_bytes, is_fifo = excluded.is_fifo,
+    transport = excluded.transport, updated_at = excluded.updated_at
+WHERE (topic.max_payload_bytes IS NOT excluded.max_payload_bytes OR topic.is_fifo IS NOT excluded.is_fifo
+       OR topic.transport IS NOT excluded.transport);
+
+-- name: topic_list
+SELECT name, transport, max_payload_bytes, is_fifo, status FROM topic ORDER BY name;
+
+-- name: subscription_get
+SELECT * FROM subscription WHERE name = :name;
+
+-- name: subscription_insert
+INSERT INTO subscription (name, topic, handler_key, partition_mode, lease_seconds, max_attempts,
+    backoff_base_seconds, backoff_max_seconds, max_processing_seconds, heartbeat_mode, filter, host_type,
+    retention_seconds, status, created_at, updated_at)
+VALUES (:name, :topic, :handler_key, :partition_mode, :lease_seconds, :max_attempts, :backoff_base_seconds,
+    :backoff_max_seconds, :max_processing_seconds, :heartbeat_mode, :filter, :host_type, :retention_seconds,
+    :status, :now, :now)
+RETURNING id;
+
+-- name: subscription_update
+UPDATE subscription SET topic = :topic, handler_key = :handler_key, partition_mode = :partition_mode,
+    lease_seconds = :lease_seconds, max_attempts = :max_attempts, backoff_base_seconds = :backoff_base_seconds,
+    backoff_max_seconds = :backoff_max_seconds, max_processing_seconds = :max_processing_seconds,
+    heartbeat_mode = :heartbeat_mode, filter = :filter, host_type = :host_type,
+    retention_seconds = :retention_seconds, updated_at = :now
+WHERE id = :id;
+
+-- name: subscription_live_count
+SELECT count(*) AS n FROM delivery
+WHERE subscription_id = :id AND status IN ('Pending', 'InFlight', 'DeadLettered');
+
+-- name: subscription_set_status
+UPDATE subscription SET status = :status, updated_at = :now WHERE name = :name AND status <> :status;
+
+-- name: subscription_list
+SELECT s.id, s.name, s.topic, s.handler_key, s.partition_mode, s.lease_seconds, s.max_attempts,
+       s.backoff_base_seconds, s.backoff_max_seconds, s.max_processing_seconds, s.heartbeat_mode, s.filter,
+       s.status, s.host_type, s.retention_seconds, t.status AS topic_status, t.transport, t.is_fifo,
+       t.max_payload_bytes
+FROM subscription s JOIN topic t ON t.name = s.topic
+ORDER BY s.name;
+
+-- name: subscriptions_of_topic
+SELECT id, partition_mode, filter, max_attempts, backoff_base_seconds, backoff_max_seconds
+FROM subscription WHERE topic = :topic ORDER BY id;
+
+-- name: subscription_active
+SELECT s.id, s.partition_mode, s.lease_seconds
+FROM subscription s JOIN topic t ON t.name = s.topic
+WHERE s.name = :name AND s.status = 'Active' AND t.status = 'Active';
+
+-- name: message_hash
+SELECT id, content_hash FROM message WHERE id = :id;
+
+-- name: message_insert
+INSERT INTO message (id, topic, partition_key, attributes, payload, payload_ref, correlation_id,
+                     deduplication_key, content_hash, published_at)
+VALUES (:id, :topic, :partition_key, :attributes, :payload, :payload_ref, :correlation_id,
+        :deduplication_key, :content_hash, :now);
+
+-- name: message_get
+SELECT id, topic, partition_key, attributes, payload, payload_ref, correlation_id, published_at
+FROM message WHERE id = :id;
+
+-- name: dedup_live
+SELECT message_id FROM deduplication
+WHERE topic = :topic AND deduplication_key = :key AND expires_at > :now;
+
+-- name: dedup_upsert
+INSERT INTO deduplication (topic, deduplication_key, message_id, expires_at)
+VALUES (:topic, :key, :message_id, :expires_at)
+ON CONFLICT (topic, deduplication_key) DO UPDATE
+SET message_id = excluded.message_id, expires_at = excluded.expires_at;
+
+-- name: partition_touch
+INSERT INTO partition (subscription_id, partition_key) VALUES (:subscription_id, :key)
+ON CONFLICT (subscription_id, partition_key) DO NOTHING;
+
+-- name: partition_get
+SELECT holder_id, next_id, next_visible_at, blocked_id FROM partition
+WHERE subscription_id = :subscription_id AND partition_key = :key;
+
+-- name: partition_set
+UPDATE partition SET holder_id = :holder_id, next_id = :next_id, next_visible_at = :next_visible_at,
+                     blocked_id = :blocked_id
+WHERE subscription_id = :subscription_id AND partition_key = :key;
+
+-- name: partition_delete
+DELETE FROM partition WHERE subscription_id = :subscription_id AND partition_key = :key;
+
+-- name: partition_advance
+UPDATE partition SET next_id = :id, next_visible_at = :visible_at
+WHERE subscription_id = :subscription_id AND partition_key = :key AND holder_id IS NULL
+  AND ((:key_mode = 2 AND next_id IS NULL AND blocked_id IS NULL)
+       OR (:key_mode = 1 AND (next_id IS NULL OR :visible_at < next_visible_at)));
+
+-- name: partition_ready
+SELECT partition_key, next_id FROM partition
+WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
+  AND next_visible_at <= :now
+ORDER BY next_visible_at
+LIMIT :limit;
+
+-- name: partition_hold
+UPDATE partition SET holder_id = :id, next_id = NULL, next_visible_at = NULL
+WHERE subscription_id = :subscription_id AND partition_key = :key;
+
+-- name: ordered_head
+SELECT id, status, visible_at FROM delivery
+WHERE subscription_id = :subscription_id AND partition_key = :key AND key_mode = 2
+  AND status IN ('Pending', 'InFlight', 'DeadLettered')
+ORDER BY id LIMIT 1;
+
+-- name: exclusive_next
+SELECT id, visible_at FROM delivery
+WHERE subscription_id = :subscription_id AND partition_key = :key AND key_mode = 1 AND status = 'Pending'
+ORDER BY visible_at, id LIMIT 1;
+
+-- name: delivery_insert
+INSERT INTO delivery (subscription_id, message_id, partition_key, key_mode, max_attempts,
+                      backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, created_at)
+VALUES (:subscription_id, :message_id, :partition_key, :key_mode, :max_attempts, :backoff_base_seconds,
+        :backoff_max_seconds, :backoff_schedule, :visible_at, :now)
+RETURNING id;
+
+-- name: delivery_status
+SELECT id, status FROM delivery WHERE id = :id;
+
+-- name: claimable_unkeyed
+SELECT id FROM delivery
+WHERE subscription_id = :subscription_id AND status = 'Pending' AND key_mode = 0 AND visible_at <= :now
+ORDER BY visible_at, id
+LIMIT :limit;
+
+-- name: delivery_claim
+UPDATE delivery
+SET status = 'InFlight', attempt = attempt + 1, claim_count = claim_count + 1, lease_token = :token,
+    lease_expires_at = :lease_expires_at, claimed_at = :now, progress_percent = NULL, progress_message = NULL
+WHERE id = :id AND status = 'Pending'
+RETURNING id, lease_token, attempt, max_attempts, lease_expires_at, message_id, partition_key, key_mode;
+
+-- name: delivery_heartbeat
+UPDATE delivery
+SET lease_expires_at = CASE WHEN cancel_requested THEN lease_expires_at ELSE :lease_expires_at END,
+    progress_percent = coalesce(:percent, progress_percent),
+    progress_message = coalesce(:message, progress_message)
+WHERE id = :id AND lease_token = :token AND status = 'InFlight'
+RETURNING id, cancel_requested, lease_expires_at;
+
+-- name: delivery_held
+SELECT d.id, d.attempt, d.max_attempts, d.cancel_requested, d.backoff_base_seconds, d.backoff_max_seconds,
+       d.backoff_schedule, d.reason, d.last_error, d.subscription_id, d.partition_key, d.key_mode,
+       s.lease_seconds
+FROM delivery d JOIN subscription s ON s.id = d.subscription_id
+WHERE d.id = :id AND d.lease_token = :token AND d.status = 'InFlight';
+
+-- name: delivery_settle
+UPDATE delivery
+SET status = :status, attempt = :attempt, visible_at = coalesce(:visible_at, visible_at), lease_token = NULL,
+    lease_expires_at = NULL, reason = :reason, last_error = :last_error, settled_at = :settled_at
+WHERE id = :id;
+
+-- name: expired_leases
+SELECT d.id, d.attempt, d.max_attempts, d.cancel_requested, d.backoff_base_seconds, d.backoff_max_seconds,
+       d.backoff_schedule, d.reason, d.last_error, d.subscription_id, d.partition_key, d.key_mode
+FROM delivery d
+WHERE d.status = 'InFlight' AND d.lease_expires_at < :now
+ORDER BY d.lease_expires_at
+LIMIT :limit;
+
+-- name: lock_take
+INSERT INTO lock (name, holder, expires_at) VALUES (:name, :holder, :expires_at)
+ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, expires_at = excluded.expires_at
+WHERE lock.expires_at <= :now;
+
+-- name: lock_holder
+SELECT holder FROM lock WHERE name = :name;
+
+-- name: lock_release
+DELETE FROM lock WHERE name = :name AND holder = :holder;
+
+-- name: purge_deliveries
+DELETE FROM delivery WHERE id IN (
+    SELECT d.id FROM delivery d JOIN subscription s ON s.id = d.subscription_id
+    WHERE d.status IN ('Completed', 'Discarded') AND d.settled_at < :now - s.retention_seconds
+    ORDER BY d.settled_at LIMIT :limit);
+
+-- name: purge_messages
+DELETE FROM message WHERE id IN (
+    SELECT m.id FROM message m
+    WHERE m.published_at < :now - coalesce(
+              (SELECT max(s.retention_seconds) FROM subscription s WHERE s.topic = m.topic), 604800)
+      AND NOT EXISTS (SELECT 1 FROM delivery d WHERE d.message_id = m.id)
+    ORDER BY m.published_at LIMIT :limit);
+
+-- name: purge_deduplication
+DELETE FROM deduplication WHERE rowid IN (
+    SELECT rowid FROM deduplication WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit);
+
+-- name: purge_once_markers
+DELETE FROM once_marker WHERE key IN (
+    SELECT key FROM once_marker WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit);
+
+-- name: prune_deliveries
+DELETE FROM delivery WHERE id IN (
+    SELECT id FROM delivery WHERE status IN ('Completed', 'Discarded') AND settled_at < :cutoff
+    ORDER BY settled_at LIMIT :limit);
+
+-- name: delivery_of_subscription
+SELECT d.id, d.status, d.key_mode, d.subscription_id, d.partition_key
+FROM delivery d JOIN subscription s ON s.id = d.subscription_id
+WHERE d.id = :id AND s.name = :subscription;
+
+-- name: delivery_replay
+UPDATE delivery SET status = 'Pending', attempt = 0, visible_at = :now, note = :note, reason = NULL,
+                    settled_at = NULL, cancel_requested = 0
+WHERE id = :id AND status = 'DeadLettered';
+
+-- name: delivery_cancel
+UPDATE delivery SET cancel_requested = 1, reason = :reason WHERE id = :id AND status = 'InFlight';
+
+-- name: delivery_discard
+UPDATE delivery SET status = 'Discarded', reason = :reason, settled_at = :now, lease_token = NULL,
+                    lease_expires_at = NULL
+WHERE id = :id AND status IN ('Pending', 'DeadLettered');
+
+-- name: stats
+SELECT s.name AS subscription, s.topic, s.status AS subscription_status, s.partition_mode,
+       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending') AS pending,
+       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending'
+          AND d.key_mode = 0 AND d.visible_at <= :now)
+     + (SELECT count(*) FROM partition p WHERE p.subscription_id = s.id AND p.holder_id IS NULL
+          AND p.next_id IS NOT NULL AND p.next_visible_at <= :now) AS claimable,
+       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'InFlight') AS in_flight,
+       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'DeadLettered')
+           AS dead_lettered,
+       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Completed') AS completed,
+       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Discarded') AS discarded,
+       (SELECT min(d.created_at) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending')
+           AS oldest_pending_at
+FROM subscription s
+WHERE :subscription IS NULL OR s.name = :subscription
+ORDER BY s.name;
+
+-- name: backlog
+SELECT s.name AS subscription,
+       CASE WHEN s.status = 'Active' AND t.status = 'Active' THEN
+           (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending'
+              AND d.key_mode = 0 AND d.visible_at <= :now)
+         + (SELECT count(*) FROM partition p WHERE p.subscription_id = s.id AND p.holder_id IS NULL
+              AND p.next_id IS NOT NULL AND p.next_visible_at <= :now)
+       ELSE 0 END AS claimable,
+       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'InFlight') AS in_flight
+FROM subscription s JOIN topic t ON t.name = s.topic
+WHERE s.name = :subscription;
+
+-- name: delivery_get
+SELECT d.id AS delivery_id, s.name AS subscription, d.message_id, m.topic, d.partition_key, d.status,
+       d.attempt, d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested, d.progress_percent,
+       d.progress_message, d.reason, d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at,
+       m.attributes, m.payload, m.correlation_id
+FROM delivery d
+JOIN subscription s ON s.id = d.subscription_id
+JOIN message m ON m.id = d.message_id
+WHERE d.id = :id;
+
+-- name: delivery_list
+SELECT d.id AS delivery_id, d.message_id, d.partition_key, d.status, d.attempt, d.max_attempts, d.reason,
+       d.last_error, d.note, d.created_at, d.settled_at, m.attributes, m.payload, m.correlation_id
+FROM delivery d
+JOIN subscription s ON s.id = d.subscription_id
+JOIN message m ON m.id = d.message_id
+WHERE s.name = :subscription AND d.status = :status AND d.id > coalesce(:after_id, 0)
+ORDER BY d.id
+LIMIT :limit;
+
+-- name: partitions
+SELECT k.partition_key, k.condition, k.head_id AS head_delivery_id, h.status AS head_status,
+       h.attempt AS head_attempt, h.visible_at AS head_visible_at,
+       (SELECT count(*) FROM delivery w WHERE w.subscription_id = k.subscription_id
+          AND w.partition_key = k.partition_key AND w.status = 'Pending' AND w.id <> k.head_id) AS waiting_items
+FROM (
+    SELECT p.subscription_id, p.partition_key,
+           CASE WHEN p.holder_id IS NOT NULL THEN 'InFlight'
+                WHEN p.blocked_id IS NOT NULL THEN 'Blocked'
+                WHEN s.partition_mode = 'Ordered' AND n.attempt > 0 AND p.next_visible_at > :now THEN 'Blocked'
+                ELSE 'Idle' END AS condition,
+           coalesce(p.holder_id, p.blocked_id, p.next_id) AS head_id
+    FROM partition p
+    JOIN subscription s ON s.id = p.subscription_id
+    LEFT JOIN delivery n ON n.id = coalesce(p.holder_id, p.blocked_id, p.next_id)
+    WHERE s.name = :subscription
+) k
+LEFT JOIN delivery h ON h.id = k.head_id
+WHERE :condition IS NULL OR k.condition = :condition
+ORDER BY k.partition_key
+LIMIT :limit;
+
+-- name: once_take
+INSERT INTO once_marker (key, state, token, expires_at) VALUES (:key, 'Running', :token, :expires_at)
+ON CONFLICT (key) DO UPDATE SET state = 'Running', token = excluded.token, expires_at = excluded.expires_at
+WHERE once_marker.expires_at <= :now;
+
+-- name: once_get
+SELECT state, token FROM once_marker WHERE key = :key;
+
+-- name: once_finish
+UPDATE once_marker SET state = 'Done', token = NULL, expires_at = :expires_at WHERE key = :key AND token = :token;
+
+-- name: once_abort
+DELETE FROM once_marker WHERE key = :key AND token = :token;
+
+-- name: api_key_create
+INSERT INTO api_key (id, name, prefix, key_hash, scopes, created_at, expires_at)
+VALUES (:id, :name, :prefix, :key_hash, :scopes, :now, :expires_at);
+
+-- name: api_key_touch
+UPDATE api_key SET last_used_at = :now
+WHERE prefix = :prefix AND revoked_at IS NULL AND (last_used_at IS NULL OR last_used_at < :now - 60);
+
+-- name: api_key_lookup
+SELECT id, name, key_hash, scopes FROM api_key
+WHERE prefix = :prefix AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > :now);
+
+-- name: api_key_list
+SELECT id, name, prefix, scopes, created_at, expires_at, revoked_at, last_used_at FROM api_key
+ORDER BY created_at, name;
+
+-- name: api_key_revoke
+UPDATE api_key SET revoked_at = :now
+WHERE revoked_at IS NULL AND (id = lower(:key) OR prefix = :key OR name = :key);
+
+-- name: schema_versions
+SELECT version, name, checksum FROM schema_migration ORDER BY version;
