@@ -33,7 +33,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, HTTPException
 from pydantic import BaseModel, Field
 from sqlalchemy import select
-from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from fastapi_workqueue import (
@@ -53,7 +52,8 @@ from fastapi_workqueue import (
 
 from .models import AuditEntry, Base, Order
 
-DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/workqueue_example"
+DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///workqueue-example.db"
+"""An SQLite file in the working directory; WORKQUEUE_DATABASE_URL switches to PostgreSQL."""
 TOPIC = "orders.created"
 
 
@@ -177,17 +177,15 @@ def build_queue(settings: WorkQueueSettings) -> WorkQueue:
         The MessageID is the idempotency key: a redelivered message adds no second line.
         """
         created = message.payload
-        await session.execute(
-            insert(AuditEntry)
-            .values(
+        seen = await session.scalar(select(AuditEntry.id).where(AuditEntry.message_id == message.message_id))
+        if seen is None:
+            session.add(AuditEntry(
                 message_id=message.message_id,
                 order_id=created.order_id,
                 customer=created.customer,
                 line=f"order {created.order_id} created: {created.amount_cents} cents",
-            )
-            .on_conflict_do_nothing(index_elements=[AuditEntry.message_id])
-        )
-        await session.commit()
+            ))
+            await session.commit()
         return Outcome.complete()
 
     return queue
