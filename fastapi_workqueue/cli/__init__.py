@@ -18,7 +18,7 @@ import click
 
 from ..core.errors import ConfigurationError, WorkQueueError
 from ..core.keys import SCOPES, create_key
-from ..core.reports import PartitionCondition
+from ..core.reports import DeliveryStatus, PartitionCondition
 from .output import emit_json, table
 
 T = TypeVar("T")
@@ -33,7 +33,8 @@ class Context:
         if not self.database_url:
             raise click.UsageError(
                 "no database: pass --database-url or set WORKQUEUE_DATABASE_URL "
-                "(for example postgresql+asyncpg://postgres@127.0.0.1:5432/app)"
+                "(for example postgresql+asyncpg://postgres@127.0.0.1:5432/app, or sqlite+aiosqlite:///workqueue.db "
+                "for the embedded default)"
             )
         return self.database_url
 
@@ -152,6 +153,26 @@ def dead_letters(ctx: Context, subscription: str, limit: int, after: str | None,
         emit_json(rows)
     else:
         table(rows, ["delivery_id", "message_id", "partition_key", "attempt", "reason", "last_error", "settled_at"])
+
+
+@cli.command()
+@click.option("--subscription", required=True)
+@click.option("--status", "status", default="InFlight", show_default=True,
+              type=click.Choice(["Pending", "InFlight", "Completed", "DeadLettered", "Discarded"]))
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 10000))
+@click.option("--after", help="Page after this delivery id.")
+@click.option("--payload", "include_payload", is_flag=True, help="Include payloads.")
+@pass_context
+def deliveries(
+    ctx: Context, subscription: str, status: DeliveryStatus, limit: int, after: str | None, include_payload: bool
+) -> None:
+    """Deliveries of one state, oldest first: find the id of a stuck InFlight delivery."""
+    rows = run(ctx, lambda t: _existing(t, subscription, t.list_deliveries(
+        subscription, status, limit=limit, after=after, include_payload=include_payload)))
+    if ctx.as_json:
+        emit_json(rows)
+    else:
+        table(rows, ["delivery_id", "message_id", "partition_key", "status", "attempt", "reason", "created_at"])
 
 
 @cli.command()
@@ -338,9 +359,40 @@ async def _existing(transport: Any, subscription: str, pending: Awaitable[T]) ->
     return await pending
 
 
+def _set_json(click_ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        click_ctx.find_object(Context).as_json = True  # type: ignore[union-attr]
+
+
+def _set_database_url(click_ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value:
+        click_ctx.find_object(Context).database_url = value  # type: ignore[union-attr]
+
+
+def accept_global_options(command: click.Command, *, json_flag: bool = True) -> None:
+    """Lets ``--json`` and ``--database-url`` follow the command's name too: ``workqueue stats --json``."""
+    names = {name for param in command.params for name in param.opts}
+    if json_flag and "--json" not in names:
+        command.params.append(click.Option(
+            ["--json"], is_flag=True, expose_value=False, callback=_set_json, help="Print JSON instead of tables.",
+        ))
+    if "--database-url" not in names:
+        command.params.append(click.Option(
+            ["--database-url"], expose_value=False, callback=_set_database_url,
+            help="The database URL (default: WORKQUEUE_DATABASE_URL).",
+        ))
+
+
+for _command in [*cli.commands.values(), *api_keys.commands.values()]:
+    if not isinstance(_command, click.Group):
+        accept_global_options(_command)
+
+
 def main() -> None:
     """Entry point of the ``workqueue`` command."""
     from .work import work
 
-    cli.add_command(work)
+    if "work" not in cli.commands:
+        accept_global_options(work, json_flag=False)
+        cli.add_command(work)
     cli(prog_name="workqueue")

@@ -144,10 +144,13 @@ class Consumer:
 
     async def wait_finished(self) -> None:
         """Waits until the claim loop ended (budget spent, idle in one-shot mode, or stop),
-        every handler returned and every settle is written."""
+        every handler returned and every settle is written.
+
+        Cancelling the caller cancels only this wait: the claim loop and the handlers go on until
+        :meth:`stop` (a signal during a long handler must reach the drain, not wait for it).
+        """
         if self._loop_task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+            await asyncio.wait([self._loop_task])
         while self._held:
             self._slot_freed.clear()
             await self._slot_freed.wait()
@@ -233,6 +236,7 @@ class Consumer:
                 await self._slot_freed.wait()
                 continue
             self._wake.clear()
+            settled_before = self.settled_total
             try:
                 batch = await self._claim(free)
             except asyncio.CancelledError:
@@ -256,6 +260,11 @@ class Consumer:
                 if len(batch) == free:
                     continue
             elif self.stop_when_idle and not self._held:
+                # One-shot: idle only when a claim made after this consumer's own settles were
+                # written finds nothing (settling a keyed delivery is what frees its key's next one).
+                if self.settler.backlog or self.settled_total != settled_before:
+                    await self.settler.flush()
+                    continue
                 return
             await self._sleep(idle)
             if not self._wake.is_set():

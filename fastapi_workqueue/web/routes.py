@@ -169,7 +169,10 @@ def build_router(
             results = await queue.publish(topic, requests)
         except TransportError as exc:
             raise _unavailable(exc) from exc
-        if results and all(r.error is not None and r.error.code == "UnknownTopic" for r in results):
+        unknown = all(r.error is not None and r.error.code == "UnknownTopic" for r in results) if results else (
+            topic not in {t.name for t in await _call(queue.transport.list_topics())}
+        )
+        if unknown:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"topic {topic!r} does not exist")
         problems = [
             PublishProblem(index=i, code=r.error.code, message=r.error.message, field=r.error.field)
@@ -208,7 +211,7 @@ def build_router(
         subscription: Sub,
         principal: Reader,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-        after: Annotated[str | None, Query(description="Page after this delivery id.")] = None,
+        after: Annotated[str | None, Query(description="Page after this delivery id.", pattern=r"^[0-9]+$")] = None,
     ) -> list[DeliveryInfo]:
         """Dead-lettered deliveries, oldest first, with reason and last error (payloads for admins)."""
         await known_subscription(subscription)
@@ -224,7 +227,7 @@ def build_router(
         principal: Reader,
         status_: Annotated[DeliveryStatus, Query(alias="status")] = "InFlight",
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-        after: Annotated[str | None, Query(description="Page after this delivery id.")] = None,
+        after: Annotated[str | None, Query(description="Page after this delivery id.", pattern=r"^[0-9]+$")] = None,
     ) -> list[DeliveryInfo]:
         """Deliveries of one state, oldest first (payloads for admins)."""
         await known_subscription(subscription)

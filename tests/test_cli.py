@@ -1,0 +1,461 @@
+"""The ``workqueue`` command, run for real in subprocesses against the test database.
+
+``work`` runs the handlers of ``tests/apps/cli_app.py`` (one topic per subscription). The two
+runbooks of the operating guide are followed step by step with the commands an operator types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from fastapi_workqueue import WorkQueue, WorkQueueSettings
+from fastapi_workqueue.cli.work import (
+    EXIT_CONFIGURATION,
+    EXIT_HANDLER_NOT_REGISTERED,
+    EXIT_UNKNOWN_SUBSCRIPTION,
+    EXIT_UNSUPPORTED,
+)
+
+from .apps import cli_app
+
+pytestmark = pytest.mark.timeout(90)
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = "tests.apps.cli_app:queue"
+COMMANDS = (
+    "migrate", "publish", "stats", "dead-letters", "deliveries", "partitions", "replay", "discard", "backlog",
+    "pause", "resume", "validate-bindings", "api-keys", "prune", "work",
+)
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+class Cli:
+    """Runs ``python -m fastapi_workqueue`` from the repository root with the test database."""
+
+    def __init__(self, url: str, folder: Path, ops: WorkQueue) -> None:
+        self.url = url
+        self.ops = ops
+        self.record = folder / "record.jsonl"
+        self.fixed = folder / "fix-deployed"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
+        self.env.update(WORKQUEUE_DATABASE_URL=url, CLI_APP_RECORD=str(self.record), CLI_APP_FIXED=str(self.fixed))
+
+    async def start(self, *args: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fastapi_workqueue", *args, cwd=ROOT, env=env or self.env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+
+    async def finish(self, proc: asyncio.subprocess.Process, within: float = 30) -> Result:
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), within)
+        except TimeoutError:
+            proc.kill()
+            out, err = await proc.communicate()
+            raise AssertionError(f"the command did not end within {within} s: {out!r} {err!r}") from None
+        assert proc.returncode is not None
+        return Result(proc.returncode, out.decode(), err.decode())
+
+    async def __call__(self, *args: str, expect: int | None = 0, within: float = 30,
+                       env: dict[str, str] | None = None) -> Result:
+        result = await self.finish(await self.start(*args, env=env), within)
+        if expect is not None:
+            assert result.code == expect, f"workqueue {' '.join(args)} exited {result.code}: {result.err or result.out}"
+        return result
+
+    async def json(self, *args: str, expect: int | None = 0) -> Any:
+        """The command with ``--json`` after it (``workqueue --json <command>`` works too)."""
+        return (await self(*args, "--json", expect=expect)).json()
+
+    async def work(self, subscription: str, *args: str, expect: int | None = 0, within: float = 30) -> Result:
+        return await self("work", "--app", APP, "--subscription", subscription, *args, expect=expect, within=within)
+
+    async def publish(self, topic: str, payload: Any, *args: str) -> list[str]:
+        results = await self.json("publish", "--topic", topic, "--payload", json.dumps(payload), *args)
+        assert all(r["Status"] == "Accepted" for r in results), results
+        return [r["MessageID"] for r in results]
+
+    def records(self, subscription: str, event: str | None = None) -> list[dict[str, Any]]:
+        if not self.record.exists():
+            return []
+        rows = [json.loads(line) for line in self.record.read_text().splitlines() if line.strip()]
+        return [r for r in rows if r["subscription"] == subscription and (event is None or r["event"] == event)]
+
+    async def wait_record(self, subscription: str, event: str, count: int = 1, within: float = 20) -> None:
+        deadline = time.monotonic() + within
+        while len(self.records(subscription, event)) < count:
+            assert time.monotonic() < deadline, f"no {event!r} record for {subscription} within {within} s"
+            await asyncio.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+async def cli(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cli]:
+    """The CLI app's topology in the test database, and a queue of our own to look at it."""
+    ops = WorkQueue(
+        WorkQueueSettings(database_url=pg_url, enabled=False),
+        topics=list(cli_app.queue.topics.values()),
+        subscriptions=list(cli_app.queue.subscriptions.values()),
+    )
+    async with ops.lifespan(None):
+        yield Cli(pg_url, tmp_path_factory.mktemp("cli"), ops)
+
+
+def one_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line, got {text!r}"
+    return lines[0]
+
+
+# -- the command, its database URL, migrate, validate-bindings -----------------------------------
+
+
+async def test_entry_point_help_and_database_url(cli: Cli) -> None:
+    entry = Path(sys.executable).parent / "workqueue"
+    proc = await asyncio.create_subprocess_exec(
+        str(entry), "--help", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli.env
+    )
+    help_text = (await cli.finish(proc)).out
+    for command in COMMANDS:
+        assert f"  {command} " in help_text or f"  {command}\n" in help_text, command
+
+    no_url = {k: v for k, v in cli.env.items() if k != "WORKQUEUE_DATABASE_URL"}
+    missing = await cli("stats", env=no_url, expect=2)
+    assert "WORKQUEUE_DATABASE_URL" in missing.err and "--database-url" in missing.err
+    # Before the command or after it.
+    [stats] = (await cli("--database-url", cli.url, "--json", "stats", "--subscription", cli_app.IDLE,
+                         env=no_url)).json()
+    assert stats["Subscription"] == cli_app.IDLE
+    after = await cli("backlog", "--subscription", cli_app.IDLE, "--database-url", cli.url, "--json", env=no_url)
+    assert after.json() == {"Subscription": cli_app.IDLE, "Claimable": 0, "InFlight": 0, "Backlog": 0}
+    worked = await cli("work", "--app", APP, "--subscription", cli_app.IDLE, "--once", "--database-url", cli.url,
+                       env=no_url)
+    assert worked.out.strip().endswith("ran 0 deliveries")
+
+
+async def test_migrate_and_validate_bindings(cli: Cli) -> None:
+    assert (await cli("migrate")).out.strip() == "the schema is up to date"
+    assert await cli.json("migrate") == {"Applied": []}
+    report = await cli.json("validate-bindings")
+    assert report["Ok"] is True and report["Issues"] == []
+    assert "ok" in (await cli("validate-bindings")).out
+
+
+# -- publish, stats, backlog, dead letters, replay, discard, prune ------------------------------
+
+
+async def test_publish_stats_backlog_dead_letters_replay_discard(cli: Cli) -> None:
+    sub = cli_app.BASIC
+    ids = await cli.publish(sub, {"n": 1}, "--count", "3")
+    assert len(set(ids)) == 3
+    [failing] = await cli.publish(sub, {"fail": True}, "--attribute", "kind=bad", "--correlation-id", "c-1")
+    table = await cli("publish", "--topic", sub, "--payload", '{"n": 4}')
+    assert "Accepted" in table.out and "MessageID" in table.out
+
+    [stats] = await cli.json("stats", "--subscription", sub)
+    assert (stats["Pending"], stats["Claimable"], stats["InFlight"], stats["DeadLettered"]) == (5, 5, 0, 0)
+    assert await cli.json("backlog", "--subscription", sub) == {
+        "Subscription": sub, "Claimable": 5, "InFlight": 0, "Backlog": 5,
+    }
+    assert sub in (await cli("stats")).out and "Claimable" in (await cli("backlog", "--subscription", sub)).out
+
+    ran = await cli.work(sub, "--once", "--max", "10")
+    assert one_line(ran.out) == f"workqueue work: {sub}: ran 5 deliveries"
+    [stats] = await cli.json("stats", "--subscription", sub)
+    assert (stats["Pending"], stats["Completed"], stats["DeadLettered"]) == (0, 4, 1)
+
+    [dead] = await cli.json("dead-letters", "--subscription", sub)
+    assert dead["MessageID"] == failing and "cannot handle" in dead["Reason"] and dead["Payload"] is None
+    assert dead["Attributes"] == {"kind": "bad"} and dead["CorrelationID"] == "c-1"
+    [with_payload] = await cli.json("dead-letters", "--subscription", sub, "--payload")
+    assert with_payload["Payload"] == {"fail": True}
+    assert dead["DeliveryID"] in (await cli("dead-letters", "--subscription", sub)).out
+    completed = await cli.json("deliveries", "--subscription", sub, "--status", "Completed")
+    assert {d["MessageID"] for d in completed} >= set(ids)
+
+    replayed = await cli.json("replay", "--subscription", sub, "--delivery", dead["DeliveryID"], "--note", "retry")
+    assert replayed == {"Result": "Replayed", "DeliveryID": dead["DeliveryID"], "Subscription": sub,
+                        "CancelRequested": False, "Status": "Pending"}
+    again = await cli("replay", "--subscription", sub, "--delivery", dead["DeliveryID"], expect=1)
+    assert "NotDeadLettered" in again.out
+    [pending] = await cli.json("deliveries", "--subscription", sub, "--status", "Pending")
+    assert (pending["MessageID"], pending["Note"], pending["Attempt"]) == (failing, "retry", 0)
+
+    discarded = await cli.json("discard", "--subscription", sub, "--delivery", dead["DeliveryID"],
+                               "--reason", "not needed")
+    assert (discarded["Result"], discarded["CancelRequested"]) == ("Discarded", False)
+    again = await cli("discard", "--subscription", sub, "--delivery", dead["DeliveryID"], "--reason", "x", expect=1)
+    assert "AlreadyTerminal" in again.out
+    missing = await cli.json("replay", "--subscription", sub, "--delivery", "999999999", expect=1)
+    assert missing["Result"] == "NotFound"
+    unknown = await cli("dead-letters", "--subscription", "cli.nope", expect=1)
+    assert "does not exist" in one_line(unknown.err)
+    refused = await cli("publish", "--topic", "cli.nope", "--payload", "1", expect=1)
+    assert "does not exist" in refused.err
+
+    # prune: terminal deliveries settled longer ago than --older-than.
+    assert (await cli("prune", "--older-than", "7d")).out.startswith("removed 0 deliveries")
+    removed = await cli.json("prune", "--older-than", "0")
+    assert removed["Removed"] >= 5
+    [stats] = await cli.json("stats", "--subscription", sub)
+    assert (stats["Completed"], stats["Discarded"]) == (0, 0)
+    assert "is not a duration" in (await cli("prune", "--older-than", "soon", expect=2)).err
+
+
+async def test_pause_resume_and_work_on_a_paused_subscription(cli: Cli) -> None:
+    sub = cli_app.PAUSED
+    assert await cli.json("pause", "--subscription", sub) == {"Subscription": sub, "Status": "Paused", "Changed": True}
+    assert "(it already was)" in (await cli("pause", "--subscription", sub)).out
+    await cli.publish(sub, {"n": 1})
+    assert (await cli.json("backlog", "--subscription", sub))["Claimable"] == 0
+
+    paused = await cli.work(sub, "--once")
+    assert "paused" in one_line(paused.out)
+    [stats] = await cli.json("stats", "--subscription", sub)
+    assert (stats["Status"], stats["Pending"]) == ("Paused", 1)
+
+    assert (await cli.json("resume", "--subscription", sub))["Changed"] is True
+    assert (await cli("resume", "--subscription", sub)).out.strip() == f"{sub}: Active (it already was)"
+    ran = await cli.work(sub, "--once")
+    assert one_line(ran.out).endswith("ran 1 deliveries")
+    assert (await cli("pause", "--subscription", "cli.nope", expect=1)).err.strip().endswith("does not exist")
+
+
+# -- work: exit codes and budgets ----------------------------------------------------------------
+
+
+async def test_work_exit_codes(cli: Cli) -> None:
+    empty = await cli.work(cli_app.IDLE, "--once")
+    assert one_line(empty.out) == f"workqueue work: {cli_app.IDLE}: ran 0 deliveries" and empty.err == ""
+
+    # The rest are independent of each other: run them at once.
+    bad_apps = ("tests.apps.nothing_here:queue", "tests.apps.cli_app:missing", "tests.apps.cli_app", "json:loads")
+    unknown, orphan, external, unsupported, no_db, *bad = await asyncio.gather(
+        cli.work("cli.nope", "--once", expect=EXIT_UNKNOWN_SUBSCRIPTION),
+        cli.work(cli_app.ORPHAN, "--once", expect=EXIT_HANDLER_NOT_REGISTERED),
+        cli.work(cli_app.EXTERNAL, "--once", expect=EXIT_UNSUPPORTED),
+        cli.work(cli_app.IDLE, "--once", "--database-url", "mysql://nobody@127.0.0.1/app", expect=EXIT_CONFIGURATION),
+        cli("--database-url", "postgresql+asyncpg://postgres@127.0.0.1:5432/no_such_database_here",
+            "work", "--app", APP, "--subscription", cli_app.IDLE, "--once", expect=None),
+        *(cli("work", "--app", app, "--subscription", cli_app.IDLE, "--once", expect=EXIT_CONFIGURATION)
+          for app in bad_apps),
+    )
+    assert "does not exist" in one_line(unknown.err) and unknown.out == ""
+    assert "HandlerNotRegistered" in one_line(orphan.err)
+    assert "served outside this host" in one_line(external.err)
+    assert "not supported" in one_line(unsupported.err)
+    assert no_db.code != 0 and "no_such_database_here" in one_line(no_db.err)
+    assert all(one_line(b.err).startswith("workqueue work: --app") for b in bad)
+
+
+async def test_work_max_receives_exactly_n_and_max_duration_stops(cli: Cli) -> None:
+    sub = cli_app.SLOW
+    await cli.publish(sub, {"n": 1}, "--count", "5")
+    three = await cli.work(sub, "--once", "--max", "3", "--concurrency", "1")
+    assert one_line(three.out).endswith("ran 3 deliveries")
+    assert len(cli.records(sub, "done")) == 3
+    [stats] = await cli.json("stats", "--subscription", sub)
+    assert (stats["Pending"], stats["Completed"]) == (2, 3)
+
+    two = await cli.work(sub, "--max", "2")  # long-running mode: ends when its budget is spent
+    assert one_line(two.out).endswith("ran 2 deliveries")
+    [stats] = await cli.json("stats", "--subscription", sub)
+    assert (stats["Pending"], stats["Completed"]) == (0, 5)
+
+    started = time.monotonic()
+    idle = await cli.work(cli_app.IDLE, "--max-duration-ms", "1500")
+    took = time.monotonic() - started
+    assert one_line(idle.out).endswith("ran 0 deliveries")
+    assert 1.5 <= took < 15
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_a_signal_drains_the_running_handler_and_exits_0(cli: Cli, sig: signal.Signals) -> None:
+    sub = cli_app.SLOW
+    done = len(cli.records(sub, "done"))
+    started = len(cli.records(sub, "started"))
+    [message] = await cli.publish(sub, {"sleep": 1.5})
+    proc = await cli.start("work", "--app", APP, "--subscription", sub, "--shutdown-drain-ms", "5000")
+    await cli.wait_record(sub, "started", started + 1)
+    proc.send_signal(sig)
+    result = await cli.finish(proc, within=20)
+    assert result.code == 0, result.err
+    assert one_line(result.out).endswith("ran 1 deliveries")
+    assert len(cli.records(sub, "done")) == done + 1
+    completed = await cli.json("deliveries", "--subscription", sub, "--status", "Completed", "--limit", "1000")
+    assert message in {d["MessageID"] for d in completed}
+
+
+async def test_a_handler_longer_than_the_drain_is_released_without_spending_its_attempt(cli: Cli) -> None:
+    sub = cli_app.SLOW
+    started = len(cli.records(sub, "started"))
+    [message] = await cli.publish(sub, {"sleep": 30})
+    proc = await cli.start("work", "--app", APP, "--subscription", sub, "--shutdown-drain-ms", "300")
+    await cli.wait_record(sub, "started", started + 1)
+    proc.send_signal(signal.SIGTERM)
+    result = await cli.finish(proc, within=20)
+    assert result.code == 0, result.err
+    assert cli.records(sub, "aborted")[-1]["reason"] == "Shutdown"
+    [pending] = await cli.json("deliveries", "--subscription", sub, "--status", "Pending")
+    assert (pending["MessageID"], pending["Attempt"]) == (message, 0)
+    dropped = await cli.json("discard", "--subscription", sub, "--delivery", pending["DeliveryID"], "--reason", "test")
+    assert dropped["Result"] == "Discarded"
+
+
+# -- API keys ------------------------------------------------------------------------------------
+
+
+async def test_api_keys_create_list_revoke(cli: Cli) -> None:
+    created = await cli.json("api-keys", "create", "--name", "ci-producer", "--scopes",
+                             "workqueue:read, workqueue:publish", "--expires-in", "1h")
+    key = created["Key"]
+    assert key.startswith(f"wq_{created['Prefix']}_")
+    assert created["Scopes"] == ["workqueue:publish", "workqueue:read"] and created["ExpiresAt"]
+    plain = await cli("api-keys", "create", "--name", "ops", "--scopes", "workqueue:operate")
+    ops_key = one_line(plain.out)
+    assert ops_key.startswith("wq_") and "not shown again" in plain.err
+
+    listed = await cli.json("api-keys", "list")
+    mine = {k["Prefix"]: k for k in listed}
+    assert mine[created["Prefix"]]["Name"] == "ci-producer" and mine[created["Prefix"]]["RevokedAt"] is None
+    assert "Key" not in mine[created["Prefix"]]
+    listing = await cli("api-keys", "list")
+    assert key not in listing.out + json.dumps(listed) and ops_key not in listing.out
+    assert created["Prefix"] in listing.out
+
+    # The keys the CLI made open the REST API.
+    app = FastAPI()
+    app.include_router(cli.ops.router)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://cli") as http:
+        assert (await http.get("/work-queue/stats", headers={"X-API-Key": key})).status_code == 200
+        paused = await http.post(f"/work-queue/subscriptions/{cli_app.IDLE}/pause", headers={"X-API-Key": key})
+        assert paused.status_code == 403
+
+        assert await cli.json("api-keys", "revoke", created["Prefix"]) == {"Revoked": 1}
+        assert (await http.get("/work-queue/stats", headers={"X-API-Key": key})).status_code == 401
+    again = await cli("api-keys", "revoke", created["Prefix"], expect=1)
+    assert "no active key" in again.err
+    assert "revoked 1 key(s)" in (await cli("api-keys", "revoke", "ops")).out
+
+    bad = await cli("api-keys", "create", "--name", "x", "--scopes", "workqueue:everything", expect=1)
+    assert "workqueue:publish" in bad.err
+    assert "a name" in (await cli("api-keys", "create", "--name", " ", "--scopes", "workqueue:read", expect=1)).err
+
+
+# -- the runbooks --------------------------------------------------------------------------------
+
+
+async def test_runbook_an_ordered_key_is_blocked(cli: Cli) -> None:
+    sub = cli_app.ORDERED
+    key = "customer-42"
+    published = await cli.publish(sub, {"step": 1}, "--partition-key", key)
+    published += await cli.publish(sub, {"step": 2, "fail": True}, "--partition-key", key)
+    published += await cli.publish(sub, {"step": 3}, "--partition-key", key, "--count", "3")
+    [idle] = await cli.json("partitions", "--subscription", sub, "--condition", "Idle")
+    assert (idle["PartitionKey"], idle["WaitingItems"]) == (key, 4)
+    first = await cli.work(sub, "--once", "--max", "10")
+    assert one_line(first.out).endswith("ran 2 deliveries")  # step 1 done, step 2 dead-lettered, key blocked
+
+    # 1. Which key is blocked, by which delivery, and how much waits behind it.
+    [blocked] = await cli.json("partitions", "--subscription", sub, "--condition", "Blocked")
+    assert (blocked["PartitionKey"], blocked["HeadStatus"], blocked["WaitingItems"]) == (key, "DeadLettered", 3)
+    head = blocked["HeadDeliveryID"]
+    table = await cli("partitions", "--subscription", sub, "--condition", "Blocked")
+    assert "HeadDeliveryID" in table.out and head in table.out and "Blocked" in table.out
+    assert (await cli.json("backlog", "--subscription", sub))["Claimable"] == 0
+
+    # 2. Why it failed.
+    [dead] = await cli.json("dead-letters", "--subscription", sub)
+    assert dead["DeliveryID"] == head and dead["MessageID"] == published[1]
+    assert "cannot handle" in dead["Reason"] and "FatalWorkError" in dead["LastError"]
+
+    # 3. Fix the cause (here: "deploy" the fix the handler looks for).
+    cli.fixed.write_text("1.2.4")
+
+    # 4. Replay the head with a note: same MessageID, same place in the key.
+    replayed = await cli.json("replay", "--subscription", sub, "--delivery", head, "--note", "deployed 1.2.4")
+    assert replayed["Result"] == "Replayed"
+    second = await cli.work(sub, "--once", "--max", "10")
+    assert one_line(second.out).endswith("ran 4 deliveries")
+
+    # 5. The key no longer appears; its messages completed in publish order.
+    assert await cli.json("partitions", "--subscription", sub, "--condition", "Blocked") == []
+    assert (await cli("partitions", "--subscription", sub, "--condition", "Blocked")).out.strip() == "(none)"
+    assert await cli.json("partitions", "--subscription", sub) == []
+    done = [r["message_id"] for r in cli.records(sub, "done")]
+    assert done == published
+    completed = {d["DeliveryID"]: d for d in await cli.json("deliveries", "--subscription", sub, "--status",
+                                                               "Completed")}
+    assert (completed[head]["MessageID"], completed[head]["Note"]) == (published[1], "deployed 1.2.4")
+
+
+async def test_runbook_a_delivery_is_stuck_in_flight_and_its_handler_is_alive(cli: Cli) -> None:
+    sub = cli_app.HANG
+    [message] = await cli.publish(sub, {"hang": True})
+    proc = await cli.start("work", "--app", APP, "--subscription", sub, "--once")
+    try:
+        await cli.wait_record(sub, "started")
+
+        # 1. InFlight that never falls.
+        [stats] = await cli.json("stats", "--subscription", sub)
+        assert stats["InFlight"] == 1
+        [running] = await cli.json("deliveries", "--subscription", sub, "--status", "InFlight")
+        assert running["MessageID"] == message
+
+        # 2. Cancel it: cancel requested; the handler is told Cancelled at its next heartbeat.
+        cancelled = await cli.json("discard", "--subscription", sub, "--delivery", running["DeliveryID"],
+                                   "--reason", "hung on a remote call")
+        assert (cancelled["Result"], cancelled["CancelRequested"]) == ("CancelRequested", True)
+        result = await cli.finish(proc, within=20)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert result.code == 0, result.err
+    [aborted] = cli.records(sub, "aborted")
+    assert aborted["reason"] == "Cancelled"
+    [discarded] = await cli.json("deliveries", "--subscription", sub, "--status", "Discarded")
+    assert (discarded["DeliveryID"], discarded["Reason"]) == (running["DeliveryID"], "hung on a remote call")
+    [stats] = await cli.json("stats", "--subscription", sub)
+    assert (stats["InFlight"], stats["Pending"], stats["Discarded"]) == (0, 0, 1)  # never retried
+
+
+async def test_runbook_a_delivery_is_stuck_in_flight_and_its_holder_is_dead(cli: Cli) -> None:
+    sub = cli_app.CRASH
+    [message] = await cli.publish(sub, {"hang": "first"})
+    proc = await cli.start("work", "--app", APP, "--subscription", sub, "--once")
+    await cli.wait_record(sub, "started")
+    proc.kill()  # the holder dies mid-handler
+    await proc.wait()
+
+    # 1. InFlight that never falls ...
+    [stats] = await cli.json("stats", "--subscription", sub)
+    assert stats["InFlight"] == 1
+    # 3. ... and no process holds it: do nothing. Any instance's sweeper expires the lease (lease
+    # 1 s + sweeper interval) and the delivery retries; this worker picks the retry up.
+    rescued = await cli.work(sub, "--max", "1", "--max-duration-ms", "20000", within=40)
+    assert one_line(rescued.out).endswith("ran 1 deliveries")
+    [completed] = await cli.json("deliveries", "--subscription", sub, "--status", "Completed")
+    assert (completed["MessageID"], completed["Attempt"]) == (message, 2)
+    assert [r["attempt"] for r in cli.records(sub, "done")] == [2]
