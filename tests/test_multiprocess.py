@@ -1,12 +1,18 @@
 """Several worker processes on one Exclusive and one Ordered subscription; one dies by SIGKILL.
 
-Two worker processes (``tests/workers/mp_worker.py``) run both subscriptions of one topic. While
-they work, the test polls the database for two InFlight deliveries of one key (invariant 1) and
-for an Ordered delivery running ahead of an earlier live one of its key. Once some work is done
-and the first worker holds running handlers on both subscriptions, it is killed with SIGKILL and
-a replacement starts. The killed worker's leases expire and the sweeper of a surviving process
-takes them back. At the end every delivery is Completed, no key ever had two InFlight
-deliveries, and each Ordered key completed in publish order (invariant 2).
+The test runs once on PostgreSQL and once on SQLite (a fresh file per run, shared by every
+process), with the same case name and the same assertions. Two worker processes
+(``tests/workers/mp_worker.py``) run both subscriptions of one topic. While they work, the test
+polls the database for two InFlight deliveries of one key (invariant 1) and for an Ordered
+delivery running ahead of an earlier live one of its key. Once some work is done and the first
+worker holds running handlers on both subscriptions, it is killed with SIGKILL and a replacement
+starts. The killed worker's leases expire and the sweeper of a surviving process takes them
+back. At the end every delivery is Completed, no key ever had two InFlight deliveries, and each
+Ordered key completed in publish order (invariant 2).
+
+Everything the test reads from the database goes through a :class:`Probe`: the PostgreSQL probe
+runs its queries on asyncpg, the SQLite probe the same questions on plain autocommit connections
+to the queue's file (WAL: its reads never wait for, nor block, the workers' writes).
 """
 
 from __future__ import annotations
@@ -14,24 +20,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import aiosqlite
 import asyncpg
 import pytest
 
 from fastapi_workqueue import PublishRequest, PublishStatus, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.database.postgres import to_asyncpg_dsn
 from tests.conftest import unique
-from tests.workers.mp_worker import LEASE_SECONDS, LOG_TABLES_DDL, SWEEPER_INTERVAL_MS, build_topology
+from tests.workers.mp_worker import (
+    LEASE_SECONDS,
+    LOG_TABLES_DDL,
+    SQLITE_LOG_TABLES_DDL,
+    SWEEPER_INTERVAL_MS,
+    build_topology,
+    open_sqlite,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -172,29 +188,35 @@ class Monitor:
     peak_in_flight: int = 0
 
 
-async def watch(dsn: str, subscription_ids: list[int], ordered_id: int, report: Monitor, stop: asyncio.Event) -> None:
+async def watch(
+    open_probe: Callable[[], Awaitable[Probe]],
+    subscription_ids: list[int],
+    ordered_id: int,
+    report: Monitor,
+    stop: asyncio.Event,
+) -> None:
     """Polls the database every POLL_SECONDS until ``stop`` is set, recording every invariant violation."""
-    conn = await asyncpg.connect(dsn)
+    probe = await open_probe()  # a connection of its own
     try:
         while not stop.is_set():
-            for row in await conn.fetch(KEY_VIOLATIONS, subscription_ids):
+            for row in await probe.key_violations(subscription_ids):
                 report.violations.append(
                     f"subscription {row['subscription_id']} key {row['partition_key']!r}: "
                     f"{row['n']} InFlight deliveries {row['ids']}"
                 )
-            for row in await conn.fetch(ORDER_VIOLATIONS, ordered_id):
+            for row in await probe.order_violations(ordered_id):
                 report.violations.append(
                     f"Ordered key {row['partition_key']!r}: delivery {row['id']} InFlight while earlier "
                     f"{row['earlier']} are live"
                 )
-            in_flight = await conn.fetchval(IN_FLIGHT, subscription_ids)
+            in_flight = await probe.in_flight(subscription_ids)
             report.polls += 1
             report.polls_with_work += in_flight > 0
             report.peak_in_flight = max(report.peak_in_flight, in_flight)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), POLL_SECONDS)
     finally:
-        await conn.close()
+        await probe.close()
 
 
 # -- database helpers ------------------------------------------------------------------------
@@ -207,14 +229,235 @@ JOIN public.mp_started s ON s.delivery_id = d.id AND s.attempt = d.attempt
 WHERE d.subscription_id = ANY($1::int[]) AND d.status = 'InFlight' AND s.pid = $2
 """
 
+STATUS_COUNTS = """
+SELECT subscription_id, status, count(*) AS n FROM workqueue.delivery
+WHERE subscription_id = ANY($1::int[]) GROUP BY 1, 2
+"""
 
-async def status_counts(conn: asyncpg.Connection, subscription_ids: list[int]) -> dict[tuple[int, str], int]:
-    rows = await conn.fetch(
-        "SELECT subscription_id, status, count(*) AS n FROM workqueue.delivery "
-        "WHERE subscription_id = ANY($1::int[]) GROUP BY 1, 2",
-        subscription_ids,
-    )
-    return {(r["subscription_id"], r["status"]): r["n"] for r in rows}
+# Of the deliveries ($1) the killed worker held at attempts $2: those still InFlight at that attempt.
+STUCK = """
+SELECT count(*) FROM workqueue.delivery d JOIN unnest($1::bigint[], $2::int[]) AS h(id, attempt)
+ON h.id = d.id WHERE d.status = 'InFlight' AND d.attempt = h.attempt
+"""
+
+DELIVERIES = """
+SELECT d.id, d.subscription_id, d.partition_key, d.key_mode, d.claim_count, d.last_error, d.settled_at,
+       (m.payload::jsonb ->> 'seq')::int AS seq
+FROM workqueue.delivery d JOIN workqueue.message m ON m.id = d.message_id
+WHERE d.subscription_id = ANY($1::int[]) ORDER BY d.id
+"""
+
+RUNS = """
+SELECT s.run_id, s.subscription, s.partition_key, s.seq, s.message_id, s.pid, s.started_at,
+       l.id AS log_id, l.finished_at
+FROM public.mp_started s LEFT JOIN public.mp_log l ON l.run_id = s.run_id
+WHERE s.subscription = ANY($1::text[]) ORDER BY s.started_at
+"""
+
+Row = dict[str, Any]
+
+
+class Probe(Protocol):
+    """What the test asks the database, on one connection of its own."""
+
+    async def create_log_tables(self) -> None: ...
+    async def subscription_ids(self, names: Sequence[str]) -> dict[str, int]: ...
+    async def key_violations(self, subscription_ids: list[int]) -> list[Row]:
+        """Keys with more than one InFlight delivery: subscription_id, partition_key, n, ids."""
+        ...
+    async def order_violations(self, ordered_id: int) -> list[Row]:
+        """InFlight Ordered deliveries with an earlier live one of their key: partition_key, id, earlier."""
+        ...
+    async def in_flight(self, subscription_ids: list[int]) -> int: ...
+    async def held_by(self, subscription_ids: list[int], pid: int) -> list[Row]: ...
+    async def status_counts(self, subscription_ids: list[int]) -> dict[tuple[int, str], int]: ...
+    async def stuck(self, held_attempts: dict[int, int]) -> int: ...
+    async def deliveries(self, subscription_ids: list[int]) -> list[Row]: ...
+    async def runs(self, subscriptions: list[str]) -> list[Row]: ...
+    async def close(self) -> None: ...
+
+
+class PostgresProbe:
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    @classmethod
+    async def open(cls, url: str) -> PostgresProbe:
+        return cls(await asyncpg.connect(to_asyncpg_dsn(url)))
+
+    async def create_log_tables(self) -> None:
+        await self.conn.execute(LOG_TABLES_DDL)
+
+    async def subscription_ids(self, names: Sequence[str]) -> dict[str, int]:
+        rows = await self.conn.fetch(
+            "SELECT name, id FROM workqueue.subscription WHERE name = ANY($1::text[])", list(names)
+        )
+        return {r["name"]: r["id"] for r in rows}
+
+    async def key_violations(self, subscription_ids: list[int]) -> list[Row]:
+        return [dict(r) for r in await self.conn.fetch(KEY_VIOLATIONS, subscription_ids)]
+
+    async def order_violations(self, ordered_id: int) -> list[Row]:
+        return [dict(r) for r in await self.conn.fetch(ORDER_VIOLATIONS, ordered_id)]
+
+    async def in_flight(self, subscription_ids: list[int]) -> int:
+        return int(await self.conn.fetchval(IN_FLIGHT, subscription_ids))
+
+    async def held_by(self, subscription_ids: list[int], pid: int) -> list[Row]:
+        return [dict(r) for r in await self.conn.fetch(HELD_BY, subscription_ids, pid)]
+
+    async def status_counts(self, subscription_ids: list[int]) -> dict[tuple[int, str], int]:
+        rows = await self.conn.fetch(STATUS_COUNTS, subscription_ids)
+        return {(r["subscription_id"], r["status"]): r["n"] for r in rows}
+
+    async def stuck(self, held_attempts: dict[int, int]) -> int:
+        return int(await self.conn.fetchval(STUCK, list(held_attempts), list(held_attempts.values())))
+
+    async def deliveries(self, subscription_ids: list[int]) -> list[Row]:
+        return [dict(r) for r in await self.conn.fetch(DELIVERIES, subscription_ids)]
+
+    async def runs(self, subscriptions: list[str]) -> list[Row]:
+        return [dict(r) for r in await self.conn.fetch(RUNS, subscriptions)]
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+
+def placeholders(values: Sequence[Any]) -> str:
+    return ", ".join("?" * len(values))
+
+
+def sqlite_time(value: float | None) -> datetime | None:
+    """An epoch-seconds column as the aware datetime PostgreSQL returns."""
+    return None if value is None else datetime.fromtimestamp(value, UTC)
+
+
+class SqliteProbe:
+    """The same questions on the queue's SQLite file (tables without the ``workqueue.`` schema).
+
+    The connection is in autocommit mode: each query is one read transaction on a consistent
+    snapshot (WAL), taken beside whichever process writes at that moment.
+    """
+
+    def __init__(self, conn: aiosqlite.Connection) -> None:
+        self.conn = conn
+
+    @classmethod
+    async def open(cls, url: str) -> SqliteProbe:
+        return cls(await open_sqlite(url))
+
+    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        cursor = await self.conn.execute(sql, tuple(params))
+        try:
+            rows = await cursor.fetchall()
+            columns = [c[0] for c in cursor.description or ()]
+        finally:
+            await cursor.close()
+        return [dict(zip(columns, row, strict=True)) for row in rows]
+
+    async def fetchval(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        rows = await self.fetch(sql, params)
+        return next(iter(rows[0].values())) if rows else None
+
+    async def create_log_tables(self) -> None:
+        await self.conn.executescript(SQLITE_LOG_TABLES_DDL)
+
+    async def subscription_ids(self, names: Sequence[str]) -> dict[str, int]:
+        rows = await self.fetch(f"SELECT name, id FROM subscription WHERE name IN ({placeholders(names)})", names)
+        return {r["name"]: r["id"] for r in rows}
+
+    async def key_violations(self, subscription_ids: list[int]) -> list[Row]:
+        rows = await self.fetch(
+            "SELECT subscription_id, partition_key, count(*) AS n, json_group_array(id) AS ids FROM delivery "
+            f"WHERE subscription_id IN ({placeholders(subscription_ids)}) AND status = 'InFlight' "
+            "AND partition_key IS NOT NULL GROUP BY 1, 2 HAVING count(*) > 1",
+            subscription_ids,
+        )
+        return [{**r, "ids": sorted(json.loads(r["ids"]))} for r in rows]
+
+    async def order_violations(self, ordered_id: int) -> list[Row]:
+        rows = await self.fetch(
+            "SELECT d.partition_key, d.id, json_group_array(e.id) AS earlier FROM delivery d "
+            "JOIN delivery e ON e.subscription_id = d.subscription_id AND e.partition_key = d.partition_key "
+            "AND e.key_mode = 2 AND e.id < d.id AND e.status IN ('Pending', 'InFlight', 'DeadLettered') "
+            "WHERE d.subscription_id = ? AND d.key_mode = 2 AND d.status = 'InFlight' GROUP BY 1, 2",
+            [ordered_id],
+        )
+        return [{**r, "earlier": sorted(json.loads(r["earlier"]))} for r in rows]
+
+    async def in_flight(self, subscription_ids: list[int]) -> int:
+        return int(await self.fetchval(
+            f"SELECT count(*) FROM delivery WHERE subscription_id IN ({placeholders(subscription_ids)}) "
+            "AND status = 'InFlight'",
+            subscription_ids,
+        ))
+
+    async def held_by(self, subscription_ids: list[int], pid: int) -> list[Row]:
+        return await self.fetch(
+            "SELECT d.id, d.subscription_id, d.attempt FROM delivery d "
+            "JOIN mp_started s ON s.delivery_id = d.id AND s.attempt = d.attempt "
+            f"WHERE d.subscription_id IN ({placeholders(subscription_ids)}) AND d.status = 'InFlight' AND s.pid = ?",
+            [*subscription_ids, pid],
+        )
+
+    async def status_counts(self, subscription_ids: list[int]) -> dict[tuple[int, str], int]:
+        rows = await self.fetch(
+            "SELECT subscription_id, status, count(*) AS n FROM delivery "
+            f"WHERE subscription_id IN ({placeholders(subscription_ids)}) GROUP BY 1, 2",
+            subscription_ids,
+        )
+        return {(r["subscription_id"], r["status"]): r["n"] for r in rows}
+
+    async def stuck(self, held_attempts: dict[int, int]) -> int:
+        ids = list(held_attempts)
+        rows = await self.fetch(
+            f"SELECT id, attempt FROM delivery WHERE status = 'InFlight' AND id IN ({placeholders(ids)})", ids
+        )
+        return sum(1 for r in rows if held_attempts[r["id"]] == r["attempt"])
+
+    async def deliveries(self, subscription_ids: list[int]) -> list[Row]:
+        rows = await self.fetch(
+            "SELECT d.id, d.subscription_id, d.partition_key, d.key_mode, d.claim_count, d.last_error, d.settled_at, "
+            "CAST(json_extract(m.payload, '$.seq') AS INTEGER) AS seq "
+            "FROM delivery d JOIN message m ON m.id = d.message_id "
+            f"WHERE d.subscription_id IN ({placeholders(subscription_ids)}) ORDER BY d.id",
+            subscription_ids,
+        )
+        return [{**r, "settled_at": sqlite_time(r["settled_at"])} for r in rows]
+
+    async def runs(self, subscriptions: list[str]) -> list[Row]:
+        rows = await self.fetch(
+            "SELECT s.run_id, s.subscription, s.partition_key, s.seq, s.message_id, s.pid, s.started_at, "
+            "l.id AS log_id, l.finished_at "
+            "FROM mp_started s LEFT JOIN mp_log l ON l.run_id = s.run_id "
+            f"WHERE s.subscription IN ({placeholders(subscriptions)}) ORDER BY s.started_at",
+            subscriptions,
+        )
+        return [
+            {**r, "started_at": sqlite_time(r["started_at"]), "finished_at": sqlite_time(r["finished_at"])}
+            for r in rows
+        ]
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+
+async def open_probe(database: str, url: str) -> Probe:
+    if database == "sqlite":
+        return await SqliteProbe.open(url)
+    return await PostgresProbe.open(url)
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
+    """(name, URL): the session's PostgreSQL database, or a fresh SQLite file of this test.
+
+    The SQLite file is created and migrated by the test's publisher (``auto_migrate`` is on by
+    default for SQLite); the workers' own start-up migration then finds nothing to do.
+    """
+    if request.param == "postgresql":
+        return "postgresql", request.getfixturevalue("pg_url")
+    return "sqlite", f"sqlite+aiosqlite:///{tmp_path / 'workqueue.db'}"
 
 
 def collapse_repeats(values: list[int]) -> list[int]:
@@ -229,37 +472,37 @@ def collapse_repeats(values: list[int]) -> list[int]:
 # -- the test --------------------------------------------------------------------------------
 
 
-async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(pg_url: str, tmp_path: Path) -> None:
+async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
     began = time.monotonic()
-    dsn = to_asyncpg_dsn(pg_url)
+    dialect, url = database
     topic_name, exclusive, ordered = unique("mp-topic"), unique("mp-exclusive"), unique("mp-ordered")
     topic, subscriptions = build_topology(topic_name, exclusive, ordered)
     publisher = WorkQueue(
-        WorkQueueSettings(database_url=pg_url, enabled=False, listen=False, pool_size=2),
+        WorkQueueSettings(database_url=url, enabled=False, listen=False, pool_size=2),
         topics=[topic],
         subscriptions=subscriptions,
     )
     per_subscription = KEYS * PER_KEY
     keys = [f"key-{k:02d}" for k in range(KEYS)]
-    conn = await asyncpg.connect(dsn)
     workers: list[Worker] = []
     report = Monitor()
     stop_monitor = asyncio.Event()
     monitor: asyncio.Task[None] | None = None
+    db: Probe | None = None
     try:
-        await conn.execute(LOG_TABLES_DDL)
-        await publisher.open()  # syncs the topic and both subscriptions
-        ids = {
-            r["name"]: r["id"]
-            for r in await conn.fetch(
-                "SELECT name, id FROM workqueue.subscription WHERE name = ANY($1::text[])", [exclusive, ordered]
-            )
-        }
+        await publisher.open()  # migrates (SQLite), syncs the topic and both subscriptions
+        db = await open_probe(dialect, url)
+        await db.create_log_tables()
+        ids = await db.subscription_ids([exclusive, ordered])
         exclusive_id, ordered_id = ids[exclusive], ids[ordered]
         sub_ids = [exclusive_id, ordered_id]
-        monitor = asyncio.create_task(watch(dsn, sub_ids, ordered_id, report, stop_monitor))
+        monitor = asyncio.create_task(
+            watch(lambda: open_probe(dialect, url), sub_ids, ordered_id, report, stop_monitor)
+        )
 
-        args = (tmp_path, pg_url, topic_name, exclusive, ordered)
+        args = (tmp_path, url, topic_name, exclusive, ordered)
         workers = [start_worker("worker-a", *args), start_worker("worker-b", *args)]
         await asyncio.gather(*(wait_ready(w) for w in workers))
         victim = workers[0]
@@ -280,8 +523,8 @@ async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(pg_url: s
         # Wait until some work is done and the victim runs handlers of both subscriptions, then kill it.
         deadline = time.monotonic() + 30
         while True:
-            counts = await status_counts(conn, sub_ids)
-            held = await conn.fetch(HELD_BY, sub_ids, victim.pid)
+            counts = await db.status_counts(sub_ids)
+            held = await db.held_by(sub_ids, victim.pid)
             done = all(counts.get((s, "Completed"), 0) >= KILL_AFTER_FRACTION * per_subscription for s in sub_ids)
             if done and {r["subscription_id"] for r in held} == set(sub_ids):
                 break
@@ -291,20 +534,15 @@ async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(pg_url: s
         victim.proc.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         assert await wait_exit(victim, 10) == -signal.SIGKILL
-        held = await conn.fetch(HELD_BY, sub_ids, victim.pid)
-        completed_at_kill = await status_counts(conn, sub_ids)
+        held = await db.held_by(sub_ids, victim.pid)
+        completed_at_kill = await db.status_counts(sub_ids)
         workers.append(start_worker("worker-c", *args))
 
         # The dead holder's deliveries leave InFlight once their lease runs out and a sweeper runs.
         held_attempts = {r["id"]: r["attempt"] for r in held}
         recovered_after: float | None = None
         while held_attempts:
-            stuck = await conn.fetchval(
-                "SELECT count(*) FROM workqueue.delivery d JOIN unnest($1::bigint[], $2::int[]) AS h(id, attempt) "
-                "ON h.id = d.id WHERE d.status = 'InFlight' AND d.attempt = h.attempt",
-                list(held_attempts),
-                list(held_attempts.values()),
-            )
+            stuck = await db.stuck(held_attempts)
             if stuck == 0:
                 recovered_after = time.monotonic() - killed_at
                 break
@@ -315,7 +553,7 @@ async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(pg_url: s
         # Every delivery of both subscriptions ends terminal.
         deadline = time.monotonic() + SETTLE_TIMEOUT
         while True:
-            counts = await status_counts(conn, sub_ids)
+            counts = await db.status_counts(sub_ids)
             live = sum(n for (_, st), n in counts.items() if st in ("Pending", "InFlight"))
             if live == 0:
                 break
@@ -341,21 +579,15 @@ async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(pg_url: s
         assert recovered_after is not None and recovered_after <= RECOVERY_BOUND, (
             f"the killed worker's deliveries left InFlight after {recovered_after} s (bound {RECOVERY_BOUND} s)"
         )
-        rows = await conn.fetch(
-            "SELECT d.id, d.subscription_id, d.partition_key, d.key_mode, d.claim_count, d.last_error, d.settled_at, "
-            "(m.payload::jsonb ->> 'seq')::int AS seq "
-            "FROM workqueue.delivery d JOIN workqueue.message m ON m.id = d.message_id "
-            "WHERE d.subscription_id = ANY($1::int[]) ORDER BY d.id",
-            sub_ids,
-        )
+        rows = await db.deliveries(sub_ids)
         by_id = {r["id"]: r for r in rows}
         for delivery_id in held_attempts:
             taken_back = by_id[delivery_id]
             assert taken_back["claim_count"] >= 2 and (taken_back["last_error"] or "").startswith("lease expired"), (
                 f"delivery {delivery_id} held by the killed worker was not taken back by lease expiry: "
-                f"{dict(taken_back)}"
+                f"{taken_back}"
             )
-        deliveries: dict[tuple[int, str], list[asyncpg.Record]] = defaultdict(list)
+        deliveries: dict[tuple[int, str], list[Row]] = defaultdict(list)
         for r in rows:
             deliveries[(r["subscription_id"], r["partition_key"])].append(r)
         assert len(deliveries) == 2 * KEYS
@@ -373,20 +605,14 @@ async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(pg_url: s
                 )
 
         # -- what the handlers saw -----------------------------------------------------------
-        runs = await conn.fetch(
-            "SELECT s.run_id, s.subscription, s.partition_key, s.seq, s.message_id, s.pid, s.started_at, "
-            "l.id AS log_id, l.finished_at "
-            "FROM public.mp_started s LEFT JOIN public.mp_log l ON l.run_id = s.run_id "
-            "WHERE s.subscription = ANY($1::text[]) ORDER BY s.started_at",
-            [exclusive, ordered],
-        )
+        runs = await db.runs([exclusive, ordered])
         finished = [r for r in runs if r["log_id"] is not None]
         per_message = Counter((r["subscription"], r["message_id"]) for r in finished)
         assert len(per_message) == 2 * per_subscription, "some messages never finished a handler run"
         duplicates = {k: n for k, n in per_message.items() if n > 1}
         unfinished = [r for r in runs if r["log_id"] is None]
         assert all(r["pid"] == victim.pid for r in unfinished), (
-            f"handler runs that never finished outside the killed worker: {[dict(r) for r in unfinished]}"
+            f"handler runs that never finished outside the killed worker: {unfinished}"
         )
         held_messages = {
             (by_id[i]["subscription_id"], by_id[i]["partition_key"], by_id[i]["seq"]) for i in held_attempts
@@ -400,7 +626,7 @@ async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(pg_url: s
             f"a message ran twice although the killed worker did not hold it: {duplicates}\n{diagnostics}"
         )
 
-        runs_by_key: dict[tuple[str, str], list[asyncpg.Record]] = defaultdict(list)
+        runs_by_key: dict[tuple[str, str], list[Row]] = defaultdict(list)
         for r in finished:
             runs_by_key[(r["subscription"], r["partition_key"])].append(r)
         for (sub_name, key), items in runs_by_key.items():
@@ -418,6 +644,7 @@ async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(pg_url: s
             f"workers did not stop cleanly: {exit_codes}\n{tails(workers[1:])}"
         )
         summary: dict[str, Any] = {
+            "database": dialect,
             "elapsed_s": round(elapsed, 1),
             "completed_at_kill": {name_of[s]: completed_at_kill.get((s, "Completed"), 0) for s in sub_ids},
             "held_by_killed_worker": len(held),
@@ -439,4 +666,5 @@ async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(pg_url: s
                 w.proc.kill()
             w.proc.wait(timeout=10)
         await publisher.close()
-        await conn.close()
+        if db is not None:
+            await db.close()

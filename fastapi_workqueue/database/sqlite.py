@@ -42,6 +42,12 @@ def load_queries() -> dict[str, str]:
     return {parts[i]: parts[i + 1].strip().rstrip(";") for i in range(1, len(parts), 2)}
 
 
+_FILE_URL_HINT = (
+    "set WORKQUEUE_DATABASE_URL to sqlite+aiosqlite:///relative/file.db (in the working directory) or "
+    "sqlite+aiosqlite:////absolute/path/file.db"
+)
+
+
 def sqlite_path(url: str) -> str:
     """``sqlite+aiosqlite:///relative.db`` / ``sqlite:////absolute.db`` → a file path."""
     scheme, sep, rest = url.partition("://")
@@ -49,13 +55,22 @@ def sqlite_path(url: str) -> str:
         raise ValueError(f"database URL {url!r} is not SQLite; use sqlite+aiosqlite:///path/to/file.db")
     path = rest[1:] if rest.startswith("/") else rest
     path = path.split("?", 1)[0]
-    if not path or path == ":memory:":
-        raise ConfigurationError("SQLite needs a file (several connections and processes share it), not :memory:")
+    if path == ":memory:" or path.startswith("file::memory:"):
+        raise ConfigurationError(
+            f"SQLite needs a file that every connection and process of the queue shares, not :memory: ({url!r}); "
+            + _FILE_URL_HINT
+        )
+    if not path:
+        raise ConfigurationError(f"the SQLite URL {url!r} names no file; " + _FILE_URL_HINT)
     return path
 
 
 def _directory_exists(path: str) -> bool:
-    return os.path.isdir(os.path.dirname(os.path.abspath(path)))
+    return os.path.isdir(_directory(path))
+
+
+def _directory(path: str) -> str:
+    return os.path.dirname(os.path.abspath(path))
 
 
 def split_statements(script: str) -> list[str]:
@@ -98,22 +113,38 @@ class _ConnectionExecutor:
 
 
 class _SessionExecutor:
-    """Runs named statements on a caller's SQLAlchemy session, inside its transaction."""
+    """Runs named statements on a caller's SQLAlchemy session, inside its transaction.
+
+    The routine must run in a write transaction from its first statement, as on the transport's
+    own connection: Python's sqlite3 driver (under SQLAlchemy) opens a transaction only at the
+    first INSERT/UPDATE/DELETE, so a routine whose reads came first (publish classifies before it
+    inserts) would read outside the caller's transaction and decide on state another writer
+    changes before its writes run (two sessions would both accept one deduplication key). When
+    the caller's connection is not in a transaction yet, the first statement is ``BEGIN
+    IMMEDIATE``: the caller's transaction then holds the write lock until it commits or rolls back.
+    """
 
     def __init__(self, session: Any, queries: dict[str, str]) -> None:
         from .session import SessionExecutor
 
         self._session = SessionExecutor(session)
         self._queries = queries
+        self._conn: Any = None
+
+    async def begin(self) -> None:
+        """Joins the caller's transaction, starting it with ``BEGIN IMMEDIATE`` if it has not begun."""
+        conn = await self._session.connection()
+        raw = await conn.get_raw_connection()
+        if not getattr(raw.driver_connection, "in_transaction", True):
+            await conn.exec_driver_sql("BEGIN IMMEDIATE")
+        self._conn = conn
 
     async def fetch(self, query: str, /, **params: Any) -> list[dict[str, Any]]:
-        conn = await self._session.connection()
-        result = await conn.exec_driver_sql(self._queries[query], params)
+        result = await self._conn.exec_driver_sql(self._queries[query], params)
         return [dict(row) for row in result.mappings().all()] if result.returns_rows else []
 
     async def execute(self, query: str, /, **params: Any) -> int:
-        conn = await self._session.connection()
-        result = await conn.exec_driver_sql(self._queries[query], params)
+        result = await self._conn.exec_driver_sql(self._queries[query], params)
         return int(result.rowcount)
 
 
@@ -129,7 +160,7 @@ class SqliteTransport(RoutineTransport):
         wakeups=False,
         runtime_roles=False,
         notes=(
-            "no LISTEN/NOTIFY: consumers in other processes find new work by polling",
+            "no LISTEN/NOTIFY: other processes poll for new work",  # short: the CLI table cuts at 60
             "no roles: whoever can open the file can change it",
         ),
     )
@@ -150,16 +181,36 @@ class SqliteTransport(RoutineTransport):
         except ImportError as exc:  # pragma: no cover - depends on the installed extras
             raise ConfigurationError("SQLite needs aiosqlite: pip install 'fastapi-workqueue[sqlite]'") from exc
         if not _directory_exists(self.path):
-            raise ConfigurationError(f"the directory of the SQLite file {self.path!r} does not exist; create it")
+            raise ConfigurationError(
+                f"the directory {_directory(self.path)!r} of the SQLite file {self.path!r} does not exist; "
+                "create it, or " + _FILE_URL_HINT + " in a directory that exists"
+            )
         try:
             conn = await aiosqlite.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
         except sqlite3.Error as exc:
             raise ConfigurationError(f"cannot open the SQLite file {self.path!r}: {exc}") from exc
         try:
             await conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            await conn.execute("PRAGMA journal_mode = WAL")
+            cursor = await conn.execute("PRAGMA journal_mode = WAL")
+            row = await cursor.fetchone()
+            await cursor.close()
+            mode = str(row[0]).lower() if row else "unknown"
+            if mode != "wal":
+                # Without WAL, readers block the writer and "database is locked" errors follow.
+                raise ConfigurationError(
+                    f"the SQLite file {self.path!r} could not be switched to WAL mode (journal_mode is {mode}); "
+                    "put it on a local disk, in a directory the process can write"
+                )
             await conn.execute("PRAGMA synchronous = FULL")  # an Accepted message survives a power cut
             await conn.execute("PRAGMA foreign_keys = ON")
+        except sqlite3.DatabaseError as exc:
+            await conn.close()
+            if "not a database" in str(exc):
+                raise ConfigurationError(
+                    f"{self.path!r} is not an SQLite database ({exc}); point WORKQUEUE_DATABASE_URL at a new or "
+                    "existing queue file"
+                ) from exc
+            raise _mapped(exc, "open the SQLite file") from exc
         except BaseException:
             await conn.close()
             raise
@@ -201,17 +252,26 @@ class SqliteTransport(RoutineTransport):
 
     @contextlib.asynccontextmanager
     async def _transaction(self, *, write: bool = True) -> Any:
-        if self._conn is None:
+        """One transaction on the transport's connection, one at a time in this process.
+
+        ``BEGIN`` and ``COMMIT`` are inside the ``try``: aiosqlite runs statements on its own
+        thread in order, so a caller cancelled while ``BEGIN IMMEDIATE`` waits for another
+        process's writer leaves that ``BEGIN`` to complete later; the ``ROLLBACK`` queued behind
+        it ends the transaction instead of leaving the connection inside it, holding the write
+        lock. A failed ``COMMIT`` is rolled back the same way.
+        """
+        conn = self._conn
+        if conn is None:
             raise RuntimeError("the transport is not open; use it inside the WorkQueue's lifespan")
         async with self._lock:
-            await self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
             try:
-                yield self._conn
+                await conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                yield conn
+                await conn.execute("COMMIT")
             except BaseException:
-                with contextlib.suppress(Exception):
-                    await self._conn.execute("ROLLBACK")
+                with contextlib.suppress(Exception):  # "no transaction is active" when BEGIN failed
+                    await conn.execute("ROLLBACK")
                 raise
-            await self._conn.execute("COMMIT")
 
     async def call(
         self, routine: str, *, retry: bool = True, session: Any = None, **params: Any
@@ -219,11 +279,21 @@ class SqliteTransport(RoutineTransport):
         fn = ROUTINES[routine]
         operation = routine.replace("_", " ")
         if session is not None:
-            call = Call(_SessionExecutor(session, self._queries), time.time())
+            executor = _SessionExecutor(session, self._queries)
             try:
-                return await fn(call, **params)
+                await executor.begin()
+                call = Call(executor, time.time())  # the time once the write lock is held, as below
+                rows = await fn(call, **params)
             except (sqlite3.Error, ValueError) as exc:
                 raise _mapped(exc, operation) from exc
+            except Exception as exc:  # SQLAlchemy wraps the driver's error: map the original
+                orig = getattr(exc, "orig", None)
+                if isinstance(orig, sqlite3.Error):
+                    raise _mapped(orig, operation) from exc
+                raise
+            if call.wake:
+                self._wake_after_commit(session, call.wake)
+            return rows
 
         async def run() -> Sequence[Row]:
             try:
@@ -239,6 +309,24 @@ class SqliteTransport(RoutineTransport):
         if retry:
             return await with_retries(operation, run)
         return await run()
+
+    def _wake_after_commit(self, session: Any, subscription_ids: set[int]) -> None:
+        """Wakes this process's consumers when the caller's transaction commits (what NOTIFY does
+        on PostgreSQL). A rollback wakes nobody; the listener then waits for that session's next
+        commit: at worst a spurious wake-up, which is only a hint to claim."""
+        from sqlalchemy import event
+        from sqlalchemy.ext.asyncio import AsyncSession
+
+        ids = sorted(subscription_ids)
+
+        def wake(*_args: Any) -> None:
+            for subscription_id in ids:
+                self._dispatch_wakeup(str(subscription_id))
+
+        if isinstance(session, AsyncSession):
+            event.listen(session.sync_session, "after_commit", wake, once=True)
+        else:  # an AsyncConnection: its commit (a claim that wakes early waits for the writer)
+            event.listen(session.sync_connection, "commit", wake, once=True)
 
     async def dialect_issues(self) -> list[BindingIssue]:
         return [BindingIssue(severity="Info", subject="sqlite", message=note) for note in self.capabilities.notes]
