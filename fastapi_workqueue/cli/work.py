@@ -13,12 +13,15 @@ import importlib
 import os
 import signal
 import sys
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import click
 
 from ..core.errors import ConfigurationError, TransportError
 from ..core.host import SubscriptionPlan
+
+T = TypeVar("T")
 
 EXIT_OK = 0
 EXIT_CONFIGURATION = 2
@@ -106,6 +109,16 @@ async def run_work(
         await queue.close()
 
 
+def run_on_fastest_loop(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Runs ``coroutine`` on uvloop when it is installed (``fastapi-workqueue[fast]``), else asyncio."""
+    try:
+        uvloop = importlib.import_module("uvloop")
+    except ImportError:
+        return asyncio.run(coroutine)
+    result: T = uvloop.run(coroutine)
+    return result
+
+
 async def _until_done(host: Any, max_duration_ms: int | None) -> None:
     """Waits for the budget or idleness (one-shot), a signal, or the duration limit."""
     stop = asyncio.Event()
@@ -153,11 +166,6 @@ def work(
         queue, subscription, once=once, max_deliveries=max_deliveries, concurrency=concurrency,
         max_duration_ms=max_duration_ms, shutdown_drain_ms=shutdown_drain_ms,
     )
-    try:
-        import uvloop
-
-        code, reason = uvloop.run(coroutine)
-    except ImportError:
-        code, reason = asyncio.run(coroutine)
+    code, reason = run_on_fastest_loop(coroutine)
     click.echo(f"workqueue work: {reason}", err=code != EXIT_OK)
     sys.exit(code)
