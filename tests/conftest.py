@@ -22,33 +22,26 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
+async def drop_database(url: str, *, create: bool = False) -> None:
+    """Drops the database of ``url`` (closing its connections), and creates it afresh if asked."""
+    dsn = to_asyncpg_dsn(url)
+    base, _, name = dsn.rpartition("/")
+    admin = await asyncpg.connect(f"{base}/postgres")
+    try:
+        await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+            name,
+        )
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        if create:
+            await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+
+
 async def recreate_database(url: str) -> None:
-    dsn = to_asyncpg_dsn(url)
-    base, _, name = dsn.rpartition("/")
-    admin = await asyncpg.connect(f"{base}/postgres")
-    try:
-        await admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
-            name,
-        )
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-
-
-async def drop_database(url: str) -> None:
-    dsn = to_asyncpg_dsn(url)
-    base, _, name = dsn.rpartition("/")
-    admin = await asyncpg.connect(f"{base}/postgres")
-    try:
-        await admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
-            name,
-        )
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
-    finally:
-        await admin.close()
+    """A fresh, empty database at ``url``."""
+    await drop_database(url, create=True)
 
 
 @pytest.fixture(scope="session")

@@ -52,6 +52,8 @@ from fastapi_workqueue.database.sql_files import migrations
 from fastapi_workqueue.database.sqlite import SqliteTransport
 from fastapi_workqueue.settings import DEFAULT_DATABASE_URL
 
+from . import support
+
 ROOT = Path(__file__).resolve().parents[1]
 
 FAST = {
@@ -80,17 +82,11 @@ def no_workqueue_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def wait_for(check: Any, what: str, within: float = 10.0, interval: float = 0.02) -> Any:
-    """Polls ``check()`` (sync or async) until it is truthy."""
-    deadline = time.monotonic() + within
-    while True:
-        value = check()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {within} s")
-        await asyncio.sleep(interval)
+    """Polls ``check()`` (sync or async) until it is truthy; the failure names ``what``."""
+    try:
+        return await support.wait_for(check, within=within, interval=interval)
+    except AssertionError as exc:
+        raise AssertionError(f"{what}: not within {within} s") from exc
 
 
 @contextlib.asynccontextmanager
