@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import uuid
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from .core.envelope import PublishRequest, PublishResult
+from .core.envelope import PublishRequest, PublishResult, uuid7
 from .core.errors import WorkQueueError
 
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}
@@ -77,7 +76,7 @@ class WorkQueueApiPublisher:
         for raw in requests:
             request = raw if isinstance(raw, PublishRequest) else PublishRequest.model_validate(raw)
             if request.message_id is None:
-                request = request.model_copy(update={"message_id": uuid.uuid4()})
+                request = request.model_copy(update={"message_id": uuid7()})
             out.append(request)
         return out
 

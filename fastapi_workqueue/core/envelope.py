@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -117,6 +119,21 @@ class PreparedMessage:
     envelope_bytes: int
 
 
+def uuid7() -> uuid.UUID:
+    """A time-ordered UUID (version 7, RFC 9562): IDs assigned one after another sit side by side in
+    the message table's index, so claiming recent work reads few index pages."""
+    milliseconds = time.time_ns() // 1_000_000
+    random_bits = int.from_bytes(os.urandom(10), "big")
+    value = (
+        (milliseconds & (2**48 - 1)) << 80
+        | 0x7 << 76
+        | ((random_bits >> 62) & 0xFFF) << 64
+        | 0b10 << 62
+        | (random_bits & (2**62 - 1))
+    )
+    return uuid.UUID(int=value)
+
+
 class RequestRejected(Exception):
     """A request that cannot be published as it is."""
 
@@ -206,7 +223,7 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
             "payload",
         )
     return PreparedMessage(
-        message_id=request.message_id or uuid.uuid4(),
+        message_id=request.message_id or uuid7(),
         partition_key=request.partition_key,
         attributes=attributes,
         attributes_json=attributes_json,

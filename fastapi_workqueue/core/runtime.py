@@ -32,6 +32,8 @@ log = logging.getLogger("fastapi_workqueue.runtime")
 
 MAX_ERROR_TEXT = 4000
 ONCE_BUSY_RETRY_SECONDS = 5.0
+SETTLE_BACKLOG_LIMIT = 1000
+"""A consumer claims no more while this many of the process's outcomes wait to be written."""
 PREFETCH_BELOW_SECONDS = 0.05
 MAX_PREFETCH = 100
 """Handlers that take less than this on average get a second set of deliveries claimed ahead."""
@@ -234,6 +236,9 @@ class Consumer:
             if free <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
+                continue
+            if self.settler.backlog >= SETTLE_BACKLOG_LIMIT:
+                await self.settler.wait_below(SETTLE_BACKLOG_LIMIT)
                 continue
             self._wake.clear()
             settled_before = self.settled_total

@@ -34,6 +34,7 @@ class Settler:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._written = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -54,6 +55,13 @@ class Settler:
         self._wake.set()
         if self._task is None or self._task.done():
             self.start()
+
+    async def wait_below(self, limit: int) -> None:
+        """Waits until fewer than ``limit`` settles are waiting to be written (back-pressure for
+        claims: a consumer does not claim faster than its outcomes can be written)."""
+        while self.backlog >= limit:
+            self._written.clear()
+            await self._written.wait()
 
     async def flush(self) -> None:
         """Waits until every submitted settle is written (or given up)."""
@@ -85,6 +93,7 @@ class Settler:
                 await self._write(batch)
             finally:
                 self._in_flight = 0
+                self._written.set()
 
     async def _write(self, batch: list[tuple[Settlement, SettleDone | None]]) -> None:
         deadline = time.monotonic() + self._give_up_after
