@@ -23,6 +23,9 @@ async def test_c19_exclusive_one_in_flight_per_key_other_keys_run(harness: Harne
     await world.settle(a)
     [next_a] = await world.claim("x", 10)
     assert next_a.partition_key == "a"
+    for delivery in [next_a, *[c for c in claimed if c.partition_key != "a"]]:
+        await world.settle(delivery)
+    assert [p.partition_key for p in await harness.transport.partitions(world["x"])] == ["b"]
 
 
 async def test_c20_exclusive_delivery_in_backoff_does_not_hold_its_key(harness: Harness) -> None:
@@ -51,6 +54,8 @@ async def test_c21_ordered_only_head_claimable_and_completion_in_publish_order(h
         order.append(claimed[0].message_id)
         await world.settle(claimed[0])
     assert order == [r.message_id for r in results]
+    # A key with no live work is not listed.
+    assert await harness.transport.partitions(world["o"]) == []
 
 
 async def test_c22_ordered_head_in_backoff_blocks_key_until_retried_and_completed(harness: Harness) -> None:
