@@ -8,7 +8,8 @@ from ..core.errors import ConfigurationError
 
 
 def create_database_transport(url: str, **options: Any) -> Any:
-    """A transport for ``url``: ``postgresql+asyncpg://…`` or ``sqlite+aiosqlite:///file.db``."""
+    """A transport for ``url``: ``postgresql+asyncpg://…``, ``sqlite+aiosqlite:///file.db`` or
+    ``mssql+aioodbc://…`` (aioodbc is imported when the SQL Server transport opens)."""
     scheme = url.partition("://")[0].split("+", 1)[0].lower()
     if scheme == "sqlite":
         from .sqlite import SqliteTransport
@@ -22,7 +23,12 @@ def create_database_transport(url: str, **options: Any) -> Any:
                 "PostgreSQL needs asyncpg: pip install 'fastapi-workqueue[postgres]'"
             ) from exc
         return PostgresTransport(url, **options)
+    if scheme == "mssql":
+        from .mssql import MssqlTransport
+
+        return MssqlTransport(url, **options)
     raise ConfigurationError(
-        f"database URL scheme {scheme!r} is not supported; use postgresql+asyncpg://user@host/db or "
-        "sqlite+aiosqlite:///path/to/file.db"
+        f"database URL scheme {scheme!r} is not supported; use postgresql+asyncpg://user@host/db, "
+        "sqlite+aiosqlite:///path/to/file.db or "
+        "mssql+aioodbc://user:password@host/db?driver=ODBC+Driver+18+for+SQL+Server"
     )
