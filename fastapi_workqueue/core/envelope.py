@@ -22,6 +22,14 @@ MAX_ENVELOPE_BYTES = 256 * 1024
 MAX_ATTRIBUTES = 10
 MAX_KEY_LENGTH = 512
 DEFAULT_DEDUPLICATION_TTL_SECONDS = 300.0
+MAX_DELAY_SECONDS = 100 * 365 * 24 * 3600.0
+"""The longest delay, backoff, TTL or lease (a hundred years): a time that far ahead still fits the
+timestamps of every store; one beyond it would fail every later claim, settle or sweep that reads it."""
+MAX_ATTEMPTS_LIMIT = 2**31 - 1
+"""The most attempts a delivery may be given (the stores keep the count in a 32-bit integer)."""
+MAX_PAYLOAD_DEPTH = 200
+"""How deeply arrays and objects may nest in a payload. JSON serializers stop at about 255 levels
+(pydantic's, and so FastAPI's), so a deeper payload could be stored but never listed or returned."""
 
 T = TypeVar("T")
 
@@ -41,10 +49,10 @@ class PublishRequest(WireModel):
     payload_ref: str | None = None
     correlation_id: str | None = None
     deduplication_key: str | None = None
-    deduplication_ttl_seconds: float | None = Field(default=None, gt=0)
-    delay_seconds: float | None = Field(default=None, ge=0)
+    deduplication_ttl_seconds: float | None = Field(default=None, gt=0, le=MAX_DELAY_SECONDS)
+    delay_seconds: float | None = Field(default=None, ge=0, le=MAX_DELAY_SECONDS)
     not_before: datetime | None = None
-    max_attempts: int | None = Field(default=None, ge=1)
+    max_attempts: int | None = Field(default=None, ge=1, le=MAX_ATTEMPTS_LIMIT)
     backoff_seconds: list[float] | None = None
 
 
@@ -151,13 +159,52 @@ def _text_field(name: str, value: str | None, limit: int = MAX_KEY_LENGTH) -> No
         raise RequestRejected(
             "InvalidField", f"{to_wire_name(name)} is {len(value)} characters; at most {limit} are allowed", name
         )
+    _utf8_len(value, name, "InvalidField")
 
 
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False).encode
 
 
-def _utf8_len(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode())
+def _utf8_len(text: str, name: str, code: str) -> int:
+    """The UTF-8 size of ``text``; refuses text that has none (a lone surrogate, from a ``\\ud800`` escape)."""
+    if text.isascii():
+        return len(text)
+    try:
+        return len(text.encode())
+    except UnicodeEncodeError as exc:
+        raise RequestRejected(
+            code,
+            f"{to_wire_name(name)} is not valid Unicode ({exc.reason} at character {exc.start}); "
+            "send UTF-8 text (a \\ud800-\\udfff escape must be one half of a surrogate pair)",
+            name,
+        ) from exc
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and dicts nest in ``value`` (without recursion: the value may be deep)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_PAYLOAD_DEPTH:
+            break
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _too_deep() -> RequestRejected:
+    return RequestRejected(
+        "InvalidPayload",
+        f"the Payload nests arrays and objects more than {MAX_PAYLOAD_DEPTH} levels deep; flatten it",
+        "payload",
+    )
 
 
 def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_BYTES) -> PreparedMessage:
@@ -196,9 +243,13 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
             "InvalidField", "NotBefore needs a time zone (for example 2026-01-01T00:00:00Z)", "not_before"
         )
     backoff = request.backoff_seconds
-    if backoff is not None and (not backoff or any(not math.isfinite(b) or b < 0 for b in backoff)):
+    if backoff is not None and (
+        not backoff or any(not math.isfinite(b) or b < 0 or b > MAX_DELAY_SECONDS for b in backoff)
+    ):
         raise RequestRejected(
-            "InvalidField", "BackoffSeconds must be a non-empty list of seconds >= 0", "backoff_seconds"
+            "InvalidField",
+            f"BackoffSeconds must be a non-empty list of seconds >= 0 and <= {MAX_DELAY_SECONDS:.0f}",
+            "backoff_seconds",
         )
     payload = request.payload
     if isinstance(payload, BaseModel):
@@ -210,11 +261,17 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
         raise RequestRejected(
             "InvalidPayload", f"the Payload is not JSON: {exc}; send JSON values only", "payload"
         ) from exc
+    except RecursionError as exc:
+        raise _too_deep() from exc
+    # Only a payload with more brackets than the limit can nest deeper than it.
+    if payload_json.count("[") + payload_json.count("{") > MAX_PAYLOAD_DEPTH and _depth(payload) > MAX_PAYLOAD_DEPTH:
+        raise _too_deep()
     attributes_json = _encode(attributes) if attributes else "{}"
+    size = _utf8_len(payload_json, "payload", "InvalidPayload")
+    size += _utf8_len(attributes_json, "attributes", "InvalidField")
     content = "\n".join(
         (_encode([request.partition_key, request.payload_ref, request.correlation_id]), attributes_json, payload_json)
     )
-    size = _utf8_len(payload_json) + _utf8_len(attributes_json)
     if size > max_envelope_bytes:
         raise RequestRejected(
             "EnvelopeTooLarge",

@@ -96,6 +96,8 @@ def prefix_of(key: str) -> str | None:
     parts = key.split("_", 2)
     if len(parts) != 3 or parts[0] != KEY_PREFIX or not parts[1] or not parts[2]:
         return None
+    if not (parts[1].isascii() and parts[1].isalnum()):
+        return None  # prefixes are hex: anything else (a NUL byte, say) is no key, not a question for the store
     return parts[1]
 
 

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from .envelope import MAX_ATTEMPTS_LIMIT, MAX_DELAY_SECONDS
 from .filters import validate_filter
 from .wire import WireModel
 
@@ -51,16 +52,18 @@ class Subscription(WireModel):
     topic: str
     handler_key: str
     partition_mode: PartitionMode = "None"
-    lease_seconds: float = Field(default=60, gt=0)
-    max_attempts: int = Field(default=5, ge=1)
-    backoff_base_seconds: float = Field(default=1, ge=0)
-    backoff_max_seconds: float = Field(default=300, ge=0)
-    max_processing_seconds: float | None = Field(default=None, gt=0)
+    # Durations at most MAX_DELAY_SECONDS: the stores add them to timestamps, and one that overflows
+    # would fail every claim, settle or sweep pass that uses it.
+    lease_seconds: float = Field(default=60, gt=0, le=MAX_DELAY_SECONDS)
+    max_attempts: int = Field(default=5, ge=1, le=MAX_ATTEMPTS_LIMIT)
+    backoff_base_seconds: float = Field(default=1, ge=0, le=MAX_DELAY_SECONDS)
+    backoff_max_seconds: float = Field(default=300, ge=0, le=MAX_DELAY_SECONDS)
+    max_processing_seconds: float | None = Field(default=None, gt=0, le=MAX_DELAY_SECONDS)
     heartbeat_mode: HeartbeatMode = "Auto"
     filter: dict[str, Any] | None = None
     status: SubscriptionStatus = "Active"
     host_type: HostType = "worker"
-    retention_seconds: float = Field(default=DEFAULT_RETENTION_SECONDS, ge=0)
+    retention_seconds: float = Field(default=DEFAULT_RETENTION_SECONDS, ge=0, le=MAX_DELAY_SECONDS)
 
     @field_validator("name")
     @classmethod

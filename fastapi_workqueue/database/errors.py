@@ -14,6 +14,8 @@ _RETRYABLE_SQLSTATES = {"40001", "40P01", "55P03"}  # serialization, deadlock, l
 _UNAVAILABLE_SQLSTATES_PREFIX = ("08", "57P")  # connection exceptions, operator intervention
 _MISSING_SCHEMA_SQLSTATES = {"3F000", "42883", "42P01"}  # schema, function, table missing
 _AUTH_SQLSTATES = {"28000", "28P01"}
+_NO_DATABASE_SQLSTATE = "3D000"  # invalid_catalog_name: the database named in the URL does not exist
+_OBJECT_IN_USE_SQLSTATE = "55006"  # raised by sync_subscription: a change that live deliveries forbid
 
 
 def sqlstate(exc: BaseException) -> str | None:
@@ -34,6 +36,13 @@ def map_error(exc: BaseException, operation: str) -> Exception:
         return ConfigurationError(
             f"{operation}: the database refused the credentials ({text}); check WORKQUEUE_DATABASE_URL"
         )
+    if code == _NO_DATABASE_SQLSTATE:
+        return ConfigurationError(
+            f"{operation}: {text}; create the database (CREATE DATABASE, as a superuser) or point "
+            "WORKQUEUE_DATABASE_URL at one that exists"
+        )
+    if code == _OBJECT_IN_USE_SQLSTATE:
+        return ConfigurationError(f"{operation}: {text}")
     if code == "42501":
         return ConfigurationError(
             f"{operation}: the database role lacks a privilege ({text}); a runtime role needs "
@@ -47,7 +56,11 @@ def map_error(exc: BaseException, operation: str) -> Exception:
         )
     if code in _RETRYABLE_SQLSTATES:
         return TransportError(f"{operation}: {text}", retryable=True)
-    if code is not None and code.startswith(_UNAVAILABLE_SQLSTATES_PREFIX):
+    if code is not None and (
+        code.startswith(_UNAVAILABLE_SQLSTATES_PREFIX)
+        # 55000 at connect time: ALTER DATABASE … ALLOW_CONNECTIONS false (maintenance), for a while
+        or (code == "55000" and "not currently accepting connections" in text)
+    ):
         return TransportUnavailable(f"{operation}: the database is unavailable ({text}); retry later")
     if isinstance(exc, OSError | ConnectionError | asyncio.TimeoutError) or _is_connection_error(exc):
         return TransportUnavailable(f"{operation}: the database is unavailable ({text}); retry later")

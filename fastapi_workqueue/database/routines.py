@@ -10,13 +10,14 @@ migrations.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from ..core.envelope import PreparedMessage, PublishError, PublishResult, PublishStatus
+from ..core.envelope import MAX_DELAY_SECONDS, PreparedMessage, PublishError, PublishResult, PublishStatus
 from ..core.errors import ConfigurationError
 from ..core.keys import ApiKeyInfo, StoredKey
 from ..core.reports import (
@@ -200,7 +201,7 @@ class RoutineTransport:
             p_ids=[int(s.delivery_id) for s in settlements],
             p_tokens=[s.lease_token for s in settlements],
             p_outcomes=[s.kind for s in settlements],
-            p_delays=[s.delay_seconds for s in settlements],
+            p_delays=[settle_delay(s.delay_seconds) for s in settlements],
             p_reasons=[s.reason for s in settlements],
             p_errors=[s.error for s in settlements],
         )
@@ -253,9 +254,8 @@ class RoutineTransport:
         return Backlog.model_validate(as_dict(rows[0])) if rows else None
 
     async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:
-        try:
-            numeric = int(delivery_id)
-        except ValueError:
+        numeric = delivery_number(delivery_id)
+        if numeric is None:
             return None
         rows = await self.call("get_delivery", p_delivery_id=numeric)
         return delivery_info(rows[0], None, include_payload) if rows else None
@@ -269,9 +269,11 @@ class RoutineTransport:
         after: str | None = None,
         include_payload: bool = False,
     ) -> list[DeliveryInfo]:
+        after_id = max(int(after), 0) if after else 0
+        if after_id > MAX_DELIVERY_ID:
+            return []  # nothing comes after the largest id there can be
         rows = await self.call(
-            "list_deliveries", p_subscription=subscription, p_status=status, p_limit=limit,
-            p_after_id=int(after) if after else 0,
+            "list_deliveries", p_subscription=subscription, p_status=status, p_limit=limit, p_after_id=after_id,
         )
         return [delivery_info(r, subscription, include_payload) for r in rows]
 
@@ -296,9 +298,8 @@ class RoutineTransport:
         return await self._action("discard", subscription, delivery_id, p_reason=reason)
 
     async def _action(self, routine: str, subscription: str, delivery_id: str, **text: Any) -> ActionResult:
-        try:
-            numeric = int(delivery_id)
-        except ValueError:
+        numeric = delivery_number(delivery_id)
+        if numeric is None:
             return ActionResult(result="NotFound", delivery_id=delivery_id, subscription=subscription)
         rows = await self.call(routine, p_subscription=subscription, p_delivery_id=numeric, **text)
         row = rows[0]
@@ -389,6 +390,28 @@ def json_list(value: Any) -> list[str]:
 
 def sid(value: Any) -> str | None:
     return None if value is None else str(value)
+
+
+MAX_DELIVERY_ID = 2**63 - 1
+"""Delivery ids are 64-bit integers in every store."""
+
+
+def delivery_number(delivery_id: str) -> int | None:
+    """A delivery id as the stores keep it, or None when no delivery can have it (not a number, or
+    outside the 64-bit range the driver would refuse to send)."""
+    try:
+        numeric = int(delivery_id)
+    except ValueError:
+        return None
+    return numeric if 0 < numeric <= MAX_DELIVERY_ID else None
+
+
+def settle_delay(delay: float | None) -> float | None:
+    """A handler's retry delay as the stores can add it to a timestamp: at most MAX_DELAY_SECONDS
+    (a longer one would fail this settle and every sweep after it); NaN means none."""
+    if delay is None or math.isnan(delay):
+        return None
+    return min(max(delay, 0.0), MAX_DELAY_SECONDS)
 
 
 _ACCEPTED = PublishStatus.ACCEPTED

@@ -61,7 +61,8 @@ def api_key_authorizer(queue: WorkQueue) -> Authorizer:
             principal = await verify_key(_as_store(store), key)
         except TransportError as exc:
             raise HTTPException(
-                status_code=status.HTTP_503_SERVICE_UNAVAILABLE, detail=f"cannot check the API key now: {exc}"
+                status_code=status.HTTP_503_SERVICE_UNAVAILABLE, detail=f"cannot check the API key now: {exc}",
+                headers={"Retry-After": "1"},
             ) from exc
         if principal is None:
             raise HTTPException(

@@ -7,13 +7,17 @@ it needs; see :mod:`fastapi_workqueue.web.auth` for how callers are checked.
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures, whose
 # annotations name aliases local to build_router.
 
+import json
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Body, HTTPException, Path, Query, Request, Response, Security, status
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from pydantic import Field
+from pydantic import Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.envelope import PublishRequest, PublishResult
 from ..core.errors import ConfigurationError, TransportError, TransportUnavailable
@@ -28,6 +32,7 @@ from ..core.reports import (
     PartitionInfo,
     SubscriptionStats,
 )
+from ..core.topology import check_name
 from ..core.wire import WireModel
 from .auth import Authorizer
 
@@ -40,16 +45,42 @@ DEFAULT_MAX_BODY_BYTES = 5 * 1024 * 1024
 DEFAULT_MAX_BATCH = 1000
 
 
+def _storable_text(value: str | None) -> str | None:
+    """Text the stores can keep: no NUL character, and valid Unicode (no lone surrogate)."""
+    if value is None:
+        return value
+    if "\x00" in value:
+        raise ValueError("contains a NUL character; remove it")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"is not valid Unicode ({exc.reason}); send UTF-8 text") from exc
+    return value
+
+
 class ReplayBody(WireModel):
     """What the operator says about a replay (kept on the delivery)."""
 
     note: str | None = None
+
+    _note = field_validator("note")(_storable_text)
 
 
 class DiscardBody(WireModel):
     """Why the operator drops the delivery (kept on it)."""
 
     reason: str | None = None
+
+    _reason = field_validator("reason")(_storable_text)
+
+
+def _is_name(value: str) -> bool:
+    """Whether ``value`` can name a topic or subscription at all (one that cannot does not exist)."""
+    try:
+        check_name("topic", value)
+    except ValueError:
+        return False
+    return True
 
 
 class StatusChange(WireModel):
@@ -72,6 +103,30 @@ class PublishRefused(WireModel):
 
     detail: list[PublishProblem] = Field(alias="detail")
     results: list[PublishResult] = Field(alias="results")
+
+
+def _renderable(exc: RequestValidationError) -> RequestValidationError:
+    """``exc``, or the same errors without the inputs when an input cannot be sent back as JSON.
+
+    FastAPI's 422 echoes each offending input; a JSON string with a lone surrogate escape
+    (``"\\ud800"``) parses into a str that UTF-8 cannot encode, and the 422 would fail as a 500.
+    """
+    try:
+        json.dumps(jsonable_encoder(exc.errors()), ensure_ascii=False).encode()
+        return exc
+    except UnicodeEncodeError:
+        pass
+    except (RecursionError, ValueError, TypeError):
+        return exc
+
+    def printable(value: Any) -> Any:
+        return value.encode("utf-8", "backslashreplace").decode() if isinstance(value, str) else value
+
+    errors = [
+        {"type": e.get("type"), "loc": [printable(part) for part in e.get("loc", ())], "msg": printable(e.get("msg"))}
+        for e in exc.errors()
+    ]
+    return RequestValidationError(errors)
 
 
 class _BoundedBodyRoute(APIRoute):
@@ -100,7 +155,18 @@ class _BoundedBodyRoute(APIRoute):
                         return too_large
                     chunks.append(chunk)
                 request._body = b"".join(chunks)
-            return await handler(request)
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                raise _renderable(exc) from None
+            except StarletteHTTPException as exc:  # what FastAPI raises when it cannot parse the body
+                if exc.status_code == status.HTTP_400_BAD_REQUEST and isinstance(exc.__cause__, RecursionError):
+                    raise HTTPException(
+                        status.HTTP_400_BAD_REQUEST,
+                        detail="the JSON body is nested too deeply to parse; send flatter JSON "
+                        "(a few hundred levels are fine)",
+                    ) from exc
+                raise
 
         return bounded
 
@@ -129,7 +195,14 @@ def build_router(
     Operator = Annotated[Principal, caller(SCOPE_OPERATE)]
     Sub = Annotated[str, Path(description="The subscription's name.")]
 
+    def name_exists_or_404(kind: str, name: str) -> None:
+        # A name no topic or subscription can have is not sent to the store (where a NUL byte, say,
+        # is an encoding error rather than "no such row").
+        if not _is_name(name):
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"{kind} {name!r} does not exist")
+
     async def known_subscription(name: str) -> None:
+        name_exists_or_404("subscription", name)
         try:
             names = {s.name for s in await queue.transport.list_subscriptions()}
         except TransportError as exc:
@@ -160,6 +233,7 @@ def build_router(
         One result per message, in order: Accepted, Duplicate (same MessageID and content, or a
         live DeduplicationKey) with the stored MessageID. PascalCase and snake_case are accepted.
         """
+        name_exists_or_404("topic", topic)
         if len(requests) > max_batch:
             raise HTTPException(
                 status.HTTP_413_CONTENT_TOO_LARGE,
@@ -274,6 +348,7 @@ def build_router(
         subscription: Sub, delivery_id: str, principal: Operator, body: ReplayBody | None = None
     ) -> Any:
         """DeadLettered → Pending, same MessageID and Ordered position, attempts reset, note kept."""
+        name_exists_or_404("subscription", subscription)
         result = await _call(queue.replay(subscription, delivery_id, body.note if body else None))
         return _action_response(result)
 
@@ -287,6 +362,7 @@ def build_router(
     ) -> Any:
         """Pending/DeadLettered → Discarded. InFlight → cancel requested (CancelRequested): the handler
         is aborted with Cancelled and the delivery becomes Discarded when it returns."""
+        name_exists_or_404("subscription", subscription)
         result = await _call(queue.discard(subscription, delivery_id, body.reason if body else None))
         return _action_response(result)
 
@@ -301,6 +377,7 @@ def build_router(
         return await _status(subscription, "Active")
 
     async def _status(subscription: str, new: Literal["Active", "Paused"]) -> StatusChange:
+        name_exists_or_404("subscription", subscription)
         changed = await _call(queue.set_status(subscription, new))
         if changed is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {subscription!r} does not exist")
