@@ -139,7 +139,14 @@ class PostgresTransport(RoutineTransport):
 
         async def run() -> Sequence[Row]:
             async with self.pool.acquire() as conn:
-                return cast(Sequence[Row], await conn.fetch(sql, *values))
+                try:
+                    return cast(Sequence[Row], await conn.fetch(sql, *values))
+                except asyncpg.exceptions.InternalClientError:
+                    # asyncpg left the connection in an undefined protocol state ("cannot switch to
+                    # state 12; another operation (2) is in progress", seen as the server restarts):
+                    # released as it is, it would fail the next call that gets it from the pool.
+                    conn.terminate()
+                    raise
 
         if retry:
             return await with_retries(operation, run)

@@ -1,0 +1,1 @@
+"""The soak and chaos run: ``python -m tests.soak.run`` (see docs/soak.md)."""

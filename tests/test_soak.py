@@ -1,0 +1,101 @@
+"""The soak and chaos run, short: what CI runs of ``python -m tests.soak.run`` (docs/soak.md).
+
+3,000 messages from 500 producers (one per key, each awaiting its acceptance) through the REST
+API over 75 s, into the app under uvicorn (host on) and one ``workqueue work`` process per
+subscription (None, Exclusive, Ordered). Meanwhile three worker processes are SIGKILLed and
+restarted, ten InFlight deliveries are cancelled and PostgreSQL is restarted once, while a
+checker polls the database every 100 ms. The runner checks every invariant at the end and
+writes a JSON report; this test asserts that the report has no violation and that every chaos
+event happened.
+
+The run gets a database of its own (dropped at the end) and is a process group of its own:
+whatever happens, every process it started is killed here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import PG_URL, drop_database
+
+pytestmark = pytest.mark.timeout(360)
+
+ROOT = Path(__file__).resolve().parents[1]
+MESSAGES = 3000
+KEYS = 500
+DURATION = 75
+RUN_TIMEOUT = 320.0
+
+
+@pytest.mark.skipif(
+    shutil.which("pg_ctlcluster") is None,
+    reason="the soak run restarts PostgreSQL with pg_ctlcluster, which this machine does not have",
+)
+async def test_short_soak_run_keeps_every_invariant(tmp_path: Path) -> None:
+    url = f"{PG_URL.rsplit('/', 1)[0]}/workqueue_soak_ci_{os.getpid()}"
+    report_path = tmp_path / "report.json"
+    began = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.soak.run",
+        "--messages", str(MESSAGES), "--keys", str(KEYS), "--duration", str(DURATION), "--workers", "1",
+        "--kills", "3", "--cancels", "10", "--drain-timeout", "90",
+        "--database-url", url, "--report", str(report_path), "--log-dir", str(tmp_path / "logs"),
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("WORKQUEUE_", "SOAK_"))},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,  # the runner and every worker it starts: one process group
+    )
+    output = b""
+    try:
+        output, _ = await asyncio.wait_for(proc.communicate(), RUN_TIMEOUT)
+    except TimeoutError:
+        pytest.fail(f"the soak run did not end within {RUN_TIMEOUT} s")
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(proc.wait(), 10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # any worker left behind
+        await drop_database(url)
+    elapsed = time.monotonic() - began
+    text = output.decode(errors="replace")
+    print(text)
+    assert report_path.exists(), f"the soak run wrote no report (exit {proc.returncode}):\n{text[-5000:]}"
+    report: dict[str, Any] = json.loads(report_path.read_text())
+
+    assert report["violations"] == [], "\n".join(report["violations"])
+    assert proc.returncode == 0, text[-5000:]
+    assert report["publish"]["accepted"] == MESSAGES
+    assert report["publish"]["stored_messages"] == MESSAGES
+    counts = report["deliveries"]
+    assert set(counts) == {"soak.none", "soak.exclusive", "soak.ordered"}
+    assert all(sum(c.values()) == MESSAGES for c in counts.values()), counts
+    assert sum(c.get("Completed", 0) for c in counts.values()) >= 3 * MESSAGES - 10 - 20, counts
+    assert report["handler_runs"]["by_outcome"].get("transient", 0) > 0, "no handler failed: the 2 % did not happen"
+
+    chaos = report["chaos"]
+    assert len(chaos["kills"]) == 3
+    assert all(k["restarted_pid"] and k["ready_after_s"] is not None for k in chaos["kills"]), chaos["kills"]
+    assert {k["process"] for k in chaos["kills"]} >= {"app", "work-ordered-1"}
+    assert sum(k["held_in_flight"] for k in chaos["kills"]) > 0, "no kill hit a worker holding deliveries"
+    assert len(chaos["cancels"]) == 10
+    assert all(c["final_status"] == "Discarded" for c in chaos["cancels"])
+    restart = chaos["pg_restart"]
+    assert restart is not None and restart["exit"] == 0
+    assert restart["processes"], "no worker process lived through the PostgreSQL restart"
+    assert report["checker"]["polls"] > 100
+    print(f"soak test took {elapsed:.0f} s")
