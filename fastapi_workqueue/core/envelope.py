@@ -165,6 +165,9 @@ def _text_field(name: str, value: str | None, limit: int = MAX_KEY_LENGTH) -> No
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False).encode
 
 
+_NO_REFERENCES = "[null,null,null]"
+
+
 def _utf8_len(text: str, name: str, code: str) -> int:
     """The UTF-8 size of ``text``; refuses text that has none (a lone surrogate, from a ``\\ud800`` escape)."""
     if text.isascii():
@@ -269,9 +272,9 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
     attributes_json = _encode(attributes) if attributes else "{}"
     size = _utf8_len(payload_json, "payload", "InvalidPayload")
     size += _utf8_len(attributes_json, "attributes", "InvalidField")
-    content = "\n".join(
-        (_encode([request.partition_key, request.payload_ref, request.correlation_id]), attributes_json, payload_json)
-    )
+    references = (request.partition_key, request.payload_ref, request.correlation_id)
+    head = _NO_REFERENCES if references == (None, None, None) else _encode(references)
+    content = f"{head}\n{attributes_json}\n{payload_json}"
     if size > max_envelope_bytes:
         raise RequestRejected(
             "EnvelopeTooLarge",

@@ -129,7 +129,9 @@ class PostgresTransport(RoutineTransport):
             args = ", ".join(f"{name} => ${i}" for i, name in enumerate(names, 1))
             sql = f"SELECT * FROM workqueue.{routine}({args})"
             self._statements[(routine, names)] = sql
-        values = tuple(params.values())
+        # An array of nothing but NULLs travels as one NULL: every routine reads its arrays with a
+        # multi-argument unnest() (which pads) or = ANY(), so the meaning is the same.
+        values = tuple(None if type(v) is list and not any(x is not None for x in v) else v for v in params.values())
         operation = routine.replace("_", " ")
         if session is not None:
             try:
