@@ -22,9 +22,11 @@ from .harness import Harness
 
 
 @dataclass
-class PostgresHarness:
+class _SessionHarness:
+    """What every database harness shares: a caller's session with an open transaction."""
+
     name: str
-    transport: PostgresTransport
+    transport: Any
     url: str
     engine: Any
 
@@ -32,6 +34,11 @@ class PostgresHarness:
     async def session(self) -> AsyncIterator[AsyncSession]:
         async with AsyncSession(self.engine) as session, session.begin():
             yield session
+
+
+@dataclass
+class PostgresHarness(_SessionHarness):
+    transport: PostgresTransport
 
     @contextlib.asynccontextmanager
     async def hold_sweep_lock(self) -> AsyncIterator[None]:
@@ -45,16 +52,8 @@ class PostgresHarness:
 
 
 @dataclass
-class SqliteHarness:
-    name: str
+class SqliteHarness(_SessionHarness):
     transport: SqliteTransport
-    url: str
-    engine: Any
-
-    @contextlib.asynccontextmanager
-    async def session(self) -> AsyncIterator[AsyncSession]:
-        async with AsyncSession(self.engine) as session, session.begin():
-            yield session
 
     @contextlib.asynccontextmanager
     async def hold_sweep_lock(self) -> AsyncIterator[None]:
@@ -73,16 +72,8 @@ class SqliteHarness:
 
 
 @dataclass
-class MssqlHarness:
-    name: str
+class MssqlHarness(_SessionHarness):
     transport: MssqlTransport
-    url: str
-    engine: Any
-
-    @contextlib.asynccontextmanager
-    async def session(self) -> AsyncIterator[AsyncSession]:
-        async with AsyncSession(self.engine) as session, session.begin():
-            yield session
 
     @contextlib.asynccontextmanager
     async def hold_sweep_lock(self) -> AsyncIterator[None]:
