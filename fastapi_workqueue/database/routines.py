@@ -154,7 +154,8 @@ class RoutineTransport:
             p_correlation_ids=[m.correlation_id for m in messages],
             p_content_hashes=[m.content_hash for m in messages],
             p_deduplication_keys=[m.deduplication_key for m in messages],
-            p_deduplication_ttls=[m.deduplication_ttl_seconds for m in messages],
+            p_deduplication_ttls=[m.deduplication_ttl_seconds if m.deduplication_key is not None else None
+                                  for m in messages],
             p_delays=[m.delay_seconds for m in messages],
             p_not_befores=[m.not_before for m in messages],
             p_max_attempts=[m.max_attempts for m in messages],
