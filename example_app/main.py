@@ -49,11 +49,13 @@ from fastapi_workqueue import (
     WorkQueue,
     WorkQueueSettings,
 )
+from fastapi_workqueue.settings import DEFAULT_DATABASE_URL as LIBRARY_DEFAULT_DATABASE_URL
 
 from .models import AuditEntry, Base, Order
 
-DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///workqueue-example.db"
-"""An SQLite file in the working directory; WORKQUEUE_DATABASE_URL switches to PostgreSQL."""
+DEFAULT_DATABASE_URL = LIBRARY_DEFAULT_DATABASE_URL
+"""The library's default, an SQLite file (workqueue.db) in the working directory, which the
+``workqueue`` command finds there too; WORKQUEUE_DATABASE_URL switches to PostgreSQL."""
 TOPIC = "orders.created"
 
 

@@ -52,19 +52,22 @@ class Result:
 
 
 class Cli:
-    """Runs ``python -m fastapi_workqueue`` from the repository root with the test database."""
+    """Runs ``python -m fastapi_workqueue`` in a scratch folder, with the test database and the
+    repository on the import path."""
 
     def __init__(self, url: str, folder: Path, ops: WorkQueue) -> None:
         self.url = url
+        self.folder = folder
         self.ops = ops
         self.record = folder / "record.jsonl"
         self.fixed = folder / "fix-deployed"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
-        self.env.update(WORKQUEUE_DATABASE_URL=url, CLI_APP_RECORD=str(self.record), CLI_APP_FIXED=str(self.fixed))
+        self.env.update(PYTHONPATH=str(ROOT), WORKQUEUE_DATABASE_URL=url)
+        self.env.update(CLI_APP_RECORD=str(self.record), CLI_APP_FIXED=str(self.fixed))
 
     async def start(self, *args: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastapi_workqueue", *args, cwd=ROOT, env=env or self.env,
+            sys.executable, "-m", "fastapi_workqueue", *args, cwd=self.folder, env=env or self.env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
 
@@ -143,6 +146,11 @@ async def test_entry_point_help_and_database_url(cli: Cli) -> None:
     no_url = {k: v for k, v in cli.env.items() if k != "WORKQUEUE_DATABASE_URL"}
     missing = await cli("stats", env=no_url, expect=2)
     assert "WORKQUEUE_DATABASE_URL" in missing.err and "--database-url" in missing.err
+    # With nothing configured an app uses ./workqueue.db; the command finds that file too.
+    await cli("--database-url", "sqlite+aiosqlite:///workqueue.db", "migrate", env=no_url)
+    found = await cli("--json", "stats", env=no_url)
+    assert found.json() == [] and "workqueue.db" in found.err
+    (cli.folder / "workqueue.db").unlink()
     # Before the command or after it.
     [stats] = (await cli("--database-url", cli.url, "--json", "stats", "--subscription", cli_app.IDLE,
                          env=no_url)).json()

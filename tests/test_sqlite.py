@@ -415,7 +415,7 @@ def free_port() -> int:
 
 async def test_the_example_app_starts_on_sqlite_with_nothing_configured_and_handles_an_order(tmp_path: Path) -> None:
     """What ``./scripts/run-example`` starts (uvicorn on ``example_app.main:app``), with no
-    ``WORKQUEUE_*`` variable: the app creates ``workqueue-example.db`` in its working directory,
+    ``WORKQUEUE_*`` variable: the app creates ``workqueue.db`` in its working directory,
     migrates it, and handles a published order. (``test_example_app.py`` runs every example case
     on SQLite and PostgreSQL in-process.)"""
     port = free_port()
@@ -450,7 +450,7 @@ async def test_the_example_app_starts_on_sqlite_with_nothing_configured_and_hand
 
             body = await wait_for(handled, "the order was emailed and audited", within=20, interval=0.1)
             assert body["audit"] == [f"order {order_id} created: 1250 cents"]
-        assert (tmp_path / "workqueue-example.db").is_file()
+        assert (tmp_path / "workqueue.db").is_file()
     finally:
         if proc.returncode is None:
             proc.terminate()

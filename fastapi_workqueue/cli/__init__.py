@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -19,7 +20,10 @@ import click
 from ..core.errors import ConfigurationError, WorkQueueError
 from ..core.keys import SCOPES, create_key
 from ..core.reports import DeliveryStatus, PartitionCondition
+from ..settings import DEFAULT_DATABASE_URL
 from .output import emit_json, table
+
+DEFAULT_DATABASE_FILE = DEFAULT_DATABASE_URL.partition(":///")[2]
 
 T = TypeVar("T")
 
@@ -30,6 +34,10 @@ class Context:
         self.as_json = as_json
 
     def url(self) -> str:
+        if not self.database_url and os.path.isfile(DEFAULT_DATABASE_FILE):
+            # The library's default database: an app started with nothing configured uses it.
+            click.echo(f"(using {DEFAULT_DATABASE_URL}: the default database, found here)", err=True)
+            self.database_url = DEFAULT_DATABASE_URL
         if not self.database_url:
             raise click.UsageError(
                 "no database: pass --database-url or set WORKQUEUE_DATABASE_URL "
