@@ -12,6 +12,7 @@ from ..core.transport import Capabilities
 from .errors import map_error, with_retries
 from .listener import NotificationListener
 from .migrations import apply_postgres_migrations
+from .pool import ConnectionPool
 from .routines import RoutineTransport, Row
 from .session import SessionExecutor
 
@@ -31,7 +32,7 @@ def to_asyncpg_dsn(url: str) -> str:
     return f"postgresql://{rest}"
 
 
-async def _init_connection(conn: asyncpg.Connection) -> None:
+async def _init_connection(conn: asyncpg.Connection[Any]) -> None:
     # jsonb travels as text both ways: the library parses it itself, in both the pool and the
     # caller's-session paths.
     await conn.set_type_codec(
@@ -39,14 +40,8 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     )
 
 
-async def _keep_session(conn: Any) -> None:
-    """Pool reset: nothing to undo. The queue's statements leave no session state (no SET, LISTEN,
-    cursors or session locks); an open transaction is still rolled back by the pool. The default
-    reset would cost a round trip per use of a connection."""
-
-
 class PostgresTransport(RoutineTransport):
-    """The database transport on PostgreSQL through an asyncpg pool."""
+    """The database transport on PostgreSQL through a pool of asyncpg connections (:mod:`.pool`)."""
 
     name = "postgresql"
     dialect = "postgresql"
@@ -73,7 +68,7 @@ class PostgresTransport(RoutineTransport):
         self._pool_min_size = pool_min_size
         self._pool_max_size = pool_max_size
         self._connect_timeout = connect_timeout
-        self._pool: asyncpg.Pool | None = None
+        self._pool: ConnectionPool | None = None
         self._listen = listen
         self._listener: NotificationListener | None = None
         self._statements: dict[tuple[str, tuple[str, ...]], str] = {}
@@ -85,19 +80,20 @@ class PostgresTransport(RoutineTransport):
         if self._pool is not None:
             return
         try:
-            self._pool = await asyncpg.create_pool(
-                self._dsn,
-                min_size=self._pool_min_size,
-                max_size=self._pool_max_size,
-                init=_init_connection,
-                reset=_keep_session,
-                timeout=self._connect_timeout,
-            )
+            pool = ConnectionPool(self._connect, min_size=self._pool_min_size, max_size=self._pool_max_size)
+            await pool.open()
+            self._pool = pool
         except Exception as exc:
             raise map_error(exc, f"connecting to {self._safe_url()}") from exc
-        if self._listen:
-            self._listener = NotificationListener(self._dsn, CHANNEL, self._dispatch_wakeup)
-            await self._listener.start()
+        if self._wakeup_listeners:
+            await self._start_wakeups()
+
+    async def _start_wakeups(self) -> None:
+        # Only a process that consumes listens: a publisher would receive every notification.
+        if self._listen and self._listener is None and self._pool is not None:
+            listener = NotificationListener(self._dsn, CHANNEL, self._dispatch_wakeup)
+            await listener.start()
+            self._listener = listener
 
     async def close(self) -> None:
         if self._listener is not None:
@@ -107,13 +103,22 @@ class PostgresTransport(RoutineTransport):
             pool, self._pool = self._pool, None
             await pool.close()
 
+    async def _connect(self) -> asyncpg.Connection[Any]:
+        conn: asyncpg.Connection[Any] = await asyncpg.connect(self._dsn, timeout=self._connect_timeout)
+        try:
+            await _init_connection(conn)
+        except BaseException:
+            conn.terminate()
+            raise
+        return conn
+
     def _safe_url(self) -> str:
         scheme, _, rest = self.url.partition("://")
         host = rest.rsplit("@", 1)[-1]
         return f"{scheme}://{host}"
 
     @property
-    def pool(self) -> asyncpg.Pool:
+    def pool(self) -> ConnectionPool:
         if self._pool is None:
             raise RuntimeError("the transport is not open; use it inside the WorkQueue's lifespan")
         return self._pool

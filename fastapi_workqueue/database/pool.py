@@ -1,0 +1,190 @@
+"""A small connection pool for the PostgreSQL transport.
+
+The queue sends one statement per use of a connection (a routine call in autocommit), so a pool
+needs little: a stack of idle connections, a cap, and a queue of waiters. Taking and returning a
+connection here is a few list operations, without the task that a shielded release costs per use,
+which is a large share of a one-message publish.
+
+A connection is put back only when it is open and idle: one that is closed, left in a transaction,
+or whose use ended in a cancellation (the driver may still be cancelling its statement) is
+terminated, and the next use opens a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any
+
+import asyncpg
+
+Connect = Callable[[], Awaitable["asyncpg.Connection[Any]"]]
+
+
+class PoolClosed(RuntimeError):
+    """The pool was closed; the transport is no longer open."""
+
+
+class ConnectionPool:
+    """Hands out asyncpg connections, at most ``max_size`` at once, keeping idle ones for reuse.
+
+    Idle connections unused for ``max_idle_seconds`` are closed when the pool is next used, down
+    to ``min_size``.
+    """
+
+    def __init__(self, connect: Connect, *, min_size: int = 1, max_size: int = 10,
+                 max_idle_seconds: float = 300.0) -> None:
+        if max_size < 1 or not 0 <= min_size <= max_size:
+            raise ValueError(f"pool sizes must satisfy 0 <= min_size <= max_size and max_size >= 1, "
+                             f"got min_size={min_size}, max_size={max_size}")
+        self._connect = connect
+        self._min_size = min_size
+        self._max_size = max_size
+        self._max_idle = max_idle_seconds
+        self._idle: deque[tuple[asyncpg.Connection[Any], float]] = deque()
+        self._in_use: set[asyncpg.Connection[Any]] = set()
+        self._opening = 0
+        self._waiters: deque[asyncio.Future[asyncpg.Connection[Any] | None]] = deque()
+        self._closed = False
+
+    @property
+    def size(self) -> int:
+        """Connections open or being opened."""
+        return len(self._idle) + len(self._in_use) + self._opening
+
+    async def open(self) -> None:
+        """Opens ``min_size`` connections (the first failure is raised)."""
+        opened = await asyncio.gather(*(self._new() for _ in range(self._min_size)), return_exceptions=True)
+        now = time.monotonic()
+        for conn in opened:
+            if not isinstance(conn, BaseException):
+                self._in_use.discard(conn)
+                self._idle.append((conn, now))
+        failures = [r for r in opened if isinstance(r, BaseException)]
+        if failures:
+            await self.close()
+            raise failures[0]
+
+    def acquire(self) -> Lease:
+        """``async with pool.acquire() as conn:`` gives a connection and puts it back after."""
+        return Lease(self)
+
+    async def get(self) -> asyncpg.Connection[Any]:
+        """A connection for the caller alone until it gives it back with :meth:`put`."""
+        while True:
+            if self._closed:
+                raise PoolClosed("the connection pool is closed")
+            while self._idle:
+                conn, _ = self._idle.pop()  # the most recently used: warm, and lets the rest age out
+                if not conn.is_closed():
+                    self._in_use.add(conn)
+                    return conn
+            if self.size < self._max_size:
+                return await self._new()
+            waiter: asyncio.Future[asyncpg.Connection[Any] | None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                handed_over = await waiter
+            except asyncio.CancelledError:
+                if not waiter.done():
+                    self._waiters.remove(waiter)
+                elif not waiter.cancelled():
+                    # Handed a connection (or room for one) just as we were cancelled: pass it on.
+                    handed = waiter.result()
+                    if handed is None:
+                        self._wake(None)
+                    else:
+                        self.put(handed)
+                raise
+            if handed_over is not None:
+                return handed_over
+            # None: a connection was dropped, so there is room to open one; look again.
+
+    def put(self, conn: asyncpg.Connection[Any], *, reusable: bool = True) -> None:
+        """Gives ``conn`` back. It is kept only when ``reusable`` and open and idle."""
+        self._in_use.discard(conn)
+        if self._closed or not reusable or conn.is_closed() or conn.is_in_transaction():
+            conn.terminate()
+            self._wake(None)
+            return
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self._in_use.add(conn)
+                waiter.set_result(conn)
+                return
+        now = time.monotonic()
+        self._idle.append((conn, now))
+        self._retire_idle(now)
+
+    async def close(self) -> None:
+        """Closes the idle connections and terminates those still in use."""
+        self._closed = True
+        idle = [conn for conn, _ in self._idle]
+        self._idle.clear()
+        for conn in self._in_use:
+            conn.terminate()
+        self._in_use.clear()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(PoolClosed("the connection pool is closed"))
+        for conn in idle:
+            try:
+                await asyncio.wait_for(conn.close(), timeout=5)
+            except Exception:
+                conn.terminate()
+
+    async def _new(self) -> asyncpg.Connection[Any]:
+        self._opening += 1
+        try:
+            conn = await self._connect()
+        except BaseException:
+            self._opening -= 1
+            self._wake(None)
+            raise
+        self._opening -= 1
+        if self._closed:
+            conn.terminate()
+            raise PoolClosed("the connection pool is closed")
+        self._in_use.add(conn)
+        return conn
+
+    def _wake(self, conn: asyncpg.Connection[Any] | None) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return
+
+    def _retire_idle(self, now: float) -> None:
+        # The oldest idle connections sit at the left end.
+        while len(self._idle) > self._min_size and now - self._idle[0][1] > self._max_idle:
+            conn, _ = self._idle.popleft()
+            conn.terminate()
+
+
+class Lease:
+    """The context manager of :meth:`ConnectionPool.acquire` (a plain class: it is on every call)."""
+
+    __slots__ = ("_conn", "_pool")
+
+    def __init__(self, pool: ConnectionPool) -> None:
+        self._pool = pool
+        self._conn: asyncpg.Connection[Any] | None = None
+
+    async def __aenter__(self) -> asyncpg.Connection[Any]:
+        self._conn = await self._pool.get()
+        return self._conn
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            # A use that ended in a cancellation (or another BaseException) may have left a
+            # statement being cancelled on the server: such a connection is not reused.
+            self._pool.put(conn, reusable=exc_type is None or issubclass(exc_type, Exception))

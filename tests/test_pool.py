@@ -1,0 +1,166 @@
+"""The PostgreSQL transport's connection pool, on the test server."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import asyncpg
+import pytest
+
+from fastapi_workqueue.database.pool import ConnectionPool, PoolClosed
+from fastapi_workqueue.database.postgres import to_asyncpg_dsn
+
+
+@pytest.fixture
+def connect(pg_url: str) -> Any:
+    dsn = to_asyncpg_dsn(pg_url)
+    opened: list[asyncpg.Connection[Any]] = []
+
+    async def connect() -> asyncpg.Connection[Any]:
+        conn: asyncpg.Connection[Any] = await asyncpg.connect(dsn)
+        opened.append(conn)
+        return conn
+
+    connect.opened = opened  # type: ignore[attr-defined]
+    return connect
+
+
+async def backend(conn: asyncpg.Connection[Any]) -> int:
+    return int(await conn.fetchval("SELECT pg_backend_pid()"))
+
+
+async def test_reuses_idle_connections_and_opens_min_size_up_front(connect: Any) -> None:
+    pool = ConnectionPool(connect, min_size=2, max_size=4)
+    await pool.open()
+    assert len(connect.opened) == 2
+    pids = set()
+    for _ in range(10):
+        async with pool.acquire() as conn:
+            pids.add(await backend(conn))
+    assert len(connect.opened) == 2
+    assert len(pids) == 1  # the most recently used connection is taken first
+    await pool.close()
+    assert all(c.is_closed() for c in connect.opened)
+
+
+async def test_never_more_than_max_size_and_waiters_are_served_in_turn(connect: Any) -> None:
+    pool = ConnectionPool(connect, min_size=0, max_size=2)
+    await pool.open()
+    running = 0
+    peak = 0
+
+    async def use(i: int) -> int:
+        nonlocal running, peak
+        async with pool.acquire() as conn:
+            running += 1
+            peak = max(peak, running)
+            await conn.execute("SELECT pg_sleep(0.02)")
+            running -= 1
+            return i
+
+    assert await asyncio.gather(*(use(i) for i in range(8))) == list(range(8))
+    assert peak == 2
+    assert len(connect.opened) == 2
+    await pool.close()
+
+
+async def test_connection_left_in_a_transaction_or_closed_is_not_reused(connect: Any) -> None:
+    pool = ConnectionPool(connect, min_size=0, max_size=1)
+    async with pool.acquire() as conn:
+        first = await backend(conn)
+        tx = conn.transaction()
+        await tx.start()  # left open by the user of the connection
+    assert conn.is_closed()
+    async with pool.acquire() as conn:
+        second = await backend(conn)
+        await conn.close()
+    async with pool.acquire() as conn:
+        third = await backend(conn)
+    assert len({first, second, third}) == 3
+    await pool.close()
+
+
+async def test_a_failed_statement_keeps_the_connection(connect: Any) -> None:
+    pool = ConnectionPool(connect, min_size=0, max_size=1)
+    with pytest.raises(asyncpg.exceptions.DivisionByZeroError):
+        async with pool.acquire() as conn:
+            first = await backend(conn)
+            await conn.fetchval("SELECT 1 / 0")
+    async with pool.acquire() as conn:
+        assert await backend(conn) == first
+    await pool.close()
+
+
+async def test_cancelled_use_drops_the_connection_and_frees_its_place(connect: Any) -> None:
+    pool = ConnectionPool(connect, min_size=0, max_size=1)
+
+    async def slow() -> None:
+        async with pool.acquire() as conn:
+            await conn.execute("SELECT pg_sleep(10)")
+
+    task = asyncio.create_task(slow())
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert connect.opened[0].is_closed()
+    async with pool.acquire() as conn:  # the place is free again, on a new connection
+        assert await conn.fetchval("SELECT 1") == 1
+    assert len(connect.opened) == 2
+    await pool.close()
+
+
+async def test_a_cancelled_waiter_leaves_the_queue(connect: Any) -> None:
+    pool = ConnectionPool(connect, min_size=0, max_size=1)
+    async with pool.acquire():
+        waiter = asyncio.create_task(pool.get())
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+    async with pool.acquire() as conn:  # the connection went back to the pool, not to the dead waiter
+        assert await conn.fetchval("SELECT 1") == 1
+    assert len(connect.opened) == 1
+    await pool.close()
+
+
+async def test_failed_connect_frees_its_place(pg_url: str) -> None:
+    attempts = 0
+    dsn = to_asyncpg_dsn(pg_url)
+
+    async def flaky() -> asyncpg.Connection[Any]:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            raise OSError("connection refused")
+        conn: asyncpg.Connection[Any] = await asyncpg.connect(dsn)
+        return conn
+
+    pool = ConnectionPool(flaky, min_size=0, max_size=1)
+    with pytest.raises(OSError, match="refused"):
+        await pool.get()
+    async with pool.acquire() as conn:
+        assert await conn.fetchval("SELECT 1") == 1
+    await pool.close()
+
+
+async def test_closed_pool_refuses_and_fails_its_waiters(connect: Any) -> None:
+    pool = ConnectionPool(connect, min_size=0, max_size=1)
+    held = await pool.get()
+    waiter = asyncio.create_task(pool.get())
+    await asyncio.sleep(0.05)
+    await pool.close()
+    with pytest.raises(PoolClosed):
+        await waiter
+    assert held.is_closed()  # in use at close: terminated
+    with pytest.raises(PoolClosed):
+        await pool.get()
+
+
+def test_sizes_are_checked() -> None:
+    async def never() -> asyncpg.Connection[Any]:
+        raise AssertionError
+
+    with pytest.raises(ValueError, match="min_size"):
+        ConnectionPool(never, min_size=3, max_size=2)
