@@ -245,7 +245,7 @@ async def test_runtime_login_receives_wakeups(pg_url: str, app_login: str) -> No
     transport = PostgresTransport(url_as(pg_url, app_login), listen=True, pool_max_size=2)
     await transport.open()
     woken: list[str] = []
-    transport.add_wakeup_listener(woken.append)
+    await transport.add_wakeup_listener(woken.append)
     try:
         topic, sub = unique("topic"), unique("wakeup")
         await transport.sync_topology([Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="test")])

@@ -102,7 +102,7 @@ class Host:
             return
         self._started = True
         self.settler.start()
-        self.transport.add_wakeup_listener(self._on_wakeup)
+        await self.transport.add_wakeup_listener(self._on_wakeup)
         await self.reconcile()
         if self.options.sweeper_enabled:
             self._tasks.append(asyncio.create_task(self._sweep_loop(), name="workqueue-sweeper"))

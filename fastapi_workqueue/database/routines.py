@@ -77,8 +77,12 @@ class RoutineTransport:
 
     # -- wake-ups ----------------------------------------------------------------------------
 
-    def add_wakeup_listener(self, listener: WakeupListener) -> None:
+    async def add_wakeup_listener(self, listener: WakeupListener) -> None:
         self._wakeup_listeners.append(listener)
+        await self._start_wakeups()
+
+    async def _start_wakeups(self) -> None:
+        """Opens what delivers wake-ups from other processes, where the dialect has it."""
 
     def _dispatch_wakeup(self, subscription_id: str) -> None:
         for listener in self._wakeup_listeners:
