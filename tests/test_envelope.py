@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -20,6 +21,47 @@ def test_generated_message_ids_are_time_ordered_version_7() -> None:
     assert all(u < later for u in first)
     assert len(set(first)) == 100
     assert prepare(PublishRequest(payload=1)).message_id.version == 7
+
+
+def test_generated_ids_behave_as_uuids_and_stay_unique_across_threads_and_forks() -> None:
+    u = uuid7()
+    assert uuid.UUID(str(u)) == u and uuid.UUID(bytes=u.bytes) == u and hash(uuid.UUID(str(u))) == hash(u)
+    assert str(u)[14] == "7" and u.is_safe is uuid.SafeUUID.unknown
+
+    import threading
+
+    seen: list[uuid.UUID] = []
+
+    def many() -> None:
+        seen.extend(uuid7() for _ in range(5000))
+
+    threads = [threading.Thread(target=many) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(seen)) == 20000
+
+    import os
+
+    uuid7()  # the parent holds random bytes it has not handed out yet
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its IDs must not be the ones the parent hands out next
+        os.close(read)
+        os.write(write, b"".join(uuid7().bytes for _ in range(50)))
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child_bytes = b""
+    while chunk := os.read(read, 65536):
+        child_bytes += chunk
+    os.close(read)
+    parent = [uuid7() for _ in range(50)]
+    child = [uuid.UUID(bytes=child_bytes[i:i + 16]) for i in range(0, len(child_bytes), 16)]
+    assert len(child) == 50
+    # Same millisecond is likely, so only the random part tells them apart.
+    assert not {c.int & (2**74 - 1) for c in child} & {p.int & (2**74 - 1) for p in parent}
 
 
 def test_a_given_message_id_is_kept() -> None:
@@ -66,3 +108,30 @@ def test_bad_requests_are_refused_with_the_field_to_change(request_: PublishRequ
 def test_nul_in_payload_strings_is_escaped_not_refused() -> None:
     prepared = prepare(PublishRequest(payload={"text": "a\x00b"}))
     assert "\\u0000" in prepared.payload_json
+
+
+def test_canonical_json_matches_the_standard_encoder() -> None:
+    from fastapi_workqueue.core.envelope import _encode
+
+    reference = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False)
+    values = [
+        None, True, 0, -1, 2**70, 1.5, 1e-300, "", "héllo \u2028 \"q\" \\ \x00", [], {}, [1, [2, [3]]],
+        {"b": 1, "a": {"d": [None, False], "c": "x"}}, {"ü": "ö", "1": 2}, ("t", 1),
+    ]
+    for value in values:
+        assert _encode(value) == reference.encode(value)
+    for bad in (float("nan"), float("inf"), {1: 2, "a": 1}, object(), {"x": {1, 2}}):
+        with pytest.raises((TypeError, ValueError)):
+            _encode(bad)
+
+
+def test_circular_and_too_deep_payloads_are_refused_with_their_own_reason() -> None:
+    looped: dict[str, object] = {"a": 1}
+    looped["self"] = [looped]
+    with pytest.raises(RequestRejected, match="circular reference"):
+        prepare(PublishRequest.model_construct(payload=looped, attributes={}))
+    deep: list[object] = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(RequestRejected, match="levels deep"):
+        prepare(PublishRequest.model_construct(payload=deep, attributes={}))

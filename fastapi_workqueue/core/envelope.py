@@ -6,11 +6,14 @@ import hashlib
 import json
 import math
 import os
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
+from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-defined]
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -106,9 +109,10 @@ class WorkMessage(BaseModel, Generic[T]):
     published_at: datetime | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PreparedMessage:
-    """A request checked and serialized for a transport."""
+    """A request checked and serialized for a transport (treat it as read-only: not frozen only
+    because a frozen dataclass costs several times as much to build, once per published message)."""
 
     message_id: uuid.UUID
     partition_key: str | None
@@ -127,19 +131,54 @@ class PreparedMessage:
     envelope_bytes: int
 
 
+# The 80 bits after the timestamp: version 7 (4 bits), 12 random bits, variant 0b10, 62 random bits.
+_UUID7_RANDOM = 0x0FFF_3FFF_FFFF_FFFF_FFFF
+_UUID7_FIXED = 0x7000_8000_0000_0000_0000
+_new_uuid = uuid.UUID.__new__
+_set_slot = object.__setattr__
+_SAFE_UNKNOWN = uuid.SafeUUID.unknown
+
+
+class _RandomBits:
+    """80-bit numbers from the OS's CSPRNG, read 256 at a time (a read per ID would cost a system
+    call each). Emptied in a forked child, which must never hand out its parent's numbers."""
+
+    SIZE = 10 * 256
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # two threads must never read the same bytes
+        self.clear()
+        os.register_at_fork(after_in_child=self.clear)
+
+    def clear(self) -> None:
+        self._lock = threading.Lock()
+        self._buffer, self._offset = b"", self.SIZE
+
+    def next80(self) -> int:
+        with self._lock:
+            offset = self._offset
+            if offset >= self.SIZE:
+                self._buffer, offset = os.urandom(self.SIZE), 0
+            self._offset = offset + 10
+            chunk = self._buffer[offset:offset + 10]
+        return int.from_bytes(chunk)
+
+
+_random_bits = _RandomBits()
+
+
 def uuid7() -> uuid.UUID:
     """A time-ordered UUID (version 7, RFC 9562): IDs assigned one after another sit side by side in
     the message table's index, so claiming recent work reads few index pages."""
     milliseconds = time.time_ns() // 1_000_000
-    random_bits = int.from_bytes(os.urandom(10), "big")
-    value = (
-        (milliseconds & (2**48 - 1)) << 80
-        | 0x7 << 76
-        | ((random_bits >> 62) & 0xFFF) << 64
-        | 0b10 << 62
-        | (random_bits & (2**62 - 1))
+    value = (milliseconds & 0xFFFF_FFFF_FFFF) << 80 | (
+        _random_bits.next80() & _UUID7_RANDOM | _UUID7_FIXED
     )
-    return uuid.UUID(int=value)
+    # What uuid.UUID(int=value) sets, without its argument parsing (once per published message).
+    result = _new_uuid(uuid.UUID)
+    _set_slot(result, "int", value)
+    _set_slot(result, "is_safe", _SAFE_UNKNOWN)
+    return result
 
 
 class RequestRejected(Exception):
@@ -162,9 +201,30 @@ def _text_field(name: str, value: str | None, limit: int = MAX_KEY_LENGTH) -> No
     _utf8_len(value, name, "InvalidField")
 
 
-_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False).encode
+def _make_encoder() -> Callable[[Any], str]:
+    """Canonical JSON (keys sorted, no spaces, UTF-8 kept, no NaN) as one function.
+
+    ``JSONEncoder.encode`` builds its C encoder again on every call, which costs more than the
+    encoding of a small payload; this builds it once, without the check for circular references
+    (a circular structure ends in a RecursionError, as a too deep one does; see :func:`prepare`).
+    """
+    reference = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False)
+    if c_make_encoder is None:  # pragma: no cover - an interpreter without the C accelerator
+        return reference.encode
+    iterencode = c_make_encoder(
+        None, reference.default, encode_basestring, None, ":", ",", True, False, False
+    )
+
+    def encode(value: Any) -> str:
+        return "".join(iterencode(value, 0))
+
+    return encode
 
 
+_encode = _make_encoder()
+
+
+_NO_TEXT = (None, None, None)
 _NO_REFERENCES = "[null,null,null]"
 
 
@@ -202,6 +262,26 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+def _is_circular(value: Any) -> bool:
+    """Whether a list or dict in ``value`` contains itself (checked only once encoding failed)."""
+    stack: list[tuple[Any, frozenset[int]]] = [(value, frozenset())]
+    while stack:
+        item, ancestors = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if id(item) in ancestors:
+            return True
+        if len(ancestors) > MAX_PAYLOAD_DEPTH:
+            return False
+        inner = ancestors | {id(item)}
+        stack.extend((child, inner) for child in children)
+    return False
+
+
 def _too_deep() -> RequestRejected:
     return RequestRejected(
         "InvalidPayload",
@@ -210,12 +290,7 @@ def _too_deep() -> RequestRejected:
     )
 
 
-def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_BYTES) -> PreparedMessage:
-    """Checks a request against the envelope rules and serializes it.
-
-    Raises :class:`RequestRejected` with a clear error when it breaks one.
-    """
-    attributes = request.attributes
+def _check_attributes(attributes: dict[str, Any]) -> None:
     if len(attributes) > MAX_ATTRIBUTES:
         raise RequestRejected(
             "TooManyAttributes",
@@ -233,10 +308,9 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
             )
         _text_field("attributes", name, 256)
         _text_field("attributes", value, 1024)
-    _text_field("partition_key", request.partition_key)
-    _text_field("deduplication_key", request.deduplication_key)
-    _text_field("correlation_id", request.correlation_id)
-    _text_field("payload_ref", request.payload_ref, 2048)
+
+
+def _check_schedule(request: PublishRequest) -> None:
     if request.delay_seconds is not None and request.not_before is not None:
         raise RequestRejected(
             "InvalidField", "set DelaySeconds or NotBefore, not both", "delay_seconds"
@@ -254,6 +328,25 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
             f"BackoffSeconds must be a non-empty list of seconds >= 0 and <= {MAX_DELAY_SECONDS:.0f}",
             "backoff_seconds",
         )
+
+
+def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_BYTES) -> PreparedMessage:
+    """Checks a request against the envelope rules and serializes it.
+
+    Raises :class:`RequestRejected` with a clear error when it breaks one.
+    """
+    attributes = request.attributes
+    if attributes:
+        _check_attributes(attributes)
+    references = (request.partition_key, request.payload_ref, request.correlation_id)
+    if references != _NO_TEXT or request.deduplication_key is not None:
+        _text_field("partition_key", request.partition_key)
+        _text_field("deduplication_key", request.deduplication_key)
+        _text_field("correlation_id", request.correlation_id)
+        _text_field("payload_ref", request.payload_ref, 2048)
+    backoff = request.backoff_seconds
+    if request.not_before is not None or backoff is not None:
+        _check_schedule(request)
     payload = request.payload
     if isinstance(payload, BaseModel):
         payload = payload.model_dump(mode="json")
@@ -265,15 +358,23 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
             "InvalidPayload", f"the Payload is not JSON: {exc}; send JSON values only", "payload"
         ) from exc
     except RecursionError as exc:
+        if _is_circular(payload):
+            raise RequestRejected(
+                "InvalidPayload", "the Payload is not JSON: it contains itself (a circular reference); "
+                "send JSON values only", "payload"
+            ) from exc
         raise _too_deep() from exc
     # Only a payload with more brackets than the limit can nest deeper than it.
     if payload_json.count("[") + payload_json.count("{") > MAX_PAYLOAD_DEPTH and _depth(payload) > MAX_PAYLOAD_DEPTH:
         raise _too_deep()
-    attributes_json = _encode(attributes) if attributes else "{}"
     size = _utf8_len(payload_json, "payload", "InvalidPayload")
-    size += _utf8_len(attributes_json, "attributes", "InvalidField")
-    references = (request.partition_key, request.payload_ref, request.correlation_id)
-    head = _NO_REFERENCES if references == (None, None, None) else _encode(references)
+    if attributes:
+        attributes_json = _encode(attributes)
+        size += _utf8_len(attributes_json, "attributes", "InvalidField")
+    else:
+        attributes_json = "{}"
+        size += 2
+    head = _NO_REFERENCES if references == _NO_TEXT else _encode(references)
     content = f"{head}\n{attributes_json}\n{payload_json}"
     if size > max_envelope_bytes:
         raise RequestRejected(
