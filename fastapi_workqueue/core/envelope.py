@@ -6,7 +6,6 @@ import hashlib
 import json
 import math
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -139,40 +138,12 @@ _set_slot = object.__setattr__
 _SAFE_UNKNOWN = uuid.SafeUUID.unknown
 
 
-class _RandomBits:
-    """80-bit numbers from the OS's CSPRNG, read 256 at a time (a read per ID would cost a system
-    call each). Emptied in a forked child, which must never hand out its parent's numbers."""
-
-    SIZE = 10 * 256
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # two threads must never read the same bytes
-        self.clear()
-        os.register_at_fork(after_in_child=self.clear)
-
-    def clear(self) -> None:
-        self._lock = threading.Lock()
-        self._buffer, self._offset = b"", self.SIZE
-
-    def next80(self) -> int:
-        with self._lock:
-            offset = self._offset
-            if offset >= self.SIZE:
-                self._buffer, offset = os.urandom(self.SIZE), 0
-            self._offset = offset + 10
-            chunk = self._buffer[offset:offset + 10]
-        return int.from_bytes(chunk)
-
-
-_random_bits = _RandomBits()
-
-
 def uuid7() -> uuid.UUID:
     """A time-ordered UUID (version 7, RFC 9562): IDs assigned one after another sit side by side in
     the message table's index, so claiming recent work reads few index pages."""
     milliseconds = time.time_ns() // 1_000_000
     value = (milliseconds & 0xFFFF_FFFF_FFFF) << 80 | (
-        _random_bits.next80() & _UUID7_RANDOM | _UUID7_FIXED
+        int.from_bytes(os.urandom(10)) & _UUID7_RANDOM | _UUID7_FIXED
     )
     # What uuid.UUID(int=value) sets, without its argument parsing (once per published message).
     result = _new_uuid(uuid.UUID)
