@@ -30,6 +30,7 @@ from fastapi_workqueue.cli.work import (
 )
 
 from .apps import cli_app
+from .support import wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -248,6 +249,39 @@ async def test_pause_resume_and_work_on_a_paused_subscription(cli: Cli) -> None:
     ran = await cli.work(sub, "--once")
     assert one_line(ran.out).endswith("ran 1 deliveries")
     assert (await cli("pause", "--subscription", "cli.nope", expect=1)).err.strip().endswith("does not exist")
+
+
+async def test_a_long_running_worker_waits_through_a_pause_and_resumes(cli: Cli) -> None:
+    sub = cli_app.PAUSED
+    await cli("pause", "--subscription", sub)
+    proc = await cli.start("work", "--app", APP, "--subscription", sub)  # the app re-plans every second
+    try:
+        await asyncio.sleep(1.5)
+        assert proc.returncode is None, "a long-running worker must not exit while its subscription is paused"
+        await cli("resume", "--subscription", sub)
+        [first] = await cli.publish(sub, {"n": "first"})
+        await wait_for(lambda: delivery_done(cli, sub, first))
+        await cli("pause", "--subscription", sub)  # paused mid-run: the worker stays up
+        await asyncio.sleep(1.5)
+        assert proc.returncode is None
+        [second] = await cli.publish(sub, {"n": "second"})
+        await asyncio.sleep(0.6)
+        assert not await delivery_done(cli, sub, second)
+        await cli("resume", "--subscription", sub)
+        await wait_for(lambda: delivery_done(cli, sub, second))
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        result = await cli.finish(proc, within=20)
+        await cli("resume", "--subscription", sub)
+    assert result.code == 0, result.err
+    assert "waiting for resume" in result.err
+    assert one_line(result.out).endswith("ran 2 deliveries")
+
+
+async def delivery_done(cli: Cli, subscription: str, message_id: str) -> bool:
+    completed = await cli.ops.deliveries(subscription, "Completed", limit=1000)
+    return any(str(d.message_id) == message_id for d in completed)
 
 
 # -- work: exit codes and budgets ----------------------------------------------------------------

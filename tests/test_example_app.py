@@ -9,9 +9,12 @@ counts.
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -25,6 +28,7 @@ from fastapi_workqueue import DeliveryInfo, WorkQueue, WorkQueueSettings
 T = TypeVar("T")
 
 WAIT_SECONDS = 20.0
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -222,3 +226,18 @@ async def test_health_reports_both_subscriptions_running(example: Example) -> No
     assert extension["Status"] == "Running"
     states = {s["Subscription"]: s["State"] for s in extension["Subscriptions"]}
     assert states == {"orders.email": "Running", "orders.audit": "Running"}
+
+
+async def test_a_worker_process_runs_the_example_subscriptions(example: Example, example_database: str) -> None:
+    """``workqueue work --app example_app.main:queue`` finds the app's queue and runs a subscription
+    beside the app's own host, on the same database."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
+    env.update(PYTHONPATH=str(ROOT), WORKQUEUE_DATABASE_URL=example_database)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fastapi_workqueue", "work", "--app", "example_app.main:queue",
+        "--subscription", "orders.audit", "--once", cwd=ROOT, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().startswith("workqueue work: orders.audit: ran "), out.decode()

@@ -2,7 +2,8 @@
 
 Exit codes: 0 when it ran (also with an empty queue, a spent budget, ``--max-duration-ms``, a
 signal, or a paused subscription); non-zero with a one-line reason when the subscription could
-not run at all.
+not run at all. A long-running worker (neither ``--once`` nor ``--max``) waits through a pause
+and resumes claiming when the subscription is resumed.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ async def run_work(
 ) -> tuple[int, str]:
     """Runs the subscription until done; returns the exit code and a one-line reason."""
     budget = max_deliveries if max_deliveries is not None else (1 if once else None)
+    # A long-running worker (no --once, no --max) stays up through a pause, as a deployment's
+    # pods must; a job with a budget exits 0 at once, as there is nothing for it to do.
+    finite = once or budget is not None
     planned = next((p for p in queue.settings.subscriptions if p.name == subscription), None)
     wildcard = next((p for p in queue.settings.subscriptions if p.name == "*"), None)
     width = concurrency or (planned or wildcard or SubscriptionPlan()).concurrency
@@ -95,14 +99,15 @@ async def run_work(
                 name = "Error" if state is None else state.state
                 reason = "unknown" if state is None else (state.reason or name)
                 if name == "Paused":
-                    return EXIT_OK, f"{subscription}: paused, nothing to do ({reason})"
-                if name == "Error" and "does not exist" in reason:
+                    if finite:
+                        return EXIT_OK, f"{subscription}: paused, nothing to do ({reason})"
+                    click.echo(f"workqueue work: {subscription}: paused ({reason}); waiting for resume", err=True)
+                elif name == "Error" and "does not exist" in reason:
                     return EXIT_UNKNOWN_SUBSCRIPTION, reason
-                return _STATE_EXIT.get(name, EXIT_ERROR), f"{subscription}: {name}: {reason}"
-            await _until_done(host, max_duration_ms)
-            consumer = host.consumers.get(subscription)
-            ran = consumer.claimed_total if consumer is not None else 0
-            return EXIT_OK, f"{subscription}: ran {ran} deliveries"
+                else:
+                    return _STATE_EXIT.get(name, EXIT_ERROR), f"{subscription}: {name}: {reason}"
+            await _until_done(host, max_duration_ms, finite=finite)
+            return EXIT_OK, f"{subscription}: ran {host.claimed_total(subscription)} deliveries"
         finally:
             await host.stop()
     finally:
@@ -119,8 +124,10 @@ def run_on_fastest_loop(coroutine: Coroutine[Any, Any, T]) -> T:
     return result
 
 
-async def _until_done(host: Any, max_duration_ms: int | None) -> None:
-    """Waits for the budget or idleness (one-shot), a signal, or the duration limit."""
+async def _until_done(host: Any, max_duration_ms: int | None, *, finite: bool) -> None:
+    """Waits for a signal or the duration limit, and (``finite``: a budget or one-shot) for the
+    budget to be spent or the queue to be idle. A long-running worker's consumer may stop and
+    start again as the subscription is paused and resumed; only a signal or the limit ends it."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     installed = []
@@ -128,7 +135,9 @@ async def _until_done(host: Any, max_duration_ms: int | None) -> None:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
-    waiters = [asyncio.ensure_future(host.wait_finished()), asyncio.ensure_future(stop.wait())]
+    waiters = [asyncio.ensure_future(stop.wait())]
+    if finite:
+        waiters.append(asyncio.ensure_future(host.wait_finished()))
     if max_duration_ms is not None:
         waiters.append(asyncio.ensure_future(asyncio.sleep(max_duration_ms / 1000)))
     try:

@@ -93,6 +93,7 @@ class Host:
         self._started = False
         self._reconcile_lock = asyncio.Lock()
         self._stopping: set[asyncio.Task[None]] = set()
+        self._retired: dict[str, list[Consumer]] = {}  # consumers stopped by a pause, by subscription
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -185,8 +186,7 @@ class Host:
                     consumer.update(sub, concurrency)
             elif consumer is not None:
                 log.info("%s: stopping (%s)", sub.name, state)
-                self.consumers.pop(sub.name)
-                self._stop_later(consumer)
+                self._stop_later(self.consumers.pop(sub.name))
             health[sub.name] = SubscriptionHealth(
                 subscription=sub.name, state=state, reason=reason, concurrency=concurrency
             )
@@ -211,6 +211,7 @@ class Host:
 
     def _stop_later(self, consumer: Consumer) -> None:
         """Stops a consumer that is no longer planned, draining it in the background."""
+        self._retired.setdefault(consumer.subscription.name, []).append(consumer)
         task = asyncio.create_task(consumer.stop(self.options.shutdown_drain_ms / 1000))
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
@@ -229,6 +230,11 @@ class Host:
         if sub.topic_status != "Active":
             return "Paused", f"topic {sub.topic!r} is {sub.topic_status}"
         return "Running", None
+
+    def claimed_total(self, subscription: str) -> int:
+        """Deliveries claimed for ``subscription`` since the host started, across pauses."""
+        consumers = [*self._retired.get(subscription, ()), self.consumers.get(subscription)]
+        return sum(c.claimed_total for c in consumers if c is not None)
 
     def health(self) -> list[SubscriptionHealth]:
         """Each planned subscription's state, with what runs now."""
