@@ -135,7 +135,7 @@ async def _until_done(host: Any, max_duration_ms: int | None, *, finite: bool) -
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
-    waiters = [asyncio.ensure_future(stop.wait())]
+    waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
     if finite:
         waiters.append(asyncio.ensure_future(host.wait_finished()))
     if max_duration_ms is not None:
