@@ -638,7 +638,13 @@ async def test_every_route_is_in_the_openapi_schema_with_its_security_scheme(api
         operation = schema["paths"][PREFIX + endpoint.route][endpoint.method.lower()]
         names = {name for requirement in operation["security"] for name in requirement}
         assert names == {"HTTPBearer", "APIKeyHeader"}, endpoint.name
-        assert operation["summary"] and "200" in operation["responses"]
+        assert operation["summary"] and {"200", "401", "403", "503"} <= set(operation["responses"]), endpoint.name
+        assert operation["x-required-scopes"] == [endpoint.scope], endpoint.name
+        assert f"Requires the scope `{endpoint.scope}`" in operation["description"], endpoint.name
+        if "{subscription}" in endpoint.route:
+            assert "404" in operation["responses"], endpoint.name
+        if endpoint.name in ("replay", "discard"):
+            assert "ActionResult" in json.dumps(operation["responses"]["409"]), endpoint.name
     publish = schema["paths"][f"{PREFIX}/topics/{{topic}}/messages"]["post"]
     assert {"404", "409", "413", "422"} <= set(publish["responses"])
     assert publish["requestBody"]["content"]["application/json"]["schema"]["type"] == "array"

@@ -343,6 +343,7 @@ def build_router(
         "/subscriptions/{subscription}/deliveries/{delivery_id}/replay",
         response_model=ActionResult,
         summary="Replay a dead letter",
+        responses={409: {"model": ActionResult, "description": "The delivery is not DeadLettered; nothing changed."}},
     )
     async def replay(
         subscription: Sub, delivery_id: str, principal: Operator, body: ReplayBody | None = None
@@ -356,6 +357,7 @@ def build_router(
         "/subscriptions/{subscription}/deliveries/{delivery_id}/discard",
         response_model=ActionResult,
         summary="Discard a delivery, or cancel it while it runs",
+        responses={409: {"model": ActionResult, "description": "The delivery is already terminal; nothing changed."}},
     )
     async def discard(
         subscription: Sub, delivery_id: str, principal: Operator, body: DiscardBody | None = None
@@ -383,7 +385,35 @@ def build_router(
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {subscription!r} does not exist")
         return StatusChange(subscription=subscription, status=new, changed=changed)
 
+    _document_errors(router)
     return router
+
+
+def _scopes_of(dependant: Any) -> list[str]:
+    """The scopes a route's Security dependencies ask for."""
+    found: list[str] = list(getattr(dependant, "own_oauth_scopes", None) or ())
+    for sub in dependant.dependencies:
+        found.extend(s for s in _scopes_of(sub) if s not in found)
+    return found
+
+
+def _document_errors(router: APIRouter) -> None:
+    """Adds to every route's OpenAPI entry the answers it can give besides its own: 401 and 403
+    with the scope it needs (also in ``x-required-scopes``), 404 for an unknown subscription, 503
+    while the store is away."""
+    for route in router.routes:
+        if not isinstance(route, APIRoute):
+            continue
+        scopes = _scopes_of(route.dependant)
+        if scopes:
+            needed = ", ".join(f"`{s}`" for s in scopes)
+            route.responses.setdefault(401, {"description": "No API key, or one that is unknown, expired or revoked."})
+            route.responses.setdefault(403, {"description": f"The credential lacks the scope {needed}."})
+            route.description = f"{route.description}\n\nRequires the scope {needed}.".strip()
+            route.openapi_extra = {**(route.openapi_extra or {}), "x-required-scopes": scopes}
+        if "{subscription}" in route.path:
+            route.responses.setdefault(404, {"description": "The subscription (or delivery) does not exist."})
+        route.responses.setdefault(503, {"description": "The store is unavailable; retry (see Retry-After)."})
 
 
 def _action_response(result: ActionResult) -> Any:
