@@ -213,7 +213,7 @@ def tsql_routines() -> dict[str, TsqlRoutine]:
             name = _identifier(list(_first(segment, "object_reference").recursive_crawl("naked_identifier"))[-1])
             schema = _first(segment, "object_reference").raw.split(".")[0]
             assert schema == "workqueue", f"{path.name}: {name} is not in schema workqueue"
-            assert name not in routines, f"{name} is defined in {routines[name].file} and {path.name}"
+            # A later migration may redefine a routine (CREATE OR ALTER), as on PostgreSQL: the last wins.
             kind = "procedure" if segment.is_type("create_procedure_statement") else "function"
             param_list = _first(segment, "procedure_parameter_list", "function_parameter_list")
             params, defaults = _parameters(param_list) if param_list is not None else ((), frozenset())
@@ -299,6 +299,28 @@ def test_other_objects_are_the_documented_ones() -> None:
     ms_text = "".join(p.read_text() for p in MSSQL_FILES)
     assert set(re.findall(r"CREATE TABLE workqueue\.(\w+)", ms_text)) == pg_tables
     assert set(re.findall(r"CREATE OR ALTER VIEW workqueue\.(\w+)", ms_text)) == HELPER_OBJECTS
+    pg_columns = table_columns("".join(p.read_text() for p in sorted(PG_DIR.glob("*.sql"))))
+    assert table_columns(ms_text) == pg_columns, "every table has the same columns, in the same order"
+    assert all(pg_columns.values())
+
+
+def table_columns(text: str) -> dict[str, list[str]]:
+    """Table → its column names, in order, from the CREATE TABLE statements (a column line starts
+    with its lower-case name; constraint and continuation lines start otherwise)."""
+    tables: dict[str, list[str]] = {}
+    for match in re.finditer(r"CREATE TABLE workqueue\.(\w+) \((.*?)\n\)", text, re.S):
+        words = (line.split()[0].strip("[]\"") for line in match.group(2).splitlines() if line.strip())
+        tables[match.group(1)] = [w for w in words if re.fullmatch(r"[a-z_]+", w)]
+    return tables
+
+
+def test_publish_answers_with_no_rows_when_every_item_is_accepted_in_both_dialects() -> None:
+    """The shorthand the transport reads (``routines.py``: no rows means all Accepted)."""
+    publish = tsql_routines()["publish"]
+    final_select = publish.raw[publish.raw.rindex("SELECT r.idx"):]
+    assert re.search(r"WHERE EXISTS \(SELECT 1 FROM @v_result AS \w+ WHERE \w+\.status <> N'Accepted'\)", final_select)
+    pg_text = (PG_DIR / max(p.name for p in PG_DIR.glob("*publish*.sql"))).read_text(encoding="utf-8")
+    assert "RETURN;  -- no rows: every item was Accepted" in pg_text
 
 
 # -- (c) result columns ----------------------------------------------------------------------------
