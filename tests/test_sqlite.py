@@ -614,3 +614,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def test_sqlite_routines_take_the_postgresql_parameters() -> None:
+    """Every routine the transport calls exists on SQLite, and a routine that names its parameters
+    names PostgreSQL's, in the same order and with the same defaults (``**p`` takes them all)."""
+    import inspect
+
+    from fastapi_workqueue.database.sqlite_routines import ROUTINES
+
+    from .test_mssql_sql import pg_functions, transport_calls
+
+    functions = pg_functions()
+    for name in transport_calls():
+        assert name in ROUTINES, f"SQLite has no routine {name!r}"
+    for name, fn in ROUTINES.items():
+        assert name in functions, f"SQLite routine {name!r} has no PostgreSQL function"
+        params = list(inspect.signature(fn).parameters.values())[1:]  # after the call context
+        if [p.kind for p in params] == [inspect.Parameter.VAR_KEYWORD]:
+            continue
+        assert tuple(p.name for p in params) == functions[name].params, name
+        defaults = frozenset(p.name for p in params if p.default is not inspect.Parameter.empty)
+        assert defaults == functions[name].defaults, name
