@@ -1333,6 +1333,9 @@ def render(report: dict[str, Any]) -> str:
     lines.append(f"  cancels: {len(cancels)}: " + ", ".join(
         f"{x['subscription']}#{x['delivery_id']}→{x.get('final_status')}"
         f"({x.get('discarded_after_s')} s)" for x in cancels))
+    pending = report["chaos"]["discarded_while_pending"]
+    lines.append(f"  discarded while Pending (picked for a cancel, but waiting in backoff by then): {len(pending)}"
+                 + (f": {', '.join(f'#{d}' for d in pending)}" if pending else ""))
     restart = report["chaos"]["pg_restart"]
     if restart is not None:
         lines.append(f"  PostgreSQL restart at {restart['t_s']} s: took {restart['command_s']} s, database back after "
