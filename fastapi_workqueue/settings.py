@@ -43,9 +43,10 @@ class WorkQueueSettings(BaseSettings):
     sync_topology: bool = True
     """Write the topics and subscriptions declared in code to the database at start-up."""
     pool_size: int = Field(default=10, ge=1)
-    """Connections the queue keeps to the database (besides one for LISTEN)."""
+    """Connections the queue keeps to the database (besides one for LISTEN in a process that consumes)."""
     listen: bool = True
-    """Wake idle consumers with LISTEN/NOTIFY on PostgreSQL (polling stays as the fallback)."""
+    """Wake idle consumers with LISTEN/NOTIFY on PostgreSQL (polling stays as the fallback). The
+    LISTEN connection opens with the first consumer: a process that only publishes has none."""
 
     @property
     def migrate_at_start(self) -> bool:
