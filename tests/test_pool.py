@@ -164,3 +164,17 @@ def test_sizes_are_checked() -> None:
 
     with pytest.raises(ValueError, match="min_size"):
         ConnectionPool(never, min_size=3, max_size=2)
+
+
+async def test_idle_connections_past_their_lifetime_close_down_to_min_size(connect: Any) -> None:
+    pool = ConnectionPool(connect, min_size=1, max_size=4, max_idle_seconds=0.2)
+    held = [await pool.get() for _ in range(3)]
+    for conn in held:
+        pool.put(conn)
+    assert pool.size == 3
+    await asyncio.sleep(0.3)
+    async with pool.acquire() as conn:  # giving it back retires the idle ones that aged out
+        assert await conn.fetchval("SELECT 1") == 1
+    assert pool.size == 1
+    assert sum(not c.is_closed() for c in connect.opened) == 1
+    await pool.close()

@@ -82,19 +82,32 @@ def _is_connection_error(exc: BaseException) -> bool:
 
 
 async def with_retries(
-    operation: str, call: Callable[[], Awaitable[T]], *, attempts: int = 3, base_delay: float = 0.05
+    operation: str,
+    call: Callable[[], Awaitable[T]],
+    *,
+    attempts: int = 3,
+    base_delay: float = 0.05,
+    first_failure: Exception | None = None,
 ) -> T:
-    """Runs ``call``, retrying deadlocks, serialization failures and dropped connections."""
+    """Runs ``call``, retrying deadlocks, serialization failures and dropped connections.
+
+    ``first_failure``: the caller already made the first attempt, which raised this (a hot path
+    tries once without this wrapper and hands over only when that fails).
+    """
+    failure = first_failure
     for attempt in range(1, attempts + 1):
-        try:
-            return await call()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            mapped = map_error(exc, operation)
-            if attempt == attempts or not (isinstance(mapped, TransportError) and mapped.retryable):
-                if mapped is exc:
-                    raise
-                raise mapped from exc
-            await asyncio.sleep(base_delay * 2 ** (attempt - 1))
+        if failure is None:
+            try:
+                return await call()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failure = exc
+        mapped = map_error(failure, operation)
+        if attempt == attempts or not (isinstance(mapped, TransportError) and mapped.retryable):
+            if mapped is failure:
+                raise failure
+            raise mapped from failure
+        failure = None
+        await asyncio.sleep(base_delay * 2 ** (attempt - 1))
     raise AssertionError("unreachable")

@@ -72,16 +72,26 @@ class ConnectionPool:
         """``async with pool.acquire() as conn:`` gives a connection and puts it back after."""
         return Lease(self)
 
+    def take_idle(self) -> asyncpg.Connection[Any] | None:
+        """An idle connection for the caller alone, or None (then :meth:`get` waits or opens one).
+        Give it back with :meth:`put`. Not a coroutine: the common case costs no await."""
+        if self._closed:
+            return None
+        while self._idle:
+            conn, _ = self._idle.pop()  # the most recently used: warm, and lets the rest age out
+            if not conn.is_closed():
+                self._in_use.add(conn)
+                return conn
+        return None
+
     async def get(self) -> asyncpg.Connection[Any]:
         """A connection for the caller alone until it gives it back with :meth:`put`."""
         while True:
             if self._closed:
                 raise PoolClosed("the connection pool is closed")
-            while self._idle:
-                conn, _ = self._idle.pop()  # the most recently used: warm, and lets the rest age out
-                if not conn.is_closed():
-                    self._in_use.add(conn)
-                    return conn
+            idle = self.take_idle()
+            if idle is not None:
+                return idle
             if self.size < self._max_size:
                 return await self._new()
             waiter: asyncio.Future[asyncpg.Connection[Any] | None] = asyncio.get_running_loop().create_future()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
@@ -136,31 +137,47 @@ class PostgresTransport(RoutineTransport):
             self._statements[(routine, names)] = sql
         # An array of nothing but NULLs travels as one NULL: every routine reads its arrays with a
         # multi-argument unnest() (which pads) or = ANY(), so the meaning is the same.
-        values = tuple(None if type(v) is list and not any(x is not None for x in v) else v for v in params.values())
-        operation = routine.replace("_", " ")
+        values = []
+        for value in params.values():
+            if type(value) is list and (not value or value[0] is None) and value.count(None) == len(value):
+                value = None
+            values.append(value)
         if session is not None:
             try:
                 return await SessionExecutor(session).fetch(sql, values)
             except Exception as exc:
-                raise map_error(exc, operation) from exc
-
-        async def run() -> Sequence[Row]:
-            async with self.pool.acquire() as conn:
-                try:
-                    return cast(Sequence[Row], await conn.fetch(sql, *values))
-                except asyncpg.exceptions.InternalClientError:
-                    # asyncpg left the connection in an undefined protocol state ("cannot switch to
-                    # state 12; another operation (2) is in progress", seen as the server restarts):
-                    # released as it is, it would fail the next call that gets it from the pool.
-                    conn.terminate()
-                    raise
-
-        if retry:
-            return await with_retries(operation, run)
-        try:
-            return await run()
+                raise map_error(exc, routine.replace("_", " ")) from exc
+        try:  # the first try without the retry wrapper: this is the path of every queue operation
+            return await self._fetch(sql, values)
         except Exception as exc:
-            raise map_error(exc, operation) from exc
+            if not retry:
+                raise map_error(exc, routine.replace("_", " ")) from exc
+            failure = exc
+        return await with_retries(
+            routine.replace("_", " "), functools.partial(self._fetch, sql, values), first_failure=failure
+        )
+
+    async def _fetch(self, sql: str, values: list[Any]) -> Sequence[Row]:
+        pool = self.pool
+        conn = pool.take_idle() or await pool.get()
+        reusable = False
+        try:
+            rows = cast(Sequence[Row], await conn.fetch(sql, *values))
+            reusable = True
+            return rows
+        except asyncpg.exceptions.InternalClientError:
+            # asyncpg left the connection in an undefined protocol state ("cannot switch to
+            # state 12; another operation (2) is in progress", seen as the server restarts):
+            # given back as it is, it would fail the next call that gets it from the pool.
+            conn.terminate()
+            raise
+        except Exception:
+            reusable = True  # a statement that failed (and rolled back) leaves the connection usable
+            raise
+        finally:
+            # A use that ended in a cancellation (or another BaseException) may have left a
+            # statement being cancelled on the server: such a connection is not reused.
+            pool.put(conn, reusable=reusable)
 
     async def migrate(self) -> list[str]:
         """Applies the pending migrations; returns the names applied now."""

@@ -145,27 +145,35 @@ class RoutineTransport:
     ) -> list[PublishResult]:
         if not messages:
             return []
+        # One pass over the messages, then one list per column (the routine takes arrays).
+        (ids, keys, attributes, payloads, refs, correlations, hashes, dedup_keys, dedup_ttls, delays,
+         not_befores, max_attempts, backoffs, sizes) = map(list, zip(*[
+            (m.message_id, m.partition_key, m.attributes_json, m.payload_json, m.payload_ref, m.correlation_id,
+             m.content_hash, m.deduplication_key,
+             m.deduplication_ttl_seconds if m.deduplication_key is not None else None,
+             m.delay_seconds, m.not_before, m.max_attempts,
+             None if m.backoff_seconds is None else json.dumps(m.backoff_seconds), m.envelope_bytes)
+            for m in messages
+        ], strict=True))
         rows = list(await self.call(
             "publish",
             session=session,
             retry=session is None,
             p_topic=topic,
-            p_message_ids=[m.message_id for m in messages],
-            p_partition_keys=[m.partition_key for m in messages],
-            p_attributes=[m.attributes_json for m in messages],
-            p_payloads=[m.payload_json for m in messages],
-            p_payload_refs=[m.payload_ref for m in messages],
-            p_correlation_ids=[m.correlation_id for m in messages],
-            p_content_hashes=[m.content_hash for m in messages],
-            p_deduplication_keys=[m.deduplication_key for m in messages],
-            p_deduplication_ttls=[m.deduplication_ttl_seconds if m.deduplication_key is not None else None
-                                  for m in messages],
-            p_delays=[m.delay_seconds for m in messages],
-            p_not_befores=[m.not_before for m in messages],
-            p_max_attempts=[m.max_attempts for m in messages],
-            p_backoff_schedules=[None if m.backoff_seconds is None else json.dumps(m.backoff_seconds)
-                                 for m in messages],
-            p_envelope_bytes=[m.envelope_bytes for m in messages],
+            p_message_ids=ids,
+            p_partition_keys=keys,
+            p_attributes=attributes,
+            p_payloads=payloads,
+            p_payload_refs=refs,
+            p_correlation_ids=correlations,
+            p_content_hashes=hashes,
+            p_deduplication_keys=dedup_keys,
+            p_deduplication_ttls=dedup_ttls,
+            p_delays=delays,
+            p_not_befores=not_befores,
+            p_max_attempts=max_attempts,
+            p_backoff_schedules=backoffs,
+            p_envelope_bytes=sizes,
         ))
         if not rows:  # the routine's shorthand: every item was Accepted
             return [accepted(m) for m in messages]
