@@ -102,13 +102,17 @@ FAIL_RATE = env_float("SOAK_FAIL_RATE", 0.02)
 LOG_POOL_SIZE = int(env_float("SOAK_LOG_POOL_SIZE", 4))
 FINISH_TIMEOUT = 2.0
 """How long a best-effort end record (of a failed or aborted run) may take."""
+HOLD_SECONDS = 300.0
+"""How long a held handler waits when nobody cancels it."""
 
 
 class SoakEvent(BaseModel):
-    """The payload: the producer's key and the message's place in that key's sequence."""
+    """The payload: the producer's key and the message's place in that key's sequence. ``hold``
+    names the subscription on which the handler runs until it is aborted (the runner's cancels)."""
 
     key: str
     seq: int
+    hold: str | None = None
 
 
 def build_settings() -> WorkQueueSettings:
@@ -185,10 +189,14 @@ def build_queue() -> WorkQueue:
 
     @queue.handler(HANDLER)
     async def handle(message: WorkMessage[SoakEvent], context: WorkContext) -> WorkOutcome:
-        """Works 0–200 ms; 2 % of the runs fail with TransientWorkError. Every run is recorded."""
+        """Works 0–200 ms; 2 % of the runs fail with TransientWorkError. Every run is recorded. A
+        message that holds this subscription waits until the runtime aborts the handler."""
         run_id = await RUN_LOG.started(message)
         outcome: str | None = "error"
         try:
+            if message.payload.hold == message.subscription:
+                outcome = "held"  # until the runtime aborts the wait (a cancel, a shutdown, a lost lease)
+                await asyncio.sleep(HOLD_SECONDS)
             await asyncio.sleep(random.uniform(MIN_SLEEP, MAX_SLEEP))
             if random.random() < FAIL_RATE:
                 outcome = "transient"

@@ -444,11 +444,13 @@ JOIN workqueue.subscription s ON s.id = d.subscription_id
 WHERE r.pid = $1
 """
 
-# The InFlight delivery of a subscription claimed last: the one whose handler has the longest to go.
-NEWEST_IN_FLIGHT = """
-SELECT id, attempt FROM workqueue.delivery
-WHERE subscription_id = $1 AND status = 'InFlight' AND NOT cancel_requested
-ORDER BY claimed_at DESC LIMIT 1
+# The delivery of a cancel's own message on its subscription, and whether its handler runs now.
+HOLD_DELIVERY = """
+SELECT d.id, d.status, d.attempt,
+       EXISTS (SELECT 1 FROM public.soak_run r
+               WHERE r.delivery_id = d.id AND r.attempt = d.attempt AND r.finished_at IS NULL) AS running
+FROM workqueue.delivery d JOIN workqueue.subscription s ON s.id = d.subscription_id
+WHERE d.message_id = $1 AND s.name = $2
 """
 
 STILL_HELD = """
@@ -519,7 +521,7 @@ class Soak:
         self.events: list[dict[str, Any]] = []
         self.kills: list[dict[str, Any]] = []
         self.cancels: list[dict[str, Any]] = []
-        self.discarded_pending: list[int] = []
+        self.holds: dict[uuid.UUID, tuple[str, int]] = {}  # the cancels' own messages: (key, seq)
         self.restart: dict[str, Any] | None = None
         self.restart_command: list[str] | None = None
         self.tasks: list[asyncio.Task[Any]] = []
@@ -845,59 +847,83 @@ class Soak:
                            f"{after:.1f} s (bound: lease + sweeper interval + slack = {bound:.1f} s)")
 
     async def cancel_one(self, subscription: str, number: int) -> None:
-        """Cancels one InFlight delivery of ``subscription`` with ``POST …/discard`` (retried for 60 s).
+        """Cancels a running handler with ``POST …/discard``, which must answer CancelRequested.
 
-        Handlers run 0–200 ms, so the target is the delivery of the subscription claimed last
-        (read from the database, the quickest way to find it); a call that arrives after the
-        handler ended answers 409 AlreadyTerminal and the next try picks another one.
+        The producers' handlers run 0–200 ms, less than the REST call may take on a loaded
+        machine, so the target is a message of its own: published through the REST API as the
+        producers publish, on a key of its own (``cancel-NN``, outside the producers' keys and
+        their order), it asks the handler on ``subscription`` to run until it is aborted (on the
+        other subscriptions it is handled as usual). The runner waits until that handler runs,
+        then discards its delivery: the heartbeat reports the cancel, the runtime aborts the
+        handler with ``Cancelled`` and the delivery becomes Discarded.
         """
-        headers = {"Authorization": f"Bearer {self.operator_key}"}
         deadline = time.monotonic() + CANCEL_WINDOW
-        tries = 0
+        key = f"cancel-{number:02d}"
+        message_id = uuid.uuid4()
+        request = PublishRequest(message_id=message_id, partition_key=key,
+                                 payload={"key": key, "seq": 0, "hold": subscription})
+        operator = {"Authorization": f"Bearer {self.operator_key}"}
         answers: Counter[str] = Counter()
-        async with httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=10) as http:
-            while time.monotonic() < deadline:
-                tries += 1
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=15.0) as http:
+            publisher = WorkQueueApiPublisher(self.base_url, self.publish_key, client=http, retries=3,
+                                              backoff_seconds=0.2)
+            while True:
                 try:
-                    rows = await self.db.fetch(NEWEST_IN_FLIGHT, self.sub_ids[subscription], within=5)
-                except Exception as exc:
-                    answers[type(exc).__name__] += 1
-                    await asyncio.sleep(0.5)
-                    continue
-                if not rows:
-                    answers["none InFlight"] += 1
-                    await asyncio.sleep(0.05)
-                    continue
-                delivery_id, attempt = rows[0]["id"], rows[0]["attempt"]
+                    [result] = await publisher.publish(TOPIC, [request])
+                except PublishApiError as exc:
+                    answers[f"publish {exc.status_code}"] += 1
+                    if exc.status_code in RETRYABLE_PUBLISH and time.monotonic() < deadline:
+                        await asyncio.sleep(0.5)
+                        continue
+                    self.violation(f"cancel #{number} on {subscription}: its message was not accepted "
+                                   f"({dict(answers)})")
+                    return
+                if not result.ok:
+                    self.violation(f"cancel #{number} on {subscription}: its message was refused: {result.error}")
+                    return
+                break
+            self.holds[message_id] = (key, 0)
+            rows: list[Any] = []
+            while not (rows and rows[0]["status"] == "InFlight" and rows[0]["running"]):
+                if time.monotonic() > deadline:
+                    self.violation(f"cancel #{number} on {subscription}: its handler did not start within "
+                                   f"{CANCEL_WINDOW:g} s (last seen {[dict(r) for r in rows]})")
+                    return
+                await asyncio.sleep(0.1)
+                with contextlib.suppress(Exception):
+                    rows = await self.db.fetch(HOLD_DELIVERY, message_id, subscription, within=5)
+            delivery_id, attempt = rows[0]["id"], rows[0]["attempt"]
+            while True:
                 asked_at = self.clock.now()
                 try:
                     answer = await http.post(
                         f"/work-queue/subscriptions/{subscription}/deliveries/{delivery_id}/discard",
-                        json={"Reason": f"soak: cancel #{number}"},
+                        json={"Reason": f"soak: cancel #{number}"}, headers=operator,
                     )
-                except httpx.HTTPError as exc:
+                except httpx.HTTPError as exc:  # the app is restarting (a kill): try again
                     answers[type(exc).__name__] += 1
+                    if time.monotonic() > deadline:
+                        break
                     await asyncio.sleep(0.5)
                     continue
                 took_ms = round(1000 * (self.clock.now() - asked_at), 1)
                 body = answer.json() if answer.headers.get("content-type", "").startswith("application/json") else {}
-                result = body.get("Result") if isinstance(body, dict) else None
-                answers[f"{answer.status_code} {result}"] += 1
-                if answer.status_code == 200 and result == "Discarded":
-                    # It had left InFlight (a retry waiting in backoff): discarded at once, not a cancel.
-                    self.discarded_pending.append(int(delivery_id))
-                    self.event("discard-pending", subscription=subscription, delivery=delivery_id)
-                if answer.status_code == 200 and result == "CancelRequested":
+                result_name = body.get("Result") if isinstance(body, dict) else None
+                answers[f"{answer.status_code} {result_name}"] += 1
+                if answer.status_code == 503 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.5)
+                    continue
+                if answer.status_code == 200 and result_name == "CancelRequested":
                     self.cancels.append({
                         "number": number, "subscription": subscription, "delivery_id": int(delivery_id),
-                        "t_s": round(asked_at, 2), "tries": tries, "attempt": attempt, "answered_in_ms": took_ms,
+                        "message_id": str(message_id), "t_s": round(asked_at, 2), "attempt": attempt,
+                        "answered_in_ms": took_ms,
                     })
-                    self.event("cancel", subscription=subscription, delivery=delivery_id, tries=tries,
-                               answered_in_ms=took_ms)
+                    self.event("cancel", subscription=subscription, delivery=delivery_id, answered_in_ms=took_ms)
                     return
-                await asyncio.sleep(0.05)
-        self.violation(f"cancel #{number} on {subscription}: no InFlight delivery could be cancelled in "
-                       f"{CANCEL_WINDOW:g} s ({dict(answers)})")
+                break
+        self.violation(f"cancel #{number} on {subscription}: the discard of running delivery {delivery_id} did not "
+                       f"answer CancelRequested ({dict(answers)})")
 
     async def restart_postgres(self) -> None:
         assert self.restart_command is not None
@@ -1053,18 +1079,19 @@ class Soak:
         per_message: dict[uuid.UUID, Counter[str]] = defaultdict(Counter)
         for d in deliveries:
             per_message[d["message_id"]][d["subscription"]] += 1
-        lost = [m for m in self.publish.accepted if m not in stored]
+        accepted = {**self.publish.accepted, **self.holds}  # the producers' messages and the cancels' own
+        lost = [m for m in accepted if m not in stored]
         for m in lost[:20]:
-            self.violation(f"Accepted message {m} {self.publish.accepted[m]} is not stored")
+            self.violation(f"Accepted message {m} {accepted[m]} is not stored")
         fan_out_errors = [
-            (m, dict(per_message[m])) for m in self.publish.accepted
+            (m, dict(per_message[m])) for m in accepted
             if m in stored and any(per_message[m][s] != 1 for s in SUBSCRIPTIONS)
         ]
         for m, seen in fan_out_errors[:20]:
             self.violation(f"Accepted message {m} has deliveries {seen}, not one per subscription")
-        unacknowledged = [m for m in stored if m not in self.publish.accepted]
+        unacknowledged = [m for m in stored if m not in accepted]
         for m, row in stored.items():
-            if m in self.publish.accepted and (row["partition_key"], row["seq"]) != self.publish.accepted[m]:
+            if m in accepted and (row["partition_key"], row["seq"]) != accepted[m]:
                 self.violation(f"message {m} is stored with other content than was published")
 
         # Ordered: delivery order is publish order, completions follow it.
@@ -1138,7 +1165,8 @@ class Soak:
 
         # Cancels and discards.
         status_of = {d["id"]: d for d in deliveries}
-        cancelled_ids = {c["delivery_id"] for c in self.cancels} | set(self.discarded_pending)
+        cancelled_ids = {c["delivery_id"] for c in self.cancels}
+        bound = self.args.lease_seconds + self.sweeper_seconds + self.args.recovery_slack
         for c in self.cancels:
             cancelled = status_of.get(c["delivery_id"])
             c["final_status"] = None if cancelled is None else cancelled["status"]
@@ -1148,6 +1176,10 @@ class Soak:
             if c["final_status"] != "Discarded":
                 self.violation(f"cancelled delivery {c['delivery_id']} of {c['subscription']} ended "
                                f"{c['final_status']}, not Discarded")
+            elif c.get("discarded_after_s", 0) > bound:
+                self.violation(f"cancelled delivery {c['delivery_id']} of {c['subscription']} became Discarded "
+                               f"{c['discarded_after_s']} s after the cancel (bound: lease + sweeper interval + "
+                               f"slack = {bound:.1f} s)")
         for d in deliveries:
             if d["status"] == "Discarded" and d["id"] not in cancelled_ids:
                 self.violation(f"delivery {d['id']} of {d['subscription']} was Discarded although nobody cancelled it "
@@ -1289,7 +1321,7 @@ class Soak:
                 "violations": len(self.checker.violations),
             },
             "chaos": {
-                "kills": self.kills, "cancels": self.cancels, "discarded_while_pending": self.discarded_pending,
+                "kills": self.kills, "cancels": self.cancels,
                 "pg_restart": restart_report, "events": self.events,
             },
             "exit_codes": codes,
@@ -1332,10 +1364,7 @@ def render(report: dict[str, Any]) -> str:
     cancels = report["chaos"]["cancels"]
     lines.append(f"  cancels: {len(cancels)}: " + ", ".join(
         f"{x['subscription']}#{x['delivery_id']}→{x.get('final_status')}"
-        f"({x.get('discarded_after_s')} s)" for x in cancels))
-    pending = report["chaos"]["discarded_while_pending"]
-    lines.append(f"  discarded while Pending (picked for a cancel, but waiting in backoff by then): {len(pending)}"
-                 + (f": {', '.join(f'#{d}' for d in pending)}" if pending else ""))
+        f"({x.get('discarded_after_s')} s, handler {'/'.join(x.get('runs') or ['?'])})" for x in cancels))
     restart = report["chaos"]["pg_restart"]
     if restart is not None:
         lines.append(f"  PostgreSQL restart at {restart['t_s']} s: took {restart['command_s']} s, database back after "
