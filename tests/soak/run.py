@@ -1296,6 +1296,7 @@ class Soak:
                     "max": r2(1000 * latencies[-1]) if latencies else None,
                 },
                 "stored_messages": len(messages),
+                "cancel_messages": len(self.holds),
                 "stored_but_never_acknowledged": len(unacknowledged),
                 "gave_up": len(self.publish.gave_up),
             },
@@ -1349,7 +1350,8 @@ def render(report: dict[str, Any]) -> str:
         f"  publish: {p['accepted']} accepted ({p['answered_duplicate_on_retry']} answered Duplicate on a retry), "
         f"{p['calls_retried_by_producers']} calls retried, HTTP {p['http_status']}, latency p50 "
         f"{p['latency_ms']['p50']} ms p99 {p['latency_ms']['p99']} ms max {p['latency_ms']['max']} ms; "
-        f"stored {p['stored_messages']}, never acknowledged {p['stored_but_never_acknowledged']}",
+        f"stored {p['stored_messages']} (the cancels' own {p['cancel_messages']}), "
+        f"never acknowledged {p['stored_but_never_acknowledged']}",
         "  deliveries: " + "; ".join(f"{s} {d}" for s, d in report["deliveries"].items()),
         f"  handler runs: {h['total']} {h['by_outcome']}, aborted {h['aborted_by_reason']}; ok runs per Completed "
         f"delivery {h['ok_runs_per_completed_delivery']}; duplicates {h['duplicates']} "
@@ -1364,7 +1366,8 @@ def render(report: dict[str, Any]) -> str:
     cancels = report["chaos"]["cancels"]
     lines.append(f"  cancels: {len(cancels)}: " + ", ".join(
         f"{x['subscription']}#{x['delivery_id']}→{x.get('final_status')}"
-        f"({x.get('discarded_after_s')} s, handler {'/'.join(x.get('runs') or ['?'])})" for x in cancels))
+        f"({x.get('discarded_after_s')} s, handler {'/'.join(str(r) for r in x.get('runs') or ['?'])})"
+        for x in cancels))
     restart = report["chaos"]["pg_restart"]
     if restart is not None:
         lines.append(f"  PostgreSQL restart at {restart['t_s']} s: took {restart['command_s']} s, database back after "
