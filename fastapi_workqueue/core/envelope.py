@@ -214,27 +214,9 @@ def _utf8_len(text: str, name: str, code: str) -> int:
         ) from exc
 
 
-def _depth(value: Any) -> int:
-    """How deeply lists and dicts nest in ``value`` (without recursion: the value may be deep)."""
-    deepest = 0
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list | tuple):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        if deepest > MAX_PAYLOAD_DEPTH:
-            break
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
-
-
-def _is_circular(value: Any) -> bool:
-    """Whether a list or dict in ``value`` contains itself (checked only once encoding failed)."""
+def _nesting_problem(value: Any) -> str | None:
+    """``"circular"`` when a list or dict in ``value`` contains itself, ``"deep"`` when they nest
+    more than MAX_PAYLOAD_DEPTH levels, else None. Walked without recursion: the value may be deep."""
     stack: list[tuple[Any, frozenset[int]]] = [(value, frozenset())]
     while stack:
         item, ancestors = stack.pop()
@@ -245,12 +227,12 @@ def _is_circular(value: Any) -> bool:
         else:
             continue
         if id(item) in ancestors:
-            return True
-        if len(ancestors) > MAX_PAYLOAD_DEPTH:
-            return False
+            return "circular"
+        if len(ancestors) >= MAX_PAYLOAD_DEPTH:
+            return "deep"
         inner = ancestors | {id(item)}
         stack.extend((child, inner) for child in children)
-    return False
+    return None
 
 
 def _too_deep() -> RequestRejected:
@@ -329,14 +311,14 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
             "InvalidPayload", f"the Payload is not JSON: {exc}; send JSON values only", "payload"
         ) from exc
     except RecursionError as exc:
-        if _is_circular(payload):
+        if _nesting_problem(payload) == "circular":
             raise RequestRejected(
                 "InvalidPayload", "the Payload is not JSON: it contains itself (a circular reference); "
                 "send JSON values only", "payload"
             ) from exc
         raise _too_deep() from exc
     # Only a payload with more brackets than the limit can nest deeper than it.
-    if payload_json.count("[") + payload_json.count("{") > MAX_PAYLOAD_DEPTH and _depth(payload) > MAX_PAYLOAD_DEPTH:
+    if payload_json.count("[") + payload_json.count("{") > MAX_PAYLOAD_DEPTH and _nesting_problem(payload):
         raise _too_deep()
     size = _utf8_len(payload_json, "payload", "InvalidPayload")
     if attributes:
