@@ -501,3 +501,27 @@ async def test_runbook_a_delivery_is_stuck_in_flight_and_its_holder_is_dead(cli:
     [completed] = await cli.json("deliveries", "--subscription", sub, "--status", "Completed")
     assert (completed["MessageID"], completed["Attempt"]) == (message, 2)
     assert [r["attempt"] for r in cli.records(sub, "done")] == [2]
+
+
+def test_the_worker_runs_outside_the_probe_for_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without uvloop, an error inside the worker carries no ImportError as its context (every
+    traceback the worker logged used to show "No module named 'uvloop'")."""
+    from fastapi_workqueue.cli import work as work_module
+
+    real_import = work_module.importlib.import_module
+
+    def no_uvloop(name: str, package: str | None = None) -> Any:
+        if name == "uvloop":
+            raise ImportError("No module named 'uvloop'")
+        return real_import(name, package)
+
+    monkeypatch.setattr(work_module.importlib, "import_module", no_uvloop)
+
+    async def fails() -> BaseException:
+        try:
+            raise ValueError("inside the worker")
+        except ValueError as exc:
+            return exc
+
+    error = work_module.run_on_fastest_loop(fails())
+    assert isinstance(error, ValueError) and error.__context__ is None

@@ -117,8 +117,12 @@ async def run_work(
 def run_on_fastest_loop(coroutine: Coroutine[Any, Any, T]) -> T:
     """Runs ``coroutine`` on uvloop when it is installed (``fastapi-workqueue[fast]``), else asyncio."""
     try:
-        uvloop = importlib.import_module("uvloop")
+        uvloop: Any = importlib.import_module("uvloop")
     except ImportError:
+        uvloop = None
+    # Run outside the except block: inside it, every exception of the worker's life would carry
+    # the ImportError as its context, and every logged traceback would show it.
+    if uvloop is None:
         return asyncio.run(coroutine)
     result: T = uvloop.run(coroutine)
     return result
