@@ -195,6 +195,7 @@ def _make_encoder() -> Callable[[Any], str]:
 _encode = _make_encoder()
 
 
+_JSON_TYPES = frozenset({dict, list, str, int, float, bool, type(None)})
 _NO_TEXT = (None, None, None)
 _NO_REFERENCES = "[null,null,null]"
 
@@ -301,7 +302,7 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
     if request.not_before is not None or backoff is not None:
         _check_schedule(request)
     payload = request.payload
-    if isinstance(payload, BaseModel):
+    if type(payload) not in _JSON_TYPES and isinstance(payload, BaseModel):  # (isinstance of a model is slow)
         payload = payload.model_dump(mode="json")
     try:
         # Keys sorted: the stored form is canonical, so equal content hashes equally.
@@ -318,9 +319,10 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
             ) from exc
         raise _too_deep() from exc
     # Only a payload with more brackets than the limit can nest deeper than it.
-    if payload_json.count("[") + payload_json.count("{") > MAX_PAYLOAD_DEPTH and _nesting_problem(payload):
+    if (len(payload_json) > MAX_PAYLOAD_DEPTH
+            and payload_json.count("[") + payload_json.count("{") > MAX_PAYLOAD_DEPTH and _nesting_problem(payload)):
         raise _too_deep()
-    size = _utf8_len(payload_json, "payload", "InvalidPayload")
+    size = len(payload_json) if payload_json.isascii() else _utf8_len(payload_json, "payload", "InvalidPayload")
     if attributes:
         attributes_json = _encode(attributes)
         size += _utf8_len(attributes_json, "attributes", "InvalidField")
