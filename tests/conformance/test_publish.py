@@ -237,3 +237,40 @@ async def test_c08_publish_in_rolled_back_transaction_delivers_nothing(harness: 
         assert stats.pending == 0
     claimed = await world.claim("a", 10)
     assert [c.message_id for c in claimed] == [committed.message_id]
+
+
+@pytest.mark.parametrize("mode", ["None", "Exclusive"])
+async def test_c02_batch_repeating_stored_and_own_items_answers_duplicate_for_them(harness: Harness, mode: str) -> None:
+    """Each message gets one delivery per subscription, however often the call names it."""
+    world = await make_world(harness.transport, [{"role": "a", "partition_mode": mode}])
+    stored = await world.publish_one(payload={"v": "stored"}, partition_key="k")
+    own = uuid.uuid4()
+    results = await world.publish(
+        PublishRequest(message_id=own, payload={"v": "own"}, partition_key="k"),
+        PublishRequest(message_id=stored.message_id, payload={"v": "stored"}, partition_key="k"),
+        PublishRequest(payload={"v": "new"}, partition_key="k2"),
+        PublishRequest(message_id=own, payload={"v": "own"}, partition_key="k"),
+    )
+    assert [r.status for r in results] == [PublishStatus.ACCEPTED, PublishStatus.DUPLICATE,
+                                           PublishStatus.ACCEPTED, PublishStatus.DUPLICATE]
+    assert results[1].message_id == stored.message_id and results[3].message_id == own
+    seen = [c.message_id for c in await world.drain("a")]
+    assert sorted(map(str, seen)) == sorted(map(str, (stored.message_id, own, results[2].message_id)))
+
+
+async def test_c08_batch_with_duplicates_in_caller_transaction_keeps_the_transaction_usable(harness: Harness) -> None:
+    world = await make_world(harness.transport, [{"role": "a"}])
+    stored = await world.publish_one(payload={"v": "stored"})
+    async with harness.session() as session:
+        results = await world.publish(
+            PublishRequest(message_id=stored.message_id, payload={"v": "stored"}),
+            PublishRequest(payload={"v": "new"}),
+            session=session,
+        )
+        assert [r.status for r in results] == [PublishStatus.DUPLICATE, PublishStatus.ACCEPTED]
+        [later] = await world.publish(PublishRequest(payload={"v": "later"}), session=session)
+        await session.execute(text("SELECT 1"))
+        await session.commit()
+    claimed = await world.claim("a", 10)
+    assert sorted(str(c.message_id) for c in claimed) == sorted(
+        str(m) for m in (stored.message_id, results[1].message_id, later.message_id))

@@ -1,0 +1,108 @@
+"""PostgreSQL's publish has a path of its own for a call of one message: it must store exactly
+what the path of many stores, and wake consumers only for what is visible at once."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+
+from fastapi_workqueue import PublishRequest, Subscription, Topic
+from fastapi_workqueue.core.envelope import prepare
+from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
+
+from .conftest import unique
+
+KIND_A = {"logic": "and", "filters": [{"field": "kind", "operator": "eq", "value": "a"}]}
+
+
+def requests() -> list[PublishRequest]:
+    soon = datetime.now(UTC) + timedelta(seconds=60)
+    past = datetime.now(UTC) - timedelta(seconds=60)
+    return [
+        PublishRequest(payload={"n": 0}, attributes={"kind": "a"}),
+        PublishRequest(payload={"n": 1}, attributes={"kind": "b"}, delay_seconds=30),
+        PublishRequest(payload={"n": 2}, not_before=soon, max_attempts=7, backoff_seconds=[1, 2.5, 4]),
+        PublishRequest(payload={"n": 3}, partition_key="k-1", correlation_id="c-1", attributes={"kind": "a"}),
+        PublishRequest(payload={"n": 4}, not_before=past, max_attempts=2),
+    ]
+
+
+async def topology(transport: PostgresTransport) -> tuple[str, dict[str, str]]:
+    topic = unique("paths")
+    names = {"all": unique("all"), "a": unique("only-a"), "tight": unique("tight")}
+    await transport.sync_topology([Topic(name=topic)], [
+        Subscription(name=names["all"], topic=topic, handler_key="h"),
+        Subscription(name=names["a"], topic=topic, handler_key="h", filter=KIND_A),
+        Subscription(name=names["tight"], topic=topic, handler_key="h", max_attempts=3,
+                     backoff_base_seconds=0.5, backoff_max_seconds=9),
+    ])
+    return topic, names
+
+
+async def stored(transport: PostgresTransport, topic: str, names: dict[str, str]) -> list[tuple[Any, ...]]:
+    """Every delivery of the topic as (payload, subscription role, what it was stored with)."""
+    roles = {name: role for role, name in names.items()}
+
+    async def read(conn: Any) -> list[Any]:
+        return list(await conn.fetch(
+            """SELECT m.payload, s.name, d.partition_key, d.key_mode, d.status, d.attempt, d.max_attempts,
+                      d.backoff_base_seconds, d.backoff_max_seconds, d.backoff_schedule,
+                      round(extract(epoch FROM d.visible_at - m.published_at)) AS delay,
+                      m.partition_key AS message_key, m.correlation_id, m.attributes
+               FROM workqueue.delivery d
+               JOIN workqueue.message m ON m.id = d.message_id
+               JOIN workqueue.subscription s ON s.id = d.subscription_id
+               WHERE m.topic = $1""", topic))
+
+    rows = await transport.run_in_connection(read)
+    return sorted((r["payload"], roles[r["name"]], *tuple(r)[2:]) for r in rows)
+
+
+async def test_one_at_a_time_stores_what_one_batch_stores(pg_transport: PostgresTransport) -> None:
+    single_topic, single_names = await topology(pg_transport)
+    batch_topic, batch_names = await topology(pg_transport)
+    for request in requests():
+        [result] = await pg_transport.publish(single_topic, [prepare(request)])
+        assert result.status == "Accepted", result
+    results = await pg_transport.publish(batch_topic, [prepare(r) for r in requests()])
+    assert [r.status for r in results] == ["Accepted"] * 5
+
+    single = await stored(pg_transport, single_topic, single_names)
+    assert single == await stored(pg_transport, batch_topic, batch_names)
+    # What the rows must hold, not only that both paths agree: 5 + 2 (kind a) + 5 deliveries.
+    assert len(single) == 12
+    by_payload = {(row[0], row[1]): row for row in single}
+    n2 = by_payload[('{"n":2}', "tight")]
+    assert (n2[6], n2[9], n2[10]) == (7, [1.0, 2.5, 4.0], 60)  # the request's policy and schedule
+    n4 = by_payload[('{"n":4}', "tight")]
+    assert (n4[6], n4[7], n4[8], n4[10]) == (2, 0.5, 9.0, 0)  # a past not_before is visible now
+    assert by_payload[('{"n":1}', "all")][10] == 30
+    assert by_payload[('{"n":0}', "tight")][6] == 3  # the subscription's own max_attempts
+    assert {role for payload, role, *_ in single if payload == '{"n":3}'} == {"all", "a", "tight"}
+
+
+async def test_one_message_wakes_only_when_visible_now(pg_url: str, pg_transport: PostgresTransport) -> None:
+    topic, names = await topology(pg_transport)
+    ids = {s.name: s.id for s in await pg_transport.list_subscriptions()}
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    woken: list[str] = []
+    await conn.add_listener("workqueue", lambda *args: woken.append(args[3]))
+    try:
+        later = PublishRequest(payload=1, attributes={"kind": "b"}, delay_seconds=30)
+        await pg_transport.publish(topic, [prepare(later)])
+        await asyncio.sleep(0.3)
+        assert [w for w in woken if w in ids.values()] == []
+
+        await pg_transport.publish(topic, [prepare(PublishRequest(payload=2, attributes={"kind": "b"}))])
+        for _ in range(250):
+            if len([w for w in woken if w in ids.values()]) >= 2:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        # One wake-up per subscription that got a delivery: the filter keeps "a" out.
+        assert sorted(w for w in woken if w in ids.values()) == sorted([ids[names["all"]], ids[names["tight"]]])
+    finally:
+        await conn.close()
