@@ -546,7 +546,10 @@ async def test_two_processes_publish_and_claim_on_one_file_without_loss_or_doubl
         for proc in procs:  # both migrated the fresh file and synced the topology
             assert proc.stdout is not None
             line = await asyncio.wait_for(proc.stdout.readline(), 30)
-            assert line.strip() == b"READY", line
+            if line.strip() != b"READY":
+                assert proc.stderr is not None
+                problem = (await asyncio.wait_for(proc.stderr.read(), 30)).decode(errors="replace")
+                raise AssertionError(f"a contender did not get ready: {line!r}\n{problem[-3000:]}")
         for proc in procs:  # start together
             assert proc.stdin is not None
             proc.stdin.write(b"go\n")
@@ -636,3 +639,4 @@ def test_sqlite_routines_take_the_postgresql_parameters() -> None:
         assert tuple(p.name for p in params) == functions[name].params, name
         defaults = frozenset(p.name for p in params if p.default is not inspect.Parameter.empty)
         assert defaults == functions[name].defaults, name
+

@@ -46,6 +46,7 @@ class PostgresTransport(RoutineTransport):
 
     name = "postgresql"
     dialect = "postgresql"
+    empty_attributes = None  # the publish routine stores a missing value as '{}'
     capabilities = Capabilities(
         ordered=True,
         exclusive=True,

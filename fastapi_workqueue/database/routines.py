@@ -53,6 +53,9 @@ class RoutineTransport:
     name = "database"
     dialect = ""
     capabilities = Capabilities()
+    #: What publish sends as the attributes of a message without any: the stored form, or None
+    #: where the routine reads a missing value as ``{}`` (it then need not parse one per item).
+    empty_attributes: str | None = "{}"
 
     def __init__(self) -> None:
         self._wakeup_listeners: list[WakeupListener] = []
@@ -146,9 +149,11 @@ class RoutineTransport:
         if not messages:
             return []
         # One pass over the messages, then one list per column (the routine takes arrays).
+        empty = self.empty_attributes
         (ids, keys, attributes, payloads, refs, correlations, hashes, dedup_keys, dedup_ttls, delays,
          not_befores, max_attempts, backoffs, sizes) = map(list, zip(*[
-            (m.message_id, m.partition_key, m.attributes_json, m.payload_json, m.payload_ref, m.correlation_id,
+            (m.message_id, m.partition_key, m.attributes_json if m.attributes else empty, m.payload_json,
+             m.payload_ref, m.correlation_id,
              m.content_hash, m.deduplication_key,
              m.deduplication_ttl_seconds if m.deduplication_key is not None else None,
              m.delay_seconds, m.not_before, m.max_attempts,
