@@ -191,3 +191,26 @@ async def test_sql_files_are_found_and_every_function_exists(pg_url: str) -> Non
         await conn.close()
     assert sorted(expected - present) == []
     assert sorted(present - expected) == []  # nothing in the schema that no migration defines
+
+
+async def test_an_upgrade_lets_an_existing_runtime_role_call_the_new_functions(
+    scratch_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database whose runtime role was set up at version 11 can publish one message at once after
+    migrating to 12 (publish_one), without running the role script again."""
+    from fastapi_workqueue.database import migrations as runner
+
+    every = sql_files.migrations("postgresql")
+    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+    try:
+        monkeypatch.setattr(runner, "migrations", lambda dialect: [m for m in every if m.version <= 11])
+        await apply_postgres_migrations(conn)
+        await conn.execute(sql_files.read("postgresql", "roles", "runtime_role.sql"))
+        monkeypatch.setattr(runner, "migrations", lambda dialect: every)
+        assert await apply_postgres_migrations(conn) == [f"{m.version:04d}_{m.name}" for m in every if m.version > 11]
+        signature = ("workqueue.publish_one(text, uuid, text, jsonb, text, text, text, text, double precision, "
+                     "timestamptz, integer, text, integer)")
+        assert await conn.fetchval("SELECT has_function_privilege('workqueue_runtime', $1, 'EXECUTE')", signature)
+        assert not await conn.fetchval("SELECT has_function_privilege('public', $1, 'EXECUTE')", signature)
+    finally:
+        await conn.close()

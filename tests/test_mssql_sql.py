@@ -4,8 +4,9 @@ What this file verifies (docs/sql-server.md says the same):
 
 * every file of ``sql/mssql`` parses with sqlfluff's ``tsql`` dialect, with no unparsable segment;
 * every PostgreSQL function (its current definition: the last ``CREATE OR REPLACE FUNCTION`` of its
-  name across ``sql/postgresql/NNNN_*.sql``) has a T-SQL routine of the same name with the same
-  parameter names in the same order, and SQL Server has no routine PostgreSQL lacks;
+  name across ``sql/postgresql/NNNN_*.sql``) but the PostgreSQL-only ones has a T-SQL routine
+  of the same name with the same parameter names in the same order, and SQL Server has no routine
+  PostgreSQL lacks;
 * the result columns: each procedure's ``-- returns:`` line and the aliases of its final SELECT
   equal PostgreSQL's ``RETURNS TABLE (...)`` (or the routine's name for a scalar function);
 * every routine the transport calls (``routines.py``) exists in both dialects, with the keyword
@@ -53,6 +54,10 @@ PURE_HELPERS = frozenset({"backoff_seconds", "filter_matches"})
 HELPER_OBJECTS = frozenset({"random_draw"})
 """SQL Server objects without a PostgreSQL twin: the view backoff_seconds draws its jitter from
 (a T-SQL function may not call RAND()). It is a view, not a routine."""
+POSTGRESQL_ONLY = frozenset({"publish_one"})
+"""PostgreSQL functions without a T-SQL routine: publish_one is publish for one message with
+scalars, which only the PostgreSQL transport calls (``postgres.py``); every other dialect calls
+publish for that too."""
 RETURN_STATUS = frozenset({"refresh_partition"})
 """Answer through the procedure's return status instead of a result set (only other procedures
 call it; a result set would reach their client)."""
@@ -277,7 +282,7 @@ def test_split_batches_matches_the_parser() -> None:
 # -- (b) one routine per PostgreSQL function, same parameters --------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(pg_functions()))
+@pytest.mark.parametrize("name", sorted(set(pg_functions()) - POSTGRESQL_ONLY))
 def test_every_postgresql_function_has_its_routine(name: str) -> None:
     fn = pg_functions()[name]
     routine = tsql_routines().get(name)
@@ -287,6 +292,22 @@ def test_every_postgresql_function_has_its_routine(name: str) -> None:
         f"{name}: PostgreSQL ({', '.join(fn.params)}) vs SQL Server ({', '.join(routine.params)})"
     )
     assert routine.defaults == frozenset(f"@{p}" for p in fn.defaults), f"{name}: parameter defaults differ"
+
+
+def test_publish_one_is_publish_for_one_message_without_a_deduplication_key() -> None:
+    """The PostgreSQL-only routine: publish's parameters in the singular, less the deduplication
+    ones, and publish's result columns; only the PostgreSQL transport calls it."""
+    publish, one = pg_functions()["publish"], pg_functions()["publish_one"]
+    singular = {"p_message_ids": "p_message_id", "p_partition_keys": "p_partition_key",
+                "p_payloads": "p_payload", "p_payload_refs": "p_payload_ref", "p_correlation_ids": "p_correlation_id",
+                "p_content_hashes": "p_content_hash", "p_delays": "p_delay", "p_not_befores": "p_not_before",
+                "p_backoff_schedules": "p_backoff_schedule"}
+    expected = tuple(singular.get(p, p) for p in publish.params if not p.startswith("p_deduplication"))
+    assert one.params == expected and one.columns == publish.columns
+    assert not set(tsql_routines()) & POSTGRESQL_ONLY
+    assert not set(transport_calls()) & POSTGRESQL_ONLY, "routines.py serves every dialect"
+    postgres_py = (ROOT / "fastapi_workqueue" / "database" / "postgres.py").read_text(encoding="utf-8")
+    assert '"publish_one"' in postgres_py
 
 
 def test_no_routine_without_a_postgresql_function() -> None:
@@ -319,14 +340,15 @@ def test_publish_answers_with_no_rows_when_every_item_is_accepted_in_both_dialec
     publish = tsql_routines()["publish"]
     final_select = publish.raw[publish.raw.rindex("SELECT r.idx"):]
     assert re.search(r"WHERE EXISTS \(SELECT 1 FROM @v_result AS \w+ WHERE \w+\.status <> N'Accepted'\)", final_select)
-    pg_text = (PG_DIR / max(p.name for p in PG_DIR.glob("*publish*.sql"))).read_text(encoding="utf-8")
-    assert "RETURN;  -- no rows: every item was Accepted" in pg_text
+    defining = [p for p in sorted(PG_DIR.glob("[0-9]*.sql")) if "FUNCTION workqueue.publish(" in p.read_text()]
+    assert "RETURN;  -- no rows: every item was Accepted" in defining[-1].read_text(encoding="utf-8")
+    assert "RETURN;  -- no rows: Accepted" in (PG_DIR / "0012_publish_one.sql").read_text(encoding="utf-8")
 
 
 # -- (c) result columns ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(pg_functions()))
+@pytest.mark.parametrize("name", sorted(set(pg_functions()) - POSTGRESQL_ONLY))
 def test_result_columns_match(name: str) -> None:
     fn = pg_functions()[name]
     routine = tsql_routines()[name]
@@ -395,7 +417,7 @@ def _code(text: str) -> str:
     return _strip_line_comments(text)
 
 
-@pytest.mark.parametrize("name", sorted(set(pg_functions()) - PURE_HELPERS))
+@pytest.mark.parametrize("name", sorted(set(pg_functions()) - PURE_HELPERS - POSTGRESQL_ONLY))
 def test_writing_procedures_abort_and_rethrow(name: str) -> None:
     routine = tsql_routines()[name]
     code = _code(routine.raw)

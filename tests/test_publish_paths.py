@@ -1,5 +1,6 @@
-"""PostgreSQL's publish has a path of its own for a call of one message: it must store exactly
-what the path of many stores, and wake consumers only for what is visible at once."""
+"""PostgreSQL publishes one message through paths of its own (publish_one, and publish's path for
+arrays of one): they must store exactly what the path of many stores, answer as it does, and wake
+consumers only for what is visible at once."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import asyncpg
 from fastapi_workqueue import PublishRequest, Subscription, Topic
 from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
+from fastapi_workqueue.database.routines import RoutineTransport
 
 from .conftest import unique
 
@@ -62,15 +64,22 @@ async def stored(transport: PostgresTransport, topic: str, names: dict[str, str]
 
 
 async def test_one_at_a_time_stores_what_one_batch_stores(pg_transport: PostgresTransport) -> None:
+    """Three ways in: publish_one (what the transport sends for one message), the publish routine
+    with arrays of one (what it sends with a deduplication key, and the fallback of publish_one),
+    and one batch."""
     single_topic, single_names = await topology(pg_transport)
+    arrays_topic, arrays_names = await topology(pg_transport)
     batch_topic, batch_names = await topology(pg_transport)
     for request in requests():
         [result] = await pg_transport.publish(single_topic, [prepare(request)])
+        assert result.status == "Accepted", result
+        [result] = await RoutineTransport.publish(pg_transport, arrays_topic, [prepare(request)])
         assert result.status == "Accepted", result
     results = await pg_transport.publish(batch_topic, [prepare(r) for r in requests()])
     assert [r.status for r in results] == ["Accepted"] * 5
 
     single = await stored(pg_transport, single_topic, single_names)
+    assert single == await stored(pg_transport, arrays_topic, arrays_names)
     assert single == await stored(pg_transport, batch_topic, batch_names)
     # What the rows must hold, not only that both paths agree: 5 + 2 (kind a) + 5 deliveries.
     assert len(single) == 12
@@ -106,3 +115,32 @@ async def test_one_message_wakes_only_when_visible_now(pg_url: str, pg_transport
         assert sorted(w for w in woken if w in ids.values()) == sorted([ids[names["all"]], ids[names["tight"]]])
     finally:
         await conn.close()
+
+
+async def test_one_message_answers_as_publish_does_when_it_is_not_plain(pg_transport: PostgresTransport) -> None:
+    """publish_one hands what it does not write to publish: a repeat, a conflict, a message over
+    the topic's cap, an unknown topic, a keyed topic."""
+    topic, _ = await topology(pg_transport)
+    first = prepare(PublishRequest(payload={"v": 1}))
+    [accepted] = await pg_transport.publish(topic, [first])
+    [again] = await pg_transport.publish(topic, [first])
+    [conflict] = await pg_transport.publish(topic, [prepare(PublishRequest(message_id=first.message_id, payload=2))])
+    [unknown] = await pg_transport.publish(unique("nowhere"), [prepare(PublishRequest(payload=1))])
+    assert (accepted.status, again.status, conflict.status, unknown.status) == (
+        "Accepted", "Duplicate", "MessageIDConflict", "Rejected")
+    assert again.message_id == first.message_id and unknown.error is not None
+    assert unknown.error.code == "UnknownTopic"
+
+    capped, keyed = unique("capped"), unique("keyed")
+    await pg_transport.sync_topology(
+        [Topic(name=capped, max_payload_bytes=64), Topic(name=keyed)],
+        [Subscription(name=unique("c"), topic=capped, handler_key="h"),
+         Subscription(name=unique("k"), topic=keyed, handler_key="h", partition_mode="Ordered")])
+    [too_big] = await pg_transport.publish(capped, [prepare(PublishRequest(payload="x" * 100))])
+    assert too_big.status == "Rejected" and too_big.error is not None
+    assert too_big.error.code == "EnvelopeTooLarge"
+    [ordered] = await pg_transport.publish(keyed, [prepare(PublishRequest(payload=1, partition_key="k"))])
+    assert ordered.status == "Accepted"
+    [state] = [s for s in await pg_transport.list_subscriptions() if s.topic == keyed]
+    [claimed] = await pg_transport.claim(state.name, 5)
+    assert claimed.message_id == ordered.message_id and claimed.partition_key == "k"

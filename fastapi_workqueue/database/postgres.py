@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import asyncpg
 
+from ..core.envelope import PreparedMessage, PublishResult
 from ..core.transport import Capabilities
 from .errors import map_error, with_retries
 from .listener import NotificationListener
 from .migrations import apply_postgres_migrations
 from .pool import ConnectionPool
-from .routines import RoutineTransport, Row
+from .routines import RoutineTransport, Row, accepted, publish_result
 from .session import SessionExecutor
 
 log = logging.getLogger("fastapi_workqueue.postgres")
@@ -124,6 +126,36 @@ class PostgresTransport(RoutineTransport):
         if self._pool is None:
             raise RuntimeError("the transport is not open; use it inside the WorkQueue's lifespan")
         return self._pool
+
+    async def publish(
+        self, topic: str, messages: Sequence[PreparedMessage], *, session: Any = None
+    ) -> list[PublishResult]:
+        """One message without a deduplication key goes to ``publish_one`` (0012): the same
+        answers as ``publish``, with a value per parameter instead of arrays of one."""
+        if len(messages) != 1 or messages[0].deduplication_key is not None:
+            return await super().publish(topic, messages, session=session)
+        m = messages[0]
+        rows = await self.call(
+            "publish_one",
+            session=session,
+            retry=session is None,
+            p_topic=topic,
+            p_message_id=m.message_id,
+            p_partition_key=m.partition_key,
+            p_attributes=m.attributes_json if m.attributes else None,
+            p_payload=m.payload_json,
+            p_payload_ref=m.payload_ref,
+            p_correlation_id=m.correlation_id,
+            p_content_hash=m.content_hash,
+            p_delay=m.delay_seconds,
+            p_not_before=m.not_before,
+            p_max_attempts=m.max_attempts,
+            p_backoff_schedule=None if m.backoff_seconds is None else json.dumps(m.backoff_seconds),
+            p_envelope_bytes=m.envelope_bytes,
+        )
+        if not rows:  # no rows: Accepted
+            return [accepted(m)]
+        return [publish_result(rows[0], m)]
 
     async def call(
         self, routine: str, *, retry: bool = True, session: Any = None, **params: Any
