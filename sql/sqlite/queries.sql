@@ -195,15 +195,23 @@ SELECT holder FROM lock WHERE name = :name;
 DELETE FROM lock WHERE name = :name AND holder = :holder;
 
 -- name: purge_deliveries
+-- The first bound (the shortest retention of any subscription) is what the index range answers:
+-- a pass reads no delivery settled within every retention (as PostgreSQL's 0013).
 DELETE FROM delivery WHERE id IN (
     SELECT d.id FROM delivery d JOIN subscription s ON s.id = d.subscription_id
-    WHERE d.status IN ('Completed', 'Discarded') AND d.settled_at < :now - s.retention_seconds
+    WHERE d.status IN ('Completed', 'Discarded')
+      AND d.settled_at < :now - (SELECT min(retention_seconds) FROM subscription)
+      AND d.settled_at < :now - s.retention_seconds
     ORDER BY d.settled_at LIMIT :limit);
 
 -- name: purge_messages
+-- Likewise bounded by the shortest topic retention (a week at the most).
 DELETE FROM message WHERE id IN (
     SELECT m.id FROM message m
-    WHERE m.published_at < :now - coalesce(
+    WHERE m.published_at < :now - min(604800, coalesce(
+              (SELECT min(r.seconds) FROM (SELECT max(retention_seconds) AS seconds FROM subscription GROUP BY topic) r),
+              604800))
+      AND m.published_at < :now - coalesce(
               (SELECT max(s.retention_seconds) FROM subscription s WHERE s.topic = m.topic), 604800)
       AND NOT EXISTS (SELECT 1 FROM delivery d WHERE d.message_id = m.id)
     ORDER BY m.published_at LIMIT :limit);

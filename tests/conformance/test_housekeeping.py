@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import pytest
 
@@ -36,6 +37,26 @@ async def test_c31_retention_purges_terminal_only(harness: Harness) -> None:
         info = await harness.transport.get_delivery(kept.delivery_id)
         assert info is not None and info.status == status
     assert len(results) == 5
+
+
+async def test_c31_retention_purges_messages_nothing_refers_to_by_their_topic(harness: Harness) -> None:
+    """A message goes once its deliveries are gone and its topic's retention has passed; a topic
+    whose subscription keeps a week keeps its message. (Seen from outside: the same MessageID is
+    Accepted again once its message is purged, and a Duplicate while it is stored.)"""
+    short = await make_world(harness.transport, [{"role": "a", "retention_seconds": 0.2}])
+    long = await make_world(harness.transport, [{"role": "b", "retention_seconds": 604800}])
+    short_message = PublishRequest(message_id=uuid.uuid4(), payload="short")
+    long_message = PublishRequest(message_id=uuid.uuid4(), payload="long")
+    assert [r.status.value for r in await short.publish(short_message)] == ["Accepted"]
+    assert [r.status.value for r in await long.publish(long_message)] == ["Accepted"]
+    assert len(await short.drain("a")) == 1 and len(await long.drain("b")) == 1
+    await asyncio.sleep(0.35)
+    for _ in range(50):  # a pass purges at most its limit; other tests' rows may be due too
+        report = await harness.transport.sweep()
+        if report.ran and report.purged_deliveries == 0 and report.purged_messages == 0:
+            break
+    assert [r.status.value for r in await short.publish(short_message)] == ["Accepted"]
+    assert [r.status.value for r in await long.publish(long_message)] == ["Duplicate"]
 
 
 async def test_c32_two_sweepers_only_one_pass_runs(harness: Harness) -> None:
