@@ -1,8 +1,10 @@
-"""The sweeper's purge on PostgreSQL reads only rows that may be past retention: a pass over a
-large backlog or history of fresh rows reads none of them (it read them all before 0013)."""
+"""How PostgreSQL runs the hot functions, seen from their plans and row counts: a sweeper pass
+reads no row still within retention (it read them all before 0013), and a settle does the same
+work per item at any batch size (before 0014 its joins compared every item with every other)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import asyncpg
@@ -62,3 +64,42 @@ async def test_a_sweep_pass_reads_no_row_within_retention(scratch_url: str) -> N
     # 7 passes over 3,000 messages and 1,500 settled deliveries: reading them would be thousands.
     assert after["message"] - before["message"] < 50, (before, after)
     assert after["delivery"] - before["delivery"] < 50, (before, after)
+
+
+async def test_a_large_settle_finds_each_row_by_its_key(scratch_url: str) -> None:  # noqa: F811
+    """Statistics taken while nothing was InFlight (a fresh backlog) must not lead the planner into
+    comparing every item with every other: no join or filter of the settle removes more rows than
+    the batch has."""
+    transport = PostgresTransport(scratch_url, listen=False, pool_max_size=2)
+    await transport.open()
+    try:
+        await transport.migrate()
+        topic, sub = unique("big"), unique("settle")
+        await transport.sync_topology([Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="h")])
+        await transport.publish(topic, [prepare(PublishRequest(payload=i)) for i in range(1000)])
+    finally:
+        await transport.close()
+
+    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+    plans: list[str] = []
+    conn.add_log_listener(lambda _conn, message: plans.append(str(message.message)))
+    try:
+        await conn.execute("ANALYZE workqueue.delivery, workqueue.message")  # nothing InFlight yet
+        claimed = await conn.fetch("SELECT delivery_id, lease_token FROM workqueue.claim($1, 300)", sub)
+        assert len(claimed) == 300
+        for setting in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
+                        "SET auto_explain.log_analyze = on", "SET auto_explain.log_nested_statements = on",
+                        "SET auto_explain.log_level = notice"):
+            await conn.execute(setting)
+        results = await conn.fetch(
+            "SELECT result FROM workqueue.settle($1, $2, $3, $4, $5, $6)",
+            [r["delivery_id"] for r in claimed], [r["lease_token"] for r in claimed], ["Complete"] * 300,
+            [None] * 300, [None] * 300, [None] * 300)
+        await conn.execute("SET auto_explain.log_min_duration = -1")
+    finally:
+        await conn.close()
+    assert [r["result"] for r in results] == ["Completed"] * 300
+    text = "\n".join(plans)
+    assert "workqueue.delivery" in text or "delivery" in text, "auto_explain sent no plan"
+    removed = [int(n) for n in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", text)]
+    assert all(n <= 300 for n in removed), removed
