@@ -1,6 +1,7 @@
 """How PostgreSQL runs the hot functions, seen from their plans and row counts: a sweeper pass
 reads no row still within retention (it read them all before 0013), and a settle does the same
-work per item at any batch size (before 0014 its joins compared every item with every other)."""
+work per item at any batch size, and so does a heartbeat (before 0014 and 0015 their joins could
+compare every item with every other)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ async def test_a_sweep_pass_reads_no_row_within_retention(scratch_url: str) -> N
     assert after["delivery"] - before["delivery"] < 50, (before, after)
 
 
-async def test_a_large_settle_finds_each_row_by_its_key(scratch_url: str) -> None:  # noqa: F811
+async def test_a_large_heartbeat_and_settle_find_each_row_by_its_key(scratch_url: str) -> None:  # noqa: F811
     """Statistics taken while nothing was InFlight (a fresh backlog) must not lead the planner into
     comparing every item with every other: no join or filter of the settle removes more rows than
     the batch has."""
@@ -91,6 +92,9 @@ async def test_a_large_settle_finds_each_row_by_its_key(scratch_url: str) -> Non
                         "SET auto_explain.log_analyze = on", "SET auto_explain.log_nested_statements = on",
                         "SET auto_explain.log_level = notice"):
             await conn.execute(setting)
+        ids, tokens = [r["delivery_id"] for r in claimed], [r["lease_token"] for r in claimed]
+        beats = await conn.fetch("SELECT alive FROM workqueue.heartbeat($1, $2, $3, $4)",
+                                 ids, tokens, [50] * 300, ["half"] * 300)
         results = await conn.fetch(
             "SELECT result FROM workqueue.settle($1, $2, $3, $4, $5, $6)",
             [r["delivery_id"] for r in claimed], [r["lease_token"] for r in claimed], ["Complete"] * 300,
@@ -98,6 +102,7 @@ async def test_a_large_settle_finds_each_row_by_its_key(scratch_url: str) -> Non
         await conn.execute("SET auto_explain.log_min_duration = -1")
     finally:
         await conn.close()
+    assert [r["alive"] for r in beats] == [True] * 300
     assert [r["result"] for r in results] == ["Completed"] * 300
     text = "\n".join(plans)
     assert "workqueue.delivery" in text or "delivery" in text, "auto_explain sent no plan"
