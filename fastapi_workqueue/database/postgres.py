@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
@@ -16,7 +15,7 @@ from .errors import map_error, with_retries
 from .listener import NotificationListener
 from .migrations import apply_postgres_migrations
 from .pool import ConnectionPool
-from .routines import RoutineTransport, Row, accepted, publish_result
+from .routines import RoutineTransport, Row, accepted, backoff_schedule_json, publish_result
 from .session import SessionExecutor
 
 log = logging.getLogger("fastapi_workqueue.postgres")
@@ -142,7 +141,7 @@ class PostgresTransport(RoutineTransport):
             p_topic=topic,
             p_message_id=m.message_id,
             p_partition_key=m.partition_key,
-            p_attributes=m.attributes_json if m.attributes else None,
+            p_attributes=m.attributes_json if m.attributes else self.empty_attributes,
             p_payload=m.payload_json,
             p_payload_ref=m.payload_ref,
             p_correlation_id=m.correlation_id,
@@ -150,7 +149,7 @@ class PostgresTransport(RoutineTransport):
             p_delay=m.delay_seconds,
             p_not_before=m.not_before,
             p_max_attempts=m.max_attempts,
-            p_backoff_schedule=None if m.backoff_seconds is None else json.dumps(m.backoff_seconds),
+            p_backoff_schedule=backoff_schedule_json(m),
             p_envelope_bytes=m.envelope_bytes,
         )
         if not rows:  # no rows: Accepted

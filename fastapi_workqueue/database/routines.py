@@ -157,7 +157,7 @@ class RoutineTransport:
              m.content_hash, m.deduplication_key,
              m.deduplication_ttl_seconds if m.deduplication_key is not None else None,
              m.delay_seconds, m.not_before, m.max_attempts,
-             None if m.backoff_seconds is None else json.dumps(m.backoff_seconds), m.envelope_bytes)
+             backoff_schedule_json(m), m.envelope_bytes)
             for m in messages
         ], strict=True))
         rows = list(await self.call(
@@ -449,6 +449,11 @@ def accepted(message: PreparedMessage) -> PublishResult:
     object.__setattr__(result, "__pydantic_extra__", None)
     object.__setattr__(result, "__pydantic_private__", None)
     return result
+
+
+def backoff_schedule_json(message: PreparedMessage) -> str | None:
+    """The message's own backoff schedule as the routines take it (JSON text), or None."""
+    return None if message.backoff_seconds is None else json.dumps(message.backoff_seconds)
 
 
 def publish_result(row: Row, message: PreparedMessage) -> PublishResult:
