@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import datetime as dt
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -559,6 +560,10 @@ def main() -> None:
     }
     log(f"== fastapi-workqueue benchmark ({meta['mode']}) commit {meta['commit']} at {meta['date_utc']} UTC")
     log(f"   counts {counts}, repeats {repeats}, slow repeats {slow_repeats}, peers {run_peers}")
+    if importlib.util.find_spec("uvloop") is None:
+        # pgqueuer's worker runs on uvloop (its CLI installs and uses it); ours would run on asyncio.
+        log("   note: uvloop is not installed in this interpreter, so our worker runs on asyncio; "
+            "`pip install -e '.[fast]'` (scripts/test does) installs it")
 
     if args.fresh_db:
         # Our schema is applied from the work tree at the start of the run.
