@@ -23,6 +23,19 @@ def test_generated_message_ids_are_time_ordered_version_7() -> None:
     assert prepare(PublishRequest(payload=1)).message_id.version == 7
 
 
+def test_generated_ids_increase_within_a_millisecond_and_when_the_clock_goes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    batch = [uuid7() for _ in range(2000)]  # many share a millisecond
+    assert batch == sorted(batch) and len(set(batch)) == len(batch)
+    assert len({u.int >> 80 for u in batch}) < len(batch)
+    now = time.time_ns()
+    monkeypatch.setattr(time, "time_ns", lambda: now - 5_000_000_000)  # five seconds back
+    behind = [uuid7() for _ in range(10)]
+    assert all(u > batch[-1] for u in behind) and behind == sorted(behind)
+    assert all(u.version == 7 and u.variant == uuid.RFC_4122 for u in behind)
+
+
 def test_generated_ids_behave_as_uuids_and_stay_unique_across_threads_and_forks() -> None:
     u = uuid7()
     assert uuid.UUID(str(u)) == u and uuid.UUID(bytes=u.bytes) == u and hash(uuid.UUID(str(u))) == hash(u)

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -131,20 +132,49 @@ class PreparedMessage:
 
 
 # The 80 bits after the timestamp: version 7 (4 bits), 12 random bits, variant 0b10, 62 random bits.
-_UUID7_RANDOM = 0x0FFF_3FFF_FFFF_FFFF_FFFF
 _UUID7_FIXED = 0x7000_8000_0000_0000_0000
+_RAND_B_BITS = 62
+_RAND_B_MASK = (1 << _RAND_B_BITS) - 1
+_COUNTER_LIMIT = 1 << 74  # the 12 + 62 random bits, read as one number
 _new_uuid = uuid.UUID.__new__
 _set_slot = object.__setattr__
 _SAFE_UNKNOWN = uuid.SafeUUID.unknown
+_uuid7_lock = threading.Lock()
+_uuid7_state = [0, 0]  # the millisecond and the 74-bit number of the last ID handed out
+
+
+def _uuid7_forget() -> None:
+    """In a forked child: draw fresh random bits, never continue the parent's sequence."""
+    _uuid7_state[0] = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_uuid7_forget)
 
 
 def uuid7() -> uuid.UUID:
-    """A time-ordered UUID (version 7, RFC 9562): IDs assigned one after another sit side by side in
-    the message table's index, so claiming recent work reads few index pages."""
+    """A time-ordered UUID (version 7, RFC 9562), increasing within the process.
+
+    The first ID of a millisecond takes 73 random bits; the next ones of the same millisecond add
+    one (RFC 9562's counter method), so the IDs of a batch are in order too. Each lands at the end
+    of the message table's index, where PostgreSQL inserts without descending the tree, and claims
+    of recent work read few index pages.
+    """
     milliseconds = time.time_ns() // 1_000_000
-    value = (milliseconds & 0xFFFF_FFFF_FFFF) << 80 | (
-        int.from_bytes(os.urandom(10)) & _UUID7_RANDOM | _UUID7_FIXED
-    )
+    with _uuid7_lock:
+        state = _uuid7_state
+        if milliseconds > state[0]:
+            number = int.from_bytes(os.urandom(10)) >> 7  # 73 bits: room to count up
+        else:  # the same millisecond (or a clock that went back): count on from the last ID
+            milliseconds = state[0]
+            number = state[1] + 1
+            if number >= _COUNTER_LIMIT:  # pragma: no cover - 2**73 IDs in one millisecond
+                milliseconds += 1
+                number = int.from_bytes(os.urandom(10)) >> 7
+        state[0] = milliseconds
+        state[1] = number
+    value = ((milliseconds & 0xFFFF_FFFF_FFFF) << 80 | (number >> _RAND_B_BITS) << 64
+             | (number & _RAND_B_MASK) | _UUID7_FIXED)
     # What uuid.UUID(int=value) sets, without its argument parsing (once per published message).
     result = _new_uuid(uuid.UUID)
     _set_slot(result, "int", value)
