@@ -128,6 +128,23 @@ def test_one_environment_variable_switches_to_postgresql(monkeypatch: pytest.Mon
 
 
 @pytest.mark.usefixtures("no_workqueue_env")
+async def test_many_openers_of_one_new_file_all_get_it_in_wal_mode(tmp_path: Path) -> None:
+    """Each opener switches a new file to WAL; SQLite can answer "database is locked" at once to
+    all but one of them (it does not wait when waiting could deadlock), and open tries again."""
+    for attempt in range(20):
+        path = tmp_path / f"new-{attempt}.db"
+        transports = [SqliteTransport(url_of(path)) for _ in range(6)]
+        results = await asyncio.gather(*(t.open() for t in transports), return_exceptions=True)
+        try:
+            assert [r for r in results if isinstance(r, BaseException)] == []
+        finally:
+            for t, r in zip(transports, results, strict=True):
+                if not isinstance(r, BaseException):
+                    await t.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
 async def test_a_queue_on_the_default_relative_file_works_through_its_lifespan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -191,9 +191,7 @@ class SqliteTransport(RoutineTransport):
             raise ConfigurationError(f"cannot open the SQLite file {self.path!r}: {exc}") from exc
         try:
             await conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            cursor = await conn.execute("PRAGMA journal_mode = WAL")
-            row = await cursor.fetchone()
-            await cursor.close()
+            row = await _switch_to_wal(conn)
             mode = str(row[0]).lower() if row else "unknown"
             if mode != "wal":
                 # Without WAL, readers block the writer and "database is locked" errors follow.
@@ -342,3 +340,23 @@ def _mapped(exc: BaseException, operation: str) -> Exception:
             "or set WORKQUEUE_AUTO_MIGRATE=1"
         )
     return TransportError(f"{operation}: {text}", retryable="locked" in text or "busy" in text)
+
+
+async def _switch_to_wal(conn: Any) -> Any:
+    """``PRAGMA journal_mode = WAL``, tried again while another process holds the file's lock.
+
+    Two processes opening a new file at once both switch it; SQLite may answer "database is
+    locked" at once instead of waiting out the busy timeout, since waiting could deadlock.
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor = await conn.execute("PRAGMA journal_mode = WAL")
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.02)
+            continue
+        row = await cursor.fetchone()
+        await cursor.close()
+        return row
