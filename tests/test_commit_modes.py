@@ -16,7 +16,6 @@ from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
 from .conftest import unique
-from .test_migrations import scratch_url  # noqa: F401  (a fixture: an empty database of its own)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,22 +28,18 @@ async def commit_mode_after(conn: asyncpg.Connection[Any], sql: str, *args: Any)
         return str(await conn.fetchval("SHOW synchronous_commit")), list(rows)
 
 
-async def test_only_a_claim_without_keys_skips_the_wait_for_the_disk(scratch_url: str) -> None:  # noqa: F811
-    transport = PostgresTransport(scratch_url, listen=False, pool_max_size=2)
-    await transport.open()
+async def test_only_a_claim_without_keys_skips_the_wait_for_the_disk(
+    pg_url: str, pg_transport: PostgresTransport
+) -> None:
     plain, keyed = unique("plain"), unique("keyed")
     subs = {mode: unique(mode.lower()) for mode in ("None", "Exclusive", "Ordered")}
-    try:
-        await transport.migrate()
-        await transport.sync_topology(
-            [Topic(name=plain), Topic(name=keyed)],
-            [Subscription(name=subs["None"], topic=plain, handler_key="h"),
-             Subscription(name=subs["Exclusive"], topic=keyed, handler_key="h", partition_mode="Exclusive"),
-             Subscription(name=subs["Ordered"], topic=keyed, handler_key="h", partition_mode="Ordered")])
-    finally:
-        await transport.close()
+    await pg_transport.sync_topology(
+        [Topic(name=plain), Topic(name=keyed)],
+        [Subscription(name=subs["None"], topic=plain, handler_key="h"),
+         Subscription(name=subs["Exclusive"], topic=keyed, handler_key="h", partition_mode="Exclusive"),
+         Subscription(name=subs["Ordered"], topic=keyed, handler_key="h", partition_mode="Ordered")])
 
-    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
     try:
         assert await conn.fetchval("SHOW synchronous_commit") == "on"
         publish_one = ("SELECT * FROM workqueue.publish_one(p_topic => $1, p_message_id => gen_random_uuid(), "
@@ -78,20 +73,16 @@ async def test_only_a_claim_without_keys_skips_the_wait_for_the_disk(scratch_url
         await conn.close()
 
 
-async def test_a_claim_lost_with_its_transaction_leaves_its_deliveries_pending(scratch_url: str) -> None:  # noqa: F811
+async def test_a_claim_lost_with_its_transaction_leaves_its_deliveries_pending(
+    pg_url: str, pg_transport: PostgresTransport
+) -> None:
     """What a claim lost in a crash comes to: as if it never ran. The deliveries are Pending with
     their attempts as before, and the lost lease token settles nothing."""
-    transport = PostgresTransport(scratch_url, listen=False, pool_max_size=2)
-    await transport.open()
-    try:
-        await transport.migrate()
-        topic, sub = unique("lost"), unique("claim")
-        await transport.sync_topology([Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="h")])
-        await transport.publish(topic, [prepare(PublishRequest(payload=i)) for i in range(3)])
-    finally:
-        await transport.close()
+    topic, sub = unique("lost"), unique("claim")
+    await pg_transport.sync_topology([Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="h")])
+    await pg_transport.publish(topic, [prepare(PublishRequest(payload=i)) for i in range(3)])
 
-    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
     try:
         tx = conn.transaction()
         await tx.start()
