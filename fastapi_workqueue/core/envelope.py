@@ -156,9 +156,8 @@ def uuid7() -> uuid.UUID:
     """A time-ordered UUID (version 7, RFC 9562), increasing within the process.
 
     The first ID of a millisecond takes 73 random bits; the next ones of the same millisecond add
-    one (RFC 9562's counter method), so the IDs of a batch are in order too. Each lands at the end
-    of the message table's index, where PostgreSQL inserts without descending the tree, and claims
-    of recent work read few index pages.
+    one (RFC 9562's counter method), so the IDs of a batch are in order too: each goes after the
+    last one in the indexes on MessageID, and claims of recent work read few index pages.
     """
     milliseconds = time.time_ns() // 1_000_000
     with _uuid7_lock:
