@@ -656,4 +656,3 @@ def test_sqlite_routines_take_the_postgresql_parameters() -> None:
         assert tuple(p.name for p in params) == functions[name].params, name
         defaults = frozenset(p.name for p in params if p.default is not inspect.Parameter.empty)
         assert defaults == functions[name].defaults, name
-
