@@ -1,0 +1,48 @@
+"""Takes secrets out of text the queue stores or shows: error messages, tracebacks, log lines.
+
+What a handler's exception says is kept as ``last_error`` and shown to anyone with
+``workqueue:read``; drivers and HTTP clients like to put credentials into their messages. The
+patterns below cover what such messages carry: passwords in URLs, ``Authorization`` and cookie
+headers, bearer tokens, the queue's own API keys, and ``name=value`` pairs whose name says
+secret. :func:`redact` also replaces literal values it is given (an app's encryption keys).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+MASK = "***"
+
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^\s:/@]*:)(?P<secret>[^\s@/]+)(?=@)")
+_AUTH_HEADER = re.compile(
+    r"(?P<head>\b(?:proxy-)?authorization\b[\"']?\s*[:=]\s*[\"']?(?:(?:bearer|basic|token|digest)\s+)?)"
+    r"(?P<secret>[^\s\"',;]+)",
+    re.IGNORECASE,
+)
+_BEARER = re.compile(r"(?P<head>\bbearer\s+)(?P<secret>[A-Za-z0-9\-._~+/]+=*)", re.IGNORECASE)
+_COOKIE = re.compile(r"(?P<head>\b(?:set-)?cookie\b[\"']?\s*[:=]\s*[\"']?)(?P<secret>[^\r\n\"']+)", re.IGNORECASE)
+_API_KEY = re.compile(r"(?P<head>\bwq_[0-9a-zA-Z]+_)(?P<secret>[A-Za-z0-9\-_]+)")
+_NAMED_SECRET = re.compile(
+    r"(?P<head>\b[\w\-]*(?:password|passwd|pwd|secret|token|api[_\-]?key|apikey|access[_\-]?key|private[_\-]?key"
+    r"|app[_\-]?key|credential)s?[\"']?\s*[:=]\s*[\"']?)(?P<secret>[^\s\"',;&)}\]]+)",
+    re.IGNORECASE,
+)
+_PATTERNS = (_URL_PASSWORD, _AUTH_HEADER, _BEARER, _COOKIE, _API_KEY, _NAMED_SECRET)
+
+
+def _mask(match: re.Match[str]) -> str:
+    secret = match.group("secret")
+    if secret == MASK:
+        return match.group(0)
+    return match.group("head") + MASK
+
+
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with credentials replaced by ``***``; ``secrets`` are literal values to hide too."""
+    for value in secrets:
+        if value and len(value) >= 4:
+            text = text.replace(value, MASK)
+    for pattern in _PATTERNS:
+        text = pattern.sub(_mask, text)
+    return text
