@@ -308,13 +308,16 @@ class WorkQueue:
     ) -> list[PublishResult]:
         """Publishes ``requests`` to ``topic``; one result per request, in order.
 
-        With ``session`` (an ``AsyncSession`` or ``AsyncConnection``), or inside a request that
-        uses :attr:`session`, the publish joins that transaction: a rollback publishes nothing.
-        Otherwise it commits on its own. A call is all-or-nothing: when any request is refused,
-        none is published and the others report ``BatchAborted``.
+        With ``session`` (an ``AsyncSession`` or ``AsyncConnection``), the publish joins that
+        transaction: a rollback publishes nothing. Inside a request that uses :attr:`session`, it
+        joins the request's transaction while that is open, from the request's own task; a task
+        the request spawned, a background task or a cleanup after the response publishes in a
+        transaction of its own. Otherwise it commits on its own before answering. A call is
+        all-or-nothing: when any request is refused, none is published and the others report
+        ``BatchAborted``.
         """
         if session is None:
-            session = current_session.get()
+            session = current_session()
         declared = self.topics.get(topic)
         cap = MAX_ENVELOPE_BYTES
         if declared is not None and declared.max_payload_bytes is not None:

@@ -1,19 +1,51 @@
 """A database session per request, committed before the response is sent.
 
-Publishes made while it is open join its transaction: a request that fails publishes nothing.
+Publishes made by the request join its transaction: a request that fails publishes nothing. The
+rule for joining (SPEC §2): a publish joins the request's transaction only while that transaction
+is open and only from the request's own task. A task the request spawned, a background task, a
+cleanup that runs after the response, or a call after the endpoint returned publishes in a
+transaction of its own, which commits before ``publish`` answers. So ``Accepted`` always means
+committed, or part of a transaction that its owner, the request, still holds and will end.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-current_session: ContextVar[AsyncSession | None] = ContextVar("workqueue_current_session", default=None)
-"""The request's session while the session dependency is open; ``queue.publish`` joins it."""
+
+@dataclass(slots=True, eq=False)
+class RequestTransaction:
+    """The request's session while its dependency holds it open, and the task that owns it."""
+
+    session: AsyncSession
+    task: asyncio.Task[Any] | None
+    open: bool = True
+
+    def joinable(self) -> bool:
+        """True while the transaction is open and the caller runs in the request's own task."""
+        if not self.open:
+            return False
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:
+            return False
+        return current is not None and current is self.task
+
+
+_current: ContextVar[RequestTransaction | None] = ContextVar("workqueue_request_transaction", default=None)
+
+
+def current_session() -> AsyncSession | None:
+    """The request's session when a publish made here may join it (see the module's rule), else None."""
+    holder = _current.get()
+    return holder.session if holder is not None and holder.joinable() else None
 
 
 def to_sqlalchemy_url(url: str) -> str:
@@ -60,10 +92,23 @@ class RequestSessions:
             self._maker = None
 
     async def dependency(self) -> AsyncIterator[AsyncSession]:
-        """Opens a session in a transaction; commits when the endpoint returns, rolls back when it raises."""
-        async with self.sessionmaker() as session, session.begin():
-            token = current_session.set(session)
+        """Opens a session; commits when the endpoint returns, rolls back when it raises.
+
+        The commit covers whatever the session holds then: an endpoint that committed early and
+        went on writing has that later work committed too.
+        """
+        async with self.sessionmaker() as session:
+            holder = RequestTransaction(session, asyncio.current_task())
+            token = _current.set(holder)
             try:
                 yield session
+            except BaseException:
+                holder.open = False
+                await session.rollback()
+                raise
+            else:
+                holder.open = False
+                await session.commit()
             finally:
-                current_session.reset(token)
+                holder.open = False
+                _current.reset(token)
