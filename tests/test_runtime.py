@@ -454,3 +454,44 @@ async def test_fast_handlers_are_fed_ahead_and_all_complete(pg_url: str) -> None
     assert sorted(done) == list(range(2000))
     assert most_running <= 2  # concurrency bounds running handlers, whatever was claimed ahead
     assert claimed_ahead == 2000
+
+
+async def test_pause_lets_running_handlers_finish_and_settle(pg_url: str) -> None:
+    """A pause stops claiming; handlers already running are not aborted: they finish and settle."""
+    queue, topic, subs = make_queue(pg_url, [{"role": "a"}], concurrency=2, reconcile_interval_ms=60_000)
+    sub = subs["a"]
+    started = asyncio.Event()
+    release = asyncio.Event()
+    aborts: list[Any] = []
+    handled: list[str] = []
+
+    @queue.handler("a")
+    async def handle(message: WorkMessage[str], context: WorkContext) -> WorkOutcome:
+        if message.payload == "slow":
+            started.set()
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                aborts.append(context.signal.reason)
+                raise
+        handled.append(message.payload)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        [slow] = await queue.publish(topic, [PublishRequest(payload="slow")])
+        await asyncio.wait_for(started.wait(), 10)
+        assert await queue.pause(sub) is True
+        # The process that paused reports it at once, with the handler still running.
+        [health] = [h for h in queue.health().subscriptions if h.subscription == sub]
+        assert health.state == "Paused"
+        assert health.active == 1
+        await queue.publish(topic, [PublishRequest(payload="while paused")])
+        await asyncio.sleep(0.6)  # past the drain (300 ms) and a few polls (FAST): nothing new is claimed
+        release.set()
+        info = await wait_for(lambda: _terminal(queue, sub, slow.message_id))
+        assert info.status == "Completed" and info.attempt == 1
+        assert aborts == [] and handled == ["slow"]
+        [stats] = await queue.stats(sub)
+        assert (stats.pending, stats.in_flight) == (1, 0)
+        await queue.resume(sub)
+        await wait_for(lambda: handled == ["slow", "while paused"])

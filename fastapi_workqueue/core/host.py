@@ -93,7 +93,7 @@ class Host:
         self._started = False
         self._reconcile_lock = asyncio.Lock()
         self._stopping: set[asyncio.Task[None]] = set()
-        self._retired: dict[str, list[Consumer]] = {}  # consumers stopped by a pause, by subscription
+        self._retired: dict[str, list[Consumer]] = {}  # consumers no longer planned, by subscription
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -183,7 +183,15 @@ class Host:
                     consumer.start()
                     log.info("%s: running (concurrency %d)", sub.name, concurrency)
                 else:
+                    if consumer.paused:
+                        log.info("%s: resumed", sub.name)
+                        consumer.resume()
                     consumer.update(sub, concurrency)
+            elif state == "Paused" and consumer is not None:
+                # A pause stops claiming; what runs finishes and settles (SPEC §3).
+                if not consumer.paused:
+                    log.info("%s: pausing (%s)", sub.name, reason)
+                    consumer.pause()
             elif consumer is not None:
                 log.info("%s: stopping (%s)", sub.name, state)
                 self._stop_later(self.consumers.pop(sub.name))
@@ -247,6 +255,8 @@ class Host:
                 if consumer.last_error is not None:
                     state, reason = "Error", consumer.last_error
                 entry = entry.model_copy(update={"active": consumer.active, "state": state, "reason": reason})
+            elif consumer is not None:
+                entry = entry.model_copy(update={"active": consumer.active})
             report.append(entry)
         return report
 

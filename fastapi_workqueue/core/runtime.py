@@ -103,6 +103,7 @@ class Consumer:
         self._wake = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._stopping = False
+        self._paused = False
         self._loop_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.last_error: str | None = None
@@ -126,12 +127,40 @@ class Consumer:
         """Deliveries this consumer holds under lease: running, or claimed ahead and waiting for a slot."""
         return len(self._held)
 
+    @property
+    def paused(self) -> bool:
+        """True while claiming is paused (running handlers go on and settle)."""
+        return self._paused
+
     def start(self) -> None:
         self.settler.start()
-        self._loop_task = asyncio.create_task(self._claim_loop(), name=f"workqueue-claim:{self.name}")
+        self._start_claiming()
         self._heartbeat_task = asyncio.create_task(
             self._heartbeat_loop(), name=f"workqueue-heartbeat:{self.name}"
         )
+
+    def _start_claiming(self) -> None:
+        self._loop_task = asyncio.create_task(self._claim_loop(), name=f"workqueue-claim:{self.name}")
+
+    def pause(self) -> None:
+        """Stops claiming. Handlers that run go on, renew their leases and settle as usual;
+        deliveries claimed ahead and not started go back to Pending without spending an attempt."""
+        if self._paused or self._stopping:
+            return
+        self._paused = True
+        self._wake.set()
+        self._slot_freed.set()
+        self._release_buffer("released: the subscription was paused")
+        if self._running:
+            log.info("%s: paused; %d running handlers finish and settle", self.name, len(self._running))
+
+    def resume(self) -> None:
+        """Claims again after :meth:`pause`."""
+        if not self._paused or self._stopping:
+            return
+        self._paused = False
+        if self._loop_task is None or self._loop_task.done():
+            self._start_claiming()
 
     def wake(self) -> None:
         """New work may be claimable: look now instead of at the next poll."""
@@ -166,7 +195,7 @@ class Consumer:
         if self._loop_task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        self._release_buffer()
+        self._release_buffer("released at shutdown")
         await self._drain(drain_seconds)
         if self._running:
             log.info("%s: aborting %d running handlers (Shutdown)", self.name, len(self._running))
@@ -189,15 +218,14 @@ class Consumer:
                 await self._heartbeat_task
         await self.settler.flush()
 
-    def _release_buffer(self) -> None:
+    def _release_buffer(self, reason: str) -> None:
         """Gives back deliveries claimed ahead and not started, without spending their attempt."""
         while self._buffer:
             running = self._buffer.popleft()
             self._drop(running)
             delivery = running.delivery
             self.settler.submit(
-                Settlement(delivery.delivery_id, delivery.lease_token, "Release", reason="released at shutdown"),
-                self._settled,
+                Settlement(delivery.delivery_id, delivery.lease_token, "Release", reason=reason), self._settled
             )
 
     def _drop(self, running: _Running) -> None:
@@ -223,7 +251,7 @@ class Consumer:
     async def _claim_loop(self) -> None:
         idle = self.idle_poll_min
         failures = 0
-        while not self._stopping:
+        while not self._stopping and not self._paused:
             prefetch = self._prefetch_target()
             free = self.concurrency + prefetch - len(self._held)
             if prefetch and len(self._held) > self.concurrency:
@@ -261,6 +289,9 @@ class Consumer:
                 idle = self.idle_poll_min
                 for delivery in batch:
                     self._hold(delivery)
+                if self._paused:  # paused while this claim was on its way: give the batch back
+                    self._release_buffer("released: the subscription was paused")
+                    return
                 self._fill()
                 if len(batch) == free:
                     continue
@@ -300,7 +331,7 @@ class Consumer:
 
     async def _sleep(self, seconds: float) -> None:
         """Sleeps until a wake-up or ``seconds`` (with jitter, so processes do not poll in step)."""
-        if self._wake.is_set() or self._stopping:
+        if self._wake.is_set() or self._stopping or self._paused:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout=seconds * random.uniform(0.9, 1.1))
@@ -316,7 +347,7 @@ class Consumer:
 
     def _fill(self) -> None:
         """Starts held deliveries while there are free slots."""
-        while self._buffer and len(self._running) < self.concurrency and not self._stopping:
+        while self._buffer and len(self._running) < self.concurrency and not self._stopping and not self._paused:
             self._start(self._buffer.popleft())
 
     def _start(self, running: _Running) -> None:
