@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -111,10 +112,50 @@ async def test_outcomes_and_errors_map_to_delivery_states(pg_url: str) -> None:
     assert (by_action["fatal"].status, by_action["fatal"].attempt) == ("DeadLettered", 1)
     assert by_action["fatal"].reason == "cannot ever work"
     assert (by_action["crash"].status, by_action["crash"].attempt) == ("DeadLettered", 2)
-    assert by_action["crash"].last_error == "ValueError: bad thing on attempt 2"
+    assert (by_action["crash"].last_error or "").splitlines()[0] == "ValueError: bad thing on attempt 2"
     assert (by_action["dead"].status, by_action["dead"].reason) == ("DeadLettered", "poison")
     assert (by_action["retry"].status, by_action["retry"].attempt) == ("DeadLettered", 2)
     assert "later" in (by_action["retry"].reason or "")
+
+
+def _connect_to_mail_server(attempt: int) -> None:
+    raise ConnectionError(f"smtp://mailer:hunter2@mail.internal refused attempt {attempt}")
+
+
+async def test_a_handler_exception_is_logged_with_its_traceback_and_kept_in_last_error(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue, topic, subs = make_queue(
+        pg_url, [{"role": "h", "max_attempts": 2, "backoff_base_seconds": 0, "backoff_max_seconds": 0}]
+    )
+
+    @queue.handler("h")
+    async def handle(message: WorkMessage[str], context: WorkContext) -> None:
+        try:
+            _connect_to_mail_server(context.attempt)
+        except ConnectionError as exc:
+            raise RuntimeError("cannot send the welcome mail") from exc
+
+    caplog.set_level(logging.WARNING, logger="fastapi_workqueue.runtime")
+    async with queue.lifespan(None):
+        [result] = await queue.publish(topic, [PublishRequest(payload="x")])
+        info = await wait_for(lambda: _terminal(queue, subs["h"], result.message_id))
+    assert info.status == "DeadLettered"
+    records = [r for r in caplog.records if r.name == "fastapi_workqueue.runtime" and r.exc_info]
+    assert [r.levelno for r in records] == [logging.WARNING, logging.ERROR]
+    for attempt, record in enumerate(records, 1):
+        assert record.subscription == subs["h"]
+        assert record.delivery_id == info.delivery_id
+        assert record.message_id == str(result.message_id)
+        assert record.attempt == attempt
+        assert record.exc_info is not None and record.exc_info[0] is RuntimeError
+    lines = (info.last_error or "").splitlines()
+    assert lines[0] == "RuntimeError: cannot send the welcome mail"
+    assert "Traceback (most recent call last):" in lines
+    assert any(__file__ in line and "in handle" in line for line in lines)
+    assert "Caused by: ConnectionError: smtp://mailer:***@mail.internal refused attempt 2" in lines
+    assert any("in _connect_to_mail_server" in line for line in lines)
+    assert "hunter2" not in (info.last_error or "")
 
 
 async def test_operator_cancel_aborts_running_handler_and_discards(pg_url: str) -> None:

@@ -17,20 +17,21 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext
+from .failures import error_text
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .outcomes import Complete, DeadLetter, FatalWorkError, Retry, TransientWorkError
+from .redaction import redact
 from .settler import Settler
 from .topology import SubscriptionState
 from .transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
 
 log = logging.getLogger("fastapi_workqueue.runtime")
 
-MAX_ERROR_TEXT = 4000
 ONCE_BUSY_RETRY_SECONDS = 5.0
 SETTLE_BACKLOG_LIMIT = 1000
 """A consumer claims no more while this many of the process's outcomes wait to be written."""
@@ -195,16 +196,24 @@ class Consumer:
         if self._loop_task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        if self._buffer:
+            log.info("%s: stopping; %d deliveries claimed ahead go back to Pending: %s",
+                     self.name, len(self._buffer), _ids(self._buffer))
         self._release_buffer("released at shutdown")
+        if self._running:
+            log.info("%s: stopping; %d running handlers get %.1f s to finish: %s",
+                     self.name, len(self._running), drain_seconds, _ids(self._running.values()))
         await self._drain(drain_seconds)
         if self._running:
-            log.info("%s: aborting %d running handlers (Shutdown)", self.name, len(self._running))
+            log.info("%s: aborting %d running handlers (Shutdown); their deliveries go back to Pending "
+                     "without spending the attempt: %s", self.name, len(self._running), _ids(self._running.values()))
             for running in list(self._running.values()):
                 self._abort(running, AbortReason.SHUTDOWN)
             await self._drain(drain_seconds)
         leftovers = list(self._running.values())
         if leftovers:
-            log.warning("%s: %d handlers ignored Shutdown; releasing their deliveries", self.name, len(leftovers))
+            log.warning("%s: %d handlers ignored Shutdown; releasing their deliveries: %s",
+                        self.name, len(leftovers), _ids(leftovers))
             for running in leftovers:
                 running.released = True
             with contextlib.suppress(Exception):
@@ -423,7 +432,8 @@ class Consumer:
         try:
             message = spec.build_message(delivery, sub.name)
         except PayloadInvalid as exc:
-            return Settlement(*base, "DeadLetter", reason=str(exc), error=_error_text(exc))
+            return self._failed(running, exc, Settlement(*base, "DeadLetter", reason=redact(str(exc)),
+                                                         error=error_text(exc)))
         context = WorkContext(
             subscription=sub.name,
             delivery_id=delivery.delivery_id,
@@ -443,7 +453,7 @@ class Consumer:
                 raise  # not ours: the loop is going away
             if task is not None:
                 task.uncancel()
-            return self._settlement_for_abort(running) or _settlement_for_error(base, exc)
+            return self._settlement_for_abort(running) or self._failed(running, exc, _settlement_for_error(base, exc))
         except OnceBusy as exc:
             if running.signal.aborted:
                 return self._settlement_for_abort(running)
@@ -452,7 +462,7 @@ class Consumer:
         except Exception as exc:
             if running.signal.aborted and task is not None and task.cancelling():
                 task.uncancel()
-            return self._settlement_for_abort(running) or _settlement_for_error(base, exc)
+            return self._settlement_for_abort(running) or self._failed(running, exc, _settlement_for_error(base, exc))
         if running.signal.aborted:
             if task is not None and task.cancelling():
                 task.uncancel()
@@ -468,6 +478,22 @@ class Consumer:
             error=f"the handler returned {outcome!r}; return Outcome.complete(), Outcome.retry(...) "
             "or Outcome.dead_letter(...)",
         )
+
+    def _failed(self, running: _Running, exc: BaseException, settlement: Settlement) -> Settlement:
+        """Logs a handler's exception with its traceback: WARNING when the delivery will be retried,
+        ERROR when it is dead-lettered. The record carries the delivery's fields."""
+        delivery = running.delivery
+        final = settlement.kind == "DeadLetter" or delivery.attempt >= delivery.max_attempts
+        log.log(
+            logging.ERROR if final else logging.WARNING,
+            "%s: delivery %s (message %s) failed on attempt %d of %d with %s; %s",
+            self.name, delivery.delivery_id, delivery.message_id, delivery.attempt, delivery.max_attempts,
+            type(exc).__name__, "dead-lettering it" if final else "it will be retried",
+            exc_info=(type(exc), exc, exc.__traceback__),
+            extra={"subscription": self.name, "delivery_id": delivery.delivery_id,
+                   "message_id": str(delivery.message_id), "attempt": delivery.attempt},
+        )
+        return settlement
 
     def _settlement_for_abort(self, running: _Running) -> Settlement | None:
         reason = running.signal.reason
@@ -602,15 +628,17 @@ class _DeliveryLog(logging.LoggerAdapter):  # type: ignore[type-arg]
         return msg, kwargs
 
 
-def _error_text(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) <= MAX_ERROR_TEXT else text[: MAX_ERROR_TEXT - 3] + "..."
+def _ids(runnings: Iterable[_Running], shown: int = 10) -> str:
+    """Delivery ids for a log line: the first ``shown`` and how many more."""
+    ids = [r.delivery.delivery_id for r in runnings]
+    text = ", ".join(ids[:shown])
+    return text + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
 
 
 def _settlement_for_error(base: tuple[str, str], exc: BaseException) -> Settlement:
     if isinstance(exc, FatalWorkError):
-        return Settlement(*base, "DeadLetter", reason=exc.reason, error=_error_text(exc))
+        return Settlement(*base, "DeadLetter", reason=redact(exc.reason), error=error_text(exc))
     if isinstance(exc, TransientWorkError):
-        return Settlement(*base, "Retry", delay_seconds=exc.delay_seconds, reason=exc.reason,
-                          error=_error_text(exc))
-    return Settlement(*base, "Fail", reason=f"{type(exc).__name__}", error=_error_text(exc))
+        return Settlement(*base, "Retry", delay_seconds=exc.delay_seconds, reason=redact(exc.reason),
+                          error=error_text(exc))
+    return Settlement(*base, "Fail", reason=f"{type(exc).__name__}", error=error_text(exc))
