@@ -24,6 +24,7 @@ from typing import Any
 from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext
 from .failures import error_text
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
+from .leases import LocalLease, start_margin
 from .outcomes import Complete, DeadLetter, FatalWorkError, Retry, TransientWorkError
 from .redaction import redact
 from .settler import Settler
@@ -46,10 +47,12 @@ __all__ = ["Consumer", "Resolver", "Settler"]
 
 @dataclass(slots=True, eq=False)
 class _Running:
+    """A delivery this consumer holds under lease: claimed ahead, or running. Keyed by its lease
+    token: a delivery claimed again after its lease ran out is another entry."""
+
     delivery: ClaimedDelivery
     signal: AbortSignal
-    lease_deadline: float
-    renewed_at: float
+    lease: LocalLease
     task: asyncio.Task[None] | None = None
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
     lease_timer: asyncio.TimerHandle | None = None
@@ -77,6 +80,7 @@ class Consumer:
         stop_when_idle: bool = False,
         prefetch: int | None = None,
         on_error: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
@@ -93,6 +97,7 @@ class Consumer:
         self.stop_when_idle = stop_when_idle
         self.prefetch = prefetch
         self._on_error = on_error
+        self._clock = clock
         self._held: dict[str, _Running] = {}
         self._buffer: deque[_Running] = deque()
         self._handler_seconds: float | None = None
@@ -242,13 +247,13 @@ class Consumer:
             timer.cancel()
         if running.lease_timer is not None:
             running.lease_timer.cancel()
-        self._held.pop(running.delivery.delivery_id, None)
-        self._running.pop(running.delivery.delivery_id, None)
+        self._held.pop(running.delivery.lease_token, None)
+        self._running.pop(running.delivery.lease_token, None)
 
     async def _drain(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
+        deadline = self._clock() + seconds
         while self._running:
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self._clock()
             if remaining <= 0:
                 return
             self._slot_freed.clear()
@@ -280,6 +285,7 @@ class Consumer:
             self._wake.clear()
             settled_before = self.settled_total
             try:
+                sent_at = self._clock()
                 batch = await self._claim(free)
             except asyncio.CancelledError:
                 raise
@@ -297,7 +303,7 @@ class Consumer:
             if batch:
                 idle = self.idle_poll_min
                 for delivery in batch:
-                    self._hold(delivery)
+                    self._hold(delivery, sent_at)
                 if self._paused:  # paused while this claim was on its way: give the batch back
                     self._release_buffer("released: the subscription was paused")
                     return
@@ -331,9 +337,9 @@ class Consumer:
         return min(MAX_PREFETCH, math.ceil(self.concurrency * claim / max(handler, 1e-6)))
 
     async def _claim(self, limit: int) -> list[ClaimedDelivery]:
-        started = time.monotonic()
+        started = self._clock()
         batch = await self.transport.claim(self.name, limit)
-        took = time.monotonic() - started
+        took = self._clock() - started
         previous = self._claim_seconds
         self._claim_seconds = took if previous is None else previous * 0.8 + took * 0.2
         return batch
@@ -345,24 +351,48 @@ class Consumer:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout=seconds * random.uniform(0.9, 1.1))
 
-    def _hold(self, delivery: ClaimedDelivery) -> None:
-        """Takes a claimed delivery under lease, waiting for a free slot."""
-        now = time.monotonic()
-        running = _Running(delivery, AbortSignal(), now + self.subscription.lease_seconds, now)
+    def _hold(self, delivery: ClaimedDelivery, sent_at: float) -> None:
+        """Takes a claimed delivery under lease, waiting for a free slot. The lease is counted from
+        when the claim was sent (:mod:`.leases`), not from when its answer arrived."""
+        running = _Running(delivery, AbortSignal(), LocalLease.claimed(sent_at, self.subscription.lease_seconds))
         self.claimed_total += 1
-        self._held[delivery.delivery_id] = running
+        self._held[delivery.lease_token] = running
         self._buffer.append(running)
         self._arm_lease_timer(running)
 
     def _fill(self) -> None:
-        """Starts held deliveries while there are free slots."""
+        """Starts held deliveries while there are free slots; gives back those whose lease has
+        too little left (the claim was slow, or this process stalled) instead of starting them."""
         while self._buffer and len(self._running) < self.concurrency and not self._stopping and not self._paused:
-            self._start(self._buffer.popleft())
+            running = self._buffer.popleft()
+            remaining = running.lease.remaining(self._clock())
+            if running.signal.aborted or remaining < start_margin(running.lease.lease_seconds):
+                self._give_back(running, remaining)
+            else:
+                self._start(running)
+
+    def _give_back(self, running: _Running, remaining: float) -> None:
+        """Releases a delivery that is not started: its claim may have run out in the store, where
+        the sweeper may already have handed it to another worker (the release then changes
+        nothing); otherwise it is Pending again without spending the attempt."""
+        self._drop(running)
+        delivery = running.delivery
+        log.warning(
+            "%s: delivery %s not started: %.2f s of its %.1f s lease left (the claim took long, or this "
+            "process stalled); giving it back", self.name, delivery.delivery_id, max(remaining, 0.0),
+            running.lease.lease_seconds,
+        )
+        self.settler.submit(
+            Settlement(delivery.delivery_id, delivery.lease_token, "Release",
+                       reason="released: too little of its lease was left to start"),
+            self._settled,
+        )
+        self._slot_freed.set()
 
     def _start(self, running: _Running) -> None:
         sub = self.subscription
-        running.started_at = time.monotonic()
-        self._running[running.delivery.delivery_id] = running
+        running.started_at = self._clock()
+        self._running[running.delivery.lease_token] = running
         loop = asyncio.get_running_loop()
         if sub.max_processing_seconds is not None:
             running.timers.append(
@@ -374,7 +404,7 @@ class Consumer:
         """Aborts the handler with LeaseLost when its lease runs out without a renewal."""
         if running.lease_timer is not None:
             running.lease_timer.cancel()
-        delay = max(0.0, running.lease_deadline - time.monotonic())
+        delay = max(0.0, running.lease.remaining(self._clock()))
         running.lease_timer = asyncio.get_running_loop().call_later(
             delay, self._abort, running, AbortReason.LEASE_LOST
         )
@@ -402,7 +432,7 @@ class Consumer:
             raise
         finally:
             self._drop(running)
-            took = time.monotonic() - running.started_at
+            took = self._clock() - running.started_at
             previous = self._handler_seconds
             self._handler_seconds = took if previous is None else previous * 0.9 + took * 0.1
             if settlement is not None and not running.released:
@@ -519,7 +549,7 @@ class Consumer:
 
     async def manual_heartbeat(self, running: _Running, progress: Progress | None) -> bool:
         delivery = running.delivery
-        sent_at = time.monotonic()
+        sent_at = self._clock()
         try:
             [result] = await self.transport.heartbeat(
                 [HeartbeatRequest(delivery.delivery_id, delivery.lease_token,
@@ -530,7 +560,7 @@ class Consumer:
             raise
         except Exception as exc:
             log.warning("%s: heartbeat of %s failed (%s)", self.name, delivery.delivery_id, exc)
-            return not running.signal.aborted and time.monotonic() < running.lease_deadline
+            return not running.signal.aborted and running.lease.remaining(self._clock()) > 0
         self._apply_heartbeat(running, result.alive, result.cancel_requested, sent_at)
         return result.alive and not running.signal.aborted
 
@@ -540,8 +570,7 @@ class Consumer:
         elif not alive:
             self._abort(running, AbortReason.LEASE_LOST)
         elif not running.signal.aborted:
-            running.renewed_at = sent_at
-            running.lease_deadline = sent_at + self.subscription.lease_seconds
+            running.lease.renew(sent_at, self.subscription.lease_seconds)
             self._arm_lease_timer(running)
 
     async def _heartbeat_loop(self) -> None:
@@ -554,8 +583,8 @@ class Consumer:
             # Manual: the handler renews its own lease; deliveries held ahead are renewed here.
             manual = self.subscription.heartbeat_mode == "Manual"
             due_held = list(self._buffer) if manual else list(self._held.values())
-            now = time.monotonic()
-            due = [r for r in due_held if not r.signal.aborted and now - r.renewed_at >= interval * 0.95]
+            now = self._clock()
+            due = [r for r in due_held if not r.signal.aborted and now - r.lease.renewed_at >= interval * 0.95]
             if not due:
                 continue
             try:

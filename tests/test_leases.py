@@ -1,0 +1,168 @@
+"""The runtime's local lease: counted from when the claim was sent, never started too late."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkContext, WorkMessage
+from fastapi_workqueue.core.envelope import prepare
+from fastapi_workqueue.core.handlers import HandlerRegistry, call_plain
+from fastapi_workqueue.core.leases import LocalLease, start_margin
+from fastapi_workqueue.core.runtime import Consumer
+from fastapi_workqueue.core.settler import Settler
+from fastapi_workqueue.core.transport import ClaimedDelivery
+from fastapi_workqueue.database.postgres import PostgresTransport
+
+from .conftest import unique
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_the_margin_is_a_fifth_of_the_lease_up_to_thirty_seconds() -> None:
+    assert start_margin(2.0) == pytest.approx(0.4)
+    assert start_margin(60.0) == pytest.approx(12.0)
+    assert start_margin(3600.0) == 30.0
+    assert start_margin(0.2) == pytest.approx(0.04)
+
+
+def test_a_lease_counts_from_the_send_and_a_renewal_never_moves_it_back() -> None:
+    lease = LocalLease.claimed(sent_at=100.0, lease_seconds=2.0)
+    assert lease.deadline == 102.0
+    assert lease.can_start(now=101.0)  # the answer came after 1 s: 1 s left, the margin is 0.4 s
+    assert not lease.can_start(now=101.7)  # 0.3 s left
+    assert not lease.can_start(now=103.0)  # stalled past the lease
+    lease.renew(sent_at=101.5)
+    assert lease.deadline == 103.5
+    lease.renew(sent_at=101.0)  # an older heartbeat's answer arriving late
+    assert lease.deadline == 103.5
+    lease.renew(sent_at=102.0, lease_seconds=10.0)  # the subscription's lease was changed
+    assert lease.deadline == 112.0 and lease.remaining(now=111.0) == 1.0
+
+
+class SteppingClock:
+    """A monotonic clock that a test moves forward, as a stalled process would see it."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
+class StallAfterClaim(PostgresTransport):
+    """The real store; this process "stalls" for ``stall`` seconds once a claim's answer arrived."""
+
+    def __init__(self, url: str, clock: SteppingClock, stall: float) -> None:
+        super().__init__(url, listen=False, pool_max_size=2)
+        self.clock = clock
+        self.stall = stall
+
+    async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
+        batch = await super().claim(subscription, limit)
+        if batch:
+            self.clock.offset += self.stall
+            self.stall = 0.0
+        return batch
+
+
+@pytest.mark.parametrize(("stall", "runs"), [(3.0, False), (0.5, True)])
+async def test_a_delivery_claimed_before_a_stall_longer_than_its_lease_is_given_back_not_run(
+    pg_url: str, stall: float, runs: bool
+) -> None:
+    clock = SteppingClock()
+    transport = StallAfterClaim(pg_url, clock, stall)
+    topic, name = unique("topic"), unique("sub")
+    ran: list[int] = []
+    registry = HandlerRegistry()
+
+    async def handle(message: WorkMessage[Any]) -> None:
+        ran.append(message.attempt)
+
+    registry.add("h", handle)
+    await transport.open()
+    try:
+        await transport.sync_topology(
+            [Topic(name=topic)], [Subscription(name=name, topic=topic, handler_key="h", lease_seconds=2)]
+        )
+        [state] = [s for s in await transport.list_subscriptions() if s.name == name]
+        [result] = await transport.publish(topic, [prepare(PublishRequest(payload=1))])
+        settler = Settler(transport)
+        consumer = Consumer(transport, settler, state, registry.get, call_plain, max_deliveries=1, clock=clock)
+        consumer.start()
+        await asyncio.wait_for(consumer.wait_finished(), 10)
+        await consumer.stop(0)
+        await settler.close()
+        [info] = await transport.list_deliveries(name, "Completed" if runs else "Pending")
+        assert info.message_id == result.message_id
+        if runs:
+            assert ran == [1]
+        else:
+            # Never started, and given back without spending the attempt: the next claim is attempt 1.
+            assert ran == [] and info.attempt == 0
+    finally:
+        await transport.close()
+
+
+async def test_the_end_of_an_attempt_leaves_the_next_attempt_of_the_same_delivery_alone(pg_url: str) -> None:
+    """Attempt 1 lost its lease and is still winding down when this consumer claims the delivery
+    again: attempt 1 ending must not take attempt 2's lease off the heartbeat list."""
+    transport = PostgresTransport(pg_url, listen=False, pool_max_size=3)
+    topic, name = unique("topic"), unique("sub")
+    first_started, second_started = asyncio.Event(), asyncio.Event()
+    outcomes: dict[int, str] = {}
+    registry = HandlerRegistry()
+
+    async def handle(message: WorkMessage[Any], context: WorkContext) -> None:
+        if context.attempt == 1:
+            first_started.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                outcomes[1] = f"aborted {context.signal.reason.value}"
+                await asyncio.wait_for(second_started.wait(), 10)  # winds down slowly
+            return
+        second_started.set()
+        try:
+            await asyncio.sleep(3.0)  # longer than the lease: lives on heartbeats
+        except asyncio.CancelledError:
+            outcomes[2] = f"aborted {context.signal.reason.value}"
+            raise
+        outcomes[2] = "done"
+
+    registry.add("h", handle)
+    await transport.open()
+    try:
+        await transport.sync_topology(
+            [Topic(name=topic)],
+            [Subscription(name=name, topic=topic, handler_key="h", lease_seconds=1.2, max_attempts=5)],
+        )
+        [state] = [s for s in await transport.list_subscriptions() if s.name == name]
+        await transport.publish(topic, [prepare(PublishRequest(payload=1))])
+        settler = Settler(transport)
+        consumer = Consumer(transport, settler, state, registry.get, call_plain, concurrency=2, idle_poll_max=0.2)
+        consumer.start()
+        try:
+            await asyncio.wait_for(first_started.wait(), 10)
+            # The store takes the lease back (as after a stall of the holder) and requeues it.
+            await transport.run_in_connection(lambda conn: conn.execute(
+                "UPDATE workqueue.delivery SET lease_expires_at = now() - interval '1 second' "
+                "WHERE subscription_id = (SELECT id FROM workqueue.subscription WHERE name = $1)", name))
+            assert (await transport.sweep()).expired == 1
+            consumer.wake()
+            await asyncio.wait_for(second_started.wait(), 10)
+            for _ in range(500):
+                if 2 in outcomes:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await consumer.stop(1)
+            await settler.close()
+        assert outcomes == {1: "aborted LeaseLost", 2: "done"}
+        [info] = await transport.list_deliveries(name, "Completed")
+        assert info.attempt == 2
+    finally:
+        await transport.close()
