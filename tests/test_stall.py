@@ -1,0 +1,143 @@
+"""A worker stopped (SIGSTOP) inside its claim for longer than the lease never runs what it claimed
+alongside the worker that took it over: no delivery in two handlers at once, no key with two holders.
+
+Worker A claims three keys' heads and stops itself inside the claim, after the store committed it
+(tests/apps/stall_app.py). Worker B starts; its sweeper expires A's leases and B runs the
+deliveries. Once B's handlers are running, A is continued with SIGCONT. A must give the deliveries
+back instead of starting them. Every handler run is recorded with wall-clock start and end times
+by both processes; no two runs of one delivery, and no two runs of one key, may overlap. The test
+runs on PostgreSQL and on an SQLite file shared by both processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import signal
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue, WorkQueueSettings
+
+from .conftest import unique
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[1]
+LEASE_SECONDS = 2.0
+HANDLER_SECONDS = 3.0
+KEYS = 3
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
+    return str(request.getfixturevalue("pg_url"))
+
+
+def runs(record: Path) -> list[dict[str, Any]]:
+    """Each handler run: its delivery, key, attempt, process, start and end."""
+    started: dict[tuple[Any, ...], dict[str, Any]] = {}
+    done = []
+    for line in record.read_text().splitlines():
+        event = json.loads(line)
+        ident = (event["pid"], event["delivery_id"], event["attempt"])
+        if event["event"] == "start":
+            started[ident] = event
+        else:
+            done.append({**started.pop(ident), "end": event["at"], "reason": event["reason"]})
+    assert not started, f"handler runs without an end: {started}"
+    return done
+
+
+def overlaps(spans: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    spans = sorted(spans, key=lambda r: r["at"])
+    return [(a, b) for a, b in itertools.pairwise(spans) if b["at"] < a["end"]]
+
+
+async def test_a_worker_stalled_inside_its_claim_past_the_lease_runs_nothing_twice(
+    database_url: str, tmp_path: Path
+) -> None:
+    topic, name = unique("stall-topic"), unique("stall-sub")
+    record, marker = tmp_path / "runs.jsonl", tmp_path / "stopped"
+    record.touch()
+    env = {
+        **os.environ, "WORKQUEUE_DATABASE_URL": database_url, "STALL_APP_TOPIC": topic, "STALL_APP_SUBSCRIPTION": name,
+        "STALL_APP_LEASE_SECONDS": str(LEASE_SECONDS), "STALL_APP_HANDLER_SECONDS": str(HANDLER_SECONDS),
+        "STALL_APP_RECORD": str(record), "PYTHONPATH": str(ROOT),
+    }
+    queue = WorkQueue(
+        WorkQueueSettings(database_url=database_url, auto_migrate=True, enabled=False),
+        topics=[Topic(name=topic)],
+        subscriptions=[Subscription(name=name, topic=topic, handler_key="stall.record", partition_mode="Exclusive",
+                                    lease_seconds=LEASE_SECONDS, max_attempts=10)],
+    )
+    command = [sys.executable, "-m", "fastapi_workqueue", "work", "--app", "tests.apps.stall_app:queue",
+               "--subscription", name]
+    workers: list[asyncio.subprocess.Process] = []
+    async with queue.lifespan(None):
+        await queue.publish(topic, [PublishRequest(partition_key=f"k{i}", payload=i) for i in range(KEYS)])
+        try:
+            a = await asyncio.create_subprocess_exec(
+                *command, env={**env, "STALL_APP_STOP_MARKER": str(marker)}, cwd=ROOT,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+            )
+            workers.append(a)
+            await _until(marker.exists, "worker A to claim and stop")
+            stalled = json.loads(marker.read_text())
+            assert len(stalled) == KEYS
+            b = await asyncio.create_subprocess_exec(
+                *command, env=env, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+            )
+            workers.append(b)
+            # B's sweeper takes the expired leases back and B runs what A claimed.
+            await _until(lambda: _started_by(record, b.pid) >= KEYS, "worker B to run A's deliveries")
+            os.kill(a.pid, signal.SIGCONT)
+            await _until(lambda: _completed(record) >= KEYS, "every delivery to complete")
+            await asyncio.sleep(LEASE_SECONDS)  # time for A to do whatever it would do
+        finally:
+            for proc in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)
+                    proc.send_signal(signal.SIGTERM)
+            for proc in workers:
+                _, stderr = await asyncio.wait_for(proc.communicate(), 30)
+                assert proc.returncode == 0, stderr.decode()
+        [stats] = await queue.stats(name)
+        assert (stats.completed, stats.pending, stats.in_flight) == (KEYS, 0, 0)
+    done = runs(record)
+    by_delivery: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for run in done:
+        by_delivery[run["delivery_id"]].append(run)
+        by_key[run["key"]].append(run)
+    assert sorted(by_delivery) == sorted(stalled)
+    assert all(not overlaps(spans) for spans in by_delivery.values()), by_delivery
+    assert all(not overlaps(spans) for spans in by_key.values()), by_key
+    assert {r["pid"] for r in done if r["reason"] is None} == {b.pid}, done
+
+
+def _started_by(record: Path, pid: int | None) -> int:
+    return sum(1 for line in record.read_text().splitlines()
+               if (e := json.loads(line))["event"] == "start" and e["pid"] == pid)
+
+
+def _completed(record: Path) -> int:
+    return sum(1 for line in record.read_text().splitlines()
+               if (e := json.loads(line))["event"] == "end" and e["reason"] is None)
+
+
+async def _until(check: Any, what: str, within: float = 30.0) -> None:
+    for _ in range(int(within / 0.05)):
+        if check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
