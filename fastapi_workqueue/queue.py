@@ -167,7 +167,8 @@ class WorkQueue:
             from .database import create_database_transport
 
             self._transport = create_database_transport(
-                self._database_url(), pool_max_size=self.settings.pool_size, listen=self.settings.listen
+                self._database_url(), pool_max_size=self.settings.pool_size, listen=self.settings.listen,
+                sqlite_busy_timeout_ms=self.settings.sqlite_busy_timeout_ms,
             )
         return self._transport
 

@@ -44,6 +44,10 @@ class WorkQueueSettings(BaseSettings):
     """Write the topics and subscriptions declared in code to the database at start-up."""
     pool_size: int = Field(default=10, ge=1)
     """Connections the queue keeps to the database (besides one for LISTEN in a process that consumes)."""
+    sqlite_busy_timeout_ms: int = Field(default=30000, ge=1)
+    """SQLite: how long one operation waits in all for the file's write lock (behind this process's
+    other callers, in SQLite's busy handler and between attempts) before it fails with a
+    retryable error. Every call has this one bound, whatever the number of callers."""
     listen: bool = True
     """Wake idle consumers with LISTEN/NOTIFY on PostgreSQL (polling stays as the fallback). The
     LISTEN connection opens with the first consumer: a process that only publishes has none."""

@@ -7,13 +7,16 @@ from typing import Any
 from ..core.errors import ConfigurationError
 
 
-def create_database_transport(url: str, **options: Any) -> Any:
+def create_database_transport(url: str, *, sqlite_busy_timeout_ms: int | None = None, **options: Any) -> Any:
     """A transport for ``url``: ``postgresql+asyncpg://…``, ``sqlite+aiosqlite:///file.db`` or
-    ``mssql+aioodbc://…`` (aioodbc is imported when the SQL Server transport opens)."""
+    ``mssql+aioodbc://…`` (aioodbc is imported when the SQL Server transport opens).
+    ``sqlite_busy_timeout_ms`` bounds each SQLite operation's wait for the file's write lock."""
     scheme = url.partition("://")[0].split("+", 1)[0].lower()
     if scheme == "sqlite":
         from .sqlite import SqliteTransport
 
+        if sqlite_busy_timeout_ms is not None:
+            options["busy_timeout_ms"] = sqlite_busy_timeout_ms
         return SqliteTransport(url, **options)
     if scheme in ("postgresql", "postgres"):
         try:

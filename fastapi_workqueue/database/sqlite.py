@@ -25,12 +25,14 @@ from typing import Any
 from ..core.errors import ConfigurationError, TransportError
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
-from .errors import with_retries
 from .routines import RoutineTransport, Row
 from .sql_files import migrations, read
 from .sqlite_routines import READ_ONLY, ROUTINES, Call
 
-BUSY_TIMEOUT_MS = 10_000
+BUSY_TIMEOUT_MS = 30_000
+"""How long one operation waits for the file's write lock in all (``WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS``):
+behind this process's other callers, inside SQLite's busy handler, and between attempts."""
+RETRY_PAUSE_SECONDS = 0.05
 
 _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
 
@@ -165,13 +167,17 @@ class SqliteTransport(RoutineTransport):
         ),
     )
 
-    def __init__(self, url: str, **_options: Any) -> None:
+    def __init__(self, url: str, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS, **_options: Any) -> None:
         super().__init__()
+        if busy_timeout_ms < 1:
+            raise ConfigurationError(f"the SQLite busy timeout must be at least 1 ms, got {busy_timeout_ms}")
         self.url = url
         self.path = sqlite_path(url)
+        self.busy_timeout = busy_timeout_ms / 1000
         self._conn: Any = None
         self._lock = asyncio.Lock()
         self._queries = load_queries()
+        self._busy_ms = busy_timeout_ms  # what the connection's PRAGMA busy_timeout is set to
 
     async def open(self) -> None:
         if self._conn is not None:
@@ -186,12 +192,12 @@ class SqliteTransport(RoutineTransport):
                 "create it, or " + _FILE_URL_HINT + " in a directory that exists"
             )
         try:
-            conn = await aiosqlite.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+            conn = await aiosqlite.connect(self.path, isolation_level=None, timeout=self.busy_timeout)
         except sqlite3.Error as exc:
             raise ConfigurationError(f"cannot open the SQLite file {self.path!r}: {exc}") from exc
         try:
-            await conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            row = await _switch_to_wal(conn)
+            await conn.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
+            row = await _switch_to_wal(conn, self.busy_timeout)
             mode = str(row[0]).lower() if row else "unknown"
             if mode != "wal":
                 # Without WAL, readers block the writer and "database is locked" errors follow.
@@ -249,8 +255,13 @@ class SqliteTransport(RoutineTransport):
             return applied
 
     @contextlib.asynccontextmanager
-    async def _transaction(self, *, write: bool = True) -> Any:
+    async def _transaction(self, *, write: bool = True, deadline: float | None = None) -> Any:
         """One transaction on the transport's connection, one at a time in this process.
+
+        ``deadline`` (monotonic) bounds the whole wait for the write lock: for this process's
+        other callers first, then in SQLite's busy handler, whose timeout is lowered to what is
+        left. Past it the call fails with a retryable :class:`TransportError` and nothing of it
+        was applied.
 
         ``BEGIN`` and ``COMMIT`` are inside the ``try``: aiosqlite runs statements on its own
         thread in order, so a caller cancelled while ``BEGIN IMMEDIATE`` waits for another
@@ -261,7 +272,15 @@ class SqliteTransport(RoutineTransport):
         conn = self._conn
         if conn is None:
             raise RuntimeError("the transport is not open; use it inside the WorkQueue's lifespan")
-        async with self._lock:
+        if deadline is None:
+            deadline = time.monotonic() + self.busy_timeout
+        try:
+            await asyncio.wait_for(self._lock.acquire(), timeout=max(deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            raise self._busy() from None
+        try:
+            if write:
+                await self._wait_at_most(conn, deadline)
             try:
                 await conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
                 yield conn
@@ -270,6 +289,25 @@ class SqliteTransport(RoutineTransport):
                 with contextlib.suppress(Exception):  # "no transaction is active" when BEGIN failed
                     await conn.execute("ROLLBACK")
                 raise
+        finally:
+            self._lock.release()
+
+    async def _wait_at_most(self, conn: Any, deadline: float) -> None:
+        """Lowers SQLite's busy timeout to what is left before ``deadline`` (and restores it when a
+        later call has the whole bound again), so the busy handler never waits past it."""
+        left = max(int((deadline - time.monotonic()) * 1000), 1)
+        full = int(self.busy_timeout * 1000)
+        wanted = left if left < full - 100 else full
+        if wanted != self._busy_ms:
+            await conn.execute(f"PRAGMA busy_timeout = {wanted}")
+            self._busy_ms = wanted
+
+    def _busy(self) -> TransportError:
+        return TransportError(
+            f"the SQLite file {self.path!r} is busy: its write lock was not free within "
+            f"{self.busy_timeout:g} s (WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS); nothing of this call was applied, "
+            "retry it", retryable=True,
+        )
 
     async def call(
         self, routine: str, *, retry: bool = True, session: Any = None, **params: Any
@@ -293,9 +331,11 @@ class SqliteTransport(RoutineTransport):
                 self._wake_after_commit(session, call.wake)
             return rows
 
+        deadline = time.monotonic() + self.busy_timeout
+
         async def run() -> Sequence[Row]:
             try:
-                async with self._transaction(write=routine not in READ_ONLY) as conn:
+                async with self._transaction(write=routine not in READ_ONLY, deadline=deadline) as conn:
                     call = Call(_ConnectionExecutor(conn, self._queries), time.time())
                     rows = await fn(call, **params)
             except (sqlite3.Error, ValueError) as exc:
@@ -304,9 +344,15 @@ class SqliteTransport(RoutineTransport):
                 self._dispatch_wakeup(str(subscription_id))
             return rows
 
-        if retry:
-            return await with_retries(operation, run)
-        return await run()
+        # One bound for the whole call, however many callers wait in this process: a busy file
+        # is tried again while time is left, then the call fails with a retryable error.
+        while True:
+            try:
+                return await run()
+            except TransportError as exc:
+                if not (retry and exc.retryable) or time.monotonic() + RETRY_PAUSE_SECONDS >= deadline:
+                    raise
+            await asyncio.sleep(RETRY_PAUSE_SECONDS)
 
     def _wake_after_commit(self, session: Any, subscription_ids: set[int]) -> None:
         """Wakes this process's consumers when the caller's transaction commits (what NOTIFY does
@@ -342,13 +388,13 @@ def _mapped(exc: BaseException, operation: str) -> Exception:
     return TransportError(f"{operation}: {text}", retryable="locked" in text or "busy" in text)
 
 
-async def _switch_to_wal(conn: Any) -> Any:
+async def _switch_to_wal(conn: Any, wait_seconds: float) -> Any:
     """``PRAGMA journal_mode = WAL``, tried again while another process holds the file's lock.
 
     Two processes opening a new file at once both switch it; SQLite may answer "database is
     locked" at once instead of waiting out the busy timeout, since waiting could deadlock.
     """
-    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    deadline = time.monotonic() + wait_seconds
     while True:
         try:
             cursor = await conn.execute("PRAGMA journal_mode = WAL")

@@ -1,0 +1,112 @@
+"""SQLite: every operation waits for the file's write lock within one bound, however many callers
+of one process wait at once, and then fails with a retryable error; nothing is lost meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from fastapi_workqueue import PublishRequest, Subscription, Topic, TransportError
+from fastapi_workqueue.core.envelope import prepare
+from fastapi_workqueue.database import create_database_transport
+from fastapi_workqueue.database.sqlite import SqliteTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+BOUND_MS = 1500
+PUBLISHERS = 5
+
+HOLD_LOCK = """
+import sqlite3, sys, time
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+conn.execute("ROLLBACK")
+"""
+
+
+@asynccontextmanager
+async def write_lock_held_elsewhere(path: str, seconds: float) -> AsyncIterator[asyncio.subprocess.Process]:
+    """Another process holds the file's write lock for ``seconds``."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", HOLD_LOCK, path, str(seconds), stdout=asyncio.subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    assert (await proc.stdout.readline()).strip() == b"held"
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+
+async def queue_file(tmp_path: Path) -> tuple[SqliteTransport, str]:
+    transport = create_database_transport(
+        f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}", sqlite_busy_timeout_ms=BOUND_MS
+    )
+    assert isinstance(transport, SqliteTransport)
+    await transport.open()
+    await transport.migrate()
+    await transport.sync_topology([Topic(name="t")], [Subscription(name="s", topic="t", handler_key="h")])
+    return transport, "t"
+
+
+async def timed_publish(transport: SqliteTransport, topic: str, n: int) -> tuple[float, BaseException | None]:
+    started = time.monotonic()
+    try:
+        await transport.publish(topic, [prepare(PublishRequest(payload=n))])
+    except TransportError as exc:
+        return time.monotonic() - started, exc
+    return time.monotonic() - started, None
+
+
+async def test_concurrent_callers_each_fail_within_the_bound_while_another_process_holds_the_lock(
+    tmp_path: Path,
+) -> None:
+    transport, topic = await queue_file(tmp_path)
+    try:
+        async with write_lock_held_elsewhere(transport.path, 20):
+            outcomes = await asyncio.gather(*(timed_publish(transport, topic, n) for n in range(PUBLISHERS)))
+        for waited, error in outcomes:
+            assert isinstance(error, TransportError) and error.retryable, error
+            assert "busy" in str(error) or "locked" in str(error), error
+            # One bound per call, not one per caller queued ahead of it (slack for a loaded machine).
+            assert waited <= BOUND_MS / 1000 + 1.0, outcomes
+        [stats] = await transport.stats("s")
+        assert stats.pending == 0  # a refused call wrote nothing
+        # The file is free again: the same calls go through.
+        outcomes = await asyncio.gather(*(timed_publish(transport, topic, n) for n in range(PUBLISHERS)))
+        assert [error for _, error in outcomes] == [None] * PUBLISHERS
+        [stats] = await transport.stats("s")
+        assert stats.pending == PUBLISHERS
+    finally:
+        await transport.close()
+
+
+async def test_a_lock_held_for_less_than_the_bound_only_delays_the_callers(tmp_path: Path) -> None:
+    transport, topic = await queue_file(tmp_path)
+    try:
+        async with write_lock_held_elsewhere(transport.path, 0.5) as holder:
+            outcomes = await asyncio.gather(*(timed_publish(transport, topic, n) for n in range(PUBLISHERS)))
+            await holder.wait()
+        assert [error for _, error in outcomes] == [None] * PUBLISHERS
+        [stats] = await transport.stats("s")
+        assert stats.pending == PUBLISHERS
+    finally:
+        await transport.close()
+
+
+def test_the_bound_is_a_setting() -> None:
+    from fastapi_workqueue import WorkQueue, WorkQueueSettings
+
+    queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///x.db", sqlite_busy_timeout_ms=2500))
+    transport = queue.transport
+    assert isinstance(transport, SqliteTransport) and transport.busy_timeout == 2.5
