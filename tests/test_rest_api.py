@@ -58,7 +58,8 @@ ROLES = {
     "dl": {"max_attempts": 1},
     "excl": {"partition_mode": "Exclusive", "max_attempts": 1},
     "ord": {"partition_mode": "Ordered", "max_attempts": 1},
-    "slow": {"lease_seconds": 0.9},
+    # The handler renews its own lease, so the cancel reaches it at once and a long lease cannot run out.
+    "slow": {"lease_seconds": 60, "heartbeat_mode": "Manual"},
 }
 
 
@@ -125,7 +126,10 @@ async def api(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) -> A
     async def slow(message: WorkMessage[Any], context: WorkContext) -> WorkOutcome:
         started.set()
         try:
-            await asyncio.sleep(30)
+            for _ in range(600):  # the heartbeat that reports the cancel aborts the handler
+                if not await context.heartbeat():
+                    break
+                await asyncio.sleep(0.05)
         finally:
             reasons.append(context.signal.reason)
         return Outcome.complete()

@@ -1,4 +1,9 @@
-"""The transports the conformance suite runs on. Each case runs once per transport."""
+"""The transports the conformance suite runs on. Each case runs once per transport.
+
+Each harness moves a delivery's stored times with a direct statement on its own database
+(:meth:`Harness.advance`): PostgreSQL through asyncpg as the owner, SQLite through a connection
+to the file, SQL Server through the harness's engine.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,13 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import aiosqlite
 import asyncpg
 import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from fastapi_workqueue.database.mssql import MssqlTransport
@@ -35,6 +42,18 @@ class _SessionHarness:
         async with AsyncSession(self.engine) as session, session.begin():
             yield session
 
+    async def advance(self, delivery_id: str, seconds: float) -> None:
+        raise NotImplementedError
+
+    async def advance_deduplication(self, topic: str, key: str, seconds: float) -> None:
+        raise NotImplementedError
+
+    async def expire_lease(self, delivery_id: str) -> None:
+        info = await self.transport.get_delivery(delivery_id)
+        assert info is not None and info.status == "InFlight" and info.lease_expires_at is not None, info
+        remaining = (info.lease_expires_at - datetime.now(UTC)).total_seconds()
+        await self.advance(delivery_id, max(remaining, 0.0) + 1.0)
+
 
 @dataclass
 class PostgresHarness(_SessionHarness):
@@ -49,6 +68,46 @@ class PostgresHarness(_SessionHarness):
                 yield
         finally:
             await conn.close()
+
+    async def advance(self, delivery_id: str, seconds: float) -> None:
+        conn = await asyncpg.connect(to_asyncpg_dsn(self.url))
+        try:
+            moved = await conn.fetchval(
+                """
+                WITH d AS (
+                    UPDATE workqueue.delivery
+                    SET visible_at = visible_at - make_interval(secs => $2),
+                        lease_expires_at = lease_expires_at - make_interval(secs => $2),
+                        claimed_at = claimed_at - make_interval(secs => $2),
+                        settled_at = settled_at - make_interval(secs => $2),
+                        created_at = created_at - make_interval(secs => $2)
+                    WHERE id = $1
+                    RETURNING id
+                ), p AS (
+                    UPDATE workqueue.partition
+                    SET next_visible_at = next_visible_at - make_interval(secs => $2)
+                    WHERE next_id = $1
+                    RETURNING 1
+                )
+                SELECT count(*) FROM d
+                """,
+                int(delivery_id), float(seconds),
+            )
+        finally:
+            await conn.close()
+        assert moved == 1, f"no delivery {delivery_id}"
+
+    async def advance_deduplication(self, topic: str, key: str, seconds: float) -> None:
+        conn = await asyncpg.connect(to_asyncpg_dsn(self.url))
+        try:
+            status = await conn.execute(
+                "UPDATE workqueue.deduplication SET expires_at = expires_at - make_interval(secs => $3) "
+                "WHERE topic = $1 AND deduplication_key = $2",
+                topic, key, float(seconds),
+            )
+        finally:
+            await conn.close()
+        assert status == "UPDATE 1", f"no deduplication key {key!r} on {topic}"
 
 
 @dataclass
@@ -70,6 +129,34 @@ class SqliteHarness(_SessionHarness):
                 await conn.execute("DELETE FROM lock WHERE holder = 'elsewhere'")
                 await conn.commit()
 
+    async def advance(self, delivery_id: str, seconds: float) -> None:
+        # Times are epoch seconds (REAL); NULL minus a number stays NULL.
+        async with aiosqlite.connect(self.transport.path, timeout=10) as conn:
+            params = {"id": int(delivery_id), "s": float(seconds)}
+            cursor = await conn.execute(
+                "UPDATE delivery SET visible_at = visible_at - :s, lease_expires_at = lease_expires_at - :s, "
+                "claimed_at = claimed_at - :s, settled_at = settled_at - :s, created_at = created_at - :s "
+                "WHERE id = :id",
+                params,
+            )
+            moved = cursor.rowcount
+            await conn.execute(
+                "UPDATE partition SET next_visible_at = next_visible_at - :s WHERE next_id = :id", params
+            )
+            await conn.commit()
+        assert moved == 1, f"no delivery {delivery_id}"
+
+    async def advance_deduplication(self, topic: str, key: str, seconds: float) -> None:
+        async with aiosqlite.connect(self.transport.path, timeout=10) as conn:
+            cursor = await conn.execute(
+                "UPDATE deduplication SET expires_at = expires_at - :s "
+                "WHERE topic = :topic AND deduplication_key = :key",
+                {"topic": topic, "key": key, "s": float(seconds)},
+            )
+            moved = cursor.rowcount
+            await conn.commit()
+        assert moved == 1, f"no deduplication key {key!r} on {topic}"
+
 
 @dataclass
 class MssqlHarness(_SessionHarness):
@@ -90,6 +177,33 @@ class MssqlHarness(_SessionHarness):
                 yield
             finally:
                 await cur.execute("IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION")
+
+    async def advance(self, delivery_id: str, seconds: float) -> None:
+        # DATEADD takes an int: milliseconds reach 24 days.
+        params = {"id": int(delivery_id), "ms": round(seconds * 1000)}
+        async with self.engine.begin() as conn:
+            moved = (await conn.execute(text(
+                "UPDATE workqueue.delivery SET visible_at = DATEADD(millisecond, -:ms, visible_at), "
+                "lease_expires_at = DATEADD(millisecond, -:ms, lease_expires_at), "
+                "claimed_at = DATEADD(millisecond, -:ms, claimed_at), "
+                "settled_at = DATEADD(millisecond, -:ms, settled_at), "
+                "created_at = DATEADD(millisecond, -:ms, created_at) "
+                "WHERE id = :id"
+            ), params)).rowcount
+            await conn.execute(text(
+                "UPDATE workqueue.partition SET next_visible_at = DATEADD(millisecond, -:ms, next_visible_at) "
+                "WHERE next_id = :id"
+            ), params)
+        assert moved == 1, f"no delivery {delivery_id}"
+
+    async def advance_deduplication(self, topic: str, key: str, seconds: float) -> None:
+        params = {"topic": topic, "key": key, "ms": round(seconds * 1000)}
+        async with self.engine.begin() as conn:
+            moved = (await conn.execute(text(
+                "UPDATE workqueue.deduplication SET expires_at = DATEADD(millisecond, -:ms, expires_at) "
+                "WHERE topic = :topic AND deduplication_key = :key"
+            ), params)).rowcount
+        assert moved == 1, f"no deduplication key {key!r} on {topic}"
 
 
 @pytest.fixture(params=["postgresql", "sqlite", "mssql"])

@@ -1,7 +1,9 @@
 """What the conformance suite needs from a transport beyond the Transport contract.
 
 Each transport under test provides a :class:`Harness`: the transport itself, a way to open a
-caller's transaction (C08) and a way to hold the sweep lock (C32).
+caller's transaction (C08), a way to hold the sweep lock (C32) and a clock for one delivery
+(:meth:`Harness.advance`, :meth:`Harness.expire_lease`), so that a case about a lease or a delay
+moves the stored deadline into the past instead of sleeping until it passes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,22 @@ class Harness(Protocol):
 
     def hold_sweep_lock(self) -> AbstractAsyncContextManager[None]:
         """Holds the sweep lock as another process's pass would."""
+        ...
+
+    async def advance(self, delivery_id: str, seconds: float) -> None:
+        """Lets ``seconds`` pass for one delivery: a direct SQL statement on the database under test
+        moves its stored times (lease deadline, visibility, claim, settle and creation times, and
+        its key's copy of its visibility) that far into the past, so the sweeper and claims see it
+        exactly as they would after waiting. The database's clock and other rows are untouched."""
+        ...
+
+    async def expire_lease(self, delivery_id: str) -> None:
+        """Lets the InFlight delivery's lease run out: :meth:`advance` one second past its deadline."""
+        ...
+
+    async def advance_deduplication(self, topic: str, key: str, seconds: float) -> None:
+        """Lets ``seconds`` pass for one deduplication key of a topic: its stored expiry moves that
+        far into the past, as waiting out its TTL would."""
         ...
 
 

@@ -15,10 +15,14 @@ pytestmark = pytest.mark.timeout(60)
 
 
 async def test_c31_retention_purges_terminal_only(harness: Harness) -> None:
+    """Completed and Discarded deliveries go once their retention has passed (the harness's clock
+    ages every delivery past it); Pending, InFlight and DeadLettered ones as old stay."""
+    retention = 3600
     world = await make_world(
-        harness.transport, [{"role": "a", "retention_seconds": 0.2, "max_attempts": 1, "lease_seconds": 30}]
+        harness.transport,
+        [{"role": "a", "retention_seconds": retention, "max_attempts": 1, "lease_seconds": 2 * retention}],
     )
-    results = await world.publish(*[PublishRequest(payload=i) for i in range(5)])
+    results = await world.publish(*[PublishRequest(payload=i) for i in range(6)])
     c = await world.claim("a", 4)
     await world.settle(c[0], "Complete")
     await world.settle(c[1], "DeadLetter", reason="x")
@@ -28,15 +32,28 @@ async def test_c31_retention_purges_terminal_only(harness: Harness) -> None:
     assert len(pending) == 1
     await world.settle(pending[0], "Release")
     in_flight = c[3]
-    await asyncio.sleep(0.35)
-    report = await harness.transport.sweep()
-    assert report.ran and report.purged_deliveries >= 2
-    assert await harness.transport.get_delivery(c[0].delivery_id) is None
-    assert await harness.transport.get_delivery(c[2].delivery_id) is None
+    [sixth] = [d for d in await harness.transport.list_deliveries(world["a"], "Pending")
+               if d.delivery_id != pending[0].delivery_id]
+    assert (await harness.transport.discard(world["a"], sixth.delivery_id, "x")).result == "Discarded"
+    ids = [*(d.delivery_id for d in c), pending[0].delivery_id, sixth.delivery_id]
+
+    # Within retention nothing goes.
+    assert (await harness.transport.sweep()).ran
+    assert all([await harness.transport.get_delivery(i) is not None for i in ids])
+
+    for delivery_id in ids:
+        await harness.advance(delivery_id, retention + 1)
+    for _ in range(20):  # a pass purges at most its limit; other tests' rows may be due too
+        report = await harness.transport.sweep()
+        assert report.ran
+        if report.purged_deliveries == 0:
+            break
+    for gone in (c[0].delivery_id, c[2].delivery_id, sixth.delivery_id):
+        assert await harness.transport.get_delivery(gone) is None
     for kept, status in ((c[1], "DeadLettered"), (in_flight, "InFlight"), (pending[0], "Pending")):
         info = await harness.transport.get_delivery(kept.delivery_id)
         assert info is not None and info.status == status
-    assert len(results) == 5
+    assert len(results) == 6
 
 
 async def test_c31_retention_purges_messages_nothing_refers_to_by_their_topic(harness: Harness) -> None:
@@ -60,12 +77,23 @@ async def test_c31_retention_purges_messages_nothing_refers_to_by_their_topic(ha
 
 
 async def test_c32_two_sweepers_only_one_pass_runs(harness: Harness) -> None:
+    world = await make_world(
+        harness.transport,
+        [{"role": "a", "lease_seconds": 30, "max_attempts": 3, "backoff_base_seconds": 0, "backoff_max_seconds": 0}],
+    )
+    await world.publish_one(payload=1)
+    delivery = await world.claim_one("a")
+    await harness.expire_lease(delivery.delivery_id)
     async with harness.hold_sweep_lock():
         report = await harness.transport.sweep()
         assert report.ran is False
         assert report.expired == 0
+        # The pass that did not run did no work: the expired lease is still there.
+        assert await world.status(delivery.delivery_id) == "InFlight"
     reports = await asyncio.gather(*(harness.transport.sweep() for _ in range(4)))
     assert any(r.ran for r in reports)
+    assert sum(r.retried for r in reports) >= 1
+    assert await world.status(delivery.delivery_id) == "Pending"
     assert (await harness.transport.sweep()).ran
 
 
@@ -99,3 +127,39 @@ async def test_c33_stats_and_backlog_agree_with_deliveries(harness: Harness) -> 
     assert (stats.pending, stats.in_flight, stats.dead_lettered, stats.completed, stats.discarded) == (0, 0, 1, 6, 0)
     backlog = await harness.transport.backlog(world["x"])
     assert backlog is not None and backlog.backlog == 0
+
+
+async def test_c33_stats_count_every_state_and_a_blocked_ordered_key_not_at_all(harness: Harness) -> None:
+    world = await make_world(harness.transport, [{"role": "o", "partition_mode": "Ordered", "max_attempts": 1}])
+    # key a: 3 deliveries, key b: 2, no key: 3
+    await world.publish(
+        *[PublishRequest(partition_key="a", payload=i) for i in range(3)],
+        *[PublishRequest(partition_key="b", payload=i) for i in range(2)],
+        *[PublishRequest(payload=i) for i in range(3)],
+    )
+    claimed = await world.claim("o", 10)
+    assert sorted(c.partition_key or "-" for c in claimed) == ["-", "-", "-", "a", "b"]  # the heads only
+    head_a = next(c for c in claimed if c.partition_key == "a")
+    head_b = next(c for c in claimed if c.partition_key == "b")
+    completed, in_flight, released = [c for c in claimed if c.partition_key is None]
+    assert await world.settle(head_a, "DeadLetter", reason="poison") == "DeadLettered"  # blocks key a
+    assert await world.settle(head_b, "Release") == "Pending"
+    assert await world.settle(completed) == "Completed"
+    assert await world.settle(released, "Release") == "Pending"
+    assert (await harness.transport.discard(world["o"], released.delivery_id, "x")).result == "Discarded"
+
+    [stats] = await harness.transport.stats(world["o"])
+    # Pending: a1, a2 (behind a dead-lettered head), b0, b1; claimable: key b once, key a not at all.
+    assert (stats.pending, stats.claimable, stats.in_flight) == (4, 1, 1)
+    assert (stats.dead_lettered, stats.completed, stats.discarded) == (1, 1, 1)
+    backlog = await harness.transport.backlog(world["o"])
+    assert backlog is not None and (backlog.claimable, backlog.in_flight, backlog.backlog) == (1, 1, 2)
+
+    # Discarding the blocking head frees key a: it counts once too.
+    assert (await harness.transport.discard(world["o"], head_a.delivery_id, "skip")).result == "Discarded"
+    await world.settle(in_flight)
+    [stats] = await harness.transport.stats(world["o"])
+    assert (stats.pending, stats.claimable, stats.in_flight) == (4, 2, 0)
+    assert (stats.dead_lettered, stats.completed, stats.discarded) == (0, 2, 2)
+    backlog = await harness.transport.backlog(world["o"])
+    assert backlog is not None and (backlog.claimable, backlog.in_flight, backlog.backlog) == (2, 0, 2)

@@ -1,17 +1,25 @@
-"""Conformance C09–C13: claim, lease, heartbeat and fencing."""
+"""Conformance C09–C13: claim, lease, heartbeat and fencing.
+
+Leases are long (30 s) and run out through the harness's clock (``harness.advance``,
+``harness.expire_lease``), which moves the stored deadline into the past: no case sleeps for a
+lease, and none races one on a loaded machine. One case per transport still lets a short lease
+run out in real time (``test_c12_a_short_lease_runs_out_in_real_time``).
+"""
 
 from __future__ import annotations
 
-import asyncio
+import time
 
 import pytest
 
 from fastapi_workqueue import PublishRequest
 from fastapi_workqueue.core.transport import HeartbeatRequest, Settlement
 
-from .harness import Harness, make_world
+from .harness import Harness, eventually, make_world
 
 pytestmark = pytest.mark.timeout(60)
+
+LEASE = 30.0
 
 
 async def test_c09_claim_returns_at_most_limit_with_attempt_and_fresh_token(harness: Harness) -> None:
@@ -35,32 +43,41 @@ async def test_c09_claim_returns_at_most_limit_with_attempt_and_fresh_token(harn
 
 
 async def test_c10_heartbeat_renews_lease_and_stores_progress(harness: Harness) -> None:
-    world = await make_world(harness.transport, [{"role": "a", "lease_seconds": 0.6}])
+    world = await make_world(
+        harness.transport,
+        [{"role": "a", "lease_seconds": LEASE, "backoff_base_seconds": 0, "backoff_max_seconds": 0}],
+    )
     await world.publish_one(payload=1)
     delivery = await world.claim_one("a")
     for _ in range(4):
-        await asyncio.sleep(0.3)
+        await harness.advance(delivery.delivery_id, 20)  # two thirds of the lease
         [hb] = await harness.transport.heartbeat(
             [HeartbeatRequest(delivery.delivery_id, delivery.lease_token, 40, "m" * 500)]
         )
         assert hb.alive and not hb.cancel_requested
-    # 1.2 s after the claim, well past the first 0.6 s lease, nothing expired.
+    # 100 s after the claim, well past the first 30 s lease: the renewals kept it.
+    await harness.advance(delivery.delivery_id, 20)
     report = await harness.transport.sweep()
     assert report.ran
     info = await harness.transport.get_delivery(delivery.delivery_id)
     assert info is not None and info.status == "InFlight"
     assert info.progress_percent == 40 and info.progress_message == "m" * 500
-    assert await world.settle(delivery) == "Completed"
+    # Without a renewal the lease runs out 30 s after the last one.
+    await harness.advance(delivery.delivery_id, 11)
+    report = await harness.transport.sweep()
+    assert report.ran and report.retried >= 1
+    assert await world.status(delivery.delivery_id) == "Pending"
+    assert await world.settle(delivery) == "LeaseLost"
 
 
 async def test_c11_stale_token_changes_nothing_and_reports_lease_lost(harness: Harness) -> None:
     world = await make_world(
         harness.transport,
-        [{"role": "a", "lease_seconds": 0.2, "backoff_base_seconds": 0, "backoff_max_seconds": 0}],
+        [{"role": "a", "lease_seconds": LEASE, "backoff_base_seconds": 0, "backoff_max_seconds": 0}],
     )
     await world.publish_one(payload=1)
     old = await world.claim_one("a")
-    await asyncio.sleep(0.35)
+    await harness.expire_lease(old.delivery_id)
     await harness.transport.sweep()
     new = await world.claim_one("a")
     assert new.delivery_id == old.delivery_id and new.lease_token != old.lease_token
@@ -89,12 +106,19 @@ async def test_c11_forged_token_settle_is_rejected(harness: Harness) -> None:
 async def test_c12_expired_lease_makes_delivery_claimable_with_attempt_counted(harness: Harness) -> None:
     world = await make_world(
         harness.transport,
-        [{"role": "a", "lease_seconds": 0.2, "max_attempts": 3, "backoff_base_seconds": 0, "backoff_max_seconds": 0}],
+        [{"role": "a", "lease_seconds": LEASE, "max_attempts": 3, "backoff_base_seconds": 0,
+          "backoff_max_seconds": 0}],
     )
     await world.publish_one(payload=1)
     first = await world.claim_one("a")
     assert await world.claim("a") == []
-    await asyncio.sleep(0.35)
+    # A lease with time left is not taken back.
+    await harness.advance(first.delivery_id, LEASE - 5)
+    assert (await harness.transport.sweep()).ran
+    assert await world.status(first.delivery_id) == "InFlight"
+    assert await world.claim("a") == []
+
+    await harness.advance(first.delivery_id, 6)
     report = await harness.transport.sweep()
     assert report.ran and report.retried >= 1
     info = await harness.transport.get_delivery(first.delivery_id)
@@ -104,16 +128,43 @@ async def test_c12_expired_lease_makes_delivery_claimable_with_attempt_counted(h
     assert second.attempt == 2
 
 
+async def test_c12_a_short_lease_runs_out_in_real_time(harness: Harness) -> None:
+    """The real-time path: no harness clock, a 0.3 s lease, and sweeps until it is taken back."""
+    lease = 0.3
+    world = await make_world(
+        harness.transport,
+        [{"role": "a", "lease_seconds": lease, "max_attempts": 3, "backoff_base_seconds": 0,
+          "backoff_max_seconds": 0}],
+    )
+    await world.publish_one(payload=1)
+    began = time.monotonic()
+    first = await world.claim_one("a")
+
+    async def taken_back() -> bool:
+        await harness.transport.sweep()
+        return await world.status(first.delivery_id) == "Pending"
+
+    await eventually(taken_back, within=20, interval=0.05)
+    assert time.monotonic() - began >= lease  # never before the lease ran out
+    info = await harness.transport.get_delivery(first.delivery_id)
+    assert info is not None and info.attempt == 1 and info.reason == "lease expired"
+    second = await world.claim_one("a")
+    assert second.delivery_id == first.delivery_id and second.attempt == 2
+    assert await world.settle(first) == "LeaseLost"
+    assert await world.settle(second) == "Completed"
+
+
 async def test_c13_lease_expiring_on_final_attempt_dead_letters(harness: Harness) -> None:
     world = await make_world(
         harness.transport,
-        [{"role": "a", "lease_seconds": 0.2, "max_attempts": 2, "backoff_base_seconds": 0, "backoff_max_seconds": 0}],
+        [{"role": "a", "lease_seconds": LEASE, "max_attempts": 2, "backoff_base_seconds": 0,
+          "backoff_max_seconds": 0}],
     )
     await world.publish_one(payload=1)
     for attempt in (1, 2):
         delivery = await world.claim_one("a")
         assert delivery.attempt == attempt
-        await asyncio.sleep(0.35)
+        await harness.expire_lease(delivery.delivery_id)
         await harness.transport.sweep()
     info = await harness.transport.get_delivery(delivery.delivery_id)
     assert info is not None and info.status == "DeadLettered"

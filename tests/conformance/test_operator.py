@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from fastapi_workqueue import PublishRequest
@@ -51,7 +49,10 @@ async def test_c26_discard_pending_or_dead_lettered_keeps_reason(harness: Harnes
     assert (await harness.transport.discard(world["a"], dead.delivery_id, "again")).result == "AlreadyTerminal"
 
 
-async def test_c27_discard_in_flight_requests_cancel_then_discarded_never_retried(harness: Harness) -> None:
+@pytest.mark.parametrize("outcome", ["Complete", "Retry", "Fail", "DeadLetter", "Release"])
+async def test_c27_discard_in_flight_requests_cancel_then_discarded_never_retried(
+    harness: Harness, outcome: str
+) -> None:
     world = await make_world(
         harness.transport,
         [{"role": "x", "partition_mode": "Exclusive", "backoff_base_seconds": 0, "backoff_max_seconds": 0}],
@@ -65,19 +66,26 @@ async def test_c27_discard_in_flight_requests_cancel_then_discarded_never_retrie
     # The key stays busy until the holder returns ...
     assert await world.claim("x") == []
     # ... and whatever it returns, the delivery is Discarded and the key is free.
-    assert await world.settle(running, "Retry", reason="handler says retry", delay_seconds=0) == "Discarded"
+    settled = await world.settle(running, outcome, reason=f"handler says {outcome}", error="e", delay_seconds=0)
+    assert settled == "Discarded"
     info = await harness.transport.get_delivery(running.delivery_id)
     assert info is not None and info.status == "Discarded" and info.reason == "hung"
     nxt = await world.claim_one("x")
     assert nxt.delivery_id != running.delivery_id
+    await world.settle(nxt)
+    assert await world.claim("x") == []
 
 
 async def test_c28_cancel_requested_with_dead_holder_is_discarded_at_lease_expiry(harness: Harness) -> None:
-    world = await make_world(harness.transport, [{"role": "a", "lease_seconds": 0.2}])
+    world = await make_world(harness.transport, [{"role": "a", "lease_seconds": 30}])
     await world.publish_one(payload=1)
     delivery = await world.claim_one("a")
     assert (await harness.transport.discard(world["a"], delivery.delivery_id, "stuck")).cancel_requested
-    await asyncio.sleep(0.35)
+    # The holder is dead: nothing settles. Until the lease runs out the delivery stays InFlight.
+    await harness.advance(delivery.delivery_id, 25)
+    assert (await harness.transport.sweep()).ran
+    assert await world.status(delivery.delivery_id) == "InFlight"
+    await harness.expire_lease(delivery.delivery_id)
     report = await harness.transport.sweep()
     assert report.discarded >= 1
     assert await world.status(delivery.delivery_id) == "Discarded"

@@ -15,11 +15,11 @@ pytestmark = pytest.mark.timeout(60)
 
 
 async def test_c14_complete_is_never_delivered_again(harness: Harness) -> None:
-    world = await make_world(harness.transport, [{"role": "a", "lease_seconds": 0.2}])
+    world = await make_world(harness.transport, [{"role": "a", "lease_seconds": 30}])
     await world.publish_one(payload=1)
     delivery = await world.claim_one("a")
     assert await world.settle(delivery) == "Completed"
-    await asyncio.sleep(0.3)
+    await harness.advance(delivery.delivery_id, 60)  # past the lease it had and any retry delay
     await harness.transport.sweep()
     assert await world.claim("a") == []
     info = await harness.transport.get_delivery(delivery.delivery_id)
@@ -30,11 +30,13 @@ async def test_c15_retry_with_delay_is_invisible_until_the_delay_passes(harness:
     world = await make_world(harness.transport, [{"role": "a"}])
     await world.publish_one(payload=1)
     delivery = await world.claim_one("a")
-    assert await world.settle(delivery, "Retry", reason="rate limited", delay_seconds=0.5) == "Pending"
+    assert await world.settle(delivery, "Retry", reason="rate limited", delay_seconds=30) == "Pending"
     info = await harness.transport.get_delivery(delivery.delivery_id)
     assert info is not None and info.status == "Pending" and info.attempt == 1 and info.reason == "rate limited"
     assert await world.claim("a") == []
-    await asyncio.sleep(0.6)
+    await harness.advance(delivery.delivery_id, 25)
+    assert await world.claim("a") == []
+    await harness.advance(delivery.delivery_id, 6)
     again = await world.claim_one("a")
     assert again.attempt == 2
 
@@ -118,28 +120,33 @@ async def test_c18_dead_letter_outcome_dead_letters_at_once(harness: Harness) ->
 
 async def test_publish_policy_overrides_are_kept_on_the_delivery(harness: Harness) -> None:
     world = await make_world(harness.transport, [{"role": "a", "max_attempts": 5}])
-    await world.publish(PublishRequest(payload=1, max_attempts=2, backoff_seconds=[0.3, 0.6]))
+    await world.publish(PublishRequest(payload=1, max_attempts=2, backoff_seconds=[30, 60]))
     first = await world.claim_one("a")
     assert first.max_attempts == 2
     before = datetime.now(UTC)
     assert await world.settle(first, "Fail", error="x") == "Pending"
     info = await harness.transport.get_delivery(first.delivery_id)
     assert info is not None and info.visible_at is not None
-    assert 0.1 <= (info.visible_at - before).total_seconds() <= 0.6
-    await asyncio.sleep(0.4)
+    # The first step of the published schedule, not the subscription's backoff (at most 1 s).
+    assert 29.9 <= (info.visible_at - before).total_seconds() <= 45
+    assert await world.claim("a") == []
+    await harness.advance(first.delivery_id, 31)
     second = await world.claim_one("a")
     assert await world.settle(second, "Fail", error="x") == "DeadLettered"
 
 
 async def test_publish_delay_and_not_before_hold_the_message_back(harness: Harness) -> None:
-    world = await make_world(harness.transport, [{"role": "a"}])
-    await world.publish(PublishRequest(payload="later", delay_seconds=0.4))
-    assert await world.claim("a") == []
-    await asyncio.sleep(0.5)
-    assert len(await world.claim("a")) == 1
     from datetime import timedelta
 
-    await world.publish(PublishRequest(payload="at", not_before=datetime.now(UTC) + timedelta(seconds=0.4)))
-    assert await world.claim("a") == []
-    await asyncio.sleep(0.5)
-    assert len(await world.claim("a")) == 1
+    world = await make_world(harness.transport, [{"role": "a"}])
+    for request in (PublishRequest(payload="later", delay_seconds=30),
+                    PublishRequest(payload="at", not_before=datetime.now(UTC) + timedelta(seconds=30))):
+        await world.publish(request)
+        assert await world.claim("a") == []
+        [held] = await harness.transport.list_deliveries(world["a"], "Pending")
+        await harness.advance(held.delivery_id, 25)
+        assert await world.claim("a") == []
+        await harness.advance(held.delivery_id, 6)
+        [claimed] = await world.claim("a")
+        assert claimed.delivery_id == held.delivery_id
+        await world.settle(claimed)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from fastapi_workqueue import PublishRequest
@@ -39,6 +37,12 @@ async def test_c20_exclusive_delivery_in_backoff_does_not_hold_its_key(harness: 
     second = await world.claim_one("x")
     assert second.message_id == results[1].message_id
     assert await world.claim("x") == []
+    # Once its delay has passed, the first waits for the key like any other delivery of it.
+    await harness.advance(first.delivery_id, 31)
+    assert await world.claim("x") == []
+    await world.settle(second)
+    again = await world.claim_one("x")
+    assert again.delivery_id == first.delivery_id and again.attempt == 2
 
 
 async def test_c21_ordered_only_head_claimable_and_completion_in_publish_order(harness: Harness) -> None:
@@ -64,13 +68,15 @@ async def test_c22_ordered_head_in_backoff_blocks_key_until_retried_and_complete
     await world.publish(PublishRequest(partition_key="other", payload="x"))
     head = (await world.claim("o", 10))
     head_k = next(c for c in head if c.partition_key == "k")
-    await world.settle(head_k, "Retry", reason="wait", delay_seconds=0.4)
+    await world.settle(head_k, "Retry", reason="wait", delay_seconds=30)
     # The key waits for its head; other keys are not affected.
     claimed = await world.claim("o", 10)
     assert all(c.partition_key != "k" for c in claimed)
     for c in claimed:
         await world.settle(c)
-    await asyncio.sleep(0.5)
+    await harness.advance(head_k.delivery_id, 25)
+    assert await world.claim("o", 10) == []
+    await harness.advance(head_k.delivery_id, 6)
     again = await world.claim_one("o")
     assert again.message_id == results[0].message_id and again.attempt == 2
     assert await world.claim("o") == []

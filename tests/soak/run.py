@@ -5,9 +5,10 @@
 
 What it does (docs/soak.md has the details and the last full report):
 
-1. Creates a fresh database (``--database-url``, by default ``workqueue_soak_<pid>`` on
-   127.0.0.1:5432; dropped at the end unless ``--keep-database``), migrates it, declares the
-   soak topology (``tests/soak/app.py``: topic ``soak.events``; subscriptions ``soak.none``,
+1. Creates a fresh database (``--database-url``; by default ``workqueue_soak`` on a private
+   PostgreSQL cluster that the run creates in a temp folder and removes at the end, see
+   ``tests/private_cluster.py``; dropped at the end unless ``--keep-database``), migrates it,
+   declares the soak topology (``tests/soak/app.py``: topic ``soak.events``; subscriptions ``soak.none``,
    ``soak.exclusive``, ``soak.ordered`` on one handler that sleeps 0–200 ms and raises
    ``TransientWorkError`` 2 % of the time) and creates two API keys: ``workqueue:publish`` for the
    producers, ``workqueue:read`` + ``workqueue:operate`` for the cancels.
@@ -19,8 +20,9 @@ What it does (docs/soak.md has the details and the last full report):
    (retrying with the same MessageID until it is accepted).
 4. Meanwhile: SIGKILLs a worker process ``--kills`` times (a ``workqueue work`` process, the app,
    another one …) and restarts it; cancels ``--cancels`` InFlight deliveries through
-   ``POST …/deliveries/{id}/discard``; restarts PostgreSQL once (``pg_ctlcluster … restart``,
-   unless ``--no-pg-restart``). Every 100 ms a checker asks the database for two InFlight
+   ``POST …/deliveries/{id}/discard``; restarts the private cluster once (``pg_ctl -D DATA``,
+   the cluster it created or ``--pg-data-dir``; never a server it was not given), unless
+   ``--no-pg-restart``. Every 100 ms a checker asks the database for two InFlight
    deliveries of one Exclusive or Ordered key, an Ordered delivery InFlight behind a live earlier
    one of its key, and an InFlight delivery whose lease ran out long ago.
 5. Waits until no delivery is Pending or InFlight, stops the processes with SIGTERM, checks the
@@ -39,7 +41,6 @@ import json
 import os
 import random
 import shlex
-import shutil
 import signal
 import socket
 import statistics
@@ -55,6 +56,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import httpx
@@ -64,10 +66,12 @@ from fastapi_workqueue.client import PublishApiError, WorkQueueApiPublisher
 from fastapi_workqueue.core.keys import SCOPE_OPERATE, SCOPE_PUBLISH, SCOPE_READ, create_key
 from fastapi_workqueue.database.postgres import to_asyncpg_dsn
 
+from ..private_cluster import ClusterError, private_cluster, restart_command_for, running_port
 from . import app as soak_app
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_SERVER = "postgresql+asyncpg://postgres@127.0.0.1:5432"
+DEFAULT_DATABASE = "workqueue_soak"
+"""The database's name on the private cluster the run creates when it is given no ``--database-url``."""
 TOPIC = soak_app.TOPIC
 NONE, EXCLUSIVE, ORDERED = soak_app.NONE, soak_app.EXCLUSIVE, soak_app.ORDERED
 SUBSCRIPTIONS = soak_app.SUBSCRIPTIONS
@@ -104,9 +108,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=12,
                         help="handlers per subscription per process (default 12)")
     parser.add_argument("--database-url", default=None,
-                        help="the database to create, use and drop (default: workqueue_soak_<pid> on 127.0.0.1:5432); "
-                        "dropped and recreated at the start")
-    parser.add_argument("--keep-database", action="store_true", help="keep the database at the end")
+                        help="the database to create, use and drop (default: workqueue_soak on a private cluster "
+                        "the run creates in a temp folder and removes at the end); dropped and recreated at the "
+                        "start. A database on another server needs --pg-data-dir, --pg-restart-command or "
+                        "--no-pg-restart")
+    parser.add_argument("--keep-database", action="store_true",
+                        help="keep the database at the end (a private cluster the run created goes anyway)")
     parser.add_argument("--report", type=Path, default=None,
                         help="where to write the JSON report (default: report.json in the log folder); "
                         "the text report goes next to it (.txt)")
@@ -114,9 +121,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--kills", type=int, default=3, help="SIGKILL + restart of a worker process (default 3)")
     parser.add_argument("--cancels", type=int, default=10, help="InFlight deliveries to cancel (default 10)")
     parser.add_argument("--no-pg-restart", action="store_true", help="do not restart PostgreSQL")
+    parser.add_argument("--pg-data-dir", type=Path, default=None,
+                        help="the data folder of the private cluster that --database-url is on (the run restarts "
+                        "it with pg_ctl as the folder's owner; its port must be the URL's)")
     parser.add_argument("--pg-restart-command", default=None,
-                        help="how to restart PostgreSQL (default: pg_ctlcluster --skip-systemctl-redirect VERSION "
-                        "CLUSTER restart, found from the server's data_directory)")
+                        help="how to restart PostgreSQL (default: pg_ctl -D DATA -m fast restart of the private "
+                        "cluster: the one the run creates, or --pg-data-dir)")
     parser.add_argument("--pg-restart-at", type=float, default=0.55,
                         help="when to restart PostgreSQL, as a fraction of the publish phase (default 0.55)")
     parser.add_argument("--lease-seconds", type=float, default=5.0, help="lease of the subscriptions (default 5)")
@@ -133,6 +143,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--messages, --duration, --workers, --keys and --concurrency must be positive")
     if not 0 < args.pg_restart_at < 1:
         parser.error("--pg-restart-at is a fraction of the publish phase, between 0 and 1")
+    if args.pg_data_dir is not None and args.database_url is None:
+        parser.error("--pg-data-dir names the cluster of --database-url: give both, or neither for a private "
+                     "cluster of the run's own")
+    if args.database_url is not None and not (args.pg_data_dir or args.pg_restart_command or args.no_pg_restart):
+        parser.error("the soak run restarts only a PostgreSQL cluster it was given: with --database-url, pass "
+                     "--pg-data-dir (the data folder of that private cluster), --pg-restart-command, or "
+                     "--no-pg-restart; without --database-url the run creates a private cluster of its own")
     return args
 
 
@@ -279,20 +296,35 @@ async def drop_database(url: str) -> None:
             await asyncio.sleep(1)
 
 
-async def detect_restart_command(db: Db) -> list[str]:
-    """``pg_ctlcluster --skip-systemctl-redirect VERSION CLUSTER restart`` for the server we talk to."""
-    return restart_command_for(str(await db.fetchval("SHOW data_directory")))
+def url_port(url: str) -> int:
+    return urlsplit(to_asyncpg_dsn(url)).port or 5432
 
 
-def restart_command_for(data_directory: str) -> list[str]:
-    """Debian layout: the data directory ``…/VERSION/CLUSTER`` is configured in /etc/postgresql/VERSION/CLUSTER."""
-    version, cluster = Path(data_directory).parent.name, Path(data_directory).name
-    if shutil.which("pg_ctlcluster") is None or not Path(f"/etc/postgresql/{version}/{cluster}").is_dir():
-        raise SetupError(
-            f"cannot restart PostgreSQL here (no pg_ctlcluster or no /etc/postgresql/{version}/{cluster}); "
-            "pass --pg-restart-command or --no-pg-restart"
-        )
-    return ["pg_ctlcluster", "--skip-systemctl-redirect", version, cluster, "restart"]
+def resolve_restart_command(args: argparse.Namespace, url: str) -> list[str] | None:
+    """How the run restarts PostgreSQL: ``--pg-restart-command``, else ``pg_ctl`` on the private
+    cluster's data folder (``--pg-data-dir``, or the cluster the run created), never anything else.
+
+    The data folder's running server must be the one ``url`` names (its port), so a restart can
+    only hit the cluster the run works on.
+    """
+    if args.no_pg_restart:
+        return None
+    if args.pg_restart_command:
+        return shlex.split(args.pg_restart_command)
+    data: Path | None = args.pg_data_dir
+    if data is None:
+        raise SetupError("no cluster to restart: pass --pg-data-dir, --pg-restart-command or --no-pg-restart")
+    port = running_port(data)
+    if port is None:
+        raise SetupError(f"no PostgreSQL server runs on {data} (no postmaster.pid): --pg-data-dir must be the data "
+                         "folder of the running cluster that --database-url is on")
+    if port != url_port(url):
+        raise SetupError(f"the server on {data} listens on port {port}, but --database-url is on port "
+                         f"{url_port(url)}: the run restarts only the cluster it works on")
+    try:
+        return restart_command_for(data)
+    except ClusterError as exc:
+        raise SetupError(str(exc)) from exc
 
 
 # -- processes -------------------------------------------------------------------------------
@@ -506,7 +538,7 @@ class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rng = random.Random(args.seed)
-        self.url: str = args.database_url or f"{DEFAULT_SERVER}/workqueue_soak_{os.getpid()}"
+        self.url: str = args.database_url
         self.dsn = to_asyncpg_dsn(self.url)
         self.log_dir: Path = args.log_dir or Path(tempfile.mkdtemp(prefix="workqueue-soak-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -600,6 +632,7 @@ class Soak:
 
     async def setup(self) -> None:
         began = time.monotonic()
+        self.restart_command = resolve_restart_command(self.args, self.url)  # before touching any database
         await recreate_database(self.url)
         self.database_created = True
         ops = WorkQueue(
@@ -619,11 +652,6 @@ class Soak:
                 await self.db.fetch(statement)
         rows = await self.db.fetch("SELECT name, id FROM workqueue.subscription WHERE topic = $1", TOPIC)
         self.sub_ids = {r["name"]: r["id"] for r in rows}
-        if not self.args.no_pg_restart:
-            self.restart_command = (
-                shlex.split(self.args.pg_restart_command) if self.args.pg_restart_command
-                else await detect_restart_command(self.db)
-            )
         self.timings["setup_s"] = time.monotonic() - began
 
     async def start_workers(self) -> None:
@@ -929,19 +957,22 @@ class Soak:
         assert self.restart_command is not None
         began = self.clock.now()
         self.event("pg-restart-begin", command=" ".join(self.restart_command))
-        proc = await asyncio.create_subprocess_exec(
-            *self.restart_command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-        )
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), 120)
-        except TimeoutError:
-            proc.kill()
-            out, _ = await proc.communicate()
+        # Output to a file, not a pipe: a server the command starts would hold a pipe open.
+        output = self.log_dir / "pg-restart.log"
+        with output.open("wb") as out:
+            proc = await asyncio.create_subprocess_exec(
+                *self.restart_command, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT
+            )
+            try:
+                await asyncio.wait_for(proc.wait(), 120)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
         ended = self.clock.now()
         alive = [c.current.pid for c in self.children.values() if c.alive()]
         self.restart = {
             "t_s": round(began, 2), "command_s": round(ended - began, 2), "exit": proc.returncode,
-            "output": out.decode(errors="replace").strip()[-500:], "began": began, "ended": ended,
+            "output": output.read_text(errors="replace").strip()[-500:], "began": began, "ended": ended,
             "alive_pids": alive,
         }
         self.event("pg-restart-end", exit=proc.returncode, took_s=round(ended - began, 2))
@@ -1419,11 +1450,23 @@ async def main_async(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        return asyncio.run(main_async(args))
-    except SetupError as exc:
-        print(f"soak: {exc}", file=sys.stderr)
-        return 2
+    with contextlib.ExitStack() as stack:
+        if args.database_url is None:
+            # A cluster of the run's own, removed at the end: the restart reaches nobody else's work.
+            try:
+                cluster = stack.enter_context(private_cluster())
+            except ClusterError as exc:
+                print(f"soak: {exc}", file=sys.stderr)
+                return 2
+            args.database_url = cluster.url(DEFAULT_DATABASE)
+            args.pg_data_dir = cluster.data
+            print(f"soak: a private PostgreSQL cluster on 127.0.0.1:{cluster.port} in {cluster.root}", flush=True)
+        try:
+            return asyncio.run(main_async(args))
+        except SetupError as exc:
+            print(f"soak: {exc}", file=sys.stderr)
+            return 2
+    raise AssertionError("unreachable")
 
 
 if __name__ == "__main__":
