@@ -110,3 +110,24 @@ def test_the_bound_is_a_setting() -> None:
     queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///x.db", sqlite_busy_timeout_ms=2500))
     transport = queue.transport
     assert isinstance(transport, SqliteTransport) and transport.busy_timeout == 2.5
+
+
+async def test_a_caller_cancelled_as_the_lock_is_granted_is_cancelled(tmp_path: Path) -> None:
+    """A cancellation that arrives while a call waits for this process's lock, in the step the lock is
+    granted, ends the call (Python 3.11's wait_for swallowed it there, and a sweeper loop cancelled at
+    shutdown went on forever) and leaves the lock free."""
+    transport, _ = await queue_file(tmp_path)
+    try:
+        for _ in range(20):
+            await transport._lock.acquire()
+            call = asyncio.create_task(transport.stats())
+            for _ in range(3):
+                await asyncio.sleep(0)  # the call now waits for the lock
+            transport._lock.release()
+            await asyncio.sleep(0)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert not transport._lock.locked()
+    finally:
+        await transport.close()

@@ -275,7 +275,10 @@ class SqliteTransport(RoutineTransport):
         if deadline is None:
             deadline = time.monotonic() + self.busy_timeout
         try:
-            await asyncio.wait_for(self._lock.acquire(), timeout=max(deadline - time.monotonic(), 0.0))
+            # asyncio.timeout, not wait_for: on Python 3.11, wait_for can swallow a cancellation of
+            # the caller that arrives as the lock is granted (a sweeper loop would never end).
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                await self._lock.acquire()
         except TimeoutError:
             raise self._busy() from None
         try:
