@@ -151,7 +151,7 @@ async def test_the_end_of_an_attempt_leaves_the_next_attempt_of_the_same_deliver
             await transport.run_in_connection(lambda conn: conn.execute(
                 "UPDATE workqueue.delivery SET lease_expires_at = now() - interval '1 second' "
                 "WHERE subscription_id = (SELECT id FROM workqueue.subscription WHERE name = $1)", name))
-            assert (await transport.sweep()).expired == 1
+            assert (await transport.sweep()).expired >= 1  # ours, and any other test's leftovers
             consumer.wake()
             await asyncio.wait_for(second_started.wait(), 10)
             for _ in range(500):
