@@ -140,7 +140,11 @@ class WorkQueue:
 
         def register(func: F) -> F:
             spec = self.handlers.add(key, func)
-            self._invoker.prepare(spec)
+            try:
+                self._invoker.prepare(spec)
+            except ConfigurationError:
+                self.handlers.remove(key)
+                raise
             return func
 
         return register

@@ -35,6 +35,7 @@ from ..core.reports import (
 from ..core.topology import check_name
 from ..core.wire import WireModel
 from .auth import Authorizer
+from .fastapi_internals import scopes_of, set_request_body
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
@@ -154,7 +155,7 @@ class _BoundedBodyRoute(APIRoute):
                     if size > limit:
                         return too_large
                     chunks.append(chunk)
-                request._body = b"".join(chunks)
+                set_request_body(request, b"".join(chunks))
             try:
                 return await handler(request)
             except RequestValidationError as exc:
@@ -389,14 +390,6 @@ def build_router(
     return router
 
 
-def _scopes_of(dependant: Any) -> list[str]:
-    """The scopes a route's Security dependencies ask for."""
-    found: list[str] = list(getattr(dependant, "own_oauth_scopes", None) or ())
-    for sub in dependant.dependencies:
-        found.extend(s for s in _scopes_of(sub) if s not in found)
-    return found
-
-
 def _document_errors(router: APIRouter) -> None:
     """Adds to every route's OpenAPI entry the answers it can give besides its own: 401 and 403
     with the scope it needs (also in ``x-required-scopes``), 404 for an unknown subscription, 503
@@ -404,7 +397,7 @@ def _document_errors(router: APIRouter) -> None:
     for route in router.routes:
         if not isinstance(route, APIRoute):
             continue
-        scopes = _scopes_of(route.dependant)
+        scopes = scopes_of(route.dependant)
         if scopes:
             needed = ", ".join(f"`{s}`" for s in scopes)
             route.responses.setdefault(401, {"description": "No API key, or one that is unknown, expired or revoked."})
