@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -9,6 +11,11 @@ from .core.host import HostOptions, SubscriptionPlan
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///workqueue.db"
 """Where the queue lives when nothing else is configured: an SQLite file in the working directory."""
+
+
+def default_database_file() -> str:
+    """The absolute path of the default SQLite file, from the working directory."""
+    return os.path.abspath(DEFAULT_DATABASE_URL.partition(":///")[2])
 
 
 class WorkQueueSettings(BaseSettings):
@@ -54,6 +61,11 @@ class WorkQueueSettings(BaseSettings):
         if self.auto_migrate is not None:
             return self.auto_migrate
         return (self.database_url or "").startswith("sqlite")
+
+    @property
+    def uses_default_database(self) -> bool:
+        """True when nothing chose the database (no ``WORKQUEUE_DATABASE_URL``, no ``database_url``)."""
+        return "database_url" not in self.model_fields_set and self.database_url == DEFAULT_DATABASE_URL
 
     @property
     def host_enabled(self) -> bool:

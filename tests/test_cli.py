@@ -29,7 +29,7 @@ from fastapi_workqueue.cli.work import (
     EXIT_UNSUPPORTED,
 )
 
-from .apps import cli_app
+from .apps import cli_app, lifespan_app
 from .support import wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -119,8 +119,8 @@ async def cli(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIte
     """The CLI app's topology in the test database, and a queue of our own to look at it."""
     ops = WorkQueue(
         WorkQueueSettings(database_url=pg_url, enabled=False),
-        topics=list(cli_app.queue.topics.values()),
-        subscriptions=list(cli_app.queue.subscriptions.values()),
+        topics=[*cli_app.queue.topics.values(), *lifespan_app.queue.topics.values()],
+        subscriptions=[*cli_app.queue.subscriptions.values(), *lifespan_app.queue.subscriptions.values()],
     )
     async with ops.lifespan(None):
         yield Cli(pg_url, tmp_path_factory.mktemp("cli"), ops)
@@ -130,6 +130,17 @@ def one_line(text: str) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
     assert len(lines) == 1, f"expected one line, got {text!r}"
     return lines[0]
+
+
+def reason(err: str) -> str:
+    """The one line ``workqueue work`` ends with on stderr, among its log lines."""
+    lines = [line for line in err.splitlines() if line.startswith("workqueue work:")]
+    assert len(lines) == 1, f"expected one reason line, got {err!r}"
+    return lines[0]
+
+
+def log_lines(err: str, level: str) -> list[str]:
+    return [line for line in err.splitlines() if f" {level} " in line]
 
 
 # -- the command, its database URL, migrate, validate-bindings -----------------------------------
@@ -289,7 +300,8 @@ async def delivery_done(cli: Cli, subscription: str, message_id: str) -> bool:
 
 async def test_work_exit_codes(cli: Cli) -> None:
     empty = await cli.work(cli_app.IDLE, "--once")
-    assert one_line(empty.out) == f"workqueue work: {cli_app.IDLE}: ran 0 deliveries" and empty.err == ""
+    assert one_line(empty.out) == f"workqueue work: {cli_app.IDLE}: ran 0 deliveries"
+    assert not log_lines(empty.err, "WARNING") and not log_lines(empty.err, "ERROR"), empty.err
 
     # The rest are independent of each other: run them at once.
     bad_apps = ("tests.apps.nothing_here:queue", "tests.apps.cli_app:missing", "tests.apps.cli_app", "json:loads")
@@ -303,12 +315,12 @@ async def test_work_exit_codes(cli: Cli) -> None:
         *(cli("work", "--app", app, "--subscription", cli_app.IDLE, "--once", expect=EXIT_CONFIGURATION)
           for app in bad_apps),
     )
-    assert "does not exist" in one_line(unknown.err) and unknown.out == ""
-    assert "HandlerNotRegistered" in one_line(orphan.err)
-    assert "served outside this host" in one_line(external.err)
-    assert "not supported" in one_line(unsupported.err)
-    assert no_db.code != 0 and "no_such_database_here" in one_line(no_db.err)
-    assert all(one_line(b.err).startswith("workqueue work: --app") for b in bad)
+    assert "does not exist" in reason(unknown.err) and unknown.out == ""
+    assert "HandlerNotRegistered" in reason(orphan.err)
+    assert "served outside this host" in reason(external.err)
+    assert "not supported" in reason(unsupported.err)
+    assert no_db.code != 0 and "no_such_database_here" in reason(no_db.err)
+    assert all(reason(b.err).startswith("workqueue work: --app") for b in bad)
 
 
 async def test_work_max_receives_exactly_n_and_max_duration_stops(cli: Cli) -> None:
@@ -363,6 +375,104 @@ async def test_a_handler_longer_than_the_drain_is_released_without_spending_its_
     assert (pending["MessageID"], pending["Attempt"]) == (message, 0)
     dropped = await cli.json("discard", "--subscription", sub, "--delivery", pending["DeliveryID"], "--reason", "test")
     assert dropped["Result"] == "Discarded"
+
+
+# -- work --app MODULE:app: the app's lifespan, its state and its overrides ---------------------
+
+LIFESPAN_APP = "tests.apps.lifespan_app:app"
+
+
+async def test_work_runs_the_apps_lifespan_and_its_handlers_see_the_app(cli: Cli) -> None:
+    sub = lifespan_app.SUBSCRIPTION
+    [message] = await cli.publish(sub, {"n": 1})
+    ran = await cli("work", "--app", LIFESPAN_APP, "--subscription", sub, "--once")
+    assert one_line(ran.out) == f"workqueue work: {sub}: ran 1 deliveries"
+    events = cli.records(sub)
+    assert [e["event"] for e in events] == ["startup", "started", "done", "shutdown"]
+    assert events[0]["host_running"] is False  # the lifespan started no host of its own
+    assert (events[2]["greeting"], events[2]["mailer"]) == ("set by the lifespan", "the overridden mailer")
+    [completed] = await cli.json("deliveries", "--subscription", sub, "--status", "Completed")
+    assert completed["MessageID"] == message
+    # What an operator sees: the database (no password here to mask), the plan, the delivery's ids.
+    [starting] = [line for line in ran.err.splitlines() if "worker starting" in line]
+    assert cli.url in starting and f"subscription {sub}, concurrency 4" in starting
+    [handled] = [line for line in ran.err.splitlines() if "handled with" in line]
+    assert f"[subscription={sub} delivery_id={completed['DeliveryID']} message_id={message} attempt=1]" in handled
+
+
+async def test_sigterm_drains_the_worker_before_the_apps_lifespan_shuts_down(cli: Cli) -> None:
+    sub = lifespan_app.SUBSCRIPTION
+    before = len(cli.records(sub))
+    await cli.publish(sub, {"sleep": 1.5})
+    proc = await cli.start("work", "--app", LIFESPAN_APP, "--subscription", sub, "--shutdown-drain-ms", "5000")
+    await cli.wait_record(sub, "started", len(cli.records(sub, "started")) + 1)
+    proc.send_signal(signal.SIGTERM)
+    result = await cli.finish(proc, within=20)
+    assert result.code == 0, result.err
+    assert one_line(result.out).endswith("ran 1 deliveries")
+    assert [e["event"] for e in cli.records(sub)[before:]] == ["startup", "started", "done", "shutdown"]
+
+
+async def test_a_handler_that_needs_the_app_refuses_to_start_without_it(cli: Cli) -> None:
+    sub = lifespan_app.SUBSCRIPTION
+    await cli.publish(sub, {"n": "waits"})
+    [before] = await cli.json("stats", "--subscription", sub)
+    refused = await cli("work", "--app", "tests.apps.lifespan_app:queue", "--subscription", sub, "--once",
+                        expect=EXIT_CONFIGURATION)
+    line = reason(refused.err)
+    assert "handler 'cli.lifespan' -> greeting -> request takes a Request" in line
+    assert "point --app at the FastAPI or Starlette app" in line
+    [after] = await cli.json("stats", "--subscription", sub)
+    assert (after["Pending"], after["DeadLettered"]) == (before["Pending"], before["DeadLettered"])  # none ran
+    await cli("work", "--app", LIFESPAN_APP, "--subscription", sub, "--once", "--max", "100")
+
+
+async def test_work_finds_the_queue_of_an_app_or_says_how_to_point_at_it(cli: Cli) -> None:
+    hidden, none, several = await asyncio.gather(
+        cli("work", "--app", "tests.apps.hidden_queue_app:app", "--subscription", "cli.hidden", "--once"),
+        cli("work", "--app", "tests.apps.hidden_queue_app:plain", "--subscription", "cli.hidden", "--once",
+            expect=EXIT_CONFIGURATION),
+        cli("work", "--app", "tests.apps.two_queues_app:app", "--subscription", "cli.hidden", "--once",
+            expect=EXIT_CONFIGURATION),
+    )
+    assert one_line(hidden.out) == "workqueue work: cli.hidden: ran 0 deliveries"  # from the lifespan's state
+    assert "no WorkQueue found" in reason(none.err) and "app.state.queue = queue" in reason(none.err)
+    several_line = reason(several.err)
+    assert "several WorkQueues (tests.apps.two_queues_app.billing, tests.apps.two_queues_app.orders)" in several_line
+    assert "app.state.queue = queue" in several_line
+
+
+async def test_an_app_that_fails_to_import_is_one_line_and_its_traceback_is_verbose(cli: Cli) -> None:
+    args = ("work", "--app", "tests.apps.broken_app:app", "--subscription", "cli.hidden", "--once")
+    broken, verbose = await asyncio.gather(
+        cli(*args, expect=EXIT_CONFIGURATION), cli("--verbose", *args, expect=EXIT_CONFIGURATION),
+    )
+    assert one_line(broken.err) == (
+        "workqueue work: --app 'tests.apps.broken_app:app': importing 'tests.apps.broken_app' raised RuntimeError: "
+        "the settings file /etc/orders.toml is missing (--verbose shows the traceback)"
+    )
+    assert "Traceback (most recent call last)" in verbose.err and 'broken_app.py", line' in verbose.err
+
+
+async def test_work_prints_a_json_summary_and_logs_json_lines(cli: Cli) -> None:
+    sub = lifespan_app.SUBSCRIPTION
+    await cli.publish(sub, {"n": "json"})
+    ran = await cli("work", "--app", LIFESPAN_APP, "--subscription", sub, "--once", "--json", "--log-format", "json")
+    assert json.loads(one_line(ran.out)) == {
+        "ExitCode": 0, "Reason": f"{sub}: ran 1 deliveries", "Subscription": sub,
+        "Claimed": 1, "Settled": 1, "Completed": 1,
+    }
+    records = [json.loads(line) for line in ran.err.splitlines()]
+    assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
+    [handled] = [r for r in records if r["message"].startswith("handled with")]
+    assert (handled["level"], handled["logger"], handled["subscription"], handled["attempt"]) == (
+        "INFO", "fastapi_workqueue.handler.cli.lifespan", sub, 1)
+    assert handled["delivery_id"] and handled["message_id"]
+    quiet = await cli("--json", "work", "--app", APP, "--subscription", "cli.nope", "--once", "--log-level", "error",
+                      expect=EXIT_UNKNOWN_SUBSCRIPTION)
+    summary = json.loads(one_line(quiet.out))
+    assert (summary["ExitCode"], summary["Claimed"]) == (EXIT_UNKNOWN_SUBSCRIPTION, 0)
+    assert "does not exist" in summary["Reason"] and one_line(quiet.err) == f"workqueue work: {summary['Reason']}"
 
 
 # -- API keys ------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import sys
+import traceback
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -29,9 +30,10 @@ T = TypeVar("T")
 
 
 class Context:
-    def __init__(self, database_url: str | None, as_json: bool) -> None:
+    def __init__(self, database_url: str | None, as_json: bool, verbose: bool = False) -> None:
         self.database_url = database_url
         self.as_json = as_json
+        self.verbose = verbose
 
     def url(self) -> str:
         if not self.database_url and os.path.isfile(DEFAULT_DATABASE_FILE):
@@ -62,6 +64,8 @@ def run(ctx: Context, action: Callable[[Any], Awaitable[T]]) -> T:
     try:
         return asyncio.run(main())
     except (WorkQueueError, ValueError) as exc:
+        if ctx.verbose:
+            traceback.print_exception(exc, file=sys.stderr)
         raise click.ClickException(str(exc)) from exc
 
 
@@ -71,11 +75,12 @@ pass_context = click.make_pass_decorator(Context)
 @click.group()
 @click.option("--database-url", envvar="WORKQUEUE_DATABASE_URL", help="postgresql+asyncpg://user@host/db")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@click.option("--verbose", is_flag=True, help="Show the traceback behind an error.")
 @click.version_option(package_name="fastapi-workqueue")
 @click.pass_context
-def cli(click_ctx: click.Context, database_url: str | None, as_json: bool) -> None:
+def cli(click_ctx: click.Context, database_url: str | None, as_json: bool, verbose: bool) -> None:
     """Operate a fastapi-workqueue: publish, inspect, replay, discard, run workers."""
-    click_ctx.obj = Context(database_url, as_json)
+    click_ctx.obj = Context(database_url, as_json, verbose)
 
 
 @cli.command()
@@ -372,17 +377,28 @@ def _set_json(click_ctx: click.Context, param: click.Parameter, value: bool) -> 
         click_ctx.find_object(Context).as_json = True  # type: ignore[union-attr]
 
 
+def _set_verbose(click_ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        click_ctx.find_object(Context).verbose = True  # type: ignore[union-attr]
+
+
 def _set_database_url(click_ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     if value:
         click_ctx.find_object(Context).database_url = value  # type: ignore[union-attr]
 
 
-def accept_global_options(command: click.Command, *, json_flag: bool = True) -> None:
-    """Lets ``--json`` and ``--database-url`` follow the command's name too: ``workqueue stats --json``."""
+def accept_global_options(command: click.Command) -> None:
+    """Lets ``--json``, ``--verbose`` and ``--database-url`` follow the command's name too:
+    ``workqueue stats --json``."""
     names = {name for param in command.params for name in param.opts}
-    if json_flag and "--json" not in names:
+    if "--json" not in names:
         command.params.append(click.Option(
             ["--json"], is_flag=True, expose_value=False, callback=_set_json, help="Print JSON instead of tables.",
+        ))
+    if "--verbose" not in names:
+        command.params.append(click.Option(
+            ["--verbose"], is_flag=True, expose_value=False, callback=_set_verbose,
+            help="Show the traceback behind an error.",
         ))
     if "--database-url" not in names:
         command.params.append(click.Option(
@@ -401,6 +417,6 @@ def main() -> None:
     from .work import work
 
     if "work" not in cli.commands:
-        accept_global_options(work, json_flag=False)
+        accept_global_options(work)
         cli.add_command(work)
     cli(prog_name="workqueue")
