@@ -454,6 +454,25 @@ async def test_an_app_that_fails_to_import_is_one_line_and_its_traceback_is_verb
     assert "Traceback (most recent call last)" in verbose.err and 'broken_app.py", line' in verbose.err
 
 
+async def test_malformed_subscriptions_stop_the_worker_in_one_line(cli: Cli) -> None:
+    results = await asyncio.gather(*(
+        cli("work", "--app", LIFESPAN_APP, "--subscription", lifespan_app.SUBSCRIPTION, "--once",
+            expect=EXIT_CONFIGURATION, env={**cli.env, "WORKQUEUE_SUBSCRIPTIONS": value})
+        for value in ("[{name: '*'}]", '{"name": "*", "concurrency": 2}')
+    ))
+    for result in results:
+        line = one_line(result.err)
+        assert "raised ConfigurationError: WORKQUEUE_SUBSCRIPTIONS" in line, line
+        assert "for example WORKQUEUE_SUBSCRIPTIONS=" in line
+
+
+async def test_the_start_up_line_masks_the_database_password(cli: Cli) -> None:
+    with_password = cli.url.replace("postgres@", "postgres:s3cret-pw@")
+    ran = await cli("--database-url", with_password, "work", "--app", APP, "--subscription", cli_app.IDLE, "--once")
+    [starting] = [line for line in ran.err.splitlines() if "worker starting" in line]
+    assert "s3cret-pw" not in ran.err and "postgres:***@127.0.0.1" in starting
+
+
 async def test_work_prints_a_json_summary_and_logs_json_lines(cli: Cli) -> None:
     sub = lifespan_app.SUBSCRIPTION
     await cli.publish(sub, {"n": "json"})
