@@ -64,6 +64,41 @@ async def test_health_reports_each_planned_subscription(pg_url: str) -> None:
         assert states[missing][0] == "Error" and "does not exist" in states[missing][1]
 
 
+async def test_health_is_503_for_a_handler_not_registered_and_200_for_running_paused_unsupported(
+    pg_url: str,
+) -> None:
+    roles = [{"role": "run"}, {"role": "paused"}, {"role": "away", "host_type": "external"}]
+    queue, _, subs = make_queue(pg_url, roles)
+    orphaned, _, orphan_subs = make_queue(pg_url, [{"role": "run"}, {"role": "orphan"}])
+    for q in (queue, orphaned):
+
+        @q.handler("run")
+        async def run(message: WorkMessage[Any]) -> WorkOutcome:
+            return Outcome.complete()
+
+    @queue.handler("paused")
+    async def paused(message: WorkMessage[Any]) -> WorkOutcome:
+        return Outcome.complete()
+
+    healthy, sick = FastAPI(), FastAPI()
+    healthy.include_router(queue.health_router)
+    sick.include_router(orphaned.health_router)
+    async with queue.lifespan(healthy), orphaned.lifespan(sick), client(healthy) as ok, client(sick) as bad:
+        await queue.pause(subs["paused"])
+        response = await ok.get("/health/extensions")
+        [ext] = response.json()["Extensions"]
+        states = {s["Subscription"]: s["State"] for s in ext["Subscriptions"]}
+        assert states == {subs["run"]: "Running", subs["paused"]: "Paused", subs["away"]: "Unsupported"}
+        assert response.status_code == 200
+
+        response = await bad.get("/health/extensions")
+        assert response.status_code == 503  # a load balancer takes this instance out
+        [ext] = response.json()["Extensions"]
+        assert ext["Status"] == "Running"  # the body is the report as before
+        states = {s["Subscription"]: s["State"] for s in ext["Subscriptions"]}
+        assert states == {orphan_subs["run"]: "Running", orphan_subs["orphan"]: "HandlerNotRegistered"}
+
+
 async def test_pause_resume_and_new_subscriptions_take_effect_without_restart(pg_url: str) -> None:
     queue, topic, subs = make_queue(pg_url, [{"role": "a"}])
     handled: list[str] = []

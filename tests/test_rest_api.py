@@ -603,6 +603,47 @@ async def test_discard_of_a_running_delivery_cancels_the_handler(api: Api) -> No
     assert (await api.queue.stats(sub))[0].pending == 0
 
 
+async def test_a_503_while_checking_a_key_carries_no_driver_text(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store goes away (connections refused for maintenance) while an unauthenticated caller
+    sends a key: a generic 503 with Retry-After; the driver's text goes to the log only."""
+    import asyncpg
+
+    from .conftest import drop_database, recreate_database
+
+    url = pg_url.rsplit("/", 1)[0] + "/" + unique("wq_away").replace("-", "_")
+    name = url.rsplit("/", 1)[1]
+    await recreate_database(url)
+    queue = WorkQueue(WorkQueueSettings(database_url=url, enabled=False, auto_migrate=True, **FAST))
+    app = FastAPI()
+    app.include_router(queue.router)
+    admin = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://").rsplit("/", 1)[0]
+                                  + "/postgres")
+    try:
+        async with queue.lifespan(app), client(app) as http:
+            key = (await create_key(queue.transport, "reader", [SCOPE_READ])).key  # type: ignore[arg-type]
+            assert (await http.get(f"{PREFIX}/stats", headers={"X-API-Key": key})).status_code == 200
+            await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+            await admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1", name
+            )
+            with caplog.at_level("WARNING", logger="fastapi_workqueue.web"):
+                response = await http.get(f"{PREFIX}/stats", headers={"X-API-Key": key})
+            await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == "1"
+        assert response.json() == {
+            "detail": "cannot check the API key now: the queue's store is unavailable; retry later"
+        }
+        [logged] = [r.getMessage() for r in caplog.records if "cannot check an API key" in r.getMessage()]
+        assert name in logged or "accepting connections" in logged or "terminat" in logged, logged
+    finally:
+        await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        await admin.close()
+        await drop_database(url)
+
+
 # -- another authorizer, and the schema ----------------------------------------------------------
 
 
