@@ -37,8 +37,8 @@ pytestmark = pytest.mark.timeout(90)
 ROOT = Path(__file__).resolve().parents[1]
 APP = "tests.apps.cli_app:queue"
 COMMANDS = (
-    "migrate", "publish", "stats", "dead-letters", "deliveries", "partitions", "replay", "discard", "backlog",
-    "pause", "resume", "validate-bindings", "api-keys", "prune", "work",
+    "migrate", "publish", "stats", "dead-letters", "deliveries", "delivery", "partitions", "replay", "discard",
+    "backlog", "pause", "resume", "validate-bindings", "api-keys", "prune", "work",
 )
 
 
@@ -241,6 +241,41 @@ async def test_publish_stats_backlog_dead_letters_replay_discard(cli: Cli) -> No
     [stats] = await cli.json("stats", "--subscription", sub)
     assert (stats["Completed"], stats["Discarded"]) == (0, 0)
     assert "is not a duration" in (await cli("prune", "--older-than", "soon", expect=2)).err
+
+
+async def test_tables_and_one_delivery_show_the_cause_of_an_error_and_no_secret(cli: Cli) -> None:
+    sub = cli_app.BASIC
+    cause = "caused by: SMTP 554 for postgresql://mailer:hunter2@smtp.internal/out, mailbox full"
+    error = "while sending the receipt\n" + "  a frame of the traceback\n" * 5 + cause
+    [message] = await cli.publish(sub, {"fail": error, "order": 7}, "--partition-key", "customer-7")
+    await cli.work(sub, "--once", "--max", "10")
+    dead = next(d for d in await cli.json("dead-letters", "--subscription", sub) if d["MessageID"] == message)
+    assert "hunter2" not in json.dumps(dead) and dead["LastError"].endswith(cause.replace("hunter2", "***"))
+
+    listing = (await cli("dead-letters", "--subscription", sub, "--payload")).out
+    header = listing.splitlines()[0].split()
+    assert {"Topic", "ClaimedAt", "LeaseExpiresAt", "VisibleAt", "LastError", "Payload"} <= set(header), header
+    [row] = [line for line in listing.splitlines() if dead["DeliveryID"] in line]
+    assert '{"fail":' in row, row  # the payload column, with --payload
+    assert "mailbox full" in row and "hunter2" not in listing  # the cause, at the end of a long last line
+    assert "Payload" not in (await cli("dead-letters", "--subscription", sub)).out.splitlines()[0]
+    columns = (await cli("deliveries", "--subscription", sub, "--status", "DeadLettered")).out.splitlines()[0]
+    assert {"Topic", "Status", "ClaimedAt", "LeaseExpiresAt", "VisibleAt", "LastError"} <= set(columns.split())
+
+    whole = await cli("delivery", dead["DeliveryID"])
+    fields = {line.split()[0]: line for line in whole.out.splitlines() if line and not line.startswith(" ")}
+    for name in ("Status", "Attempt", "MaxAttempts", "LeaseExpiresAt", "ProgressPercent", "Reason", "LastError",
+                 "CreatedAt", "ClaimedAt", "SettledAt", "Attributes", "Topic", "Payload"):
+        assert name in fields, name
+    assert fields["Topic"].split()[1] == cli_app.BASIC and fields["Status"].split()[1] == "DeadLettered"
+    assert fields["PartitionKey"].split()[1] == "customer-7" and fields["Payload"].split()[1] == "-"
+    assert cause.replace("hunter2", "***") in whole.out and "hunter2" not in whole.out  # every line of it
+    with_payload = await cli.json("delivery", dead["DeliveryID"], "--payload")
+    assert with_payload["Payload"] == {"fail": error, "order": 7} and with_payload["Subscription"] == sub
+    assert "hunter2" not in with_payload["LastError"] + with_payload["Reason"]
+    missing = await cli("delivery", "999999999", expect=1)
+    assert "does not exist" in one_line(missing.err)
+    await cli("discard", "--subscription", sub, "--delivery", dead["DeliveryID"])
 
 
 async def test_pause_resume_and_work_on_a_paused_subscription(cli: Cli) -> None:

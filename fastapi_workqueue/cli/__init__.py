@@ -22,11 +22,15 @@ from ..core.errors import ConfigurationError, WorkQueueError
 from ..core.keys import SCOPES, create_key
 from ..core.reports import DeliveryStatus, PartitionCondition
 from ..settings import DEFAULT_DATABASE_URL
-from .output import emit_json, table
+from ..web.operator_view import shown, shown_all
+from .output import emit_json, record, table
 
 DEFAULT_DATABASE_FILE = DEFAULT_DATABASE_URL.partition(":///")[2]
 
 T = TypeVar("T")
+
+DELIVERY_COLUMNS = ("delivery_id", "message_id", "topic", "partition_key", "attempt", "status")
+DELIVERY_TIMES = ("claimed_at", "lease_expires_at", "visible_at")
 
 
 class Context:
@@ -160,12 +164,13 @@ def stats(ctx: Context, subscription: str | None) -> None:
 @pass_context
 def dead_letters(ctx: Context, subscription: str, limit: int, after: str | None, include_payload: bool) -> None:
     """Dead-lettered deliveries with their reason and last error."""
-    rows = run(ctx, lambda t: _existing(t, subscription, t.list_deliveries(
-        subscription, "DeadLettered", limit=limit, after=after, include_payload=include_payload)))
+    rows = shown_all(run(ctx, lambda t: _existing(t, subscription, t.list_deliveries(
+        subscription, "DeadLettered", limit=limit, after=after, include_payload=include_payload))))
     if ctx.as_json:
         emit_json(rows)
     else:
-        table(rows, ["delivery_id", "message_id", "partition_key", "attempt", "reason", "last_error", "settled_at"])
+        table(rows, [*DELIVERY_COLUMNS[:5], "reason", "last_error", *DELIVERY_TIMES, "settled_at",
+                     *(["payload"] if include_payload else [])])
 
 
 @cli.command()
@@ -180,12 +185,28 @@ def deliveries(
     ctx: Context, subscription: str, status: DeliveryStatus, limit: int, after: str | None, include_payload: bool
 ) -> None:
     """Deliveries of one state, oldest first: find the id of a stuck InFlight delivery."""
-    rows = run(ctx, lambda t: _existing(t, subscription, t.list_deliveries(
-        subscription, status, limit=limit, after=after, include_payload=include_payload)))
+    rows = shown_all(run(ctx, lambda t: _existing(t, subscription, t.list_deliveries(
+        subscription, status, limit=limit, after=after, include_payload=include_payload))))
     if ctx.as_json:
         emit_json(rows)
     else:
-        table(rows, ["delivery_id", "message_id", "partition_key", "status", "attempt", "reason", "created_at"])
+        table(rows, [*DELIVERY_COLUMNS, "reason", "last_error", "created_at", *DELIVERY_TIMES,
+                     *(["payload"] if include_payload else [])])
+
+
+@cli.command()
+@click.argument("delivery_id")
+@click.option("--payload", "include_payload", is_flag=True, help="Include the payload.")
+@pass_context
+def delivery(ctx: Context, delivery_id: str, include_payload: bool) -> None:
+    """One delivery whole: state, attempts, lease, progress, reason, last error, timestamps."""
+    info = run(ctx, lambda t: t.get_delivery(delivery_id, include_payload=include_payload))
+    if info is None:
+        raise click.ClickException(f"delivery {delivery_id!r} does not exist")
+    if ctx.as_json:
+        emit_json(shown(info))
+    else:
+        record(shown(info))
 
 
 @cli.command()
