@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+import zipfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 APP = "tests.apps.cli_app:queue"
 COMMANDS = (
     "migrate", "publish", "stats", "dead-letters", "deliveries", "delivery", "partitions", "replay", "discard",
-    "backlog", "pause", "resume", "validate-bindings", "api-keys", "prune", "work",
+    "backlog", "pause", "resume", "validate-bindings", "api-keys", "prune", "sql", "work",
 )
 
 
@@ -665,6 +666,40 @@ async def test_runbook_a_delivery_is_stuck_in_flight_and_its_holder_is_dead(cli:
     [completed] = await cli.json("deliveries", "--subscription", sub, "--status", "Completed")
     assert (completed["MessageID"], completed["Attempt"]) == (message, 2)
     assert [r["attempt"] for r in cli.records(sub, "done")] == [2]
+
+
+async def test_the_role_scripts_are_reachable_from_a_wheel_install(tmp_path: Path) -> None:
+    """``workqueue sql list`` and ``sql print`` read the SQL the wheel carries (fastapi_workqueue/_sql),
+    not the checkout's sql/ folder."""
+    build = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(ROOT),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(build.communicate(), 80)
+    assert build.returncode == 0, err.decode()
+    [wheel] = (tmp_path / "dist").glob("fastapi_workqueue-*.whl")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}, "PYTHONPATH": str(site)}
+
+    async def command(*args: str) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import sys, fastapi_workqueue.cli as c; print(c.__file__, file=sys.stderr); "
+            "c.main()", *args, cwd=tmp_path, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, err.decode()
+        assert err.decode().startswith(str(site)), err.decode()  # the wheel's package, not the checkout
+        return out.decode()
+
+    listed = json.loads(await command("sql", "list", "--json"))
+    assert {"Dialect": "postgresql", "Path": "roles/runtime_role.sql"} in listed
+    assert {"Dialect": "mssql", "Path": "roles/runtime_role.sql"} in listed
+    assert not [e for e in listed if e["Path"][:4].isdigit()]  # migrations are not scripts to run by hand
+    printed = await command("sql", "print", "roles/runtime_role.sql")
+    assert printed == (ROOT / "sql" / "postgresql" / "roles" / "runtime_role.sql").read_text()
+    mssql = await command("sql", "print", "roles/runtime_role.sql", "--dialect", "mssql")
+    assert mssql == (ROOT / "sql" / "mssql" / "roles" / "runtime_role.sql").read_text()
 
 
 def test_the_worker_runs_outside_the_probe_for_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
