@@ -698,8 +698,9 @@ async def test_the_role_scripts_are_reachable_from_a_wheel_install(tmp_path: Pat
     assert not [e for e in listed if e["Path"][:4].isdigit()]  # migrations are not scripts to run by hand
     printed = await command("sql", "print", "roles/runtime_role.sql")
     assert printed == (ROOT / "sql" / "postgresql" / "roles" / "runtime_role.sql").read_text()
-    mssql = await command("sql", "print", "roles/runtime_role.sql", "--dialect", "mssql")
-    assert mssql == (ROOT / "sql" / "mssql" / "roles" / "runtime_role.sql").read_text()
+    mssql = json.loads(await command("sql", "print", "roles/runtime_role.sql", "--dialect", "mssql", "--json"))
+    assert mssql == {"Dialect": "mssql", "Path": "roles/runtime_role.sql",
+                     "SQL": (ROOT / "sql" / "mssql" / "roles" / "runtime_role.sql").read_text()}
 
 
 def test_the_worker_runs_outside_the_probe_for_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:

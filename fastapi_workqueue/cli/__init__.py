@@ -418,7 +418,8 @@ def sql_list(ctx: Context) -> None:
 @sql.command("print")
 @click.argument("path")
 @click.option("--dialect", default="postgresql", show_default=True, type=click.Choice(DIALECTS))
-def sql_print(path: str, dialect: str) -> None:
+@pass_context
+def sql_print(ctx: Context, path: str, dialect: str) -> None:
     """Print one script, e.g. `workqueue sql print roles/runtime_role.sql | psql ...`."""
     from ..database.sql_files import read
 
@@ -427,7 +428,11 @@ def sql_print(path: str, dialect: str) -> None:
         raise click.ClickException(
             f"{dialect} has no script {path!r}; it has: {', '.join(known) or 'none'} (`workqueue sql list`)"
         )
-    click.echo(read(dialect, *path.split("/")), nl=False)
+    text = read(dialect, *path.split("/"))
+    if ctx.as_json:
+        emit_json({"Dialect": dialect, "Path": path, "SQL": text})
+    else:
+        click.echo(text, nl=False)
 
 
 def parse_duration(text: str) -> float:
