@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import sys
 import traceback
 from collections.abc import Awaitable, Callable
@@ -25,6 +24,7 @@ from ..core.reports import DeliveryStatus, PartitionCondition
 from ..settings import DEFAULT_DATABASE_URL
 from ..web.operator_view import shown, shown_all
 from .output import emit_json, record, table
+from .sql_scripts import sql
 
 DEFAULT_DATABASE_FILE = DEFAULT_DATABASE_URL.partition(":///")[2]
 
@@ -372,69 +372,6 @@ def api_keys_revoke(ctx: Context, key: str) -> None:
         raise click.ClickException(f"no active key matches {key!r}")
 
 
-@cli.group("sql")
-def sql() -> None:
-    """The SQL scripts the package carries (role scripts to run as the schema owner)."""
-
-
-DIALECTS = ("postgresql", "mssql", "sqlite")
-_MIGRATION_FILE = re.compile(r"^\d{4}_[a-z0-9_]+\.sql$")
-
-
-def scripts(dialect: str) -> list[str]:
-    """The SQL files of a dialect other than its numbered migrations, as ``/``-separated paths
-    (``roles/runtime_role.sql`` …), sorted; read from the package (importlib.resources)."""
-    from ..database.sql_files import dialect_dir
-
-    found: list[str] = []
-
-    def visit(node: Any, prefix: str) -> None:
-        for entry in node.iterdir():
-            if entry.is_dir():
-                visit(entry, f"{prefix}{entry.name}/")
-            elif entry.name.endswith(".sql") and not (prefix == "" and _MIGRATION_FILE.match(entry.name)):
-                found.append(f"{prefix}{entry.name}")
-
-    root = dialect_dir(dialect)
-    if root.is_dir():
-        visit(root, "")
-    return sorted(found)
-
-
-@sql.command("list")
-@pass_context
-def sql_list(ctx: Context) -> None:
-    """List the scripts of every dialect (the migrations themselves run with `migrate`)."""
-    found = [{"Dialect": dialect, "Path": path} for dialect in DIALECTS for path in scripts(dialect)]
-    if ctx.as_json:
-        emit_json(found)
-        return
-    width = max([len("Dialect"), *(len(f["Dialect"]) for f in found)])
-    click.echo(f"{'Dialect'.ljust(width)}  Path")
-    for entry in found:
-        click.echo(f"{entry['Dialect'].ljust(width)}  {entry['Path']}")
-
-
-@sql.command("print")
-@click.argument("path")
-@click.option("--dialect", default="postgresql", show_default=True, type=click.Choice(DIALECTS))
-@pass_context
-def sql_print(ctx: Context, path: str, dialect: str) -> None:
-    """Print one script, e.g. `workqueue sql print roles/runtime_role.sql | psql ...`."""
-    from ..database.sql_files import read
-
-    known = scripts(dialect)
-    if path not in known:
-        raise click.ClickException(
-            f"{dialect} has no script {path!r}; it has: {', '.join(known) or 'none'} (`workqueue sql list`)"
-        )
-    text = read(dialect, *path.split("/"))
-    if ctx.as_json:
-        emit_json({"Dialect": dialect, "Path": path, "SQL": text})
-    else:
-        click.echo(text, nl=False)
-
-
 def parse_duration(text: str) -> float:
     """``3600`` → 3600 s; ``90m``, ``12h``, ``7d`` as written."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -491,6 +428,8 @@ def accept_global_options(command: click.Command) -> None:
             help="The database URL (default: WORKQUEUE_DATABASE_URL).",
         ))
 
+
+cli.add_command(sql)
 
 for _command in [*cli.commands.values(), *api_keys.commands.values(), *sql.commands.values()]:
     if not isinstance(_command, click.Group):
