@@ -99,9 +99,11 @@ async def run_work(
 
     if app is None:
         return await run(queue, needs_no_app=True)
+    started = False
     with host_run_by_worker():
         try:
             async with app_lifespan(app) as state:
+                started = True
                 if queue is None:
                     queue = queue_from_lifespan_state(state, app_path)
                 queue.bind_app(app)
@@ -113,6 +115,8 @@ async def run_work(
         except LifespanFailed as exc:
             return summary.ended(EXIT_ERROR, f"the app's lifespan failed at start-up: {_one_line(str(exc))}")
         except Exception as exc:
+            if started:
+                raise
             return summary.ended(
                 EXIT_ERROR, f"the app's lifespan failed at start-up: {type(exc).__name__}: {_one_line(str(exc))}"
             )
