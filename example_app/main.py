@@ -274,5 +274,6 @@ def create_app(settings: WorkQueueSettings | None = None) -> FastAPI:
 
 app = create_app()
 queue: WorkQueue = app.state.queue
-"""The app's queue, for the ``workqueue`` command: ``workqueue work --app example_app.main:queue
---subscription orders.email`` runs that subscription's handlers in a process of its own."""
+"""The app's queue (also ``app.state.queue``). ``workqueue work --app example_app.main:app
+--subscription orders.email`` runs the app's lifespan and that subscription's handlers in a
+process of its own."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends
@@ -38,7 +39,7 @@ from .core.reports import (
 )
 from .core.topology import Subscription, SubscriptionStatus, Topic
 from .core.transport import Transport
-from .settings import WorkQueueSettings
+from .settings import WorkQueueSettings, default_database_file
 from .web.auth import Authorizer, api_key_authorizer
 from .web.di import DependencyInvoker
 from .web.health import ExtensionHealth, build_health_router
@@ -48,6 +49,22 @@ from .web.session import RequestSessions, current_session
 log = logging.getLogger("fastapi_workqueue")
 
 F = TypeVar("F", bound=HandlerFunc)
+
+_worker_runs_host: ContextVar[bool] = ContextVar("workqueue_worker_runs_host", default=False)
+
+
+@contextlib.contextmanager
+def host_run_by_worker() -> Iterator[None]:
+    """Within it, app lifespans (``queue.lifespan``) open their queues but start no host.
+
+    ``workqueue work --app module:app`` runs the app's lifespan inside it: the worker's own host
+    (one subscription, its concurrency and budget) is the only one that runs in the process.
+    """
+    token = _worker_runs_host.set(True)
+    try:
+        yield
+    finally:
+        _worker_runs_host.reset(token)
 
 
 class WorkQueue:
@@ -140,13 +157,28 @@ class WorkQueue:
 
         def register(func: F) -> F:
             spec = self.handlers.add(key, func)
-            self._invoker.prepare(spec)
+            try:
+                self._invoker.prepare(spec)
+            except ConfigurationError:
+                self.handlers.remove(key)
+                raise
             return func
 
         return register
 
     def resolve_handler(self, key: str) -> HandlerSpec | None:
         return self.handlers.get(key)
+
+    def app_needed_by(self, key: str) -> str | None:
+        """Where the handler of ``key`` takes a ``Request`` or ``HTTPConnection`` in its dependency
+        graph (``"handler 'k' -> get_settings -> request"``), or None. Such a handler reads
+        ``request.app`` and needs to run with the app (``workqueue work --app module:app``)."""
+        spec = self.handlers.get(key)
+        return None if spec is None else self._invoker.app_needed_by(spec)
+
+    def bind_app(self, app: Any) -> None:
+        """The app whose ``state`` and ``dependency_overrides`` handlers see (``lifespan`` binds it)."""
+        self._invoker.app = app
 
     # -- transport ---------------------------------------------------------------------------
 
@@ -202,6 +234,11 @@ class WorkQueue:
         if self._opened > 1:
             return
         try:
+            if self.settings.uses_default_database:
+                log.warning(
+                    "no database is configured (neither WORKQUEUE_DATABASE_URL nor database_url): the queue "
+                    "lives in the default SQLite file %s", default_database_file(),
+                )
             await self.transport.open()
             if self.settings.migrate_at_start:
                 applied = await self.transport.migrate()
@@ -277,16 +314,30 @@ class WorkQueue:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any = None) -> AsyncIterator[dict[str, Any]]:
         """The app's lifespan: ``FastAPI(lifespan=queue.lifespan)``, or ``async with queue.lifespan(app):``."""
-        self._invoker.app = app
+        self.bind_app(app)
         await self.open()
         try:
-            if self.settings.host_enabled and os.environ.get("WORKQUEUE_DISABLE_HOST", "") not in ("1", "true"):
+            off = self.host_off_reason()
+            if off is None:
                 await self.start_host()
             else:
-                log.info("work queue host is off in this process")
+                log.info("work queue host is off in this process: %s", off)
             yield {"workqueue": self}
         finally:
             await self.close()
+
+    def host_off_reason(self) -> str | None:
+        """Why the lifespan starts no host in this process, or None when it starts one.
+
+        ``WORKQUEUE_ENABLED=0`` and ``WORKQUEUE_DISABLE_HOST=1`` are two switches for one thing:
+        either one turns the host off, whatever the other says."""
+        if _worker_runs_host.get():
+            return "workqueue work runs its own host here"
+        if not self.settings.enabled:
+            return "WORKQUEUE_ENABLED is off (enabled=False)"
+        if self.settings.disable_host or os.environ.get("WORKQUEUE_DISABLE_HOST", "").lower() in ("1", "true"):
+            return "WORKQUEUE_DISABLE_HOST is on (disable_host=True)"
+        return None
 
     def health(self) -> ExtensionHealth:
         """The state of the host and of every subscription it plans."""

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+import os
+import re
+from typing import Any
 
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+
+from .core.errors import ConfigurationError
 from .core.host import HostOptions, SubscriptionPlan
+
+ENV_PREFIX = "WORKQUEUE_"
+SUBSCRIPTIONS_EXAMPLE = """WORKQUEUE_SUBSCRIPTIONS='[{"name": "*", "concurrency": 4}]'"""
+_FIELD_IN_SETTINGS_ERROR = re.compile(r'field "(?P<field>\w+)"')
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///workqueue.db"
 """Where the queue lives when nothing else is configured: an SQLite file in the working directory."""
+
+
+def default_database_file() -> str:
+    """The absolute path of the default SQLite file, from the working directory."""
+    return os.path.abspath(DEFAULT_DATABASE_URL.partition(":///")[2])
 
 
 class WorkQueueSettings(BaseSettings):
@@ -18,7 +32,16 @@ class WorkQueueSettings(BaseSettings):
     ``WORKQUEUE_SUBSCRIPTIONS='[{"name": "*", "concurrency": 8}]'``, ``WORKQUEUE_DISABLE_HOST=1`` …
     """
 
-    model_config = SettingsConfigDict(env_prefix="WORKQUEUE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    def __init__(self, **values: Any) -> None:
+        """Reads the environment; a value that cannot work raises ConfigurationError in one line."""
+        try:
+            super().__init__(**values)
+        except SettingsError as exc:
+            raise _settings_error(exc) from exc
+        except ValidationError as exc:
+            raise _validation_error(exc) from exc
 
     enabled: bool = True
     """Run the host (consumers, sweeper, reconcile loop) in this process."""
@@ -60,6 +83,11 @@ class WorkQueueSettings(BaseSettings):
         return (self.database_url or "").startswith("sqlite")
 
     @property
+    def uses_default_database(self) -> bool:
+        """True when nothing chose the database (no ``WORKQUEUE_DATABASE_URL``, no ``database_url``)."""
+        return "database_url" not in self.model_fields_set and self.database_url == DEFAULT_DATABASE_URL
+
+    @property
     def host_enabled(self) -> bool:
         """True when this process should run the host."""
         return self.enabled and not self.disable_host
@@ -79,3 +107,36 @@ class WorkQueueSettings(BaseSettings):
             reconcile_interval_ms=self.reconcile_interval_ms,
             principal=self.system_principal,
         )
+
+
+def _variable(field: str) -> str:
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def _example(field: str) -> str:
+    if field == "subscriptions":
+        return f"; it is a JSON list of subscription plans, for example {SUBSCRIPTIONS_EXAMPLE}"
+    return ""
+
+
+def _settings_error(exc: SettingsError) -> ConfigurationError:
+    """A value of the environment that does not parse (not JSON, where JSON is expected)."""
+    match = _FIELD_IN_SETTINGS_ERROR.search(str(exc))
+    field = match.group("field") if match else "?"
+    cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
+    return ConfigurationError(f"{_variable(field)} is not valid JSON{cause}{_example(field)}")
+
+
+def _validation_error(exc: ValidationError) -> ConfigurationError:
+    """Values of the wrong shape, each named by its variable and where in it the problem is."""
+    problems: dict[str, list[str]] = {}
+    for error in exc.errors():
+        loc = list(error["loc"])
+        field = str(loc.pop(0)) if loc else "?"
+        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+        problems.setdefault(field, []).append(f"{where + ': ' if where else ''}{error['msg']}")
+    text = "; ".join(
+        f"{_variable(field)} (WorkQueueSettings.{field}): {', '.join(found)}{_example(field)}"
+        for field, found in problems.items()
+    )
+    return ConfigurationError(text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import httpx
@@ -12,6 +13,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from fastapi_workqueue import (
+    ConfigurationError,
     Outcome,
     PublishRequest,
     Subscription,
@@ -22,6 +24,7 @@ from fastapi_workqueue import (
     WorkQueue,
     WorkQueueSettings,
 )
+from fastapi_workqueue.settings import DEFAULT_DATABASE_URL
 
 from .conftest import unique
 from .support import FAST, delivery_status, make_queue, wait_for
@@ -59,6 +62,41 @@ async def test_health_reports_each_planned_subscription(pg_url: str) -> None:
         assert states[subs["orphan"]][0] == "HandlerNotRegistered"
         assert "orphan" in states[subs["orphan"]][1]
         assert states[missing][0] == "Error" and "does not exist" in states[missing][1]
+
+
+async def test_health_is_503_for_a_handler_not_registered_and_200_for_running_paused_unsupported(
+    pg_url: str,
+) -> None:
+    roles = [{"role": "run"}, {"role": "paused"}, {"role": "away", "host_type": "external"}]
+    queue, _, subs = make_queue(pg_url, roles)
+    orphaned, _, orphan_subs = make_queue(pg_url, [{"role": "run"}, {"role": "orphan"}])
+    for q in (queue, orphaned):
+
+        @q.handler("run")
+        async def run(message: WorkMessage[Any]) -> WorkOutcome:
+            return Outcome.complete()
+
+    @queue.handler("paused")
+    async def paused(message: WorkMessage[Any]) -> WorkOutcome:
+        return Outcome.complete()
+
+    healthy, sick = FastAPI(), FastAPI()
+    healthy.include_router(queue.health_router)
+    sick.include_router(orphaned.health_router)
+    async with queue.lifespan(healthy), orphaned.lifespan(sick), client(healthy) as ok, client(sick) as bad:
+        await queue.pause(subs["paused"])
+        response = await ok.get("/health/extensions")
+        [ext] = response.json()["Extensions"]
+        states = {s["Subscription"]: s["State"] for s in ext["Subscriptions"]}
+        assert states == {subs["run"]: "Running", subs["paused"]: "Paused", subs["away"]: "Unsupported"}
+        assert response.status_code == 200
+
+        response = await bad.get("/health/extensions")
+        assert response.status_code == 503  # a load balancer takes this instance out
+        [ext] = response.json()["Extensions"]
+        assert ext["Status"] == "Running"  # the body is the report as before
+        states = {s["Subscription"]: s["State"] for s in ext["Subscriptions"]}
+        assert states == {orphan_subs["run"]: "Running", orphan_subs["orphan"]: "HandlerNotRegistered"}
 
 
 async def test_pause_resume_and_new_subscriptions_take_effect_without_restart(pg_url: str) -> None:
@@ -132,6 +170,76 @@ async def test_disable_host_env_keeps_the_host_off(pg_url: str, monkeypatch: pyt
         info = await delivery_status(queue, subs["a"], result.message_id)
         assert info.status == "Pending"
     assert calls == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"WORKQUEUE_ENABLED": "0"}, "WORKQUEUE_ENABLED"),
+        ({"WORKQUEUE_DISABLE_HOST": "1"}, "WORKQUEUE_DISABLE_HOST"),
+        ({"WORKQUEUE_ENABLED": "1", "WORKQUEUE_DISABLE_HOST": "true"}, "WORKQUEUE_DISABLE_HOST"),
+        ({"WORKQUEUE_ENABLED": "false", "WORKQUEUE_DISABLE_HOST": "0"}, "WORKQUEUE_ENABLED"),
+    ],
+    ids=["enabled-0", "disable-host-1", "disable-host-wins-over-enabled", "enabled-off-wins-over-disable-host"],
+)
+async def test_either_switch_turns_the_host_off_and_the_log_says_which(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, env: dict[str, str], named: str
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    queue, _, _ = make_queue(pg_url, [{"role": "a"}])
+
+    @queue.handler("a")
+    async def handle(message: WorkMessage[Any]) -> WorkOutcome:
+        return Outcome.complete()
+
+    with caplog.at_level(logging.INFO, logger="fastapi_workqueue"):
+        async with queue.lifespan(None):
+            assert queue.host is None
+    [line] = [r.getMessage() for r in caplog.records if "host is off" in r.getMessage()]
+    assert named in line, line
+
+
+async def test_the_default_sqlite_file_is_announced_with_its_path(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("WORKQUEUE_DATABASE_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    handlers = list(logging.getLogger().handlers)
+    fallback = WorkQueue(WorkQueueSettings(enabled=False))
+    chosen = WorkQueue(WorkQueueSettings(enabled=False, database_url=DEFAULT_DATABASE_URL))
+    with caplog.at_level(logging.INFO, logger="fastapi_workqueue"):
+        async with fallback.lifespan(None):
+            pass
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+        caplog.clear()
+        async with chosen.lifespan(None):
+            pass
+    [warning] = warned
+    assert str(tmp_path / "workqueue.db") in warning.getMessage()
+    assert "WORKQUEUE_DATABASE_URL" in warning.getMessage()
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]  # chosen on purpose: no warning
+    assert logging.getLogger().handlers == handlers  # embedded, the library configures no logging
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("not json", "WORKQUEUE_SUBSCRIPTIONS is not valid JSON"),
+        ('{"name": "*"}', "WORKQUEUE_SUBSCRIPTIONS (WorkQueueSettings.subscriptions): Input should be a valid list"),
+        ('[{"name": "a", "concurrency": 0}]', "[0].concurrency: Input should be greater than or equal to 1"),
+    ],
+    ids=["not-json", "not-a-list", "bad-concurrency"],
+)
+def test_malformed_subscriptions_are_one_configuration_error(
+    monkeypatch: pytest.MonkeyPatch, value: str, says: str
+) -> None:
+    monkeypatch.setenv("WORKQUEUE_SUBSCRIPTIONS", value)
+    with pytest.raises(ConfigurationError) as raised:
+        WorkQueueSettings()
+    text = str(raised.value)
+    assert says in text and "\n" not in text
+    assert """for example WORKQUEUE_SUBSCRIPTIONS='[{"name": "*", "concurrency": 4}]'""" in text
 
 
 async def test_request_session_commits_before_response_and_publish_joins_it(pg_url: str) -> None:

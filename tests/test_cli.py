@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+import zipfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from fastapi_workqueue.cli.work import (
     EXIT_UNSUPPORTED,
 )
 
-from .apps import cli_app
+from .apps import cli_app, lifespan_app
 from .support import wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -37,8 +38,8 @@ pytestmark = pytest.mark.timeout(90)
 ROOT = Path(__file__).resolve().parents[1]
 APP = "tests.apps.cli_app:queue"
 COMMANDS = (
-    "migrate", "publish", "stats", "dead-letters", "deliveries", "partitions", "replay", "discard", "backlog",
-    "pause", "resume", "validate-bindings", "api-keys", "prune", "work",
+    "migrate", "publish", "stats", "dead-letters", "deliveries", "delivery", "partitions", "replay", "discard",
+    "backlog", "pause", "resume", "validate-bindings", "api-keys", "prune", "sql", "work",
 )
 
 
@@ -119,8 +120,8 @@ async def cli(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIte
     """The CLI app's topology in the test database, and a queue of our own to look at it."""
     ops = WorkQueue(
         WorkQueueSettings(database_url=pg_url, enabled=False),
-        topics=list(cli_app.queue.topics.values()),
-        subscriptions=list(cli_app.queue.subscriptions.values()),
+        topics=[*cli_app.queue.topics.values(), *lifespan_app.queue.topics.values()],
+        subscriptions=[*cli_app.queue.subscriptions.values(), *lifespan_app.queue.subscriptions.values()],
     )
     async with ops.lifespan(None):
         yield Cli(pg_url, tmp_path_factory.mktemp("cli"), ops)
@@ -130,6 +131,17 @@ def one_line(text: str) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
     assert len(lines) == 1, f"expected one line, got {text!r}"
     return lines[0]
+
+
+def reason(err: str) -> str:
+    """The one line ``workqueue work`` ends with on stderr, among its log lines."""
+    lines = [line for line in err.splitlines() if line.startswith("workqueue work:")]
+    assert len(lines) == 1, f"expected one reason line, got {err!r}"
+    return lines[0]
+
+
+def log_lines(err: str, level: str) -> list[str]:
+    return [line for line in err.splitlines() if f" {level} " in line]
 
 
 # -- the command, its database URL, migrate, validate-bindings -----------------------------------
@@ -232,6 +244,41 @@ async def test_publish_stats_backlog_dead_letters_replay_discard(cli: Cli) -> No
     assert "is not a duration" in (await cli("prune", "--older-than", "soon", expect=2)).err
 
 
+async def test_tables_and_one_delivery_show_the_cause_of_an_error_and_no_secret(cli: Cli) -> None:
+    sub = cli_app.BASIC
+    cause = "caused by: SMTP 554 for postgresql://mailer:hunter2@smtp.internal/out, mailbox full"
+    error = "while sending the receipt\n" + "  a frame of the traceback\n" * 5 + cause
+    [message] = await cli.publish(sub, {"fail": error, "order": 7}, "--partition-key", "customer-7")
+    await cli.work(sub, "--once", "--max", "10")
+    dead = next(d for d in await cli.json("dead-letters", "--subscription", sub) if d["MessageID"] == message)
+    assert "hunter2" not in json.dumps(dead) and dead["LastError"].endswith(cause.replace("hunter2", "***"))
+
+    listing = (await cli("dead-letters", "--subscription", sub, "--payload")).out
+    header = listing.splitlines()[0].split()
+    assert {"Topic", "ClaimedAt", "LeaseExpiresAt", "VisibleAt", "LastError", "Payload"} <= set(header), header
+    [row] = [line for line in listing.splitlines() if dead["DeliveryID"] in line]
+    assert '{"fail":' in row, row  # the payload column, with --payload
+    assert "mailbox full" in row and "hunter2" not in listing  # the cause, at the end of a long last line
+    assert "Payload" not in (await cli("dead-letters", "--subscription", sub)).out.splitlines()[0]
+    columns = (await cli("deliveries", "--subscription", sub, "--status", "DeadLettered")).out.splitlines()[0]
+    assert {"Topic", "Status", "ClaimedAt", "LeaseExpiresAt", "VisibleAt", "LastError"} <= set(columns.split())
+
+    whole = await cli("delivery", dead["DeliveryID"])
+    fields = {line.split()[0]: line for line in whole.out.splitlines() if line and not line.startswith(" ")}
+    for name in ("Status", "Attempt", "MaxAttempts", "LeaseExpiresAt", "ProgressPercent", "Reason", "LastError",
+                 "CreatedAt", "ClaimedAt", "SettledAt", "Attributes", "Topic", "Payload"):
+        assert name in fields, name
+    assert fields["Topic"].split()[1] == cli_app.BASIC and fields["Status"].split()[1] == "DeadLettered"
+    assert fields["PartitionKey"].split()[1] == "customer-7" and fields["Payload"].split()[1] == "-"
+    assert cause.replace("hunter2", "***") in whole.out and "hunter2" not in whole.out  # every line of it
+    with_payload = await cli.json("delivery", dead["DeliveryID"], "--payload")
+    assert with_payload["Payload"] == {"fail": error, "order": 7} and with_payload["Subscription"] == sub
+    assert "hunter2" not in with_payload["LastError"] + with_payload["Reason"]
+    missing = await cli("delivery", "999999999", expect=1)
+    assert "does not exist" in one_line(missing.err)
+    await cli("discard", "--subscription", sub, "--delivery", dead["DeliveryID"])
+
+
 async def test_pause_resume_and_work_on_a_paused_subscription(cli: Cli) -> None:
     sub = cli_app.PAUSED
     assert await cli.json("pause", "--subscription", sub) == {"Subscription": sub, "Status": "Paused", "Changed": True}
@@ -289,7 +336,8 @@ async def delivery_done(cli: Cli, subscription: str, message_id: str) -> bool:
 
 async def test_work_exit_codes(cli: Cli) -> None:
     empty = await cli.work(cli_app.IDLE, "--once")
-    assert one_line(empty.out) == f"workqueue work: {cli_app.IDLE}: ran 0 deliveries" and empty.err == ""
+    assert one_line(empty.out) == f"workqueue work: {cli_app.IDLE}: ran 0 deliveries"
+    assert not log_lines(empty.err, "WARNING") and not log_lines(empty.err, "ERROR"), empty.err
 
     # The rest are independent of each other: run them at once.
     bad_apps = ("tests.apps.nothing_here:queue", "tests.apps.cli_app:missing", "tests.apps.cli_app", "json:loads")
@@ -303,12 +351,12 @@ async def test_work_exit_codes(cli: Cli) -> None:
         *(cli("work", "--app", app, "--subscription", cli_app.IDLE, "--once", expect=EXIT_CONFIGURATION)
           for app in bad_apps),
     )
-    assert "does not exist" in one_line(unknown.err) and unknown.out == ""
-    assert "HandlerNotRegistered" in one_line(orphan.err)
-    assert "served outside this host" in one_line(external.err)
-    assert "not supported" in one_line(unsupported.err)
-    assert no_db.code != 0 and "no_such_database_here" in one_line(no_db.err)
-    assert all(one_line(b.err).startswith("workqueue work: --app") for b in bad)
+    assert "does not exist" in reason(unknown.err) and unknown.out == ""
+    assert "HandlerNotRegistered" in reason(orphan.err)
+    assert "served outside this host" in reason(external.err)
+    assert "not supported" in reason(unsupported.err)
+    assert no_db.code != 0 and "no_such_database_here" in reason(no_db.err)
+    assert all(reason(b.err).startswith("workqueue work: --app") for b in bad)
 
 
 async def test_work_max_receives_exactly_n_and_max_duration_stops(cli: Cli) -> None:
@@ -363,6 +411,123 @@ async def test_a_handler_longer_than_the_drain_is_released_without_spending_its_
     assert (pending["MessageID"], pending["Attempt"]) == (message, 0)
     dropped = await cli.json("discard", "--subscription", sub, "--delivery", pending["DeliveryID"], "--reason", "test")
     assert dropped["Result"] == "Discarded"
+
+
+# -- work --app MODULE:app: the app's lifespan, its state and its overrides ---------------------
+
+LIFESPAN_APP = "tests.apps.lifespan_app:app"
+
+
+async def test_work_runs_the_apps_lifespan_and_its_handlers_see_the_app(cli: Cli) -> None:
+    sub = lifespan_app.SUBSCRIPTION
+    [message] = await cli.publish(sub, {"n": 1})
+    ran = await cli("work", "--app", LIFESPAN_APP, "--subscription", sub, "--once")
+    assert one_line(ran.out) == f"workqueue work: {sub}: ran 1 deliveries"
+    events = cli.records(sub)
+    assert [e["event"] for e in events] == ["startup", "started", "done", "shutdown"]
+    assert events[0]["host_running"] is False  # the lifespan started no host of its own
+    assert (events[2]["greeting"], events[2]["mailer"]) == ("set by the lifespan", "the overridden mailer")
+    [completed] = await cli.json("deliveries", "--subscription", sub, "--status", "Completed")
+    assert completed["MessageID"] == message
+    # What an operator sees: the database (no password here to mask), the plan, the delivery's ids.
+    [starting] = [line for line in ran.err.splitlines() if "worker starting" in line]
+    assert cli.url in starting and f"subscription {sub}, concurrency 4" in starting
+    [handled] = [line for line in ran.err.splitlines() if "handled with" in line]
+    assert f"[subscription={sub} delivery_id={completed['DeliveryID']} message_id={message} attempt=1]" in handled
+
+
+async def test_sigterm_drains_the_worker_before_the_apps_lifespan_shuts_down(cli: Cli) -> None:
+    sub = lifespan_app.SUBSCRIPTION
+    before = len(cli.records(sub))
+    await cli.publish(sub, {"sleep": 1.5})
+    proc = await cli.start("work", "--app", LIFESPAN_APP, "--subscription", sub, "--shutdown-drain-ms", "5000")
+    await cli.wait_record(sub, "started", len(cli.records(sub, "started")) + 1)
+    proc.send_signal(signal.SIGTERM)
+    result = await cli.finish(proc, within=20)
+    assert result.code == 0, result.err
+    assert one_line(result.out).endswith("ran 1 deliveries")
+    assert [e["event"] for e in cli.records(sub)[before:]] == ["startup", "started", "done", "shutdown"]
+
+
+async def test_a_handler_that_needs_the_app_refuses_to_start_without_it(cli: Cli) -> None:
+    sub = lifespan_app.SUBSCRIPTION
+    await cli.publish(sub, {"n": "waits"})
+    [before] = await cli.json("stats", "--subscription", sub)
+    refused = await cli("work", "--app", "tests.apps.lifespan_app:queue", "--subscription", sub, "--once",
+                        expect=EXIT_CONFIGURATION)
+    line = reason(refused.err)
+    assert "handler 'cli.lifespan' -> greeting -> request takes a Request" in line
+    assert "point --app at the FastAPI or Starlette app" in line
+    [after] = await cli.json("stats", "--subscription", sub)
+    assert (after["Pending"], after["DeadLettered"]) == (before["Pending"], before["DeadLettered"])  # none ran
+    await cli("work", "--app", LIFESPAN_APP, "--subscription", sub, "--once", "--max", "100")
+
+
+async def test_work_finds_the_queue_of_an_app_or_says_how_to_point_at_it(cli: Cli) -> None:
+    hidden, none, several = await asyncio.gather(
+        cli("work", "--app", "tests.apps.hidden_queue_app:app", "--subscription", "cli.hidden", "--once"),
+        cli("work", "--app", "tests.apps.hidden_queue_app:plain", "--subscription", "cli.hidden", "--once",
+            expect=EXIT_CONFIGURATION),
+        cli("work", "--app", "tests.apps.two_queues_app:app", "--subscription", "cli.hidden", "--once",
+            expect=EXIT_CONFIGURATION),
+    )
+    assert one_line(hidden.out) == "workqueue work: cli.hidden: ran 0 deliveries"  # from the lifespan's state
+    assert "no WorkQueue found" in reason(none.err) and "app.state.queue = queue" in reason(none.err)
+    several_line = reason(several.err)
+    assert "several WorkQueues (tests.apps.two_queues_app.billing, tests.apps.two_queues_app.orders)" in several_line
+    assert "app.state.queue = queue" in several_line
+
+
+async def test_an_app_that_fails_to_import_is_one_line_and_its_traceback_is_verbose(cli: Cli) -> None:
+    args = ("work", "--app", "tests.apps.broken_app:app", "--subscription", "cli.hidden", "--once")
+    broken, verbose = await asyncio.gather(
+        cli(*args, expect=EXIT_CONFIGURATION), cli("--verbose", *args, expect=EXIT_CONFIGURATION),
+    )
+    assert one_line(broken.err) == (
+        "workqueue work: --app 'tests.apps.broken_app:app': importing 'tests.apps.broken_app' raised RuntimeError: "
+        "the settings file /etc/orders.toml is missing (--verbose shows the traceback)"
+    )
+    assert "Traceback (most recent call last)" in verbose.err and 'broken_app.py", line' in verbose.err
+
+
+async def test_malformed_subscriptions_stop_the_worker_in_one_line(cli: Cli) -> None:
+    results = await asyncio.gather(*(
+        cli("work", "--app", LIFESPAN_APP, "--subscription", lifespan_app.SUBSCRIPTION, "--once",
+            expect=EXIT_CONFIGURATION, env={**cli.env, "WORKQUEUE_SUBSCRIPTIONS": value})
+        for value in ("[{name: '*'}]", '{"name": "*", "concurrency": 2}')
+    ))
+    for result in results:
+        line = one_line(result.err)
+        assert "raised ConfigurationError: WORKQUEUE_SUBSCRIPTIONS" in line, line
+        assert "for example WORKQUEUE_SUBSCRIPTIONS=" in line
+
+
+async def test_the_start_up_line_masks_the_database_password(cli: Cli) -> None:
+    with_password = cli.url.replace("postgres@", "postgres:s3cret-pw@")
+    ran = await cli("--database-url", with_password, "work", "--app", APP, "--subscription", cli_app.IDLE, "--once")
+    [starting] = [line for line in ran.err.splitlines() if "worker starting" in line]
+    assert "s3cret-pw" not in ran.err and "postgres:***@127.0.0.1" in starting
+
+
+async def test_work_prints_a_json_summary_and_logs_json_lines(cli: Cli) -> None:
+    sub = lifespan_app.SUBSCRIPTION
+    await cli.publish(sub, {"n": "json"})
+    ran = await cli("work", "--app", LIFESPAN_APP, "--subscription", sub, "--once", "--json", "--log-format", "json")
+    assert json.loads(one_line(ran.out)) == {
+        "ExitCode": 0, "Reason": f"{sub}: ran 1 deliveries", "Subscription": sub,
+        "Claimed": 1, "Settled": 1, "Completed": 1,
+    }
+    records = [json.loads(line) for line in ran.err.splitlines()]
+    assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
+    [handled] = [r for r in records if r["message"].startswith("handled with")]
+    assert (handled["level"], handled["logger"], handled["subscription"], handled["attempt"]) == (
+        "INFO", "fastapi_workqueue.handler.cli.lifespan", sub, 1)
+    assert handled["delivery_id"] and handled["message_id"]
+    quiet = await cli("--json", "work", "--app", APP, "--subscription", "cli.nope", "--once", "--log-level", "error",
+                      expect=EXIT_UNKNOWN_SUBSCRIPTION)
+    summary = json.loads(one_line(quiet.out))
+    assert (summary["ExitCode"], summary["Claimed"]) == (EXIT_UNKNOWN_SUBSCRIPTION, 0)
+    assert "does not exist" in summary["Reason"] and one_line(quiet.err) == f"workqueue work: {summary['Reason']}"
 
 
 # -- API keys ------------------------------------------------------------------------------------
@@ -501,6 +666,41 @@ async def test_runbook_a_delivery_is_stuck_in_flight_and_its_holder_is_dead(cli:
     [completed] = await cli.json("deliveries", "--subscription", sub, "--status", "Completed")
     assert (completed["MessageID"], completed["Attempt"]) == (message, 2)
     assert [r["attempt"] for r in cli.records(sub, "done")] == [2]
+
+
+async def test_the_role_scripts_are_reachable_from_a_wheel_install(tmp_path: Path) -> None:
+    """``workqueue sql list`` and ``sql print`` read the SQL the wheel carries (fastapi_workqueue/_sql),
+    not the checkout's sql/ folder."""
+    build = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(ROOT),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(build.communicate(), 80)
+    assert build.returncode == 0, err.decode()
+    [wheel] = (tmp_path / "dist").glob("fastapi_workqueue-*.whl")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}, "PYTHONPATH": str(site)}
+
+    async def command(*args: str) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import sys, fastapi_workqueue.cli as c; print(c.__file__, file=sys.stderr); "
+            "c.main()", *args, cwd=tmp_path, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, err.decode()
+        assert err.decode().startswith(str(site)), err.decode()  # the wheel's package, not the checkout
+        return out.decode()
+
+    listed = json.loads(await command("sql", "list", "--json"))
+    assert {"Dialect": "postgresql", "Path": "roles/runtime_role.sql"} in listed
+    assert {"Dialect": "mssql", "Path": "roles/runtime_role.sql"} in listed
+    assert not [e for e in listed if e["Path"][:4].isdigit()]  # migrations are not scripts to run by hand
+    printed = await command("sql", "print", "roles/runtime_role.sql")
+    assert printed == (ROOT / "sql" / "postgresql" / "roles" / "runtime_role.sql").read_text()
+    mssql = json.loads(await command("sql", "print", "roles/runtime_role.sql", "--dialect", "mssql", "--json"))
+    assert mssql == {"Dialect": "mssql", "Path": "roles/runtime_role.sql",
+                     "SQL": (ROOT / "sql" / "mssql" / "roles" / "runtime_role.sql").read_text()}
 
 
 def test_the_worker_runs_outside_the_probe_for_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:

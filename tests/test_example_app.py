@@ -229,12 +229,12 @@ async def test_health_reports_both_subscriptions_running(example: Example) -> No
 
 
 async def test_a_worker_process_runs_the_example_subscriptions(example: Example, example_database: str) -> None:
-    """``workqueue work --app example_app.main:queue`` finds the app's queue and runs a subscription
-    beside the app's own host, on the same database."""
+    """``workqueue work --app example_app.main:app`` finds the app's queue, runs its lifespan, and runs
+    a subscription beside the app's own host, on the same database."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
     env.update(PYTHONPATH=str(ROOT), WORKQUEUE_DATABASE_URL=example_database)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fastapi_workqueue", "work", "--app", "example_app.main:queue",
+        sys.executable, "-m", "fastapi_workqueue", "work", "--app", "example_app.main:app",
         "--subscription", "orders.audit", "--once", cwd=ROOT, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )

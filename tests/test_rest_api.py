@@ -181,6 +181,7 @@ ENDPOINTS = [
     Endpoint("dead-letters", "GET", "/subscriptions/{subscription}/dead-letters", SCOPE_READ),
     Endpoint("deliveries", "GET", "/subscriptions/{subscription}/deliveries", SCOPE_READ, "?status=DeadLettered"),
     Endpoint("delivery", "GET", "/subscriptions/{subscription}/deliveries/{delivery_id}", SCOPE_READ),
+    Endpoint("delivery-by-id", "GET", "/deliveries/{delivery_id}", SCOPE_READ),
     Endpoint("partitions", "GET", "/subscriptions/{subscription}/partitions", SCOPE_READ, "?condition=Blocked"),
     Endpoint("validate-bindings", "GET", "/validate-bindings", SCOPE_READ),
     Endpoint("replay", "POST", "/subscriptions/{subscription}/deliveries/{delivery_id}/replay", SCOPE_OPERATE,
@@ -414,6 +415,40 @@ async def test_payloads_are_listed_only_with_the_admin_scope(api: Api) -> None:
     assert (await api.http.get(one, headers=api.bearer(SCOPE_ADMIN))).status_code == 403
 
 
+async def test_one_delivery_by_its_id_whole_with_secrets_taken_out_of_its_errors(api: Api) -> None:
+    [published] = await api.publish("dl", PublishRequest(payload={"secret": "by-id"}, attributes={"kind": "whole"}))
+    batch = await api.queue.transport.claim(api.subs["dl"], 1000)
+    [claimed] = [c for c in batch if c.message_id == published.message_id]
+    for other in batch:  # others' deliveries go back as they were
+        if other is not claimed:
+            await api.settle(other, "Release")
+    error = "Traceback (most recent call last):\n  ...\nOSError: cannot reach postgresql://app:hunter2@db/orders"
+    await api.settle(claimed, "DeadLetter", reason="poison: password=hunter2", error=error)
+    url = f"{PREFIX}/deliveries/{claimed.delivery_id}"
+    info = (await api.http.get(url, headers=api.bearer(SCOPE_READ))).json()
+    assert (info["DeliveryID"], info["Subscription"], info["Topic"]) == (
+        claimed.delivery_id, api.subs["dl"], api.topics["dl"])
+    assert (info["Status"], info["Attempt"], info["MaxAttempts"], info["Attributes"]) == (
+        "DeadLettered", 1, 1, {"kind": "whole"})
+    assert info["ClaimedAt"] and info["CreatedAt"] and info["SettledAt"] and "LeaseExpiresAt" in info
+    assert "ProgressPercent" in info and "VisibleAt" in info and info["Payload"] is None
+    assert info["Reason"] == "poison: password=***"
+    assert info["LastError"].endswith("OSError: cannot reach postgresql://app:***@db/orders")
+    admin = (await api.http.get(url, headers=api.bearer("read+admin"))).json()
+    assert admin["Payload"] == {"secret": "by-id"}
+    for listed in (
+        f"{PREFIX}/subscriptions/{api.subs['dl']}/deliveries/{claimed.delivery_id}",
+        f"{PREFIX}/subscriptions/{api.subs['dl']}/dead-letters?limit=1000",
+        f"{PREFIX}/subscriptions/{api.subs['dl']}/deliveries?status=DeadLettered&limit=1000",
+    ):
+        assert "hunter2" not in (await api.http.get(listed, headers=api.bearer(SCOPE_READ))).text, listed
+    for missing in ("999999999", "not-a-number"):
+        response = await api.http.get(f"{PREFIX}/deliveries/{missing}", headers=api.bearer(SCOPE_READ))
+        assert response.status_code == 404 and "does not exist" in response.json()["detail"]
+    schema = (await api.http.get("/openapi.json")).json()
+    assert "404" in schema["paths"][f"{PREFIX}/deliveries/{{delivery_id}}"]["get"]["responses"]
+
+
 async def test_unknown_subscription_or_delivery_is_404(api: Api) -> None:
     headers = api.bearer("all")
     nope = unique("nope")
@@ -605,6 +640,47 @@ async def test_discard_of_a_running_delivery_cancels_the_handler(api: Api) -> No
     await asyncio.sleep(0.3)
     assert api.reasons == [AbortReason.CANCELLED]
     assert (await api.queue.stats(sub))[0].pending == 0
+
+
+async def test_a_503_while_checking_a_key_carries_no_driver_text(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store goes away (connections refused for maintenance) while an unauthenticated caller
+    sends a key: a generic 503 with Retry-After; the driver's text goes to the log only."""
+    import asyncpg
+
+    from .conftest import drop_database, recreate_database
+
+    url = pg_url.rsplit("/", 1)[0] + "/" + unique("wq_away").replace("-", "_")
+    name = url.rsplit("/", 1)[1]
+    await recreate_database(url)
+    queue = WorkQueue(WorkQueueSettings(database_url=url, enabled=False, auto_migrate=True, **FAST))
+    app = FastAPI()
+    app.include_router(queue.router)
+    admin = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://").rsplit("/", 1)[0]
+                                  + "/postgres")
+    try:
+        async with queue.lifespan(app), client(app) as http:
+            key = (await create_key(queue.transport, "reader", [SCOPE_READ])).key  # type: ignore[arg-type]
+            assert (await http.get(f"{PREFIX}/stats", headers={"X-API-Key": key})).status_code == 200
+            await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+            await admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1", name
+            )
+            with caplog.at_level("WARNING", logger="fastapi_workqueue.web"):
+                response = await http.get(f"{PREFIX}/stats", headers={"X-API-Key": key})
+            await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == "1"
+        assert response.json() == {
+            "detail": "cannot check the API key now: the queue's store is unavailable; retry later"
+        }
+        [logged] = [r.getMessage() for r in caplog.records if "cannot check an API key" in r.getMessage()]
+        assert name in logged or "accepting connections" in logged or "terminat" in logged, logged
+    finally:
+        await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        await admin.close()
+        await drop_database(url)
 
 
 # -- another authorizer, and the schema ----------------------------------------------------------

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import sys
+import traceback
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -21,17 +22,23 @@ from ..core.errors import ConfigurationError, WorkQueueError
 from ..core.keys import SCOPES, create_key
 from ..core.reports import DeliveryStatus, PartitionCondition
 from ..settings import DEFAULT_DATABASE_URL
-from .output import emit_json, table
+from ..web.operator_view import shown, shown_all
+from .output import emit_json, record, table
+from .sql_scripts import sql
 
 DEFAULT_DATABASE_FILE = DEFAULT_DATABASE_URL.partition(":///")[2]
 
 T = TypeVar("T")
 
+DELIVERY_COLUMNS = ("delivery_id", "message_id", "topic", "partition_key", "attempt", "status")
+DELIVERY_TIMES = ("claimed_at", "lease_expires_at", "visible_at")
+
 
 class Context:
-    def __init__(self, database_url: str | None, as_json: bool) -> None:
+    def __init__(self, database_url: str | None, as_json: bool, verbose: bool = False) -> None:
         self.database_url = database_url
         self.as_json = as_json
+        self.verbose = verbose
 
     def url(self) -> str:
         if not self.database_url and os.path.isfile(DEFAULT_DATABASE_FILE):
@@ -62,6 +69,8 @@ def run(ctx: Context, action: Callable[[Any], Awaitable[T]]) -> T:
     try:
         return asyncio.run(main())
     except (WorkQueueError, ValueError) as exc:
+        if ctx.verbose:
+            traceback.print_exception(exc, file=sys.stderr)
         raise click.ClickException(str(exc)) from exc
 
 
@@ -71,11 +80,12 @@ pass_context = click.make_pass_decorator(Context)
 @click.group()
 @click.option("--database-url", envvar="WORKQUEUE_DATABASE_URL", help="postgresql+asyncpg://user@host/db")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@click.option("--verbose", is_flag=True, help="Show the traceback behind an error.")
 @click.version_option(package_name="fastapi-workqueue")
 @click.pass_context
-def cli(click_ctx: click.Context, database_url: str | None, as_json: bool) -> None:
+def cli(click_ctx: click.Context, database_url: str | None, as_json: bool, verbose: bool) -> None:
     """Operate a fastapi-workqueue: publish, inspect, replay, discard, run workers."""
-    click_ctx.obj = Context(database_url, as_json)
+    click_ctx.obj = Context(database_url, as_json, verbose)
 
 
 @cli.command()
@@ -155,12 +165,13 @@ def stats(ctx: Context, subscription: str | None) -> None:
 @pass_context
 def dead_letters(ctx: Context, subscription: str, limit: int, after: str | None, include_payload: bool) -> None:
     """Dead-lettered deliveries with their reason and last error."""
-    rows = run(ctx, lambda t: _existing(t, subscription, t.list_deliveries(
-        subscription, "DeadLettered", limit=limit, after=after, include_payload=include_payload)))
+    rows = shown_all(run(ctx, lambda t: _existing(t, subscription, t.list_deliveries(
+        subscription, "DeadLettered", limit=limit, after=after, include_payload=include_payload))))
     if ctx.as_json:
         emit_json(rows)
     else:
-        table(rows, ["delivery_id", "message_id", "partition_key", "attempt", "reason", "last_error", "settled_at"])
+        table(rows, [*DELIVERY_COLUMNS[:5], "reason", "last_error", *DELIVERY_TIMES, "settled_at",
+                     *(["payload"] if include_payload else [])])
 
 
 @cli.command()
@@ -175,12 +186,28 @@ def deliveries(
     ctx: Context, subscription: str, status: DeliveryStatus, limit: int, after: str | None, include_payload: bool
 ) -> None:
     """Deliveries of one state, oldest first: find the id of a stuck InFlight delivery."""
-    rows = run(ctx, lambda t: _existing(t, subscription, t.list_deliveries(
-        subscription, status, limit=limit, after=after, include_payload=include_payload)))
+    rows = shown_all(run(ctx, lambda t: _existing(t, subscription, t.list_deliveries(
+        subscription, status, limit=limit, after=after, include_payload=include_payload))))
     if ctx.as_json:
         emit_json(rows)
     else:
-        table(rows, ["delivery_id", "message_id", "partition_key", "status", "attempt", "reason", "created_at"])
+        table(rows, [*DELIVERY_COLUMNS, "reason", "last_error", "created_at", *DELIVERY_TIMES,
+                     *(["payload"] if include_payload else [])])
+
+
+@cli.command()
+@click.argument("delivery_id")
+@click.option("--payload", "include_payload", is_flag=True, help="Include the payload.")
+@pass_context
+def delivery(ctx: Context, delivery_id: str, include_payload: bool) -> None:
+    """One delivery whole: state, attempts, lease, progress, reason, last error, timestamps."""
+    info = run(ctx, lambda t: t.get_delivery(delivery_id, include_payload=include_payload))
+    if info is None:
+        raise click.ClickException(f"delivery {delivery_id!r} does not exist")
+    if ctx.as_json:
+        emit_json(shown(info))
+    else:
+        record(shown(info))
 
 
 @cli.command()
@@ -372,17 +399,28 @@ def _set_json(click_ctx: click.Context, param: click.Parameter, value: bool) -> 
         click_ctx.find_object(Context).as_json = True  # type: ignore[union-attr]
 
 
+def _set_verbose(click_ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        click_ctx.find_object(Context).verbose = True  # type: ignore[union-attr]
+
+
 def _set_database_url(click_ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     if value:
         click_ctx.find_object(Context).database_url = value  # type: ignore[union-attr]
 
 
-def accept_global_options(command: click.Command, *, json_flag: bool = True) -> None:
-    """Lets ``--json`` and ``--database-url`` follow the command's name too: ``workqueue stats --json``."""
+def accept_global_options(command: click.Command) -> None:
+    """Lets ``--json``, ``--verbose`` and ``--database-url`` follow the command's name too:
+    ``workqueue stats --json``."""
     names = {name for param in command.params for name in param.opts}
-    if json_flag and "--json" not in names:
+    if "--json" not in names:
         command.params.append(click.Option(
             ["--json"], is_flag=True, expose_value=False, callback=_set_json, help="Print JSON instead of tables.",
+        ))
+    if "--verbose" not in names:
+        command.params.append(click.Option(
+            ["--verbose"], is_flag=True, expose_value=False, callback=_set_verbose,
+            help="Show the traceback behind an error.",
         ))
     if "--database-url" not in names:
         command.params.append(click.Option(
@@ -391,7 +429,9 @@ def accept_global_options(command: click.Command, *, json_flag: bool = True) -> 
         ))
 
 
-for _command in [*cli.commands.values(), *api_keys.commands.values()]:
+cli.add_command(sql)
+
+for _command in [*cli.commands.values(), *api_keys.commands.values(), *sql.commands.values()]:
     if not isinstance(_command, click.Group):
         accept_global_options(_command)
 
@@ -401,6 +441,6 @@ def main() -> None:
     from .work import work
 
     if "work" not in cli.commands:
-        accept_global_options(work, json_flag=False)
+        accept_global_options(work)
         cli.add_command(work)
     cli(prog_name="workqueue")

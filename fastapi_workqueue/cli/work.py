@@ -1,5 +1,7 @@
 """``workqueue work``: run one subscription's handlers from your app, long-running or one-shot.
 
+``--app MODULE:ATTR`` names the FastAPI or Starlette app (its lifespan runs, so handlers see
+``request.app.state`` and ``app.dependency_overrides`` as under a server) or the WorkQueue itself.
 Exit codes: 0 when it ran (also with an empty queue, a spent budget, ``--max-duration-ms``, a
 signal, or a paused subscription); non-zero with a one-line reason when the subscription could
 not run at all. A long-running worker (neither ``--once`` nor ``--max``) waits through a pause
@@ -11,18 +13,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import json
+import logging
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import click
 
 from ..core.errors import ConfigurationError, TransportError
 from ..core.host import SubscriptionPlan
+from ..core.redaction import redact
+from .app_loader import LifespanFailed, app_lifespan, load_target, queue_from_lifespan_state
+from .log_setup import configure_logging
 
 T = TypeVar("T")
+
+log = logging.getLogger("fastapi_workqueue.cli")
 
 EXIT_OK = 0
 EXIT_CONFIGURATION = 2
@@ -38,39 +49,96 @@ _STATE_EXIT = {
 }
 
 
-def load_queue(path: str) -> Any:
-    """Imports ``MODULE:ATTR`` (from the current directory too) and returns the WorkQueue."""
-    from ..queue import WorkQueue
+@dataclass(slots=True)
+class WorkSummary:
+    """How a run ended: the exit code, a one-line reason, and what the worker did."""
 
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigurationError(f"--app {path!r} is not MODULE:ATTR (for example myapp.worker:queue)")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigurationError(f"--app {path!r}: cannot import {module_name!r} ({exc})") from exc
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ConfigurationError(f"--app {path!r}: {module_name!r} has no attribute {attr!r}")
-        target = getattr(target, part)
-    if not isinstance(target, WorkQueue):
-        raise ConfigurationError(f"--app {path!r} is a {type(target).__name__}, not a WorkQueue")
-    return target
+    subscription: str
+    code: int = EXIT_OK
+    reason: str = ""
+    claimed: int = 0
+    settled: int = 0
+    completed: int = 0
+
+    def ended(self, code: int, reason: str) -> WorkSummary:
+        self.code, self.reason = code, reason
+        return self
+
+    def as_json(self) -> str:
+        return json.dumps({
+            "ExitCode": self.code, "Reason": self.reason, "Subscription": self.subscription,
+            "Claimed": self.claimed, "Settled": self.settled, "Completed": self.completed,
+        }, ensure_ascii=False)
 
 
 async def run_work(
     queue: Any,
     subscription: str,
     *,
+    app: Any = None,
+    app_path: str = "",
     once: bool = False,
     max_deliveries: int | None = None,
     concurrency: int | None = None,
     max_duration_ms: int | None = None,
     shutdown_drain_ms: int | None = None,
-) -> tuple[int, str]:
-    """Runs the subscription until done; returns the exit code and a one-line reason."""
+) -> WorkSummary:
+    """Runs the subscription until done, inside ``app``'s lifespan when an app is given.
+
+    The lifespan opens the queue but starts no host of its own (:func:`host_run_by_worker`); the
+    worker's host runs, drains on a signal, and the lifespan's shutdown runs after the drain."""
+    from ..queue import host_run_by_worker
+
+    summary = WorkSummary(subscription)
+
+    async def run(on: Any, *, needs_no_app: bool) -> WorkSummary:
+        return await _run(
+            on, summary, needs_no_app=needs_no_app, once=once, max_deliveries=max_deliveries,
+            concurrency=concurrency, max_duration_ms=max_duration_ms, shutdown_drain_ms=shutdown_drain_ms,
+        )
+
+    if app is None:
+        return await run(queue, needs_no_app=True)
+    started = False
+    with host_run_by_worker():
+        try:
+            async with app_lifespan(app) as state:
+                started = True
+                if queue is None:
+                    queue = queue_from_lifespan_state(state, app_path)
+                queue.bind_app(app)
+                return await run(queue, needs_no_app=False)
+        except ConfigurationError as exc:
+            return summary.ended(EXIT_CONFIGURATION, str(exc))
+        except TransportError as exc:
+            return summary.ended(EXIT_ERROR, str(exc))
+        except LifespanFailed as exc:
+            return summary.ended(EXIT_ERROR, f"the app's lifespan failed at start-up: {_one_line(str(exc))}")
+        except Exception as exc:
+            if started:
+                raise
+            return summary.ended(
+                EXIT_ERROR, f"the app's lifespan failed at start-up: {type(exc).__name__}: {_one_line(str(exc))}"
+            )
+
+
+def _one_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else text
+
+
+async def _run(
+    queue: Any,
+    summary: WorkSummary,
+    *,
+    needs_no_app: bool,
+    once: bool,
+    max_deliveries: int | None,
+    concurrency: int | None,
+    max_duration_ms: int | None,
+    shutdown_drain_ms: int | None,
+) -> WorkSummary:
+    subscription = summary.subscription
     budget = max_deliveries if max_deliveries is not None else (1 if once else None)
     # A long-running worker (no --once, no --max) stays up through a pause, as a deployment's
     # pods must; a job with a budget exits 0 at once, as there is nothing for it to do.
@@ -79,13 +147,26 @@ async def run_work(
     wildcard = next((p for p in queue.settings.subscriptions if p.name == "*"), None)
     width = concurrency or (planned or wildcard or SubscriptionPlan()).concurrency
     overrides = {} if shutdown_drain_ms is None else {"shutdown_drain_ms": shutdown_drain_ms}
+    mode = ", ".join(part for part in (
+        "once" if once else "", f"at most {budget} deliveries" if budget is not None else "",
+        f"for at most {max_duration_ms} ms" if max_duration_ms is not None else "",
+    ) if part) or "until a signal"
+    log.info("worker starting: database %s; subscription %s, concurrency %d; %s",
+             redact(queue.settings.database_url or "(none)"), subscription, width, mode)
     try:
         await queue.open()
     except ConfigurationError as exc:
-        return EXIT_CONFIGURATION, str(exc)
+        return summary.ended(EXIT_CONFIGURATION, str(exc))
     except TransportError as exc:
-        return EXIT_ERROR, str(exc)
+        return summary.ended(EXIT_ERROR, str(exc))
     try:
+        if needs_no_app:
+            where = await _handler_needing_an_app(queue, subscription)
+            if where is not None:
+                return summary.ended(EXIT_CONFIGURATION, (
+                    f"{subscription}: {where} takes a Request, which needs the app (request.app); point --app "
+                    "at the FastAPI or Starlette app (MODULE:app) instead of the WorkQueue"
+                ))
         host = queue.build_host(
             [SubscriptionPlan(name=subscription, concurrency=width)],
             max_deliveries=budget,
@@ -100,18 +181,35 @@ async def run_work(
                 reason = "unknown" if state is None else (state.reason or name)
                 if name == "Paused":
                     if finite:
-                        return EXIT_OK, f"{subscription}: paused, nothing to do ({reason})"
+                        return summary.ended(EXIT_OK, f"{subscription}: paused, nothing to do ({reason})")
                     click.echo(f"workqueue work: {subscription}: paused ({reason}); waiting for resume", err=True)
                 elif name == "Error" and "does not exist" in reason:
-                    return EXIT_UNKNOWN_SUBSCRIPTION, reason
+                    return summary.ended(EXIT_UNKNOWN_SUBSCRIPTION, reason)
                 else:
-                    return _STATE_EXIT.get(name, EXIT_ERROR), f"{subscription}: {name}: {reason}"
+                    return summary.ended(_STATE_EXIT.get(name, EXIT_ERROR), f"{subscription}: {name}: {reason}")
             await _until_done(host, max_duration_ms, finite=finite)
-            return EXIT_OK, f"{subscription}: ran {host.claimed_total(subscription)} deliveries"
+            summary.claimed = host.claimed_total(subscription)
+            return summary.ended(EXIT_OK, f"{subscription}: ran {summary.claimed} deliveries")
         finally:
+            # The consumers of the subscription, also those a pause retired, for their counts.
+            consumers = [*getattr(host, "_retired", {}).get(subscription, ()), host.consumers.get(subscription)]
             await host.stop()
+            counted = [c for c in consumers if c is not None]
+            summary.settled = sum(c.settled_total for c in counted)
+            summary.completed = sum(c.completed_total for c in counted)
     finally:
         await queue.close()
+
+
+async def _handler_needing_an_app(queue: Any, subscription: str) -> str | None:
+    """Where the subscription's handler takes a Request (see ``WorkQueue.app_needed_by``)."""
+    declared = queue.subscriptions.get(subscription)
+    key = declared.handler_key if declared is not None else None
+    if key is None:
+        with contextlib.suppress(Exception):  # the host reports an unreadable topology itself
+            stored = await queue.transport.list_subscriptions()
+            key = next((s.handler_key for s in stored if s.name == subscription), None)
+    return None if key is None else queue.app_needed_by(key)
 
 
 def run_on_fastest_loop(coroutine: Coroutine[Any, Any, T]) -> T:
@@ -146,6 +244,8 @@ async def _until_done(host: Any, max_duration_ms: int | None, *, finite: bool) -
         waiters.append(asyncio.ensure_future(asyncio.sleep(max_duration_ms / 1000)))
     try:
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            log.info("signal received: no more claims; draining the running handlers")
     finally:
         for waiter in waiters:
             waiter.cancel()
@@ -154,31 +254,51 @@ async def _until_done(host: Any, max_duration_ms: int | None, *, finite: bool) -
             loop.remove_signal_handler(sig)
 
 
+def _finish(summary: WorkSummary, *, as_json: bool) -> None:
+    if summary.code != EXIT_OK or not as_json:
+        click.echo(f"workqueue work: {summary.reason}", err=summary.code != EXIT_OK)
+    if as_json:
+        click.echo(summary.as_json())
+    sys.exit(summary.code)
+
+
 @click.command()
-@click.option("--app", "app_path", required=True, help="MODULE:ATTR of your WorkQueue, e.g. myapp.worker:queue.")
+@click.option("--app", "app_path", required=True,
+              help="MODULE:ATTR of your FastAPI or Starlette app (e.g. myapp.main:app), or of its WorkQueue.")
 @click.option("--subscription", required=True, help="The subscription to run.")
 @click.option("--once", is_flag=True, help="Claim at most --max (default 1), run, drain, exit; exit at once if empty.")
 @click.option("--max", "max_deliveries", type=click.IntRange(1), help="Receive at most this many deliveries.")
 @click.option("--concurrency", type=click.IntRange(1), help="Deliveries at once (default: the settings' plan).")
 @click.option("--max-duration-ms", type=click.IntRange(1), help="Stop claiming after this long, then drain.")
 @click.option("--shutdown-drain-ms", type=click.IntRange(0), help="How long running handlers get on shutdown.")
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              help="Log records at this level and above go to stderr.")
+@click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
+              help="text, or one JSON object a line (time, level, logger, message, delivery fields).")
 @click.pass_obj
 def work(
     ctx: Any, app_path: str, subscription: str, once: bool, max_deliveries: int | None,
     concurrency: int | None, max_duration_ms: int | None, shutdown_drain_ms: int | None,
+    log_level: str, log_format: Any,
 ) -> None:
     """Run a subscription's handlers: a worker process or a one-shot container job."""
+    configure_logging(log_level, log_format)
+    as_json = bool(ctx is not None and ctx.as_json)
+    database_url = ctx.database_url if ctx is not None else None
+    if database_url:
+        os.environ["WORKQUEUE_DATABASE_URL"] = database_url  # for settings the module reads at import
     try:
-        queue = load_queue(app_path)
+        target = load_target(app_path)
     except ConfigurationError as exc:
-        click.echo(f"workqueue work: {exc}", err=True)
-        sys.exit(EXIT_CONFIGURATION)
-    if ctx is not None and ctx.database_url:
-        queue.settings = queue.settings.model_copy(update={"database_url": ctx.database_url})
+        if ctx is not None and ctx.verbose and exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
+        _finish(WorkSummary(subscription, EXIT_CONFIGURATION, str(exc)), as_json=as_json)
+        return
+    if target.queue is not None and database_url:
+        target.queue.settings = target.queue.settings.model_copy(update={"database_url": database_url})
     coroutine = run_work(
-        queue, subscription, once=once, max_deliveries=max_deliveries, concurrency=concurrency,
-        max_duration_ms=max_duration_ms, shutdown_drain_ms=shutdown_drain_ms,
+        target.queue, subscription, app=target.app, app_path=app_path, once=once, max_deliveries=max_deliveries,
+        concurrency=concurrency, max_duration_ms=max_duration_ms, shutdown_drain_ms=shutdown_drain_ms,
     )
-    code, reason = run_on_fastest_loop(coroutine)
-    click.echo(f"workqueue work: {reason}", err=code != EXIT_OK)
-    sys.exit(code)
+    _finish(run_on_fastest_loop(coroutine), as_json=as_json)

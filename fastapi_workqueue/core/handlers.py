@@ -169,6 +169,10 @@ class HandlerRegistry:
     def get(self, key: str) -> HandlerSpec | None:
         return self._handlers.get(key)
 
+    def remove(self, key: str) -> None:
+        """Forgets the handler of ``key`` (one whose registration was refused after it was read)."""
+        self._handlers.pop(key, None)
+
     def __contains__(self, key: object) -> bool:
         return key in self._handlers
 

@@ -9,6 +9,7 @@ its own to ``queue.create_router(authorize=...)``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +18,12 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 
 from ..core.errors import TransportError
 from ..core.keys import ApiKeyStore, Principal, verify_key
+from ..core.redaction import redact
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
+
+log = logging.getLogger("fastapi_workqueue.web")
 
 Authorizer = Callable[..., Awaitable[Principal]]
 
@@ -60,8 +64,12 @@ def api_key_authorizer(queue: WorkQueue) -> Authorizer:
         try:
             principal = await verify_key(_as_store(store), key)
         except TransportError as exc:
+            # The caller is not authenticated yet: the driver's text (hosts, database names) goes
+            # to the log, the answer says only that the store is away.
+            log.warning("cannot check an API key: %s", redact(str(exc)))
             raise HTTPException(
-                status_code=status.HTTP_503_SERVICE_UNAVAILABLE, detail=f"cannot check the API key now: {exc}",
+                status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+                detail="cannot check the API key now: the queue's store is unavailable; retry later",
                 headers={"Retry-After": "1"},
             ) from exc
         if principal is None:

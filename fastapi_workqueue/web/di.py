@@ -1,4 +1,11 @@
-"""Resolves a handler's FastAPI dependencies (``Depends``, yield dependencies) once per attempt."""
+"""Resolves a handler's FastAPI dependencies (``Depends``, yield dependencies) once per attempt.
+
+The whole graph is checked when the handler is registered: a dependency, however deep, may take
+only other dependencies, ``Request``, ``HTTPConnection``, ``Response`` and ``SecurityScopes``;
+a query parameter, a body, a header, a cookie, a path parameter, a WebSocket or BackgroundTasks
+exist only in a real request and are refused with the path to them. The FastAPI internals this
+needs live in :mod:`fastapi_workqueue.web.fastapi_internals`.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +14,6 @@ import typing
 from contextlib import AsyncExitStack
 from typing import Any
 
-from fastapi.dependencies.models import Dependant
-from fastapi.dependencies.utils import get_dependant, solve_dependencies
 from starlette.requests import Request
 
 from ..core.context import WorkContext
@@ -16,6 +21,17 @@ from ..core.envelope import WorkMessage
 from ..core.errors import ConfigurationError
 from ..core.handlers import HandlerSpec, call_plain
 from ..core.outcomes import WorkOutcome
+from .fastapi_internals import (
+    Dependant,
+    GraphProblem,
+    build_dependant,
+    connection_parameters,
+    request_only_parameters,
+    request_scope,
+    solve,
+)
+
+ALLOWED = "other dependencies, Request, HTTPConnection, Response and SecurityScopes"
 
 
 def _stub_for(spec: HandlerSpec) -> Any:
@@ -38,6 +54,10 @@ def _stub_for(spec: HandlerSpec) -> Any:
     return stub
 
 
+def _path(key: str, problem: GraphProblem) -> str:
+    return " -> ".join((f"handler {key!r}", *problem.chain, problem.parameter))
+
+
 class DependencyInvoker:
     """Calls handlers, solving their dependencies as FastAPI would for a request.
 
@@ -51,19 +71,29 @@ class DependencyInvoker:
         self._dependants: dict[str, Dependant] = {}
 
     def prepare(self, spec: HandlerSpec) -> None:
-        """Builds (and checks) the dependency graph of a handler at registration."""
+        """Builds the dependency graph of a handler at registration and checks all of it."""
         if not spec.other_params:
             return
-        dependant = get_dependant(path=f"/workqueue/{spec.key}", call=_stub_for(spec))
-        loose = [p.name for p in (*dependant.query_params, *dependant.body_params,
-                                  *dependant.path_params, *dependant.header_params,
-                                  *dependant.cookie_params)]
-        if loose:
+        dependant = build_dependant(_stub_for(spec))
+        problems = request_only_parameters(dependant)
+        if problems:
+            first = problems[0]
+            more = f" (and {len(problems) - 1} more: {', '.join(_path(spec.key, p) for p in problems[1:])})" if (
+                len(problems) > 1) else ""
             raise ConfigurationError(
-                f"handler {spec.key!r}: parameters {loose} are not dependencies; a handler takes its "
-                "WorkMessage, its WorkContext and Depends(...) parameters only"
+                f"{_path(spec.key, first)}: {first.kind}{more}; a handler's dependencies may take only {ALLOWED} "
+                "(a handler has no HTTP request: read what you need from the message or the app's state)"
             )
         self._dependants[spec.key] = dependant
+
+    def app_needed_by(self, spec: HandlerSpec) -> str | None:
+        """Where the handler's dependencies take a Request or HTTPConnection (which gives them
+        ``request.app``), or None. ``current_message`` and ``current_context`` need no app."""
+        dependant = self._dependants.get(spec.key)
+        if dependant is None:
+            return None
+        found = connection_parameters(dependant, ignore=(current_message, current_context))
+        return _path(spec.key, found[0]) if found else None
 
     async def __call__(
         self, spec: HandlerSpec, message: WorkMessage[Any], context: WorkContext
@@ -71,44 +101,18 @@ class DependencyInvoker:
         dependant = self._dependants.get(spec.key)
         if dependant is None:
             return await call_plain(spec, message, context)
-        scope: dict[str, Any] = {
-            "type": "http",
-            "method": "POST",
-            "path": f"/workqueue/{spec.key}",
-            "raw_path": f"/workqueue/{spec.key}".encode(),
-            "root_path": "",
-            "scheme": "workqueue",
-            "query_string": b"",
-            "headers": [],
-            "client": None,
-            "server": None,
-            "app": self.app,
-            "state": {},
-            "workqueue.message": message,
-            "workqueue.context": context,
-        }
-        async with AsyncExitStack() as request_stack:
-            scope["fastapi_inner_astack"] = request_stack
-            async with AsyncExitStack() as function_stack:
-                scope["fastapi_function_astack"] = function_stack
-                request = Request(scope)
-                solved = await solve_dependencies(
-                    request=request,
-                    dependant=dependant,
-                    dependency_overrides_provider=self.app,
-                    async_exit_stack=request_stack,
-                    embed_body_fields=False,
-                )
-                if solved.errors:
-                    raise ConfigurationError(
-                        f"handler {spec.key!r}: dependencies could not be resolved: {solved.errors}"
-                    )
-                kwargs = dict(solved.values)
-                if spec.message_param:
-                    kwargs[spec.message_param] = message
-                if spec.context_param:
-                    kwargs[spec.context_param] = context
-                return await spec.func(**kwargs)
+        scope = request_scope(
+            self.app, f"/workqueue/{spec.key}", {"workqueue.message": message, "workqueue.context": context}
+        )
+        async with AsyncExitStack() as request_stack, AsyncExitStack() as function_stack:
+            values, errors = await solve(dependant, scope, self.app, request_stack, function_stack)
+            if errors:
+                raise ConfigurationError(f"handler {spec.key!r}: dependencies could not be resolved: {errors}")
+            if spec.message_param:
+                values[spec.message_param] = message
+            if spec.context_param:
+                values[spec.context_param] = context
+            return await spec.func(**values)
 
 
 def current_message(request: Request) -> WorkMessage[Any]:

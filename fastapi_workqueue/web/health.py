@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from ..queue import WorkQueue
 
 
+UNHEALTHY = frozenset({"HandlerNotRegistered", "Error"})
+"""Subscription states that make ``GET /health/extensions`` answer 503."""
+
+
 class ExtensionHealth(WireModel):
     """The work queue's part of the health report."""
 
@@ -29,11 +33,20 @@ class HealthReport(WireModel):
 def build_health_router(queue: WorkQueue) -> APIRouter:
     router = APIRouter(tags=["health"])
 
-    @router.get("/health/extensions", response_model=HealthReport, summary="Work queue health")
+    @router.get(
+        "/health/extensions",
+        response_model=HealthReport,
+        summary="Work queue health",
+        responses={503: {"model": HealthReport, "description": "A planned subscription is HandlerNotRegistered "
+                         "or in Error; the body is the same report."}},
+    )
     async def extensions_health(response: Response) -> HealthReport:
-        """Each planned subscription: Running, Paused, HandlerNotRegistered, Unsupported or Error."""
+        """Each planned subscription: Running, Paused, HandlerNotRegistered, Unsupported or Error.
+
+        503 when any of them is HandlerNotRegistered or Error (so a load balancer takes the
+        instance out), 200 otherwise."""
         report = queue.health()
-        if report.status == "Degraded":
+        if report.status == "Degraded" or any(s.state in UNHEALTHY for s in report.subscriptions):
             response.status_code = 503
         return HealthReport(extensions=[report])
 

@@ -35,6 +35,8 @@ from ..core.reports import (
 from ..core.topology import check_name
 from ..core.wire import WireModel
 from .auth import Authorizer
+from .fastapi_internals import scopes_of, set_request_body
+from .operator_view import shown, shown_all
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
@@ -154,7 +156,7 @@ class _BoundedBodyRoute(APIRoute):
                     if size > limit:
                         return too_large
                     chunks.append(chunk)
-                request._body = b"".join(chunks)
+                set_request_body(request, b"".join(chunks))
             try:
                 return await handler(request)
             except RequestValidationError as exc:
@@ -289,9 +291,9 @@ def build_router(
     ) -> list[DeliveryInfo]:
         """Dead-lettered deliveries, oldest first, with reason and last error (payloads for admins)."""
         await known_subscription(subscription)
-        return await _call(queue.dead_letters(
+        return shown_all(await _call(queue.dead_letters(
             subscription, limit=limit, after=after, include_payload=principal.has(SCOPE_ADMIN)
-        ))
+        )))
 
     @router.get(
         "/subscriptions/{subscription}/deliveries", response_model=list[DeliveryInfo], summary="Deliveries by state"
@@ -305,9 +307,9 @@ def build_router(
     ) -> list[DeliveryInfo]:
         """Deliveries of one state, oldest first (payloads for admins)."""
         await known_subscription(subscription)
-        return await _call(queue.deliveries(
+        return shown_all(await _call(queue.deliveries(
             subscription, status_, limit=limit, after=after, include_payload=principal.has(SCOPE_ADMIN)
-        ))
+        )))
 
     @router.get(
         "/subscriptions/{subscription}/deliveries/{delivery_id}", response_model=DeliveryInfo, summary="One delivery"
@@ -319,7 +321,24 @@ def build_router(
             raise HTTPException(
                 status.HTTP_404_NOT_FOUND, detail=f"delivery {delivery_id!r} of {subscription!r} not found"
             )
-        return info
+        return shown(info)
+
+    @router.get(
+        "/deliveries/{delivery_id}",
+        response_model=DeliveryInfo,
+        summary="One delivery, by its id alone",
+        responses={404: {"description": "No delivery has this id."}},
+    )
+    async def delivery_by_id(
+        delivery_id: Annotated[str, Path(description="The delivery's id, as the listings show it.")],
+        principal: Reader,
+    ) -> DeliveryInfo:
+        """A delivery whole: subscription, topic, state, attempts, lease, progress, reason, last error,
+        timestamps and attributes (the payload for admins)."""
+        info = await _call(queue.get_delivery(delivery_id, include_payload=principal.has(SCOPE_ADMIN)))
+        if info is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"delivery {delivery_id!r} does not exist")
+        return shown(info)
 
     @router.get(
         "/subscriptions/{subscription}/partitions", response_model=list[PartitionInfo], summary="Keys and their state"
@@ -389,14 +408,6 @@ def build_router(
     return router
 
 
-def _scopes_of(dependant: Any) -> list[str]:
-    """The scopes a route's Security dependencies ask for."""
-    found: list[str] = list(getattr(dependant, "own_oauth_scopes", None) or ())
-    for sub in dependant.dependencies:
-        found.extend(s for s in _scopes_of(sub) if s not in found)
-    return found
-
-
 def _document_errors(router: APIRouter) -> None:
     """Adds to every route's OpenAPI entry the answers it can give besides its own: 401 and 403
     with the scope it needs (also in ``x-required-scopes``), 404 for an unknown subscription, 503
@@ -404,7 +415,7 @@ def _document_errors(router: APIRouter) -> None:
     for route in router.routes:
         if not isinstance(route, APIRoute):
             continue
-        scopes = _scopes_of(route.dependant)
+        scopes = scopes_of(route.dependant)
         if scopes:
             needed = ", ".join(f"`{s}`" for s in scopes)
             route.responses.setdefault(401, {"description": "No API key, or one that is unknown, expired or revoked."})

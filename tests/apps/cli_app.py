@@ -9,7 +9,7 @@ which abort reason. The payload says what to do:
 - ``{"hang": true}``: wait until the runtime aborts the handler (a "hung" handler that honors its
   signal); ``{"hang": "first"}`` only on the first attempt.
 - ``{"fail": true}``: dead-letter at once, unless the file named by ``CLI_APP_FIXED`` exists (the
-  "deployed fix" of the runbooks).
+  "deployed fix" of the runbooks); ``{"fail": "text"}`` dead-letters with that text as the error.
 """
 
 from __future__ import annotations
@@ -104,6 +104,8 @@ async def run(message: WorkMessage[dict[str, Any]], context: WorkContext) -> Wor
             raise
     if payload.get("fail") and not fix_deployed():
         record(event="failed", **seen)
+        if isinstance(payload["fail"], str):
+            raise FatalWorkError(payload["fail"])
         raise FatalWorkError(f"cannot handle {payload!r} yet")
     record(event="done", **seen)
     return Outcome.complete()

@@ -1,0 +1,26 @@
+"""What operators are shown of a delivery, over REST and in the CLI: error text without secrets.
+
+``reason`` and ``last_error`` hold what handlers raised, and drivers and HTTP clients like to put
+credentials into their messages; :func:`~fastapi_workqueue.core.redaction.redact` takes them out
+before anyone with ``workqueue:read`` sees them. The stored text is left as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..core.redaction import redact
+from ..core.reports import DeliveryInfo
+
+
+def shown(info: DeliveryInfo) -> DeliveryInfo:
+    """``info`` with its reason and last error redacted."""
+    return info.model_copy(update={
+        "reason": redact(info.reason) if info.reason else info.reason,
+        "last_error": redact(info.last_error) if info.last_error else info.last_error,
+    })
+
+
+def shown_all(infos: Iterable[DeliveryInfo]) -> list[DeliveryInfo]:
+    """:func:`shown` for each."""
+    return [shown(info) for info in infos]

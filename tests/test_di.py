@@ -1,0 +1,160 @@
+"""Handler dependencies: the whole graph is checked at registration, and what runs sees the app.
+
+This module also runs on the lowest FastAPI the project supports (``scripts/test`` makes
+``.venv-fastapi-min`` for it), so it needs only SQLite: keep it quick and free of PostgreSQL.
+"""
+
+# No ``from __future__ import annotations``: the handlers below name local dependencies in Annotated.
+
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import pytest
+from fastapi import BackgroundTasks, Body, Depends, FastAPI, Header, Request
+from fastapi.security import SecurityScopes
+
+from fastapi_workqueue import (
+    ConfigurationError,
+    Outcome,
+    PublishRequest,
+    WorkContext,
+    WorkMessage,
+    WorkOutcome,
+    current_context,
+    current_message,
+)
+
+from .support import make_queue, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def get_token(token: str) -> str:  # `token` would be a query parameter of a route
+    return token
+
+
+async def get_user(token: str = Depends(get_token)) -> str:
+    return f"user of {token}"
+
+
+async def get_settings(request: Request) -> Any:
+    return request.app.state.settings
+
+
+def test_a_nested_dependency_that_needs_a_query_parameter_is_refused_at_registration(sqlite_url: str) -> None:
+    queue, _, _ = make_queue(sqlite_url, [{"role": "a"}])
+    with pytest.raises(ConfigurationError) as raised:
+
+        @queue.handler("x")
+        async def handle(message: WorkMessage[Any], user: str = Depends(get_user)) -> WorkOutcome:
+            return Outcome.complete()
+
+    text = str(raised.value)
+    assert text.startswith("handler 'x' -> get_user -> get_token -> token: a query parameter;"), text
+    assert "may take only other dependencies, Request" in text
+    assert "x" not in queue.handlers
+
+
+@pytest.mark.parametrize(
+    ("make_dependency", "path", "kind"),
+    [
+        (lambda: load, "load -> order", "a request body"),
+        (lambda: agent, "agent -> user_agent", "a header"),
+        (lambda: later, "later -> tasks", "BackgroundTasks"),
+    ],
+    ids=["body", "header", "background-tasks"],
+)
+def test_every_request_only_parameter_is_named_with_its_path(
+    sqlite_url: str, make_dependency: Any, path: str, kind: str
+) -> None:
+    queue, _, _ = make_queue(sqlite_url, [{"role": "a"}])
+    dependency = make_dependency()
+
+    async def outer(value: Any = Depends(dependency)) -> Any:
+        return value
+
+    with pytest.raises(ConfigurationError, match=rf"^handler 'k' -> outer -> {path}: {kind}"):
+
+        @queue.handler("k")
+        async def handle(message: WorkMessage[Any], value: Any = Depends(outer)) -> None:
+            return None
+
+
+async def load(order: Annotated[dict[str, Any], Body()]) -> Any:
+    return order
+
+
+async def agent(user_agent: Annotated[str, Header()]) -> str:
+    return user_agent
+
+
+async def later(tasks: BackgroundTasks) -> BackgroundTasks:
+    return tasks
+
+
+def test_what_a_handler_may_take_and_which_handlers_need_an_app(sqlite_url: str) -> None:
+    queue, _, _ = make_queue(sqlite_url, [{"role": "a"}])
+
+    async def scoped(scopes: SecurityScopes, message: WorkMessage[Any] = Depends(current_message),
+                     context: WorkContext = Depends(current_context)) -> str:
+        return f"{message.message_id} {context.attempt} {scopes.scopes}"
+
+    @queue.handler("plain")
+    async def plain(message: WorkMessage[Any], note: str = Depends(scoped)) -> None:
+        return None
+
+    @queue.handler("app")
+    async def with_app(message: WorkMessage[Any], settings: Any = Depends(get_settings)) -> None:
+        return None
+
+    invoker: Any = queue._invoker
+    assert invoker.app_needed_by(queue.handlers.get("plain")) is None
+    assert invoker.app_needed_by(queue.handlers.get("app")) == "handler 'app' -> get_settings -> request"
+
+
+async def test_handlers_see_the_app_state_and_its_dependency_overrides(sqlite_url: str) -> None:
+    queue, topic, subs = make_queue(sqlite_url, [{"role": "a"}])
+    seen: list[tuple[str, str, int]] = []
+    events: list[str] = []
+
+    async def real_mailer() -> AsyncIterator[str]:
+        events.append("real")
+        yield "smtp"
+
+    async def fake_mailer() -> AsyncIterator[str]:
+        events.append("fake opened")
+        try:
+            yield "fake"
+        finally:
+            events.append("fake closed")
+
+    async def tagged(context: WorkContext = Depends(current_context)) -> int:
+        return context.attempt
+
+    @queue.handler("a")
+    async def handle(
+        message: WorkMessage[Any],
+        mailer: Annotated[str, Depends(real_mailer)],
+        settings: Any = Depends(get_settings),
+        attempt: int = Depends(tagged),
+    ) -> WorkOutcome:
+        seen.append((mailer, settings, attempt))
+        return Outcome.complete()
+
+    app = FastAPI(lifespan=queue.lifespan)
+    app.state.settings = "from the app"
+    app.dependency_overrides[real_mailer] = fake_mailer
+    async with queue.lifespan(app):
+        await queue.publish(topic, [PublishRequest(payload=1)])
+        await wait_for(lambda: seen)
+        app.dependency_overrides.clear()
+        await queue.publish(topic, [PublishRequest(payload=2)])
+        await wait_for(lambda: len(seen) == 2)
+
+        async def completed() -> bool:
+            [stats] = await queue.stats(subs["a"])
+            return stats.completed == 2
+
+        await wait_for(completed)
+    assert seen == [("fake", "from the app", 1), ("smtp", "from the app", 1)]
+    assert events == ["fake opened", "fake closed", "real"]
