@@ -112,7 +112,7 @@ async def test_outcomes_and_errors_map_to_delivery_states(pg_url: str) -> None:
     assert (by_action["fatal"].status, by_action["fatal"].attempt) == ("DeadLettered", 1)
     assert by_action["fatal"].reason == "cannot ever work"
     assert (by_action["crash"].status, by_action["crash"].attempt) == ("DeadLettered", 2)
-    assert (by_action["crash"].last_error or "").splitlines()[0] == "ValueError: bad thing on attempt 2"
+    assert (by_action["crash"].last_error or "").splitlines()[-1] == "ValueError: bad thing on attempt 2"
     assert (by_action["dead"].status, by_action["dead"].reason) == ("DeadLettered", "poison")
     assert (by_action["retry"].status, by_action["retry"].attempt) == ("DeadLettered", 2)
     assert "later" in (by_action["retry"].reason or "")
@@ -150,10 +150,10 @@ async def test_a_handler_exception_is_logged_with_its_traceback_and_kept_in_last
         assert record.attempt == attempt
         assert record.exc_info is not None and record.exc_info[0] is RuntimeError
     lines = (info.last_error or "").splitlines()
-    assert lines[0] == "RuntimeError: cannot send the welcome mail"
-    assert "Traceback (most recent call last):" in lines
+    assert lines[0] == "Traceback (most recent call last):"
+    assert lines[-1] == "RuntimeError: cannot send the welcome mail"
     assert any(__file__ in line and "in handle" in line for line in lines)
-    assert "Caused by: ConnectionError: smtp://mailer:***@mail.internal refused attempt 2" in lines
+    assert "ConnectionError: smtp://mailer:***@mail.internal refused attempt 2" in lines
     assert any("in _connect_to_mail_server" in line for line in lines)
     assert "hunter2" not in (info.last_error or "")
 
