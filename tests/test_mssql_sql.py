@@ -58,9 +58,9 @@ POSTGRESQL_ONLY = frozenset({"publish_one"})
 """PostgreSQL functions without a T-SQL routine: publish_one is publish for one message with
 scalars, which only the PostgreSQL transport calls (``postgres.py``); every other dialect calls
 publish for that too."""
-RETURN_STATUS = frozenset({"refresh_partition"})
+RETURN_STATUS = frozenset({"refresh_partition", "rederive_stale"})
 """Answer through the procedure's return status instead of a result set (only other procedures
-call it; a result set would reach their client)."""
+call them; a result set would reach their client)."""
 
 URL = "mssql+aioodbc://app:secret@db.example:1433/work?driver=ODBC+Driver+18+for+SQL+Server"
 
