@@ -95,15 +95,16 @@ async def test_a_large_heartbeat_and_settle_find_each_row_by_its_key(scratch_url
         ids, tokens = [r["delivery_id"] for r in claimed], [r["lease_token"] for r in claimed]
         beats = await conn.fetch("SELECT alive FROM workqueue.heartbeat($1, $2, $3, $4)",
                                  ids, tokens, [50] * 300, ["half"] * 300)
+        # Half retried (their backoff from the caller's draws), half completed.
         results = await conn.fetch(
-            "SELECT result FROM workqueue.settle($1, $2, $3, $4, $5, $6)",
-            [r["delivery_id"] for r in claimed], [r["lease_token"] for r in claimed], ["Complete"] * 300,
-            [None] * 300, [None] * 300, [None] * 300)
+            "SELECT result FROM workqueue.settle($1, $2, $3, $4, $5, $6, $7)",
+            [r["delivery_id"] for r in claimed], [r["lease_token"] for r in claimed], ["Complete", "Fail"] * 150,
+            [None] * 300, [None] * 300, [None] * 300, [0.5] * 300)
         await conn.execute("SET auto_explain.log_min_duration = -1")
     finally:
         await conn.close()
     assert [r["alive"] for r in beats] == [True] * 300
-    assert [r["result"] for r in results] == ["Completed"] * 300
+    assert [r["result"] for r in results] == ["Completed", "Pending"] * 150
     text = "\n".join(plans)
     assert "workqueue.delivery" in text or "delivery" in text, "auto_explain sent no plan"
     removed = [int(n) for n in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", text)]

@@ -37,7 +37,7 @@ from ..core.errors import ConfigurationError, TransportError, TransportUnavailab
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
 from .errors import with_retries
-from .routines import RoutineTransport, Row
+from .routines import RandomSource, RoutineTransport, Row
 from .sql_files import migrations
 
 log = logging.getLogger("fastapi_workqueue.mssql")
@@ -332,9 +332,10 @@ class MssqlTransport(RoutineTransport):
         pool_min_size: int = 1,
         pool_max_size: int = 10,
         connect_timeout: float = 10.0,
+        rng: RandomSource | None = None,
         **_options: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(rng=rng)
         self.url = url
         self._dsn = odbc_connection_string(url)
         self._pool_min_size = pool_min_size

@@ -26,7 +26,7 @@ from ..core.errors import ConfigurationError, TransportError
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
 from .errors import with_retries
-from .routines import RoutineTransport, Row
+from .routines import RandomSource, RoutineTransport, Row
 from .sql_files import migrations, read
 from .sqlite_routines import READ_ONLY, ROUTINES, Call
 
@@ -165,8 +165,8 @@ class SqliteTransport(RoutineTransport):
         ),
     )
 
-    def __init__(self, url: str, **_options: Any) -> None:
-        super().__init__()
+    def __init__(self, url: str, *, rng: RandomSource | None = None, **_options: Any) -> None:
+        super().__init__(rng=rng)
         self.url = url
         self.path = sqlite_path(url)
         self._conn: Any = None

@@ -56,14 +56,18 @@ def epoch(value: datetime | None) -> float | None:
     return None if value is None else value.timestamp()
 
 
-def backoff_seconds(attempt: int, base: float, maximum: float, schedule: str | None) -> float:
-    """Full-jitter exponential backoff, or the fixed schedule a delivery was published with."""
+def backoff_seconds(
+    attempt: int, base: float, maximum: float, schedule: str | None, draw: float | None = None
+) -> float:
+    """Full-jitter exponential backoff with the fraction ``draw`` (a fresh random one when None),
+    or the fixed schedule a delivery was published with."""
     if schedule:
         steps = json.loads(schedule)
         if steps:
             step: float = float(steps[min(max(attempt, 1), len(steps)) - 1])
             return step
-    return random.random() * min(maximum, base * 2.0 ** (max(attempt, 1) - 1))
+    fraction = random.random() if draw is None else draw
+    return fraction * min(maximum, base * 2.0 ** (max(attempt, 1) - 1))
 
 
 # -- partitions ----------------------------------------------------------------------------------
@@ -377,12 +381,13 @@ async def r_heartbeat(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_
 @routine
 async def r_settle(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_outcomes: Sequence[str],
                    p_delays: Sequence[float | None], p_reasons: Sequence[str | None],
-                   p_errors: Sequence[str | None]) -> list[Row]:
+                   p_errors: Sequence[str | None], p_draws: Sequence[float | None] | None = None) -> list[Row]:
     out = []
     keys: set[tuple[int, str, int]] = set()
-    items = sorted(zip(p_ids, p_tokens, p_outcomes, p_delays, p_reasons, p_errors, strict=True))
+    draws = list(p_draws) if p_draws is not None else [None] * len(p_ids)
+    items = sorted(zip(p_ids, p_tokens, p_outcomes, p_delays, p_reasons, p_errors, draws, strict=True))
     results: dict[int, str] = {}
-    for delivery_id, token, outcome, delay, reason, error in items:
+    for delivery_id, token, outcome, delay, reason, error, draw in items:
         held = await c.ex.fetch("delivery_held", id=delivery_id, token=str(token))
         if not held:
             continue
@@ -402,7 +407,8 @@ async def r_settle(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_out
         if new == "Pending":
             wait = (delay or 0.0) if outcome == "Release" else (
                 delay if delay is not None else backoff_seconds(
-                    d["attempt"], d["backoff_base_seconds"], d["backoff_max_seconds"], d["backoff_schedule"]))
+                    d["attempt"], d["backoff_base_seconds"], d["backoff_max_seconds"], d["backoff_schedule"],
+                    draw))
             visible = c.now + wait
         if d["cancel_requested"]:
             new_reason = d["reason"]
