@@ -461,7 +461,7 @@ GO
 
 -- InFlight deliveries whose lease ran out: Discarded when a cancel was requested, DeadLettered
 -- when the attempt was the last, otherwise Pending again after backoff (the attempt counts).
--- The locking read takes the backoff columns, which the delivery_lease index does not cover, so
+-- The locking read takes the backoff columns, which no index of the InFlight rows covers, so
 -- it locks the delivery rows themselves (see the top of 0005_consume.sql).
 --
 -- PostgreSQL frees the keys of the expired deliveries with release_keys. Here each key is
