@@ -109,6 +109,19 @@ async def refresh_partition(c: Call, subscription_id: int, key: str, mode: int) 
     return holder is None and next_visible is not None and next_visible <= c.now
 
 
+async def _count_settled(c: Call, statuses: Sequence[tuple[int, str]], sign: int = 1) -> None:
+    """Adds (or, with sign -1, takes away) Completed and Discarded deliveries to settled_count, one
+    statement per subscription: stats reads the terminal counts there, not from the history."""
+    tally: dict[int, list[int]] = {}
+    for subscription_id, status in statuses:
+        if status in ("Completed", "Discarded"):
+            counts = tally.setdefault(subscription_id, [0, 0])
+            counts[status == "Discarded"] += sign
+    for subscription_id, (completed, discarded) in sorted(tally.items()):
+        await c.ex.execute("settled_count_add", subscription_id=subscription_id, completed=completed,
+                           discarded=discarded)
+
+
 async def _refresh_keys(c: Call, keys: set[tuple[int, str, int]]) -> None:
     for subscription_id, key, mode in sorted(keys):
         if await refresh_partition(c, subscription_id, key, mode):
@@ -387,6 +400,7 @@ async def r_settle(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_out
     draws = list(p_draws) if p_draws is not None else [None] * len(p_ids)
     items = sorted(zip(p_ids, p_tokens, p_outcomes, p_delays, p_reasons, p_errors, draws, strict=True))
     results: dict[int, str] = {}
+    settled: list[tuple[int, str]] = []
     for delivery_id, token, outcome, delay, reason, error, draw in items:
         held = await c.ex.fetch("delivery_held", id=delivery_id, token=str(token))
         if not held:
@@ -425,8 +439,10 @@ async def r_settle(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_out
             settled_at=c.now if new in ("Completed", "Discarded", "DeadLettered") else None,
         )
         results[delivery_id] = new
+        settled.append((d["subscription_id"], new))
         if d["key_mode"] > 0:
             keys.add((d["subscription_id"], d["partition_key"], d["key_mode"]))
+    await _count_settled(c, settled)
     await _refresh_keys(c, keys)
     for delivery_id in p_ids:
         out.append({"delivery_id": delivery_id, "result": results.get(delivery_id, "LeaseLost")})
@@ -460,6 +476,7 @@ async def r_expire_leases(c: Call, p_limit: int) -> list[Row]:
         out.append({"delivery_id": d["id"], "result": new})
         if d["key_mode"] > 0:
             keys.add((d["subscription_id"], d["partition_key"], d["key_mode"]))
+    await _count_settled(c, [(d["subscription_id"], e["result"]) for d, e in zip(expired, out, strict=True)])
     await _refresh_keys(c, keys)
     return out
 
@@ -467,7 +484,7 @@ async def r_expire_leases(c: Call, p_limit: int) -> list[Row]:
 @routine
 async def r_purge(c: Call, p_limit: int) -> list[Row]:
     return [{
-        "purged_deliveries": await c.ex.execute("purge_deliveries", now=c.now, limit=p_limit),
+        "purged_deliveries": await _delete_settled(c, "purge_deliveries", now=c.now, limit=p_limit),
         "purged_messages": await c.ex.execute("purge_messages", now=c.now, limit=p_limit),
         "purged_deduplication": await c.ex.execute("purge_deduplication", now=c.now, limit=p_limit),
     }]
@@ -502,7 +519,15 @@ async def r_sweep(c: Call, p_limit: int = 1000) -> list[Row]:
 
 @routine
 async def r_prune(c: Call, p_older_than_seconds: float, p_limit: int) -> list[Row]:
-    return [{"prune": await c.ex.execute("prune_deliveries", cutoff=c.now - p_older_than_seconds, limit=p_limit)}]
+    removed = await _delete_settled(c, "prune_deliveries", cutoff=c.now - p_older_than_seconds, limit=p_limit)
+    return [{"prune": removed}]
+
+
+async def _delete_settled(c: Call, query: str, **params: Any) -> int:
+    """Runs a DELETE of terminal deliveries that returns what it deleted, and counts them out."""
+    gone = await c.ex.fetch(query, **params)
+    await _count_settled(c, [(r["subscription_id"], r["status"]) for r in gone], sign=-1)
+    return len(gone)
 
 
 # -- operator actions ----------------------------------------------------------------------------
@@ -533,6 +558,7 @@ async def r_discard(c: Call, p_subscription: str, p_delivery_id: int, p_reason: 
     if await c.ex.execute("delivery_cancel", id=p_delivery_id, reason=p_reason):
         return [{"result": "CancelRequested", "cancel_requested": True, "delivery_status": "InFlight"}]
     if await c.ex.execute("delivery_discard", id=p_delivery_id, reason=p_reason, now=c.now):
+        await _count_settled(c, [(d["subscription_id"], "Discarded")])
         if d["key_mode"] > 0 and await refresh_partition(c, d["subscription_id"], d["partition_key"], d["key_mode"]):
             c.wake.add(d["subscription_id"])
         return [{"result": "Discarded", "cancel_requested": False, "delivery_status": "Discarded"}]

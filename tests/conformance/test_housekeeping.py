@@ -99,3 +99,59 @@ async def test_c33_stats_and_backlog_agree_with_deliveries(harness: Harness) -> 
     assert (stats.pending, stats.in_flight, stats.dead_lettered, stats.completed, stats.discarded) == (0, 0, 1, 6, 0)
     backlog = await harness.transport.backlog(world["x"])
     assert backlog is not None and backlog.backlog == 0
+
+
+async def counted_by_listing(harness: Harness, subscription: str) -> dict[str, int]:
+    counts = {}
+    for status in ("Pending", "InFlight", "DeadLettered", "Completed", "Discarded"):
+        counts[status] = len(await harness.transport.list_deliveries(subscription, status, limit=1000))  # type: ignore[arg-type]
+    return counts
+
+
+async def assert_stats_agree(harness: Harness, subscription: str) -> dict[str, int]:
+    [stats] = await harness.transport.stats(subscription)
+    listed = await counted_by_listing(harness, subscription)
+    assert {"Pending": stats.pending, "InFlight": stats.in_flight, "DeadLettered": stats.dead_lettered,
+            "Completed": stats.completed, "Discarded": stats.discarded} == listed
+    return listed
+
+
+async def test_c33_terminal_counts_stay_exact_through_discard_expiry_purge_and_prune(harness: Harness) -> None:
+    """Completed and Discarded are counted without reading the history: every way into those states
+    (complete, a cancelled settle, discard, a cancelled lease that expires) and every way out of the
+    table (retention purge, prune) keeps stats equal to the deliveries."""
+    world = await make_world(harness.transport, [{"role": "a", "retention_seconds": 1.0, "lease_seconds": 0.2,
+                                                      "backoff_base_seconds": 0, "backoff_max_seconds": 0}])
+    await world.publish(*[PublishRequest(payload=i) for i in range(8)])
+    claimed = await world.claim("a", 5)
+    assert len(claimed) == 5
+    await world.settle(claimed[0], "Complete")
+    await world.settle(claimed[1], "Complete")
+    cancelled = await harness.transport.discard(world["a"], claimed[2].delivery_id, "stop")
+    assert cancelled.result == "CancelRequested"
+    assert await world.settle(claimed[2], "Complete") == "Discarded"
+    expiring = await harness.transport.discard(world["a"], claimed[3].delivery_id, "stop")
+    assert expiring.result == "CancelRequested"
+    [waiting, *_] = await harness.transport.list_deliveries(world["a"], "Pending", limit=1)
+    assert (await harness.transport.discard(world["a"], waiting.delivery_id, "not needed")).result == "Discarded"
+    await asyncio.sleep(0.3)  # the two leases still held (claimed[3], claimed[4]) run out
+    assert (await harness.transport.sweep()).discarded == 1
+    listed = await assert_stats_agree(harness, world["a"])
+    assert (listed["Completed"], listed["Discarded"], listed["Pending"]) == (2, 3, 3)
+
+    # Retention: everything settled more than 1 s ago goes; the counts follow.
+    await asyncio.sleep(1.0)
+    for _ in range(50):  # a pass purges at most its limit; other tests' rows may be due too
+        report = await harness.transport.sweep()
+        if report.ran and report.purged_deliveries == 0:
+            break
+    listed = await assert_stats_agree(harness, world["a"])
+    assert (listed["Completed"], listed["Discarded"]) == (0, 0)
+
+    # More settles, then prune (the operator's removal, whatever the retention).
+    more = await world.drain("a")
+    assert len(more) == 3  # two never claimed and the one whose lease expired
+    await assert_stats_agree(harness, world["a"])
+    assert await harness.transport.prune(0) >= 3
+    listed = await assert_stats_agree(harness, world["a"])
+    assert (listed["Completed"], listed["Discarded"]) == (0, 0)
