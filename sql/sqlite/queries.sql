@@ -309,8 +309,9 @@ JOIN message m ON m.id = d.message_id
 WHERE d.id = :id;
 
 -- name: delivery_list
-SELECT d.id AS delivery_id, d.message_id, d.partition_key, d.status, d.attempt, d.max_attempts, d.reason,
-       d.last_error, d.note, d.created_at, d.settled_at, m.attributes, m.payload, m.correlation_id
+SELECT d.id AS delivery_id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts,
+       d.visible_at, d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
+       d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id
 FROM delivery d
 JOIN subscription s ON s.id = d.subscription_id
 JOIN message m ON m.id = d.message_id
