@@ -213,9 +213,10 @@ async def test_an_upgrade_lets_an_existing_runtime_role_call_the_new_functions(
                      "timestamptz, integer, text, integer)")
         assert await conn.fetchval("SELECT has_function_privilege('workqueue_runtime', $1, 'EXECUTE')", signature)
         assert not await conn.fetchval("SELECT has_function_privilege('public', $1, 'EXECUTE')", signature)
-        # 0020 and 0023 created settle and list_deliveries again: still the runtime role's.
+        # 0020 and 0023 created settle and list_deliveries again, 0024 api_key_touch: the runtime role's.
         for recreated in ("workqueue.settle(bigint[], uuid[], text[], double precision[], text[], text[], "
-                          "double precision[])", "workqueue.list_deliveries(text, text, integer, bigint)"):
+                          "double precision[])", "workqueue.list_deliveries(text, text, integer, bigint)",
+                          "workqueue.api_key_touch(uuid)"):
             assert await conn.fetchval("SELECT has_function_privilege('workqueue_runtime', $1, 'EXECUTE')", recreated)
             assert not await conn.fetchval("SELECT has_function_privilege('public', $1, 'EXECUTE')", recreated)
     finally:

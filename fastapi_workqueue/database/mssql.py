@@ -217,9 +217,10 @@ def map_mssql_error(exc: BaseException, operation: str) -> Exception:
         )
     if number in _PERMISSION:
         return ConfigurationError(
-            f"{operation}: the database user lacks a permission ({text}); a runtime user needs the "
-            "workqueue_runtime role of sql/mssql/roles/runtime_role.sql, and migrations need the schema "
-            "owner: run them as the owner, not with WORKQUEUE_AUTO_MIGRATE under the runtime user"
+            f"{operation}: the database user lacks a permission ({text}); the application's user needs the "
+            "workqueue_runtime role of sql/mssql/roles/runtime_role.sql, operator actions workqueue_operator "
+            "(operator_role.sql) and API key management workqueue_admin (admin_role.sql), and migrations need "
+            "the schema owner: run them as the owner, not with WORKQUEUE_AUTO_MIGRATE under the runtime user"
         )
     if number in _MISSING_SCHEMA:
         return ConfigurationError(

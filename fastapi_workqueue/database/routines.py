@@ -403,6 +403,10 @@ class RoutineTransport:
         r = rows[0]
         return StoredKey(id=str(r["id"]), name=r["name"], key_hash=r["key_hash"], scopes=tuple(json_list(r["scopes"])))
 
+    async def api_key_touch(self, key_id: str) -> None:
+        """Marks a key used (the store writes at most once a minute); only once its hash matched."""
+        await self.call("api_key_touch", p_id=uuid.UUID(key_id))
+
     async def api_key_list(self) -> list[ApiKeyInfo]:
         rows = await self.call("api_key_list")
         return [ApiKeyInfo.model_validate({**as_dict(r), "scopes": json_list(r["scopes"])})

@@ -38,7 +38,7 @@ class Call:
 Routine = Callable[..., Awaitable[list[Row]]]
 ROUTINES: dict[str, Routine] = {}
 READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions", "list_subscriptions",
-             "list_topics", "schema_versions", "api_key_list"}
+             "list_topics", "schema_versions", "api_key_list", "api_key_lookup"}
 """Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
 
 
@@ -647,6 +647,11 @@ async def r_once_abort(c: Call, p_key: str, p_token: str) -> list[Row]:
 @routine
 async def r_api_key_create(c: Call, p_id: Any, p_name: str, p_prefix: str, p_key_hash: str, p_scopes: list[str],
                            p_expires_at: datetime | None) -> list[Row]:
+    if await c.ex.fetch("api_key_live_name", name=p_name):
+        raise ValueError(
+            f"an API key named {p_name!r} exists already; revoke it first (workqueue api-keys revoke {p_name!r}) "
+            "or pick another name"
+        )
     await c.ex.execute("api_key_create", id=str(p_id), name=p_name, prefix=p_prefix, key_hash=p_key_hash,
                        scopes=json.dumps(p_scopes), now=c.now, expires_at=epoch(p_expires_at))
     return [{"api_key_create": None}]
@@ -654,8 +659,13 @@ async def r_api_key_create(c: Call, p_id: Any, p_name: str, p_prefix: str, p_key
 
 @routine
 async def r_api_key_lookup(c: Call, p_prefix: str) -> list[Row]:
-    await c.ex.execute("api_key_touch", prefix=p_prefix, now=c.now)
     return await c.ex.fetch("api_key_lookup", prefix=p_prefix, now=c.now)
+
+
+@routine
+async def r_api_key_touch(c: Call, p_id: Any) -> list[Row]:
+    await c.ex.execute("api_key_touch", id=str(p_id), now=c.now)
+    return [{"api_key_touch": None}]
 
 
 @routine

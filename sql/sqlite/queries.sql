@@ -361,7 +361,10 @@ VALUES (:id, :name, :prefix, :key_hash, :scopes, :now, :expires_at);
 
 -- name: api_key_touch
 UPDATE api_key SET last_used_at = :now
-WHERE prefix = :prefix AND revoked_at IS NULL AND (last_used_at IS NULL OR last_used_at < :now - 60);
+WHERE id = :id AND revoked_at IS NULL AND (last_used_at IS NULL OR last_used_at < :now - 60);
+
+-- name: api_key_live_name
+SELECT id FROM api_key WHERE name = :name AND revoked_at IS NULL;
 
 -- name: api_key_lookup
 SELECT id, name, key_hash, scopes FROM api_key
