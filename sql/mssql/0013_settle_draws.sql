@@ -9,8 +9,8 @@ SET QUOTED_IDENTIFIER ON;
 GO
 
 -- Full-jitter exponential backoff with the fraction @p_draw (a draw of RAND() when it is NULL), or
--- the fixed schedule a delivery was published with (a JSON array of seconds). INLINE = OFF: an inlined call would read the view once per statement and
--- give every row of a settle the same delay. The exponent is capped at 64, far above any
+-- the fixed schedule a delivery was published with (a JSON array of seconds). INLINE = OFF: an
+-- inlined call would read the view once per statement and give every row of a statement the same delay. The exponent is capped at 64, far above any
 -- backoff_max_seconds, so a very high attempt number cannot overflow the float.
 -- returns: backoff_seconds
 CREATE OR ALTER FUNCTION workqueue.backoff_seconds (
@@ -202,9 +202,10 @@ BEGIN
         FROM workqueue.delivery AS d
         INNER JOIN @v_plan AS p ON p.id = d.id;
 
-        -- Free the keys of the settled deliveries, all at once (release_keys locks them in key
-        -- order). Its result, the subscriptions with a key claimable now, is what PostgreSQL
-        -- notifies; consumers poll here, so it is only read to keep it from the client.
+        -- Free the keys of the settled deliveries, all at once (release_keys takes those nobody
+        -- else holds, in key order, and marks the others stale). Its result, the subscriptions
+        -- with a key claimable now, is what PostgreSQL notifies; consumers poll here, so it is only
+        -- read to keep it from the client.
         IF EXISTS (SELECT 1 FROM @v_u AS u WHERE u.key_mode > 0)
         BEGIN
             SELECT @v_settled = N'[' + STRING_AGG(CAST(u.id AS nvarchar(max)), N',') + N']'

@@ -130,7 +130,8 @@ GO
 -- reason and optional delay), Fail (an error), DeadLetter, Release (shutdown, or a busy once key:
 -- back to Pending after the optional delay without consuming the attempt). A cancel-requested
 -- delivery becomes Discarded whatever the outcome. A stale token changes nothing and answers
--- LeaseLost. (An id given twice is settled once, by its first item.)
+-- LeaseLost. (An id given twice is settled once, by its first item.) @p_draws are the caller's
+-- jitter draws (PostgreSQL 0020); the batch's terminal settles are counted in settled_count (0022).
 -- returns: delivery_id, result
 CREATE OR ALTER PROCEDURE workqueue.settle
     @p_ids nvarchar(max),
@@ -279,9 +280,10 @@ BEGIN
         WHERE u.status IN (N'Completed', N'Discarded')
         GROUP BY u.subscription_id;
 
-        -- Free the keys of the settled deliveries, all at once (release_keys locks them in key
-        -- order). Its result, the subscriptions with a key claimable now, is what PostgreSQL
-        -- notifies; consumers poll here, so it is only read to keep it from the client.
+        -- Free the keys of the settled deliveries, all at once (release_keys takes those nobody
+        -- else holds, in key order, and marks the others stale). Its result, the subscriptions
+        -- with a key claimable now, is what PostgreSQL notifies; consumers poll here, so it is only
+        -- read to keep it from the client.
         IF EXISTS (SELECT 1 FROM @v_u AS u WHERE u.key_mode > 0)
         BEGIN
             SELECT @v_settled = N'[' + STRING_AGG(CAST(u.id AS nvarchar(max)), N',') + N']'

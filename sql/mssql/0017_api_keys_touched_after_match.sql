@@ -9,7 +9,7 @@ SET ANSI_NULLS ON;
 SET QUOTED_IDENTIFIER ON;
 GO
 
--- A name an unrevoked key has is refused with THROW 51003 (PostgreSQL: unique_violation).
+-- A name an unrevoked key has is refused with THROW 51004 (PostgreSQL: unique_violation).
 -- returns: nothing
 CREATE OR ALTER PROCEDURE workqueue.api_key_create
     @p_id uniqueidentifier,
@@ -35,7 +35,7 @@ BEGIN
             SET @v_message = CONCAT(
                 N'an API key named ''', REPLACE(@p_name, N'''', N''''''), N''' exists already; revoke it first ',
                 N'(workqueue api-keys revoke ''', REPLACE(@p_name, N'''', N''''''), N''') or pick another name');
-            THROW 51003, @v_message, 1;
+            THROW 51004, @v_message, 1;
         END;
         INSERT INTO workqueue.api_key (id, name, prefix, key_hash, scopes, expires_at)
         VALUES (@p_id, @p_name, @p_prefix, @p_key_hash, @p_scopes, @p_expires_at);
