@@ -230,7 +230,9 @@ async def test_a_sweeper_pass_expires_a_lease_of_the_held_key_without_waiting(
         int(world.claimed["hot"].delivery_id))
     await world.publish("hot", session=producer)
     report = await asyncio.wait_for(pg_transport.sweep(), timeout=2)
-    assert report.ran and report.retried == 1
+    assert report.ran and report.retried >= 1  # (other tests' expired leases may be swept too)
+    expired = await pg_transport.get_delivery(world.claimed["hot"].delivery_id)
+    assert expired is not None and expired.status == "Pending"
     assert await pg_transport.claim(world.subscription, 10) == []  # the key waits for its producer
     assert await world.in_flight(observer) == {"other": 1}
 

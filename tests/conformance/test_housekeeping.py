@@ -135,7 +135,8 @@ async def test_c33_terminal_counts_stay_exact_through_discard_expiry_purge_and_p
     [waiting, *_] = await harness.transport.list_deliveries(world["a"], "Pending", limit=1)
     assert (await harness.transport.discard(world["a"], waiting.delivery_id, "not needed")).result == "Discarded"
     await asyncio.sleep(0.3)  # the two leases still held (claimed[3], claimed[4]) run out
-    assert (await harness.transport.sweep()).discarded == 1
+    assert (await harness.transport.sweep()).discarded >= 1  # (other tests' leases may be swept too)
+    assert await world.status(claimed[3].delivery_id) == "Discarded"
     listed = await assert_stats_agree(harness, world["a"])
     assert (listed["Completed"], listed["Discarded"], listed["Pending"]) == (2, 3, 3)
 
