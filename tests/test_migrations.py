@@ -197,7 +197,8 @@ async def test_an_upgrade_lets_an_existing_runtime_role_call_the_new_functions(
     scratch_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A database whose runtime role was set up at version 11 can publish one message at once after
-    migrating to 12 (publish_one), without running the role script again."""
+    migrating to 12 (publish_one), and settle and list deliveries after 20 and 23 (which create
+    those functions again), without running the role script again."""
     from fastapi_workqueue.database import migrations as runner
 
     every = sql_files.migrations("postgresql")
@@ -212,5 +213,11 @@ async def test_an_upgrade_lets_an_existing_runtime_role_call_the_new_functions(
                      "timestamptz, integer, text, integer)")
         assert await conn.fetchval("SELECT has_function_privilege('workqueue_runtime', $1, 'EXECUTE')", signature)
         assert not await conn.fetchval("SELECT has_function_privilege('public', $1, 'EXECUTE')", signature)
+        # 0020 and 0023 created settle and list_deliveries again, 0024 api_key_touch: the runtime role's.
+        for recreated in ("workqueue.settle(bigint[], uuid[], text[], double precision[], text[], text[], "
+                          "double precision[])", "workqueue.list_deliveries(text, text, integer, bigint)",
+                          "workqueue.api_key_touch(uuid)"):
+            assert await conn.fetchval("SELECT has_function_privilege('workqueue_runtime', $1, 'EXECUTE')", recreated)
+            assert not await conn.fetchval("SELECT has_function_privilege('public', $1, 'EXECUTE')", recreated)
     finally:
         await conn.close()

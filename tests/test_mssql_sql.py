@@ -58,9 +58,9 @@ POSTGRESQL_ONLY = frozenset({"publish_one"})
 """PostgreSQL functions without a T-SQL routine: publish_one is publish for one message with
 scalars, which only the PostgreSQL transport calls (``postgres.py``); every other dialect calls
 publish for that too."""
-RETURN_STATUS = frozenset({"refresh_partition"})
+RETURN_STATUS = frozenset({"refresh_partition", "rederive_stale"})
 """Answer through the procedure's return status instead of a result set (only other procedures
-call it; a result set would reach their client)."""
+call them; a result set would reach their client)."""
 
 URL = "mssql+aioodbc://app:secret@db.example:1433/work?driver=ODBC+Driver+18+for+SQL+Server"
 
@@ -256,7 +256,8 @@ def test_every_file_parses_as_tsql(path: Path) -> None:
 def test_the_files_are_the_expected_migrations() -> None:
     found = migrations("mssql")
     assert [m.version for m in found] == list(range(1, len(found) + 1)), "versions must be 0001, 0002, ... without gaps"
-    assert (MSSQL_DIR / "roles" / "runtime_role.sql").is_file()
+    for role in ("runtime", "operator", "admin"):
+        assert (MSSQL_DIR / "roles" / f"{role}_role.sql").is_file()
 
 
 def test_every_create_starts_its_batch() -> None:
@@ -447,17 +448,51 @@ def test_claims_skip_locked_rows_and_the_sweep_never_waits() -> None:
 def test_no_postgresql_only_syntax() -> None:
     forbidden = [r"\bpg_\w+", r"\bLIMIT\b", r"\bRETURNING\b", r"\bON CONFLICT\b", r"\bILIKE\b", r"::",
                  r"\bGREATEST\s*\(", r"\bLEAST\s*\(", r"\bIS (NOT )?DISTINCT FROM\b", r"\bnow\(\)", r"\$\$"]
-    for migration in migrations("mssql"):
-        code = _code(migration.sql)
+    sources = [(m.name, m.sql) for m in migrations("mssql")] + [("schema", (MSSQL_DIR / "schema.sql").read_text())]
+    for name, sql in sources:
+        code = _code(sql)
         found = [p for p in forbidden if re.search(p, code, re.I)]
-        assert not found, f"{migration.name}: {found}"
+        assert not found, f"{name}: {found}"
 
 
-def test_runtime_role_grants_execute_only() -> None:
-    code = _code((MSSQL_DIR / "roles" / "runtime_role.sql").read_text())
-    assert "GRANT EXECUTE ON SCHEMA::workqueue TO workqueue_runtime" in code
-    assert len(re.findall(r"\bGRANT\b", code)) == 1, "the runtime role gets EXECUTE and nothing else"
-    assert "DENY SELECT, INSERT, UPDATE, DELETE ON SCHEMA::workqueue TO workqueue_runtime" in code
+ROLES = ("runtime", "operator", "admin")
+
+
+def postgresql_role_functions(role: str) -> set[str]:
+    """The functions sql/postgresql/roles/<role>_role.sql grants EXECUTE on (its ARRAY[...] list)."""
+    text = (PG_DIR / "roles" / f"{role}_role.sql").read_text(encoding="utf-8")
+    listed = text[text.index("ARRAY[") : text.index("])")]
+    return set(re.findall(r"'(\w+)'", listed))
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_role_scripts_grant_execute_on_the_postgresql_lists_only(role: str) -> None:
+    """Each role gets EXECUTE on the procedures its PostgreSQL twin lists (but the PostgreSQL-only
+    ones) and nothing else: no schema-wide grant, every table denied."""
+    code = _code((MSSQL_DIR / "roles" / f"{role}_role.sql").read_text())
+    name = f"workqueue_{role}"
+    granted = re.findall(rf"^GRANT EXECUTE ON OBJECT::workqueue\.(\w+) TO {name};$", code, re.M)
+    assert len(re.findall(r"\bGRANT\b", code)) == len(granted), "the role gets EXECUTE on procedures, nothing else"
+    assert set(granted) == postgresql_role_functions(role) - POSTGRESQL_ONLY
+    assert set(granted) <= set(tsql_routines()), "a role is granted a procedure that does not exist"
+    deny = f"DENY SELECT, INSERT, UPDATE, DELETE ON SCHEMA::workqueue TO {name}"
+    assert deny in code and "ON SCHEMA::workqueue TO" not in code.replace(deny, "")
+    assert re.search(rf"REVOKE EXECUTE,[^;]*ON SCHEMA::workqueue FROM {name};", code)
+
+
+def test_the_roles_split_the_routines() -> None:
+    """Keys are minted by the admin only; operator actions are not the runtime's; the helpers the
+    routines call for themselves are granted to no role."""
+    runtime, operator, admin = (postgresql_role_functions(r) for r in ROLES)
+    assert {"api_key_create", "api_key_list", "api_key_revoke"} == admin
+    assert not admin & (runtime | operator)
+    assert not {"replay", "discard", "set_subscription_status", "prune"} & runtime
+    assert {"replay", "discard", "set_subscription_status", "prune"} <= operator
+    assert {"publish", "claim", "heartbeat", "settle", "api_key_lookup", "api_key_touch"} <= runtime
+    helpers = {"refresh_partition", "release_keys", "rederive_stale", "fold_settled_counts", "backoff_seconds",
+               "filter_matches", "expire_leases", "purge"}
+    assert not helpers & (runtime | operator | admin)
+    assert runtime | operator | admin | helpers == set(pg_functions()), "every function is someone's or a helper"
 
 
 # -- the transport, without a server ---------------------------------------------------------------

@@ -95,16 +95,103 @@ async def test_a_large_heartbeat_and_settle_find_each_row_by_its_key(scratch_url
         ids, tokens = [r["delivery_id"] for r in claimed], [r["lease_token"] for r in claimed]
         beats = await conn.fetch("SELECT alive FROM workqueue.heartbeat($1, $2, $3, $4)",
                                  ids, tokens, [50] * 300, ["half"] * 300)
+        # Half retried (their backoff from the caller's draws), half completed.
         results = await conn.fetch(
-            "SELECT result FROM workqueue.settle($1, $2, $3, $4, $5, $6)",
-            [r["delivery_id"] for r in claimed], [r["lease_token"] for r in claimed], ["Complete"] * 300,
-            [None] * 300, [None] * 300, [None] * 300)
+            "SELECT result FROM workqueue.settle($1, $2, $3, $4, $5, $6, $7)",
+            [r["delivery_id"] for r in claimed], [r["lease_token"] for r in claimed], ["Complete", "Fail"] * 150,
+            [None] * 300, [None] * 300, [None] * 300, [0.5] * 300)
         await conn.execute("SET auto_explain.log_min_duration = -1")
     finally:
         await conn.close()
     assert [r["alive"] for r in beats] == [True] * 300
-    assert [r["result"] for r in results] == ["Completed"] * 300
+    assert [r["result"] for r in results] == ["Completed", "Pending"] * 150
     text = "\n".join(plans)
     assert "workqueue.delivery" in text or "delivery" in text, "auto_explain sent no plan"
     removed = [int(n) for n in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", text)]
     assert all(n <= 300 for n in removed), removed
+
+
+async def table_updates(conn: asyncpg.Connection[Any], table: str) -> tuple[int, int]:
+    """(updates, HOT updates) of ``workqueue.<table>`` so far, this session's own included."""
+    await conn.execute("SELECT pg_stat_force_next_flush()")
+    await conn.execute("SELECT pg_stat_clear_snapshot()")
+    row = await conn.fetchrow(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE schemaname = 'workqueue' AND relname = $1",
+        table)
+    assert row is not None
+    return int(row["n_tup_upd"]), int(row["n_tup_hot_upd"])
+
+
+async def test_heartbeats_are_hot_updates_and_the_sweeper_reads_only_the_in_flight_set(
+    scratch_url: str,  # noqa: F811
+) -> None:
+    """A heartbeat changes lease_expires_at and the progress columns only: when no index of delivery
+    names them (in its columns or its predicate), PostgreSQL updates the row in place on its page
+    (a HOT update) and writes no index entry. 3,000 heartbeats gave 0 HOT updates while the
+    sweeper's index was on lease_expires_at."""
+    transport = PostgresTransport(scratch_url, listen=False, pool_max_size=2)
+    await transport.open()
+    try:
+        await transport.migrate()
+        topic, sub = unique("beat"), unique("beating")
+        await transport.sync_topology([Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="h")])
+        await transport.publish(topic, [prepare(PublishRequest(payload=i)) for i in range(1000)])
+    finally:
+        await transport.close()
+
+    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+    try:
+        claimed = await conn.fetch("SELECT delivery_id, lease_token FROM workqueue.claim($1, 100)", sub)
+        ids, tokens = [r["delivery_id"] for r in claimed], [r["lease_token"] for r in claimed]
+        updates, hot = await table_updates(conn, "delivery")
+        for beat in range(30):
+            alive = await conn.fetch("SELECT alive FROM workqueue.heartbeat($1, $2, $3, $4)",
+                                     ids, tokens, [beat] * 100, [f"step {beat}"] * 100)
+            assert [r["alive"] for r in alive] == [True] * 100
+        after_updates, after_hot = await table_updates(conn, "delivery")
+        assert after_updates - updates == 3000
+        assert after_hot - hot >= 0.9 * 3000, (after_updates - updates, after_hot - hot)
+
+        # The sweeper finds expired leases among the InFlight rows, whatever else the table holds.
+        before = await rows_read(conn, "delivery")
+        for _ in range(7):
+            assert (await conn.fetchrow("SELECT ran, retried FROM workqueue.sweep(1000)"))["retried"] == 0
+        assert await rows_read(conn, "delivery") - before <= 7 * 100 + 50
+    finally:
+        await conn.close()
+
+
+async def test_stats_read_the_live_work_and_no_history(scratch_url: str) -> None:  # noqa: F811
+    """Completed and Discarded deliveries within retention are history: stats counts them from
+    settled_count (0022) and reads only the Pending, InFlight and DeadLettered rows."""
+    transport = PostgresTransport(scratch_url, listen=False, pool_max_size=2)
+    await transport.open()
+    try:
+        await transport.migrate()
+        topic, sub = unique("history"), unique("counted")
+        await transport.sync_topology([Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="h")])
+        for start in range(0, FRESH, 500):
+            await transport.publish(topic, [prepare(PublishRequest(payload=i)) for i in range(start, start + 500)])
+        settled = 0
+        while settled < FRESH - 20:
+            claimed = await transport.claim(sub, min(100, FRESH - 20 - settled))
+            await transport.settle([Settlement(c.delivery_id, c.lease_token, "Complete") for c in claimed])
+            settled += len(claimed)
+        await transport.claim(sub, 5)  # 5 InFlight, 15 Pending
+        [stats] = await transport.stats(sub)
+        assert (stats.completed, stats.in_flight, stats.pending) == (FRESH - 20, 5, 15)
+    finally:
+        await transport.close()
+
+    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+    try:
+        await conn.execute("ANALYZE workqueue.delivery, workqueue.settled_count")
+        before = await rows_read(conn, "delivery")
+        for _ in range(7):  # past the point where a plan may turn generic
+            row = await conn.fetchrow("SELECT completed, pending FROM workqueue.stats($1)", sub)
+            assert (row["completed"], row["pending"]) == (FRESH - 20, 15)
+        read = await rows_read(conn, "delivery") - before
+    finally:
+        await conn.close()
+    # 7 calls over 20 live rows (Pending counted twice: the count and the claimable part).
+    assert read <= 7 * 60, read

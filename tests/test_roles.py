@@ -1,8 +1,10 @@
-"""The runtime role: EXECUTE on the queue's functions, no privilege on its tables (0003 + roles/)."""
+"""The database roles (roles/): the runtime's, the operator's and the admin's, each with EXECUTE
+on its own functions and no privilege on any table (0003 keeps every function from PUBLIC)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,7 +13,7 @@ import asyncpg
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
-from fastapi_workqueue import ConfigurationError, PublishRequest, PublishStatus, Subscription, Topic
+from fastapi_workqueue import ConfigurationError, PublishRequest, PublishStatus, Subscription, Topic, TransportError
 from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.core.transport import HeartbeatRequest, Settlement
 from fastapi_workqueue.database import sql_files
@@ -22,6 +24,13 @@ from .conftest import unique
 pytestmark = pytest.mark.timeout(60)
 
 RUNTIME_ROLE = "workqueue_runtime"
+ROLE_SCRIPTS = {"workqueue_runtime": "runtime_role.sql", "workqueue_operator": "operator_role.sql",
+                "workqueue_admin": "admin_role.sql"}
+RUNTIME_FUNCTIONS = {
+    "publish", "publish_one", "claim", "heartbeat", "settle", "once_begin", "once_finish", "once_abort", "sweep",
+    "sync_topic", "sync_subscription", "stats", "backlog", "list_deliveries", "get_delivery", "partitions",
+    "list_subscriptions", "list_topics", "schema_versions", "api_key_lookup", "api_key_touch",
+}
 
 # Every table privilege and every sequence privilege PostgreSQL knows of.
 TABLE_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
@@ -60,16 +69,36 @@ async def admin(pg_url: str) -> AsyncIterator[asyncpg.Connection[Any]]:
         await conn.close()
 
 
+@contextlib.asynccontextmanager
+async def scripted_role(admin: asyncpg.Connection[Any], role: str) -> AsyncIterator[str]:
+    """A role set up by its script; dropped afterwards when this test created it."""
+    existed = await role_exists(admin, role)
+    await admin.execute(sql_files.read("postgresql", "roles", ROLE_SCRIPTS[role]))
+    try:
+        yield role
+    finally:
+        if not existed:
+            await drop_role(admin, role)
+
+
+@contextlib.asynccontextmanager
+async def login_with(admin: asyncpg.Connection[Any], *roles: str) -> AsyncIterator[str]:
+    """A login role whose only privileges are those of ``roles``."""
+    login = role_name("wq_login")
+    await admin.execute(f"CREATE ROLE {login} LOGIN")
+    try:
+        for role in roles:
+            await admin.execute(f"GRANT {role} TO {login}")
+        yield login
+    finally:
+        await drop_role(admin, login)
+
+
 @pytest.fixture
 async def runtime_role(admin: asyncpg.Connection[Any]) -> AsyncIterator[str]:
     """workqueue_runtime, set up by the role script; dropped afterwards when this test created it."""
-    existed = await role_exists(admin, RUNTIME_ROLE)
-    await admin.execute(sql_files.read("postgresql", "roles", "runtime_role.sql"))
-    try:
-        yield RUNTIME_ROLE
-    finally:
-        if not existed:
-            await drop_role(admin, RUNTIME_ROLE)
+    async with scripted_role(admin, RUNTIME_ROLE) as role:
+        yield role
 
 
 @pytest.fixture
@@ -133,12 +162,15 @@ async def test_role_script_is_idempotent_and_grants_functions_only(
     assert await admin.fetchval("SELECT has_schema_privilege($1, 'workqueue', 'USAGE')", runtime_role)
     assert not await admin.fetchval("SELECT has_schema_privilege($1, 'workqueue', 'CREATE')", runtime_role)
 
+    # An earlier version of the script granted every function: running it again takes the rest away.
+    await admin.execute(f"GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA workqueue TO {runtime_role}")
+    await admin.execute(sql_files.read("postgresql", "roles", "runtime_role.sql"))
     functions = await admin.fetch(
         "SELECT p.proname, has_function_privilege($1, p.oid, 'EXECUTE') AS ok FROM pg_catalog.pg_proc p "
         "WHERE p.pronamespace = 'workqueue'::regnamespace",
         runtime_role,
     )
-    assert functions and [f["proname"] for f in functions if not f["ok"]] == []
+    assert {f["proname"] for f in functions if f["ok"]} == RUNTIME_FUNCTIONS
 
     granted = []
     relations = await admin.fetch(
@@ -299,3 +331,140 @@ async def test_role_without_runtime_membership_cannot_call_functions(
     finally:
         await transport.close()
     assert await admin.fetchval("SELECT count(*) FROM workqueue.topic WHERE name = 'intruder'") == 0
+
+
+
+# -- operator and admin --------------------------------------------------------------------------
+
+
+async def expect_denied(conn: asyncpg.Connection[Any], sql: str, *args: Any) -> None:
+    with pytest.raises(asyncpg.exceptions.InsufficientPrivilegeError, match="permission denied for function"):
+        await conn.fetch(sql, *args)
+
+
+CREATE_KEY = "SELECT workqueue.api_key_create($1, $2, $3, $4, $5, NULL)"
+
+
+def key_args(name: str) -> tuple[Any, ...]:
+    return (uuid.uuid4(), name, uuid.uuid4().hex[:12], "0" * 64, ["workqueue:admin"])
+
+
+async def dead_letter(transport: PostgresTransport) -> tuple[str, str]:
+    """A subscription with one dead-lettered delivery: (subscription, delivery id)."""
+    topic, sub = unique("topic"), unique("ops")
+    await transport.sync_topology([Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="h",
+                                                                      max_attempts=1)])
+    await transport.publish(topic, [prepare(PublishRequest(payload=1))])
+    [claimed] = await transport.claim(sub, 1)
+    assert await transport.settle([Settlement(claimed.delivery_id, claimed.lease_token, "DeadLetter")]) == [
+        "DeadLettered"]
+    return sub, claimed.delivery_id
+
+
+async def test_the_runtime_role_cannot_mint_keys_prune_replay_or_pause(
+    pg_url: str, admin: asyncpg.Connection[Any], pg_transport: PostgresTransport, app_login: str
+) -> None:
+    sub, delivery_id = await dead_letter(pg_transport)
+    conn = await asyncpg.connect(to_asyncpg_dsn(url_as(pg_url, app_login)))
+    try:
+        await expect_denied(conn, CREATE_KEY, *key_args(unique("minted")))
+        await expect_denied(conn, "SELECT * FROM workqueue.api_key_list()")
+        await expect_denied(conn, "SELECT workqueue.api_key_revoke($1)", "anything")
+        await expect_denied(conn, "SELECT workqueue.prune($1, $2)", 0.0, 10)
+        await expect_denied(conn, "SELECT * FROM workqueue.replay($1, $2, $3)", sub, int(delivery_id), "note")
+        await expect_denied(conn, "SELECT * FROM workqueue.discard($1, $2, $3)", sub, int(delivery_id), "x")
+        await expect_denied(conn, "SELECT * FROM workqueue.set_subscription_status($1, $2)", sub, "Paused")
+        # What it keeps: the key check and the reads.
+        assert await conn.fetch("SELECT * FROM workqueue.api_key_lookup($1)", "nothing") == []
+        assert len(await conn.fetch("SELECT * FROM workqueue.list_deliveries($1, 'DeadLettered', 10)", sub)) == 1
+    finally:
+        await conn.close()
+    assert await admin.fetchval("SELECT count(*) FROM workqueue.api_key WHERE name LIKE 'minted-%'") == 0
+
+
+async def test_the_operator_role_replays_but_cannot_mint_keys_or_publish(
+    pg_url: str, admin: asyncpg.Connection[Any], pg_transport: PostgresTransport
+) -> None:
+    sub, delivery_id = await dead_letter(pg_transport)
+    async with scripted_role(admin, "workqueue_operator") as role, login_with(admin, role) as login:
+        transport = PostgresTransport(url_as(pg_url, login), listen=False, pool_max_size=1)
+        await transport.open()
+        try:
+            result = await transport.replay(sub, delivery_id, "operator")
+            assert result.result == "Replayed"
+            assert (await transport.discard(sub, delivery_id, "no longer needed")).result == "Discarded"
+            assert await transport.set_subscription_status(sub, "Paused") is True
+            assert await transport.prune(3600) >= 0
+            [stats] = await transport.stats(sub)
+            assert stats.discarded == 1
+            with pytest.raises(ConfigurationError, match="permission denied"):
+                await transport.api_key_create(uuid.uuid4(), unique("minted"), uuid.uuid4().hex[:12], "0" * 64,
+                                               ["workqueue:admin"], None)
+            with pytest.raises(ConfigurationError, match="permission denied"):
+                await transport.claim(sub, 1)
+            with pytest.raises(ConfigurationError, match="permission denied"):
+                await transport.api_key_lookup("anything")
+        finally:
+            await transport.close()
+
+
+async def test_the_admin_role_manages_keys_and_nothing_else(
+    pg_url: str, admin: asyncpg.Connection[Any], pg_transport: PostgresTransport
+) -> None:
+    from fastapi_workqueue.core.keys import create_key
+
+    async with scripted_role(admin, "workqueue_admin") as role, login_with(admin, role) as login:
+        transport = PostgresTransport(url_as(pg_url, login), listen=False, pool_max_size=1)
+        await transport.open()
+        try:
+            name = unique("ci-publisher")
+            created = await create_key(transport, name, ["workqueue:publish"])
+            assert name in {k.name for k in await transport.api_key_list()}
+            assert await transport.api_key_revoke(created.prefix) == 1
+            with pytest.raises(ConfigurationError, match="permission denied"):
+                await transport.stats()
+            with pytest.raises(ConfigurationError, match="permission denied"):
+                await transport.api_key_lookup(created.prefix)
+        finally:
+            await transport.close()
+
+
+async def test_every_role_script_is_idempotent(admin: asyncpg.Connection[Any]) -> None:
+    for role, script in ROLE_SCRIPTS.items():
+        async with scripted_role(admin, role):
+            await admin.execute(sql_files.read("postgresql", "roles", script))
+            assert not await admin.fetchval("SELECT has_schema_privilege($1, 'workqueue', 'CREATE')", role)
+            assert not await admin.fetchval(
+                "SELECT bool_or(has_table_privilege($1, c.oid, 'SELECT')) FROM pg_catalog.pg_class c "
+                "WHERE c.relnamespace = 'workqueue'::regnamespace AND c.relkind = 'r'", role)
+
+
+# -- API keys: touched after the match, one live key per name -------------------------------------
+
+
+async def test_a_key_is_marked_used_only_once_its_hash_matched(pg_transport: PostgresTransport,
+                                                               admin: asyncpg.Connection[Any]) -> None:
+    from fastapi_workqueue.core.keys import create_key, verify_key
+
+    created = await create_key(pg_transport, unique("touch"), ["workqueue:read"])
+    last_used = "SELECT last_used_at FROM workqueue.api_key WHERE id = $1"
+    forged = f"wq_{created.prefix}_{'x' * 40}"  # the real (public) prefix, a made-up secret
+    assert await verify_key(pg_transport, forged) is None
+    assert await admin.fetchval(last_used, created.id) is None
+    principal = await verify_key(pg_transport, created.key)
+    assert principal is not None and principal.name == created.name
+    assert await admin.fetchval(last_used, created.id) is not None
+
+
+async def test_a_name_a_live_key_has_is_refused_until_it_is_revoked(pg_transport: PostgresTransport) -> None:
+    from fastapi_workqueue.core.keys import create_key
+
+    name = unique("deploy-bot")
+    first = await create_key(pg_transport, name, ["workqueue:publish"])
+    with pytest.raises(TransportError) as refused:
+        await create_key(pg_transport, name, ["workqueue:read"])
+    text = str(refused.value)
+    assert f"an API key named '{name}' exists already" in text and "revoke" in text and "another name" in text
+    assert await pg_transport.api_key_revoke(first.prefix) == 1
+    again = await create_key(pg_transport, name, ["workqueue:read"])
+    assert again.name == name

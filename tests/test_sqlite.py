@@ -656,3 +656,24 @@ def test_sqlite_routines_take_the_postgresql_parameters() -> None:
         assert tuple(p.name for p in params) == functions[name].params, name
         defaults = frozenset(p.name for p in params if p.default is not inspect.Parameter.empty)
         assert defaults == functions[name].defaults, name
+
+
+async def test_api_keys_are_marked_used_after_the_match_and_live_names_are_unique(tmp_path: Path) -> None:
+    """As on PostgreSQL (0024): a made-up key with a real prefix does not mark the key used, and a
+    second live key of one name is refused with what to do."""
+    from fastapi_workqueue.core.keys import create_key, verify_key
+
+    path = tmp_path / "keys.db"
+    async with open_transport(url_of(path)) as transport:
+        created = await create_key(transport, "deploy-bot", ["workqueue:read"])
+        assert await verify_key(transport, f"wq_{created.prefix}_{'x' * 40}") is None
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            assert conn.execute("SELECT last_used_at FROM api_key").fetchone() == (None,)
+        assert await verify_key(transport, created.key) is not None
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            assert conn.execute("SELECT last_used_at FROM api_key").fetchone() != (None,)
+
+        with pytest.raises(ConfigurationError, match="an API key named 'deploy-bot' exists already; revoke it"):
+            await create_key(transport, "deploy-bot", ["workqueue:read"])
+        assert await transport.api_key_revoke("deploy-bot") == 1
+        assert (await create_key(transport, "deploy-bot", ["workqueue:read"])).name == "deploy-bot"

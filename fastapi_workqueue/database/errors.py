@@ -45,9 +45,11 @@ def map_error(exc: BaseException, operation: str) -> Exception:
         return ConfigurationError(f"{operation}: {text}")
     if code == "42501":
         return ConfigurationError(
-            f"{operation}: the database role lacks a privilege ({text}); a runtime role needs "
-            "sql/postgresql/roles/runtime_role.sql (re-run it after migrations), and migrations need the "
-            "schema owner: run them as the owner, not with WORKQUEUE_AUTO_MIGRATE under the runtime role"
+            f"{operation}: the database role lacks a privilege ({text}); the application's login needs "
+            "sql/postgresql/roles/runtime_role.sql, operator actions (replay, discard, pause, resume, prune) "
+            "operator_role.sql and API key management admin_role.sql (re-run them after migrations), and "
+            "migrations need the schema owner: run them as the owner, not with WORKQUEUE_AUTO_MIGRATE under "
+            "the runtime role"
         )
     if code in _MISSING_SCHEMA_SQLSTATES:
         return ConfigurationError(

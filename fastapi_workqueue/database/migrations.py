@@ -56,6 +56,6 @@ async def apply_postgres_migrations(conn: asyncpg.Connection[Any] | PoolConnecti
             )
             applied_now.append(label)
         if applied_now:
-            # New functions get no PUBLIC EXECUTE: only the owner and workqueue_runtime may call them.
+            # New functions get no PUBLIC EXECUTE: only the owner and the roles granted them (roles/) may.
             await conn.execute(_REVOKE_PUBLIC)
     return applied_now

@@ -37,7 +37,7 @@ from ..core.errors import ConfigurationError, TransportError, TransportUnavailab
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
 from .errors import with_retries
-from .routines import RoutineTransport, Row
+from .routines import RandomSource, RoutineTransport, Row
 from .sql_files import migrations
 
 log = logging.getLogger("fastapi_workqueue.mssql")
@@ -217,9 +217,10 @@ def map_mssql_error(exc: BaseException, operation: str) -> Exception:
         )
     if number in _PERMISSION:
         return ConfigurationError(
-            f"{operation}: the database user lacks a permission ({text}); a runtime user needs the "
-            "workqueue_runtime role of sql/mssql/roles/runtime_role.sql, and migrations need the schema "
-            "owner: run them as the owner, not with WORKQUEUE_AUTO_MIGRATE under the runtime user"
+            f"{operation}: the database user lacks a permission ({text}); the application's user needs the "
+            "workqueue_runtime role of sql/mssql/roles/runtime_role.sql, operator actions workqueue_operator "
+            "(operator_role.sql) and API key management workqueue_admin (admin_role.sql), and migrations need "
+            "the schema owner: run them as the owner, not with WORKQUEUE_AUTO_MIGRATE under the runtime user"
         )
     if number in _MISSING_SCHEMA:
         return ConfigurationError(
@@ -332,9 +333,10 @@ class MssqlTransport(RoutineTransport):
         pool_min_size: int = 1,
         pool_max_size: int = 10,
         connect_timeout: float = 10.0,
+        rng: RandomSource | None = None,
         **_options: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(rng=rng)
         self.url = url
         self._dsn = odbc_connection_string(url)
         self._pool_min_size = pool_min_size

@@ -15,7 +15,7 @@ from .errors import map_error, with_retries
 from .listener import NotificationListener
 from .migrations import apply_postgres_migrations
 from .pool import ConnectionPool
-from .routines import RoutineTransport, Row, accepted, backoff_schedule_json, publish_result
+from .routines import RandomSource, RoutineTransport, Row, accepted, backoff_schedule_json, publish_result
 from .session import SessionExecutor
 
 log = logging.getLogger("fastapi_workqueue.postgres")
@@ -64,8 +64,9 @@ class PostgresTransport(RoutineTransport):
         pool_max_size: int = 10,
         listen: bool = True,
         connect_timeout: float = 10.0,
+        rng: RandomSource | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(rng=rng)
         self.url = url
         self._dsn = to_asyncpg_dsn(url)
         self._pool_min_size = pool_min_size

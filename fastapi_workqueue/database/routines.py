@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import uuid
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from ..core.envelope import MAX_DELAY_SECONDS, PreparedMessage, PublishError, PublishResult, PublishStatus
 from ..core.errors import ConfigurationError
@@ -47,6 +48,19 @@ from .sql_files import migrations
 Row = Mapping[str, Any]
 
 
+class RandomSource(Protocol):
+    """Where a transport draws the jitter of retries from: ``random.Random`` and
+    ``random.SystemRandom`` fit, and so does a test's own source of known draws."""
+
+    def random(self) -> float:
+        """A fraction in [0, 1)."""
+        ...
+
+
+SYSTEM_RANDOM: RandomSource = random.SystemRandom()
+"""The jitter source of a transport given none."""
+
+
 class RoutineTransport:
     """The Transport contract on top of the queue routines of one database."""
 
@@ -57,7 +71,12 @@ class RoutineTransport:
     #: where the routine reads a missing value as ``{}`` (it then need not parse one per item).
     empty_attributes: str | None = "{}"
 
-    def __init__(self) -> None:
+    def __init__(self, *, rng: RandomSource | None = None) -> None:
+        """``rng`` draws the full-jitter fraction of each retry's backoff (one per settled item):
+        a retry without a delay of its own waits u x min(max, base x 2^(attempt - 1))."""
+        if rng is not None and not callable(getattr(rng, "random", None)):
+            raise TypeError(f"rng must have a random() method, like random.Random; got {type(rng).__name__}")
+        self.rng: RandomSource = SYSTEM_RANDOM if rng is None else rng
         self._wakeup_listeners: list[WakeupListener] = []
 
     # -- what a dialect provides -------------------------------------------------------------
@@ -224,9 +243,16 @@ class RoutineTransport:
             p_delays=[settle_delay(s.delay_seconds) for s in settlements],
             p_reasons=[s.reason for s in settlements],
             p_errors=[s.error for s in settlements],
+            p_draws=[self._draw() for _ in settlements],
         )
         by_id: dict[str, SettleResult] = {str(r["delivery_id"]): r["result"] for r in rows}
         return [by_id.get(s.delivery_id, "LeaseLost") for s in settlements]
+
+    def _draw(self) -> float:
+        draw = self.rng.random()
+        if not 0.0 <= draw < 1.0:
+            raise ValueError(f"rng.random() must return a fraction in [0, 1); it returned {draw!r}")
+        return draw
 
     # -- once markers ------------------------------------------------------------------------
 
@@ -376,6 +402,10 @@ class RoutineTransport:
             return None
         r = rows[0]
         return StoredKey(id=str(r["id"]), name=r["name"], key_hash=r["key_hash"], scopes=tuple(json_list(r["scopes"])))
+
+    async def api_key_touch(self, key_id: str) -> None:
+        """Marks a key used (the store writes at most once a minute); only once its hash matched."""
+        await self.call("api_key_touch", p_id=uuid.UUID(key_id))
 
     async def api_key_list(self) -> list[ApiKeyInfo]:
         rows = await self.call("api_key_list")

@@ -25,7 +25,7 @@ from typing import Any
 from ..core.errors import ConfigurationError, TransportError
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
-from .routines import RoutineTransport, Row
+from .routines import RandomSource, RoutineTransport, Row
 from .sql_files import migrations, read
 from .sqlite_routines import READ_ONLY, ROUTINES, Call
 
@@ -167,8 +167,10 @@ class SqliteTransport(RoutineTransport):
         ),
     )
 
-    def __init__(self, url: str, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS, **_options: Any) -> None:
-        super().__init__()
+    def __init__(
+        self, url: str, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS, rng: RandomSource | None = None, **_options: Any
+    ) -> None:
+        super().__init__(rng=rng)
         if busy_timeout_ms < 1:
             raise ConfigurationError(f"the SQLite busy timeout must be at least 1 ms, got {busy_timeout_ms}")
         self.url = url

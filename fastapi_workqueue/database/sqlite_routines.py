@@ -38,7 +38,7 @@ class Call:
 Routine = Callable[..., Awaitable[list[Row]]]
 ROUTINES: dict[str, Routine] = {}
 READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions", "list_subscriptions",
-             "list_topics", "schema_versions", "api_key_list"}
+             "list_topics", "schema_versions", "api_key_list", "api_key_lookup"}
 """Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
 
 
@@ -56,14 +56,18 @@ def epoch(value: datetime | None) -> float | None:
     return None if value is None else value.timestamp()
 
 
-def backoff_seconds(attempt: int, base: float, maximum: float, schedule: str | None) -> float:
-    """Full-jitter exponential backoff, or the fixed schedule a delivery was published with."""
+def backoff_seconds(
+    attempt: int, base: float, maximum: float, schedule: str | None, draw: float | None = None
+) -> float:
+    """Full-jitter exponential backoff with the fraction ``draw`` (a fresh random one when None),
+    or the fixed schedule a delivery was published with."""
     if schedule:
         steps = json.loads(schedule)
         if steps:
             step: float = float(steps[min(max(attempt, 1), len(steps)) - 1])
             return step
-    return random.random() * min(maximum, base * 2.0 ** (max(attempt, 1) - 1))
+    fraction = random.random() if draw is None else draw
+    return fraction * min(maximum, base * 2.0 ** (max(attempt, 1) - 1))
 
 
 # -- partitions ----------------------------------------------------------------------------------
@@ -103,6 +107,19 @@ async def refresh_partition(c: Call, subscription_id: int, key: str, mode: int) 
         next_visible_at=next_visible, blocked_id=blocked,
     )
     return holder is None and next_visible is not None and next_visible <= c.now
+
+
+async def _count_settled(c: Call, statuses: Sequence[tuple[int, str]], sign: int = 1) -> None:
+    """Adds (or, with sign -1, takes away) Completed and Discarded deliveries to settled_count, one
+    statement per subscription: stats reads the terminal counts there, not from the history."""
+    tally: dict[int, list[int]] = {}
+    for subscription_id, status in statuses:
+        if status in ("Completed", "Discarded"):
+            counts = tally.setdefault(subscription_id, [0, 0])
+            counts[status == "Discarded"] += sign
+    for subscription_id, (completed, discarded) in sorted(tally.items()):
+        await c.ex.execute("settled_count_add", subscription_id=subscription_id, completed=completed,
+                           discarded=discarded)
 
 
 async def _refresh_keys(c: Call, keys: set[tuple[int, str, int]]) -> None:
@@ -377,12 +394,14 @@ async def r_heartbeat(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_
 @routine
 async def r_settle(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_outcomes: Sequence[str],
                    p_delays: Sequence[float | None], p_reasons: Sequence[str | None],
-                   p_errors: Sequence[str | None]) -> list[Row]:
+                   p_errors: Sequence[str | None], p_draws: Sequence[float | None] | None = None) -> list[Row]:
     out = []
     keys: set[tuple[int, str, int]] = set()
-    items = sorted(zip(p_ids, p_tokens, p_outcomes, p_delays, p_reasons, p_errors, strict=True))
+    draws = list(p_draws) if p_draws is not None else [None] * len(p_ids)
+    items = sorted(zip(p_ids, p_tokens, p_outcomes, p_delays, p_reasons, p_errors, draws, strict=True))
     results: dict[int, str] = {}
-    for delivery_id, token, outcome, delay, reason, error in items:
+    settled: list[tuple[int, str]] = []
+    for delivery_id, token, outcome, delay, reason, error, draw in items:
         held = await c.ex.fetch("delivery_held", id=delivery_id, token=str(token))
         if not held:
             continue
@@ -402,7 +421,8 @@ async def r_settle(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_out
         if new == "Pending":
             wait = (delay or 0.0) if outcome == "Release" else (
                 delay if delay is not None else backoff_seconds(
-                    d["attempt"], d["backoff_base_seconds"], d["backoff_max_seconds"], d["backoff_schedule"]))
+                    d["attempt"], d["backoff_base_seconds"], d["backoff_max_seconds"], d["backoff_schedule"],
+                    draw))
             visible = c.now + wait
         if d["cancel_requested"]:
             new_reason = d["reason"]
@@ -419,8 +439,10 @@ async def r_settle(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_out
             settled_at=c.now if new in ("Completed", "Discarded", "DeadLettered") else None,
         )
         results[delivery_id] = new
+        settled.append((d["subscription_id"], new))
         if d["key_mode"] > 0:
             keys.add((d["subscription_id"], d["partition_key"], d["key_mode"]))
+    await _count_settled(c, settled)
     await _refresh_keys(c, keys)
     for delivery_id in p_ids:
         out.append({"delivery_id": delivery_id, "result": results.get(delivery_id, "LeaseLost")})
@@ -454,6 +476,7 @@ async def r_expire_leases(c: Call, p_limit: int) -> list[Row]:
         out.append({"delivery_id": d["id"], "result": new})
         if d["key_mode"] > 0:
             keys.add((d["subscription_id"], d["partition_key"], d["key_mode"]))
+    await _count_settled(c, [(d["subscription_id"], e["result"]) for d, e in zip(expired, out, strict=True)])
     await _refresh_keys(c, keys)
     return out
 
@@ -461,7 +484,7 @@ async def r_expire_leases(c: Call, p_limit: int) -> list[Row]:
 @routine
 async def r_purge(c: Call, p_limit: int) -> list[Row]:
     return [{
-        "purged_deliveries": await c.ex.execute("purge_deliveries", now=c.now, limit=p_limit),
+        "purged_deliveries": await _delete_settled(c, "purge_deliveries", now=c.now, limit=p_limit),
         "purged_messages": await c.ex.execute("purge_messages", now=c.now, limit=p_limit),
         "purged_deduplication": await c.ex.execute("purge_deduplication", now=c.now, limit=p_limit),
     }]
@@ -496,7 +519,15 @@ async def r_sweep(c: Call, p_limit: int = 1000) -> list[Row]:
 
 @routine
 async def r_prune(c: Call, p_older_than_seconds: float, p_limit: int) -> list[Row]:
-    return [{"prune": await c.ex.execute("prune_deliveries", cutoff=c.now - p_older_than_seconds, limit=p_limit)}]
+    removed = await _delete_settled(c, "prune_deliveries", cutoff=c.now - p_older_than_seconds, limit=p_limit)
+    return [{"prune": removed}]
+
+
+async def _delete_settled(c: Call, query: str, **params: Any) -> int:
+    """Runs a DELETE of terminal deliveries that returns what it deleted, and counts them out."""
+    gone = await c.ex.fetch(query, **params)
+    await _count_settled(c, [(r["subscription_id"], r["status"]) for r in gone], sign=-1)
+    return len(gone)
 
 
 # -- operator actions ----------------------------------------------------------------------------
@@ -527,6 +558,7 @@ async def r_discard(c: Call, p_subscription: str, p_delivery_id: int, p_reason: 
     if await c.ex.execute("delivery_cancel", id=p_delivery_id, reason=p_reason):
         return [{"result": "CancelRequested", "cancel_requested": True, "delivery_status": "InFlight"}]
     if await c.ex.execute("delivery_discard", id=p_delivery_id, reason=p_reason, now=c.now):
+        await _count_settled(c, [(d["subscription_id"], "Discarded")])
         if d["key_mode"] > 0 and await refresh_partition(c, d["subscription_id"], d["partition_key"], d["key_mode"]):
             c.wake.add(d["subscription_id"])
         return [{"result": "Discarded", "cancel_requested": False, "delivery_status": "Discarded"}]
@@ -615,6 +647,11 @@ async def r_once_abort(c: Call, p_key: str, p_token: str) -> list[Row]:
 @routine
 async def r_api_key_create(c: Call, p_id: Any, p_name: str, p_prefix: str, p_key_hash: str, p_scopes: list[str],
                            p_expires_at: datetime | None) -> list[Row]:
+    if await c.ex.fetch("api_key_live_name", name=p_name):
+        raise ValueError(
+            f"an API key named {p_name!r} exists already; revoke it first (workqueue api-keys revoke {p_name!r}) "
+            "or pick another name"
+        )
     await c.ex.execute("api_key_create", id=str(p_id), name=p_name, prefix=p_prefix, key_hash=p_key_hash,
                        scopes=json.dumps(p_scopes), now=c.now, expires_at=epoch(p_expires_at))
     return [{"api_key_create": None}]
@@ -622,8 +659,13 @@ async def r_api_key_create(c: Call, p_id: Any, p_name: str, p_prefix: str, p_key
 
 @routine
 async def r_api_key_lookup(c: Call, p_prefix: str) -> list[Row]:
-    await c.ex.execute("api_key_touch", prefix=p_prefix, now=c.now)
     return await c.ex.fetch("api_key_lookup", prefix=p_prefix, now=c.now)
+
+
+@routine
+async def r_api_key_touch(c: Call, p_id: Any) -> list[Row]:
+    await c.ex.execute("api_key_touch", id=str(p_id), now=c.now)
+    return [{"api_key_touch": None}]
 
 
 @routine

@@ -202,7 +202,8 @@ DELETE FROM delivery WHERE id IN (
     WHERE d.status IN ('Completed', 'Discarded')
       AND d.settled_at < :now - (SELECT min(retention_seconds) FROM subscription)
       AND d.settled_at < :now - s.retention_seconds
-    ORDER BY d.settled_at LIMIT :limit);
+    ORDER BY d.settled_at LIMIT :limit)
+RETURNING subscription_id, status;
 
 -- name: purge_messages
 -- Likewise bounded by the shortest topic retention (a week at the most).
@@ -227,7 +228,13 @@ DELETE FROM once_marker WHERE key IN (
 -- name: prune_deliveries
 DELETE FROM delivery WHERE id IN (
     SELECT id FROM delivery WHERE status IN ('Completed', 'Discarded') AND settled_at < :cutoff
-    ORDER BY settled_at LIMIT :limit);
+    ORDER BY settled_at LIMIT :limit)
+RETURNING subscription_id, status;
+
+-- name: settled_count_add
+INSERT INTO settled_count (subscription_id, completed, discarded) VALUES (:subscription_id, :completed, :discarded)
+ON CONFLICT (subscription_id) DO UPDATE
+SET completed = completed + excluded.completed, discarded = discarded + excluded.discarded;
 
 -- name: delivery_of_subscription
 SELECT d.id, d.status, d.key_mode, d.subscription_id, d.partition_key
@@ -248,8 +255,13 @@ UPDATE delivery SET status = 'Discarded', reason = :reason, settled_at = :now, l
 WHERE id = :id AND status IN ('Pending', 'DeadLettered');
 
 -- name: stats
+-- Each state through a partial index (Pending in three parts, by key mode; each index's own WHERE
+-- is repeated so SQLite can use it); Completed and Discarded from settled_count, not the history.
 SELECT s.name AS subscription, s.topic, s.status AS subscription_status, s.partition_mode,
-       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending') AS pending,
+       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending' AND d.key_mode = 0)
+     + (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 1 AND d.status = 'Pending')
+     + (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 2
+          AND d.status IN ('Pending', 'InFlight', 'DeadLettered') AND d.status = 'Pending') AS pending,
        (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending'
           AND d.key_mode = 0 AND d.visible_at <= :now)
      + (SELECT count(*) FROM partition p WHERE p.subscription_id = s.id AND p.holder_id IS NULL
@@ -257,9 +269,18 @@ SELECT s.name AS subscription, s.topic, s.status AS subscription_status, s.parti
        (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'InFlight') AS in_flight,
        (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'DeadLettered')
            AS dead_lettered,
-       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Completed') AS completed,
-       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Discarded') AS discarded,
-       (SELECT min(d.created_at) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending')
+       coalesce((SELECT c.completed FROM settled_count c WHERE c.subscription_id = s.id), 0) AS completed,
+       coalesce((SELECT c.discarded FROM settled_count c WHERE c.subscription_id = s.id), 0) AS discarded,
+       (SELECT min(w.created_at) FROM (
+            SELECT d.created_at FROM delivery d
+            WHERE d.subscription_id = s.id AND d.status = 'Pending' AND d.key_mode = 0
+            UNION ALL
+            SELECT d.created_at FROM delivery d
+            WHERE d.subscription_id = s.id AND d.key_mode = 1 AND d.status = 'Pending'
+            UNION ALL
+            SELECT d.created_at FROM delivery d
+            WHERE d.subscription_id = s.id AND d.key_mode = 2
+              AND d.status IN ('Pending', 'InFlight', 'DeadLettered') AND d.status = 'Pending') w)
            AS oldest_pending_at
 FROM subscription s
 WHERE :subscription IS NULL OR s.name = :subscription
@@ -288,8 +309,9 @@ JOIN message m ON m.id = d.message_id
 WHERE d.id = :id;
 
 -- name: delivery_list
-SELECT d.id AS delivery_id, d.message_id, d.partition_key, d.status, d.attempt, d.max_attempts, d.reason,
-       d.last_error, d.note, d.created_at, d.settled_at, m.attributes, m.payload, m.correlation_id
+SELECT d.id AS delivery_id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts,
+       d.visible_at, d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
+       d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id
 FROM delivery d
 JOIN subscription s ON s.id = d.subscription_id
 JOIN message m ON m.id = d.message_id
@@ -339,7 +361,10 @@ VALUES (:id, :name, :prefix, :key_hash, :scopes, :now, :expires_at);
 
 -- name: api_key_touch
 UPDATE api_key SET last_used_at = :now
-WHERE prefix = :prefix AND revoked_at IS NULL AND (last_used_at IS NULL OR last_used_at < :now - 60);
+WHERE id = :id AND revoked_at IS NULL AND (last_used_at IS NULL OR last_used_at < :now - 60);
+
+-- name: api_key_live_name
+SELECT id FROM api_key WHERE name = :name AND revoked_at IS NULL;
 
 -- name: api_key_lookup
 SELECT id, name, key_hash, scopes FROM api_key

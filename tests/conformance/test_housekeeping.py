@@ -163,3 +163,63 @@ async def test_c33_stats_count_every_state_and_a_blocked_ordered_key_not_at_all(
     assert (stats.dead_lettered, stats.completed, stats.discarded) == (0, 2, 2)
     backlog = await harness.transport.backlog(world["o"])
     assert backlog is not None and (backlog.claimable, backlog.in_flight, backlog.backlog) == (2, 0, 2)
+
+
+async def counted_by_listing(harness: Harness, subscription: str) -> dict[str, int]:
+    counts = {}
+    for status in ("Pending", "InFlight", "DeadLettered", "Completed", "Discarded"):
+        counts[status] = len(await harness.transport.list_deliveries(subscription, status, limit=1000))  # type: ignore[arg-type]
+    return counts
+
+
+async def assert_stats_agree(harness: Harness, subscription: str) -> dict[str, int]:
+    [stats] = await harness.transport.stats(subscription)
+    listed = await counted_by_listing(harness, subscription)
+    assert {"Pending": stats.pending, "InFlight": stats.in_flight, "DeadLettered": stats.dead_lettered,
+            "Completed": stats.completed, "Discarded": stats.discarded} == listed
+    return listed
+
+
+async def test_c33_terminal_counts_stay_exact_through_discard_expiry_purge_and_prune(harness: Harness) -> None:
+    """Completed and Discarded are counted without reading the history: every way into those states
+    (complete, a cancelled settle, discard, a cancelled lease that expires) and every way out of the
+    table (retention purge, prune) keeps stats equal to the deliveries."""
+    world = await make_world(harness.transport, [{"role": "a", "retention_seconds": 60.0, "lease_seconds": 30,
+                                                      "backoff_base_seconds": 0, "backoff_max_seconds": 0}])
+    await world.publish(*[PublishRequest(payload=i) for i in range(8)])
+    claimed = await world.claim("a", 5)
+    assert len(claimed) == 5
+    await world.settle(claimed[0], "Complete")
+    await world.settle(claimed[1], "Complete")
+    cancelled = await harness.transport.discard(world["a"], claimed[2].delivery_id, "stop")
+    assert cancelled.result == "CancelRequested"
+    assert await world.settle(claimed[2], "Complete") == "Discarded"
+    expiring = await harness.transport.discard(world["a"], claimed[3].delivery_id, "stop")
+    assert expiring.result == "CancelRequested"
+    [waiting, *_] = await harness.transport.list_deliveries(world["a"], "Pending", limit=1)
+    assert (await harness.transport.discard(world["a"], waiting.delivery_id, "not needed")).result == "Discarded"
+    for held in (claimed[3], claimed[4]):  # the two leases still held run out
+        await harness.expire_lease(held.delivery_id)
+    assert (await harness.transport.sweep()).discarded >= 1  # (other tests' leases may be swept too)
+    assert await world.status(claimed[3].delivery_id) == "Discarded"
+    listed = await assert_stats_agree(harness, world["a"])
+    assert (listed["Completed"], listed["Discarded"], listed["Pending"]) == (2, 3, 3)
+
+    # Retention: everything settled more than 60 s ago goes; the counts follow.
+    for status in ("Completed", "Discarded"):
+        for settled in await harness.transport.list_deliveries(world["a"], status, limit=100):  # type: ignore[arg-type]
+            await harness.advance(settled.delivery_id, 120)
+    for _ in range(50):  # a pass purges at most its limit; other tests' rows may be due too
+        report = await harness.transport.sweep()
+        if report.ran and report.purged_deliveries == 0:
+            break
+    listed = await assert_stats_agree(harness, world["a"])
+    assert (listed["Completed"], listed["Discarded"]) == (0, 0)
+
+    # More settles, then prune (the operator's removal, whatever the retention).
+    more = await world.drain("a")
+    assert len(more) == 3  # two never claimed and the one whose lease expired
+    await assert_stats_agree(harness, world["a"])
+    assert await harness.transport.prune(0) >= 3
+    listed = await assert_stats_agree(harness, world["a"])
+    assert (listed["Completed"], listed["Discarded"]) == (0, 0)

@@ -115,3 +115,36 @@ async def test_c30_paused_subscription_accrues_but_is_not_claimed_until_resumed(
     assert await harness.transport.set_subscription_status(world["a"], "Active") is True
     assert len(await world.claim("a", 10)) == 2
     assert await harness.transport.set_subscription_status("no-such-subscription", "Paused") is None
+
+
+async def test_listings_fill_every_field_a_single_delivery_has(harness: Harness) -> None:
+    """list_deliveries answers with every field of get_delivery (topic, visibility, lease, claim
+    time, cancel, progress), in every state a listing is asked for."""
+    world = await make_world(harness.transport, [{"role": "a", "max_attempts": 1}])
+    await world.publish(
+        PublishRequest(payload=1, partition_key="k", attributes={"kind": "x"}, correlation_id="c-1"),
+        PublishRequest(payload=2),
+        PublishRequest(payload=3, delay_seconds=60),
+    )
+    running, failing = await world.claim("a", 2)
+    [beat] = await harness.transport.heartbeat(
+        [HeartbeatRequest(running.delivery_id, running.lease_token, percent=40, message="half way")])
+    assert beat.alive
+    assert (await harness.transport.discard(world["a"], running.delivery_id, "stop")).result == "CancelRequested"
+    assert await world.settle(failing, "Fail", error="boom") == "DeadLettered"
+
+    listed = 0
+    for status in ("InFlight", "DeadLettered", "Pending"):
+        rows = await harness.transport.list_deliveries(world["a"], status, include_payload=True)  # type: ignore[arg-type]
+        assert len(rows) == 1, status
+        single = await harness.transport.get_delivery(rows[0].delivery_id, include_payload=True)
+        assert single is not None
+        assert rows[0].model_dump() == single.model_dump(), status
+        listed += 1
+    assert listed == 3
+    [in_flight] = await harness.transport.list_deliveries(world["a"], "InFlight")
+    assert in_flight.topic == world.topic and in_flight.cancel_requested
+    assert in_flight.lease_expires_at is not None and in_flight.claimed_at is not None
+    assert (in_flight.progress_percent, in_flight.progress_message) == (40, "half way")
+    [pending] = await harness.transport.list_deliveries(world["a"], "Pending")
+    assert pending.visible_at is not None and pending.claimed_at is None

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
 from fastapi_workqueue import PublishRequest
+from fastapi_workqueue.core.transport import Settlement
 
 from .harness import Harness, make_world
 
@@ -41,23 +45,79 @@ async def test_c15_retry_with_delay_is_invisible_until_the_delay_passes(harness:
     assert again.attempt == 2
 
 
+class KnownDraws:
+    """A jitter source whose draws the test chose (the transports take any ``random()``)."""
+
+    def __init__(self, draws: list[float]) -> None:
+        self.draws = list(draws)
+        self.taken = 0
+
+    def random(self) -> float:
+        draw = self.draws[self.taken % len(self.draws)]
+        self.taken += 1
+        return draw
+
+
+@contextlib.asynccontextmanager
+async def transport_with_rng(harness: Harness, rng: KnownDraws) -> AsyncIterator[Any]:
+    """Another transport on the harness's database, built with the ``rng`` keyword."""
+    transport = type(harness.transport)(harness.transport.url, rng=rng)  # type: ignore[attr-defined]
+    await transport.open()
+    try:
+        yield transport
+    finally:
+        await transport.close()
+
+
 async def test_c16_retry_without_delay_uses_full_jitter_backoff(harness: Harness) -> None:
+    """The delay is u x min(max, base x 2^(attempt - 1)) with u drawn per settled item from the
+    transport's random source: with known draws, the exact delays."""
     world = await make_world(
         harness.transport, [{"role": "a", "backoff_base_seconds": 10, "backoff_max_seconds": 25, "max_attempts": 10}]
     )
     await world.publish(*[PublishRequest(payload=i) for i in range(12)])
-    claimed = await world.claim("a", 20)
+    draws = [0.5 + 0.04 * i for i in range(12)]  # none near 0: each delay is 5 s or more
+    rng = KnownDraws(draws)
+    async with transport_with_rng(harness, rng) as transport:
+        claimed = await transport.claim(world["a"], 20)
+        assert len(claimed) == 12
+        for delivery, draw in zip(claimed, draws, strict=True):
+            before = datetime.now(UTC)
+            [result] = await transport.settle([Settlement(delivery.delivery_id, delivery.lease_token, "Fail",
+                                                          error="boom")])
+            after = datetime.now(UTC)
+            assert result == "Pending"
+            info = await transport.get_delivery(delivery.delivery_id)
+            assert info is not None and info.visible_at is not None
+            # attempt 1: u x min(25, 10 x 2^0) = 10 u, counted from the settle's time
+            expected, visible = 10 * draw, info.visible_at.timestamp()
+            assert before.timestamp() + expected - 0.05 <= visible <= after.timestamp() + expected + 0.05, (
+                draw, info.visible_at, before, after)
+        assert rng.taken == 12
+        assert await transport.claim(world["a"], 20) == []
+
+
+async def test_c16_full_jitter_is_spread_over_the_whole_range(harness: Harness) -> None:
+    """With the default source (the system's), the draws differ and stay within the bound."""
+    world = await make_world(
+        harness.transport, [{"role": "a", "backoff_base_seconds": 10, "backoff_max_seconds": 25, "max_attempts": 10}]
+    )
+    await world.publish(*[PublishRequest(payload=i) for i in range(40)])
+    claimed = await world.claim("a", 40)
+    before = datetime.now(UTC)
+    results = await harness.transport.settle(
+        [Settlement(d.delivery_id, d.lease_token, "Fail", error="boom") for d in claimed])
+    assert results == ["Pending"] * 40
     delays = []
     for delivery in claimed:
-        before = datetime.now(UTC)
-        assert await world.settle(delivery, "Fail", error="boom") == "Pending"
         info = await harness.transport.get_delivery(delivery.delivery_id)
         assert info is not None and info.visible_at is not None
         delays.append((info.visible_at - before).total_seconds())
-    # attempt 1: uniform(0, min(25, 10 * 2^0)) = [0, 10]
     assert all(-0.5 <= d <= 10.5 for d in delays), delays
-    assert len({round(d, 1) for d in delays}) > 3, "backoff has no jitter"
-    assert await world.claim("a", 20) == []
+    # 40 draws of uniform(0, 10): all in one half has odds of 2^-39; fewer than 10 distinct
+    # tenths of a second is as unlikely.
+    assert min(delays) < 5 < max(delays), delays
+    assert len({round(d, 1) for d in delays}) >= 10, delays
 
 
 async def test_c16_backoff_grows_and_is_capped(harness: Harness) -> None:

@@ -1,12 +1,14 @@
 -- fastapi-workqueue: the SQL Server runtime role.
 --
--- workqueue_runtime holds what an application needs to use the queue and nothing else: EXECUTE on
--- schema workqueue (its stored procedures and the two helper functions). It holds no privilege on
--- any table, so every read and write goes through the procedures of 0002-0008 and their claim,
--- lease, settle and cancel rules cannot be bypassed with the application's connection. The
--- procedures reach the tables through ownership chaining: they and the tables have one owner
--- (the owner of schema workqueue), so SQL Server checks EXECUTE on the procedure and nothing on
--- the tables it touches. (None of them uses dynamic SQL, which would break the chain.)
+-- workqueue_runtime holds what an application needs to run the queue and nothing else: EXECUTE on
+-- the procedures granted below, the same as PostgreSQL's workqueue_runtime but publish_one, which
+-- only PostgreSQL has (sql/postgresql/roles/runtime_role.sql says what each is for and what is
+-- left to workqueue_operator and workqueue_admin). It holds no privilege on any table, so every read and
+-- write goes through the procedures and their claim, lease, settle and cancel rules cannot be
+-- bypassed with the application's connection. The procedures reach the tables, and the helpers
+-- they call, through ownership chaining: they and the tables have one owner (the owner of schema
+-- workqueue), so SQL Server checks EXECUTE on the procedure called and nothing on what it touches.
+-- (None of them uses dynamic SQL, which would break the chain.)
 --
 -- How to use it:
 --   1. Apply the migrations as the owner of schema workqueue (`workqueue migrate`).
@@ -20,8 +22,9 @@
 --          CREATE USER app_user FOR LOGIN app_login;              -- in the queue's database
 --          ALTER ROLE workqueue_runtime ADD MEMBER app_user;
 --      and connect the application as app_login.
---   4. EXECUTE is granted on the schema, so procedures added by later migrations are covered
---      without running this script again.
+--   4. Run this script again after every upgrade: EXECUTE is granted procedure by procedure, and
+--      every other EXECUTE the role held on the schema (an earlier version of this script granted
+--      it on the whole schema) is taken away.
 --
 -- The script is idempotent. Besides revoking any table privilege granted to the role, it DENYs
 -- SELECT, INSERT, UPDATE and DELETE on the schema: a member that also holds db_datareader or
@@ -31,26 +34,46 @@
 
 -- The role, unless it exists.
 IF DATABASE_PRINCIPAL_ID(N'workqueue_runtime') IS NULL
-    EXEC (N'CREATE ROLE workqueue_runtime');
+    EXEC (N'CREATE workqueue_runtime workqueue_runtime');
 GO
 
--- EXECUTE on every procedure and function of the schema, now and later.
-GRANT EXECUTE ON SCHEMA::workqueue TO workqueue_runtime;
-GO
-
--- No table privilege, whatever was granted before: on the schema ...
-REVOKE SELECT, INSERT, UPDATE, DELETE, REFERENCES, ALTER, CONTROL, TAKE OWNERSHIP, VIEW DEFINITION
+-- No privilege on the schema as a whole, whatever was granted before (EXECUTE included) ...
+REVOKE EXECUTE, SELECT, INSERT, UPDATE, DELETE, REFERENCES, ALTER, CONTROL, TAKE OWNERSHIP, VIEW DEFINITION
     ON SCHEMA::workqueue FROM workqueue_runtime;
 GO
 
--- ... and on each table and view of it.
+-- ... nor on any of its objects.
 DECLARE @v_sql nvarchar(max) = N'';
-SELECT @v_sql = @v_sql + N'REVOKE SELECT, INSERT, UPDATE, DELETE, REFERENCES ON OBJECT::'
-    + QUOTENAME(s.name) + N'.' + QUOTENAME(o.name) + N' FROM workqueue_runtime;' + NCHAR(10)
+SELECT @v_sql = @v_sql + N'REVOKE ' + CASE WHEN o.type IN ('U', 'V') THEN N'SELECT, INSERT, UPDATE, DELETE, REFERENCES'
+                                           ELSE N'EXECUTE' END
+    + N' ON OBJECT::' + QUOTENAME(s.name) + N'.' + QUOTENAME(o.name) + N' FROM workqueue_runtime;' + NCHAR(10)
 FROM sys.objects AS o
 INNER JOIN sys.schemas AS s ON s.schema_id = o.schema_id
-WHERE s.name = N'workqueue' AND o.type IN ('U', 'V');
+WHERE s.name = N'workqueue' AND o.type IN ('U', 'V', 'P', 'FN', 'IF', 'TF');
 EXEC sys.sp_executesql @v_sql;
+GO
+
+-- EXECUTE on these procedures only.
+GRANT EXECUTE ON OBJECT::workqueue.publish TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.claim TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.heartbeat TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.settle TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.once_begin TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.once_finish TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.once_abort TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.sweep TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.sync_topic TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.sync_subscription TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.stats TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.backlog TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.list_deliveries TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.get_delivery TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.partitions TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.list_subscriptions TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.list_topics TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.schema_versions TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.api_key_lookup TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.api_key_touch TO workqueue_runtime;
 GO
 
 DENY SELECT, INSERT, UPDATE, DELETE ON SCHEMA::workqueue TO workqueue_runtime;

@@ -1,9 +1,29 @@
 -- fastapi-workqueue: the PostgreSQL runtime role.
 --
--- workqueue_runtime (NOLOGIN) holds what an application needs to use the queue and nothing else:
--- USAGE on schema workqueue and EXECUTE on its functions. It holds no privilege on any table or
--- sequence, so every read and write goes through the SECURITY DEFINER functions of 0002 and their
+-- workqueue_runtime (NOLOGIN) holds what an application needs to run the queue and nothing else:
+-- USAGE on schema workqueue and EXECUTE on the functions listed below. It holds no privilege on any
+-- table or sequence, so every read and write goes through the SECURITY DEFINER functions and their
 -- claim, lease, settle and cancel rules cannot be bypassed with the application's connection.
+--
+-- What it may call:
+--   * the work: publish, publish_one, claim, heartbeat, settle (a release is a settle), and the
+--     once markers (once_begin, once_finish, once_abort);
+--   * the sweeper, which every host runs by default (sweep);
+--   * the topology the app declares and syncs when it starts (sync_topic, sync_subscription). A
+--     runtime login can therefore change a subscription's policy, but never its status: pausing
+--     and resuming are the operator's (see operator_role.sql). Where the topology should change
+--     only by deployment, set WORKQUEUE_SYNC_TOPOLOGY=false in the app, revoke these two from
+--     workqueue_runtime after running this script and sync from the deployment with a login that
+--     holds them (the schema owner's, say);
+--   * the read-only operator views the app and its REST API serve: stats, backlog, list_deliveries,
+--     get_delivery, partitions, list_subscriptions, list_topics, schema_versions;
+--   * the REST API's key check: api_key_lookup (reads the key behind a prefix) and api_key_touch
+--     (marks a key used once its hash matched).
+-- What it may not: replay, discard (and cancel), pause and resume (set_subscription_status) and
+-- prune are workqueue_operator's; creating, listing and revoking API keys workqueue_admin's
+-- (admin_role.sql); the helpers the functions call for themselves are nobody's. A login of an app
+-- that serves the REST API's operator calls (replay, discard, pause, resume) must be a member of
+-- workqueue_operator too.
 --
 -- How to use it:
 --   1. Apply the migrations (as the owner of schema workqueue).
@@ -16,12 +36,14 @@
 --          CREATE ROLE app_login LOGIN PASSWORD '...';
 --          GRANT workqueue_runtime TO app_login;
 --      and connect the application as app_login.
---   4. Run this script again after every migration that adds functions: GRANT ... ON ALL
---      FUNCTIONS covers the functions that exist when it runs, and 0003 keeps new functions from
---      being executable by PUBLIC.
+--   4. Run this script again after every upgrade: it grants EXECUTE on the listed functions as
+--      they exist when it runs (a migration that creates one of them again grants it to this role
+--      itself, when the role exists), and takes away EXECUTE on every other function of the schema,
+--      including what an earlier version of this script granted.
 --
 -- The script is idempotent and uses plain SQL only (no psql meta-commands), so it can be sent as
--- one string. The role is cluster-wide; the grants are made in the current database.
+-- one string (which PostgreSQL runs as one transaction). The role is cluster-wide; the grants are
+-- made in the current database.
 
 -- The role, unless it exists. A concurrent run that creates it first is not an error.
 DO $$
@@ -40,10 +62,31 @@ $$;
 GRANT USAGE ON SCHEMA workqueue TO workqueue_runtime;
 REVOKE CREATE ON SCHEMA workqueue FROM workqueue_runtime;
 
--- Every function (and any procedure) of the schema.
-GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA workqueue TO workqueue_runtime;
-GRANT EXECUTE ON ALL PROCEDURES IN SCHEMA workqueue TO workqueue_runtime;
-
--- No table or sequence privilege, whatever was granted before.
+-- No table or sequence privilege, and no function but the ones granted below, whatever was
+-- granted before.
 REVOKE ALL ON ALL TABLES IN SCHEMA workqueue FROM workqueue_runtime;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA workqueue FROM workqueue_runtime;
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA workqueue FROM workqueue_runtime;
+REVOKE ALL ON ALL PROCEDURES IN SCHEMA workqueue FROM workqueue_runtime;
+
+DO $$
+DECLARE
+    v_function regprocedure;
+BEGIN
+    FOR v_function IN
+        SELECT p.oid::regprocedure FROM pg_catalog.pg_proc p
+        WHERE p.pronamespace = 'workqueue'::regnamespace
+          AND p.proname = ANY (ARRAY[
+              'publish', 'publish_one', 'claim', 'heartbeat', 'settle',
+              'once_begin', 'once_finish', 'once_abort',
+              'sweep',
+              'sync_topic', 'sync_subscription',
+              'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
+              'list_subscriptions', 'list_topics', 'schema_versions',
+              'api_key_lookup', 'api_key_touch'])
+        ORDER BY 1
+    LOOP
+        EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO workqueue_runtime', v_function);
+    END LOOP;
+END
+$$;

@@ -1,0 +1,60 @@
+-- fastapi-workqueue: the PostgreSQL operator role.
+--
+-- workqueue_operator (NOLOGIN) may act on the work: replay a dead letter, discard a delivery (or
+-- cancel a running one), pause and resume a subscription (set_subscription_status), prune old
+-- deliveries and run a sweeper pass, and read what it acts on (stats, backlog, list_deliveries,
+-- get_delivery, partitions, list_subscriptions, list_topics, schema_versions). It cannot publish,
+-- claim or settle (workqueue_runtime's, runtime_role.sql), nor create, list or revoke API keys
+-- (workqueue_admin's, admin_role.sql), and holds no privilege on any table or sequence.
+--
+-- Give it to the login the `workqueue` command runs under for replay, discard, pause, resume and
+-- prune, and to the login of an app that serves the REST API's operator calls (that login is a
+-- member of workqueue_runtime too):
+--     CREATE ROLE ops_login LOGIN PASSWORD '...';
+--     GRANT workqueue_operator TO ops_login;
+--
+-- Run it as the schema owner after migrating, and again after every upgrade, as runtime_role.sql
+-- (whose header has the steps): it grants EXECUTE on the functions listed below and takes away
+-- every other. Idempotent, plain SQL.
+
+-- The role, unless it exists. A concurrent run that creates it first is not an error.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN
+        BEGIN
+            CREATE ROLE workqueue_operator NOLOGIN;
+        EXCEPTION WHEN duplicate_object OR unique_violation THEN
+            NULL;
+        END;
+    END IF;
+END
+$$;
+
+-- The schema may be used (to name its functions) but nothing may be created in it.
+GRANT USAGE ON SCHEMA workqueue TO workqueue_operator;
+REVOKE CREATE ON SCHEMA workqueue FROM workqueue_operator;
+
+-- No table or sequence privilege, and no function but the ones granted below, whatever was
+-- granted before.
+REVOKE ALL ON ALL TABLES IN SCHEMA workqueue FROM workqueue_operator;
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA workqueue FROM workqueue_operator;
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA workqueue FROM workqueue_operator;
+REVOKE ALL ON ALL PROCEDURES IN SCHEMA workqueue FROM workqueue_operator;
+
+DO $$
+DECLARE
+    v_function regprocedure;
+BEGIN
+    FOR v_function IN
+        SELECT p.oid::regprocedure FROM pg_catalog.pg_proc p
+        WHERE p.pronamespace = 'workqueue'::regnamespace
+          AND p.proname = ANY (ARRAY[
+              'replay', 'discard', 'set_subscription_status', 'prune', 'sweep',
+              'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
+              'list_subscriptions', 'list_topics', 'schema_versions'])
+        ORDER BY 1
+    LOOP
+        EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO workqueue_operator', v_function);
+    END LOOP;
+END
+$$;

@@ -1,0 +1,160 @@
+-- fastapi-workqueue: the SQLite schema, as a fresh file ends with it (migrations 0001-0004).
+--
+-- This file is for reading: `workqueue migrate` (and the queue at start-up) applies the versioned
+-- migrations (NNNN_*.sql), whose headers say why each change was made, and
+-- tests/test_schema_file.py checks that the two build the same sqlite_master. The tables, columns
+-- and indexes are PostgreSQL's (sql/postgresql/schema.sql), with SQLite types: times are REAL
+-- seconds since the epoch (UTC), UUIDs lower-case TEXT, JSON and arrays TEXT. The operations are
+-- the named statements of queries.sql, run by fastapi_workqueue/database/sqlite_routines.py inside
+-- one BEGIN IMMEDIATE transaction per operation.
+
+-- The migration runner's record of what it applied (fastapi_workqueue/database/sqlite.py creates
+-- it before the first migration).
+CREATE TABLE IF NOT EXISTS schema_migration (version INTEGER PRIMARY KEY, name TEXT NOT NULL, checksum TEXT NOT NULL, applied_at REAL NOT NULL);
+
+CREATE TABLE topic (
+    name               TEXT PRIMARY KEY,
+    transport          TEXT NOT NULL DEFAULT 'database',
+    max_payload_bytes  INTEGER CHECK (max_payload_bytes IS NULL OR max_payload_bytes > 0),
+    is_fifo            INTEGER NOT NULL DEFAULT 0,
+    status             TEXT NOT NULL DEFAULT 'Active' CHECK (status IN ('Active', 'Paused')),
+    binding_config     TEXT,
+    created_at         REAL NOT NULL,
+    updated_at         REAL NOT NULL
+);
+
+CREATE TABLE subscription (
+    id                      INTEGER PRIMARY KEY,
+    name                    TEXT NOT NULL UNIQUE,
+    topic                   TEXT NOT NULL REFERENCES topic (name),
+    handler_key             TEXT NOT NULL,
+    partition_mode          TEXT NOT NULL DEFAULT 'None' CHECK (partition_mode IN ('None', 'Exclusive', 'Ordered')),
+    lease_seconds           REAL NOT NULL DEFAULT 60 CHECK (lease_seconds > 0),
+    max_attempts            INTEGER NOT NULL DEFAULT 5 CHECK (max_attempts >= 1),
+    backoff_base_seconds    REAL NOT NULL DEFAULT 1 CHECK (backoff_base_seconds >= 0),
+    backoff_max_seconds     REAL NOT NULL DEFAULT 300 CHECK (backoff_max_seconds >= 0),
+    max_processing_seconds  REAL CHECK (max_processing_seconds IS NULL OR max_processing_seconds > 0),
+    heartbeat_mode          TEXT NOT NULL DEFAULT 'Auto' CHECK (heartbeat_mode IN ('Auto', 'Manual')),
+    filter                  TEXT,
+    status                  TEXT NOT NULL DEFAULT 'Active' CHECK (status IN ('Active', 'Paused')),
+    host_type               TEXT NOT NULL DEFAULT 'worker' CHECK (host_type IN ('worker', 'external')),
+    retention_seconds       REAL NOT NULL DEFAULT 604800 CHECK (retention_seconds >= 0),
+    binding_config          TEXT,
+    created_at              REAL NOT NULL,
+    updated_at              REAL NOT NULL
+);
+CREATE INDEX subscription_topic ON subscription (topic);
+
+CREATE TABLE message (
+    id                 TEXT PRIMARY KEY,
+    topic              TEXT NOT NULL,
+    partition_key      TEXT,
+    attributes         TEXT NOT NULL DEFAULT '{}',
+    payload            TEXT,
+    payload_ref        TEXT,
+    correlation_id     TEXT,
+    deduplication_key  TEXT,
+    content_hash       TEXT NOT NULL,
+    published_at       REAL NOT NULL
+);
+CREATE INDEX message_published_at ON message (published_at);
+
+-- key_mode: 0 = claimed on its own; 1 = Exclusive key, 2 = Ordered key (through partition).
+CREATE TABLE delivery (
+    id                    INTEGER PRIMARY KEY AUTOINCREMENT,
+    subscription_id       INTEGER NOT NULL,
+    message_id            TEXT NOT NULL,
+    partition_key         TEXT,
+    key_mode              INTEGER NOT NULL DEFAULT 0 CHECK (key_mode IN (0, 1, 2)),
+    status                TEXT NOT NULL DEFAULT 'Pending'
+                          CHECK (status IN ('Pending', 'InFlight', 'Completed', 'DeadLettered', 'Discarded')),
+    attempt               INTEGER NOT NULL DEFAULT 0,
+    claim_count           INTEGER NOT NULL DEFAULT 0,
+    max_attempts          INTEGER NOT NULL,
+    backoff_base_seconds  REAL NOT NULL,
+    backoff_max_seconds   REAL NOT NULL,
+    backoff_schedule      TEXT,
+    visible_at            REAL NOT NULL,
+    lease_token           TEXT,
+    lease_expires_at      REAL,
+    claimed_at            REAL,
+    cancel_requested      INTEGER NOT NULL DEFAULT 0,
+    progress_percent      INTEGER,
+    progress_message      TEXT,
+    reason                TEXT,
+    last_error            TEXT,
+    note                  TEXT,
+    created_at            REAL NOT NULL,
+    settled_at            REAL
+);
+CREATE INDEX delivery_claim ON delivery (subscription_id, visible_at, id)
+    WHERE status = 'Pending' AND key_mode = 0;
+CREATE INDEX delivery_ordered_head ON delivery (subscription_id, partition_key, id)
+    WHERE key_mode = 2 AND status IN ('Pending', 'InFlight', 'DeadLettered');
+CREATE INDEX delivery_exclusive_next ON delivery (subscription_id, partition_key, visible_at, id)
+    WHERE key_mode = 1 AND status = 'Pending';
+CREATE INDEX delivery_dead_letters ON delivery (subscription_id, id) WHERE status = 'DeadLettered';
+CREATE INDEX delivery_settled ON delivery (settled_at) WHERE status IN ('Completed', 'Discarded');
+CREATE INDEX delivery_message ON delivery (message_id);
+-- The InFlight set (the sweeper filters it on lease_expires_at), on a column a heartbeat never
+-- changes.
+CREATE INDEX delivery_in_flight ON delivery (subscription_id) WHERE status = 'InFlight';
+
+CREATE TABLE partition (
+    subscription_id   INTEGER NOT NULL,
+    partition_key     TEXT NOT NULL,
+    holder_id         INTEGER,
+    next_id           INTEGER,
+    next_visible_at   REAL,
+    blocked_id        INTEGER,
+    PRIMARY KEY (subscription_id, partition_key)
+);
+CREATE INDEX partition_ready ON partition (subscription_id, next_visible_at)
+    WHERE holder_id IS NULL AND next_id IS NOT NULL;
+
+CREATE TABLE deduplication (
+    topic              TEXT NOT NULL,
+    deduplication_key  TEXT NOT NULL,
+    message_id         TEXT NOT NULL,
+    expires_at         REAL NOT NULL,
+    PRIMARY KEY (topic, deduplication_key)
+);
+CREATE INDEX deduplication_expires_at ON deduplication (expires_at);
+
+CREATE TABLE once_marker (
+    key         TEXT PRIMARY KEY,
+    state       TEXT NOT NULL CHECK (state IN ('Running', 'Done')),
+    token       TEXT,
+    expires_at  REAL NOT NULL
+);
+CREATE INDEX once_marker_expires_at ON once_marker (expires_at);
+
+-- Two unrevoked keys never share a name.
+CREATE TABLE api_key (
+    id            TEXT PRIMARY KEY,
+    name          TEXT NOT NULL,
+    prefix        TEXT NOT NULL UNIQUE,
+    key_hash      TEXT NOT NULL,
+    scopes        TEXT NOT NULL,
+    created_at    REAL NOT NULL,
+    expires_at    REAL,
+    revoked_at    REAL,
+    last_used_at  REAL
+);
+
+CREATE UNIQUE INDEX api_key_name_live ON api_key (name) WHERE revoked_at IS NULL;
+
+-- The Completed and Discarded deliveries of each subscription, counted as they are made and
+-- deleted: stats reads them here, not from the history.
+CREATE TABLE settled_count (
+    subscription_id  INTEGER PRIMARY KEY,
+    completed        INTEGER NOT NULL,
+    discarded        INTEGER NOT NULL
+);
+
+-- The sweep lock: one pass at a time across processes (PostgreSQL: an advisory transaction lock).
+CREATE TABLE lock (
+    name        TEXT PRIMARY KEY,
+    holder      TEXT NOT NULL,
+    expires_at  REAL NOT NULL
+);
