@@ -274,15 +274,16 @@ async def test_max_processing_seconds_aborts_and_counts_a_failed_attempt(pg_url:
 
 
 async def test_shutdown_aborts_after_drain_and_releases_without_consuming_attempt(pg_url: str) -> None:
-    queue, topic, subs = make_queue(pg_url, [{"role": "slow"}], shutdown_drain_ms=200)
+    queue, topic, subs = make_queue(pg_url, [{"role": "slow"}], shutdown_drain_ms=1000)
     started = asyncio.Event()
     reasons: list[AbortReason | None] = []
-    quick_done = asyncio.Event()
+    quick_started, quick_done = asyncio.Event(), asyncio.Event()
 
     @queue.handler("slow")
     async def slow(message: WorkMessage[str], context: WorkContext) -> WorkOutcome:
         if message.payload == "quick":
-            await asyncio.sleep(0.1)
+            quick_started.set()
+            await asyncio.sleep(0.05)
             quick_done.set()
             return Outcome.complete()
         started.set()
@@ -296,7 +297,7 @@ async def test_shutdown_aborts_after_drain_and_releases_without_consuming_attemp
         [result] = await queue.publish(topic, [PublishRequest(payload="slow")])
         await asyncio.wait_for(started.wait(), 10)
         [quick] = await queue.publish(topic, [PublishRequest(payload="quick")])
-        await asyncio.sleep(0.02)
+        await asyncio.wait_for(quick_started.wait(), 10)  # both run when the shutdown begins
     # The quick handler finished inside the drain; the slow one was aborted and released.
     assert quick_done.is_set()
     assert reasons == [AbortReason.SHUTDOWN]
