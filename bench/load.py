@@ -227,6 +227,7 @@ class Deployment:
         self.workers: list[Process] = []
         self.url = ""
         self.counters: Counters | None = None
+        self._drainer: Counters | None = None
         self.notify = NotifyCounter()
         self.activity = ActivitySampler()
         self.listeners = 0
@@ -267,6 +268,7 @@ class Deployment:
                 self.env({}), ctx.logs_dir / f"{tag}-worker-{sub}.log"))
         ctx.cpu.set_roles({"app": {self.app.pid}, "workers": {w.pid for w in self.workers}})
         self.counters = await Counters.open(args.pg_url, args.database)
+        self._drainer = await Counters.open(args.pg_url, args.database)
         await self.notify.open(args.pg_url, args.database)
         await self.activity.open(args.pg_url, args.database)
         await self._wait_listeners()
@@ -279,12 +281,19 @@ class Deployment:
     async def __aexit__(self, *exc: object) -> None:
         await self.activity.close()
         await self.notify.close()
-        if self.counters is not None:
-            await self.counters.close()
+        for counters in (self.counters, self._drainer):
+            if counters is not None:
+                await counters.close()
         for proc in [*self.workers, *([self.app] if self.app else [])]:
             rc = await proc.stop()
             if rc not in (0, -signal.SIGTERM):
                 self.ctx.log(f"   !! {proc.name} exited with {rc}; last lines of {proc.log_path}:\n{proc.tail()}")
+
+    @property
+    def drainer(self) -> Counters:
+        """A second connection to the database, that polls the backlog while the other reads counters."""
+        assert self._drainer is not None
+        return self._drainer
 
     async def _wait_healthy(self, limit: float = 120.0) -> None:
         """Waits for /health/extensions to answer 200 five times in a row."""
@@ -385,6 +394,7 @@ async def run_level(dep: Deployment, clients: int, seed: int) -> dict[str, Any]:
     wall: dict[str, float] = {}
     backlog: dict[str, int] = {}
     notifies: dict[str, int] = {}
+    drain: dict[str, asyncio.Task[tuple[float | None, int]]] = {}
     sampled = (setup.name, clients) in ctx.activity_levels
     key = f"{setup.name}, {clients} clients"
     orders_before = await counters.orders_count()
@@ -407,11 +417,13 @@ async def run_level(dep: Deployment, clients: int, seed: int) -> dict[str, Any]:
         marks["done"] = ctx.cpu.mark()
         wall["done"] = time.time()
         backlog["done"] = await counters.backlog()
+        # The drain is timed from this reading, polled on a connection of its own meanwhile.
+        drain["task"] = asyncio.create_task(dep.drainer.drain(ctx.args.drain_timeout, since=time.monotonic()))
         snaps["done"] = await counters.snapshot()
 
     client = await run_client(dep, clients, ctx.args.duration, seed, ctx.logs_dir / f"client-{os.getpid()}.json",
                               go, end, done)
-    drain_s, left = await counters.drain(ctx.args.drain_timeout)
+    drain_s, left = await drain["task"]
     marks["drained"] = ctx.cpu.mark()
     await asyncio.sleep(ctx.args.settle)  # the backends flush their function counters at most once a second
     snaps["after"] = await counters.snapshot()

@@ -108,9 +108,10 @@ class Counters:
             "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND pid <> ALL($2::int[]) "
             "AND state = 'idle' AND (query ILIKE 'LISTEN%' OR query = 'SELECT 1')", self.database, exclude))
 
-    async def drain(self, limit: float, poll: float = 0.05) -> tuple[float | None, int]:
-        """Waits until no delivery is Pending or InFlight; answers (seconds taken or None, left)."""
-        started = time.monotonic()
+    async def drain(self, limit: float, since: float | None = None, poll: float = 0.05) -> tuple[float | None, int]:
+        """Waits until no delivery is Pending or InFlight; answers (seconds since ``since`` (a
+        ``time.monotonic()``, by default now) or None when ``limit`` passed, deliveries left)."""
+        started = time.monotonic() if since is None else since
         while True:
             left = await self.backlog()
             if left == 0:
