@@ -90,7 +90,9 @@ class Setup:
 
     @property
     def listeners(self) -> int:
-        """Processes that LISTEN for wake-ups: those that run a host or a worker."""
+        """Processes that LISTEN for wake-ups: those that run a host or a worker (none without LISTEN)."""
+        if self.app_env.get("WORKQUEUE_LISTEN") == "false":
+            return 0
         return len(self.worker_subscriptions) if self.worker_subscriptions else APP_WORKERS
 
 
@@ -593,6 +595,8 @@ def main() -> None:
     ap.add_argument("--chart", default=None,
                     help="the PNG chart (default bench/load.png; none with --smoke unless given)")
     ap.add_argument("--no-chart", action="store_true", help="do not render the chart")
+    ap.add_argument("--from-json", default=None, metavar="JSON",
+                    help="measure nothing: summarize the runs of an earlier JSON again, print, chart, write --output")
     ap.add_argument("--core-rate", type=float, default=CORE_PROCESSING_RATE,
                     help="deliveries/s of the core benchmark at the defaults, the drain target (bench/README.md)")
     args = ap.parse_args()
@@ -612,6 +616,10 @@ def main() -> None:
     chart = None if args.no_chart else Path(args.chart) if args.chart else None if args.smoke else HERE / "load.png"
 
     output = Path(args.output).resolve()
+    if args.from_json:
+        earlier = json.loads(Path(args.from_json).read_text())
+        report(earlier, output, chart, Log(output.with_suffix(".report.log")), args.core_rate)
+        return
     log = Log(output.with_suffix(".log"))
     logs_dir = output.parent / f"{output.stem}-logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
@@ -659,17 +667,25 @@ def main() -> None:
         },
         **measured,
     }
-    result["targets"] = targets(result["summary"], args.core_rate)
-    result["violations"] = [
-        {"setup": r["setup"], "clients": r["clients"], "round": r["round"], "check": r["check"],
-         "accepted_without_ids": r["accepted_without_ids"]}
-        for levels in result["runs"].values() for rs in levels.values() for r in rs if r["violations"]]
-    result["table_markdown"] = tables(result)
     result["header_markdown"] = (
         f"Run of {meta['date_utc']} UTC, commit {commit}{' (uncommitted changes)' if dirty else ''}, "
         f"{meta['mode']} mode: clients {args.levels}, {args.duration:g} s per level, medians of {args.repeats} "
         f"[min–max], {meta['minutes']} min; load average {meta['host']['loadavg_start']} at the start, "
         f"{meta['host']['loadavg_end']} at the end (the machine is shared: see the 'other' CPU column).")
+    report(result, output, chart, log, args.core_rate)
+
+
+def report(result: dict[str, Any], output: Path, chart: Path | None, log: Log, core_rate: float) -> None:
+    """Summaries, targets and tables from the runs; writes the JSON, prints, renders the chart."""
+    meta = result["meta"]
+    result["summary"] = {s: {c: summarize_level(rs) for c, rs in levels.items() if rs}
+                         for s, levels in result["runs"].items()}
+    result["targets"] = targets(result["summary"], core_rate)
+    result["violations"] = [
+        {"setup": r["setup"], "clients": r["clients"], "round": r["round"], "check": r["check"],
+         "accepted_without_ids": r["accepted_without_ids"]}
+        for levels in result["runs"].values() for rs in levels.values() for r in rs if r["violations"]]
+    result["table_markdown"] = tables(result)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2, default=str))
     log("")

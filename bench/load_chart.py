@@ -23,7 +23,8 @@ COLORS = {"host": "#2b6cb0", "worker": "#dd6b20", "baseline": "#718096", "host-p
 ROLES = [("app", "app", "#2b6cb0"), ("workers", "workers", "#dd6b20"),
          ("pg_backends", "PostgreSQL backends", "#2f855a"),
          ("pg_background", "PostgreSQL shared", "#9ae6b4"), ("client", "client", "#a0aec0"),
-         ("bench", "bench", "#e2e8f0"), ("other", "other work", "#feb2b2")]
+         ("bench", "bench", "#e2e8f0"), ("other", "other work", "#feb2b2"),
+         ("unseen", "unseen (short-lived, kernel)", "#fed7d7")]
 
 
 def series(summary: dict[str, Any], setup: str, key: str) -> tuple[list[int], list[float], list[list[float]]]:

@@ -12,7 +12,8 @@ database (``pg_backends``, told apart by the database in their process title); t
 shared processes (``pg_background``: WAL writer, checkpointer, autovacuum …, shared with every
 database of the server, told apart from other servers' by the cluster name in the title); and
 everything else (``other``: other work on the machine, including other databases' backends), of
-which the largest commands are kept too.
+which the largest commands are kept too. What the machine was busy with beyond all of these
+(processes born and gone between two scans, kernel threads) is ``unseen``.
 """
 
 from __future__ import annotations
@@ -52,8 +53,12 @@ def diff(after: CpuMark, before: CpuMark) -> dict[str, object]:
     top = {k: round(v, 2) for k, v in sorted(others.items(), key=lambda kv: -kv[1])[:5] if v >= 0.05}
     total = after.machine_total - before.machine_total
     busy = after.machine_busy - before.machine_busy
-    return {"seconds": roles, "other_top": top,
-            "machine_busy_share": round(busy / total, 3) if total > 0 else None}
+    cpus = os.cpu_count() or 1
+    # CPU the scans did not see: processes born and gone between two scans, the kernel's own.
+    unseen = busy - sum(roles.values())
+    return {"seconds": {**roles, "unseen": round(max(0.0, unseen), 2)}, "other_top": top,
+            "machine_busy_share": round(busy / total, 3) if total > 0 else None,
+            "machine_busy_cores": round(busy / (total / cpus), 3) if total > 0 else None}
 
 
 def _machine() -> tuple[float, float]:

@@ -10,7 +10,7 @@ from typing import Any
 CORE_PROCESSING_RATE = 23_900.0
 """bench/README.md, "Processing at the defaults": deliveries/s of the core benchmark's no-op handler."""
 
-CPU_ROLES = ("app", "workers", "pg_backends", "pg_background", "client", "bench", "other")
+CPU_ROLES = ("app", "workers", "pg_backends", "pg_background", "client", "bench", "other", "unseen")
 
 SUMMARIZED = (
     "rps", "answered_rps", "latency_p50_ms", "latency_p99_ms", "latency_max_ms", "errors",
@@ -19,7 +19,10 @@ SUMMARIZED = (
     "drain_seconds", "drain_rate", "commits_per_s", "sessions_opened", "violations",
     "client_cpu_share", "machine_busy_share",
     *(f"cpu_s.{r}" for r in CPU_ROLES), *(f"cores.{r}" for r in CPU_ROLES),
+    *(f"ms_per_order.{r}" for r in CPU_ROLES), "ms_per_order.ours",
 )
+OURS = ("app", "workers", "pg_backends", "pg_background", "client")
+"""The roles whose CPU the benchmark's orders cost (the rest is the benchmark's and other work)."""
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -83,13 +86,20 @@ def summarize(values: list[float | int | None]) -> dict[str, float] | None:
 
 
 def flatten(run: dict[str, Any]) -> dict[str, Any]:
-    """The run's figures with the CPU split as ``cpu_s.<role>`` and ``cores.<role>``."""
+    """The run's figures with the CPU split as ``cpu_s.<role>`` and ``cores.<role>`` (while the load
+    ran), and ``ms_per_order.<role>``: CPU-milliseconds per accepted order over the load and the
+    drain, so that work the load pushed past its end (a backlog) counts too."""
     flat = dict(run)
     seconds = run.get("cpu_load", {}).get("seconds", {})
+    drained = run.get("cpu_drain", {}).get("seconds", {})
+    accepted = run.get("accepted") or 0
     for role in CPU_ROLES:
         flat[f"cpu_s.{role}"] = seconds.get(role, 0.0)
         flat[f"cores.{role}"] = round(seconds.get(role, 0.0) / run["load_window_s"], 3) if run.get("load_window_s") \
             else None
+        both = seconds.get(role, 0.0) + drained.get(role, 0.0)
+        flat[f"ms_per_order.{role}"] = round(1000 * both / accepted, 2) if accepted else None
+    flat["ms_per_order.ours"] = round(sum(flat[f"ms_per_order.{r}"] or 0.0 for r in OURS), 2) if accepted else None
     flat["machine_busy_share"] = run.get("cpu_load", {}).get("machine_busy_share")
     return flat
 
@@ -198,13 +208,24 @@ def tables(result: dict[str, Any]) -> str:
     lines += ["", "CPU while the load ran (cores: CPU-seconds per second of the load window, medians; "
               "2 cores in all):", "",
               "| set-up | clients | app | workers | PostgreSQL backends | PostgreSQL shared | client | bench | other "
-              "| machine busy | commits/s | connections opened |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| unseen | machine busy | commits/s | connections opened |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for setup, levels in summary.items():
         for clients, s in levels.items():
             cores = " | ".join(_stat(s[f"cores.{r}"], 2, False) for r in CPU_ROLES)
             lines.append(f"| {setup} | {clients} | {cores} | {_share(s.get('machine_busy_share'))} "
                          f"| {_stat(s['commits_per_s'], 0, False)} | {_stat(s['sessions_opened'], 0, False)} |")
+    lines += ["", "CPU per accepted order, over the load and the drain (CPU-ms; 'ours' adds app, workers, "
+              "PostgreSQL and client: 2 cores give 2,000 CPU-ms a second, so 2,000 / ours bounds the orders/s):", "",
+              "| set-up | clients | app | workers | PostgreSQL backends | PostgreSQL shared | client | ours "
+              "| bound: orders/s on 2 idle cores |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for setup, levels in summary.items():
+        for clients, s in levels.items():
+            per = " | ".join(_stat(s[f"ms_per_order.{r}"], 2, False) for r in OURS)
+            ours = s.get("ms_per_order.ours")
+            bound = _num(2000 / ours["median"]) if ours and ours["median"] else "n/a"
+            lines.append(f"| {setup} | {clients} | {per} | {_stat(ours, 2, False)} | {bound} |")
     activity = result.get("activity") or {}
     for key, act in activity.items():
         if not act:

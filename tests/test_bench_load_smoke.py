@@ -36,7 +36,7 @@ PUBLISHED_FIELDS = (
     "claims_with_work", "claims_empty", "claims_per_delivery", "empty_claim_share", "notifies",
     "notifies_per_publish", "wakeups_per_publish",
 )
-CPU_ROLES = ("app", "workers", "pg_backends", "pg_background", "client", "bench", "other")
+CPU_ROLES = ("app", "workers", "pg_backends", "pg_background", "client", "bench", "other", "unseen")
 
 
 def server() -> str:
