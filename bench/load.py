@@ -454,6 +454,11 @@ async def run_level(dep: Deployment, clients: int, seed: int) -> dict[str, Any]:
         "drain_seconds": None if drain_s is None else round(drain_s, 3),
         "drain_rate": round(backlog["done"] / drain_s, 1) if drain_s and backlog["done"] else None,
         "calls": {k: v for k, v in sorted(calls.items()) if v},
+        # Time inside each routine (total, nested calls included), milliseconds per accepted order.
+        "function_ms_per_order": {
+            k: round((snaps["after"]["function_ms"].get(k, 0.0) - snaps["go"]["function_ms"].get(k, 0.0))
+                     / max(len(accepted), 1), 3)
+            for k in sorted(snaps["after"]["function_ms"]) if calls.get(k)},
         "commits_per_s": round(db_load.get("xact_commit", 0) / load_window, 1),
         "rollbacks": db_load.get("xact_rollback", 0),
         "sessions_opened": db_load.get("sessions", 0),

@@ -3,7 +3,7 @@
 Each probe has a connection of its own to the benchmark's database (asyncpg), so a slow one
 does not hold up the others:
 
-- :class:`Counters`: calls of the ``workqueue.*`` functions (``pg_stat_user_functions``, with
+- :class:`Counters`: calls and time of the ``workqueue.*`` functions (``pg_stat_user_functions``, with
   ``track_functions = 'pl'`` set on the database), the database's commits and sessions
   (``pg_stat_database``), the server's WAL counters (``pg_stat_wal``, shared by every database),
   the backlog (Pending + InFlight), the listening sessions; and, after a level, the checks of
@@ -84,14 +84,17 @@ class Counters:
     async def snapshot(self) -> dict[str, Any]:
         """Function calls, database and WAL counters, now (the stats snapshot cleared first)."""
         await self.conn.execute("SELECT pg_stat_clear_snapshot()")
-        calls = {r["funcname"]: r["calls"] for r in await self.conn.fetch(
-            "SELECT funcname, sum(calls)::bigint AS calls FROM pg_stat_user_functions "
-            "WHERE schemaname = 'workqueue' GROUP BY funcname")}
+        rows = await self.conn.fetch(
+            "SELECT funcname, sum(calls)::bigint AS calls, sum(total_time) AS total_ms, sum(self_time) AS self_ms "
+            "FROM pg_stat_user_functions WHERE schemaname = 'workqueue' GROUP BY funcname")
+        calls = {r["funcname"]: r["calls"] for r in rows}
+        times = {r["funcname"]: float(r["total_ms"]) for r in rows}
         db = await self.conn.fetchrow(
             "SELECT xact_commit, xact_rollback, sessions FROM pg_stat_database WHERE datname = $1", self.database)
         wal = await self.conn.fetchrow("SELECT wal_records, wal_bytes::bigint AS wal_bytes, wal_write, wal_sync "
                                        "FROM pg_stat_wal")
-        return {"at": time.time(), "calls": calls, "db": dict(db) if db else {}, "wal": dict(wal) if wal else {}}
+        return {"at": time.time(), "calls": calls, "function_ms": times, "db": dict(db) if db else {},
+                "wal": dict(wal) if wal else {}}
 
     async def backlog(self) -> int:
         """Deliveries Pending or InFlight (0 before the schema exists)."""

@@ -28,8 +28,8 @@ RUN_FIELDS = (
     "setup", "clients", "round", "window_s", "requests", "accepted", "rps", "answered_rps", "latency_p50_ms",
     "latency_p99_ms", "latency_max_ms", "errors", "errors_by_kind", "client_cpu_seconds", "client_cpu_share",
     "load_window_s", "backlog_at_end", "backlog_at_stop", "drained", "drain_seconds", "drain_rate", "calls",
-    "commits_per_s", "sessions_opened", "cpu_load", "cpu_drain", "loadavg_before", "loadavg_after", "check",
-    "orders_without_201", "violations", "listeners",
+    "function_ms_per_order", "commits_per_s", "sessions_opened", "cpu_load", "cpu_drain", "loadavg_before",
+    "loadavg_after", "check", "orders_without_201", "violations", "listeners",
 )
 PUBLISHED_FIELDS = (
     "e2e_p50_ms", "e2e_p99_ms", "e2e_max_ms", "publish_calls", "deliveries_completed", "claims",
