@@ -32,7 +32,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException
 from pydantic import BaseModel, Field
-from sqlalchemy import select
+from sqlalchemy import select, text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from fastapi_workqueue import (
@@ -247,6 +248,23 @@ def build_router(queue: WorkQueue) -> APIRouter:
 # -- the app -------------------------------------------------------------------------------------
 
 
+async def create_tables(queue: WorkQueue) -> None:
+    """Creates the example's tables unless they exist. Several processes may start at once (uvicorn
+    --workers 2 on an empty database): on PostgreSQL they take turns under a transaction-scoped
+    advisory lock; on SQLite one that loses the race to the file's single writer sees "already
+    exists" and looks again."""
+    for attempt in range(1, 4):
+        try:
+            async with queue.engine.begin() as conn:
+                if conn.dialect.name == "postgresql":
+                    await conn.execute(text("SELECT pg_advisory_xact_lock(hashtext('example_app.create_tables'))"))
+                await conn.run_sync(Base.metadata.create_all)
+            return
+        except OperationalError as exc:
+            if attempt == 3 or "already exists" not in str(exc):
+                raise
+
+
 def create_app(settings: WorkQueueSettings | None = None) -> FastAPI:
     """Builds the app. Without ``settings`` it reads ``WORKQUEUE_*`` from the environment."""
     if settings is None:
@@ -260,8 +278,7 @@ def create_app(settings: WorkQueueSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         """Opens the queue (migrating its schema), creates the example's tables, runs the host."""
         async with queue.lifespan(app) as state:
-            async with queue.engine.begin() as conn:
-                await conn.run_sync(Base.metadata.create_all)
+            await create_tables(queue)
             yield state
 
     app = FastAPI(title="Orders: a fastapi-workqueue example", lifespan=lifespan)

@@ -97,7 +97,7 @@ class WorkQueue:
         self._owns_transport = transport is None
         self._host: Host | None = None
         self._opened = 0
-        self._sessions = RequestSessions(self._database_url)
+        self._sessions = RequestSessions(self._database_url, lambda: self.settings.session_pool())
         self.health_router: APIRouter = build_health_router(self)
         self._router: APIRouter | None = None
 

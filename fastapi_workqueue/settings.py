@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from .core.errors import ConfigurationError
 from .core.host import HostOptions, SubscriptionPlan
+from .web.session import SessionPool
 
 ENV_PREFIX = "WORKQUEUE_"
 SUBSCRIPTIONS_EXAMPLE = """WORKQUEUE_SUBSCRIPTIONS='[{"name": "*", "concurrency": 4}]'"""
@@ -71,9 +72,25 @@ class WorkQueueSettings(BaseSettings):
     """SQLite: how long one operation waits in all for the file's write lock (behind this process's
     other callers, in SQLite's busy handler and between attempts) before it fails with a
     retryable error. Every call has this one bound, whatever the number of callers."""
+    session_pool_size: int = Field(default=10, ge=1)
+    """Connections of the request sessions (``queue.session``, ``queue.sessionmaker``) per process."""
+    session_pool_overflow: int = Field(default=0, ge=0)
+    """Connections opened beyond ``session_pool_size`` at a peak (and closed after it)."""
+    session_pool_timeout_ms: int = Field(default=5000, ge=1)
+    """How long a request waits for a free connection before it is answered 503 with Retry-After."""
+    session_pool_pre_ping: bool = False
+    """Test each connection with a round trip when it is taken from the pool (costs one per request;
+    without it, the first use of a connection the server dropped fails once and the pool renews)."""
     listen: bool = True
     """Wake idle consumers with LISTEN/NOTIFY on PostgreSQL (polling stays as the fallback). The
     LISTEN connection opens with the first consumer: a process that only publishes has none."""
+
+    def session_pool(self) -> SessionPool:
+        """The request sessions' pool, from the settings."""
+        return SessionPool(
+            size=self.session_pool_size, overflow=self.session_pool_overflow,
+            timeout_seconds=self.session_pool_timeout_ms / 1000, pre_ping=self.session_pool_pre_ping,
+        )
 
     @property
     def migrate_at_start(self) -> bool:

@@ -9,6 +9,7 @@ counts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import uuid
@@ -241,3 +242,27 @@ async def test_a_worker_process_runs_the_example_subscriptions(example: Example,
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     assert out.decode().startswith("workqueue work: orders.audit: ran "), out.decode()
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
+async def test_processes_starting_at_once_on_an_empty_database_all_start(
+    dialect: str, tmp_path: Path
+) -> None:
+    """uvicorn --workers 2 on a new database: each process creates the example's tables at start;
+    the ones that lose the race see them created and start too."""
+    from tests.conftest import PG_URL, drop_database, recreate_database
+
+    if dialect == "postgresql":
+        url = PG_URL.rpartition("/")[0] + f"/workqueue_example_race_{os.getpid()}"
+        await recreate_database(url)
+    else:
+        url = f"sqlite+aiosqlite:///{tmp_path / 'race.db'}"
+    apps = [create_app(WorkQueueSettings(database_url=url, auto_migrate=True, enabled=False)) for _ in range(4)]
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            await asyncio.gather(*(stack.enter_async_context(app.router.lifespan_context(app)) for app in apps))
+            async with apps[0].state.queue.engine.connect() as conn:
+                assert (await conn.execute(select(func.count()).select_from(Order))).scalar_one() == 0
+    finally:
+        if dialect == "postgresql":
+            await drop_database(url)

@@ -140,3 +140,31 @@ async def test_a_publish_after_the_endpoint_commits_joins_what_the_dependency_co
             rows = (await conn.execute(text(f"SELECT n FROM {table} ORDER BY n"))).scalars().all()
         assert rows == [1, 2]
         assert await pending(queue, sub) == 1
+
+
+async def test_a_request_that_finds_every_connection_busy_gets_503_with_retry_after(database_url: str) -> None:
+    queue, _, _ = make_queue(database_url, [{"role": "a"}], enabled=False, auto_migrate=True,
+                             session_pool_size=1, session_pool_timeout_ms=200)
+    app = FastAPI(lifespan=queue.lifespan)
+    holding, release = asyncio.Event(), asyncio.Event()
+
+    @app.get("/hold")
+    async def hold(session: AsyncSession = queue.session) -> dict[str, str]:
+        holding.set()
+        await release.wait()
+        return {"ok": "held"}
+
+    @app.get("/quick")
+    async def quick(session: AsyncSession = queue.session) -> dict[str, int]:
+        return {"n": (await session.execute(text("SELECT 1"))).scalar_one()}
+
+    async with queue.lifespan(app), client(app) as http:
+        assert queue.engine.pool.size() == 1
+        first = asyncio.create_task(http.get("/hold"))
+        await asyncio.wait_for(holding.wait(), 10)
+        refused = await http.get("/quick")
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+        assert "retry" in refused.json()["detail"]
+        release.set()
+        assert (await first).status_code == 200
+        assert (await http.get("/quick")).json() == {"n": 1}

@@ -11,7 +11,7 @@ committed, or part of a transaction that its owner, the request, still holds and
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,6 +48,22 @@ def current_session() -> AsyncSession | None:
     return holder.session if holder is not None and holder.joinable() else None
 
 
+async def _checkout(session: AsyncSession) -> None:
+    """Takes the request's connection before the endpoint runs: a pool with every connection busy
+    for the pool's timeout answers 503 with ``Retry-After`` instead of failing the endpoint midway."""
+    from fastapi import HTTPException
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    try:
+        await session.connection()
+    except PoolTimeout:
+        raise HTTPException(
+            status_code=503,
+            detail="every database connection of this process is in use; retry shortly",
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        ) from None
+
+
 def to_sqlalchemy_url(url: str) -> str:
     """Picks the async driver SQLAlchemy needs when the URL names none."""
     scheme, _, rest = url.partition("://")
@@ -58,11 +74,31 @@ def to_sqlalchemy_url(url: str) -> str:
     return url
 
 
-class RequestSessions:
-    """Owns the SQLAlchemy engine for request sessions, created on first use."""
+@dataclass(frozen=True, slots=True)
+class SessionPool:
+    """The request sessions' connection pool (``WORKQUEUE_SESSION_POOL_*``)."""
 
-    def __init__(self, url_getter: Any) -> None:
+    size: int = 10
+    overflow: int = 0
+    timeout_seconds: float = 5.0
+    pre_ping: bool = False
+
+
+RETRY_AFTER_SECONDS = 1
+
+
+class RequestSessions:
+    """Owns the SQLAlchemy engine for request sessions, created on first use.
+
+    Its pool is sized by the settings, not by SQLAlchemy's default (5 plus 10 overflow
+    connections, opened and closed as load comes and goes): ``size`` connections per process,
+    ``overflow`` more at peaks. A request that finds every connection in use waits up to
+    ``timeout_seconds`` for one, then gets 503 with ``Retry-After``.
+    """
+
+    def __init__(self, url_getter: Any, pool: Callable[[], SessionPool] = SessionPool) -> None:
         self._url_getter = url_getter
+        self._pool = pool
         self._engine: AsyncEngine | None = None
         self._maker: async_sessionmaker[AsyncSession] | None = None
 
@@ -72,9 +108,13 @@ class RequestSessions:
             from sqlalchemy.ext.asyncio import create_async_engine
 
             url = to_sqlalchemy_url(self._url_getter())
+            pool = self._pool()
             # SQLite: wait for the single writer instead of failing at once.
             options: dict[str, Any] = {"connect_args": {"timeout": 10}} if url.startswith("sqlite") else {}
-            self._engine = create_async_engine(url, pool_pre_ping=True, **options)
+            self._engine = create_async_engine(
+                url, pool_size=pool.size, max_overflow=pool.overflow, pool_timeout=pool.timeout_seconds,
+                pool_pre_ping=pool.pre_ping, **options,
+            )
         return self._engine
 
     @property
@@ -98,6 +138,7 @@ class RequestSessions:
         went on writing has that later work committed too.
         """
         async with self.sessionmaker() as session:
+            await _checkout(session)
             holder = RequestTransaction(session, asyncio.current_task())
             token = _current.set(holder)
             try:
