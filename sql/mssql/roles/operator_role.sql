@@ -16,7 +16,7 @@
 
 -- The role, unless it exists.
 IF DATABASE_PRINCIPAL_ID(N'workqueue_operator') IS NULL
-    EXEC (N'CREATE workqueue_operator workqueue_operator');
+    EXEC (N'CREATE ROLE workqueue_operator');
 GO
 
 -- No privilege on the schema as a whole, whatever was granted before (EXECUTE included) ...

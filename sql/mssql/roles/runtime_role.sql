@@ -34,7 +34,7 @@
 
 -- The role, unless it exists.
 IF DATABASE_PRINCIPAL_ID(N'workqueue_runtime') IS NULL
-    EXEC (N'CREATE workqueue_runtime workqueue_runtime');
+    EXEC (N'CREATE ROLE workqueue_runtime');
 GO
 
 -- No privilege on the schema as a whole, whatever was granted before (EXECUTE included) ...
