@@ -311,9 +311,13 @@ class RoutineTransport:
                 return result
             for follow_up in s.follow_ups:
                 published = await self._publish_via(follow_up.topic, follow_up.messages, connection=connection)
-                for message, answer in zip(follow_up.messages, published, strict=True):
-                    if answer.status not in (PublishStatus.ACCEPTED, PublishStatus.DUPLICATE):
-                        raise TransportError(follow_up_refused(s.delivery_id, follow_up.topic, message, answer))
+                refused = [(m, a) for m, a in zip(follow_up.messages, published, strict=True)
+                           if a.status not in (PublishStatus.ACCEPTED, PublishStatus.DUPLICATE)]
+                if refused:
+                    # The message that was refused, not one the publish aborted because of it.
+                    message, answer = next(((m, a) for m, a in refused
+                                            if a.error is None or a.error.code != "BatchAborted"), refused[0])
+                    raise TransportError(follow_up_refused(s.delivery_id, follow_up.topic, message, answer))
             return result
 
         return await self._in_transaction("settle with follow-ups", work)
