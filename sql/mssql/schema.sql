@@ -1634,8 +1634,12 @@ BEGIN
         visible_at datetimeoffset(6) NOT NULL
     );
 
+    -- Names compare in binary, as everywhere (not in the database's default collation), and a name
+    -- longer than a subscription's can be is no subscription's (not cut to one that is).
     INSERT INTO @v_names (name)
-    SELECT DISTINCT CAST(j.value AS nvarchar(200)) FROM OPENJSON(@p_subscriptions) AS j WHERE j.value IS NOT NULL;
+    SELECT DISTINCT CAST(j.value AS nvarchar(200)) COLLATE Latin1_General_100_BIN2
+    FROM OPENJSON(@p_subscriptions) AS j
+    WHERE j.value IS NOT NULL AND LEN(j.value) <= 200;
     SELECT @v_keyed = MIN(CONCAT(s.name, N' is ', s.partition_mode))
     FROM workqueue.subscription AS s
     INNER JOIN @v_names AS n ON n.name = s.name
