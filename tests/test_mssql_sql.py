@@ -480,6 +480,17 @@ def test_role_scripts_grant_execute_on_the_postgresql_lists_only(role: str) -> N
     assert re.search(rf"REVOKE EXECUTE,[^;]*ON SCHEMA::workqueue FROM {name};", code)
 
 
+@pytest.mark.parametrize("role", ROLES)
+def test_role_scripts_create_their_role(role: str) -> None:
+    """The role is created by dynamic SQL (CREATE ROLE must start its batch), which the parser
+    sees only as a string: the statement inside is checked here."""
+    code = _code((MSSQL_DIR / "roles" / f"{role}_role.sql").read_text())
+    name = f"workqueue_{role}"
+    assert re.search(
+        rf"IF DATABASE_PRINCIPAL_ID\(N'{name}'\) IS NULL\s+EXEC \(N'CREATE ROLE {name}'\);", code
+    ), f"{role}_role.sql does not create {name}"
+
+
 def test_the_roles_split_the_routines() -> None:
     """Keys are minted by the admin only; operator actions are not the runtime's; the helpers the
     routines call for themselves are granted to no role."""

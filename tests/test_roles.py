@@ -30,6 +30,7 @@ RUNTIME_FUNCTIONS = {
     "publish", "publish_one", "claim", "heartbeat", "settle", "once_begin", "once_finish", "once_abort", "sweep",
     "sync_topic", "sync_subscription", "stats", "backlog", "list_deliveries", "get_delivery", "partitions",
     "list_subscriptions", "list_topics", "schema_versions", "api_key_lookup", "api_key_touch",
+    "claim_many", "known_messages", "message_deliveries", "release_deduplication_key", "step_get", "step_put",
 }
 
 # Every table privilege and every sequence privilege PostgreSQL knows of.

@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from .envelope import PreparedMessage
+
+
+@dataclass(frozen=True, slots=True)
+class FollowUp:
+    """Messages to publish to ``topic`` in the same transaction that completes the delivery: they
+    exist if and only if the completion is written (a settle that finds its lease lost publishes
+    nothing)."""
+
+    topic: str
+    messages: Sequence[PreparedMessage]
 
 
 @dataclass(frozen=True, slots=True)

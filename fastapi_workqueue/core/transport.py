@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from .envelope import PreparedMessage, PublishResult
+from .outcomes import FollowUp
 from .reports import (
     ActionResult,
     Backlog,
@@ -26,7 +27,7 @@ from .reports import (
 )
 from .topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
 
-SettleKind = Literal["Complete", "Retry", "Fail", "DeadLetter", "Release"]
+SettleKind = Literal["Complete", "Retry", "Fail", "DeadLetter", "Release", "Discard"]
 SettleResult = Literal["Completed", "Pending", "DeadLettered", "Discarded", "LeaseLost"]
 
 
@@ -87,6 +88,8 @@ class Settlement:
     delay_seconds: float | None = None
     reason: str | None = None
     error: str | None = None
+    follow_ups: tuple[FollowUp, ...] = ()
+    """Published in the transaction that writes a ``Complete`` (see :class:`.outcomes.FollowUp`)."""
 
 
 WakeupListener = Callable[[str], None]
@@ -117,8 +120,17 @@ class Transport(Protocol):
 
     # consume
     async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]: ...
+    async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
+        """One claim across several None-mode subscriptions: up to ``limit`` deliveries, the oldest
+        due first whatever their subscription, each with its subscription's name and lease. An
+        Exclusive or Ordered subscription among them is refused with a ValueError."""
+        ...
     async def heartbeat(self, requests: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]: ...
     async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]: ...
+    async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
+        """Writes one settlement and publishes its follow-ups in one transaction; when the settle
+        does not complete the delivery (a lost lease), nothing is published."""
+        ...
     async def add_wakeup_listener(self, listener: WakeupListener) -> None:
         """Calls ``listener`` when a subscription may have new work. The first listener opens what
         delivers wake-ups (PostgreSQL: a LISTEN connection), so a process that only publishes
@@ -130,6 +142,17 @@ class Transport(Protocol):
     async def once_finish(self, key: str, token: str, ttl_seconds: float) -> bool: ...
     async def once_abort(self, key: str, token: str) -> bool: ...
 
+    # deduplication keys and step results (the jobs layer's unique keys and durable steps)
+    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID) -> bool:
+        """Frees ``key`` of ``topic`` if ``message_id`` holds it (True when it did)."""
+        ...
+    async def step_get(self, message_id: uuid.UUID, name: str) -> tuple[bool, str | None]:
+        """The stored JSON result of step ``name`` of the message's work, if any."""
+        ...
+    async def step_put(self, message_id: uuid.UUID, name: str, value_json: str) -> None:
+        """Stores a step's JSON result; kept until the message is purged."""
+        ...
+
     # housekeeping
     async def sweep(self, limit: int = 1000) -> SweepReport: ...
 
@@ -137,6 +160,12 @@ class Transport(Protocol):
     async def stats(self, subscription: str | None = None) -> list[SubscriptionStats]: ...
     async def backlog(self, subscription: str) -> Backlog | None: ...
     async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None: ...
+    async def known_messages(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        """Which of these MessageIDs the store has."""
+        ...
+    async def message_deliveries(self, message_id: uuid.UUID, *, include_payload: bool = False) -> list[DeliveryInfo]:
+        """Every delivery of one message, each with its subscription, as :meth:`get_delivery` answers."""
+        ...
     async def list_deliveries(
         self,
         subscription: str,
@@ -153,3 +182,14 @@ class Transport(Protocol):
     async def validate_bindings(self) -> BindingReport: ...
     async def prune(self, older_than_seconds: float) -> int: ...
     async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult: ...
+    async def discard_dead_letters(self, subscription: str, settled_before: datetime, limit: int = 1000) -> int:
+        """Discards the subscription's DeadLettered deliveries settled before ``settled_before``
+        (reason ``pruned``), ``limit`` at a time, each batch a transaction of its own; returns how
+        many it discarded."""
+        ...
+    async def rewrite_payload(
+        self, message_id: uuid.UUID, payload_json: str, content_hash: str, envelope_bytes: int
+    ) -> bool:
+        """Replaces a stored message's payload (re-encryption with a new key) while none of its
+        deliveries is InFlight, Completed or Discarded; False when it did not rewrite."""
+        ...

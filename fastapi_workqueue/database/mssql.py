@@ -31,7 +31,7 @@ import struct
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, TypeVar
 
 from ..core.errors import ConfigurationError, TransportError, TransportUnavailable
 from ..core.reports import BindingIssue
@@ -41,6 +41,8 @@ from .routines import RandomSource, RoutineTransport, Row
 from .sql_files import migrations
 
 log = logging.getLogger("fastapi_workqueue.mssql")
+
+T = TypeVar("T")
 
 DEFAULT_DRIVER = "ODBC Driver 18 for SQL Server"
 INSTALL_HINT = (
@@ -396,7 +398,7 @@ class MssqlTransport(RoutineTransport):
         return sql
 
     async def call(
-        self, routine: str, *, retry: bool = True, session: Any = None, **params: Any
+        self, routine: str, *, retry: bool = True, session: Any = None, connection: Any = None, **params: Any
     ) -> Sequence[Row]:
         sql = self.statement(routine, tuple(params))
         values = tuple(encode_param(v) for v in params.values())
@@ -404,6 +406,11 @@ class MssqlTransport(RoutineTransport):
         if session is not None:
             try:
                 return await self._fetch_in_session(session, sql, values)
+            except Exception as exc:
+                raise map_mssql_error(exc, operation) from exc
+        if connection is not None:  # in the transaction of _in_transaction: the procedure joins it
+            try:
+                return await fetch_rows(connection, sql, values)
             except Exception as exc:
                 raise map_mssql_error(exc, operation) from exc
 
@@ -417,6 +424,27 @@ class MssqlTransport(RoutineTransport):
         if retry:
             return await with_retries(operation, run)
         return await run()
+
+    async def _in_transaction(self, operation: str, work: Callable[[Any], Awaitable[T]]) -> T:
+        """``work(conn)`` in one explicit transaction on a pooled connection (each procedure sees
+        ``@@TRANCOUNT > 0`` and joins it), tried again as a whole after a deadlock."""
+
+        async def run() -> T:
+            try:
+                async with self.pool.acquire() as conn:
+                    await fetch_rows(conn, "BEGIN TRANSACTION", ())
+                    try:
+                        result = await work(conn)
+                        await fetch_rows(conn, "COMMIT TRANSACTION", ())
+                    except BaseException:
+                        with contextlib.suppress(Exception):
+                            await fetch_rows(conn, "IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION", ())
+                        raise
+                    return result
+            except Exception as exc:
+                raise map_mssql_error(exc, operation) from exc
+
+        return await with_retries(operation, run)
 
     async def _fetch_in_session(self, session: Any, sql: str, values: Sequence[Any]) -> list[Row]:
         """Runs the call on the caller's SQLAlchemy session (``mssql+aioodbc://``), inside its

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import asyncpg
 
@@ -19,6 +19,8 @@ from .routines import RandomSource, RoutineTransport, Row, accepted, backoff_sch
 from .session import SessionExecutor
 
 log = logging.getLogger("fastapi_workqueue.postgres")
+
+T = TypeVar("T")
 
 CHANNEL = "workqueue"
 
@@ -127,18 +129,15 @@ class PostgresTransport(RoutineTransport):
             raise RuntimeError("the transport is not open; use it inside the WorkQueue's lifespan")
         return self._pool
 
-    async def publish(
-        self, topic: str, messages: Sequence[PreparedMessage], *, session: Any = None
-    ) -> list[PublishResult]:
+    async def _publish_via(self, topic: str, messages: Sequence[PreparedMessage], **via: Any) -> list[PublishResult]:
         """One message without a deduplication key goes to ``publish_one`` (0012): the same
         answers as ``publish``, with a value per parameter instead of arrays of one."""
         if len(messages) != 1 or messages[0].deduplication_key is not None:
-            return await super().publish(topic, messages, session=session)
+            return await super()._publish_via(topic, messages, **via)
         m = messages[0]
         rows = await self.call(
             "publish_one",
-            session=session,
-            retry=session is None,
+            **via,
             p_topic=topic,
             p_message_id=m.message_id,
             p_partition_key=m.partition_key,
@@ -158,10 +157,11 @@ class PostgresTransport(RoutineTransport):
         return [publish_result(rows[0], m)]
 
     async def call(
-        self, routine: str, *, retry: bool = True, session: Any = None, **params: Any
+        self, routine: str, *, retry: bool = True, session: Any = None, connection: Any = None, **params: Any
     ) -> Sequence[Row]:
         """``SELECT * FROM workqueue.<routine>(p_a => $1, …)``: named arguments, so a parameter
-        that the function does not have is an error, never a silent shift."""
+        that the function does not have is an error, never a silent shift. With ``connection`` (an
+        asyncpg connection in a transaction, :meth:`_in_transaction`) it runs there, not retried."""
         names = tuple(params)
         sql = self._statements.get((routine, names))
         if sql is None:
@@ -178,6 +178,11 @@ class PostgresTransport(RoutineTransport):
         if session is not None:
             try:
                 return await SessionExecutor(session).fetch(sql, values)
+            except Exception as exc:
+                raise map_error(exc, routine.replace("_", " ")) from exc
+        if connection is not None:
+            try:
+                return cast(Sequence[Row], await connection.fetch(sql, *values))
             except Exception as exc:
                 raise map_error(exc, routine.replace("_", " ")) from exc
         try:  # the first try without the retry wrapper: this is the path of every queue operation
@@ -211,6 +216,16 @@ class PostgresTransport(RoutineTransport):
             # A use that ended in a cancellation (or another BaseException) may have left a
             # statement being cancelled on the server: such a connection is not reused.
             pool.put(conn, reusable=reusable)
+
+    async def _in_transaction(self, operation: str, work: Callable[[Any], Awaitable[T]]) -> T:
+        """``work(conn)`` on one pooled connection in one transaction, tried again as a whole after
+        a deadlock, a serialization failure or a dropped connection."""
+
+        async def attempt() -> T:
+            async with self.pool.acquire() as conn, conn.transaction():
+                return await work(conn)
+
+        return await with_retries(operation, attempt)
 
     async def migrate(self) -> list[str]:
         """Applies the pending migrations; returns the names applied now."""

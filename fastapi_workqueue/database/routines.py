@@ -14,12 +14,19 @@ import math
 import random
 import uuid
 from abc import abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from ..core.envelope import MAX_DELAY_SECONDS, PreparedMessage, PublishError, PublishResult, PublishStatus
-from ..core.errors import ConfigurationError
+from ..core.envelope import (
+    MAX_DELAY_SECONDS,
+    MAX_ENVELOPE_BYTES,
+    PreparedMessage,
+    PublishError,
+    PublishResult,
+    PublishStatus,
+)
+from ..core.errors import ConfigurationError, TransportError, WorkQueueError
 from ..core.keys import ApiKeyInfo, StoredKey
 from ..core.reports import (
     ActionResult,
@@ -46,6 +53,7 @@ from ..core.transport import (
 from .sql_files import migrations
 
 Row = Mapping[str, Any]
+T = TypeVar("T")
 
 
 class RandomSource(Protocol):
@@ -83,10 +91,18 @@ class RoutineTransport:
 
     @abstractmethod
     async def call(
-        self, routine: str, *, retry: bool = True, session: Any = None, **params: Any
+        self, routine: str, *, retry: bool = True, session: Any = None, connection: Any = None, **params: Any
     ) -> Sequence[Row]:
         """Runs routine ``routine`` with named ``params`` in a transaction of its own (or in
-        ``session``'s) and returns its result rows. Lists are arrays; the dialect encodes them."""
+        ``session``'s, or in the transaction ``connection`` of :meth:`_in_transaction`) and returns
+        its result rows. Lists are arrays; the dialect encodes them."""
+
+    @abstractmethod
+    async def _in_transaction(self, operation: str, work: Callable[[Any], Awaitable[T]]) -> T:
+        """Runs ``work(connection)`` in one transaction of the store: every ``call(…,
+        connection=connection)`` it makes joins that transaction, which commits when ``work``
+        returns and rolls back when it raises. Tried again as a whole where a plain call would be
+        (a deadlock, a busy file)."""
 
     @abstractmethod
     async def open(self) -> None: ...
@@ -165,6 +181,11 @@ class RoutineTransport:
     async def publish(
         self, topic: str, messages: Sequence[PreparedMessage], *, session: Any = None
     ) -> list[PublishResult]:
+        return await self._publish_via(topic, messages, session=session, retry=session is None)
+
+    async def _publish_via(self, topic: str, messages: Sequence[PreparedMessage], **via: Any) -> list[PublishResult]:
+        """publish, with ``via`` passed on to :meth:`call` (``session=`` and ``retry=``, or the
+        ``connection=`` of a transaction)."""
         if not messages:
             return []
         # One pass over the messages, then one list per column (the routine takes arrays).
@@ -181,8 +202,7 @@ class RoutineTransport:
         ], strict=True))
         rows = list(await self.call(
             "publish",
-            session=session,
-            retry=session is None,
+            **via,
             p_topic=topic,
             p_message_ids=ids,
             p_partition_keys=keys,
@@ -209,6 +229,27 @@ class RoutineTransport:
     async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
         rows = await self.call("claim", retry=False, p_subscription=subscription, p_limit=limit)
         return [claimed(r) for r in rows]
+
+    async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
+        """One claim across several None-mode subscriptions: up to ``limit`` deliveries, the oldest
+        due first whatever their subscription, each leased with its own subscription's lease and
+        answered with its name. Paused ones give nothing; an Exclusive or Ordered one is refused."""
+        if isinstance(subscriptions, str):
+            raise TypeError(
+                f"claim_many takes a sequence of subscription names, got the string {subscriptions!r}; "
+                "claim one subscription with claim"
+            )
+        names = list(dict.fromkeys(subscriptions))
+        if not names or limit < 1:
+            return []
+        try:
+            rows = await self.call("claim_many", retry=False, p_subscriptions=names, p_limit=limit)
+        except WorkQueueError as exc:
+            text = str(exc)
+            if CLAIM_MANY_REFUSAL in text:
+                raise ValueError(text[text.index(CLAIM_MANY_REFUSAL):]) from exc
+            raise
+        return [(r["subscription"], claimed(r)) for r in rows]
 
     async def heartbeat(self, requests: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
         if not requests:
@@ -248,6 +289,39 @@ class RoutineTransport:
         by_id: dict[str, SettleResult] = {str(r["delivery_id"]): r["result"] for r in rows}
         return [by_id.get(s.delivery_id, "LeaseLost") for s in settlements]
 
+    async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
+        """Settles one delivery and, only when that completes it, publishes each of its follow-ups
+        (``settlement.follow_ups``) to its topic, all in one transaction: the follow-ups exist if
+        and only if the completion was written. A lost lease, or a delivery an operator cancelled
+        (Discarded), publishes nothing. A follow-up message the publish refuses rolls the whole
+        transaction back (the delivery stays InFlight) and raises a :class:`TransportError` that
+        names it; a Duplicate (the same MessageID and content stored already) is no refusal."""
+        s = settlement
+        draw = self._draw()
+
+        async def work(connection: Any) -> SettleResult:
+            rows = await self.call(
+                "settle", connection=connection, p_ids=[int(s.delivery_id)], p_tokens=[s.lease_token],
+                p_outcomes=[s.kind], p_delays=[settle_delay(s.delay_seconds)], p_reasons=[s.reason],
+                p_errors=[s.error], p_draws=[draw],
+            )
+            result: SettleResult = next((r["result"] for r in rows if str(r["delivery_id"]) == s.delivery_id),
+                                        "LeaseLost")
+            if result != "Completed":
+                return result
+            for follow_up in s.follow_ups:
+                published = await self._publish_via(follow_up.topic, follow_up.messages, connection=connection)
+                refused = [(m, a) for m, a in zip(follow_up.messages, published, strict=True)
+                           if a.status not in (PublishStatus.ACCEPTED, PublishStatus.DUPLICATE)]
+                if refused:
+                    # The message that was refused, not one the publish aborted because of it.
+                    message, answer = next(((m, a) for m, a in refused
+                                            if a.error is None or a.error.code != "BatchAborted"), refused[0])
+                    raise TransportError(follow_up_refused(s.delivery_id, follow_up.topic, message, answer))
+            return result
+
+        return await self._in_transaction("settle with follow-ups", work)
+
     def _draw(self) -> float:
         draw = self.rng.random()
         if not 0.0 <= draw < 1.0:
@@ -265,6 +339,26 @@ class RoutineTransport:
 
     async def once_abort(self, key: str, token: str) -> bool:
         return bool(await self._scalar("once_abort", p_key=key, p_token=token))
+
+    # -- deduplication keys and step results ---------------------------------------------------
+
+    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID) -> bool:
+        """Frees ``key`` of ``topic`` if ``message_id`` holds it; True when it held it (live)."""
+        return bool(await self._scalar(
+            "release_deduplication_key", p_topic=topic, p_key=key, p_message_id=message_id,
+        ))
+
+    async def step_get(self, message_id: uuid.UUID, name: str) -> tuple[bool, str | None]:
+        """(True, the stored JSON) of step ``name`` of the message's work, or (False, None)."""
+        rows = await self.call("step_get", p_message_id=message_id, p_name=name)
+        return (True, rows[0]["value"]) if rows else (False, None)
+
+    async def step_put(self, message_id: uuid.UUID, name: str, value_json: str) -> None:
+        """Stores a step's JSON result unless one is stored already (the first write wins); it is
+        removed with the message."""
+        if not isinstance(value_json, str):
+            raise TypeError(f"step_put stores JSON text; serialize the value first, got {type(value_json).__name__}")
+        await self.call("step_put", p_message_id=message_id, p_name=name, p_value=value_json)
 
     # -- housekeeping ------------------------------------------------------------------------
 
@@ -306,6 +400,19 @@ class RoutineTransport:
         rows = await self.call("get_delivery", p_delivery_id=numeric)
         return delivery_info(rows[0], None, include_payload) if rows else None
 
+    async def known_messages(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        """Which of these MessageIDs the store has."""
+        wanted = list(dict.fromkeys(ids))
+        if not wanted:
+            return set()
+        rows = await self.call("known_messages", p_ids=wanted)
+        return {as_uuid(r["message_id"]) for r in rows}
+
+    async def message_deliveries(self, message_id: uuid.UUID, *, include_payload: bool = False) -> list[DeliveryInfo]:
+        """Every delivery of one message, each with its subscription, as get_delivery answers."""
+        rows = await self.call("message_deliveries", p_message_id=message_id)
+        return [delivery_info(r, None, include_payload) for r in rows]
+
     async def list_deliveries(
         self,
         subscription: str,
@@ -342,6 +449,43 @@ class RoutineTransport:
 
     async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
         return await self._action("discard", subscription, delivery_id, p_reason=reason)
+
+    async def discard_dead_letters(self, subscription: str, settled_before: datetime, limit: int = 1000) -> int:
+        """Discards the subscription's DeadLettered deliveries settled before ``settled_before``
+        (reason ``pruned``), at most ``limit`` per transaction, until none is left; returns how many
+        it discarded. A dead letter another transaction holds (a replay) is left for the next call."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        if settled_before.tzinfo is None:
+            raise ValueError(
+                "settled_before must be an aware datetime, e.g. datetime.now(UTC) - timedelta(days=7); "
+                f"got {settled_before!r} without a time zone"
+            )
+        total = 0
+        while True:
+            discarded = int(await self._scalar(
+                "discard_dead_letters", p_subscription=subscription, p_settled_before=settled_before, p_limit=limit,
+            ))
+            total += discarded
+            if discarded < limit:
+                return total
+
+    async def rewrite_payload(
+        self, message_id: uuid.UUID, payload_json: str, content_hash: str, envelope_bytes: int
+    ) -> bool:
+        """Replaces a stored message's payload and content hash (re-encryption with a new key) while
+        none of its deliveries is InFlight or ended Completed or Discarded; True when it rewrote,
+        False when the message is not stored or a delivery forbids it. An envelope over the cap
+        (256 KiB, or the topic's lower ``max_payload_bytes``) is refused."""
+        if envelope_bytes > MAX_ENVELOPE_BYTES:
+            raise ValueError(
+                f"the rewritten envelope is {envelope_bytes} bytes; a message holds at most {MAX_ENVELOPE_BYTES} "
+                "(MAX_ENVELOPE_BYTES)"
+            )
+        return bool(await self._scalar(
+            "rewrite_payload", p_message_id=message_id, p_payload=payload_json, p_content_hash=content_hash,
+            p_envelope_bytes=envelope_bytes,
+        ))
 
     async def _action(self, routine: str, subscription: str, delivery_id: str, **text: Any) -> ActionResult:
         numeric = delivery_number(delivery_id)
@@ -440,6 +584,26 @@ def json_list(value: Any) -> list[str]:
 
 def sid(value: Any) -> str | None:
     return None if value is None else str(value)
+
+
+def as_uuid(value: Any) -> uuid.UUID:
+    """A uuid column as a UUID (drivers hand over UUIDs or their text)."""
+    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
+
+
+CLAIM_MANY_REFUSAL = "claim_many takes None-mode subscriptions only"
+"""The start of the error every dialect's claim_many raises for an Exclusive or Ordered subscription."""
+
+
+def follow_up_refused(delivery_id: str, topic: str, message: PreparedMessage, answer: PublishResult) -> str:
+    """Why settle_with_follow_ups rolled back: which follow-up message, and what the publish said."""
+    why = answer.status.value
+    if answer.error is not None:
+        why += f" ({answer.error.code}: {answer.error.message})"
+    return (
+        f"settle with follow-ups: follow-up message {message.message_id} to topic {topic!r} was refused: {why}; "
+        f"nothing was published and delivery {delivery_id} was not settled (it stays InFlight under its lease)"
+    )
 
 
 MAX_DELIVERY_ID = 2**63 - 1

@@ -19,8 +19,8 @@ import os
 import re
 import sqlite3
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from ..core.errors import ConfigurationError, TransportError
 from ..core.reports import BindingIssue
@@ -35,6 +35,8 @@ behind this process's other callers, inside SQLite's busy handler, and between a
 RETRY_PAUSE_SECONDS = 0.05
 
 _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
+
+T = TypeVar("T")
 
 
 def load_queries() -> dict[str, str]:
@@ -315,9 +317,11 @@ class SqliteTransport(RoutineTransport):
         )
 
     async def call(
-        self, routine: str, *, retry: bool = True, session: Any = None, **params: Any
+        self, routine: str, *, retry: bool = True, session: Any = None, connection: Any = None, **params: Any
     ) -> Sequence[Row]:
         fn = ROUTINES[routine]
+        if connection is not None:  # a Call of _in_transaction: the same transaction and clock
+            return await fn(connection, **params)
         operation = routine.replace("_", " ")
         if session is not None:
             executor = _SessionExecutor(session, self._queries)
@@ -335,29 +339,34 @@ class SqliteTransport(RoutineTransport):
             if call.wake:
                 self._wake_after_commit(session, call.wake)
             return rows
+        return await self._run(operation, lambda c: fn(c, **params), write=routine not in READ_ONLY, retry=retry)
 
+    async def _in_transaction(self, operation: str, work: Callable[[Any], Awaitable[T]]) -> T:
+        """``work(call)`` in one ``BEGIN IMMEDIATE`` on the transport's connection: each routine
+        called with ``connection=call`` runs its statements there, at the one time the call took."""
+        return await self._run(operation, work, write=True, retry=True)
+
+    async def _run(self, operation: str, work: Callable[[Call], Awaitable[T]], *, write: bool, retry: bool) -> T:
+        """``work`` in one transaction of the transport's connection; then wakes the subscriptions
+        it named. One bound for the whole call, however many callers wait in this process: a busy
+        file is tried again while time is left, then the call fails with a retryable error."""
         deadline = time.monotonic() + self.busy_timeout
-
-        async def run() -> Sequence[Row]:
-            try:
-                async with self._transaction(write=routine not in READ_ONLY, deadline=deadline) as conn:
-                    call = Call(_ConnectionExecutor(conn, self._queries), time.time())
-                    rows = await fn(call, **params)
-            except (sqlite3.Error, ValueError) as exc:
-                raise _mapped(exc, operation) from exc
-            for subscription_id in call.wake:
-                self._dispatch_wakeup(str(subscription_id))
-            return rows
-
-        # One bound for the whole call, however many callers wait in this process: a busy file
-        # is tried again while time is left, then the call fails with a retryable error.
         while True:
             try:
-                return await run()
+                try:
+                    async with self._transaction(write=write, deadline=deadline) as conn:
+                        call = Call(_ConnectionExecutor(conn, self._queries), time.time())
+                        result = await work(call)
+                except (sqlite3.Error, ValueError) as exc:
+                    raise _mapped(exc, operation) from exc
             except TransportError as exc:
                 if not (retry and exc.retryable) or time.monotonic() + RETRY_PAUSE_SECONDS >= deadline:
                     raise
-            await asyncio.sleep(RETRY_PAUSE_SECONDS)
+                await asyncio.sleep(RETRY_PAUSE_SECONDS)
+                continue
+            for subscription_id in call.wake:
+                self._dispatch_wakeup(str(subscription_id))
+            return result
 
     def _wake_after_commit(self, session: Any, subscription_ids: set[int]) -> None:
         """Wakes this process's consumers when the caller's transaction commits (what NOTIFY does

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from ..core.errors import TransportError
 from ..core.filters import matches
 
 Row = dict[str, Any]
@@ -38,7 +39,8 @@ class Call:
 Routine = Callable[..., Awaitable[list[Row]]]
 ROUTINES: dict[str, Routine] = {}
 READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions", "list_subscriptions",
-             "list_topics", "schema_versions", "api_key_list", "api_key_lookup"}
+             "list_topics", "schema_versions", "api_key_list", "api_key_lookup", "known_messages",
+             "message_deliveries", "step_get"}
 """Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
 
 
@@ -355,19 +357,53 @@ async def r_claim(c: Call, p_subscription: str, p_limit: int) -> list[Row]:
         d = rows[0]
         if d["key_mode"] > 0:
             await c.ex.execute("partition_hold", subscription_id=sub["id"], key=d["partition_key"], id=d["id"])
-        [m] = await c.ex.fetch("message_get", id=d["message_id"])
-        out.append({
-            "delivery_id": d["id"], "lease_token": d["lease_token"], "attempt": d["attempt"],
-            "max_attempts": d["max_attempts"], "lease_expires_at": ts(d["lease_expires_at"]),
-            "message_id": m["id"], "topic": m["topic"], "partition_key": m["partition_key"],
-            "attributes": m["attributes"], "payload": m["payload"], "payload_ref": m["payload_ref"],
-            "correlation_id": m["correlation_id"], "published_at": ts(m["published_at"]),
-        })
+        out.append(await _claimed_row(c, d))
     # A key that pointed at a delivery no longer Pending is re-derived.
     mode = 1 if sub["partition_mode"] == "Exclusive" else 2
     for key in stale:
         await refresh_partition(c, sub["id"], key, mode)
     out.sort(key=lambda r: r["delivery_id"])
+    return out
+
+
+async def _claimed_row(c: Call, d: Row) -> Row:
+    """A claimed delivery (the row delivery_claim returned) with its message, as claim answers."""
+    [m] = await c.ex.fetch("message_get", id=d["message_id"])
+    return {
+        "delivery_id": d["id"], "lease_token": d["lease_token"], "attempt": d["attempt"],
+        "max_attempts": d["max_attempts"], "lease_expires_at": ts(d["lease_expires_at"]),
+        "message_id": m["id"], "topic": m["topic"], "partition_key": m["partition_key"],
+        "attributes": m["attributes"], "payload": m["payload"], "payload_ref": m["payload_ref"],
+        "correlation_id": m["correlation_id"], "published_at": ts(m["published_at"]),
+    }
+
+
+@routine
+async def r_claim_many(c: Call, p_subscriptions: Sequence[str], p_limit: int) -> list[Row]:
+    """claim across several None-mode subscriptions: each one's claim index gives at most p_limit
+    candidates, and the p_limit oldest due of them all (visible_at, then id) are claimed, each with
+    its own subscription's lease. (SQLite's single writer keeps two claimers apart.)"""
+    if p_limit < 1 or not p_subscriptions:
+        return []
+    subs = await c.ex.fetch("subscriptions_named", names=json.dumps(list(p_subscriptions)))
+    keyed = [s for s in subs if s["partition_mode"] != "None"]
+    if keyed:
+        raise ValueError(
+            f"claim_many takes None-mode subscriptions only ({keyed[0]['name']} is {keyed[0]['partition_mode']}); "
+            "claim an Exclusive or Ordered subscription with claim"
+        )
+    candidates: list[tuple[float, int, Row]] = []
+    for sub in subs:
+        if sub["active"]:
+            for row in await c.ex.fetch("claimable_unkeyed", subscription_id=sub["id"], now=c.now, limit=p_limit):
+                candidates.append((row["visible_at"], row["id"], sub))
+    candidates.sort(key=lambda x: (x[0], x[1]))
+    out: list[Row] = []
+    for _, candidate, sub in candidates[:p_limit]:
+        rows = await c.ex.fetch("delivery_claim", id=candidate, token=str(uuid.uuid4()),
+                                lease_expires_at=c.now + sub["lease_seconds"], now=c.now)
+        if rows:
+            out.append({"subscription": sub["name"], **await _claimed_row(c, rows[0])})
     return out
 
 
@@ -410,6 +446,8 @@ async def r_settle(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_out
             new = "Discarded"
         elif outcome == "Complete":
             new = "Completed"
+        elif outcome == "Discard":
+            new = "Discarded"
         elif outcome == "Release":
             new = "Pending"
         elif outcome == "DeadLetter" or d["attempt"] >= d["max_attempts"]:
@@ -566,6 +604,39 @@ async def r_discard(c: Call, p_subscription: str, p_delivery_id: int, p_reason: 
     return [{"result": "AlreadyTerminal", "cancel_requested": False, "delivery_status": now["status"]}]
 
 
+@routine
+async def r_discard_dead_letters(c: Call, p_subscription: str, p_settled_before: datetime, p_limit: int) -> list[Row]:
+    subs = await c.ex.fetch("subscription_get", name=p_subscription)
+    if not subs:
+        return [{"discard_dead_letters": 0}]
+    sid = subs[0]["id"]
+    gone = await c.ex.fetch("dead_letters_discard", subscription_id=sid, settled_before=epoch(p_settled_before),
+                            limit=p_limit, now=c.now)
+    await _count_settled(c, [(sid, "Discarded")] * len(gone))
+    await _refresh_keys(c, {(sid, d["partition_key"], d["key_mode"]) for d in gone if d["key_mode"] > 0})
+    return [{"discard_dead_letters": len(gone)}]
+
+
+@routine
+async def r_rewrite_payload(c: Call, p_message_id: Any, p_payload: str, p_content_hash: str,
+                            p_envelope_bytes: int) -> list[Row]:
+    mid = str(p_message_id)
+    found = await c.ex.fetch("message_cap", id=mid)
+    if not found:
+        return [{"rewrite_payload": False}]
+    topic, cap = found[0]["topic"], found[0]["max_payload_bytes"]
+    if cap is not None and p_envelope_bytes > cap:
+        raise TransportError(
+            f"rewrite payload: the rewritten envelope is {p_envelope_bytes} bytes; topic '{topic}' accepts at most "
+            f"{cap} bytes (max_payload_bytes)"
+        )
+    statuses = {r["status"] for r in await c.ex.fetch("message_delivery_statuses", message_id=mid)}
+    if statuses & {"InFlight", "Completed", "Discarded"}:
+        return [{"rewrite_payload": False}]
+    await c.ex.execute("message_rewrite", id=mid, payload=p_payload, content_hash=p_content_hash)
+    return [{"rewrite_payload": True}]
+
+
 # -- operator reads ------------------------------------------------------------------------------
 
 _TIMES = ("visible_at", "lease_expires_at", "created_at", "claimed_at", "settled_at", "oldest_pending_at",
@@ -597,6 +668,16 @@ async def r_backlog(c: Call, p_subscription: str) -> list[Row]:
 @routine
 async def r_get_delivery(c: Call, p_delivery_id: int) -> list[Row]:
     return with_times(await c.ex.fetch("delivery_get", id=p_delivery_id))
+
+
+@routine
+async def r_known_messages(c: Call, p_ids: Sequence[Any]) -> list[Row]:
+    return await c.ex.fetch("message_known", ids=json.dumps([str(i) for i in p_ids]))
+
+
+@routine
+async def r_message_deliveries(c: Call, p_message_id: Any) -> list[Row]:
+    return with_times(await c.ex.fetch("message_deliveries", message_id=str(p_message_id)))
 
 
 @routine
@@ -639,6 +720,32 @@ async def r_once_finish(c: Call, p_key: str, p_token: str, p_ttl_seconds: float)
 @routine
 async def r_once_abort(c: Call, p_key: str, p_token: str) -> list[Row]:
     return [{"once_abort": await c.ex.execute("once_abort", key=p_key, token=str(p_token)) > 0}]
+
+
+# -- deduplication keys and step results -----------------------------------------------------------
+
+
+@routine
+async def r_release_deduplication_key(c: Call, p_topic: str, p_key: str, p_message_id: Any) -> list[Row]:
+    gone = await c.ex.fetch("dedup_release", topic=p_topic, key=p_key, message_id=str(p_message_id))
+    return [{"release_deduplication_key": any(r["expires_at"] > c.now for r in gone)}]
+
+
+@routine
+async def r_step_get(c: Call, p_message_id: Any, p_name: str) -> list[Row]:
+    return await c.ex.fetch("step_get", message_id=str(p_message_id), name=p_name)
+
+
+@routine
+async def r_step_put(c: Call, p_message_id: Any, p_name: str, p_value: str) -> list[Row]:
+    mid = str(p_message_id)
+    if not await c.ex.fetch("message_hash", id=mid):
+        raise TransportError(
+            f"step put: message {mid} is not stored (never published, or purged): a step result belongs to a "
+            "stored message"
+        )
+    await c.ex.execute("step_put", message_id=mid, name=p_name, value=p_value, now=c.now)
+    return [{"step_put": None}]
 
 
 # -- API keys ------------------------------------------------------------------------------------

@@ -59,6 +59,13 @@ ORDER BY s.name;
 SELECT id, partition_mode, filter, max_attempts, backoff_base_seconds, backoff_max_seconds
 FROM subscription WHERE topic = :topic ORDER BY id;
 
+-- name: subscriptions_named
+-- The subscriptions of a JSON array of names (claim_many), active when they and their topics are.
+SELECT s.id, s.name, s.partition_mode, s.lease_seconds, s.status = 'Active' AND t.status = 'Active' AS active
+FROM subscription s JOIN topic t ON t.name = s.topic
+WHERE s.name IN (SELECT value FROM json_each(:names))
+ORDER BY s.name;
+
 -- name: subscription_active
 SELECT s.id, s.partition_mode, s.lease_seconds
 FROM subscription s JOIN topic t ON t.name = s.topic
@@ -73,6 +80,19 @@ INSERT INTO message (id, topic, partition_key, attributes, payload, payload_ref,
 VALUES (:id, :topic, :partition_key, :attributes, :payload, :payload_ref, :correlation_id,
         :deduplication_key, :content_hash, :now);
 
+-- name: message_known
+-- Which of a JSON array of MessageIDs are stored.
+SELECT id AS message_id FROM message WHERE id IN (SELECT value FROM json_each(:ids));
+
+-- name: message_cap
+SELECT m.topic, t.max_payload_bytes FROM message m LEFT JOIN topic t ON t.name = m.topic WHERE m.id = :id;
+
+-- name: message_delivery_statuses
+SELECT status FROM delivery WHERE message_id = :message_id;
+
+-- name: message_rewrite
+UPDATE message SET payload = :payload, content_hash = :content_hash WHERE id = :id;
+
 -- name: message_get
 SELECT id, topic, partition_key, attributes, payload, payload_ref, correlation_id, published_at
 FROM message WHERE id = :id;
@@ -80,6 +100,10 @@ FROM message WHERE id = :id;
 -- name: dedup_live
 SELECT message_id FROM deduplication
 WHERE topic = :topic AND deduplication_key = :key AND expires_at > :now;
+
+-- name: dedup_release
+DELETE FROM deduplication WHERE topic = :topic AND deduplication_key = :key AND message_id = :message_id
+RETURNING expires_at;
 
 -- name: dedup_upsert
 INSERT INTO deduplication (topic, deduplication_key, message_id, expires_at)
@@ -142,7 +166,7 @@ RETURNING id;
 SELECT id, status FROM delivery WHERE id = :id;
 
 -- name: claimable_unkeyed
-SELECT id FROM delivery
+SELECT id, visible_at FROM delivery
 WHERE subscription_id = :subscription_id AND status = 'Pending' AND key_mode = 0 AND visible_at <= :now
 ORDER BY visible_at, id
 LIMIT :limit;
@@ -249,6 +273,16 @@ WHERE id = :id AND status = 'DeadLettered';
 -- name: delivery_cancel
 UPDATE delivery SET cancel_requested = 1, reason = :reason WHERE id = :id AND status = 'InFlight';
 
+-- name: dead_letters_discard
+-- Up to :limit dead letters of a subscription settled before :settled_before, oldest id first.
+UPDATE delivery SET status = 'Discarded', reason = 'pruned', settled_at = :now, lease_token = NULL,
+                    lease_expires_at = NULL
+WHERE id IN (
+    SELECT id FROM delivery
+    WHERE subscription_id = :subscription_id AND status = 'DeadLettered' AND settled_at < :settled_before
+    ORDER BY id LIMIT :limit)
+RETURNING id, key_mode, partition_key;
+
 -- name: delivery_discard
 UPDATE delivery SET status = 'Discarded', reason = :reason, settled_at = :now, lease_token = NULL,
                     lease_expires_at = NULL
@@ -308,6 +342,17 @@ JOIN subscription s ON s.id = d.subscription_id
 JOIN message m ON m.id = d.message_id
 WHERE d.id = :id;
 
+-- name: message_deliveries
+SELECT d.id AS delivery_id, s.name AS subscription, d.message_id, m.topic, d.partition_key, d.status,
+       d.attempt, d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested, d.progress_percent,
+       d.progress_message, d.reason, d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at,
+       m.attributes, m.payload, m.correlation_id
+FROM delivery d
+JOIN subscription s ON s.id = d.subscription_id
+JOIN message m ON m.id = d.message_id
+WHERE d.message_id = :message_id
+ORDER BY d.id;
+
 -- name: delivery_list
 SELECT d.id AS delivery_id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts,
        d.visible_at, d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
@@ -354,6 +399,13 @@ UPDATE once_marker SET state = 'Done', token = NULL, expires_at = :expires_at WH
 
 -- name: once_abort
 DELETE FROM once_marker WHERE key = :key AND token = :token;
+
+-- name: step_get
+SELECT value FROM step_result WHERE message_id = :message_id AND name = :name;
+
+-- name: step_put
+INSERT INTO step_result (message_id, name, value, created_at) VALUES (:message_id, :name, :value, :now)
+ON CONFLICT (message_id, name) DO NOTHING;
 
 -- name: api_key_create
 INSERT INTO api_key (id, name, prefix, key_hash, scopes, created_at, expires_at)

@@ -1,4 +1,4 @@
--- fastapi-workqueue: the SQLite schema, as a fresh file ends with it (migrations 0001-0004).
+-- fastapi-workqueue: the SQLite schema, as a fresh file ends with it (migrations 0001-0005).
 --
 -- This file is for reading: `workqueue migrate` (and the queue at start-up) applies the versioned
 -- migrations (NNNN_*.sql), whose headers say why each change was made, and
@@ -150,6 +150,16 @@ CREATE TABLE settled_count (
     subscription_id  INTEGER PRIMARY KEY,
     completed        INTEGER NOT NULL,
     discarded        INTEGER NOT NULL
+);
+
+-- The JSON result of each named step of a message's work (the jobs layer's durable steps), the
+-- first write winning; removed with the message.
+CREATE TABLE step_result (
+    message_id  TEXT NOT NULL REFERENCES message (id) ON DELETE CASCADE,
+    name        TEXT NOT NULL,
+    value       TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    PRIMARY KEY (message_id, name)
 );
 
 -- The sweep lock: one pass at a time across processes (PostgreSQL: an advisory transaction lock).

@@ -14,7 +14,7 @@
 
 -- The role, unless it exists.
 IF DATABASE_PRINCIPAL_ID(N'workqueue_admin') IS NULL
-    EXEC (N'CREATE workqueue_admin workqueue_admin');
+    EXEC (N'CREATE ROLE workqueue_admin');
 GO
 
 -- No privilege on the schema as a whole, whatever was granted before (EXECUTE included) ...

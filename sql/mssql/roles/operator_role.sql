@@ -1,7 +1,7 @@
 -- fastapi-workqueue: the SQL Server operator role.
 --
--- workqueue_operator may act on the work (replay, discard and cancel, pause and resume, prune, a
--- sweeper pass) and read what it acts on; it cannot publish, claim or settle, nor manage API keys.
+-- workqueue_operator may act on the work (replay, discard and cancel, pause and resume, prune,
+-- discard old dead letters, rewrite a stored payload, a sweeper pass) and read what it acts on; it cannot publish, claim or settle, nor manage API keys.
 -- The same as PostgreSQL's workqueue_operator (sql/postgresql/roles/operator_role.sql says more).
 -- Run it as runtime_role.sql says (its header has the steps), and give the role to the user the
 -- `workqueue` command runs under for operator actions, and to the user of an app that serves the
@@ -16,7 +16,7 @@
 
 -- The role, unless it exists.
 IF DATABASE_PRINCIPAL_ID(N'workqueue_operator') IS NULL
-    EXEC (N'CREATE workqueue_operator workqueue_operator');
+    EXEC (N'CREATE ROLE workqueue_operator');
 GO
 
 -- No privilege on the schema as a whole, whatever was granted before (EXECUTE included) ...
@@ -49,6 +49,9 @@ GRANT EXECUTE ON OBJECT::workqueue.partitions TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.list_subscriptions TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.list_topics TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.schema_versions TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.discard_dead_letters TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.rewrite_payload TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.message_deliveries TO workqueue_operator;
 GO
 
 DENY SELECT, INSERT, UPDATE, DELETE ON SCHEMA::workqueue TO workqueue_operator;

@@ -34,7 +34,7 @@
 
 -- The role, unless it exists.
 IF DATABASE_PRINCIPAL_ID(N'workqueue_runtime') IS NULL
-    EXEC (N'CREATE workqueue_runtime workqueue_runtime');
+    EXEC (N'CREATE ROLE workqueue_runtime');
 GO
 
 -- No privilege on the schema as a whole, whatever was granted before (EXECUTE included) ...
@@ -74,6 +74,12 @@ GRANT EXECUTE ON OBJECT::workqueue.list_topics TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.schema_versions TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.api_key_lookup TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.api_key_touch TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.claim_many TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.known_messages TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.message_deliveries TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.release_deduplication_key TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.step_get TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.step_put TO workqueue_runtime;
 GO
 
 DENY SELECT, INSERT, UPDATE, DELETE ON SCHEMA::workqueue TO workqueue_runtime;

@@ -2,8 +2,10 @@
 --
 -- workqueue_operator (NOLOGIN) may act on the work: replay a dead letter, discard a delivery (or
 -- cancel a running one), pause and resume a subscription (set_subscription_status), prune old
--- deliveries and run a sweeper pass, and read what it acts on (stats, backlog, list_deliveries,
--- get_delivery, partitions, list_subscriptions, list_topics, schema_versions). It cannot publish,
+-- deliveries, discard old dead letters (discard_dead_letters), rewrite a stored payload
+-- (rewrite_payload: re-encryption with a new key) and run a sweeper pass, and read what it acts on
+-- (stats, backlog, list_deliveries, get_delivery, message_deliveries, partitions,
+-- list_subscriptions, list_topics, schema_versions). It cannot publish,
 -- claim or settle (workqueue_runtime's, runtime_role.sql), nor create, list or revoke API keys
 -- (workqueue_admin's, admin_role.sql), and holds no privilege on any table or sequence.
 --
@@ -51,7 +53,8 @@ BEGIN
           AND p.proname = ANY (ARRAY[
               'replay', 'discard', 'set_subscription_status', 'prune', 'sweep',
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
-              'list_subscriptions', 'list_topics', 'schema_versions'])
+              'list_subscriptions', 'list_topics', 'schema_versions',
+              'discard_dead_letters', 'rewrite_payload', 'message_deliveries'])
         ORDER BY 1
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO workqueue_operator', v_function);

@@ -6,8 +6,10 @@
 -- claim, lease, settle and cancel rules cannot be bypassed with the application's connection.
 --
 -- What it may call:
---   * the work: publish, publish_one, claim, heartbeat, settle (a release is a settle), and the
---     once markers (once_begin, once_finish, once_abort);
+--   * the work: publish, publish_one, claim, claim_many, heartbeat, settle (a release is a settle),
+--     and the once markers (once_begin, once_finish, once_abort);
+--   * what the jobs layer adds: a unique job frees its key (release_deduplication_key), durable
+--     steps (step_get, step_put), a schedule's look at the ticks it dispatched (known_messages);
 --   * the sweeper, which every host runs by default (sweep);
 --   * the topology the app declares and syncs when it starts (sync_topic, sync_subscription). A
 --     runtime login can therefore change a subscription's policy, but never its status: pausing
@@ -16,14 +18,14 @@
 --     workqueue_runtime after running this script and sync from the deployment with a login that
 --     holds them (the schema owner's, say);
 --   * the read-only operator views the app and its REST API serve: stats, backlog, list_deliveries,
---     get_delivery, partitions, list_subscriptions, list_topics, schema_versions;
+--     get_delivery, message_deliveries, partitions, list_subscriptions, list_topics, schema_versions;
 --   * the REST API's key check: api_key_lookup (reads the key behind a prefix) and api_key_touch
 --     (marks a key used once its hash matched).
--- What it may not: replay, discard (and cancel), pause and resume (set_subscription_status) and
--- prune are workqueue_operator's; creating, listing and revoking API keys workqueue_admin's
--- (admin_role.sql); the helpers the functions call for themselves are nobody's. A login of an app
--- that serves the REST API's operator calls (replay, discard, pause, resume) must be a member of
--- workqueue_operator too.
+-- What it may not: replay, discard (and cancel), pause and resume (set_subscription_status),
+-- prune, discard_dead_letters and rewrite_payload are workqueue_operator's; creating, listing and
+-- revoking API keys workqueue_admin's (admin_role.sql); the helpers the functions call for
+-- themselves are nobody's. A login of an app that serves the REST API's operator calls (replay,
+-- discard, pause, resume) must be a member of workqueue_operator too.
 --
 -- How to use it:
 --   1. Apply the migrations (as the owner of schema workqueue).
@@ -83,7 +85,9 @@ BEGIN
               'sync_topic', 'sync_subscription',
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
               'list_subscriptions', 'list_topics', 'schema_versions',
-              'api_key_lookup', 'api_key_touch'])
+              'api_key_lookup', 'api_key_touch',
+              'claim_many', 'known_messages', 'message_deliveries',
+              'release_deduplication_key', 'step_get', 'step_put'])
         ORDER BY 1
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO workqueue_runtime', v_function);

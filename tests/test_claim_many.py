@@ -1,0 +1,126 @@
+"""claim_many on PostgreSQL: what it reads with a large backlog (each subscription's claim index up
+to the limit, never the whole backlog), that concurrent claimers take different deliveries, and
+that it commits as a claim without keys does (synchronous_commit off)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import asyncpg
+import pytest
+
+from fastapi_workqueue import PublishRequest, Subscription, Topic
+from fastapi_workqueue.core.envelope import prepare
+from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
+
+from .conftest import unique
+from .test_migrations import scratch_url  # noqa: F401  (a fixture: an empty database of its own)
+from .test_plans import rows_read
+
+pytestmark = pytest.mark.timeout(180)
+
+BACKLOG = 20_000
+"""Messages published to one topic with three subscriptions: 60,000 Pending deliveries."""
+
+
+async def queues(transport: PostgresTransport, count: int) -> tuple[str, list[str]]:
+    """A topic with ``count`` None-mode subscriptions: each message gives each one a delivery."""
+    topic = unique("jobs")
+    names = [unique(f"q{i}") for i in range(count)]
+    await transport.sync_topology(
+        [Topic(name=topic)], [Subscription(name=n, topic=topic, handler_key="h") for n in names])
+    return topic, names
+
+
+async def test_claim_many_reads_each_claim_index_up_to_the_limit_whatever_the_backlog(
+    scratch_url: str,  # noqa: F811
+) -> None:
+    transport = PostgresTransport(scratch_url, listen=False, pool_max_size=2)
+    await transport.open()
+    try:
+        await transport.migrate()
+        topic, names = await queues(transport, 3)
+        for start in range(0, BACKLOG, 2000):
+            await transport.publish(topic, [prepare(PublishRequest(payload=i)) for i in range(start, start + 2000)])
+    finally:
+        await transport.close()
+
+    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+    plans: list[str] = []
+    conn.add_log_listener(lambda _conn, message: plans.append(str(message.message)))
+    try:
+        await conn.execute("ANALYZE workqueue.delivery, workqueue.message, workqueue.subscription")
+        for setting in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
+                        "SET auto_explain.log_analyze = on", "SET auto_explain.log_nested_statements = on",
+                        "SET auto_explain.log_level = notice"):
+            await conn.execute(setting)
+        before = await rows_read(conn, "delivery")
+        claimed = []
+        for _ in range(7):  # past the point where PL/pgSQL may switch to a generic plan
+            claimed += await conn.fetch("SELECT subscription, delivery_id FROM workqueue.claim_many($1, 10)", names)
+        after = await rows_read(conn, "delivery")
+        await conn.execute("SET auto_explain.log_min_duration = -1")
+    finally:
+        await conn.close()
+    assert len(claimed) == 70 and len({r["delivery_id"] for r in claimed}) == 70
+    # Seven claims of ten across three subscriptions of 20,000 Pending each: each claim reads at
+    # most ten candidates per subscription and locks and updates ten. A sort of the backlog would
+    # read 60,000 rows per claim.
+    assert after - before < 7 * 80, (before, after)
+    text = "\n".join(plans)
+    assert "claim_many" in text or "delivery_claim" in text, "auto_explain sent no plan"
+    assert "Seq Scan on delivery" not in text
+    sorted_rows = [int(n) for n in re.findall(r"Sort .*?\(actual time=\S+ rows=(\d+)", text)]
+    assert all(n <= 30 for n in sorted_rows), sorted_rows
+
+
+async def test_two_claimers_never_take_the_same_delivery(pg_url: str, pg_transport: PostgresTransport) -> None:
+    topic, names = await queues(pg_transport, 2)
+    await pg_transport.publish(topic, [prepare(PublishRequest(payload=i)) for i in range(10)])
+
+    # One claimer's transaction is still open, its rows locked: the other claims past them.
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        async with conn.transaction():
+            held = {r["delivery_id"] for r in await conn.fetch(
+                "SELECT delivery_id FROM workqueue.claim_many($1, 6)", names)}
+            assert len(held) == 6
+            other = {int(d.delivery_id) for _, d in await pg_transport.claim_many(names, 20)}
+        assert len(other) == 14 and not held & other
+    finally:
+        await conn.close()
+
+    # Many claimers at once, on four connections, until nothing is left: each delivery once.
+    await pg_transport.publish(topic, [prepare(PublishRequest(payload=i)) for i in range(150)])
+    taken: list[str] = []
+
+    async def claimer() -> None:
+        while True:
+            got = await pg_transport.claim_many(names, 7)
+            if not got:
+                return
+            taken.extend(d.delivery_id for _, d in got)
+
+    await asyncio.gather(*(claimer() for _ in range(6)))
+    assert len(taken) == 300 and len(set(taken)) == 300
+
+
+async def commit_mode_after(conn: asyncpg.Connection[Any], sql: str, *args: Any) -> tuple[str, int]:
+    async with conn.transaction():
+        rows = await conn.fetch(sql, *args)
+        return str(await conn.fetchval("SHOW synchronous_commit")), len(rows)
+
+
+async def test_claim_many_commits_as_a_claim_without_keys(pg_url: str, pg_transport: PostgresTransport) -> None:
+    topic, names = await queues(pg_transport, 2)
+    await pg_transport.publish(topic, [prepare(PublishRequest(payload=1))])
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        claim_many = "SELECT * FROM workqueue.claim_many($1, 10)"
+        assert await commit_mode_after(conn, claim_many, names) == ("off", 2)
+        assert await conn.fetchval("SHOW synchronous_commit") == "on"
+        assert await commit_mode_after(conn, claim_many, names) == ("on", 0)  # nothing claimed
+    finally:
+        await conn.close()
