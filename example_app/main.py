@@ -9,6 +9,10 @@ subscriptions consume the topic:
 - ``orders.audit`` (Ordered per customer) appends a line to the customer's audit trail, in
   publish order.
 
+``POST /customers`` signs a customer up and dispatches the job ``customers.send-welcome-mail`` in
+the same transaction (the jobs layer: a job is declared with ``@queue.job`` and dispatched with
+``queue.dispatch``); the job sends the mail once and stamps ``welcomed_at``.
+
 Start it with ``./scripts/run-example``, then::
 
     curl -s -X POST localhost:8000/orders -H 'content-type: application/json' \\
@@ -38,6 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from fastapi_workqueue import (
     FatalWorkError,
+    JobContext,
     Outcome,
     PublishRequest,
     PublishResult,
@@ -52,7 +57,7 @@ from fastapi_workqueue import (
 )
 from fastapi_workqueue.settings import DEFAULT_DATABASE_URL as LIBRARY_DEFAULT_DATABASE_URL
 
-from .models import AuditEntry, Base, Order
+from .models import AuditEntry, Base, Customer, Order
 
 DEFAULT_DATABASE_URL = LIBRARY_DEFAULT_DATABASE_URL
 """The library's default, an SQLite file (workqueue.db) in the working directory, which the
@@ -82,6 +87,25 @@ class NewOrder(BaseModel):
 class OrderAccepted(BaseModel):
     order_id: int
     publish: PublishResult
+
+
+class NewCustomer(BaseModel):
+    name: str = Field(min_length=1, max_length=200)
+    email: str = Field(min_length=3, max_length=320)
+
+
+class WelcomeMail(BaseModel):
+    """The payload of the welcome-mail job: who to welcome (the job reads the rest from the row)."""
+
+    customer: str
+
+
+class CustomerView(BaseModel):
+    name: str
+    email: str
+    signed_up_at: datetime
+    welcome_job_id: uuid.UUID | None
+    welcomed_at: datetime | None
 
 
 class OrderView(BaseModel):
@@ -191,6 +215,26 @@ def build_queue(settings: WorkQueueSettings) -> WorkQueue:
             await session.commit()
         return Outcome.complete()
 
+    @queue.job("customers.send-welcome-mail", tries=5, backoff=[1, 5, 30], timeout=30, queue="mail")
+    async def send_welcome_mail(
+        payload: WelcomeMail, job: JobContext, session: AsyncSession = Depends(db_session)
+    ) -> Any:
+        """Sends the welcome mail once per customer and stamps ``welcomed_at``.
+
+        ``job.once`` keeps the mail from being sent twice when an attempt is repeated (a retry after
+        the stamp failed, a worker that died after sending); ``job.id`` is the same over attempts.
+        """
+        customer = await session.get(Customer, payload.customer)
+        if customer is None:
+            return job.discard(f"customer {payload.customer!r} no longer exists")
+        if customer.welcomed_at is not None:
+            return None  # a repeat of work already done
+        await job.once(f"welcome-mail:{customer.name}", lambda: send_email(customer.email, job.attempt))
+        customer.welcomed_at = datetime.now(UTC)
+        await session.commit()
+        job.log.info("welcome mail sent to %s", customer.name)
+        return None
+
     return queue
 
 
@@ -227,6 +271,28 @@ def build_router(queue: WorkQueue) -> APIRouter:
             })
         return OrderAccepted(order_id=order.id, publish=result)
 
+    @router.post("/customers", status_code=201)
+    async def sign_up(body: NewCustomer, session: AsyncSession = queue.session) -> CustomerView:
+        """Stores the customer and dispatches the welcome mail in the same transaction: if the
+        request fails, there is neither a customer nor a mail to send."""
+        if await session.get(Customer, body.name) is not None:
+            raise HTTPException(409, f"customer {body.name!r} exists")
+        customer = Customer(name=body.name, email=body.email)
+        session.add(customer)
+        await session.flush()
+        customer.welcome_job_id = await queue.dispatch("customers.send-welcome-mail", {"customer": body.name})
+        await session.flush()
+        await session.refresh(customer)
+        return _customer_view(customer)
+
+    @router.get("/customers/{name}")
+    async def get_customer(name: str, session: AsyncSession = queue.session) -> CustomerView:
+        """The customer and when the welcome mail went out."""
+        customer = await session.get(Customer, name)
+        if customer is None:
+            raise HTTPException(404, f"customer {name!r} does not exist")
+        return _customer_view(customer)
+
     @router.get("/orders/{order_id}")
     async def get_order(order_id: int, session: AsyncSession = queue.session) -> OrderView:
         """The order, what the email handler did with it, and its audit lines."""
@@ -243,6 +309,11 @@ def build_router(queue: WorkQueue) -> APIRouter:
         )
 
     return router
+
+
+def _customer_view(customer: Customer) -> CustomerView:
+    return CustomerView(name=customer.name, email=customer.email, signed_up_at=customer.signed_up_at,
+                        welcome_job_id=customer.welcome_job_id, welcomed_at=customer.welcomed_at)
 
 
 # -- the app -------------------------------------------------------------------------------------

@@ -42,3 +42,16 @@ class AuditEntry(Base):
     customer: Mapped[str] = mapped_column(String(200), index=True)
     line: Mapped[str] = mapped_column(Text)
     recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+class Customer(Base):
+    """A customer who signed up; the ``customers.send-welcome-mail`` job stamps ``welcomed_at``."""
+
+    __tablename__ = "customers"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    email: Mapped[str] = mapped_column(String(320))
+    signed_up_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    welcome_job_id: Mapped[uuid.UUID | None] = mapped_column(Uuid)
+    """The id of the welcome-mail job dispatched with the sign-up (the same over its attempts)."""
+    welcomed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

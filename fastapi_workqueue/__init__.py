@@ -21,6 +21,7 @@ from .core.host import SubscriptionHealth, SubscriptionPlan
 from .core.outcomes import FatalWorkError, Outcome, TransientWorkError, WorkOutcome
 from .core.reports import ActionResult, Backlog, DeliveryInfo, PartitionInfo, SubscriptionStats, SweepReport
 from .core.topology import Subscription, Topic
+from .jobs.context import JobContext
 from .queue import WorkQueue
 from .settings import WorkQueueSettings
 from .web.di import current_context, current_message
@@ -36,6 +37,7 @@ __all__ = [
     "DeliveryInfo",
     "FatalWorkError",
     "FilterError",
+    "JobContext",
     "Outcome",
     "PartitionInfo",
     "Progress",

@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends
 from pydantic import ValidationError
@@ -25,7 +26,7 @@ from .core.envelope import (
 )
 from .core.errors import ConfigurationError
 from .core.handlers import HandlerFunc, HandlerRegistry, HandlerSpec
-from .core.host import Host, SubscriptionPlan
+from .core.host import GroupPlan, Host, SubscriptionPlan
 from .core.reports import (
     ActionResult,
     Backlog,
@@ -47,6 +48,9 @@ from .web.routes import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES, build_router
 from .web.session import RequestSessions, current_session
 
 log = logging.getLogger("fastapi_workqueue")
+
+if TYPE_CHECKING:
+    from .jobs.failed import FailedJob
 
 F = TypeVar("F", bound=HandlerFunc)
 
@@ -100,6 +104,7 @@ class WorkQueue:
         self._sessions = RequestSessions(self._database_url, lambda: self.settings.session_pool())
         self.health_router: APIRouter = build_health_router(self)
         self._router: APIRouter | None = None
+        self._jobs: Any = None
 
     # -- routers -----------------------------------------------------------------------------
 
@@ -122,10 +127,12 @@ class WorkQueue:
 
         ``authorize`` takes ``SecurityScopes`` and returns a ``Principal``; it raises 401/403.
         """
-        return build_router(
-            self, authorize or api_key_authorizer(self), prefix=prefix, max_body_bytes=max_body_bytes,
-            max_batch=max_batch,
-        )
+        check = authorize or api_key_authorizer(self)
+        router = build_router(self, check, prefix=prefix, max_body_bytes=max_body_bytes, max_batch=max_batch)
+        from .jobs.routes import build_job_router
+
+        router.include_router(build_job_router(self, check, prefix=""))
+        return router
 
     # -- declaration -------------------------------------------------------------------------
 
@@ -174,11 +181,155 @@ class WorkQueue:
         graph (``"handler 'k' -> get_settings -> request"``), or None. Such a handler reads
         ``request.app`` and needs to run with the app (``workqueue work --app module:app``)."""
         spec = self.handlers.get(key)
-        return None if spec is None else self._invoker.app_needed_by(spec)
+        return self._invoker.app_needed_by_key(key) if spec is None else self._invoker.app_needed_by(spec)
+
+    def prepare_dependencies(self, key: str, func: Callable[..., Any], params: Sequence[str]) -> None:
+        """Builds and checks the dependency graph of ``func``'s ``params`` (a job's, say) under ``key``."""
+        self._invoker.prepare_call(key, func, list(params))
+
+    async def call_with_dependencies(
+        self, key: str, func: Callable[..., Any], fixed: Mapping[str, Any], message: Any, context: Any
+    ) -> Any:
+        """Calls ``func`` with ``fixed`` arguments and its dependencies solved for this attempt."""
+        return await self._invoker.call(key, func, dict(fixed), message, context)
 
     def bind_app(self, app: Any) -> None:
         """The app whose ``state`` and ``dependency_overrides`` handlers see (``lifespan`` binds it)."""
         self._invoker.app = app
+
+    # -- jobs --------------------------------------------------------------------------------
+
+    @property
+    def jobs(self) -> Any:
+        """The jobs layer (:class:`fastapi_workqueue.jobs.layer.Jobs`), made on first use."""
+        if self._jobs is None:
+            from .jobs.layer import Jobs
+
+            self._jobs = Jobs(self)
+        return self._jobs
+
+    def job(
+        self,
+        name: str,
+        *,
+        tries: int = 3,
+        backoff: Sequence[float] | float | None = None,
+        timeout: float | None = None,
+        queue: str = "default",
+        encrypted: bool = False,
+        middleware: Sequence[Any] = (),
+    ) -> Callable[[F], F]:
+        """Declares a job: ``@queue.job("billing.send-invoice-reminder", tries=5, backoff=[10, 60, 300],
+        timeout=30, queue="mail")`` on ``async def send(payload: Model, job: JobContext, dep = Depends(...))``.
+
+        ``tries`` attempts in all; ``backoff`` the delay after failed attempt n (item n, the last
+        repeating; default the queue's exponential full-jitter backoff); ``timeout`` seconds after
+        which ``job.signal`` aborts and the attempt fails; ``encrypted`` stores the payload encrypted
+        with ``WORKQUEUE_APP_KEY``; ``middleware`` runs around each attempt.
+        """
+        decorate: Callable[[F], F] = self.jobs.declare(
+            name, tries=tries, backoff=backoff, timeout=timeout, queue=queue, encrypted=encrypted,
+            middleware=middleware,
+        )
+        return decorate
+
+    async def dispatch(
+        self,
+        job: Any,
+        payload: Any = None,
+        *,
+        delay: Any = None,
+        queue: str | None = None,
+        unique: str | None = None,
+        unique_until: Literal["done", "processing"] = "done",
+        unique_for: float = 3600,
+        session: Any = None,
+    ) -> uuid.UUID | None:
+        """Validates ``payload`` and queues ``job``; returns the job id (None while ``unique`` is held).
+
+        Joins ``session``'s transaction, or the request's (``queue.session``): a rollback queues
+        nothing. ``delay`` is a ``timedelta`` or seconds; ``queue`` overrides the declared queue.
+        """
+        result: uuid.UUID | None = await self.jobs.dispatch(
+            job, payload, delay=delay, queue=queue, unique=unique, unique_until=unique_until, unique_for=unique_for,
+            session=session,
+        )
+        return result
+
+    async def bulk(self, items: Iterable[tuple[Any, ...]], *, session: Any = None) -> list[uuid.UUID]:
+        """Queues ``[(job, payload), ...]`` in one transaction; one invalid payload queues none."""
+        ids: list[uuid.UUID] = await self.jobs.bulk(items, session=session)
+        return ids
+
+    async def chain(self, items: Iterable[tuple[Any, ...]], *, session: Any = None) -> list[uuid.UUID]:
+        """Queues jobs that run one after the other; returns all their ids."""
+        ids: list[uuid.UUID] = await self.jobs.chain(items, session=session)
+        return ids
+
+    async def size(self, queue: str | None = None) -> int:
+        """Jobs that wait or run on ``queue`` (every job queue when None)."""
+        count: int = await self.jobs.size(queue)
+        return count
+
+    def listen(self, event: type[Any], listener: Callable[[Any], Any]) -> None:
+        """Calls ``listener`` (sync or async) for every job event of class ``event`` (``JobEvent``: all)."""
+        self.jobs.events.listen(event, listener)
+
+    def schedule(
+        self,
+        job: Any,
+        *,
+        cron: str | None = None,
+        every: Any = None,
+        payload: Any = None,
+        timezone: str = "UTC",
+        catch_up: bool = False,
+        name: str | None = None,
+        queue: str | None = None,
+    ) -> Any:
+        """Dispatches ``job`` on a schedule: ``cron="*/5 * * * *"`` (in ``timezone``) or
+        ``every=timedelta(minutes=5)``. Exactly one dispatch per tick across every process whose host
+        runs; ticks missed while all were down are not queued unless ``catch_up=True``."""
+        return self.jobs.schedules.add(job, cron=cron, every=every, payload=payload, timezone=timezone,
+                                       catch_up=catch_up, name=name, queue=queue)
+
+    async def failed_jobs(self, queue: str | None = None, *, limit: int = 100,
+                          include_payload: bool = False) -> list[FailedJob]:
+        """Jobs that failed for good (the job queues' dead letters), with their redacted error."""
+        failed: list[FailedJob] = await self.jobs.failed.list(queue, limit=limit, include_payload=include_payload)
+        return failed
+
+    async def retry_job(self, job_id: uuid.UUID | str, note: str | None = None) -> ActionResult:
+        """Queues a failed job again, with the same id and its tries counted afresh."""
+        result: ActionResult = await self.jobs.failed.retry(uuid.UUID(str(job_id)), note)
+        return result
+
+    async def forget_job(self, job_id: uuid.UUID | str) -> ActionResult:
+        """Drops a failed job."""
+        result: ActionResult = await self.jobs.failed.forget(uuid.UUID(str(job_id)))
+        return result
+
+    async def prune_failed_jobs(self, older_than_days: float, queue: str | None = None) -> int:
+        """Drops the jobs that failed more than ``older_than_days`` ago; returns how many."""
+        from datetime import timedelta
+
+        from .jobs.failed import MAX_DAYS
+
+        if not 0 <= older_than_days <= MAX_DAYS:
+            raise ValueError(f"older_than_days must be between 0 and {MAX_DAYS:g}, got {older_than_days!r}")
+        count: int = await self.jobs.failed.prune(timedelta(days=older_than_days), queue)
+        return count
+
+    async def reencrypt_jobs(self) -> int:
+        """Encrypts waiting and failed encrypted jobs again with the current ``WORKQUEUE_APP_KEY``."""
+        count: int = await self.jobs.reencrypt()
+        return count
+
+    def fake(self) -> Any:
+        """A test fake (``with queue.fake() as fake:``): dispatches are checked and recorded, not queued."""
+        from .jobs.fake import JobFake
+
+        return JobFake(self.jobs)
 
     # -- transport ---------------------------------------------------------------------------
 
@@ -203,6 +354,11 @@ class WorkQueue:
                 sqlite_busy_timeout_ms=self.settings.sqlite_busy_timeout_ms,
             )
         return self._transport
+
+    @property
+    def is_open(self) -> bool:
+        """True between :meth:`open` and :meth:`close` (inside the lifespan)."""
+        return self._opened > 0
 
     @property
     def host(self) -> Host | None:
@@ -234,6 +390,8 @@ class WorkQueue:
         if self._opened > 1:
             return
         try:
+            if self._jobs is not None:
+                self._jobs.check()
             if self.settings.uses_default_database:
                 log.warning(
                     "no database is configured (neither WORKQUEUE_DATABASE_URL nor database_url): the queue "
@@ -246,6 +404,8 @@ class WorkQueue:
                     log.info("applied migrations: %s", ", ".join(applied))
             if self.settings.sync_topology and (self.topics or self.subscriptions):
                 await self.transport.sync_topology(list(self.topics.values()), list(self.subscriptions.values()))
+                if self._jobs is not None:
+                    self._jobs.mark_synced()
         except BaseException:
             self._opened = 0
             with contextlib.suppress(Exception):
@@ -260,6 +420,8 @@ class WorkQueue:
         if self._opened > 0:
             return
         await self.stop_host()
+        if self._jobs is not None:
+            await self._jobs.drain_events()
         await self._sessions.dispose()
         if self._transport is not None:
             await self._transport.close()
@@ -280,11 +442,15 @@ class WorkQueue:
         self,
         plan: Sequence[SubscriptionPlan] | None = None,
         *,
+        groups: Sequence[GroupPlan] | None = None,
         max_deliveries: int | None = None,
         stop_when_idle: bool = False,
         **option_overrides: Any,
     ) -> Host:
-        """A host for this queue's handlers (the lifespan builds one from the settings)."""
+        """A host for this queue's handlers (the lifespan builds one from the settings).
+
+        ``groups`` default to one consumer for the job queues (``WORKQUEUE_JOB_QUEUES``) when the
+        queue has jobs."""
         options = self.settings.host_options()
         if option_overrides:
             from dataclasses import replace
@@ -295,19 +461,34 @@ class WorkQueue:
             self.resolve_handler,
             self._invoker,
             plan=plan if plan is not None else self.settings.subscriptions,
+            groups=groups if groups is not None else self.job_groups(),
             options=options,
             max_deliveries=max_deliveries,
             stop_when_idle=stop_when_idle,
         )
 
+    def job_groups(self, queues: str | None = None, concurrency: int | None = None) -> list[GroupPlan]:
+        """The consumer of the job queues: ``queues`` (``mail,*``; default ``WORKQUEUE_JOB_QUEUES``,
+        unset: every queue fairly) at ``concurrency`` (default ``WORKQUEUE_JOB_CONCURRENCY``)."""
+        if self._jobs is None or not len(self._jobs.registry):
+            return []
+        from .jobs.worker import job_group
+
+        return [job_group(queues if queues is not None else self.settings.job_queues,
+                          concurrency or self.settings.job_concurrency)]
+
     async def start_host(self) -> Host:
         if self._host is None:
             self._host = self.build_host()
             await self._host.start()
+            if self._jobs is not None:
+                self._jobs.schedules.start()
         return self._host
 
     async def stop_host(self) -> None:
         host, self._host = self._host, None
+        if self._jobs is not None:
+            await self._jobs.schedules.stop()
         if host is not None:
             await host.stop()
 

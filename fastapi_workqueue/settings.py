@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from .core.errors import ConfigurationError
@@ -84,6 +84,22 @@ class WorkQueueSettings(BaseSettings):
     listen: bool = True
     """Wake idle consumers with LISTEN/NOTIFY on PostgreSQL (polling stays as the fallback). The
     LISTEN connection opens with the first consumer: a process that only publishes has none."""
+
+    # -- jobs ------------------------------------------------------------------------------------
+    jobs_mode: Literal["async", "sync"] = "async"
+    """``sync`` runs a job at its dispatch, in the caller's task, instead of queuing it (development
+    and simple tests): the job does not join the caller's transaction and a rollback does not undo it."""
+    job_queues: str | None = None
+    """Which job queues this process's host takes, in order: ``mail,default`` (strict order),
+    ``mail,*`` (``*``: every other queue, fairly, at its place). Unset: every queue, fairly."""
+    job_concurrency: int = Field(default=4, ge=1)
+    """How many jobs this process's host runs at once, over all the queues it takes."""
+    job_lease_seconds: float = Field(default=90.0, gt=0)
+    """The lease of a job queue's deliveries; a job's timeout plus the stop timeout must fit in it."""
+    app_key: SecretStr | None = None
+    """The Fernet key that encrypts the payloads of ``encrypted=True`` jobs (``WORKQUEUE_APP_KEY``)."""
+    previous_keys: SecretStr | None = None
+    """Earlier app keys, comma-separated, that still decrypt (``WORKQUEUE_PREVIOUS_KEYS``)."""
 
     def session_pool(self) -> SessionPool:
         """The request sessions' pool, from the settings."""

@@ -54,6 +54,7 @@ async def example(example_database: str) -> AsyncIterator[Example]:
         database_url=example_database,
         auto_migrate=True,
         subscriptions=[{"name": "orders.email"}, {"name": "orders.audit"}],
+        job_queues="mail",
         idle_poll_min_ms=20,
         idle_poll_max_ms=200,
         sweeper_interval_ms=500,
@@ -132,6 +133,24 @@ async def test_an_order_is_emailed_and_audited(example: Example) -> None:
 
         delivery = await eventually(completed, f"the {subscription} delivery completed")
         assert delivery.attempt == 1, delivery
+
+
+async def test_signing_up_dispatches_the_welcome_mail_job_in_the_same_transaction(example: Example) -> None:
+    name = new_customer()
+    created = await example.client.post("/customers", json={"name": name, "email": f"{name}.flaky@example.com"})
+    assert created.status_code == 201, created.text
+    job_id = created.json()["welcome_job_id"]
+    assert job_id is not None and created.json()["welcomed_at"] is None
+
+    async def welcomed() -> dict[str, Any] | None:
+        view = (await example.client.get(f"/customers/{name}")).json()
+        return view if view["welcomed_at"] else None
+
+    view = await eventually(welcomed, f"{name} welcomed")
+    assert view["welcome_job_id"] == job_id  # the mail failed once ("flaky") and was sent on attempt 2
+    assert (await example.client.post("/customers", json={"name": name, "email": "x@y.z"})).status_code == 409
+    [delivery] = await example.queue.transport.message_deliveries(uuid.UUID(job_id))
+    assert (delivery.subscription, delivery.attempt) == ("jobs.mail", 2)
 
 
 async def test_a_flaky_address_succeeds_on_the_second_attempt(example: Example) -> None:
@@ -220,13 +239,13 @@ async def test_audit_lines_follow_publish_order_per_customer(example: Example) -
     assert await eventually(audit_trail, f"{customer}'s audit trail") == order_ids
 
 
-async def test_health_reports_both_subscriptions_running(example: Example) -> None:
+async def test_health_reports_both_subscriptions_and_the_job_queue_running(example: Example) -> None:
     response = await example.client.get("/health/extensions")
     assert response.status_code == 200, response.text
     [extension] = response.json()["Extensions"]
     assert extension["Status"] == "Running"
     states = {s["Subscription"]: s["State"] for s in extension["Subscriptions"]}
-    assert states == {"orders.email": "Running", "orders.audit": "Running"}
+    assert states == {"orders.email": "Running", "orders.audit": "Running", "jobs.mail": "Running"}
 
 
 async def test_a_worker_process_runs_the_example_subscriptions(example: Example, example_database: str) -> None:

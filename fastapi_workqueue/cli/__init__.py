@@ -23,6 +23,7 @@ from ..core.keys import SCOPES, create_key
 from ..core.reports import DeliveryStatus, PartitionCondition
 from ..settings import DEFAULT_DATABASE_URL
 from ..web.operator_view import shown, shown_all
+from .jobs import jobs, schedules
 from .output import emit_json, record, table
 from .sql_scripts import sql
 
@@ -430,8 +431,11 @@ def accept_global_options(command: click.Command) -> None:
 
 
 cli.add_command(sql)
+cli.add_command(jobs)
+cli.add_command(schedules)
 
-for _command in [*cli.commands.values(), *api_keys.commands.values(), *sql.commands.values()]:
+for _command in [*cli.commands.values(), *api_keys.commands.values(), *sql.commands.values(),
+                 *jobs.commands.values()]:
     if not isinstance(_command, click.Group):
         accept_global_options(_command)
 

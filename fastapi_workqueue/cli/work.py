@@ -41,6 +41,8 @@ EXIT_UNKNOWN_SUBSCRIPTION = 3
 EXIT_HANDLER_NOT_REGISTERED = 4
 EXIT_UNSUPPORTED = 5
 EXIT_ERROR = 6
+EXIT_JOB_STUCK = 70
+"""A job ignored its timeout and the stop timeout (the BSD EX_SOFTWARE code)."""
 
 _STATE_EXIT = {
     "HandlerNotRegistered": EXIT_HANDLER_NOT_REGISTERED,
@@ -71,9 +73,26 @@ class WorkSummary:
         }, ensure_ascii=False)
 
 
+@dataclass(frozen=True, slots=True)
+class WorkPlan:
+    """What one worker runs: subscriptions, each with a consumer of its own, and job queues."""
+
+    subscriptions: tuple[str, ...] = ()
+    queues: str | None = None
+    """The job queues (``mail,*``); None: none, unless no subscription is named either."""
+    jobs: bool = False
+
+    @property
+    def label(self) -> str:
+        parts = list(self.subscriptions)
+        if self.jobs:
+            parts.append(f"jobs ({self.queues or '*'})")
+        return ", ".join(parts)
+
+
 async def run_work(
     queue: Any,
-    subscription: str,
+    plan: WorkPlan | str,
     *,
     app: Any = None,
     app_path: str = "",
@@ -83,17 +102,19 @@ async def run_work(
     max_duration_ms: int | None = None,
     shutdown_drain_ms: int | None = None,
 ) -> WorkSummary:
-    """Runs the subscription until done, inside ``app``'s lifespan when an app is given.
+    """Runs the plan until done, inside ``app``'s lifespan when an app is given.
 
     The lifespan opens the queue but starts no host of its own (:func:`host_run_by_worker`); the
     worker's host runs, drains on a signal, and the lifespan's shutdown runs after the drain."""
     from ..queue import host_run_by_worker
 
-    summary = WorkSummary(subscription)
+    if isinstance(plan, str):
+        plan = WorkPlan(subscriptions=(plan,))
+    summary = WorkSummary(plan.label)
 
     async def run(on: Any, *, needs_no_app: bool) -> WorkSummary:
         return await _run(
-            on, summary, needs_no_app=needs_no_app, once=once, max_deliveries=max_deliveries,
+            on, plan, summary, needs_no_app=needs_no_app, once=once, max_deliveries=max_deliveries,
             concurrency=concurrency, max_duration_ms=max_duration_ms, shutdown_drain_ms=shutdown_drain_ms,
         )
 
@@ -127,8 +148,20 @@ def _one_line(text: str) -> str:
     return lines[-1].strip() if lines else text
 
 
+def _stop_the_process(job: Any, job_context: Any) -> None:
+    """A job ignored its timeout and then the stop timeout: end the worker with exit code 70 (its
+    delivery comes back when its lease runs out; a supervisor starts a new worker)."""
+    log.critical(
+        "job %s (%s) ignored its timeout and the stop timeout and still runs; ending the worker with exit code %d",
+        job.name, job_context.id, EXIT_JOB_STUCK,
+    )
+    logging.shutdown()
+    os._exit(EXIT_JOB_STUCK)
+
+
 async def _run(
     queue: Any,
+    plan: WorkPlan,
     summary: WorkSummary,
     *,
     needs_no_app: bool,
@@ -138,21 +171,41 @@ async def _run(
     max_duration_ms: int | None,
     shutdown_drain_ms: int | None,
 ) -> WorkSummary:
-    subscription = summary.subscription
     budget = max_deliveries if max_deliveries is not None else (1 if once else None)
     # A long-running worker (no --once, no --max) stays up through a pause, as a deployment's
     # pods must; a job with a budget exits 0 at once, as there is nothing for it to do.
     finite = once or budget is not None
-    planned = next((p for p in queue.settings.subscriptions if p.name == subscription), None)
     wildcard = next((p for p in queue.settings.subscriptions if p.name == "*"), None)
-    width = concurrency or (planned or wildcard or SubscriptionPlan()).concurrency
+    plans = []
+    for name in plan.subscriptions:
+        planned = next((p for p in queue.settings.subscriptions if p.name == name), None)
+        plans.append(SubscriptionPlan(name=name, concurrency=concurrency or (planned or wildcard or
+                                                                              SubscriptionPlan()).concurrency))
     overrides = {} if shutdown_drain_ms is None else {"shutdown_drain_ms": shutdown_drain_ms}
+    stop_timeout = (shutdown_drain_ms if shutdown_drain_ms is not None else queue.settings.shutdown_drain_ms) / 1000
+    groups = []
+    if plan.jobs:
+        from ..jobs.worker import check_fits_lease, parse_queues
+
+        if queue._jobs is None or not len(queue.jobs.registry):
+            return summary.ended(EXIT_CONFIGURATION, (
+                f"--app {queue!r} declares no jobs: declare them with @queue.job(...) in a module the app imports, "
+                "or run subscriptions with --subscription"
+            ))
+        try:
+            check_fits_lease(queue.jobs, parse_queues(plan.queues), stop_timeout)
+            groups = queue.job_groups(plan.queues, concurrency)
+        except ConfigurationError as exc:
+            return summary.ended(EXIT_CONFIGURATION, str(exc))
+        queue.jobs.stuck = _stop_the_process
+        queue.jobs.stop_timeout = stop_timeout
     mode = ", ".join(part for part in (
         "once" if once else "", f"at most {budget} deliveries" if budget is not None else "",
         f"for at most {max_duration_ms} ms" if max_duration_ms is not None else "",
     ) if part) or "until a signal"
-    log.info("worker starting: database %s; subscription %s, concurrency %d; %s",
-             redact(queue.settings.database_url or "(none)"), subscription, width, mode)
+    width = "; ".join([f"subscription {p.name}, concurrency {p.concurrency}" for p in plans]
+                      + [f"jobs of {' then '.join(g.patterns)}, concurrency {g.concurrency}" for g in groups])
+    log.info("worker starting: database %s; %s; %s", redact(queue.settings.database_url or "(none)"), width, mode)
     try:
         await queue.open()
     except ConfigurationError as exc:
@@ -161,38 +214,56 @@ async def _run(
         return summary.ended(EXIT_ERROR, str(exc))
     try:
         if needs_no_app:
-            where = await _handler_needing_an_app(queue, subscription)
-            if where is not None:
-                return summary.ended(EXIT_CONFIGURATION, (
-                    f"{subscription}: {where} takes a Request, which needs the app (request.app); point --app "
-                    "at the FastAPI or Starlette app (MODULE:app) instead of the WorkQueue"
-                ))
-        host = queue.build_host(
-            [SubscriptionPlan(name=subscription, concurrency=width)],
-            max_deliveries=budget,
-            stop_when_idle=once,
-            **overrides,
-        )
+            for name in plan.subscriptions:
+                where = await _handler_needing_an_app(queue, name)
+                if where is not None:
+                    return summary.ended(EXIT_CONFIGURATION, (
+                        f"{name}: {where} takes a Request, which needs the app (request.app); point --app "
+                        "at the FastAPI or Starlette app (MODULE:app) instead of the WorkQueue"
+                    ))
+            if plan.jobs:
+                where = queue.jobs.app_needed()
+                if where is not None:
+                    return summary.ended(EXIT_CONFIGURATION, (
+                        f"{where} takes a Request, which needs the app (request.app); point --app at the FastAPI "
+                        "or Starlette app (MODULE:app) instead of the WorkQueue"
+                    ))
+        host = queue.build_host(plans, groups=groups, max_deliveries=budget, stop_when_idle=once, **overrides)
         await host.start()
         try:
-            state = next((h for h in host.health() if h.subscription == subscription), None)
-            if state is None or state.state != "Running":
-                name = "Error" if state is None else state.state
-                reason = "unknown" if state is None else (state.reason or name)
-                if name == "Paused":
-                    if finite:
-                        return summary.ended(EXIT_OK, f"{subscription}: paused, nothing to do ({reason})")
-                    click.echo(f"workqueue work: {subscription}: paused ({reason}); waiting for resume", err=True)
-                elif name == "Error" and "does not exist" in reason:
-                    return summary.ended(EXIT_UNKNOWN_SUBSCRIPTION, reason)
-                else:
-                    return summary.ended(_STATE_EXIT.get(name, EXIT_ERROR), f"{subscription}: {name}: {reason}")
-            await _until_done(host, max_duration_ms, finite=finite)
-            summary.claimed = host.claimed_total(subscription)
-            return summary.ended(EXIT_OK, f"{subscription}: ran {summary.claimed} deliveries")
+            for name in plan.subscriptions:
+                state = next((h for h in host.health() if h.subscription == name), None)
+                if state is None or state.state != "Running":
+                    kind = "Error" if state is None else state.state
+                    reason = "unknown" if state is None else (state.reason or kind)
+                    if kind == "Paused":
+                        if finite and len(plan.subscriptions) == 1 and not plan.jobs:
+                            return summary.ended(EXIT_OK, f"{name}: paused, nothing to do ({reason})")
+                        click.echo(f"workqueue work: {name}: paused ({reason}); waiting for resume", err=True)
+                    elif kind == "Error" and "does not exist" in reason:
+                        return summary.ended(EXIT_UNKNOWN_SUBSCRIPTION, reason)
+                    else:
+                        return summary.ended(_STATE_EXIT.get(kind, EXIT_ERROR), f"{name}: {kind}: {reason}")
+            watcher = None
+            if plan.jobs:
+                from ..jobs.worker import UnwatchedQueues, parse_queues
+
+                watcher = UnwatchedQueues(queue.jobs, parse_queues(plan.queues))
+                watcher.start()
+                queue.jobs.schedules.start()
+            try:
+                await _until_done(host, max_duration_ms, finite=finite)
+            finally:
+                if watcher is not None:
+                    await watcher.stop()
+                    await queue.jobs.schedules.stop()
+            summary.claimed = sum(host.claimed_total(n) for n in (*plan.subscriptions, *(g.name for g in groups)))
+            return summary.ended(EXIT_OK, f"{plan.label}: ran {summary.claimed} deliveries")
         finally:
-            # The consumers of the subscription, also those a pause retired, for their counts.
-            consumers = [*getattr(host, "_retired", {}).get(subscription, ()), host.consumers.get(subscription)]
+            # The consumers of the plan, also those a pause retired, for their counts.
+            consumers = [c for name in plan.subscriptions
+                         for c in (*getattr(host, "_retired", {}).get(name, ()), host.consumers.get(name))]
+            consumers += [host.group_consumers.get(g.name) for g in groups]
             await host.stop()
             counted = [c for c in consumers if c is not None]
             summary.settled = sum(c.settled_total for c in counted)
@@ -265,12 +336,19 @@ def _finish(summary: WorkSummary, *, as_json: bool) -> None:
 @click.command()
 @click.option("--app", "app_path", required=True,
               help="MODULE:ATTR of your FastAPI or Starlette app (e.g. myapp.main:app), or of its WorkQueue.")
-@click.option("--subscription", required=True, help="The subscription to run.")
+@click.option("--subscription", "subscriptions", multiple=True,
+              help="A subscription to run (repeat for several, each with a consumer of its own).")
+@click.option("--queue", "queues", default=None,
+              help="Job queues to take, in strict order: mail,default; * is every other queue, fairly (mail,*). "
+                   "Default without --subscription: every job queue, fairly.")
 @click.option("--once", is_flag=True, help="Claim at most --max (default 1), run, drain, exit; exit at once if empty.")
 @click.option("--max", "max_deliveries", type=click.IntRange(1), help="Receive at most this many deliveries.")
 @click.option("--concurrency", type=click.IntRange(1), help="Deliveries at once (default: the settings' plan).")
 @click.option("--max-duration-ms", type=click.IntRange(1), help="Stop claiming after this long, then drain.")
 @click.option("--shutdown-drain-ms", type=click.IntRange(0), help="How long running handlers get on shutdown.")
+@click.option("--stop-timeout", type=click.FloatRange(0), default=None,
+              help="Seconds running jobs get after SIGTERM (and after their timeout before exit code 70); "
+                   "the same as --shutdown-drain-ms, in seconds.")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               help="Log records at this level and above go to stderr.")
@@ -278,27 +356,32 @@ def _finish(summary: WorkSummary, *, as_json: bool) -> None:
               help="text, or one JSON object a line (time, level, logger, message, delivery fields).")
 @click.pass_obj
 def work(
-    ctx: Any, app_path: str, subscription: str, once: bool, max_deliveries: int | None,
-    concurrency: int | None, max_duration_ms: int | None, shutdown_drain_ms: int | None,
-    log_level: str, log_format: Any,
+    ctx: Any, app_path: str, subscriptions: tuple[str, ...], queues: str | None, once: bool,
+    max_deliveries: int | None, concurrency: int | None, max_duration_ms: int | None,
+    shutdown_drain_ms: int | None, stop_timeout: float | None, log_level: str, log_format: Any,
 ) -> None:
-    """Run a subscription's handlers: a worker process or a one-shot container job."""
+    """Run subscriptions' handlers or jobs: a worker process or a one-shot container job."""
     configure_logging(log_level, log_format)
     as_json = bool(ctx is not None and ctx.as_json)
+    if stop_timeout is not None:
+        if shutdown_drain_ms is not None:
+            raise click.UsageError("give --stop-timeout or --shutdown-drain-ms, not both")
+        shutdown_drain_ms = round(stop_timeout * 1000)
     database_url = ctx.database_url if ctx is not None else None
     if database_url:
         os.environ["WORKQUEUE_DATABASE_URL"] = database_url  # for settings the module reads at import
+    plan = WorkPlan(subscriptions=subscriptions, queues=queues, jobs=queues is not None or not subscriptions)
     try:
         target = load_target(app_path)
     except ConfigurationError as exc:
         if ctx is not None and ctx.verbose and exc.__cause__ is not None:
             traceback.print_exception(exc.__cause__, file=sys.stderr)
-        _finish(WorkSummary(subscription, EXIT_CONFIGURATION, str(exc)), as_json=as_json)
+        _finish(WorkSummary(plan.label, EXIT_CONFIGURATION, str(exc)), as_json=as_json)
         return
     if target.queue is not None and database_url:
         target.queue.settings = target.queue.settings.model_copy(update={"database_url": database_url})
     coroutine = run_work(
-        target.queue, subscription, app=target.app, app_path=app_path, once=once, max_deliveries=max_deliveries,
+        target.queue, plan, app=target.app, app_path=app_path, once=once, max_deliveries=max_deliveries,
         concurrency=concurrency, max_duration_ms=max_duration_ms, shutdown_drain_ms=shutdown_drain_ms,
     )
     _finish(run_on_fastest_loop(coroutine), as_json=as_json)

@@ -56,7 +56,7 @@ class AbortSignal:
     def __init__(self) -> None:
         self._event = asyncio.Event()
         self._reason: AbortReason | None = None
-        self._listeners: list[Callable[[AbortReason], None]] = []
+        self._listeners: list[Callable[[AbortReason], object]] = []
 
     @property
     def aborted(self) -> bool:
@@ -78,7 +78,7 @@ class AbortSignal:
             listener(reason)
         return True
 
-    def add_listener(self, listener: Callable[[AbortReason], None]) -> None:
+    def add_listener(self, listener: Callable[[AbortReason], object]) -> None:
         """Calls ``listener(reason)`` when the signal aborts."""
         self._listeners.append(listener)
 
@@ -128,6 +128,7 @@ class WorkContext:
     __slots__ = (
         "_heartbeat",
         "_once",
+        "after_settle_callbacks",
         "attempt",
         "delivery_id",
         "log",
@@ -159,6 +160,13 @@ class WorkContext:
         self.principal = principal
         self._heartbeat = heartbeat
         self._once = once
+        self.after_settle_callbacks: list[Callable[[str | None], object]] = []
+
+    def after_settle(self, callback: Callable[[str | None], object]) -> None:
+        """Calls ``callback(result)`` once this attempt's outcome is written to the store (``result``
+        is the settle's answer, e.g. ``"Completed"``, ``"LeaseLost"``; None when it could not be
+        written). For what must happen after the store knows, not before."""
+        self.after_settle_callbacks.append(callback)
 
     @property
     def is_final_attempt(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,21 @@ class SubscriptionPlan(WireModel):
 
     name: str = "*"
     concurrency: int = Field(default=4, ge=1)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """One consumer for several subscriptions sharing ``concurrency`` slots (a job worker's queues).
+
+    ``patterns`` are taken in strict order: the consumer claims from the second only while the
+    first has nothing claimable. A pattern is a subscription's name, or a glob (``jobs.*``) that
+    stands for every subscription it matches that an earlier pattern did not, taken fairly (the
+    oldest due delivery first). Subscriptions a group serves get no consumer of their own.
+    """
+
+    name: str
+    patterns: tuple[str, ...]
+    concurrency: int = 4
 
 
 class SubscriptionHealth(WireModel):
@@ -74,6 +90,7 @@ class Host:
         invoke: Invoker,
         *,
         plan: Sequence[SubscriptionPlan] = (SubscriptionPlan(),),
+        groups: Sequence[GroupPlan] = (),
         options: HostOptions = HostOptions(),
         max_deliveries: int | None = None,
         stop_when_idle: bool = False,
@@ -82,11 +99,14 @@ class Host:
         self._resolve = resolve
         self._invoke = invoke
         self.plan = list(plan)
+        self.groups = list(groups)
         self.options = options
         self._max_deliveries = max_deliveries
         self._stop_when_idle = stop_when_idle
         self.settler = Settler(transport)
         self.consumers: dict[str, Consumer] = {}
+        self.group_consumers: dict[str, Consumer] = {}
+        self._consumer_of: dict[str, Consumer] = {}  # subscription name -> the consumer that claims it
         self._health: dict[str, SubscriptionHealth] = {}
         self._by_id: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -122,14 +142,19 @@ class Host:
                 await task
         self._tasks.clear()
         drain = self.options.shutdown_drain_ms / 1000
-        await asyncio.gather(*(c.stop(drain) for c in self.consumers.values()), *self._stopping,
+        await asyncio.gather(*(c.stop(drain) for c in self._all_consumers()), *self._stopping,
                              return_exceptions=True)
         self.consumers.clear()
+        self.group_consumers.clear()
+        self._consumer_of.clear()
         await self.settler.close()
 
     async def wait_finished(self) -> None:
         """Waits until every consumer's claim loop ended (budget spent, or idle in one-shot mode)."""
-        await asyncio.gather(*(c.wait_finished() for c in list(self.consumers.values())))
+        await asyncio.gather(*(c.wait_finished() for c in self._all_consumers()))
+
+    def _all_consumers(self) -> list[Consumer]:
+        return [*self.consumers.values(), *self.group_consumers.values()]
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -158,9 +183,11 @@ class Host:
     async def _apply(self, subscriptions: list[SubscriptionState]) -> None:
         health: dict[str, SubscriptionHealth] = {}
         self._by_id = {str(s.id): s.name for s in subscriptions}
+        consumer_of: dict[str, Consumer] = {}
+        served = self._apply_groups([s for s in subscriptions if s.host_type == "worker"], health, consumer_of)
         seen: set[str] = set()
         for sub in subscriptions:
-            if sub.host_type != "worker":
+            if sub.host_type != "worker" or sub.name in served:
                 continue
             concurrency = self._concurrency_for(sub.name)
             if concurrency is None:
@@ -182,7 +209,9 @@ class Host:
                     self.consumers[sub.name] = consumer
                     consumer.start()
                     log.info("%s: running (concurrency %d)", sub.name, concurrency)
+                    consumer_of[sub.name] = consumer
                 else:
+                    consumer_of[sub.name] = consumer
                     if consumer.paused:
                         log.info("%s: resumed", sub.name)
                         consumer.resume()
@@ -192,6 +221,7 @@ class Host:
                 if not consumer.paused:
                     log.info("%s: pausing (%s)", sub.name, reason)
                     consumer.pause()
+                consumer_of[sub.name] = consumer
             elif consumer is not None:
                 log.info("%s: stopping (%s)", sub.name, state)
                 self._stop_later(self.consumers.pop(sub.name))
@@ -216,6 +246,54 @@ class Host:
             if name not in seen:
                 self._stop_later(self.consumers.pop(name))
         self._health = health
+        self._consumer_of = consumer_of
+
+    def _apply_groups(
+        self, subscriptions: list[SubscriptionState], health: dict[str, SubscriptionHealth],
+        consumer_of: dict[str, Consumer],
+    ) -> set[str]:
+        """Plans the group consumers; returns the subscriptions they serve."""
+        served: set[str] = set()
+        for plan in self.groups:
+            groups: list[list[SubscriptionState]] = []
+            mine: set[str] = set()
+            for pattern in plan.patterns:
+                members = [s for s in subscriptions if s.name not in served and fnmatch.fnmatchcase(s.name, pattern)]
+                served.update(s.name for s in members)
+                mine.update(s.name for s in members)
+                group = []
+                for sub in members:
+                    state, reason = self._desired_state(sub)
+                    health[sub.name] = SubscriptionHealth(subscription=sub.name, state=state, reason=reason,
+                                                          concurrency=plan.concurrency)
+                    if state == "Running":
+                        group.append(sub)
+                if group:
+                    groups.append(group)
+            consumer = self.group_consumers.get(plan.name)
+            if consumer is None and groups:
+                consumer = Consumer(
+                    self.transport, self.settler, groups, self._resolve, self._invoke,
+                    concurrency=plan.concurrency, name=plan.name,
+                    idle_poll_min=self.options.idle_poll_min_ms / 1000,
+                    idle_poll_max=self.options.idle_poll_max_ms / 1000,
+                    principal=self.options.principal, max_deliveries=self._max_deliveries,
+                    stop_when_idle=self._stop_when_idle,
+                )
+                self.group_consumers[plan.name] = consumer
+                consumer.start()
+                log.info("%s: running %s (concurrency %d)", plan.name,
+                         " then ".join("+".join(s.name for s in g) for g in groups), plan.concurrency)
+            elif consumer is not None:
+                if groups:
+                    if consumer.paused:
+                        consumer.resume()
+                    consumer.update(groups, plan.concurrency)
+                elif not consumer.paused:
+                    consumer.pause()
+            if consumer is not None:
+                consumer_of.update(dict.fromkeys(mine, consumer))
+        return served
 
     def _stop_later(self, consumer: Consumer) -> None:
         """Stops a consumer that is no longer planned, draining it in the background."""
@@ -240,7 +318,11 @@ class Host:
         return "Running", None
 
     def claimed_total(self, subscription: str) -> int:
-        """Deliveries claimed for ``subscription`` since the host started, across pauses."""
+        """Deliveries claimed for ``subscription`` (or by group consumer ``subscription``) since the
+        host started, across pauses."""
+        group = self.group_consumers.get(subscription)
+        if group is not None:
+            return group.claimed_total
         consumers = [*self._retired.get(subscription, ()), self.consumers.get(subscription)]
         return sum(c.claimed_total for c in consumers if c is not None)
 
@@ -249,7 +331,12 @@ class Host:
         report = []
         for name, entry in sorted(self._health.items()):
             consumer = self.consumers.get(name)
-            if consumer is not None and entry.state == "Running":
+            group = None if consumer is not None else self._consumer_of.get(name)
+            if group is not None:  # served by a group consumer: its share of it
+                entry = entry.model_copy(update={"active": group.active_for(name)})
+                if entry.state == "Running" and group.last_error is not None:
+                    entry = entry.model_copy(update={"state": "Error", "reason": group.last_error})
+            elif consumer is not None and entry.state == "Running":
                 state: HealthState = "Running"
                 reason = None
                 if consumer.last_error is not None:
@@ -264,11 +351,11 @@ class Host:
 
     def _on_wakeup(self, subscription_id: str) -> None:
         if subscription_id == WAKE_ALL:
-            for consumer in self.consumers.values():
+            for consumer in self._all_consumers():
                 consumer.wake()
             return
         name = self._by_id.get(subscription_id)
-        target = self.consumers.get(name) if name is not None else None
+        target = self._consumer_of.get(name) if name is not None else None
         if target is not None:
             target.wake()
 
@@ -286,7 +373,7 @@ class Host:
                 break
             expired += report.expired
             if report.expired:
-                for consumer in self.consumers.values():
+                for consumer in self._all_consumers():
                     consumer.wake()
             batch = self.options.sweep_batch
             if report.expired < batch and max(report.purged_deliveries, report.purged_messages,

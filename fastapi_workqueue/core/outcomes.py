@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -22,8 +22,9 @@ class FollowUp:
 
 @dataclass(frozen=True, slots=True)
 class Complete:
-    """The work is done: the delivery becomes Completed."""
+    """The work is done: the delivery becomes Completed (and ``then`` is published with it)."""
 
+    then: tuple[FollowUp, ...] = ()
     kind: ClassVar[Literal["Complete"]] = "Complete"
 
 
@@ -44,7 +45,15 @@ class DeadLetter:
     kind: ClassVar[Literal["DeadLetter"]] = "DeadLetter"
 
 
-WorkOutcome = Complete | Retry | DeadLetter
+@dataclass(frozen=True, slots=True)
+class Discard:
+    """The work is no longer wanted: the delivery becomes Discarded, neither retried nor failed."""
+
+    reason: str
+    kind: ClassVar[Literal["Discard"]] = "Discard"
+
+
+WorkOutcome = Complete | Retry | DeadLetter | Discard
 """The return type of a handler."""
 
 
@@ -52,9 +61,10 @@ class Outcome:
     """Builders for handler outcomes: ``return Outcome.complete()``."""
 
     @staticmethod
-    def complete() -> Complete:
-        """The delivery is done."""
-        return _COMPLETE
+    def complete(then: Iterable[FollowUp] = ()) -> Complete:
+        """The delivery is done; ``then`` is published in the same transaction as the completion."""
+        follow_ups = tuple(then)
+        return Complete(follow_ups) if follow_ups else _COMPLETE
 
     @staticmethod
     def retry(reason: str, delay_seconds: float | None = None) -> Retry:
@@ -67,6 +77,11 @@ class Outcome:
     def dead_letter(reason: str) -> DeadLetter:
         """Dead-letter the delivery now."""
         return DeadLetter(reason=reason)
+
+    @staticmethod
+    def discard(reason: str) -> Discard:
+        """Discard the delivery now: it ends without being retried or dead-lettered."""
+        return Discard(reason=reason)
 
 
 _COMPLETE = Complete()

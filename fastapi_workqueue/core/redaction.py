@@ -4,7 +4,8 @@ What a handler's exception says is kept as ``last_error`` and shown to anyone wi
 ``workqueue:read``; drivers and HTTP clients like to put credentials into their messages. The
 patterns below cover what such messages carry: passwords in URLs, ``Authorization`` and cookie
 headers, bearer tokens, the queue's own API keys, and ``name=value`` pairs whose name says
-secret. :func:`redact` also replaces literal values it is given (an app's encryption keys).
+secret. :func:`redact` also replaces literal values: those it is given, and those registered with
+:func:`register_secrets` (the jobs layer registers the app's encryption keys there).
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ _NAMED_SECRET = re.compile(
     re.IGNORECASE,
 )
 _PATTERNS = (_URL_PASSWORD, _AUTH_HEADER, _BEARER, _COOKIE, _API_KEY, _NAMED_SECRET)
+_REGISTERED: set[str] = set()
+MIN_SECRET_LENGTH = 4
+
+
+def register_secrets(values: Iterable[str]) -> None:
+    """Values that every later :func:`redact` masks wherever they appear (keys of this process)."""
+    _REGISTERED.update(v for v in values if v and len(v) >= MIN_SECRET_LENGTH)
 
 
 def _mask(match: re.Match[str]) -> str:
@@ -40,8 +48,8 @@ def _mask(match: re.Match[str]) -> str:
 
 def redact(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` with credentials replaced by ``***``; ``secrets`` are literal values to hide too."""
-    for value in secrets:
-        if value and len(value) >= 4:
+    for value in (*secrets, *_REGISTERED):
+        if value and len(value) >= MIN_SECRET_LENGTH:
             text = text.replace(value, MASK)
     for pattern in _PATTERNS:
         text = pattern.sub(_mask, text)

@@ -1,6 +1,8 @@
-"""The consumer runtime: claims deliveries of one subscription, runs handlers, renews leases, settles.
+"""The consumer runtime: claims deliveries, runs handlers, renews leases, settles.
 
-One :class:`Consumer` per subscription per process. It keeps up to ``concurrency`` handlers
+One :class:`Consumer` per subscription per process, or one for several subscriptions that share its
+slots: in strict order between groups, the oldest due delivery first within a group (how a job
+worker takes its queues). It keeps up to ``concurrency`` handlers
 running, claiming as many deliveries as it has free slots. Each handler runs in a task of its
 own with a :class:`WorkContext`. Auto leases are renewed in batches every min(lease / 3, 30 s);
 a handler whose delivery was cancelled, whose lease was lost or which ran too long is aborted:
@@ -17,7 +19,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +27,7 @@ from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext
 from .failures import error_text
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .leases import LocalLease, start_margin
-from .outcomes import Complete, DeadLetter, FatalWorkError, Retry, TransientWorkError
+from .outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError
 from .redaction import redact
 from .settler import Settler
 from .topology import SubscriptionState
@@ -53,22 +55,28 @@ class _Running:
     delivery: ClaimedDelivery
     signal: AbortSignal
     lease: LocalLease
+    sub: SubscriptionState
     task: asyncio.Task[None] | None = None
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
     lease_timer: asyncio.TimerHandle | None = None
     started_at: float = 0.0
     entered: bool = False
     released: bool = False
+    context: WorkContext | None = None
+
+
+Groups = Sequence[Sequence[SubscriptionState]]
+"""Subscriptions one consumer serves: groups in strict order, the subscriptions of a group fairly."""
 
 
 class Consumer:
-    """Runs one subscription in this process."""
+    """Runs one subscription, or several sharing one concurrency, in this process."""
 
     def __init__(
         self,
         transport: Transport,
         settler: Settler,
-        subscription: SubscriptionState,
+        subscription: SubscriptionState | Groups,
         resolve: Resolver,
         invoke: Invoker,
         *,
@@ -81,12 +89,16 @@ class Consumer:
         prefetch: int | None = None,
         on_error: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        name: str | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         self.transport = transport
         self.settler = settler
-        self.subscription = subscription
+        self._groups: list[list[SubscriptionState]] = []
+        self.subscription: SubscriptionState
+        self._set_groups([[subscription]] if isinstance(subscription, SubscriptionState) else subscription)
+        self._name = name or self.subscription.name
         self._resolve = resolve
         self._invoke = invoke
         self.concurrency = concurrency
@@ -113,20 +125,31 @@ class Consumer:
         self._loop_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.last_error: str | None = None
-        self._log = logging.LoggerAdapter(
-            logging.getLogger(f"fastapi_workqueue.handler.{subscription.handler_key}"), {}
-        )
 
     # -- control -----------------------------------------------------------------------------
 
     @property
     def name(self) -> str:
-        return self.subscription.name
+        return self._name
+
+    @property
+    def groups(self) -> list[list[SubscriptionState]]:
+        """The subscriptions it claims from: groups in strict order."""
+        return self._groups
+
+    def _set_groups(self, groups: Groups) -> None:
+        self._groups = [list(group) for group in groups if group]
+        if self._groups:
+            self.subscription = self._groups[0][0]
 
     @property
     def active(self) -> int:
         """Handlers this consumer is running now."""
         return len(self._running)
+
+    def active_for(self, subscription: str) -> int:
+        """Handlers of ``subscription`` this consumer is running now."""
+        return sum(1 for r in self._running.values() if r.sub.name == subscription)
 
     @property
     def held(self) -> int:
@@ -172,9 +195,10 @@ class Consumer:
         """New work may be claimable: look now instead of at the next poll."""
         self._wake.set()
 
-    def update(self, subscription: SubscriptionState, concurrency: int | None = None) -> None:
-        """Takes a changed definition (lease, limits) into use without a restart."""
-        self.subscription = subscription
+    def update(self, subscription: SubscriptionState | Groups, concurrency: int | None = None) -> None:
+        """Takes changed definitions (lease, limits, the subscriptions of a group) into use without a
+        restart. Deliveries already held keep the definition they were claimed under."""
+        self._set_groups([[subscription]] if isinstance(subscription, SubscriptionState) else subscription)
         if concurrency is not None and concurrency != self.concurrency:
             self.concurrency = max(1, concurrency)
             self._slot_freed.set()
@@ -286,7 +310,7 @@ class Consumer:
             settled_before = self.settled_total
             try:
                 sent_at = self._clock()
-                batch = await self._claim(free)
+                batch = await self._claim(free) if self._groups else []
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -302,8 +326,8 @@ class Consumer:
             self.last_error = None
             if batch:
                 idle = self.idle_poll_min
-                for delivery in batch:
-                    self._hold(delivery, sent_at)
+                for sub, delivery in batch:
+                    self._hold(sub, delivery, sent_at)
                 if self._paused:  # paused while this claim was on its way: give the batch back
                     self._release_buffer("released: the subscription was paused")
                     return
@@ -336,9 +360,21 @@ class Consumer:
             return 0
         return min(MAX_PREFETCH, math.ceil(self.concurrency * claim / max(handler, 1e-6)))
 
-    async def _claim(self, limit: int) -> list[ClaimedDelivery]:
+    async def _claim(self, limit: int) -> list[tuple[SubscriptionState, ClaimedDelivery]]:
+        """Up to ``limit`` deliveries: from the first group while it has claimable work, then the next.
+        A group of several subscriptions is claimed in one call, the oldest due delivery first."""
         started = self._clock()
-        batch = await self.transport.claim(self.name, limit)
+        batch: list[tuple[SubscriptionState, ClaimedDelivery]] = []
+        for group in self._groups:
+            wanted = limit - len(batch)
+            if wanted <= 0:
+                break
+            if len(group) == 1:
+                batch.extend((group[0], d) for d in await self.transport.claim(group[0].name, wanted))
+            else:
+                by_name = {s.name: s for s in group}
+                pairs = await self.transport.claim_many([s.name for s in group], wanted)
+                batch.extend((by_name[name], d) for name, d in pairs)
         took = self._clock() - started
         previous = self._claim_seconds
         self._claim_seconds = took if previous is None else previous * 0.8 + took * 0.2
@@ -351,10 +387,10 @@ class Consumer:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout=seconds * random.uniform(0.9, 1.1))
 
-    def _hold(self, delivery: ClaimedDelivery, sent_at: float) -> None:
+    def _hold(self, sub: SubscriptionState, delivery: ClaimedDelivery, sent_at: float) -> None:
         """Takes a claimed delivery under lease, waiting for a free slot. The lease is counted from
         when the claim was sent (:mod:`.leases`), not from when its answer arrived."""
-        running = _Running(delivery, AbortSignal(), LocalLease.claimed(sent_at, self.subscription.lease_seconds))
+        running = _Running(delivery, AbortSignal(), LocalLease.claimed(sent_at, sub.lease_seconds), sub)
         self.claimed_total += 1
         self._held[delivery.lease_token] = running
         self._buffer.append(running)
@@ -390,7 +426,7 @@ class Consumer:
         self._slot_freed.set()
 
     def _start(self, running: _Running) -> None:
-        sub = self.subscription
+        sub = running.sub
         running.started_at = self._clock()
         self._running[running.delivery.lease_token] = running
         loop = asyncio.get_running_loop()
@@ -436,7 +472,8 @@ class Consumer:
             previous = self._handler_seconds
             self._handler_seconds = took if previous is None else previous * 0.9 + took * 0.1
             if settlement is not None and not running.released:
-                self.settler.submit(settlement, self._settled)
+                callbacks = running.context.after_settle_callbacks if running.context is not None else ()
+                self.settler.submit(settlement, self._settled if not callbacks else _then(self._settled, callbacks))
             self._fill()
             self._slot_freed.set()
 
@@ -453,7 +490,7 @@ class Consumer:
         if running.signal.aborted:
             return self._settlement_for_abort(running)
         delivery = running.delivery
-        sub = self.subscription
+        sub = running.sub
         base = (delivery.delivery_id, delivery.lease_token)
         spec = self._resolve(sub.handler_key)
         if spec is None:
@@ -471,10 +508,11 @@ class Consumer:
             max_attempts=delivery.max_attempts,
             signal=running.signal,
             heartbeat=_ManualHeartbeat(self, running),
-            log=_DeliveryLog(self._log.logger, sub.name, delivery),
+            log=_DeliveryLog(logging.getLogger(f"fastapi_workqueue.handler.{sub.handler_key}"), sub.name, delivery),
             principal=self.principal,
             once=_OnceStore(self, running),
         )
+        running.context = context
         task = running.task
         try:
             outcome = await self._invoke(spec, message, context)
@@ -497,16 +535,20 @@ class Consumer:
             if task is not None and task.cancelling():
                 task.uncancel()
             return self._settlement_for_abort(running)
-        if outcome is None or isinstance(outcome, Complete):
+        if outcome is None:
             return Settlement(*base, "Complete")
+        if isinstance(outcome, Complete):
+            return Settlement(*base, "Complete", follow_ups=outcome.then)
         if isinstance(outcome, Retry):
             return Settlement(*base, "Retry", delay_seconds=outcome.delay_seconds, reason=outcome.reason)
         if isinstance(outcome, DeadLetter):
             return Settlement(*base, "DeadLetter", reason=outcome.reason)
+        if isinstance(outcome, Discard):
+            return Settlement(*base, "Discard", reason=outcome.reason)
         return Settlement(
             *base, "Fail", reason="invalid outcome",
             error=f"the handler returned {outcome!r}; return Outcome.complete(), Outcome.retry(...) "
-            "or Outcome.dead_letter(...)",
+            "Outcome.dead_letter(...) or Outcome.discard(...)",
         )
 
     def _failed(self, running: _Running, exc: BaseException, settlement: Settlement) -> Settlement:
@@ -517,10 +559,10 @@ class Consumer:
         log.log(
             logging.ERROR if final else logging.WARNING,
             "%s: delivery %s (message %s) failed on attempt %d of %d with %s; %s",
-            self.name, delivery.delivery_id, delivery.message_id, delivery.attempt, delivery.max_attempts,
+            running.sub.name, delivery.delivery_id, delivery.message_id, delivery.attempt, delivery.max_attempts,
             type(exc).__name__, "dead-lettering it" if final else "it will be retried",
             exc_info=(type(exc), exc, exc.__traceback__),
-            extra={"subscription": self.name, "delivery_id": delivery.delivery_id,
+            extra={"subscription": running.sub.name, "delivery_id": delivery.delivery_id,
                    "message_id": str(delivery.message_id), "attempt": delivery.attempt},
         )
         return settlement
@@ -539,7 +581,7 @@ class Consumer:
             return Settlement(
                 *base, "Fail", reason="MaxProcessingSeconds",
                 error=f"the handler ran longer than max_processing_seconds "
-                f"({self.subscription.max_processing_seconds} s) and was aborted",
+                f"({running.sub.max_processing_seconds} s) and was aborted",
             )
         # LeaseLost: if the store still holds our token (the lease only ran out locally), the
         # attempt fails like a sweeper expiry would; otherwise the settle answers LeaseLost.
@@ -570,21 +612,33 @@ class Consumer:
         elif not alive:
             self._abort(running, AbortReason.LEASE_LOST)
         elif not running.signal.aborted:
-            running.lease.renew(sent_at, self.subscription.lease_seconds)
+            running.lease.renew(sent_at, self._current(running.sub).lease_seconds)
             self._arm_lease_timer(running)
+
+    def _current(self, sub: SubscriptionState) -> SubscriptionState:
+        """The newest definition of ``sub`` this consumer has (a reconcile may have changed it)."""
+        for group in self._groups:
+            for candidate in group:
+                if candidate.name == sub.name:
+                    return candidate
+        return sub
 
     async def _heartbeat_loop(self) -> None:
         """Renews the Auto leases that are due, in one batch per tick."""
         while True:
-            interval = self.subscription.heartbeat_interval_seconds
+            interval = min((s.heartbeat_interval_seconds for g in self._groups for s in g),
+                           default=self.subscription.heartbeat_interval_seconds)
             await asyncio.sleep(min(interval, 1.0) if self._held else min(interval, 5.0))
             if not self._held:
                 continue
             # Manual: the handler renews its own lease; deliveries held ahead are renewed here.
-            manual = self.subscription.heartbeat_mode == "Manual"
-            due_held = list(self._buffer) if manual else list(self._held.values())
+            waiting = {id(r) for r in self._buffer}
             now = self._clock()
-            due = [r for r in due_held if not r.signal.aborted and now - r.lease.renewed_at >= interval * 0.95]
+            due = [
+                r for r in self._held.values()
+                if not r.signal.aborted and (r.sub.heartbeat_mode != "Manual" or id(r) in waiting)
+                and now - r.lease.renewed_at >= self._current(r.sub).heartbeat_interval_seconds * 0.95
+            ]
             if not due:
                 continue
             try:
@@ -624,7 +678,7 @@ class _OnceStore:
 
     async def __call__(self, key: str, fn: Callable[[], Awaitable[Any]], ttl_seconds: float) -> bool:
         transport = self._consumer.transport
-        sub = self._consumer.subscription
+        sub = self._running.sub
         hold = max(sub.lease_seconds, sub.max_processing_seconds or 0.0, 60.0)
         state, token = await transport.once_begin(key, hold)
         if state == "Done":
@@ -655,6 +709,22 @@ class _DeliveryLog(logging.LoggerAdapter):  # type: ignore[type-arg]
                  "message_id": str(delivery.message_id), "attempt": delivery.attempt}
         kwargs["extra"] = {**extra, **(kwargs.get("extra") or {})}
         return msg, kwargs
+
+
+def _then(
+    settled: Callable[[Settlement, SettleResult | None], None], callbacks: Sequence[Callable[[str | None], object]]
+) -> Callable[[Settlement, SettleResult | None], None]:
+    """The settle callback that also calls a handler's ``after_settle`` callbacks (an error in one is logged)."""
+
+    def done(settlement: Settlement, result: SettleResult | None) -> None:
+        settled(settlement, result)
+        for callback in callbacks:
+            try:
+                callback(result)
+            except Exception:
+                log.exception("an after_settle callback of delivery %s failed", settlement.delivery_id)
+
+    return done
 
 
 def _ids(runnings: Iterable[_Running], shown: int = 10) -> str:

@@ -78,6 +78,18 @@ class Settler:
                 await self._task
             self._task = None
 
+    async def _settle(self, settlements: list[Settlement], written: dict[int, SettleResult]) -> None:
+        """One batch for the plain settles; one transaction each for a completion with follow-ups
+        (its messages are published with it). What is written goes into ``written``, so a retry
+        after a failure writes only the rest."""
+        plain = [s for s in settlements if not s.follow_ups and id(s) not in written]
+        if plain:
+            for settlement, result in zip(plain, await self._transport.settle(plain), strict=True):
+                written[id(settlement)] = result
+        for settlement in settlements:
+            if settlement.follow_ups and id(settlement) not in written:
+                written[id(settlement)] = await self._transport.settle_with_follow_ups(settlement)
+
     async def _run(self) -> None:
         while True:
             if not self._pending:
@@ -99,17 +111,20 @@ class Settler:
         deadline = time.monotonic() + self._give_up_after
         delay = 0.1
         settlements = [s for s, _ in batch]
+        written: dict[int, SettleResult] = {}
         while True:
             try:
-                results: list[SettleResult | None] = list(await self._transport.settle(settlements))
+                await self._settle(settlements, written)
+                results: list[SettleResult | None] = [written[id(s)] for s in settlements]
                 break
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 retryable = isinstance(exc, TransportError) and exc.retryable
                 if time.monotonic() > deadline or not retryable:
-                    log.error("settle failed for %d deliveries (%s); their leases will expire", len(batch), exc)
-                    results = [None] * len(batch)
+                    log.error("settle failed for %d deliveries (%s); their leases will expire",
+                              len(batch) - len(written), exc)
+                    results = [written.get(id(s)) for s in settlements]
                     break
                 log.warning("settle failed (%s); retrying in %.1f s", exc, delay)
                 await asyncio.sleep(delay)

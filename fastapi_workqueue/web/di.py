@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import typing
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -34,14 +35,14 @@ from .fastapi_internals import (
 ALLOWED = "other dependencies, Request, HTTPConnection, Response and SecurityScopes"
 
 
-def _stub_for(spec: HandlerSpec) -> Any:
-    """A callable whose signature holds only the handler's dependency parameters."""
-    hints = typing.get_type_hints(spec.func, include_extras=True)
-    signature = inspect.signature(spec.func)
+def _stub_for(func: Callable[..., Any], names: list[str]) -> Any:
+    """A callable whose signature holds only ``func``'s dependency parameters ``names``."""
+    hints = typing.get_type_hints(func, include_extras=True)
+    signature = inspect.signature(func)
     params = [
         p.replace(annotation=hints.get(name, p.annotation))
         for name, p in signature.parameters.items()
-        if name in spec.other_params
+        if name in names
     ]
 
     async def stub(**kwargs: Any) -> None:  # pragma: no cover - never called
@@ -50,12 +51,13 @@ def _stub_for(spec: HandlerSpec) -> Any:
     stub.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=params, return_annotation=inspect.Signature.empty
     )
-    stub.__name__ = getattr(spec.func, "__name__", "handler")
+    stub.__name__ = getattr(func, "__name__", "handler")
     return stub
 
 
 def _path(key: str, problem: GraphProblem) -> str:
-    return " -> ".join((f"handler {key!r}", *problem.chain, problem.parameter))
+    kind, _, name = key.partition(":") if key.startswith("job:") else ("handler", "", key)
+    return " -> ".join((f"{kind} {name!r}", *problem.chain, problem.parameter))
 
 
 class DependencyInvoker:
@@ -72,47 +74,68 @@ class DependencyInvoker:
 
     def prepare(self, spec: HandlerSpec) -> None:
         """Builds the dependency graph of a handler at registration and checks all of it."""
-        if not spec.other_params:
+        self.prepare_call(spec.key, spec.func, spec.other_params)
+
+    def prepare_call(self, key: str, func: Callable[..., Any], params: list[str]) -> None:
+        """Builds and checks the graph of ``func``'s dependency parameters ``params`` under ``key``."""
+        if not params:
             return
-        dependant = build_dependant(_stub_for(spec))
+        dependant = build_dependant(_stub_for(func, params))
         problems = request_only_parameters(dependant)
         if problems:
             first = problems[0]
-            more = f" (and {len(problems) - 1} more: {', '.join(_path(spec.key, p) for p in problems[1:])})" if (
+            more = f" (and {len(problems) - 1} more: {', '.join(_path(key, p) for p in problems[1:])})" if (
                 len(problems) > 1) else ""
             raise ConfigurationError(
-                f"{_path(spec.key, first)}: {first.kind}{more}; a handler's dependencies may take only {ALLOWED} "
+                f"{_path(key, first)}: {first.kind}{more}; a handler's dependencies may take only {ALLOWED} "
                 "(a handler has no HTTP request: read what you need from the message or the app's state)"
             )
-        self._dependants[spec.key] = dependant
+        self._dependants[key] = dependant
 
     def app_needed_by(self, spec: HandlerSpec) -> str | None:
         """Where the handler's dependencies take a Request or HTTPConnection (which gives them
         ``request.app``), or None. ``current_message`` and ``current_context`` need no app."""
-        dependant = self._dependants.get(spec.key)
+        return self.app_needed_by_key(spec.key)
+
+    def app_needed_by_key(self, key: str) -> str | None:
+        """:meth:`app_needed_by` for the dependencies prepared under ``key``."""
+        dependant = self._dependants.get(key)
         if dependant is None:
             return None
         found = connection_parameters(dependant, ignore=(current_message, current_context))
-        return _path(spec.key, found[0]) if found else None
+        return _path(key, found[0]) if found else None
 
     async def __call__(
         self, spec: HandlerSpec, message: WorkMessage[Any], context: WorkContext
     ) -> WorkOutcome | None:
-        dependant = self._dependants.get(spec.key)
-        if dependant is None:
+        if spec.key not in self._dependants:
             return await call_plain(spec, message, context)
+        fixed: dict[str, Any] = {}
+        if spec.message_param:
+            fixed[spec.message_param] = message
+        if spec.context_param:
+            fixed[spec.context_param] = context
+        result: WorkOutcome | None = await self.call(spec.key, spec.func, fixed, message, context)
+        return result
+
+    async def call(
+        self, key: str, func: Callable[..., Any], fixed: dict[str, Any], message: WorkMessage[Any],
+        context: WorkContext,
+    ) -> Any:
+        """Calls ``func(**fixed, **dependencies)``, the dependencies prepared under ``key`` solved
+        for this attempt (yield dependencies cleaned up when it returns)."""
+        dependant = self._dependants.get(key)
+        if dependant is None:
+            return await func(**fixed)
         scope = request_scope(
-            self.app, f"/workqueue/{spec.key}", {"workqueue.message": message, "workqueue.context": context}
+            self.app, f"/workqueue/{key}", {"workqueue.message": message, "workqueue.context": context}
         )
         async with AsyncExitStack() as request_stack, AsyncExitStack() as function_stack:
             values, errors = await solve(dependant, scope, self.app, request_stack, function_stack)
             if errors:
-                raise ConfigurationError(f"handler {spec.key!r}: dependencies could not be resolved: {errors}")
-            if spec.message_param:
-                values[spec.message_param] = message
-            if spec.context_param:
-                values[spec.context_param] = context
-            return await spec.func(**values)
+                raise ConfigurationError(f"{key!r}: dependencies could not be resolved: {errors}")
+            values.update(fixed)
+            return await func(**values)
 
 
 def current_message(request: Request) -> WorkMessage[Any]:

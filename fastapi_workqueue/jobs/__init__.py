@@ -1,0 +1,37 @@
+"""Jobs: the layer application developers reach for ("send this mail later").
+
+Declare a job with ``@queue.job(name, ...)`` on an async function that takes its payload (a
+pydantic model), a :class:`JobContext` and FastAPI dependencies; queue it with
+``await queue.dispatch(job, payload)``. Each job queue is a topic and a subscription of the core,
+so every guarantee of the queue (leases, fencing, heartbeats, dead letters, transactional publish,
+the operator tools) holds for jobs.
+"""
+
+from .context import JobContext, JobDiscard, JobRelease
+from .definition import Job, JobPayloadInvalid, JobPolicy
+from .events import JobDiscarded, JobEvent, JobFailed, JobProcessed, JobProcessing, JobReleased
+from .fake import Dispatched, JobFake
+from .layer import JobDispatchError
+from .middleware import JobAttempt, without_overlapping
+from .registry import UnknownJob
+
+__all__ = [
+    "Dispatched",
+    "Job",
+    "JobAttempt",
+    "JobContext",
+    "JobDiscard",
+    "JobDiscarded",
+    "JobDispatchError",
+    "JobEvent",
+    "JobFailed",
+    "JobFake",
+    "JobPayloadInvalid",
+    "JobPolicy",
+    "JobProcessed",
+    "JobProcessing",
+    "JobRelease",
+    "JobReleased",
+    "UnknownJob",
+    "without_overlapping",
+]

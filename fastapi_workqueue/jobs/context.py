@@ -1,0 +1,115 @@
+"""What a running job sees: its id, name, attempt, tries, queue, signal and log, and what it can do:
+``once``, ``step``, ``release`` and ``discard``."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..core.context import AbortSignal
+from ..core.envelope import MAX_DELAY_SECONDS
+
+
+@dataclass(frozen=True, slots=True)
+class JobRelease:
+    """Returned by a job (``return job.release(60)``): the attempt ends and the job comes back after
+    ``delay_seconds``. The attempt counts, so a job that releases itself needs tries."""
+
+    delay_seconds: float = 0.0
+    reason: str = "release"
+
+
+@dataclass(frozen=True, slots=True)
+class JobDiscard:
+    """Returned by a job (``return job.discard("the account no longer exists")``): the job ends now,
+    neither retried nor failed."""
+
+    reason: str
+
+
+class StepStore(Protocol):
+    """Where :meth:`JobContext.step` keeps the results of durable steps."""
+
+    async def get(self, job_id: uuid.UUID, name: str) -> tuple[bool, Any]: ...
+    async def put(self, job_id: uuid.UUID, name: str, value: Any) -> None: ...
+
+
+class OnceRunner(Protocol):
+    async def __call__(self, key: str, fn: Callable[[], Awaitable[Any]], *, ttl_seconds: float = 86400) -> bool: ...
+
+
+class JobContext:
+    """A job's attempt: ``id`` (the same over every attempt, retry and replay: an idempotency key),
+    ``name``, ``attempt`` (from 1), ``tries``, ``queue``, ``signal`` and ``log``."""
+
+    __slots__ = ("_once", "_steps", "attempt", "id", "log", "name", "queue", "signal", "tries")
+
+    def __init__(
+        self,
+        *,
+        id: uuid.UUID,
+        name: str,
+        attempt: int,
+        tries: int,
+        queue: str,
+        signal: AbortSignal,
+        log: logging.LoggerAdapter[logging.Logger],
+        once: OnceRunner,
+        steps: StepStore,
+    ) -> None:
+        self.id = id
+        self.name = name
+        self.attempt = attempt
+        self.tries = tries
+        self.queue = queue
+        self.signal = signal
+        self.log = log
+        self._once = once
+        self._steps = steps
+
+    def __repr__(self) -> str:
+        return (f"JobContext(name={self.name!r}, id={self.id}, attempt={self.attempt}/{self.tries}, "
+                f"queue={self.queue!r})")
+
+    @property
+    def is_final_attempt(self) -> bool:
+        """True when a failure of this attempt fails the job for good."""
+        return self.attempt >= self.tries
+
+    async def once(self, key: str, fn: Callable[[], Awaitable[Any]], ttl_seconds: float = 86400) -> bool:
+        """Runs ``fn`` unless it already succeeded for ``key`` (a marker kept ``ttl_seconds``, a day
+        by default). Returns True when ``fn`` ran now, False when it had run before.
+
+        While another attempt runs ``fn`` for ``key``, this attempt goes back to the queue for five
+        seconds without using a try. A worker that dies between ``fn`` and the marker runs ``fn``
+        again: put an id into the key and keep ``fn`` safe to repeat where you can.
+        """
+        return await self._once(key, fn, ttl_seconds=ttl_seconds)
+
+    async def step(self, name: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """Runs ``fn`` once for this job and step name and stores its JSON result; a later attempt
+        (after a crash, a retry or a replay) returns the stored result without running ``fn``.
+
+        A crash after ``fn`` and before the result is stored runs ``fn`` again, as with ``once``.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError("a step needs a name, e.g. job.step('charge-card', charge)")
+        found, value = await self._steps.get(self.id, name)
+        if found:
+            return value
+        value = await fn()
+        await self._steps.put(self.id, name, value)
+        return value
+
+    def release(self, delay_seconds: float = 0.0) -> JobRelease:
+        """Ends this attempt; the job comes back after ``delay_seconds``. ``return job.release(30)``."""
+        if not 0 <= delay_seconds <= MAX_DELAY_SECONDS:
+            raise ValueError(f"delay_seconds must be between 0 and 100 years, got {delay_seconds!r}")
+        return JobRelease(float(delay_seconds))
+
+    def discard(self, reason: str) -> JobDiscard:
+        """Ends the job for good, neither retried nor failed. ``return job.discard("why")``."""
+        return JobDiscard(reason)

@@ -1,0 +1,210 @@
+"""A job: an async function declared with ``@queue.job(name, ...)``, and what its signature asks for.
+
+The function takes its payload (annotated with a pydantic model, or any type pydantic validates
+and that survives a round trip through JSON), optionally a :class:`~.context.JobContext`, and
+FastAPI dependencies (``Depends``), as handlers do. Its policy (tries, backoff, timeout, queue) is
+written into every job at dispatch, so a job waiting through a deploy keeps the policy it was
+dispatched with.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import typing
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+from pydantic.errors import PydanticSchemaGenerationError, PydanticUserError
+
+from ..core.envelope import MAX_ATTEMPTS_LIMIT, MAX_DELAY_SECONDS
+from ..core.errors import ConfigurationError
+from .context import JobContext
+
+DEFAULT_QUEUE = "default"
+DEFAULT_TRIES = 3
+RESERVED_PREFIX = "workqueue."
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,199}$")
+_QUEUE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,79}$")
+
+JobFunc = Callable[..., Awaitable[Any]]
+
+
+class JobPayloadInvalid(ValueError):
+    """A payload that does not validate against its job's payload type; nothing was queued."""
+
+    def __init__(self, job: str, errors: str) -> None:
+        super().__init__(f"the payload for job {job!r} is invalid: {errors}")
+        self.job = job
+
+
+def check_queue_name(queue: str) -> str:
+    """A queue name: letters, digits, ``_`` and ``-`` (it names a topic and a subscription)."""
+    if not isinstance(queue, str) or not _QUEUE.match(queue):
+        raise ConfigurationError(
+            f"queue name {queue!r} is not valid: use letters, digits, '_' and '-' (at most 80), e.g. 'mail'"
+        )
+    return queue
+
+
+def check_backoff(backoff: Sequence[float] | float | None) -> tuple[float, ...] | None:
+    if backoff is None:
+        return None
+    steps = (backoff,) if isinstance(backoff, int | float) else tuple(backoff)
+    if not steps or any(not isinstance(s, int | float) or not 0 <= s <= MAX_DELAY_SECONDS for s in steps):
+        raise ConfigurationError(
+            f"backoff {backoff!r} must be seconds (0 to 100 years) or a non-empty list of them, e.g. [10, 60, 300]"
+        )
+    return tuple(float(s) for s in steps)
+
+
+@dataclass(frozen=True, slots=True)
+class JobPolicy:
+    """What a job is dispatched with, unless the dispatch says otherwise."""
+
+    tries: int = DEFAULT_TRIES
+    backoff: tuple[float, ...] | None = None
+    """The delay after failed attempt n is item n, the last repeating; None: the queue's exponential
+    full-jitter backoff."""
+    timeout: float | None = None
+    queue: str = DEFAULT_QUEUE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tries, int) or not 1 <= self.tries <= MAX_ATTEMPTS_LIMIT:
+            raise ConfigurationError(f"tries must be a whole number of at least 1, got {self.tries!r}")
+        if self.timeout is not None and not 0 < self.timeout <= MAX_DELAY_SECONDS:
+            raise ConfigurationError(f"timeout must be a number of seconds above 0, got {self.timeout!r}")
+        check_queue_name(self.queue)
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """A declared job: its name, function, policy and what the function takes."""
+
+    name: str
+    func: JobFunc
+    policy: JobPolicy
+    encrypted: bool = False
+    middleware: tuple[Any, ...] = ()
+    payload_param: str | None = None
+    payload_type: Any = Any
+    context_param: str | None = None
+    dependency_params: list[str] = field(default_factory=list)
+    adapter: TypeAdapter[Any] = field(default_factory=lambda: TypeAdapter(Any))
+
+    @property
+    def key(self) -> str:
+        """The key its dependencies are prepared under (one namespace with handler keys)."""
+        return f"job:{self.name}"
+
+    def validate(self, payload: Any) -> Any:
+        """The payload as JSON-ready data, after validation against the payload type."""
+        try:
+            value = self.adapter.validate_python(payload)
+        except ValidationError as exc:
+            raise JobPayloadInvalid(self.name, _short(exc)) from None
+        return self.adapter.dump_python(value, mode="json")
+
+    def load(self, data: Any) -> Any:
+        """The stored payload as the function's payload type (raises :class:`JobPayloadInvalid`)."""
+        try:
+            return self.adapter.validate_python(data)
+        except ValidationError as exc:
+            raise JobPayloadInvalid(self.name, _short(exc)) from None
+
+
+def _short(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "payload"
+        parts.append(f"{loc}: {err['msg']}")
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def _json_adapter(name: str, tp: Any) -> TypeAdapter[Any]:
+    """A TypeAdapter for ``tp``, refused unless pydantic can write it as JSON and read it back."""
+    try:
+        adapter: TypeAdapter[Any] = TypeAdapter(tp)
+        adapter.json_schema(mode="validation")
+        adapter.json_schema(mode="serialization")
+    except (PydanticSchemaGenerationError, PydanticUserError, TypeError) as exc:
+        why = str(exc).splitlines()[0].rstrip(".")
+        raise ConfigurationError(
+            f"job {name!r}: its payload type {getattr(tp, '__name__', tp)!r} cannot be stored as JSON ({why}); "
+            "a job payload is stored as JSON: use a pydantic model of strings, numbers, booleans, lists and "
+            "objects (pass IDs, not records or open resources)"
+        ) from None
+    return adapter
+
+
+def _has_dependency(param: inspect.Parameter, annotation: Any) -> bool:
+    if hasattr(param.default, "dependency"):
+        return True
+    if typing.get_origin(annotation) is typing.Annotated:
+        return any(hasattr(meta, "dependency") for meta in typing.get_args(annotation)[1:])
+    return False
+
+
+def define_job(
+    name: str,
+    func: JobFunc,
+    *,
+    tries: int = DEFAULT_TRIES,
+    backoff: Sequence[float] | float | None = None,
+    timeout: float | None = None,
+    queue: str = DEFAULT_QUEUE,
+    encrypted: bool = False,
+    middleware: Sequence[Any] = (),
+) -> Job:
+    """Reads ``func``'s signature and checks the declaration; raises :class:`ConfigurationError`."""
+    check_job_name(name)
+    if not inspect.iscoroutinefunction(func):
+        raise ConfigurationError(f"job {name!r} must be an async function (async def)")
+    policy = JobPolicy(tries=tries, backoff=check_backoff(backoff), timeout=timeout, queue=queue)
+    for mw in middleware:
+        if not callable(mw):
+            raise ConfigurationError(
+                f"job {name!r}: middleware {mw!r} is not callable (write async def mw(attempt, call_next))"
+            )
+    return _read_signature(Job(name=name, func=func, policy=policy, encrypted=encrypted,
+                               middleware=tuple(middleware)))
+
+
+def check_job_name(name: str) -> None:
+    """Raises :class:`ConfigurationError` unless ``name`` can name a job."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ConfigurationError(
+            f"job name {name!r} is not valid: use letters, digits, '.', '_', ':' and '-' (at most 200), "
+            "e.g. 'billing.send-invoice-reminder'"
+        )
+    if name.startswith(RESERVED_PREFIX):
+        raise ConfigurationError(f"job name {name!r}: names under {RESERVED_PREFIX!r} belong to the library")
+
+
+def _read_signature(job: Job) -> Job:
+    name, func = job.name, job.func
+    try:
+        hints = typing.get_type_hints(func, include_extras=True)
+    except Exception as exc:
+        raise ConfigurationError(f"job {name!r}: cannot resolve its type hints ({exc})") from exc
+    for pname, param in inspect.signature(func).parameters.items():
+        annotation = hints.get(pname, param.annotation)
+        bare = typing.get_args(annotation)[0] if typing.get_origin(annotation) is typing.Annotated else annotation
+        if bare is JobContext or (pname == "job" and annotation is param.empty):
+            job.context_param = pname
+        elif _has_dependency(param, annotation):
+            job.dependency_params.append(pname)
+        elif job.payload_param is None and param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD,
+                                                           param.KEYWORD_ONLY):
+            job.payload_param = pname
+            job.payload_type = Any if annotation is param.empty else bare
+        elif param.default is param.empty and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+            raise ConfigurationError(
+                f"job {name!r}: parameter {pname!r} is neither the payload, the JobContext nor a dependency; "
+                "give it a dependency (name = Depends(...)) or remove it"
+            )
+    job.adapter = _json_adapter(name, job.payload_type)
+    return job

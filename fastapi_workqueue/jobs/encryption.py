@@ -1,0 +1,82 @@
+"""Payloads encrypted at rest with the app key (``encrypted=True``), through ``cryptography``'s
+MultiFernet: ``WORKQUEUE_APP_KEY`` encrypts, it and ``WORKQUEUE_PREVIOUS_KEYS`` decrypt, so keys can
+be rotated while jobs wait. The plaintext never reaches the database, a listing or an error text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ..core.errors import ConfigurationError
+from ..core.redaction import register_secrets
+
+GENERATE = 'python -c "from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())"'
+
+
+class PayloadUndecryptable(ValueError):
+    """No key decrypts the stored payload (or it is not an encrypted payload at all)."""
+
+
+class PayloadCipher:
+    """Encrypts with the current key, decrypts with any of the keys."""
+
+    def __init__(self, current: str, previous: Sequence[str] = ()) -> None:
+        try:
+            from cryptography.fernet import Fernet, MultiFernet
+        except ImportError as exc:  # pragma: no cover - depends on the installed extras
+            raise ConfigurationError(
+                "encrypted jobs need cryptography: pip install 'fastapi-workqueue[jobs]'"
+            ) from exc
+        keys = [current, *previous]
+        fernets = []
+        for index, key in enumerate(keys):
+            try:
+                fernets.append(Fernet(key.strip().encode()))
+            except (ValueError, TypeError):
+                which = "WORKQUEUE_APP_KEY" if index == 0 else f"key {index} of WORKQUEUE_PREVIOUS_KEYS"
+                raise ConfigurationError(
+                    f"{which} is not a Fernet key (32 url-safe base64-encoded bytes); make one with {GENERATE}"
+                ) from None
+        register_secrets(k.strip() for k in keys)
+        self._current = fernets[0]
+        self._all = MultiFernet(fernets)
+
+    def encrypt(self, data: Any) -> str:
+        """The JSON of ``data``, encrypted with the current key."""
+        return self._current.encrypt(json.dumps(data, separators=(",", ":")).encode()).decode("ascii")
+
+    def decrypt(self, token: Any) -> Any:
+        from cryptography.fernet import InvalidToken
+
+        if not isinstance(token, str):
+            raise PayloadUndecryptable("the job's payload is not encrypted, but the job is declared encrypted=True")
+        try:
+            return json.loads(self._all.decrypt(token.encode("ascii")))
+        except (InvalidToken, ValueError, UnicodeError):
+            raise PayloadUndecryptable(
+                "no key decrypts the job's payload (WORKQUEUE_APP_KEY, WORKQUEUE_PREVIOUS_KEYS)"
+            ) from None
+
+    def rotate(self, token: str) -> str:
+        """``token`` encrypted with the current key (``workqueue jobs reencrypt``): itself when it
+        already is, else decrypted with whichever key does and encrypted again."""
+        from cryptography.fernet import InvalidToken
+
+        try:
+            self._current.decrypt(token.encode("ascii"))
+            return token
+        except InvalidToken:
+            return self._all.rotate(token.encode("ascii")).decode("ascii")
+
+
+def cipher_from(app_key: str | None, previous_keys: str | Sequence[str] | None) -> PayloadCipher | None:
+    """The cipher of the settings, or None when no app key is set."""
+    if not app_key:
+        return None
+    if isinstance(previous_keys, str):
+        previous = [k for k in (p.strip() for p in previous_keys.split(",")) if k]
+    else:
+        previous = list(previous_keys or ())
+    return PayloadCipher(app_key, previous)

@@ -1,0 +1,138 @@
+"""How a job travels as a queue message.
+
+A job queue ``Q`` is the topic ``jobs.Q`` with one subscription of the same name. A job is one
+message on it: the job id is the MessageID, ``tries`` its ``max_attempts``, ``backoff`` its
+``backoff_seconds``, and the payload is the job envelope below (the job's name is also the message's
+``job`` attribute, so listings and filters show it):
+
+    {"v": 1, "job": "billing.send-invoice-reminder", "payload": {...}, "timeout": 30,
+     "unique": {"key": "...", "until": "done"}, "chain": [{next job}, ...]}
+
+An encrypted job carries ``"encrypted": "<token>"`` instead of ``"payload"``. A chained job carries
+what comes after it, each entry with its own id, queue and policy, so the chain goes on with the
+policy it was dispatched with.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+TOPIC_PREFIX = "jobs."
+VERSION = 1
+JOB_ATTRIBUTE = "job"
+UniqueUntil = Literal["done", "processing"]
+
+
+def topic_of(queue: str) -> str:
+    """The topic (and subscription) of a job queue."""
+    return f"{TOPIC_PREFIX}{queue}"
+
+
+def queue_of(topic_or_subscription: str) -> str | None:
+    """The job queue of a topic or subscription name, or None when it is not a job queue."""
+    if topic_or_subscription.startswith(TOPIC_PREFIX):
+        return topic_or_subscription[len(TOPIC_PREFIX):]
+    return None
+
+
+class EnvelopeInvalid(ValueError):
+    """A message on a job queue that is not a job envelope."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChainLink:
+    """A job queued after the one that carries it, once that one succeeded."""
+
+    job: str
+    id: uuid.UUID
+    queue: str
+    tries: int
+    backoff: tuple[float, ...] | None
+    timeout: float | None
+    payload: Any = None
+    encrypted: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"job": self.job, "id": str(self.id), "queue": self.queue, "tries": self.tries}
+        if self.backoff is not None:
+            data["backoff"] = list(self.backoff)
+        if self.timeout is not None:
+            data["timeout"] = self.timeout
+        if self.encrypted is not None:
+            data["encrypted"] = self.encrypted
+        else:
+            data["payload"] = self.payload
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any) -> ChainLink:
+        if not isinstance(data, dict) or not isinstance(data.get("job"), str):
+            raise EnvelopeInvalid("a chain entry is not an object with a job name")
+        try:
+            backoff = data.get("backoff")
+            return cls(
+                job=data["job"], id=uuid.UUID(str(data["id"])), queue=str(data["queue"]), tries=int(data["tries"]),
+                backoff=None if backoff is None else tuple(float(b) for b in backoff),
+                timeout=None if data.get("timeout") is None else float(data["timeout"]),
+                payload=data.get("payload"), encrypted=data.get("encrypted"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EnvelopeInvalid(f"a chain entry is malformed ({exc})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnvelope:
+    """The payload of a job message."""
+
+    job: str
+    payload: Any = None
+    encrypted: str | None = None
+    timeout: float | None = None
+    unique_key: str | None = None
+    unique_until: UniqueUntil | None = None
+    chain: tuple[ChainLink, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"v": VERSION, "job": self.job}
+        if self.encrypted is not None:
+            data["encrypted"] = self.encrypted
+        else:
+            data["payload"] = self.payload
+        if self.timeout is not None:
+            data["timeout"] = self.timeout
+        if self.unique_key is not None:
+            data["unique"] = {"key": self.unique_key, "until": self.unique_until or "done"}
+        if self.chain:
+            data["chain"] = [link.to_json() for link in self.chain]
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any) -> JobEnvelope:
+        if not isinstance(data, dict) or not isinstance(data.get("job"), str) or data.get("v") != VERSION:
+            raise EnvelopeInvalid(
+                "the message is not a job (a job queue's messages are published by dispatch(), "
+                "not by publish())"
+            )
+        unique = data.get("unique")
+        timeout = data.get("timeout")
+        chain = data.get("chain") or ()
+        if not isinstance(chain, list | tuple):
+            raise EnvelopeInvalid("the job's chain is not a list")
+        try:
+            return cls(
+                job=data["job"],
+                payload=data.get("payload"),
+                encrypted=data.get("encrypted"),
+                timeout=None if timeout is None else float(timeout),
+                unique_key=unique.get("key") if isinstance(unique, dict) else None,
+                unique_until=unique.get("until") if isinstance(unique, dict) else None,
+                chain=tuple(ChainLink.from_json(link) for link in chain),
+            )
+        except (TypeError, ValueError) as exc:
+            raise EnvelopeInvalid(f"the job envelope is malformed ({exc})") from None
+
+    @property
+    def is_encrypted(self) -> bool:
+        return self.encrypted is not None

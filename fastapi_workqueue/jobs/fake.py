@@ -1,0 +1,184 @@
+"""The test fake: ``with queue.fake() as fake:`` records dispatches instead of queuing them.
+
+Every dispatch is checked as a real one is (the payload against its type, the envelope's limits,
+the app key of an encrypted job) and, inside a transaction, recorded only when that transaction
+commits: a rolled-back dispatch is not there. ``await fake.work()`` then runs what was recorded,
+in the test's process, through the same runner as a worker (dependencies and the app's
+``dependency_overrides`` included, chains continued), and returns the counts.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..core.envelope import PreparedMessage, PublishRequest, prepare
+from .definition import Job
+from .envelope import JobEnvelope
+from .inprocess import InProcess, memory_locks, memory_once
+from .steps import MemorySteps
+
+if TYPE_CHECKING:
+    from .layer import Jobs
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatched:
+    """One recorded dispatch."""
+
+    job: str
+    id: uuid.UUID
+    queue: str
+    payload: Any
+    """The payload as the job's payload type."""
+    delay_seconds: float | None = None
+    unique: str | None = None
+
+
+class JobFake:
+    """Records dispatches; asserts on them; runs them with :meth:`work`."""
+
+    def __init__(self, jobs: Jobs) -> None:
+        self._jobs = jobs
+        self.records: list[Dispatched] = []
+        self._waiting: list[tuple[str, PreparedMessage]] = []
+        self._held_unique: set[str] = set()
+        self._steps = MemorySteps()
+        self._once = memory_once()
+        self._locks = memory_locks()
+        self._saved: tuple[Any, Any, Any] | None = None
+
+    # -- activation --------------------------------------------------------------------------
+
+    def __enter__(self) -> JobFake:
+        self._saved = (self._jobs.fake, self._jobs.steps, self._jobs.locks)
+        self._jobs.fake = self
+        self._jobs.steps = self._steps
+        self._jobs.locks = self._locks
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            self._jobs.fake, self._jobs.steps, self._jobs.locks = self._saved
+            self._saved = None
+
+    async def __aenter__(self) -> JobFake:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.__exit__(*exc)
+
+    # -- recording ---------------------------------------------------------------------------
+
+    def record(self, job: Job, data: Any, queue: str, request: PublishRequest, *,
+               unique: str | None = None, session: Any = None) -> uuid.UUID | None:
+        """Checks a dispatch as the store would and records it (at the commit of its transaction)."""
+        prepared = prepare(request)
+        key = request.deduplication_key
+        if key is not None and key in self._held_unique:
+            return None
+        entry = Dispatched(job=job.name, id=prepared.message_id, queue=queue, payload=job.load(data),
+                           delay_seconds=request.delay_seconds, unique=unique)
+
+        def keep() -> None:
+            self.records.append(entry)
+            self._waiting.append((queue, prepared))
+            if key is not None:
+                self._held_unique.add(key)
+
+        if not _after_commit(keep, session):
+            keep()
+        return prepared.message_id
+
+    # -- assertions --------------------------------------------------------------------------
+
+    def dispatched(self, job: Any) -> list[Any]:
+        """The payloads ``job`` was dispatched with, in order."""
+        name = self._jobs.registry.resolve(job).name
+        return [r.payload for r in self.records if r.job == name]
+
+    def assert_dispatched(self, job: Any, times: int | None = None,
+                          where: Callable[[Any], bool] | None = None) -> None:
+        """Fails unless ``job`` was dispatched (``times`` times, counting those ``where`` accepts)."""
+        name = self._jobs.registry.resolve(job).name
+        payloads = [p for p in self.dispatched(job) if where is None or where(p)]
+        if times is None and not payloads:
+            raise AssertionError(f"job {name!r} was not dispatched{_matching(where)}; dispatched: {self._summary()}")
+        if times is not None and len(payloads) != times:
+            raise AssertionError(
+                f"job {name!r} was dispatched {len(payloads)} time(s){_matching(where)}, expected {times}"
+            )
+
+    def assert_not_dispatched(self, job: Any) -> None:
+        name = self._jobs.registry.resolve(job).name
+        count = len(self.dispatched(job))
+        if count:
+            raise AssertionError(f"job {name!r} was dispatched {count} time(s), expected none")
+
+    def _summary(self) -> str:
+        return ", ".join(sorted({r.job for r in self.records})) or "nothing"
+
+    # -- running -----------------------------------------------------------------------------
+
+    async def work(self) -> dict[str, int]:
+        """Runs every recorded job not run yet (and the jobs they chain), here and now."""
+        runner = InProcess(self._jobs, once=self._once, on_queued=self._chained, raise_failures=False)
+        while self._waiting:
+            queue, message = self._waiting.pop(0)
+            await runner.run_until_done(queue, message)
+            envelope = JobEnvelope.from_json(_payload(message))
+            if envelope.unique_key is not None:
+                self._held_unique.discard(envelope.unique_key)
+        return runner.counts.as_dict()
+
+    def _chained(self, queue: str, message: PreparedMessage) -> None:
+        envelope = JobEnvelope.from_json(_payload(message))
+        job = self._jobs.registry.find(envelope.job)
+        if job is not None:
+            self.records.append(Dispatched(job=job.name, id=message.message_id, queue=queue,
+                                           payload=job.load(self._jobs.open_payload(job, envelope))))
+
+
+def _payload(message: PreparedMessage) -> Any:
+    import json
+
+    return json.loads(message.payload_json or "null")
+
+
+def _matching(where: Callable[[Any], bool] | None) -> str:
+    return "" if where is None else " with a payload that matches"
+
+
+def _after_commit(keep: Callable[[], None], session: Any) -> bool:
+    """Runs ``keep`` when the dispatch's transaction commits and never when it rolls back (True), or
+    says there is no transaction (False): the caller's ``session=``, or the request's."""
+    from sqlalchemy import event
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+    from ..web.session import current_session
+
+    tx = session if session is not None else current_session()
+    target: Any
+    if isinstance(tx, AsyncSession):
+        target, on_commit, on_rollback = tx.sync_session, "after_commit", "after_rollback"
+    elif isinstance(tx, AsyncConnection):
+        target, on_commit, on_rollback = tx.sync_connection, "commit", "rollback"
+    else:
+        return False
+    ended = False
+
+    def committed(*_: Any) -> None:
+        nonlocal ended
+        if not ended:
+            ended = True
+            keep()
+
+    def rolled_back(*_: Any) -> None:
+        nonlocal ended
+        ended = True
+
+    event.listen(target, on_commit, committed, once=True)
+    event.listen(target, on_rollback, rolled_back, once=True)
+    return True

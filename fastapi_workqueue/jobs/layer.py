@@ -1,0 +1,540 @@
+"""The jobs layer of one WorkQueue: declaration, dispatch, bulk, chains, unique keys, sizes.
+
+``queue.job``, ``queue.dispatch``, ``queue.bulk``, ``queue.chain``, ``queue.size`` and
+``queue.listen`` delegate here. A job is a message on its queue's topic (:mod:`.envelope`), so
+every guarantee of the core holds for it: leases, fencing, heartbeats, dead letters, the operator
+tools, transactional publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from ..core.envelope import PreparedMessage, PublishRequest, PublishResult, PublishStatus, prepare, uuid7
+from ..core.errors import ConfigurationError, TransportError
+from ..core.outcomes import FollowUp, Outcome, WorkOutcome
+from ..core.topology import Subscription, Topic
+from .context import JobContext, StepStore
+from .definition import DEFAULT_TRIES, Job, check_job_name, check_queue_name, define_job
+from .encryption import PayloadCipher, cipher_from
+from .envelope import JOB_ATTRIBUTE, ChainLink, JobEnvelope, UniqueUntil, queue_of, topic_of
+from .events import JobEvents
+from .failed import FailedJobs
+from .middleware import Locks
+from .registry import JobRegistry
+from .runner import JobRunner
+from .schedules import Schedules
+from .steps import TransportSteps
+
+if TYPE_CHECKING:
+    from ..core.context import WorkContext
+    from ..core.envelope import WorkMessage
+    from ..queue import WorkQueue
+
+log = logging.getLogger("fastapi_workqueue.jobs")
+
+JOBS_HANDLER = "workqueue.jobs"
+"""The handler key of every job queue's subscription."""
+DEFAULT_UNIQUE_FOR = 3600.0
+UNIQUE_RETRIES = 3
+
+
+class JobDispatchError(RuntimeError):
+    """The store refused a job (the result says why); nothing of the call was queued."""
+
+    def __init__(self, job: str, result: PublishResult) -> None:
+        detail = result.error.message if result.error is not None else result.status.value
+        super().__init__(f"job {job!r} was not queued: {detail}")
+        self.result = result
+
+
+def _seconds(delay: timedelta | float | None) -> float | None:
+    if delay is None:
+        return None
+    seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+    if seconds < 0:
+        raise ValueError(f"delay must not be negative, got {delay!r}")
+    return seconds
+
+
+class Jobs:
+    """Jobs of one :class:`~fastapi_workqueue.WorkQueue`."""
+
+    def __init__(self, queue: WorkQueue) -> None:
+        self.queue = queue
+        self.registry = JobRegistry()
+        self.events = JobEvents()
+        self.runner = JobRunner(self)
+        self.steps: StepStore = TransportSteps(lambda: self.queue.transport)
+        self.locks = Locks(self._once_begin, self._once_abort)
+        self._cipher: PayloadCipher | None = None
+        self._cipher_loaded = False
+        self._synced: set[str] = set()
+        self._sync_lock = asyncio.Lock()
+        self.stuck: Callable[[Job, JobContext], None] = _log_stuck
+        """Called when a job ignored its timeout for the stop timeout; ``workqueue work`` exits 70."""
+        self.fake: Any = None
+        """The test fake while ``queue.fake()`` is active: dispatches are recorded, not queued."""
+        self.schedules = Schedules(self)
+        self.failed = FailedJobs(self)
+        self._emitting: set[asyncio.Task[None]] = set()
+        self._stop_timeout: float | None = None
+
+    # -- events ------------------------------------------------------------------------------
+
+    def emit_soon(self, event: Any) -> None:
+        """Calls the listeners of ``event`` in a task of their own (from a settle's callback)."""
+        task = asyncio.get_running_loop().create_task(self.events.emit(event), name="workqueue-job-event")
+        self._emitting.add(task)
+        task.add_done_callback(self._emitting.discard)
+
+    async def drain_events(self) -> None:
+        """Waits for the listeners still running (the queue's close)."""
+        while self._emitting:
+            await asyncio.gather(*list(self._emitting), return_exceptions=True)
+
+    # -- settings ----------------------------------------------------------------------------
+
+    @property
+    def lease_seconds(self) -> float:
+        return float(self.queue.settings.job_lease_seconds)
+
+    @property
+    def stop_timeout(self) -> float:
+        """Seconds a job that ran past its timeout has to stop before the worker ends (exit 70)."""
+        if self._stop_timeout is not None:
+            return self._stop_timeout
+        return self.queue.settings.shutdown_drain_ms / 1000
+
+    @stop_timeout.setter
+    def stop_timeout(self, seconds: float) -> None:
+        self._stop_timeout = seconds
+
+    @property
+    def sync(self) -> bool:
+        return self.queue.settings.jobs_mode == "sync"
+
+    def cipher(self) -> PayloadCipher | None:
+        if not self._cipher_loaded:
+            settings = self.queue.settings
+            key = settings.app_key.get_secret_value() if settings.app_key is not None else None
+            previous = settings.previous_keys.get_secret_value() if settings.previous_keys is not None else None
+            self._cipher = cipher_from(key, previous)
+            self._cipher_loaded = True
+        return self._cipher
+
+    def check(self) -> None:
+        """What must hold before the app starts: a key for encrypted jobs (raises ConfigurationError)."""
+        encrypted = sorted(job.name for job in self.registry if job.encrypted)
+        if encrypted and self.cipher() is None:
+            raise ConfigurationError(
+                f"job(s) {', '.join(repr(n) for n in encrypted)} are declared encrypted=True but no app key is set: "
+                "set WORKQUEUE_APP_KEY (a Fernet key; WorkQueueSettings(app_key=...)); make one with "
+                'python -c "from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())"'
+            )
+
+    # -- declaration -------------------------------------------------------------------------
+
+    def declare(self, name: str, **options: Any) -> Callable[[Any], Any]:
+        """``@queue.job(name, tries=, backoff=, timeout=, queue=, encrypted=, middleware=[...])``."""
+        check_job_name(name)
+
+        def register(func: Any) -> Any:
+            job = define_job(name, func, **options)
+            self.registry.add(job)
+            try:
+                self.queue.prepare_dependencies(job.key, job.func, job.dependency_params)
+            except ConfigurationError:
+                self.registry.remove(job.name)
+                raise
+            self.declare_queue(job.policy.queue)
+            return func
+
+        return register
+
+    def app_needed(self) -> str | None:
+        """Where a job's dependencies take a Request (so the job needs to run with the app), or None."""
+        for job in self.registry:
+            where = self.queue.app_needed_by(job.key)
+            if where is not None:
+                return where
+        return None
+
+    def declare_queue(self, name: str) -> None:
+        """Adds the topic and subscription of job queue ``name`` to the queue's topology."""
+        check_queue_name(name)
+        topic = topic_of(name)
+        if topic in self.queue.topics:
+            return
+        self.queue.add_topic(Topic(name=topic))
+        self.queue.add_subscription(self.subscription_for(name))
+        if self.queue.resolve_handler(JOBS_HANDLER) is None:
+            self.queue.handler(JOBS_HANDLER)(self.runner.run)
+
+    def subscription_for(self, name: str) -> Subscription:
+        topic = topic_of(name)
+        return Subscription(name=topic, topic=topic, handler_key=JOBS_HANDLER, lease_seconds=self.lease_seconds,
+                            max_attempts=DEFAULT_TRIES)
+
+    async def ensure_queue(self, name: str) -> str:
+        """The topic of job queue ``name``, declared and written to the store (once per process)."""
+        self.declare_queue(name)
+        topic = topic_of(name)
+        if topic not in self._synced and self.queue.is_open:
+            async with self._sync_lock:
+                if topic not in self._synced:
+                    await self.queue.transport.sync_topology([self.queue.topics[topic]],
+                                                             [self.queue.subscriptions[topic]])
+                    self._synced.add(topic)
+        return topic
+
+    def mark_synced(self) -> None:
+        """The queue's open() wrote the declared topology: every declared job queue is in the store."""
+        self._synced.update(t for t in self.queue.topics if queue_of(t) is not None)
+
+    # -- building messages -------------------------------------------------------------------
+
+    def seal(self, job: Job, data: Any) -> tuple[Any, str | None]:
+        """(payload, encrypted token) for the envelope of ``job``."""
+        if not job.encrypted:
+            return data, None
+        cipher = self.cipher()
+        if cipher is None:
+            raise ConfigurationError(
+                f"job {job.name!r} is encrypted=True but no app key is set: set WORKQUEUE_APP_KEY"
+            )
+        return None, cipher.encrypt(data)
+
+    def open_payload(self, job: Job, envelope: JobEnvelope) -> Any:
+        """The stored payload in the clear (decrypted for an encrypted job)."""
+        if not job.encrypted:
+            return envelope.payload
+        cipher = self.cipher()
+        if cipher is None:
+            from .encryption import PayloadUndecryptable
+
+            raise PayloadUndecryptable("the job is encrypted=True but this process has no WORKQUEUE_APP_KEY")
+        return cipher.decrypt(envelope.encrypted)
+
+    def request(
+        self,
+        job: Job,
+        data: Any,
+        *,
+        job_id: uuid.UUID | None = None,
+        delay: float | None = None,
+        tries: int | None = None,
+        backoff: Sequence[float] | None = None,
+        timeout: float | None = None,
+        unique: str | None = None,
+        unique_until: UniqueUntil = "done",
+        unique_for: float = DEFAULT_UNIQUE_FOR,
+        chain: Sequence[ChainLink] = (),
+    ) -> PublishRequest:
+        payload, encrypted = self.seal(job, data)
+        policy = job.policy
+        backoff = policy.backoff if backoff is None else backoff
+        envelope = JobEnvelope(
+            job=job.name, payload=payload, encrypted=encrypted,
+            timeout=policy.timeout if timeout is None else timeout,
+            unique_key=None if unique is None else f"{job.name}:{unique}",
+            unique_until=None if unique is None else unique_until, chain=tuple(chain),
+        )
+        return PublishRequest(
+            message_id=job_id, attributes={JOB_ATTRIBUTE: job.name}, payload=envelope.to_json(),
+            delay_seconds=delay, max_attempts=tries or policy.tries,
+            backoff_seconds=None if backoff is None else list(backoff),
+            deduplication_key=envelope.unique_key,
+            deduplication_ttl_seconds=unique_for if unique is not None else None,
+        )
+
+    def link(self, job: Job, data: Any, queue: str | None = None) -> ChainLink:
+        payload, encrypted = self.seal(job, data)
+        policy = job.policy
+        return ChainLink(job=job.name, id=uuid7(), queue=queue or policy.queue, tries=policy.tries,
+                         backoff=policy.backoff, timeout=policy.timeout, payload=payload, encrypted=encrypted)
+
+    def next_request(self, envelope: JobEnvelope) -> tuple[str, PublishRequest] | None:
+        """The next job of a chain (queue, request), carrying the rest of the chain."""
+        if not envelope.chain:
+            return None
+        first, rest = envelope.chain[0], envelope.chain[1:]
+        following = JobEnvelope(job=first.job, payload=first.payload, encrypted=first.encrypted,
+                                timeout=first.timeout, chain=rest)
+        return first.queue, PublishRequest(
+            message_id=first.id, attributes={JOB_ATTRIBUTE: first.job}, payload=following.to_json(),
+            max_attempts=first.tries, backoff_seconds=None if first.backoff is None else list(first.backoff),
+        )
+
+    def completion(self, envelope: JobEnvelope) -> WorkOutcome:
+        """Complete, with the chain's next job queued in the same transaction."""
+        following = self.next_request(envelope)
+        if following is None:
+            return Outcome.complete()
+        queue, request = following
+        return Outcome.complete(then=[FollowUp(topic_of(queue), [prepare(request)])])
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    async def dispatch(
+        self,
+        job: Any,
+        payload: Any = None,
+        *,
+        delay: timedelta | float | None = None,
+        queue: str | None = None,
+        unique: str | None = None,
+        unique_until: UniqueUntil = "done",
+        unique_for: float = DEFAULT_UNIQUE_FOR,
+        session: Any = None,
+    ) -> uuid.UUID | None:
+        """Validates ``payload``, queues the job and returns its id (None: ``unique`` key held)."""
+        definition = self.registry.resolve(job)
+        if unique_until not in ("done", "processing"):
+            raise ValueError(f"unique_until must be 'done' or 'processing', got {unique_until!r}")
+        if unique is not None and not (isinstance(unique, str) and unique):
+            raise ValueError(f"unique must be a non-empty string key, got {unique!r}")
+        if unique_for <= 0:
+            raise ValueError(f"unique_for must be above 0 seconds, got {unique_for!r}")
+        data = definition.validate(payload)
+        target = check_queue_name(queue) if queue is not None else definition.policy.queue
+        request = self.request(definition, data, delay=_seconds(delay), unique=unique, unique_until=unique_until,
+                               unique_for=unique_for)
+        if self.fake is not None:
+            recorded: uuid.UUID | None = self.fake.record(definition, data, target, request, unique=unique,
+                                                          session=session)
+            return recorded
+        if self.sync:
+            return await self.run_now(definition, target, prepare(request))
+        topic = await self.ensure_queue(target)
+        [result] = await self._publish(topic, [request], session, retry_in_savepoint=unique is not None)
+        if result.status == PublishStatus.DUPLICATE and unique is not None:
+            return None
+        if not result.ok or result.message_id is None:
+            raise JobDispatchError(definition.name, result)
+        return result.message_id
+
+    async def bulk(self, items: Iterable[tuple[Any, Any]], *, session: Any = None) -> list[uuid.UUID]:
+        """Queues several jobs in one transaction; every payload is checked before any is queued."""
+        prepared: list[tuple[Job, str, PublishRequest, Any]] = []
+        for item in items:
+            job, payload, options = _item(item)
+            definition = self.registry.resolve(job)
+            data = definition.validate(payload)
+            target = check_queue_name(options.get("queue") or definition.policy.queue)
+            request = self.request(definition, data, delay=_seconds(options.get("delay")))
+            prepared.append((definition, target, request, data))
+        if not prepared:
+            return []
+        if self.fake is not None:
+            return [self.fake.record(d, data, q, r, session=session) for d, q, r, data in prepared]
+        if self.sync:
+            return [await self.run_now(d, q, prepare(r)) for d, q, r, _ in prepared]
+        by_topic: dict[str, list[int]] = {}
+        for index, (_, target, _, _) in enumerate(prepared):
+            by_topic.setdefault(await self.ensure_queue(target), []).append(index)
+        ids: list[uuid.UUID | None] = [None] * len(prepared)
+        requests = [r for _, _, r, _ in prepared]
+
+        async def publish_all(tx: Any) -> None:
+            for topic, indexes in by_topic.items():
+                results = await self.queue.publish(topic, [requests[i] for i in indexes], session=tx)
+                for index, result in zip(indexes, results, strict=True):
+                    if not result.ok or result.message_id is None:
+                        raise JobDispatchError(prepared[index][0].name, result)
+                    ids[index] = result.message_id
+
+        await self._in_one_transaction(publish_all, session, several=len(by_topic) > 1)
+        return [i for i in ids if i is not None]
+
+    async def chain(self, items: Iterable[tuple[Any, Any]], *, session: Any = None) -> list[uuid.UUID]:
+        """Queues the first job now; each next one is queued in the transaction that completes the
+        one before. Every payload is checked first. Returns the ids of all of them."""
+        steps = []
+        for item in items:
+            job, payload, options = _item(item)
+            definition = self.registry.resolve(job)
+            steps.append((definition, definition.validate(payload), options.get("queue")))
+        if not steps:
+            return []
+        links = [self.link(d, data, q) for d, data, q in steps[1:]]
+        first, data, queue = steps[0]
+        target = check_queue_name(queue or first.policy.queue)
+        request = self.request(first, data, job_id=uuid7(), chain=links)
+        ids = [request.message_id, *(link.id for link in links)]
+        if self.fake is not None:
+            self.fake.record(first, data, target, request, session=session)
+            return [i for i in ids if i is not None]
+        if self.sync:
+            await self.run_now(first, target, prepare(request))
+            return [i for i in ids if i is not None]
+        topic = await self.ensure_queue(target)
+        for link in links:
+            await self.ensure_queue(link.queue)
+        [result] = await self._publish(topic, [request], session)
+        if not result.ok:
+            raise JobDispatchError(first.name, result)
+        return [i for i in ids if i is not None]
+
+    async def size(self, queue: str | None = None) -> int:
+        """Jobs that wait or run on ``queue`` (on every job queue when None)."""
+        names = [topic_of(check_queue_name(queue))] if queue is not None else None
+        total = 0
+        for stats in await self.queue.stats():
+            if queue_of(stats.subscription) is None or (names is not None and stats.subscription not in names):
+                continue
+            total += stats.pending + stats.in_flight
+        return total
+
+    # -- publishing --------------------------------------------------------------------------
+
+    async def _publish(
+        self, topic: str, requests: list[PublishRequest], session: Any, *, retry_in_savepoint: bool = False
+    ) -> list[PublishResult]:
+        from ..web.session import current_session
+
+        tx = session if session is not None else current_session()
+        if tx is None or not retry_in_savepoint or self.queue.transport.name == "sqlite":
+            # (SQLite's single writer already serializes dispatchers: the key is read under the
+            # write lock, and a savepoint would turn that lock into an upgrade that fails at once.)
+            return await self.queue.publish(topic, requests, session=tx)
+        # A unique key dispatched at once by another transaction: the store asks to try again. A
+        # savepoint keeps the caller's transaction usable, and the second try sees the key held.
+        for attempt in range(1, UNIQUE_RETRIES + 1):
+            try:
+                async with _savepoint(tx):
+                    return await self.queue.publish(topic, requests, session=tx)
+            except TransportError as exc:
+                if not exc.retryable or attempt == UNIQUE_RETRIES:
+                    raise
+                await asyncio.sleep(0.02 * attempt)
+        raise AssertionError("unreachable")
+
+    async def _in_one_transaction(self, work: Callable[[Any], Any], session: Any, *, several: bool) -> None:
+        from ..web.session import current_session
+
+        tx = session if session is not None else current_session()
+        if tx is not None or not several:
+            await work(tx)
+            return
+        async with self.queue.sessionmaker() as own, own.begin():
+            await work(own)
+
+    async def reencrypt(self, *, page: int = 500) -> int:
+        """Encrypts the payloads of waiting and failed encrypted jobs again with the current key
+        (after a key rotation, before an old key is dropped from WORKQUEUE_PREVIOUS_KEYS). A job
+        that runs meanwhile keeps its payload; run it again later. Returns how many it rewrote."""
+        cipher = self.cipher()
+        if cipher is None:
+            raise ConfigurationError("reencrypting needs the app key: set WORKQUEUE_APP_KEY")
+        transport = self.queue.transport
+        rewritten = 0
+        for sub in await transport.list_subscriptions():
+            if queue_of(sub.name) is None:
+                continue
+            for status in ("Pending", "DeadLettered"):
+                after: str | None = None
+                while True:
+                    infos = await transport.list_deliveries(sub.name, status, limit=page, after=after,
+                                                            include_payload=True)
+                    for info in infos:
+                        if await self._reencrypt_one(cipher, info):
+                            rewritten += 1
+                    if len(infos) < page:
+                        break
+                    after = infos[-1].delivery_id
+        return rewritten
+
+    async def _reencrypt_one(self, cipher: PayloadCipher, info: Any) -> bool:
+        try:
+            envelope = JobEnvelope.from_json(info.payload)
+        except ValueError:
+            return False
+        if envelope.encrypted is None and not envelope.chain:
+            return False
+        links = tuple(
+            link if link.encrypted is None else replace(link, encrypted=cipher.rotate(link.encrypted))
+            for link in envelope.chain
+        )
+        fresh = replace(envelope, encrypted=None if envelope.encrypted is None else cipher.rotate(envelope.encrypted),
+                        chain=links)
+        if fresh == envelope:
+            return False
+        prepared = prepare(PublishRequest(message_id=info.message_id, partition_key=info.partition_key,
+                                          attributes=info.attributes or {}, payload=fresh.to_json(),
+                                          correlation_id=info.correlation_id))
+        done: bool = await self.queue.transport.rewrite_payload(
+            info.message_id, prepared.payload_json, prepared.content_hash, prepared.envelope_bytes
+        )
+        return done
+
+    async def release_unique(self, queue: str, key: str, job_id: uuid.UUID) -> None:
+        """Frees a unique key this job holds (a key held by a later job stays)."""
+        if self.fake is not None:
+            return
+        with contextlib.suppress(Exception):  # at worst the key expires after unique_for
+            await self.queue.transport.release_deduplication_key(topic_of(queue), key, job_id)
+
+    # -- running in this process -------------------------------------------------------------
+
+    async def run_now(self, job: Job, queue: str, message: PreparedMessage) -> uuid.UUID:
+        """Sync mode: runs the job at its dispatch, in the caller's task (see :mod:`.inprocess`)."""
+        from .inprocess import InProcess
+
+        await InProcess(self).run_until_done(queue, message)
+        return message.message_id
+
+    def caller(self, job: Job, payload: Any, job_context: JobContext, message: WorkMessage[Any],
+               context: WorkContext) -> Callable[[], Any]:
+        """The call of the job's function with its payload, context and dependencies."""
+        fixed: dict[str, Any] = {}
+        if job.payload_param is not None:
+            fixed[job.payload_param] = payload
+        if job.context_param is not None:
+            fixed[job.context_param] = job_context
+
+        async def call() -> Any:
+            return await self.queue.call_with_dependencies(job.key, job.func, fixed, message, context)
+
+        return call
+
+    async def _once_begin(self, key: str, seconds: float) -> tuple[str, str | None]:
+        return await self.queue.transport.once_begin(key, seconds)
+
+    async def _once_abort(self, key: str, token: str) -> bool:
+        return await self.queue.transport.once_abort(key, token)
+
+
+def _item(item: Any) -> tuple[Any, Any, dict[str, Any]]:
+    if not isinstance(item, tuple | list) or len(item) not in (2, 3):
+        raise TypeError(f"each item is (job, payload) or (job, payload, {{'queue': ..., 'delay': ...}}), got {item!r}")
+    options = dict(item[2]) if len(item) == 3 else {}
+    unknown = set(options) - {"queue", "delay"}
+    if unknown:
+        raise TypeError(f"unknown options {sorted(unknown)} for a job in bulk() or chain(); use queue and delay")
+    return item[0], item[1], options
+
+
+@contextlib.asynccontextmanager
+async def _savepoint(tx: Any) -> Any:
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+    if isinstance(tx, AsyncSession | AsyncConnection):
+        async with tx.begin_nested():
+            yield
+    else:
+        yield
+
+
+def _log_stuck(job: Job, job_context: JobContext) -> None:
+    log.error(
+        "job %s (%s) ignored its timeout and the stop timeout and still runs; in a worker process "
+        "(workqueue work) this ends the worker with exit code 70", job.name, job_context.id,
+    )

@@ -1,0 +1,93 @@
+"""The REST routes of failed jobs, beside the operator API (``queue.router``):
+
+``GET /work-queue/jobs/failed`` (``workqueue:read``; payloads with ``workqueue:admin``),
+``POST /work-queue/jobs/{id}/retry``, ``POST /work-queue/jobs/{id}/forget`` and
+``POST /work-queue/jobs/failed/prune?older_than_days=N`` (``workqueue:operate``).
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the route signatures' annotations, and
+# the aliases below are local to build_job_router.
+import uuid
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Annotated, TypeVar
+
+from fastapi import APIRouter, HTTPException, Path, Query, Security, status
+
+from ..core.errors import ConfigurationError, TransportError
+from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_READ, Principal
+from ..core.reports import ActionResult
+from ..core.wire import WireModel
+from .definition import check_queue_name
+from .failed import MAX_DAYS, FailedJob, JobNotFailed
+
+if TYPE_CHECKING:
+    from ..queue import WorkQueue
+    from ..web.auth import Authorizer
+
+
+T = TypeVar("T")
+
+
+class Pruned(WireModel):
+    pruned: int
+
+
+def build_job_router(queue: "WorkQueue", authorize: "Authorizer", *, prefix: str = "") -> APIRouter:
+    """The failed-job routes of ``queue`` under ``prefix`` + ``/jobs``, checked by ``authorize`` (the
+    operator router includes them, under its own prefix)."""
+    router = APIRouter(prefix=f"{prefix}/jobs", tags=["jobs"])
+    Reader = Annotated[Principal, Security(authorize, scopes=[SCOPE_READ])]
+    Operator = Annotated[Principal, Security(authorize, scopes=[SCOPE_OPERATE])]
+    JobId = Annotated[uuid.UUID, Path(description="The job's id (its MessageID).")]
+
+    def queue_name(name: str | None) -> str | None:
+        if name is None:
+            return None
+        try:
+            return check_queue_name(name)
+        except ConfigurationError as exc:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=str(exc)) from None
+
+    @router.get("/failed", response_model=list[FailedJob], summary="Jobs that failed for good")
+    async def failed(
+        principal: Reader,
+        queue_filter: Annotated[str | None, Query(alias="queue")] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> list[FailedJob]:
+        """The failed jobs with their reason and redacted error (payloads for ``workqueue:admin``,
+        never an encrypted one's plaintext)."""
+        return await _call(queue.failed_jobs(queue_name(queue_filter), limit=limit,
+                                             include_payload=principal.has(SCOPE_ADMIN)))
+
+    @router.post("/{job_id}/retry", response_model=ActionResult, summary="Queue a failed job again",
+                 responses={404: {"description": "No failed job has this id."}})
+    async def retry(job_id: JobId, principal: Operator) -> ActionResult:
+        """The failed job is queued again with the same id, its tries counted afresh."""
+        return await _call(queue.retry_job(job_id))
+
+    @router.post("/{job_id}/forget", response_model=ActionResult, summary="Drop a failed job",
+                 responses={404: {"description": "No failed job has this id."}})
+    async def forget(job_id: JobId, principal: Operator) -> ActionResult:
+        """The failed job is dropped (discarded)."""
+        return await _call(queue.forget_job(job_id))
+
+    @router.post("/failed/prune", response_model=Pruned, summary="Drop old failed jobs")
+    async def prune(
+        principal: Operator,
+        older_than_days: Annotated[float, Query(ge=0, le=MAX_DAYS)],
+        queue_filter: Annotated[str | None, Query(alias="queue")] = None,
+    ) -> Pruned:
+        """Drops the jobs that failed more than ``older_than_days`` ago."""
+        return Pruned(pruned=await _call(queue.prune_failed_jobs(older_than_days, queue_name(queue_filter))))
+
+    return router
+
+
+async def _call(awaitable: Awaitable[T]) -> T:
+    try:
+        return await awaitable
+    except JobNotFailed as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=str(exc).strip("'\"")) from None
+    except TransportError as exc:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, detail="the queue's store is unavailable; retry",
+                            headers={"Retry-After": "1"}) from exc

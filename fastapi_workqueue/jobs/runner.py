@@ -1,0 +1,237 @@
+"""Runs one attempt of a job: the core handler of every job queue.
+
+It reads the job envelope, finds the job, decrypts and validates its payload, runs the job's
+middleware and the job (with its dependencies, as a handler's are solved) under its timeout, and
+turns what happened into the delivery's outcome and the job's events:
+
+| the attempt | outcome | event |
+|---|---|---|
+| returns None | Completed (and the next job of a chain is queued in the same transaction) | JobProcessed |
+| returns ``job.release(d)``, or finds its overlap key taken | back after ``d`` s, a try used | JobReleased |
+| returns ``job.discard(reason)`` | Discarded | JobDiscarded |
+| raises (``TransientWorkError`` or any error) | back after backoff | JobReleased error |
+| runs past its timeout | back after backoff | JobReleased timeout |
+| raises on its last try, or ``FatalWorkError`` | DeadLettered | JobFailed |
+| has a payload that cannot be decrypted or validated | DeadLettered at once | JobFailed |
+| names a job this process does not know | back after backoff | JobReleased unknown-job |
+| meets ``once()`` busy in another attempt | back in 5 s, no try used | JobReleased once-busy |
+| is stopped by a shutdown | back at once, no try used | JobReleased shutdown |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..core.context import AbortReason, AbortSignal, OnceBusy, WorkContext
+from ..core.envelope import WorkMessage
+from ..core.outcomes import FatalWorkError, Outcome, TransientWorkError, WorkOutcome
+from .context import JobContext, JobDiscard, JobRelease
+from .definition import Job, JobPayloadInvalid
+from .encryption import PayloadUndecryptable
+from .envelope import EnvelopeInvalid, JobEnvelope, queue_of
+from .events import E, JobDiscarded, JobEvent, JobFailed, JobProcessed, JobProcessing, JobReleased, ReleaseReason
+from .middleware import JobAttempt
+
+if TYPE_CHECKING:
+    from .layer import Jobs
+
+log = logging.getLogger("fastapi_workqueue.jobs")
+
+
+class JobTimedOut(TransientWorkError):
+    """The job ran past its timeout; its signal aborted and its task was cancelled."""
+
+
+@dataclass(slots=True)
+class _Timer:
+    """The timeout of one attempt: aborts the job's signal and cancels its task when it passes."""
+
+    task: asyncio.Task[Any] | None
+    signal: AbortSignal
+    fired: bool = False
+
+    def fire(self) -> None:
+        self.fired = True
+        self.signal.abort(AbortReason.MAX_PROCESSING_SECONDS)
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+class JobRunner:
+    """The handler behind every job queue's subscription."""
+
+    def __init__(self, jobs: Jobs) -> None:
+        self._jobs = jobs
+
+    async def run(self, message: WorkMessage[Any], context: WorkContext) -> WorkOutcome:
+        """Runs one attempt of the job in ``message`` (registered as the job queues' handler)."""
+        queue = queue_of(message.topic) or message.topic
+        try:
+            envelope = JobEnvelope.from_json(message.payload)
+        except EnvelopeInvalid as exc:
+            raise FatalWorkError(str(exc)) from None
+        base = _Fields(envelope.job, message.message_id, queue, context.attempt, context.max_attempts)
+        job = self._jobs.registry.find(envelope.job)
+        if job is None:
+            error = TransientWorkError(
+                f"no job named {envelope.job!r} is declared in this process; declare it with "
+                f"@queue.job({envelope.job!r}) in a module the worker imports"
+            )
+            await self._after_error(base, context, envelope, error, "unknown-job")
+            raise error
+        try:
+            payload = job.load(self._jobs.open_payload(job, envelope))
+        except (PayloadUndecryptable, JobPayloadInvalid) as exc:
+            failure = FatalWorkError(str(exc))
+            self._after(context, base.event(JobFailed, error=failure, reason=str(exc),
+                                            chain_ended=bool(envelope.chain)))
+            raise failure from None
+        signal = AbortSignal()
+        context.signal.add_listener(signal.abort)
+        job_context = JobContext(
+            id=message.message_id, name=job.name, attempt=context.attempt, tries=context.max_attempts, queue=queue,
+            signal=signal, log=_JobLog(log, job.name, message, context.attempt), once=context.once,
+            steps=self._jobs.steps,
+        )
+        if envelope.unique_key is not None and envelope.unique_until == "processing":
+            await self._jobs.release_unique(queue, envelope.unique_key, message.message_id)
+        await self._emit(base.event(JobProcessing))
+        started = time.monotonic()
+        try:
+            result = await self._attempt(job, payload, job_context, envelope, message, context)
+        except OnceBusy:
+            self._after(context, base.event(JobReleased, reason="once-busy"))
+            raise
+        except asyncio.CancelledError:
+            if context.signal.reason == AbortReason.SHUTDOWN:
+                self._after(context, base.event(JobReleased, reason="shutdown"))
+            raise
+        except FatalWorkError as exc:
+            await self._failed(base, context, envelope, exc, str(exc))
+            raise
+        except Exception as exc:
+            why: ReleaseReason = "timeout" if isinstance(exc, JobTimedOut) else "error"
+            await self._after_error(base, context, envelope, exc, why)
+            raise
+        if isinstance(result, JobDiscard):
+            await self._end_unique(queue, envelope, message)
+            self._after(context, base.event(JobDiscarded, reason=result.reason, chain_ended=bool(envelope.chain)))
+            return Outcome.discard(result.reason)
+        if isinstance(result, JobRelease):
+            reason = "released by the job" if result.reason == "release" else "its overlap key was taken"
+            if context.attempt >= context.max_attempts:
+                await self._failed(base, context, envelope, None, f"{reason} on its last try")
+            else:
+                released: ReleaseReason = "overlap" if result.reason == "overlap" else "release"
+                self._after(context, base.event(JobReleased, reason=released, delay_seconds=result.delay_seconds))
+            return Outcome.retry(reason, delay_seconds=result.delay_seconds)
+        await self._end_unique(queue, envelope, message)
+        self._after(context, base.event(JobProcessed, seconds=time.monotonic() - started))
+        return self._jobs.completion(envelope)
+
+    async def _attempt(
+        self, job: Job, payload: Any, job_context: JobContext, envelope: JobEnvelope, message: WorkMessage[Any],
+        context: WorkContext,
+    ) -> Any:
+        """The middleware, then the job, under the job's timeout."""
+        attempt = JobAttempt(job=job_context, payload=payload, definition=job, timeout=envelope.timeout,
+                             lease_seconds=self._jobs.lease_seconds, locks=self._jobs.locks)
+        call = self._jobs.caller(job, payload, job_context, message, context)
+        for middleware in reversed(job.middleware):
+            call = _wrap(middleware, attempt, call)
+        if envelope.timeout is None:
+            return await call()
+        timer = _Timer(asyncio.current_task(), job_context.signal)
+        loop = asyncio.get_running_loop()
+        handles = [loop.call_later(envelope.timeout, timer.fire),
+                   loop.call_later(envelope.timeout + self._jobs.stop_timeout, self._jobs.stuck, job, job_context)]
+        try:
+            return await call()
+        except asyncio.CancelledError:
+            if not timer.fired or context.signal.aborted:
+                raise
+            if timer.task is not None:
+                timer.task.uncancel()
+            raise JobTimedOut(
+                f"job {job.name!r} ran longer than its timeout of {envelope.timeout:g} s and was stopped"
+            ) from None
+        finally:
+            for handle in handles:
+                handle.cancel()
+
+    async def _after_error(
+        self, base: _Fields, context: WorkContext, envelope: JobEnvelope, exc: BaseException,
+        reason: ReleaseReason,
+    ) -> None:
+        if context.attempt >= context.max_attempts:
+            await self._failed(base, context, envelope, exc, f"{type(exc).__name__} on its last try")
+        else:
+            self._after(context, base.event(JobReleased, reason=reason, error=exc))
+
+    async def _failed(self, base: _Fields, context: WorkContext, envelope: JobEnvelope,
+                      exc: BaseException | None, reason: str) -> None:
+        if envelope.chain:
+            note = f"the chain ends here: the {len(envelope.chain)} job(s) queued after it will not run"
+            if exc is not None:
+                exc.add_note(note)
+            reason = f"{reason}; {note}"
+        if envelope.unique_key is not None:
+            await self._jobs.release_unique(base.queue, envelope.unique_key, base.job_id)
+        self._after(context, base.event(JobFailed, error=exc, reason=reason, chain_ended=bool(envelope.chain)))
+
+    async def _end_unique(self, queue: str, envelope: JobEnvelope, message: WorkMessage[Any]) -> None:
+        if envelope.unique_key is not None and envelope.unique_until != "processing":
+            await self._jobs.release_unique(queue, envelope.unique_key, message.message_id)
+
+    async def _emit(self, event: JobEvent) -> None:
+        await self._jobs.events.emit(event)
+
+    def _after(self, context: WorkContext, event: JobEvent) -> None:
+        """Emits ``event`` once the attempt's outcome is written to the store (listeners see what the
+        store knows: a failed job is in the failed jobs when JobFailed is heard)."""
+        if self._jobs.events:
+            context.after_settle(lambda _result: self._jobs.emit_soon(event))
+
+
+@dataclass(frozen=True, slots=True)
+class _Fields:
+    """What every event of one attempt carries."""
+
+    job: str
+    job_id: uuid.UUID
+    queue: str
+    attempt: int
+    tries: int
+
+    def event(self, kind: type[E], **extra: Any) -> E:
+        return kind(job=self.job, job_id=self.job_id, queue=self.queue, attempt=self.attempt, tries=self.tries,
+                    **extra)
+
+
+def _wrap(
+    middleware: Any, attempt: JobAttempt, call_next: Callable[[], Awaitable[Any]]
+) -> Callable[[], Awaitable[Any]]:
+    async def call() -> Any:
+        return await middleware(attempt, call_next)
+
+    return call
+
+
+class _JobLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """``job.log``: the jobs logger with the job's name, id, queue and attempt on every record."""
+
+    def __init__(self, logger: logging.Logger, name: str, message: WorkMessage[Any], attempt: int) -> None:
+        super().__init__(logger, {})
+        self._fields = {"job": name, "job_id": str(message.message_id), "subscription": message.subscription,
+                        "delivery_id": message.delivery_id, "message_id": str(message.message_id),
+                        "attempt": attempt}
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        kwargs["extra"] = {**self._fields, **(kwargs.get("extra") or {})}
+        return msg, kwargs

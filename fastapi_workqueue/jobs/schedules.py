@@ -1,0 +1,221 @@
+"""Schedules: ``queue.schedule(job, cron="*/5 * * * *" | every=timedelta(minutes=5), payload=...)``.
+
+Every process whose host runs keeps the schedules and dispatches each tick that falls due, with a
+MessageID made from the schedule's name and the tick's time. The store keeps one message per
+MessageID, so whichever process comes first queues the job and the others are told it exists:
+exactly one dispatch per tick, with no leader that could vanish. A tick missed while every process
+was down is not queued afterwards, unless the schedule has ``catch_up=True``; then the ticks since
+the last one the store knows are queued (at most :data:`MAX_CATCH_UP` of them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from ..core.envelope import PublishStatus
+from ..core.errors import ConfigurationError
+from .definition import Job
+
+if TYPE_CHECKING:
+    from .layer import Jobs
+
+log = logging.getLogger("fastapi_workqueue.jobs.schedules")
+
+NAMESPACE = uuid.UUID("6f1c1f0e-5d2a-4f54-9a53-0f3a5b1d7c41")
+"""The namespace of tick MessageIDs (uuid5 of the schedule's name and the tick)."""
+LATE_GRACE = timedelta(minutes=1)
+"""A tick is still queued when the scheduler sees it this late (it was busy, or just started)."""
+MAX_CATCH_UP = 1000
+MAX_SLEEP_SECONDS = 60.0
+
+
+@dataclass(slots=True)
+class Schedule:
+    """One schedule: a job, its payload and when it runs."""
+
+    name: str
+    job: Job
+    payload: Any
+    cron: str | None = None
+    every: timedelta | None = None
+    timezone: str = "UTC"
+    catch_up: bool = False
+    queue: str | None = None
+    _tz: ZoneInfo = field(init=False, repr=False)
+    _data: Any = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.cron is None) == (self.every is None):
+            raise ConfigurationError(f"schedule {self.name!r}: give either cron='*/5 * * * *' or every=timedelta(...)")
+        try:
+            self._tz = ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ConfigurationError(
+                f"schedule {self.name!r}: unknown timezone {self.timezone!r}; use an IANA name such as 'Europe/Berlin'"
+            ) from None
+        if self.cron is not None:
+            from croniter import croniter
+
+            if not croniter.is_valid(self.cron):
+                raise ConfigurationError(
+                    f"schedule {self.name!r}: {self.cron!r} is not a cron expression (five fields: minute hour "
+                    "day-of-month month day-of-week, e.g. '*/5 * * * *')"
+                )
+        elif self.every is not None and self.every.total_seconds() < 1:
+            raise ConfigurationError(f"schedule {self.name!r}: every must be at least one second, got {self.every}")
+        self._data = self.job.validate(self.payload)
+
+    def ticks_between(self, after: datetime, until: datetime) -> list[datetime]:
+        """The ticks t with ``after < t <= until`` (UTC), oldest first, at most MAX_CATCH_UP + 1."""
+        ticks: list[datetime] = []
+        current = after
+        while len(ticks) <= MAX_CATCH_UP:
+            current = self.next_after(current)
+            if current > until:
+                break
+            ticks.append(current)
+        return ticks
+
+    def next_after(self, moment: datetime) -> datetime:
+        """The first tick after ``moment`` (UTC in, UTC out)."""
+        if self.every is not None:
+            step = self.every.total_seconds()
+            epoch = moment.timestamp()
+            return datetime.fromtimestamp((epoch // step + 1) * step, UTC)
+        from croniter import croniter
+
+        local = moment.astimezone(self._tz)
+        following: datetime = croniter(str(self.cron), local).get_next(datetime)
+        return following.astimezone(UTC)
+
+    def previous_at_or_before(self, moment: datetime) -> datetime:
+        """The last tick at or before ``moment``."""
+        if self.every is not None:
+            step = self.every.total_seconds()
+            return datetime.fromtimestamp((moment.timestamp() // step) * step, UTC)
+        from croniter import croniter
+
+        local = moment.astimezone(self._tz)
+        itr = croniter(str(self.cron), local + timedelta(microseconds=1))
+        previous: datetime = itr.get_prev(datetime)
+        return previous.astimezone(UTC)
+
+    def tick_id(self, tick: datetime) -> uuid.UUID:
+        return uuid.uuid5(NAMESPACE, f"{self.name}@{tick.astimezone(UTC).isoformat()}")
+
+
+class Schedules:
+    """The schedules of one queue and the loop that dispatches their ticks."""
+
+    def __init__(self, jobs: Jobs) -> None:
+        self._jobs = jobs
+        self.items: dict[str, Schedule] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._last: dict[str, datetime] = {}
+
+    def add(self, job: Any, *, cron: str | None = None, every: timedelta | None = None, payload: Any = None,
+            timezone: str = "UTC", catch_up: bool = False, name: str | None = None,
+            queue: str | None = None) -> Schedule:
+        definition = self._jobs.registry.resolve(job)
+        key = name or definition.name
+        if key in self.items:
+            raise ConfigurationError(
+                f"schedule {key!r} is declared twice; give the second one name='...' of its own"
+            )
+        schedule = Schedule(name=key, job=definition, payload=payload, cron=cron, every=every, timezone=timezone,
+                            catch_up=catch_up, queue=queue)
+        self.items[key] = schedule
+        return schedule
+
+    def listing(self, now: datetime | None = None) -> list[dict[str, Any]]:
+        """Each schedule with its next run (``workqueue schedules``)."""
+        moment = now or datetime.now(UTC)
+        return [
+            {"Name": s.name, "Job": s.job.name, "Queue": s.queue or s.job.policy.queue,
+             "When": s.cron or f"every {s.every}", "Timezone": s.timezone, "CatchUp": s.catch_up,
+             "NextRun": s.next_after(moment).isoformat()}
+            for s in sorted(self.items.values(), key=lambda x: x.name)
+        ]
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.items and self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="workqueue-schedules")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def run_due(self, now: datetime | None = None) -> int:
+        """Dispatches every tick due at ``now``; returns how many this process queued."""
+        moment = now or datetime.now(UTC)
+        queued = 0
+        for schedule in list(self.items.values()):
+            for tick in await self._due(schedule, moment):
+                if await self._dispatch(schedule, tick):
+                    queued += 1
+            self._last[schedule.name] = moment
+        return queued
+
+    async def _due(self, schedule: Schedule, moment: datetime) -> list[datetime]:
+        last_seen = self._last.get(schedule.name)
+        if last_seen is not None:
+            return schedule.ticks_between(last_seen, moment)
+        # First look since this process started.
+        latest = schedule.previous_at_or_before(moment)
+        if not schedule.catch_up:
+            return [latest] if moment - latest <= LATE_GRACE else []
+        return await self._since_last_known(schedule, latest)
+
+    async def _since_last_known(self, schedule: Schedule, latest: datetime) -> list[datetime]:
+        """Ticks after the newest one the store has a message for, up to ``latest``."""
+        candidates = [latest]
+        while len(candidates) <= MAX_CATCH_UP:
+            candidates.append(schedule.previous_at_or_before(candidates[-1] - timedelta(microseconds=1)))
+        known = await self._jobs.queue.transport.known_messages([schedule.tick_id(t) for t in candidates])
+        missing: list[datetime] = []
+        for tick in candidates:
+            if schedule.tick_id(tick) in known:
+                break
+            missing.append(tick)
+        return sorted(missing)
+
+    async def _dispatch(self, schedule: Schedule, tick: datetime) -> bool:
+        jobs = self._jobs
+        target = schedule.queue or schedule.job.policy.queue
+        request = jobs.request(schedule.job, schedule._data, job_id=schedule.tick_id(tick))
+        topic = await jobs.ensure_queue(target)
+        [result] = await jobs.queue.publish(topic, [request])
+        if result.status == PublishStatus.ACCEPTED:
+            log.info("schedule %s: queued job %s for %s (%s)", schedule.name, schedule.job.name, tick.isoformat(),
+                     result.message_id)
+            return True
+        if result.status in (PublishStatus.DUPLICATE, PublishStatus.MESSAGE_ID_CONFLICT):
+            return False  # another process queued this tick
+        log.error("schedule %s: the tick %s was refused: %s", schedule.name, tick.isoformat(),
+                  result.error.message if result.error else result.status.value)
+        return False
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.run_due()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the store is away: the next look tries again
+                log.warning("schedules: could not queue the due ticks (%s)", exc)
+            now = datetime.now(UTC)
+            upcoming = min((s.next_after(now) for s in self.items.values()), default=now + timedelta(seconds=60))
+            await asyncio.sleep(min(max((upcoming - now).total_seconds(), 0.05), MAX_SLEEP_SECONDS))
+

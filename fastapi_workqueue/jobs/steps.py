@@ -1,0 +1,45 @@
+"""Where durable steps (``job.step(name, fn)``) keep their results: the store, or memory in the fake."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ..core.transport import Transport
+
+
+class TransportSteps:
+    """Step results in the queue's store, one per job id and step name, purged with the job."""
+
+    def __init__(self, transport: Callable[[], Transport]) -> None:
+        self._transport = transport
+
+    async def get(self, job_id: uuid.UUID, name: str) -> tuple[bool, Any]:
+        found, value = await self._transport().step_get(job_id, name)
+        return found, None if value is None else json.loads(value)
+
+    async def put(self, job_id: uuid.UUID, name: str, value: Any) -> None:
+        try:
+            text = json.dumps(value, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"step {name!r} returned {type(value).__name__}, which is not JSON ({exc}); a step's result is "
+                "stored as JSON: return strings, numbers, booleans, lists, dicts or None"
+            ) from None
+        await self._transport().step_put(job_id, name, text)
+
+
+class MemorySteps:
+    """Step results in a dict (the test fake)."""
+
+    def __init__(self) -> None:
+        self.results: dict[tuple[uuid.UUID, str], Any] = {}
+
+    async def get(self, job_id: uuid.UUID, name: str) -> tuple[bool, Any]:
+        key = (job_id, name)
+        return (True, self.results[key]) if key in self.results else (False, None)
+
+    async def put(self, job_id: uuid.UUID, name: str, value: Any) -> None:
+        self.results[(job_id, name)] = json.loads(json.dumps(value, allow_nan=False))

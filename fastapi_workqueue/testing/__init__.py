@@ -1,0 +1,1 @@
+"""Test helpers that ship with the package: the pytest plugin with the ``workqueue_fake`` fixture."""

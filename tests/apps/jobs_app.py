@@ -1,0 +1,69 @@
+"""An app with jobs for the worker tests: ``workqueue work --app tests.apps.jobs_app:queue --queue Q``.
+
+The store comes from ``WORKQUEUE_DATABASE_URL``; every job's queue is ``JOBS_APP_QUEUE``. The jobs
+append JSON lines (with the process id and wall-clock times) to the file named by ``JOBS_APP_RECORD``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from typing import Any
+
+from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.jobs import without_overlapping
+
+QUEUE = os.environ.get("JOBS_APP_QUEUE", "jobs-app")
+
+queue = WorkQueue(WorkQueueSettings(
+    subscriptions=[], auto_migrate=True, idle_poll_min_ms=20, idle_poll_max_ms=100, sweeper_interval_ms=200,
+    reconcile_interval_ms=1000, job_lease_seconds=float(os.environ.get("JOBS_APP_LEASE", "90")),
+))
+
+
+def record(**fields: Any) -> None:
+    with open(os.environ["JOBS_APP_RECORD"], "a", encoding="utf-8") as out:
+        out.write(json.dumps({**fields, "pid": os.getpid(), "at": time.time()}) + "\n")
+
+
+@queue.job("app.stuck", timeout=0.5, queue=QUEUE)
+async def stuck(payload: dict[str, Any], job: JobContext) -> None:
+    """Ignores its timeout: swallows every cancellation."""
+    record(event="stuck-start")
+    while True:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            record(event="stuck-cancelled")
+
+
+@queue.job("app.overlap", tries=200, queue=QUEUE,
+           middleware=[without_overlapping("one-at-a-time", release_after=0.1)])
+async def overlap(payload: dict[str, Any], job: JobContext) -> None:
+    record(event="start", n=payload["n"])
+    await asyncio.sleep(0.3)
+    record(event="end", n=payload["n"])
+
+
+@queue.job("app.steps", tries=5, backoff=[0], queue=QUEUE)
+async def steps(payload: dict[str, Any], job: JobContext) -> None:
+    async def charge() -> dict[str, Any]:
+        record(event="charge", attempt=job.attempt)
+        return {"charge": f"ch-{job.id}"}
+
+    async def mail() -> None:
+        record(event="mail", attempt=job.attempt)
+
+    charged = await job.step("charge", charge)
+    await job.once(f"mail:{job.id}", mail)
+    if job.attempt == 1:
+        record(event="waiting", attempt=job.attempt)
+        await asyncio.sleep(60)  # killed here
+    record(event="done", attempt=job.attempt, charge=charged["charge"])
+
+
+@queue.job("app.long", timeout=100, queue=f"{QUEUE}-long")
+async def long_job(payload: dict[str, Any]) -> None:
+    return None

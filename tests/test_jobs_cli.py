@@ -1,0 +1,165 @@
+"""Job workers as real ``workqueue work`` processes: exit 70 for a job that ignores its timeout,
+the lease check at start, ``without_overlapping`` across two workers, steps and once across a
+SIGKILL, and the jobs commands."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import json
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fastapi_workqueue import WorkQueue, WorkQueueSettings
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
+    return str(request.getfixturevalue("pg_url"))
+
+
+class Jobs:
+    def __init__(self, url: str, tmp_path: Path, **env: str) -> None:
+        self.queue_name = f"app-{uuid.uuid4().hex[:8]}"
+        self.record = tmp_path / "record.jsonl"
+        self.record.touch()
+        self.env = {**os.environ, "WORKQUEUE_DATABASE_URL": url, "JOBS_APP_QUEUE": self.queue_name,
+                    "JOBS_APP_RECORD": str(self.record), "PYTHONPATH": str(ROOT), **env}
+        os.environ["JOBS_APP_QUEUE"] = self.queue_name  # the module below names its queue from it
+        sys.modules.pop("tests.apps.jobs_app", None)  # a fresh module: a queue of its own, on this store
+        jobs_app = importlib.import_module("tests.apps.jobs_app")
+
+        self.app = jobs_app
+        self.producer: WorkQueue = jobs_app.queue
+        self.producer.settings = WorkQueueSettings(database_url=url, auto_migrate=True, enabled=False,
+                                                   subscriptions=[])
+
+    async def start(self, *args: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fastapi_workqueue", "work", "--app", "tests.apps.jobs_app:queue", *args,
+            env=self.env, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.record.read_text().splitlines()]
+
+    async def until(self, check: Any, within: float = 60) -> None:
+        for _ in range(int(within / 0.05)):
+            if check():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"not met within {within} s; record: {self.events()}")
+
+
+async def test_a_job_that_ignores_its_timeout_ends_the_worker_with_70(database_url: str, tmp_path: Path) -> None:
+    jobs = Jobs(database_url, tmp_path)
+    async with jobs.producer.lifespan(None):
+        await jobs.producer.dispatch(jobs.app.stuck, {})
+    worker = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "0.5")
+    _, stderr = await asyncio.wait_for(worker.communicate(), 60)
+    assert worker.returncode == 70, stderr.decode()
+    assert "ignored its timeout" in stderr.decode()
+    assert [e["event"] for e in jobs.events()][:2] == ["stuck-start", "stuck-cancelled"]
+
+
+async def test_a_worker_whose_jobs_do_not_fit_the_lease_refuses_to_start(database_url: str, tmp_path: Path) -> None:
+    jobs = Jobs(database_url, tmp_path)
+    worker = await jobs.start("--queue", f"{jobs.queue_name}-long", "--stop-timeout", "8")
+    _, stderr = await asyncio.wait_for(worker.communicate(), 60)
+    assert worker.returncode == 2
+    assert "'app.long' (timeout 100 s)" in stderr.decode() and "WORKQUEUE_JOB_LEASE_SECONDS" in stderr.decode()
+
+
+async def test_without_overlapping_holds_across_two_worker_processes(database_url: str, tmp_path: Path) -> None:
+    jobs = Jobs(database_url, tmp_path)
+    async with jobs.producer.lifespan(None):
+        await jobs.producer.bulk([(jobs.app.overlap, {"n": n}) for n in range(4)])
+    workers = [await jobs.start("--queue", jobs.queue_name, "--concurrency", "2") for _ in range(2)]
+    try:
+        await jobs.until(lambda: sum(e["event"] == "end" for e in jobs.events()) == 4)
+    finally:
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+        for worker in workers:
+            await asyncio.wait_for(worker.communicate(), 60)
+    spans = []
+    starts = {}
+    for event in jobs.events():
+        if event["event"] == "start":
+            starts[event["n"]] = event
+        elif event["event"] == "end":
+            spans.append((starts[event["n"]]["at"], event["at"], starts[event["n"]]["pid"]))
+    spans.sort()
+    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(spans)), spans
+    assert len({pid for _, _, pid in spans}) >= 1
+
+
+async def test_a_step_and_once_are_not_repeated_after_a_sigkilled_worker(database_url: str, tmp_path: Path) -> None:
+    jobs = Jobs(database_url, tmp_path, JOBS_APP_LEASE="2")
+    async with jobs.producer.lifespan(None):
+        job_id = await jobs.producer.dispatch(jobs.app.steps, {})
+    first = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "0.2")
+    await jobs.until(lambda: any(e["event"] == "waiting" for e in jobs.events()))
+    first.kill()
+    await first.wait()
+    second = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "0.2")
+    try:
+        await jobs.until(lambda: any(e["event"] == "done" for e in jobs.events()))
+    finally:
+        second.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(second.communicate(), 60)
+    kinds = [(e["event"], e.get("attempt")) for e in jobs.events()]
+    assert kinds == [("charge", 1), ("mail", 1), ("waiting", 1), ("done", 2)], kinds
+    assert jobs.events()[-1]["charge"] == f"ch-{job_id}"
+
+
+async def test_the_jobs_commands_list_retry_forget_and_prune(database_url: str, tmp_path: Path) -> None:
+    jobs = Jobs(database_url, tmp_path)
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, enabled=False,
+                                        subscriptions=[]))
+    name = f"cli-fail-{uuid.uuid4().hex[:6]}"
+
+    @queue.job(name, tries=1, queue=jobs.queue_name)
+    async def fail(payload: dict[str, Any]) -> None:
+        raise RuntimeError("token=abc123 was refused")
+
+    async with queue.lifespan(None):
+        job_id = await queue.dispatch(fail, {})
+        host = await queue.start_host()
+        assert host is not None
+        for _ in range(200):
+            if await queue.failed_jobs(jobs.queue_name):
+                break
+            await asyncio.sleep(0.05)
+        await queue.stop_host()
+
+    async def cli(*args: str) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fastapi_workqueue", *args, env=jobs.env, cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        return proc.returncode or 0, out.decode()
+
+    code, out = await cli("--json", "jobs", "failed", "--queue", jobs.queue_name)
+    [listed] = json.loads(out)
+    assert code == 0 and listed["ID"] == str(job_id) and listed["Job"] == name
+    assert listed["Error"].splitlines()[-1] == "RuntimeError: token=*** was refused"
+    code, out = await cli("jobs", "retry", str(job_id))
+    assert code == 0 and out.startswith("Replayed")
+    code, out = await cli("jobs", "forget", str(uuid.uuid4()))
+    assert code == 1 and "no failed job has the id" in out
+    code, out = await cli("--json", "jobs", "prune", "--older-than", "0", "--queue", jobs.queue_name)
+    assert code == 0 and json.loads(out) == {"Pruned": 0}  # retried: not failed any more

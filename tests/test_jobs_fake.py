@@ -1,0 +1,158 @@
+"""The jobs fake: dispatches checked and recorded, assertions, and work() run in the test's process."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from fastapi import Depends, FastAPI
+from pydantic import BaseModel
+
+from fastapi_workqueue import ConfigurationError, JobContext, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.jobs import JobEvent, JobPayloadInvalid, without_overlapping
+
+
+class Reminder(BaseModel):
+    user_id: int
+
+
+def get_mailer() -> str:
+    return "smtp"
+
+
+def build() -> tuple[WorkQueue, dict[str, Any], list[Any]]:
+    queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db"))
+    sent: list[Any] = []
+    events: list[str] = []
+    queue.listen(JobEvent, lambda event: events.append(f"{type(event).__name__}:{event.job}"))
+
+    @queue.job("billing.send-invoice-reminder", tries=3, queue="mail")
+    async def send(payload: Reminder, job: JobContext, mailer: str = Depends(get_mailer)) -> Any:
+        if payload.user_id == 0:
+            return job.discard("the account no longer exists")
+        if payload.user_id < 0 and job.attempt < 2:
+            raise RuntimeError("mail server busy")
+        await job.once(f"invoice-mail:{payload.user_id}", lambda: _append(sent, (payload.user_id, mailer)))
+        return None
+
+    @queue.job("stats.rebuild", middleware=[without_overlapping("stats")])
+    async def rebuild(payload: dict[str, Any], job: JobContext) -> None:
+        sent.append(("rebuild", await job.step("count", _count)))
+
+    @queue.job("always.fails", tries=2)
+    async def fails(payload: dict[str, Any]) -> None:
+        raise ValueError("never works")
+
+    return queue, {"send": send, "rebuild": rebuild, "fails": fails}, [sent, events]
+
+
+async def _append(into: list[Any], item: Any) -> None:
+    into.append(item)
+
+
+async def _count() -> int:
+    await asyncio.sleep(0)
+    return 42
+
+
+async def test_dispatches_are_recorded_and_work_runs_them_with_dependencies_and_chains() -> None:
+    queue, jobs, (sent, events) = build()
+    with queue.fake() as fake:
+        first = await queue.dispatch(jobs["send"], {"user_id": 1})
+        await queue.dispatch(jobs["send"], Reminder(user_id=0))
+        ids = await queue.chain([(jobs["send"], {"user_id": 2}), (jobs["rebuild"], {})])
+        assert first is not None and len(ids) == 2 and ids[0] != ids[1]
+        fake.assert_dispatched(jobs["send"], times=3)
+        fake.assert_dispatched(jobs["send"], times=1, where=lambda p: p.user_id == 2)
+        fake.assert_not_dispatched(jobs["rebuild"])  # chained: queued when the one before succeeds
+        assert fake.dispatched(jobs["send"]) == [Reminder(user_id=1), Reminder(user_id=0), Reminder(user_id=2)]
+        counts = await fake.work()
+        assert counts == {"processed": 3, "failed": 0, "released": 0, "discarded": 1}
+        fake.assert_dispatched(jobs["rebuild"], times=1)
+        assert await fake.work() == {"processed": 0, "failed": 0, "released": 0, "discarded": 0}
+    assert sent == [(1, "smtp"), (2, "smtp"), ("rebuild", 42)]
+    assert "JobDiscarded:billing.send-invoice-reminder" in events
+    assert events.count("JobProcessed:billing.send-invoice-reminder") == 2
+
+
+async def test_retries_happen_in_work_and_a_job_that_keeps_failing_counts_as_failed() -> None:
+    queue, jobs, (sent, events) = build()
+    with queue.fake() as fake:
+        await queue.dispatch(jobs["send"], {"user_id": -5})
+        await queue.dispatch(jobs["fails"], {})
+        counts = await fake.work()
+    assert counts == {"processed": 1, "failed": 1, "released": 2, "discarded": 0}
+    assert sent == [(-5, "smtp")]
+    assert events.count("JobReleased:billing.send-invoice-reminder") == 1
+    assert events.count("JobFailed:always.fails") == 1
+    assert "JobFailed:billing.send-invoice-reminder" not in events  # a flaky job that succeeds never fails
+
+
+async def test_dispatches_are_checked_like_real_ones() -> None:
+    queue, jobs, _ = build()
+
+    @queue.job("secret.job", encrypted=True)
+    async def secret(payload: dict[str, Any]) -> None:
+        return None
+
+    with queue.fake() as fake:
+        with pytest.raises(JobPayloadInvalid):
+            await queue.dispatch(jobs["send"], {"user_id": "x"})
+        with pytest.raises(JobPayloadInvalid):
+            await queue.bulk([(jobs["send"], {"user_id": 1}), (jobs["send"], {"nope": 1})])
+        with pytest.raises(ConfigurationError, match="WORKQUEUE_APP_KEY"):
+            await queue.dispatch(secret, {})
+        fake.assert_not_dispatched(jobs["send"])  # bulk queued none of its jobs
+        with pytest.raises(AssertionError, match=r"was not dispatched"):
+            fake.assert_dispatched(jobs["send"])
+
+
+async def test_a_unique_key_is_held_until_the_job_ran() -> None:
+    queue, jobs, _ = build()
+    with queue.fake() as fake:
+        assert await queue.dispatch(jobs["rebuild"], {}, unique="members") is not None
+        assert await queue.dispatch(jobs["rebuild"], {}, unique="members") is None
+        await fake.work()
+        assert await queue.dispatch(jobs["rebuild"], {}, unique="members") is not None
+        fake.assert_dispatched(jobs["rebuild"], times=2)
+
+
+async def test_dependency_overrides_of_the_app_apply_in_work() -> None:
+    queue, jobs, (sent, _) = build()
+    app = FastAPI()
+    app.dependency_overrides[get_mailer] = lambda: "fake-mailer"
+    queue.bind_app(app)
+    with queue.fake() as fake:
+        await queue.dispatch(jobs["send"], {"user_id": 7})
+        await fake.work()
+    assert sent == [(7, "fake-mailer")]
+
+
+def test_the_fake_fixture_comes_with_the_package(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest("""
+import pytest
+from typing import Any
+from fastapi_workqueue import WorkQueue, WorkQueueSettings
+
+queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db"))
+
+@queue.job("hello.job")
+async def hello(payload: dict[str, Any]) -> None:
+    return None
+
+@pytest.fixture
+def workqueue_queue() -> WorkQueue:
+    return queue
+""")
+    pytester.makepyfile("""
+import asyncio
+from conftest import hello, queue
+
+def test_it(workqueue_fake):
+    asyncio.run(queue.dispatch(hello, {"a": 1}))
+    workqueue_fake.assert_dispatched(hello, times=1)
+    assert asyncio.run(workqueue_fake.work())["processed"] == 1
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)

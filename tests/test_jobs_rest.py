@@ -1,0 +1,67 @@
+"""The failed-job routes of the REST API: list (read; payloads for admins), retry, forget, prune (operate)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from fastapi_workqueue import WorkQueue, WorkQueueSettings
+from fastapi_workqueue.core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_READ, create_key
+
+from .support import FAST, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
+    return str(request.getfixturevalue("pg_url"))
+
+
+async def test_failed_jobs_over_rest_with_scopes(database_url: str) -> None:
+    queue_name = f"rest-{uuid.uuid4().hex[:8]}"
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        job_queues=queue_name, **FAST))
+
+    @queue.job(f"rest-fail-{queue_name}", tries=1, queue=queue_name)
+    async def fail(payload: dict[str, Any]) -> None:
+        raise RuntimeError("Authorization: Bearer sk-123 rejected")
+
+    app = FastAPI(lifespan=queue.lifespan)
+    app.include_router(queue.router)
+    async with queue.lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                      base_url="http://api") as http:
+        keys = {scope: (await create_key(queue.transport, f"{scope}-{queue_name}", scopes)).key for scope, scopes in {
+            "read": [SCOPE_READ], "admin": [SCOPE_READ, SCOPE_ADMIN], "operate": [SCOPE_OPERATE]}.items()}
+
+        def auth(label: str) -> dict[str, str]:
+            return {"Authorization": f"Bearer {keys[label]}"}
+
+        job_id = await queue.dispatch(fail, {"order": 7})
+        await wait_for(lambda: queue.failed_jobs(queue_name), within=30)
+        listed = await http.get("/work-queue/jobs/failed", params={"queue": queue_name}, headers=auth("read"))
+        assert listed.status_code == 200
+        [item] = listed.json()
+        assert item["ID"] == str(job_id) and item["Payload"] is None
+        assert item["Error"].splitlines()[-1] == "RuntimeError: Authorization: Bearer *** rejected"
+        as_admin = await http.get("/work-queue/jobs/failed", params={"queue": queue_name}, headers=auth("admin"))
+        assert as_admin.json()[0]["Payload"] == {"order": 7}
+        assert (await http.get("/work-queue/jobs/failed", params={"queue": "bad queue"},
+                               headers=auth("read"))).status_code == 422
+        refused = await http.post(f"/work-queue/jobs/{job_id}/retry", headers=auth("read"))
+        assert refused.status_code == 403 and "workqueue:operate" in refused.json()["detail"]
+        retried = await http.post(f"/work-queue/jobs/{job_id}/retry", headers=auth("operate"))
+        assert retried.status_code == 200 and retried.json()["Result"] == "Replayed"
+        await wait_for(lambda: queue.failed_jobs(queue_name), within=30)  # it failed again
+        assert (await http.post(f"/work-queue/jobs/{uuid.uuid4()}/forget", headers=auth("operate"))).status_code == 404
+        pruned = await http.post("/work-queue/jobs/failed/prune", params={"older_than_days": 0, "queue": queue_name},
+                                 headers=auth("operate"))
+        assert pruned.status_code == 200 and pruned.json() == {"Pruned": 1}
+        assert await queue.failed_jobs(queue_name) == []

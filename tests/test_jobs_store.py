@@ -1,0 +1,309 @@
+"""Jobs on a real store (PostgreSQL and an SQLite file): dispatch in transactions, bulk, unique keys
+with concurrent dispatchers, running them in the host, chains, once, steps, events, failed jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from fastapi_workqueue import JobContext, TransientWorkError, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.jobs import JobEvent, JobPayloadInvalid
+
+from .support import FAST, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class Reminder(BaseModel):
+    user_id: int
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
+    return str(request.getfixturevalue("pg_url"))
+
+
+class App:
+    """A queue with a few jobs on queues of their own (names unique to the test)."""
+
+    def __init__(self, url: str, **settings: Any) -> None:
+        self.suffix = uuid.uuid4().hex[:8]
+        # Job queues are named in the whole database: this test's worker takes its own queues only.
+        options = {**FAST, "job_concurrency": 4, "job_queues": f"mail-{self.suffix},work-{self.suffix}", **settings}
+        self.queue = WorkQueue(WorkQueueSettings(database_url=url, auto_migrate=True, subscriptions=[], **options))
+        self.ran: list[Any] = []
+        self.events: list[JobEvent] = []
+        self.queue.listen(JobEvent, self.events.append)
+        self.steps_run: list[str] = []
+        q = self.queue
+
+        @q.job(f"remind-{self.suffix}", tries=3, backoff=[0], queue=f"mail-{self.suffix}")
+        async def remind(payload: Reminder, job: JobContext) -> Any:
+            if payload.user_id == 0:
+                return job.discard("gone")
+            if payload.user_id < 0 and job.attempt == 1:
+                raise TransientWorkError("flaky", delay_seconds=0)
+            self.ran.append(("remind", payload.user_id, job.attempt, job.id))
+            return None
+
+        @q.job(f"fail-{self.suffix}", tries=2, backoff=[0], queue=f"mail-{self.suffix}")
+        async def fail(payload: dict[str, Any], job: JobContext) -> None:
+            raise ValueError(f"boom on attempt {job.attempt}")
+
+        @q.job(f"steps-{self.suffix}", tries=3, backoff=[0], queue=f"work-{self.suffix}")
+        async def steps(payload: dict[str, Any], job: JobContext) -> None:
+            async def charge() -> dict[str, Any]:
+                self.steps_run.append("charge")
+                return {"charge": "ch_1"}
+
+            async def mail() -> None:
+                self.steps_run.append("mail")
+
+            charged = await job.step("charge", charge)
+            await job.once(f"mail-{job.id}", mail)
+            if job.attempt == 1:
+                raise TransientWorkError("crm down", delay_seconds=0)
+            self.ran.append(("steps", charged["charge"], job.attempt))
+
+        self.remind, self.fail, self.steps = remind, fail, steps
+
+    @property
+    def mail(self) -> str:
+        return f"mail-{self.suffix}"
+
+
+async def wait_events(app: App, kind: str, count: int) -> None:
+    await wait_for(lambda: sum(type(e).__name__ == kind for e in app.events) >= count, within=30)
+
+
+async def test_a_dispatch_joins_the_callers_transaction_and_bulk_is_all_or_nothing(database_url: str) -> None:
+    app = App(database_url, enabled=False)
+    queue = app.queue
+    async with queue.lifespan(None):
+        async with queue.sessionmaker() as session, session.begin():
+            await queue.dispatch(app.remind, {"user_id": 1}, session=session)
+            await session.rollback()
+        assert await queue.size(app.mail) == 0
+        async with queue.sessionmaker() as session, session.begin():
+            job_id = await queue.dispatch(app.remind, {"user_id": 2}, session=session)
+            assert await queue.size(app.mail) == 0 or database_url.startswith("sqlite")  # not visible yet
+        assert job_id is not None and await queue.size(app.mail) == 1
+        with pytest.raises(JobPayloadInvalid):
+            await queue.bulk([(app.remind, {"user_id": 3}), (app.steps, {}), (app.remind, {"user_id": "x"})])
+        assert await queue.size(app.mail) + await queue.size(f"work-{app.suffix}") == 1
+        ids = await queue.bulk([(app.remind, {"user_id": 3}), (app.steps, {})])
+        assert len(set(ids)) == 2
+        assert await queue.size(app.mail) == 2 and await queue.size(f"work-{app.suffix}") == 1
+        [info] = await queue.transport.message_deliveries(job_id, include_payload=True)
+        assert info.subscription == f"jobs.{app.mail}" and info.attributes == {"job": f"remind-{app.suffix}"}
+        assert info.max_attempts == 3 and info.payload["payload"] == {"user_id": 2}
+
+
+async def test_jobs_run_in_the_host_with_their_outcomes_and_events(database_url: str) -> None:
+    app = App(database_url)
+    queue = app.queue
+    async with queue.lifespan(None):
+        done = await queue.dispatch(app.remind, {"user_id": 1})
+        flaky = await queue.dispatch(app.remind, {"user_id": -1})
+        gone = await queue.dispatch(app.remind, {"user_id": 0})
+        failed = await queue.dispatch(app.fail, {})
+        await wait_events(app, "JobFailed", 1)
+        await wait_for(lambda: len(app.ran) == 2, within=30)
+        assert sorted(r[1] for r in app.ran) == [-1, 1]
+        assert {r[3] for r in app.ran} == {done, flaky}  # job.id is the id dispatch answered
+        by_job: dict[Any, list[str]] = {}
+        for event in app.events:
+            by_job.setdefault(event.job_id, []).append(type(event).__name__)
+        assert by_job[done] == ["JobProcessing", "JobProcessed"]
+        assert by_job[flaky] == ["JobProcessing", "JobReleased", "JobProcessing", "JobProcessed"]
+        assert by_job[gone] == ["JobProcessing", "JobDiscarded"]
+        assert by_job[failed] == ["JobProcessing", "JobReleased", "JobProcessing", "JobFailed"]
+        [gone_info] = await queue.transport.message_deliveries(gone)
+        assert (gone_info.status, gone_info.reason) == ("Discarded", "gone")
+        [failed_job] = await queue.failed_jobs(app.mail)
+        assert failed_job.id == failed and failed_job.job == f"fail-{app.suffix}" and failed_job.attempts == 2
+        assert (failed_job.error or "").splitlines()[-1] == "ValueError: boom on attempt 2"
+        # Retry keeps the id and counts the tries afresh; it fails again, then is forgotten.
+        assert (await queue.retry_job(failed)).result == "Replayed"
+        await wait_events(app, "JobFailed", 2)
+        assert (await queue.forget_job(failed)).result == "Discarded"
+        assert await queue.failed_jobs(app.mail) == []
+
+
+async def test_a_step_runs_once_across_attempts_and_a_chain_goes_on_in_order(database_url: str) -> None:
+    app = App(database_url)
+    queue = app.queue
+    async with queue.lifespan(None):
+        ids = await queue.chain([(app.steps, {}), (app.remind, {"user_id": 5}), (app.remind, {"user_id": 6})])
+        await wait_for(lambda: len(app.ran) == 3, within=30)
+    assert app.steps_run == ["charge", "mail"]  # attempt 2 got the stored result and the marker
+    assert [r[:2] for r in app.ran] == [("steps", "ch_1"), ("remind", 5), ("remind", 6)]
+    assert [r[3] for r in app.ran[1:]] == ids[1:]  # the chained jobs have the ids chain() answered
+
+
+async def test_a_job_that_fails_for_good_ends_its_chain(database_url: str) -> None:
+    app = App(database_url)
+    queue = app.queue
+    async with queue.lifespan(None):
+        ids = await queue.chain([(app.fail, {}), (app.remind, {"user_id": 9})])
+        await wait_events(app, "JobFailed", 1)
+        await asyncio.sleep(0.3)
+        [failed] = [e for e in app.events if type(e).__name__ == "JobFailed"]
+        assert failed.chain_ended is True
+        assert await queue.transport.known_messages(ids) == {ids[0]}  # the second was never queued
+        [record] = await queue.failed_jobs(app.mail)
+        assert "the chain ends here" in (record.error or "")
+    assert app.ran == []
+
+
+async def test_a_unique_key_lets_one_of_many_concurrent_dispatchers_queue(database_url: str) -> None:
+    app = App(database_url, enabled=False)
+    queue = app.queue
+    async with queue.lifespan(None):
+        async def dispatch_in_a_transaction() -> uuid.UUID | None:
+            async with queue.sessionmaker() as session, session.begin():
+                return await queue.dispatch(app.remind, {"user_id": 1}, unique="members", session=session)
+
+        results = await asyncio.gather(*(dispatch_in_a_transaction() for _ in range(8)))
+        queued = [r for r in results if r is not None]
+        assert len(queued) == 1 and await queue.size(app.mail) == 1
+        # A rolled-back dispatch frees the key it took.
+        other = App(database_url, enabled=False)
+        async with queue.sessionmaker() as session, session.begin():
+            assert await queue.dispatch(app.steps, {}, unique="k", session=session) is not None
+            await session.rollback()
+        assert await queue.dispatch(app.steps, {}, unique="k") is not None
+        assert await queue.dispatch(app.steps, {}, unique="k") is None
+        del other
+
+
+async def test_a_unique_key_is_released_when_the_job_is_done(database_url: str) -> None:
+    app = App(database_url)
+    queue = app.queue
+    async with queue.lifespan(None):
+        first = await queue.dispatch(app.remind, {"user_id": 1}, unique="u")
+        assert await queue.dispatch(app.remind, {"user_id": 2}, unique="u") is None
+        await wait_events(app, "JobProcessed", 1)
+        await wait_for(lambda: _dispatched_again(queue, app), within=10)
+    assert first is not None
+
+
+async def _dispatched_again(queue: WorkQueue, app: App) -> bool:
+    return await queue.dispatch(app.remind, {"user_id": 3}, unique="u") is not None
+
+
+async def test_an_encrypted_payload_never_reaches_the_store_in_the_clear(database_url: str) -> None:
+    from cryptography.fernet import Fernet
+
+    old, new = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    secret = f"reset-link-{uuid.uuid4().hex}"
+    seen: list[str] = []
+    queue_name = f"sec{uuid.uuid4().hex[:8]}"
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        enabled=False, app_key=old, **FAST))
+
+    @queue.job(f"secret-{uuid.uuid4().hex[:6]}", encrypted=True, queue=queue_name)
+    async def send_reset(payload: dict[str, str]) -> None:
+        seen.append(payload["link"])
+
+    async with queue.lifespan(None):
+        job_id = await queue.dispatch(send_reset, {"link": secret})
+        assert job_id is not None
+        [info] = await queue.transport.message_deliveries(job_id, include_payload=True)
+        assert secret not in json.dumps(info.payload)
+        assert "encrypted" in info.payload and "payload" not in info.payload
+        token = info.payload["encrypted"]
+    # The key rotates: the new key encrypts, the old one still decrypts; reencrypt moves the job over.
+    name = queue.jobs.registry.resolve(send_reset).name
+    rotated = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], app_key=new,
+                                          previous_keys=old, enabled=False, **FAST))
+    async with rotated.lifespan(None):
+        assert await rotated.reencrypt_jobs() == 1
+        [info] = await rotated.transport.message_deliveries(job_id, include_payload=True)
+        assert info.payload["encrypted"] != token
+        assert Fernet(new.encode()).decrypt(info.payload["encrypted"].encode())
+        assert await rotated.reencrypt_jobs() == 0  # already on the current key
+    # The old key can go now: a worker with the new key alone runs the job.
+    after = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], app_key=new,
+                                        job_queues=queue_name, **FAST))
+
+    @after.job(name, encrypted=True, queue=queue_name)
+    async def send_reset_again(payload: dict[str, str]) -> None:
+        seen.append(payload["link"])
+
+    async with after.lifespan(None):
+        await wait_for(lambda: seen == [secret], within=30)
+
+
+async def test_a_plain_payload_for_an_encrypted_job_fails_at_once(database_url: str) -> None:
+    from cryptography.fernet import Fernet
+
+    app_key = Fernet.generate_key().decode()
+    name, queue_name = f"enc-{uuid.uuid4().hex[:6]}", f"enc{uuid.uuid4().hex[:6]}"
+    events: list[JobEvent] = []
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        app_key=app_key, job_queues=queue_name, **FAST))
+    queue.listen(JobEvent, events.append)
+
+    @queue.job(name, encrypted=True, queue=queue_name, tries=5)
+    async def job(payload: dict[str, str]) -> None:
+        raise AssertionError("never runs")
+
+    async with queue.lifespan(None):
+        from fastapi_workqueue import PublishRequest
+
+        [result] = await queue.publish(f"jobs.{queue_name}", [PublishRequest(
+            attributes={"job": name}, payload={"v": 1, "job": name, "payload": {"x": "plain"}})])
+        await wait_for(lambda: any(type(e).__name__ == "JobFailed" for e in events), within=30)
+        [info] = await queue.transport.message_deliveries(result.message_id)
+        assert info.status == "DeadLettered" and info.attempt == 1
+        assert "not encrypted" in (info.reason or "")
+
+
+async def test_an_encrypted_job_without_a_key_stops_the_app_at_start(database_url: str) -> None:
+    from fastapi_workqueue import ConfigurationError
+
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        job_queues="nokey"))
+
+    @queue.job("needs.a.key", encrypted=True, queue="nokey")
+    async def job(payload: dict[str, str]) -> None:
+        return None
+
+    with pytest.raises(ConfigurationError, match="WORKQUEUE_APP_KEY"):
+        async with queue.lifespan(None):
+            pass
+
+
+async def test_requests_dispatch_in_their_transaction(database_url: str) -> None:
+    import httpx
+    from fastapi import FastAPI, HTTPException
+
+    app = App(database_url, enabled=False)
+    queue = app.queue
+    web = FastAPI(lifespan=queue.lifespan)
+
+    @web.post("/remind/{user_id}")
+    async def remind(user_id: int, fail: bool = False, session: AsyncSession = queue.session) -> dict[str, str]:
+        await session.execute(text("SELECT 1"))
+        job_id = await queue.dispatch(app.remind, {"user_id": user_id})
+        if fail:
+            raise HTTPException(409, "refused after dispatching")
+        return {"job_id": str(job_id)}
+
+    async with queue.lifespan(web), httpx.AsyncClient(transport=httpx.ASGITransport(app=web),
+                                                      base_url="http://test") as http:
+        assert (await http.post("/remind/1", params={"fail": True})).status_code == 409
+        assert await queue.size(app.mail) == 0
+        assert (await http.post("/remind/2")).status_code == 200
+        assert await queue.size(app.mail) == 1

@@ -1,0 +1,257 @@
+"""How jobs are taken and timed: strict and fair queue order, timeouts, unknown jobs, schedules, sync mode."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fastapi_workqueue import ConfigurationError, JobContext, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.jobs import JobEvent
+from fastapi_workqueue.jobs.worker import UnwatchedQueues, check_fits_lease, parse_queues
+
+from .support import FAST, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
+    return str(request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+async def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """A database of its own: "every queue" of the store is this test's queues alone."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'fresh.db'}"
+        return
+    from .conftest import PG_URL, drop_database, recreate_database
+
+    url = PG_URL.rpartition("/")[0] + f"/workqueue_fresh_{uuid.uuid4().hex[:8]}"
+    await recreate_database(url)
+    try:
+        yield url
+    finally:
+        await drop_database(url)
+
+
+def names(n: int) -> list[str]:
+    suffix = uuid.uuid4().hex[:6]
+    return [f"q{i}-{suffix}" for i in range(n)]
+
+
+def queue_with(url: str, queues: list[str], order: str | None, ran: list[str], **settings: Any) -> WorkQueue:
+    queue = WorkQueue(WorkQueueSettings(database_url=url, auto_migrate=True, subscriptions=[],
+                                        job_queues=order, **{**FAST, **settings}))
+    for name in queues:
+        @queue.job(f"job-{name}", queue=name)
+        async def job(payload: dict[str, Any], job: JobContext) -> None:
+            ran.append(job.queue)
+            await asyncio.sleep(0.01)
+    return queue
+
+
+def test_a_queue_list_is_checked() -> None:
+    assert parse_queues(None) == ["*"] and parse_queues("mail, *") == ["mail", "*"]
+    with pytest.raises(ConfigurationError, match="empty entry"):
+        parse_queues("mail,,default")
+    with pytest.raises(ConfigurationError, match="twice"):
+        parse_queues("mail,mail")
+    with pytest.raises(ConfigurationError, match="not valid"):
+        parse_queues("mail queue")
+
+
+async def test_strict_order_takes_the_first_queue_before_any_job_of_the_next(database_url: str) -> None:
+    first, second = names(2)
+    ran: list[str] = []
+    producer = queue_with(database_url, [first, second], None, ran, enabled=False)
+    async with producer.lifespan(None):
+        await producer.bulk([(f"job-{second}", {}) for _ in range(5)])  # older
+        await producer.bulk([(f"job-{first}", {}) for _ in range(5)])
+    worker = queue_with(database_url, [first, second], f"{first},{second}", ran, job_concurrency=1)
+    async with worker.lifespan(None):
+        await wait_for(lambda: len(ran) == 10, within=30)
+    assert ran == [first] * 5 + [second] * 5
+
+
+async def test_fair_order_takes_the_oldest_due_job_of_any_queue(fresh_url: str) -> None:
+    database_url = fresh_url
+    a, b, c = names(3)
+    ran: list[str] = []
+    producer = queue_with(database_url, [a, b, c], None, ran, enabled=False)
+    async with producer.lifespan(None):
+        for name in (b, a, c, b, a):
+            await producer.dispatch(f"job-{name}", {})
+            await asyncio.sleep(0.002)  # distinct times of creation
+    worker = queue_with(database_url, [a, b, c], None, ran, job_concurrency=1)  # every queue, fairly
+    async with worker.lifespan(None):
+        await wait_for(lambda: len(ran) == 5, within=30)
+    assert ran == [b, a, c, b, a]
+
+
+async def test_a_list_with_a_star_takes_the_named_queue_first_and_the_rest_fairly(fresh_url: str) -> None:
+    database_url = fresh_url
+    mail, x, y = names(3)
+    ran: list[str] = []
+    producer = queue_with(database_url, [mail, x, y], None, ran, enabled=False)
+    async with producer.lifespan(None):
+        for name in (x, y, mail, x, mail):
+            await producer.dispatch(f"job-{name}", {})
+            await asyncio.sleep(0.002)
+    worker = queue_with(database_url, [mail, x, y], f"{mail},*", ran, job_concurrency=1)
+    async with worker.lifespan(None):
+        await wait_for(lambda: len(ran) == 5, within=30)
+    assert ran == [mail, mail, x, y, x]
+
+
+async def test_a_worker_warns_once_about_jobs_waiting_on_queues_it_does_not_take(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    taken, other = names(2)
+    ran: list[str] = []
+    queue = queue_with(database_url, [taken, other], None, ran, enabled=False)
+    async with queue.lifespan(None):
+        await queue.dispatch(f"job-{other}", {})
+        watcher = UnwatchedQueues(queue.jobs, [taken])  # (other tests' queues in the database count too)
+        assert other not in await watcher.look()  # seen once
+        assert other in await watcher.look()  # twice in a row: named in a warning
+        assert other not in await watcher.look()  # once only
+        assert taken not in watcher._warned
+    assert sum(other in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_a_timeout_aborts_the_signal_and_the_job_comes_back(database_url: str) -> None:
+    queue_name = names(1)[0]
+    events: list[JobEvent] = []
+    reasons: list[Any] = []
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        job_queues=queue_name, **FAST))
+    queue.listen(JobEvent, events.append)
+
+    @queue.job(f"slow-{queue_name}", timeout=0.3, tries=3, backoff=[0], queue=queue_name)
+    async def slow(payload: dict[str, Any], job: JobContext) -> None:
+        if job.attempt == 1:
+            try:
+                await asyncio.sleep(30)
+            finally:
+                reasons.append(job.signal.reason)
+
+    async with queue.lifespan(None):
+        await queue.dispatch(slow, {})
+        await wait_for(lambda: any(type(e).__name__ == "JobProcessed" for e in events), within=30)
+    released = [e for e in events if type(e).__name__ == "JobReleased"]
+    assert [e.reason for e in released] == ["timeout"]  # type: ignore[attr-defined]
+    assert [str(r) for r in reasons] == ["MaxProcessingSeconds"]
+
+
+def test_a_timeout_that_does_not_fit_the_lease_is_refused_at_start() -> None:
+    queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db", job_lease_seconds=60))
+
+    @queue.job("long.job", timeout=55)
+    async def long(payload: dict[str, Any]) -> None:
+        return None
+
+    with pytest.raises(ConfigurationError, match=r"'long.job' \(timeout 55 s\).*stop timeout \(8 s\).*lease \(60 s\)"):
+        check_fits_lease(queue.jobs, ["*"], 8.0)
+    check_fits_lease(queue.jobs, ["other"], 8.0)  # a worker that does not take its queue does not care
+
+
+async def test_a_job_no_worker_knows_goes_back_until_its_tries_are_spent(database_url: str) -> None:
+    queue_name = names(1)[0]
+    producer = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                           enabled=False, **FAST))
+
+    @producer.job(f"new-{queue_name}", tries=2, backoff=[0], queue=queue_name)
+    async def new(payload: dict[str, Any]) -> None:
+        return None
+
+    async with producer.lifespan(None):
+        job_id = await producer.dispatch(new, {})
+    events: list[JobEvent] = []
+    old = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], job_queues=queue_name, **FAST))
+
+    @old.job(f"other-{queue_name}", queue=queue_name)  # this deploy does not know the new job yet
+    async def other(payload: dict[str, Any]) -> None:
+        return None
+
+    old.listen(JobEvent, events.append)
+    async with old.lifespan(None):
+        await wait_for(lambda: any(type(e).__name__ == "JobFailed" for e in events), within=30)
+        [failed] = await old.failed_jobs(queue_name)
+    assert [type(e).__name__ for e in events] == ["JobReleased", "JobFailed"]
+    assert events[0].reason == "unknown-job"  # type: ignore[attr-defined]
+    assert failed.id == job_id and "declare it with @queue.job" in (failed.error or "")
+
+
+async def test_two_processes_dispatch_each_tick_of_a_schedule_once(database_url: str) -> None:
+    queue_name = names(1)[0]
+    processes = []
+    for _ in range(2):
+        queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                            enabled=False, **FAST))
+
+        @queue.job(f"tick-{queue_name}", queue=queue_name)
+        async def tick(payload: dict[str, Any]) -> None:
+            return None
+
+        queue.schedule(tick, cron="*/5 * * * *", payload={"n": 1})
+        processes.append(queue)
+    start = datetime(2026, 12, 1, 10, 0, 30, tzinfo=UTC)
+    async with processes[0].lifespan(None), processes[1].lifespan(None):
+        queued = 0
+        for minute in range(0, 16):
+            moment = start + timedelta(minutes=minute)
+            results = await asyncio.gather(*(p.jobs.schedules.run_due(moment) for p in processes))
+            queued += sum(results)
+        # Ticks 10:00 (seen 30 s late, within the grace), 10:05, 10:10, 10:15.
+        assert queued == 4
+        assert await processes[0].size(queue_name) == 4
+        listing = processes[0].jobs.schedules.listing(start)
+        assert listing[0]["NextRun"] == "2026-12-01T10:05:00+00:00"
+
+
+async def test_a_missed_tick_is_queued_only_with_catch_up(database_url: str) -> None:
+    queue_name = names(1)[0]
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        enabled=False, **FAST))
+
+    @queue.job(f"hourly-{queue_name}", queue=queue_name)
+    async def hourly(payload: dict[str, Any]) -> None:
+        return None
+
+    plain = queue.schedule(hourly, cron="0 * * * *", payload={}, name=f"plain-{queue_name}")
+    caught = queue.schedule(hourly, cron="0 * * * *", payload={}, name=f"caught-{queue_name}", catch_up=True)
+    async with queue.lifespan(None):
+        await queue.jobs.schedules.run_due(datetime(2026, 12, 1, 8, 0, 10, tzinfo=UTC))  # both queue 08:00
+        queue.jobs.schedules._last.clear()  # everything was down from 08:00 to 11:20
+        assert await queue.jobs.schedules.run_due(datetime(2026, 12, 1, 11, 20, tzinfo=UTC)) == 3
+        known = await queue.transport.known_messages([
+            s.tick_id(datetime(2026, 12, 1, h, tzinfo=UTC)) for s in (plain, caught) for h in (9, 10, 11)])
+        assert known == {caught.tick_id(datetime(2026, 12, 1, h, tzinfo=UTC)) for h in (9, 10, 11)}
+
+
+async def test_sync_mode_runs_a_job_at_its_dispatch(tmp_path: Path) -> None:
+    ran: list[int] = []
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", auto_migrate=True,
+                                        jobs_mode="sync", enabled=False))
+
+    @queue.job("sync.job", tries=2)
+    async def job(payload: dict[str, int], context: JobContext) -> None:
+        if payload["n"] < 0:
+            raise ValueError("never works")
+        ran.append(payload["n"])
+
+    async with queue.lifespan(None):
+        await queue.dispatch(job, {"n": 1})
+        assert ran == [1]  # ran before dispatch returned
+        with pytest.raises(ValueError, match="never works"):
+            await queue.dispatch(job, {"n": -1})
+        assert await queue.size() == 0  # nothing was queued
