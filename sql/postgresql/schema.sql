@@ -1,4 +1,4 @@
--- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0024).
+-- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0028).
 --
 -- This file is for reading: the tables and their indexes first, then every function grouped by
 -- concern, each with what it does. `workqueue migrate` applies the versioned migrations
@@ -170,6 +170,21 @@ CREATE TABLE workqueue.settled_count (
     completed        bigint NOT NULL,
     discarded        bigint NOT NULL
 ) WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 1000);
+
+-- One row per subscription per minute, written by the sweeper (record_stats_history): the live
+-- counts as stats reads them and the deliveries Completed in the window since the previous row
+-- (window_seconds long). Kept a day; the dashboard charts the last hour.
+CREATE TABLE workqueue.stats_history (
+    subscription_id  integer NOT NULL,
+    recorded_at      timestamptz NOT NULL,
+    pending          bigint NOT NULL,
+    in_flight        bigint NOT NULL,
+    dead_lettered    bigint NOT NULL,
+    completed        bigint NOT NULL,
+    window_seconds   double precision NOT NULL,
+    PRIMARY KEY (subscription_id, recorded_at)
+);
+CREATE INDEX stats_history_recorded_at ON workqueue.stats_history (recorded_at);
 
 -- ---------------------------------------------------------------------------------------------
 -- Once markers and API keys
@@ -1999,6 +2014,69 @@ AS $$
     LIMIT p_limit
 $$;
 
+-- The sweeper's history, at most one row per subscription a minute (0028): this minute's live
+-- counts and the completions since the previous row, counted over delivery_settled up to 30 s ago
+-- (a settle still running then has not committed); rows past p_keep_seconds are deleted. Writes
+-- nothing when this minute is recorded or another transaction is recording it; p_now stands in for
+-- the clock (tests).
+CREATE OR REPLACE FUNCTION workqueue.record_stats_history(
+    p_keep_seconds double precision DEFAULT 86400, p_now timestamptz DEFAULT NULL
+) RETURNS integer
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_last timestamptz;
+    v_to timestamptz := coalesce(p_now, now()) - interval '30 seconds';
+    v_from timestamptz;
+    v_rows integer;
+BEGIN
+    IF NOT pg_try_advisory_xact_lock(hashtext('workqueue.stats_history')::bigint) THEN
+        RETURN 0;
+    END IF;
+    SELECT max(h.recorded_at) INTO v_last FROM workqueue.stats_history h;
+    IF v_last >= date_trunc('minute', v_now) THEN
+        RETURN 0;
+    END IF;
+    v_from := CASE WHEN v_last > v_now - interval '1 hour' THEN v_last - interval '30 seconds'
+                   ELSE v_to - interval '1 minute' END;
+    INSERT INTO workqueue.stats_history
+        (subscription_id, recorded_at, pending, in_flight, dead_lettered, completed, window_seconds)
+    SELECT s.id, v_now, st.pending, st.in_flight, st.dead_lettered, coalesce(c.completed, 0),
+           extract(epoch FROM v_to - v_from)::double precision
+    FROM workqueue.stats(NULL) st
+    JOIN workqueue.subscription s ON s.name = st.subscription
+    LEFT JOIN (
+        SELECT d.subscription_id, count(*) AS completed
+        FROM workqueue.delivery d
+        WHERE d.status = 'Completed' AND d.settled_at >= v_from AND d.settled_at < v_to
+        GROUP BY d.subscription_id
+    ) c ON c.subscription_id = s.id;
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    DELETE FROM workqueue.stats_history h
+    WHERE h.recorded_at < v_now - make_interval(secs => p_keep_seconds);
+    RETURN v_rows;
+END
+$$;
+
+-- The history recorded since p_since (at most a day back), of one subscription or of all.
+CREATE OR REPLACE FUNCTION workqueue.stats_history(p_since timestamptz, p_subscription text DEFAULT NULL)
+RETURNS TABLE (
+    subscription text, recorded_at timestamptz, pending bigint, in_flight bigint, dead_lettered bigint,
+    completed bigint, window_seconds double precision
+)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT s.name, h.recorded_at, h.pending, h.in_flight, h.dead_lettered, h.completed, h.window_seconds
+    FROM workqueue.stats_history h
+    JOIN workqueue.subscription s ON s.id = h.subscription_id
+    WHERE h.recorded_at >= greatest(p_since, now() - interval '1 day')
+      AND (p_subscription IS NULL OR s.name = p_subscription)
+    ORDER BY h.recorded_at, s.name
+$$;
+
 -- Which migrations this database has (for validate-bindings).
 CREATE OR REPLACE FUNCTION workqueue.schema_versions()
 RETURNS TABLE (version integer, name text, checksum text)
@@ -2105,8 +2183,15 @@ BEGIN
                                   workqueue.settle(bigint[], uuid[], text[], double precision[], text[], text[],
                                                    double precision[]),
                                   workqueue.list_deliveries(text, text, integer, bigint),
-                                  workqueue.api_key_touch(uuid)
+                                  workqueue.api_key_touch(uuid),
+                                  workqueue.record_stats_history(double precision, timestamptz),
+                                  workqueue.stats_history(timestamptz, text)
             TO workqueue_runtime;
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN
+        GRANT EXECUTE ON FUNCTION workqueue.record_stats_history(double precision, timestamptz),
+                                  workqueue.stats_history(timestamptz, text)
+            TO workqueue_operator;
     END IF;
 END
 $$;

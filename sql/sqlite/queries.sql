@@ -380,3 +380,41 @@ WHERE revoked_at IS NULL AND (id = lower(:key) OR prefix = :key OR name = :key);
 
 -- name: schema_versions
 SELECT version, name, checksum FROM schema_migration ORDER BY version;
+
+-- The sweeper's minute-by-minute history, which the dashboard charts (sqlite_history.py).
+
+-- name: stats_history_last
+SELECT max(h.recorded_at) AS recorded_at FROM stats_history h;
+
+-- name: stats_history_insert
+-- The live counts through their partial indexes (as stats), and the deliveries Completed in the
+-- window through delivery_settled (its own WHERE repeated, so SQLite can use it).
+INSERT INTO stats_history (subscription_id, recorded_at, pending, in_flight, dead_lettered, completed, window_seconds)
+SELECT s.id, :now,
+       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending' AND d.key_mode = 0)
+     + (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 1 AND d.status = 'Pending')
+     + (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 2
+          AND d.status IN ('Pending', 'InFlight', 'DeadLettered') AND d.status = 'Pending'),
+       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'InFlight'),
+       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'DeadLettered'),
+       coalesce(c.completed, 0),
+       :window_seconds
+FROM subscription s
+LEFT JOIN (
+    SELECT d.subscription_id, count(*) AS completed
+    FROM delivery d
+    WHERE d.status IN ('Completed', 'Discarded') AND d.status = 'Completed'
+      AND d.settled_at >= :counted_from AND d.settled_at < :counted_to
+    GROUP BY d.subscription_id
+) c ON c.subscription_id = s.id;
+
+-- name: stats_history_purge
+DELETE FROM stats_history WHERE recorded_at < :before;
+
+-- name: stats_history
+SELECT s.name AS subscription, h.recorded_at, h.pending, h.in_flight, h.dead_lettered, h.completed,
+       h.window_seconds
+FROM stats_history h
+JOIN subscription s ON s.id = h.subscription_id
+WHERE h.recorded_at >= :since AND (:subscription IS NULL OR s.name = :subscription)
+ORDER BY h.recorded_at, s.name;

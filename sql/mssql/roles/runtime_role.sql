@@ -62,6 +62,7 @@ GRANT EXECUTE ON OBJECT::workqueue.once_begin TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.once_finish TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.once_abort TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.sweep TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.record_stats_history TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.sync_topic TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.sync_subscription TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.stats TO workqueue_runtime;
@@ -72,6 +73,7 @@ GRANT EXECUTE ON OBJECT::workqueue.partitions TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.list_subscriptions TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.list_topics TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.schema_versions TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.stats_history TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.api_key_lookup TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.api_key_touch TO workqueue_runtime;
 GO

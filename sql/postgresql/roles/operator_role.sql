@@ -2,8 +2,9 @@
 --
 -- workqueue_operator (NOLOGIN) may act on the work: replay a dead letter, discard a delivery (or
 -- cancel a running one), pause and resume a subscription (set_subscription_status), prune old
--- deliveries and run a sweeper pass, and read what it acts on (stats, backlog, list_deliveries,
--- get_delivery, partitions, list_subscriptions, list_topics, schema_versions). It cannot publish,
+-- deliveries and run a sweeper pass (sweep, record_stats_history), and read what it acts on (stats,
+-- backlog, list_deliveries, get_delivery, partitions, list_subscriptions, list_topics,
+-- schema_versions, stats_history). It cannot publish,
 -- claim or settle (workqueue_runtime's, runtime_role.sql), nor create, list or revoke API keys
 -- (workqueue_admin's, admin_role.sql), and holds no privilege on any table or sequence.
 --
@@ -49,9 +50,9 @@ BEGIN
         SELECT p.oid::regprocedure FROM pg_catalog.pg_proc p
         WHERE p.pronamespace = 'workqueue'::regnamespace
           AND p.proname = ANY (ARRAY[
-              'replay', 'discard', 'set_subscription_status', 'prune', 'sweep',
+              'replay', 'discard', 'set_subscription_status', 'prune', 'sweep', 'record_stats_history',
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
-              'list_subscriptions', 'list_topics', 'schema_versions'])
+              'list_subscriptions', 'list_topics', 'schema_versions', 'stats_history'])
         ORDER BY 1
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO workqueue_operator', v_function);

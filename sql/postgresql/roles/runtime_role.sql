@@ -8,7 +8,8 @@
 -- What it may call:
 --   * the work: publish, publish_one, claim, heartbeat, settle (a release is a settle), and the
 --     once markers (once_begin, once_finish, once_abort);
---   * the sweeper, which every host runs by default (sweep);
+--   * the sweeper, which every host runs by default (sweep, and record_stats_history, the minute
+--     by minute history it writes for the dashboard's chart);
 --   * the topology the app declares and syncs when it starts (sync_topic, sync_subscription). A
 --     runtime login can therefore change a subscription's policy, but never its status: pausing
 --     and resuming are the operator's (see operator_role.sql). Where the topology should change
@@ -16,7 +17,7 @@
 --     workqueue_runtime after running this script and sync from the deployment with a login that
 --     holds them (the schema owner's, say);
 --   * the read-only operator views the app and its REST API serve: stats, backlog, list_deliveries,
---     get_delivery, partitions, list_subscriptions, list_topics, schema_versions;
+--     get_delivery, partitions, list_subscriptions, list_topics, schema_versions, stats_history;
 --   * the REST API's key check: api_key_lookup (reads the key behind a prefix) and api_key_touch
 --     (marks a key used once its hash matched).
 -- What it may not: replay, discard (and cancel), pause and resume (set_subscription_status) and
@@ -79,10 +80,10 @@ BEGIN
           AND p.proname = ANY (ARRAY[
               'publish', 'publish_one', 'claim', 'heartbeat', 'settle',
               'once_begin', 'once_finish', 'once_abort',
-              'sweep',
+              'sweep', 'record_stats_history',
               'sync_topic', 'sync_subscription',
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
-              'list_subscriptions', 'list_topics', 'schema_versions',
+              'list_subscriptions', 'list_topics', 'schema_versions', 'stats_history',
               'api_key_lookup', 'api_key_touch'])
         ORDER BY 1
     LOOP
