@@ -31,7 +31,7 @@ RUNTIME_FUNCTIONS = {
     "publish", "publish_one", "claim", "heartbeat", "settle", "once_begin", "once_finish", "once_abort", "sweep",
     "sync_topic", "sync_subscription", "stats", "backlog", "list_deliveries", "get_delivery", "partitions",
     "list_subscriptions", "list_topics", "schema_versions", "api_key_lookup", "api_key_touch",
-    "record_stats_history", "stats_history",
+    "record_stats_history", "stats_history", "live_counts", "blocked_keys",
 }
 
 # Every table privilege and every sequence privilege PostgreSQL knows of.

@@ -24,6 +24,7 @@ from ..core.envelope import MAX_DELAY_SECONDS, PreparedMessage, PublishError, Pu
 from ..core.errors import ConfigurationError, TransportError
 from ..core.history import StatsPoint
 from ..core.keys import ApiKeyInfo, StoredKey
+from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts
 from ..core.reports import (
     ActionResult,
     Backlog,
@@ -316,6 +317,22 @@ class RoutineTransport:
         """The stats history recorded since ``since`` (at most a day back), oldest first."""
         rows = await self.call("stats_history", p_since=since, p_subscription=subscription)
         return [StatsPoint.model_validate(as_dict(r)) for r in rows]
+
+    async def live_counts(self, subscription: str | None = None, *, cap: int = LIVE_COUNT_CAP) -> list[LiveCounts]:
+        """Each subscription's (or one's) Pending, InFlight and DeadLettered counts, each stopping
+        at ``cap``: bounded, where stats counts every live delivery."""
+        rows = await self.call("live_counts", p_subscription=subscription, p_cap=cap)
+        return [LiveCounts.model_validate({**as_dict(r), "cap": cap}) for r in rows]
+
+    async def blocked_keys(
+        self, subscription: str, *, limit: int = 50, cap: int = LIVE_COUNT_CAP
+    ) -> list[BlockedKey]:
+        """The keys of an Ordered subscription whose head blocks them (dead-lettered, or waiting to
+        be retried), oldest head first, at most ``limit``, with the deliveries waiting behind each
+        counted up to ``cap``."""
+        rows = await self.call("blocked_keys", p_subscription=subscription, p_limit=limit, p_cap=cap)
+        return [BlockedKey.model_validate({**as_dict(r), "head_delivery_id": str(r["head_delivery_id"])})
+                for r in rows]
 
     async def prune(self, older_than_seconds: float, *, batch: int = 5000) -> int:
         """Removes Completed and Discarded deliveries settled more than ``older_than_seconds`` ago."""

@@ -1,5 +1,6 @@
-"""The stats history routines for SQLite: ``record_stats_history`` and ``stats_history``, as
-PostgreSQL's (``sql/postgresql/0028_stats_history.sql`` says what they count and why).
+"""The dashboard's routines for SQLite, as PostgreSQL's (``sql/postgresql/0028_stats_history.sql``
+says what they count and why): the stats history (``record_stats_history``, ``stats_history``) and
+the bounded reads of the live work (``live_counts``, ``blocked_keys``).
 
 SQLite has one writer, so the look at the last row and the insert that follows it cannot be
 interleaved with another process's: no lock of their own is needed.
@@ -44,4 +45,17 @@ async def r_stats_history(c: Call, p_since: datetime, p_subscription: str | None
     rows = await c.ex.fetch("stats_history", since=since, subscription=p_subscription)
     for row in rows:
         row["recorded_at"] = ts(row["recorded_at"])
+    return rows
+
+
+@routine
+async def r_live_counts(c: Call, p_subscription: str | None = None, p_cap: int = 1000) -> list[Row]:
+    return await c.ex.fetch("live_counts", subscription=p_subscription, cap=p_cap)
+
+
+@routine
+async def r_blocked_keys(c: Call, p_subscription: str, p_limit: int, p_cap: int = 1000) -> list[Row]:
+    rows = await c.ex.fetch("blocked_keys", subscription=p_subscription, limit=p_limit, cap=p_cap, now=c.now)
+    for row in rows:
+        row["head_visible_at"] = ts(row["head_visible_at"])
     return rows

@@ -2921,6 +2921,86 @@ BEGIN
 END;
 GO
 
+-- Each subscription's live counts, each stopping at @p_cap (a page shows "@p_cap or more"): at most
+-- @p_cap index entries a state, whatever the backlog (stats counts every live row).
+-- returns: subscription, pending, in_flight, dead_lettered
+CREATE OR ALTER PROCEDURE workqueue.live_counts
+    @p_subscription nvarchar(200) = NULL,
+    @p_cap int = 1000
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SELECT c.subscription,
+           CASE WHEN c.pending > @p_cap THEN CAST(@p_cap AS bigint) ELSE c.pending END AS pending,
+           c.in_flight, c.dead_lettered
+    FROM (
+        SELECT s.name AS subscription,
+               (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
+                                          WHERE d.subscription_id = s.id AND d.status = N'Pending'
+                                            AND d.key_mode = 0) AS x)
+             + (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
+                                          WHERE d.subscription_id = s.id AND d.status = N'Pending'
+                                            AND d.key_mode = 1) AS x)
+             + (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
+                                          WHERE d.subscription_id = s.id AND d.status = N'Pending'
+                                            AND d.key_mode = 2) AS x) AS pending,
+               (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
+                                          WHERE d.subscription_id = s.id AND d.status = N'InFlight') AS x)
+                   AS in_flight,
+               (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
+                                          WHERE d.subscription_id = s.id AND d.status = N'DeadLettered') AS x)
+                   AS dead_lettered
+        FROM workqueue.subscription AS s
+        WHERE @p_subscription IS NULL OR s.name = @p_subscription
+    ) AS c
+    ORDER BY c.subscription;
+END;
+GO
+
+-- The heads that block keys of an Ordered subscription, oldest first, at most @p_limit: a
+-- dead-lettered head (through delivery_dead_letters) or a head waiting to be retried (through
+-- partition_ready); waiting_items counts the key's deliveries behind it, up to @p_cap.
+-- returns: partition_key, head_delivery_id, head_status, head_attempt, head_visible_at, head_reason, waiting_items
+CREATE OR ALTER PROCEDURE workqueue.blocked_keys
+    @p_subscription nvarchar(200),
+    @p_limit int,
+    @p_cap int = 1000
+AS
+BEGIN
+    SET NOCOUNT ON;
+    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_subscription_id int;
+    DECLARE @v_heads TABLE (id bigint NOT NULL PRIMARY KEY);
+    SELECT @v_subscription_id = s.id
+    FROM workqueue.subscription AS s
+    WHERE s.name = @p_subscription AND s.partition_mode = N'Ordered';
+
+    INSERT INTO @v_heads (id)
+    SELECT TOP (@p_limit) d.id FROM workqueue.delivery AS d
+    WHERE d.subscription_id = @v_subscription_id AND d.status = N'DeadLettered' AND d.key_mode = 2
+    ORDER BY d.id;
+    INSERT INTO @v_heads (id)
+    SELECT w.next_id FROM (
+        SELECT TOP (@p_limit) p.next_id FROM workqueue.partition AS p
+        WHERE p.subscription_id = @v_subscription_id AND p.holder_id IS NULL AND p.next_id IS NOT NULL
+          AND p.next_visible_at > @v_now
+        ORDER BY p.next_visible_at
+    ) AS w
+    WHERE NOT EXISTS (SELECT 1 FROM @v_heads AS h WHERE h.id = w.next_id);
+
+    SELECT TOP (@p_limit) d.partition_key, d.id AS head_delivery_id, d.status AS head_status,
+           d.attempt AS head_attempt, d.visible_at AS head_visible_at, d.reason AS head_reason,
+           (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) w.id FROM workqueue.delivery AS w
+                                      WHERE w.subscription_id = d.subscription_id
+                                        AND w.partition_key = d.partition_key AND w.key_mode = 2
+                                        AND w.status = N'Pending' AND w.id > d.id) AS x) AS waiting_items
+    FROM @v_heads AS h
+    INNER JOIN workqueue.delivery AS d ON d.id = h.id
+    WHERE d.status = N'DeadLettered' OR d.attempt > 0
+    ORDER BY d.id;
+END;
+GO
+
 -- Which migrations this database has (for validate-bindings). The table is created by the
 -- migration runner before 0001 (fastapi_workqueue/database/mssql.py).
 -- returns: version, name, checksum

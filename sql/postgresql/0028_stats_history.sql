@@ -15,9 +15,16 @@
 -- than p_keep_seconds (a day) are deleted in the same call. A subscription whose retention is
 -- shorter than a minute and a half may be purged of completions before they are counted.
 --
--- Adds the table and two functions: record_stats_history (the sweeper's, so the runtime and
--- operator roles get EXECUTE, as on sweep) and stats_history (what the dashboard reads, a read-only
--- view like stats).
+-- The dashboard's pages read the live work through two more functions, bounded whatever the tables
+-- hold: live_counts (Pending, InFlight and DeadLettered, each counted up to p_cap through the index
+-- of its state; stats counts every live row, which a backlog of a million makes a million index
+-- entries per call, and a page polls) and blocked_keys (the heads that block an Ordered key, found
+-- through delivery_dead_letters and partition_ready up to p_limit, each with the items waiting
+-- behind it counted up to p_cap; partitions reads every partition row of the subscription).
+--
+-- Adds the table and four functions: record_stats_history (the sweeper's, so the runtime and
+-- operator roles get EXECUTE, as on sweep), and stats_history, live_counts and blocked_keys (read-only
+-- views, like stats).
 
 CREATE TABLE workqueue.stats_history (
     subscription_id  integer NOT NULL,
@@ -93,18 +100,82 @@ AS $$
     ORDER BY h.recorded_at, s.name
 $$;
 
+-- Each subscription's live counts, each stopping at p_cap (a page shows "p_cap or more").
+CREATE OR REPLACE FUNCTION workqueue.live_counts(p_subscription text DEFAULT NULL, p_cap integer DEFAULT 1000)
+RETURNS TABLE (subscription text, pending bigint, in_flight bigint, dead_lettered bigint)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT s.name,
+           least(
+               (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                        AND d.status = 'Pending' AND d.key_mode = 0 LIMIT p_cap) x)
+             + (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                        AND d.status = 'Pending' AND d.key_mode = 1 LIMIT p_cap) x)
+             + (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                        AND d.status = 'Pending' AND d.key_mode = 2 LIMIT p_cap) x),
+               p_cap),
+           (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                    AND d.status = 'InFlight' LIMIT p_cap) x),
+           (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                    AND d.status = 'DeadLettered' LIMIT p_cap) x)
+    FROM workqueue.subscription s
+    WHERE p_subscription IS NULL OR s.name = p_subscription
+    ORDER BY s.name
+$$;
+
+-- The heads that block keys of an Ordered subscription, oldest first, at most p_limit: a
+-- dead-lettered head (found through delivery_dead_letters), or a head waiting to be retried (through
+-- partition_ready); waiting_items counts the key's deliveries behind it, up to p_cap.
+CREATE OR REPLACE FUNCTION workqueue.blocked_keys(p_subscription text, p_limit integer, p_cap integer DEFAULT 1000)
+RETURNS TABLE (
+    partition_key text, head_delivery_id bigint, head_status text, head_attempt integer,
+    head_visible_at timestamptz, head_reason text, waiting_items bigint
+)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH s AS (
+        SELECT s.id FROM workqueue.subscription s WHERE s.name = p_subscription AND s.partition_mode = 'Ordered'
+    ), heads AS (
+        (SELECT d.id FROM workqueue.delivery d JOIN s ON d.subscription_id = s.id
+         WHERE d.status = 'DeadLettered' AND d.key_mode = 2
+         ORDER BY d.id LIMIT p_limit)
+        UNION ALL
+        (SELECT p.next_id FROM workqueue.partition p JOIN s ON p.subscription_id = s.id
+         WHERE p.holder_id IS NULL AND p.next_id IS NOT NULL AND p.next_visible_at > now()
+         ORDER BY p.next_visible_at LIMIT p_limit)
+    )
+    SELECT d.partition_key, d.id, d.status, d.attempt, d.visible_at, d.reason,
+           (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery w
+                                  WHERE w.subscription_id = d.subscription_id AND w.partition_key = d.partition_key
+                                    AND w.key_mode = 2 AND w.status = 'Pending' AND w.id > d.id
+                                  LIMIT p_cap) x)
+    FROM heads h
+    JOIN workqueue.delivery d ON d.id = h.id
+    WHERE d.status = 'DeadLettered' OR d.attempt > 0
+    ORDER BY d.id
+    LIMIT p_limit
+$$;
+
 REVOKE ALL ON FUNCTION workqueue.record_stats_history(double precision, timestamptz) FROM PUBLIC;
 REVOKE ALL ON FUNCTION workqueue.stats_history(timestamptz, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION workqueue.live_counts(text, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION workqueue.blocked_keys(text, integer, integer) FROM PUBLIC;
 
 DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_runtime') THEN
         GRANT EXECUTE ON FUNCTION workqueue.record_stats_history(double precision, timestamptz) TO workqueue_runtime;
         GRANT EXECUTE ON FUNCTION workqueue.stats_history(timestamptz, text) TO workqueue_runtime;
+        GRANT EXECUTE ON FUNCTION workqueue.live_counts(text, integer) TO workqueue_runtime;
+        GRANT EXECUTE ON FUNCTION workqueue.blocked_keys(text, integer, integer) TO workqueue_runtime;
     END IF;
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN
         GRANT EXECUTE ON FUNCTION workqueue.record_stats_history(double precision, timestamptz) TO workqueue_operator;
         GRANT EXECUTE ON FUNCTION workqueue.stats_history(timestamptz, text) TO workqueue_operator;
+        GRANT EXECUTE ON FUNCTION workqueue.live_counts(text, integer) TO workqueue_operator;
+        GRANT EXECUTE ON FUNCTION workqueue.blocked_keys(text, integer, integer) TO workqueue_operator;
     END IF;
 END
 $$;

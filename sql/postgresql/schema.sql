@@ -2077,6 +2077,64 @@ AS $$
     ORDER BY h.recorded_at, s.name
 $$;
 
+-- The dashboard's counts (0028): each subscription's live counts, each stopping at p_cap (a page shows "p_cap or more").
+CREATE OR REPLACE FUNCTION workqueue.live_counts(p_subscription text DEFAULT NULL, p_cap integer DEFAULT 1000)
+RETURNS TABLE (subscription text, pending bigint, in_flight bigint, dead_lettered bigint)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT s.name,
+           least(
+               (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                        AND d.status = 'Pending' AND d.key_mode = 0 LIMIT p_cap) x)
+             + (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                        AND d.status = 'Pending' AND d.key_mode = 1 LIMIT p_cap) x)
+             + (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                        AND d.status = 'Pending' AND d.key_mode = 2 LIMIT p_cap) x),
+               p_cap),
+           (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                    AND d.status = 'InFlight' LIMIT p_cap) x),
+           (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                    AND d.status = 'DeadLettered' LIMIT p_cap) x)
+    FROM workqueue.subscription s
+    WHERE p_subscription IS NULL OR s.name = p_subscription
+    ORDER BY s.name
+$$;
+
+-- The heads that block keys of an Ordered subscription, oldest first, at most p_limit: a
+-- dead-lettered head (found through delivery_dead_letters), or a head waiting to be retried (through
+-- partition_ready); waiting_items counts the key's deliveries behind it, up to p_cap.
+CREATE OR REPLACE FUNCTION workqueue.blocked_keys(p_subscription text, p_limit integer, p_cap integer DEFAULT 1000)
+RETURNS TABLE (
+    partition_key text, head_delivery_id bigint, head_status text, head_attempt integer,
+    head_visible_at timestamptz, head_reason text, waiting_items bigint
+)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH s AS (
+        SELECT s.id FROM workqueue.subscription s WHERE s.name = p_subscription AND s.partition_mode = 'Ordered'
+    ), heads AS (
+        (SELECT d.id FROM workqueue.delivery d JOIN s ON d.subscription_id = s.id
+         WHERE d.status = 'DeadLettered' AND d.key_mode = 2
+         ORDER BY d.id LIMIT p_limit)
+        UNION ALL
+        (SELECT p.next_id FROM workqueue.partition p JOIN s ON p.subscription_id = s.id
+         WHERE p.holder_id IS NULL AND p.next_id IS NOT NULL AND p.next_visible_at > now()
+         ORDER BY p.next_visible_at LIMIT p_limit)
+    )
+    SELECT d.partition_key, d.id, d.status, d.attempt, d.visible_at, d.reason,
+           (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery w
+                                  WHERE w.subscription_id = d.subscription_id AND w.partition_key = d.partition_key
+                                    AND w.key_mode = 2 AND w.status = 'Pending' AND w.id > d.id
+                                  LIMIT p_cap) x)
+    FROM heads h
+    JOIN workqueue.delivery d ON d.id = h.id
+    WHERE d.status = 'DeadLettered' OR d.attempt > 0
+    ORDER BY d.id
+    LIMIT p_limit
+$$;
+
 -- Which migrations this database has (for validate-bindings).
 CREATE OR REPLACE FUNCTION workqueue.schema_versions()
 RETURNS TABLE (version integer, name text, checksum text)
@@ -2185,12 +2243,16 @@ BEGIN
                                   workqueue.list_deliveries(text, text, integer, bigint),
                                   workqueue.api_key_touch(uuid),
                                   workqueue.record_stats_history(double precision, timestamptz),
-                                  workqueue.stats_history(timestamptz, text)
+                                  workqueue.stats_history(timestamptz, text),
+                                  workqueue.live_counts(text, integer),
+                                  workqueue.blocked_keys(text, integer, integer)
             TO workqueue_runtime;
     END IF;
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN
         GRANT EXECUTE ON FUNCTION workqueue.record_stats_history(double precision, timestamptz),
-                                  workqueue.stats_history(timestamptz, text)
+                                  workqueue.stats_history(timestamptz, text),
+                                  workqueue.live_counts(text, integer),
+                                  workqueue.blocked_keys(text, integer, integer)
             TO workqueue_operator;
     END IF;
 END

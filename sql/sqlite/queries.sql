@@ -418,3 +418,47 @@ FROM stats_history h
 JOIN subscription s ON s.id = h.subscription_id
 WHERE h.recorded_at >= :since AND (:subscription IS NULL OR s.name = :subscription)
 ORDER BY h.recorded_at, s.name;
+
+-- The dashboard's bounded reads of the live work (sqlite_history.py): each count stops at :cap,
+-- and the blocked keys are found through delivery_dead_letters and partition_ready.
+
+-- name: live_counts
+SELECT s.name AS subscription,
+       min((SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending'
+                                    AND d.key_mode = 0 LIMIT :cap))
+         + (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 1
+                                    AND d.status = 'Pending' LIMIT :cap))
+         + (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 2
+                                    AND d.status IN ('Pending', 'InFlight', 'DeadLettered') AND d.status = 'Pending'
+                                    LIMIT :cap)),
+           :cap) AS pending,
+       (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'InFlight'
+                                LIMIT :cap)) AS in_flight,
+       (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'DeadLettered'
+                                LIMIT :cap)) AS dead_lettered
+FROM subscription s
+WHERE :subscription IS NULL OR s.name = :subscription
+ORDER BY s.name;
+
+-- name: blocked_keys
+WITH s AS (
+    SELECT s.id FROM subscription s WHERE s.name = :subscription AND s.partition_mode = 'Ordered'
+), heads AS (
+    SELECT id FROM (SELECT d.id FROM delivery d, s WHERE d.subscription_id = s.id AND d.status = 'DeadLettered'
+                      AND d.key_mode = 2 ORDER BY d.id LIMIT :limit)
+    UNION
+    SELECT id FROM (SELECT p.next_id AS id FROM partition p, s WHERE p.subscription_id = s.id
+                      AND p.holder_id IS NULL AND p.next_id IS NOT NULL AND p.next_visible_at > :now
+                    ORDER BY p.next_visible_at LIMIT :limit)
+)
+SELECT d.partition_key, d.id AS head_delivery_id, d.status AS head_status, d.attempt AS head_attempt,
+       d.visible_at AS head_visible_at, d.reason AS head_reason,
+       (SELECT count(*) FROM (SELECT 1 FROM delivery w WHERE w.subscription_id = d.subscription_id
+                                AND w.partition_key = d.partition_key AND w.key_mode = 2
+                                AND w.status IN ('Pending', 'InFlight', 'DeadLettered') AND w.status = 'Pending'
+                                AND w.id > d.id LIMIT :cap)) AS waiting_items
+FROM heads h
+JOIN delivery d ON d.id = h.id
+WHERE d.status = 'DeadLettered' OR d.attempt > 0
+ORDER BY d.id
+LIMIT :limit;

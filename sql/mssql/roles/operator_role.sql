@@ -51,6 +51,8 @@ GRANT EXECUTE ON OBJECT::workqueue.list_subscriptions TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.list_topics TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.schema_versions TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.stats_history TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.live_counts TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.blocked_keys TO workqueue_operator;
 GO
 
 DENY SELECT, INSERT, UPDATE, DELETE ON SCHEMA::workqueue TO workqueue_operator;

@@ -4,8 +4,8 @@
 -- cancel a running one), pause and resume a subscription (set_subscription_status), prune old
 -- deliveries and run a sweeper pass (sweep, record_stats_history), and read what it acts on (stats,
 -- backlog, list_deliveries, get_delivery, partitions, list_subscriptions, list_topics,
--- schema_versions, stats_history). It cannot publish,
--- claim or settle (workqueue_runtime's, runtime_role.sql), nor create, list or revoke API keys
+-- schema_versions, and the dashboard's stats_history, live_counts and blocked_keys). It cannot
+-- publish, claim or settle (workqueue_runtime's, runtime_role.sql), nor create, list or revoke API keys
 -- (workqueue_admin's, admin_role.sql), and holds no privilege on any table or sequence.
 --
 -- Give it to the login the `workqueue` command runs under for replay, discard, pause, resume and
@@ -52,7 +52,8 @@ BEGIN
           AND p.proname = ANY (ARRAY[
               'replay', 'discard', 'set_subscription_status', 'prune', 'sweep', 'record_stats_history',
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
-              'list_subscriptions', 'list_topics', 'schema_versions', 'stats_history'])
+              'list_subscriptions', 'list_topics', 'schema_versions', 'stats_history',
+              'live_counts', 'blocked_keys'])
         ORDER BY 1
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO workqueue_operator', v_function);

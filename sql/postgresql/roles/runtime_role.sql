@@ -16,8 +16,9 @@
 --     only by deployment, set WORKQUEUE_SYNC_TOPOLOGY=false in the app, revoke these two from
 --     workqueue_runtime after running this script and sync from the deployment with a login that
 --     holds them (the schema owner's, say);
---   * the read-only operator views the app and its REST API serve: stats, backlog, list_deliveries,
---     get_delivery, partitions, list_subscriptions, list_topics, schema_versions, stats_history;
+--   * the read-only operator views the app, its REST API and its dashboard serve: stats, backlog,
+--     list_deliveries, get_delivery, partitions, list_subscriptions, list_topics, schema_versions,
+--     stats_history, live_counts and blocked_keys;
 --   * the REST API's key check: api_key_lookup (reads the key behind a prefix) and api_key_touch
 --     (marks a key used once its hash matched).
 -- What it may not: replay, discard (and cancel), pause and resume (set_subscription_status) and
@@ -84,6 +85,7 @@ BEGIN
               'sync_topic', 'sync_subscription',
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
               'list_subscriptions', 'list_topics', 'schema_versions', 'stats_history',
+              'live_counts', 'blocked_keys',
               'api_key_lookup', 'api_key_touch'])
         ORDER BY 1
     LOOP
