@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 PAGE = 25
 """Dead letters a page; also the most in-flight deliveries and blocked keys a page lists."""
 IN_FLIGHT_PAGE = 50
+WAITING_CAP = 100
+"""Where the count of deliveries waiting behind a blocked key's head stops."""
 CHART_MINUTES = 60
 BULK_BATCH = 100
 """Dead letters replayed per batch of a bulk replay."""
@@ -71,6 +73,7 @@ class SubscriptionPage:
     next_after: str | None
     after: str | None
     blocked: list[BlockedKey]
+    waiting_cap: int = WAITING_CAP
 
 
 async def counts_of(queue: WorkQueue, subscription: str | None = None) -> dict[str, LiveCounts]:
@@ -138,7 +141,7 @@ async def subscription_page(queue: WorkQueue, state: SubscriptionState, after: s
     transport: Any = queue.transport
     blocked: list[BlockedKey] = []
     if state.partition_mode == "Ordered" and isinstance(transport, LiveWorkReader):
-        blocked = await transport.blocked_keys(name, limit=PAGE)
+        blocked = await transport.blocked_keys(name, limit=PAGE, cap=WAITING_CAP)
     return SubscriptionPage(now=now, row=row, history=history, has_history=has_history, in_flight=in_flight,
                             dead_letters=dead[:PAGE], next_after=next_after, after=after, blocked=blocked)
 

@@ -2750,7 +2750,9 @@ BEGIN
 END;
 GO
 
--- Deliveries of one subscription in one state, oldest first, paged by id.
+-- Deliveries of one subscription in one state, oldest first, paged by id. DeadLettered and InFlight
+-- are named literally, so their pages read their filtered indexes (a state given as a parameter can
+-- use none); the page's ids come first, then their rows.
 -- returns: delivery_id, message_id, topic, partition_key, status, attempt, max_attempts, visible_at, lease_expires_at, cancel_requested, progress_percent, progress_message, reason, last_error, note, created_at, claimed_at, settled_at, attributes, payload, correlation_id
 CREATE OR ALTER PROCEDURE workqueue.list_deliveries
     @p_subscription nvarchar(200),
@@ -2760,15 +2762,32 @@ CREATE OR ALTER PROCEDURE workqueue.list_deliveries
 AS
 BEGIN
     SET NOCOUNT ON;
-    SELECT TOP (@p_limit)
-           d.id AS delivery_id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts,
+    DECLARE @v_subscription int;
+    DECLARE @v_after bigint = COALESCE(@p_after_id, 0);
+    DECLARE @v_page TABLE (id bigint NOT NULL PRIMARY KEY);
+    SELECT @v_subscription = s.id FROM workqueue.subscription AS s WHERE s.name = @p_subscription;
+    IF @p_status = N'DeadLettered'
+        INSERT INTO @v_page (id)
+        SELECT TOP (@p_limit) d.id FROM workqueue.delivery AS d
+        WHERE d.subscription_id = @v_subscription AND d.status = N'DeadLettered' AND d.id > @v_after
+        ORDER BY d.id;
+    ELSE IF @p_status = N'InFlight'
+        INSERT INTO @v_page (id)
+        SELECT TOP (@p_limit) d.id FROM workqueue.delivery AS d
+        WHERE d.subscription_id = @v_subscription AND d.status = N'InFlight' AND d.id > @v_after
+        ORDER BY d.id;
+    ELSE
+        INSERT INTO @v_page (id)
+        SELECT TOP (@p_limit) d.id FROM workqueue.delivery AS d
+        WHERE d.subscription_id = @v_subscription AND d.status = @p_status AND d.id > @v_after
+        ORDER BY d.id;
+    SELECT d.id AS delivery_id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts,
            d.visible_at, d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message,
            d.reason, d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload,
            m.correlation_id
-    FROM workqueue.delivery AS d
-    INNER JOIN workqueue.subscription AS s ON s.id = d.subscription_id
+    FROM @v_page AS v
+    INNER JOIN workqueue.delivery AS d ON d.id = v.id
     INNER JOIN workqueue.message AS m ON m.id = d.message_id
-    WHERE s.name = @p_subscription AND d.status = @p_status AND d.id > COALESCE(@p_after_id, 0)
     ORDER BY d.id;
 END;
 GO
@@ -2937,18 +2956,20 @@ BEGIN
         SELECT s.name AS subscription,
                (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
                                           WHERE d.subscription_id = s.id AND d.status = N'Pending'
-                                            AND d.key_mode = 0) AS x)
+                                            AND d.key_mode = 0 ORDER BY d.visible_at, d.id) AS x)
              + (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
                                           WHERE d.subscription_id = s.id AND d.status = N'Pending'
-                                            AND d.key_mode = 1) AS x)
+                                            AND d.key_mode = 1
+                                          ORDER BY d.partition_key, d.visible_at, d.id) AS x)
              + (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
                                           WHERE d.subscription_id = s.id AND d.status = N'Pending'
-                                            AND d.key_mode = 2) AS x) AS pending,
+                                            AND d.key_mode = 2 ORDER BY d.partition_key, d.id) AS x) AS pending,
                (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
                                           WHERE d.subscription_id = s.id AND d.status = N'InFlight') AS x)
                    AS in_flight,
                (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
-                                          WHERE d.subscription_id = s.id AND d.status = N'DeadLettered') AS x)
+                                          WHERE d.subscription_id = s.id AND d.status = N'DeadLettered'
+                                          ORDER BY d.id) AS x)
                    AS dead_lettered
         FROM workqueue.subscription AS s
         WHERE @p_subscription IS NULL OR s.name = @p_subscription
@@ -2993,7 +3014,8 @@ BEGIN
            (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) w.id FROM workqueue.delivery AS w
                                       WHERE w.subscription_id = d.subscription_id
                                         AND w.partition_key = d.partition_key AND w.key_mode = 2
-                                        AND w.status = N'Pending' AND w.id > d.id) AS x) AS waiting_items
+                                        AND w.status = N'Pending' AND w.id > d.id ORDER BY w.id) AS x)
+               AS waiting_items
     FROM @v_heads AS h
     INNER JOIN workqueue.delivery AS d ON d.id = h.id
     WHERE d.status = N'DeadLettered' OR d.attempt > 0

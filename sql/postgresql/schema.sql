@@ -1954,7 +1954,8 @@ AS $$
 $$;
 
 -- Deliveries of one subscription in one state, oldest first, paged by id, with every field of
--- get_delivery.
+-- get_delivery. DeadLettered and InFlight are named literally, so their pages read their partial
+-- indexes (0028); a state given as a parameter can use none.
 CREATE OR REPLACE FUNCTION workqueue.list_deliveries(
     p_subscription text, p_status text, p_limit integer, p_after_id bigint DEFAULT 0
 ) RETURNS TABLE (
@@ -1964,19 +1965,52 @@ CREATE OR REPLACE FUNCTION workqueue.list_deliveries(
     created_at timestamptz, claimed_at timestamptz, settled_at timestamptz, attributes jsonb, payload text,
     correlation_id text
 )
-LANGUAGE sql STABLE SECURITY DEFINER
+LANGUAGE plpgsql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT d.id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts, d.visible_at,
-           d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
-           d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload,
-           m.correlation_id
-    FROM workqueue.delivery d
-    JOIN workqueue.subscription s ON s.id = d.subscription_id
-    JOIN workqueue.message m ON m.id = d.message_id
-    WHERE s.name = p_subscription AND d.status = p_status AND d.id > coalesce(p_after_id, 0)
-    ORDER BY d.id
-    LIMIT p_limit
+#variable_conflict use_column
+DECLARE
+    v_subscription integer;
+BEGIN
+    SELECT s.id INTO v_subscription FROM workqueue.subscription s WHERE s.name = p_subscription;
+    IF v_subscription IS NULL THEN
+        RETURN;
+    END IF;
+    IF p_status = 'DeadLettered' THEN
+        RETURN QUERY
+        SELECT d.id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts, d.visible_at,
+               d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
+               d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload,
+               m.correlation_id
+        FROM workqueue.delivery d
+        JOIN workqueue.message m ON m.id = d.message_id
+        WHERE d.subscription_id = v_subscription AND d.status = 'DeadLettered' AND d.id > coalesce(p_after_id, 0)
+        ORDER BY d.id
+        LIMIT p_limit;
+    ELSIF p_status = 'InFlight' THEN
+        RETURN QUERY
+        SELECT d.id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts, d.visible_at,
+               d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
+               d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload,
+               m.correlation_id
+        FROM workqueue.delivery d
+        JOIN workqueue.message m ON m.id = d.message_id
+        WHERE d.subscription_id = v_subscription AND d.status = 'InFlight' AND d.id > coalesce(p_after_id, 0)
+        ORDER BY d.id
+        LIMIT p_limit;
+    ELSE
+        RETURN QUERY
+        SELECT d.id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts, d.visible_at,
+               d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
+               d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload,
+               m.correlation_id
+        FROM workqueue.delivery d
+        JOIN workqueue.message m ON m.id = d.message_id
+        WHERE d.subscription_id = v_subscription AND d.status = p_status AND d.id > coalesce(p_after_id, 0)
+        ORDER BY d.id
+        LIMIT p_limit;
+    END IF;
+END
 $$;
 
 -- Keys of an Exclusive or Ordered subscription with live work. condition: InFlight (a delivery
@@ -2086,16 +2120,19 @@ AS $$
     SELECT s.name,
            least(
                (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
-                                        AND d.status = 'Pending' AND d.key_mode = 0 LIMIT p_cap) x)
+                                        AND d.status = 'Pending' AND d.key_mode = 0
+                                      ORDER BY d.visible_at, d.id LIMIT p_cap) x)
              + (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
-                                        AND d.status = 'Pending' AND d.key_mode = 1 LIMIT p_cap) x)
+                                        AND d.status = 'Pending' AND d.key_mode = 1
+                                      ORDER BY d.partition_key, d.visible_at, d.id LIMIT p_cap) x)
              + (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
-                                        AND d.status = 'Pending' AND d.key_mode = 2 LIMIT p_cap) x),
+                                        AND d.status = 'Pending' AND d.key_mode = 2
+                                      ORDER BY d.partition_key, d.id LIMIT p_cap) x),
                p_cap),
            (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
                                     AND d.status = 'InFlight' LIMIT p_cap) x),
            (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
-                                    AND d.status = 'DeadLettered' LIMIT p_cap) x)
+                                    AND d.status = 'DeadLettered' ORDER BY d.id LIMIT p_cap) x)
     FROM workqueue.subscription s
     WHERE p_subscription IS NULL OR s.name = p_subscription
     ORDER BY s.name
@@ -2109,30 +2146,40 @@ RETURNS TABLE (
     partition_key text, head_delivery_id bigint, head_status text, head_attempt integer,
     head_visible_at timestamptz, head_reason text, waiting_items bigint
 )
-LANGUAGE sql STABLE SECURITY DEFINER
+LANGUAGE plpgsql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    WITH s AS (
-        SELECT s.id FROM workqueue.subscription s WHERE s.name = p_subscription AND s.partition_mode = 'Ordered'
-    ), heads AS (
-        (SELECT d.id FROM workqueue.delivery d JOIN s ON d.subscription_id = s.id
-         WHERE d.status = 'DeadLettered' AND d.key_mode = 2
+#variable_conflict use_column
+DECLARE
+    v_subscription integer;
+BEGIN
+    SELECT s.id INTO v_subscription FROM workqueue.subscription s
+    WHERE s.name = p_subscription AND s.partition_mode = 'Ordered';
+    IF v_subscription IS NULL THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH heads AS (
+        (SELECT d.id FROM workqueue.delivery d
+         WHERE d.subscription_id = v_subscription AND d.status = 'DeadLettered' AND d.key_mode = 2
          ORDER BY d.id LIMIT p_limit)
-        UNION ALL
-        (SELECT p.next_id FROM workqueue.partition p JOIN s ON p.subscription_id = s.id
-         WHERE p.holder_id IS NULL AND p.next_id IS NOT NULL AND p.next_visible_at > now()
+        UNION
+        (SELECT p.next_id FROM workqueue.partition p
+         WHERE p.subscription_id = v_subscription AND p.holder_id IS NULL AND p.next_id IS NOT NULL
+           AND p.next_visible_at > now()
          ORDER BY p.next_visible_at LIMIT p_limit)
     )
     SELECT d.partition_key, d.id, d.status, d.attempt, d.visible_at, d.reason,
            (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery w
-                                  WHERE w.subscription_id = d.subscription_id AND w.partition_key = d.partition_key
+                                  WHERE w.subscription_id = v_subscription AND w.partition_key = d.partition_key
                                     AND w.key_mode = 2 AND w.status = 'Pending' AND w.id > d.id
-                                  LIMIT p_cap) x)
+                                  ORDER BY w.id LIMIT p_cap) x)
     FROM heads h
     JOIN workqueue.delivery d ON d.id = h.id
     WHERE d.status = 'DeadLettered' OR d.attempt > 0
     ORDER BY d.id
-    LIMIT p_limit
+    LIMIT p_limit;
+END
 $$;
 
 -- Which migrations this database has (for validate-bindings).

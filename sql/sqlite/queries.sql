@@ -425,17 +425,18 @@ ORDER BY h.recorded_at, s.name;
 -- name: live_counts
 SELECT s.name AS subscription,
        min((SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending'
-                                    AND d.key_mode = 0 LIMIT :cap))
+                                    AND d.key_mode = 0 ORDER BY d.visible_at, d.id LIMIT :cap))
          + (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 1
-                                    AND d.status = 'Pending' LIMIT :cap))
+                                    AND d.status = 'Pending' ORDER BY d.partition_key, d.visible_at, d.id
+                                    LIMIT :cap))
          + (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 2
                                     AND d.status IN ('Pending', 'InFlight', 'DeadLettered') AND d.status = 'Pending'
-                                    LIMIT :cap)),
+                                    ORDER BY d.partition_key, d.id LIMIT :cap)),
            :cap) AS pending,
        (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'InFlight'
                                 LIMIT :cap)) AS in_flight,
        (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'DeadLettered'
-                                LIMIT :cap)) AS dead_lettered
+                                ORDER BY d.id LIMIT :cap)) AS dead_lettered
 FROM subscription s
 WHERE :subscription IS NULL OR s.name = :subscription
 ORDER BY s.name;
@@ -444,11 +445,13 @@ ORDER BY s.name;
 WITH s AS (
     SELECT s.id FROM subscription s WHERE s.name = :subscription AND s.partition_mode = 'Ordered'
 ), heads AS (
-    SELECT id FROM (SELECT d.id FROM delivery d, s WHERE d.subscription_id = s.id AND d.status = 'DeadLettered'
-                      AND d.key_mode = 2 ORDER BY d.id LIMIT :limit)
+    SELECT id FROM (SELECT d.id FROM delivery d
+                    WHERE d.subscription_id = (SELECT id FROM s) AND d.status = 'DeadLettered' AND d.key_mode = 2
+                    ORDER BY d.id LIMIT :limit)
     UNION
-    SELECT id FROM (SELECT p.next_id AS id FROM partition p, s WHERE p.subscription_id = s.id
-                      AND p.holder_id IS NULL AND p.next_id IS NOT NULL AND p.next_visible_at > :now
+    SELECT id FROM (SELECT p.next_id AS id FROM partition p
+                    WHERE p.subscription_id = (SELECT id FROM s) AND p.holder_id IS NULL AND p.next_id IS NOT NULL
+                      AND p.next_visible_at > :now
                     ORDER BY p.next_visible_at LIMIT :limit)
 )
 SELECT d.partition_key, d.id AS head_delivery_id, d.status AS head_status, d.attempt AS head_attempt,
@@ -456,7 +459,7 @@ SELECT d.partition_key, d.id AS head_delivery_id, d.status AS head_status, d.att
        (SELECT count(*) FROM (SELECT 1 FROM delivery w WHERE w.subscription_id = d.subscription_id
                                 AND w.partition_key = d.partition_key AND w.key_mode = 2
                                 AND w.status IN ('Pending', 'InFlight', 'DeadLettered') AND w.status = 'Pending'
-                                AND w.id > d.id LIMIT :cap)) AS waiting_items
+                                AND w.id > d.id ORDER BY w.id LIMIT :cap)) AS waiting_items
 FROM heads h
 JOIN delivery d ON d.id = h.id
 WHERE d.status = 'DeadLettered' OR d.attempt > 0
