@@ -59,7 +59,7 @@
     if (question && !window.confirm(question)) { event.preventDefault(); }
   });
 
-  if (interval > 0) {
+  if (interval > 0 && document.querySelector("[data-live][id]")) {
     window.setInterval(refresh, interval);
     document.addEventListener("visibilitychange", function () {
       if (document.visibilityState === "visible") { refresh(); }
