@@ -374,3 +374,30 @@ def test_the_history_chart_draws_the_last_hour() -> None:
     assert throughput and len(throughput.group(1).split()) == 3  # the point 90 minutes back is left out
     assert ">500<" in svg  # 240 a minute at the top: the axis is a round 500
     assert "No history yet" in str(render_chart([], now))
+
+
+async def test_the_pages_render_on_sqlite(sqlite_url: str) -> None:
+    shop = Shop(sqlite_url)
+    async with shop.queue.lifespan(shop.app), client_for(shop) as client:
+        [dead] = await dead_letters_on_idle(shop, 1)
+        await shop.queue.publish(shop.topic, [{"payload": {"fail": True}, "PartitionKey": "acct-1"},
+                                              {"payload": {}, "PartitionKey": "acct-1"}])
+        await shop.queue.sweep()
+        await sign_in(client, await key(shop, *EVERYTHING))
+
+        async def blocked() -> bool:
+            page = await client.get(f"{UI}/subscriptions/{shop.ledger}")
+            return page.status_code == 200 and '<tr data-key="acct-1">' in page.text
+
+        from .shop import wait_until
+
+        await wait_until(blocked)
+        for path in ("/", f"/subscriptions/{shop.idle}", f"/deliveries/{dead}",
+                     f"/subscriptions/{shop.idle}/replay-all"):
+            page = await client.get(UI + path)
+            assert page.status_code == 200, (path, page.text[:300])
+        overview = (await client.get(f"{UI}/")).text
+        assert '<svg class="chart"' in overview and shop.ledger in overview
+        replayed = await post(client, f"{UI}/deliveries/{dead}", f"{UI}/deliveries/{dead}/replay")
+        assert replayed.headers["location"].endswith("notice=Replayed")
+        shop.release.set()
