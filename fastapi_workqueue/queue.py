@@ -134,6 +134,17 @@ class WorkQueue:
         router.include_router(build_job_router(self, check, prefix=""))
         return router
 
+    def dashboard(self, *, authorize: Authorizer | None = None, **options: Any) -> Any:
+        """The operator dashboard, an ASGI app: ``app.mount("/work-queue/ui", queue.dashboard())``.
+
+        Signs people in with an API key by default, or uses the app's ``authorize`` dependency
+        (the shape :meth:`create_router` takes). Needs the ``dashboard`` extra; ``options`` are
+        those of :func:`fastapi_workqueue.dashboard.create_dashboard`.
+        """
+        from .dashboard import create_dashboard
+
+        return create_dashboard(self, authorize=authorize, **options)
+
     # -- declaration -------------------------------------------------------------------------
 
     def add_topic(self, topic: Topic) -> None:

@@ -105,7 +105,7 @@ async def test_an_upgrade_gives_existing_roles_the_new_functions(
         await apply_postgres_migrations(conn)
         for script in ("runtime_role.sql", "operator_role.sql"):
             await conn.execute(sql_files.read("postgresql", "roles", script))
-        monkeypatch.setattr(runner, "migrations", lambda dialect: every)
+        monkeypatch.setattr(runner, "migrations", lambda dialect: [m for m in every if m.version <= 25])
         assert await apply_postgres_migrations(conn) == ["0025_jobs_store"]
         privilege = "SELECT has_function_privilege($1, $2, 'EXECUTE')"
         for signature in RUNTIME_ONES | OPERATOR_ONES:

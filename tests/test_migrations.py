@@ -75,7 +75,10 @@ async def scratch_url(pg_url: str) -> AsyncIterator[str]:
 
 async def test_applied_migrations_are_recorded_one_per_file(pg_url: str) -> None:
     on_disk = files_on_disk()
-    assert [version for version, _, _ in on_disk] == list(range(1, len(on_disk) + 1))
+    # Each version once, in order; numbers reserved for work in progress elsewhere may be missing
+    # (the runner applies every version a database lacks, whatever its place).
+    versions = [version for version, _, _ in on_disk]
+    assert versions == sorted(set(versions)) and versions[0] == 1
     assert len(on_disk) >= 3
     conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
     try:

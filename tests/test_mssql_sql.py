@@ -255,7 +255,10 @@ def test_every_file_parses_as_tsql(path: Path) -> None:
 
 def test_the_files_are_the_expected_migrations() -> None:
     found = migrations("mssql")
-    assert [m.version for m in found] == list(range(1, len(found) + 1)), "versions must be 0001, 0002, ... without gaps"
+    versions = [m.version for m in found]
+    # Each version once (a number reserved for work in progress elsewhere may be missing: the runner
+    # applies every version a database lacks, whatever its place).
+    assert versions == sorted(set(versions)) and versions[0] == 1, "each version once: 0001, 0002, ..."
     for role in ("runtime", "operator", "admin"):
         assert (MSSQL_DIR / "roles" / f"{role}_role.sql").is_file()
 

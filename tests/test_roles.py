@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -31,6 +32,7 @@ RUNTIME_FUNCTIONS = {
     "sync_topic", "sync_subscription", "stats", "backlog", "list_deliveries", "get_delivery", "partitions",
     "list_subscriptions", "list_topics", "schema_versions", "api_key_lookup", "api_key_touch",
     "claim_many", "known_messages", "message_deliveries", "release_deduplication_key", "step_get", "step_put",
+    "record_stats_history", "stats_history", "live_counts", "blocked_keys",
 }
 
 # Every table privilege and every sequence privilege PostgreSQL knows of.
@@ -267,6 +269,9 @@ async def test_runtime_login_runs_the_queue_but_cannot_touch_tables(pg_url: str,
         assert (await transport.sweep()).ran in (True, False)
         [stats] = await transport.stats(sub)
         assert stats.completed == 2 and stats.pending == 0 and stats.in_flight == 0
+        # So do the sweeper's stats history and the dashboard's read of it.
+        assert await transport.record_stats_history() >= 0
+        assert isinstance(await transport.stats_history(datetime.now(UTC) - timedelta(hours=1), sub), list)
     finally:
         await engine.dispose()
         if raw is not None:

@@ -10,8 +10,10 @@ migrations.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
+import time
 import uuid
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -27,7 +29,9 @@ from ..core.envelope import (
     PublishStatus,
 )
 from ..core.errors import ConfigurationError, TransportError, WorkQueueError
+from ..core.history import StatsPoint
 from ..core.keys import ApiKeyInfo, StoredKey
+from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts
 from ..core.reports import (
     ActionResult,
     Backlog,
@@ -54,6 +58,11 @@ from .sql_files import migrations
 
 Row = Mapping[str, Any]
 T = TypeVar("T")
+
+log = logging.getLogger("fastapi_workqueue.database")
+
+HISTORY_KEEP_SECONDS = 86400.0
+"""How long the stats history is kept (the dashboard charts its last hour)."""
 
 
 class RandomSource(Protocol):
@@ -86,6 +95,8 @@ class RoutineTransport:
             raise TypeError(f"rng must have a random() method, like random.Random; got {type(rng).__name__}")
         self.rng: RandomSource = SYSTEM_RANDOM if rng is None else rng
         self._wakeup_listeners: list[WakeupListener] = []
+        self._history_minute: int | None = None  # the minute this process last recorded the history
+        self._history_failing = False
 
     # -- what a dialect provides -------------------------------------------------------------
 
@@ -363,8 +374,59 @@ class RoutineTransport:
     # -- housekeeping ------------------------------------------------------------------------
 
     async def sweep(self, limit: int = 1000) -> SweepReport:
+        """One sweeper pass; a pass that ran also records the minute's stats history."""
         rows = await self.call("sweep", p_limit=limit)
-        return SweepReport.model_validate(as_dict(rows[0]))
+        report = SweepReport.model_validate(as_dict(rows[0]))
+        if report.ran:
+            await self._record_history_after_sweep()
+        return report
+
+    async def _record_history_after_sweep(self) -> None:
+        """Records the stats history once a minute at most from this process (the routine itself
+        writes a minute once across all of them). The history serves the dashboard only: when it
+        cannot be written (a database not migrated to it, a role without EXECUTE on it) the pass
+        stands and the reason is logged, as a warning the first time."""
+        minute = int(time.time() // 60)
+        if self._history_minute == minute:
+            return
+        try:
+            await self.record_stats_history()
+        except (TransportError, ConfigurationError) as exc:
+            level = logging.DEBUG if self._history_failing else logging.WARNING
+            log.log(level, "the stats history was not recorded (the dashboard's chart lacks this minute): %s", exc)
+            self._history_failing = True
+            return
+        self._history_minute = minute
+        self._history_failing = False
+
+    async def record_stats_history(
+        self, *, keep_seconds: float = HISTORY_KEEP_SECONDS, now: datetime | None = None
+    ) -> int:
+        """Writes this minute's stats history point of every subscription, unless some process
+        wrote this minute already, and deletes the points older than ``keep_seconds``; returns how
+        many points it wrote. ``now`` stands in for the clock."""
+        return int(await self._scalar("record_stats_history", p_keep_seconds=keep_seconds, p_now=now) or 0)
+
+    async def stats_history(self, since: datetime, subscription: str | None = None) -> list[StatsPoint]:
+        """The stats history recorded since ``since`` (at most a day back), oldest first."""
+        rows = await self.call("stats_history", p_since=since, p_subscription=subscription)
+        return [StatsPoint.model_validate(as_dict(r)) for r in rows]
+
+    async def live_counts(self, subscription: str | None = None, *, cap: int = LIVE_COUNT_CAP) -> list[LiveCounts]:
+        """Each subscription's (or one's) Pending, InFlight and DeadLettered counts, each stopping
+        at ``cap``: bounded, where stats counts every live delivery."""
+        rows = await self.call("live_counts", p_subscription=subscription, p_cap=cap)
+        return [LiveCounts.model_validate({**as_dict(r), "cap": cap}) for r in rows]
+
+    async def blocked_keys(
+        self, subscription: str, *, limit: int = 50, cap: int = LIVE_COUNT_CAP
+    ) -> list[BlockedKey]:
+        """The keys of an Ordered subscription whose head blocks them (dead-lettered, or waiting to
+        be retried), oldest head first, at most ``limit``, with the deliveries waiting behind each
+        counted up to ``cap``."""
+        rows = await self.call("blocked_keys", p_subscription=subscription, p_limit=limit, p_cap=cap)
+        return [BlockedKey.model_validate({**as_dict(r), "head_delivery_id": str(r["head_delivery_id"])})
+                for r in rows]
 
     async def prune(self, older_than_seconds: float, *, batch: int = 5000) -> int:
         """Removes Completed and Discarded deliveries settled more than ``older_than_seconds`` ago."""

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from ..core.errors import ConfigurationError, TransportError
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
+from . import sqlite_history  # noqa: F401  (registers the stats history routines)
 from .routines import RandomSource, RoutineTransport, Row
 from .sql_files import migrations, read
 from .sqlite_routines import READ_ONLY, ROUTINES, Call

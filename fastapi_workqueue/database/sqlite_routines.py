@@ -40,7 +40,7 @@ Routine = Callable[..., Awaitable[list[Row]]]
 ROUTINES: dict[str, Routine] = {}
 READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions", "list_subscriptions",
              "list_topics", "schema_versions", "api_key_list", "api_key_lookup", "known_messages",
-             "message_deliveries", "step_get"}
+             "message_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys"}
 """Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
 
 

@@ -1,4 +1,4 @@
--- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0025).
+-- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0028).
 --
 -- This file is for reading: the tables and their indexes first, then every function grouped by
 -- concern, each with what it does. `workqueue migrate` applies the versioned migrations
@@ -180,6 +180,21 @@ CREATE TABLE workqueue.step_result (
     created_at  timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (message_id, name)
 );
+
+-- One row per subscription per minute, written by the sweeper (record_stats_history): the live
+-- counts as stats reads them and the deliveries Completed in the window since the previous row
+-- (window_seconds long). Kept a day; the dashboard charts the last hour.
+CREATE TABLE workqueue.stats_history (
+    subscription_id  integer NOT NULL,
+    recorded_at      timestamptz NOT NULL,
+    pending          bigint NOT NULL,
+    in_flight        bigint NOT NULL,
+    dead_lettered    bigint NOT NULL,
+    completed        bigint NOT NULL,
+    window_seconds   double precision NOT NULL,
+    PRIMARY KEY (subscription_id, recorded_at)
+);
+CREATE INDEX stats_history_recorded_at ON workqueue.stats_history (recorded_at);
 
 -- ---------------------------------------------------------------------------------------------
 -- Once markers and API keys
@@ -2209,7 +2224,8 @@ AS $$
 $$;
 
 -- Deliveries of one subscription in one state, oldest first, paged by id, with every field of
--- get_delivery.
+-- get_delivery. DeadLettered and InFlight are named literally, so their pages read their partial
+-- indexes (0028); a state given as a parameter can use none.
 CREATE OR REPLACE FUNCTION workqueue.list_deliveries(
     p_subscription text, p_status text, p_limit integer, p_after_id bigint DEFAULT 0
 ) RETURNS TABLE (
@@ -2219,19 +2235,52 @@ CREATE OR REPLACE FUNCTION workqueue.list_deliveries(
     created_at timestamptz, claimed_at timestamptz, settled_at timestamptz, attributes jsonb, payload text,
     correlation_id text
 )
-LANGUAGE sql STABLE SECURITY DEFINER
+LANGUAGE plpgsql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT d.id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts, d.visible_at,
-           d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
-           d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload,
-           m.correlation_id
-    FROM workqueue.delivery d
-    JOIN workqueue.subscription s ON s.id = d.subscription_id
-    JOIN workqueue.message m ON m.id = d.message_id
-    WHERE s.name = p_subscription AND d.status = p_status AND d.id > coalesce(p_after_id, 0)
-    ORDER BY d.id
-    LIMIT p_limit
+#variable_conflict use_column
+DECLARE
+    v_subscription integer;
+BEGIN
+    SELECT s.id INTO v_subscription FROM workqueue.subscription s WHERE s.name = p_subscription;
+    IF v_subscription IS NULL THEN
+        RETURN;
+    END IF;
+    IF p_status = 'DeadLettered' THEN
+        RETURN QUERY
+        SELECT d.id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts, d.visible_at,
+               d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
+               d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload,
+               m.correlation_id
+        FROM workqueue.delivery d
+        JOIN workqueue.message m ON m.id = d.message_id
+        WHERE d.subscription_id = v_subscription AND d.status = 'DeadLettered' AND d.id > coalesce(p_after_id, 0)
+        ORDER BY d.id
+        LIMIT p_limit;
+    ELSIF p_status = 'InFlight' THEN
+        RETURN QUERY
+        SELECT d.id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts, d.visible_at,
+               d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
+               d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload,
+               m.correlation_id
+        FROM workqueue.delivery d
+        JOIN workqueue.message m ON m.id = d.message_id
+        WHERE d.subscription_id = v_subscription AND d.status = 'InFlight' AND d.id > coalesce(p_after_id, 0)
+        ORDER BY d.id
+        LIMIT p_limit;
+    ELSE
+        RETURN QUERY
+        SELECT d.id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts, d.visible_at,
+               d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
+               d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload,
+               m.correlation_id
+        FROM workqueue.delivery d
+        JOIN workqueue.message m ON m.id = d.message_id
+        WHERE d.subscription_id = v_subscription AND d.status = p_status AND d.id > coalesce(p_after_id, 0)
+        ORDER BY d.id
+        LIMIT p_limit;
+    END IF;
+END
 $$;
 
 -- Keys of an Exclusive or Ordered subscription with live work. condition: InFlight (a delivery
@@ -2267,6 +2316,140 @@ AS $$
     WHERE p_condition IS NULL OR k.condition = p_condition
     ORDER BY k.partition_key
     LIMIT p_limit
+$$;
+
+-- The sweeper's history, at most one row per subscription a minute (0028): this minute's live
+-- counts and the completions since the previous row, counted over delivery_settled up to 30 s ago
+-- (a settle still running then has not committed); rows past p_keep_seconds are deleted. Writes
+-- nothing when this minute is recorded or another transaction is recording it; p_now stands in for
+-- the clock (tests).
+CREATE OR REPLACE FUNCTION workqueue.record_stats_history(
+    p_keep_seconds double precision DEFAULT 86400, p_now timestamptz DEFAULT NULL
+) RETURNS integer
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_last timestamptz;
+    v_to timestamptz := coalesce(p_now, now()) - interval '30 seconds';
+    v_from timestamptz;
+    v_rows integer;
+BEGIN
+    IF NOT pg_try_advisory_xact_lock(hashtext('workqueue.stats_history')::bigint) THEN
+        RETURN 0;
+    END IF;
+    SELECT max(h.recorded_at) INTO v_last FROM workqueue.stats_history h;
+    IF v_last >= date_trunc('minute', v_now) THEN
+        RETURN 0;
+    END IF;
+    v_from := CASE WHEN v_last > v_now - interval '1 hour' THEN v_last - interval '30 seconds'
+                   ELSE v_to - interval '1 minute' END;
+    INSERT INTO workqueue.stats_history
+        (subscription_id, recorded_at, pending, in_flight, dead_lettered, completed, window_seconds)
+    SELECT s.id, v_now, st.pending, st.in_flight, st.dead_lettered, coalesce(c.completed, 0),
+           extract(epoch FROM v_to - v_from)::double precision
+    FROM workqueue.stats(NULL) st
+    JOIN workqueue.subscription s ON s.name = st.subscription
+    LEFT JOIN (
+        SELECT d.subscription_id, count(*) AS completed
+        FROM workqueue.delivery d
+        WHERE d.status = 'Completed' AND d.settled_at >= v_from AND d.settled_at < v_to
+        GROUP BY d.subscription_id
+    ) c ON c.subscription_id = s.id;
+    GET DIAGNOSTICS v_rows = ROW_COUNT;
+    DELETE FROM workqueue.stats_history h
+    WHERE h.recorded_at < v_now - make_interval(secs => p_keep_seconds);
+    RETURN v_rows;
+END
+$$;
+
+-- The history recorded since p_since (at most a day back), of one subscription or of all.
+CREATE OR REPLACE FUNCTION workqueue.stats_history(p_since timestamptz, p_subscription text DEFAULT NULL)
+RETURNS TABLE (
+    subscription text, recorded_at timestamptz, pending bigint, in_flight bigint, dead_lettered bigint,
+    completed bigint, window_seconds double precision
+)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT s.name, h.recorded_at, h.pending, h.in_flight, h.dead_lettered, h.completed, h.window_seconds
+    FROM workqueue.stats_history h
+    JOIN workqueue.subscription s ON s.id = h.subscription_id
+    WHERE h.recorded_at >= greatest(p_since, now() - interval '1 day')
+      AND (p_subscription IS NULL OR s.name = p_subscription)
+    ORDER BY h.recorded_at, s.name
+$$;
+
+-- The dashboard's counts (0028): each subscription's live counts, each stopping at p_cap (a page shows "p_cap or more").
+CREATE OR REPLACE FUNCTION workqueue.live_counts(p_subscription text DEFAULT NULL, p_cap integer DEFAULT 1000)
+RETURNS TABLE (subscription text, pending bigint, in_flight bigint, dead_lettered bigint)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT s.name,
+           least(
+               (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                        AND d.status = 'Pending' AND d.key_mode = 0
+                                      ORDER BY d.visible_at, d.id LIMIT p_cap) x)
+             + (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                        AND d.status = 'Pending' AND d.key_mode = 1
+                                      ORDER BY d.partition_key, d.visible_at, d.id LIMIT p_cap) x)
+             + (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                        AND d.status = 'Pending' AND d.key_mode = 2
+                                      ORDER BY d.partition_key, d.id LIMIT p_cap) x),
+               p_cap),
+           (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                    AND d.status = 'InFlight' LIMIT p_cap) x),
+           (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                                    AND d.status = 'DeadLettered' ORDER BY d.id LIMIT p_cap) x)
+    FROM workqueue.subscription s
+    WHERE p_subscription IS NULL OR s.name = p_subscription
+    ORDER BY s.name
+$$;
+
+-- The heads that block keys of an Ordered subscription, oldest first, at most p_limit: a
+-- dead-lettered head (found through delivery_dead_letters), or a head waiting to be retried (through
+-- partition_ready); waiting_items counts the key's deliveries behind it, up to p_cap.
+CREATE OR REPLACE FUNCTION workqueue.blocked_keys(p_subscription text, p_limit integer, p_cap integer DEFAULT 1000)
+RETURNS TABLE (
+    partition_key text, head_delivery_id bigint, head_status text, head_attempt integer,
+    head_visible_at timestamptz, head_reason text, waiting_items bigint
+)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_subscription integer;
+BEGIN
+    SELECT s.id INTO v_subscription FROM workqueue.subscription s
+    WHERE s.name = p_subscription AND s.partition_mode = 'Ordered';
+    IF v_subscription IS NULL THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH heads AS (
+        (SELECT d.id FROM workqueue.delivery d
+         WHERE d.subscription_id = v_subscription AND d.status = 'DeadLettered' AND d.key_mode = 2
+         ORDER BY d.id LIMIT p_limit)
+        UNION
+        (SELECT p.next_id FROM workqueue.partition p
+         WHERE p.subscription_id = v_subscription AND p.holder_id IS NULL AND p.next_id IS NOT NULL
+           AND p.next_visible_at > now()
+         ORDER BY p.next_visible_at LIMIT p_limit)
+    )
+    SELECT d.partition_key, d.id, d.status, d.attempt, d.visible_at, d.reason,
+           (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery w
+                                  WHERE w.subscription_id = v_subscription AND w.partition_key = d.partition_key
+                                    AND w.key_mode = 2 AND w.status = 'Pending' AND w.id > d.id
+                                  ORDER BY w.id LIMIT p_cap) x)
+    FROM heads h
+    JOIN workqueue.delivery d ON d.id = h.id
+    WHERE d.status = 'DeadLettered' OR d.attempt > 0
+    ORDER BY d.id
+    LIMIT p_limit;
+END
 $$;
 
 -- Which migrations this database has (for validate-bindings).
@@ -2380,13 +2563,21 @@ BEGIN
                                   workqueue.release_deduplication_key(text, text, uuid),
                                   workqueue.step_get(uuid, text), workqueue.step_put(uuid, text, text),
                                   workqueue.claim_many(text[], integer), workqueue.known_messages(uuid[]),
-                                  workqueue.message_deliveries(uuid)
+                                  workqueue.message_deliveries(uuid),
+                                  workqueue.record_stats_history(double precision, timestamptz),
+                                  workqueue.stats_history(timestamptz, text),
+                                  workqueue.live_counts(text, integer),
+                                  workqueue.blocked_keys(text, integer, integer)
             TO workqueue_runtime;
     END IF;
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN
         GRANT EXECUTE ON FUNCTION workqueue.discard_dead_letters(text, timestamptz, integer),
                                   workqueue.rewrite_payload(uuid, text, text, integer),
-                                  workqueue.message_deliveries(uuid)
+                                  workqueue.message_deliveries(uuid),
+                                  workqueue.record_stats_history(double precision, timestamptz),
+                                  workqueue.stats_history(timestamptz, text),
+                                  workqueue.live_counts(text, integer),
+                                  workqueue.blocked_keys(text, integer, integer)
             TO workqueue_operator;
     END IF;
 END

@@ -432,3 +432,88 @@ WHERE revoked_at IS NULL AND (id = lower(:key) OR prefix = :key OR name = :key);
 
 -- name: schema_versions
 SELECT version, name, checksum FROM schema_migration ORDER BY version;
+
+-- The sweeper's minute-by-minute history, which the dashboard charts (sqlite_history.py).
+
+-- name: stats_history_last
+SELECT max(h.recorded_at) AS recorded_at FROM stats_history h;
+
+-- name: stats_history_insert
+-- The live counts through their partial indexes (as stats), and the deliveries Completed in the
+-- window through delivery_settled (its own WHERE repeated, so SQLite can use it).
+INSERT INTO stats_history (subscription_id, recorded_at, pending, in_flight, dead_lettered, completed, window_seconds)
+SELECT s.id, :now,
+       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending' AND d.key_mode = 0)
+     + (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 1 AND d.status = 'Pending')
+     + (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 2
+          AND d.status IN ('Pending', 'InFlight', 'DeadLettered') AND d.status = 'Pending'),
+       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'InFlight'),
+       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'DeadLettered'),
+       coalesce(c.completed, 0),
+       :window_seconds
+FROM subscription s
+LEFT JOIN (
+    SELECT d.subscription_id, count(*) AS completed
+    FROM delivery d
+    WHERE d.status IN ('Completed', 'Discarded') AND d.status = 'Completed'
+      AND d.settled_at >= :counted_from AND d.settled_at < :counted_to
+    GROUP BY d.subscription_id
+) c ON c.subscription_id = s.id;
+
+-- name: stats_history_purge
+DELETE FROM stats_history WHERE recorded_at < :before;
+
+-- name: stats_history
+SELECT s.name AS subscription, h.recorded_at, h.pending, h.in_flight, h.dead_lettered, h.completed,
+       h.window_seconds
+FROM stats_history h
+JOIN subscription s ON s.id = h.subscription_id
+WHERE h.recorded_at >= :since AND (:subscription IS NULL OR s.name = :subscription)
+ORDER BY h.recorded_at, s.name;
+
+-- The dashboard's bounded reads of the live work (sqlite_history.py): each count stops at :cap,
+-- and the blocked keys are found through delivery_dead_letters and partition_ready.
+
+-- name: live_counts
+SELECT s.name AS subscription,
+       min((SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending'
+                                    AND d.key_mode = 0 ORDER BY d.visible_at, d.id LIMIT :cap))
+         + (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 1
+                                    AND d.status = 'Pending' ORDER BY d.partition_key, d.visible_at, d.id
+                                    LIMIT :cap))
+         + (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 2
+                                    AND d.status IN ('Pending', 'InFlight', 'DeadLettered') AND d.status = 'Pending'
+                                    ORDER BY d.partition_key, d.id LIMIT :cap)),
+           :cap) AS pending,
+       (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'InFlight'
+                                LIMIT :cap)) AS in_flight,
+       (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'DeadLettered'
+                                ORDER BY d.id LIMIT :cap)) AS dead_lettered
+FROM subscription s
+WHERE :subscription IS NULL OR s.name = :subscription
+ORDER BY s.name;
+
+-- name: blocked_keys
+WITH s AS (
+    SELECT s.id FROM subscription s WHERE s.name = :subscription AND s.partition_mode = 'Ordered'
+), heads AS (
+    SELECT id FROM (SELECT d.id FROM delivery d
+                    WHERE d.subscription_id = (SELECT id FROM s) AND d.status = 'DeadLettered' AND d.key_mode = 2
+                    ORDER BY d.id LIMIT :limit)
+    UNION
+    SELECT id FROM (SELECT p.next_id AS id FROM partition p
+                    WHERE p.subscription_id = (SELECT id FROM s) AND p.holder_id IS NULL AND p.next_id IS NOT NULL
+                      AND p.next_visible_at > :now
+                    ORDER BY p.next_visible_at LIMIT :limit)
+)
+SELECT d.partition_key, d.id AS head_delivery_id, d.status AS head_status, d.attempt AS head_attempt,
+       d.visible_at AS head_visible_at, d.reason AS head_reason,
+       (SELECT count(*) FROM (SELECT 1 FROM delivery w WHERE w.subscription_id = d.subscription_id
+                                AND w.partition_key = d.partition_key AND w.key_mode = 2
+                                AND w.status IN ('Pending', 'InFlight', 'DeadLettered') AND w.status = 'Pending'
+                                AND w.id > d.id ORDER BY w.id LIMIT :cap)) AS waiting_items
+FROM heads h
+JOIN delivery d ON d.id = h.id
+WHERE d.status = 'DeadLettered' OR d.attempt > 0
+ORDER BY d.id
+LIMIT :limit;

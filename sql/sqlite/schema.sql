@@ -1,4 +1,4 @@
--- fastapi-workqueue: the SQLite schema, as a fresh file ends with it (migrations 0001-0005).
+-- fastapi-workqueue: the SQLite schema, as a fresh file ends with it (migrations 0001-0008).
 --
 -- This file is for reading: `workqueue migrate` (and the queue at start-up) applies the versioned
 -- migrations (NNNN_*.sql), whose headers say why each change was made, and
@@ -161,6 +161,21 @@ CREATE TABLE step_result (
     created_at  REAL NOT NULL,
     PRIMARY KEY (message_id, name)
 );
+
+-- One row per subscription per minute, written by the sweeper (record_stats_history): the live
+-- counts and the deliveries Completed in the window since the previous row (window_seconds long).
+-- Kept a day; the dashboard charts the last hour.
+CREATE TABLE stats_history (
+    subscription_id  INTEGER NOT NULL,
+    recorded_at      REAL NOT NULL,
+    pending          INTEGER NOT NULL,
+    in_flight        INTEGER NOT NULL,
+    dead_lettered    INTEGER NOT NULL,
+    completed        INTEGER NOT NULL,
+    window_seconds   REAL NOT NULL,
+    PRIMARY KEY (subscription_id, recorded_at)
+);
+CREATE INDEX stats_history_recorded_at ON stats_history (recorded_at);
 
 -- The sweep lock: one pass at a time across processes (PostgreSQL: an advisory transaction lock).
 CREATE TABLE lock (

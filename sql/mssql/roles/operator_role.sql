@@ -41,6 +41,7 @@ GRANT EXECUTE ON OBJECT::workqueue.discard TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.set_subscription_status TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.prune TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.sweep TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.record_stats_history TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.stats TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.backlog TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.list_deliveries TO workqueue_operator;
@@ -52,6 +53,9 @@ GRANT EXECUTE ON OBJECT::workqueue.schema_versions TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.discard_dead_letters TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.rewrite_payload TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.message_deliveries TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.stats_history TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.live_counts TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.blocked_keys TO workqueue_operator;
 GO
 
 DENY SELECT, INSERT, UPDATE, DELETE ON SCHEMA::workqueue TO workqueue_operator;

@@ -3,9 +3,10 @@
 -- workqueue_operator (NOLOGIN) may act on the work: replay a dead letter, discard a delivery (or
 -- cancel a running one), pause and resume a subscription (set_subscription_status), prune old
 -- deliveries, discard old dead letters (discard_dead_letters), rewrite a stored payload
--- (rewrite_payload: re-encryption with a new key) and run a sweeper pass, and read what it acts on
--- (stats, backlog, list_deliveries, get_delivery, message_deliveries, partitions,
--- list_subscriptions, list_topics, schema_versions). It cannot publish,
+-- (rewrite_payload: re-encryption with a new key) and run a sweeper pass (sweep,
+-- record_stats_history), and read what it acts on (stats, backlog, list_deliveries, get_delivery,
+-- message_deliveries, partitions, list_subscriptions, list_topics, schema_versions, and the
+-- dashboard's stats_history, live_counts and blocked_keys). It cannot publish,
 -- claim or settle (workqueue_runtime's, runtime_role.sql), nor create, list or revoke API keys
 -- (workqueue_admin's, admin_role.sql), and holds no privilege on any table or sequence.
 --
@@ -51,9 +52,10 @@ BEGIN
         SELECT p.oid::regprocedure FROM pg_catalog.pg_proc p
         WHERE p.pronamespace = 'workqueue'::regnamespace
           AND p.proname = ANY (ARRAY[
-              'replay', 'discard', 'set_subscription_status', 'prune', 'sweep',
+              'replay', 'discard', 'set_subscription_status', 'prune', 'sweep', 'record_stats_history',
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
-              'list_subscriptions', 'list_topics', 'schema_versions',
+              'list_subscriptions', 'list_topics', 'schema_versions', 'stats_history',
+              'live_counts', 'blocked_keys',
               'discard_dead_letters', 'rewrite_payload', 'message_deliveries'])
         ORDER BY 1
     LOOP

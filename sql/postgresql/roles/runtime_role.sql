@@ -10,15 +10,17 @@
 --     and the once markers (once_begin, once_finish, once_abort);
 --   * what the jobs layer adds: a unique job frees its key (release_deduplication_key), durable
 --     steps (step_get, step_put), a schedule's look at the ticks it dispatched (known_messages);
---   * the sweeper, which every host runs by default (sweep);
+--   * the sweeper, which every host runs by default (sweep, and record_stats_history, the minute
+--     by minute history it writes for the dashboard's chart);
 --   * the topology the app declares and syncs when it starts (sync_topic, sync_subscription). A
 --     runtime login can therefore change a subscription's policy, but never its status: pausing
 --     and resuming are the operator's (see operator_role.sql). Where the topology should change
 --     only by deployment, set WORKQUEUE_SYNC_TOPOLOGY=false in the app, revoke these two from
 --     workqueue_runtime after running this script and sync from the deployment with a login that
 --     holds them (the schema owner's, say);
---   * the read-only operator views the app and its REST API serve: stats, backlog, list_deliveries,
---     get_delivery, message_deliveries, partitions, list_subscriptions, list_topics, schema_versions;
+--   * the read-only operator views the app, its REST API and its dashboard serve: stats, backlog,
+--     list_deliveries, get_delivery, message_deliveries, partitions, list_subscriptions, list_topics,
+--     schema_versions, stats_history, live_counts and blocked_keys;
 --   * the REST API's key check: api_key_lookup (reads the key behind a prefix) and api_key_touch
 --     (marks a key used once its hash matched).
 -- What it may not: replay, discard (and cancel), pause and resume (set_subscription_status),
@@ -81,10 +83,11 @@ BEGIN
           AND p.proname = ANY (ARRAY[
               'publish', 'publish_one', 'claim', 'heartbeat', 'settle',
               'once_begin', 'once_finish', 'once_abort',
-              'sweep',
+              'sweep', 'record_stats_history',
               'sync_topic', 'sync_subscription',
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
-              'list_subscriptions', 'list_topics', 'schema_versions',
+              'list_subscriptions', 'list_topics', 'schema_versions', 'stats_history',
+              'live_counts', 'blocked_keys',
               'api_key_lookup', 'api_key_touch',
               'claim_many', 'known_messages', 'message_deliveries',
               'release_deduplication_key', 'step_get', 'step_put'])

@@ -1,0 +1,57 @@
+"""Reads of the live work that stay bounded whatever the tables hold, for pages that poll.
+
+``stats`` counts every Pending, InFlight and DeadLettered delivery, and ``partitions`` reads every
+key of a subscription: exact, and as costly as the backlog is large. :class:`LiveCounts` stops
+each count at a cap, and :class:`BlockedKey` lists only the heads that block an Ordered key, found
+through the indexes of dead letters and of keys waiting to be retried. A transport that offers
+them implements :class:`LiveWorkReader`; the database transports do.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Protocol, runtime_checkable
+
+from .wire import WireModel
+
+LIVE_COUNT_CAP = 1000
+"""Where the bounded counts stop: a count equal to the cap means "this many or more"."""
+
+
+class LiveCounts(WireModel):
+    """A subscription's live deliveries, each count stopping at ``cap``."""
+
+    subscription: str
+    pending: int
+    in_flight: int
+    dead_lettered: int
+    cap: int = LIVE_COUNT_CAP
+
+
+class BlockedKey(WireModel):
+    """A key of an Ordered subscription whose head blocks it: dead-lettered, or waiting to be retried.
+
+    ``waiting_items`` counts the deliveries behind the head, up to the cap."""
+
+    partition_key: str
+    head_delivery_id: str
+    head_status: str
+    head_attempt: int
+    head_visible_at: datetime | None = None
+    head_reason: str | None = None
+    waiting_items: int
+
+
+@runtime_checkable
+class LiveWorkReader(Protocol):
+    """A transport with the bounded reads."""
+
+    async def live_counts(self, subscription: str | None = None, *, cap: int = LIVE_COUNT_CAP) -> list[LiveCounts]:
+        """Each subscription's (or one's) live counts, each stopping at ``cap``."""
+        ...
+
+    async def blocked_keys(
+        self, subscription: str, *, limit: int = 50, cap: int = LIVE_COUNT_CAP
+    ) -> list[BlockedKey]:
+        """The blocked keys of an Ordered subscription, oldest head first, at most ``limit``."""
+        ...

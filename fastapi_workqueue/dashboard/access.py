@@ -1,0 +1,67 @@
+"""Who may see and do what on the dashboard.
+
+Reading a page needs ``workqueue:read``, an action ``workqueue:operate``, and payloads are shown
+only to a principal that also holds ``workqueue:admin``, as over REST. By default the principal is
+the API key a person signed in with (:mod:`.session`); an app passes its own ``authorize``
+dependency instead (the shape of the REST API's: it takes ``SecurityScopes`` and returns a
+``Principal``, raising 401 or 403).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import HTTPException, Request, status
+from fastapi.security import SecurityScopes
+
+from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, ApiKeyStore, Principal
+from ..web.auth import Authorizer, require_scopes
+from .session import SESSION_COOKIE, SessionCodec
+
+if TYPE_CHECKING:
+    from ..queue import WorkQueue
+
+
+class SignInRequired(Exception):
+    """No valid session: the browser is sent to the sign-in page."""
+
+
+@dataclass(frozen=True, slots=True)
+class Viewer:
+    """The principal a page is rendered for, and what the page offers it."""
+
+    principal: Principal
+    signed_in_here: bool
+
+    @property
+    def can_operate(self) -> bool:
+        return self.principal.has(SCOPE_OPERATE)
+
+    @property
+    def sees_payloads(self) -> bool:
+        return self.principal.has(SCOPE_ADMIN)
+
+
+def key_store(queue: WorkQueue) -> ApiKeyStore:
+    """The queue's API key store; 501 on a transport that keeps no keys."""
+    store: Any = queue.transport
+    if not hasattr(store, "api_key_lookup"):
+        raise HTTPException(
+            status.HTTP_501_NOT_IMPLEMENTED,
+            detail="this transport stores no API keys: pass the app's own authorize dependency to "
+            "queue.dashboard(authorize=...)",
+        )
+    return store  # type: ignore[no-any-return]
+
+
+def session_authorizer(queue: WorkQueue, codec: SessionCodec) -> Authorizer:
+    """The default: the API key a person signed in with, from the session cookie."""
+
+    async def authorize(request: Request, security_scopes: SecurityScopes) -> Principal:
+        principal = await codec.principal(key_store(queue), request.cookies.get(SESSION_COOKIE))
+        if principal is None:
+            raise SignInRequired()
+        return require_scopes(principal, security_scopes)
+
+    return authorize

@@ -1,0 +1,51 @@
+"""Reading the dashboard's forms (``application/x-www-form-urlencoded``, bounded) and their fields."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qs
+
+MAX_FORM_BYTES = 64 * 1024
+MAX_TEXT = 2000
+"""The longest note or reason a form may send."""
+
+
+class FormRefused(Exception):
+    """A form the dashboard cannot read; the message says what is wrong."""
+
+
+async def read_form(request: Any) -> dict[str, str]:
+    """The first value of each field of a urlencoded form of at most 64 KiB."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/x-www-form-urlencoded":
+        raise FormRefused("send the dashboard's forms as application/x-www-form-urlencoded")
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            raise FormRefused(f"the form is larger than {MAX_FORM_BYTES} bytes")
+    try:
+        fields = parse_qs(body.decode(), keep_blank_values=True, strict_parsing=False, max_num_fields=50)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FormRefused(f"the form cannot be read: {exc}") from exc
+    return {name: values[0] for name, values in fields.items()}
+
+
+def text_field(form: dict[str, str], name: str) -> str | None:
+    """A note or reason: stripped, None when empty; refused when too long or not storable."""
+    value = form.get(name, "").strip()
+    if not value:
+        return None
+    if len(value) > MAX_TEXT:
+        raise FormRefused(f"the {name} is longer than {MAX_TEXT} characters; shorten it")
+    if "\x00" in value:
+        raise FormRefused(f"the {name} contains a NUL character; remove it")
+    return value
+
+
+def local_path(value: str | None, base: str, default: str) -> str:
+    """``value`` when it is a path of the dashboard (where a form may send the browser back), else
+    ``default``: never another site, nor a path outside the dashboard."""
+    if not value or not value.startswith(base + "/") or "//" in value or "\\" in value or "\n" in value:
+        return default
+    return value

@@ -1,0 +1,65 @@
+"""The pages: the overview, a subscription, one delivery, and the confirmation of a bulk replay."""
+
+# No ``from __future__ import annotations``: FastAPI reads the route signatures, whose annotations
+# name aliases local to the builder.
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, Request, Security, status
+from fastapi.responses import HTMLResponse
+
+from ..core.keys import SCOPE_OPERATE, SCOPE_READ, Principal
+from ..core.topology import SubscriptionState
+from ..web.auth import Authorizer
+from . import views
+from .access import Viewer
+from .chart import render_chart
+from .render import Dashboard
+
+
+def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
+    router = APIRouter()
+    Reader = Annotated[Principal, Security(authorize, scopes=[SCOPE_READ])]
+    Operator = Annotated[Principal, Security(authorize, scopes=[SCOPE_READ, SCOPE_OPERATE])]
+
+    def viewer(principal: Principal) -> Viewer:
+        return Viewer(principal=principal, signed_in_here=d.own_sign_in)
+
+    async def subscription_or_404(name: str) -> SubscriptionState:
+        state = await views.find_subscription(d.queue, name)
+        if state is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {name!r} does not exist")
+        return state
+
+    @router.get("/", response_class=HTMLResponse)
+    async def overview(request: Request, principal: Reader) -> HTMLResponse:
+        data = await views.overview(d.queue)
+        chart = render_chart(data.history, data.now, label="All subscriptions")
+        return d.render(request, "overview.html", {"page": data, "chart": chart}, viewer=viewer(principal))
+
+    @router.get("/subscriptions/{name}", response_class=HTMLResponse)
+    async def subscription(
+        request: Request, name: str, principal: Reader,
+        after: Annotated[str | None, Query(pattern=r"^[0-9]{1,19}$")] = None,
+    ) -> HTMLResponse:
+        page = await views.subscription_page(d.queue, await subscription_or_404(name), after)
+        chart = render_chart(page.history, page.now, label=name)
+        return d.render(request, "subscription.html", {"page": page, "chart": chart}, viewer=viewer(principal))
+
+    @router.get("/deliveries/{delivery_id}", response_class=HTMLResponse)
+    async def delivery(request: Request, delivery_id: str, principal: Reader) -> HTMLResponse:
+        seen = viewer(principal)
+        info = await views.delivery(d.queue, delivery_id, include_payload=seen.sees_payloads)
+        if info is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"delivery {delivery_id!r} does not exist")
+        return d.render(request, "delivery.html", {"info": info}, viewer=seen)
+
+    @router.get("/subscriptions/{name}/replay-all", response_class=HTMLResponse)
+    async def confirm_replay_all(request: Request, name: str, principal: Operator) -> HTMLResponse:
+        state = await subscription_or_404(name)
+        counts = (await views.counts_of(d.queue, name)).get(name)
+        return d.render(request, "replay_all.html", {
+            "state": state, "counts": counts, "batch": views.BULK_BATCH, "most": views.BULK_BATCH * views.BULK_BATCHES,
+        }, viewer=viewer(principal))
+
+    return router

@@ -1,0 +1,194 @@
+"""The dashboard in a real browser: headless Chromium (Debian's package, driven by Playwright) on
+the app served by uvicorn, with the queue and its host on a PostgreSQL database of their own.
+
+An operator signs in, sees a dead letter appear without reloading the page, replays it and watches
+it complete, pauses and resumes a subscription; a person with a read-only key sees no actions and
+is refused one sent anyway. Screenshots go to tests/dashboard/artifacts/ (one of them is the
+docs' picture of the dashboard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from fastapi_workqueue.core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_READ, create_key
+from fastapi_workqueue.database.postgres import to_asyncpg_dsn
+
+from ..conftest import drop_database, recreate_database, unique
+from .shop import Shop, free_port, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+playwright_api = pytest.importorskip("playwright.async_api", reason="the browser tests need playwright")
+if not CHROMIUM.exists():  # scripts/test installs Debian's chromium; never a downloaded browser
+    pytest.skip("the browser tests need /usr/bin/chromium (apt-get install chromium)", allow_module_level=True)
+
+
+class Served:
+    def __init__(self, shop: Shop, base: str, url: str) -> None:
+        self.shop, self.base, self.url = shop, base, url
+
+
+@pytest.fixture(scope="module")
+async def served(pg_url: str) -> AsyncIterator[Served]:
+    """The shop app under uvicorn on a free port, on a database of its own (migrated at start-up)."""
+    import uvicorn
+
+    base, _, _ = pg_url.rpartition("/")
+    url = f"{base}/wq_browser_{unique('db').split('-')[1]}"
+    await recreate_database(url)
+    shop = Shop(url)
+    shop.queue.settings.auto_migrate = True
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(shop.app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    try:
+        await wait_until(lambda: server.started or task.done())
+        assert server.started, "uvicorn did not start"
+        await seed_an_hour_of_history(url)
+        yield Served(shop, f"http://127.0.0.1:{port}/work-queue/ui", url)
+    finally:
+        shop.release.set()
+        server.should_exit = True
+        await task
+        await drop_database(url)
+
+
+async def seed_an_hour_of_history(url: str) -> None:
+    """The points the sweeper would have written over the last hour (the chart in the screenshots):
+    a morning's traffic with a burst of dead letters."""
+    conn = await asyncpg.connect(to_asyncpg_dsn(url))
+    try:
+        await conn.execute("""
+            INSERT INTO workqueue.stats_history (subscription_id, recorded_at, pending, in_flight, dead_lettered,
+                                                 completed, window_seconds)
+            SELECT s.id, date_trunc('minute', now()) - make_interval(mins => m),
+                   (40 + 30 * sin(m / 6.0))::bigint, 3 + m % 4, CASE WHEN m BETWEEN 12 AND 20 THEN 2 ELSE 0 END,
+                   (120 + 60 * cos(m / 9.0))::bigint, 60
+            FROM workqueue.subscription s, generate_series(1, 60) m
+            WHERE s.status = 'Active'
+            """)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="module")
+async def browser() -> AsyncIterator[Any]:
+    async with playwright_api.async_playwright() as playwright:
+        chromium = await playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        try:
+            yield chromium
+        finally:
+            await chromium.close()
+
+
+async def signed_in_page(browser: Any, served: Served, *scopes: str) -> Any:
+    key = await create_key(served.shop.queue.transport, unique("person"), list(scopes))  # type: ignore[arg-type]
+    context = await browser.new_context(viewport={"width": 1280, "height": 900})
+    page = await context.new_page()
+    page.set_default_timeout(15_000)
+    await page.goto(f"{served.base}/")
+    assert page.url.startswith(f"{served.base}/sign-in")
+    await page.fill("#api_key", key.key)
+    await page.click("form[action$='/sign-in'] button[type=submit]")
+    await page.wait_for_url(f"{served.base}/")
+    return page
+
+
+async def shot(page: Any, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    await page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+async def test_an_operator_sees_a_dead_letter_appear_replays_it_and_watches_it_complete(
+    browser: Any, served: Served
+) -> None:
+    shop = served.shop
+    page = await signed_in_page(browser, served, SCOPE_READ, SCOPE_OPERATE, SCOPE_ADMIN)
+    try:
+        assert await page.locator(f'tr[data-subscription="{shop.mail}"]').count() == 1
+        await shot(page, "overview")
+        await page.click(f'a[href$="/subscriptions/{shop.mail}"]')
+        await page.wait_for_selector("#dead-letters")
+        assert await page.locator("#dead-letters tr[data-delivery]").count() == 0
+        await page.evaluate("window.notReloaded = true")
+
+        [result] = await shop.queue.publish(shop.topic, [{"payload": {"fail": "once", "to": "ada@example.com"}}])
+        row = page.locator("#dead-letters tr[data-delivery]")
+        await row.first.wait_for()  # the page polls: the dead letter appears without a reload
+        assert await page.evaluate("window.notReloaded === true")
+        delivery_id = await row.first.get_attribute("data-delivery")
+        info = await shop.queue.get_delivery(str(delivery_id))
+        assert info is not None and info.message_id == result.message_id and info.status == "DeadLettered"
+        assert "the mail server refused ada@example.com" in await row.first.inner_text()
+        await shot(page, "dead-letter")
+
+        await row.first.locator("form[action$='/replay'] button").click()
+        await page.wait_for_selector(".notice")
+        assert "Replayed" in await page.locator(".notice").inner_text()
+        await page.goto(f"{served.base}/deliveries/{delivery_id}")
+        await page.wait_for_selector("#delivery .status-completed")  # the handler completes it on its replay
+        assert "replayed by" in await page.locator("dl.fields").inner_text()
+        await shot(page, "completed")
+    finally:
+        await page.context.close()
+
+
+async def test_an_operator_pauses_and_resumes_a_subscription(browser: Any, served: Served) -> None:
+    shop = served.shop
+    page = await signed_in_page(browser, served, SCOPE_READ, SCOPE_OPERATE)
+    try:
+        await page.goto(f"{served.base}/subscriptions/{shop.mail}")
+        await page.click("#state form[action$='/pause'] button")
+        await page.wait_for_selector("#state .status-paused")
+        assert "Paused" in await page.locator(".notice").inner_text()
+        assert {s.name: s.status for s in await shop.queue.transport.list_subscriptions()}[shop.mail] == "Paused"
+        await page.click("#state form[action$='/resume'] button")
+        await page.wait_for_selector("#state form[action$='/pause']")
+        assert {s.name: s.status for s in await shop.queue.transport.list_subscriptions()}[shop.mail] == "Active"
+    finally:
+        await page.context.close()
+
+
+async def test_a_read_only_key_sees_no_actions_and_is_refused_one(browser: Any, served: Served) -> None:
+    shop = served.shop
+    [result] = await shop.queue.publish(shop.topic, [{"payload": {"fail": "once", "to": "bob@example.com"}}])
+
+    async def dead_letter() -> str | None:
+        found = [d for d in await shop.queue.dead_letters(shop.mail, limit=100) if d.message_id == result.message_id]
+        return found[0].delivery_id if found else None
+
+    delivery_id: str = await wait_until(dead_letter)
+    page = await signed_in_page(browser, served, SCOPE_READ)
+    try:
+        await page.goto(f"{served.base}/subscriptions/{shop.mail}")
+        await page.wait_for_selector(f'#dead-letters tr[data-delivery="{delivery_id}"]')
+        assert await page.locator("form[action$='/replay'], form[action$='/pause']").count() == 0
+        # The same form an operator's page has, sent anyway from this page.
+        await page.evaluate(
+            """([action, token]) => {
+                const form = document.createElement("form");
+                form.method = "post"; form.action = action;
+                const field = document.createElement("input");
+                field.type = "hidden"; field.name = "csrf"; field.value = token;
+                form.appendChild(field); document.body.appendChild(form); form.submit();
+            }""",
+            [f"{served.base}/deliveries/{delivery_id}/replay",
+             await page.locator("input[name=csrf]").first.get_attribute("value")],
+        )
+        await page.wait_for_selector(".error-page")
+        assert "lacks the scope workqueue:operate" in await page.locator(".error-page").inner_text()
+        await shot(page, "refused")
+        info = await shop.queue.get_delivery(delivery_id)
+        assert info is not None and info.status == "DeadLettered"
+    finally:
+        await page.context.close()
+

@@ -1,0 +1,403 @@
+"""The dashboard over HTTP: a real app with the queue on the test PostgreSQL database, its
+lifespan running, requests through httpx's ASGI transport. Sign-in, sessions, scopes, CSRF, every
+page and every action; the deliveries a case inspects belong to a subscription no host runs, so
+their states are what the case made them."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import HTTPException, Request
+from fastapi.security import SecurityScopes
+
+from fastapi_workqueue import PublishRequest, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.core.envelope import prepare
+from fastapi_workqueue.core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_READ, Principal, create_key
+from fastapi_workqueue.core.transport import Settlement
+from fastapi_workqueue.dashboard import views
+from fastapi_workqueue.dashboard.session import SESSION_COOKIE
+from fastapi_workqueue.web.auth import require_scopes
+
+from .shop import Shop
+
+pytestmark = pytest.mark.timeout(60)
+
+UI = "/work-queue/ui"
+EVERYTHING = [SCOPE_READ, SCOPE_OPERATE, SCOPE_ADMIN]
+
+
+@pytest.fixture
+async def shop(pg_url: str) -> AsyncIterator[Shop]:
+    shop = Shop(pg_url)
+    async with shop.queue.lifespan(shop.app):
+        yield shop
+        shop.release.set()
+
+
+def client_for(shop: Shop) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=shop.app), base_url="http://dashboard.test")
+
+
+def token_of(html: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', html)
+    assert found, "the page has no form token"
+    return found.group(1)
+
+
+async def sign_in(client: httpx.AsyncClient, key: str) -> httpx.Response:
+    page = await client.get(f"{UI}/sign-in")
+    return await client.post(f"{UI}/sign-in", data={"csrf": token_of(page.text), "api_key": key, "next": f"{UI}/"})
+
+
+async def post(client: httpx.AsyncClient, page_path: str, action: str, **fields: str) -> httpx.Response:
+    """Sends a form of ``page_path`` as a browser would: with the page's token."""
+    page = await client.get(page_path)
+    assert page.status_code == 200, page.text
+    return await client.post(action, data={"csrf": token_of(page.text), **fields})
+
+
+async def key(shop: Shop, *scopes: str) -> str:
+    return (await create_key(shop.queue.transport, f"person-{time.monotonic_ns()}", list(scopes))).key
+
+
+async def dead_letters_on_idle(shop: Shop, count: int, *, error: str = "boom") -> list[str]:
+    """``count`` dead letters on the subscription no host runs (claimed and settled here)."""
+    transport = shop.queue.transport
+    await shop.queue.resume(shop.idle)
+    try:
+        await transport.publish(shop.topic, [prepare(PublishRequest(payload={"n": i})) for i in range(count)])
+        ids: list[str] = []
+        while len(ids) < count:
+            claimed = await transport.claim(shop.idle, 100)
+            assert claimed
+            await transport.settle([Settlement(c.delivery_id, c.lease_token, "DeadLetter", reason="refused",
+                                               error=error) for c in claimed])
+            ids += [c.delivery_id for c in claimed]
+    finally:
+        await shop.queue.pause(shop.idle)
+    # The publish also reached the host's subscriptions; they are not looked at here.
+    return ids
+
+
+async def test_signing_in_keeps_a_signed_httponly_samesite_cookie(shop: Shop) -> None:
+    async with client_for(shop) as client:
+        first = await client.get(f"{UI}/")
+        assert first.status_code == 303 and first.headers["location"] == f"{UI}/sign-in?next=%2Fwork-queue%2Fui%2F"
+
+        refused = await sign_in(client, "wq_0123456789ab_not-a-real-secret")
+        assert refused.status_code == 401 and "not valid" in refused.text
+        assert SESSION_COOKIE not in client.cookies
+
+        publisher = await key(shop, "workqueue:publish")
+        lacking = await sign_in(client, publisher)
+        assert lacking.status_code == 403 and "lacks the scope workqueue:read" in lacking.text
+
+        answer = await sign_in(client, await key(shop, SCOPE_READ))
+        assert answer.status_code == 303 and answer.headers["location"] == f"{UI}/"
+        cookie = next(c for c in answer.headers.get_list("set-cookie") if c.startswith(SESSION_COOKIE))
+        assert "HttpOnly" in cookie and "SameSite=lax" in cookie and f"Path={UI}" in cookie
+        value = client.cookies[SESSION_COOKIE]
+        assert "wq_" not in value and value.count(".") == 2  # prefix.expiry.signature, never the key
+        overview = await client.get(f"{UI}/")
+        assert overview.status_code == 200
+        assert shop.mail in overview.text and shop.ledger in overview.text and shop.idle in overview.text
+
+        # Signing out ends the session.
+        out = await post(client, f"{UI}/", f"{UI}/sign-out")
+        assert out.status_code == 303 and out.headers["location"] == f"{UI}/sign-in"
+        assert (await client.get(f"{UI}/")).status_code == 303
+
+
+async def test_a_session_ends_when_forged_expired_or_its_key_is_revoked(shop: Shop) -> None:
+    async with client_for(shop) as client:
+        secret = await key(shop, SCOPE_READ)
+        await sign_in(client, secret)
+        value = client.cookies[SESSION_COOKIE]
+        prefix, expires, signature = value.split(".")
+        assert (await client.get(f"{UI}/")).status_code == 200
+
+        for forged in (f"{prefix}.{int(expires) + 3600}.{signature}", f"{prefix}.{expires}.{signature[:-2]}xx",
+                       f"{prefix}.{int(time.time()) - 1}.{signature}", "garbage", f"{prefix}.{expires}"):
+            client.cookies.set(SESSION_COOKIE, forged, domain="dashboard.test", path=UI)
+            assert (await client.get(f"{UI}/")).status_code == 303, forged
+
+        client.cookies.set(SESSION_COOKIE, value, domain="dashboard.test", path=UI)
+        assert (await client.get(f"{UI}/")).status_code == 200
+        await shop.queue.transport.api_key_revoke(secret.split("_")[1])  # type: ignore[attr-defined]
+        assert (await client.get(f"{UI}/")).status_code == 303
+
+
+async def test_the_pages_show_counts_dead_letters_in_flight_blocked_keys_and_a_delivery_whole(shop: Shop) -> None:
+    traceback = ('Traceback (most recent call last):\n  File "mail.py", line 3, in send\n'
+                 "ConnectionError: the relay answered 554 password=hunter2\n")
+    [dead] = await dead_letters_on_idle(shop, 1, error=traceback)
+    await shop.queue.publish(shop.topic, [{"payload": {"hold": True}, "PartitionKey": "acct-7",
+                                           "Attributes": {"kind": "invoice"}}])
+    await shop.queue.publish(shop.topic, [{"payload": {}, "PartitionKey": "acct-7"}])  # waits behind it on ledger
+    await shop.queue.publish(shop.topic, [{"payload": {"fail": True}, "PartitionKey": "acct-9"},
+                                          {"payload": {}, "PartitionKey": "acct-9"}])
+    running = await views_wait_in_flight(shop)
+
+    async with client_for(shop) as client:
+        await sign_in(client, await key(shop, SCOPE_READ))
+        overview = (await client.get(f"{UI}/")).text
+        row = re.search(rf'<tr data-subscription="{re.escape(shop.idle)}">(.*?)</tr>', overview, re.S)
+        # The four messages published since accrue on the paused subscription.
+        assert row and "Paused" in row.group(1) and re.findall(r'class="num[^"]*">([^<]*)<', row.group(1))[:3] == [
+            "4", "0", "1"]
+        assert '<svg class="chart"' in overview
+
+        page = (await client.get(f"{UI}/subscriptions/{shop.idle}")).text
+        assert f'data-delivery="{dead}"' in page
+        assert "ConnectionError: the relay answered 554 password=***" in page  # the last line, redacted
+        assert "hunter2" not in page
+        assert "Replay" not in page and "/replay" not in page  # a reader gets no actions
+
+        mail = (await client.get(f"{UI}/subscriptions/{shop.mail}")).text
+        assert f'data-delivery="{running}"' in mail and "rendering the invoice" in mail
+        assert 'progress max="100" value="40"' in mail
+
+        ledger = (await client.get(f"{UI}/subscriptions/{shop.ledger}")).text
+        blocked = re.search(r'<tr data-key="acct-9">(.*?)</tr>', ledger, re.S)
+        assert blocked and "DeadLettered" in blocked.group(1) and "the ledger refused the entry" in blocked.group(1)
+
+        one = await client.get(f"{UI}/deliveries/{dead}")
+        assert one.status_code == 200 and "Traceback (most recent call last)" in one.text
+        assert "Shown to keys that also hold" in one.text and '"n": 0' not in one.text
+        assert (await client.get(f"{UI}/deliveries/999999999")).status_code == 404
+        assert (await client.get(f"{UI}/subscriptions/no-such-thing")).status_code == 404
+        assert (await client.get(f"{UI}/subscriptions/{shop.idle}?after=x")).status_code == 400
+
+    async with client_for(shop) as admin:
+        await sign_in(admin, await key(shop, SCOPE_READ, SCOPE_ADMIN))
+        whole = (await admin.get(f"{UI}/deliveries/{dead}")).text
+        assert '<pre class="payload">{\n  &#34;n&#34;: 0\n}</pre>' in whole
+
+
+async def views_wait_in_flight(shop: Shop) -> str:
+    from .shop import wait_until
+
+    async def held() -> str | None:
+        running = await shop.queue.deliveries(shop.mail, "InFlight")
+        return running[0].delivery_id if running and running[0].progress_percent == 40 else None
+
+    result: str = await wait_until(held)
+    return result
+
+
+async def test_operators_replay_discard_cancel_pause_and_resume(shop: Shop) -> None:
+    first, second = await dead_letters_on_idle(shop, 2)
+    async with client_for(shop) as client:
+        await sign_in(client, await key(shop, SCOPE_READ, SCOPE_OPERATE))
+        sub_page = f"{UI}/subscriptions/{shop.idle}"
+
+        answer = await post(client, sub_page, f"{UI}/deliveries/{first}/replay", back=sub_page, note="fixed the relay")
+        assert answer.status_code == 303 and answer.headers["location"] == f"{sub_page}?notice=Replayed"
+        replayed = await shop.queue.get_delivery(first)
+        assert replayed is not None and replayed.status == "Pending" and replayed.note == "fixed the relay"
+        assert "Replayed: the delivery is Pending again" in (await client.get(answer.headers["location"])).text
+
+        again = await post(client, sub_page, f"{UI}/deliveries/{first}/replay")
+        assert again.headers["location"].endswith("notice=NotDeadLettered")
+
+        await post(client, sub_page, f"{UI}/deliveries/{second}/discard", reason="duplicate order")
+        dropped = await shop.queue.get_delivery(second)
+        assert dropped is not None and dropped.status == "Discarded" and dropped.reason == "duplicate order"
+
+        # A cancel applies only while the delivery runs.
+        refused = await post(client, sub_page, f"{UI}/deliveries/{first}/cancel")
+        assert refused.headers["location"].endswith("notice=NotRunning")
+        assert (await shop.queue.get_delivery(first)).status == "Pending"  # type: ignore[union-attr]
+        await shop.queue.publish(shop.topic, [{"payload": {"hold": True}}])
+        running = await views_wait_in_flight(shop)
+        cancelled = await post(client, f"{UI}/deliveries/{running}", f"{UI}/deliveries/{running}/cancel")
+        assert cancelled.headers["location"] == f"{UI}/deliveries/{running}?notice=CancelRequested"
+        assert (await shop.queue.get_delivery(running)).cancel_requested  # type: ignore[union-attr]
+
+        paused = await post(client, f"{UI}/subscriptions/{shop.mail}", f"{UI}/subscriptions/{shop.mail}/pause")
+        assert paused.headers["location"] == f"{UI}/subscriptions/{shop.mail}?notice=Paused"
+        assert {s.name: s.status for s in await shop.queue.transport.list_subscriptions()}[shop.mail] == "Paused"
+        resumed = await post(client, f"{UI}/subscriptions/{shop.mail}", f"{UI}/subscriptions/{shop.mail}/resume")
+        assert resumed.headers["location"].endswith("notice=Resumed")
+        assert {s.name: s.status for s in await shop.queue.transport.list_subscriptions()}[shop.mail] == "Active"
+
+        # The form may send the browser back only within the dashboard.
+        elsewhere = await post(client, sub_page, f"{UI}/subscriptions/{shop.idle}/pause", back="https://evil.example/")
+        assert elsewhere.headers["location"] == f"{sub_page}?notice=Unchanged"
+
+
+async def test_a_read_only_key_is_refused_every_action(shop: Shop) -> None:
+    [dead] = await dead_letters_on_idle(shop, 1)
+    async with client_for(shop) as client:
+        await sign_in(client, await key(shop, SCOPE_READ, SCOPE_ADMIN))
+        page = f"{UI}/deliveries/{dead}"
+        for action in ("replay", "discard", "cancel"):
+            answer = await post(client, page, f"{page}/{action}")
+            assert answer.status_code == 403 and "lacks the scope workqueue:operate" in answer.text
+        for action in ("pause", "resume", "replay-all"):
+            answer = await post(client, page, f"{UI}/subscriptions/{shop.idle}/{action}", confirm="yes")
+            assert answer.status_code == 403
+        assert (await client.get(f"{UI}/subscriptions/{shop.idle}/replay-all")).status_code == 403
+    info = await shop.queue.get_delivery(dead)
+    assert info is not None and info.status == "DeadLettered"
+
+
+async def test_forms_without_their_token_or_from_another_site_are_refused(shop: Shop) -> None:
+    [dead] = await dead_letters_on_idle(shop, 1)
+    async with client_for(shop) as client:
+        await sign_in(client, await key(shop, *EVERYTHING))
+        token = token_of((await client.get(f"{UI}/")).text)
+        replay = f"{UI}/deliveries/{dead}/replay"
+        for fields, headers in (
+            ({"note": "no token"}, {}),
+            ({"csrf": "x" * 43}, {}),
+            ({"csrf": token}, {"origin": "https://evil.example"}),
+            ({"csrf": token}, {"sec-fetch-site": "cross-site"}),
+        ):
+            answer = await client.post(replay, data=fields, headers=headers)
+            assert answer.status_code == 403 and "The form was refused" in answer.text, (fields, headers)
+        assert (await client.post(replay, content=b'{"csrf": 1}', headers={"content-type": "application/json"})
+                ).status_code == 400
+        info = await shop.queue.get_delivery(dead)
+        assert info is not None and info.status == "DeadLettered"
+        ok = await client.post(replay, data={"csrf": token}, headers={"origin": "http://dashboard.test"})
+        assert ok.status_code == 303
+
+
+async def test_bulk_replay_asks_first_and_replays_in_bounded_batches(
+    shop: Shop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(views, "BULK_BATCH", 10)
+    monkeypatch.setattr(views, "BULK_BATCHES", 3)
+    ids = await dead_letters_on_idle(shop, 35)
+    async with client_for(shop) as client:
+        await sign_in(client, await key(shop, SCOPE_READ, SCOPE_OPERATE))
+        confirm_page = f"{UI}/subscriptions/{shop.idle}/replay-all"
+        confirm = await client.get(confirm_page)
+        assert confirm.status_code == 200 and "<strong>35</strong> dead letters" in confirm.text
+        assert "batches of 10, at most 30 at a time" in confirm.text
+
+        # Without the confirmation nothing happens.
+        unconfirmed = await post(client, confirm_page, confirm_page)
+        assert unconfirmed.status_code == 303 and unconfirmed.headers["location"] == confirm_page
+        assert len(await shop.queue.dead_letters(shop.idle, limit=100)) == 35
+
+        first = await post(client, confirm_page, confirm_page, confirm="yes", note="relay fixed")
+        assert first.headers["location"] == f"{UI}/subscriptions/{shop.idle}?notice=ReplayedAll&n=30"
+        assert [d.delivery_id for d in await shop.queue.dead_letters(shop.idle, limit=100)] == ids[30:]
+        second = await post(client, confirm_page, confirm_page, confirm="yes")
+        assert second.headers["location"].endswith("notice=ReplayedAll&n=5")
+        assert await shop.queue.dead_letters(shop.idle, limit=100) == []
+        pending = await shop.queue.deliveries(shop.idle, "Pending", limit=100)
+        assert {d.delivery_id for d in pending} == set(ids)
+        assert {d.note for d in pending if d.delivery_id in ids[:30]} == {"relay fixed"}
+
+
+async def test_the_app_may_pass_its_own_authorize_dependency(pg_url: str) -> None:
+    async def staff(request: Request, security_scopes: SecurityScopes) -> Principal:
+        user = request.headers.get("x-staff")
+        if user is None:
+            raise HTTPException(401, detail="sign in to the shop first")
+        scopes = {"reader": {SCOPE_READ}, "ops": {SCOPE_READ, SCOPE_OPERATE}}[user]
+        return require_scopes(Principal(name=user, scopes=frozenset(scopes)), security_scopes)
+
+    shop = Shop(pg_url, authorize=staff)
+    async with shop.queue.lifespan(shop.app), client_for(shop) as client:
+        anonymous = await client.get(f"{UI}/")
+        assert anonymous.status_code == 401 and "sign in to the shop first" in anonymous.text
+        assert (await client.get(f"{UI}/sign-in")).status_code == 404
+        reader = await client.get(f"{UI}/", headers={"x-staff": "reader"})
+        assert reader.status_code == 200 and "Sign out" not in reader.text and shop.mail in reader.text
+        [dead] = await dead_letters_on_idle(shop, 1)
+        page = await client.get(f"{UI}/deliveries/{dead}", headers={"x-staff": "reader"})
+        assert page.status_code == 200 and "/replay" not in page.text
+        token = client.cookies["workqueue_csrf"]  # the overview, without forms, set it too
+        refused = await client.post(f"{UI}/deliveries/{dead}/replay", headers={"x-staff": "reader"},
+                                    data={"csrf": token})
+        assert refused.status_code == 403
+        done = await client.post(f"{UI}/deliveries/{dead}/replay", headers={"x-staff": "ops"},
+                                 data={"csrf": token})
+        assert done.status_code == 303
+        info = await shop.queue.get_delivery(dead)
+        assert info is not None and info.status == "Pending" and info.note == "replayed by ops from the dashboard"
+
+
+async def test_answers_carry_strict_security_headers(shop: Shop) -> None:
+    async with client_for(shop) as client:
+        page = await client.get(f"{UI}/sign-in")
+        policy = page.headers["content-security-policy"]
+        assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy and "unsafe" not in policy
+        assert page.headers["x-frame-options"] == "DENY" and page.headers["cache-control"] == "no-store"
+        assert "<script>" not in page.text and " style=" not in page.text  # nothing inline for the policy to refuse
+        script = await client.get(f"{UI}/static/dashboard.js")
+        assert script.status_code == 200 and "DOMParser" in script.text
+        assert (await client.get(f"{UI}/static/dashboard.css")).status_code == 200
+
+        # Sign-in sends the browser back only within the dashboard.
+        await client.get(f"{UI}/sign-in")
+        token = client.cookies["workqueue_csrf"]
+        answer = await client.post(f"{UI}/sign-in", data={"csrf": token, "api_key": await key(shop, SCOPE_READ),
+                                                          "next": "https://evil.example/"})
+        assert answer.status_code == 303 and answer.headers["location"] == f"{UI}/"
+
+
+async def test_a_dashboard_whose_queue_is_not_open_says_so(pg_url: str) -> None:
+    queue = WorkQueue(WorkQueueSettings(database_url=pg_url))
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    app.mount(UI, queue.dashboard())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        answer = await client.get(f"{UI}/")
+    assert answer.status_code == 503 and "queue.lifespan" in answer.text
+
+
+def test_the_history_chart_draws_the_last_hour() -> None:
+    from fastapi_workqueue.core.history import StatsPoint
+    from fastapi_workqueue.dashboard.chart import render_chart
+
+    now = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
+    points: list[Any] = [
+        StatsPoint(subscription=s, recorded_at=now - timedelta(minutes=m), pending=p, in_flight=1, dead_lettered=d,
+                   completed=c, window_seconds=60.0)
+        for m, c, p, d in ((90, 999, 1, 0), (30, 30, 5, 0), (15, 120, 50, 2), (0, 60, 10, 3)) for s in ("a", "b")
+    ]
+    svg = str(render_chart(points, now, label="All"))
+    assert "All: 120 completed a minute, depth 22, 6 dead-lettered" in svg  # the latest sample, both summed
+    throughput = re.search(r'class="chart-line chart-throughput" points="([^"]+)"', svg)
+    assert throughput and len(throughput.group(1).split()) == 3  # the point 90 minutes back is left out
+    assert ">500<" in svg  # 240 a minute at the top: the axis is a round 500
+    assert "No history yet" in str(render_chart([], now))
+
+
+async def test_the_pages_render_on_sqlite(sqlite_url: str) -> None:
+    shop = Shop(sqlite_url)
+    async with shop.queue.lifespan(shop.app), client_for(shop) as client:
+        [dead] = await dead_letters_on_idle(shop, 1)
+        await shop.queue.publish(shop.topic, [{"payload": {"fail": True}, "PartitionKey": "acct-1"},
+                                              {"payload": {}, "PartitionKey": "acct-1"}])
+        await shop.queue.sweep()
+        await sign_in(client, await key(shop, *EVERYTHING))
+
+        async def blocked() -> bool:
+            page = await client.get(f"{UI}/subscriptions/{shop.ledger}")
+            return page.status_code == 200 and '<tr data-key="acct-1">' in page.text
+
+        from .shop import wait_until
+
+        await wait_until(blocked)
+        for path in ("/", f"/subscriptions/{shop.idle}", f"/deliveries/{dead}",
+                     f"/subscriptions/{shop.idle}/replay-all"):
+            page = await client.get(UI + path)
+            assert page.status_code == 200, (path, page.text[:300])
+        overview = (await client.get(f"{UI}/")).text
+        assert '<svg class="chart"' in overview and shop.ledger in overview
+        replayed = await post(client, f"{UI}/deliveries/{dead}", f"{UI}/deliveries/{dead}/replay")
+        assert replayed.headers["location"].endswith("notice=Replayed")
+        shop.release.set()
