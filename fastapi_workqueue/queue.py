@@ -27,6 +27,7 @@ from .core.envelope import (
 from .core.errors import ConfigurationError
 from .core.handlers import HandlerFunc, HandlerRegistry, HandlerSpec
 from .core.host import GroupPlan, Host, SubscriptionPlan
+from .core.observe import NO_OBSERVER, Observer, Observers, carry_headers
 from .core.reports import (
     ActionResult,
     Backlog,
@@ -105,6 +106,9 @@ class WorkQueue:
         self.health_router: APIRouter = build_health_router(self)
         self._router: APIRouter | None = None
         self._jobs: Any = None
+        self._observers: list[Observer] = []
+        self._observer: Observer | None = None
+        self._metrics_router: APIRouter | None = None
 
     # -- routers -----------------------------------------------------------------------------
 
@@ -133,6 +137,42 @@ class WorkQueue:
 
         router.include_router(build_job_router(self, check, prefix=""))
         return router
+
+    @property
+    def metrics_router(self) -> APIRouter:
+        """``GET /metrics`` in Prometheus's text format (needs the ``prometheus`` extra):
+        ``app.include_router(queue.metrics_router)``. It asks for an API key with
+        ``workqueue:read`` unless ``WORKQUEUE_METRICS_PUBLIC=1``."""
+        if self._metrics_router is None:
+            self._metrics_router = self.create_metrics_router()
+        return self._metrics_router
+
+    def create_metrics_router(self, *, authorize: Authorizer | None = None, public: bool | None = None,
+                              path: str = "/metrics", registry: Any = None) -> APIRouter:
+        """A ``/metrics`` router: ``authorize`` replaces the API keys, ``public=True`` serves it
+        to anyone, ``registry`` is a ``prometheus_client.CollectorRegistry`` of the app's own."""
+        from .observability.metrics_router import build_metrics_router
+
+        return build_metrics_router(
+            self, authorize=authorize or api_key_authorizer(self),
+            public=self.settings.metrics_public if public is None else public, path=path, registry=registry,
+        )
+
+    @property
+    def observer(self) -> Observer:
+        """What sees this queue's publishes, attempts and settles: OpenTelemetry and Prometheus
+        when they are installed and enabled in the settings, and any :meth:`add_observer`."""
+        if self._observer is None:
+            from .observability import default_observers
+
+            found = default_observers(self.settings) + self._observers
+            self._observer = NO_OBSERVER if not found else found[0] if len(found) == 1 else Observers(found)
+        return self._observer
+
+    def add_observer(self, observer: Observer) -> None:
+        """Adds an observer of your own (subclass :class:`~fastapi_workqueue.core.observe.Observer`)."""
+        self._observers.append(observer)
+        self._observer = None
 
     def dashboard(self, *, authorize: Authorizer | None = None, **options: Any) -> Any:
         """The operator dashboard, an ASGI app: ``app.mount("/work-queue/ui", queue.dashboard())``.
@@ -463,6 +503,7 @@ class WorkQueue:
         ``groups`` default to one consumer for the job queues (``WORKQUEUE_JOB_QUEUES``) when the
         queue has jobs."""
         options = self.settings.host_options()
+        option_overrides.setdefault("observer", self.observer)
         if option_overrides:
             from dataclasses import replace
 
@@ -588,9 +629,30 @@ class WorkQueue:
                         field=str(first["loc"][0]) if first["loc"] else None,
                     ),
                 )
+        observer = self.observer
+        single = prepared[0] if len(prepared) == 1 else None
+        scope = None if observer is NO_OBSERVER else observer.publish_started(
+            topic, len(requests), message_id=str(single.message_id) if single is not None else None,
+            correlation_id=single.correlation_id if single is not None else None,
+        )
         if failures:
-            return aborted_results(len(requests), failures)
-        return await self.transport.publish(topic, prepared, session=session)
+            results = aborted_results(len(requests), failures)
+            if scope is not None:
+                scope.end(results, None)
+            return results
+        if scope is None:
+            return await self.transport.publish(topic, prepared, session=session)
+        headers = scope.headers()
+        if headers:
+            for message in prepared:
+                carry_headers(message, headers)
+        try:
+            results = await self.transport.publish(topic, prepared, session=session)
+        except BaseException as exc:
+            scope.end(None, exc)
+            raise
+        scope.end(results, None)
+        return results
 
     # -- operate -----------------------------------------------------------------------------
 

@@ -101,6 +101,17 @@ class WorkQueueSettings(BaseSettings):
     previous_keys: SecretStr | None = None
     """Earlier app keys, comma-separated, that still decrypt (``WORKQUEUE_PREVIOUS_KEYS``)."""
 
+    otel: bool = True
+    """Trace and measure through the OpenTelemetry API when it is installed (the ``otel`` extra);
+    ``WORKQUEUE_OTEL=0`` turns it off. The app brings the SDK and the exporters."""
+    prometheus: bool = True
+    """Count publishes and attempts for ``queue.metrics_router`` when prometheus-client is installed."""
+    metrics_public: bool = False
+    """Serve ``/metrics`` without an API key (``WORKQUEUE_METRICS_PUBLIC=1``), for a scraper on a
+    private network; by default it asks for a key with ``workqueue:read``."""
+    metrics_cache_seconds: float = Field(default=5.0, ge=0)
+    """How long ``/metrics`` reuses the counts it read from the database."""
+
     def session_pool(self) -> SessionPool:
         """The request sessions' pool, from the settings."""
         return SessionPool(

@@ -325,6 +325,22 @@ async def _until_done(host: Any, max_duration_ms: int | None, *, finite: bool) -
             loop.remove_signal_handler(sig)
 
 
+def _serve_metrics(host: str, port: int) -> None:
+    """This worker's counters (``workqueue_processed_total`` ...) for a scraper; the database's
+    gauges are served by the app's ``queue.metrics_router``."""
+    try:
+        from prometheus_client import start_http_server
+    except ImportError as exc:
+        raise click.UsageError(
+            "--metrics-port needs prometheus-client: pip install 'fastapi-workqueue[prometheus]'"
+        ) from exc
+    try:
+        start_http_server(port, addr=host)
+    except OSError as exc:
+        raise click.UsageError(f"--metrics-port {port}: cannot listen on {host}:{port} ({exc.strerror}); "
+                               "pick a free port") from exc
+
+
 def _finish(summary: WorkSummary, *, as_json: bool) -> None:
     if summary.code != EXIT_OK or not as_json:
         click.echo(f"workqueue work: {summary.reason}", err=summary.code != EXIT_OK)
@@ -354,14 +370,20 @@ def _finish(summary: WorkSummary, *, as_json: bool) -> None:
               help="Log records at this level and above go to stderr.")
 @click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
               help="text, or one JSON object a line (time, level, logger, message, delivery fields).")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              help="Serve this process's Prometheus counters on http://HOST:PORT/metrics (the prometheus extra).")
+@click.option("--metrics-host", default="0.0.0.0", show_default=True, help="The address --metrics-port listens on.")
 @click.pass_obj
 def work(
     ctx: Any, app_path: str, subscriptions: tuple[str, ...], queues: str | None, once: bool,
     max_deliveries: int | None, concurrency: int | None, max_duration_ms: int | None,
     shutdown_drain_ms: int | None, stop_timeout: float | None, log_level: str, log_format: Any,
+    metrics_port: int | None, metrics_host: str,
 ) -> None:
     """Run subscriptions' handlers or jobs: a worker process or a one-shot container job."""
     configure_logging(log_level, log_format)
+    if metrics_port is not None:
+        _serve_metrics(metrics_host, metrics_port)
     as_json = bool(ctx is not None and ctx.as_json)
     if stop_timeout is not None:
         if shutdown_drain_ms is not None:

@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .observe import HEADERS_KEY
 from .wire import WireModel, to_wire_name
 
 MAX_ENVELOPE_BYTES = 256 * 1024
@@ -129,6 +130,8 @@ class PreparedMessage:
     max_attempts: int | None
     backoff_seconds: list[float] | None
     envelope_bytes: int
+    headers: dict[str, str] | None = None
+    """What the library carries beside the user's attributes (the trace context), or None."""
 
 
 # The 80 bits after the timestamp: version 7 (4 bits), 12 random bits, variant 0b10, 62 random bits.
@@ -291,6 +294,12 @@ def _check_attributes(attributes: dict[str, Any]) -> None:
             )
         _text_field("attributes", name, 256)
         _text_field("attributes", value, 1024)
+        if name == HEADERS_KEY:
+            raise RequestRejected(
+                "InvalidAttribute",
+                f"the attribute name {HEADERS_KEY!r} is reserved for the library's own headers; rename it",
+                "attributes",
+            )
 
 
 def _check_schedule(request: PublishRequest) -> None:

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field
 
 from .handlers import Invoker
+from .observe import NO_OBSERVER, Observer
 from .runtime import Consumer, Resolver, Settler
 from .topology import SubscriptionState
 from .transport import Transport
@@ -68,6 +69,8 @@ class HostOptions:
     reconcile_interval_ms: int = 30000
     sweep_batch: int = 1000
     principal: str | None = None
+    observer: Observer = NO_OBSERVER
+    """Sees publishes, attempts and settles (traces and metrics)."""
 
 
 def unsupported_reason(transport: Transport, sub: SubscriptionState) -> str | None:
@@ -103,7 +106,7 @@ class Host:
         self.options = options
         self._max_deliveries = max_deliveries
         self._stop_when_idle = stop_when_idle
-        self.settler = Settler(transport)
+        self.settler = Settler(transport, observer=options.observer)
         self.consumers: dict[str, Consumer] = {}
         self.group_consumers: dict[str, Consumer] = {}
         self._consumer_of: dict[str, Consumer] = {}  # subscription name -> the consumer that claims it
@@ -205,6 +208,7 @@ class Host:
                         principal=self.options.principal,
                         max_deliveries=self._max_deliveries,
                         stop_when_idle=self._stop_when_idle,
+                        observer=self.options.observer,
                     )
                     self.consumers[sub.name] = consumer
                     consumer.start()
@@ -278,7 +282,7 @@ class Host:
                     idle_poll_min=self.options.idle_poll_min_ms / 1000,
                     idle_poll_max=self.options.idle_poll_max_ms / 1000,
                     principal=self.options.principal, max_deliveries=self._max_deliveries,
-                    stop_when_idle=self._stop_when_idle,
+                    stop_when_idle=self._stop_when_idle, observer=self.options.observer,
                 )
                 self.group_consumers[plan.name] = consumer
                 consumer.start()

@@ -27,6 +27,7 @@ from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext
 from .failures import error_text
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .leases import LocalLease, start_margin
+from .observe import NO_OBSERVER, Observer
 from .outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError
 from .redaction import redact
 from .settler import Settler
@@ -63,6 +64,7 @@ class _Running:
     entered: bool = False
     released: bool = False
     context: WorkContext | None = None
+    error: BaseException | None = None
 
 
 Groups = Sequence[Sequence[SubscriptionState]]
@@ -90,6 +92,7 @@ class Consumer:
         on_error: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         name: str | None = None,
+        observer: Observer = NO_OBSERVER,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
@@ -110,6 +113,7 @@ class Consumer:
         self.prefetch = prefetch
         self._on_error = on_error
         self._clock = clock
+        self._observer = observer
         self._held: dict[str, _Running] = {}
         self._buffer: deque[_Running] = deque()
         self._handler_seconds: float | None = None
@@ -458,8 +462,13 @@ class Consumer:
 
     async def _run(self, running: _Running) -> None:
         settlement: Settlement | None = None
+        scope = self._observer.process_started(running.sub.name, running.delivery)
         try:
-            settlement = await self._execute(running)
+            if scope is None:
+                settlement = await self._execute(running)
+            else:
+                with scope.active():
+                    settlement = await self._execute(running)
         except asyncio.CancelledError:
             # Cancelled from outside (the event loop is going away): give the delivery back.
             if not running.signal.aborted:
@@ -467,6 +476,8 @@ class Consumer:
             settlement = self._settlement_for_abort(running)
             raise
         finally:
+            if scope is not None:
+                scope.end(settlement.kind if settlement is not None else None, running.error)
             self._drop(running)
             took = self._clock() - running.started_at
             previous = self._handler_seconds
@@ -554,6 +565,7 @@ class Consumer:
     def _failed(self, running: _Running, exc: BaseException, settlement: Settlement) -> Settlement:
         """Logs a handler's exception with its traceback: WARNING when the delivery will be retried,
         ERROR when it is dead-lettered. The record carries the delivery's fields."""
+        running.error = exc
         delivery = running.delivery
         final = settlement.kind == "DeadLetter" or delivery.attempt >= delivery.max_attempts
         log.log(

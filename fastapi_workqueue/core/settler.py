@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 from .errors import TransportError
+from .observe import NO_OBSERVER, Observer
 from .transport import Settlement, SettleResult, Transport
 
 log = logging.getLogger("fastapi_workqueue.settler")
@@ -25,8 +26,10 @@ class Settler:
     expire and the sweeper takes the deliveries back, so nothing is lost.
     """
 
-    def __init__(self, transport: Transport, *, max_batch: int = 500, give_up_after: float = 60.0) -> None:
+    def __init__(self, transport: Transport, *, max_batch: int = 500, give_up_after: float = 60.0,
+                 observer: Observer = NO_OBSERVER) -> None:
         self._transport = transport
+        self._observer = observer
         self._max_batch = max_batch
         self._give_up_after = give_up_after
         self._pending: list[tuple[Settlement, SettleDone | None]] = []
@@ -84,7 +87,16 @@ class Settler:
         after a failure writes only the rest."""
         plain = [s for s in settlements if not s.follow_ups and id(s) not in written]
         if plain:
-            for settlement, result in zip(plain, await self._transport.settle(plain), strict=True):
+            scope = self._observer.settle_started(plain)
+            try:
+                results = await self._transport.settle(plain)
+            except BaseException as exc:
+                if scope is not None:
+                    scope.end(exc)
+                raise
+            if scope is not None:
+                scope.end(None)
+            for settlement, result in zip(plain, results, strict=True):
                 written[id(settlement)] = result
         for settlement in settlements:
             if settlement.follow_ups and id(settlement) not in written:

@@ -60,6 +60,8 @@ class ClaimedDelivery:
     payload_ref: str | None = None
     correlation_id: str | None = None
     published_at: datetime | None = None
+    headers: dict[str, str] | None = None
+    """What the publisher's library carried with the message (the W3C trace context), or None."""
 
 
 @dataclass(frozen=True, slots=True)

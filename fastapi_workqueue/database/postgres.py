@@ -141,7 +141,7 @@ class PostgresTransport(RoutineTransport):
             p_topic=topic,
             p_message_id=m.message_id,
             p_partition_key=m.partition_key,
-            p_attributes=m.attributes_json if m.attributes else self.empty_attributes,
+            p_attributes=m.attributes_json if m.attributes or m.headers else self.empty_attributes,
             p_payload=m.payload_json,
             p_payload_ref=m.payload_ref,
             p_correlation_id=m.correlation_id,

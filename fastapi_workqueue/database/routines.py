@@ -32,6 +32,7 @@ from ..core.errors import ConfigurationError, TransportError, WorkQueueError
 from ..core.history import StatsPoint
 from ..core.keys import ApiKeyInfo, StoredKey
 from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts
+from ..core.observe import HEADERS_KEY, split_headers
 from ..core.reports import (
     ActionResult,
     Backlog,
@@ -203,7 +204,7 @@ class RoutineTransport:
         empty = self.empty_attributes
         (ids, keys, attributes, payloads, refs, correlations, hashes, dedup_keys, dedup_ttls, delays,
          not_befores, max_attempts, backoffs, sizes) = map(list, zip(*[
-            (m.message_id, m.partition_key, m.attributes_json if m.attributes else empty, m.payload_json,
+            (m.message_id, m.partition_key, m.attributes_json if m.attributes or m.headers else empty, m.payload_json,
              m.payload_ref, m.correlation_id,
              m.content_hash, m.deduplication_key,
              m.deduplication_ttl_seconds if m.deduplication_key is not None else None,
@@ -630,6 +631,13 @@ def as_dict(row: Row) -> dict[str, Any]:
     return dict(row.items())
 
 
+def user_attributes(stored: Any) -> Any:
+    """A message's stored attributes without the library's headers."""
+    if isinstance(stored, Mapping) and HEADERS_KEY in stored:
+        return split_headers(stored)[0]
+    return stored
+
+
 def json_value(value: Any) -> Any:
     """A JSON column as Python: drivers hand over text or already-parsed values."""
     if value is None or not isinstance(value, str):
@@ -728,7 +736,9 @@ def publish_result(row: Row, message: PreparedMessage) -> PublishResult:
 
 
 def claimed(r: Row) -> ClaimedDelivery:
-    attributes = r["attributes"]
+    raw = r["attributes"]
+    stored = json.loads(raw) if isinstance(raw, str) else (raw or {})
+    attributes, headers = split_headers(stored) if HEADERS_KEY in stored else (dict(stored), None)
     return ClaimedDelivery(
         delivery_id=str(r["delivery_id"]),
         lease_token=str(r["lease_token"]),
@@ -738,11 +748,12 @@ def claimed(r: Row) -> ClaimedDelivery:
         message_id=r["message_id"] if isinstance(r["message_id"], uuid.UUID) else uuid.UUID(str(r["message_id"])),
         topic=r["topic"],
         partition_key=r["partition_key"],
-        attributes=json.loads(attributes) if isinstance(attributes, str) else dict(attributes or {}),
+        attributes=attributes,
         payload_json=r["payload"],
         payload_ref=r["payload_ref"],
         correlation_id=r["correlation_id"],
         published_at=r["published_at"],
+        headers=headers,
     )
 
 
@@ -772,7 +783,7 @@ def delivery_info(row: Row, subscription: str | None, include_payload: bool) -> 
         created_at=row["created_at"],
         claimed_at=get("claimed_at"),
         settled_at=row["settled_at"],
-        attributes=json_value(row["attributes"]),
+        attributes=user_attributes(json_value(row["attributes"])),
         correlation_id=row["correlation_id"],
         payload=json_value(row["payload"]) if include_payload else None,
     )

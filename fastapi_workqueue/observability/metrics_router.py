@@ -1,0 +1,49 @@
+"""``GET /metrics``: the process's counters and the database's gauges in Prometheus's text format."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Security
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from .prometheus import PrometheusObserver, StoreCollector, StoreSnapshot, metrics_for
+
+if TYPE_CHECKING:
+    from ..queue import WorkQueue
+    from ..web.auth import Authorizer
+
+
+def _process_part(registry: CollectorRegistry) -> bytes:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and registry is REGISTRY:
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
+        return generate_latest(merged)
+    return generate_latest(registry)
+
+
+def build_metrics_router(queue: WorkQueue, *, authorize: Authorizer, public: bool, path: str = "/metrics",
+                         registry: CollectorRegistry | None = None) -> APIRouter:
+    """The router behind ``queue.metrics_router`` (see :meth:`WorkQueue.create_metrics_router`)."""
+    target = registry if registry is not None else REGISTRY
+    if target is not REGISTRY:
+        queue.add_observer(PrometheusObserver(metrics_for(target)))
+    else:
+        metrics_for(None)
+    snapshot = StoreSnapshot(queue, queue.settings.metrics_cache_seconds)
+    store = CollectorRegistry(auto_describe=False)
+    store.register(StoreCollector(snapshot))
+    router = APIRouter(tags=["metrics"])
+    dependencies: list[Any] = [] if public else [Security(authorize, scopes=["workqueue:read"])]
+
+    @router.get(path, summary="Prometheus metrics", dependencies=dependencies,
+                response_class=Response, include_in_schema=True)
+    async def metrics() -> Response:
+        await snapshot.refresh()
+        body = _process_part(target) + generate_latest(store)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    return router

@@ -1,0 +1,165 @@
+"""Prometheus metrics of the queue (the ``prometheus`` extra).
+
+Counted in this process: ``workqueue_published_total{topic,status}``,
+``workqueue_processed_total{subscription,outcome}``,
+``workqueue_process_duration_seconds{subscription}`` and ``workqueue_in_flight{subscription}``.
+Read from the database when ``/metrics`` is scraped (so every process's and pod's work is in them),
+cached for ``WORKQUEUE_METRICS_CACHE_SECONDS``: ``workqueue_deliveries{subscription,status}``,
+``workqueue_backlog{subscription}``, ``workqueue_oldest_pending_age_seconds{subscription}`` and
+``workqueue_dead_letters{subscription}``. No label names a message or a key.
+
+With prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set before the app
+starts, as for several uvicorn workers), the counters of every worker are summed at scrape time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ..core.observe import Observer, ProcessScope, PublishScope
+from . import semconv
+
+if TYPE_CHECKING:
+    from ..core.envelope import PublishResult
+    from ..core.reports import SubscriptionStats
+    from ..core.transport import ClaimedDelivery
+    from ..queue import WorkQueue
+
+OUTCOMES = {"Complete": "completed", "Retry": "retried", "Fail": "failed", "DeadLetter": "dead_lettered",
+            "Discard": "discarded", "Release": "released", None: "abandoned"}
+"""The ``outcome`` label of ``workqueue_processed_total``, by how the attempt was settled
+(``abandoned``: its lease was lost or the process stopped with nothing to settle)."""
+
+
+class WorkQueueMetrics:
+    """The process's metric objects, registered in one registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.published = Counter("workqueue_published", "Messages published, by topic and result status.",
+                                 ["topic", "status"], registry=registry)
+        self.processed = Counter("workqueue_processed", "Attempts finished, by subscription and outcome.",
+                                 ["subscription", "outcome"], registry=registry)
+        self.duration = Histogram("workqueue_process_duration_seconds", "Duration of an attempt (the handler).",
+                                  ["subscription"], buckets=semconv.DURATION_BUCKETS, registry=registry)
+        self.in_flight = Gauge("workqueue_in_flight", "Attempts running in this process.", ["subscription"],
+                               multiprocess_mode="livesum", registry=registry)
+
+
+_BY_REGISTRY: dict[int, WorkQueueMetrics] = {}
+
+
+def metrics_for(registry: CollectorRegistry | None = None) -> WorkQueueMetrics:
+    """The metric objects of ``registry`` (prometheus-client's default one when None), made once."""
+    target = registry if registry is not None else REGISTRY
+    found = _BY_REGISTRY.get(id(target))
+    if found is None or found.registry is not target:
+        found = _BY_REGISTRY[id(target)] = WorkQueueMetrics(target)
+    return found
+
+
+class PrometheusObserver(Observer):
+    """Counts publishes and attempts into :class:`WorkQueueMetrics`."""
+
+    def __init__(self, metrics: WorkQueueMetrics) -> None:
+        self.metrics = metrics
+
+    @classmethod
+    def default(cls) -> PrometheusObserver:
+        return cls(metrics_for(None))
+
+    def publish_started(self, topic: str, count: int, *, message_id: str | None = None,
+                        correlation_id: str | None = None) -> PublishScope | None:
+        return _Published(self.metrics, topic, count)
+
+    def process_started(self, subscription: str, delivery: ClaimedDelivery) -> ProcessScope | None:
+        return _Processed(self.metrics, subscription)
+
+
+class _Published(PublishScope):
+    def __init__(self, metrics: WorkQueueMetrics, topic: str, count: int) -> None:
+        self.metrics, self.topic, self.count = metrics, topic, count
+
+    def end(self, results: Sequence[PublishResult] | None, error: BaseException | None) -> None:
+        if results is None:
+            self.metrics.published.labels(self.topic, "Error").inc(self.count)
+            return
+        counts: dict[str, int] = {}
+        for result in results:
+            status = str(result.status.value)
+            counts[status] = counts.get(status, 0) + 1
+        for status, n in counts.items():
+            self.metrics.published.labels(self.topic, status).inc(n)
+
+
+class _Processed(ProcessScope):
+    def __init__(self, metrics: WorkQueueMetrics, subscription: str) -> None:
+        self.metrics, self.subscription = metrics, subscription
+        self.started = time.perf_counter()
+        metrics.in_flight.labels(subscription).inc()
+
+    def end(self, outcome: str | None, error: BaseException | None) -> None:
+        self.metrics.in_flight.labels(self.subscription).dec()
+        self.metrics.processed.labels(self.subscription, OUTCOMES.get(outcome, "released")).inc()
+        self.metrics.duration.labels(self.subscription).observe(time.perf_counter() - self.started)
+
+
+class StoreSnapshot:
+    """The database's counts as the last scrape read them, reused for ``cache_seconds``."""
+
+    def __init__(self, queue: WorkQueue, cache_seconds: float, clock: Any = time.monotonic) -> None:
+        self.queue = queue
+        self.cache_seconds = cache_seconds
+        self.clock = clock
+        self.stats: list[SubscriptionStats] = []
+        self.read_at: float | None = None
+        self.taken_at = datetime.now(UTC)
+        self._lock = asyncio.Lock()
+
+    async def refresh(self) -> None:
+        """Reads the counts again when the cached ones are older than ``cache_seconds``; one read
+        at a time, however many scrapers ask at once."""
+        async with self._lock:
+            now = self.clock()
+            if self.read_at is not None and now - self.read_at < self.cache_seconds:
+                return
+            self.stats = await self.queue.stats()
+            self.read_at = now
+            self.taken_at = datetime.now(UTC)
+
+
+class StoreCollector(Collector):
+    """Gauges of every subscription from a :class:`StoreSnapshot`."""
+
+    def __init__(self, snapshot: StoreSnapshot) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterable[Any]:
+        deliveries = GaugeMetricFamily("workqueue_deliveries", "Deliveries by subscription and status (database).",
+                                       labels=["subscription", "status"])
+        backlog = GaugeMetricFamily("workqueue_backlog", "Claimable Pending plus InFlight deliveries (database).",
+                                    labels=["subscription"])
+        oldest = GaugeMetricFamily("workqueue_oldest_pending_age_seconds",
+                                   "Age of the oldest Pending delivery, 0 when none (database).",
+                                   labels=["subscription"])
+        dead = GaugeMetricFamily("workqueue_dead_letters", "Dead-lettered deliveries (database).",
+                                 labels=["subscription"])
+        taken = self.snapshot.taken_at
+        for s in self.snapshot.stats:
+            for status, value in (("Pending", s.pending), ("InFlight", s.in_flight),
+                                  ("DeadLettered", s.dead_lettered), ("Completed", s.completed),
+                                  ("Discarded", s.discarded)):
+                deliveries.add_metric([s.subscription, status], value)
+            backlog.add_metric([s.subscription], s.claimable + s.in_flight)
+            age = 0.0 if s.oldest_pending_at is None else max(0.0, (taken - s.oldest_pending_at).total_seconds())
+            oldest.add_metric([s.subscription], age)
+            dead.add_metric([s.subscription], s.dead_lettered)
+        return [deliveries, backlog, oldest, dead]

@@ -1,0 +1,379 @@
+"""Traces, metrics and /metrics on a real queue: a request's trace continues into its handlers,
+the headers that carry it stay out of the user's attributes, and the Prometheus text shows the
+process's counters beside the database's gauges."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from fastapi_workqueue import Outcome, PublishRequest, WorkMessage, WorkOutcome, WorkQueue
+from fastapi_workqueue.core.keys import SCOPE_READ, create_key
+from fastapi_workqueue.core.observe import HEADERS_KEY
+from fastapi_workqueue.observability.otel import OpenTelemetryObserver
+from fastapi_workqueue.observability.semconv import emit_legacy
+
+from .support import delivery_status, make_queue, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+EXPORTER = InMemorySpanExporter()
+READER = InMemoryMetricReader()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def providers() -> None:
+    """The SDK with in-memory exporters as the global providers (set once per process)."""
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
+    trace.set_tracer_provider(tracer_provider)
+    metrics.set_meter_provider(MeterProvider(metric_readers=[READER]))
+
+
+@pytest.fixture(autouse=True)
+def fresh_spans() -> None:
+    EXPORTER.clear()
+
+
+@asynccontextmanager
+async def opened(queue: WorkQueue) -> AsyncIterator[WorkQueue]:
+    """The queue open without a host (nothing consumes)."""
+    await queue.open()
+    try:
+        yield queue
+    finally:
+        await queue.close()
+
+
+def client(app: FastAPI, **headers: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", headers=headers)
+
+
+def spans_named(prefix: str) -> list[ReadableSpan]:
+    return [s for s in EXPORTER.get_finished_spans() if s.name.startswith(prefix)]
+
+
+def traced_app(queue: WorkQueue, topic: str) -> FastAPI:
+    app = FastAPI(lifespan=queue.lifespan)
+    tracer = trace.get_tracer("the-app")
+
+    @app.post("/orders")
+    async def create_order() -> dict[str, str]:
+        with tracer.start_as_current_span("create order"):
+            [result] = await queue.publish(topic, [PublishRequest(payload={"n": 1}, correlation_id="order-1",
+                                                                  attributes={"region": "eu"})])
+        return {"id": str(result.message_id)}
+
+    return app
+
+
+@pytest.mark.parametrize("store", ["pg", "sqlite"])
+async def test_a_requests_trace_continues_into_its_handler(store: str, pg_url: str, sqlite_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url if store == "pg" else sqlite_url, [{"role": "ship"}])
+    seen: dict[str, Any] = {}
+
+    @queue.handler("ship")
+    async def ship(message: WorkMessage[Any]) -> WorkOutcome:
+        seen["span"] = trace.get_current_span().get_span_context()
+        seen["attributes"] = dict(message.attributes)
+        return Outcome.complete()
+
+    app = traced_app(queue, topic)
+    async with queue.lifespan(app), client(app) as http:
+        message_id = (await http.post("/orders")).json()["id"]
+        await wait_for(lambda: spans_named("settle") and "span" in seen)
+        info = await delivery_status(queue, subs["ship"], uuid.UUID(message_id))
+
+    [request] = spans_named("create order")
+    [send] = spans_named(f"send {topic}")
+    [process] = spans_named(f"process {subs['ship']}")
+    # The request's span is the parent of the publish; the process span is the child of the send
+    # span's context (read back from the database) and links to it.
+    assert send.parent is not None and send.parent.span_id == request.context.span_id
+    assert send.kind == SpanKind.PRODUCER and process.kind == SpanKind.CONSUMER
+    assert process.context.trace_id == request.context.trace_id
+    assert process.parent is not None and process.parent.span_id == send.context.span_id
+    assert [link.context.span_id for link in process.links] == [send.context.span_id]
+    # What the handler starts belongs to the attempt.
+    assert seen["span"].span_id == process.context.span_id
+    assert dict(send.attributes or {}) == {
+        "messaging.system": "fastapi_workqueue", "messaging.operation.name": "send",
+        "messaging.operation.type": "send", "messaging.destination.name": topic,
+        "messaging.message.id": message_id, "messaging.message.conversation_id": "order-1",
+    }
+    attributes = dict(process.attributes or {})
+    assert attributes["messaging.operation.type"] == "process"
+    assert attributes["messaging.consumer.group.name"] == subs["ship"]
+    assert attributes["messaging.destination.name"] == topic
+    assert attributes["messaging.message.id"] == message_id
+    assert attributes["messaging.message.conversation_id"] == "order-1"
+    assert "error.type" not in attributes
+    [settle] = spans_named("settle")
+    assert settle.kind == SpanKind.CLIENT
+    assert process.context.span_id in [link.context.span_id for link in settle.links]
+    # The trace context never shows as one of the user's attributes.
+    assert seen["attributes"] == {"region": "eu"}
+    assert info.attributes == {"region": "eu"}
+
+
+async def test_a_failing_attempt_records_its_error_type(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "boom", "max_attempts": 1}])
+
+    @queue.handler("boom")
+    async def boom(message: WorkMessage[Any]) -> WorkOutcome:
+        raise LookupError("no such order")
+
+    async with queue.lifespan(None):
+        await queue.publish(topic, [PublishRequest(payload={})])
+        await wait_for(lambda: spans_named(f"process {subs['boom']}"))
+    [process] = spans_named(f"process {subs['boom']}")
+    assert dict(process.attributes or {})["error.type"] == "LookupError"
+    assert process.status.status_code == trace.StatusCode.ERROR
+    assert [e.name for e in process.events] == ["exception"]
+
+
+async def test_batches_count_their_messages_and_ten_user_attributes_still_fit(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "take"}])
+    ten = {f"a{i}": str(i) for i in range(10)}
+    async with opened(queue):
+        results = await queue.publish(topic, [PublishRequest(payload=i, attributes=ten) for i in range(3)])
+        assert {r.status.value for r in results} == {"Accepted"}
+        [claimed] = await queue.transport.claim(subs["take"], 1)
+    [send] = spans_named(f"send {topic}")
+    assert dict(send.attributes or {})["messaging.batch.message_count"] == 3
+    assert "messaging.message.id" not in dict(send.attributes or {})
+    assert claimed.attributes == ten
+    assert claimed.headers is not None and claimed.headers["traceparent"].startswith("00-")
+
+
+async def test_the_reserved_header_name_is_refused_as_an_attribute(pg_url: str) -> None:
+    queue, topic, _ = make_queue(pg_url, [{"role": "take"}])
+    async with opened(queue):
+        [result] = await queue.publish(topic, [PublishRequest(payload=1, attributes={HEADERS_KEY: "x"})])
+    assert result.status.value == "Rejected"
+    assert result.error is not None and "reserved" in result.error.message
+
+
+async def test_a_retried_publish_with_another_trace_is_still_a_duplicate(pg_url: str) -> None:
+    """The headers are not content: the same message sent again from another trace deduplicates."""
+    queue, topic, _ = make_queue(pg_url, [{"role": "take"}])
+    tracer = trace.get_tracer("the-app")
+    message_id = uuid.uuid4()
+    async with opened(queue):
+        with tracer.start_as_current_span("first"):
+            [first] = await queue.publish(topic, [PublishRequest(message_id=message_id, payload=1)])
+        with tracer.start_as_current_span("second"):
+            [second] = await queue.publish(topic, [PublishRequest(message_id=message_id, payload=1)])
+    assert (first.status.value, second.status.value) == ("Accepted", "Duplicate")
+
+
+async def test_otel_metrics_are_recorded(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "ok"}])
+
+    @queue.handler("ok")
+    async def ok(message: WorkMessage[Any]) -> WorkOutcome:
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        await queue.publish(topic, [PublishRequest(payload=1), PublishRequest(payload=2)])
+        await wait_for(lambda: len(spans_named(f"process {subs['ok']}")) == 2)
+        await wait_for(lambda: spans_named("settle"))
+    data = READER.get_metrics_data()
+    points: dict[str, list[Any]] = {}
+    for resource in data.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                points.setdefault(metric.name, []).extend(metric.data.data_points)
+
+    def of(name: str, **attributes: str) -> list[Any]:
+        return [p for p in points.get(name, []) if all(p.attributes.get(k) == v for k, v in attributes.items())]
+
+    [sent] = of("messaging.client.sent.messages", **{"messaging.destination.name": topic})
+    assert sent.value == 2
+    [consumed] = of("messaging.client.consumed.messages", **{"messaging.consumer.group.name": subs["ok"]})
+    assert consumed.value == 2
+    [process] = of("messaging.process.duration", **{"messaging.consumer.group.name": subs["ok"]})
+    assert process.count == 2
+    assert of("messaging.client.operation.duration", **{"messaging.operation.name": "send",
+                                                         "messaging.destination.name": topic})[0].count == 1
+    assert of("messaging.client.operation.duration", **{"messaging.operation.name": "settle"})
+
+
+def test_the_stability_opt_in_adds_the_old_names() -> None:
+    assert emit_legacy({"OTEL_SEMCONV_STABILITY_OPT_IN": "http, messaging/dup"})
+    assert not emit_legacy({"OTEL_SEMCONV_STABILITY_OPT_IN": "messaging"})
+    assert not emit_legacy({})
+    observer = OpenTelemetryObserver(legacy_names=True)
+    scope = observer.publish_started("t", 1)
+    assert scope is not None
+    scope.end([], None)
+    [send] = spans_named("send t")
+    assert dict(send.attributes or {})["messaging.operation"] == "send"
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    found: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+async def test_metrics_show_counters_and_the_databases_gauges(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "ok"}, {"role": "bad", "max_attempts": 1}],
+                                    metrics_cache_seconds=0)
+    registry = CollectorRegistry()
+
+    @queue.handler("ok")
+    async def ok(message: WorkMessage[Any]) -> WorkOutcome:
+        return Outcome.complete()
+
+    @queue.handler("bad")
+    async def bad(message: WorkMessage[Any]) -> WorkOutcome:
+        raise RuntimeError("down")
+
+    app = FastAPI(lifespan=queue.lifespan)
+    app.include_router(queue.create_metrics_router(registry=registry))
+    async with queue.lifespan(app):
+        key = (await create_key(queue.transport, "scraper", [SCOPE_READ])).key  # type: ignore[arg-type]
+        await queue.publish(topic, [PublishRequest(payload=i) for i in range(3)])
+        await wait_for(lambda: _settled(queue, subs))
+        async with client(app) as anonymous:
+            assert (await anonymous.get("/metrics")).status_code == 401
+        async with client(app, Authorization=f"Bearer {key}") as http:
+            response = await http.get("/metrics")
+        assert response.status_code == 200
+        stats = {s.subscription: s for s in await queue.stats()}
+    found = samples(response.text)
+    assert found[("workqueue_published_total", (("status", "Accepted"), ("topic", topic)))] == 3
+    assert found[("workqueue_processed_total", (("outcome", "completed"), ("subscription", subs["ok"])))] == 3
+    assert found[("workqueue_processed_total", (("outcome", "failed"), ("subscription", subs["bad"])))] == 3
+    assert found[("workqueue_process_duration_seconds_count", (("subscription", subs["ok"]),))] == 3
+    assert found[("workqueue_in_flight", (("subscription", subs["ok"]),))] == 0
+    for name, role in (("ok", "ok"), ("bad", "bad")):
+        sub = subs[role]
+        assert found[("workqueue_deliveries", (("status", "Completed"), ("subscription", sub)))] == stats[sub].completed
+        assert found[("workqueue_dead_letters", (("subscription", sub),))] == stats[sub].dead_lettered
+        assert found[("workqueue_backlog", (("subscription", sub),))] == 0
+        assert found[("workqueue_oldest_pending_age_seconds", (("subscription", sub),))] == 0
+        assert name
+    assert stats[subs["bad"]].dead_lettered == 3
+
+
+async def _settled(queue: WorkQueue, subs: dict[str, str]) -> bool:
+    counts = {s.subscription: s for s in await queue.stats()}
+    return counts[subs["ok"]].completed == 3 and counts[subs["bad"]].dead_lettered == 3
+
+
+async def test_public_metrics_need_no_key_and_show_a_waiting_backlog(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "idle"}], metrics_public=True, metrics_cache_seconds=0)
+    app = FastAPI()
+    app.include_router(queue.metrics_router)
+    async with opened(queue):
+        await queue.publish(topic, [PublishRequest(payload=i) for i in range(4)])
+        async with client(app) as http:
+            response = await http.get("/metrics")
+    assert response.status_code == 200
+    found = samples(response.text)
+    assert found[("workqueue_backlog", (("subscription", subs["idle"]),))] == 4
+    assert found[("workqueue_deliveries", (("status", "Pending"), ("subscription", subs["idle"])))] == 4
+    assert found[("workqueue_oldest_pending_age_seconds", (("subscription", subs["idle"]),))] >= 0
+
+
+def test_switched_off_the_queue_loads_no_observer() -> None:
+    """With ``otel`` and ``prometheus`` off, the queue has no observer and loads neither of ours
+    (nor prometheus-client)."""
+    code = textwrap.dedent("""
+        import sys
+        from fastapi_workqueue import WorkQueue, WorkQueueSettings
+        from fastapi_workqueue.core.observe import NO_OBSERVER
+        queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///x.db", otel=False, prometheus=False))
+        assert queue.observer is NO_OBSERVER
+        print(sorted(m for m in sys.modules
+                     if m.startswith(("prometheus_client", "fastapi_workqueue.observability."))))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+async def test_two_workers_count_their_attempts_and_the_app_serves_the_databases_gauges(
+    pg_url: str, tmp_path: Path,
+) -> None:
+    """Two ``workqueue work --metrics-port`` processes each serve their own counters, which add up
+    to the work the database shows done; the app's ``/metrics`` agrees with ``stats()``."""
+    from tests.apps.cli_app import BASIC
+    from tests.apps.cli_app import queue as cli_queue
+    from tests.private_cluster import free_port
+
+    ops = WorkQueue(cli_queue.settings.model_copy(update={"database_url": pg_url, "metrics_public": True,
+                                                         "metrics_cache_seconds": 0}),
+                    topics=cli_queue.topics.values(), subscriptions=cli_queue.subscriptions.values())
+    app = FastAPI()
+    app.include_router(ops.metrics_router)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKQUEUE_", "PROMETHEUS_"))}
+    env.update(PYTHONPATH=str(ROOT), WORKQUEUE_DATABASE_URL=pg_url)
+    ports = [free_port(), free_port()]
+    async with opened(ops):
+        before = {s.subscription: s for s in await ops.stats()}[BASIC].completed
+        workers = [
+            await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "fastapi_workqueue", "work", "--app", "tests.apps.cli_app:queue",
+                "--subscription", BASIC, "--metrics-port", str(port), "--metrics-host", "127.0.0.1",
+                cwd=tmp_path, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            )
+            for port in ports
+        ]
+        try:
+            await ops.publish(BASIC, [PublishRequest(payload={"sleep": 0.01}) for _ in range(40)])
+
+            async def done() -> bool:
+                return {s.subscription: s for s in await ops.stats()}[BASIC].completed - before >= 40
+
+            await wait_for(done, within=60)
+            async with httpx.AsyncClient() as scraper:
+
+                async def processed(port: int) -> float:
+                    text = (await scraper.get(f"http://127.0.0.1:{port}/metrics")).text
+                    return samples(text).get(
+                        ("workqueue_processed_total", (("outcome", "completed"), ("subscription", BASIC))), 0.0)
+
+                async def counted() -> bool:
+                    return sum([await processed(p) for p in ports]) >= 40
+
+                await wait_for(counted, within=30)
+                per_worker = [await processed(p) for p in ports]
+            async with client(app) as http:
+                found = samples((await http.get("/metrics")).text)
+            stats = {s.subscription: s for s in await ops.stats()}[BASIC]
+        finally:
+            for worker in workers:
+                worker.terminate()
+            for worker in workers:
+                await asyncio.wait_for(worker.wait(), 30)
+    assert sum(per_worker) == stats.completed - before == 40
+    assert found[("workqueue_deliveries", (("status", "Completed"), ("subscription", BASIC)))] == stats.completed
+    assert found[("workqueue_dead_letters", (("subscription", BASIC),))] == stats.dead_lettered
+    assert found[("workqueue_backlog", (("subscription", BASIC),))] == stats.claimable + stats.in_flight
