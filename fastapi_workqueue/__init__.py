@@ -5,26 +5,32 @@ with backoff and end in dead letters that operators replay or discard; keys run 
 in strict order. The host runs with the app's lifespan.
 """
 
-from .core.context import AbortReason, AbortSignal, Progress, WorkAborted, WorkContext
-from .core.envelope import (
-    MAX_ATTRIBUTES,
-    MAX_ENVELOPE_BYTES,
-    PublishError,
-    PublishRequest,
-    PublishResult,
-    PublishStatus,
-    WorkMessage,
-)
-from .core.errors import ConfigurationError, TransportError, TransportUnavailable, WorkQueueError
-from .core.filters import FilterError
-from .core.host import SubscriptionHealth, SubscriptionPlan
-from .core.outcomes import FatalWorkError, Outcome, TransientWorkError, WorkOutcome
-from .core.reports import ActionResult, Backlog, DeliveryInfo, PartitionInfo, SubscriptionStats, SweepReport
-from .core.topology import Subscription, Topic
-from .jobs.context import JobContext
-from .queue import WorkQueue
-from .settings import WorkQueueSettings
-from .web.di import current_context, current_message
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .core.context import AbortReason, AbortSignal, Progress, WorkAborted, WorkContext
+    from .core.envelope import (
+        MAX_ATTRIBUTES,
+        MAX_ENVELOPE_BYTES,
+        PublishError,
+        PublishRequest,
+        PublishResult,
+        PublishStatus,
+        WorkMessage,
+    )
+    from .core.errors import ConfigurationError, TransportError, TransportUnavailable, WorkQueueError
+    from .core.filters import FilterError
+    from .core.host import SubscriptionHealth, SubscriptionPlan
+    from .core.outcomes import FatalWorkError, Outcome, TransientWorkError, WorkOutcome
+    from .core.reports import ActionResult, Backlog, DeliveryInfo, PartitionInfo, SubscriptionStats, SweepReport
+    from .core.topology import Subscription, Topic
+    from .jobs.context import JobContext
+    from .queue import WorkQueue
+    from .settings import WorkQueueSettings
+    from .web.di import current_context, current_message
 
 __all__ = [
     "MAX_ATTRIBUTES",
@@ -66,3 +72,57 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# Imported on first use (PEP 562), so that a module such as fastapi_workqueue.aws.lambda_handler
+# does not pull in the web framework and the database layer with the package.
+_ORIGINS: dict[str, str] = {
+    "MAX_ATTRIBUTES": ".core.envelope",
+    "MAX_ENVELOPE_BYTES": ".core.envelope",
+    "AbortReason": ".core.context",
+    "AbortSignal": ".core.context",
+    "ActionResult": ".core.reports",
+    "Backlog": ".core.reports",
+    "ConfigurationError": ".core.errors",
+    "DeliveryInfo": ".core.reports",
+    "FatalWorkError": ".core.outcomes",
+    "FilterError": ".core.filters",
+    "JobContext": ".jobs.context",
+    "Outcome": ".core.outcomes",
+    "PartitionInfo": ".core.reports",
+    "Progress": ".core.context",
+    "PublishError": ".core.envelope",
+    "PublishRequest": ".core.envelope",
+    "PublishResult": ".core.envelope",
+    "PublishStatus": ".core.envelope",
+    "Subscription": ".core.topology",
+    "SubscriptionHealth": ".core.host",
+    "SubscriptionPlan": ".core.host",
+    "SubscriptionStats": ".core.reports",
+    "SweepReport": ".core.reports",
+    "Topic": ".core.topology",
+    "TransientWorkError": ".core.outcomes",
+    "TransportError": ".core.errors",
+    "TransportUnavailable": ".core.errors",
+    "WorkAborted": ".core.context",
+    "WorkContext": ".core.context",
+    "WorkMessage": ".core.envelope",
+    "WorkOutcome": ".core.outcomes",
+    "WorkQueue": ".queue",
+    "WorkQueueError": ".core.errors",
+    "WorkQueueSettings": ".settings",
+    "current_context": ".web.di",
+    "current_message": ".web.di",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _ORIGINS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

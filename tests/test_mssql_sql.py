@@ -344,7 +344,8 @@ def test_publish_answers_with_no_rows_when_every_item_is_accepted_in_both_dialec
     publish = tsql_routines()["publish"]
     final_select = publish.raw[publish.raw.rindex("SELECT r.idx"):]
     assert re.search(r"WHERE EXISTS \(SELECT 1 FROM @v_result AS \w+ WHERE \w+\.status <> N'Accepted'\)", final_select)
-    defining = [p for p in sorted(PG_DIR.glob("[0-9]*.sql")) if "FUNCTION workqueue.publish(" in p.read_text()]
+    defining = [p for p in sorted(PG_DIR.glob("[0-9]*.sql"))
+                if "CREATE OR REPLACE FUNCTION workqueue.publish(" in p.read_text()]
     assert "RETURN;  -- no rows: every item was Accepted" in defining[-1].read_text(encoding="utf-8")
     assert "RETURN;  -- no rows: Accepted" in (PG_DIR / "0012_publish_one.sql").read_text(encoding="utf-8")
 

@@ -195,3 +195,61 @@ async def test_stats_read_the_live_work_and_no_history(scratch_url: str) -> None
         await conn.close()
     # 7 calls over 20 live rows (Pending counted twice: the count and the claimable part).
     assert read <= 7 * 60, read
+
+
+HOT_PATH = ("publish", "publish_one", "claim", "claim_many", "heartbeat", "settle", "refresh_partition",
+            "release_keys", "rederive_stale")
+
+
+async def test_the_functions_of_an_orders_path_plan_once_on_their_indexes(scratch_url: str) -> None:  # noqa: F811
+    """0026: a later CREATE OR REPLACE of one of them must repeat the two settings (it resets them)."""
+    transport = PostgresTransport(scratch_url, listen=False, pool_max_size=2)
+    await transport.open()
+    try:
+        await transport.migrate()
+    finally:
+        await transport.close()
+    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+    try:
+        rows = await conn.fetch(
+            "SELECT p.proname, p.proconfig FROM pg_proc p WHERE p.pronamespace = 'workqueue'::regnamespace "
+            "AND p.proname = ANY ($1::text[])", list(HOT_PATH))
+    finally:
+        await conn.close()
+    assert sorted(r["proname"] for r in rows) == sorted(HOT_PATH)
+    for r in rows:
+        assert {"plan_cache_mode=force_generic_plan", "enable_seqscan=off"} <= set(r["proconfig"]), r["proname"]
+
+
+async def test_one_message_to_keyed_subscriptions_is_published_in_one_call(
+    pg_url: str, pg_transport: PostgresTransport
+) -> None:
+    """publish_one writes a message for Exclusive and Ordered subscriptions itself (0026): publish
+    is not called, and each key points at its delivery, claimable at once."""
+    topic, exclusive, ordered = unique("keyed-one"), unique("excl"), unique("ord")
+    await pg_transport.sync_topology([Topic(name=topic)], [
+        Subscription(name=exclusive, topic=topic, handler_key="h", partition_mode="Exclusive"),
+        Subscription(name=ordered, topic=topic, handler_key="h", partition_mode="Ordered"),
+    ])
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        async with conn.transaction():
+            await conn.execute("SET LOCAL track_functions = 'pl'")
+            for n in range(3):
+                result = await pg_transport.call(
+                    "publish_one", connection=conn, p_topic=topic, p_message_id=prepare(
+                        PublishRequest(payload=n)).message_id, p_partition_key="k", p_attributes=None,
+                    p_payload=str(n), p_payload_ref=None, p_correlation_id=None, p_content_hash=str(n),
+                    p_delay=None, p_not_before=None, p_max_attempts=None, p_backoff_schedule=None,
+                    p_envelope_bytes=10)
+                assert list(result) == []  # no rows: Accepted
+            one, publish = await conn.fetchrow(
+                "SELECT pg_stat_get_xact_function_calls('workqueue.publish_one'::regproc), "
+                "pg_stat_get_xact_function_calls(p.oid) FROM pg_proc p "
+                "WHERE p.proname = 'publish' AND p.pronamespace = 'workqueue'::regnamespace")
+            assert (one, publish or 0) == (3, 0)
+    finally:
+        await conn.close()
+    for name in (exclusive, ordered):
+        [first] = await pg_transport.claim(name, 10)  # one delivery per key at a time
+        assert first.payload_json == "0"

@@ -459,6 +459,8 @@ CREATE OR REPLACE FUNCTION workqueue.publish(
 ) RETURNS TABLE (idx integer, status text, message_id uuid, error_code text, error_message text)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -874,7 +876,14 @@ END
 $$;
 
 -- publish for one message without a deduplication key, with a value per parameter: the same rows
--- and answers (no rows when Accepted); what it does not write itself it hands to publish.
+-- and answers (no rows when Accepted). It writes the message and its deliveries to every kind of
+-- subscription itself, keys locked and pointed at as publish does (0026); an unknown topic, a
+-- message over the cap or a stored MessageID it hands to publish, which tells which.
+--
+-- The functions of an order's path (publish, publish_one, claim, claim_many, heartbeat, settle and
+-- the key handling below) run with plan_cache_mode = force_generic_plan and enable_seqscan = off
+-- (0026): each statement is planned once per session, on the indexes it was written for, instead
+-- of again on every call with the call's values.
 CREATE OR REPLACE FUNCTION workqueue.publish_one(
     p_topic text,
     p_message_id uuid,
@@ -892,53 +901,102 @@ CREATE OR REPLACE FUNCTION workqueue.publish_one(
 ) RETURNS TABLE (idx integer, status text, message_id uuid, error_code text, error_message text)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
     v_visible timestamptz;
+    v_backoff double precision[];
+    v_sids integer[];
+    v_ids bigint[];
+    v_modes smallint[];
+    v_notify integer[];
 BEGIN
-    -- As in publish: the message INSERT carries the guard (the topic exists, has no Exclusive or
-    -- Ordered subscription, and the message is within its cap); the deliveries go to the
-    -- subscriptions without keys.
+    -- The message INSERT carries the guard: the topic exists and the message is within its cap.
     INSERT INTO workqueue.message AS m (id, topic, partition_key, attributes, payload, payload_ref,
                                         correlation_id, deduplication_key, content_hash)
     SELECT p_message_id, p_topic, p_partition_key, coalesce(p_attributes, '{}'::jsonb),
            p_payload, p_payload_ref, p_correlation_id, NULL, p_content_hash
     FROM workqueue.topic t
     WHERE t.name = p_topic
-      AND NOT EXISTS (SELECT 1 FROM workqueue.subscription s WHERE s.topic = t.name AND s.partition_mode <> 'None')
       AND (t.max_payload_bytes IS NULL OR p_envelope_bytes <= t.max_payload_bytes)
     ON CONFLICT (id) DO NOTHING;
-    IF FOUND THEN
-        v_visible := CASE WHEN p_not_before IS NULL AND p_delay IS NULL THEN now()
-                          ELSE greatest(now(), coalesce(p_not_before, now() + make_interval(secs => coalesce(p_delay, 0)))) END;
+    IF NOT FOUND THEN
+        -- Not written: the guard failed or the MessageID is stored already. publish tells which. Its
+        -- deduplication keys go as an array of one NULL, not as NULL: publish then takes its general
+        -- path at once (the same answers, as 0010 says).
+        RETURN QUERY
+        SELECT * FROM workqueue.publish(
+            p_topic, ARRAY[p_message_id], ARRAY[p_partition_key], ARRAY[p_attributes], ARRAY[p_payload],
+            ARRAY[p_payload_ref], ARRAY[p_correlation_id], ARRAY[p_content_hash], ARRAY[NULL::text], NULL,
+            ARRAY[p_delay], ARRAY[p_not_before], ARRAY[p_max_attempts], ARRAY[p_backoff_schedule],
+            ARRAY[p_envelope_bytes]);
+        RETURN;
+    END IF;
+    v_visible := CASE WHEN p_not_before IS NULL AND p_delay IS NULL THEN now()
+                      ELSE greatest(now(), coalesce(p_not_before, now() + make_interval(secs => coalesce(p_delay, 0)))) END;
+    IF p_backoff_schedule IS NOT NULL THEN
+        v_backoff := ARRAY(SELECT b::double precision FROM jsonb_array_elements_text(p_backoff_schedule::jsonb) AS b);
+    END IF;
+
+    -- One statement reads the subscriptions once, locks the key of every keyed delivery (in
+    -- subscription order, as publish does) and inserts the deliveries, each keyed one formed from
+    -- its key's locked row: its id is taken after the lock.
+    WITH target AS MATERIALIZED (
+        SELECT s.id AS sid,
+               (CASE WHEN p_partition_key IS NULL OR s.partition_mode = 'None' THEN 0
+                     WHEN s.partition_mode = 'Exclusive' THEN 1 ELSE 2 END)::smallint AS key_mode,
+               coalesce(p_max_attempts, s.max_attempts) AS max_attempts,
+               s.backoff_base_seconds, s.backoff_max_seconds
+        FROM workqueue.subscription s
+        WHERE s.topic = p_topic AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes))
+    ), locked AS (
+        INSERT INTO workqueue.partition AS p (subscription_id, partition_key)
+        SELECT t.sid, p_partition_key FROM target t WHERE t.key_mode > 0
+        ORDER BY 1
+        ON CONFLICT (subscription_id, partition_key) DO UPDATE SET holder_id = p.holder_id
+        RETURNING p.subscription_id
+    ), new_delivery AS (
         INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
             max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at)
-        SELECT s.id, p_message_id, p_partition_key, 0,
-               coalesce(p_max_attempts, s.max_attempts), s.backoff_base_seconds, s.backoff_max_seconds,
-               CASE WHEN p_backoff_schedule IS NULL THEN NULL
-                    ELSE ARRAY(SELECT b::double precision FROM jsonb_array_elements_text(p_backoff_schedule::jsonb) AS b) END,
-               v_visible
-        FROM workqueue.subscription s
-        WHERE s.topic = p_topic AND s.partition_mode = 'None'
-          AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes));
-        IF v_visible <= now() THEN
-            PERFORM pg_notify('workqueue', s.id::text)
-            FROM workqueue.subscription s
-            WHERE s.topic = p_topic AND s.partition_mode = 'None'
-              AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes));
-        END IF;
-        RETURN;  -- no rows: Accepted
+        SELECT t.sid, p_message_id, p_partition_key, t.key_mode, t.max_attempts, t.backoff_base_seconds,
+               t.backoff_max_seconds, v_backoff, v_visible
+        FROM target t
+        LEFT JOIN locked l ON l.subscription_id = t.sid
+        WHERE t.key_mode = 0 OR l.subscription_id IS NOT NULL
+        ORDER BY t.sid
+        RETURNING id, subscription_id, key_mode
+    )
+    SELECT array_agg(nd.subscription_id), array_agg(nd.id), array_agg(nd.key_mode)
+    INTO v_sids, v_ids, v_modes
+    FROM new_delivery nd;
+
+    IF 0 < ANY (v_modes) THEN
+        -- A key with nothing to run (no holder; Ordered: nothing ahead and no dead-lettered head;
+        -- Exclusive: nothing due sooner) gets the new delivery as its next one. Its row is this
+        -- transaction's since the statement above.
+        WITH pointed AS (
+            UPDATE workqueue.partition p
+            SET next_id = x.id, next_visible_at = v_visible
+            FROM unnest(v_sids, v_ids, v_modes) AS x(sid, id, mode)
+            WHERE x.mode > 0 AND p.subscription_id = x.sid AND p.partition_key = p_partition_key
+              AND p.holder_id IS NULL
+              AND ((x.mode = 2 AND p.next_id IS NULL AND p.blocked_id IS NULL)
+                   OR (x.mode = 1 AND (p.next_id IS NULL OR v_visible < p.next_visible_at)))
+            RETURNING p.subscription_id
+        )
+        SELECT array_agg(pointed.subscription_id) INTO v_notify FROM pointed;
     END IF;
-    -- Not written: the guard failed or the MessageID is stored already. publish tells which. Its
-    -- deduplication keys go as an array of one NULL, not as NULL: publish then takes its general
-    -- path at once (the same answers, as 0010 says) instead of trying this guard again first.
-    RETURN QUERY
-    SELECT * FROM workqueue.publish(
-        p_topic, ARRAY[p_message_id], ARRAY[p_partition_key], ARRAY[p_attributes], ARRAY[p_payload],
-        ARRAY[p_payload_ref], ARRAY[p_correlation_id], ARRAY[p_content_hash], ARRAY[NULL::text], NULL,
-        ARRAY[p_delay], ARRAY[p_not_before], ARRAY[p_max_attempts], ARRAY[p_backoff_schedule],
-        ARRAY[p_envelope_bytes]);
+    IF v_visible <= now() THEN
+        -- One wake-up per subscription with work to claim now: its unkeyed delivery, or a key it
+        -- can claim.
+        PERFORM pg_notify('workqueue', x.sid::text)
+        FROM unnest(v_sids, v_modes) AS x(sid, mode)
+        WHERE x.mode = 0 OR x.sid = ANY (v_notify)
+        ORDER BY x.sid;
+    END IF;
+    RETURN;  -- no rows: Accepted
 END
 $$;
 
@@ -959,6 +1017,8 @@ RETURNS TABLE (
 )
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -1076,6 +1136,8 @@ RETURNS TABLE (
 )
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -1166,6 +1228,8 @@ CREATE OR REPLACE FUNCTION workqueue.heartbeat(
 ) RETURNS TABLE (delivery_id bigint, alive boolean, cancel_requested boolean, lease_expires_at timestamptz)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -1219,6 +1283,8 @@ CREATE OR REPLACE FUNCTION workqueue.settle(
 ) RETURNS TABLE (delivery_id bigint, result text)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -1313,6 +1379,8 @@ CREATE OR REPLACE FUNCTION workqueue.refresh_partition(p_subscription_id integer
 RETURNS boolean   -- true when the key can be claimed right now
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -1379,6 +1447,8 @@ CREATE OR REPLACE FUNCTION workqueue.release_keys(p_ids bigint[])
 RETURNS TABLE (subscription_id integer)   -- subscriptions with a key that can be claimed now
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -1497,6 +1567,8 @@ CREATE OR REPLACE FUNCTION workqueue.rederive_stale(p_subscription_ids integer[]
 RETURNS TABLE (subscription_id integer)
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE

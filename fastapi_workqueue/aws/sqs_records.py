@@ -1,0 +1,135 @@
+"""SQS records of a Lambda event: read into a delivery, and written back to a dead-letter queue.
+
+A Lambda SQS event names its fields in camelCase (``messageId``, ``receiptHandle``,
+``messageAttributes`` with ``stringValue``); the body is the message the publisher sent to SNS
+(raw delivery). Imports the core only.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from ..core.transport import ClaimedDelivery
+
+if TYPE_CHECKING:
+    from .lambda_handler import SubscriptionPolicy
+
+MAX_DEAD_LETTER_ERROR = 4000
+"""The most characters of error text a dead letter carries."""
+
+
+@dataclass(frozen=True, slots=True)
+class SqsRecord:
+    """One record of an SQS event."""
+
+    message_id: str
+    receipt_handle: str
+    body: str
+    attempt: int
+    group_id: str | None = None
+    deduplication_id: str | None = None
+    attributes: dict[str, str] = field(default_factory=dict)
+    message_attributes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sent_at: datetime | None = None
+
+    def envelope(self) -> dict[str, Any]:
+        """The body as the library wrote it (``message_id``, ``payload``, ...), or the whole body as the
+        payload when another producer sent it."""
+        try:
+            data = json.loads(self.body)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the body is not JSON ({exc.msg} at character {exc.pos})") from exc
+        if isinstance(data, dict) and "message_id" in data and "payload" in data:
+            return data
+        return {"message_id": self.message_id, "payload": data}
+
+    def claimed(self, topic: str, max_attempts: int) -> ClaimedDelivery:
+        """The record as the delivery a host consumer would have claimed."""
+        env = self.envelope()
+        try:
+            message_id = uuid.UUID(str(env["message_id"]))
+        except ValueError as exc:
+            raise ValueError(f"message_id {env['message_id']!r} is not a UUID") from exc
+        published = env.get("published_at")
+        headers = env.get("headers")
+        return ClaimedDelivery(
+            delivery_id=self.message_id,
+            lease_token=self.receipt_handle,
+            attempt=self.attempt,
+            max_attempts=max_attempts,
+            lease_expires_at=None,
+            message_id=message_id,
+            topic=str(env.get("topic") or topic),
+            partition_key=env.get("partition_key") or self.group_id,
+            attributes=dict(self.attributes),
+            payload_json=json.dumps(env["payload"]),
+            payload_ref=env.get("payload_ref"),
+            correlation_id=env.get("correlation_id"),
+            published_at=datetime.fromisoformat(published) if isinstance(published, str) else self.sent_at,
+            headers=headers if isinstance(headers, dict) else None,
+        )
+
+
+def decode_record(record: Mapping[str, Any]) -> SqsRecord:
+    """Reads one record of a Lambda SQS event; a record without its id, receipt handle or body is refused."""
+    missing = [k for k in ("messageId", "receiptHandle", "body") if not isinstance(record.get(k), str)]
+    if missing:
+        raise ValueError(f"an SQS record lacks {', '.join(missing)}: the event is not an SQS event")
+    attrs = record.get("attributes") or {}
+    raw_attributes = record.get("messageAttributes") or {}
+    strings = {
+        name: str(value["stringValue"])
+        for name, value in raw_attributes.items()
+        if isinstance(value, Mapping) and value.get("stringValue") is not None
+    }
+    sent = attrs.get("SentTimestamp")
+    return SqsRecord(
+        message_id=record["messageId"],
+        receipt_handle=record["receiptHandle"],
+        body=record["body"],
+        attempt=max(int(attrs.get("ApproximateReceiveCount", 1)), 1),
+        group_id=attrs.get("MessageGroupId"),
+        deduplication_id=attrs.get("MessageDeduplicationId"),
+        attributes=strings,
+        message_attributes={k: dict(v) for k, v in raw_attributes.items() if isinstance(v, Mapping)},
+        sent_at=datetime.fromtimestamp(int(sent) / 1000, UTC) if sent else None,
+    )
+
+
+def _send_attribute(value: Mapping[str, Any]) -> dict[str, Any]:
+    """An event's message attribute (``stringValue``, ``dataType``) as SendMessage takes it."""
+    out: dict[str, Any] = {"DataType": value.get("dataType", "String")}
+    if value.get("stringValue") is not None:
+        out["StringValue"] = value["stringValue"]
+    if value.get("binaryValue") is not None:
+        out["BinaryValue"] = value["binaryValue"]
+    return out
+
+
+def dead_letter_entry(record: SqsRecord, policy: SubscriptionPolicy, reason: str, error: str | None) -> dict[str, Any]:
+    """The SendMessage arguments that put ``record`` in the subscription's dead-letter queue: its
+    envelope (the same MessageID) with a ``dead_letter`` section (reason, last error, attempts),
+    its attributes, and on FIFO its group and a deduplication id of this SQS message."""
+    try:
+        envelope = record.envelope()
+    except ValueError:
+        envelope = {"message_id": record.message_id, "payload": None, "body": record.body}
+    envelope["dead_letter"] = {
+        "reason": reason,
+        "error": None if error is None else error[:MAX_DEAD_LETTER_ERROR],
+        "attempts": record.attempt,
+        "subscription": policy.name,
+        "dead_lettered_at": datetime.now(UTC).isoformat(),
+    }
+    entry: dict[str, Any] = {"QueueUrl": policy.dlq_url, "MessageBody": json.dumps(envelope)}
+    if record.message_attributes:
+        entry["MessageAttributes"] = {k: _send_attribute(v) for k, v in record.message_attributes.items()}
+    if policy.is_fifo:
+        entry["MessageGroupId"] = record.group_id or policy.name
+        entry["MessageDeduplicationId"] = record.message_id
+    return entry
