@@ -133,8 +133,13 @@ def _code(exc: BaseException) -> str:
 class OutboxRelay:
     """Forwards committed outbox rows to SNS, in order per key; one pass at a time per key across processes."""
 
-    def __init__(self, transport: AwsTransport, *, interval_seconds: float | None = None) -> None:
+    def __init__(
+        self, transport: AwsTransport, *, interval_seconds: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.transport = transport
+        self.clock = clock
+        """Epoch seconds of the SQLite leases (tests move it past a dead relay's lease)."""
         self.interval = (
             interval_seconds if interval_seconds is not None else transport.settings.aws_relay_interval_ms / 1000
         )
@@ -300,7 +305,7 @@ class OutboxRelay:
         from sqlalchemy import text
 
         token = uuid.uuid4().hex
-        now = time.time()
+        now = self.clock()
         async with engine.begin() as conn:
             candidates = (
                 await conn.execute(
@@ -360,7 +365,7 @@ class OutboxRelay:
                         "UPDATE aws_outbox SET sent_at = :now, attempts = attempts + 1, last_error = NULL, "
                         "relay_token = NULL, relay_until = NULL WHERE id = :id AND relay_token = :token"
                     ),
-                    {"now": time.time(), "id": row_id, "token": token},
+                    {"now": self.clock(), "id": row_id, "token": token},
                 )
             for row_id, error in failed:
                 await conn.execute(
@@ -370,7 +375,7 @@ class OutboxRelay:
                     ),
                     {
                         "error": error[:4000],
-                        "at": time.time() + self._delay(attempts[row_id]),
+                        "at": self.clock() + self._delay(attempts[row_id]),
                         "id": row_id,
                         "token": token,
                     },
