@@ -480,9 +480,9 @@ class WorkQueue:
         await self.stop_host()
         if self._jobs is not None:
             await self._jobs.drain_events()
-        await self._sessions.dispose()
         if self._transport is not None:
-            await self._transport.close()
+            await self._transport.close()  # first: a transport may use the sessions' engine (the aws outbox relay)
+        await self._sessions.dispose()
 
     async def migrate(self) -> list[str]:
         """Applies pending schema migrations; returns those applied now."""

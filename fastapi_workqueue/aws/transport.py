@@ -172,7 +172,11 @@ class AwsTransport:
             if sub.topic in self._topics:
                 self._subscriptions[sub.name] = sub
         await self.reload_bindings()
-        if self.settings.database_url and self.settings.aws_relay:
+
+    def start_relay(self) -> None:
+        """Starts the outbox relay once the schema is there (after the topology sync), when the
+        queue has a database and ``aws_relay`` is on."""
+        if self.relay is None and self.settings.database_url and self.settings.aws_relay:
             from .outbox import OutboxRelay
 
             self.relay = OutboxRelay(self)
@@ -209,6 +213,7 @@ class AwsTransport:
     async def sync_topology(self, topics: Sequence[Topic], subscriptions: Sequence[Subscription]) -> None:
         if self._bindings_failed:
             await self.reload_bindings()
+        self.start_relay()
         for topic in topics:
             self._topics[topic.name] = topic
         for sub in subscriptions:
@@ -223,6 +228,7 @@ class AwsTransport:
     async def list_subscriptions(self) -> list[SubscriptionState]:
         if self._bindings_failed or time.monotonic() - self._bindings_read > BINDINGS_REFRESH_SECONDS:
             await self.reload_bindings()
+        self.start_relay()
         return [
             self._state(s)
             for s in self._subscriptions.values()
