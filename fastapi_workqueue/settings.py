@@ -112,6 +112,21 @@ class WorkQueueSettings(BaseSettings):
     metrics_cache_seconds: float = Field(default=5.0, ge=0)
     """How long ``/metrics`` reuses the counts it read from the database."""
 
+    # -- aws -------------------------------------------------------------------------------------
+    aws_region: str | None = None
+    """The AWS region of the ``aws`` topics' SNS topics and SQS queues (``WORKQUEUE_AWS_REGION``);
+    credentials come from the AWS SDK's default chain, the region always from here."""
+    aws_endpoint_url: str | None = None
+    """A local emulator (moto, LocalStack) in development and tests; None for AWS itself."""
+    aws_resource_prefix: str = ""
+    """Prepended to every SNS topic and SQS queue name the manifest gives (``mj-wq-``)."""
+    aws_bindings_file: str | None = None
+    """Where ``import-bindings`` stores the ARNs and queue URLs when the queue has no database."""
+    aws_lambda_subscriptions: list[str] = Field(default_factory=list)
+    """The subscriptions served by a Lambda function rather than a host
+    (``WORKQUEUE_AWS_LAMBDA_SUBSCRIPTIONS='["documents.archive"]'``): the manifest gives them a
+    ``lambda`` block and hosts do not consume them."""
+
     def session_pool(self) -> SessionPool:
         """The request sessions' pool, from the settings."""
         return SessionPool(
