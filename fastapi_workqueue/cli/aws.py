@@ -132,7 +132,7 @@ def import_bindings(bindings_file: str, app_path: str | None) -> None:
     data = _read_json(bindings_file, "bindings file")
     try:
         bindings = module.Bindings.parse(data)
-    except ValueError as exc:
+    except (ValueError, WorkQueueError) as exc:
         raise _fail(exc) from exc
     queue = _queue(app_path)
     _run(module.store_bindings(queue, bindings))
@@ -152,7 +152,10 @@ def validate_aws(
     queue = None if manifest_file and bindings_file else _queue(app_path)
     manifest = _read_json(manifest_file, "manifest") if manifest_file else _manifest(queue)
     if bindings_file:
-        bindings = _unwrap(_read_json(bindings_file, "bindings file"))
+        try:
+            bindings = _aws("bindings").Bindings.parse(_unwrap(_read_json(bindings_file, "bindings file"))).document()
+        except (ValueError, WorkQueueError) as exc:
+            raise _fail(exc) from exc
     else:
         bindings = _run(_aws("bindings").load_bindings(queue)).model_dump(mode="json")
     if endpoint_url is None and queue is not None:

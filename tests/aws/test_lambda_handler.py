@@ -7,10 +7,8 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import boto3
 import pytest
 from pydantic import BaseModel
 
@@ -18,24 +16,12 @@ from fastapi_workqueue import ConfigurationError, FatalWorkError, Outcome, WorkC
 from fastapi_workqueue.aws.lambda_handler import POLICY_ENV, SubscriptionPolicy, sqs_handler
 from fastapi_workqueue.core.context import AbortReason
 
-from .moto_server import credentials_env, moto_server
-
-REGION = "us-east-1"
+from .provision import clients
 
 
 @pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    with moto_server() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def sqs(endpoint: str) -> Any:
-    env = credentials_env()
-    return boto3.client(
-        "sqs", region_name=REGION, endpoint_url=endpoint,
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-    )
+def sqs(moto_url: str) -> Any:
+    return clients(moto_url)[1]
 
 
 def make_policy(sqs: Any, *, fifo: bool = False, max_attempts: int = 3, **extra: Any) -> SubscriptionPolicy:
@@ -92,7 +78,7 @@ def event_of(messages: list[dict[str, Any]], queue_arn: str = "arn:aws:sqs:us-ea
             "md5OfBody": m["MD5OfBody"],
             "eventSource": "aws:sqs",
             "eventSourceARN": queue_arn,
-            "awsRegion": REGION,
+            "awsRegion": "us-east-1",
         }
         for m in messages
     ]}

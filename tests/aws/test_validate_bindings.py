@@ -4,35 +4,41 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import boto3
 import pytest
 
 from fastapi_workqueue.aws.validate import validate_aws_bindings
 
-from .moto_server import credentials_env, moto_server
-from .resources import REGION, manifest_for, provision
+from .moto import REGION
+from .provision import clients, provision
 
 
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    with moto_server() as url:
-        yield url
+@pytest.fixture
+def endpoint(moto_url: str) -> str:
+    return moto_url
 
 
-@pytest.fixture(autouse=True)
-def _credentials(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in credentials_env().items():
-        monkeypatch.setenv(key, value)
+def manifest_for(tag: str) -> dict[str, Any]:
+    """A manifest in the format export-topology writes: one FIFO topic with a filtered subscription."""
+    return {
+        "version": 1, "generator": "fastapi-workqueue 0.1.0", "region": REGION,
+        "topics": [{"name": f"orders.{tag}", "sns_name": f"orders-{tag}.fifo", "is_fifo": True}],
+        "subscriptions": [{
+            "name": f"orders.email.{tag}", "topic": f"orders.{tag}", "handler_key": "orders.email",
+            "queue_name": f"orders-email-{tag}.fifo", "dlq_name": f"orders-email-{tag}-dlq.fifo", "is_fifo": True,
+            "partition_mode": "Exclusive", "max_attempts": 5, "visibility_timeout_seconds": 30,
+            "message_retention_seconds": 1209600, "raw_message_delivery": True,
+            "filter_policy": {"region": ["eu"]}, "filter_policy_scope": "MessageAttributes", "lambda": None,
+        }],
+    }
 
 
 @pytest.fixture
 def bound(endpoint: str) -> tuple[dict[str, Any], dict[str, Any], str]:
     tag = uuid.uuid4().hex[:8]
     manifest = manifest_for(tag)
-    return manifest, provision(endpoint, manifest), f"orders.email.{tag}"
+    return manifest, provision(manifest, endpoint), f"orders.email.{tag}"
 
 
 async def messages(manifest: dict[str, Any], bindings: dict[str, Any], endpoint: str) -> list[str]:
@@ -54,8 +60,7 @@ async def test_each_drift_is_one_error_naming_the_item_and_what_to_run(
     bound: tuple[dict[str, Any], dict[str, Any], str], endpoint: str
 ) -> None:
     manifest, bindings, name = bound
-    sqs = boto3.client("sqs", region_name=REGION, endpoint_url=endpoint)
-    sns = boto3.client("sns", region_name=REGION, endpoint_url=endpoint)
+    sns, sqs = clients(endpoint)
     b = bindings["subscriptions"][name]
     sqs.set_queue_attributes(QueueUrl=b["queue_url"], Attributes={
         "VisibilityTimeout": "10",
@@ -80,7 +85,7 @@ async def test_missing_resources_and_bindings_are_errors(
     bound: tuple[dict[str, Any], dict[str, Any], str], endpoint: str
 ) -> None:
     manifest, bindings, name = bound
-    sqs = boto3.client("sqs", region_name=REGION, endpoint_url=endpoint)
+    sqs = clients(endpoint)[1]
     sqs.delete_queue(QueueUrl=bindings["subscriptions"][name]["dlq_url"])
     found = await messages(manifest, bindings, endpoint)
     assert found == [f"Error subscription {name}: dead-letter queue {bindings['subscriptions'][name]['dlq_url']} "
