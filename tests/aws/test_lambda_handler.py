@@ -334,3 +334,24 @@ def test_importing_the_adapter_pulls_in_no_web_framework_orm_or_driver() -> None
     loaded_banned, ours = run.stdout.splitlines()
     assert loaded_banned == "[]", loaded_banned
     assert "fastapi_workqueue.queue" not in ours and "fastapi_workqueue.database" not in ours
+
+
+def test_a_message_published_with_its_own_attempts_and_backoff_keeps_them(sqs: Any) -> None:
+    policy = make_policy(sqs, max_attempts=5)
+
+    async def handle(message: WorkMessage[Any], context: WorkContext) -> Any:
+        assert context.max_attempts == 2
+        return Outcome.retry("again")
+
+    body = {"message_id": str(uuid.uuid4()), "payload": {}, "max_attempts": 2, "backoff_seconds": [0, 600]}
+    sqs.send_message(QueueUrl=policy.queue_url, MessageBody=json.dumps(body))
+    handler = sqs_handler(handle, policy=policy, sqs_client=sqs, rng=lambda: 1.0)
+    first = event_of(receive(sqs, policy.queue_url))
+    assert len(handler(first)["batchItemFailures"]) == 1
+    # The schedule's first step (0 s) applied, not the subscription's backoff: back at once.
+    second = event_of(receive(sqs, policy.queue_url))
+    assert second["Records"][0]["attributes"]["ApproximateReceiveCount"] == "2"
+    # Attempt 2 of the message's 2 is the last: dead-lettered although the subscription allows 5.
+    assert handler(second) == {"batchItemFailures": []}
+    [dead] = receive(sqs, policy.dlq_url)
+    assert json.loads(dead["Body"])["dead_letter"]["reason"] == "again (attempt 2 of 2)"

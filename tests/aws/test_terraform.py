@@ -65,31 +65,10 @@ def _locals() -> dict[str, Any]:
     return merged
 
 
-# The manifest's fields as the formats brief fixes them, used until the package ships its schema.
-_FORMATS_FIELDS: dict[str, Any] = {
-    "properties": {
-        "version": {}, "generator": {}, "region": {},
-        "topics": {"items": {"properties": {"name": {}, "sns_name": {}, "is_fifo": {}}}},
-        "subscriptions": {"items": {"properties": {
-            k: {} for k in (
-                "name", "topic", "handler_key", "queue_name", "dlq_name", "is_fifo", "partition_mode",
-                "max_attempts", "visibility_timeout_seconds", "message_retention_seconds",
-                "raw_message_delivery", "filter_policy", "filter_policy_scope",
-            )
-        } | {"lambda": {"anyOf": [{"type": "null"}, {"properties": {
-            "batch_size": {}, "maximum_batching_window_seconds": {}, "timeout_seconds": {}}}]}}}},
-    }
-}
-
-
 def _schema() -> dict[str, Any]:
-    from importlib import resources
+    from fastapi_workqueue.aws.manifest import manifest_schema
 
-    schema_file = resources.files("fastapi_workqueue") / "aws" / "manifest.schema.json"
-    if not schema_file.is_file():
-        return _FORMATS_FIELDS
-    loaded: dict[str, Any] = json.loads(schema_file.read_text(encoding="utf-8"))
-    return loaded
+    return manifest_schema()
 
 
 def _resolve(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
