@@ -280,3 +280,17 @@ def test_the_lambda_role_reaches_only_its_own_queue_dlq_and_log_group() -> None:
             "aws_cloudwatch_log_group.consumer[each.key].arn", "statement.value",
         )), f"the consumer role reaches {r}"
     assert "*" not in "".join(r.replace(":*", "") for r in resources)
+
+
+def test_the_policy_the_module_sets_on_a_lambda_is_what_the_adapter_reads() -> None:
+    from fastapi_workqueue.aws.lambda_handler import POLICY_ENV, SubscriptionPolicy
+
+    text = (MODULE / "lambda.tf").read_text(encoding="utf-8")
+    block = text[text.index(f"{POLICY_ENV} = jsonencode({{") :]
+    block = block[: block.index("})")]
+    keys = set(re.findall(r"^\s*(\w+)\s*=", block, re.M)) - {POLICY_ENV}
+    fields = set(SubscriptionPolicy.model_fields)
+    assert keys <= fields, f"the module sets {keys - fields}, which the adapter ignores"
+    required = {name for name, f in SubscriptionPolicy.model_fields.items() if f.is_required()}
+    assert required <= keys, f"the adapter needs {required - keys}, which the module does not set"
+    assert fields - keys <= {"region"}, f"the module leaves out {fields - keys}"
