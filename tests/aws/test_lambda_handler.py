@@ -325,6 +325,8 @@ def test_importing_the_adapter_pulls_in_no_web_framework_orm_or_driver() -> None
     code = (
         "import sys\n"
         "import fastapi_workqueue.aws.lambda_handler\n"
+        "from fastapi_workqueue import FatalWorkError, Outcome, TransientWorkError, WorkContext, WorkMessage\n"
+        "from fastapi_workqueue import WorkOutcome\n"
         "banned = ('fastapi', 'starlette', 'sqlalchemy', 'asyncpg', 'aiosqlite', 'sqlite3', 'aioodbc', 'pyodbc',\n"
         "          'psycopg', 'psycopg2', 'boto3', 'botocore', 'aioboto3', 'aiobotocore', 'jinja2', 'httpx')\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & set(banned)))\n"
