@@ -294,3 +294,32 @@ def test_the_policy_the_module_sets_on_a_lambda_is_what_the_adapter_reads() -> N
     required = {name for name, f in SubscriptionPolicy.model_fields.items() if f.is_required()}
     assert required <= keys, f"the adapter needs {required - keys}, which the module does not set"
     assert fields - keys <= {"region"}, f"the module leaves out {fields - keys}"
+
+
+def test_the_example_calls_the_module_with_a_fresh_manifest() -> None:
+    from fastapi_workqueue import WorkQueueSettings
+    from fastapi_workqueue.aws.manifest import build_manifest, validate_manifest
+    from tests.apps.aws_app import queue
+
+    example = MODULE / "examples" / "basic"
+    manifest = json.loads((example / "manifest.json").read_text(encoding="utf-8"))
+    validate_manifest(manifest)
+    settings = WorkQueueSettings(aws_region="us-east-1", aws_lambda_subscriptions=["orders.archive"],
+                                 aws_resource_prefix="")
+    fresh = build_manifest(queue.topics.values(), queue.subscriptions.values(), settings)
+    assert manifest == fresh, "export the example's manifest again (see examples/basic/main.tf)"
+
+    [call] = _load(example / "main.tf")["module"]
+    body = call["workqueue"]
+    assert body["source"].strip('"') == "../.."
+    module_vars: set[str] = set()
+    for path in TF_FILES:
+        for entry in _load(path).get("variable", []):
+            module_vars |= set(entry)
+    passed = set(body) - {"source"}
+    assert passed <= module_vars, f"the example passes {passed - module_vars}, which the module does not take"
+    # What the module's preconditions check at plan time.
+    lambdas = {s["name"]: s for s in manifest["subscriptions"] if s["lambda"] is not None}
+    assert set(body["lambda_consumers"]) <= set(lambdas)
+    for s in lambdas.values():
+        assert s["lambda"]["timeout_seconds"] <= s["visibility_timeout_seconds"]
