@@ -122,6 +122,12 @@ class WorkQueueSettings(BaseSettings):
     """Prepended to every SNS topic and SQS queue name the manifest gives (``mj-wq-``)."""
     aws_bindings_file: str | None = None
     """Where ``import-bindings`` stores the ARNs and queue URLs when the queue has no database."""
+    aws_wait_time_seconds: int = Field(default=20, ge=0, le=20)
+    """How long an idle consumer's ReceiveMessage long-polls (SQS's WaitTimeSeconds)."""
+    aws_relay: bool = True
+    """Run the outbox relay (committed publishes to aws topics → SNS) in processes that open the queue."""
+    aws_relay_interval_ms: int = Field(default=1000, ge=10)
+    """How often an idle relay looks for committed outbox rows."""
     aws_lambda_subscriptions: list[str] = Field(default_factory=list)
     """The subscriptions served by a Lambda function rather than a host
     (``WORKQUEUE_AWS_LAMBDA_SUBSCRIPTIONS='["documents.archive"]'``): the manifest gives them a
