@@ -377,3 +377,23 @@ async def test_two_workers_count_their_attempts_and_the_app_serves_the_databases
     assert found[("workqueue_deliveries", (("status", "Completed"), ("subscription", BASIC)))] == stats.completed
     assert found[("workqueue_dead_letters", (("subscription", BASIC),))] == stats.dead_lettered
     assert found[("workqueue_backlog", (("subscription", BASIC),))] == stats.claimable + stats.in_flight
+
+
+def test_without_an_sdk_the_observer_steps_aside() -> None:
+    """Before an app installs an SDK, the API's stand-in providers record nothing: the observer
+    starts no span and carries no headers (one check per call), and starts once one is set."""
+    code = textwrap.dedent("""
+        import uuid
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from fastapi_workqueue.core.transport import ClaimedDelivery
+        from fastapi_workqueue.observability.otel import OpenTelemetryObserver
+        observer = OpenTelemetryObserver()
+        delivery = ClaimedDelivery("1", "t", 1, 3, None, uuid.uuid4(), "topic", None, {}, "{}")
+        before = (observer.publish_started("topic", 1), observer.process_started("s", delivery))
+        trace.set_tracer_provider(TracerProvider())
+        after = observer.publish_started("topic", 1)
+        print(before == (None, None), after is not None and after.headers()["traceparent"].startswith("00-"))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True"]

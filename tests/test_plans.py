@@ -133,6 +133,10 @@ async def test_heartbeats_are_hot_updates_and_the_sweeper_reads_only_the_in_flig
     await transport.open()
     try:
         await transport.migrate()
+        # Autovacuum's ANALYZE of the freshly filled table would hold back the horizon that page
+        # pruning needs while it runs, and its start is a matter of timing: keep it out of the count.
+        async with transport.pool.acquire() as admin:
+            await admin.execute("ALTER TABLE workqueue.delivery SET (autovacuum_enabled = false)")
         topic, sub = unique("beat"), unique("beating")
         await transport.sync_topology([Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="h")])
         await transport.publish(topic, [prepare(PublishRequest(payload=i)) for i in range(1000)])

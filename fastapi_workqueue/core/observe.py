@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .envelope import PreparedMessage, PublishResult
     from .transport import ClaimedDelivery, Settlement
+
+_NOTHING: AbstractContextManager[None] = nullcontext()
 
 HEADERS_KEY = "$workqueue"
 """The reserved name, in a message's stored attributes, of the headers the library carries."""
@@ -38,10 +40,9 @@ class PublishScope:
 class ProcessScope:
     """One attempt of one delivery, around the handler."""
 
-    @contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self) -> AbstractContextManager[None]:
         """Entered around the handler: what it starts (spans, publishes) belongs to this attempt."""
-        yield
+        return _NOTHING
 
     def end(self, outcome: str | None, error: BaseException | None) -> None:
         """The attempt ended with the settlement kind ``outcome`` (None: nothing to settle)."""
@@ -114,10 +115,11 @@ class _ProcessScopes(ProcessScope):
     def __init__(self, scopes: list[ProcessScope]) -> None:
         self.scopes = scopes
 
-    @contextmanager
-    def active(self) -> Iterator[None]:
-        from contextlib import ExitStack
+    def active(self) -> AbstractContextManager[None]:
+        return self._active()
 
+    @contextmanager
+    def _active(self) -> Iterator[None]:
         with ExitStack() as stack:
             for scope in self.scopes:
                 stack.enter_context(scope.active())

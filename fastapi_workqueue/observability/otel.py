@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
@@ -45,8 +45,19 @@ def _version() -> str:
         return "0"
 
 
+def _unset(provider: Any) -> bool:
+    """True for the API's stand-ins, before an app installs an SDK (they record nothing)."""
+    return type(provider).__name__ in _STAND_INS
+
+
+_STAND_INS = {"ProxyTracerProvider", "NoOpTracerProvider", "_ProxyMeterProvider", "NoOpMeterProvider"}
+
+
 class OpenTelemetryObserver(Observer):
-    """Spans and metrics through the global OpenTelemetry providers."""
+    """Spans and metrics through the global OpenTelemetry providers.
+
+    Until the app installs an SDK (the API's stand-in providers are in place), every hook returns
+    at once: an app that does not trace pays one check per publish and per attempt."""
 
     def __init__(self, tracer_provider: Any = None, meter_provider: Any = None,
                  legacy_names: bool | None = None) -> None:
@@ -67,9 +78,15 @@ class OpenTelemetryObserver(Observer):
         self.consumed = meter.create_counter(sc.CONSUMED_MESSAGES, unit="{message}",
                                              description="Deliveries handed to a handler.")
         self._attempts: OrderedDict[str, trace.SpanContext] = OrderedDict()
+        self._explicit = tracer_provider is not None or meter_provider is not None
+
+    def _off(self) -> bool:
+        return not self._explicit and _unset(trace.get_tracer_provider()) and _unset(metrics.get_meter_provider())
 
     def publish_started(self, topic: str, count: int, *, message_id: str | None = None,
                         correlation_id: str | None = None) -> PublishScope | None:
+        if self._off():
+            return None
         attributes: dict[str, Any] = sc.operation("send", "send", self.legacy)
         attributes[sc.DESTINATION_NAME] = topic
         if count != 1:
@@ -82,6 +99,8 @@ class OpenTelemetryObserver(Observer):
         return _Send(self, span, topic, count)
 
     def process_started(self, subscription: str, delivery: ClaimedDelivery) -> ProcessScope | None:
+        if self._off():
+            return None
         producer = propagate.extract(delivery.headers) if delivery.headers else None
         links: list[Link] = []
         if producer is not None:
@@ -109,6 +128,8 @@ class OpenTelemetryObserver(Observer):
         return _Process(self, span, subscription, delivery)
 
     def settle_started(self, settlements: Sequence[Settlement]) -> SettleScope | None:
+        if self._off():
+            return None
         links = [Link(c) for s in settlements if (c := self._attempts.pop(s.delivery_id, None)) is not None]
         attributes: dict[str, Any] = sc.operation("settle", "settle", self.legacy)
         if len(settlements) != 1:
@@ -170,8 +191,11 @@ class _Process(ProcessScope):
         self.observer, self.span, self.subscription, self.delivery = observer, span, subscription, delivery
         self.started = time.perf_counter()
 
+    def active(self) -> AbstractContextManager[None]:
+        return self._active()
+
     @contextmanager
-    def active(self) -> Iterator[None]:
+    def _active(self) -> Iterator[None]:
         with trace.use_span(self.span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
             yield
 

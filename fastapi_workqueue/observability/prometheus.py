@@ -52,6 +52,17 @@ class WorkQueueMetrics:
                                   ["subscription"], buckets=semconv.DURATION_BUCKETS, registry=registry)
         self.in_flight = Gauge("workqueue_in_flight", "Attempts running in this process.", ["subscription"],
                                multiprocess_mode="livesum", registry=registry)
+        self._per_subscription: dict[str, tuple[Any, Any, dict[str | None, Any]]] = {}
+
+    def of(self, subscription: str) -> tuple[Any, Any, dict[str | None, Any]]:
+        """The in-flight gauge, the duration histogram and the processed counters by outcome of
+        ``subscription`` (looked up once: ``labels()`` takes a lock each time)."""
+        found = self._per_subscription.get(subscription)
+        if found is None:
+            found = self._per_subscription[subscription] = (
+                self.in_flight.labels(subscription), self.duration.labels(subscription), {},
+            )
+        return found
 
 
 _BY_REGISTRY: dict[int, WorkQueueMetrics] = {}
@@ -103,13 +114,19 @@ class _Published(PublishScope):
 class _Processed(ProcessScope):
     def __init__(self, metrics: WorkQueueMetrics, subscription: str) -> None:
         self.metrics, self.subscription = metrics, subscription
+        self.children = metrics.of(subscription)
         self.started = time.perf_counter()
-        metrics.in_flight.labels(subscription).inc()
+        self.children[0].inc()
 
     def end(self, outcome: str | None, error: BaseException | None) -> None:
-        self.metrics.in_flight.labels(self.subscription).dec()
-        self.metrics.processed.labels(self.subscription, OUTCOMES.get(outcome, "released")).inc()
-        self.metrics.duration.labels(self.subscription).observe(time.perf_counter() - self.started)
+        in_flight, duration, processed = self.children
+        in_flight.dec()
+        counter = processed.get(outcome)
+        if counter is None:
+            counter = processed[outcome] = self.metrics.processed.labels(
+                self.subscription, OUTCOMES.get(outcome, "released"))
+        counter.inc()
+        duration.observe(time.perf_counter() - self.started)
 
 
 class StoreSnapshot:
