@@ -398,12 +398,19 @@ class WorkQueue:
     def transport(self) -> Transport:
         """The transport messages live on (created from the settings on first use)."""
         if self._transport is None:
+            from .core.routing import build_routing
             from .database import create_database_transport
 
-            self._transport = create_database_transport(
-                self._database_url(), pool_max_size=self.settings.pool_size, listen=self.settings.listen,
-                sqlite_busy_timeout_ms=self.settings.sqlite_busy_timeout_ms,
-            )
+            database: Transport | None = None
+            only_other = bool(self.topics) and all(t.transport != "database" for t in self.topics.values())
+            if self.settings.database_url or not only_other:
+                database = create_database_transport(
+                    self._database_url(), pool_max_size=self.settings.pool_size, listen=self.settings.listen,
+                    sqlite_busy_timeout_ms=self.settings.sqlite_busy_timeout_ms,
+                )
+            routed = build_routing(self, database, list(self.topics.values()), list(self.subscriptions.values()))
+            self._transport = routed if routed is not None else database
+            assert self._transport is not None
         return self._transport
 
     @property
@@ -473,9 +480,9 @@ class WorkQueue:
         await self.stop_host()
         if self._jobs is not None:
             await self._jobs.drain_events()
-        await self._sessions.dispose()
         if self._transport is not None:
-            await self._transport.close()
+            await self._transport.close()  # first: a transport may use the sessions' engine (the aws outbox relay)
+        await self._sessions.dispose()
 
     async def migrate(self) -> list[str]:
         """Applies pending schema migrations; returns those applied now."""

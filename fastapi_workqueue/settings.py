@@ -112,6 +112,27 @@ class WorkQueueSettings(BaseSettings):
     metrics_cache_seconds: float = Field(default=5.0, ge=0)
     """How long ``/metrics`` reuses the counts it read from the database."""
 
+    # -- aws -------------------------------------------------------------------------------------
+    aws_region: str | None = None
+    """The AWS region of the ``aws`` topics' SNS topics and SQS queues (``WORKQUEUE_AWS_REGION``);
+    credentials come from the AWS SDK's default chain, the region always from here."""
+    aws_endpoint_url: str | None = None
+    """A local emulator (moto, LocalStack) in development and tests; None for AWS itself."""
+    aws_resource_prefix: str = ""
+    """Prepended to every SNS topic and SQS queue name the manifest gives (``mj-wq-``)."""
+    aws_bindings_file: str | None = None
+    """Where ``import-bindings`` stores the ARNs and queue URLs when the queue has no database."""
+    aws_wait_time_seconds: int = Field(default=20, ge=0, le=20)
+    """How long an idle consumer's ReceiveMessage long-polls (SQS's WaitTimeSeconds)."""
+    aws_relay: bool = True
+    """Run the outbox relay (committed publishes to aws topics → SNS) in processes that open the queue."""
+    aws_relay_interval_ms: int = Field(default=1000, ge=10)
+    """How often an idle relay looks for committed outbox rows."""
+    aws_lambda_subscriptions: list[str] = Field(default_factory=list)
+    """The subscriptions served by a Lambda function rather than a host
+    (``WORKQUEUE_AWS_LAMBDA_SUBSCRIPTIONS='["documents.archive"]'``): the manifest gives them a
+    ``lambda`` block and hosts do not consume them."""
+
     def session_pool(self) -> SessionPool:
         """The request sessions' pool, from the settings."""
         return SessionPool(

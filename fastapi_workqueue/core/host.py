@@ -8,7 +8,7 @@ import fnmatch
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from pydantic import Field
 
@@ -73,8 +73,21 @@ class HostOptions:
     """Sees publishes, attempts and settles (traces and metrics)."""
 
 
+def transport_of(transport: Transport, subscription: str) -> Transport:
+    """The transport that serves ``subscription`` (a routing transport picks one per topic)."""
+    route = getattr(transport, "transport_for_subscription", None)
+    return transport if route is None else cast(Transport, route(subscription))
+
+
+RETRY_KEEPS_KEY_BUSY = (
+    "on the {name} transport a retrying Exclusive message keeps its key busy until its retry delay "
+    "has passed (an SQS FIFO message group waits for its head), unlike the database transport"
+)
+
+
 def unsupported_reason(transport: Transport, sub: SubscriptionState) -> str | None:
     """Why ``transport`` cannot run ``sub`` here, or None when it can."""
+    transport = transport_of(transport, sub.name)
     caps = transport.capabilities
     if sub.partition_mode == "Ordered" and not caps.ordered:
         return f"Ordered needs a database topic; the {transport.name} transport cannot keep order per key"
@@ -319,6 +332,9 @@ class Host:
             return "Paused", f"subscription {sub.name!r} is {sub.status}"
         if sub.topic_status != "Active":
             return "Paused", f"topic {sub.topic!r} is {sub.topic_status}"
+        serving = transport_of(self.transport, sub.name)
+        if sub.partition_mode == "Exclusive" and serving.capabilities.retry_keeps_key_busy:
+            return "Running", RETRY_KEEPS_KEY_BUSY.format(name=serving.name)
         return "Running", None
 
     def claimed_total(self, subscription: str) -> int:
@@ -342,7 +358,7 @@ class Host:
                     entry = entry.model_copy(update={"state": "Error", "reason": group.last_error})
             elif consumer is not None and entry.state == "Running":
                 state: HealthState = "Running"
-                reason = None
+                reason = entry.reason
                 if consumer.last_error is not None:
                     state, reason = "Error", consumer.last_error
                 entry = entry.model_copy(update={"active": consumer.active, "state": state, "reason": reason})

@@ -6,6 +6,8 @@ import uuid
 from datetime import datetime
 from typing import Any, Literal
 
+from pydantic import Field
+
 from .wire import WireModel
 
 DeliveryStatus = Literal["Pending", "InFlight", "Completed", "DeadLettered", "Discarded"]
@@ -79,11 +81,15 @@ class PartitionInfo(WireModel):
 class ActionResult(WireModel):
     """The answer to replay or discard."""
 
-    result: Literal["Replayed", "Discarded", "CancelRequested", "NotFound", "NotDeadLettered", "AlreadyTerminal"]
+    result: Literal[
+        "Replayed", "Discarded", "CancelRequested", "NotFound", "NotDeadLettered", "AlreadyTerminal", "Unsupported"
+    ]
     delivery_id: str
     subscription: str
     cancel_requested: bool = False
     status: str | None = None
+    reason: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    """Why the transport cannot do it (``Unsupported``: cancel of an in-flight SQS message)."""
 
     @property
     def ok(self) -> bool:

@@ -40,6 +40,12 @@ class Capabilities:
     transactional_publish: bool = True
     wakeups: bool = False
     runtime_roles: bool = False
+    cancel: bool = True
+    """Discard of an in-flight delivery asks its handler to stop (False: answered ``Unsupported``)."""
+    exact_backlog: bool = True
+    """Per-key backlog and partition listings are exact (False: answered ``Unsupported``)."""
+    retry_keeps_key_busy: bool = False
+    """Exclusive: a delivery waiting out its retry delay keeps its key from the others (SQS FIFO)."""
     notes: tuple[str, ...] = ()
 
 

@@ -2654,3 +2654,35 @@ BEGIN
     END IF;
 END
 $$;
+
+-- == AWS transport (0027): bindings and the transactional outbox ===================================
+-- aws_binding: the ARNs and queue URLs import-bindings stored. aws_outbox: publishes to aws topics
+-- made in a caller's transaction, forwarded to SNS by the relay (aws_outbox_take locks due rows with
+-- SKIP LOCKED and answers only each key's earliest ones, so one relay forwards a key at a time, in order).
+
+CREATE TABLE workqueue.aws_binding (
+    kind         text NOT NULL CHECK (kind IN ('topic', 'subscription')),
+    name         text NOT NULL,
+    region       text NOT NULL,
+    binding      jsonb NOT NULL,
+    imported_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (kind, name)
+);
+
+CREATE TABLE workqueue.aws_outbox (
+    id               bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    topic            text NOT NULL,
+    message_id       uuid NOT NULL,
+    partition_key    text,
+    body             text NOT NULL,
+    attributes       jsonb NOT NULL,
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    next_attempt_at  timestamptz NOT NULL DEFAULT now(),
+    attempts         integer NOT NULL DEFAULT 0,
+    last_error       text,
+    sent_at          timestamptz
+);
+-- The unsent rows in order, and each key's earliest unsent row.
+CREATE INDEX aws_outbox_unsent ON workqueue.aws_outbox (id) WHERE sent_at IS NULL;
+CREATE INDEX aws_outbox_unsent_key ON workqueue.aws_outbox (topic, partition_key, id) WHERE sent_at IS NULL;
+CREATE INDEX aws_outbox_sent ON workqueue.aws_outbox (sent_at) WHERE sent_at IS NOT NULL;

@@ -1,0 +1,907 @@
+"""The AWS transport: SNS topics for publishing, one SQS queue (and its DLQ) per subscription.
+
+The lease is the visibility timeout and the receipt handle the lease token. Auto heartbeats
+change the visibility back to the lease (the runtime calls every min(lease / 3, 30 s)), at most
+12 hours after the first receive; complete deletes (in batches of up to 10); a retry sets the
+visibility to the backoff delay; a dead letter is sent to the DLQ (same MessageID, attributes, the
+reason and last error in the body) and then deleted; a shutdown release sets the visibility to 0.
+SQS counts every receive: a released message's next attempt has a receive count one higher, so
+the transport keeps its own count of releases per process and a released attempt is not charged
+when it is received again in the same process (another process sees SQS's count).
+
+Exclusive needs a FIFO topic: the partition key is the MessageGroupId and the MessageID the
+deduplication id; a retrying message keeps its key busy (SQS FIFO holds the group until its head
+is deleted). Ordered, cancel of an in-flight message and exact per-key backlog are not available
+(:attr:`AwsTransport.capabilities`); operator views read queue attributes and the DLQ.
+
+A publish with a session writes the transactional outbox (:mod:`.outbox`), which a relay forwards
+to SNS; one without a session goes straight to SNS (PublishBatch, 10 per call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from ..core.envelope import PreparedMessage, PublishError, PublishResult, PublishStatus
+from ..core.errors import ConfigurationError, TransportError
+from ..core.reports import (
+    ActionResult,
+    Backlog,
+    BindingIssue,
+    BindingReport,
+    DeliveryInfo,
+    DeliveryStatus,
+    PartitionCondition,
+    PartitionInfo,
+    SubscriptionStats,
+    SweepReport,
+)
+from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
+from ..core.transport import (
+    Capabilities,
+    ClaimedDelivery,
+    HeartbeatRequest,
+    HeartbeatResult,
+    Settlement,
+    SettleResult,
+    WakeupListener,
+)
+from . import body as bodies
+from .bindings import Bindings, load_bindings
+
+if TYPE_CHECKING:
+    from ..queue import WorkQueue
+
+log = logging.getLogger("fastapi_workqueue.aws")
+
+NAME = "aws"
+BATCH = 10
+LONG_POLL_SECONDS = 20
+MAX_LEASE_SECONDS = 12 * 3600
+BINDINGS_REFRESH_SECONDS = 30.0
+CANCEL_UNSUPPORTED = "SQS cannot cancel an in-flight message; wait for it to settle, or discard it once dead-lettered"
+BACKLOG_UNSUPPORTED = "SQS reports approximate queue counts only, not a backlog per partition key"
+
+CAPABILITIES = Capabilities(
+    ordered=False,
+    exclusive=True,
+    transactional_publish=True,
+    wakeups=False,
+    runtime_roles=False,
+    cancel=False,
+    exact_backlog=False,
+    retry_keeps_key_busy=True,
+    notes=(
+        "Ordered needs a database topic",
+        "cancel of an in-flight message is not available on SQS",
+        "a retrying Exclusive message keeps its key busy (SQS FIFO message group)",
+        "publishes with a session go through the transactional outbox (at-least-once; FIFO deduplicates "
+        "a resend within 5 minutes)",
+    ),
+)
+
+
+def create_transport(queue: WorkQueue) -> AwsTransport:
+    """The entry point the core's routing transport calls for ``Topic(transport="aws")``."""
+    return AwsTransport(queue)
+
+
+class TopicUnboundError(TransportError):
+    """The aws topic has no imported bindings yet."""
+
+
+@dataclass
+class _Lease:
+    subscription: str
+    queue_url: str
+    receipt: str
+    first_received: float
+    attempt: int
+    message_id: uuid.UUID
+    partition_key: str | None
+    attributes: dict[str, str]
+    body: str
+    message_attributes: dict[str, Any]
+    group_id: str | None
+    lease_expires_at: datetime
+
+
+def _client_error_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+class AwsTransport:
+    """SNS + SQS; the topology comes from the queue, the ARNs and URLs from its bindings."""
+
+    name = NAME
+    capabilities = CAPABILITIES
+
+    def __init__(self, queue: WorkQueue, *, bindings: Bindings | None = None) -> None:
+        self.queue = queue
+        self.settings = queue.settings
+        self.bindings = bindings
+        self._given_bindings = bindings is not None
+        self.wait_seconds = self.settings.aws_wait_time_seconds
+        self._topics: dict[str, Topic] = {}
+        self._subscriptions: dict[str, Subscription] = {}
+        self._status: dict[str, SubscriptionStatus] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._released: set[str] = set()
+        self._stack: contextlib.AsyncExitStack | None = None
+        self.sns: Any = None
+        self.sqs: Any = None
+        self.relay: Any = None
+        self._random = random.Random()
+        self._bindings_read = 0.0
+        self._bindings_failed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        try:
+            import aioboto3
+        except ImportError as exc:  # pragma: no cover - the aws extra is missing
+            raise ConfigurationError("the aws transport needs aioboto3: pip install 'fastapi-workqueue[aws]'") from exc
+        if not self.settings.aws_region:
+            raise ConfigurationError(
+                "aws topics need a region: set WORKQUEUE_AWS_REGION (WorkQueueSettings.aws_region)"
+            )
+        stack = contextlib.AsyncExitStack()
+        session = aioboto3.Session()
+        options = {"region_name": self.settings.aws_region, "endpoint_url": self.settings.aws_endpoint_url}
+        self.sns = await stack.enter_async_context(session.client("sns", **options))
+        self.sqs = await stack.enter_async_context(session.client("sqs", **options))
+        self._stack = stack
+        for topic in self.queue.topics.values():
+            if topic.transport == NAME:
+                self._topics[topic.name] = topic
+        for sub in self.queue.subscriptions.values():
+            if sub.topic in self._topics:
+                self._subscriptions[sub.name] = sub
+        await self.reload_bindings()
+
+    def start_relay(self) -> None:
+        """Starts the outbox relay once the schema is there (after the topology sync), when the
+        queue has a database and ``aws_relay`` is on."""
+        if self.relay is None and self.settings.database_url and self.settings.aws_relay:
+            from .outbox import OutboxRelay
+
+            self.relay = OutboxRelay(self)
+            self.relay.start()
+
+    async def reload_bindings(self) -> Bindings:
+        """Reads the stored bindings again (``import-bindings`` ran); the reconcile loop calls it
+        through :meth:`list_subscriptions` every ``BINDINGS_REFRESH_SECONDS``."""
+        self._bindings_read = time.monotonic()
+        if not self._given_bindings:
+            try:
+                self.bindings = await load_bindings(self.queue)
+                self._bindings_failed = False
+            except Exception as exc:  # the table is missing before the first migration
+                log.debug("aws bindings could not be read (%s); aws topics answer TopicUnbound", exc)
+                self.bindings = Bindings(region=self.settings.aws_region or "")
+                self._bindings_failed = True
+        assert self.bindings is not None
+        return self.bindings
+
+    async def close(self) -> None:
+        if self.relay is not None:
+            await self.relay.stop()
+            self.relay = None
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            await stack.aclose()
+
+    async def migrate(self) -> list[str]:
+        return []
+
+    # -- topology --------------------------------------------------------------------------------
+
+    async def sync_topology(self, topics: Sequence[Topic], subscriptions: Sequence[Subscription]) -> None:
+        if self._bindings_failed:
+            await self.reload_bindings()
+        self.start_relay()
+        for topic in topics:
+            self._topics[topic.name] = topic
+        for sub in subscriptions:
+            self._subscriptions[sub.name] = sub
+
+    def _state(self, sub: Subscription) -> SubscriptionState:
+        topic = self._topics[sub.topic]
+        data = sub.model_dump(by_alias=False)
+        data["status"] = self._status.get(sub.name, sub.status)
+        return SubscriptionState(**data, id=f"{NAME}:{sub.name}", transport_name=NAME, is_fifo=topic.is_fifo)
+
+    async def list_subscriptions(self) -> list[SubscriptionState]:
+        if self._bindings_failed or time.monotonic() - self._bindings_read > BINDINGS_REFRESH_SECONDS:
+            await self.reload_bindings()
+        self.start_relay()
+        return [
+            self._state(s)
+            for s in self._subscriptions.values()
+            if s.host_type == "worker" and s.name not in self.settings.aws_lambda_subscriptions
+        ]
+
+    async def list_topics(self) -> list[Topic]:
+        return list(self._topics.values())
+
+    async def set_subscription_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:
+        """Pauses or resumes in this process only (SQS has no paused state; say so to operators)."""
+        if subscription not in self._subscriptions:
+            return None
+        changed = self._status.get(subscription, "Active") != status
+        self._status[subscription] = status
+        return changed
+
+    # -- bindings --------------------------------------------------------------------------------
+
+    def _sub(self, subscription: str) -> Subscription:
+        sub = self._subscriptions.get(subscription)
+        if sub is None:
+            raise ConfigurationError(f"subscription {subscription!r} is not a subscription of an aws topic")
+        return sub
+
+    def _urls(self, subscription: str) -> tuple[str, str]:
+        assert self.bindings is not None
+        bound = self.bindings.subscriptions.get(subscription)
+        if bound is None:
+            raise TransportError(
+                f"subscription {subscription!r} is not bound: apply the Terraform module, then run "
+                "`workqueue import-bindings bindings.json`",
+                retryable=True,
+            )
+        return bound.queue_url, bound.dlq_url
+
+    def _fifo(self, subscription: str) -> bool:
+        return self._topics[self._sub(subscription).topic].is_fifo
+
+    # -- publish ---------------------------------------------------------------------------------
+
+    def topic_arn(self, topic: str) -> str | None:
+        assert self.bindings is not None
+        bound = self.bindings.topics.get(topic)
+        return None if bound is None else bound.arn
+
+    def publish_entry(self, topic: str, message: PreparedMessage, index: int) -> dict[str, Any]:
+        """One PublishBatch entry of ``message``."""
+        entry: dict[str, Any] = {"Id": str(index), "Message": bodies.encode(topic, message)}
+        if message.attributes:
+            entry["MessageAttributes"] = bodies.sns_attributes(message.attributes)
+        if self._topics[topic].is_fifo:
+            entry["MessageGroupId"] = message.partition_key or str(message.message_id)
+            entry["MessageDeduplicationId"] = str(message.message_id)
+        return entry
+
+    def _refusal(self, topic: str, message: PreparedMessage) -> PublishError | None:
+        if message.delay_seconds or message.not_before is not None:
+            return PublishError(
+                code="Unsupported",
+                field="delay_seconds",
+                message=f"topic {topic!r} is on the aws transport, which cannot delay a publish "
+                "(SNS has no per-message delay); publish without a delay",
+            )
+        if message.deduplication_key is not None and not self._topics[topic].is_fifo:
+            return PublishError(
+                code="Unsupported",
+                field="deduplication_key",
+                message=f"topic {topic!r} is a standard SNS topic: deduplication keys need is_fifo=True",
+            )
+        return None
+
+    async def publish(
+        self, topic: str, messages: Sequence[PreparedMessage], *, session: Any = None
+    ) -> list[PublishResult]:
+        if topic not in self._topics:
+            raise ConfigurationError(f"topic {topic!r} is not an aws topic of this queue")
+        arn = self.topic_arn(topic)
+        if arn is None:
+            error = PublishError(
+                code="TopicUnbound",
+                message=(
+                    f"topic {topic!r} has no bindings yet: apply the Terraform module, then run "
+                    "`workqueue import-bindings bindings.json` (retry later)"
+                ),
+            )
+            return [
+                PublishResult(status=PublishStatus.TOPIC_UNBOUND, message_id=m.message_id, error=error)
+                for m in messages
+            ]
+        refusals = {i: e for i, m in enumerate(messages) if (e := self._refusal(topic, m)) is not None}
+        if refusals:
+            from ..core.envelope import aborted_results
+
+            return aborted_results(
+                len(messages),
+                {
+                    i: PublishResult(status=PublishStatus.REJECTED, message_id=messages[i].message_id, error=e)
+                    for i, e in refusals.items()
+                },
+            )
+        if session is not None:
+            from .outbox import write_outbox
+
+            await write_outbox(session, topic, [(m, bodies.encode(topic, m)) for m in messages])
+            return [PublishResult(status=PublishStatus.ACCEPTED, message_id=m.message_id) for m in messages]
+        entries = [self.publish_entry(topic, m, i) for i, m in enumerate(messages)]
+        failed = await self.publish_batches(arn, entries)
+        if failed:
+            raise TransportError(
+                f"SNS refused {len(failed)} of {len(entries)} messages of topic {topic!r} "
+                f"({failed[0]}); publish them again (same MessageIDs)",
+                retryable=True,
+            )
+        return [PublishResult(status=PublishStatus.ACCEPTED, message_id=m.message_id) for m in messages]
+
+    async def publish_batches(self, arn: str, entries: Sequence[dict[str, Any]]) -> list[str]:
+        """PublishBatch 10 at a time; answers the failures (``"<Id>: <Code> <Message>"``)."""
+        failed: list[str] = []
+        for start in range(0, len(entries), BATCH):
+            chunk = list(entries[start : start + BATCH])
+            answer = await self.sns.publish_batch(TopicArn=arn, PublishBatchRequestEntries=chunk)
+            failed.extend(
+                f"{f['Id']}: {f.get('Code', '')} {f.get('Message', '')}".strip() for f in answer.get("Failed", [])
+            )
+        return failed
+
+    # -- consume ---------------------------------------------------------------------------------
+
+    async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
+        sub = self._sub(subscription)
+        if self._status.get(subscription, "Active") != "Active":
+            return []
+        queue_url, _ = self._urls(subscription)
+        answer = await self.sqs.receive_message(
+            QueueUrl=queue_url,
+            MaxNumberOfMessages=max(1, min(limit, BATCH)),
+            WaitTimeSeconds=self.wait_seconds,
+            VisibilityTimeout=min(MAX_LEASE_SECONDS, max(1, round(sub.lease_seconds))),
+            MessageSystemAttributeNames=["All"],
+            MessageAttributeNames=["All"],
+        )
+        claimed: list[ClaimedDelivery] = []
+        now = time.time()
+        for message in answer.get("Messages", []):
+            delivery = self._claimed(sub, queue_url, message, now)
+            if delivery is not None:
+                claimed.append(delivery)
+        return claimed
+
+    def _claimed(
+        self, sub: Subscription, queue_url: str, message: dict[str, Any], now: float
+    ) -> ClaimedDelivery | None:
+        sqs_id = message["MessageId"]
+        system = message.get("Attributes", {})
+        env = bodies.decode(message["Body"], sqs_id)
+        delivery_id = f"{NAME}:{sub.name}:{sqs_id}"
+        attempt = max(1, int(system.get("ApproximateReceiveCount", "1")))
+        if delivery_id in self._released:
+            attempt = max(1, attempt - 1)
+        max_attempts = int(env.get("max_attempts") or sub.max_attempts)
+        attributes = {
+            k: str(v.get("StringValue"))
+            for k, v in message.get("MessageAttributes", {}).items()
+            if v.get("StringValue") is not None
+        }
+        try:
+            message_id = uuid.UUID(str(env["message_id"]))
+        except ValueError:
+            message_id = uuid.UUID(sqs_id) if len(sqs_id) == 36 else uuid.uuid5(uuid.NAMESPACE_URL, sqs_id)
+        expires = datetime.now(UTC) + timedelta(seconds=sub.lease_seconds)
+        self._leases[delivery_id] = _Lease(
+            subscription=sub.name,
+            queue_url=queue_url,
+            receipt=message["ReceiptHandle"],
+            first_received=now,
+            attempt=attempt,
+            message_id=message_id,
+            partition_key=env.get("partition_key") or system.get("MessageGroupId"),
+            attributes=attributes,
+            body=message["Body"],
+            message_attributes=message.get("MessageAttributes", {}),
+            group_id=system.get("MessageGroupId"),
+            lease_expires_at=expires,
+        )
+        published = env.get("published_at")
+        headers = env.get("headers")
+        return ClaimedDelivery(
+            delivery_id=delivery_id,
+            lease_token=message["ReceiptHandle"],
+            attempt=attempt,
+            max_attempts=max_attempts,
+            lease_expires_at=expires,
+            message_id=message_id,
+            topic=str(env.get("topic") or sub.topic),
+            partition_key=self._leases[delivery_id].partition_key,
+            attributes=attributes,
+            payload_json=json.dumps(env.get("payload")),
+            payload_ref=env.get("payload_ref"),
+            correlation_id=env.get("correlation_id"),
+            published_at=datetime.fromisoformat(published) if isinstance(published, str) else None,
+            headers=headers if isinstance(headers, dict) else None,
+        )
+
+    async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
+        found: list[tuple[str, ClaimedDelivery]] = []
+        for name in subscriptions:
+            if self._sub(name).partition_mode != "None":
+                raise ValueError(f"subscription {name!r} is {self._sub(name).partition_mode}: claim it on its own")
+        for name in subscriptions:
+            if len(found) >= limit:
+                break
+            found.extend((name, d) for d in await self.claim(name, limit - len(found)))
+        return found
+
+    def _lease(self, delivery_id: str, token: str) -> _Lease | None:
+        lease = self._leases.get(delivery_id)
+        return lease if lease is not None and lease.receipt == token else None
+
+    async def heartbeat(self, requests: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
+        results: list[HeartbeatResult] = []
+        now = time.time()
+        for request in requests:
+            lease = self._lease(request.delivery_id, request.lease_token)
+            if lease is None:
+                results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
+                continue
+            sub = self._sub(lease.subscription)
+            left = MAX_LEASE_SECONDS - (now - lease.first_received)
+            seconds = int(min(sub.lease_seconds, left))
+            if seconds <= 0:
+                results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
+                continue
+            try:
+                await self.sqs.change_message_visibility(
+                    QueueUrl=lease.queue_url, ReceiptHandle=lease.receipt, VisibilityTimeout=seconds
+                )
+            except Exception as exc:
+                if not _client_error_code(exc):
+                    raise
+                results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
+                continue
+            lease.lease_expires_at = datetime.now(UTC) + timedelta(seconds=seconds)
+            results.append(
+                HeartbeatResult(
+                    delivery_id=request.delivery_id,
+                    alive=True,
+                    cancel_requested=False,
+                    lease_expires_at=lease.lease_expires_at,
+                )
+            )
+        return results
+
+    def _backoff(self, sub: Subscription, lease: _Lease, settlement: Settlement) -> float:
+        if settlement.delay_seconds is not None:
+            return settlement.delay_seconds
+        env = bodies.decode(lease.body, str(lease.message_id))
+        steps = env.get("backoff_seconds")
+        if isinstance(steps, list) and steps:
+            return float(steps[min(lease.attempt, len(steps)) - 1])
+        ceiling = min(sub.backoff_max_seconds, sub.backoff_base_seconds * 2 ** max(lease.attempt - 1, 0))
+        return self._random.uniform(0, ceiling)
+
+    async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]:
+        results: list[SettleResult] = []
+        deletes: list[tuple[int, _Lease]] = []
+        for settlement in settlements:
+            lease = self._lease(settlement.delivery_id, settlement.lease_token)
+            if lease is None:
+                results.append("LeaseLost")
+                continue
+            results.append(await self._settle_one(settlement, lease, deletes, len(results)))
+        lost = await self._delete(deletes)
+        for index in lost:
+            results[index] = "LeaseLost"
+        for settlement in settlements:
+            self._leases.pop(settlement.delivery_id, None)
+        return results
+
+    async def _settle_one(
+        self, settlement: Settlement, lease: _Lease, deletes: list[tuple[int, _Lease]], index: int
+    ) -> SettleResult:
+        sub = self._sub(lease.subscription)
+        kind = settlement.kind
+        if kind in ("Complete", "Discard"):
+            deletes.append((index, lease))
+            return "Completed" if kind == "Complete" else "Discarded"
+        if kind == "Release":
+            self._released.add(settlement.delivery_id)
+            return await self._visibility(lease, 0)
+        env = bodies.decode(lease.body, str(lease.message_id))
+        max_attempts = int(env.get("max_attempts") or sub.max_attempts)
+        if kind == "DeadLetter" or lease.attempt >= max_attempts:
+            reason = settlement.reason or ("MaxAttemptsExceeded" if kind != "DeadLetter" else "DeadLettered")
+            await self.send_dead_letter(lease, reason, settlement.error)
+            deletes.append((index, lease))
+            return "DeadLettered"
+        delay = max(0, min(MAX_LEASE_SECONDS, round(self._backoff(sub, lease, settlement))))
+        self._released.discard(settlement.delivery_id)
+        return await self._visibility(lease, delay)
+
+    async def _visibility(self, lease: _Lease, seconds: int) -> SettleResult:
+        try:
+            await self.sqs.change_message_visibility(
+                QueueUrl=lease.queue_url, ReceiptHandle=lease.receipt, VisibilityTimeout=seconds
+            )
+        except Exception as exc:
+            if not _client_error_code(exc):
+                raise
+            return "LeaseLost"
+        return "Pending"
+
+    async def send_dead_letter(self, lease: _Lease, reason: str, error: str | None) -> None:
+        """Sends the leased message to its DLQ: same body (MessageID) plus ``dead_letter``, same attributes."""
+        _, dlq_url = self._urls(lease.subscription)
+        env = bodies.decode(lease.body, str(lease.message_id))
+        env["dead_letter"] = {
+            "reason": reason,
+            "error": None if error is None else error[:4000],
+            "attempts": lease.attempt,
+            "subscription": lease.subscription,
+            "dead_lettered_at": datetime.now(UTC).isoformat(),
+        }
+        entry: dict[str, Any] = {"QueueUrl": dlq_url, "MessageBody": json.dumps(env)}
+        if lease.message_attributes:
+            entry["MessageAttributes"] = {
+                k: {"DataType": v.get("DataType", "String"), "StringValue": v["StringValue"]}
+                for k, v in lease.message_attributes.items()
+                if v.get("StringValue") is not None
+            }
+        if self._fifo(lease.subscription):
+            entry["MessageGroupId"] = lease.group_id or lease.partition_key or lease.subscription
+            entry["MessageDeduplicationId"] = f"{lease.message_id}:dl:{uuid.uuid4().hex[:8]}"
+        await self.sqs.send_message(**entry)
+
+    async def _delete(self, deletes: list[tuple[int, _Lease]]) -> list[int]:
+        """DeleteMessageBatch per queue, 10 at a time; answers the indexes whose receipt was refused."""
+        lost: list[int] = []
+        by_queue: dict[str, list[tuple[int, _Lease]]] = {}
+        for index, lease in deletes:
+            by_queue.setdefault(lease.queue_url, []).append((index, lease))
+        for url, items in by_queue.items():
+            for start in range(0, len(items), BATCH):
+                chunk = items[start : start + BATCH]
+                answer = await self.sqs.delete_message_batch(
+                    QueueUrl=url,
+                    Entries=[{"Id": str(i), "ReceiptHandle": lease.receipt} for i, (_, lease) in enumerate(chunk)],
+                )
+                lost.extend(chunk[int(f["Id"])][0] for f in answer.get("Failed", []))
+        return lost
+
+    async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
+        """Settles, then publishes the follow-ups to their aws topics (SNS joins no transaction: a
+        crash between the two loses the follow-ups; use the database transport when they must be atomic)."""
+        for follow_up in settlement.follow_ups:
+            if follow_up.topic not in self._topics:
+                raise ConfigurationError(
+                    f"follow-up to topic {follow_up.topic!r} from an aws subscription: only aws topics can follow"
+                )
+        [result] = await self.settle([settlement])
+        if result == "Completed":
+            for follow_up in settlement.follow_ups:
+                await self.publish(follow_up.topic, follow_up.messages)
+        return result
+
+    async def add_wakeup_listener(self, listener: WakeupListener) -> None:
+        return None
+
+    # -- what the database keeps -------------------------------------------------------------------
+
+    def _needs_database(self, what: str) -> ConfigurationError:
+        return ConfigurationError(f"{what} needs a database: set WORKQUEUE_DATABASE_URL beside the aws topics")
+
+    async def once_begin(self, key: str, running_seconds: float) -> tuple[str, str | None]:
+        raise self._needs_database("context.once")
+
+    async def once_finish(self, key: str, token: str, ttl_seconds: float) -> bool:
+        raise self._needs_database("context.once")
+
+    async def once_abort(self, key: str, token: str) -> bool:
+        raise self._needs_database("context.once")
+
+    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID) -> bool:
+        return False
+
+    async def step_get(self, message_id: uuid.UUID, name: str) -> tuple[bool, str | None]:
+        raise self._needs_database("durable steps")
+
+    async def step_put(self, message_id: uuid.UUID, name: str, value_json: str) -> None:
+        raise self._needs_database("durable steps")
+
+    async def sweep(self, limit: int = 1000) -> SweepReport:
+        """SQS expires leases and retention itself; the outbox relay runs on its own."""
+        return SweepReport(ran=False)
+
+    # -- operate ---------------------------------------------------------------------------------
+
+    async def _attributes(self, url: str) -> dict[str, str]:
+        answer = await self.sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])
+        attributes: dict[str, str] = answer.get("Attributes", {})
+        return attributes
+
+    async def stats(self, subscription: str | None = None) -> list[SubscriptionStats]:
+        """From the queue attributes (approximate, as SQS reports them); unbound subscriptions are left out."""
+        names = [subscription] if subscription is not None else sorted(self._subscriptions)
+        found: list[SubscriptionStats] = []
+        assert self.bindings is not None
+        for name in names:
+            sub = self._sub(name)
+            if name not in self.bindings.subscriptions:
+                continue
+            queue_url, dlq_url = self._urls(name)
+            queue, dlq = await self._attributes(queue_url), await self._attributes(dlq_url)
+            visible = int(queue.get("ApproximateNumberOfMessages", 0))
+            delayed = int(queue.get("ApproximateNumberOfMessagesDelayed", 0))
+            found.append(
+                SubscriptionStats(
+                    subscription=name,
+                    topic=sub.topic,
+                    status=self._status.get(name, sub.status),
+                    partition_mode=sub.partition_mode,
+                    pending=visible + delayed,
+                    claimable=visible,
+                    in_flight=int(queue.get("ApproximateNumberOfMessagesNotVisible", 0)),
+                    dead_lettered=int(dlq.get("ApproximateNumberOfMessages", 0)),
+                    completed=0,
+                    discarded=0,
+                )
+            )
+        return found
+
+    async def backlog(self, subscription: str) -> Backlog | None:
+        found = await self.stats(subscription)
+        if not found:
+            return None
+        stats = found[0]
+        return Backlog(
+            subscription=subscription, claimable=stats.claimable, in_flight=stats.in_flight, backlog=stats.pending
+        )
+
+    async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:
+        lease = self._leases.get(delivery_id)
+        if lease is not None:
+            return self._info(
+                delivery_id,
+                lease.subscription,
+                lease.body,
+                "InFlight",
+                lease.attempt,
+                lease.attributes,
+                include_payload,
+                lease_expires_at=lease.lease_expires_at,
+            )
+        parts = delivery_id.split(":")
+        if len(parts) == 4 and parts[2] == "dlq":
+            found = await self._find_dead_letter(parts[1], parts[3])
+            if found is not None:
+                return self._dead_info(parts[1], found, include_payload)
+        return None
+
+    def _info(
+        self,
+        delivery_id: str,
+        subscription: str,
+        body: str,
+        status: DeliveryStatus,
+        attempt: int,
+        attributes: dict[str, str],
+        include_payload: bool,
+        **extra: Any,
+    ) -> DeliveryInfo:
+        sub = self._sub(subscription)
+        env = bodies.decode(body, delivery_id.rsplit(":", 1)[-1])
+        dead = env.get("dead_letter") or {}
+        try:
+            message_id = uuid.UUID(str(env["message_id"]))
+        except ValueError:
+            message_id = uuid.uuid5(uuid.NAMESPACE_URL, str(env["message_id"]))
+        published = env.get("published_at")
+        return DeliveryInfo(
+            delivery_id=delivery_id,
+            subscription=subscription,
+            message_id=message_id,
+            topic=sub.topic,
+            partition_key=env.get("partition_key"),
+            status=status,
+            attempt=int(dead.get("attempts", attempt)),
+            max_attempts=int(env.get("max_attempts") or sub.max_attempts),
+            reason=dead.get("reason"),
+            last_error=dead.get("error"),
+            attributes=attributes,
+            correlation_id=env.get("correlation_id"),
+            created_at=datetime.fromisoformat(published) if isinstance(published, str) else None,
+            payload=env.get("payload") if include_payload else None,
+            **extra,
+        )
+
+    def _dead_info(self, subscription: str, message: dict[str, Any], include_payload: bool) -> DeliveryInfo:
+        attributes = {
+            k: str(v.get("StringValue"))
+            for k, v in message.get("MessageAttributes", {}).items()
+            if v.get("StringValue") is not None
+        }
+        system = message.get("Attributes", {})
+        info = self._info(
+            f"{NAME}:{subscription}:dlq:{message['MessageId']}",
+            subscription,
+            message["Body"],
+            "DeadLettered",
+            int(system.get("ApproximateReceiveCount", "1")),
+            attributes,
+            include_payload,
+        )
+        if info.reason is None:
+            info = info.model_copy(update={"reason": "MaxReceiveCountExceeded"})
+        return info
+
+    async def _read_dead_letters(self, subscription: str, limit: int) -> list[dict[str, Any]]:
+        """Up to ``limit`` DLQ messages, each received once and made visible again at once."""
+        _, dlq_url = self._urls(subscription)
+        seen: dict[str, dict[str, Any]] = {}
+        empty_rounds = 0
+        while len(seen) < limit and empty_rounds < 2:
+            answer = await self.sqs.receive_message(
+                QueueUrl=dlq_url,
+                MaxNumberOfMessages=BATCH,
+                WaitTimeSeconds=0,
+                VisibilityTimeout=2,
+                MessageSystemAttributeNames=["All"],
+                MessageAttributeNames=["All"],
+            )
+            fresh = [m for m in answer.get("Messages", []) if m["MessageId"] not in seen]
+            if not fresh:
+                empty_rounds += 1
+                continue
+            for message in fresh:
+                seen[message["MessageId"]] = message
+        for message in seen.values():
+            with contextlib.suppress(Exception):
+                await self.sqs.change_message_visibility(
+                    QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=0
+                )
+        return list(seen.values())[:limit]
+
+    async def _find_dead_letter(self, subscription: str, sqs_id: str) -> dict[str, Any] | None:
+        for message in await self._read_dead_letters(subscription, 1000):
+            if message["MessageId"] == sqs_id:
+                return message
+        return None
+
+    async def known_messages(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        return set()
+
+    async def message_deliveries(self, message_id: uuid.UUID, *, include_payload: bool = False) -> list[DeliveryInfo]:
+        return []
+
+    async def list_deliveries(
+        self,
+        subscription: str,
+        status: DeliveryStatus,
+        *,
+        limit: int = 100,
+        after: str | None = None,
+        include_payload: bool = False,
+    ) -> list[DeliveryInfo]:
+        if status == "InFlight":
+            return [
+                self._info(
+                    d,
+                    lease.subscription,
+                    lease.body,
+                    "InFlight",
+                    lease.attempt,
+                    lease.attributes,
+                    include_payload,
+                    lease_expires_at=lease.lease_expires_at,
+                )
+                for d, lease in self._leases.items()
+                if lease.subscription == subscription
+            ][:limit]
+        if status != "DeadLettered":
+            raise TransportError(
+                f"the aws transport lists DeadLettered deliveries (from the DLQ) and this "
+                f"process's InFlight ones, not {status}: SQS cannot list a queue",
+                retryable=False,
+            )
+        infos = [
+            self._dead_info(subscription, m, include_payload) for m in await self._read_dead_letters(subscription, 1000)
+        ]
+        infos.sort(key=lambda i: i.delivery_id)
+        if after is not None:
+            infos = [i for i in infos if i.delivery_id > after]
+        return infos[:limit]
+
+    async def partitions(
+        self, subscription: str, condition: PartitionCondition | None = None, *, limit: int = 100
+    ) -> list[PartitionInfo]:
+        raise TransportError(f"Unsupported: {BACKLOG_UNSUPPORTED}", retryable=False)
+
+    async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
+        """Moves a dead letter back to its queue: same body (MessageID), attempts start again."""
+        sqs_id = delivery_id.rsplit(":", 1)[-1]
+        message = await self._find_dead_letter(subscription, sqs_id)
+        if message is None:
+            return ActionResult(result="NotFound", delivery_id=delivery_id, subscription=subscription)
+        queue_url, dlq_url = self._urls(subscription)
+        env = bodies.decode(message["Body"], sqs_id)
+        env.pop("dead_letter", None)
+        entry: dict[str, Any] = {"QueueUrl": queue_url, "MessageBody": json.dumps(env)}
+        attributes = {
+            k: {"DataType": v.get("DataType", "String"), "StringValue": v["StringValue"]}
+            for k, v in message.get("MessageAttributes", {}).items()
+            if v.get("StringValue") is not None
+        }
+        if attributes:
+            entry["MessageAttributes"] = attributes
+        if self._fifo(subscription):
+            system = message.get("Attributes", {})
+            entry["MessageGroupId"] = system.get("MessageGroupId") or env.get("partition_key") or subscription
+            entry["MessageDeduplicationId"] = f"{env.get('message_id')}:replay:{uuid.uuid4().hex[:8]}"
+        await self.sqs.send_message(**entry)
+        await self.sqs.delete_message(QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"])
+        return ActionResult(result="Replayed", delivery_id=delivery_id, subscription=subscription, status="Pending")
+
+    async def validate_bindings(self) -> BindingReport:
+        """The capabilities' notes; ``workqueue validate-bindings --transport aws`` checks the resources."""
+        issues = [BindingIssue(severity="Info", subject=NAME, message=note) for note in self.capabilities.notes]
+        assert self.bindings is not None
+        for name in sorted(self._topics):
+            if name not in self.bindings.topics:
+                issues.append(
+                    BindingIssue(
+                        severity="Error",
+                        subject=f"topic {name}",
+                        message=(
+                            "not bound: apply the Terraform module, then run `workqueue import-bindings bindings.json`"
+                        ),
+                    )
+                )
+        return BindingReport(transport=NAME, ok=not any(i.severity == "Error" for i in issues), issues=issues)
+
+    async def prune(self, older_than_seconds: float) -> int:
+        return 0
+
+    async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
+        """Deletes a dead letter from the DLQ; an in-flight delivery answers Unsupported (no cancel on SQS)."""
+        if delivery_id in self._leases or ":dlq:" not in delivery_id:
+            return ActionResult(
+                result="Unsupported", delivery_id=delivery_id, subscription=subscription, reason=CANCEL_UNSUPPORTED
+            )
+        message = await self._find_dead_letter(subscription, delivery_id.rsplit(":", 1)[-1])
+        if message is None:
+            return ActionResult(result="NotFound", delivery_id=delivery_id, subscription=subscription)
+        _, dlq_url = self._urls(subscription)
+        await self.sqs.delete_message(QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"])
+        return ActionResult(result="Discarded", delivery_id=delivery_id, subscription=subscription, status="Discarded")
+
+    async def discard_dead_letters(self, subscription: str, settled_before: datetime, limit: int = 1000) -> int:
+        _, dlq_url = self._urls(subscription)
+        cutoff = settled_before.timestamp() * 1000
+        gone = 0
+        for message in await self._read_dead_letters(subscription, limit):
+            if int(message.get("Attributes", {}).get("SentTimestamp", "0")) < cutoff:
+                await self.sqs.delete_message(QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"])
+                gone += 1
+        return gone
+
+    async def rewrite_payload(
+        self, message_id: uuid.UUID, payload_json: str, content_hash: str, envelope_bytes: int
+    ) -> bool:
+        return False
+
+
+async def sleep_backoff(attempt: int, base: float = 0.2, ceiling: float = 30.0) -> None:
+    """Waits out a throttled call (full jitter)."""
+    await asyncio.sleep(random.uniform(0, min(ceiling, base * 2**attempt)))

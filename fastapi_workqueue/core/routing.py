@@ -1,0 +1,313 @@
+"""A transport per topic: the routing transport sends each topic and its subscriptions to the
+transport its ``Topic.transport`` names, and merges the operator views of all of them.
+
+Transports other than ``database`` are found by name in the entry point group
+``fastapi_workqueue.transports`` (``aws = "fastapi_workqueue.aws.transport:create_transport"``):
+each entry is a callable ``create_transport(queue) -> Transport``, so the core imports none of them.
+Deliveries of such a transport carry its name as a prefix of their ids (``aws:…``), which is how
+heartbeats, settles and ``get_delivery`` find their transport.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from importlib.metadata import entry_points
+from typing import Any
+
+from .envelope import PreparedMessage, PublishResult
+from .errors import ConfigurationError
+from .reports import (
+    ActionResult,
+    Backlog,
+    BindingReport,
+    DeliveryInfo,
+    DeliveryStatus,
+    PartitionCondition,
+    PartitionInfo,
+    SubscriptionStats,
+    SweepReport,
+)
+from .topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
+from .transport import (
+    Capabilities,
+    ClaimedDelivery,
+    HeartbeatRequest,
+    HeartbeatResult,
+    Settlement,
+    SettleResult,
+    Transport,
+    WakeupListener,
+)
+
+ENTRY_POINT_GROUP = "fastapi_workqueue.transports"
+DATABASE = "database"
+
+
+def transport_factory(name: str) -> Callable[[Any], Transport]:
+    """The ``create_transport(queue)`` of the transport registered under ``name``."""
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not found:
+        known = sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} | {DATABASE})
+        hint = " (install fastapi-workqueue[aws])" if name == "aws" else ""
+        raise ConfigurationError(
+            f"no transport named {name!r} is installed{hint}; Topic.transport must be one of {known}"
+        )
+    try:
+        factory: Callable[[Any], Transport] = found[0].load()
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"the {name!r} transport cannot be loaded ({exc}); install fastapi-workqueue[{name}]"
+        ) from exc
+    return factory
+
+
+class RoutingTransport:
+    """Routes by topic and subscription; the database transport keeps what only it stores (once
+    markers, steps, deduplication keys, jobs)."""
+
+    name = "routing"
+
+    def __init__(
+        self,
+        default: Transport | None,
+        others: dict[str, Transport],
+        topics: dict[str, str],
+        subscriptions: dict[str, str],
+    ) -> None:
+        self.default = default
+        self.others = others
+        self._topics = dict(topics)
+        self._subscriptions = dict(subscriptions)
+        base = default.capabilities if default is not None else Capabilities()
+        self.capabilities = Capabilities(
+            ordered=base.ordered, exclusive=base.exclusive, transactional_publish=base.transactional_publish,
+            wakeups=base.wakeups, runtime_roles=base.runtime_roles, notes=base.notes,
+        )
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def _named(self, name: str) -> Transport:
+        if name == DATABASE:
+            if self.default is None:
+                raise ConfigurationError(
+                    "a database topic needs a database: set WORKQUEUE_DATABASE_URL, or give the topic another transport"
+                )
+            return self.default
+        return self.others[name]
+
+    @property
+    def database(self) -> Transport:
+        """The database transport (ConfigurationError when the queue has none)."""
+        return self._named(DATABASE)
+
+    def transport_for_topic(self, topic: str) -> Transport:
+        return self._named(self._topics.get(topic, DATABASE))
+
+    def transport_for_subscription(self, subscription: str) -> Transport:
+        return self._named(self._subscriptions.get(subscription, DATABASE))
+
+    def transport_for_delivery(self, delivery_id: str) -> Transport:
+        prefix, sep, _ = delivery_id.partition(":")
+        if sep and prefix in self.others:
+            return self.others[prefix]
+        return self.database
+
+    def _all(self) -> list[Transport]:
+        return ([self.default] if self.default is not None else []) + list(self.others.values())
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        opened: list[Transport] = []
+        try:
+            for transport in self._all():
+                await transport.open()
+                opened.append(transport)
+        except BaseException:
+            for transport in opened:
+                await transport.close()
+            raise
+
+    async def close(self) -> None:
+        for transport in reversed(self._all()):
+            await transport.close()
+
+    async def migrate(self) -> list[str]:
+        return [] if self.default is None else await self.default.migrate()
+
+    # -- topology --------------------------------------------------------------------------------
+
+    async def sync_topology(self, topics: Sequence[Topic], subscriptions: Sequence[Subscription]) -> None:
+        for name in {DATABASE, *self.others}:
+            mine = [t for t in topics if (t.transport if t.transport in self.others else DATABASE) == name]
+            names = {t.name for t in mine}
+            subs = [s for s in subscriptions if s.topic in names]
+            if mine or subs:
+                await self._named(name).sync_topology(mine, subs)
+
+    async def list_subscriptions(self) -> list[SubscriptionState]:
+        found: list[SubscriptionState] = []
+        for transport in self._all():
+            found.extend(await transport.list_subscriptions())
+        return found
+
+    async def list_topics(self) -> list[Topic]:
+        found: list[Topic] = []
+        for transport in self._all():
+            found.extend(await transport.list_topics())
+        return found
+
+    async def set_subscription_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:
+        return await self.transport_for_subscription(subscription).set_subscription_status(subscription, status)
+
+    # -- publish and consume ---------------------------------------------------------------------
+
+    async def publish(
+        self, topic: str, messages: Sequence[PreparedMessage], *, session: Any = None
+    ) -> list[PublishResult]:
+        return await self.transport_for_topic(topic).publish(topic, messages, session=session)
+
+    async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
+        return await self.transport_for_subscription(subscription).claim(subscription, limit)
+
+    async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
+        serving = {id(self.transport_for_subscription(s)): self.transport_for_subscription(s) for s in subscriptions}
+        if len(serving) > 1:
+            raise ValueError("one claim cannot span subscriptions of different transports; group them per transport")
+        [transport] = serving.values() if serving else [self.database]
+        return await transport.claim_many(subscriptions, limit)
+
+    def _split(self, ids: Sequence[str]) -> dict[int, tuple[Transport, list[int]]]:
+        groups: dict[int, tuple[Transport, list[int]]] = {}
+        for index, delivery_id in enumerate(ids):
+            transport = self.transport_for_delivery(delivery_id)
+            groups.setdefault(id(transport), (transport, []))[1].append(index)
+        return groups
+
+    async def heartbeat(self, requests: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
+        results: list[HeartbeatResult | None] = [None] * len(requests)
+        for transport, indexes in self._split([r.delivery_id for r in requests]).values():
+            answers = await transport.heartbeat([requests[i] for i in indexes])
+            for i, answer in zip(indexes, answers, strict=True):
+                results[i] = answer
+        return [r for r in results if r is not None]
+
+    async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]:
+        results: list[SettleResult | None] = [None] * len(settlements)
+        for transport, indexes in self._split([s.delivery_id for s in settlements]).values():
+            answers = await transport.settle([settlements[i] for i in indexes])
+            for i, answer in zip(indexes, answers, strict=True):
+                results[i] = answer
+        return [r for r in results if r is not None]
+
+    async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
+        return await self.transport_for_delivery(settlement.delivery_id).settle_with_follow_ups(settlement)
+
+    async def add_wakeup_listener(self, listener: WakeupListener) -> None:
+        for transport in self._all():
+            if transport.capabilities.wakeups:
+                await transport.add_wakeup_listener(listener)
+
+    # -- what only the database keeps ------------------------------------------------------------
+
+    async def once_begin(self, key: str, running_seconds: float) -> tuple[str, str | None]:
+        return await self.database.once_begin(key, running_seconds)
+
+    async def once_finish(self, key: str, token: str, ttl_seconds: float) -> bool:
+        return await self.database.once_finish(key, token, ttl_seconds)
+
+    async def once_abort(self, key: str, token: str) -> bool:
+        return await self.database.once_abort(key, token)
+
+    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID) -> bool:
+        return await self.transport_for_topic(topic).release_deduplication_key(topic, key, message_id)
+
+    async def step_get(self, message_id: uuid.UUID, name: str) -> tuple[bool, str | None]:
+        return await self.database.step_get(message_id, name)
+
+    async def step_put(self, message_id: uuid.UUID, name: str, value_json: str) -> None:
+        await self.database.step_put(message_id, name, value_json)
+
+    async def sweep(self, limit: int = 1000) -> SweepReport:
+        reports = [await t.sweep(limit) for t in self._all()]
+        fields = ("retried", "dead_lettered", "discarded", "purged_deliveries", "purged_messages",
+                  "purged_deduplication")
+        return SweepReport(ran=any(r.ran for r in reports),
+                           **{f: sum(getattr(r, f) for r in reports) for f in fields})
+
+    # -- operate ---------------------------------------------------------------------------------
+
+    async def stats(self, subscription: str | None = None) -> list[SubscriptionStats]:
+        if subscription is not None:
+            return await self.transport_for_subscription(subscription).stats(subscription)
+        found: list[SubscriptionStats] = []
+        for transport in self._all():
+            found.extend(await transport.stats(None))
+        return found
+
+    async def backlog(self, subscription: str) -> Backlog | None:
+        return await self.transport_for_subscription(subscription).backlog(subscription)
+
+    async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:
+        return await self.transport_for_delivery(delivery_id).get_delivery(delivery_id, include_payload=include_payload)
+
+    async def known_messages(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        return await self.database.known_messages(ids)
+
+    async def message_deliveries(self, message_id: uuid.UUID, *, include_payload: bool = False) -> list[DeliveryInfo]:
+        return await self.database.message_deliveries(message_id, include_payload=include_payload)
+
+    async def list_deliveries(
+        self, subscription: str, status: DeliveryStatus, *, limit: int = 100, after: str | None = None,
+        include_payload: bool = False,
+    ) -> list[DeliveryInfo]:
+        return await self.transport_for_subscription(subscription).list_deliveries(
+            subscription, status, limit=limit, after=after, include_payload=include_payload
+        )
+
+    async def partitions(
+        self, subscription: str, condition: PartitionCondition | None = None, *, limit: int = 100
+    ) -> list[PartitionInfo]:
+        return await self.transport_for_subscription(subscription).partitions(subscription, condition, limit=limit)
+
+    async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
+        return await self.transport_for_subscription(subscription).replay(subscription, delivery_id, note)
+
+    async def validate_bindings(self) -> BindingReport:
+        reports = [await t.validate_bindings() for t in self._all()]
+        return BindingReport(
+            transport="+".join(r.transport for r in reports), ok=all(r.ok for r in reports),
+            issues=[issue for r in reports for issue in r.issues],
+        )
+
+    async def prune(self, older_than_seconds: float) -> int:
+        return sum([await t.prune(older_than_seconds) for t in self._all()])
+
+    async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
+        return await self.transport_for_subscription(subscription).discard(subscription, delivery_id, reason)
+
+    async def discard_dead_letters(self, subscription: str, settled_before: datetime, limit: int = 1000) -> int:
+        return await self.transport_for_subscription(subscription).discard_dead_letters(
+            subscription, settled_before, limit
+        )
+
+    async def rewrite_payload(
+        self, message_id: uuid.UUID, payload_json: str, content_hash: str, envelope_bytes: int
+    ) -> bool:
+        return await self.database.rewrite_payload(message_id, payload_json, content_hash, envelope_bytes)
+
+
+def build_routing(
+    queue: Any, default: Transport | None, topics: Sequence[Topic], subscriptions: Sequence[Subscription]
+) -> Transport | None:
+    """A routing transport when some topic names another transport than ``database``; else None."""
+    names = sorted({t.transport for t in topics} - {DATABASE})
+    if not names:
+        return None
+    others = {name: transport_factory(name)(queue) for name in names}
+    topic_of = {t.name: t.transport for t in topics}
+    return RoutingTransport(
+        default, others, topic_of, {s.name: topic_of.get(s.topic, DATABASE) for s in subscriptions}
+    )
