@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 
+REFUSED = "503_retry_after"
 CONNECTION_PAUSE = 0.05
 
 Record = tuple[float, float, str, int | None, str | None]
@@ -102,7 +103,12 @@ async def one_client(client: httpx.AsyncClient, path: str, orders: Orders, deadl
             if response.status_code == 201:
                 with contextlib.suppress(ValueError):
                     order_id, message_id = ids_of(response.json())
+            elif response.status_code == 503 and "retry-after" in response.headers:
+                kind = REFUSED  # refused with Retry-After, as issue 16 allows: honoured, as a client should
         records.append((started_wall, time.perf_counter() - started, kind, order_id, message_id))
+        if kind == REFUSED:
+            with contextlib.suppress(ValueError):
+                await asyncio.sleep(max(0.0, min(float(response.headers["retry-after"]), deadline - time.monotonic())))
         if kind in ("connection_refused", "connect_error", "connection_reset", "disconnected"):
             await asyncio.sleep(CONNECTION_PAUSE)
 

@@ -139,6 +139,7 @@ class SqsBatchHandler:
         self._rng = rng
         self._clock = clock
         self._margin = deadline_margin_seconds
+        self._max_attempts: dict[str, int] = {}
         self.__wrapped__ = func
 
     @property
@@ -184,10 +185,17 @@ class SqsBatchHandler:
         return verdicts
 
     async def _run(self, record: SqsRecord, deadline: float | None) -> _Verdict:
+        try:
+            return await self._attempt(record, deadline)
+        finally:
+            self._max_attempts.pop(record.message_id, None)
+
+    async def _attempt(self, record: SqsRecord, deadline: float | None) -> _Verdict:
         policy = self._policy
         logger = _RecordLog(logging.getLogger(f"fastapi_workqueue.handler.{policy.handler_key}"), policy.name, record)
         try:
             delivery = record.claimed(policy.topic, policy.max_attempts)
+            self._max_attempts[record.message_id] = delivery.max_attempts
             message = self._spec.build_message(delivery, policy.name)
         except PayloadInvalid as exc:
             return await self._dead_letter(record, redact(str(exc)), error_text(exc), logger)
@@ -198,7 +206,7 @@ class SqsBatchHandler:
             subscription=policy.name,
             delivery_id=record.message_id,
             attempt=record.attempt,
-            max_attempts=policy.max_attempts,
+            max_attempts=delivery.max_attempts,
             signal=signal,
             heartbeat=lambda progress: self._heartbeat(record, progress),
             log=logger,
@@ -267,13 +275,19 @@ class SqsBatchHandler:
     ) -> _Verdict:
         """A failed attempt: dead-lettered when it was the last, else back after its delay."""
         policy = self._policy
-        if record.attempt >= policy.max_attempts:
+        max_attempts = self._max_attempts.get(record.message_id, policy.max_attempts)
+        if record.attempt >= max_attempts:
             return await self._dead_letter(
-                record, f"{reason} (attempt {record.attempt} of {policy.max_attempts})", error, logger, exc=exc
+                record, f"{reason} (attempt {record.attempt} of {max_attempts})", error, logger, exc=exc
             )
-        seconds = policy.backoff_seconds(record.attempt, self._rng()) if delay is None else delay
+        if delay is not None:
+            seconds = delay
+        elif (schedule := record.backoff_schedule()) is not None:
+            seconds = schedule[min(record.attempt, len(schedule)) - 1]
+        else:
+            seconds = policy.backoff_seconds(record.attempt, self._rng())
         seconds = min(max(seconds, 0.0), MAX_VISIBILITY_SECONDS)
-        logger.warning("attempt %d of %d failed (%s); back in %.1f s", record.attempt, policy.max_attempts,
+        logger.warning("attempt %d of %d failed (%s); back in %.1f s", record.attempt, max_attempts,
                        reason, seconds, exc_info=exc)
         try:
             await self._sqs("change_message_visibility", QueueUrl=policy.queue_url,

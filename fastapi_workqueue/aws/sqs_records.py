@@ -48,8 +48,17 @@ class SqsRecord:
             return data
         return {"message_id": self.message_id, "payload": data}
 
+    def backoff_schedule(self) -> list[float] | None:
+        """The message's own backoff schedule (``backoff_seconds`` of its publish), or None."""
+        try:
+            steps = self.envelope().get("backoff_seconds")
+        except ValueError:
+            return None
+        return [float(s) for s in steps] if isinstance(steps, list) and steps else None
+
     def claimed(self, topic: str, max_attempts: int) -> ClaimedDelivery:
-        """The record as the delivery a host consumer would have claimed."""
+        """The record as the delivery a host consumer would have claimed (a ``max_attempts`` the
+        message was published with wins over the subscription's)."""
         env = self.envelope()
         try:
             message_id = uuid.UUID(str(env["message_id"]))
@@ -61,7 +70,7 @@ class SqsRecord:
             delivery_id=self.message_id,
             lease_token=self.receipt_handle,
             attempt=self.attempt,
-            max_attempts=max_attempts,
+            max_attempts=int(env.get("max_attempts") or max_attempts),
             lease_expires_at=None,
             message_id=message_id,
             topic=str(env.get("topic") or topic),

@@ -23,6 +23,7 @@ from ..core.keys import SCOPES, create_key
 from ..core.reports import DeliveryStatus, PartitionCondition
 from ..settings import DEFAULT_DATABASE_URL
 from ..web.operator_view import shown, shown_all
+from .aws import export_topology, import_bindings
 from .jobs import jobs, schedules
 from .output import emit_json, record, table
 from .sql_scripts import sql
@@ -298,17 +299,25 @@ def resume(ctx: Context, subscription: str) -> None:
 
 
 @cli.command("validate-bindings")
+@click.option("--transport", type=click.Choice(["database", "aws"]), default="database", show_default=True,
+              help="database: the schema and what the store offers; aws: the AWS resources against the topology.")
+@click.option("--app", "app_path", envvar="WORKQUEUE_APP", help="aws: MODULE:ATTR of your app or WorkQueue.")
+@click.option("--manifest", "manifest_file", metavar="FILE", help="aws: an exported manifest instead of the app's.")
+@click.option("--bindings", "bindings_file", metavar="FILE", help="aws: a bindings file instead of the stored ones.")
+@click.option("--endpoint-url", envvar="WORKQUEUE_AWS_ENDPOINT_URL", help="aws: a local emulator's URL.")
 @pass_context
-def validate_bindings(ctx: Context) -> None:
-    """Check the schema and what the transport offers; exit 1 on an Error."""
-    report = run(ctx, lambda t: t.validate_bindings())
-    if ctx.as_json:
-        emit_json(report)
+def validate_bindings(
+    ctx: Context, transport: str, app_path: str | None, manifest_file: str | None, bindings_file: str | None,
+    endpoint_url: str | None,
+) -> None:
+    """Check the bindings read-only; exit 1 on an Error."""
+    from .aws import print_report, validate_aws
+
+    if transport == "aws":
+        report = validate_aws(app_path, manifest_file, bindings_file, endpoint_url)
     else:
-        click.echo(f"{report.transport}: {'ok' if report.ok else 'problems found'}")
-        table(report.issues, ["severity", "subject", "message"], empty="no issues")
-    if not report.ok:
-        sys.exit(1)
+        report = run(ctx, lambda t: t.validate_bindings())
+    print_report(report, ctx.as_json)
 
 
 @cli.command()
@@ -431,6 +440,8 @@ def accept_global_options(command: click.Command) -> None:
 
 
 cli.add_command(sql)
+cli.add_command(export_topology)
+cli.add_command(import_bindings)
 cli.add_command(jobs)
 cli.add_command(schedules)
 

@@ -40,12 +40,20 @@ class JobPayloadInvalid(ValueError):
         self.job = job
 
 
+_VALID_QUEUES: set[str] = set()
+"""Queue names already checked (a dispatch checks its queue's name each time)."""
+
+
 def check_queue_name(queue: str) -> str:
     """A queue name: letters, digits, ``_`` and ``-`` (it names a topic and a subscription)."""
+    if type(queue) is str and queue in _VALID_QUEUES:
+        return queue
     if not isinstance(queue, str) or not _QUEUE.match(queue):
         raise ConfigurationError(
             f"queue name {queue!r} is not valid: use letters, digits, '_' and '-' (at most 80), e.g. 'mail'"
         )
+    if len(_VALID_QUEUES) < 1024:
+        _VALID_QUEUES.add(queue)
     return queue
 
 

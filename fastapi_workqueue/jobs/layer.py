@@ -185,9 +185,11 @@ class Jobs:
 
     async def ensure_queue(self, name: str) -> str:
         """The topic of job queue ``name``, declared and written to the store (once per process)."""
-        self.declare_queue(name)
         topic = topic_of(name)
-        if topic not in self._synced and self.queue.is_open:
+        if topic in self._synced:  # declared and in the store already: the common case, at every dispatch
+            return topic
+        self.declare_queue(name)
+        if self.queue.is_open:
             async with self._sync_lock:
                 if topic not in self._synced:
                     await self.queue.transport.sync_topology([self.queue.topics[topic]],
@@ -247,13 +249,19 @@ class Jobs:
             unique_key=None if unique is None else f"{job.name}:{unique}",
             unique_until=None if unique is None else unique_until, chain=tuple(chain),
         )
-        return PublishRequest(
-            message_id=job_id, attributes={JOB_ATTRIBUTE: job.name}, payload=envelope.to_json(),
-            delay_seconds=delay, max_attempts=tries or policy.tries,
-            backoff_seconds=None if backoff is None else list(backoff),
-            deduplication_key=envelope.unique_key,
-            deduplication_ttl_seconds=unique_for if unique is not None else None,
-        )
+        fields: dict[str, Any] = {"attributes": {JOB_ATTRIBUTE: job.name}, "payload": envelope.to_json(),
+                                  "max_attempts": tries or policy.tries}
+        # Only the fields a job sets: each one given is one more for the model to validate.
+        if job_id is not None:
+            fields["message_id"] = job_id
+        if delay is not None:
+            fields["delay_seconds"] = delay
+        if backoff is not None:
+            fields["backoff_seconds"] = list(backoff)
+        if unique is not None:
+            fields["deduplication_key"] = envelope.unique_key
+            fields["deduplication_ttl_seconds"] = unique_for
+        return PublishRequest(**fields)
 
     def link(self, job: Job, data: Any, queue: str | None = None) -> ChainLink:
         payload, encrypted = self.seal(job, data)
@@ -338,8 +346,12 @@ class Jobs:
         if self.sync:
             return [await self.run_now(d, q, prepare(r)) for d, q, r, _ in prepared]
         by_topic: dict[str, list[int]] = {}
+        topics: dict[str, str] = {}
         for index, (_, target, _, _) in enumerate(prepared):
-            by_topic.setdefault(await self.ensure_queue(target), []).append(index)
+            topic = topics.get(target)
+            if topic is None:
+                topic = topics[target] = await self.ensure_queue(target)
+            by_topic.setdefault(topic, []).append(index)
         ids: list[uuid.UUID | None] = [None] * len(prepared)
         requests = [r for _, _, r, _ in prepared]
 

@@ -88,9 +88,9 @@ class JobRunner:
         try:
             payload = job.load(self._jobs.open_payload(job, envelope))
         except (PayloadUndecryptable, JobPayloadInvalid) as exc:
-            failure = FatalWorkError(str(exc))
-            self._after(context, base.event(JobFailed, error=failure, reason=str(exc),
-                                            chain_ended=bool(envelope.chain)))
+            failure, why_failed = FatalWorkError(str(exc)), str(exc)
+            self._after(context, lambda: base.event(JobFailed, error=failure, reason=why_failed,
+                                                    chain_ended=bool(envelope.chain)))
             raise failure from None
         signal = AbortSignal()
         context.signal.add_listener(signal.abort)
@@ -101,16 +101,17 @@ class JobRunner:
         )
         if envelope.unique_key is not None and envelope.unique_until == "processing":
             await self._jobs.release_unique(queue, envelope.unique_key, message.message_id)
-        await self._emit(base.event(JobProcessing))
+        if self._jobs.events:  # (no event is built for a queue without listeners)
+            await self._emit(base.event(JobProcessing))
         started = time.monotonic()
         try:
             result = await self._attempt(job, payload, job_context, envelope, message, context)
         except OnceBusy:
-            self._after(context, base.event(JobReleased, reason="once-busy"))
+            self._after(context, lambda: base.event(JobReleased, reason="once-busy"))
             raise
         except asyncio.CancelledError:
             if context.signal.reason == AbortReason.SHUTDOWN:
-                self._after(context, base.event(JobReleased, reason="shutdown"))
+                self._after(context, lambda: base.event(JobReleased, reason="shutdown"))
             raise
         except FatalWorkError as exc:
             await self._failed(base, context, envelope, exc, str(exc))
@@ -121,7 +122,8 @@ class JobRunner:
             raise
         if isinstance(result, JobDiscard):
             await self._end_unique(queue, envelope, message)
-            self._after(context, base.event(JobDiscarded, reason=result.reason, chain_ended=bool(envelope.chain)))
+            self._after(context, lambda: base.event(JobDiscarded, reason=result.reason,
+                                                    chain_ended=bool(envelope.chain)))
             return Outcome.discard(result.reason)
         if isinstance(result, JobRelease):
             reason = "released by the job" if result.reason == "release" else "its overlap key was taken"
@@ -129,10 +131,11 @@ class JobRunner:
                 await self._failed(base, context, envelope, None, f"{reason} on its last try")
             else:
                 released: ReleaseReason = "overlap" if result.reason == "overlap" else "release"
-                self._after(context, base.event(JobReleased, reason=released, delay_seconds=result.delay_seconds))
+                self._after(context, lambda: base.event(JobReleased, reason=released,
+                                                        delay_seconds=result.delay_seconds))
             return Outcome.retry(reason, delay_seconds=result.delay_seconds)
         await self._end_unique(queue, envelope, message)
-        self._after(context, base.event(JobProcessed, seconds=time.monotonic() - started))
+        self._after(context, lambda: base.event(JobProcessed, seconds=time.monotonic() - started))
         return self._jobs.completion(envelope)
 
     async def _attempt(
@@ -172,7 +175,7 @@ class JobRunner:
         if context.attempt >= context.max_attempts:
             await self._failed(base, context, envelope, exc, f"{type(exc).__name__} on its last try")
         else:
-            self._after(context, base.event(JobReleased, reason=reason, error=exc))
+            self._after(context, lambda: base.event(JobReleased, reason=reason, error=exc))
 
     async def _failed(self, base: _Fields, context: WorkContext, envelope: JobEnvelope,
                       exc: BaseException | None, reason: str) -> None:
@@ -183,7 +186,7 @@ class JobRunner:
             reason = f"{reason}; {note}"
         if envelope.unique_key is not None:
             await self._jobs.release_unique(base.queue, envelope.unique_key, base.job_id)
-        self._after(context, base.event(JobFailed, error=exc, reason=reason, chain_ended=bool(envelope.chain)))
+        self._after(context, lambda: base.event(JobFailed, error=exc, reason=reason, chain_ended=bool(envelope.chain)))
 
     async def _end_unique(self, queue: str, envelope: JobEnvelope, message: WorkMessage[Any]) -> None:
         if envelope.unique_key is not None and envelope.unique_until != "processing":
@@ -192,10 +195,12 @@ class JobRunner:
     async def _emit(self, event: JobEvent) -> None:
         await self._jobs.events.emit(event)
 
-    def _after(self, context: WorkContext, event: JobEvent) -> None:
-        """Emits ``event`` once the attempt's outcome is written to the store (listeners see what the
-        store knows: a failed job is in the failed jobs when JobFailed is heard)."""
+    def _after(self, context: WorkContext, make: Callable[[], JobEvent]) -> None:
+        """Emits the event ``make`` builds (now, when the queue has listeners) once the attempt's
+        outcome is written to the store (listeners see what the store knows: a failed job is in the
+        failed jobs when JobFailed is heard)."""
         if self._jobs.events:
+            event = make()
             context.after_settle(lambda _result: self._jobs.emit_soon(event))
 
 

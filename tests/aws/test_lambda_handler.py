@@ -7,10 +7,8 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import boto3
 import pytest
 from pydantic import BaseModel
 
@@ -18,24 +16,12 @@ from fastapi_workqueue import ConfigurationError, FatalWorkError, Outcome, WorkC
 from fastapi_workqueue.aws.lambda_handler import POLICY_ENV, SubscriptionPolicy, sqs_handler
 from fastapi_workqueue.core.context import AbortReason
 
-from .moto_server import credentials_env, moto_server
-
-REGION = "us-east-1"
+from .provision import clients
 
 
 @pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    with moto_server() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def sqs(endpoint: str) -> Any:
-    env = credentials_env()
-    return boto3.client(
-        "sqs", region_name=REGION, endpoint_url=endpoint,
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-    )
+def sqs(moto_url: str) -> Any:
+    return clients(moto_url)[1]
 
 
 def make_policy(sqs: Any, *, fifo: bool = False, max_attempts: int = 3, **extra: Any) -> SubscriptionPolicy:
@@ -92,7 +78,7 @@ def event_of(messages: list[dict[str, Any]], queue_arn: str = "arn:aws:sqs:us-ea
             "md5OfBody": m["MD5OfBody"],
             "eventSource": "aws:sqs",
             "eventSourceARN": queue_arn,
-            "awsRegion": REGION,
+            "awsRegion": "us-east-1",
         }
         for m in messages
     ]}
@@ -339,6 +325,8 @@ def test_importing_the_adapter_pulls_in_no_web_framework_orm_or_driver() -> None
     code = (
         "import sys\n"
         "import fastapi_workqueue.aws.lambda_handler\n"
+        "from fastapi_workqueue import FatalWorkError, Outcome, TransientWorkError, WorkContext, WorkMessage\n"
+        "from fastapi_workqueue import WorkOutcome\n"
         "banned = ('fastapi', 'starlette', 'sqlalchemy', 'asyncpg', 'aiosqlite', 'sqlite3', 'aioodbc', 'pyodbc',\n"
         "          'psycopg', 'psycopg2', 'boto3', 'botocore', 'aioboto3', 'aiobotocore', 'jinja2', 'httpx')\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & set(banned)))\n"
@@ -348,3 +336,24 @@ def test_importing_the_adapter_pulls_in_no_web_framework_orm_or_driver() -> None
     loaded_banned, ours = run.stdout.splitlines()
     assert loaded_banned == "[]", loaded_banned
     assert "fastapi_workqueue.queue" not in ours and "fastapi_workqueue.database" not in ours
+
+
+def test_a_message_published_with_its_own_attempts_and_backoff_keeps_them(sqs: Any) -> None:
+    policy = make_policy(sqs, max_attempts=5)
+
+    async def handle(message: WorkMessage[Any], context: WorkContext) -> Any:
+        assert context.max_attempts == 2
+        return Outcome.retry("again")
+
+    body = {"message_id": str(uuid.uuid4()), "payload": {}, "max_attempts": 2, "backoff_seconds": [0, 600]}
+    sqs.send_message(QueueUrl=policy.queue_url, MessageBody=json.dumps(body))
+    handler = sqs_handler(handle, policy=policy, sqs_client=sqs, rng=lambda: 1.0)
+    first = event_of(receive(sqs, policy.queue_url))
+    assert len(handler(first)["batchItemFailures"]) == 1
+    # The schedule's first step (0 s) applied, not the subscription's backoff: back at once.
+    second = event_of(receive(sqs, policy.queue_url))
+    assert second["Records"][0]["attributes"]["ApproximateReceiveCount"] == "2"
+    # Attempt 2 of the message's 2 is the last: dead-lettered although the subscription allows 5.
+    assert handler(second) == {"batchItemFailures": []}
+    [dead] = receive(sqs, policy.dlq_url)
+    assert json.loads(dead["Body"])["dead_letter"]["reason"] == "again (attempt 2 of 2)"

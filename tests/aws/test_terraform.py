@@ -65,31 +65,10 @@ def _locals() -> dict[str, Any]:
     return merged
 
 
-# The manifest's fields as the formats brief fixes them, used until the package ships its schema.
-_FORMATS_FIELDS: dict[str, Any] = {
-    "properties": {
-        "version": {}, "generator": {}, "region": {},
-        "topics": {"items": {"properties": {"name": {}, "sns_name": {}, "is_fifo": {}}}},
-        "subscriptions": {"items": {"properties": {
-            k: {} for k in (
-                "name", "topic", "handler_key", "queue_name", "dlq_name", "is_fifo", "partition_mode",
-                "max_attempts", "visibility_timeout_seconds", "message_retention_seconds",
-                "raw_message_delivery", "filter_policy", "filter_policy_scope",
-            )
-        } | {"lambda": {"anyOf": [{"type": "null"}, {"properties": {
-            "batch_size": {}, "maximum_batching_window_seconds": {}, "timeout_seconds": {}}}]}}}},
-    }
-}
-
-
 def _schema() -> dict[str, Any]:
-    from importlib import resources
+    from fastapi_workqueue.aws.manifest import manifest_schema
 
-    schema_file = resources.files("fastapi_workqueue") / "aws" / "manifest.schema.json"
-    if not schema_file.is_file():
-        return _FORMATS_FIELDS
-    loaded: dict[str, Any] = json.loads(schema_file.read_text(encoding="utf-8"))
-    return loaded
+    return manifest_schema()
 
 
 def _resolve(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
@@ -301,3 +280,46 @@ def test_the_lambda_role_reaches_only_its_own_queue_dlq_and_log_group() -> None:
             "aws_cloudwatch_log_group.consumer[each.key].arn", "statement.value",
         )), f"the consumer role reaches {r}"
     assert "*" not in "".join(r.replace(":*", "") for r in resources)
+
+
+def test_the_policy_the_module_sets_on_a_lambda_is_what_the_adapter_reads() -> None:
+    from fastapi_workqueue.aws.lambda_handler import POLICY_ENV, SubscriptionPolicy
+
+    text = (MODULE / "lambda.tf").read_text(encoding="utf-8")
+    block = text[text.index(f"{POLICY_ENV} = jsonencode({{") :]
+    block = block[: block.index("})")]
+    keys = set(re.findall(r"^\s*(\w+)\s*=", block, re.M)) - {POLICY_ENV}
+    fields = set(SubscriptionPolicy.model_fields)
+    assert keys <= fields, f"the module sets {keys - fields}, which the adapter ignores"
+    required = {name for name, f in SubscriptionPolicy.model_fields.items() if f.is_required()}
+    assert required <= keys, f"the adapter needs {required - keys}, which the module does not set"
+    assert fields - keys <= {"region"}, f"the module leaves out {fields - keys}"
+
+
+def test_the_example_calls_the_module_with_a_fresh_manifest() -> None:
+    from fastapi_workqueue import WorkQueueSettings
+    from fastapi_workqueue.aws.manifest import build_manifest, validate_manifest
+    from tests.apps.aws_app import queue
+
+    example = MODULE / "examples" / "basic"
+    manifest = json.loads((example / "manifest.json").read_text(encoding="utf-8"))
+    validate_manifest(manifest)
+    settings = WorkQueueSettings(aws_region="us-east-1", aws_lambda_subscriptions=["orders.archive"],
+                                 aws_resource_prefix="")
+    fresh = build_manifest(queue.topics.values(), queue.subscriptions.values(), settings)
+    assert manifest == fresh, "export the example's manifest again (see examples/basic/main.tf)"
+
+    [call] = _load(example / "main.tf")["module"]
+    body = call["workqueue"]
+    assert body["source"].strip('"') == "../.."
+    module_vars: set[str] = set()
+    for path in TF_FILES:
+        for entry in _load(path).get("variable", []):
+            module_vars |= set(entry)
+    passed = set(body) - {"source"}
+    assert passed <= module_vars, f"the example passes {passed - module_vars}, which the module does not take"
+    # What the module's preconditions check at plan time.
+    lambdas = {s["name"]: s for s in manifest["subscriptions"] if s["lambda"] is not None}
+    assert set(body["lambda_consumers"]) <= set(lambdas)
+    for s in lambdas.values():
+        assert s["lambda"]["timeout_seconds"] <= s["visibility_timeout_seconds"]

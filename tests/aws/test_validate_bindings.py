@@ -4,29 +4,19 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import boto3
 import pytest
 
 from fastapi_workqueue.aws.validate import validate_aws_bindings
 
-from .moto_server import credentials_env, moto_server
-
-REGION = "us-east-1"
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    with moto_server() as url:
-        yield url
+from .moto import REGION
+from .provision import clients, provision
 
 
-@pytest.fixture(autouse=True)
-def _credentials(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in credentials_env().items():
-        monkeypatch.setenv(key, value)
+@pytest.fixture
+def endpoint(moto_url: str) -> str:
+    return moto_url
 
 
 def manifest_for(tag: str) -> dict[str, Any]:
@@ -44,39 +34,11 @@ def manifest_for(tag: str) -> dict[str, Any]:
     }
 
 
-def provision(endpoint: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Makes the manifest's resources as the Terraform module would, and answers its binding_import."""
-    sns = boto3.client("sns", region_name=REGION, endpoint_url=endpoint)
-    sqs = boto3.client("sqs", region_name=REGION, endpoint_url=endpoint)
-    bindings: dict[str, Any] = {"version": 1, "region": REGION, "topics": {}, "subscriptions": {}}
-    for t in manifest["topics"]:
-        attrs = {"FifoTopic": "true", "ContentBasedDeduplication": "false"} if t["is_fifo"] else {}
-        bindings["topics"][t["name"]] = {"arn": sns.create_topic(Name=t["sns_name"], Attributes=attrs)["TopicArn"]}
-    for s in manifest["subscriptions"]:
-        fifo = {"FifoQueue": "true"} if s["is_fifo"] else {}
-        dlq_url = sqs.create_queue(QueueName=s["dlq_name"], Attributes=fifo)["QueueUrl"]
-        dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
-        url = sqs.create_queue(QueueName=s["queue_name"], Attributes={
-            **fifo, "VisibilityTimeout": str(s["visibility_timeout_seconds"]),
-            "MessageRetentionPeriod": str(s["message_retention_seconds"]),
-            "RedrivePolicy": json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": s["max_attempts"]}),
-        })["QueueUrl"]
-        arn = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
-        sub_attrs = {"RawMessageDelivery": "true"}
-        if s["filter_policy"] is not None:
-            sub_attrs |= {"FilterPolicy": json.dumps(s["filter_policy"]), "FilterPolicyScope": s["filter_policy_scope"]}
-        sub_arn = sns.subscribe(TopicArn=bindings["topics"][s["topic"]]["arn"], Protocol="sqs", Endpoint=arn,
-                                Attributes=sub_attrs, ReturnSubscriptionArn=True)["SubscriptionArn"]
-        bindings["subscriptions"][s["name"]] = {"queue_url": url, "queue_arn": arn, "dlq_url": dlq_url,
-                                                "dlq_arn": dlq_arn, "subscription_arn": sub_arn}
-    return bindings
-
-
 @pytest.fixture
 def bound(endpoint: str) -> tuple[dict[str, Any], dict[str, Any], str]:
     tag = uuid.uuid4().hex[:8]
     manifest = manifest_for(tag)
-    return manifest, provision(endpoint, manifest), f"orders.email.{tag}"
+    return manifest, provision(manifest, endpoint), f"orders.email.{tag}"
 
 
 async def messages(manifest: dict[str, Any], bindings: dict[str, Any], endpoint: str) -> list[str]:
@@ -98,8 +60,7 @@ async def test_each_drift_is_one_error_naming_the_item_and_what_to_run(
     bound: tuple[dict[str, Any], dict[str, Any], str], endpoint: str
 ) -> None:
     manifest, bindings, name = bound
-    sqs = boto3.client("sqs", region_name=REGION, endpoint_url=endpoint)
-    sns = boto3.client("sns", region_name=REGION, endpoint_url=endpoint)
+    sns, sqs = clients(endpoint)
     b = bindings["subscriptions"][name]
     sqs.set_queue_attributes(QueueUrl=b["queue_url"], Attributes={
         "VisibilityTimeout": "10",
@@ -124,7 +85,7 @@ async def test_missing_resources_and_bindings_are_errors(
     bound: tuple[dict[str, Any], dict[str, Any], str], endpoint: str
 ) -> None:
     manifest, bindings, name = bound
-    sqs = boto3.client("sqs", region_name=REGION, endpoint_url=endpoint)
+    sqs = clients(endpoint)[1]
     sqs.delete_queue(QueueUrl=bindings["subscriptions"][name]["dlq_url"])
     found = await messages(manifest, bindings, endpoint)
     assert found == [f"Error subscription {name}: dead-letter queue {bindings['subscriptions'][name]['dlq_url']} "

@@ -18,7 +18,7 @@ resource "terraform_data" "lambda_consumers" {
   lifecycle {
     precondition {
       condition     = length(setsubtract(keys(var.lambda_consumers), keys(local.lambda_subscriptions))) == 0
-      error_message = "lambda_consumers names ${join(", ", setsubtract(keys(var.lambda_consumers), keys(local.lambda_subscriptions)))}, which the manifest does not serve by Lambda; set aws_lambda=True on the Subscription and export again, or remove the entry."
+      error_message = "lambda_consumers names ${join(", ", setsubtract(keys(var.lambda_consumers), keys(local.lambda_subscriptions)))}, which the manifest does not serve by Lambda; add it to WORKQUEUE_AWS_LAMBDA_SUBSCRIPTIONS and export again, or remove the entry."
     }
     precondition {
       condition     = length(distinct([for c in local.lambda_consumers : c.function_name])) == length(local.lambda_consumers)
