@@ -253,6 +253,8 @@ def _action(ctx: Context, result: Any) -> None:
     else:
         extra = " (the handler is told to stop; the delivery is Discarded when it returns)" if (
             result.cancel_requested) else ""
+        if getattr(result, "reason", None):
+            extra = f": {result.reason}"
         click.echo(f"{result.result}: delivery {result.delivery_id} of {result.subscription}{extra}")
     if not result.ok:
         sys.exit(1)

@@ -34,6 +34,7 @@ NOTICES = {
     "Resumed": "Resumed: claiming again.",
     "Unchanged": "Nothing changed: the subscription was already so.",
     "ReplayedAll": "Dead letters replayed.",
+    "Unsupported": "Nothing changed: the transport cannot do this (SQS cannot cancel an in-flight message).",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -95,3 +96,31 @@ async def test_a_relay_killed_mid_batch_loses_nothing_and_keeps_order(database_u
             # FIFO deduplication drops the resent copies; whatever arrives keeps the key's order.
             firsts = list(dict.fromkeys(seen))
             assert firsts == ids, key
+
+
+async def test_one_relay_at_a_time_forwards_a_key(database_url: str, moto_url: str) -> None:
+    name = unique("t")
+    sub = f"{name}.s"
+    async with aws_queue(database_url, moto_url, [Topic(name=name, transport="aws", is_fifo=True)],
+                         [Subscription(name=sub, topic=name, handler_key="h", partition_mode="Exclusive")]) as queue:
+        async with queue.sessionmaker() as session, session.begin():
+            await queue.publish(name, [PublishRequest(payload={"i": i}, partition_key="k") for i in range(3)],
+                                session=session)
+        first, second = OutboxRelay(aws_of(queue)), OutboxRelay(aws_of(queue))
+        inside = asyncio.Event()
+        release = asyncio.Event()
+        during: list[int] = []
+
+        async def hold(rows: list[OutboxRow]) -> None:
+            inside.set()
+            await release.wait()
+
+        first.after_batch = hold
+        running = asyncio.create_task(first.run_once())
+        await inside.wait()
+        during.append((await second.run_once()).sent)  # the key is held: the second relay sends none of it
+        release.set()
+        assert (await running).sent == 3
+        assert during == [0]
+        assert (await second.run_once()).sent == 0
+        assert len(await receive_all(queue, sub)) == 3
