@@ -172,3 +172,36 @@ async def _noop(message: WorkMessage[Any]) -> None:
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WORKQUEUE_DATABASE_URL", raising=False)
+
+
+async def test_heartbeats_extend_the_visibility_and_a_forged_token_is_dead(tmp_path: Path, moto_url: str) -> None:
+    from fastapi_workqueue.core.transport import HeartbeatRequest
+
+    name = unique("t")
+    sub = f"{name}.s"
+    async with aws_queue(sqlite_url(tmp_path), moto_url, [Topic(name=name, transport="aws")],
+                         [Subscription(name=sub, topic=name, handler_key="h", lease_seconds=30)]) as queue:
+        await queue.publish(name, [PublishRequest(payload={})])
+        [d] = await claim_all(queue, sub)
+        alive, forged = await queue.transport.heartbeat([
+            HeartbeatRequest(d.delivery_id, d.lease_token),  # type: ignore[attr-defined]
+            HeartbeatRequest(d.delivery_id, "forged"),  # type: ignore[attr-defined]
+        ])
+        assert alive.alive and alive.lease_expires_at is not None
+        assert not forged.alive
+        info = await queue.get_delivery(d.delivery_id)  # type: ignore[attr-defined]
+        assert info is not None and info.status == "InFlight"
+        assert await queue.transport.settle([Settlement(d.delivery_id, "forged", "Complete")]) == ["LeaseLost"]  # type: ignore[attr-defined]
+
+
+async def test_a_delay_or_a_deduplication_key_on_a_standard_topic_is_refused(tmp_path: Path, moto_url: str) -> None:
+    name = unique("t")
+    async with aws_queue(sqlite_url(tmp_path), moto_url, [Topic(name=name, transport="aws")],
+                         [Subscription(name=f"{name}.s", topic=name, handler_key="h")]) as queue:
+        delayed, other = await queue.publish(name, [PublishRequest(payload={}, delay_seconds=5),
+                                                    PublishRequest(payload={})])
+        assert delayed.status == PublishStatus.REJECTED and delayed.error is not None
+        assert "cannot delay" in delayed.error.message
+        assert other.status == PublishStatus.REJECTED and other.error is not None and other.error.code == "BatchAborted"
+        [keyed] = await queue.publish(name, [PublishRequest(payload={}, deduplication_key="k")])
+        assert keyed.status == PublishStatus.REJECTED and "is_fifo=True" in (keyed.error.message if keyed.error else "")

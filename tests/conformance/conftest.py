@@ -25,6 +25,7 @@ from fastapi_workqueue.database.mssql import MssqlTransport
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 from fastapi_workqueue.database.sqlite import SqliteTransport
 
+from ..aws.conftest import moto_url  # noqa: F401  (a fixture: a moto server for the aws harness)
 from .harness import Harness
 
 
@@ -206,8 +207,17 @@ class MssqlHarness(_SessionHarness):
         assert moved == 1, f"no deduplication key {key!r} on {topic}"
 
 
-@pytest.fixture(params=["postgresql", "sqlite", "mssql"])
+@pytest.fixture(params=["postgresql", "sqlite", "mssql", "aws"])
 async def harness(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) -> AsyncIterator[Harness]:
+    if request.param == "aws":
+        from ..aws.harness import AWS_SKIPS, aws_harness
+
+        case = request.node.originalname
+        if case in AWS_SKIPS:
+            pytest.skip(f"aws: {AWS_SKIPS[case]}")
+        async with aws_harness(request.getfixturevalue("moto_url")) as aws:
+            yield aws  # type: ignore[misc]
+        return
     if request.param == "mssql":
         # No SQL Server runs in CI here: the suite runs on one only where this variable names it,
         # e.g. mssql+aioodbc://sa:…@127.0.0.1:1433/workqueue?driver=ODBC+Driver+18+for+SQL+Server
