@@ -357,3 +357,14 @@ def test_a_message_published_with_its_own_attempts_and_backoff_keeps_them(sqs: A
     assert handler(second) == {"batchItemFailures": []}
     [dead] = receive(sqs, policy.dlq_url)
     assert json.loads(dead["Body"])["dead_letter"]["reason"] == "again (attempt 2 of 2)"
+
+
+def test_the_docs_list_what_only_real_aws_checks() -> None:
+    from pathlib import Path
+
+    from .harness import MOTO_CANNOT_EMULATE
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "aws.md").read_text(encoding="utf-8")
+    section = page[page.index("## Checked only against real AWS"):]
+    for behaviour in MOTO_CANNOT_EMULATE:
+        assert f"**{behaviour}**" in section, behaviour
