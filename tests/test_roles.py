@@ -474,3 +474,39 @@ async def test_a_name_a_live_key_has_is_refused_until_it_is_revoked(pg_transport
     assert await pg_transport.api_key_revoke(first.prefix) == 1
     again = await create_key(pg_transport, name, ["workqueue:read"])
     assert again.name == name
+
+
+# -- the AWS layer's tables -----------------------------------------------------------------------
+
+
+async def test_the_aws_role_writes_the_outbox_and_reads_the_bindings_only(
+    admin: asyncpg.Connection[Any], pg_url: str, runtime_role: str,
+) -> None:
+    """workqueue_runtime holds no table privilege; an app whose topics are on AWS adds
+    workqueue_aws (roles/aws_role.sql): it inserts and marks outbox rows, reads the bindings, and
+    may touch nothing else."""
+    role = "workqueue_aws"
+    existed = await role_exists(admin, role)
+    script = sql_files.read("postgresql", "roles", "aws_role.sql")
+    await admin.execute(script)
+    await admin.execute(script)  # idempotent
+    try:
+        async with login_with(admin, runtime_role, role) as login:
+            conn = await asyncpg.connect(to_asyncpg_dsn(pg_url), user=login)
+            try:
+                outbox_id = await conn.fetchval(
+                    "INSERT INTO workqueue.aws_outbox (topic, message_id, partition_key, body, attributes) "
+                    "VALUES ('t', gen_random_uuid(), NULL, '{}', '{}') RETURNING id")
+                await conn.execute("UPDATE workqueue.aws_outbox SET sent_at = now() WHERE id = $1", outbox_id)
+                await conn.fetch("SELECT * FROM workqueue.aws_binding")
+                for refused in ("DELETE FROM workqueue.aws_outbox",
+                                "DELETE FROM workqueue.aws_binding",
+                                "SELECT 1 FROM workqueue.delivery LIMIT 1"):
+                    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                        await conn.execute(refused)
+            finally:
+                await conn.close()
+        await admin.execute("DELETE FROM workqueue.aws_outbox WHERE topic = 't'")
+    finally:
+        if not existed:
+            await drop_role(admin, role)
