@@ -738,7 +738,7 @@ def publish_result(row: Row, message: PreparedMessage) -> PublishResult:
 def claimed(r: Row) -> ClaimedDelivery:
     raw = r["attributes"]
     stored = json.loads(raw) if isinstance(raw, str) else (raw or {})
-    attributes, headers = split_headers(stored) if HEADERS_KEY in stored else (dict(stored), None)
+    attributes, headers = split_headers(stored)
     return ClaimedDelivery(
         delivery_id=str(r["delivery_id"]),
         lease_token=str(r["lease_token"]),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.private_cluster import free_port
+
 REGION = "us-east-1"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _server_command(port: int) -> list[str]:
@@ -36,7 +30,7 @@ def _server_command(port: int) -> list[str]:
 @contextmanager
 def moto_server() -> Iterator[str]:
     """Starts moto_server, waits until it answers and yields its endpoint URL; stops it after."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         _server_command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, **CREDENTIALS},
