@@ -85,15 +85,21 @@ class Observers(Observer):
                         correlation_id: str | None = None) -> PublishScope | None:
         scopes = [s for o in self.observers
                   if (s := o.publish_started(topic, count, message_id=message_id, correlation_id=correlation_id))]
-        return _PublishScopes(scopes) if scopes else None
+        if len(scopes) < 2:
+            return scopes[0] if scopes else None
+        return _PublishScopes(scopes)
 
     def process_started(self, subscription: str, delivery: ClaimedDelivery) -> ProcessScope | None:
         scopes = [s for o in self.observers if (s := o.process_started(subscription, delivery))]
-        return _ProcessScopes(scopes) if scopes else None
+        if len(scopes) < 2:
+            return scopes[0] if scopes else None
+        return _ProcessScopes(scopes)
 
     def settle_started(self, settlements: Sequence[Settlement]) -> SettleScope | None:
         scopes = [s for o in self.observers if (s := o.settle_started(settlements))]
-        return _SettleScopes(scopes) if scopes else None
+        if len(scopes) < 2:
+            return scopes[0] if scopes else None
+        return _SettleScopes(scopes)
 
 
 class _PublishScopes(PublishScope):

@@ -13,6 +13,7 @@ its exporters (without them, the API's no-op providers record nothing).
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, propagate, trace
+from opentelemetry.environment_variables import OTEL_PYTHON_METER_PROVIDER, OTEL_PYTHON_TRACER_PROVIDER
+from opentelemetry.metrics import _internal as _metrics_internal
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from ..core.observe import Observer, ProcessScope, PublishScope, SettleScope
@@ -51,6 +54,14 @@ def _unset(provider: Any) -> bool:
 
 
 _STAND_INS = {"ProxyTracerProvider", "NoOpTracerProvider", "_ProxyMeterProvider", "NoOpMeterProvider"}
+_MISSING = object()
+
+
+def _nothing_set() -> bool:
+    """True while no global provider was set, read without the API's environment lookups (which
+    cost more than the rest of an attempt's hooks); False when it cannot tell."""
+    return (getattr(trace, "_TRACER_PROVIDER", _MISSING) is None
+            and getattr(_metrics_internal, "_METER_PROVIDER", _MISSING) is None)
 
 
 class OpenTelemetryObserver(Observer):
@@ -78,10 +89,20 @@ class OpenTelemetryObserver(Observer):
         self.consumed = meter.create_counter(sc.CONSUMED_MESSAGES, unit="{message}",
                                              description="Deliveries handed to a handler.")
         self._attempts: OrderedDict[str, trace.SpanContext] = OrderedDict()
-        self._explicit = tracer_provider is not None or meter_provider is not None
+        self._on = tracer_provider is not None or meter_provider is not None
+        self._from_environment = OTEL_PYTHON_TRACER_PROVIDER in os.environ or OTEL_PYTHON_METER_PROVIDER in os.environ
 
     def _off(self) -> bool:
-        return not self._explicit and _unset(trace.get_tracer_provider()) and _unset(metrics.get_meter_provider())
+        """True while only the API's stand-ins are installed. Once a real provider is seen the
+        observer stays on (a global provider is set once per process)."""
+        if self._on:
+            return False
+        if not self._from_environment and _nothing_set():
+            return True
+        if _unset(trace.get_tracer_provider()) and _unset(metrics.get_meter_provider()):
+            return True
+        self._on = True
+        return False
 
     def publish_started(self, topic: str, count: int, *, message_id: str | None = None,
                         correlation_id: str | None = None) -> PublishScope | None:
