@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..core.envelope import PreparedMessage, PublishResult, PublishStatus
 from ..core.errors import ConfigurationError, TransportError
 from ..core.outcomes import FollowUp
+from ..core.transport import Transport
 
 if TYPE_CHECKING:
     from .transport import AwsTransport
@@ -74,13 +75,14 @@ async def publish_follow_ups(
 ) -> None:
     """Publishes ``follow_ups`` so that they are stored when this returns (see the module's text).
     A refused message raises :class:`TransportError` and, with a database, nothing is kept."""
-    queue = transport.queue
     if transport.settings.database_url:
-        database = _database_publisher(transport)
-        async with queue.sessionmaker() as session, session.begin():
+        async with transport.queue.sessionmaker() as session, session.begin():
             for follow_up in follow_ups:
-                publish = transport.publish if follow_up.topic in transport._topics else database
-                answers = await publish(follow_up.topic, follow_up.messages, session=session)
+                if follow_up.topic in transport._topics:
+                    answers = await transport.publish(follow_up.topic, follow_up.messages, session=session)
+                else:
+                    database = _database(transport, follow_up.topic)
+                    answers = await database.publish(follow_up.topic, follow_up.messages, session=session)
                 _check(delivery_id, follow_up, answers, derived)
         return
     for follow_up in follow_ups:
@@ -102,18 +104,13 @@ def _check(delivery_id: str, follow_up: FollowUp, answers: Sequence[PublishResul
         raise _refused(delivery_id, follow_up.topic, message, answer)
 
 
-async def _NO_DATABASE(topic: str, messages: Sequence[PreparedMessage], *, session: Any = None) -> list[PublishResult]:
-    raise ConfigurationError(
-        f"follow-up to topic {topic!r} from an aws subscription: the queue has no database transport for it"
-    )
-
-
-def _database_publisher(transport: AwsTransport) -> Any:
-    """The database transport's ``publish`` (through the queue's routing transport), or a stand-in
-    that refuses when the queue routes no database topics."""
+def _database(transport: AwsTransport, topic: str) -> Transport:
+    """The queue's database transport, which the follow-up's (non-aws) topic is on."""
     from ..core.routing import RoutingTransport
 
-    router = getattr(transport.queue, "_transport", None)
-    if isinstance(router, RoutingTransport) and router.default is not None:
-        return router.default.publish
-    return _NO_DATABASE
+    router = transport.queue.transport
+    if not isinstance(router, RoutingTransport):
+        raise ConfigurationError(
+            f"follow-up to topic {topic!r} from an aws subscription: the queue routes no database topics"
+        )
+    return router.database

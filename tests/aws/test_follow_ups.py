@@ -185,3 +185,13 @@ async def test_without_a_database_follow_ups_go_straight_to_sns(moto_url: str) -
         assert await aws.settle([to_database]) == ["Completed"]  # the refused completion left it leased
     finally:
         await aws.close()
+
+
+async def test_a_lease_this_process_does_not_hold_publishes_nothing(database_url: str, moto_url: str) -> None:
+    name = unique("f")
+    topics, subs = chain(name)
+    async with aws_queue(database_url, moto_url, topics, subs) as queue:
+        delivery = await claim_first(queue, name)
+        assert await queue.transport.settle_with_follow_ups(completion(delivery, name, "forged")) == "LeaseLost"
+        assert (await OutboxRelay(aws_of(queue)).run_once()).sent == 0
+        assert await drain(queue.transport, f"{name}.c") == []
