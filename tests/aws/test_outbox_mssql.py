@@ -115,7 +115,7 @@ async def test_write_outbox_on_sql_server_inserts_the_rows_in_the_callers_transa
 
 async def test_write_outbox_refuses_a_database_without_the_table() -> None:
     session = Recorder([], [])
-    session.dialect = SimpleNamespace(name="oracle")  # type: ignore[misc]
+    session.dialect = SimpleNamespace(name="oracle")
     with pytest.raises(ConfigurationError, match="no table on 'oracle'"):
         await write_outbox(session, "orders", [(prepare(PublishRequest(payload=1)), "body")])
 
