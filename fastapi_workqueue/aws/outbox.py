@@ -273,7 +273,7 @@ class OutboxRelay:
         return OutboxRow(
             id=int(r[0]),
             topic=r[1],
-            message_id=str(r[2]),
+            message_id=str(r[2]).lower(),  # SQL Server answers a uniqueidentifier in upper case
             partition_key=r[3],
             body=r[4],
             attributes=attributes,

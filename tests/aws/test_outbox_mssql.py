@@ -22,7 +22,6 @@ from fastapi_workqueue.aws.outbox import OutboxRelay, write_outbox
 from fastapi_workqueue.aws.outbox_mssql import BEHIND, DEFER, MARK_SENT, STATEMENTS, TAKE, WRITE
 from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.core.errors import ConfigurationError
-from fastapi_workqueue.core.transport import Settlement
 
 from ..conftest import unique
 from .world import aws_of, aws_queue
@@ -130,7 +129,8 @@ async def test_a_sql_server_pass_sends_in_order_leaves_rows_behind_a_held_key_an
                          [Subscription(name=sub, topic=name, handler_key="h", partition_mode="Exclusive")]) as queue:
         messages = [prepare(PublishRequest(payload={"i": i}, partition_key=key))
                     for i, key in enumerate(["k", "k", None, "j"])]
-        rows = [(i + 1, name, str(m.message_id), m.partition_key, bodies.encode(name, m), "{}", 0)
+        # SQL Server answers a uniqueidentifier in upper case; the deduplication id is the MessageID as published.
+        rows = [(i + 1, name, str(m.message_id).upper(), m.partition_key, bodies.encode(name, m), "{}", 0)
                 for i, m in enumerate(messages)]
         # Row 4 (key j) waits behind a row of j another relay holds.
         engine = Recorder(rows, behind=[4])
@@ -140,17 +140,24 @@ async def test_a_sql_server_pass_sends_in_order_leaves_rows_behind_a_held_key_an
         assert json.loads(engine.ran(BEHIND)[0]["ids"]) == [1, 2, 3, 4]
         assert json.loads(engine.ran(MARK_SENT)[0]["ids"]) == [1, 2, 3]
         assert engine.ran(DEFER) == [] and engine.committed == 1
-        got = []
+        aws = aws_of(queue)
+        queue_url, _ = aws._urls(sub)
+        got: list[dict[str, Any]] = []
         for _ in range(10):
-            batch = await queue.transport.claim(sub, 10)
+            answer = await aws.sqs.receive_message(QueueUrl=queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=0,
+                                                   MessageSystemAttributeNames=["All"])
+            batch = answer.get("Messages", [])
             got.extend(batch)
-            await queue.transport.settle([Settlement(d.delivery_id, d.lease_token, "Complete") for d in batch])
+            for m in batch:
+                await aws.sqs.delete_message(QueueUrl=queue_url, ReceiptHandle=m["ReceiptHandle"])
             if not batch and got:
                 break
-        by_key = {k: [d.message_id for d in got if d.partition_key == k] for k in ("k", "j")}
-        assert by_key == {"k": [messages[0].message_id, messages[1].message_id], "j": []}
-        assert messages[2].message_id in {d.message_id for d in got}
-
+        ids = [m["Attributes"]["MessageDeduplicationId"] for m in got]
+        assert [json.loads(m["Body"])["message_id"] for m in got] == ids  # the MessageID as published
+        by_key = {k: [i for m, i in zip(got, ids, strict=True) if m["Attributes"]["MessageGroupId"] == k]
+                  for k in ("k", "j")}
+        assert by_key == {"k": [str(messages[0].message_id), str(messages[1].message_id)], "j": []}
+        assert sorted(ids) == sorted(str(m.message_id) for m in messages[:3])
 
 async def test_a_sql_server_pass_with_nothing_due_sends_nothing(tmp_path: Path, moto_url: str) -> None:
     name = unique("t")
