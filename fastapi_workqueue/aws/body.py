@@ -3,11 +3,18 @@
 ``{"message_id", "topic", "partition_key", "correlation_id", "published_at", "headers",
 "payload"}``; the user's attributes (at most 10) are the SNS message attributes, which filter
 policies read. A dead letter adds ``dead_letter`` (reason, error, attempts, subscription).
+
+The one decoder of received bodies, for the host transport and the Lambda adapter alike: a body
+the library wrote is its envelope; any other JSON body is the payload of another producer; a body
+that is not JSON is that producer's payload as a string (never a dead letter for being text: the
+handler's payload model decides whether text is acceptable). Imports the core's envelope only, so
+the Lambda adapter stays light.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -41,7 +48,9 @@ def sns_attributes(attributes: dict[str, str]) -> dict[str, dict[str, str]]:
 
 
 def decode(text: str, fallback_id: str) -> dict[str, Any]:
-    """The body as the library wrote it, or the whole body as the payload of another producer."""
+    """The body as the library wrote it, or the whole body as the payload of another producer
+    (parsed when it is JSON, the text itself when it is not), with ``fallback_id`` (the SQS
+    MessageId) as its ``message_id``."""
     try:
         data = json.loads(text)
     except ValueError:
@@ -49,3 +58,12 @@ def decode(text: str, fallback_id: str) -> dict[str, Any]:
     if isinstance(data, dict) and "message_id" in data and "payload" in data:
         return data
     return {"message_id": fallback_id, "payload": data}
+
+
+def message_uuid(envelope: dict[str, Any], sqs_id: str) -> uuid.UUID:
+    """The envelope's MessageID; one that is not a UUID (another producer's) falls back to the SQS
+    MessageId (a UUID), or a uuid5 of it."""
+    try:
+        return uuid.UUID(str(envelope["message_id"]))
+    except ValueError:
+        return uuid.UUID(sqs_id) if len(sqs_id) == 36 else uuid.uuid5(uuid.NAMESPACE_URL, sqs_id)

@@ -70,10 +70,25 @@ def retention(subscription: Subscription) -> int:
 
 
 def lambda_block(subscription: Subscription) -> dict[str, Any]:
-    """The Lambda consumer's settings of a subscription served by Lambda."""
+    """The Lambda consumer's settings of a subscription served by Lambda. A function timeout longer
+    than the lease is refused: the message would become visible again, and run a second time, while
+    the first invocation still works on it."""
     block = dict(LAMBDA_DEFAULTS)
     if subscription.max_processing_seconds is not None:
         block["timeout_seconds"] = min(MAX_LAMBDA_TIMEOUT_SECONDS, math.ceil(subscription.max_processing_seconds))
+    timeout, lease = block["timeout_seconds"], visibility_timeout(subscription)
+    if timeout > lease:
+        where = (
+            f"max_processing_seconds={subscription.max_processing_seconds:g}"
+            if subscription.max_processing_seconds is not None
+            else "the default"
+        )
+        raise ConfigurationError(
+            f"subscription {subscription.name!r} is served by Lambda with a {timeout} s timeout ({where}) but "
+            f"its lease, the queue's visibility timeout, is {lease} s: a message would come back to a second "
+            f"invocation while the first still runs; raise lease_seconds to at least {timeout}, or set "
+            f"max_processing_seconds to at most {lease}"
+        )
     return block
 
 

@@ -5,8 +5,9 @@ none). The relay takes committed rows oldest first, keeps only each key's earlie
 (so one relay at a time forwards a key, in order), publishes them with PublishBatch (10 per call,
 the MessageIDs kept as FIFO deduplication ids) and marks them sent.
 
-* PostgreSQL (and SQL Server): the rows are locked with ``FOR UPDATE SKIP LOCKED`` in the relay's
-  transaction, which stays open across the SNS call and commits with the mark.
+* PostgreSQL: the rows are locked with ``FOR UPDATE SKIP LOCKED`` in the relay's transaction,
+  which stays open across the SNS call and commits with the mark.
+* SQL Server: the same with ``UPDLOCK, READPAST, ROWLOCK`` (:mod:`.outbox_mssql`).
 * SQLite: the rows are taken under a lease (``relay_token``, ``relay_until``) in a short write
   transaction, so the file's write lock is never held across an SNS call.
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core.envelope import PreparedMessage
+from ..core.errors import ConfigurationError
 from . import body as bodies
 
 if TYPE_CHECKING:
@@ -97,10 +99,13 @@ async def write_outbox(session: Any, topic: str, items: Sequence[tuple[PreparedM
             "INSERT INTO workqueue.aws_outbox (topic, message_id, partition_key, body, attributes) "
             "VALUES (:topic, CAST(:message_id AS uuid), :partition_key, :body, CAST(:attributes AS jsonb))"
         )
+    elif dialect == "mssql":
+        from .outbox_mssql import WRITE
+
+        statement = WRITE
     else:
-        statement = (
-            "INSERT INTO workqueue.aws_outbox (topic, message_id, partition_key, body, attributes) "
-            "VALUES (:topic, :message_id, :partition_key, :body, :attributes)"
+        raise ConfigurationError(
+            f"the aws outbox has no table on {dialect!r}: use PostgreSQL, SQLite or SQL Server for the queue's database"
         )
     await session.execute(text(statement), rows)
 
@@ -135,9 +140,11 @@ class OutboxRelay:
 
     def __init__(
         self, transport: AwsTransport, *, interval_seconds: float | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.time, engine: Any = None,
     ) -> None:
         self.transport = transport
+        self.engine = engine
+        """The engine of the outbox's database: the queue's when None."""
         self.clock = clock
         """Epoch seconds of the SQLite leases (tests move it past a dead relay's lease)."""
         self.interval = (
@@ -178,10 +185,17 @@ class OutboxRelay:
 
     async def run_once(self, limit: int = TAKE) -> PassReport:
         """One pass: takes, sends and marks up to ``limit`` rows."""
-        engine = self.transport.queue.engine
-        if engine.dialect.name == "sqlite":
+        engine = self.engine if self.engine is not None else self.transport.queue.engine
+        dialect = engine.dialect.name
+        if dialect == "sqlite":
             return await self._sqlite_pass(engine, limit)
-        return await self._locked_pass(engine, limit)
+        if dialect == "mssql":
+            from .outbox_mssql import mssql_pass
+
+            return await mssql_pass(self, engine, limit)
+        if dialect == "postgresql":
+            return await self._locked_pass(engine, limit)
+        raise ConfigurationError(f"the aws outbox relay cannot run on {dialect!r}")
 
     # -- sending -----------------------------------------------------------------------------------
 
@@ -259,7 +273,7 @@ class OutboxRelay:
         return OutboxRow(
             id=int(r[0]),
             topic=r[1],
-            message_id=str(r[2]),
+            message_id=str(r[2]).lower(),  # SQL Server answers a uniqueidentifier in upper case
             partition_key=r[3],
             body=r[4],
             attributes=attributes,

@@ -2,19 +2,19 @@
 
 A Lambda SQS event names its fields in camelCase (``messageId``, ``receiptHandle``,
 ``messageAttributes`` with ``stringValue``); the body is the message the publisher sent to SNS
-(raw delivery). Imports the core only.
+(raw delivery), decoded by :func:`.body.decode` as the host transport decodes it. Imports the core only.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ..core.transport import ClaimedDelivery
+from . import body as bodies
 
 if TYPE_CHECKING:
     from .lambda_handler import SubscriptionPolicy
@@ -39,31 +39,19 @@ class SqsRecord:
 
     def envelope(self) -> dict[str, Any]:
         """The body as the library wrote it (``message_id``, ``payload``, ...), or the whole body as the
-        payload when another producer sent it."""
-        try:
-            data = json.loads(self.body)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"the body is not JSON ({exc.msg} at character {exc.pos})") from exc
-        if isinstance(data, dict) and "message_id" in data and "payload" in data:
-            return data
-        return {"message_id": self.message_id, "payload": data}
+        payload when another producer sent it (text when it is not JSON): :func:`.body.decode`."""
+        return bodies.decode(self.body, self.message_id)
 
     def backoff_schedule(self) -> list[float] | None:
         """The message's own backoff schedule (``backoff_seconds`` of its publish), or None."""
-        try:
-            steps = self.envelope().get("backoff_seconds")
-        except ValueError:
-            return None
+        steps = self.envelope().get("backoff_seconds")
         return [float(s) for s in steps] if isinstance(steps, list) and steps else None
 
     def claimed(self, topic: str, max_attempts: int) -> ClaimedDelivery:
         """The record as the delivery a host consumer would have claimed (a ``max_attempts`` the
         message was published with wins over the subscription's)."""
         env = self.envelope()
-        try:
-            message_id = uuid.UUID(str(env["message_id"]))
-        except ValueError as exc:
-            raise ValueError(f"message_id {env['message_id']!r} is not a UUID") from exc
+        message_id = bodies.message_uuid(env, self.message_id)
         published = env.get("published_at")
         headers = env.get("headers")
         return ClaimedDelivery(
@@ -124,10 +112,7 @@ def dead_letter_entry(record: SqsRecord, policy: SubscriptionPolicy, reason: str
     """The SendMessage arguments that put ``record`` in the subscription's dead-letter queue: its
     envelope (the same MessageID) with a ``dead_letter`` section (reason, last error, attempts),
     its attributes, and on FIFO its group and a deduplication id of this SQS message."""
-    try:
-        envelope = record.envelope()
-    except ValueError:
-        envelope = {"message_id": record.message_id, "payload": None, "body": record.body}
+    envelope = record.envelope()
     envelope["dead_letter"] = {
         "reason": reason,
         "error": None if error is None else error[:MAX_DEAD_LETTER_ERROR],

@@ -581,17 +581,29 @@ class AwsTransport:
         return lost
 
     async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
-        """Settles, then publishes the follow-ups to their aws topics (SNS joins no transaction: a
-        crash between the two loses the follow-ups; use the database transport when they must be atomic)."""
-        for follow_up in settlement.follow_ups:
-            if follow_up.topic not in self._topics:
-                raise ConfigurationError(
-                    f"follow-up to topic {follow_up.topic!r} from an aws subscription: only aws topics can follow"
-                )
+        """Publishes the follow-ups of a completion first, then deletes the message (at-least-once,
+        :mod:`.follow_ups`): with a database in one committed transaction (aws topics through the
+        outbox, database topics beside them), else straight to SNS. A follow-up without a MessageID
+        of its own gets one derived from the delivery's MessageID and its position, so a redelivery
+        publishes the same follow-ups again under the same ids. A lease this process no longer
+        holds publishes nothing (``LeaseLost``); a delete SQS refuses after the publish answers
+        ``LeaseLost`` with the follow-ups kept: the message comes back and its next attempt's
+        follow-ups repeat theirs."""
+        lease = self._lease(settlement.delivery_id, settlement.lease_token)
+        if settlement.kind != "Complete" or not settlement.follow_ups or lease is None:
+            [result] = await self.settle([settlement])
+            return result
+        from .follow_ups import publish_follow_ups, with_derived_ids
+
+        follow_ups = with_derived_ids(lease.message_id, settlement.follow_ups)
+        derived = {
+            m.message_id
+            for given, mine in zip(settlement.follow_ups, follow_ups, strict=True)
+            for before, m in zip(given.messages, mine.messages, strict=True)
+            if not before.message_id_given
+        }
+        await publish_follow_ups(self, settlement.delivery_id, follow_ups, derived)
         [result] = await self.settle([settlement])
-        if result == "Completed":
-            for follow_up in settlement.follow_ups:
-                await self.publish(follow_up.topic, follow_up.messages)
         return result
 
     async def add_wakeup_listener(self, listener: WakeupListener) -> None:

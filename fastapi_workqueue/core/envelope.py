@@ -132,6 +132,8 @@ class PreparedMessage:
     envelope_bytes: int
     headers: dict[str, str] | None = None
     """What the library carries beside the user's attributes (the trace context), or None."""
+    message_id_given: bool = False
+    """True when the caller set ``message_id``; False when :func:`prepare` drew it."""
 
 
 # The 80 bits after the timestamp: version 7 (4 bits), 12 random bits, variant 0b10, 62 random bits.
@@ -392,6 +394,7 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
         max_attempts=request.max_attempts,
         backoff_seconds=backoff,
         envelope_bytes=size,
+        message_id_given=request.message_id is not None,
     )
 
 

@@ -104,7 +104,9 @@ NO_RECORD = ("SQS keeps no record of a settled (deleted) or waiting message: the
              "(Completed, Discarded, Pending, visible_at) through get_delivery, which only the database keeps")
 DATABASE_STORE = "deduplication keys, steps, known messages and payload rewrites live in the database transport " \
                  "(the routing transport sends them there)"
-FOLLOW_UPS = "follow-ups cannot join the completion's transaction on SQS (published after the delete, not atomic)"
+FOLLOW_UPS = "follow-ups are published before the delete (at-least-once, checked in tests/aws/test_follow_ups.py), " \
+             "not in one transaction with it: the case reads a settled delivery's state or a rollback, which SQS " \
+             "does not keep"
 SNS_PUBLISH = "SNS answers no Duplicate or MessageIDConflict (a FIFO topic drops a repeat silently) and has no " \
               "per-message delay"
 NOT_ADAPTED = "not adapted to the aws transport yet (checked in tests/aws/test_transport.py instead)"

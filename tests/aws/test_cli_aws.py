@@ -172,6 +172,16 @@ def test_export_refuses_ordered_naming_the_subscription(tmp_path: Path, endpoint
     assert len(run.stderr.strip().splitlines()) == 1
 
 
+def test_export_refuses_a_lambda_timeout_longer_than_the_lease(tmp_path: Path, endpoint: str) -> None:
+    env = {**app_env(tmp_path, endpoint), "WORKQUEUE_AWS_LAMBDA_SUBSCRIPTIONS": '["orders.email"]'}
+    output = tmp_path / "manifest.json"
+    run = workqueue("export-topology", "--transport", "aws", "--app", APP, "--output", str(output), env=env, cwd=ROOT)
+    assert run.returncode == 1 and not output.exists()
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert "subscription 'orders.email' is served by Lambda with a 60 s timeout" in run.stderr
+    assert "raise lease_seconds to at least 60, or set max_processing_seconds to at most 45" in run.stderr
+
+
 def test_import_refuses_a_file_that_is_not_bindings(tmp_path: Path, endpoint: str) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]", encoding="utf-8")

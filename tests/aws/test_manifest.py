@@ -23,7 +23,7 @@ SUBS = [
                  partition_mode="Exclusive", max_attempts=5, lease_seconds=30,
                  filter={"field": "region", "operator": "eq", "value": "eu"}),
     Subscription(name="orders.archive", topic="orders.created", handler_key="orders.archive",
-                 max_processing_seconds=120.5),
+                 lease_seconds=180, max_processing_seconds=120.5),
     Subscription(name="audit.log", topic="audit", handler_key="audit.log", lease_seconds=0.5),
     Subscription(name="local.work", topic="local.only", handler_key="local.work", partition_mode="Ordered"),
 ]
@@ -110,3 +110,27 @@ def test_a_region_and_known_lambda_subscriptions_are_needed() -> None:
     with pytest.raises(ConfigurationError, match="WORKQUEUE_AWS_LAMBDA_SUBSCRIPTIONS names \\['nope'\\]"):
         build_manifest(TOPICS, SUBS, WorkQueueSettings(database_url=None, aws_region="eu-west-1",
                                                        aws_lambda_subscriptions=["nope"]))
+
+
+@pytest.mark.parametrize(("lease", "max_processing", "timeout", "where"), [
+    (30, None, 60, "the default"),
+    (100, 120.5, 121, "max_processing_seconds=120.5"),
+])
+def test_a_lambda_timeout_longer_than_the_lease_is_refused(
+    lease: float, max_processing: float | None, timeout: int, where: str,
+) -> None:
+    topics = [Topic(name="t", transport="aws")]
+    subs = [Subscription(name="slow", topic="t", handler_key="h", lease_seconds=lease,
+                         max_processing_seconds=max_processing)]
+    settings = WorkQueueSettings(database_url=None, aws_region="us-east-1", aws_lambda_subscriptions=["slow"])
+    with pytest.raises(ConfigurationError) as raised:
+        build_manifest(topics, subs, settings)
+    text = str(raised.value)
+    assert text.startswith(f"subscription 'slow' is served by Lambda with a {timeout} s timeout ({where})"), text
+    assert f"is {lease} s" in text
+    assert f"raise lease_seconds to at least {timeout}, or set max_processing_seconds to at most {lease}" in text
+    # The same subscription served by a host needs no Lambda timeout; a lease as long as it is fine.
+    build_manifest(topics, subs, WorkQueueSettings(database_url=None, aws_region="us-east-1"))
+    fits = [subs[0].model_copy(update={"lease_seconds": timeout})]
+    [sub] = build_manifest(topics, fits, settings)["subscriptions"]
+    assert sub["lambda"]["timeout_seconds"] == sub["visibility_timeout_seconds"] == timeout
