@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import random
@@ -519,7 +520,7 @@ class Consumer:
             max_attempts=delivery.max_attempts,
             signal=running.signal,
             heartbeat=_ManualHeartbeat(self, running),
-            log=_DeliveryLog(logging.getLogger(f"fastapi_workqueue.handler.{sub.handler_key}"), sub.name, delivery),
+            log=_DeliveryLog(_handler_logger(sub.handler_key), sub.name, delivery),
             principal=self.principal,
             once=_OnceStore(self, running),
         )
@@ -664,6 +665,12 @@ class Consumer:
                 continue
             for running, result in zip(due, results, strict=True):
                 self._apply_heartbeat(running, result.alive, result.cancel_requested, now)
+
+
+@functools.cache
+def _handler_logger(handler_key: str) -> logging.Logger:
+    """The logger of a handler's ``context.log`` (looked up once per handler key)."""
+    return logging.getLogger(f"fastapi_workqueue.handler.{handler_key}")
 
 
 class _ManualHeartbeat:

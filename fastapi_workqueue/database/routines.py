@@ -75,8 +75,9 @@ class RandomSource(Protocol):
         ...
 
 
-SYSTEM_RANDOM: RandomSource = random.SystemRandom()
-"""The jitter source of a transport given none."""
+SYSTEM_RANDOM: RandomSource = random.Random()
+"""The jitter source of a transport given none: seeded from the system's entropy at import (the
+jitter spreads retries out; it guards no secret, so it need not read the OS for every draw)."""
 
 
 class RoutineTransport:
