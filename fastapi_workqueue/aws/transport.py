@@ -11,8 +11,11 @@ when it is received again in the same process (another process sees SQS's count)
 
 Exclusive needs a FIFO topic: the partition key is the MessageGroupId and the MessageID the
 deduplication id; a retrying message keeps its key busy (SQS FIFO holds the group until its head
-is deleted). Ordered, cancel of an in-flight message and exact per-key backlog are not available
-(:attr:`AwsTransport.capabilities`); operator views read queue attributes and the DLQ.
+is deleted); later messages of a busy key that a receive hands over are held here until it
+settles. Ordered, cancel of an in-flight message and exact per-key backlog are not available
+(:attr:`AwsTransport.capabilities`); operator views read queue attributes and the DLQ, and what
+this process settled (:mod:`.records`). A pause is the queue's ``workqueue:status`` tag, which
+every process reads on its bindings refresh.
 
 A publish with a session writes the transactional outbox (:mod:`.outbox`), which a relay forwards
 to SNS; one without a session goes straight to SNS (PublishBatch, 10 per call).
@@ -71,6 +74,8 @@ LONG_POLL_SECONDS = 20
 MAX_LEASE_SECONDS = 12 * 3600
 BINDINGS_REFRESH_SECONDS = 30.0
 EXPIRED_LEASES_KEPT_SECONDS = 300.0
+STATUS_TAG = "workqueue:status"
+"""The SQS queue tag that holds a subscription's Active/Paused status for every process."""
 CANCEL_UNSUPPORTED = "SQS cannot cancel an in-flight message; wait for it to settle, or discard it once dead-lettered"
 WAITING_UNSUPPORTED = (
     "SQS cannot address a waiting message by id: only dead letters (on the DLQ) can be discarded; "
@@ -232,6 +237,7 @@ class AwsTransport:
                 self.bindings = Bindings(region=self.settings.aws_region or "")
                 self._bindings_failed = True
         assert self.bindings is not None
+        await self.refresh_statuses()
         return self.bindings
 
     async def close(self) -> None:
@@ -265,7 +271,7 @@ class AwsTransport:
     def _state(self, sub: Subscription) -> SubscriptionState:
         topic = self._topics[sub.topic]
         data = sub.model_dump(by_alias=False)
-        data["status"] = self._status.get(sub.name, sub.status)
+        data["status"] = self.subscription_status(sub.name)
         return SubscriptionState(**data, id=f"{NAME}:{sub.name}", transport_name=NAME, is_fifo=topic.is_fifo)
 
     async def list_subscriptions(self) -> list[SubscriptionState]:
@@ -278,20 +284,45 @@ class AwsTransport:
             if s.host_type == "worker" and s.name not in self.settings.aws_lambda_subscriptions
         ]
 
-    async def subscription_status(self, subscription: str) -> SubscriptionStatus:
-        """Active or Paused, as this transport last knew it."""
+    def subscription_status(self, subscription: str) -> SubscriptionStatus:
+        """Active or Paused: the queue's ``workqueue:status`` tag as last read (every
+        ``BINDINGS_REFRESH_SECONDS``, and at once after this process set it), else the declared status."""
         return self._status.get(subscription, self._sub(subscription).status)
+
+    async def refresh_statuses(self) -> None:
+        """Reads the ``workqueue:status`` tag of each bound subscription's queue: a pause made by
+        any process (``workqueue pause``, the REST API, another host) reaches this one here."""
+        assert self.bindings is not None
+        for name in list(self._subscriptions):
+            bound = self.bindings.subscriptions.get(name)
+            if bound is None:
+                continue
+            try:
+                answer = await self.sqs.list_queue_tags(QueueUrl=bound.queue_url)
+            except Exception as exc:  # a status read that fails keeps the last one (never stops the host)
+                log.warning("aws: the status tag of %s could not be read (%s); keeping %s",
+                            name, exc, self.subscription_status(name))
+                continue
+            value = answer.get("Tags", {}).get(STATUS_TAG)
+            if value in ("Active", "Paused"):
+                self._status[name] = value
+            else:
+                self._status.pop(name, None)
 
     async def list_topics(self) -> list[Topic]:
         return list(self._topics.values())
 
     async def set_subscription_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:
-        """Pauses or resumes in this process only (SQS has no paused state; say so to operators)."""
+        """Pauses or resumes for every process: tags the subscription's queue ``workqueue:status``
+        (TagQueue); consumers read it on their bindings refresh. None for an unknown subscription."""
         if subscription not in self._subscriptions:
             return None
-        changed = self._status.get(subscription, "Active") != status
+        queue_url, _ = self._urls(subscription)
+        answer = await self.sqs.list_queue_tags(QueueUrl=queue_url)
+        current = answer.get("Tags", {}).get(STATUS_TAG) or self._sub(subscription).status
+        await self.sqs.tag_queue(QueueUrl=queue_url, Tags={STATUS_TAG: status})
         self._status[subscription] = status
-        return changed
+        return bool(current != status)
 
     # -- bindings --------------------------------------------------------------------------------
 
@@ -441,7 +472,7 @@ class AwsTransport:
         key is in flight: a later message of a busy key that SQS FIFO hands over with it is held
         here, still invisible, until the key's delivery settles (then leased out in order)."""
         sub = self._subscriptions.get(subscription)
-        if sub is None or limit < 1 or await self.subscription_status(subscription) != "Active":
+        if sub is None or limit < 1 or self.subscription_status(subscription) != "Active":
             return []
         queue_url, _ = self._urls(subscription)
         self._forget_expired()
@@ -827,7 +858,7 @@ class AwsTransport:
             queue, dlq = await self._attributes(queue_url), await self._attributes(dlq_url)
             visible = int(queue.get("ApproximateNumberOfMessages", 0))
             delayed = int(queue.get("ApproximateNumberOfMessagesDelayed", 0))
-            status = await self.subscription_status(name)
+            status = self.subscription_status(name)
             found.append(
                 SubscriptionStats(
                     subscription=name,
