@@ -1,9 +1,11 @@
 """The conformance suite's harness for the AWS transport on a moto server.
 
 Each case declares its own topic and subscriptions with ``sync_topology``; here that provisions
-them on moto from their manifest (as the Terraform module would) and binds them. What SQS cannot
-do (no clock to move, no sweep lock, no caller's transaction without a database) skips the case
-with the reason, and :data:`MOTO_CANNOT_EMULATE` lists what only real AWS can check.
+them on moto from their manifest (as the Terraform module would) and binds them. A delivery's
+clock moves through SQS itself: ChangeMessageVisibility with the last receipt handle the transport
+holds. What SQS cannot do (a clock for a message never received here, no sweep lock, no caller's
+transaction without a database) skips the case with the reason; :data:`AWS_SKIPS` lists the cases
+skipped up front and :data:`MOTO_CANNOT_EMULATE` what only real AWS can check (docs/aws.md names both).
 """
 
 from __future__ import annotations
@@ -135,40 +137,62 @@ async def aws_harness(moto_url: str) -> AsyncIterator[AwsHarness]:
         await transport.close()
 
 
-NO_RECORD = ("SQS keeps no record of a settled (deleted) or waiting message: the case reads delivery states "
-             "(Completed, Discarded, Pending, visible_at) through get_delivery, which only the database keeps")
-DATABASE_STORE = "deduplication keys, steps, known messages and payload rewrites live in the database transport " \
-                 "(the routing transport sends them there)"
-FOLLOW_UPS = "follow-ups cannot join the completion's transaction on SQS (published after the delete, not atomic)"
-SNS_PUBLISH = "SNS answers no Duplicate or MessageIDConflict (a FIFO topic drops a repeat silently) and has no " \
-              "per-message delay"
-TERMINAL_COUNTS = ("SQS keeps no count of deleted messages: stats on the aws transport report completed and "
-                   "discarded as 0")
+# Capabilities the aws transport does not have (Ordered is refused in sync_topology above).
+CANCEL = "cancel is not available on SQS (capability cancel=False)"
+EXACT_BACKLOG = "SQS counts are approximate (capability exact_backlog=False)"
+# What SQS and SNS cannot do, on moto as on AWS.
 NO_LISTING = ("SQS cannot list or address a waiting message: list_deliveries(Pending) and a waiting delivery's age "
               "are the database's")
-
+TERMINAL_COUNTS = ("SQS keeps no count of deleted messages: stats on the aws transport report completed and "
+                   "discarded as 0")
+WHOLE_SECONDS = ("SQS sets a visibility timeout in whole seconds: the transport rounds the drawn backoff, which the "
+                 "case checks to 0.05 s (the draw itself is the same full jitter)")
 SWEEP = ("the case asserts a sweep pass ran (SweepReport.ran); SQS expires leases itself and the aws transport's "
          "sweep never runs")
 LEASE_REDRIVE = ("SQS moves a message whose last lease ran out to the DLQ only at the next receive "
                  "(maxReceiveCount), without the reason 'lease expired on the final attempt' in its body")
+SNS_PUBLISH = "SNS answers no Duplicate or MessageIDConflict (a FIFO topic drops a repeat silently) and has no " \
+              "per-message delay"
+FOLLOW_UPS = "follow-ups cannot join the completion's transaction on SQS (published after the delete, not atomic)"
+# What the routing transport sends to the database transport beside the aws topics.
+DATABASE_STORE = "deduplication keys, steps, known messages and payload rewrites live in the database transport " \
+                 "(the routing transport sends them there)"
 
 AWS_SKIPS: dict[str, str] = {
+    # capability
+    "test_c18b_a_cancel_requested_delivery_keeps_the_operators_reason": CANCEL,
+    "test_c27_discard_in_flight_requests_cancel_then_discarded_never_retried": CANCEL,
+    "test_c28_cancel_requested_with_dead_holder_is_discarded_at_lease_expiry": CANCEL,
+    "test_listings_fill_every_field_a_single_delivery_has": CANCEL + "; " + NO_LISTING,
+    "test_c33_stats_and_backlog_agree_with_deliveries": EXACT_BACKLOG,
+    # SQS and SNS
+    "test_the_oldest_due_delivery_comes_first_across_subscriptions": NO_LISTING + "; SQS has no order across queues",
+    "test_a_completion_without_follow_ups_is_a_plain_settle": NO_LISTING,
+    "test_c26_discard_pending_or_dead_lettered_keeps_reason": "SQS cannot address a waiting message by id; "
+                                                              "dead letters are discarded from the DLQ",
+    "test_c18b_discard_ends_the_delivery_with_its_reason_and_never_retries": TERMINAL_COUNTS,
+    "test_c18b_a_batch_counts_discards_and_completions_apart": TERMINAL_COUNTS,
+    "test_c33_terminal_counts_stay_exact_through_discard_expiry_purge_and_prune": TERMINAL_COUNTS,
+    "test_c16_retry_without_delay_uses_full_jitter_backoff": WHOLE_SECONDS,
+    "test_c16_full_jitter_is_spread_over_the_whole_range": WHOLE_SECONDS,
     "test_c10_heartbeat_renews_lease_and_stores_progress": SWEEP,
     "test_c12_expired_lease_makes_delivery_claimable_with_attempt_counted": SWEEP,
     "test_c13_lease_expiring_on_final_attempt_dead_letters": LEASE_REDRIVE,
-    "test_c18b_discard_ends_the_delivery_with_its_reason_and_never_retries": TERMINAL_COUNTS,
-    "test_c18b_a_batch_counts_discards_and_completions_apart": TERMINAL_COUNTS,
-    "test_a_completion_without_follow_ups_is_a_plain_settle": NO_LISTING,
-    "test_the_oldest_due_delivery_comes_first_across_subscriptions": NO_RECORD,
-    "test_c18b_a_cancel_requested_delivery_keeps_the_operators_reason": "cancel is not available on SQS (capability)",
+    "test_publish_delay_and_not_before_hold_the_message_back": SNS_PUBLISH,
+    "test_c02_same_message_id_and_content_is_duplicate": SNS_PUBLISH,
+    "test_c03_same_message_id_different_content_is_conflict": SNS_PUBLISH,
+    "test_c04_deduplication_key_within_ttl_is_duplicate_then_accepted_after": SNS_PUBLISH,
+    "test_c04_deduplication_key_repeated_within_one_call": SNS_PUBLISH,
+    "test_c06_conflict_in_a_batch_publishes_nothing": SNS_PUBLISH,
+    "test_c02_batch_repeating_stored_and_own_items_answers_duplicate_for_them": SNS_PUBLISH,
     "test_a_completion_publishes_its_follow_ups": FOLLOW_UPS,
     "test_a_cancelled_delivery_is_discarded_and_publishes_nothing": FOLLOW_UPS,
     "test_a_refused_follow_up_rolls_the_completion_back": FOLLOW_UPS,
     "test_a_follow_up_stored_already_with_the_same_content_is_a_duplicate_and_still_completes": FOLLOW_UPS,
+    # only real AWS
     "test_c31_retention_purges_terminal_only": MOTO_CANNOT_EMULATE["sweeper and its lock"],
     "test_c31_retention_purges_messages_nothing_refers_to_by_their_topic": MOTO_CANNOT_EMULATE["sweeper and its lock"],
-    "test_c33_stats_and_backlog_agree_with_deliveries": "SQS counts are approximate (capability exact_backlog=False)",
-    "test_c33_terminal_counts_stay_exact_through_discard_expiry_purge_and_prune": NO_RECORD,
+    # the database's
     "test_the_holder_frees_its_deduplication_key_and_no_one_else_can": DATABASE_STORE,
     "test_an_expired_deduplication_key_was_not_held": DATABASE_STORE,
     "test_a_step_result_is_stored_once_and_read_back": DATABASE_STORE,
@@ -178,23 +202,5 @@ AWS_SKIPS: dict[str, str] = {
     "test_message_deliveries_lists_each_subscriptions_delivery": DATABASE_STORE,
     "test_rewrite_payload_replaces_a_payload_no_delivery_has_finished_with": DATABASE_STORE,
     "test_rewrite_payload_refuses_a_discarded_delivery_and_an_envelope_over_the_cap": DATABASE_STORE,
-    "test_c26_discard_pending_or_dead_lettered_keeps_reason": "SQS cannot address a waiting message by id; "
-                                                              "dead letters are discarded from the DLQ",
-    "test_c27_discard_in_flight_requests_cancel_then_discarded_never_retried": "cancel is not available on SQS "
-                                                                               "(capability cancel=False)",
-    "test_c28_cancel_requested_with_dead_holder_is_discarded_at_lease_expiry": "cancel is not available on SQS "
-                                                                               "(capability cancel=False)",
-    "test_listings_fill_every_field_a_single_delivery_has": NO_RECORD,
-    "test_c16_retry_without_delay_uses_full_jitter_backoff": NO_RECORD,
-    "test_c16_full_jitter_is_spread_over_the_whole_range": NO_RECORD,
-    "test_publish_delay_and_not_before_hold_the_message_back": SNS_PUBLISH,
-    "test_c20_exclusive_delivery_in_backoff_does_not_hold_its_key": "a retrying Exclusive message keeps its key "
-                                                                    "busy on SQS FIFO (retry_keeps_key_busy)",
-    "test_c02_same_message_id_and_content_is_duplicate": SNS_PUBLISH,
-    "test_c03_same_message_id_different_content_is_conflict": SNS_PUBLISH,
-    "test_c04_deduplication_key_within_ttl_is_duplicate_then_accepted_after": SNS_PUBLISH,
-    "test_c04_deduplication_key_repeated_within_one_call": SNS_PUBLISH,
-    "test_c06_conflict_in_a_batch_publishes_nothing": SNS_PUBLISH,
-    "test_c02_batch_repeating_stored_and_own_items_answers_duplicate_for_them": SNS_PUBLISH,
 }
 """Conformance cases the aws transport skips, by test function, with the reason."""

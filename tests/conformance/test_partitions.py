@@ -38,6 +38,16 @@ async def test_c20_exclusive_delivery_in_backoff_does_not_hold_its_key(harness: 
     first = await world.claim_one("x")
     assert first.message_id == results[0].message_id
     await world.settle(first, "Retry", reason="later", delay_seconds=30)
+    if harness.transport.capabilities.retry_keeps_key_busy:
+        # SQS FIFO: the retrying message keeps its key; the next one waits until it is done.
+        assert await world.claim("x") == []
+        await harness.advance(first.delivery_id, 31)
+        again = await world.claim_one("x")
+        assert again.delivery_id == first.delivery_id and again.attempt == 2
+        assert await world.claim("x") == []
+        await world.settle(again)
+        assert (await world.claim_one("x")).message_id == results[1].message_id
+        return
     second = await world.claim_one("x")
     assert second.message_id == results[1].message_id
     assert await world.claim("x") == []
