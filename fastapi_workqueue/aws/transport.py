@@ -96,6 +96,8 @@ CAPABILITIES = Capabilities(
         "Ordered needs a database topic",
         "cancel of an in-flight message is not available on SQS",
         "a retrying Exclusive message keeps its key busy (SQS FIFO message group)",
+        "a pause is the queue's workqueue:status tag: other processes stop claiming on their next bindings "
+        "refresh (within 30 s)",
         "publishes with a session go through the transactional outbox (at-least-once; FIFO deduplicates "
         "a resend within 5 minutes)",
     ),
@@ -126,6 +128,8 @@ class _Lease:
     group_id: str | None
     lease_expires_at: datetime
     claimed_at: datetime
+    progress_percent: int | None = None
+    progress_message: str | None = None
 
 
 @dataclass
@@ -638,7 +642,7 @@ class AwsTransport:
                 continue
             sub = self._sub(lease.subscription)
             left = MAX_LEASE_SECONDS - (now - lease.first_received)
-            seconds = int(min(sub.lease_seconds, left))
+            seconds = min(self._lease_seconds(sub), int(left))
             if seconds <= 0:
                 results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
                 continue
@@ -652,6 +656,10 @@ class AwsTransport:
                 results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
                 continue
             lease.lease_expires_at = datetime.now(UTC) + timedelta(seconds=seconds)
+            if request.percent is not None:
+                lease.progress_percent = request.percent
+            if request.message is not None:
+                lease.progress_message = request.message
             results.append(
                 HeartbeatResult(
                     delivery_id=request.delivery_id,
@@ -926,6 +934,8 @@ class AwsTransport:
             include_payload,
             lease_expires_at=lease.lease_expires_at,
             claimed_at=lease.claimed_at,
+            progress_percent=lease.progress_percent,
+            progress_message=lease.progress_message,
         )
 
     def _info(
