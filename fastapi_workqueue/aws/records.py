@@ -3,8 +3,9 @@
 SQS forgets a deleted message and cannot address a waiting one by id, so ``get_delivery`` of a
 delivery that is neither leased here nor on the DLQ answers from this record: the last settlement
 this process made of it (Completed, Discarded, or Pending after a retry, release or replay with the
-visibility it set). The record is bounded (the newest :data:`RECORDS_KEPT` are kept) and holds what
-this process did only; another process's settlements are not in it.
+visibility it set). The record is bounded (the newest :data:`RECORDS_KEPT` are kept), holds no
+payloads (a settled message's payload is gone with it) and holds what this process did only;
+another process's settlements are not in it.
 """
 
 from __future__ import annotations

@@ -135,12 +135,14 @@ class _Lease:
 @dataclass
 class _Held:
     """A message SQS FIFO handed over with an earlier one of its key still in flight here: held
-    (invisible, under this receipt) until the key is free, then leased out in order."""
+    (invisible, under this receipt) until the key is free, then leased out in order. Its visibility
+    runs until ``visible_at`` (epoch seconds); each heartbeat of its key's lease renews it."""
 
     queue_url: str
     message: dict[str, Any]
     received: float
     group_id: str
+    visible_at: float
 
 
 def split_delivery_id(delivery_id: str) -> tuple[str, str] | None:
@@ -500,7 +502,8 @@ class AwsTransport:
             for message in messages:
                 group = message.get("Attributes", {}).get("MessageGroupId")
                 if exclusive and group is not None and self._key_busy(sub.name, group):
-                    self._held.setdefault(sub.name, []).append(_Held(queue_url, message, now, group))
+                    held = _Held(queue_url, message, now, group, now + self._lease_seconds(sub))
+                    self._held.setdefault(sub.name, []).append(held)
                     continue
                 claimed.append(self._claimed(sub, queue_url, message, now))
         return claimed
@@ -520,7 +523,7 @@ class AwsTransport:
             if len(claimed) >= limit or self._key_busy(sub.name, item.group_id):
                 kept.append(item)
                 continue
-            renewed = time.time() - item.received < seconds - 1
+            renewed = time.time() < item.visible_at - 1
             if renewed:
                 try:
                     await self.sqs.change_message_visibility(
@@ -540,6 +543,25 @@ class AwsTransport:
         if kept:
             self._held[sub.name] = kept
         return claimed
+
+    async def _renew_held(self, subscription: str, group: str, seconds: int) -> None:
+        """Keeps the held messages of a heartbeating key invisible as long as its lease: without it
+        they would run out, go back to SQS and be charged one more receive when the key is free."""
+        kept: list[_Held] = []
+        for item in self._held.get(subscription, []):
+            if item.group_id == group:
+                try:
+                    await self.sqs.change_message_visibility(
+                        QueueUrl=item.queue_url, ReceiptHandle=item.message["ReceiptHandle"], VisibilityTimeout=seconds
+                    )
+                except Exception as exc:
+                    if not _client_error_code(exc):
+                        raise
+                    continue  # its receipt is gone: SQS hands it over again
+                item.visible_at = time.time() + seconds
+            kept.append(item)
+        if subscription in self._held:
+            self._held[subscription] = kept
 
     async def _let_go(self, item: _Held) -> None:
         """Makes a held message visible again (SQS will hand it over once more)."""
@@ -656,6 +678,8 @@ class AwsTransport:
                 results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
                 continue
             lease.lease_expires_at = datetime.now(UTC) + timedelta(seconds=seconds)
+            if lease.group_id is not None:
+                await self._renew_held(lease.subscription, lease.group_id, seconds)
             if request.percent is not None:
                 lease.progress_percent = request.percent
             if request.message is not None:
@@ -709,7 +733,7 @@ class AwsTransport:
         self, delivery_id: str, lease: _Lease, status: DeliveryStatus, receipt: Receipt | None = None, **fields: Any
     ) -> None:
         """Records what this process made of a delivery it held (see :mod:`.records`)."""
-        info = self._info(delivery_id, lease.subscription, lease.body, status, lease.attempt, lease.attributes, True)
+        info = self._info(delivery_id, lease.subscription, lease.body, status, lease.attempt, lease.attributes, False)
         now = datetime.now(UTC)
         extra: dict[str, Any] = {"claimed_at": lease.claimed_at}
         if status in ("Completed", "Discarded"):
@@ -906,22 +930,18 @@ class AwsTransport:
                               visible_at=lease.lease_expires_at, claimed_at=lease.claimed_at)
         recorded = self.records.get(delivery_id)
         if recorded is not None and recorded.status in ("Completed", "Discarded"):
-            return self._shown(recorded, include_payload)
+            return recorded
         parts = split_delivery_id(delivery_id)
         if parts is None or parts[0] not in self._subscriptions or parts[0] not in self._bound():
             return None
         found = await self._find_dead_letter(*parts)
         if found is not None:
             return self._dead_info(parts[0], found, include_payload)
-        return None if recorded is None else self._shown(recorded, include_payload)
+        return recorded
 
     def _bound(self) -> dict[str, Any]:
         assert self.bindings is not None
         return dict(self.bindings.subscriptions)
-
-    @staticmethod
-    def _shown(info: DeliveryInfo, include_payload: bool) -> DeliveryInfo:
-        return info if include_payload else info.model_copy(update={"payload": None})
 
     def _lease_info(self, delivery_id: str, lease: _Lease, include_payload: bool) -> DeliveryInfo:
         return self._info(
@@ -1128,7 +1148,7 @@ class AwsTransport:
         await self.sqs.delete_message(QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"])
         replayed_id = f"{NAME}:{subscription}:{origin}"
         info = self._info(replayed_id, subscription, json.dumps(env), "Pending", 0,
-                          {k: v["StringValue"] for k, v in attributes.items()}, True)
+                          {k: v["StringValue"] for k, v in attributes.items()}, False)
         self.records.remember(info.model_copy(update={"visible_at": datetime.now(UTC)}))
         return ActionResult(result="Replayed", delivery_id=delivery_id, subscription=subscription, status="Pending")
 
@@ -1176,7 +1196,7 @@ class AwsTransport:
     async def _discard_dead_letter(self, subscription: str, message: dict[str, Any], reason: str | None) -> None:
         _, dlq_url = self._urls(subscription)
         await self.sqs.delete_message(QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"])
-        info = self._dead_info(subscription, message, True)
+        info = self._dead_info(subscription, message, False)
         self.records.remember(info.model_copy(update={"status": "Discarded", "reason": reason,
                                                       "settled_at": datetime.now(UTC)}))
 

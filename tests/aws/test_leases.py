@@ -81,3 +81,23 @@ async def test_another_process_sees_dead_letters_but_not_this_ones_settlements(m
             [again] = await world.claim("a", 10)
             assert again.delivery_id == dead.delivery_id and again.attempt == 1
             assert await world.settle(again) == "Completed"
+
+
+async def test_a_heartbeat_of_a_key_keeps_its_held_messages_invisible_as_long(moto_url: str) -> None:
+    async with aws_harness(moto_url) as harness:
+        world = await make_world(harness.transport, [{"role": "x", "partition_mode": "Exclusive", "lease_seconds": 30}])
+        await world.publish(*[PublishRequest(partition_key="k", payload=i) for i in range(3)])
+        [head] = await world.claim("x", 10)
+        [held_one, held_two] = harness.transport._held[world["x"]]
+        before = (held_one.visible_at, held_two.visible_at)
+        [beat] = await harness.transport.heartbeat([HeartbeatRequest(head.delivery_id, head.lease_token)])
+        assert beat.alive
+        after = [h.visible_at for h in harness.transport._held[world["x"]]]
+        assert len(after) == 2 and after[0] >= before[0] and after[1] >= before[1]
+        assert await world.settle(head) == "Completed"
+        [second] = await world.claim("x", 10)
+        assert second.attempt == 1  # held, never handed back: SQS charged one receive
+        assert await world.settle(second) == "Completed"
+        [third] = await world.claim("x", 10)
+        assert third.attempt == 1 and await world.settle(third) == "Completed"
+        assert await world.claim("x", 10) == []
