@@ -92,6 +92,7 @@ CAPABILITIES = Capabilities(
     cancel=False,
     exact_backlog=False,
     retry_keeps_key_busy=True,
+    terminal_counts=False,
     notes=(
         "Ordered needs a database topic",
         "cancel of an in-flight message is not available on SQS",

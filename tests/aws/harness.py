@@ -144,7 +144,7 @@ EXACT_BACKLOG = "SQS counts are approximate (capability exact_backlog=False)"
 NO_LISTING = ("SQS cannot list or address a waiting message: list_deliveries(Pending) and a waiting delivery's age "
               "are the database's")
 TERMINAL_COUNTS = ("SQS keeps no count of deleted messages: stats on the aws transport report completed and "
-                   "discarded as 0")
+                   "discarded as 0 (capability terminal_counts=False)")
 WHOLE_SECONDS = ("SQS sets a visibility timeout in whole seconds: the transport rounds the drawn backoff, which the "
                  "case checks to 0.05 s (the draw itself is the same full jitter)")
 SWEEP = ("the case asserts a sweep pass ran (SweepReport.ran); SQS expires leases itself and the aws transport's "
@@ -170,8 +170,6 @@ AWS_SKIPS: dict[str, str] = {
     "test_a_completion_without_follow_ups_is_a_plain_settle": NO_LISTING,
     "test_c26_discard_pending_or_dead_lettered_keeps_reason": "SQS cannot address a waiting message by id; "
                                                               "dead letters are discarded from the DLQ",
-    "test_c18b_discard_ends_the_delivery_with_its_reason_and_never_retries": TERMINAL_COUNTS,
-    "test_c18b_a_batch_counts_discards_and_completions_apart": TERMINAL_COUNTS,
     "test_c33_terminal_counts_stay_exact_through_discard_expiry_purge_and_prune": TERMINAL_COUNTS,
     "test_c16_retry_without_delay_uses_full_jitter_backoff": WHOLE_SECONDS,
     "test_c16_full_jitter_is_spread_over_the_whole_range": WHOLE_SECONDS,
