@@ -93,6 +93,7 @@ CAPABILITIES = Capabilities(
     exact_backlog=False,
     retry_keeps_key_busy=True,
     terminal_counts=False,
+    sweeps=False,
     notes=(
         "Ordered needs a database topic",
         "cancel of an in-flight message is not available on SQS",

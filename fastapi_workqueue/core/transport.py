@@ -48,6 +48,8 @@ class Capabilities:
     """Exclusive: a delivery waiting out its retry delay keeps its key from the others (SQS FIFO)."""
     terminal_counts: bool = True
     """Stats count Completed and Discarded deliveries (False: SQS deletes them and counts none; 0)."""
+    sweeps: bool = True
+    """The sweep expires leases and purges (False: the broker does it itself, and ``sweep`` never runs)."""
     notes: tuple[str, ...] = ()
 
 

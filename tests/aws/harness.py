@@ -147,8 +147,6 @@ TERMINAL_COUNTS = ("SQS keeps no count of deleted messages: stats on the aws tra
                    "discarded as 0 (capability terminal_counts=False)")
 WHOLE_SECONDS = ("SQS sets a visibility timeout in whole seconds: the transport rounds the drawn backoff, which the "
                  "case checks to 0.05 s (the draw itself is the same full jitter)")
-SWEEP = ("the case asserts a sweep pass ran (SweepReport.ran); SQS expires leases itself and the aws transport's "
-         "sweep never runs")
 LEASE_REDRIVE = ("SQS moves a message whose last lease ran out to the DLQ only at the next receive "
                  "(maxReceiveCount), without the reason 'lease expired on the final attempt' in its body")
 SNS_PUBLISH = "SNS answers no Duplicate or MessageIDConflict (a FIFO topic drops a repeat silently) and has no " \
@@ -173,8 +171,6 @@ AWS_SKIPS: dict[str, str] = {
     "test_c33_terminal_counts_stay_exact_through_discard_expiry_purge_and_prune": TERMINAL_COUNTS,
     "test_c16_retry_without_delay_uses_full_jitter_backoff": WHOLE_SECONDS,
     "test_c16_full_jitter_is_spread_over_the_whole_range": WHOLE_SECONDS,
-    "test_c10_heartbeat_renews_lease_and_stores_progress": SWEEP,
-    "test_c12_expired_lease_makes_delivery_claimable_with_attempt_counted": SWEEP,
     "test_c13_lease_expiring_on_final_attempt_dead_letters": LEASE_REDRIVE,
     "test_publish_delay_and_not_before_hold_the_message_back": SNS_PUBLISH,
     "test_c02_same_message_id_and_content_is_duplicate": SNS_PUBLISH,
