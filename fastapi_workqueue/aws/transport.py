@@ -11,8 +11,11 @@ when it is received again in the same process (another process sees SQS's count)
 
 Exclusive needs a FIFO topic: the partition key is the MessageGroupId and the MessageID the
 deduplication id; a retrying message keeps its key busy (SQS FIFO holds the group until its head
-is deleted). Ordered, cancel of an in-flight message and exact per-key backlog are not available
-(:attr:`AwsTransport.capabilities`); operator views read queue attributes and the DLQ.
+is deleted); later messages of a busy key that a receive hands over are held here until it
+settles. Ordered, cancel of an in-flight message and exact per-key backlog are not available
+(:attr:`AwsTransport.capabilities`); operator views read queue attributes and the DLQ, and what
+this process settled (:mod:`.records`). A pause is the queue's ``workqueue:status`` tag, which
+every process reads on its bindings refresh.
 
 A publish with a session writes the transactional outbox (:mod:`.outbox`), which a relay forwards
 to SNS; one without a session goes straight to SNS (PublishBatch, 10 per call).
@@ -58,6 +61,7 @@ from ..core.transport import (
 )
 from . import body as bodies
 from .bindings import Bindings, load_bindings
+from .records import Receipt, SettledRecords
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
@@ -69,7 +73,14 @@ BATCH = 10
 LONG_POLL_SECONDS = 20
 MAX_LEASE_SECONDS = 12 * 3600
 BINDINGS_REFRESH_SECONDS = 30.0
+EXPIRED_LEASES_KEPT_SECONDS = 300.0
+STATUS_TAG = "workqueue:status"
+"""The SQS queue tag that holds a subscription's Active/Paused status for every process."""
 CANCEL_UNSUPPORTED = "SQS cannot cancel an in-flight message; wait for it to settle, or discard it once dead-lettered"
+WAITING_UNSUPPORTED = (
+    "SQS cannot address a waiting message by id: only dead letters (on the DLQ) can be discarded; "
+    "let it run, or dead-letter it from its handler"
+)
 BACKLOG_UNSUPPORTED = "SQS reports approximate queue counts only, not a backlog per partition key"
 
 CAPABILITIES = Capabilities(
@@ -81,10 +92,14 @@ CAPABILITIES = Capabilities(
     cancel=False,
     exact_backlog=False,
     retry_keeps_key_busy=True,
+    terminal_counts=False,
+    sweeps=False,
     notes=(
         "Ordered needs a database topic",
         "cancel of an in-flight message is not available on SQS",
         "a retrying Exclusive message keeps its key busy (SQS FIFO message group)",
+        "a pause is the queue's workqueue:status tag: other processes stop claiming on their next bindings "
+        "refresh (within 30 s)",
         "publishes with a session go through the transactional outbox (at-least-once; FIFO deduplicates "
         "a resend within 5 minutes)",
     ),
@@ -114,6 +129,39 @@ class _Lease:
     message_attributes: dict[str, Any]
     group_id: str | None
     lease_expires_at: datetime
+    claimed_at: datetime
+    progress_percent: int | None = None
+    progress_message: str | None = None
+
+
+@dataclass
+class _Held:
+    """A message SQS FIFO handed over with an earlier one of its key still in flight here: held
+    (invisible, under this receipt) until the key is free, then leased out in order. Its visibility
+    runs until ``visible_at`` (epoch seconds); each heartbeat of its key's lease renews it."""
+
+    queue_url: str
+    message: dict[str, Any]
+    received: float
+    group_id: str
+    visible_at: float
+
+
+def split_delivery_id(delivery_id: str) -> tuple[str, str] | None:
+    """``aws:<subscription>:<origin>`` (or the older ``aws:<subscription>:dlq:<id>``) as
+    (subscription, origin), where the origin is the SQS MessageId the delivery was first received
+    with; None for another transport's id."""
+    prefix = f"{NAME}:"
+    if not delivery_id.startswith(prefix):
+        return None
+    rest = delivery_id[len(prefix):]
+    if ":dlq:" in rest:
+        subscription, origin = rest.split(":dlq:", 1)
+    elif ":" in rest:
+        subscription, origin = rest.rsplit(":", 1)
+    else:
+        return None
+    return (subscription, origin) if subscription and origin else None
 
 
 def _client_error_code(exc: BaseException) -> str:
@@ -139,7 +187,9 @@ class AwsTransport:
         self._subscriptions: dict[str, Subscription] = {}
         self._status: dict[str, SubscriptionStatus] = {}
         self._leases: dict[str, _Lease] = {}
-        self._released: set[str] = set()
+        self._held: dict[str, list[_Held]] = {}
+        self._released: dict[str, int] = {}
+        self.records = SettledRecords()
         self._stack: contextlib.AsyncExitStack | None = None
         self.sns: Any = None
         self.sqs: Any = None
@@ -195,9 +245,16 @@ class AwsTransport:
                 self.bindings = Bindings(region=self.settings.aws_region or "")
                 self._bindings_failed = True
         assert self.bindings is not None
+        await self.refresh_statuses()
         return self.bindings
 
     async def close(self) -> None:
+        """Stops the relay and gives the held messages of busy keys back to SQS (visibility 0;
+        SQS counts that receive, so the next attempt number of each is one higher)."""
+        for held in self._held.values():
+            for item in held:
+                await self._let_go(item)
+        self._held.clear()
         if self.relay is not None:
             await self.relay.stop()
             self.relay = None
@@ -222,7 +279,7 @@ class AwsTransport:
     def _state(self, sub: Subscription) -> SubscriptionState:
         topic = self._topics[sub.topic]
         data = sub.model_dump(by_alias=False)
-        data["status"] = self._status.get(sub.name, sub.status)
+        data["status"] = self.subscription_status(sub.name)
         return SubscriptionState(**data, id=f"{NAME}:{sub.name}", transport_name=NAME, is_fifo=topic.is_fifo)
 
     async def list_subscriptions(self) -> list[SubscriptionState]:
@@ -235,16 +292,45 @@ class AwsTransport:
             if s.host_type == "worker" and s.name not in self.settings.aws_lambda_subscriptions
         ]
 
+    def subscription_status(self, subscription: str) -> SubscriptionStatus:
+        """Active or Paused: the queue's ``workqueue:status`` tag as last read (every
+        ``BINDINGS_REFRESH_SECONDS``, and at once after this process set it), else the declared status."""
+        return self._status.get(subscription, self._sub(subscription).status)
+
+    async def refresh_statuses(self) -> None:
+        """Reads the ``workqueue:status`` tag of each bound subscription's queue: a pause made by
+        any process (``workqueue pause``, the REST API, another host) reaches this one here."""
+        assert self.bindings is not None
+        for name in list(self._subscriptions):
+            bound = self.bindings.subscriptions.get(name)
+            if bound is None:
+                continue
+            try:
+                answer = await self.sqs.list_queue_tags(QueueUrl=bound.queue_url)
+            except Exception as exc:  # a status read that fails keeps the last one (never stops the host)
+                log.warning("aws: the status tag of %s could not be read (%s); keeping %s",
+                            name, exc, self.subscription_status(name))
+                continue
+            value = answer.get("Tags", {}).get(STATUS_TAG)
+            if value in ("Active", "Paused"):
+                self._status[name] = value
+            else:
+                self._status.pop(name, None)
+
     async def list_topics(self) -> list[Topic]:
         return list(self._topics.values())
 
     async def set_subscription_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:
-        """Pauses or resumes in this process only (SQS has no paused state; say so to operators)."""
+        """Pauses or resumes for every process: tags the subscription's queue ``workqueue:status``
+        (TagQueue); consumers read it on their bindings refresh. None for an unknown subscription."""
         if subscription not in self._subscriptions:
             return None
-        changed = self._status.get(subscription, "Active") != status
+        queue_url, _ = self._urls(subscription)
+        answer = await self.sqs.list_queue_tags(QueueUrl=queue_url)
+        current = answer.get("Tags", {}).get(STATUS_TAG) or self._sub(subscription).status
+        await self.sqs.tag_queue(QueueUrl=queue_url, Tags={STATUS_TAG: status})
         self._status[subscription] = status
-        return changed
+        return bool(current != status)
 
     # -- bindings --------------------------------------------------------------------------------
 
@@ -286,6 +372,14 @@ class AwsTransport:
         return entry
 
     def _refusal(self, topic: str, message: PreparedMessage) -> PublishError | None:
+        cap = self._topics[topic].max_payload_bytes
+        if cap is not None and message.envelope_bytes > cap:
+            return PublishError(
+                code="EnvelopeTooLarge",
+                field="payload",
+                message=f"the envelope is {message.envelope_bytes} bytes; topic {topic!r} accepts at most {cap} "
+                "bytes (max_payload_bytes); send a PayloadRef to the data instead",
+            )
         if message.delay_seconds or message.not_before is not None:
             return PublishError(
                 code="Unsupported",
@@ -305,7 +399,13 @@ class AwsTransport:
         self, topic: str, messages: Sequence[PreparedMessage], *, session: Any = None
     ) -> list[PublishResult]:
         if topic not in self._topics:
-            raise ConfigurationError(f"topic {topic!r} is not an aws topic of this queue")
+            error = PublishError(
+                code="UnknownTopic",
+                message=f"topic {topic!r} is not an aws topic of this queue; declare it in the WorkQueue topics "
+                'with transport="aws"',
+            )
+            rejected = PublishStatus.REJECTED
+            return [PublishResult(status=rejected, message_id=m.message_id, error=error) for m in messages]
         arn = self.topic_arn(topic)
         if arn is None:
             error = PublishError(
@@ -358,37 +458,126 @@ class AwsTransport:
 
     # -- consume ---------------------------------------------------------------------------------
 
+    def _lease_seconds(self, sub: Subscription) -> int:
+        return min(MAX_LEASE_SECONDS, max(1, round(sub.lease_seconds)))
+
+    def _key_busy(self, subscription: str, group: str) -> bool:
+        now = datetime.now(UTC)
+        return any(
+            lease.subscription == subscription and lease.group_id == group and lease.lease_expires_at > now
+            for lease in self._leases.values()
+        )
+
+    def _forget_expired(self) -> None:
+        """Drops leases that ran out long ago (SQS handed the message on; another process may hold it)."""
+        horizon = datetime.now(UTC) - timedelta(seconds=EXPIRED_LEASES_KEPT_SECONDS)
+        for delivery_id in [d for d, lease in self._leases.items() if lease.lease_expires_at < horizon]:
+            del self._leases[delivery_id]
+
     async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
-        sub = self._sub(subscription)
-        if self._status.get(subscription, "Active") != "Active":
+        """Receives up to ``limit`` deliveries (10 per ReceiveMessage, long-polling the first);
+        paused and unknown subscriptions give nothing. On an Exclusive subscription one delivery per
+        key is in flight: a later message of a busy key that SQS FIFO hands over with it is held
+        here, still invisible, until the key's delivery settles (then leased out in order)."""
+        sub = self._subscriptions.get(subscription)
+        if sub is None or limit < 1 or self.subscription_status(subscription) != "Active":
             return []
         queue_url, _ = self._urls(subscription)
-        answer = await self.sqs.receive_message(
-            QueueUrl=queue_url,
-            MaxNumberOfMessages=max(1, min(limit, BATCH)),
-            WaitTimeSeconds=self.wait_seconds,
-            VisibilityTimeout=min(MAX_LEASE_SECONDS, max(1, round(sub.lease_seconds))),
-            MessageSystemAttributeNames=["All"],
-            MessageAttributeNames=["All"],
-        )
-        claimed: list[ClaimedDelivery] = []
-        now = time.time()
-        for message in answer.get("Messages", []):
-            delivery = self._claimed(sub, queue_url, message, now)
-            if delivery is not None:
-                claimed.append(delivery)
+        self._forget_expired()
+        exclusive = sub.partition_mode == "Exclusive"
+        claimed = await self._lease_held(sub, limit) if exclusive else []
+        wait = self.wait_seconds
+        while len(claimed) < limit:
+            answer = await self.sqs.receive_message(
+                QueueUrl=queue_url,
+                MaxNumberOfMessages=min(limit - len(claimed), BATCH),
+                WaitTimeSeconds=wait,
+                VisibilityTimeout=self._lease_seconds(sub),
+                MessageSystemAttributeNames=["All"],
+                MessageAttributeNames=["All"],
+            )
+            messages = answer.get("Messages", [])
+            if not messages:
+                break
+            wait = 0
+            now = time.time()
+            for message in messages:
+                group = message.get("Attributes", {}).get("MessageGroupId")
+                if exclusive and group is not None and self._key_busy(sub.name, group):
+                    held = _Held(queue_url, message, now, group, now + self._lease_seconds(sub))
+                    self._held.setdefault(sub.name, []).append(held)
+                    continue
+                claimed.append(self._claimed(sub, queue_url, message, now))
         return claimed
 
-    def _claimed(
-        self, sub: Subscription, queue_url: str, message: dict[str, Any], now: float
-    ) -> ClaimedDelivery | None:
+    async def _lease_held(self, sub: Subscription, limit: int) -> list[ClaimedDelivery]:
+        """Leases out held messages whose key is free, renewing their visibility to a full lease; a
+        held message whose visibility ran out goes back to SQS with the rest of its key."""
+        held = self._held.pop(sub.name, [])
+        claimed: list[ClaimedDelivery] = []
+        kept: list[_Held] = []
+        dropped: set[str] = set()
+        seconds = self._lease_seconds(sub)
+        for item in held:
+            if item.group_id in dropped:
+                await self._let_go(item)
+                continue
+            if len(claimed) >= limit or self._key_busy(sub.name, item.group_id):
+                kept.append(item)
+                continue
+            renewed = time.time() < item.visible_at - 1
+            if renewed:
+                try:
+                    await self.sqs.change_message_visibility(
+                        QueueUrl=item.queue_url, ReceiptHandle=item.message["ReceiptHandle"], VisibilityTimeout=seconds
+                    )
+                except Exception as exc:
+                    if not _client_error_code(exc):
+                        raise
+                    renewed = False
+            if not renewed:
+                dropped.add(item.group_id)
+                for other in [k for k in kept if k.group_id == item.group_id]:
+                    kept.remove(other)
+                    await self._let_go(other)
+                continue
+            claimed.append(self._claimed(sub, item.queue_url, item.message, item.received))
+        if kept:
+            self._held[sub.name] = kept
+        return claimed
+
+    async def _renew_held(self, subscription: str, group: str, seconds: int) -> None:
+        """Keeps the held messages of a heartbeating key invisible as long as its lease: without it
+        they would run out, go back to SQS and be charged one more receive when the key is free."""
+        kept: list[_Held] = []
+        for item in self._held.get(subscription, []):
+            if item.group_id == group:
+                try:
+                    await self.sqs.change_message_visibility(
+                        QueueUrl=item.queue_url, ReceiptHandle=item.message["ReceiptHandle"], VisibilityTimeout=seconds
+                    )
+                except Exception as exc:
+                    if not _client_error_code(exc):
+                        raise
+                    continue  # its receipt is gone: SQS hands it over again
+                item.visible_at = time.time() + seconds
+            kept.append(item)
+        if subscription in self._held:
+            self._held[subscription] = kept
+
+    async def _let_go(self, item: _Held) -> None:
+        """Makes a held message visible again (SQS will hand it over once more)."""
+        with contextlib.suppress(Exception):
+            await self.sqs.change_message_visibility(
+                QueueUrl=item.queue_url, ReceiptHandle=item.message["ReceiptHandle"], VisibilityTimeout=0
+            )
+
+    def _claimed(self, sub: Subscription, queue_url: str, message: dict[str, Any], received: float) -> ClaimedDelivery:
         sqs_id = message["MessageId"]
         system = message.get("Attributes", {})
         env = bodies.decode(message["Body"], sqs_id)
-        delivery_id = f"{NAME}:{sub.name}:{sqs_id}"
-        attempt = max(1, int(system.get("ApproximateReceiveCount", "1")))
-        if delivery_id in self._released:
-            attempt = max(1, attempt - 1)
+        delivery_id = f"{NAME}:{sub.name}:{env.get('origin_id') or sqs_id}"
+        attempt = max(1, int(system.get("ApproximateReceiveCount", "1")) - self._released.get(delivery_id, 0))
         max_attempts = int(env.get("max_attempts") or sub.max_attempts)
         attributes = {
             k: str(v.get("StringValue"))
@@ -399,12 +588,14 @@ class AwsTransport:
             message_id = uuid.UUID(str(env["message_id"]))
         except ValueError:
             message_id = uuid.UUID(sqs_id) if len(sqs_id) == 36 else uuid.uuid5(uuid.NAMESPACE_URL, sqs_id)
-        expires = datetime.now(UTC) + timedelta(seconds=sub.lease_seconds)
+        claimed_at = datetime.now(UTC)
+        expires = claimed_at + timedelta(seconds=self._lease_seconds(sub))
+        self.records.forget(delivery_id)
         self._leases[delivery_id] = _Lease(
             subscription=sub.name,
             queue_url=queue_url,
             receipt=message["ReceiptHandle"],
-            first_received=now,
+            first_received=received,
             attempt=attempt,
             message_id=message_id,
             partition_key=env.get("partition_key") or system.get("MessageGroupId"),
@@ -413,6 +604,7 @@ class AwsTransport:
             message_attributes=message.get("MessageAttributes", {}),
             group_id=system.get("MessageGroupId"),
             lease_expires_at=expires,
+            claimed_at=claimed_at,
         )
         published = env.get("published_at")
         headers = env.get("headers")
@@ -434,19 +626,35 @@ class AwsTransport:
         )
 
     async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
+        """Claims each None-mode subscription in turn until ``limit`` (SQS has no order across
+        queues); paused and unknown ones give nothing, an Exclusive one is refused."""
+        if isinstance(subscriptions, str):
+            raise TypeError(
+                f"claim_many takes a sequence of subscription names, got the string {subscriptions!r}; "
+                "claim one subscription with claim"
+            )
+        names = list(dict.fromkeys(subscriptions))
+        for name in names:
+            sub = self._subscriptions.get(name)
+            if sub is not None and sub.partition_mode != "None":
+                raise ValueError(
+                    f"claim_many takes None-mode subscriptions only ({name} is {sub.partition_mode}); "
+                    "claim an Exclusive or Ordered subscription with claim"
+                )
         found: list[tuple[str, ClaimedDelivery]] = []
-        for name in subscriptions:
-            if self._sub(name).partition_mode != "None":
-                raise ValueError(f"subscription {name!r} is {self._sub(name).partition_mode}: claim it on its own")
-        for name in subscriptions:
+        for name in names:
             if len(found) >= limit:
                 break
             found.extend((name, d) for d in await self.claim(name, limit - len(found)))
         return found
 
     def _lease(self, delivery_id: str, token: str) -> _Lease | None:
+        """The live lease of ``token``: a token of an earlier receive, or of a lease that ran out
+        (SQS made the message visible again), is refused here before SQS is asked."""
         lease = self._leases.get(delivery_id)
-        return lease if lease is not None and lease.receipt == token else None
+        if lease is None or lease.receipt != token or lease.lease_expires_at <= datetime.now(UTC):
+            return None
+        return lease
 
     async def heartbeat(self, requests: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
         results: list[HeartbeatResult] = []
@@ -458,7 +666,7 @@ class AwsTransport:
                 continue
             sub = self._sub(lease.subscription)
             left = MAX_LEASE_SECONDS - (now - lease.first_received)
-            seconds = int(min(sub.lease_seconds, left))
+            seconds = min(self._lease_seconds(sub), int(left))
             if seconds <= 0:
                 results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
                 continue
@@ -472,6 +680,12 @@ class AwsTransport:
                 results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
                 continue
             lease.lease_expires_at = datetime.now(UTC) + timedelta(seconds=seconds)
+            if lease.group_id is not None:
+                await self._renew_held(lease.subscription, lease.group_id, seconds)
+            if request.percent is not None:
+                lease.progress_percent = request.percent
+            if request.message is not None:
+                lease.progress_message = request.message
             results.append(
                 HeartbeatResult(
                     delivery_id=request.delivery_id,
@@ -495,18 +709,38 @@ class AwsTransport:
     async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]:
         results: list[SettleResult] = []
         deletes: list[tuple[int, _Lease]] = []
+        settled: list[tuple[int, Settlement, _Lease]] = []
         for settlement in settlements:
             lease = self._lease(settlement.delivery_id, settlement.lease_token)
             if lease is None:
                 results.append("LeaseLost")
                 continue
+            settled.append((len(results), settlement, lease))
             results.append(await self._settle_one(settlement, lease, deletes, len(results)))
         lost = await self._delete(deletes)
         for index in lost:
             results[index] = "LeaseLost"
-        for settlement in settlements:
+        for index, settlement, lease in settled:
             self._leases.pop(settlement.delivery_id, None)
+            receipt = Receipt(lease.queue_url, lease.receipt)
+            if results[index] == "Completed":
+                self._remember(settlement.delivery_id, lease, "Completed", receipt, reason=settlement.reason)
+            elif results[index] == "Discarded":
+                self._remember(settlement.delivery_id, lease, "Discarded", receipt, reason=settlement.reason)
+            if results[index] != "Pending":
+                self._released.pop(settlement.delivery_id, None)
         return results
+
+    def _remember(
+        self, delivery_id: str, lease: _Lease, status: DeliveryStatus, receipt: Receipt | None = None, **fields: Any
+    ) -> None:
+        """Records what this process made of a delivery it held (see :mod:`.records`)."""
+        info = self._info(delivery_id, lease.subscription, lease.body, status, lease.attempt, lease.attributes, False)
+        now = datetime.now(UTC)
+        extra: dict[str, Any] = {"claimed_at": lease.claimed_at}
+        if status in ("Completed", "Discarded"):
+            extra["settled_at"] = now
+        self.records.remember(info.model_copy(update={**extra, **fields}), receipt)
 
     async def _settle_one(
         self, settlement: Settlement, lease: _Lease, deletes: list[tuple[int, _Lease]], index: int
@@ -517,18 +751,30 @@ class AwsTransport:
             deletes.append((index, lease))
             return "Completed" if kind == "Complete" else "Discarded"
         if kind == "Release":
-            self._released.add(settlement.delivery_id)
-            return await self._visibility(lease, 0)
+            result = await self._visibility(lease, 0)
+            if result == "Pending":
+                self._released[settlement.delivery_id] = self._released.get(settlement.delivery_id, 0) + 1
+                self._remember(settlement.delivery_id, lease, "Pending", Receipt(lease.queue_url, lease.receipt),
+                               attempt=lease.attempt - 1, reason=settlement.reason, visible_at=datetime.now(UTC))
+            return result
         env = bodies.decode(lease.body, str(lease.message_id))
         max_attempts = int(env.get("max_attempts") or sub.max_attempts)
         if kind == "DeadLetter" or lease.attempt >= max_attempts:
-            reason = settlement.reason or ("MaxAttemptsExceeded" if kind != "DeadLetter" else "DeadLettered")
-            await self.send_dead_letter(lease, reason, settlement.error)
+            if kind == "DeadLetter":
+                reason = settlement.reason or "DeadLettered"
+            else:
+                cause = settlement.reason if settlement.reason is not None else settlement.error
+                reason = "max attempts reached" if cause is None else f"max attempts reached: {cause}"
+            await self.send_dead_letter(settlement.delivery_id, lease, reason, settlement.error)
             deletes.append((index, lease))
             return "DeadLettered"
         delay = max(0, min(MAX_LEASE_SECONDS, round(self._backoff(sub, lease, settlement))))
-        self._released.discard(settlement.delivery_id)
-        return await self._visibility(lease, delay)
+        result = await self._visibility(lease, delay)
+        if result == "Pending":
+            self._remember(settlement.delivery_id, lease, "Pending", Receipt(lease.queue_url, lease.receipt),
+                           reason=settlement.reason, last_error=settlement.error,
+                           visible_at=datetime.now(UTC) + timedelta(seconds=delay))
+        return result
 
     async def _visibility(self, lease: _Lease, seconds: int) -> SettleResult:
         try:
@@ -541,10 +787,12 @@ class AwsTransport:
             return "LeaseLost"
         return "Pending"
 
-    async def send_dead_letter(self, lease: _Lease, reason: str, error: str | None) -> None:
-        """Sends the leased message to its DLQ: same body (MessageID) plus ``dead_letter``, same attributes."""
+    async def send_dead_letter(self, delivery_id: str, lease: _Lease, reason: str, error: str | None) -> None:
+        """Sends the leased message to its DLQ: same body (MessageID) plus ``dead_letter``, same
+        attributes, and ``origin_id`` so the dead letter keeps the delivery's id."""
         _, dlq_url = self._urls(lease.subscription)
         env = bodies.decode(lease.body, str(lease.message_id))
+        env["origin_id"] = delivery_id.rsplit(":", 1)[-1]
         env["dead_letter"] = {
             "reason": reason,
             "error": None if error is None else error[:4000],
@@ -656,14 +904,15 @@ class AwsTransport:
             queue, dlq = await self._attributes(queue_url), await self._attributes(dlq_url)
             visible = int(queue.get("ApproximateNumberOfMessages", 0))
             delayed = int(queue.get("ApproximateNumberOfMessagesDelayed", 0))
+            status = self.subscription_status(name)
             found.append(
                 SubscriptionStats(
                     subscription=name,
                     topic=sub.topic,
-                    status=self._status.get(name, sub.status),
+                    status=status,
                     partition_mode=sub.partition_mode,
                     pending=visible + delayed,
-                    claimable=visible,
+                    claimable=visible if status == "Active" else 0,
                     in_flight=int(queue.get("ApproximateNumberOfMessagesNotVisible", 0)),
                     dead_lettered=int(dlq.get("ApproximateNumberOfMessages", 0)),
                     completed=0,
@@ -682,24 +931,46 @@ class AwsTransport:
         )
 
     async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:
+        """What SQS and this process can tell: a lease held here (InFlight), a completion or discard
+        made here, a dead letter on the DLQ, a retry, release or replay made here (Pending, with
+        the visibility set); None for a delivery this process never saw that is not on the DLQ."""
         lease = self._leases.get(delivery_id)
+        if lease is not None and lease.lease_expires_at > datetime.now(UTC):
+            return self._lease_info(delivery_id, lease, include_payload)
         if lease is not None:
-            return self._info(
-                delivery_id,
-                lease.subscription,
-                lease.body,
-                "InFlight",
-                lease.attempt,
-                lease.attributes,
-                include_payload,
-                lease_expires_at=lease.lease_expires_at,
-            )
-        parts = delivery_id.split(":")
-        if len(parts) == 4 and parts[2] == "dlq":
-            found = await self._find_dead_letter(parts[1], parts[3])
-            if found is not None:
-                return self._dead_info(parts[1], found, include_payload)
-        return None
+            # SQS made it visible again when the lease ran out; SQS counts the next receive.
+            return self._info(delivery_id, lease.subscription, lease.body, "Pending", lease.attempt,
+                              lease.attributes, include_payload, reason="lease expired",
+                              visible_at=lease.lease_expires_at, claimed_at=lease.claimed_at)
+        recorded = self.records.get(delivery_id)
+        if recorded is not None and recorded.status in ("Completed", "Discarded"):
+            return recorded
+        parts = split_delivery_id(delivery_id)
+        if parts is None or parts[0] not in self._subscriptions or parts[0] not in self._bound():
+            return None
+        found = await self._find_dead_letter(*parts)
+        if found is not None:
+            return self._dead_info(parts[0], found, include_payload)
+        return recorded
+
+    def _bound(self) -> dict[str, Any]:
+        assert self.bindings is not None
+        return dict(self.bindings.subscriptions)
+
+    def _lease_info(self, delivery_id: str, lease: _Lease, include_payload: bool) -> DeliveryInfo:
+        return self._info(
+            delivery_id,
+            lease.subscription,
+            lease.body,
+            "InFlight",
+            lease.attempt,
+            lease.attributes,
+            include_payload,
+            lease_expires_at=lease.lease_expires_at,
+            claimed_at=lease.claimed_at,
+            progress_percent=lease.progress_percent,
+            progress_message=lease.progress_message,
+        )
 
     def _info(
         self,
@@ -720,6 +991,13 @@ class AwsTransport:
         except ValueError:
             message_id = uuid.uuid5(uuid.NAMESPACE_URL, str(env["message_id"]))
         published = env.get("published_at")
+        fields: dict[str, Any] = {
+            "reason": dead.get("reason"),
+            "last_error": dead.get("error"),
+            "note": env.get("replay_note"),
+            "created_at": datetime.fromisoformat(published) if isinstance(published, str) else None,
+            **extra,
+        }
         return DeliveryInfo(
             delivery_id=delivery_id,
             subscription=subscription,
@@ -729,14 +1007,18 @@ class AwsTransport:
             status=status,
             attempt=int(dead.get("attempts", attempt)),
             max_attempts=int(env.get("max_attempts") or sub.max_attempts),
-            reason=dead.get("reason"),
-            last_error=dead.get("error"),
             attributes=attributes,
             correlation_id=env.get("correlation_id"),
-            created_at=datetime.fromisoformat(published) if isinstance(published, str) else None,
             payload=env.get("payload") if include_payload else None,
-            **extra,
+            **fields,
         )
+
+    @staticmethod
+    def _origin(message: dict[str, Any]) -> str:
+        """The SQS MessageId the delivery was first received with (a redrive keeps the MessageId;
+        the transport's own dead letters and replays carry it as ``origin_id``)."""
+        env = bodies.decode(message["Body"], message["MessageId"])
+        return str(env.get("origin_id") or message["MessageId"])
 
     def _dead_info(self, subscription: str, message: dict[str, Any], include_payload: bool) -> DeliveryInfo:
         attributes = {
@@ -745,14 +1027,18 @@ class AwsTransport:
             if v.get("StringValue") is not None
         }
         system = message.get("Attributes", {})
+        env = bodies.decode(message["Body"], message["MessageId"])
+        dead = env.get("dead_letter") or {}
+        settled = dead.get("dead_lettered_at")
         info = self._info(
-            f"{NAME}:{subscription}:dlq:{message['MessageId']}",
+            f"{NAME}:{subscription}:{self._origin(message)}",
             subscription,
             message["Body"],
             "DeadLettered",
             int(system.get("ApproximateReceiveCount", "1")),
             attributes,
             include_payload,
+            settled_at=datetime.fromisoformat(settled) if isinstance(settled, str) else None,
         )
         if info.reason is None:
             info = info.model_copy(update={"reason": "MaxReceiveCountExceeded"})
@@ -785,9 +1071,10 @@ class AwsTransport:
                 )
         return list(seen.values())[:limit]
 
-    async def _find_dead_letter(self, subscription: str, sqs_id: str) -> dict[str, Any] | None:
+    async def _find_dead_letter(self, subscription: str, origin: str) -> dict[str, Any] | None:
+        """The DLQ message of the delivery ``origin`` (or whose own MessageId it is)."""
         for message in await self._read_dead_letters(subscription, 1000):
-            if message["MessageId"] == sqs_id:
+            if origin in (self._origin(message), message["MessageId"]):
                 return message
         return None
 
@@ -808,18 +1095,9 @@ class AwsTransport:
     ) -> list[DeliveryInfo]:
         if status == "InFlight":
             return [
-                self._info(
-                    d,
-                    lease.subscription,
-                    lease.body,
-                    "InFlight",
-                    lease.attempt,
-                    lease.attributes,
-                    include_payload,
-                    lease_expires_at=lease.lease_expires_at,
-                )
+                self._lease_info(d, lease, include_payload)
                 for d, lease in self._leases.items()
-                if lease.subscription == subscription
+                if lease.subscription == subscription and lease.lease_expires_at > datetime.now(UTC)
             ][:limit]
         if status != "DeadLettered":
             raise TransportError(
@@ -840,15 +1118,34 @@ class AwsTransport:
     ) -> list[PartitionInfo]:
         raise TransportError(f"Unsupported: {BACKLOG_UNSUPPORTED}", retryable=False)
 
+    def _terminal_answer(self, subscription: str, delivery_id: str) -> ActionResult | None:
+        """AlreadyTerminal for a delivery this process completed or discarded, else None."""
+        recorded = self.records.get(delivery_id)
+        if recorded is not None and recorded.status in ("Completed", "Discarded"):
+            return ActionResult(result="AlreadyTerminal", delivery_id=delivery_id, subscription=subscription,
+                                status=recorded.status)
+        return None
+
     async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
-        """Moves a dead letter back to its queue: same body (MessageID), attempts start again."""
-        sqs_id = delivery_id.rsplit(":", 1)[-1]
-        message = await self._find_dead_letter(subscription, sqs_id)
+        """Moves a dead letter back to its queue: same body (MessageID) and delivery id, the
+        operator's note, attempts start again (a new SQS message, received for the first time)."""
+        parts = split_delivery_id(delivery_id)
+        message = None
+        if parts is not None and parts[0] == subscription and subscription in self._bound():
+            message = await self._find_dead_letter(subscription, parts[1])
         if message is None:
-            return ActionResult(result="NotFound", delivery_id=delivery_id, subscription=subscription)
+            known = delivery_id in self._leases or self.records.get(delivery_id) is not None
+            result = "NotDeadLettered" if known else "NotFound"
+            return ActionResult(result=result, delivery_id=delivery_id, subscription=subscription)
         queue_url, dlq_url = self._urls(subscription)
-        env = bodies.decode(message["Body"], sqs_id)
+        origin = self._origin(message)
+        env = bodies.decode(message["Body"], message["MessageId"])
         env.pop("dead_letter", None)
+        env["origin_id"] = origin
+        if note is not None:
+            env["replay_note"] = note
+        else:
+            env.pop("replay_note", None)
         entry: dict[str, Any] = {"QueueUrl": queue_url, "MessageBody": json.dumps(env)}
         attributes = {
             k: {"DataType": v.get("DataType", "String"), "StringValue": v["StringValue"]}
@@ -863,6 +1160,10 @@ class AwsTransport:
             entry["MessageDeduplicationId"] = f"{env.get('message_id')}:replay:{uuid.uuid4().hex[:8]}"
         await self.sqs.send_message(**entry)
         await self.sqs.delete_message(QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"])
+        replayed_id = f"{NAME}:{subscription}:{origin}"
+        info = self._info(replayed_id, subscription, json.dumps(env), "Pending", 0,
+                          {k: v["StringValue"] for k, v in attributes.items()}, False)
+        self.records.remember(info.model_copy(update={"visible_at": datetime.now(UTC)}))
         return ActionResult(result="Replayed", delivery_id=delivery_id, subscription=subscription, status="Pending")
 
     async def validate_bindings(self) -> BindingReport:
@@ -886,27 +1187,57 @@ class AwsTransport:
         return 0
 
     async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
-        """Deletes a dead letter from the DLQ; an in-flight delivery answers Unsupported (no cancel on SQS)."""
-        if delivery_id in self._leases or ":dlq:" not in delivery_id:
+        """Deletes a dead letter from the DLQ; an in-flight or waiting delivery answers Unsupported
+        (no cancel on SQS, and SQS cannot address a waiting message)."""
+        if delivery_id in self._leases:
             return ActionResult(
                 result="Unsupported", delivery_id=delivery_id, subscription=subscription, reason=CANCEL_UNSUPPORTED
             )
-        message = await self._find_dead_letter(subscription, delivery_id.rsplit(":", 1)[-1])
-        if message is None:
+        terminal = self._terminal_answer(subscription, delivery_id)
+        if terminal is not None:
+            return terminal
+        parts = split_delivery_id(delivery_id)
+        if parts is None or parts[0] != subscription or subscription not in self._bound():
             return ActionResult(result="NotFound", delivery_id=delivery_id, subscription=subscription)
-        _, dlq_url = self._urls(subscription)
-        await self.sqs.delete_message(QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"])
+        message = await self._find_dead_letter(subscription, parts[1])
+        if message is None:
+            return ActionResult(
+                result="Unsupported", delivery_id=delivery_id, subscription=subscription, reason=WAITING_UNSUPPORTED
+            )
+        await self._discard_dead_letter(subscription, message, reason)
         return ActionResult(result="Discarded", delivery_id=delivery_id, subscription=subscription, status="Discarded")
 
-    async def discard_dead_letters(self, subscription: str, settled_before: datetime, limit: int = 1000) -> int:
+    async def _discard_dead_letter(self, subscription: str, message: dict[str, Any], reason: str | None) -> None:
         _, dlq_url = self._urls(subscription)
+        await self.sqs.delete_message(QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"])
+        info = self._dead_info(subscription, message, False)
+        self.records.remember(info.model_copy(update={"status": "Discarded", "reason": reason,
+                                                      "settled_at": datetime.now(UTC)}))
+
+    async def discard_dead_letters(self, subscription: str, settled_before: datetime, limit: int = 1000) -> int:
+        """Deletes the subscription's dead letters sent to the DLQ before ``settled_before``
+        (reason ``pruned``), ``limit`` per round until none is left; returns how many."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        if settled_before.tzinfo is None:
+            raise ValueError(
+                "settled_before must be an aware datetime, e.g. datetime.now(UTC) - timedelta(days=7); "
+                f"got {settled_before!r} without a time zone"
+            )
+        if subscription not in self._subscriptions or subscription not in self._bound():
+            return 0
         cutoff = settled_before.timestamp() * 1000
         gone = 0
-        for message in await self._read_dead_letters(subscription, limit):
-            if int(message.get("Attributes", {}).get("SentTimestamp", "0")) < cutoff:
-                await self.sqs.delete_message(QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"])
-                gone += 1
-        return gone
+        while True:
+            old = [
+                m for m in await self._read_dead_letters(subscription, 1000)
+                if int(m.get("Attributes", {}).get("SentTimestamp", "0")) < cutoff
+            ][:limit]
+            for message in old:
+                await self._discard_dead_letter(subscription, message, "pruned")
+            gone += len(old)
+            if len(old) < limit:
+                return gone
 
     async def rewrite_payload(
         self, message_id: uuid.UUID, payload_json: str, content_hash: str, envelope_bytes: int

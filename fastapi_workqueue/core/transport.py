@@ -46,6 +46,10 @@ class Capabilities:
     """Per-key backlog and partition listings are exact (False: answered ``Unsupported``)."""
     retry_keeps_key_busy: bool = False
     """Exclusive: a delivery waiting out its retry delay keeps its key from the others (SQS FIFO)."""
+    terminal_counts: bool = True
+    """Stats count Completed and Discarded deliveries (False: SQS deletes them and counts none; 0)."""
+    sweeps: bool = True
+    """The sweep expires leases and purges (False: the broker does it itself, and ``sweep`` never runs)."""
     notes: tuple[str, ...] = ()
 
 

@@ -1,16 +1,21 @@
 """The conformance suite's harness for the AWS transport on a moto server.
 
 Each case declares its own topic and subscriptions with ``sync_topology``; here that provisions
-them on moto from their manifest (as the Terraform module would) and binds them. What SQS cannot
-do (no clock to move, no sweep lock, no caller's transaction without a database) skips the case
-with the reason, and :data:`MOTO_CANNOT_EMULATE` lists what only real AWS can check.
+them on moto from their manifest (as the Terraform module would) and binds them. A delivery's
+clock moves through SQS itself: ChangeMessageVisibility with the last receipt handle the transport
+holds. What SQS cannot do (a clock for a message never received here, no sweep lock, no caller's
+transaction without a database) skips the case with the reason; :data:`AWS_SKIPS` lists the cases
+skipped up front and :data:`MOTO_CANNOT_EMULATE` what only real AWS can check (docs/aws.md names both).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 
 import pytest
@@ -27,8 +32,9 @@ MOTO_CANNOT_EMULATE: dict[str, str] = {
     "stale receipt handle": "moto still deletes or changes the visibility with a receipt handle of an earlier receive",
     "FIFO deduplication after a delete": "moto does not keep a deleted message's deduplication id for 5 minutes",
     "Lambda partial batch failure": "moto runs no Lambda event source mapping with ReportBatchItemFailures",
-    "visibility timeout expiry": "the suite moves stored clocks; SQS's (and moto's) cannot be moved, and a case "
-                                 "that waited for a real lease to run out would be a timed test",
+    "visibility timeout expiry": "the harness moves a message's visibility through the last receipt handle this "
+                                 "process holds; a message it never received (a publish's delay, a dead letter's "
+                                 "send time, a waiting message's age) has no clock to move",
     "sweeper and its lock": "SQS expires leases and retention itself; there is no sweep pass to hold",
 }
 """Behaviours the moto tests cannot check: verified only against real AWS (docs/aws.md quotes it)."""
@@ -79,10 +85,41 @@ class AwsHarness:
         yield  # pragma: no cover
 
     async def advance(self, delivery_id: str, seconds: float) -> None:
-        self._skip(NO_CLOCK)
+        """Lets ``seconds`` pass for a message this process received: ChangeMessageVisibility with
+        its last receipt handle (as SQS allows until the next receive) shortens a lease or a retry's
+        delay by that much; a settled one is made visible at once, which SQS refuses (or ignores) for
+        a deleted message. Whole seconds, rounded up, as SQS counts them."""
+        transport = self.transport
+        now = datetime.now(UTC)
+        lease = transport._leases.get(delivery_id)
+        if lease is not None and lease.lease_expires_at > now:
+            until = lease.lease_expires_at - timedelta(seconds=seconds)
+            await self._visible_in(lease.queue_url, lease.receipt, (until - now).total_seconds())
+            lease.lease_expires_at = until
+            return
+        info, receipt = transport.records.get(delivery_id), transport.records.receipt(delivery_id)
+        if info is None or receipt is None:
+            self._skip(NO_CLOCK)
+        if info.status == "Pending" and info.visible_at is not None:
+            until = info.visible_at - timedelta(seconds=seconds)
+            await self._visible_in(receipt.queue_url, receipt.receipt, (until - now).total_seconds())
+            transport.records.update(delivery_id, visible_at=until)
+            return
+        with contextlib.suppress(Exception):  # deleted: SQS refuses the receipt
+            await self._visible_in(receipt.queue_url, receipt.receipt, 0)
+        moved = {k: getattr(info, k) - timedelta(seconds=seconds) for k in ("settled_at", "claimed_at")
+                 if getattr(info, k) is not None}
+        transport.records.update(delivery_id, **moved)
+
+    async def _visible_in(self, queue_url: str, receipt: str, seconds: float) -> None:
+        await self.transport.sqs.change_message_visibility(
+            QueueUrl=queue_url, ReceiptHandle=receipt, VisibilityTimeout=max(0, math.ceil(seconds))
+        )
 
     async def expire_lease(self, delivery_id: str) -> None:
-        self._skip(NO_CLOCK)
+        lease = self.transport._leases.get(delivery_id)
+        assert lease is not None and lease.lease_expires_at > datetime.now(UTC), f"{delivery_id} is not in flight"
+        await self.advance(delivery_id, (lease.lease_expires_at - datetime.now(UTC)).total_seconds() + 1.0)
 
     async def advance_deduplication(self, topic: str, key: str, seconds: float) -> None:
         self._skip(NO_CLOCK)
@@ -100,33 +137,58 @@ async def aws_harness(moto_url: str) -> AsyncIterator[AwsHarness]:
         await transport.close()
 
 
-NO_RECORD = ("SQS keeps no record of a settled (deleted) or waiting message: the case reads delivery states "
-             "(Completed, Discarded, Pending, visible_at) through get_delivery, which only the database keeps")
-DATABASE_STORE = "deduplication keys, steps, known messages and payload rewrites live in the database transport " \
-                 "(the routing transport sends them there)"
+# Capabilities the aws transport does not have (Ordered is refused in sync_topology above).
+CANCEL = "cancel is not available on SQS (capability cancel=False)"
+EXACT_BACKLOG = "SQS counts are approximate (capability exact_backlog=False)"
+# What SQS and SNS cannot do, on moto as on AWS.
+NO_LISTING = ("SQS cannot list or address a waiting message: list_deliveries(Pending) and a waiting delivery's age "
+              "are the database's")
+TERMINAL_COUNTS = ("SQS keeps no count of deleted messages: stats on the aws transport report completed and "
+                   "discarded as 0 (capability terminal_counts=False)")
+WHOLE_SECONDS = ("SQS sets a visibility timeout in whole seconds: the transport rounds the drawn backoff, which the "
+                 "case checks to 0.05 s (the draw itself is the same full jitter)")
+LEASE_REDRIVE = ("SQS moves a message whose last lease ran out to the DLQ only at the next receive "
+                 "(maxReceiveCount), without the reason 'lease expired on the final attempt' in its body")
+SNS_PUBLISH = "SNS answers no Duplicate or MessageIDConflict (a FIFO topic drops a repeat silently) and has no " \
+              "per-message delay"
 FOLLOW_UPS = "follow-ups are published before the delete (at-least-once, checked in tests/aws/test_follow_ups.py), " \
              "not in one transaction with it: the case reads a settled delivery's state or a rollback, which SQS " \
              "does not keep"
-SNS_PUBLISH = "SNS answers no Duplicate or MessageIDConflict (a FIFO topic drops a repeat silently) and has no " \
-              "per-message delay"
-NOT_ADAPTED = "not adapted to the aws transport yet (checked in tests/aws/test_transport.py instead)"
+# What the routing transport sends to the database transport beside the aws topics.
+DATABASE_STORE = "deduplication keys, steps, known messages and payload rewrites live in the database transport " \
+                 "(the routing transport sends them there)"
 
 AWS_SKIPS: dict[str, str] = {
-    "test_the_oldest_due_delivery_comes_first_across_subscriptions": NO_RECORD,
-    "test_each_delivery_is_leased_for_its_own_subscription": NOT_ADAPTED,
-    "test_paused_and_unknown_subscriptions_give_nothing": NOT_ADAPTED,
-    "test_c18b_discard_ends_the_delivery_with_its_reason_and_never_retries": NO_RECORD,
-    "test_c18b_a_cancel_requested_delivery_keeps_the_operators_reason": "cancel is not available on SQS (capability)",
-    "test_c18b_a_batch_counts_discards_and_completions_apart": NO_RECORD,
+    # capability
+    "test_c18b_a_cancel_requested_delivery_keeps_the_operators_reason": CANCEL,
+    "test_c27_discard_in_flight_requests_cancel_then_discarded_never_retried": CANCEL,
+    "test_c28_cancel_requested_with_dead_holder_is_discarded_at_lease_expiry": CANCEL,
+    "test_listings_fill_every_field_a_single_delivery_has": CANCEL + "; " + NO_LISTING,
+    "test_c33_stats_and_backlog_agree_with_deliveries": EXACT_BACKLOG,
+    # SQS and SNS
+    "test_the_oldest_due_delivery_comes_first_across_subscriptions": NO_LISTING + "; SQS has no order across queues",
+    "test_a_completion_without_follow_ups_is_a_plain_settle": NO_LISTING,
+    "test_c26_discard_pending_or_dead_lettered_keeps_reason": "SQS cannot address a waiting message by id; "
+                                                              "dead letters are discarded from the DLQ",
+    "test_c33_terminal_counts_stay_exact_through_discard_expiry_purge_and_prune": TERMINAL_COUNTS,
+    "test_c16_retry_without_delay_uses_full_jitter_backoff": WHOLE_SECONDS,
+    "test_c16_full_jitter_is_spread_over_the_whole_range": WHOLE_SECONDS,
+    "test_c13_lease_expiring_on_final_attempt_dead_letters": LEASE_REDRIVE,
+    "test_publish_delay_and_not_before_hold_the_message_back": SNS_PUBLISH,
+    "test_c02_same_message_id_and_content_is_duplicate": SNS_PUBLISH,
+    "test_c03_same_message_id_different_content_is_conflict": SNS_PUBLISH,
+    "test_c04_deduplication_key_within_ttl_is_duplicate_then_accepted_after": SNS_PUBLISH,
+    "test_c04_deduplication_key_repeated_within_one_call": SNS_PUBLISH,
+    "test_c06_conflict_in_a_batch_publishes_nothing": SNS_PUBLISH,
+    "test_c02_batch_repeating_stored_and_own_items_answers_duplicate_for_them": SNS_PUBLISH,
     "test_a_completion_publishes_its_follow_ups": FOLLOW_UPS,
     "test_a_cancelled_delivery_is_discarded_and_publishes_nothing": FOLLOW_UPS,
     "test_a_refused_follow_up_rolls_the_completion_back": FOLLOW_UPS,
     "test_a_follow_up_stored_already_with_the_same_content_is_a_duplicate_and_still_completes": FOLLOW_UPS,
-    "test_a_completion_without_follow_ups_is_a_plain_settle": NO_RECORD,
+    # only real AWS
     "test_c31_retention_purges_terminal_only": MOTO_CANNOT_EMULATE["sweeper and its lock"],
     "test_c31_retention_purges_messages_nothing_refers_to_by_their_topic": MOTO_CANNOT_EMULATE["sweeper and its lock"],
-    "test_c33_stats_and_backlog_agree_with_deliveries": "SQS counts are approximate (capability exact_backlog=False)",
-    "test_c33_terminal_counts_stay_exact_through_discard_expiry_purge_and_prune": NO_RECORD,
+    # the database's
     "test_the_holder_frees_its_deduplication_key_and_no_one_else_can": DATABASE_STORE,
     "test_an_expired_deduplication_key_was_not_held": DATABASE_STORE,
     "test_a_step_result_is_stored_once_and_read_back": DATABASE_STORE,
@@ -134,40 +196,7 @@ AWS_SKIPS: dict[str, str] = {
     "test_the_purge_of_a_message_removes_its_steps": DATABASE_STORE,
     "test_known_messages_answers_which_ids_are_stored": DATABASE_STORE,
     "test_message_deliveries_lists_each_subscriptions_delivery": DATABASE_STORE,
-    "test_discard_dead_letters_says_what_to_change_for_bad_input": NOT_ADAPTED,
     "test_rewrite_payload_replaces_a_payload_no_delivery_has_finished_with": DATABASE_STORE,
     "test_rewrite_payload_refuses_a_discarded_delivery_and_an_envelope_over_the_cap": DATABASE_STORE,
-    "test_c11_forged_token_settle_is_rejected": MOTO_CANNOT_EMULATE["stale receipt handle"],
-    "test_c12_a_short_lease_runs_out_in_real_time": NO_CLOCK,
-    "test_c25_replay_dead_letter_keeps_message_id_resets_attempts_keeps_note": NOT_ADAPTED,
-    "test_c26_discard_pending_or_dead_lettered_keeps_reason": "SQS cannot address a waiting message by id; "
-                                                              "dead letters are discarded from the DLQ",
-    "test_c27_discard_in_flight_requests_cancel_then_discarded_never_retried": "cancel is not available on SQS "
-                                                                               "(capability cancel=False)",
-    "test_c28_cancel_requested_with_dead_holder_is_discarded_at_lease_expiry": "cancel is not available on SQS "
-                                                                               "(capability cancel=False)",
-    "test_c30_paused_subscription_accrues_but_is_not_claimed_until_resumed": NOT_ADAPTED,
-    "test_listings_fill_every_field_a_single_delivery_has": NO_RECORD,
-    "test_c15_retry_with_delay_is_invisible_until_the_delay_passes": NO_RECORD,
-    "test_c16_retry_without_delay_uses_full_jitter_backoff": NO_RECORD,
-    "test_c16_full_jitter_is_spread_over_the_whole_range": NO_RECORD,
-    "test_c16_backoff_grows_and_is_capped": NO_RECORD,
-    "test_c17_failure_on_last_attempt_dead_letters_with_reason_and_error": NOT_ADAPTED,
-    "test_c17_explicit_retry_on_last_attempt_dead_letters": NOT_ADAPTED,
-    "test_c18_dead_letter_outcome_dead_letters_at_once": NOT_ADAPTED,
-    "test_publish_policy_overrides_are_kept_on_the_delivery": NOT_ADAPTED,
-    "test_publish_delay_and_not_before_hold_the_message_back": SNS_PUBLISH,
-    "test_c19_exclusive_one_in_flight_per_key_other_keys_run": NOT_ADAPTED,
-    "test_c20_exclusive_delivery_in_backoff_does_not_hold_its_key": "a retrying Exclusive message keeps its key "
-                                                                    "busy on SQS FIFO (retry_keeps_key_busy)",
-    "test_c02_same_message_id_and_content_is_duplicate": SNS_PUBLISH,
-    "test_c03_same_message_id_different_content_is_conflict": SNS_PUBLISH,
-    "test_c04_deduplication_key_within_ttl_is_duplicate_then_accepted_after": SNS_PUBLISH,
-    "test_c04_deduplication_key_repeated_within_one_call": SNS_PUBLISH,
-    "test_c05_envelope_over_cap_is_rejected_with_size": NOT_ADAPTED,
-    "test_c05_unknown_topic_is_rejected": NOT_ADAPTED,
-    "test_c06_batch_is_all_or_nothing_and_keeps_array_order": NOT_ADAPTED,
-    "test_c06_conflict_in_a_batch_publishes_nothing": SNS_PUBLISH,
-    "test_c02_batch_repeating_stored_and_own_items_answers_duplicate_for_them": SNS_PUBLISH,
 }
 """Conformance cases the aws transport skips, by test function, with the reason."""

@@ -57,15 +57,16 @@ async def test_c10_heartbeat_renews_lease_and_stores_progress(harness: Harness) 
         assert hb.alive and not hb.cancel_requested
     # 100 s after the claim, well past the first 30 s lease: the renewals kept it.
     await harness.advance(delivery.delivery_id, 20)
+    sweeps = harness.transport.capabilities.sweeps  # False: the broker expires leases itself (SQS)
     report = await harness.transport.sweep()
-    assert report.ran
+    assert report.ran or not sweeps
     info = await harness.transport.get_delivery(delivery.delivery_id)
     assert info is not None and info.status == "InFlight"
     assert info.progress_percent == 40 and info.progress_message == "m" * 500
     # Without a renewal the lease runs out 30 s after the last one.
     await harness.advance(delivery.delivery_id, 11)
     report = await harness.transport.sweep()
-    assert report.ran and report.retried >= 1
+    assert (report.ran and report.retried >= 1) or not sweeps
     assert await world.status(delivery.delivery_id) == "Pending"
     assert await world.settle(delivery) == "LeaseLost"
 
@@ -114,13 +115,14 @@ async def test_c12_expired_lease_makes_delivery_claimable_with_attempt_counted(h
     assert await world.claim("a") == []
     # A lease with time left is not taken back.
     await harness.advance(first.delivery_id, LEASE - 5)
-    assert (await harness.transport.sweep()).ran
+    sweeps = harness.transport.capabilities.sweeps  # False: the broker expires leases itself (SQS)
+    assert (await harness.transport.sweep()).ran or not sweeps
     assert await world.status(first.delivery_id) == "InFlight"
     assert await world.claim("a") == []
 
     await harness.advance(first.delivery_id, 6)
     report = await harness.transport.sweep()
-    assert report.ran and report.retried >= 1
+    assert (report.ran and report.retried >= 1) or not sweeps
     info = await harness.transport.get_delivery(first.delivery_id)
     assert info is not None and info.status == "Pending" and info.attempt == 1
     assert info.reason == "lease expired"

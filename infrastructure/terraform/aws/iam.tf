@@ -13,6 +13,8 @@ locals {
     "sqs:ChangeMessageVisibility",
     "sqs:GetQueueAttributes",
     "sqs:GetQueueUrl",
+    # A subscription's pause is the queue's workqueue:status tag, read on every bindings refresh.
+    "sqs:ListQueueTags",
   ]
 }
 
@@ -76,6 +78,16 @@ data "aws_iam_policy_document" "app" {
       actions   = ["sns:GetSubscriptionAttributes"]
       # Subscription ARNs are the topic ARN followed by ":<id>".
       resources = [for arn in statement.value : "${arn}:*"]
+    }
+  }
+
+  # Pause and resume (workqueue pause/resume, the REST API) tag the queue with workqueue:status.
+  dynamic "statement" {
+    for_each = length(local.queue_arns) == 0 ? [] : [local.queue_arns]
+    content {
+      sid       = "PauseQueues"
+      actions   = ["sqs:TagQueue", "sqs:ListQueueTags"]
+      resources = statement.value
     }
   }
 

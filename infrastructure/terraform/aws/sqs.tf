@@ -31,6 +31,11 @@ resource "aws_sqs_queue" "queue" {
   })
 
   tags = merge(var.tags, { "workqueue:subscription" = each.key, "workqueue:role" = "source" })
+
+  # The library keeps a subscription's pause in this tag (TagQueue); an apply must not undo it.
+  lifecycle {
+    ignore_changes = [tags["workqueue:status"]]
+  }
 }
 
 # Only the subscription's own queue may dead-letter into its DLQ.
