@@ -45,7 +45,7 @@ class JobContext:
     """A job's attempt: ``id`` (the same over every attempt, retry and replay: an idempotency key),
     ``name``, ``attempt`` (from 1), ``tries``, ``queue``, ``signal`` and ``log``."""
 
-    __slots__ = ("_once", "_steps", "attempt", "id", "log", "name", "queue", "signal", "tries")
+    __slots__ = ("_log", "_make_log", "_once", "_steps", "attempt", "id", "name", "queue", "signal", "tries")
 
     def __init__(
         self,
@@ -56,7 +56,7 @@ class JobContext:
         tries: int,
         queue: str,
         signal: AbortSignal,
-        log: logging.LoggerAdapter[logging.Logger],
+        log: logging.LoggerAdapter[logging.Logger] | Callable[[], logging.LoggerAdapter[logging.Logger]],
         once: OnceRunner,
         steps: StepStore,
     ) -> None:
@@ -66,13 +66,25 @@ class JobContext:
         self.tries = tries
         self.queue = queue
         self.signal = signal
-        self.log = log
+        if isinstance(log, logging.LoggerAdapter):
+            self._log: logging.LoggerAdapter[logging.Logger] | None = log
+            self._make_log: Callable[[], logging.LoggerAdapter[logging.Logger]] | None = None
+        else:
+            self._log, self._make_log = None, log
         self._once = once
         self._steps = steps
 
     def __repr__(self) -> str:
         return (f"JobContext(name={self.name!r}, id={self.id}, attempt={self.attempt}/{self.tries}, "
                 f"queue={self.queue!r})")
+
+    @property
+    def log(self) -> logging.LoggerAdapter[logging.Logger]:
+        """The jobs logger with the job's name, id, queue and attempt on every record."""
+        if self._log is None:
+            assert self._make_log is not None
+            self._log = self._make_log()
+        return self._log
 
     @property
     def is_final_attempt(self) -> bool:

@@ -512,6 +512,14 @@ class Jobs:
         if job.context_param is not None:
             fixed[job.context_param] = job_context
 
+        if not job.dependency_params:  # nothing to solve: the function itself, called with what it takes
+            func = job.func
+
+            async def call_plain() -> Any:
+                return await func(**fixed)
+
+            return call_plain
+
         async def call() -> Any:
             return await self.queue.call_with_dependencies(job.key, job.func, fixed, message, context)
 

@@ -96,7 +96,7 @@ class JobRunner:
         context.signal.add_listener(signal.abort)
         job_context = JobContext(
             id=message.message_id, name=job.name, attempt=context.attempt, tries=context.max_attempts, queue=queue,
-            signal=signal, log=_JobLog(log, job.name, message, context.attempt), once=context.once,
+            signal=signal, log=lambda: _JobLog(log, job.name, message, context.attempt), once=context.once,
             steps=self._jobs.steps,
         )
         if envelope.unique_key is not None and envelope.unique_until == "processing":
@@ -143,11 +143,12 @@ class JobRunner:
         context: WorkContext,
     ) -> Any:
         """The middleware, then the job, under the job's timeout."""
-        attempt = JobAttempt(job=job_context, payload=payload, definition=job, timeout=envelope.timeout,
-                             lease_seconds=self._jobs.lease_seconds, locks=self._jobs.locks)
         call = self._jobs.caller(job, payload, job_context, message, context)
-        for middleware in reversed(job.middleware):
-            call = _wrap(middleware, attempt, call)
+        if job.middleware:
+            attempt = JobAttempt(job=job_context, payload=payload, definition=job, timeout=envelope.timeout,
+                                 lease_seconds=self._jobs.lease_seconds, locks=self._jobs.locks)
+            for middleware in reversed(job.middleware):
+                call = _wrap(middleware, attempt, call)
         if envelope.timeout is None:
             return await call()
         timer = _Timer(asyncio.current_task(), job_context.signal)
