@@ -55,6 +55,9 @@ class WorkQueueSettings(BaseSettings):
     """Which subscriptions this process runs and how many deliveries of each at once."""
     idle_poll_min_ms: int = Field(default=250, ge=1)
     idle_poll_max_ms: int = Field(default=5000, ge=1)
+    wake_backoff_ms: int = Field(default=100, ge=0)
+    """After wake-up claims that found nothing (another process took the delivery), a consumer waits
+    10 ms doubling up to this long before its next wake-up claim; 0 claims at every wake-up."""
     shutdown_drain_ms: int = Field(default=8000, ge=0)
     sweeper_enabled: bool = True
     sweeper_interval_ms: int = Field(default=60000, ge=10)
@@ -166,6 +169,7 @@ class WorkQueueSettings(BaseSettings):
         return HostOptions(
             idle_poll_min_ms=self.idle_poll_min_ms,
             idle_poll_max_ms=self.idle_poll_max_ms,
+            wake_backoff_ms=self.wake_backoff_ms,
             shutdown_drain_ms=self.shutdown_drain_ms,
             sweeper_enabled=self.sweeper_enabled,
             sweeper_interval_ms=self.sweeper_interval_ms,

@@ -63,6 +63,7 @@ class HostOptions:
 
     idle_poll_min_ms: int = 250
     idle_poll_max_ms: int = 5000
+    wake_backoff_ms: int = 100
     shutdown_drain_ms: int = 8000
     sweeper_enabled: bool = True
     sweeper_interval_ms: int = 60000
@@ -218,6 +219,7 @@ class Host:
                         concurrency=concurrency,
                         idle_poll_min=self.options.idle_poll_min_ms / 1000,
                         idle_poll_max=self.options.idle_poll_max_ms / 1000,
+                        wake_backoff=self.options.wake_backoff_ms / 1000,
                         principal=self.options.principal,
                         max_deliveries=self._max_deliveries,
                         stop_when_idle=self._stop_when_idle,
@@ -294,6 +296,7 @@ class Host:
                     concurrency=plan.concurrency, name=plan.name,
                     idle_poll_min=self.options.idle_poll_min_ms / 1000,
                     idle_poll_max=self.options.idle_poll_max_ms / 1000,
+                    wake_backoff=self.options.wake_backoff_ms / 1000,
                     principal=self.options.principal, max_deliveries=self._max_deliveries,
                     stop_when_idle=self._stop_when_idle, observer=self.options.observer,
                 )

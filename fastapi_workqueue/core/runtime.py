@@ -42,6 +42,8 @@ SETTLE_BACKLOG_LIMIT = 1000
 PREFETCH_BELOW_SECONDS = 0.05
 MAX_PREFETCH = 100
 """Handlers that take less than this on average get a second set of deliveries claimed ahead."""
+WAKE_BACKOFF_MIN = 0.01
+"""The first pause after a wake-up claim that found nothing; it doubles up to ``wake_backoff``."""
 
 Resolver = Callable[[str], HandlerSpec | None]
 
@@ -85,6 +87,7 @@ class Consumer:
         concurrency: int = 4,
         idle_poll_min: float = 0.25,
         idle_poll_max: float = 5.0,
+        wake_backoff: float = 0.1,
         principal: str | None = None,
         max_deliveries: int | None = None,
         stop_when_idle: bool = False,
@@ -107,6 +110,10 @@ class Consumer:
         self.concurrency = concurrency
         self.idle_poll_min = idle_poll_min
         self.idle_poll_max = idle_poll_max
+        self.wake_backoff = wake_backoff
+        self._empty_wakes = 0
+        self._empty_wake_at = 0.0
+        self.empty_wake_claims = 0
         self.principal = principal
         self.max_deliveries = max_deliveries
         self.stop_when_idle = stop_when_idle
@@ -293,6 +300,7 @@ class Consumer:
     async def _claim_loop(self) -> None:
         idle = self.idle_poll_min
         failures = 0
+        woken = False
         while not self._stopping and not self._paused:
             prefetch = self._prefetch_target()
             free = self.concurrency + prefetch - len(self._held)
@@ -309,6 +317,8 @@ class Consumer:
                 continue
             if self.settler.backlog >= SETTLE_BACKLOG_LIMIT:
                 await self.settler.wait_below(SETTLE_BACKLOG_LIMIT)
+                continue
+            if woken and await self._back_off_after_empty_wakes():
                 continue
             self._wake.clear()
             settled_before = self.settled_total
@@ -328,6 +338,8 @@ class Consumer:
                 continue
             failures = 0
             self.last_error = None
+            self._count_wake_claim(woken, bool(batch))
+            woken = False
             if batch:
                 idle = self.idle_poll_min
                 for sub, delivery in batch:
@@ -346,8 +358,36 @@ class Consumer:
                     continue
                 return
             await self._sleep(idle)
-            if not self._wake.is_set():
+            woken = self._wake.is_set()
+            if not woken:
                 idle = min(idle * 2, self.idle_poll_max)
+
+    async def _back_off_after_empty_wakes(self) -> bool:
+        """Before a claim a wake-up asked for: waits out the pause that follows wake-up claims
+        which found nothing, so the wake-ups that arrive meanwhile make one claim. True when the
+        consumer was stopped or paused meanwhile.
+
+        Every process that runs a subscription hears each NOTIFY of it, and all but one find the
+        delivery taken; without the pause each publish costs one claim per listening consumer.
+        The pause is short (``WAKE_BACKOFF_MIN`` doubling to ``wake_backoff``) and ends at the
+        first claim that finds work; after a quiet spell a wake-up claims at once.
+        """
+        if not self._empty_wakes or self.wake_backoff <= 0:
+            return False
+        pause = min(self.wake_backoff, WAKE_BACKOFF_MIN * 2 ** (self._empty_wakes - 1))
+        remaining = self._empty_wake_at + pause - self._clock()
+        if remaining > 0:
+            await asyncio.sleep(remaining)
+        return self._stopping or self._paused
+
+    def _count_wake_claim(self, woken: bool, found: bool) -> None:
+        """Keeps the streak of wake-up claims that found nothing (a claim that finds work ends it)."""
+        if found:
+            self._empty_wakes = 0
+        elif woken:
+            self._empty_wakes = min(self._empty_wakes + 1, 16)
+            self._empty_wake_at = self._clock()
+            self.empty_wake_claims += 1
 
     def _prefetch_target(self) -> int:
         """How many deliveries to claim ahead of free slots.
