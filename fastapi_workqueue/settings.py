@@ -75,6 +75,13 @@ class WorkQueueSettings(BaseSettings):
     """SQLite: how long one operation waits in all for the file's write lock (behind this process's
     other callers, in SQLite's busy handler and between attempts) before it fails with a
     retryable error. Every call has this one bound, whatever the number of callers."""
+    busy_requests: int = Field(default=2, ge=0)
+    """Requests first: while this many requests of this process hold a request session
+    (``queue.session``) at once, each consumer of its host claims only up to ``busy_concurrency``
+    deliveries; below it they claim at full concurrency again at once. 0: never (a process that only
+    consumes never counts a request)."""
+    busy_concurrency: int = Field(default=1, ge=1)
+    """Deliveries a consumer of a busy web process holds at once (see ``busy_requests``)."""
     session_pool_size: int = Field(default=10, ge=1)
     """Connections of the request sessions (``queue.session``, ``queue.sessionmaker``) per process."""
     session_pool_overflow: int = Field(default=0, ge=0)

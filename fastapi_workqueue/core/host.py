@@ -14,6 +14,7 @@ from pydantic import Field
 
 from .handlers import Invoker
 from .observe import NO_OBSERVER, Observer
+from .request_load import RequestLoad
 from .runtime import Consumer, Resolver, Settler
 from .topology import SubscriptionState
 from .transport import Transport
@@ -72,6 +73,8 @@ class HostOptions:
     principal: str | None = None
     observer: Observer = NO_OBSERVER
     """Sees publishes, attempts and settles (traces and metrics)."""
+    request_load: RequestLoad | None = None
+    """The requests this process serves, which its consumers yield to (:mod:`.request_load`)."""
 
 
 def transport_of(transport: Transport, subscription: str) -> Transport:
@@ -224,6 +227,7 @@ class Host:
                         max_deliveries=self._max_deliveries,
                         stop_when_idle=self._stop_when_idle,
                         observer=self.options.observer,
+                        request_load=self.options.request_load,
                     )
                     self.consumers[sub.name] = consumer
                     consumer.start()
@@ -299,6 +303,7 @@ class Host:
                     wake_backoff=self.options.wake_backoff_ms / 1000,
                     principal=self.options.principal, max_deliveries=self._max_deliveries,
                     stop_when_idle=self._stop_when_idle, observer=self.options.observer,
+                    request_load=self.options.request_load,
                 )
                 self.group_consumers[plan.name] = consumer
                 consumer.start()

@@ -30,6 +30,7 @@ from .leases import LocalLease, start_margin
 from .observe import NO_OBSERVER, Observer
 from .outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError
 from .redaction import redact
+from .request_load import RequestLoad
 from .settler import Settler
 from .topology import SubscriptionState
 from .transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
@@ -96,6 +97,7 @@ class Consumer:
         clock: Callable[[], float] = time.monotonic,
         name: str | None = None,
         observer: Observer = NO_OBSERVER,
+        request_load: RequestLoad | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
@@ -121,6 +123,7 @@ class Consumer:
         self._on_error = on_error
         self._clock = clock
         self._observer = observer
+        self._request_load = request_load
         self._held: dict[str, _Running] = {}
         self._buffer: deque[_Running] = deque()
         self._handler_seconds: float | None = None
@@ -174,6 +177,8 @@ class Consumer:
 
     def start(self) -> None:
         self.settler.start()
+        if self._request_load is not None:
+            self._request_load.subscribe(self._slot_freed.set)
         self._start_claiming()
         self._heartbeat_task = asyncio.create_task(
             self._heartbeat_loop(), name=f"workqueue-heartbeat:{self.name}"
@@ -233,6 +238,8 @@ class Consumer:
         self._stopping = True
         self._wake.set()
         self._slot_freed.set()
+        if self._request_load is not None:
+            self._request_load.unsubscribe(self._slot_freed.set)
         if self._loop_task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
@@ -302,9 +309,15 @@ class Consumer:
         failures = 0
         woken = False
         while not self._stopping and not self._paused:
-            prefetch = self._prefetch_target()
-            free = self.concurrency + prefetch - len(self._held)
-            if prefetch and len(self._held) > self.concurrency:
+            concurrency = self.concurrency
+            load = self._request_load
+            if load is not None and load.busy:
+                concurrency = load.limit(concurrency)  # requests first: no claiming ahead either
+                prefetch = 0
+            else:
+                prefetch = self._prefetch_target()
+            free = concurrency + prefetch - len(self._held)
+            if prefetch and len(self._held) > concurrency:
                 free = 0  # claim ahead again once what was claimed ahead is running
             if self.max_deliveries is not None:
                 budget = self.max_deliveries - self.claimed_total
@@ -322,6 +335,8 @@ class Consumer:
                 continue
             self._wake.clear()
             settled_before = self.settled_total
+            if load is not None and load.busy:
+                load.busy_claims += 1
             try:
                 sent_at = self._clock()
                 batch = await self._claim(free) if self._groups else []
