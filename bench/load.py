@@ -112,6 +112,9 @@ SETUPS = {
     "host-poll": Setup("host-poll", "/orders", {"WORKQUEUE_LISTEN": "false"}, (), True,
                        "diagnostic: the host set-up with WORKQUEUE_LISTEN=false, so no NOTIFY wakes a consumer "
                        "(they poll: 250 ms, doubling to 5 s while idle)", diagnostic=True),
+    "host-no-yield": Setup("host-no-yield", "/orders", {"WORKQUEUE_BUSY_REQUESTS": "0"}, (), True,
+                           "diagnostic: the host set-up with WORKQUEUE_BUSY_REQUESTS=0, so the consumers claim at "
+                           "full concurrency however many requests are in flight", diagnostic=True),
     "host-async-commit": Setup("host-async-commit", "/orders", {}, (), True,
                                "diagnostic: the host set-up with synchronous_commit = off on the database (no "
                                "commit waits for its WAL flush)", (("synchronous_commit", "off"),), diagnostic=True),
