@@ -384,8 +384,9 @@ class Consumer:
 
         Every process that runs a subscription hears each NOTIFY of it, and all but one find the
         delivery taken; without the pause each publish costs one claim per listening consumer.
-        The pause is short (``WAKE_BACKOFF_MIN`` doubling to ``wake_backoff``) and ends at the
-        first claim that finds work; after a quiet spell a wake-up claims at once.
+        The pause is short (``WAKE_BACKOFF_MIN`` doubling to ``wake_backoff`` with each such claim;
+        a claim that finds work halves the count, so the process that mostly loses the race stays
+        out of it and the one that wins claims at once); after a quiet spell a wake-up claims at once.
         """
         if not self._empty_wakes or self.wake_backoff <= 0:
             return False
@@ -396,9 +397,9 @@ class Consumer:
         return self._stopping or self._paused
 
     def _count_wake_claim(self, woken: bool, found: bool) -> None:
-        """Keeps the streak of wake-up claims that found nothing (a claim that finds work ends it)."""
+        """Counts wake-up claims that found nothing (a claim that finds work halves the count)."""
         if found:
-            self._empty_wakes = 0
+            self._empty_wakes //= 2  # a process that mostly loses the race keeps most of its pause
         elif woken:
             self._empty_wakes = min(self._empty_wakes + 1, 16)
             self._empty_wake_at = self._clock()
