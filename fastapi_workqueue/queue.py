@@ -39,6 +39,7 @@ from .core.reports import (
     SubscriptionStats,
     SweepReport,
 )
+from .core.request_load import RequestLoad
 from .core.topology import Subscription, SubscriptionStatus, Topic
 from .core.transport import Transport
 from .settings import WorkQueueSettings, default_database_file
@@ -102,7 +103,10 @@ class WorkQueue:
         self._owns_transport = transport is None
         self._host: Host | None = None
         self._opened = 0
-        self._sessions = RequestSessions(self._database_url, lambda: self.settings.session_pool())
+        self.request_load = RequestLoad()
+        """The requests this process serves (those holding ``queue.session``), which its host yields to."""
+        self._sessions = RequestSessions(self._database_url, lambda: self.settings.session_pool(),
+                                         load=self.request_load)
         self.health_router: APIRouter = build_health_router(self)
         self._router: APIRouter | None = None
         self._jobs: Any = None
@@ -511,6 +515,9 @@ class WorkQueue:
         queue has jobs."""
         options = self.settings.host_options()
         option_overrides.setdefault("observer", self.observer)
+        self.request_load.busy_at = self.settings.busy_requests
+        self.request_load.busy_concurrency = self.settings.busy_concurrency
+        option_overrides.setdefault("request_load", self.request_load)
         if option_overrides:
             from dataclasses import replace
 

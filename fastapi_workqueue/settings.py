@@ -55,6 +55,9 @@ class WorkQueueSettings(BaseSettings):
     """Which subscriptions this process runs and how many deliveries of each at once."""
     idle_poll_min_ms: int = Field(default=250, ge=1)
     idle_poll_max_ms: int = Field(default=5000, ge=1)
+    wake_backoff_ms: int = Field(default=100, ge=0)
+    """After wake-up claims that found nothing (another process took the delivery), a consumer waits
+    10 ms doubling up to this long before its next wake-up claim; 0 claims at every wake-up."""
     shutdown_drain_ms: int = Field(default=8000, ge=0)
     sweeper_enabled: bool = True
     sweeper_interval_ms: int = Field(default=60000, ge=10)
@@ -72,6 +75,13 @@ class WorkQueueSettings(BaseSettings):
     """SQLite: how long one operation waits in all for the file's write lock (behind this process's
     other callers, in SQLite's busy handler and between attempts) before it fails with a
     retryable error. Every call has this one bound, whatever the number of callers."""
+    busy_requests: int = Field(default=2, ge=0)
+    """Requests first: while this many requests of this process hold a request session
+    (``queue.session``) at once, each consumer of its host claims only up to ``busy_concurrency``
+    deliveries; below it they claim at full concurrency again at once. 0: never (a process that only
+    consumes never counts a request)."""
+    busy_concurrency: int = Field(default=1, ge=1)
+    """Deliveries a consumer of a busy web process holds at once (see ``busy_requests``)."""
     session_pool_size: int = Field(default=10, ge=1)
     """Connections of the request sessions (``queue.session``, ``queue.sessionmaker``) per process."""
     session_pool_overflow: int = Field(default=0, ge=0)
@@ -166,6 +176,7 @@ class WorkQueueSettings(BaseSettings):
         return HostOptions(
             idle_poll_min_ms=self.idle_poll_min_ms,
             idle_poll_max_ms=self.idle_poll_max_ms,
+            wake_backoff_ms=self.wake_backoff_ms,
             shutdown_drain_ms=self.shutdown_drain_ms,
             sweeper_enabled=self.sweeper_enabled,
             sweeper_interval_ms=self.sweeper_interval_ms,

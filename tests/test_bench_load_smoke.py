@@ -120,6 +120,10 @@ async def test_bench_load_smoke_mode_drives_every_setup(tmp_path: Path) -> None:
             assert median(summary, "rps") > 0
             assert summary["latency_p99_ms"] and summary["cores.app"]
     assert len(result["targets"]) == 7
+    # the host set-up drained the orders stored before it started, with no HTTP load
+    [processing] = result["processing"]
+    assert processing["deliveries"] == 2 * processing["orders"] == 100 and processing["left"] == 0
+    assert processing["rate"] > 0 and result["processing_rate"] == processing["rate"]
     assert all({"target", "value", "limit", "met"} <= set(t) for t in result["targets"])
     assert result["activity"]["host, 8 clients"]["samples"] > 0
     assert result["table_markdown"].count("|") > 100

@@ -14,6 +14,7 @@ from pydantic import Field
 
 from .handlers import Invoker
 from .observe import NO_OBSERVER, Observer
+from .request_load import RequestLoad
 from .runtime import Consumer, Resolver, Settler
 from .topology import SubscriptionState
 from .transport import Transport
@@ -63,6 +64,7 @@ class HostOptions:
 
     idle_poll_min_ms: int = 250
     idle_poll_max_ms: int = 5000
+    wake_backoff_ms: int = 100
     shutdown_drain_ms: int = 8000
     sweeper_enabled: bool = True
     sweeper_interval_ms: int = 60000
@@ -71,6 +73,8 @@ class HostOptions:
     principal: str | None = None
     observer: Observer = NO_OBSERVER
     """Sees publishes, attempts and settles (traces and metrics)."""
+    request_load: RequestLoad | None = None
+    """The requests this process serves, which its consumers yield to (:mod:`.request_load`)."""
 
 
 def transport_of(transport: Transport, subscription: str) -> Transport:
@@ -218,10 +222,12 @@ class Host:
                         concurrency=concurrency,
                         idle_poll_min=self.options.idle_poll_min_ms / 1000,
                         idle_poll_max=self.options.idle_poll_max_ms / 1000,
+                        wake_backoff=self.options.wake_backoff_ms / 1000,
                         principal=self.options.principal,
                         max_deliveries=self._max_deliveries,
                         stop_when_idle=self._stop_when_idle,
                         observer=self.options.observer,
+                        request_load=self.options.request_load,
                     )
                     self.consumers[sub.name] = consumer
                     consumer.start()
@@ -294,8 +300,10 @@ class Host:
                     concurrency=plan.concurrency, name=plan.name,
                     idle_poll_min=self.options.idle_poll_min_ms / 1000,
                     idle_poll_max=self.options.idle_poll_max_ms / 1000,
+                    wake_backoff=self.options.wake_backoff_ms / 1000,
                     principal=self.options.principal, max_deliveries=self._max_deliveries,
                     stop_when_idle=self._stop_when_idle, observer=self.options.observer,
+                    request_load=self.options.request_load,
                 )
                 self.group_consumers[plan.name] = consumer
                 consumer.start()

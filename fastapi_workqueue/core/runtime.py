@@ -31,6 +31,7 @@ from .leases import LocalLease, start_margin
 from .observe import NO_OBSERVER, Observer
 from .outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError
 from .redaction import redact
+from .request_load import RequestLoad
 from .settler import Settler
 from .topology import SubscriptionState
 from .transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
@@ -43,6 +44,8 @@ SETTLE_BACKLOG_LIMIT = 1000
 PREFETCH_BELOW_SECONDS = 0.05
 MAX_PREFETCH = 100
 """Handlers that take less than this on average get a second set of deliveries claimed ahead."""
+WAKE_BACKOFF_MIN = 0.01
+"""The first pause after a wake-up claim that found nothing; it doubles up to ``wake_backoff``."""
 
 Resolver = Callable[[str], HandlerSpec | None]
 
@@ -86,6 +89,7 @@ class Consumer:
         concurrency: int = 4,
         idle_poll_min: float = 0.25,
         idle_poll_max: float = 5.0,
+        wake_backoff: float = 0.1,
         principal: str | None = None,
         max_deliveries: int | None = None,
         stop_when_idle: bool = False,
@@ -94,6 +98,7 @@ class Consumer:
         clock: Callable[[], float] = time.monotonic,
         name: str | None = None,
         observer: Observer = NO_OBSERVER,
+        request_load: RequestLoad | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
@@ -108,6 +113,10 @@ class Consumer:
         self.concurrency = concurrency
         self.idle_poll_min = idle_poll_min
         self.idle_poll_max = idle_poll_max
+        self.wake_backoff = wake_backoff
+        self._empty_wakes = 0
+        self._empty_wake_at = 0.0
+        self.empty_wake_claims = 0
         self.principal = principal
         self.max_deliveries = max_deliveries
         self.stop_when_idle = stop_when_idle
@@ -115,6 +124,7 @@ class Consumer:
         self._on_error = on_error
         self._clock = clock
         self._observer = observer
+        self._request_load = request_load
         self._held: dict[str, _Running] = {}
         self._buffer: deque[_Running] = deque()
         self._handler_seconds: float | None = None
@@ -168,6 +178,8 @@ class Consumer:
 
     def start(self) -> None:
         self.settler.start()
+        if self._request_load is not None:
+            self._request_load.subscribe(self._slot_freed.set)
         self._start_claiming()
         self._heartbeat_task = asyncio.create_task(
             self._heartbeat_loop(), name=f"workqueue-heartbeat:{self.name}"
@@ -227,6 +239,8 @@ class Consumer:
         self._stopping = True
         self._wake.set()
         self._slot_freed.set()
+        if self._request_load is not None:
+            self._request_load.unsubscribe(self._slot_freed.set)
         if self._loop_task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
@@ -294,10 +308,17 @@ class Consumer:
     async def _claim_loop(self) -> None:
         idle = self.idle_poll_min
         failures = 0
+        woken = False
         while not self._stopping and not self._paused:
-            prefetch = self._prefetch_target()
-            free = self.concurrency + prefetch - len(self._held)
-            if prefetch and len(self._held) > self.concurrency:
+            concurrency = self.concurrency
+            load = self._request_load
+            if load is not None and load.busy:
+                concurrency = load.limit(concurrency)  # requests first: no claiming ahead either
+                prefetch = 0
+            else:
+                prefetch = self._prefetch_target()
+            free = concurrency + prefetch - len(self._held)
+            if prefetch and len(self._held) > concurrency:
                 free = 0  # claim ahead again once what was claimed ahead is running
             if self.max_deliveries is not None:
                 budget = self.max_deliveries - self.claimed_total
@@ -311,8 +332,12 @@ class Consumer:
             if self.settler.backlog >= SETTLE_BACKLOG_LIMIT:
                 await self.settler.wait_below(SETTLE_BACKLOG_LIMIT)
                 continue
+            if woken and await self._back_off_after_empty_wakes():
+                continue
             self._wake.clear()
             settled_before = self.settled_total
+            if load is not None and load.busy:
+                load.busy_claims += 1
             try:
                 sent_at = self._clock()
                 batch = await self._claim(free) if self._groups else []
@@ -329,6 +354,8 @@ class Consumer:
                 continue
             failures = 0
             self.last_error = None
+            self._count_wake_claim(woken, bool(batch))
+            woken = False
             if batch:
                 idle = self.idle_poll_min
                 for sub, delivery in batch:
@@ -347,8 +374,37 @@ class Consumer:
                     continue
                 return
             await self._sleep(idle)
-            if not self._wake.is_set():
+            woken = self._wake.is_set()
+            if not woken:
                 idle = min(idle * 2, self.idle_poll_max)
+
+    async def _back_off_after_empty_wakes(self) -> bool:
+        """Before a claim a wake-up asked for: waits out the pause that follows wake-up claims
+        which found nothing, so the wake-ups that arrive meanwhile make one claim. True when the
+        consumer was stopped or paused meanwhile.
+
+        Every process that runs a subscription hears each NOTIFY of it, and all but one find the
+        delivery taken; without the pause each publish costs one claim per listening consumer.
+        The pause is short (``WAKE_BACKOFF_MIN`` doubling to ``wake_backoff`` with each such claim;
+        a claim that finds work halves the count, so the process that mostly loses the race stays
+        out of it and the one that wins claims at once); after a quiet spell a wake-up claims at once.
+        """
+        if not self._empty_wakes or self.wake_backoff <= 0:
+            return False
+        pause = min(self.wake_backoff, WAKE_BACKOFF_MIN * 2 ** (self._empty_wakes - 1))
+        remaining = self._empty_wake_at + pause - self._clock()
+        if remaining > 0:
+            await asyncio.sleep(remaining)
+        return self._stopping or self._paused
+
+    def _count_wake_claim(self, woken: bool, found: bool) -> None:
+        """Counts wake-up claims that found nothing (a claim that finds work halves the count)."""
+        if found:
+            self._empty_wakes //= 2  # a process that mostly loses the race keeps most of its pause
+        elif woken:
+            self._empty_wakes = min(self._empty_wakes + 1, 16)
+            self._empty_wake_at = self._clock()
+            self.empty_wake_claims += 1
 
     def _prefetch_target(self) -> int:
         """How many deliveries to claim ahead of free slots.

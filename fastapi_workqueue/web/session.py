@@ -16,6 +16,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..core.request_load import RequestLoad
+
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -96,9 +98,11 @@ class RequestSessions:
     ``timeout_seconds`` for one, then gets 503 with ``Retry-After``.
     """
 
-    def __init__(self, url_getter: Any, pool: Callable[[], SessionPool] = SessionPool) -> None:
+    def __init__(self, url_getter: Any, pool: Callable[[], SessionPool] = SessionPool,
+                 load: RequestLoad | None = None) -> None:
         self._url_getter = url_getter
         self._pool = pool
+        self._load = load if load is not None else RequestLoad()
         self._engine: AsyncEngine | None = None
         self._maker: async_sessionmaker[AsyncSession] | None = None
 
@@ -135,21 +139,26 @@ class RequestSessions:
         """Opens a session; commits when the endpoint returns, rolls back when it raises.
 
         The commit covers whatever the session holds then: an endpoint that committed early and
-        went on writing has that later work committed too.
+        went on writing has that later work committed too. The request counts in the process's
+        :class:`RequestLoad` from before it waits for a connection until its session is closed.
         """
-        async with self.sessionmaker() as session:
-            await _checkout(session)
-            holder = RequestTransaction(session, asyncio.current_task())
-            token = _current.set(holder)
-            try:
-                yield session
-            except BaseException:
-                holder.open = False
-                await session.rollback()
-                raise
-            else:
-                holder.open = False
-                await session.commit()
-            finally:
-                holder.open = False
-                _current.reset(token)
+        self._load.enter()
+        try:
+            async with self.sessionmaker() as session:
+                await _checkout(session)
+                holder = RequestTransaction(session, asyncio.current_task())
+                token = _current.set(holder)
+                try:
+                    yield session
+                except BaseException:
+                    holder.open = False
+                    await session.rollback()
+                    raise
+                else:
+                    holder.open = False
+                    await session.commit()
+                finally:
+                    holder.open = False
+                    _current.reset(token)
+        finally:
+            self._load.leave()

@@ -1,0 +1,77 @@
+"""Requests first: a web process busy with requests claims less, and drains at full speed after."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from fastapi_workqueue import Outcome, PublishRequest, WorkMessage, WorkOutcome
+from fastapi_workqueue.core.request_load import RequestLoad
+
+from .support import make_queue, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_the_limit_applies_only_while_enough_requests_are_in_flight() -> None:
+    load = RequestLoad(busy_at=2, busy_concurrency=1)
+    told: list[str] = []
+    load.subscribe(lambda: told.append("idle"))
+    load.enter()
+    assert not load.busy and load.limit(4) == 4
+    load.enter()
+    assert load.busy and load.limit(4) == 1
+    load.leave()
+    assert not load.busy and told == ["idle"]
+    load.leave()
+    assert told == ["idle"] and load.in_flight == 0
+    never = RequestLoad(busy_at=0)
+    for _ in range(10):
+        never.enter()
+    assert not never.busy and never.limit(4) == 4
+
+
+async def test_consumers_hold_one_delivery_while_requests_are_busy_and_all_when_they_end(pg_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "work"}], concurrency=4, busy_requests=2,
+                                    busy_concurrency=1)
+    app = FastAPI()
+    requests_go_on = asyncio.Event()
+    handlers_go_on = asyncio.Event()
+    done: list[int] = []
+
+    @app.get("/hold")
+    async def hold(session: AsyncSession = queue.session) -> dict[str, bool]:
+        await session.execute(text("SELECT 1"))
+        await requests_go_on.wait()
+        return {"ok": True}
+
+    @queue.handler("work")
+    async def work(message: WorkMessage[int]) -> WorkOutcome:
+        await handlers_go_on.wait()
+        done.append(message.payload)
+        return Outcome.complete()
+
+    async with queue.lifespan(None), httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as client:
+        assert queue.host is not None
+        consumer = queue.host.consumers[subs["work"]]
+        held = [asyncio.create_task(client.get("/hold")) for _ in range(2)]
+        await wait_for(lambda: queue.request_load.busy)
+        await queue.publish(topic, [PublishRequest(payload=i) for i in range(6)])
+        await wait_for(lambda: consumer.held == 1)
+        await asyncio.sleep(0.2)  # wake-ups and polls meanwhile claim nothing more
+        assert consumer.held == 1 and queue.request_load.busy_claims >= 1
+
+        requests_go_on.set()
+        assert all(r.status_code == 200 for r in await asyncio.gather(*held))
+        assert queue.request_load.in_flight == 0
+        await wait_for(lambda: consumer.held == 4)  # full concurrency again as soon as they ended
+        handlers_go_on.set()
+        await wait_for(lambda: len(done) == 6)
+    assert sorted(done) == list(range(6))
