@@ -576,7 +576,8 @@ class AwsTransport:
         sqs_id = message["MessageId"]
         system = message.get("Attributes", {})
         env = bodies.decode(message["Body"], sqs_id)
-        delivery_id = f"{NAME}:{sub.name}:{env.get('origin_id') or sqs_id}"
+        origin = bodies.origin_of(env, sqs_id)
+        delivery_id = f"{NAME}:{sub.name}:{origin}"
         attempt = max(1, int(system.get("ApproximateReceiveCount", "1")) - self._released.get(delivery_id, 0))
         max_attempts = int(env.get("max_attempts") or sub.max_attempts)
         attributes = {
@@ -584,10 +585,7 @@ class AwsTransport:
             for k, v in message.get("MessageAttributes", {}).items()
             if v.get("StringValue") is not None
         }
-        try:
-            message_id = uuid.UUID(str(env["message_id"]))
-        except ValueError:
-            message_id = uuid.UUID(sqs_id) if len(sqs_id) == 36 else uuid.uuid5(uuid.NAMESPACE_URL, sqs_id)
+        message_id = bodies.message_uuid(env, origin)
         claimed_at = datetime.now(UTC)
         expires = claimed_at + timedelta(seconds=self._lease_seconds(sub))
         self.records.forget(delivery_id)
@@ -788,19 +786,14 @@ class AwsTransport:
         return "Pending"
 
     async def send_dead_letter(self, delivery_id: str, lease: _Lease, reason: str, error: str | None) -> None:
-        """Sends the leased message to its DLQ: same body (MessageID) plus ``dead_letter``, same
-        attributes, and ``origin_id`` so the dead letter keeps the delivery's id."""
+        """Sends the leased message to its DLQ: same body (MessageID), ``origin_id`` and
+        ``dead_letter`` (:func:`.body.dead_letter_body`, as the Lambda adapter writes it), same attributes."""
         _, dlq_url = self._urls(lease.subscription)
-        env = bodies.decode(lease.body, str(lease.message_id))
-        env["origin_id"] = delivery_id.rsplit(":", 1)[-1]
-        env["dead_letter"] = {
-            "reason": reason,
-            "error": None if error is None else error[:4000],
-            "attempts": lease.attempt,
-            "subscription": lease.subscription,
-            "dead_lettered_at": datetime.now(UTC).isoformat(),
-        }
-        entry: dict[str, Any] = {"QueueUrl": dlq_url, "MessageBody": json.dumps(env)}
+        body = bodies.dead_letter_body(
+            bodies.decode(lease.body, str(lease.message_id)), origin_id=delivery_id.rsplit(":", 1)[-1],
+            subscription=lease.subscription, reason=reason, error=error, attempts=lease.attempt,
+        )
+        entry: dict[str, Any] = {"QueueUrl": dlq_url, "MessageBody": body}
         if lease.message_attributes:
             entry["MessageAttributes"] = {
                 k: {"DataType": v.get("DataType", "String"), "StringValue": v["StringValue"]}
@@ -984,12 +977,10 @@ class AwsTransport:
         **extra: Any,
     ) -> DeliveryInfo:
         sub = self._sub(subscription)
-        env = bodies.decode(body, delivery_id.rsplit(":", 1)[-1])
+        origin = delivery_id.rsplit(":", 1)[-1]
+        env = bodies.decode(body, origin)
         dead = env.get("dead_letter") or {}
-        try:
-            message_id = uuid.UUID(str(env["message_id"]))
-        except ValueError:
-            message_id = uuid.uuid5(uuid.NAMESPACE_URL, str(env["message_id"]))
+        message_id = bodies.message_uuid(env, origin)
         published = env.get("published_at")
         fields: dict[str, Any] = {
             "reason": dead.get("reason"),
@@ -1017,8 +1008,7 @@ class AwsTransport:
     def _origin(message: dict[str, Any]) -> str:
         """The SQS MessageId the delivery was first received with (a redrive keeps the MessageId;
         the transport's own dead letters and replays carry it as ``origin_id``)."""
-        env = bodies.decode(message["Body"], message["MessageId"])
-        return str(env.get("origin_id") or message["MessageId"])
+        return bodies.origin_of(bodies.decode(message["Body"], message["MessageId"]), message["MessageId"])
 
     def _dead_info(self, subscription: str, message: dict[str, Any], include_payload: bool) -> DeliveryInfo:
         attributes = {
