@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..core.envelope import PreparedMessage, PublishError, PublishResult, PublishStatus
 from ..core.errors import ConfigurationError, TransportError
@@ -191,8 +191,9 @@ class AwsTransport:
         self._released: dict[str, int] = {}
         self.records = SettledRecords()
         self._stack: contextlib.AsyncExitStack | None = None
-        self.sns: Any = None
-        self.sqs: Any = None
+        self._sns: Any = None
+        self._sqs: Any = None
+        self._closed = False
         self.relay: Any = None
         self._random = random.Random()
         self._bindings_read = 0.0
@@ -200,7 +201,29 @@ class AwsTransport:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
+    @property
+    def sns(self) -> Any:
+        """The SNS client while the transport is open (else a clear TransportError, never a new session)."""
+        return self._sns if self._sns is not None else self._not_open()
+
+    @property
+    def sqs(self) -> Any:
+        """The SQS client while the transport is open (else a clear TransportError, never a new session)."""
+        return self._sqs if self._sqs is not None else self._not_open()
+
+    def _not_open(self) -> NoReturn:
+        if self._closed:
+            raise TransportError(
+                "the aws transport is closed (its SNS and SQS clients too): open the queue again before using it",
+                retryable=False,
+            )
+        raise TransportError("the aws transport is not open: open the queue (WorkQueue.open) first", retryable=False)
+
     async def open(self) -> None:
+        """Opens the SNS and SQS clients and reads the bindings; what it opened is closed again when
+        a step fails. Opening an open transport does nothing."""
+        if self._stack is not None:
+            return
         try:
             import aioboto3
         except ImportError as exc:  # pragma: no cover - the aws extra is missing
@@ -212,16 +235,22 @@ class AwsTransport:
         stack = contextlib.AsyncExitStack()
         session = aioboto3.Session()
         options = {"region_name": self.settings.aws_region, "endpoint_url": self.settings.aws_endpoint_url}
-        self.sns = await stack.enter_async_context(session.client("sns", **options))
-        self.sqs = await stack.enter_async_context(session.client("sqs", **options))
-        self._stack = stack
-        for topic in self.queue.topics.values():
-            if topic.transport == NAME:
-                self._topics[topic.name] = topic
-        for sub in self.queue.subscriptions.values():
-            if sub.topic in self._topics:
-                self._subscriptions[sub.name] = sub
-        await self.reload_bindings()
+        try:
+            self._sns = await stack.enter_async_context(session.client("sns", **options))
+            self._sqs = await stack.enter_async_context(session.client("sqs", **options))
+            self._stack = stack
+            self._closed = False
+            for topic in self.queue.topics.values():
+                if topic.transport == NAME:
+                    self._topics[topic.name] = topic
+            for sub in self.queue.subscriptions.values():
+                if sub.topic in self._topics:
+                    self._subscriptions[sub.name] = sub
+            await self.reload_bindings()
+        except BaseException:
+            self._stack = self._sns = self._sqs = None
+            await stack.aclose()
+            raise
 
     def start_relay(self) -> None:
         """Starts the outbox relay once the schema is there (after the topology sync), when the
@@ -250,16 +279,22 @@ class AwsTransport:
 
     async def close(self) -> None:
         """Stops the relay and gives the held messages of busy keys back to SQS (visibility 0;
-        SQS counts that receive, so the next attempt number of each is one higher)."""
-        for held in self._held.values():
-            for item in held:
-                await self._let_go(item)
-        self._held.clear()
-        if self.relay is not None:
-            await self.relay.stop()
-            self.relay = None
-        if self._stack is not None:
+        SQS counts that receive, so the next attempt number of each is one higher), then closes the
+        SNS and SQS clients: a later call raises TransportError instead of opening new ones."""
+        if self._stack is None:
+            return
+        try:
+            for held in self._held.values():
+                for item in held:
+                    await self._let_go(item)
+            self._held.clear()
+            if self.relay is not None:
+                relay, self.relay = self.relay, None
+                await relay.stop()
+        finally:
             stack, self._stack = self._stack, None
+            self._sns = self._sqs = None
+            self._closed = True
             await stack.aclose()
 
     async def migrate(self) -> list[str]:
