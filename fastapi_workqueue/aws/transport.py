@@ -13,8 +13,9 @@ Exclusive needs a FIFO topic: the partition key is the MessageGroupId and the Me
 deduplication id; a retrying message keeps its key busy (SQS FIFO holds the group until its head
 is deleted); later messages of a busy key that a receive hands over are held here until it
 settles. Ordered, cancel of an in-flight message and exact per-key backlog are not available
-(:attr:`AwsTransport.capabilities`); operator views read queue attributes and the DLQ, and what
-this process settled (:mod:`.records`). A pause is the queue's ``workqueue:status`` tag, which
+(:attr:`AwsTransport.capabilities`); the operator views (:mod:`.operator_views`) read queue
+attributes and the DLQ, and what this process settled (:mod:`.records`); the leases and held
+messages are :mod:`.leases`. A pause is the queue's ``workqueue:status`` tag, which
 every process reads on its bindings refresh.
 
 A publish with a session writes the transactional outbox (:mod:`.outbox`), which a relay forwards
@@ -31,22 +32,13 @@ import random
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..core.envelope import PreparedMessage, PublishError, PublishResult, PublishStatus
 from ..core.errors import ConfigurationError, TransportError
 from ..core.reports import (
-    ActionResult,
-    Backlog,
-    BindingIssue,
-    BindingReport,
-    DeliveryInfo,
     DeliveryStatus,
-    PartitionCondition,
-    PartitionInfo,
-    SubscriptionStats,
     SweepReport,
 )
 from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
@@ -61,27 +53,43 @@ from ..core.transport import (
 )
 from . import body as bodies
 from .bindings import Bindings, load_bindings
+from .leases import Held, Lease
+from .naming import BATCH, NAME
+from .operator_views import (
+    BACKLOG_UNSUPPORTED,
+    CANCEL_UNSUPPORTED,
+    WAITING_UNSUPPORTED,
+    OperatorViews,
+    split_delivery_id,
+)
 from .records import Receipt, SettledRecords
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
 
+__all__ = [
+    "BACKLOG_UNSUPPORTED",
+    "BATCH",
+    "CANCEL_UNSUPPORTED",
+    "CAPABILITIES",
+    "NAME",
+    "STATUS_TAG",
+    "WAITING_UNSUPPORTED",
+    "AwsTransport",
+    "TopicUnboundError",
+    "create_transport",
+    "sleep_backoff",
+    "split_delivery_id",
+]
+
 log = logging.getLogger("fastapi_workqueue.aws")
 
-NAME = "aws"
-BATCH = 10
 LONG_POLL_SECONDS = 20
 MAX_LEASE_SECONDS = 12 * 3600
 BINDINGS_REFRESH_SECONDS = 30.0
 EXPIRED_LEASES_KEPT_SECONDS = 300.0
 STATUS_TAG = "workqueue:status"
 """The SQS queue tag that holds a subscription's Active/Paused status for every process."""
-CANCEL_UNSUPPORTED = "SQS cannot cancel an in-flight message; wait for it to settle, or discard it once dead-lettered"
-WAITING_UNSUPPORTED = (
-    "SQS cannot address a waiting message by id: only dead letters (on the DLQ) can be discarded; "
-    "let it run, or dead-letter it from its handler"
-)
-BACKLOG_UNSUPPORTED = "SQS reports approximate queue counts only, not a backlog per partition key"
 
 CAPABILITIES = Capabilities(
     ordered=False,
@@ -114,56 +122,6 @@ def create_transport(queue: WorkQueue) -> AwsTransport:
 class TopicUnboundError(TransportError):
     """The aws topic has no imported bindings yet."""
 
-
-@dataclass
-class _Lease:
-    subscription: str
-    queue_url: str
-    receipt: str
-    first_received: float
-    attempt: int
-    message_id: uuid.UUID
-    partition_key: str | None
-    attributes: dict[str, str]
-    body: str
-    message_attributes: dict[str, Any]
-    group_id: str | None
-    lease_expires_at: datetime
-    claimed_at: datetime
-    progress_percent: int | None = None
-    progress_message: str | None = None
-
-
-@dataclass
-class _Held:
-    """A message SQS FIFO handed over with an earlier one of its key still in flight here: held
-    (invisible, under this receipt) until the key is free, then leased out in order. Its visibility
-    runs until ``visible_at`` (epoch seconds); each heartbeat of its key's lease renews it."""
-
-    queue_url: str
-    message: dict[str, Any]
-    received: float
-    group_id: str
-    visible_at: float
-
-
-def split_delivery_id(delivery_id: str) -> tuple[str, str] | None:
-    """``aws:<subscription>:<origin>`` (or the older ``aws:<subscription>:dlq:<id>``) as
-    (subscription, origin), where the origin is the SQS MessageId the delivery was first received
-    with; None for another transport's id."""
-    prefix = f"{NAME}:"
-    if not delivery_id.startswith(prefix):
-        return None
-    rest = delivery_id[len(prefix):]
-    if ":dlq:" in rest:
-        subscription, origin = rest.split(":dlq:", 1)
-    elif ":" in rest:
-        subscription, origin = rest.rsplit(":", 1)
-    else:
-        return None
-    return (subscription, origin) if subscription and origin else None
-
-
 def _client_error_code(exc: BaseException) -> str:
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
@@ -171,7 +129,7 @@ def _client_error_code(exc: BaseException) -> str:
     return ""
 
 
-class AwsTransport:
+class AwsTransport(OperatorViews):
     """SNS + SQS; the topology comes from the queue, the ARNs and URLs from its bindings."""
 
     name = NAME
@@ -186,8 +144,8 @@ class AwsTransport:
         self._topics: dict[str, Topic] = {}
         self._subscriptions: dict[str, Subscription] = {}
         self._status: dict[str, SubscriptionStatus] = {}
-        self._leases: dict[str, _Lease] = {}
-        self._held: dict[str, list[_Held]] = {}
+        self._leases: dict[str, Lease] = {}
+        self._held: dict[str, list[Held]] = {}
         self._released: dict[str, int] = {}
         self.records = SettledRecords()
         self._stack: contextlib.AsyncExitStack | None = None
@@ -539,7 +497,7 @@ class AwsTransport:
             for message in messages:
                 group = message.get("Attributes", {}).get("MessageGroupId")
                 if exclusive and group is not None and self._key_busy(sub.name, group):
-                    held = _Held(queue_url, message, now, group, now + self._lease_seconds(sub))
+                    held = Held(queue_url, message, now, group, now + self._lease_seconds(sub))
                     self._held.setdefault(sub.name, []).append(held)
                     continue
                 claimed.append(self._claimed(sub, queue_url, message, now))
@@ -550,7 +508,7 @@ class AwsTransport:
         held message whose visibility ran out goes back to SQS with the rest of its key."""
         held = self._held.pop(sub.name, [])
         claimed: list[ClaimedDelivery] = []
-        kept: list[_Held] = []
+        kept: list[Held] = []
         dropped: set[str] = set()
         seconds = self._lease_seconds(sub)
         for item in held:
@@ -584,7 +542,7 @@ class AwsTransport:
     async def _renew_held(self, subscription: str, group: str, seconds: int) -> None:
         """Keeps the held messages of a heartbeating key invisible as long as its lease: without it
         they would run out, go back to SQS and be charged one more receive when the key is free."""
-        kept: list[_Held] = []
+        kept: list[Held] = []
         for item in self._held.get(subscription, []):
             if item.group_id == group:
                 try:
@@ -600,7 +558,7 @@ class AwsTransport:
         if subscription in self._held:
             self._held[subscription] = kept
 
-    async def _let_go(self, item: _Held) -> None:
+    async def _let_go(self, item: Held) -> None:
         """Makes a held message visible again (SQS will hand it over once more)."""
         with contextlib.suppress(Exception):
             await self.sqs.change_message_visibility(
@@ -624,7 +582,7 @@ class AwsTransport:
         claimed_at = datetime.now(UTC)
         expires = claimed_at + timedelta(seconds=self._lease_seconds(sub))
         self.records.forget(delivery_id)
-        self._leases[delivery_id] = _Lease(
+        self._leases[delivery_id] = Lease(
             subscription=sub.name,
             queue_url=queue_url,
             receipt=message["ReceiptHandle"],
@@ -681,7 +639,7 @@ class AwsTransport:
             found.extend((name, d) for d in await self.claim(name, limit - len(found)))
         return found
 
-    def _lease(self, delivery_id: str, token: str) -> _Lease | None:
+    def _lease(self, delivery_id: str, token: str) -> Lease | None:
         """The live lease of ``token``: a token of an earlier receive, or of a lease that ran out
         (SQS made the message visible again), is refused here before SQS is asked."""
         lease = self._leases.get(delivery_id)
@@ -729,7 +687,7 @@ class AwsTransport:
             )
         return results
 
-    def _backoff(self, sub: Subscription, lease: _Lease, settlement: Settlement) -> float:
+    def _backoff(self, sub: Subscription, lease: Lease, settlement: Settlement) -> float:
         if settlement.delay_seconds is not None:
             return settlement.delay_seconds
         env = bodies.decode(lease.body, str(lease.message_id))
@@ -741,8 +699,8 @@ class AwsTransport:
 
     async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]:
         results: list[SettleResult] = []
-        deletes: list[tuple[int, _Lease]] = []
-        settled: list[tuple[int, Settlement, _Lease]] = []
+        deletes: list[tuple[int, Lease]] = []
+        settled: list[tuple[int, Settlement, Lease]] = []
         for settlement in settlements:
             lease = self._lease(settlement.delivery_id, settlement.lease_token)
             if lease is None:
@@ -765,7 +723,7 @@ class AwsTransport:
         return results
 
     def _remember(
-        self, delivery_id: str, lease: _Lease, status: DeliveryStatus, receipt: Receipt | None = None, **fields: Any
+        self, delivery_id: str, lease: Lease, status: DeliveryStatus, receipt: Receipt | None = None, **fields: Any
     ) -> None:
         """Records what this process made of a delivery it held (see :mod:`.records`)."""
         info = self._info(delivery_id, lease.subscription, lease.body, status, lease.attempt, lease.attributes, False)
@@ -776,7 +734,7 @@ class AwsTransport:
         self.records.remember(info.model_copy(update={**extra, **fields}), receipt)
 
     async def _settle_one(
-        self, settlement: Settlement, lease: _Lease, deletes: list[tuple[int, _Lease]], index: int
+        self, settlement: Settlement, lease: Lease, deletes: list[tuple[int, Lease]], index: int
     ) -> SettleResult:
         sub = self._sub(lease.subscription)
         kind = settlement.kind
@@ -809,7 +767,7 @@ class AwsTransport:
                            visible_at=datetime.now(UTC) + timedelta(seconds=delay))
         return result
 
-    async def _visibility(self, lease: _Lease, seconds: int) -> SettleResult:
+    async def _visibility(self, lease: Lease, seconds: int) -> SettleResult:
         try:
             await self.sqs.change_message_visibility(
                 QueueUrl=lease.queue_url, ReceiptHandle=lease.receipt, VisibilityTimeout=seconds
@@ -820,7 +778,7 @@ class AwsTransport:
             return "LeaseLost"
         return "Pending"
 
-    async def send_dead_letter(self, delivery_id: str, lease: _Lease, reason: str, error: str | None) -> None:
+    async def send_dead_letter(self, delivery_id: str, lease: Lease, reason: str, error: str | None) -> None:
         """Sends the leased message to its DLQ: same body (MessageID), ``origin_id`` and
         ``dead_letter`` (:func:`.body.dead_letter_body`, as the Lambda adapter writes it), same attributes."""
         _, dlq_url = self._urls(lease.subscription)
@@ -840,10 +798,10 @@ class AwsTransport:
             entry["MessageDeduplicationId"] = f"{lease.message_id}:dl:{uuid.uuid4().hex[:8]}"
         await self.sqs.send_message(**entry)
 
-    async def _delete(self, deletes: list[tuple[int, _Lease]]) -> list[int]:
+    async def _delete(self, deletes: list[tuple[int, Lease]]) -> list[int]:
         """DeleteMessageBatch per queue, 10 at a time; answers the indexes whose receipt was refused."""
         lost: list[int] = []
-        by_queue: dict[str, list[tuple[int, _Lease]]] = {}
+        by_queue: dict[str, list[tuple[int, Lease]]] = {}
         for index, lease in deletes:
             by_queue.setdefault(lease.queue_url, []).append((index, lease))
         for url, items in by_queue.items():
@@ -911,363 +869,6 @@ class AwsTransport:
     async def sweep(self, limit: int = 1000) -> SweepReport:
         """SQS expires leases and retention itself; the outbox relay runs on its own."""
         return SweepReport(ran=False)
-
-    # -- operate ---------------------------------------------------------------------------------
-
-    async def _attributes(self, url: str) -> dict[str, str]:
-        answer = await self.sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])
-        attributes: dict[str, str] = answer.get("Attributes", {})
-        return attributes
-
-    async def stats(self, subscription: str | None = None) -> list[SubscriptionStats]:
-        """From the queue attributes (approximate, as SQS reports them); unbound subscriptions are left out."""
-        names = [subscription] if subscription is not None else sorted(self._subscriptions)
-        found: list[SubscriptionStats] = []
-        assert self.bindings is not None
-        for name in names:
-            sub = self._sub(name)
-            if name not in self.bindings.subscriptions:
-                continue
-            queue_url, dlq_url = self._urls(name)
-            queue, dlq = await self._attributes(queue_url), await self._attributes(dlq_url)
-            visible = int(queue.get("ApproximateNumberOfMessages", 0))
-            delayed = int(queue.get("ApproximateNumberOfMessagesDelayed", 0))
-            status = self.subscription_status(name)
-            found.append(
-                SubscriptionStats(
-                    subscription=name,
-                    topic=sub.topic,
-                    status=status,
-                    partition_mode=sub.partition_mode,
-                    pending=visible + delayed,
-                    claimable=visible if status == "Active" else 0,
-                    in_flight=int(queue.get("ApproximateNumberOfMessagesNotVisible", 0)),
-                    dead_lettered=int(dlq.get("ApproximateNumberOfMessages", 0)),
-                    completed=0,
-                    discarded=0,
-                )
-            )
-        return found
-
-    async def backlog(self, subscription: str) -> Backlog | None:
-        found = await self.stats(subscription)
-        if not found:
-            return None
-        stats = found[0]
-        return Backlog(
-            subscription=subscription, claimable=stats.claimable, in_flight=stats.in_flight, backlog=stats.pending
-        )
-
-    async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:
-        """What SQS and this process can tell: a lease held here (InFlight), a completion or discard
-        made here, a dead letter on the DLQ, a retry, release or replay made here (Pending, with
-        the visibility set); None for a delivery this process never saw that is not on the DLQ."""
-        lease = self._leases.get(delivery_id)
-        if lease is not None and lease.lease_expires_at > datetime.now(UTC):
-            return self._lease_info(delivery_id, lease, include_payload)
-        if lease is not None:
-            # SQS made it visible again when the lease ran out; SQS counts the next receive.
-            return self._info(delivery_id, lease.subscription, lease.body, "Pending", lease.attempt,
-                              lease.attributes, include_payload, reason="lease expired",
-                              visible_at=lease.lease_expires_at, claimed_at=lease.claimed_at)
-        recorded = self.records.get(delivery_id)
-        if recorded is not None and recorded.status in ("Completed", "Discarded"):
-            return recorded
-        parts = split_delivery_id(delivery_id)
-        if parts is None or parts[0] not in self._subscriptions or parts[0] not in self._bound():
-            return None
-        found = await self._find_dead_letter(*parts)
-        if found is not None:
-            return self._dead_info(parts[0], found, include_payload)
-        return recorded
-
-    def _bound(self) -> dict[str, Any]:
-        assert self.bindings is not None
-        return dict(self.bindings.subscriptions)
-
-    def _lease_info(self, delivery_id: str, lease: _Lease, include_payload: bool) -> DeliveryInfo:
-        return self._info(
-            delivery_id,
-            lease.subscription,
-            lease.body,
-            "InFlight",
-            lease.attempt,
-            lease.attributes,
-            include_payload,
-            lease_expires_at=lease.lease_expires_at,
-            claimed_at=lease.claimed_at,
-            progress_percent=lease.progress_percent,
-            progress_message=lease.progress_message,
-        )
-
-    def _info(
-        self,
-        delivery_id: str,
-        subscription: str,
-        body: str,
-        status: DeliveryStatus,
-        attempt: int,
-        attributes: dict[str, str],
-        include_payload: bool,
-        **extra: Any,
-    ) -> DeliveryInfo:
-        sub = self._sub(subscription)
-        origin = delivery_id.rsplit(":", 1)[-1]
-        env = bodies.decode(body, origin)
-        dead = env.get("dead_letter") or {}
-        message_id = bodies.message_uuid(env, origin)
-        published = env.get("published_at")
-        fields: dict[str, Any] = {
-            "reason": dead.get("reason"),
-            "last_error": dead.get("error"),
-            "note": env.get("replay_note"),
-            "created_at": datetime.fromisoformat(published) if isinstance(published, str) else None,
-            **extra,
-        }
-        return DeliveryInfo(
-            delivery_id=delivery_id,
-            subscription=subscription,
-            message_id=message_id,
-            topic=sub.topic,
-            partition_key=env.get("partition_key"),
-            status=status,
-            attempt=int(dead.get("attempts", attempt)),
-            max_attempts=int(env.get("max_attempts") or sub.max_attempts),
-            attributes=attributes,
-            correlation_id=env.get("correlation_id"),
-            payload=env.get("payload") if include_payload else None,
-            **fields,
-        )
-
-    @staticmethod
-    def _origin(message: dict[str, Any]) -> str:
-        """The SQS MessageId the delivery was first received with (a redrive keeps the MessageId;
-        the transport's own dead letters and replays carry it as ``origin_id``)."""
-        return bodies.origin_of(bodies.decode(message["Body"], message["MessageId"]), message["MessageId"])
-
-    def _dead_info(self, subscription: str, message: dict[str, Any], include_payload: bool) -> DeliveryInfo:
-        attributes = {
-            k: str(v.get("StringValue"))
-            for k, v in message.get("MessageAttributes", {}).items()
-            if v.get("StringValue") is not None
-        }
-        system = message.get("Attributes", {})
-        env = bodies.decode(message["Body"], message["MessageId"])
-        dead = env.get("dead_letter") or {}
-        settled = dead.get("dead_lettered_at")
-        info = self._info(
-            f"{NAME}:{subscription}:{self._origin(message)}",
-            subscription,
-            message["Body"],
-            "DeadLettered",
-            int(system.get("ApproximateReceiveCount", "1")),
-            attributes,
-            include_payload,
-            settled_at=datetime.fromisoformat(settled) if isinstance(settled, str) else None,
-        )
-        if info.reason is None:
-            info = info.model_copy(update={"reason": "MaxReceiveCountExceeded"})
-        return info
-
-    async def _read_dead_letters(self, subscription: str, limit: int) -> list[dict[str, Any]]:
-        """Up to ``limit`` DLQ messages, each received once and made visible again at once."""
-        _, dlq_url = self._urls(subscription)
-        seen: dict[str, dict[str, Any]] = {}
-        empty_rounds = 0
-        while len(seen) < limit and empty_rounds < 2:
-            answer = await self.sqs.receive_message(
-                QueueUrl=dlq_url,
-                MaxNumberOfMessages=BATCH,
-                WaitTimeSeconds=0,
-                VisibilityTimeout=2,
-                MessageSystemAttributeNames=["All"],
-                MessageAttributeNames=["All"],
-            )
-            fresh = [m for m in answer.get("Messages", []) if m["MessageId"] not in seen]
-            if not fresh:
-                empty_rounds += 1
-                continue
-            for message in fresh:
-                seen[message["MessageId"]] = message
-        for message in seen.values():
-            with contextlib.suppress(Exception):
-                await self.sqs.change_message_visibility(
-                    QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=0
-                )
-        return list(seen.values())[:limit]
-
-    async def _find_dead_letter(self, subscription: str, origin: str) -> dict[str, Any] | None:
-        """The DLQ message of the delivery ``origin`` (or whose own MessageId it is)."""
-        for message in await self._read_dead_letters(subscription, 1000):
-            if origin in (self._origin(message), message["MessageId"]):
-                return message
-        return None
-
-    async def known_messages(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
-        return set()
-
-    async def message_deliveries(self, message_id: uuid.UUID, *, include_payload: bool = False) -> list[DeliveryInfo]:
-        return []
-
-    async def list_deliveries(
-        self,
-        subscription: str,
-        status: DeliveryStatus,
-        *,
-        limit: int = 100,
-        after: str | None = None,
-        include_payload: bool = False,
-    ) -> list[DeliveryInfo]:
-        if status == "InFlight":
-            return [
-                self._lease_info(d, lease, include_payload)
-                for d, lease in self._leases.items()
-                if lease.subscription == subscription and lease.lease_expires_at > datetime.now(UTC)
-            ][:limit]
-        if status != "DeadLettered":
-            raise TransportError(
-                f"the aws transport lists DeadLettered deliveries (from the DLQ) and this "
-                f"process's InFlight ones, not {status}: SQS cannot list a queue",
-                retryable=False,
-            )
-        infos = [
-            self._dead_info(subscription, m, include_payload) for m in await self._read_dead_letters(subscription, 1000)
-        ]
-        infos.sort(key=lambda i: i.delivery_id)
-        if after is not None:
-            infos = [i for i in infos if i.delivery_id > after]
-        return infos[:limit]
-
-    async def partitions(
-        self, subscription: str, condition: PartitionCondition | None = None, *, limit: int = 100
-    ) -> list[PartitionInfo]:
-        raise TransportError(f"Unsupported: {BACKLOG_UNSUPPORTED}", retryable=False)
-
-    def _terminal_answer(self, subscription: str, delivery_id: str) -> ActionResult | None:
-        """AlreadyTerminal for a delivery this process completed or discarded, else None."""
-        recorded = self.records.get(delivery_id)
-        if recorded is not None and recorded.status in ("Completed", "Discarded"):
-            return ActionResult(result="AlreadyTerminal", delivery_id=delivery_id, subscription=subscription,
-                                status=recorded.status)
-        return None
-
-    async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
-        """Moves a dead letter back to its queue: same body (MessageID) and delivery id, the
-        operator's note, attempts start again (a new SQS message, received for the first time)."""
-        parts = split_delivery_id(delivery_id)
-        message = None
-        if parts is not None and parts[0] == subscription and subscription in self._bound():
-            message = await self._find_dead_letter(subscription, parts[1])
-        if message is None:
-            known = delivery_id in self._leases or self.records.get(delivery_id) is not None
-            result = "NotDeadLettered" if known else "NotFound"
-            return ActionResult(result=result, delivery_id=delivery_id, subscription=subscription)
-        queue_url, dlq_url = self._urls(subscription)
-        origin = self._origin(message)
-        env = bodies.decode(message["Body"], message["MessageId"])
-        env.pop("dead_letter", None)
-        env["origin_id"] = origin
-        if note is not None:
-            env["replay_note"] = note
-        else:
-            env.pop("replay_note", None)
-        entry: dict[str, Any] = {"QueueUrl": queue_url, "MessageBody": json.dumps(env)}
-        attributes = {
-            k: {"DataType": v.get("DataType", "String"), "StringValue": v["StringValue"]}
-            for k, v in message.get("MessageAttributes", {}).items()
-            if v.get("StringValue") is not None
-        }
-        if attributes:
-            entry["MessageAttributes"] = attributes
-        if self._fifo(subscription):
-            system = message.get("Attributes", {})
-            entry["MessageGroupId"] = system.get("MessageGroupId") or env.get("partition_key") or subscription
-            entry["MessageDeduplicationId"] = f"{env.get('message_id')}:replay:{uuid.uuid4().hex[:8]}"
-        await self.sqs.send_message(**entry)
-        await self.sqs.delete_message(QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"])
-        replayed_id = f"{NAME}:{subscription}:{origin}"
-        info = self._info(replayed_id, subscription, json.dumps(env), "Pending", 0,
-                          {k: v["StringValue"] for k, v in attributes.items()}, False)
-        self.records.remember(info.model_copy(update={"visible_at": datetime.now(UTC)}))
-        return ActionResult(result="Replayed", delivery_id=delivery_id, subscription=subscription, status="Pending")
-
-    async def validate_bindings(self) -> BindingReport:
-        """The capabilities' notes; ``workqueue validate-bindings --transport aws`` checks the resources."""
-        issues = [BindingIssue(severity="Info", subject=NAME, message=note) for note in self.capabilities.notes]
-        assert self.bindings is not None
-        for name in sorted(self._topics):
-            if name not in self.bindings.topics:
-                issues.append(
-                    BindingIssue(
-                        severity="Error",
-                        subject=f"topic {name}",
-                        message=(
-                            "not bound: apply the Terraform module, then run `workqueue import-bindings bindings.json`"
-                        ),
-                    )
-                )
-        return BindingReport(transport=NAME, ok=not any(i.severity == "Error" for i in issues), issues=issues)
-
-    async def prune(self, older_than_seconds: float) -> int:
-        return 0
-
-    async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
-        """Deletes a dead letter from the DLQ; an in-flight or waiting delivery answers Unsupported
-        (no cancel on SQS, and SQS cannot address a waiting message)."""
-        if delivery_id in self._leases:
-            return ActionResult(
-                result="Unsupported", delivery_id=delivery_id, subscription=subscription, reason=CANCEL_UNSUPPORTED
-            )
-        terminal = self._terminal_answer(subscription, delivery_id)
-        if terminal is not None:
-            return terminal
-        parts = split_delivery_id(delivery_id)
-        if parts is None or parts[0] != subscription or subscription not in self._bound():
-            return ActionResult(result="NotFound", delivery_id=delivery_id, subscription=subscription)
-        message = await self._find_dead_letter(subscription, parts[1])
-        if message is None:
-            return ActionResult(
-                result="Unsupported", delivery_id=delivery_id, subscription=subscription, reason=WAITING_UNSUPPORTED
-            )
-        await self._discard_dead_letter(subscription, message, reason)
-        return ActionResult(result="Discarded", delivery_id=delivery_id, subscription=subscription, status="Discarded")
-
-    async def _discard_dead_letter(self, subscription: str, message: dict[str, Any], reason: str | None) -> None:
-        _, dlq_url = self._urls(subscription)
-        await self.sqs.delete_message(QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"])
-        info = self._dead_info(subscription, message, False)
-        self.records.remember(info.model_copy(update={"status": "Discarded", "reason": reason,
-                                                      "settled_at": datetime.now(UTC)}))
-
-    async def discard_dead_letters(self, subscription: str, settled_before: datetime, limit: int = 1000) -> int:
-        """Deletes the subscription's dead letters sent to the DLQ before ``settled_before``
-        (reason ``pruned``), ``limit`` per round until none is left; returns how many."""
-        if limit < 1:
-            raise ValueError(f"limit must be at least 1, got {limit}")
-        if settled_before.tzinfo is None:
-            raise ValueError(
-                "settled_before must be an aware datetime, e.g. datetime.now(UTC) - timedelta(days=7); "
-                f"got {settled_before!r} without a time zone"
-            )
-        if subscription not in self._subscriptions or subscription not in self._bound():
-            return 0
-        cutoff = settled_before.timestamp() * 1000
-        gone = 0
-        while True:
-            old = [
-                m for m in await self._read_dead_letters(subscription, 1000)
-                if int(m.get("Attributes", {}).get("SentTimestamp", "0")) < cutoff
-            ][:limit]
-            for message in old:
-                await self._discard_dead_letter(subscription, message, "pruned")
-            gone += len(old)
-            if len(old) < limit:
-                return gone
-
-    async def rewrite_payload(
-        self, message_id: uuid.UUID, payload_json: str, content_hash: str, envelope_bytes: int
-    ) -> bool:
-        return False
 
 
 async def sleep_backoff(attempt: int, base: float = 0.2, ceiling: float = 30.0) -> None:
