@@ -8,6 +8,17 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+MAX_LEASE_SECONDS = 12 * 3600
+"""SQS's cap on a message's visibility (12 hours after its receive)."""
+
+
+def client_error_code(exc: BaseException) -> str:
+    """The AWS error code of ``exc`` (e.g. SQS refusing a receipt handle), or "" for another error."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
 
 @dataclass
 class Lease:

@@ -14,8 +14,8 @@ deduplication id; a retrying message keeps its key busy (SQS FIFO holds the grou
 is deleted); later messages of a busy key that a receive hands over are held here until it
 settles. Ordered, cancel of an in-flight message and exact per-key backlog are not available
 (:attr:`AwsTransport.capabilities`); the operator views (:mod:`.operator_views`) read queue
-attributes and the DLQ, and what this process settled (:mod:`.records`); the leases and held
-messages are :mod:`.leases`. A pause is the queue's ``workqueue:status`` tag, which
+attributes and the DLQ, and what this process settled (:mod:`.records`); the settle calls are
+:mod:`.settling`, the leases and held messages :mod:`.leases`. A pause is the queue's ``workqueue:status`` tag, which
 every process reads on its bindings refresh.
 
 A publish with a session writes the transactional outbox (:mod:`.outbox`), which a relay forwards
@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from ..core.envelope import PreparedMessage, PublishError, PublishResult, PublishStatus
 from ..core.errors import ConfigurationError, TransportError
 from ..core.reports import (
-    DeliveryStatus,
     SweepReport,
 )
 from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
@@ -47,13 +46,11 @@ from ..core.transport import (
     ClaimedDelivery,
     HeartbeatRequest,
     HeartbeatResult,
-    Settlement,
-    SettleResult,
     WakeupListener,
 )
 from . import body as bodies
 from .bindings import Bindings, load_bindings
-from .leases import Held, Lease
+from .leases import MAX_LEASE_SECONDS, Held, Lease, client_error_code
 from .naming import BATCH, NAME
 from .operator_views import (
     BACKLOG_UNSUPPORTED,
@@ -62,7 +59,8 @@ from .operator_views import (
     OperatorViews,
     split_delivery_id,
 )
-from .records import Receipt, SettledRecords
+from .records import SettledRecords
+from .settling import Settling
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
@@ -72,6 +70,7 @@ __all__ = [
     "BATCH",
     "CANCEL_UNSUPPORTED",
     "CAPABILITIES",
+    "MAX_LEASE_SECONDS",
     "NAME",
     "STATUS_TAG",
     "WAITING_UNSUPPORTED",
@@ -85,7 +84,6 @@ __all__ = [
 log = logging.getLogger("fastapi_workqueue.aws")
 
 LONG_POLL_SECONDS = 20
-MAX_LEASE_SECONDS = 12 * 3600
 BINDINGS_REFRESH_SECONDS = 30.0
 EXPIRED_LEASES_KEPT_SECONDS = 300.0
 STATUS_TAG = "workqueue:status"
@@ -122,14 +120,7 @@ def create_transport(queue: WorkQueue) -> AwsTransport:
 class TopicUnboundError(TransportError):
     """The aws topic has no imported bindings yet."""
 
-def _client_error_code(exc: BaseException) -> str:
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        return str(response.get("Error", {}).get("Code", ""))
-    return ""
-
-
-class AwsTransport(OperatorViews):
+class AwsTransport(Settling, OperatorViews):
     """SNS + SQS; the topology comes from the queue, the ARNs and URLs from its bindings."""
 
     name = NAME
@@ -525,7 +516,7 @@ class AwsTransport(OperatorViews):
                         QueueUrl=item.queue_url, ReceiptHandle=item.message["ReceiptHandle"], VisibilityTimeout=seconds
                     )
                 except Exception as exc:
-                    if not _client_error_code(exc):
+                    if not client_error_code(exc):
                         raise
                     renewed = False
             if not renewed:
@@ -550,7 +541,7 @@ class AwsTransport(OperatorViews):
                         QueueUrl=item.queue_url, ReceiptHandle=item.message["ReceiptHandle"], VisibilityTimeout=seconds
                     )
                 except Exception as exc:
-                    if not _client_error_code(exc):
+                    if not client_error_code(exc):
                         raise
                     continue  # its receipt is gone: SQS hands it over again
                 item.visible_at = time.time() + seconds
@@ -666,7 +657,7 @@ class AwsTransport(OperatorViews):
                     QueueUrl=lease.queue_url, ReceiptHandle=lease.receipt, VisibilityTimeout=seconds
                 )
             except Exception as exc:
-                if not _client_error_code(exc):
+                if not client_error_code(exc):
                     raise
                 results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
                 continue
@@ -686,159 +677,6 @@ class AwsTransport(OperatorViews):
                 )
             )
         return results
-
-    def _backoff(self, sub: Subscription, lease: Lease, settlement: Settlement) -> float:
-        if settlement.delay_seconds is not None:
-            return settlement.delay_seconds
-        env = bodies.decode(lease.body, str(lease.message_id))
-        steps = env.get("backoff_seconds")
-        if isinstance(steps, list) and steps:
-            return float(steps[min(lease.attempt, len(steps)) - 1])
-        ceiling = min(sub.backoff_max_seconds, sub.backoff_base_seconds * 2 ** max(lease.attempt - 1, 0))
-        return self._random.uniform(0, ceiling)
-
-    async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]:
-        results: list[SettleResult] = []
-        deletes: list[tuple[int, Lease]] = []
-        settled: list[tuple[int, Settlement, Lease]] = []
-        for settlement in settlements:
-            lease = self._lease(settlement.delivery_id, settlement.lease_token)
-            if lease is None:
-                results.append("LeaseLost")
-                continue
-            settled.append((len(results), settlement, lease))
-            results.append(await self._settle_one(settlement, lease, deletes, len(results)))
-        lost = await self._delete(deletes)
-        for index in lost:
-            results[index] = "LeaseLost"
-        for index, settlement, lease in settled:
-            self._leases.pop(settlement.delivery_id, None)
-            receipt = Receipt(lease.queue_url, lease.receipt)
-            if results[index] == "Completed":
-                self._remember(settlement.delivery_id, lease, "Completed", receipt, reason=settlement.reason)
-            elif results[index] == "Discarded":
-                self._remember(settlement.delivery_id, lease, "Discarded", receipt, reason=settlement.reason)
-            if results[index] != "Pending":
-                self._released.pop(settlement.delivery_id, None)
-        return results
-
-    def _remember(
-        self, delivery_id: str, lease: Lease, status: DeliveryStatus, receipt: Receipt | None = None, **fields: Any
-    ) -> None:
-        """Records what this process made of a delivery it held (see :mod:`.records`)."""
-        info = self._info(delivery_id, lease.subscription, lease.body, status, lease.attempt, lease.attributes, False)
-        now = datetime.now(UTC)
-        extra: dict[str, Any] = {"claimed_at": lease.claimed_at}
-        if status in ("Completed", "Discarded"):
-            extra["settled_at"] = now
-        self.records.remember(info.model_copy(update={**extra, **fields}), receipt)
-
-    async def _settle_one(
-        self, settlement: Settlement, lease: Lease, deletes: list[tuple[int, Lease]], index: int
-    ) -> SettleResult:
-        sub = self._sub(lease.subscription)
-        kind = settlement.kind
-        if kind in ("Complete", "Discard"):
-            deletes.append((index, lease))
-            return "Completed" if kind == "Complete" else "Discarded"
-        if kind == "Release":
-            result = await self._visibility(lease, 0)
-            if result == "Pending":
-                self._released[settlement.delivery_id] = self._released.get(settlement.delivery_id, 0) + 1
-                self._remember(settlement.delivery_id, lease, "Pending", Receipt(lease.queue_url, lease.receipt),
-                               attempt=lease.attempt - 1, reason=settlement.reason, visible_at=datetime.now(UTC))
-            return result
-        env = bodies.decode(lease.body, str(lease.message_id))
-        max_attempts = int(env.get("max_attempts") or sub.max_attempts)
-        if kind == "DeadLetter" or lease.attempt >= max_attempts:
-            if kind == "DeadLetter":
-                reason = settlement.reason or "DeadLettered"
-            else:
-                cause = settlement.reason if settlement.reason is not None else settlement.error
-                reason = "max attempts reached" if cause is None else f"max attempts reached: {cause}"
-            await self.send_dead_letter(settlement.delivery_id, lease, reason, settlement.error)
-            deletes.append((index, lease))
-            return "DeadLettered"
-        delay = max(0, min(MAX_LEASE_SECONDS, round(self._backoff(sub, lease, settlement))))
-        result = await self._visibility(lease, delay)
-        if result == "Pending":
-            self._remember(settlement.delivery_id, lease, "Pending", Receipt(lease.queue_url, lease.receipt),
-                           reason=settlement.reason, last_error=settlement.error,
-                           visible_at=datetime.now(UTC) + timedelta(seconds=delay))
-        return result
-
-    async def _visibility(self, lease: Lease, seconds: int) -> SettleResult:
-        try:
-            await self.sqs.change_message_visibility(
-                QueueUrl=lease.queue_url, ReceiptHandle=lease.receipt, VisibilityTimeout=seconds
-            )
-        except Exception as exc:
-            if not _client_error_code(exc):
-                raise
-            return "LeaseLost"
-        return "Pending"
-
-    async def send_dead_letter(self, delivery_id: str, lease: Lease, reason: str, error: str | None) -> None:
-        """Sends the leased message to its DLQ: same body (MessageID), ``origin_id`` and
-        ``dead_letter`` (:func:`.body.dead_letter_body`, as the Lambda adapter writes it), same attributes."""
-        _, dlq_url = self._urls(lease.subscription)
-        body = bodies.dead_letter_body(
-            bodies.decode(lease.body, str(lease.message_id)), origin_id=delivery_id.rsplit(":", 1)[-1],
-            subscription=lease.subscription, reason=reason, error=error, attempts=lease.attempt,
-        )
-        entry: dict[str, Any] = {"QueueUrl": dlq_url, "MessageBody": body}
-        if lease.message_attributes:
-            entry["MessageAttributes"] = {
-                k: {"DataType": v.get("DataType", "String"), "StringValue": v["StringValue"]}
-                for k, v in lease.message_attributes.items()
-                if v.get("StringValue") is not None
-            }
-        if self._fifo(lease.subscription):
-            entry["MessageGroupId"] = lease.group_id or lease.partition_key or lease.subscription
-            entry["MessageDeduplicationId"] = f"{lease.message_id}:dl:{uuid.uuid4().hex[:8]}"
-        await self.sqs.send_message(**entry)
-
-    async def _delete(self, deletes: list[tuple[int, Lease]]) -> list[int]:
-        """DeleteMessageBatch per queue, 10 at a time; answers the indexes whose receipt was refused."""
-        lost: list[int] = []
-        by_queue: dict[str, list[tuple[int, Lease]]] = {}
-        for index, lease in deletes:
-            by_queue.setdefault(lease.queue_url, []).append((index, lease))
-        for url, items in by_queue.items():
-            for start in range(0, len(items), BATCH):
-                chunk = items[start : start + BATCH]
-                answer = await self.sqs.delete_message_batch(
-                    QueueUrl=url,
-                    Entries=[{"Id": str(i), "ReceiptHandle": lease.receipt} for i, (_, lease) in enumerate(chunk)],
-                )
-                lost.extend(chunk[int(f["Id"])][0] for f in answer.get("Failed", []))
-        return lost
-
-    async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
-        """Publishes the follow-ups of a completion first, then deletes the message (at-least-once,
-        :mod:`.follow_ups`): with a database in one committed transaction (aws topics through the
-        outbox, database topics beside them), else straight to SNS. A follow-up without a MessageID
-        of its own gets one derived from the delivery's MessageID and its position, so a redelivery
-        publishes the same follow-ups again under the same ids. A lease this process no longer
-        holds publishes nothing (``LeaseLost``); a delete SQS refuses after the publish answers
-        ``LeaseLost`` with the follow-ups kept: the message comes back and its next attempt's
-        follow-ups repeat theirs."""
-        lease = self._lease(settlement.delivery_id, settlement.lease_token)
-        if settlement.kind != "Complete" or not settlement.follow_ups or lease is None:
-            [result] = await self.settle([settlement])
-            return result
-        from .follow_ups import publish_follow_ups, with_derived_ids
-
-        follow_ups = with_derived_ids(lease.message_id, settlement.follow_ups)
-        derived = {
-            m.message_id
-            for given, mine in zip(settlement.follow_ups, follow_ups, strict=True)
-            for before, m in zip(given.messages, mine.messages, strict=True)
-            if not before.message_id_given
-        }
-        await publish_follow_ups(self, settlement.delivery_id, follow_ups, derived)
-        [result] = await self.settle([settlement])
-        return result
 
     async def add_wakeup_listener(self, listener: WakeupListener) -> None:
         return None
