@@ -238,3 +238,14 @@ def test_each_schema_file_names_the_migrations_it_equals(dialect: str) -> None:
     last = sql_files.migrations(dialect)[-1].version
     first_line = sql_files.read(dialect, "schema.sql").splitlines()[0]
     assert f"(migrations 0001-{last:04d})" in first_line, first_line
+
+
+def test_the_sql_server_outbox_keeps_keys_as_the_library_allows_them() -> None:
+    """0022: the outbox's topic and partition key compare case-sensitively (binary collation), the key
+    takes 512 characters, and the key index fits SQL Server's 1700-byte nonclustered key."""
+    migrated = tsql_objects([m.sql for m in sql_files.migrations("mssql")])
+    table = migrated[("TABLE", "workqueue.aws_outbox")]
+    assert "topic nvarchar(200) collate latin1_general_100_bin2 not null" in table.lower()
+    assert "partition_key nvarchar(512) collate latin1_general_100_bin2 null" in table.lower()
+    index = migrated[("INDEX", "workqueue.aws_outbox.aws_outbox_unsent_key")]
+    assert "(topic, partition_key, id)" in index  # 400 + 1024 + 8 bytes

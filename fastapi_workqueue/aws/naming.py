@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import re
 
+NAME = "aws"
+"""The transport's name: a topic's ``transport`` and the prefix of its delivery ids."""
+BATCH = 10
+"""The most entries one SQS or SNS batch call takes."""
 MAX_NAME = 80
 FIFO_SUFFIX = ".fifo"
 DLQ_SUFFIX = "-dlq"

@@ -19,9 +19,6 @@ from . import body as bodies
 if TYPE_CHECKING:
     from .lambda_handler import SubscriptionPolicy
 
-MAX_DEAD_LETTER_ERROR = 4000
-"""The most characters of error text a dead letter carries."""
-
 
 @dataclass(frozen=True, slots=True)
 class SqsRecord:
@@ -42,6 +39,12 @@ class SqsRecord:
         payload when another producer sent it (text when it is not JSON): :func:`.body.decode`."""
         return bodies.decode(self.body, self.message_id)
 
+    @property
+    def origin_id(self) -> str:
+        """The SQS MessageId the delivery was first received with (a replayed message carries it in
+        its body): the last part of the id the host transport's operator views give it."""
+        return bodies.origin_of(self.envelope(), self.message_id)
+
     def backoff_schedule(self) -> list[float] | None:
         """The message's own backoff schedule (``backoff_seconds`` of its publish), or None."""
         steps = self.envelope().get("backoff_seconds")
@@ -51,7 +54,7 @@ class SqsRecord:
         """The record as the delivery a host consumer would have claimed (a ``max_attempts`` the
         message was published with wins over the subscription's)."""
         env = self.envelope()
-        message_id = bodies.message_uuid(env, self.message_id)
+        message_id = bodies.message_uuid(env, self.origin_id)
         published = env.get("published_at")
         headers = env.get("headers")
         return ClaimedDelivery(
@@ -110,17 +113,12 @@ def _send_attribute(value: Mapping[str, Any]) -> dict[str, Any]:
 
 def dead_letter_entry(record: SqsRecord, policy: SubscriptionPolicy, reason: str, error: str | None) -> dict[str, Any]:
     """The SendMessage arguments that put ``record`` in the subscription's dead-letter queue: its
-    envelope (the same MessageID) with a ``dead_letter`` section (reason, last error, attempts),
-    its attributes, and on FIFO its group and a deduplication id of this SQS message."""
-    envelope = record.envelope()
-    envelope["dead_letter"] = {
-        "reason": reason,
-        "error": None if error is None else error[:MAX_DEAD_LETTER_ERROR],
-        "attempts": record.attempt,
-        "subscription": policy.name,
-        "dead_lettered_at": datetime.now(UTC).isoformat(),
-    }
-    entry: dict[str, Any] = {"QueueUrl": policy.dlq_url, "MessageBody": json.dumps(envelope)}
+    envelope (the same MessageID) with ``origin_id`` and a ``dead_letter`` section
+    (:func:`.body.dead_letter_body`, as the host transport writes it), its attributes, and on FIFO
+    its group and a deduplication id of this SQS message."""
+    body = bodies.dead_letter_body(record.envelope(), origin_id=record.origin_id, subscription=policy.name,
+                                   reason=reason, error=error, attempts=record.attempt)
+    entry: dict[str, Any] = {"QueueUrl": policy.dlq_url, "MessageBody": body}
     if record.message_attributes:
         entry["MessageAttributes"] = {k: _send_attribute(v) for k, v in record.message_attributes.items()}
     if policy.is_fifo:

@@ -13,8 +13,9 @@ Exclusive needs a FIFO topic: the partition key is the MessageGroupId and the Me
 deduplication id; a retrying message keeps its key busy (SQS FIFO holds the group until its head
 is deleted); later messages of a busy key that a receive hands over are held here until it
 settles. Ordered, cancel of an in-flight message and exact per-key backlog are not available
-(:attr:`AwsTransport.capabilities`); operator views read queue attributes and the DLQ, and what
-this process settled (:mod:`.records`). A pause is the queue's ``workqueue:status`` tag, which
+(:attr:`AwsTransport.capabilities`); the operator views (:mod:`.operator_views`) read queue
+attributes and the DLQ, and what this process settled (:mod:`.records`); the settle calls are
+:mod:`.settling`, the leases and held messages :mod:`.leases`. A pause is the queue's ``workqueue:status`` tag, which
 every process reads on its bindings refresh.
 
 A publish with a session writes the transactional outbox (:mod:`.outbox`), which a relay forwards
@@ -31,22 +32,12 @@ import random
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..core.envelope import PreparedMessage, PublishError, PublishResult, PublishStatus
 from ..core.errors import ConfigurationError, TransportError
 from ..core.reports import (
-    ActionResult,
-    Backlog,
-    BindingIssue,
-    BindingReport,
-    DeliveryInfo,
-    DeliveryStatus,
-    PartitionCondition,
-    PartitionInfo,
-    SubscriptionStats,
     SweepReport,
 )
 from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
@@ -55,33 +46,48 @@ from ..core.transport import (
     ClaimedDelivery,
     HeartbeatRequest,
     HeartbeatResult,
-    Settlement,
-    SettleResult,
     WakeupListener,
 )
 from . import body as bodies
 from .bindings import Bindings, load_bindings
-from .records import Receipt, SettledRecords
+from .leases import MAX_LEASE_SECONDS, Held, Lease, client_error_code
+from .naming import BATCH, NAME
+from .operator_views import (
+    BACKLOG_UNSUPPORTED,
+    CANCEL_UNSUPPORTED,
+    WAITING_UNSUPPORTED,
+    OperatorViews,
+    split_delivery_id,
+)
+from .records import SettledRecords
+from .settling import Settling
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
 
+__all__ = [
+    "BACKLOG_UNSUPPORTED",
+    "BATCH",
+    "CANCEL_UNSUPPORTED",
+    "CAPABILITIES",
+    "MAX_LEASE_SECONDS",
+    "NAME",
+    "STATUS_TAG",
+    "WAITING_UNSUPPORTED",
+    "AwsTransport",
+    "TopicUnboundError",
+    "create_transport",
+    "sleep_backoff",
+    "split_delivery_id",
+]
+
 log = logging.getLogger("fastapi_workqueue.aws")
 
-NAME = "aws"
-BATCH = 10
 LONG_POLL_SECONDS = 20
-MAX_LEASE_SECONDS = 12 * 3600
 BINDINGS_REFRESH_SECONDS = 30.0
 EXPIRED_LEASES_KEPT_SECONDS = 300.0
 STATUS_TAG = "workqueue:status"
 """The SQS queue tag that holds a subscription's Active/Paused status for every process."""
-CANCEL_UNSUPPORTED = "SQS cannot cancel an in-flight message; wait for it to settle, or discard it once dead-lettered"
-WAITING_UNSUPPORTED = (
-    "SQS cannot address a waiting message by id: only dead letters (on the DLQ) can be discarded; "
-    "let it run, or dead-letter it from its handler"
-)
-BACKLOG_UNSUPPORTED = "SQS reports approximate queue counts only, not a backlog per partition key"
 
 CAPABILITIES = Capabilities(
     ordered=False,
@@ -114,64 +120,7 @@ def create_transport(queue: WorkQueue) -> AwsTransport:
 class TopicUnboundError(TransportError):
     """The aws topic has no imported bindings yet."""
 
-
-@dataclass
-class _Lease:
-    subscription: str
-    queue_url: str
-    receipt: str
-    first_received: float
-    attempt: int
-    message_id: uuid.UUID
-    partition_key: str | None
-    attributes: dict[str, str]
-    body: str
-    message_attributes: dict[str, Any]
-    group_id: str | None
-    lease_expires_at: datetime
-    claimed_at: datetime
-    progress_percent: int | None = None
-    progress_message: str | None = None
-
-
-@dataclass
-class _Held:
-    """A message SQS FIFO handed over with an earlier one of its key still in flight here: held
-    (invisible, under this receipt) until the key is free, then leased out in order. Its visibility
-    runs until ``visible_at`` (epoch seconds); each heartbeat of its key's lease renews it."""
-
-    queue_url: str
-    message: dict[str, Any]
-    received: float
-    group_id: str
-    visible_at: float
-
-
-def split_delivery_id(delivery_id: str) -> tuple[str, str] | None:
-    """``aws:<subscription>:<origin>`` (or the older ``aws:<subscription>:dlq:<id>``) as
-    (subscription, origin), where the origin is the SQS MessageId the delivery was first received
-    with; None for another transport's id."""
-    prefix = f"{NAME}:"
-    if not delivery_id.startswith(prefix):
-        return None
-    rest = delivery_id[len(prefix):]
-    if ":dlq:" in rest:
-        subscription, origin = rest.split(":dlq:", 1)
-    elif ":" in rest:
-        subscription, origin = rest.rsplit(":", 1)
-    else:
-        return None
-    return (subscription, origin) if subscription and origin else None
-
-
-def _client_error_code(exc: BaseException) -> str:
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        return str(response.get("Error", {}).get("Code", ""))
-    return ""
-
-
-class AwsTransport:
+class AwsTransport(Settling, OperatorViews):
     """SNS + SQS; the topology comes from the queue, the ARNs and URLs from its bindings."""
 
     name = NAME
@@ -186,13 +135,14 @@ class AwsTransport:
         self._topics: dict[str, Topic] = {}
         self._subscriptions: dict[str, Subscription] = {}
         self._status: dict[str, SubscriptionStatus] = {}
-        self._leases: dict[str, _Lease] = {}
-        self._held: dict[str, list[_Held]] = {}
+        self._leases: dict[str, Lease] = {}
+        self._held: dict[str, list[Held]] = {}
         self._released: dict[str, int] = {}
         self.records = SettledRecords()
         self._stack: contextlib.AsyncExitStack | None = None
-        self.sns: Any = None
-        self.sqs: Any = None
+        self._sns: Any = None
+        self._sqs: Any = None
+        self._closed = False
         self.relay: Any = None
         self._random = random.Random()
         self._bindings_read = 0.0
@@ -200,7 +150,29 @@ class AwsTransport:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
+    @property
+    def sns(self) -> Any:
+        """The SNS client while the transport is open (else a clear TransportError, never a new session)."""
+        return self._sns if self._sns is not None else self._not_open()
+
+    @property
+    def sqs(self) -> Any:
+        """The SQS client while the transport is open (else a clear TransportError, never a new session)."""
+        return self._sqs if self._sqs is not None else self._not_open()
+
+    def _not_open(self) -> NoReturn:
+        if self._closed:
+            raise TransportError(
+                "the aws transport is closed (its SNS and SQS clients too): open the queue again before using it",
+                retryable=False,
+            )
+        raise TransportError("the aws transport is not open: open the queue (WorkQueue.open) first", retryable=False)
+
     async def open(self) -> None:
+        """Opens the SNS and SQS clients and reads the bindings; what it opened is closed again when
+        a step fails. Opening an open transport does nothing."""
+        if self._stack is not None:
+            return
         try:
             import aioboto3
         except ImportError as exc:  # pragma: no cover - the aws extra is missing
@@ -212,16 +184,22 @@ class AwsTransport:
         stack = contextlib.AsyncExitStack()
         session = aioboto3.Session()
         options = {"region_name": self.settings.aws_region, "endpoint_url": self.settings.aws_endpoint_url}
-        self.sns = await stack.enter_async_context(session.client("sns", **options))
-        self.sqs = await stack.enter_async_context(session.client("sqs", **options))
-        self._stack = stack
-        for topic in self.queue.topics.values():
-            if topic.transport == NAME:
-                self._topics[topic.name] = topic
-        for sub in self.queue.subscriptions.values():
-            if sub.topic in self._topics:
-                self._subscriptions[sub.name] = sub
-        await self.reload_bindings()
+        try:
+            self._sns = await stack.enter_async_context(session.client("sns", **options))
+            self._sqs = await stack.enter_async_context(session.client("sqs", **options))
+            self._stack = stack
+            self._closed = False
+            for topic in self.queue.topics.values():
+                if topic.transport == NAME:
+                    self._topics[topic.name] = topic
+            for sub in self.queue.subscriptions.values():
+                if sub.topic in self._topics:
+                    self._subscriptions[sub.name] = sub
+            await self.reload_bindings()
+        except BaseException:
+            self._stack = self._sns = self._sqs = None
+            await stack.aclose()
+            raise
 
     def start_relay(self) -> None:
         """Starts the outbox relay once the schema is there (after the topology sync), when the
@@ -250,16 +228,22 @@ class AwsTransport:
 
     async def close(self) -> None:
         """Stops the relay and gives the held messages of busy keys back to SQS (visibility 0;
-        SQS counts that receive, so the next attempt number of each is one higher)."""
-        for held in self._held.values():
-            for item in held:
-                await self._let_go(item)
-        self._held.clear()
-        if self.relay is not None:
-            await self.relay.stop()
-            self.relay = None
-        if self._stack is not None:
+        SQS counts that receive, so the next attempt number of each is one higher), then closes the
+        SNS and SQS clients: a later call raises TransportError instead of opening new ones."""
+        if self._stack is None:
+            return
+        try:
+            for held in self._held.values():
+                for item in held:
+                    await self._let_go(item)
+            self._held.clear()
+            if self.relay is not None:
+                relay, self.relay = self.relay, None
+                await relay.stop()
+        finally:
             stack, self._stack = self._stack, None
+            self._sns = self._sqs = None
+            self._closed = True
             await stack.aclose()
 
     async def migrate(self) -> list[str]:
@@ -504,7 +488,7 @@ class AwsTransport:
             for message in messages:
                 group = message.get("Attributes", {}).get("MessageGroupId")
                 if exclusive and group is not None and self._key_busy(sub.name, group):
-                    held = _Held(queue_url, message, now, group, now + self._lease_seconds(sub))
+                    held = Held(queue_url, message, now, group, now + self._lease_seconds(sub))
                     self._held.setdefault(sub.name, []).append(held)
                     continue
                 claimed.append(self._claimed(sub, queue_url, message, now))
@@ -515,7 +499,7 @@ class AwsTransport:
         held message whose visibility ran out goes back to SQS with the rest of its key."""
         held = self._held.pop(sub.name, [])
         claimed: list[ClaimedDelivery] = []
-        kept: list[_Held] = []
+        kept: list[Held] = []
         dropped: set[str] = set()
         seconds = self._lease_seconds(sub)
         for item in held:
@@ -532,7 +516,7 @@ class AwsTransport:
                         QueueUrl=item.queue_url, ReceiptHandle=item.message["ReceiptHandle"], VisibilityTimeout=seconds
                     )
                 except Exception as exc:
-                    if not _client_error_code(exc):
+                    if not client_error_code(exc):
                         raise
                     renewed = False
             if not renewed:
@@ -549,7 +533,7 @@ class AwsTransport:
     async def _renew_held(self, subscription: str, group: str, seconds: int) -> None:
         """Keeps the held messages of a heartbeating key invisible as long as its lease: without it
         they would run out, go back to SQS and be charged one more receive when the key is free."""
-        kept: list[_Held] = []
+        kept: list[Held] = []
         for item in self._held.get(subscription, []):
             if item.group_id == group:
                 try:
@@ -557,7 +541,7 @@ class AwsTransport:
                         QueueUrl=item.queue_url, ReceiptHandle=item.message["ReceiptHandle"], VisibilityTimeout=seconds
                     )
                 except Exception as exc:
-                    if not _client_error_code(exc):
+                    if not client_error_code(exc):
                         raise
                     continue  # its receipt is gone: SQS hands it over again
                 item.visible_at = time.time() + seconds
@@ -565,7 +549,7 @@ class AwsTransport:
         if subscription in self._held:
             self._held[subscription] = kept
 
-    async def _let_go(self, item: _Held) -> None:
+    async def _let_go(self, item: Held) -> None:
         """Makes a held message visible again (SQS will hand it over once more)."""
         with contextlib.suppress(Exception):
             await self.sqs.change_message_visibility(
@@ -576,7 +560,8 @@ class AwsTransport:
         sqs_id = message["MessageId"]
         system = message.get("Attributes", {})
         env = bodies.decode(message["Body"], sqs_id)
-        delivery_id = f"{NAME}:{sub.name}:{env.get('origin_id') or sqs_id}"
+        origin = bodies.origin_of(env, sqs_id)
+        delivery_id = f"{NAME}:{sub.name}:{origin}"
         attempt = max(1, int(system.get("ApproximateReceiveCount", "1")) - self._released.get(delivery_id, 0))
         max_attempts = int(env.get("max_attempts") or sub.max_attempts)
         attributes = {
@@ -584,14 +569,11 @@ class AwsTransport:
             for k, v in message.get("MessageAttributes", {}).items()
             if v.get("StringValue") is not None
         }
-        try:
-            message_id = uuid.UUID(str(env["message_id"]))
-        except ValueError:
-            message_id = uuid.UUID(sqs_id) if len(sqs_id) == 36 else uuid.uuid5(uuid.NAMESPACE_URL, sqs_id)
+        message_id = bodies.message_uuid(env, origin)
         claimed_at = datetime.now(UTC)
         expires = claimed_at + timedelta(seconds=self._lease_seconds(sub))
         self.records.forget(delivery_id)
-        self._leases[delivery_id] = _Lease(
+        self._leases[delivery_id] = Lease(
             subscription=sub.name,
             queue_url=queue_url,
             receipt=message["ReceiptHandle"],
@@ -648,7 +630,7 @@ class AwsTransport:
             found.extend((name, d) for d in await self.claim(name, limit - len(found)))
         return found
 
-    def _lease(self, delivery_id: str, token: str) -> _Lease | None:
+    def _lease(self, delivery_id: str, token: str) -> Lease | None:
         """The live lease of ``token``: a token of an earlier receive, or of a lease that ran out
         (SQS made the message visible again), is refused here before SQS is asked."""
         lease = self._leases.get(delivery_id)
@@ -675,7 +657,7 @@ class AwsTransport:
                     QueueUrl=lease.queue_url, ReceiptHandle=lease.receipt, VisibilityTimeout=seconds
                 )
             except Exception as exc:
-                if not _client_error_code(exc):
+                if not client_error_code(exc):
                     raise
                 results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
                 continue
@@ -695,164 +677,6 @@ class AwsTransport:
                 )
             )
         return results
-
-    def _backoff(self, sub: Subscription, lease: _Lease, settlement: Settlement) -> float:
-        if settlement.delay_seconds is not None:
-            return settlement.delay_seconds
-        env = bodies.decode(lease.body, str(lease.message_id))
-        steps = env.get("backoff_seconds")
-        if isinstance(steps, list) and steps:
-            return float(steps[min(lease.attempt, len(steps)) - 1])
-        ceiling = min(sub.backoff_max_seconds, sub.backoff_base_seconds * 2 ** max(lease.attempt - 1, 0))
-        return self._random.uniform(0, ceiling)
-
-    async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]:
-        results: list[SettleResult] = []
-        deletes: list[tuple[int, _Lease]] = []
-        settled: list[tuple[int, Settlement, _Lease]] = []
-        for settlement in settlements:
-            lease = self._lease(settlement.delivery_id, settlement.lease_token)
-            if lease is None:
-                results.append("LeaseLost")
-                continue
-            settled.append((len(results), settlement, lease))
-            results.append(await self._settle_one(settlement, lease, deletes, len(results)))
-        lost = await self._delete(deletes)
-        for index in lost:
-            results[index] = "LeaseLost"
-        for index, settlement, lease in settled:
-            self._leases.pop(settlement.delivery_id, None)
-            receipt = Receipt(lease.queue_url, lease.receipt)
-            if results[index] == "Completed":
-                self._remember(settlement.delivery_id, lease, "Completed", receipt, reason=settlement.reason)
-            elif results[index] == "Discarded":
-                self._remember(settlement.delivery_id, lease, "Discarded", receipt, reason=settlement.reason)
-            if results[index] != "Pending":
-                self._released.pop(settlement.delivery_id, None)
-        return results
-
-    def _remember(
-        self, delivery_id: str, lease: _Lease, status: DeliveryStatus, receipt: Receipt | None = None, **fields: Any
-    ) -> None:
-        """Records what this process made of a delivery it held (see :mod:`.records`)."""
-        info = self._info(delivery_id, lease.subscription, lease.body, status, lease.attempt, lease.attributes, False)
-        now = datetime.now(UTC)
-        extra: dict[str, Any] = {"claimed_at": lease.claimed_at}
-        if status in ("Completed", "Discarded"):
-            extra["settled_at"] = now
-        self.records.remember(info.model_copy(update={**extra, **fields}), receipt)
-
-    async def _settle_one(
-        self, settlement: Settlement, lease: _Lease, deletes: list[tuple[int, _Lease]], index: int
-    ) -> SettleResult:
-        sub = self._sub(lease.subscription)
-        kind = settlement.kind
-        if kind in ("Complete", "Discard"):
-            deletes.append((index, lease))
-            return "Completed" if kind == "Complete" else "Discarded"
-        if kind == "Release":
-            result = await self._visibility(lease, 0)
-            if result == "Pending":
-                self._released[settlement.delivery_id] = self._released.get(settlement.delivery_id, 0) + 1
-                self._remember(settlement.delivery_id, lease, "Pending", Receipt(lease.queue_url, lease.receipt),
-                               attempt=lease.attempt - 1, reason=settlement.reason, visible_at=datetime.now(UTC))
-            return result
-        env = bodies.decode(lease.body, str(lease.message_id))
-        max_attempts = int(env.get("max_attempts") or sub.max_attempts)
-        if kind == "DeadLetter" or lease.attempt >= max_attempts:
-            if kind == "DeadLetter":
-                reason = settlement.reason or "DeadLettered"
-            else:
-                cause = settlement.reason if settlement.reason is not None else settlement.error
-                reason = "max attempts reached" if cause is None else f"max attempts reached: {cause}"
-            await self.send_dead_letter(settlement.delivery_id, lease, reason, settlement.error)
-            deletes.append((index, lease))
-            return "DeadLettered"
-        delay = max(0, min(MAX_LEASE_SECONDS, round(self._backoff(sub, lease, settlement))))
-        result = await self._visibility(lease, delay)
-        if result == "Pending":
-            self._remember(settlement.delivery_id, lease, "Pending", Receipt(lease.queue_url, lease.receipt),
-                           reason=settlement.reason, last_error=settlement.error,
-                           visible_at=datetime.now(UTC) + timedelta(seconds=delay))
-        return result
-
-    async def _visibility(self, lease: _Lease, seconds: int) -> SettleResult:
-        try:
-            await self.sqs.change_message_visibility(
-                QueueUrl=lease.queue_url, ReceiptHandle=lease.receipt, VisibilityTimeout=seconds
-            )
-        except Exception as exc:
-            if not _client_error_code(exc):
-                raise
-            return "LeaseLost"
-        return "Pending"
-
-    async def send_dead_letter(self, delivery_id: str, lease: _Lease, reason: str, error: str | None) -> None:
-        """Sends the leased message to its DLQ: same body (MessageID) plus ``dead_letter``, same
-        attributes, and ``origin_id`` so the dead letter keeps the delivery's id."""
-        _, dlq_url = self._urls(lease.subscription)
-        env = bodies.decode(lease.body, str(lease.message_id))
-        env["origin_id"] = delivery_id.rsplit(":", 1)[-1]
-        env["dead_letter"] = {
-            "reason": reason,
-            "error": None if error is None else error[:4000],
-            "attempts": lease.attempt,
-            "subscription": lease.subscription,
-            "dead_lettered_at": datetime.now(UTC).isoformat(),
-        }
-        entry: dict[str, Any] = {"QueueUrl": dlq_url, "MessageBody": json.dumps(env)}
-        if lease.message_attributes:
-            entry["MessageAttributes"] = {
-                k: {"DataType": v.get("DataType", "String"), "StringValue": v["StringValue"]}
-                for k, v in lease.message_attributes.items()
-                if v.get("StringValue") is not None
-            }
-        if self._fifo(lease.subscription):
-            entry["MessageGroupId"] = lease.group_id or lease.partition_key or lease.subscription
-            entry["MessageDeduplicationId"] = f"{lease.message_id}:dl:{uuid.uuid4().hex[:8]}"
-        await self.sqs.send_message(**entry)
-
-    async def _delete(self, deletes: list[tuple[int, _Lease]]) -> list[int]:
-        """DeleteMessageBatch per queue, 10 at a time; answers the indexes whose receipt was refused."""
-        lost: list[int] = []
-        by_queue: dict[str, list[tuple[int, _Lease]]] = {}
-        for index, lease in deletes:
-            by_queue.setdefault(lease.queue_url, []).append((index, lease))
-        for url, items in by_queue.items():
-            for start in range(0, len(items), BATCH):
-                chunk = items[start : start + BATCH]
-                answer = await self.sqs.delete_message_batch(
-                    QueueUrl=url,
-                    Entries=[{"Id": str(i), "ReceiptHandle": lease.receipt} for i, (_, lease) in enumerate(chunk)],
-                )
-                lost.extend(chunk[int(f["Id"])][0] for f in answer.get("Failed", []))
-        return lost
-
-    async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
-        """Publishes the follow-ups of a completion first, then deletes the message (at-least-once,
-        :mod:`.follow_ups`): with a database in one committed transaction (aws topics through the
-        outbox, database topics beside them), else straight to SNS. A follow-up without a MessageID
-        of its own gets one derived from the delivery's MessageID and its position, so a redelivery
-        publishes the same follow-ups again under the same ids. A lease this process no longer
-        holds publishes nothing (``LeaseLost``); a delete SQS refuses after the publish answers
-        ``LeaseLost`` with the follow-ups kept: the message comes back and its next attempt's
-        follow-ups repeat theirs."""
-        lease = self._lease(settlement.delivery_id, settlement.lease_token)
-        if settlement.kind != "Complete" or not settlement.follow_ups or lease is None:
-            [result] = await self.settle([settlement])
-            return result
-        from .follow_ups import publish_follow_ups, with_derived_ids
-
-        follow_ups = with_derived_ids(lease.message_id, settlement.follow_ups)
-        derived = {
-            m.message_id
-            for given, mine in zip(settlement.follow_ups, follow_ups, strict=True)
-            for before, m in zip(given.messages, mine.messages, strict=True)
-            if not before.message_id_given
-        }
-        await publish_follow_ups(self, settlement.delivery_id, follow_ups, derived)
-        [result] = await self.settle([settlement])
-        return result
 
     async def add_wakeup_listener(self, listener: WakeupListener) -> None:
         return None
@@ -883,366 +707,6 @@ class AwsTransport:
     async def sweep(self, limit: int = 1000) -> SweepReport:
         """SQS expires leases and retention itself; the outbox relay runs on its own."""
         return SweepReport(ran=False)
-
-    # -- operate ---------------------------------------------------------------------------------
-
-    async def _attributes(self, url: str) -> dict[str, str]:
-        answer = await self.sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])
-        attributes: dict[str, str] = answer.get("Attributes", {})
-        return attributes
-
-    async def stats(self, subscription: str | None = None) -> list[SubscriptionStats]:
-        """From the queue attributes (approximate, as SQS reports them); unbound subscriptions are left out."""
-        names = [subscription] if subscription is not None else sorted(self._subscriptions)
-        found: list[SubscriptionStats] = []
-        assert self.bindings is not None
-        for name in names:
-            sub = self._sub(name)
-            if name not in self.bindings.subscriptions:
-                continue
-            queue_url, dlq_url = self._urls(name)
-            queue, dlq = await self._attributes(queue_url), await self._attributes(dlq_url)
-            visible = int(queue.get("ApproximateNumberOfMessages", 0))
-            delayed = int(queue.get("ApproximateNumberOfMessagesDelayed", 0))
-            status = self.subscription_status(name)
-            found.append(
-                SubscriptionStats(
-                    subscription=name,
-                    topic=sub.topic,
-                    status=status,
-                    partition_mode=sub.partition_mode,
-                    pending=visible + delayed,
-                    claimable=visible if status == "Active" else 0,
-                    in_flight=int(queue.get("ApproximateNumberOfMessagesNotVisible", 0)),
-                    dead_lettered=int(dlq.get("ApproximateNumberOfMessages", 0)),
-                    completed=0,
-                    discarded=0,
-                )
-            )
-        return found
-
-    async def backlog(self, subscription: str) -> Backlog | None:
-        found = await self.stats(subscription)
-        if not found:
-            return None
-        stats = found[0]
-        return Backlog(
-            subscription=subscription, claimable=stats.claimable, in_flight=stats.in_flight, backlog=stats.pending
-        )
-
-    async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:
-        """What SQS and this process can tell: a lease held here (InFlight), a completion or discard
-        made here, a dead letter on the DLQ, a retry, release or replay made here (Pending, with
-        the visibility set); None for a delivery this process never saw that is not on the DLQ."""
-        lease = self._leases.get(delivery_id)
-        if lease is not None and lease.lease_expires_at > datetime.now(UTC):
-            return self._lease_info(delivery_id, lease, include_payload)
-        if lease is not None:
-            # SQS made it visible again when the lease ran out; SQS counts the next receive.
-            return self._info(delivery_id, lease.subscription, lease.body, "Pending", lease.attempt,
-                              lease.attributes, include_payload, reason="lease expired",
-                              visible_at=lease.lease_expires_at, claimed_at=lease.claimed_at)
-        recorded = self.records.get(delivery_id)
-        if recorded is not None and recorded.status in ("Completed", "Discarded"):
-            return recorded
-        parts = split_delivery_id(delivery_id)
-        if parts is None or parts[0] not in self._subscriptions or parts[0] not in self._bound():
-            return None
-        found = await self._find_dead_letter(*parts)
-        if found is not None:
-            return self._dead_info(parts[0], found, include_payload)
-        return recorded
-
-    def _bound(self) -> dict[str, Any]:
-        assert self.bindings is not None
-        return dict(self.bindings.subscriptions)
-
-    def _lease_info(self, delivery_id: str, lease: _Lease, include_payload: bool) -> DeliveryInfo:
-        return self._info(
-            delivery_id,
-            lease.subscription,
-            lease.body,
-            "InFlight",
-            lease.attempt,
-            lease.attributes,
-            include_payload,
-            lease_expires_at=lease.lease_expires_at,
-            claimed_at=lease.claimed_at,
-            progress_percent=lease.progress_percent,
-            progress_message=lease.progress_message,
-        )
-
-    def _info(
-        self,
-        delivery_id: str,
-        subscription: str,
-        body: str,
-        status: DeliveryStatus,
-        attempt: int,
-        attributes: dict[str, str],
-        include_payload: bool,
-        **extra: Any,
-    ) -> DeliveryInfo:
-        sub = self._sub(subscription)
-        env = bodies.decode(body, delivery_id.rsplit(":", 1)[-1])
-        dead = env.get("dead_letter") or {}
-        try:
-            message_id = uuid.UUID(str(env["message_id"]))
-        except ValueError:
-            message_id = uuid.uuid5(uuid.NAMESPACE_URL, str(env["message_id"]))
-        published = env.get("published_at")
-        fields: dict[str, Any] = {
-            "reason": dead.get("reason"),
-            "last_error": dead.get("error"),
-            "note": env.get("replay_note"),
-            "created_at": datetime.fromisoformat(published) if isinstance(published, str) else None,
-            **extra,
-        }
-        return DeliveryInfo(
-            delivery_id=delivery_id,
-            subscription=subscription,
-            message_id=message_id,
-            topic=sub.topic,
-            partition_key=env.get("partition_key"),
-            status=status,
-            attempt=int(dead.get("attempts", attempt)),
-            max_attempts=int(env.get("max_attempts") or sub.max_attempts),
-            attributes=attributes,
-            correlation_id=env.get("correlation_id"),
-            payload=env.get("payload") if include_payload else None,
-            **fields,
-        )
-
-    @staticmethod
-    def _origin(message: dict[str, Any]) -> str:
-        """The SQS MessageId the delivery was first received with (a redrive keeps the MessageId;
-        the transport's own dead letters and replays carry it as ``origin_id``)."""
-        env = bodies.decode(message["Body"], message["MessageId"])
-        return str(env.get("origin_id") or message["MessageId"])
-
-    def _dead_info(self, subscription: str, message: dict[str, Any], include_payload: bool) -> DeliveryInfo:
-        attributes = {
-            k: str(v.get("StringValue"))
-            for k, v in message.get("MessageAttributes", {}).items()
-            if v.get("StringValue") is not None
-        }
-        system = message.get("Attributes", {})
-        env = bodies.decode(message["Body"], message["MessageId"])
-        dead = env.get("dead_letter") or {}
-        settled = dead.get("dead_lettered_at")
-        info = self._info(
-            f"{NAME}:{subscription}:{self._origin(message)}",
-            subscription,
-            message["Body"],
-            "DeadLettered",
-            int(system.get("ApproximateReceiveCount", "1")),
-            attributes,
-            include_payload,
-            settled_at=datetime.fromisoformat(settled) if isinstance(settled, str) else None,
-        )
-        if info.reason is None:
-            info = info.model_copy(update={"reason": "MaxReceiveCountExceeded"})
-        return info
-
-    async def _read_dead_letters(self, subscription: str, limit: int) -> list[dict[str, Any]]:
-        """Up to ``limit`` DLQ messages, each received once and made visible again at once."""
-        _, dlq_url = self._urls(subscription)
-        seen: dict[str, dict[str, Any]] = {}
-        empty_rounds = 0
-        while len(seen) < limit and empty_rounds < 2:
-            answer = await self.sqs.receive_message(
-                QueueUrl=dlq_url,
-                MaxNumberOfMessages=BATCH,
-                WaitTimeSeconds=0,
-                VisibilityTimeout=2,
-                MessageSystemAttributeNames=["All"],
-                MessageAttributeNames=["All"],
-            )
-            fresh = [m for m in answer.get("Messages", []) if m["MessageId"] not in seen]
-            if not fresh:
-                empty_rounds += 1
-                continue
-            for message in fresh:
-                seen[message["MessageId"]] = message
-        for message in seen.values():
-            with contextlib.suppress(Exception):
-                await self.sqs.change_message_visibility(
-                    QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=0
-                )
-        return list(seen.values())[:limit]
-
-    async def _find_dead_letter(self, subscription: str, origin: str) -> dict[str, Any] | None:
-        """The DLQ message of the delivery ``origin`` (or whose own MessageId it is)."""
-        for message in await self._read_dead_letters(subscription, 1000):
-            if origin in (self._origin(message), message["MessageId"]):
-                return message
-        return None
-
-    async def known_messages(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
-        return set()
-
-    async def message_deliveries(self, message_id: uuid.UUID, *, include_payload: bool = False) -> list[DeliveryInfo]:
-        return []
-
-    async def list_deliveries(
-        self,
-        subscription: str,
-        status: DeliveryStatus,
-        *,
-        limit: int = 100,
-        after: str | None = None,
-        include_payload: bool = False,
-    ) -> list[DeliveryInfo]:
-        if status == "InFlight":
-            return [
-                self._lease_info(d, lease, include_payload)
-                for d, lease in self._leases.items()
-                if lease.subscription == subscription and lease.lease_expires_at > datetime.now(UTC)
-            ][:limit]
-        if status != "DeadLettered":
-            raise TransportError(
-                f"the aws transport lists DeadLettered deliveries (from the DLQ) and this "
-                f"process's InFlight ones, not {status}: SQS cannot list a queue",
-                retryable=False,
-            )
-        infos = [
-            self._dead_info(subscription, m, include_payload) for m in await self._read_dead_letters(subscription, 1000)
-        ]
-        infos.sort(key=lambda i: i.delivery_id)
-        if after is not None:
-            infos = [i for i in infos if i.delivery_id > after]
-        return infos[:limit]
-
-    async def partitions(
-        self, subscription: str, condition: PartitionCondition | None = None, *, limit: int = 100
-    ) -> list[PartitionInfo]:
-        raise TransportError(f"Unsupported: {BACKLOG_UNSUPPORTED}", retryable=False)
-
-    def _terminal_answer(self, subscription: str, delivery_id: str) -> ActionResult | None:
-        """AlreadyTerminal for a delivery this process completed or discarded, else None."""
-        recorded = self.records.get(delivery_id)
-        if recorded is not None and recorded.status in ("Completed", "Discarded"):
-            return ActionResult(result="AlreadyTerminal", delivery_id=delivery_id, subscription=subscription,
-                                status=recorded.status)
-        return None
-
-    async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
-        """Moves a dead letter back to its queue: same body (MessageID) and delivery id, the
-        operator's note, attempts start again (a new SQS message, received for the first time)."""
-        parts = split_delivery_id(delivery_id)
-        message = None
-        if parts is not None and parts[0] == subscription and subscription in self._bound():
-            message = await self._find_dead_letter(subscription, parts[1])
-        if message is None:
-            known = delivery_id in self._leases or self.records.get(delivery_id) is not None
-            result = "NotDeadLettered" if known else "NotFound"
-            return ActionResult(result=result, delivery_id=delivery_id, subscription=subscription)
-        queue_url, dlq_url = self._urls(subscription)
-        origin = self._origin(message)
-        env = bodies.decode(message["Body"], message["MessageId"])
-        env.pop("dead_letter", None)
-        env["origin_id"] = origin
-        if note is not None:
-            env["replay_note"] = note
-        else:
-            env.pop("replay_note", None)
-        entry: dict[str, Any] = {"QueueUrl": queue_url, "MessageBody": json.dumps(env)}
-        attributes = {
-            k: {"DataType": v.get("DataType", "String"), "StringValue": v["StringValue"]}
-            for k, v in message.get("MessageAttributes", {}).items()
-            if v.get("StringValue") is not None
-        }
-        if attributes:
-            entry["MessageAttributes"] = attributes
-        if self._fifo(subscription):
-            system = message.get("Attributes", {})
-            entry["MessageGroupId"] = system.get("MessageGroupId") or env.get("partition_key") or subscription
-            entry["MessageDeduplicationId"] = f"{env.get('message_id')}:replay:{uuid.uuid4().hex[:8]}"
-        await self.sqs.send_message(**entry)
-        await self.sqs.delete_message(QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"])
-        replayed_id = f"{NAME}:{subscription}:{origin}"
-        info = self._info(replayed_id, subscription, json.dumps(env), "Pending", 0,
-                          {k: v["StringValue"] for k, v in attributes.items()}, False)
-        self.records.remember(info.model_copy(update={"visible_at": datetime.now(UTC)}))
-        return ActionResult(result="Replayed", delivery_id=delivery_id, subscription=subscription, status="Pending")
-
-    async def validate_bindings(self) -> BindingReport:
-        """The capabilities' notes; ``workqueue validate-bindings --transport aws`` checks the resources."""
-        issues = [BindingIssue(severity="Info", subject=NAME, message=note) for note in self.capabilities.notes]
-        assert self.bindings is not None
-        for name in sorted(self._topics):
-            if name not in self.bindings.topics:
-                issues.append(
-                    BindingIssue(
-                        severity="Error",
-                        subject=f"topic {name}",
-                        message=(
-                            "not bound: apply the Terraform module, then run `workqueue import-bindings bindings.json`"
-                        ),
-                    )
-                )
-        return BindingReport(transport=NAME, ok=not any(i.severity == "Error" for i in issues), issues=issues)
-
-    async def prune(self, older_than_seconds: float) -> int:
-        return 0
-
-    async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
-        """Deletes a dead letter from the DLQ; an in-flight or waiting delivery answers Unsupported
-        (no cancel on SQS, and SQS cannot address a waiting message)."""
-        if delivery_id in self._leases:
-            return ActionResult(
-                result="Unsupported", delivery_id=delivery_id, subscription=subscription, reason=CANCEL_UNSUPPORTED
-            )
-        terminal = self._terminal_answer(subscription, delivery_id)
-        if terminal is not None:
-            return terminal
-        parts = split_delivery_id(delivery_id)
-        if parts is None or parts[0] != subscription or subscription not in self._bound():
-            return ActionResult(result="NotFound", delivery_id=delivery_id, subscription=subscription)
-        message = await self._find_dead_letter(subscription, parts[1])
-        if message is None:
-            return ActionResult(
-                result="Unsupported", delivery_id=delivery_id, subscription=subscription, reason=WAITING_UNSUPPORTED
-            )
-        await self._discard_dead_letter(subscription, message, reason)
-        return ActionResult(result="Discarded", delivery_id=delivery_id, subscription=subscription, status="Discarded")
-
-    async def _discard_dead_letter(self, subscription: str, message: dict[str, Any], reason: str | None) -> None:
-        _, dlq_url = self._urls(subscription)
-        await self.sqs.delete_message(QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"])
-        info = self._dead_info(subscription, message, False)
-        self.records.remember(info.model_copy(update={"status": "Discarded", "reason": reason,
-                                                      "settled_at": datetime.now(UTC)}))
-
-    async def discard_dead_letters(self, subscription: str, settled_before: datetime, limit: int = 1000) -> int:
-        """Deletes the subscription's dead letters sent to the DLQ before ``settled_before``
-        (reason ``pruned``), ``limit`` per round until none is left; returns how many."""
-        if limit < 1:
-            raise ValueError(f"limit must be at least 1, got {limit}")
-        if settled_before.tzinfo is None:
-            raise ValueError(
-                "settled_before must be an aware datetime, e.g. datetime.now(UTC) - timedelta(days=7); "
-                f"got {settled_before!r} without a time zone"
-            )
-        if subscription not in self._subscriptions or subscription not in self._bound():
-            return 0
-        cutoff = settled_before.timestamp() * 1000
-        gone = 0
-        while True:
-            old = [
-                m for m in await self._read_dead_letters(subscription, 1000)
-                if int(m.get("Attributes", {}).get("SentTimestamp", "0")) < cutoff
-            ][:limit]
-            for message in old:
-                await self._discard_dead_letter(subscription, message, "pruned")
-            gone += len(old)
-            if len(old) < limit:
-                return gone
-
-    async def rewrite_payload(
-        self, message_id: uuid.UUID, payload_json: str, content_hash: str, envelope_bytes: int
-    ) -> bool:
-        return False
 
 
 async def sleep_backoff(attempt: int, base: float = 0.2, ceiling: float = 30.0) -> None:

@@ -145,7 +145,7 @@ class Host:
         self.settler.start()
         await self.transport.add_wakeup_listener(self._on_wakeup)
         await self.reconcile()
-        if self.options.sweeper_enabled:
+        if self.options.sweeper_enabled and self.transport.capabilities.sweeps:
             self._tasks.append(asyncio.create_task(self._sweep_loop(), name="workqueue-sweeper"))
         if self.options.reconcile_interval_ms > 0:
             self._tasks.append(asyncio.create_task(self._reconcile_loop(), name="workqueue-reconcile"))
@@ -393,8 +393,12 @@ class Host:
             await self.reconcile()
 
     async def sweep_once(self) -> int:
-        """Runs sweeper passes until one finds less than a full batch; returns leases expired."""
+        """Runs sweeper passes until one finds less than a full batch; returns leases expired. A
+        transport that does not sweep (``capabilities.sweeps`` False: SQS expires leases itself) is
+        not called."""
         expired = 0
+        if not self.transport.capabilities.sweeps:
+            return expired
         for _ in range(100):
             report = await self.transport.sweep(self.options.sweep_batch)
             if not report.ran:

@@ -84,6 +84,7 @@ class RoutingTransport:
         self.capabilities = Capabilities(
             ordered=base.ordered, exclusive=base.exclusive, transactional_publish=base.transactional_publish,
             wakeups=base.wakeups, runtime_roles=base.runtime_roles, notes=base.notes,
+            sweeps=any(t.capabilities.sweeps for t in self._all()),
         )
 
     # -- routing ---------------------------------------------------------------------------------
@@ -231,7 +232,8 @@ class RoutingTransport:
         await self.database.step_put(message_id, name, value_json)
 
     async def sweep(self, limit: int = 1000) -> SweepReport:
-        reports = [await t.sweep(limit) for t in self._all()]
+        """Sweeps each transport that sweeps (``capabilities.sweeps``); SQS expires its leases itself."""
+        reports = [await t.sweep(limit) for t in self._all() if t.capabilities.sweeps]
         fields = ("retried", "dead_lettered", "discarded", "purged_deliveries", "purged_messages",
                   "purged_deduplication")
         return SweepReport(ran=any(r.ran for r in reports),

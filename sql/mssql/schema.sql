@@ -1,4 +1,4 @@
--- fastapi-workqueue: the SQL Server schema, as a fresh install ends with it (migrations 0001-0021).
+-- fastapi-workqueue: the SQL Server schema, as a fresh install ends with it (migrations 0001-0022).
 --
 -- This file is for reading: the tables and their indexes first, then every procedure and function
 -- grouped by concern, each with what it does. `workqueue migrate` applies the versioned
@@ -3550,7 +3550,8 @@ END;
 GO
 
 -- The AWS transport (0020): the imported bindings and the outbox of publishes to aws topics made in
--- a caller's transaction (PostgreSQL 0027).
+-- a caller's transaction (PostgreSQL 0027); the outbox's topic and partition key compare in the
+-- binary collation, the key up to 512 characters (0022).
 CREATE TABLE workqueue.aws_binding (
     kind         nvarchar(20) NOT NULL CONSTRAINT aws_binding_kind CHECK (kind IN (N'topic', N'subscription')),
     name         nvarchar(200) NOT NULL,
@@ -3563,9 +3564,9 @@ GO
 
 CREATE TABLE workqueue.aws_outbox (
     id               bigint IDENTITY(1, 1) NOT NULL,
-    topic            nvarchar(200) NOT NULL,
+    topic            nvarchar(200) COLLATE Latin1_General_100_BIN2 NOT NULL,
     message_id       uniqueidentifier NOT NULL,
-    partition_key    nvarchar(450) NULL,
+    partition_key    nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL,
     body             nvarchar(max) NOT NULL,
     attributes       nvarchar(max) NOT NULL,
     created_at       datetimeoffset(6) NOT NULL CONSTRAINT aws_outbox_created_at DEFAULT SYSDATETIMEOFFSET(),

@@ -193,5 +193,11 @@ async def test_a_lease_this_process_does_not_hold_publishes_nothing(database_url
     async with aws_queue(database_url, moto_url, topics, subs) as queue:
         delivery = await claim_first(queue, name)
         assert await queue.transport.settle_with_follow_ups(completion(delivery, name, "forged")) == "LeaseLost"
-        assert (await OutboxRelay(aws_of(queue)).run_once()).sent == 0
+        relay = OutboxRelay(aws_of(queue))
+        assert (await relay.run_once()).sent == 0
         assert await drain(queue.transport, f"{name}.c") == []
+        # The forged settlement changed nothing: the holder's completion publishes and deletes.
+        assert await queue.transport.settle_with_follow_ups(completion(delivery, name)) == "Completed"
+        assert (await relay.run_once()).sent == 2
+        assert len(await drain(queue.transport, f"{name}.c")) == 1
+        assert await drain(queue.transport, f"{name}.a") == []
