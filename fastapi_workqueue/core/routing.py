@@ -85,6 +85,12 @@ class RoutingTransport:
             ordered=base.ordered, exclusive=base.exclusive, transactional_publish=base.transactional_publish,
             wakeups=base.wakeups, runtime_roles=base.runtime_roles, notes=base.notes,
             sweeps=any(t.capabilities.sweeps for t in self._all()),
+            # What holds for some subscriptions only is not claimed for the queue as a whole (the
+            # host and the operator calls ask the transport of each subscription).
+            cancel=all(t.capabilities.cancel for t in self._all()),
+            exact_backlog=all(t.capabilities.exact_backlog for t in self._all()),
+            terminal_counts=all(t.capabilities.terminal_counts for t in self._all()),
+            retry_keeps_key_busy=any(t.capabilities.retry_keeps_key_busy for t in self._all()),
         )
 
     # -- routing ---------------------------------------------------------------------------------

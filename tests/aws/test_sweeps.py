@@ -73,3 +73,21 @@ async def test_without_a_database_the_host_runs_no_sweeper(moto_url: str, monkey
         assert calls == []
     finally:
         await queue.close()
+
+
+async def test_the_queue_claims_no_capability_that_only_some_of_its_transports_have(
+    tmp_path: Path, moto_url: str,
+) -> None:
+    """Beside a database, an aws topic takes cancel, exact backlogs and terminal counts away from
+    the queue as a whole (each subscription still answers by its own transport)."""
+    name = unique("t")
+    topics = [Topic(name=name, transport="aws"), Topic(name=f"{name}-db")]
+    subs = [Subscription(name=f"{name}.a", topic=name, handler_key="h"),
+            Subscription(name=f"{name}.d", topic=f"{name}-db", handler_key="h")]
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
+        caps = queue.transport.capabilities
+        assert (caps.cancel, caps.exact_backlog, caps.terminal_counts) == (False, False, False)
+        assert caps.retry_keeps_key_busy
+        assert aws_of(queue).capabilities.cancel is False
+        database = queue.transport.default
+        assert database is not None and database.capabilities.cancel and database.capabilities.terminal_counts
