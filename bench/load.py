@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """The load benchmark of the app's own path: HTTP request → publish in the request → handlers.
 
-    .venv/bin/python bench/load.py             # full run: 3 set-ups × 1, 8, 50, 200 clients × 10 s × 3
+    .venv/bin/python bench/load.py             # full run: 4 set-ups × 1, 8, 50, 200 clients × 10 s × 3
     .venv/bin/python bench/load.py --smoke     # clients 1 and 8 for 2 s, once: well under a minute
 
-Per set-up (``--setups host,worker,baseline``) and round (``--repeats``), it drops and recreates
+Per set-up (``--setups host,worker,baseline,publish``) and round (``--repeats``), it drops and recreates
 a database of its own (``--database``, on ``--pg-url``), starts bench/load_app.py (the example
 app plus ``POST /orders-without-queue``) under uvicorn with 2 workers on a free port (the app
 migrates at start), waits for ``/health/extensions``, then drives ``POST /orders`` with
@@ -18,6 +18,9 @@ accepted order against the database. Set-ups:
   subscription per process today).
 - ``baseline``: the ``host`` app, driven on ``POST /orders-without-queue``: the same order row in
   the same kind of request transaction, without the publish.
+- ``publish``: the ``worker`` set-up with both subscriptions paused while the clients run and
+  resumed when they stop: the requests publish with nothing consuming (what publishing costs
+  against ``baseline``), and the workers drain the backlog afterwards.
 
 It writes every figure to ``--output`` (JSON), renders ``--chart`` (PNG, through the chart venv
 that bench/run.py uses) and prints Markdown tables with the targets, met or not. See the "Load:
@@ -87,6 +90,9 @@ class Setup:
     description: str
     database_settings: tuple[tuple[str, str], ...] = ()
     diagnostic: bool = False
+    held_while_loaded: bool = False
+    """The subscriptions are paused while the clients run and resumed when they stop: the requests
+    publish with nothing consuming (what publishing alone costs), and the backlog drains after."""
 
     @property
     def listeners(self) -> int:
@@ -107,6 +113,10 @@ SETUPS = {
     "baseline": Setup("baseline", "/orders-without-queue", {}, (), False,
                       "the host set-up's app driven on POST /orders-without-queue: the same order row in the same "
                       "kind of request transaction (queue.session), no publish"),
+    "publish": Setup("publish", "/orders", {"WORKQUEUE_DISABLE_HOST": "1"}, ("orders.email", "orders.audit"), True,
+                     "POST /orders with WORKQUEUE_DISABLE_HOST=1 and both subscriptions paused while the clients "
+                     "run (nothing consumes: what publishing costs the request), resumed when they stop so the "
+                     "worker set-up's processes drain the backlog", held_while_loaded=True),
     # Diagnostic variants of ``host``, each with one cause of the collapse taken away; not in
     # the default --setups and not part of the targets.
     "host-poll": Setup("host-poll", "/orders", {"WORKQUEUE_LISTEN": "false"}, (), True,
@@ -444,6 +454,14 @@ async def run_level(dep: Deployment, clients: int, seed: int) -> dict[str, Any]:
     orders_before = await counters.orders_count()
     load_before = loadavg()
 
+    async def hold(status: str) -> None:
+        for subscription in ("orders.email", "orders.audit"):
+            await counters.conn.execute("SELECT * FROM workqueue.set_subscription_status($1, $2)", subscription,
+                                        status)
+
+    if setup.held_while_loaded:
+        await hold("Paused")
+
     async def go() -> None:
         snaps["go"] = await counters.snapshot()
         notifies["go"] = dep.notify.count
@@ -456,6 +474,8 @@ async def run_level(dep: Deployment, clients: int, seed: int) -> dict[str, Any]:
         wall["end"] = time.time()
         await dep.activity.stop()
         backlog["end"] = await counters.backlog()
+        if setup.held_while_loaded:
+            await hold("Active")
 
     async def done() -> None:
         marks["done"] = ctx.cpu.mark()
@@ -621,7 +641,7 @@ async def measure(args: argparse.Namespace, log: Log, logs_dir: Path) -> dict[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="clients 1,8 for 2 s, once, no warm-up, no chart")
-    ap.add_argument("--setups", default="host,worker,baseline",
+    ap.add_argument("--setups", default="host,worker,baseline,publish",
                     help="set-ups to run: host,worker,baseline, and the diagnostic host-poll,host-async-commit")
     ap.add_argument("--clients", default=None, help=f"client levels (default {FULL['clients']}; smoke "
                     f"{SMOKE['clients']})")

@@ -21,7 +21,7 @@ import pytest
 from fastapi_workqueue.database.postgres import to_asyncpg_dsn
 
 ROOT = Path(__file__).resolve().parent.parent
-SETUPS = ("host", "worker", "baseline")
+SETUPS = ("host", "worker", "baseline", "publish")
 LEVELS = ("1", "8")
 
 RUN_FIELDS = (
@@ -119,7 +119,9 @@ async def test_bench_load_smoke_mode_drives_every_setup(tmp_path: Path) -> None:
             summary = result["summary"][setup][level]
             assert median(summary, "rps") > 0
             assert summary["latency_p99_ms"] and summary["cores.app"]
-    assert len(result["targets"]) == 7
+    assert len(result["targets"]) == 8
+    [publishing] = [t for t in result["targets"] if t["target"].startswith("publishing alone")]
+    assert publishing["value"] is not None and publishing["value"] > 0, publishing
     # the host set-up drained the orders stored before it started, with no HTTP load
     [processing] = result["processing"]
     assert processing["deliveries"] == 2 * processing["orders"] == 100 and processing["left"] == 0
