@@ -20,6 +20,18 @@ def client_error_code(exc: BaseException) -> str:
     return ""
 
 
+async def change_visibility(sqs: Any, queue_url: str, receipt: str, seconds: int) -> bool:
+    """Sets a received message's visibility timeout; False when SQS refuses its receipt handle
+    (the message was deleted, or received again elsewhere). Other errors are raised."""
+    try:
+        await sqs.change_message_visibility(QueueUrl=queue_url, ReceiptHandle=receipt, VisibilityTimeout=seconds)
+    except Exception as exc:
+        if not client_error_code(exc):
+            raise
+        return False
+    return True
+
+
 @dataclass
 class Lease:
     """A delivery received by this process: its receipt handle is the lease token."""

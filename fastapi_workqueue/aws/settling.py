@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 from ..core.reports import DeliveryInfo, DeliveryStatus
 from ..core.transport import Settlement, SettleResult
 from . import body as bodies
-from .leases import MAX_LEASE_SECONDS, Lease, client_error_code
+from .leases import MAX_LEASE_SECONDS, Lease, change_visibility
 from .naming import BATCH
 from .records import Receipt, SettledRecords
 
@@ -130,13 +130,7 @@ class Settling:
         return result
 
     async def _visibility(self, lease: Lease, seconds: int) -> SettleResult:
-        try:
-            await self.sqs.change_message_visibility(
-                QueueUrl=lease.queue_url, ReceiptHandle=lease.receipt, VisibilityTimeout=seconds
-            )
-        except Exception as exc:
-            if not client_error_code(exc):
-                raise
+        if not await change_visibility(self.sqs, lease.queue_url, lease.receipt, seconds):
             return "LeaseLost"
         return "Pending"
 

@@ -50,7 +50,7 @@ from ..core.transport import (
 )
 from . import body as bodies
 from .bindings import Bindings, load_bindings
-from .leases import MAX_LEASE_SECONDS, Held, Lease, client_error_code
+from .leases import MAX_LEASE_SECONDS, Held, Lease, change_visibility
 from .naming import BATCH, NAME
 from .operator_views import (
     BACKLOG_UNSUPPORTED,
@@ -511,14 +511,7 @@ class AwsTransport(Settling, OperatorViews):
                 continue
             renewed = time.time() < item.visible_at - 1
             if renewed:
-                try:
-                    await self.sqs.change_message_visibility(
-                        QueueUrl=item.queue_url, ReceiptHandle=item.message["ReceiptHandle"], VisibilityTimeout=seconds
-                    )
-                except Exception as exc:
-                    if not client_error_code(exc):
-                        raise
-                    renewed = False
+                renewed = await change_visibility(self.sqs, item.queue_url, item.message["ReceiptHandle"], seconds)
             if not renewed:
                 dropped.add(item.group_id)
                 for other in [k for k in kept if k.group_id == item.group_id]:
@@ -536,13 +529,7 @@ class AwsTransport(Settling, OperatorViews):
         kept: list[Held] = []
         for item in self._held.get(subscription, []):
             if item.group_id == group:
-                try:
-                    await self.sqs.change_message_visibility(
-                        QueueUrl=item.queue_url, ReceiptHandle=item.message["ReceiptHandle"], VisibilityTimeout=seconds
-                    )
-                except Exception as exc:
-                    if not client_error_code(exc):
-                        raise
+                if not await change_visibility(self.sqs, item.queue_url, item.message["ReceiptHandle"], seconds):
                     continue  # its receipt is gone: SQS hands it over again
                 item.visible_at = time.time() + seconds
             kept.append(item)
@@ -652,13 +639,7 @@ class AwsTransport(Settling, OperatorViews):
             if seconds <= 0:
                 results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
                 continue
-            try:
-                await self.sqs.change_message_visibility(
-                    QueueUrl=lease.queue_url, ReceiptHandle=lease.receipt, VisibilityTimeout=seconds
-                )
-            except Exception as exc:
-                if not client_error_code(exc):
-                    raise
+            if not await change_visibility(self.sqs, lease.queue_url, lease.receipt, seconds):
                 results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
                 continue
             lease.lease_expires_at = datetime.now(UTC) + timedelta(seconds=seconds)
