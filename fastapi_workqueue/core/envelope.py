@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -304,6 +305,16 @@ def _check_attributes(attributes: dict[str, Any]) -> None:
             )
 
 
+@functools.lru_cache(maxsize=1024)
+def _checked_attributes(items: tuple[tuple[str, Any], ...]) -> tuple[str, int]:
+    """The stored JSON of checked attributes and its size in bytes, kept for the sets a process
+    publishes again and again (a job's name, a tenant): checking and encoding them once."""
+    attributes = dict(items)
+    _check_attributes(attributes)
+    attributes_json = _encode(attributes)
+    return attributes_json, _utf8_len(attributes_json, "attributes", "InvalidField")
+
+
 def _check_schedule(request: PublishRequest) -> None:
     if request.delay_seconds is not None and request.not_before is not None:
         raise RequestRejected(
@@ -331,7 +342,11 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
     """
     attributes = request.attributes
     if attributes:
-        _check_attributes(attributes)
+        try:
+            attributes_json, attributes_size = _checked_attributes(tuple(attributes.items()))
+        except TypeError:  # a value that cannot be hashed is no string: the check says so
+            _check_attributes(attributes)
+            raise
     references = (request.partition_key, request.payload_ref, request.correlation_id)
     if references != _NO_TEXT or request.deduplication_key is not None:
         _text_field("partition_key", request.partition_key)
@@ -364,8 +379,7 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
         raise _too_deep()
     size = len(payload_json) if payload_json.isascii() else _utf8_len(payload_json, "payload", "InvalidPayload")
     if attributes:
-        attributes_json = _encode(attributes)
-        size += _utf8_len(attributes_json, "attributes", "InvalidField")
+        size += attributes_size
     else:
         attributes_json = "{}"
         size += 2
