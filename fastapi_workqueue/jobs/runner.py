@@ -92,8 +92,11 @@ class JobRunner:
             self._after(context, lambda: base.event(JobFailed, error=failure, reason=why_failed,
                                                     chain_ended=bool(envelope.chain)))
             raise failure from None
-        signal = AbortSignal()
-        context.signal.add_listener(signal.abort)
+        if envelope.timeout is None:
+            signal = context.signal  # nothing aborts the job that does not abort its delivery
+        else:  # its own, which its timeout aborts too
+            signal = AbortSignal()
+            context.signal.add_listener(signal.abort)
         job_context = JobContext(
             id=message.message_id, name=job.name, attempt=context.attempt, tries=context.max_attempts, queue=queue,
             signal=signal, log=lambda: _JobLog(log, job.name, message, context.attempt), once=context.once,
