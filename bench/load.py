@@ -76,7 +76,7 @@ DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432"
 APP_WORKERS = 2
 APP_MODULE = "load_app:app"  # bench/load_app.py, with --app-dir bench
 WORKER_APP = "example_app.main:queue"
-VERSIONS = ("fastapi-workqueue", "fastapi", "starlette", "uvicorn", "h11", "httptools", "uvloop", "httpx",
+VERSIONS = ("fastapi-workqueue", "fastapi", "starlette", "uvicorn", "h11", "httptools", "uvloop", "aiohttp", "httpx",
             "sqlalchemy", "asyncpg", "pydantic")
 
 
@@ -364,7 +364,8 @@ async def run_client(dep: Deployment, clients: int, duration: float, seed: int, 
     args = dep.ctx.args
     cmd = [sys.executable, str(HERE / "load_client.py"), "--url", dep.url, "--path", dep.setup.path,
            "--clients", str(clients), "--duration", str(duration), "--request-timeout", str(args.request_timeout),
-           "--customers", str(args.customers), "--seed", str(seed), "--output", str(out), "--handshake"]
+           "--customers", str(args.customers), "--seed", str(seed), "--output", str(out), "--handshake",
+           "--library", args.client_library]
     proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, stdin=asyncio.subprocess.PIPE,
                                                 stdout=asyncio.subprocess.PIPE, start_new_session=True)
     assert proc.stdin is not None and proc.stdout is not None
@@ -395,13 +396,14 @@ async def run_client(dep: Deployment, clients: int, duration: float, seed: int, 
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    return await asyncio.to_thread(take_json, out)
+    return await asyncio.to_thread(take_json, out, getattr(args, "keep_client_records", False))
 
 
-def take_json(path: Path) -> dict[str, Any]:
-    """Reads the client's JSON and removes the file."""
+def take_json(path: Path, keep: bool = False) -> dict[str, Any]:
+    """Reads the client's JSON and removes the file (unless ``keep``)."""
     result: dict[str, Any] = json.loads(path.read_text())
-    path.unlink()
+    if not keep:
+        path.unlink()
     return result
 
 
@@ -485,7 +487,7 @@ async def run_level(dep: Deployment, clients: int, seed: int) -> dict[str, Any]:
         drain["task"] = asyncio.create_task(dep.drainer.drain(ctx.args.drain_timeout, since=time.monotonic()))
         snaps["done"] = await counters.snapshot()
 
-    client = await run_client(dep, clients, ctx.args.duration, seed, ctx.logs_dir / f"client-{os.getpid()}.json",
+    client = await run_client(dep, clients, ctx.args.duration, seed, ctx.logs_dir / f"client-{setup.name}-{clients}-r{dep.round_no}.json",
                               go, end, done)
     drain_s, left = await drain["task"]
     marks["drained"] = ctx.cpu.mark()
@@ -671,6 +673,10 @@ def main() -> None:
     ap.add_argument("--core-rate", type=float, default=CORE_PROCESSING_RATE,
                     help="deliveries/s of the core benchmark at the defaults (bench/README.md); the drain target "
                     "when no processing rate was measured")
+    ap.add_argument("--client-library", choices=("aiohttp", "httpx"), default="aiohttp",
+                    help="the load client's HTTP library (aiohttp: about a sixth of httpx's CPU per request)")
+    ap.add_argument("--keep-client-records", action="store_true",
+                    help="keep each level's client JSON (every request's record) in the logs folder")
     ap.add_argument("--processing-orders", type=int, default=None,
                     help="orders stored before the host set-up's app starts, whose drain with no HTTP load is "
                     "the processing rate the drain target compares with (default 1000; smoke 50; 0: none)")

@@ -7,8 +7,9 @@
 It runs in a process of its own so that its CPU is not the app's. With ``--handshake`` it prints
 ``READY`` and waits for a line on stdin before it starts (bench/load.py takes its "before"
 readings then), prints ``END`` when the time is up (no new request starts after it) and ``DONE``
-when every request has been answered or has timed out. Each client has an httpx client and a
-connection of its own and posts valid orders one after another, for customers spread over
+when every request has been answered or has timed out. Each client has an HTTP client and a
+connection of its own (aiohttp by default: it costs the client about a sixth of httpx's CPU per
+request, CPU the app and the database then have; ``--library httpx`` for the other) and posts valid orders one after another, for customers spread over
 ``--customers`` keys. A request that takes longer than ``--request-timeout`` is an error of kind
 ``timeout``; the other kinds are the HTTP status (``201``, ``500`` …), ``connection_refused``, ``connection_reset``,
 ``disconnected`` (the server closed the connection without an answer) and ``error:<type>``.
@@ -16,7 +17,7 @@ After a connection error a client pauses 50 ms, so a server that refuses connect
 hammered in a loop.
 
 The output JSON holds one record per request: ``[start (epoch s), latency (s), kind, order_id,
-message_id]``, the start being ``time.time()`` just before the request was sent (bench/load.py
+message_id, client index]``, the start being ``time.time()`` just before the request was sent (bench/load.py
 compares it with the deliveries' ``settled_at``: same machine, same clock), and the client's own
 CPU seconds while it ran.
 """
@@ -34,12 +35,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 REFUSED = "503_retry_after"
 CONNECTION_PAUSE = 0.05
 
-Record = tuple[float, float, str, int | None, str | None]
+Record = tuple[float, float, str, int | None, str | None, int]
 
 
 def cpu_seconds() -> float:
@@ -49,6 +51,13 @@ def cpu_seconds() -> float:
 
 def error_kind(exc: BaseException) -> str:
     """The kind of a failed request, for the report's errors by kind."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        text = str(exc).lower()
+        return "connection_refused" if "refused" in text or "errno 111" in text else "connect_error"
+    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError)):
+        return "disconnected"
+    if isinstance(exc, (aiohttp.ClientOSError, ConnectionResetError)):
+        return "connection_reset"
     if isinstance(exc, (TimeoutError, httpx.TimeoutException)):
         return "timeout"
     if isinstance(exc, httpx.ConnectError):
@@ -87,7 +96,7 @@ class Orders:
 
 
 async def one_client(client: httpx.AsyncClient, path: str, orders: Orders, deadline: float,
-                     request_timeout: float, records: list[Record]) -> None:
+                     request_timeout: float, records: list[Record], index: int) -> None:
     while time.monotonic() < deadline:
         body = orders.next()
         started_wall = time.time()
@@ -105,7 +114,7 @@ async def one_client(client: httpx.AsyncClient, path: str, orders: Orders, deadl
                     order_id, message_id = ids_of(response.json())
             elif response.status_code == 503 and "retry-after" in response.headers:
                 kind = REFUSED  # refused with Retry-After, as issue 16 allows: honoured, as a client should
-        records.append((started_wall, time.perf_counter() - started, kind, order_id, message_id))
+        records.append((started_wall, time.perf_counter() - started, kind, order_id, message_id, index))
         if kind == REFUSED:
             with contextlib.suppress(ValueError):
                 await asyncio.sleep(max(0.0, min(float(response.headers["retry-after"]), deadline - time.monotonic())))
@@ -113,7 +122,82 @@ async def one_client(client: httpx.AsyncClient, path: str, orders: Orders, deadl
             await asyncio.sleep(CONNECTION_PAUSE)
 
 
+async def one_aiohttp_client(session: aiohttp.ClientSession, url: str, orders: Orders, deadline: float,
+                             request_timeout: float, records: list[Record], index: int) -> None:
+    while time.monotonic() < deadline:
+        body = orders.next()
+        started_wall = time.time()
+        started = time.perf_counter()
+        order_id: int | None = None
+        message_id: str | None = None
+        retry_after: str | None = None
+        try:
+            async with asyncio.timeout(request_timeout):
+                async with session.post(url, json=body) as response:
+                    status = response.status
+                    retry_after = response.headers.get("retry-after")
+                    data = await response.read()
+        except Exception as exc:
+            kind = error_kind(exc)
+        else:
+            kind = str(status)
+            if status == 201:
+                with contextlib.suppress(ValueError):
+                    order_id, message_id = ids_of(json.loads(data))
+            elif status == 503 and retry_after is not None:
+                kind = REFUSED
+        records.append((started_wall, time.perf_counter() - started, kind, order_id, message_id, index))
+        if kind == REFUSED and retry_after is not None:
+            with contextlib.suppress(ValueError):
+                await asyncio.sleep(max(0.0, min(float(retry_after), deadline - time.monotonic())))
+        if kind in ("connection_refused", "connect_error", "connection_reset", "disconnected"):
+            await asyncio.sleep(CONNECTION_PAUSE)
+
+
 async def drive(args: argparse.Namespace) -> dict[str, Any]:
+    if args.library == "aiohttp":
+        return await drive_aiohttp(args)
+    return await drive_httpx(args)
+
+
+async def drive_aiohttp(args: argparse.Namespace) -> dict[str, Any]:
+    # One session with a connector of one connection per simulated client, as with httpx.
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout + 5)
+    url = args.url.rstrip("/") + args.path
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = [await stack.enter_async_context(aiohttp.ClientSession(
+                        connector=aiohttp.TCPConnector(limit=1), timeout=timeout))
+                    for _ in range(args.clients)]
+        if args.handshake:
+            print("READY", flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        records: list[Record] = []
+        cpu_start = cpu_seconds()
+        started_wall = time.time()
+        started = time.monotonic()
+        deadline = started + args.duration
+        tasks = [asyncio.create_task(one_aiohttp_client(session, url, Orders(args.seed * 100_003 + i, args.customers),
+                                                        deadline, args.request_timeout, records, i))
+                 for i, session in enumerate(sessions)]
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+        ended_wall = time.time()
+        if args.handshake:
+            print("END", flush=True)
+        await asyncio.gather(*tasks)
+        done_wall = time.time()
+        cpu = cpu_seconds() - cpu_start
+    if args.handshake:
+        print("DONE", flush=True)
+    return {
+        "url": args.url, "path": args.path, "clients": args.clients, "duration": args.duration,
+        "request_timeout": args.request_timeout, "customers": args.customers, "seed": args.seed,
+        "started_at": started_wall, "ended_at": ended_wall, "done_at": done_wall,
+        "cpu_seconds": cpu, "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
+        "library": f"aiohttp {aiohttp.__version__}", "records": records,
+    }
+
+
+async def drive_httpx(args: argparse.Namespace) -> dict[str, Any]:
     # One httpx client (and connection) per simulated client: a shared pool of N connections
     # costs the client CPU that grows with N on every request (0.5 of a core at 50 clients).
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
@@ -132,7 +216,7 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         started = time.monotonic()
         deadline = started + args.duration
         tasks = [asyncio.create_task(one_client(client, args.path, Orders(args.seed * 100_003 + i, args.customers),
-                                                deadline, args.request_timeout, records))
+                                                deadline, args.request_timeout, records, i))
                  for i, client in enumerate(clients)]
         await asyncio.sleep(max(0.0, deadline - time.monotonic()))
         ended_wall = time.time()
@@ -148,7 +232,7 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         "request_timeout": args.request_timeout, "customers": args.customers, "seed": args.seed,
         "started_at": started_wall, "ended_at": ended_wall, "done_at": done_wall,
         "cpu_seconds": cpu, "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
-        "httpx": httpx.__version__, "records": records,
+        "library": f"httpx {httpx.__version__}", "records": records,
     }
 
 
@@ -162,6 +246,8 @@ def main() -> None:
     ap.add_argument("--customers", type=int, default=1000, help="distinct customers (partition keys)")
     ap.add_argument("--seed", type=int, default=1, help="seed of the random bodies")
     ap.add_argument("--output", required=True, help="where to write the JSON")
+    ap.add_argument("--library", choices=("aiohttp", "httpx"), default="aiohttp",
+                    help="the HTTP client library (aiohttp costs the client about a sixth of httpx's CPU)")
     ap.add_argument("--handshake", action="store_true", help="print READY, wait for a stdin line, print END, DONE")
     args = ap.parse_args()
     if args.clients < 1 or args.duration <= 0 or args.request_timeout <= 0 or args.customers < 1:
