@@ -487,8 +487,8 @@ async def run_level(dep: Deployment, clients: int, seed: int) -> dict[str, Any]:
         drain["task"] = asyncio.create_task(dep.drainer.drain(ctx.args.drain_timeout, since=time.monotonic()))
         snaps["done"] = await counters.snapshot()
 
-    client = await run_client(dep, clients, ctx.args.duration, seed, ctx.logs_dir / f"client-{setup.name}-{clients}-r{dep.round_no}.json",
-                              go, end, done)
+    out = ctx.logs_dir / f"client-{setup.name}-{clients}-r{dep.round_no}.json"
+    client = await run_client(dep, clients, ctx.args.duration, seed, out, go, end, done)
     drain_s, left = await drain["task"]
     marks["drained"] = ctx.cpu.mark()
     await asyncio.sleep(ctx.args.settle)  # the backends flush their function counters at most once a second

@@ -5,16 +5,16 @@
         --duration 10 --output client.json
 
 It runs in a process of its own so that its CPU is not the app's. With ``--handshake`` it prints
-``READY`` and waits for a line on stdin before it starts (bench/load.py takes its "before"
-readings then), prints ``END`` when the time is up (no new request starts after it) and ``DONE``
-when every request has been answered or has timed out. Each client has an HTTP client and a
-connection of its own (aiohttp by default: it costs the client about a sixth of httpx's CPU per
-request, CPU the app and the database then have; ``--library httpx`` for the other) and posts valid orders one after another, for customers spread over
-``--customers`` keys. A request that takes longer than ``--request-timeout`` is an error of kind
-``timeout``; the other kinds are the HTTP status (``201``, ``500`` …), ``connection_refused``, ``connection_reset``,
-``disconnected`` (the server closed the connection without an answer) and ``error:<type>``.
-After a connection error a client pauses 50 ms, so a server that refuses connections is not
-hammered in a loop.
+``READY`` and waits for a line on stdin before it starts (bench/load.py takes its "before" readings
+then), prints ``END`` when the time is up (no new request starts after it) and ``DONE`` when every
+request has been answered or has timed out. Each client has an HTTP client and a connection of its
+own (aiohttp by default: it costs the client about a sixth of httpx's CPU per request, CPU the app
+and the database then have; ``--library httpx`` for the other) and posts valid orders one after
+another, for customers spread over ``--customers`` keys. A request that takes longer than
+``--request-timeout`` is an error of kind ``timeout``; the other kinds are the HTTP status (``201``,
+``500`` …), ``connection_refused``, ``connection_reset``, ``disconnected`` (the server closed the
+connection without an answer) and ``error:<type>``. After a connection error a client pauses 50 ms,
+so a server that refuses connections is not hammered in a loop.
 
 The output JSON holds one record per request: ``[start (epoch s), latency (s), kind, order_id,
 message_id, client index]``, the start being ``time.time()`` just before the request was sent (bench/load.py
