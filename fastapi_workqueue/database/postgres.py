@@ -16,7 +16,7 @@ from .listener import NotificationListener
 from .migrations import apply_postgres_migrations
 from .pool import ConnectionPool
 from .routines import RandomSource, RoutineTransport, Row, accepted, backoff_schedule_json, publish_result
-from .session import SessionExecutor
+from .session import fetch_asyncpg
 
 log = logging.getLogger("fastapi_workqueue.postgres")
 
@@ -177,7 +177,7 @@ class PostgresTransport(RoutineTransport):
             values.append(value)
         if session is not None:
             try:
-                return await SessionExecutor(session).fetch(sql, values)
+                return cast(Sequence[Row], await fetch_asyncpg(session, sql, values))
             except Exception as exc:
                 raise map_error(exc, routine.replace("_", " ")) from exc
         if connection is not None:

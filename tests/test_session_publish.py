@@ -1,0 +1,84 @@
+"""A publish that joins a SQLAlchemy session on PostgreSQL runs on the session's own connection and
+transaction, whether it is the transaction's first statement or follows the caller's writes."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+
+from fastapi_workqueue import PublishRequest
+
+from .support import make_queue
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def stored(engine: AsyncEngine, message_id: uuid.UUID) -> bool:
+    """Whether another connection sees the message (committed)."""
+    async with engine.connect() as conn:
+        count = await conn.scalar(text("SELECT count(*) FROM workqueue.message WHERE id = :i"), {"i": message_id})
+    return count == 1
+
+
+async def test_a_publish_first_in_a_session_begins_its_transaction_and_rolls_back_with_it(pg_url: str) -> None:
+    queue, topic, _ = make_queue(pg_url, [{"role": "a"}], enabled=False)
+    engine = create_async_engine(pg_url)
+    async with queue.lifespan(None):  # type: ignore[arg-type]
+        try:
+            rolled_back, committed = uuid.uuid4(), uuid.uuid4()
+            async with AsyncSession(engine) as session:
+                async with session.begin():
+                    [result] = await queue.publish(topic, [PublishRequest(message_id=rolled_back, payload=1)],
+                                                   session=session)
+                    assert result.ok
+                    pid = await session.scalar(text("SELECT pg_backend_pid()"))
+                    in_tx = await session.scalar(text("SELECT count(*) FROM workqueue.message WHERE id = :i"),
+                                                 {"i": rolled_back})
+                    assert in_tx == 1  # visible inside the transaction that wrote it
+                    await session.rollback()
+                assert not await stored(engine, rolled_back)
+                async with session.begin():
+                    [result] = await queue.publish(topic, [PublishRequest(message_id=committed, payload=2)],
+                                                   session=session)
+                    assert result.ok
+                    assert not await stored(engine, committed)  # not committed yet: other connections see nothing
+                assert await stored(engine, committed)
+            assert isinstance(pid, int)
+        finally:
+            await engine.dispose()
+
+
+async def test_a_publish_after_the_callers_writes_shares_their_fate(pg_url: str) -> None:
+    queue, topic, _ = make_queue(pg_url, [{"role": "a"}], enabled=False)
+    engine = create_async_engine(pg_url)
+    async with queue.lifespan(None):  # type: ignore[arg-type]
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(text("CREATE TABLE IF NOT EXISTS session_publish_rows (id uuid PRIMARY KEY)"))
+            kept, dropped = uuid.uuid4(), uuid.uuid4()
+            for message_id, commit in ((kept, True), (dropped, False)):
+                async with AsyncSession(engine) as session:
+                    await session.execute(text("INSERT INTO session_publish_rows VALUES (:i)"), {"i": message_id})
+                    [a, b] = await queue.publish(topic, [PublishRequest(payload="x"), PublishRequest(payload="y")],
+                                                 session=session)  # a batch: the general path
+                    [one] = await queue.publish(topic, [PublishRequest(message_id=message_id, payload="z")],
+                                                session=session)  # one message: publish_one
+                    assert a.ok and b.ok and one.ok
+                    if commit:
+                        await session.commit()
+                    else:
+                        await session.rollback()
+                assert await stored(engine, message_id) is commit
+                async with engine.connect() as conn:
+                    count = await conn.scalar(text("SELECT count(*) FROM session_publish_rows WHERE id = :i"),
+                                              {"i": message_id})
+                assert count == (1 if commit else 0)
+            # A duplicate MessageID in the same transaction answers as the general path does.
+            async with AsyncSession(engine) as session, session.begin():
+                [again] = await queue.publish(topic, [PublishRequest(message_id=kept, payload="z")], session=session)
+                assert again.message_id == kept
+        finally:
+            await engine.dispose()
