@@ -1,6 +1,7 @@
 """claim_many on PostgreSQL: what it reads with a large backlog (each subscription's claim index up
-to the limit, never the whole backlog), that concurrent claimers take different deliveries, and
-that it commits as a claim without keys does (synchronous_commit off)."""
+to the limit, never the whole backlog), that concurrent claimers take different deliveries (and a
+claim past held ones still takes its limit), and that it commits as a claim without keys does
+(synchronous_commit off)."""
 
 from __future__ import annotations
 
@@ -105,6 +106,26 @@ async def test_two_claimers_never_take_the_same_delivery(pg_url: str, pg_transpo
 
     await asyncio.gather(*(claimer() for _ in range(6)))
     assert len(taken) == 300 and len(set(taken)) == 300
+
+
+async def test_a_claim_past_held_deliveries_still_takes_its_limit(pg_url: str, pg_transport: PostgresTransport) -> None:
+    # The oldest due deliveries are held by another claimer's open transaction: a claim of fewer
+    # than what waits makes them up from the subscriptions' indexes past the held ones.
+    topic, names = await queues(pg_transport, 2)
+    await pg_transport.publish(topic, [prepare(PublishRequest(payload=i)) for i in range(10)])
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        async with conn.transaction():
+            held = {r["delivery_id"] for r in await conn.fetch(
+                "SELECT delivery_id FROM workqueue.claim_many($1, 6)", names)}
+            assert len(held) == 6
+            other = [(name, int(d.delivery_id)) for name, d in await pg_transport.claim_many(names, 8)]
+        assert len(other) == 8 and not held & {i for _, i in other}
+        assert {name for name, _ in other} <= set(names)
+        rest = {int(d.delivery_id) for _, d in await pg_transport.claim_many(names, 20)}
+        assert len(rest) == 6 and not rest & (held | {i for _, i in other})
+    finally:
+        await conn.close()
 
 
 async def commit_mode_after(conn: asyncpg.Connection[Any], sql: str, *args: Any) -> tuple[str, int]:

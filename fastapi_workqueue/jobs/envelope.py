@@ -110,7 +110,7 @@ class JobEnvelope:
 
     @classmethod
     def from_json(cls, data: Any) -> JobEnvelope:
-        if not isinstance(data, dict) or not isinstance(data.get("job"), str) or data.get("v") != VERSION:
+        if not isinstance(data, dict) or not isinstance(job := data.get("job"), str) or data.get("v") != VERSION:
             raise EnvelopeInvalid(
                 "the message is not a job (a job queue's messages are published by dispatch(), "
                 "not by publish())"
@@ -121,14 +121,18 @@ class JobEnvelope:
         if not isinstance(chain, list | tuple):
             raise EnvelopeInvalid("the job's chain is not a list")
         try:
+            if isinstance(unique, dict):
+                unique_key, unique_until = unique.get("key"), unique.get("until")
+            else:
+                unique_key = unique_until = None
             return cls(
-                job=data["job"],
-                payload=data.get("payload"),
-                encrypted=data.get("encrypted"),
-                timeout=None if timeout is None else float(timeout),
-                unique_key=unique.get("key") if isinstance(unique, dict) else None,
-                unique_until=unique.get("until") if isinstance(unique, dict) else None,
-                chain=tuple(ChainLink.from_json(link) for link in chain),
+                job,
+                data.get("payload"),
+                data.get("encrypted"),
+                None if timeout is None else float(timeout),
+                unique_key,
+                unique_until,
+                tuple(ChainLink.from_json(link) for link in chain) if chain else (),
             )
         except (TypeError, ValueError) as exc:
             raise EnvelopeInvalid(f"the job envelope is malformed ({exc})") from None

@@ -76,19 +76,21 @@ class JobRunner:
             envelope = JobEnvelope.from_json(message.payload)
         except EnvelopeInvalid as exc:
             raise FatalWorkError(str(exc)) from None
-        base = _Fields(envelope.job, message.message_id, queue, context.attempt, context.max_attempts)
-        job = self._jobs.registry.find(envelope.job)
+        jobs = self._jobs
+        job = jobs.registry.find(envelope.job)
         if job is None:
             error = TransientWorkError(
                 f"no job named {envelope.job!r} is declared in this process; declare it with "
                 f"@queue.job({envelope.job!r}) in a module the worker imports"
             )
-            await self._after_error(base, context, envelope, error, "unknown-job")
+            await self._after_error(_fields(envelope, message, queue, context), context, envelope, error,
+                                    "unknown-job")
             raise error
         try:
-            payload = job.load(self._jobs.open_payload(job, envelope))
+            payload = job.load(jobs.open_payload(job, envelope) if job.encrypted else envelope.payload)
         except (PayloadUndecryptable, JobPayloadInvalid) as exc:
             failure, why_failed = FatalWorkError(str(exc)), str(exc)
+            base = _fields(envelope, message, queue, context)
             self._after(context, lambda: base.event(JobFailed, error=failure, reason=why_failed,
                                                     chain_ended=bool(envelope.chain)))
             raise failure from None
@@ -100,29 +102,49 @@ class JobRunner:
         job_context = JobContext(
             id=message.message_id, name=job.name, attempt=context.attempt, tries=context.max_attempts, queue=queue,
             signal=signal, log=lambda: _JobLog(log, job.name, message, context.attempt), once=context.once,
-            steps=self._jobs.steps,
+            steps=jobs.steps,
         )
         if envelope.unique_key is not None and envelope.unique_until == "processing":
-            await self._jobs.release_unique(queue, envelope.unique_key, message.message_id)
-        if self._jobs.events:  # (no event is built for a queue without listeners)
-            await self._emit(base.event(JobProcessing))
+            await jobs.release_unique(queue, envelope.unique_key, message.message_id)
+        if jobs.events:  # (no event is built for a queue without listeners)
+            await self._emit(_fields(envelope, message, queue, context).event(JobProcessing))
         started = time.monotonic()
         try:
-            result = await self._attempt(job, payload, job_context, envelope, message, context)
+            if envelope.timeout is None and not job.middleware and not job.dependency_params:
+                # The common job: its function, called with what it takes (no wrapper to build).
+                kwargs: dict[str, Any] = {}
+                if job.payload_param is not None:
+                    kwargs[job.payload_param] = payload
+                if job.context_param is not None:
+                    kwargs[job.context_param] = job_context
+                result = await job.func(**kwargs)
+            else:
+                result = await self._attempt(job, payload, job_context, envelope, message, context)
         except OnceBusy:
-            self._after(context, lambda: base.event(JobReleased, reason="once-busy"))
+            self._after(context, lambda: _fields(envelope, message, queue, context).event(JobReleased,
+                                                                                           reason="once-busy"))
             raise
         except asyncio.CancelledError:
             if context.signal.reason == AbortReason.SHUTDOWN:
-                self._after(context, lambda: base.event(JobReleased, reason="shutdown"))
+                self._after(context, lambda: _fields(envelope, message, queue, context).event(JobReleased,
+                                                                                               reason="shutdown"))
             raise
         except FatalWorkError as exc:
-            await self._failed(base, context, envelope, exc, str(exc))
+            await self._failed(_fields(envelope, message, queue, context), context, envelope, exc, str(exc))
             raise
         except Exception as exc:
             why: ReleaseReason = "timeout" if isinstance(exc, JobTimedOut) else "error"
-            await self._after_error(base, context, envelope, exc, why)
+            await self._after_error(_fields(envelope, message, queue, context), context, envelope, exc, why)
             raise
+        if result is None:  # the common outcome first: no isinstance checks, no event unless heard
+            if envelope.unique_key is not None:
+                await self._end_unique(queue, envelope, message)
+            if jobs.events:
+                seconds = time.monotonic() - started
+                self._after(context, lambda: _fields(envelope, message, queue, context).event(JobProcessed,
+                                                                                               seconds=seconds))
+            return jobs.completion(envelope) if envelope.chain else Outcome.complete()
+        base = _fields(envelope, message, queue, context)
         if isinstance(result, JobDiscard):
             await self._end_unique(queue, envelope, message)
             self._after(context, lambda: base.event(JobDiscarded, reason=result.reason,
@@ -139,7 +161,7 @@ class JobRunner:
             return Outcome.retry(reason, delay_seconds=result.delay_seconds)
         await self._end_unique(queue, envelope, message)
         self._after(context, lambda: base.event(JobProcessed, seconds=time.monotonic() - started))
-        return self._jobs.completion(envelope)
+        return jobs.completion(envelope)
 
     async def _attempt(
         self, job: Job, payload: Any, job_context: JobContext, envelope: JobEnvelope, message: WorkMessage[Any],
@@ -206,6 +228,11 @@ class JobRunner:
         if self._jobs.events:
             event = make()
             context.after_settle(lambda _result: self._jobs.emit_soon(event))
+
+
+def _fields(envelope: JobEnvelope, message: WorkMessage[Any], queue: str, context: WorkContext) -> _Fields:
+    """The fields of an attempt's events, built only when an event or a failure needs them."""
+    return _Fields(envelope.job, message.message_id, queue, context.attempt, context.max_attempts)
 
 
 @dataclass(frozen=True, slots=True)

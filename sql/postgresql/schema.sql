@@ -1,4 +1,4 @@
--- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0028).
+-- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0029).
 --
 -- This file is for reading: the tables and their indexes first, then every function grouped by
 -- concern, each with what it does. `workqueue migrate` applies the versioned migrations
@@ -1123,10 +1123,12 @@ $$;
 -- first (visible_at, then id) whatever their subscription, each leased for its own
 -- subscription's lease_seconds and answered with that subscription's name. Paused subscriptions
 -- (or topics) and unknown names give nothing; an Exclusive or Ordered one is refused (claim takes
--- those). Each subscription's claim index gives at most p_limit candidates; the first p_limit of
--- them all set each subscription's share, which is locked from the same index SKIP LOCKED, as
--- claim locks, so concurrent claimers take different deliveries. Commits as a claim without
--- keys does (synchronous_commit off, 0017).
+-- those). One read of the named subscriptions finds both. Each active subscription's claim index
+-- gives at most p_limit candidates; the first p_limit of them all are locked by id SKIP LOCKED.
+-- Those another claimer holds (or took meanwhile) are made up from their subscriptions' indexes:
+-- each such subscription's share, locked past the rows other claimers hold as claim locks, so
+-- concurrent claimers take different deliveries and none comes back short while work waits.
+-- Commits as a claim without keys does (synchronous_commit off, 0017).
 CREATE OR REPLACE FUNCTION workqueue.claim_many(p_subscriptions text[], p_limit integer)
 RETURNS TABLE (
     subscription text, delivery_id bigint, lease_token uuid, attempt integer, max_attempts integer,
@@ -1141,61 +1143,89 @@ SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_has_keyed boolean;
     v_keyed text;
+    v_active integer[];
+    v_candidates bigint[];
+    v_candidate_sids integer[];
     v_sids integer[];
     v_shares integer[];
     v_ids bigint[];
+    v_more bigint[];
 BEGIN
     IF p_limit < 1 OR coalesce(cardinality(p_subscriptions), 0) = 0 THEN
         RETURN;
     END IF;
-    SELECT format('%s is %s', s.name, s.partition_mode) INTO v_keyed
-    FROM workqueue.subscription s
-    WHERE s.name = ANY (p_subscriptions) AND s.partition_mode <> 'None'
-    ORDER BY s.name
-    LIMIT 1;
-    IF v_keyed IS NOT NULL THEN
+    SELECT bool_or(s.partition_mode <> 'None'),
+           array_agg(s.id) FILTER (WHERE s.status = 'Active' AND t.status = 'Active')
+    INTO v_has_keyed, v_active
+    FROM workqueue.subscription s JOIN workqueue.topic t ON t.name = s.topic
+    WHERE s.name = ANY (p_subscriptions);
+    IF v_has_keyed THEN
+        SELECT format('%s is %s', s.name, s.partition_mode) INTO v_keyed
+        FROM workqueue.subscription s
+        WHERE s.name = ANY (p_subscriptions) AND s.partition_mode <> 'None'
+        ORDER BY s.name
+        LIMIT 1;
         RAISE EXCEPTION 'claim_many takes None-mode subscriptions only (%); claim an Exclusive or Ordered subscription with claim',
             v_keyed USING ERRCODE = 'invalid_parameter_value';
     END IF;
-
-    -- Each subscription's share of the p_limit oldest due deliveries of them all.
-    SELECT array_agg(x.sid), array_agg(x.n) INTO v_sids, v_shares
-    FROM (
-        SELECT c.sid, count(*)::integer AS n
-        FROM (
-            SELECT s.id AS sid
-            FROM workqueue.subscription s
-            JOIN workqueue.topic t ON t.name = s.topic
-            CROSS JOIN LATERAL (
-                SELECT d.id, d.visible_at FROM workqueue.delivery d
-                WHERE d.subscription_id = s.id AND d.status = 'Pending' AND d.key_mode = 0
-                  AND d.visible_at <= now()
-                ORDER BY d.visible_at, d.id
-                LIMIT p_limit
-            ) d
-            WHERE s.name = ANY (p_subscriptions) AND s.status = 'Active' AND t.status = 'Active'
-            ORDER BY d.visible_at, d.id
-            LIMIT p_limit
-        ) c
-        GROUP BY c.sid
-    ) x;
-    IF v_sids IS NULL THEN
+    IF v_active IS NULL THEN
         RETURN;
     END IF;
 
-    -- Each share, locked from its subscription's index past the rows other claimers hold.
-    SELECT array_agg(l.id) INTO v_ids
-    FROM unnest(v_sids, v_shares) AS k(sid, n)
-    CROSS JOIN LATERAL (
-        SELECT d.id FROM workqueue.delivery d
-        WHERE d.subscription_id = k.sid AND d.status = 'Pending' AND d.key_mode = 0
-          AND d.visible_at <= now()
+    -- The p_limit oldest due deliveries of them all.
+    SELECT array_agg(c.id), array_agg(c.sid) INTO v_candidates, v_candidate_sids
+    FROM (
+        SELECT d.id, a.sid
+        FROM unnest(v_active) AS a(sid)
+        CROSS JOIN LATERAL (
+            SELECT d.id, d.visible_at FROM workqueue.delivery d
+            WHERE d.subscription_id = a.sid AND d.status = 'Pending' AND d.key_mode = 0
+              AND d.visible_at <= now()
+            ORDER BY d.visible_at, d.id
+            LIMIT p_limit
+        ) d
         ORDER BY d.visible_at, d.id
-        LIMIT k.n
+        LIMIT p_limit
+    ) c;
+    IF v_candidates IS NULL THEN
+        RETURN;
+    END IF;
+
+    -- Locked by id; what another claimer holds is skipped (and rechecked once locked).
+    SELECT array_agg(l.id) INTO v_ids
+    FROM (
+        SELECT d.id FROM workqueue.delivery d
+        WHERE d.id = ANY (v_candidates) AND d.status = 'Pending' AND d.key_mode = 0
+          AND d.visible_at <= now()
         FOR UPDATE SKIP LOCKED
     ) l;
-    IF v_ids IS NULL THEN
+    v_ids := coalesce(v_ids, '{}'::bigint[]);
+
+    IF cardinality(v_ids) < cardinality(v_candidates) THEN
+        -- The skipped ones' shares, locked from their subscriptions' indexes past the rows other
+        -- claimers hold (and those this claim holds already).
+        SELECT array_agg(x.sid), array_agg(x.n) INTO v_sids, v_shares
+        FROM (
+            SELECT c.sid, count(*)::integer AS n
+            FROM unnest(v_candidates, v_candidate_sids) AS c(id, sid)
+            WHERE c.id <> ALL (v_ids)
+            GROUP BY c.sid
+        ) x;
+        SELECT array_agg(l.id) INTO v_more
+        FROM unnest(v_sids, v_shares) AS k(sid, n)
+        CROSS JOIN LATERAL (
+            SELECT d.id FROM workqueue.delivery d
+            WHERE d.subscription_id = k.sid AND d.status = 'Pending' AND d.key_mode = 0
+              AND d.visible_at <= now() AND d.id <> ALL (v_ids)
+            ORDER BY d.visible_at, d.id
+            LIMIT k.n
+            FOR UPDATE SKIP LOCKED
+        ) l;
+        v_ids := v_ids || coalesce(v_more, '{}'::bigint[]);
+    END IF;
+    IF cardinality(v_ids) = 0 THEN
         RETURN;
     END IF;
     -- As claim on a subscription without keys: a claim lost in a crash leaves its deliveries Pending.
