@@ -10,7 +10,8 @@ from a list built once): ``queue.bulk([(job, {"i": i}), ...])`` of a no-op job (
 ``bench/jobs_bench.py``'s bulk and publish_batch cases do. So each side's figure is everything it
 does before the database call: building its items, validation, the envelope, ``prepare()``. CPU
 time is ``time.process_time()`` over ``--items`` items in calls of ``--batch``; the best of
-``--trials`` is printed as µs per item, with the ratio (jobs / core).
+``--trials`` is printed as µs per item, with the ratio (jobs / core). Then the same for one per
+call: ``queue.dispatch(job, {"i": i})`` against a publish of one ``PublishRequest``.
 """
 
 from __future__ import annotations
@@ -74,6 +75,16 @@ async def core_side(queue: WorkQueue, job: Any, items: int, batch: int) -> None:
         await queue.publish(TOPIC, [PublishRequest(payload={"i": i}) for i in range(start, min(items, start + batch))])
 
 
+async def dispatch_side(queue: WorkQueue, job: Any, items: int, batch: int) -> None:
+    for i in range(items):
+        await queue.dispatch(job, {"i": i})
+
+
+async def publish_one_side(queue: WorkQueue, job: Any, items: int, batch: int) -> None:
+    for i in range(items):
+        await queue.publish(TOPIC, [PublishRequest(payload={"i": i})])
+
+
 def best(side: Any, queue: WorkQueue, job: Any, items: int, batch: int, trials: int) -> float:
     """The best per-item µs of ``trials`` runs of ``side`` over ``items`` items."""
     loop = asyncio.new_event_loop()
@@ -102,6 +113,11 @@ def main() -> None:
     print(f"core publish prep: {core:.2f} µs/item")
     print(f"jobs bulk prep:    {jobs:.2f} µs/item")
     print(f"ratio jobs/core:   {jobs / core:.2f}x  (items {args.items}, batch {args.batch}, best of {args.trials})")
+    one = best(publish_one_side, queue, job, args.items, args.batch, args.trials)
+    dispatch = best(dispatch_side, queue, job, args.items, args.batch, args.trials)
+    print(f"core publish of 1: {one:.2f} µs/item")
+    print(f"jobs dispatch:     {dispatch:.2f} µs/item")
+    print(f"ratio jobs/core:   {dispatch / one:.2f}x")
 
 
 if __name__ == "__main__":
