@@ -379,12 +379,17 @@ class Jobs:
             return await self.run_now(definition, target, prepare(request))
         sealed, encrypted = self.seal(definition, data)
         ttl = None if unique is None else _ttl(unique_for)
-        topic = await self.ensure_queue(target)
+        topic = topic_of(target)
+        if topic not in self._synced:  # (else in the store already: the common case, without a coroutine)
+            topic = await self.ensure_queue(target)
         entries: list[_Entry] = [(definition, target, data, sealed, encrypted, seconds)]
-        [result] = await self._publish(
-            lambda tx: self._send(topic, entries, tx, unique=unique, unique_until=unique_until, ttl=ttl),
-            session, retry_in_savepoint=unique is not None,
-        )
+        if unique is None:
+            [result] = await self._send(topic, entries, session)
+        else:
+            [result] = await self._publish(
+                lambda tx: self._send(topic, entries, tx, unique=unique, unique_until=unique_until, ttl=ttl),
+                session, retry_in_savepoint=True,
+            )
         if result.status == PublishStatus.DUPLICATE and unique is not None:
             return None
         if not result.ok or result.message_id is None:
