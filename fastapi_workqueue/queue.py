@@ -615,12 +615,7 @@ class WorkQueue:
         all-or-nothing: when any request is refused, none is published and the others report
         ``BatchAborted``.
         """
-        if session is None:
-            session = current_session()
-        declared = self.topics.get(topic)
-        cap = MAX_ENVELOPE_BYTES
-        if declared is not None and declared.max_payload_bytes is not None:
-            cap = min(cap, declared.max_payload_bytes)
+        cap = self.envelope_cap(topic)
         prepared: list[PreparedMessage] = []
         failures: dict[int, PublishResult] = {}
         for index, raw in enumerate(requests):
@@ -643,14 +638,32 @@ class WorkQueue:
                         field=str(first["loc"][0]) if first["loc"] else None,
                     ),
                 )
+        return await self.publish_prepared(topic, len(requests), prepared, failures, session=session)
+
+    def envelope_cap(self, topic: str) -> int:
+        """The most bytes an envelope on ``topic`` may have (a topic may lower the library's limit)."""
+        declared = self.topics.get(topic)
+        if declared is not None and declared.max_payload_bytes is not None:
+            return min(MAX_ENVELOPE_BYTES, declared.max_payload_bytes)
+        return MAX_ENVELOPE_BYTES
+
+    async def publish_prepared(
+        self, topic: str, count: int, prepared: list[PreparedMessage], failures: dict[int, PublishResult], *,
+        session: Any = None,
+    ) -> list[PublishResult]:
+        """The second half of :meth:`publish`, for ``count`` requests already prepared: ``prepared``
+        those that passed, ``failures`` the results of those refused, by index (then none is
+        published). For layers that prepare their messages themselves (the jobs layer)."""
+        if session is None:
+            session = current_session()
         observer = self.observer
         single = prepared[0] if len(prepared) == 1 else None
         scope = None if observer is NO_OBSERVER else observer.publish_started(
-            topic, len(requests), message_id=str(single.message_id) if single is not None else None,
+            topic, count, message_id=str(single.message_id) if single is not None else None,
             correlation_id=single.correlation_id if single is not None else None,
         )
         if failures:
-            results = aborted_results(len(requests), failures)
+            results = aborted_results(count, failures)
             if scope is not None:
                 scope.end(results, None)
             return results

@@ -324,15 +324,43 @@ def _check_schedule(request: PublishRequest) -> None:
         raise RequestRejected(
             "InvalidField", "NotBefore needs a time zone (for example 2026-01-01T00:00:00Z)", "not_before"
         )
-    backoff = request.backoff_seconds
-    if backoff is not None and (
-        not backoff or any(not math.isfinite(b) or b < 0 or b > MAX_DELAY_SECONDS for b in backoff)
-    ):
+    if request.backoff_seconds is not None:
+        _check_backoff(request.backoff_seconds)
+
+
+def _check_backoff(backoff: list[float]) -> None:
+    if not backoff or any(not math.isfinite(b) or b < 0 or b > MAX_DELAY_SECONDS for b in backoff):
         raise RequestRejected(
             "InvalidField",
             f"BackoffSeconds must be a non-empty list of seconds >= 0 and <= {MAX_DELAY_SECONDS:.0f}",
             "backoff_seconds",
         )
+
+
+def _payload_json(payload: Any) -> tuple[str, int]:
+    """The canonical JSON of a payload and its UTF-8 size; raises :class:`RequestRejected`."""
+    if type(payload) not in _JSON_TYPES and isinstance(payload, BaseModel):  # (isinstance of a model is slow)
+        payload = payload.model_dump(mode="json")
+    try:
+        # Keys sorted: the stored form is canonical, so equal content hashes equally.
+        payload_json = _encode(payload)
+    except (TypeError, ValueError) as exc:
+        raise RequestRejected(
+            "InvalidPayload", f"the Payload is not JSON: {exc}; send JSON values only", "payload"
+        ) from exc
+    except RecursionError as exc:
+        if _nesting_problem(payload) == "circular":
+            raise RequestRejected(
+                "InvalidPayload", "the Payload is not JSON: it contains itself (a circular reference); "
+                "send JSON values only", "payload"
+            ) from exc
+        raise _too_deep() from exc
+    # Only a payload with more brackets than the limit can nest deeper than it.
+    if (len(payload_json) > MAX_PAYLOAD_DEPTH
+            and payload_json.count("[") + payload_json.count("{") > MAX_PAYLOAD_DEPTH and _nesting_problem(payload)):
+        raise _too_deep()
+    size = len(payload_json) if payload_json.isascii() else _utf8_len(payload_json, "payload", "InvalidPayload")
+    return payload_json, size
 
 
 def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_BYTES) -> PreparedMessage:
@@ -356,28 +384,7 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
     backoff = request.backoff_seconds
     if request.not_before is not None or backoff is not None:
         _check_schedule(request)
-    payload = request.payload
-    if type(payload) not in _JSON_TYPES and isinstance(payload, BaseModel):  # (isinstance of a model is slow)
-        payload = payload.model_dump(mode="json")
-    try:
-        # Keys sorted: the stored form is canonical, so equal content hashes equally.
-        payload_json = _encode(payload)
-    except (TypeError, ValueError) as exc:
-        raise RequestRejected(
-            "InvalidPayload", f"the Payload is not JSON: {exc}; send JSON values only", "payload"
-        ) from exc
-    except RecursionError as exc:
-        if _nesting_problem(payload) == "circular":
-            raise RequestRejected(
-                "InvalidPayload", "the Payload is not JSON: it contains itself (a circular reference); "
-                "send JSON values only", "payload"
-            ) from exc
-        raise _too_deep() from exc
-    # Only a payload with more brackets than the limit can nest deeper than it.
-    if (len(payload_json) > MAX_PAYLOAD_DEPTH
-            and payload_json.count("[") + payload_json.count("{") > MAX_PAYLOAD_DEPTH and _nesting_problem(payload)):
-        raise _too_deep()
-    size = len(payload_json) if payload_json.isascii() else _utf8_len(payload_json, "payload", "InvalidPayload")
+    payload_json, size = _payload_json(request.payload)
     if attributes:
         size += attributes_size
     else:
@@ -386,12 +393,7 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
     head = _NO_REFERENCES if references == _NO_TEXT else _encode(references)
     content = f"{head}\n{attributes_json}\n{payload_json}"
     if size > max_envelope_bytes:
-        raise RequestRejected(
-            "EnvelopeTooLarge",
-            f"the envelope (payload and attributes) is {size} bytes; at most {max_envelope_bytes} are "
-            "allowed; store the data elsewhere and send a PayloadRef to it",
-            "payload",
-        )
+        raise _too_large(size, max_envelope_bytes)
     return PreparedMessage(
         message_id=request.message_id or uuid7(),
         partition_key=request.partition_key,
@@ -409,6 +411,72 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
         backoff_seconds=backoff,
         envelope_bytes=size,
         message_id_given=request.message_id is not None,
+    )
+
+
+def _too_large(size: int, max_envelope_bytes: int) -> RequestRejected:
+    return RequestRejected(
+        "EnvelopeTooLarge",
+        f"the envelope (payload and attributes) is {size} bytes; at most {max_envelope_bytes} are "
+        "allowed; store the data elsewhere and send a PayloadRef to it",
+        "payload",
+    )
+
+
+def prepare_parts(
+    payload: Any,
+    attributes: dict[str, Any],
+    *,
+    message_id: uuid.UUID | None = None,
+    deduplication_key: str | None = None,
+    deduplication_ttl_seconds: float | None = None,
+    delay_seconds: float | None = None,
+    max_attempts: int | None = None,
+    backoff_seconds: list[float] | None = None,
+    max_envelope_bytes: int = MAX_ENVELOPE_BYTES,
+) -> PreparedMessage:
+    """What ``prepare(PublishRequest(...))`` of these fields gives, without building the request.
+
+    For callers whose values already meet :class:`PublishRequest`'s field constraints (a float
+    ``delay_seconds`` and ``deduplication_ttl_seconds`` in range, ``max_attempts`` in range, a list
+    of floats for ``backoff_seconds``): the jobs layer, once per job. The envelope rules are
+    checked as :func:`prepare` checks them; raises :class:`RequestRejected`.
+    """
+    if attributes:
+        try:
+            attributes_json, attributes_size = _checked_attributes(tuple(attributes.items()))
+        except TypeError:  # a value that cannot be hashed is no string: the check says so
+            _check_attributes(attributes)
+            raise
+    if deduplication_key is not None:
+        _text_field("deduplication_key", deduplication_key)
+    if backoff_seconds is not None:
+        _check_backoff(backoff_seconds)
+    payload_json, size = _payload_json(payload)
+    if attributes:
+        size += attributes_size
+    else:
+        attributes_json = "{}"
+        size += 2
+    if size > max_envelope_bytes:
+        raise _too_large(size, max_envelope_bytes)
+    return PreparedMessage(
+        message_id=message_id or uuid7(),
+        partition_key=None,
+        attributes=attributes,
+        attributes_json=attributes_json,
+        payload_json=payload_json,
+        payload_ref=None,
+        correlation_id=None,
+        content_hash=hashlib.sha256(f"{_NO_REFERENCES}\n{attributes_json}\n{payload_json}".encode()).hexdigest(),
+        deduplication_key=deduplication_key,
+        deduplication_ttl_seconds=deduplication_ttl_seconds or DEFAULT_DEDUPLICATION_TTL_SECONDS,
+        delay_seconds=delay_seconds,
+        not_before=None,
+        max_attempts=max_attempts,
+        backoff_seconds=backoff_seconds,
+        envelope_bytes=size,
+        message_id_given=message_id is not None,
     )
 
 

@@ -109,11 +109,12 @@ class Job:
 
     def validate(self, payload: Any) -> Any:
         """The payload as JSON-ready data, after validation against the payload type."""
+        adapter = self.adapter  # (its validator and serializer themselves: the adapter's wrappers cost as much)
         try:
-            value = self.adapter.validate_python(payload)
+            value = adapter.validator.validate_python(payload)
         except ValidationError as exc:
             raise JobPayloadInvalid(self.name, _short(exc)) from None
-        return self.adapter.dump_python(value, mode="json")
+        return adapter.serializer.to_python(value, mode="json")
 
     def load(self, data: Any) -> Any:
         """The stored payload as the function's payload type (raises :class:`JobPayloadInvalid`)."""

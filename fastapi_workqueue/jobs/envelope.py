@@ -82,6 +82,22 @@ class ChainLink:
             raise EnvelopeInvalid(f"a chain entry is malformed ({exc})") from None
 
 
+def envelope_json(job: str, payload: Any, encrypted: str | None = None, timeout: float | None = None,
+                  unique_key: str | None = None, unique_until: UniqueUntil | None = None) -> dict[str, Any]:
+    """The JSON of a job envelope without a chain (what :meth:`JobEnvelope.to_json` gives), built
+    without the envelope object: the jobs layer's dispatch and bulk, once per job."""
+    data: dict[str, Any] = {"v": VERSION, "job": job}
+    if encrypted is not None:
+        data["encrypted"] = encrypted
+    else:
+        data["payload"] = payload
+    if timeout is not None:
+        data["timeout"] = timeout
+    if unique_key is not None:
+        data["unique"] = {"key": unique_key, "until": unique_until or "done"}
+    return data
+
+
 @dataclass(frozen=True, slots=True)
 class JobEnvelope:
     """The payload of a job message."""
@@ -95,15 +111,7 @@ class JobEnvelope:
     chain: tuple[ChainLink, ...] = field(default=())
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"v": VERSION, "job": self.job}
-        if self.encrypted is not None:
-            data["encrypted"] = self.encrypted
-        else:
-            data["payload"] = self.payload
-        if self.timeout is not None:
-            data["timeout"] = self.timeout
-        if self.unique_key is not None:
-            data["unique"] = {"key": self.unique_key, "until": self.unique_until or "done"}
+        data = envelope_json(self.job, self.payload, self.encrypted, self.timeout, self.unique_key, self.unique_until)
         if self.chain:
             data["chain"] = [link.to_json() for link in self.chain]
         return data

@@ -12,19 +12,29 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..core.envelope import PreparedMessage, PublishRequest, PublishResult, PublishStatus, prepare, uuid7
+from ..core.envelope import (
+    MAX_DELAY_SECONDS,
+    PreparedMessage,
+    PublishRequest,
+    PublishResult,
+    PublishStatus,
+    RequestRejected,
+    prepare,
+    prepare_parts,
+    uuid7,
+)
 from ..core.errors import ConfigurationError, TransportError
 from ..core.outcomes import FollowUp, Outcome, WorkOutcome
 from ..core.topology import Subscription, Topic
 from .context import JobContext, StepStore
 from .definition import DEFAULT_TRIES, Job, check_job_name, check_queue_name, define_job
 from .encryption import PayloadCipher, cipher_from
-from .envelope import JOB_ATTRIBUTE, ChainLink, JobEnvelope, UniqueUntil, queue_of, topic_of
+from .envelope import JOB_ATTRIBUTE, ChainLink, JobEnvelope, UniqueUntil, envelope_json, queue_of, topic_of
 from .events import JobEvents
 from .failed import FailedJobs
 from .middleware import Locks
@@ -61,7 +71,20 @@ def _seconds(delay: timedelta | float | None) -> float | None:
     seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
     if seconds < 0:
         raise ValueError(f"delay must not be negative, got {delay!r}")
+    if not seconds <= MAX_DELAY_SECONDS:  # (NaN too) refused as a request with it is refused
+        return PublishRequest(delay_seconds=seconds).delay_seconds
     return seconds
+
+
+def _ttl(unique_for: float) -> float | None:
+    """``unique_for`` as a request's deduplication TTL (raises as a request with it does)."""
+    if type(unique_for) in (int, float) and 0 < unique_for <= MAX_DELAY_SECONDS:
+        return float(unique_for)
+    return PublishRequest(deduplication_ttl_seconds=unique_for).deduplication_ttl_seconds
+
+
+_Entry = tuple["Job", str, Any, Any, "str | None", "float | None"]
+"""A checked job of a dispatch or bulk: (job, queue, data, sealed payload, encrypted token, delay)."""
 
 
 class Jobs:
@@ -269,6 +292,38 @@ class Jobs:
         return ChainLink(job=job.name, id=uuid7(), queue=queue or policy.queue, tries=policy.tries,
                          backoff=policy.backoff, timeout=policy.timeout, payload=payload, encrypted=encrypted)
 
+    def message(self, job: Job, payload: Any, encrypted: str | None, *, max_envelope_bytes: int,
+                delay: float | None = None, unique: str | None = None, unique_until: UniqueUntil = "done",
+                ttl: float | None = None) -> PreparedMessage:
+        """``prepare(self.request(...))`` of a sealed payload (see :meth:`seal`) without building the
+        request, for ``delay`` and ``ttl`` already checked (:func:`_seconds`, :func:`_ttl`); raises
+        :class:`RequestRejected`."""
+        policy = job.policy
+        key = None if unique is None else f"{job.name}:{unique}"
+        envelope = envelope_json(job.name, payload, encrypted, policy.timeout, key,
+                                 None if unique is None else unique_until)
+        return prepare_parts(
+            envelope, {JOB_ATTRIBUTE: job.name}, deduplication_key=key, deduplication_ttl_seconds=ttl,
+            delay_seconds=delay, max_attempts=policy.tries,
+            backoff_seconds=None if policy.backoff is None else list(policy.backoff),
+            max_envelope_bytes=max_envelope_bytes,
+        )
+
+    async def _send(self, topic: str, entries: list[_Entry], session: Any, *, unique: str | None = None,
+                    unique_until: UniqueUntil = "done", ttl: float | None = None) -> list[PublishResult]:
+        """Publishes checked jobs to ``topic`` as ``queue.publish`` of their requests would."""
+        cap = self.queue.envelope_cap(topic)
+        prepared: list[PreparedMessage] = []
+        failures: dict[int, PublishResult] = {}
+        message = self.message
+        for index, (job, _, _, payload, encrypted, delay) in enumerate(entries):
+            try:
+                prepared.append(message(job, payload, encrypted, delay=delay, unique=unique, unique_until=unique_until,
+                                        ttl=ttl, max_envelope_bytes=cap))
+            except RequestRejected as exc:
+                failures[index] = PublishResult(status=PublishStatus.REJECTED, error=exc.error)
+        return await self.queue.publish_prepared(topic, len(entries), prepared, failures, session=session)
+
     def next_request(self, envelope: JobEnvelope) -> tuple[str, PublishRequest] | None:
         """The next job of a chain (queue, request), carrying the rest of the chain."""
         if not envelope.chain:
@@ -313,16 +368,28 @@ class Jobs:
             raise ValueError(f"unique_for must be above 0 seconds, got {unique_for!r}")
         data = definition.validate(payload)
         target = check_queue_name(queue) if queue is not None else definition.policy.queue
-        request = self.request(definition, data, delay=_seconds(delay), unique=unique, unique_until=unique_until,
-                               unique_for=unique_for)
-        if self.fake is not None:
-            recorded: uuid.UUID | None = self.fake.record(definition, data, target, request, unique=unique,
-                                                          session=session)
-            return recorded
-        if self.sync:
+        seconds = _seconds(delay)
+        if self.fake is not None or self.sync:
+            request = self.request(definition, data, delay=seconds, unique=unique, unique_until=unique_until,
+                                   unique_for=unique_for)
+            if self.fake is not None:
+                recorded: uuid.UUID | None = self.fake.record(definition, data, target, request, unique=unique,
+                                                              session=session)
+                return recorded
             return await self.run_now(definition, target, prepare(request))
-        topic = await self.ensure_queue(target)
-        [result] = await self._publish(topic, [request], session, retry_in_savepoint=unique is not None)
+        sealed, encrypted = self.seal(definition, data)
+        ttl = None if unique is None else _ttl(unique_for)
+        topic = topic_of(target)
+        if topic not in self._synced:  # (else in the store already: the common case, without a coroutine)
+            topic = await self.ensure_queue(target)
+        entries: list[_Entry] = [(definition, target, data, sealed, encrypted, seconds)]
+        if unique is None:
+            [result] = await self._send(topic, entries, session)
+        else:
+            [result] = await self._publish(
+                lambda tx: self._send(topic, entries, tx, unique=unique, unique_until=unique_until, ttl=ttl),
+                session, retry_in_savepoint=True,
+            )
         if result.status == PublishStatus.DUPLICATE and unique is not None:
             return None
         if not result.ok or result.message_id is None:
@@ -331,36 +398,42 @@ class Jobs:
 
     async def bulk(self, items: Iterable[tuple[Any, Any]], *, session: Any = None) -> list[uuid.UUID]:
         """Queues several jobs in one transaction; every payload is checked before any is queued."""
-        prepared: list[tuple[Job, str, PublishRequest, Any]] = []
+        entries: list[_Entry] = []
+        resolve, seal = self.registry.resolve, self.seal
         for item in items:
             job, payload, options = _item(item)
-            definition = self.registry.resolve(job)
+            definition = resolve(job)
             data = definition.validate(payload)
-            target = check_queue_name(options.get("queue") or definition.policy.queue)
-            request = self.request(definition, data, delay=_seconds(options.get("delay")))
-            prepared.append((definition, target, request, data))
-        if not prepared:
+            target = check_queue_name(options.get("queue") or definition.policy.queue) if options \
+                else definition.policy.queue
+            sealed, encrypted = seal(definition, data)
+            entries.append((definition, target, data, sealed, encrypted,
+                            _seconds(options.get("delay")) if options else None))
+        if not entries:
             return []
         if self.fake is not None:
-            return [self.fake.record(d, data, q, r, session=session) for d, q, r, data in prepared]
+            return [self.fake.record(d, data, q, self.request(d, data, delay=delay), session=session)
+                    for d, q, data, _, _, delay in entries]
         if self.sync:
-            return [await self.run_now(d, q, prepare(r)) for d, q, r, _ in prepared]
+            return [await self.run_now(d, q, prepare(self.request(d, data, delay=delay)))
+                    for d, q, data, _, _, delay in entries]
         by_topic: dict[str, list[int]] = {}
         topics: dict[str, str] = {}
-        for index, (_, target, _, _) in enumerate(prepared):
+        for index, entry in enumerate(entries):
+            target = entry[1]
             topic = topics.get(target)
             if topic is None:
                 topic = topics[target] = await self.ensure_queue(target)
             by_topic.setdefault(topic, []).append(index)
-        ids: list[uuid.UUID | None] = [None] * len(prepared)
-        requests = [r for _, _, r, _ in prepared]
+        ids: list[uuid.UUID | None] = [None] * len(entries)
 
         async def publish_all(tx: Any) -> None:
             for topic, indexes in by_topic.items():
-                results = await self.queue.publish(topic, [requests[i] for i in indexes], session=tx)
+                chosen = entries if len(indexes) == len(entries) else [entries[i] for i in indexes]
+                results = await self._send(topic, chosen, tx)
                 for index, result in zip(indexes, results, strict=True):
                     if not result.ok or result.message_id is None:
-                        raise JobDispatchError(prepared[index][0].name, result)
+                        raise JobDispatchError(entries[index][0].name, result)
                     ids[index] = result.message_id
 
         await self._in_one_transaction(publish_all, session, several=len(by_topic) > 1)
@@ -390,7 +463,7 @@ class Jobs:
         topic = await self.ensure_queue(target)
         for link in links:
             await self.ensure_queue(link.queue)
-        [result] = await self._publish(topic, [request], session)
+        [result] = await self._publish(lambda tx: self.queue.publish(topic, [request], session=tx), session)
         if not result.ok:
             raise JobDispatchError(first.name, result)
         return [i for i in ids if i is not None]
@@ -408,21 +481,22 @@ class Jobs:
     # -- publishing --------------------------------------------------------------------------
 
     async def _publish(
-        self, topic: str, requests: list[PublishRequest], session: Any, *, retry_in_savepoint: bool = False
+        self, send: Callable[[Any], Awaitable[list[PublishResult]]], session: Any, *, retry_in_savepoint: bool = False
     ) -> list[PublishResult]:
+        """``send(tx)`` in the caller's transaction (retried in a savepoint for a unique key)."""
         from ..web.session import current_session
 
         tx = session if session is not None else current_session()
         if tx is None or not retry_in_savepoint or self.queue.transport.name == "sqlite":
             # (SQLite's single writer already serializes dispatchers: the key is read under the
             # write lock, and a savepoint would turn that lock into an upgrade that fails at once.)
-            return await self.queue.publish(topic, requests, session=tx)
+            return await send(tx)
         # A unique key dispatched at once by another transaction: the store asks to try again. A
         # savepoint keeps the caller's transaction usable, and the second try sees the key held.
         for attempt in range(1, UNIQUE_RETRIES + 1):
             try:
                 async with _savepoint(tx):
-                    return await self.queue.publish(topic, requests, session=tx)
+                    return await send(tx)
             except TransportError as exc:
                 if not exc.retryable or attempt == UNIQUE_RETRIES:
                     raise

@@ -1,0 +1,168 @@
+"""A job's message, built without a PublishRequest, is what ``prepare()`` of the job's request gives."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from fastapi_workqueue import JobContext, Topic, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.core.envelope import (
+    MAX_DELAY_SECONDS,
+    PreparedMessage,
+    PublishResult,
+    PublishStatus,
+    RequestRejected,
+    prepare,
+)
+from fastapi_workqueue.jobs import JobDispatchError, JobPayloadInvalid
+
+
+class Note(BaseModel):
+    text: str
+    n: int = 0
+
+
+class Recording:
+    """A transport that keeps what it is asked to publish and accepts it."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, list[PreparedMessage]]] = []
+
+    async def publish(self, topic: str, messages: Sequence[PreparedMessage], *, session: Any = None) -> list[Any]:
+        self.published.append((topic, list(messages)))
+        return [PublishResult(status=PublishStatus.ACCEPTED, message_id=m.message_id) for m in messages]
+
+    async def sync_topology(self, topics: Any, subscriptions: Any) -> None:
+        return None
+
+
+def make(**settings: Any) -> tuple[WorkQueue, Recording]:
+    transport = Recording()
+    queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db", enabled=False, **settings),
+                      transport=transport)  # type: ignore[arg-type]
+    return queue, transport
+
+
+def same_but_id(a: PreparedMessage, b: PreparedMessage) -> None:
+    left, right = dataclasses.asdict(a), dataclasses.asdict(b)
+    left.pop("message_id")
+    right.pop("message_id")
+    assert left == right
+
+
+@pytest.mark.parametrize(
+    ("declared", "options"),
+    [
+        ({}, {}),
+        ({"tries": 7, "backoff": [1, 2.5], "timeout": 30}, {}),
+        ({}, {"delay": 12.5}),
+        ({"timeout": 5}, {"unique": "ü-1", "unique_until": "processing", "unique_for": 60}),
+        ({}, {"unique": "k", "unique_for": 10}),
+    ],
+)
+def test_a_jobs_message_is_byte_for_byte_prepare_of_its_request(declared: dict[str, Any],
+                                                                   options: dict[str, Any]) -> None:
+    queue, _ = make()
+
+    @queue.job("notes.write", **declared)
+    async def write(payload: Note) -> None:
+        return None
+
+    job = queue.jobs.registry.resolve(write)
+    data = job.validate({"text": "héllo", "n": "3"})
+    unique = options.get("unique")
+    expected = prepare(queue.jobs.request(job, data, delay=options.get("delay"), unique=unique,
+                                          unique_until=options.get("unique_until", "done"),
+                                          unique_for=options.get("unique_for", 3600)))
+    sealed, encrypted = queue.jobs.seal(job, data)
+    got = queue.jobs.message(job, sealed, encrypted, max_envelope_bytes=256 * 1024, delay=options.get("delay"),
+                             unique=unique, unique_until=options.get("unique_until", "done"),
+                             ttl=None if unique is None else float(options["unique_for"]))
+    same_but_id(got, expected)
+
+
+async def test_bulk_publishes_what_the_requests_would_and_checks_every_payload_first() -> None:
+    queue, transport = make()
+
+    @queue.job("notes.write", timeout=9, backoff=[3])
+    async def write(payload: Note, job: JobContext) -> None:
+        return None
+
+    job = queue.jobs.registry.resolve(write)
+    with pytest.raises(JobPayloadInvalid, match=r"notes\.write"):
+        await queue.bulk([(write, {"text": "a"}), (write, {"n": 1})])
+    assert transport.published == []
+    ids = await queue.bulk([(write, {"text": "a"}), (write, Note(text="b")), (write, {"text": "c"}, {"delay": 4})])
+    [(topic, messages)] = transport.published
+    assert topic == "jobs.default"
+    assert ids == [m.message_id for m in messages]
+    assert [json.loads(m.payload_json)["payload"]["text"] for m in messages] == ["a", "b", "c"]
+    for message, (data, delay) in zip(messages, [({"text": "a", "n": 0}, None), ({"text": "b", "n": 0}, None),
+                                                 ({"text": "c", "n": 0}, 4.0)], strict=True):
+        same_but_id(message, prepare(queue.jobs.request(job, data, delay=delay)))
+
+
+async def test_a_bulk_with_one_envelope_too_large_queues_none() -> None:
+    queue, transport = make()
+    queue.add_topic(Topic(name="jobs.small", max_payload_bytes=200))
+
+    @queue.job("notes.write", queue="small")
+    async def write(payload: Note) -> None:
+        return None
+
+    with pytest.raises(JobDispatchError) as caught:
+        await queue.bulk([(write, {"text": "a"}), (write, {"text": "x" * 300})])
+    assert transport.published == []
+    assert caught.value.result.error is not None
+    assert caught.value.result.error.code == "BatchAborted"
+    with pytest.raises(JobDispatchError, match=r"is \d+ bytes"):
+        await queue.dispatch(write, {"text": "x" * 300})
+    assert transport.published == []
+    with pytest.raises(RequestRejected):
+        prepare(queue.jobs.request(queue.jobs.registry.resolve(write), {"text": "x" * 300, "n": 0}),
+                max_envelope_bytes=200)
+
+
+async def test_a_delay_or_unique_for_beyond_the_limit_is_refused_as_the_request_refuses_it() -> None:
+    queue, transport = make()
+
+    @queue.job("notes.write")
+    async def write(payload: Note) -> None:
+        return None
+
+    with pytest.raises(ValidationError):
+        await queue.bulk([(write, {"text": "a"}), (write, {"text": "b"}, {"delay": MAX_DELAY_SECONDS * 2})])
+    with pytest.raises(ValidationError):
+        await queue.dispatch(write, {"text": "a"}, delay=float("nan"))
+    with pytest.raises(ValidationError):
+        await queue.dispatch(write, {"text": "a"}, unique="k", unique_for=MAX_DELAY_SECONDS * 2)
+    assert transport.published == []
+    assert isinstance(await queue.dispatch(write, {"text": "a"}, unique="k", unique_for=5), uuid.UUID)
+    [(_, [message])] = transport.published
+    assert (message.deduplication_key, message.deduplication_ttl_seconds) == ("notes.write:k", 5.0)
+
+
+async def test_an_encrypted_job_carries_its_token_not_its_payload() -> None:
+    from cryptography.fernet import Fernet
+
+    key = Fernet.generate_key().decode()
+    queue, transport = make(app_key=key)
+
+    @queue.job("notes.secret", encrypted=True)
+    async def secret(payload: Note) -> None:
+        return None
+
+    await queue.bulk([(secret, {"text": "plaintext"})])
+    [(_, [message])] = transport.published
+    envelope = json.loads(message.payload_json)
+    assert "payload" not in envelope
+    assert json.loads(Fernet(key.encode()).decrypt(envelope["encrypted"].encode())) == {"text": "plaintext", "n": 0}
+    assert "plaintext" not in message.payload_json
