@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core.request_load import RequestLoad
+from .admission import FairGate
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -53,17 +54,23 @@ def current_session() -> AsyncSession | None:
 async def _checkout(session: AsyncSession) -> None:
     """Takes the request's connection before the endpoint runs: a pool with every connection busy
     for the pool's timeout answers 503 with ``Retry-After`` instead of failing the endpoint midway."""
-    from fastapi import HTTPException
     from sqlalchemy.exc import TimeoutError as PoolTimeout
 
     try:
         await session.connection()
     except PoolTimeout:
-        raise HTTPException(
-            status_code=503,
-            detail="every database connection of this process is in use; retry shortly",
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-        ) from None
+        raise _busy() from None
+
+
+def _busy() -> Exception:
+    """503 with ``Retry-After``: no connection of the pool freed in time."""
+    from fastapi import HTTPException
+
+    return HTTPException(
+        status_code=503,
+        detail="every database connection of this process is in use; retry shortly",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
 
 
 def to_sqlalchemy_url(url: str) -> str:
@@ -105,6 +112,8 @@ class RequestSessions:
         self._load = load if load is not None else RequestLoad()
         self._engine: AsyncEngine | None = None
         self._maker: async_sessionmaker[AsyncSession] | None = None
+        self._gate: FairGate | None = None
+        self._wait_seconds = 5.0
 
     @property
     def engine(self) -> AsyncEngine:
@@ -134,6 +143,16 @@ class RequestSessions:
             await self._engine.dispose()
             self._engine = None
             self._maker = None
+        self._gate = None
+
+    @property
+    def gate(self) -> FairGate:
+        """Admits requests to the pool first come, first served (see :mod:`.admission`)."""
+        if self._gate is None:
+            pool = self._pool()
+            self._gate = FairGate(pool.size + pool.overflow)
+            self._wait_seconds = pool.timeout_seconds
+        return self._gate
 
     async def dependency(self) -> AsyncIterator[AsyncSession]:
         """Opens a session; commits when the endpoint returns, rolls back when it raises.
@@ -144,21 +163,27 @@ class RequestSessions:
         """
         self._load.enter()
         try:
-            async with self.sessionmaker() as session:
-                await _checkout(session)
-                holder = RequestTransaction(session, asyncio.current_task())
-                token = _current.set(holder)
-                try:
-                    yield session
-                except BaseException:
-                    holder.open = False
-                    await session.rollback()
-                    raise
-                else:
-                    holder.open = False
-                    await session.commit()
-                finally:
-                    holder.open = False
-                    _current.reset(token)
+            gate = self.gate
+            if not await gate.acquire(self._wait_seconds):
+                raise _busy()
+            try:
+                async with self.sessionmaker() as session:
+                    await _checkout(session)
+                    holder = RequestTransaction(session, asyncio.current_task())
+                    token = _current.set(holder)
+                    try:
+                        yield session
+                    except BaseException:
+                        holder.open = False
+                        await session.rollback()
+                        raise
+                    else:
+                        holder.open = False
+                        await session.commit()
+                    finally:
+                        holder.open = False
+                        _current.reset(token)
+            finally:
+                gate.release()
         finally:
             self._load.leave()
