@@ -745,7 +745,7 @@ def main() -> None:
             "database": args.database, "pg_url": args.pg_url.rsplit("@", 1)[-1], "seed": args.seed,
             "app": f"uvicorn {APP_MODULE} --app-dir bench --workers {APP_WORKERS}", "worker_app": WORKER_APP,
             "subscriptions_per_message": SUBSCRIPTIONS, "core_processing_rate": args.core_rate,
-            "processing_orders": args.processing_orders,
+            "processing_orders": args.processing_orders, "client_library": args.client_library,
         },
         **measured,
     }

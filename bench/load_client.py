@@ -32,6 +32,7 @@ import random
 import resource
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,35 +96,13 @@ class Orders:
                 "amount_cents": self.rng.randint(100, 100_000)}
 
 
-async def one_client(client: httpx.AsyncClient, path: str, orders: Orders, deadline: float,
-                     request_timeout: float, records: list[Record], index: int) -> None:
-    while time.monotonic() < deadline:
-        body = orders.next()
-        started_wall = time.time()
-        started = time.perf_counter()
-        order_id: int | None = None
-        message_id: str | None = None
-        try:
-            response = await asyncio.wait_for(client.post(path, json=body), request_timeout)
-        except Exception as exc:
-            kind = error_kind(exc)
-        else:
-            kind = str(response.status_code)
-            if response.status_code == 201:
-                with contextlib.suppress(ValueError):
-                    order_id, message_id = ids_of(response.json())
-            elif response.status_code == 503 and "retry-after" in response.headers:
-                kind = REFUSED  # refused with Retry-After, as issue 16 allows: honoured, as a client should
-        records.append((started_wall, time.perf_counter() - started, kind, order_id, message_id, index))
-        if kind == REFUSED:
-            with contextlib.suppress(ValueError):
-                await asyncio.sleep(max(0.0, min(float(response.headers["retry-after"]), deadline - time.monotonic())))
-        if kind in ("connection_refused", "connect_error", "connection_reset", "disconnected"):
-            await asyncio.sleep(CONNECTION_PAUSE)
+Answer = tuple[int, str | None, bytes]
+"""What a post gives back: the status, the Retry-After header (or None) and the body."""
+Post = Callable[[dict[str, Any]], Awaitable[Answer]]
 
 
-async def one_aiohttp_client(session: aiohttp.ClientSession, url: str, orders: Orders, deadline: float,
-                             request_timeout: float, records: list[Record], index: int) -> None:
+async def one_client(post: Post, orders: Orders, deadline: float, request_timeout: float,
+                     records: list[Record], index: int) -> None:
     while time.monotonic() < deadline:
         body = orders.next()
         started_wall = time.time()
@@ -133,10 +112,7 @@ async def one_aiohttp_client(session: aiohttp.ClientSession, url: str, orders: O
         retry_after: str | None = None
         try:
             async with asyncio.timeout(request_timeout):
-                async with session.post(url, json=body) as response:
-                    status = response.status
-                    retry_after = response.headers.get("retry-after")
-                    data = await response.read()
+                status, retry_after, data = await post(body)
         except Exception as exc:
             kind = error_kind(exc)
         else:
@@ -145,7 +121,7 @@ async def one_aiohttp_client(session: aiohttp.ClientSession, url: str, orders: O
                 with contextlib.suppress(ValueError):
                     order_id, message_id = ids_of(json.loads(data))
             elif status == 503 and retry_after is not None:
-                kind = REFUSED
+                kind = REFUSED  # refused with Retry-After, as issue 16 allows: honoured, as a client should
         records.append((started_wall, time.perf_counter() - started, kind, order_id, message_id, index))
         if kind == REFUSED and retry_after is not None:
             with contextlib.suppress(ValueError):
@@ -154,59 +130,48 @@ async def one_aiohttp_client(session: aiohttp.ClientSession, url: str, orders: O
             await asyncio.sleep(CONNECTION_PAUSE)
 
 
-async def drive(args: argparse.Namespace) -> dict[str, Any]:
-    if args.library == "aiohttp":
-        return await drive_aiohttp(args)
-    return await drive_httpx(args)
-
-
-async def drive_aiohttp(args: argparse.Namespace) -> dict[str, Any]:
-    # One session with a connector of one connection per simulated client, as with httpx.
+async def aiohttp_posters(stack: contextlib.AsyncExitStack, args: argparse.Namespace) -> list[Post]:
+    """One session with a connector of one connection per simulated client."""
     timeout = aiohttp.ClientTimeout(total=args.request_timeout + 5)
     url = args.url.rstrip("/") + args.path
-    async with contextlib.AsyncExitStack() as stack:
-        sessions = [await stack.enter_async_context(aiohttp.ClientSession(
-                        connector=aiohttp.TCPConnector(limit=1), timeout=timeout))
-                    for _ in range(args.clients)]
-        if args.handshake:
-            print("READY", flush=True)
-            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-        records: list[Record] = []
-        cpu_start = cpu_seconds()
-        started_wall = time.time()
-        started = time.monotonic()
-        deadline = started + args.duration
-        tasks = [asyncio.create_task(one_aiohttp_client(session, url, Orders(args.seed * 100_003 + i, args.customers),
-                                                        deadline, args.request_timeout, records, i))
-                 for i, session in enumerate(sessions)]
-        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-        ended_wall = time.time()
-        if args.handshake:
-            print("END", flush=True)
-        await asyncio.gather(*tasks)
-        done_wall = time.time()
-        cpu = cpu_seconds() - cpu_start
-    if args.handshake:
-        print("DONE", flush=True)
-    return {
-        "url": args.url, "path": args.path, "clients": args.clients, "duration": args.duration,
-        "request_timeout": args.request_timeout, "customers": args.customers, "seed": args.seed,
-        "started_at": started_wall, "ended_at": ended_wall, "done_at": done_wall,
-        "cpu_seconds": cpu, "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
-        "library": f"aiohttp {aiohttp.__version__}", "records": records,
-    }
+
+    def poster(session: aiohttp.ClientSession) -> Post:
+        async def post(body: dict[str, Any]) -> Answer:
+            async with session.post(url, json=body) as response:
+                return response.status, response.headers.get("retry-after"), await response.read()
+        return post
+
+    return [poster(await stack.enter_async_context(aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=1), timeout=timeout)))
+            for _ in range(args.clients)]
 
 
-async def drive_httpx(args: argparse.Namespace) -> dict[str, Any]:
-    # One httpx client (and connection) per simulated client: a shared pool of N connections
-    # costs the client CPU that grows with N on every request (0.5 of a core at 50 clients).
+async def httpx_posters(stack: contextlib.AsyncExitStack, args: argparse.Namespace) -> list[Post]:
+    """One httpx client (and connection) per simulated client: a shared pool of N connections
+    costs the client CPU that grows with N on every request (0.5 of a core at 50 clients)."""
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    # httpx's own timeouts sit above --request-timeout: the bound that counts is wait_for's.
+    # httpx's own timeouts sit above --request-timeout: the bound that counts is the client's.
     timeout = httpx.Timeout(args.request_timeout + 5)
+
+    def poster(client: httpx.AsyncClient) -> Post:
+        async def post(body: dict[str, Any]) -> Answer:
+            response = await client.post(args.path, json=body)
+            return response.status_code, response.headers.get("retry-after"), response.content
+        return post
+
+    return [poster(await stack.enter_async_context(httpx.AsyncClient(base_url=args.url, limits=limits,
+                                                                      timeout=timeout)))
+            for _ in range(args.clients)]
+
+
+LIBRARIES = {"aiohttp": (aiohttp_posters, lambda: f"aiohttp {aiohttp.__version__}"),
+             "httpx": (httpx_posters, lambda: f"httpx {httpx.__version__}")}
+
+
+async def drive(args: argparse.Namespace) -> dict[str, Any]:
+    make_posters, version = LIBRARIES[args.library]
     async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=args.url, limits=limits,
-                                                                     timeout=timeout))
-                   for _ in range(args.clients)]
+        posters = await make_posters(stack, args)
         if args.handshake:
             print("READY", flush=True)
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
@@ -215,9 +180,9 @@ async def drive_httpx(args: argparse.Namespace) -> dict[str, Any]:
         started_wall = time.time()
         started = time.monotonic()
         deadline = started + args.duration
-        tasks = [asyncio.create_task(one_client(client, args.path, Orders(args.seed * 100_003 + i, args.customers),
+        tasks = [asyncio.create_task(one_client(post, Orders(args.seed * 100_003 + i, args.customers),
                                                 deadline, args.request_timeout, records, i))
-                 for i, client in enumerate(clients)]
+                 for i, post in enumerate(posters)]
         await asyncio.sleep(max(0.0, deadline - time.monotonic()))
         ended_wall = time.time()
         if args.handshake:
@@ -232,7 +197,7 @@ async def drive_httpx(args: argparse.Namespace) -> dict[str, Any]:
         "request_timeout": args.request_timeout, "customers": args.customers, "seed": args.seed,
         "started_at": started_wall, "ended_at": ended_wall, "done_at": done_wall,
         "cpu_seconds": cpu, "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
-        "library": f"httpx {httpx.__version__}", "records": records,
+        "library": version(), "records": records,
     }
 
 
