@@ -1,0 +1,47 @@
+"""The WorkMessage a handler gets is the one ``model_construct`` builds, field for field."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from fastapi_workqueue.core.envelope import WorkMessage
+from fastapi_workqueue.core.handlers import _construct_message
+
+
+def values() -> dict[str, Any]:
+    return {
+        "message_id": uuid.UUID(int=7), "topic": "orders", "subscription": "orders.audit", "delivery_id": "42",
+        "attempt": 2, "partition_key": "customer-1", "attributes": {"kind": "order"},
+        "payload": {"order_id": 7, "lines": [1, 2]}, "payload_ref": None, "correlation_id": "c-1",
+        "published_at": datetime(2026, 12, 2, 6, 0, tzinfo=UTC),
+    }
+
+
+def test_it_equals_what_model_construct_builds() -> None:
+    built, constructed = _construct_message(values()), WorkMessage[Any].model_construct(**values())
+    assert type(built) is type(constructed)
+    assert built == constructed
+    assert built.model_dump() == constructed.model_dump()
+    assert built.model_dump_json() == constructed.model_dump_json()  # by alias, as the wire has it
+    assert built.model_fields_set == constructed.model_fields_set == set(values())
+    assert built.model_copy(update={"attempt": 3}).attempt == 3
+    assert built.attempt == 2 and built.payload == {"order_id": 7, "lines": [1, 2]}
+
+
+def test_it_stays_frozen() -> None:
+    built = _construct_message(values())
+    with pytest.raises(ValidationError):
+        built.attempt = 5  # type: ignore[misc]
+
+
+def test_values_that_do_not_name_every_field_take_model_construct() -> None:
+    partial = values()
+    del partial["correlation_id"]
+    built = _construct_message(partial)
+    assert built.correlation_id is None
+    assert built.model_fields_set == set(partial)
