@@ -315,6 +315,17 @@ def _checked_attributes(items: tuple[tuple[str, Any], ...]) -> tuple[str, int]:
     return attributes_json, _utf8_len(attributes_json, "attributes", "InvalidField")
 
 
+def _attributes_part(attributes: dict[str, Any]) -> tuple[str, int]:
+    """The envelope's attributes JSON and its size in bytes (``{}`` when there are none), checked."""
+    if not attributes:
+        return "{}", 2
+    try:
+        return _checked_attributes(tuple(attributes.items()))
+    except TypeError:  # a value that cannot be hashed is no string: the check says so
+        _check_attributes(attributes)
+        raise
+
+
 def _check_schedule(request: PublishRequest) -> None:
     if request.delay_seconds is not None and request.not_before is not None:
         raise RequestRejected(
@@ -369,12 +380,7 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
     Raises :class:`RequestRejected` with a clear error when it breaks one.
     """
     attributes = request.attributes
-    if attributes:
-        try:
-            attributes_json, attributes_size = _checked_attributes(tuple(attributes.items()))
-        except TypeError:  # a value that cannot be hashed is no string: the check says so
-            _check_attributes(attributes)
-            raise
+    attributes_json, attributes_size = _attributes_part(attributes)
     references = (request.partition_key, request.payload_ref, request.correlation_id)
     if references != _NO_TEXT or request.deduplication_key is not None:
         _text_field("partition_key", request.partition_key)
@@ -385,11 +391,7 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
     if request.not_before is not None or backoff is not None:
         _check_schedule(request)
     payload_json, size = _payload_json(request.payload)
-    if attributes:
-        size += attributes_size
-    else:
-        attributes_json = "{}"
-        size += 2
+    size += attributes_size
     head = _NO_REFERENCES if references == _NO_TEXT else _encode(references)
     content = f"{head}\n{attributes_json}\n{payload_json}"
     if size > max_envelope_bytes:
@@ -442,22 +444,13 @@ def prepare_parts(
     of floats for ``backoff_seconds``): the jobs layer, once per job. The envelope rules are
     checked as :func:`prepare` checks them; raises :class:`RequestRejected`.
     """
-    if attributes:
-        try:
-            attributes_json, attributes_size = _checked_attributes(tuple(attributes.items()))
-        except TypeError:  # a value that cannot be hashed is no string: the check says so
-            _check_attributes(attributes)
-            raise
+    attributes_json, attributes_size = _attributes_part(attributes)
     if deduplication_key is not None:
         _text_field("deduplication_key", deduplication_key)
     if backoff_seconds is not None:
         _check_backoff(backoff_seconds)
     payload_json, size = _payload_json(payload)
-    if attributes:
-        size += attributes_size
-    else:
-        attributes_json = "{}"
-        size += 2
+    size += attributes_size
     if size > max_envelope_bytes:
         raise _too_large(size, max_envelope_bytes)
     return PreparedMessage(
