@@ -396,7 +396,7 @@ async def run_client(dep: Deployment, clients: int, duration: float, seed: int, 
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    return await asyncio.to_thread(take_json, out, getattr(args, "keep_client_records", False))
+    return await asyncio.to_thread(take_json, out, args.keep_client_records)
 
 
 def take_json(path: Path, keep: bool = False) -> dict[str, Any]:
@@ -457,7 +457,7 @@ async def run_level(dep: Deployment, clients: int, seed: int) -> dict[str, Any]:
     load_before = loadavg()
 
     async def hold(status: str) -> None:
-        for subscription in ("orders.email", "orders.audit"):
+        for subscription in setup.worker_subscriptions:
             await counters.conn.execute("SELECT * FROM workqueue.set_subscription_status($1, $2)", subscription,
                                         status)
 
