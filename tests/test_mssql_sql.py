@@ -54,10 +54,10 @@ PURE_HELPERS = frozenset({"backoff_seconds", "filter_matches"})
 HELPER_OBJECTS = frozenset({"random_draw"})
 """SQL Server objects without a PostgreSQL twin: the view backoff_seconds draws its jitter from
 (a T-SQL function may not call RAND()). It is a view, not a routine."""
-POSTGRESQL_ONLY = frozenset({"publish_one"})
+POSTGRESQL_ONLY = frozenset({"publish_one", "publish_one_quiet"})
 """PostgreSQL functions without a T-SQL routine: publish_one is publish for one message with
-scalars, which only the PostgreSQL transport calls (``postgres.py``); every other dialect calls
-publish for that too."""
+scalars, and publish_one_quiet the same without its NOTIFY (0030), which only the PostgreSQL
+transport calls (``postgres.py``); every other dialect calls publish for that too."""
 RETURN_STATUS = frozenset({"refresh_partition", "rederive_stale"})
 """Answer through the procedure's return status instead of a result set (only other procedures
 call them; a result set would reach their client)."""

@@ -1,11 +1,17 @@
-"""LISTEN/NOTIFY wake-ups on a connection of its own, reconnecting by itself."""
+"""LISTEN/NOTIFY wake-ups: a listener on a connection of its own, reconnecting by itself, and a
+sender that notifies after the publishing transaction has committed.
+
+A notification's payload names the subscriptions to wake: one id, or several joined by commas
+(``"3,5"``); ``"*"`` wakes every consumer, and so does a payload that names none.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import asyncpg
@@ -13,6 +19,33 @@ import asyncpg
 log = logging.getLogger("fastapi_workqueue.listener")
 
 WAKE_ALL = "*"
+
+MAX_PAYLOAD_BYTES = 7999
+"""A NOTIFY payload must be shorter than 8,000 bytes: longer lists of ids go in several."""
+
+
+def parse_wakeup(payload: str) -> list[str]:
+    """The subscription ids a notification names: ``"3,5"`` gives ``["3", "5"]``; ``"*"``, or a
+    payload that is not a list of ids, gives ``["*"]`` (wake everyone: a wake-up is only a hint)."""
+    parts = payload.split(",")
+    if all(part.isdigit() for part in parts):
+        return parts
+    return [WAKE_ALL]
+
+
+def wakeup_payloads(subscription_ids: Iterable[int]) -> list[str]:
+    """The payloads that name ``subscription_ids``: comma-joined, each within the NOTIFY limit."""
+    payloads: list[str] = []
+    current = ""
+    for sid in subscription_ids:
+        text = str(sid)
+        if current and len(current) + 1 + len(text) > MAX_PAYLOAD_BYTES:
+            payloads.append(current)
+            current = ""
+        current = f"{current},{text}" if current else text
+    if current:
+        payloads.append(current)
+    return payloads
 
 
 class NotificationListener:
@@ -46,7 +79,8 @@ class NotificationListener:
         await self._drop()
 
     def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: object) -> None:
-        self._callback(str(payload))
+        for subscription_id in parse_wakeup(str(payload)):
+            self._callback(subscription_id)
 
     def _on_terminate(self, _conn: Any) -> None:
         self._lost.set()
@@ -88,3 +122,58 @@ class NotificationListener:
                 except Exception as exc:
                     log.warning("LISTEN connection did not answer (%s); reconnecting", exc)
             await self._drop()
+
+
+class NotificationSender:
+    """Sends wake-ups with NOTIFY on ``channel``, each from a connection that ``acquire()`` lends,
+    in a transaction that writes nothing.
+
+    A transaction that notifies holds a lock of the whole database from its commit until that
+    commit is flushed, so NOTIFY inside a publishing transaction makes concurrent publishers commit
+    one at a time. The publish answers whom to wake instead, and the transport calls :meth:`send`
+    once the transaction has committed. Ids sent while a NOTIFY is on its way go together in the
+    next one. A NOTIFY that fails is logged and dropped: consumers find the work on their next poll.
+    """
+
+    def __init__(self, channel: str, acquire: Callable[[], AbstractAsyncContextManager[Any]]) -> None:
+        self._channel = channel
+        self._acquire = acquire
+        self._pending: set[int] = set()
+        self._task: asyncio.Task[None] | None = None
+        self.sent = 0
+        """NOTIFY statements sent so far (several publishes' wake-ups may share one)."""
+        self.close_seconds = 2.0
+        """How long :meth:`close` waits for the pending wake-ups to go out."""
+
+    def send(self, subscription_ids: Iterable[int]) -> None:
+        """Wakes ``subscription_ids`` soon; not a coroutine (it runs inside a commit)."""
+        self._pending.update(subscription_ids)
+        if self._pending and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._flush(), name="workqueue-notify")
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending:
+                ids, self._pending = sorted(self._pending), set()
+                try:
+                    async with self._acquire() as conn:
+                        for payload in wakeup_payloads(ids):
+                            await conn.execute("SELECT pg_notify($1, $2)", self._channel, payload)
+                            self.sent += 1
+                except Exception as exc:
+                    log.warning("wake-up NOTIFY failed (%s); the consumers find the work on their next poll", exc)
+        finally:
+            self._task = None
+
+    async def close(self) -> None:
+        """Sends what is pending (for at most :attr:`close_seconds`), then stops."""
+        task = self._task
+        if task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.close_seconds)
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._pending.clear()

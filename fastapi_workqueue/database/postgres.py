@@ -12,11 +12,11 @@ import asyncpg
 from ..core.envelope import PreparedMessage, PublishResult
 from ..core.transport import Capabilities
 from .errors import map_error, with_retries
-from .listener import NotificationListener
+from .listener import NotificationListener, NotificationSender
 from .migrations import apply_postgres_migrations
 from .pool import ConnectionPool
 from .routines import RandomSource, RoutineTransport, Row, accepted, backoff_schedule_json, publish_result
-from .session import fetch_asyncpg
+from .session import after_commit, fetch_asyncpg
 
 log = logging.getLogger("fastapi_workqueue.postgres")
 
@@ -77,6 +77,7 @@ class PostgresTransport(RoutineTransport):
         self._pool: ConnectionPool | None = None
         self._listen = listen
         self._listener: NotificationListener | None = None
+        self._sender: NotificationSender | None = None
         self._statements: dict[tuple[str, tuple[str, ...]], str] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -89,6 +90,7 @@ class PostgresTransport(RoutineTransport):
             pool = ConnectionPool(self._connect, min_size=self._pool_min_size, max_size=self._pool_max_size)
             await pool.open()
             self._pool = pool
+            self._sender = NotificationSender(CHANNEL, pool.acquire)
         except Exception as exc:
             raise map_error(exc, f"connecting to {self._safe_url()}") from exc
         if self._wakeup_listeners:
@@ -105,6 +107,9 @@ class PostgresTransport(RoutineTransport):
         if self._listener is not None:
             await self._listener.stop()
             self._listener = None
+        if self._sender is not None:
+            sender, self._sender = self._sender, None
+            await sender.close()
         if self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
@@ -130,13 +135,17 @@ class PostgresTransport(RoutineTransport):
         return self._pool
 
     async def _publish_via(self, topic: str, messages: Sequence[PreparedMessage], **via: Any) -> list[PublishResult]:
-        """One message without a deduplication key goes to ``publish_one`` (0012): the same
-        answers as ``publish``, with a value per parameter instead of arrays of one."""
+        """One message without a deduplication key goes to ``publish_one_quiet`` (0030): the same
+        answers as ``publish``, with a value per parameter instead of arrays of one, and no NOTIFY
+        in the publishing transaction: the subscriptions it names are woken once that transaction
+        has committed (:meth:`_wake_after_commit`). Inside a transaction of the transport's own
+        (``connection=``, a settle's follow-ups) ``publish_one`` notifies as before."""
         if len(messages) != 1 or messages[0].deduplication_key is not None:
             return await super()._publish_via(topic, messages, **via)
         m = messages[0]
+        quiet = via.get("connection") is None
         rows = await self.call(
-            "publish_one",
+            "publish_one_quiet" if quiet else "publish_one",
             **via,
             p_topic=topic,
             p_message_id=m.message_id,
@@ -152,9 +161,24 @@ class PostgresTransport(RoutineTransport):
             p_backoff_schedule=backoff_schedule_json(m),
             p_envelope_bytes=m.envelope_bytes,
         )
-        if not rows:  # no rows: Accepted
+        if not rows:  # no rows: Accepted (and, from publish_one_quiet, nobody to wake)
             return [accepted(m)]
-        return [publish_result(rows[0], m)]
+        row = rows[0]
+        if quiet and row["wake_subscriptions"] is not None:
+            self._wake_after_commit(via.get("session"), row["wake_subscriptions"])
+            return [accepted(m)]
+        return [publish_result(row, m)]
+
+    def _wake_after_commit(self, session: Any, subscription_ids: Sequence[int]) -> None:
+        """NOTIFY ``subscription_ids`` once ``session``'s transaction commits, or now when the
+        publish ran in a transaction of its own (committed by the time it answered)."""
+        sender = self._sender
+        if sender is None:
+            return
+        if session is None:
+            sender.send(subscription_ids)
+        else:
+            after_commit(session, lambda: sender.send(subscription_ids))
 
     async def call(
         self, routine: str, *, retry: bool = True, session: Any = None, connection: Any = None, **params: Any

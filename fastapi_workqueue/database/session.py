@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
@@ -54,3 +54,19 @@ async def fetch_asyncpg(session: Any, sql: str, args: Sequence[Any]) -> Sequence
         rows: Sequence[Any] = await driver.fetch(sql, *args)
     return rows
 
+
+
+def after_commit(session: Any, callback: Callable[[], None]) -> None:
+    """Calls ``callback()`` once the transaction of ``session`` (an ``AsyncSession`` or
+    ``AsyncConnection``) commits; a rollback never calls it. It runs inside the commit, on the
+    event loop's thread: it must not block, and an error it raises is the commit's."""
+    from sqlalchemy import event
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    def fire(*_args: Any) -> None:
+        callback()
+
+    if isinstance(session, AsyncSession):
+        event.listen(session.sync_session, "after_commit", fire, once=True)
+    else:  # an AsyncConnection
+        event.listen(session.sync_connection, "commit", fire, once=True)

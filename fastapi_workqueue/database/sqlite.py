@@ -27,6 +27,7 @@ from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
 from . import sqlite_history  # noqa: F401  (registers the stats history routines)
 from .routines import RandomSource, RoutineTransport, Row
+from .session import after_commit
 from .sql_files import migrations, read
 from .sqlite_routines import READ_ONLY, ROUTINES, Call
 
@@ -373,19 +374,13 @@ class SqliteTransport(RoutineTransport):
         """Wakes this process's consumers when the caller's transaction commits (what NOTIFY does
         on PostgreSQL). A rollback wakes nobody; the listener then waits for that session's next
         commit: at worst a spurious wake-up, which is only a hint to claim."""
-        from sqlalchemy import event
-        from sqlalchemy.ext.asyncio import AsyncSession
-
         ids = sorted(subscription_ids)
 
-        def wake(*_args: Any) -> None:
+        def wake() -> None:
             for subscription_id in ids:
                 self._dispatch_wakeup(str(subscription_id))
 
-        if isinstance(session, AsyncSession):
-            event.listen(session.sync_session, "after_commit", wake, once=True)
-        else:  # an AsyncConnection: its commit (a claim that wakes early waits for the writer)
-            event.listen(session.sync_connection, "commit", wake, once=True)
+        after_commit(session, wake)
 
     async def dialect_issues(self) -> list[BindingIssue]:
         return [BindingIssue(severity="Info", subject="sqlite", message=note) for note in self.capabilities.notes]

@@ -1,4 +1,4 @@
--- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0029).
+-- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0030).
 --
 -- This file is for reading: the tables and their indexes first, then every function grouped by
 -- concern, each with what it does. `workqueue migrate` applies the versioned migrations
@@ -875,8 +875,10 @@ BEGIN
 END
 $$;
 
--- publish for one message without a deduplication key, with a value per parameter: the same rows
--- and answers (no rows when Accepted). It writes the message and its deliveries to every kind of
+-- publish for one message without a deduplication key, with a value per parameter, and without a
+-- NOTIFY (0030): the same rows and answers as publish, except that an Accepted message with work to
+-- claim now answers one row (status Accepted) whose wake_subscriptions the caller notifies once the
+-- transaction has committed; no rows when Accepted with nobody to wake. It writes the message and its deliveries to every kind of
 -- subscription itself, keys locked and pointed at as publish does (0026); an unknown topic, a
 -- message over the cap or a stored MessageID it hands to publish, which tells which.
 --
@@ -884,7 +886,7 @@ $$;
 -- the key handling below) run with plan_cache_mode = force_generic_plan and enable_seqscan = off
 -- (0026): each statement is planned once per session, on the indexes it was written for, instead
 -- of again on every call with the call's values.
-CREATE OR REPLACE FUNCTION workqueue.publish_one(
+CREATE OR REPLACE FUNCTION workqueue.publish_one_quiet(
     p_topic text,
     p_message_id uuid,
     p_partition_key text,
@@ -898,7 +900,8 @@ CREATE OR REPLACE FUNCTION workqueue.publish_one(
     p_max_attempts integer,
     p_backoff_schedule text,
     p_envelope_bytes integer
-) RETURNS TABLE (idx integer, status text, message_id uuid, error_code text, error_message text)
+) RETURNS TABLE (idx integer, status text, message_id uuid, error_code text, error_message text,
+                wake_subscriptions integer[])
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
@@ -912,6 +915,7 @@ DECLARE
     v_ids bigint[];
     v_modes smallint[];
     v_notify integer[];
+    v_wake integer[];
 BEGIN
     -- The message INSERT carries the guard: the topic exists and the message is within its cap.
     INSERT INTO workqueue.message AS m (id, topic, partition_key, attributes, payload, payload_ref,
@@ -927,11 +931,11 @@ BEGIN
         -- deduplication keys go as an array of one NULL, not as NULL: publish then takes its general
         -- path at once (the same answers, as 0010 says).
         RETURN QUERY
-        SELECT * FROM workqueue.publish(
+        SELECT r.*, NULL::integer[] FROM workqueue.publish(
             p_topic, ARRAY[p_message_id], ARRAY[p_partition_key], ARRAY[p_attributes], ARRAY[p_payload],
             ARRAY[p_payload_ref], ARRAY[p_correlation_id], ARRAY[p_content_hash], ARRAY[NULL::text], NULL,
             ARRAY[p_delay], ARRAY[p_not_before], ARRAY[p_max_attempts], ARRAY[p_backoff_schedule],
-            ARRAY[p_envelope_bytes]);
+            ARRAY[p_envelope_bytes]) AS r;
         RETURN;
     END IF;
     v_visible := CASE WHEN p_not_before IS NULL AND p_delay IS NULL THEN now()
@@ -989,13 +993,64 @@ BEGIN
         SELECT array_agg(pointed.subscription_id) INTO v_notify FROM pointed;
     END IF;
     IF v_visible <= now() THEN
-        -- One wake-up per subscription with work to claim now: its unkeyed delivery, or a key it
-        -- can claim.
-        PERFORM pg_notify('workqueue', x.sid::text)
+        -- The subscriptions with work to claim now (its unkeyed delivery, or a key it can claim)
+        -- are answered, not notified: the caller wakes them once the transaction has committed.
+        SELECT array_agg(x.sid ORDER BY x.sid) INTO v_wake
         FROM unnest(v_sids, v_modes) AS x(sid, mode)
-        WHERE x.mode = 0 OR x.sid = ANY (v_notify)
-        ORDER BY x.sid;
+        WHERE x.mode = 0 OR x.sid = ANY (v_notify);
+        IF v_wake IS NOT NULL THEN
+            RETURN QUERY SELECT 0, 'Accepted'::text, p_message_id, NULL::text, NULL::text, v_wake;
+            RETURN;
+        END IF;
     END IF;
+    RETURN;  -- no rows: Accepted, nobody to wake
+END
+$$;
+
+-- publish_one_quiet with the NOTIFY in the caller's transaction, and publish's answers (no rows when
+-- Accepted): what the transport calls inside a transaction of its own, and what an earlier
+-- version calls.
+CREATE OR REPLACE FUNCTION workqueue.publish_one(
+    p_topic text,
+    p_message_id uuid,
+    p_partition_key text,
+    p_attributes jsonb,
+    p_payload text,
+    p_payload_ref text,
+    p_correlation_id text,
+    p_content_hash text,
+    p_delay double precision,
+    p_not_before timestamptz,
+    p_max_attempts integer,
+    p_backoff_schedule text,
+    p_envelope_bytes integer
+) RETURNS TABLE (idx integer, status text, message_id uuid, error_code text, error_message text)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_row record;
+BEGIN
+    FOR v_row IN
+        SELECT * FROM workqueue.publish_one_quiet(
+            p_topic, p_message_id, p_partition_key, p_attributes, p_payload, p_payload_ref,
+            p_correlation_id, p_content_hash, p_delay, p_not_before, p_max_attempts,
+            p_backoff_schedule, p_envelope_bytes)
+    LOOP
+        IF v_row.wake_subscriptions IS NOT NULL THEN
+            PERFORM pg_notify('workqueue', sid::text) FROM unnest(v_row.wake_subscriptions) AS sid;
+        ELSE
+            idx := v_row.idx;
+            status := v_row.status;
+            message_id := v_row.message_id;
+            error_code := v_row.error_code;
+            error_message := v_row.error_message;
+            RETURN NEXT;
+        END IF;
+    END LOOP;
     RETURN;  -- no rows: Accepted
 END
 $$;
@@ -2657,6 +2712,8 @@ DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_runtime') THEN
         GRANT EXECUTE ON FUNCTION workqueue.publish_one(text, uuid, text, jsonb, text, text, text, text,
+                                                        double precision, timestamptz, integer, text, integer),
+                                  workqueue.publish_one_quiet(text, uuid, text, jsonb, text, text, text, text,
                                                         double precision, timestamptz, integer, text, integer),
                                   workqueue.settle(bigint[], uuid[], text[], double precision[], text[], text[],
                                                    double precision[]),

@@ -1,0 +1,212 @@
+"""PostgreSQL wakes a publish's consumers after the publishing transaction commits, not inside it
+(0030): the transaction that writes the message sends no NOTIFY (a notifying commit holds a lock of
+the whole database until it is flushed), and one NOTIFY of its own names every subscription to wake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+from fastapi_workqueue import PublishRequest, Subscription, Topic
+from fastapi_workqueue.core.envelope import prepare
+from fastapi_workqueue.database.listener import (
+    MAX_PAYLOAD_BYTES,
+    WAKE_ALL,
+    NotificationListener,
+    parse_wakeup,
+    wakeup_payloads,
+)
+from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
+
+from .conftest import unique
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_payload_names_one_or_several_subscriptions_and_anything_else_wakes_all() -> None:
+    assert parse_wakeup("7") == ["7"]
+    assert parse_wakeup("3,5,12") == ["3", "5", "12"]
+    for unreadable in ("*", "", "3,,5", "3,x", "subscription", " 3"):
+        assert parse_wakeup(unreadable) == [WAKE_ALL], unreadable
+
+
+def test_long_lists_of_ids_are_split_within_the_notify_limit() -> None:
+    assert wakeup_payloads([]) == []
+    assert wakeup_payloads([4, 9]) == ["4,9"]
+    ids = list(range(1_000_000, 1_003_000))
+    payloads = wakeup_payloads(ids)
+    assert len(payloads) > 1
+    assert all(len(p.encode()) <= MAX_PAYLOAD_BYTES for p in payloads)
+    assert [int(i) for p in payloads for i in parse_wakeup(p)] == ids
+
+
+class Heard:
+    """What a plain LISTEN connection on the queue's channel receives."""
+
+    def __init__(self) -> None:
+        self.payloads: list[str] = []
+
+    def __call__(self, *args: object) -> None:
+        self.payloads.append(str(args[3]))
+
+    def ids(self, among: set[str]) -> list[str]:
+        return sorted((i for p in self.payloads for i in parse_wakeup(p) if i in among), key=int)
+
+    async def until(self, count: int, among: set[str]) -> None:
+        for _ in range(250):
+            if len(self.ids(among)) >= count:
+                return
+            await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def listening(pg_url: str) -> AsyncIterator[Heard]:
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    heard = Heard()
+    await conn.add_listener("workqueue", heard)
+    try:
+        yield heard
+    finally:
+        await conn.close()
+
+
+async def two_subscriptions(transport: PostgresTransport) -> tuple[str, set[str]]:
+    topic = unique("wake-topic")
+    names = {unique("wake-a"), unique("wake-b")}
+    await transport.sync_topology([Topic(name=topic)], [
+        Subscription(name=name, topic=topic, handler_key="h") for name in sorted(names)
+    ])
+    ids = {s.id for s in await transport.list_subscriptions() if s.name in names}
+    assert len(ids) == 2
+    return topic, ids
+
+
+async def test_a_publish_in_a_session_notifies_once_it_commits_and_never_on_rollback(
+    pg_url: str, pg_transport: PostgresTransport, listening: Heard
+) -> None:
+    topic, ids = await two_subscriptions(pg_transport)
+    engine = create_async_engine(pg_url)
+    try:
+        async with AsyncSession(engine) as session:
+            async with session.begin():
+                [result] = await pg_transport.publish(topic, [prepare(PublishRequest(payload=1))], session=session)
+                assert result.status == "Accepted"
+                await asyncio.sleep(0.3)
+                assert listening.ids(ids) == []  # written, not committed: nobody is woken
+                await session.rollback()
+            await asyncio.sleep(0.3)
+            assert listening.ids(ids) == []  # rolled back: nobody ever is
+
+            async with session.begin():
+                await session.execute(text("SELECT 1"))
+                [result] = await pg_transport.publish(topic, [prepare(PublishRequest(payload=2))], session=session)
+                assert result.status == "Accepted"
+            await listening.until(2, ids)
+    finally:
+        await engine.dispose()
+    assert listening.ids(ids) == sorted(ids, key=int)
+    assert ",".join(sorted(ids, key=int)) in listening.payloads  # both in one NOTIFY
+
+
+async def test_the_publishing_transaction_itself_sends_no_notify(
+    pg_url: str, pg_transport: PostgresTransport, listening: Heard
+) -> None:
+    """publish_one_quiet answers whom to wake; the transaction that called it notifies nobody."""
+    topic, ids = await two_subscriptions(pg_transport)
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        async with conn.transaction():
+            rows = await pg_transport.call(
+                "publish_one_quiet", connection=conn, p_topic=topic,
+                p_message_id=prepare(PublishRequest(payload=3)).message_id, p_partition_key=None,
+                p_attributes=None, p_payload="3", p_payload_ref=None, p_correlation_id=None, p_content_hash="3",
+                p_delay=None, p_not_before=None, p_max_attempts=None, p_backoff_schedule=None,
+                p_envelope_bytes=10)
+        [row] = rows
+        assert (row["status"], sorted(map(str, row["wake_subscriptions"]), key=int)) == (
+            "Accepted", sorted(ids, key=int))
+        # Delayed: nothing to claim now, nobody to wake, no rows (Accepted).
+        async with conn.transaction():
+            later = await pg_transport.call(
+                "publish_one_quiet", connection=conn, p_topic=topic,
+                p_message_id=prepare(PublishRequest(payload=4)).message_id, p_partition_key=None,
+                p_attributes=None, p_payload="4", p_payload_ref=None, p_correlation_id=None, p_content_hash="4",
+                p_delay=30.0, p_not_before=None, p_max_attempts=None, p_backoff_schedule=None,
+                p_envelope_bytes=10)
+        assert list(later) == []
+    finally:
+        await conn.close()
+    await asyncio.sleep(0.3)
+    assert listening.ids(ids) == []
+
+
+async def test_publish_one_still_notifies_in_its_transaction_for_an_earlier_version(
+    pg_url: str, pg_transport: PostgresTransport, listening: Heard
+) -> None:
+    """What a process of the version before 0030 calls keeps its answers and its wake-ups."""
+    topic, ids = await two_subscriptions(pg_transport)
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        async with conn.transaction():
+            rows = await conn.fetch(
+                "SELECT * FROM workqueue.publish_one($1, $2, NULL, NULL, '5', NULL, NULL, '5', "
+                "NULL, NULL, NULL, NULL, 10)",
+                topic, prepare(PublishRequest(payload=5)).message_id)
+            assert list(rows) == []  # no rows: Accepted
+    finally:
+        await conn.close()
+    await listening.until(2, ids)
+    assert listening.ids(ids) == sorted(ids, key=int)
+    assert sorted(ids, key=int) == sorted((p for p in listening.payloads if p in ids), key=int)  # one id each
+
+
+async def test_the_listener_wakes_each_subscription_a_payload_names(pg_url: str) -> None:
+    woken: list[str] = []
+    channel = unique("wake_channel").replace("-", "_")
+    listener = NotificationListener(to_asyncpg_dsn(pg_url), channel, woken.append)
+    await listener.start()
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        await conn.execute("SELECT pg_notify($1, '3,5')", channel)
+        await conn.execute("SELECT pg_notify($1, 'not ids')", channel)
+        await conn.execute("SELECT pg_notify($1, '8')", channel)
+        for _ in range(250):
+            if len(woken) >= 4:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        await conn.close()
+        await listener.stop()
+    assert woken == ["3", "5", WAKE_ALL, "8"]
+
+
+async def test_a_consumer_in_another_process_is_woken_by_a_session_publish(pg_url: str) -> None:
+    """End to end: the transport that listens hears the wake-up that another one sends after its
+    session's commit, for its own subscription id."""
+    publisher = PostgresTransport(pg_url, listen=False, pool_max_size=2)
+    consumer = PostgresTransport(pg_url, pool_max_size=2)
+    await publisher.open()
+    await consumer.open()
+    woken: list[str] = []
+    engine = create_async_engine(pg_url)
+    try:
+        topic, ids = await two_subscriptions(publisher)
+        await consumer.add_wakeup_listener(woken.append)
+        async with AsyncSession(engine) as session, session.begin():
+            await publisher.publish(topic, [prepare(PublishRequest(payload=6))], session=session)
+        for _ in range(250):
+            if ids <= set(woken):
+                break
+            await asyncio.sleep(0.02)
+        assert ids <= set(woken)
+        assert publisher._sender is not None and publisher._sender.sent >= 1
+    finally:
+        await engine.dispose()
+        await consumer.close()
+        await publisher.close()
