@@ -6,7 +6,9 @@ the whole database until it is flushed), and one NOTIFY of its own names every s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import asyncpg
 import pytest
@@ -19,6 +21,7 @@ from fastapi_workqueue.database.listener import (
     MAX_PAYLOAD_BYTES,
     WAKE_ALL,
     NotificationListener,
+    NotificationSender,
     parse_wakeup,
     wakeup_payloads,
 )
@@ -82,7 +85,7 @@ async def two_subscriptions(transport: PostgresTransport) -> tuple[str, set[str]
     await transport.sync_topology([Topic(name=topic)], [
         Subscription(name=name, topic=topic, handler_key="h") for name in sorted(names)
     ])
-    ids = {s.id for s in await transport.list_subscriptions() if s.name in names}
+    ids = {str(s.id) for s in await transport.list_subscriptions() if s.name in names}
     assert len(ids) == 2
     return topic, ids
 
@@ -210,3 +213,37 @@ async def test_a_consumer_in_another_process_is_woken_by_a_session_publish(pg_ur
         await engine.dispose()
         await consumer.close()
         await publisher.close()
+
+
+async def test_wake_ups_sent_together_share_one_notify(pg_url: str, pg_transport: PostgresTransport) -> None:
+    """Publishes that commit before the sender gets to run are woken by one NOTIFY naming them all;
+    a failed NOTIFY is dropped (logged) and the sender keeps working."""
+    channel = unique("wake_together").replace("-", "_")
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    heard = Heard()
+    await conn.add_listener(channel, heard)
+    sender = NotificationSender(channel, pg_transport.pool.acquire)
+    try:
+        for sid in range(100, 120):
+            sender.send([sid, sid + 1000])
+        for _ in range(250):
+            if heard.payloads:
+                break
+            await asyncio.sleep(0.02)
+        await sender.close()
+        assert sender.sent == 1
+        assert [int(i) for p in heard.payloads for i in parse_wakeup(p)] == sorted(
+            [*range(100, 120), *range(1100, 1120)])
+
+        broken = NotificationSender(channel, lambda: _refusing())
+        broken.send([5])
+        await broken.close()
+        assert broken.sent == 0
+    finally:
+        await conn.close()
+
+
+@contextlib.asynccontextmanager
+async def _refusing() -> AsyncIterator[Any]:
+    raise ConnectionError("the pool is closed")
+    yield  # pragma: no cover

@@ -132,7 +132,10 @@ class NotificationSender:
     commit is flushed, so NOTIFY inside a publishing transaction makes concurrent publishers commit
     one at a time. The publish answers whom to wake instead, and the transport calls :meth:`send`
     once the transaction has committed. Ids sent while a NOTIFY is on its way go together in the
-    next one. A NOTIFY that fails is logged and dropped: consumers find the work on their next poll.
+    next one, and under load one NOTIFY goes at most every :attr:`min_interval` seconds (the first
+    after a quiet spell at once): a round trip per publish would cost the publishing process as
+    much CPU as the lock cost it time. A NOTIFY that fails is logged and dropped: consumers find the
+    work on their next poll.
     """
 
     def __init__(self, channel: str, acquire: Callable[[], AbstractAsyncContextManager[Any]]) -> None:
@@ -144,6 +147,9 @@ class NotificationSender:
         """NOTIFY statements sent so far (several publishes' wake-ups may share one)."""
         self.close_seconds = 2.0
         """How long :meth:`close` waits for the pending wake-ups to go out."""
+        self.min_interval = 0.002
+        """Seconds between the starts of two NOTIFYs: a wake-up waits at most this long."""
+        self._last = float("-inf")
 
     def send(self, subscription_ids: Iterable[int]) -> None:
         """Wakes ``subscription_ids`` soon; not a coroutine (it runs inside a commit)."""
@@ -153,8 +159,13 @@ class NotificationSender:
 
     async def _flush(self) -> None:
         try:
+            loop = asyncio.get_running_loop()
             while self._pending:
+                wait = self._last + self.min_interval - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
                 ids, self._pending = sorted(self._pending), set()
+                self._last = loop.time()
                 try:
                     async with self._acquire() as conn:
                         for payload in wakeup_payloads(ids):
