@@ -67,6 +67,27 @@ class Heard:
                 return
             await asyncio.sleep(0.02)
 
+    async def settled(self, pg_url: str, transport: PostgresTransport) -> None:
+        """Returns once every NOTIFY the transport sent so far has arrived: its sender has nothing
+        left to send, then a sentinel NOTIFY sent after that comes back (NOTIFYs arrive in the
+        order of their commits)."""
+        for _ in range(250):
+            sender = transport._sender
+            if sender is None or sender._task is None:
+                break
+            await asyncio.sleep(0.02)
+        sentinel = f"sentinel-{len(self.payloads)}-{id(self)}"
+        conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+        try:
+            await conn.execute("SELECT pg_notify('workqueue', $1)", sentinel)
+        finally:
+            await conn.close()
+        for _ in range(250):
+            if sentinel in self.payloads:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("the sentinel NOTIFY never arrived")
+
 
 @pytest.fixture
 async def listening(pg_url: str) -> AsyncIterator[Heard]:
@@ -93,28 +114,105 @@ async def two_subscriptions(transport: PostgresTransport) -> tuple[str, set[str]
 async def test_a_publish_in_a_session_notifies_once_it_commits_and_never_on_rollback(
     pg_url: str, pg_transport: PostgresTransport, listening: Heard
 ) -> None:
-    topic, ids = await two_subscriptions(pg_transport)
+    rolled_back, rolled_back_ids = await two_subscriptions(pg_transport)
+    committed, committed_ids = await two_subscriptions(pg_transport)
     engine = create_async_engine(pg_url)
     try:
         async with AsyncSession(engine) as session:
             async with session.begin():
-                [result] = await pg_transport.publish(topic, [prepare(PublishRequest(payload=1))], session=session)
+                [result] = await pg_transport.publish(rolled_back, [prepare(PublishRequest(payload=1))],
+                                                      session=session)
                 assert result.status == "Accepted"
-                await asyncio.sleep(0.3)
-                assert listening.ids(ids) == []  # written, not committed: nobody is woken
+                await listening.settled(pg_url, pg_transport)
+                assert listening.ids(rolled_back_ids) == []  # written, not committed: nobody is woken
                 await session.rollback()
-            await asyncio.sleep(0.3)
-            assert listening.ids(ids) == []  # rolled back: nobody ever is
-
+            # The same session commits twice more: neither commit wakes the rolled-back publish's
+            # subscriptions; the one that published wakes its own, in one NOTIFY.
             async with session.begin():
                 await session.execute(text("SELECT 1"))
-                [result] = await pg_transport.publish(topic, [prepare(PublishRequest(payload=2))], session=session)
+            async with session.begin():
+                [result] = await pg_transport.publish(committed, [prepare(PublishRequest(payload=2))],
+                                                      session=session)
                 assert result.status == "Accepted"
-            await listening.until(2, ids)
+            await listening.settled(pg_url, pg_transport)
     finally:
         await engine.dispose()
-    assert listening.ids(ids) == sorted(ids, key=int)
-    assert ",".join(sorted(ids, key=int)) in listening.payloads  # both in one NOTIFY
+    assert listening.ids(rolled_back_ids) == []
+    assert listening.ids(committed_ids) == sorted(committed_ids, key=int)
+    assert ",".join(sorted(committed_ids, key=int)) in listening.payloads  # both in one NOTIFY
+
+
+async def test_a_released_savepoint_wakes_nobody_until_the_transaction_commits(
+    pg_url: str, pg_transport: PostgresTransport, listening: Heard
+) -> None:
+    dropped, dropped_ids = await two_subscriptions(pg_transport)
+    kept, kept_ids = await two_subscriptions(pg_transport)
+    engine = create_async_engine(pg_url)
+    try:
+        async with AsyncSession(engine) as session:
+            await session.begin()
+            async with session.begin_nested():
+                await pg_transport.publish(dropped, [prepare(PublishRequest(payload=3))], session=session)
+            await listening.settled(pg_url, pg_transport)
+            assert listening.ids(dropped_ids) == []  # the savepoint is released; the transaction goes on
+            await session.rollback()
+
+            await session.begin()
+            async with session.begin_nested():
+                await pg_transport.publish(kept, [prepare(PublishRequest(payload=4))], session=session)
+            await session.commit()
+            await listening.settled(pg_url, pg_transport)
+    finally:
+        await engine.dispose()
+    assert listening.ids(dropped_ids) == []
+    assert listening.ids(kept_ids) == sorted(kept_ids, key=int)
+
+
+async def test_a_session_joined_to_an_outer_transaction_wakes_nobody_at_its_own_commit(
+    pg_url: str, pg_transport: PostgresTransport, listening: Heard
+) -> None:
+    """The test-suite pattern: a session bound to a connection whose transaction began outside it.
+    Its commit commits nothing, so it wakes nobody; the outer transaction rolls back."""
+    topic, ids = await two_subscriptions(pg_transport)
+    engine = create_async_engine(pg_url)
+    try:
+        async with engine.connect() as conn:
+            outer = await conn.begin()
+            async with AsyncSession(bind=conn, join_transaction_mode="create_savepoint") as session:
+                await pg_transport.publish(topic, [prepare(PublishRequest(payload=5))], session=session)
+                await session.commit()
+            await listening.settled(pg_url, pg_transport)
+            assert listening.ids(ids) == []
+            await outer.rollback()
+        await listening.settled(pg_url, pg_transport)
+    finally:
+        await engine.dispose()
+    assert listening.ids(ids) == []
+
+
+async def test_a_publish_on_an_async_connection_notifies_inside_its_transaction(
+    pg_url: str, pg_transport: PostgresTransport, listening: Heard
+) -> None:
+    """A Connection's commit event comes before the commit: there the publish keeps its NOTIFY in
+    the transaction (PostgreSQL delivers it at the commit, and never after a rollback)."""
+    rolled_back, rolled_back_ids = await two_subscriptions(pg_transport)
+    committed, committed_ids = await two_subscriptions(pg_transport)
+    engine = create_async_engine(pg_url)
+    try:
+        async with engine.connect() as conn:
+            await conn.begin()
+            await pg_transport.publish(rolled_back, [prepare(PublishRequest(payload=6))], session=conn)
+            await conn.rollback()
+            await conn.begin()
+            await pg_transport.publish(committed, [prepare(PublishRequest(payload=7))], session=conn)
+            await conn.commit()
+        await listening.until(2, committed_ids)
+        await listening.settled(pg_url, pg_transport)
+    finally:
+        await engine.dispose()
+    assert listening.ids(rolled_back_ids) == []
+    assert listening.ids(committed_ids) == sorted(committed_ids, key=int)
+    assert pg_transport._sender is not None and pg_transport._sender.sent == 0  # PostgreSQL sent them
 
 
 async def test_the_publishing_transaction_itself_sends_no_notify(
@@ -145,7 +243,7 @@ async def test_the_publishing_transaction_itself_sends_no_notify(
         assert list(later) == []
     finally:
         await conn.close()
-    await asyncio.sleep(0.3)
+    await listening.settled(pg_url, pg_transport)
     assert listening.ids(ids) == []
 
 
@@ -235,15 +333,32 @@ async def test_wake_ups_sent_together_share_one_notify(pg_url: str, pg_transport
         assert [int(i) for p in heard.payloads for i in parse_wakeup(p)] == sorted(
             [*range(100, 120), *range(1100, 1120)])
 
-        broken = NotificationSender(channel, lambda: _refusing())
-        broken.send([5])
-        await broken.close()
-        assert broken.sent == 0
+        refusals = [ConnectionError("the pool is closed")]
+
+        def acquire() -> contextlib.AbstractAsyncContextManager[Any]:
+            return _refusing(refusals.pop()) if refusals else pg_transport.pool.acquire()
+
+        flaky = NotificationSender(channel, acquire)
+        flaky.send([5])  # its NOTIFY fails: logged and dropped
+        for _ in range(250):
+            if flaky._task is None:
+                break
+            await asyncio.sleep(0.02)
+        assert flaky.sent == 0
+        flaky.send([6])  # the next one goes out
+        await flaky.close()
+        flaky.send([7])  # closed: refused
+        assert flaky.sent == 1 and flaky._task is None
+        for _ in range(250):
+            if "6" in heard.payloads:
+                break
+            await asyncio.sleep(0.02)
+        assert "6" in heard.payloads and "5" not in heard.payloads and "7" not in heard.payloads
     finally:
         await conn.close()
 
 
 @contextlib.asynccontextmanager
-async def _refusing() -> AsyncIterator[Any]:
-    raise ConnectionError("the pool is closed")
+async def _refusing(error: Exception) -> AsyncIterator[Any]:
+    raise error
     yield  # pragma: no cover

@@ -20,6 +20,9 @@ log = logging.getLogger("fastapi_workqueue.listener")
 
 WAKE_ALL = "*"
 
+NOTIFY_STATEMENT = "SELECT set_config('synchronous_commit', 'off', true), pg_notify($1, $2)"
+"""One NOTIFY in a transaction of its own that does not wait for its commit's flush."""
+
 MAX_PAYLOAD_BYTES = 7999
 """A NOTIFY payload must be shorter than 8,000 bytes: longer lists of ids go in several."""
 
@@ -150,9 +153,13 @@ class NotificationSender:
         self.min_interval = 0.002
         """Seconds between the starts of two NOTIFYs: a wake-up waits at most this long."""
         self._last = float("-inf")
+        self._closed = False
 
     def send(self, subscription_ids: Iterable[int]) -> None:
-        """Wakes ``subscription_ids`` soon; not a coroutine (it runs inside a commit)."""
+        """Wakes ``subscription_ids`` soon; not a coroutine (it runs inside a commit). Nothing
+        once :meth:`close` has begun."""
+        if self._closed:
+            return
         self._pending.update(subscription_ids)
         if self._pending and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._flush(), name="workqueue-notify")
@@ -169,7 +176,9 @@ class NotificationSender:
                 try:
                     async with self._acquire() as conn:
                         for payload in wakeup_payloads(ids):
-                            await conn.execute("SELECT pg_notify($1, $2)", self._channel, payload)
+                            # It commits like any transaction that notifies, under the lock, but
+                            # without waiting for its flush: a wake-up lost in a crash costs a poll.
+                            await conn.execute(NOTIFY_STATEMENT, self._channel, payload)
                             self.sent += 1
                 except Exception as exc:
                     log.warning("wake-up NOTIFY failed (%s); the consumers find the work on their next poll", exc)
@@ -177,14 +186,15 @@ class NotificationSender:
             self._task = None
 
     async def close(self) -> None:
-        """Sends what is pending (for at most :attr:`close_seconds`), then stops."""
+        """Refuses further sends, sends what is pending (for at most :attr:`close_seconds`), then
+        stops."""
+        self._closed = True
         task = self._task
-        if task is None:
-            return
-        try:
-            await asyncio.wait_for(asyncio.shield(task), self.close_seconds)
-        except TimeoutError:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(task), self.close_seconds)
+            except TimeoutError:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self._pending.clear()

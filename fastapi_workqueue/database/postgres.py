@@ -16,7 +16,7 @@ from .listener import NotificationListener, NotificationSender
 from .migrations import apply_postgres_migrations
 from .pool import ConnectionPool
 from .routines import RandomSource, RoutineTransport, Row, accepted, backoff_schedule_json, publish_result
-from .session import after_commit, fetch_asyncpg
+from .session import after_commit, fetch_asyncpg, wakes_after_commit
 
 log = logging.getLogger("fastapi_workqueue.postgres")
 
@@ -139,11 +139,13 @@ class PostgresTransport(RoutineTransport):
         answers as ``publish``, with a value per parameter instead of arrays of one, and no NOTIFY
         in the publishing transaction: the subscriptions it names are woken once that transaction
         has committed (:meth:`_wake_after_commit`). Inside a transaction of the transport's own
-        (``connection=``, a settle's follow-ups) ``publish_one`` notifies as before."""
+        (``connection=``, a settle's follow-ups), or of an ``AsyncConnection`` (whose commit event
+        comes before the commit), ``publish_one`` notifies in the transaction as before."""
         if len(messages) != 1 or messages[0].deduplication_key is not None:
             return await super()._publish_via(topic, messages, **via)
         m = messages[0]
-        quiet = via.get("connection") is None
+        session = via.get("session")
+        quiet = via.get("connection") is None and (session is None or wakes_after_commit(session))
         rows = await self.call(
             "publish_one_quiet" if quiet else "publish_one",
             **via,
@@ -165,7 +167,7 @@ class PostgresTransport(RoutineTransport):
             return [accepted(m)]
         row = rows[0]
         if quiet and row["wake_subscriptions"] is not None:
-            self._wake_after_commit(via.get("session"), row["wake_subscriptions"])
+            self._wake_after_commit(session, row["wake_subscriptions"])
             return [accepted(m)]
         return [publish_result(row, m)]
 

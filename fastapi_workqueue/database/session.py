@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+log = logging.getLogger("fastapi_workqueue.session")
 
 
 class SessionExecutor:
@@ -56,17 +59,67 @@ async def fetch_asyncpg(session: Any, sql: str, args: Sequence[Any]) -> Sequence
 
 
 
+_AFTER_COMMIT = "fastapi_workqueue.after_commit"
+"""The key in ``Session.info`` of the callbacks waiting for that session's commit."""
+
+
+def wakes_after_commit(session: Any) -> bool:
+    """Whether :func:`after_commit` can tell when ``session`` has committed: a ``Session``'s
+    ``after_commit`` event comes after the commit, a ``Connection``'s ``commit`` event before it."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    return isinstance(session, AsyncSession)
+
+
 def after_commit(session: Any, callback: Callable[[], None]) -> None:
-    """Calls ``callback()`` once the transaction of ``session`` (an ``AsyncSession`` or
-    ``AsyncConnection``) commits; a rollback never calls it. It runs inside the commit, on the
-    event loop's thread: it must not block, and an error it raises is the commit's."""
+    """Calls ``callback()`` once the database transaction that ``session`` is in has committed,
+    never when it rolls back. With an ``AsyncSession``: when its outermost transaction commits
+    its connection (not when a savepoint is released, nor when a session joined to a transaction
+    begun outside it ends; the work is then left to the consumers' next poll). With an
+    ``AsyncConnection``: at its commit event, which comes just before the commit itself. The
+    callback runs on the event loop's thread inside the commit and must not block; an error it
+    raises is logged, never the commit's (the transaction has committed)."""
     from sqlalchemy import event
     from sqlalchemy.ext.asyncio import AsyncSession
 
-    def fire(*_args: Any) -> None:
-        callback()
+    if not isinstance(session, AsyncSession):  # an AsyncConnection
+        event.listen(session.sync_connection, "commit", lambda *_: _call(callback), once=True)
+        return
+    sync = session.sync_session
+    root = sync.get_transaction()
+    if root is None:  # nothing began: nothing is waiting to commit
+        _call(callback)
+        return
+    waiting: list[tuple[Any, Any, Callable[[], None]]] | None = sync.info.get(_AFTER_COMMIT)
+    if waiting is None:
+        waiting = sync.info[_AFTER_COMMIT] = []
+        event.listen(sync, "after_commit", _committed)
+        event.listen(sync, "after_transaction_end", _ended)
+    waiting.append((root, sync.connection(), callback))
 
-    if isinstance(session, AsyncSession):
-        event.listen(session.sync_session, "after_commit", fire, once=True)
-    else:  # an AsyncConnection
-        event.listen(session.sync_connection, "commit", fire, once=True)
+
+def _committed(sync: Any) -> None:
+    waiting = sync.info.get(_AFTER_COMMIT)
+    if not waiting or sync.in_nested_transaction():
+        return  # a savepoint released: the transaction goes on
+    root = sync.get_transaction()
+    ready = [w for w in waiting if w[0] is root and not w[1].in_transaction()]
+    if ready:
+        waiting[:] = [w for w in waiting if w not in ready]
+        for _root, _conn, callback in ready:
+            _call(callback)
+
+
+def _ended(sync: Any, transaction: Any) -> None:
+    waiting = sync.info.get(_AFTER_COMMIT)
+    if waiting and transaction.parent is None:
+        # The outermost transaction is over: rolled back, committed (called above), or a session
+        # joined to a transaction begun outside it (whose commit it cannot see).
+        waiting[:] = [w for w in waiting if w[0] is not transaction]
+
+
+def _call(callback: Callable[[], None]) -> None:
+    try:
+        callback()
+    except Exception:
+        log.exception("a callback after a commit failed; the transaction had committed")

@@ -999,7 +999,7 @@ BEGIN
         FROM unnest(v_sids, v_modes) AS x(sid, mode)
         WHERE x.mode = 0 OR x.sid = ANY (v_notify);
         IF v_wake IS NOT NULL THEN
-            RETURN QUERY SELECT 0, 'Accepted'::text, p_message_id, NULL::text, NULL::text, v_wake;
+            RETURN QUERY SELECT 1, 'Accepted'::text, p_message_id, NULL::text, NULL::text, v_wake;
             RETURN;
         END IF;
     END IF;
