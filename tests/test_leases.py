@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -216,4 +218,42 @@ async def test_a_handlers_wait_for_the_event_loop_is_not_counted_as_its_duration
         # What decides whether deliveries are claimed ahead: the handler's own time, not the 5 s wait.
         assert consumer._handler_seconds is not None and consumer._handler_seconds < 1.0
     finally:
+        await transport.close()
+
+
+class _Probe:
+    def __call__(self, reason: Any) -> None:
+        pass
+
+
+async def test_an_attempts_objects_are_freed_without_the_cycle_collector(pg_url: str) -> None:
+    transport = PostgresTransport(pg_url, listen=False, pool_max_size=2)
+    topic, name = unique("topic"), unique("sub")
+    probes: list[weakref.ref[_Probe]] = []
+    registry = HandlerRegistry()
+
+    async def handle(message: WorkMessage[Any], context: WorkContext) -> None:
+        probe = _Probe()  # kept by the attempt's signal, so alive as long as the attempt's objects are
+        context.signal.add_listener(probe)
+        probes.append(weakref.ref(probe))
+
+    registry.add("h", handle)
+    await transport.open()
+    gc.disable()  # what an attempt leaves in reference cycles waits for the collector (a cost on every attempt)
+    try:
+        await transport.sync_topology([Topic(name=topic)], [Subscription(name=name, topic=topic, handler_key="h")])
+        [state] = [s for s in await transport.list_subscriptions() if s.name == name]
+        await transport.publish(topic, [prepare(PublishRequest(payload=i)) for i in range(3)])
+        settler = Settler(transport)
+        consumer = Consumer(transport, settler, state, registry.get, call_plain, max_deliveries=3)
+        consumer.start()
+        try:
+            await asyncio.wait_for(consumer.wait_finished(), 10)
+        finally:
+            await consumer.stop(1)
+            await settler.close()
+        assert len(probes) == 3
+        assert [ref() for ref in probes] == [None, None, None]
+    finally:
+        gc.enable()
         await transport.close()

@@ -545,6 +545,7 @@ class Consumer:
             if settlement is not None and not running.released:
                 callbacks = running.context.after_settle_callbacks if running.context is not None else ()
                 self.settler.submit(settlement, self._settled if not callbacks else _then(self._settled, callbacks))
+            running.context = None  # (its heartbeat and once refer back to ``running``: no cycle left)
             self._fill()
             self._slot_freed.set()
 
