@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import time
 import weakref
 from typing import Any
 
 import pytest
 
-from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkContext, WorkMessage
+from fastapi_workqueue import PublishRequest, Subscription, Topic, TransientWorkError, WorkContext, WorkMessage
 from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.core.handlers import HandlerRegistry, call_plain
 from fastapi_workqueue.core.leases import LocalLease, start_margin
@@ -226,7 +227,8 @@ class _Probe:
         pass
 
 
-async def test_an_attempts_objects_are_freed_without_the_cycle_collector(pg_url: str) -> None:
+@pytest.mark.parametrize("fails", [False, True])
+async def test_an_attempts_objects_are_freed_without_the_cycle_collector(pg_url: str, fails: bool) -> None:
     transport = PostgresTransport(pg_url, listen=False, pool_max_size=2)
     topic, name = unique("topic"), unique("sub")
     probes: list[weakref.ref[_Probe]] = []
@@ -236,10 +238,13 @@ async def test_an_attempts_objects_are_freed_without_the_cycle_collector(pg_url:
         probe = _Probe()  # kept by the attempt's signal, so alive as long as the attempt's objects are
         context.signal.add_listener(probe)
         probes.append(weakref.ref(probe))
+        if fails:  # (its traceback holds the runtime's frames)
+            raise TransientWorkError("the mail server is busy", delay_seconds=60)
 
     registry.add("h", handle)
     await transport.open()
     gc.disable()  # what an attempt leaves in reference cycles waits for the collector (a cost on every attempt)
+    logging.disable(logging.WARNING)  # (the captured records of the failures would keep their tracebacks)
     try:
         await transport.sync_topology([Topic(name=topic)], [Subscription(name=name, topic=topic, handler_key="h")])
         [state] = [s for s in await transport.list_subscriptions() if s.name == name]
@@ -255,5 +260,6 @@ async def test_an_attempts_objects_are_freed_without_the_cycle_collector(pg_url:
         assert len(probes) == 3
         assert [ref() for ref in probes] == [None, None, None]
     finally:
+        logging.disable(logging.NOTSET)
         gc.enable()
         await transport.close()

@@ -545,7 +545,8 @@ class Consumer:
             if settlement is not None and not running.released:
                 callbacks = running.context.after_settle_callbacks if running.context is not None else ()
                 self.settler.submit(settlement, self._settled if not callbacks else _then(self._settled, callbacks))
-            running.context = None  # (its heartbeat and once refer back to ``running``: no cycle left)
+            # (the context's heartbeat and once, and the error's traceback, refer back to it: no cycle is left)
+            running.context = running.error = None
             self._fill()
             self._slot_freed.set()
 
