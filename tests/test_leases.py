@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import time
+import weakref
 from typing import Any
 
 import pytest
 
-from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkContext, WorkMessage
+from fastapi_workqueue import PublishRequest, Subscription, Topic, TransientWorkError, WorkContext, WorkMessage
 from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.core.handlers import HandlerRegistry, call_plain
 from fastapi_workqueue.core.leases import LocalLease, start_margin
@@ -165,4 +168,98 @@ async def test_the_end_of_an_attempt_leaves_the_next_attempt_of_the_same_deliver
         [info] = await transport.list_deliveries(name, "Completed")
         assert info.attempt == 2
     finally:
+        await transport.close()
+
+
+class BusyBeforeTheHandlers(PostgresTransport):
+    """The real store; the event loop is "busy" for ``busy`` seconds between a claim's handlers'
+    tasks being made and their first step (a loaded process, many handlers ready at once)."""
+
+    def __init__(self, url: str, clock: SteppingClock, busy: float) -> None:
+        super().__init__(url, listen=False, pool_max_size=2)
+        self.clock = clock
+        self.busy = busy
+
+    async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
+        batch = await super().claim(subscription, limit)
+        if batch:
+            asyncio.get_running_loop().call_soon(self._stall)  # runs before the handlers' tasks do
+        return batch
+
+    def _stall(self) -> None:
+        self.clock.offset += self.busy
+        self.busy = 0.0
+
+
+async def test_a_handlers_wait_for_the_event_loop_is_not_counted_as_its_duration(pg_url: str) -> None:
+    clock = SteppingClock()
+    transport = BusyBeforeTheHandlers(pg_url, clock, 5.0)
+    topic, name = unique("topic"), unique("sub")
+    ran: list[int] = []
+    registry = HandlerRegistry()
+
+    async def handle(message: WorkMessage[Any]) -> None:
+        ran.append(message.payload)
+
+    registry.add("h", handle)
+    await transport.open()
+    try:
+        await transport.sync_topology([Topic(name=topic)], [Subscription(name=name, topic=topic, handler_key="h")])
+        [state] = [s for s in await transport.list_subscriptions() if s.name == name]
+        await transport.publish(topic, [prepare(PublishRequest(payload=1))])
+        settler = Settler(transport)
+        consumer = Consumer(transport, settler, state, registry.get, call_plain, max_deliveries=1, clock=clock)
+        consumer.start()
+        try:
+            await asyncio.wait_for(consumer.wait_finished(), 10)
+        finally:
+            await consumer.stop(1)
+            await settler.close()
+        assert ran == [1] and transport.busy == 0.0
+        # What decides whether deliveries are claimed ahead: the handler's own time, not the 5 s wait.
+        assert consumer._handler_seconds is not None and consumer._handler_seconds < 1.0
+    finally:
+        await transport.close()
+
+
+class _Probe:
+    def __call__(self, reason: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fails", [False, True])
+async def test_an_attempts_objects_are_freed_without_the_cycle_collector(pg_url: str, fails: bool) -> None:
+    transport = PostgresTransport(pg_url, listen=False, pool_max_size=2)
+    topic, name = unique("topic"), unique("sub")
+    probes: list[weakref.ref[_Probe]] = []
+    registry = HandlerRegistry()
+
+    async def handle(message: WorkMessage[Any], context: WorkContext) -> None:
+        probe = _Probe()  # kept by the attempt's signal, so alive as long as the attempt's objects are
+        context.signal.add_listener(probe)
+        probes.append(weakref.ref(probe))
+        if fails:  # (its traceback holds the runtime's frames)
+            raise TransientWorkError("the mail server is busy", delay_seconds=60)
+
+    registry.add("h", handle)
+    await transport.open()
+    gc.disable()  # what an attempt leaves in reference cycles waits for the collector (a cost on every attempt)
+    logging.disable(logging.WARNING)  # (the captured records of the failures would keep their tracebacks)
+    try:
+        await transport.sync_topology([Topic(name=topic)], [Subscription(name=name, topic=topic, handler_key="h")])
+        [state] = [s for s in await transport.list_subscriptions() if s.name == name]
+        await transport.publish(topic, [prepare(PublishRequest(payload=i)) for i in range(3)])
+        settler = Settler(transport)
+        consumer = Consumer(transport, settler, state, registry.get, call_plain, max_deliveries=3)
+        consumer.start()
+        try:
+            await asyncio.wait_for(consumer.wait_finished(), 10)
+        finally:
+            await consumer.stop(1)
+            await settler.close()
+        assert len(probes) == 3
+        assert [ref() for ref in probes] == [None, None, None]
+    finally:
+        logging.disable(logging.NOTSET)
+        gc.enable()
         await transport.close()

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from fastapi_workqueue.core.envelope import WorkMessage
 from fastapi_workqueue.core.handlers import _construct_message
+from fastapi_workqueue.database.routines import claimed
 
 
 def values() -> dict[str, Any]:
@@ -45,3 +46,27 @@ def test_values_that_do_not_name_every_field_take_model_construct() -> None:
     built = _construct_message(partial)
     assert built.correlation_id is None
     assert built.model_fields_set == set(partial)
+
+
+def _row(attributes: Any) -> dict[str, Any]:
+    return {"delivery_id": 1, "lease_token": "t", "attempt": 1, "max_attempts": 3, "lease_expires_at": None,
+            "message_id": uuid.UUID(int=1), "topic": "jobs.default", "partition_key": None, "attributes": attributes,
+            "payload": "{}", "payload_ref": None, "correlation_id": None, "published_at": None}
+
+
+def test_deliveries_with_the_same_attributes_text_get_dicts_of_their_own() -> None:
+    text = '{"job": "billing.remind"}'
+    first, second = claimed(_row(text)), claimed(_row(text))  # the second from the parsed text kept
+    assert first.attributes == second.attributes == {"job": "billing.remind"}
+    first.attributes["job"] = "changed"
+    assert second.attributes == {"job": "billing.remind"}
+    assert claimed(_row(text)).attributes == {"job": "billing.remind"}
+
+
+def test_headers_still_come_apart_from_the_attributes() -> None:
+    text = '{"$workqueue": {"traceparent": "00-1-2-01"}, "kind": "order"}'
+    for _ in range(2):
+        delivery = claimed(_row(text))
+        assert delivery.attributes == {"kind": "order"}
+        assert delivery.headers == {"traceparent": "00-1-2-01"}
+    assert claimed(_row(None)).attributes == {} and claimed(_row({"a": "b"})).attributes == {"a": "b"}

@@ -397,3 +397,33 @@ def test_without_an_sdk_the_observer_steps_aside() -> None:
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True"]
+
+
+def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in registry.collect()
+            for s in family.samples if not s.name.endswith("_created")}
+
+
+def test_an_attempts_metrics_are_what_the_public_calls_would_count() -> None:
+    from fastapi_workqueue.observability.prometheus import OUTCOMES, WorkQueueMetrics
+    from fastapi_workqueue.observability.semconv import DURATION_BUCKETS
+
+    fast, public = WorkQueueMetrics(CollectorRegistry()), WorkQueueMetrics(CollectorRegistry())
+    children = fast.of("orders.audit")
+    amounts = [0.0, *DURATION_BUCKETS, *(b * 0.999 for b in DURATION_BUCKETS), *(b * 1.001 for b in DURATION_BUCKETS),
+               99.0]
+    for amount in amounts:
+        children.observe(amount)
+        public.duration.labels("orders.audit").observe(amount)
+    for outcome in ["Complete", "Complete", "Retry", "DeadLetter", None]:
+        children.running(1)
+        public.in_flight.labels("orders.audit").inc()
+        children.processed(outcome)(1)
+        public.processed.labels("orders.audit", OUTCOMES[outcome]).inc()
+    children.running(-1)
+    public.in_flight.labels("orders.audit").dec()
+    counted = _samples(fast.registry)
+    assert counted == _samples(public.registry)
+    assert counted[("workqueue_in_flight", (("subscription", "orders.audit"),))] == 4
+    edge = ("workqueue_process_duration_seconds_bucket", (("le", "0.005"), ("subscription", "orders.audit")))
+    assert counted[edge] == 3  # 0, 0.005 * 0.999 and 0.005 itself

@@ -90,10 +90,20 @@ class Observers(Observer):
         return _PublishScopes(scopes)
 
     def process_started(self, subscription: str, delivery: ClaimedDelivery) -> ProcessScope | None:
-        scopes = [s for o in self.observers if (s := o.process_started(subscription, delivery))]
-        if len(scopes) < 2:
-            return scopes[0] if scopes else None
-        return _ProcessScopes(scopes)
+        # (once per attempt: the usual answer is one scope, kept without building a list)
+        first: ProcessScope | None = None
+        scopes: list[ProcessScope] | None = None
+        for observer in self.observers:
+            scope = observer.process_started(subscription, delivery)
+            if scope is None:
+                continue
+            if first is None:
+                first = scope
+            elif scopes is None:
+                scopes = [first, scope]
+            else:
+                scopes.append(scope)
+        return first if scopes is None else _ProcessScopes(scopes)
 
     def settle_started(self, settlements: Sequence[Settlement]) -> SettleScope | None:
         scopes = [s for o in self.observers if (s := o.settle_started(settlements))]

@@ -488,7 +488,6 @@ class Consumer:
 
     def _start(self, running: _Running) -> None:
         sub = running.sub
-        running.started_at = self._clock()
         self._running[running.delivery.lease_token] = running
         loop = asyncio.get_running_loop()
         if sub.max_processing_seconds is not None:
@@ -518,6 +517,10 @@ class Consumer:
     # -- running one delivery ----------------------------------------------------------------
 
     async def _run(self, running: _Running) -> None:
+        # A handler's duration counts from its first step, not from its task's creation: the wait
+        # for the event loop (which grows with the concurrency and the process's load) is not the
+        # handler's, and would keep the deliveries of fast handlers from being claimed ahead.
+        running.started_at = self._clock()
         settlement: Settlement | None = None
         scope = self._observer.process_started(running.sub.name, running.delivery)
         try:
@@ -542,6 +545,8 @@ class Consumer:
             if settlement is not None and not running.released:
                 callbacks = running.context.after_settle_callbacks if running.context is not None else ()
                 self.settler.submit(settlement, self._settled if not callbacks else _then(self._settled, callbacks))
+            # (the context's heartbeat and once, and the error's traceback, refer back to it: no cycle is left)
+            running.context = running.error = None
             self._fill()
             self._slot_freed.set()
 

@@ -736,10 +736,29 @@ def publish_result(row: Row, message: PreparedMessage) -> PublishResult:
     )
 
 
+_PARSED_ATTRIBUTES: dict[str, dict[str, Any]] = {}
+"""Stored attributes texts parsed before (a job's ``{"job": ...}``, ``{}``): most deliveries repeat one."""
+_PARSED_KEPT = 256
+_PARSED_LONGEST = 256
+
+
+def stored_attributes(raw: Any) -> Any:
+    """A claimed delivery's stored attributes as Python, each short text parsed once per process
+    (read only: :func:`split_headers` copies them for the delivery)."""
+    if not isinstance(raw, str):
+        return raw or {}
+    found = _PARSED_ATTRIBUTES.get(raw)
+    if found is None:
+        found = json.loads(raw)
+        if len(raw) <= _PARSED_LONGEST and type(found) is dict and HEADERS_KEY not in found:
+            if len(_PARSED_ATTRIBUTES) >= _PARSED_KEPT:
+                _PARSED_ATTRIBUTES.clear()
+            _PARSED_ATTRIBUTES[raw] = found
+    return found
+
+
 def claimed(r: Row) -> ClaimedDelivery:
-    raw = r["attributes"]
-    stored = json.loads(raw) if isinstance(raw, str) else (raw or {})
-    attributes, headers = split_headers(stored)
+    attributes, headers = split_headers(stored_attributes(r["attributes"]))
     return ClaimedDelivery(
         delivery_id=str(r["delivery_id"]),
         lease_token=str(r["lease_token"]),

@@ -119,7 +119,7 @@ class Job:
     def load(self, data: Any) -> Any:
         """The stored payload as the function's payload type (raises :class:`JobPayloadInvalid`)."""
         try:
-            return self.adapter.validate_python(data)
+            return self.adapter.validator.validate_python(data)  # (once per attempt: without the wrapper)
         except ValidationError as exc:
             raise JobPayloadInvalid(self.name, _short(exc)) from None
 

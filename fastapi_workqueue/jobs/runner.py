@@ -68,10 +68,13 @@ class JobRunner:
 
     def __init__(self, jobs: Jobs) -> None:
         self._jobs = jobs
+        self._queues: dict[str, str] = {}
 
     async def run(self, message: WorkMessage[Any], context: WorkContext) -> WorkOutcome:
         """Runs one attempt of the job in ``message`` (registered as the job queues' handler)."""
-        queue = queue_of(message.topic) or message.topic
+        queue = self._queues.get(message.topic)
+        if queue is None:  # (the job queue of a topic, read once per topic)
+            queue = self._queues[message.topic] = queue_of(message.topic) or message.topic
         try:
             envelope = JobEnvelope.from_json(message.payload)
         except EnvelopeInvalid as exc:

@@ -15,10 +15,12 @@ starts, as for several uvicorn workers), the counters of every worker are summed
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections.abc import Iterable, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -52,17 +54,75 @@ class WorkQueueMetrics:
                                   ["subscription"], buckets=semconv.DURATION_BUCKETS, registry=registry)
         self.in_flight = Gauge("workqueue_in_flight", "Attempts running in this process.", ["subscription"],
                                multiprocess_mode="livesum", registry=registry)
-        self._per_subscription: dict[str, tuple[Any, Any, dict[str | None, Any]]] = {}
+        self._per_subscription: dict[str, _Children] = {}
 
-    def of(self, subscription: str) -> tuple[Any, Any, dict[str | None, Any]]:
-        """The in-flight gauge, the duration histogram and the processed counters by outcome of
-        ``subscription`` (looked up once: ``labels()`` takes a lock each time)."""
+    def of(self, subscription: str) -> _Children:
+        """The metric children of ``subscription``, looked up once (``labels()`` takes a lock each time)."""
         found = self._per_subscription.get(subscription)
         if found is None:
-            found = self._per_subscription[subscription] = (
-                self.in_flight.labels(subscription), self.duration.labels(subscription), {},
-            )
+            found = self._per_subscription[subscription] = _Children(self, subscription)
         return found
+
+
+class _Children:
+    """What one subscription's attempts count into, as the calls that add to the values themselves.
+
+    ``Counter.inc``, ``Gauge.inc`` and ``Histogram.observe`` check on every call what holds for a
+    labelled child once and for all (observable, a positive amount, no exemplar); an attempt adds to
+    the same values through the values' own ``inc`` (where prometheus-client keeps them so; else
+    through the public methods)."""
+
+    __slots__ = ("_counters", "_metrics", "_subscription", "observe", "running")
+
+    def __init__(self, metrics: WorkQueueMetrics, subscription: str) -> None:
+        self._metrics = metrics
+        self._subscription = subscription
+        self.running = _adder(metrics.in_flight.labels(subscription))
+        """Adds to the in-flight gauge (1 when an attempt starts, -1 when it ends)."""
+        self.observe = _observer(metrics.duration.labels(subscription))
+        """Observes an attempt's duration."""
+        self._counters: dict[str | None, Callable[[float], None]] = {}
+
+    def processed(self, outcome: str | None) -> Callable[[float], None]:
+        """Adds to ``workqueue_processed_total`` of the subscription and the settlement kind ``outcome``."""
+        found = self._counters.get(outcome)
+        if found is None:
+            found = self._counters[outcome] = _adder(
+                self._metrics.processed.labels(self._subscription, OUTCOMES.get(outcome, "released")))
+        return found
+
+
+def _value_inc(child: Any) -> Callable[[float], None] | None:
+    """The ``inc`` of the value a child keeps (MutexValue, or MmapedValue in multiprocess mode)."""
+    inc = getattr(getattr(child, "_value", None), "inc", None)
+    return inc if callable(inc) else None
+
+
+def _adder(child: Any) -> Callable[[float], None]:
+    """Adds an amount to a counter or gauge child (``inc``, which a gauge takes negative too)."""
+    inc = _value_inc(child)
+    return inc if inc is not None else cast(Callable[[float], None], child.inc)
+
+
+def _observer(child: Any) -> Callable[[float], None]:
+    """``child.observe`` of a histogram child: adds to the sum's value and to the value of the first
+    bucket whose bound is not below the amount (where the child keeps them so; else ``observe``)."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(getattr(child, "_sum", None), "inc", None)
+    if not isinstance(bounds, list) or not isinstance(buckets, list) or len(bounds) != len(buckets) \
+            or not callable(total) or not bounds or bounds[-1] != math.inf:
+        return cast(Callable[[float], None], child.observe)
+    adds = [getattr(bucket, "inc", None) for bucket in buckets]
+    if not all(callable(add) for add in adds):
+        return cast(Callable[[float], None], child.observe)
+    incs = cast(list[Callable[[float], None]], adds)
+
+    def observe(amount: float) -> None:
+        total(amount)
+        incs[bisect_left(bounds, amount)](1)
+
+    return observe
 
 
 _BY_REGISTRY: dict[int, WorkQueueMetrics] = {}
@@ -92,7 +152,7 @@ class PrometheusObserver(Observer):
         return _Published(self.metrics, topic, count)
 
     def process_started(self, subscription: str, delivery: ClaimedDelivery) -> ProcessScope | None:
-        return _Processed(self.metrics, subscription)
+        return _Processed(self.metrics.of(subscription))
 
 
 class _Published(PublishScope):
@@ -112,21 +172,18 @@ class _Published(PublishScope):
 
 
 class _Processed(ProcessScope):
-    def __init__(self, metrics: WorkQueueMetrics, subscription: str) -> None:
-        self.metrics, self.subscription = metrics, subscription
-        self.children = metrics.of(subscription)
+    __slots__ = ("children", "started")
+
+    def __init__(self, children: _Children) -> None:
+        self.children = children
         self.started = time.perf_counter()
-        self.children[0].inc()
+        children.running(1)
 
     def end(self, outcome: str | None, error: BaseException | None) -> None:
-        in_flight, duration, processed = self.children
-        in_flight.dec()
-        counter = processed.get(outcome)
-        if counter is None:
-            counter = processed[outcome] = self.metrics.processed.labels(
-                self.subscription, OUTCOMES.get(outcome, "released"))
-        counter.inc()
-        duration.observe(time.perf_counter() - self.started)
+        children = self.children
+        children.running(-1)
+        children.processed(outcome)(1)
+        children.observe(time.perf_counter() - self.started)
 
 
 class StoreSnapshot:
