@@ -128,6 +128,52 @@ async def test_a_claim_past_held_deliveries_still_takes_its_limit(pg_url: str, p
         await conn.close()
 
 
+async def test_one_busy_queue_among_empty_ones_is_claimed_from_its_index(
+    pg_url: str, pg_transport: PostgresTransport
+) -> None:
+    """A worker's usual case (0031): of the queues it names, one has work. Its deliveries are
+    locked as its claim index gives them, oldest first, past the rows another claimer holds; what
+    waits on a later visible_at, or on a paused queue, stays."""
+    busy_topic, [busy] = await queues(pg_transport, 1)
+    _, empty = await queues(pg_transport, 2)
+    later_topic, [later] = await queues(pg_transport, 1)
+    names = [*empty, busy, later]
+    await pg_transport.publish(busy_topic, [prepare(PublishRequest(payload=i)) for i in range(20)])
+    await pg_transport.publish(later_topic, [prepare(PublishRequest(payload="later", delay_seconds=60))])
+
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        async with conn.transaction():
+            held = [r["delivery_id"] for r in await conn.fetch(
+                "SELECT delivery_id FROM workqueue.claim_many($1, 6)", names)]
+            assert len(held) == 6 and held == sorted(held)  # the oldest, in order
+            other = [(name, d) for name, d in await pg_transport.claim_many(names, 10)]
+            assert {name for name, _ in other} == {busy}
+            ids = [int(d.delivery_id) for _, d in other]
+            assert len(ids) == 10 and not set(held) & set(ids) and ids == sorted(ids)
+            assert min(ids) > max(held)  # the next oldest, past the held ones
+        rest = {int(d.delivery_id) for _, d in await pg_transport.claim_many(names, 50)}
+        assert len(rest) == 4 and not rest & (set(held) | set(ids))
+        assert await pg_transport.claim_many(names, 50) == []  # the delayed one waits
+    finally:
+        await conn.close()
+
+    # Many claimers at once on the one busy queue, until nothing is left: each delivery once.
+    await pg_transport.publish(busy_topic, [prepare(PublishRequest(payload=i)) for i in range(200)])
+    taken: list[str] = []
+
+    async def claimer() -> None:
+        while True:
+            got = await pg_transport.claim_many(names, 9)
+            if not got:
+                return
+            assert {name for name, _ in got} == {busy}
+            taken.extend(d.delivery_id for _, d in got)
+
+    await asyncio.gather(*(claimer() for _ in range(6)))
+    assert len(taken) == 200 and len(set(taken)) == 200
+
+
 async def commit_mode_after(conn: asyncpg.Connection[Any], sql: str, *args: Any) -> tuple[str, int]:
     async with conn.transaction():
         rows = await conn.fetch(sql, *args)

@@ -1,4 +1,4 @@
--- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0030).
+-- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0031).
 --
 -- This file is for reading: the tables and their indexes first, then every function grouped by
 -- concern, each with what it does. `workqueue migrate` applies the versioned migrations
@@ -1179,7 +1179,9 @@ $$;
 -- subscription's lease_seconds and answered with that subscription's name. Paused subscriptions
 -- (or topics) and unknown names give nothing; an Exclusive or Ordered one is refused (claim takes
 -- those). One read of the named subscriptions finds both. Each active subscription's claim index
--- gives at most p_limit candidates; the first p_limit of them all are locked by id SKIP LOCKED.
+-- is probed once for a delivery due now; when one subscription has one, its oldest due are locked
+-- as its index gives them, SKIP LOCKED (0031). With several, each one's claim index gives at most
+-- p_limit candidates; the first p_limit of them all are locked by id SKIP LOCKED.
 -- Those another claimer holds (or took meanwhile) are made up from their subscriptions' indexes:
 -- each such subscription's share, locked past the rows other claimers hold as claim locks, so
 -- concurrent claimers take different deliveries and none comes back short while work waits.
@@ -1207,6 +1209,7 @@ DECLARE
     v_shares integer[];
     v_ids bigint[];
     v_more bigint[];
+    v_due integer[];
 BEGIN
     IF p_limit < 1 OR coalesce(cardinality(p_subscriptions), 0) = 0 THEN
         RETURN;
@@ -1229,56 +1232,83 @@ BEGIN
         RETURN;
     END IF;
 
-    -- The p_limit oldest due deliveries of them all.
-    SELECT array_agg(c.id), array_agg(c.sid) INTO v_candidates, v_candidate_sids
-    FROM (
-        SELECT d.id, a.sid
-        FROM unnest(v_active) AS a(sid)
-        CROSS JOIN LATERAL (
-            SELECT d.id, d.visible_at FROM workqueue.delivery d
-            WHERE d.subscription_id = a.sid AND d.status = 'Pending' AND d.key_mode = 0
-              AND d.visible_at <= now()
-            ORDER BY d.visible_at, d.id
-            LIMIT p_limit
-        ) d
-        ORDER BY d.visible_at, d.id
-        LIMIT p_limit
-    ) c;
-    IF v_candidates IS NULL THEN
+    -- The subscriptions with a delivery due now: one probe of each claim index.
+    SELECT array_agg(a.sid) INTO v_due
+    FROM unnest(v_active) AS a(sid)
+    WHERE EXISTS (
+        SELECT 1 FROM workqueue.delivery d
+        WHERE d.subscription_id = a.sid AND d.status = 'Pending' AND d.key_mode = 0
+          AND d.visible_at <= now()
+    );
+    IF v_due IS NULL THEN
         RETURN;
     END IF;
 
-    -- Locked by id; what another claimer holds is skipped (and rechecked once locked).
-    SELECT array_agg(l.id) INTO v_ids
-    FROM (
-        SELECT d.id FROM workqueue.delivery d
-        WHERE d.id = ANY (v_candidates) AND d.status = 'Pending' AND d.key_mode = 0
-          AND d.visible_at <= now()
-        FOR UPDATE SKIP LOCKED
-    ) l;
-    v_ids := coalesce(v_ids, '{}'::bigint[]);
-
-    IF cardinality(v_ids) < cardinality(v_candidates) THEN
-        -- The skipped ones' shares, locked from their subscriptions' indexes past the rows other
-        -- claimers hold (and those this claim holds already).
-        SELECT array_agg(x.sid), array_agg(x.n) INTO v_sids, v_shares
+    IF cardinality(v_due) = 1 THEN
+        -- One of them has work (a worker's usual case): its oldest due deliveries, locked as the
+        -- index gives them, past the rows other claimers hold, as claim does.
+        SELECT array_agg(l.id) INTO v_ids
         FROM (
-            SELECT c.sid, count(*)::integer AS n
-            FROM unnest(v_candidates, v_candidate_sids) AS c(id, sid)
-            WHERE c.id <> ALL (v_ids)
-            GROUP BY c.sid
-        ) x;
-        SELECT array_agg(l.id) INTO v_more
-        FROM unnest(v_sids, v_shares) AS k(sid, n)
-        CROSS JOIN LATERAL (
             SELECT d.id FROM workqueue.delivery d
-            WHERE d.subscription_id = k.sid AND d.status = 'Pending' AND d.key_mode = 0
-              AND d.visible_at <= now() AND d.id <> ALL (v_ids)
+            WHERE d.subscription_id = v_due[1] AND d.status = 'Pending' AND d.key_mode = 0
+              AND d.visible_at <= now()
             ORDER BY d.visible_at, d.id
-            LIMIT k.n
+            LIMIT p_limit
             FOR UPDATE SKIP LOCKED
         ) l;
-        v_ids := v_ids || coalesce(v_more, '{}'::bigint[]);
+        v_ids := coalesce(v_ids, '{}'::bigint[]);
+    ELSE
+        -- The p_limit oldest due deliveries of them all.
+        SELECT array_agg(c.id), array_agg(c.sid) INTO v_candidates, v_candidate_sids
+        FROM (
+            SELECT d.id, a.sid
+            FROM unnest(v_due) AS a(sid)
+            CROSS JOIN LATERAL (
+                SELECT d.id, d.visible_at FROM workqueue.delivery d
+                WHERE d.subscription_id = a.sid AND d.status = 'Pending' AND d.key_mode = 0
+                  AND d.visible_at <= now()
+                ORDER BY d.visible_at, d.id
+                LIMIT p_limit
+            ) d
+            ORDER BY d.visible_at, d.id
+            LIMIT p_limit
+        ) c;
+        IF v_candidates IS NULL THEN
+            RETURN;
+        END IF;
+
+        -- Locked by id; what another claimer holds is skipped (and rechecked once locked).
+        SELECT array_agg(l.id) INTO v_ids
+        FROM (
+            SELECT d.id FROM workqueue.delivery d
+            WHERE d.id = ANY (v_candidates) AND d.status = 'Pending' AND d.key_mode = 0
+              AND d.visible_at <= now()
+            FOR UPDATE SKIP LOCKED
+        ) l;
+        v_ids := coalesce(v_ids, '{}'::bigint[]);
+
+        IF cardinality(v_ids) < cardinality(v_candidates) THEN
+            -- The skipped ones' shares, locked from their subscriptions' indexes past the rows other
+            -- claimers hold (and those this claim holds already).
+            SELECT array_agg(x.sid), array_agg(x.n) INTO v_sids, v_shares
+            FROM (
+                SELECT c.sid, count(*)::integer AS n
+                FROM unnest(v_candidates, v_candidate_sids) AS c(id, sid)
+                WHERE c.id <> ALL (v_ids)
+                GROUP BY c.sid
+            ) x;
+            SELECT array_agg(l.id) INTO v_more
+            FROM unnest(v_sids, v_shares) AS k(sid, n)
+            CROSS JOIN LATERAL (
+                SELECT d.id FROM workqueue.delivery d
+                WHERE d.subscription_id = k.sid AND d.status = 'Pending' AND d.key_mode = 0
+                  AND d.visible_at <= now() AND d.id <> ALL (v_ids)
+                ORDER BY d.visible_at, d.id
+                LIMIT k.n
+                FOR UPDATE SKIP LOCKED
+            ) l;
+            v_ids := v_ids || coalesce(v_more, '{}'::bigint[]);
+        END IF;
     END IF;
     IF cardinality(v_ids) = 0 THEN
         RETURN;
