@@ -22,6 +22,7 @@ so its CPU figures are not comparable with a run without it).
 import argparse
 import asyncio
 import cProfile
+import gc
 import os
 import pstats
 import statistics
@@ -111,6 +112,9 @@ async def measure(case: str, dsn: str, n: int, batch: int, profile: int = 0) -> 
         pids = [r["pid"] for r in await conn.fetch(BACKENDS_SQL)]
         db_before = backend_cpu(pids)
         profiler = cProfile.Profile() if profile else None
+        # The fill left garbage of its own: collected now, so that no full collection of it lands
+        # in one case's measurement and not in the other's.
+        gc.collect()
         if profiler is not None:
             profiler.enable()
         cpu0, wall0 = time.process_time(), time.perf_counter()
