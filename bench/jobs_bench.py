@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The jobs benchmark: the jobs layer against the core it is built on, and against pgqueuer.
 
-    .venv/bin/python bench/jobs_bench.py            # full run: 3 rounds, about 5-10 min
+    .venv/bin/python bench/jobs_bench.py            # full run: 5 rounds, about 10 min
     .venv/bin/python bench/jobs_bench.py --smoke    # tiny counts, 1 round, no peer, under a minute
 
 Every round measures, in one process (``_round``), each pair of cases one after the other
@@ -49,8 +49,10 @@ from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings  # noqa: 
 SCRIPT = Path(__file__).resolve()
 FIVE = ("a", "b", "c", "d", "e")
 ONE = ("default",)
-FULL = {"jobs": 20000, "batch": 500}
-SMOKE = {"jobs": 300, "batch": 100}
+FULL = {"jobs": 40000, "dispatches": 20000, "bulk_jobs": 100000, "batch": 500}
+SMOKE = {"jobs": 300, "dispatches": 300, "bulk_jobs": 300, "batch": 100}
+"""Items per case: ``jobs`` processed (and pgqueuer's), ``dispatches`` one per call, ``bulk_jobs`` in
+calls of ``batch``: each case of the full run measures for two seconds or more."""
 WARMUPS = 100
 CORE_DB_SUFFIX = "_core"
 
@@ -231,11 +233,12 @@ async def round_main(args: argparse.Namespace) -> None:
     await queue.close()
 
     n, batch = args.jobs, args.batch
+    dispatches, bulk_n = args.dispatches or n, args.bulk_jobs or n
     plan: list[tuple[tuple[str, Any], ...]] = [
-        (("dispatch_seq_jobs_per_s", lambda: bench_dispatch_seq(args.dsn, n)),
-         ("publish_seq_msgs_per_s", lambda: core.bench_publish_seq(core_ctx, n))),
-        (("bulk_jobs_per_s", lambda: bench_bulk(args.dsn, n, batch)),
-         ("publish_batch_msgs_per_s", lambda: core.bench_publish_batch(core_ctx, n, batch))),
+        (("dispatch_seq_jobs_per_s", lambda: bench_dispatch_seq(args.dsn, dispatches)),
+         ("publish_seq_msgs_per_s", lambda: core.bench_publish_seq(core_ctx, dispatches))),
+        (("bulk_jobs_per_s", lambda: bench_bulk(args.dsn, bulk_n, batch)),
+         ("publish_batch_msgs_per_s", lambda: core.bench_publish_batch(core_ctx, bulk_n, batch))),
         (("jobs_process", lambda: bench_jobs_process(jobs_ctx, ONE, "jobs_process", n)),
          ("process_default", lambda: core.bench_process(core_ctx, "none", "process_default", n))),
         (("jobs_five", lambda: bench_jobs_process(jobs_ctx, FIVE, "jobs_five", n)),),
@@ -375,7 +378,7 @@ def driver(args: argparse.Namespace) -> None:
     for key in FULL:
         if getattr(args, key) is not None:
             counts[key] = getattr(args, key)
-    repeats = args.repeats or (1 if args.smoke else 3)
+    repeats = args.repeats or (1 if args.smoke else 5)
     run_peer = not args.skip_peers and (args.peers or not args.smoke)
     draw = args.chart if args.chart is not None else not args.smoke
     quiet = args.quiet_wait if args.quiet_wait is not None else (0.0 if args.smoke else 180.0)
@@ -422,7 +425,8 @@ def driver(args: argparse.Namespace) -> None:
     for r in range(1, repeats + 1):
         f = rounds_dir / f"jobs_r{r}.json"
         steps = [("jobs", [sys.executable, str(SCRIPT), "_round", "--dsn", dsn, "--core-dsn", core_dsn,
-                           "--jobs", str(counts["jobs"]), "--batch", str(counts["batch"]), "--round", str(r),
+                           "--jobs", str(counts["jobs"]), "--dispatches", str(counts["dispatches"]),
+                           "--bulk-jobs", str(counts["bulk_jobs"]), "--batch", str(counts["batch"]), "--round", str(r),
                            "--out", str(f)], f)]
         if peer_py is not None:
             pf = rounds_dir / f"pgqueuer_r{r}.json"
@@ -517,13 +521,15 @@ def main() -> None:
     rd.add_argument("--dsn", required=True)
     rd.add_argument("--core-dsn", required=True)
     rd.add_argument("--jobs", type=int, required=True)
+    rd.add_argument("--dispatches", type=int, default=None)
+    rd.add_argument("--bulk-jobs", type=int, default=None)
     rd.add_argument("--batch", type=int, required=True)
     rd.add_argument("--round", type=int, default=1)
     rd.add_argument("--loop", choices=["uvloop", "asyncio"], default=None)
     rd.add_argument("--out", required=True)
 
     ap.add_argument("--smoke", action="store_true", help="tiny counts, 1 round, pgqueuer skipped unless --peers")
-    ap.add_argument("--repeats", type=int, default=None, help="rounds (default 3; 1 with --smoke)")
+    ap.add_argument("--repeats", type=int, default=None, help="rounds (default 5; 1 with --smoke)")
     ap.add_argument("--skip-peers", action="store_true", help="do not run pgqueuer")
     ap.add_argument("--peers", action="store_true", help="run pgqueuer in --smoke mode too")
     ap.add_argument("--out", default=str(HERE / "results" / "jobs"), help="output folder")
@@ -539,7 +545,8 @@ def main() -> None:
     ap.add_argument("--chart", action=argparse.BooleanOptionalAction, default=None,
                     help="render results.png (default: on, off with --smoke)")
     for key, value in FULL.items():
-        ap.add_argument("--" + key, type=int, default=None, help=f"default {value} (smoke {SMOKE[key]})")
+        ap.add_argument("--" + key.replace("_", "-"), type=int, default=None, dest=key,
+                        help=f"default {value} (smoke {SMOKE[key]})")
     args = ap.parse_args()
     if args.cmd == "_worker":
         worker_main(args)
