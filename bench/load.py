@@ -765,7 +765,8 @@ def report(result: dict[str, Any], output: Path, chart: Path | None, log: Log, c
     rates = sorted(p["rate"] for p in result.get("processing", []) if p.get("rate"))
     processing_rate = rates[len(rates) // 2] if rates else None
     result["processing_rate"] = processing_rate
-    result["targets"] = targets(result["summary"], core_rate, processing_rate, result["runs"])
+    result["targets"] = targets(result["summary"], core_rate, processing_rate, result["runs"],
+                                result.get("processing"))
     result["violations"] = [
         {"setup": r["setup"], "clients": r["clients"], "round": r["round"], "check": r["check"],
          "accepted_without_ids": r["accepted_without_ids"]}

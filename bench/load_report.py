@@ -152,7 +152,8 @@ def _by_round(ratios: list[float]) -> str:
 
 
 def targets(summary: dict[str, Any], core_rate: float = CORE_PROCESSING_RATE,
-            processing_rate: float | None = None, runs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+            processing_rate: float | None = None, runs: dict[str, Any] | None = None,
+            processing: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The task's targets on the medians of one run. The drain compares with ``processing_rate`` (the
     host draining a pre-filled backlog of the same handlers with no HTTP load) when it was measured,
     else with the core benchmark's ``core_rate``. With ``runs``, a ratio of two set-ups also gives,
@@ -185,6 +186,13 @@ def targets(summary: dict[str, Any], core_rate: float = CORE_PROCESSING_RATE,
         limit = processing_rate
         note = (f"backlog {backlog} deliveries; the same handlers draining a pre-filled backlog with no HTTP "
                 f"load: {processing_rate:,.0f}/s")
+        # Each host round measures its processing rate before its load: the drain of that round over it.
+        drains = [r.get("drain_rate") for r in ((runs or {}).get("host", {}).get("50") or [])]
+        rates = [p.get("rate") for p in processing or []]
+        if drains and len(drains) == len(rates):
+            paired = [_ratio(d, r) for d, r in zip(drains, rates, strict=True)]
+            if all(x is not None for x in paired):
+                note += f"; drain over that round's processing{_by_round([x for x in paired if x is not None])}"
     else:
         limit = core_rate
         note = f"backlog {backlog} deliveries; the core benchmark's processing at the defaults: {core_rate:,.0f}/s"
