@@ -468,6 +468,9 @@ FROM workqueue.delivery WHERE status = 'InFlight'
 """
 
 # Of the deliveries InFlight now, those whose current claim ran its handler in process $1.
+KILL_WAIT_S = 5.0
+"""How long a kill waits for its process to hold an InFlight delivery before it kills anyway."""
+
 HELD_BY = """
 SELECT DISTINCT d.id, d.claim_count, s.name AS subscription
 FROM public.soak_run r
@@ -826,6 +829,13 @@ class Soak:
     async def kill_and_restart(self, name: str) -> None:
         child = self.children.get(name) or next(iter(self.children.values()))
         pid = child.pid
+        # A kill is meant to land while the process holds deliveries (what the lease and the sweeper
+        # must recover): it waits, for at most KILL_WAIT_S, until the process runs a handler. A fast
+        # handler path leaves a worker idle between claims often enough for a kill at a fixed
+        # moment to find it holding nothing.
+        waited_until = time.monotonic() + KILL_WAIT_S
+        while time.monotonic() < waited_until and not await self.db.fetch(HELD_BY, pid):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
         child.kill()
         killed_at = self.clock.now()
         code = await child.wait_exit(10)
