@@ -5,7 +5,6 @@ the whole database until it is flushed), and one NOTIFY of its own names every s
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +27,7 @@ from fastapi_workqueue.database.listener import (
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
 from .conftest import unique
+from .support import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,31 +62,20 @@ class Heard:
         return sorted((i for p in self.payloads for i in parse_wakeup(p) if i in among), key=int)
 
     async def until(self, count: int, among: set[str]) -> None:
-        for _ in range(250):
-            if len(self.ids(among)) >= count:
-                return
-            await asyncio.sleep(0.02)
+        await wait_for(lambda: len(self.ids(among)) >= count, within=5)
 
     async def settled(self, pg_url: str, transport: PostgresTransport) -> None:
         """Returns once every NOTIFY the transport sent so far has arrived: its sender has nothing
         left to send, then a sentinel NOTIFY sent after that comes back (NOTIFYs arrive in the
         order of their commits)."""
-        for _ in range(250):
-            sender = transport._sender
-            if sender is None or sender._task is None:
-                break
-            await asyncio.sleep(0.02)
+        await wait_for(lambda: transport._sender is None or transport._sender._task is None, within=5)
         sentinel = f"sentinel-{len(self.payloads)}-{id(self)}"
         conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
         try:
             await conn.execute("SELECT pg_notify('workqueue', $1)", sentinel)
         finally:
             await conn.close()
-        for _ in range(250):
-            if sentinel in self.payloads:
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError("the sentinel NOTIFY never arrived")
+        await wait_for(lambda: sentinel in self.payloads, within=5)
 
 
 @pytest.fixture
@@ -277,10 +266,7 @@ async def test_the_listener_wakes_each_subscription_a_payload_names(pg_url: str)
         await conn.execute("SELECT pg_notify($1, '3,5')", channel)
         await conn.execute("SELECT pg_notify($1, 'not ids')", channel)
         await conn.execute("SELECT pg_notify($1, '8')", channel)
-        for _ in range(250):
-            if len(woken) >= 4:
-                break
-            await asyncio.sleep(0.02)
+        await wait_for(lambda: len(woken) >= 4, within=5)
     finally:
         await conn.close()
         await listener.stop()
@@ -301,11 +287,7 @@ async def test_a_consumer_in_another_process_is_woken_by_a_session_publish(pg_ur
         await consumer.add_wakeup_listener(woken.append)
         async with AsyncSession(engine) as session, session.begin():
             await publisher.publish(topic, [prepare(PublishRequest(payload=6))], session=session)
-        for _ in range(250):
-            if ids <= set(woken):
-                break
-            await asyncio.sleep(0.02)
-        assert ids <= set(woken)
+        await wait_for(lambda: ids <= set(woken), within=5)
         assert publisher._sender is not None and publisher._sender.sent >= 1
     finally:
         await engine.dispose()
@@ -324,10 +306,7 @@ async def test_wake_ups_sent_together_share_one_notify(pg_url: str, pg_transport
     try:
         for sid in range(100, 120):
             sender.send([sid, sid + 1000])
-        for _ in range(250):
-            if heard.payloads:
-                break
-            await asyncio.sleep(0.02)
+        await wait_for(lambda: heard.payloads, within=5)
         await sender.close()
         assert sender.sent == 1
         assert [int(i) for p in heard.payloads for i in parse_wakeup(p)] == sorted(
@@ -340,20 +319,14 @@ async def test_wake_ups_sent_together_share_one_notify(pg_url: str, pg_transport
 
         flaky = NotificationSender(channel, acquire)
         flaky.send([5])  # its NOTIFY fails: logged and dropped
-        for _ in range(250):
-            if flaky._task is None:
-                break
-            await asyncio.sleep(0.02)
+        await wait_for(lambda: flaky._task is None, within=5)
         assert flaky.sent == 0
         flaky.send([6])  # the next one goes out
         await flaky.close()
         flaky.send([7])  # closed: refused
         assert flaky.sent == 1 and flaky._task is None
-        for _ in range(250):
-            if "6" in heard.payloads:
-                break
-            await asyncio.sleep(0.02)
-        assert "6" in heard.payloads and "5" not in heard.payloads and "7" not in heard.payloads
+        await wait_for(lambda: "6" in heard.payloads, within=5)
+        assert "5" not in heard.payloads and "7" not in heard.payloads
     finally:
         await conn.close()
 
