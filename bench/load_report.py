@@ -131,17 +131,22 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+def _paired(first: list[float | None], second: list[float | None]) -> list[float]:
+    """first[i] / second[i] for every round; empty unless both lists have every round's figure."""
+    if not first or len(first) != len(second):
+        return []
+    ratios = [_ratio(x, y) for x, y in zip(first, second, strict=True)]
+    return [r for r in ratios if r is not None] if all(r is not None for r in ratios) else []
+
+
 def paired_ratios(runs: dict[str, Any] | None, a: str, b: str, clients: int) -> list[float]:
     """Set-up ``a``'s requests/s over ``b``'s round by round (a round runs its set-ups back to back,
     under the same load); empty unless both ran every round."""
     if not runs:
         return []
-    first = runs.get(a, {}).get(str(clients)) or []
-    second = runs.get(b, {}).get(str(clients)) or []
-    if not first or len(first) != len(second):
-        return []
-    ratios = [_ratio(x.get("rps"), y.get("rps")) for x, y in zip(first, second, strict=True)]
-    return [r for r in ratios if r is not None] if all(r is not None for r in ratios) else []
+    first = [r.get("rps") for r in runs.get(a, {}).get(str(clients)) or []]
+    second = [r.get("rps") for r in runs.get(b, {}).get(str(clients)) or []]
+    return _paired(first, second)
 
 
 def _by_round(ratios: list[float]) -> str:
@@ -188,11 +193,9 @@ def targets(summary: dict[str, Any], core_rate: float = CORE_PROCESSING_RATE,
                 f"load: {processing_rate:,.0f}/s")
         # Each host round measures its processing rate before its load: the drain of that round over it.
         drains = [r.get("drain_rate") for r in ((runs or {}).get("host", {}).get("50") or [])]
-        rates = [p.get("rate") for p in processing or []]
-        if drains and len(drains) == len(rates):
-            paired = [_ratio(d, r) for d, r in zip(drains, rates, strict=True)]
-            if all(x is not None for x in paired):
-                note += f"; drain over that round's processing{_by_round([x for x in paired if x is not None])}"
+        paired = _paired(drains, [p.get("rate") for p in processing or []])
+        if paired:
+            note += f"; drain over that round's processing{_by_round(paired)}"
     else:
         limit = core_rate
         note = f"backlog {backlog} deliveries; the core benchmark's processing at the defaults: {core_rate:,.0f}/s"
