@@ -372,8 +372,9 @@ class SqliteTransport(RoutineTransport):
 
     def _wake_after_commit(self, session: Any, subscription_ids: set[int]) -> None:
         """Wakes this process's consumers when the caller's transaction commits (what NOTIFY does
-        on PostgreSQL). A rollback wakes nobody; the listener then waits for that session's next
-        commit: at worst a spurious wake-up, which is only a hint to claim."""
+        on PostgreSQL), as :func:`.session.after_commit` tells it. A rollback wakes nobody; on an
+        ``AsyncConnection`` the listener then waits for that connection's next commit: at worst a
+        spurious wake-up, which is only a hint to claim."""
         ids = sorted(subscription_ids)
 
         def wake() -> None:
