@@ -10,9 +10,8 @@ Exclusive and an Ordered subscription, keyed by one of 1,000 customers), in two 
 turns (the order alternates by round):
 
 - ``inside``: ``publish_one``, which calls ``pg_notify`` in the transaction (what 0029 did);
-- ``after``: ``publish_one_quiet``, whose answer is notified after the commit from one connection
-  of its own, the ids of publishes that commit meanwhile joined into the next NOTIFY (what the
-  transport does since 0030).
+- ``after``: ``publish_one_quiet``, whose answer is notified after the commit by the transport's
+  own ``NotificationSender`` on one connection of its own (what the transport does since 0030).
 
 It prints committed transactions per second per round and the medians. The database
 (``--database``, default ``bench_notify_commit``, on ``$BENCH_PG_URL`` or the local server) is
@@ -23,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
@@ -35,7 +36,8 @@ import asyncpg
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastapi_workqueue import Subscription, Topic
-from fastapi_workqueue.database.postgres import PostgresTransport
+from fastapi_workqueue.database.listener import NotificationSender
+from fastapi_workqueue.database.postgres import CHANNEL, PostgresTransport
 
 ARGS = "$1, $2, $3, NULL, $4, NULL, NULL, $5, NULL, NULL, NULL, NULL, 100"
 TOPIC = "orders.created"
@@ -69,24 +71,16 @@ async def prepare(server: str, database: str) -> str:
 
 async def run(dsn: str, variant: str, clients: int, seconds: float) -> float:
     conns = [await asyncpg.connect(dsn) for _ in range(clients)]
-    sender = await asyncpg.connect(dsn)
-    pending: set[int] = set()
-    flushing = False
+    own = await asyncpg.connect(dsn)
 
-    async def flush() -> None:
-        nonlocal flushing
-        flushing = True
-        try:
-            while pending:
-                ids = ",".join(str(i) for i in sorted(pending))
-                pending.clear()
-                await sender.execute("SELECT pg_notify('workqueue', $1)", ids)
-        finally:
-            flushing = False
+    @contextlib.asynccontextmanager
+    async def lend() -> AsyncIterator[asyncpg.Connection]:  # type: ignore[type-arg]
+        yield own
 
+    # The transport's own sender, on a connection of its own.
+    sender = NotificationSender(CHANNEL, lend)
     committed = 0
     stop = time.monotonic() + seconds
-    background: set[asyncio.Task[None]] = set()
 
     async def client(conn: asyncpg.Connection, n: int) -> None:  # type: ignore[type-arg]
         nonlocal committed
@@ -100,18 +94,14 @@ async def run(dsn: str, variant: str, clients: int, seconds: float) -> float:
                 rows = await conn.fetch(f"SELECT * FROM workqueue.{function}({ARGS})",
                                         TOPIC, uuid.uuid4(), customer, '{"order_id": 1}', "h")
             if variant == "after" and rows and rows[0]["wake_subscriptions"]:
-                pending.update(rows[0]["wake_subscriptions"])
-                if not flushing:
-                    task = asyncio.create_task(flush())
-                    background.add(task)
-                    task.add_done_callback(background.discard)
+                sender.send(rows[0]["wake_subscriptions"])
             committed += 1
 
     started = time.monotonic()
     await asyncio.gather(*(client(c, n) for n, c in enumerate(conns)))
     elapsed = time.monotonic() - started
-    await asyncio.gather(*background)
-    for c in (*conns, sender):
+    await sender.close()
+    for c in (*conns, own):
         await c.close()
     return committed / elapsed
 
