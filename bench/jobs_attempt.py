@@ -6,8 +6,9 @@
     .venv/bin/python bench/jobs_attempt.py --case jobs --profile 40   # cProfile of the processing only
 
 Each case fills ``-n`` no-op work items in a database of its own, made fresh (``jobs``: jobs of
-``bench/jobs_bench.py``'s no-op job queued with ``bulk`` into a database that holds its six job
-queues, so the group consumer claims across all of them as in ``jobs_process``; ``core``: messages
+``bench/jobs_bench.py``'s no-op job queued with ``bulk`` into a database that holds only its
+queue, as in ``jobs_process``; ``jobs6``: the same in a database that holds six job queues, so the
+group consumer claims across all of them with ``claim_many``; ``core``: messages
 to ``bench/workqueue_bench.py``'s no-op subscription), then processes them IN THIS PROCESS with the
 library's host at its defaults (``queue.open()`` and ``queue.lifespan(None)``) until none waits or
 runs. It reports, per attempt: the Python process's CPU (``time.process_time()``, from the host's
@@ -76,10 +77,11 @@ async def prepare_db(dsn: str) -> None:
 
 
 async def fill(case: str, dsn: str, n: int, batch: int) -> None:
-    if case == "jobs":
-        queue, _ = jobs_bench.make_jobs_queue(dsn, jobs_bench.ONE + jobs_bench.FIVE, host=False)
+    if case in ("jobs", "jobs6"):
+        queues = jobs_bench.ONE + (jobs_bench.FIVE if case == "jobs6" else ())
+        queue, _ = jobs_bench.make_jobs_queue(dsn, queues, host=False)
         await queue.migrate()
-        await queue.open()  # the six job queues' topics and subscriptions
+        await queue.open()  # the job queues' topics and subscriptions
         await queue.close()
         await jobs_bench.fill_jobs(dsn, jobs_bench.ONE, n, batch)
     else:
@@ -88,7 +90,7 @@ async def fill(case: str, dsn: str, n: int, batch: int) -> None:
 
 
 def host_queue(case: str, dsn: str) -> tuple[Any, list[int]]:
-    if case == "jobs":
+    if case in ("jobs", "jobs6"):
         queue, jobs = jobs_bench.make_jobs_queue(dsn, jobs_bench.ONE, host=True)
         return queue, jobs["counter"]
     queue = core.make_queue(dsn, host=True)
@@ -160,7 +162,8 @@ def show(result: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--case", choices=("jobs", "core", "both"), default="both")
+    ap.add_argument("--case", choices=("jobs", "jobs6", "core", "both", "all"), default="both",
+                    help="both: jobs and core; all: jobs, jobs6 and core")
     ap.add_argument("-n", type=int, default=5000, help="work items per case (5,000)")
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--dsn", default=core_run.db_url(core_run.DEFAULT_PG, DB),
@@ -171,13 +174,13 @@ def main() -> None:
                     help="profile the processing and print its K top functions by own time")
     ap.add_argument("--loop", choices=("asyncio", "uvloop"), default=None, help="default: uvloop when installed")
     args = ap.parse_args()
-    cases = ("jobs", "core") if args.case == "both" else (args.case,)
+    cases = {"both": ("jobs", "core"), "all": ("jobs", "jobs6", "core")}.get(args.case, (args.case,))
 
     async def go() -> None:
         results: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
         for r in range(args.repeats):
             for case in cases if r % 2 == 0 else tuple(reversed(cases)):
-                dsn = args.dsn if case == "jobs" else args.dsn + "_core"
+                dsn = args.dsn if case == "jobs" else args.dsn + ("_core" if case == "core" else "_six")
                 result = await measure(case, dsn, args.n, args.batch, args.profile)
                 results[case].append(result)
                 show(result)

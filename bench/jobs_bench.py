@@ -55,6 +55,9 @@ SMOKE = {"jobs": 300, "dispatches": 300, "bulk_jobs": 300, "batch": 100}
 calls of ``batch``: each case of the full run measures for two seconds or more."""
 WARMUPS = 100
 CORE_DB_SUFFIX = "_core"
+FIVE_DB_SUFFIX = "_five"
+"""The five-queue case has a database of its own: the one-queue case's holds only ``default``'s
+subscription, as a deployment with one job queue does (its worker claims like the core's)."""
 
 
 class Item(BaseModel):
@@ -224,13 +227,15 @@ async def round_main(args: argparse.Namespace) -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     loop = args.loop or core.default_loop()
     jobs_ctx: dict[str, Any] = {"dsn": args.dsn, "loop": loop, "log_dir": log_dir, "batch": args.batch}
+    five_ctx: dict[str, Any] = {**jobs_ctx, "dsn": args.five_dsn}
     core_ctx: dict[str, Any] = {"dsn": args.core_dsn, "loop": loop, "log_dir": log_dir, "out_dir": out.parent,
                                 "batch": args.batch}
     await core.ensure_database(args.core_dsn)
-    queue, _ = make_jobs_queue(args.dsn, ONE + FIVE, host=False)
-    await queue.migrate()
-    await queue.open()  # writes the job queues' topics and subscriptions
-    await queue.close()
+    for dsn, queues in ((args.dsn, ONE), (args.five_dsn, FIVE)):
+        queue, _ = make_jobs_queue(dsn, queues, host=False)
+        await queue.migrate()
+        await queue.open()  # writes the job queues' topics and subscriptions
+        await queue.close()
 
     n, batch = args.jobs, args.batch
     dispatches, bulk_n = args.dispatches or n, args.bulk_jobs or n
@@ -241,7 +246,7 @@ async def round_main(args: argparse.Namespace) -> None:
          ("publish_batch_msgs_per_s", lambda: core.bench_publish_batch(core_ctx, bulk_n, batch))),
         (("jobs_process", lambda: bench_jobs_process(jobs_ctx, ONE, "jobs_process", n)),
          ("process_default", lambda: core.bench_process(core_ctx, "none", "process_default", n))),
-        (("jobs_five", lambda: bench_jobs_process(jobs_ctx, FIVE, "jobs_five", n)),),
+        (("jobs_five", lambda: bench_jobs_process(five_ctx, FIVE, "jobs_five", n)),),
     ]
     raw: dict[str, list[Any]] = {}
     for group in plan:
@@ -251,8 +256,8 @@ async def round_main(args: argparse.Namespace) -> None:
             raw.setdefault(key, []).append(value)
             shown = f"{value:.0f}" if isinstance(value, float) else json.dumps(value)
             print(f"[round {args.round}] {key}: {shown}", flush=True)
-    await core.reset(args.dsn)
-    await core.reset(args.core_dsn)
+    for dsn in (args.dsn, args.five_dsn, args.core_dsn):
+        await core.reset(dsn)
     import importlib.metadata
 
     versions = {}
@@ -392,6 +397,7 @@ def driver(args: argparse.Namespace) -> None:
     started = time.time()
     dsn = args.dsn or core_run.db_url(args.pg_url, "bench_jobs")
     core_dsn = args.core_dsn or dsn + CORE_DB_SUFFIX
+    five_dsn = dsn + FIVE_DB_SUFFIX
     meta: dict[str, Any] = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "commit": core_run.git("rev-parse", "--short", "HEAD"),
@@ -403,7 +409,7 @@ def driver(args: argparse.Namespace) -> None:
     }
     log(f"== jobs benchmark ({meta['mode']}) commit {meta['commit']} at {meta['date_utc']} UTC; {meta['uptime_start']}")
     log(f"   counts {counts}, repeats {repeats}, pgqueuer {run_peer}")
-    for url in (dsn, core_dsn):  # fresh databases: the schema is the work tree's
+    for url in (dsn, five_dsn, core_dsn):  # fresh databases: the schema is the work tree's
         base, _, name = url.rpartition("/")
         core_run.ensure_databases(base, [name], log, recreate=True)
     peer = core_run.PEERS["pgqueuer"]
@@ -416,7 +422,7 @@ def driver(args: argparse.Namespace) -> None:
         except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
             peer_error = f"venv/install failed: {exc}"
             log(f"!! pgqueuer: {peer_error}")
-    monitor = core_run.NoiseMonitor({dsn.rpartition("/")[2], core_dsn.rpartition("/")[2], peer["db"]})
+    monitor = core_run.NoiseMonitor({u.rpartition("/")[2] for u in (dsn, five_dsn, core_dsn)} | {peer["db"]})
     monitor.start()
     noise: list[dict[str, Any]] = []
     failures: list[str] = []
@@ -424,7 +430,8 @@ def driver(args: argparse.Namespace) -> None:
     peer_files: list[Path] = []
     for r in range(1, repeats + 1):
         f = rounds_dir / f"jobs_r{r}.json"
-        steps = [("jobs", [sys.executable, str(SCRIPT), "_round", "--dsn", dsn, "--core-dsn", core_dsn,
+        steps = [("jobs", [sys.executable, str(SCRIPT), "_round", "--dsn", dsn, "--five-dsn", five_dsn,
+                           "--core-dsn", core_dsn,
                            "--jobs", str(counts["jobs"]), "--dispatches", str(counts["dispatches"]),
                            "--bulk-jobs", str(counts["bulk_jobs"]), "--batch", str(counts["batch"]), "--round", str(r),
                            "--out", str(f)], f)]
@@ -454,7 +461,7 @@ def driver(args: argparse.Namespace) -> None:
                      "every queue fairly (no WORKQUEUE_JOB_QUEUES), concurrency 4 (WORKQUEUE_JOB_CONCURRENCY), "
                      "job lease 90 s; a no-op job per queue, payload Item(i: int)",
                      "core_worker": "bench/workqueue_bench.py's default worker (SubscriptionPlan(), concurrency 4)",
-                     "jobs_database": dsn, "core_database": core_dsn},
+                     "jobs_database": dsn, "jobs_five_database": five_dsn, "core_database": core_dsn},
         "versions": {**(docs[0].get("versions", {}) if docs else {})},
         "jobs": {"summary": summarize(raw), "raw": raw,
                  "worker_event_loop": docs[0].get("worker_event_loop") if docs else None},
@@ -519,6 +526,7 @@ def main() -> None:
     w.add_argument("--loop", choices=["uvloop", "asyncio"], default=core.default_loop())
     rd = sub.add_parser("_round", help="internal: one round of every case")
     rd.add_argument("--dsn", required=True)
+    rd.add_argument("--five-dsn", required=True)
     rd.add_argument("--core-dsn", required=True)
     rd.add_argument("--jobs", type=int, required=True)
     rd.add_argument("--dispatches", type=int, default=None)
@@ -534,7 +542,8 @@ def main() -> None:
     ap.add_argument("--peers", action="store_true", help="run pgqueuer in --smoke mode too")
     ap.add_argument("--out", default=str(HERE / "results" / "jobs"), help="output folder")
     ap.add_argument("--pg-url", default=core_run.DEFAULT_PG, help="server URL without database ($BENCH_PG_URL)")
-    ap.add_argument("--dsn", default=None, help="database of the jobs cases (default <pg-url>/bench_jobs)")
+    ap.add_argument("--dsn", default=None, help="database of the jobs cases (default <pg-url>/bench_jobs; "
+                    "the five-queue case uses --dsn + '_five')")
     ap.add_argument("--core-dsn", default=None, help="database of the core cases (default: --dsn + '_core')")
     ap.add_argument("--quiet-wait", type=float, default=None,
                     help="wait up to this many seconds before each step for other processes to go quiet "

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 async def test_jobs_bench_smoke_mode_measures_every_case(tmp_path: Path) -> None:
     dsn = smoke_dsn().replace("workqueue_bench_smoke_", "workqueue_jobs_bench_smoke_")
     core_dsn = dsn + "_core"
-    for url in (dsn, core_dsn):
+    five_dsn = dsn + "_five"
+    for url in (dsn, five_dsn, core_dsn):
         await drop_database(url)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
     proc = await asyncio.create_subprocess_exec(
@@ -34,7 +35,7 @@ async def test_jobs_bench_smoke_mode_measures_every_case(tmp_path: Path) -> None
         await proc.wait()
         raise
     finally:
-        for url in (dsn, core_dsn):
+        for url in (dsn, five_dsn, core_dsn):
             await drop_database(url)
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]
@@ -53,6 +54,7 @@ async def test_jobs_bench_smoke_mode_measures_every_case(tmp_path: Path) -> None
             assert "warning" not in run, run
             assert run["completed_in_db"] == run["deliveries"], run
     assert raw["jobs_five"][0]["queues"] == ["a", "b", "c", "d", "e"]
+    assert result["settings"]["jobs_five_database"] == five_dsn
     targets = {t["target"]: t for t in result["targets"]}
     assert len(targets) == 5
     assert all(t["value"] is not None for name, t in targets.items() if "pgqueuer" not in name), targets
