@@ -407,6 +407,14 @@ def take_json(path: Path, keep: bool = False) -> dict[str, Any]:
     return result
 
 
+def cpu_per_delivery(cpu: dict[str, Any], deliveries: int) -> dict[str, float] | None:
+    """CPU-ms per delivery of the app's processes and of PostgreSQL's backends over a drain."""
+    if not deliveries:
+        return None
+    seconds = cpu.get("seconds", {})
+    return {role: round(1000 * seconds.get(role, 0.0) / deliveries, 3) for role in ("app", "workers", "pg_backends")}
+
+
 PROCESSING_SKIP = 0.1
 """The share of the pre-filled deliveries settled first that the processing rate leaves out (start-up)."""
 
@@ -418,7 +426,9 @@ async def measure_processing(dep: Deployment) -> dict[str, Any] | None:
     if not dep.filled:
         return None
     args = dep.ctx.args
+    before = dep.ctx.cpu.mark()
     drain_s, left = await dep.drainer.drain(args.drain_timeout)
+    cpu = cpu_diff(dep.ctx.cpu.mark(), before)
     rows = await dep.drainer.conn.fetch(
         "SELECT extract(epoch FROM settled_at)::float8 AS t FROM workqueue.delivery "
         "WHERE settled_at IS NOT NULL ORDER BY settled_at")
@@ -428,9 +438,11 @@ async def measure_processing(dep: Deployment) -> dict[str, Any] | None:
     rate = round((len(times) - 1 - skip) / span, 1) if span > 0 else None
     result = {"orders": dep.filled, "deliveries": len(times), "left": left, "rate": rate,
               "seconds_measured": round(span, 3), "skipped_first": skip,
-              "drained_seconds_since_up": None if drain_s is None else round(drain_s, 3)}
+              "drained_seconds_since_up": None if drain_s is None else round(drain_s, 3),
+              "cpu": cpu, "cpu_ms_per_delivery": cpu_per_delivery(cpu, len(times))}
     dep.ctx.log(f"       host processing of {dep.filled} pre-filled orders, no HTTP load: {rate} deliveries/s "
-                f"({len(times) - 1 - skip} deliveries in {span:.2f} s after the first {skip})")
+                f"({len(times) - 1 - skip} deliveries in {span:.2f} s after the first {skip}); CPU-ms per delivery "
+                f"{result['cpu_ms_per_delivery']}")
     return result
 
 
@@ -529,6 +541,7 @@ async def run_level(dep: Deployment, clients: int, seed: int) -> dict[str, Any]:
         "server_wal_during_load": {**wal_load, "note": "pg_stat_wal is the whole server's, other databases too"},
         "cpu_load": cpu_diff(marks["done"], marks["go"]),
         "cpu_drain": cpu_diff(marks["drained"], marks["done"]),
+        "cpu_drain_ms_per_delivery": cpu_per_delivery(cpu_diff(marks["drained"], marks["done"]), backlog["done"]),
         "loadavg_before": load_before,
         "loadavg_after": loadavg(),
         "check": check,
@@ -565,7 +578,8 @@ async def run_level(dep: Deployment, clients: int, seed: int) -> dict[str, Any]:
         f"p99 {run['latency_p99_ms']} ms, errors {run['errors']} {run['errors_by_kind'] or ''}"
         + (f", e2e p50 {run.get('e2e_p50_ms')} ms, claims/delivery {run.get('claims_per_delivery')}, "
            f"empty {run.get('claims_empty')}/{run.get('claims')}, backlog {run['backlog_at_stop']} drained in "
-           f"{run['drain_seconds']} s" if setup.published else "")
+           f"{run['drain_seconds']} s (CPU-ms per delivery {run['cpu_drain_ms_per_delivery']})"
+           if setup.published else "")
         + f"; CPU s app {cores.get('app', 0)}, workers {cores.get('workers', 0)}, pg {cores.get('pg_backends', 0)}, "
         f"client {cores.get('client', 0)}, other {cores.get('other', 0)}; load {run['loadavg_after'][0]}"
         + (f"; !! {run['violations']} violations {check}" if run["violations"] else ""))
