@@ -132,7 +132,7 @@ SETUPS = {
 
 FULL = {"clients": "1,8,50,200", "duration": 10.0, "repeats": 3, "warmup": 2.0, "settle": 1.5,
         "drain_timeout": 300.0, "activity": "host:8,host:50,worker:50,baseline:50",
-        "processing_orders": 1000}
+        "processing_orders": 2000}
 SMOKE = {"clients": "1,8", "duration": 2.0, "repeats": 1, "warmup": 0.0, "settle": 1.1,
          "drain_timeout": 60.0, "activity": "host:8", "processing_orders": 50}
 
@@ -415,27 +415,32 @@ def cpu_per_delivery(cpu: dict[str, Any], deliveries: int) -> dict[str, float] |
     return {role: round(1000 * seconds.get(role, 0.0) / deliveries, 3) for role in ("app", "workers", "pg_backends")}
 
 
-PROCESSING_SKIP = 0.1
-"""The share of the pre-filled deliveries settled first that the processing rate leaves out (start-up)."""
+STEADY_SKIP = 0.1
+"""The share of a backlog's deliveries settled first that its rate leaves out: the app's start and
+cold pools for the pre-filled backlog, the consumers' switch from the busy limit to their full
+concurrency for the backlog a load leaves. Both rates are read the same way (``steady_rate``)."""
+
+
+def steady_rate(times: list[float]) -> tuple[float | None, float, int]:
+    """(deliveries/s, seconds measured, deliveries skipped) of a backlog's settle times: the
+    deliveries settled after the first ``STEADY_SKIP`` of them, over the time they took, by the
+    deliveries' own ``settled_at`` (no poll interval in the figure)."""
+    skip = int(len(times) * STEADY_SKIP)
+    span = times[-1] - times[skip] if len(times) > skip + 1 else 0.0
+    return (round((len(times) - 1 - skip) / span, 1) if span > 0 else None), span, skip
 
 
 async def measure_processing(dep: Deployment) -> dict[str, Any] | None:
-    """The rate at which the host drains the backlog filled before it started, with no HTTP load:
-    deliveries settled after the first ``PROCESSING_SKIP`` of them, over the time they took (the
-    deliveries' own ``settled_at``), so the app's start and its cold pools do not count."""
+    """The rate at which the host drains the backlog filled before it started, with no HTTP load
+    (``steady_rate``: the app's start and its cold pools do not count)."""
     if not dep.filled:
         return None
     args = dep.ctx.args
     before = dep.ctx.cpu.mark()
     drain_s, left = await dep.drainer.drain(args.drain_timeout)
     cpu = cpu_diff(dep.ctx.cpu.mark(), before)
-    rows = await dep.drainer.conn.fetch(
-        "SELECT extract(epoch FROM settled_at)::float8 AS t FROM workqueue.delivery "
-        "WHERE settled_at IS NOT NULL ORDER BY settled_at")
-    times = [r["t"] for r in rows]
-    skip = int(len(times) * PROCESSING_SKIP)
-    span = times[-1] - times[skip] if len(times) > skip + 1 else 0.0
-    rate = round((len(times) - 1 - skip) / span, 1) if span > 0 else None
+    times = await dep.drainer.settle_times()
+    rate, span, skip = steady_rate(times)
     result = {"orders": dep.filled, "deliveries": len(times), "left": left, "rate": rate,
               "seconds_measured": round(span, 3), "skipped_first": skip,
               "drained_seconds_since_up": None if drain_s is None else round(drain_s, 3),
@@ -495,6 +500,7 @@ async def run_level(dep: Deployment, clients: int, seed: int) -> dict[str, Any]:
         marks["done"] = ctx.cpu.mark()
         wall["done"] = time.time()
         backlog["done"] = await counters.backlog()
+        wall["done_db"] = await counters.db_epoch()
         # The drain is timed from this reading, polled on a connection of its own meanwhile.
         drain["task"] = asyncio.create_task(dep.drainer.drain(ctx.args.drain_timeout, since=time.monotonic()))
         snaps["done"] = await counters.snapshot()
@@ -503,6 +509,7 @@ async def run_level(dep: Deployment, clients: int, seed: int) -> dict[str, Any]:
     client = await run_client(dep, clients, ctx.args.duration, seed, out, go, end, done)
     drain_s, left = await drain["task"]
     marks["drained"] = ctx.cpu.mark()
+    drain_rate, drain_span, _ = steady_rate(await counters.settle_times(wall["done_db"]))
     await asyncio.sleep(ctx.args.settle)  # the backends flush their function counters at most once a second
     snaps["after"] = await counters.snapshot()
     notifies["after"] = dep.notify.count
@@ -528,7 +535,10 @@ async def run_level(dep: Deployment, clients: int, seed: int) -> dict[str, Any]:
         "drained": left == 0,
         "backlog_left_after_drain_timeout": left,
         "drain_seconds": None if drain_s is None else round(drain_s, 3),
-        "drain_rate": round(backlog["done"] / drain_s, 1) if drain_s and backlog["done"] else None,
+        # Read as the processing rate is (steady_rate), so the drain target compares like with like.
+        "drain_rate": drain_rate if backlog["done"] else None,
+        "drain_seconds_measured": round(drain_span, 3),
+        "drain_rate_wall": round(backlog["done"] / drain_s, 1) if drain_s and backlog["done"] else None,
         "calls": {k: v for k, v in sorted(calls.items()) if v},
         # Time inside each routine (total, nested calls included), milliseconds per accepted order.
         "function_ms_per_order": {
@@ -693,7 +703,7 @@ def main() -> None:
                     help="keep each level's client JSON (every request's record) in the logs folder")
     ap.add_argument("--processing-orders", type=int, default=None,
                     help="orders stored before the host set-up's app starts, whose drain with no HTTP load is "
-                    "the processing rate the drain target compares with (default 1000; smoke 50; 0: none)")
+                    "the processing rate the drain target compares with (default 2000; smoke 50; 0: none)")
     args = ap.parse_args()
     mode = SMOKE if args.smoke else FULL
     for key, value in mode.items():

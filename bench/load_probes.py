@@ -157,6 +157,18 @@ class Counters:
         result["violations"] = len(missing) + result["messages_missing"] + not_two + not_completed
         return result
 
+    async def db_epoch(self) -> float:
+        """The database's clock now (epoch seconds), to compare with the deliveries' ``settled_at``."""
+        return float(await self.conn.fetchval("SELECT extract(epoch FROM clock_timestamp())::float8"))
+
+    async def settle_times(self, after: float | None = None) -> list[float]:
+        """The ``settled_at`` (epoch) of every delivery settled after ``after`` (all when None), in order."""
+        rows = await self.conn.fetch(
+            "SELECT extract(epoch FROM settled_at)::float8 AS t FROM workqueue.delivery "
+            "WHERE settled_at IS NOT NULL AND ($1::float8 IS NULL OR settled_at > to_timestamp($1)) "
+            "ORDER BY settled_at", after)
+        return [r["t"] for r in rows]
+
     async def settled_at(self, message_ids: list[str]) -> dict[str, float]:
         """The epoch of each message's last settled delivery (all its deliveries settled only)."""
         rows = await self.conn.fetch(

@@ -156,6 +156,13 @@ def _by_round(ratios: list[float]) -> str:
             f"median {statistics.median(ratios):.2f}×")
 
 
+DRAIN_TOLERANCE = 0.9
+"""The drain target: the drain's rate at least this share of the same round's processing rate.
+The two are the same handlers on the same backlog shape, so the drain's expected ratio is 1; one
+pair of 10-20 s measurements on the 2-core machine spreads about ±10 % (four runs of one commit
+read 0.82, 0.94, 1.00 and 1.02), which a limit of exactly 1 would fail half the time."""
+
+
 def targets(summary: dict[str, Any], core_rate: float = CORE_PROCESSING_RATE,
             processing_rate: float | None = None, runs: dict[str, Any] | None = None,
             processing: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
@@ -187,22 +194,23 @@ def targets(summary: dict[str, Any], core_rate: float = CORE_PROCESSING_RATE,
                        worst[1] if worst else None, 1.5, "<=", "", f"at {worst[0]} clients" if worst else ""))
     rate = med(summary, "host", 50, "drain_rate")
     backlog = med(summary, "host", 50, "backlog_at_stop")
-    if processing_rate is not None:
-        limit = processing_rate
-        note = (f"backlog {backlog} deliveries; the same handlers draining a pre-filled backlog with no HTTP "
-                f"load: {processing_rate:,.0f}/s")
-        # Each host round measures its processing rate before its load: the drain of that round over it.
-        drains = [r.get("drain_rate") for r in ((runs or {}).get("host", {}).get("50") or [])]
-        paired = _paired(drains, [p.get("rate") for p in processing or []])
-        if paired:
-            note += f"; drain over that round's processing{_by_round(paired)}"
-    else:
-        limit = core_rate
-        note = f"backlog {backlog} deliveries; the core benchmark's processing at the defaults: {core_rate:,.0f}/s"
+    drains = [r.get("drain_rate") for r in ((runs or {}).get("host", {}).get("50") or [])]
+    paired = _paired(drains, [p.get("rate") for p in processing or []])
+    name = "host: drain rate of the backlog left after 50 clients"
     if backlog == 0:
-        rate, note = limit, "nothing was left to drain"
-    out.append(_target("host: drain rate of the backlog left after 50 clients", rate, limit, ">=",
-                       " deliveries/s", note))
+        out.append(_target(name, 1.0, DRAIN_TOLERANCE, ">=", "×", "nothing was left to drain"))
+    elif processing_rate is not None:
+        # Each host round measures its processing rate before its load: the drain of that round over
+        # it, the median of the rounds against the measurement's own spread (DRAIN_TOLERANCE).
+        note = (f"drain {rate}/s of a backlog of {backlog} deliveries over the same handlers draining a "
+                f"pre-filled backlog with no HTTP load, {processing_rate:,.0f}/s (both read alike: the "
+                f"deliveries settled after the first tenth, by their settled_at)")
+        value = statistics.median(paired) if paired else _ratio(rate, processing_rate)
+        out.append(_target(name, value, DRAIN_TOLERANCE, ">=", "×", note + _by_round(paired)))
+    else:
+        out.append(_target(name, rate, core_rate, ">=", " deliveries/s",
+                           f"backlog {backlog} deliveries; the core benchmark's processing at the defaults: "
+                           f"{core_rate:,.0f}/s"))
     h8, b8 = med(summary, "host", 8, "rps"), med(summary, "baseline", 8, "rps")
     p8 = med(summary, "publish", 8, "rps")
     out.append(_target("publishing alone (nothing consuming) vs baseline (no publish): requests/s at 8 clients",
