@@ -8,7 +8,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from load_report import DRAIN_TOLERANCE, summarize_level, targets  # noqa: E402
+from load_report import DRAIN_TOLERANCE, summarize_level, targets
 
 
 def drain_target(drains: list[float], backlogs: list[int], rates: list[float]) -> dict[str, Any]:

@@ -157,26 +157,33 @@ async def test_a_released_savepoint_wakes_nobody_until_the_transaction_commits(
     assert listening.ids(kept_ids) == sorted(kept_ids, key=int)
 
 
-async def test_a_session_joined_to_an_outer_transaction_wakes_nobody_at_its_own_commit(
+async def test_a_session_joined_to_an_outer_transaction_wakes_consumers_when_the_outer_one_commits(
     pg_url: str, pg_transport: PostgresTransport, listening: Heard
 ) -> None:
     """The test-suite pattern: a session bound to a connection whose transaction began outside it.
-    Its commit commits nothing, so it wakes nobody; the outer transaction rolls back."""
-    topic, ids = await two_subscriptions(pg_transport)
+    Its own commit commits nothing and wakes nobody; the outer transaction's rollback wakes nobody
+    either, and its commit wakes the subscriptions (the NOTIFY stays in the transaction)."""
+    rolled_back, rolled_back_ids = await two_subscriptions(pg_transport)
+    committed, committed_ids = await two_subscriptions(pg_transport)
     engine = create_async_engine(pg_url)
     try:
-        async with engine.connect() as conn:
-            outer = await conn.begin()
-            async with AsyncSession(bind=conn, join_transaction_mode="create_savepoint") as session:
-                await pg_transport.publish(topic, [prepare(PublishRequest(payload=5))], session=session)
-                await session.commit()
-            await listening.settled(pg_url, pg_transport)
-            assert listening.ids(ids) == []
-            await outer.rollback()
+        for topic, end in ((rolled_back, "rollback"), (committed, "commit")):
+            async with engine.connect() as conn:
+                outer = await conn.begin()
+                async with AsyncSession(bind=conn, join_transaction_mode="create_savepoint") as session:
+                    [result] = await pg_transport.publish(topic, [prepare(PublishRequest(payload=5))],
+                                                          session=session)
+                    assert result.status == "Accepted"
+                    await session.commit()
+                await listening.settled(pg_url, pg_transport)
+                assert listening.ids(rolled_back_ids | committed_ids) == []  # the outer one is open
+                await (outer.rollback() if end == "rollback" else outer.commit())
+        await listening.until(2, committed_ids)
         await listening.settled(pg_url, pg_transport)
     finally:
         await engine.dispose()
-    assert listening.ids(ids) == []
+    assert listening.ids(rolled_back_ids) == []
+    assert listening.ids(committed_ids) == sorted(committed_ids, key=int)
 
 
 async def test_a_publish_on_an_async_connection_notifies_inside_its_transaction(

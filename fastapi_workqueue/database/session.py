@@ -65,17 +65,22 @@ _AFTER_COMMIT = "fastapi_workqueue.after_commit"
 
 def wakes_after_commit(session: Any) -> bool:
     """Whether :func:`after_commit` can tell when ``session`` has committed: a ``Session``'s
-    ``after_commit`` event comes after the commit, a ``Connection``'s ``commit`` event before it."""
+    ``after_commit`` event comes after the commit, a ``Connection``'s ``commit`` event before it.
+    A session bound to a connection (not an engine) may be joined to a transaction begun outside
+    it, whose commit the session never sees: its publishes keep their NOTIFY in the transaction,
+    which PostgreSQL delivers when that outer transaction commits."""
+    from sqlalchemy.engine import Connection
     from sqlalchemy.ext.asyncio import AsyncSession
 
-    return isinstance(session, AsyncSession)
+    return isinstance(session, AsyncSession) and not isinstance(session.sync_session.bind, Connection)
 
 
 def after_commit(session: Any, callback: Callable[[], None]) -> None:
     """Calls ``callback()`` once the database transaction that ``session`` is in has committed,
     never when it rolls back. With an ``AsyncSession``: when its outermost transaction commits
     its connection (not when a savepoint is released, nor when a session joined to a transaction
-    begun outside it ends; the work is then left to the consumers' next poll). With an
+    begun outside it ends: :func:`wakes_after_commit` keeps such a session's wake-ups in the
+    transaction instead). With an
     ``AsyncConnection``: at its commit event, which comes just before the commit itself. The
     callback runs on the event loop's thread inside the commit and must not block; an error it
     raises is logged, never the commit's (the transaction has committed)."""
