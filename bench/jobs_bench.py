@@ -9,7 +9,8 @@ Every round measures, in one process (``_round``), each pair of cases one after 
 
   dispatch_seq / publish_seq      N x ``await queue.dispatch(job, {"i": i})`` vs N x the core's
                                   ``await queue.publish(topic, [PublishRequest(payload={"i": i})])``
-                                  (100 warm-ups each), one after another.
+                                  (100 warm-ups each), interleaved in turns of 500 (who goes
+                                  first alternates by turn), each side's turns timed apart.
   bulk / publish_batch            calls of ``queue.bulk`` with 500 jobs vs the core's publish of 500.
   jobs_process / process_default  N no-op jobs (resp. deliveries) pre-filled, then ONE worker
                                   process at the library's defaults; N / (done - READY).
@@ -102,22 +103,53 @@ async def fill_jobs(dsn: str, queues: tuple[str, ...], n: int, batch: int) -> fl
     return seconds
 
 
-async def bench_dispatch_seq(dsn: str, n: int) -> float:
+SEQ_CHUNK = 500
+"""Dispatches (and core publishes) per turn of the interleaved one-per-call case."""
+
+
+async def bench_seq_interleaved(dsn: str, core_ctx: dict[str, Any], n: int, first: str) -> tuple[float, float]:
+    """``n`` dispatches one per call and ``n`` core publishes one per call, in turns of
+    ``SEQ_CHUNK`` (who goes first alternates by turn, ``first`` the first turn): a call at a time
+    is bound by each commit's flush, whose latency on a shared machine drifts over seconds, so
+    both sides are timed through the same stretches. Returns (jobs/s, messages/s)."""
+    from fastapi_workqueue import PublishRequest
+
     await core.reset(dsn)
+    await core.reset(core_ctx["dsn"])
     queue, jobs = make_jobs_queue(dsn, ONE, host=False)
     job = jobs[ONE[0]]
+    producer = core.make_queue(core_ctx["dsn"], host=False)
+    topic = core.CASES["none"][0]
     await queue.open()
-    try:
-        for _ in range(WARMUPS):
-            await queue.dispatch(job, {"i": -1})
-        t0 = time.perf_counter()
-        for i in range(n):
+    await producer.open()
+    spent = {"jobs": 0.0, "core": 0.0}
+
+    async def dispatch(start: int, count: int) -> None:
+        for i in range(start, start + count):
             if await queue.dispatch(job, {"i": i}) is None:
                 raise RuntimeError("dispatch returned no job id")
-        dt = time.perf_counter() - t0
+
+    async def publish(start: int, count: int) -> None:
+        for i in range(start, start + count):
+            [result] = await producer.publish(topic, [PublishRequest(payload={"i": i})])
+            if not result.ok:
+                raise RuntimeError(f"publish refused: {result}")
+
+    sides = {"jobs": dispatch, "core": publish}
+    try:
+        await dispatch(-WARMUPS, WARMUPS)
+        await publish(-WARMUPS, WARMUPS)
+        order = [first, "core" if first == "jobs" else "jobs"]
+        for turn, start in enumerate(range(0, n, SEQ_CHUNK)):
+            count = min(SEQ_CHUNK, n - start)
+            for side in order if turn % 2 == 0 else reversed(order):
+                t0 = time.perf_counter()
+                await sides[side](start, count)
+                spent[side] += time.perf_counter() - t0
     finally:
         await queue.close()
-    return n / dt
+        await producer.close()
+    return n / spent["jobs"], n / spent["core"]
 
 
 async def bench_bulk(dsn: str, n: int, batch: int) -> float:
@@ -239,16 +271,20 @@ async def round_main(args: argparse.Namespace) -> None:
 
     n, batch = args.jobs, args.batch
     dispatches, bulk_n = args.dispatches or n, args.bulk_jobs or n
+    raw: dict[str, list[Any]] = {}
+    first = "jobs" if args.round % 2 else "core"
+    jobs_rate, core_rate = await asyncio.wait_for(
+        bench_seq_interleaved(args.dsn, core_ctx, dispatches, first), timeout=900)
+    for key, value in (("dispatch_seq_jobs_per_s", jobs_rate), ("publish_seq_msgs_per_s", core_rate)):
+        raw.setdefault(key, []).append(value)
+        print(f"[round {args.round}] {key}: {value:.0f} (interleaved)", flush=True)
     plan: list[tuple[tuple[str, Any], ...]] = [
-        (("dispatch_seq_jobs_per_s", lambda: bench_dispatch_seq(args.dsn, dispatches)),
-         ("publish_seq_msgs_per_s", lambda: core.bench_publish_seq(core_ctx, dispatches))),
         (("bulk_jobs_per_s", lambda: bench_bulk(args.dsn, bulk_n, batch)),
          ("publish_batch_msgs_per_s", lambda: core.bench_publish_batch(core_ctx, bulk_n, batch))),
         (("jobs_process", lambda: bench_jobs_process(jobs_ctx, ONE, "jobs_process", n)),
          ("process_default", lambda: core.bench_process(core_ctx, "none", "process_default", n))),
         (("jobs_five", lambda: bench_jobs_process(five_ctx, FIVE, "jobs_five", n)),),
     ]
-    raw: dict[str, list[Any]] = {}
     for group in plan:
         ordered = group if args.round % 2 else tuple(reversed(group))
         for key, case in ordered:
