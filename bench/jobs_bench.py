@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The jobs benchmark: the jobs layer against the core it is built on, and against pgqueuer.
 
-    .venv/bin/python bench/jobs_bench.py            # full run: 5 rounds, about 10 min
+    .venv/bin/python bench/jobs_bench.py            # full run: 5 rounds, about 15 min
     .venv/bin/python bench/jobs_bench.py --smoke    # tiny counts, 1 round, no peer, under a minute
 
 Every round measures, in one process (``_round``), each pair of cases one after the other
@@ -13,7 +13,9 @@ Every round measures, in one process (``_round``), each pair of cases one after 
                                   first alternates by turn), each side's turns timed apart.
   bulk / publish_batch            calls of ``queue.bulk`` with 500 jobs vs the core's publish of 500.
   jobs_process / process_default  N no-op jobs (resp. deliveries) pre-filled, then ONE worker
-                                  process at the library's defaults; N / (done - READY).
+                                  process at the library's defaults; N / (done - READY); in
+                                  ``--turns`` turns a round (3), who goes first alternating by
+                                  turn, each side's deliveries over its turns' seconds.
   jobs_five                       the same N jobs spread over five queues, one worker taking them
                                   fairly (no queue list: every queue, fairly), vs jobs_process.
 
@@ -50,8 +52,8 @@ from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings  # noqa: 
 SCRIPT = Path(__file__).resolve()
 FIVE = ("a", "b", "c", "d", "e")
 ONE = ("default",)
-FULL = {"jobs": 40000, "dispatches": 20000, "bulk_jobs": 100000, "batch": 500}
-SMOKE = {"jobs": 300, "dispatches": 300, "bulk_jobs": 300, "batch": 100}
+FULL = {"jobs": 40000, "dispatches": 20000, "bulk_jobs": 100000, "batch": 500, "turns": 3}
+SMOKE = {"jobs": 300, "dispatches": 300, "bulk_jobs": 300, "batch": 100, "turns": 2}
 """Items per case: ``jobs`` processed (and pgqueuer's), ``dispatches`` one per call, ``bulk_jobs`` in
 calls of ``batch``: each case of the full run measures for two seconds or more."""
 WARMUPS = 100
@@ -251,6 +253,39 @@ async def bench_jobs_process(ctx: dict[str, Any], queues: tuple[str, ...], label
         await conn.close()
 
 
+PROCESS_TURNS = 3
+"""Turns per round of the processing pair (one queue's jobs, the core's subscription)."""
+
+
+def combine_turns(turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """One processing figure from a round's turns: every turn's deliveries over every turn's
+    seconds (each turn timed from its worker's READY to its last settle), the turns kept."""
+    deliveries = sum(t["deliveries"] for t in turns)
+    seconds = sum(t["seconds"] for t in turns)
+    warnings = [t["warning"] for t in turns if t.get("warning")]
+    out: dict[str, Any] = {"deliveries_per_s": deliveries / seconds, "seconds": seconds, "deliveries": deliveries,
+                           "completed_in_db": sum(t["completed_in_db"] for t in turns), "turns": turns}
+    if warnings:
+        out["warning"] = "; ".join(warnings)
+    return out
+
+
+async def bench_process_interleaved(jobs_ctx: dict[str, Any], core_ctx: dict[str, Any], n: int, turns: int,
+                                    first: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``turns`` turns of the processing pair, ``n`` items each side a turn, who goes first
+    alternating by turn (``first`` the first turn): one worker's rate moves by a fifth and more
+    from one stretch of seconds to the next on a shared machine, so both sides are timed through
+    the same stretches, as the one-per-call case is. Returns (jobs, core), each combined."""
+    runs: dict[str, list[dict[str, Any]]] = {"jobs": [], "core": []}
+    cases = {"jobs": lambda: bench_jobs_process(jobs_ctx, ONE, "jobs_process", n),
+             "core": lambda: core.bench_process(core_ctx, "none", "process_default", n)}
+    for turn in range(turns):
+        order = ("jobs", "core") if (turn % 2 == 0) == (first == "jobs") else ("core", "jobs")
+        for side in order:
+            runs[side].append(await asyncio.wait_for(cases[side](), timeout=900))
+    return combine_turns(runs["jobs"]), combine_turns(runs["core"])
+
+
 # ---------------------------------------------------------------- one round
 async def round_main(args: argparse.Namespace) -> None:
     """One round of every case (jobs on --dsn, the core on --core-dsn); JSON to --out."""
@@ -281,10 +316,14 @@ async def round_main(args: argparse.Namespace) -> None:
     plan: list[tuple[tuple[str, Any], ...]] = [
         (("bulk_jobs_per_s", lambda: bench_bulk(args.dsn, bulk_n, batch)),
          ("publish_batch_msgs_per_s", lambda: core.bench_publish_batch(core_ctx, bulk_n, batch))),
-        (("jobs_process", lambda: bench_jobs_process(jobs_ctx, ONE, "jobs_process", n)),
-         ("process_default", lambda: core.bench_process(core_ctx, "none", "process_default", n))),
         (("jobs_five", lambda: bench_jobs_process(five_ctx, FIVE, "jobs_five", n)),),
     ]
+    jobs_proc, core_proc = await bench_process_interleaved(jobs_ctx, core_ctx, n, args.turns, first)
+    for key, value in (("jobs_process", jobs_proc), ("process_default", core_proc)):
+        raw.setdefault(key, []).append(value)
+        turns = ", ".join(f"{t['deliveries_per_s']:.0f}" for t in value["turns"])
+        print(f"[round {args.round}] {key}: {value['deliveries_per_s']:.0f} over {args.turns} turns ({turns})",
+              flush=True)
     for group in plan:
         ordered = group if args.round % 2 else tuple(reversed(group))
         for key, case in ordered:
@@ -470,7 +509,7 @@ def driver(args: argparse.Namespace) -> None:
                            "--core-dsn", core_dsn,
                            "--jobs", str(counts["jobs"]), "--dispatches", str(counts["dispatches"]),
                            "--bulk-jobs", str(counts["bulk_jobs"]), "--batch", str(counts["batch"]), "--round", str(r),
-                           "--out", str(f)], f)]
+                           "--turns", str(counts["turns"]), "--out", str(f)], f)]
         if peer_py is not None:
             pf = rounds_dir / f"pgqueuer_r{r}.json"
             steps.append(("pgqueuer", [str(peer_py), str(HERE / "peers" / peer["script"]),
@@ -569,6 +608,7 @@ def main() -> None:
     rd.add_argument("--bulk-jobs", type=int, default=None)
     rd.add_argument("--batch", type=int, required=True)
     rd.add_argument("--round", type=int, default=1)
+    rd.add_argument("--turns", type=int, default=PROCESS_TURNS)
     rd.add_argument("--loop", choices=["uvloop", "asyncio"], default=None)
     rd.add_argument("--out", required=True)
 

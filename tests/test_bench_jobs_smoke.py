@@ -53,6 +53,12 @@ async def test_jobs_bench_smoke_mode_measures_every_case(tmp_path: Path) -> None
         for run in raw[key]:
             assert "warning" not in run, run
             assert run["completed_in_db"] == run["deliveries"], run
+    for key in ("jobs_process", "process_default"):  # two turns a round in smoke mode, summed
+        for run in raw[key]:
+            assert len(run["turns"]) == 2, run
+            assert run["deliveries"] == sum(t["deliveries"] for t in run["turns"])
+            assert run["deliveries_per_s"] == pytest.approx(
+                run["deliveries"] / sum(t["seconds"] for t in run["turns"]))
     assert raw["jobs_five"][0]["queues"] == ["a", "b", "c", "d", "e"]
     assert result["settings"]["jobs_five_database"] == five_dsn
     targets = {t["target"]: t for t in result["targets"]}
