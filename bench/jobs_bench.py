@@ -11,16 +11,19 @@ Every round measures, in one process (``_round``), each pair of cases one after 
                                   ``await queue.publish(topic, [PublishRequest(payload={"i": i})])``
                                   (100 warm-ups each), interleaved in turns of 500 (who goes
                                   first alternates by turn), each side's turns timed apart.
-  bulk / publish_batch            calls of ``queue.bulk`` with 500 jobs vs the core's publish of 500.
-  jobs_process / process_default  N no-op jobs (resp. deliveries) pre-filled, then ONE worker
-                                  process at the library's defaults; N / (done - READY); in
-                                  ``--turns`` turns a round (3), who goes first alternating by
-                                  turn, each side's deliveries over its turns' seconds.
-  jobs_five                       the same N jobs spread over five queues, one worker taking them
+  bulk / publish_batch            calls of ``queue.bulk`` with 500 jobs vs the core's publish of 500,
+                                  interleaved in turns of 10 calls.
+  jobs_five                       N jobs spread over five queues, one worker taking them
                                   fairly (no queue list: every queue, fairly), vs jobs_process.
+  jobs_process / process_default  N no-op jobs (resp. deliveries) pre-filled, then ONE worker
+    / pgqueuer                    process at the library's defaults; N / (done - READY); and
+                                  pgqueuer's processing case at its defaults
+                                  (``bench/peers/bench_pgqueuer.py --only process``, its own venv,
+                                  as ``bench/run.py`` does); in ``--turns`` turns a round (3), who
+                                  goes first rotating by turn, each side's items over its turns'
+                                  seconds.
 
-and then runs pgqueuer's processing case (``bench/peers/bench_pgqueuer.py --only process``, its
-own venv, as ``bench/run.py`` does). The core cases are ``bench/workqueue_bench.py``'s own
+The core cases are ``bench/workqueue_bench.py``'s own
 functions, on a database of their own; the jobs cases use the same timing points. Medians over
 the rounds, the ratios and the targets go to ``--out`` (default ``bench/results/jobs``):
 ``results.json``, ``results.md``, ``run.log`` and, unless ``--no-chart``, ``results.png``.
@@ -36,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,13 +111,32 @@ async def fill_jobs(dsn: str, queues: tuple[str, ...], n: int, batch: int) -> fl
 
 SEQ_CHUNK = 500
 """Dispatches (and core publishes) per turn of the interleaved one-per-call case."""
+BULK_CALLS = 10
+"""Calls of ``batch`` items per side and turn of the interleaved bulk case."""
+
+Turn = Callable[[int, int], Awaitable[None]]
+"""One side's work of a turn: ``count`` items numbered from ``start``."""
+
+
+async def timed_turns(sides: dict[str, Turn], n: int, chunk: int, first: str) -> dict[str, float]:
+    """Runs ``n`` items of each side in turns of ``chunk``, who goes first alternating by turn
+    (``first`` the first turn), and returns each side's seconds. A shared machine's speed and
+    commit latency drift over seconds; taking turns puts both sides through the same stretches."""
+    order = [first, next(side for side in sides if side != first)]
+    spent = dict.fromkeys(sides, 0.0)
+    for turn, start in enumerate(range(0, n, chunk)):
+        count = min(chunk, n - start)
+        for side in order if turn % 2 == 0 else reversed(order):
+            t0 = time.perf_counter()
+            await sides[side](start, count)
+            spent[side] += time.perf_counter() - t0
+    return spent
 
 
 async def bench_seq_interleaved(dsn: str, core_ctx: dict[str, Any], n: int, first: str) -> tuple[float, float]:
     """``n`` dispatches one per call and ``n`` core publishes one per call, in turns of
-    ``SEQ_CHUNK`` (who goes first alternates by turn, ``first`` the first turn): a call at a time
-    is bound by each commit's flush, whose latency on a shared machine drifts over seconds, so
-    both sides are timed through the same stretches. Returns (jobs/s, messages/s)."""
+    ``SEQ_CHUNK`` (:func:`timed_turns`): a call at a time is bound by each commit's flush.
+    Returns (jobs/s, messages/s)."""
     from fastapi_workqueue import PublishRequest
 
     await core.reset(dsn)
@@ -124,7 +147,6 @@ async def bench_seq_interleaved(dsn: str, core_ctx: dict[str, Any], n: int, firs
     topic = core.CASES["none"][0]
     await queue.open()
     await producer.open()
-    spent = {"jobs": 0.0, "core": 0.0}
 
     async def dispatch(start: int, count: int) -> None:
         for i in range(start, start + count):
@@ -137,39 +159,48 @@ async def bench_seq_interleaved(dsn: str, core_ctx: dict[str, Any], n: int, firs
             if not result.ok:
                 raise RuntimeError(f"publish refused: {result}")
 
-    sides = {"jobs": dispatch, "core": publish}
     try:
         await dispatch(-WARMUPS, WARMUPS)
         await publish(-WARMUPS, WARMUPS)
-        order = [first, "core" if first == "jobs" else "jobs"]
-        for turn, start in enumerate(range(0, n, SEQ_CHUNK)):
-            count = min(SEQ_CHUNK, n - start)
-            for side in order if turn % 2 == 0 else reversed(order):
-                t0 = time.perf_counter()
-                await sides[side](start, count)
-                spent[side] += time.perf_counter() - t0
+        spent = await timed_turns({"jobs": dispatch, "core": publish}, n, SEQ_CHUNK, first)
     finally:
         await queue.close()
         await producer.close()
     return n / spent["jobs"], n / spent["core"]
 
 
-async def bench_bulk(dsn: str, n: int, batch: int) -> float:
+async def bench_bulk_interleaved(dsn: str, core_ctx: dict[str, Any], n: int, batch: int,
+                                 first: str) -> tuple[float, float]:
+    """``n`` jobs in calls of ``queue.bulk`` with ``batch`` jobs and ``n`` core messages in
+    publishes of ``batch`` (one warm-up call each), in turns of ``BULK_CALLS`` calls
+    (:func:`timed_turns`). Returns (jobs/s, messages/s)."""
     await core.reset(dsn)
+    await core.reset(core_ctx["dsn"])
     queue, jobs = make_jobs_queue(dsn, ONE, host=False)
     job = jobs[ONE[0]]
+    producer = core.make_queue(core_ctx["dsn"], host=False)
+    topic = core.CASES["none"][0]
     await queue.open()
-    try:
-        await queue.bulk([(job, {"i": -1}) for _ in range(batch)])  # warm-up
-        t0 = time.perf_counter()
-        for start in range(0, n, batch):
-            ids = await queue.bulk([(job, {"i": i}) for i in range(start, min(n, start + batch))])
-            if len(ids) != min(n, start + batch) - start:
+    await producer.open()
+
+    async def bulk(start: int, count: int) -> None:
+        for at in range(start, start + count, batch):
+            size = min(batch, start + count - at)
+            ids = await queue.bulk([(job, {"i": i}) for i in range(at, at + size)])
+            if len(ids) != size:
                 raise RuntimeError(f"bulk queued {len(ids)} jobs")
-        dt = time.perf_counter() - t0
+
+    async def publish(start: int, count: int) -> None:
+        await core.publish_batches(producer, topic, count, batch)
+
+    try:
+        await bulk(-batch, batch)
+        await publish(0, batch)
+        spent = await timed_turns({"jobs": bulk, "core": publish}, n, batch * BULK_CALLS, first)
     finally:
         await queue.close()
-    return n / dt
+        await producer.close()
+    return n / spent["jobs"], n / spent["core"]
 
 
 # ---------------------------------------------------------------- worker process
@@ -270,20 +301,52 @@ def combine_turns(turns: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+async def pgqueuer_process(peer: dict[str, Any], n: int, batch: int, label: str) -> dict[str, Any]:
+    """One run of pgqueuer's processing case at its defaults (``bench/peers/bench_pgqueuer.py
+    --only process --repeats 1``, in its own venv): its ``process_default`` figure, with the
+    pgqueuer version and settings it reports."""
+    out = peer["log_dir"] / f"pgqueuer_{label}.json"
+    errf = core.open_log(peer["log_dir"] / f"pgqueuer_{label}.log")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            peer["python"], str(HERE / "peers" / "bench_pgqueuer.py"), "--dsn", peer["dsn"], "--jobs", str(n),
+            "--batch", str(batch), "--repeats", "1", "--only", "process", "--out", str(out),
+            stdout=errf, stderr=errf)
+    finally:
+        errf.close()
+    if await proc.wait() != 0:
+        raise RuntimeError(f"pgqueuer's processing case exited {proc.returncode} (see {peer['log_dir']})")
+    doc = json.loads(out.read_text())
+    [run] = doc["raw"]["process_default"]
+    return {**run, "version": doc.get("version"), "settings": doc.get("settings")}
+
+
 async def bench_process_interleaved(jobs_ctx: dict[str, Any], core_ctx: dict[str, Any], n: int, turns: int,
-                                    first: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``turns`` turns of the processing pair, ``n`` items each side a turn, who goes first
-    alternating by turn (``first`` the first turn): one worker's rate moves by a fifth and more
-    from one stretch of seconds to the next on a shared machine, so both sides are timed through
-    the same stretches, as the one-per-call case is. Returns (jobs, core), each combined."""
-    runs: dict[str, list[dict[str, Any]]] = {"jobs": [], "core": []}
-    cases = {"jobs": lambda: bench_jobs_process(jobs_ctx, ONE, "jobs_process", n),
-             "core": lambda: core.bench_process(core_ctx, "none", "process_default", n)}
+                                    first: str, peer: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """``turns`` turns of the processing cases, ``n`` items each side a turn: one queue's jobs,
+    the core's subscription and, with ``peer``, pgqueuer's default worker. Who goes first
+    rotates by turn (``first`` the first turn): one worker's rate moves by a fifth and more from
+    one stretch of seconds to the next on a shared machine, so every side is timed through the
+    same stretches, as the one-per-call case is. Returns each side's turns combined, by side."""
+    cases: dict[str, Callable[[], Awaitable[dict[str, Any]]]] = {
+        "jobs": lambda: bench_jobs_process(jobs_ctx, ONE, "jobs_process", n),
+        "core": lambda: core.bench_process(core_ctx, "none", "process_default", n),
+    }
+    if peer is not None:
+        cases["pgqueuer"] = lambda: pgqueuer_process(peer, n, jobs_ctx["batch"], "process_default")
+    sides = list(cases)
+    sides.insert(0, sides.pop(sides.index(first)))
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     for turn in range(turns):
-        order = ("jobs", "core") if (turn % 2 == 0) == (first == "jobs") else ("core", "jobs")
-        for side in order:
+        for side in sides[turn % len(sides):] + sides[:turn % len(sides)]:
             runs[side].append(await asyncio.wait_for(cases[side](), timeout=900))
-    return combine_turns(runs["jobs"]), combine_turns(runs["core"])
+    combined = {side: combine_turns(runs[side]) for side in ("jobs", "core")}
+    if peer is not None:
+        pg = runs["pgqueuer"]
+        combined["pgqueuer"] = {"jobs_per_s": n * len(pg) / sum(t["seconds"] for t in pg),
+                                "seconds": sum(t["seconds"] for t in pg), "jobs": n * len(pg), "turns": pg,
+                                "version": pg[0]["version"], "settings": pg[0]["settings"]}
+    return combined
 
 
 # ---------------------------------------------------------------- one round
@@ -313,17 +376,26 @@ async def round_main(args: argparse.Namespace) -> None:
     for key, value in (("dispatch_seq_jobs_per_s", jobs_rate), ("publish_seq_msgs_per_s", core_rate)):
         raw.setdefault(key, []).append(value)
         print(f"[round {args.round}] {key}: {value:.0f} (interleaved)", flush=True)
+    jobs_rate, core_rate = await asyncio.wait_for(
+        bench_bulk_interleaved(args.dsn, core_ctx, bulk_n, batch, first), timeout=900)
+    for key, value in (("bulk_jobs_per_s", jobs_rate), ("publish_batch_msgs_per_s", core_rate)):
+        raw.setdefault(key, []).append(value)
+        print(f"[round {args.round}] {key}: {value:.0f} (interleaved)", flush=True)
     plan: list[tuple[tuple[str, Any], ...]] = [
-        (("bulk_jobs_per_s", lambda: bench_bulk(args.dsn, bulk_n, batch)),
-         ("publish_batch_msgs_per_s", lambda: core.bench_publish_batch(core_ctx, bulk_n, batch))),
         (("jobs_five", lambda: bench_jobs_process(five_ctx, FIVE, "jobs_five", n)),),
     ]
-    jobs_proc, core_proc = await bench_process_interleaved(jobs_ctx, core_ctx, n, args.turns, first)
-    for key, value in (("jobs_process", jobs_proc), ("process_default", core_proc)):
+    peer = None
+    if args.peer_python:
+        peer = {"python": args.peer_python, "dsn": args.peer_dsn, "log_dir": log_dir}
+    processed = await bench_process_interleaved(jobs_ctx, core_ctx, n, args.turns, first, peer)
+    for key, side in (("jobs_process", "jobs"), ("process_default", "core"), ("pgqueuer_process", "pgqueuer")):
+        if side not in processed:
+            continue
+        value = processed[side]
         raw.setdefault(key, []).append(value)
-        turns = ", ".join(f"{t['deliveries_per_s']:.0f}" for t in value["turns"])
-        print(f"[round {args.round}] {key}: {value['deliveries_per_s']:.0f} over {args.turns} turns ({turns})",
-              flush=True)
+        rate = "jobs_per_s" if side == "pgqueuer" else "deliveries_per_s"
+        turns = ", ".join(f"{t[rate]:.0f}" for t in value["turns"])
+        print(f"[round {args.round}] {key}: {value[rate]:.0f} over {args.turns} turns ({turns})", flush=True)
     for group in plan:
         ordered = group if args.round % 2 else tuple(reversed(group))
         for key, case in ordered:
@@ -502,7 +574,6 @@ def driver(args: argparse.Namespace) -> None:
     noise: list[dict[str, Any]] = []
     failures: list[str] = []
     ours_files: list[Path] = []
-    peer_files: list[Path] = []
     for r in range(1, repeats + 1):
         f = rounds_dir / f"jobs_r{r}.json"
         steps = [("jobs", [sys.executable, str(SCRIPT), "_round", "--dsn", dsn, "--five-dsn", five_dsn,
@@ -510,22 +581,17 @@ def driver(args: argparse.Namespace) -> None:
                            "--jobs", str(counts["jobs"]), "--dispatches", str(counts["dispatches"]),
                            "--bulk-jobs", str(counts["bulk_jobs"]), "--batch", str(counts["batch"]), "--round", str(r),
                            "--turns", str(counts["turns"]), "--out", str(f)], f)]
-        if peer_py is not None:
-            pf = rounds_dir / f"pgqueuer_r{r}.json"
-            steps.append(("pgqueuer", [str(peer_py), str(HERE / "peers" / peer["script"]),
-                                       "--dsn", core_run.db_url(args.pg_url, peer["db"]), "--jobs", str(counts["jobs"]),
-                                       "--batch", str(counts["batch"]), "--repeats", "1", "--only", "process",
-                                       "--out", str(pf)], pf))
-        if r % 2 == 0:
-            steps.reverse()  # who goes first alternates
-        log(f"== round {r}/{repeats}: {', '.join(s[0] for s in steps)}")
+        if peer_py is not None:  # pgqueuer's processing case takes turns with ours in the round
+            steps[0][1].extend(["--peer-python", str(peer_py),
+                                "--peer-dsn", core_run.db_url(args.pg_url, peer["db"])])
+        log(f"== round {r}/{repeats}: {'jobs, pgqueuer' if peer_py is not None else 'jobs'}")
         for name, cmd, path in steps:
             rc = core_run.run_step(cmd, log, timeout=3600, monitor=monitor, noise=noise, label=f"{name} round {r}",
                                    quiet_wait=quiet)
             if rc != 0 or not path.exists():
                 failures.append(f"{name} round {r}: exit {rc}")
                 continue
-            (ours_files if name == "jobs" else peer_files).append(path)
+            ours_files.append(path)
     monitor.stopped.set()
     raw, docs = core_run.merge_raw(ours_files)
     result: dict[str, Any] = {
@@ -543,11 +609,11 @@ def driver(args: argparse.Namespace) -> None:
     }
     if peer_error:
         result["pgqueuer"] = {"error": peer_error}
-    elif peer_files:
-        praw, pdocs = core_run.merge_raw(peer_files)
-        result["pgqueuer"] = {"summary": core_run.summarize_peer(praw), "raw": praw,
-                              "settings": pdocs[0].get("settings")}
-        result["versions"]["pgqueuer"] = pdocs[0].get("version")
+    elif raw.get("pgqueuer_process"):
+        pruns = raw["pgqueuer_process"]
+        result["pgqueuer"] = {"summary": core_run.summarize_peer({"process_default": pruns}),
+                              "raw": {"process_default": pruns}, "settings": pruns[0].get("settings")}
+        result["versions"]["pgqueuer"] = pruns[0].get("version")
     else:
         result["pgqueuer"] = None
     result["targets"] = targets_of(result["jobs"]["summary"], (result.get("pgqueuer") or {}).get("summary") or {},
@@ -609,6 +675,8 @@ def main() -> None:
     rd.add_argument("--batch", type=int, required=True)
     rd.add_argument("--round", type=int, default=1)
     rd.add_argument("--turns", type=int, default=PROCESS_TURNS)
+    rd.add_argument("--peer-python", default=None, help="pgqueuer's venv: its processing case joins the turns")
+    rd.add_argument("--peer-dsn", default=None)
     rd.add_argument("--loop", choices=["uvloop", "asyncio"], default=None)
     rd.add_argument("--out", required=True)
 
