@@ -285,7 +285,7 @@ async def bench_jobs_process(ctx: dict[str, Any], queues: tuple[str, ...], label
 
 
 PROCESS_TURNS = 3
-"""Turns per round of the processing pair (one queue's jobs, the core's subscription)."""
+"""Turns per round of the processing cases (one queue's jobs, the core's subscription, pgqueuer's worker)."""
 
 
 def combine_turns(turns: list[dict[str, Any]]) -> dict[str, Any]:
