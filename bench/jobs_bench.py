@@ -31,6 +31,7 @@ the rounds, the ratios and the targets go to ``--out`` (default ``bench/results/
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -39,7 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,39 +134,45 @@ async def timed_turns(sides: dict[str, Turn], n: int, chunk: int, first: str) ->
     return spent
 
 
+@contextlib.asynccontextmanager
+async def producers(dsn: str, core_dsn: str) -> AsyncIterator[tuple[Any, Any, WorkQueue, str]]:
+    """Both tables emptied, then (jobs queue, its no-op job, core producer, core topic), open;
+    closed on the way out."""
+    await core.reset(dsn)
+    await core.reset(core_dsn)
+    queue, jobs = make_jobs_queue(dsn, ONE, host=False)
+    producer = core.make_queue(core_dsn, host=False)
+    await queue.open()
+    await producer.open()
+    try:
+        yield queue, jobs[ONE[0]], producer, core.CASES["none"][0]
+    finally:
+        await queue.close()
+        await producer.close()
+
+
 async def bench_seq_interleaved(dsn: str, core_ctx: dict[str, Any], n: int, first: str) -> tuple[float, float]:
     """``n`` dispatches one per call and ``n`` core publishes one per call, in turns of
     ``SEQ_CHUNK`` (:func:`timed_turns`): a call at a time is bound by each commit's flush.
     Returns (jobs/s, messages/s)."""
     from fastapi_workqueue import PublishRequest
 
-    await core.reset(dsn)
-    await core.reset(core_ctx["dsn"])
-    queue, jobs = make_jobs_queue(dsn, ONE, host=False)
-    job = jobs[ONE[0]]
-    producer = core.make_queue(core_ctx["dsn"], host=False)
-    topic = core.CASES["none"][0]
-    await queue.open()
-    await producer.open()
+    async with producers(dsn, core_ctx["dsn"]) as (queue, job, producer, topic):
 
-    async def dispatch(start: int, count: int) -> None:
-        for i in range(start, start + count):
-            if await queue.dispatch(job, {"i": i}) is None:
-                raise RuntimeError("dispatch returned no job id")
+        async def dispatch(start: int, count: int) -> None:
+            for i in range(start, start + count):
+                if await queue.dispatch(job, {"i": i}) is None:
+                    raise RuntimeError("dispatch returned no job id")
 
-    async def publish(start: int, count: int) -> None:
-        for i in range(start, start + count):
-            [result] = await producer.publish(topic, [PublishRequest(payload={"i": i})])
-            if not result.ok:
-                raise RuntimeError(f"publish refused: {result}")
+        async def publish(start: int, count: int) -> None:
+            for i in range(start, start + count):
+                [result] = await producer.publish(topic, [PublishRequest(payload={"i": i})])
+                if not result.ok:
+                    raise RuntimeError(f"publish refused: {result}")
 
-    try:
         await dispatch(-WARMUPS, WARMUPS)
         await publish(-WARMUPS, WARMUPS)
         spent = await timed_turns({"jobs": dispatch, "core": publish}, n, SEQ_CHUNK, first)
-    finally:
-        await queue.close()
-        await producer.close()
     return n / spent["jobs"], n / spent["core"]
 
 
@@ -174,32 +181,21 @@ async def bench_bulk_interleaved(dsn: str, core_ctx: dict[str, Any], n: int, bat
     """``n`` jobs in calls of ``queue.bulk`` with ``batch`` jobs and ``n`` core messages in
     publishes of ``batch`` (one warm-up call each), in turns of ``BULK_CALLS`` calls
     (:func:`timed_turns`). Returns (jobs/s, messages/s)."""
-    await core.reset(dsn)
-    await core.reset(core_ctx["dsn"])
-    queue, jobs = make_jobs_queue(dsn, ONE, host=False)
-    job = jobs[ONE[0]]
-    producer = core.make_queue(core_ctx["dsn"], host=False)
-    topic = core.CASES["none"][0]
-    await queue.open()
-    await producer.open()
+    async with producers(dsn, core_ctx["dsn"]) as (queue, job, producer, topic):
 
-    async def bulk(start: int, count: int) -> None:
-        for at in range(start, start + count, batch):
-            size = min(batch, start + count - at)
-            ids = await queue.bulk([(job, {"i": i}) for i in range(at, at + size)])
-            if len(ids) != size:
-                raise RuntimeError(f"bulk queued {len(ids)} jobs")
+        async def bulk(start: int, count: int) -> None:
+            for at in range(start, start + count, batch):
+                size = min(batch, start + count - at)
+                ids = await queue.bulk([(job, {"i": i}) for i in range(at, at + size)])
+                if len(ids) != size:
+                    raise RuntimeError(f"bulk queued {len(ids)} jobs")
 
-    async def publish(start: int, count: int) -> None:
-        await core.publish_batches(producer, topic, count, batch)
+        async def publish(start: int, count: int) -> None:
+            await core.publish_batches(producer, topic, count, batch)
 
-    try:
         await bulk(-batch, batch)
         await publish(0, batch)
         spent = await timed_turns({"jobs": bulk, "core": publish}, n, batch * BULK_CALLS, first)
-    finally:
-        await queue.close()
-        await producer.close()
     return n / spent["jobs"], n / spent["core"]
 
 
@@ -309,8 +305,8 @@ async def pgqueuer_process(peer: dict[str, Any], n: int, batch: int, label: str)
     errf = core.open_log(peer["log_dir"] / f"pgqueuer_{label}.log")
     try:
         proc = await asyncio.create_subprocess_exec(
-            peer["python"], str(HERE / "peers" / "bench_pgqueuer.py"), "--dsn", peer["dsn"], "--jobs", str(n),
-            "--batch", str(batch), "--repeats", "1", "--only", "process", "--out", str(out),
+            peer["python"], str(HERE / "peers" / core_run.PEERS["pgqueuer"]["script"]), "--dsn", peer["dsn"],
+            "--jobs", str(n), "--batch", str(batch), "--repeats", "1", "--only", "process", "--out", str(out),
             stdout=errf, stderr=errf)
     finally:
         errf.close()
@@ -381,9 +377,6 @@ async def round_main(args: argparse.Namespace) -> None:
     for key, value in (("bulk_jobs_per_s", jobs_rate), ("publish_batch_msgs_per_s", core_rate)):
         raw.setdefault(key, []).append(value)
         print(f"[round {args.round}] {key}: {value:.0f} (interleaved)", flush=True)
-    plan: list[tuple[tuple[str, Any], ...]] = [
-        (("jobs_five", lambda: bench_jobs_process(five_ctx, FIVE, "jobs_five", n)),),
-    ]
     peer = None
     if args.peer_python:
         peer = {"python": args.peer_python, "dsn": args.peer_dsn, "log_dir": log_dir}
@@ -396,13 +389,9 @@ async def round_main(args: argparse.Namespace) -> None:
         rate = "jobs_per_s" if side == "pgqueuer" else "deliveries_per_s"
         turns = ", ".join(f"{t[rate]:.0f}" for t in value["turns"])
         print(f"[round {args.round}] {key}: {value[rate]:.0f} over {args.turns} turns ({turns})", flush=True)
-    for group in plan:
-        ordered = group if args.round % 2 else tuple(reversed(group))
-        for key, case in ordered:
-            value = await asyncio.wait_for(case(), timeout=900)
-            raw.setdefault(key, []).append(value)
-            shown = f"{value:.0f}" if isinstance(value, float) else json.dumps(value)
-            print(f"[round {args.round}] {key}: {shown}", flush=True)
+    five = await asyncio.wait_for(bench_jobs_process(five_ctx, FIVE, "jobs_five", n), timeout=900)
+    raw.setdefault("jobs_five", []).append(five)
+    print(f"[round {args.round}] jobs_five: {json.dumps(five)}", flush=True)
     for dsn in (args.dsn, args.five_dsn, args.core_dsn):
         await core.reset(dsn)
     import importlib.metadata
@@ -576,22 +565,19 @@ def driver(args: argparse.Namespace) -> None:
     ours_files: list[Path] = []
     for r in range(1, repeats + 1):
         f = rounds_dir / f"jobs_r{r}.json"
-        steps = [("jobs", [sys.executable, str(SCRIPT), "_round", "--dsn", dsn, "--five-dsn", five_dsn,
-                           "--core-dsn", core_dsn,
-                           "--jobs", str(counts["jobs"]), "--dispatches", str(counts["dispatches"]),
-                           "--bulk-jobs", str(counts["bulk_jobs"]), "--batch", str(counts["batch"]), "--round", str(r),
-                           "--turns", str(counts["turns"]), "--out", str(f)], f)]
+        cmd = [sys.executable, str(SCRIPT), "_round", "--dsn", dsn, "--five-dsn", five_dsn, "--core-dsn", core_dsn,
+               "--jobs", str(counts["jobs"]), "--dispatches", str(counts["dispatches"]),
+               "--bulk-jobs", str(counts["bulk_jobs"]), "--batch", str(counts["batch"]), "--round", str(r),
+               "--turns", str(counts["turns"]), "--out", str(f)]
         if peer_py is not None:  # pgqueuer's processing case takes turns with ours in the round
-            steps[0][1].extend(["--peer-python", str(peer_py),
-                                "--peer-dsn", core_run.db_url(args.pg_url, peer["db"])])
+            cmd += ["--peer-python", str(peer_py), "--peer-dsn", core_run.db_url(args.pg_url, peer["db"])]
         log(f"== round {r}/{repeats}: {'jobs, pgqueuer' if peer_py is not None else 'jobs'}")
-        for name, cmd, path in steps:
-            rc = core_run.run_step(cmd, log, timeout=3600, monitor=monitor, noise=noise, label=f"{name} round {r}",
-                                   quiet_wait=quiet)
-            if rc != 0 or not path.exists():
-                failures.append(f"{name} round {r}: exit {rc}")
-                continue
-            ours_files.append(path)
+        rc = core_run.run_step(cmd, log, timeout=3600, monitor=monitor, noise=noise, label=f"jobs round {r}",
+                               quiet_wait=quiet)
+        if rc != 0 or not f.exists():
+            failures.append(f"jobs round {r}: exit {rc}")
+        else:
+            ours_files.append(f)
     monitor.stopped.set()
     raw, docs = core_run.merge_raw(ours_files)
     result: dict[str, Any] = {
