@@ -36,14 +36,15 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 class App:
     """A queue with a few jobs on queues of their own (names unique to the test)."""
 
-    def __init__(self, url: str, **settings: Any) -> None:
+    def __init__(self, url: str, *, listen: bool = True, **settings: Any) -> None:
         self.suffix = uuid.uuid4().hex[:8]
         # Job queues are named in the whole database: this test's worker takes its own queues only.
         options = {**FAST, "job_concurrency": 4, "job_queues": f"mail-{self.suffix},work-{self.suffix}", **settings}
         self.queue = WorkQueue(WorkQueueSettings(database_url=url, auto_migrate=True, subscriptions=[], **options))
         self.ran: list[Any] = []
         self.events: list[JobEvent] = []
-        self.queue.listen(JobEvent, self.events.append)
+        if listen:
+            self.queue.listen(JobEvent, self.events.append)
         self.steps_run: list[str] = []
         q = self.queue
 
@@ -138,6 +139,45 @@ async def test_jobs_run_in_the_host_with_their_outcomes_and_events(database_url:
         await wait_events(app, "JobFailed", 2)
         assert (await queue.forget_job(failed)).result == "Discarded"
         assert await queue.failed_jobs(app.mail) == []
+
+
+async def test_without_listeners_plain_jobs_end_as_they_do_with_them(database_url: str) -> None:
+    # A queue nobody listens to runs its plain jobs (no timeout, unique key, chain, middleware or
+    # dependencies) on a path of its own: the same outcomes, and a stored payload that no longer
+    # validates still fails its job at once with the reason.
+    app = App(database_url, listen=False)
+    queue = app.queue
+    async with queue.lifespan(None):
+        done = await queue.dispatch(app.remind, {"user_id": 1})
+        flaky = await queue.dispatch(app.remind, {"user_id": -1})
+        gone = await queue.dispatch(app.remind, {"user_id": 0})
+        failed = await queue.dispatch(app.fail, {})
+        envelope = {"v": 1, "job": f"remind-{app.suffix}", "payload": {"user_id": "not a number"}}
+        [invalid] = await queue.publish(f"jobs.{app.mail}", [{"payload": envelope}])
+        assert invalid.status == "Accepted" and invalid.message_id is not None
+
+        async def statuses() -> dict[Any, str]:
+            out = {}
+            for job_id in (done, flaky, gone, failed, invalid.message_id):
+                [info] = await queue.transport.message_deliveries(job_id)
+                out[job_id] = info.status
+            return out
+
+        await wait_for(lambda: len(app.ran) == 2, within=30)
+        for _ in range(300):
+            found = await statuses()
+            if "Pending" not in found.values() and "InFlight" not in found.values():
+                break
+            await asyncio.sleep(0.05)
+        assert found == {done: "Completed", flaky: "Completed", gone: "Discarded", failed: "DeadLettered",
+                         invalid.message_id: "DeadLettered"}
+        assert sorted((r[1], r[2]) for r in app.ran) == [(-1, 2), (1, 1)]
+        records = {r.id: r for r in await queue.failed_jobs(app.mail)}
+        assert records[failed].attempts == 2
+        assert (records[failed].error or "").splitlines()[-1] == "ValueError: boom on attempt 2"
+        assert "user_id" in (records[invalid.message_id].error or "")
+        assert records[invalid.message_id].attempts == 1
+    assert app.events == []
 
 
 async def test_a_step_runs_once_across_attempts_and_a_chain_goes_on_in_order(database_url: str) -> None:

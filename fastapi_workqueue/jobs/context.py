@@ -47,9 +47,8 @@ class JobContext:
 
     __slots__ = ("_log", "_make_log", "_once", "_steps", "attempt", "id", "name", "queue", "signal", "tries")
 
-    def __init__(
+    def __init__(  # (the runner passes them by position: once per attempt, at a third of the cost)
         self,
-        *,
         id: uuid.UUID,
         name: str,
         attempt: int,

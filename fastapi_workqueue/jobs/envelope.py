@@ -23,7 +23,7 @@ TOPIC_PREFIX = "jobs."
 VERSION = 1
 JOB_ATTRIBUTE = "job"
 UniqueUntil = Literal["done", "processing"]
-_PLAIN_KEYS = frozenset(("v", "job", "payload"))
+PLAIN_KEYS = frozenset(("v", "job", "payload"))
 """The keys of the envelope of a job without a timeout, a unique key, a chain or encryption."""
 
 
@@ -120,7 +120,7 @@ class JobEnvelope:
 
     @classmethod
     def from_json(cls, data: Any) -> JobEnvelope:
-        if isinstance(data, dict) and data.keys() == _PLAIN_KEYS and data["v"] == VERSION \
+        if isinstance(data, dict) and data.keys() == PLAIN_KEYS and data["v"] == VERSION \
                 and type(job := data["job"]) is str:
             return cls(job, data["payload"])  # the common job: a name and a payload, nothing else to read
         if not isinstance(data, dict) or not isinstance(job := data.get("job"), str) or data.get("v") != VERSION:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.context import AbortSignal, OnceBusy, OnceStore, Progress, WorkContext
 from ..core.envelope import PreparedMessage, WorkMessage
-from ..core.outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry
+from ..core.outcomes import Complete, DeadLetter, Discard, FatalWorkError, Outcome, Retry
 from .definition import DEFAULT_TRIES
 from .envelope import queue_of, topic_of
 from .middleware import Locks
@@ -83,6 +83,8 @@ class InProcess:
             outcome: Any
             try:
                 outcome = await self._jobs.runner.run(self._message(queue, message, attempt), context)
+                if outcome is None:  # (a handler's None completes, as a worker's runtime reads it)
+                    outcome = Outcome.complete()
             except Exception as exc:  # OnceBusy, FatalWorkError or the job's error, as a worker's runtime sees it
                 outcome = exc
             if isinstance(outcome, OnceBusy):

@@ -28,13 +28,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from ..core.context import AbortReason, AbortSignal, OnceBusy, WorkContext
 from ..core.envelope import WorkMessage
 from ..core.outcomes import FatalWorkError, Outcome, TransientWorkError, WorkOutcome
 from .context import JobContext, JobDiscard, JobRelease
 from .definition import Job, JobPayloadInvalid
 from .encryption import PayloadUndecryptable
-from .envelope import EnvelopeInvalid, JobEnvelope, queue_of
+from .envelope import PLAIN_KEYS, VERSION, EnvelopeInvalid, JobEnvelope, queue_of
 from .events import E, JobDiscarded, JobEvent, JobFailed, JobProcessed, JobProcessing, JobReleased, ReleaseReason
 from .middleware import JobAttempt
 
@@ -70,11 +72,46 @@ class JobRunner:
         self._jobs = jobs
         self._queues: dict[str, str] = {}
 
-    async def run(self, message: WorkMessage[Any], context: WorkContext) -> WorkOutcome:
+    async def run(self, message: WorkMessage[Any], context: WorkContext) -> WorkOutcome | None:
         """Runs one attempt of the job in ``message`` (registered as the job queues' handler)."""
-        queue = self._queues.get(message.topic)
-        if queue is None:  # (the job queue of a topic, read once per topic)
-            queue = self._queues[message.topic] = queue_of(message.topic) or message.topic
+        data = message.payload
+        jobs = self._jobs
+        # The common attempt, on a path of its own: a plain envelope (no timeout, unique key, chain
+        # or encryption) of a job without middleware or dependencies, on a queue without listeners.
+        # What it does is what the general path does for it, without the envelope object, the
+        # events' fields or the wrapper; anything else (a payload that does not validate, too)
+        # takes the general path, which reports it.
+        if type(data) is dict and data.keys() == PLAIN_KEYS and data["v"] == VERSION and not jobs.events \
+                and type(name := data["job"]) is str and (job := jobs.registry.find(name)) is not None \
+                and not job.middleware and not job.dependency_params and not job.encrypted:
+            try:
+                payload = job.adapter.validator.validate_python(data["payload"])
+            except ValidationError:
+                return await self._run(message, context)
+            queue = self._queues.get(message.topic) or self._queue(message.topic)
+            kwargs: dict[str, Any] = {}
+            if job.payload_param is not None:
+                kwargs[job.payload_param] = payload
+            if job.context_param is not None:
+                kwargs[job.context_param] = JobContext(
+                    message.message_id, job.name, context.attempt, context.max_attempts, queue, context.signal,
+                    lambda: _JobLog(log, job.name, message, context.attempt), context.once, jobs.steps,
+                )
+            started = time.monotonic()
+            result = await job.func(**kwargs)
+            if result is None:
+                return None  # Completed
+            return await self._ended(result, JobEnvelope(name, data["payload"]), message, context, queue, started)
+        return await self._run(message, context)
+
+    def _queue(self, topic: str) -> str:
+        """The job queue of a topic (read once per topic)."""
+        queue = self._queues[topic] = queue_of(topic) or topic
+        return queue
+
+    async def _run(self, message: WorkMessage[Any], context: WorkContext) -> WorkOutcome | None:
+        """One attempt on the general path: every envelope, job and queue."""
+        queue = self._queues.get(message.topic) or self._queue(message.topic)
         try:
             envelope = JobEnvelope.from_json(message.payload)
         except EnvelopeInvalid as exc:
@@ -103,9 +140,8 @@ class JobRunner:
             signal = AbortSignal()
             context.signal.add_listener(signal.abort)
         job_context = JobContext(
-            id=message.message_id, name=job.name, attempt=context.attempt, tries=context.max_attempts, queue=queue,
-            signal=signal, log=lambda: _JobLog(log, job.name, message, context.attempt), once=context.once,
-            steps=jobs.steps,
+            message.message_id, job.name, context.attempt, context.max_attempts, queue, signal,
+            lambda: _JobLog(log, job.name, message, context.attempt), context.once, jobs.steps,
         )
         if envelope.unique_key is not None and envelope.unique_until == "processing":
             await jobs.release_unique(queue, envelope.unique_key, message.message_id)
@@ -146,7 +182,13 @@ class JobRunner:
                 seconds = time.monotonic() - started
                 self._after(context, lambda: _fields(envelope, message, queue, context).event(JobProcessed,
                                                                                                seconds=seconds))
-            return jobs.completion(envelope) if envelope.chain else Outcome.complete()
+            return jobs.completion(envelope) if envelope.chain else None
+        return await self._ended(result, envelope, message, context, queue, started)
+
+    async def _ended(self, result: Any, envelope: JobEnvelope, message: WorkMessage[Any], context: WorkContext,
+                     queue: str, started: float) -> WorkOutcome:
+        """The outcome of an attempt whose job returned something other than None."""
+        jobs = self._jobs
         base = _fields(envelope, message, queue, context)
         if isinstance(result, JobDiscard):
             await self._end_unique(queue, envelope, message)
