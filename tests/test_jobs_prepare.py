@@ -89,6 +89,23 @@ def test_a_jobs_message_is_byte_for_byte_prepare_of_its_request(declared: dict[s
     same_but_id(got, expected)
 
 
+@pytest.mark.parametrize("payload", [{}, {"b": {"z": 1, "a": [1, "ü", None]}, "a": None, "é": 1.5}, [3, "x"], "text",
+                                     None])
+def test_a_plain_jobs_envelope_is_the_canonical_json_of_the_envelope(payload: Any) -> None:
+    queue, _ = make()
+
+    @queue.job("notes.any-thing_1:2")
+    async def anything(payload: Any) -> None:
+        return None
+
+    job = queue.jobs.registry.resolve(anything)
+    got = queue.jobs.message(job, payload, None, max_envelope_bytes=256 * 1024)
+    expected = prepare(queue.jobs.request(job, payload))
+    same_but_id(got, expected)
+    assert json.loads(got.payload_json) == {"v": 1, "job": "notes.any-thing_1:2", "payload": payload}
+    assert got.envelope_bytes == len(got.payload_json.encode()) + len(got.attributes_json.encode())
+
+
 async def test_bulk_publishes_what_the_requests_would_and_checks_every_payload_first() -> None:
     queue, transport = make()
 

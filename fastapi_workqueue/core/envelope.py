@@ -348,6 +348,12 @@ def _check_backoff(backoff: list[float]) -> None:
         )
 
 
+def canonical_json(payload: Any) -> tuple[str, int]:
+    """The canonical JSON of a payload (keys sorted, no spaces) and its UTF-8 size, as a publish
+    stores it; raises :class:`RequestRejected` for what is not JSON or nests too deep."""
+    return _payload_json(payload)
+
+
 def _payload_json(payload: Any) -> tuple[str, int]:
     """The canonical JSON of a payload and its UTF-8 size; raises :class:`RequestRejected`."""
     if type(payload) not in _JSON_TYPES and isinstance(payload, BaseModel):  # (isinstance of a model is slow)
@@ -436,20 +442,23 @@ def prepare_parts(
     max_attempts: int | None = None,
     backoff_seconds: list[float] | None = None,
     max_envelope_bytes: int = MAX_ENVELOPE_BYTES,
+    encoded: tuple[str, int] | None = None,
 ) -> PreparedMessage:
     """What ``prepare(PublishRequest(...))`` of these fields gives, without building the request.
 
     For callers whose values already meet :class:`PublishRequest`'s field constraints (a float
     ``delay_seconds`` and ``deduplication_ttl_seconds`` in range, ``max_attempts`` in range, a list
     of floats for ``backoff_seconds``): the jobs layer, once per job. The envelope rules are
-    checked as :func:`prepare` checks them; raises :class:`RequestRejected`.
+    checked as :func:`prepare` checks them; raises :class:`RequestRejected`. ``encoded`` is the
+    payload's canonical JSON and size when the caller has them (built from
+    :func:`canonical_json`'s), and then ``payload`` is not read.
     """
     attributes_json, attributes_size = _attributes_part(attributes)
     if deduplication_key is not None:
         _text_field("deduplication_key", deduplication_key)
     if backoff_seconds is not None:
         _check_backoff(backoff_seconds)
-    payload_json, size = _payload_json(payload)
+    payload_json, size = _payload_json(payload) if encoded is None else encoded
     size += attributes_size
     if size > max_envelope_bytes:
         raise _too_large(size, max_envelope_bytes)

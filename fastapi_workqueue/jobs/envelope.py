@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..core.envelope import canonical_json
+
 TOPIC_PREFIX = "jobs."
 VERSION = 1
 JOB_ATTRIBUTE = "job"
@@ -82,6 +84,16 @@ class ChainLink:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise EnvelopeInvalid(f"a chain entry is malformed ({exc})") from None
+
+
+def plain_envelope_json(job: str, payload: Any) -> tuple[str, int]:
+    """The canonical JSON and size of the envelope ``{"v": 1, "job": job, "payload": payload}`` (a
+    job without encryption, timeout or unique key), as ``canonical_json`` of it gives, built
+    around the payload's own JSON: its keys sorted are job, payload, v, and a job's name is ASCII
+    that JSON writes as it is (:func:`~.definition.check_job_name`)."""
+    inner, size = canonical_json(payload)
+    text = f'{{"job":"{job}","payload":{inner},"v":{VERSION}}}'
+    return text, size + len(text) - len(inner)
 
 
 def envelope_json(job: str, payload: Any, encrypted: str | None = None, timeout: float | None = None,

@@ -34,7 +34,16 @@ from ..core.topology import Subscription, Topic
 from .context import JobContext, StepStore
 from .definition import DEFAULT_TRIES, Job, check_job_name, check_queue_name, define_job
 from .encryption import PayloadCipher, cipher_from
-from .envelope import JOB_ATTRIBUTE, ChainLink, JobEnvelope, UniqueUntil, envelope_json, queue_of, topic_of
+from .envelope import (
+    JOB_ATTRIBUTE,
+    ChainLink,
+    JobEnvelope,
+    UniqueUntil,
+    envelope_json,
+    plain_envelope_json,
+    queue_of,
+    topic_of,
+)
 from .events import JobEvents
 from .failed import FailedJobs
 from .middleware import Locks
@@ -83,6 +92,8 @@ def _ttl(unique_for: float) -> float | None:
     return PublishRequest(deduplication_ttl_seconds=unique_for).deduplication_ttl_seconds
 
 
+_NOTHING = object()
+"""No job item read yet (bulk resolves each run of items of one job once)."""
 _Entry = tuple["Job", str, Any, Any, "str | None", "float | None"]
 """A checked job of a dispatch or bulk: (job, queue, data, sealed payload, encrypted token, delay)."""
 
@@ -300,13 +311,18 @@ class Jobs:
         :class:`RequestRejected`."""
         policy = job.policy
         key = None if unique is None else f"{job.name}:{unique}"
-        envelope = envelope_json(job.name, payload, encrypted, policy.timeout, key,
-                                 None if unique is None else unique_until)
+        envelope: Any = None
+        encoded = None
+        if encrypted is None and policy.timeout is None and key is None:
+            encoded = plain_envelope_json(job.name, payload)  # (the common job: one encoding, of its payload)
+        else:
+            envelope = envelope_json(job.name, payload, encrypted, policy.timeout, key,
+                                     None if unique is None else unique_until)
         return prepare_parts(
             envelope, {JOB_ATTRIBUTE: job.name}, deduplication_key=key, deduplication_ttl_seconds=ttl,
             delay_seconds=delay, max_attempts=policy.tries,
             backoff_seconds=None if policy.backoff is None else list(policy.backoff),
-            max_envelope_bytes=max_envelope_bytes,
+            max_envelope_bytes=max_envelope_bytes, encoded=encoded,
         )
 
     async def _send(self, topic: str, entries: list[_Entry], session: Any, *, unique: str | None = None,
@@ -400,13 +416,24 @@ class Jobs:
         """Queues several jobs in one transaction; every payload is checked before any is queued."""
         entries: list[_Entry] = []
         resolve, seal = self.registry.resolve, self.seal
+        last: Any = _NOTHING
+        definition: Job | None = None
         for item in items:
-            job, payload, options = _item(item)
-            definition = resolve(job)
+            if type(item) is tuple and len(item) == 2:  # (job, payload): the common item, read directly
+                job, payload = item
+                options: dict[str, Any] = {}
+            else:
+                job, payload, options = _item(item)
+            if job is not last:  # (the same job item after item: resolved once)
+                definition, last = resolve(job), job
+            assert definition is not None
             data = definition.validate(payload)
             target = check_queue_name(options.get("queue") or definition.policy.queue) if options \
                 else definition.policy.queue
-            sealed, encrypted = seal(definition, data)
+            if definition.encrypted:
+                sealed, encrypted = seal(definition, data)
+            else:
+                sealed, encrypted = data, None
             entries.append((definition, target, data, sealed, encrypted,
                             _seconds(options.get("delay")) if options else None))
         if not entries:
