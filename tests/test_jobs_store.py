@@ -78,6 +78,14 @@ class App:
 
         self.remind, self.fail, self.steps = remind, fail, steps
 
+    async def dispatch_each_outcome(self) -> tuple[Any, Any, Any, Any]:
+        """One job of each outcome: done, flaky (done on its second try), gone (it discards
+        itself) and failed (on both its tries); their ids."""
+        return (await self.queue.dispatch(self.remind, {"user_id": 1}),
+                await self.queue.dispatch(self.remind, {"user_id": -1}),
+                await self.queue.dispatch(self.remind, {"user_id": 0}),
+                await self.queue.dispatch(self.fail, {}))
+
     @property
     def mail(self) -> str:
         return f"mail-{self.suffix}"
@@ -114,10 +122,7 @@ async def test_jobs_run_in_the_host_with_their_outcomes_and_events(database_url:
     app = App(database_url)
     queue = app.queue
     async with queue.lifespan(None):
-        done = await queue.dispatch(app.remind, {"user_id": 1})
-        flaky = await queue.dispatch(app.remind, {"user_id": -1})
-        gone = await queue.dispatch(app.remind, {"user_id": 0})
-        failed = await queue.dispatch(app.fail, {})
+        done, flaky, gone, failed = await app.dispatch_each_outcome()
         await wait_events(app, "JobFailed", 1)
         await wait_for(lambda: len(app.ran) == 2, within=30)
         assert sorted(r[1] for r in app.ran) == [-1, 1]
@@ -148,10 +153,7 @@ async def test_without_listeners_plain_jobs_end_as_they_do_with_them(database_ur
     app = App(database_url, listen=False)
     queue = app.queue
     async with queue.lifespan(None):
-        done = await queue.dispatch(app.remind, {"user_id": 1})
-        flaky = await queue.dispatch(app.remind, {"user_id": -1})
-        gone = await queue.dispatch(app.remind, {"user_id": 0})
-        failed = await queue.dispatch(app.fail, {})
+        done, flaky, gone, failed = await app.dispatch_each_outcome()
         envelope = {"v": 1, "job": f"remind-{app.suffix}", "payload": {"user_id": "not a number"}}
         [invalid] = await queue.publish(f"jobs.{app.mail}", [{"payload": envelope}])
         assert invalid.status == "Accepted" and invalid.message_id is not None
