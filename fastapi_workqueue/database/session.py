@@ -97,14 +97,30 @@ def after_commit(session: Any, callback: Callable[[], None]) -> None:
         return
     waiting: list[tuple[Any, Any, Callable[[], None]]] | None = sync.info.get(_AFTER_COMMIT)
     if waiting is None:
+        if not _listening:
+            _listen(event)
         waiting = sync.info[_AFTER_COMMIT] = []
-        event.listen(sync, "after_commit", _committed)
-        event.listen(sync, "after_transaction_end", _ended)
     waiting.append((root, sync.connection(), callback))
 
 
+_listening = False
+"""Whether the two listeners below are on the ``Session`` class (once per process)."""
+
+
+def _listen(event: Any) -> None:
+    # On the class, once: listening on each session costs more than the rest of a publish's
+    # bookkeeping, and every session gets its own dispatch structures for it. Sessions that
+    # nobody publishes through find no waiting list and return at once.
+    global _listening
+    from sqlalchemy.orm import Session
+
+    event.listen(Session, "after_commit", _committed)
+    event.listen(Session, "after_transaction_end", _ended)
+    _listening = True
+
+
 def _committed(sync: Any) -> None:
-    waiting = sync.info.get(_AFTER_COMMIT)
+    waiting = sync.info.get(_AFTER_COMMIT)  # (any session's commit: nothing waits on most)
     if not waiting or sync.in_nested_transaction():
         return  # a savepoint released: the transaction goes on
     root = sync.get_transaction()
