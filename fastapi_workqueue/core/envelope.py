@@ -351,11 +351,6 @@ def _check_backoff(backoff: list[float]) -> None:
 def canonical_json(payload: Any) -> tuple[str, int]:
     """The canonical JSON of a payload (keys sorted, no spaces) and its UTF-8 size, as a publish
     stores it; raises :class:`RequestRejected` for what is not JSON or nests too deep."""
-    return _payload_json(payload)
-
-
-def _payload_json(payload: Any) -> tuple[str, int]:
-    """The canonical JSON of a payload and its UTF-8 size; raises :class:`RequestRejected`."""
     if type(payload) not in _JSON_TYPES and isinstance(payload, BaseModel):  # (isinstance of a model is slow)
         payload = payload.model_dump(mode="json")
     try:
@@ -396,7 +391,7 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
     backoff = request.backoff_seconds
     if request.not_before is not None or backoff is not None:
         _check_schedule(request)
-    payload_json, size = _payload_json(request.payload)
+    payload_json, size = canonical_json(request.payload)
     size += attributes_size
     head = _NO_REFERENCES if references == _NO_TEXT else _encode(references)
     content = f"{head}\n{attributes_json}\n{payload_json}"
@@ -458,7 +453,7 @@ def prepare_parts(
         _text_field("deduplication_key", deduplication_key)
     if backoff_seconds is not None:
         _check_backoff(backoff_seconds)
-    payload_json, size = _payload_json(payload) if encoded is None else encoded
+    payload_json, size = canonical_json(payload) if encoded is None else encoded
     size += attributes_size
     if size > max_envelope_bytes:
         raise _too_large(size, max_envelope_bytes)
