@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -97,26 +98,21 @@ def after_commit(session: Any, callback: Callable[[], None]) -> None:
         return
     waiting: list[tuple[Any, Any, Callable[[], None]]] | None = sync.info.get(_AFTER_COMMIT)
     if waiting is None:
-        if not _listening:
-            _listen(event)
+        _listen_on_sessions()
         waiting = sync.info[_AFTER_COMMIT] = []
     waiting.append((root, sync.connection(), callback))
 
 
-_listening = False
-"""Whether the two listeners below are on the ``Session`` class (once per process)."""
-
-
-def _listen(event: Any) -> None:
-    # On the class, once: listening on each session costs more than the rest of a publish's
-    # bookkeeping, and every session gets its own dispatch structures for it. Sessions that
-    # nobody publishes through find no waiting list and return at once.
-    global _listening
+@functools.cache
+def _listen_on_sessions() -> None:
+    """Puts the two listeners below on the ``Session`` class, the first time only: listening on
+    each session costs more than the rest of a publish's bookkeeping, and every session gets its
+    own dispatch structures for it. Sessions nobody publishes through find no waiting list."""
+    from sqlalchemy import event
     from sqlalchemy.orm import Session
 
     event.listen(Session, "after_commit", _committed)
     event.listen(Session, "after_transaction_end", _ended)
-    _listening = True
 
 
 def _committed(sync: Any) -> None:
