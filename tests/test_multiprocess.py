@@ -91,6 +91,13 @@ class Worker:
         return f"--- {self.label} (pid {self.pid}, exit {self.proc.returncode}) stderr tail ---\n{last}"
 
 
+def labelled(database_url: str, label: str) -> str:
+    """The URL with ``application_name=label`` on PostgreSQL, so the probe can find that worker's sessions."""
+    if database_url.startswith("sqlite"):
+        return database_url
+    return f"{database_url}{'&' if '?' in database_url else '?'}application_name={label}"
+
+
 def start_worker(label: str, tmp_path: Path, database_url: str, topic: str, exclusive: str, ordered: str) -> Worker:
     stdout, stderr = tmp_path / f"{label}.out", tmp_path / f"{label}.err"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
@@ -102,7 +109,7 @@ def start_worker(label: str, tmp_path: Path, database_url: str, topic: str, excl
                 "-m",
                 "tests.workers.mp_worker",
                 "--database-url",
-                database_url,
+                labelled(database_url, label),
                 "--topic",
                 topic,
                 "--exclusive",
@@ -272,6 +279,13 @@ class Probe(Protocol):
     async def held_by(self, subscription_ids: list[int], pid: int) -> list[Row]: ...
     async def status_counts(self, subscription_ids: list[int]) -> dict[tuple[int, str], int]: ...
     async def stuck(self, held_attempts: dict[int, int]) -> int: ...
+    async def sessions(self, label: str) -> int | None:
+        """How many database sessions the worker ``label`` has open (None where the store has no sessions)."""
+        ...
+    async def sessions_closed(self, label: str, within: float) -> None:
+        """Returns once no database session of the worker ``label`` is left (a COMMIT the worker sent
+        just before it died runs to its end on the server first)."""
+        ...
     async def deliveries(self, subscription_ids: list[int]) -> list[Row]: ...
     async def runs(self, subscriptions: list[str]) -> list[Row]: ...
     async def close(self) -> None: ...
@@ -312,6 +326,15 @@ class PostgresProbe:
 
     async def stuck(self, held_attempts: dict[int, int]) -> int:
         return int(await self.conn.fetchval(STUCK, list(held_attempts), list(held_attempts.values())))
+
+    async def sessions(self, label: str) -> int | None:
+        return int(await self.conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", label))
+
+    async def sessions_closed(self, label: str, within: float) -> None:
+        deadline = time.monotonic() + within
+        while n := await self.sessions(label):
+            assert time.monotonic() < deadline, f"{n} database sessions of {label} still open after {within} s"
+            await asyncio.sleep(0.02)
 
     async def deliveries(self, subscription_ids: list[int]) -> list[Row]:
         return [dict(r) for r in await self.conn.fetch(DELIVERIES, subscription_ids)]
@@ -414,6 +437,13 @@ class SqliteProbe:
             f"SELECT id, attempt FROM delivery WHERE status = 'InFlight' AND id IN ({placeholders(ids)})", ids
         )
         return sum(1 for r in rows if held_attempts[r["id"]] == r["attempt"])
+
+    async def sessions(self, label: str) -> int | None:
+        return None
+
+    async def sessions_closed(self, label: str, within: float) -> None:
+        """A killed process's SQLite writes end with it: what it committed is in the file, the rest
+        is rolled back by the next opener."""
 
     async def deliveries(self, subscription_ids: list[int]) -> list[Row]:
         rows = await self.fetch(
@@ -531,9 +561,11 @@ async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(
             assert time.monotonic() < deadline, f"no moment to kill the victim: {counts}\n{tails(workers)}"
             assert victim.proc.poll() is None, f"the victim exited on its own\n{victim.tail()}"
             await asyncio.sleep(0.01)
+        assert await db.sessions(victim.label) != 0, "the victim's database sessions do not carry its label"
         victim.proc.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         assert await wait_exit(victim, 10) == -signal.SIGKILL
+        await db.sessions_closed(victim.label, 10)
         held = await db.held_by(sub_ids, victim.pid)
         completed_at_kill = await db.status_counts(sub_ids)
         workers.append(start_worker("worker-c", *args))
