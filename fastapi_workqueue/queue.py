@@ -343,8 +343,9 @@ class WorkQueue:
         queue: str | None = None,
     ) -> Any:
         """Dispatches ``job`` on a schedule: ``cron="*/5 * * * *"`` (in ``timezone``) or
-        ``every=timedelta(minutes=5)``. Exactly one dispatch per tick across every process whose host
-        runs; ticks missed while all were down are not queued unless ``catch_up=True``."""
+        ``every=timedelta(minutes=5)`` (or a number of seconds). Exactly one dispatch per tick across
+        every process whose host runs; ticks missed while all were down are not queued unless
+        ``catch_up=True``."""
         return self.jobs.schedules.add(job, cron=cron, every=every, payload=payload, timezone=timezone,
                                        catch_up=catch_up, name=name, queue=queue)
 
@@ -549,11 +550,14 @@ class WorkQueue:
             await self._host.start()
             if self._jobs is not None:
                 self._jobs.schedules.start()
+                if self.job_groups():
+                    self._jobs.watch_queues(self._host, self.settings.job_queues)
         return self._host
 
     async def stop_host(self) -> None:
         host, self._host = self._host, None
         if self._jobs is not None:
+            await self._jobs.stop_watching()
             await self._jobs.schedules.stop()
         if host is not None:
             await host.stop()

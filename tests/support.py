@@ -53,8 +53,10 @@ def make_queue(
     return queue, topic_name, names
 
 
-async def wait_for(check: Callable[[], Any], within: float = 10.0, interval: float = 0.02) -> Any:
-    """Polls ``check()`` (sync or async) until it is truthy; fails after ``within`` seconds."""
+async def wait_for(check: Callable[[], Any], within: float = 10.0, interval: float = 0.02,
+                   describe: Callable[[], Any] | None = None) -> Any:
+    """Polls ``check()`` (sync or async) until it is truthy; fails after ``within`` seconds (saying
+    what ``describe()`` returns then)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     while True:
@@ -64,7 +66,7 @@ async def wait_for(check: Callable[[], Any], within: float = 10.0, interval: flo
         if value:
             return value
         if loop.time() > deadline:
-            raise AssertionError(f"condition not met within {within} s")
+            raise AssertionError(f"condition not met within {within} s" + (f": {describe()}" if describe else ""))
         await asyncio.sleep(interval)
 
 

@@ -47,10 +47,10 @@ class Jobs:
         self.producer.settings = WorkQueueSettings(database_url=url, auto_migrate=True, enabled=False,
                                                    subscriptions=[])
 
-    async def start(self, *args: str) -> asyncio.subprocess.Process:
+    async def start(self, *args: str, **env: str) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", "fastapi_workqueue", "work", "--app", "tests.apps.jobs_app:queue", *args,
-            env=self.env, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**self.env, **env}, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
 
     def events(self) -> list[dict[str, Any]]:
@@ -73,6 +73,35 @@ async def test_a_job_that_ignores_its_timeout_ends_the_worker_with_70(database_u
     assert worker.returncode == 70, stderr.decode()
     assert "ignored its timeout" in stderr.decode()
     assert [e["event"] for e in jobs.events()][:2] == ["stuck-start", "stuck-cancelled"]
+
+
+async def test_sigterm_takes_no_new_job_and_sends_the_running_one_back_without_using_a_try(
+    database_url: str, tmp_path: Path
+) -> None:
+    jobs = Jobs(database_url, tmp_path)
+    async with jobs.producer.lifespan(None):
+        first = await jobs.producer.dispatch(jobs.app.slow, {"n": 1, "seconds": 60})
+        await asyncio.sleep(0.01)  # (due after the first: strict order takes the first one first)
+        second = await jobs.producer.dispatch(jobs.app.slow, {"n": 2, "seconds": 60})
+    worker = await jobs.start("--queue", jobs.queue_name, "--concurrency", "1", "--stop-timeout", "0.5")
+    await jobs.until(lambda: any(e["event"] == "slow-start" for e in jobs.events()))
+    worker.send_signal(signal.SIGTERM)
+    _, stderr = await asyncio.wait_for(worker.communicate(), 30)
+    assert worker.returncode == 0, stderr.decode()
+    began = [e for e in jobs.events() if e["event"] == "slow-start"]
+    assert [(e["id"], e["attempt"]) for e in began] == [(str(first), 1)]  # no new job once SIGTERM came
+    assert [(e["id"], e["reason"]) for e in jobs.events() if e["event"] == "released"] == [(str(first), "shutdown")]
+    # Both come back; each has its one try left (a try spent on the shutdown would have failed the first).
+    again = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "0.5", JOBS_APP_SLOW_SECONDS="0.05")
+    try:
+        await jobs.until(lambda: sum(e["event"] == "slow-end" for e in jobs.events()) == 2)
+    finally:
+        again.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(again.communicate(), 30)
+    ended = {e["id"]: e["attempt"] for e in jobs.events() if e["event"] == "slow-end"}
+    assert ended == {str(first): 1, str(second): 1}
+    async with jobs.producer.lifespan(None):
+        assert await jobs.producer.failed_jobs(jobs.queue_name) == []
 
 
 async def test_a_worker_whose_jobs_do_not_fit_the_lease_refuses_to_start(database_url: str, tmp_path: Path) -> None:

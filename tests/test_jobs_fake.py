@@ -156,3 +156,60 @@ def test_it(workqueue_fake):
 """)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+def test_the_fake_fixture_finds_the_apps_queue_without_being_told(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(myapp="""
+from typing import Any
+from pydantic import BaseModel
+from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings
+
+queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db"))
+plain = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db"))  # declares no job
+
+class Reminder(BaseModel):
+    user_id: int
+
+@queue.job("hello.remind", tries=2)
+async def remind(payload: Reminder, job: JobContext) -> Any:
+    if payload.user_id == 0:
+        return job.discard("gone")
+    if payload.user_id < 0:
+        raise ValueError("never works")
+    return None
+""")
+    pytester.makepyfile(test_user="""
+import asyncio
+import pytest
+from myapp import Reminder, queue, remind
+
+async def dispatch_some():
+    await queue.dispatch(remind, {"user_id": 1})
+    await queue.dispatch(remind, Reminder(user_id=2))
+    await queue.dispatch(remind, {"user_id": 0})
+    await queue.dispatch(remind, {"user_id": -1})
+
+def test_it(workqueue_fake):
+    asyncio.run(dispatch_some())
+    workqueue_fake.assert_dispatched(remind, times=4)
+    workqueue_fake.assert_dispatched(remind, where={"user_id": 2}, times=1)
+    workqueue_fake.assert_dispatched(remind, where=lambda p: p.user_id > 0, times=2)
+    with pytest.raises(AssertionError, match="user_id"):
+        workqueue_fake.assert_dispatched(remind, where={"user_id": 3})
+    assert workqueue_fake.dispatched(remind)[1] == Reminder(user_id=2)
+    counts = asyncio.run(workqueue_fake.work())
+    assert (counts.processed, counts.discarded, counts.failed, counts.released) == (2, 1, 1, 1)
+    assert counts == {"processed": 2, "discarded": 1, "failed": 1, "released": 1}
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+def test_the_fake_fixture_says_what_to_set_when_it_cannot_tell_the_queue(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_user="""
+def test_it(workqueue_fake):
+    pass
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*no WorkQueue that declares a job*workqueue_queue*"])

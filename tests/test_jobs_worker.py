@@ -121,11 +121,30 @@ async def test_a_worker_warns_once_about_jobs_waiting_on_queues_it_does_not_take
     async with queue.lifespan(None):
         await queue.dispatch(f"job-{other}", {})
         watcher = UnwatchedQueues(queue.jobs, [taken])  # (other tests' queues in the database count too)
-        assert other not in await watcher.look()  # seen once
-        assert other in await watcher.look()  # twice in a row: named in a warning
+        assert other in await watcher.look()  # ready on a queue the list leaves out: named in a warning
         assert other not in await watcher.look()  # once only
         assert taken not in watcher._warned
+        assert not UnwatchedQueues(queue.jobs, [taken, "*"]).watching  # a list with * leaves nothing out
     assert sum(other in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_a_lifespan_worker_with_a_strict_list_warns_on_its_own_when_idle(
+    fresh_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    taken, other = names(2)
+    ran: list[str] = []
+    producer = queue_with(fresh_url, [taken, other], None, ran, enabled=False)
+    async with producer.lifespan(None):
+        await producer.dispatch(f"job-{other}", {})
+        await producer.dispatch(f"job-{taken}", {})
+    caplog.set_level("WARNING", logger="fastapi_workqueue.jobs")
+    worker = queue_with(fresh_url, [taken, other], taken, ran)  # WORKQUEUE_JOB_QUEUES=taken
+    async with worker.lifespan(None):
+        await wait_for(lambda: any(other in r.getMessage() and "does not take" in r.getMessage()
+                                   for r in caplog.records), within=15)
+        await wait_for(lambda: ran == [taken])  # the job of the queue it takes runs; the other waits
+    warnings = [r.getMessage() for r in caplog.records if "does not take" in r.getMessage()]
+    assert len(warnings) == 1 and taken not in warnings[0].split("(it takes")[0], warnings
 
 
 async def test_a_timeout_aborts_the_signal_and_the_job_comes_back(database_url: str) -> None:

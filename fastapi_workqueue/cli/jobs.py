@@ -79,15 +79,16 @@ def forget(ctx: Any, job_id: str) -> None:
 
 
 @jobs.command("prune")
-@click.option("--older-than", "older_than", default="7d", show_default=True,
-              help="Age of the failure: 3600, 90m, 12h, 30d.")
+@click.option("--older-than", "--older-than-days", "--days", "older_than", default="7", show_default=True,
+              help="Age of the failure in days (7, 0.5), or with a unit: 90m, 12h, 30d, 3600s.")
 @click.option("--queue", "queue_name", help="One job queue (default: all of them).")
 @click.pass_obj
 def prune(ctx: Any, older_than: str, queue_name: str | None) -> None:
-    """Drop the jobs that failed longer ago than --older-than."""
+    """Drop the jobs that failed longer ago than --older-than days."""
     from . import parse_duration
 
-    seconds = parse_duration(older_than)
+    text = older_than.strip()
+    seconds = parse_duration(f"{text}d" if text.replace(".", "", 1).isdigit() else text)
     count = _with_queue(ctx, lambda q: q.prune_failed_jobs(seconds / 86400, queue_name))
     if ctx.as_json:
         emit_json({"Pruned": count})

@@ -244,18 +244,14 @@ async def _run(
                         return summary.ended(EXIT_UNKNOWN_SUBSCRIPTION, reason)
                     else:
                         return summary.ended(_STATE_EXIT.get(kind, EXIT_ERROR), f"{name}: {kind}: {reason}")
-            watcher = None
             if plan.jobs:
-                from ..jobs.worker import UnwatchedQueues, parse_queues
-
-                watcher = UnwatchedQueues(queue.jobs, parse_queues(plan.queues))
-                watcher.start()
+                queue.jobs.watch_queues(host, plan.queues)
                 queue.jobs.schedules.start()
             try:
                 await _until_done(host, max_duration_ms, finite=finite)
             finally:
-                if watcher is not None:
-                    await watcher.stop()
+                if plan.jobs:
+                    await queue.jobs.stop_watching()
                     await queue.jobs.schedules.stop()
             summary.claimed = sum(host.claimed_total(n) for n in (*plan.subscriptions, *(g.name for g in groups)))
             return summary.ended(EXIT_OK, f"{plan.label}: ran {summary.claimed} deliveries")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -10,6 +11,15 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 MAX_PROGRESS_MESSAGE = 500
+
+
+async def call_sync_or_async(fn: Callable[[], Any]) -> Any:
+    """Calls ``fn`` and awaits what it returns when that is awaitable: ``once`` and ``step`` take
+    ``lambda: mailer.send(...)`` whether ``send`` is a coroutine function or a plain one."""
+    result = fn()
+    if inspect.isawaitable(result):
+        result = await result
+    return result
 
 
 class AbortReason(StrEnum):
@@ -188,12 +198,13 @@ class WorkContext:
             return False
         return await self._heartbeat(progress)
 
-    async def once(self, key: str, fn: Callable[[], Awaitable[Any]], *, ttl_seconds: float = 86400) -> bool:
-        """Runs ``fn`` unless it already succeeded for ``key`` (within ``ttl_seconds``).
+    async def once(self, key: str, fn: Callable[[], Any], *, ttl_seconds: float = 86400) -> bool:
+        """Runs ``fn`` (a plain or a coroutine function) unless it already succeeded for ``key``
+        (within ``ttl_seconds``).
 
         Returns True when ``fn`` ran now, False when it had already run. Repeats become rare,
         not impossible: a worker that dies between ``fn`` and the marker runs it again.
         """
         if self._once is None:
             raise RuntimeError("context.once needs a transport that stores markers")
-        return await self._once(key, fn, ttl_seconds)
+        return await self._once(key, lambda: call_sync_or_async(fn), ttl_seconds)

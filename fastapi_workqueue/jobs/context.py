@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..core.context import AbortSignal
+from ..core.context import AbortSignal, call_sync_or_async
 from ..core.envelope import MAX_DELAY_SECONDS
 
 
@@ -34,7 +34,9 @@ class StepStore(Protocol):
     """Where :meth:`JobContext.step` keeps the results of durable steps."""
 
     async def get(self, job_id: uuid.UUID, name: str) -> tuple[bool, Any]: ...
-    async def put(self, job_id: uuid.UUID, name: str, value: Any) -> None: ...
+    async def put(self, job_id: uuid.UUID, name: str, value: Any) -> Any:
+        """Stores ``value`` and returns it as a later attempt will read it."""
+        ...
 
 
 class OnceRunner(Protocol):
@@ -90,19 +92,22 @@ class JobContext:
         """True when a failure of this attempt fails the job for good."""
         return self.attempt >= self.tries
 
-    async def once(self, key: str, fn: Callable[[], Awaitable[Any]], ttl_seconds: float = 86400) -> bool:
-        """Runs ``fn`` unless it already succeeded for ``key`` (a marker kept ``ttl_seconds``, a day
-        by default). Returns True when ``fn`` ran now, False when it had run before.
+    async def once(self, key: str, fn: Callable[[], Any], ttl_seconds: float = 86400) -> bool:
+        """Runs ``fn`` (a plain or a coroutine function) unless it already succeeded for ``key`` (a
+        marker kept ``ttl_seconds``, a day by default). Returns True when ``fn`` ran now, False when
+        it had run before.
 
         While another attempt runs ``fn`` for ``key``, this attempt goes back to the queue for five
         seconds without using a try. A worker that dies between ``fn`` and the marker runs ``fn``
         again: put an id into the key and keep ``fn`` safe to repeat where you can.
         """
-        return await self._once(key, fn, ttl_seconds=ttl_seconds)
+        return await self._once(key, lambda: call_sync_or_async(fn), ttl_seconds=ttl_seconds)
 
-    async def step(self, name: str, fn: Callable[[], Awaitable[Any]]) -> Any:
-        """Runs ``fn`` once for this job and step name and stores its JSON result; a later attempt
-        (after a crash, a retry or a replay) returns the stored result without running ``fn``.
+    async def step(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn`` (a plain or a coroutine function) once for this job and step name and stores
+        its result as JSON; a later attempt (after a crash, a retry or a replay) returns the stored
+        result without running ``fn``. Every attempt gets the value as JSON gives it back (a tuple
+        comes back as a list, a pydantic model as a dict), the first one included.
 
         A crash after ``fn`` and before the result is stored runs ``fn`` again, as with ``once``.
         """
@@ -111,9 +116,7 @@ class JobContext:
         found, value = await self._steps.get(self.id, name)
         if found:
             return value
-        value = await fn()
-        await self._steps.put(self.id, name, value)
-        return value
+        return await self._steps.put(self.id, name, await call_sync_or_async(fn))
 
     def release(self, delay_seconds: float = 0.0) -> JobRelease:
         """Ends this attempt; the job comes back after ``delay_seconds``. ``return job.release(30)``."""

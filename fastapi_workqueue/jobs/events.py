@@ -29,9 +29,20 @@ class JobEvent:
     job: str
     """The job's name."""
     job_id: uuid.UUID
+    """The job's id (its MessageID: the same over every attempt, retry and replay)."""
     queue: str
     attempt: int
     tries: int
+
+    @property
+    def id(self) -> uuid.UUID:
+        """The job's id, as ``JobContext.id`` names it."""
+        return self.job_id
+
+    @property
+    def name(self) -> str:
+        """The job's name, as ``JobContext.name`` names it."""
+        return self.job
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,6 +64,12 @@ class JobReleased(JobEvent):
     reason: ReleaseReason
     delay_seconds: float | None = None
     error: BaseException | None = field(default=None, compare=False)
+    """The exception that ended the attempt (``reason="error"`` or ``"timeout"``)."""
+
+    @property
+    def exception(self) -> BaseException | None:
+        """The same as :attr:`error`."""
+        return self.error
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,9 +77,15 @@ class JobFailed(JobEvent):
     """The job failed for good: its tries are spent, or it can never succeed."""
 
     error: BaseException | None = field(default=None, compare=False)
+    """The exception that failed the job (None when it was released on its last try)."""
     reason: str = ""
     chain_ended: bool = False
     """True when jobs were chained after this one: they will not run."""
+
+    @property
+    def exception(self) -> BaseException | None:
+        """The same as :attr:`error`."""
+        return self.error
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,14 +10,16 @@ in the test's process, through the same runner as a worker (dependencies and the
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
 
 from ..core.envelope import PreparedMessage, PublishRequest, prepare
 from .definition import Job
 from .envelope import JobEnvelope
-from .inprocess import InProcess, memory_locks, memory_once
+from .inprocess import InProcess, JobCounts, memory_locks, memory_once
 from .steps import MemorySteps
 
 if TYPE_CHECKING:
@@ -95,15 +97,18 @@ class JobFake:
     # -- assertions --------------------------------------------------------------------------
 
     def dispatched(self, job: Any) -> list[Any]:
-        """The payloads ``job`` was dispatched with, in order."""
+        """The payloads ``job`` was dispatched with, in order, as the job receives them (instances of
+        its payload model: ``dispatched(job)[0].user_id``)."""
         name = self._jobs.registry.resolve(job).name
         return [r.payload for r in self.records if r.job == name]
 
     def assert_dispatched(self, job: Any, times: int | None = None,
-                          where: Callable[[Any], bool] | None = None) -> None:
-        """Fails unless ``job`` was dispatched (``times`` times, counting those ``where`` accepts)."""
+                          where: Callable[[Any], bool] | Mapping[str, Any] | None = None) -> None:
+        """Fails unless ``job`` was dispatched (``times`` times, counting only the payloads that
+        ``where`` accepts: a predicate on the payload, or a mapping of fields the payload must have,
+        ``where={"user_id": 1}``)."""
         name = self._jobs.registry.resolve(job).name
-        payloads = [p for p in self.dispatched(job) if where is None or where(p)]
+        payloads = [p for p in self.dispatched(job) if where is None or _matches(p, where)]
         if times is None and not payloads:
             raise AssertionError(f"job {name!r} was not dispatched{_matching(where)}; dispatched: {self._summary()}")
         if times is not None and len(payloads) != times:
@@ -122,8 +127,9 @@ class JobFake:
 
     # -- running -----------------------------------------------------------------------------
 
-    async def work(self) -> dict[str, int]:
-        """Runs every recorded job not run yet (and the jobs they chain), here and now."""
+    async def work(self) -> JobCounts:
+        """Runs every recorded job not run yet (and the jobs they chain), here and now, and says
+        what that came to (``.processed``, ``.failed``, ``.released``, ``.discarded``)."""
         runner = InProcess(self._jobs, once=self._once, on_queued=self._chained, raise_failures=False)
         while self._waiting:
             queue, message = self._waiting.pop(0)
@@ -131,7 +137,7 @@ class JobFake:
             envelope = JobEnvelope.from_json(_payload(message))
             if envelope.unique_key is not None:
                 self._held_unique.discard(envelope.unique_key)
-        return runner.counts.as_dict()
+        return runner.counts.as_counts()
 
     def _chained(self, queue: str, message: PreparedMessage) -> None:
         envelope = JobEnvelope.from_json(_payload(message))
@@ -147,8 +153,22 @@ def _payload(message: PreparedMessage) -> Any:
     return json.loads(message.payload_json or "null")
 
 
-def _matching(where: Callable[[Any], bool] | None) -> str:
-    return "" if where is None else " with a payload that matches"
+def _matches(payload: Any, where: Callable[[Any], bool] | Mapping[str, Any]) -> bool:
+    if not isinstance(where, Mapping):
+        return bool(where(payload))
+    fields = payload.model_dump() if isinstance(payload, BaseModel) else payload
+    if not isinstance(fields, Mapping):
+        raise TypeError(
+            f"where={dict(where)!r} compares fields, but this job's payload is a {type(payload).__name__}: "
+            "pass a predicate instead, where=lambda payload: ..."
+        )
+    return all(key in fields and fields[key] == value for key, value in where.items())
+
+
+def _matching(where: Callable[[Any], bool] | Mapping[str, Any] | None) -> str:
+    if where is None:
+        return ""
+    return f" with {dict(where)!r}" if isinstance(where, Mapping) else " with a payload that matches"
 
 
 def _after_commit(keep: Callable[[], None], session: Any) -> bool:

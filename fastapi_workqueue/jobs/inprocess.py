@@ -40,9 +40,36 @@ class Counts:
     released: int = 0
     discarded: int = 0
 
-    def as_dict(self) -> dict[str, int]:
-        return {"processed": self.processed, "failed": self.failed, "released": self.released,
-                "discarded": self.discarded}
+    def as_counts(self) -> JobCounts:
+        return JobCounts(processed=self.processed, failed=self.failed, released=self.released,
+                         discarded=self.discarded)
+
+
+class JobCounts(dict[str, int]):
+    """What ``await fake.work()`` ran to: ``counts.processed`` or ``counts["processed"]``, and the
+    same for ``failed``, ``released`` and ``discarded``; equal to the plain dict of the four."""
+
+    __slots__ = ()
+
+    @property
+    def processed(self) -> int:
+        """Attempts that completed their job."""
+        return self["processed"]
+
+    @property
+    def failed(self) -> int:
+        """Jobs that failed for good (tries spent, or a ``FatalWorkError``)."""
+        return self["failed"]
+
+    @property
+    def released(self) -> int:
+        """Attempts that ended with the job coming back (an error with tries left, a release)."""
+        return self["released"]
+
+    @property
+    def discarded(self) -> int:
+        """Jobs that discarded themselves."""
+        return self["discarded"]
 
 
 OnceFunc = OnceStore

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -51,10 +52,12 @@ from .registry import JobRegistry
 from .runner import JobRunner
 from .schedules import Schedules
 from .steps import TransportSteps
+from .worker import GROUP_NAME, UnwatchedQueues, parse_queues
 
 if TYPE_CHECKING:
     from ..core.context import WorkContext
     from ..core.envelope import WorkMessage
+    from ..core.host import Host
     from ..queue import WorkQueue
 
 log = logging.getLogger("fastapi_workqueue.jobs")
@@ -98,11 +101,20 @@ _Entry = tuple["Job", str, Any, Any, "str | None", "float | None"]
 """A checked job of a dispatch or bulk: (job, queue, data, sealed payload, encrypted token, delay)."""
 
 
+_LAYERS: weakref.WeakSet[Jobs] = weakref.WeakSet()
+
+
+def queues_with_jobs() -> list[WorkQueue]:
+    """The queues of this process that declare at least one job (the test plugin's default)."""
+    return [layer.queue for layer in list(_LAYERS) if len(layer.registry)]
+
+
 class Jobs:
     """Jobs of one :class:`~fastapi_workqueue.WorkQueue`."""
 
     def __init__(self, queue: WorkQueue) -> None:
         self.queue = queue
+        _LAYERS.add(self)
         self.registry = JobRegistry()
         self.events = JobEvents()
         self.runner = JobRunner(self)
@@ -120,6 +132,7 @@ class Jobs:
         self.failed = FailedJobs(self)
         self._emitting: set[asyncio.Task[None]] = set()
         self._stop_timeout: float | None = None
+        self._watcher: UnwatchedQueues | None = None
 
     # -- events ------------------------------------------------------------------------------
 
@@ -133,6 +146,25 @@ class Jobs:
         """Waits for the listeners still running (the queue's close)."""
         while self._emitting:
             await asyncio.gather(*list(self._emitting), return_exceptions=True)
+
+    # -- beside a worker ---------------------------------------------------------------------
+
+    def watch_queues(self, host: Host, queues: str | None) -> None:
+        """Starts the warning about jobs ready on queues that the strict list ``queues`` (the host's
+        job group) leaves out; it looks while the host runs no job."""
+        def idle() -> bool:
+            consumer = host.group_consumers.get(GROUP_NAME)
+            return consumer is None or consumer.held == 0
+
+        watcher = UnwatchedQueues(self, parse_queues(queues), idle=idle)
+        if watcher.watching and self._watcher is None:
+            self._watcher = watcher
+            watcher.start()
+
+    async def stop_watching(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            await watcher.stop()
 
     # -- settings ----------------------------------------------------------------------------
 

@@ -52,19 +52,24 @@ class Locks:
 
 
 def without_overlapping(
-    key: str | Callable[[Any], str],
+    key_or_fn: str | Callable[[Any], str],
     release_after: float = 5,
     expires_after: float | None = None,
     shared: bool = False,
 ) -> Middleware:
-    """Lets no two attempts with ``key`` run at once, on any worker.
+    """Lets no two attempts with the key ``key_or_fn`` run at once, on any worker.
 
     An attempt that finds the key taken does not run: it goes back to the queue for
-    ``release_after`` seconds, and that counts as an attempt (so the job needs tries). ``key`` may
+    ``release_after`` seconds, and that counts as an attempt (so the job needs tries). The key may
     be a function of the payload (``lambda p: f"stats:{p.user_id}"``). The key belongs to the job
     unless ``shared=True``. The lock expires after ``expires_after`` seconds, by default the
     queue's lease, so a worker that died does not hold it for ever.
     """
+    key = key_or_fn
+    if not (isinstance(key, str) and key) and not callable(key):
+        raise TypeError(
+            f"without_overlapping takes a key (a non-empty string) or a function of the payload, not {key!r}"
+        )
     if release_after < 0:
         raise ValueError(f"release_after must be 0 or more seconds, got {release_after!r}")
     if expires_after is not None and expires_after <= 0:

@@ -194,11 +194,11 @@ class JobRunner:
             await self._end_unique(queue, envelope, message)
             self._after(context, lambda: base.event(JobDiscarded, reason=result.reason,
                                                     chain_ended=bool(envelope.chain)))
-            return Outcome.discard(result.reason)
+            return Outcome.discard(f"{result.reason}; {_chain_note(envelope)}" if envelope.chain else result.reason)
         if isinstance(result, JobRelease):
             reason = "released by the job" if result.reason == "release" else "its overlap key was taken"
             if context.attempt >= context.max_attempts:
-                await self._failed(base, context, envelope, None, f"{reason} on its last try")
+                reason = await self._failed(base, context, envelope, None, f"{reason} on its last try")
             else:
                 released: ReleaseReason = "overlap" if result.reason == "overlap" else "release"
                 self._after(context, lambda: base.event(JobReleased, reason=released,
@@ -249,15 +249,17 @@ class JobRunner:
             self._after(context, lambda: base.event(JobReleased, reason=reason, error=exc))
 
     async def _failed(self, base: _Fields, context: WorkContext, envelope: JobEnvelope,
-                      exc: BaseException | None, reason: str) -> None:
+                      exc: BaseException | None, reason: str) -> str:
+        """Emits JobFailed (once settled) and returns the failure's reason, the chain's end noted."""
         if envelope.chain:
-            note = f"the chain ends here: the {len(envelope.chain)} job(s) queued after it will not run"
+            note = _chain_note(envelope)
             if exc is not None:
                 exc.add_note(note)
             reason = f"{reason}; {note}"
         if envelope.unique_key is not None:
             await self._jobs.release_unique(base.queue, envelope.unique_key, base.job_id)
         self._after(context, lambda: base.event(JobFailed, error=exc, reason=reason, chain_ended=bool(envelope.chain)))
+        return reason
 
     async def _end_unique(self, queue: str, envelope: JobEnvelope, message: WorkMessage[Any]) -> None:
         if envelope.unique_key is not None and envelope.unique_until != "processing":
@@ -273,6 +275,10 @@ class JobRunner:
         if self._jobs.events:
             event = make()
             context.after_settle(lambda _result: self._jobs.emit_soon(event))
+
+
+def _chain_note(envelope: JobEnvelope) -> str:
+    return f"the chain ends here: the {len(envelope.chain)} job(s) queued after it will not run"
 
 
 def _fields(envelope: JobEnvelope, message: WorkMessage[Any], queue: str, context: WorkContext) -> _Fields:

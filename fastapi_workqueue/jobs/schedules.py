@@ -120,11 +120,18 @@ class Schedules:
         self._task: asyncio.Task[None] | None = None
         self._last: dict[str, datetime] = {}
 
-    def add(self, job: Any, *, cron: str | None = None, every: timedelta | None = None, payload: Any = None,
-            timezone: str = "UTC", catch_up: bool = False, name: str | None = None,
+    def add(self, job: Any, *, cron: str | None = None, every: timedelta | float | None = None,
+            payload: Any = None, timezone: str = "UTC", catch_up: bool = False, name: str | None = None,
             queue: str | None = None) -> Schedule:
         definition = self._jobs.registry.resolve(job)
         key = name or definition.name
+        if every is not None and not isinstance(every, timedelta):
+            if isinstance(every, bool) or not isinstance(every, int | float):
+                raise ConfigurationError(
+                    f"schedule {key!r}: every={every!r} is neither a timedelta nor a number of seconds; "
+                    "write every=timedelta(minutes=5) or every=300"
+                )
+            every = timedelta(seconds=every)
         if key in self.items:
             raise ConfigurationError(
                 f"schedule {key!r} is declared twice; give the second one name='...' of its own"

@@ -7,6 +7,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from pydantic_core import PydanticSerializationError, to_jsonable_python
+
 from ..core.transport import Transport
 
 
@@ -20,15 +22,11 @@ class TransportSteps:
         found, value = await self._transport().step_get(job_id, name)
         return found, None if value is None else json.loads(value)
 
-    async def put(self, job_id: uuid.UUID, name: str, value: Any) -> None:
-        try:
-            text = json.dumps(value, separators=(",", ":"), allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(
-                f"step {name!r} returned {type(value).__name__}, which is not JSON ({exc}); a step's result is "
-                "stored as JSON: return strings, numbers, booleans, lists, dicts or None"
-            ) from None
+    async def put(self, job_id: uuid.UUID, name: str, value: Any) -> Any:
+        """Stores ``value`` as JSON and returns it as JSON gives it back."""
+        text = step_json(name, value)
         await self._transport().step_put(job_id, name, text)
+        return json.loads(text)
 
 
 class MemorySteps:
@@ -41,5 +39,17 @@ class MemorySteps:
         key = (job_id, name)
         return (True, self.results[key]) if key in self.results else (False, None)
 
-    async def put(self, job_id: uuid.UUID, name: str, value: Any) -> None:
-        self.results[(job_id, name)] = json.loads(json.dumps(value, allow_nan=False))
+    async def put(self, job_id: uuid.UUID, name: str, value: Any) -> Any:
+        stored = self.results[(job_id, name)] = json.loads(step_json(name, value))
+        return stored
+
+
+def step_json(name: str, value: Any) -> str:
+    """A step's result as JSON (pydantic models, dataclasses, dates and UUIDs as pydantic writes them)."""
+    try:
+        return json.dumps(to_jsonable_python(value), separators=(",", ":"), allow_nan=False)
+    except (PydanticSerializationError, TypeError, ValueError) as exc:
+        raise TypeError(
+            f"step {name!r} returned {type(value).__name__}, which is not JSON ({exc}); a step's result is "
+            "stored as JSON: return strings, numbers, booleans, lists, dicts, pydantic models or None"
+        ) from None

@@ -3,7 +3,8 @@
 ``--queue mail,default`` (or ``WORKQUEUE_JOB_QUEUES``) takes the queues in strict order: a job of
 ``mail`` before any job of ``default``. ``*`` in the list stands for every queue the list does not
 name, taken fairly at its place (the oldest due job first); no list at all means every queue,
-fairly. A worker with a list and no ``*`` warns once about jobs waiting on queues it does not take.
+fairly. A worker with a list and no ``*`` warns once about jobs waiting on queues it does not take
+(looking while it is idle, at most once a minute).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..core.errors import ConfigurationError
@@ -26,6 +29,9 @@ log = logging.getLogger("fastapi_workqueue.jobs")
 GROUP_NAME = "jobs"
 OTHERS = "*"
 WATCH_SECONDS = 60.0
+"""The unwatched-queue warning looks at most this often."""
+IDLE_POLL_SECONDS = 1.0
+"""How often the warning's loop asks whether the worker is idle."""
 
 
 def parse_queues(spec: str | None) -> list[str]:
@@ -69,18 +75,29 @@ def check_fits_lease(jobs: Jobs, queues: list[str], stop_timeout: float) -> None
 
 
 class UnwatchedQueues:
-    """Warns once per queue about jobs ready on queues a strict list does not take."""
+    """Warns once per queue about jobs ready on queues a strict list (no ``*``) does not take.
 
-    def __init__(self, jobs: Jobs, queues: list[str], interval: float = WATCH_SECONDS) -> None:
+    It looks while the worker is idle (``idle()`` says so), at most once every ``interval``
+    seconds, the first time as soon as the worker is first idle.
+    """
+
+    def __init__(self, jobs: Jobs, queues: list[str], interval: float = WATCH_SECONDS,
+                 idle: Callable[[], bool] = lambda: True, poll: float = IDLE_POLL_SECONDS) -> None:
         self._jobs = jobs
         self._taken = set(queues)
         self._interval = interval
-        self._seen_once: set[str] = set()
+        self._idle = idle
+        self._poll = poll
         self._warned: set[str] = set()
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def watching(self) -> bool:
+        """True when the list leaves queues out (no ``*``): only then is there anything to warn about."""
+        return OTHERS not in self._taken
+
     def start(self) -> None:
-        if OTHERS not in self._taken and self._task is None:
+        if self.watching and self._task is None:
             self._task = asyncio.create_task(self._loop(), name="workqueue-unwatched-queues")
 
     async def stop(self) -> None:
@@ -91,25 +108,31 @@ class UnwatchedQueues:
                 await task
 
     async def look(self) -> list[str]:
-        """Queues outside the list with ready jobs at two looks in a row; each is warned about once."""
+        """Queues outside the list with jobs ready now, not warned about before; warns, naming them."""
         ready = set()
         for stats in await self._jobs.queue.stats():
             queue = queue_of(stats.subscription)
             if queue is not None and queue not in self._taken and stats.claimable > 0:
                 ready.add(queue)
-        twice = sorted((ready & self._seen_once) - self._warned)
-        self._seen_once = ready
-        if twice:
-            self._warned.update(twice)
+        new = sorted(ready - self._warned)
+        if new:
+            self._warned.update(new)
             log.warning(
-                "jobs are waiting on queue(s) %s, which this worker does not take (it takes %s); start a worker "
-                "for them, or add them (or *) to --queue / WORKQUEUE_JOB_QUEUES",
-                ", ".join(twice), ",".join(sorted(self._taken)),
+                "jobs are waiting on queue(s) %s, which this worker does not take (it takes %s); unless another "
+                "worker takes them, start one for them, or add them (or *) to --queue / WORKQUEUE_JOB_QUEUES",
+                ", ".join(new), ",".join(sorted(self._taken)),
             )
-        return twice
+        return new
 
     async def _loop(self) -> None:
+        last: float | None = None
         while True:
-            await asyncio.sleep(self._interval)
-            with contextlib.suppress(Exception):
+            await asyncio.sleep(self._poll)
+            now = time.monotonic()
+            if (last is not None and now - last < self._interval) or not self._idle():
+                continue
+            last = now
+            try:
                 await self.look()
+            except Exception as exc:  # the store is away for a moment: the next look tries again
+                log.debug("the look at unwatched job queues failed: %s", exc)

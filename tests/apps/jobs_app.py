@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings
-from fastapi_workqueue.jobs import without_overlapping
+from fastapi_workqueue.jobs import JobReleased, without_overlapping
 
 QUEUE = os.environ.get("JOBS_APP_QUEUE", "jobs-app")
 
@@ -62,6 +62,21 @@ async def steps(payload: dict[str, Any], job: JobContext) -> None:
         record(event="waiting", attempt=job.attempt)
         await asyncio.sleep(60)  # killed here
     record(event="done", attempt=job.attempt, charge=charged["charge"])
+
+
+@queue.job("app.slow", tries=1, queue=QUEUE)
+async def slow(payload: dict[str, Any], job: JobContext) -> None:
+    """Sleeps ``JOBS_APP_SLOW_SECONDS`` (else the payload's ``seconds``); one try only."""
+    record(event="slow-start", n=payload["n"], attempt=job.attempt, id=str(job.id))
+    await asyncio.sleep(float(os.environ.get("JOBS_APP_SLOW_SECONDS", payload["seconds"])))
+    record(event="slow-end", n=payload["n"], attempt=job.attempt, id=str(job.id))
+
+
+def record_release(event: JobReleased) -> None:
+    record(event="released", reason=event.reason, id=str(event.job_id), attempt=event.attempt)
+
+
+queue.listen(JobReleased, record_release)
 
 
 @queue.job("app.long", timeout=100, queue=f"{QUEUE}-long")

@@ -1,0 +1,286 @@
+"""How a job's attempt can end, on a real store (PostgreSQL and an SQLite file): middleware of one's
+own that releases or discards, FatalWorkError, overlap and once-busy releases with their event
+reasons, listeners that fail, unique keys freed at processing, on failure and on discard, delay
+and queue given at dispatch, a chain that a discard ends, and once/step with plain callables."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from fastapi_workqueue import (
+    ConfigurationError,
+    FatalWorkError,
+    JobContext,
+    WorkQueue,
+    WorkQueueSettings,
+)
+from fastapi_workqueue.jobs import (
+    JobDiscarded,
+    JobEvent,
+    JobFailed,
+    JobProcessed,
+    JobReleased,
+    without_overlapping,
+)
+
+from .support import FAST, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
+    return str(request.getfixturevalue("pg_url"))
+
+
+def make_queue(url: str, queue_name: str, **settings: Any) -> WorkQueue:
+    """A queue whose host takes ``queue_name`` only (job queues are named in the whole database)."""
+    options = {**FAST, "job_concurrency": 4, "job_queues": queue_name, **settings}
+    return WorkQueue(WorkQueueSettings(database_url=url, auto_migrate=True, subscriptions=[], **options))
+
+
+def kinds(events: list[JobEvent], job_id: uuid.UUID | None) -> list[str]:
+    return [type(e).__name__ for e in events if e.job_id == job_id]
+
+
+class Receipt(BaseModel):
+    number: int
+
+
+async def test_middleware_of_ones_own_releases_or_discards_and_a_fatal_error_fails_at_once(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    name = f"outcomes-{suffix}"
+    queue = make_queue(database_url, name)
+    events: list[JobEvent] = []
+    heard_async: list[JobEvent] = []
+    ran: list[tuple[str, int]] = []
+    queue.listen(JobEvent, events.append)
+
+    async def hear(event: JobEvent) -> None:
+        await asyncio.sleep(0)
+        heard_async.append(event)
+
+    def broken(event: JobProcessed) -> None:
+        raise RuntimeError("the listener is broken")
+
+    queue.listen(JobEvent, hear)
+    queue.listen(JobProcessed, broken)
+
+    async def gate(attempt: Any, call_next: Any) -> Any:
+        kind = attempt.payload["kind"]
+        if kind == "release" and attempt.job.attempt == 1:
+            return attempt.job.release(0)
+        if kind == "discard":
+            return attempt.job.discard("the middleware said no")
+        return await call_next()
+
+    @queue.job(f"gated-{suffix}", tries=3, backoff=[0], queue=name, middleware=[gate])
+    async def gated(payload: dict[str, Any], job: JobContext) -> None:
+        ran.append((payload["kind"], job.attempt))
+
+    @queue.job(f"fatal-{suffix}", tries=5, backoff=[0], queue=name)
+    async def fatal(payload: dict[str, Any]) -> None:
+        raise FatalWorkError("the card was declined for good")
+
+    caplog.set_level(logging.ERROR, logger="fastapi_workqueue.jobs")
+    async with queue.lifespan(None):
+        released = await queue.dispatch(gated, {"kind": "release"})
+        discarded = await queue.dispatch(gated, {"kind": "discard"})
+        plain = await queue.dispatch(gated, {"kind": "plain"})
+        failed = await queue.dispatch(fatal, {})
+        await wait_for(lambda: len([e for e in events if isinstance(e, JobProcessed | JobDiscarded | JobFailed)])
+                       == 4, within=30)
+        await wait_for(lambda: len(heard_async) == len(events))
+        [failed_job] = await queue.failed_jobs(name)
+        infos = {job_id: (await queue.transport.message_deliveries(job_id))[0]
+                 for job_id in (released, discarded, plain, failed)}
+
+    assert sorted(ran) == [("plain", 1), ("release", 2)]  # the discarded job's function never ran
+    assert kinds(events, released) == ["JobProcessing", "JobReleased", "JobProcessing", "JobProcessed"]
+    assert [e.reason for e in events if isinstance(e, JobReleased)] == ["release"]
+    assert kinds(events, discarded) == ["JobProcessing", "JobDiscarded"]
+    assert kinds(events, plain) == ["JobProcessing", "JobProcessed"]
+    assert kinds(events, failed) == ["JobProcessing", "JobFailed"]  # no retry, whatever tries are left
+    [fail_event] = [e for e in events if isinstance(e, JobFailed)]
+    assert isinstance(fail_event.exception, FatalWorkError) and fail_event.attempt == 1
+    assert (fail_event.id, fail_event.name) == (failed, f"fatal-{suffix}")
+    assert failed_job.id == failed and failed_job.attempts == 1 and "declined for good" in (failed_job.error or "")
+    assert {k: (v.status, v.attempt) for k, v in infos.items()} == {
+        released: ("Completed", 2), discarded: ("Discarded", 1), plain: ("Completed", 1), failed: ("DeadLettered", 1),
+    }
+    assert infos[discarded].reason == "the middleware said no"
+    # The broken listener was logged twice (two JobProcessed) and changed nothing.
+    assert sum("listener" in r.getMessage() and "JobProcessed" in r.getMessage() for r in caplog.records) == 2
+
+
+async def test_a_taken_overlap_key_or_a_busy_once_key_sends_the_attempt_back_saying_why(database_url: str) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    name = f"busy-{suffix}"
+    queue = make_queue(database_url, name)
+    events: list[JobEvent] = []
+    queue.listen(JobEvent, events.append)
+    overlapped: list[tuple[uuid.UUID, int]] = []
+    once_results: list[tuple[uuid.UUID, bool, int]] = []
+    once_calls: list[uuid.UUID] = []
+
+    @queue.job(f"overlap-{suffix}", tries=5, backoff=[0], queue=name,  # back after 1 s: the key is free by then
+               middleware=[without_overlapping(key_or_fn=lambda p: f"report-{p['account']}", release_after=1)])
+    async def overlapping(payload: dict[str, Any], job: JobContext) -> None:
+        await asyncio.sleep(0.6)
+        overlapped.append((job.id, job.attempt))
+
+    @queue.job(f"once-{suffix}", tries=1, queue=name)  # one try: a once-busy return must not spend it
+    async def mail_once(payload: dict[str, Any], job: JobContext) -> None:
+        async def send() -> None:
+            await asyncio.sleep(0.6)
+            once_calls.append(job.id)
+
+        once_results.append((job.id, await job.once(f"mail-{suffix}", send), job.attempt))
+
+    async with queue.lifespan(None):
+        first, second = await queue.bulk([(overlapping, {"account": 7}), (overlapping, {"account": 7})])
+        a, b = await queue.bulk([(mail_once, {}), (mail_once, {})])
+        await wait_for(lambda: len(overlapped) == 2 and len(once_results) == 2, within=30,
+                       describe=lambda: (overlapped, once_results, events))
+    reasons = {e.job_id: e.reason for e in events if isinstance(e, JobReleased)}
+    # Exactly one of each pair found its key taken and went back, saying why.
+    assert sorted(reasons[j] for j in (first, second) if j in reasons) == ["overlap"]
+    assert sorted(reasons[j] for j in (a, b) if j in reasons) == ["once-busy"]
+    # The overlap counts as an attempt; the once-busy return does not.
+    assert sorted(attempt for _, attempt in overlapped) == [1, 2]
+    assert sorted((ran, attempt) for _, ran, attempt in once_results) == [(False, 1), (True, 1)]
+    assert len(once_calls) == 1
+
+
+async def test_unique_keys_are_freed_at_processing_on_failure_and_on_discard(database_url: str) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    name = f"unique-{suffix}"
+    producer = make_queue(database_url, name, enabled=False)
+    worker = make_queue(database_url, name)
+    started = asyncio.Event()
+    go_on = asyncio.Event()
+
+    for q in (producer, worker):
+        @q.job(f"rebuild-{suffix}", tries=1, queue=name)
+        async def rebuild(payload: dict[str, Any], job: JobContext) -> Any:
+            if payload["how"] == "wait":
+                started.set()
+                await go_on.wait()
+            elif payload["how"] == "fail":
+                raise ValueError("no luck")
+            elif payload["how"] == "discard":
+                return job.discard("nothing to rebuild")
+            return None
+
+    job = f"rebuild-{suffix}"
+    async with producer.lifespan(None):
+        kept = await producer.dispatch(job, {"how": "wait"}, unique="members", unique_until="processing")
+        assert kept is not None
+        assert await producer.dispatch(job, {"how": "wait"}, unique="members", unique_until="processing") is None
+        for how in ("fail", "discard"):
+            assert await producer.dispatch(job, {"how": how}, unique=how) is not None
+            assert await producer.dispatch(job, {"how": how}, unique=how) is None  # held until done
+        async with worker.lifespan(None):
+            await asyncio.wait_for(started.wait(), 30)
+            # Started: a key held until processing is free again while the first job still runs.
+            again = await producer.dispatch(job, {"how": "plain"}, unique="members", unique_until="processing")
+            assert again is not None and again != kept
+            go_on.set()
+            await wait_for(_empty(producer, name), within=30)
+        # The failed job and the discarded one freed their keys when they ended.
+        assert await producer.dispatch(job, {"how": "plain"}, unique="fail") is not None
+        assert await producer.dispatch(job, {"how": "plain"}, unique="discard") is not None
+
+
+def _empty(queue: WorkQueue, name: str) -> Any:
+    async def check() -> bool:
+        return await queue.size(name) == 0
+
+    return check
+
+
+async def test_delay_and_queue_given_at_dispatch_override_the_declaration(database_url: str) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    declared, other = f"declared-{suffix}", f"other-{suffix}"
+    queue = make_queue(database_url, declared, enabled=False)
+
+    @queue.job(f"later-{suffix}", queue=declared)
+    async def later(payload: dict[str, Any]) -> None:
+        return None
+
+    async with queue.lifespan(None):
+        before = datetime.now(UTC)
+        job_id = await queue.dispatch(later, {}, delay=timedelta(minutes=5), queue=other)
+        seconds_id = await queue.dispatch(later, {}, delay=90)
+        assert await queue.size(declared) == 1 and await queue.size(other) == 1
+        [info] = await queue.transport.message_deliveries(job_id)
+        [in_seconds] = await queue.transport.message_deliveries(seconds_id)
+    assert info.subscription == f"jobs.{other}" and in_seconds.subscription == f"jobs.{declared}"
+    assert info.visible_at is not None and info.visible_at >= before + timedelta(minutes=5) - timedelta(seconds=1)
+    assert in_seconds.visible_at is not None and in_seconds.visible_at >= before + timedelta(seconds=89)
+
+
+async def test_a_discard_ends_its_chain_and_once_and_step_take_plain_callables(database_url: str) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    name = f"chain-{suffix}"
+    queue = make_queue(database_url, name)
+    events: list[JobEvent] = []
+    queue.listen(JobEvent, events.append)
+    ran: list[str] = []
+    steps: list[Any] = []
+
+    @queue.job(f"first-{suffix}", queue=name)
+    async def first(payload: dict[str, Any], job: JobContext) -> Any:
+        ran.append("first")
+        return job.discard("the import is empty") if payload["empty"] else None
+
+    @queue.job(f"second-{suffix}", tries=2, backoff=[0], queue=name)
+    async def second(payload: dict[str, Any], job: JobContext) -> None:
+        mailed = await job.once(f"sync-once-{job.id}", lambda: ran.append("mailed"))  # a plain callable
+        receipt = await job.step("receipt", lambda: Receipt(number=7))  # a plain one returning a model
+        steps.append((job.attempt, mailed, receipt))
+        if job.attempt == 1:
+            raise ValueError("the CRM is down")
+
+    async with queue.lifespan(None):
+        stopped, never = await queue.chain([(first, {"empty": True}), (second, {})])
+        await wait_for(lambda: any(isinstance(e, JobDiscarded) for e in events), within=30)
+        await queue.chain([(first, {"empty": False}), (second, {})])
+        await wait_for(lambda: sum(isinstance(e, JobProcessed) for e in events) == 2, within=30)
+        [info] = await queue.transport.message_deliveries(stopped)
+        assert await queue.transport.message_deliveries(never) == []  # never queued
+    [discard] = [e for e in events if isinstance(e, JobDiscarded)]
+    assert discard.chain_ended and discard.job_id == stopped
+    assert info.status == "Discarded" and "the chain ends here" in (info.reason or "")
+    assert ran == ["first", "first", "mailed"]  # the discarded chain's second job never ran
+    # Both attempts see the step's result as JSON gives it back; once ran its callable once.
+    assert steps == [(1, True, {"number": 7}), (2, False, {"number": 7})]
+
+
+def test_a_schedule_takes_every_as_a_timedelta_or_seconds() -> None:
+    queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db"))
+
+    @queue.job("stats.rebuild")
+    async def rebuild(payload: dict[str, Any]) -> None:
+        return None
+
+    queue.schedule(rebuild, every=timedelta(minutes=5), payload={}, name="by-timedelta")
+    queue.schedule(rebuild, every=300, payload={}, name="by-seconds")
+    listing = queue.jobs.schedules.listing(datetime(2026, 1, 1, 12, 2, tzinfo=UTC))
+    assert {row["Name"]: row["NextRun"] for row in listing} == {
+        "by-timedelta": "2026-01-01T12:05:00+00:00", "by-seconds": "2026-01-01T12:05:00+00:00",
+    }
+    with pytest.raises(ConfigurationError, match="timedelta"):
+        queue.schedule(rebuild, every="5m", payload={}, name="by-text")
