@@ -31,6 +31,31 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return str(request.getfixturevalue("pg_url"))
 
 
+@pytest.fixture(params=["postgresql", "sqlite"])
+async def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """A database of its own: what a command finds in it is this test's alone."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'fresh.db'}"
+        return
+    from .conftest import PG_URL, drop_database, recreate_database
+
+    url = PG_URL.rpartition("/")[0] + f"/workqueue_fresh_{uuid.uuid4().hex[:8]}"
+    await recreate_database(url)
+    try:
+        yield url
+    finally:
+        await drop_database(url)
+
+
+async def run_cli(env: dict[str, str], *args: str, **more_env: str) -> tuple[int, str]:
+    """``workqueue ARGS`` in a process of its own: its exit code and its output (stderr included)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fastapi_workqueue", *args, env={**env, **more_env}, cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode or 0, out.decode()
+
+
 class Jobs:
     def __init__(self, url: str, tmp_path: Path, **env: str) -> None:
         self.queue_name = f"app-{uuid.uuid4().hex[:8]}"
@@ -155,9 +180,9 @@ async def test_a_step_and_once_are_not_repeated_after_a_sigkilled_worker(databas
     assert jobs.events()[-1]["charge"] == f"ch-{job_id}"
 
 
-async def test_the_jobs_commands_list_retry_forget_and_prune(database_url: str, tmp_path: Path) -> None:
-    jobs = Jobs(database_url, tmp_path)
-    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, enabled=False,
+async def test_the_jobs_commands_list_retry_forget_and_prune(fresh_url: str, tmp_path: Path) -> None:
+    jobs = Jobs(fresh_url, tmp_path)
+    queue = WorkQueue(WorkQueueSettings(database_url=fresh_url, auto_migrate=True, enabled=False,
                                         subscriptions=[]))
     name = f"cli-fail-{uuid.uuid4().hex[:6]}"
 
@@ -166,29 +191,114 @@ async def test_the_jobs_commands_list_retry_forget_and_prune(database_url: str, 
         raise RuntimeError("token=abc123 was refused")
 
     async with queue.lifespan(None):
-        job_id = await queue.dispatch(fail, {})
+        retried, forgotten, pruned = [await queue.dispatch(fail, {"n": n}) for n in range(3)]
         host = await queue.start_host()
         assert host is not None
         for _ in range(200):
-            if await queue.failed_jobs(jobs.queue_name):
+            if len(await queue.failed_jobs(jobs.queue_name)) == 3:
                 break
             await asyncio.sleep(0.05)
         await queue.stop_host()
 
     async def cli(*args: str) -> tuple[int, str]:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastapi_workqueue", *args, env=jobs.env, cwd=ROOT,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        out, _ = await asyncio.wait_for(proc.communicate(), 60)
-        return proc.returncode or 0, out.decode()
+        return await run_cli(jobs.env, *args)
 
     code, out = await cli("--json", "jobs", "failed", "--queue", jobs.queue_name)
-    [listed] = json.loads(out)
-    assert code == 0 and listed["ID"] == str(job_id) and listed["Job"] == name
-    assert listed["Error"].splitlines()[-1] == "RuntimeError: token=*** was refused"
-    code, out = await cli("jobs", "retry", str(job_id))
+    listed = {row["ID"]: row for row in json.loads(out)}
+    assert code == 0 and set(listed) == {str(retried), str(forgotten), str(pruned)}
+    assert listed[str(retried)]["Job"] == name
+    assert listed[str(retried)]["Error"].splitlines()[-1] == "RuntimeError: token=*** was refused"
+    code, out = await cli("jobs", "retry", str(retried))
     assert code == 0 and out.startswith("Replayed")
     code, out = await cli("jobs", "forget", str(uuid.uuid4()))
     assert code == 1 and "no failed job has the id" in out
+    code, out = await cli("jobs", "forget", str(forgotten))
+    assert code == 0, out
+    # --older-than counts days: a job that failed seconds ago is younger than one day, older than none.
+    code, out = await cli("--json", "jobs", "prune", "--older-than", "1", "--queue", jobs.queue_name)
+    assert code == 0 and json.loads(out) == {"Pruned": 0}, out
     code, out = await cli("--json", "jobs", "prune", "--older-than", "0", "--queue", jobs.queue_name)
-    assert code == 0 and json.loads(out) == {"Pruned": 0}  # retried: not failed any more
+    assert code == 0 and json.loads(out) == {"Pruned": 1}, out  # the retried job is not failed any more
+    code, out = await cli("--json", "jobs", "failed", "--queue", jobs.queue_name)
+    assert code == 0 and json.loads(out) == []
+
+
+async def test_jobs_reencrypt_moves_waiting_jobs_to_the_current_key(fresh_url: str, tmp_path: Path) -> None:
+    from cryptography.fernet import Fernet
+
+    old, new = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    jobs = Jobs(fresh_url, tmp_path)
+    queue = WorkQueue(WorkQueueSettings(database_url=fresh_url, auto_migrate=True, enabled=False,
+                                        subscriptions=[], app_key=old))
+
+    @queue.job(f"cli-secret-{uuid.uuid4().hex[:6]}", encrypted=True, queue=jobs.queue_name)
+    async def secret(payload: dict[str, str]) -> None:
+        return None
+
+    async with queue.lifespan(None):
+        job_id = await queue.dispatch(secret, {"card": "4242 4242 4242 4242"})
+        [before] = await queue.transport.message_deliveries(job_id, include_payload=True)
+    code, out = await run_cli(jobs.env, "--json", "jobs", "reencrypt", WORKQUEUE_APP_KEY=new,
+                              WORKQUEUE_PREVIOUS_KEYS=old)
+    assert code == 0 and json.loads(out) == {"Reencrypted": 1}, out
+    async with queue.lifespan(None):
+        [after] = await queue.transport.message_deliveries(job_id, include_payload=True)
+    assert after.payload["encrypted"] != before.payload["encrypted"] and "4242" not in json.dumps(after.payload)
+    assert json.loads(Fernet(new.encode()).decrypt(after.payload["encrypted"].encode())) == {
+        "card": "4242 4242 4242 4242"}
+    code, out = await run_cli(jobs.env, "jobs", "reencrypt")  # no key set: it says what to set
+    assert code != 0 and "WORKQUEUE_APP_KEY" in out, out
+
+
+async def test_two_worker_processes_dispatch_each_tick_of_a_schedule_once(fresh_url: str, tmp_path: Path) -> None:
+    jobs = Jobs(fresh_url, tmp_path, JOBS_APP_SCHEDULE="1")
+    code, out = await run_cli(jobs.env, "--json", "schedules", "--app", "tests.apps.jobs_app:queue")
+    [listed] = json.loads(out)
+    assert code == 0 and listed["Name"] == "app.every-second" and listed["Job"] == "app.tick", out
+    assert listed["When"] == "every 0:00:01" and listed["NextRun"]
+    async with jobs.producer.lifespan(None):
+        pass  # the store's tables
+    workers = [await jobs.start("--queue", jobs.queue_name) for _ in range(2)]
+    try:
+        await jobs.until(lambda: sum(e["event"] == "tick" for e in jobs.events()) >= 4, within=60)
+    finally:
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+        codes = [await asyncio.wait_for(worker.wait(), 60) for worker in workers]
+    assert codes == [0, 0]
+    ticks = [e for e in jobs.events() if e["event"] == "tick"]
+    ids = [e["id"] for e in ticks]
+    assert len(ids) == len(set(ids)), ids  # no tick ran twice
+    # One job a second between the first tick and the last, not one per process.
+    span = ticks[-1]["at"] - ticks[0]["at"]
+    assert len(ticks) <= span + 2, (len(ticks), span)
+    async with jobs.producer.lifespan(None):
+        stats = {s.subscription: s for s in await jobs.producer.stats()}
+    in_store = stats[f"jobs.{jobs.queue_name}"]
+    assert in_store.completed == len(ticks) and in_store.pending + in_store.in_flight <= 2, in_store
+
+
+async def test_dispatchers_in_several_processes_queue_a_unique_job_once(database_url: str, tmp_path: Path) -> None:
+    jobs = Jobs(database_url, tmp_path)
+    async with jobs.producer.lifespan(None):
+        await jobs.producer.jobs.ensure_queue(jobs.queue_name)  # its topic and subscription
+    key = f"rebuild-{uuid.uuid4().hex[:6]}"
+    procs = [await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.workers.unique_dispatcher", key, "5", env=jobs.env, cwd=ROOT,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        for _ in range(4)]
+    for proc in procs:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        assert line.strip() == b"READY", line
+    for proc in procs:  # all four at once
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+    answers: list[str | None] = []
+    for proc in procs:
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        answers += json.loads(out.decode().splitlines()[-1])
+    assert len(answers) == 20 and len([a for a in answers if a is not None]) == 1, answers
+    async with jobs.producer.lifespan(None):
+        assert await jobs.producer.size(jobs.queue_name) == 1

@@ -284,3 +284,34 @@ def test_a_schedule_takes_every_as_a_timedelta_or_seconds() -> None:
     }
     with pytest.raises(ConfigurationError, match="timedelta"):
         queue.schedule(rebuild, every="5m", payload={}, name="by-text")
+
+
+async def test_a_payload_that_no_key_decrypts_fails_at_once_without_the_secret_in_its_record(
+    database_url: str,
+) -> None:
+    from cryptography.fernet import Fernet
+
+    lost, current = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    suffix = uuid.uuid4().hex[:8]
+    name, job_name = f"undecryptable-{suffix}", f"secret-{suffix}"
+    secret = f"reset-link-{uuid.uuid4().hex}"
+    producer = make_queue(database_url, name, enabled=False, app_key=lost)
+    worker = make_queue(database_url, name, app_key=current)  # the old key is gone, not in the previous keys
+    events: list[JobEvent] = []
+    worker.listen(JobEvent, events.append)
+    for q in (producer, worker):
+        @q.job(job_name, encrypted=True, tries=5, queue=name)
+        async def send_reset(payload: dict[str, str]) -> None:
+            raise AssertionError("never runs")
+
+    async with producer.lifespan(None):
+        job_id = await producer.dispatch(job_name, {"link": secret})
+    async with worker.lifespan(None):
+        await wait_for(lambda: any(isinstance(e, JobFailed) for e in events), within=30)
+        [failed] = await worker.failed_jobs(name, include_payload=True)
+        [info] = await worker.transport.message_deliveries(job_id)
+    assert kinds(events, job_id) == ["JobFailed"] and events[-1].attempt == 1  # no retry
+    assert failed.id == job_id and info.status == "DeadLettered" and info.attempt == 1
+    record = failed.model_dump_json()
+    assert secret not in record and lost not in record and current not in record
+    assert "key" in (failed.reason or "").lower(), failed.reason

@@ -79,6 +79,14 @@ def record_release(event: JobReleased) -> None:
 queue.listen(JobReleased, record_release)
 
 
+if os.environ.get("JOBS_APP_SCHEDULE"):
+    @queue.job("app.tick", queue=QUEUE)
+    async def tick(payload: dict[str, Any], job: JobContext) -> None:
+        record(event="tick", id=str(job.id))
+
+    queue.schedule(tick, every=1, payload={}, name="app.every-second")
+
+
 @queue.job("app.long", timeout=100, queue=f"{QUEUE}-long")
 async def long_job(payload: dict[str, Any]) -> None:
     return None
