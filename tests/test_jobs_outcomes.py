@@ -287,7 +287,7 @@ def test_a_schedule_takes_every_as_a_timedelta_or_seconds() -> None:
 
 
 async def test_a_payload_that_no_key_decrypts_fails_at_once_without_the_secret_in_its_record(
-    database_url: str,
+    database_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     from cryptography.fernet import Fernet
 
@@ -310,6 +310,9 @@ async def test_a_payload_that_no_key_decrypts_fails_at_once_without_the_secret_i
         await wait_for(lambda: any(isinstance(e, JobFailed) for e in events), within=30)
         [failed] = await worker.failed_jobs(name, include_payload=True)
         [info] = await worker.transport.message_deliveries(job_id)
+        with caplog.at_level(logging.WARNING, logger="fastapi_workqueue.jobs"):
+            assert await worker.reencrypt_jobs() == 0  # it skips the job no key decrypts, and says so
+        assert any("no key decrypts" in r.getMessage() and str(job_id) in r.getMessage() for r in caplog.records)
     assert kinds(events, job_id) == ["JobFailed"] and events[-1].attempt == 1  # no retry
     assert failed.id == job_id and info.status == "DeadLettered" and info.attempt == 1
     record = failed.model_dump_json()

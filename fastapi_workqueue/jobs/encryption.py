@@ -61,14 +61,21 @@ class PayloadCipher:
 
     def rotate(self, token: str) -> str:
         """``token`` encrypted with the current key (``workqueue jobs reencrypt``): itself when it
-        already is, else decrypted with whichever key does and encrypted again."""
+        already is, else decrypted with whichever key does and encrypted again. Raises
+        :class:`PayloadUndecryptable` when no key does."""
         from cryptography.fernet import InvalidToken
 
         try:
             self._current.decrypt(token.encode("ascii"))
             return token
         except InvalidToken:
+            pass
+        try:
             return self._all.rotate(token.encode("ascii")).decode("ascii")
+        except (InvalidToken, ValueError, UnicodeError):
+            raise PayloadUndecryptable(
+                "no key decrypts the job's payload (WORKQUEUE_APP_KEY, WORKQUEUE_PREVIOUS_KEYS)"
+            ) from None
 
 
 def cipher_from(app_key: str | None, previous_keys: str | Sequence[str] | None) -> PayloadCipher | None:

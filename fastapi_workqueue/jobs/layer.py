@@ -34,7 +34,7 @@ from ..core.outcomes import FollowUp, Outcome, WorkOutcome
 from ..core.topology import Subscription, Topic
 from .context import JobContext, StepStore
 from .definition import DEFAULT_TRIES, Job, check_job_name, check_queue_name, define_job
-from .encryption import PayloadCipher, cipher_from
+from .encryption import PayloadCipher, PayloadUndecryptable, cipher_from
 from .envelope import (
     JOB_ATTRIBUTE,
     ChainLink,
@@ -286,8 +286,6 @@ class Jobs:
             return envelope.payload
         cipher = self.cipher()
         if cipher is None:
-            from .encryption import PayloadUndecryptable
-
             raise PayloadUndecryptable("the job is encrypted=True but this process has no WORKQUEUE_APP_KEY")
         return cipher.decrypt(envelope.encrypted)
 
@@ -575,12 +573,14 @@ class Jobs:
     async def reencrypt(self, *, page: int = 500) -> int:
         """Encrypts the payloads of waiting and failed encrypted jobs again with the current key
         (after a key rotation, before an old key is dropped from WORKQUEUE_PREVIOUS_KEYS). A job
-        that runs meanwhile keeps its payload; run it again later. Returns how many it rewrote."""
+        that runs meanwhile keeps its payload; run it again later. A job that no key decrypts is
+        left as it is and named in a warning. Returns how many it rewrote."""
         cipher = self.cipher()
         if cipher is None:
             raise ConfigurationError("reencrypting needs the app key: set WORKQUEUE_APP_KEY")
         transport = self.queue.transport
         rewritten = 0
+        undecryptable: list[str] = []
         for sub in await transport.list_subscriptions():
             if queue_of(sub.name) is None:
                 continue
@@ -590,11 +590,20 @@ class Jobs:
                     infos = await transport.list_deliveries(sub.name, status, limit=page, after=after,
                                                             include_payload=True)
                     for info in infos:
-                        if await self._reencrypt_one(cipher, info):
-                            rewritten += 1
+                        try:
+                            if await self._reencrypt_one(cipher, info):
+                                rewritten += 1
+                        except PayloadUndecryptable:
+                            undecryptable.append(str(info.message_id))
                     if len(infos) < page:
                         break
                     after = infos[-1].delivery_id
+        if undecryptable:
+            log.warning(
+                "reencrypt: %d job(s) that no key decrypts were left as they are (they fail at once when they "
+                "run; add the key they were encrypted with to WORKQUEUE_PREVIOUS_KEYS, or forget them): %s",
+                len(undecryptable), ", ".join(undecryptable[:20]) + (" …" if len(undecryptable) > 20 else ""),
+            )
         return rewritten
 
     async def _reencrypt_one(self, cipher: PayloadCipher, info: Any) -> bool:
