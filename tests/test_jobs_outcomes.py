@@ -318,3 +318,28 @@ async def test_a_payload_that_no_key_decrypts_fails_at_once_without_the_secret_i
     record = failed.model_dump_json()
     assert secret not in record and lost not in record and current not in record
     assert "key" in (failed.reason or "").lower(), failed.reason
+
+
+async def test_a_job_keeps_the_policy_it_was_dispatched_with_through_a_deploy(database_url: str) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    name, job_name = f"deploy-{suffix}", f"sync-crm-{suffix}"
+    before = make_queue(database_url, name, enabled=False)
+    after = make_queue(database_url, name)
+    attempts: list[int] = []
+
+    @before.job(job_name, tries=2, backoff=[0], queue=name)
+    async def old_version(payload: dict[str, Any]) -> None:
+        raise AssertionError("the old version never runs here")
+
+    @after.job(job_name, tries=6, backoff=[60], queue=name)  # the new release asks for more, and slower
+    async def new_version(payload: dict[str, Any], job: JobContext) -> None:
+        attempts.append(job.attempt)
+        assert job.tries == 2
+        raise ValueError("the CRM is down")
+
+    async with before.lifespan(None):
+        job_id = await before.dispatch(job_name, {})
+    async with after.lifespan(None):
+        await wait_for(lambda: after.failed_jobs(name), within=30)
+        [failed] = await after.failed_jobs(name)
+    assert failed.id == job_id and failed.attempts == 2 and attempts == [1, 2]  # tries and backoff of dispatch
