@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -74,6 +75,29 @@ async def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     finally:
         await transport.close()
     return url
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The session's PostgreSQL database, then an SQLite file of the test's own (a test runs on each)."""
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
+    return str(request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+async def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """A database of the test's own on each store (PostgreSQL, then SQLite), empty and not migrated:
+    what the test finds in it ("every queue", a command's listing) is its own."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'fresh.db'}"
+        return
+    url = PG_URL.rpartition("/")[0] + f"/workqueue_fresh_{uuid.uuid4().hex[:8]}"
+    await recreate_database(url)
+    try:
+        yield url
+    finally:
+        await drop_database(url)
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import httpx
 import pytest
@@ -84,13 +83,6 @@ async def test_a_cancelled_waiter_is_skipped_and_a_place_handed_to_it_as_it_went
 def test_a_gate_needs_a_place() -> None:
     with pytest.raises(ValueError, match="limit must be at least 1"):
         FairGate(0)
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
-    return str(request.getfixturevalue("pg_url"))
 
 
 async def test_requests_waiting_for_the_session_pool_are_served_in_the_order_they_came(database_url: str) -> None:

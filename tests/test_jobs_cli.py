@@ -24,29 +24,6 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
-    return str(request.getfixturevalue("pg_url"))
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-async def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    """A database of its own: what a command finds in it is this test's alone."""
-    if request.param == "sqlite":
-        yield f"sqlite+aiosqlite:///{tmp_path / 'fresh.db'}"
-        return
-    from .conftest import PG_URL, drop_database, recreate_database
-
-    url = PG_URL.rpartition("/")[0] + f"/workqueue_fresh_{uuid.uuid4().hex[:8]}"
-    await recreate_database(url)
-    try:
-        yield url
-    finally:
-        await drop_database(url)
-
-
 async def run_cli(env: dict[str, str], *args: str, **more_env: str) -> tuple[int, str]:
     """``workqueue ARGS`` in a process of its own: its exit code and its output (stderr included)."""
     proc = await asyncio.create_subprocess_exec(

@@ -9,7 +9,6 @@ import asyncio
 import logging
 import uuid
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,17 +35,21 @@ from .support import FAST, wait_for
 pytestmark = pytest.mark.timeout(90)
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
-    return str(request.getfixturevalue("pg_url"))
-
-
 def make_queue(url: str, queue_name: str, **settings: Any) -> WorkQueue:
     """A queue whose host takes ``queue_name`` only (job queues are named in the whole database)."""
     options = {**FAST, "job_concurrency": 4, "job_queues": queue_name, **settings}
     return WorkQueue(WorkQueueSettings(database_url=url, auto_migrate=True, subscriptions=[], **options))
+
+
+def heard_queue(url: str, prefix: str) -> tuple[str, str, WorkQueue, list[JobEvent]]:
+    """A suffix unique to the test, the job queue ``prefix-suffix``, a queue whose host takes it, and
+    the events that queue hears."""
+    suffix = uuid.uuid4().hex[:8]
+    name = f"{prefix}-{suffix}"
+    queue = make_queue(url, name)
+    events: list[JobEvent] = []
+    queue.listen(JobEvent, events.append)
+    return suffix, name, queue, events
 
 
 def kinds(events: list[JobEvent], job_id: uuid.UUID | None) -> list[str]:
@@ -60,13 +63,9 @@ class Receipt(BaseModel):
 async def test_middleware_of_ones_own_releases_or_discards_and_a_fatal_error_fails_at_once(
     database_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    suffix = uuid.uuid4().hex[:8]
-    name = f"outcomes-{suffix}"
-    queue = make_queue(database_url, name)
-    events: list[JobEvent] = []
+    suffix, name, queue, events = heard_queue(database_url, "outcomes")
     heard_async: list[JobEvent] = []
     ran: list[tuple[str, int]] = []
-    queue.listen(JobEvent, events.append)
 
     async def hear(event: JobEvent) -> None:
         await asyncio.sleep(0)
@@ -126,11 +125,7 @@ async def test_middleware_of_ones_own_releases_or_discards_and_a_fatal_error_fai
 
 
 async def test_a_taken_overlap_key_or_a_busy_once_key_sends_the_attempt_back_saying_why(database_url: str) -> None:
-    suffix = uuid.uuid4().hex[:8]
-    name = f"busy-{suffix}"
-    queue = make_queue(database_url, name)
-    events: list[JobEvent] = []
-    queue.listen(JobEvent, events.append)
+    suffix, name, queue, events = heard_queue(database_url, "busy")
     overlapped: list[tuple[uuid.UUID, int]] = []
     once_results: list[tuple[uuid.UUID, bool, int]] = []
     once_calls: list[uuid.UUID] = []
@@ -233,11 +228,7 @@ async def test_delay_and_queue_given_at_dispatch_override_the_declaration(databa
 
 
 async def test_a_discard_ends_its_chain_and_once_and_step_take_plain_callables(database_url: str) -> None:
-    suffix = uuid.uuid4().hex[:8]
-    name = f"chain-{suffix}"
-    queue = make_queue(database_url, name)
-    events: list[JobEvent] = []
-    queue.listen(JobEvent, events.append)
+    suffix, name, queue, events = heard_queue(database_url, "chain")
     ran: list[str] = []
     steps: list[Any] = []
 

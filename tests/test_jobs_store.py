@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,13 +23,6 @@ pytestmark = pytest.mark.timeout(90)
 
 class Reminder(BaseModel):
     user_id: int
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
-    return str(request.getfixturevalue("pg_url"))
 
 
 class App:

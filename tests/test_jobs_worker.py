@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -18,29 +17,6 @@ from fastapi_workqueue.jobs.worker import UnwatchedQueues, check_fits_lease, par
 from .support import FAST, wait_for
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
-    return str(request.getfixturevalue("pg_url"))
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-async def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    """A database of its own: "every queue" of the store is this test's queues alone."""
-    if request.param == "sqlite":
-        yield f"sqlite+aiosqlite:///{tmp_path / 'fresh.db'}"
-        return
-    from .conftest import PG_URL, drop_database, recreate_database
-
-    url = PG_URL.rpartition("/")[0] + f"/workqueue_fresh_{uuid.uuid4().hex[:8]}"
-    await recreate_database(url)
-    try:
-        yield url
-    finally:
-        await drop_database(url)
 
 
 def names(n: int) -> list[str]:

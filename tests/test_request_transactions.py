@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,13 +19,6 @@ from .conftest import unique
 from .support import make_queue
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
-    return str(request.getfixturevalue("pg_url"))
 
 
 def client(app: FastAPI) -> httpx.AsyncClient:

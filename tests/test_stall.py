@@ -36,13 +36,6 @@ HANDLER_SECONDS = 3.0
 KEYS = 3
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
-    return str(request.getfixturevalue("pg_url"))
-
-
 def runs(record: Path) -> list[dict[str, Any]]:
     """Each handler run: its delivery, key, attempt, process, start and end."""
     started: dict[tuple[Any, ...], dict[str, Any]] = {}
