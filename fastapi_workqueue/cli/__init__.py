@@ -384,14 +384,15 @@ def api_keys_revoke(ctx: Context, key: str) -> None:
         raise click.ClickException(f"no active key matches {key!r}")
 
 
-def parse_duration(text: str) -> float:
-    """``3600`` → 3600 s; ``90m``, ``12h``, ``7d`` as written."""
+def parse_duration(text: str, *, bare_unit: str = "s") -> float:
+    """Seconds: ``90m``, ``12h``, ``7d``, ``3600s`` as written; a bare number is in ``bare_unit``
+    (``3600`` → 3600 s, or with ``bare_unit="d"``, ``7`` → 7 days)."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     text = text.strip().lower()
     try:
         if text and text[-1] in units:
             return float(text[:-1]) * units[text[-1]]
-        return float(text)
+        return float(text) * units[bare_unit]
     except ValueError as exc:
         raise click.BadParameter(f"{text!r} is not a duration (use 3600, 90m, 12h or 7d)") from exc
 

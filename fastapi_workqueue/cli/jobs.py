@@ -87,8 +87,7 @@ def prune(ctx: Any, older_than: str, queue_name: str | None) -> None:
     """Drop the jobs that failed longer ago than --older-than days."""
     from . import parse_duration
 
-    text = older_than.strip()
-    seconds = parse_duration(f"{text}d" if text.replace(".", "", 1).isdigit() else text)
+    seconds = parse_duration(older_than, bare_unit="d")
     count = _with_queue(ctx, lambda q: q.prune_failed_jobs(seconds / 86400, queue_name))
     if ctx.as_json:
         emit_json({"Pruned": count})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,7 +40,9 @@ class StepStore(Protocol):
 
 
 class OnceRunner(Protocol):
-    async def __call__(self, key: str, fn: Callable[[], Awaitable[Any]], *, ttl_seconds: float = 86400) -> bool: ...
+    """``WorkContext.once`` of the attempt's delivery (it takes plain and coroutine functions)."""
+
+    async def __call__(self, key: str, fn: Callable[[], Any], *, ttl_seconds: float = 86400) -> bool: ...
 
 
 class JobContext:
@@ -101,7 +103,7 @@ class JobContext:
         seconds without using a try. A worker that dies between ``fn`` and the marker runs ``fn``
         again: put an id into the key and keep ``fn`` safe to repeat where you can.
         """
-        return await self._once(key, lambda: call_sync_or_async(fn), ttl_seconds=ttl_seconds)
+        return await self._once(key, fn, ttl_seconds=ttl_seconds)
 
     async def step(self, name: str, fn: Callable[[], Any]) -> Any:
         """Runs ``fn`` (a plain or a coroutine function) once for this job and step name and stores

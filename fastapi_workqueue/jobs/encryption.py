@@ -13,6 +13,7 @@ from ..core.errors import ConfigurationError
 from ..core.redaction import register_secrets
 
 GENERATE = 'python -c "from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())"'
+NO_KEY_DECRYPTS = "no key decrypts the job's payload (WORKQUEUE_APP_KEY, WORKQUEUE_PREVIOUS_KEYS)"
 
 
 class PayloadUndecryptable(ValueError):
@@ -55,9 +56,7 @@ class PayloadCipher:
         try:
             return json.loads(self._all.decrypt(token.encode("ascii")))
         except (InvalidToken, ValueError, UnicodeError):
-            raise PayloadUndecryptable(
-                "no key decrypts the job's payload (WORKQUEUE_APP_KEY, WORKQUEUE_PREVIOUS_KEYS)"
-            ) from None
+            raise PayloadUndecryptable(NO_KEY_DECRYPTS) from None
 
     def rotate(self, token: str) -> str:
         """``token`` encrypted with the current key (``workqueue jobs reencrypt``): itself when it
@@ -73,9 +72,7 @@ class PayloadCipher:
         try:
             return self._all.rotate(token.encode("ascii")).decode("ascii")
         except (InvalidToken, ValueError, UnicodeError):
-            raise PayloadUndecryptable(
-                "no key decrypts the job's payload (WORKQUEUE_APP_KEY, WORKQUEUE_PREVIOUS_KEYS)"
-            ) from None
+            raise PayloadUndecryptable(NO_KEY_DECRYPTS) from None
 
 
 def cipher_from(app_key: str | None, previous_keys: str | Sequence[str] | None) -> PayloadCipher | None:

@@ -13,7 +13,7 @@ import logging
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core.context import AbortSignal, OnceBusy, OnceStore, Progress, WorkContext
@@ -41,8 +41,7 @@ class Counts:
     discarded: int = 0
 
     def as_counts(self) -> JobCounts:
-        return JobCounts(processed=self.processed, failed=self.failed, released=self.released,
-                         discarded=self.discarded)
+        return JobCounts(asdict(self))
 
 
 class JobCounts(dict[str, int]):

@@ -156,10 +156,9 @@ class Jobs:
             consumer = host.group_consumers.get(GROUP_NAME)
             return consumer is None or consumer.held == 0
 
-        watcher = UnwatchedQueues(self, parse_queues(queues), idle=idle)
-        if watcher.watching and self._watcher is None:
-            self._watcher = watcher
-            watcher.start()
+        if self._watcher is None:
+            self._watcher = UnwatchedQueues(self, parse_queues(queues), idle=idle)
+            self._watcher.start()  # (a list with * leaves nothing out: no task starts)
 
     async def stop_watching(self) -> None:
         watcher, self._watcher = self._watcher, None
