@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
@@ -28,6 +27,7 @@ from .core.errors import ConfigurationError
 from .core.handlers import HandlerFunc, HandlerRegistry, HandlerSpec
 from .core.host import GroupPlan, Host, SubscriptionPlan
 from .core.observe import NO_OBSERVER, Observer, Observers, carry_headers
+from .core.redaction import redacting_logger
 from .core.reports import (
     ActionResult,
     Backlog,
@@ -49,7 +49,7 @@ from .web.health import ExtensionHealth, build_health_router
 from .web.routes import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES, build_router
 from .web.session import RequestSessions, current_session
 
-log = logging.getLogger("fastapi_workqueue")
+log = redacting_logger("fastapi_workqueue")
 
 if TYPE_CHECKING:
     from .jobs.failed import FailedJob

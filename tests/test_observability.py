@@ -155,6 +155,40 @@ async def test_a_failing_attempt_records_its_error_type(pg_url: str) -> None:
     assert [e.name for e in process.events] == ["exception"]
 
 
+def _call_the_mail_api() -> None:
+    raise ConnectionError("smtp://mailer:hunter2@mail.internal refused")
+
+
+@pytest.mark.parametrize("store", ["pg", "sqlite"])
+async def test_a_failing_attempts_span_carries_no_secret(store: str, pg_url: str, sqlite_url: str) -> None:
+    queue, topic, subs = make_queue(pg_url if store == "pg" else sqlite_url, [{"role": "boom", "max_attempts": 1}])
+
+    @queue.handler("boom")
+    async def boom(message: WorkMessage[Any]) -> WorkOutcome:
+        try:
+            _call_the_mail_api()
+        except ConnectionError as exc:
+            raise RuntimeError("retry with Authorization: Bearer tok-secret-42") from exc
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        await queue.publish(topic, [PublishRequest(payload={})])
+        await wait_for(lambda: spans_named(f"process {subs['boom']}"))
+    [process] = spans_named(f"process {subs['boom']}")
+    assert process.status.description == "retry with Authorization: Bearer ***"
+    [event] = process.events
+    attributes = dict(event.attributes or {})
+    assert attributes["exception.type"] == "RuntimeError"
+    assert attributes["exception.message"] == "retry with Authorization: Bearer ***"
+    stacktrace = str(attributes["exception.stacktrace"])
+    assert "in _call_the_mail_api" in stacktrace
+    assert "ConnectionError: smtp://mailer:***@mail.internal refused" in stacktrace
+    assert stacktrace.splitlines()[-1] == "RuntimeError: retry with Authorization: Bearer ***"
+    for span in EXPORTER.get_finished_spans():
+        text = repr((span.status.description, [dict(e.attributes or {}) for e in span.events]))
+        assert "hunter2" not in text and "tok-secret-42" not in text
+
+
 async def test_batches_count_their_messages_and_ten_user_attributes_still_fit(pg_url: str) -> None:
     queue, topic, subs = make_queue(pg_url, [{"role": "take"}])
     ten = {f"a{i}": str(i) for i in range(10)}

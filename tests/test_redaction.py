@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
+import json
+import logging
+import re
+from pathlib import Path
+
 import pytest
 
-from fastapi_workqueue.core.redaction import MASK, redact
+import fastapi_workqueue
+from fastapi_workqueue.cli.log_setup import JsonFormatter, TextFormatter
+from fastapi_workqueue.core.redaction import MASK, RedactingFilter, redact, redacting_logger
 
 
 @pytest.mark.parametrize(
@@ -38,3 +46,76 @@ def test_literal_secrets_are_masked_and_redaction_is_idempotent() -> None:
     text = redact("my key is FERNETKEY123 ok, password=x", ["FERNETKEY123"])
     assert text == f"my key is {MASK} ok, password={MASK}"
     assert redact(text) == text
+
+
+def _raise_with_secrets() -> None:
+    try:
+        raise ConnectionError("connect postgresql://app:s3cret@db:5432/x failed")
+    except ConnectionError as exc:
+        raise RuntimeError("upstream said Authorization: Bearer tok-42") from exc
+
+
+def test_a_package_logger_redacts_message_and_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    logger = redacting_logger("fastapi_workqueue.test-redaction")
+    caplog.set_level(logging.INFO, logger="fastapi_workqueue.test-redaction")
+    try:
+        _raise_with_secrets()
+    except RuntimeError:
+        logger.exception("calling %s failed", "https://bob:pa55word@api.example/x")
+    logger.info("plain %s line", "ordinary")
+    [failed, plain] = caplog.records
+    assert failed.getMessage() == "calling https://bob:***@api.example/x failed"
+    assert failed.exc_info is None
+    assert failed.exc_text is not None
+    assert failed.exc_text.startswith("Traceback (most recent call last):")
+    assert "in _raise_with_secrets" in failed.exc_text
+    assert failed.exc_text.splitlines()[-1] == "RuntimeError: upstream said Authorization: Bearer ***"
+    assert "postgresql://app:***@db:5432/x" in failed.exc_text
+    # A line with nothing to hide keeps its template and arguments (log tools group by them).
+    assert (plain.msg, plain.args) == ("plain %s line", ("ordinary",))
+    for secret in ("s3cret", "tok-42", "pa55word"):
+        assert secret not in caplog.text
+
+
+def test_every_logger_of_the_package_redacts() -> None:
+    package = Path(fastapi_workqueue.__file__).parent
+    names: set[str] = set()
+    for path in sorted(package.rglob("*.py")):
+        module = ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
+        if module == "fastapi_workqueue.__main__":
+            continue
+        importlib.import_module(module)
+        source = path.read_text(encoding="utf-8")
+        if module != "fastapi_workqueue.core.redaction":
+            # A logger of the package is made by redacting_logger; only the root is touched by name
+            # (the CLI's log set-up).
+            assert not re.search(r'getLogger\(f?"fastapi_workqueue', source), module
+        names.update(re.findall(r'redacting_logger\("([^"]+)"\)', source))
+    assert len(names) >= 10
+    for name in names:
+        assert any(isinstance(f, RedactingFilter) for f in logging.getLogger(name).filters), name
+
+
+@pytest.mark.parametrize("formatter", [TextFormatter(), JsonFormatter()])
+def test_the_workers_formatters_print_the_redacted_traceback(formatter: logging.Formatter) -> None:
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    logger = redacting_logger("fastapi_workqueue.test-formatters")
+    handler = Collect()
+    handler.setFormatter(formatter)
+    logger.addHandler(handler)
+    try:
+        _raise_with_secrets()
+    except RuntimeError:
+        logger.exception("attempt failed")
+    finally:
+        logger.removeHandler(handler)
+    [line] = lines
+    text = json.loads(line)["exception"] if isinstance(formatter, JsonFormatter) else line
+    assert "RuntimeError: upstream said Authorization: Bearer ***" in text
+    assert "in _raise_with_secrets" in text
+    assert "s3cret" not in line and "tok-42" not in line

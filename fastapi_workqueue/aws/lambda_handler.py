@@ -37,10 +37,10 @@ from ..core.errors import ConfigurationError
 from ..core.failures import error_text
 from ..core.handlers import HandlerSpec, PayloadInvalid, call_plain, inspect_handler
 from ..core.outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError, WorkOutcome
-from ..core.redaction import redact
+from ..core.redaction import redact, redacting_logger
 from .sqs_records import SqsRecord, dead_letter_entry, decode_record
 
-log = logging.getLogger("fastapi_workqueue.aws.lambda")
+log = redacting_logger("fastapi_workqueue.aws.lambda")
 
 POLICY_ENV = "WORKQUEUE_SUBSCRIPTION_POLICY"
 ENDPOINT_ENV = "WORKQUEUE_AWS_ENDPOINT_URL"
@@ -192,7 +192,7 @@ class SqsBatchHandler:
 
     async def _attempt(self, record: SqsRecord, deadline: float | None) -> _Verdict:
         policy = self._policy
-        logger = _RecordLog(logging.getLogger(f"fastapi_workqueue.handler.{policy.handler_key}"), policy.name, record)
+        logger = _RecordLog(redacting_logger(f"fastapi_workqueue.handler.{policy.handler_key}"), policy.name, record)
         try:
             delivery = record.claimed(policy.topic, policy.max_attempts)
             self._max_attempts[record.message_id] = delivery.max_attempts

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import random
 import time
 import uuid
@@ -32,12 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.envelope import PreparedMessage
 from ..core.errors import ConfigurationError
+from ..core.redaction import redacting_logger
 from . import body as bodies
 
 if TYPE_CHECKING:
     from .transport import AwsTransport
 
-log = logging.getLogger("fastapi_workqueue.aws.outbox")
+log = redacting_logger("fastapi_workqueue.aws.outbox")
 
 BATCH = 10
 TAKE = 100

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import random
 import time
 import uuid
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..core.envelope import PreparedMessage, PublishError, PublishResult, PublishStatus
 from ..core.errors import ConfigurationError, TransportError
+from ..core.redaction import redacting_logger
 from ..core.reports import (
     SweepReport,
 )
@@ -81,7 +81,7 @@ __all__ = [
     "split_delivery_id",
 ]
 
-log = logging.getLogger("fastapi_workqueue.aws")
+log = redacting_logger("fastapi_workqueue.aws")
 
 LONG_POLL_SECONDS = 20
 BINDINGS_REFRESH_SECONDS = 30.0

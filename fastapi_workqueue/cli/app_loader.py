@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import logging
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -20,8 +19,9 @@ from types import ModuleType
 from typing import Any
 
 from ..core.errors import ConfigurationError
+from ..core.redaction import redacting_logger
 
-log = logging.getLogger("fastapi_workqueue.cli")
+log = redacting_logger("fastapi_workqueue.cli")
 
 POINT_AT_IT = (
     "set app.state.queue = queue in the module, or point --app at the WorkQueue itself (MODULE:queue)"

@@ -26,6 +26,13 @@ def _delivery_fields(record: logging.LogRecord) -> dict[str, object]:
     return {name: getattr(record, name) for name in DELIVERY_FIELDS if getattr(record, name, None) is not None}
 
 
+def _exception(formatter: logging.Formatter, record: logging.LogRecord) -> str | None:
+    """The record's traceback: the package's loggers keep it redacted as ``exc_text``."""
+    if record.exc_info:
+        return formatter.formatException(record.exc_info)
+    return record.exc_text or None
+
+
 class TextFormatter(logging.Formatter):
     """``2026-12-01T10:00:00.000Z INFO fastapi_workqueue.host: message [subscription=… attempt=2]``."""
 
@@ -34,8 +41,9 @@ class TextFormatter(logging.Formatter):
         fields = _delivery_fields(record)
         if fields:
             line += " [" + " ".join(f"{k}={v}" for k, v in fields.items()) + "]"
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
+        exception = _exception(self, record)
+        if exception:
+            line += "\n" + exception
         return line
 
 
@@ -50,8 +58,9 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
             **_delivery_fields(record),
         }
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
+        exception = _exception(self, record)
+        if exception:
+            entry["exception"] = exception
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 

@@ -27,13 +27,13 @@ import click
 
 from ..core.errors import ConfigurationError, TransportError
 from ..core.host import SubscriptionPlan
-from ..core.redaction import redact
+from ..core.redaction import redact, redacting_logger
 from .app_loader import LifespanFailed, app_lifespan, load_target, queue_from_lifespan_state
 from .log_setup import configure_logging
 
 T = TypeVar("T")
 
-log = logging.getLogger("fastapi_workqueue.cli")
+log = redacting_logger("fastapi_workqueue.cli")
 
 EXIT_OK = 0
 EXIT_CONFIGURATION = 2

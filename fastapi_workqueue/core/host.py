@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
@@ -14,13 +13,14 @@ from pydantic import Field
 
 from .handlers import Invoker
 from .observe import NO_OBSERVER, Observer
+from .redaction import redacting_logger
 from .request_load import RequestLoad
 from .runtime import Consumer, Resolver, Settler
 from .topology import SubscriptionState
 from .transport import Transport
 from .wire import WireModel
 
-log = logging.getLogger("fastapi_workqueue.host")
+log = redacting_logger("fastapi_workqueue.host")
 
 HealthState = Literal["Running", "Paused", "HandlerNotRegistered", "Unsupported", "Error"]
 WAKE_ALL = "*"

@@ -6,11 +6,17 @@ patterns below cover what such messages carry: passwords in URLs, ``Authorizatio
 headers, bearer tokens, the queue's own API keys, and ``name=value`` pairs whose name says
 secret. :func:`redact` also replaces literal values: those it is given, and those registered with
 :func:`register_secrets` (the jobs layer registers the app's encryption keys there).
+
+The same function serves every place text leaves the process: the stored ``last_error``, the log
+records of the package's loggers (:func:`redacting_logger` puts :class:`RedactingFilter` on them)
+and the OpenTelemetry spans (status description and exception event).
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import traceback
 from collections.abc import Iterable
 
 MASK = "***"
@@ -54,3 +60,47 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
     for pattern in _PATTERNS:
         text = pattern.sub(_mask, text)
     return text
+
+
+def redacted_traceback(exc: BaseException) -> str:
+    """The whole traceback of ``exc`` (causes included), as Python prints it, redacted."""
+    return redact("".join(traceback.format_exception(type(exc), exc, exc.__traceback__))).rstrip("\n")
+
+
+class RedactingFilter(logging.Filter):
+    """Redacts a log record in place before any handler sees it.
+
+    The message is redacted once formatted (``msg`` and ``args`` are replaced only when that
+    changed something, so templates stay intact for grouping). A traceback is formatted here,
+    redacted and kept as ``record.exc_text``, which every :class:`logging.Formatter` prints, and
+    ``record.exc_info`` is cleared, so no handler formats the raw exception (and its secrets) again.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info:
+            exc = record.exc_info[1]
+            if exc is not None and not record.exc_text:
+                record.exc_text = redacted_traceback(exc)
+            elif record.exc_text:
+                record.exc_text = redact(record.exc_text)
+            record.exc_info = None
+        elif record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact(record.stack_info)
+        return True
+
+
+_FILTER = RedactingFilter()
+
+
+def redacting_logger(name: str) -> logging.Logger:
+    """``logging.getLogger(name)`` with :class:`RedactingFilter` on it (added once)."""
+    logger = logging.getLogger(name)
+    if _FILTER not in logger.filters:
+        logger.addFilter(_FILTER)
+    return logger

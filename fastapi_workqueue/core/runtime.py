@@ -30,13 +30,13 @@ from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .leases import LocalLease, start_margin
 from .observe import NO_OBSERVER, Observer
 from .outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError
-from .redaction import redact
+from .redaction import redact, redacting_logger
 from .request_load import RequestLoad
 from .settler import Settler
 from .topology import SubscriptionState
 from .transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
 
-log = logging.getLogger("fastapi_workqueue.runtime")
+log = redacting_logger("fastapi_workqueue.runtime")
 
 ONCE_BUSY_RETRY_SECONDS = 5.0
 SETTLE_BACKLOG_LIMIT = 1000
@@ -731,7 +731,7 @@ class Consumer:
 @functools.cache
 def _handler_logger(handler_key: str) -> logging.Logger:
     """The logger of a handler's ``context.log`` (looked up once per handler key)."""
-    return logging.getLogger(f"fastapi_workqueue.handler.{handler_key}")
+    return redacting_logger(f"fastapi_workqueue.handler.{handler_key}")
 
 
 class _ManualHeartbeat:

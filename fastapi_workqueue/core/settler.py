@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import Callable
 
 from .errors import TransportError
 from .observe import NO_OBSERVER, Observer
+from .redaction import redacting_logger
 from .transport import Settlement, SettleResult, Transport
 
-log = logging.getLogger("fastapi_workqueue.settler")
+log = redacting_logger("fastapi_workqueue.settler")
 
 SettleDone = Callable[[Settlement, SettleResult | None], None]
 """Called once a settle is written (with its result) or given up (with None)."""

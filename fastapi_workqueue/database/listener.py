@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Callable, Iterable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import asyncpg
 
-log = logging.getLogger("fastapi_workqueue.listener")
+from ..core.redaction import redacting_logger
+
+log = redacting_logger("fastapi_workqueue.listener")
 
 WAKE_ALL = "*"
 

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
 from ..core.errors import ConfigurationError
+from ..core.redaction import redacting_logger
 from .sql_files import migrations
 
-log = logging.getLogger("fastapi_workqueue.migrations")
+log = redacting_logger("fastapi_workqueue.migrations")
 
 _REVOKE_PUBLIC = """
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA workqueue FROM PUBLIC;

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import importlib
 import json
-import logging
 import re
 import struct
 import uuid
@@ -34,13 +33,14 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 from ..core.errors import ConfigurationError, TransportError, TransportUnavailable
+from ..core.redaction import redacting_logger
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
 from .errors import with_retries
 from .routines import RandomSource, RoutineTransport, Row
 from .sql_files import migrations
 
-log = logging.getLogger("fastapi_workqueue.mssql")
+log = redacting_logger("fastapi_workqueue.mssql")
 
 T = TypeVar("T")
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import asyncpg
 
 from ..core.envelope import PreparedMessage, PublishResult
+from ..core.redaction import redacting_logger
 from ..core.transport import Capabilities
 from .errors import map_error, with_retries
 from .listener import NotificationListener, NotificationSender
@@ -18,7 +18,7 @@ from .pool import ConnectionPool
 from .routines import RandomSource, RoutineTransport, Row, accepted, backoff_schedule_json, publish_result
 from .session import after_commit, fetch_asyncpg, wakes_after_commit
 
-log = logging.getLogger("fastapi_workqueue.postgres")
+log = redacting_logger("fastapi_workqueue.postgres")
 
 T = TypeVar("T")
 

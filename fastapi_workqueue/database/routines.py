@@ -33,6 +33,7 @@ from ..core.history import StatsPoint
 from ..core.keys import ApiKeyInfo, StoredKey
 from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts
 from ..core.observe import HEADERS_KEY, split_headers
+from ..core.redaction import redacting_logger
 from ..core.reports import (
     ActionResult,
     Backlog,
@@ -60,7 +61,7 @@ from .sql_files import migrations
 Row = Mapping[str, Any]
 T = TypeVar("T")
 
-log = logging.getLogger("fastapi_workqueue.database")
+log = redacting_logger("fastapi_workqueue.database")
 
 HISTORY_KEEP_SECONDS = 86400.0
 """How long the stats history is kept (the dashboard charts its last hour)."""

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-log = logging.getLogger("fastapi_workqueue.session")
+from ..core.redaction import redacting_logger
+
+log = redacting_logger("fastapi_workqueue.session")
 
 
 class SessionExecutor:

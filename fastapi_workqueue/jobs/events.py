@@ -11,13 +11,14 @@ about the job.
 from __future__ import annotations
 
 import inspect
-import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-log = logging.getLogger("fastapi_workqueue.jobs")
+from ..core.redaction import redacting_logger
+
+log = redacting_logger("fastapi_workqueue.jobs")
 
 ReleaseReason = Literal["error", "timeout", "overlap", "once-busy", "release", "shutdown", "unknown-job"]
 

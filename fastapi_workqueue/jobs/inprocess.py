@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.context import AbortSignal, OnceBusy, OnceStore, Progress, WorkContext
 from ..core.envelope import PreparedMessage, WorkMessage
 from ..core.outcomes import Complete, DeadLetter, Discard, FatalWorkError, Outcome, Retry
+from ..core.redaction import redacting_logger
 from .definition import DEFAULT_TRIES
 from .envelope import queue_of, topic_of
 from .middleware import Locks
@@ -26,7 +27,7 @@ from .middleware import Locks
 if TYPE_CHECKING:
     from .layer import Jobs
 
-log = logging.getLogger("fastapi_workqueue.jobs")
+log = redacting_logger("fastapi_workqueue.jobs")
 MAX_ONCE_BUSY = 50
 """How often an attempt that meets a busy ``once()`` key is run again before it counts as released."""
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -31,6 +30,7 @@ from ..core.envelope import (
 )
 from ..core.errors import ConfigurationError, TransportError
 from ..core.outcomes import FollowUp, Outcome, WorkOutcome
+from ..core.redaction import redacting_logger
 from ..core.topology import Subscription, Topic
 from .context import JobContext, StepStore
 from .definition import DEFAULT_TRIES, Job, check_job_name, check_queue_name, define_job
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from ..core.host import Host
     from ..queue import WorkQueue
 
-log = logging.getLogger("fastapi_workqueue.jobs")
+log = redacting_logger("fastapi_workqueue.jobs")
 
 JOBS_HANDLER = "workqueue.jobs"
 """The handler key of every job queue's subscription."""

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from ..core.context import AbortReason, AbortSignal, OnceBusy, WorkContext
 from ..core.envelope import WorkMessage
 from ..core.outcomes import FatalWorkError, Outcome, TransientWorkError, WorkOutcome
+from ..core.redaction import redacting_logger
 from .context import JobContext, JobDiscard, JobRelease
 from .definition import Job, JobPayloadInvalid
 from .encryption import PayloadUndecryptable
@@ -43,7 +44,7 @@ from .middleware import JobAttempt
 if TYPE_CHECKING:
     from .layer import Jobs
 
-log = logging.getLogger("fastapi_workqueue.jobs")
+log = redacting_logger("fastapi_workqueue.jobs")
 
 
 class JobTimedOut(TransientWorkError):

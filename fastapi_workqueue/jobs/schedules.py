@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -21,12 +20,13 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from ..core.envelope import PublishStatus
 from ..core.errors import ConfigurationError
+from ..core.redaction import redacting_logger
 from .definition import Job
 
 if TYPE_CHECKING:
     from .layer import Jobs
 
-log = logging.getLogger("fastapi_workqueue.jobs.schedules")
+log = redacting_logger("fastapi_workqueue.jobs.schedules")
 
 NAMESPACE = uuid.UUID("6f1c1f0e-5d2a-4f54-9a53-0f3a5b1d7c41")
 """The namespace of tick MessageIDs (uuid5 of the schedule's name and the tick)."""

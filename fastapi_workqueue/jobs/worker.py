@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..core.errors import ConfigurationError
 from ..core.host import GroupPlan
+from ..core.redaction import redacting_logger
 from .definition import check_queue_name
 from .envelope import TOPIC_PREFIX, queue_of, topic_of
 
 if TYPE_CHECKING:
     from .layer import Jobs
 
-log = logging.getLogger("fastapi_workqueue.jobs")
+log = redacting_logger("fastapi_workqueue.jobs")
 
 GROUP_NAME = "jobs"
 OTHERS = "*"

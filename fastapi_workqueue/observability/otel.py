@@ -27,6 +27,7 @@ from opentelemetry.metrics import _internal as _metrics_internal
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from ..core.observe import Observer, ProcessScope, PublishScope, SettleScope
+from ..core.redaction import redact, redacted_traceback
 from . import semconv as sc
 
 if TYPE_CHECKING:
@@ -171,10 +172,20 @@ class OpenTelemetryObserver(Observer):
 
 
 def _fail(span: trace.Span, error_type: str, error: BaseException | None) -> None:
+    """Marks the span failed. The exception event is the one ``record_exception`` writes, with its
+    message and stack trace redacted as ``last_error`` and the logs are."""
     span.set_attribute(sc.ERROR_TYPE, error_type)
-    if error is not None:
-        span.record_exception(error)
-    span.set_status(Status(StatusCode.ERROR, str(error) if error is not None else error_type))
+    if error is None:
+        span.set_status(Status(StatusCode.ERROR, error_type))
+        return
+    message = redact(str(error))
+    span.add_event("exception", {
+        sc.EXCEPTION_TYPE: type(error).__name__,
+        sc.EXCEPTION_MESSAGE: message,
+        sc.EXCEPTION_STACKTRACE: redacted_traceback(error),
+        sc.EXCEPTION_ESCAPED: "False",
+    })
+    span.set_status(Status(StatusCode.ERROR, message))
 
 
 class _Send(PublishScope):

@@ -9,7 +9,6 @@ its own to ``queue.create_router(authorize=...)``.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,12 +17,12 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 
 from ..core.errors import TransportError
 from ..core.keys import ApiKeyStore, Principal, verify_key
-from ..core.redaction import redact
+from ..core.redaction import redact, redacting_logger
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
 
-log = logging.getLogger("fastapi_workqueue.web")
+log = redacting_logger("fastapi_workqueue.web")
 
 Authorizer = Callable[..., Awaitable[Principal]]
 
