@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import zipfile
@@ -29,6 +30,7 @@ from fastapi_workqueue.cli.work import (
     EXIT_UNKNOWN_SUBSCRIPTION,
     EXIT_UNSUPPORTED,
 )
+from fastapi_workqueue.core.processes import ProcessRegistry
 
 from .apps import cli_app, lifespan_app
 from .support import wait_for
@@ -659,12 +661,24 @@ async def test_runbook_a_delivery_is_stuck_in_flight_and_its_holder_is_dead(cli:
     # 1. InFlight that never falls ...
     [stats] = await cli.json("stats", "--subscription", sub)
     assert stats["InFlight"] == 1
+    # 2. ... held by the killed worker, as the delivery says; the process registry soon calls it Gone.
+    [held] = await cli.ops.deliveries(sub, "InFlight")
+    assert held.holder is not None and (held.holder.pid, held.holder.hostname) == (proc.pid, socket.gethostname())
+    registry = cli.ops.transport
+    assert isinstance(registry, ProcessRegistry)
+
+    async def state_of_killed() -> str | None:
+        found = [p for p in await registry.list_processes() if p.process_id == held.holder.process_id]  # type: ignore[union-attr]
+        return found[0].state if found and found[0].state == "Gone" else None
+
+    assert await wait_for(state_of_killed, within=15) == "Gone"
     # 3. ... and no process holds it: do nothing. Any instance's sweeper expires the lease (lease
     # 1 s + sweeper interval) and the delivery retries; this worker picks the retry up.
     rescued = await cli.work(sub, "--max", "1", "--max-duration-ms", "20000", within=40)
     assert one_line(rescued.out).endswith("ran 1 deliveries")
     [completed] = await cli.json("deliveries", "--subscription", sub, "--status", "Completed")
     assert (completed["MessageID"], completed["Attempt"]) == (message, 2)
+    assert completed["Holder"]["Pid"] not in (None, proc.pid)  # the worker that completed it
     assert [r["attempt"] for r in cli.records(sub, "done")] == [2]
 
 

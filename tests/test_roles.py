@@ -34,6 +34,7 @@ RUNTIME_FUNCTIONS = {
     "list_subscriptions", "list_topics", "schema_versions", "api_key_lookup", "api_key_touch",
     "claim_many", "known_messages", "message_deliveries", "release_deduplication_key", "step_get", "step_put",
     "record_stats_history", "stats_history", "live_counts", "blocked_keys",
+    "process_beat", "process_stop", "list_processes",
 }
 
 # Every table privilege and every sequence privilege PostgreSQL knows of.

@@ -163,7 +163,7 @@ def normalized_master(path: Path) -> dict[tuple[str, str], str]:
 
 def normalize_sql(sql: str) -> str:
     without_comments = "\n".join(line.split("--", 1)[0] for line in sql.splitlines())
-    return re.sub(r"\s+", " ", without_comments).replace("( ", "(").replace(" )", ")").strip()
+    return re.sub(r"\s+", " ", without_comments).replace("( ", "(").replace(" )", ")").replace(" ,", ",").strip()
 
 
 async def test_sqlite_schema_file_builds_what_the_migrations_build(tmp_path: Path) -> None:
@@ -197,6 +197,22 @@ _OBJECT = re.compile(
 _DROP_INDEX = re.compile(r"^\s*DROP\s+INDEX\s+(?:IF\s+EXISTS\s+)?(?P<name>\w+)\s+ON\s+(?P<table>[\w.]+)", re.I)
 
 
+_ADD_COLUMN = re.compile(r"^\s*ALTER\s+TABLE\s+(?P<table>[\w.]+)\s+ADD\s+(?P<column>.+)$", re.I | re.S)
+
+
+def _add_column(objects: dict[tuple[str, str], str], table: str, column: str) -> None:
+    """``ALTER TABLE t ADD column`` as SQL Server applies it: the column comes after the table's
+    last column, before its table-level constraints (a clause ``, CONSTRAINT`` at the top level)."""
+    definition = objects[("TABLE", table)]
+    depth, cut = 0, definition.rindex(")")
+    for i, char in enumerate(definition):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 1 and definition.startswith(", CONSTRAINT ", i):
+            cut = i
+            break
+    objects[("TABLE", table)] = f"{definition[:cut]}, {column}{definition[cut:]}"
+
+
 def tsql_objects(texts: list[str]) -> dict[tuple[str, str], str]:
     """The objects a sequence of T-SQL scripts leaves, each with its normalized definition: the
     last CREATE (OR ALTER) of a name wins, DROP INDEX removes one. A procedure, function or view
@@ -209,9 +225,13 @@ def tsql_objects(texts: list[str]) -> dict[tuple[str, str], str]:
             if re.match(r"CREATE\s+OR\s+ALTER\s+(?:PROCEDURE|FUNCTION|VIEW)\b", code, re.I):
                 starts = [0]
             else:
-                starts = [m.start() for m in re.finditer(r"^(?=(?:CREATE|DROP|INSERT|SET|IF)\b)", code, re.M | re.I)]
+                starts = [m.start() for m in re.finditer(r"^(?=(?:CREATE|DROP|INSERT|SET|IF|ALTER)\b)", code,
+                                                         re.M | re.I)]
             for begin, end in zip(starts, [*starts[1:], len(code)], strict=True):
                 statement = code[begin:end]
+                if added := _ADD_COLUMN.match(statement):
+                    _add_column(objects, added["table"], normalize_sql(added["column"]).rstrip(";"))
+                    continue
                 if dropped := _DROP_INDEX.match(statement):
                     objects.pop(("INDEX", f"{dropped['table']}.{dropped['name']}"), None)
                     continue

@@ -13,6 +13,7 @@ from pydantic import Field
 
 from .handlers import Invoker
 from .observe import NO_OBSERVER, Observer
+from .processes import ProcessBeat, ProcessRegistry, current_process
 from .redaction import redacting_logger
 from .request_load import RequestLoad
 from .runtime import Consumer, Resolver, Settler
@@ -134,6 +135,8 @@ class Host:
         self._reconcile_lock = asyncio.Lock()
         self._stopping: set[asyncio.Task[None]] = set()
         self._retired: dict[str, list[Consumer]] = {}  # consumers no longer planned, by subscription
+        self._registry = transport if isinstance(transport, ProcessRegistry) else None
+        self._beat_failing = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -145,6 +148,9 @@ class Host:
         self.settler.start()
         await self.transport.add_wakeup_listener(self._on_wakeup)
         await self.reconcile()
+        if self._registry is not None:
+            await self.beat()
+            self._tasks.append(asyncio.create_task(self._beat_loop(), name="workqueue-process-beat"))
         if self.options.sweeper_enabled and self.transport.capabilities.sweeps:
             self._tasks.append(asyncio.create_task(self._sweep_loop(), name="workqueue-sweeper"))
         if self.options.reconcile_interval_ms > 0:
@@ -168,6 +174,11 @@ class Host:
         self.group_consumers.clear()
         self._consumer_of.clear()
         await self.settler.close()
+        if self._registry is not None:
+            try:
+                await self._registry.process_stop(current_process().id)
+            except Exception as exc:
+                log.warning("cannot mark this process stopped in the process registry (%s)", exc)
 
     async def wait_finished(self) -> None:
         """Waits until every consumer's claim loop ended (budget spent, or idle in one-shot mode)."""
@@ -386,6 +397,36 @@ class Host:
         target = self._consumer_of.get(name) if name is not None else None
         if target is not None:
             target.wake()
+
+    @property
+    def beat_interval(self) -> float:
+        """Seconds between two beats of this process in the registry (the reconcile interval)."""
+        return (self.options.reconcile_interval_ms or 30000) / 1000
+
+    async def beat(self) -> None:
+        """Writes this process's row in the registry: what it serves, its slots and busy ones."""
+        if self._registry is None:
+            return
+        consumers = self._all_consumers()
+        beat = ProcessBeat(
+            identity=current_process(), subscriptions=tuple(sorted(self._consumer_of)),
+            slots=sum(c.concurrency for c in consumers), busy=sum(c.active for c in consumers),
+            interval_seconds=self.beat_interval,
+        )
+        try:
+            await self._registry.process_beat(beat)
+        except Exception as exc:
+            if not self._beat_failing:
+                log.warning("cannot record this process in the process registry (%s); retrying every %g s",
+                            exc, self.beat_interval)
+            self._beat_failing = True
+        else:
+            self._beat_failing = False
+
+    async def _beat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.beat_interval)
+            await self.beat()
 
     async def _reconcile_loop(self) -> None:
         while True:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from .processes import Holder
 from .wire import WireModel
 
 DeliveryStatus = Literal["Pending", "InFlight", "Completed", "DeadLettered", "Discarded"]
@@ -64,6 +65,8 @@ class DeliveryInfo(WireModel):
     attributes: dict[str, str] | None = None
     correlation_id: str | None = None
     payload: Any = None
+    holder: Holder | None = None
+    """The process that holds it (InFlight) or held its last attempt."""
 
 
 class PartitionInfo(WireModel):

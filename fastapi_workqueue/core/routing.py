@@ -18,6 +18,7 @@ from typing import Any
 
 from .envelope import PreparedMessage, PublishResult
 from .errors import ConfigurationError
+from .processes import ProcessBeat, ProcessInfo, ProcessRegistry
 from .reports import (
     ActionResult,
     Backlog,
@@ -236,6 +237,17 @@ class RoutingTransport:
 
     async def step_put(self, message_id: uuid.UUID, name: str, value_json: str) -> None:
         await self.database.step_put(message_id, name, value_json)
+
+    async def process_beat(self, beat: ProcessBeat) -> None:
+        if isinstance(self.default, ProcessRegistry):
+            await self.default.process_beat(beat)
+
+    async def process_stop(self, process_id: uuid.UUID) -> None:
+        if isinstance(self.default, ProcessRegistry):
+            await self.default.process_stop(process_id)
+
+    async def list_processes(self) -> list[ProcessInfo]:
+        return await self.default.list_processes() if isinstance(self.default, ProcessRegistry) else []
 
     async def sweep(self, limit: int = 1000) -> SweepReport:
         """Sweeps each transport that sweeps (``capabilities.sweeps``); SQS expires its leases itself."""

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..queue import WorkQueue
 
 NOTICES = {
-    "Replayed": "Replayed: the delivery is Pending again, its attempts reset.",
+    "Replayed": "Replayed: the delivery was queued again with its attempts reset; its status above is current.",
     "Discarded": "Discarded.",
     "CancelRequested": "Cancel requested: the handler is aborted at its next heartbeat, and the delivery "
                        "is Discarded when it returns.",

@@ -33,6 +33,7 @@ from ..core.history import StatsPoint
 from ..core.keys import ApiKeyInfo, StoredKey
 from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts
 from ..core.observe import HEADERS_KEY, split_headers
+from ..core.processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
 from ..core.redaction import redacting_logger
 from ..core.reports import (
     ActionResult,
@@ -241,7 +242,8 @@ class RoutineTransport:
     # -- consume -----------------------------------------------------------------------------
 
     async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
-        rows = await self.call("claim", retry=False, p_subscription=subscription, p_limit=limit)
+        rows = await self.call("claim", retry=False, p_subscription=subscription, p_limit=limit,
+                               p_holder=current_process().id)
         return [claimed(r) for r in rows]
 
     async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
@@ -257,7 +259,8 @@ class RoutineTransport:
         if not names or limit < 1:
             return []
         try:
-            rows = await self.call("claim_many", retry=False, p_subscriptions=names, p_limit=limit)
+            rows = await self.call("claim_many", retry=False, p_subscriptions=names, p_limit=limit,
+                                   p_holder=current_process().id)
         except WorkQueueError as exc:
             text = str(exc)
             if CLAIM_MANY_REFUSAL in text:
@@ -494,6 +497,31 @@ class RoutineTransport:
             "list_deliveries", p_subscription=subscription, p_status=status, p_limit=limit, p_after_id=after_id,
         )
         return [delivery_info(r, subscription, include_payload) for r in rows]
+
+    # -- the process registry ----------------------------------------------------------------
+
+    async def process_beat(self, beat: ProcessBeat) -> None:
+        me = beat.identity
+        await self.call(
+            "process_beat", p_id=me.id, p_hostname=me.hostname, p_pid=me.pid, p_started_at=me.started_at,
+            p_version=package_version(), p_subscriptions=json.dumps(list(beat.subscriptions)),
+            p_slots=beat.slots, p_busy=beat.busy, p_beat_interval_seconds=beat.interval_seconds,
+        )
+
+    async def process_stop(self, process_id: uuid.UUID) -> None:
+        await self.call("process_stop", p_id=process_id)
+
+    async def list_processes(self) -> list[ProcessInfo]:
+        rows = await self.call("list_processes")
+        return [
+            ProcessInfo(
+                process_id=r["process_id"], hostname=r["hostname"], pid=r["pid"], started_at=r["started_at"],
+                version=r["version"], subscriptions=json_value(r["subscriptions"]), slots=r["slots"],
+                busy=r["busy"], last_seen_at=r["last_seen_at"], stopped_at=r["stopped_at"], state=r["state"],
+                in_flight=r["in_flight"],
+            )
+            for r in rows
+        ]
 
     async def partitions(
         self, subscription: str, condition: PartitionCondition | None = None, *, limit: int = 100
@@ -807,4 +835,14 @@ def delivery_info(row: Row, subscription: str | None, include_payload: bool) -> 
         attributes=user_attributes(json_value(row["attributes"])),
         correlation_id=row["correlation_id"],
         payload=json_value(row["payload"]) if include_payload else None,
+        holder=holder(row),
     )
+
+
+def holder(row: Row) -> Holder | None:
+    """The holder columns of a delivery listing, or None when no process ever claimed it."""
+    process_id = row.get("holder_id")
+    if process_id is None:
+        return None
+    return Holder(process_id=process_id, hostname=row.get("holder_host"), pid=row.get("holder_pid"),
+                  started_at=row.get("holder_started_at"))

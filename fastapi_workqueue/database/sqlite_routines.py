@@ -40,7 +40,8 @@ Routine = Callable[..., Awaitable[list[Row]]]
 ROUTINES: dict[str, Routine] = {}
 READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions", "list_subscriptions",
              "list_topics", "schema_versions", "api_key_list", "api_key_lookup", "known_messages",
-             "message_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys"}
+             "message_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys",
+             "list_processes"}
 """Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
 
 
@@ -332,7 +333,7 @@ async def r_publish(
 
 
 @routine
-async def r_claim(c: Call, p_subscription: str, p_limit: int) -> list[Row]:
+async def r_claim(c: Call, p_subscription: str, p_limit: int, p_holder: Any = None) -> list[Row]:
     subs = await c.ex.fetch("subscription_active", name=p_subscription)
     if not subs or p_limit < 1:
         return []
@@ -349,7 +350,7 @@ async def r_claim(c: Call, p_subscription: str, p_limit: int) -> list[Row]:
     stale: list[str] = []
     for candidate, key in [(k["next_id"], k["partition_key"]) for k in keyed] + [(u["id"], None) for u in unkeyed]:
         rows = await c.ex.fetch("delivery_claim", id=candidate, token=str(uuid.uuid4()),
-                                lease_expires_at=lease_expires, now=c.now)
+                                lease_expires_at=lease_expires, now=c.now, holder=_text(p_holder))
         if not rows:
             if key is not None:
                 stale.append(key)
@@ -379,7 +380,7 @@ async def _claimed_row(c: Call, d: Row) -> Row:
 
 
 @routine
-async def r_claim_many(c: Call, p_subscriptions: Sequence[str], p_limit: int) -> list[Row]:
+async def r_claim_many(c: Call, p_subscriptions: Sequence[str], p_limit: int, p_holder: Any = None) -> list[Row]:
     """claim across several None-mode subscriptions: each one's claim index gives at most p_limit
     candidates, and the p_limit oldest due of them all (visible_at, then id) are claimed, each with
     its own subscription's lease. (SQLite's single writer keeps two claimers apart.)"""
@@ -401,7 +402,7 @@ async def r_claim_many(c: Call, p_subscriptions: Sequence[str], p_limit: int) ->
     out: list[Row] = []
     for _, candidate, sub in candidates[:p_limit]:
         rows = await c.ex.fetch("delivery_claim", id=candidate, token=str(uuid.uuid4()),
-                                lease_expires_at=c.now + sub["lease_seconds"], now=c.now)
+                                lease_expires_at=c.now + sub["lease_seconds"], now=c.now, holder=_text(p_holder))
         if rows:
             out.append({"subscription": sub["name"], **await _claimed_row(c, rows[0])})
     return out
@@ -640,7 +641,8 @@ async def r_rewrite_payload(c: Call, p_message_id: Any, p_payload: str, p_conten
 # -- operator reads ------------------------------------------------------------------------------
 
 _TIMES = ("visible_at", "lease_expires_at", "created_at", "claimed_at", "settled_at", "oldest_pending_at",
-          "head_visible_at", "expires_at", "revoked_at", "last_used_at", "published_at")
+          "head_visible_at", "expires_at", "revoked_at", "last_used_at", "published_at", "holder_started_at",
+          "started_at", "last_seen_at", "stopped_at")
 
 
 def with_times(rows: list[Row]) -> list[Row]:
@@ -697,6 +699,39 @@ async def r_partitions(c: Call, p_subscription: str, p_condition: str | None, p_
 @routine
 async def r_schema_versions(c: Call) -> list[Row]:
     return await c.ex.fetch("schema_versions")
+
+
+# -- the process registry ------------------------------------------------------------------------
+
+PROCESS_KEEP_SECONDS = 7 * 86400.0
+"""A process row unseen for this long is deleted by the next beat (as PostgreSQL's process_beat)."""
+
+
+@routine
+async def r_process_beat(c: Call, p_id: Any, p_hostname: str, p_pid: int, p_started_at: datetime,
+                         p_version: str, p_subscriptions: str, p_slots: int, p_busy: int,
+                         p_beat_interval_seconds: float) -> list[Row]:
+    await c.ex.execute("process_beat", id=str(p_id), hostname=p_hostname, pid=p_pid,
+                       started_at=p_started_at.timestamp(), version=p_version, subscriptions=p_subscriptions,
+                       slots=p_slots, busy=p_busy, beat_interval_seconds=p_beat_interval_seconds, now=c.now)
+    await c.ex.execute("process_forget", before=c.now - PROCESS_KEEP_SECONDS)
+    return []
+
+
+@routine
+async def r_process_stop(c: Call, p_id: Any) -> list[Row]:
+    await c.ex.execute("process_stop", id=str(p_id), now=c.now)
+    return []
+
+
+@routine
+async def r_list_processes(c: Call) -> list[Row]:
+    return with_times(await c.ex.fetch("process_list", now=c.now))
+
+
+def _text(value: Any) -> str | None:
+    """A UUID parameter as the file stores it."""
+    return None if value is None else str(value)
 
 
 # -- once markers --------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
--- fastapi-workqueue: the SQL Server schema, as a fresh install ends with it (migrations 0001-0022).
+-- fastapi-workqueue: the SQL Server schema, as a fresh install ends with it (migrations 0001-0024).
 --
 -- This file is for reading: the tables and their indexes first, then every procedure and function
 -- grouped by concern, each with what it does. `workqueue migrate` applies the versioned
@@ -131,6 +131,7 @@ CREATE TABLE workqueue.delivery (
     note                  nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,
     created_at            datetimeoffset(6) NOT NULL CONSTRAINT delivery_created_at_default DEFAULT SYSDATETIMEOFFSET(),
     settled_at            datetimeoffset(6) NULL,
+    held_by               uniqueidentifier NULL,
     CONSTRAINT delivery_pk PRIMARY KEY CLUSTERED (id) WITH (FILLFACTOR = 80)
 );
 
@@ -258,6 +259,24 @@ CREATE TABLE workqueue.step_result (
     value       nvarchar(max) COLLATE Latin1_General_100_BIN2 NOT NULL,  -- JSON text, kept as sent
     created_at  datetimeoffset(6) NOT NULL CONSTRAINT step_result_created_at_default DEFAULT SYSDATETIMEOFFSET(),
     CONSTRAINT step_result_pk PRIMARY KEY NONCLUSTERED (message_id, name)
+);
+
+-- The processes that run a host; delivery.held_by names the one that claimed it (PostgreSQL's
+-- schema.sql says more).
+CREATE TABLE workqueue.process (
+    id                     uniqueidentifier NOT NULL,
+    hostname               nvarchar(255) COLLATE Latin1_General_100_BIN2 NOT NULL,
+    pid                    int NOT NULL,
+    started_at             datetimeoffset(6) NOT NULL,
+    version                nvarchar(64) COLLATE Latin1_General_100_BIN2 NOT NULL,
+    subscriptions          nvarchar(max) COLLATE Latin1_General_100_BIN2 NOT NULL
+                           CONSTRAINT process_subscriptions_json CHECK (ISJSON(subscriptions) = 1),
+    slots                  int NOT NULL,
+    busy                   int NOT NULL,
+    beat_interval_seconds  float NOT NULL,
+    last_seen_at           datetimeoffset(6) NOT NULL,
+    stopped_at             datetimeoffset(6) NULL,
+    CONSTRAINT process_pk PRIMARY KEY CLUSTERED (id)
 );
 CREATE CLUSTERED INDEX step_result_created_at ON workqueue.step_result (created_at);
 GO
@@ -1448,7 +1467,8 @@ GO
 -- returns: delivery_id, lease_token, attempt, max_attempts, lease_expires_at, message_id, topic, partition_key, attributes, payload, payload_ref, correlation_id, published_at
 CREATE OR ALTER PROCEDURE workqueue.claim
     @p_subscription nvarchar(200),
-    @p_limit int
+    @p_limit int,
+    @p_holder uniqueidentifier = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -1551,7 +1571,7 @@ BEGIN
                 UPDATE d
                 SET status = N'InFlight', attempt = d.attempt + 1, claim_count = d.claim_count + 1,
                     lease_token = NEWID(), lease_expires_at = @v_lease_expires_at, claimed_at = @v_now,
-                    progress_percent = NULL, progress_message = NULL
+                    held_by = @p_holder, progress_percent = NULL, progress_message = NULL
                 OUTPUT inserted.id, inserted.lease_token, inserted.attempt, inserted.max_attempts,
                        inserted.lease_expires_at, inserted.message_id, inserted.partition_key, inserted.key_mode
                 INTO @v_claimed (id, lease_token, attempt, max_attempts, lease_expires_at, message_id,
@@ -1621,7 +1641,8 @@ GO
 -- returns: subscription, delivery_id, lease_token, attempt, max_attempts, lease_expires_at, message_id, topic, partition_key, attributes, payload, payload_ref, correlation_id, published_at
 CREATE OR ALTER PROCEDURE workqueue.claim_many
     @p_subscriptions nvarchar(max),
-    @p_limit int
+    @p_limit int,
+    @p_holder uniqueidentifier = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -1715,7 +1736,7 @@ BEGIN
                 lease_expires_at = DATEADD(
                     microsecond, CAST((s.lease_seconds - FLOOR(s.lease_seconds)) * 1000000 AS int),
                     DATEADD(second, CAST(FLOOR(s.lease_seconds) AS int), @v_now)),
-                claimed_at = @v_now, progress_percent = NULL, progress_message = NULL
+                claimed_at = @v_now, held_by = @p_holder, progress_percent = NULL, progress_message = NULL
             OUTPUT inserted.id, inserted.subscription_id, inserted.lease_token, inserted.attempt,
                    inserted.max_attempts, inserted.lease_expires_at, inserted.message_id, inserted.visible_at
             INTO @v_claimed (id, subscription_id, lease_token, attempt, max_attempts, lease_expires_at,
@@ -3099,7 +3120,7 @@ BEGIN
 END;
 GO
 
--- returns: delivery_id, subscription, message_id, topic, partition_key, status, attempt, max_attempts, visible_at, lease_expires_at, cancel_requested, progress_percent, progress_message, reason, last_error, note, created_at, claimed_at, settled_at, attributes, payload, correlation_id
+-- returns: delivery_id, subscription, message_id, topic, partition_key, status, attempt, max_attempts, visible_at, lease_expires_at, cancel_requested, progress_percent, progress_message, reason, last_error, note, created_at, claimed_at, settled_at, attributes, payload, correlation_id, holder_id, holder_host, holder_pid, holder_started_at
 CREATE OR ALTER PROCEDURE workqueue.get_delivery
     @p_delivery_id bigint
 AS
@@ -3108,10 +3129,12 @@ BEGIN
     SELECT d.id AS delivery_id, s.name AS subscription, d.message_id, m.topic, d.partition_key,
            d.status, d.attempt, d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested,
            d.progress_percent, d.progress_message, d.reason, d.last_error, d.note, d.created_at,
-           d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id
+           d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id,
+           d.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid, p.started_at AS holder_started_at
     FROM workqueue.delivery AS d
     INNER JOIN workqueue.subscription AS s ON s.id = d.subscription_id
     INNER JOIN workqueue.message AS m ON m.id = d.message_id
+    LEFT JOIN workqueue.process AS p ON p.id = d.held_by
     WHERE d.id = @p_delivery_id;
 END;
 GO
@@ -3130,7 +3153,7 @@ END;
 GO
 
 -- Every delivery of one message, each with its subscription, as get_delivery answers, by id.
--- returns: delivery_id, subscription, message_id, topic, partition_key, status, attempt, max_attempts, visible_at, lease_expires_at, cancel_requested, progress_percent, progress_message, reason, last_error, note, created_at, claimed_at, settled_at, attributes, payload, correlation_id
+-- returns: delivery_id, subscription, message_id, topic, partition_key, status, attempt, max_attempts, visible_at, lease_expires_at, cancel_requested, progress_percent, progress_message, reason, last_error, note, created_at, claimed_at, settled_at, attributes, payload, correlation_id, holder_id, holder_host, holder_pid, holder_started_at
 CREATE OR ALTER PROCEDURE workqueue.message_deliveries
     @p_message_id uniqueidentifier
 AS
@@ -3139,10 +3162,12 @@ BEGIN
     SELECT d.id AS delivery_id, s.name AS subscription, d.message_id, m.topic, d.partition_key,
            d.status, d.attempt, d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested,
            d.progress_percent, d.progress_message, d.reason, d.last_error, d.note, d.created_at,
-           d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id
+           d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id,
+           d.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid, p.started_at AS holder_started_at
     FROM workqueue.delivery AS d
     INNER JOIN workqueue.subscription AS s ON s.id = d.subscription_id
     INNER JOIN workqueue.message AS m ON m.id = d.message_id
+    LEFT JOIN workqueue.process AS p ON p.id = d.held_by
     WHERE d.message_id = @p_message_id
     ORDER BY d.id;
 END;
@@ -3151,7 +3176,7 @@ GO
 -- Deliveries of one subscription in one state, oldest first, paged by id. DeadLettered and InFlight
 -- are named literally, so their pages read their filtered indexes (a state given as a parameter can
 -- use none); the page's ids come first, then their rows.
--- returns: delivery_id, message_id, topic, partition_key, status, attempt, max_attempts, visible_at, lease_expires_at, cancel_requested, progress_percent, progress_message, reason, last_error, note, created_at, claimed_at, settled_at, attributes, payload, correlation_id
+-- returns: delivery_id, message_id, topic, partition_key, status, attempt, max_attempts, visible_at, lease_expires_at, cancel_requested, progress_percent, progress_message, reason, last_error, note, created_at, claimed_at, settled_at, attributes, payload, correlation_id, holder_id, holder_host, holder_pid, holder_started_at
 CREATE OR ALTER PROCEDURE workqueue.list_deliveries
     @p_subscription nvarchar(200),
     @p_status nvarchar(20),
@@ -3182,11 +3207,100 @@ BEGIN
     SELECT d.id AS delivery_id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts,
            d.visible_at, d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message,
            d.reason, d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload,
-           m.correlation_id
+           m.correlation_id, d.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid,
+           p.started_at AS holder_started_at
     FROM @v_page AS v
     INNER JOIN workqueue.delivery AS d ON d.id = v.id
     INNER JOIN workqueue.message AS m ON m.id = d.message_id
+    LEFT JOIN workqueue.process AS p ON p.id = d.held_by
     ORDER BY d.id;
+END;
+GO
+
+-- A process's beat: its row written (or renewed) with what it serves now; rows unseen for a
+-- week are deleted.
+-- returns: nothing
+CREATE OR ALTER PROCEDURE workqueue.process_beat
+    @p_id uniqueidentifier,
+    @p_hostname nvarchar(255),
+    @p_pid int,
+    @p_started_at datetimeoffset(6),
+    @p_version nvarchar(64),
+    @p_subscriptions nvarchar(max),
+    @p_slots int,
+    @p_busy int,
+    @p_beat_interval_seconds float
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
+    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    BEGIN TRY
+        IF @v_own_transaction = 1
+            BEGIN TRANSACTION;
+        UPDATE workqueue.process WITH (UPDLOCK, SERIALIZABLE)
+        SET version = @p_version, subscriptions = @p_subscriptions, slots = @p_slots, busy = @p_busy,
+            beat_interval_seconds = @p_beat_interval_seconds, last_seen_at = @v_now, stopped_at = NULL
+        WHERE id = @p_id;
+        IF @@ROWCOUNT = 0
+            INSERT INTO workqueue.process (
+                id, hostname, pid, started_at, version, subscriptions, slots, busy, beat_interval_seconds,
+                last_seen_at, stopped_at
+            ) VALUES (
+                @p_id, @p_hostname, @p_pid, @p_started_at, @p_version, @p_subscriptions, @p_slots, @p_busy,
+                @p_beat_interval_seconds, @v_now, NULL
+            );
+        DELETE FROM workqueue.process WHERE last_seen_at < DATEADD(day, -7, @v_now);
+        IF @v_own_transaction = 1
+            COMMIT TRANSACTION;
+    END TRY
+    BEGIN CATCH
+        IF @v_own_transaction = 1 AND @@TRANCOUNT > 0
+            ROLLBACK TRANSACTION;
+        THROW;
+    END CATCH;
+END;
+GO
+
+-- A process's host stopped: its row stays (the deliveries it held name it) with stopped_at set.
+-- returns: nothing
+CREATE OR ALTER PROCEDURE workqueue.process_stop
+    @p_id uniqueidentifier
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    BEGIN TRY
+        UPDATE workqueue.process
+        SET stopped_at = @v_now, busy = 0, last_seen_at = @v_now
+        WHERE id = @p_id;
+    END TRY
+    BEGIN CATCH
+        THROW;
+    END CATCH;
+END;
+GO
+
+-- The processes known, live ones first, each with its state (Running, Stopped, Gone: not seen
+-- within three beat intervals) and the deliveries it holds InFlight now.
+-- returns: process_id, hostname, pid, started_at, version, subscriptions, slots, busy, last_seen_at, stopped_at, state, in_flight
+CREATE OR ALTER PROCEDURE workqueue.list_processes
+AS
+BEGIN
+    SET NOCOUNT ON;
+    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    SELECT p.id AS process_id, p.hostname, p.pid, p.started_at, p.version, p.subscriptions, p.slots, p.busy,
+           p.last_seen_at, p.stopped_at,
+           CASE WHEN p.stopped_at IS NOT NULL THEN N'Stopped'
+                WHEN p.last_seen_at < DATEADD(millisecond, CAST(-3000 * p.beat_interval_seconds AS int), @v_now)
+                    THEN N'Gone'
+                ELSE N'Running' END AS state,
+           (SELECT CAST(COUNT(*) AS bigint) FROM workqueue.delivery AS d
+            WHERE d.status = N'InFlight' AND d.held_by = p.id) AS in_flight
+    FROM workqueue.process AS p
+    ORDER BY CASE WHEN p.stopped_at IS NULL THEN 0 ELSE 1 END, p.last_seen_at DESC, p.id;
 END;
 GO
 

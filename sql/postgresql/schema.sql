@@ -1,4 +1,4 @@
--- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0031).
+-- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0033).
 --
 -- This file is for reading: the tables and their indexes first, then every function grouped by
 -- concern, each with what it does. `workqueue migrate` applies the versioned migrations
@@ -105,7 +105,8 @@ CREATE TABLE workqueue.delivery (
     last_error            text,
     note                  text,
     created_at            timestamptz NOT NULL DEFAULT now(),
-    settled_at            timestamptz
+    settled_at            timestamptz,
+    held_by               uuid
 ) WITH (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.02);
 
 -- Claimable work without a key lock: the head of this index is the next delivery to claim.
@@ -220,6 +221,25 @@ CREATE TABLE workqueue.api_key (
     expires_at    timestamptz,
     revoked_at    timestamptz,
     last_used_at  timestamptz
+);
+
+-- The processes that run a host (an app's lifespan or `workqueue work`). Each one writes its row
+-- when its host starts and again every reconcile interval (last_seen_at), and marks it stopped when
+-- its host stops; a claim records the claiming process in delivery.held_by. A process whose row
+-- was not renewed within three of its beat intervals is gone (killed, or cut off from the
+-- database). A row unseen for a week is deleted by the next beat of any process.
+CREATE TABLE workqueue.process (
+    id                     uuid PRIMARY KEY,
+    hostname               text NOT NULL,
+    pid                    integer NOT NULL,
+    started_at             timestamptz NOT NULL,
+    version                text NOT NULL,
+    subscriptions          jsonb NOT NULL,
+    slots                  integer NOT NULL,
+    busy                   integer NOT NULL,
+    beat_interval_seconds  double precision NOT NULL,
+    last_seen_at           timestamptz NOT NULL,
+    stopped_at             timestamptz
 );
 CREATE UNIQUE INDEX api_key_name_live ON workqueue.api_key (name) WHERE revoked_at IS NULL;
 
@@ -1063,7 +1083,7 @@ $$;
 -- token, the lease from the subscription's lease_seconds. Keys of Exclusive and Ordered
 -- subscriptions are claimed through their partition row (SKIP LOCKED), one delivery per key,
 -- after the keys left stale are re-derived; deliveries without a key share the claim with them.
-CREATE OR REPLACE FUNCTION workqueue.claim(p_subscription text, p_limit integer)
+CREATE OR REPLACE FUNCTION workqueue.claim(p_subscription text, p_limit integer, p_holder uuid DEFAULT NULL)
 RETURNS TABLE (
     delivery_id bigint, lease_token uuid, attempt integer, max_attempts integer,
     lease_expires_at timestamptz, message_id uuid, topic text, partition_key text,
@@ -1144,7 +1164,7 @@ BEGIN
         SET status = 'InFlight', attempt = d.attempt + 1, claim_count = d.claim_count + 1,
             lease_token = gen_random_uuid(),
             lease_expires_at = now() + make_interval(secs => v_sub.lease_seconds),
-            claimed_at = now(), progress_percent = NULL, progress_message = NULL
+            claimed_at = now(), held_by = p_holder, progress_percent = NULL, progress_message = NULL
         WHERE d.id = ANY (v_ids) AND d.status = 'Pending'
         RETURNING d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, d.message_id,
                   d.partition_key, d.key_mode
@@ -1186,7 +1206,7 @@ $$;
 -- each such subscription's share, locked past the rows other claimers hold as claim locks, so
 -- concurrent claimers take different deliveries and none comes back short while work waits.
 -- Commits as a claim without keys does (synchronous_commit off, 0017).
-CREATE OR REPLACE FUNCTION workqueue.claim_many(p_subscriptions text[], p_limit integer)
+CREATE OR REPLACE FUNCTION workqueue.claim_many(p_subscriptions text[], p_limit integer, p_holder uuid DEFAULT NULL)
 RETURNS TABLE (
     subscription text, delivery_id bigint, lease_token uuid, attempt integer, max_attempts integer,
     lease_expires_at timestamptz, message_id uuid, topic text, partition_key text,
@@ -1322,7 +1342,7 @@ BEGIN
         SET status = 'InFlight', attempt = d.attempt + 1, claim_count = d.claim_count + 1,
             lease_token = gen_random_uuid(),
             lease_expires_at = now() + make_interval(secs => s.lease_seconds),
-            claimed_at = now(), progress_percent = NULL, progress_message = NULL
+            claimed_at = now(), held_by = p_holder, progress_percent = NULL, progress_message = NULL
         FROM workqueue.subscription s
         WHERE d.id = ANY (v_ids) AND d.status = 'Pending' AND s.id = d.subscription_id
         RETURNING s.name, d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at,
@@ -2362,7 +2382,8 @@ RETURNS TABLE (
     lease_expires_at timestamptz, cancel_requested boolean, progress_percent smallint,
     progress_message text, reason text, last_error text, note text, created_at timestamptz,
     claimed_at timestamptz, settled_at timestamptz, attributes jsonb, payload text,
-    correlation_id text
+    correlation_id text,
+    holder_id uuid, holder_host text, holder_pid integer, holder_started_at timestamptz
 )
 LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -2370,10 +2391,12 @@ AS $$
     SELECT d.id, s.name, d.message_id, m.topic, d.partition_key, d.status, d.attempt,
            d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested,
            d.progress_percent, d.progress_message, d.reason, d.last_error, d.note, d.created_at,
-           d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id
+           d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id,
+           d.held_by, p.hostname, p.pid, p.started_at
     FROM workqueue.delivery d
     JOIN workqueue.subscription s ON s.id = d.subscription_id
     JOIN workqueue.message m ON m.id = d.message_id
+    LEFT JOIN workqueue.process p ON p.id = d.held_by
     WHERE d.id = p_delivery_id
 $$;
 
@@ -2385,7 +2408,8 @@ RETURNS TABLE (
     lease_expires_at timestamptz, cancel_requested boolean, progress_percent smallint,
     progress_message text, reason text, last_error text, note text, created_at timestamptz,
     claimed_at timestamptz, settled_at timestamptz, attributes jsonb, payload text,
-    correlation_id text
+    correlation_id text,
+    holder_id uuid, holder_host text, holder_pid integer, holder_started_at timestamptz
 )
 LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -2393,10 +2417,12 @@ AS $$
     SELECT d.id, s.name, d.message_id, m.topic, d.partition_key, d.status, d.attempt,
            d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested,
            d.progress_percent, d.progress_message, d.reason, d.last_error, d.note, d.created_at,
-           d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id
+           d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id,
+           d.held_by, p.hostname, p.pid, p.started_at
     FROM workqueue.delivery d
     JOIN workqueue.subscription s ON s.id = d.subscription_id
     JOIN workqueue.message m ON m.id = d.message_id
+    LEFT JOIN workqueue.process p ON p.id = d.held_by
     WHERE d.message_id = p_message_id
     ORDER BY d.id
 $$;
@@ -2420,7 +2446,8 @@ CREATE OR REPLACE FUNCTION workqueue.list_deliveries(
     max_attempts integer, visible_at timestamptz, lease_expires_at timestamptz, cancel_requested boolean,
     progress_percent smallint, progress_message text, reason text, last_error text, note text,
     created_at timestamptz, claimed_at timestamptz, settled_at timestamptz, attributes jsonb, payload text,
-    correlation_id text
+    correlation_id text,
+    holder_id uuid, holder_host text, holder_pid integer, holder_started_at timestamptz
 )
 LANGUAGE plpgsql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -2438,9 +2465,11 @@ BEGIN
         SELECT d.id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts, d.visible_at,
                d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
                d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload,
-               m.correlation_id
+               m.correlation_id,
+               d.held_by, p.hostname, p.pid, p.started_at
         FROM workqueue.delivery d
         JOIN workqueue.message m ON m.id = d.message_id
+        LEFT JOIN workqueue.process p ON p.id = d.held_by
         WHERE d.subscription_id = v_subscription AND d.status = 'DeadLettered' AND d.id > coalesce(p_after_id, 0)
         ORDER BY d.id
         LIMIT p_limit;
@@ -2449,9 +2478,11 @@ BEGIN
         SELECT d.id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts, d.visible_at,
                d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
                d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload,
-               m.correlation_id
+               m.correlation_id,
+               d.held_by, p.hostname, p.pid, p.started_at
         FROM workqueue.delivery d
         JOIN workqueue.message m ON m.id = d.message_id
+        LEFT JOIN workqueue.process p ON p.id = d.held_by
         WHERE d.subscription_id = v_subscription AND d.status = 'InFlight' AND d.id > coalesce(p_after_id, 0)
         ORDER BY d.id
         LIMIT p_limit;
@@ -2460,14 +2491,69 @@ BEGIN
         SELECT d.id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts, d.visible_at,
                d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
                d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload,
-               m.correlation_id
+               m.correlation_id,
+               d.held_by, p.hostname, p.pid, p.started_at
         FROM workqueue.delivery d
         JOIN workqueue.message m ON m.id = d.message_id
+        LEFT JOIN workqueue.process p ON p.id = d.held_by
         WHERE d.subscription_id = v_subscription AND d.status = p_status AND d.id > coalesce(p_after_id, 0)
         ORDER BY d.id
         LIMIT p_limit;
     END IF;
 END
+$$;
+
+-- A process's beat: its row written (or renewed) with what it serves now; rows unseen for a
+-- week are deleted.
+CREATE OR REPLACE FUNCTION workqueue.process_beat(
+    p_id uuid, p_hostname text, p_pid integer, p_started_at timestamptz, p_version text,
+    p_subscriptions jsonb, p_slots integer, p_busy integer, p_beat_interval_seconds double precision
+) RETURNS void
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO workqueue.process AS p (
+        id, hostname, pid, started_at, version, subscriptions, slots, busy, beat_interval_seconds,
+        last_seen_at, stopped_at
+    ) VALUES (
+        p_id, p_hostname, p_pid, p_started_at, p_version, p_subscriptions, p_slots, p_busy,
+        p_beat_interval_seconds, now(), NULL
+    )
+    ON CONFLICT (id) DO UPDATE
+    SET version = excluded.version, subscriptions = excluded.subscriptions, slots = excluded.slots,
+        busy = excluded.busy, beat_interval_seconds = excluded.beat_interval_seconds,
+        last_seen_at = now(), stopped_at = NULL;
+    DELETE FROM workqueue.process p WHERE p.last_seen_at < now() - interval '7 days';
+$$;
+
+-- A process's host stopped: its row stays (the deliveries it held name it) with stopped_at set.
+CREATE OR REPLACE FUNCTION workqueue.process_stop(p_id uuid)
+RETURNS void
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    UPDATE workqueue.process p SET stopped_at = now(), busy = 0, last_seen_at = now() WHERE p.id = p_id;
+$$;
+
+-- The processes known, live ones first, each with its state (Running, Stopped, Gone: not seen
+-- within three beat intervals) and the deliveries it holds InFlight now.
+CREATE OR REPLACE FUNCTION workqueue.list_processes()
+RETURNS TABLE (
+    process_id uuid, hostname text, pid integer, started_at timestamptz, version text,
+    subscriptions jsonb, slots integer, busy integer, last_seen_at timestamptz,
+    stopped_at timestamptz, state text, in_flight bigint
+)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT p.id, p.hostname, p.pid, p.started_at, p.version, p.subscriptions, p.slots, p.busy,
+           p.last_seen_at, p.stopped_at,
+           CASE WHEN p.stopped_at IS NOT NULL THEN 'Stopped'
+                WHEN p.last_seen_at < now() - make_interval(secs => 3 * p.beat_interval_seconds) THEN 'Gone'
+                ELSE 'Running' END,
+           (SELECT count(*) FROM workqueue.delivery d WHERE d.status = 'InFlight' AND d.held_by = p.id)
+    FROM workqueue.process p
+    ORDER BY p.stopped_at IS NOT NULL, p.last_seen_at DESC, p.id
 $$;
 
 -- Keys of an Exclusive or Ordered subscription with live work. condition: InFlight (a delivery
@@ -2751,22 +2837,28 @@ BEGIN
                                   workqueue.api_key_touch(uuid),
                                   workqueue.release_deduplication_key(text, text, uuid),
                                   workqueue.step_get(uuid, text), workqueue.step_put(uuid, text, text),
-                                  workqueue.claim_many(text[], integer), workqueue.known_messages(uuid[]),
-                                  workqueue.message_deliveries(uuid),
+                                  workqueue.claim(text, integer, uuid),
+                                  workqueue.claim_many(text[], integer, uuid), workqueue.known_messages(uuid[]),
+                                  workqueue.get_delivery(bigint), workqueue.message_deliveries(uuid),
                                   workqueue.record_stats_history(double precision, timestamptz),
                                   workqueue.stats_history(timestamptz, text),
                                   workqueue.live_counts(text, integer),
-                                  workqueue.blocked_keys(text, integer, integer)
+                                  workqueue.blocked_keys(text, integer, integer),
+                                  workqueue.process_beat(uuid, text, integer, timestamptz, text, jsonb, integer,
+                                                         integer, double precision),
+                                  workqueue.process_stop(uuid), workqueue.list_processes()
             TO workqueue_runtime;
     END IF;
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN
         GRANT EXECUTE ON FUNCTION workqueue.discard_dead_letters(text, timestamptz, integer),
                                   workqueue.rewrite_payload(uuid, text, text, integer),
-                                  workqueue.message_deliveries(uuid),
+                                  workqueue.get_delivery(bigint), workqueue.message_deliveries(uuid),
+                                  workqueue.list_deliveries(text, text, integer, bigint),
                                   workqueue.record_stats_history(double precision, timestamptz),
                                   workqueue.stats_history(timestamptz, text),
                                   workqueue.live_counts(text, integer),
-                                  workqueue.blocked_keys(text, integer, integer)
+                                  workqueue.blocked_keys(text, integer, integer),
+                                  workqueue.list_processes()
             TO workqueue_operator;
     END IF;
 END

@@ -174,7 +174,8 @@ LIMIT :limit;
 -- name: delivery_claim
 UPDATE delivery
 SET status = 'InFlight', attempt = attempt + 1, claim_count = claim_count + 1, lease_token = :token,
-    lease_expires_at = :lease_expires_at, claimed_at = :now, progress_percent = NULL, progress_message = NULL
+    lease_expires_at = :lease_expires_at, claimed_at = :now, held_by = :holder, progress_percent = NULL,
+    progress_message = NULL
 WHERE id = :id AND status = 'Pending'
 RETURNING id, lease_token, attempt, max_attempts, lease_expires_at, message_id, partition_key, key_mode;
 
@@ -336,30 +337,39 @@ WHERE s.name = :subscription;
 SELECT d.id AS delivery_id, s.name AS subscription, d.message_id, m.topic, d.partition_key, d.status,
        d.attempt, d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested, d.progress_percent,
        d.progress_message, d.reason, d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at,
-       m.attributes, m.payload, m.correlation_id
+       m.attributes, m.payload, m.correlation_id,
+       d.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid,
+       p.started_at AS holder_started_at
 FROM delivery d
 JOIN subscription s ON s.id = d.subscription_id
 JOIN message m ON m.id = d.message_id
+LEFT JOIN process p ON p.id = d.held_by
 WHERE d.id = :id;
 
 -- name: message_deliveries
 SELECT d.id AS delivery_id, s.name AS subscription, d.message_id, m.topic, d.partition_key, d.status,
        d.attempt, d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested, d.progress_percent,
        d.progress_message, d.reason, d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at,
-       m.attributes, m.payload, m.correlation_id
+       m.attributes, m.payload, m.correlation_id,
+       d.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid,
+       p.started_at AS holder_started_at
 FROM delivery d
 JOIN subscription s ON s.id = d.subscription_id
 JOIN message m ON m.id = d.message_id
+LEFT JOIN process p ON p.id = d.held_by
 WHERE d.message_id = :message_id
 ORDER BY d.id;
 
 -- name: delivery_list
 SELECT d.id AS delivery_id, d.message_id, m.topic, d.partition_key, d.status, d.attempt, d.max_attempts,
        d.visible_at, d.lease_expires_at, d.cancel_requested, d.progress_percent, d.progress_message, d.reason,
-       d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id
+       d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id,
+       d.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid,
+       p.started_at AS holder_started_at
 FROM delivery d
 JOIN subscription s ON s.id = d.subscription_id
 JOIN message m ON m.id = d.message_id
+LEFT JOIN process p ON p.id = d.held_by
 WHERE s.name = :subscription AND d.status = :status AND d.id > coalesce(:after_id, 0)
 ORDER BY d.id
 LIMIT :limit;
@@ -517,3 +527,28 @@ JOIN delivery d ON d.id = h.id
 WHERE d.status = 'DeadLettered' OR d.attempt > 0
 ORDER BY d.id
 LIMIT :limit;
+
+-- name: process_beat
+INSERT INTO process (id, hostname, pid, started_at, version, subscriptions, slots, busy, beat_interval_seconds,
+                     last_seen_at, stopped_at)
+VALUES (:id, :hostname, :pid, :started_at, :version, :subscriptions, :slots, :busy, :beat_interval_seconds,
+        :now, NULL)
+ON CONFLICT (id) DO UPDATE
+SET version = excluded.version, subscriptions = excluded.subscriptions, slots = excluded.slots, busy = excluded.busy,
+    beat_interval_seconds = excluded.beat_interval_seconds, last_seen_at = :now, stopped_at = NULL;
+
+-- name: process_forget
+DELETE FROM process WHERE last_seen_at < :before;
+
+-- name: process_stop
+UPDATE process SET stopped_at = :now, busy = 0, last_seen_at = :now WHERE id = :id;
+
+-- name: process_list
+SELECT p.id AS process_id, p.hostname, p.pid, p.started_at, p.version, p.subscriptions, p.slots, p.busy,
+       p.last_seen_at, p.stopped_at,
+       CASE WHEN p.stopped_at IS NOT NULL THEN 'Stopped'
+            WHEN p.last_seen_at < :now - 3 * p.beat_interval_seconds THEN 'Gone'
+            ELSE 'Running' END AS state,
+       (SELECT count(*) FROM delivery d WHERE d.status = 'InFlight' AND d.held_by = p.id) AS in_flight
+FROM process p
+ORDER BY p.stopped_at IS NOT NULL, p.last_seen_at DESC, p.id;

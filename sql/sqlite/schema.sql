@@ -1,4 +1,4 @@
--- fastapi-workqueue: the SQLite schema, as a fresh file ends with it (migrations 0001-0008).
+-- fastapi-workqueue: the SQLite schema, as a fresh file ends with it (migrations 0001-0010).
 --
 -- This file is for reading: `workqueue migrate` (and the queue at start-up) applies the versioned
 -- migrations (NNNN_*.sql), whose headers say why each change was made, and
@@ -85,7 +85,8 @@ CREATE TABLE delivery (
     last_error            TEXT,
     note                  TEXT,
     created_at            REAL NOT NULL,
-    settled_at            REAL
+    settled_at            REAL,
+    held_by               TEXT
 );
 CREATE INDEX delivery_claim ON delivery (subscription_id, visible_at, id)
     WHERE status = 'Pending' AND key_mode = 0;
@@ -143,6 +144,22 @@ CREATE TABLE api_key (
 );
 
 CREATE UNIQUE INDEX api_key_name_live ON api_key (name) WHERE revoked_at IS NULL;
+
+-- The processes that run a host; delivery.held_by names the one that claimed it (PostgreSQL's
+-- schema.sql says more).
+CREATE TABLE process (
+    id                     TEXT PRIMARY KEY,
+    hostname               TEXT NOT NULL,
+    pid                    INTEGER NOT NULL,
+    started_at             REAL NOT NULL,
+    version                TEXT NOT NULL,
+    subscriptions          TEXT NOT NULL,
+    slots                  INTEGER NOT NULL,
+    busy                   INTEGER NOT NULL,
+    beat_interval_seconds  REAL NOT NULL,
+    last_seen_at           REAL NOT NULL,
+    stopped_at             REAL
+);
 
 -- The Completed and Discarded deliveries of each subscription, counted as they are made and
 -- deleted: stats reads them here, not from the history.

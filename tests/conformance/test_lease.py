@@ -13,6 +13,7 @@ import time
 import pytest
 
 from fastapi_workqueue import PublishRequest
+from fastapi_workqueue.core.processes import ProcessBeat, ProcessRegistry, current_process
 from fastapi_workqueue.core.transport import HeartbeatRequest, Settlement
 
 from .harness import Harness, eventually, make_world
@@ -40,6 +41,36 @@ async def test_c09_claim_returns_at_most_limit_with_attempt_and_fresh_token(harn
     assert again.delivery_id == delivery.delivery_id
     assert again.attempt == 2
     assert again.lease_token != delivery.lease_token
+
+
+async def test_c09_a_claim_records_the_claiming_process(harness: Harness) -> None:
+    if not isinstance(harness.transport, ProcessRegistry):
+        pytest.skip(f"{harness.transport.name}: no process registry (the broker knows no holder)")
+    world = await make_world(harness.transport, [{"role": "a"}, {"role": "b"}])
+    await world.publish(PublishRequest(payload=1))
+    me = current_process()
+    await harness.transport.process_beat(ProcessBeat(me, (world["a"],), slots=4, busy=1, interval_seconds=30))
+    held = await world.claim_one("a")
+    [other] = await harness.transport.claim_many([world["b"]], 10)
+    for delivery_id in (held.delivery_id, other[1].delivery_id):
+        info = await harness.transport.get_delivery(delivery_id)
+        assert info is not None and info.holder is not None
+        assert (info.holder.process_id, info.holder.hostname, info.holder.pid) == (me.id, me.hostname, me.pid)
+        assert info.holder.started_at is not None
+        assert abs((info.holder.started_at - me.started_at).total_seconds()) < 0.01
+    [listed] = [d for d in await harness.transport.list_deliveries(world["a"], "InFlight")
+                if d.delivery_id == held.delivery_id]
+    assert listed.holder == (await harness.transport.get_delivery(held.delivery_id)).holder  # type: ignore[union-attr]
+    [mine] = [p for p in await harness.transport.list_processes() if p.process_id == me.id]
+    assert (mine.state, mine.pid, mine.subscriptions, mine.slots, mine.busy) == ("Running", me.pid, [world["a"]], 4, 1)
+    assert mine.in_flight >= 2
+    # The holder stays named after the attempt ends (it held the last attempt).
+    assert await world.settle(held, "Complete") == "Completed"
+    done = await harness.transport.get_delivery(held.delivery_id)
+    assert done is not None and done.holder is not None and done.holder.process_id == me.id
+    await harness.transport.process_stop(me.id)
+    [stopped] = [p for p in await harness.transport.list_processes() if p.process_id == me.id]
+    assert stopped.state == "Stopped" and stopped.stopped_at is not None
 
 
 async def test_c10_heartbeat_renews_lease_and_stores_progress(harness: Harness) -> None:

@@ -19,6 +19,7 @@ from fastapi.security import SecurityScopes
 from fastapi_workqueue import PublishRequest, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_READ, Principal, create_key
+from fastapi_workqueue.core.processes import current_process
 from fastapi_workqueue.core.transport import Settlement
 from fastapi_workqueue.dashboard import views
 from fastapi_workqueue.dashboard.session import SESSION_COOKIE
@@ -161,6 +162,10 @@ async def test_the_pages_show_counts_dead_letters_in_flight_blocked_keys_and_a_d
 
         mail = (await client.get(f"{UI}/subscriptions/{shop.mail}")).text
         assert f'data-delivery="{running}"' in mail and "rendering the invoice" in mail
+        # The in-flight row names the process that holds it: this one (the app's own host).
+        me = current_process()
+        held = re.search(rf'<tr data-delivery="{running}">.*?<td class="holder">(.*?)</td>', mail, re.S)
+        assert held and f"{me.hostname} pid {me.pid}" in held.group(1) and str(me.id) in held.group(1)
         assert 'progress max="100" value="40"' in mail
 
         ledger = (await client.get(f"{UI}/subscriptions/{shop.ledger}")).text
@@ -201,7 +206,8 @@ async def test_operators_replay_discard_cancel_pause_and_resume(shop: Shop) -> N
         assert answer.status_code == 303 and answer.headers["location"] == f"{sub_page}?notice=Replayed"
         replayed = await shop.queue.get_delivery(first)
         assert replayed is not None and replayed.status == "Pending" and replayed.note == "fixed the relay"
-        assert "Replayed: the delivery is Pending again" in (await client.get(answer.headers["location"])).text
+        assert "Replayed: the delivery was queued again with its attempts reset" in (
+            await client.get(answer.headers["location"])).text
 
         again = await post(client, sub_page, f"{UI}/deliveries/{first}/replay")
         assert again.headers["location"].endswith("notice=NotDeadLettered")
@@ -230,6 +236,37 @@ async def test_operators_replay_discard_cancel_pause_and_resume(shop: Shop) -> N
         # The form may send the browser back only within the dashboard.
         elsewhere = await post(client, sub_page, f"{UI}/subscriptions/{shop.idle}/pause", back="https://evil.example/")
         assert elsewhere.headers["location"] == f"{sub_page}?notice=Unchanged"
+
+
+async def test_a_replayed_delivery_that_completed_shows_its_old_error_as_a_past_attempt(shop: Shop) -> None:
+    from .shop import wait_until
+
+    [result] = await shop.queue.publish(shop.topic, [{"payload": {"fail": "once", "to": "ann@example.com"}}])
+
+    async def mail_delivery(status: str) -> str | None:
+        deliveries = await shop.queue.transport.message_deliveries(result.message_id)
+        [info] = [d for d in deliveries if d.subscription == shop.mail]
+        return info.delivery_id if info.status == status else None
+
+    dead = await wait_until(lambda: mail_delivery("DeadLettered"))
+    async with client_for(shop) as client:
+        await sign_in(client, await key(shop, SCOPE_READ, SCOPE_OPERATE))
+        page = f"{UI}/deliveries/{dead}"
+        before = (await client.get(page)).text
+        assert "<h2>Last error</h2>" in before and "the mail server refused ann@example.com" in before
+        answer = await post(client, page, f"{page}/replay", back=page, note="address fixed")
+        assert answer.headers["location"] == f"{page}?notice=Replayed"
+        await wait_until(lambda: mail_delivery("Completed"))
+        after = (await client.get(answer.headers["location"])).text
+    assert 'status-completed">Completed' in after
+    # The error belongs to the attempt before the replay, not to the Completed state.
+    assert "<h2>Last error</h2>" not in after
+    assert "<h2>Error of an earlier attempt</h2>" in after and "(replayed since)" in after
+    assert "the mail server refused ann@example.com" in after
+    assert "is Pending again" not in after
+    me = current_process()
+    assert f"Last held by</dt><dd class=\"holder\"><span title=\"process {me.id}" in after
+    assert f"{me.hostname} pid {me.pid}" in after
 
 
 async def test_a_read_only_key_is_refused_every_action(shop: Shop) -> None:

@@ -45,6 +45,7 @@ GRANT EXECUTE ON OBJECT::workqueue.record_stats_history TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.stats TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.backlog TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.list_deliveries TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.list_processes TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.get_delivery TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.partitions TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.list_subscriptions TO workqueue_operator;

@@ -5,7 +5,7 @@
 -- deliveries, discard old dead letters (discard_dead_letters), rewrite a stored payload
 -- (rewrite_payload: re-encryption with a new key) and run a sweeper pass (sweep,
 -- record_stats_history), and read what it acts on (stats, backlog, list_deliveries, get_delivery,
--- message_deliveries, partitions, list_subscriptions, list_topics, schema_versions, and the
+-- message_deliveries, partitions, list_subscriptions, list_topics, schema_versions, list_processes, and the
 -- dashboard's stats_history, live_counts and blocked_keys). It cannot publish,
 -- claim or settle (workqueue_runtime's, runtime_role.sql), nor create, list or revoke API keys
 -- (workqueue_admin's, admin_role.sql), and holds no privilege on any table or sequence.
@@ -56,7 +56,7 @@ BEGIN
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
               'list_subscriptions', 'list_topics', 'schema_versions', 'stats_history',
               'live_counts', 'blocked_keys',
-              'discard_dead_letters', 'rewrite_payload', 'message_deliveries'])
+              'discard_dead_letters', 'rewrite_payload', 'message_deliveries', 'list_processes'])
         ORDER BY 1
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO workqueue_operator', v_function);

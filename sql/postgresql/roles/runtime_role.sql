@@ -10,6 +10,8 @@
 --     release is a settle), and the once markers (once_begin, once_finish, once_abort);
 --   * what the jobs layer adds: a unique job frees its key (release_deduplication_key), durable
 --     steps (step_get, step_put), a schedule's look at the ticks it dispatched (known_messages);
+--   * the process registry every host keeps (process_beat, process_stop) and reads
+--     (list_processes);
 --   * the sweeper, which every host runs by default (sweep, and record_stats_history, the minute
 --     by minute history it writes for the dashboard's chart);
 --   * the topology the app declares and syncs when it starts (sync_topic, sync_subscription). A
@@ -90,7 +92,8 @@ BEGIN
               'live_counts', 'blocked_keys',
               'api_key_lookup', 'api_key_touch',
               'claim_many', 'known_messages', 'message_deliveries',
-              'release_deduplication_key', 'step_get', 'step_put'])
+              'release_deduplication_key', 'step_get', 'step_put',
+              'process_beat', 'process_stop', 'list_processes'])
         ORDER BY 1
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO workqueue_runtime', v_function);
