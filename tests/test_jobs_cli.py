@@ -77,6 +77,40 @@ async def test_a_job_that_ignores_its_timeout_ends_the_worker_with_70(database_u
     assert [e["event"] for e in jobs.events()][:2] == ["stuck-start", "stuck-cancelled"]
 
 
+async def test_a_job_that_blocks_the_event_loop_ends_the_worker_with_70_before_another_runs_it(
+    database_url: str, tmp_path: Path
+) -> None:
+    """``time.sleep(25)`` in a job with a timeout of 1 s: the watchdog thread ends the worker with 70
+    once the stop timeout has passed after the timeout (the loop is blocked, so nothing on it can).
+    The job comes back when the lease runs out; the second worker runs it only once the first
+    process is gone, and the blocked attempt is never reported processed."""
+    jobs = Jobs(database_url, tmp_path, JOBS_APP_LEASE="5", JOBS_APP_RECORD_PROCESSED="1")
+    async with jobs.producer.lifespan(None):
+        job_id = str(await jobs.producer.dispatch(jobs.app.blocks, {"seconds": 25}))
+    first = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "1")
+    try:
+        await jobs.until(lambda: any(e["event"] == "block-start" for e in jobs.events()))
+        second = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "1")
+        try:
+            _, stderr = await asyncio.wait_for(first.communicate(), 20)  # (well within the 25 s sleep)
+            assert first.returncode == 70, stderr.decode()
+            assert "ignored its timeout of 1 s and is still running 1 s later" in stderr.decode()
+            await jobs.until(lambda: any(e["event"] == "processed" for e in jobs.events()))
+        finally:
+            second.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(second.communicate(), 30)
+    finally:
+        if first.returncode is None:
+            first.kill()
+            await first.wait()
+    events = jobs.events()
+    [again] = [e for e in events if e["event"] == "after-block"]
+    assert (again["id"], again["attempt"], again["pid"]) == (job_id, 2, second.pid)
+    assert again["first_running"] is False  # the blocked worker was gone before another ran the job
+    assert not any(e["event"] == "block-end" for e in events)
+    assert [(e["id"], e["attempt"]) for e in events if e["event"] == "processed"] == [(job_id, 2)]
+
+
 async def test_sigterm_takes_no_new_job_and_sends_the_running_one_back_without_using_a_try(
     database_url: str, tmp_path: Path
 ) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 
 log = logging.getLogger("fastapi_workqueue.jobs")
 
-ReleaseReason = Literal["error", "timeout", "overlap", "once-busy", "release", "shutdown", "unknown-job"]
+ReleaseReason = Literal["error", "timeout", "overlap", "once-busy", "release", "shutdown", "unknown-job", "lease-lost"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
