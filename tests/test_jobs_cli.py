@@ -172,6 +172,59 @@ async def test_without_overlapping_holds_across_two_worker_processes(database_ur
     assert len({pid for _, _, pid in spans}) >= 1
 
 
+def long_spans(events: list[dict[str, Any]]) -> list[tuple[float, float, int, int]]:
+    """The runs of app.overlap-long that ended: (start, end, n, pid), by start."""
+    starts = {(e["n"], e["attempt"]): e for e in events if e["event"] == "long-start"}
+    return sorted((starts[e["n"], e["attempt"]]["at"], e["at"], e["n"], e["pid"])
+                  for e in events if e["event"] == "long-end")
+
+
+async def test_without_overlapping_holds_while_an_attempt_outlives_the_job_lease(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Two 7 s jobs of one key, a 5 s lease, two workers of one job at a time: the lock is renewed
+    while its attempt runs, so the second job starts only after the first ended."""
+    jobs = Jobs(database_url, tmp_path, JOBS_APP_LEASE="5")
+    key = f"key-{uuid.uuid4().hex[:8]}"
+    async with jobs.producer.lifespan(None):
+        await jobs.producer.bulk([(jobs.app.overlap_long, {"n": n, "key": key, "seconds": 7}) for n in range(2)])
+    workers = [await jobs.start("--queue", jobs.queue_name, "--concurrency", "1", "--stop-timeout", "1")
+               for _ in range(2)]
+    try:
+        await jobs.until(lambda: sum(e["event"] == "long-end" for e in jobs.events()) == 2, within=90)
+    finally:
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+        for worker in workers:
+            await asyncio.wait_for(worker.communicate(), 60)
+    spans = long_spans(jobs.events())
+    assert len(spans) == 2 and spans[1][0] >= spans[0][1], spans  # no overlap
+    # While the first ran (its worker takes one job at a time), the other worker found the key taken.
+    holder = spans[0][3]
+    waited = [e for e in jobs.events() if e["event"] == "released" and e["reason"] == "overlap"]
+    assert any(e["pid"] != holder for e in waited), waited
+
+
+async def test_the_overlap_lock_of_a_killed_worker_still_expires(database_url: str, tmp_path: Path) -> None:
+    jobs = Jobs(database_url, tmp_path, JOBS_APP_LEASE="3")
+    key = f"key-{uuid.uuid4().hex[:8]}"
+    async with jobs.producer.lifespan(None):
+        await jobs.producer.dispatch(jobs.app.overlap_long, {"n": 1, "key": key, "seconds": 60})
+    first = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "0.5")
+    await jobs.until(lambda: any(e["event"] == "long-start" for e in jobs.events()))
+    first.kill()  # it held the lock, renewing it: now nobody does
+    await first.wait()
+    async with jobs.producer.lifespan(None):
+        await jobs.producer.dispatch(jobs.app.overlap_long, {"n": 2, "key": key, "seconds": 0.1})
+    second = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "0.5")
+    try:
+        await jobs.until(lambda: {s[2] for s in long_spans(jobs.events())} == {1, 2}, within=60)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(second.communicate(), 60)
+    assert all(pid == second.pid for *_, pid in long_spans(jobs.events()))
+
+
 async def test_a_step_and_once_are_not_repeated_after_a_sigkilled_worker(database_url: str, tmp_path: Path) -> None:
     jobs = Jobs(database_url, tmp_path, JOBS_APP_LEASE="2")
     async with jobs.producer.lifespan(None):

@@ -120,7 +120,7 @@ class Jobs:
         self.events = JobEvents()
         self.runner = JobRunner(self)
         self.steps: StepStore = TransportSteps(lambda: self.queue.transport)
-        self.locks = Locks(self._once_begin, self._once_abort)
+        self.locks = Locks(self._once_begin, self._once_abort, self._once_renew)
         self._cipher: PayloadCipher | None = None
         self._cipher_loaded = False
         self._synced: set[str] = set()
@@ -674,6 +674,9 @@ class Jobs:
 
     async def _once_abort(self, key: str, token: str) -> bool:
         return await self.queue.transport.once_abort(key, token)
+
+    async def _once_renew(self, key: str, token: str, seconds: float) -> bool:
+        return await self.queue.transport.once_renew(key, token, seconds)
 
 
 def _item(item: Any) -> tuple[Any, Any, dict[str, Any]]:

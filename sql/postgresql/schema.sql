@@ -1,4 +1,4 @@
--- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0031).
+-- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0035).
 --
 -- This file is for reading: the tables and their indexes first, then every function grouped by
 -- concern, each with what it does. `workqueue migrate` applies the versioned migrations
@@ -2033,6 +2033,22 @@ AS $$
     SELECT EXISTS (SELECT 1 FROM d)
 $$;
 
+-- Keeps a Running key held for p_running_seconds more while the caller's token holds it (an
+-- overlap lock renewed while its attempt runs); false once the token no longer holds it (0035).
+CREATE OR REPLACE FUNCTION workqueue.once_renew(p_key text, p_token uuid, p_running_seconds double precision)
+RETURNS boolean
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH u AS (
+        UPDATE workqueue.once_marker o
+        SET expires_at = now() + make_interval(secs => p_running_seconds)
+        WHERE o.key = p_key AND o.token = p_token AND o.state = 'Running'
+        RETURNING 1
+    )
+    SELECT EXISTS (SELECT 1 FROM u)
+$$;
+
 -- ---------------------------------------------------------------------------------------------
 -- Deduplication keys and step results: a unique job frees its key, a job's durable steps
 -- ---------------------------------------------------------------------------------------------
@@ -2756,7 +2772,8 @@ BEGIN
                                   workqueue.record_stats_history(double precision, timestamptz),
                                   workqueue.stats_history(timestamptz, text),
                                   workqueue.live_counts(text, integer),
-                                  workqueue.blocked_keys(text, integer, integer)
+                                  workqueue.blocked_keys(text, integer, integer),
+                                  workqueue.once_renew(text, uuid, double precision)
             TO workqueue_runtime;
     END IF;
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN

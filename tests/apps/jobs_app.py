@@ -75,6 +75,15 @@ async def overlap(payload: dict[str, Any], job: JobContext) -> None:
     record(event="end", n=payload["n"])
 
 
+@queue.job("app.overlap-long", tries=100, queue=QUEUE,
+           middleware=[without_overlapping(lambda payload: payload["key"], release_after=0.5)])
+async def overlap_long(payload: dict[str, Any], job: JobContext) -> None:
+    """Runs ``seconds`` on its first attempt (0.1 s on a later one) under the overlap key ``key``."""
+    record(event="long-start", n=payload["n"], attempt=job.attempt)
+    await asyncio.sleep(float(payload["seconds"]) if job.attempt == 1 else 0.1)
+    record(event="long-end", n=payload["n"], attempt=job.attempt)
+
+
 @queue.job("app.steps", tries=5, backoff=[0], queue=QUEUE)
 async def steps(payload: dict[str, Any], job: JobContext) -> None:
     async def charge() -> dict[str, Any]:
