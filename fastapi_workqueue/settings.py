@@ -121,6 +121,9 @@ class WorkQueueSettings(BaseSettings):
     private network; by default it asks for a key with ``workqueue:read``."""
     metrics_cache_seconds: float = Field(default=5.0, ge=0)
     """How long ``/metrics`` reuses the counts it read from the database."""
+    dashboard_secret: SecretStr | None = None
+    """The server secret that signs the dashboard's session cookies (``WORKQUEUE_DASHBOARD_SECRET``,
+    at least 16 characters, the same in every process); unset: derived from ``app_key``."""
 
     # -- aws -------------------------------------------------------------------------------------
     aws_region: str | None = None

@@ -37,6 +37,7 @@ from ..core.wire import WireModel
 from .auth import Authorizer
 from .fastapi_internals import scopes_of, set_request_body
 from .operator_view import shown, shown_all
+from .topic_access import require_topic
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
@@ -217,6 +218,8 @@ def build_router(
         response_model=list[PublishResult],
         summary="Publish messages",
         responses={
+            403: {"description": "The credential lacks `workqueue:publish`; or the topic is a job queue's "
+                  "(`jobs.*`) and it lacks `workqueue:jobs`; or the key is limited to other topics."},
             404: {"description": "The topic does not exist."},
             409: {"model": PublishRefused, "description": "A MessageID was reused for other content."},
             413: {"description": "The body or the batch is too large."},
@@ -234,7 +237,10 @@ def build_router(
 
         One result per message, in order: Accepted, Duplicate (same MessageID and content, or a
         live DeduplicationKey) with the stored MessageID. PascalCase and snake_case are accepted.
+        A job queue's topic (`jobs.*`) also needs `workqueue:jobs`, and a key limited to topics
+        reaches only those.
         """
+        require_topic(principal, topic)
         name_exists_or_404("topic", topic)
         if len(requests) > max_batch:
             raise HTTPException(
