@@ -112,14 +112,15 @@ def _renderable(exc: RequestValidationError) -> RequestValidationError:
     """``exc``, or the same errors without the inputs when an input cannot be sent back as JSON.
 
     FastAPI's 422 echoes each offending input; a JSON string with a lone surrogate escape
-    (``"\\ud800"``) parses into a str that UTF-8 cannot encode, and the 422 would fail as a 500.
+    (``"\\ud800"``) parses into a str that UTF-8 cannot encode, and ``NaN`` or ``Infinity`` (which
+    Python's parser reads) into a float that strict JSON cannot write: either 422 would fail as a 500.
     """
     try:
-        json.dumps(jsonable_encoder(exc.errors()), ensure_ascii=False).encode()
+        json.dumps(jsonable_encoder(exc.errors()), ensure_ascii=False, allow_nan=False).encode()
         return exc
-    except UnicodeEncodeError:
+    except ValueError:  # UnicodeEncodeError is one; so is "Out of range float values"
         pass
-    except (RecursionError, ValueError, TypeError):
+    except (RecursionError, TypeError):
         return exc
 
     def printable(value: Any) -> Any:
