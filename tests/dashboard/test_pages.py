@@ -377,6 +377,32 @@ async def test_answers_carry_strict_security_headers(shop: Shop) -> None:
         assert answer.status_code == 303 and answer.headers["location"] == f"{UI}/"
 
 
+LEAVING = ("/work-queue/ui/../../x", "/work-queue/ui/%2e%2e/%2E%2E/x", "/work-queue/ui/./../x",
+           "/work-queue/ui/deliveries/..%2f..%2f..%2fx", "/work-queue/ui/%2f%2fevil.example/", "//evil.example/x",
+           "/work-queue/ui\\..\\..\\x", "/work-queue/uix")
+
+
+async def test_forms_send_the_browser_back_only_inside_the_dashboard(shop: Shop) -> None:
+    """``next=`` and ``back=`` are followed only to paths that stay in the dashboard once the
+    browser normalises them; anything else falls back to the overview (or the form's own page)."""
+    [dead] = await dead_letters_on_idle(shop, 1)
+    reader = await key(shop, SCOPE_READ, SCOPE_OPERATE)
+    async with client_for(shop) as client:
+        for leaving in LEAVING:
+            page = await client.get(f"{UI}/sign-in", params={"next": leaving})
+            assert f'name="next" value="{UI}/"' in page.text, leaving
+            answer = await client.post(f"{UI}/sign-in", data={"csrf": token_of(page.text), "api_key": reader,
+                                                               "next": leaving})
+            assert answer.status_code == 303 and answer.headers["location"] == f"{UI}/", leaving
+        kept = await client.post(f"{UI}/sign-in", data={"csrf": client.cookies["workqueue_csrf"], "api_key": reader,
+                                                         "next": f"{UI}/deliveries/{dead}"})
+        assert kept.headers["location"] == f"{UI}/deliveries/{dead}"
+        for leaving in LEAVING[:3]:
+            answer = await post(client, f"{UI}/deliveries/{dead}", f"{UI}/subscriptions/{shop.idle}/pause",
+                                back=leaving)
+            assert answer.headers["location"].startswith(f"{UI}/subscriptions/{shop.idle}?"), leaving
+
+
 async def test_a_dashboard_whose_queue_is_not_open_says_so(pg_url: str) -> None:
     queue = WorkQueue(WorkQueueSettings(database_url=pg_url))
     from fastapi import FastAPI
