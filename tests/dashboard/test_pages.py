@@ -415,8 +415,9 @@ async def test_a_dashboard_whose_queue_is_not_open_says_so(pg_url: str) -> None:
 
 
 async def test_while_the_store_is_away_a_caller_not_signed_in_sees_no_driver_text(pg_url: str) -> None:
-    """Connections refused (maintenance), then the database dropped: the session check and the
-    sign-in answer 503 with a generic message, never the driver's text with the database's name."""
+    """Connections refused (maintenance), then the database dropped: the session check, the sign-in
+    and ``/health/extensions`` answer with a generic reason, never the driver's text with the
+    database's name (the process itself still has it: ``queue.health()``, and its log)."""
     import asyncpg
 
     from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
@@ -431,6 +432,7 @@ async def test_while_the_store_is_away_a_caller_not_signed_in_sees_no_driver_tex
     await migrating.migrate()
     await migrating.close()
     shop = Shop(url)
+    shop.app.include_router(shop.queue.health_router)
     admin = await asyncpg.connect(to_asyncpg_dsn(pg_url).rsplit("/", 1)[0] + "/postgres")
     try:
         async with shop.queue.lifespan(shop.app), client_for(shop) as client:
@@ -442,6 +444,19 @@ async def test_while_the_store_is_away_a_caller_not_signed_in_sees_no_driver_tex
             await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
             await admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1", name)
             answers = [await client.get(f"{UI}/")]
+
+            def failing() -> list[Any]:
+                return [s for s in shop.queue.health().subscriptions if s.state == "Error"]
+
+            from .shop import wait_until
+
+            [*errors] = await wait_until(failing)
+            assert any(name in (e.reason or "") for e in errors)  # the process's own report keeps the detail
+            health = await client.get("/health/extensions")
+            assert health.status_code == 503 and name not in health.text, health.text
+            reasons = {s["Reason"] for s in health.json()["Extensions"][0]["Subscriptions"] if s["State"] == "Error"}
+            assert reasons == {"the queue's store is unavailable or refused a call; the details are in this "
+                               "process's log"}
             await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
             await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
             answers.append(await client.get(f"{UI}/"))
