@@ -411,11 +411,11 @@ def build_router(
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {subscription!r} does not exist")
         return StatusChange(subscription=subscription, status=new, changed=changed)
 
-    _document_errors(router)
+    document_errors(router)
     return router
 
 
-def _document_errors(router: APIRouter) -> None:
+def document_errors(router: APIRouter) -> None:
     """Adds to every route's OpenAPI entry the answers it can give besides its own: 401 and 403
     with the scope it needs (also in ``x-required-scopes``), 404 for an unknown subscription, 503
     while the store is away."""
@@ -449,9 +449,15 @@ async def _call(awaitable: Awaitable[T]) -> T:
     try:
         return await awaitable
     except ConfigurationError as exc:
-        raise HTTPException(status.HTTP_500_INTERNAL_SERVER_ERROR, detail=str(exc)) from exc
+        raise cannot_serve(exc) from exc
     except TransportError as exc:
         raise _unavailable(exc) from exc
+
+
+def cannot_serve(exc: ConfigurationError) -> HTTPException:
+    """503 saying why this app cannot do what an authenticated caller asked: its database role
+    lacks a privilege (the message names the role script), or the schema is out of date."""
+    return HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, detail=f"this app cannot do that now: {exc}")
 
 
 def _unavailable(exc: TransportError) -> HTTPException:
