@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigurationError
 from ..core.keys import ApiKeyStore, KeyRecord, Principal
+from ..core.redaction import register_secrets
 
 if TYPE_CHECKING:
     from ..settings import WorkQueueSettings
@@ -53,6 +54,8 @@ def session_key(secret: str | bytes | None, settings: WorkQueueSettings) -> byte
         secret = settings.dashboard_secret.get_secret_value()
     if secret is None and settings.app_key is not None:
         secret = settings.app_key.get_secret_value()
+    if isinstance(secret, str):
+        register_secrets([secret])  # masked wherever a log or error text would show it
     material = secret.encode() if isinstance(secret, str) else secret
     if not material:
         raise ConfigurationError(NO_SECRET)
