@@ -629,12 +629,13 @@ class WorkQueue:
         ``BatchAborted``.
         """
         cap = self.envelope_cap(topic)
+        attempts = self.settings.max_message_attempts
         prepared: list[PreparedMessage] = []
         failures: dict[int, PublishResult] = {}
         for index, raw in enumerate(requests):
             try:
                 request = raw if isinstance(raw, PublishRequest) else PublishRequest.model_validate(raw)
-                prepared.append(prepare(request, max_envelope_bytes=cap))
+                prepared.append(prepare(request, max_envelope_bytes=cap, max_attempts=attempts))
             except RequestRejected as exc:
                 failures[index] = PublishResult(
                     status=PublishStatus.REJECTED,

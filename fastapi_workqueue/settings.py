@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
+from .core.envelope import DEFAULT_MAX_MESSAGE_ATTEMPTS, MAX_ATTEMPTS_LIMIT
 from .core.errors import ConfigurationError
 from .core.host import HostOptions, SubscriptionPlan
 from .web.session import SessionPool
@@ -121,6 +122,12 @@ class WorkQueueSettings(BaseSettings):
     private network; by default it asks for a key with ``workqueue:read``."""
     metrics_cache_seconds: float = Field(default=5.0, ge=0)
     """How long ``/metrics`` reuses the counts it read from the database."""
+    max_message_attempts: int = Field(default=DEFAULT_MAX_MESSAGE_ATTEMPTS, ge=1, le=MAX_ATTEMPTS_LIMIT)
+    """The most attempts a published message may ask for with ``max_attempts`` (``MaxAttempts`` over
+    REST); a request above it is refused (422). Subscriptions' own ``max_attempts`` are not bound by it."""
+    dashboard_secret: SecretStr | None = None
+    """The server secret that signs the dashboard's session cookies (``WORKQUEUE_DASHBOARD_SECRET``,
+    at least 16 characters, the same in every process); unset: derived from ``app_key``."""
 
     # -- aws -------------------------------------------------------------------------------------
     aws_region: str | None = None

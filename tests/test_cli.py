@@ -572,6 +572,40 @@ async def test_api_keys_create_list_revoke(cli: Cli) -> None:
     assert "a name" in (await cli("api-keys", "create", "--name", " ", "--scopes", "workqueue:read", expect=1)).err
 
 
+async def test_api_keys_limited_to_topics(cli: Cli) -> None:
+    """``--topic`` (repeated; ``*`` patterns) limits what a key may publish to over REST. (Topics
+    that do not exist answer 404 once the key may reach them, 403 before: nothing is published.)"""
+    limited = await cli.json("api-keys", "create", "--name", "limited-bot", "--scopes", "workqueue:publish",
+                             "--topic", "cli.none", "--topic", "cli.o*")
+    assert limited["Topics"] == ["cli.none", "cli.o*"]
+    listing = await cli("api-keys", "list")
+    assert "cli.none,cli.o*" in listing.out
+    everywhere = await cli.json("api-keys", "create", "--name", "any-bot", "--scopes", "workqueue:publish")
+    assert everywhere["Topics"] is None
+
+    app = FastAPI()
+    app.include_router(cli.ops.router)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://cli") as http:
+        async def publish(topic: str, key: str) -> httpx.Response:
+            return await http.post(f"/work-queue/topics/{topic}/messages", json=[{"Payload": 1}],
+                                   headers={"X-API-Key": key})
+
+        assert (await publish("cli.none", limited["Key"])).status_code == 404
+        assert (await publish("cli.other", limited["Key"])).status_code == 404  # cli.o*
+        refused = await publish(cli_app.IDLE, limited["Key"])
+        assert refused.status_code == 403 and cli_app.IDLE in refused.json()["detail"]
+        assert "cli.none, cli.o*" in refused.json()["detail"]
+        assert (await publish("cli.zzz", everywhere["Key"])).status_code == 404
+        jobs = await publish("jobs.default", everywhere["Key"])
+        assert jobs.status_code == 403 and "workqueue:jobs" in jobs.json()["detail"]
+    for name in ("limited-bot", "any-bot"):
+        await cli("api-keys", "revoke", name)
+
+    bad = await cli("api-keys", "create", "--name", "x", "--scopes", "workqueue:publish", "--topic", "no spaces",
+                    expect=1)
+    assert "'no spaces' is not a topic name or pattern" in bad.err
+
+
 # -- the runbooks --------------------------------------------------------------------------------
 
 

@@ -148,3 +148,21 @@ def test_circular_and_too_deep_payloads_are_refused_with_their_own_reason() -> N
         deep = [deep]
     with pytest.raises(RequestRejected, match="levels deep"):
         prepare(PublishRequest.model_construct(payload=deep, attributes={}))
+
+
+def test_a_message_asks_for_at_most_the_queues_attempts_and_a_bounded_schedule() -> None:
+    from fastapi_workqueue import WorkQueueSettings
+    from fastapi_workqueue.core.envelope import DEFAULT_MAX_MESSAGE_ATTEMPTS, MAX_BACKOFF_ENTRIES
+
+    settings = WorkQueueSettings(database_url="sqlite+aiosqlite:///x.db")
+    assert settings.max_message_attempts == DEFAULT_MAX_MESSAGE_ATTEMPTS == 100
+    assert prepare(PublishRequest(max_attempts=100), max_attempts=100).max_attempts == 100
+    with pytest.raises(RequestRejected) as refused:
+        prepare(PublishRequest(max_attempts=101), max_attempts=100)
+    assert refused.value.error.field == "max_attempts" and "at most 100" in refused.value.error.message
+
+    with pytest.raises(RequestRejected, match=f"at most {MAX_BACKOFF_ENTRIES}"):
+        prepare(PublishRequest(backoff_seconds=[1.0] * (MAX_BACKOFF_ENTRIES + 1)))
+    plain = prepare(PublishRequest(payload="x"))
+    scheduled = prepare(PublishRequest(payload="x", backoff_seconds=[1.5, 60.0]))
+    assert scheduled.envelope_bytes == plain.envelope_bytes + len("[1.5,60.0]")

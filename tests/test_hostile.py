@@ -263,6 +263,56 @@ async def test_malformed_json_and_wrong_types_are_4xx_saying_what_is_wrong(targe
     await target.check()
 
 
+NON_FINITE: list[tuple[bytes, tuple[str, ...]]] = [
+    (b'[{"DelaySeconds": NaN}]', ("DelaySeconds", "finite")),
+    (b'[{"DelaySeconds": Infinity}]', ("DelaySeconds",)),
+    (b'[{"DelaySeconds": -Infinity}]', ("DelaySeconds",)),
+    (b'[{"DeduplicationKey": "d", "DeduplicationTTLSeconds": NaN}]', ("DeduplicationTTLSeconds", "finite")),
+    (b'[{"DeduplicationKey": "d", "DeduplicationTTLSeconds": Infinity}]', ("DeduplicationTTLSeconds",)),
+    (b'[{"MaxAttempts": NaN}]', ("MaxAttempts",)),
+    (b'[{"MaxAttempts": Infinity}]', ("MaxAttempts",)),
+    (b'[{"MessageID": NaN}]', ("MessageID",)),
+    (b'[{"PartitionKey": Infinity}]', ("PartitionKey",)),
+    (b'[{"BackoffSeconds": [NaN]}]', ("BackoffSeconds",)),
+    (b'[{"BackoffSeconds": [1, Infinity]}]', ("BackoffSeconds",)),
+]
+
+
+async def test_nan_and_infinity_in_a_validated_field_are_422_not_500(target: Target) -> None:
+    """Python's JSON parser reads NaN and Infinity; the 422 that refuses them echoes the input,
+    which strict JSON cannot write: the answer must still be a 422 that names the field."""
+    for body, phrases in NON_FINITE:
+        response = await target.post(content=body)
+        assert_4xx(response, *phrases, status=422)
+    [held] = await target.queue.deliveries(target.subs["held"], "Pending", limit=1)
+    base = f"{PREFIX}/subscriptions/{target.subs['held']}/deliveries/{held.delivery_id}"
+    for body in (b'{"Note": NaN}', b'{"Note": Infinity}', b'{"Note": [NaN]}'):
+        assert_4xx(await target.post(content=body, path=f"{base}/replay"), "Note", status=422)
+    assert_4xx(await target.post(content=b'{"Reason": -Infinity}', path=f"{base}/discard"), "Reason", status=422)
+    await target.check()
+
+
+async def test_attempts_and_backoff_schedules_are_bounded(target: Target) -> None:
+    """A message cannot ask for attempts without end (MaxAttempts up to 2**31 - 1 with a zero
+    backoff never dead-lettered), nor carry a backoff schedule of any length outside the envelope
+    cap (a 560,000-entry list was 4.3 MB a delivery)."""
+    response = await target.post([{"Payload": 1, "MaxAttempts": 2**31 - 1, "BackoffSeconds": [0]}])
+    assert_4xx(response, "MaxAttempts is 2147483647", "at most 100", "WORKQUEUE_MAX_MESSAGE_ATTEMPTS", status=422)
+    assert response.json()["detail"][0]["Field"] == "max_attempts"
+    assert_4xx(await target.post([{"Payload": 1, "MaxAttempts": 101}]), "at most 100", status=422)
+    await target.accept({"Payload": {"attempts": 100}, "MaxAttempts": 100, "BackoffSeconds": [0.5] * 100})
+
+    huge = b'[{"Payload": 1, "BackoffSeconds": [' + b",".join([b"0"] * 560_000) + b"]}]"
+    response = await target.post(content=huge)
+    assert_4xx(response, "BackoffSeconds has 560000 entries", "at most 100", status=422)
+    # The schedule counts in the envelope cap: a payload that fits alone does not fit with it.
+    payload = "z" * (256 * 1024 - 64)
+    await target.accept({"Payload": payload})
+    response = await target.post([{"Payload": payload, "BackoffSeconds": [3_000_000_000.5] * 100}])
+    assert_4xx(response, "EnvelopeTooLarge", status=422)
+    await target.check()
+
+
 async def test_size_limits_are_413_with_the_limit(target: Target) -> None:
     response = await target.post([{"Payload": i} for i in range(10_000)])
     assert_4xx(response, "10000 messages in one call", "at most 1000", status=413)

@@ -57,3 +57,23 @@ async def test_failed_jobs_over_rest_with_scopes(database_url: str) -> None:
                                  headers=auth("operate"))
         assert pruned.status_code == 200 and pruned.json() == {"Pruned": 1}
         assert await queue.failed_jobs(queue_name) == []
+
+
+async def test_the_job_routes_document_their_scopes_and_errors(database_url: str) -> None:
+    """Like the operator routes: 401, 403 naming the scope (and ``x-required-scopes``), 503."""
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[], **FAST))
+    app = FastAPI()
+    app.include_router(queue.router)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as http:
+        schema = (await http.get("/openapi.json")).json()
+    expected = {("get", "/work-queue/jobs/failed"): SCOPE_READ,
+                ("post", "/work-queue/jobs/{job_id}/retry"): SCOPE_OPERATE,
+                ("post", "/work-queue/jobs/{job_id}/forget"): SCOPE_OPERATE,
+                ("post", "/work-queue/jobs/failed/prune"): SCOPE_OPERATE}
+    for (method, path), scope in expected.items():
+        operation = schema["paths"][path][method]
+        assert {"200", "401", "403", "503"} <= set(operation["responses"]), path
+        assert operation["x-required-scopes"] == [scope], path
+        assert f"Requires the scope `{scope}`" in operation["description"], path
+        assert {name for requirement in operation["security"] for name in requirement} == {"HTTPBearer",
+                                                                                            "APIKeyHeader"}

@@ -279,6 +279,55 @@ async def test_an_encrypted_payload_never_reaches_the_store_in_the_clear(databas
         await wait_for(lambda: seen == [secret], within=30)
 
 
+async def test_an_encrypted_jobs_unique_key_is_stored_as_a_keyed_hash_and_still_unique(database_url: str) -> None:
+    """The unique key of an encrypted job (an e-mail address, say) is not stored in clear, in the
+    envelope nor in the deduplication table: it is an HMAC under the app key, so a second process
+    with the same WORKQUEUE_APP_KEY still finds it held, and the job frees it when it is done."""
+    from cryptography.fernet import Fernet
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    app_key = Fernet.generate_key().decode()
+    secret_key = "ada.lovelace@example.com"
+    name, queue_name = f"enc-unique-{uuid.uuid4().hex[:6]}", f"encu{uuid.uuid4().hex[:6]}"
+    ran: list[Any] = []
+
+    def make(**options: Any) -> WorkQueue:
+        queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                            app_key=app_key, **FAST, **options))
+
+        @queue.job(name, encrypted=True, queue=queue_name)
+        async def send(payload: dict[str, str]) -> None:
+            ran.append(payload)
+
+        return queue
+
+    dispatcher, other = make(enabled=False), make(enabled=False)
+    async with dispatcher.lifespan(None), other.lifespan(None):
+        first = await dispatcher.dispatch(name, {"to": secret_key}, unique=secret_key)
+        assert first is not None
+        assert await other.dispatch(name, {"to": secret_key}, unique=secret_key) is None  # held, seen from elsewhere
+        assert await other.dispatch(name, {"to": "x"}, unique="another key") is not None
+        [info] = await dispatcher.transport.message_deliveries(first, include_payload=True)
+        stored_key = info.payload["unique"]["key"]
+        assert stored_key.startswith(f"{name}:hmac-sha256:") and secret_key not in json.dumps(info.payload)
+        table = "deduplication" if database_url.startswith("sqlite") else "workqueue.deduplication"
+        engine = create_async_engine(database_url)
+        try:
+            async with engine.connect() as conn:
+                keys = [row[0] for row in await conn.execute(text(f"SELECT deduplication_key FROM {table}"))]
+        finally:
+            await engine.dispose()
+        assert stored_key in keys and not [k for k in keys if secret_key in k]
+    worker = make(job_queues=queue_name)
+    async with worker.lifespan(None):
+        await wait_for(lambda: len(ran) == 2, within=30)
+        await wait_for(lambda: _dispatched(worker, name, secret_key), within=10)  # done: the key is free again
+
+
+async def _dispatched(queue: WorkQueue, name: str, unique: str) -> bool:
+    return await queue.dispatch(name, {"to": unique}, unique=unique) is not None
+
+
 async def test_a_plain_payload_for_an_encrypted_job_fails_at_once(database_url: str) -> None:
     from cryptography.fernet import Fernet
 

@@ -67,6 +67,36 @@ async def test_a_runtime_login_runs_jobs_but_cannot_prune_or_rewrite(pg_url: str
         await transport.close()
 
 
+async def test_prune_over_rest_says_what_the_runtime_login_lacks(
+    pg_url: str, pg_transport: PostgresTransport, app_login: str  # noqa: F811
+) -> None:
+    """An app on a runtime-only login serves POST /jobs/failed/prune with an operate key: the store
+    refuses the privilege, and the answer is a 503 that names the role script, not a bare 500."""
+    import httpx
+    from fastapi import FastAPI
+
+    from fastapi_workqueue import WorkQueue, WorkQueueSettings
+    from fastapi_workqueue.core.keys import SCOPE_OPERATE, create_key
+
+    key = (await create_key(pg_transport, unique("pruner"), [SCOPE_OPERATE])).key
+    queue = WorkQueue(WorkQueueSettings(database_url=url_as(pg_url, app_login), enabled=False, sync_topology=False,
+                                        subscriptions=[]))
+    queue_name = unique("prune-q")
+    await pg_transport.sync_topology([Topic(name=f"jobs.{queue_name}")],
+                                     [Subscription(name=f"jobs.{queue_name}", topic=f"jobs.{queue_name}",
+                                                   handler_key="h")])
+    app = FastAPI()
+    app.include_router(queue.router)
+    async with queue.lifespan(app), httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://api"
+    ) as http:
+        answer = await http.post("/work-queue/jobs/failed/prune", params={"older_than_days": 0, "queue": queue_name},
+                                 headers={"X-API-Key": key})
+    assert answer.status_code == 503, answer.text
+    detail = answer.json()["detail"]
+    assert "lacks a privilege" in detail and "operator_role.sql" in detail, detail
+
+
 async def test_an_operator_login_prunes_and_rewrites_but_cannot_run_jobs(
     pg_url: str, admin: asyncpg.Connection[Any], pg_transport: PostgresTransport  # noqa: F811
 ) -> None:

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.timeout(60)
 
 SQL_DIR = Path(__file__).resolve().parents[1] / "sql" / "postgresql"
 MIGRATION_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
-FUNCTION = re.compile(r"\bCREATE\s+(?:OR\s+REPLACE\s+)?FUNCTION\s+workqueue\.(\w+)\s*\(", re.IGNORECASE)
+FUNCTION_CHANGE = re.compile(
+    r"\b(CREATE\s+(?:OR\s+REPLACE\s+)?|DROP\s+)FUNCTION\s+(?:IF\s+EXISTS\s+)?workqueue\.(\w+)\s*\(", re.IGNORECASE
+)
 
 
 def files_on_disk() -> list[tuple[int, str, str]]:
@@ -43,9 +45,14 @@ def labels() -> list[str]:
 
 
 def defined_functions() -> set[str]:
+    """The functions the migrations leave: created, and not dropped by a later statement."""
     names: set[str] = set()
     for migration in sql_files.migrations("postgresql"):
-        names.update(FUNCTION.findall(migration.sql))
+        for match in FUNCTION_CHANGE.finditer(migration.sql):
+            if match.group(1).upper().startswith("DROP"):
+                names.discard(match.group(2))
+            else:
+                names.add(match.group(2))
     return names
 
 
@@ -223,4 +230,44 @@ async def test_an_upgrade_lets_an_existing_runtime_role_call_the_new_functions(
             assert await conn.fetchval("SELECT has_function_privilege('workqueue_runtime', $1, 'EXECUTE')", recreated)
             assert not await conn.fetchval("SELECT has_function_privilege('public', $1, 'EXECUTE')", recreated)
     finally:
+        await conn.close()
+
+
+async def test_an_upgrade_keeps_the_keys_made_before_and_gives_the_runtime_role_the_key_check(
+    scratch_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key made at version 31 (no topic list) checks as before after 0032 and reaches every topic
+    but the job queues'; the runtime role set up at 31 may call the new key check and session
+    functions and no longer reads hashes (api_key_lookup is gone); the admin role may mint keys."""
+    from fastapi_workqueue.core.keys import check_key, generate_key, hash_key
+    from fastapi_workqueue.database import migrations as runner
+
+    every = sql_files.migrations("postgresql")
+    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+    transport = PostgresTransport(scratch_url, listen=False, pool_max_size=1)
+    try:
+        monkeypatch.setattr(runner, "migrations", lambda dialect: [m for m in every if m.version <= 31])
+        await apply_postgres_migrations(conn)
+        for script in ("runtime_role.sql", "admin_role.sql"):
+            await conn.execute(sql_files.read("postgresql", "roles", script))
+        key, prefix = generate_key()
+        await conn.execute("SELECT workqueue.api_key_create($1, $2, $3, $4, $5, NULL)", uuid.uuid4(), "old-publisher",
+                           prefix, hash_key(key), ["workqueue:publish"])
+        monkeypatch.setattr(runner, "migrations", lambda dialect: every)
+        assert await apply_postgres_migrations(conn) == [f"{m.version:04d}_{m.name}" for m in every if m.version > 31]
+
+        await transport.open()
+        record = await check_key(transport, key)
+        assert record is not None and record.name == "old-publisher" and record.topics is None
+        principal = record.principal()
+        assert principal.may_reach("orders") and not principal.has("workqueue:jobs")
+        for granted in ("workqueue.api_key_verify(text, text)", "workqueue.api_key_session(text)",
+                        "workqueue.api_key_end_sessions(uuid, integer)"):
+            assert await conn.fetchval("SELECT has_function_privilege('workqueue_runtime', $1, 'EXECUTE')", granted)
+            assert not await conn.fetchval("SELECT has_function_privilege('public', $1, 'EXECUTE')", granted)
+        create = "workqueue.api_key_create(uuid, text, text, text, text[], timestamptz, text[])"
+        assert await conn.fetchval("SELECT has_function_privilege('workqueue_admin', $1, 'EXECUTE')", create)
+        assert await conn.fetchval("SELECT to_regproc('workqueue.api_key_lookup')") is None
+    finally:
+        await transport.close()
         await conn.close()

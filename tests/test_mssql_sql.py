@@ -110,15 +110,20 @@ class PgFunction:
 
 @functools.cache
 def pg_functions() -> dict[str, PgFunction]:
-    """The current definition of every function: the last CREATE OR REPLACE across the files."""
+    """The current definition of every function: the last CREATE OR REPLACE across the files (a
+    DROP FUNCTION that no later CREATE follows removes one)."""
     found: dict[str, PgFunction] = {}
     for path in sorted(PG_DIR.glob("[0-9][0-9][0-9][0-9]_*.sql")):
         text = _strip_line_comments(path.read_text(encoding="utf-8"))
-        for match in re.finditer(r"CREATE\s+OR\s+REPLACE\s+FUNCTION\s+workqueue\.(\w+)\s*\(", text, re.I):
+        pattern = r"(CREATE\s+OR\s+REPLACE|DROP)\s+FUNCTION\s+(?:IF\s+EXISTS\s+)?workqueue\.(\w+)\s*\("
+        for match in re.finditer(pattern, text, re.I):
+            if match.group(1).upper() == "DROP":
+                found.pop(match.group(2), None)
+                continue
             args, end = _balanced(text, match.end() - 1)
             items = _split_top(args)
             rest = re.match(r"\s*RETURNS\s+", text[end:], re.I)
-            assert rest, f"{path.name}: {match.group(1)} has no RETURNS"
+            assert rest, f"{path.name}: {match.group(2)} has no RETURNS"
             after = end + rest.end()
             columns: tuple[str, ...] = ()
             if re.match(r"TABLE\s*\(", text[after:], re.I):
@@ -126,8 +131,8 @@ def pg_functions() -> dict[str, PgFunction]:
                 returns, columns = "table", tuple(c.split()[0] for c in _split_top(inner))
             else:
                 returns = text[after:].split()[0].lower()
-            found[match.group(1)] = PgFunction(
-                name=match.group(1),
+            found[match.group(2)] = PgFunction(
+                name=match.group(2),
                 params=tuple(item.split()[0] for item in items),
                 defaults=frozenset(item.split()[0] for item in items if re.search(r"\bDEFAULT\b", item, re.I)),
                 returns=returns,
@@ -227,6 +232,12 @@ def tsql_routines() -> dict[str, TsqlRoutine]:
                 result_columns=_final_select(segment) if kind == "procedure" else None,
                 raw=str(segment.raw), file=path.name,
             )
+        # A DROP PROCEDURE that no later CREATE in the file follows removes the routine.
+        text = _strip_line_comments(path.read_text(encoding="utf-8"))
+        for dropped in re.finditer(r"DROP\s+PROCEDURE\s+(?:IF\s+EXISTS\s+)?workqueue\.(\w+)", text, re.I):
+            again = rf"CREATE\s+OR\s+ALTER\s+PROCEDURE\s+workqueue\.{dropped[1]}\b"
+            if not re.search(again, text[dropped.end():], re.I):
+                routines.pop(dropped[1], None)
     return routines
 
 
@@ -503,7 +514,9 @@ def test_the_roles_split_the_routines() -> None:
     assert not admin & (runtime | operator)
     assert not {"replay", "discard", "set_subscription_status", "prune"} & runtime
     assert {"replay", "discard", "set_subscription_status", "prune"} <= operator
-    assert {"publish", "claim", "heartbeat", "settle", "api_key_lookup", "api_key_touch"} <= runtime
+    assert {"publish", "claim", "heartbeat", "settle", "api_key_verify", "api_key_touch", "api_key_session",
+            "api_key_end_sessions"} <= runtime
+    assert "api_key_lookup" not in pg_functions()  # it answered hashes; 0032 dropped it
     helpers = {"refresh_partition", "release_keys", "rederive_stale", "fold_settled_counts", "backoff_seconds",
                "filter_matches", "expire_leases", "purge"}
     assert not helpers & (runtime | operator | admin)

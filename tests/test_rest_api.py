@@ -36,6 +36,7 @@ from fastapi_workqueue import (
 )
 from fastapi_workqueue.core.keys import (
     SCOPE_ADMIN,
+    SCOPE_JOBS,
     SCOPE_OPERATE,
     SCOPE_PUBLISH,
     SCOPE_READ,
@@ -680,6 +681,104 @@ async def test_a_503_while_checking_a_key_carries_no_driver_text(
     finally:
         await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
         await admin.close()
+        await drop_database(url)
+
+
+# -- which topics a key reaches: job queues, topic lists --------------------------------------------
+
+
+async def test_job_topics_need_the_jobs_scope_and_keys_may_be_limited_to_topics(database_url: str) -> None:
+    """A publish key cannot post a job envelope (any job, any payload, a chain of further jobs) to a
+    job queue's topic: that needs workqueue:jobs. A key made with a topic list reaches those topics
+    only; a key made without one (as every key before) reaches every other topic as before."""
+    job_queue = f"rest-jobs-{uuid.uuid4().hex[:8]}"
+    orders, billing, other = unique("orders"), unique("billing.in"), unique("other")
+    queue = WorkQueue(
+        WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[], job_queues=job_queue,
+                          **FAST),
+        topics=[Topic(name=t) for t in (orders, billing, other)],
+    )
+    ran: list[Any] = []
+
+    @queue.job(f"probe-{job_queue}", queue=job_queue)
+    async def probe(payload: dict[str, Any]) -> None:
+        ran.append(payload)
+
+    app = FastAPI(lifespan=queue.lifespan)
+    app.include_router(queue.router)
+    topic = f"jobs.{job_queue}"
+    envelope = {"v": 1, "job": f"probe-{job_queue}", "payload": {"by": "rest"},
+                "chain": [{"job": f"probe-{job_queue}", "id": str(uuid.uuid4()), "queue": job_queue, "tries": 1,
+                           "payload": {"by": "chain"}}]}
+    body = [{"Payload": envelope, "Attributes": {"job": f"probe-{job_queue}"}}]
+    async with queue.lifespan(app), client(app) as http:
+        store: Any = queue.transport
+
+        async def make(*scopes: str, topics: list[str] | None = None) -> dict[str, str]:
+            return {"X-API-Key": (await create_key(store, unique("key"), list(scopes), topics=topics)).key}
+
+        publisher = await make(SCOPE_PUBLISH)
+        runner = await make(SCOPE_PUBLISH, SCOPE_JOBS)
+        jobs_only = await make(SCOPE_JOBS)
+        limited = await make(SCOPE_PUBLISH, topics=[orders, "billing.*"])
+
+        refused = await http.post(f"{PREFIX}/topics/{topic}/messages", json=body, headers=publisher)
+        assert refused.status_code == 403, refused.text
+        assert "workqueue:jobs" in refused.json()["detail"] and topic in refused.json()["detail"]
+        assert await queue.size(job_queue) == 0  # nothing was published
+        lacking = await http.post(f"{PREFIX}/topics/{topic}/messages", json=body, headers=jobs_only)
+        assert lacking.status_code == 403 and "workqueue:publish" in lacking.json()["detail"]
+
+        # The key that predates topic lists (none given) publishes to ordinary topics as before.
+        assert (await http.post(f"{PREFIX}/topics/{other}/messages", json=[{"Payload": 1}],
+                                headers=publisher)).status_code == 200
+
+        assert (await http.post(f"{PREFIX}/topics/{orders}/messages", json=[{"Payload": 1}],
+                                headers=limited)).status_code == 200
+        assert (await http.post(f"{PREFIX}/topics/{billing}/messages", json=[{"Payload": 1}],
+                                headers=limited)).status_code == 200
+        outside = await http.post(f"{PREFIX}/topics/{other}/messages", json=[{"Payload": 1}], headers=limited)
+        assert outside.status_code == 403 and other in outside.json()["detail"]
+        assert orders in outside.json()["detail"] and "billing.*" in outside.json()["detail"]
+
+        # workqueue:jobs is the explicit grant: the job and its chain run.
+        allowed = await http.post(f"{PREFIX}/topics/{topic}/messages", json=body, headers=runner)
+        assert allowed.status_code == 200, allowed.text
+        await wait_for(lambda: len(ran) == 2, within=30)
+        assert ran == [{"by": "rest"}, {"by": "chain"}]
+
+
+async def test_a_store_that_is_gone_answers_503_to_a_caller_not_yet_authenticated(pg_url: str) -> None:
+    """The database is dropped under the running app (a restore, a wrong failover): the key check
+    answers 503 with Retry-After and a generic detail (it answered 500), never the driver's text
+    with the database's name."""
+    import asyncpg
+
+    from .conftest import drop_database, recreate_database
+
+    url = pg_url.rsplit("/", 1)[0] + "/" + unique("wq_gone").replace("-", "_")
+    name = url.rsplit("/", 1)[1]
+    await recreate_database(url)
+    queue = WorkQueue(WorkQueueSettings(database_url=url, enabled=False, auto_migrate=True, **FAST))
+    app = FastAPI()
+    app.include_router(queue.router)
+    try:
+        async with queue.lifespan(app), client(app) as http:
+            key = (await create_key(queue.transport, "reader", [SCOPE_READ])).key  # type: ignore[arg-type]
+            assert (await http.get(f"{PREFIX}/stats", headers={"X-API-Key": key})).status_code == 200
+            admin = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://").rsplit("/", 1)[0]
+                                          + "/postgres")
+            try:
+                await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+            finally:
+                await admin.close()
+            response = await http.get(f"{PREFIX}/stats", headers={"X-API-Key": key})
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == "1" and name not in response.text
+        assert response.json() == {
+            "detail": "cannot check the API key now: the queue's store is unavailable; retry later"
+        }
+    finally:
         await drop_database(url)
 
 

@@ -31,7 +31,8 @@ RUNTIME_FUNCTIONS = {
     "publish", "publish_one", "publish_one_quiet", "claim", "heartbeat", "settle", "once_begin", "once_finish",
     "once_abort", "once_renew", "sweep",
     "sync_topic", "sync_subscription", "stats", "backlog", "list_deliveries", "get_delivery", "partitions",
-    "list_subscriptions", "list_topics", "schema_versions", "api_key_lookup", "api_key_touch",
+    "list_subscriptions", "list_topics", "schema_versions", "api_key_verify", "api_key_touch", "api_key_session",
+    "api_key_end_sessions",
     "claim_many", "known_messages", "message_deliveries", "release_deduplication_key", "step_get", "step_put",
     "record_stats_history", "stats_history", "live_counts", "blocked_keys",
     "process_beat", "process_stop", "list_processes",
@@ -382,8 +383,8 @@ async def test_the_runtime_role_cannot_mint_keys_prune_replay_or_pause(
         await expect_denied(conn, "SELECT * FROM workqueue.replay($1, $2, $3)", sub, int(delivery_id), "note")
         await expect_denied(conn, "SELECT * FROM workqueue.discard($1, $2, $3)", sub, int(delivery_id), "x")
         await expect_denied(conn, "SELECT * FROM workqueue.set_subscription_status($1, $2)", sub, "Paused")
-        # What it keeps: the key check and the reads.
-        assert await conn.fetch("SELECT * FROM workqueue.api_key_lookup($1)", "nothing") == []
+        # What it keeps: the key check (with the hash of a presented key, never answering one) and the reads.
+        assert await conn.fetch("SELECT * FROM workqueue.api_key_verify($1, $2)", "nothing", "0" * 64) == []
         assert len(await conn.fetch("SELECT * FROM workqueue.list_deliveries($1, 'DeadLettered', 10)", sub)) == 1
     finally:
         await conn.close()
@@ -411,7 +412,7 @@ async def test_the_operator_role_replays_but_cannot_mint_keys_or_publish(
             with pytest.raises(ConfigurationError, match="permission denied"):
                 await transport.claim(sub, 1)
             with pytest.raises(ConfigurationError, match="permission denied"):
-                await transport.api_key_lookup("anything")
+                await transport.api_key_verify("anything", "0" * 64)
         finally:
             await transport.close()
 
@@ -432,7 +433,7 @@ async def test_the_admin_role_manages_keys_and_nothing_else(
             with pytest.raises(ConfigurationError, match="permission denied"):
                 await transport.stats()
             with pytest.raises(ConfigurationError, match="permission denied"):
-                await transport.api_key_lookup(created.prefix)
+                await transport.api_key_session(created.prefix)
         finally:
             await transport.close()
 
@@ -448,6 +449,46 @@ async def test_every_role_script_is_idempotent(admin: asyncpg.Connection[Any]) -
 
 
 # -- API keys: touched after the match, one live key per name -------------------------------------
+
+
+async def test_no_function_the_runtime_role_may_call_answers_a_key_hash(
+    admin: asyncpg.Connection[Any], runtime_role: str
+) -> None:
+    """A runtime login (or anyone holding its password) cannot read the keys' hashes: the key check
+    takes the hash of the presented key and answers only the key's id, name, scopes and topics."""
+    rows = await admin.fetch(
+        "SELECT p.proname, p.proargnames, p.proargmodes::text[] AS modes FROM pg_catalog.pg_proc p "
+        "WHERE p.pronamespace = 'workqueue'::regnamespace AND has_function_privilege($1, p.oid, 'EXECUTE')",
+        runtime_role,
+    )
+    assert {"api_key_verify", "api_key_session", "api_key_touch"} <= {r["proname"] for r in rows}
+    answering = [
+        r["proname"] for r in rows
+        if any(name == "key_hash" and mode in ("o", "b", "t")
+               for name, mode in zip(r["proargnames"] or [], r["modes"] or [], strict=False))
+    ]
+    assert answering == []
+
+
+async def test_the_runtime_role_checks_keys_and_ends_sessions(
+    pg_url: str, pg_transport: PostgresTransport, app_login: str
+) -> None:
+    from fastapi_workqueue.core.keys import check_key, create_key
+
+    created = await create_key(pg_transport, unique("runtime-check"), ["workqueue:read"], topics=["orders"])
+    transport = PostgresTransport(url_as(pg_url, app_login), listen=False, pool_max_size=1)
+    await transport.open()
+    try:
+        record = await check_key(transport, created.key)
+        assert record is not None and record.name == created.name and record.topics == ("orders",)
+        assert await check_key(transport, f"wq_{created.prefix}_{'x' * 40}") is None
+        session = await transport.api_key_session(created.prefix)
+        assert session == record
+        await transport.api_key_end_sessions(record.id, record.session_generation)
+        after = await transport.api_key_session(created.prefix)
+        assert after is not None and after.session_generation == record.session_generation + 1
+    finally:
+        await transport.close()
 
 
 async def test_a_key_is_marked_used_only_once_its_hash_matched(pg_transport: PostgresTransport,

@@ -195,6 +195,7 @@ _OBJECT = re.compile(
     re.I,
 )
 _DROP_INDEX = re.compile(r"^\s*DROP\s+INDEX\s+(?:IF\s+EXISTS\s+)?(?P<name>\w+)\s+ON\s+(?P<table>[\w.]+)", re.I)
+_DROP_ROUTINE = re.compile(r"^\s*DROP\s+(?P<kind>PROCEDURE|FUNCTION|VIEW)\s+(?:IF\s+EXISTS\s+)?(?P<name>[\w.]+)", re.I)
 
 
 _ADD_COLUMN = re.compile(r"^\s*ALTER\s+TABLE\s+(?P<table>[\w.]+)\s+ADD\s+(?P<column>.+)$", re.I | re.S)
@@ -215,9 +216,9 @@ def _add_column(objects: dict[tuple[str, str], str], table: str, column: str) ->
 
 def tsql_objects(texts: list[str]) -> dict[tuple[str, str], str]:
     """The objects a sequence of T-SQL scripts leaves, each with its normalized definition: the
-    last CREATE (OR ALTER) of a name wins, DROP INDEX removes one. A procedure, function or view
-    is its whole batch; elsewhere a statement starts at the beginning of a line (a table and its
-    indexes share a batch)."""
+    last CREATE (OR ALTER) of a name wins, DROP INDEX (or PROCEDURE, FUNCTION, VIEW) removes one.
+    A procedure, function or view is its whole batch; elsewhere a statement starts at the
+    beginning of a line (a table and its indexes share a batch)."""
     objects: dict[tuple[str, str], str] = {}
     for text in texts:
         for batch in split_batches(text):
@@ -234,6 +235,9 @@ def tsql_objects(texts: list[str]) -> dict[tuple[str, str], str]:
                     continue
                 if dropped := _DROP_INDEX.match(statement):
                     objects.pop(("INDEX", f"{dropped['table']}.{dropped['name']}"), None)
+                    continue
+                if dropped := _DROP_ROUTINE.match(statement):
+                    objects.pop((dropped["kind"].upper(), dropped["name"]), None)
                     continue
                 if created := _OBJECT.match(statement):
                     kind = "INDEX" if "INDEX" in created["kind"].upper() else created["kind"].upper()

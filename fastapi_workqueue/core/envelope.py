@@ -23,7 +23,7 @@ from .observe import HEADERS_KEY
 from .wire import WireModel, to_wire_name
 
 MAX_ENVELOPE_BYTES = 256 * 1024
-"""Payload plus attributes, serialized, on every transport. A topic may lower it."""
+"""Payload, attributes and backoff schedule, serialized, on every transport. A topic may lower it."""
 MAX_ATTRIBUTES = 10
 MAX_KEY_LENGTH = 512
 DEFAULT_DEDUPLICATION_TTL_SECONDS = 300.0
@@ -32,6 +32,12 @@ MAX_DELAY_SECONDS = 100 * 365 * 24 * 3600.0
 timestamps of every store; one beyond it would fail every later claim, settle or sweep that reads it."""
 MAX_ATTEMPTS_LIMIT = 2**31 - 1
 """The most attempts a delivery may be given (the stores keep the count in a 32-bit integer)."""
+DEFAULT_MAX_MESSAGE_ATTEMPTS = 100
+"""The most attempts a published message may ask for (``MaxAttempts``) unless the queue's settings
+allow more (``WORKQUEUE_MAX_MESSAGE_ATTEMPTS``): more, with a short backoff, is a message that
+practically never dead-letters."""
+MAX_BACKOFF_ENTRIES = 100
+"""The longest ``BackoffSeconds`` list (its last entry repeats for later attempts)."""
 MAX_PAYLOAD_DEPTH = 200
 """How deeply arrays and objects may nest in a payload. JSON serializers stop at about 255 levels
 (pydantic's, and so FastAPI's), so a deeper payload could be stored but never listed or returned."""
@@ -54,8 +60,8 @@ class PublishRequest(WireModel):
     payload_ref: str | None = None
     correlation_id: str | None = None
     deduplication_key: str | None = None
-    deduplication_ttl_seconds: float | None = Field(default=None, gt=0, le=MAX_DELAY_SECONDS)
-    delay_seconds: float | None = Field(default=None, ge=0, le=MAX_DELAY_SECONDS)
+    deduplication_ttl_seconds: float | None = Field(default=None, gt=0, le=MAX_DELAY_SECONDS, allow_inf_nan=False)
+    delay_seconds: float | None = Field(default=None, ge=0, le=MAX_DELAY_SECONDS, allow_inf_nan=False)
     not_before: datetime | None = None
     max_attempts: int | None = Field(default=None, ge=1, le=MAX_ATTEMPTS_LIMIT)
     backoff_seconds: list[float] | None = None
@@ -326,7 +332,8 @@ def _attributes_part(attributes: dict[str, Any]) -> tuple[str, int]:
         raise
 
 
-def _check_schedule(request: PublishRequest) -> None:
+def _check_schedule(request: PublishRequest) -> int:
+    """Checks the request's times and backoff; answers the size the backoff adds to the envelope."""
     if request.delay_seconds is not None and request.not_before is not None:
         raise RequestRejected(
             "InvalidField", "set DelaySeconds or NotBefore, not both", "delay_seconds"
@@ -336,15 +343,35 @@ def _check_schedule(request: PublishRequest) -> None:
             "InvalidField", "NotBefore needs a time zone (for example 2026-01-01T00:00:00Z)", "not_before"
         )
     if request.backoff_seconds is not None:
-        _check_backoff(request.backoff_seconds)
+        return _check_backoff(request.backoff_seconds)
+    return 0
 
 
-def _check_backoff(backoff: list[float]) -> None:
+def _check_backoff(backoff: list[float]) -> int:
+    """Refuses a schedule the stores cannot use; answers the size it adds to the envelope."""
+    if len(backoff) > MAX_BACKOFF_ENTRIES:
+        raise RequestRejected(
+            "InvalidField",
+            f"BackoffSeconds has {len(backoff)} entries; at most {MAX_BACKOFF_ENTRIES} are allowed (the last one "
+            "repeats for every later attempt)",
+            "backoff_seconds",
+        )
     if not backoff or any(not math.isfinite(b) or b < 0 or b > MAX_DELAY_SECONDS for b in backoff):
         raise RequestRejected(
             "InvalidField",
             f"BackoffSeconds must be a non-empty list of seconds >= 0 and <= {MAX_DELAY_SECONDS:.0f}",
             "backoff_seconds",
+        )
+    return len(_encode(backoff))
+
+
+def _check_attempts(max_attempts: int | None, limit: int) -> None:
+    if max_attempts is not None and max_attempts > limit:
+        raise RequestRejected(
+            "InvalidField",
+            f"MaxAttempts is {max_attempts}; a message may ask for at most {limit} attempts (the queue's "
+            "WORKQUEUE_MAX_MESSAGE_ATTEMPTS); leave it out to use the subscription's max_attempts",
+            "max_attempts",
         )
 
 
@@ -375,9 +402,14 @@ def canonical_json(payload: Any) -> tuple[str, int]:
     return payload_json, size
 
 
-def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_BYTES) -> PreparedMessage:
+def prepare(
+    request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_BYTES,
+    max_attempts: int = MAX_ATTEMPTS_LIMIT,
+) -> PreparedMessage:
     """Checks a request against the envelope rules and serializes it.
 
+    The envelope's size counts the payload, the attributes and the ``backoff_seconds`` list;
+    ``max_attempts`` bounds the request's own ``max_attempts`` (the queue passes its setting).
     Raises :class:`RequestRejected` with a clear error when it breaks one.
     """
     attributes = request.attributes
@@ -389,10 +421,11 @@ def prepare(request: PublishRequest, *, max_envelope_bytes: int = MAX_ENVELOPE_B
         _text_field("correlation_id", request.correlation_id)
         _text_field("payload_ref", request.payload_ref, 2048)
     backoff = request.backoff_seconds
-    if request.not_before is not None or backoff is not None:
-        _check_schedule(request)
+    schedule_size = _check_schedule(request) if request.not_before is not None or backoff is not None else 0
+    if request.max_attempts is not None:
+        _check_attempts(request.max_attempts, max_attempts)
     payload_json, size = canonical_json(request.payload)
-    size += attributes_size
+    size += attributes_size + schedule_size
     head = _NO_REFERENCES if references == _NO_TEXT else _encode(references)
     content = f"{head}\n{attributes_json}\n{payload_json}"
     if size > max_envelope_bytes:
@@ -451,10 +484,9 @@ def prepare_parts(
     attributes_json, attributes_size = _attributes_part(attributes)
     if deduplication_key is not None:
         _text_field("deduplication_key", deduplication_key)
-    if backoff_seconds is not None:
-        _check_backoff(backoff_seconds)
+    schedule_size = _check_backoff(backoff_seconds) if backoff_seconds is not None else 0
     payload_json, size = canonical_json(payload) if encoded is None else encoded
-    size += attributes_size
+    size += attributes_size + schedule_size
     if size > max_envelope_bytes:
         raise _too_large(size, max_envelope_bytes)
     return PreparedMessage(

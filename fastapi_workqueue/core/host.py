@@ -49,14 +49,29 @@ class GroupPlan:
     concurrency: int = 4
 
 
+STORE_FAILED_REASON = (
+    "the queue's store is unavailable or refused a call; the details are in this process's log"
+)
+"""What ``GET /health/extensions`` (which answers anyone) says in place of a driver's error."""
+
+
 class SubscriptionHealth(WireModel):
-    """The state of one planned subscription in this process."""
+    """The state of one planned subscription in this process. ``reason_is_detail``: the reason is
+    an error's own text (the driver's, with hosts and database names), shown to the process and
+    to signed-in readers only."""
 
     subscription: str
     state: HealthState
     reason: str | None = None
     concurrency: int = 0
     active: int = 0
+    reason_is_detail: bool = Field(default=False, exclude=True)
+
+    def public(self) -> SubscriptionHealth:
+        """This entry as an anonymous caller may see it: an error's own text replaced."""
+        if not self.reason_is_detail:
+            return self
+        return self.model_copy(update={"reason": STORE_FAILED_REASON, "reason_is_detail": False})
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +221,8 @@ class Host:
                 for name in self._health:
                     if name not in self.consumers:
                         self._health[name] = SubscriptionHealth(
-                            subscription=name, state="Error", reason=f"cannot read the topology: {exc}"
+                            subscription=name, state="Error", reason=f"cannot read the topology: {exc}",
+                            reason_is_detail=True,
                         )
                 return
             await self._apply(subscriptions)
@@ -374,13 +390,16 @@ class Host:
             if group is not None:  # served by a group consumer: its share of it
                 entry = entry.model_copy(update={"active": group.active_for(name)})
                 if entry.state == "Running" and group.last_error is not None:
-                    entry = entry.model_copy(update={"state": "Error", "reason": group.last_error})
+                    entry = entry.model_copy(update={"state": "Error", "reason": group.last_error,
+                                                     "reason_is_detail": True})
             elif consumer is not None and entry.state == "Running":
                 state: HealthState = "Running"
                 reason = entry.reason
+                detail = entry.reason_is_detail
                 if consumer.last_error is not None:
-                    state, reason = "Error", consumer.last_error
-                entry = entry.model_copy(update={"active": consumer.active, "state": state, "reason": reason})
+                    state, reason, detail = "Error", consumer.last_error, True
+                entry = entry.model_copy(update={"active": consumer.active, "state": state, "reason": reason,
+                                                 "reason_is_detail": detail})
             elif consumer is not None:
                 entry = entry.model_copy(update={"active": consumer.active})
             report.append(entry)

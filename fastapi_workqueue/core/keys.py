@@ -2,40 +2,55 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
-import hmac
 import secrets
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
+from .topology import check_name
 from .wire import WireModel
 
 SCOPE_PUBLISH = "workqueue:publish"
+SCOPE_JOBS = "workqueue:jobs"
 SCOPE_READ = "workqueue:read"
 SCOPE_OPERATE = "workqueue:operate"
 SCOPE_ADMIN = "workqueue:admin"
-SCOPES = (SCOPE_PUBLISH, SCOPE_READ, SCOPE_OPERATE, SCOPE_ADMIN)
-"""Scopes are independent: admin adds payloads to listings, it does not imply read or operate."""
+SCOPES = (SCOPE_PUBLISH, SCOPE_JOBS, SCOPE_READ, SCOPE_OPERATE, SCOPE_ADMIN)
+"""Scopes are independent: admin adds payloads to listings, it does not imply read or operate;
+jobs lets a key that may publish reach the job queues' topics (``jobs.*``) too."""
 
 KEY_PREFIX = "wq"
+MAX_TOPIC_PATTERNS = 100
+"""The most topics (or patterns) one key may be limited to."""
 
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who is calling the REST API, and what they may do."""
+    """Who is calling the REST API, and what they may do.
+
+    ``topics``: the topics (names, or patterns where ``*`` stands for any characters) the
+    principal may publish to; None for every topic (the job queues' need :data:`SCOPE_JOBS` all
+    the same).
+    """
 
     name: str
     scopes: frozenset[str] = field(default_factory=frozenset)
     key_id: str | None = None
+    topics: tuple[str, ...] | None = None
 
     def has(self, scope: str) -> bool:
         return scope in self.scopes
 
+    def may_reach(self, topic: str) -> bool:
+        """Whether ``topic`` is one of the principal's topics (every topic when it has no list)."""
+        return self.topics is None or any(fnmatch.fnmatchcase(topic, pattern) for pattern in self.topics)
+
 
 class ApiKeyInfo(WireModel):
-    """A stored key, without its secret."""
+    """A stored key, without its secret. ``topics``: the topics it may publish to (None: all)."""
 
     id: uuid.UUID
     name: str
@@ -45,6 +60,7 @@ class ApiKeyInfo(WireModel):
     expires_at: datetime | None = None
     revoked_at: datetime | None = None
     last_used_at: datetime | None = None
+    topics: list[str] | None = None
 
 
 class CreatedApiKey(ApiKeyInfo):
@@ -54,20 +70,31 @@ class CreatedApiKey(ApiKeyInfo):
 
 
 @dataclass(frozen=True, slots=True)
-class StoredKey:
+class KeyRecord:
+    """A usable key as the store answers it: never its hash. ``session_generation`` is counted up
+    when a person signs out of the dashboard, which ends the sessions made with the key before."""
+
     id: str
     name: str
-    key_hash: str
     scopes: tuple[str, ...]
+    topics: tuple[str, ...] | None = None
+    session_generation: int = 0
+
+    def principal(self) -> Principal:
+        return Principal(name=self.name, scopes=frozenset(self.scopes), key_id=self.id, topics=self.topics)
 
 
 class ApiKeyStore(Protocol):
-    """Where keys live (the database transport implements it)."""
+    """Where keys live (the database transport implements it). It hands out no hash: a key is
+    checked by :meth:`api_key_verify` with the hash of the key presented."""
 
     async def api_key_create(
-        self, key_id: uuid.UUID, name: str, prefix: str, key_hash: str, scopes: list[str], expires_at: datetime | None
+        self, key_id: uuid.UUID, name: str, prefix: str, key_hash: str, scopes: list[str],
+        expires_at: datetime | None, topics: list[str] | None = None,
     ) -> None: ...
-    async def api_key_lookup(self, prefix: str) -> StoredKey | None: ...
+    async def api_key_verify(self, prefix: str, key_hash: str) -> KeyRecord | None: ...
+    async def api_key_session(self, prefix: str) -> KeyRecord | None: ...
+    async def api_key_end_sessions(self, key_id: str, session_generation: int) -> None: ...
     async def api_key_touch(self, key_id: str) -> None: ...
     async def api_key_list(self) -> list[ApiKeyInfo]: ...
     async def api_key_revoke(self, key: str) -> int: ...
@@ -79,6 +106,26 @@ def check_scopes(scopes: list[str]) -> list[str]:
     if unknown or not scopes:
         raise ValueError(f"unknown or missing scopes {unknown}; use one or more of {', '.join(SCOPES)}")
     return sorted(set(scopes))
+
+
+def check_topics(topics: list[str] | None) -> list[str] | None:
+    """Validates a key's topic list: topic names, or patterns where ``*`` stands for any
+    characters (``billing.*``); raises ValueError saying what to change. None stays None."""
+    if topics is None:
+        return None
+    if not topics:
+        raise ValueError("an empty topic list would allow no topic; leave it out to allow every topic")
+    if len(topics) > MAX_TOPIC_PATTERNS:
+        raise ValueError(f"{len(topics)} topics were given; a key may be limited to at most {MAX_TOPIC_PATTERNS}")
+    for pattern in topics:
+        try:
+            check_name("topic", pattern.replace("*", "x"))
+        except ValueError:
+            raise ValueError(
+                f"topic {pattern!r} is not a topic name or pattern: use 1 to 200 letters, digits, '.', '_', "
+                "':' or '-', and '*' for any characters (billing.*)"
+            ) from None
+    return sorted(set(topics))
 
 
 def generate_key() -> tuple[str, str]:
@@ -102,29 +149,40 @@ def prefix_of(key: str) -> str | None:
     return parts[1]
 
 
-async def verify_key(store: ApiKeyStore, key: str) -> Principal | None:
-    """The principal of a valid, unexpired, unrevoked key; None otherwise."""
+async def check_key(store: ApiKeyStore, key: str) -> KeyRecord | None:
+    """The record of a valid, unexpired, unrevoked key; None otherwise. The store compares the
+    hash of ``key`` with its own and answers no hash."""
     prefix = prefix_of(key)
     if prefix is None:
         return None
-    stored = await store.api_key_lookup(prefix)
-    if stored is None or not hmac.compare_digest(stored.key_hash, hash_key(key)):
+    record = await store.api_key_verify(prefix, hash_key(key))
+    if record is None:
         return None
-    await store.api_key_touch(stored.id)  # only a key that proved itself is marked used
-    return Principal(name=stored.name, scopes=frozenset(stored.scopes), key_id=stored.id)
+    await store.api_key_touch(record.id)  # only a key that proved itself is marked used
+    return record
+
+
+async def verify_key(store: ApiKeyStore, key: str) -> Principal | None:
+    """The principal of a valid, unexpired, unrevoked key; None otherwise."""
+    record = await check_key(store, key)
+    return None if record is None else record.principal()
 
 
 async def create_key(
-    store: ApiKeyStore, name: str, scopes: list[str], expires_at: datetime | None = None
+    store: ApiKeyStore, name: str, scopes: list[str], expires_at: datetime | None = None,
+    topics: list[str] | None = None,
 ) -> CreatedApiKey:
-    """Creates and stores a key; the returned secret is not stored anywhere."""
+    """Creates and stores a key; the returned secret is not stored anywhere. ``topics`` limits the
+    topics it may publish to (names or ``*`` patterns); None allows every topic but the job
+    queues', which also need :data:`SCOPE_JOBS`."""
     if not name.strip():
         raise ValueError("an API key needs a name (who or what uses it)")
     scopes = check_scopes(scopes)
+    topics = check_topics(topics)
     key, prefix = generate_key()
     key_id = uuid.uuid4()
-    await store.api_key_create(key_id, name, prefix, hash_key(key), scopes, expires_at)
+    await store.api_key_create(key_id, name, prefix, hash_key(key), scopes, expires_at, topics)
     return CreatedApiKey(
         id=key_id, name=name, prefix=prefix, scopes=scopes, created_at=datetime.now(UTC), expires_at=expires_at,
-        key=key,
+        key=key, topics=topics,
     )

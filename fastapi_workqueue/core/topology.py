@@ -17,8 +17,15 @@ SubscriptionStatus = Literal["Active", "Paused"]
 HostType = Literal["worker", "external"]
 
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600
+JOB_TOPIC_PREFIX = "jobs."
+"""The topics (and subscriptions) of the jobs layer's queues: job queue ``Q`` is topic ``jobs.Q``."""
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,199}$")
+
+
+def is_job_topic(topic: str) -> bool:
+    """Whether ``topic`` is a job queue's (``jobs.*``), whose messages the job runner runs as jobs."""
+    return topic.startswith(JOB_TOPIC_PREFIX)
 
 
 def check_name(kind: str, value: str) -> str:

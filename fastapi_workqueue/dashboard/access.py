@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 from fastapi import HTTPException, Request, status
 from fastapi.security import SecurityScopes
 
+from ..core.errors import ConfigurationError, TransportError
 from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, ApiKeyStore, Principal
-from ..web.auth import Authorizer, require_scopes
+from ..web.auth import Authorizer, require_scopes, store_unavailable
 from .session import SESSION_COOKIE, SessionCodec
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class Viewer:
 def key_store(queue: WorkQueue) -> ApiKeyStore:
     """The queue's API key store; 501 on a transport that keeps no keys."""
     store: Any = queue.transport
-    if not hasattr(store, "api_key_lookup"):
+    if not hasattr(store, "api_key_session"):
         raise HTTPException(
             status.HTTP_501_NOT_IMPLEMENTED,
             detail="this transport stores no API keys: pass the app's own authorize dependency to "
@@ -59,7 +60,11 @@ def session_authorizer(queue: WorkQueue, codec: SessionCodec) -> Authorizer:
     """The default: the API key a person signed in with, from the session cookie."""
 
     async def authorize(request: Request, security_scopes: SecurityScopes) -> Principal:
-        principal = await codec.principal(key_store(queue), request.cookies.get(SESSION_COOKIE))
+        try:
+            principal = await codec.principal(key_store(queue), request.cookies.get(SESSION_COOKIE))
+        except (TransportError, ConfigurationError) as exc:
+            # Not signed in yet: the driver's text (hosts, database names) goes to the log only.
+            raise store_unavailable(exc) from exc
         if principal is None:
             raise SignInRequired()
         return require_scopes(principal, security_scopes)

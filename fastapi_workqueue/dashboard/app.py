@@ -3,6 +3,7 @@ files and the headers every answer carries."""
 
 from __future__ import annotations
 
+import secrets
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
@@ -22,7 +23,7 @@ from .csrf import CsrfRefused
 from .forms import FormRefused
 from .pages import build_pages
 from .render import Dashboard
-from .session import DEFAULT_SESSION_SECONDS, SessionCodec, base_path
+from .session import DEFAULT_SESSION_SECONDS, MAX_SESSION_SECONDS, SessionCodec, base_path, session_key
 from .sign_in import build_sign_in
 
 if TYPE_CHECKING:
@@ -76,14 +77,22 @@ def create_dashboard(
     ``app.mount("/work-queue/ui", queue.dashboard())``.
 
     Without ``authorize`` a sign-in page takes an API key (``workqueue api-keys create``) and keeps
-    a signed session cookie for ``session_seconds``; ``secret`` is mixed into its signature. With
-    ``authorize`` (the REST API's shape: a dependency that takes ``SecurityScopes`` and returns a
-    ``Principal``, raising 401/403) the app decides who is who. Pages poll every ``poll_seconds``.
+    a session cookie for ``session_seconds`` (at most 12 hours), signed with ``secret``, else
+    ``WORKQUEUE_DASHBOARD_SECRET``, else a key derived from ``WORKQUEUE_APP_KEY``: without any of
+    them it raises ConfigurationError saying what to set. With ``authorize`` (the REST API's shape:
+    a dependency that takes ``SecurityScopes`` and returns a ``Principal``, raising 401/403) the app
+    decides who is who. Pages poll every ``poll_seconds``.
     """
     if session_seconds <= 0 or poll_seconds <= 0:
         raise ConfigurationError("session_seconds and poll_seconds must be positive")
-    secret_bytes = secret.encode() if isinstance(secret, str) else (secret or b"")
-    codec = SessionCodec(secret=secret_bytes, max_age=session_seconds)
+    if session_seconds > MAX_SESSION_SECONDS:
+        raise ConfigurationError(
+            f"session_seconds is {session_seconds}; a dashboard session lasts at most {MAX_SESSION_SECONDS} "
+            f"seconds ({MAX_SESSION_SECONDS // 3600} h)"
+        )
+    # With the app's own authorize no session is issued: a random key nobody holds stands in.
+    key = session_key(secret, queue.settings) if authorize is None else secrets.token_bytes(32)
+    codec = SessionCodec(key=key, max_age=session_seconds)
     d = Dashboard(queue=queue, codec=codec, own_sign_in=authorize is None, poll_seconds=poll_seconds, title=title)
     checked = authorize or session_authorizer(queue, codec)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, unquote
 
 MAX_FORM_BYTES = 64 * 1024
 MAX_TEXT = 2000
@@ -45,7 +45,14 @@ def text_field(form: dict[str, str], name: str) -> str | None:
 
 def local_path(value: str | None, base: str, default: str) -> str:
     """``value`` when it is a path of the dashboard (where a form may send the browser back), else
-    ``default``: never another site, nor a path outside the dashboard."""
-    if not value or not value.startswith(base + "/") or "//" in value or "\\" in value or "\n" in value:
+    ``default``: never another site, nor a path that leaves the dashboard once the browser
+    normalises it (``..`` or ``.`` segments, percent-encoded or not, backslashes, control characters)."""
+    if not value or not value.startswith(base + "/"):
+        return default
+    path = value.split("?", 1)[0].split("#", 1)[0]
+    decoded = unquote(path)
+    if "//" in decoded or "\\" in decoded or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value + decoded):
+        return default
+    if any(segment in (".", "..") for segment in decoded.split("/")):
         return default
     return value

@@ -30,7 +30,7 @@ from ..core.envelope import (
 )
 from ..core.errors import ConfigurationError, TransportError, WorkQueueError
 from ..core.history import StatsPoint
-from ..core.keys import ApiKeyInfo, StoredKey
+from ..core.keys import ApiKeyInfo, KeyRecord
 from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts
 from ..core.observe import HEADERS_KEY, split_headers
 from ..core.processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
@@ -629,19 +629,25 @@ class RoutineTransport:
     # -- API keys ----------------------------------------------------------------------------
 
     async def api_key_create(
-        self, key_id: uuid.UUID, name: str, prefix: str, key_hash: str, scopes: list[str], expires_at: datetime | None
+        self, key_id: uuid.UUID, name: str, prefix: str, key_hash: str, scopes: list[str],
+        expires_at: datetime | None, topics: list[str] | None = None,
     ) -> None:
         await self.call(
             "api_key_create", p_id=key_id, p_name=name, p_prefix=prefix, p_key_hash=key_hash, p_scopes=scopes,
-            p_expires_at=expires_at,
+            p_expires_at=expires_at, p_topics=topics,
         )
 
-    async def api_key_lookup(self, prefix: str) -> StoredKey | None:
-        rows = await self.call("api_key_lookup", p_prefix=prefix)
-        if not rows:
-            return None
-        r = rows[0]
-        return StoredKey(id=str(r["id"]), name=r["name"], key_hash=r["key_hash"], scopes=tuple(json_list(r["scopes"])))
+    async def api_key_verify(self, prefix: str, key_hash: str) -> KeyRecord | None:
+        """The usable key behind ``prefix`` when ``key_hash`` is its hash (the store compares)."""
+        return _key_record(await self.call("api_key_verify", p_prefix=prefix, p_key_hash=key_hash))
+
+    async def api_key_session(self, prefix: str) -> KeyRecord | None:
+        """The usable key behind ``prefix``, for a dashboard session the app signed itself."""
+        return _key_record(await self.call("api_key_session", p_prefix=prefix))
+
+    async def api_key_end_sessions(self, key_id: str, session_generation: int) -> None:
+        """Ends the dashboard sessions of a key made at ``session_generation`` (a sign-out)."""
+        await self.call("api_key_end_sessions", p_id=uuid.UUID(key_id), p_session_generation=session_generation)
 
     async def api_key_touch(self, key_id: str) -> None:
         """Marks a key used (the store writes at most once a minute); only once its hash matched."""
@@ -649,7 +655,8 @@ class RoutineTransport:
 
     async def api_key_list(self) -> list[ApiKeyInfo]:
         rows = await self.call("api_key_list")
-        return [ApiKeyInfo.model_validate({**as_dict(r), "scopes": json_list(r["scopes"])})
+        return [ApiKeyInfo.model_validate({**as_dict(r), "scopes": json_list(r["scopes"]),
+                                           "topics": None if r["topics"] is None else json_list(r["topics"])})
                 for r in rows]
 
     async def api_key_revoke(self, key: str) -> int:
@@ -657,6 +664,16 @@ class RoutineTransport:
 
 
 # -- rows → models -------------------------------------------------------------------------------
+
+
+def _key_record(rows: Sequence[Row]) -> KeyRecord | None:
+    if not rows:
+        return None
+    r = rows[0]
+    topics = r["topics"]
+    return KeyRecord(id=str(r["id"]), name=r["name"], scopes=tuple(json_list(r["scopes"])),
+                     topics=None if topics is None else tuple(json_list(topics)),
+                     session_generation=int(r["session_generation"]))
 
 
 def as_dict(row: Row) -> dict[str, Any]:

@@ -39,7 +39,7 @@ class Call:
 Routine = Callable[..., Awaitable[list[Row]]]
 ROUTINES: dict[str, Routine] = {}
 READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions", "list_subscriptions",
-             "list_topics", "schema_versions", "api_key_list", "api_key_lookup", "known_messages",
+             "list_topics", "schema_versions", "api_key_list", "api_key_verify", "api_key_session", "known_messages",
              "message_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys",
              "list_processes"}
 """Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
@@ -794,20 +794,32 @@ async def r_step_put(c: Call, p_message_id: Any, p_name: str, p_value: str) -> l
 
 @routine
 async def r_api_key_create(c: Call, p_id: Any, p_name: str, p_prefix: str, p_key_hash: str, p_scopes: list[str],
-                           p_expires_at: datetime | None) -> list[Row]:
+                           p_expires_at: datetime | None, p_topics: list[str] | None = None) -> list[Row]:
     if await c.ex.fetch("api_key_live_name", name=p_name):
         raise ValueError(
             f"an API key named {p_name!r} exists already; revoke it first (workqueue api-keys revoke {p_name!r}) "
             "or pick another name"
         )
     await c.ex.execute("api_key_create", id=str(p_id), name=p_name, prefix=p_prefix, key_hash=p_key_hash,
-                       scopes=json.dumps(p_scopes), now=c.now, expires_at=epoch(p_expires_at))
+                       scopes=json.dumps(p_scopes), now=c.now, expires_at=epoch(p_expires_at),
+                       topics=None if p_topics is None else json.dumps(p_topics))
     return [{"api_key_create": None}]
 
 
 @routine
-async def r_api_key_lookup(c: Call, p_prefix: str) -> list[Row]:
-    return await c.ex.fetch("api_key_lookup", prefix=p_prefix, now=c.now)
+async def r_api_key_verify(c: Call, p_prefix: str, p_key_hash: str) -> list[Row]:
+    return await c.ex.fetch("api_key_verify", prefix=p_prefix, key_hash=p_key_hash, now=c.now)
+
+
+@routine
+async def r_api_key_session(c: Call, p_prefix: str) -> list[Row]:
+    return await c.ex.fetch("api_key_session", prefix=p_prefix, now=c.now)
+
+
+@routine
+async def r_api_key_end_sessions(c: Call, p_id: Any, p_session_generation: int) -> list[Row]:
+    await c.ex.execute("api_key_end_sessions", id=str(p_id), session_generation=p_session_generation)
+    return [{"api_key_end_sessions": None}]
 
 
 @routine

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 from pydantic.errors import PydanticSchemaGenerationError, PydanticUserError
 
-from ..core.envelope import MAX_ATTEMPTS_LIMIT, MAX_DELAY_SECONDS
+from ..core.envelope import MAX_ATTEMPTS_LIMIT, MAX_BACKOFF_ENTRIES, MAX_DELAY_SECONDS
 from ..core.errors import ConfigurationError
 from .context import JobContext
 
@@ -61,6 +61,10 @@ def check_backoff(backoff: Sequence[float] | float | None) -> tuple[float, ...] 
     if backoff is None:
         return None
     steps = (backoff,) if isinstance(backoff, int | float) else tuple(backoff)
+    if len(steps) > MAX_BACKOFF_ENTRIES:
+        raise ConfigurationError(
+            f"backoff has {len(steps)} steps; at most {MAX_BACKOFF_ENTRIES} are allowed (the last one repeats)"
+        )
     if not steps or any(not isinstance(s, int | float) or not 0 <= s <= MAX_DELAY_SECONDS for s in steps):
         raise ConfigurationError(
             f"backoff {backoff!r} must be seconds (0 to 100 years) or a non-empty list of them, e.g. [10, 60, 300]"

@@ -5,6 +5,9 @@ be rotated while jobs wait. The plaintext never reaches the database, a listing 
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +17,7 @@ from ..core.redaction import register_secrets
 
 GENERATE = 'python -c "from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())"'
 NO_KEY_DECRYPTS = "no key decrypts the job's payload (WORKQUEUE_APP_KEY, WORKQUEUE_PREVIOUS_KEYS)"
+DIGEST_LABEL = b"fastapi-workqueue job unique key"
 
 
 class PayloadUndecryptable(ValueError):
@@ -43,6 +47,15 @@ class PayloadCipher:
         register_secrets(k.strip() for k in keys)
         self._current = fernets[0]
         self._all = MultiFernet(fernets)
+        # A key of its own for digests, derived from the current key's bytes (never Fernet's own halves).
+        self._digest_key = hmac.new(base64.urlsafe_b64decode(keys[0].strip().encode()), DIGEST_LABEL,
+                                    hashlib.sha256).digest()
+
+    def digest(self, text: str) -> str:
+        """A keyed hash (HMAC-SHA256, hex) of ``text`` under the current key: equal texts give equal
+        digests in every process that has the key, and the text cannot be read back or guessed
+        from the digest without it."""
+        return hmac.new(self._digest_key, text.encode(), hashlib.sha256).hexdigest()
 
     def encrypt(self, data: Any) -> str:
         """The JSON of ``data``, encrypted with the current key."""

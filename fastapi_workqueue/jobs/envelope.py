@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..core.envelope import canonical_json
+from ..core.topology import JOB_TOPIC_PREFIX
 
-TOPIC_PREFIX = "jobs."
+TOPIC_PREFIX = JOB_TOPIC_PREFIX
 VERSION = 1
 JOB_ATTRIBUTE = "job"
 UniqueUntil = Literal["done", "processing"]

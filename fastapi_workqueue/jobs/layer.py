@@ -282,6 +282,19 @@ class Jobs:
             )
         return None, cipher.encrypt(data)
 
+    def unique_key(self, job: Job, unique: str) -> str:
+        """The stored unique key of a dispatch: ``<job>:<key>``; for an encrypted job the key is a
+        keyed hash under the app key (``<job>:hmac-sha256:<hex>``), so it is not stored in clear and
+        equal keys still meet in every process that has the same WORKQUEUE_APP_KEY."""
+        if not job.encrypted:
+            return f"{job.name}:{unique}"
+        cipher = self.cipher()
+        if cipher is None:
+            raise ConfigurationError(
+                f"job {job.name!r} is encrypted=True but no app key is set: set WORKQUEUE_APP_KEY"
+            )
+        return f"{job.name}:hmac-sha256:{cipher.digest(unique)}"
+
     def open_payload(self, job: Job, envelope: JobEnvelope) -> Any:
         """The stored payload in the clear (decrypted for an encrypted job)."""
         if not job.encrypted:
@@ -312,7 +325,7 @@ class Jobs:
         envelope = JobEnvelope(
             job=job.name, payload=payload, encrypted=encrypted,
             timeout=policy.timeout if timeout is None else timeout,
-            unique_key=None if unique is None else f"{job.name}:{unique}",
+            unique_key=None if unique is None else self.unique_key(job, unique),
             unique_until=None if unique is None else unique_until, chain=tuple(chain),
         )
         fields: dict[str, Any] = {"attributes": {JOB_ATTRIBUTE: job.name}, "payload": envelope.to_json(),
@@ -342,7 +355,7 @@ class Jobs:
         request, for ``delay`` and ``ttl`` already checked (:func:`_seconds`, :func:`_ttl`); raises
         :class:`RequestRejected`."""
         policy = job.policy
-        key = None if unique is None else f"{job.name}:{unique}"
+        key = None if unique is None else self.unique_key(job, unique)
         envelope: Any = None
         encoded = None
         if encrypted is None and policy.timeout is None and key is None:

@@ -17,6 +17,7 @@ from ..core.errors import ConfigurationError, TransportError
 from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_READ, Principal
 from ..core.reports import ActionResult
 from ..core.wire import WireModel
+from ..web.routes import cannot_serve, document_errors
 from .definition import check_queue_name
 from .failed import MAX_DAYS, FailedJob, JobNotFailed
 
@@ -80,6 +81,7 @@ def build_job_router(queue: "WorkQueue", authorize: "Authorizer", *, prefix: str
         """Drops the jobs that failed more than ``older_than_days`` ago."""
         return Pruned(pruned=await _call(queue.prune_failed_jobs(older_than_days, queue_name(queue_filter))))
 
+    document_errors(router)
     return router
 
 
@@ -88,6 +90,8 @@ async def _call(awaitable: Awaitable[T]) -> T:
         return await awaitable
     except JobNotFailed as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, detail=str(exc).strip("'\"")) from None
+    except ConfigurationError as exc:  # the app's database role lacks a privilege, say
+        raise cannot_serve(exc) from exc
     except TransportError as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, detail="the queue's store is unavailable; retry",
                             headers={"Retry-After": "1"}) from exc

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Depends, HTTPException, status
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer, SecurityScopes
 
-from ..core.errors import TransportError
+from ..core.errors import ConfigurationError, TransportError
 from ..core.keys import ApiKeyStore, Principal, verify_key
 from ..core.redaction import redact, redacting_logger
 
@@ -58,19 +58,12 @@ def api_key_authorizer(queue: WorkQueue) -> Authorizer:
                 headers=challenge,
             )
         store: Any = queue.transport
-        if not hasattr(store, "api_key_lookup"):
+        if not hasattr(store, "api_key_verify"):
             raise HTTPException(status_code=status.HTTP_501_NOT_IMPLEMENTED, detail="this transport stores no API keys")
         try:
             principal = await verify_key(_as_store(store), key)
-        except TransportError as exc:
-            # The caller is not authenticated yet: the driver's text (hosts, database names) goes
-            # to the log, the answer says only that the store is away.
-            log.warning("cannot check an API key: %s", redact(str(exc)))
-            raise HTTPException(
-                status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
-                detail="cannot check the API key now: the queue's store is unavailable; retry later",
-                headers={"Retry-After": "1"},
-            ) from exc
+        except (TransportError, ConfigurationError) as exc:
+            raise store_unavailable(exc) from exc
         if principal is None:
             raise HTTPException(
                 status_code=status.HTTP_401_UNAUTHORIZED,
@@ -80,6 +73,18 @@ def api_key_authorizer(queue: WorkQueue) -> Authorizer:
         return require_scopes(principal, security_scopes)
 
     return authorize
+
+
+def store_unavailable(exc: Exception) -> HTTPException:
+    """503 for a caller who is not authenticated yet, while the store cannot check credentials
+    (unreachable, gone, or refusing the application's role): the driver's text (hosts, database
+    names) goes to the log, the answer says only that the store is away."""
+    log.warning("cannot check an API key: %s", redact(str(exc)))
+    return HTTPException(
+        status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        detail="cannot check the API key now: the queue's store is unavailable; retry later",
+        headers={"Retry-After": "1"},
+    )
 
 
 def _as_store(store: Any) -> ApiKeyStore:

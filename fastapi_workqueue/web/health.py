@@ -44,10 +44,12 @@ def build_health_router(queue: WorkQueue) -> APIRouter:
         """Each planned subscription: Running, Paused, HandlerNotRegistered, Unsupported or Error.
 
         503 when any of them is HandlerNotRegistered or Error (so a load balancer takes the
-        instance out), 200 otherwise."""
+        instance out), 200 otherwise. Anyone may ask, so an error's own text (a driver's, naming
+        hosts and databases) is replaced by a generic reason; it is in the process's log."""
         report = queue.health()
         if report.status == "Degraded" or any(s.state in UNHEALTHY for s in report.subscriptions):
             response.status_code = 503
-        return HealthReport(extensions=[report])
+        public = report.model_copy(update={"subscriptions": [s.public() for s in report.subscriptions]})
+        return HealthReport(extensions=[public])
 
     return router

@@ -37,6 +37,7 @@ from ..core.wire import WireModel
 from .auth import Authorizer
 from .fastapi_internals import scopes_of, set_request_body
 from .operator_view import shown, shown_all
+from .topic_access import require_topic
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
@@ -111,14 +112,15 @@ def _renderable(exc: RequestValidationError) -> RequestValidationError:
     """``exc``, or the same errors without the inputs when an input cannot be sent back as JSON.
 
     FastAPI's 422 echoes each offending input; a JSON string with a lone surrogate escape
-    (``"\\ud800"``) parses into a str that UTF-8 cannot encode, and the 422 would fail as a 500.
+    (``"\\ud800"``) parses into a str that UTF-8 cannot encode, and ``NaN`` or ``Infinity`` (which
+    Python's parser reads) into a float that strict JSON cannot write: either 422 would fail as a 500.
     """
     try:
-        json.dumps(jsonable_encoder(exc.errors()), ensure_ascii=False).encode()
+        json.dumps(jsonable_encoder(exc.errors()), ensure_ascii=False, allow_nan=False).encode()
         return exc
-    except UnicodeEncodeError:
+    except ValueError:  # UnicodeEncodeError is one; so is "Out of range float values"
         pass
-    except (RecursionError, ValueError, TypeError):
+    except (RecursionError, TypeError):
         return exc
 
     def printable(value: Any) -> Any:
@@ -217,6 +219,8 @@ def build_router(
         response_model=list[PublishResult],
         summary="Publish messages",
         responses={
+            403: {"description": "The credential lacks `workqueue:publish`; or the topic is a job queue's "
+                  "(`jobs.*`) and it lacks `workqueue:jobs`; or the key is limited to other topics."},
             404: {"description": "The topic does not exist."},
             409: {"model": PublishRefused, "description": "A MessageID was reused for other content."},
             413: {"description": "The body or the batch is too large."},
@@ -234,7 +238,10 @@ def build_router(
 
         One result per message, in order: Accepted, Duplicate (same MessageID and content, or a
         live DeduplicationKey) with the stored MessageID. PascalCase and snake_case are accepted.
+        A job queue's topic (`jobs.*`) also needs `workqueue:jobs`, and a key limited to topics
+        reaches only those.
         """
+        require_topic(principal, topic)
         name_exists_or_404("topic", topic)
         if len(requests) > max_batch:
             raise HTTPException(
@@ -404,11 +411,11 @@ def build_router(
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {subscription!r} does not exist")
         return StatusChange(subscription=subscription, status=new, changed=changed)
 
-    _document_errors(router)
+    document_errors(router)
     return router
 
 
-def _document_errors(router: APIRouter) -> None:
+def document_errors(router: APIRouter) -> None:
     """Adds to every route's OpenAPI entry the answers it can give besides its own: 401 and 403
     with the scope it needs (also in ``x-required-scopes``), 404 for an unknown subscription, 503
     while the store is away."""
@@ -442,9 +449,15 @@ async def _call(awaitable: Awaitable[T]) -> T:
     try:
         return await awaitable
     except ConfigurationError as exc:
-        raise HTTPException(status.HTTP_500_INTERNAL_SERVER_ERROR, detail=str(exc)) from exc
+        raise cannot_serve(exc) from exc
     except TransportError as exc:
         raise _unavailable(exc) from exc
+
+
+def cannot_serve(exc: ConfigurationError) -> HTTPException:
+    """503 saying why this app cannot do what an authenticated caller asked: its database role
+    lacks a privilege (the message names the role script), or the schema is out of date."""
+    return HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, detail=f"this app cannot do that now: {exc}")
 
 
 def _unavailable(exc: TransportError) -> HTTPException:

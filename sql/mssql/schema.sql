@@ -231,8 +231,10 @@ CREATE TABLE workqueue.once_marker (
 CREATE CLUSTERED INDEX once_marker_expires_at ON workqueue.once_marker (expires_at);
 
 -- API keys for the REST publish and operator API (PostgreSQL 0006). Only the key's SHA-256 is
--- stored; scopes is a JSON array of scope names. Two unrevoked keys never share a name
--- (api_key_create checks: name is nvarchar(max), which no index can hold).
+-- stored; scopes is a JSON array of scope names, topics one of the topics (or patterns with *) the
+-- key may publish to (NULL: every topic but the job queues'). Two unrevoked keys never share a
+-- name (api_key_create checks: name is nvarchar(max), which no index can hold).
+-- session_generation is counted up by a dashboard sign-out (0023).
 CREATE TABLE workqueue.api_key (
     id            uniqueidentifier NOT NULL,
     name          nvarchar(max) COLLATE Latin1_General_100_BIN2 NOT NULL,
@@ -244,6 +246,9 @@ CREATE TABLE workqueue.api_key (
     expires_at    datetimeoffset(6) NULL,
     revoked_at    datetimeoffset(6) NULL,
     last_used_at  datetimeoffset(6) NULL,
+    topics        nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL
+                  CONSTRAINT api_key_topics_json CHECK (topics IS NULL OR ISJSON(topics) = 1),
+    session_generation int NOT NULL CONSTRAINT api_key_session_generation_default DEFAULT 0,
     CONSTRAINT api_key_pk PRIMARY KEY CLUSTERED (id),
     CONSTRAINT api_key_prefix_unique UNIQUE (prefix)
 );
@@ -3601,7 +3606,8 @@ CREATE OR ALTER PROCEDURE workqueue.api_key_create
     @p_prefix nvarchar(200),
     @p_key_hash nvarchar(200),
     @p_scopes nvarchar(max),
-    @p_expires_at datetimeoffset(6)
+    @p_expires_at datetimeoffset(6),
+    @p_topics nvarchar(max) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -3621,8 +3627,8 @@ BEGIN
                 N'(workqueue api-keys revoke ''', REPLACE(@p_name, N'''', N''''''), N''') or pick another name');
             THROW 51004, @v_message, 1;
         END;
-        INSERT INTO workqueue.api_key (id, name, prefix, key_hash, scopes, expires_at)
-        VALUES (@p_id, @p_name, @p_prefix, @p_key_hash, @p_scopes, @p_expires_at);
+        INSERT INTO workqueue.api_key (id, name, prefix, key_hash, scopes, expires_at, topics)
+        VALUES (@p_id, @p_name, @p_prefix, @p_key_hash, @p_scopes, @p_expires_at, @p_topics);
         IF @v_own_transaction = 1
             COMMIT TRANSACTION;
     END TRY
@@ -3634,18 +3640,54 @@ BEGIN
 END;
 GO
 
--- The key behind a prefix, if it is usable now. Reads only: see api_key_touch.
--- returns: id, name, key_hash, scopes
-CREATE OR ALTER PROCEDURE workqueue.api_key_lookup
+-- The key behind a prefix whose SHA-256 is @p_key_hash, if it is usable now; never its hash.
+-- returns: id, name, scopes, topics, session_generation
+CREATE OR ALTER PROCEDURE workqueue.api_key_verify
+    @p_prefix nvarchar(200),
+    @p_key_hash nvarchar(200)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    SELECT k.id, k.name, k.scopes, k.topics, k.session_generation
+    FROM workqueue.api_key AS k
+    WHERE k.prefix = @p_prefix AND k.key_hash = @p_key_hash AND k.revoked_at IS NULL
+      AND (k.expires_at IS NULL OR k.expires_at > @v_now);
+END;
+GO
+
+-- The key behind a prefix, if it is usable now, for a session the application signed; never its hash.
+-- returns: id, name, scopes, topics, session_generation
+CREATE OR ALTER PROCEDURE workqueue.api_key_session
     @p_prefix nvarchar(200)
 AS
 BEGIN
     SET NOCOUNT ON;
     DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
-    SELECT k.id, k.name, k.key_hash, k.scopes
+    SELECT k.id, k.name, k.scopes, k.topics, k.session_generation
     FROM workqueue.api_key AS k
     WHERE k.prefix = @p_prefix AND k.revoked_at IS NULL
       AND (k.expires_at IS NULL OR k.expires_at > @v_now);
+END;
+GO
+
+-- Ends the dashboard sessions of a key issued at @p_session_generation (a sign-out).
+-- returns: nothing
+CREATE OR ALTER PROCEDURE workqueue.api_key_end_sessions
+    @p_id uniqueidentifier,
+    @p_session_generation int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    BEGIN TRY
+        UPDATE workqueue.api_key
+        SET session_generation = session_generation + 1
+        WHERE id = @p_id AND session_generation = @p_session_generation;
+    END TRY
+    BEGIN CATCH
+        THROW;
+    END CATCH;
 END;
 GO
 
@@ -3670,12 +3712,12 @@ BEGIN
 END;
 GO
 
--- returns: id, name, prefix, scopes, created_at, expires_at, revoked_at, last_used_at
+-- returns: id, name, prefix, scopes, created_at, expires_at, revoked_at, last_used_at, topics
 CREATE OR ALTER PROCEDURE workqueue.api_key_list
 AS
 BEGIN
     SET NOCOUNT ON;
-    SELECT k.id, k.name, k.prefix, k.scopes, k.created_at, k.expires_at, k.revoked_at, k.last_used_at
+    SELECT k.id, k.name, k.prefix, k.scopes, k.created_at, k.expires_at, k.revoked_at, k.last_used_at, k.topics
     FROM workqueue.api_key AS k
     ORDER BY k.created_at, k.name;
 END;

@@ -209,8 +209,11 @@ CREATE TABLE workqueue.once_marker (
 );
 CREATE INDEX once_marker_expires_at ON workqueue.once_marker (expires_at);
 
--- The public prefix finds a key, its SHA-256 proves it; scopes are workqueue:publish, :read,
--- :operate and :admin. Two unrevoked keys never share a name.
+-- The public prefix finds a key, its SHA-256 proves it; scopes are workqueue:publish, :jobs,
+-- :read, :operate and :admin. Two unrevoked keys never share a name. topics: the topics (or
+-- patterns with *) the key may publish to, NULL for every topic but the job queues'.
+-- session_generation: counted up when a person signs out of the dashboard, which ends the
+-- sessions made with the key before.
 CREATE TABLE workqueue.api_key (
     id            uuid PRIMARY KEY,
     name          text NOT NULL,
@@ -220,7 +223,9 @@ CREATE TABLE workqueue.api_key (
     created_at    timestamptz NOT NULL DEFAULT now(),
     expires_at    timestamptz,
     revoked_at    timestamptz,
-    last_used_at  timestamptz
+    last_used_at  timestamptz,
+    topics        text[],
+    session_generation integer NOT NULL DEFAULT 0
 );
 
 -- The processes that run a host (an app's lifespan or `workqueue work`). Each one writes its row
@@ -2756,7 +2761,8 @@ $$;
 
 -- Stores a new key (only its SHA-256); a name an unrevoked key has is refused.
 CREATE OR REPLACE FUNCTION workqueue.api_key_create(
-    p_id uuid, p_name text, p_prefix text, p_key_hash text, p_scopes text[], p_expires_at timestamptz
+    p_id uuid, p_name text, p_prefix text, p_key_hash text, p_scopes text[], p_expires_at timestamptz,
+    p_topics text[] DEFAULT NULL
 ) RETURNS void
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -2764,8 +2770,8 @@ AS $$
 DECLARE
     v_constraint text;
 BEGIN
-    INSERT INTO workqueue.api_key (id, name, prefix, key_hash, scopes, expires_at)
-    VALUES (p_id, p_name, p_prefix, p_key_hash, p_scopes, p_expires_at);
+    INSERT INTO workqueue.api_key (id, name, prefix, key_hash, scopes, expires_at, topics)
+    VALUES (p_id, p_name, p_prefix, p_key_hash, p_scopes, p_expires_at, p_topics);
 EXCEPTION WHEN unique_violation THEN
     GET STACKED DIAGNOSTICS v_constraint = CONSTRAINT_NAME;
     IF v_constraint = 'api_key_name_live' THEN
@@ -2776,14 +2782,35 @@ EXCEPTION WHEN unique_violation THEN
 END
 $$;
 
--- The key behind a prefix, if it is usable now. Reads only: see api_key_touch.
-CREATE OR REPLACE FUNCTION workqueue.api_key_lookup(p_prefix text)
-RETURNS TABLE (id uuid, name text, key_hash text, scopes text[])
+-- The key behind a prefix whose SHA-256 is p_key_hash, if it is usable now; never its hash.
+CREATE OR REPLACE FUNCTION workqueue.api_key_verify(p_prefix text, p_key_hash text)
+RETURNS TABLE (id uuid, name text, scopes text[], topics text[], session_generation integer)
 LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT k.id, k.name, k.key_hash, k.scopes FROM workqueue.api_key k
+    SELECT k.id, k.name, k.scopes, k.topics, k.session_generation FROM workqueue.api_key k
+    WHERE k.prefix = p_prefix AND k.key_hash = p_key_hash AND k.revoked_at IS NULL
+      AND (k.expires_at IS NULL OR k.expires_at > now())
+$$;
+
+-- The key behind a prefix, if it is usable now, for a session the application signed; never its hash.
+CREATE OR REPLACE FUNCTION workqueue.api_key_session(p_prefix text)
+RETURNS TABLE (id uuid, name text, scopes text[], topics text[], session_generation integer)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT k.id, k.name, k.scopes, k.topics, k.session_generation FROM workqueue.api_key k
     WHERE k.prefix = p_prefix AND k.revoked_at IS NULL AND (k.expires_at IS NULL OR k.expires_at > now())
+$$;
+
+-- Ends the dashboard sessions of a key issued at p_session_generation (a sign-out).
+CREATE OR REPLACE FUNCTION workqueue.api_key_end_sessions(p_id uuid, p_session_generation integer)
+RETURNS void
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    UPDATE workqueue.api_key k SET session_generation = k.session_generation + 1
+    WHERE k.id = p_id AND k.session_generation = p_session_generation
 $$;
 
 -- Marks a key used (at most once a minute); called once the key's hash matched.
@@ -2801,12 +2828,12 @@ $$;
 CREATE OR REPLACE FUNCTION workqueue.api_key_list()
 RETURNS TABLE (
     id uuid, name text, prefix text, scopes text[], created_at timestamptz, expires_at timestamptz,
-    revoked_at timestamptz, last_used_at timestamptz
+    revoked_at timestamptz, last_used_at timestamptz, topics text[]
 )
 LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT k.id, k.name, k.prefix, k.scopes, k.created_at, k.expires_at, k.revoked_at, k.last_used_at
+    SELECT k.id, k.name, k.prefix, k.scopes, k.created_at, k.expires_at, k.revoked_at, k.last_used_at, k.topics
     FROM workqueue.api_key k ORDER BY k.created_at, k.name
 $$;
 
@@ -2863,8 +2890,15 @@ BEGIN
                                   workqueue.process_beat(uuid, text, integer, timestamptz, text, jsonb, integer,
                                                          integer, double precision),
                                   workqueue.process_stop(uuid), workqueue.list_processes(),
-                                  workqueue.once_renew(text, uuid, double precision)
+                                  workqueue.once_renew(text, uuid, double precision),
+                                  workqueue.api_key_verify(text, text), workqueue.api_key_session(text),
+                                  workqueue.api_key_end_sessions(uuid, integer)
             TO workqueue_runtime;
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_admin') THEN
+        GRANT EXECUTE ON FUNCTION workqueue.api_key_create(uuid, text, text, text, text[], timestamptz, text[]),
+                                  workqueue.api_key_list()
+            TO workqueue_admin;
     END IF;
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN
         GRANT EXECUTE ON FUNCTION workqueue.discard_dead_letters(text, timestamptz, integer),

@@ -421,8 +421,8 @@ INSERT INTO step_result (message_id, name, value, created_at) VALUES (:message_i
 ON CONFLICT (message_id, name) DO NOTHING;
 
 -- name: api_key_create
-INSERT INTO api_key (id, name, prefix, key_hash, scopes, created_at, expires_at)
-VALUES (:id, :name, :prefix, :key_hash, :scopes, :now, :expires_at);
+INSERT INTO api_key (id, name, prefix, key_hash, scopes, created_at, expires_at, topics)
+VALUES (:id, :name, :prefix, :key_hash, :scopes, :now, :expires_at, :topics);
 
 -- name: api_key_touch
 UPDATE api_key SET last_used_at = :now
@@ -431,12 +431,21 @@ WHERE id = :id AND revoked_at IS NULL AND (last_used_at IS NULL OR last_used_at 
 -- name: api_key_live_name
 SELECT id FROM api_key WHERE name = :name AND revoked_at IS NULL;
 
--- name: api_key_lookup
-SELECT id, name, key_hash, scopes FROM api_key
+-- name: api_key_verify
+SELECT id, name, scopes, topics, session_generation FROM api_key
+WHERE prefix = :prefix AND key_hash = :key_hash AND revoked_at IS NULL
+  AND (expires_at IS NULL OR expires_at > :now);
+
+-- name: api_key_session
+SELECT id, name, scopes, topics, session_generation FROM api_key
 WHERE prefix = :prefix AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > :now);
 
+-- name: api_key_end_sessions
+UPDATE api_key SET session_generation = session_generation + 1
+WHERE id = :id AND session_generation = :session_generation;
+
 -- name: api_key_list
-SELECT id, name, prefix, scopes, created_at, expires_at, revoked_at, last_used_at FROM api_key
+SELECT id, name, prefix, scopes, created_at, expires_at, revoked_at, last_used_at, topics FROM api_key
 ORDER BY created_at, name;
 
 -- name: api_key_revoke

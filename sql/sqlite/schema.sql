@@ -130,7 +130,10 @@ CREATE TABLE once_marker (
 );
 CREATE INDEX once_marker_expires_at ON once_marker (expires_at);
 
--- Two unrevoked keys never share a name.
+-- Two unrevoked keys never share a name. topics: a JSON array of the topics (or patterns with *)
+-- the key may publish to, NULL for every topic but the job queues'. session_generation: counted up
+-- when a person signs out of the dashboard, which ends the sessions made with the key before.
+-- (The last line is written as 0009's ALTER TABLE ... ADD COLUMN leaves the table's text.)
 CREATE TABLE api_key (
     id            TEXT PRIMARY KEY,
     name          TEXT NOT NULL,
@@ -141,7 +144,7 @@ CREATE TABLE api_key (
     expires_at    REAL,
     revoked_at    REAL,
     last_used_at  REAL
-);
+, topics TEXT, session_generation INTEGER NOT NULL DEFAULT 0);
 
 CREATE UNIQUE INDEX api_key_name_live ON api_key (name) WHERE revoked_at IS NULL;
 

@@ -24,6 +24,9 @@ from fastapi_workqueue.core.context import Progress
 
 from ..conftest import unique
 
+SECRET = "the-shop-dashboard-secret-of-the-tests"
+"""WORKQUEUE_DASHBOARD_SECRET of the app: it signs the session cookies."""
+
 
 class Shop:
     """The app, its queue and the names of its topic and subscriptions."""
@@ -40,7 +43,7 @@ class Shop:
                 database_url=database_url,
                 subscriptions=[SubscriptionPlan(name=n, concurrency=2) for n in (self.mail, self.ledger)],
                 idle_poll_min_ms=20, idle_poll_max_ms=100, sweeper_interval_ms=200,
-                reconcile_interval_ms=200, shutdown_drain_ms=300,
+                reconcile_interval_ms=200, shutdown_drain_ms=300, dashboard_secret=SECRET,
             ),
             topics=[Topic(name=self.topic)],
             subscriptions=[

@@ -27,6 +27,7 @@ from fastapi_workqueue.core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_READ, 
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
 from ..conftest import recreate_database, unique
+from .shop import SECRET
 from .test_pages import sign_in
 
 pytestmark = pytest.mark.timeout(300)
@@ -191,7 +192,7 @@ async def test_every_page_reads_a_bounded_number_of_rows_through_indexes(million
     transport.plans = []
     queue = WorkQueue(WorkQueueSettings(database_url=million["url"], enabled=False), transport=transport)
     app = FastAPI(lifespan=queue.lifespan)
-    app.mount(UI, queue.dashboard())
+    app.mount(UI, queue.dashboard(secret=SECRET))
     bulk, ordered = million["bulk"], million["ordered"]
     async with queue.lifespan(app), httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://dashboard.test"

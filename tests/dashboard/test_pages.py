@@ -18,14 +18,15 @@ from fastapi.security import SecurityScopes
 
 from fastapi_workqueue import PublishRequest, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.core.envelope import prepare
-from fastapi_workqueue.core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_READ, Principal, create_key
+from fastapi_workqueue.core.errors import ConfigurationError
+from fastapi_workqueue.core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_READ, Principal, create_key, hash_key
 from fastapi_workqueue.core.processes import current_process
 from fastapi_workqueue.core.transport import Settlement
 from fastapi_workqueue.dashboard import views
-from fastapi_workqueue.dashboard.session import SESSION_COOKIE
+from fastapi_workqueue.dashboard.session import MAX_SESSION_SECONDS, SESSION_COOKIE, SessionCodec, session_key
 from fastapi_workqueue.web.auth import require_scopes
 
-from .shop import Shop
+from .shop import SECRET, Shop
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,20 +100,37 @@ async def test_signing_in_keeps_a_signed_httponly_samesite_cookie(shop: Shop) ->
         lacking = await sign_in(client, publisher)
         assert lacking.status_code == 403 and "lacks the scope workqueue:read" in lacking.text
 
-        answer = await sign_in(client, await key(shop, SCOPE_READ))
+        reader = await key(shop, SCOPE_READ)
+        answer = await sign_in(client, reader)
         assert answer.status_code == 303 and answer.headers["location"] == f"{UI}/"
         cookie = next(c for c in answer.headers.get_list("set-cookie") if c.startswith(SESSION_COOKIE))
         assert "HttpOnly" in cookie and "SameSite=lax" in cookie and f"Path={UI}" in cookie
         value = client.cookies[SESSION_COOKIE]
-        assert "wq_" not in value and value.count(".") == 2  # prefix.expiry.signature, never the key
+        assert reader.split("_")[2] not in value and value.count(".") == 3  # prefix.generation.expiry.signature
         overview = await client.get(f"{UI}/")
         assert overview.status_code == 200
         assert shop.mail in overview.text and shop.ledger in overview.text and shop.idle in overview.text
 
-        # Signing out ends the session.
+
+async def test_signing_out_ends_the_session_on_the_server(shop: Shop) -> None:
+    """The cookie of a signed-out session no longer works, wherever it was copied: so does every
+    other session of the key made before (a second browser), while the key signs in again."""
+    reader = await key(shop, SCOPE_READ)
+    async with client_for(shop) as client, client_for(shop) as other:
+        await sign_in(client, reader)
+        await sign_in(other, reader)
+        value = client.cookies[SESSION_COOKIE]
+        assert (await other.get(f"{UI}/")).status_code == 200
+
         out = await post(client, f"{UI}/", f"{UI}/sign-out")
         assert out.status_code == 303 and out.headers["location"] == f"{UI}/sign-in"
         assert (await client.get(f"{UI}/")).status_code == 303
+        client.cookies.set(SESSION_COOKIE, value, domain="dashboard.test", path=UI)  # the copied cookie
+        assert (await client.get(f"{UI}/")).status_code == 303
+        assert (await other.get(f"{UI}/")).status_code == 303
+
+        assert (await sign_in(client, reader)).status_code == 303
+        assert (await client.get(f"{UI}/")).status_code == 200
 
 
 async def test_a_session_ends_when_forged_expired_or_its_key_is_revoked(shop: Shop) -> None:
@@ -120,11 +138,23 @@ async def test_a_session_ends_when_forged_expired_or_its_key_is_revoked(shop: Sh
         secret = await key(shop, SCOPE_READ)
         await sign_in(client, secret)
         value = client.cookies[SESSION_COOKIE]
-        prefix, expires, signature = value.split(".")
+        prefix, generation, expires, signature = value.split(".")
         assert (await client.get(f"{UI}/")).status_code == 200
 
-        for forged in (f"{prefix}.{int(expires) + 3600}.{signature}", f"{prefix}.{expires}.{signature[:-2]}xx",
-                       f"{prefix}.{int(time.time()) - 1}.{signature}", "garbage", f"{prefix}.{expires}"):
+        record = await shop.queue.transport.api_key_session(prefix)  # type: ignore[attr-defined]
+        assert record is not None
+        # Signed as the app signs, but claiming to last ten years: refused, whatever its signature.
+        ten_years = SessionCodec(key=session_key(SECRET, shop.queue.settings), max_age=MAX_SESSION_SECONDS).issue(
+            record, prefix, now=time.time() + 10 * 365 * 86400)
+        # Signed with what a copy of the database holds (the key's stored hash) instead of the secret.
+        stored_hash = hash_key(secret)
+        from_the_database = SessionCodec(key=session_key(stored_hash, shop.queue.settings)).issue(record, prefix)
+        for forged in (f"{prefix}.{generation}.{int(expires) + 3600}.{signature}",
+                       f"{prefix}.{int(generation) + 1}.{expires}.{signature}",
+                       f"{prefix}.{generation}.{expires}.{signature[:-2]}xx",
+                       f"{prefix}.{generation}.{int(time.time()) - 1}.{signature}", "garbage",
+                       f"{prefix}.{generation}.{expires}", f"{prefix}.{expires}.{signature}", ten_years,
+                       from_the_database):
             client.cookies.set(SESSION_COOKIE, forged, domain="dashboard.test", path=UI)
             assert (await client.get(f"{UI}/")).status_code == 303, forged
 
@@ -384,15 +414,119 @@ async def test_answers_carry_strict_security_headers(shop: Shop) -> None:
         assert answer.status_code == 303 and answer.headers["location"] == f"{UI}/"
 
 
+LEAVING = ("/work-queue/ui/../../x", "/work-queue/ui/%2e%2e/%2E%2E/x", "/work-queue/ui/./../x",
+           "/work-queue/ui/deliveries/..%2f..%2f..%2fx", "/work-queue/ui/%2f%2fevil.example/", "//evil.example/x",
+           "/work-queue/ui\\..\\..\\x", "/work-queue/uix")
+
+
+async def test_forms_send_the_browser_back_only_inside_the_dashboard(shop: Shop) -> None:
+    """``next=`` and ``back=`` are followed only to paths that stay in the dashboard once the
+    browser normalises them; anything else falls back to the overview (or the form's own page)."""
+    [dead] = await dead_letters_on_idle(shop, 1)
+    reader = await key(shop, SCOPE_READ, SCOPE_OPERATE)
+    async with client_for(shop) as client:
+        for leaving in LEAVING:
+            page = await client.get(f"{UI}/sign-in", params={"next": leaving})
+            assert f'name="next" value="{UI}/"' in page.text, leaving
+            answer = await client.post(f"{UI}/sign-in", data={"csrf": token_of(page.text), "api_key": reader,
+                                                               "next": leaving})
+            assert answer.status_code == 303 and answer.headers["location"] == f"{UI}/", leaving
+        kept = await client.post(f"{UI}/sign-in", data={"csrf": client.cookies["workqueue_csrf"], "api_key": reader,
+                                                         "next": f"{UI}/deliveries/{dead}"})
+        assert kept.headers["location"] == f"{UI}/deliveries/{dead}"
+        for leaving in LEAVING[:3]:
+            answer = await post(client, f"{UI}/deliveries/{dead}", f"{UI}/subscriptions/{shop.idle}/pause",
+                                back=leaving)
+            assert answer.headers["location"].startswith(f"{UI}/subscriptions/{shop.idle}?"), leaving
+
+
 async def test_a_dashboard_whose_queue_is_not_open_says_so(pg_url: str) -> None:
     queue = WorkQueue(WorkQueueSettings(database_url=pg_url))
     from fastapi import FastAPI
 
     app = FastAPI()
-    app.mount(UI, queue.dashboard())
+    app.mount(UI, queue.dashboard(secret=SECRET))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         answer = await client.get(f"{UI}/")
     assert answer.status_code == 503 and "queue.lifespan" in answer.text
+
+
+async def test_while_the_store_is_away_a_caller_not_signed_in_sees_no_driver_text(pg_url: str) -> None:
+    """Connections refused (maintenance), then the database dropped: the session check, the sign-in
+    and ``/health/extensions`` answer with a generic reason, never the driver's text with the
+    database's name (the process itself still has it: ``queue.health()``, and its log)."""
+    import asyncpg
+
+    from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
+
+    from ..conftest import drop_database, recreate_database, unique
+
+    url = pg_url.rsplit("/", 1)[0] + "/" + unique("wq_ui_away").replace("-", "_")
+    name = url.rsplit("/", 1)[1]
+    await recreate_database(url)
+    migrating = PostgresTransport(url, listen=False)
+    await migrating.open()
+    await migrating.migrate()
+    await migrating.close()
+    shop = Shop(url)
+    shop.app.include_router(shop.queue.health_router)
+    admin = await asyncpg.connect(to_asyncpg_dsn(pg_url).rsplit("/", 1)[0] + "/postgres")
+    try:
+        async with shop.queue.lifespan(shop.app), client_for(shop) as client:
+            reader = await key(shop, SCOPE_READ)
+            await sign_in(client, reader)
+            assert (await client.get(f"{UI}/")).status_code == 200
+            form = await client.get(f"{UI}/sign-in")
+
+            await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+            await admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1", name)
+            answers = [await client.get(f"{UI}/")]
+
+            def failing() -> list[Any]:
+                return [s for s in shop.queue.health().subscriptions if s.state == "Error"]
+
+            from .shop import wait_until
+
+            [*errors] = await wait_until(failing)
+            assert any(name in (e.reason or "") for e in errors)  # the process's own report keeps the detail
+            health = await client.get("/health/extensions")
+            assert health.status_code == 503 and name not in health.text, health.text
+            reasons = {s["Reason"] for s in health.json()["Extensions"][0]["Subscriptions"] if s["State"] == "Error"}
+            assert reasons == {"the queue's store is unavailable or refused a call; the details are in this "
+                               "process's log"}
+            await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+            await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+            answers.append(await client.get(f"{UI}/"))
+            answers.append(await client.post(f"{UI}/sign-in", data={"csrf": token_of(form.text), "api_key": reader,
+                                                                      "next": f"{UI}/"}))
+            shop.release.set()
+        for answer in answers:
+            assert answer.status_code == 503, answer.text
+            assert name not in answer.text and "unavailable" in answer.text
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+        await drop_database(url)
+
+
+def test_the_sign_in_needs_a_server_secret_and_caps_the_session(pg_url: str) -> None:
+    """Sessions are signed with a secret that never sits in the database: without one the mount
+    says what to set; WORKQUEUE_APP_KEY serves when no dashboard secret is set; a session lasts at
+    most 12 hours. An app with its own authorize needs none."""
+    from cryptography.fernet import Fernet
+
+    bare = WorkQueue(WorkQueueSettings(database_url=pg_url))
+    with pytest.raises(ConfigurationError) as refused:
+        bare.dashboard()
+    assert "WORKQUEUE_DASHBOARD_SECRET" in str(refused.value) and "WORKQUEUE_APP_KEY" in str(refused.value)
+    with pytest.raises(ConfigurationError, match="at least 16"):
+        bare.dashboard(secret="short")
+    bare.dashboard(authorize=lambda: None)  # the app's own authentication: no session to sign
+
+    with_app_key = WorkQueue(WorkQueueSettings(database_url=pg_url, app_key=Fernet.generate_key().decode()))
+    with_app_key.dashboard()
+    with pytest.raises(ConfigurationError, match="at most 43200"):
+        with_app_key.dashboard(session_seconds=10 * 365 * 86400)
 
 
 def test_the_history_chart_draws_the_last_hour() -> None:

@@ -3,7 +3,7 @@
 -- workqueue_admin (NOLOGIN) manages the REST API's keys: api_key_create, api_key_list and
 -- api_key_revoke (`workqueue api-keys create|list|revoke`). Nothing else: a key it creates may
 -- carry any scope, so keep it from the application's login, which checks keys
--- (api_key_lookup, api_key_touch) but cannot mint them. It holds no privilege on any table or
+-- (api_key_verify, api_key_touch) but cannot mint them, nor read their hashes. It holds no privilege on any table or
 -- sequence.
 --
 --     CREATE ROLE keys_login LOGIN PASSWORD '...';

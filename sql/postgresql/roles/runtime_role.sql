@@ -23,8 +23,11 @@
 --   * the read-only operator views the app, its REST API and its dashboard serve: stats, backlog,
 --     list_deliveries, get_delivery, message_deliveries, partitions, list_subscriptions, list_topics,
 --     schema_versions, stats_history, live_counts and blocked_keys;
---   * the REST API's key check: api_key_lookup (reads the key behind a prefix) and api_key_touch
---     (marks a key used once its hash matched).
+--   * the REST API's key check: api_key_verify (the key behind a prefix, answered only when the
+--     hash of the presented key matches; never a stored hash) and api_key_touch (marks a key used
+--     once it matched); the dashboard's sessions: api_key_session (a key's scopes and session
+--     generation, for a cookie the app signed with its own secret) and api_key_end_sessions
+--     (sign-out).
 -- What it may not: replay, discard (and cancel), pause and resume (set_subscription_status),
 -- prune, discard_dead_letters and rewrite_payload are workqueue_operator's; creating, listing and
 -- revoking API keys workqueue_admin's (admin_role.sql); the helpers the functions call for
@@ -90,7 +93,7 @@ BEGIN
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
               'list_subscriptions', 'list_topics', 'schema_versions', 'stats_history',
               'live_counts', 'blocked_keys',
-              'api_key_lookup', 'api_key_touch',
+              'api_key_verify', 'api_key_touch', 'api_key_session', 'api_key_end_sessions',
               'claim_many', 'known_messages', 'message_deliveries',
               'release_deduplication_key', 'step_get', 'step_put',
               'process_beat', 'process_stop', 'list_processes'])
