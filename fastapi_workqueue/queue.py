@@ -23,10 +23,11 @@ from .core.envelope import (
     aborted_results,
     prepare,
 )
-from .core.errors import ConfigurationError
+from .core.errors import ConfigurationError, UnknownTopic
 from .core.handlers import HandlerFunc, HandlerRegistry, HandlerSpec
 from .core.host import GroupPlan, Host, SubscriptionPlan
 from .core.observe import NO_OBSERVER, Observer, Observers, carry_headers
+from .core.published import NOT_ACCEPTED_LOGGED, PublishResults, refusal
 from .core.redaction import redacting_logger
 from .core.reports import (
     ActionResult,
@@ -42,7 +43,7 @@ from .core.reports import (
 from .core.request_load import RequestLoad
 from .core.topology import Subscription, SubscriptionStatus, Topic
 from .core.transport import Transport
-from .settings import WorkQueueSettings, default_database_file
+from .settings import WorkQueueSettings, default_database_file, unknown_variables
 from .web.auth import Authorizer, api_key_authorizer
 from .web.di import DependencyInvoker
 from .web.health import ExtensionHealth, build_health_router
@@ -55,6 +56,9 @@ if TYPE_CHECKING:
     from .jobs.failed import FailedJob
 
 F = TypeVar("F", bound=HandlerFunc)
+
+_warned_variables: set[str] = set()
+"""Unknown ``WORKQUEUE_*`` variables already warned about in this process (once each)."""
 
 _worker_runs_host: ContextVar[bool] = ContextVar("workqueue_worker_runs_host", default=False)
 
@@ -71,6 +75,23 @@ def host_run_by_worker() -> Iterator[None]:
         yield
     finally:
         _worker_runs_host.reset(token)
+
+
+def _checked(topic: str, results: list[PublishResult]) -> PublishResults:
+    """A publish's results, with its refusals logged at WARNING; raises UnknownTopic when the
+    store did not know the topic."""
+    answer = results if isinstance(results, PublishResults) else PublishResults(results)
+    for index, result in enumerate(answer):
+        if result.status in NOT_ACCEPTED_LOGGED:
+            error = result.error
+            code = error.code if error is not None else result.status.value
+            if code == "UnknownTopic":
+                raise UnknownTopic(topic, f"cannot publish to topic {topic!r}: neither the code declares it "
+                                          f"(Topic(name={topic!r})) nor the store holds it; check the name")
+            if code != "BatchAborted":
+                log.warning("publish to %s: item %d was %s (%s): %s", topic, index, result.status.value, code,
+                            refusal(result))
+    return answer
 
 
 class WorkQueue:
@@ -455,6 +476,10 @@ class WorkQueue:
         try:
             if self._jobs is not None:
                 self._jobs.check()
+            for problem in unknown_variables():
+                if problem not in _warned_variables:
+                    _warned_variables.add(problem)
+                    log.warning("%s", problem)
             if self.settings.uses_default_database:
                 log.warning(
                     "no database is configured (neither WORKQUEUE_DATABASE_URL nor database_url): the queue "
@@ -608,7 +633,7 @@ class WorkQueue:
         requests: Sequence[PublishRequest | Mapping[str, Any]],
         *,
         session: Any = None,
-    ) -> list[PublishResult]:
+    ) -> PublishResults:
         """Publishes ``requests`` to ``topic``; one result per request, in order.
 
         With ``session`` (an ``AsyncSession`` or ``AsyncConnection``), the publish joins that
@@ -617,7 +642,10 @@ class WorkQueue:
         the request spawned, a background task or a cleanup after the response publishes in a
         transaction of its own. Otherwise it commits on its own before answering. A call is
         all-or-nothing: when any request is refused, none is published and the others report
-        ``BatchAborted``.
+        ``BatchAborted``; each refusal is also logged at WARNING, and
+        ``results.raise_for_errors()`` turns them into :class:`PublishFailed`.
+
+        Raises :class:`UnknownTopic` when neither the code nor the store knows ``topic``.
         """
         cap = self.envelope_cap(topic)
         prepared: list[PreparedMessage] = []
@@ -654,7 +682,7 @@ class WorkQueue:
     async def publish_prepared(
         self, topic: str, count: int, prepared: list[PreparedMessage], failures: dict[int, PublishResult], *,
         session: Any = None,
-    ) -> list[PublishResult]:
+    ) -> PublishResults:
         """The second half of :meth:`publish`, for ``count`` requests already prepared: ``prepared``
         those that passed, ``failures`` the results of those refused, by index (then none is
         published). For layers that prepare their messages themselves (the jobs layer)."""
@@ -670,9 +698,9 @@ class WorkQueue:
             results = aborted_results(count, failures)
             if scope is not None:
                 scope.end(results, None)
-            return results
+            return _checked(topic, results)
         if scope is None:
-            return await self.transport.publish(topic, prepared, session=session)
+            return _checked(topic, await self.transport.publish(topic, prepared, session=session))
         headers = scope.headers()
         if headers:
             for message in prepared:
@@ -683,7 +711,7 @@ class WorkQueue:
             scope.end(None, exc)
             raise
         scope.end(results, None)
-        return results
+        return _checked(topic, results)
 
     # -- operate -----------------------------------------------------------------------------
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError
@@ -11,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from .core.errors import ConfigurationError
 from .core.host import HostOptions, SubscriptionPlan
+from .core.redaction import redact
 from .web.session import SessionPool
 
 ENV_PREFIX = "WORKQUEUE_"
@@ -33,7 +36,7 @@ class WorkQueueSettings(BaseSettings):
     ``WORKQUEUE_SUBSCRIPTIONS='[{"name": "*", "concurrency": 8}]'``, ``WORKQUEUE_DISABLE_HOST=1`` …
     """
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
     def __init__(self, **values: Any) -> None:
         """Reads the environment; a value that cannot work raises ConfigurationError in one line."""
@@ -143,6 +146,11 @@ class WorkQueueSettings(BaseSettings):
     (``WORKQUEUE_AWS_LAMBDA_SUBSCRIPTIONS='["documents.archive"]'``): the manifest gives them a
     ``lambda`` block and hosts do not consume them."""
 
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        """The fields, with the database URL's password masked (a repr ends up in logs)."""
+        for name, value in super().__repr_args__():
+            yield name, redact(value) if name == "database_url" and isinstance(value, str) else value
+
     def session_pool(self) -> SessionPool:
         """The request sessions' pool, from the settings."""
         return SessionPool(
@@ -203,8 +211,49 @@ def _settings_error(exc: SettingsError) -> ConfigurationError:
     return ConfigurationError(f"{_variable(field)} is not valid JSON{cause}{_example(field)}")
 
 
+OTHER_VARIABLES = frozenset({
+    "WORKQUEUE_APP",  # the CLI's --app
+    "WORKQUEUE_ALLOW_DESTRUCTIVE",  # the CLI's guard for destructive commands
+    "WORKQUEUE_SUBSCRIPTION_POLICY",  # the Lambda adapter's policy
+})
+"""``WORKQUEUE_*`` variables the package reads outside the settings."""
+
+
+def _closest(name: str, candidates: list[str]) -> str | None:
+    found = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def setting_names() -> list[str]:
+    """The names of every setting (``database_url``, ...)."""
+    return list(WorkQueueSettings.model_fields)
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One sentence per ``WORKQUEUE_*`` variable of the environment that names no setting, with
+    the variable it most resembles (a typo is otherwise silently ignored)."""
+    known = {_variable(name) for name in setting_names()} | OTHER_VARIABLES
+    problems = []
+    for name in sorted(os.environ if environ is None else environ):
+        if name.upper().startswith(ENV_PREFIX) and name.upper() not in known:
+            suffix = _closest(name.upper().removeprefix(ENV_PREFIX), sorted(k.removeprefix(ENV_PREFIX) for k in known))
+            guess = None if suffix is None else ENV_PREFIX + suffix
+            hint = f"; did you mean {guess}?" if guess else "; see docs/configuration.md for the settings"
+            problems.append(f"{name} is not a setting of fastapi-workqueue and is ignored{hint}")
+    return problems
+
+
+def _unknown_field(field: str) -> str:
+    guess = _closest(field, setting_names())
+    hint = f"did you mean {guess!r}?" if guess else "see docs/configuration.md for the settings"
+    return f"WorkQueueSettings has no setting {field!r}; {hint}"
+
+
 def _validation_error(exc: ValidationError) -> ConfigurationError:
     """Values of the wrong shape, each named by its variable and where in it the problem is."""
+    unknown = [str(e["loc"][0]) for e in exc.errors() if e["type"] == "extra_forbidden" and e["loc"]]
+    if unknown:
+        return ConfigurationError("; ".join(_unknown_field(field) for field in unknown))
     problems: dict[str, list[str]] = {}
     for error in exc.errors():
         loc = list(error["loc"])

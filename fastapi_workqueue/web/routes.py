@@ -20,7 +20,7 @@ from pydantic import Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.envelope import PublishRequest, PublishResult
-from ..core.errors import ConfigurationError, TransportError, TransportUnavailable
+from ..core.errors import ConfigurationError, TransportError, TransportUnavailable, UnknownTopic
 from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_PUBLISH, SCOPE_READ, Principal
 from ..core.reports import (
     ActionResult,
@@ -243,12 +243,11 @@ def build_router(
             )
         try:
             results = await queue.publish(topic, requests)
+        except UnknownTopic:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"topic {topic!r} does not exist") from None
         except TransportError as exc:
             raise _unavailable(exc) from exc
-        unknown = all(r.error is not None and r.error.code == "UnknownTopic" for r in results) if results else (
-            topic not in {t.name for t in await _call(queue.transport.list_topics())}
-        )
-        if unknown:
+        if not results and topic not in {t.name for t in await _call(queue.transport.list_topics())}:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"topic {topic!r} does not exist")
         problems = [
             PublishProblem(index=i, code=r.error.code, message=r.error.message, field=r.error.field)
