@@ -24,7 +24,7 @@ from .core.envelope import (
     prepare,
 )
 from .core.errors import ConfigurationError, UnknownTopic
-from .core.handlers import HandlerFunc, HandlerRegistry, HandlerSpec
+from .core.handlers import HandlerFunc, HandlerRegistry, HandlerSpec, unused_handlers
 from .core.host import GroupPlan, Host, SubscriptionPlan
 from .core.observe import NO_OBSERVER, Observer, Observers, carry_headers
 from .core.published import NOT_ACCEPTED_LOGGED, PublishResults, refusal
@@ -573,6 +573,8 @@ class WorkQueue:
         if self._host is None:
             self._host = self.build_host()
             await self._host.start()
+            for problem in unused_handlers(self.handlers.keys(), self._host.stored_handler_keys):
+                log.warning("%s", problem)
             if self._jobs is not None:
                 self._jobs.schedules.start()
                 if self.job_groups():
@@ -596,7 +598,7 @@ class WorkQueue:
             off = self.host_off_reason()
             if off is None:
                 await self.start_host()
-            else:
+            elif not _worker_runs_host.get():  # `workqueue work` runs a host of its own: nothing is off
                 log.info("work queue host is off in this process: %s", off)
             yield {"workqueue": self}
         finally:

@@ -37,6 +37,13 @@ class PublishFailed(WorkQueueError):
         self.failures = failures
 
 
+def missing_extra(feature: str, package: str, extra: str) -> ConfigurationError:
+    """The error for a feature whose optional dependency is not installed: names the extra."""
+    return ConfigurationError(
+        f"{feature} needs {package}: install the {extra} extra, pip install 'fastapi-workqueue[{extra}]'"
+    )
+
+
 class TransportError(WorkQueueError):
     """The transport failed. ``retryable`` is True when the same call may succeed later."""
 

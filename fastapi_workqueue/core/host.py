@@ -136,6 +136,9 @@ class Host:
         self._stopping: set[asyncio.Task[None]] = set()
         self._retired: dict[str, list[Consumer]] = {}  # consumers no longer planned, by subscription
         self._registry = transport if isinstance(transport, ProcessRegistry) else None
+        self.stored_handler_keys: dict[str, str] = {}
+        """The handler key of each stored subscription (key -> a subscription that names it), as
+        the last reconcile read them."""
         self._beat_failing = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -212,6 +215,7 @@ class Host:
             await self._apply(subscriptions)
 
     async def _apply(self, subscriptions: list[SubscriptionState]) -> None:
+        self.stored_handler_keys = {s.handler_key: s.name for s in subscriptions}
         health: dict[str, SubscriptionHealth] = {}
         self._by_id = {str(s.id): s.name for s in subscriptions}
         consumer_of: dict[str, Consumer] = {}

@@ -1,0 +1,119 @@
+"""Mistakes are loud: an unknown setting raises with the name it resembles, an unknown
+``WORKQUEUE_*`` variable is a warning at start, and the database password stays out of reprs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastapi_workqueue import ConfigurationError, Subscription, Topic, WorkMessage, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.settings import unknown_variables
+
+
+def test_a_misspelt_setting_raises_with_the_name_it_resembles() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        WorkQueueSettings(databse_url="sqlite+aiosqlite:///x.db")  # type: ignore[call-arg]
+    assert str(raised.value) == "WorkQueueSettings has no setting 'databse_url'; did you mean 'database_url'?"
+    with pytest.raises(ConfigurationError, match=r"has no setting 'colour'; see docs/configuration\.md"):
+        WorkQueueSettings(colour="blue")  # type: ignore[call-arg]
+
+
+def test_the_database_password_is_masked_in_the_repr() -> None:
+    settings = WorkQueueSettings(database_url="postgresql+asyncpg://app:s3cret-pw@db.internal:5432/orders")
+    shown = repr(settings)
+    assert "s3cret-pw" not in shown and "s3cret-pw" not in str(settings)
+    assert "postgresql+asyncpg://app:***@db.internal:5432/orders" in shown
+    # The value itself is what the code connects with.
+    assert settings.database_url == "postgresql+asyncpg://app:s3cret-pw@db.internal:5432/orders"
+
+
+def test_unknown_variables_name_the_closest_setting() -> None:
+    environ = {
+        "WORKQUEUE_DATABSE_URL": "x", "WORKQUEUE_DATABASE_URL": "y", "WORKQUEUE_CONCURENCY": "2",
+        "WORKQUEUE_APP": "app:app", "WORKQUEUE_SUBSCRIPTION_POLICY": "{}", "WORKQUEUE_XYZZY": "1", "HOME": "/",
+    }
+    assert unknown_variables(environ) == [
+        "WORKQUEUE_CONCURENCY is not a setting of fastapi-workqueue and is ignored; "
+        "did you mean WORKQUEUE_JOB_CONCURRENCY?",
+        "WORKQUEUE_DATABSE_URL is not a setting of fastapi-workqueue and is ignored; "
+        "did you mean WORKQUEUE_DATABASE_URL?",
+        "WORKQUEUE_XYZZY is not a setting of fastapi-workqueue and is ignored; see docs/configuration.md for "
+        "the settings",
+    ]
+
+
+async def test_the_queue_warns_of_an_unknown_variable_when_it_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("WORKQUEUE_SWEEPER_INTERVALL_MS", "500")
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", enabled=False))
+    caplog.set_level(logging.WARNING, logger="fastapi_workqueue")
+    async with queue.lifespan(None):
+        pass
+    [warning] = [r for r in caplog.records if "WORKQUEUE_SWEEPER_INTERVALL_MS" in r.getMessage()]
+    assert warning.levelno == logging.WARNING
+    assert warning.getMessage().endswith("did you mean WORKQUEUE_SWEEPER_INTERVAL_MS?")
+
+
+async def test_a_handler_no_subscription_names_is_a_warning_with_the_closest_key(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue = WorkQueue(
+        WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", reconcile_interval_ms=0),
+        topics=[Topic(name="orders")],
+        subscriptions=[Subscription(name="orders.email", topic="orders", handler_key="orders.send-email")],
+    )
+
+    @queue.handler("orders.send-emial")
+    async def send(message: WorkMessage[dict[str, str]]) -> None: ...
+
+    caplog.set_level(logging.INFO, logger="fastapi_workqueue")
+    async with queue.lifespan(None):
+        health = queue.health()
+    assert [s.state for s in health.subscriptions] == ["HandlerNotRegistered"]
+    [warning] = [r for r in caplog.records if "is registered, but no subscription names it" in r.getMessage()]
+    assert warning.levelno == logging.WARNING
+    assert warning.getMessage() == (
+        "handler 'orders.send-emial' is registered, but no subscription names it; did you mean "
+        "'orders.send-email' (subscription 'orders.email')?")
+
+
+BLOCKED_EXTRAS = [
+    ("prometheus_client",
+     "from fastapi_workqueue import WorkQueue, WorkQueueSettings\n"
+     "WorkQueue(WorkQueueSettings(database_url='sqlite+aiosqlite:///x.db')).metrics_router",
+     "queue.metrics_router (/metrics) needs prometheus-client: install the prometheus extra, "
+     "pip install 'fastapi-workqueue[prometheus]'"),
+    ("opentelemetry",
+     "import fastapi_workqueue.observability.otel",
+     "tracing through OpenTelemetry needs opentelemetry-api: install the otel extra, "
+     "pip install 'fastapi-workqueue[otel]'"),
+    ("croniter",
+     "from fastapi_workqueue import WorkQueue, WorkQueueSettings\n"
+     "q = WorkQueue(WorkQueueSettings(database_url='sqlite+aiosqlite:///x.db'))\n"
+     "@q.job('tidy')\n"
+     "async def tidy(payload: dict) -> None: ...\n"
+     "q.schedule(tidy, payload={}, cron='*/5 * * * *')",
+     "schedule 'tidy' (a cron expression) needs croniter: install the jobs extra, "
+     "pip install 'fastapi-workqueue[jobs]'"),
+    ("jinja2",
+     "from fastapi_workqueue import WorkQueue, WorkQueueSettings\n"
+     "WorkQueue(WorkQueueSettings(database_url='sqlite+aiosqlite:///x.db')).dashboard()",
+     "the dashboard needs jinja2: install the dashboard extra, pip install 'fastapi-workqueue[dashboard]'"),
+]
+
+
+@pytest.mark.parametrize(("module", "code", "message"), BLOCKED_EXTRAS, ids=[m for m, _, _ in BLOCKED_EXTRAS])
+def test_a_missing_extra_is_named(tmp_path: Path, module: str, code: str, message: str) -> None:
+    """Without an optional dependency, the feature that needs it says which extra to install."""
+    script = f"import sys\nsys.modules[{module!r}] = None\n{code}\n"
+    ran = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert ran.returncode == 1
+    last = ran.stderr.strip().splitlines()[-1]
+    assert last == f"fastapi_workqueue.core.errors.ConfigurationError: {message}"
