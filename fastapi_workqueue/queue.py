@@ -622,7 +622,8 @@ class WorkQueue:
         if self._opened == 0:
             return ExtensionHealth(status="Stopped", reason="the app's lifespan has not started the queue")
         if self._host is None:
-            return ExtensionHealth(status="Disabled", reason="the host is off in this process")
+            off = self.host_off_reason() or "the host is not started"
+            return ExtensionHealth(status="Disabled", reason=f"the host is off in this process: {off}")
         subscriptions = self._host.health()
         degraded = any(s.state == "Error" for s in subscriptions)
         return ExtensionHealth(status="Degraded" if degraded else "Running", subscriptions=subscriptions)

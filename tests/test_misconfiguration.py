@@ -9,9 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
+from fastapi import FastAPI
 
-from fastapi_workqueue import ConfigurationError, Subscription, Topic, WorkMessage, WorkQueue, WorkQueueSettings
+from fastapi_workqueue import (
+    ConfigurationError,
+    Subscription,
+    Topic,
+    TransportUnavailable,
+    WorkMessage,
+    WorkQueue,
+    WorkQueueSettings,
+)
 from fastapi_workqueue.settings import unknown_variables
 
 
@@ -117,3 +127,29 @@ def test_a_missing_extra_is_named(tmp_path: Path, module: str, code: str, messag
     assert ran.returncode == 1
     last = ran.stderr.strip().splitlines()[-1]
     assert last == f"fastapi_workqueue.core.errors.ConfigurationError: {message}"
+
+
+async def test_a_host_name_that_does_not_resolve_says_to_check_the_url() -> None:
+    queue = WorkQueue(WorkQueueSettings(database_url="postgresql+asyncpg://postgres@no-such-host.invalid:5432/x"))
+    with pytest.raises(TransportUnavailable) as raised:
+        async with queue.lifespan(None):
+            pass
+    message = str(raised.value)
+    assert "the database host name does not resolve" in message
+    assert message.endswith("check the host in WORKQUEUE_DATABASE_URL") and "retry later" not in message
+
+
+async def test_health_names_the_switch_that_turned_the_host_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORKQUEUE_DISABLE_HOST", "1")
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"))
+    app = FastAPI(lifespan=queue.lifespan)
+    app.include_router(queue.health_router)
+    async with queue.lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                      base_url="http://test") as http:
+        answer = await http.get("/health/extensions")
+    assert answer.status_code == 200
+    [body] = answer.json()["Extensions"]
+    assert body["Status"] == "Disabled"
+    assert body["Reason"] == "the host is off in this process: WORKQUEUE_DISABLE_HOST is on (disable_host=True)"
