@@ -296,7 +296,7 @@ async def test_pause_resume_and_work_on_a_paused_subscription(cli: Cli) -> None:
     assert (await cli.json("resume", "--subscription", sub))["Changed"] is True
     assert (await cli("resume", "--subscription", sub)).out.strip() == f"{sub}: Active (it already was)"
     ran = await cli.work(sub, "--once")
-    assert one_line(ran.out).endswith("ran 1 deliveries")
+    assert one_line(ran.out).endswith("ran 1 delivery")
     assert (await cli("pause", "--subscription", "cli.nope", expect=1)).err.strip().endswith("does not exist")
 
 
@@ -393,7 +393,7 @@ async def test_a_signal_drains_the_running_handler_and_exits_0(cli: Cli, sig: si
     proc.send_signal(sig)
     result = await cli.finish(proc, within=20)
     assert result.code == 0, result.err
-    assert one_line(result.out).endswith("ran 1 deliveries")
+    assert one_line(result.out).endswith("ran 1 delivery")
     assert len(cli.records(sub, "done")) == done + 1
     completed = await cli.json("deliveries", "--subscription", sub, "--status", "Completed", "--limit", "1000")
     assert message in {d["MessageID"] for d in completed}
@@ -424,7 +424,7 @@ async def test_work_runs_the_apps_lifespan_and_its_handlers_see_the_app(cli: Cli
     sub = lifespan_app.SUBSCRIPTION
     [message] = await cli.publish(sub, {"n": 1})
     ran = await cli("work", "--app", LIFESPAN_APP, "--subscription", sub, "--once")
-    assert one_line(ran.out) == f"workqueue work: {sub}: ran 1 deliveries"
+    assert one_line(ran.out) == f"workqueue work: {sub}: ran 1 delivery"
     events = cli.records(sub)
     assert [e["event"] for e in events] == ["startup", "started", "done", "shutdown"]
     assert events[0]["host_running"] is False  # the lifespan started no host of its own
@@ -447,7 +447,7 @@ async def test_sigterm_drains_the_worker_before_the_apps_lifespan_shuts_down(cli
     proc.send_signal(signal.SIGTERM)
     result = await cli.finish(proc, within=20)
     assert result.code == 0, result.err
-    assert one_line(result.out).endswith("ran 1 deliveries")
+    assert one_line(result.out).endswith("ran 1 delivery")
     assert [e["event"] for e in cli.records(sub)[before:]] == ["startup", "started", "done", "shutdown"]
 
 
@@ -516,7 +516,7 @@ async def test_work_prints_a_json_summary_and_logs_json_lines(cli: Cli) -> None:
     await cli.publish(sub, {"n": "json"})
     ran = await cli("work", "--app", LIFESPAN_APP, "--subscription", sub, "--once", "--json", "--log-format", "json")
     assert json.loads(one_line(ran.out)) == {
-        "ExitCode": 0, "Reason": f"{sub}: ran 1 deliveries", "Subscription": sub,
+        "ExitCode": 0, "Reason": f"{sub}: ran 1 delivery", "Subscription": sub,
         "Claimed": 1, "Settled": 1, "Completed": 1,
     }
     records = [json.loads(line) for line in ran.err.splitlines()]
@@ -675,7 +675,7 @@ async def test_runbook_a_delivery_is_stuck_in_flight_and_its_holder_is_dead(cli:
     # 3. ... and no process holds it: do nothing. Any instance's sweeper expires the lease (lease
     # 1 s + sweeper interval) and the delivery retries; this worker picks the retry up.
     rescued = await cli.work(sub, "--max", "1", "--max-duration-ms", "20000", within=40)
-    assert one_line(rescued.out).endswith("ran 1 deliveries")
+    assert one_line(rescued.out).endswith("ran 1 delivery")
     [completed] = await cli.json("deliveries", "--subscription", sub, "--status", "Completed")
     assert (completed["MessageID"], completed["Attempt"]) == (message, 2)
     assert completed["Holder"]["Pid"] not in (None, proc.pid)  # the worker that completed it

@@ -22,6 +22,7 @@ from fastapi_workqueue import (
     WorkQueue,
     WorkQueueSettings,
 )
+from fastapi_workqueue.core.words import count
 from fastapi_workqueue.settings import unknown_variables
 
 
@@ -153,3 +154,9 @@ async def test_health_names_the_switch_that_turned_the_host_off(
     [body] = answer.json()["Extensions"]
     assert body["Status"] == "Disabled"
     assert body["Reason"] == "the host is off in this process: WORKQUEUE_DISABLE_HOST is on (disable_host=True)"
+
+
+@pytest.mark.parametrize(("n", "text"), [(0, "0 deliveries"), (1, "1 delivery"), (2, "2 deliveries")])
+def test_counts_read_as_english(n: int, text: str) -> None:
+    assert count(n, "delivery") == text
+    assert count(n, "handler") == text.replace("deliveries", "handlers").replace("delivery", "handler")

@@ -21,6 +21,7 @@ import click
 from ..core.errors import ConfigurationError, WorkQueueError
 from ..core.keys import SCOPES, create_key
 from ..core.reports import DeliveryStatus, PartitionCondition
+from ..core.words import count
 from ..settings import DEFAULT_DATABASE_URL
 from ..web.operator_view import shown, shown_all
 from .aws import export_topology, import_bindings
@@ -333,7 +334,7 @@ def prune(ctx: Context, older_than: str) -> None:
     if ctx.as_json:
         emit_json({"Removed": removed})
     else:
-        click.echo(f"removed {removed} deliveries settled more than {older_than} ago")
+        click.echo(f"removed {count(removed, 'delivery')} settled more than {older_than} ago")
 
 
 @cli.group("api-keys")

@@ -35,6 +35,7 @@ from .request_load import RequestLoad
 from .settler import Settler
 from .topology import SubscriptionState
 from .transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
+from .words import count
 
 log = redacting_logger("fastapi_workqueue.runtime")
 
@@ -245,23 +246,24 @@ class Consumer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
         if self._buffer:
-            log.info("%s: stopping; %d deliveries claimed ahead go back to Pending: %s",
-                     self.name, len(self._buffer), _ids(self._buffer))
+            log.info("%s: stopping; %s claimed ahead go back to Pending: %s",
+                     self.name, count(len(self._buffer), "delivery"), _ids(self._buffer))
         self._release_buffer("released at shutdown")
         if self._running:
             log.info("%s: stopping; %d running handlers get %.1f s to finish: %s",
                      self.name, len(self._running), drain_seconds, _ids(self._running.values()))
         await self._drain(drain_seconds)
         if self._running:
-            log.info("%s: aborting %d running handlers (Shutdown); their deliveries go back to Pending "
-                     "without spending the attempt: %s", self.name, len(self._running), _ids(self._running.values()))
+            log.info("%s: aborting %s (Shutdown); their deliveries go back to Pending without spending the "
+                     "attempt: %s", self.name, count(len(self._running), "running handler"),
+                     _ids(self._running.values()))
             for running in list(self._running.values()):
                 self._abort(running, AbortReason.SHUTDOWN)
             await self._drain(drain_seconds)
         leftovers = list(self._running.values())
         if leftovers:
-            log.warning("%s: %d handlers ignored Shutdown; releasing their deliveries: %s",
-                        self.name, len(leftovers), _ids(leftovers))
+            log.warning("%s: %s ignored Shutdown; releasing their deliveries: %s",
+                        self.name, count(len(leftovers), "handler"), _ids(leftovers))
             for running in leftovers:
                 running.released = True
             with contextlib.suppress(Exception):
@@ -737,7 +739,7 @@ class Consumer:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("%s: heartbeat of %d deliveries failed (%s)", self.name, len(due), exc)
+                log.warning("%s: heartbeat of %s failed (%s)", self.name, count(len(due), "delivery"), exc)
                 continue
             for running, result in zip(due, results, strict=True):
                 self._apply_heartbeat(running, result.alive, result.cancel_requested, now)
