@@ -273,6 +273,11 @@ class WorkQueue:
         """The app whose ``state`` and ``dependency_overrides`` handlers see (``lifespan`` binds it)."""
         self._invoker.app = app
 
+    @property
+    def bound_app(self) -> Any:
+        """The app :meth:`bind_app` (or the lifespan) bound, or None."""
+        return self._invoker.app
+
     # -- jobs --------------------------------------------------------------------------------
 
     @property
@@ -402,11 +407,15 @@ class WorkQueue:
         count: int = await self.jobs.reencrypt()
         return count
 
-    def fake(self) -> Any:
-        """A test fake (``with queue.fake() as fake:``): dispatches are checked and recorded, not queued."""
+    def fake(self, *, app: Any = None) -> Any:
+        """A test fake (``with queue.fake() as fake:``): dispatches are checked and recorded, not queued.
+
+        ``await fake.work()`` runs them with the dependencies of ``app`` (its ``dependency_overrides``
+        and state); without it, with the app that serves this queue (its lifespan is
+        ``queue.lifespan`` or it includes the queue's routers), whether its lifespan ran or not."""
         from .jobs.fake import JobFake
 
-        return JobFake(self.jobs)
+        return JobFake(self.jobs, app=app)
 
     # -- transport ---------------------------------------------------------------------------
 

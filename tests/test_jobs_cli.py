@@ -77,6 +77,40 @@ async def test_a_job_that_ignores_its_timeout_ends_the_worker_with_70(database_u
     assert [e["event"] for e in jobs.events()][:2] == ["stuck-start", "stuck-cancelled"]
 
 
+async def test_a_job_that_blocks_the_event_loop_ends_the_worker_with_70_before_another_runs_it(
+    database_url: str, tmp_path: Path
+) -> None:
+    """``time.sleep(25)`` in a job with a timeout of 1 s: the watchdog thread ends the worker with 70
+    once the stop timeout has passed after the timeout (the loop is blocked, so nothing on it can).
+    The job comes back when the lease runs out; the second worker runs it only once the first
+    process is gone, and the blocked attempt is never reported processed."""
+    jobs = Jobs(database_url, tmp_path, JOBS_APP_LEASE="5", JOBS_APP_RECORD_PROCESSED="1")
+    async with jobs.producer.lifespan(None):
+        job_id = str(await jobs.producer.dispatch(jobs.app.blocks, {"seconds": 25}))
+    first = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "1")
+    try:
+        await jobs.until(lambda: any(e["event"] == "block-start" for e in jobs.events()))
+        second = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "1")
+        try:
+            _, stderr = await asyncio.wait_for(first.communicate(), 20)  # (well within the 25 s sleep)
+            assert first.returncode == 70, stderr.decode()
+            assert "ignored its timeout of 1 s and is still running 1 s later" in stderr.decode()
+            await jobs.until(lambda: any(e["event"] == "processed" for e in jobs.events()))
+        finally:
+            second.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(second.communicate(), 30)
+    finally:
+        if first.returncode is None:
+            first.kill()
+            await first.wait()
+    events = jobs.events()
+    [again] = [e for e in events if e["event"] == "after-block"]
+    assert (again["id"], again["attempt"], again["pid"]) == (job_id, 2, second.pid)
+    assert again["first_running"] is False  # the blocked worker was gone before another ran the job
+    assert not any(e["event"] == "block-end" for e in events)
+    assert [(e["id"], e["attempt"]) for e in events if e["event"] == "processed"] == [(job_id, 2)]
+
+
 async def test_sigterm_takes_no_new_job_and_sends_the_running_one_back_without_using_a_try(
     database_url: str, tmp_path: Path
 ) -> None:
@@ -136,6 +170,59 @@ async def test_without_overlapping_holds_across_two_worker_processes(database_ur
     spans.sort()
     assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(spans)), spans
     assert len({pid for _, _, pid in spans}) >= 1
+
+
+def long_spans(events: list[dict[str, Any]]) -> list[tuple[float, float, int, int]]:
+    """The runs of app.overlap-long that ended: (start, end, n, pid), by start."""
+    starts = {(e["n"], e["attempt"]): e for e in events if e["event"] == "long-start"}
+    return sorted((starts[e["n"], e["attempt"]]["at"], e["at"], e["n"], e["pid"])
+                  for e in events if e["event"] == "long-end")
+
+
+async def test_without_overlapping_holds_while_an_attempt_outlives_the_job_lease(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Two 7 s jobs of one key, a 5 s lease, two workers of one job at a time: the lock is renewed
+    while its attempt runs, so the second job starts only after the first ended."""
+    jobs = Jobs(database_url, tmp_path, JOBS_APP_LEASE="5")
+    key = f"key-{uuid.uuid4().hex[:8]}"
+    async with jobs.producer.lifespan(None):
+        await jobs.producer.bulk([(jobs.app.overlap_long, {"n": n, "key": key, "seconds": 7}) for n in range(2)])
+    workers = [await jobs.start("--queue", jobs.queue_name, "--concurrency", "1", "--stop-timeout", "1")
+               for _ in range(2)]
+    try:
+        await jobs.until(lambda: sum(e["event"] == "long-end" for e in jobs.events()) == 2, within=90)
+    finally:
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
+        for worker in workers:
+            await asyncio.wait_for(worker.communicate(), 60)
+    spans = long_spans(jobs.events())
+    assert len(spans) == 2 and spans[1][0] >= spans[0][1], spans  # no overlap
+    # While the first ran (its worker takes one job at a time), the other worker found the key taken.
+    holder = spans[0][3]
+    waited = [e for e in jobs.events() if e["event"] == "released" and e["reason"] == "overlap"]
+    assert any(e["pid"] != holder for e in waited), waited
+
+
+async def test_the_overlap_lock_of_a_killed_worker_still_expires(database_url: str, tmp_path: Path) -> None:
+    jobs = Jobs(database_url, tmp_path, JOBS_APP_LEASE="3")
+    key = f"key-{uuid.uuid4().hex[:8]}"
+    async with jobs.producer.lifespan(None):
+        await jobs.producer.dispatch(jobs.app.overlap_long, {"n": 1, "key": key, "seconds": 60})
+    first = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "0.5")
+    await jobs.until(lambda: any(e["event"] == "long-start" for e in jobs.events()))
+    first.kill()  # it held the lock, renewing it: now nobody does
+    await first.wait()
+    async with jobs.producer.lifespan(None):
+        await jobs.producer.dispatch(jobs.app.overlap_long, {"n": 2, "key": key, "seconds": 0.1})
+    second = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "0.5")
+    try:
+        await jobs.until(lambda: {s[2] for s in long_spans(jobs.events())} == {1, 2}, within=60)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(second.communicate(), 60)
+    assert all(pid == second.pid for *_, pid in long_spans(jobs.events()))
 
 
 async def test_a_step_and_once_are_not_repeated_after_a_sigkilled_worker(database_url: str, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import httpx
 import pytest
 from fastapi import Depends, FastAPI
 from pydantic import BaseModel
@@ -129,6 +130,55 @@ async def test_dependency_overrides_of_the_app_apply_in_work() -> None:
     assert sent == [(7, "fake-mailer")]
 
 
+def app_dispatching(queue: WorkQueue, job: Any, **app_options: Any) -> FastAPI:
+    """An app with a route that dispatches ``job`` for a user."""
+    app = FastAPI(**app_options)
+
+    @app.post("/users/{user_id}/remind")
+    async def remind(user_id: int) -> dict[str, str]:
+        return {"id": str(await queue.dispatch(job, {"user_id": user_id}))}
+
+    return app
+
+
+async def post(app: FastAPI, path: str) -> None:
+    """A request through httpx's ASGI transport, which runs no lifespan (the usual async test client)."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+        assert (await client.post(path)).status_code == 200
+
+
+async def test_work_applies_the_apps_overrides_when_its_lifespan_did_not_run() -> None:
+    queue, jobs, (sent, _) = build()
+    app = app_dispatching(queue, jobs["send"], lifespan=queue.lifespan)
+    app.dependency_overrides[get_mailer] = lambda: "fake-mailer"
+    with queue.fake() as fake:
+        await post(app, "/users/7/remind")
+        fake.assert_dispatched(jobs["send"], times=1)
+        assert await fake.work() == {"processed": 1, "failed": 0, "released": 0, "discarded": 0}
+    assert sent == [(7, "fake-mailer")]  # the override ran, not the real dependency
+    assert queue.health().status == "Stopped" and queue.bound_app is None  # no lifespan ran, none bound
+
+
+async def test_work_finds_an_app_that_includes_the_queues_router_or_is_given_one() -> None:
+    queue, jobs, (sent, _) = build()
+    app = app_dispatching(queue, jobs["send"])  # a lifespan of its own (none here), the queue's routes
+    app.include_router(queue.router)
+    app.dependency_overrides[get_mailer] = lambda: "router-app-mailer"
+    with queue.fake() as fake:
+        await post(app, "/users/1/remind")
+        await fake.work()
+    other = app_dispatching(queue, jobs["send"], lifespan=queue.lifespan)  # two apps serve the queue now
+    other.dependency_overrides[get_mailer] = lambda: "other-mailer"
+    with queue.fake() as fake:
+        await post(other, "/users/2/remind")
+        with pytest.raises(ConfigurationError, match=r"found 2 apps.*queue.fake\(app=app\)"):
+            await fake.work()
+    with queue.fake(app=other) as fake:
+        await post(other, "/users/3/remind")
+        await fake.work()
+    assert sent == [(1, "router-app-mailer"), (3, "other-mailer")]
+
+
 def test_the_fake_fixture_comes_with_the_package(pytester: pytest.Pytester) -> None:
     pytester.makeconftest("""
 import pytest
@@ -213,3 +263,68 @@ def test_it(workqueue_fake):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*no WorkQueue that declares a job*workqueue_queue*"])
+
+
+APP_WITH_A_LIFESPAN_OF_ITS_OWN = """
+import contextlib
+from typing import Any
+from fastapi import Depends, FastAPI
+from fastapi_workqueue import WorkQueue, WorkQueueSettings
+
+queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db"))
+sent = []
+
+def get_mailer() -> str:
+    return "smtp"
+
+@queue.job("hello.mail")
+async def mail(payload: dict[str, Any], mailer: str = Depends(get_mailer)) -> None:
+    sent.append(mailer)
+
+@contextlib.asynccontextmanager
+async def lifespan(app):
+    async with queue.lifespan(app):
+        yield
+
+app = FastAPI(lifespan=lifespan)
+
+@app.post("/mail")
+async def send() -> None:
+    await queue.dispatch(mail, {})
+"""
+
+USER_TEST = """
+import asyncio
+import httpx
+from myapp import app, get_mailer, mail, sent
+
+async def post():
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+        assert (await client.post("/mail")).status_code == 200
+
+def test_it(workqueue_fake):
+    app.dependency_overrides[get_mailer] = lambda: "fake"
+    asyncio.run(post())
+    workqueue_fake.assert_dispatched(mail, times=1)
+    assert asyncio.run(workqueue_fake.work())["processed"] == 1
+    assert sent == ["fake"]
+"""
+
+
+def test_the_fake_fixture_applies_the_overrides_of_an_app_whose_lifespan_wraps_the_queues(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(myapp=APP_WITH_A_LIFESPAN_OF_ITS_OWN, test_user=USER_TEST)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+def test_the_fake_fixture_takes_the_app_from_the_workqueue_app_option(pytester: pytest.Pytester) -> None:
+    # A lifespan the fake cannot trace to the queue (it reaches it through the app's state): named instead.
+    pytester.makepyfile(myapp=APP_WITH_A_LIFESPAN_OF_ITS_OWN.replace(
+        "    async with queue.lifespan(app):", "    async with app.state.queue.lifespan(app):",
+    ).replace("app = FastAPI(lifespan=lifespan)", "app = FastAPI(lifespan=lifespan)\napp.state.queue = queue"),
+        test_user=USER_TEST)
+    pytester.makeini("[pytest]\nworkqueue_app = myapp:app\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)

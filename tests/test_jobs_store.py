@@ -341,3 +341,21 @@ async def test_requests_dispatch_in_their_transaction(database_url: str) -> None
         assert await queue.size(app.mail) == 0
         assert (await http.post("/remind/2")).status_code == 200
         assert await queue.size(app.mail) == 1
+
+
+async def test_an_overlap_lock_is_renewed_by_its_holder_only_and_expires_without_it(database_url: str) -> None:
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[], enabled=False))
+    key = f"overlap:renew-{uuid.uuid4().hex[:8]}"
+    async with queue.lifespan(None):
+        locks = queue.jobs.locks
+        token = await locks.acquire(key, 0.5)
+        assert token is not None and await locks.acquire(key, 0.5) is None
+        assert await locks.renew(key, token, 60)  # held for a minute from now
+        assert not await locks.renew(key, "00000000-0000-0000-0000-000000000000", 60)  # not its holder
+        await asyncio.sleep(0.6)  # past the first expiry: the renewal holds it
+        assert await locks.acquire(key, 0.5) is None
+        assert await locks.renew(key, token, 0.2)
+        taken = await wait_for(lambda: locks.acquire(key, 60), within=10)  # not renewed: it expires
+        assert taken is not None and taken != token
+        assert not await locks.renew(key, token, 60)  # the old holder lost it
+        await locks.release(key, taken)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 
 from fastapi_workqueue import ConfigurationError, JobContext, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.jobs import JobEvent
+from fastapi_workqueue.jobs.watchdog import THREAD_NAME
 from fastapi_workqueue.jobs.worker import UnwatchedQueues, check_fits_lease, parse_queues
 
 from .support import FAST, wait_for
@@ -145,6 +148,59 @@ async def test_a_timeout_aborts_the_signal_and_the_job_comes_back(database_url: 
     released = [e for e in events if type(e).__name__ == "JobReleased"]
     assert [e.reason for e in released] == ["timeout"]  # type: ignore[attr-defined]
     assert [str(r) for r in reasons] == ["MaxProcessingSeconds"]
+
+
+async def test_a_job_that_blocks_the_loop_past_its_timeout_is_timed_out_not_processed(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The timer on the loop cannot fire while the job blocks it: the watchdog thread speaks up after
+    the stop timeout (an app's host logs, it does not exit), and the attempt that returns late is a
+    timed-out attempt, not a processed one."""
+    queue_name = names(1)[0]
+    events: list[JobEvent] = []
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        job_queues=queue_name, **FAST))  # (a stop timeout of 0.3 s)
+    queue.listen(JobEvent, events.append)
+
+    @queue.job(f"blocks-{queue_name}", timeout=0.2, tries=3, backoff=[0], queue=queue_name)
+    async def blocks(payload: dict[str, Any], job: JobContext) -> None:
+        if job.attempt == 1:
+            time.sleep(1.5)  # noqa: ASYNC251 (on purpose: neither the timer nor a heartbeat can run)
+
+    caplog.set_level(logging.CRITICAL, logger="fastapi_workqueue.jobs")
+    async with queue.lifespan(None):
+        await queue.dispatch(blocks, {})
+        await wait_for(lambda: any(type(e).__name__ == "JobProcessed" for e in events), within=30)
+    ended = [(type(e).__name__, e.attempt, getattr(e, "reason", None)) for e in events
+             if type(e).__name__ != "JobProcessing"]
+    assert ended == [("JobReleased", 1, "timeout"), ("JobProcessed", 2, None)], ended
+    [alarm] = [r for r in caplog.records if r.levelno == logging.CRITICAL]
+    assert alarm.threadName == THREAD_NAME and "still running 0.3 s after its timeout of 0.2 s" in alarm.getMessage()
+    assert "blocks the event loop" in alarm.getMessage() and "workqueue work" in alarm.getMessage()
+    assert queue.jobs.watchdog.watching == 0
+
+
+async def test_a_job_that_returns_after_its_lease_ran_out_is_not_processed(database_url: str) -> None:
+    """A job without a timeout that blocks the loop past its lease: when it returns, the lease may
+    be another worker's, so the attempt ends as a lost lease would (JobReleased lease-lost), not
+    as a processed one."""
+    queue_name = names(1)[0]
+    events: list[JobEvent] = []
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        job_queues=queue_name, job_lease_seconds=1.0, **FAST))
+    queue.listen(JobEvent, events.append)
+
+    @queue.job(f"blocks-{queue_name}", tries=3, backoff=[0], queue=queue_name)
+    async def blocks(payload: dict[str, Any], job: JobContext) -> None:
+        if job.attempt == 1:
+            time.sleep(1.5)  # noqa: ASYNC251 (on purpose: it blocks the loop past the lease)
+
+    async with queue.lifespan(None):
+        await queue.dispatch(blocks, {})
+        await wait_for(lambda: any(type(e).__name__ == "JobProcessed" for e in events), within=30)
+    ended = [(type(e).__name__, e.attempt, getattr(e, "reason", None)) for e in events
+             if type(e).__name__ != "JobProcessing"]
+    assert ended == [("JobReleased", 1, "lease-lost"), ("JobProcessed", 2, None)], ended
 
 
 def test_a_timeout_that_does_not_fit_the_lease_is_refused_at_start() -> None:

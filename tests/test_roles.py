@@ -29,7 +29,7 @@ ROLE_SCRIPTS = {"workqueue_runtime": "runtime_role.sql", "workqueue_operator": "
                 "workqueue_admin": "admin_role.sql"}
 RUNTIME_FUNCTIONS = {
     "publish", "publish_one", "publish_one_quiet", "claim", "heartbeat", "settle", "once_begin", "once_finish",
-    "once_abort", "sweep",
+    "once_abort", "once_renew", "sweep",
     "sync_topic", "sync_subscription", "stats", "backlog", "list_deliveries", "get_delivery", "partitions",
     "list_subscriptions", "list_topics", "schema_versions", "api_key_lookup", "api_key_touch",
     "claim_many", "known_messages", "message_deliveries", "release_deduplication_key", "step_get", "step_put",

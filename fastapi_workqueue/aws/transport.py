@@ -676,6 +676,9 @@ class AwsTransport(Settling, OperatorViews):
     async def once_abort(self, key: str, token: str) -> bool:
         raise self._needs_database("context.once")
 
+    async def once_renew(self, key: str, token: str, running_seconds: float) -> bool:
+        raise self._needs_database("context.once")
+
     async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID) -> bool:
         return False
 

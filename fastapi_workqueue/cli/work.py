@@ -149,14 +149,20 @@ def _one_line(text: str) -> str:
     return lines[-1].strip() if lines else text
 
 
-def _stop_the_process(job: Any, job_context: Any) -> None:
-    """A job ignored its timeout and then the stop timeout: end the worker with exit code 70 (its
-    delivery comes back when its lease runs out; a supervisor starts a new worker)."""
+def _stop_the_process(overrun: Any) -> None:
+    """A job is still running the stop timeout after its timeout (it blocks the event loop, or
+    swallowed the cancellation): end the worker with exit code 70. Called from the jobs' watchdog
+    thread, so it works while the loop is blocked; ``os._exit`` because the loop cannot be trusted
+    to run a clean shutdown. The delivery comes back when its lease runs out; a supervisor starts
+    a new worker."""
     log.critical(
-        "job %s (%s) ignored its timeout and the stop timeout and still runs; ending the worker with exit code %d",
-        job.name, job_context.id, EXIT_JOB_STUCK,
+        "job %s (%s) ignored its timeout of %g s and is still running %g s later (it blocks the event loop or "
+        "swallowed the cancellation); ending the worker with exit code %d: the job comes back when its lease "
+        "runs out", overrun.job.name, overrun.context.id, overrun.timeout, overrun.stop_timeout, EXIT_JOB_STUCK,
     )
-    logging.shutdown()
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
     os._exit(EXIT_JOB_STUCK)
 
 

@@ -229,6 +229,9 @@ class RoutingTransport:
     async def once_abort(self, key: str, token: str) -> bool:
         return await self.database.once_abort(key, token)
 
+    async def once_renew(self, key: str, token: str, running_seconds: float) -> bool:
+        return await self.database.once_renew(key, token, running_seconds)
+
     async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID) -> bool:
         return await self.transport_for_topic(topic).release_deduplication_key(topic, key, message_id)
 

@@ -610,6 +610,8 @@ class Consumer:
             if task is not None and task.cancelling():
                 task.uncancel()
             return self._settlement_for_abort(running)
+        if self._returned_too_late(running):
+            return self._settlement_for_abort(running)
         if outcome is None:
             return Settlement(*base, "Complete")
         if isinstance(outcome, Complete):
@@ -625,6 +627,19 @@ class Consumer:
             error=f"the handler returned {outcome!r}; return Outcome.complete(), Outcome.retry(...) "
             "Outcome.dead_letter(...) or Outcome.discard(...)",
         )
+
+    def _returned_too_late(self, running: _Running) -> bool:
+        """True when the handler returned after its lease ran out as this process counts it (it
+        blocked the event loop, so neither a heartbeat nor the lease timer could run): the store may
+        have handed the delivery to another worker, so its outcome is not this attempt's to write.
+        The attempt then ends as the lease timer would have ended it, with LeaseLost."""
+        if running.lease.remaining(self._clock()) > 0:
+            return False
+        if running.signal.abort(AbortReason.LEASE_LOST):
+            log.warning("%s: delivery %s: the handler returned after its lease of %.1f s ran out (it blocked the "
+                        "event loop?); its outcome is ignored", self.name, running.delivery.delivery_id,
+                        running.lease.lease_seconds)
+        return True
 
     def _failed(self, running: _Running, exc: BaseException, settlement: Settlement) -> Settlement:
         """Logs a failed attempt: WARNING when the delivery will be retried, ERROR when it is

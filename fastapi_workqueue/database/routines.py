@@ -357,6 +357,9 @@ class RoutineTransport:
     async def once_abort(self, key: str, token: str) -> bool:
         return bool(await self._scalar("once_abort", p_key=key, p_token=token))
 
+    async def once_renew(self, key: str, token: str, running_seconds: float) -> bool:
+        return bool(await self._scalar("once_renew", p_key=key, p_token=token, p_running_seconds=running_seconds))
+
     # -- deduplication keys and step results ---------------------------------------------------
 
     async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID) -> bool:

@@ -757,6 +757,12 @@ async def r_once_abort(c: Call, p_key: str, p_token: str) -> list[Row]:
     return [{"once_abort": await c.ex.execute("once_abort", key=p_key, token=str(p_token)) > 0}]
 
 
+@routine
+async def r_once_renew(c: Call, p_key: str, p_token: str, p_running_seconds: float) -> list[Row]:
+    renewed = await c.ex.execute("once_renew", key=p_key, token=str(p_token), expires_at=c.now + p_running_seconds)
+    return [{"once_renew": renewed > 0}]
+
+
 # -- deduplication keys and step results -----------------------------------------------------------
 
 

@@ -20,7 +20,7 @@ from ..core.redaction import redacting_logger
 
 log = redacting_logger("fastapi_workqueue.jobs")
 
-ReleaseReason = Literal["error", "timeout", "overlap", "once-busy", "release", "shutdown", "unknown-job"]
+ReleaseReason = Literal["error", "timeout", "overlap", "once-busy", "release", "shutdown", "unknown-job", "lease-lost"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -5,6 +5,11 @@ the app key of an encrypted job) and, inside a transaction, recorded only when t
 commits: a rolled-back dispatch is not there. ``await fake.work()`` then runs what was recorded,
 in the test's process, through the same runner as a worker (dependencies and the app's
 ``dependency_overrides`` included, chains continued), and returns the counts.
+
+The app whose overrides apply is the one given (``queue.fake(app=app)``), else the one app alive
+in the process that serves the queue (:mod:`.fake_app`: its lifespan is the queue's, or it
+includes the queue's routers), found also when its lifespan never ran (``httpx.ASGITransport``),
+else the app a lifespan bound.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from ..core.envelope import PreparedMessage, PublishRequest, prepare
+from ..core.errors import ConfigurationError
 from .definition import Job
 from .envelope import JobEnvelope
+from .fake_app import apps_of
 from .inprocess import InProcess, JobCounts, memory_locks, memory_once
 from .steps import MemorySteps
 
@@ -42,8 +49,10 @@ class Dispatched:
 class JobFake:
     """Records dispatches; asserts on them; runs them with :meth:`work`."""
 
-    def __init__(self, jobs: Jobs) -> None:
+    def __init__(self, jobs: Jobs, app: Any = None) -> None:
         self._jobs = jobs
+        self._app = app
+        """The app whose state and ``dependency_overrides`` jobs see in :meth:`work` (found when None)."""
         self.records: list[Dispatched] = []
         self._waiting: list[tuple[str, PreparedMessage]] = []
         self._held_unique: set[str] = set()
@@ -131,13 +140,37 @@ class JobFake:
         """Runs every recorded job not run yet (and the jobs they chain), here and now, and says
         what that came to (``.processed``, ``.failed``, ``.released``, ``.discarded``)."""
         runner = InProcess(self._jobs, once=self._once, on_queued=self._chained, raise_failures=False)
-        while self._waiting:
-            queue, message = self._waiting.pop(0)
-            await runner.run_until_done(queue, message)
-            envelope = JobEnvelope.from_json(_payload(message))
-            if envelope.unique_key is not None:
-                self._held_unique.discard(envelope.unique_key)
+        queue_of_jobs = self._jobs.queue
+        bound = queue_of_jobs.bound_app
+        if self._waiting and self._app is None:
+            self._app = self._find_app(bound)
+        queue_of_jobs.bind_app(self._app)  # (for these attempts only: the lifespan's app comes back after)
+        try:
+            while self._waiting:
+                queue, message = self._waiting.pop(0)
+                await runner.run_until_done(queue, message)
+                envelope = JobEnvelope.from_json(_payload(message))
+                if envelope.unique_key is not None:
+                    self._held_unique.discard(envelope.unique_key)
+        finally:
+            queue_of_jobs.bind_app(bound)
         return runner.counts.as_counts()
+
+    def _find_app(self, bound: Any) -> Any:
+        """The app that serves the queue (see :mod:`.fake_app`), else the one a lifespan bound."""
+        if not any(job.dependency_params for job in self._jobs.registry):
+            return bound  # (no job has a dependency to override: no need to look)
+        apps = apps_of(self._jobs.queue)
+        if len(apps) == 1:
+            return apps[0]
+        if not apps or bound in apps:
+            return bound
+        raise ConfigurationError(
+            f"fake.work() found {len(apps)} apps that serve this queue and cannot tell whose "
+            "dependency_overrides apply: pass the app, queue.fake(app=app) (with the workqueue_fake fixture, a "
+            "workqueue_app fixture that returns it, or workqueue_app = \"myapp.main:app\" in your pytest "
+            "configuration)"
+        )
 
     def _chained(self, queue: str, message: PreparedMessage) -> None:
         envelope = JobEnvelope.from_json(_payload(message))

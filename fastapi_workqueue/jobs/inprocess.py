@@ -212,7 +212,10 @@ def memory_locks() -> Locks:
     async def end(key: str, token: str) -> bool:
         return held.pop(key, None) == token
 
-    return Locks(begin, end)
+    async def renew(key: str, token: str, seconds: float) -> bool:
+        return held.get(key) == token
+
+    return Locks(begin, end, renew)
 
 
 def memory_once() -> OnceFunc:

@@ -52,6 +52,7 @@ from .registry import JobRegistry
 from .runner import JobRunner
 from .schedules import Schedules
 from .steps import TransportSteps
+from .watchdog import Overrun, Watchdog
 from .worker import GROUP_NAME, UnwatchedQueues, parse_queues
 
 if TYPE_CHECKING:
@@ -119,13 +120,15 @@ class Jobs:
         self.events = JobEvents()
         self.runner = JobRunner(self)
         self.steps: StepStore = TransportSteps(lambda: self.queue.transport)
-        self.locks = Locks(self._once_begin, self._once_abort)
+        self.locks = Locks(self._once_begin, self._once_abort, self._once_renew)
         self._cipher: PayloadCipher | None = None
         self._cipher_loaded = False
         self._synced: set[str] = set()
         self._sync_lock = asyncio.Lock()
-        self.stuck: Callable[[Job, JobContext], None] = _log_stuck
-        """Called when a job ignored its timeout for the stop timeout; ``workqueue work`` exits 70."""
+        self.stuck: Callable[[Overrun], None] = log_stuck
+        """Called from the watchdog's thread when an attempt still runs the stop timeout after its
+        timeout: logs a critical error here (an app's host); ``workqueue work`` exits 70."""
+        self.watchdog = Watchdog(lambda overrun: self.stuck(overrun))
         self.fake: Any = None
         """The test fake while ``queue.fake()`` is active: dispatches are recorded, not queued."""
         self.schedules = Schedules(self)
@@ -672,6 +675,9 @@ class Jobs:
     async def _once_abort(self, key: str, token: str) -> bool:
         return await self.queue.transport.once_abort(key, token)
 
+    async def _once_renew(self, key: str, token: str, seconds: float) -> bool:
+        return await self.queue.transport.once_renew(key, token, seconds)
+
 
 def _item(item: Any) -> tuple[Any, Any, dict[str, Any]]:
     if not isinstance(item, tuple | list) or len(item) not in (2, 3):
@@ -694,8 +700,15 @@ async def _savepoint(tx: Any) -> Any:
         yield
 
 
-def _log_stuck(job: Job, job_context: JobContext) -> None:
-    log.error(
-        "job %s (%s) ignored its timeout and the stop timeout and still runs; in a worker process "
-        "(workqueue work) this ends the worker with exit code 70", job.name, job_context.id,
+def log_stuck(overrun: Overrun) -> None:
+    """The ``stuck`` policy of an app's own host: a critical error, logged from the watchdog's thread
+    (it is heard while the job blocks the event loop). The app server goes on: ending it would
+    surprise; ``workqueue work`` workers end with exit code 70 instead."""
+    log.critical(
+        "job %s (%s) is still running %g s after its timeout of %g s: it blocks the event loop or swallowed "
+        "the cancellation. Requests and other jobs of this process wait while the loop is blocked, and once "
+        "the job's lease runs out another worker may run it at the same time. This process (an app's host) "
+        "goes on; run timed jobs in `workqueue work` workers, which end with exit code 70 here, and make the "
+        "job await (asyncio.to_thread for blocking calls) or stop when job.signal aborts",
+        overrun.job.name, overrun.context.id, overrun.stop_timeout, overrun.timeout,
     )

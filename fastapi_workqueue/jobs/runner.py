@@ -10,7 +10,8 @@ turns what happened into the delivery's outcome and the job's events:
 | returns ``job.release(d)``, or finds its overlap key taken | back after ``d`` s, a try used | JobReleased |
 | returns ``job.discard(reason)`` | Discarded | JobDiscarded |
 | raises (``TransientWorkError`` or any error) | back after backoff | JobReleased error |
-| runs past its timeout | back after backoff | JobReleased timeout |
+| runs past its timeout (also: returns after it, having blocked the loop) | back after backoff | JobReleased timeout |
+| returns after its lease ran out (it blocked the loop) | whatever the store made of it | JobReleased lease-lost |
 | raises on its last try, or ``FatalWorkError`` | DeadLettered | JobFailed |
 | has a payload that cannot be decrypted or validated | DeadLettered at once | JobFailed |
 | names a job this process does not know | back after backoff | JobReleased unknown-job |
@@ -182,7 +183,8 @@ class JobRunner:
             if jobs.events:
                 seconds = time.monotonic() - started
                 self._after(context, lambda: _fields(envelope, message, queue, context).event(JobProcessed,
-                                                                                               seconds=seconds))
+                                                                                               seconds=seconds),
+                            written="Completed", chained=bool(envelope.chain))
             return jobs.completion(envelope) if envelope.chain else None
         return await self._ended(result, envelope, message, context, queue, started)
 
@@ -194,7 +196,8 @@ class JobRunner:
         if isinstance(result, JobDiscard):
             await self._end_unique(queue, envelope, message)
             self._after(context, lambda: base.event(JobDiscarded, reason=result.reason,
-                                                    chain_ended=bool(envelope.chain)))
+                                                    chain_ended=bool(envelope.chain)),
+                        written="Discarded", chained=bool(envelope.chain))
             return Outcome.discard(f"{result.reason}; {_chain_note(envelope)}" if envelope.chain else result.reason)
         if isinstance(result, JobRelease):
             reason = "released by the job" if result.reason == "release" else "its overlap key was taken"
@@ -206,7 +209,8 @@ class JobRunner:
                                                         delay_seconds=result.delay_seconds))
             return Outcome.retry(reason, delay_seconds=result.delay_seconds)
         await self._end_unique(queue, envelope, message)
-        self._after(context, lambda: base.event(JobProcessed, seconds=time.monotonic() - started))
+        self._after(context, lambda: base.event(JobProcessed, seconds=time.monotonic() - started),
+                    written="Completed", chained=bool(envelope.chain))
         return jobs.completion(envelope)
 
     async def _attempt(
@@ -223,11 +227,12 @@ class JobRunner:
         if envelope.timeout is None:
             return await call()
         timer = _Timer(asyncio.current_task(), job_context.signal)
-        loop = asyncio.get_running_loop()
-        handles = [loop.call_later(envelope.timeout, timer.fire),
-                   loop.call_later(envelope.timeout + self._jobs.stop_timeout, self._jobs.stuck, job, job_context)]
+        started = time.monotonic()
+        handle = asyncio.get_running_loop().call_later(envelope.timeout, timer.fire)
+        # The stop timeout is watched from a thread: a job that blocks the loop blocks a check on it too.
+        watch = self._jobs.watchdog.watch(job, job_context, envelope.timeout, self._jobs.stop_timeout)
         try:
-            return await call()
+            result = await call()
         except asyncio.CancelledError:
             if not timer.fired or context.signal.aborted:
                 raise
@@ -237,8 +242,19 @@ class JobRunner:
                 f"job {job.name!r} ran longer than its timeout of {envelope.timeout:g} s and was stopped"
             ) from None
         finally:
-            for handle in handles:
-                handle.cancel()
+            handle.cancel()
+            watch.end()
+        took = time.monotonic() - started
+        if timer.fired or took >= envelope.timeout:
+            # It returned, but past its timeout: it blocked the event loop (the timer could not run)
+            # or swallowed the cancellation. A timed-out attempt, whatever it returned.
+            if timer.fired and timer.task is not None and timer.task.cancelling():
+                timer.task.uncancel()
+            raise JobTimedOut(
+                f"job {job.name!r} returned after {took:.1f} s, past its timeout of {envelope.timeout:g} s "
+                "(it blocked the event loop or ignored the cancellation); the attempt counts as timed out"
+            )
+        return result
 
     async def _after_error(
         self, base: _Fields, context: WorkContext, envelope: JobEnvelope, exc: BaseException,
@@ -269,13 +285,38 @@ class JobRunner:
     async def _emit(self, event: JobEvent) -> None:
         await self._jobs.events.emit(event)
 
-    def _after(self, context: WorkContext, make: Callable[[], JobEvent]) -> None:
+    def _after(self, context: WorkContext, make: Callable[[], JobEvent], *, written: str | None = None,
+               chained: bool = False) -> None:
         """Emits the event ``make`` builds (now, when the queue has listeners) once the attempt's
         outcome is written to the store (listeners see what the store knows: a failed job is in the
-        failed jobs when JobFailed is heard)."""
+        failed jobs when JobFailed is heard).
+
+        ``written`` is what the store answers when it wrote the outcome (``"Completed"`` for
+        JobProcessed, ``"Discarded"`` for JobDiscarded). An attempt the store did not settle so (its
+        lease ran out first: it blocked the event loop, or the store was away) was not processed;
+        what became of it is emitted instead (:func:`_not_written`)."""
         if self._jobs.events:
             event = make()
-            context.after_settle(lambda _result: self._jobs.emit_soon(event))
+            emit_soon = self._jobs.emit_soon
+            if written is None:
+                context.after_settle(lambda _result: emit_soon(event))
+            else:
+                context.after_settle(lambda result: emit_soon(
+                    event if result == written else _not_written(event, result, chained)))
+
+
+def _not_written(event: JobEvent, result: str | None, chained: bool) -> JobEvent:
+    """What an attempt that ended as ``event`` came to when the store settled it as ``result``
+    instead: its lease ran out before it ended, so its outcome was not this attempt's to write."""
+    fields = _Fields(event.job, event.job_id, event.queue, event.attempt, event.tries)
+    if result == "DeadLettered":  # (the lease ran out on its last try: a failed attempt)
+        reason = "its lease ran out before the attempt ended, on its last try"
+        if chained:
+            reason = f"{reason}; the chain ends here"
+        return fields.event(JobFailed, reason=reason, chain_ended=chained)
+    if result == "Discarded":  # (an operator cancelled it meanwhile)
+        return fields.event(JobDiscarded, reason="cancelled by an operator", chain_ended=chained)
+    return fields.event(JobReleased, reason="lease-lost")
 
 
 def _chain_note(envelope: JobEnvelope) -> str:

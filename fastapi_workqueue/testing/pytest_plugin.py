@@ -12,6 +12,10 @@ test process that declares jobs (imported with your app). Where there are severa
 explicit, override that fixture in your ``conftest.py`` (``return app.state.queue``), or name the
 queue in your pytest configuration: ``workqueue_queue = "myapp.main:queue"``
 (``[tool.pytest.ini_options]`` or ``pytest.ini``).
+
+``work()`` solves the jobs' dependencies with the app's ``dependency_overrides``: the app that the
+``workqueue_app`` fixture returns (or the ``workqueue_app = "myapp.main:app"`` option names), else
+the one app of the process that serves the queue, found whether its lifespan ran or not.
 """
 
 from __future__ import annotations
@@ -24,10 +28,13 @@ from typing import Any
 import pytest
 
 INI_OPTION = "workqueue_queue"
+APP_OPTION = "workqueue_app"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(INI_OPTION, "MODULE:ATTR of the WorkQueue that the workqueue_fake fixture fakes", default="")
+    parser.addini(APP_OPTION, "MODULE:ATTR of the app whose dependency_overrides workqueue_fake.work() applies",
+                  default="")
 
 
 @pytest.fixture
@@ -37,11 +44,21 @@ def workqueue_queue(request: pytest.FixtureRequest) -> Any:
     path = str(request.config.getini(INI_OPTION) or "")
     if not path:
         return _the_queue_with_jobs()
+    return _load(INI_OPTION, path, "a WorkQueue", "myapp.main:queue")
+
+
+@pytest.fixture
+def workqueue_app(request: pytest.FixtureRequest) -> Any:
+    """The app whose ``dependency_overrides`` the fake's ``work()`` applies: the ``workqueue_app`` ini
+    option's, or None, and then the one app that serves the queue (override the fixture to choose)."""
+    path = str(request.config.getini(APP_OPTION) or "")
+    return _load(APP_OPTION, path, "an app", "myapp.main:app") if path else None
+
+
+def _load(option: str, path: str, what: str, example: str) -> Any:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise pytest.UsageError(
-            f"{INI_OPTION} = {path!r} does not name a WorkQueue: write MODULE:ATTR, e.g. \"myapp.main:queue\""
-        )
+        raise pytest.UsageError(f"{option} = {path!r} does not name {what}: write MODULE:ATTR, e.g. \"{example}\"")
     target: Any = importlib.import_module(module_name)
     for part in attr.split("."):
         target = getattr(target, part)
@@ -65,7 +82,8 @@ def _the_queue_with_jobs() -> Any:
 
 
 @pytest.fixture
-def workqueue_fake(workqueue_queue: Any) -> Iterator[Any]:
-    """The jobs fake of ``workqueue_queue`` for this test: dispatches are checked and recorded."""
-    with workqueue_queue.fake() as fake:
+def workqueue_fake(workqueue_queue: Any, workqueue_app: Any) -> Iterator[Any]:
+    """The jobs fake of ``workqueue_queue`` for this test: dispatches are checked and recorded, and
+    ``work()`` runs them with the dependency overrides of ``workqueue_app``."""
+    with workqueue_queue.fake(app=workqueue_app) as fake:
         yield fake

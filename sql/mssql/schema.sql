@@ -1,4 +1,4 @@
--- fastapi-workqueue: the SQL Server schema, as a fresh install ends with it (migrations 0001-0024).
+-- fastapi-workqueue: the SQL Server schema, as a fresh install ends with it (migrations 0001-0026).
 --
 -- This file is for reading: the tables and their indexes first, then every procedure and function
 -- grouped by concern, each with what it does. `workqueue migrate` applies the versioned
@@ -2613,6 +2613,47 @@ BEGIN
         THROW;
     END CATCH;
     SELECT @v_aborted AS once_abort;
+END;
+GO
+
+-- Keeps a Running key held for @p_running_seconds more while the caller's token holds it (an
+-- overlap lock renewed while its attempt runs); 0 once the token no longer holds it.
+-- returns: once_renew
+CREATE OR ALTER PROCEDURE workqueue.once_renew
+    @p_key nvarchar(max),
+    @p_token uniqueidentifier,
+    @p_running_seconds float
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
+    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_renewed bit = 0;
+
+    BEGIN TRY
+        IF @v_own_transaction = 1
+            BEGIN TRANSACTION;
+        IF DATALENGTH(@p_key) <= 1700
+        BEGIN
+            UPDATE workqueue.once_marker
+            SET expires_at = DATEADD(
+                    microsecond, CAST((@p_running_seconds - FLOOR(@p_running_seconds)) * 1000000 AS int),
+                    DATEADD(second, CAST(FLOOR(@p_running_seconds) AS int), @v_now))
+            WHERE [key] = CAST(@p_key AS nvarchar(850)) AND token = @p_token
+              AND state = N'Running';
+            IF @@ROWCOUNT > 0
+                SET @v_renewed = 1;
+        END;
+        IF @v_own_transaction = 1
+            COMMIT TRANSACTION;
+    END TRY
+    BEGIN CATCH
+        IF @v_own_transaction = 1 AND @@TRANCOUNT > 0
+            ROLLBACK TRANSACTION;
+        THROW;
+    END CATCH;
+    SELECT @v_renewed AS once_renew;
 END;
 GO
 

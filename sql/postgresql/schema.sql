@@ -1,4 +1,4 @@
--- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0033).
+-- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0035).
 --
 -- This file is for reading: the tables and their indexes first, then every function grouped by
 -- concern, each with what it does. `workqueue migrate` applies the versioned migrations
@@ -2053,6 +2053,22 @@ AS $$
     SELECT EXISTS (SELECT 1 FROM d)
 $$;
 
+-- Keeps a Running key held for p_running_seconds more while the caller's token holds it (an
+-- overlap lock renewed while its attempt runs); false once the token no longer holds it (0035).
+CREATE OR REPLACE FUNCTION workqueue.once_renew(p_key text, p_token uuid, p_running_seconds double precision)
+RETURNS boolean
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH u AS (
+        UPDATE workqueue.once_marker o
+        SET expires_at = now() + make_interval(secs => p_running_seconds)
+        WHERE o.key = p_key AND o.token = p_token AND o.state = 'Running'
+        RETURNING 1
+    )
+    SELECT EXISTS (SELECT 1 FROM u)
+$$;
+
 -- ---------------------------------------------------------------------------------------------
 -- Deduplication keys and step results: a unique job frees its key, a job's durable steps
 -- ---------------------------------------------------------------------------------------------
@@ -2846,7 +2862,8 @@ BEGIN
                                   workqueue.blocked_keys(text, integer, integer),
                                   workqueue.process_beat(uuid, text, integer, timestamptz, text, jsonb, integer,
                                                          integer, double precision),
-                                  workqueue.process_stop(uuid), workqueue.list_processes()
+                                  workqueue.process_stop(uuid), workqueue.list_processes(),
+                                  workqueue.once_renew(text, uuid, double precision)
             TO workqueue_runtime;
     END IF;
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN

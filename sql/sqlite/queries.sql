@@ -410,6 +410,9 @@ UPDATE once_marker SET state = 'Done', token = NULL, expires_at = :expires_at WH
 -- name: once_abort
 DELETE FROM once_marker WHERE key = :key AND token = :token;
 
+-- name: once_renew
+UPDATE once_marker SET expires_at = :expires_at WHERE key = :key AND token = :token AND state = 'Running';
+
 -- name: step_get
 SELECT value FROM step_result WHERE message_id = :message_id AND name = :name;
 

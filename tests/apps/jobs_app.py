@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings
-from fastapi_workqueue.jobs import JobReleased, without_overlapping
+from fastapi_workqueue.jobs import JobProcessed, JobReleased, without_overlapping
 
 QUEUE = os.environ.get("JOBS_APP_QUEUE", "jobs-app")
 
@@ -28,6 +28,21 @@ def record(**fields: Any) -> None:
         out.write(json.dumps({**fields, "pid": os.getpid(), "at": time.time()}) + "\n")
 
 
+def recorded() -> list[dict[str, Any]]:
+    with open(os.environ["JOBS_APP_RECORD"], encoding="utf-8") as lines:
+        return [json.loads(line) for line in lines]
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (an exited process not yet reaped by its parent does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            state = stat.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 @queue.job("app.stuck", timeout=0.5, queue=QUEUE)
 async def stuck(payload: dict[str, Any], job: JobContext) -> None:
     """Ignores its timeout: swallows every cancellation."""
@@ -39,12 +54,34 @@ async def stuck(payload: dict[str, Any], job: JobContext) -> None:
             record(event="stuck-cancelled")
 
 
+@queue.job("app.blocks", timeout=1, tries=3, backoff=[0], queue=QUEUE)
+async def blocks(payload: dict[str, Any], job: JobContext) -> None:
+    """Blocks the event loop on its first attempt (``time.sleep``), far past its timeout; a later
+    attempt records whether the process of the first one still runs."""
+    if job.attempt == 1:
+        record(event="block-start", attempt=job.attempt, id=str(job.id))
+        time.sleep(float(payload["seconds"]))  # noqa: ASYNC251 (on purpose: it blocks the loop)
+        record(event="block-end", attempt=job.attempt, id=str(job.id))
+        return
+    [first] = [e for e in recorded() if e["event"] == "block-start" and e["id"] == str(job.id)]
+    record(event="after-block", attempt=job.attempt, id=str(job.id), first_running=running(first["pid"]))
+
+
 @queue.job("app.overlap", tries=200, queue=QUEUE,
            middleware=[without_overlapping("one-at-a-time", release_after=0.1)])
 async def overlap(payload: dict[str, Any], job: JobContext) -> None:
     record(event="start", n=payload["n"])
     await asyncio.sleep(0.3)
     record(event="end", n=payload["n"])
+
+
+@queue.job("app.overlap-long", tries=100, queue=QUEUE,
+           middleware=[without_overlapping(lambda payload: payload["key"], release_after=0.5)])
+async def overlap_long(payload: dict[str, Any], job: JobContext) -> None:
+    """Runs ``seconds`` on its first attempt (0.1 s on a later one) under the overlap key ``key``."""
+    record(event="long-start", n=payload["n"], attempt=job.attempt)
+    await asyncio.sleep(float(payload["seconds"]) if job.attempt == 1 else 0.1)
+    record(event="long-end", n=payload["n"], attempt=job.attempt)
 
 
 @queue.job("app.steps", tries=5, backoff=[0], queue=QUEUE)
@@ -77,6 +114,13 @@ def record_release(event: JobReleased) -> None:
 
 
 queue.listen(JobReleased, record_release)
+
+
+if os.environ.get("JOBS_APP_RECORD_PROCESSED"):
+    def record_processed(event: JobProcessed) -> None:
+        record(event="processed", id=str(event.job_id), attempt=event.attempt)
+
+    queue.listen(JobProcessed, record_processed)
 
 
 if os.environ.get("JOBS_APP_SCHEDULE"):

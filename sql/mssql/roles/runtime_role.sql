@@ -61,6 +61,7 @@ GRANT EXECUTE ON OBJECT::workqueue.settle TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.once_begin TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.once_finish TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.once_abort TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.once_renew TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.sweep TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.record_stats_history TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.sync_topic TO workqueue_runtime;

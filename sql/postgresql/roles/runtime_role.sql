@@ -7,7 +7,7 @@
 --
 -- What it may call:
 --   * the work: publish, publish_one, publish_one_quiet, claim, claim_many, heartbeat, settle (a
---     release is a settle), and the once markers (once_begin, once_finish, once_abort);
+--     release is a settle), and the once markers (once_begin, once_finish, once_abort, once_renew);
 --   * what the jobs layer adds: a unique job frees its key (release_deduplication_key), durable
 --     steps (step_get, step_put), a schedule's look at the ticks it dispatched (known_messages);
 --   * the process registry every host keeps (process_beat, process_stop) and reads
@@ -84,7 +84,7 @@ BEGIN
         WHERE p.pronamespace = 'workqueue'::regnamespace
           AND p.proname = ANY (ARRAY[
               'publish', 'publish_one', 'publish_one_quiet', 'claim', 'heartbeat', 'settle',
-              'once_begin', 'once_finish', 'once_abort',
+              'once_begin', 'once_finish', 'once_abort', 'once_renew',
               'sweep', 'record_stats_history',
               'sync_topic', 'sync_subscription',
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
