@@ -272,6 +272,9 @@ async def test_the_jobs_commands_list_retry_forget_and_prune(fresh_url: str, tmp
     assert code == 0 and set(listed) == {str(retried), str(forgotten), str(pruned)}
     assert listed[str(retried)]["Job"] == name
     assert listed[str(retried)]["Error"].splitlines()[-1] == "RuntimeError: token=*** was refused"
+    # For people, the table shows the exception's last line (what failed), as dead-letters does.
+    code, out = await cli("jobs", "failed", "--queue", jobs.queue_name)
+    assert code == 0 and out.count("RuntimeError: token=*** was refused") == 3 and "Traceback" not in out
     code, out = await cli("jobs", "retry", str(retried))
     assert code == 0 and out.startswith("Replayed")
     code, out = await cli("jobs", "forget", str(uuid.uuid4()))
