@@ -160,3 +160,21 @@ async def test_health_names_the_switch_that_turned_the_host_off(
 def test_counts_read_as_english(n: int, text: str) -> None:
     assert count(n, "delivery") == text
     assert count(n, "handler") == text.replace("deliveries", "handlers").replace("delivery", "handler")
+
+
+async def test_a_dispatch_delay_of_the_wrong_type_names_the_parameter_and_its_forms(tmp_path: Path) -> None:
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", enabled=False))
+
+    @queue.job("reports.mail")
+    async def mail(payload: dict[str, int]) -> None: ...
+
+    async with queue.lifespan(None):
+        for wrong in ("5m", True, [5]):
+            with pytest.raises(TypeError) as raised:
+                await queue.dispatch(mail, {"n": 1}, delay=wrong)
+            assert str(raised.value) == (
+                "delay must be a number of seconds (delay=300) or a timedelta (delay=timedelta(minutes=5)); "
+                f"got {wrong!r}")
+        assert await queue.size("default") == 0
+        await queue.dispatch(mail, {"n": 1}, delay=300)
+        assert await queue.size("default") == 1
