@@ -580,6 +580,13 @@ class WorkQueue:
 
     async def start_host(self) -> Host:
         if self._host is None:
+            if self.job_groups():
+                # The app's own host takes the job queues under the same rule as `workqueue work`.
+                from .jobs.worker import check_fits_lease, parse_queues
+
+                check_fits_lease(self.jobs, parse_queues(self.settings.job_queues),
+                                 self.settings.shutdown_drain_ms / 1000,
+                                 stop_timeout_name="WORKQUEUE_SHUTDOWN_DRAIN_MS")
             self._host = self.build_host()
             await self._host.start()
             for problem in unused_handlers(self.handlers.keys(), self._host.stored_handler_keys):

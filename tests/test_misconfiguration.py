@@ -178,3 +178,18 @@ async def test_a_dispatch_delay_of_the_wrong_type_names_the_parameter_and_its_fo
         assert await queue.size("default") == 0
         await queue.dispatch(mail, {"n": 1}, delay=300)
         assert await queue.size("default") == 1
+
+
+async def test_the_apps_host_refuses_a_job_whose_timeout_does_not_fit_the_lease(tmp_path: Path) -> None:
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}",
+                                        job_lease_seconds=30, shutdown_drain_ms=8000))
+
+    @queue.job("exports.build", timeout=25)
+    async def build(payload: dict[str, int]) -> None: ...
+
+    with pytest.raises(ConfigurationError) as raised:
+        async with queue.lifespan(None):
+            pass
+    assert str(raised.value) == (
+        "job(s) 'exports.build' (timeout 25 s): the timeout plus the stop timeout (8 s) does not fit in the job "
+        "lease (30 s); lower the timeout or WORKQUEUE_SHUTDOWN_DRAIN_MS, or raise WORKQUEUE_JOB_LEASE_SECONDS")
