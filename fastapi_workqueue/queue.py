@@ -7,7 +7,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from fastapi import APIRouter, Depends
 from pydantic import ValidationError
@@ -25,7 +25,7 @@ from .core.envelope import (
 )
 from .core.errors import ConfigurationError, UnknownTopic
 from .core.handlers import HandlerFunc, HandlerRegistry, HandlerSpec, unused_handlers
-from .core.host import GroupPlan, Host, SubscriptionPlan
+from .core.host import GroupPlan, Host, SubscriptionPlan, transport_of
 from .core.observe import NO_OBSERVER, Observer, Observers, carry_headers
 from .core.published import NOT_ACCEPTED_LOGGED, PublishResults, refusal
 from .core.redaction import redacting_logger
@@ -41,6 +41,14 @@ from .core.reports import (
     SweepReport,
 )
 from .core.request_load import RequestLoad
+from .core.retirement import (
+    DISCARD_BATCH,
+    DeleteResult,
+    RetireResult,
+    TopicStatus,
+    TopicStatusChange,
+    TopologyLifecycle,
+)
 from .core.topology import Subscription, SubscriptionStatus, Topic
 from .core.transport import Transport
 from .settings import WorkQueueSettings, default_database_file, unknown_variables
@@ -75,6 +83,21 @@ def host_run_by_worker() -> Iterator[None]:
         yield
     finally:
         _worker_runs_host.reset(token)
+
+
+def _lifecycle_of(transport: Transport, what: str) -> TopologyLifecycle:
+    """The store that retires and deletes ``what`` (database transports do)."""
+    if isinstance(transport, TopologyLifecycle):
+        return transport
+    raise ConfigurationError(
+        f"{what} lives on the {transport.name} transport, which cannot retire or delete it here; remove it from "
+        "the exported manifest and the infrastructure instead"
+    )
+
+
+def _transport_of_topic(transport: Transport, topic: str) -> Transport:
+    route = getattr(transport, "transport_for_topic", None)
+    return transport if route is None else cast(Transport, route(topic))
 
 
 def _checked(topic: str, results: list[PublishResult]) -> PublishResults:
@@ -566,6 +589,7 @@ class WorkQueue:
             options=options,
             max_deliveries=max_deliveries,
             stop_when_idle=stop_when_idle,
+            declared=self.subscriptions.keys(),
         )
 
     def job_groups(self, queues: str | None = None, concurrency: int | None = None) -> list[GroupPlan]:
@@ -787,7 +811,57 @@ class WorkQueue:
         return changed
 
     async def pause(self, subscription: str) -> bool | None:
+        """Stops claiming ``subscription`` in every process; deliveries still accrue (None when it
+        does not exist, False when it was paused already)."""
         return await self.set_status(subscription, "Paused")
 
     async def resume(self, subscription: str) -> bool | None:
+        """Claims ``subscription`` again after a pause, or takes it back after a retire."""
         return await self.set_status(subscription, "Active")
+
+    async def retire(self, subscription: str, *, discard_pending: bool = False,
+                     reason: str | None = None) -> RetireResult:
+        """Retires a subscription removed from the code: publish gives it no new delivery from now
+        on, what it holds drains in processes that still have its handler (or, with
+        ``discard_pending=True``, its Pending deliveries are discarded with ``reason``), and its
+        counts stay readable. :meth:`resume` takes it back; ``workqueue subscriptions delete``
+        removes it once it is empty. Raises :class:`ConfigurationError` when it does not exist."""
+        store = _lifecycle_of(transport_of(self.transport, subscription), f"subscription {subscription!r}")
+        result = await store.retire_subscription(subscription)
+        if result is None:
+            raise ConfigurationError(f"subscription {subscription!r} does not exist; `workqueue subscriptions list` "
+                                     "shows the stored ones")
+        if discard_pending:
+            why = reason or "discarded when the subscription was retired"
+            discarded = 0
+            while True:
+                count = await store.discard_pending(subscription, why, DISCARD_BATCH)
+                discarded += count
+                if count < DISCARD_BATCH:
+                    break
+            result = result.model_copy(update={"discarded": discarded})
+        if self._host is not None:
+            await self._host.reconcile()
+        return result
+
+    async def delete_subscription(self, subscription: str) -> DeleteResult:
+        """Deletes a retired subscription that holds nothing Pending, InFlight or DeadLettered, with
+        its ended deliveries and counts; otherwise answers why not (``result``, ``remaining``)."""
+        store = _lifecycle_of(transport_of(self.transport, subscription), f"subscription {subscription!r}")
+        return await store.delete_subscription(subscription)
+
+    async def set_topic_status(self, topic: str, status: TopicStatus) -> TopicStatusChange:
+        """Retires (``Retired``: it refuses new messages, its subscriptions drain), pauses or takes
+        back (``Active``) a topic. Raises :class:`ConfigurationError` when it does not exist."""
+        store = _lifecycle_of(_transport_of_topic(self.transport, topic), f"topic {topic!r}")
+        change = await store.set_topic_status(topic, status)
+        if change is None:
+            raise ConfigurationError(f"topic {topic!r} does not exist; `workqueue topics list` shows the stored ones")
+        if self._host is not None:
+            await self._host.reconcile()
+        return change
+
+    async def delete_topic(self, topic: str) -> DeleteResult:
+        """Deletes a retired topic that no subscription names any more; otherwise answers why not."""
+        store = _lifecycle_of(_transport_of_topic(self.transport, topic), f"topic {topic!r}")
+        return await store.delete_topic(topic)

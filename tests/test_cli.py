@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 import zipfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from fastapi_workqueue import WorkQueue, WorkQueueSettings
+from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.cli.work import (
     EXIT_CONFIGURATION,
     EXIT_HANDLER_NOT_REGISTERED,
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 APP = "tests.apps.cli_app:queue"
 COMMANDS = (
     "migrate", "publish", "stats", "dead-letters", "deliveries", "delivery", "partitions", "replay", "discard",
-    "backlog", "pause", "resume", "validate-bindings", "api-keys", "prune", "sql", "work",
+    "backlog", "pause", "resume", "validate-bindings", "api-keys", "prune", "sql", "work", "subscriptions", "topics",
 )
 
 
@@ -739,3 +740,46 @@ def test_the_worker_runs_outside_the_probe_for_uvloop(monkeypatch: pytest.Monkey
 
     error = work_module.run_on_fastest_loop(fails())
     assert isinstance(error, ValueError) and error.__context__ is None
+
+
+# -- the subscription and topic lifecycle -----------------------------------------------------------
+
+
+async def test_subscriptions_and_topics_are_listed_retired_and_deleted(cli: Cli) -> None:
+    topic, name = f"cli.life-{uuid.uuid4().hex[:8]}", f"cli.life.mail-{uuid.uuid4().hex[:8]}"
+    declaring = WorkQueue(WorkQueueSettings(database_url=cli.url, enabled=False), topics=[Topic(name=topic)],
+                          subscriptions=[Subscription(name=name, topic=topic, handler_key="life")])
+    async with declaring.lifespan(None):
+        await declaring.publish(topic, [PublishRequest(payload={"n": n}) for n in range(3)])
+
+    listed = {row["Name"]: row for row in await cli.json("subscriptions", "list")}
+    assert listed[name] | {"ServedBy": 0} == {"Name": name, "Topic": topic, "Status": "Active", "Declared": "?",
+                                              "ServedBy": 0, "Pending": 3, "InFlight": 0, "DeadLettered": 0,
+                                              "Completed": 0}
+    with_app = {row["Name"]: row for row in await cli.json("subscriptions", "list", "--app", APP)}
+    assert (with_app[name]["Declared"], with_app[cli_app.BASIC]["Declared"]) == ("no", "yes")
+    table_text = (await cli("subscriptions", "list")).out
+    assert name in table_text and "Declared" in table_text
+
+    refused = await cli("subscriptions", "delete", name, expect=1)
+    assert f"subscription {name!r} is not retired; retire it first" in refused.err
+    usage = await cli("subscriptions", "retire", name, "--reason", "moved", expect=2)
+    assert "--reason goes with --discard-pending" in usage.err
+    retired = await cli.json("subscriptions", "retire", name, "--discard-pending", "--reason", "moved to notify")
+    assert retired == {"Subscription": name, "Status": "Retired", "Changed": True, "Discarded": 3}
+    again = await cli("subscriptions", "retire", name)
+    assert one_line(again.out) == f"{name}: Retired (it already was)"
+    assert (await cli("subscriptions", "delete", name)).out.strip() == f"{name}: deleted"
+    missing = await cli("subscriptions", "delete", name, expect=1)
+    assert f"there is no subscription {name!r}" in missing.err
+
+    assert one_line((await cli("topics", "retire", topic)).out) == f"{topic}: Retired"
+    [row] = [t for t in await cli.json("topics", "list") if t["Name"] == topic]
+    assert (row["Status"], row["Subscriptions"], row["Declared"]) == ("Retired", 0, "?")
+    assert one_line((await cli("topics", "resume", topic)).out) == f"{topic}: Active"
+    not_retired = await cli("topics", "delete", topic, expect=1)
+    assert "is not retired" in not_retired.err
+    await cli("topics", "retire", topic)
+    assert (await cli("topics", "delete", topic)).out.strip() == f"{topic}: deleted"
+    unknown = await cli("subscriptions", "retire", "cli.no-such-thing", expect=1)
+    assert "does not exist" in unknown.err

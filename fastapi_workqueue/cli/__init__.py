@@ -28,6 +28,7 @@ from .aws import export_topology, import_bindings
 from .jobs import jobs, schedules
 from .output import emit_json, record, table
 from .sql_scripts import sql
+from .topology import subscriptions, topics
 
 DEFAULT_DATABASE_FILE = DEFAULT_DATABASE_URL.partition(":///")[2]
 
@@ -448,9 +449,11 @@ cli.add_command(export_topology)
 cli.add_command(import_bindings)
 cli.add_command(jobs)
 cli.add_command(schedules)
+cli.add_command(subscriptions)
+cli.add_command(topics)
 
 for _command in [*cli.commands.values(), *api_keys.commands.values(), *sql.commands.values(),
-                 *jobs.commands.values()]:
+                 *jobs.commands.values(), *subscriptions.commands.values(), *topics.commands.values()]:
     if not isinstance(_command, click.Group):
         accept_global_options(_command)
 

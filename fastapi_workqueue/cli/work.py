@@ -47,6 +47,8 @@ EXIT_JOB_STUCK = 70
 
 _STATE_EXIT = {
     "HandlerNotRegistered": EXIT_HANDLER_NOT_REGISTERED,
+    "Undeclared": EXIT_HANDLER_NOT_REGISTERED,
+    "Retired": EXIT_HANDLER_NOT_REGISTERED,
     "Unsupported": EXIT_UNSUPPORTED,
     "Error": EXIT_ERROR,
 }
