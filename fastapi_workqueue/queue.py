@@ -135,8 +135,11 @@ class WorkQueue:
         transport: Transport | None = None,
     ) -> None:
         self.settings = settings if settings is not None else WorkQueueSettings()
+        """The settings the queue was made with (read from ``WORKQUEUE_*`` when none were given)."""
         self.topics: dict[str, Topic] = {}
+        """The topics declared in code, by name."""
         self.subscriptions: dict[str, Subscription] = {}
+        """The subscriptions declared in code, by name."""
         for topic in topics:
             self.add_topic(topic)
         for subscription in subscriptions:
@@ -152,6 +155,8 @@ class WorkQueue:
         self._sessions = RequestSessions(self._database_url, lambda: self.settings.session_pool(),
                                          load=self.request_load)
         self.health_router: APIRouter = build_health_router(self)
+        """``GET /health/extensions``: the state of the host and of each subscription it plans, 503
+        when one is ``HandlerNotRegistered`` or in ``Error``. ``app.include_router(queue.health_router)``."""
         self._router: APIRouter | None = None
         self._jobs: Any = None
         self._observers: list[Observer] = []
@@ -273,6 +278,7 @@ class WorkQueue:
         return register
 
     def resolve_handler(self, key: str) -> HandlerSpec | None:
+        """The handler registered under ``key``, or None (for the host and the jobs layer)."""
         return self.handlers.get(key)
 
     def app_needed_by(self, key: str) -> str | None:
@@ -539,7 +545,7 @@ class WorkQueue:
         self._opened -= 1
         if self._opened > 0:
             return
-        await self.stop_host()
+        await self._stop_host()
         if self._jobs is not None:
             await self._jobs.drain_events()
         if self._transport is not None:
@@ -602,7 +608,8 @@ class WorkQueue:
         return [job_group(queues if queues is not None else self.settings.job_queues,
                           concurrency or self.settings.job_concurrency)]
 
-    async def start_host(self) -> Host:
+    async def _start_host(self) -> Host:
+        """Starts this process's host (the lifespan does, unless the host is off here); returns it."""
         if self._host is None:
             if self.job_groups():
                 # The app's own host takes the job queues under the same rule as `workqueue work`.
@@ -621,7 +628,8 @@ class WorkQueue:
                     self._jobs.watch_queues(self._host, self.settings.job_queues)
         return self._host
 
-    async def stop_host(self) -> None:
+    async def _stop_host(self) -> None:
+        """Stops the host, its job watchers and schedules, if they run."""
         host, self._host = self._host, None
         if self._jobs is not None:
             await self._jobs.stop_watching()
@@ -635,16 +643,16 @@ class WorkQueue:
         self.bind_app(app)
         await self.open()
         try:
-            off = self.host_off_reason()
+            off = self._host_off_reason()
             if off is None:
-                await self.start_host()
+                await self._start_host()
             elif not _worker_runs_host.get():  # `workqueue work` runs a host of its own: nothing is off
                 log.info("work queue host is off in this process: %s", off)
             yield {"workqueue": self}
         finally:
             await self.close()
 
-    def host_off_reason(self) -> str | None:
+    def _host_off_reason(self) -> str | None:
         """Why the lifespan starts no host in this process, or None when it starts one.
 
         ``WORKQUEUE_ENABLED=0`` and ``WORKQUEUE_DISABLE_HOST=1`` are two switches for one thing:
@@ -662,7 +670,7 @@ class WorkQueue:
         if self._opened == 0:
             return ExtensionHealth(status="Stopped", reason="the app's lifespan has not started the queue")
         if self._host is None:
-            off = self.host_off_reason() or "the host is not started"
+            off = self._host_off_reason() or "the host is not started"
             return ExtensionHealth(status="Disabled", reason=f"the host is off in this process: {off}")
         subscriptions = self._host.health()
         degraded = any(s.state == "Error" for s in subscriptions)
@@ -763,14 +771,19 @@ class WorkQueue:
         return await self.transport.sweep(limit)
 
     async def stats(self, subscription: str | None = None) -> list[SubscriptionStats]:
+        """Counts by state of every subscription, or of ``subscription`` (``workqueue stats``)."""
         return await self.transport.stats(subscription)
 
     async def backlog(self, subscription: str) -> Backlog | None:
+        """Claimable Pending (one per key where keys run one at a time) plus InFlight, as a scaler
+        sees it; None when ``subscription`` does not exist."""
         return await self.transport.backlog(subscription)
 
     async def dead_letters(
         self, subscription: str, *, limit: int = 100, after: str | None = None, include_payload: bool = False
     ) -> list[DeliveryInfo]:
+        """The dead letters of ``subscription``, ``limit`` at a time: pass the last
+        ``delivery_id`` as ``after`` for the next. ``include_payload`` adds the payloads."""
         return await self.transport.list_deliveries(
             subscription, "DeadLettered", limit=limit, after=after, include_payload=include_payload
         )
@@ -779,16 +792,21 @@ class WorkQueue:
         self, subscription: str, status: DeliveryStatus, *, limit: int = 100, after: str | None = None,
         include_payload: bool = False,
     ) -> list[DeliveryInfo]:
+        """The deliveries of ``subscription`` in ``status`` (``Pending``, ``InFlight``,
+        ``Completed``, ``DeadLettered``, ``Discarded``), paged as :meth:`dead_letters`."""
         return await self.transport.list_deliveries(
             subscription, status, limit=limit, after=after, include_payload=include_payload
         )
 
     async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:
+        """One delivery whole (state, attempts, lease, progress, last error), or None."""
         return await self.transport.get_delivery(delivery_id, include_payload=include_payload)
 
     async def partitions(
         self, subscription: str, condition: PartitionCondition | None = None, *, limit: int = 100
     ) -> list[PartitionInfo]:
+        """The partition keys of ``subscription`` with live work: their head and how many wait
+        behind it; ``condition`` keeps the ``Blocked``, ``InFlight`` or ``Idle`` ones."""
         return await self.transport.partitions(subscription, condition, limit=limit)
 
     async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
@@ -811,12 +829,13 @@ class WorkQueue:
         return changed
 
     async def pause(self, subscription: str) -> bool | None:
-        """Stops claiming ``subscription`` in every process; deliveries still accrue (None when it
-        does not exist, False when it was paused already)."""
+        """Stops claiming on ``subscription`` (its deliveries still arrive and wait); True when it
+        changed, False when it was paused already, None when it does not exist."""
         return await self.set_status(subscription, "Paused")
 
     async def resume(self, subscription: str) -> bool | None:
-        """Claims ``subscription`` again after a pause, or takes it back after a retire."""
+        """Claims on ``subscription`` again after :meth:`pause`, or takes it back after
+        :meth:`retire`; answers as :meth:`pause` does."""
         return await self.set_status(subscription, "Active")
 
     async def retire(self, subscription: str, *, discard_pending: bool = False,

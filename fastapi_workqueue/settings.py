@@ -50,21 +50,30 @@ class WorkQueueSettings(BaseSettings):
     enabled: bool = True
     """Run the host (consumers, sweeper, reconcile loop) in this process."""
     database_url: str | None = DEFAULT_DATABASE_URL
-    """``postgresql+asyncpg://user:password@host:5432/db``; by default an SQLite file, ``workqueue.db``,
-    in the working directory."""
+    """``postgresql+asyncpg://user:password@host:5432/db`` (``postgresql://`` works too),
+    ``sqlite+aiosqlite:///path/file.db`` or ``mssql+aioodbc://…``; by default an SQLite file,
+    ``workqueue.db``, in the working directory."""
     system_principal: str | None = None
     """Who handlers act as; handed to them as ``context.principal``."""
     subscriptions: list[SubscriptionPlan] = Field(default_factory=lambda: [SubscriptionPlan()])
-    """Which subscriptions this process runs and how many deliveries of each at once."""
+    """Which subscriptions this process runs (``*``: every one) and how many deliveries of each at once."""
     idle_poll_min_ms: int = Field(default=250, ge=1)
+    """The first poll interval of an idle consumer."""
     idle_poll_max_ms: int = Field(default=5000, ge=1)
+    """The idle poll interval doubles up to this (at least ``idle_poll_min_ms``)."""
     wake_backoff_ms: int = Field(default=100, ge=0)
     """After wake-up claims that found nothing (another process took the delivery), a consumer waits
     10 ms doubling up to this long before its next wake-up claim; 0 claims at every wake-up."""
     shutdown_drain_ms: int = Field(default=8000, ge=0)
+    """How long shutdown waits for running handlers, before and again after aborting them; what
+    is left then goes back to Pending without spending an attempt."""
     sweeper_enabled: bool = True
+    """Run the sweeper (expired leases, retention) in this process; one pass at a time runs across
+    all processes."""
     sweeper_interval_ms: int = Field(default=60000, ge=10)
+    """Time between sweeper passes (the dashboard's chart gets a point a minute at most)."""
     reconcile_interval_ms: int = Field(default=30000, ge=0)
+    """How often the host reads the subscriptions again (a pause, a resume, a new one); 0 turns it off."""
     disable_host: bool = False
     """``WORKQUEUE_DISABLE_HOST=1`` keeps the host off in one process without touching the rest."""
     auto_migrate: bool | None = None

@@ -31,6 +31,7 @@ class Principal:
     key_id: str | None = None
 
     def has(self, scope: str) -> bool:
+        """True when the principal holds ``scope`` (``workqueue:read`` …)."""
         return scope in self.scopes
 
 
