@@ -20,6 +20,11 @@ Start it with ``./scripts/run-example``, then::
     curl -s localhost:8000/orders/1
     curl -s localhost:8000/health/extensions
 
+The operator dashboard is at http://127.0.0.1:8000/work-queue/ui and Prometheus's ``/metrics`` at
+http://127.0.0.1:8000/metrics; both ask for an API key with ``workqueue:read``, which
+``./scripts/run-example`` prints at start (``workqueue api-keys create --name me --scopes
+workqueue:read,workqueue:operate`` makes another).
+
 ``"fail_after_publish": true`` in the body makes the endpoint fail after publishing: the order
 and its message roll back together.
 """
@@ -355,8 +360,10 @@ def create_app(settings: WorkQueueSettings | None = None) -> FastAPI:
     app = FastAPI(title="Orders: a fastapi-workqueue example", lifespan=lifespan)
     app.state.queue = queue
     app.include_router(build_router(queue))
+    app.mount("/work-queue/ui", queue.dashboard())  # the operator dashboard: sign in with an API key
     app.include_router(queue.router)  # REST publish and operator API under /work-queue (API keys)
-    app.include_router(queue.health_router)
+    app.include_router(queue.health_router)  # GET /health/extensions
+    app.include_router(queue.metrics_router)  # GET /metrics for Prometheus, with a workqueue:read key
     return app
 
 

@@ -21,10 +21,18 @@ if TYPE_CHECKING:
         PublishStatus,
         WorkMessage,
     )
-    from .core.errors import ConfigurationError, TransportError, TransportUnavailable, WorkQueueError
+    from .core.errors import (
+        ConfigurationError,
+        PublishFailed,
+        TransportError,
+        TransportUnavailable,
+        UnknownTopic,
+        WorkQueueError,
+    )
     from .core.filters import FilterError
     from .core.host import SubscriptionHealth, SubscriptionPlan
     from .core.outcomes import FatalWorkError, Outcome, TransientWorkError, WorkOutcome
+    from .core.published import PublishResults
     from .core.reports import ActionResult, Backlog, DeliveryInfo, PartitionInfo, SubscriptionStats, SweepReport
     from .core.topology import Subscription, Topic
     from .jobs.context import JobContext
@@ -48,8 +56,10 @@ __all__ = [
     "PartitionInfo",
     "Progress",
     "PublishError",
+    "PublishFailed",
     "PublishRequest",
     "PublishResult",
+    "PublishResults",
     "PublishStatus",
     "Subscription",
     "SubscriptionHealth",
@@ -60,6 +70,7 @@ __all__ = [
     "TransientWorkError",
     "TransportError",
     "TransportUnavailable",
+    "UnknownTopic",
     "WorkAborted",
     "WorkContext",
     "WorkMessage",
@@ -91,8 +102,10 @@ _ORIGINS: dict[str, str] = {
     "PartitionInfo": ".core.reports",
     "Progress": ".core.context",
     "PublishError": ".core.envelope",
+    "PublishFailed": ".core.errors",
     "PublishRequest": ".core.envelope",
     "PublishResult": ".core.envelope",
+    "PublishResults": ".core.published",
     "PublishStatus": ".core.envelope",
     "Subscription": ".core.topology",
     "SubscriptionHealth": ".core.host",
@@ -103,6 +116,7 @@ _ORIGINS: dict[str, str] = {
     "TransientWorkError": ".core.outcomes",
     "TransportError": ".core.errors",
     "TransportUnavailable": ".core.errors",
+    "UnknownTopic": ".core.errors",
     "WorkAborted": ".core.context",
     "WorkContext": ".core.context",
     "WorkMessage": ".core.envelope",

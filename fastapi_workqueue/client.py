@@ -66,6 +66,7 @@ class WorkQueueApiPublisher:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Closes the HTTP client, unless it was given (``client=``); ``async with`` does it too."""
         if self._owns_client:
             await self._client.aclose()
 

@@ -7,7 +7,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from fastapi import APIRouter, Depends
 from pydantic import ValidationError
@@ -23,10 +23,11 @@ from .core.envelope import (
     aborted_results,
     prepare,
 )
-from .core.errors import ConfigurationError
-from .core.handlers import HandlerFunc, HandlerRegistry, HandlerSpec
-from .core.host import GroupPlan, Host, SubscriptionPlan
+from .core.errors import ConfigurationError, UnknownTopic
+from .core.handlers import HandlerFunc, HandlerRegistry, HandlerSpec, unused_handlers
+from .core.host import GroupPlan, Host, SubscriptionPlan, transport_of
 from .core.observe import NO_OBSERVER, Observer, Observers, carry_headers
+from .core.published import NOT_ACCEPTED_LOGGED, PublishResults, refusal
 from .core.redaction import redacting_logger
 from .core.reports import (
     ActionResult,
@@ -40,9 +41,17 @@ from .core.reports import (
     SweepReport,
 )
 from .core.request_load import RequestLoad
+from .core.retirement import (
+    DISCARD_BATCH,
+    DeleteResult,
+    RetireResult,
+    TopicStatus,
+    TopicStatusChange,
+    TopologyLifecycle,
+)
 from .core.topology import Subscription, SubscriptionStatus, Topic
 from .core.transport import Transport
-from .settings import WorkQueueSettings, default_database_file
+from .settings import WorkQueueSettings, default_database_file, unknown_variables
 from .web.auth import Authorizer, api_key_authorizer
 from .web.di import DependencyInvoker
 from .web.health import ExtensionHealth, build_health_router
@@ -55,6 +64,9 @@ if TYPE_CHECKING:
     from .jobs.failed import FailedJob
 
 F = TypeVar("F", bound=HandlerFunc)
+
+_warned_variables: set[str] = set()
+"""Unknown ``WORKQUEUE_*`` variables already warned about in this process (once each)."""
 
 _worker_runs_host: ContextVar[bool] = ContextVar("workqueue_worker_runs_host", default=False)
 
@@ -71,6 +83,38 @@ def host_run_by_worker() -> Iterator[None]:
         yield
     finally:
         _worker_runs_host.reset(token)
+
+
+def _lifecycle_of(transport: Transport, what: str) -> TopologyLifecycle:
+    """The store that retires and deletes ``what`` (database transports do)."""
+    if isinstance(transport, TopologyLifecycle):
+        return transport
+    raise ConfigurationError(
+        f"{what} lives on the {transport.name} transport, which cannot retire or delete it here; remove it from "
+        "the exported manifest and the infrastructure instead"
+    )
+
+
+def _transport_of_topic(transport: Transport, topic: str) -> Transport:
+    route = getattr(transport, "transport_for_topic", None)
+    return transport if route is None else cast(Transport, route(topic))
+
+
+def _checked(topic: str, results: list[PublishResult]) -> PublishResults:
+    """A publish's results, with its refusals logged at WARNING; raises UnknownTopic when the
+    store did not know the topic."""
+    answer = results if isinstance(results, PublishResults) else PublishResults(results)
+    for index, result in enumerate(answer):
+        if result.status in NOT_ACCEPTED_LOGGED:
+            error = result.error
+            code = error.code if error is not None else result.status.value
+            if code == "UnknownTopic":
+                raise UnknownTopic(topic, f"cannot publish to topic {topic!r}: neither the code declares it "
+                                          f"(Topic(name={topic!r})) nor the store holds it; check the name")
+            if code != "BatchAborted":
+                log.warning("publish to %s: item %d was %s (%s): %s", topic, index, result.status.value, code,
+                            refusal(result))
+    return answer
 
 
 class WorkQueue:
@@ -91,8 +135,11 @@ class WorkQueue:
         transport: Transport | None = None,
     ) -> None:
         self.settings = settings if settings is not None else WorkQueueSettings()
+        """The settings the queue was made with (read from ``WORKQUEUE_*`` when none were given)."""
         self.topics: dict[str, Topic] = {}
+        """The topics declared in code, by name."""
         self.subscriptions: dict[str, Subscription] = {}
+        """The subscriptions declared in code, by name."""
         for topic in topics:
             self.add_topic(topic)
         for subscription in subscriptions:
@@ -108,6 +155,8 @@ class WorkQueue:
         self._sessions = RequestSessions(self._database_url, lambda: self.settings.session_pool(),
                                          load=self.request_load)
         self.health_router: APIRouter = build_health_router(self)
+        """``GET /health/extensions``: the state of the host and of each subscription it plans, 503
+        when one is ``HandlerNotRegistered`` or in ``Error``. ``app.include_router(queue.health_router)``."""
         self._router: APIRouter | None = None
         self._jobs: Any = None
         self._observers: list[Observer] = []
@@ -229,6 +278,7 @@ class WorkQueue:
         return register
 
     def resolve_handler(self, key: str) -> HandlerSpec | None:
+        """The handler registered under ``key``, or None (for the host and the jobs layer)."""
         return self.handlers.get(key)
 
     def app_needed_by(self, key: str) -> str | None:
@@ -464,6 +514,10 @@ class WorkQueue:
         try:
             if self._jobs is not None:
                 self._jobs.check()
+            for problem in unknown_variables():
+                if problem not in _warned_variables:
+                    _warned_variables.add(problem)
+                    log.warning("%s", problem)
             if self.settings.uses_default_database:
                 log.warning(
                     "no database is configured (neither WORKQUEUE_DATABASE_URL nor database_url): the queue "
@@ -491,7 +545,7 @@ class WorkQueue:
         self._opened -= 1
         if self._opened > 0:
             return
-        await self.stop_host()
+        await self._stop_host()
         if self._jobs is not None:
             await self._jobs.drain_events()
         if self._transport is not None:
@@ -541,6 +595,7 @@ class WorkQueue:
             options=options,
             max_deliveries=max_deliveries,
             stop_when_idle=stop_when_idle,
+            declared=self.subscriptions.keys(),
         )
 
     def job_groups(self, queues: str | None = None, concurrency: int | None = None) -> list[GroupPlan]:
@@ -553,17 +608,28 @@ class WorkQueue:
         return [job_group(queues if queues is not None else self.settings.job_queues,
                           concurrency or self.settings.job_concurrency)]
 
-    async def start_host(self) -> Host:
+    async def _start_host(self) -> Host:
+        """Starts this process's host (the lifespan does, unless the host is off here); returns it."""
         if self._host is None:
+            if self.job_groups():
+                # The app's own host takes the job queues under the same rule as `workqueue work`.
+                from .jobs.worker import check_fits_lease, parse_queues
+
+                check_fits_lease(self.jobs, parse_queues(self.settings.job_queues),
+                                 self.settings.shutdown_drain_ms / 1000,
+                                 stop_timeout_name="WORKQUEUE_SHUTDOWN_DRAIN_MS")
             self._host = self.build_host()
             await self._host.start()
+            for problem in unused_handlers(self.handlers.keys(), self._host.stored_handler_keys):
+                log.warning("%s", problem)
             if self._jobs is not None:
                 self._jobs.schedules.start()
                 if self.job_groups():
                     self._jobs.watch_queues(self._host, self.settings.job_queues)
         return self._host
 
-    async def stop_host(self) -> None:
+    async def _stop_host(self) -> None:
+        """Stops the host, its job watchers and schedules, if they run."""
         host, self._host = self._host, None
         if self._jobs is not None:
             await self._jobs.stop_watching()
@@ -577,16 +643,16 @@ class WorkQueue:
         self.bind_app(app)
         await self.open()
         try:
-            off = self.host_off_reason()
+            off = self._host_off_reason()
             if off is None:
-                await self.start_host()
-            else:
+                await self._start_host()
+            elif not _worker_runs_host.get():  # `workqueue work` runs a host of its own: nothing is off
                 log.info("work queue host is off in this process: %s", off)
             yield {"workqueue": self}
         finally:
             await self.close()
 
-    def host_off_reason(self) -> str | None:
+    def _host_off_reason(self) -> str | None:
         """Why the lifespan starts no host in this process, or None when it starts one.
 
         ``WORKQUEUE_ENABLED=0`` and ``WORKQUEUE_DISABLE_HOST=1`` are two switches for one thing:
@@ -604,7 +670,8 @@ class WorkQueue:
         if self._opened == 0:
             return ExtensionHealth(status="Stopped", reason="the app's lifespan has not started the queue")
         if self._host is None:
-            return ExtensionHealth(status="Disabled", reason="the host is off in this process")
+            off = self._host_off_reason() or "the host is not started"
+            return ExtensionHealth(status="Disabled", reason=f"the host is off in this process: {off}")
         subscriptions = self._host.health()
         degraded = any(s.state == "Error" for s in subscriptions)
         return ExtensionHealth(status="Degraded" if degraded else "Running", subscriptions=subscriptions)
@@ -617,7 +684,7 @@ class WorkQueue:
         requests: Sequence[PublishRequest | Mapping[str, Any]],
         *,
         session: Any = None,
-    ) -> list[PublishResult]:
+    ) -> PublishResults:
         """Publishes ``requests`` to ``topic``; one result per request, in order.
 
         With ``session`` (an ``AsyncSession`` or ``AsyncConnection``), the publish joins that
@@ -626,7 +693,10 @@ class WorkQueue:
         the request spawned, a background task or a cleanup after the response publishes in a
         transaction of its own. Otherwise it commits on its own before answering. A call is
         all-or-nothing: when any request is refused, none is published and the others report
-        ``BatchAborted``.
+        ``BatchAborted``; each refusal is also logged at WARNING, and
+        ``results.raise_for_errors()`` turns them into :class:`PublishFailed`.
+
+        Raises :class:`UnknownTopic` when neither the code nor the store knows ``topic``.
         """
         cap = self.envelope_cap(topic)
         attempts = self.settings.max_message_attempts
@@ -664,7 +734,7 @@ class WorkQueue:
     async def publish_prepared(
         self, topic: str, count: int, prepared: list[PreparedMessage], failures: dict[int, PublishResult], *,
         session: Any = None,
-    ) -> list[PublishResult]:
+    ) -> PublishResults:
         """The second half of :meth:`publish`, for ``count`` requests already prepared: ``prepared``
         those that passed, ``failures`` the results of those refused, by index (then none is
         published). For layers that prepare their messages themselves (the jobs layer)."""
@@ -680,9 +750,9 @@ class WorkQueue:
             results = aborted_results(count, failures)
             if scope is not None:
                 scope.end(results, None)
-            return results
+            return _checked(topic, results)
         if scope is None:
-            return await self.transport.publish(topic, prepared, session=session)
+            return _checked(topic, await self.transport.publish(topic, prepared, session=session))
         headers = scope.headers()
         if headers:
             for message in prepared:
@@ -693,7 +763,7 @@ class WorkQueue:
             scope.end(None, exc)
             raise
         scope.end(results, None)
-        return results
+        return _checked(topic, results)
 
     # -- operate -----------------------------------------------------------------------------
 
@@ -702,14 +772,19 @@ class WorkQueue:
         return await self.transport.sweep(limit)
 
     async def stats(self, subscription: str | None = None) -> list[SubscriptionStats]:
+        """Counts by state of every subscription, or of ``subscription`` (``workqueue stats``)."""
         return await self.transport.stats(subscription)
 
     async def backlog(self, subscription: str) -> Backlog | None:
+        """Claimable Pending (one per key where keys run one at a time) plus InFlight, as a scaler
+        sees it; None when ``subscription`` does not exist."""
         return await self.transport.backlog(subscription)
 
     async def dead_letters(
         self, subscription: str, *, limit: int = 100, after: str | None = None, include_payload: bool = False
     ) -> list[DeliveryInfo]:
+        """The dead letters of ``subscription``, ``limit`` at a time: pass the last
+        ``delivery_id`` as ``after`` for the next. ``include_payload`` adds the payloads."""
         return await self.transport.list_deliveries(
             subscription, "DeadLettered", limit=limit, after=after, include_payload=include_payload
         )
@@ -718,16 +793,21 @@ class WorkQueue:
         self, subscription: str, status: DeliveryStatus, *, limit: int = 100, after: str | None = None,
         include_payload: bool = False,
     ) -> list[DeliveryInfo]:
+        """The deliveries of ``subscription`` in ``status`` (``Pending``, ``InFlight``,
+        ``Completed``, ``DeadLettered``, ``Discarded``), paged as :meth:`dead_letters`."""
         return await self.transport.list_deliveries(
             subscription, status, limit=limit, after=after, include_payload=include_payload
         )
 
     async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:
+        """One delivery whole (state, attempts, lease, progress, last error), or None."""
         return await self.transport.get_delivery(delivery_id, include_payload=include_payload)
 
     async def partitions(
         self, subscription: str, condition: PartitionCondition | None = None, *, limit: int = 100
     ) -> list[PartitionInfo]:
+        """The partition keys of ``subscription`` with live work: their head and how many wait
+        behind it; ``condition`` keeps the ``Blocked``, ``InFlight`` or ``Idle`` ones."""
         return await self.transport.partitions(subscription, condition, limit=limit)
 
     async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
@@ -750,7 +830,58 @@ class WorkQueue:
         return changed
 
     async def pause(self, subscription: str) -> bool | None:
+        """Stops claiming on ``subscription`` (its deliveries still arrive and wait); True when it
+        changed, False when it was paused already, None when it does not exist."""
         return await self.set_status(subscription, "Paused")
 
     async def resume(self, subscription: str) -> bool | None:
+        """Claims on ``subscription`` again after :meth:`pause`, or takes it back after
+        :meth:`retire`; answers as :meth:`pause` does."""
         return await self.set_status(subscription, "Active")
+
+    async def retire(self, subscription: str, *, discard_pending: bool = False,
+                     reason: str | None = None) -> RetireResult:
+        """Retires a subscription removed from the code: publish gives it no new delivery from now
+        on, what it holds drains in processes that still have its handler (or, with
+        ``discard_pending=True``, its Pending deliveries are discarded with ``reason``), and its
+        counts stay readable. :meth:`resume` takes it back; ``workqueue subscriptions delete``
+        removes it once it is empty. Raises :class:`ConfigurationError` when it does not exist."""
+        store = _lifecycle_of(transport_of(self.transport, subscription), f"subscription {subscription!r}")
+        result = await store.retire_subscription(subscription)
+        if result is None:
+            raise ConfigurationError(f"subscription {subscription!r} does not exist; `workqueue subscriptions list` "
+                                     "shows the stored ones")
+        if discard_pending:
+            why = reason or "discarded when the subscription was retired"
+            discarded = 0
+            while True:
+                count = await store.discard_pending(subscription, why, DISCARD_BATCH)
+                discarded += count
+                if count < DISCARD_BATCH:
+                    break
+            result = result.model_copy(update={"discarded": discarded})
+        if self._host is not None:
+            await self._host.reconcile()
+        return result
+
+    async def delete_subscription(self, subscription: str) -> DeleteResult:
+        """Deletes a retired subscription that holds nothing Pending, InFlight or DeadLettered, with
+        its ended deliveries and counts; otherwise answers why not (``result``, ``remaining``)."""
+        store = _lifecycle_of(transport_of(self.transport, subscription), f"subscription {subscription!r}")
+        return await store.delete_subscription(subscription)
+
+    async def set_topic_status(self, topic: str, status: TopicStatus) -> TopicStatusChange:
+        """Retires (``Retired``: it refuses new messages, its subscriptions drain), pauses or takes
+        back (``Active``) a topic. Raises :class:`ConfigurationError` when it does not exist."""
+        store = _lifecycle_of(_transport_of_topic(self.transport, topic), f"topic {topic!r}")
+        change = await store.set_topic_status(topic, status)
+        if change is None:
+            raise ConfigurationError(f"topic {topic!r} does not exist; `workqueue topics list` shows the stored ones")
+        if self._host is not None:
+            await self._host.reconcile()
+        return change
+
+    async def delete_topic(self, topic: str) -> DeleteResult:
+        """Deletes a retired topic that no subscription names any more; otherwise answers why not."""
+        store = _lifecycle_of(_transport_of_topic(self.transport, topic), f"topic {topic!r}")
+        return await store.delete_topic(topic)

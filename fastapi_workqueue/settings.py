@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError
@@ -12,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 from .core.envelope import DEFAULT_MAX_MESSAGE_ATTEMPTS, MAX_ATTEMPTS_LIMIT
 from .core.errors import ConfigurationError
 from .core.host import HostOptions, SubscriptionPlan
+from .core.redaction import redact
 from .web.session import SessionPool
 
 ENV_PREFIX = "WORKQUEUE_"
@@ -34,7 +37,7 @@ class WorkQueueSettings(BaseSettings):
     ``WORKQUEUE_SUBSCRIPTIONS='[{"name": "*", "concurrency": 8}]'``, ``WORKQUEUE_DISABLE_HOST=1`` …
     """
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
     def __init__(self, **values: Any) -> None:
         """Reads the environment; a value that cannot work raises ConfigurationError in one line."""
@@ -48,21 +51,30 @@ class WorkQueueSettings(BaseSettings):
     enabled: bool = True
     """Run the host (consumers, sweeper, reconcile loop) in this process."""
     database_url: str | None = DEFAULT_DATABASE_URL
-    """``postgresql+asyncpg://user:password@host:5432/db``; by default an SQLite file, ``workqueue.db``,
-    in the working directory."""
+    """``postgresql+asyncpg://user:password@host:5432/db`` (``postgresql://`` works too),
+    ``sqlite+aiosqlite:///path/file.db`` or ``mssql+aioodbc://…``; by default an SQLite file,
+    ``workqueue.db``, in the working directory."""
     system_principal: str | None = None
     """Who handlers act as; handed to them as ``context.principal``."""
     subscriptions: list[SubscriptionPlan] = Field(default_factory=lambda: [SubscriptionPlan()])
-    """Which subscriptions this process runs and how many deliveries of each at once."""
+    """Which subscriptions this process runs (``*``: every one) and how many deliveries of each at once."""
     idle_poll_min_ms: int = Field(default=250, ge=1)
+    """The first poll interval of an idle consumer."""
     idle_poll_max_ms: int = Field(default=5000, ge=1)
+    """The idle poll interval doubles up to this (at least ``idle_poll_min_ms``)."""
     wake_backoff_ms: int = Field(default=100, ge=0)
     """After wake-up claims that found nothing (another process took the delivery), a consumer waits
     10 ms doubling up to this long before its next wake-up claim; 0 claims at every wake-up."""
     shutdown_drain_ms: int = Field(default=8000, ge=0)
+    """How long shutdown waits for running handlers, before and again after aborting them; what
+    is left then goes back to Pending without spending an attempt."""
     sweeper_enabled: bool = True
+    """Run the sweeper (expired leases, retention) in this process; one pass at a time runs across
+    all processes."""
     sweeper_interval_ms: int = Field(default=60000, ge=10)
+    """Time between sweeper passes (the dashboard's chart gets a point a minute at most)."""
     reconcile_interval_ms: int = Field(default=30000, ge=0)
+    """How often the host reads the subscriptions again (a pause, a resume, a new one); 0 turns it off."""
     disable_host: bool = False
     """``WORKQUEUE_DISABLE_HOST=1`` keeps the host off in one process without touching the rest."""
     auto_migrate: bool | None = None
@@ -150,6 +162,11 @@ class WorkQueueSettings(BaseSettings):
     (``WORKQUEUE_AWS_LAMBDA_SUBSCRIPTIONS='["documents.archive"]'``): the manifest gives them a
     ``lambda`` block and hosts do not consume them."""
 
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        """The fields, with the database URL's password masked (a repr ends up in logs)."""
+        for name, value in super().__repr_args__():
+            yield name, redact(value) if name == "database_url" and isinstance(value, str) else value
+
     def session_pool(self) -> SessionPool:
         """The request sessions' pool, from the settings."""
         return SessionPool(
@@ -210,8 +227,49 @@ def _settings_error(exc: SettingsError) -> ConfigurationError:
     return ConfigurationError(f"{_variable(field)} is not valid JSON{cause}{_example(field)}")
 
 
+OTHER_VARIABLES = frozenset({
+    "WORKQUEUE_APP",  # the CLI's --app
+    "WORKQUEUE_ALLOW_DESTRUCTIVE",  # the CLI's guard for destructive commands
+    "WORKQUEUE_SUBSCRIPTION_POLICY",  # the Lambda adapter's policy
+})
+"""``WORKQUEUE_*`` variables the package reads outside the settings."""
+
+
+def _closest(name: str, candidates: list[str]) -> str | None:
+    found = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def setting_names() -> list[str]:
+    """The names of every setting (``database_url``, ...)."""
+    return list(WorkQueueSettings.model_fields)
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One sentence per ``WORKQUEUE_*`` variable of the environment that names no setting, with
+    the variable it most resembles (a typo is otherwise silently ignored)."""
+    known = {_variable(name) for name in setting_names()} | OTHER_VARIABLES
+    problems = []
+    for name in sorted(os.environ if environ is None else environ):
+        if name.upper().startswith(ENV_PREFIX) and name.upper() not in known:
+            suffix = _closest(name.upper().removeprefix(ENV_PREFIX), sorted(k.removeprefix(ENV_PREFIX) for k in known))
+            guess = None if suffix is None else ENV_PREFIX + suffix
+            hint = f"; did you mean {guess}?" if guess else "; see docs/configuration.md for the settings"
+            problems.append(f"{name} is not a setting of fastapi-workqueue and is ignored{hint}")
+    return problems
+
+
+def _unknown_field(field: str) -> str:
+    guess = _closest(field, setting_names())
+    hint = f"did you mean {guess!r}?" if guess else "see docs/configuration.md for the settings"
+    return f"WorkQueueSettings has no setting {field!r}; {hint}"
+
+
 def _validation_error(exc: ValidationError) -> ConfigurationError:
     """Values of the wrong shape, each named by its variable and where in it the problem is."""
+    unknown = [str(e["loc"][0]) for e in exc.errors() if e["type"] == "extra_forbidden" and e["loc"]]
+    if unknown:
+        return ConfigurationError("; ".join(_unknown_field(field) for field in unknown))
     problems: dict[str, list[str]] = {}
     for error in exc.errors():
         loc = list(error["loc"])

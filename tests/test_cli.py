@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 import zipfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from fastapi_workqueue import WorkQueue, WorkQueueSettings
+from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.cli.work import (
     EXIT_CONFIGURATION,
     EXIT_HANDLER_NOT_REGISTERED,
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 APP = "tests.apps.cli_app:queue"
 COMMANDS = (
     "migrate", "publish", "stats", "dead-letters", "deliveries", "delivery", "partitions", "replay", "discard",
-    "backlog", "pause", "resume", "validate-bindings", "api-keys", "prune", "sql", "work",
+    "backlog", "pause", "resume", "validate-bindings", "api-keys", "prune", "sql", "work", "subscriptions", "topics",
 )
 
 
@@ -296,7 +297,7 @@ async def test_pause_resume_and_work_on_a_paused_subscription(cli: Cli) -> None:
     assert (await cli.json("resume", "--subscription", sub))["Changed"] is True
     assert (await cli("resume", "--subscription", sub)).out.strip() == f"{sub}: Active (it already was)"
     ran = await cli.work(sub, "--once")
-    assert one_line(ran.out).endswith("ran 1 deliveries")
+    assert one_line(ran.out).endswith("ran 1 delivery")
     assert (await cli("pause", "--subscription", "cli.nope", expect=1)).err.strip().endswith("does not exist")
 
 
@@ -393,7 +394,7 @@ async def test_a_signal_drains_the_running_handler_and_exits_0(cli: Cli, sig: si
     proc.send_signal(sig)
     result = await cli.finish(proc, within=20)
     assert result.code == 0, result.err
-    assert one_line(result.out).endswith("ran 1 deliveries")
+    assert one_line(result.out).endswith("ran 1 delivery")
     assert len(cli.records(sub, "done")) == done + 1
     completed = await cli.json("deliveries", "--subscription", sub, "--status", "Completed", "--limit", "1000")
     assert message in {d["MessageID"] for d in completed}
@@ -424,7 +425,7 @@ async def test_work_runs_the_apps_lifespan_and_its_handlers_see_the_app(cli: Cli
     sub = lifespan_app.SUBSCRIPTION
     [message] = await cli.publish(sub, {"n": 1})
     ran = await cli("work", "--app", LIFESPAN_APP, "--subscription", sub, "--once")
-    assert one_line(ran.out) == f"workqueue work: {sub}: ran 1 deliveries"
+    assert one_line(ran.out) == f"workqueue work: {sub}: ran 1 delivery"
     events = cli.records(sub)
     assert [e["event"] for e in events] == ["startup", "started", "done", "shutdown"]
     assert events[0]["host_running"] is False  # the lifespan started no host of its own
@@ -447,7 +448,7 @@ async def test_sigterm_drains_the_worker_before_the_apps_lifespan_shuts_down(cli
     proc.send_signal(signal.SIGTERM)
     result = await cli.finish(proc, within=20)
     assert result.code == 0, result.err
-    assert one_line(result.out).endswith("ran 1 deliveries")
+    assert one_line(result.out).endswith("ran 1 delivery")
     assert [e["event"] for e in cli.records(sub)[before:]] == ["startup", "started", "done", "shutdown"]
 
 
@@ -516,7 +517,7 @@ async def test_work_prints_a_json_summary_and_logs_json_lines(cli: Cli) -> None:
     await cli.publish(sub, {"n": "json"})
     ran = await cli("work", "--app", LIFESPAN_APP, "--subscription", sub, "--once", "--json", "--log-format", "json")
     assert json.loads(one_line(ran.out)) == {
-        "ExitCode": 0, "Reason": f"{sub}: ran 1 deliveries", "Subscription": sub,
+        "ExitCode": 0, "Reason": f"{sub}: ran 1 delivery", "Subscription": sub,
         "Claimed": 1, "Settled": 1, "Completed": 1,
     }
     records = [json.loads(line) for line in ran.err.splitlines()]
@@ -709,7 +710,7 @@ async def test_runbook_a_delivery_is_stuck_in_flight_and_its_holder_is_dead(cli:
     # 3. ... and no process holds it: do nothing. Any instance's sweeper expires the lease (lease
     # 1 s + sweeper interval) and the delivery retries; this worker picks the retry up.
     rescued = await cli.work(sub, "--max", "1", "--max-duration-ms", "20000", within=40)
-    assert one_line(rescued.out).endswith("ran 1 deliveries")
+    assert one_line(rescued.out).endswith("ran 1 delivery")
     [completed] = await cli.json("deliveries", "--subscription", sub, "--status", "Completed")
     assert (completed["MessageID"], completed["Attempt"]) == (message, 2)
     assert completed["Holder"]["Pid"] not in (None, proc.pid)  # the worker that completed it
@@ -773,3 +774,46 @@ def test_the_worker_runs_outside_the_probe_for_uvloop(monkeypatch: pytest.Monkey
 
     error = work_module.run_on_fastest_loop(fails())
     assert isinstance(error, ValueError) and error.__context__ is None
+
+
+# -- the subscription and topic lifecycle -----------------------------------------------------------
+
+
+async def test_subscriptions_and_topics_are_listed_retired_and_deleted(cli: Cli) -> None:
+    topic, name = f"cli.life-{uuid.uuid4().hex[:8]}", f"cli.life.mail-{uuid.uuid4().hex[:8]}"
+    declaring = WorkQueue(WorkQueueSettings(database_url=cli.url, enabled=False), topics=[Topic(name=topic)],
+                          subscriptions=[Subscription(name=name, topic=topic, handler_key="life")])
+    async with declaring.lifespan(None):
+        await declaring.publish(topic, [PublishRequest(payload={"n": n}) for n in range(3)])
+
+    listed = {row["Name"]: row for row in await cli.json("subscriptions", "list")}
+    assert listed[name] | {"ServedBy": 0} == {"Name": name, "Topic": topic, "Status": "Active", "Declared": "?",
+                                              "ServedBy": 0, "Pending": 3, "InFlight": 0, "DeadLettered": 0,
+                                              "Completed": 0}
+    with_app = {row["Name"]: row for row in await cli.json("subscriptions", "list", "--app", APP)}
+    assert (with_app[name]["Declared"], with_app[cli_app.BASIC]["Declared"]) == ("no", "yes")
+    table_text = (await cli("subscriptions", "list")).out
+    assert name in table_text and "Declared" in table_text
+
+    refused = await cli("subscriptions", "delete", name, expect=1)
+    assert f"subscription {name!r} is not retired; retire it first" in refused.err
+    usage = await cli("subscriptions", "retire", name, "--reason", "moved", expect=2)
+    assert "--reason goes with --discard-pending" in usage.err
+    retired = await cli.json("subscriptions", "retire", name, "--discard-pending", "--reason", "moved to notify")
+    assert retired == {"Subscription": name, "Status": "Retired", "Changed": True, "Discarded": 3}
+    again = await cli("subscriptions", "retire", name)
+    assert one_line(again.out) == f"{name}: Retired (it already was)"
+    assert (await cli("subscriptions", "delete", name)).out.strip() == f"{name}: deleted"
+    missing = await cli("subscriptions", "delete", name, expect=1)
+    assert f"there is no subscription {name!r}" in missing.err
+
+    assert one_line((await cli("topics", "retire", topic)).out) == f"{topic}: Retired"
+    [row] = [t for t in await cli.json("topics", "list") if t["Name"] == topic]
+    assert (row["Status"], row["Subscriptions"], row["Declared"]) == ("Retired", 0, "?")
+    assert one_line((await cli("topics", "resume", topic)).out) == f"{topic}: Active"
+    not_retired = await cli("topics", "delete", topic, expect=1)
+    assert "is not retired" in not_retired.err
+    await cli("topics", "retire", topic)
+    assert (await cli("topics", "delete", topic)).out.strip() == f"{topic}: deleted"
+    unknown = await cli("subscriptions", "retire", "cli.no-such-thing", expect=1)
+    assert "does not exist" in unknown.err

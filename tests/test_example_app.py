@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,6 +26,7 @@ from sqlalchemy import func, select, text
 from example_app.main import create_app
 from example_app.models import AuditEntry, Order
 from fastapi_workqueue import DeliveryInfo, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.core.keys import SCOPE_READ, create_key
 
 T = TypeVar("T")
 
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 class Example:
     client: httpx.AsyncClient
     queue: WorkQueue
+    app: Any
 
 
 @pytest.fixture(scope="module", params=["postgresql", "sqlite"])
@@ -67,7 +70,7 @@ async def example(example_database: str) -> AsyncIterator[Example]:
         app.router.lifespan_context(app),
         httpx.AsyncClient(transport=transport, base_url="http://example") as client,
     ):
-        yield Example(client=client, queue=app.state.queue)
+        yield Example(client=client, queue=app.state.queue, app=app)
 
 
 def new_customer() -> str:
@@ -246,6 +249,33 @@ async def test_health_reports_both_subscriptions_and_the_job_queue_running(examp
     assert extension["Status"] == "Running"
     states = {s["Subscription"]: s["State"] for s in extension["Subscriptions"]}
     assert states == {"orders.email": "Running", "orders.audit": "Running", "jobs.mail": "Running"}
+
+
+async def test_the_dashboard_is_mounted_and_signs_in_with_a_read_key(example: Example) -> None:
+    """What the README's first run shows: /work-queue/ui sends a visitor to its sign-in page, and an
+    API key with workqueue:read (as ``workqueue api-keys create`` makes) opens the overview."""
+    ui = "/work-queue/ui"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=example.app), base_url="http://example",
+                                 follow_redirects=True) as browser:
+        page = await browser.get(f"{ui}/")
+        assert page.status_code == 200, page.text
+        assert page.url.path == f"{ui}/sign-in" and 'name="api_key"' in page.text
+        token = re.search(r'name="csrf" value="([^"]+)"', page.text)
+        assert token is not None
+        key = (await create_key(example.queue.transport, f"reader-{uuid.uuid4().hex[:8]}", [SCOPE_READ])).key
+        overview = await browser.post(f"{ui}/sign-in", data={"csrf": token.group(1), "api_key": key, "next": f"{ui}/"})
+        assert overview.status_code == 200 and overview.url.path == f"{ui}/", overview.text
+        assert "orders.email" in overview.text and "orders.audit" in overview.text
+
+
+async def test_metrics_answer_a_read_key_and_refuse_a_request_without_one(example: Example) -> None:
+    refused = await example.client.get("/metrics")
+    assert refused.status_code == 401, refused.text
+    key = (await create_key(example.queue.transport, f"scraper-{uuid.uuid4().hex[:8]}", [SCOPE_READ])).key
+    scraped = await example.client.get("/metrics", headers={"Authorization": f"Bearer {key}"})
+    assert scraped.status_code == 200, scraped.text
+    assert scraped.headers["content-type"].startswith("text/plain")
+    assert 'subscription="orders.email"' in scraped.text, scraped.text
 
 
 async def test_a_worker_process_runs_the_example_subscriptions(example: Example, example_database: str) -> None:

@@ -256,13 +256,13 @@ async def test_the_jobs_commands_list_retry_forget_and_prune(fresh_url: str, tmp
 
     async with queue.lifespan(None):
         retried, forgotten, pruned = [await queue.dispatch(fail, {"n": n}) for n in range(3)]
-        host = await queue.start_host()
+        host = await queue._start_host()
         assert host is not None
         for _ in range(200):
             if len(await queue.failed_jobs(jobs.queue_name)) == 3:
                 break
             await asyncio.sleep(0.05)
-        await queue.stop_host()
+        await queue._stop_host()
 
     async def cli(*args: str) -> tuple[int, str]:
         return await run_cli(jobs.env, *args)
@@ -272,6 +272,9 @@ async def test_the_jobs_commands_list_retry_forget_and_prune(fresh_url: str, tmp
     assert code == 0 and set(listed) == {str(retried), str(forgotten), str(pruned)}
     assert listed[str(retried)]["Job"] == name
     assert listed[str(retried)]["Error"].splitlines()[-1] == "RuntimeError: token=*** was refused"
+    # For people, the table shows the exception's last line (what failed), as dead-letters does.
+    code, out = await cli("jobs", "failed", "--queue", jobs.queue_name)
+    assert code == 0 and out.count("RuntimeError: token=*** was refused") == 3 and "Traceback" not in out
     code, out = await cli("jobs", "retry", str(retried))
     assert code == 0 and out.startswith("Replayed")
     code, out = await cli("jobs", "forget", str(uuid.uuid4()))

@@ -334,3 +334,27 @@ async def test_a_job_keeps_the_policy_it_was_dispatched_with_through_a_deploy(da
         await wait_for(lambda: after.failed_jobs(name), within=30)
         [failed] = await after.failed_jobs(name)
     assert failed.id == job_id and failed.attempts == 2 and attempts == [1, 2]  # tries and backoff of dispatch
+
+
+async def test_the_queues_log_lines_of_a_job_name_the_job(database_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    suffix, name, queue, _ = heard_queue(database_url, "logs")
+
+    @queue.job(f"notes.send-digest-{suffix}", queue=name, tries=1)
+    async def send_digest(payload: Receipt) -> None:
+        raise LookupError("no digest for today")
+
+    @queue.job(f"notes.archive-{suffix}", queue=name, tries=1)
+    async def archive(payload: Receipt, job: JobContext) -> None:  # the general path (a context, a failure)
+        raise FatalWorkError("the archive is read-only")
+
+    caplog.set_level(logging.WARNING, logger="fastapi_workqueue.runtime")
+    async with queue.lifespan(None):
+        first = await queue.dispatch(send_digest, Receipt(number=1))
+        second = await queue.dispatch(archive, Receipt(number=2))
+        await wait_for(lambda: len([r for r in caplog.records if "attempt 1 of 1" in r.getMessage()]) == 2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "fastapi_workqueue.runtime"]
+    [digest] = [line for line in lines if f"(job notes.send-digest-{suffix})" in line]
+    [archived] = [line for line in lines if f"(job notes.archive-{suffix})" in line]
+    assert f"(message {first})" in digest and "LookupError" in digest
+    assert "FatalWorkError: the archive is read-only" in archived
+    assert str(second) not in digest

@@ -507,13 +507,15 @@ def test_role_scripts_create_their_role(role: str) -> None:
 
 
 def test_the_roles_split_the_routines() -> None:
-    """Keys are minted by the admin only; operator actions are not the runtime's; the helpers the
-    routines call for themselves are granted to no role."""
+    """Keys are minted and retired topology deleted by the admin only; operator actions are not the
+    runtime's; the helpers the routines call for themselves are granted to no role."""
     runtime, operator, admin = (postgresql_role_functions(r) for r in ROLES)
-    assert {"api_key_create", "api_key_list", "api_key_revoke"} == admin
+    assert {"api_key_create", "api_key_list", "api_key_revoke", "delete_subscription", "delete_topic"} == admin
     assert not admin & (runtime | operator)
-    assert not {"replay", "discard", "set_subscription_status", "prune"} & runtime
-    assert {"replay", "discard", "set_subscription_status", "prune"} <= operator
+    operating = {"replay", "discard", "set_subscription_status", "prune", "retire_subscription", "discard_pending",
+                 "set_topic_status"}
+    assert not operating & runtime
+    assert operating <= operator
     assert {"publish", "claim", "heartbeat", "settle", "api_key_verify", "api_key_touch", "api_key_session",
             "api_key_end_sessions"} <= runtime
     assert "api_key_lookup" not in pg_functions()  # it answered hashes; 0032 dropped it

@@ -372,6 +372,76 @@ async def test_handler_signature_problems_are_refused_at_registration(pg_url: st
         queue.handler("nomsg")(no_message)
 
 
+@pytest.mark.parametrize("store", ["pg", "sqlite"])
+async def test_work_errors_raised_on_purpose_log_one_line_without_a_traceback(
+    store: str, pg_url: str, sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue, topic, subs = make_queue(pg_url if store == "pg" else sqlite_url, [
+        {"role": "retry", "max_attempts": 2, "backoff_base_seconds": 0, "backoff_max_seconds": 0},
+        {"role": "fatal"},
+    ])
+
+    @queue.handler("retry")
+    async def retry(message: WorkMessage[str], context: WorkContext) -> None:
+        try:
+            raise ConnectionError("smtp://mail:hunter2@relay refused")
+        except ConnectionError as exc:
+            raise TransientWorkError("the relay is down", delay_seconds=0) from exc
+
+    @queue.handler("fatal")
+    async def fatal(message: WorkMessage[str], context: WorkContext) -> None:
+        raise FatalWorkError("order 12 was cancelled")
+
+    caplog.set_level(logging.INFO, logger="fastapi_workqueue.runtime")
+    async with queue.lifespan(None):
+        [result] = await queue.publish(topic, [PublishRequest(payload="x")])
+        ended = {role: await wait_for(lambda role=role: _terminal(queue, subs[role], result.message_id))
+                 for role in ("retry", "fatal")}
+    assert {info.status for info in ended.values()} == {"DeadLettered"}
+    records = [r for r in caplog.records if r.name == "fastapi_workqueue.runtime" and "attempt" in r.getMessage()]
+    lines = {(r.subscription, r.attempt): (r.levelno, r.getMessage()) for r in records}
+    assert all(r.exc_info is None and r.exc_text is None for r in records)  # no traceback
+    retry_id = ended["retry"].delivery_id
+    assert lines[(subs["retry"], 1)] == (logging.WARNING, (
+        f"{subs['retry']}: delivery {retry_id} attempt 1 of 2: TransientWorkError: the relay is down "
+        "(caused by ConnectionError: smtp://mail:***@relay refused); it will be retried"))
+    assert lines[(subs["retry"], 2)][0] == logging.ERROR and lines[(subs["retry"], 2)][1].endswith("dead-lettering it")
+    level, text = lines[(subs["fatal"], 1)]
+    assert level == logging.ERROR
+    assert text.endswith("attempt 1 of 5: FatalWorkError: order 12 was cancelled; dead-lettering it")
+    assert "hunter2" not in caplog.text and "Traceback" not in caplog.text
+
+
+def _charge_card(amount: int) -> None:
+    raise LookupError(f"no card for amount {amount}")
+
+
+async def test_an_unexpected_exception_logs_the_users_frames_first(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue, topic, subs = make_queue(pg_url, [{"role": "h", "max_attempts": 1}])
+
+    @queue.handler("h")
+    async def handle(message: WorkMessage[str], context: WorkContext, amount: int = Depends(limit)) -> None:
+        _charge_card(amount)
+
+    caplog.set_level(logging.WARNING, logger="fastapi_workqueue.runtime")
+    async with queue.lifespan(None):
+        [result] = await queue.publish(topic, [PublishRequest(payload="x")])
+        info = await wait_for(lambda: _terminal(queue, subs["h"], result.message_id))
+    [record] = [r for r in caplog.records if r.name == "fastapi_workqueue.runtime" and r.exc_text]
+    lines = record.exc_text.splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    # The queue's runtime, FastAPI's dependency solving and asyncio called the handler: one line.
+    assert lines[1].startswith("  (") and lines[1].endswith("frames of the queue's calling code folded)")
+    assert __file__ in lines[2] and "in handle" in lines[2]
+    assert any("in _charge_card" in line for line in lines)
+    assert not any("fastapi_workqueue" in line and "File" in line for line in lines)
+    assert lines[-1] == "LookupError: no card for amount 42"
+    # The stored error keeps every frame (an operator reading it wants the whole path).
+    assert "fastapi_workqueue" in (info.last_error or "")
+
+
 async def _terminal(queue: Any, subscription: str, message_id: Any) -> Any:
     info = await delivery_status(queue, subscription, message_id)
     if info is not None and info.status in ("Completed", "DeadLettered", "Discarded"):

@@ -1,4 +1,4 @@
-"""The scaler query and its SELECT-only role (sql/postgresql/roles/scaler_*.sql, docs/operating.md).
+"""The scaler query and its SELECT-only role (sql/postgresql/roles/scaler_*.sql, docs/scaling.md).
 
 The documented query runs as a login that only holds workqueue_scaler and must count what
 ``backlog`` counts, on subscriptions of every partition mode in every state that matters.
@@ -196,9 +196,9 @@ async def test_the_scaler_role_can_read_only_what_the_query_needs(
     assert not await admin.fetchval("SELECT rolcanlogin FROM pg_roles WHERE rolname = $1", SCALER_ROLE)
 
 
-def test_the_operating_guide_shows_the_shipped_query_and_role_script() -> None:
-    guide = (ROOT / "docs" / "operating.md").read_text(encoding="utf-8")
+def test_the_scaling_guide_shows_the_shipped_query_and_role_script() -> None:
+    guide = (ROOT / "docs" / "scaling.md").read_text(encoding="utf-8")
     assert QUERY.strip() in guide
     assert "roles/scaler_role.sql" in guide
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "docs/operating.md" in readme
+    assert "docs/scaling.md" in readme

@@ -387,7 +387,7 @@ async def test_a_publish_in_a_session_wakes_the_consumers_of_this_process_at_com
             handled.set()
             return Outcome.complete()
 
-        await queue.start_host()
+        await queue._start_host()
         await asyncio.sleep(0.3)  # the consumer's first claim found nothing; it now sleeps 8 s or more
         started = time.monotonic()
         async with queue.sessionmaker() as session, session.begin():

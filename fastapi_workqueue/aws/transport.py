@@ -35,7 +35,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..core.envelope import PreparedMessage, PublishError, PublishResult, PublishStatus
-from ..core.errors import ConfigurationError, TransportError
+from ..core.errors import ConfigurationError, TransportError, missing_extra
 from ..core.redaction import redacting_logger
 from ..core.reports import (
     SweepReport,
@@ -176,7 +176,7 @@ class AwsTransport(Settling, OperatorViews):
         try:
             import aioboto3
         except ImportError as exc:  # pragma: no cover - the aws extra is missing
-            raise ConfigurationError("the aws transport needs aioboto3: pip install 'fastapi-workqueue[aws]'") from exc
+            raise missing_extra("the aws transport", "aioboto3", "aws") from exc
         if not self.settings.aws_region:
             raise ConfigurationError(
                 "aws topics need a region: set WORKQUEUE_AWS_REGION (WorkQueueSettings.aws_region)"

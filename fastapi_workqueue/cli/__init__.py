@@ -21,12 +21,14 @@ import click
 from ..core.errors import ConfigurationError, WorkQueueError
 from ..core.keys import SCOPES, create_key
 from ..core.reports import DeliveryStatus, PartitionCondition
+from ..core.words import count
 from ..settings import DEFAULT_DATABASE_URL
 from ..web.operator_view import shown, shown_all
 from .aws import export_topology, import_bindings
 from .jobs import jobs, schedules
 from .output import emit_json, record, table
 from .sql_scripts import sql
+from .topology import subscriptions, topics
 
 DEFAULT_DATABASE_FILE = DEFAULT_DATABASE_URL.partition(":///")[2]
 
@@ -333,7 +335,7 @@ def prune(ctx: Context, older_than: str) -> None:
     if ctx.as_json:
         emit_json({"Removed": removed})
     else:
-        click.echo(f"removed {removed} deliveries settled more than {older_than} ago")
+        click.echo(f"removed {count(removed, 'delivery')} settled more than {older_than} ago")
 
 
 @cli.group("api-keys")
@@ -452,9 +454,11 @@ cli.add_command(export_topology)
 cli.add_command(import_bindings)
 cli.add_command(jobs)
 cli.add_command(schedules)
+cli.add_command(subscriptions)
+cli.add_command(topics)
 
 for _command in [*cli.commands.values(), *api_keys.commands.values(), *sql.commands.values(),
-                 *jobs.commands.values()]:
+                 *jobs.commands.values(), *subscriptions.commands.values(), *topics.commands.values()]:
     if not isinstance(_command, click.Group):
         accept_global_options(_command)
 

@@ -25,7 +25,7 @@ def emit_json(value: Any) -> None:
 
 
 CELL_WIDTH = 60
-KEEP_END = frozenset({"last_error"})
+KEEP_END = frozenset({"last_error", "error"})
 """Columns whose end matters most: an error's last line holds its cause, so a long one loses its start."""
 
 

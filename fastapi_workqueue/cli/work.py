@@ -28,6 +28,7 @@ import click
 from ..core.errors import ConfigurationError, TransportError
 from ..core.host import SubscriptionPlan
 from ..core.redaction import redact, redacting_logger
+from ..core.words import count
 from .app_loader import LifespanFailed, app_lifespan, load_target, queue_from_lifespan_state
 from .log_setup import configure_logging
 
@@ -46,6 +47,8 @@ EXIT_JOB_STUCK = 70
 
 _STATE_EXIT = {
     "HandlerNotRegistered": EXIT_HANDLER_NOT_REGISTERED,
+    "Undeclared": EXIT_HANDLER_NOT_REGISTERED,
+    "Retired": EXIT_HANDLER_NOT_REGISTERED,
     "Unsupported": EXIT_UNSUPPORTED,
     "Error": EXIT_ERROR,
 }
@@ -206,7 +209,7 @@ async def _run(
         queue.jobs.stuck = _stop_the_process
         queue.jobs.stop_timeout = stop_timeout
     mode = ", ".join(part for part in (
-        "once" if once else "", f"at most {budget} deliveries" if budget is not None else "",
+        "once" if once else "", f"at most {count(budget, 'delivery')}" if budget is not None else "",
         f"for at most {max_duration_ms} ms" if max_duration_ms is not None else "",
     ) if part) or "until a signal"
     width = "; ".join([f"subscription {p.name}, concurrency {p.concurrency}" for p in plans]
@@ -260,7 +263,7 @@ async def _run(
                     await queue.jobs.stop_watching()
                     await queue.jobs.schedules.stop()
             summary.claimed = sum(host.claimed_total(n) for n in (*plan.subscriptions, *(g.name for g in groups)))
-            return summary.ended(EXIT_OK, f"{plan.label}: ran {summary.claimed} deliveries")
+            return summary.ended(EXIT_OK, f"{plan.label}: ran {count(summary.claimed, 'delivery')}")
         finally:
             # The consumers of the plan, also those a pause retired, for their counts.
             consumers = [c for name in plan.subscriptions

@@ -146,6 +146,7 @@ class WorkContext:
         "principal",
         "signal",
         "subscription",
+        "work_name",
     )
 
     def __init__(
@@ -171,6 +172,9 @@ class WorkContext:
         self._heartbeat = heartbeat
         self._once = once
         self.after_settle_callbacks: list[Callable[[str | None], object]] = []
+        self.work_name: str | None = None
+        """What this attempt works on, for the queue's log lines (the jobs layer puts the job's
+        name here); None for a plain handler."""
 
     def after_settle(self, callback: Callable[[str | None], object]) -> None:
         """Calls ``callback(result)`` once this attempt's outcome is written to the store (``result``

@@ -25,6 +25,7 @@ from .wire import WireModel, to_wire_name
 MAX_ENVELOPE_BYTES = 256 * 1024
 """Payload, attributes and backoff schedule, serialized, on every transport. A topic may lower it."""
 MAX_ATTRIBUTES = 10
+"""The most attributes a message may carry."""
 MAX_KEY_LENGTH = 512
 DEFAULT_DEDUPLICATION_TTL_SECONDS = 300.0
 MAX_DELAY_SECONDS = 100 * 365 * 24 * 3600.0

@@ -2,6 +2,8 @@
 
 ``WorkQueueError``
  ├── ``ConfigurationError``   bad settings, topology or handler registration: fix and restart
+ │    └── ``UnknownTopic``    a publish named a topic that neither the code nor the store knows
+ ├── ``PublishFailed``        ``results.raise_for_errors()``: some requests were not accepted
  └── ``TransportError``       the store failed; ``retryable`` says whether trying again may help
       └── ``TransportUnavailable``  the store cannot be reached (connection refused or lost)
 """
@@ -15,6 +17,31 @@ class WorkQueueError(Exception):
 
 class ConfigurationError(WorkQueueError):
     """Settings, topology or handler registration that cannot work; the message says what to change."""
+
+
+class UnknownTopic(ConfigurationError):
+    """A publish named a topic that neither the code declares nor the store holds: a programming
+    error, like a wrong table name. Nothing was published."""
+
+    def __init__(self, topic: str, message: str) -> None:
+        super().__init__(message)
+        self.topic = topic
+
+
+class PublishFailed(WorkQueueError):
+    """Raised by ``raise_for_errors()`` of a publish's results: ``failures`` are the results (with
+    their index in the call) that were not Accepted or Duplicate."""
+
+    def __init__(self, message: str, failures: list[tuple[int, object]]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+def missing_extra(feature: str, package: str, extra: str) -> ConfigurationError:
+    """The error for a feature whose optional dependency is not installed: names the extra."""
+    return ConfigurationError(
+        f"{feature} needs {package}: install the {extra} extra, pip install 'fastapi-workqueue[{extra}]'"
+    )
 
 
 class TransportError(WorkQueueError):

@@ -9,7 +9,10 @@ passed through :func:`.redaction.redact`.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import traceback
+from collections.abc import Iterator
 
 from .redaction import redact
 
@@ -38,3 +41,58 @@ def error_text(exc: BaseException, *, limit: int = MAX_ERROR_TEXT) -> str:
         return text
     head = (limit - 5) // 2
     return f"{text[:head]} ... {text[-(limit - 5 - head):]}"
+
+
+def _library_roots() -> tuple[str, ...]:
+    """The folders of the code that calls a handler: this package, FastAPI's and Starlette's
+    dependency machinery, and asyncio's task steps (found without importing them)."""
+    roots = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    for name in ("fastapi", "starlette", "asyncio", "anyio"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            roots.append(os.path.dirname(os.path.abspath(spec.origin)))
+    return tuple(root + os.sep for root in roots)
+
+
+_ROOTS: tuple[str, ...] | None = None
+
+
+def _chain(exc: traceback.TracebackException) -> Iterator[traceback.TracebackException]:
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        stack.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+
+
+class _Folded(traceback.StackSummary):
+    """A stack whose leading frames (the queue's calling code) were left out: says how many."""
+
+    folded = 0
+
+    def format(self) -> list[str]:
+        plural = "s" if self.folded != 1 else ""
+        return [f"  ({self.folded} frame{plural} of the queue's calling code folded)\n", *super().format()]
+
+
+def handler_traceback(exc: BaseException) -> str:
+    """The traceback of a handler's exception as a log shows it: the frames of the code that called
+    the handler (this package, FastAPI's dependency solving, asyncio) before the first frame of the
+    user's code are folded into one line, so the user's frames come first. Redacted."""
+    global _ROOTS
+    if _ROOTS is None:
+        _ROOTS = _library_roots()
+    roots = _ROOTS
+    report = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    for part in _chain(report):
+        frames = list(part.stack)
+        lead = next((i for i, f in enumerate(frames) if not os.path.abspath(f.filename).startswith(roots)), 0)
+        if lead:
+            stack = _Folded(frames[lead:])
+            stack.folded = lead
+            part.stack = stack
+    return redact("".join(report.format())).rstrip("\n")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,3 +215,16 @@ async def call_plain(spec: HandlerSpec, message: WorkMessage[Any], context: Work
     if spec.context_param:
         kwargs[spec.context_param] = context
     return await spec.func(**kwargs)
+
+
+def unused_handlers(registered: Iterable[str], used: Mapping[str, str]) -> list[str]:
+    """One warning per registered handler key that no subscription names (``used``: handler key
+    -> a subscription that names it), with the key it most resembles: a typo in
+    ``@queue.handler(...)`` otherwise leaves the subscription HandlerNotRegistered in silence."""
+    problems = []
+    for key in sorted(set(registered) - set(used)):
+        guess = difflib.get_close_matches(key, list(used), n=1, cutoff=0.6)
+        hint = (f"; did you mean {guess[0]!r} (subscription {used[guess[0]]!r})?" if guess
+                else "; declare a Subscription(handler_key=...) that names it, or remove the handler")
+        problems.append(f"handler {key!r} is registered, but no subscription names it{hint}")
+    return problems

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -23,7 +23,7 @@ from .wire import WireModel
 
 log = redacting_logger("fastapi_workqueue.host")
 
-HealthState = Literal["Running", "Paused", "HandlerNotRegistered", "Unsupported", "Error"]
+HealthState = Literal["Running", "Paused", "HandlerNotRegistered", "Undeclared", "Retired", "Unsupported", "Error"]
 WAKE_ALL = "*"
 
 
@@ -130,8 +130,14 @@ class Host:
         options: HostOptions = HostOptions(),
         max_deliveries: int | None = None,
         stop_when_idle: bool = False,
+        declared: Collection[str] | None = None,
     ) -> None:
+        """``declared``: the subscriptions the code of this process declares (None: unknown, every
+        stored one counts as declared). One stored but not declared, without a handler here, is
+        ``Undeclared`` rather than ``HandlerNotRegistered``: removed from the code, or a rolling
+        deploy's older instances still run it."""
         self.transport = transport
+        self._declared = declared
         self._resolve = resolve
         self._invoke = invoke
         self.plan = list(plan)
@@ -151,6 +157,9 @@ class Host:
         self._stopping: set[asyncio.Task[None]] = set()
         self._retired: dict[str, list[Consumer]] = {}  # consumers no longer planned, by subscription
         self._registry = transport if isinstance(transport, ProcessRegistry) else None
+        self.stored_handler_keys: dict[str, str] = {}
+        """The handler key of each stored subscription (key -> a subscription that names it), as
+        the last reconcile read them."""
         self._beat_failing = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -228,6 +237,7 @@ class Host:
             await self._apply(subscriptions)
 
     async def _apply(self, subscriptions: list[SubscriptionState]) -> None:
+        self.stored_handler_keys = {s.handler_key: s.name for s in subscriptions}
         health: dict[str, SubscriptionHealth] = {}
         self._by_id = {str(s.id): s.name for s in subscriptions}
         consumer_of: dict[str, Consumer] = {}
@@ -358,15 +368,31 @@ class Host:
         reason = unsupported_reason(self.transport, sub)
         if reason is not None:
             return "Unsupported", reason
+        retired = sub.status == "Retired" or sub.topic_status == "Retired"
         if self._resolve(sub.handler_key) is None:
+            if retired:
+                return "Retired", (
+                    f"subscription {sub.name!r} is retired and no handler for it is registered here: what it "
+                    "still holds waits for a process that has one, or for "
+                    f"`workqueue subscriptions retire {sub.name} --discard-pending`"
+                )
+            if self._declared is not None and sub.name not in self._declared:
+                return "Undeclared", (
+                    f"subscription {sub.name!r} is stored, but no code in this process declares it; if it was "
+                    f"removed on purpose, retire it: `workqueue subscriptions retire {sub.name}` (instances that "
+                    "still declare it keep running it meanwhile)"
+                )
             return "HandlerNotRegistered", (
                 f"no handler is registered under {sub.handler_key!r} in this process; "
                 "register it with @queue.handler(...) and import its module"
             )
-        if sub.status != "Active":
-            return "Paused", f"subscription {sub.name!r} is {sub.status}"
-        if sub.topic_status != "Active":
-            return "Paused", f"topic {sub.topic!r} is {sub.topic_status}"
+        if sub.status == "Paused":
+            return "Paused", f"subscription {sub.name!r} is Paused"
+        if sub.topic_status == "Paused":
+            return "Paused", f"topic {sub.topic!r} is Paused"
+        if retired:
+            what = f"subscription {sub.name!r}" if sub.status == "Retired" else f"topic {sub.topic!r}"
+            return "Running", f"{what} is retired: no new deliveries; draining what it still holds"
         serving = transport_of(self.transport, sub.name)
         if sub.partition_mode == "Exclusive" and serving.capabilities.retry_keeps_key_busy:
             return "Running", RETRY_KEEPS_KEY_BUSY.format(name=serving.name)

@@ -42,6 +42,7 @@ class Principal:
     topics: tuple[str, ...] | None = None
 
     def has(self, scope: str) -> bool:
+        """True when the principal holds ``scope`` (``workqueue:read`` …)."""
         return scope in self.scopes
 
     def may_reach(self, topic: str) -> bool:

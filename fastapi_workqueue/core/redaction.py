@@ -67,6 +67,10 @@ def redacted_traceback(exc: BaseException) -> str:
     return redact("".join(traceback.format_exception(type(exc), exc, exc.__traceback__))).rstrip("\n")
 
 
+TRACEBACK_TEXT = "traceback_text"
+"""The ``extra`` key of a log record that brings its traceback already rendered."""
+
+
 class RedactingFilter(logging.Filter):
     """Redacts a log record in place before any handler sees it.
 
@@ -74,6 +78,8 @@ class RedactingFilter(logging.Filter):
     changed something, so templates stay intact for grouping). A traceback is formatted here,
     redacted and kept as ``record.exc_text``, which every :class:`logging.Formatter` prints, and
     ``record.exc_info`` is cleared, so no handler formats the raw exception (and its secrets) again.
+    A record given ``extra={TRACEBACK_TEXT: text}`` (the queue's own rendering of the traceback, with
+    its calling frames folded) shows that text instead.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -83,7 +89,10 @@ class RedactingFilter(logging.Filter):
             record.msg, record.args = clean, None
         if record.exc_info:
             exc = record.exc_info[1]
-            if exc is not None and not record.exc_text:
+            rendered = getattr(record, TRACEBACK_TEXT, None)
+            if isinstance(rendered, str):
+                record.exc_text = redact(rendered)
+            elif exc is not None and not record.exc_text:
                 record.exc_text = redacted_traceback(exc)
             elif record.exc_text:
                 record.exc_text = redact(record.exc_text)

@@ -25,16 +25,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext
-from .failures import error_text
+from .failures import error_text, handler_traceback, summary
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .leases import LocalLease, start_margin
 from .observe import NO_OBSERVER, Observer
 from .outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError
-from .redaction import redact, redacting_logger
+from .redaction import TRACEBACK_TEXT, redact, redacting_logger
 from .request_load import RequestLoad
 from .settler import Settler
 from .topology import SubscriptionState
 from .transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
+from .words import count
 
 log = redacting_logger("fastapi_workqueue.runtime")
 
@@ -245,23 +246,24 @@ class Consumer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
         if self._buffer:
-            log.info("%s: stopping; %d deliveries claimed ahead go back to Pending: %s",
-                     self.name, len(self._buffer), _ids(self._buffer))
+            log.info("%s: stopping; %s claimed ahead go back to Pending: %s",
+                     self.name, count(len(self._buffer), "delivery"), _ids(self._buffer))
         self._release_buffer("released at shutdown")
         if self._running:
             log.info("%s: stopping; %d running handlers get %.1f s to finish: %s",
                      self.name, len(self._running), drain_seconds, _ids(self._running.values()))
         await self._drain(drain_seconds)
         if self._running:
-            log.info("%s: aborting %d running handlers (Shutdown); their deliveries go back to Pending "
-                     "without spending the attempt: %s", self.name, len(self._running), _ids(self._running.values()))
+            log.info("%s: aborting %s (Shutdown); their deliveries go back to Pending without spending the "
+                     "attempt: %s", self.name, count(len(self._running), "running handler"),
+                     _ids(self._running.values()))
             for running in list(self._running.values()):
                 self._abort(running, AbortReason.SHUTDOWN)
             await self._drain(drain_seconds)
         leftovers = list(self._running.values())
         if leftovers:
-            log.warning("%s: %d handlers ignored Shutdown; releasing their deliveries: %s",
-                        self.name, len(leftovers), _ids(leftovers))
+            log.warning("%s: %s ignored Shutdown; releasing their deliveries: %s",
+                        self.name, count(len(leftovers), "handler"), _ids(leftovers))
             for running in leftovers:
                 running.released = True
             with contextlib.suppress(Exception):
@@ -640,19 +642,34 @@ class Consumer:
         return True
 
     def _failed(self, running: _Running, exc: BaseException, settlement: Settlement) -> Settlement:
-        """Logs a handler's exception with its traceback: WARNING when the delivery will be retried,
-        ERROR when it is dead-lettered. The record carries the delivery's fields."""
+        """Logs a failed attempt: WARNING when the delivery will be retried, ERROR when it is
+        dead-lettered. A ``TransientWorkError`` or ``FatalWorkError`` (raised on purpose) is one line
+        with its reason and cause; any other exception keeps its traceback, the queue's calling
+        frames folded so that the user's come first. The record carries the delivery's fields."""
         running.error = exc
         delivery = running.delivery
         final = settlement.kind == "DeadLetter" or delivery.attempt >= delivery.max_attempts
+        what = "dead-lettering it" if final else "it will be retried"
+        fields = {"subscription": running.sub.name, "delivery_id": delivery.delivery_id,
+                  "message_id": str(delivery.message_id), "attempt": delivery.attempt}
+        work = _work_label(running)
+        if isinstance(exc, TransientWorkError | FatalWorkError):
+            cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+            log.log(
+                logging.ERROR if final else logging.WARNING,
+                "%s: delivery %s%s attempt %d of %d: %s: %s%s; %s",
+                running.sub.name, delivery.delivery_id, work, delivery.attempt, delivery.max_attempts,
+                type(exc).__name__, exc.reason, f" (caused by {summary(cause)})" if cause is not None else "", what,
+                extra=fields,
+            )
+            return settlement
         log.log(
             logging.ERROR if final else logging.WARNING,
-            "%s: delivery %s (message %s) failed on attempt %d of %d with %s; %s",
-            running.sub.name, delivery.delivery_id, delivery.message_id, delivery.attempt, delivery.max_attempts,
-            type(exc).__name__, "dead-lettering it" if final else "it will be retried",
+            "%s: delivery %s%s (message %s) failed on attempt %d of %d with %s; %s",
+            running.sub.name, delivery.delivery_id, work, delivery.message_id, delivery.attempt,
+            delivery.max_attempts, type(exc).__name__, what,
             exc_info=(type(exc), exc, exc.__traceback__),
-            extra={"subscription": running.sub.name, "delivery_id": delivery.delivery_id,
-                   "message_id": str(delivery.message_id), "attempt": delivery.attempt},
+            extra={**fields, TRACEBACK_TEXT: handler_traceback(exc)},
         )
         return settlement
 
@@ -737,7 +754,7 @@ class Consumer:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("%s: heartbeat of %d deliveries failed (%s)", self.name, len(due), exc)
+                log.warning("%s: heartbeat of %s failed (%s)", self.name, count(len(due), "delivery"), exc)
                 continue
             for running, result in zip(due, results, strict=True):
                 self._apply_heartbeat(running, result.alive, result.cancel_requested, now)
@@ -820,6 +837,13 @@ def _then(
                 log.exception("an after_settle callback of delivery %s failed", settlement.delivery_id)
 
     return done
+
+
+def _work_label(running: _Running) -> str:
+    """`` (job notes.send-digest)`` when the attempt's handler named what it works on."""
+    context = running.context
+    name = context.work_name if context is not None else None
+    return f" (job {name})" if name else ""
 
 
 def _ids(runnings: Iterable[_Running], shown: int = 10) -> str:

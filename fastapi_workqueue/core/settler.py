@@ -11,6 +11,7 @@ from .errors import TransportError
 from .observe import NO_OBSERVER, Observer
 from .redaction import redacting_logger
 from .transport import Settlement, SettleResult, Transport
+from .words import count
 
 log = redacting_logger("fastapi_workqueue.settler")
 
@@ -134,8 +135,8 @@ class Settler:
             except Exception as exc:
                 retryable = isinstance(exc, TransportError) and exc.retryable
                 if time.monotonic() > deadline or not retryable:
-                    log.error("settle failed for %d deliveries (%s); their leases will expire",
-                              len(batch) - len(written), exc)
+                    log.error("settle failed for %s (%s); their leases will expire",
+                              count(len(batch) - len(written), "delivery"), exc)
                     results = [written.get(id(s)) for s in settlements]
                     break
                 log.warning("settle failed (%s); retrying in %.1f s", exc, delay)

@@ -14,6 +14,9 @@ from .wire import WireModel
 PartitionMode = Literal["None", "Exclusive", "Ordered"]
 HeartbeatMode = Literal["Auto", "Manual"]
 SubscriptionStatus = Literal["Active", "Paused"]
+"""The status a subscription is declared with, and that pause and resume set."""
+StoredStatus = Literal["Active", "Paused", "Retired"]
+"""A subscription's (or topic's) status as the store reports it: Retired once an operator retired it."""
 HostType = Literal["worker", "external"]
 
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600
@@ -50,6 +53,12 @@ class Topic(WireModel):
     @classmethod
     def _name(cls, value: str) -> str:
         return check_name("topic", value)
+
+
+class TopicState(Topic):
+    """A topic as the store lists it, with its status."""
+
+    status: StoredStatus = "Active"
 
 
 class Subscription(WireModel):
@@ -106,6 +115,7 @@ class SubscriptionState(Subscription):
     """A subscription as the transport stores it, with the state of its topic."""
 
     id: int | str
-    topic_status: SubscriptionStatus = "Active"
+    status: StoredStatus = "Active"  # type: ignore[assignment]
+    topic_status: StoredStatus = "Active"
     transport_name: str = "database"
     is_fifo: bool = False

@@ -13,11 +13,9 @@ from __future__ import annotations
 try:
     import jinja2  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    from ..core.errors import ConfigurationError
+    from ..core.errors import missing_extra
 
-    raise ConfigurationError(
-        "the dashboard needs jinja2: install the dashboard extra, pip install 'fastapi-workqueue[dashboard]'"
-    ) from exc
+    raise missing_extra("the dashboard", "jinja2", "dashboard") from exc
 
 from .app import create_dashboard
 

@@ -38,7 +38,7 @@ class SubscriptionRow:
 
     @property
     def paused(self) -> bool:
-        return self.state.status != "Active" or self.state.topic_status != "Active"
+        return self.state.status == "Paused" or self.state.topic_status == "Paused"
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -64,6 +65,12 @@ def map_error(exc: BaseException, operation: str) -> Exception:
         or (code == "55000" and "not currently accepting connections" in text)
     ):
         return TransportUnavailable(f"{operation}: the database is unavailable ({text}); retry later")
+    if isinstance(exc, socket.gaierror):
+        # A name that does not resolve is most often a typo in the URL, seldom an outage.
+        return TransportUnavailable(
+            f"{operation}: the database host name does not resolve ({text}); check the host in "
+            "WORKQUEUE_DATABASE_URL"
+        )
     if isinstance(exc, OSError | ConnectionError | asyncio.TimeoutError) or _is_connection_error(exc):
         return TransportUnavailable(f"{operation}: the database is unavailable ({text}); retry later")
     return TransportError(f"{operation}: {text}")

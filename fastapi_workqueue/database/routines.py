@@ -47,7 +47,8 @@ from ..core.reports import (
     SubscriptionStats,
     SweepReport,
 )
-from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
+from ..core.retirement import DeleteResult, RetireResult, TopicStatus, TopicStatusChange
+from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic, TopicState
 from ..core.transport import (
     Capabilities,
     ClaimedDelivery,
@@ -182,8 +183,8 @@ class RoutineTransport:
     async def list_topics(self) -> list[Topic]:
         rows = await self.call("list_topics")
         return [
-            Topic(name=r["name"], transport=r["transport"], max_payload_bytes=r["max_payload_bytes"],
-                  is_fifo=bool(r["is_fifo"]))
+            TopicState(name=r["name"], transport=r["transport"], max_payload_bytes=r["max_payload_bytes"],
+                       is_fifo=bool(r["is_fifo"]), status=r["status"])
             for r in rows
         ]
 
@@ -500,6 +501,27 @@ class RoutineTransport:
             "list_deliveries", p_subscription=subscription, p_status=status, p_limit=limit, p_after_id=after_id,
         )
         return [delivery_info(r, subscription, include_payload) for r in rows]
+
+    # -- retiring and deleting subscriptions and topics -------------------------------------
+
+    async def retire_subscription(self, name: str) -> RetireResult | None:
+        rows = await self.call("retire_subscription", p_name=name)
+        return RetireResult(subscription=name, changed=bool(rows[0]["changed"])) if rows else None
+
+    async def discard_pending(self, name: str, reason: str | None, limit: int) -> int:
+        return int(await self._scalar("discard_pending", p_subscription=name, p_reason=reason, p_limit=limit))
+
+    async def delete_subscription(self, name: str) -> DeleteResult:
+        [row] = await self.call("delete_subscription", p_name=name)
+        return DeleteResult(name=name, result=row["result"], remaining=row["remaining"])
+
+    async def set_topic_status(self, name: str, status: TopicStatus) -> TopicStatusChange | None:
+        rows = await self.call("set_topic_status", p_name=name, p_status=status)
+        return TopicStatusChange(topic=name, status=status, changed=bool(rows[0]["changed"])) if rows else None
+
+    async def delete_topic(self, name: str) -> DeleteResult:
+        [row] = await self.call("delete_topic", p_name=name)
+        return DeleteResult(name=name, result=row["result"], remaining=row["remaining"])
 
     # -- the process registry ----------------------------------------------------------------
 

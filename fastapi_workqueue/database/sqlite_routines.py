@@ -172,11 +172,80 @@ async def r_set_subscription_status(c: Call, p_name: str, p_status: str) -> list
     existing = await c.ex.fetch("subscription_get", name=p_name)
     if not existing:
         return []
-    old = existing[0]["status"]
+    old = _shown_status(existing[0]) if p_status == "Active" else existing[0]["status"]
     await c.ex.execute("subscription_set_status", name=p_name, status=p_status, now=c.now)
     if p_status == "Active" and old != "Active":
         c.wake.add(existing[0]["id"])
     return [{"subscription": p_name, "status": p_status, "changed": old != p_status}]
+
+
+def _shown_status(row: Row) -> str:
+    """A subscription's or topic's status as listings show it (Retired when retired and Active)."""
+    return "Retired" if row["status"] == "Active" and row["retired_at"] is not None else str(row["status"])
+
+
+@routine
+async def r_retire_subscription(c: Call, p_name: str) -> list[Row]:
+    existing = await c.ex.fetch("subscription_get", name=p_name)
+    if not existing:
+        return []
+    await c.ex.execute("subscription_retire", name=p_name, now=c.now)
+    return [{"subscription": p_name, "status": "Retired", "changed": existing[0]["retired_at"] is None}]
+
+
+@routine
+async def r_discard_pending(c: Call, p_subscription: str, p_reason: str | None, p_limit: int) -> list[Row]:
+    subs = await c.ex.fetch("subscription_get", name=p_subscription)
+    if not subs:
+        return [{"discard_pending": 0}]
+    sid = subs[0]["id"]
+    gone = await c.ex.fetch("pending_discard", subscription_id=sid, reason=p_reason, limit=p_limit, now=c.now)
+    await _count_settled(c, [(sid, "Discarded")] * len(gone))
+    await _refresh_keys(c, {(sid, d["partition_key"], d["key_mode"]) for d in gone if d["key_mode"] > 0})
+    return [{"discard_pending": len(gone)}]
+
+
+@routine
+async def r_delete_subscription(c: Call, p_name: str) -> list[Row]:
+    subs = await c.ex.fetch("subscription_get", name=p_name)
+    if not subs:
+        return [{"subscription": p_name, "result": "NotFound", "remaining": 0}]
+    sub = subs[0]
+    if sub["retired_at"] is None:
+        return [{"subscription": p_name, "result": "NotRetired", "remaining": 0}]
+    [live] = await c.ex.fetch("subscription_live_count", id=sub["id"])
+    if live["n"]:
+        return [{"subscription": p_name, "result": "HasDeliveries", "remaining": live["n"]}]
+    for statement in ("subscription_deliveries_delete", "subscription_keys_delete", "subscription_counts_delete",
+                      "subscription_history_delete", "subscription_delete"):
+        await c.ex.execute(statement, id=sub["id"])
+    return [{"subscription": p_name, "result": "Deleted", "remaining": 0}]
+
+
+@routine
+async def r_set_topic_status(c: Call, p_name: str, p_status: str) -> list[Row]:
+    if p_status not in ("Active", "Paused", "Retired"):
+        raise ValueError(f"a topic's status is Active, Paused or Retired, not {p_status}")
+    existing = await c.ex.fetch("topic_get", name=p_name)
+    if not existing:
+        return []
+    await c.ex.execute("topic_set_status", name=p_name, status=p_status, now=c.now)
+    return [{"topic": p_name, "status": p_status, "changed": _shown_status(existing[0]) != p_status}]
+
+
+@routine
+async def r_delete_topic(c: Call, p_name: str) -> list[Row]:
+    existing = await c.ex.fetch("topic_get", name=p_name)
+    if not existing:
+        return [{"topic": p_name, "result": "NotFound", "remaining": 0}]
+    if existing[0]["retired_at"] is None:
+        return [{"topic": p_name, "result": "NotRetired", "remaining": 0}]
+    [subscriptions] = await c.ex.fetch("topic_subscription_count", name=p_name)
+    if subscriptions["n"]:
+        return [{"topic": p_name, "result": "HasSubscriptions", "remaining": subscriptions["n"]}]
+    await c.ex.execute("topic_deduplication_delete", name=p_name)
+    await c.ex.execute("topic_delete", name=p_name)
+    return [{"topic": p_name, "result": "Deleted", "remaining": 0}]
 
 
 @routine
@@ -212,6 +281,11 @@ async def r_publish(
     if not topic:
         text = f"topic '{p_topic}' does not exist; declare it in the WorkQueue topics or create it first"
         return [{"idx": i + 1, "status": "Rejected", "message_id": ids[i], "error_code": "UnknownTopic",
+                 "error_message": text} for i in range(n)]
+    if topic[0]["retired_at"] is not None:
+        text = (f"topic '{p_topic}' is retired and takes no new messages; publish to the topic that replaced it, "
+                f"or take it back with `workqueue topics resume {p_topic}`")
+        return [{"idx": i + 1, "status": "Rejected", "message_id": ids[i], "error_code": "TopicRetired",
                  "error_message": text} for i in range(n)]
     cap = topic[0]["max_payload_bytes"]
 

@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..core.errors import ConfigurationError
+from ..core.errors import ConfigurationError, missing_extra
 from ..core.redaction import register_secrets
 
 GENERATE = 'python -c "from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())"'
@@ -31,9 +31,7 @@ class PayloadCipher:
         try:
             from cryptography.fernet import Fernet, MultiFernet
         except ImportError as exc:  # pragma: no cover - depends on the installed extras
-            raise ConfigurationError(
-                "encrypted jobs need cryptography: pip install 'fastapi-workqueue[jobs]'"
-            ) from exc
+            raise missing_extra("encrypted jobs", "cryptography", "jobs") from exc
         keys = [current, *previous]
         fernets = []
         for index, key in enumerate(keys):

@@ -126,6 +126,7 @@ class JobFake:
             )
 
     def assert_not_dispatched(self, job: Any) -> None:
+        """Fails if ``job`` was dispatched at all."""
         name = self._jobs.registry.resolve(job).name
         count = len(self.dispatched(job))
         if count:

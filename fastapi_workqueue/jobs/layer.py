@@ -78,10 +78,18 @@ class JobDispatchError(RuntimeError):
         self.result = result
 
 
+DELAY_FORMS = "a number of seconds (delay=300) or a timedelta (delay=timedelta(minutes=5))"
+
+
 def _seconds(delay: timedelta | float | None) -> float | None:
     if delay is None:
         return None
-    seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+    if isinstance(delay, timedelta):
+        seconds = delay.total_seconds()
+    elif isinstance(delay, int | float) and not isinstance(delay, bool):
+        seconds = float(delay)
+    else:
+        raise TypeError(f"delay must be {DELAY_FORMS}; got {delay!r}")
     if seconds < 0:
         raise ValueError(f"delay must not be negative, got {delay!r}")
     if not seconds <= MAX_DELAY_SECONDS:  # (NaN too) refused as a request with it is refused

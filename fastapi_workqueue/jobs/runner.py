@@ -86,6 +86,7 @@ class JobRunner:
         if type(data) is dict and data.keys() == PLAIN_KEYS and data["v"] == VERSION and not jobs.events \
                 and type(name := data["job"]) is str and (job := jobs.registry.find(name)) is not None \
                 and not job.middleware and not job.dependency_params and not job.encrypted:
+            context.work_name = name  # the queue's log lines name the job
             try:
                 payload = job.adapter.validator.validate_python(data["payload"])
             except ValidationError:
@@ -118,6 +119,7 @@ class JobRunner:
             envelope = JobEnvelope.from_json(message.payload)
         except EnvelopeInvalid as exc:
             raise FatalWorkError(str(exc)) from None
+        context.work_name = envelope.job
         jobs = self._jobs
         job = jobs.registry.find(envelope.job)
         if job is None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from ..core.envelope import PublishStatus
-from ..core.errors import ConfigurationError
+from ..core.errors import ConfigurationError, missing_extra
 from ..core.redaction import redacting_logger
 from .definition import Job
 
@@ -61,8 +61,10 @@ class Schedule:
                 f"schedule {self.name!r}: unknown timezone {self.timezone!r}; use an IANA name such as 'Europe/Berlin'"
             ) from None
         if self.cron is not None:
-            from croniter import croniter
-
+            try:
+                from croniter import croniter
+            except ImportError as exc:
+                raise missing_extra(f"schedule {self.name!r} (a cron expression)", "croniter", "jobs") from exc
             if not croniter.is_valid(self.cron):
                 raise ConfigurationError(
                     f"schedule {self.name!r}: {self.cron!r} is not a cron expression (five fields: minute hour "

@@ -57,8 +57,10 @@ def job_group(spec: str | None, concurrency: int) -> GroupPlan:
     return GroupPlan(name=GROUP_NAME, patterns=patterns, concurrency=concurrency)
 
 
-def check_fits_lease(jobs: Jobs, queues: list[str], stop_timeout: float) -> None:
-    """Refuses a worker whose jobs' timeout plus the stop timeout does not fit in the lease."""
+def check_fits_lease(jobs: Jobs, queues: list[str], stop_timeout: float, *,
+                     stop_timeout_name: str = "--stop-timeout") -> None:
+    """Refuses a worker whose jobs' timeout plus the stop timeout does not fit in the lease
+    (``stop_timeout_name``: what sets the stop timeout where the check runs)."""
     lease = jobs.lease_seconds
     takes_all = OTHERS in queues
     problems = [
@@ -70,7 +72,8 @@ def check_fits_lease(jobs: Jobs, queues: list[str], stop_timeout: float) -> None
     if problems:
         raise ConfigurationError(
             f"job(s) {', '.join(problems)}: the timeout plus the stop timeout ({stop_timeout:g} s) does not fit in "
-            f"the job lease ({lease:g} s); lower the timeout or --stop-timeout, or raise WORKQUEUE_JOB_LEASE_SECONDS"
+            f"the job lease ({lease:g} s); lower the timeout or {stop_timeout_name}, or raise "
+            "WORKQUEUE_JOB_LEASE_SECONDS"
         )
 
 

@@ -7,8 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Security
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
-from prometheus_client.multiprocess import MultiProcessCollector
+
+try:
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+except ImportError as exc:
+    from ..core.errors import missing_extra
+
+    raise missing_extra("queue.metrics_router (/metrics)", "prometheus-client", "prometheus") from exc
 
 from .prometheus import PrometheusObserver, StoreCollector, StoreSnapshot, metrics_for
 

@@ -20,11 +20,16 @@ from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry import context as otel_context
-from opentelemetry import metrics, propagate, trace
-from opentelemetry.environment_variables import OTEL_PYTHON_METER_PROVIDER, OTEL_PYTHON_TRACER_PROVIDER
-from opentelemetry.metrics import _internal as _metrics_internal
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+try:
+    from opentelemetry import context as otel_context
+    from opentelemetry import metrics, propagate, trace
+    from opentelemetry.environment_variables import OTEL_PYTHON_METER_PROVIDER, OTEL_PYTHON_TRACER_PROVIDER
+    from opentelemetry.metrics import _internal as _metrics_internal
+    from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+except ImportError as exc:
+    from ..core.errors import missing_extra
+
+    raise missing_extra("tracing through OpenTelemetry", "opentelemetry-api", "otel") from exc
 
 from ..core.observe import Observer, ProcessScope, PublishScope, SettleScope
 from ..core.redaction import redact, redacted_traceback

@@ -22,9 +22,14 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
+try:
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.registry import Collector
+except ImportError as exc:
+    from ..core.errors import missing_extra
+
+    raise missing_extra("Prometheus metrics", "prometheus-client", "prometheus") from exc
 
 from ..core.observe import Observer, ProcessScope, PublishScope
 from . import semconv

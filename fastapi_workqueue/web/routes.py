@@ -20,7 +20,7 @@ from pydantic import Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.envelope import PublishRequest, PublishResult
-from ..core.errors import ConfigurationError, TransportError, TransportUnavailable
+from ..core.errors import ConfigurationError, TransportError, TransportUnavailable, UnknownTopic
 from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_PUBLISH, SCOPE_READ, Principal
 from ..core.reports import (
     ActionResult,
@@ -32,6 +32,7 @@ from ..core.reports import (
     PartitionInfo,
     SubscriptionStats,
 )
+from ..core.retirement import DeleteResult, RetireResult, TopicStatusChange
 from ..core.topology import check_name
 from ..core.wire import WireModel
 from .auth import Authorizer
@@ -84,6 +85,13 @@ def _is_name(value: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+class RetireBody(WireModel):
+    discard_pending: bool = False
+    """Discard the Pending deliveries at once instead of letting them drain."""
+    reason: str | None = Field(default=None, max_length=2000)
+    """Kept with each discarded delivery."""
 
 
 class StatusChange(WireModel):
@@ -197,6 +205,7 @@ def build_router(
     Publisher = Annotated[Principal, caller(SCOPE_PUBLISH)]
     Reader = Annotated[Principal, caller(SCOPE_READ)]
     Operator = Annotated[Principal, caller(SCOPE_OPERATE)]
+    Admin = Annotated[Principal, caller(SCOPE_ADMIN)]
     Sub = Annotated[str, Path(description="The subscription's name.")]
 
     def name_exists_or_404(kind: str, name: str) -> None:
@@ -250,12 +259,11 @@ def build_router(
             )
         try:
             results = await queue.publish(topic, requests)
+        except UnknownTopic:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"topic {topic!r} does not exist") from None
         except TransportError as exc:
             raise _unavailable(exc) from exc
-        unknown = all(r.error is not None and r.error.code == "UnknownTopic" for r in results) if results else (
-            topic not in {t.name for t in await _call(queue.transport.list_topics())}
-        )
-        if unknown:
+        if not results and topic not in {t.name for t in await _call(queue.transport.list_topics())}:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"topic {topic!r} does not exist")
         problems = [
             PublishProblem(index=i, code=r.error.code, message=r.error.message, field=r.error.field)
@@ -403,6 +411,44 @@ def build_router(
     async def resume(subscription: Sub, principal: Operator) -> StatusChange:
         """Claims again."""
         return await _status(subscription, "Active")
+
+    @router.post(
+        "/subscriptions/{subscription}/retire", response_model=RetireResult, summary="Retire a subscription",
+    )
+    async def retire(subscription: Sub, principal: Operator, body: RetireBody | None = None) -> RetireResult:
+        """Stops the fan-out to a subscription removed from the code: new messages give it no
+        delivery; what it holds drains, or with ``DiscardPending`` its Pending deliveries are
+        discarded with ``Reason``. Its counts stay readable; resume takes it back."""
+        await known_subscription(subscription)
+        options = body or RetireBody()
+        return await _call(queue.retire(subscription, discard_pending=options.discard_pending, reason=options.reason))
+
+    @router.delete(
+        "/subscriptions/{subscription}", response_model=DeleteResult, summary="Delete a retired subscription",
+        responses={409: {"model": DeleteResult, "description": "Not retired, or it still holds deliveries."}},
+    )
+    async def delete_subscription(subscription: Sub, principal: Admin) -> Any:
+        """Deletes a retired subscription once nothing is Pending, InFlight or DeadLettered; 409
+        with ``Result`` (NotRetired, HasDeliveries) and ``Remaining`` otherwise."""
+        name_exists_or_404("subscription", subscription)
+        return _deleted(await _call(queue.delete_subscription(subscription)))
+
+    @router.post("/topics/{topic}/retire", response_model=TopicStatusChange, summary="Retire a topic")
+    async def retire_topic(topic: Annotated[str, Path(description="The topic's name.")],
+                           principal: Operator) -> TopicStatusChange:
+        """A retired topic refuses new messages (TopicRetired); its subscriptions drain."""
+        name_exists_or_404("topic", topic)
+        if topic not in {t.name for t in await _call(queue.transport.list_topics())}:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"topic {topic!r} does not exist")
+        return await _call(queue.set_topic_status(topic, "Retired"))
+
+    def _deleted(result: DeleteResult) -> Any:
+        if result.result == "NotFound":
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"{result.name!r} does not exist")
+        if not result.ok:
+            return JSONResponse(status_code=status.HTTP_409_CONFLICT,
+                                content=result.model_dump(mode="json", by_alias=True))
+        return result
 
     async def _status(subscription: str, new: Literal["Active", "Paused"]) -> StatusChange:
         name_exists_or_404("subscription", subscription)

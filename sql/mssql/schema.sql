@@ -1,4 +1,4 @@
--- fastapi-workqueue: the SQL Server schema, as a fresh install ends with it (migrations 0001-0026).
+-- fastapi-workqueue: the SQL Server schema, as a fresh install ends with it (migrations 0001-0027).
 --
 -- This file is for reading: the tables and their indexes first, then every procedure and function
 -- grouped by concern, each with what it does. `workqueue migrate` applies the versioned
@@ -30,6 +30,7 @@ CREATE TABLE workqueue.topic (
                        CONSTRAINT topic_binding_config_json CHECK (ISJSON(binding_config) = 1),
     created_at         datetimeoffset(6) NOT NULL CONSTRAINT topic_created_at_default DEFAULT SYSDATETIMEOFFSET(),
     updated_at         datetimeoffset(6) NOT NULL CONSTRAINT topic_updated_at_default DEFAULT SYSDATETIMEOFFSET(),
+    retired_at         datetimeoffset(6) NULL,
     CONSTRAINT topic_pk PRIMARY KEY CLUSTERED (name)
 );
 
@@ -73,6 +74,7 @@ CREATE TABLE workqueue.subscription (
                             CONSTRAINT subscription_created_at_default DEFAULT SYSDATETIMEOFFSET(),
     updated_at              datetimeoffset(6) NOT NULL
                             CONSTRAINT subscription_updated_at_default DEFAULT SYSDATETIMEOFFSET(),
+    retired_at              datetimeoffset(6) NULL,
     CONSTRAINT subscription_pk PRIMARY KEY CLUSTERED (id),
     CONSTRAINT subscription_name_unique UNIQUE (name)
 );
@@ -975,15 +977,20 @@ BEGIN
         IF @v_own_transaction = 1
             BEGIN TRANSACTION;
 
-        SELECT @v_old = s.status
+        -- Resume (Active) takes back a retired subscription too.
+        SELECT @v_old = CASE WHEN @p_status = N'Active' AND s.status = N'Active' AND s.retired_at IS NOT NULL
+                             THEN N'Retired' ELSE s.status END
         FROM workqueue.subscription AS s WITH (UPDLOCK, ROWLOCK)
         WHERE s.name = @p_name;
         IF @v_old IS NOT NULL
         BEGIN
             UPDATE s
-            SET status = @p_status, updated_at = SYSDATETIMEOFFSET()
+            SET status = @p_status,
+                retired_at = CASE WHEN @p_status = N'Active' THEN NULL ELSE s.retired_at END,
+                updated_at = SYSDATETIMEOFFSET()
             FROM workqueue.subscription AS s
-            WHERE s.name = @p_name AND s.status <> @p_status;
+            WHERE s.name = @p_name
+              AND (s.status <> @p_status OR (@p_status = N'Active' AND s.retired_at IS NOT NULL));
             INSERT INTO @v_result (subscription, status, changed)
             VALUES (@p_name, @p_status,
                     CASE WHEN @v_old <> @p_status COLLATE Latin1_General_100_BIN2 THEN 1 ELSE 0 END);
@@ -1001,6 +1008,244 @@ BEGIN
 END;
 GO
 
+-- Retires a subscription (retired_at): publish gives it no new delivery from the commit on, while
+-- what it holds still drains and its counts stay readable; listings show it Retired.
+-- returns: subscription, status, changed
+CREATE OR ALTER PROCEDURE workqueue.retire_subscription
+    @p_name nvarchar(200)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
+    DECLARE @v_found bit = 0;
+    DECLARE @v_was_retired bit = 0;
+
+    BEGIN TRY
+        IF @v_own_transaction = 1
+            BEGIN TRANSACTION;
+        SELECT @v_found = 1, @v_was_retired = CASE WHEN s.retired_at IS NULL THEN 0 ELSE 1 END
+        FROM workqueue.subscription AS s WITH (UPDLOCK, ROWLOCK)
+        WHERE s.name = @p_name;
+        UPDATE s
+        SET retired_at = SYSDATETIMEOFFSET(), updated_at = SYSDATETIMEOFFSET()
+        FROM workqueue.subscription AS s
+        WHERE s.name = @p_name AND s.retired_at IS NULL;
+        IF @v_own_transaction = 1
+            COMMIT TRANSACTION;
+    END TRY
+    BEGIN CATCH
+        IF @v_own_transaction = 1 AND @@TRANCOUNT > 0
+            ROLLBACK TRANSACTION;
+        THROW;
+    END CATCH;
+    SELECT @p_name AS subscription, N'Retired' AS status, CASE WHEN @v_was_retired = 1 THEN 0 ELSE 1 END AS changed
+    WHERE @v_found = 1;
+END;
+GO
+
+-- Discards up to @p_limit Pending deliveries of a subscription, oldest id first, with @p_reason,
+-- counted in settled_count, their keys handed over as a settle hands them; returns how many.
+-- returns: discard_pending
+CREATE OR ALTER PROCEDURE workqueue.discard_pending
+    @p_subscription nvarchar(200),
+    @p_reason nvarchar(max),
+    @p_limit int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
+    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_count int = 0;
+    DECLARE @v_settled nvarchar(max);
+    DECLARE @v_claimable TABLE (subscription_id int NOT NULL);
+    DECLARE @v_u TABLE (id bigint NOT NULL PRIMARY KEY, subscription_id int NOT NULL, key_mode smallint NOT NULL);
+
+    BEGIN TRY
+        IF @v_own_transaction = 1
+            BEGIN TRANSACTION;
+        UPDATE d
+        SET status = N'Discarded', reason = @p_reason, settled_at = @v_now, lease_token = NULL,
+            lease_expires_at = NULL
+        OUTPUT inserted.id, inserted.subscription_id, inserted.key_mode INTO @v_u (id, subscription_id, key_mode)
+        FROM workqueue.delivery AS d
+        INNER JOIN (
+            SELECT TOP (@p_limit) x.id
+            FROM workqueue.delivery AS x WITH (UPDLOCK, READPAST, ROWLOCK)
+            INNER JOIN workqueue.subscription AS s ON s.id = x.subscription_id
+            WHERE s.name = @p_subscription AND x.status = N'Pending'
+            ORDER BY x.id
+        ) AS c ON c.id = d.id
+        WHERE d.status = N'Pending';
+        SET @v_count = @@ROWCOUNT;
+
+        INSERT INTO workqueue.settled_count (subscription_id, completed, discarded)
+        SELECT u.subscription_id, 0, COUNT_BIG(*)
+        FROM @v_u AS u
+        GROUP BY u.subscription_id;
+
+        IF EXISTS (SELECT 1 FROM @v_u AS u WHERE u.key_mode > 0)
+        BEGIN
+            SELECT @v_settled = N'[' + STRING_AGG(CAST(u.id AS nvarchar(max)), N',') + N']'
+            FROM @v_u AS u;
+            INSERT INTO @v_claimable (subscription_id)
+            EXEC workqueue.release_keys @p_ids = @v_settled;
+        END;
+
+        IF @v_own_transaction = 1
+            COMMIT TRANSACTION;
+    END TRY
+    BEGIN CATCH
+        IF @v_own_transaction = 1 AND @@TRANCOUNT > 0
+            ROLLBACK TRANSACTION;
+        THROW;
+    END CATCH;
+    SELECT @v_count AS discard_pending;
+END;
+GO
+
+-- Deletes a retired subscription with its ended deliveries, keys, counts and history. result:
+-- Deleted, NotFound, NotRetired, or HasDeliveries (remaining: Pending, InFlight and DeadLettered).
+-- returns: subscription, result, remaining
+CREATE OR ALTER PROCEDURE workqueue.delete_subscription
+    @p_name nvarchar(200)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
+    DECLARE @v_id int;
+    DECLARE @v_retired datetimeoffset(6);
+    DECLARE @v_live bigint = 0;
+    DECLARE @v_result nvarchar(20) = N'NotFound';
+
+    BEGIN TRY
+        IF @v_own_transaction = 1
+            BEGIN TRANSACTION;
+        SELECT @v_id = s.id, @v_retired = s.retired_at
+        FROM workqueue.subscription AS s WITH (UPDLOCK, ROWLOCK)
+        WHERE s.name = @p_name;
+        IF @v_id IS NOT NULL AND @v_retired IS NULL
+            SET @v_result = N'NotRetired';
+        ELSE IF @v_id IS NOT NULL
+        BEGIN
+            SELECT @v_live = COUNT_BIG(*) FROM workqueue.delivery AS d
+            WHERE d.subscription_id = @v_id AND d.status IN (N'Pending', N'InFlight', N'DeadLettered');
+            IF @v_live > 0
+                SET @v_result = N'HasDeliveries';
+            ELSE
+            BEGIN
+                DELETE FROM workqueue.delivery WHERE subscription_id = @v_id;
+                DELETE FROM workqueue.partition WHERE subscription_id = @v_id;
+                DELETE FROM workqueue.partition_stale WHERE subscription_id = @v_id;
+                DELETE FROM workqueue.settled_count WHERE subscription_id = @v_id;
+                DELETE FROM workqueue.stats_history WHERE subscription_id = @v_id;
+                DELETE FROM workqueue.subscription WHERE id = @v_id;
+                SET @v_result = N'Deleted';
+            END;
+        END;
+        IF @v_own_transaction = 1
+            COMMIT TRANSACTION;
+    END TRY
+    BEGIN CATCH
+        IF @v_own_transaction = 1 AND @@TRANCOUNT > 0
+            ROLLBACK TRANSACTION;
+        THROW;
+    END CATCH;
+    SELECT @p_name AS subscription, @v_result AS result, @v_live AS remaining;
+END;
+GO
+
+-- Retires ('Retired': retired_at), pauses ('Paused') or takes back ('Active': active and not
+-- retired) a topic. A retired topic refuses new messages (TopicRetired); its subscriptions drain.
+-- returns: topic, status, changed
+CREATE OR ALTER PROCEDURE workqueue.set_topic_status
+    @p_name nvarchar(200),
+    @p_status nvarchar(20)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
+    DECLARE @v_old nvarchar(20);
+
+    BEGIN TRY
+        IF @p_status NOT IN (N'Active', N'Paused', N'Retired')
+            THROW 51020, N'a topic''s status is Active, Paused or Retired', 1;
+        IF @v_own_transaction = 1
+            BEGIN TRANSACTION;
+        SELECT @v_old = CASE WHEN t.status = N'Active' AND t.retired_at IS NOT NULL THEN N'Retired' ELSE t.status END
+        FROM workqueue.topic AS t WITH (UPDLOCK, ROWLOCK)
+        WHERE t.name = @p_name;
+        UPDATE t
+        SET status = CASE WHEN @p_status = N'Retired' THEN t.status ELSE @p_status END,
+            retired_at = CASE WHEN @p_status = N'Retired' THEN COALESCE(t.retired_at, SYSDATETIMEOFFSET())
+                              WHEN @p_status = N'Active' THEN NULL ELSE t.retired_at END,
+            updated_at = SYSDATETIMEOFFSET()
+        FROM workqueue.topic AS t
+        WHERE t.name = @p_name;
+        IF @v_own_transaction = 1
+            COMMIT TRANSACTION;
+    END TRY
+    BEGIN CATCH
+        IF @v_own_transaction = 1 AND @@TRANCOUNT > 0
+            ROLLBACK TRANSACTION;
+        THROW;
+    END CATCH;
+    SELECT @p_name AS topic, @p_status AS status,
+           CASE WHEN @v_old <> @p_status COLLATE Latin1_General_100_BIN2 THEN 1 ELSE 0 END AS changed
+    WHERE @v_old IS NOT NULL;
+END;
+GO
+
+-- Deletes a retired topic that no subscription names any more. result: Deleted, NotFound,
+-- NotRetired, or HasSubscriptions (remaining says how many).
+-- returns: topic, result, remaining
+CREATE OR ALTER PROCEDURE workqueue.delete_topic
+    @p_name nvarchar(200)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
+    DECLARE @v_found bit = 0;
+    DECLARE @v_retired datetimeoffset(6);
+    DECLARE @v_subscriptions bigint = 0;
+    DECLARE @v_result nvarchar(20) = N'NotFound';
+
+    BEGIN TRY
+        IF @v_own_transaction = 1
+            BEGIN TRANSACTION;
+        SELECT @v_found = 1, @v_retired = t.retired_at
+        FROM workqueue.topic AS t WITH (UPDLOCK, ROWLOCK)
+        WHERE t.name = @p_name;
+        IF @v_found = 1 AND @v_retired IS NULL
+            SET @v_result = N'NotRetired';
+        ELSE IF @v_found = 1
+        BEGIN
+            SELECT @v_subscriptions = COUNT_BIG(*) FROM workqueue.subscription AS s WHERE s.topic = @p_name;
+            IF @v_subscriptions > 0
+                SET @v_result = N'HasSubscriptions';
+            ELSE
+            BEGIN
+                DELETE FROM workqueue.deduplication WHERE topic = @p_name;
+                DELETE FROM workqueue.topic WHERE name = @p_name;
+                SET @v_result = N'Deleted';
+            END;
+        END;
+        IF @v_own_transaction = 1
+            COMMIT TRANSACTION;
+    END TRY
+    BEGIN CATCH
+        IF @v_own_transaction = 1 AND @@TRANCOUNT > 0
+            ROLLBACK TRANSACTION;
+        THROW;
+    END CATCH;
+    SELECT @p_name AS topic, @v_result AS result, @v_subscriptions AS remaining;
+END;
+GO
+
 -- returns: id, name, topic, handler_key, partition_mode, lease_seconds, max_attempts, backoff_base_seconds, backoff_max_seconds, max_processing_seconds, heartbeat_mode, filter, status, host_type, retention_seconds, topic_status, transport, is_fifo, max_payload_bytes
 CREATE OR ALTER PROCEDURE workqueue.list_subscriptions
 AS
@@ -1008,8 +1253,10 @@ BEGIN
     SET NOCOUNT ON;
     SELECT s.id, s.name, s.topic, s.handler_key, s.partition_mode, s.lease_seconds, s.max_attempts,
            s.backoff_base_seconds, s.backoff_max_seconds, s.max_processing_seconds,
-           s.heartbeat_mode, s.filter, s.status, s.host_type, s.retention_seconds,
-           t.status AS topic_status, t.transport, t.is_fifo, t.max_payload_bytes
+           s.heartbeat_mode, s.filter, CASE WHEN s.status = N'Active' AND s.retired_at IS NOT NULL THEN N'Retired' ELSE s.status END AS status,
+           s.host_type, s.retention_seconds,
+           CASE WHEN t.status = N'Active' AND t.retired_at IS NOT NULL THEN N'Retired' ELSE t.status END AS topic_status,
+           t.transport, t.is_fifo, t.max_payload_bytes
     FROM workqueue.subscription AS s
     INNER JOIN workqueue.topic AS t ON t.name = s.topic
     ORDER BY s.name;
@@ -1021,7 +1268,8 @@ CREATE OR ALTER PROCEDURE workqueue.list_topics
 AS
 BEGIN
     SET NOCOUNT ON;
-    SELECT t.name, t.transport, t.max_payload_bytes, t.is_fifo, t.status
+    SELECT t.name, t.transport, t.max_payload_bytes, t.is_fifo,
+           CASE WHEN t.status = N'Active' AND t.retired_at IS NOT NULL THEN N'Retired' ELSE t.status END AS status
     FROM workqueue.topic AS t
     ORDER BY t.name;
 END;
@@ -1056,6 +1304,7 @@ BEGIN
     DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
     DECLARE @v_n int;
     DECLARE @v_topic_found bit = 0;
+    DECLARE @v_topic_retired bit = 0;
     DECLARE @v_quoted_topic nvarchar(max) = N'''' + REPLACE(@p_topic, N'''', N'''''') + N'''';
     DECLARE @v_cap int;
     DECLARE @v_has_keyed bit = 0;
@@ -1151,7 +1400,8 @@ BEGIN
 
         IF @v_n > 0
         BEGIN
-            SELECT @v_topic_found = 1, @v_cap = t.max_payload_bytes
+            SELECT @v_topic_found = 1, @v_cap = t.max_payload_bytes,
+                   @v_topic_retired = CASE WHEN t.retired_at IS NULL THEN 0 ELSE 1 END
             FROM workqueue.topic AS t
             WHERE t.name = @p_topic;
         END;
@@ -1161,6 +1411,13 @@ BEGIN
             SELECT it.i, N'Rejected', it.mid, N'UnknownTopic',
                    CONCAT(N'topic ', @v_quoted_topic,
                           N' does not exist; declare it in the WorkQueue topics or create it first')
+            FROM @v_item AS it;
+        ELSE IF @v_n > 0 AND @v_topic_retired = 1
+            INSERT INTO @v_result (idx, status, message_id, error_code, error_message)
+            SELECT it.i, N'Rejected', it.mid, N'TopicRetired',
+                   CONCAT(N'topic ', @v_quoted_topic,
+                          N' is retired and takes no new messages; publish to the topic that replaced it, ',
+                          N'or take it back with `workqueue topics resume ', @p_topic, N'`')
             FROM @v_item AS it;
         ELSE IF @v_n > 0
         BEGIN
@@ -1355,7 +1612,7 @@ BEGIN
                 INSERT INTO @v_sub (id, partition_mode, filter, max_attempts, backoff_base_seconds, backoff_max_seconds)
                 SELECT s.id, s.partition_mode, s.filter, s.max_attempts, s.backoff_base_seconds, s.backoff_max_seconds
                 FROM workqueue.subscription AS s
-                WHERE s.topic = @p_topic;
+                WHERE s.topic = @p_topic AND s.retired_at IS NULL;
                 IF EXISTS (SELECT 1 FROM @v_sub AS s WHERE s.partition_mode <> N'None')
                     SET @v_has_keyed = 1;
             END;
@@ -3088,7 +3345,9 @@ AS
 BEGIN
     SET NOCOUNT ON;
     DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
-    SELECT s.name AS subscription, s.topic, s.status AS subscription_status, s.partition_mode,
+    SELECT s.name AS subscription, s.topic,
+           CASE WHEN s.status = N'Active' AND s.retired_at IS NOT NULL THEN N'Retired' ELSE s.status END AS subscription_status,
+           s.partition_mode,
            p.pending, COALESCE(cl.claimable, 0) AS claimable, f.in_flight, dl.dead_lettered,
            COALESCE(t.completed, 0) AS completed, COALESCE(t.discarded, 0) AS discarded,
            p.oldest_pending_at

@@ -1,4 +1,4 @@
--- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0035).
+-- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0036).
 --
 -- This file is for reading: the tables and their indexes first, then every function grouped by
 -- concern, each with what it does. `workqueue migrate` applies the versioned migrations
@@ -33,7 +33,8 @@ CREATE TABLE workqueue.topic (
     status             text NOT NULL DEFAULT 'Active' CHECK (status IN ('Active', 'Paused')),
     binding_config     jsonb,
     created_at         timestamptz NOT NULL DEFAULT now(),
-    updated_at         timestamptz NOT NULL DEFAULT now()
+    updated_at         timestamptz NOT NULL DEFAULT now(),
+    retired_at         timestamptz
 );
 
 CREATE TABLE workqueue.subscription (
@@ -55,7 +56,8 @@ CREATE TABLE workqueue.subscription (
     retention_seconds       double precision NOT NULL DEFAULT 604800 CHECK (retention_seconds >= 0),
     binding_config          jsonb,
     created_at              timestamptz NOT NULL DEFAULT now(),
-    updated_at              timestamptz NOT NULL DEFAULT now()
+    updated_at              timestamptz NOT NULL DEFAULT now(),
+    retired_at              timestamptz   -- retired: no new deliveries, what it holds drains (0036)
 );
 CREATE INDEX subscription_topic ON workqueue.subscription (topic);
 
@@ -413,12 +415,187 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    UPDATE workqueue.subscription s SET status = p_status, updated_at = now()
-    WHERE s.name = p_name AND s.status <> p_status;
+    IF p_status = 'Active' THEN  -- resume takes back a retired subscription too
+        SELECT CASE WHEN s.retired_at IS NOT NULL AND s.status = 'Active' THEN 'Retired' ELSE s.status END
+        INTO v_old FROM workqueue.subscription s WHERE s.name = p_name;
+    END IF;
+    UPDATE workqueue.subscription s
+    SET status = p_status, retired_at = CASE WHEN p_status = 'Active' THEN NULL ELSE s.retired_at END,
+        updated_at = now()
+    WHERE s.name = p_name AND (s.status <> p_status OR (p_status = 'Active' AND s.retired_at IS NOT NULL));
     IF p_status = 'Active' AND v_old <> 'Active' THEN
         PERFORM pg_notify('workqueue', (SELECT s.id::text FROM workqueue.subscription s WHERE s.name = p_name));
     END IF;
     RETURN QUERY SELECT p_name, p_status, v_old <> p_status;
+END
+$$;
+
+-- Retires a subscription (retired_at): publish gives it no new delivery from the commit on, while
+-- what it holds still drains (claims go on: its status stays Active, or Paused) and its counts stay
+-- readable; listings show it Retired. resume (set_subscription_status 'Active') takes it back.
+-- changed is false when it was retired already.
+CREATE OR REPLACE FUNCTION workqueue.retire_subscription(p_name text)
+RETURNS TABLE (subscription text, status text, changed boolean)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_old text;
+BEGIN
+    SELECT CASE WHEN s.retired_at IS NOT NULL THEN 'Retired' ELSE s.status END INTO v_old
+    FROM workqueue.subscription s WHERE s.name = p_name FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    UPDATE workqueue.subscription s SET retired_at = now(), updated_at = now()
+    WHERE s.name = p_name AND s.retired_at IS NULL;
+    RETURN QUERY SELECT p_name, 'Retired'::text, v_old <> 'Retired';
+END
+$$;
+
+-- Discards up to p_limit Pending deliveries of a subscription (visible or waiting out a delay or a
+-- backoff), oldest id first, with p_reason, counted in settled_count, their keys handed over as a
+-- settle hands them; returns how many it discarded. One another transaction holds (a claim) is
+-- skipped: it is InFlight, and drains.
+CREATE OR REPLACE FUNCTION workqueue.discard_pending(p_subscription text, p_reason text, p_limit integer)
+RETURNS integer
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_ids bigint[];
+    v_count integer;
+    v_keyed boolean;
+BEGIN
+    WITH u AS (
+        UPDATE workqueue.delivery d
+        SET status = 'Discarded', reason = p_reason, settled_at = now(), lease_token = NULL,
+            lease_expires_at = NULL
+        WHERE d.id IN (
+            SELECT x.id FROM workqueue.delivery x
+            JOIN workqueue.subscription s ON s.id = x.subscription_id
+            WHERE s.name = p_subscription AND x.status = 'Pending'
+            ORDER BY x.id
+            LIMIT p_limit
+            FOR UPDATE OF x SKIP LOCKED
+        ) AND d.status = 'Pending'
+        RETURNING d.id, d.subscription_id, d.key_mode
+    ), counted AS (
+        INSERT INTO workqueue.settled_count (subscription_id, completed, discarded)
+        SELECT u.subscription_id, 0, count(*)
+        FROM u
+        GROUP BY u.subscription_id
+    )
+    SELECT array_agg(u.id), count(*), bool_or(u.key_mode > 0) INTO v_ids, v_count, v_keyed
+    FROM u;
+    IF v_keyed THEN
+        PERFORM pg_notify('workqueue', r.subscription_id::text) FROM workqueue.release_keys(v_ids) r;
+    END IF;
+    RETURN v_count;
+END
+$$;
+
+-- Deletes a retired subscription with its ended deliveries, keys, counts and history. result:
+-- Deleted, NotFound, NotRetired (retire it first), or HasDeliveries (remaining says how many are
+-- still Pending, InFlight or DeadLettered: drain, discard or replay them first).
+CREATE OR REPLACE FUNCTION workqueue.delete_subscription(p_name text)
+RETURNS TABLE (subscription text, result text, remaining bigint)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_id integer;
+    v_retired timestamptz;
+    v_live bigint;
+BEGIN
+    SELECT s.id, s.retired_at INTO v_id, v_retired FROM workqueue.subscription s WHERE s.name = p_name FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT p_name, 'NotFound'::text, 0::bigint;
+        RETURN;
+    END IF;
+    IF v_retired IS NULL THEN
+        RETURN QUERY SELECT p_name, 'NotRetired'::text, 0::bigint;
+        RETURN;
+    END IF;
+    SELECT count(*) INTO v_live FROM workqueue.delivery d
+    WHERE d.subscription_id = v_id AND d.status IN ('Pending', 'InFlight', 'DeadLettered');
+    IF v_live > 0 THEN
+        RETURN QUERY SELECT p_name, 'HasDeliveries'::text, v_live;
+        RETURN;
+    END IF;
+    DELETE FROM workqueue.delivery d WHERE d.subscription_id = v_id;
+    DELETE FROM workqueue.partition p WHERE p.subscription_id = v_id;
+    DELETE FROM workqueue.partition_stale p WHERE p.subscription_id = v_id;
+    DELETE FROM workqueue.settled_count c WHERE c.subscription_id = v_id;
+    DELETE FROM workqueue.stats_history h WHERE h.subscription_id = v_id;
+    DELETE FROM workqueue.subscription s WHERE s.id = v_id;
+    RETURN QUERY SELECT p_name, 'Deleted'::text, 0::bigint;
+END
+$$;
+
+-- Retires (p_status 'Retired': retired_at), pauses ('Paused') or takes back ('Active': active and
+-- not retired) a topic. A retired topic refuses new messages (TopicRetired) while its
+-- subscriptions drain what they hold.
+CREATE OR REPLACE FUNCTION workqueue.set_topic_status(p_name text, p_status text)
+RETURNS TABLE (topic text, status text, changed boolean)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_old text;
+BEGIN
+    SELECT CASE WHEN t.status = 'Active' AND t.retired_at IS NOT NULL THEN 'Retired' ELSE t.status END
+    INTO v_old FROM workqueue.topic t WHERE t.name = p_name FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF p_status NOT IN ('Active', 'Paused', 'Retired') THEN
+        RAISE EXCEPTION 'a topic''s status is Active, Paused or Retired, not %', p_status
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    UPDATE workqueue.topic t
+    SET status = CASE WHEN p_status = 'Retired' THEN t.status ELSE p_status END,
+        retired_at = CASE WHEN p_status = 'Retired' THEN coalesce(t.retired_at, now())
+                          WHEN p_status = 'Active' THEN NULL ELSE t.retired_at END,
+        updated_at = now()
+    WHERE t.name = p_name;
+    RETURN QUERY SELECT p_name, p_status, v_old <> p_status;
+END
+$$;
+
+-- Deletes a retired topic that no subscription names any more (delete them first). result:
+-- Deleted, NotFound, NotRetired, or HasSubscriptions (remaining says how many).
+CREATE OR REPLACE FUNCTION workqueue.delete_topic(p_name text)
+RETURNS TABLE (topic text, result text, remaining bigint)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_retired timestamptz;
+    v_subscriptions bigint;
+BEGIN
+    SELECT t.retired_at INTO v_retired FROM workqueue.topic t WHERE t.name = p_name FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT p_name, 'NotFound'::text, 0::bigint;
+        RETURN;
+    END IF;
+    IF v_retired IS NULL THEN
+        RETURN QUERY SELECT p_name, 'NotRetired'::text, 0::bigint;
+        RETURN;
+    END IF;
+    SELECT count(*) INTO v_subscriptions FROM workqueue.subscription s WHERE s.topic = p_name;
+    IF v_subscriptions > 0 THEN
+        RETURN QUERY SELECT p_name, 'HasSubscriptions'::text, v_subscriptions;
+        RETURN;
+    END IF;
+    DELETE FROM workqueue.deduplication dd WHERE dd.topic = p_name;
+    DELETE FROM workqueue.topic t WHERE t.name = p_name;
+    RETURN QUERY SELECT p_name, 'Deleted'::text, 0::bigint;
 END
 $$;
 
@@ -437,8 +614,9 @@ SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT s.id, s.name, s.topic, s.handler_key, s.partition_mode, s.lease_seconds, s.max_attempts,
            s.backoff_base_seconds, s.backoff_max_seconds, s.max_processing_seconds,
-           s.heartbeat_mode, s.filter, s.status, s.host_type, s.retention_seconds,
-           t.status, t.transport, t.is_fifo, t.max_payload_bytes
+           s.heartbeat_mode, s.filter, CASE WHEN s.status = 'Active' AND s.retired_at IS NOT NULL THEN 'Retired' ELSE s.status END, s.host_type,
+           s.retention_seconds, CASE WHEN t.status = 'Active' AND t.retired_at IS NOT NULL THEN 'Retired' ELSE t.status END, t.transport,
+           t.is_fifo, t.max_payload_bytes
     FROM workqueue.subscription s
     JOIN workqueue.topic t ON t.name = s.topic
     ORDER BY s.name
@@ -450,7 +628,8 @@ RETURNS TABLE (name text, transport text, max_payload_bytes integer, is_fifo boo
 LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT t.name, t.transport, t.max_payload_bytes, t.is_fifo, t.status
+    SELECT t.name, t.transport, t.max_payload_bytes, t.is_fifo,
+           CASE WHEN t.status = 'Active' AND t.retired_at IS NOT NULL THEN 'Retired' ELSE t.status END
     FROM workqueue.topic t ORDER BY t.name
 $$;
 
@@ -507,6 +686,7 @@ DECLARE
     v_visible timestamptz;
     v_all boolean;
     v_first bigint[];
+    v_retired boolean;
 BEGIN
     IF v_n = 0 THEN
         RETURN;
@@ -522,8 +702,9 @@ BEGIN
         SELECT p_message_ids[1], p_topic, p_partition_keys[1], coalesce(p_attributes[1], '{}'::jsonb),
                p_payloads[1], p_payload_refs[1], p_correlation_ids[1], NULL, p_content_hashes[1]
         FROM workqueue.topic t
-        WHERE t.name = p_topic
-          AND NOT EXISTS (SELECT 1 FROM workqueue.subscription s WHERE s.topic = t.name AND s.partition_mode <> 'None')
+        WHERE t.name = p_topic AND t.retired_at IS NULL
+          AND NOT EXISTS (SELECT 1 FROM workqueue.subscription s
+                          WHERE s.topic = t.name AND s.partition_mode <> 'None' AND s.retired_at IS NULL)
           AND (t.max_payload_bytes IS NULL OR p_envelope_bytes[1] <= t.max_payload_bytes)
         ON CONFLICT (id) DO NOTHING;
         IF FOUND THEN
@@ -538,13 +719,13 @@ BEGIN
                         ELSE ARRAY(SELECT b::double precision FROM jsonb_array_elements_text(p_backoff_schedules[1]::jsonb) AS b) END,
                    v_visible
             FROM workqueue.subscription s
-            WHERE s.topic = p_topic AND s.partition_mode = 'None'
+            WHERE s.topic = p_topic AND s.partition_mode = 'None' AND s.retired_at IS NULL
               AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes[1]))
             ORDER BY s.id;
             IF v_visible <= now() THEN
                 PERFORM pg_notify('workqueue', s.id::text)
                 FROM workqueue.subscription s
-                WHERE s.topic = p_topic AND s.partition_mode = 'None'
+                WHERE s.topic = p_topic AND s.partition_mode = 'None' AND s.retired_at IS NULL
                   AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes[1]));
             END IF;
             RETURN;  -- no rows: Accepted
@@ -560,8 +741,9 @@ BEGIN
         -- (The block is a subtransaction: one per call of many messages, none for one message.)
         SELECT true INTO v_plain
         FROM workqueue.topic t
-        WHERE t.name = p_topic
-          AND NOT EXISTS (SELECT 1 FROM workqueue.subscription s WHERE s.topic = t.name AND s.partition_mode <> 'None')
+        WHERE t.name = p_topic AND t.retired_at IS NULL
+          AND NOT EXISTS (SELECT 1 FROM workqueue.subscription s
+                          WHERE s.topic = t.name AND s.partition_mode <> 'None' AND s.retired_at IS NULL)
           AND (t.max_payload_bytes IS NULL
                OR NOT EXISTS (SELECT 1 FROM unnest(p_envelope_bytes) b WHERE b > t.max_payload_bytes));
         IF v_plain THEN
@@ -606,7 +788,7 @@ BEGIN
                 FROM unnest(p_message_ids, p_partition_keys, p_attributes, p_max_attempts, p_backoff_schedules,
                             p_not_befores, p_delays)
                      WITH ORDINALITY AS x(mid, pkey, attrs, max_attempts, backoff, not_before, delay, i)
-                JOIN workqueue.subscription s ON s.topic = p_topic AND s.partition_mode = 'None'
+                JOIN workqueue.subscription s ON s.topic = p_topic AND s.partition_mode = 'None' AND s.retired_at IS NULL
                 WHERE (v_all OR x.i = ANY (v_first))
                   AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, x.attrs))
                 ORDER BY x.i, s.id
@@ -659,12 +841,20 @@ BEGIN
     END IF;
     SELECT t.max_payload_bytes,
            EXISTS (SELECT 1 FROM unnest(p_deduplication_keys) k WHERE k IS NOT NULL),
-           t.max_payload_bytes IS NOT NULL AND EXISTS (SELECT 1 FROM unnest(p_envelope_bytes) b WHERE b > t.max_payload_bytes)
-    INTO v_cap, v_has_dedup, v_too_large
+           t.max_payload_bytes IS NOT NULL AND EXISTS (SELECT 1 FROM unnest(p_envelope_bytes) b WHERE b > t.max_payload_bytes),
+           t.retired_at IS NOT NULL
+    INTO v_cap, v_has_dedup, v_too_large, v_retired
     FROM workqueue.topic t WHERE t.name = p_topic;
     IF NOT FOUND THEN
         RETURN QUERY SELECT i::integer, 'Rejected'::text, m, 'UnknownTopic'::text,
             format('topic %L does not exist; declare it in the WorkQueue topics or create it first', p_topic)
+        FROM unnest(p_message_ids) WITH ORDINALITY AS x(m, i);
+        RETURN;
+    END IF;
+    IF v_retired THEN
+        RETURN QUERY SELECT i::integer, 'Rejected'::text, m, 'TopicRetired'::text,
+            format('topic %L is retired and takes no new messages; publish to the topic that replaced it, '
+                   'or take it back with `workqueue topics resume %s`', p_topic, p_topic)
         FROM unnest(p_message_ids) WITH ORDINALITY AS x(m, i);
         RETURN;
     END IF;
@@ -846,7 +1036,7 @@ BEGIN
                 FROM unnest(v_accept, p_message_ids, p_partition_keys, p_attributes, p_max_attempts,
                             p_backoff_schedules, p_not_befores, p_delays)
                      WITH ORDINALITY AS x(ok, mid, pkey, attrs, max_attempts, backoff, not_before, delay, i)
-                JOIN workqueue.subscription s ON s.topic = p_topic
+                JOIN workqueue.subscription s ON s.topic = p_topic AND s.retired_at IS NULL
                 WHERE x.ok AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, x.attrs))
             ), locked AS (
                 INSERT INTO workqueue.partition AS p (subscription_id, partition_key)
@@ -948,7 +1138,7 @@ BEGIN
     SELECT p_message_id, p_topic, p_partition_key, coalesce(p_attributes, '{}'::jsonb),
            p_payload, p_payload_ref, p_correlation_id, NULL, p_content_hash
     FROM workqueue.topic t
-    WHERE t.name = p_topic
+    WHERE t.name = p_topic AND t.retired_at IS NULL
       AND (t.max_payload_bytes IS NULL OR p_envelope_bytes <= t.max_payload_bytes)
     ON CONFLICT (id) DO NOTHING;
     IF NOT FOUND THEN
@@ -979,7 +1169,8 @@ BEGIN
                coalesce(p_max_attempts, s.max_attempts) AS max_attempts,
                s.backoff_base_seconds, s.backoff_max_seconds
         FROM workqueue.subscription s
-        WHERE s.topic = p_topic AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes))
+        WHERE s.topic = p_topic AND s.retired_at IS NULL
+          AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes))
     ), locked AS (
         INSERT INTO workqueue.partition AS p (subscription_id, partition_key)
         SELECT t.sid, p_partition_key FROM target t WHERE t.key_mode > 0
@@ -2325,7 +2516,7 @@ AS $$
     -- Each count reads the rows of its state through a partial index: Pending in three parts (by
     -- key mode, the indexes claims use), InFlight, DeadLettered. Completed and Discarded, the
     -- states history accumulates in, are the sums of settled_count.
-    SELECT s.name, s.topic, s.status, s.partition_mode,
+    SELECT s.name, s.topic, CASE WHEN s.status = 'Active' AND s.retired_at IS NOT NULL THEN 'Retired' ELSE s.status END, s.partition_mode,
            p.pending, coalesce(cl.claimable, 0), f.in_flight, dl.dead_lettered,
            coalesce(t.completed, 0)::bigint, coalesce(t.discarded, 0)::bigint, p.oldest_pending_at
     FROM workqueue.subscription s
@@ -2899,6 +3090,14 @@ BEGIN
         GRANT EXECUTE ON FUNCTION workqueue.api_key_create(uuid, text, text, text, text[], timestamptz, text[]),
                                   workqueue.api_key_list()
             TO workqueue_admin;
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN
+        GRANT EXECUTE ON FUNCTION workqueue.retire_subscription(text), workqueue.discard_pending(text, text, integer),
+                                  workqueue.set_topic_status(text, text)
+            TO workqueue_operator;
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_admin') THEN
+        GRANT EXECUTE ON FUNCTION workqueue.delete_subscription(text), workqueue.delete_topic(text) TO workqueue_admin;
     END IF;
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN
         GRANT EXECUTE ON FUNCTION workqueue.discard_dead_letters(text, timestamptz, integer),

@@ -6,7 +6,7 @@
 -- BEGIN IMMEDIATE transaction. Parameters are named (:name); times are epoch seconds.
 
 -- name: topic_get
-SELECT name, max_payload_bytes, status FROM topic WHERE name = :name;
+SELECT name, max_payload_bytes, status, retired_at FROM topic WHERE name = :name;
 
 -- name: topic_insert
 INSERT INTO topic (name, transport, max_payload_bytes, is_fifo, created_at, updated_at)
@@ -18,7 +18,9 @@ WHERE (topic.max_payload_bytes IS NOT excluded.max_payload_bytes OR topic.is_fif
        OR topic.transport IS NOT excluded.transport);
 
 -- name: topic_list
-SELECT name, transport, max_payload_bytes, is_fifo, status FROM topic ORDER BY name;
+SELECT t.name, t.transport, t.max_payload_bytes, t.is_fifo,
+       CASE WHEN t.status = 'Active' AND t.retired_at IS NOT NULL THEN 'Retired' ELSE t.status END AS status
+FROM topic t ORDER BY t.name;
 
 -- name: subscription_get
 SELECT * FROM subscription WHERE name = :name;
@@ -45,19 +47,67 @@ SELECT count(*) AS n FROM delivery
 WHERE subscription_id = :id AND status IN ('Pending', 'InFlight', 'DeadLettered');
 
 -- name: subscription_set_status
-UPDATE subscription SET status = :status, updated_at = :now WHERE name = :name AND status <> :status;
+-- Resume (Active) takes back a retired subscription too.
+UPDATE subscription
+SET status = :status, retired_at = CASE WHEN :status = 'Active' THEN NULL ELSE retired_at END, updated_at = :now
+WHERE name = :name AND (status <> :status OR (:status = 'Active' AND retired_at IS NOT NULL));
+
+-- name: subscription_retire
+UPDATE subscription SET retired_at = :now, updated_at = :now WHERE name = :name AND retired_at IS NULL;
+
+-- name: subscription_delete
+DELETE FROM subscription WHERE id = :id;
+
+-- name: subscription_deliveries_delete
+DELETE FROM delivery WHERE subscription_id = :id;
+
+-- name: subscription_keys_delete
+DELETE FROM partition WHERE subscription_id = :id;
+
+-- name: subscription_counts_delete
+DELETE FROM settled_count WHERE subscription_id = :id;
+
+-- name: subscription_history_delete
+DELETE FROM stats_history WHERE subscription_id = :id;
+
+-- name: pending_discard
+-- Up to :limit Pending deliveries of a subscription, oldest id first (discard_pending).
+UPDATE delivery SET status = 'Discarded', reason = :reason, settled_at = :now, lease_token = NULL,
+                    lease_expires_at = NULL
+WHERE id IN (
+    SELECT id FROM delivery WHERE subscription_id = :subscription_id AND status = 'Pending'
+    ORDER BY id LIMIT :limit)
+RETURNING id, key_mode, partition_key;
+
+-- name: topic_set_status
+UPDATE topic
+SET status = CASE WHEN :status = 'Retired' THEN status ELSE :status END,
+    retired_at = CASE WHEN :status = 'Retired' THEN coalesce(retired_at, :now)
+                      WHEN :status = 'Active' THEN NULL ELSE retired_at END,
+    updated_at = :now
+WHERE name = :name;
+
+-- name: topic_subscription_count
+SELECT count(*) AS n FROM subscription WHERE topic = :name;
+
+-- name: topic_delete
+DELETE FROM topic WHERE name = :name;
+
+-- name: topic_deduplication_delete
+DELETE FROM deduplication WHERE topic = :name;
 
 -- name: subscription_list
 SELECT s.id, s.name, s.topic, s.handler_key, s.partition_mode, s.lease_seconds, s.max_attempts,
        s.backoff_base_seconds, s.backoff_max_seconds, s.max_processing_seconds, s.heartbeat_mode, s.filter,
-       s.status, s.host_type, s.retention_seconds, t.status AS topic_status, t.transport, t.is_fifo,
+       CASE WHEN s.status = 'Active' AND s.retired_at IS NOT NULL THEN 'Retired' ELSE s.status END AS status, s.host_type, s.retention_seconds,
+       CASE WHEN t.status = 'Active' AND t.retired_at IS NOT NULL THEN 'Retired' ELSE t.status END AS topic_status, t.transport, t.is_fifo,
        t.max_payload_bytes
 FROM subscription s JOIN topic t ON t.name = s.topic
 ORDER BY s.name;
 
 -- name: subscriptions_of_topic
 SELECT id, partition_mode, filter, max_attempts, backoff_base_seconds, backoff_max_seconds
-FROM subscription WHERE topic = :topic ORDER BY id;
+FROM subscription WHERE topic = :topic AND retired_at IS NULL ORDER BY id;
 
 -- name: subscriptions_named
 -- The subscriptions of a JSON array of names (claim_many), active when they and their topics are.
@@ -292,7 +342,8 @@ WHERE id = :id AND status IN ('Pending', 'DeadLettered');
 -- name: stats
 -- Each state through a partial index (Pending in three parts, by key mode; each index's own WHERE
 -- is repeated so SQLite can use it); Completed and Discarded from settled_count, not the history.
-SELECT s.name AS subscription, s.topic, s.status AS subscription_status, s.partition_mode,
+SELECT s.name AS subscription, s.topic, CASE WHEN s.status = 'Active' AND s.retired_at IS NOT NULL THEN 'Retired' ELSE s.status END AS subscription_status,
+       s.partition_mode,
        (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending' AND d.key_mode = 0)
      + (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 1 AND d.status = 'Pending')
      + (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 2

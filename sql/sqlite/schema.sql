@@ -1,4 +1,4 @@
--- fastapi-workqueue: the SQLite schema, as a fresh file ends with it (migrations 0001-0010).
+-- fastapi-workqueue: the SQLite schema, as a fresh file ends with it (migrations 0001-0013).
 --
 -- This file is for reading: `workqueue migrate` (and the queue at start-up) applies the versioned
 -- migrations (NNNN_*.sql), whose headers say why each change was made, and
@@ -20,7 +20,8 @@ CREATE TABLE topic (
     status             TEXT NOT NULL DEFAULT 'Active' CHECK (status IN ('Active', 'Paused')),
     binding_config     TEXT,
     created_at         REAL NOT NULL,
-    updated_at         REAL NOT NULL
+    updated_at         REAL NOT NULL,
+    retired_at         REAL
 );
 
 CREATE TABLE subscription (
@@ -41,7 +42,8 @@ CREATE TABLE subscription (
     retention_seconds       REAL NOT NULL DEFAULT 604800 CHECK (retention_seconds >= 0),
     binding_config          TEXT,
     created_at              REAL NOT NULL,
-    updated_at              REAL NOT NULL
+    updated_at              REAL NOT NULL,
+    retired_at              REAL   -- retired: no new deliveries, what it holds drains
 );
 CREATE INDEX subscription_topic ON subscription (topic);
 

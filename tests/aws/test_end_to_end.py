@@ -55,7 +55,7 @@ async def test_the_same_handler_runs_on_either_transport(transport: str, tmp_pat
             manifest = build_manifest(list(queue.topics.values()), list(queue.subscriptions.values()), queue.settings)
             await store_bindings(queue, Bindings.parse(provision(manifest, moto_url)))
             await aws_of(queue).reload_bindings()
-        await queue.start_host()
+        await queue._start_host()
         with pytest.raises(RuntimeError):
             async with queue.sessionmaker() as session, session.begin():
                 await queue.publish(name, [PublishRequest(payload={"number": 0}, partition_key="c1")], session=session)

@@ -37,6 +37,8 @@ GO
 GRANT EXECUTE ON OBJECT::workqueue.api_key_create TO workqueue_admin;
 GRANT EXECUTE ON OBJECT::workqueue.api_key_list TO workqueue_admin;
 GRANT EXECUTE ON OBJECT::workqueue.api_key_revoke TO workqueue_admin;
+GRANT EXECUTE ON OBJECT::workqueue.delete_subscription TO workqueue_admin;
+GRANT EXECUTE ON OBJECT::workqueue.delete_topic TO workqueue_admin;
 GO
 
 DENY SELECT, INSERT, UPDATE, DELETE ON SCHEMA::workqueue TO workqueue_admin;

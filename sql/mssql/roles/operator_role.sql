@@ -39,6 +39,9 @@ GO
 GRANT EXECUTE ON OBJECT::workqueue.replay TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.discard TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.set_subscription_status TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.retire_subscription TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.discard_pending TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.set_topic_status TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.prune TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.sweep TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.record_stats_history TO workqueue_operator;

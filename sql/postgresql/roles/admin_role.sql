@@ -1,7 +1,9 @@
 -- fastapi-workqueue: the PostgreSQL admin role.
 --
 -- workqueue_admin (NOLOGIN) manages the REST API's keys: api_key_create, api_key_list and
--- api_key_revoke (`workqueue api-keys create|list|revoke`). Nothing else: a key it creates may
+-- api_key_revoke (`workqueue api-keys create|list|revoke`), and deletes what operators retired:
+-- delete_subscription and delete_topic (`workqueue subscriptions delete`, `workqueue topics
+-- delete`). Nothing else: a key it creates may
 -- carry any scope, so keep it from the application's login, which checks keys
 -- (api_key_verify, api_key_touch) but cannot mint them, nor read their hashes. It holds no privilege on any table or
 -- sequence.
@@ -45,7 +47,7 @@ BEGIN
         SELECT p.oid::regprocedure FROM pg_catalog.pg_proc p
         WHERE p.pronamespace = 'workqueue'::regnamespace
           AND p.proname = ANY (ARRAY[
-              'api_key_create', 'api_key_list', 'api_key_revoke'])
+              'api_key_create', 'api_key_list', 'api_key_revoke', 'delete_subscription', 'delete_topic'])
         ORDER BY 1
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO workqueue_admin', v_function);

@@ -1,7 +1,8 @@
 -- fastapi-workqueue: the PostgreSQL operator role.
 --
 -- workqueue_operator (NOLOGIN) may act on the work: replay a dead letter, discard a delivery (or
--- cancel a running one), pause and resume a subscription (set_subscription_status), prune old
+-- cancel a running one), pause, resume and retire a subscription (set_subscription_status,
+-- retire_subscription, discard_pending) or a topic (set_topic_status), prune old
 -- deliveries, discard old dead letters (discard_dead_letters), rewrite a stored payload
 -- (rewrite_payload: re-encryption with a new key) and run a sweeper pass (sweep,
 -- record_stats_history), and read what it acts on (stats, backlog, list_deliveries, get_delivery,
@@ -56,7 +57,8 @@ BEGIN
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
               'list_subscriptions', 'list_topics', 'schema_versions', 'stats_history',
               'live_counts', 'blocked_keys',
-              'discard_dead_letters', 'rewrite_payload', 'message_deliveries', 'list_processes'])
+              'discard_dead_letters', 'rewrite_payload', 'message_deliveries', 'list_processes',
+              'retire_subscription', 'discard_pending', 'set_topic_status'])
         ORDER BY 1
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO workqueue_operator', v_function);

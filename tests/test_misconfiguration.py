@@ -1,0 +1,195 @@
+"""Mistakes are loud: an unknown setting raises with the name it resembles, an unknown
+``WORKQUEUE_*`` variable is a warning at start, and the database password stays out of reprs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from fastapi_workqueue import (
+    ConfigurationError,
+    Subscription,
+    Topic,
+    TransportUnavailable,
+    WorkMessage,
+    WorkQueue,
+    WorkQueueSettings,
+)
+from fastapi_workqueue.core.words import count
+from fastapi_workqueue.settings import unknown_variables
+
+
+def test_a_misspelt_setting_raises_with_the_name_it_resembles() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        WorkQueueSettings(databse_url="sqlite+aiosqlite:///x.db")  # type: ignore[call-arg]
+    assert str(raised.value) == "WorkQueueSettings has no setting 'databse_url'; did you mean 'database_url'?"
+    with pytest.raises(ConfigurationError, match=r"has no setting 'colour'; see docs/configuration\.md"):
+        WorkQueueSettings(colour="blue")  # type: ignore[call-arg]
+
+
+def test_the_database_password_is_masked_in_the_repr() -> None:
+    settings = WorkQueueSettings(database_url="postgresql+asyncpg://app:s3cret-pw@db.internal:5432/orders")
+    shown = repr(settings)
+    assert "s3cret-pw" not in shown and "s3cret-pw" not in str(settings)
+    assert "postgresql+asyncpg://app:***@db.internal:5432/orders" in shown
+    # The value itself is what the code connects with.
+    assert settings.database_url == "postgresql+asyncpg://app:s3cret-pw@db.internal:5432/orders"
+
+
+def test_unknown_variables_name_the_closest_setting() -> None:
+    environ = {
+        "WORKQUEUE_DATABSE_URL": "x", "WORKQUEUE_DATABASE_URL": "y", "WORKQUEUE_CONCURENCY": "2",
+        "WORKQUEUE_APP": "app:app", "WORKQUEUE_SUBSCRIPTION_POLICY": "{}", "WORKQUEUE_XYZZY": "1", "HOME": "/",
+    }
+    assert unknown_variables(environ) == [
+        "WORKQUEUE_CONCURENCY is not a setting of fastapi-workqueue and is ignored; "
+        "did you mean WORKQUEUE_JOB_CONCURRENCY?",
+        "WORKQUEUE_DATABSE_URL is not a setting of fastapi-workqueue and is ignored; "
+        "did you mean WORKQUEUE_DATABASE_URL?",
+        "WORKQUEUE_XYZZY is not a setting of fastapi-workqueue and is ignored; see docs/configuration.md for "
+        "the settings",
+    ]
+
+
+async def test_the_queue_warns_of_an_unknown_variable_when_it_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("WORKQUEUE_SWEEPER_INTERVALL_MS", "500")
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", enabled=False))
+    caplog.set_level(logging.WARNING, logger="fastapi_workqueue")
+    async with queue.lifespan(None):
+        pass
+    [warning] = [r for r in caplog.records if "WORKQUEUE_SWEEPER_INTERVALL_MS" in r.getMessage()]
+    assert warning.levelno == logging.WARNING
+    assert warning.getMessage().endswith("did you mean WORKQUEUE_SWEEPER_INTERVAL_MS?")
+
+
+async def test_a_handler_no_subscription_names_is_a_warning_with_the_closest_key(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue = WorkQueue(
+        WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", reconcile_interval_ms=0),
+        topics=[Topic(name="orders")],
+        subscriptions=[Subscription(name="orders.email", topic="orders", handler_key="orders.send-email")],
+    )
+
+    @queue.handler("orders.send-emial")
+    async def send(message: WorkMessage[dict[str, str]]) -> None: ...
+
+    caplog.set_level(logging.INFO, logger="fastapi_workqueue")
+    async with queue.lifespan(None):
+        health = queue.health()
+    assert [s.state for s in health.subscriptions] == ["HandlerNotRegistered"]
+    [warning] = [r for r in caplog.records if "is registered, but no subscription names it" in r.getMessage()]
+    assert warning.levelno == logging.WARNING
+    assert warning.getMessage() == (
+        "handler 'orders.send-emial' is registered, but no subscription names it; did you mean "
+        "'orders.send-email' (subscription 'orders.email')?")
+
+
+BLOCKED_EXTRAS = [
+    ("prometheus_client",
+     "from fastapi_workqueue import WorkQueue, WorkQueueSettings\n"
+     "WorkQueue(WorkQueueSettings(database_url='sqlite+aiosqlite:///x.db')).metrics_router",
+     "queue.metrics_router (/metrics) needs prometheus-client: install the prometheus extra, "
+     "pip install 'fastapi-workqueue[prometheus]'"),
+    ("opentelemetry",
+     "import fastapi_workqueue.observability.otel",
+     "tracing through OpenTelemetry needs opentelemetry-api: install the otel extra, "
+     "pip install 'fastapi-workqueue[otel]'"),
+    ("croniter",
+     "from fastapi_workqueue import WorkQueue, WorkQueueSettings\n"
+     "q = WorkQueue(WorkQueueSettings(database_url='sqlite+aiosqlite:///x.db'))\n"
+     "@q.job('tidy')\n"
+     "async def tidy(payload: dict) -> None: ...\n"
+     "q.schedule(tidy, payload={}, cron='*/5 * * * *')",
+     "schedule 'tidy' (a cron expression) needs croniter: install the jobs extra, "
+     "pip install 'fastapi-workqueue[jobs]'"),
+    ("jinja2",
+     "from fastapi_workqueue import WorkQueue, WorkQueueSettings\n"
+     "WorkQueue(WorkQueueSettings(database_url='sqlite+aiosqlite:///x.db')).dashboard()",
+     "the dashboard needs jinja2: install the dashboard extra, pip install 'fastapi-workqueue[dashboard]'"),
+]
+
+
+@pytest.mark.parametrize(("module", "code", "message"), BLOCKED_EXTRAS, ids=[m for m, _, _ in BLOCKED_EXTRAS])
+def test_a_missing_extra_is_named(tmp_path: Path, module: str, code: str, message: str) -> None:
+    """Without an optional dependency, the feature that needs it says which extra to install."""
+    script = f"import sys\nsys.modules[{module!r}] = None\n{code}\n"
+    ran = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert ran.returncode == 1
+    last = ran.stderr.strip().splitlines()[-1]
+    assert last == f"fastapi_workqueue.core.errors.ConfigurationError: {message}"
+
+
+async def test_a_host_name_that_does_not_resolve_says_to_check_the_url() -> None:
+    queue = WorkQueue(WorkQueueSettings(database_url="postgresql+asyncpg://postgres@no-such-host.invalid:5432/x"))
+    with pytest.raises(TransportUnavailable) as raised:
+        async with queue.lifespan(None):
+            pass
+    message = str(raised.value)
+    assert "the database host name does not resolve" in message
+    assert message.endswith("check the host in WORKQUEUE_DATABASE_URL") and "retry later" not in message
+
+
+async def test_health_names_the_switch_that_turned_the_host_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORKQUEUE_DISABLE_HOST", "1")
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"))
+    app = FastAPI(lifespan=queue.lifespan)
+    app.include_router(queue.health_router)
+    async with queue.lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                      base_url="http://test") as http:
+        answer = await http.get("/health/extensions")
+    assert answer.status_code == 200
+    [body] = answer.json()["Extensions"]
+    assert body["Status"] == "Disabled"
+    assert body["Reason"] == "the host is off in this process: WORKQUEUE_DISABLE_HOST is on (disable_host=True)"
+
+
+@pytest.mark.parametrize(("n", "text"), [(0, "0 deliveries"), (1, "1 delivery"), (2, "2 deliveries")])
+def test_counts_read_as_english(n: int, text: str) -> None:
+    assert count(n, "delivery") == text
+    assert count(n, "handler") == text.replace("deliveries", "handlers").replace("delivery", "handler")
+
+
+async def test_a_dispatch_delay_of_the_wrong_type_names_the_parameter_and_its_forms(tmp_path: Path) -> None:
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", enabled=False))
+
+    @queue.job("reports.mail")
+    async def mail(payload: dict[str, int]) -> None: ...
+
+    async with queue.lifespan(None):
+        for wrong in ("5m", True, [5]):
+            with pytest.raises(TypeError) as raised:
+                await queue.dispatch(mail, {"n": 1}, delay=wrong)
+            assert str(raised.value) == (
+                "delay must be a number of seconds (delay=300) or a timedelta (delay=timedelta(minutes=5)); "
+                f"got {wrong!r}")
+        assert await queue.size("default") == 0
+        await queue.dispatch(mail, {"n": 1}, delay=300)
+        assert await queue.size("default") == 1
+
+
+async def test_the_apps_host_refuses_a_job_whose_timeout_does_not_fit_the_lease(tmp_path: Path) -> None:
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}",
+                                        job_lease_seconds=30, shutdown_drain_ms=8000))
+
+    @queue.job("exports.build", timeout=25)
+    async def build(payload: dict[str, int]) -> None: ...
+
+    with pytest.raises(ConfigurationError) as raised:
+        async with queue.lifespan(None):
+            pass
+    assert str(raised.value) == (
+        "job(s) 'exports.build' (timeout 25 s): the timeout plus the stop timeout (8 s) does not fit in the job "
+        "lease (30 s); lower the timeout or WORKQUEUE_SHUTDOWN_DRAIN_MS, or raise WORKQUEUE_JOB_LEASE_SECONDS")
