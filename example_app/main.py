@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -360,7 +361,11 @@ def create_app(settings: WorkQueueSettings | None = None) -> FastAPI:
     app = FastAPI(title="Orders: a fastapi-workqueue example", lifespan=lifespan)
     app.state.queue = queue
     app.include_router(build_router(queue))
-    app.mount("/work-queue/ui", queue.dashboard())  # the operator dashboard: sign in with an API key
+    # The operator dashboard: sign in with an API key. It signs its sessions with a server secret
+    # (WORKQUEUE_DASHBOARD_SECRET, the same in every process); this example makes one for the process
+    # when none is set, so that a first run needs no set-up (a restart then signs everyone out).
+    ephemeral = None if settings.dashboard_secret or settings.app_key else secrets.token_urlsafe(32)
+    app.mount("/work-queue/ui", queue.dashboard(secret=ephemeral) if ephemeral else queue.dashboard())
     app.include_router(queue.router)  # REST publish and operator API under /work-queue (API keys)
     app.include_router(queue.health_router)  # GET /health/extensions
     app.include_router(queue.metrics_router)  # GET /metrics for Prometheus, with a workqueue:read key
