@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import logging
-
 from fastapi import APIRouter, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from ..core.errors import ConfigurationError, TransportError
 from ..core.keys import SCOPE_READ, check_key, prefix_of
-from ..core.redaction import redact
+from ..core.redaction import redact, redacting_logger
 from .access import key_store
 from .csrf import check_csrf
 from .forms import local_path, read_form
 from .render import Dashboard
 from .session import SESSION_COOKIE, base_path, cookie_options
 
-log = logging.getLogger("fastapi_workqueue.dashboard")
+log = redacting_logger("fastapi_workqueue.dashboard")
 STORE_AWAY = "The queue's store is unavailable, so the key cannot be checked now; try again in a moment."
 
 

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..core.redaction import redacting_logger
 from .context import JobContext, JobRelease
 
 if TYPE_CHECKING:
     from .definition import Job
 
-log = logging.getLogger("fastapi_workqueue.jobs")
+log = redacting_logger("fastapi_workqueue.jobs")
 
 CallNext = Callable[[], Awaitable[Any]]
 Middleware = Callable[["JobAttempt", CallNext], Awaitable[Any]]

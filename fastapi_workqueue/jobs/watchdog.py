@@ -11,14 +11,15 @@ ends the process with exit code 70 there; an app's own host logs a critical erro
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("fastapi_workqueue.jobs")
+from ..core.redaction import redacting_logger
+
+log = redacting_logger("fastapi_workqueue.jobs")
 
 THREAD_NAME = "workqueue-job-watchdog"
 
