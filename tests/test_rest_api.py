@@ -61,7 +61,9 @@ ROLES = {
     "ord": {"partition_mode": "Ordered", "max_attempts": 1},
     # The handler renews its own lease, so the cancel reaches it at once and a long lease cannot run out.
     "slow": {"lease_seconds": 60, "heartbeat_mode": "Manual"},
+    "gone": {},  # retired and deleted by the lifecycle routes
 }
+LIFECYCLE = ("retire", "delete-subscription", "retire-topic")
 
 
 @dataclass
@@ -170,8 +172,9 @@ class Endpoint:
 
     async def url(self, api: Api, *, fresh: bool = False) -> str:
         delivery = await api.dead_letter() if fresh and self.fresh_dead_letter else api.sample_id
-        role = "plain" if self.name in ("pause", "resume") else "dl"
-        path = self.route.format(topic=api.topics["plain"], subscription=api.subs[role], delivery_id=delivery)
+        role = "plain" if self.name in ("pause", "resume") else "gone" if self.name in LIFECYCLE else "dl"
+        topic = api.topics["gone" if self.name in LIFECYCLE else "plain"]
+        path = self.route.format(topic=topic, subscription=api.subs[role], delivery_id=delivery)
         return PREFIX + path + self.query
 
 
@@ -191,6 +194,9 @@ ENDPOINTS = [
              body={"Reason": "not needed"}, fresh_dead_letter=True),
     Endpoint("pause", "POST", "/subscriptions/{subscription}/pause", SCOPE_OPERATE),
     Endpoint("resume", "POST", "/subscriptions/{subscription}/resume", SCOPE_OPERATE),
+    Endpoint("retire", "POST", "/subscriptions/{subscription}/retire", SCOPE_OPERATE),
+    Endpoint("delete-subscription", "DELETE", "/subscriptions/{subscription}", SCOPE_ADMIN),
+    Endpoint("retire-topic", "POST", "/topics/{topic}/retire", SCOPE_OPERATE),
 ]
 
 
@@ -246,6 +252,9 @@ async def test_403_without_the_scope(api: Api, endpoint: Endpoint) -> None:
 @pytest.mark.parametrize("endpoint", ENDPOINTS, ids=[e.name for e in ENDPOINTS])
 async def test_2xx_with_the_scope(api: Api, endpoint: Endpoint) -> None:
     for headers in (api.bearer(endpoint.scope), {"X-API-Key": api.keys[endpoint.scope]}):
+        if endpoint.name == "delete-subscription":  # each delete needs a retired subscription to delete
+            await api.queue.transport.sync_topology([], [api.queue.subscriptions[api.subs["gone"]]])
+            await api.queue.retire(api.subs["gone"])
         response = await call(api, endpoint, headers, fresh=True)
         assert response.status_code == 200, response.text
         if endpoint.name == "pause":
@@ -488,7 +497,7 @@ async def test_stats_backlog_and_validate_bindings(api: Api) -> None:
     [stats] = (await api.http.get(f"{PREFIX}/stats", params={"subscription": sub}, headers=headers)).json()
     assert (stats["Pending"], stats["Claimable"], stats["InFlight"], stats["PartitionMode"]) == (3, 2, 1, "Exclusive")
     everything = (await api.http.get(f"{PREFIX}/stats", headers=headers)).json()
-    assert {api.subs[r] for r in ROLES} <= {s["Subscription"] for s in everything}
+    assert {api.subs[r] for r in ROLES if r != "gone"} <= {s["Subscription"] for s in everything}
 
     assert await api.settle(running, "Complete") == "Completed"
     backlog = (await api.http.get(f"{PREFIX}/subscriptions/{sub}/backlog", headers=headers)).json()
