@@ -613,3 +613,31 @@ async def test_pause_lets_running_handlers_finish_and_settle(pg_url: str) -> Non
         assert (stats.pending, stats.in_flight) == (1, 0)
         await queue.resume(sub)
         await wait_for(lambda: handled == ["slow", "while paused"])
+
+
+@pytest.mark.parametrize("store", ["pg", "sqlite"])
+async def test_the_sweeper_logs_each_lease_it_takes_back_with_its_holder(
+    store: str, pg_url: str, sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from sqlalchemy import text
+
+    from fastapi_workqueue.core.processes import current_process
+
+    queue, topic, subs = make_queue(pg_url if store == "pg" else sqlite_url, [{"role": "slow", "lease_seconds": 30}],
+                                    sweeper_enabled=False)
+    caplog.set_level(logging.INFO, logger="fastapi_workqueue.host")
+    async with queue.lifespan(None):  # no handler is registered: only the test claims
+        await queue.publish(topic, [PublishRequest(payload="x")])
+        [claimed] = await queue.transport.claim(subs["slow"], 1)
+        past = ("UPDATE workqueue.delivery SET lease_expires_at = now() - interval '1 second' WHERE id = :id"
+                if store == "pg" else "UPDATE delivery SET lease_expires_at = lease_expires_at - 3600 WHERE id = :id")
+        async with queue.engine.begin() as conn:
+            await conn.execute(text(past), {"id": int(claimed.delivery_id)})
+        host = queue._host
+        assert host is not None
+        assert await host.sweep_once() >= 1
+    me = current_process()
+    [line] = [r.getMessage() for r in caplog.records
+              if r.name == "fastapi_workqueue.host" and f"delivery {claimed.delivery_id} " in r.getMessage()]
+    assert line == (f"sweeper: took back delivery {claimed.delivery_id} of {subs['slow']} on attempt 1 from "
+                    f"{me.hostname} pid {me.pid}, whose lease ran out; it will be retried")

@@ -116,6 +116,13 @@ def unsupported_reason(transport: Transport, sub: SubscriptionState) -> str | No
     return None
 
 
+_TAKEN_BACK = {
+    "Pending": "it will be retried",
+    "DeadLettered": "dead-lettered: that was its final attempt",
+    "Discarded": "discarded: its cancel was requested",
+}
+
+
 class Host:
     """Runs the planned subscriptions of one process, with the sweeper and the reconcile loop."""
 
@@ -489,6 +496,13 @@ class Host:
             report = await self.transport.sweep(self.options.sweep_batch)
             if not report.ran:
                 break
+            for lease in report.taken_back:
+                log.info("sweeper: took back delivery %s of %s on attempt %d from %s, whose lease ran out; %s",
+                         lease.delivery_id, lease.subscription, lease.attempt,
+                         lease.holder.label() if lease.holder is not None else "a process the store does not name",
+                         _TAKEN_BACK[lease.result],
+                         extra={"subscription": lease.subscription, "delivery_id": lease.delivery_id,
+                                "attempt": lease.attempt})
             expired += report.expired
             if report.expired:
                 for consumer in self._all_consumers():

@@ -100,6 +100,16 @@ class ActionResult(WireModel):
         return self.result in ("Replayed", "Discarded", "CancelRequested")
 
 
+class TakenBack(WireModel):
+    """A lease a sweeper pass took back: the delivery, what became of it, and who held it."""
+
+    delivery_id: str
+    subscription: str
+    result: Literal["Pending", "DeadLettered", "Discarded"]
+    attempt: int
+    holder: Holder | None = None
+
+
 class SweepReport(WireModel):
     """What one sweeper pass did; ``ran`` is False when another process held the sweep lock."""
 
@@ -110,6 +120,9 @@ class SweepReport(WireModel):
     purged_deliveries: int = 0
     purged_messages: int = 0
     purged_deduplication: int = 0
+    taken_back: list[TakenBack] = Field(default_factory=list)
+    """Each lease taken back in this pass (Pending: retried; DeadLettered: its final attempt;
+    Discarded: its cancel was requested), with the process that held it."""
 
     @property
     def expired(self) -> int:

@@ -257,7 +257,7 @@ class RoutingTransport:
         reports = [await t.sweep(limit) for t in self._all() if t.capabilities.sweeps]
         fields = ("retried", "dead_lettered", "discarded", "purged_deliveries", "purged_messages",
                   "purged_deduplication")
-        return SweepReport(ran=any(r.ran for r in reports),
+        return SweepReport(ran=any(r.ran for r in reports), taken_back=[t for r in reports for t in r.taken_back],
                            **{f: sum(getattr(r, f) for r in reports) for f in fields})
 
     # -- operate ---------------------------------------------------------------------------------

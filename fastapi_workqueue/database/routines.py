@@ -46,6 +46,7 @@ from ..core.reports import (
     PartitionInfo,
     SubscriptionStats,
     SweepReport,
+    TakenBack,
 )
 from ..core.retirement import DeleteResult, RetireResult, TopicStatus, TopicStatusChange
 from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic, TopicState
@@ -386,7 +387,9 @@ class RoutineTransport:
     async def sweep(self, limit: int = 1000) -> SweepReport:
         """One sweeper pass; a pass that ran also records the minute's stats history."""
         rows = await self.call("sweep", p_limit=limit)
-        report = SweepReport.model_validate(as_dict(rows[0]))
+        values = as_dict(rows[0])
+        values["taken_back"] = [taken_back(item) for item in json_value(values.get("taken_back")) or ()]
+        report = SweepReport.model_validate(values)
         if report.ran:
             await self._record_history_after_sweep()
         return report
@@ -879,6 +882,12 @@ def delivery_info(row: Row, subscription: str | None, include_payload: bool) -> 
         payload=json_value(row["payload"]) if include_payload else None,
         holder=holder(row),
     )
+
+
+def taken_back(item: Mapping[str, Any]) -> TakenBack:
+    """One lease a sweeper pass took back, from the pass's JSON."""
+    return TakenBack(delivery_id=str(item["delivery_id"]), subscription=item["subscription"], result=item["result"],
+                     attempt=item["attempt"], holder=holder(item))
 
 
 def holder(row: Row) -> Holder | None:

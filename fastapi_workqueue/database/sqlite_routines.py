@@ -616,8 +616,13 @@ async def r_sweep(c: Call, p_limit: int = 1000) -> list[Row]:
     owner = await c.ex.fetch("lock_holder", name=SWEEP_LOCK)
     if not owner or owner[0]["holder"] != holder:
         return [{"ran": False, "retried": 0, "dead_lettered": 0, "discarded": 0, "purged_deliveries": 0,
-                 "purged_messages": 0, "purged_deduplication": 0}]
+                 "purged_messages": 0, "purged_deduplication": 0, "taken_back": "[]"}]
     expired = await r_expire_leases(c, p_limit)
+    results = {e["delivery_id"]: e["result"] for e in expired}
+    taken_back = []
+    if results:
+        taken_back = [{**row, "result": results[row["delivery_id"]]}
+                      for row in await c.ex.fetch("deliveries_taken_back", ids=json.dumps(list(results)))]
     [purged] = await r_purge(c, p_limit)
     await c.ex.execute("purge_once_markers", now=c.now, limit=p_limit)
     await c.ex.execute("lock_release", name=SWEEP_LOCK, holder=holder)
@@ -627,6 +632,7 @@ async def r_sweep(c: Call, p_limit: int = 1000) -> list[Row]:
         "dead_lettered": sum(1 for e in expired if e["result"] == "DeadLettered"),
         "discarded": sum(1 for e in expired if e["result"] == "Discarded"),
         **purged,
+        "taken_back": json.dumps(taken_back),
     }]
 
 

@@ -1,4 +1,4 @@
--- fastapi-workqueue: the SQL Server schema, as a fresh install ends with it (migrations 0001-0027).
+-- fastapi-workqueue: the SQL Server schema, as a fresh install ends with it (migrations 0001-0028).
 --
 -- This file is for reading: the tables and their indexes first, then every procedure and function
 -- grouped by concern, each with what it does. `workqueue migrate` applies the versioned
@@ -2595,7 +2595,7 @@ GO
 -- purge run as the procedures above (their one result set each is read with INSERT ... EXEC),
 -- then the keys left stale are re-derived (PostgreSQL 0019), settled_count is folded (0022) and
 -- expired once markers are dropped (not counted).
--- returns: ran, retried, dead_lettered, discarded, purged_deliveries, purged_messages, purged_deduplication
+-- returns: ran, retried, dead_lettered, discarded, purged_deliveries, purged_messages, purged_deduplication, taken_back
 CREATE OR ALTER PROCEDURE workqueue.sweep
     @p_limit int = 1000
 AS
@@ -2612,6 +2612,7 @@ BEGIN
     DECLARE @v_purged_deliveries int = 0;
     DECLARE @v_purged_messages int = 0;
     DECLARE @v_purged_deduplication int = 0;
+    DECLARE @v_taken_back nvarchar(max) = N'[]';
     DECLARE @v_expired TABLE (
         delivery_id bigint NOT NULL,
         result nvarchar(20) COLLATE Latin1_General_100_BIN2 NOT NULL
@@ -2641,6 +2642,16 @@ BEGIN
                    @v_dead = COALESCE(SUM(CASE WHEN e.result = N'DeadLettered' THEN 1 ELSE 0 END), 0),
                    @v_discarded = COALESCE(SUM(CASE WHEN e.result = N'Discarded' THEN 1 ELSE 0 END), 0)
             FROM @v_expired AS e;
+            -- Each lease taken back, with its subscription and the process that held it (for the log).
+            SET @v_taken_back = COALESCE((
+                SELECT e.delivery_id, s.name AS subscription, e.result, d.attempt, d.held_by AS holder_id,
+                       p.hostname AS holder_host, p.pid AS holder_pid
+                FROM @v_expired AS e
+                INNER JOIN workqueue.delivery AS d ON d.id = e.delivery_id
+                INNER JOIN workqueue.subscription AS s ON s.id = d.subscription_id
+                LEFT JOIN workqueue.process AS p ON p.id = d.held_by
+                ORDER BY e.delivery_id
+                FOR JSON PATH, INCLUDE_NULL_VALUES), N'[]');
 
             -- Keys left stale by settles and by the expiry above, where nobody holds them now.
             EXEC workqueue.rederive_stale @p_subscription_ids = NULL, @p_limit = @p_limit;
@@ -2673,7 +2684,7 @@ BEGIN
     END CATCH;
     SELECT @v_ran AS ran, @v_retried AS retried, @v_dead AS dead_lettered, @v_discarded AS discarded,
            @v_purged_deliveries AS purged_deliveries, @v_purged_messages AS purged_messages,
-           @v_purged_deduplication AS purged_deduplication;
+           @v_purged_deduplication AS purged_deduplication, @v_taken_back AS taken_back;
 END;
 GO
 

@@ -1,4 +1,4 @@
--- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0036).
+-- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0037).
 --
 -- This file is for reading: the tables and their indexes first, then every function grouped by
 -- concern, each with what it does. `workqueue migrate` applies the versioned migrations
@@ -2124,7 +2124,7 @@ $$;
 CREATE OR REPLACE FUNCTION workqueue.sweep(p_limit integer DEFAULT 1000)
 RETURNS TABLE (
     ran boolean, retried integer, dead_lettered integer, discarded integer,
-    purged_deliveries integer, purged_messages integer, purged_deduplication integer
+    purged_deliveries integer, purged_messages integer, purged_deduplication integer, taken_back jsonb
 )
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -2135,16 +2135,26 @@ DECLARE
     v_dead integer;
     v_discarded integer;
     v_purge record;
+    v_taken_back jsonb;
 BEGIN
     IF NOT pg_try_advisory_xact_lock(hashtext('workqueue.sweep')::bigint) THEN
-        RETURN QUERY SELECT false, 0, 0, 0, 0, 0, 0;
+        RETURN QUERY SELECT false, 0, 0, 0, 0, 0, 0, '[]'::jsonb;
         RETURN;
     END IF;
+    -- Each lease taken back, with its subscription and the process that held it (for the log).
+    WITH e AS (SELECT * FROM workqueue.expire_leases(p_limit))
     SELECT count(*) FILTER (WHERE e.result = 'Pending'),
            count(*) FILTER (WHERE e.result = 'DeadLettered'),
-           count(*) FILTER (WHERE e.result = 'Discarded')
-    INTO v_retried, v_dead, v_discarded
-    FROM workqueue.expire_leases(p_limit) e;
+           count(*) FILTER (WHERE e.result = 'Discarded'),
+           coalesce(jsonb_agg(jsonb_build_object(
+               'delivery_id', e.delivery_id, 'subscription', s.name, 'result', e.result, 'attempt', d.attempt,
+               'holder_id', d.held_by, 'holder_host', p.hostname, 'holder_pid', p.pid) ORDER BY e.delivery_id),
+               '[]'::jsonb)
+    INTO v_retried, v_dead, v_discarded, v_taken_back
+    FROM e
+    JOIN workqueue.delivery d ON d.id = e.delivery_id
+    JOIN workqueue.subscription s ON s.id = d.subscription_id
+    LEFT JOIN workqueue.process p ON p.id = d.held_by;
     PERFORM pg_notify('workqueue', r.sid::text)
     FROM (SELECT DISTINCT r.subscription_id AS sid FROM workqueue.rederive_stale(NULL, p_limit) r) r;
     SELECT * INTO v_purge FROM workqueue.purge(p_limit);
@@ -2153,7 +2163,7 @@ BEGIN
     WHERE o.key IN (SELECT x.key FROM workqueue.once_marker x WHERE x.expires_at <= now()
                     ORDER BY x.expires_at LIMIT p_limit FOR UPDATE SKIP LOCKED);
     RETURN QUERY SELECT true, v_retried, v_dead, v_discarded, v_purge.purged_deliveries,
-                        v_purge.purged_messages, v_purge.purged_deduplication;
+                        v_purge.purged_messages, v_purge.purged_deduplication, v_taken_back;
 END
 $$;
 
@@ -3083,7 +3093,8 @@ BEGIN
                                   workqueue.process_stop(uuid), workqueue.list_processes(),
                                   workqueue.once_renew(text, uuid, double precision),
                                   workqueue.api_key_verify(text, text), workqueue.api_key_session(text),
-                                  workqueue.api_key_end_sessions(uuid, integer)
+                                  workqueue.api_key_end_sessions(uuid, integer),
+                                  workqueue.sweep(integer)
             TO workqueue_runtime;
     END IF;
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_admin') THEN
@@ -3108,7 +3119,7 @@ BEGIN
                                   workqueue.stats_history(timestamptz, text),
                                   workqueue.live_counts(text, integer),
                                   workqueue.blocked_keys(text, integer, integer),
-                                  workqueue.list_processes()
+                                  workqueue.list_processes(), workqueue.sweep(integer)
             TO workqueue_operator;
     END IF;
 END

@@ -615,3 +615,13 @@ SELECT p.id AS process_id, p.hostname, p.pid, p.started_at, p.version, p.subscri
        (SELECT count(*) FROM delivery d WHERE d.status = 'InFlight' AND d.held_by = p.id) AS in_flight
 FROM process p
 ORDER BY p.stopped_at IS NOT NULL, p.last_seen_at DESC, p.id;
+
+-- name: deliveries_taken_back
+-- The leases a sweeper pass took back, with their subscription and the process that held them.
+SELECT d.id AS delivery_id, s.name AS subscription, d.attempt, d.held_by AS holder_id, p.hostname AS holder_host,
+       p.pid AS holder_pid
+FROM delivery d
+JOIN subscription s ON s.id = d.subscription_id
+LEFT JOIN process p ON p.id = d.held_by
+WHERE d.id IN (SELECT value FROM json_each(:ids))
+ORDER BY d.id;

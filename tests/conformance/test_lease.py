@@ -154,6 +154,11 @@ async def test_c12_expired_lease_makes_delivery_claimable_with_attempt_counted(h
     await harness.advance(first.delivery_id, 6)
     report = await harness.transport.sweep()
     assert (report.ran and report.retried >= 1) or not sweeps
+    if sweeps:
+        # The pass names what it took back, and from whom (the sweeper logs it).
+        [lease] = [t for t in report.taken_back if t.delivery_id == first.delivery_id]
+        assert (lease.subscription, lease.result, lease.attempt) == (world["a"], "Pending", 1)
+        assert lease.holder is not None and lease.holder.process_id == current_process().id
     info = await harness.transport.get_delivery(first.delivery_id)
     assert info is not None and info.status == "Pending" and info.attempt == 1
     assert info.reason == "lease expired"
@@ -198,7 +203,10 @@ async def test_c13_lease_expiring_on_final_attempt_dead_letters(harness: Harness
         delivery = await world.claim_one("a")
         assert delivery.attempt == attempt
         await harness.expire_lease(delivery.delivery_id)
-        await harness.transport.sweep()
+        report = await harness.transport.sweep()
+        if harness.transport.capabilities.sweeps:
+            assert [t.result for t in report.taken_back if t.delivery_id == delivery.delivery_id] == [
+                "Pending" if attempt == 1 else "DeadLettered"]
     info = await harness.transport.get_delivery(delivery.delivery_id)
     assert info is not None and info.status == "DeadLettered"
     assert "final attempt" in (info.reason or "")
