@@ -40,27 +40,6 @@ class SessionExecutor:
         return list(result.mappings().all())
 
 
-async def fetch_asyncpg(session: Any, sql: str, args: Sequence[Any]) -> Sequence[Any]:
-    """:meth:`SessionExecutor.fetch` for a session on SQLAlchemy's asyncpg dialect, straight on its
-    driver connection once the session's transaction has begun: the same statement in the same
-    transaction, without SQLAlchemy's execution layer (about 100 µs of CPU a call). Before the
-    transaction has begun, or on a driver adapter whose shape is not the one known here, it runs
-    through SQLAlchemy, which begins the transaction first. Rows are asyncpg records."""
-    executor = SessionExecutor(session)
-    conn = await executor.connection()
-    raw = await conn.get_raw_connection()
-    adapted = raw.dbapi_connection
-    driver = getattr(adapted, "_connection", None)
-    mutex = getattr(adapted, "_execute_mutex", None)
-    begun = getattr(adapted, "_transaction", None) is not None and getattr(adapted, "_started", True)
-    if driver is None or mutex is None or not begun or not hasattr(driver, "fetch"):
-        return await executor.fetch(sql, args)
-    async with mutex:
-        rows: Sequence[Any] = await driver.fetch(sql, *args)
-    return rows
-
-
-
 _AFTER_COMMIT = "fastapi_workqueue.after_commit"
 """The key in ``Session.info`` of the callbacks waiting for that session's commit."""
 
