@@ -9,11 +9,14 @@ from typing import Any
 import pytest
 
 from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkMessage
+from fastapi_workqueue.aws.bindings import Bindings, store_bindings
+from fastapi_workqueue.aws.manifest import build_manifest
 from fastapi_workqueue.core.envelope import PublishStatus
 from fastapi_workqueue.core.transport import Settlement
 
 from ..conftest import unique
-from .world import aws_queue
+from .provision import provision
+from .world import aws_of, aws_queue
 
 
 def sqlite_url(tmp_path: Path) -> str:
@@ -151,8 +154,13 @@ async def test_ordered_on_an_aws_topic_is_unsupported_in_health(tmp_path: Path, 
     name = unique("t")
     subs = [Subscription(name=f"{name}.o", topic=name, handler_key="h", partition_mode="Ordered"),
             Subscription(name=f"{name}.x", topic=name, handler_key="h", partition_mode="Exclusive")]
-    async with aws_queue(sqlite_url(tmp_path), moto_url, [Topic(name=name, transport="aws", is_fifo=True)], subs,
-                         bind=False) as queue:
+    topic = Topic(name=name, transport="aws", is_fifo=True)
+    async with aws_queue(sqlite_url(tmp_path), moto_url, [topic], subs, bind=False) as queue:
+        # The Exclusive one is bound (its consumer runs: an unbound one would be in Error); the
+        # Ordered one cannot be exported, and is never consumed.
+        manifest = build_manifest([topic], subs[1:], queue.settings)
+        await store_bindings(queue, Bindings.parse(provision(manifest, moto_url)))
+        await aws_of(queue).reload_bindings()
         queue.handler("h")(_noop)
         host = queue.build_host()
         await host.start()
