@@ -31,6 +31,7 @@ from .reports import (
 )
 from .topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
 from .transport import (
+    INTERRUPT_CLAIMS,
     Capabilities,
     ClaimedDelivery,
     HeartbeatRequest,
@@ -211,6 +212,20 @@ class RoutingTransport:
 
     async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
         return await self.transport_for_delivery(settlement.delivery_id).settle_with_follow_ups(settlement)
+
+    def interrupt_claims(self, subscriptions: Sequence[str]) -> None:
+        """Passes the interrupt on to the transports of these subscriptions whose claims wait."""
+        by_transport: dict[int, tuple[Transport, list[str]]] = {}
+        for name in subscriptions:
+            try:
+                transport = self.transport_for_subscription(name)
+            except ConfigurationError:
+                continue
+            by_transport.setdefault(id(transport), (transport, []))[1].append(name)
+        for transport, names in by_transport.values():
+            interrupt = getattr(transport, INTERRUPT_CLAIMS, None)
+            if interrupt is not None:
+                interrupt(names)
 
     async def add_wakeup_listener(self, listener: WakeupListener) -> None:
         for transport in self._all():
