@@ -331,6 +331,9 @@ class Receiving:
             return item.attempt, last_receive
         return max(1, received - self._released.get(delivery_id, 0)), last_receive
 
+    def _max_attempts(self, sub: Subscription, env: dict[str, Any]) -> int:
+        return int(env.get("max_attempts") or sub.max_attempts)
+
     def _claimed(self, sub: Subscription, item: Held, offset: float) -> ClaimedDelivery:
         message = item.message
         sqs_id = message["MessageId"]
@@ -339,7 +342,10 @@ class Receiving:
         origin = bodies.origin_of(env, sqs_id)
         delivery_id = f"{NAME}:{sub.name}:{origin}"
         attempt, last_receive = self._attempt(sub, delivery_id, item)
-        max_attempts = int(env.get("max_attempts") or sub.max_attempts)
+        max_attempts = self._max_attempts(sub, env)
+        # A receive count above max_attempts comes from give-backs this process cannot know of
+        # (another process's shutdown): the library dead-letters at max_attempts, so it is the last.
+        attempt = min(attempt, max_attempts)
         if last_receive and attempt < max_attempts:
             log.warning("%s: delivery %s is at the redrive's maxReceiveCount (%s receives) on attempt %d: it is "
                         "the last attempt, so a failure is the library's dead letter, not SQS's redrive",
