@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import time
@@ -221,7 +222,31 @@ class AwsTransport(Receiving, Settling, OperatorViews):
                 self._bindings_failed = True
         assert self.bindings is not None
         await self.refresh_statuses()
+        await self.read_redrive_counts()
         return self.bindings
+
+    async def read_redrive_counts(self) -> None:
+        """Reads each bound queue's redrive ``maxReceiveCount``: the receive that reaches it is the
+        delivery's last attempt (:mod:`.receiving`). A queue whose policy cannot be read keeps the
+        count last read."""
+        assert self.bindings is not None
+        for name in list(self._subscriptions):
+            bound = self.bindings.subscriptions.get(name)
+            if bound is None:
+                self._redrive_counts.pop(name, None)
+                continue
+            try:
+                answer = await self.sqs.get_queue_attributes(QueueUrl=bound.queue_url,
+                                                             AttributeNames=["RedrivePolicy"])
+                policy = answer.get("Attributes", {}).get("RedrivePolicy")
+                count = int(json.loads(policy)["maxReceiveCount"]) if policy else None
+            except Exception as exc:
+                log.warning("aws: the redrive policy of %s could not be read (%s)", name, exc)
+                continue
+            if count is None:
+                self._redrive_counts.pop(name, None)
+            else:
+                self._redrive_counts[name] = count
 
     async def close(self) -> None:
         """Stops the long polls in flight and gives back what is held here (visibility 0, or what
