@@ -188,3 +188,19 @@ def test_import_refuses_a_file_that_is_not_bindings(tmp_path: Path, endpoint: st
     run = workqueue("import-bindings", str(bad), "--app", APP, env=app_env(tmp_path, endpoint), cwd=ROOT)
     assert run.returncode == 1
     assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith("Error: ")
+
+
+@pytest.mark.parametrize("command", ["import-bindings", "validate-bindings"])
+def test_an_unmigrated_database_says_to_run_migrate(
+    fresh_url: str, tmp_path: Path, endpoint: str, command: str,
+) -> None:
+    env = app_env(tmp_path, endpoint, database_url=fresh_url)
+    bindings = tmp_path / "b.json"
+    bindings.write_text(json.dumps({"version": 1, "region": REGION, "topics": {}, "subscriptions": {}}),
+                        encoding="utf-8")
+    args = [command, str(bindings)] if command == "import-bindings" else [command, "--transport", "aws"]
+    run = workqueue(*args, "--app", APP, env=env, cwd=ROOT)
+    assert run.returncode == 1, run.stdout
+    assert "Traceback" not in run.stderr
+    [line] = run.stderr.strip().splitlines()
+    assert line.startswith("Error: ") and "run `workqueue migrate`" in line
