@@ -204,3 +204,34 @@ def test_an_unmigrated_database_says_to_run_migrate(
     assert "Traceback" not in run.stderr
     [line] = run.stderr.strip().splitlines()
     assert line.startswith("Error: ") and "run `workqueue migrate`" in line
+
+
+def column(stdout: str, header: str) -> list[str]:
+    """The text of one table column, a wrapped cell joined back into one line per row."""
+    lines = stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if header in line and line.lstrip().startswith("Severity"))
+    start = lines[head].index(header)
+    rows: list[str] = []
+    for line in lines[head + 1:]:
+        if line[:start].strip():
+            rows.append(line[start:].strip())
+        elif rows:
+            rows[-1] += " " + line[start:].strip()
+    return rows
+
+
+def test_validate_bindings_prints_each_message_whole(
+    files: tuple[Path, Path, dict[str, Any]], endpoint: str
+) -> None:
+    manifest_file, bindings_file, bindings = files
+    [(_, sub)] = bindings["subscriptions"].items()
+    clients(endpoint)[1].set_queue_attributes(QueueUrl=sub["queue_url"], Attributes={"VisibilityTimeout": "5"})
+    args = ["validate-bindings", "--transport", "aws", "--manifest", str(manifest_file), "--bindings",
+            str(bindings_file)]
+    [issue] = json.loads(workqueue("--json", *args, endpoint=endpoint).stdout)["Issues"]
+    assert len(issue["Message"]) > 200
+    run = workqueue(*args, endpoint=endpoint)
+    assert run.returncode == 1
+    assert column(run.stdout, "Message") == [issue["Message"]]
+    assert "..." not in run.stdout
+    assert max(len(line) for line in run.stdout.splitlines()) < 200
