@@ -141,6 +141,7 @@ def build_manifest(
             "filter_policy_scope": FILTER_POLICY_SCOPE,
             "lambda": lambda_block(sub) if sub.name in lambdas else None,
         })
+    check_names(topic_items, sub_items)
     unknown = lambdas - {s["name"] for s in sub_items}
     if unknown:
         raise ConfigurationError(
@@ -154,6 +155,31 @@ def build_manifest(
         "topics": topic_items,
         "subscriptions": sub_items,
     }
+
+
+def check_names(topics: list[dict[str, Any]], subscriptions: list[dict[str, Any]]) -> None:
+    """Refuses names that map to one resource: two topics to one SNS topic, two subscriptions to
+    one SQS queue, or a subscription's queue to another's dead-letter queue (``orders.email``,
+    ``orders-email`` and ``orders.email.dlq`` do), naming both and what to do."""
+    owners: dict[str, str] = {}
+    for topic in topics:
+        what = f"topic {topic['name']!r}"
+        other = owners.setdefault(f"sns:{topic['sns_name']}", what)
+        if other != what:
+            raise ConfigurationError(
+                f"{other} and {what} map to the same SNS topic {topic['sns_name']!r} (every character outside "
+                "[A-Za-z0-9_-] becomes '-'): rename one of them"
+            )
+    for sub in subscriptions:
+        for kind, resource in (("queue", sub["queue_name"]), ("dead-letter queue", sub["dlq_name"])):
+            what = f"the {kind} of subscription {sub['name']!r}"
+            other = owners.setdefault(f"sqs:{resource}", what)
+            if other != what:
+                raise ConfigurationError(
+                    f"{other} and {what} are the same SQS queue {resource!r} (every character outside "
+                    "[A-Za-z0-9_-] becomes '-', and a dead-letter queue is the queue's name with '-dlq'): "
+                    "rename one of the subscriptions"
+                )
 
 
 @cache

@@ -23,7 +23,7 @@ from ..core.keys import SCOPES, create_key
 from ..core.reports import DeliveryStatus, PartitionCondition
 from ..settings import DEFAULT_DATABASE_URL
 from ..web.operator_view import shown, shown_all
-from .aws import export_topology, import_bindings
+from .aws import export_topology, import_bindings, lambda_policy
 from .jobs import jobs, schedules
 from .output import emit_json, record, table
 from .sql_scripts import sql
@@ -481,6 +481,7 @@ def accept_global_options(command: click.Command) -> None:
 cli.add_command(sql)
 cli.add_command(export_topology)
 cli.add_command(import_bindings)
+cli.add_command(lambda_policy)
 cli.add_command(jobs)
 cli.add_command(schedules)
 
