@@ -142,6 +142,7 @@ class AwsTransport(Receiving, Settling, OperatorViews):
         self._sqs: Any = None
         self._closed = False
         self.relay: Any = None
+        self.forwarder: Any = None
         self._random = random.Random()
         self._bindings_read = 0.0
         self._bindings_failed = False
@@ -201,12 +202,16 @@ class AwsTransport(Receiving, Settling, OperatorViews):
 
     def start_relay(self) -> None:
         """Starts the outbox relay once the schema is there (after the topology sync), when the
-        queue has a database and ``aws_relay`` is on."""
+        queue has a database and ``aws_relay`` is on, and beside it the forwarder of what the
+        database still holds of subscriptions whose topic moved to aws (:mod:`.moving`)."""
         if self.relay is None and self.settings.database_url and self.settings.aws_relay:
+            from .moving import MovedForwarder
             from .outbox import OutboxRelay
 
             self.relay = OutboxRelay(self)
             self.relay.start()
+            self.forwarder = MovedForwarder(self)
+            self.forwarder.start()
 
     async def reload_bindings(self) -> Bindings:
         """Reads the stored bindings again (``import-bindings`` ran); the reconcile loop calls it
@@ -257,6 +262,9 @@ class AwsTransport(Receiving, Settling, OperatorViews):
             return
         try:
             await self.close_receives()
+            if self.forwarder is not None:
+                forwarder, self.forwarder = self.forwarder, None
+                await forwarder.stop()
             if self.relay is not None:
                 relay, self.relay = self.relay, None
                 await relay.stop()
