@@ -80,7 +80,7 @@ class Lease:
     messages are held)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Held:
     """A received message not handed to the runtime yet, in the order SQS gave it. Its visibility
     runs until ``visible_at`` (epoch seconds; each heartbeat of its key's lease renews it)."""

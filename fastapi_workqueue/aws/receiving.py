@@ -228,40 +228,42 @@ class Receiving:
         """Hands held messages over, in order: at most ``limit``, on an Exclusive subscription one
         per key and none behind a key's earlier message still held or in flight. A message handed
         over late (a poll that waited, a held one) gets a full lease first; one whose visibility
-        ran out (or whose key's lease did) goes back to SQS with the rest of its key."""
-        held = self._held.pop(sub.name, [])
+        ran out (or whose key's lease did) goes back to SQS with the rest of its key.
+
+        The held list is changed in place and only between awaits, so a settle that runs during
+        one (a retry that holds its key's head here, :mod:`.settling`) sees every held message."""
+        held = self._held.get(sub.name)
         if not held:
             return []
         exclusive = sub.partition_mode == "Exclusive"
         now = time.time()
         blocked: set[str] = set()
         dropped: set[str] = set()
-        kept: list[Held] = []
         chosen: list[Held] = []
-        for item in held:
+        gone: list[Held] = []
+        for item in list(held):
             group = item.group_id if exclusive else None
             if (group is not None and group not in blocked and group not in dropped
                     and self._key_state(sub.name, group) == "lost"):
                 self._forget_lost(sub.name, group)
                 dropped.add(group)
             if group is not None and group in dropped:
-                await self._let_go(sub.name, item)
+                held.remove(item)
+                gone.append(item)
                 continue
             if len(chosen) >= limit or item.due > now or (group is not None and (
                     group in blocked or self._key_state(sub.name, group) == "busy")):
-                kept.append(item)
                 if group is not None:
                     blocked.add(group)
                 continue
+            held.remove(item)
             chosen.append(item)
             if group is not None:
                 blocked.add(group)
-        claimed: list[ClaimedDelivery] = []
         lease = self._lease_seconds(sub)
         fresh = time.monotonic() - started <= self._renew_after(sub)
         renew = [item for item in chosen if not (fresh and item.sent >= started)]
-        renewing = {id(item) for item in renew}
-        offsets: dict[int, float] = {}
+        offsets: dict[int, float] = {id(item): 0.0 for item in chosen if item not in renew}
         if renew:
             margin = min(1.0, lease / 4)
             usable = [item for item in renew if time.time() < item.visible_at - margin]
@@ -272,22 +274,18 @@ class Receiving:
                 if id(item) in renewed:
                     item.visible_at = time.time() + lease
                     offsets[id(item)] = renewed_at - started
-                elif item.group_id is not None and exclusive:
-                    dropped.add(item.group_id)
-                else:
-                    await self._let_go(sub.name, item)
-        for item in chosen:
-            if item.group_id is not None and exclusive and item.group_id in dropped:
-                await self._let_go(sub.name, item)
-                continue
-            if id(item) in renewing and id(item) not in offsets:
-                continue
-            claimed.append(self._claimed(sub, item, offsets.get(id(item), 0.0)))
-        for item in kept:
-            if item.group_id is not None and exclusive and item.group_id in dropped:
-                await self._let_go(sub.name, item)
-            else:
-                self._held.setdefault(sub.name, []).append(item)
+                else:  # its visibility ran out: it goes back to SQS, with the rest of its key
+                    gone.append(item)
+                    if exclusive and item.group_id is not None:
+                        rest = [i for i in self._held.get(sub.name, []) if i.group_id == item.group_id]
+                        for other in rest:
+                            self._held[sub.name].remove(other)
+                        gone.extend(rest)
+        if not self._held.get(sub.name):
+            self._held.pop(sub.name, None)
+        claimed = [self._claimed(sub, item, offsets[id(item)]) for item in chosen if id(item) in offsets]
+        for item in gone:
+            await self._let_go(sub.name, item)
         return claimed
 
     async def _renew(self, changes: Sequence[tuple[Held, int]]) -> list[bool]:
@@ -467,12 +465,12 @@ class Receiving:
         if not items:
             return
         taken = await self._renew([(item, seconds) for item in items])
-        gone = {id(item) for item, ok in zip(items, taken, strict=True) if not ok}
+        held = self._held.get(subscription, [])
         for item, ok in zip(items, taken, strict=True):
             if ok:
                 item.visible_at = now + seconds
-        if gone:  # its receipt is gone: SQS hands it over again
-            self._held[subscription] = [item for item in self._held.get(subscription, []) if id(item) not in gone]
+            elif item in held:  # its receipt is gone: SQS hands it over again
+                held.remove(item)
 
     # -- giving back -----------------------------------------------------------------------------
 
