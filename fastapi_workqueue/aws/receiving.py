@@ -82,6 +82,7 @@ class Receiving:
         _wakes: dict[str, asyncio.Event]
         _interrupted: set[str]
         _redrive_counts: dict[str, int]
+        _giving_back: set[asyncio.Task[None]]
 
         @property
         def sqs(self) -> Any: ...
@@ -189,7 +190,9 @@ class Receiving:
             return
         with contextlib.suppress(Exception):
             if self.subscription_status(subscription) != "Active":
-                asyncio.get_running_loop().create_task(self.give_back_held(subscription))
+                giving = asyncio.get_running_loop().create_task(self.give_back_held(subscription))
+                self._giving_back.add(giving)
+                giving.add_done_callback(self._giving_back.discard)
 
     def _keep(self, sub: Subscription, receive: Receive) -> int:
         """Holds what an answered receive brought, in SQS's order (its error is raised here);

@@ -136,6 +136,7 @@ class AwsTransport(Receiving, Settling, OperatorViews):
         self._wakes: dict[str, asyncio.Event] = {}
         self._interrupted: set[str] = set()
         self._redrive_counts: dict[str, int] = {}
+        self._giving_back: set[asyncio.Task[None]] = set()
         self.records = SettledRecords()
         self._stack: contextlib.AsyncExitStack | None = None
         self._sns: Any = None

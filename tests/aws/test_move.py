@@ -68,6 +68,12 @@ async def test_a_topic_moved_to_aws_runs_each_subscription_once_and_forwards_wha
         await wait_for(lambda: sorted(ran["work"]) == [1, 2, 3, 9], within=60,
                        describe=lambda: ran)  # the three left Pending at the move, and the new one
 
+        async def forwarded() -> bool:  # the forwarder's pass has settled what it sent, for both
+            rows = await queue.transport.database.stats()  # type: ignore[attr-defined]
+            return all(r.pending == r.in_flight == 0 for r in rows if r.subscription.startswith(name))
+
+        await wait_for(forwarded, within=60)
+
         health = {s.subscription: s for s in queue.health().subscriptions}
         assert f"{name}.work" in health and health[f"{name}.work"].state == "Running"
         assert f"{name}.archive" not in health or health[f"{name}.archive"].state != "Running"
