@@ -552,6 +552,26 @@ class WorkQueue:
             await self._transport.close()  # first: a transport may use the sessions' engine (the aws outbox relay)
         await self._sessions.dispose()
 
+    @contextlib.asynccontextmanager
+    async def operator_transport(self) -> AsyncIterator[Transport]:
+        """The queue's transport opened for an operator's calls (``workqueue stats --app ...``):
+        every transport its topics name (aws too), without a host, the aws outbox relay, a
+        migration or a topology sync. Closed again, with the queue's engine, on the way out."""
+        if self._opened:
+            yield self.transport
+            return
+        if self._transport is None and self.settings.aws_relay:
+            self.settings = self.settings.model_copy(update={"aws_relay": False})
+        transport = self.transport
+        await transport.open()
+        try:
+            yield transport
+        finally:
+            try:
+                await transport.close()
+            finally:
+                await self._sessions.dispose()
+
     async def migrate(self) -> list[str]:
         """Applies pending schema migrations; returns those applied now."""
         if self._opened:

@@ -109,6 +109,21 @@ def _table(dialect: str) -> str:
     return "aws_binding" if dialect == "sqlite" else "workqueue.aws_binding"
 
 
+NOT_MIGRATED = (
+    "the database has no bindings table ({table}): it is not migrated yet; run `workqueue migrate` "
+    "(as the schema owner), then try again"
+)
+
+
+async def _require_table(conn: Any, dialect: str) -> None:
+    """Raises a one-line ConfigurationError saying to migrate when the bindings table is missing."""
+    from sqlalchemy import inspect
+
+    schema = None if dialect == "sqlite" else "workqueue"
+    if not await conn.run_sync(lambda sync: inspect(sync).has_table("aws_binding", schema=schema)):
+        raise ConfigurationError(NOT_MIGRATED.format(table=_table(dialect)))
+
+
 def _bindings_file(queue: WorkQueue) -> str:
     path = queue.settings.aws_bindings_file
     if not path:
@@ -129,6 +144,7 @@ async def load_bindings(queue: WorkQueue) -> Bindings:
 
     engine = queue.engine
     async with engine.connect() as conn:
+        await _require_table(conn, engine.dialect.name)
         rows = (await conn.execute(sql(
             f"SELECT kind, name, region, binding FROM {_table(engine.dialect.name)} ORDER BY kind, name"
         ))).all()
@@ -162,6 +178,7 @@ async def store_bindings(queue: WorkQueue, bindings: Bindings) -> None:
     columns = "kind, name, region, binding" + (", imported_at" if dialect == "sqlite" else "")
     values = f":kind, :name, :region, {value}" + (", :at" if dialect == "sqlite" else "")
     async with engine.begin() as conn:
+        await _require_table(conn, dialect)
         await conn.execute(sql(f"DELETE FROM {table}"))
         if rows:
             await conn.execute(sql(f"INSERT INTO {table} ({columns}) VALUES ({values})"), rows)

@@ -28,6 +28,9 @@ MAX_VISIBILITY_SECONDS = 12 * 3600
 MIN_RETENTION_SECONDS, MAX_RETENTION_SECONDS = 60, 14 * 24 * 3600
 MAX_LAMBDA_TIMEOUT_SECONDS = 900
 MAX_RECEIVE_COUNT = 1000
+GIVE_BACK_ALLOWANCE = 10
+"""Receives the redrive allows beyond max_attempts: SQS counts a give-back (a shutdown, a pause) as a
+receive, and another process cannot know of one; the library's own dead letter comes first."""
 LAMBDA_DEFAULTS = {"batch_size": 10, "maximum_batching_window_seconds": 0, "timeout_seconds": 60}
 
 
@@ -47,16 +50,25 @@ def check_subscription(subscription: Subscription, topic: Topic) -> None:
             f"subscription {subscription.name!r}: Ordered needs a database topic; topic {topic.name!r} has "
             "transport='aws' (use partition_mode='Exclusive' on a FIFO topic, or keep the topic on 'database')"
         )
-    if subscription.max_attempts > MAX_RECEIVE_COUNT:
+    if subscription.max_attempts + GIVE_BACK_ALLOWANCE > MAX_RECEIVE_COUNT:
         raise ConfigurationError(
-            f"subscription {subscription.name!r}: max_attempts {subscription.max_attempts} is above SQS's "
-            f"maxReceiveCount limit of {MAX_RECEIVE_COUNT}; lower it"
+            f"subscription {subscription.name!r}: max_attempts {subscription.max_attempts} leaves no room under "
+            f"SQS's maxReceiveCount limit of {MAX_RECEIVE_COUNT} for {GIVE_BACK_ALLOWANCE} give-backs; lower it "
+            f"to at most {MAX_RECEIVE_COUNT - GIVE_BACK_ALLOWANCE}"
         )
     if subscription.partition_mode == "Exclusive" and not topic.is_fifo:
         raise ConfigurationError(
             f"subscription {subscription.name!r}: Exclusive on an aws topic needs a FIFO topic; "
             f"set is_fifo=True on topic {topic.name!r}"
         )
+
+
+def max_receive_count(max_attempts: int) -> int:
+    """The redrive's ``maxReceiveCount``: ``max_attempts`` plus :data:`GIVE_BACK_ALLOWANCE`. The
+    receive that reaches it is the delivery's last attempt (the library dead-letters a failure
+    itself, with its reason and last error), so SQS's redrive, which keeps neither, only takes a
+    message that more than that many give-backs or crashes brought back."""
+    return min(MAX_RECEIVE_COUNT, max_attempts + GIVE_BACK_ALLOWANCE)
 
 
 def visibility_timeout(subscription: Subscription) -> int:
@@ -121,6 +133,7 @@ def build_manifest(
             "is_fifo": topic.is_fifo,
             "partition_mode": sub.partition_mode,
             "max_attempts": sub.max_attempts,
+            "max_receive_count": max_receive_count(sub.max_attempts),
             "visibility_timeout_seconds": visibility_timeout(sub),
             "message_retention_seconds": retention(sub),
             "raw_message_delivery": True,
@@ -128,6 +141,7 @@ def build_manifest(
             "filter_policy_scope": FILTER_POLICY_SCOPE,
             "lambda": lambda_block(sub) if sub.name in lambdas else None,
         })
+    check_names(topic_items, sub_items)
     unknown = lambdas - {s["name"] for s in sub_items}
     if unknown:
         raise ConfigurationError(
@@ -141,6 +155,31 @@ def build_manifest(
         "topics": topic_items,
         "subscriptions": sub_items,
     }
+
+
+def check_names(topics: list[dict[str, Any]], subscriptions: list[dict[str, Any]]) -> None:
+    """Refuses names that map to one resource: two topics to one SNS topic, two subscriptions to
+    one SQS queue, or a subscription's queue to another's dead-letter queue (``orders.email``,
+    ``orders-email`` and ``orders.email.dlq`` do), naming both and what to do."""
+    owners: dict[str, str] = {}
+    for topic in topics:
+        what = f"topic {topic['name']!r}"
+        other = owners.setdefault(f"sns:{topic['sns_name']}", what)
+        if other != what:
+            raise ConfigurationError(
+                f"{other} and {what} map to the same SNS topic {topic['sns_name']!r} (every character outside "
+                "[A-Za-z0-9_-] becomes '-'): rename one of them"
+            )
+    for sub in subscriptions:
+        for kind, resource in (("queue", sub["queue_name"]), ("dead-letter queue", sub["dlq_name"])):
+            what = f"the {kind} of subscription {sub['name']!r}"
+            other = owners.setdefault(f"sqs:{resource}", what)
+            if other != what:
+                raise ConfigurationError(
+                    f"{other} and {what} are the same SQS queue {resource!r} (every character outside "
+                    "[A-Za-z0-9_-] becomes '-', and a dead-letter queue is the queue's name with '-dlq'): "
+                    "rename one of the subscriptions"
+                )
 
 
 @cache

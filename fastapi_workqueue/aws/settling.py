@@ -1,12 +1,17 @@
 """How the aws transport settles what this process holds: complete and discard delete (in
 batches of up to 10), a retry sets the visibility to the backoff delay, a dead letter is sent to
-the DLQ (:func:`.body.dead_letter_body`) and then deleted, a release sets the visibility to 0 and
-is not charged an attempt in this process. A token that is not the lease this process holds
-changes nothing (``LeaseLost``). :class:`Settling` is a part of :class:`.transport.AwsTransport`."""
+the DLQ (:func:`.body.dead_letter_body`) and then deleted, a release sets the visibility to its
+delay (0 at shutdown) and is not charged an attempt in this process. On an Exclusive subscription
+whose key has later messages held here, a retry or release keeps the key's head here too, ahead
+of them, until its delay has passed (:meth:`Settling._hold_head`): the key keeps its order. A
+token that is not the lease this process holds changes nothing (``LeaseLost``). :class:`Settling`
+is a part of :class:`.transport.AwsTransport`."""
 
 from __future__ import annotations
 
+import math
 import random
+import time
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -15,7 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 from ..core.reports import DeliveryInfo, DeliveryStatus
 from ..core.transport import Settlement, SettleResult
 from . import body as bodies
-from .leases import MAX_LEASE_SECONDS, Lease, change_visibility
+from .leases import MAX_LEASE_SECONDS, Held, Lease, change_visibility
 from .naming import BATCH
 from .records import Receipt, SettledRecords
 
@@ -30,6 +35,7 @@ class Settling:
     if TYPE_CHECKING:  # kept by AwsTransport
         records: SettledRecords
         _leases: dict[str, Lease]
+        _held: dict[str, list[Held]]
         _released: dict[str, int]
         _random: random.Random
 
@@ -43,6 +49,14 @@ class Settling:
         def _fifo(self, subscription: str) -> bool: ...
 
         def _lease(self, delivery_id: str, token: str) -> Lease | None: ...
+
+        def _lease_seconds(self, sub: Subscription) -> int: ...
+
+        def _wake(self, subscription: str) -> None: ...
+
+        async def renew_held(self, subscription: str, group: str, seconds: int) -> None: ...
+
+        async def _let_go(self, subscription: str, item: Held) -> None: ...
 
         def _info(
             self, delivery_id: str, subscription: str, body: str, status: DeliveryStatus, attempt: int,
@@ -82,6 +96,9 @@ class Settling:
                 self._remember(settlement.delivery_id, lease, "Discarded", receipt, reason=settlement.reason)
             if results[index] != "Pending":
                 self._released.pop(settlement.delivery_id, None)
+        for subscription in {lease.subscription for _, _, lease in settled}:
+            if self._held.get(subscription):
+                self._wake(subscription)  # a key may be free (or a head due later): a waiting claim looks again
         return results
 
     def _remember(
@@ -104,14 +121,19 @@ class Settling:
             deletes.append((index, lease))
             return "Completed" if kind == "Complete" else "Discarded"
         if kind == "Release":
-            result = await self._visibility(lease, 0)
+            delay = max(0, min(MAX_LEASE_SECONDS, math.ceil(settlement.delay_seconds or 0)))
+            held_here = self._keeps_key(lease)
+            result = await (self._hold_head(lease, delay, lease.attempt) if held_here else
+                            self._visibility(lease, delay))
             if result == "Pending":
-                self._released[settlement.delivery_id] = self._released.get(settlement.delivery_id, 0) + 1
+                if not held_here:
+                    self._released[settlement.delivery_id] = self._released.get(settlement.delivery_id, 0) + 1
                 self._remember(settlement.delivery_id, lease, "Pending", Receipt(lease.queue_url, lease.receipt),
-                               attempt=lease.attempt - 1, reason=settlement.reason, visible_at=datetime.now(UTC))
+                               attempt=lease.attempt - 1, reason=settlement.reason,
+                               visible_at=datetime.now(UTC) + timedelta(seconds=delay))
             return result
         env = bodies.decode(lease.body, str(lease.message_id))
-        max_attempts = int(env.get("max_attempts") or sub.max_attempts)
+        max_attempts = lease.max_attempts or int(env.get("max_attempts") or sub.max_attempts)
         if kind == "DeadLetter" or lease.attempt >= max_attempts:
             if kind == "DeadLetter":
                 reason = settlement.reason or "DeadLettered"
@@ -122,12 +144,48 @@ class Settling:
             deletes.append((index, lease))
             return "DeadLettered"
         delay = max(0, min(MAX_LEASE_SECONDS, round(self._backoff(sub, lease, settlement))))
-        result = await self._visibility(lease, delay)
+        if self._keeps_key(lease):
+            result = await self._hold_head(lease, delay, lease.attempt + 1)
+        else:
+            result = await self._visibility(lease, delay)
         if result == "Pending":
             self._remember(settlement.delivery_id, lease, "Pending", Receipt(lease.queue_url, lease.receipt),
                            reason=settlement.reason, last_error=settlement.error,
                            visible_at=datetime.now(UTC) + timedelta(seconds=delay))
         return result
+
+    def _keeps_key(self, lease: Lease) -> bool:
+        """True when later messages of the lease's key are held here: its retry then waits here too
+        (SQS would not hand it over again while they are in flight, and handing them over first
+        would break the key's order)."""
+        if lease.group_id is None or self._sub(lease.subscription).partition_mode != "Exclusive":
+            return False
+        return any(item.group_id == lease.group_id for item in self._held.get(lease.subscription, []))
+
+    async def _hold_head(self, lease: Lease, delay: int, attempt: int) -> SettleResult:
+        """Keeps a key's head here while it waits out ``delay``, ahead of the key's held messages:
+        it and they stay invisible for the delay and a lease, then it is handed over again as
+        ``attempt`` (SQS counts no receive for it). A delay that would pass SQS's 12 h cap gives
+        the key back to SQS instead, the head with its delay."""
+        sub = self._sub(lease.subscription)
+        seconds = delay + self._lease_seconds(sub)
+        group = lease.group_id
+        assert group is not None
+        if time.time() - lease.first_received + seconds > MAX_LEASE_SECONDS:
+            for item in [i for i in self._held.get(sub.name, []) if i.group_id == group]:
+                self._held[sub.name].remove(item)
+                await self._let_go(sub.name, item)
+            return await self._visibility(lease, delay)
+        if not await change_visibility(self.sqs, lease.queue_url, lease.receipt, seconds):
+            return "LeaseLost"
+        await self.renew_held(sub.name, group, seconds)
+        now = time.time()
+        head = Held(lease.queue_url, lease.message, lease.first_received, group, now + seconds,
+                    due=now + delay, attempt=attempt)
+        held = self._held.setdefault(sub.name, [])
+        first = next((i for i, item in enumerate(held) if item.group_id == group), len(held))
+        held.insert(first, head)
+        return "Pending"
 
     async def _visibility(self, lease: Lease, seconds: int) -> SettleResult:
         if not await change_visibility(self.sqs, lease.queue_url, lease.receipt, seconds):

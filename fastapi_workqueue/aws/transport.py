@@ -5,9 +5,8 @@ change the visibility back to the lease (the runtime calls every min(lease / 3, 
 12 hours after the first receive; complete deletes (in batches of up to 10); a retry sets the
 visibility to the backoff delay; a dead letter is sent to the DLQ (same MessageID, attributes, the
 reason and last error in the body) and then deleted; a shutdown release sets the visibility to 0.
-SQS counts every receive: a released message's next attempt has a receive count one higher, so
-the transport keeps its own count of releases per process and a released attempt is not charged
-when it is received again in the same process (another process sees SQS's count).
+How messages are received, held and leased (the long poll, the lease counted from the receive,
+give-backs that spend no attempt) is :mod:`.receiving`.
 
 Exclusive needs a FIFO topic: the partition key is the MessageGroupId and the MessageID the
 deduplication id; a retrying message keeps its key busy (SQS FIFO holds the group until its head
@@ -15,8 +14,8 @@ is deleted); later messages of a busy key that a receive hands over are held her
 settles. Ordered, cancel of an in-flight message and exact per-key backlog are not available
 (:attr:`AwsTransport.capabilities`); the operator views (:mod:`.operator_views`) read queue
 attributes and the DLQ, and what this process settled (:mod:`.records`); the settle calls are
-:mod:`.settling`, the leases and held messages :mod:`.leases`. A pause is the queue's ``workqueue:status`` tag, which
-every process reads on its bindings refresh.
+:mod:`.settling`, the leases and held messages :mod:`.leases`. A pause is the queue's
+``workqueue:status`` tag, which every process reads on its bindings refresh.
 
 A publish with a session writes the transactional outbox (:mod:`.outbox`), which a relay forwards
 to SNS; one without a session goes straight to SNS (PublishBatch, 10 per call).
@@ -31,7 +30,6 @@ import random
 import time
 import uuid
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..core.envelope import PreparedMessage, PublishError, PublishResult, PublishStatus
@@ -43,14 +41,11 @@ from ..core.reports import (
 from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
 from ..core.transport import (
     Capabilities,
-    ClaimedDelivery,
-    HeartbeatRequest,
-    HeartbeatResult,
     WakeupListener,
 )
 from . import body as bodies
 from .bindings import Bindings, load_bindings
-from .leases import MAX_LEASE_SECONDS, Held, Lease, change_visibility
+from .leases import MAX_LEASE_SECONDS, Held, Lease
 from .naming import BATCH, NAME
 from .operator_views import (
     BACKLOG_UNSUPPORTED,
@@ -59,6 +54,7 @@ from .operator_views import (
     OperatorViews,
     split_delivery_id,
 )
+from .receiving import Receive, Receiving
 from .records import SettledRecords
 from .settling import Settling
 
@@ -83,9 +79,7 @@ __all__ = [
 
 log = redacting_logger("fastapi_workqueue.aws")
 
-LONG_POLL_SECONDS = 20
 BINDINGS_REFRESH_SECONDS = 30.0
-EXPIRED_LEASES_KEPT_SECONDS = 300.0
 STATUS_TAG = "workqueue:status"
 """The SQS queue tag that holds a subscription's Active/Paused status for every process."""
 
@@ -120,7 +114,7 @@ def create_transport(queue: WorkQueue) -> AwsTransport:
 class TopicUnboundError(TransportError):
     """The aws topic has no imported bindings yet."""
 
-class AwsTransport(Settling, OperatorViews):
+class AwsTransport(Receiving, Settling, OperatorViews):
     """SNS + SQS; the topology comes from the queue, the ARNs and URLs from its bindings."""
 
     name = NAME
@@ -138,12 +132,18 @@ class AwsTransport(Settling, OperatorViews):
         self._leases: dict[str, Lease] = {}
         self._held: dict[str, list[Held]] = {}
         self._released: dict[str, int] = {}
+        self._receiving: dict[str, Receive] = {}
+        self._wakes: dict[str, asyncio.Event] = {}
+        self._interrupted: set[str] = set()
+        self._redrive_counts: dict[str, int] = {}
+        self._giving_back: set[asyncio.Task[None]] = set()
         self.records = SettledRecords()
         self._stack: contextlib.AsyncExitStack | None = None
         self._sns: Any = None
         self._sqs: Any = None
         self._closed = False
         self.relay: Any = None
+        self.forwarder: Any = None
         self._random = random.Random()
         self._bindings_read = 0.0
         self._bindings_failed = False
@@ -203,12 +203,16 @@ class AwsTransport(Settling, OperatorViews):
 
     def start_relay(self) -> None:
         """Starts the outbox relay once the schema is there (after the topology sync), when the
-        queue has a database and ``aws_relay`` is on."""
+        queue has a database and ``aws_relay`` is on, and beside it the forwarder of what the
+        database still holds of subscriptions whose topic moved to aws (:mod:`.moving`)."""
         if self.relay is None and self.settings.database_url and self.settings.aws_relay:
+            from .moving import MovedForwarder
             from .outbox import OutboxRelay
 
             self.relay = OutboxRelay(self)
             self.relay.start()
+            self.forwarder = MovedForwarder(self)
+            self.forwarder.start()
 
     async def reload_bindings(self) -> Bindings:
         """Reads the stored bindings again (``import-bindings`` ran); the reconcile loop calls it
@@ -224,19 +228,44 @@ class AwsTransport(Settling, OperatorViews):
                 self._bindings_failed = True
         assert self.bindings is not None
         await self.refresh_statuses()
+        await self.read_redrive_counts()
         return self.bindings
 
+    async def read_redrive_counts(self) -> None:
+        """Reads each bound queue's redrive ``maxReceiveCount``: the receive that reaches it is the
+        delivery's last attempt (:mod:`.receiving`). A queue whose policy cannot be read keeps the
+        count last read."""
+        assert self.bindings is not None
+        for name in list(self._subscriptions):
+            bound = self.bindings.subscriptions.get(name)
+            if bound is None:
+                self._redrive_counts.pop(name, None)
+                continue
+            try:
+                answer = await self.sqs.get_queue_attributes(QueueUrl=bound.queue_url,
+                                                             AttributeNames=["RedrivePolicy"])
+                policy = answer.get("Attributes", {}).get("RedrivePolicy")
+                count = int(json.loads(policy)["maxReceiveCount"]) if policy else None
+            except Exception as exc:
+                log.warning("aws: the redrive policy of %s could not be read (%s)", name, exc)
+                continue
+            if count is None:
+                self._redrive_counts.pop(name, None)
+            else:
+                self._redrive_counts[name] = count
+
     async def close(self) -> None:
-        """Stops the relay and gives the held messages of busy keys back to SQS (visibility 0;
-        SQS counts that receive, so the next attempt number of each is one higher), then closes the
-        SNS and SQS clients: a later call raises TransportError instead of opening new ones."""
+        """Stops the long polls in flight and gives back what is held here (visibility 0, or what
+        is left of a retry's delay; SQS counts that receive, so another process's next attempt
+        number is one higher), stops the relay, then closes the SNS and SQS clients: a later call
+        raises TransportError instead of opening new ones."""
         if self._stack is None:
             return
         try:
-            for held in self._held.values():
-                for item in held:
-                    await self._let_go(item)
-            self._held.clear()
+            await self.close_receives()
+            if self.forwarder is not None:
+                forwarder, self.forwarder = self.forwarder, None
+                await forwarder.stop()
             if self.relay is not None:
                 relay, self.relay = self.relay, None
                 await relay.stop()
@@ -439,225 +468,6 @@ class AwsTransport(Settling, OperatorViews):
                 f"{f['Id']}: {f.get('Code', '')} {f.get('Message', '')}".strip() for f in answer.get("Failed", [])
             )
         return failed
-
-    # -- consume ---------------------------------------------------------------------------------
-
-    def _lease_seconds(self, sub: Subscription) -> int:
-        return min(MAX_LEASE_SECONDS, max(1, round(sub.lease_seconds)))
-
-    def _key_busy(self, subscription: str, group: str) -> bool:
-        now = datetime.now(UTC)
-        return any(
-            lease.subscription == subscription and lease.group_id == group and lease.lease_expires_at > now
-            for lease in self._leases.values()
-        )
-
-    def _forget_expired(self) -> None:
-        """Drops leases that ran out long ago (SQS handed the message on; another process may hold it)."""
-        horizon = datetime.now(UTC) - timedelta(seconds=EXPIRED_LEASES_KEPT_SECONDS)
-        for delivery_id in [d for d, lease in self._leases.items() if lease.lease_expires_at < horizon]:
-            del self._leases[delivery_id]
-
-    async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
-        """Receives up to ``limit`` deliveries (10 per ReceiveMessage, long-polling the first);
-        paused and unknown subscriptions give nothing. On an Exclusive subscription one delivery per
-        key is in flight: a later message of a busy key that SQS FIFO hands over with it is held
-        here, still invisible, until the key's delivery settles (then leased out in order)."""
-        sub = self._subscriptions.get(subscription)
-        if sub is None or limit < 1 or self.subscription_status(subscription) != "Active":
-            return []
-        queue_url, _ = self._urls(subscription)
-        self._forget_expired()
-        exclusive = sub.partition_mode == "Exclusive"
-        claimed = await self._lease_held(sub, limit) if exclusive else []
-        wait = self.wait_seconds
-        while len(claimed) < limit:
-            answer = await self.sqs.receive_message(
-                QueueUrl=queue_url,
-                MaxNumberOfMessages=min(limit - len(claimed), BATCH),
-                WaitTimeSeconds=wait,
-                VisibilityTimeout=self._lease_seconds(sub),
-                MessageSystemAttributeNames=["All"],
-                MessageAttributeNames=["All"],
-            )
-            messages = answer.get("Messages", [])
-            if not messages:
-                break
-            wait = 0
-            now = time.time()
-            for message in messages:
-                group = message.get("Attributes", {}).get("MessageGroupId")
-                if exclusive and group is not None and self._key_busy(sub.name, group):
-                    held = Held(queue_url, message, now, group, now + self._lease_seconds(sub))
-                    self._held.setdefault(sub.name, []).append(held)
-                    continue
-                claimed.append(self._claimed(sub, queue_url, message, now))
-        return claimed
-
-    async def _lease_held(self, sub: Subscription, limit: int) -> list[ClaimedDelivery]:
-        """Leases out held messages whose key is free, renewing their visibility to a full lease; a
-        held message whose visibility ran out goes back to SQS with the rest of its key."""
-        held = self._held.pop(sub.name, [])
-        claimed: list[ClaimedDelivery] = []
-        kept: list[Held] = []
-        dropped: set[str] = set()
-        seconds = self._lease_seconds(sub)
-        for item in held:
-            if item.group_id in dropped:
-                await self._let_go(item)
-                continue
-            if len(claimed) >= limit or self._key_busy(sub.name, item.group_id):
-                kept.append(item)
-                continue
-            renewed = time.time() < item.visible_at - 1
-            if renewed:
-                renewed = await change_visibility(self.sqs, item.queue_url, item.message["ReceiptHandle"], seconds)
-            if not renewed:
-                dropped.add(item.group_id)
-                for other in [k for k in kept if k.group_id == item.group_id]:
-                    kept.remove(other)
-                    await self._let_go(other)
-                continue
-            claimed.append(self._claimed(sub, item.queue_url, item.message, item.received))
-        if kept:
-            self._held[sub.name] = kept
-        return claimed
-
-    async def _renew_held(self, subscription: str, group: str, seconds: int) -> None:
-        """Keeps the held messages of a heartbeating key invisible as long as its lease: without it
-        they would run out, go back to SQS and be charged one more receive when the key is free."""
-        kept: list[Held] = []
-        for item in self._held.get(subscription, []):
-            if item.group_id == group:
-                if not await change_visibility(self.sqs, item.queue_url, item.message["ReceiptHandle"], seconds):
-                    continue  # its receipt is gone: SQS hands it over again
-                item.visible_at = time.time() + seconds
-            kept.append(item)
-        if subscription in self._held:
-            self._held[subscription] = kept
-
-    async def _let_go(self, item: Held) -> None:
-        """Makes a held message visible again (SQS will hand it over once more)."""
-        with contextlib.suppress(Exception):
-            await self.sqs.change_message_visibility(
-                QueueUrl=item.queue_url, ReceiptHandle=item.message["ReceiptHandle"], VisibilityTimeout=0
-            )
-
-    def _claimed(self, sub: Subscription, queue_url: str, message: dict[str, Any], received: float) -> ClaimedDelivery:
-        sqs_id = message["MessageId"]
-        system = message.get("Attributes", {})
-        env = bodies.decode(message["Body"], sqs_id)
-        origin = bodies.origin_of(env, sqs_id)
-        delivery_id = f"{NAME}:{sub.name}:{origin}"
-        attempt = max(1, int(system.get("ApproximateReceiveCount", "1")) - self._released.get(delivery_id, 0))
-        max_attempts = int(env.get("max_attempts") or sub.max_attempts)
-        attributes = {
-            k: str(v.get("StringValue"))
-            for k, v in message.get("MessageAttributes", {}).items()
-            if v.get("StringValue") is not None
-        }
-        message_id = bodies.message_uuid(env, origin)
-        claimed_at = datetime.now(UTC)
-        expires = claimed_at + timedelta(seconds=self._lease_seconds(sub))
-        self.records.forget(delivery_id)
-        self._leases[delivery_id] = Lease(
-            subscription=sub.name,
-            queue_url=queue_url,
-            receipt=message["ReceiptHandle"],
-            first_received=received,
-            attempt=attempt,
-            message_id=message_id,
-            partition_key=env.get("partition_key") or system.get("MessageGroupId"),
-            attributes=attributes,
-            body=message["Body"],
-            message_attributes=message.get("MessageAttributes", {}),
-            group_id=system.get("MessageGroupId"),
-            lease_expires_at=expires,
-            claimed_at=claimed_at,
-        )
-        published = env.get("published_at")
-        headers = env.get("headers")
-        return ClaimedDelivery(
-            delivery_id=delivery_id,
-            lease_token=message["ReceiptHandle"],
-            attempt=attempt,
-            max_attempts=max_attempts,
-            lease_expires_at=expires,
-            message_id=message_id,
-            topic=str(env.get("topic") or sub.topic),
-            partition_key=self._leases[delivery_id].partition_key,
-            attributes=attributes,
-            payload_json=json.dumps(env.get("payload")),
-            payload_ref=env.get("payload_ref"),
-            correlation_id=env.get("correlation_id"),
-            published_at=datetime.fromisoformat(published) if isinstance(published, str) else None,
-            headers=headers if isinstance(headers, dict) else None,
-        )
-
-    async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
-        """Claims each None-mode subscription in turn until ``limit`` (SQS has no order across
-        queues); paused and unknown ones give nothing, an Exclusive one is refused."""
-        if isinstance(subscriptions, str):
-            raise TypeError(
-                f"claim_many takes a sequence of subscription names, got the string {subscriptions!r}; "
-                "claim one subscription with claim"
-            )
-        names = list(dict.fromkeys(subscriptions))
-        for name in names:
-            sub = self._subscriptions.get(name)
-            if sub is not None and sub.partition_mode != "None":
-                raise ValueError(
-                    f"claim_many takes None-mode subscriptions only ({name} is {sub.partition_mode}); "
-                    "claim an Exclusive or Ordered subscription with claim"
-                )
-        found: list[tuple[str, ClaimedDelivery]] = []
-        for name in names:
-            if len(found) >= limit:
-                break
-            found.extend((name, d) for d in await self.claim(name, limit - len(found)))
-        return found
-
-    def _lease(self, delivery_id: str, token: str) -> Lease | None:
-        """The live lease of ``token``: a token of an earlier receive, or of a lease that ran out
-        (SQS made the message visible again), is refused here before SQS is asked."""
-        lease = self._leases.get(delivery_id)
-        if lease is None or lease.receipt != token or lease.lease_expires_at <= datetime.now(UTC):
-            return None
-        return lease
-
-    async def heartbeat(self, requests: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
-        results: list[HeartbeatResult] = []
-        now = time.time()
-        for request in requests:
-            lease = self._lease(request.delivery_id, request.lease_token)
-            if lease is None:
-                results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
-                continue
-            sub = self._sub(lease.subscription)
-            left = MAX_LEASE_SECONDS - (now - lease.first_received)
-            seconds = min(self._lease_seconds(sub), int(left))
-            if seconds <= 0:
-                results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
-                continue
-            if not await change_visibility(self.sqs, lease.queue_url, lease.receipt, seconds):
-                results.append(HeartbeatResult(delivery_id=request.delivery_id, alive=False, cancel_requested=False))
-                continue
-            lease.lease_expires_at = datetime.now(UTC) + timedelta(seconds=seconds)
-            if lease.group_id is not None:
-                await self._renew_held(lease.subscription, lease.group_id, seconds)
-            if request.percent is not None:
-                lease.progress_percent = request.percent
-            if request.message is not None:
-                lease.progress_message = request.message
-            results.append(
-                HeartbeatResult(
-                    delivery_id=request.delivery_id,
-                    alive=True,
-                    cancel_requested=False,
-                    lease_expires_at=lease.lease_expires_at,
-                )
-            )
-        return results
 
     async def add_wakeup_listener(self, listener: WakeupListener) -> None:
         return None

@@ -2,7 +2,7 @@
 
 Each topic and subscription of the manifest is looked up through its bindings: the SNS topic
 (exists, FIFO flag), the queue (exists, FIFO flag, visibility timeout = the lease, redrive to the
-bound DLQ with ``maxReceiveCount`` = max attempts, retention), the DLQ (exists, FIFO flag) and
+bound DLQ with the manifest's ``max_receive_count``, retention), the DLQ (exists, FIFO flag) and
 the SNS subscription (topic and queue, raw delivery, filter policy and its scope). Every
 difference is one issue naming the item and what to run; only Get* calls are made.
 """
@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..core.reports import BindingIssue, BindingReport
+from .manifest import max_receive_count
 
 REEXPORT = "run `workqueue export-topology --transport aws`, `terraform apply`, then `workqueue import-bindings`"
 IMPORT = "apply the Terraform module, then run `workqueue import-bindings bindings.json`"
@@ -98,9 +99,11 @@ class _Checker:
                 self.error(subject, f"queue {url} redrives to {redrive.get('deadLetterTargetArn')}, not the bound "
                            f"dead-letter queue {bound['dlq_arn']}: {REEXPORT}")
             count = int(redrive.get("maxReceiveCount", 0))
-            if count != int(sub["max_attempts"]):
-                self.error(subject, f"queue {url} redrives after {count} receives but max_attempts is "
-                           f"{sub['max_attempts']}: {REEXPORT}")
+            wanted = int(sub.get("max_receive_count") or max_receive_count(int(sub["max_attempts"])))
+            if count != wanted:
+                self.error(subject, f"queue {url} redrives after {count} receives but the manifest's "
+                           f"max_receive_count is {wanted} (max_attempts {sub['max_attempts']} and room for "
+                           f"give-backs): {REEXPORT}")
         retention = int(attrs.get("MessageRetentionPeriod", "345600"))
         if retention != int(sub["message_retention_seconds"]):
             self.warning(subject, f"queue {url} keeps messages {retention} s but the subscription's retention is "

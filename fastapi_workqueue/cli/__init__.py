@@ -18,13 +18,13 @@ from typing import Any, TypeVar
 
 import click
 
-from ..core.errors import ConfigurationError, WorkQueueError
+from ..core.errors import WorkQueueError
 from ..core.keys import SCOPES, create_key
 from ..core.reports import DeliveryStatus, PartitionCondition
 from ..core.words import count
 from ..settings import DEFAULT_DATABASE_URL
 from ..web.operator_view import shown, shown_all
-from .aws import export_topology, import_bindings
+from .aws import export_topology, import_bindings, lambda_policy
 from .jobs import jobs, schedules
 from .output import emit_json, record, table
 from .sql_scripts import sql
@@ -39,10 +39,13 @@ DELIVERY_TIMES = ("claimed_at", "lease_expires_at", "visible_at")
 
 
 class Context:
-    def __init__(self, database_url: str | None, as_json: bool, verbose: bool = False) -> None:
+    def __init__(
+        self, database_url: str | None, as_json: bool, verbose: bool = False, app_path: str | None = None
+    ) -> None:
         self.database_url = database_url
         self.as_json = as_json
         self.verbose = verbose
+        self.app_path = app_path
 
     def url(self) -> str:
         if not self.database_url and os.path.isfile(DEFAULT_DATABASE_FILE):
@@ -58,17 +61,19 @@ class Context:
         return self.database_url
 
 
-def run(ctx: Context, action: Callable[[Any], Awaitable[T]]) -> T:
-    """Opens a transport on the database, runs ``action(transport)``, closes it."""
-    from ..database import create_database_transport
+def run(
+    ctx: Context, action: Callable[[Any], Awaitable[T]], *, subscription: str | None = None,
+    delivery_id: str | None = None, app: bool = False,
+) -> T:
+    """Runs ``action(transport)`` on the database alone, or with ``app`` and ``--app`` given on the
+    app's queue (every transport of its topics, :mod:`.targets`). On the database alone, a
+    ``subscription`` or ``delivery_id`` of another transport is refused with what to pass."""
+    from .targets import on_app, on_database
 
     async def main() -> T:
-        transport = create_database_transport(ctx.url(), listen=False, pool_max_size=2)
-        await transport.open()
-        try:
-            return await action(transport)
-        finally:
-            await transport.close()
+        if app and ctx.app_path:
+            return await on_app(ctx.app_path, action, subscription)
+        return await on_database(ctx.url(), action, subscription, delivery_id)
 
     try:
         return asyncio.run(main())
@@ -76,6 +81,19 @@ def run(ctx: Context, action: Callable[[Any], Awaitable[T]]) -> T:
         if ctx.verbose:
             traceback.print_exception(exc, file=sys.stderr)
         raise click.ClickException(str(exc)) from exc
+
+
+def app_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--app MODULE:ATTR`` (default ``WORKQUEUE_APP``) of an operator command: it then reaches
+    every transport of the app's topics, aws too."""
+    from .targets import APP_HELP
+
+    def set_app(click_ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+        if value:
+            click_ctx.find_object(Context).app_path = value  # type: ignore[union-attr]
+
+    return click.option("--app", "app_path", envvar="WORKQUEUE_APP", help=APP_HELP, expose_value=False,
+                        callback=set_app)(command)
 
 
 pass_context = click.make_pass_decorator(Context)
@@ -104,6 +122,7 @@ def migrate(ctx: Context) -> None:
 
 
 @cli.command()
+@app_option
 @click.option("--topic", required=True)
 @click.option("--payload", required=True, help="JSON, e.g. '{\"order\": 7}'.")
 @click.option("--partition-key")
@@ -136,7 +155,7 @@ def publish(
         ]
     except RequestRejected as exc:
         raise click.ClickException(exc.error.message) from exc
-    results = run(ctx, lambda t: t.publish(topic, prepared))
+    results = run(ctx, lambda t: t.publish(topic, prepared), app=True)
     if ctx.as_json:
         emit_json(results)
     else:
@@ -147,13 +166,23 @@ def publish(
 
 
 @cli.command()
+@app_option
 @click.option("--subscription")
 @pass_context
 def stats(ctx: Context, subscription: str | None) -> None:
     """Deliveries per state, per subscription."""
-    rows = run(ctx, lambda t: t.stats(subscription))
+    from .targets import PASS_APP, database_subscriptions_elsewhere
+
+    async def read(transport: Any) -> tuple[list[Any], set[str]]:
+        elsewhere = set() if ctx.app_path else await database_subscriptions_elsewhere(transport)
+        return [r for r in await transport.stats(subscription) if r.subscription not in elsewhere], elsewhere
+
+    rows, elsewhere = run(ctx, read, subscription=subscription, app=True)
     if subscription and not rows:
         raise click.ClickException(f"subscription {subscription!r} does not exist")
+    if elsewhere:
+        click.echo(f"({len(elsewhere)} subscription(s) of aws topics are not listed: {sorted(elsewhere)}; "
+                   f"{PASS_APP} to reach them)", err=True)
     if ctx.as_json:
         emit_json(rows)
     else:
@@ -162,6 +191,7 @@ def stats(ctx: Context, subscription: str | None) -> None:
 
 
 @cli.command("dead-letters")
+@app_option
 @click.option("--subscription", required=True)
 @click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 10000))
 @click.option("--after", help="Page after this delivery id.")
@@ -169,8 +199,9 @@ def stats(ctx: Context, subscription: str | None) -> None:
 @pass_context
 def dead_letters(ctx: Context, subscription: str, limit: int, after: str | None, include_payload: bool) -> None:
     """Dead-lettered deliveries with their reason and last error."""
-    rows = shown_all(run(ctx, lambda t: _existing(t, subscription, t.list_deliveries(
-        subscription, "DeadLettered", limit=limit, after=after, include_payload=include_payload))))
+    rows = shown_all(run(ctx, lambda t: t.list_deliveries(
+        subscription, "DeadLettered", limit=limit, after=after, include_payload=include_payload),
+        subscription=subscription, app=True))
     if ctx.as_json:
         emit_json(rows)
     else:
@@ -179,6 +210,7 @@ def dead_letters(ctx: Context, subscription: str, limit: int, after: str | None,
 
 
 @cli.command()
+@app_option
 @click.option("--subscription", required=True)
 @click.option("--status", "status", default="InFlight", show_default=True,
               type=click.Choice(["Pending", "InFlight", "Completed", "DeadLettered", "Discarded"]))
@@ -190,8 +222,9 @@ def deliveries(
     ctx: Context, subscription: str, status: DeliveryStatus, limit: int, after: str | None, include_payload: bool
 ) -> None:
     """Deliveries of one state, oldest first: find the id of a stuck InFlight delivery."""
-    rows = shown_all(run(ctx, lambda t: _existing(t, subscription, t.list_deliveries(
-        subscription, status, limit=limit, after=after, include_payload=include_payload))))
+    rows = shown_all(run(ctx, lambda t: t.list_deliveries(
+        subscription, status, limit=limit, after=after, include_payload=include_payload),
+        subscription=subscription, app=True))
     if ctx.as_json:
         emit_json(rows)
     else:
@@ -200,12 +233,14 @@ def deliveries(
 
 
 @cli.command()
+@app_option
 @click.argument("delivery_id")
 @click.option("--payload", "include_payload", is_flag=True, help="Include the payload.")
 @pass_context
 def delivery(ctx: Context, delivery_id: str, include_payload: bool) -> None:
     """One delivery whole: state, attempts, lease, progress, reason, last error, timestamps."""
-    info = run(ctx, lambda t: t.get_delivery(delivery_id, include_payload=include_payload))
+    info = run(ctx, lambda t: t.get_delivery(delivery_id, include_payload=include_payload),
+               delivery_id=delivery_id, app=True)
     if info is None:
         raise click.ClickException(f"delivery {delivery_id!r} does not exist")
     if ctx.as_json:
@@ -215,13 +250,15 @@ def delivery(ctx: Context, delivery_id: str, include_payload: bool) -> None:
 
 
 @cli.command()
+@app_option
 @click.option("--subscription", required=True)
 @click.option("--condition", type=click.Choice(["Blocked", "InFlight", "Idle"]))
 @click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 10000))
 @pass_context
 def partitions(ctx: Context, subscription: str, condition: PartitionCondition | None, limit: int) -> None:
     """Keys of an Exclusive or Ordered subscription: Blocked, InFlight or Idle."""
-    rows = run(ctx, lambda t: _existing(t, subscription, t.partitions(subscription, condition, limit=limit)))
+    rows = run(ctx, lambda t: t.partitions(subscription, condition, limit=limit), subscription=subscription,
+               app=True)
     if ctx.as_json:
         emit_json(rows)
     else:
@@ -230,23 +267,27 @@ def partitions(ctx: Context, subscription: str, condition: PartitionCondition | 
 
 
 @cli.command()
+@app_option
 @click.option("--subscription", required=True)
 @click.option("--delivery", "delivery_id", required=True)
 @click.option("--note", help="What changed (kept on the delivery).")
 @pass_context
 def replay(ctx: Context, subscription: str, delivery_id: str, note: str | None) -> None:
     """Replay a dead letter: Pending again, same MessageID and Ordered position."""
-    _action(ctx, run(ctx, lambda t: t.replay(subscription, delivery_id, note)))
+    _action(ctx, run(ctx, lambda t: t.replay(subscription, delivery_id, note), subscription=subscription,
+                     delivery_id=delivery_id, app=True))
 
 
 @cli.command()
+@app_option
 @click.option("--subscription", required=True)
 @click.option("--delivery", "delivery_id", required=True)
 @click.option("--reason", help="Why (kept on the delivery).")
 @pass_context
 def discard(ctx: Context, subscription: str, delivery_id: str, reason: str | None) -> None:
     """Discard a Pending or DeadLettered delivery, or cancel one that runs."""
-    _action(ctx, run(ctx, lambda t: t.discard(subscription, delivery_id, reason)))
+    _action(ctx, run(ctx, lambda t: t.discard(subscription, delivery_id, reason), subscription=subscription,
+                     delivery_id=delivery_id, app=True))
 
 
 def _action(ctx: Context, result: Any) -> None:
@@ -263,11 +304,12 @@ def _action(ctx: Context, result: Any) -> None:
 
 
 @cli.command()
+@app_option
 @click.option("--subscription", required=True)
 @pass_context
 def backlog(ctx: Context, subscription: str) -> None:
     """Claimable Pending (single flight per key) plus InFlight, for autoscalers."""
-    result = run(ctx, lambda t: t.backlog(subscription))
+    result = run(ctx, lambda t: t.backlog(subscription), subscription=subscription, app=True)
     if result is None:
         raise click.ClickException(f"subscription {subscription!r} does not exist")
     if ctx.as_json:
@@ -277,7 +319,8 @@ def backlog(ctx: Context, subscription: str) -> None:
 
 
 def _set_status(ctx: Context, subscription: str, status: str) -> None:
-    changed = run(ctx, lambda t: t.set_subscription_status(subscription, status))
+    changed = run(ctx, lambda t: t.set_subscription_status(subscription, status), subscription=subscription,
+                  app=True)
     if changed is None:
         raise click.ClickException(f"subscription {subscription!r} does not exist")
     if ctx.as_json:
@@ -287,6 +330,7 @@ def _set_status(ctx: Context, subscription: str, status: str) -> None:
 
 
 @cli.command()
+@app_option
 @click.option("--subscription", required=True)
 @pass_context
 def pause(ctx: Context, subscription: str) -> None:
@@ -295,6 +339,7 @@ def pause(ctx: Context, subscription: str) -> None:
 
 
 @cli.command()
+@app_option
 @click.option("--subscription", required=True)
 @pass_context
 def resume(ctx: Context, subscription: str) -> None:
@@ -325,13 +370,14 @@ def validate_bindings(
 
 
 @cli.command()
+@app_option
 @click.option("--older-than", "older_than", default="7d", show_default=True,
               help="Age of Completed and Discarded deliveries to remove: 3600, 90m, 12h, 7d.")
 @pass_context
 def prune(ctx: Context, older_than: str) -> None:
     """Remove Completed and Discarded deliveries settled longer ago than --older-than."""
     seconds = parse_duration(older_than)
-    removed = run(ctx, lambda t: t.prune(seconds))
+    removed = run(ctx, lambda t: t.prune(seconds), app=True)
     if ctx.as_json:
         emit_json({"Removed": removed})
     else:
@@ -404,16 +450,6 @@ def parse_duration(text: str, *, bare_unit: str = "s") -> float:
         raise click.BadParameter(f"{text!r} is not a duration (use 3600, 90m, 12h or 7d)") from exc
 
 
-async def _existing(transport: Any, subscription: str, pending: Awaitable[T]) -> T:
-    names = {s.name for s in await transport.list_subscriptions()}
-    if subscription not in names:
-        close = getattr(pending, "close", None)
-        if close is not None:
-            close()
-        raise ConfigurationError(f"subscription {subscription!r} does not exist")
-    return await pending
-
-
 def _set_json(click_ctx: click.Context, param: click.Parameter, value: bool) -> None:
     if value:
         click_ctx.find_object(Context).as_json = True  # type: ignore[union-attr]
@@ -452,6 +488,7 @@ def accept_global_options(command: click.Command) -> None:
 cli.add_command(sql)
 cli.add_command(export_topology)
 cli.add_command(import_bindings)
+cli.add_command(lambda_policy)
 cli.add_command(jobs)
 cli.add_command(schedules)
 cli.add_command(subscriptions)

@@ -1,4 +1,5 @@
-"""The AWS commands: ``export-topology``, ``import-bindings`` and ``validate-bindings --transport aws``.
+"""The AWS commands: ``export-topology``, ``import-bindings``, ``lambda-policy`` and
+``validate-bindings --transport aws``.
 
 They read the queue from ``--app MODULE:ATTR`` (or ``WORKQUEUE_APP``): its topics and subscriptions
 give the manifest, its settings the region, the endpoint and where bindings are kept.
@@ -135,12 +136,52 @@ def import_bindings(bindings_file: str, app_path: str | None) -> None:
     except (ValueError, WorkQueueError) as exc:
         raise _fail(exc) from exc
     queue = _queue(app_path)
-    _run(module.store_bindings(queue, bindings))
+    _run(_with_engine(queue, module.store_bindings(queue, bindings)))
     if _as_json():
         emit_json({"Topics": sorted(bindings.topics), "Subscriptions": sorted(bindings.subscriptions)})
     else:
         click.echo(f"imported the bindings of {len(bindings.topics)} topic(s) and {len(bindings.subscriptions)} "
                    "subscription(s); next: workqueue validate-bindings --transport aws")
+
+
+@click.command("lambda-policy")
+@click.argument("subscription")
+@click.option("--app", "app_path", envvar="WORKQUEUE_APP", help=APP_HELP)
+@click.option("--bindings", "bindings_file", metavar="FILE",
+              help="The module's binding_import (or `terraform output -json`) instead of the stored bindings.")
+def lambda_policy(subscription: str, app_path: str | None, bindings_file: str | None) -> None:
+    """Print the WORKQUEUE_SUBSCRIPTION_POLICY of a Lambda serving SUBSCRIPTION (one line of JSON)."""
+    queue = _queue(app_path)
+    sub = queue.subscriptions.get(subscription)
+    if sub is None:
+        raise click.ClickException(
+            f"subscription {subscription!r} is not declared by the app: it declares {sorted(queue.subscriptions)}"
+        )
+    topic = queue.topics.get(sub.topic)
+    if topic is None:
+        raise click.ClickException(f"subscription {subscription!r} names topic {sub.topic!r}, which the app does "
+                                   "not declare")
+    module = _aws("bindings")
+    if bindings_file:
+        try:
+            bindings = module.Bindings.parse(_unwrap(_read_json(bindings_file, "bindings file")))
+        except (ValueError, WorkQueueError) as exc:
+            raise _fail(exc) from exc
+    else:
+        bindings = _run(_with_engine(queue, module.load_bindings(queue)))
+    try:
+        policy = _aws("lambda_policy").lambda_policy(sub, topic, bindings, region=queue.settings.aws_region)
+    except WorkQueueError as exc:
+        raise _fail(exc) from exc
+    click.echo(json.dumps(policy, separators=(",", ":")))
+
+
+async def _with_engine(queue: Any, awaitable: Awaitable[T]) -> T:
+    """Awaits ``awaitable`` (which may use the queue's engine), then disposes of the engine."""
+    try:
+        return await awaitable
+    finally:
+        await queue._sessions.dispose()
 
 
 def validate_aws(
@@ -157,7 +198,7 @@ def validate_aws(
         except (ValueError, WorkQueueError) as exc:
             raise _fail(exc) from exc
     else:
-        bindings = _run(_aws("bindings").load_bindings(queue)).model_dump(mode="json")
+        bindings = _run(_with_engine(queue, _aws("bindings").load_bindings(queue))).model_dump(mode="json")
     if endpoint_url is None and queue is not None:
         endpoint_url = getattr(queue.settings, "aws_endpoint_url", None)
     region = manifest.get("region") if isinstance(manifest, dict) else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,42 +26,53 @@ def emit_json(value: Any) -> None:
 
 
 CELL_WIDTH = 60
+"""Text longer than this wraps onto more lines of its cell (whole words; a longer word keeps its
+line and widens the column): a table never cuts what it shows."""
 KEEP_END = frozenset({"last_error", "error"})
-"""Columns whose end matters most: an error's last line holds its cause, so a long one loses its start."""
+"""Columns of which only the last line is shown: an error's last line holds its cause (``delivery``
+and ``--json`` show every line)."""
+CUT = frozenset({"payload"})
+"""Columns cut at :data:`CELL_WIDTH` instead (a payload may be 256 KiB: ``delivery ID --payload``
+and ``--json`` show it whole)."""
 
 
 def table(rows: Sequence[BaseModel], columns: Sequence[str], *, empty: str = "(none)") -> None:
-    """Prints models as a table of the given fields (snake_case names, shown as PascalCase)."""
+    """Prints models as a table of the given fields (snake_case names, shown as PascalCase); a long
+    cell wraps onto as many lines as it needs, the other cells of its row left blank there."""
     if not rows:
         click.echo(empty)
         return
     from ..core.wire import to_wire_name
 
     headers = [to_wire_name(c) for c in columns]
-    cells = [[_cell(getattr(row, c), keep_end=c in KEEP_END) for c in columns] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    cells = [[_cell(getattr(row, c), keep_end=c in KEEP_END, cut=c in CUT) for c in columns] for row in rows]
+    widths = [max(len(h), *(len(line) for r in cells for line in r[i])) for i, h in enumerate(headers)]
     click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
     for r in cells:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        for index in range(max(len(lines) for lines in r)):
+            parts = [(lines[index] if index < len(lines) else "").ljust(w) for lines, w in zip(r, widths, strict=True)]
+            click.echo("  ".join(parts).rstrip())
 
 
-def _cell(value: Any, *, keep_end: bool = False) -> str:
+def _cell(value: Any, *, keep_end: bool = False, cut: bool = False) -> list[str]:
+    """The lines of one cell: the value's text, wrapped at :data:`CELL_WIDTH` (or cut there)."""
     if value is None:
-        return "-"
+        return ["-"]
     if isinstance(value, list | tuple | set | frozenset):
-        return ",".join(str(v) for v in value)
-    if hasattr(value, "isoformat"):
-        return str(value.isoformat(timespec="seconds"))
-    if isinstance(value, dict):
+        text = ",".join(str(v) for v in value)
+    elif hasattr(value, "isoformat"):
+        return [str(value.isoformat(timespec="seconds"))]
+    elif isinstance(value, dict):
         text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     elif keep_end:
         lines = [line.strip() for line in str(value).splitlines() if line.strip()]
         text = lines[-1] if lines else ""
-        return text if len(text) <= CELL_WIDTH else "..." + text[-(CELL_WIDTH - 3):]
     else:
-        text = str(value)
-    text = text.replace("\n", " ")
-    return text if len(text) <= CELL_WIDTH else text[: CELL_WIDTH - 3] + "..."
+        text = " ".join(str(value).split())
+    if cut:
+        text = text.replace("\n", " ")
+        return [text if len(text) <= CELL_WIDTH else text[: CELL_WIDTH - 3] + "..."]
+    return textwrap.wrap(text, CELL_WIDTH, break_long_words=False, break_on_hyphens=False) or [""]
 
 
 def record(row: BaseModel) -> None:

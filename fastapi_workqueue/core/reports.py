@@ -29,6 +29,9 @@ class SubscriptionStats(WireModel):
     completed: int
     discarded: int
     oldest_pending_at: datetime | None = None
+    reason: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    """What an operator should know of the counts and what to do (a subscription whose topic moved
+    to another transport, with deliveries left in the database)."""
 
 
 class Backlog(WireModel):

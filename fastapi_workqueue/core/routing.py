@@ -17,7 +17,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from .envelope import PreparedMessage, PublishResult
-from .errors import ConfigurationError
+from .errors import ConfigurationError, TransportError
 from .processes import ProcessBeat, ProcessInfo, ProcessRegistry
 from .reports import (
     ActionResult,
@@ -32,6 +32,7 @@ from .reports import (
 )
 from .topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
 from .transport import (
+    INTERRUPT_CLAIMS,
     Capabilities,
     ClaimedDelivery,
     HeartbeatRequest,
@@ -154,17 +155,49 @@ class RoutingTransport:
             subs = [s for s in subscriptions if s.topic in names]
             if mine or subs:
                 await self._named(name).sync_topology(mine, subs)
+        await self._record_moves([t for t in topics if t.transport in self.others])
+
+    async def _record_moves(self, topics: Sequence[Topic]) -> None:
+        """Records in the database that these topics, which it holds as database topics from
+        before, are now on another transport: their old rows are no longer run or listed as the
+        database's, and the CLI on the database alone refuses them."""
+        if self.default is None or not topics:
+            return
+        held = {t.name: t for t in await self.default.list_topics()}
+        moved = [t for t in topics if t.name in held and held[t.name].transport != t.transport]
+        if moved:
+            await self.default.sync_topology(moved, [])
+
+    def _pairs(self) -> list[tuple[str, Transport]]:
+        """Each transport with the name topics give it."""
+        return ([(DATABASE, self.default)] if self.default is not None else []) + list(self.others.items())
+
+    def _route(self, subscription: str, listed_by: str, transport_name: str = DATABASE) -> str:
+        """The transport a subscription is on: the one its declared topic names, else (a row the
+        database holds that this queue does not declare) the one its topic row names."""
+        return self._subscriptions.get(subscription, transport_name if listed_by == DATABASE else listed_by)
 
     async def list_subscriptions(self) -> list[SubscriptionState]:
+        """Each subscription once, as the transport it is on lists it: the database's rows of a
+        subscription whose topic moved to another transport are not run from there."""
         found: list[SubscriptionState] = []
-        for transport in self._all():
-            found.extend(await transport.list_subscriptions())
+        seen: set[str] = set()
+        for name, transport in self._pairs():
+            for state in await transport.list_subscriptions():
+                if self._route(state.name, name, state.transport_name) == name and state.name not in seen:
+                    seen.add(state.name)
+                    found.append(state)
         return found
 
     async def list_topics(self) -> list[Topic]:
         found: list[Topic] = []
-        for transport in self._all():
-            found.extend(await transport.list_topics())
+        seen: set[str] = set()
+        for name, transport in self._pairs():
+            for topic in await transport.list_topics():
+                route = self._topics.get(topic.name, topic.transport if name == DATABASE else name)
+                if route == name and topic.name not in seen:
+                    seen.add(topic.name)
+                    found.append(topic)
         return found
 
     async def set_subscription_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:
@@ -212,6 +245,20 @@ class RoutingTransport:
 
     async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
         return await self.transport_for_delivery(settlement.delivery_id).settle_with_follow_ups(settlement)
+
+    def interrupt_claims(self, subscriptions: Sequence[str]) -> None:
+        """Passes the interrupt on to the transports of these subscriptions whose claims wait."""
+        by_transport: dict[int, tuple[Transport, list[str]]] = {}
+        for name in subscriptions:
+            try:
+                transport = self.transport_for_subscription(name)
+            except ConfigurationError:
+                continue
+            by_transport.setdefault(id(transport), (transport, []))[1].append(name)
+        for transport, names in by_transport.values():
+            interrupt = getattr(transport, INTERRUPT_CLAIMS, None)
+            if interrupt is not None:
+                interrupt(names)
 
     async def add_wakeup_listener(self, listener: WakeupListener) -> None:
         for transport in self._all():
@@ -263,12 +310,25 @@ class RoutingTransport:
     # -- operate ---------------------------------------------------------------------------------
 
     async def stats(self, subscription: str | None = None) -> list[SubscriptionStats]:
-        if subscription is not None:
-            return await self.transport_for_subscription(subscription).stats(subscription)
-        found: list[SubscriptionStats] = []
-        for transport in self._all():
-            found.extend(await transport.stats(None))
-        return found
+        """Each subscription once, from the transport it is on; one whose topic moved there from
+        the database, which still holds some of its deliveries, says so in its ``reason``."""
+        rows: dict[str, SubscriptionStats] = {}
+        left: dict[str, SubscriptionStats] = {}
+        for name, transport in self._pairs():
+            if subscription is not None and name not in (DATABASE, self._route(subscription, DATABASE)):
+                continue
+            for row in await transport.stats(subscription):
+                route = self._route(row.subscription, name)
+                if route != name:
+                    left[row.subscription] = row  # the database's row of a moved subscription
+                elif row.subscription not in rows:
+                    rows[row.subscription] = row
+        for sub, old in left.items():
+            reason = moved_reason(old, self._route(sub, DATABASE))
+            if reason is None:
+                continue
+            rows[sub] = rows.get(sub, old).model_copy(update={"reason": reason})
+        return list(rows.values())
 
     async def backlog(self, subscription: str) -> Backlog | None:
         return await self.transport_for_subscription(subscription).backlog(subscription)
@@ -286,17 +346,41 @@ class RoutingTransport:
         self, subscription: str, status: DeliveryStatus, *, limit: int = 100, after: str | None = None,
         include_payload: bool = False,
     ) -> list[DeliveryInfo]:
-        return await self.transport_for_subscription(subscription).list_deliveries(
-            subscription, status, limit=limit, after=after, include_payload=include_payload
-        )
+        """The subscription's transport's listing; for a subscription whose topic moved from the
+        database, what the database still holds of it first (its ids, then the new transport's)."""
+        serving = self.transport_for_subscription(subscription)
+        if self.default is None or serving is self.default:
+            return await serving.list_deliveries(
+                subscription, status, limit=limit, after=after, include_payload=include_payload)
+        rows: list[DeliveryInfo] = []
+        prefixed = after is not None and self.transport_for_delivery(after) is not self.default
+        if not prefixed:
+            rows = await self.default.list_deliveries(
+                subscription, status, limit=limit, after=after, include_payload=include_payload)
+        if len(rows) < limit:
+            try:
+                rows += await serving.list_deliveries(subscription, status, limit=limit - len(rows),
+                                                      after=after if prefixed else None,
+                                                      include_payload=include_payload)
+            except TransportError:
+                if not rows:
+                    raise
+        return rows
 
     async def partitions(
         self, subscription: str, condition: PartitionCondition | None = None, *, limit: int = 100
     ) -> list[PartitionInfo]:
         return await self.transport_for_subscription(subscription).partitions(subscription, condition, limit=limit)
 
+    def _holder(self, subscription: str, delivery_id: str) -> Transport:
+        """The transport that holds a delivery: the one its id's prefix names; an id without one is
+        the database's (of a subscription whose topic moved, from before the move)."""
+        if self.default is None:
+            return self.transport_for_subscription(subscription)
+        return self.transport_for_delivery(delivery_id)
+
     async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
-        return await self.transport_for_subscription(subscription).replay(subscription, delivery_id, note)
+        return await self._holder(subscription, delivery_id).replay(subscription, delivery_id, note)
 
     async def validate_bindings(self) -> BindingReport:
         reports = [await t.validate_bindings() for t in self._all()]
@@ -309,7 +393,7 @@ class RoutingTransport:
         return sum([await t.prune(older_than_seconds) for t in self._all()])
 
     async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
-        return await self.transport_for_subscription(subscription).discard(subscription, delivery_id, reason)
+        return await self._holder(subscription, delivery_id).discard(subscription, delivery_id, reason)
 
     async def discard_dead_letters(self, subscription: str, settled_before: datetime, limit: int = 1000) -> int:
         return await self.transport_for_subscription(subscription).discard_dead_letters(
@@ -320,6 +404,28 @@ class RoutingTransport:
         self, message_id: uuid.UUID, payload_json: str, content_hash: str, envelope_bytes: int
     ) -> bool:
         return await self.database.rewrite_payload(message_id, payload_json, content_hash, envelope_bytes)
+
+
+def moved_reason(left: SubscriptionStats, transport: str) -> str | None:
+    """What the database still holds of a subscription whose topic moved to ``transport``, and what
+    to do about it; None when it holds nothing unsettled."""
+    waiting, dead = left.pending + left.in_flight, left.dead_lettered
+    if not waiting and not dead:
+        return None
+    parts = []
+    if waiting:
+        parts.append(
+            f"{waiting} not yet forwarded to its {transport} queue (a process with the outbox relay on, "
+            "WORKQUEUE_AWS_RELAY, forwards them)"
+        )
+    if dead:
+        parts.append(
+            f"{dead} dead letter{'s' if dead != 1 else ''} (list, replay or discard "
+            f"{'them' if dead != 1 else 'it'} with `workqueue dead-letters|replay|discard --subscription "
+            f"{left.subscription} --app MODULE:ATTR`)"
+        )
+    return (f"topic {left.topic!r} moved to the {transport} transport and the database still holds deliveries "
+            f"of {left.subscription!r} from before: " + "; ".join(parts))
 
 
 def build_routing(

@@ -34,7 +34,7 @@ from .redaction import TRACEBACK_TEXT, redact, redacting_logger
 from .request_load import RequestLoad
 from .settler import Settler
 from .topology import SubscriptionState
-from .transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
+from .transport import INTERRUPT_CLAIMS, ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
 from .words import count
 
 log = redacting_logger("fastapi_workqueue.runtime")
@@ -197,6 +197,7 @@ class Consumer:
         self._paused = True
         self._wake.set()
         self._slot_freed.set()
+        self._interrupt_claims()
         self._release_buffer("released: the subscription was paused")
         if self._running:
             log.info("%s: paused; %d running handlers finish and settle", self.name, len(self._running))
@@ -240,6 +241,7 @@ class Consumer:
         self._stopping = True
         self._wake.set()
         self._slot_freed.set()
+        self._interrupt_claims()
         if self._request_load is not None:
             self._request_load.unsubscribe(self._slot_freed.set)
         if self._loop_task is not None:
@@ -276,6 +278,12 @@ class Consumer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat_task
         await self.settler.flush()
+
+    def _interrupt_claims(self) -> None:
+        """Ends a claim that waits for work (an SQS long poll) instead of waiting it out."""
+        interrupt = getattr(self.transport, INTERRUPT_CLAIMS, None)
+        if interrupt is not None:
+            interrupt([s.name for group in self._groups for s in group])
 
     def _release_buffer(self, reason: str) -> None:
         """Gives back deliveries claimed ahead and not started, without spending their attempt."""
@@ -452,8 +460,10 @@ class Consumer:
 
     def _hold(self, sub: SubscriptionState, delivery: ClaimedDelivery, sent_at: float) -> None:
         """Takes a claimed delivery under lease, waiting for a free slot. The lease is counted from
-        when the claim was sent (:mod:`.leases`), not from when its answer arrived."""
-        running = _Running(delivery, AbortSignal(), LocalLease.claimed(sent_at, sub.lease_seconds), sub)
+        when the claim was sent (:mod:`.leases`), not from when its answer arrived, or from as much
+        later as the transport says it started the lease (an SQS long poll that waited)."""
+        started = sent_at + max(0.0, delivery.lease_offset_seconds)
+        running = _Running(delivery, AbortSignal(), LocalLease.claimed(started, sub.lease_seconds), sub)
         self.claimed_total += 1
         self._held[delivery.lease_token] = running
         self._buffer.append(running)

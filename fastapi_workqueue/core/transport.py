@@ -1,7 +1,10 @@
 """The transport contract: what the runtime, the host and operators need from where messages live.
 
 A transport implements :class:`Transport`; its :class:`Capabilities` say what it cannot do, and
-the host reports such subscriptions ``Unsupported`` instead of failing silently.
+the host reports such subscriptions ``Unsupported`` instead of failing silently. A transport whose
+claims wait for work (an SQS long poll) also has ``interrupt_claims(subscriptions)``
+(:data:`INTERRUPT_CLAIMS`): it ends those claims with what they have, so a consumer that stops or
+pauses does not wait them out.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from .reports import (
     SweepReport,
 )
 from .topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
+
+INTERRUPT_CLAIMS = "interrupt_claims"
+"""The optional method of a transport whose claims wait for work (see the module's docstring)."""
 
 SettleKind = Literal["Complete", "Retry", "Fail", "DeadLetter", "Release", "Discard"]
 SettleResult = Literal["Completed", "Pending", "DeadLettered", "Discarded", "LeaseLost"]
@@ -72,6 +78,10 @@ class ClaimedDelivery:
     published_at: datetime | None = None
     headers: dict[str, str] | None = None
     """What the publisher's library carried with the message (the W3C trace context), or None."""
+    lease_offset_seconds: float = 0.0
+    """How long after the claim call started the transport started (or restarted) this lease: the
+    runtime counts the lease from then. 0 where the lease starts inside the claim (a database's
+    transaction); an SQS receive that long-polled renews the lease once the message is there."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ def _queue(sqs: Any, name: str, fifo: bool, attributes: dict[str, str]) -> tuple
 
 
 def provision(manifest: dict[str, Any], endpoint_url: str | None, *, region: str | None = None) -> dict[str, Any]:
-    """Creates the manifest's topics, queues, DLQs (redrive with maxReceiveCount = max_attempts) and
+    """Creates the manifest's topics, queues, DLQs (redrive with the manifest's max_receive_count) and
     raw subscriptions with their filter policies; returns the ``binding_import`` document."""
     region = region or manifest["region"]
     sns, sqs = clients(endpoint_url, region)
@@ -54,7 +54,7 @@ def provision(manifest: dict[str, Any], endpoint_url: str | None, *, region: str
         queue_url, queue_arn = _queue(sqs, sub["queue_name"], fifo, {
             "VisibilityTimeout": str(sub["visibility_timeout_seconds"]),
             "MessageRetentionPeriod": retention,
-            "RedrivePolicy": json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": sub["max_attempts"]}),
+            "RedrivePolicy": json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": sub["max_receive_count"]}),
         })
         topic_arn = topics[sub["topic"]]["arn"]
         sqs.set_queue_attributes(QueueUrl=queue_url, Attributes={"Policy": json.dumps({

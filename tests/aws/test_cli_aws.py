@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -188,3 +190,130 @@ def test_import_refuses_a_file_that_is_not_bindings(tmp_path: Path, endpoint: st
     run = workqueue("import-bindings", str(bad), "--app", APP, env=app_env(tmp_path, endpoint), cwd=ROOT)
     assert run.returncode == 1
     assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith("Error: ")
+
+
+@pytest.mark.parametrize("command", ["import-bindings", "validate-bindings"])
+def test_an_unmigrated_database_says_to_run_migrate(
+    fresh_url: str, tmp_path: Path, endpoint: str, command: str,
+) -> None:
+    env = app_env(tmp_path, endpoint, database_url=fresh_url)
+    bindings = tmp_path / "b.json"
+    bindings.write_text(json.dumps({"version": 1, "region": REGION, "topics": {}, "subscriptions": {}}),
+                        encoding="utf-8")
+    args = [command, str(bindings)] if command == "import-bindings" else [command, "--transport", "aws"]
+    run = workqueue(*args, "--app", APP, env=env, cwd=ROOT)
+    assert run.returncode == 1, run.stdout
+    assert "Traceback" not in run.stderr
+    [line] = run.stderr.strip().splitlines()
+    assert line.startswith("Error: ") and "run `workqueue migrate`" in line
+
+
+def column(stdout: str, header: str) -> list[str]:
+    """The text of one table column, a wrapped cell joined back into one line per row."""
+    lines = stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if header in line and line.lstrip().startswith("Severity"))
+    start = lines[head].index(header)
+    rows: list[str] = []
+    for line in lines[head + 1:]:
+        if line[:start].strip():
+            rows.append(line[start:].strip())
+        elif rows:
+            rows[-1] += " " + line[start:].strip()
+    return rows
+
+
+def test_validate_bindings_prints_each_message_whole(
+    files: tuple[Path, Path, dict[str, Any]], endpoint: str
+) -> None:
+    manifest_file, bindings_file, bindings = files
+    [(_, sub)] = bindings["subscriptions"].items()
+    clients(endpoint)[1].set_queue_attributes(QueueUrl=sub["queue_url"], Attributes={"VisibilityTimeout": "5"})
+    args = ["validate-bindings", "--transport", "aws", "--manifest", str(manifest_file), "--bindings",
+            str(bindings_file)]
+    [issue] = json.loads(workqueue("--json", *args, endpoint=endpoint).stdout)["Issues"]
+    assert len(issue["Message"]) > 200
+    run = workqueue(*args, endpoint=endpoint)
+    assert run.returncode == 1
+    assert column(run.stdout, "Message") == [issue["Message"]]
+    assert "..." not in run.stdout
+    assert max(len(line) for line in run.stdout.splitlines()) < 200
+
+
+@pytest.mark.parametrize(("app", "resource"), [
+    ("same_queue", "the same SQS queue 'orders-email'"),
+    ("queue_is_a_dlq", "the same SQS queue 'orders-email-dlq'"),
+])
+def test_export_refuses_names_that_map_to_one_queue(tmp_path: Path, endpoint: str, app: str, resource: str) -> None:
+    output = tmp_path / "manifest.json"
+    env = {**app_env(tmp_path, endpoint), "WORKQUEUE_AWS_RESOURCE_PREFIX": ""}
+    run = workqueue("export-topology", "--transport", "aws", "--app", f"tests.apps.aws_app:{app}", "--output",
+                    str(output), env=env, cwd=ROOT)
+    assert run.returncode == 1 and not output.exists()
+    [line] = run.stderr.strip().splitlines()
+    assert resource in line and "rename one of the subscriptions" in line
+    assert "'orders.email'" in line and ("'orders-email'" in line or "'orders.email.dlq'" in line)
+
+
+def test_lambda_policy_prints_what_the_function_reads(tmp_path: Path, endpoint: str) -> None:
+    from fastapi_workqueue.aws.lambda_handler import POLICY_ENV, SubscriptionPolicy
+
+    env = app_env(tmp_path, endpoint)
+    manifest_file = tmp_path / "manifest.json"
+    assert workqueue("export-topology", "--transport", "aws", "--app", APP, "--output", str(manifest_file),
+                     env=env, cwd=ROOT).returncode == 0
+    bindings = provision(json.loads(manifest_file.read_text(encoding="utf-8")), endpoint)
+    (tmp_path / "b.json").write_text(json.dumps(bindings), encoding="utf-8")
+
+    unbound = workqueue("lambda-policy", "orders.email", "--app", APP, env=env, cwd=ROOT)
+    assert unbound.returncode == 1 and "is not bound" in unbound.stderr and "import-bindings" in unbound.stderr
+    given = workqueue("lambda-policy", "orders.email", "--app", APP, "--bindings", str(tmp_path / "b.json"),
+                      env=env, cwd=ROOT)
+    assert workqueue("import-bindings", str(tmp_path / "b.json"), "--app", APP, env=env, cwd=ROOT).returncode == 0
+    stored = workqueue("lambda-policy", "orders.email", "--app", APP, env=env, cwd=ROOT)
+    assert (given.returncode, stored.returncode) == (0, 0), given.stderr + stored.stderr
+    assert given.stdout == stored.stdout and len(stored.stdout.strip().splitlines()) == 1
+    policy = SubscriptionPolicy.from_env({POLICY_ENV: stored.stdout.strip()})
+    bound = bindings["subscriptions"]["orders.email"]
+    assert (policy.queue_url, policy.dlq_url) == (bound["queue_url"], bound["dlq_url"])
+    assert (policy.name, policy.topic, policy.handler_key, policy.partition_mode) == (
+        "orders.email", "orders.created", "orders.email", "Exclusive")
+    assert (policy.is_fifo, policy.max_attempts, policy.lease_seconds) == (True, 4, 45)
+
+    database = workqueue("lambda-policy", "audit.store", "--app", APP, env=env, cwd=ROOT)
+    assert database.returncode == 1 and "only a subscription of an aws topic" in database.stderr
+    unknown = workqueue("lambda-policy", "nope", "--app", APP, env=env, cwd=ROOT)
+    assert unknown.returncode == 1 and "is not declared by the app" in unknown.stderr
+
+
+def test_an_idle_worker_stops_at_once_on_sigterm(tmp_path: Path, endpoint: str) -> None:
+    """The default 20 s long poll is cancelled, not waited out."""
+    env = app_env(tmp_path, endpoint, database_url=f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
+    assert workqueue("migrate", env=env, cwd=ROOT).returncode == 0
+    manifest_file = tmp_path / "manifest.json"
+    assert workqueue("export-topology", "--transport", "aws", "--app", APP, "--output", str(manifest_file),
+                     env=env, cwd=ROOT).returncode == 0
+    (tmp_path / "b.json").write_text(
+        json.dumps(provision(json.loads(manifest_file.read_text(encoding="utf-8")), endpoint)), encoding="utf-8")
+    assert workqueue("import-bindings", str(tmp_path / "b.json"), "--app", APP, env=env, cwd=ROOT).returncode == 0
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
+    environ.update(CREDENTIALS)
+    environ.update(env)
+    with subprocess.Popen([sys.executable, "-m", "fastapi_workqueue", "work", "--app", APP, "--subscription",
+                           "orders.archive"], cwd=ROOT, env=environ, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                if "orders.archive: running" in line:
+                    break
+            else:
+                raise AssertionError(f"the worker ended before it ran: {proc.wait()}")
+            time.sleep(1.0)  # its first long poll (20 s: the default, half of the 45 s lease fits it) is in flight
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0
+            assert time.monotonic() - started < 5
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

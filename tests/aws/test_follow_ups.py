@@ -163,7 +163,8 @@ async def test_without_a_database_follow_ups_go_straight_to_sns(moto_url: str) -
     subs = [Subscription(name=f"{name}.a", topic=name, handler_key="h"),
             Subscription(name=f"{name}.b", topic=f"{name}-next", handler_key="h", partition_mode="Exclusive")]
     queue = WorkQueue(WorkQueueSettings(database_url=None, aws_region=REGION, aws_endpoint_url=moto_url,
-                                        aws_wait_time_seconds=0, aws_relay=False), topics=topics, subscriptions=subs)
+                                        aws_wait_time_seconds=0, aws_relay=False),
+                      topics=[*topics, Topic(name="a-database-topic")], subscriptions=subs)
     bindings = Bindings.parse(provision(build_manifest(topics, subs, queue.settings), moto_url))
     aws = AwsTransport(queue, bindings=bindings)
     await aws.open()
@@ -182,7 +183,13 @@ async def test_without_a_database_follow_ups_go_straight_to_sns(moto_url: str) -
                                  follow_ups=(FollowUp("a-database-topic", handler_output("x")),))
         with pytest.raises(ConfigurationError, match="needs a database"):
             await aws.settle_with_follow_ups(to_database)
-        assert await aws.settle([to_database]) == ["Completed"]  # the refused completion left it leased
+        # A topic the queue does not declare at all is refused as a publish refuses it.
+        to_nowhere = Settlement(other.delivery_id, other.lease_token, "Complete",
+                                follow_ups=(FollowUp("no-such-topic", handler_output("x")),))
+        with pytest.raises(TransportError, match="UnknownTopic") as unknown:
+            await aws.settle_with_follow_ups(to_nowhere)
+        assert "is not settled" in str(unknown.value) and not unknown.value.retryable
+        assert await aws.settle([to_database]) == ["Completed"]  # the refused completions left it leased
     finally:
         await aws.close()
 

@@ -101,3 +101,36 @@ async def test_a_heartbeat_of_a_key_keeps_its_held_messages_invisible_as_long(mo
         [third] = await world.claim("x", 10)
         assert third.attempt == 1 and await world.settle(third) == "Completed"
         assert await world.claim("x", 10) == []
+
+
+async def test_a_retry_settled_while_a_claim_renews_other_keys_keeps_its_key_in_order(moto_url: str) -> None:
+    """A settle runs while a claim waits on SQS (renewing another key's held message): the retry
+    still sees its key's held messages and keeps the key's head ahead of them."""
+    async with aws_harness(moto_url) as harness:
+        transport = harness.transport
+        world = await make_world(transport, [{"role": "x", "partition_mode": "Exclusive", "lease_seconds": 30,
+                                              "backoff_base_seconds": 0, "backoff_max_seconds": 0}])
+        g = await world.publish(*[PublishRequest(partition_key="g", payload=f"g{i}") for i in range(2)])
+        h = await world.publish(*[PublishRequest(partition_key="h", payload=f"h{i}") for i in range(2)])
+        heads = {c.message_id: c for c in await world.claim("x", 10)}  # g0 and h0 go; g1 and h1 are held
+        assert set(heads) == {g[0].message_id, h[0].message_id}
+        assert await world.settle(heads[h[0].message_id]) == "Completed"
+        renew = transport._renew
+        settled: list[str] = []
+
+        async def renew_while_g_retries(changes: object) -> list[bool]:
+            if not settled:  # the settle lands while the claim waits for SQS
+                settled.append("settling")
+                settled[0] = await world.settle(heads[g[0].message_id], "Retry", delay_seconds=0)
+            return await renew(changes)  # type: ignore[arg-type]
+
+        transport._renew = renew_while_g_retries  # type: ignore[method-assign]
+        [h1] = await world.claim("x", 1)  # held since the first receive: renewed before it goes
+        transport._renew = renew  # type: ignore[method-assign]
+        assert settled == ["Pending"] and h1.message_id == h[1].message_id
+        again = await world.claim_one("x")
+        assert (again.message_id, again.attempt) == (g[0].message_id, 2)
+        assert await world.settle(again) == "Completed"
+        last = await world.claim_one("x")
+        assert last.message_id == g[1].message_id
+        assert await world.settle(last) == "Completed" and await world.settle(h1) == "Completed"

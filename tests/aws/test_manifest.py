@@ -46,7 +46,7 @@ def test_the_manifest_holds_the_aws_topology_only() -> None:
     assert email == {
         "name": "orders.email", "topic": "orders.created", "handler_key": "orders.email",
         "queue_name": "app-orders-email.fifo", "dlq_name": "app-orders-email-dlq.fifo", "is_fifo": True,
-        "partition_mode": "Exclusive", "max_attempts": 5, "visibility_timeout_seconds": 30,
+        "partition_mode": "Exclusive", "max_attempts": 5, "max_receive_count": 15, "visibility_timeout_seconds": 30,
         "message_retention_seconds": 7 * 24 * 3600, "raw_message_delivery": True,
         "filter_policy": {"region": ["eu"]}, "filter_policy_scope": "MessageAttributes", "lambda": None,
     }

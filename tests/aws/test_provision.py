@@ -26,7 +26,7 @@ def test_provision_returns_bindings_of_what_it_made(moto_url: str) -> None:
     sns, sqs = clients(moto_url)
     attrs = sqs.get_queue_attributes(QueueUrl=sub.queue_url, AttributeNames=["All"])["Attributes"]
     assert attrs["FifoQueue"] == "true"
-    assert json.loads(attrs["RedrivePolicy"]) == {"deadLetterTargetArn": sub.dlq_arn, "maxReceiveCount": 3}
+    assert json.loads(attrs["RedrivePolicy"]) == {"deadLetterTargetArn": sub.dlq_arn, "maxReceiveCount": 13}
     assert attrs["VisibilityTimeout"] == "60"
     sub_attrs = sns.get_subscription_attributes(SubscriptionArn=sub.subscription_arn)["Attributes"]
     assert sub_attrs["RawMessageDelivery"] == "true"

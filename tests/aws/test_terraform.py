@@ -229,7 +229,7 @@ def test_each_value_fields_exist_in_what_the_block_iterates() -> None:
 def test_queues_redrive_to_their_dlq_after_max_attempts_and_subscriptions_deliver_raw() -> None:
     blocks = {(t, n): body for t, n, body in _blocks("resource")}
     queue = _text(blocks[("aws_sqs_queue", "queue")])
-    assert "maxReceiveCount" in queue and "each.value.max_attempts" in queue
+    assert "maxReceiveCount" in queue and "each.value.max_receive_count" in queue
     assert "aws_sqs_queue.dlq[each.key].arn" in queue
     assert "each.value.visibility_timeout_seconds" in queue
     sub = _text(blocks[("aws_sns_topic_subscription", "subscription")])

@@ -27,7 +27,7 @@ def manifest_for(tag: str) -> dict[str, Any]:
         "subscriptions": [{
             "name": f"orders.email.{tag}", "topic": f"orders.{tag}", "handler_key": "orders.email",
             "queue_name": f"orders-email-{tag}.fifo", "dlq_name": f"orders-email-{tag}-dlq.fifo", "is_fifo": True,
-            "partition_mode": "Exclusive", "max_attempts": 5, "visibility_timeout_seconds": 30,
+            "partition_mode": "Exclusive", "max_attempts": 5, "max_receive_count": 15, "visibility_timeout_seconds": 30,
             "message_retention_seconds": 1209600, "raw_message_delivery": True,
             "filter_policy": {"region": ["eu"]}, "filter_policy_scope": "MessageAttributes", "lambda": None,
         }],
@@ -76,7 +76,7 @@ async def test_each_drift_is_one_error_naming_the_item_and_what_to_run(
     assert all(m.startswith(subject) and m.endswith("then `workqueue import-bindings`") for m in found), found
     text = "\n".join(found)
     assert "visibility timeout of 10 s but the lease is 30 s" in text
-    assert "redrives after 3 receives but max_attempts is 5" in text
+    assert "redrives after 3 receives but the manifest's max_receive_count is 15" in text
     assert "raw message delivery off; handlers need it on" in text
     assert 'filter policy {"region": ["us"]} but the filter renders {"region": ["eu"]}' in text
 

@@ -213,8 +213,10 @@ async def harness(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) 
         from ..aws.harness import AWS_SKIPS, aws_harness
 
         case = request.node.originalname
-        if case in AWS_SKIPS:
-            pytest.skip(f"aws: {AWS_SKIPS[case]}")
+        one = request.node.name.replace("[aws-", "[")  # the case with its other parameters: name[param]
+        for skipped in (case, one):
+            if skipped in AWS_SKIPS:
+                pytest.skip(f"aws: {AWS_SKIPS[skipped]}")
         async with aws_harness(request.getfixturevalue("moto_url")) as aws:
             yield aws  # type: ignore[misc]
         return

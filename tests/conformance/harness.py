@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from fastapi_workqueue import PublishRequest, PublishResult, Subscription, Topic
 from fastapi_workqueue.core.envelope import prepare
-from fastapi_workqueue.core.transport import ClaimedDelivery, Settlement, SettleResult, Transport
+from fastapi_workqueue.core.transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
 
 
 class Harness(Protocol):
@@ -99,6 +99,22 @@ class World:
         info = await self.transport.get_delivery(delivery_id)
         assert info is not None
         return info.status
+
+
+async def cancel_refused(harness: Harness, world: World, role: str, delivery: ClaimedDelivery, reason: str) -> bool:
+    """Asks to discard an in-flight delivery. On a transport without cancel (``capabilities.cancel``
+    False: SQS) checks the aws behaviour instead and answers True: the discard is refused as
+    ``Unsupported`` with the reason, the delivery stays InFlight under its lease, and its next
+    heartbeat is alive and not cancelled. False where the transport cancels (the case goes on)."""
+    if harness.transport.capabilities.cancel:
+        return False
+    refused = await harness.transport.discard(world[role], delivery.delivery_id, reason)
+    assert refused.result == "Unsupported" and not refused.cancel_requested and refused.reason, refused
+    assert not refused.ok
+    assert await world.status(delivery.delivery_id) == "InFlight"
+    [beat] = await harness.transport.heartbeat([HeartbeatRequest(delivery.delivery_id, delivery.lease_token)])
+    assert beat.alive and not beat.cancel_requested
+    return True
 
 
 async def make_world(transport: Transport, subscriptions: Sequence[dict[str, Any]], **topic: Any) -> World:

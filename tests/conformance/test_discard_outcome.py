@@ -11,7 +11,7 @@ import pytest
 from fastapi_workqueue import PublishRequest
 from fastapi_workqueue.core.transport import Settlement
 
-from .harness import Harness, make_world
+from .harness import Harness, cancel_refused, make_world
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,6 +60,12 @@ async def test_c18b_a_cancel_requested_delivery_keeps_the_operators_reason(harne
     world = await make_world(harness.transport, [{"role": "a"}])
     await world.publish_one(payload=1)
     delivery = await world.claim_one("a")
+    if await cancel_refused(harness, world, "a", delivery, "cancelled by the operator"):
+        # No cancel (SQS): the handler's own Discard stands, with its reason.
+        assert await world.settle(delivery, "Discard", reason="the handler's own") == "Discarded"
+        info = await harness.transport.get_delivery(delivery.delivery_id)
+        assert info is not None and info.status == "Discarded" and info.reason == "the handler's own"
+        return
     cancel = await harness.transport.discard(world["a"], delivery.delivery_id, "cancelled by the operator")
     assert cancel.result == "CancelRequested"
     assert await world.settle(delivery, "Discard", reason="the handler's own") == "Discarded"

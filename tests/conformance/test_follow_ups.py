@@ -12,7 +12,7 @@ from fastapi_workqueue.core.envelope import PreparedMessage, prepare
 from fastapi_workqueue.core.outcomes import FollowUp
 from fastapi_workqueue.core.transport import ClaimedDelivery, Settlement
 
-from .harness import Harness, World, make_world, unique
+from .harness import Harness, World, cancel_refused, make_world, unique
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,8 +64,14 @@ async def test_a_stale_token_publishes_nothing(harness: Harness) -> None:
 
 async def test_a_cancelled_delivery_is_discarded_and_publishes_nothing(harness: Harness) -> None:
     first, then, delivery = await chain(harness)
-    assert (await harness.transport.discard(first["a"], delivery.delivery_id, "stop")).result == "CancelRequested"
     follow_ups = messages("step 2")
+    if await cancel_refused(harness, first, "a", delivery, "stop"):
+        # No cancel (SQS): the completion publishes its follow-ups as any other.
+        result = await harness.transport.settle_with_follow_ups(completion(delivery, FollowUp(then.topic, follow_ups)))
+        assert result == "Completed"
+        assert [c.message_id for c in await then.claim("b", 10)] == [follow_ups[0].message_id]
+        return
+    assert (await harness.transport.discard(first["a"], delivery.delivery_id, "stop")).result == "CancelRequested"
     result = await harness.transport.settle_with_follow_ups(completion(delivery, FollowUp(then.topic, follow_ups)))
     assert result == "Discarded"
     assert await first.status(delivery.delivery_id) == "Discarded"

@@ -7,7 +7,7 @@ import pytest
 from fastapi_workqueue import PublishRequest
 from fastapi_workqueue.core.transport import HeartbeatRequest
 
-from .harness import Harness, make_world
+from .harness import Harness, cancel_refused, make_world
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,6 +59,14 @@ async def test_c27_discard_in_flight_requests_cancel_then_discarded_never_retrie
     )
     await world.publish(PublishRequest(partition_key="k", payload=1), PublishRequest(partition_key="k", payload=2))
     running = await world.claim_one("x")
+    if await cancel_refused(harness, world, "x", running, "hung"):
+        # No cancel (SQS): the key stays busy and the holder's outcome stands as it would.
+        assert await world.claim("x") == []
+        settled = await world.settle(running, outcome, reason=f"handler says {outcome}", error="e", delay_seconds=0)
+        expected = {"Complete": "Completed", "DeadLetter": "DeadLettered"}.get(outcome, "Pending")
+        assert settled == expected
+        assert await world.status(running.delivery_id) == expected
+        return
     result = await harness.transport.discard(world["x"], running.delivery_id, "hung")
     assert result.result == "CancelRequested" and result.cancel_requested
     [hb] = await harness.transport.heartbeat([HeartbeatRequest(running.delivery_id, running.lease_token)])
@@ -80,6 +88,8 @@ async def test_c28_cancel_requested_with_dead_holder_is_discarded_at_lease_expir
     world = await make_world(harness.transport, [{"role": "a", "lease_seconds": 30}])
     await world.publish_one(payload=1)
     delivery = await world.claim_one("a")
+    if await cancel_refused(harness, world, "a", delivery, "stuck"):
+        return  # no cancel (SQS): nothing is cancel-requested, so nothing is discarded at the lease's expiry
     assert (await harness.transport.discard(world["a"], delivery.delivery_id, "stuck")).cancel_requested
     # The holder is dead: nothing settles. Until the lease runs out the delivery stays InFlight.
     await harness.advance(delivery.delivery_id, 25)

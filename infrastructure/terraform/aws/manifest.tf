@@ -26,6 +26,7 @@ locals {
       is_fifo                    = s.is_fifo
       partition_mode             = s.partition_mode
       max_attempts               = s.max_attempts
+      max_receive_count          = s.max_receive_count
       visibility_timeout_seconds = s.visibility_timeout_seconds
       message_retention_seconds  = s.message_retention_seconds
       raw_message_delivery       = s.raw_message_delivery

@@ -27,7 +27,7 @@ resource "aws_sqs_queue" "queue" {
 
   redrive_policy = jsonencode({
     deadLetterTargetArn = aws_sqs_queue.dlq[each.key].arn
-    maxReceiveCount     = each.value.max_attempts
+    maxReceiveCount     = each.value.max_receive_count
   })
 
   tags = merge(var.tags, { "workqueue:subscription" = each.key, "workqueue:role" = "source" })
