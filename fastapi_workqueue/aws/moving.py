@@ -16,10 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from ..core.redaction import redacting_logger
 from ..core.transport import ClaimedDelivery, Settlement
 from . import body as bodies
 from .naming import BATCH
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..core.transport import Transport
     from .transport import AwsTransport
 
-log = logging.getLogger("fastapi_workqueue.aws")
+log = redacting_logger("fastapi_workqueue.aws")
 
 FORWARD_INTERVAL_SECONDS = 30.0
 """How often a process looks again for deliveries the database still holds of moved subscriptions."""

@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import logging
 import math
 import time
 from collections.abc import Sequence
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..core.redaction import redacting_logger
 from ..core.topology import Subscription, SubscriptionStatus
 from ..core.transport import ClaimedDelivery, HeartbeatRequest, HeartbeatResult
 from . import body as bodies
@@ -48,7 +48,7 @@ from .naming import BATCH, NAME
 if TYPE_CHECKING:
     from .records import SettledRecords
 
-log = logging.getLogger("fastapi_workqueue.aws")
+log = redacting_logger("fastapi_workqueue.aws")
 
 RENEW_AFTER_SECONDS = 1.0
 """A message handed over later than this after its claim started gets a full lease first."""
