@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from .core.envelope import DEFAULT_MAX_MESSAGE_ATTEMPTS, MAX_ATTEMPTS_LIMIT
@@ -141,6 +141,11 @@ class WorkQueueSettings(BaseSettings):
     """The server secret that signs the dashboard's session cookies (``WORKQUEUE_DASHBOARD_SECRET``,
     at least 16 characters, the same in every process); unset: derived from ``app_key``."""
 
+    trace_url: str | None = None
+    """A link to a trace in your tracing UI, with ``{trace_id}`` where the trace id goes
+    (``https://tempo.example/trace/{trace_id}``): the dashboard links each delivery to the trace its
+    message was published in."""
+
     # -- aws -------------------------------------------------------------------------------------
     aws_region: str | None = None
     """The AWS region of the ``aws`` topics' SNS topics and SQS queues (``WORKQUEUE_AWS_REGION``);
@@ -161,6 +166,14 @@ class WorkQueueSettings(BaseSettings):
     """The subscriptions served by a Lambda function rather than a host
     (``WORKQUEUE_AWS_LAMBDA_SUBSCRIPTIONS='["documents.archive"]'``): the manifest gives them a
     ``lambda`` block and hosts do not consume them."""
+
+    @field_validator("trace_url")
+    @classmethod
+    def _trace_url(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith(("https://", "http://")) or "{trace_id}" not in value):
+            raise ValueError("give an http(s) URL with {trace_id} where the trace id goes, e.g. "
+                             "https://tempo.example/trace/{trace_id}")
+        return value
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         """The fields, with the database URL's password masked (a repr ends up in logs)."""

@@ -821,3 +821,13 @@ async def test_subscriptions_and_topics_are_listed_retired_and_deleted(cli: Cli)
     assert (await cli("topics", "delete", topic)).out.strip() == f"{topic}: deleted"
     unknown = await cli("subscriptions", "retire", "cli.no-such-thing", expect=1)
     assert "does not exist" in unknown.err
+
+
+async def test_processes_lists_the_workers_that_ran(cli: Cli) -> None:
+    proc = await cli.start("work", "--app", APP, "--subscription", cli_app.IDLE, "--once")
+    assert (await cli.finish(proc)).code == 0
+    rows = await cli.json("processes")
+    [mine] = [r for r in rows if r["Pid"] == proc.pid and r["Hostname"] == socket.gethostname()]
+    assert mine["State"] == "Stopped" and mine["Subscriptions"] == [cli_app.IDLE] and mine["InFlight"] == 0
+    text = (await cli("processes")).out
+    assert f" {proc.pid} " in text and "Stopped" in text

@@ -188,6 +188,7 @@ ENDPOINTS = [
     Endpoint("delivery-by-id", "GET", "/deliveries/{delivery_id}", SCOPE_READ),
     Endpoint("partitions", "GET", "/subscriptions/{subscription}/partitions", SCOPE_READ, "?condition=Blocked"),
     Endpoint("validate-bindings", "GET", "/validate-bindings", SCOPE_READ),
+    Endpoint("processes", "GET", "/processes", SCOPE_READ),
     Endpoint("replay", "POST", "/subscriptions/{subscription}/deliveries/{delivery_id}/replay", SCOPE_OPERATE,
              body={"Note": "fixed"}, fresh_dead_letter=True),
     Endpoint("discard", "POST", "/subscriptions/{subscription}/deliveries/{delivery_id}/discard", SCOPE_OPERATE,

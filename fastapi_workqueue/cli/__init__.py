@@ -27,6 +27,7 @@ from ..web.operator_view import shown, shown_all
 from .aws import export_topology, import_bindings, lambda_policy
 from .jobs import jobs, schedules
 from .output import emit_json, record, table
+from .processes import processes
 from .sql_scripts import sql
 from .topology import subscriptions, topics
 
@@ -492,6 +493,7 @@ cli.add_command(lambda_policy)
 cli.add_command(jobs)
 cli.add_command(schedules)
 cli.add_command(subscriptions)
+cli.add_command(processes)
 cli.add_command(topics)
 
 for _command in [*cli.commands.values(), *api_keys.commands.values(), *sql.commands.values(),

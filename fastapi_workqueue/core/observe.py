@@ -174,6 +174,17 @@ def split_headers(stored: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, 
     return attributes, headers
 
 
+def trace_id_of(headers: Mapping[str, str] | None) -> str | None:
+    """The trace id a message carries (W3C ``traceparent``: ``00-<trace id>-<span id>-<flags>``),
+    or None when it carries none."""
+    parent = (headers or {}).get("traceparent", "")
+    parts = parent.split("-")
+    if len(parts) == 4 and len(parts[1]) == 32 and parts[1] != "0" * 32 and all(
+            c in "0123456789abcdef" for c in parts[1]):
+        return parts[1]
+    return None
+
+
 def carry_headers(message: PreparedMessage, headers: Mapping[str, str]) -> None:
     """Makes ``message`` carry ``headers`` (its content hash, and so deduplication, stays the same)."""
     message.headers = dict(headers)

@@ -70,6 +70,8 @@ class DeliveryInfo(WireModel):
     payload: Any = None
     holder: Holder | None = None
     """The process that holds it (InFlight) or held its last attempt."""
+    trace_id: str | None = None
+    """The trace its message was published in (W3C trace id), when the publisher traced."""
 
 
 class PartitionInfo(WireModel):

@@ -1,7 +1,9 @@
 """The chart of the last hour, drawn on the server as inline SVG (no script, no library).
 
 Two panels share the time axis: throughput (deliveries Completed a minute) and depth (Pending plus
-InFlight, and DeadLettered), from the stats history the sweeper records once a minute.
+InFlight, and DeadLettered), from the stats history the sweeper records once a minute. The depth
+ends at the live counts the page's cards show (``live``), so the two agree; hovering a minute shows
+its values.
 """
 
 from __future__ import annotations
@@ -67,10 +69,14 @@ def _number(value: float) -> str:
     return f"{value:.1f}"
 
 
-def render_chart(points: list[StatsPoint], now: datetime, *, minutes: int = 60, label: str = "") -> Markup:
+def render_chart(points: list[StatsPoint], now: datetime, *, minutes: int = 60, label: str = "",
+                 live: tuple[int, int] | None = None) -> Markup:
     """The SVG of the last ``minutes`` of ``points`` (all subscriptions summed), or a note that
-    there is no history yet."""
+    there is no history yet. ``live`` (depth, dead-lettered) ends the depth panel at ``now``."""
     data = [s for s in samples(points) if s.at >= now - timedelta(minutes=minutes)]
+    if live is not None and data:
+        data.append(Sample(at=now, completed_per_minute=data[-1].completed_per_minute, depth=live[0],
+                           dead_lettered=live[1]))
     height = TOP + PANEL + GAP + PANEL + 26
     span = minutes * 60.0
     plot_width = WIDTH - LEFT - RIGHT
@@ -125,6 +131,15 @@ def render_chart(points: list[StatsPoint], now: datetime, *, minutes: int = 60, 
                 parts.append(f'<circle class="chart-dot chart-{name}" cx="{cx}" cy="{cy}" r="3"/>')
             else:
                 parts.append(f'<polyline class="chart-line chart-{name}" points="{coords}"/>')
+    # A hover target a minute wide around each sample, whose tooltip is the sample's values.
+    slot = plot_width / minutes
+    bottom = TOP + 2 * PANEL + GAP
+    for sample in data:
+        tip = (f"{sample.at.strftime('%H:%M')} UTC: {_number(sample.completed_per_minute)} completed a minute, "
+               f"depth {sample.depth:,}, {sample.dead_lettered:,} dead-lettered")
+        left = min(max(x(sample.at) - slot / 2, LEFT), WIDTH - RIGHT - slot)
+        parts.append(f'<rect class="chart-hover" x="{left:.1f}" y="{TOP}" width="{slot:.1f}" height="{bottom - TOP}">'
+                     f'<title>{escape(tip)}</title></rect>')
     axis = TOP + 2 * PANEL + GAP + 16
     for back in range(minutes, -1, -15):
         tick = LEFT + plot_width * (1 - back / minutes)

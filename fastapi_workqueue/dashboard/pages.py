@@ -3,12 +3,14 @@
 # No ``from __future__ import annotations``: FastAPI reads the route signatures, whose annotations
 # name aliases local to the builder.
 
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Request, Security, status
 from fastapi.responses import HTMLResponse
 
 from ..core.keys import SCOPE_OPERATE, SCOPE_READ, Principal
+from ..core.processes import current_process
 from ..core.topology import SubscriptionState
 from ..web.auth import Authorizer
 from . import views
@@ -34,8 +36,16 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
     @router.get("/", response_class=HTMLResponse)
     async def overview(request: Request, principal: Reader) -> HTMLResponse:
         data = await views.overview(d.queue)
-        chart = render_chart(data.history, data.now, label="All subscriptions")
+        rows = data.rows
+        live = (sum(r.counts.pending + r.counts.in_flight for r in rows), sum(r.counts.dead_lettered for r in rows))
+        chart = render_chart(data.history, data.now, label="All subscriptions", live=live)
         return d.render(request, "overview.html", {"page": data, "chart": chart}, viewer=viewer(principal))
+
+    @router.get("/processes", response_class=HTMLResponse)
+    async def processes(request: Request, principal: Reader) -> HTMLResponse:
+        return d.render(request, "processes.html", {
+            "processes": await views.process_list(d.queue), "now": datetime.now(UTC), "here": current_process().id,
+        }, viewer=viewer(principal))
 
     @router.get("/subscriptions/{name}", response_class=HTMLResponse)
     async def subscription(
@@ -43,7 +53,9 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
         after: Annotated[str | None, Query(pattern=r"^[0-9]{1,19}$")] = None,
     ) -> HTMLResponse:
         page = await views.subscription_page(d.queue, await subscription_or_404(name), after)
-        chart = render_chart(page.history, page.now, label=name)
+        counts = page.row.counts
+        chart = render_chart(page.history, page.now, label=name,
+                             live=(counts.pending + counts.in_flight, counts.dead_lettered))
         return d.render(request, "subscription.html", {"page": page, "chart": chart}, viewer=viewer(principal))
 
     @router.get("/deliveries/{delivery_id}", response_class=HTMLResponse)
@@ -52,7 +64,9 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
         info = await views.delivery(d.queue, delivery_id, include_payload=seen.sees_payloads)
         if info is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"delivery {delivery_id!r} does not exist")
-        return d.render(request, "delivery.html", {"info": info}, viewer=seen)
+        trace_url = d.queue.settings.trace_url
+        link = trace_url.replace("{trace_id}", info.trace_id) if trace_url and info.trace_id else None
+        return d.render(request, "delivery.html", {"info": info, "trace_link": link}, viewer=seen)
 
     @router.get("/subscriptions/{name}/replay-all", response_class=HTMLResponse)
     async def confirm_replay_all(request: Request, name: str, principal: Operator) -> HTMLResponse:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..core.history import StatsHistoryReader, StatsPoint
 from ..core.host import SubscriptionHealth
 from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts, LiveWorkReader
+from ..core.processes import ProcessInfo, ProcessRegistry
 from ..core.reports import DeliveryInfo
 from ..core.topology import SubscriptionState
+from ..core.words import count
 from ..web.operator_view import shown, shown_all
 
 if TYPE_CHECKING:
@@ -27,6 +29,8 @@ BULK_BATCH = 100
 """Dead letters replayed per batch of a bulk replay."""
 BULK_BATCHES = 10
 """Batches per bulk replay request: one confirmation replays at most BULK_BATCH x BULK_BATCHES."""
+BLOCKED_SHOWN = 10
+"""Blocked keys of one Ordered subscription the overview looks at (it says "10+" past them)."""
 
 
 @dataclass
@@ -39,6 +43,18 @@ class SubscriptionRow:
     @property
     def paused(self) -> bool:
         return self.state.status == "Paused" or self.state.topic_status == "Paused"
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Something on the overview an operator should look at first: ``alert`` before ``warn``."""
+
+    severity: Literal["alert", "warn"]
+    subscription: str
+    what: str
+    detail: str
+    anchor: str = ""
+    """Where on the subscription's page it is (``#dead-letters``)."""
 
 
 @dataclass
@@ -56,6 +72,11 @@ class Overview:
     has_history: bool
     host: str
     host_reason: str | None
+    served: dict[str, int] = field(default_factory=dict)
+    """Live processes that run each subscription, anywhere (the process registry)."""
+    knows_processes: bool = False
+    """Whether the store keeps a process registry (else "anywhere" is unknown)."""
+    attention: list[Attention] = field(default_factory=list)
 
     @property
     def rows(self) -> list[SubscriptionRow]:
@@ -110,9 +131,67 @@ def _row(state: SubscriptionState, counts: dict[str, LiveCounts], health: dict[s
     )
 
 
+async def process_list(queue: WorkQueue) -> list[ProcessInfo] | None:
+    """The processes of the store's registry, live ones first (None when the store keeps none)."""
+    transport: Any = queue.transport
+    return await transport.list_processes() if isinstance(transport, ProcessRegistry) else None
+
+
+def served_by(processes: list[ProcessInfo]) -> dict[str, int]:
+    """How many live (Running) processes run each subscription."""
+    served: dict[str, int] = {}
+    for process in processes:
+        if process.state == "Running":
+            for name in process.subscriptions:
+                served[name] = served.get(name, 0) + 1
+    return served
+
+
+async def attention(queue: WorkQueue, rows: list[SubscriptionRow], served: dict[str, int] | None) -> list[Attention]:
+    """What needs looking at first: dead letters, blocked Ordered keys, work nobody runs anywhere,
+    a subscription this process cannot run; alerts before warnings, then by subscription."""
+    found: list[Attention] = []
+    transport: Any = queue.transport
+    for row in rows:
+        state, counts = row.state, row.counts
+        name = state.name
+        cap = counts.cap
+        if counts.dead_lettered:
+            found.append(Attention("alert", name, _many(counts.dead_lettered, cap, "dead letter"),
+                                   "replay them once the cause is fixed, or discard them", "#dead-letters"))
+        if state.partition_mode == "Ordered" and isinstance(transport, LiveWorkReader) and (
+                counts.dead_lettered or counts.pending):
+            blocked = await transport.blocked_keys(name, limit=BLOCKED_SHOWN, cap=WAITING_CAP)
+            if blocked:
+                keys = ", ".join(b.partition_key for b in blocked[:3]) + (" …" if len(blocked) > 3 else "")
+                found.append(Attention("alert", name, f"{len(blocked)}{'+' if len(blocked) >= BLOCKED_SHOWN else ''} "
+                                       f"blocked key{'s' if len(blocked) != 1 else ''}", f"keys {keys}", "#blocked"))
+        nobody = served is not None and not served.get(name) and state.host_type == "worker"
+        if counts.pending and nobody and state.status != "Paused" and state.topic_status != "Paused":
+            found.append(Attention("alert", name, f"{_many(counts.pending, cap, 'delivery')} pending, no consumer "
+                                   "anywhere",
+                                   "no live process runs this subscription: start a worker "
+                                   f"(workqueue work --subscription {name}) or check the processes"))
+        elif counts.pending and row.paused:
+            found.append(Attention("warn", name, f"paused with {_many(counts.pending, cap, 'delivery')} pending",
+                                   "resume it when its work may run again"))
+        if row.health is not None and row.health.state in ("Error", "HandlerNotRegistered"):
+            found.append(Attention("alert", name, f"{row.health.state} in this process",
+                                   row.health.reason or ""))
+    return sorted(found, key=lambda a: (a.severity != "alert", a.subscription))
+
+
+def _many(value: int, cap: int, noun: str) -> str:
+    """``1 dead letter``, ``3 dead letters``, ``1,000+ dead letters`` (a count that reached its cap)."""
+    if value >= cap:
+        return f"{cap:,}+ {count(2, noun).partition(' ')[2]}"
+    return f"{value:,} {count(value, noun).partition(' ')[2]}"
+
+
 async def overview(queue: WorkQueue) -> Overview:
     now = datetime.now(UTC)
-    topics = {t.name: TopicView(name=t.name, status="Active") for t in await queue.transport.list_topics()}
+    topics = {t.name: TopicView(name=t.name, status=getattr(t, "status", "Active"))
+              for t in await queue.transport.list_topics()}
     subscriptions = await queue.transport.list_subscriptions()
     counts = await counts_of(queue)
     history, has_history = await history_of(queue, now)
@@ -122,8 +201,13 @@ async def overview(queue: WorkQueue) -> Overview:
         topic.status = state.topic_status
         topic.subscriptions.append(_row(state, counts, health, history))
     report = queue.health()
-    return Overview(now=now, topics=sorted(topics.values(), key=lambda t: t.name), history=history,
-                    has_history=has_history, host=report.status, host_reason=report.reason)
+    processes = await process_list(queue)
+    served = None if processes is None else served_by(processes)
+    ordered = sorted(topics.values(), key=lambda t: t.name)
+    rows = [row for topic in ordered for row in topic.subscriptions]
+    return Overview(now=now, topics=ordered, history=history, has_history=has_history, host=report.status,
+                    host_reason=report.reason, served=served or {}, knows_processes=served is not None,
+                    attention=await attention(queue, rows, served))
 
 
 async def find_subscription(queue: WorkQueue, name: str) -> SubscriptionState | None:

@@ -32,7 +32,7 @@ from ..core.errors import ConfigurationError, TransportError, WorkQueueError
 from ..core.history import StatsPoint
 from ..core.keys import ApiKeyInfo, KeyRecord
 from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts
-from ..core.observe import HEADERS_KEY, split_headers
+from ..core.observe import HEADERS_KEY, split_headers, trace_id_of
 from ..core.processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
 from ..core.redaction import redacting_logger
 from ..core.reports import (
@@ -857,6 +857,7 @@ def delivery_info(row: Row, subscription: str | None, include_payload: bool) -> 
     def get(name: str, default: Any = None) -> Any:
         return row[name] if name in keys else default
 
+    stored = json_value(row["attributes"])
     return DeliveryInfo(
         delivery_id=str(row["delivery_id"]),
         subscription=subscription or row["subscription"],
@@ -877,10 +878,11 @@ def delivery_info(row: Row, subscription: str | None, include_payload: bool) -> 
         created_at=row["created_at"],
         claimed_at=get("claimed_at"),
         settled_at=row["settled_at"],
-        attributes=user_attributes(json_value(row["attributes"])),
+        attributes=user_attributes(stored),
         correlation_id=row["correlation_id"],
         payload=json_value(row["payload"]) if include_payload else None,
         holder=holder(row),
+        trace_id=trace_id_of(split_headers(stored)[1]) if isinstance(stored, Mapping) else None,
     )
 
 

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..core.envelope import PublishRequest, PublishResult
 from ..core.errors import ConfigurationError, TransportError, TransportUnavailable, UnknownTopic
 from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_PUBLISH, SCOPE_READ, Principal
+from ..core.processes import ProcessInfo, ProcessRegistry
 from ..core.reports import (
     ActionResult,
     Backlog,
@@ -285,6 +286,17 @@ def build_router(
         if subscription is not None:
             await known_subscription(subscription)
         return await _call(queue.stats(subscription))
+
+    @router.get("/processes", response_model=list[ProcessInfo], summary="The processes that run a host")
+    async def processes(principal: Reader) -> list[ProcessInfo]:
+        """Each process that runs a host on this store (an app or ``workqueue work``): host, pid,
+        start, version, what it runs, busy slots, what it holds InFlight and its state (Running,
+        Stopped, or Gone once it missed three beats); live ones first. Empty when the store keeps
+        no process registry."""
+        transport: Any = queue.transport
+        if not isinstance(transport, ProcessRegistry):
+            return []
+        return await _call(transport.list_processes())
 
     @router.get("/subscriptions/{subscription}/backlog", response_model=Backlog, summary="Backlog for autoscalers")
     async def backlog(subscription: Sub, principal: Reader) -> Backlog:

@@ -31,7 +31,8 @@ SECRET = "the-shop-dashboard-secret-of-the-tests"
 class Shop:
     """The app, its queue and the names of its topic and subscriptions."""
 
-    def __init__(self, database_url: str, *, authorize: Any = None, poll_seconds: float = 0.5) -> None:
+    def __init__(self, database_url: str, *, authorize: Any = None, poll_seconds: float = 0.5,
+                 trace_url: str | None = None) -> None:
         self.topic = unique("orders")
         self.mail = unique("orders.mail")
         self.ledger = unique("orders.ledger")
@@ -43,7 +44,7 @@ class Shop:
                 database_url=database_url,
                 subscriptions=[SubscriptionPlan(name=n, concurrency=2) for n in (self.mail, self.ledger)],
                 idle_poll_min_ms=20, idle_poll_max_ms=100, sweeper_interval_ms=200,
-                reconcile_interval_ms=200, shutdown_drain_ms=300, dashboard_secret=SECRET,
+                reconcile_interval_ms=200, shutdown_drain_ms=300, trace_url=trace_url, dashboard_secret=SECRET,
             ),
             topics=[Topic(name=self.topic)],
             subscriptions=[

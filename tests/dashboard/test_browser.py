@@ -192,3 +192,52 @@ async def test_a_read_only_key_sees_no_actions_and_is_refused_one(browser: Any, 
     finally:
         await page.context.close()
 
+
+
+async def test_a_phone_reads_every_page_without_scrolling_sideways(browser: Any, served: Served) -> None:
+    """At 390 px wide no page is wider than the screen: tables keep to their cards."""
+    shop = served.shop
+    key = await create_key(shop.queue.transport, unique("phone"), [SCOPE_READ, SCOPE_OPERATE])  # type: ignore[arg-type]
+    context = await browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2,
+                                        is_mobile=True, has_touch=True)
+    page = await context.new_page()
+    page.set_default_timeout(15_000)
+    try:
+        await page.goto(f"{served.base}/sign-in")
+        await page.fill("#api_key", key.key)
+        await page.click("form[action$='/sign-in'] button[type=submit]")
+        await page.wait_for_url(f"{served.base}/")
+        for path, name in (("/", "phone-overview"), (f"/subscriptions/{shop.mail}", "phone-subscription"),
+                           ("/processes", "phone-processes")):
+            await page.goto(served.base + path)
+            await page.wait_for_selector("main h1")
+            width = await page.evaluate("document.documentElement.scrollWidth")
+            assert width <= 390, (path, width)
+            await shot(page, name)
+    finally:
+        await context.close()
+
+
+async def test_the_holder_of_a_running_delivery_links_to_its_process(browser: Any, served: Served) -> None:
+    shop = served.shop
+    [result] = await shop.queue.publish(shop.topic, [{"payload": {"hold": True}}])
+
+    async def running() -> str | None:
+        held = [d for d in await shop.queue.deliveries(shop.mail, "InFlight") if d.message_id == result.message_id]
+        return held[0].delivery_id if held else None
+
+    delivery_id: str = await wait_until(running)
+    page = await signed_in_page(browser, served, SCOPE_READ)
+    try:
+        await page.goto(f"{served.base}/subscriptions/{shop.mail}")
+        holder = page.locator(f'tr[data-delivery="{delivery_id}"] td.holder a')
+        await holder.wait_for()
+        await holder.click()
+        await page.wait_for_selector("#processes")
+        process_id = page.url.rpartition("#process-")[2]
+        row = page.locator(f'tr[data-process="{process_id}"]')
+        assert "Running" in await row.inner_text() and shop.mail in await row.inner_text()
+        await shot(page, "processes")
+    finally:
+        shop.release.set()
+        await page.context.close()

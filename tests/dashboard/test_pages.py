@@ -295,7 +295,7 @@ async def test_a_replayed_delivery_that_completed_shows_its_old_error_as_a_past_
     assert "the mail server refused ann@example.com" in after
     assert "is Pending again" not in after
     me = current_process()
-    assert f"Last held by</dt><dd class=\"holder\"><span title=\"process {me.id}" in after
+    assert f"Last held by</dt><dd class=\"holder\"><a href=\"{UI}/processes#process-{me.id}\"" in after
     assert f"{me.hostname} pid {me.pid}" in after
 
 
