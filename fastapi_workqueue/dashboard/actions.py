@@ -15,8 +15,9 @@ from ..core.keys import SCOPE_OPERATE, SCOPE_READ, Principal
 from ..core.reports import DeliveryInfo
 from ..web.auth import Authorizer
 from . import views
+from .causes import dead_letter_causes
 from .csrf import check_csrf
-from .forms import local_path, read_form, text_field
+from .forms import local_path, read_form, read_form_values, text_field
 from .render import Dashboard
 from .session import base_path
 
@@ -115,5 +116,49 @@ def build_actions(d: Dashboard, authorize: Authorizer) -> APIRouter:
                 break
             after = batch[-1].delivery_id
         return back(request, {}, subscription_url(request, name), "ReplayedAll", replayed)
+
+    async def act_on(name: str, ids: list[str], replay: bool, text: str) -> int:
+        done = 0
+        for delivery_id in ids:
+            result = await (d.queue.replay(name, delivery_id, text) if replay else
+                            d.queue.discard(name, delivery_id, text))
+            done += result.ok
+        return done
+
+    @router.post("/subscriptions/{name}/causes/{key}/{verb}")
+    async def act_on_cause(request: Request, name: str, key: str, verb: str, principal: Operator) -> RedirectResponse:
+        """Replays or discards every dead letter of one cause (at most views.BULK_BATCH x
+        views.BULK_BATCHES a request: the page offers the rest again)."""
+        form = await checked_form(request)
+        if verb not in ("replay", "discard"):
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no action {verb!r}")
+        if await views.find_subscription(d.queue, name) is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {name!r} does not exist")
+        group = next((g for g in (await dead_letter_causes(d.queue, name)).groups if g.key == key), None)
+        if group is None:
+            return back(request, form, subscription_url(request, name), "CauseGone")
+        replay = verb == "replay"
+        text = text_field(form, "note" if replay else "reason") or (
+            f"{'replayed' if replay else 'discarded'} with its cause by {principal.name} from the dashboard")
+        done = await act_on(name, group.delivery_ids[:views.BULK_BATCH * views.BULK_BATCHES], replay, text)
+        return back(request, form, subscription_url(request, name), "ReplayedGroup" if replay else "DiscardedGroup",
+                    done)
+
+    @router.post("/subscriptions/{name}/selected/{verb}")
+    async def act_on_selected(request: Request, name: str, verb: str, principal: Operator) -> RedirectResponse:
+        """Replays or discards the dead letters ticked on the page (``delivery``, repeated)."""
+        values = await read_form_values(request)
+        form = {field: found[0] for field, found in values.items()}
+        check_csrf(request, form)
+        if verb not in ("replay", "discard"):
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no action {verb!r}")
+        ids = [i for i in dict.fromkeys(values.get("delivery", [])) if i.isdigit() or i.startswith("aws:")]
+        if not ids:
+            return back(request, form, subscription_url(request, name), "NothingSelected")
+        replay = verb == "replay"
+        text = f"{'replayed' if replay else 'discarded'} with a selection by {principal.name} from the dashboard"
+        done = await act_on(name, ids, replay, text)
+        return back(request, form, subscription_url(request, name),
+                    "ReplayedSelected" if replay else "DiscardedSelected", done)
 
     return router

@@ -14,8 +14,17 @@ class FormRefused(Exception):
     """A form the dashboard cannot read; the message says what is wrong."""
 
 
+MAX_FIELDS = 250
+"""The most fields a form may send (a selection of dead letters sends one per delivery)."""
+
+
 async def read_form(request: Any) -> dict[str, str]:
     """The first value of each field of a urlencoded form of at most 64 KiB."""
+    return {name: values[0] for name, values in (await read_form_values(request)).items()}
+
+
+async def read_form_values(request: Any) -> dict[str, list[str]]:
+    """Every value of each field of a urlencoded form of at most 64 KiB (checkboxes repeat a name)."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "application/x-www-form-urlencoded":
         raise FormRefused("send the dashboard's forms as application/x-www-form-urlencoded")
@@ -25,10 +34,10 @@ async def read_form(request: Any) -> dict[str, str]:
         if len(body) > MAX_FORM_BYTES:
             raise FormRefused(f"the form is larger than {MAX_FORM_BYTES} bytes")
     try:
-        fields = parse_qs(body.decode(), keep_blank_values=True, strict_parsing=False, max_num_fields=50)
+        fields = parse_qs(body.decode(), keep_blank_values=True, strict_parsing=False, max_num_fields=MAX_FIELDS)
     except (UnicodeDecodeError, ValueError) as exc:
         raise FormRefused(f"the form cannot be read: {exc}") from exc
-    return {name: values[0] for name, values in fields.items()}
+    return fields
 
 
 def text_field(form: dict[str, str], name: str) -> str | None:

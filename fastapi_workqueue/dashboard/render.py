@@ -34,6 +34,12 @@ NOTICES = {
     "Resumed": "Resumed: claiming again.",
     "Unchanged": "Nothing changed: the subscription was already so.",
     "ReplayedAll": "Dead letters replayed.",
+    "ReplayedGroup": "The cause's dead letters were replayed.",
+    "DiscardedGroup": "The cause's dead letters were discarded.",
+    "ReplayedSelected": "The selected dead letters were replayed.",
+    "DiscardedSelected": "The selected dead letters were discarded.",
+    "NothingSelected": "Nothing changed: no dead letter was selected.",
+    "CauseGone": "Nothing changed: no dead letter has that cause any more.",
     "Unsupported": "Nothing changed: the transport cannot do this (SQS cannot cancel an in-flight message).",
 }
 

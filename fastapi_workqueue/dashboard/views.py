@@ -15,6 +15,7 @@ from ..core.reports import DeliveryInfo
 from ..core.topology import SubscriptionState
 from ..core.words import count
 from ..web.operator_view import shown, shown_all
+from .causes import SCAN, Causes, group_causes
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
@@ -95,6 +96,8 @@ class SubscriptionPage:
     after: str | None
     blocked: list[BlockedKey]
     waiting_cap: int = WAITING_CAP
+    causes: Causes | None = None
+    """The dead letters grouped by cause (None when there are none)."""
 
 
 async def counts_of(queue: WorkQueue, subscription: str | None = None) -> dict[str, LiveCounts]:
@@ -220,14 +223,19 @@ async def subscription_page(queue: WorkQueue, state: SubscriptionState, after: s
     history, has_history = await history_of(queue, now, name)
     row = _row(state, await counts_of(queue, name), _health_by_name(queue), history)
     in_flight = shown_all(await queue.deliveries(name, "InFlight", limit=IN_FLIGHT_PAGE))
-    dead = shown_all(await queue.dead_letters(name, limit=PAGE + 1, after=after))
+    # The first page's read also gives the causes panel its oldest SCAN dead letters (one read).
+    wanted = PAGE if after is not None else max(PAGE, SCAN)
+    dead = shown_all(await queue.dead_letters(name, limit=wanted + 1, after=after))
     next_after = dead[PAGE - 1].delivery_id if len(dead) > PAGE else None
     transport: Any = queue.transport
     blocked: list[BlockedKey] = []
     if state.partition_mode == "Ordered" and isinstance(transport, LiveWorkReader):
         blocked = await transport.blocked_keys(name, limit=PAGE, cap=WAITING_CAP)
+    causes = group_causes(dead[:SCAN], complete=len(dead) <= SCAN) if dead and after is None else None
+    dead = dead[:PAGE + 1]
     return SubscriptionPage(now=now, row=row, history=history, has_history=has_history, in_flight=in_flight,
-                            dead_letters=dead[:PAGE], next_after=next_after, after=after, blocked=blocked)
+                            dead_letters=dead[:PAGE], next_after=next_after, after=after, blocked=blocked,
+                            causes=causes)
 
 
 async def delivery(queue: WorkQueue, delivery_id: str, *, include_payload: bool) -> DeliveryInfo | None:

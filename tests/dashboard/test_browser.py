@@ -241,3 +241,49 @@ async def test_the_holder_of_a_running_delivery_links_to_its_process(browser: An
     finally:
         shop.release.set()
         await page.context.close()
+
+
+async def test_an_operator_replays_fourteen_alike_dead_letters_with_one_click(browser: Any, served: Served) -> None:
+    """Fourteen dead letters that failed alike (only the address differs) are one cause; one click
+    on its replay, confirmed, replays all fourteen and leaves the other cause alone."""
+    shop = served.shop
+    alike = await shop.queue.publish(
+        shop.topic, [{"payload": {"fail": "once", "to": f"customer-{i}@example.com"}} for i in range(14)])
+    [other] = await shop.queue.publish(shop.topic, [{"payload": {"fail": "once"}}])
+    ids = {str(r.message_id) for r in alike}
+
+    async def dead_lettered() -> bool:
+        dead = await shop.queue.dead_letters(shop.mail, limit=100)
+        return len({str(d.message_id) for d in dead} & (ids | {str(other.message_id)})) == 15
+
+    await wait_until(dead_lettered)
+    page = await signed_in_page(browser, served, SCOPE_READ, SCOPE_OPERATE)
+    try:
+        await page.goto(f"{served.base}/subscriptions/{shop.mail}")
+        group = page.locator("#causes tr[data-cause]", has_text="customer-<n>@example.com")
+        await group.wait_for()
+        assert "14" in await group.locator("td.num").first.inner_text()
+        assert await page.locator("#causes tr[data-cause]", has_text="refused the address").count() == 1
+        await shot(page, "causes")
+        questions: list[str] = []
+
+        async def accept(dialog: Any) -> None:
+            questions.append(dialog.message)
+            await dialog.accept()
+
+        page.on("dialog", accept)
+        await group.locator("form[action$='/replay'] button").click()
+        await page.wait_for_selector(".notice")
+        assert "14" in await page.locator(".notice").inner_text()
+        assert questions and "14 dead letters" in questions[0]
+
+        async def completed() -> bool:
+            done = await shop.queue.deliveries(shop.mail, "Completed", limit=1000)
+            return ids <= {str(d.message_id) for d in done}
+
+        await wait_until(completed)
+        left = [d for d in await shop.queue.dead_letters(shop.mail, limit=100) if str(d.message_id) in ids | {
+            str(other.message_id)}]
+        assert [str(d.message_id) for d in left] == [str(other.message_id)]
+    finally:
+        await page.context.close()

@@ -135,3 +135,66 @@ async def test_the_chart_ends_at_the_live_counts_and_shows_values_on_hover(shop:
     tips = re.findall(r"<title>([^<]*)</title></rect>", svg)
     assert tips == ["11:58 UTC: 120 completed a minute, depth 6, 0 dead-lettered",
                     "12:00 UTC: 120 completed a minute, depth 9, 2 dead-lettered"]
+
+
+def test_a_cause_sets_aside_what_varies_between_messages() -> None:
+    from fastapi_workqueue.core.reports import DeliveryInfo
+    from fastapi_workqueue.dashboard.causes import fingerprint
+
+    def dead(error: str | None, reason: str | None = "poison") -> DeliveryInfo:
+        return DeliveryInfo(delivery_id="1", subscription="s", message_id=uuid.uuid4(), status="DeadLettered",
+                            attempt=1, max_attempts=1, reason=reason, last_error=error)
+
+    first = dead(f"Traceback (most recent call last):\n  File \"a.py\", line 3\nKeyError: order 17 of {uuid.uuid4()}")
+    second = dead(f"Traceback:\nKeyError: order 9023 of {uuid.uuid4()}")
+    assert fingerprint(first) == fingerprint(second) == "KeyError: order <n> of <uuid>"
+    assert fingerprint(dead("ValueError: token deadbeef42 refused")) == "ValueError: token <id> refused"
+    assert fingerprint(dead(None, reason="handler said no")) == "handler said no"
+    assert fingerprint(dead("KeyError: order 17")) != fingerprint(dead("ValueError: order 17"))
+
+
+async def poison(shop: Shop, errors: list[str]) -> list[str]:
+    """Dead letters on the idle subscription (no host runs it), one per error text."""
+    transport = shop.queue.transport
+    await shop.queue.resume(shop.idle)
+    await transport.publish(shop.topic, [prepare(PublishRequest(payload={"n": i})) for i in range(len(errors))])
+    claimed = []
+    while len(claimed) < len(errors):
+        claimed += await transport.claim(shop.idle, 100)
+    await transport.settle([Settlement(c.delivery_id, c.lease_token, "DeadLetter", reason="poison", error=e)
+                            for c, e in zip(claimed, errors, strict=True)])
+    await shop.queue.pause(shop.idle)  # nothing runs the replays: they stay Pending to be counted
+    return [c.delivery_id for c in claimed]
+
+
+async def test_fourteen_identical_dead_letters_are_one_cause_replayed_in_one_action(shop: Shop) -> None:
+    from fastapi_workqueue.core.keys import SCOPE_OPERATE
+
+    from .test_pages import post
+
+    same = [f"Traceback (most recent call last):\nValueError: order {1000 + i} has no address" for i in range(14)]
+    ids = await poison(shop, [*same, "RuntimeError: the printer is on fire", "RuntimeError: the printer is on fire"])
+    page_path = f"{UI}/subscriptions/{shop.idle}"
+    async with client_for(shop) as http:
+        await sign_in(http, (await create_key(shop.queue.transport, f"o-{time.monotonic_ns()}",
+                                              [SCOPE_READ, SCOPE_OPERATE])).key)
+        page = (await http.get(page_path)).text
+        rows = re.findall(r'<tr data-cause="(\w+)">\s*<td class="num"><strong>(\d+)</strong></td>\s*'
+                          r'<td class="error-cell"><code>([^<]*)</code>', page)
+        assert [(count, cause) for _, count, cause in rows] == [
+            ("14", "ValueError: order &lt;n&gt; has no address"), ("2", "RuntimeError: the printer is on fire")]
+        key = rows[0][0]
+        answer = await post(http, page_path, f"{page_path}/causes/{key}/replay", back=page_path, note="address fixed")
+        assert answer.status_code == 303 and answer.headers["location"].endswith("notice=ReplayedGroup&n=14")
+        replayed = [await shop.queue.get_delivery(i) for i in ids[:14]]
+        assert {(r.status, r.note) for r in replayed if r} == {("Pending", "address fixed")}
+        # Two ticked on the list, discarded in one action; the rest of their cause stays.
+        chosen = ids[14:15]
+        form_page = await http.get(page_path)
+        token = re.search(r'name="csrf" value="([^"]+)"', form_page.text)
+        assert token
+        discarded = await http.post(f"{page_path}/selected/discard",
+                                    data={"csrf": token.group(1), "back": page_path, "delivery": chosen})
+        assert discarded.headers["location"].endswith("notice=DiscardedSelected&n=1")
+    statuses = {i: (await shop.queue.get_delivery(i)).status for i in ids[14:]}  # type: ignore[union-attr]
+    assert statuses == {ids[14]: "Discarded", ids[15]: "DeadLettered"}

@@ -18,6 +18,7 @@
     if (active && active !== body && section.contains(active)) { return true; }
     var fields = section.querySelectorAll("input[type=text]");
     for (var i = 0; i < fields.length; i++) { if (fields[i].value) { return true; } }
+    if (section.querySelectorAll("input[type=checkbox]:checked").length > 0) { return true; }
     var open = section.querySelectorAll("details[open]");
     return open.length > 0;
   }
@@ -55,7 +56,9 @@
 
   document.addEventListener("submit", function (event) {
     var form = event.target;
-    var question = form && form.getAttribute && form.getAttribute("data-confirm");
+    var button = event.submitter;
+    var question = (button && button.getAttribute && button.getAttribute("data-confirm")) ||
+                   (form && form.getAttribute && form.getAttribute("data-confirm"));
     if (question && !window.confirm(question)) { event.preventDefault(); }
   });
 
