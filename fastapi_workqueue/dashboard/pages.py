@@ -16,6 +16,7 @@ from ..web.auth import Authorizer
 from . import views
 from .access import Viewer
 from .chart import render_chart
+from .jobs_view import jobs_page
 from .render import Dashboard
 
 
@@ -47,6 +48,11 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
             "processes": await views.process_list(d.queue), "now": datetime.now(UTC), "here": current_process().id,
         }, viewer=viewer(principal))
 
+    @router.get("/jobs", response_class=HTMLResponse)
+    async def jobs(request: Request, principal: Reader) -> HTMLResponse:
+        return d.render(request, "jobs.html", {"page": await jobs_page(d.queue, datetime.now(UTC))},
+                        viewer=viewer(principal))
+
     @router.get("/subscriptions/{name}", response_class=HTMLResponse)
     async def subscription(
         request: Request, name: str, principal: Reader,
@@ -61,12 +67,13 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
     @router.get("/deliveries/{delivery_id}", response_class=HTMLResponse)
     async def delivery(request: Request, delivery_id: str, principal: Reader) -> HTMLResponse:
         seen = viewer(principal)
-        info = await views.delivery(d.queue, delivery_id, include_payload=seen.sees_payloads)
-        if info is None:
+        found = await views.delivery(d.queue, delivery_id, include_payload=seen.sees_payloads)
+        if found is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"delivery {delivery_id!r} does not exist")
+        info, job = found
         trace_url = d.queue.settings.trace_url
         link = trace_url.replace("{trace_id}", info.trace_id) if trace_url and info.trace_id else None
-        return d.render(request, "delivery.html", {"info": info, "trace_link": link}, viewer=seen)
+        return d.render(request, "delivery.html", {"info": info, "trace_link": link, "job": job}, viewer=seen)
 
     @router.get("/subscriptions/{name}/replay-all", response_class=HTMLResponse)
     async def confirm_replay_all(request: Request, name: str, principal: Operator) -> HTMLResponse:

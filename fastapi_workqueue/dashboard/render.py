@@ -65,6 +65,16 @@ def _utc(value: datetime | None) -> str:
     return "" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def _utc_short(value: datetime | None, now: datetime | None = None) -> str:
+    """The absolute time beside a relative one: the time of day in UTC today, the date too otherwise."""
+    if value is None:
+        return ""
+    moment = value.astimezone(UTC)
+    if moment.date() == (now or datetime.now(UTC)).date():
+        return moment.strftime("%H:%M:%S UTC")
+    return moment.strftime("%Y-%m-%d %H:%M UTC")
+
+
 def _count(value: int, cap: int) -> str:
     return f"{cap:,}+" if value >= cap else f"{value:,}"
 
@@ -86,7 +96,7 @@ def environment() -> Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(ago=_ago, utc=_utc, count=_count, last_line=_last_line, pretty=_pretty)
+    env.filters.update(ago=_ago, utc=_utc, utc_short=_utc_short, count=_count, last_line=_last_line, pretty=_pretty)
     return env
 
 

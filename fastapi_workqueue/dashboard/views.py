@@ -16,6 +16,7 @@ from ..core.topology import SubscriptionState
 from ..core.words import count
 from ..web.operator_view import shown, shown_all
 from .causes import SCAN, Causes, group_causes
+from .jobs_view import JobRow, declared_jobs, job_name, job_queue, job_timeout
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
@@ -98,6 +99,10 @@ class SubscriptionPage:
     waiting_cap: int = WAITING_CAP
     causes: Causes | None = None
     """The dead letters grouped by cause (None when there are none)."""
+    job_queue: str | None = None
+    """The job queue the subscription serves (its dead letters are failed jobs), or None."""
+    jobs: list[JobRow] = field(default_factory=list)
+    """The jobs declared on that queue."""
 
 
 async def counts_of(queue: WorkQueue, subscription: str | None = None) -> dict[str, LiveCounts]:
@@ -235,9 +240,32 @@ async def subscription_page(queue: WorkQueue, state: SubscriptionState, after: s
     dead = dead[:PAGE + 1]
     return SubscriptionPage(now=now, row=row, history=history, has_history=has_history, in_flight=in_flight,
                             dead_letters=dead[:PAGE], next_after=next_after, after=after, blocked=blocked,
-                            causes=causes)
+                            causes=causes, job_queue=(served := job_queue(name)),
+                            jobs=[] if served is None else declared_jobs(queue, served))
 
 
-async def delivery(queue: WorkQueue, delivery_id: str, *, include_payload: bool) -> DeliveryInfo | None:
-    info = await queue.get_delivery(delivery_id, include_payload=include_payload)
-    return None if info is None else shown(info)
+@dataclass
+class JobOfDelivery:
+    """The job a delivery runs: its name, queue, the timeout its envelope carries and its declaration."""
+
+    name: str
+    queue: str | None
+    timeout: float | None
+    declared: JobRow | None
+
+
+async def delivery(queue: WorkQueue, delivery_id: str, *,
+                   include_payload: bool) -> tuple[DeliveryInfo, JobOfDelivery | None] | None:
+    """A delivery (its payload only when ``include_payload``) and the job it runs, if it is one."""
+    info = await queue.get_delivery(delivery_id, include_payload=True)  # the job's timeout is in its envelope
+    if info is None:
+        return None
+    job = None
+    name = job_name(info)
+    if name is not None:
+        served = job_queue(info.subscription)
+        declared = next((j for j in declared_jobs(queue) if j.name == name), None)
+        job = JobOfDelivery(name=name, queue=served, timeout=job_timeout(info), declared=declared)
+    if not include_payload:
+        info = info.model_copy(update={"payload": None})
+    return shown(info), job

@@ -34,6 +34,8 @@ LATE_GRACE = timedelta(minutes=1)
 """A tick is still queued when the scheduler sees it this late (it was busy, or just started)."""
 MAX_CATCH_UP = 1000
 MAX_SLEEP_SECONDS = 60.0
+LOOK_BACK = 60
+"""Ticks :meth:`Schedules.last_dispatch` looks back over."""
 
 
 @dataclass(slots=True)
@@ -186,6 +188,16 @@ class Schedules:
         if not schedule.catch_up:
             return [latest] if moment - latest <= LATE_GRACE else []
         return await self._since_last_known(schedule, latest)
+
+    async def last_dispatch(self, schedule: Schedule, now: datetime | None = None, *,
+                            look_back: int = LOOK_BACK) -> datetime | None:
+        """The newest of the schedule's last ``look_back`` ticks that the store holds a job for
+        (queued by any process), or None (none of them; or pruned since)."""
+        ticks = [schedule.previous_at_or_before(now or datetime.now(UTC))]
+        while len(ticks) < look_back:
+            ticks.append(schedule.previous_at_or_before(ticks[-1] - timedelta(microseconds=1)))
+        known = await self._jobs.queue.transport.known_messages([schedule.tick_id(t) for t in ticks])
+        return next((tick for tick in ticks if schedule.tick_id(tick) in known), None)
 
     async def _since_last_known(self, schedule: Schedule, latest: datetime) -> list[datetime]:
         """Ticks after the newest one the store has a message for, up to ``latest``."""
