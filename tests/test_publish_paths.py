@@ -119,7 +119,7 @@ async def test_one_message_wakes_only_when_visible_now(pg_url: str, pg_transport
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.1)
         # One wake-up per subscription that got a delivery: the filter keeps "a" out. Both travel
-        # in one NOTIFY, sent after the publish committed (0030).
+        # in one NOTIFY, sent after the publish committed.
         wanted = sorted([ids[names["all"]], ids[names["tight"]]], key=int)
         assert sorted(w for w in woken if w in ids.values()) == sorted(wanted)
         assert ",".join(wanted) in payloads

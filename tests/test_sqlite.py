@@ -659,7 +659,7 @@ def test_sqlite_routines_take_the_postgresql_parameters() -> None:
 
 
 async def test_api_keys_are_marked_used_after_the_match_and_live_names_are_unique(tmp_path: Path) -> None:
-    """As on PostgreSQL (0024): a made-up key with a real prefix does not mark the key used, and a
+    """As on PostgreSQL: a made-up key with a real prefix does not mark the key used, and a
     second live key of one name is refused with what to do."""
     from fastapi_workqueue.core.keys import create_key, verify_key
 

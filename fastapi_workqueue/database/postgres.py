@@ -135,7 +135,7 @@ class PostgresTransport(RoutineTransport):
         return self._pool
 
     async def _publish_via(self, topic: str, messages: Sequence[PreparedMessage], **via: Any) -> list[PublishResult]:
-        """One message without a deduplication key goes to ``publish_one_quiet`` (0030): the same
+        """One message without a deduplication key goes to ``publish_one_quiet``: the same
         answers as ``publish``, with a value per parameter instead of arrays of one, and no NOTIFY
         in the publishing transaction: the subscriptions it names are woken once that transaction
         has committed (:meth:`_wake_after_commit`). Inside a transaction of the transport's own

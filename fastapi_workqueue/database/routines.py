@@ -59,6 +59,7 @@ from ..core.transport import (
     SettleResult,
     WakeupListener,
 )
+from .migration_plan import pre_release_chain
 from .sql_files import migrations
 
 Row = Mapping[str, Any]
@@ -631,16 +632,18 @@ class RoutineTransport:
             issues.append(BindingIssue(severity="Error", subject="schema", message=str(exc)))
             rows = []
         applied = {r["version"]: r["checksum"] for r in rows}
-        for migration in migrations(self.dialect):
-            label = f"{migration.version:04d}_{migration.name}"
+        refusal = pre_release_chain(self.dialect, applied)
+        if refusal is not None:
+            issues.append(BindingIssue(severity="Error", subject="schema", message=refusal))
+        for migration in migrations(self.dialect) if refusal is None else ():
             if migration.version not in applied:
                 issues.append(BindingIssue(
-                    severity="Error", subject=f"migration {label}",
+                    severity="Error", subject=f"migration {migration.label}",
                     message="not applied to this database; run `workqueue migrate` as the schema owner",
                 ))
             elif applied[migration.version] != migration.checksum:
                 issues.append(BindingIssue(
-                    severity="Error", subject=f"migration {label}",
+                    severity="Error", subject=f"migration {migration.label}",
                     message="applied with different content than this release ships; restore the file",
                 ))
         issues.extend(await self.dialect_issues())

@@ -1,11 +1,13 @@
--- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0037).
+-- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (through migration 0001).
 --
 -- This file is for reading: the tables and their indexes first, then every function grouped by
--- concern, each with what it does. `workqueue migrate` applies the versioned migrations
--- (NNNN_*.sql), whose headers say why each change was made; tests/test_schema_file.py replays them
--- on an empty database and checks that the catalog equals what this file builds on another (tables,
--- columns, indexes, constraints, functions and grants), so the two cannot drift apart. A change to
--- the schema is a new migration and the same change here.
+-- concern, each with what it does; docs/design/ says why the code is written the way it is.
+-- `workqueue migrate` applies the numbered migrations (NNNN_*.sql): 0001_schema.sql is this file as
+-- release 0.1.0 ships it, and each later release adds one migration and makes the same change here,
+-- never an edit of a migration a release shipped (docs/design/migrations.md).
+-- tests/test_schema_file.py replays the migrations on an empty database and checks that the
+-- catalog equals what this file builds on another (tables, columns, indexes, constraints,
+-- functions and grants), so the two cannot drift apart.
 --
 -- Every write goes through the functions, which are SECURITY DEFINER: the roles of roles/ hold
 -- EXECUTE on them and no privilege on any table, and no function is executable by PUBLIC.
@@ -57,7 +59,7 @@ CREATE TABLE workqueue.subscription (
     binding_config          jsonb,
     created_at              timestamptz NOT NULL DEFAULT now(),
     updated_at              timestamptz NOT NULL DEFAULT now(),
-    retired_at              timestamptz   -- retired: no new deliveries, what it holds drains (0036)
+    retired_at              timestamptz   -- retired: no new deliveries, what it holds drains
 );
 CREATE INDEX subscription_topic ON workqueue.subscription (topic);
 
@@ -82,7 +84,8 @@ CREATE INDEX message_published_at ON workqueue.message (published_at);
 -- status: Pending, InFlight, Completed, DeadLettered or Discarded. key_mode: 0 = the delivery is
 -- claimed on its own (None mode, or no partition key); 1 = Exclusive key, 2 = Ordered key: claimed
 -- through its row in workqueue.partition. Only the functions write this table, and only those
--- values (0017 dropped the CHECK constraints, which PostgreSQL planned again for every write).
+-- values: no CHECK constraint, which PostgreSQL would plan again for every statement that writes
+-- the table (docs/design/claims-and-keys.md).
 CREATE TABLE workqueue.delivery (
     id                    bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     subscription_id       integer NOT NULL,
@@ -642,8 +645,9 @@ $$;
 -- holds the MessageIDs), else one row per item. All-or-nothing: when any item is Rejected or a
 -- MessageIDConflict, nothing is written and every other item reports BatchAborted. The common
 -- cases are written in plain statements; the general path (deduplication keys, stored
--- MessageIDs, keyed subscriptions) classifies first, then inserts the deliveries and locks their
--- keys in one statement (0018).
+-- MessageIDs, keyed subscriptions) classifies first, then reads the subscriptions, inserts the
+-- deliveries and locks their keys in one statement, so each delivery's key mode follows its
+-- subscription as that one statement sees it (docs/design/publish-paths.md).
 CREATE OR REPLACE FUNCTION workqueue.publish(
     p_topic text,
     p_message_ids uuid[],
@@ -692,8 +696,9 @@ BEGIN
         RETURN;
     END IF;
     IF v_n = 1 AND p_deduplication_keys IS NULL THEN  -- plain expressions: no query to decide
-        -- One message, the most common call: two plain statements instead of 0010's one with
-        -- CTEs, which costs less to run. The message INSERT carries the guard of 0010; the
+        -- One message, the most common call: two plain statements, which cost less to run than
+        -- one with data-modifying CTEs. The message INSERT carries the guard (the topic exists and
+        -- is not retired, has no keyed subscription, and the message fits its cap); the
         -- deliveries go to the topic's subscriptions without keys (the guard saw no other kind:
         -- a keyed subscription saved in between gets none, as if saved after this call, and
         -- never a delivery without its key's bookkeeping).
@@ -733,7 +738,7 @@ BEGIN
         -- Not written: the guard failed or the MessageID is stored already; the paths below
         -- tell which and answer.
     ELSIF p_deduplication_keys IS NULL THEN
-        -- The common case: the same checks as 0010's statement, then the messages, then their
+        -- The common case: the guard's checks for the whole call, then the messages, then their
         -- deliveries and the wake-ups. The messages go in with a plain INSERT, which costs
         -- markedly less per row than ON CONFLICT; a MessageID that is stored already (or given
         -- twice in the call) makes it fail as a whole, and the INSERT runs again with ON
@@ -1091,16 +1096,18 @@ END
 $$;
 
 -- publish for one message without a deduplication key, with a value per parameter, and without a
--- NOTIFY (0030): the same rows and answers as publish, except that an Accepted message with work to
--- claim now answers one row (status Accepted) whose wake_subscriptions the caller notifies once the
--- transaction has committed; no rows when Accepted with nobody to wake. It writes the message and its deliveries to every kind of
--- subscription itself, keys locked and pointed at as publish does (0026); an unknown topic, a
--- message over the cap or a stored MessageID it hands to publish, which tells which.
+-- NOTIFY (one in the publishing transaction makes concurrent commits wait for each other's flush;
+-- docs/design/publish-paths.md): the same rows and answers as publish, except that an Accepted
+-- message with work to claim now answers one row (status Accepted) whose wake_subscriptions the
+-- caller notifies once the transaction has committed; no rows when Accepted with nobody to wake. It
+-- writes the message and its deliveries to every kind of subscription itself, keys locked and
+-- pointed at as publish does; an unknown topic, a message over the cap or a stored MessageID it
+-- hands to publish, which tells which.
 --
 -- The functions of an order's path (publish, publish_one, claim, claim_many, heartbeat, settle and
--- the key handling below) run with plan_cache_mode = force_generic_plan and enable_seqscan = off
--- (0026): each statement is planned once per session, on the indexes it was written for, instead
--- of again on every call with the call's values.
+-- the key handling below) run with plan_cache_mode = force_generic_plan and enable_seqscan = off:
+-- each statement is planned once per session, on the indexes it was written for, instead of again
+-- on every call with the call's values.
 CREATE OR REPLACE FUNCTION workqueue.publish_one_quiet(
     p_topic text,
     p_message_id uuid,
@@ -1144,7 +1151,7 @@ BEGIN
     IF NOT FOUND THEN
         -- Not written: the guard failed or the MessageID is stored already. publish tells which. Its
         -- deduplication keys go as an array of one NULL, not as NULL: publish then takes its general
-        -- path at once (the same answers, as 0010 says).
+        -- path at once (an array of NULLs takes the longer way to the same answers).
         RETURN QUERY
         SELECT r.*, NULL::integer[] FROM workqueue.publish(
             p_topic, ARRAY[p_message_id], ARRAY[p_partition_key], ARRAY[p_attributes], ARRAY[p_payload],
@@ -1224,8 +1231,8 @@ END
 $$;
 
 -- publish_one_quiet with the NOTIFY in the caller's transaction, and publish's answers (no rows when
--- Accepted): what the transport calls inside a transaction of its own, and what an earlier
--- version calls.
+-- Accepted): what the transport calls inside a transaction whose commit it cannot wait for (a
+-- settle's follow-ups, a caller's AsyncConnection).
 CREATE OR REPLACE FUNCTION workqueue.publish_one(
     p_topic text,
     p_message_id uuid,
@@ -1349,8 +1356,8 @@ BEGIN
         RETURN;
     END IF;
     IF v_sub.partition_mode = 'None' THEN
-        -- This transaction commits without waiting for its WAL to reach disk (see 0017): a claim
-        -- lost in a crash of the server leaves its deliveries Pending.
+        -- This transaction commits without waiting for its WAL to reach disk: a claim lost in a
+        -- crash of the server leaves its deliveries Pending (docs/design/claims-and-keys.md).
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
 
@@ -1396,12 +1403,12 @@ $$;
 -- (or topics) and unknown names give nothing; an Exclusive or Ordered one is refused (claim takes
 -- those). One read of the named subscriptions finds both. Each active subscription's claim index
 -- is probed once for a delivery due now; when one subscription has one, its oldest due are locked
--- as its index gives them, SKIP LOCKED (0031). With several, each one's claim index gives at most
+-- as its index gives them, SKIP LOCKED. With several, each one's claim index gives at most
 -- p_limit candidates; the first p_limit of them all are locked by id SKIP LOCKED.
 -- Those another claimer holds (or took meanwhile) are made up from their subscriptions' indexes:
 -- each such subscription's share, locked past the rows other claimers hold as claim locks, so
 -- concurrent claimers take different deliveries and none comes back short while work waits.
--- Commits as a claim without keys does (synchronous_commit off, 0017).
+-- Commits as a claim without keys does (synchronous_commit off).
 CREATE OR REPLACE FUNCTION workqueue.claim_many(p_subscriptions text[], p_limit integer, p_holder uuid DEFAULT NULL)
 RETURNS TABLE (
     subscription text, delivery_id bigint, lease_token uuid, attempt integer, max_attempts integer,
@@ -1553,7 +1560,7 @@ $$;
 
 -- Renews the leases of InFlight deliveries that still carry the given tokens and stores their
 -- progress; alive is false once the token is stale or an operator asked to cancel. It writes no
--- indexed column: a HOT update (0021).
+-- indexed column (no index names lease_expires_at or the progress): a HOT update.
 CREATE OR REPLACE FUNCTION workqueue.heartbeat(
     p_ids bigint[], p_tokens uuid[], p_percents smallint[], p_messages text[]
 ) RETURNS TABLE (delivery_id bigint, alive boolean, cancel_requested boolean, lease_expires_at timestamptz)
@@ -1876,7 +1883,8 @@ BEGIN
         SELECT DISTINCT u.subscription_id FROM updated u
         WHERE u.holder_id IS NULL AND u.next_id IS NOT NULL AND u.next_visible_at <= now();
 
-        -- Keys left with nothing lose their row (a statement of its own, as in 0008).
+        -- Keys left with nothing lose their row, in a statement of its own (a sibling of the
+        -- UPDATE in one WITH would not see the rows the UPDATE changes).
         DELETE FROM workqueue.partition p
         USING unnest(v_held_sids, v_held_keys) AS k(sid, key)
         WHERE p.subscription_id = k.sid AND p.partition_key = k.key
@@ -2260,7 +2268,7 @@ AS $$
 $$;
 
 -- Keeps a Running key held for p_running_seconds more while the caller's token holds it (an
--- overlap lock renewed while its attempt runs); false once the token no longer holds it (0035).
+-- overlap lock renewed while its attempt runs); false once the token no longer holds it.
 CREATE OR REPLACE FUNCTION workqueue.once_renew(p_key text, p_token uuid, p_running_seconds double precision)
 RETURNS boolean
 LANGUAGE sql VOLATILE SECURITY DEFINER
@@ -2660,7 +2668,7 @@ $$;
 
 -- Deliveries of one subscription in one state, oldest first, paged by id, with every field of
 -- get_delivery. DeadLettered and InFlight are named literally, so their pages read their partial
--- indexes (0028); a state given as a parameter can use none.
+-- indexes; a state given as a parameter can use none.
 CREATE OR REPLACE FUNCTION workqueue.list_deliveries(
     p_subscription text, p_status text, p_limit integer, p_after_id bigint DEFAULT 0
 ) RETURNS TABLE (
@@ -2813,7 +2821,7 @@ AS $$
     LIMIT p_limit
 $$;
 
--- The sweeper's history, at most one row per subscription a minute (0028): this minute's live
+-- The sweeper's history, at most one row per subscription a minute: this minute's live
 -- counts and the completions since the previous row, counted over delivery_settled up to 30 s ago
 -- (a settle still running then has not committed); rows past p_keep_seconds are deleted. Writes
 -- nothing when this minute is recorded or another transaction is recording it; p_now stands in for
@@ -2876,7 +2884,7 @@ AS $$
     ORDER BY h.recorded_at, s.name
 $$;
 
--- The dashboard's counts (0028): each subscription's live counts, each stopping at p_cap (a page shows "p_cap or more").
+-- The dashboard's counts: each subscription's live counts, each stopping at p_cap (a page shows "p_cap or more").
 CREATE OR REPLACE FUNCTION workqueue.live_counts(p_subscription text DEFAULT NULL, p_cap integer DEFAULT 1000)
 RETURNS TABLE (subscription text, pending bigint, in_flight bigint, dead_lettered bigint)
 LANGUAGE sql STABLE SECURITY DEFINER
@@ -3059,73 +3067,13 @@ $$;
 -- Privileges
 -- ---------------------------------------------------------------------------------------------
 
--- PostgreSQL grants EXECUTE on every new function to PUBLIC: taken away (0003; the migration
--- runner repeats it after every run that applied something). The roles of roles/ grant what each
--- login needs.
+-- PostgreSQL grants EXECUTE on every new function to PUBLIC: taken away (the migration runner
+-- repeats it after every run that applied something). The role scripts of roles/ grant what each
+-- login needs; run them after `workqueue migrate` (and again after every upgrade).
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA workqueue FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA workqueue FROM PUBLIC;
 
--- Where workqueue_runtime and workqueue_operator exist already (roles belong to the cluster), the
--- functions that migrations created for them after the role scripts ran get EXECUTE, as an
--- upgrade gives them.
-DO $$
-BEGIN
-    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_runtime') THEN
-        GRANT EXECUTE ON FUNCTION workqueue.publish_one(text, uuid, text, jsonb, text, text, text, text,
-                                                        double precision, timestamptz, integer, text, integer),
-                                  workqueue.publish_one_quiet(text, uuid, text, jsonb, text, text, text, text,
-                                                        double precision, timestamptz, integer, text, integer),
-                                  workqueue.settle(bigint[], uuid[], text[], double precision[], text[], text[],
-                                                   double precision[]),
-                                  workqueue.list_deliveries(text, text, integer, bigint),
-                                  workqueue.api_key_touch(uuid),
-                                  workqueue.release_deduplication_key(text, text, uuid),
-                                  workqueue.step_get(uuid, text), workqueue.step_put(uuid, text, text),
-                                  workqueue.claim(text, integer, uuid),
-                                  workqueue.claim_many(text[], integer, uuid), workqueue.known_messages(uuid[]),
-                                  workqueue.get_delivery(bigint), workqueue.message_deliveries(uuid),
-                                  workqueue.record_stats_history(double precision, timestamptz),
-                                  workqueue.stats_history(timestamptz, text),
-                                  workqueue.live_counts(text, integer),
-                                  workqueue.blocked_keys(text, integer, integer),
-                                  workqueue.process_beat(uuid, text, integer, timestamptz, text, jsonb, integer,
-                                                         integer, double precision),
-                                  workqueue.process_stop(uuid), workqueue.list_processes(),
-                                  workqueue.once_renew(text, uuid, double precision),
-                                  workqueue.api_key_verify(text, text), workqueue.api_key_session(text),
-                                  workqueue.api_key_end_sessions(uuid, integer),
-                                  workqueue.sweep(integer)
-            TO workqueue_runtime;
-    END IF;
-    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_admin') THEN
-        GRANT EXECUTE ON FUNCTION workqueue.api_key_create(uuid, text, text, text, text[], timestamptz, text[]),
-                                  workqueue.api_key_list()
-            TO workqueue_admin;
-    END IF;
-    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN
-        GRANT EXECUTE ON FUNCTION workqueue.retire_subscription(text), workqueue.discard_pending(text, text, integer),
-                                  workqueue.set_topic_status(text, text)
-            TO workqueue_operator;
-    END IF;
-    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_admin') THEN
-        GRANT EXECUTE ON FUNCTION workqueue.delete_subscription(text), workqueue.delete_topic(text) TO workqueue_admin;
-    END IF;
-    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN
-        GRANT EXECUTE ON FUNCTION workqueue.discard_dead_letters(text, timestamptz, integer),
-                                  workqueue.rewrite_payload(uuid, text, text, integer),
-                                  workqueue.get_delivery(bigint), workqueue.message_deliveries(uuid),
-                                  workqueue.list_deliveries(text, text, integer, bigint),
-                                  workqueue.record_stats_history(double precision, timestamptz),
-                                  workqueue.stats_history(timestamptz, text),
-                                  workqueue.live_counts(text, integer),
-                                  workqueue.blocked_keys(text, integer, integer),
-                                  workqueue.list_processes(), workqueue.sweep(integer)
-            TO workqueue_operator;
-    END IF;
-END
-$$;
-
--- == AWS transport (0027): bindings and the transactional outbox ===================================
+-- == AWS transport: bindings and the transactional outbox ===================================
 -- aws_binding: the ARNs and queue URLs import-bindings stored. aws_outbox: publishes to aws topics
 -- made in a caller's transaction, forwarded to SNS by the relay (aws_outbox_take locks due rows with
 -- SKIP LOCKED and answers only each key's earliest ones, so one relay forwards a key at a time, in order).
