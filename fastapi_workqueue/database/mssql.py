@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
+from ..core.clock import Clock
 from ..core.errors import ConfigurationError, TransportError, TransportUnavailable
 from ..core.redaction import redacting_logger
 from ..core.reports import BindingIssue
@@ -327,9 +328,10 @@ class MssqlTransport(RoutineTransport):
         pool_max_size: int = 10,
         connect_timeout: float = 10.0,
         rng: RandomSource | None = None,
+        clock: Clock | None = None,
         **_options: Any,
     ) -> None:
-        super().__init__(rng=rng)
+        super().__init__(rng=rng, clock=clock)
         self.url = url
         self._dsn = odbc_connection_string(url)
         self._pool_min_size = pool_min_size

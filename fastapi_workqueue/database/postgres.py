@@ -8,6 +8,7 @@ from typing import Any, TypeVar, cast
 
 import asyncpg
 
+from ..core.clock import Clock
 from ..core.envelope import PreparedMessage, PublishResult
 from ..core.redaction import redacting_logger
 from ..core.transport import Capabilities
@@ -67,8 +68,9 @@ class PostgresTransport(RoutineTransport):
         listen: bool = True,
         connect_timeout: float = 10.0,
         rng: RandomSource | None = None,
+        clock: Clock | None = None,
     ) -> None:
-        super().__init__(rng=rng)
+        super().__init__(rng=rng, clock=clock)
         self.url = url
         self._dsn = to_asyncpg_dsn(url)
         self._pool_min_size = pool_min_size

@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from ..core.clock import Clock
 from ..core.errors import ConfigurationError, TransportError
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
@@ -173,9 +174,10 @@ class SqliteTransport(RoutineTransport):
     )
 
     def __init__(
-        self, url: str, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS, rng: RandomSource | None = None, **_options: Any
+        self, url: str, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS, rng: RandomSource | None = None,
+        clock: Clock | None = None, **_options: Any
     ) -> None:
-        super().__init__(rng=rng)
+        super().__init__(rng=rng, clock=clock)
         if busy_timeout_ms < 1:
             raise ConfigurationError(f"the SQLite busy timeout must be at least 1 ms, got {busy_timeout_ms}")
         self.url = url

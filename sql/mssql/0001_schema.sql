@@ -1749,6 +1749,9 @@ GO
 -- Claim, heartbeat, settle
 -- ---------------------------------------------------------------------------------------------
 
+-- Each of these reads the time once: @p_now when the caller gives it (a test's clock), else
+-- SYSDATETIMEOFFSET() (docs/design/time.md).
+
 -- Claims up to @p_limit visible deliveries of an Active subscription: attempt + 1, a fresh lease
 -- token, the lease from the subscription's current lease_seconds. Keys of Exclusive and Ordered
 -- subscriptions are claimed through their partition row, one delivery per key; deliveries
@@ -1757,13 +1760,14 @@ GO
 CREATE OR ALTER PROCEDURE workqueue.claim
     @p_subscription nvarchar(200),
     @p_limit int,
-    @p_holder uniqueidentifier = NULL
+    @p_holder uniqueidentifier = NULL,
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
-    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
     DECLARE @v_subscription_id int;
     DECLARE @v_partition_mode nvarchar(20);
     DECLARE @v_lease_seconds float;
@@ -1931,13 +1935,14 @@ GO
 CREATE OR ALTER PROCEDURE workqueue.claim_many
     @p_subscriptions nvarchar(max),
     @p_limit int,
-    @p_holder uniqueidentifier = NULL
+    @p_holder uniqueidentifier = NULL,
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
-    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
     DECLARE @v_keyed nvarchar(max);
     DECLARE @v_message nvarchar(2048);
     DECLARE @v_names TABLE (name nvarchar(200) COLLATE Latin1_General_100_BIN2 NOT NULL PRIMARY KEY);
@@ -2062,13 +2067,14 @@ CREATE OR ALTER PROCEDURE workqueue.heartbeat
     @p_ids nvarchar(max),
     @p_tokens nvarchar(max),
     @p_percents nvarchar(max),
-    @p_messages nvarchar(max)
+    @p_messages nvarchar(max),
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
-    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
     DECLARE @v_i TABLE (
         ord int NOT NULL PRIMARY KEY,
         id bigint NULL,
@@ -2141,13 +2147,14 @@ CREATE OR ALTER PROCEDURE workqueue.settle
     @p_delays nvarchar(max),
     @p_reasons nvarchar(max),
     @p_errors nvarchar(max),
-    @p_draws nvarchar(max) = NULL
+    @p_draws nvarchar(max) = NULL,
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
-    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
     DECLARE @v_settled nvarchar(max);
     DECLARE @v_claimable TABLE (subscription_id int NOT NULL);
     DECLARE @v_i TABLE (
@@ -2313,6 +2320,9 @@ GO
 -- Sweeper and retention
 -- ---------------------------------------------------------------------------------------------
 
+-- Each of these reads the time once: @p_now when the caller gives it (a test's clock), else
+-- SYSDATETIMEOFFSET() (docs/design/time.md).
+
 -- InFlight deliveries whose lease ran out: Discarded when a cancel was requested, DeadLettered
 -- when the attempt was the last, otherwise Pending again after backoff (the attempt counts).
 -- The locking read takes the backoff columns, which no index of the InFlight rows covers, so
@@ -2325,13 +2335,14 @@ GO
 -- key another transaction holds is not waited for: it is marked stale and re-derived later.
 -- returns: delivery_id, result
 CREATE OR ALTER PROCEDURE workqueue.expire_leases
-    @p_limit int
+    @p_limit int,
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
-    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
     DECLARE @v_k int;
     DECLARE @v_k_count int;
     DECLARE @v_key_subscription int;
@@ -2474,13 +2485,14 @@ GO
 -- purged.
 -- returns: purged_deliveries, purged_messages, purged_deduplication
 CREATE OR ALTER PROCEDURE workqueue.purge
-    @p_limit int
+    @p_limit int,
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
-    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
     DECLARE @v_deliveries int = 0;
     DECLARE @v_messages int = 0;
     DECLARE @v_dedup int = 0;
@@ -2624,7 +2636,8 @@ GO
 -- expired once markers are dropped (not counted).
 -- returns: ran, retried, dead_lettered, discarded, purged_deliveries, purged_messages, purged_deduplication, taken_back
 CREATE OR ALTER PROCEDURE workqueue.sweep
-    @p_limit int = 1000
+    @p_limit int = 1000,
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -2664,7 +2677,7 @@ BEGIN
         BEGIN
             SET @v_ran = 1;
             INSERT INTO @v_expired (delivery_id, result)
-            EXEC workqueue.expire_leases @p_limit = @p_limit;
+            EXEC workqueue.expire_leases @p_limit = @p_limit, @p_now = @p_now;
             SELECT @v_retried = COALESCE(SUM(CASE WHEN e.result = N'Pending' THEN 1 ELSE 0 END), 0),
                    @v_dead = COALESCE(SUM(CASE WHEN e.result = N'DeadLettered' THEN 1 ELSE 0 END), 0),
                    @v_discarded = COALESCE(SUM(CASE WHEN e.result = N'Discarded' THEN 1 ELSE 0 END), 0)
@@ -2684,14 +2697,14 @@ BEGIN
             EXEC workqueue.rederive_stale @p_subscription_ids = NULL, @p_limit = @p_limit;
 
             INSERT INTO @v_purged (purged_deliveries, purged_messages, purged_deduplication)
-            EXEC workqueue.purge @p_limit = @p_limit;
+            EXEC workqueue.purge @p_limit = @p_limit, @p_now = @p_now;
             SELECT @v_purged_deliveries = p.purged_deliveries, @v_purged_messages = p.purged_messages,
                    @v_purged_deduplication = p.purged_deduplication
             FROM @v_purged AS p;
 
             EXEC workqueue.fold_settled_counts;
 
-            SET @v_now = SYSDATETIMEOFFSET();
+            SET @v_now = COALESCE(@p_now, SYSDATETIMEOFFSET());
             WITH expired AS (
                 SELECT TOP (@p_limit) o.[key]
                 FROM workqueue.once_marker AS o WITH (UPDLOCK, READPAST, ROWLOCK)

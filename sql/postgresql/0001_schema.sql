@@ -1282,11 +1282,15 @@ $$;
 -- Claim, heartbeat, settle
 -- ---------------------------------------------------------------------------------------------
 
+-- Each of these reads the time once: p_now when the caller gives it (a test's clock), else now(),
+-- the start of its transaction (docs/design/time.md).
+
 -- Claims up to p_limit visible deliveries of an Active subscription: attempt + 1, a fresh lease
 -- token, the lease from the subscription's lease_seconds. Keys of Exclusive and Ordered
 -- subscriptions are claimed through their partition row (SKIP LOCKED), one delivery per key,
 -- after the keys left stale are re-derived; deliveries without a key share the claim with them.
-CREATE OR REPLACE FUNCTION workqueue.claim(p_subscription text, p_limit integer, p_holder uuid DEFAULT NULL)
+CREATE OR REPLACE FUNCTION workqueue.claim(p_subscription text, p_limit integer, p_holder uuid DEFAULT NULL,
+                                          p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (
     delivery_id bigint, lease_token uuid, attempt integer, max_attempts integer,
     lease_expires_at timestamptz, message_id uuid, topic text, partition_key text,
@@ -1300,6 +1304,7 @@ SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_sub record;
     v_keyed bigint[];
     v_keys text[];
@@ -1327,7 +1332,7 @@ BEGIN
             SELECT pt.next_id, pt.partition_key
             FROM workqueue.partition pt
             WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
-              AND pt.next_visible_at <= now()
+              AND pt.next_visible_at <= v_now
             ORDER BY pt.next_visible_at
             LIMIT p_limit
             FOR UPDATE SKIP LOCKED
@@ -1341,7 +1346,7 @@ BEGIN
         SELECT d.id
         FROM workqueue.delivery d
         WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
-          AND d.visible_at <= now()
+          AND d.visible_at <= v_now
         ORDER BY d.visible_at, d.id
         LIMIT CASE WHEN v_keyed IS NULL THEN p_limit
                    ELSE greatest(p_limit - cardinality(v_keyed), p_limit / 2) END
@@ -1366,8 +1371,8 @@ BEGIN
         UPDATE workqueue.delivery d
         SET status = 'InFlight', attempt = d.attempt + 1, claim_count = d.claim_count + 1,
             lease_token = gen_random_uuid(),
-            lease_expires_at = now() + make_interval(secs => v_sub.lease_seconds),
-            claimed_at = now(), held_by = p_holder, progress_percent = NULL, progress_message = NULL
+            lease_expires_at = v_now + make_interval(secs => v_sub.lease_seconds),
+            claimed_at = v_now, held_by = p_holder, progress_percent = NULL, progress_message = NULL
         WHERE d.id = ANY (v_ids) AND d.status = 'Pending'
         RETURNING d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, d.message_id,
                   d.partition_key, d.key_mode
@@ -1409,7 +1414,8 @@ $$;
 -- each such subscription's share, locked past the rows other claimers hold as claim locks, so
 -- concurrent claimers take different deliveries and none comes back short while work waits.
 -- Commits as a claim without keys does (synchronous_commit off).
-CREATE OR REPLACE FUNCTION workqueue.claim_many(p_subscriptions text[], p_limit integer, p_holder uuid DEFAULT NULL)
+CREATE OR REPLACE FUNCTION workqueue.claim_many(p_subscriptions text[], p_limit integer, p_holder uuid DEFAULT NULL,
+                                               p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (
     subscription text, delivery_id bigint, lease_token uuid, attempt integer, max_attempts integer,
     lease_expires_at timestamptz, message_id uuid, topic text, partition_key text,
@@ -1423,6 +1429,7 @@ SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_has_keyed boolean;
     v_keyed text;
     v_active integer[];
@@ -1461,7 +1468,7 @@ BEGIN
     WHERE EXISTS (
         SELECT 1 FROM workqueue.delivery d
         WHERE d.subscription_id = a.sid AND d.status = 'Pending' AND d.key_mode = 0
-          AND d.visible_at <= now()
+          AND d.visible_at <= v_now
     );
     IF v_due IS NULL THEN
         RETURN;
@@ -1474,7 +1481,7 @@ BEGIN
         FROM (
             SELECT d.id FROM workqueue.delivery d
             WHERE d.subscription_id = v_due[1] AND d.status = 'Pending' AND d.key_mode = 0
-              AND d.visible_at <= now()
+              AND d.visible_at <= v_now
             ORDER BY d.visible_at, d.id
             LIMIT p_limit
             FOR UPDATE SKIP LOCKED
@@ -1489,7 +1496,7 @@ BEGIN
             CROSS JOIN LATERAL (
                 SELECT d.id, d.visible_at FROM workqueue.delivery d
                 WHERE d.subscription_id = a.sid AND d.status = 'Pending' AND d.key_mode = 0
-                  AND d.visible_at <= now()
+                  AND d.visible_at <= v_now
                 ORDER BY d.visible_at, d.id
                 LIMIT p_limit
             ) d
@@ -1505,7 +1512,7 @@ BEGIN
         FROM (
             SELECT d.id FROM workqueue.delivery d
             WHERE d.id = ANY (v_candidates) AND d.status = 'Pending' AND d.key_mode = 0
-              AND d.visible_at <= now()
+              AND d.visible_at <= v_now
             FOR UPDATE SKIP LOCKED
         ) l;
         v_ids := coalesce(v_ids, '{}'::bigint[]);
@@ -1525,7 +1532,7 @@ BEGIN
             CROSS JOIN LATERAL (
                 SELECT d.id FROM workqueue.delivery d
                 WHERE d.subscription_id = k.sid AND d.status = 'Pending' AND d.key_mode = 0
-                  AND d.visible_at <= now() AND d.id <> ALL (v_ids)
+                  AND d.visible_at <= v_now AND d.id <> ALL (v_ids)
                 ORDER BY d.visible_at, d.id
                 LIMIT k.n
                 FOR UPDATE SKIP LOCKED
@@ -1544,8 +1551,8 @@ BEGIN
         UPDATE workqueue.delivery d
         SET status = 'InFlight', attempt = d.attempt + 1, claim_count = d.claim_count + 1,
             lease_token = gen_random_uuid(),
-            lease_expires_at = now() + make_interval(secs => s.lease_seconds),
-            claimed_at = now(), held_by = p_holder, progress_percent = NULL, progress_message = NULL
+            lease_expires_at = v_now + make_interval(secs => s.lease_seconds),
+            claimed_at = v_now, held_by = p_holder, progress_percent = NULL, progress_message = NULL
         FROM workqueue.subscription s
         WHERE d.id = ANY (v_ids) AND d.status = 'Pending' AND s.id = d.subscription_id
         RETURNING s.name, d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at,
@@ -1562,7 +1569,8 @@ $$;
 -- progress; alive is false once the token is stale or an operator asked to cancel. It writes no
 -- indexed column (no index names lease_expires_at or the progress): a HOT update.
 CREATE OR REPLACE FUNCTION workqueue.heartbeat(
-    p_ids bigint[], p_tokens uuid[], p_percents smallint[], p_messages text[]
+    p_ids bigint[], p_tokens uuid[], p_percents smallint[], p_messages text[],
+    p_now timestamptz DEFAULT NULL
 ) RETURNS TABLE (delivery_id bigint, alive boolean, cancel_requested boolean, lease_expires_at timestamptz)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -1571,6 +1579,7 @@ SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_found jsonb;  -- delivery id -> [cancel_requested, lease_expires_at]
 BEGIN
     WITH locked AS (
@@ -1588,7 +1597,7 @@ BEGIN
     ), u AS (
         UPDATE workqueue.delivery d
         SET lease_expires_at = CASE WHEN d.cancel_requested THEN d.lease_expires_at
-                                    ELSE now() + make_interval(secs => s.lease_seconds) END,
+                                    ELSE v_now + make_interval(secs => s.lease_seconds) END,
             progress_percent = coalesce(l.pct, d.progress_percent),
             progress_message = coalesce(l.msg, d.progress_message)
         FROM locked l
@@ -1617,7 +1626,8 @@ $$;
 -- keys handed over by release_keys.
 CREATE OR REPLACE FUNCTION workqueue.settle(
     p_ids bigint[], p_tokens uuid[], p_outcomes text[], p_delays double precision[],
-    p_reasons text[], p_errors text[], p_draws double precision[] DEFAULT NULL
+    p_reasons text[], p_errors text[], p_draws double precision[] DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS TABLE (delivery_id bigint, result text)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -1626,6 +1636,7 @@ SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_ids bigint[];
     v_results jsonb;  -- delivery id -> its new status
     v_keyed boolean;
@@ -1667,8 +1678,8 @@ BEGIN
                            THEN greatest(d.attempt - 1, 0) ELSE d.attempt END,
             visible_at = CASE
                 WHEN pl.new_status <> 'Pending' THEN d.visible_at
-                WHEN pl.outcome = 'Release' THEN now() + make_interval(secs => coalesce(pl.delay, 0))
-                ELSE now() + make_interval(secs => coalesce(pl.delay,
+                WHEN pl.outcome = 'Release' THEN v_now + make_interval(secs => coalesce(pl.delay, 0))
+                ELSE v_now + make_interval(secs => coalesce(pl.delay,
                         workqueue.backoff_seconds(d.attempt, pl.backoff_base_seconds,
                                                   pl.backoff_max_seconds, pl.backoff_schedule, pl.draw))) END,
             lease_token = NULL,
@@ -1679,7 +1690,7 @@ BEGIN
                               THEN coalesce('max attempts reached: ' || coalesce(pl.reason, pl.error), 'max attempts reached')
                           ELSE coalesce(pl.reason, d.reason) END,
             last_error = coalesce(pl.error, d.last_error),
-            settled_at = CASE WHEN pl.new_status IN ('Completed', 'Discarded', 'DeadLettered') THEN now() END
+            settled_at = CASE WHEN pl.new_status IN ('Completed', 'Discarded', 'DeadLettered') THEN v_now END
         FROM plan pl
         WHERE d.id = pl.id
         RETURNING d.id, d.status, d.key_mode, d.subscription_id
@@ -1966,15 +1977,19 @@ $$;
 -- Sweeper and retention
 -- ---------------------------------------------------------------------------------------------
 
+-- Each of these reads the time once: p_now when the caller gives it (a test's clock), else now(),
+-- the start of its transaction (docs/design/time.md).
+
 -- InFlight deliveries whose lease ran out: Discarded when a cancel was requested, DeadLettered
 -- on the final attempt, otherwise Pending again after backoff (the attempt counts).
-CREATE OR REPLACE FUNCTION workqueue.expire_leases(p_limit integer)
+CREATE OR REPLACE FUNCTION workqueue.expire_leases(p_limit integer, p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (delivery_id bigint, result text)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_expired bigint[];
     v_ids bigint[];
     v_results text[];
@@ -1983,7 +1998,7 @@ BEGIN
     SELECT array_agg(e.id) INTO v_expired
     FROM (
         SELECT d.id FROM workqueue.delivery d
-        WHERE d.status = 'InFlight' AND d.lease_expires_at < now()
+        WHERE d.status = 'InFlight' AND d.lease_expires_at < v_now
         ORDER BY d.lease_expires_at
         LIMIT p_limit
         FOR UPDATE SKIP LOCKED
@@ -1998,7 +2013,7 @@ BEGIN
                           WHEN d.attempt >= d.max_attempts THEN 'DeadLettered'
                           ELSE 'Pending' END,
             visible_at = CASE WHEN d.cancel_requested OR d.attempt >= d.max_attempts THEN d.visible_at
-                              ELSE now() + make_interval(secs => workqueue.backoff_seconds(
+                              ELSE v_now + make_interval(secs => workqueue.backoff_seconds(
                                     d.attempt, d.backoff_base_seconds, d.backoff_max_seconds, d.backoff_schedule)) END,
             reason = CASE WHEN d.cancel_requested THEN d.reason
                           WHEN d.attempt >= d.max_attempts THEN 'lease expired on the final attempt'
@@ -2007,7 +2022,7 @@ BEGIN
                               ELSE 'lease expired: the holder stopped renewing it' END,
             lease_token = NULL,
             lease_expires_at = NULL,
-            settled_at = CASE WHEN d.cancel_requested OR d.attempt >= d.max_attempts THEN now() END
+            settled_at = CASE WHEN d.cancel_requested OR d.attempt >= d.max_attempts THEN v_now END
         WHERE d.id = ANY (v_expired)
         RETURNING d.id, d.status, d.key_mode, d.subscription_id
     ), counted AS (
@@ -2032,13 +2047,14 @@ $$;
 -- Terminal deliveries past their subscription's retention (counted out of settled_count), then
 -- messages no delivery refers to past their topic's retention, then expired deduplication keys;
 -- each scan bounded by the shortest retention that applies.
-CREATE OR REPLACE FUNCTION workqueue.purge(p_limit integer)
+CREATE OR REPLACE FUNCTION workqueue.purge(p_limit integer, p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (purged_deliveries integer, purged_messages integer, purged_deduplication integer)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_deliveries integer := 0;
     v_messages integer;
     v_dedup integer;
@@ -2046,8 +2062,8 @@ DECLARE
     v_published_before timestamptz;
 BEGIN
     -- A settled delivery may go once its subscription's retention has passed: none settled after
-    -- now() minus the shortest retention of any subscription can.
-    SELECT now() - make_interval(secs => min(s.retention_seconds)) INTO v_settled_before
+    -- v_now minus the shortest retention of any subscription can.
+    SELECT v_now - make_interval(secs => min(s.retention_seconds)) INTO v_settled_before
     FROM workqueue.subscription s;
     IF v_settled_before IS NOT NULL THEN
         WITH gone AS (
@@ -2057,7 +2073,7 @@ BEGIN
                 JOIN workqueue.subscription s ON s.id = x.subscription_id
                 WHERE x.status IN ('Completed', 'Discarded')
                   AND x.settled_at < v_settled_before
-                  AND x.settled_at < now() - make_interval(secs => s.retention_seconds)
+                  AND x.settled_at < v_now - make_interval(secs => s.retention_seconds)
                 ORDER BY x.settled_at
                 LIMIT p_limit
             )
@@ -2074,15 +2090,15 @@ BEGIN
 
     -- A message may go once no delivery refers to it and its topic's retention has passed (the
     -- longest of the topic's subscriptions, a week for a topic without any): none published
-    -- after now() minus the shortest of those can.
-    SELECT now() - make_interval(secs => least(604800::double precision, min(r.seconds)))
+    -- after v_now minus the shortest of those can.
+    SELECT v_now - make_interval(secs => least(604800::double precision, min(r.seconds)))
     INTO v_published_before
     FROM (SELECT max(s.retention_seconds) AS seconds FROM workqueue.subscription s GROUP BY s.topic) r;
     DELETE FROM workqueue.message m
     WHERE m.id IN (
         SELECT x.id FROM workqueue.message x
         WHERE x.published_at < v_published_before
-          AND x.published_at < now() - make_interval(secs => coalesce(
+          AND x.published_at < v_now - make_interval(secs => coalesce(
                   (SELECT max(s.retention_seconds) FROM workqueue.subscription s WHERE s.topic = x.topic),
                   604800))
           AND NOT EXISTS (SELECT 1 FROM workqueue.delivery d WHERE d.message_id = x.id)
@@ -2094,7 +2110,7 @@ BEGIN
     DELETE FROM workqueue.deduplication dd
     WHERE (dd.topic, dd.deduplication_key) IN (
         SELECT x.topic, x.deduplication_key FROM workqueue.deduplication x
-        WHERE x.expires_at <= now()
+        WHERE x.expires_at <= v_now
         ORDER BY x.expires_at
         LIMIT p_limit
         FOR UPDATE SKIP LOCKED  -- a producer taking the expired key over holds it until it commits
@@ -2129,7 +2145,7 @@ $$;
 -- One sweeper pass: expired leases, stale keys, retention, the counts folded, expired once
 -- markers. A transaction-scoped advisory lock lets one pass run at a time across every process;
 -- a pass that finds it taken returns ran = false and does nothing.
-CREATE OR REPLACE FUNCTION workqueue.sweep(p_limit integer DEFAULT 1000)
+CREATE OR REPLACE FUNCTION workqueue.sweep(p_limit integer DEFAULT 1000, p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (
     ran boolean, retried integer, dead_lettered integer, discarded integer,
     purged_deliveries integer, purged_messages integer, purged_deduplication integer, taken_back jsonb
@@ -2139,6 +2155,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_retried integer;
     v_dead integer;
     v_discarded integer;
@@ -2150,7 +2167,7 @@ BEGIN
         RETURN;
     END IF;
     -- Each lease taken back, with its subscription and the process that held it (for the log).
-    WITH e AS (SELECT * FROM workqueue.expire_leases(p_limit))
+    WITH e AS (SELECT * FROM workqueue.expire_leases(p_limit, p_now))
     SELECT count(*) FILTER (WHERE e.result = 'Pending'),
            count(*) FILTER (WHERE e.result = 'DeadLettered'),
            count(*) FILTER (WHERE e.result = 'Discarded'),
@@ -2165,10 +2182,10 @@ BEGIN
     LEFT JOIN workqueue.process p ON p.id = d.held_by;
     PERFORM pg_notify('workqueue', r.sid::text)
     FROM (SELECT DISTINCT r.subscription_id AS sid FROM workqueue.rederive_stale(NULL, p_limit) r) r;
-    SELECT * INTO v_purge FROM workqueue.purge(p_limit);
+    SELECT * INTO v_purge FROM workqueue.purge(p_limit, p_now);
     PERFORM workqueue.fold_settled_counts();
     DELETE FROM workqueue.once_marker o
-    WHERE o.key IN (SELECT x.key FROM workqueue.once_marker x WHERE x.expires_at <= now()
+    WHERE o.key IN (SELECT x.key FROM workqueue.once_marker x WHERE x.expires_at <= v_now
                     ORDER BY x.expires_at LIMIT p_limit FOR UPDATE SKIP LOCKED);
     RETURN QUERY SELECT true, v_retried, v_dead, v_discarded, v_purge.purged_deliveries,
                         v_purge.purged_messages, v_purge.purged_deduplication, v_taken_back;
