@@ -131,6 +131,17 @@ async def test_a_completion_is_settled_and_purged_by_the_clock(transport: Any, c
     assert report.purged_deliveries >= 1 and await transport.get_delivery(claimed.delivery_id) is None
 
 
+async def test_prune_counts_its_age_by_the_clock(transport: Any, clock: FixedClock) -> None:
+    _, claimed = await one_delivery(transport)
+    await transport.settle([Settlement(claimed.delivery_id, claimed.lease_token, "Complete")])
+    clock.move(20)
+    await transport.prune(30)
+    assert await transport.get_delivery(claimed.delivery_id) is not None
+    clock.move(20)
+    assert await transport.prune(30) >= 1
+    assert await transport.get_delivery(claimed.delivery_id) is None
+
+
 async def test_the_system_clock_passes_no_time_and_the_database_reads_its_own(database_url: str) -> None:
     transport = create_database_transport(database_url, listen=False, pool_max_size=2)
     assert transport.clock is SYSTEM_CLOCK and transport._now() is None
@@ -169,7 +180,7 @@ def test_a_manual_clock_moves_forward_only() -> None:
         manual.advance(-1)
 
 
-TIMED = ("claim", "claim_many", "heartbeat", "settle", "expire_leases", "purge", "sweep")
+TIMED = ("claim", "claim_many", "heartbeat", "settle", "expire_leases", "purge", "sweep", "prune")
 
 
 @pytest.mark.parametrize("name", TIMED)

@@ -4,8 +4,8 @@ retention.
 A transport given the :data:`SYSTEM_CLOCK` (its default) passes no time at all, and the database
 reads its own clock (PostgreSQL's ``now()``, SQL Server's ``SYSDATETIMEOFFSET()``, the time an
 SQLite routine starts): every process agrees on one clock whatever its own says. A test passes a
-clock it moves instead (:class:`ManualClock`); claims, heartbeats, settles (a release is one) and
-sweeps then run at that clock's time, so a lease runs out or a retry comes due without waiting.
+clock it moves instead (:class:`ManualClock`); claims, heartbeats, settles (a release is one),
+sweeps and prunes then run at that clock's time, so a lease runs out or a retry comes due without waiting.
 """
 
 from __future__ import annotations

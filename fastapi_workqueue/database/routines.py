@@ -100,7 +100,7 @@ class RoutineTransport:
         """``rng`` draws the full-jitter fraction of each retry's backoff (one per settled item):
         a retry without a delay of its own waits u x min(max, base x 2^(attempt - 1)).
 
-        ``clock`` is the time claims, heartbeats, settles and sweeps run at: by default the
+        ``clock`` is the time claims, heartbeats, settles, sweeps and prunes run at: by default the
         database's own; a test's :class:`~fastapi_workqueue.core.clock.ManualClock` moves it."""
         if rng is not None and not callable(getattr(rng, "random", None)):
             raise TypeError(f"rng must have a random() method, like random.Random; got {type(rng).__name__}")
@@ -463,7 +463,8 @@ class RoutineTransport:
         """Removes Completed and Discarded deliveries settled more than ``older_than_seconds`` ago."""
         total = 0
         while True:
-            removed = int(await self._scalar("prune", p_older_than_seconds=older_than_seconds, p_limit=batch))
+            removed = int(await self._scalar("prune", p_older_than_seconds=older_than_seconds, p_limit=batch,
+                                             p_now=self._now()))
             total += removed
             if removed < batch:
                 return total

@@ -651,7 +651,8 @@ async def r_sweep(c: Call, p_limit: int = 1000, p_now: datetime | None = None) -
 
 
 @routine
-async def r_prune(c: Call, p_older_than_seconds: float, p_limit: int) -> list[Row]:
+async def r_prune(c: Call, p_older_than_seconds: float, p_limit: int, p_now: datetime | None = None) -> list[Row]:
+    c = c.at(p_now)
     removed = await _delete_settled(c, "prune_deliveries", cutoff=c.now - p_older_than_seconds, limit=p_limit)
     return [{"prune": removed}]
 

@@ -2735,13 +2735,14 @@ GO
 -- returns: prune
 CREATE OR ALTER PROCEDURE workqueue.prune
     @p_older_than_seconds float,
-    @p_limit int
+    @p_limit int,
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
-    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
     DECLARE @v_cutoff datetimeoffset(6);
     DECLARE @v_count int = 0;
     DECLARE @v_gone TABLE (

@@ -2194,13 +2194,16 @@ $$;
 
 -- Removes terminal deliveries (Completed, Discarded) settled more than p_older_than_seconds ago,
 -- whatever their subscription's retention, in batches; returns how many it removed (`workqueue
--- prune`).
-CREATE OR REPLACE FUNCTION workqueue.prune(p_older_than_seconds double precision, p_limit integer)
+-- prune`). Ago by p_now when given (a test's clock, which settles stamped), else by now().
+CREATE OR REPLACE FUNCTION workqueue.prune(
+    p_older_than_seconds double precision, p_limit integer, p_now timestamptz DEFAULT NULL
+)
 RETURNS integer
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_count integer;
 BEGIN
     WITH gone AS (
@@ -2208,7 +2211,7 @@ BEGIN
         WHERE d.id IN (
             SELECT x.id FROM workqueue.delivery x
             WHERE x.status IN ('Completed', 'Discarded')
-              AND x.settled_at < now() - make_interval(secs => p_older_than_seconds)
+              AND x.settled_at < v_now - make_interval(secs => p_older_than_seconds)
             ORDER BY x.settled_at
             LIMIT p_limit
         )
