@@ -22,8 +22,8 @@ wall ms per order, and per routine its calls and self time per order.
 Variants (``--variants``), measured in turns in the same database:
 
 - ``tuned``: the hot-path functions with ``plan_cache_mode = force_generic_plan`` and
-  ``enable_seqscan = off``, as PostgreSQL 0026 leaves them.
-- ``plain``: the same functions with both reset to the server's defaults (before 0026).
+  ``enable_seqscan = off``, as ``sql/postgresql/schema.sql`` creates them.
+- ``plain``: the same functions with both reset to the server's defaults.
 
 The database (``--database``, default ``bench_load_sql``) is dropped and recreated at the start.
 """
@@ -49,16 +49,17 @@ from fastapi_workqueue import Subscription, Topic, WorkQueue, WorkQueueSettings
 
 TOPIC = "orders.created"
 SUBSCRIPTIONS = (("orders.email", "Exclusive"), ("orders.audit", "Ordered"))
-# The routines an order's path runs, with the signatures 0026 names.
+# The routines an order's path runs, by signature (sql/postgresql/schema.sql).
 HOT_PATH = (
     "publish(text, uuid[], text[], jsonb[], text[], text[], text[], text[], text[], double precision[], "
     "double precision[], timestamp with time zone[], integer[], text[], integer[])",
     "publish_one(text, uuid, text, jsonb, text, text, text, text, double precision, timestamp with time zone, "
     "integer, text, integer)",
-    "claim(text, integer)",
-    "claim_many(text[], integer)",
-    "heartbeat(bigint[], uuid[], smallint[], text[])",
-    "settle(bigint[], uuid[], text[], double precision[], text[], text[], double precision[])",
+    "claim(text, integer, uuid, timestamp with time zone)",
+    "claim_many(text[], integer, uuid, timestamp with time zone)",
+    "heartbeat(bigint[], uuid[], smallint[], text[], timestamp with time zone)",
+    "settle(bigint[], uuid[], text[], double precision[], text[], text[], double precision[], "
+    "timestamp with time zone)",
     "refresh_partition(integer, text, smallint)",
     "release_keys(bigint[])",
     "rederive_stale(integer[], integer)",

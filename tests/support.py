@@ -77,3 +77,31 @@ async def delivery_status(queue: WorkQueue, subscription: str, message_id: Any) 
             if info.message_id == message_id:
                 return info
     return None
+
+
+class ClaimWatch:
+    """Records what a transport's claims answer, per subscription, so that a test waits for a
+    consumer's claim (an event it can observe) instead of sleeping: ``await watch.empty_claim(s)``
+    returns once a claim of ``s`` has found nothing. It wraps the transport's own methods; the
+    store under test is the real one."""
+
+    def __init__(self, transport: Any) -> None:
+        self.answers: list[tuple[str, int]] = []
+        claim, claim_many = transport.claim, transport.claim_many
+
+        async def counted_claim(subscription: str, limit: int) -> Any:
+            batch = await claim(subscription, limit)
+            self.answers.append((subscription, len(batch)))
+            return batch
+
+        async def counted_claim_many(subscriptions: Any, limit: int) -> Any:
+            pairs = await claim_many(subscriptions, limit)
+            self.answers.extend((s, sum(1 for name, _ in pairs if name == s)) for s in subscriptions)
+            return pairs
+
+        transport.claim, transport.claim_many = counted_claim, counted_claim_many
+
+    async def empty_claim(self, subscription: str, within: float = 10.0) -> None:
+        """Until a claim of ``subscription`` has answered nothing."""
+        await wait_for(lambda: (subscription, 0) in self.answers, within=within,
+                       describe=lambda: f"claims so far: {self.answers}")

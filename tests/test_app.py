@@ -27,7 +27,7 @@ from fastapi_workqueue import (
 from fastapi_workqueue.settings import DEFAULT_DATABASE_URL
 
 from .conftest import unique
-from .support import FAST, delivery_status, make_queue, wait_for
+from .support import FAST, ClaimWatch, delivery_status, make_queue, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -275,8 +275,9 @@ async def test_request_session_commits_before_response_and_publish_joins_it(pg_u
 
 
 async def test_notification_wakes_an_idle_consumer_before_its_poll(pg_url: str) -> None:
-    queue, topic, _ = make_queue(pg_url, [{"role": "a"}], idle_poll_min_ms=20_000, idle_poll_max_ms=20_000)
+    queue, topic, subs = make_queue(pg_url, [{"role": "a"}], idle_poll_min_ms=20_000, idle_poll_max_ms=20_000)
     handled = asyncio.Event()
+    watch = ClaimWatch(queue.transport)
 
     @queue.handler("a")
     async def handle(message: WorkMessage[Any]) -> WorkOutcome:
@@ -284,7 +285,7 @@ async def test_notification_wakes_an_idle_consumer_before_its_poll(pg_url: str) 
         return Outcome.complete()
 
     async with queue.lifespan(None):
-        await asyncio.sleep(0.3)  # the consumer found nothing and sleeps for 20 s
+        await watch.empty_claim(subs["a"])  # the consumer found nothing and sleeps for 20 s
         await queue.publish(topic, [PublishRequest(payload=1)])
         await asyncio.wait_for(handled.wait(), timeout=5)
 

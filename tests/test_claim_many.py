@@ -131,7 +131,7 @@ async def test_a_claim_past_held_deliveries_still_takes_its_limit(pg_url: str, p
 async def test_one_busy_queue_among_empty_ones_is_claimed_from_its_index(
     pg_url: str, pg_transport: PostgresTransport
 ) -> None:
-    """A worker's usual case (0031): of the queues it names, one has work. Its deliveries are
+    """A worker's usual case: of the queues it names, one has work. Its deliveries are
     locked as its claim index gives them, oldest first, past the rows another claimer holds; what
     waits on a later visible_at, or on a paused queue, stays."""
     busy_topic, [busy] = await queues(pg_transport, 1)

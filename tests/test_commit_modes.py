@@ -1,4 +1,4 @@
-"""Which PostgreSQL writes wait for the disk (migration 0017): a claim that took deliveries of a
+"""Which PostgreSQL writes wait for the disk: a claim that took deliveries of a
 subscription without keys commits with ``synchronous_commit`` off; a claim on an Exclusive or
 Ordered subscription, a claim that found nothing, a publish and a settle keep waiting. Each call
 runs inside an open transaction of the test's own connection, so the setting the function left for

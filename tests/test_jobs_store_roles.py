@@ -1,6 +1,6 @@
-"""Who may call the store operations of the jobs layer (PostgreSQL 0025): the runtime role runs
-jobs (claim_many, follow-ups, steps, unique keys, known messages, a message's deliveries), the
-operator role prunes dead letters and rewrites payloads; an upgrade gives existing roles theirs."""
+"""Who may call the store operations of the jobs layer: the runtime role runs jobs (claim_many,
+follow-ups, steps, unique keys, known messages, a message's deliveries), the operator role prunes
+dead letters and rewrites payloads."""
 
 from __future__ import annotations
 
@@ -14,26 +14,12 @@ from fastapi_workqueue import ConfigurationError, PublishRequest, Subscription, 
 from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.core.outcomes import FollowUp
 from fastapi_workqueue.core.transport import Settlement
-from fastapi_workqueue.database import sql_files
-from fastapi_workqueue.database.migrations import apply_postgres_migrations
-from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
+from fastapi_workqueue.database.postgres import PostgresTransport
 
 from .conftest import unique
-from .test_migrations import scratch_url  # noqa: F401  (a fixture: an empty database of its own)
 from .test_roles import admin, app_login, login_with, runtime_role, scripted_role, url_as  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
-
-RUNTIME_ONES = {
-    "workqueue.claim_many(text[], integer)", "workqueue.known_messages(uuid[])",
-    "workqueue.message_deliveries(uuid)", "workqueue.release_deduplication_key(text, text, uuid)",
-    "workqueue.step_get(uuid, text)", "workqueue.step_put(uuid, text, text)",
-}
-OPERATOR_ONES = {
-    "workqueue.discard_dead_letters(text, timestamptz, integer)",
-    "workqueue.rewrite_payload(uuid, text, text, integer)", "workqueue.message_deliveries(uuid)",
-}
-
 
 async def test_a_runtime_login_runs_jobs_but_cannot_prune_or_rewrite(pg_url: str, app_login: str) -> None:  # noqa: F811
     transport = PostgresTransport(url_as(pg_url, app_login), listen=False, pool_max_size=2)
@@ -120,30 +106,3 @@ async def test_an_operator_login_prunes_and_rewrites_but_cannot_run_jobs(
                     await denied
         finally:
             await transport.close()
-
-
-async def test_an_upgrade_gives_existing_roles_the_new_functions(
-    scratch_url: str, monkeypatch: pytest.MonkeyPatch  # noqa: F811
-) -> None:
-    """Roles set up at version 24 call what 0025 made theirs without running their scripts again."""
-    from fastapi_workqueue.database import migrations as runner
-
-    every = sql_files.migrations("postgresql")
-    conn: asyncpg.Connection[Any] = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
-    try:
-        monkeypatch.setattr(runner, "migrations", lambda dialect: [m for m in every if m.version <= 24])
-        await apply_postgres_migrations(conn)
-        for script in ("runtime_role.sql", "operator_role.sql"):
-            await conn.execute(sql_files.read("postgresql", "roles", script))
-        monkeypatch.setattr(runner, "migrations", lambda dialect: [m for m in every if m.version <= 25])
-        assert await apply_postgres_migrations(conn) == ["0025_jobs_store"]
-        privilege = "SELECT has_function_privilege($1, $2, 'EXECUTE')"
-        for signature in RUNTIME_ONES | OPERATOR_ONES:
-            assert await conn.fetchval(privilege, "workqueue_runtime", signature) is (signature in RUNTIME_ONES)
-            assert await conn.fetchval(privilege, "workqueue_operator", signature) is (signature in OPERATOR_ONES)
-            assert not await conn.fetchval(privilege, "public", signature)
-        # settle was created again with the same signature: the runtime role keeps it.
-        settle = "workqueue.settle(bigint[], uuid[], text[], double precision[], text[], text[], double precision[])"
-        assert await conn.fetchval(privilege, "workqueue_runtime", settle)
-    finally:
-        await conn.close()

@@ -61,13 +61,13 @@ class StallAfterClaim(PostgresTransport):
 
     def __init__(self, url: str, clock: SteppingClock, stall: float) -> None:
         super().__init__(url, listen=False, pool_max_size=2)
-        self.clock = clock
+        self.monotonic = clock
         self.stall = stall
 
     async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
         batch = await super().claim(subscription, limit)
         if batch:
-            self.clock.offset += self.stall
+            self.monotonic.offset += self.stall
             self.stall = 0.0
         return batch
 
@@ -177,7 +177,7 @@ class BusyBeforeTheHandlers(PostgresTransport):
 
     def __init__(self, url: str, clock: SteppingClock, busy: float) -> None:
         super().__init__(url, listen=False, pool_max_size=2)
-        self.clock = clock
+        self.monotonic = clock
         self.busy = busy
 
     async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
@@ -187,7 +187,7 @@ class BusyBeforeTheHandlers(PostgresTransport):
         return batch
 
     def _stall(self) -> None:
-        self.clock.offset += self.busy
+        self.monotonic.offset += self.busy
         self.busy = 0.0
 
 

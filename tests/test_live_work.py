@@ -1,5 +1,5 @@
 """The dashboard's bounded reads of the live work: counts that stop at a cap, and the heads that
-block Ordered keys (PostgreSQL 0028, SQLite 0008), on a database of their own each."""
+block Ordered keys, on a database of their own each."""
 
 from __future__ import annotations
 

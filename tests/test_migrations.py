@@ -1,10 +1,12 @@
-"""The migration runner: records what it applied, applies it once, refuses changed files."""
+"""The migration runner: records what it applied, applies it once, refuses changed files, and
+refuses with one line a database that the pre-release chain of migrations built."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import re
+import sqlite3
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,9 +16,11 @@ import asyncpg
 import pytest
 
 from fastapi_workqueue.core.errors import ConfigurationError
-from fastapi_workqueue.database import sql_files
+from fastapi_workqueue.database import migration_plan, sql_files
+from fastapi_workqueue.database.migration_plan import PRE_RELEASE_FIRST_CHECKSUMS
 from fastapi_workqueue.database.migrations import apply_postgres_migrations
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
+from fastapi_workqueue.database.sqlite import SqliteTransport
 
 from .conftest import recreate_database
 
@@ -24,9 +28,7 @@ pytestmark = pytest.mark.timeout(60)
 
 SQL_DIR = Path(__file__).resolve().parents[1] / "sql" / "postgresql"
 MIGRATION_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
-FUNCTION_CHANGE = re.compile(
-    r"\b(CREATE\s+(?:OR\s+REPLACE\s+)?|DROP\s+)FUNCTION\s+(?:IF\s+EXISTS\s+)?workqueue\.(\w+)\s*\(", re.IGNORECASE
-)
+FUNCTION_CHANGE = re.compile(r"\b(CREATE\s+(?:OR\s+REPLACE\s+)?)FUNCTION\s+workqueue\.(\w+)\s*\(", re.IGNORECASE)
 
 
 def files_on_disk() -> list[tuple[int, str, str]]:
@@ -45,15 +47,8 @@ def labels() -> list[str]:
 
 
 def defined_functions() -> set[str]:
-    """The functions the migrations leave: created, and not dropped by a later statement."""
-    names: set[str] = set()
-    for migration in sql_files.migrations("postgresql"):
-        for match in FUNCTION_CHANGE.finditer(migration.sql):
-            if match.group(1).upper().startswith("DROP"):
-                names.discard(match.group(2))
-            else:
-                names.add(match.group(2))
-    return names
+    """The functions a fresh install has: those schema.sql creates."""
+    return {m.group(2) for m in FUNCTION_CHANGE.finditer(sql_files.read("postgresql", "schema.sql"))}
 
 
 async def schema_functions(conn: asyncpg.Connection[Any]) -> set[str]:
@@ -82,11 +77,9 @@ async def scratch_url(pg_url: str) -> AsyncIterator[str]:
 
 async def test_applied_migrations_are_recorded_one_per_file(pg_url: str) -> None:
     on_disk = files_on_disk()
-    # Each version once, in order; numbers reserved for work in progress elsewhere may be missing
-    # (the runner applies every version a database lacks, whatever its place).
+    # Each version once, in order, from 0001_schema (release 0.1.0's schema) on.
     versions = [version for version, _, _ in on_disk]
-    assert versions == sorted(set(versions)) and versions[0] == 1
-    assert len(on_disk) >= 3
+    assert versions == sorted(set(versions)) and on_disk[0][:2] == (1, "schema")
     conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
     try:
         rows = await conn.fetch("SELECT version, name, checksum FROM workqueue.schema_migration ORDER BY version")
@@ -190,7 +183,7 @@ async def test_sql_files_are_found_and_every_function_exists(pg_url: str) -> Non
     found = sql_files.migrations("postgresql")
     on_disk = files_on_disk()
     assert [(m.version, m.name, m.checksum) for m in found] == on_disk
-    assert [m.name for m in found][:3] == ["schema", "operations", "privileges"]
+    assert found[0].label == "0001_schema"
 
     expected = defined_functions()
     assert {"publish", "claim", "heartbeat", "settle", "sweep", "sync_topic", "sync_subscription"} <= expected
@@ -200,74 +193,153 @@ async def test_sql_files_are_found_and_every_function_exists(pg_url: str) -> Non
     finally:
         await conn.close()
     assert sorted(expected - present) == []
-    assert sorted(present - expected) == []  # nothing in the schema that no migration defines
+    assert sorted(present - expected) == []  # nothing in the database that schema.sql does not define
 
 
-async def test_an_upgrade_lets_an_existing_runtime_role_call_the_new_functions(
-    scratch_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A database whose runtime role was set up at version 11 can publish one message at once after
-    migrating to 12 (publish_one), and settle and list deliveries after 20 and 23 (which create
-    those functions again), without running the role script again."""
-    from fastapi_workqueue.database import migrations as runner
+# -- a database the pre-release chain of migrations built -------------------------------------------
 
-    every = sql_files.migrations("postgresql")
-    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+PRE_RELEASE_CHAIN: dict[str, list[tuple[int, str]]] = {
+    "postgresql": [
+        (1, "schema"), (2, "operations"), (3, "privileges"), (4, "hot_paths"), (5, "publish_fast_path"),
+        (6, "api_keys"), (7, "release_keys"), (8, "release_keys_delete"), (9, "publish_one_statement"),
+        (10, "publish_without_lookup"), (11, "publish_in_statements"), (12, "publish_one"),
+        (13, "purge_within_bounds"), (14, "settle_by_index"), (15, "heartbeat_by_index"),
+        (16, "publish_one_fallback"), (17, "lighter_writes"), (18, "publish_reads_key_modes"),
+        (19, "keys_skip_producers"), (20, "settle_draws"), (21, "heartbeat_hot"), (22, "settled_counts"),
+        (23, "listings_fill_every_field"), (24, "api_keys_touched_after_match"), (25, "jobs_store"),
+        (26, "hot_path_plans"), (27, "aws_outbox"), (28, "stats_history"), (29, "claim_many_by_id"),
+        (30, "publish_wakes_after_commit"), (31, "claim_many_one_due"), (32, "api_key_topics_and_sessions"),
+        (33, "process_holder"), (35, "once_renew"), (36, "subscription_lifecycle"), (37, "sweep_names_taken_leases"),
+    ],
+    "sqlite": [
+        (1, "schema"), (2, "heartbeat_in_place"), (3, "settled_counts"), (4, "api_key_names"), (5, "jobs_store"),
+        (7, "aws_outbox"), (8, "stats_history"), (9, "api_key_topics_and_sessions"), (10, "process_holder"),
+        (13, "subscription_lifecycle"),
+    ],
+    "mssql": [
+        (1, "schema"), (2, "helpers"), (3, "topology"), (4, "publish"), (5, "consume"), (6, "sweeper"),
+        (7, "operate"), (8, "keys_and_markers"), (9, "publish_accepted_shorthand"), (10, "purge_within_bounds"),
+        (11, "publish_reads_key_modes"), (12, "keys_skip_producers"), (13, "settle_draws"),
+        (14, "heartbeat_in_place"), (15, "settled_counts"), (16, "listings_fill_every_field"),
+        (17, "api_keys_touched_after_match"), (18, "jobs_store"), (20, "aws_outbox"), (21, "stats_history"),
+        (22, "aws_outbox_binary_keys"), (23, "api_key_topics_and_sessions"), (24, "process_holder"),
+        (26, "once_renew"), (27, "subscription_lifecycle"), (28, "sweep_names_taken_leases"),
+    ],
+}
+"""The schema_migration rows each dialect's chain before 0.1.0 left, (version, name) in order."""
+
+
+def pre_release_rows(dialect: str, *, first_checksum: str | None = None) -> list[tuple[int, str, str]]:
+    """(version, name, checksum) as the pre-release chain recorded them: its 0001's real checksum
+    (or ``first_checksum``), a stand-in for the others (only 0001's is known to the runner)."""
+    first = first_checksum or PRE_RELEASE_FIRST_CHECKSUMS[dialect]
+    return [(v, n, first if v == 1 else hashlib.sha256(f"{v:04d}_{n}".encode()).hexdigest())
+            for v, n in PRE_RELEASE_CHAIN[dialect]]
+
+
+def assert_says_what_to_do(message: str, dialect: str) -> None:
+    last = PRE_RELEASE_CHAIN[dialect][-1][0]
+    assert "\n" not in message, message
+    assert f"migrations 0001-{last:04d}" in message and "before 0.1.0" in message, message
+    assert "0001_schema" in message and "`workqueue migrate`" in message, message
+
+
+async def write_schema_migration(url: str, rows: list[tuple[int, str, str]]) -> None:
+    conn = await asyncpg.connect(to_asyncpg_dsn(url))
     try:
-        monkeypatch.setattr(runner, "migrations", lambda dialect: [m for m in every if m.version <= 11])
-        await apply_postgres_migrations(conn)
-        await conn.execute(sql_files.read("postgresql", "roles", "runtime_role.sql"))
-        monkeypatch.setattr(runner, "migrations", lambda dialect: every)
-        assert await apply_postgres_migrations(conn) == [f"{m.version:04d}_{m.name}" for m in every if m.version > 11]
-        signature = ("workqueue.publish_one(text, uuid, text, jsonb, text, text, text, text, double precision, "
-                     "timestamptz, integer, text, integer)")
-        assert await conn.fetchval("SELECT has_function_privilege('workqueue_runtime', $1, 'EXECUTE')", signature)
-        assert not await conn.fetchval("SELECT has_function_privilege('public', $1, 'EXECUTE')", signature)
-        # 0020 and 0023 created settle and list_deliveries again, 0024 api_key_touch: the runtime role's.
-        for recreated in ("workqueue.settle(bigint[], uuid[], text[], double precision[], text[], text[], "
-                          "double precision[])", "workqueue.list_deliveries(text, text, integer, bigint)",
-                          "workqueue.api_key_touch(uuid)"):
-            assert await conn.fetchval("SELECT has_function_privilege('workqueue_runtime', $1, 'EXECUTE')", recreated)
-            assert not await conn.fetchval("SELECT has_function_privilege('public', $1, 'EXECUTE')", recreated)
+        await conn.execute(
+            "CREATE SCHEMA workqueue; CREATE TABLE workqueue.schema_migration (version integer PRIMARY KEY, "
+            "name text NOT NULL, checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        await conn.executemany("INSERT INTO workqueue.schema_migration (version, name, checksum) VALUES ($1, $2, $3)",
+                               rows)
     finally:
         await conn.close()
 
 
-async def test_an_upgrade_keeps_the_keys_made_before_and_gives_the_runtime_role_the_key_check(
-    scratch_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A key made at version 31 (no topic list) checks as before after 0032 and reaches every topic
-    but the job queues'; the runtime role set up at 31 may call the new key check and session
-    functions and no longer reads hashes (api_key_lookup is gone); the admin role may mint keys."""
-    from fastapi_workqueue.core.keys import check_key, generate_key, hash_key
-    from fastapi_workqueue.database import migrations as runner
-
-    every = sql_files.migrations("postgresql")
+@pytest.mark.parametrize("first", ["the pre-release 0001", "an unknown 0001"])
+async def test_a_database_the_pre_release_chain_built_is_refused_with_what_to_do(scratch_url: str, first: str) -> None:
+    """Its schema_migration rows give it away (the old 0001's checksum, or versions this release
+    does not ship beside a 0001 it does not know): migrate refuses with one line, applies nothing."""
+    other = hashlib.sha256(b"some other 0001").hexdigest() if first == "an unknown 0001" else None
+    await write_schema_migration(scratch_url, pre_release_rows("postgresql", first_checksum=other))
     conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
-    transport = PostgresTransport(scratch_url, listen=False, pool_max_size=1)
     try:
-        monkeypatch.setattr(runner, "migrations", lambda dialect: [m for m in every if m.version <= 31])
-        await apply_postgres_migrations(conn)
-        for script in ("runtime_role.sql", "admin_role.sql"):
-            await conn.execute(sql_files.read("postgresql", "roles", script))
-        key, prefix = generate_key()
-        await conn.execute("SELECT workqueue.api_key_create($1, $2, $3, $4, $5, NULL)", uuid.uuid4(), "old-publisher",
-                           prefix, hash_key(key), ["workqueue:publish"])
-        monkeypatch.setattr(runner, "migrations", lambda dialect: every)
-        assert await apply_postgres_migrations(conn) == [f"{m.version:04d}_{m.name}" for m in every if m.version > 31]
+        with pytest.raises(ConfigurationError) as caught:
+            await apply_postgres_migrations(conn)
+        assert_says_what_to_do(str(caught.value), "postgresql")
+        assert "DROP SCHEMA workqueue CASCADE" in str(caught.value)
+        assert await conn.fetchval("SELECT to_regclass('workqueue.delivery')") is None  # nothing applied
+        assert await conn.fetchval("SELECT count(*) FROM workqueue.schema_migration") == len(
+            PRE_RELEASE_CHAIN["postgresql"])
+    finally:
+        await conn.close()
 
-        await transport.open()
-        record = await check_key(transport, key)
-        assert record is not None and record.name == "old-publisher" and record.topics is None
-        principal = record.principal()
-        assert principal.may_reach("orders") and not principal.has("workqueue:jobs")
-        for granted in ("workqueue.api_key_verify(text, text)", "workqueue.api_key_session(text)",
-                        "workqueue.api_key_end_sessions(uuid, integer)"):
-            assert await conn.fetchval("SELECT has_function_privilege('workqueue_runtime', $1, 'EXECUTE')", granted)
-            assert not await conn.fetchval("SELECT has_function_privilege('public', $1, 'EXECUTE')", granted)
-        create = "workqueue.api_key_create(uuid, text, text, text, text[], timestamptz, text[])"
-        assert await conn.fetchval("SELECT has_function_privilege('workqueue_admin', $1, 'EXECUTE')", create)
-        assert await conn.fetchval("SELECT to_regproc('workqueue.api_key_lookup')") is None
+    transport = PostgresTransport(scratch_url, listen=False, pool_max_size=1)
+    await transport.open()
+    try:
+        with pytest.raises(ConfigurationError, match=r"before 0\.1\.0"):
+            await transport.migrate()
     finally:
         await transport.close()
+
+
+async def test_an_edited_0001_alone_is_a_changed_migration_not_the_old_chain(scratch_url: str) -> None:
+    await write_schema_migration(scratch_url, [(1, "schema", "edited")])
+    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+    try:
+        with pytest.raises(ConfigurationError, match="migration 0001_schema was changed after it was applied"):
+            await apply_postgres_migrations(conn)
+    finally:
         await conn.close()
+
+
+async def test_sqlite_refuses_a_file_the_pre_release_chain_built(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    try:
+        conn.execute("CREATE TABLE schema_migration (version INTEGER PRIMARY KEY, name TEXT NOT NULL, "
+                     "checksum TEXT NOT NULL, applied_at REAL NOT NULL)")
+        conn.executemany("INSERT INTO schema_migration VALUES (?, ?, ?, 0)", pre_release_rows("sqlite"))
+        conn.commit()
+    finally:
+        conn.close()
+    transport = SqliteTransport(f"sqlite+aiosqlite:///{path}")
+    await transport.open()
+    try:
+        with pytest.raises(ConfigurationError) as caught:
+            await transport.migrate()
+        assert_says_what_to_do(str(caught.value), "sqlite")
+        assert "use a new file" in str(caught.value)
+        # validate-bindings says the same, once, instead of a line per migration.
+        report = await transport.validate_bindings()
+        [error] = [i for i in report.issues if i.severity == "Error"]
+        assert error.subject == "schema" and error.message == str(caught.value)
+    finally:
+        await transport.close()
+    conn = sqlite3.connect(path)
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        conn.close()
+    assert tables == {"schema_migration"}  # nothing applied
+
+
+def test_sql_server_recognises_the_pre_release_chain_by_its_rows() -> None:
+    """No SQL Server runs here: the decision its runner makes from the rows, checked as such."""
+    old = {v: c for v, _, c in pre_release_rows("mssql")}
+    message = migration_plan.pre_release_chain("mssql", old)
+    assert message is not None
+    assert_says_what_to_do(message, "mssql")
+    with pytest.raises(ConfigurationError, match=r"before 0\.1\.0"):
+        migration_plan.pending("mssql", old)
+    current = {m.version: m.checksum for m in sql_files.migrations("mssql")}
+    assert migration_plan.pre_release_chain("mssql", current) is None
+    assert migration_plan.pending("mssql", current) == []
+    assert [m.label for m in migration_plan.pending("mssql", {})] == ["0001_schema"]
+
+
+def test_the_pre_release_checksums_are_those_of_the_old_first_migrations() -> None:
+    """None of them is the checksum of a migration this release ships (it would then be refused)."""
+    for dialect, checksum in PRE_RELEASE_FIRST_CHECKSUMS.items():
+        assert checksum not in {m.checksum for m in sql_files.migrations(dialect)}

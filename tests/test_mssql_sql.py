@@ -3,10 +3,9 @@
 What this file verifies (docs/sql-server.md says the same):
 
 * every file of ``sql/mssql`` parses with sqlfluff's ``tsql`` dialect, with no unparsable segment;
-* every PostgreSQL function (its current definition: the last ``CREATE OR REPLACE FUNCTION`` of its
-  name across ``sql/postgresql/NNNN_*.sql``) but the PostgreSQL-only ones has a T-SQL routine
-  of the same name with the same parameter names in the same order, and SQL Server has no routine
-  PostgreSQL lacks;
+* every PostgreSQL function (as ``sql/postgresql/schema.sql`` defines it) but the PostgreSQL-only
+  ones has a T-SQL routine (as ``sql/mssql/schema.sql`` defines it) of the same name with the same
+  parameter names in the same order, and SQL Server has no routine PostgreSQL lacks;
 * the result columns: each procedure's ``-- returns:`` line and the aliases of its final SELECT
   equal PostgreSQL's ``RETURNS TABLE (...)`` (or the routine's name for a scalar function);
 * every routine the transport calls (``routines.py``) exists in both dialects, with the keyword
@@ -47,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PG_DIR = ROOT / "sql" / "postgresql"
 MSSQL_DIR = ROOT / "sql" / "mssql"
 MSSQL_FILES = sorted(MSSQL_DIR.rglob("*.sql"))
+MSSQL_SCHEMA = MSSQL_DIR / "schema.sql"
 ROUTINES_PY = ROOT / "fastapi_workqueue" / "database" / "routines.py"
 
 PURE_HELPERS = frozenset({"backoff_seconds", "filter_matches"})
@@ -56,7 +56,7 @@ HELPER_OBJECTS = frozenset({"random_draw"})
 (a T-SQL function may not call RAND()). It is a view, not a routine."""
 POSTGRESQL_ONLY = frozenset({"publish_one", "publish_one_quiet"})
 """PostgreSQL functions without a T-SQL routine: publish_one is publish for one message with
-scalars, and publish_one_quiet the same without its NOTIFY (0030), which only the PostgreSQL
+scalars, and publish_one_quiet the same without its NOTIFY, which only the PostgreSQL
 transport calls (``postgres.py``); every other dialect calls publish for that too."""
 RETURN_STATUS = frozenset({"refresh_partition", "rederive_stale"})
 """Answer through the procedure's return status instead of a result set (only other procedures
@@ -110,34 +110,28 @@ class PgFunction:
 
 @functools.cache
 def pg_functions() -> dict[str, PgFunction]:
-    """The current definition of every function: the last CREATE OR REPLACE across the files (a
-    DROP FUNCTION that no later CREATE follows removes one)."""
+    """Every function of ``sql/postgresql/schema.sql``, the schema a fresh install ends with."""
     found: dict[str, PgFunction] = {}
-    for path in sorted(PG_DIR.glob("[0-9][0-9][0-9][0-9]_*.sql")):
-        text = _strip_line_comments(path.read_text(encoding="utf-8"))
-        pattern = r"(CREATE\s+OR\s+REPLACE|DROP)\s+FUNCTION\s+(?:IF\s+EXISTS\s+)?workqueue\.(\w+)\s*\("
-        for match in re.finditer(pattern, text, re.I):
-            if match.group(1).upper() == "DROP":
-                found.pop(match.group(2), None)
-                continue
-            args, end = _balanced(text, match.end() - 1)
-            items = _split_top(args)
-            rest = re.match(r"\s*RETURNS\s+", text[end:], re.I)
-            assert rest, f"{path.name}: {match.group(2)} has no RETURNS"
-            after = end + rest.end()
-            columns: tuple[str, ...] = ()
-            if re.match(r"TABLE\s*\(", text[after:], re.I):
-                inner, _ = _balanced(text, text.index("(", after))
-                returns, columns = "table", tuple(c.split()[0] for c in _split_top(inner))
-            else:
-                returns = text[after:].split()[0].lower()
-            found[match.group(2)] = PgFunction(
-                name=match.group(2),
-                params=tuple(item.split()[0] for item in items),
-                defaults=frozenset(item.split()[0] for item in items if re.search(r"\bDEFAULT\b", item, re.I)),
-                returns=returns,
-                columns=columns,
-            )
+    text = _strip_line_comments((PG_DIR / "schema.sql").read_text(encoding="utf-8"))
+    for match in re.finditer(r"CREATE\s+OR\s+REPLACE\s+FUNCTION\s+workqueue\.(\w+)\s*\(", text, re.I):
+        args, end = _balanced(text, match.end() - 1)
+        items = _split_top(args)
+        rest = re.match(r"\s*RETURNS\s+", text[end:], re.I)
+        assert rest, f"schema.sql: {match.group(1)} has no RETURNS"
+        after = end + rest.end()
+        columns: tuple[str, ...] = ()
+        if re.match(r"TABLE\s*\(", text[after:], re.I):
+            inner, _ = _balanced(text, text.index("(", after))
+            returns, columns = "table", tuple(c.split()[0] for c in _split_top(inner))
+        else:
+            returns = text[after:].split()[0].lower()
+        found[match.group(1)] = PgFunction(
+            name=match.group(1),
+            params=tuple(item.split()[0] for item in items),
+            defaults=frozenset(item.split()[0] for item in items if re.search(r"\bDEFAULT\b", item, re.I)),
+            returns=returns,
+            columns=columns,
+        )
     return found
 
 
@@ -215,29 +209,23 @@ _ANNOTATION = re.compile(
 
 @functools.cache
 def tsql_routines() -> dict[str, TsqlRoutine]:
+    """Every procedure and function of ``sql/mssql/schema.sql``."""
     routines: dict[str, TsqlRoutine] = {}
-    for path in MSSQL_FILES:
-        annotations = {m["name"]: m["cols"].strip() for m in _ANNOTATION.finditer(path.read_text(encoding="utf-8"))}
-        tree = parse_tree(path).tree
-        for segment in tree.recursive_crawl("create_procedure_statement", "create_function_statement"):
-            name = _identifier(list(_first(segment, "object_reference").recursive_crawl("naked_identifier"))[-1])
-            schema = _first(segment, "object_reference").raw.split(".")[0]
-            assert schema == "workqueue", f"{path.name}: {name} is not in schema workqueue"
-            # A later migration may redefine a routine (CREATE OR ALTER), as on PostgreSQL: the last wins.
-            kind = "procedure" if segment.is_type("create_procedure_statement") else "function"
-            param_list = _first(segment, "procedure_parameter_list", "function_parameter_list")
-            params, defaults = _parameters(param_list) if param_list is not None else ((), frozenset())
-            routines[name] = TsqlRoutine(
-                name=name, kind=kind, params=params, defaults=defaults, annotation=annotations.get(name),
-                result_columns=_final_select(segment) if kind == "procedure" else None,
-                raw=str(segment.raw), file=path.name,
-            )
-        # A DROP PROCEDURE that no later CREATE in the file follows removes the routine.
-        text = _strip_line_comments(path.read_text(encoding="utf-8"))
-        for dropped in re.finditer(r"DROP\s+PROCEDURE\s+(?:IF\s+EXISTS\s+)?workqueue\.(\w+)", text, re.I):
-            again = rf"CREATE\s+OR\s+ALTER\s+PROCEDURE\s+workqueue\.{dropped[1]}\b"
-            if not re.search(again, text[dropped.end():], re.I):
-                routines.pop(dropped[1], None)
+    annotations = {m["name"]: m["cols"].strip() for m in _ANNOTATION.finditer(MSSQL_SCHEMA.read_text(encoding="utf-8"))}
+    tree = parse_tree(MSSQL_SCHEMA).tree
+    for segment in tree.recursive_crawl("create_procedure_statement", "create_function_statement"):
+        name = _identifier(list(_first(segment, "object_reference").recursive_crawl("naked_identifier"))[-1])
+        schema = _first(segment, "object_reference").raw.split(".")[0]
+        assert schema == "workqueue", f"schema.sql: {name} is not in schema workqueue"
+        assert name not in routines, f"schema.sql defines {name} twice"
+        kind = "procedure" if segment.is_type("create_procedure_statement") else "function"
+        param_list = _first(segment, "procedure_parameter_list", "function_parameter_list")
+        params, defaults = _parameters(param_list) if param_list is not None else ((), frozenset())
+        routines[name] = TsqlRoutine(
+            name=name, kind=kind, params=params, defaults=defaults, annotation=annotations.get(name),
+            result_columns=_final_select(segment) if kind == "procedure" else None,
+            raw=str(segment.raw), file=MSSQL_SCHEMA.name,
+        )
     return routines
 
 
@@ -267,9 +255,8 @@ def test_every_file_parses_as_tsql(path: Path) -> None:
 def test_the_files_are_the_expected_migrations() -> None:
     found = migrations("mssql")
     versions = [m.version for m in found]
-    # Each version once (a number reserved for work in progress elsewhere may be missing: the runner
-    # applies every version a database lacks, whatever its place).
-    assert versions == sorted(set(versions)) and versions[0] == 1, "each version once: 0001, 0002, ..."
+    # 0001_schema (release 0.1.0's schema), then each later release's one, each version once.
+    assert versions == sorted(set(versions)) and found[0].label == "0001_schema", versions
     for role in ("runtime", "operator", "admin"):
         assert (MSSQL_DIR / "roles" / f"{role}_role.sql").is_file()
 
@@ -331,11 +318,12 @@ def test_no_routine_without_a_postgresql_function() -> None:
 
 
 def test_other_objects_are_the_documented_ones() -> None:
-    pg_tables = set(re.findall(r"CREATE TABLE workqueue\.(\w+)", "".join(p.read_text() for p in PG_DIR.glob("*.sql"))))
-    ms_text = "".join(p.read_text() for p in MSSQL_FILES)
+    pg_text = (PG_DIR / "schema.sql").read_text()
+    pg_tables = set(re.findall(r"CREATE TABLE workqueue\.(\w+)", pg_text))
+    ms_text = MSSQL_SCHEMA.read_text()
     assert set(re.findall(r"CREATE TABLE workqueue\.(\w+)", ms_text)) == pg_tables
     assert set(re.findall(r"CREATE OR ALTER VIEW workqueue\.(\w+)", ms_text)) == HELPER_OBJECTS
-    pg_columns = table_columns("".join(p.read_text() for p in sorted(PG_DIR.glob("*.sql"))))
+    pg_columns = table_columns(pg_text)
     assert table_columns(ms_text) == pg_columns, "every table has the same columns, in the same order"
     assert all(pg_columns.values())
 
@@ -355,10 +343,10 @@ def test_publish_answers_with_no_rows_when_every_item_is_accepted_in_both_dialec
     publish = tsql_routines()["publish"]
     final_select = publish.raw[publish.raw.rindex("SELECT r.idx"):]
     assert re.search(r"WHERE EXISTS \(SELECT 1 FROM @v_result AS \w+ WHERE \w+\.status <> N'Accepted'\)", final_select)
-    defining = [p for p in sorted(PG_DIR.glob("[0-9]*.sql"))
-                if "CREATE OR REPLACE FUNCTION workqueue.publish(" in p.read_text()]
-    assert "RETURN;  -- no rows: every item was Accepted" in defining[-1].read_text(encoding="utf-8")
-    assert "RETURN;  -- no rows: Accepted" in (PG_DIR / "0012_publish_one.sql").read_text(encoding="utf-8")
+    schema = (PG_DIR / "schema.sql").read_text(encoding="utf-8")
+    publish = schema[schema.index("CREATE OR REPLACE FUNCTION workqueue.publish("):]
+    assert "RETURN;  -- no rows: every item was Accepted" in publish[: publish.index("\n$$;")]
+    assert "RETURN;  -- no rows: Accepted" in publish
 
 
 # -- (c) result columns ----------------------------------------------------------------------------
@@ -518,7 +506,7 @@ def test_the_roles_split_the_routines() -> None:
     assert operating <= operator
     assert {"publish", "claim", "heartbeat", "settle", "api_key_verify", "api_key_touch", "api_key_session",
             "api_key_end_sessions"} <= runtime
-    assert "api_key_lookup" not in pg_functions()  # it answered hashes; 0032 dropped it
+    assert "api_key_lookup" not in pg_functions()  # it would answer a stored hash
     helpers = {"refresh_partition", "release_keys", "rederive_stale", "fold_settled_counts", "backoff_seconds",
                "filter_matches", "expire_leases", "purge"}
     assert not helpers & (runtime | operator | admin)

@@ -1,7 +1,7 @@
 """How PostgreSQL runs the hot functions, seen from their plans and row counts: a sweeper pass
-reads no row still within retention (it read them all before 0013), and a settle does the same
-work per item at any batch size, and so does a heartbeat (before 0014 and 0015 their joins could
-compare every item with every other)."""
+reads no row still within retention, and a settle does the same work per item at any batch size,
+and so does a heartbeat (joins the planner could run as nested loops would compare every item with
+every other; docs/design/settles-and-heartbeats.md)."""
 
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ async def test_heartbeats_are_hot_updates_and_the_sweeper_reads_only_the_in_flig
 
 async def test_stats_read_the_live_work_and_no_history(scratch_url: str) -> None:  # noqa: F811
     """Completed and Discarded deliveries within retention are history: stats counts them from
-    settled_count (0022) and reads only the Pending, InFlight and DeadLettered rows."""
+    settled_count and reads only the Pending, InFlight and DeadLettered rows."""
     transport = PostgresTransport(scratch_url, listen=False, pool_max_size=2)
     await transport.open()
     try:
@@ -210,7 +210,7 @@ HOT_PATH = ("publish", "publish_one", "claim", "claim_many", "heartbeat", "settl
 
 
 async def test_the_functions_of_an_orders_path_plan_once_on_their_indexes(scratch_url: str) -> None:  # noqa: F811
-    """0026: a later CREATE OR REPLACE of one of them must repeat the two settings (it resets them)."""
+    """A later CREATE OR REPLACE of one of them must repeat the two settings (it resets them)."""
     transport = PostgresTransport(scratch_url, listen=False, pool_max_size=2)
     await transport.open()
     try:
@@ -232,7 +232,7 @@ async def test_the_functions_of_an_orders_path_plan_once_on_their_indexes(scratc
 async def test_one_message_to_keyed_subscriptions_is_published_in_one_call(
     pg_url: str, pg_transport: PostgresTransport
 ) -> None:
-    """publish_one writes a message for Exclusive and Ordered subscriptions itself (0026): publish
+    """publish_one writes a message for Exclusive and Ordered subscriptions itself: publish
     is not called, and each key points at its delivery, claimable at once."""
     topic, exclusive, ordered = unique("keyed-one"), unique("excl"), unique("ord")
     await pg_transport.sync_topology([Topic(name=topic)], [

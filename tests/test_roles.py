@@ -1,5 +1,5 @@
 """The database roles (roles/): the runtime's, the operator's and the admin's, each with EXECUTE
-on its own functions and no privilege on any table (0003 keeps every function from PUBLIC)."""
+on its own functions and no privilege on any table (the schema keeps every function from PUBLIC)."""
 
 from __future__ import annotations
 
@@ -315,7 +315,7 @@ async def test_role_without_runtime_membership_cannot_call_functions(
         with pytest.raises(asyncpg.exceptions.InsufficientPrivilegeError, match="schema workqueue"):
             await conn.fetch("SELECT * FROM workqueue.claim($1, $2)", "any", 1)
 
-        # With USAGE, the function itself refuses: that is what 0003 took from PUBLIC.
+        # With USAGE, the function itself refuses: that is what the schema takes from PUBLIC.
         await admin.execute(f"GRANT USAGE ON SCHEMA workqueue TO {outsider}")
         for sql, args in [
             ("SELECT * FROM workqueue.claim($1, $2)", ("any", 1)),

@@ -380,7 +380,8 @@ async def test_a_publish_in_a_session_wakes_the_consumers_of_this_process_at_com
     when the publish is committed by the caller's session, instead of waiting for their next poll."""
     handled = asyncio.Event()
     slow_polls = {"idle_poll_min_ms": 8000, "idle_poll_max_ms": 10000}
-    async with session_queue(tmp_path, **slow_polls) as (queue, topic, _name):
+    async with session_queue(tmp_path, **slow_polls) as (queue, topic, name):
+        watch = support.ClaimWatch(queue.transport)
 
         @queue.handler("h")
         async def handle(message: WorkMessage[str]) -> WorkOutcome:
@@ -388,7 +389,7 @@ async def test_a_publish_in_a_session_wakes_the_consumers_of_this_process_at_com
             return Outcome.complete()
 
         await queue._start_host()
-        await asyncio.sleep(0.3)  # the consumer's first claim found nothing; it now sleeps 8 s or more
+        await watch.empty_claim(name)  # the consumer's first claim found nothing; it now sleeps 8 s or more
         started = time.monotonic()
         async with queue.sessionmaker() as session, session.begin():
             await queue.publish(topic, [PublishRequest(payload="now")], session=session)
@@ -659,7 +660,7 @@ def test_sqlite_routines_take_the_postgresql_parameters() -> None:
 
 
 async def test_api_keys_are_marked_used_after_the_match_and_live_names_are_unique(tmp_path: Path) -> None:
-    """As on PostgreSQL (0024): a made-up key with a real prefix does not mark the key used, and a
+    """As on PostgreSQL: a made-up key with a real prefix does not mark the key used, and a
     second live key of one name is refused with what to do."""
     from fastapi_workqueue.core.keys import create_key, verify_key
 

@@ -1,4 +1,4 @@
-"""The stats history the sweeper writes and the dashboard charts (PostgreSQL 0028, SQLite 0008).
+"""The stats history the sweeper writes and the dashboard charts.
 
 Each case runs on a database of its own, PostgreSQL and SQLite, with the routine's clock given
 (``now=``) and the settle times of completed deliveries set with a direct statement, so the

@@ -1,5 +1,5 @@
-"""PostgreSQL wakes a publish's consumers after the publishing transaction commits, not inside it
-(0030): the transaction that writes the message sends no NOTIFY (a notifying commit holds a lock of
+"""PostgreSQL wakes a publish's consumers after the publishing transaction commits, not inside it:
+the transaction that writes the message sends no NOTIFY (a notifying commit holds a lock of
 the whole database until it is flushed), and one NOTIFY of its own names every subscription to wake.
 """
 
@@ -246,7 +246,7 @@ async def test_the_publishing_transaction_itself_sends_no_notify(
 async def test_publish_one_still_notifies_in_its_transaction_for_an_earlier_version(
     pg_url: str, pg_transport: PostgresTransport, listening: Heard
 ) -> None:
-    """What a process of the version before 0030 calls keeps its answers and its wake-ups."""
+    """What the transport calls inside a transaction of its own (publish_one) keeps its answers and its wake-ups."""
     topic, ids = await two_subscriptions(pg_transport)
     conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
     try:

@@ -1,4 +1,5 @@
-"""Applies the versioned SQL migrations and records what it applied."""
+"""Applies the PostgreSQL migrations and records what it applied (SQLite's and SQL Server's
+runners are their transports' ``migrate``; :mod:`.migration_plan` decides for all three)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ from typing import Any
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-from ..core.errors import ConfigurationError
 from ..core.redaction import redacting_logger
-from .sql_files import migrations
+from .migration_plan import pending
 
 log = redacting_logger("fastapi_workqueue.migrations")
 
@@ -36,25 +36,15 @@ async def apply_postgres_migrations(conn: asyncpg.Connection[Any] | PoolConnecti
         await conn.execute("SELECT pg_advisory_xact_lock(hashtext('workqueue.migrate')::bigint)")
         if await conn.fetchval("SELECT to_regclass('workqueue.schema_migration')") is None:
             await conn.execute(_BOOTSTRAP)
-        rows = await conn.fetch("SELECT version, name, checksum FROM workqueue.schema_migration")
-        done = {r["version"]: r for r in rows}
-        for migration in migrations("postgresql"):
-            label = f"{migration.version:04d}_{migration.name}"
-            recorded = done.get(migration.version)
-            if recorded is not None:
-                if recorded["checksum"] != migration.checksum:
-                    raise ConfigurationError(
-                        f"migration {label} was changed after it was applied to this database; "
-                        "ship schema changes as a new migration file"
-                    )
-                continue
-            log.info("applying migration %s", label)
+        rows = await conn.fetch("SELECT version, checksum FROM workqueue.schema_migration")
+        for migration in pending("postgresql", {r["version"]: r["checksum"] for r in rows}):
+            log.info("applying migration %s", migration.label)
             await conn.execute(migration.sql)
             await conn.execute(
                 "INSERT INTO workqueue.schema_migration (version, name, checksum) VALUES ($1, $2, $3)",
                 migration.version, migration.name, migration.checksum,
             )
-            applied_now.append(label)
+            applied_now.append(migration.label)
         if applied_now:
             # New functions get no PUBLIC EXECUTE: only the owner and the roles granted them (roles/) may.
             await conn.execute(_REVOKE_PUBLIC)

@@ -32,13 +32,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
+from ..core.clock import Clock
 from ..core.errors import ConfigurationError, TransportError, TransportUnavailable
 from ..core.redaction import redacting_logger
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
 from .errors import with_retries
+from .migration_plan import pending
 from .routines import RandomSource, RoutineTransport, Row
-from .sql_files import migrations
 
 log = redacting_logger("fastapi_workqueue.mssql")
 
@@ -282,18 +283,9 @@ async def apply_mssql_migrations(conn: Any) -> list[str]:
             for batch in _BOOTSTRAP:
                 await cur.execute(batch)
             await cur.execute("SELECT version, checksum FROM workqueue.schema_migration")
-            done = {int(r[0]): str(r[1]) for r in await cur.fetchall()}
-            for migration in migrations("mssql"):
-                label = f"{migration.version:04d}_{migration.name}"
-                recorded = done.get(migration.version)
-                if recorded is not None:
-                    if recorded != migration.checksum:
-                        raise ConfigurationError(
-                            f"migration {label} was changed after it was applied to this database; "
-                            "ship schema changes as a new migration file"
-                        )
-                    continue
-                log.info("applying migration %s", label)
+            recorded = {int(r[0]): str(r[1]) for r in await cur.fetchall()}
+            for migration in pending("mssql", recorded):
+                log.info("applying migration %s", migration.label)
                 for batch in split_batches(migration.sql):
                     await cur.execute(batch)
                     while await cur.nextset():
@@ -302,7 +294,7 @@ async def apply_mssql_migrations(conn: Any) -> list[str]:
                     "INSERT INTO workqueue.schema_migration (version, name, checksum) VALUES (?, ?, ?)",
                     migration.version, migration.name, migration.checksum,
                 )
-                applied_now.append(label)
+                applied_now.append(migration.label)
             await cur.execute("COMMIT TRANSACTION")
         except BaseException:
             with contextlib.suppress(Exception):
@@ -336,9 +328,10 @@ class MssqlTransport(RoutineTransport):
         pool_max_size: int = 10,
         connect_timeout: float = 10.0,
         rng: RandomSource | None = None,
+        clock: Clock | None = None,
         **_options: Any,
     ) -> None:
-        super().__init__(rng=rng)
+        super().__init__(rng=rng, clock=clock)
         self.url = url
         self._dsn = odbc_connection_string(url)
         self._pool_min_size = pool_min_size

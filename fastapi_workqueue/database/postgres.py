@@ -8,6 +8,7 @@ from typing import Any, TypeVar, cast
 
 import asyncpg
 
+from ..core.clock import Clock
 from ..core.envelope import PreparedMessage, PublishResult
 from ..core.redaction import redacting_logger
 from ..core.transport import Capabilities
@@ -67,8 +68,9 @@ class PostgresTransport(RoutineTransport):
         listen: bool = True,
         connect_timeout: float = 10.0,
         rng: RandomSource | None = None,
+        clock: Clock | None = None,
     ) -> None:
-        super().__init__(rng=rng)
+        super().__init__(rng=rng, clock=clock)
         self.url = url
         self._dsn = to_asyncpg_dsn(url)
         self._pool_min_size = pool_min_size
@@ -135,7 +137,7 @@ class PostgresTransport(RoutineTransport):
         return self._pool
 
     async def _publish_via(self, topic: str, messages: Sequence[PreparedMessage], **via: Any) -> list[PublishResult]:
-        """One message without a deduplication key goes to ``publish_one_quiet`` (0030): the same
+        """One message without a deduplication key goes to ``publish_one_quiet``: the same
         answers as ``publish``, with a value per parameter instead of arrays of one, and no NOTIFY
         in the publishing transaction: the subscriptions it names are woken once that transaction
         has committed (:meth:`_wake_after_commit`). Inside a transaction of the transport's own

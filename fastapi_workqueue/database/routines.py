@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
+from ..core.clock import SYSTEM_CLOCK, Clock, time_to_pass
 from ..core.envelope import (
     MAX_DELAY_SECONDS,
     MAX_ENVELOPE_BYTES,
@@ -59,6 +60,7 @@ from ..core.transport import (
     SettleResult,
     WakeupListener,
 )
+from .migration_plan import pre_release_chain
 from .sql_files import migrations
 
 Row = Mapping[str, Any]
@@ -94,12 +96,21 @@ class RoutineTransport:
     #: where the routine reads a missing value as ``{}`` (it then need not parse one per item).
     empty_attributes: str | None = "{}"
 
-    def __init__(self, *, rng: RandomSource | None = None) -> None:
+    def __init__(self, *, rng: RandomSource | None = None, clock: Clock | None = None) -> None:
         """``rng`` draws the full-jitter fraction of each retry's backoff (one per settled item):
-        a retry without a delay of its own waits u x min(max, base x 2^(attempt - 1))."""
+        a retry without a delay of its own waits u x min(max, base x 2^(attempt - 1)).
+
+        ``clock`` is the time claims, heartbeats, settles, sweeps and prunes run at: by default the
+        database's own; a test's :class:`~fastapi_workqueue.core.clock.ManualClock` moves it."""
         if rng is not None and not callable(getattr(rng, "random", None)):
             raise TypeError(f"rng must have a random() method, like random.Random; got {type(rng).__name__}")
+        if clock is not None and not isinstance(clock, Clock):
+            raise TypeError(
+                f"clock must have a now() method returning an aware datetime, like "
+                f"fastapi_workqueue.core.clock.ManualClock; got {type(clock).__name__}"
+            )
         self.rng: RandomSource = SYSTEM_RANDOM if rng is None else rng
+        self.clock: Clock = SYSTEM_CLOCK if clock is None else clock
         self._wakeup_listeners: list[WakeupListener] = []
         self._history_minute: int | None = None  # the minute this process last recorded the history
         self._history_failing = False
@@ -245,7 +256,7 @@ class RoutineTransport:
 
     async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
         rows = await self.call("claim", retry=False, p_subscription=subscription, p_limit=limit,
-                               p_holder=current_process().id)
+                               p_holder=current_process().id, p_now=self._now())
         return [claimed(r) for r in rows]
 
     async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
@@ -262,7 +273,7 @@ class RoutineTransport:
             return []
         try:
             rows = await self.call("claim_many", retry=False, p_subscriptions=names, p_limit=limit,
-                                   p_holder=current_process().id)
+                                   p_holder=current_process().id, p_now=self._now())
         except WorkQueueError as exc:
             text = str(exc)
             if CLAIM_MANY_REFUSAL in text:
@@ -279,6 +290,7 @@ class RoutineTransport:
             p_tokens=[r.lease_token for r in requests],
             p_percents=[r.percent for r in requests],
             p_messages=[r.message for r in requests],
+            p_now=self._now(),
         )
         by_id = {str(r["delivery_id"]): r for r in rows}
         results = []
@@ -304,6 +316,7 @@ class RoutineTransport:
             p_reasons=[s.reason for s in settlements],
             p_errors=[s.error for s in settlements],
             p_draws=[self._draw() for _ in settlements],
+            p_now=self._now(),
         )
         by_id: dict[str, SettleResult] = {str(r["delivery_id"]): r["result"] for r in rows}
         return [by_id.get(s.delivery_id, "LeaseLost") for s in settlements]
@@ -322,7 +335,7 @@ class RoutineTransport:
             rows = await self.call(
                 "settle", connection=connection, p_ids=[int(s.delivery_id)], p_tokens=[s.lease_token],
                 p_outcomes=[s.kind], p_delays=[settle_delay(s.delay_seconds)], p_reasons=[s.reason],
-                p_errors=[s.error], p_draws=[draw],
+                p_errors=[s.error], p_draws=[draw], p_now=self._now(),
             )
             result: SettleResult = next((r["result"] for r in rows if str(r["delivery_id"]) == s.delivery_id),
                                         "LeaseLost")
@@ -340,6 +353,11 @@ class RoutineTransport:
             return result
 
         return await self._in_transaction("settle with follow-ups", work)
+
+    def _now(self) -> datetime | None:
+        """``p_now`` of a claim, heartbeat, settle or sweep: None (the database's clock) unless the
+        transport was given a clock of its own."""
+        return time_to_pass(self.clock)
 
     def _draw(self) -> float:
         draw = self.rng.random()
@@ -386,7 +404,7 @@ class RoutineTransport:
 
     async def sweep(self, limit: int = 1000) -> SweepReport:
         """One sweeper pass; a pass that ran also records the minute's stats history."""
-        rows = await self.call("sweep", p_limit=limit)
+        rows = await self.call("sweep", p_limit=limit, p_now=self._now())
         values = as_dict(rows[0])
         values["taken_back"] = [taken_back(item) for item in json_value(values.get("taken_back")) or ()]
         report = SweepReport.model_validate(values)
@@ -445,7 +463,8 @@ class RoutineTransport:
         """Removes Completed and Discarded deliveries settled more than ``older_than_seconds`` ago."""
         total = 0
         while True:
-            removed = int(await self._scalar("prune", p_older_than_seconds=older_than_seconds, p_limit=batch))
+            removed = int(await self._scalar("prune", p_older_than_seconds=older_than_seconds, p_limit=batch,
+                                             p_now=self._now()))
             total += removed
             if removed < batch:
                 return total
@@ -631,16 +650,18 @@ class RoutineTransport:
             issues.append(BindingIssue(severity="Error", subject="schema", message=str(exc)))
             rows = []
         applied = {r["version"]: r["checksum"] for r in rows}
-        for migration in migrations(self.dialect):
-            label = f"{migration.version:04d}_{migration.name}"
+        refusal = pre_release_chain(self.dialect, applied)
+        if refusal is not None:
+            issues.append(BindingIssue(severity="Error", subject="schema", message=refusal))
+        for migration in migrations(self.dialect) if refusal is None else ():
             if migration.version not in applied:
                 issues.append(BindingIssue(
-                    severity="Error", subject=f"migration {label}",
+                    severity="Error", subject=f"migration {migration.label}",
                     message="not applied to this database; run `workqueue migrate` as the schema owner",
                 ))
             elif applied[migration.version] != migration.checksum:
                 issues.append(BindingIssue(
-                    severity="Error", subject=f"migration {label}",
+                    severity="Error", subject=f"migration {migration.label}",
                     message="applied with different content than this release ships; restore the file",
                 ))
         issues.extend(await self.dialect_issues())

@@ -22,6 +22,11 @@ class MigrationFile:
     def checksum(self) -> str:
         return hashlib.sha256(self.sql.encode()).hexdigest()
 
+    @property
+    def label(self) -> str:
+        """``0001_schema``: the file's name without ``.sql``."""
+        return f"{self.version:04d}_{self.name}"
+
 
 def sql_root() -> Traversable:
     """The folder holding ``<dialect>/`` SQL: inside the wheel, or ``sql/`` of a source checkout."""
@@ -39,7 +44,8 @@ def dialect_dir(dialect: str) -> Traversable:
 
 
 def migrations(dialect: str) -> list[MigrationFile]:
-    """The versioned migration files of a dialect, in order."""
+    """The numbered migration files of a dialect, in order: ``0001_schema.sql`` (the schema of
+    release 0.1.0), then one per later release that changed the schema."""
     found: list[MigrationFile] = []
     for entry in dialect_dir(dialect).iterdir():
         match = _MIGRATION.match(entry.name)

@@ -22,13 +22,15 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from ..core.clock import Clock
 from ..core.errors import ConfigurationError, TransportError
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
 from . import sqlite_history  # noqa: F401  (registers the stats history routines)
+from .migration_plan import pending
 from .routines import RandomSource, RoutineTransport, Row
 from .session import after_commit
-from .sql_files import migrations, read
+from .sql_files import read
 from .sqlite_routines import READ_ONLY, ROUTINES, Call
 
 BUSY_TIMEOUT_MS = 30_000
@@ -172,9 +174,10 @@ class SqliteTransport(RoutineTransport):
     )
 
     def __init__(
-        self, url: str, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS, rng: RandomSource | None = None, **_options: Any
+        self, url: str, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS, rng: RandomSource | None = None,
+        clock: Clock | None = None, **_options: Any
     ) -> None:
-        super().__init__(rng=rng)
+        super().__init__(rng=rng, clock=clock)
         if busy_timeout_ms < 1:
             raise ConfigurationError(f"the SQLite busy timeout must be at least 1 ms, got {busy_timeout_ms}")
         self.url = url
@@ -239,25 +242,17 @@ class SqliteTransport(RoutineTransport):
                 "checksum TEXT NOT NULL, applied_at REAL NOT NULL)"
             )
             cursor = await conn.execute("SELECT version, checksum FROM schema_migration")
-            done = {row[0]: row[1] for row in await cursor.fetchall()}
+            recorded = {row[0]: row[1] for row in await cursor.fetchall()}
             await cursor.close()
             applied: list[str] = []
-            for migration in migrations("sqlite"):
-                label = f"{migration.version:04d}_{migration.name}"
-                if migration.version in done:
-                    if done[migration.version] != migration.checksum:
-                        raise ConfigurationError(
-                            f"migration {label} was changed after it was applied to this database; "
-                            "ship schema changes as a new migration file"
-                        )
-                    continue
+            for migration in pending("sqlite", recorded):
                 for statement in split_statements(migration.sql):
                     await conn.execute(statement)
                 await conn.execute(
                     "INSERT INTO schema_migration (version, name, checksum, applied_at) VALUES (?, ?, ?, ?)",
                     (migration.version, migration.name, migration.checksum, time.time()),
                 )
-                applied.append(label)
+                applied.append(migration.label)
             return applied
 
     @contextlib.asynccontextmanager

@@ -1,4 +1,4 @@
-"""The dashboard's routines for SQLite, as PostgreSQL's (``sql/postgresql/0028_stats_history.sql``
+"""The dashboard's routines for SQLite, as PostgreSQL's (``sql/postgresql/schema.sql``
 says what they count and why): the stats history (``record_stats_history``, ``stats_history``) and
 the bounded reads of the live work (``live_counts``, ``blocked_keys``).
 

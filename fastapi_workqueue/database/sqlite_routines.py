@@ -35,6 +35,11 @@ class Call:
     now: float
     wake: set[int] = field(default_factory=set)
 
+    def at(self, moment: datetime | None) -> Call:
+        """This call at ``moment`` (a routine's ``p_now``: a test's clock) instead of the time it
+        took, with the same statements and wake-ups; itself when ``moment`` is None."""
+        return self if moment is None else Call(self.ex, moment.timestamp(), self.wake)
+
 
 Routine = Callable[..., Awaitable[list[Row]]]
 ROUTINES: dict[str, Routine] = {}
@@ -407,7 +412,9 @@ async def r_publish(
 
 
 @routine
-async def r_claim(c: Call, p_subscription: str, p_limit: int, p_holder: Any = None) -> list[Row]:
+async def r_claim(c: Call, p_subscription: str, p_limit: int, p_holder: Any = None,
+                  p_now: datetime | None = None) -> list[Row]:
+    c = c.at(p_now)
     subs = await c.ex.fetch("subscription_active", name=p_subscription)
     if not subs or p_limit < 1:
         return []
@@ -454,10 +461,12 @@ async def _claimed_row(c: Call, d: Row) -> Row:
 
 
 @routine
-async def r_claim_many(c: Call, p_subscriptions: Sequence[str], p_limit: int, p_holder: Any = None) -> list[Row]:
+async def r_claim_many(c: Call, p_subscriptions: Sequence[str], p_limit: int, p_holder: Any = None,
+                       p_now: datetime | None = None) -> list[Row]:
     """claim across several None-mode subscriptions: each one's claim index gives at most p_limit
     candidates, and the p_limit oldest due of them all (visible_at, then id) are claimed, each with
     its own subscription's lease. (SQLite's single writer keeps two claimers apart.)"""
+    c = c.at(p_now)
     if p_limit < 1 or not p_subscriptions:
         return []
     subs = await c.ex.fetch("subscriptions_named", names=json.dumps(list(p_subscriptions)))
@@ -484,7 +493,8 @@ async def r_claim_many(c: Call, p_subscriptions: Sequence[str], p_limit: int, p_
 
 @routine
 async def r_heartbeat(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_percents: Sequence[int | None],
-                      p_messages: Sequence[str | None]) -> list[Row]:
+                      p_messages: Sequence[str | None], p_now: datetime | None = None) -> list[Row]:
+    c = c.at(p_now)
     out = []
     for delivery_id, token, percent, message in zip(p_ids, p_tokens, p_percents, p_messages, strict=True):
         held = await c.ex.fetch("delivery_held", id=delivery_id, token=str(token))
@@ -505,7 +515,9 @@ async def r_heartbeat(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_
 @routine
 async def r_settle(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_outcomes: Sequence[str],
                    p_delays: Sequence[float | None], p_reasons: Sequence[str | None],
-                   p_errors: Sequence[str | None], p_draws: Sequence[float | None] | None = None) -> list[Row]:
+                   p_errors: Sequence[str | None], p_draws: Sequence[float | None] | None = None,
+                   p_now: datetime | None = None) -> list[Row]:
+    c = c.at(p_now)
     out = []
     keys: set[tuple[int, str, int]] = set()
     draws = list(p_draws) if p_draws is not None else [None] * len(p_ids)
@@ -566,7 +578,8 @@ async def r_settle(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_out
 
 
 @routine
-async def r_expire_leases(c: Call, p_limit: int) -> list[Row]:
+async def r_expire_leases(c: Call, p_limit: int, p_now: datetime | None = None) -> list[Row]:
+    c = c.at(p_now)
     expired = await c.ex.fetch("expired_leases", now=c.now, limit=p_limit)
     keys: set[tuple[int, str, int]] = set()
     out = []
@@ -595,7 +608,8 @@ async def r_expire_leases(c: Call, p_limit: int) -> list[Row]:
 
 
 @routine
-async def r_purge(c: Call, p_limit: int) -> list[Row]:
+async def r_purge(c: Call, p_limit: int, p_now: datetime | None = None) -> list[Row]:
+    c = c.at(p_now)
     return [{
         "purged_deliveries": await _delete_settled(c, "purge_deliveries", now=c.now, limit=p_limit),
         "purged_messages": await c.ex.execute("purge_messages", now=c.now, limit=p_limit),
@@ -607,24 +621,24 @@ SWEEP_LOCK = "workqueue.sweep"
 
 
 @routine
-async def r_sweep(c: Call, p_limit: int = 1000) -> list[Row]:
+async def r_sweep(c: Call, p_limit: int = 1000, p_now: datetime | None = None) -> list[Row]:
     """One pass at a time: the pass holds the ``workqueue.sweep`` lock row while it runs (SQLite's
     single writer already keeps two passes from overlapping; the row also refuses a pass while
-    another process holds it)."""
+    another process holds it). The lock goes by the real time, the pass's rules by ``p_now``."""
     holder = str(uuid.uuid4())
     await c.ex.execute("lock_take", name=SWEEP_LOCK, holder=holder, expires_at=c.now + 60, now=c.now)
     owner = await c.ex.fetch("lock_holder", name=SWEEP_LOCK)
     if not owner or owner[0]["holder"] != holder:
         return [{"ran": False, "retried": 0, "dead_lettered": 0, "discarded": 0, "purged_deliveries": 0,
                  "purged_messages": 0, "purged_deduplication": 0, "taken_back": "[]"}]
-    expired = await r_expire_leases(c, p_limit)
+    expired = await r_expire_leases(c, p_limit, p_now)
     results = {e["delivery_id"]: e["result"] for e in expired}
     taken_back = []
     if results:
         taken_back = [{**row, "result": results[row["delivery_id"]]}
                       for row in await c.ex.fetch("deliveries_taken_back", ids=json.dumps(list(results)))]
-    [purged] = await r_purge(c, p_limit)
-    await c.ex.execute("purge_once_markers", now=c.now, limit=p_limit)
+    [purged] = await r_purge(c, p_limit, p_now)
+    await c.ex.execute("purge_once_markers", now=c.at(p_now).now, limit=p_limit)
     await c.ex.execute("lock_release", name=SWEEP_LOCK, holder=holder)
     return [{
         "ran": True,
@@ -637,7 +651,8 @@ async def r_sweep(c: Call, p_limit: int = 1000) -> list[Row]:
 
 
 @routine
-async def r_prune(c: Call, p_older_than_seconds: float, p_limit: int) -> list[Row]:
+async def r_prune(c: Call, p_older_than_seconds: float, p_limit: int, p_now: datetime | None = None) -> list[Row]:
+    c = c.at(p_now)
     removed = await _delete_settled(c, "prune_deliveries", cutoff=c.now - p_older_than_seconds, limit=p_limit)
     return [{"prune": removed}]
 

@@ -1,12 +1,39 @@
--- fastapi-workqueue: the SQL Server schema, as a fresh install ends with it (migrations 0001-0028).
+-- fastapi-workqueue: the SQL Server schema, as a fresh install ends with it (through migration 0001).
+-- SQL Server 2019 or later, compatibility level 130+.
 --
 -- This file is for reading: the tables and their indexes first, then every procedure and function
--- grouped by concern, each with what it does. `workqueue migrate` applies the versioned
--- migrations (NNNN_*.sql), whose headers say why each change was made and where the T-SQL differs
--- from PostgreSQL; tests/test_schema_file.py checks that the objects they leave, each with its
--- definition, are the ones defined here. The migration runner creates workqueue.schema_migration
--- itself (fastapi_workqueue/database/mssql.py). Type mapping, collation and key sizes: the top of
--- 0001_schema.sql; conventions of the procedures: the top of 0002_helpers.sql.
+-- grouped by concern, each with what it does; docs/design/ says why the code is written the way it
+-- is, and docs/design/dialects.md where the T-SQL differs from PostgreSQL. `workqueue migrate`
+-- applies the numbered migrations (NNNN_*.sql): 0001_schema.sql is this file as release 0.1.0
+-- ships it, and each later release adds one migration and makes the same change here, never an
+-- edit of a migration a release shipped (docs/design/migrations.md); tests/test_schema_file.py
+-- checks that the objects the migrations leave, each with its definition, are the ones defined
+-- here. The migration runner creates workqueue.schema_migration itself
+-- (fastapi_workqueue/database/mssql.py) and sends each batch (the text between GO lines)
+-- separately, in one transaction, under the application lock 'workqueue.migrate'.
+--
+-- The tables are PostgreSQL's, column for column, and every routine is a PostgreSQL function's
+-- twin: same name, parameters and result columns (the "-- returns:" line above each procedure).
+-- How the PostgreSQL types map: uuid → uniqueidentifier; text → nvarchar(n) where the column is a
+-- key or indexed (the bound is what the library accepts: names 200, partition and deduplication
+-- keys 512), nvarchar(max) elsewhere; jsonb → nvarchar(max) with an ISJSON check; text[] and
+-- double precision[] → nvarchar(max) holding a JSON array; timestamptz → datetimeoffset(6); double
+-- precision → float; boolean → bit; partial indexes → filtered indexes. Every text column uses the
+-- binary collation Latin1_General_100_BIN2, so names, keys, statuses and filter values compare
+-- case-sensitively, as on PostgreSQL (SQL Server still ignores trailing spaces when it compares
+-- nvarchar values). A clustered index key holds 900 bytes and a nonclustered one 1700: a partition
+-- key (512 characters, 1024 bytes) does not fit a clustered key, so the tables keyed by one keep a
+-- nonclustered primary key and cluster on something narrower (or stay heaps).
+--
+-- Conventions of every procedure: SET NOCOUNT ON and, where it writes, SET XACT_ABORT ON with
+-- TRY/CATCH/THROW (any error rolls the whole call back); its own transaction only when none is open
+-- (@@TRANCOUNT = 0), otherwise it joins the caller's, as a PostgreSQL function does; one result set
+-- per call for the routines that return rows, also when it is empty (a scalar function's value is
+-- one row with one column named after the routine); arrays are JSON arrays in nvarchar(max), and
+-- "[key]" of OPENJSON is the 0-based position; comparisons between variables name COLLATE
+-- Latin1_General_100_BIN2; no LISTEN/NOTIFY (consumers poll). PostgreSQL's FOR UPDATE SKIP LOCKED
+-- is WITH (UPDLOCK, READPAST, ROWLOCK), and since SQL Server locks index entries rather than rows,
+-- every locking read also reads a column its index does not cover, which locks the row itself.
 
 SET ANSI_NULLS ON;
 SET QUOTED_IDENTIFIER ON;
@@ -150,7 +177,7 @@ CREATE INDEX delivery_dead_letters ON workqueue.delivery (subscription_id, id) W
 CREATE INDEX delivery_settled ON workqueue.delivery (settled_at) WHERE status IN (N'Completed', N'Discarded');
 CREATE INDEX delivery_message ON workqueue.delivery (message_id);
 -- The InFlight set (the sweeper filters it on lease_expires_at), on a column a heartbeat never
--- changes (PostgreSQL 0021).
+-- changes (no index names the column a heartbeat renews).
 CREATE INDEX delivery_in_flight ON workqueue.delivery (subscription_id) WHERE status = N'InFlight';
 
 -- One row per (subscription, key) with live keyed work: the lock and the state of the key.
@@ -179,7 +206,7 @@ CREATE INDEX partition_ready ON workqueue.partition (subscription_id, next_visib
 
 -- Keys whose partition row a settle or lease expiry could not lock (another transaction held it):
 -- their row may still name a settled holder until rederive_stale re-derives it. A heap with a
--- nonclustered primary key, as partition (0001): the key is too wide to cluster on.
+-- nonclustered primary key, as partition: the key is too wide to cluster on.
 CREATE TABLE workqueue.partition_stale (
     subscription_id  int NOT NULL,
     partition_key    nvarchar(512) COLLATE Latin1_General_100_BIN2 NOT NULL,
@@ -188,7 +215,7 @@ CREATE TABLE workqueue.partition_stale (
 );
 
 -- Deltas of each subscription's Completed and Discarded deliveries, whose sums are the counts
--- stats shows (PostgreSQL 0022). A heap without a key: rows are only appended, summed all at
+-- stats shows. A heap without a key: rows are only appended, summed all at
 -- once by stats, and folded by fold_settled_counts.
 CREATE TABLE workqueue.settled_count (
     subscription_id  int NOT NULL,
@@ -198,7 +225,7 @@ CREATE TABLE workqueue.settled_count (
 
 -- One row per subscription per minute, written by the sweeper (record_stats_history): the live
 -- counts as stats reads them and the deliveries Completed in the window since the previous row
--- (window_seconds long). Kept a day; the dashboard charts the last hour (PostgreSQL 0028).
+-- (window_seconds long). Kept a day; the dashboard charts the last hour.
 CREATE TABLE workqueue.stats_history (
     subscription_id  int NOT NULL,
     recorded_at      datetimeoffset(6) NOT NULL,
@@ -220,7 +247,7 @@ CREATE TABLE workqueue.deduplication (
 );
 CREATE CLUSTERED INDEX deduplication_expires_at ON workqueue.deduplication (expires_at);
 
--- Once markers behind context.once(key, fn) (PostgreSQL 0004). A key may be up to 850
+-- Once markers behind context.once(key, fn). A key may be up to 850
 -- characters here (a nonclustered key holds 1700 bytes); a longer key is refused with an error.
 CREATE TABLE workqueue.once_marker (
     [key]       nvarchar(850) COLLATE Latin1_General_100_BIN2 NOT NULL,
@@ -232,11 +259,11 @@ CREATE TABLE workqueue.once_marker (
 );
 CREATE CLUSTERED INDEX once_marker_expires_at ON workqueue.once_marker (expires_at);
 
--- API keys for the REST publish and operator API (PostgreSQL 0006). Only the key's SHA-256 is
+-- API keys for the REST publish and operator API. Only the key's SHA-256 is
 -- stored; scopes is a JSON array of scope names, topics one of the topics (or patterns with *) the
 -- key may publish to (NULL: every topic but the job queues'). Two unrevoked keys never share a
 -- name (api_key_create checks: name is nvarchar(max), which no index can hold).
--- session_generation is counted up by a dashboard sign-out (0023).
+-- session_generation is counted up by a dashboard sign-out.
 CREATE TABLE workqueue.api_key (
     id            uniqueidentifier NOT NULL,
     name          nvarchar(max) COLLATE Latin1_General_100_BIN2 NOT NULL,
@@ -530,7 +557,7 @@ BEGIN
 END;
 GO
 
--- The keys of a batch of just-settled (or expired) deliveries (PostgreSQL 0019): the deliveries in
+-- The keys of a batch of just-settled (or expired) deliveries: the deliveries in
 -- @p_ids (a JSON array of ids) give up their hold, and each key this call can lock without waiting
 -- (READPAST) gets its next delivery (Exclusive: the earliest visible Pending one; Ordered: the
 -- head, or the dead-lettered head that blocks it) in one UPDATE; keys left with nothing are
@@ -1648,7 +1675,7 @@ BEGIN
                     FROM @v_keys AS k
                     WHERE k.ord = @v_k;
                     -- Reading holder_id (not in the primary key) locks the row itself, the
-                    -- lock a claim meets (0001, partition_ready); HOLDLOCK covers an absent key.
+                    -- lock a claim meets (see partition_ready); HOLDLOCK covers an absent key.
                     SET @v_key_found = 0;
                     SELECT @v_key_found = 1, @v_key_holder = p.holder_id
                     FROM workqueue.partition AS p WITH (UPDLOCK, HOLDLOCK, ROWLOCK)
@@ -1722,6 +1749,9 @@ GO
 -- Claim, heartbeat, settle
 -- ---------------------------------------------------------------------------------------------
 
+-- Each of these reads the time once: @p_now when the caller gives it (a test's clock), else
+-- SYSDATETIMEOFFSET() (docs/design/time.md).
+
 -- Claims up to @p_limit visible deliveries of an Active subscription: attempt + 1, a fresh lease
 -- token, the lease from the subscription's current lease_seconds. Keys of Exclusive and Ordered
 -- subscriptions are claimed through their partition row, one delivery per key; deliveries
@@ -1730,13 +1760,14 @@ GO
 CREATE OR ALTER PROCEDURE workqueue.claim
     @p_subscription nvarchar(200),
     @p_limit int,
-    @p_holder uniqueidentifier = NULL
+    @p_holder uniqueidentifier = NULL,
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
-    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
     DECLARE @v_subscription_id int;
     DECLARE @v_partition_mode nvarchar(20);
     DECLARE @v_lease_seconds float;
@@ -1786,7 +1817,7 @@ BEGIN
             IF @v_partition_mode <> N'None' COLLATE Latin1_General_100_BIN2
             BEGIN
                 -- Keys a settle or the sweeper could not hand over (their producer held them) are
-                -- re-derived first, where nobody holds them now (PostgreSQL 0019).
+                -- re-derived first, where nobody holds them now.
                 IF EXISTS (SELECT 1 FROM workqueue.partition_stale AS ps WHERE ps.subscription_id = @v_subscription_id)
                 BEGIN
                     SET @v_subscriptions = N'[' + CAST(@v_subscription_id AS nvarchar(20)) + N']';
@@ -1899,18 +1930,19 @@ GO
 -- refused (THROW 51005; claim takes those). Each subscription's claim index gives at most
 -- @p_limit candidates; the first @p_limit of them all set each subscription's share, which is
 -- locked from the same index UPDLOCK, READPAST, ROWLOCK, as claim locks (reading message_id,
--- which the index does not cover, so the row itself is locked: see the top of 0005_consume.sql).
+-- which the index does not cover, so the row itself is locked: see the top of this file).
 -- returns: subscription, delivery_id, lease_token, attempt, max_attempts, lease_expires_at, message_id, topic, partition_key, attributes, payload, payload_ref, correlation_id, published_at
 CREATE OR ALTER PROCEDURE workqueue.claim_many
     @p_subscriptions nvarchar(max),
     @p_limit int,
-    @p_holder uniqueidentifier = NULL
+    @p_holder uniqueidentifier = NULL,
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
-    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
     DECLARE @v_keyed nvarchar(max);
     DECLARE @v_message nvarchar(2048);
     DECLARE @v_names TABLE (name nvarchar(200) COLLATE Latin1_General_100_BIN2 NOT NULL PRIMARY KEY);
@@ -2035,13 +2067,14 @@ CREATE OR ALTER PROCEDURE workqueue.heartbeat
     @p_ids nvarchar(max),
     @p_tokens nvarchar(max),
     @p_percents nvarchar(max),
-    @p_messages nvarchar(max)
+    @p_messages nvarchar(max),
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
-    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
     DECLARE @v_i TABLE (
         ord int NOT NULL PRIMARY KEY,
         id bigint NULL,
@@ -2104,8 +2137,8 @@ GO
 -- never retried), Release (shutdown, or a busy once key: back to Pending after the optional delay
 -- without consuming the attempt). A cancel-requested delivery becomes Discarded whatever the
 -- outcome. A stale token changes nothing and answers LeaseLost. (An id given twice is settled
--- once, by its first item.) @p_draws are the caller's jitter draws (PostgreSQL 0020); the batch's
--- terminal settles are counted in settled_count (0022).
+-- once, by its first item.) @p_draws are the caller's jitter draws; the batch's
+-- terminal settles are counted in settled_count.
 -- returns: delivery_id, result
 CREATE OR ALTER PROCEDURE workqueue.settle
     @p_ids nvarchar(max),
@@ -2114,13 +2147,14 @@ CREATE OR ALTER PROCEDURE workqueue.settle
     @p_delays nvarchar(max),
     @p_reasons nvarchar(max),
     @p_errors nvarchar(max),
-    @p_draws nvarchar(max) = NULL
+    @p_draws nvarchar(max) = NULL,
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
-    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
     DECLARE @v_settled nvarchar(max);
     DECLARE @v_claimable TABLE (subscription_id int NOT NULL);
     DECLARE @v_i TABLE (
@@ -2286,25 +2320,29 @@ GO
 -- Sweeper and retention
 -- ---------------------------------------------------------------------------------------------
 
+-- Each of these reads the time once: @p_now when the caller gives it (a test's clock), else
+-- SYSDATETIMEOFFSET() (docs/design/time.md).
+
 -- InFlight deliveries whose lease ran out: Discarded when a cancel was requested, DeadLettered
 -- when the attempt was the last, otherwise Pending again after backoff (the attempt counts).
 -- The locking read takes the backoff columns, which no index of the InFlight rows covers, so
--- it locks the delivery rows themselves (see the top of 0005_consume.sql).
+-- it locks the delivery rows themselves (see the top of this file).
 --
 -- PostgreSQL frees the keys of the expired deliveries with release_keys. Here each key is
 -- re-derived with refresh_partition, in key order (the same result): sweep reads this procedure's
 -- result with INSERT ... EXEC, and SQL Server does not allow a procedure run that way to read
--- release_keys the same way (INSERT ... EXEC cannot nest). As in release_keys (PostgreSQL 0019), a
+-- release_keys the same way (INSERT ... EXEC cannot nest). As in release_keys, a
 -- key another transaction holds is not waited for: it is marked stale and re-derived later.
 -- returns: delivery_id, result
 CREATE OR ALTER PROCEDURE workqueue.expire_leases
-    @p_limit int
+    @p_limit int,
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
-    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
     DECLARE @v_k int;
     DECLARE @v_k_count int;
     DECLARE @v_key_subscription int;
@@ -2443,17 +2481,18 @@ GO
 -- Terminal deliveries past their subscription's retention, then messages that no delivery
 -- references any more (kept as long as the longest retention of their topic, for duplicate
 -- detection), then expired deduplication keys (READPAST: a producer taking an expired key over
--- holds its row until it commits; PostgreSQL 0019). Pending, InFlight and DeadLettered are never
+-- holds its row until it commits). Pending, InFlight and DeadLettered are never
 -- purged.
 -- returns: purged_deliveries, purged_messages, purged_deduplication
 CREATE OR ALTER PROCEDURE workqueue.purge
-    @p_limit int
+    @p_limit int,
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
-    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
     DECLARE @v_deliveries int = 0;
     DECLARE @v_messages int = 0;
     DECLARE @v_dedup int = 0;
@@ -2593,11 +2632,12 @@ GO
 -- every process; a pass that finds the lock taken returns ran = 0 and does nothing. The lock is
 -- released when the pass's transaction ends (PostgreSQL: pg_try_advisory_xact_lock). Expiry and
 -- purge run as the procedures above (their one result set each is read with INSERT ... EXEC),
--- then the keys left stale are re-derived (PostgreSQL 0019), settled_count is folded (0022) and
+-- then the keys left stale are re-derived, settled_count is folded and
 -- expired once markers are dropped (not counted).
 -- returns: ran, retried, dead_lettered, discarded, purged_deliveries, purged_messages, purged_deduplication, taken_back
 CREATE OR ALTER PROCEDURE workqueue.sweep
-    @p_limit int = 1000
+    @p_limit int = 1000,
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -2637,7 +2677,7 @@ BEGIN
         BEGIN
             SET @v_ran = 1;
             INSERT INTO @v_expired (delivery_id, result)
-            EXEC workqueue.expire_leases @p_limit = @p_limit;
+            EXEC workqueue.expire_leases @p_limit = @p_limit, @p_now = @p_now;
             SELECT @v_retried = COALESCE(SUM(CASE WHEN e.result = N'Pending' THEN 1 ELSE 0 END), 0),
                    @v_dead = COALESCE(SUM(CASE WHEN e.result = N'DeadLettered' THEN 1 ELSE 0 END), 0),
                    @v_discarded = COALESCE(SUM(CASE WHEN e.result = N'Discarded' THEN 1 ELSE 0 END), 0)
@@ -2657,14 +2697,14 @@ BEGIN
             EXEC workqueue.rederive_stale @p_subscription_ids = NULL, @p_limit = @p_limit;
 
             INSERT INTO @v_purged (purged_deliveries, purged_messages, purged_deduplication)
-            EXEC workqueue.purge @p_limit = @p_limit;
+            EXEC workqueue.purge @p_limit = @p_limit, @p_now = @p_now;
             SELECT @v_purged_deliveries = p.purged_deliveries, @v_purged_messages = p.purged_messages,
                    @v_purged_deduplication = p.purged_deduplication
             FROM @v_purged AS p;
 
             EXEC workqueue.fold_settled_counts;
 
-            SET @v_now = SYSDATETIMEOFFSET();
+            SET @v_now = COALESCE(@p_now, SYSDATETIMEOFFSET());
             WITH expired AS (
                 SELECT TOP (@p_limit) o.[key]
                 FROM workqueue.once_marker AS o WITH (UPDLOCK, READPAST, ROWLOCK)
@@ -2695,13 +2735,14 @@ GO
 -- returns: prune
 CREATE OR ALTER PROCEDURE workqueue.prune
     @p_older_than_seconds float,
-    @p_limit int
+    @p_limit int,
+    @p_now datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
-    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
     DECLARE @v_cutoff datetimeoffset(6);
     DECLARE @v_count int = 0;
     DECLARE @v_gone TABLE (
@@ -3348,7 +3389,7 @@ GO
 
 -- Each count reads the rows of its state through a filtered index: Pending in three parts (by key
 -- mode, the indexes claims use), InFlight (delivery_in_flight), DeadLettered; Completed and
--- Discarded, the states history accumulates in, are the sums of settled_count (PostgreSQL 0022).
+-- Discarded, the states history accumulates in, are the sums of settled_count.
 -- returns: subscription, topic, subscription_status, partition_mode, pending, claimable, in_flight, dead_lettered, completed, discarded, oldest_pending_at
 CREATE OR ALTER PROCEDURE workqueue.stats
     @p_subscription nvarchar(200) = NULL
@@ -3852,7 +3893,7 @@ END;
 GO
 
 -- Which migrations this database has (for validate-bindings). The table is created by the
--- migration runner before 0001 (fastapi_workqueue/database/mssql.py).
+-- migration runner before the first migration (fastapi_workqueue/database/mssql.py).
 -- returns: version, name, checksum
 CREATE OR ALTER PROCEDURE workqueue.schema_versions
 AS
@@ -4016,9 +4057,9 @@ BEGIN
 END;
 GO
 
--- The AWS transport (0020): the imported bindings and the outbox of publishes to aws topics made in
--- a caller's transaction (PostgreSQL 0027); the outbox's topic and partition key compare in the
--- binary collation, the key up to 512 characters (0022).
+-- The AWS transport: the imported bindings and the outbox of publishes to aws topics made in a
+-- caller's transaction; the outbox's topic and partition key compare in the binary collation, the
+-- key up to 512 characters.
 CREATE TABLE workqueue.aws_binding (
     kind         nvarchar(20) NOT NULL CONSTRAINT aws_binding_kind CHECK (kind IN (N'topic', N'subscription')),
     name         nvarchar(200) NOT NULL,

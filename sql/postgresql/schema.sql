@@ -1,11 +1,13 @@
--- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (migrations 0001-0037).
+-- fastapi-workqueue: the PostgreSQL schema, as a fresh install ends with it (through migration 0001).
 --
 -- This file is for reading: the tables and their indexes first, then every function grouped by
--- concern, each with what it does. `workqueue migrate` applies the versioned migrations
--- (NNNN_*.sql), whose headers say why each change was made; tests/test_schema_file.py replays them
--- on an empty database and checks that the catalog equals what this file builds on another (tables,
--- columns, indexes, constraints, functions and grants), so the two cannot drift apart. A change to
--- the schema is a new migration and the same change here.
+-- concern, each with what it does; docs/design/ says why the code is written the way it is.
+-- `workqueue migrate` applies the numbered migrations (NNNN_*.sql): 0001_schema.sql is this file as
+-- release 0.1.0 ships it, and each later release adds one migration and makes the same change here,
+-- never an edit of a migration a release shipped (docs/design/migrations.md).
+-- tests/test_schema_file.py replays the migrations on an empty database and checks that the
+-- catalog equals what this file builds on another (tables, columns, indexes, constraints,
+-- functions and grants), so the two cannot drift apart.
 --
 -- Every write goes through the functions, which are SECURITY DEFINER: the roles of roles/ hold
 -- EXECUTE on them and no privilege on any table, and no function is executable by PUBLIC.
@@ -57,7 +59,7 @@ CREATE TABLE workqueue.subscription (
     binding_config          jsonb,
     created_at              timestamptz NOT NULL DEFAULT now(),
     updated_at              timestamptz NOT NULL DEFAULT now(),
-    retired_at              timestamptz   -- retired: no new deliveries, what it holds drains (0036)
+    retired_at              timestamptz   -- retired: no new deliveries, what it holds drains
 );
 CREATE INDEX subscription_topic ON workqueue.subscription (topic);
 
@@ -82,7 +84,8 @@ CREATE INDEX message_published_at ON workqueue.message (published_at);
 -- status: Pending, InFlight, Completed, DeadLettered or Discarded. key_mode: 0 = the delivery is
 -- claimed on its own (None mode, or no partition key); 1 = Exclusive key, 2 = Ordered key: claimed
 -- through its row in workqueue.partition. Only the functions write this table, and only those
--- values (0017 dropped the CHECK constraints, which PostgreSQL planned again for every write).
+-- values: no CHECK constraint, which PostgreSQL would plan again for every statement that writes
+-- the table (docs/design/claims-and-keys.md).
 CREATE TABLE workqueue.delivery (
     id                    bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     subscription_id       integer NOT NULL,
@@ -642,8 +645,9 @@ $$;
 -- holds the MessageIDs), else one row per item. All-or-nothing: when any item is Rejected or a
 -- MessageIDConflict, nothing is written and every other item reports BatchAborted. The common
 -- cases are written in plain statements; the general path (deduplication keys, stored
--- MessageIDs, keyed subscriptions) classifies first, then inserts the deliveries and locks their
--- keys in one statement (0018).
+-- MessageIDs, keyed subscriptions) classifies first, then reads the subscriptions, inserts the
+-- deliveries and locks their keys in one statement, so each delivery's key mode follows its
+-- subscription as that one statement sees it (docs/design/publish-paths.md).
 CREATE OR REPLACE FUNCTION workqueue.publish(
     p_topic text,
     p_message_ids uuid[],
@@ -692,8 +696,9 @@ BEGIN
         RETURN;
     END IF;
     IF v_n = 1 AND p_deduplication_keys IS NULL THEN  -- plain expressions: no query to decide
-        -- One message, the most common call: two plain statements instead of 0010's one with
-        -- CTEs, which costs less to run. The message INSERT carries the guard of 0010; the
+        -- One message, the most common call: two plain statements, which cost less to run than
+        -- one with data-modifying CTEs. The message INSERT carries the guard (the topic exists and
+        -- is not retired, has no keyed subscription, and the message fits its cap); the
         -- deliveries go to the topic's subscriptions without keys (the guard saw no other kind:
         -- a keyed subscription saved in between gets none, as if saved after this call, and
         -- never a delivery without its key's bookkeeping).
@@ -733,7 +738,7 @@ BEGIN
         -- Not written: the guard failed or the MessageID is stored already; the paths below
         -- tell which and answer.
     ELSIF p_deduplication_keys IS NULL THEN
-        -- The common case: the same checks as 0010's statement, then the messages, then their
+        -- The common case: the guard's checks for the whole call, then the messages, then their
         -- deliveries and the wake-ups. The messages go in with a plain INSERT, which costs
         -- markedly less per row than ON CONFLICT; a MessageID that is stored already (or given
         -- twice in the call) makes it fail as a whole, and the INSERT runs again with ON
@@ -1091,16 +1096,18 @@ END
 $$;
 
 -- publish for one message without a deduplication key, with a value per parameter, and without a
--- NOTIFY (0030): the same rows and answers as publish, except that an Accepted message with work to
--- claim now answers one row (status Accepted) whose wake_subscriptions the caller notifies once the
--- transaction has committed; no rows when Accepted with nobody to wake. It writes the message and its deliveries to every kind of
--- subscription itself, keys locked and pointed at as publish does (0026); an unknown topic, a
--- message over the cap or a stored MessageID it hands to publish, which tells which.
+-- NOTIFY (one in the publishing transaction makes concurrent commits wait for each other's flush;
+-- docs/design/publish-paths.md): the same rows and answers as publish, except that an Accepted
+-- message with work to claim now answers one row (status Accepted) whose wake_subscriptions the
+-- caller notifies once the transaction has committed; no rows when Accepted with nobody to wake. It
+-- writes the message and its deliveries to every kind of subscription itself, keys locked and
+-- pointed at as publish does; an unknown topic, a message over the cap or a stored MessageID it
+-- hands to publish, which tells which.
 --
 -- The functions of an order's path (publish, publish_one, claim, claim_many, heartbeat, settle and
--- the key handling below) run with plan_cache_mode = force_generic_plan and enable_seqscan = off
--- (0026): each statement is planned once per session, on the indexes it was written for, instead
--- of again on every call with the call's values.
+-- the key handling below) run with plan_cache_mode = force_generic_plan and enable_seqscan = off:
+-- each statement is planned once per session, on the indexes it was written for, instead of again
+-- on every call with the call's values.
 CREATE OR REPLACE FUNCTION workqueue.publish_one_quiet(
     p_topic text,
     p_message_id uuid,
@@ -1144,7 +1151,7 @@ BEGIN
     IF NOT FOUND THEN
         -- Not written: the guard failed or the MessageID is stored already. publish tells which. Its
         -- deduplication keys go as an array of one NULL, not as NULL: publish then takes its general
-        -- path at once (the same answers, as 0010 says).
+        -- path at once (an array of NULLs takes the longer way to the same answers).
         RETURN QUERY
         SELECT r.*, NULL::integer[] FROM workqueue.publish(
             p_topic, ARRAY[p_message_id], ARRAY[p_partition_key], ARRAY[p_attributes], ARRAY[p_payload],
@@ -1224,8 +1231,8 @@ END
 $$;
 
 -- publish_one_quiet with the NOTIFY in the caller's transaction, and publish's answers (no rows when
--- Accepted): what the transport calls inside a transaction of its own, and what an earlier
--- version calls.
+-- Accepted): what the transport calls inside a transaction whose commit it cannot wait for (a
+-- settle's follow-ups, a caller's AsyncConnection).
 CREATE OR REPLACE FUNCTION workqueue.publish_one(
     p_topic text,
     p_message_id uuid,
@@ -1275,11 +1282,15 @@ $$;
 -- Claim, heartbeat, settle
 -- ---------------------------------------------------------------------------------------------
 
+-- Each of these reads the time once: p_now when the caller gives it (a test's clock), else now(),
+-- the start of its transaction (docs/design/time.md).
+
 -- Claims up to p_limit visible deliveries of an Active subscription: attempt + 1, a fresh lease
 -- token, the lease from the subscription's lease_seconds. Keys of Exclusive and Ordered
 -- subscriptions are claimed through their partition row (SKIP LOCKED), one delivery per key,
 -- after the keys left stale are re-derived; deliveries without a key share the claim with them.
-CREATE OR REPLACE FUNCTION workqueue.claim(p_subscription text, p_limit integer, p_holder uuid DEFAULT NULL)
+CREATE OR REPLACE FUNCTION workqueue.claim(p_subscription text, p_limit integer, p_holder uuid DEFAULT NULL,
+                                          p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (
     delivery_id bigint, lease_token uuid, attempt integer, max_attempts integer,
     lease_expires_at timestamptz, message_id uuid, topic text, partition_key text,
@@ -1293,6 +1304,7 @@ SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_sub record;
     v_keyed bigint[];
     v_keys text[];
@@ -1320,7 +1332,7 @@ BEGIN
             SELECT pt.next_id, pt.partition_key
             FROM workqueue.partition pt
             WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
-              AND pt.next_visible_at <= now()
+              AND pt.next_visible_at <= v_now
             ORDER BY pt.next_visible_at
             LIMIT p_limit
             FOR UPDATE SKIP LOCKED
@@ -1334,7 +1346,7 @@ BEGIN
         SELECT d.id
         FROM workqueue.delivery d
         WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
-          AND d.visible_at <= now()
+          AND d.visible_at <= v_now
         ORDER BY d.visible_at, d.id
         LIMIT CASE WHEN v_keyed IS NULL THEN p_limit
                    ELSE greatest(p_limit - cardinality(v_keyed), p_limit / 2) END
@@ -1349,8 +1361,8 @@ BEGIN
         RETURN;
     END IF;
     IF v_sub.partition_mode = 'None' THEN
-        -- This transaction commits without waiting for its WAL to reach disk (see 0017): a claim
-        -- lost in a crash of the server leaves its deliveries Pending.
+        -- This transaction commits without waiting for its WAL to reach disk: a claim lost in a
+        -- crash of the server leaves its deliveries Pending (docs/design/claims-and-keys.md).
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
 
@@ -1359,8 +1371,8 @@ BEGIN
         UPDATE workqueue.delivery d
         SET status = 'InFlight', attempt = d.attempt + 1, claim_count = d.claim_count + 1,
             lease_token = gen_random_uuid(),
-            lease_expires_at = now() + make_interval(secs => v_sub.lease_seconds),
-            claimed_at = now(), held_by = p_holder, progress_percent = NULL, progress_message = NULL
+            lease_expires_at = v_now + make_interval(secs => v_sub.lease_seconds),
+            claimed_at = v_now, held_by = p_holder, progress_percent = NULL, progress_message = NULL
         WHERE d.id = ANY (v_ids) AND d.status = 'Pending'
         RETURNING d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, d.message_id,
                   d.partition_key, d.key_mode
@@ -1396,13 +1408,14 @@ $$;
 -- (or topics) and unknown names give nothing; an Exclusive or Ordered one is refused (claim takes
 -- those). One read of the named subscriptions finds both. Each active subscription's claim index
 -- is probed once for a delivery due now; when one subscription has one, its oldest due are locked
--- as its index gives them, SKIP LOCKED (0031). With several, each one's claim index gives at most
+-- as its index gives them, SKIP LOCKED. With several, each one's claim index gives at most
 -- p_limit candidates; the first p_limit of them all are locked by id SKIP LOCKED.
 -- Those another claimer holds (or took meanwhile) are made up from their subscriptions' indexes:
 -- each such subscription's share, locked past the rows other claimers hold as claim locks, so
 -- concurrent claimers take different deliveries and none comes back short while work waits.
--- Commits as a claim without keys does (synchronous_commit off, 0017).
-CREATE OR REPLACE FUNCTION workqueue.claim_many(p_subscriptions text[], p_limit integer, p_holder uuid DEFAULT NULL)
+-- Commits as a claim without keys does (synchronous_commit off).
+CREATE OR REPLACE FUNCTION workqueue.claim_many(p_subscriptions text[], p_limit integer, p_holder uuid DEFAULT NULL,
+                                               p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (
     subscription text, delivery_id bigint, lease_token uuid, attempt integer, max_attempts integer,
     lease_expires_at timestamptz, message_id uuid, topic text, partition_key text,
@@ -1416,6 +1429,7 @@ SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_has_keyed boolean;
     v_keyed text;
     v_active integer[];
@@ -1454,7 +1468,7 @@ BEGIN
     WHERE EXISTS (
         SELECT 1 FROM workqueue.delivery d
         WHERE d.subscription_id = a.sid AND d.status = 'Pending' AND d.key_mode = 0
-          AND d.visible_at <= now()
+          AND d.visible_at <= v_now
     );
     IF v_due IS NULL THEN
         RETURN;
@@ -1467,7 +1481,7 @@ BEGIN
         FROM (
             SELECT d.id FROM workqueue.delivery d
             WHERE d.subscription_id = v_due[1] AND d.status = 'Pending' AND d.key_mode = 0
-              AND d.visible_at <= now()
+              AND d.visible_at <= v_now
             ORDER BY d.visible_at, d.id
             LIMIT p_limit
             FOR UPDATE SKIP LOCKED
@@ -1482,7 +1496,7 @@ BEGIN
             CROSS JOIN LATERAL (
                 SELECT d.id, d.visible_at FROM workqueue.delivery d
                 WHERE d.subscription_id = a.sid AND d.status = 'Pending' AND d.key_mode = 0
-                  AND d.visible_at <= now()
+                  AND d.visible_at <= v_now
                 ORDER BY d.visible_at, d.id
                 LIMIT p_limit
             ) d
@@ -1498,7 +1512,7 @@ BEGIN
         FROM (
             SELECT d.id FROM workqueue.delivery d
             WHERE d.id = ANY (v_candidates) AND d.status = 'Pending' AND d.key_mode = 0
-              AND d.visible_at <= now()
+              AND d.visible_at <= v_now
             FOR UPDATE SKIP LOCKED
         ) l;
         v_ids := coalesce(v_ids, '{}'::bigint[]);
@@ -1518,7 +1532,7 @@ BEGIN
             CROSS JOIN LATERAL (
                 SELECT d.id FROM workqueue.delivery d
                 WHERE d.subscription_id = k.sid AND d.status = 'Pending' AND d.key_mode = 0
-                  AND d.visible_at <= now() AND d.id <> ALL (v_ids)
+                  AND d.visible_at <= v_now AND d.id <> ALL (v_ids)
                 ORDER BY d.visible_at, d.id
                 LIMIT k.n
                 FOR UPDATE SKIP LOCKED
@@ -1537,8 +1551,8 @@ BEGIN
         UPDATE workqueue.delivery d
         SET status = 'InFlight', attempt = d.attempt + 1, claim_count = d.claim_count + 1,
             lease_token = gen_random_uuid(),
-            lease_expires_at = now() + make_interval(secs => s.lease_seconds),
-            claimed_at = now(), held_by = p_holder, progress_percent = NULL, progress_message = NULL
+            lease_expires_at = v_now + make_interval(secs => s.lease_seconds),
+            claimed_at = v_now, held_by = p_holder, progress_percent = NULL, progress_message = NULL
         FROM workqueue.subscription s
         WHERE d.id = ANY (v_ids) AND d.status = 'Pending' AND s.id = d.subscription_id
         RETURNING s.name, d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at,
@@ -1553,9 +1567,10 @@ $$;
 
 -- Renews the leases of InFlight deliveries that still carry the given tokens and stores their
 -- progress; alive is false once the token is stale or an operator asked to cancel. It writes no
--- indexed column: a HOT update (0021).
+-- indexed column (no index names lease_expires_at or the progress): a HOT update.
 CREATE OR REPLACE FUNCTION workqueue.heartbeat(
-    p_ids bigint[], p_tokens uuid[], p_percents smallint[], p_messages text[]
+    p_ids bigint[], p_tokens uuid[], p_percents smallint[], p_messages text[],
+    p_now timestamptz DEFAULT NULL
 ) RETURNS TABLE (delivery_id bigint, alive boolean, cancel_requested boolean, lease_expires_at timestamptz)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -1564,6 +1579,7 @@ SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_found jsonb;  -- delivery id -> [cancel_requested, lease_expires_at]
 BEGIN
     WITH locked AS (
@@ -1581,7 +1597,7 @@ BEGIN
     ), u AS (
         UPDATE workqueue.delivery d
         SET lease_expires_at = CASE WHEN d.cancel_requested THEN d.lease_expires_at
-                                    ELSE now() + make_interval(secs => s.lease_seconds) END,
+                                    ELSE v_now + make_interval(secs => s.lease_seconds) END,
             progress_percent = coalesce(l.pct, d.progress_percent),
             progress_message = coalesce(l.msg, d.progress_message)
         FROM locked l
@@ -1610,7 +1626,8 @@ $$;
 -- keys handed over by release_keys.
 CREATE OR REPLACE FUNCTION workqueue.settle(
     p_ids bigint[], p_tokens uuid[], p_outcomes text[], p_delays double precision[],
-    p_reasons text[], p_errors text[], p_draws double precision[] DEFAULT NULL
+    p_reasons text[], p_errors text[], p_draws double precision[] DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL
 ) RETURNS TABLE (delivery_id bigint, result text)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -1619,6 +1636,7 @@ SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_ids bigint[];
     v_results jsonb;  -- delivery id -> its new status
     v_keyed boolean;
@@ -1660,8 +1678,8 @@ BEGIN
                            THEN greatest(d.attempt - 1, 0) ELSE d.attempt END,
             visible_at = CASE
                 WHEN pl.new_status <> 'Pending' THEN d.visible_at
-                WHEN pl.outcome = 'Release' THEN now() + make_interval(secs => coalesce(pl.delay, 0))
-                ELSE now() + make_interval(secs => coalesce(pl.delay,
+                WHEN pl.outcome = 'Release' THEN v_now + make_interval(secs => coalesce(pl.delay, 0))
+                ELSE v_now + make_interval(secs => coalesce(pl.delay,
                         workqueue.backoff_seconds(d.attempt, pl.backoff_base_seconds,
                                                   pl.backoff_max_seconds, pl.backoff_schedule, pl.draw))) END,
             lease_token = NULL,
@@ -1672,7 +1690,7 @@ BEGIN
                               THEN coalesce('max attempts reached: ' || coalesce(pl.reason, pl.error), 'max attempts reached')
                           ELSE coalesce(pl.reason, d.reason) END,
             last_error = coalesce(pl.error, d.last_error),
-            settled_at = CASE WHEN pl.new_status IN ('Completed', 'Discarded', 'DeadLettered') THEN now() END
+            settled_at = CASE WHEN pl.new_status IN ('Completed', 'Discarded', 'DeadLettered') THEN v_now END
         FROM plan pl
         WHERE d.id = pl.id
         RETURNING d.id, d.status, d.key_mode, d.subscription_id
@@ -1876,7 +1894,8 @@ BEGIN
         SELECT DISTINCT u.subscription_id FROM updated u
         WHERE u.holder_id IS NULL AND u.next_id IS NOT NULL AND u.next_visible_at <= now();
 
-        -- Keys left with nothing lose their row (a statement of its own, as in 0008).
+        -- Keys left with nothing lose their row, in a statement of its own (a sibling of the
+        -- UPDATE in one WITH would not see the rows the UPDATE changes).
         DELETE FROM workqueue.partition p
         USING unnest(v_held_sids, v_held_keys) AS k(sid, key)
         WHERE p.subscription_id = k.sid AND p.partition_key = k.key
@@ -1958,15 +1977,19 @@ $$;
 -- Sweeper and retention
 -- ---------------------------------------------------------------------------------------------
 
+-- Each of these reads the time once: p_now when the caller gives it (a test's clock), else now(),
+-- the start of its transaction (docs/design/time.md).
+
 -- InFlight deliveries whose lease ran out: Discarded when a cancel was requested, DeadLettered
 -- on the final attempt, otherwise Pending again after backoff (the attempt counts).
-CREATE OR REPLACE FUNCTION workqueue.expire_leases(p_limit integer)
+CREATE OR REPLACE FUNCTION workqueue.expire_leases(p_limit integer, p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (delivery_id bigint, result text)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_expired bigint[];
     v_ids bigint[];
     v_results text[];
@@ -1975,7 +1998,7 @@ BEGIN
     SELECT array_agg(e.id) INTO v_expired
     FROM (
         SELECT d.id FROM workqueue.delivery d
-        WHERE d.status = 'InFlight' AND d.lease_expires_at < now()
+        WHERE d.status = 'InFlight' AND d.lease_expires_at < v_now
         ORDER BY d.lease_expires_at
         LIMIT p_limit
         FOR UPDATE SKIP LOCKED
@@ -1990,7 +2013,7 @@ BEGIN
                           WHEN d.attempt >= d.max_attempts THEN 'DeadLettered'
                           ELSE 'Pending' END,
             visible_at = CASE WHEN d.cancel_requested OR d.attempt >= d.max_attempts THEN d.visible_at
-                              ELSE now() + make_interval(secs => workqueue.backoff_seconds(
+                              ELSE v_now + make_interval(secs => workqueue.backoff_seconds(
                                     d.attempt, d.backoff_base_seconds, d.backoff_max_seconds, d.backoff_schedule)) END,
             reason = CASE WHEN d.cancel_requested THEN d.reason
                           WHEN d.attempt >= d.max_attempts THEN 'lease expired on the final attempt'
@@ -1999,7 +2022,7 @@ BEGIN
                               ELSE 'lease expired: the holder stopped renewing it' END,
             lease_token = NULL,
             lease_expires_at = NULL,
-            settled_at = CASE WHEN d.cancel_requested OR d.attempt >= d.max_attempts THEN now() END
+            settled_at = CASE WHEN d.cancel_requested OR d.attempt >= d.max_attempts THEN v_now END
         WHERE d.id = ANY (v_expired)
         RETURNING d.id, d.status, d.key_mode, d.subscription_id
     ), counted AS (
@@ -2024,13 +2047,14 @@ $$;
 -- Terminal deliveries past their subscription's retention (counted out of settled_count), then
 -- messages no delivery refers to past their topic's retention, then expired deduplication keys;
 -- each scan bounded by the shortest retention that applies.
-CREATE OR REPLACE FUNCTION workqueue.purge(p_limit integer)
+CREATE OR REPLACE FUNCTION workqueue.purge(p_limit integer, p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (purged_deliveries integer, purged_messages integer, purged_deduplication integer)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_deliveries integer := 0;
     v_messages integer;
     v_dedup integer;
@@ -2038,8 +2062,8 @@ DECLARE
     v_published_before timestamptz;
 BEGIN
     -- A settled delivery may go once its subscription's retention has passed: none settled after
-    -- now() minus the shortest retention of any subscription can.
-    SELECT now() - make_interval(secs => min(s.retention_seconds)) INTO v_settled_before
+    -- v_now minus the shortest retention of any subscription can.
+    SELECT v_now - make_interval(secs => min(s.retention_seconds)) INTO v_settled_before
     FROM workqueue.subscription s;
     IF v_settled_before IS NOT NULL THEN
         WITH gone AS (
@@ -2049,7 +2073,7 @@ BEGIN
                 JOIN workqueue.subscription s ON s.id = x.subscription_id
                 WHERE x.status IN ('Completed', 'Discarded')
                   AND x.settled_at < v_settled_before
-                  AND x.settled_at < now() - make_interval(secs => s.retention_seconds)
+                  AND x.settled_at < v_now - make_interval(secs => s.retention_seconds)
                 ORDER BY x.settled_at
                 LIMIT p_limit
             )
@@ -2066,15 +2090,15 @@ BEGIN
 
     -- A message may go once no delivery refers to it and its topic's retention has passed (the
     -- longest of the topic's subscriptions, a week for a topic without any): none published
-    -- after now() minus the shortest of those can.
-    SELECT now() - make_interval(secs => least(604800::double precision, min(r.seconds)))
+    -- after v_now minus the shortest of those can.
+    SELECT v_now - make_interval(secs => least(604800::double precision, min(r.seconds)))
     INTO v_published_before
     FROM (SELECT max(s.retention_seconds) AS seconds FROM workqueue.subscription s GROUP BY s.topic) r;
     DELETE FROM workqueue.message m
     WHERE m.id IN (
         SELECT x.id FROM workqueue.message x
         WHERE x.published_at < v_published_before
-          AND x.published_at < now() - make_interval(secs => coalesce(
+          AND x.published_at < v_now - make_interval(secs => coalesce(
                   (SELECT max(s.retention_seconds) FROM workqueue.subscription s WHERE s.topic = x.topic),
                   604800))
           AND NOT EXISTS (SELECT 1 FROM workqueue.delivery d WHERE d.message_id = x.id)
@@ -2086,7 +2110,7 @@ BEGIN
     DELETE FROM workqueue.deduplication dd
     WHERE (dd.topic, dd.deduplication_key) IN (
         SELECT x.topic, x.deduplication_key FROM workqueue.deduplication x
-        WHERE x.expires_at <= now()
+        WHERE x.expires_at <= v_now
         ORDER BY x.expires_at
         LIMIT p_limit
         FOR UPDATE SKIP LOCKED  -- a producer taking the expired key over holds it until it commits
@@ -2121,7 +2145,7 @@ $$;
 -- One sweeper pass: expired leases, stale keys, retention, the counts folded, expired once
 -- markers. A transaction-scoped advisory lock lets one pass run at a time across every process;
 -- a pass that finds it taken returns ran = false and does nothing.
-CREATE OR REPLACE FUNCTION workqueue.sweep(p_limit integer DEFAULT 1000)
+CREATE OR REPLACE FUNCTION workqueue.sweep(p_limit integer DEFAULT 1000, p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (
     ran boolean, retried integer, dead_lettered integer, discarded integer,
     purged_deliveries integer, purged_messages integer, purged_deduplication integer, taken_back jsonb
@@ -2131,6 +2155,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_retried integer;
     v_dead integer;
     v_discarded integer;
@@ -2142,7 +2167,7 @@ BEGIN
         RETURN;
     END IF;
     -- Each lease taken back, with its subscription and the process that held it (for the log).
-    WITH e AS (SELECT * FROM workqueue.expire_leases(p_limit))
+    WITH e AS (SELECT * FROM workqueue.expire_leases(p_limit, p_now))
     SELECT count(*) FILTER (WHERE e.result = 'Pending'),
            count(*) FILTER (WHERE e.result = 'DeadLettered'),
            count(*) FILTER (WHERE e.result = 'Discarded'),
@@ -2157,10 +2182,10 @@ BEGIN
     LEFT JOIN workqueue.process p ON p.id = d.held_by;
     PERFORM pg_notify('workqueue', r.sid::text)
     FROM (SELECT DISTINCT r.subscription_id AS sid FROM workqueue.rederive_stale(NULL, p_limit) r) r;
-    SELECT * INTO v_purge FROM workqueue.purge(p_limit);
+    SELECT * INTO v_purge FROM workqueue.purge(p_limit, p_now);
     PERFORM workqueue.fold_settled_counts();
     DELETE FROM workqueue.once_marker o
-    WHERE o.key IN (SELECT x.key FROM workqueue.once_marker x WHERE x.expires_at <= now()
+    WHERE o.key IN (SELECT x.key FROM workqueue.once_marker x WHERE x.expires_at <= v_now
                     ORDER BY x.expires_at LIMIT p_limit FOR UPDATE SKIP LOCKED);
     RETURN QUERY SELECT true, v_retried, v_dead, v_discarded, v_purge.purged_deliveries,
                         v_purge.purged_messages, v_purge.purged_deduplication, v_taken_back;
@@ -2169,13 +2194,16 @@ $$;
 
 -- Removes terminal deliveries (Completed, Discarded) settled more than p_older_than_seconds ago,
 -- whatever their subscription's retention, in batches; returns how many it removed (`workqueue
--- prune`).
-CREATE OR REPLACE FUNCTION workqueue.prune(p_older_than_seconds double precision, p_limit integer)
+-- prune`). Ago by p_now when given (a test's clock, which settles stamped), else by now().
+CREATE OR REPLACE FUNCTION workqueue.prune(
+    p_older_than_seconds double precision, p_limit integer, p_now timestamptz DEFAULT NULL
+)
 RETURNS integer
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_count integer;
 BEGIN
     WITH gone AS (
@@ -2183,7 +2211,7 @@ BEGIN
         WHERE d.id IN (
             SELECT x.id FROM workqueue.delivery x
             WHERE x.status IN ('Completed', 'Discarded')
-              AND x.settled_at < now() - make_interval(secs => p_older_than_seconds)
+              AND x.settled_at < v_now - make_interval(secs => p_older_than_seconds)
             ORDER BY x.settled_at
             LIMIT p_limit
         )
@@ -2260,7 +2288,7 @@ AS $$
 $$;
 
 -- Keeps a Running key held for p_running_seconds more while the caller's token holds it (an
--- overlap lock renewed while its attempt runs); false once the token no longer holds it (0035).
+-- overlap lock renewed while its attempt runs); false once the token no longer holds it.
 CREATE OR REPLACE FUNCTION workqueue.once_renew(p_key text, p_token uuid, p_running_seconds double precision)
 RETURNS boolean
 LANGUAGE sql VOLATILE SECURITY DEFINER
@@ -2660,7 +2688,7 @@ $$;
 
 -- Deliveries of one subscription in one state, oldest first, paged by id, with every field of
 -- get_delivery. DeadLettered and InFlight are named literally, so their pages read their partial
--- indexes (0028); a state given as a parameter can use none.
+-- indexes; a state given as a parameter can use none.
 CREATE OR REPLACE FUNCTION workqueue.list_deliveries(
     p_subscription text, p_status text, p_limit integer, p_after_id bigint DEFAULT 0
 ) RETURNS TABLE (
@@ -2813,7 +2841,7 @@ AS $$
     LIMIT p_limit
 $$;
 
--- The sweeper's history, at most one row per subscription a minute (0028): this minute's live
+-- The sweeper's history, at most one row per subscription a minute: this minute's live
 -- counts and the completions since the previous row, counted over delivery_settled up to 30 s ago
 -- (a settle still running then has not committed); rows past p_keep_seconds are deleted. Writes
 -- nothing when this minute is recorded or another transaction is recording it; p_now stands in for
@@ -2876,7 +2904,7 @@ AS $$
     ORDER BY h.recorded_at, s.name
 $$;
 
--- The dashboard's counts (0028): each subscription's live counts, each stopping at p_cap (a page shows "p_cap or more").
+-- The dashboard's counts: each subscription's live counts, each stopping at p_cap (a page shows "p_cap or more").
 CREATE OR REPLACE FUNCTION workqueue.live_counts(p_subscription text DEFAULT NULL, p_cap integer DEFAULT 1000)
 RETURNS TABLE (subscription text, pending bigint, in_flight bigint, dead_lettered bigint)
 LANGUAGE sql STABLE SECURITY DEFINER
@@ -3059,73 +3087,13 @@ $$;
 -- Privileges
 -- ---------------------------------------------------------------------------------------------
 
--- PostgreSQL grants EXECUTE on every new function to PUBLIC: taken away (0003; the migration
--- runner repeats it after every run that applied something). The roles of roles/ grant what each
--- login needs.
+-- PostgreSQL grants EXECUTE on every new function to PUBLIC: taken away (the migration runner
+-- repeats it after every run that applied something). The role scripts of roles/ grant what each
+-- login needs; run them after `workqueue migrate` (and again after every upgrade).
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA workqueue FROM PUBLIC;
 REVOKE ALL ON ALL PROCEDURES IN SCHEMA workqueue FROM PUBLIC;
 
--- Where workqueue_runtime and workqueue_operator exist already (roles belong to the cluster), the
--- functions that migrations created for them after the role scripts ran get EXECUTE, as an
--- upgrade gives them.
-DO $$
-BEGIN
-    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_runtime') THEN
-        GRANT EXECUTE ON FUNCTION workqueue.publish_one(text, uuid, text, jsonb, text, text, text, text,
-                                                        double precision, timestamptz, integer, text, integer),
-                                  workqueue.publish_one_quiet(text, uuid, text, jsonb, text, text, text, text,
-                                                        double precision, timestamptz, integer, text, integer),
-                                  workqueue.settle(bigint[], uuid[], text[], double precision[], text[], text[],
-                                                   double precision[]),
-                                  workqueue.list_deliveries(text, text, integer, bigint),
-                                  workqueue.api_key_touch(uuid),
-                                  workqueue.release_deduplication_key(text, text, uuid),
-                                  workqueue.step_get(uuid, text), workqueue.step_put(uuid, text, text),
-                                  workqueue.claim(text, integer, uuid),
-                                  workqueue.claim_many(text[], integer, uuid), workqueue.known_messages(uuid[]),
-                                  workqueue.get_delivery(bigint), workqueue.message_deliveries(uuid),
-                                  workqueue.record_stats_history(double precision, timestamptz),
-                                  workqueue.stats_history(timestamptz, text),
-                                  workqueue.live_counts(text, integer),
-                                  workqueue.blocked_keys(text, integer, integer),
-                                  workqueue.process_beat(uuid, text, integer, timestamptz, text, jsonb, integer,
-                                                         integer, double precision),
-                                  workqueue.process_stop(uuid), workqueue.list_processes(),
-                                  workqueue.once_renew(text, uuid, double precision),
-                                  workqueue.api_key_verify(text, text), workqueue.api_key_session(text),
-                                  workqueue.api_key_end_sessions(uuid, integer),
-                                  workqueue.sweep(integer)
-            TO workqueue_runtime;
-    END IF;
-    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_admin') THEN
-        GRANT EXECUTE ON FUNCTION workqueue.api_key_create(uuid, text, text, text, text[], timestamptz, text[]),
-                                  workqueue.api_key_list()
-            TO workqueue_admin;
-    END IF;
-    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN
-        GRANT EXECUTE ON FUNCTION workqueue.retire_subscription(text), workqueue.discard_pending(text, text, integer),
-                                  workqueue.set_topic_status(text, text)
-            TO workqueue_operator;
-    END IF;
-    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_admin') THEN
-        GRANT EXECUTE ON FUNCTION workqueue.delete_subscription(text), workqueue.delete_topic(text) TO workqueue_admin;
-    END IF;
-    IF EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_operator') THEN
-        GRANT EXECUTE ON FUNCTION workqueue.discard_dead_letters(text, timestamptz, integer),
-                                  workqueue.rewrite_payload(uuid, text, text, integer),
-                                  workqueue.get_delivery(bigint), workqueue.message_deliveries(uuid),
-                                  workqueue.list_deliveries(text, text, integer, bigint),
-                                  workqueue.record_stats_history(double precision, timestamptz),
-                                  workqueue.stats_history(timestamptz, text),
-                                  workqueue.live_counts(text, integer),
-                                  workqueue.blocked_keys(text, integer, integer),
-                                  workqueue.list_processes(), workqueue.sweep(integer)
-            TO workqueue_operator;
-    END IF;
-END
-$$;
-
--- == AWS transport (0027): bindings and the transactional outbox ===================================
+-- == AWS transport: bindings and the transactional outbox ===================================
 -- aws_binding: the ARNs and queue URLs import-bindings stored. aws_outbox: publishes to aws topics
 -- made in a caller's transaction, forwarded to SNS by the relay (aws_outbox_take locks due rows with
 -- SKIP LOCKED and answers only each key's earliest ones, so one relay forwards a key at a time, in order).

@@ -1,9 +1,18 @@
--- fastapi-workqueue: SQLite schema, version 1 (the embedded default).
+-- fastapi-workqueue: the SQLite schema, as a fresh file ends with it (through migration 0001).
 --
--- The same tables, columns and indexes as PostgreSQL (sql/postgresql/0001 … 0006), with SQLite
--- types: times are REAL seconds since the epoch (UTC), UUIDs are lower-case TEXT, JSON is TEXT,
--- arrays are JSON TEXT. The operations are the named statements of queries.sql, run by the
--- transport inside one BEGIN IMMEDIATE transaction per operation.
+-- This file is for reading: `workqueue migrate` (and the queue at start-up) applies the numbered
+-- migrations (NNNN_*.sql): 0001_schema.sql is this file as release 0.1.0 ships it, and each later
+-- release adds one migration and makes the same change here, never an edit of a migration a
+-- release shipped (docs/design/migrations.md); tests/test_schema_file.py checks that the two build
+-- the same sqlite_master. The tables, columns and indexes are PostgreSQL's
+-- (sql/postgresql/schema.sql), with SQLite types: times are REAL seconds since the epoch (UTC),
+-- UUIDs lower-case TEXT, JSON and arrays TEXT. The operations are the named statements of
+-- queries.sql, run by fastapi_workqueue/database/sqlite_routines.py inside one BEGIN IMMEDIATE
+-- transaction per operation (docs/design/dialects.md).
+
+-- The migration runner's record of what it applied (fastapi_workqueue/database/sqlite.py creates
+-- it before the first migration).
+CREATE TABLE IF NOT EXISTS schema_migration (version INTEGER PRIMARY KEY, name TEXT NOT NULL, checksum TEXT NOT NULL, applied_at REAL NOT NULL);
 
 CREATE TABLE topic (
     name               TEXT PRIMARY KEY,
@@ -13,7 +22,8 @@ CREATE TABLE topic (
     status             TEXT NOT NULL DEFAULT 'Active' CHECK (status IN ('Active', 'Paused')),
     binding_config     TEXT,
     created_at         REAL NOT NULL,
-    updated_at         REAL NOT NULL
+    updated_at         REAL NOT NULL,
+    retired_at         REAL
 );
 
 CREATE TABLE subscription (
@@ -34,7 +44,8 @@ CREATE TABLE subscription (
     retention_seconds       REAL NOT NULL DEFAULT 604800 CHECK (retention_seconds >= 0),
     binding_config          TEXT,
     created_at              REAL NOT NULL,
-    updated_at              REAL NOT NULL
+    updated_at              REAL NOT NULL,
+    retired_at              REAL   -- retired: no new deliveries, what it holds drains
 );
 CREATE INDEX subscription_topic ON subscription (topic);
 
@@ -78,7 +89,8 @@ CREATE TABLE delivery (
     last_error            TEXT,
     note                  TEXT,
     created_at            REAL NOT NULL,
-    settled_at            REAL
+    settled_at            REAL,
+    held_by               TEXT
 );
 CREATE INDEX delivery_claim ON delivery (subscription_id, visible_at, id)
     WHERE status = 'Pending' AND key_mode = 0;
@@ -86,10 +98,12 @@ CREATE INDEX delivery_ordered_head ON delivery (subscription_id, partition_key, 
     WHERE key_mode = 2 AND status IN ('Pending', 'InFlight', 'DeadLettered');
 CREATE INDEX delivery_exclusive_next ON delivery (subscription_id, partition_key, visible_at, id)
     WHERE key_mode = 1 AND status = 'Pending';
-CREATE INDEX delivery_lease ON delivery (lease_expires_at) WHERE status = 'InFlight';
 CREATE INDEX delivery_dead_letters ON delivery (subscription_id, id) WHERE status = 'DeadLettered';
 CREATE INDEX delivery_settled ON delivery (settled_at) WHERE status IN ('Completed', 'Discarded');
 CREATE INDEX delivery_message ON delivery (message_id);
+-- The InFlight set (the sweeper filters it on lease_expires_at), on a column a heartbeat never
+-- changes.
+CREATE INDEX delivery_in_flight ON delivery (subscription_id) WHERE status = 'InFlight';
 
 CREATE TABLE partition (
     subscription_id   INTEGER NOT NULL,
@@ -120,6 +134,9 @@ CREATE TABLE once_marker (
 );
 CREATE INDEX once_marker_expires_at ON once_marker (expires_at);
 
+-- Two unrevoked keys never share a name. topics: a JSON array of the topics (or patterns with *)
+-- the key may publish to, NULL for every topic but the job queues'. session_generation: counted up
+-- when a person signs out of the dashboard, which ends the sessions made with the key before.
 CREATE TABLE api_key (
     id            TEXT PRIMARY KEY,
     name          TEXT NOT NULL,
@@ -129,8 +146,61 @@ CREATE TABLE api_key (
     created_at    REAL NOT NULL,
     expires_at    REAL,
     revoked_at    REAL,
-    last_used_at  REAL
+    last_used_at  REAL,
+    topics        TEXT,
+    session_generation INTEGER NOT NULL DEFAULT 0
 );
+
+CREATE UNIQUE INDEX api_key_name_live ON api_key (name) WHERE revoked_at IS NULL;
+
+-- The processes that run a host; delivery.held_by names the one that claimed it (PostgreSQL's
+-- schema.sql says more).
+CREATE TABLE process (
+    id                     TEXT PRIMARY KEY,
+    hostname               TEXT NOT NULL,
+    pid                    INTEGER NOT NULL,
+    started_at             REAL NOT NULL,
+    version                TEXT NOT NULL,
+    subscriptions          TEXT NOT NULL,
+    slots                  INTEGER NOT NULL,
+    busy                   INTEGER NOT NULL,
+    beat_interval_seconds  REAL NOT NULL,
+    last_seen_at           REAL NOT NULL,
+    stopped_at             REAL
+);
+
+-- The Completed and Discarded deliveries of each subscription, counted as they are made and
+-- deleted: stats reads them here, not from the history.
+CREATE TABLE settled_count (
+    subscription_id  INTEGER PRIMARY KEY,
+    completed        INTEGER NOT NULL,
+    discarded        INTEGER NOT NULL
+);
+
+-- The JSON result of each named step of a message's work (the jobs layer's durable steps), the
+-- first write winning; removed with the message.
+CREATE TABLE step_result (
+    message_id  TEXT NOT NULL REFERENCES message (id) ON DELETE CASCADE,
+    name        TEXT NOT NULL,
+    value       TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    PRIMARY KEY (message_id, name)
+);
+
+-- One row per subscription per minute, written by the sweeper (record_stats_history): the live
+-- counts and the deliveries Completed in the window since the previous row (window_seconds long).
+-- Kept a day; the dashboard charts the last hour.
+CREATE TABLE stats_history (
+    subscription_id  INTEGER NOT NULL,
+    recorded_at      REAL NOT NULL,
+    pending          INTEGER NOT NULL,
+    in_flight        INTEGER NOT NULL,
+    dead_lettered    INTEGER NOT NULL,
+    completed        INTEGER NOT NULL,
+    window_seconds   REAL NOT NULL,
+    PRIMARY KEY (subscription_id, recorded_at)
+);
+CREATE INDEX stats_history_recorded_at ON stats_history (recorded_at);
 
 -- The sweep lock: one pass at a time across processes (PostgreSQL: an advisory transaction lock).
 CREATE TABLE lock (
@@ -138,3 +208,33 @@ CREATE TABLE lock (
     holder      TEXT NOT NULL,
     expires_at  REAL NOT NULL
 );
+
+-- The AWS transport: the imported bindings, and the outbox of publishes to aws topics made in a
+-- caller's transaction, which the relay takes under a lease (relay_token, relay_until) and forwards to SNS.
+CREATE TABLE aws_binding (
+    kind         TEXT NOT NULL CHECK (kind IN ('topic', 'subscription')),
+    name         TEXT NOT NULL,
+    region       TEXT NOT NULL,
+    binding      TEXT NOT NULL,
+    imported_at  REAL NOT NULL,
+    PRIMARY KEY (kind, name)
+);
+
+CREATE TABLE aws_outbox (
+    id               INTEGER PRIMARY KEY AUTOINCREMENT,
+    topic            TEXT NOT NULL,
+    message_id       TEXT NOT NULL,
+    partition_key    TEXT,
+    body             TEXT NOT NULL,
+    attributes       TEXT NOT NULL,
+    created_at       REAL NOT NULL,
+    next_attempt_at  REAL NOT NULL,
+    attempts         INTEGER NOT NULL DEFAULT 0,
+    last_error       TEXT,
+    relay_token      TEXT,
+    relay_until      REAL,
+    sent_at          REAL
+);
+CREATE INDEX aws_outbox_unsent ON aws_outbox (id) WHERE sent_at IS NULL;
+CREATE INDEX aws_outbox_unsent_key ON aws_outbox (topic, partition_key, id) WHERE sent_at IS NULL;
+CREATE INDEX aws_outbox_sent ON aws_outbox (sent_at) WHERE sent_at IS NOT NULL;

@@ -271,7 +271,7 @@ DELETE FROM lock WHERE name = :name AND holder = :holder;
 
 -- name: purge_deliveries
 -- The first bound (the shortest retention of any subscription) is what the index range answers:
--- a pass reads no delivery settled within every retention (as PostgreSQL's 0013).
+-- a pass reads no delivery settled within every retention (as PostgreSQL's purge).
 DELETE FROM delivery WHERE id IN (
     SELECT d.id FROM delivery d JOIN subscription s ON s.id = d.subscription_id
     WHERE d.status IN ('Completed', 'Discarded')

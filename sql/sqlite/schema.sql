@@ -1,12 +1,14 @@
--- fastapi-workqueue: the SQLite schema, as a fresh file ends with it (migrations 0001-0013).
+-- fastapi-workqueue: the SQLite schema, as a fresh file ends with it (through migration 0001).
 --
--- This file is for reading: `workqueue migrate` (and the queue at start-up) applies the versioned
--- migrations (NNNN_*.sql), whose headers say why each change was made, and
--- tests/test_schema_file.py checks that the two build the same sqlite_master. The tables, columns
--- and indexes are PostgreSQL's (sql/postgresql/schema.sql), with SQLite types: times are REAL
--- seconds since the epoch (UTC), UUIDs lower-case TEXT, JSON and arrays TEXT. The operations are
--- the named statements of queries.sql, run by fastapi_workqueue/database/sqlite_routines.py inside
--- one BEGIN IMMEDIATE transaction per operation.
+-- This file is for reading: `workqueue migrate` (and the queue at start-up) applies the numbered
+-- migrations (NNNN_*.sql): 0001_schema.sql is this file as release 0.1.0 ships it, and each later
+-- release adds one migration and makes the same change here, never an edit of a migration a
+-- release shipped (docs/design/migrations.md); tests/test_schema_file.py checks that the two build
+-- the same sqlite_master. The tables, columns and indexes are PostgreSQL's
+-- (sql/postgresql/schema.sql), with SQLite types: times are REAL seconds since the epoch (UTC),
+-- UUIDs lower-case TEXT, JSON and arrays TEXT. The operations are the named statements of
+-- queries.sql, run by fastapi_workqueue/database/sqlite_routines.py inside one BEGIN IMMEDIATE
+-- transaction per operation (docs/design/dialects.md).
 
 -- The migration runner's record of what it applied (fastapi_workqueue/database/sqlite.py creates
 -- it before the first migration).
@@ -135,7 +137,6 @@ CREATE INDEX once_marker_expires_at ON once_marker (expires_at);
 -- Two unrevoked keys never share a name. topics: a JSON array of the topics (or patterns with *)
 -- the key may publish to, NULL for every topic but the job queues'. session_generation: counted up
 -- when a person signs out of the dashboard, which ends the sessions made with the key before.
--- (The last line is written as 0009's ALTER TABLE ... ADD COLUMN leaves the table's text.)
 CREATE TABLE api_key (
     id            TEXT PRIMARY KEY,
     name          TEXT NOT NULL,
@@ -145,8 +146,10 @@ CREATE TABLE api_key (
     created_at    REAL NOT NULL,
     expires_at    REAL,
     revoked_at    REAL,
-    last_used_at  REAL
-, topics TEXT, session_generation INTEGER NOT NULL DEFAULT 0);
+    last_used_at  REAL,
+    topics        TEXT,
+    session_generation INTEGER NOT NULL DEFAULT 0
+);
 
 CREATE UNIQUE INDEX api_key_name_live ON api_key (name) WHERE revoked_at IS NULL;
 
@@ -206,7 +209,7 @@ CREATE TABLE lock (
     expires_at  REAL NOT NULL
 );
 
--- The AWS transport (0007): the imported bindings, and the outbox of publishes to aws topics made in a
+-- The AWS transport: the imported bindings, and the outbox of publishes to aws topics made in a
 -- caller's transaction, which the relay takes under a lease (relay_token, relay_until) and forwards to SNS.
 CREATE TABLE aws_binding (
     kind         TEXT NOT NULL CHECK (kind IN ('topic', 'subscription')),

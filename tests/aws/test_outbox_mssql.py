@@ -26,7 +26,7 @@ from fastapi_workqueue.core.errors import ConfigurationError
 from ..conftest import unique
 from .world import aws_of, aws_queue
 
-MIGRATION = Path(__file__).resolve().parents[2] / "sql" / "mssql" / "0020_aws_outbox.sql"
+SCHEMA = Path(__file__).resolve().parents[2] / "sql" / "mssql" / "schema.sql"
 
 
 def as_tsql(statement: str) -> str:
@@ -45,7 +45,7 @@ def test_each_statement_parses_as_tsql(name: str) -> None:
 
 
 def outbox_columns() -> set[str]:
-    text = MIGRATION.read_text()
+    text = SCHEMA.read_text()
     table = text[text.index("CREATE TABLE workqueue.aws_outbox"):]
     table = table[: table.index("\nGO")]
     return {m.group(1) for m in re.finditer(r"^\s{4}(\w+)\s", table, re.M)} - {"CONSTRAINT"}

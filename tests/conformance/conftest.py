@@ -1,7 +1,10 @@
 """The transports the conformance suite runs on. Each case runs once per transport.
 
-Each harness moves a delivery's stored times with a direct statement on its own database
-(:meth:`Harness.advance`): PostgreSQL through asyncpg as the owner, SQLite through a connection
+Each database harness builds its transport with a clock of its own (a ManualClock) and lets time
+pass by moving it (:meth:`Harness.advance`): claims, heartbeats, settles and sweeps run at the
+clock's time, so a lease runs out or a retry comes due without a rewritten row. Publish keeps the
+database's time, so a deduplication key's expiry (:meth:`Harness.advance_deduplication`) is still
+moved with a direct statement: PostgreSQL through asyncpg as the owner, SQLite through a connection
 to the file, SQL Server through the harness's engine.
 """
 
@@ -11,8 +14,7 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiosqlite
@@ -21,6 +23,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
+from fastapi_workqueue.core.clock import ManualClock
 from fastapi_workqueue.database.mssql import MssqlTransport
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 from fastapi_workqueue.database.sqlite import SqliteTransport
@@ -37,6 +40,8 @@ class _SessionHarness:
     transport: Any
     url: str
     engine: Any
+    clock: ManualClock = field(default_factory=ManualClock)
+    moves_clock = True  # advance() ages every delivery, not only the one it names
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
@@ -44,7 +49,10 @@ class _SessionHarness:
             yield session
 
     async def advance(self, delivery_id: str, seconds: float) -> None:
-        raise NotImplementedError
+        """Moves the transport's clock ``seconds`` forward: every delivery ages with it, as in real
+        time. The named delivery must exist (a case that names a wrong one is a broken case)."""
+        assert await self.transport.get_delivery(delivery_id) is not None, f"no delivery {delivery_id}"
+        self.clock.advance(seconds)
 
     async def advance_deduplication(self, topic: str, key: str, seconds: float) -> None:
         raise NotImplementedError
@@ -52,7 +60,7 @@ class _SessionHarness:
     async def expire_lease(self, delivery_id: str) -> None:
         info = await self.transport.get_delivery(delivery_id)
         assert info is not None and info.status == "InFlight" and info.lease_expires_at is not None, info
-        remaining = (info.lease_expires_at - datetime.now(UTC)).total_seconds()
+        remaining = (info.lease_expires_at - self.clock.now()).total_seconds()
         await self.advance(delivery_id, max(remaining, 0.0) + 1.0)
 
 
@@ -69,34 +77,6 @@ class PostgresHarness(_SessionHarness):
                 yield
         finally:
             await conn.close()
-
-    async def advance(self, delivery_id: str, seconds: float) -> None:
-        conn = await asyncpg.connect(to_asyncpg_dsn(self.url))
-        try:
-            moved = await conn.fetchval(
-                """
-                WITH d AS (
-                    UPDATE workqueue.delivery
-                    SET visible_at = visible_at - make_interval(secs => $2),
-                        lease_expires_at = lease_expires_at - make_interval(secs => $2),
-                        claimed_at = claimed_at - make_interval(secs => $2),
-                        settled_at = settled_at - make_interval(secs => $2),
-                        created_at = created_at - make_interval(secs => $2)
-                    WHERE id = $1
-                    RETURNING id
-                ), p AS (
-                    UPDATE workqueue.partition
-                    SET next_visible_at = next_visible_at - make_interval(secs => $2)
-                    WHERE next_id = $1
-                    RETURNING 1
-                )
-                SELECT count(*) FROM d
-                """,
-                int(delivery_id), float(seconds),
-            )
-        finally:
-            await conn.close()
-        assert moved == 1, f"no delivery {delivery_id}"
 
     async def advance_deduplication(self, topic: str, key: str, seconds: float) -> None:
         conn = await asyncpg.connect(to_asyncpg_dsn(self.url))
@@ -130,23 +110,6 @@ class SqliteHarness(_SessionHarness):
                 await conn.execute("DELETE FROM lock WHERE holder = 'elsewhere'")
                 await conn.commit()
 
-    async def advance(self, delivery_id: str, seconds: float) -> None:
-        # Times are epoch seconds (REAL); NULL minus a number stays NULL.
-        async with aiosqlite.connect(self.transport.path, timeout=10) as conn:
-            params = {"id": int(delivery_id), "s": float(seconds)}
-            cursor = await conn.execute(
-                "UPDATE delivery SET visible_at = visible_at - :s, lease_expires_at = lease_expires_at - :s, "
-                "claimed_at = claimed_at - :s, settled_at = settled_at - :s, created_at = created_at - :s "
-                "WHERE id = :id",
-                params,
-            )
-            moved = cursor.rowcount
-            await conn.execute(
-                "UPDATE partition SET next_visible_at = next_visible_at - :s WHERE next_id = :id", params
-            )
-            await conn.commit()
-        assert moved == 1, f"no delivery {delivery_id}"
-
     async def advance_deduplication(self, topic: str, key: str, seconds: float) -> None:
         async with aiosqlite.connect(self.transport.path, timeout=10) as conn:
             cursor = await conn.execute(
@@ -179,24 +142,6 @@ class MssqlHarness(_SessionHarness):
             finally:
                 await cur.execute("IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION")
 
-    async def advance(self, delivery_id: str, seconds: float) -> None:
-        # DATEADD takes an int: milliseconds reach 24 days.
-        params = {"id": int(delivery_id), "ms": round(seconds * 1000)}
-        async with self.engine.begin() as conn:
-            moved = (await conn.execute(text(
-                "UPDATE workqueue.delivery SET visible_at = DATEADD(millisecond, -:ms, visible_at), "
-                "lease_expires_at = DATEADD(millisecond, -:ms, lease_expires_at), "
-                "claimed_at = DATEADD(millisecond, -:ms, claimed_at), "
-                "settled_at = DATEADD(millisecond, -:ms, settled_at), "
-                "created_at = DATEADD(millisecond, -:ms, created_at) "
-                "WHERE id = :id"
-            ), params)).rowcount
-            await conn.execute(text(
-                "UPDATE workqueue.partition SET next_visible_at = DATEADD(millisecond, -:ms, next_visible_at) "
-                "WHERE next_id = :id"
-            ), params)
-        assert moved == 1, f"no delivery {delivery_id}"
-
     async def advance_deduplication(self, topic: str, key: str, seconds: float) -> None:
         params = {"topic": topic, "key": key, "ms": round(seconds * 1000)}
         async with self.engine.begin() as conn:
@@ -226,30 +171,33 @@ async def harness(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) 
         mssql_url = os.environ.get("WORKQUEUE_MSSQL_URL")
         if not mssql_url:
             pytest.skip("set WORKQUEUE_MSSQL_URL to run the conformance suite on SQL Server")
-        mssql_transport = MssqlTransport(mssql_url, pool_max_size=4)
+        clock = ManualClock()
+        mssql_transport = MssqlTransport(mssql_url, pool_max_size=4, clock=clock)
         await mssql_transport.open()
         mssql_engine = create_async_engine(mssql_url)
         try:
             await mssql_transport.migrate()
-            yield MssqlHarness("mssql", mssql_transport, mssql_url, mssql_engine)
+            yield MssqlHarness("mssql", mssql_transport, mssql_url, mssql_engine, clock)
         finally:
             await mssql_engine.dispose()
             await mssql_transport.close()
     if request.param == "sqlite":
-        sqlite_transport = SqliteTransport(sqlite_url)
+        clock = ManualClock()
+        sqlite_transport = SqliteTransport(sqlite_url, clock=clock)
         await sqlite_transport.open()
         sqlite_engine = create_async_engine(sqlite_url, connect_args={"timeout": 10})
         try:
-            yield SqliteHarness("sqlite", sqlite_transport, sqlite_url, sqlite_engine)
+            yield SqliteHarness("sqlite", sqlite_transport, sqlite_url, sqlite_engine, clock)
         finally:
             await sqlite_engine.dispose()
             await sqlite_transport.close()
     if request.param == "postgresql":
-        transport = PostgresTransport(pg_url, listen=False, pool_max_size=4)
+        clock = ManualClock()
+        transport = PostgresTransport(pg_url, listen=False, pool_max_size=4, clock=clock)
         await transport.open()
         engine = create_async_engine(pg_url)
         try:
-            yield PostgresHarness("postgresql", transport, pg_url, engine)
+            yield PostgresHarness("postgresql", transport, pg_url, engine, clock)
         finally:
             await engine.dispose()
             await transport.close()

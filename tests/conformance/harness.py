@@ -1,9 +1,10 @@
 """What the conformance suite needs from a transport beyond the Transport contract.
 
 Each transport under test provides a :class:`Harness`: the transport itself, a way to open a
-caller's transaction (C08), a way to hold the sweep lock (C32) and a clock for one delivery
+caller's transaction (C08), a way to hold the sweep lock (C32) and a way to let time pass
 (:meth:`Harness.advance`, :meth:`Harness.expire_lease`), so that a case about a lease or a delay
-moves the stored deadline into the past instead of sleeping until it passes.
+does not sleep until it passes. A database harness moves the clock its transport reads (every
+delivery ages with it); a broker's moves one delivery's visibility.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import uuid
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from fastapi_workqueue import PublishRequest, PublishResult, Subscription, Topic
@@ -33,10 +35,11 @@ class Harness(Protocol):
         ...
 
     async def advance(self, delivery_id: str, seconds: float) -> None:
-        """Lets ``seconds`` pass for one delivery: a direct SQL statement on the database under test
-        moves its stored times (lease deadline, visibility, claim, settle and creation times, and
-        its key's copy of its visibility) that far into the past, so the sweeper and claims see it
-        exactly as they would after waiting. The database's clock and other rows are untouched."""
+        """Lets ``seconds`` pass, at least for this delivery: a database harness moves the clock
+        its transport reads (claims, heartbeats, settles and sweeps run at its time, and every
+        delivery ages with it, as in real time); a broker's harness moves the delivery's lease or
+        visibility. Publishes keep the store's own time: a case that publishes with ``not_before``
+        after time has passed counts from :func:`harness_now`."""
         ...
 
     async def expire_lease(self, delivery_id: str) -> None:
@@ -47,6 +50,19 @@ class Harness(Protocol):
         """Lets ``seconds`` pass for one deduplication key of a topic: its stored expiry moves that
         far into the past, as waiting out its TTL would."""
         ...
+
+
+def harness_now(harness: Harness) -> datetime:
+    """The time the transport's rules run at: its clock's where it reads one, the real time else."""
+    clock = getattr(harness.transport, "clock", None)
+    return clock.now() if clock is not None else datetime.now(UTC)
+
+
+async def age(harness: Harness, delivery_ids: Sequence[str], seconds: float) -> None:
+    """Lets ``seconds`` pass for each of these deliveries: once where the harness moves a clock
+    (``moves_clock``: every delivery ages with it), delivery by delivery otherwise."""
+    for delivery_id in delivery_ids[:1] if getattr(harness, "moves_clock", False) else delivery_ids:
+        await harness.advance(delivery_id, seconds)
 
 
 def unique(prefix: str) -> str:

@@ -22,14 +22,13 @@ async def two_queues(harness: Harness) -> tuple[World, World]:
 
 async def test_the_oldest_due_delivery_comes_first_across_subscriptions(harness: Harness) -> None:
     mail, reports = await two_queues(harness)
-    m = await mail.publish(*[PublishRequest(payload=f"m{i}") for i in range(2)])
-    r = await reports.publish(*[PublishRequest(payload=f"r{i}") for i in range(2)])
-    pending = {d.message_id: d.delivery_id
-               for world in (mail, reports) for d in await harness.transport.list_deliveries(world["q"], "Pending")}
-    # Due 40, 30, 20 and 10 s ago: r0, m0, r1, m1.
-    for result, age in ((r[0], 40), (m[0], 30), (r[1], 20), (m[1], 10)):
-        await harness.advance(pending[result.message_id], age)
+    # Due in 10, 20, 30 and 40 s: r0, m0, r1, m1, whatever the order they were published in.
+    m = await mail.publish(*[PublishRequest(payload=f"m{i}", delay_seconds=20 * i + 20) for i in range(2)])
+    r = await reports.publish(*[PublishRequest(payload=f"r{i}", delay_seconds=20 * i + 10) for i in range(2)])
     names = [mail["q"], reports["q"]]
+    assert await harness.transport.claim_many(names, 3) == []
+    [waiting, *_] = await harness.transport.list_deliveries(mail["q"], "Pending")
+    await harness.advance(waiting.delivery_id, 41)
 
     first = await harness.transport.claim_many(names, 3)
     assert [(name, d.message_id) for name, d in first] == [

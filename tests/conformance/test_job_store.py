@@ -12,7 +12,7 @@ import pytest
 from fastapi_workqueue import PublishRequest, TransportError
 from fastapi_workqueue.core.envelope import prepare
 
-from .harness import Harness, make_world
+from .harness import Harness, age, harness_now, make_world
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -129,17 +129,18 @@ async def test_discard_dead_letters_prunes_those_settled_before_the_time(harness
     world = await make_world(harness.transport, [{"role": "a", "max_attempts": 1}, {"role": "b", "max_attempts": 1}])
     await world.publish(*[PublishRequest(payload=i) for i in range(4)])
     dead = []
-    for _ in range(4):
+    for _ in range(3):
         delivery = await world.claim_one("a")
         assert await world.settle(delivery, "DeadLetter", reason="poison") == "DeadLettered"
         dead.append(delivery)
     other = await world.claim_one("b")
     await world.settle(other, "DeadLetter", reason="poison")
-    for old in dead[:3]:
-        await harness.advance(old.delivery_id, 7200)
-    await harness.advance(other.delivery_id, 7200)
+    await age(harness, [*(old.delivery_id for old in dead), other.delivery_id], 7200)  # settled two hours ago
+    delivery = await world.claim_one("a")
+    assert await world.settle(delivery, "DeadLetter", reason="poison") == "DeadLettered"
+    dead.append(delivery)
 
-    cutoff = datetime.now(UTC) - timedelta(hours=1)
+    cutoff = harness_now(harness) - timedelta(hours=1)
     # Batches of one: three transactions, then one that finds nothing.
     assert await harness.transport.discard_dead_letters(world["a"], cutoff, limit=1) == 3
     for old in dead[:3]:

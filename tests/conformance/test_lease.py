@@ -1,9 +1,10 @@
 """Conformance C09–C13: claim, lease, heartbeat and fencing.
 
 Leases are long (30 s) and run out through the harness's clock (``harness.advance``,
-``harness.expire_lease``), which moves the stored deadline into the past: no case sleeps for a
-lease, and none races one on a loaded machine. One case per transport still lets a short lease
-run out in real time (``test_c12_a_short_lease_runs_out_in_real_time``).
+``harness.expire_lease``): a database harness moves the clock its transport reads, a broker's the
+delivery's visibility. No case sleeps for a lease, and none races one on a loaded machine. One
+case per transport still lets a short lease run out in real time
+(``test_c12_a_short_lease_runs_out_in_real_time``).
 """
 
 from __future__ import annotations

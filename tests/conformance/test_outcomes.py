@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -13,7 +12,7 @@ import pytest
 from fastapi_workqueue import PublishRequest
 from fastapi_workqueue.core.transport import Settlement
 
-from .harness import Harness, make_world
+from .harness import Harness, eventually, harness_now, make_world
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,7 +60,8 @@ class KnownDraws:
 @contextlib.asynccontextmanager
 async def transport_with_rng(harness: Harness, rng: KnownDraws) -> AsyncIterator[Any]:
     """Another transport on the harness's database, built with the ``rng`` keyword."""
-    transport = type(harness.transport)(harness.transport.url, rng=rng)  # type: ignore[attr-defined]
+    clock = getattr(harness.transport, "clock", None)  # the harness's clock, where it moves one
+    transport = type(harness.transport)(harness.transport.url, rng=rng, clock=clock)  # type: ignore[attr-defined]
     await transport.open()
     try:
         yield transport
@@ -127,19 +127,13 @@ async def test_c16_backoff_grows_and_is_capped(harness: Harness) -> None:
     )
     await world.publish_one(payload=1)
     for _ in range(6):
-        delivery = None
-        for _ in range(50):
-            got = await world.claim("a", 1)
-            if got:
-                delivery = got[0]
-                break
-            await asyncio.sleep(0.01)
-        assert delivery is not None
-        before = datetime.now(UTC)
+        [delivery] = await eventually(lambda: world.claim("a", 1))
+        before = harness_now(harness)
         await world.settle(delivery, "Fail", error="boom")
         info = await harness.transport.get_delivery(delivery.delivery_id)
         assert info is not None and info.visible_at is not None
         assert (info.visible_at - before).total_seconds() <= 0.02 + 0.5
+        await harness.advance(delivery.delivery_id, 0.05)  # past the capped backoff
 
 
 async def test_c17_failure_on_last_attempt_dead_letters_with_reason_and_error(harness: Harness) -> None:
@@ -199,9 +193,10 @@ async def test_publish_delay_and_not_before_hold_the_message_back(harness: Harne
     from datetime import timedelta
 
     world = await make_world(harness.transport, [{"role": "a"}])
-    for request in (PublishRequest(payload="later", delay_seconds=30),
-                    PublishRequest(payload="at", not_before=datetime.now(UTC) + timedelta(seconds=30))):
-        await world.publish(request)
+    # not_before: 30 s after the time the transport's rules run at (the first message moved it on).
+    for request in (lambda: PublishRequest(payload="later", delay_seconds=30),
+                    lambda: PublishRequest(payload="at", not_before=harness_now(harness) + timedelta(seconds=30))):
+        await world.publish(request())
         assert await world.claim("a") == []
         [held] = await harness.transport.list_deliveries(world["a"], "Pending")
         await harness.advance(held.delivery_id, 25)

@@ -1,7 +1,7 @@
 -- fastapi-workqueue: the PostgreSQL role of the AWS layer's tables.
 --
 -- The AWS layer (fastapi_workqueue.aws) is a package of its own: it writes the transactional outbox
--- (workqueue.aws_outbox, migration 0027) and reads the imported bindings (workqueue.aws_binding)
+-- (workqueue.aws_outbox) and reads the imported bindings (workqueue.aws_binding)
 -- with plain statements, not through the core's SECURITY DEFINER functions. workqueue_runtime holds
 -- no table privilege (runtime_role.sql), so an app whose topics are on AWS also needs this role:
 --

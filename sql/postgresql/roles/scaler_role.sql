@@ -2,8 +2,8 @@
 --
 -- workqueue_scaler (NOLOGIN) may run the scaler query (roles/scaler_query.sql) and nothing else:
 -- USAGE on schema workqueue and SELECT on the columns that query reads. It cannot read payloads,
--- errors, reasons or API keys, cannot write anything and cannot call the queue's functions (0003
--- keeps them from PUBLIC).
+-- errors, reasons or API keys, cannot write anything and cannot call the queue's functions (the
+-- schema keeps them from PUBLIC).
 --
 -- How to use it:
 --   1. Apply the migrations (as the owner of schema workqueue).
