@@ -1,4 +1,6 @@
-"""Applies the versioned SQL migrations and records what it applied."""
+"""PostgreSQL's migration runner: applies ``sql/postgresql/``'s versioned migrations and records
+what it applied in ``workqueue.schema_migration``. SQLite's runner is ``SqliteTransport.migrate``
+(``sqlite.py``), SQL Server's ``apply_mssql_migrations`` (``mssql.py``)."""
 
 from __future__ import annotations
 
