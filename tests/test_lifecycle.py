@@ -64,7 +64,12 @@ async def test_retire_stops_the_fan_out_and_what_is_held_drains(database_url: st
         await queue.publish(topic, [PublishRequest(payload={"n": n}) for n in range(3, 5)])
         release.set()
         await wait_for(lambda: sorted(handled) == [("kept", n) for n in range(5)] + [("old", n) for n in range(3)])
-        old_stats = await stats_of(queue, subs["old"])
+
+        async def settled() -> Any:  # a handler returns before its delivery's settle commits
+            stats = await stats_of(queue, subs["old"])
+            return stats if stats.pending == 0 and stats.in_flight == 0 else None
+
+        old_stats = await wait_for(settled)
         # The retired subscription got none of the later messages; its counts stay readable.
         assert (old_stats.status, old_stats.pending, old_stats.completed) == ("Retired", 0, 3)
         [health] = [s for s in queue.health().subscriptions if s.subscription == subs["old"]]
