@@ -13,10 +13,10 @@ from .tiers import KINDS, TIERS
 def test_every_collected_test_carries_exactly_one_kind(request: pytest.FixtureRequest) -> None:
     record = request.config.stash[TIERS]
     assert record[request.node.nodeid] == (("unit",), False)
-    wrong = {nodeid: kinds for nodeid, (kinds, _) in record.items() if len(kinds) != 1}
-    assert not wrong, (
-        f"each test needs exactly one of {', '.join(KINDS)} (tests/tiers.py gives it from what the test "
-        f"uses; an explicit marker must agree with it): {wrong}"
+    assert all(len(kinds) == 1 for kinds, _ in record.values())
+    assert all(
+        tuple(k for k in KINDS if item.get_closest_marker(k)) == record[item.nodeid][0]
+        for item in request.session.items
     )
 
 
@@ -26,7 +26,8 @@ def test_the_tier_markers_are_registered_and_unknown_markers_refused(pytestconfi
     assert pytestconfig.option.strict_markers
 
 
-def test_the_kind_and_slow_follow_what_a_test_uses(pytester: pytest.Pytester) -> None:
+def make_tiered(pytester: pytest.Pytester) -> None:
+    """A project whose conftest applies tests/tiers.py, with a ``pg_url`` and a fixture that connects."""
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
     pytester.makeconftest("""
         import pytest
@@ -53,6 +54,10 @@ def test_the_kind_and_slow_follow_what_a_test_uses(pytester: pytest.Pytester) ->
         def own_connection():
             return asyncpg.connect("postgresql://postgres@127.0.0.1:5432/postgres")
     """)
+
+
+def test_the_kind_and_slow_follow_what_a_test_uses(pytester: pytest.Pytester) -> None:
+    make_tiered(pytester)
     pytester.makepyfile(test_sample=textwrap.dedent("""
         import subprocess
         import sys
@@ -93,10 +98,6 @@ def test_the_kind_and_slow_follow_what_a_test_uses(pytester: pytest.Pytester) ->
         def test_said_slow():
             pass
 
-
-        @pytest.mark.unit
-        def test_said_unit_but_on_a_database(pg_url):
-            pass
     """))
     items, _ = pytester.inline_genitems()
     got = {
@@ -111,5 +112,26 @@ def test_the_kind_and_slow_follow_what_a_test_uses(pytester: pytest.Pytester) ->
         "test_with_a_worker": (("unit",), True),
         "test_said_integration": (("integration",), False),
         "test_said_slow": (("unit",), True),
-        "test_said_unit_but_on_a_database": (("unit", "integration"), False),
     }
+
+
+def test_a_kind_marker_that_contradicts_what_the_test_uses_stops_the_collection(pytester: pytest.Pytester) -> None:
+    make_tiered(pytester)
+    pytester.makepyfile(test_sample="""
+        import pytest
+
+
+        def test_fine():
+            pass
+
+
+        @pytest.mark.unit
+        def test_said_unit_but_on_a_database(pg_url):
+            pass
+    """)
+    result = pytester.runpytest("--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*each test needs exactly one of unit, integration, aws, browser*"
+         "test_sample.py::test_said_unit_but_on_a_database has unit and integration"]
+    )

@@ -7,8 +7,9 @@ them at collection, so no test file needs to name them:
   harness: a moto server), ``browser`` (``tests/dashboard/test_browser.py``: headless Chromium),
   ``integration`` (a real database: one of :data:`DATABASE_FIXTURES`, or a database named in the
   code the test runs, :data:`USES_DATABASE`), ``unit`` (the rest). An explicit kind marker on a test
-  replaces ``unit``; one that contradicts a database the test uses leaves two kinds, which
-  ``tests/test_tiers.py`` refuses.
+  replaces ``unit``; one that contradicts a database the test uses leaves two kinds, and the
+  collection stops with a usage error that names the test (as ``--strict-markers`` does for an
+  unknown marker), in every run, whatever part of the suite it collects.
 - ``slow``: the code the test runs starts processes (:data:`STARTS_PROCESSES`), it drives a
   browser, carries ``@pytest.mark.slow``, is in one of :data:`SLOW_MODULES`, or reaches one of
   :data:`SLOW_DEFINITIONS` (a test or a helper that starts processes out of sight, or costs more
@@ -214,3 +215,10 @@ def apply(config: pytest.Config, items: list[pytest.Item]) -> None:
             item.add_marker("slow")
         record[item.nodeid] = (tuple(k for k in KINDS if item.get_closest_marker(k) is not None), slow)
     config.stash[TIERS] = record
+    wrong = {nodeid: kinds for nodeid, (kinds, _) in record.items() if len(kinds) != 1}
+    if wrong:
+        raise pytest.UsageError(
+            f"each test needs exactly one of {', '.join(KINDS)}; tests/tiers.py gives it from what the test "
+            "uses, and an explicit marker must agree with it: "
+            + "; ".join(f"{nodeid} has {' and '.join(kinds) or 'none'}" for nodeid, kinds in wrong.items())
+        )
