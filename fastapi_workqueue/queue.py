@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
@@ -675,13 +674,14 @@ class WorkQueue:
     def _host_off_reason(self) -> str | None:
         """Why the lifespan starts no host in this process, or None when it starts one.
 
-        ``WORKQUEUE_ENABLED=0`` and ``WORKQUEUE_DISABLE_HOST=1`` are two switches for one thing:
-        either one turns the host off, whatever the other says."""
+        The settings' ``enabled`` and ``disable_host`` (``WORKQUEUE_ENABLED=0``,
+        ``WORKQUEUE_DISABLE_HOST=1``, read when the settings were made) are two switches for one
+        thing: either one turns the host off, whatever the other says."""
         if _worker_runs_host.get():
             return "workqueue work runs its own host here"
         if not self.settings.enabled:
             return "WORKQUEUE_ENABLED is off (enabled=False)"
-        if self.settings.disable_host or os.environ.get("WORKQUEUE_DISABLE_HOST", "").lower() in ("1", "true"):
+        if self.settings.disable_host:
             return "WORKQUEUE_DISABLE_HOST is on (disable_host=True)"
         return None
 

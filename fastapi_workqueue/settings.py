@@ -15,7 +15,7 @@ from .core.envelope import DEFAULT_MAX_MESSAGE_ATTEMPTS, MAX_ATTEMPTS_LIMIT
 from .core.errors import ConfigurationError
 from .core.host import HostOptions, SubscriptionPlan
 from .core.redaction import redact
-from .web.session import SessionPool
+from .core.session_pool import SessionPool
 
 ENV_PREFIX = "WORKQUEUE_"
 SUBSCRIPTIONS_EXAMPLE = """WORKQUEUE_SUBSCRIPTIONS='[{"name": "*", "concurrency": 4}]'"""

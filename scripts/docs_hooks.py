@@ -1,7 +1,7 @@
 """MkDocs hooks of the docs site (mkdocs.yml): links from docs/ to files of the repository.
 
 The pages link to files outside docs/ (``../sql/postgresql/roles/scaler_query.sql``,
-``../bench/load.png``) so that they work where the repository is read. In the site such a link
+``../bench/load/last-run.png``) so that they work where the repository is read. In the site such a link
 would point nowhere: the file is published with the site under its repository path and the link
 is pointed at it. A link to the README points at the site's home page; one to another Markdown file
 outside docs/ becomes the file's name in code (it is not a page of the site).

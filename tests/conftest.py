@@ -12,12 +12,20 @@ import pytest
 
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
+from . import tiers
+
 pytest_plugins = ("pytester",)
 
 # Each test session gets a database of its own (several sessions may run at once on one server).
 PG_URL = os.environ.get(
     "WORKQUEUE_TEST_DATABASE_URL", f"postgresql+asyncpg://postgres@127.0.0.1:5432/workqueue_test_{os.getpid()}"
 )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks each test with its tier (tests/tiers.py) before ``-m`` selects."""
+    tiers.apply(config, items)
 
 
 def unique(prefix: str) -> str:

@@ -200,6 +200,29 @@ async def test_either_switch_turns_the_host_off_and_the_log_says_which(
     assert named in line, line
 
 
+async def test_disable_host_is_read_with_the_settings_not_at_start_up(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The switch is a setting: a variable set after the settings were made changes nothing, and
+    ``disable_host=True`` in code turns the host off whatever the environment says."""
+    monkeypatch.delenv("WORKQUEUE_DISABLE_HOST", raising=False)
+    running, _, _ = make_queue(pg_url, [{"role": "a"}])
+    off, _, _ = make_queue(pg_url, [{"role": "a"}], disable_host=True)
+    monkeypatch.setenv("WORKQUEUE_DISABLE_HOST", "1")
+    for queue in (running, off):
+
+        @queue.handler("a")
+        async def handle(message: WorkMessage[Any]) -> WorkOutcome:
+            return Outcome.complete()
+
+    async with running.lifespan(None):
+        assert running.host is not None
+    async with off.lifespan(None):
+        assert off.host is None
+        reason = off.health().reason
+        assert reason == "the host is off in this process: WORKQUEUE_DISABLE_HOST is on (disable_host=True)"
+
+
 async def test_the_default_sqlite_file_is_announced_with_its_path(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1,4 +1,4 @@
-"""The jobs benchmark's smoke mode runs end to end, so bench/jobs_bench.py cannot rot."""
+"""The jobs benchmark's smoke mode runs end to end, so bench/jobs/jobs_bench.py cannot rot."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ async def test_jobs_bench_smoke_mode_measures_every_case(tmp_path: Path) -> None
         await drop_database(url)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(ROOT / "bench" / "jobs_bench.py"), "--smoke", "--no-chart",
+        sys.executable, str(ROOT / "bench" / "jobs" / "jobs_bench.py"), "--smoke", "--no-chart",
         "--dsn", dsn, "--core-dsn", core_dsn, "--out", str(tmp_path),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env, cwd=ROOT,
     )

@@ -1,4 +1,4 @@
-"""The load benchmark's smoke mode runs end to end, so bench/load.py cannot rot (the full run is not CI's).
+"""The load benchmark's smoke mode runs end to end, so bench/load/load.py cannot rot (the full run is not CI's).
 
 It runs every set-up (the example app under uvicorn with 2 workers, its host or its workers
 consuming, and the baseline route) at 1 and 8 clients for 2 s against the test server, in a
@@ -69,7 +69,7 @@ async def test_bench_load_smoke_mode_drives_every_setup(tmp_path: Path) -> None:
     output = tmp_path / "load.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(ROOT / "bench" / "load.py"), "--smoke", "--pg-url", base, "--database", name,
+        sys.executable, str(ROOT / "bench" / "load" / "load.py"), "--smoke", "--pg-url", base, "--database", name,
         "--output", str(output),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env, cwd=ROOT,
     )

@@ -1,4 +1,4 @@
-"""The benchmark's smoke mode runs end to end, so bench/ cannot rot (the full run is not part of CI)."""
+"""The benchmark's smoke mode runs end to end, so bench/compare/ cannot rot (the full run is not part of CI)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ async def test_bench_smoke_mode_measures_every_case(tmp_path: Path) -> None:
     await drop_database(dsn)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--skip-peers", "--no-chart",
+        sys.executable, str(ROOT / "bench" / "compare" / "run.py"), "--smoke", "--skip-peers", "--no-chart",
         "--workqueue-dsn", dsn, "--out", str(tmp_path),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env, cwd=ROOT,
     )

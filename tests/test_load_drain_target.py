@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "load"))
 
 from load_report import DRAIN_TOLERANCE, summarize_level, targets
 

@@ -1,4 +1,4 @@
-"""The database transport: PostgreSQL (asyncpg), with SQLite and SQL Server to follow.
+"""The database transports: PostgreSQL (asyncpg), SQLite (aiosqlite) and SQL Server (aioodbc).
 
 Nothing here knows FastAPI. A caller's SQLAlchemy session is accepted for publishing inside the
 caller's transaction.

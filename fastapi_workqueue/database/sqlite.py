@@ -193,8 +193,11 @@ class SqliteTransport(RoutineTransport):
             return
         try:
             import aiosqlite
-        except ImportError as exc:  # pragma: no cover - depends on the installed extras
-            raise ConfigurationError("SQLite needs aiosqlite: pip install 'fastapi-workqueue[sqlite]'") from exc
+        except ImportError as exc:  # pragma: no cover - only a broken install lacks a dependency
+            raise ConfigurationError(
+                "SQLite needs aiosqlite, a dependency of fastapi-workqueue: reinstall the package, "
+                "or pip install 'aiosqlite>=0.20'"
+            ) from exc
         if not _directory_exists(self.path):
             raise ConfigurationError(
                 f"the directory {_directory(self.path)!r} of the SQLite file {self.path!r} does not exist; "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core.request_load import RequestLoad
+from ..core.session_pool import SessionPool
 from .admission import FairGate
 
 if TYPE_CHECKING:
@@ -81,16 +82,6 @@ def to_sqlalchemy_url(url: str) -> str:
     if scheme == "sqlite":
         return f"sqlite+aiosqlite://{rest}"
     return url
-
-
-@dataclass(frozen=True, slots=True)
-class SessionPool:
-    """The request sessions' connection pool (``WORKQUEUE_SESSION_POOL_*``)."""
-
-    size: int = 10
-    overflow: int = 0
-    timeout_seconds: float = 5.0
-    pre_ping: bool = False
 
 
 RETRY_AFTER_SECONDS = 1

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Renders bench/run.py's results.json as a PNG: headline figures vs the peers, and our extra cases.
+"""Renders bench/compare/run.py's results.json as a PNG: headline figures vs the peers, and our extra cases.
 
-    python bench/chart.py results.json results.png     # any interpreter with matplotlib
+    python bench/compare/chart.py results.json results.png     # any interpreter with matplotlib
 
 Bars are medians, whiskers min–max over the repeats.
 """

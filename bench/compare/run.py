@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """The benchmark's one command: fastapi-workqueue against pgqueuer and procrastinate.
 
-    .venv/bin/python bench/run.py                      # full run, 3 repeats, ~15-25 min
-    .venv/bin/python bench/run.py --smoke              # tiny counts, no peers, well under a minute
+    .venv/bin/python bench/compare/run.py                      # full run, 3 repeats, ~15-25 min
+    .venv/bin/python bench/compare/run.py --smoke              # tiny counts, no peers, well under a minute
 
 It creates the databases it needs on one PostgreSQL server, installs each peer from PyPI into a
 virtual environment of its own (cached in --peers-dir, reused when present), then runs, round by
-round, our cases (bench/workqueue_bench.py, project interpreter) and the peers' scripts
-(bench/peers/bench_pgqueuer.py, bench/peers/bench_procrastinate.py, each with its own
+round, our cases (bench/compare/workqueue_bench.py, project interpreter) and the peers' scripts
+(bench/compare/peers/bench_pgqueuer.py, bench/compare/peers/bench_procrastinate.py, each with its own
 interpreter), never two at once, rotating their order each round. Our backlog and memory cases
 (no peer) follow. One JSON with every run plus median/min/max, a Markdown table with the ratios
 ours/peer and the targets, and a PNG chart are written to --out. See bench/README.md.
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]  # the repository
 sys.path.insert(0, str(HERE))
 
 from workqueue_bench import summarize, summarize_raw  # noqa: E402
@@ -316,7 +316,7 @@ def merge_raw(files: list[Path]) -> tuple[dict[str, list[Any]], list[dict[str, A
 
 
 def summarize_peer(raw: dict[str, list[Any]]) -> dict[str, Any]:
-    """The peers' own summary (bench/peers/*.py), over the runs of every round."""
+    """The peers' own summary (bench/compare/peers/*.py), over the runs of every round."""
     s: dict[str, Any] = {}
     for key, runs in raw.items():
         if key.startswith("enqueue"):

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What a NOTIFY inside the publishing transaction costs concurrent publishers (PostgreSQL 0030).
 
-    .venv/bin/python bench/notify_commit.py                 # 8 connections, 8 s per round, 3 rounds
-    .venv/bin/python bench/notify_commit.py --clients 16 --seconds 5
+    .venv/bin/python bench/experiments/notify_commit.py                 # 8 connections, 8 s per round, 3 rounds
+    .venv/bin/python bench/experiments/notify_commit.py --clients 16 --seconds 5
 
 No HTTP and no queue runtime: ``--clients`` asyncpg connections each commit, as fast as they can,
 what ``POST /orders`` commits (an order row, then one message to ``orders.created`` with an
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import asyncpg
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fastapi_workqueue import Subscription, Topic
 from fastapi_workqueue.database.listener import NotificationSender

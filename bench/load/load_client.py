@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """The load benchmark's HTTP client: N concurrent clients posting orders for a fixed time.
 
-    python bench/load_client.py --url http://127.0.0.1:8000 --path /orders --clients 8 \\
+    python bench/load/load_client.py --url http://127.0.0.1:8000 --path /orders --clients 8 \\
         --duration 10 --output client.json
 
 It runs in a process of its own so that its CPU is not the app's. With ``--handshake`` it prints
-``READY`` and waits for a line on stdin before it starts (bench/load.py takes its "before" readings
+``READY`` and waits for a line on stdin before it starts (bench/load/load.py takes its "before" readings
 then), prints ``END`` when the time is up (no new request starts after it) and ``DONE`` when every
 request has been answered or has timed out. Each client has an HTTP client and a connection of its
 own (aiohttp by default: it costs the client about a sixth of httpx's CPU per request, CPU the app
@@ -17,7 +17,7 @@ connection without an answer) and ``error:<type>``. After a connection error a c
 so a server that refuses connections is not hammered in a loop.
 
 The output JSON holds one record per request: ``[start (epoch s), latency (s), kind, order_id,
-message_id, client index]``, the start being ``time.time()`` just before the request was sent (bench/load.py
+message_id, client index]``, the start being ``time.time()`` just before the request was sent (bench/load/load.py
 compares it with the deliveries' ``settled_at``: same machine, same clock), and the client's own
 CPU seconds while it ran.
 """

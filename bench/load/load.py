@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """The load benchmark of the app's own path: HTTP request → publish in the request → handlers.
 
-    .venv/bin/python bench/load.py             # full run: 4 set-ups × 1, 8, 50, 200 clients × 10 s × 3
-    .venv/bin/python bench/load.py --smoke     # clients 1 and 8 for 2 s, once: well under a minute
+    .venv/bin/python bench/load/load.py             # full run: 4 set-ups × 1, 8, 50, 200 clients × 10 s × 3
+    .venv/bin/python bench/load/load.py --smoke     # clients 1 and 8 for 2 s, once: well under a minute
 
 Per set-up (``--setups host,worker,baseline,publish``) and round (``--repeats``), it drops and recreates
-a database of its own (``--database``, on ``--pg-url``), starts bench/load_app.py (the example
+a database of its own (``--database``, on ``--pg-url``), starts bench/load/load_app.py (the example
 app plus ``POST /orders-without-queue``) under uvicorn with 2 workers on a free port (the app
 migrates at start), waits for ``/health/extensions``, then drives ``POST /orders`` with
-bench/load_client.py (a process of its own) at each ``--clients`` level for ``--duration``
+bench/load/load_client.py (a process of its own) at each ``--clients`` level for ``--duration``
 seconds, waits for the backlog to drain, reads what PostgreSQL counted, and checks every
 accepted order against the database. Set-ups:
 
@@ -23,7 +23,7 @@ accepted order against the database. Set-ups:
   against ``baseline``), and the workers drain the backlog afterwards.
 
 It writes every figure to ``--output`` (JSON), renders ``--chart`` (PNG, through the chart venv
-that bench/run.py uses) and prints Markdown tables with the targets, met or not. See the "Load:
+that bench/compare/run.py uses) and prints Markdown tables with the targets, met or not. See the "Load:
 the app's own path" section of bench/README.md.
 """
 
@@ -71,10 +71,10 @@ from load_report import (
 )
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]  # the repository
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432"
 APP_WORKERS = 2
-APP_MODULE = "load_app:app"  # bench/load_app.py, with --app-dir bench
+APP_MODULE = "load_app:app"  # bench/load/load_app.py, with --app-dir bench/load
 WORKER_APP = "example_app.main:queue"
 VERSIONS = ("fastapi-workqueue", "fastapi", "starlette", "uvicorn", "h11", "httptools", "uvloop", "aiohttp", "httpx",
             "sqlalchemy", "asyncpg", "pydantic")
@@ -360,7 +360,7 @@ class Deployment:
 
 async def run_client(dep: Deployment, clients: int, duration: float, seed: int, out: Path,
                      on_go: Any = None, on_end: Any = None, on_done: Any = None) -> dict[str, Any]:
-    """Runs bench/load_client.py with the handshake; calls the hooks at GO, END and DONE."""
+    """Runs bench/load/load_client.py with the handshake; calls the hooks at GO, END and DONE."""
     args = dep.ctx.args
     cmd = [sys.executable, str(HERE / "load_client.py"), "--url", dep.url, "--path", dep.setup.path,
            "--clients", str(clients), "--duration", str(duration), "--request-timeout", str(args.request_timeout),
@@ -620,7 +620,8 @@ def parse_activity(text: str) -> set[tuple[str, int]]:
 
 
 def render_chart(result_path: Path, chart: Path, log: Log) -> None:
-    """Renders bench/load_chart.py in the chart venv bench/run.py keeps (created when missing)."""
+    """Renders bench/load/load_chart.py in the chart venv bench/compare/run.py keeps (created when missing)."""
+    sys.path.insert(0, str(HERE.parent / "compare"))
     from run import CHART_PIP, DEFAULT_PEERS_DIR, ensure_venv
 
     python = shutil.which("python3.11") or sys.executable
@@ -690,7 +691,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1, help="seed of the clients' random bodies")
     ap.add_argument("--output", default=str(HERE / "results" / "load.json"), help="the JSON with every figure")
     ap.add_argument("--chart", default=None,
-                    help="the PNG chart (default bench/load.png; none with --smoke unless given)")
+                    help="the PNG chart (default bench/load/last-run.png; none with --smoke unless given)")
     ap.add_argument("--no-chart", action="store_true", help="do not render the chart")
     ap.add_argument("--from-json", default=None, metavar="JSON",
                     help="measure nothing: summarize the runs of an earlier JSON again, print, chart, write --output")
@@ -718,7 +719,7 @@ def main() -> None:
         ap.error("--duration and --request-timeout must be above 0, --repeats and --customers at least 1")
     if not args.database.replace("_", "").isalnum():
         ap.error(f"--database {args.database!r}: use letters, digits and underscores")
-    chart = None if args.no_chart else Path(args.chart) if args.chart else None if args.smoke else HERE / "load.png"
+    chart = None if args.no_chart else Path(args.chart) if args.chart else None if args.smoke else HERE / "last-run.png"
 
     output = Path(args.output).resolve()
     if args.from_json:
@@ -767,7 +768,7 @@ def main() -> None:
             "request_timeout_s": args.request_timeout, "customers": args.customers, "warmup_s": args.warmup,
             "settle_s": args.settle, "drain_timeout_s": args.drain_timeout, "activity_levels": args.activity,
             "database": args.database, "pg_url": args.pg_url.rsplit("@", 1)[-1], "seed": args.seed,
-            "app": f"uvicorn {APP_MODULE} --app-dir bench --workers {APP_WORKERS}", "worker_app": WORKER_APP,
+            "app": f"uvicorn {APP_MODULE} --app-dir bench/load --workers {APP_WORKERS}", "worker_app": WORKER_APP,
             "subscriptions_per_message": SUBSCRIPTIONS, "core_processing_rate": args.core_rate,
             "processing_orders": args.processing_orders, "client_library": args.client_library,
         },

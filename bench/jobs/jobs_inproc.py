@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Python CPU per attempt of the library's in-process path alone: jobs against core deliveries.
 
-    .venv/bin/python bench/jobs_inproc.py                  # 20,000 attempts per case, 3 rounds
-    .venv/bin/python bench/jobs_inproc.py -n 5000 --rounds 5
+    .venv/bin/python bench/jobs/jobs_inproc.py                  # 20,000 attempts per case, 3 rounds
+    .venv/bin/python bench/jobs/jobs_inproc.py -n 5000 --rounds 5
 
-``bench/jobs_attempt.py`` measures an attempt with PostgreSQL answering; there the store's share
+``bench/jobs/jobs_attempt.py`` measures an attempt with PostgreSQL answering; there the store's share
 (decoding claims, encoding settles, how settles batch) moves with the machine's load. Here the
 same host, runtime, handler, observers and settler run in this process on the queues of
-``bench/jobs_bench.py`` (the no-op job) and ``bench/workqueue_bench.py`` (the no-op subscription),
+``bench/jobs/jobs_bench.py`` (the no-op job) and ``bench/compare/workqueue_bench.py`` (the no-op subscription),
 and the transport's ``claim``, ``claim_many`` and ``settle`` answer from memory after a fixed pause
 (2 ms a claim, 1 ms a settle), from rows shaped as the database returns them. The database
 (``--dsn``) is used only to migrate and sync the topology. It prints µs of
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent / "compare")]  # jobs_bench, then the core benchmark
 
 import jobs_bench  # noqa: E402
 import workqueue_bench as core  # noqa: E402  (strips WORKQUEUE_* from the environment)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The jobs benchmark: the jobs layer against the core it is built on, and against pgqueuer.
 
-    .venv/bin/python bench/jobs_bench.py            # full run: 5 rounds, about 15 min
-    .venv/bin/python bench/jobs_bench.py --smoke    # tiny counts, 1 round, no peer, under a minute
+    .venv/bin/python bench/jobs/jobs_bench.py            # full run: 5 rounds, about 15 min
+    .venv/bin/python bench/jobs/jobs_bench.py --smoke    # tiny counts, 1 round, no peer, under a minute
 
 Every round measures, in one process (``_round``), each pair of cases one after the other
 (which goes first alternates by round):
@@ -18,14 +18,14 @@ Every round measures, in one process (``_round``), each pair of cases one after 
   jobs_process / process_default  N no-op jobs (resp. deliveries) pre-filled, then ONE worker
     / pgqueuer                    process at the library's defaults; N / (done - READY); and
                                   pgqueuer's processing case at its defaults
-                                  (``bench/peers/bench_pgqueuer.py --only process``, its own venv,
-                                  as ``bench/run.py`` does); in ``--turns`` turns a round (3), who
+                                  (``bench/compare/peers/bench_pgqueuer.py --only process``, its own venv,
+                                  as ``bench/compare/run.py`` does); in ``--turns`` turns a round (3), who
                                   goes first rotating by turn, each side's items over its turns'
                                   seconds.
 
-The core cases are ``bench/workqueue_bench.py``'s own
+The core cases are ``bench/compare/workqueue_bench.py``'s own
 functions, on a database of their own; the jobs cases use the same timing points. Medians over
-the rounds, the ratios and the targets go to ``--out`` (default ``bench/results/jobs``):
+the rounds, the ratios and the targets go to ``--out`` (default ``bench/jobs/results``):
 ``results.json``, ``results.md``, ``run.log`` and, unless ``--no-chart``, ``results.png``.
 """
 
@@ -45,8 +45,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+ROOT = HERE.parents[1]  # the repository
+COMPARE = HERE.parent / "compare"  # the core benchmark this one reuses
+sys.path[:0] = [str(HERE), str(COMPARE)]
 
 import run as core_run  # noqa: E402
 import workqueue_bench as core  # noqa: E402  (strips WORKQUEUE_* from the environment)
@@ -298,14 +299,14 @@ def combine_turns(turns: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def pgqueuer_process(peer: dict[str, Any], n: int, batch: int, label: str) -> dict[str, Any]:
-    """One run of pgqueuer's processing case at its defaults (``bench/peers/bench_pgqueuer.py
+    """One run of pgqueuer's processing case at its defaults (``bench/compare/peers/bench_pgqueuer.py
     --only process --repeats 1``, in its own venv): its ``process_default`` figure, with the
     pgqueuer version and settings it reports."""
     out = peer["log_dir"] / f"pgqueuer_{label}.json"
     errf = core.open_log(peer["log_dir"] / f"pgqueuer_{label}.log")
     try:
         proc = await asyncio.create_subprocess_exec(
-            peer["python"], str(HERE / "peers" / core_run.PEERS["pgqueuer"]["script"]), "--dsn", peer["dsn"],
+            peer["python"], str(COMPARE / "peers" / core_run.PEERS["pgqueuer"]["script"]), "--dsn", peer["dsn"],
             "--jobs", str(n), "--batch", str(batch), "--repeats", "1", "--only", "process", "--out", str(out),
             stdout=errf, stderr=errf)
     finally:
@@ -587,7 +588,8 @@ def driver(args: argparse.Namespace) -> None:
                      "jobs_worker": "WorkQueueSettings(database_url=...) only: the job queues' group consumer, "
                      "every queue fairly (no WORKQUEUE_JOB_QUEUES), concurrency 4 (WORKQUEUE_JOB_CONCURRENCY), "
                      "job lease 90 s; a no-op job per queue, payload Item(i: int)",
-                     "core_worker": "bench/workqueue_bench.py's default worker (SubscriptionPlan(), concurrency 4)",
+                     "core_worker": "bench/compare/workqueue_bench.py's default worker "
+                                    "(SubscriptionPlan(), concurrency 4)",
                      "jobs_database": dsn, "jobs_five_database": five_dsn, "core_database": core_dsn},
         "versions": {**(docs[0].get("versions", {}) if docs else {})},
         "jobs": {"summary": summarize(raw), "raw": raw,
@@ -670,7 +672,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="rounds (default 5; 1 with --smoke)")
     ap.add_argument("--skip-peers", action="store_true", help="do not run pgqueuer")
     ap.add_argument("--peers", action="store_true", help="run pgqueuer in --smoke mode too")
-    ap.add_argument("--out", default=str(HERE / "results" / "jobs"), help="output folder")
+    ap.add_argument("--out", default=str(HERE / "results"), help="output folder")
     ap.add_argument("--pg-url", default=core_run.DEFAULT_PG, help="server URL without database ($BENCH_PG_URL)")
     ap.add_argument("--dsn", default=None, help="database of the jobs cases (default <pg-url>/bench_jobs; "
                     "the five-queue case uses --dsn + '_five')")

@@ -1,5 +1,5 @@
 """The load benchmark's figures: one level's run from its raw readings, medians over repeats,
-the targets, and the Markdown tables bench/load.py prints."""
+the targets, and the Markdown tables bench/load/load.py prints."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What an order of the example app costs the database server, through the SQL functions alone.
 
-    .venv/bin/python bench/load_sql.py                      # both variants, single and batched, 3 repeats
-    .venv/bin/python bench/load_sql.py --orders 500 --repeats 1
+    .venv/bin/python bench/load/load_sql.py                      # both variants, single and batched, 3 repeats
+    .venv/bin/python bench/load/load_sql.py --orders 500 --repeats 1
 
 No HTTP, no Python runtime in between: one asyncpg connection drives, for each order, what the
 example app's path asks of the store. The topology is the example's: topic ``orders.created``

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Per-item CPU cost of a bulk's preparation: the jobs layer against the core, without a database.
 
-    .venv/bin/python bench/jobs_prep.py                  # 20,000 items per trial, best of 5
-    .venv/bin/python bench/jobs_prep.py --items 5000 --trials 3 --batch 500
+    .venv/bin/python bench/jobs/jobs_prep.py                  # 20,000 items per trial, best of 5
+    .venv/bin/python bench/jobs/jobs_prep.py --items 5000 --trials 3 --batch 500
 
 Both sides run the real call on a queue whose transport answers at once (every message Accepted,
 from a list built once): ``queue.bulk([(job, {"i": i}), ...])`` of a no-op job (payload model
 ``Item``) against ``queue.publish(topic, [PublishRequest(payload={"i": i}), ...])``, as
-``bench/jobs_bench.py``'s bulk and publish_batch cases do. So each side's figure is everything it
+``bench/jobs/jobs_bench.py``'s bulk and publish_batch cases do. So each side's figure is everything it
 does before the database call: building its items, validation, the envelope, ``prepare()``. CPU
 time is ``time.process_time()`` over ``--items`` items in calls of ``--batch``; the best of
 ``--trials`` is printed as µs per item, with the ratio (jobs / core). Then the same for one per
@@ -33,7 +33,7 @@ TOPIC = "bench.prep"
 
 
 class Item(BaseModel):
-    """The payload of the benchmark job (``bench/jobs_bench.py``'s)."""
+    """The payload of the benchmark job (``bench/jobs/jobs_bench.py``'s)."""
 
     i: int
 

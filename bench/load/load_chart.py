@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Renders bench/load.py's JSON as a PNG: throughput, latency, end-to-end, claims, CPU, backlog.
+"""Renders bench/load/load.py's JSON as a PNG: throughput, latency, end-to-end, claims, CPU, backlog.
 
-    python bench/load_chart.py bench/results/load.json bench/load.png   # any interpreter with matplotlib
+    python bench/load/load_chart.py bench/load/results/load.json bench/load/last-run.png   # any Python with matplotlib
 
 Points are medians over the repeats, whiskers min–max.
 """

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Renders bench/jobs_bench.py's results.json as a PNG: each jobs case beside what it is compared with.
+"""Renders bench/jobs/jobs_bench.py's results.json as a PNG: each jobs case beside what it is compared with.
 
-    python bench/jobs_chart.py results.json results.png     # any interpreter with matplotlib
+    python bench/jobs/jobs_chart.py results.json results.png     # any interpreter with matplotlib
 
-Bars are medians, whiskers min–max over the rounds (bench/chart.py's ``bars``).
+Bars are medians, whiskers min–max over the rounds (bench/compare/chart.py's ``bars``).
 """
 
 import json
@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compare"))  # chart.py
+
 from chart import COLORS, bars
 
 JOBS, CORE = "jobs", "core"

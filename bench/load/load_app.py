@@ -1,7 +1,7 @@
 """The app the load benchmark serves: the example app, plus one route that stores without publishing.
 
-    python bench/load_app.py                              # migrates and creates the tables, once
-    uvicorn load_app:app --app-dir bench --workers 2      # what bench/load.py starts then
+    python bench/load/load_app.py                              # migrates and creates the tables, once
+    uvicorn load_app:app --app-dir bench --workers 2      # what bench/load/load.py starts then
 
 ``app`` is ``example_app.main.create_app()`` as it is (``POST /orders`` stores an order and
 publishes ``orders.created`` in the request's transaction; the host runs the two subscriptions
@@ -10,7 +10,7 @@ row, written in the same kind of request transaction (``queue.session``), with n
 set-up of the benchmark serves this module, so the baseline differs from the others by its route
 alone.
 
-``python bench/load_app.py --fill N`` stores N orders and publishes their messages as ``POST /orders``
+``python bench/load/load_app.py --fill N`` stores N orders and publishes their messages as ``POST /orders``
 does (one transaction per 50 orders), with the host off: the backlog the benchmark's processing
 measurement then lets the host drain with no HTTP load.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncSession
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # example_app lives at the top of the repository
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What a ``stats()`` call costs with a little history and with a lot.
 
-    .venv/bin/python bench/stats_history.py                     # PostgreSQL, 1,000 vs 1,000,000
-    .venv/bin/python bench/stats_history.py --dialect sqlite    # the same on SQLite files
+    .venv/bin/python bench/experiments/stats_history.py                     # PostgreSQL, 1,000 vs 1,000,000
+    .venv/bin/python bench/experiments/stats_history.py --dialect sqlite    # the same on SQLite files
 
 Two stores are built side by side, the same but for their history: one subscription with a live
 backlog (``--pending`` Pending, ``--in-flight`` InFlight, ``--dead`` DeadLettered, published and

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Throughput, latency, backlog and memory benchmark of fastapi-workqueue on PostgreSQL.
 
-Run with the project's interpreter (``.venv/bin/python``); ``bench/run.py`` calls it and runs the
+Run with the project's interpreter (``.venv/bin/python``); ``bench/compare/run.py`` calls it and runs the
 two peer libraries beside it with the same counts. It uses the library as an application would:
 ``WorkQueue``, ``WorkQueueSettings``, ``Topic``/``Subscription``, ``@queue.handler``,
 ``queue.publish`` and ``queue.lifespan``. The claim-cost case also times the claim call that the
@@ -9,7 +9,7 @@ consumer makes, through the queue's public ``transport`` property. Plain SQL is 
 reset the benchmark tables between runs (``TRUNCATE``), to ``ANALYZE``/``CHECKPOINT`` after a
 fill, and to poll how many deliveries are still unfinished.
 
-The method mirrors ``bench/peers/bench_pgqueuer.py`` and ``bench/peers/bench_procrastinate.py``
+The method mirrors ``bench/compare/peers/bench_pgqueuer.py`` and ``bench/compare/peers/bench_procrastinate.py``
 (same counts, same timing points; see bench/README.md):
 
   publish_seq        N messages, one ``await queue.publish(topic, [request])`` per message,

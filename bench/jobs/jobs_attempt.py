@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """CPU per attempt of a job against a core delivery, in one process (issue 13).
 
-    .venv/bin/python bench/jobs_attempt.py                      # 5,000 jobs, then 5,000 core deliveries
-    .venv/bin/python bench/jobs_attempt.py --case jobs -n 20000
-    .venv/bin/python bench/jobs_attempt.py --case jobs --profile 40   # cProfile of the processing only
+    .venv/bin/python bench/jobs/jobs_attempt.py                      # 5,000 jobs, then 5,000 core deliveries
+    .venv/bin/python bench/jobs/jobs_attempt.py --case jobs -n 20000
+    .venv/bin/python bench/jobs/jobs_attempt.py --case jobs --profile 40   # cProfile of the processing only
 
 Each case fills ``-n`` no-op work items in a database of its own, made fresh (``jobs``: jobs of
-``bench/jobs_bench.py``'s no-op job queued with ``bulk`` into a database that holds only its
+``bench/jobs/jobs_bench.py``'s no-op job queued with ``bulk`` into a database that holds only its
 queue, as in ``jobs_process``; ``jobs6``: the same in a database that holds six job queues, so the
 group consumer claims across all of them with ``claim_many``; ``core``: messages
-to ``bench/workqueue_bench.py``'s no-op subscription), then processes them IN THIS PROCESS with the
+to ``bench/compare/workqueue_bench.py``'s no-op subscription), then processes them IN THIS PROCESS with the
 library's host at its defaults (``queue.open()`` and ``queue.lifespan(None)``) until none waits or
 runs. It reports, per attempt: the Python process's CPU (``time.process_time()``, from the host's
 start to the last settle), the CPU of the PostgreSQL backends of the database (``/proc/<pid>/stat``
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent / "compare")]  # jobs_bench, then the core benchmark
 
 import jobs_bench  # noqa: E402
 import run as core_run  # noqa: E402

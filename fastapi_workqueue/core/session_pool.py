@@ -1,0 +1,16 @@
+"""The size of the request sessions' connection pool: a value the settings build and the web layer
+uses (here, so that the settings need nothing of the web layer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPool:
+    """The request sessions' connection pool (``WORKQUEUE_SESSION_POOL_*``)."""
+
+    size: int = 10
+    overflow: int = 0
+    timeout_seconds: float = 5.0
+    pre_ping: bool = False
