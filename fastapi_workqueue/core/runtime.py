@@ -33,6 +33,7 @@ from .outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, Tran
 from .redaction import TRACEBACK_TEXT, redact, redacting_logger
 from .request_load import RequestLoad
 from .settler import Settler
+from .tasks import TaskScope, cancel_and_wait
 from .topology import SubscriptionState
 from .transport import INTERRUPT_CLAIMS, ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
 from .words import count
@@ -44,6 +45,8 @@ SETTLE_BACKLOG_LIMIT = 1000
 """A consumer claims no more while this many of the process's outcomes wait to be written."""
 PREFETCH_BELOW_SECONDS = 0.05
 MAX_PREFETCH = 100
+LEFTOVER_GRACE_SECONDS = 0.5
+"""How long a stopping consumer waits, after releasing them, for handlers that ignored Shutdown."""
 """Handlers that take less than this on average get a second set of deliveries claimed ahead."""
 WAKE_BACKOFF_MIN = 0.01
 """The first pause after a wake-up claim that found nothing; it doubles up to ``wake_backoff``."""
@@ -138,6 +141,7 @@ class Consumer:
         self._slot_freed = asyncio.Event()
         self._stopping = False
         self._paused = False
+        self._tasks = TaskScope(f"workqueue-consumer:{self._name}")
         self._loop_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.last_error: str | None = None
@@ -182,12 +186,10 @@ class Consumer:
         if self._request_load is not None:
             self._request_load.subscribe(self._slot_freed.set)
         self._start_claiming()
-        self._heartbeat_task = asyncio.create_task(
-            self._heartbeat_loop(), name=f"workqueue-heartbeat:{self.name}"
-        )
+        self._heartbeat_task = self._tasks.spawn(self._heartbeat_loop(), name=f"workqueue-heartbeat:{self.name}")
 
     def _start_claiming(self) -> None:
-        self._loop_task = asyncio.create_task(self._claim_loop(), name=f"workqueue-claim:{self.name}")
+        self._loop_task = self._tasks.spawn(self._claim_loop(), name=f"workqueue-claim:{self.name}")
 
     def pause(self) -> None:
         """Stops claiming. Handlers that run go on, renew their leases and settle as usual;
@@ -274,9 +276,10 @@ class Consumer:
                                 reason="released at shutdown") for r in leftovers]
                 )
         if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat_task
+            await cancel_and_wait([self._heartbeat_task], owner=self.name)
+        # What is left are handlers that ignored Shutdown (their deliveries were released above):
+        # the scope cancels them once more and leaves them behind after a moment.
+        await self._tasks.close(grace=LEFTOVER_GRACE_SECONDS)
         await self.settler.flush()
 
     def _interrupt_claims(self) -> None:
@@ -506,7 +509,7 @@ class Consumer:
             running.timers.append(
                 loop.call_later(sub.max_processing_seconds, self._abort, running, AbortReason.MAX_PROCESSING_SECONDS)
             )
-        running.task = loop.create_task(self._run(running))
+        running.task = self._tasks.spawn(self._run(running), name=f"workqueue-handler:{running.delivery.delivery_id}")
 
     def _arm_lease_timer(self, running: _Running) -> None:
         """Aborts the handler with LeaseLost when its lease runs out without a renewal."""
