@@ -6,7 +6,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends
 from pydantic import ValidationError
@@ -24,8 +24,9 @@ from .core.envelope import (
 )
 from .core.errors import ConfigurationError, UnknownTopic
 from .core.handlers import HandlerFunc, HandlerRegistry, HandlerSpec, unused_handlers
-from .core.host import GroupPlan, Host, SubscriptionPlan, transport_of
+from .core.host import GroupPlan, Host, SubscriptionPlan
 from .core.observe import NO_OBSERVER, Observer, Observers, carry_headers
+from .core.ports import Ports
 from .core.published import NOT_ACCEPTED_LOGGED, PublishResults, refusal
 from .core.redaction import redacting_logger
 from .core.reports import (
@@ -94,11 +95,6 @@ def _lifecycle_of(transport: Transport, what: str) -> TopologyLifecycle:
     )
 
 
-def _transport_of_topic(transport: Transport, topic: str) -> Transport:
-    route = getattr(transport, "transport_for_topic", None)
-    return transport if route is None else cast(Transport, route(topic))
-
-
 def _checked(topic: str, results: list[PublishResult]) -> PublishResults:
     """A publish's results, with its refusals logged at WARNING; raises UnknownTopic when the
     store did not know the topic."""
@@ -146,6 +142,7 @@ class WorkQueue:
         self.handlers = HandlerRegistry()
         self._invoker = DependencyInvoker()
         self._transport = transport
+        self._ports: Ports | None = None
         self._owns_transport = transport is None
         self._host: Host | None = None
         self._opened = 0
@@ -475,6 +472,15 @@ class WorkQueue:
             self._transport = routed if routed is not None else database
             assert self._transport is not None
         return self._transport
+
+    @property
+    def ports(self) -> Ports:
+        """The transport's optional parts (process registry, live work, API keys ...), resolved
+        once for the transport in use."""
+        transport = self.transport
+        if self._ports is None or self._ports.transport is not transport:
+            self._ports = Ports.of(transport)
+        return self._ports
 
     @property
     def is_open(self) -> bool:
@@ -866,7 +872,7 @@ class WorkQueue:
         ``discard_pending=True``, its Pending deliveries are discarded with ``reason``), and its
         counts stay readable. :meth:`resume` takes it back; ``workqueue subscriptions delete``
         removes it once it is empty. Raises :class:`ConfigurationError` when it does not exist."""
-        store = _lifecycle_of(transport_of(self.transport, subscription), f"subscription {subscription!r}")
+        store = _lifecycle_of(self.ports.for_subscription(subscription), f"subscription {subscription!r}")
         result = await store.retire_subscription(subscription)
         if result is None:
             raise ConfigurationError(f"subscription {subscription!r} does not exist; `workqueue subscriptions list` "
@@ -887,13 +893,13 @@ class WorkQueue:
     async def delete_subscription(self, subscription: str) -> DeleteResult:
         """Deletes a retired subscription that holds nothing Pending, InFlight or DeadLettered, with
         its ended deliveries and counts; otherwise answers why not (``result``, ``remaining``)."""
-        store = _lifecycle_of(transport_of(self.transport, subscription), f"subscription {subscription!r}")
+        store = _lifecycle_of(self.ports.for_subscription(subscription), f"subscription {subscription!r}")
         return await store.delete_subscription(subscription)
 
     async def set_topic_status(self, topic: str, status: TopicStatus) -> TopicStatusChange:
         """Retires (``Retired``: it refuses new messages, its subscriptions drain), pauses or takes
         back (``Active``) a topic. Raises :class:`ConfigurationError` when it does not exist."""
-        store = _lifecycle_of(_transport_of_topic(self.transport, topic), f"topic {topic!r}")
+        store = _lifecycle_of(self.ports.for_topic(topic), f"topic {topic!r}")
         change = await store.set_topic_status(topic, status)
         if change is None:
             raise ConfigurationError(f"topic {topic!r} does not exist; `workqueue topics list` shows the stored ones")
@@ -903,5 +909,5 @@ class WorkQueue:
 
     async def delete_topic(self, topic: str) -> DeleteResult:
         """Deletes a retired topic that no subscription names any more; otherwise answers why not."""
-        store = _lifecycle_of(_transport_of_topic(self.transport, topic), f"topic {topic!r}")
+        store = _lifecycle_of(self.ports.for_topic(topic), f"topic {topic!r}")
         return await store.delete_topic(topic)

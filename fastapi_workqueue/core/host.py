@@ -6,13 +6,14 @@ import asyncio
 import fnmatch
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
 from pydantic import Field
 
 from .handlers import Invoker
 from .observe import NO_OBSERVER, Observer
-from .processes import ProcessBeat, ProcessRegistry, current_process
+from .ports import Ports, TopicRouter
+from .processes import ProcessBeat, current_process
 from .redaction import redacting_logger
 from .request_load import RequestLoad
 from .runtime import Consumer, Resolver, Settler
@@ -95,8 +96,7 @@ class HostOptions:
 
 def transport_of(transport: Transport, subscription: str) -> Transport:
     """The transport that serves ``subscription`` (a routing transport picks one per topic)."""
-    route = getattr(transport, "transport_for_subscription", None)
-    return transport if route is None else cast(Transport, route(subscription))
+    return transport.transport_for_subscription(subscription) if isinstance(transport, TopicRouter) else transport
 
 
 RETRY_KEEPS_KEY_BUSY = (
@@ -165,7 +165,8 @@ class Host:
         self._started = False
         self._reconcile_lock = asyncio.Lock()
         self._retired: dict[str, list[Consumer]] = {}  # consumers no longer planned, by subscription
-        self._registry = transport if isinstance(transport, ProcessRegistry) else None
+        self.ports = Ports.of(transport)
+        self._registry = self.ports.processes
         self.stored_handler_keys: dict[str, str] = {}
         """The handler key of each stored subscription (key -> a subscription that names it), as
         the last reconcile read them."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from .envelope import PreparedMessage, PublishResult
 from .errors import ConfigurationError, TransportError
+from .ports import interrupter_of
 from .processes import ProcessBeat, ProcessInfo, ProcessRegistry
 from .reports import (
     ActionResult,
@@ -32,7 +33,6 @@ from .reports import (
 )
 from .topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
 from .transport import (
-    INTERRUPT_CLAIMS,
     Capabilities,
     ClaimedDelivery,
     HeartbeatRequest,
@@ -256,9 +256,9 @@ class RoutingTransport:
                 continue
             by_transport.setdefault(id(transport), (transport, []))[1].append(name)
         for transport, names in by_transport.values():
-            interrupt = getattr(transport, INTERRUPT_CLAIMS, None)
-            if interrupt is not None:
-                interrupt(names)
+            interrupter = interrupter_of(transport)
+            if interrupter is not None:
+                interrupter.interrupt_claims(names)
 
     async def add_wakeup_listener(self, listener: WakeupListener) -> None:
         for transport in self._all():

@@ -30,12 +30,13 @@ from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .leases import LocalLease, start_margin
 from .observe import NO_OBSERVER, Observer
 from .outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError
+from .ports import interrupter_of
 from .redaction import TRACEBACK_TEXT, redact, redacting_logger
 from .request_load import RequestLoad
 from .settler import Settler
 from .tasks import TaskScope, cancel_and_wait
 from .topology import SubscriptionState
-from .transport import INTERRUPT_CLAIMS, ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
+from .transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
 from .words import count
 
 log = redacting_logger("fastapi_workqueue.runtime")
@@ -142,6 +143,7 @@ class Consumer:
         self._stopping = False
         self._paused = False
         self._tasks = TaskScope(f"workqueue-consumer:{self._name}")
+        self._interrupter = interrupter_of(transport)
         self._loop_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.last_error: str | None = None
@@ -284,9 +286,8 @@ class Consumer:
 
     def _interrupt_claims(self) -> None:
         """Ends a claim that waits for work (an SQS long poll) instead of waiting it out."""
-        interrupt = getattr(self.transport, INTERRUPT_CLAIMS, None)
-        if interrupt is not None:
-            interrupt([s.name for group in self._groups for s in group])
+        if self._interrupter is not None:
+            self._interrupter.interrupt_claims([s.name for group in self._groups for s in group])
 
     def _release_buffer(self, reason: str) -> None:
         """Gives back deliveries claimed ahead and not started, without spending their attempt."""
