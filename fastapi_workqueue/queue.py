@@ -61,7 +61,23 @@ from .web.session import RequestSessions, current_session
 log = redacting_logger("fastapi_workqueue")
 
 if TYPE_CHECKING:
+    from datetime import timedelta
+
+    from fastapi import FastAPI
+    from prometheus_client import CollectorRegistry
+    from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+    from starlette.types import ASGIApp
+
+    from .jobs.definition import Job
+    from .jobs.events import E
     from .jobs.failed import FailedJob
+    from .jobs.fake import JobFake
+    from .jobs.layer import Jobs
+    from .jobs.middleware import Middleware
+    from .jobs.schedules import Schedule
+
+    JobRef = Job | str | Callable[..., Any]
+    """A job as dispatch and schedule take it: its function, its :class:`Job`, or its name."""
 
 F = TypeVar("F", bound=HandlerFunc)
 
@@ -154,7 +170,7 @@ class WorkQueue:
         """``GET /health/extensions``: the state of the host and of each subscription it plans, 503
         when one is ``HandlerNotRegistered`` or in ``Error``. ``app.include_router(queue.health_router)``."""
         self._router: APIRouter | None = None
-        self._jobs: Any = None
+        self._jobs: Jobs | None = None
         self._observers: list[Observer] = []
         self._observer: Observer | None = None
         self._metrics_router: APIRouter | None = None
@@ -197,7 +213,7 @@ class WorkQueue:
         return self._metrics_router
 
     def create_metrics_router(self, *, authorize: Authorizer | None = None, public: bool | None = None,
-                              path: str = "/metrics", registry: Any = None) -> APIRouter:
+                              path: str = "/metrics", registry: CollectorRegistry | None = None) -> APIRouter:
         """A ``/metrics`` router: ``authorize`` replaces the API keys, ``public=True`` serves it
         to anyone, ``registry`` is a ``prometheus_client.CollectorRegistry`` of the app's own."""
         from .observability.metrics_router import build_metrics_router
@@ -223,7 +239,7 @@ class WorkQueue:
         self._observers.append(observer)
         self._observer = None
 
-    def dashboard(self, *, authorize: Authorizer | None = None, **options: Any) -> Any:
+    def dashboard(self, *, authorize: Authorizer | None = None, **options: Any) -> FastAPI:
         """The operator dashboard, an ASGI app: ``app.mount("/work-queue/ui", queue.dashboard())``.
 
         Signs people in with an API key by default, or uses the app's ``authorize`` dependency
@@ -294,19 +310,20 @@ class WorkQueue:
         """Calls ``func`` with ``fixed`` arguments and its dependencies solved for this attempt."""
         return await self._invoker.call(key, func, dict(fixed), message, context)
 
-    def bind_app(self, app: Any) -> None:
+    def bind_app(self, app: ASGIApp | None) -> None:
         """The app whose ``state`` and ``dependency_overrides`` handlers see (``lifespan`` binds it)."""
         self._invoker.app = app
 
     @property
-    def bound_app(self) -> Any:
+    def bound_app(self) -> ASGIApp | None:
         """The app :meth:`bind_app` (or the lifespan) bound, or None."""
-        return self._invoker.app
+        app: ASGIApp | None = self._invoker.app
+        return app
 
     # -- jobs --------------------------------------------------------------------------------
 
     @property
-    def jobs(self) -> Any:
+    def jobs(self) -> Jobs:
         """The jobs layer (:class:`fastapi_workqueue.jobs.layer.Jobs`), made on first use."""
         if self._jobs is None:
             from .jobs.layer import Jobs
@@ -323,7 +340,7 @@ class WorkQueue:
         timeout: float | None = None,
         queue: str = "default",
         encrypted: bool = False,
-        middleware: Sequence[Any] = (),
+        middleware: Sequence[Middleware] = (),
     ) -> Callable[[F], F]:
         """Declares a job: ``@queue.job("billing.send-invoice-reminder", tries=5, backoff=[10, 60, 300],
         timeout=30, queue="mail")`` on ``async def send(payload: Model, job: JobContext, dep = Depends(...))``.
@@ -341,10 +358,10 @@ class WorkQueue:
 
     async def dispatch(
         self,
-        job: Any,
+        job: JobRef,
         payload: Any = None,
         *,
-        delay: Any = None,
+        delay: timedelta | float | None = None,
         queue: str | None = None,
         unique: str | None = None,
         unique_until: Literal["done", "processing"] = "done",
@@ -377,22 +394,22 @@ class WorkQueue:
         count: int = await self.jobs.size(queue)
         return count
 
-    def listen(self, event: type[Any], listener: Callable[[Any], Any]) -> None:
+    def listen(self, event: type[E], listener: Callable[[E], Any]) -> None:
         """Calls ``listener`` (sync or async) for every job event of class ``event`` (``JobEvent``: all)."""
         self.jobs.events.listen(event, listener)
 
     def schedule(
         self,
-        job: Any,
+        job: JobRef,
         *,
         cron: str | None = None,
-        every: Any = None,
+        every: timedelta | float | None = None,
         payload: Any = None,
         timezone: str = "UTC",
         catch_up: bool = False,
         name: str | None = None,
         queue: str | None = None,
-    ) -> Any:
+    ) -> Schedule:
         """Dispatches ``job`` on a schedule: ``cron="*/5 * * * *"`` (in ``timezone``) or
         ``every=timedelta(minutes=5)`` (or a number of seconds). Exactly one dispatch per tick across
         every process whose host runs; ticks missed while all were down are not queued unless
@@ -432,7 +449,7 @@ class WorkQueue:
         count: int = await self.jobs.reencrypt()
         return count
 
-    def fake(self, *, app: Any = None) -> Any:
+    def fake(self, *, app: ASGIApp | None = None) -> JobFake:
         """A test fake (``with queue.fake() as fake:``): dispatches are checked and recorded, not queued.
 
         ``await fake.work()`` runs them with the dependencies of ``app`` (its ``dependency_overrides``
@@ -493,23 +510,24 @@ class WorkQueue:
         return self._host
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> AsyncEngine:
         """A SQLAlchemy ``AsyncEngine`` on the queue's database, for the app's own tables."""
         return self._sessions.engine
 
     @property
-    def sessionmaker(self) -> Any:
+    def sessionmaker(self) -> async_sessionmaker[AsyncSession]:
         """An ``async_sessionmaker`` on :attr:`engine`."""
         return self._sessions.sessionmaker
 
     @property
-    def session(self) -> Any:
+    def session(self) -> AsyncSession:
         """A dependency: a session in a transaction per request, committed before the response.
 
         ``async def endpoint(session: AsyncSession = queue.session)``. Publishes made during the
         request join its transaction; an exception rolls both back.
         """
-        return Depends(self._sessions.dependency, scope="function")
+        dependency: AsyncSession = Depends(self._sessions.dependency, scope="function")
+        return dependency
 
     async def open(self) -> None:
         """Opens the transport (and migrates / syncs the topology as the settings say)."""
