@@ -103,8 +103,9 @@ def host_run_by_worker() -> Iterator[None]:
 
 def _lifecycle_of(transport: Transport, what: str) -> TopologyLifecycle:
     """The store that retires and deletes ``what`` (database transports do)."""
-    if isinstance(transport, TopologyLifecycle):
-        return transport
+    lifecycle = Ports.of(transport).lifecycle
+    if lifecycle is not None:
+        return lifecycle
     raise ConfigurationError(
         f"{what} lives on the {transport.name} transport, which cannot retire or delete it here; remove it from "
         "the exported manifest and the infrastructure instead"

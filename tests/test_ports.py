@@ -36,3 +36,20 @@ def test_no_module_probes_a_transport_with_hasattr_or_getattr() -> None:
                     and ("transport" in ast.unparse(node.args[0]) or ast.unparse(node.args[0]) == "store")):
                 probes.setdefault(str(path.relative_to(PACKAGE)), []).append(node.lineno)
     assert probes == {}, f"resolve the optional part in core/ports.py (Ports.of) instead: {probes}"
+
+
+OPTIONAL_PORTS = {"ProcessRegistry", "LiveWorkReader", "StatsHistoryReader", "TopologyLifecycle", "ApiKeyStore",
+                  "ClaimInterrupter", "TopicRouter"}
+
+
+def test_only_the_ports_module_asks_whether_a_transport_has_an_optional_part() -> None:
+    asked = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "core" / "ports.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"
+                    and len(node.args) == 2 and OPTIONAL_PORTS & {n.id for n in ast.walk(node.args[1])
+                                                                   if isinstance(n, ast.Name)}):
+                asked.setdefault(str(path.relative_to(PACKAGE)), []).append(node.lineno)
+    assert asked == {}, f"use queue.ports / Ports.of (core/ports.py) instead: {asked}"

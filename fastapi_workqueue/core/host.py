@@ -12,7 +12,7 @@ from pydantic import Field
 
 from .handlers import Invoker
 from .observe import NO_OBSERVER, Observer
-from .ports import Ports, TopicRouter
+from .ports import Ports
 from .processes import ProcessBeat, current_process
 from .redaction import redacting_logger
 from .request_load import RequestLoad
@@ -94,20 +94,15 @@ class HostOptions:
     """The requests this process serves, which its consumers yield to (:mod:`.request_load`)."""
 
 
-def transport_of(transport: Transport, subscription: str) -> Transport:
-    """The transport that serves ``subscription`` (a routing transport picks one per topic)."""
-    return transport.transport_for_subscription(subscription) if isinstance(transport, TopicRouter) else transport
-
-
 RETRY_KEEPS_KEY_BUSY = (
     "on the {name} transport a retrying Exclusive message keeps its key busy until its retry delay "
     "has passed (an SQS FIFO message group waits for its head), unlike the database transport"
 )
 
 
-def unsupported_reason(transport: Transport, sub: SubscriptionState) -> str | None:
-    """Why ``transport`` cannot run ``sub`` here, or None when it can."""
-    transport = transport_of(transport, sub.name)
+def unsupported_reason(ports: Ports, sub: SubscriptionState) -> str | None:
+    """Why the transport that serves ``sub`` cannot run it here, or None when it can."""
+    transport = ports.for_subscription(sub.name)
     caps = transport.capabilities
     if sub.partition_mode == "Ordered" and not caps.ordered:
         return f"Ordered needs a database topic; the {transport.name} transport cannot keep order per key"
@@ -381,7 +376,7 @@ class Host:
                              name=f"workqueue-retire:{consumer.name}")
 
     def _desired_state(self, sub: SubscriptionState) -> tuple[HealthState, str | None]:
-        reason = unsupported_reason(self.transport, sub)
+        reason = unsupported_reason(self.ports, sub)
         if reason is not None:
             return "Unsupported", reason
         retired = sub.status == "Retired" or sub.topic_status == "Retired"
@@ -409,7 +404,7 @@ class Host:
         if retired:
             what = f"subscription {sub.name!r}" if sub.status == "Retired" else f"topic {sub.topic!r}"
             return "Running", f"{what} is retired: no new deliveries; draining what it still holds"
-        serving = transport_of(self.transport, sub.name)
+        serving = self.ports.for_subscription(sub.name)
         if sub.partition_mode == "Exclusive" and serving.capabilities.retry_keeps_key_busy:
             return "Running", RETRY_KEEPS_KEY_BUSY.format(name=serving.name)
         return "Running", None

@@ -18,8 +18,8 @@ from typing import Any
 
 from .envelope import PreparedMessage, PublishResult
 from .errors import ConfigurationError, TransportError
-from .ports import interrupter_of
-from .processes import ProcessBeat, ProcessInfo, ProcessRegistry
+from .ports import Ports, interrupter_of
+from .processes import ProcessBeat, ProcessInfo
 from .reports import (
     ActionResult,
     Backlog,
@@ -80,6 +80,8 @@ class RoutingTransport:
     ) -> None:
         self.default = default
         self.others = others
+        self._registry = Ports.of(default).processes if default is not None else None
+        """The database's process registry: processes are the app's, not a topic's."""
         self._topics = dict(topics)
         self._subscriptions = dict(subscriptions)
         base = default.capabilities if default is not None else Capabilities()
@@ -289,15 +291,15 @@ class RoutingTransport:
         await self.database.step_put(message_id, name, value_json)
 
     async def process_beat(self, beat: ProcessBeat) -> None:
-        if isinstance(self.default, ProcessRegistry):
-            await self.default.process_beat(beat)
+        if self._registry is not None:
+            await self._registry.process_beat(beat)
 
     async def process_stop(self, process_id: uuid.UUID) -> None:
-        if isinstance(self.default, ProcessRegistry):
-            await self.default.process_stop(process_id)
+        if self._registry is not None:
+            await self._registry.process_stop(process_id)
 
     async def list_processes(self) -> list[ProcessInfo]:
-        return await self.default.list_processes() if isinstance(self.default, ProcessRegistry) else []
+        return await self._registry.list_processes() if self._registry is not None else []
 
     async def sweep(self, limit: int = 1000) -> SweepReport:
         """Sweeps each transport that sweeps (``capabilities.sweeps``); SQS expires its leases itself."""
