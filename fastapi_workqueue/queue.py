@@ -6,7 +6,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends
 from pydantic import ValidationError
@@ -24,8 +24,9 @@ from .core.envelope import (
 )
 from .core.errors import ConfigurationError, UnknownTopic
 from .core.handlers import HandlerFunc, HandlerRegistry, HandlerSpec, unused_handlers
-from .core.host import GroupPlan, Host, SubscriptionPlan, transport_of
+from .core.host import GroupPlan, Host, SubscriptionPlan
 from .core.observe import NO_OBSERVER, Observer, Observers, carry_headers
+from .core.ports import Ports
 from .core.published import NOT_ACCEPTED_LOGGED, PublishResults, refusal
 from .core.redaction import redacting_logger
 from .core.reports import (
@@ -60,7 +61,23 @@ from .web.session import RequestSessions, current_session
 log = redacting_logger("fastapi_workqueue")
 
 if TYPE_CHECKING:
+    from datetime import timedelta
+
+    from fastapi import FastAPI
+    from prometheus_client import CollectorRegistry
+    from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+    from starlette.types import ASGIApp
+
+    from .jobs.definition import Job
+    from .jobs.events import E
     from .jobs.failed import FailedJob
+    from .jobs.fake import JobFake
+    from .jobs.layer import Jobs
+    from .jobs.middleware import Middleware
+    from .jobs.schedules import Schedule
+
+    JobRef = Job | str | Callable[..., Any]
+    """A job as dispatch and schedule take it: its function, its :class:`Job`, or its name."""
 
 F = TypeVar("F", bound=HandlerFunc)
 
@@ -86,17 +103,13 @@ def host_run_by_worker() -> Iterator[None]:
 
 def _lifecycle_of(transport: Transport, what: str) -> TopologyLifecycle:
     """The store that retires and deletes ``what`` (database transports do)."""
-    if isinstance(transport, TopologyLifecycle):
-        return transport
+    lifecycle = Ports.of(transport).lifecycle
+    if lifecycle is not None:
+        return lifecycle
     raise ConfigurationError(
         f"{what} lives on the {transport.name} transport, which cannot retire or delete it here; remove it from "
         "the exported manifest and the infrastructure instead"
     )
-
-
-def _transport_of_topic(transport: Transport, topic: str) -> Transport:
-    route = getattr(transport, "transport_for_topic", None)
-    return transport if route is None else cast(Transport, route(topic))
 
 
 def _checked(topic: str, results: list[PublishResult]) -> PublishResults:
@@ -146,6 +159,7 @@ class WorkQueue:
         self.handlers = HandlerRegistry()
         self._invoker = DependencyInvoker()
         self._transport = transport
+        self._ports: Ports | None = None
         self._owns_transport = transport is None
         self._host: Host | None = None
         self._opened = 0
@@ -157,7 +171,7 @@ class WorkQueue:
         """``GET /health/extensions``: the state of the host and of each subscription it plans, 503
         when one is ``HandlerNotRegistered`` or in ``Error``. ``app.include_router(queue.health_router)``."""
         self._router: APIRouter | None = None
-        self._jobs: Any = None
+        self._jobs: Jobs | None = None
         self._observers: list[Observer] = []
         self._observer: Observer | None = None
         self._metrics_router: APIRouter | None = None
@@ -200,7 +214,7 @@ class WorkQueue:
         return self._metrics_router
 
     def create_metrics_router(self, *, authorize: Authorizer | None = None, public: bool | None = None,
-                              path: str = "/metrics", registry: Any = None) -> APIRouter:
+                              path: str = "/metrics", registry: CollectorRegistry | None = None) -> APIRouter:
         """A ``/metrics`` router: ``authorize`` replaces the API keys, ``public=True`` serves it
         to anyone, ``registry`` is a ``prometheus_client.CollectorRegistry`` of the app's own."""
         from .observability.metrics_router import build_metrics_router
@@ -226,7 +240,7 @@ class WorkQueue:
         self._observers.append(observer)
         self._observer = None
 
-    def dashboard(self, *, authorize: Authorizer | None = None, **options: Any) -> Any:
+    def dashboard(self, *, authorize: Authorizer | None = None, **options: Any) -> FastAPI:
         """The operator dashboard, an ASGI app: ``app.mount("/work-queue/ui", queue.dashboard())``.
 
         Signs people in with an API key by default, or uses the app's ``authorize`` dependency
@@ -297,19 +311,20 @@ class WorkQueue:
         """Calls ``func`` with ``fixed`` arguments and its dependencies solved for this attempt."""
         return await self._invoker.call(key, func, dict(fixed), message, context)
 
-    def bind_app(self, app: Any) -> None:
+    def bind_app(self, app: ASGIApp | None) -> None:
         """The app whose ``state`` and ``dependency_overrides`` handlers see (``lifespan`` binds it)."""
         self._invoker.app = app
 
     @property
-    def bound_app(self) -> Any:
+    def bound_app(self) -> ASGIApp | None:
         """The app :meth:`bind_app` (or the lifespan) bound, or None."""
-        return self._invoker.app
+        app: ASGIApp | None = self._invoker.app
+        return app
 
     # -- jobs --------------------------------------------------------------------------------
 
     @property
-    def jobs(self) -> Any:
+    def jobs(self) -> Jobs:
         """The jobs layer (:class:`fastapi_workqueue.jobs.layer.Jobs`), made on first use."""
         if self._jobs is None:
             from .jobs.layer import Jobs
@@ -326,7 +341,7 @@ class WorkQueue:
         timeout: float | None = None,
         queue: str = "default",
         encrypted: bool = False,
-        middleware: Sequence[Any] = (),
+        middleware: Sequence[Middleware] = (),
     ) -> Callable[[F], F]:
         """Declares a job: ``@queue.job("billing.send-invoice-reminder", tries=5, backoff=[10, 60, 300],
         timeout=30, queue="mail")`` on ``async def send(payload: Model, job: JobContext, dep = Depends(...))``.
@@ -344,10 +359,10 @@ class WorkQueue:
 
     async def dispatch(
         self,
-        job: Any,
+        job: JobRef,
         payload: Any = None,
         *,
-        delay: Any = None,
+        delay: timedelta | float | None = None,
         queue: str | None = None,
         unique: str | None = None,
         unique_until: Literal["done", "processing"] = "done",
@@ -380,22 +395,22 @@ class WorkQueue:
         count: int = await self.jobs.size(queue)
         return count
 
-    def listen(self, event: type[Any], listener: Callable[[Any], Any]) -> None:
+    def listen(self, event: type[E], listener: Callable[[E], Any]) -> None:
         """Calls ``listener`` (sync or async) for every job event of class ``event`` (``JobEvent``: all)."""
         self.jobs.events.listen(event, listener)
 
     def schedule(
         self,
-        job: Any,
+        job: JobRef,
         *,
         cron: str | None = None,
-        every: Any = None,
+        every: timedelta | float | None = None,
         payload: Any = None,
         timezone: str = "UTC",
         catch_up: bool = False,
         name: str | None = None,
         queue: str | None = None,
-    ) -> Any:
+    ) -> Schedule:
         """Dispatches ``job`` on a schedule: ``cron="*/5 * * * *"`` (in ``timezone``) or
         ``every=timedelta(minutes=5)`` (or a number of seconds). Exactly one dispatch per tick across
         every process whose host runs; ticks missed while all were down are not queued unless
@@ -435,7 +450,7 @@ class WorkQueue:
         count: int = await self.jobs.reencrypt()
         return count
 
-    def fake(self, *, app: Any = None) -> Any:
+    def fake(self, *, app: ASGIApp | None = None) -> JobFake:
         """A test fake (``with queue.fake() as fake:``): dispatches are checked and recorded, not queued.
 
         ``await fake.work()`` runs them with the dependencies of ``app`` (its ``dependency_overrides``
@@ -477,6 +492,15 @@ class WorkQueue:
         return self._transport
 
     @property
+    def ports(self) -> Ports:
+        """The transport's optional parts (process registry, live work, API keys ...), resolved
+        once for the transport in use."""
+        transport = self.transport
+        if self._ports is None or self._ports.transport is not transport:
+            self._ports = Ports.of(transport)
+        return self._ports
+
+    @property
     def is_open(self) -> bool:
         """True between :meth:`open` and :meth:`close` (inside the lifespan)."""
         return self._opened > 0
@@ -487,23 +511,24 @@ class WorkQueue:
         return self._host
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> AsyncEngine:
         """A SQLAlchemy ``AsyncEngine`` on the queue's database, for the app's own tables."""
         return self._sessions.engine
 
     @property
-    def sessionmaker(self) -> Any:
+    def sessionmaker(self) -> async_sessionmaker[AsyncSession]:
         """An ``async_sessionmaker`` on :attr:`engine`."""
         return self._sessions.sessionmaker
 
     @property
-    def session(self) -> Any:
+    def session(self) -> AsyncSession:
         """A dependency: a session in a transaction per request, committed before the response.
 
         ``async def endpoint(session: AsyncSession = queue.session)``. Publishes made during the
         request join its transaction; an exception rolls both back.
         """
-        return Depends(self._sessions.dependency, scope="function")
+        dependency: AsyncSession = Depends(self._sessions.dependency, scope="function")
+        return dependency
 
     async def open(self) -> None:
         """Opens the transport (and migrates / syncs the topology as the settings say)."""
@@ -866,7 +891,7 @@ class WorkQueue:
         ``discard_pending=True``, its Pending deliveries are discarded with ``reason``), and its
         counts stay readable. :meth:`resume` takes it back; ``workqueue subscriptions delete``
         removes it once it is empty. Raises :class:`ConfigurationError` when it does not exist."""
-        store = _lifecycle_of(transport_of(self.transport, subscription), f"subscription {subscription!r}")
+        store = _lifecycle_of(self.ports.for_subscription(subscription), f"subscription {subscription!r}")
         result = await store.retire_subscription(subscription)
         if result is None:
             raise ConfigurationError(f"subscription {subscription!r} does not exist; `workqueue subscriptions list` "
@@ -887,13 +912,13 @@ class WorkQueue:
     async def delete_subscription(self, subscription: str) -> DeleteResult:
         """Deletes a retired subscription that holds nothing Pending, InFlight or DeadLettered, with
         its ended deliveries and counts; otherwise answers why not (``result``, ``remaining``)."""
-        store = _lifecycle_of(transport_of(self.transport, subscription), f"subscription {subscription!r}")
+        store = _lifecycle_of(self.ports.for_subscription(subscription), f"subscription {subscription!r}")
         return await store.delete_subscription(subscription)
 
     async def set_topic_status(self, topic: str, status: TopicStatus) -> TopicStatusChange:
         """Retires (``Retired``: it refuses new messages, its subscriptions drain), pauses or takes
         back (``Active``) a topic. Raises :class:`ConfigurationError` when it does not exist."""
-        store = _lifecycle_of(_transport_of_topic(self.transport, topic), f"topic {topic!r}")
+        store = _lifecycle_of(self.ports.for_topic(topic), f"topic {topic!r}")
         change = await store.set_topic_status(topic, status)
         if change is None:
             raise ConfigurationError(f"topic {topic!r} does not exist; `workqueue topics list` shows the stored ones")
@@ -903,5 +928,5 @@ class WorkQueue:
 
     async def delete_topic(self, topic: str) -> DeleteResult:
         """Deletes a retired topic that no subscription names any more; otherwise answers why not."""
-        store = _lifecycle_of(_transport_of_topic(self.transport, topic), f"topic {topic!r}")
+        store = _lifecycle_of(self.ports.for_topic(topic), f"topic {topic!r}")
         return await store.delete_topic(topic)

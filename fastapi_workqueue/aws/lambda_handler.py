@@ -38,6 +38,7 @@ from ..core.failures import error_text
 from ..core.handlers import HandlerSpec, PayloadInvalid, call_plain, inspect_handler
 from ..core.outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError, WorkOutcome
 from ..core.redaction import redact, redacting_logger
+from ..core.tasks import TaskScope
 from .sqs_records import SqsRecord, dead_letter_entry, decode_record
 
 log = redacting_logger("fastapi_workqueue.aws.lambda")
@@ -45,6 +46,8 @@ log = redacting_logger("fastapi_workqueue.aws.lambda")
 POLICY_ENV = "WORKQUEUE_SUBSCRIPTION_POLICY"
 ENDPOINT_ENV = "WORKQUEUE_AWS_ENDPOINT_URL"
 MAX_VISIBILITY_SECONDS = 43200
+ABORT_GRACE_SECONDS = 1.0
+"""How long an aborted handler gets to end before the record is reported (it is left behind after)."""
 """SQS's cap on a message's visibility timeout (12 hours)."""
 
 
@@ -211,7 +214,8 @@ class SqsBatchHandler:
             heartbeat=lambda progress: self._heartbeat(record, progress),
             log=logger,
         )
-        task = asyncio.ensure_future(call_plain(self._spec, message, context))
+        scope = TaskScope(f"workqueue-lambda:{record.message_id}")
+        task = scope.spawn(call_plain(self._spec, message, context), name="workqueue-lambda-handler", watch=False)
         signal.add_listener(lambda _reason: task.cancel())
         timer = None
         if deadline is not None:
@@ -229,6 +233,7 @@ class SqsBatchHandler:
         finally:
             if timer is not None:
                 timer.cancel()
+            await scope.close(grace=ABORT_GRACE_SECONDS)
         if signal.aborted:
             return await self._failure(
                 record, "MaxProcessingSeconds", None,

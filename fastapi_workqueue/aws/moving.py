@@ -14,12 +14,12 @@ names what is left (:func:`fastapi_workqueue.core.routing.moved_reason`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ..core.redaction import redacting_logger
+from ..core.tasks import TaskScope
 from ..core.transport import ClaimedDelivery, Settlement
 from . import body as bodies
 from .naming import BATCH
@@ -63,18 +63,17 @@ class MovedForwarder:
     def __init__(self, transport: AwsTransport, *, interval_seconds: float = FORWARD_INTERVAL_SECONDS) -> None:
         self.transport = transport
         self.interval = interval_seconds
+        self._tasks = TaskScope("workqueue-aws-moved-forwarder")
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="workqueue-aws-moved-forwarder")
+            self._tasks.reopen()
+            self._task = self._tasks.spawn(self._run(), name="workqueue-aws-moved-forwarder")
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        self._task = None
+        await self._tasks.close()
 
     async def _run(self) -> None:
         while True:

@@ -20,7 +20,6 @@ rows with a growing delay and slows the relay.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import time
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.envelope import PreparedMessage
 from ..core.errors import ConfigurationError
 from ..core.redaction import redacting_logger
+from ..core.tasks import TaskScope
 from . import body as bodies
 
 if TYPE_CHECKING:
@@ -150,6 +150,7 @@ class OutboxRelay:
         self.interval = (
             interval_seconds if interval_seconds is not None else transport.settings.aws_relay_interval_ms / 1000
         )
+        self._tasks = TaskScope("workqueue-aws-outbox-relay")
         self._task: asyncio.Task[None] | None = None
         self._throttle_streak = 0
         self.after_batch: Callable[[list[OutboxRow]], Awaitable[None]] | None = None
@@ -157,14 +158,12 @@ class OutboxRelay:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="workqueue-aws-outbox-relay")
+            self._tasks.reopen()
+            self._task = self._tasks.spawn(self._run(), name="workqueue-aws-outbox-relay")
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        self._task = None
+        await self._tasks.close()
 
     async def _run(self) -> None:
         while True:

@@ -39,6 +39,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..core.redaction import redacting_logger
+from ..core.tasks import TaskScope
 from ..core.topology import Subscription, SubscriptionStatus
 from ..core.transport import ClaimedDelivery, HeartbeatRequest, HeartbeatResult
 from . import body as bodies
@@ -82,7 +83,7 @@ class Receiving:
         _wakes: dict[str, asyncio.Event]
         _interrupted: set[str]
         _redrive_counts: dict[str, int]
-        _giving_back: set[asyncio.Task[None]]
+        _aws_tasks: TaskScope
 
         @property
         def sqs(self) -> Any: ...
@@ -158,7 +159,7 @@ class Receiving:
                 return claimed
             if receive is None:
                 receive = self._receive(sub, queue_url, limit)
-            waiter = asyncio.ensure_future(wake.wait())
+            waiter = self._aws_tasks.spawn(wake.wait(), name=f"workqueue-aws-wake:{sub.name}", watch=False)
             try:
                 await asyncio.wait({receive.task, waiter}, timeout=self._next_due(subscription),
                                    return_when=asyncio.FIRST_COMPLETED)
@@ -179,7 +180,7 @@ class Receiving:
             messages: list[dict[str, Any]] = answer.get("Messages", [])
             return messages
 
-        receive.task = asyncio.create_task(call(), name=f"workqueue-aws-receive:{sub.name}")
+        receive.task = self._aws_tasks.spawn(call(), name=f"workqueue-aws-receive:{sub.name}", watch=False)
         receive.task.add_done_callback(functools.partial(self._received, sub.name))
         self._receiving[sub.name] = receive
         return receive
@@ -190,9 +191,7 @@ class Receiving:
             return
         with contextlib.suppress(Exception):
             if self.subscription_status(subscription) != "Active":
-                giving = asyncio.get_running_loop().create_task(self.give_back_held(subscription))
-                self._giving_back.add(giving)
-                giving.add_done_callback(self._giving_back.discard)
+                self._aws_tasks.spawn(self.give_back_held(subscription), name=f"workqueue-aws-give-back:{subscription}")
 
     def _keep(self, sub: Subscription, receive: Receive) -> int:
         """Holds what an answered receive brought, in SQS's order (its error is raised here);
@@ -512,3 +511,5 @@ class Receiving:
                 self._keep(self._subscriptions[name], receive)
         for name in list(self._held):
             await self.give_back_held(name)
+        await self._aws_tasks.close(finish_within=5.0)
+        self._aws_tasks.reopen()  # the transport may open again

@@ -38,6 +38,7 @@ from ..core.redaction import redacting_logger
 from ..core.reports import (
     SweepReport,
 )
+from ..core.tasks import TaskScope
 from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
 from ..core.transport import (
     Capabilities,
@@ -136,7 +137,8 @@ class AwsTransport(Receiving, Settling, OperatorViews):
         self._wakes: dict[str, asyncio.Event] = {}
         self._interrupted: set[str] = set()
         self._redrive_counts: dict[str, int] = {}
-        self._giving_back: set[asyncio.Task[None]] = set()
+        self._aws_tasks = TaskScope("workqueue-aws")
+        """Long polls, their wake-up waits and give-backs of this transport: ended at close."""
         self.records = SettledRecords()
         self._stack: contextlib.AsyncExitStack | None = None
         self._sns: Any = None

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..core.errors import ConfigurationError
 from ..core.redaction import redacting_logger
+from ..core.tasks import TaskScope
 
 log = redacting_logger("fastapi_workqueue.cli")
 
@@ -153,7 +154,8 @@ async def app_lifespan(app: Any) -> AsyncIterator[dict[str, Any]]:
         else:
             target.set_result(None)
 
-    task = asyncio.create_task(app(scope, receive, send), name="workqueue-app-lifespan")
+    lifespan = TaskScope("workqueue-app-lifespan")
+    task = lifespan.spawn(app(scope, receive, send), name="workqueue-app-lifespan", watch=False)
     await inbox.put({"type": "lifespan.startup"})
     await asyncio.wait([started, task], return_when=asyncio.FIRST_COMPLETED)
     if task.done() and not started.done():
@@ -177,5 +179,6 @@ async def app_lifespan(app: Any) -> AsyncIterator[dict[str, Any]]:
         await asyncio.wait([stopped, task], return_when=asyncio.FIRST_COMPLETED)
         if stopped.done() and stopped.exception() is not None:
             log.error("the app's lifespan failed at shutdown: %s", stopped.exception())
-        with contextlib.suppress(BaseException):
-            await asyncio.wait_for(task, 5)
+        await lifespan.close(grace=1.0, finish_within=5.0)
+        if task.done() and not task.cancelled():
+            task.exception()  # raised at shutdown: logged above through the lifespan's own message

@@ -6,7 +6,6 @@ from typing import Any
 
 import click
 
-from ..core.processes import ProcessRegistry
 from .jobs import _with_queue
 from .output import emit_json, table
 
@@ -17,8 +16,8 @@ def processes(ctx: Any) -> None:
     """The processes that run a host: state (Running, Stopped, Gone), host, pid, what they run."""
 
     async def read(queue: Any) -> Any:
-        transport = queue.transport
-        return await transport.list_processes() if isinstance(transport, ProcessRegistry) else []
+        registry = queue.ports.processes
+        return [] if registry is None else await registry.list_processes()
 
     rows = _with_queue(ctx, read)
     if ctx.as_json:

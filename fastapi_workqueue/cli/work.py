@@ -28,6 +28,7 @@ import click
 from ..core.errors import ConfigurationError, TransportError
 from ..core.host import SubscriptionPlan
 from ..core.redaction import redact, redacting_logger
+from ..core.tasks import TaskScope
 from ..core.words import count
 from .app_loader import LifespanFailed, app_lifespan, load_target, queue_from_lifespan_state
 from .log_setup import configure_logging
@@ -313,19 +314,18 @@ async def _until_done(host: Any, max_duration_ms: int | None, *, finite: bool) -
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
-    waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
+    scope = TaskScope("workqueue-work-until")
+    waiters: list[asyncio.Task[Any]] = [scope.spawn(stop.wait(), name="workqueue-work-signal")]
     if finite:
-        waiters.append(asyncio.ensure_future(host.wait_finished()))
+        waiters.append(scope.spawn(host.wait_finished(), name="workqueue-work-finished"))
     if max_duration_ms is not None:
-        waiters.append(asyncio.ensure_future(asyncio.sleep(max_duration_ms / 1000)))
+        waiters.append(scope.spawn(asyncio.sleep(max_duration_ms / 1000), name="workqueue-work-limit"))
     try:
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set():
             log.info("signal received: no more claims; draining the running handlers")
     finally:
-        for waiter in waiters:
-            waiter.cancel()
-        await asyncio.gather(*waiters, return_exceptions=True)
+        await scope.close()
         for sig in installed:
             loop.remove_signal_handler(sig)
 

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fnmatch
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
 from pydantic import Field
 
 from .handlers import Invoker
 from .observe import NO_OBSERVER, Observer
-from .processes import ProcessBeat, ProcessRegistry, current_process
+from .ports import Ports
+from .processes import ProcessBeat, current_process
 from .redaction import redacting_logger
 from .request_load import RequestLoad
 from .runtime import Consumer, Resolver, Settler
+from .tasks import TaskScope
 from .topology import SubscriptionState
 from .transport import Transport
 from .wire import WireModel
@@ -93,21 +94,15 @@ class HostOptions:
     """The requests this process serves, which its consumers yield to (:mod:`.request_load`)."""
 
 
-def transport_of(transport: Transport, subscription: str) -> Transport:
-    """The transport that serves ``subscription`` (a routing transport picks one per topic)."""
-    route = getattr(transport, "transport_for_subscription", None)
-    return transport if route is None else cast(Transport, route(subscription))
-
-
 RETRY_KEEPS_KEY_BUSY = (
     "on the {name} transport a retrying Exclusive message keeps its key busy until its retry delay "
     "has passed (an SQS FIFO message group waits for its head), unlike the database transport"
 )
 
 
-def unsupported_reason(transport: Transport, sub: SubscriptionState) -> str | None:
-    """Why ``transport`` cannot run ``sub`` here, or None when it can."""
-    transport = transport_of(transport, sub.name)
+def unsupported_reason(ports: Ports, sub: SubscriptionState) -> str | None:
+    """Why the transport that serves ``sub`` cannot run it here, or None when it can."""
+    transport = ports.for_subscription(sub.name)
     caps = transport.capabilities
     if sub.partition_mode == "Ordered" and not caps.ordered:
         return f"Ordered needs a database topic; the {transport.name} transport cannot keep order per key"
@@ -158,12 +153,15 @@ class Host:
         self._consumer_of: dict[str, Consumer] = {}  # subscription name -> the consumer that claims it
         self._health: dict[str, SubscriptionHealth] = {}
         self._by_id: dict[str, str] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._loops = TaskScope("workqueue-host")
+        """The host's own loops (process beat, sweeper, reconcile): cancelled at stop."""
+        self._retiring = TaskScope("workqueue-host-retiring")
+        """Consumers no longer planned, draining: stop waits for them."""
         self._started = False
         self._reconcile_lock = asyncio.Lock()
-        self._stopping: set[asyncio.Task[None]] = set()
         self._retired: dict[str, list[Consumer]] = {}  # consumers no longer planned, by subscription
-        self._registry = transport if isinstance(transport, ProcessRegistry) else None
+        self.ports = Ports.of(transport)
+        self._registry = self.ports.processes
         self.stored_handler_keys: dict[str, str] = {}
         """The handler key of each stored subscription (key -> a subscription that names it), as
         the last reconcile read them."""
@@ -171,36 +169,43 @@ class Host:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    async def __aenter__(self) -> Host:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
     async def start(self) -> None:
-        """Plans the subscriptions and starts consumers, the sweeper and the reconcile loop."""
+        """Plans the subscriptions and starts consumers, the sweeper and the reconcile loop.
+
+        ``async with host:`` starts it and stops it at the end of the block."""
         if self._started:
             return
         self._started = True
+        self._loops.reopen()
+        self._retiring.reopen()
         self.settler.start()
         await self.transport.add_wakeup_listener(self._on_wakeup)
         await self.reconcile()
         if self._registry is not None:
             await self.beat()
-            self._tasks.append(asyncio.create_task(self._beat_loop(), name="workqueue-process-beat"))
+            self._loops.spawn(self._beat_loop(), name="workqueue-process-beat")
         if self.options.sweeper_enabled and self.transport.capabilities.sweeps:
-            self._tasks.append(asyncio.create_task(self._sweep_loop(), name="workqueue-sweeper"))
+            self._loops.spawn(self._sweep_loop(), name="workqueue-sweeper")
         if self.options.reconcile_interval_ms > 0:
-            self._tasks.append(asyncio.create_task(self._reconcile_loop(), name="workqueue-reconcile"))
+            self._loops.spawn(self._reconcile_loop(), name="workqueue-reconcile")
 
     async def stop(self) -> None:
         """Stops claiming everywhere, drains (SPEC §4), releases leftovers, stops the loops."""
         if not self._started:
             return
         self._started = False
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
+        await self._loops.close()
         drain = self.options.shutdown_drain_ms / 1000
-        await asyncio.gather(*(c.stop(drain) for c in self._all_consumers()), *self._stopping,
+        await asyncio.gather(*(c.stop(drain) for c in self._all_consumers()), self._retiring.join(),
                              return_exceptions=True)
+        await self._retiring.close()
         self.consumers.clear()
         self.group_consumers.clear()
         self._consumer_of.clear()
@@ -367,12 +372,11 @@ class Host:
     def _stop_later(self, consumer: Consumer) -> None:
         """Stops a consumer that is no longer planned, draining it in the background."""
         self._retired.setdefault(consumer.subscription.name, []).append(consumer)
-        task = asyncio.create_task(consumer.stop(self.options.shutdown_drain_ms / 1000))
-        self._stopping.add(task)
-        task.add_done_callback(self._stopping.discard)
+        self._retiring.spawn(consumer.stop(self.options.shutdown_drain_ms / 1000),
+                             name=f"workqueue-retire:{consumer.name}")
 
     def _desired_state(self, sub: SubscriptionState) -> tuple[HealthState, str | None]:
-        reason = unsupported_reason(self.transport, sub)
+        reason = unsupported_reason(self.ports, sub)
         if reason is not None:
             return "Unsupported", reason
         retired = sub.status == "Retired" or sub.topic_status == "Retired"
@@ -400,7 +404,7 @@ class Host:
         if retired:
             what = f"subscription {sub.name!r}" if sub.status == "Retired" else f"topic {sub.topic!r}"
             return "Running", f"{what} is retired: no new deliveries; draining what it still holds"
-        serving = transport_of(self.transport, sub.name)
+        serving = self.ports.for_subscription(sub.name)
         if sub.partition_mode == "Exclusive" and serving.capabilities.retry_keeps_key_busy:
             return "Running", RETRY_KEEPS_KEY_BUSY.format(name=serving.name)
         return "Running", None

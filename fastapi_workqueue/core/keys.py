@@ -8,7 +8,7 @@ import secrets
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from .topology import check_name
 from .wire import WireModel
@@ -85,6 +85,7 @@ class KeyRecord:
         return Principal(name=self.name, scopes=frozenset(self.scopes), key_id=self.id, topics=self.topics)
 
 
+@runtime_checkable
 class ApiKeyStore(Protocol):
     """Where keys live (the database transport implements it). It hands out no hash: a key is
     checked by :meth:`api_key_verify` with the hash of the key presented."""

@@ -18,7 +18,8 @@ from typing import Any
 
 from .envelope import PreparedMessage, PublishResult
 from .errors import ConfigurationError, TransportError
-from .processes import ProcessBeat, ProcessInfo, ProcessRegistry
+from .ports import Ports, interrupter_of
+from .processes import ProcessBeat, ProcessInfo
 from .reports import (
     ActionResult,
     Backlog,
@@ -32,7 +33,6 @@ from .reports import (
 )
 from .topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
 from .transport import (
-    INTERRUPT_CLAIMS,
     Capabilities,
     ClaimedDelivery,
     HeartbeatRequest,
@@ -80,6 +80,8 @@ class RoutingTransport:
     ) -> None:
         self.default = default
         self.others = others
+        self._registry = Ports.of(default).processes if default is not None else None
+        """The database's process registry: processes are the app's, not a topic's."""
         self._topics = dict(topics)
         self._subscriptions = dict(subscriptions)
         base = default.capabilities if default is not None else Capabilities()
@@ -256,9 +258,9 @@ class RoutingTransport:
                 continue
             by_transport.setdefault(id(transport), (transport, []))[1].append(name)
         for transport, names in by_transport.values():
-            interrupt = getattr(transport, INTERRUPT_CLAIMS, None)
-            if interrupt is not None:
-                interrupt(names)
+            interrupter = interrupter_of(transport)
+            if interrupter is not None:
+                interrupter.interrupt_claims(names)
 
     async def add_wakeup_listener(self, listener: WakeupListener) -> None:
         for transport in self._all():
@@ -289,15 +291,15 @@ class RoutingTransport:
         await self.database.step_put(message_id, name, value_json)
 
     async def process_beat(self, beat: ProcessBeat) -> None:
-        if isinstance(self.default, ProcessRegistry):
-            await self.default.process_beat(beat)
+        if self._registry is not None:
+            await self._registry.process_beat(beat)
 
     async def process_stop(self, process_id: uuid.UUID) -> None:
-        if isinstance(self.default, ProcessRegistry):
-            await self.default.process_stop(process_id)
+        if self._registry is not None:
+            await self._registry.process_stop(process_id)
 
     async def list_processes(self) -> list[ProcessInfo]:
-        return await self.default.list_processes() if isinstance(self.default, ProcessRegistry) else []
+        return await self._registry.list_processes() if self._registry is not None else []
 
     async def sweep(self, limit: int = 1000) -> SweepReport:
         """Sweeps each transport that sweeps (``capabilities.sweeps``); SQS expires its leases itself."""

@@ -30,11 +30,13 @@ from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .leases import LocalLease, start_margin
 from .observe import NO_OBSERVER, Observer
 from .outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError
+from .ports import interrupter_of
 from .redaction import TRACEBACK_TEXT, redact, redacting_logger
 from .request_load import RequestLoad
 from .settler import Settler
+from .tasks import TaskScope, cancel_and_wait
 from .topology import SubscriptionState
-from .transport import INTERRUPT_CLAIMS, ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
+from .transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
 from .words import count
 
 log = redacting_logger("fastapi_workqueue.runtime")
@@ -44,6 +46,8 @@ SETTLE_BACKLOG_LIMIT = 1000
 """A consumer claims no more while this many of the process's outcomes wait to be written."""
 PREFETCH_BELOW_SECONDS = 0.05
 MAX_PREFETCH = 100
+LEFTOVER_GRACE_SECONDS = 0.5
+"""How long a stopping consumer waits, after releasing them, for handlers that ignored Shutdown."""
 """Handlers that take less than this on average get a second set of deliveries claimed ahead."""
 WAKE_BACKOFF_MIN = 0.01
 """The first pause after a wake-up claim that found nothing; it doubles up to ``wake_backoff``."""
@@ -138,6 +142,8 @@ class Consumer:
         self._slot_freed = asyncio.Event()
         self._stopping = False
         self._paused = False
+        self._tasks = TaskScope(f"workqueue-consumer:{self._name}")
+        self._interrupter = interrupter_of(transport)
         self._loop_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.last_error: str | None = None
@@ -182,12 +188,10 @@ class Consumer:
         if self._request_load is not None:
             self._request_load.subscribe(self._slot_freed.set)
         self._start_claiming()
-        self._heartbeat_task = asyncio.create_task(
-            self._heartbeat_loop(), name=f"workqueue-heartbeat:{self.name}"
-        )
+        self._heartbeat_task = self._tasks.spawn(self._heartbeat_loop(), name=f"workqueue-heartbeat:{self.name}")
 
     def _start_claiming(self) -> None:
-        self._loop_task = asyncio.create_task(self._claim_loop(), name=f"workqueue-claim:{self.name}")
+        self._loop_task = self._tasks.spawn(self._claim_loop(), name=f"workqueue-claim:{self.name}")
 
     def pause(self) -> None:
         """Stops claiming. Handlers that run go on, renew their leases and settle as usual;
@@ -274,16 +278,16 @@ class Consumer:
                                 reason="released at shutdown") for r in leftovers]
                 )
         if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat_task
+            await cancel_and_wait([self._heartbeat_task], owner=self.name)
+        # What is left are handlers that ignored Shutdown (their deliveries were released above):
+        # the scope cancels them once more and leaves them behind after a moment.
+        await self._tasks.close(grace=LEFTOVER_GRACE_SECONDS)
         await self.settler.flush()
 
     def _interrupt_claims(self) -> None:
         """Ends a claim that waits for work (an SQS long poll) instead of waiting it out."""
-        interrupt = getattr(self.transport, INTERRUPT_CLAIMS, None)
-        if interrupt is not None:
-            interrupt([s.name for group in self._groups for s in group])
+        if self._interrupter is not None:
+            self._interrupter.interrupt_claims([s.name for group in self._groups for s in group])
 
     def _release_buffer(self, reason: str) -> None:
         """Gives back deliveries claimed ahead and not started, without spending their attempt."""
@@ -506,7 +510,7 @@ class Consumer:
             running.timers.append(
                 loop.call_later(sub.max_processing_seconds, self._abort, running, AbortReason.MAX_PROCESSING_SECONDS)
             )
-        running.task = loop.create_task(self._run(running))
+        running.task = self._tasks.spawn(self._run(running), name=f"workqueue-handler:{running.delivery.delivery_id}")
 
     def _arm_lease_timer(self, running: _Running) -> None:
         """Aborts the handler with LeaseLost when its lease runs out without a renewal."""

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from .errors import TransportError
 from .observe import NO_OBSERVER, Observer
 from .redaction import redacting_logger
+from .tasks import TaskScope
 from .transport import Settlement, SettleResult, Transport
 from .words import count
 
@@ -39,6 +40,7 @@ class Settler:
         self._idle = asyncio.Event()
         self._idle.set()
         self._written = asyncio.Event()
+        self._tasks = TaskScope("workqueue-settler")
         self._task: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -50,7 +52,8 @@ class Settler:
     def start(self) -> None:
         if self._task is None:
             self._closing = False
-            self._task = asyncio.create_task(self._run(), name="workqueue-settler")
+            self._tasks.reopen()
+            self._task = self._tasks.spawn(self._run(), name="workqueue-settler")
 
     def submit(self, settlement: Settlement, done: SettleDone | None = None) -> None:
         """Queues a settle for the next batch."""
@@ -81,6 +84,7 @@ class Settler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await self._tasks.close()
 
     async def _settle(self, settlements: list[Settlement], written: dict[int, SettleResult]) -> None:
         """One batch for the plain settles; one transaction each for a completion with follow-ups

@@ -1,10 +1,10 @@
 """The transport contract: what the runtime, the host and operators need from where messages live.
 
-A transport implements :class:`Transport`; its :class:`Capabilities` say what it cannot do, and
-the host reports such subscriptions ``Unsupported`` instead of failing silently. A transport whose
-claims wait for work (an SQS long poll) also has ``interrupt_claims(subscriptions)``
-(:data:`INTERRUPT_CLAIMS`): it ends those claims with what they have, so a consumer that stops or
-pauses does not wait them out.
+A transport implements :class:`Transport`, the sum of the roles below (each a protocol a part of
+the library can ask for alone); its :class:`Capabilities` say what it cannot do, and the host
+reports such subscriptions ``Unsupported`` instead of failing silently. What only some transports
+have (ending claims that wait for work, a process registry, API keys ...) is a port of its own in
+:mod:`.ports`, resolved once when the queue is wired.
 """
 
 from __future__ import annotations
@@ -29,9 +29,6 @@ from .reports import (
     SweepReport,
 )
 from .topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
-
-INTERRUPT_CLAIMS = "interrupt_claims"
-"""The optional method of a transport whose claims wait for work (see the module's docstring)."""
 
 SettleKind = Literal["Complete", "Retry", "Fail", "DeadLetter", "Release", "Discard"]
 SettleResult = Literal["Completed", "Pending", "DeadLettered", "Discarded", "LeaseLost"]
@@ -118,29 +115,34 @@ WakeupListener = Callable[[str], None]
 """Called with a subscription id when it may have new claimable work."""
 
 
-@runtime_checkable
-class Transport(Protocol):
-    """Where messages live. Every method is safe to call from many processes at once."""
-
-    name: str
-    capabilities: Capabilities
+class StoreLifecycle(Protocol):
+    """Opening, closing and migrating the store."""
 
     async def open(self) -> None: ...
     async def close(self) -> None: ...
     async def migrate(self) -> list[str]: ...
 
-    # topology
+
+class TopologyStore(Protocol):
+    """Where topics and subscriptions are declared and their status kept."""
+
     async def sync_topology(self, topics: Sequence[Topic], subscriptions: Sequence[Subscription]) -> None: ...
     async def list_subscriptions(self) -> list[SubscriptionState]: ...
     async def list_topics(self) -> list[Topic]: ...
     async def set_subscription_status(self, subscription: str, status: SubscriptionStatus) -> bool | None: ...
 
-    # publish
+
+class Publishing(Protocol):
+    """Accepting messages for a topic (inside the caller's ``session`` where the store has one)."""
+
     async def publish(
         self, topic: str, messages: Sequence[PreparedMessage], *, session: Any = None
     ) -> list[PublishResult]: ...
 
-    # consume
+
+class Consuming(Protocol):
+    """Claiming under a lease, renewing it, and settling what was claimed."""
+
     async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]: ...
     async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
         """One claim across several None-mode subscriptions: up to ``limit`` deliveries, the oldest
@@ -159,7 +161,10 @@ class Transport(Protocol):
         never receives them."""
         ...
 
-    # once markers (context.once)
+
+class MessageMarkers(Protocol):
+    """Small records kept beside a message: ``context.once`` keys, deduplication keys, job steps."""
+
     async def once_begin(self, key: str, running_seconds: float) -> tuple[str, str | None]: ...
     async def once_finish(self, key: str, token: str, ttl_seconds: float) -> bool: ...
     async def once_abort(self, key: str, token: str) -> bool: ...
@@ -167,8 +172,6 @@ class Transport(Protocol):
         """Holds a Running key ``running_seconds`` more while ``token`` holds it (a holder renews it as a
         heartbeat renews a lease); False once the token no longer holds the key."""
         ...
-
-    # deduplication keys and step results (the jobs layer's unique keys and durable steps)
     async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID) -> bool:
         """Frees ``key`` of ``topic`` if ``message_id`` holds it (True when it did)."""
         ...
@@ -179,10 +182,22 @@ class Transport(Protocol):
         """Stores a step's JSON result; kept until the message is purged."""
         ...
 
-    # housekeeping
-    async def sweep(self, limit: int = 1000) -> SweepReport: ...
 
-    # operate
+class Housekeeping(Protocol):
+    """Expiring leases, purging what is settled, pruning old dead letters."""
+
+    async def sweep(self, limit: int = 1000) -> SweepReport: ...
+    async def prune(self, older_than_seconds: float) -> int: ...
+    async def discard_dead_letters(self, subscription: str, settled_before: datetime, limit: int = 1000) -> int:
+        """Discards the subscription's DeadLettered deliveries settled before ``settled_before``
+        (reason ``pruned``), ``limit`` at a time, each batch a transaction of its own; returns how
+        many it discarded."""
+        ...
+
+
+class OperatorReads(Protocol):
+    """What operators read: counts, backlogs, deliveries, partitions, bindings."""
+
     async def stats(self, subscription: str | None = None) -> list[SubscriptionStats]: ...
     async def backlog(self, subscription: str) -> Backlog | None: ...
     async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None: ...
@@ -204,18 +219,32 @@ class Transport(Protocol):
     async def partitions(
         self, subscription: str, condition: PartitionCondition | None = None, *, limit: int = 100
     ) -> list[PartitionInfo]: ...
-    async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult: ...
     async def validate_bindings(self) -> BindingReport: ...
-    async def prune(self, older_than_seconds: float) -> int: ...
+
+
+class OperatorActions(Protocol):
+    """What operators change: replay and discard of deliveries, a payload's rewrite."""
+
+    async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult: ...
     async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult: ...
-    async def discard_dead_letters(self, subscription: str, settled_before: datetime, limit: int = 1000) -> int:
-        """Discards the subscription's DeadLettered deliveries settled before ``settled_before``
-        (reason ``pruned``), ``limit`` at a time, each batch a transaction of its own; returns how
-        many it discarded."""
-        ...
     async def rewrite_payload(
         self, message_id: uuid.UUID, payload_json: str, content_hash: str, envelope_bytes: int
     ) -> bool:
         """Replaces a stored message's payload (re-encryption with a new key) while none of its
         deliveries is InFlight, Completed or Discarded; False when it did not rewrite."""
         ...
+
+
+@runtime_checkable
+class Transport(
+    StoreLifecycle, TopologyStore, Publishing, Consuming, MessageMarkers, Housekeeping, OperatorReads,
+    OperatorActions, Protocol,
+):
+    """Where messages live: every role above, with a ``name`` and the :class:`Capabilities` that say
+    what it cannot honour. Every method is safe to call from many processes at once. A part of the
+    library that needs one role takes that role's protocol; the optional parts a transport may add
+    (a process registry, live work, stats history, API keys ...) are resolved once, into
+    :class:`.ports.Ports`."""
+
+    name: str
+    capabilities: Capabilities

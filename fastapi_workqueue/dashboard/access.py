@@ -10,7 +10,7 @@ dependency instead (the shape of the REST API's: it takes ``SecurityScopes`` and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import HTTPException, Request, status
 from fastapi.security import SecurityScopes
@@ -46,14 +46,14 @@ class Viewer:
 
 def key_store(queue: WorkQueue) -> ApiKeyStore:
     """The queue's API key store; 501 on a transport that keeps no keys."""
-    store: Any = queue.transport
-    if not hasattr(store, "api_key_session"):
+    store = queue.ports.api_keys
+    if store is None:
         raise HTTPException(
             status.HTTP_501_NOT_IMPLEMENTED,
             detail="this transport stores no API keys: pass the app's own authorize dependency to "
             "queue.dashboard(authorize=...)",
         )
-    return store  # type: ignore[no-any-return]
+    return store
 
 
 def session_authorizer(queue: WorkQueue, codec: SessionCodec) -> Authorizer:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from ..core.history import StatsHistoryReader, StatsPoint
+from ..core.history import StatsPoint
 from ..core.host import SubscriptionHealth
-from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts, LiveWorkReader
-from ..core.processes import ProcessInfo, ProcessRegistry
+from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts
+from ..core.processes import ProcessInfo
 from ..core.reports import DeliveryInfo
 from ..core.topology import SubscriptionState
 from ..core.words import count
@@ -107,9 +107,9 @@ class SubscriptionPage:
 
 async def counts_of(queue: WorkQueue, subscription: str | None = None) -> dict[str, LiveCounts]:
     """The live counts by subscription: bounded where the transport offers it, else stats."""
-    transport: Any = queue.transport
-    if isinstance(transport, LiveWorkReader):
-        return {c.subscription: c for c in await transport.live_counts(subscription)}
+    live = queue.ports.live_work
+    if live is not None:
+        return {c.subscription: c for c in await live.live_counts(subscription)}
     return {
         s.subscription: LiveCounts(subscription=s.subscription, pending=s.pending, in_flight=s.in_flight,
                                    dead_lettered=s.dead_lettered, cap=2**62)
@@ -118,10 +118,10 @@ async def counts_of(queue: WorkQueue, subscription: str | None = None) -> dict[s
 
 
 async def history_of(queue: WorkQueue, now: datetime, subscription: str | None = None) -> tuple[list[StatsPoint], bool]:
-    transport: Any = queue.transport
-    if not isinstance(transport, StatsHistoryReader):
+    history = queue.ports.history
+    if history is None:
         return [], False
-    return await transport.stats_history(now - timedelta(minutes=CHART_MINUTES), subscription), True
+    return await history.stats_history(now - timedelta(minutes=CHART_MINUTES), subscription), True
 
 
 def _health_by_name(queue: WorkQueue) -> dict[str, SubscriptionHealth]:
@@ -141,8 +141,8 @@ def _row(state: SubscriptionState, counts: dict[str, LiveCounts], health: dict[s
 
 async def process_list(queue: WorkQueue) -> list[ProcessInfo] | None:
     """The processes of the store's registry, live ones first (None when the store keeps none)."""
-    transport: Any = queue.transport
-    return await transport.list_processes() if isinstance(transport, ProcessRegistry) else None
+    registry = queue.ports.processes
+    return None if registry is None else await registry.list_processes()
 
 
 def served_by(processes: list[ProcessInfo]) -> dict[str, int]:
@@ -159,7 +159,7 @@ async def attention(queue: WorkQueue, rows: list[SubscriptionRow], served: dict[
     """What needs looking at first: dead letters, blocked Ordered keys, work nobody runs anywhere,
     a subscription this process cannot run; alerts before warnings, then by subscription."""
     found: list[Attention] = []
-    transport: Any = queue.transport
+    live = queue.ports.live_work
     for row in rows:
         state, counts = row.state, row.counts
         name = state.name
@@ -167,9 +167,9 @@ async def attention(queue: WorkQueue, rows: list[SubscriptionRow], served: dict[
         if counts.dead_lettered:
             found.append(Attention("alert", name, _many(counts.dead_lettered, cap, "dead letter"),
                                    "replay them once the cause is fixed, or discard them", "#dead-letters"))
-        if state.partition_mode == "Ordered" and isinstance(transport, LiveWorkReader) and (
+        if state.partition_mode == "Ordered" and live is not None and (
                 counts.dead_lettered or counts.pending):
-            blocked = await transport.blocked_keys(name, limit=BLOCKED_SHOWN, cap=WAITING_CAP)
+            blocked = await live.blocked_keys(name, limit=BLOCKED_SHOWN, cap=WAITING_CAP)
             if blocked:
                 keys = ", ".join(b.partition_key for b in blocked[:3]) + (" …" if len(blocked) > 3 else "")
                 found.append(Attention("alert", name, f"{len(blocked)}{'+' if len(blocked) >= BLOCKED_SHOWN else ''} "
@@ -232,10 +232,10 @@ async def subscription_page(queue: WorkQueue, state: SubscriptionState, after: s
     wanted = PAGE if after is not None else max(PAGE, SCAN)
     dead = shown_all(await queue.dead_letters(name, limit=wanted + 1, after=after))
     next_after = dead[PAGE - 1].delivery_id if len(dead) > PAGE else None
-    transport: Any = queue.transport
+    live = queue.ports.live_work
     blocked: list[BlockedKey] = []
-    if state.partition_mode == "Ordered" and isinstance(transport, LiveWorkReader):
-        blocked = await transport.blocked_keys(name, limit=PAGE, cap=WAITING_CAP)
+    if state.partition_mode == "Ordered" and live is not None:
+        blocked = await live.blocked_keys(name, limit=PAGE, cap=WAITING_CAP)
     causes = group_causes(dead[:SCAN], complete=len(dead) <= SCAN) if dead and after is None else None
     dead = dead[:PAGE + 1]
     return SubscriptionPage(now=now, row=row, history=history, has_history=has_history, in_flight=in_flight,

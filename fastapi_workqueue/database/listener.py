@@ -16,6 +16,7 @@ from typing import Any
 import asyncpg
 
 from ..core.redaction import redacting_logger
+from ..core.tasks import TaskScope
 
 log = redacting_logger("fastapi_workqueue.listener")
 
@@ -67,19 +68,16 @@ class NotificationListener:
         self._callback = callback
         self._ping_interval = ping_interval
         self._conn: asyncpg.Connection | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = TaskScope("workqueue-listener")
         self._lost = asyncio.Event()
 
     async def start(self) -> None:
         await self._connect()
-        self._task = asyncio.create_task(self._watch(), name="workqueue-listener")
+        self._tasks.reopen()
+        self._tasks.spawn(self._watch(), name="workqueue-listener")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._tasks.close()
         await self._drop()
 
     def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: object) -> None:
@@ -146,6 +144,7 @@ class NotificationSender:
         self._channel = channel
         self._acquire = acquire
         self._pending: set[int] = set()
+        self._tasks = TaskScope("workqueue-notify")
         self._task: asyncio.Task[None] | None = None
         self.sent = 0
         """NOTIFY statements sent so far (several publishes' wake-ups may share one)."""
@@ -163,7 +162,7 @@ class NotificationSender:
             return
         self._pending.update(subscription_ids)
         if self._pending and self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._flush(), name="workqueue-notify")
+            self._task = self._tasks.spawn(self._flush(), name="workqueue-notify")
 
     async def _flush(self) -> None:
         try:
@@ -192,10 +191,7 @@ class NotificationSender:
         self._closed = True
         task = self._task
         if task is not None:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(task), self.close_seconds)
-            except TimeoutError:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await self._tasks.close()
         self._pending.clear()

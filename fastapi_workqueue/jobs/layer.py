@@ -31,6 +31,7 @@ from ..core.envelope import (
 from ..core.errors import ConfigurationError, TransportError
 from ..core.outcomes import FollowUp, Outcome, WorkOutcome
 from ..core.redaction import redacting_logger
+from ..core.tasks import TaskScope
 from ..core.topology import Subscription, Topic
 from .context import JobContext, StepStore
 from .definition import DEFAULT_TRIES, Job, check_job_name, check_queue_name, define_job
@@ -141,7 +142,7 @@ class Jobs:
         """The test fake while ``queue.fake()`` is active: dispatches are recorded, not queued."""
         self.schedules = Schedules(self)
         self.failed = FailedJobs(self)
-        self._emitting: set[asyncio.Task[None]] = set()
+        self._emitting = TaskScope("workqueue-job-events")
         self._stop_timeout: float | None = None
         self._watcher: UnwatchedQueues | None = None
 
@@ -149,14 +150,11 @@ class Jobs:
 
     def emit_soon(self, event: Any) -> None:
         """Calls the listeners of ``event`` in a task of their own (from a settle's callback)."""
-        task = asyncio.get_running_loop().create_task(self.events.emit(event), name="workqueue-job-event")
-        self._emitting.add(task)
-        task.add_done_callback(self._emitting.discard)
+        self._emitting.spawn(self.events.emit(event), name="workqueue-job-event")
 
     async def drain_events(self) -> None:
         """Waits for the listeners still running (the queue's close)."""
-        while self._emitting:
-            await asyncio.gather(*list(self._emitting), return_exceptions=True)
+        await self._emitting.join()
 
     # -- beside a worker ---------------------------------------------------------------------
 

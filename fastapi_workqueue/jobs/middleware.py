@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core.redaction import redacting_logger
+from ..core.tasks import TaskScope
 from .context import JobContext, JobRelease
 
 if TYPE_CHECKING:
@@ -85,12 +86,16 @@ class Locks:
 @contextlib.asynccontextmanager
 async def _kept(locks: Locks, key: str, token: str, seconds: float) -> Any:
     """Keeps ``key`` renewed while the block runs, and frees it when the block ends."""
-    renewal = asyncio.create_task(locks.keep(key, token, seconds), name=f"workqueue-overlap-lock:{key}")
+    renewal = TaskScope(f"workqueue-overlap-lock:{key}")
+    renewal.spawn(locks.keep(key, token, seconds), name=f"workqueue-overlap-lock:{key}")
     try:
         yield
     finally:
         renewal.cancel()
-        await locks.release(key, token)
+        try:
+            await locks.release(key, token)
+        finally:
+            await renewal.close()
 
 
 def without_overlapping(

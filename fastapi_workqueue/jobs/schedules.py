@@ -11,7 +11,6 @@ the last one the store knows are queued (at most :data:`MAX_CATCH_UP` of them).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -21,6 +20,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from ..core.envelope import PublishStatus
 from ..core.errors import ConfigurationError, missing_extra
 from ..core.redaction import redacting_logger
+from ..core.tasks import TaskScope
 from .definition import Job
 
 if TYPE_CHECKING:
@@ -121,6 +121,7 @@ class Schedules:
     def __init__(self, jobs: Jobs) -> None:
         self._jobs = jobs
         self.items: dict[str, Schedule] = {}
+        self._tasks = TaskScope("workqueue-schedules")
         self._task: asyncio.Task[None] | None = None
         self._last: dict[str, datetime] = {}
 
@@ -159,14 +160,12 @@ class Schedules:
 
     def start(self) -> None:
         if self.items and self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="workqueue-schedules")
+            self._tasks.reopen()
+            self._task = self._tasks.spawn(self._loop(), name="workqueue-schedules")
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        self._task = None
+        await self._tasks.close()
 
     async def run_due(self, now: datetime | None = None) -> int:
         """Dispatches every tick due at ``now``; returns how many this process queued."""

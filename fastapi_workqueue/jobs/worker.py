@@ -10,7 +10,6 @@ fairly. A worker with a list and no ``*`` warns once about jobs waiting on queue
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING
 from ..core.errors import ConfigurationError
 from ..core.host import GroupPlan
 from ..core.redaction import redacting_logger
+from ..core.tasks import TaskScope
 from .definition import check_queue_name
 from .envelope import TOPIC_PREFIX, queue_of, topic_of
 
@@ -92,6 +92,7 @@ class UnwatchedQueues:
         self._idle = idle
         self._poll = poll
         self._warned: set[str] = set()
+        self._tasks = TaskScope("workqueue-unwatched-queues")
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -101,14 +102,12 @@ class UnwatchedQueues:
 
     def start(self) -> None:
         if self.watching and self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="workqueue-unwatched-queues")
+            self._tasks.reopen()
+            self._task = self._tasks.spawn(self._loop(), name="workqueue-unwatched-queues")
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        self._task = None
+        await self._tasks.close()
 
     async def look(self) -> list[str]:
         """Queues outside the list with jobs ready now, not warned about before; warns, naming them."""

@@ -10,13 +10,13 @@ its own to ``queue.create_router(authorize=...)``.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import Depends, HTTPException, status
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer, SecurityScopes
 
 from ..core.errors import ConfigurationError, TransportError
-from ..core.keys import ApiKeyStore, Principal, verify_key
+from ..core.keys import Principal, verify_key
 from ..core.redaction import redact, redacting_logger
 
 if TYPE_CHECKING:
@@ -57,11 +57,11 @@ def api_key_authorizer(queue: WorkQueue) -> Authorizer:
                 detail="an API key is required: send Authorization: Bearer <key> or X-API-Key: <key>",
                 headers=challenge,
             )
-        store: Any = queue.transport
-        if not hasattr(store, "api_key_verify"):
+        store = queue.ports.api_keys
+        if store is None:
             raise HTTPException(status_code=status.HTTP_501_NOT_IMPLEMENTED, detail="this transport stores no API keys")
         try:
-            principal = await verify_key(_as_store(store), key)
+            principal = await verify_key(store, key)
         except (TransportError, ConfigurationError) as exc:
             raise store_unavailable(exc) from exc
         if principal is None:
@@ -86,6 +86,3 @@ def store_unavailable(exc: Exception) -> HTTPException:
         headers={"Retry-After": "1"},
     )
 
-
-def _as_store(store: Any) -> ApiKeyStore:
-    return store  # type: ignore[no-any-return]

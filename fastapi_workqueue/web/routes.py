@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..core.envelope import PublishRequest, PublishResult
 from ..core.errors import ConfigurationError, TransportError, TransportUnavailable, UnknownTopic
 from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_PUBLISH, SCOPE_READ, Principal
-from ..core.processes import ProcessInfo, ProcessRegistry
+from ..core.processes import ProcessInfo
 from ..core.reports import (
     ActionResult,
     Backlog,
@@ -293,10 +293,8 @@ def build_router(
         start, version, what it runs, busy slots, what it holds InFlight and its state (Running,
         Stopped, or Gone once it missed three beats); live ones first. Empty when the store keeps
         no process registry."""
-        transport: Any = queue.transport
-        if not isinstance(transport, ProcessRegistry):
-            return []
-        return await _call(transport.list_processes())
+        registry = queue.ports.processes
+        return [] if registry is None else await _call(registry.list_processes())
 
     @router.get("/subscriptions/{subscription}/backlog", response_model=Backlog, summary="Backlog for autoscalers")
     async def backlog(subscription: Sub, principal: Reader) -> Backlog:

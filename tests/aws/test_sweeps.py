@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ async def test_without_a_database_the_host_runs_no_sweeper(moto_url: str, monkey
         assert await host.sweep_once() == 0
         await host.start()
         try:
-            assert "workqueue-sweeper" not in {task.get_name() for task in host._tasks}
+            assert "workqueue-sweeper" not in {task.get_name() for task in asyncio.all_tasks()}
         finally:
             await host.stop()
         assert calls == []
