@@ -543,8 +543,8 @@ async def test_the_aws_role_runs_the_outbox_through_its_functions_and_touches_no
             engine = create_async_engine(url_as(pg_url, login))
             try:
                 messages = [prepare(PublishRequest(payload={"n": n})) for n in range(2)]
-                async with engine.begin() as conn:
-                    await store.write(conn, topic, [(m, f"body {n}") for n, m in enumerate(messages)])
+                async with engine.begin() as session:
+                    await store.write(session, topic, [(m, f"body {n}") for n, m in enumerate(messages)])
                 taken: list[OutboxRow] = []
 
                 async def send(rows: list[OutboxRow]) -> tuple[list[int], list[tuple[int, str]], bool]:
