@@ -748,6 +748,8 @@ async def test_the_role_scripts_are_reachable_from_a_wheel_install(tmp_path: Pat
     listed = json.loads(await command("sql", "list", "--json"))
     assert {"Dialect": "postgresql", "Path": "roles/runtime_role.sql"} in listed
     assert {"Dialect": "mssql", "Path": "roles/runtime_role.sql"} in listed
+    assert {"Dialect": "postgresql", "Path": "roles/aws_role.sql"} in listed
+    assert {"Dialect": "mssql", "Path": "roles/aws_role.sql"} in listed
     assert not [e for e in listed if e["Path"][:4].isdigit()]  # migrations are not scripts to run by hand
     printed = await command("sql", "print", "roles/runtime_role.sql")
     assert printed == (ROOT / "sql" / "postgresql" / "roles" / "runtime_role.sql").read_text()

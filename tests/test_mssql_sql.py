@@ -58,6 +58,11 @@ POSTGRESQL_ONLY = frozenset({"publish_one", "publish_one_quiet"})
 """PostgreSQL functions without a T-SQL routine: publish_one is publish for one message with
 scalars, and publish_one_quiet the same without its NOTIFY, which only the PostgreSQL
 transport calls (``postgres.py``); every other dialect calls publish for that too."""
+OWNER_ONLY = frozenset({"aws_binding_replace"})
+"""Granted to no role: importing bindings is a deployment step the schema owner runs."""
+AWS_READS = frozenset({"aws_outbox_take", "aws_binding_list"})
+"""The AWS layer's routines that write nothing (SQLite runs its outbox and bindings as named
+statements, so they are not in ``READ_ONLY``); the take locks the rows it answers."""
 RETURN_STATUS = frozenset({"refresh_partition", "rederive_stale"})
 """Answer through the procedure's return status instead of a result set (only other procedures
 call them; a result set would reach their client)."""
@@ -257,7 +262,7 @@ def test_the_files_are_the_expected_migrations() -> None:
     versions = [m.version for m in found]
     # 0001_schema (release 0.1.0's schema), then each later release's one, each version once.
     assert versions == sorted(set(versions)) and found[0].label == "0001_schema", versions
-    for role in ("runtime", "operator", "admin"):
+    for role in ROLES:
         assert (MSSQL_DIR / "roles" / f"{role}_role.sql").is_file()
 
 
@@ -430,7 +435,7 @@ def test_writing_procedures_abort_and_rethrow(name: str) -> None:
         r"|\bEXEC\s+workqueue\.",
         code,
     )
-    if name in READ_ONLY:
+    if name in READ_ONLY | AWS_READS:
         assert not writes, f"{name} is read-only on every other dialect but writes here"
         return
     assert writes, f"{name} writes on PostgreSQL"
@@ -448,6 +453,16 @@ def test_claims_skip_locked_rows_and_the_sweep_never_waits() -> None:
     assert "SELECT @v_ran AS ran" in sweep
 
 
+def test_the_outbox_take_skips_locked_rows_and_its_head_check_reads_past_none() -> None:
+    """As PostgreSQL's FOR UPDATE SKIP LOCKED: the take skips rows another relay holds; the check
+    for an earlier unsent row of a key must see those rows, so it reads past none."""
+    take = _code(tsql_routines()["aws_outbox_take"].raw)
+    assert take.count("WITH (UPDLOCK, READPAST, ROWLOCK)") == 1
+    check = take[take.index("NOT EXISTS"):]
+    assert "READPAST" not in check and "e.id < l.id" in check and "e.sent_at IS NULL" in check
+    assert "e.id NOT IN (SELECT x.id FROM @v_locked AS x)" in check
+
+
 def test_no_postgresql_only_syntax() -> None:
     forbidden = [r"\bpg_\w+", r"\bLIMIT\b", r"\bRETURNING\b", r"\bON CONFLICT\b", r"\bILIKE\b", r"::",
                  r"\bGREATEST\s*\(", r"\bLEAST\s*\(", r"\bIS (NOT )?DISTINCT FROM\b", r"\bnow\(\)", r"\$\$"]
@@ -458,7 +473,7 @@ def test_no_postgresql_only_syntax() -> None:
         assert not found, f"{name}: {found}"
 
 
-ROLES = ("runtime", "operator", "admin")
+ROLES = ("runtime", "operator", "admin", "aws")
 
 
 def postgresql_role_functions(role: str) -> set[str]:
@@ -497,9 +512,12 @@ def test_role_scripts_create_their_role(role: str) -> None:
 def test_the_roles_split_the_routines() -> None:
     """Keys are minted and retired topology deleted by the admin only; operator actions are not the
     runtime's; the helpers the routines call for themselves are granted to no role."""
-    runtime, operator, admin = (postgresql_role_functions(r) for r in ROLES)
+    runtime, operator, admin, aws = (postgresql_role_functions(r) for r in ROLES)
     assert {"api_key_create", "api_key_list", "api_key_revoke", "delete_subscription", "delete_topic"} == admin
     assert not admin & (runtime | operator)
+    assert aws == {"aws_outbox_write", "aws_outbox_take", "aws_outbox_mark_sent", "aws_outbox_defer",
+                   "aws_binding_list"}
+    assert not aws & (runtime | operator | admin), "the AWS layer's routines are its role's alone"
     operating = {"replay", "discard", "set_subscription_status", "prune", "retire_subscription", "discard_pending",
                  "set_topic_status"}
     assert not operating & runtime
@@ -509,8 +527,9 @@ def test_the_roles_split_the_routines() -> None:
     assert "api_key_lookup" not in pg_functions()  # it would answer a stored hash
     helpers = {"refresh_partition", "release_keys", "rederive_stale", "fold_settled_counts", "backoff_seconds",
                "filter_matches", "expire_leases", "purge"}
-    assert not helpers & (runtime | operator | admin)
-    assert runtime | operator | admin | helpers == set(pg_functions()), "every function is someone's or a helper"
+    assert not (helpers | OWNER_ONLY) & (runtime | operator | admin | aws)
+    assert runtime | operator | admin | aws | helpers | OWNER_ONLY == set(pg_functions()), (
+        "every function is someone's, a helper or the owner's")
 
 
 # -- the transport, without a server ---------------------------------------------------------------

@@ -519,37 +519,66 @@ async def test_a_name_a_live_key_has_is_refused_until_it_is_revoked(pg_transport
     assert again.name == name
 
 
-# -- the AWS layer's tables -----------------------------------------------------------------------
+# -- the AWS layer's functions ------------------------------------------------------------------
 
 
-async def test_the_aws_role_writes_the_outbox_and_reads_the_bindings_only(
+async def test_the_aws_role_runs_the_outbox_through_its_functions_and_touches_no_table(
     admin: asyncpg.Connection[Any], pg_url: str, runtime_role: str,
 ) -> None:
-    """workqueue_runtime holds no table privilege; an app whose topics are on AWS adds
-    workqueue_aws (roles/aws_role.sql): it inserts and marks outbox rows, reads the bindings, and
-    may touch nothing else."""
+    """workqueue_runtime holds nothing of the AWS layer; an app whose topics are on AWS adds
+    workqueue_aws (roles/aws_role.sql): with it the outbox store writes rows, a relay pass takes,
+    marks and defers them, and the bindings are read, all through the functions; no table of the
+    schema can be read or written directly, and importing bindings stays the schema owner's."""
+    from fastapi_workqueue.aws.outbox_store import OutboxRow, PostgresOutboxStore
+
     role = "workqueue_aws"
     existed = await role_exists(admin, role)
     script = sql_files.read("postgresql", "roles", "aws_role.sql")
     await admin.execute(script)
     await admin.execute(script)  # idempotent
+    topic = unique("aws-role")
+    store = PostgresOutboxStore()
     try:
         async with login_with(admin, runtime_role, role) as login:
+            engine = create_async_engine(url_as(pg_url, login))
+            try:
+                messages = [prepare(PublishRequest(payload={"n": n})) for n in range(2)]
+                async with engine.begin() as session:
+                    await store.write(session, topic, [(m, f"body {n}") for n, m in enumerate(messages)])
+                taken: list[OutboxRow] = []
+
+                async def send(rows: list[OutboxRow]) -> tuple[list[int], list[tuple[int, str]], bool]:
+                    mine = [r for r in rows if r.topic == topic]  # rows of other tests stay as they are
+                    taken.extend(mine)
+                    return [mine[0].id], [(mine[1].id, "Throttling: slow down")], True
+
+                report = await store.relay_pass(engine, 1000, send, lambda attempts: 60.0, lambda: 0.0)
+                assert (report.sent, report.deferred, report.throttled) == (1, 1, True)
+                assert [r.message_id for r in taken] == [str(m.message_id) for m in messages]
+                await store.list_bindings(engine)
+            finally:
+                await engine.dispose()
             conn = await asyncpg.connect(to_asyncpg_dsn(pg_url), user=login)
             try:
-                outbox_id = await conn.fetchval(
-                    "INSERT INTO workqueue.aws_outbox (topic, message_id, partition_key, body, attributes) "
-                    "VALUES ('t', gen_random_uuid(), NULL, '{}', '{}') RETURNING id")
-                await conn.execute("UPDATE workqueue.aws_outbox SET sent_at = now() WHERE id = $1", outbox_id)
-                await conn.fetch("SELECT * FROM workqueue.aws_binding")
-                for refused in ("DELETE FROM workqueue.aws_outbox",
+                for refused in ("SELECT 1 FROM workqueue.aws_outbox LIMIT 1",
+                                "INSERT INTO workqueue.aws_outbox (topic, message_id, body, attributes) "
+                                "VALUES ('t', gen_random_uuid(), '{}', '{}')",
+                                "UPDATE workqueue.aws_outbox SET sent_at = now()",
+                                "DELETE FROM workqueue.aws_outbox",
+                                "SELECT 1 FROM workqueue.aws_binding LIMIT 1",
                                 "DELETE FROM workqueue.aws_binding",
-                                "SELECT 1 FROM workqueue.delivery LIMIT 1"):
+                                "SELECT 1 FROM workqueue.delivery LIMIT 1",
+                                "SELECT workqueue.aws_binding_replace('r', ARRAY[]::text[], ARRAY[]::text[], "
+                                "ARRAY[]::jsonb[])"):
                     with pytest.raises(asyncpg.InsufficientPrivilegeError):
                         await conn.execute(refused)
             finally:
                 await conn.close()
-        await admin.execute("DELETE FROM workqueue.aws_outbox WHERE topic = 't'")
+        rows = await admin.fetch(
+            "SELECT sent_at IS NOT NULL AS sent, attempts, last_error, next_attempt_at > now() + interval '50 seconds' "
+            "AS put_off FROM workqueue.aws_outbox WHERE topic = $1 ORDER BY id", topic)
+        assert [tuple(r) for r in rows] == [(True, 1, None, False), (False, 1, "Throttling: slow down", True)]
     finally:
+        await admin.execute("DELETE FROM workqueue.aws_outbox WHERE topic = $1", topic)
         if not existed:
             await drop_role(admin, role)

@@ -82,7 +82,7 @@ CATALOG: dict[str, str] = {
 # Roles belong to the cluster, and other test sessions on the same server create and drop the
 # queue's roles while this one runs: grants to them are left out of the comparison (a migration
 # grants one only where the role exists; so does schema.sql). PUBLIC's and the owner's stay in.
-_ROLE_GRANT = re.compile(r"workqueue_(?:runtime|operator|admin|scaler)=[^,}]*,?")
+_ROLE_GRANT = re.compile(r"workqueue_(?:runtime|operator|admin|scaler|aws)=[^,}]*,?")
 
 
 async def catalog(url: str) -> dict[str, list[dict[str, Any]]]:

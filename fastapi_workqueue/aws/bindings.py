@@ -4,7 +4,9 @@
 ``binding_import`` (that object, or the whole ``terraform output -json`` document) with
 :meth:`Bindings.parse` and stores it with :func:`store_bindings`: in the table
 ``workqueue.aws_binding`` when the queue has a database, else in the JSON file named by
-``WORKQUEUE_AWS_BINDINGS_FILE``. :func:`load_bindings` reads them back.
+``WORKQUEUE_AWS_BINDINGS_FILE``. :func:`load_bindings` reads them back. The table is read and
+replaced through the database's routines (:mod:`.outbox_store`): ``aws_binding_list`` and
+``aws_binding_replace``, the latter the schema owner's (a deployment step).
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ import asyncio
 import json
 import os
 import tempfile
-import time
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..core.errors import ConfigurationError
+from .outbox_store import store_for
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
@@ -105,25 +107,6 @@ def _write_file(path: str, document: dict[str, Any]) -> None:
     os.replace(scratch, path)
 
 
-def _table(dialect: str) -> str:
-    return "aws_binding" if dialect == "sqlite" else "workqueue.aws_binding"
-
-
-NOT_MIGRATED = (
-    "the database has no bindings table ({table}): it is not migrated yet; run `workqueue migrate` "
-    "(as the schema owner), then try again"
-)
-
-
-async def _require_table(conn: Any, dialect: str) -> None:
-    """Raises a one-line ConfigurationError saying to migrate when the bindings table is missing."""
-    from sqlalchemy import inspect
-
-    schema = None if dialect == "sqlite" else "workqueue"
-    if not await conn.run_sync(lambda sync: inspect(sync).has_table("aws_binding", schema=schema)):
-        raise ConfigurationError(NOT_MIGRATED.format(table=_table(dialect)))
-
-
 def _bindings_file(queue: WorkQueue) -> str:
     path = queue.settings.aws_bindings_file
     if not path:
@@ -140,20 +123,14 @@ async def load_bindings(queue: WorkQueue) -> Bindings:
     if not queue.settings.database_url:
         text = await asyncio.to_thread(_read_file, _bindings_file(queue))
         return empty if text is None else Bindings.parse(text)
-    from sqlalchemy import text as sql
-
-    engine = queue.engine
-    async with engine.connect() as conn:
-        await _require_table(conn, engine.dialect.name)
-        rows = (await conn.execute(sql(
-            f"SELECT kind, name, region, binding FROM {_table(engine.dialect.name)} ORDER BY kind, name"
-        ))).all()
+    rows = await store_for(queue.engine).list_bindings(queue.engine)
     if not rows:
         return empty
-    document: dict[str, Any] = {"version": BINDINGS_VERSION, "region": rows[0][2], "topics": {}, "subscriptions": {}}
-    for kind, name, _region, binding in rows:
-        value = json.loads(binding) if isinstance(binding, (str, bytes)) else binding
-        document["topics" if kind == "topic" else "subscriptions"][name] = value
+    document: dict[str, Any] = {"version": BINDINGS_VERSION, "region": rows[0].region, "topics": {},
+                                "subscriptions": {}}
+    for row in rows:
+        value = json.loads(row.binding) if isinstance(row.binding, (str, bytes)) else row.binding
+        document["topics" if row.kind == "topic" else "subscriptions"][row.name] = value
     return Bindings.parse(document)
 
 
@@ -162,23 +139,7 @@ async def store_bindings(queue: WorkQueue, bindings: Bindings) -> None:
     if not queue.settings.database_url:
         await asyncio.to_thread(_write_file, _bindings_file(queue), bindings.document())
         return
-    from sqlalchemy import text as sql
-
-    engine = queue.engine
-    dialect = engine.dialect.name
-    table = _table(dialect)
-    value = "CAST(:binding AS jsonb)" if dialect == "postgresql" else ":binding"
     items: list[tuple[str, str, BaseModel]] = [("topic", n, b) for n, b in bindings.topics.items()]
     items += [("subscription", n, b) for n, b in bindings.subscriptions.items()]
-    rows = [
-        {"kind": kind, "name": name, "region": bindings.region,
-         "binding": json.dumps(b.model_dump(exclude_none=True)), "at": time.time()}
-        for kind, name, b in items
-    ]
-    columns = "kind, name, region, binding" + (", imported_at" if dialect == "sqlite" else "")
-    values = f":kind, :name, :region, {value}" + (", :at" if dialect == "sqlite" else "")
-    async with engine.begin() as conn:
-        await _require_table(conn, dialect)
-        await conn.execute(sql(f"DELETE FROM {table}"))
-        if rows:
-            await conn.execute(sql(f"INSERT INTO {table} ({columns}) VALUES ({values})"), rows)
+    rows = [(kind, name, json.dumps(b.model_dump(exclude_none=True))) for kind, name, b in items]
+    await store_for(queue.engine).replace_bindings(queue.engine, bindings.region, rows)

@@ -5,11 +5,13 @@ none). The relay takes committed rows oldest first, keeps only each key's earlie
 (so one relay at a time forwards a key, in order), publishes them with PublishBatch (10 per call,
 the MessageIDs kept as FIFO deduplication ids) and marks them sent.
 
-* PostgreSQL: the rows are locked with ``FOR UPDATE SKIP LOCKED`` in the relay's transaction,
-  which stays open across the SNS call and commits with the mark.
-* SQL Server: the same with ``UPDLOCK, READPAST, ROWLOCK`` (:mod:`.outbox_mssql`).
+* PostgreSQL and SQL Server: the take locks the rows (``FOR UPDATE SKIP LOCKED``; ``UPDLOCK,
+  READPAST, ROWLOCK``) in the relay's transaction, which stays open across the SNS call and
+  commits with the mark.
 * SQLite: the rows are taken under a lease (``relay_token``, ``relay_until``) in a short write
   transaction, so the file's write lock is never held across an SNS call.
+
+Every statement is a database routine of the dialect (:mod:`.outbox_store`, chosen once by dialect).
 
 A relay that dies between the send and the mark leaves the rows unsent: the next pass sends them
 again with the same MessageIDs, which FIFO topics deduplicate within 5 minutes and handlers must
@@ -20,19 +22,16 @@ rows with a growing delay and slows the relay.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core.envelope import PreparedMessage
-from ..core.errors import ConfigurationError
 from ..core.redaction import redacting_logger
 from ..core.tasks import TaskScope
 from . import body as bodies
+from .outbox_store import SQLITE_LEASE_SECONDS, OutboxRow, OutboxStore, PassReport, store_for
 
 if TYPE_CHECKING:
     from .transport import AwsTransport
@@ -41,93 +40,14 @@ log = redacting_logger("fastapi_workqueue.aws.outbox")
 
 BATCH = 10
 TAKE = 100
-SQLITE_LEASE_SECONDS = 60.0
 THROTTLED = {"Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled", "TooManyRequestsException"}
 
-_PG_TAKE = """
-WITH locked AS (
-    SELECT o.id, o.topic, o.partition_key
-    FROM workqueue.aws_outbox o
-    WHERE o.sent_at IS NULL AND o.next_attempt_at <= now()
-    ORDER BY o.id
-    LIMIT :limit
-    FOR UPDATE SKIP LOCKED
-)
-SELECT o.id, o.topic, o.message_id, o.partition_key, o.body, o.attributes, o.attempts
-FROM locked l
-JOIN workqueue.aws_outbox o ON o.id = l.id
-WHERE l.partition_key IS NULL OR NOT EXISTS (
-    SELECT 1 FROM workqueue.aws_outbox e
-    WHERE e.topic = l.topic AND e.partition_key = l.partition_key AND e.sent_at IS NULL AND e.id < l.id
-      AND e.id NOT IN (SELECT x.id FROM locked x)
-)
-ORDER BY o.id
-"""
-
-
-def _dialect(session: Any) -> str:
-    bind = getattr(session, "bind", None)
-    if bind is None or not hasattr(bind, "dialect"):
-        bind = session
-    return str(bind.dialect.name)
+__all__ = ["BATCH", "SQLITE_LEASE_SECONDS", "TAKE", "OutboxRelay", "OutboxRow", "PassReport", "write_outbox"]
 
 
 async def write_outbox(session: Any, topic: str, items: Sequence[tuple[PreparedMessage, str]]) -> None:
     """Writes ``(message, body)`` rows of ``topic`` in the session's transaction."""
-    from sqlalchemy import text
-
-    dialect = _dialect(session)
-    now = time.time()
-    rows = [
-        {
-            "topic": topic,
-            "message_id": str(m.message_id),
-            "partition_key": m.partition_key,
-            "body": body,
-            "attributes": json.dumps(m.attributes),
-            "now": now,
-        }
-        for m, body in items
-    ]
-    if dialect == "sqlite":
-        statement = (
-            "INSERT INTO aws_outbox (topic, message_id, partition_key, body, attributes, created_at, "
-            "next_attempt_at) VALUES (:topic, :message_id, :partition_key, :body, :attributes, :now, :now)"
-        )
-    elif dialect == "postgresql":
-        statement = (
-            "INSERT INTO workqueue.aws_outbox (topic, message_id, partition_key, body, attributes) "
-            "VALUES (:topic, CAST(:message_id AS uuid), :partition_key, :body, CAST(:attributes AS jsonb))"
-        )
-    elif dialect == "mssql":
-        from .outbox_mssql import WRITE
-
-        statement = WRITE
-    else:
-        raise ConfigurationError(
-            f"the aws outbox has no table on {dialect!r}: use PostgreSQL, SQLite or SQL Server for the queue's database"
-        )
-    await session.execute(text(statement), rows)
-
-
-@dataclass
-class OutboxRow:
-    id: int
-    topic: str
-    message_id: str
-    partition_key: str | None
-    body: str
-    attributes: dict[str, str]
-    attempts: int
-
-
-@dataclass
-class PassReport:
-    """What one relay pass did."""
-
-    sent: int = 0
-    deferred: int = 0
-    throttled: bool = False
+    await store_for(session).write(session, topic, items)
 
 
 def _code(exc: BaseException) -> str:
@@ -153,6 +73,7 @@ class OutboxRelay:
         self._tasks = TaskScope("workqueue-aws-outbox-relay")
         self._task: asyncio.Task[None] | None = None
         self._throttle_streak = 0
+        self._store: OutboxStore | None = None
         self.after_batch: Callable[[list[OutboxRow]], Awaitable[None]] | None = None
         """Called after each PublishBatch, before the rows are marked (tests stop a pass there)."""
 
@@ -185,16 +106,9 @@ class OutboxRelay:
     async def run_once(self, limit: int = TAKE) -> PassReport:
         """One pass: takes, sends and marks up to ``limit`` rows."""
         engine = self.engine if self.engine is not None else self.transport.queue.engine
-        dialect = engine.dialect.name
-        if dialect == "sqlite":
-            return await self._sqlite_pass(engine, limit)
-        if dialect == "mssql":
-            from .outbox_mssql import mssql_pass
-
-            return await mssql_pass(self, engine, limit)
-        if dialect == "postgresql":
-            return await self._locked_pass(engine, limit)
-        raise ConfigurationError(f"the aws outbox relay cannot run on {dialect!r}")
+        if self._store is None:
+            self._store = store_for(engine)
+        return await self._store.relay_pass(engine, limit, self._send, self._delay, self.clock)
 
     # -- sending -----------------------------------------------------------------------------------
 
@@ -267,138 +181,5 @@ class OutboxRelay:
         return entry
 
     @staticmethod
-    def _row(r: Any) -> OutboxRow:
-        attributes = r[5] if isinstance(r[5], dict) else json.loads(r[5])
-        return OutboxRow(
-            id=int(r[0]),
-            topic=r[1],
-            message_id=str(r[2]).lower(),  # SQL Server answers a uniqueidentifier in upper case
-            partition_key=r[3],
-            body=r[4],
-            attributes=attributes,
-            attempts=int(r[6]),
-        )
-
-    @staticmethod
     def _delay(attempts: int) -> float:
         return random.uniform(0, min(300.0, 1.0 * 2 ** min(attempts, 10)))
-
-    # -- PostgreSQL: row locks -------------------------------------------------------------------
-
-    async def _locked_pass(self, engine: Any, limit: int) -> PassReport:
-        from sqlalchemy import text
-
-        async with engine.begin() as conn:
-            rows = [self._row(r) for r in (await conn.execute(text(_PG_TAKE), {"limit": limit})).all()]
-            if not rows:
-                return PassReport()
-            sent, failed, throttled = await self._send(rows)
-            if sent:
-                await conn.execute(
-                    text(
-                        "UPDATE workqueue.aws_outbox SET sent_at = now(), attempts = attempts + 1, last_error = NULL "
-                        "WHERE id = ANY(CAST(:ids AS bigint[]))"
-                    ),
-                    {"ids": sent},
-                )
-            attempts = {r.id: r.attempts for r in rows}
-            for row_id, error in failed:
-                await conn.execute(
-                    text(
-                        "UPDATE workqueue.aws_outbox SET attempts = attempts + 1, last_error = :error, "
-                        "next_attempt_at = now() + make_interval(secs => :delay) WHERE id = :id"
-                    ),
-                    {"id": row_id, "error": error[:4000], "delay": self._delay(attempts[row_id])},
-                )
-        return PassReport(sent=len(sent), deferred=len(failed), throttled=throttled)
-
-    # -- SQLite: leases --------------------------------------------------------------------------
-
-    async def _sqlite_pass(self, engine: Any, limit: int) -> PassReport:
-        from sqlalchemy import text
-
-        token = uuid.uuid4().hex
-        now = self.clock()
-        async with engine.begin() as conn:
-            candidates = (
-                await conn.execute(
-                    text(
-                        "SELECT id, topic, message_id, partition_key, body, attributes, attempts FROM aws_outbox "
-                        "WHERE sent_at IS NULL AND next_attempt_at <= :now "
-                        "AND (relay_until IS NULL OR relay_until < :now) "
-                        "ORDER BY id LIMIT :limit"
-                    ),
-                    {"now": now, "limit": limit},
-                )
-            ).all()
-            rows = [self._row(r) for r in candidates]
-            ids = {r.id for r in rows}
-            heads: list[OutboxRow] = []
-            for row in rows:
-                if row.partition_key is not None:
-                    earlier = (
-                        (
-                            await conn.execute(
-                                text(
-                                    "SELECT id FROM aws_outbox WHERE topic = :topic AND partition_key = :key "
-                            "AND sent_at IS NULL "
-                                    "AND id < :id"
-                                ),
-                                {"topic": row.topic, "key": row.partition_key, "id": row.id},
-                            )
-                        )
-                        .scalars()
-                        .all()
-                    )
-                    if any(e not in ids for e in earlier):
-                        continue
-                heads.append(row)
-            if not heads:
-                return PassReport()
-            taken = 0
-            for row in heads:
-                taken += (
-                    await conn.execute(
-                        text(
-                            "UPDATE aws_outbox SET relay_token = :token, relay_until = :until WHERE id = :id "
-                            "AND sent_at IS NULL AND (relay_until IS NULL OR relay_until < :now)"
-                        ),
-                        {"token": token, "until": now + SQLITE_LEASE_SECONDS, "id": row.id, "now": now},
-                    )
-                ).rowcount
-            if taken != len(heads):
-                await conn.rollback()
-                return PassReport()
-        sent, failed, throttled = await self._send(heads)
-        attempts = {r.id: r.attempts for r in heads}
-        async with engine.begin() as conn:
-            for row_id in sent:
-                await conn.execute(
-                    text(
-                        "UPDATE aws_outbox SET sent_at = :now, attempts = attempts + 1, last_error = NULL, "
-                        "relay_token = NULL, relay_until = NULL WHERE id = :id AND relay_token = :token"
-                    ),
-                    {"now": self.clock(), "id": row_id, "token": token},
-                )
-            for row_id, error in failed:
-                await conn.execute(
-                    text(
-                        "UPDATE aws_outbox SET attempts = attempts + 1, last_error = :error, next_attempt_at = :at, "
-                        "relay_token = NULL, relay_until = NULL WHERE id = :id AND relay_token = :token"
-                    ),
-                    {
-                        "error": error[:4000],
-                        "at": self.clock() + self._delay(attempts[row_id]),
-                        "id": row_id,
-                        "token": token,
-                    },
-                )
-            # rows skipped behind a failed key: free their lease for the next pass
-            await conn.execute(
-                text(
-                    "UPDATE aws_outbox SET relay_token = NULL, relay_until = NULL WHERE relay_token = :token "
-                    "AND sent_at IS NULL"
-                ),
-                {"token": token},
-            )
-        return PassReport(sent=len(sent), deferred=len(failed), throttled=throttled)

@@ -4059,7 +4059,9 @@ GO
 
 -- The AWS transport: the imported bindings and the outbox of publishes to aws topics made in a
 -- caller's transaction; the outbox's topic and partition key compare in the binary collation, the
--- key up to 512 characters.
+-- key up to 512 characters. The AWS layer reaches both through the procedures below
+-- (fastapi_workqueue/aws/outbox_store.py); roles/aws_role.sql grants EXECUTE on them, and
+-- aws_binding_replace (an import of bindings, a deployment step) is left to the schema owner.
 CREATE TABLE workqueue.aws_binding (
     kind         nvarchar(20) NOT NULL CONSTRAINT aws_binding_kind CHECK (kind IN (N'topic', N'subscription')),
     name         nvarchar(200) NOT NULL,
@@ -4087,4 +4089,169 @@ CREATE TABLE workqueue.aws_outbox (
 CREATE INDEX aws_outbox_unsent ON workqueue.aws_outbox (id) WHERE sent_at IS NULL;
 CREATE INDEX aws_outbox_unsent_key ON workqueue.aws_outbox (topic, partition_key, id) WHERE sent_at IS NULL;
 CREATE INDEX aws_outbox_sent ON workqueue.aws_outbox (sent_at) WHERE sent_at IS NOT NULL;
+GO
+
+-- Writes one outbox row per message (the JSON arrays are parallel; an attributes item is the JSON
+-- text of the message's attributes), in the caller's transaction and in the order given.
+-- returns: nothing
+CREATE OR ALTER PROCEDURE workqueue.aws_outbox_write
+    @p_topic nvarchar(200),
+    @p_message_ids nvarchar(max),
+    @p_partition_keys nvarchar(max),
+    @p_bodies nvarchar(max),
+    @p_attributes nvarchar(max),
+    @p_now datetimeoffset(6) = NULL
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
+    BEGIN TRY
+        IF @v_own_transaction = 1
+            BEGIN TRANSACTION;
+        INSERT INTO workqueue.aws_outbox (topic, message_id, partition_key, body, attributes, created_at, next_attempt_at)
+        SELECT @p_topic, CAST(m.value AS uniqueidentifier), k.value, b.value, a.value, @v_now, @v_now
+        FROM OPENJSON(@p_message_ids) AS m
+        INNER JOIN OPENJSON(@p_partition_keys) AS k ON k.[key] = m.[key]
+        INNER JOIN OPENJSON(@p_bodies) AS b ON b.[key] = m.[key]
+        INNER JOIN OPENJSON(@p_attributes) AS a ON a.[key] = m.[key]
+        ORDER BY CAST(m.[key] AS int);
+        IF @v_own_transaction = 1
+            COMMIT TRANSACTION;
+    END TRY
+    BEGIN CATCH
+        IF @v_own_transaction = 1 AND @@TRANCOUNT > 0
+            ROLLBACK TRANSACTION;
+        THROW;
+    END CATCH;
+END;
+GO
+
+-- The relay's take: locks up to @p_limit due unsent rows, oldest first, with UPDLOCK, READPAST,
+-- ROWLOCK (rows another relay holds are skipped, not waited for), and answers those with no earlier
+-- unsent row of their topic and key outside the set it locked (a key another relay holds, or whose
+-- head waits out a deferral, is left alone; that check reads past no row). The locks last until the
+-- caller's transaction ends: the relay sends, marks and commits in it.
+-- returns: id, topic, message_id, partition_key, body, attributes, attempts
+CREATE OR ALTER PROCEDURE workqueue.aws_outbox_take
+    @p_limit int,
+    @p_now datetimeoffset(6) = NULL
+AS
+BEGIN
+    SET NOCOUNT ON;
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
+    DECLARE @v_locked TABLE (
+        id bigint NOT NULL PRIMARY KEY,
+        topic nvarchar(200) COLLATE Latin1_General_100_BIN2 NOT NULL,
+        partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL
+    );
+    INSERT INTO @v_locked (id, topic, partition_key)
+    SELECT TOP (@p_limit) o.id, o.topic, o.partition_key
+    FROM workqueue.aws_outbox AS o WITH (UPDLOCK, READPAST, ROWLOCK)
+    WHERE o.sent_at IS NULL AND o.next_attempt_at <= @v_now
+    ORDER BY o.id;
+    SELECT o.id, o.topic, o.message_id, o.partition_key, o.body, o.attributes, o.attempts
+    FROM @v_locked AS l
+    INNER JOIN workqueue.aws_outbox AS o ON o.id = l.id
+    WHERE l.partition_key IS NULL OR NOT EXISTS (
+        SELECT 1
+        FROM workqueue.aws_outbox AS e
+        WHERE e.topic = l.topic AND e.partition_key = l.partition_key AND e.sent_at IS NULL AND e.id < l.id
+          AND e.id NOT IN (SELECT x.id FROM @v_locked AS x)
+    )
+    ORDER BY o.id;
+END;
+GO
+
+-- Marks rows the relay sent (SNS accepted them); @p_ids is a JSON array.
+-- returns: nothing
+CREATE OR ALTER PROCEDURE workqueue.aws_outbox_mark_sent
+    @p_ids nvarchar(max),
+    @p_now datetimeoffset(6) = NULL
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
+    BEGIN TRY
+        UPDATE workqueue.aws_outbox
+        SET sent_at = @v_now, attempts = attempts + 1, last_error = NULL
+        WHERE id IN (SELECT t.id FROM OPENJSON(@p_ids) WITH (id bigint '$') AS t);
+    END TRY
+    BEGIN CATCH
+        THROW;
+    END CATCH;
+END;
+GO
+
+-- Puts off a row SNS refused or throttled by @p_delay_seconds (to the millisecond), keeping the error.
+-- returns: nothing
+CREATE OR ALTER PROCEDURE workqueue.aws_outbox_defer
+    @p_id bigint,
+    @p_error nvarchar(4000),
+    @p_delay_seconds float,
+    @p_now datetimeoffset(6) = NULL
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
+    BEGIN TRY
+        UPDATE workqueue.aws_outbox
+        SET attempts = attempts + 1, last_error = @p_error,
+            next_attempt_at = DATEADD(millisecond, CAST(ROUND(@p_delay_seconds * 1000, 0) AS int), @v_now)
+        WHERE id = @p_id;
+    END TRY
+    BEGIN CATCH
+        THROW;
+    END CATCH;
+END;
+GO
+
+-- The stored bindings, by kind and name.
+-- returns: kind, name, region, binding
+CREATE OR ALTER PROCEDURE workqueue.aws_binding_list
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SELECT b.kind, b.name, b.region, b.binding
+    FROM workqueue.aws_binding AS b
+    ORDER BY b.kind, b.name;
+END;
+GO
+
+-- Replaces every stored binding with the given ones (the JSON arrays are parallel; a bindings item
+-- is the JSON text of one binding), in one transaction.
+-- returns: nothing
+CREATE OR ALTER PROCEDURE workqueue.aws_binding_replace
+    @p_region nvarchar(64),
+    @p_kinds nvarchar(max),
+    @p_names nvarchar(max),
+    @p_bindings nvarchar(max),
+    @p_now datetimeoffset(6) = NULL
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
+    BEGIN TRY
+        IF @v_own_transaction = 1
+            BEGIN TRANSACTION;
+        DELETE FROM workqueue.aws_binding;
+        INSERT INTO workqueue.aws_binding (kind, name, region, binding, imported_at)
+        SELECT k.value, n.value, @p_region, b.value, @v_now
+        FROM OPENJSON(@p_kinds) AS k
+        INNER JOIN OPENJSON(@p_names) AS n ON n.[key] = k.[key]
+        INNER JOIN OPENJSON(@p_bindings) AS b ON b.[key] = k.[key];
+        IF @v_own_transaction = 1
+            COMMIT TRANSACTION;
+    END TRY
+    BEGIN CATCH
+        IF @v_own_transaction = 1 AND @@TRANCOUNT > 0
+            ROLLBACK TRANSACTION;
+        THROW;
+    END CATCH;
+END;
 GO

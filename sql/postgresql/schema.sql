@@ -3097,6 +3097,9 @@ REVOKE ALL ON ALL PROCEDURES IN SCHEMA workqueue FROM PUBLIC;
 -- aws_binding: the ARNs and queue URLs import-bindings stored. aws_outbox: publishes to aws topics
 -- made in a caller's transaction, forwarded to SNS by the relay (aws_outbox_take locks due rows with
 -- SKIP LOCKED and answers only each key's earliest ones, so one relay forwards a key at a time, in order).
+-- The AWS layer reaches both through the SECURITY DEFINER functions below (fastapi_workqueue/aws/
+-- outbox_store.py); roles/aws_role.sql grants EXECUTE on them, and aws_binding_replace (an import of
+-- bindings, a deployment step) is left to the schema owner.
 
 CREATE TABLE workqueue.aws_binding (
     kind         text NOT NULL CHECK (kind IN ('topic', 'subscription')),
@@ -3124,3 +3127,101 @@ CREATE TABLE workqueue.aws_outbox (
 CREATE INDEX aws_outbox_unsent ON workqueue.aws_outbox (id) WHERE sent_at IS NULL;
 CREATE INDEX aws_outbox_unsent_key ON workqueue.aws_outbox (topic, partition_key, id) WHERE sent_at IS NULL;
 CREATE INDEX aws_outbox_sent ON workqueue.aws_outbox (sent_at) WHERE sent_at IS NOT NULL;
+
+-- Writes one outbox row per message (the arrays are parallel), in the caller's transaction and in
+-- the order given.
+CREATE OR REPLACE FUNCTION workqueue.aws_outbox_write(
+    p_topic text, p_message_ids uuid[], p_partition_keys text[], p_bodies text[], p_attributes jsonb[],
+    p_now timestamptz DEFAULT NULL)
+RETURNS void
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO workqueue.aws_outbox (topic, message_id, partition_key, body, attributes, created_at, next_attempt_at)
+    SELECT p_topic, r.message_id, r.partition_key, r.body, r.attributes,
+           coalesce(p_now, now()), coalesce(p_now, now())  -- p_now: a test's clock
+    FROM unnest(p_message_ids, p_partition_keys, p_bodies, p_attributes)
+         WITH ORDINALITY AS r(message_id, partition_key, body, attributes, ord)
+    ORDER BY r.ord
+$$;
+REVOKE ALL ON FUNCTION workqueue.aws_outbox_write(text, uuid[], text[], text[], jsonb[], timestamptz) FROM PUBLIC;
+
+-- The relay's take: locks up to p_limit due unsent rows, oldest first, skipping the rows another
+-- relay holds, and answers those with no earlier unsent row of their topic and key outside the
+-- set it locked (a key another relay holds, or whose head waits out a deferral, is left alone).
+-- The locks last until the caller's transaction ends: the relay sends, marks and commits in it.
+CREATE OR REPLACE FUNCTION workqueue.aws_outbox_take(p_limit integer, p_now timestamptz DEFAULT NULL)
+RETURNS TABLE (id bigint, topic text, message_id uuid, partition_key text, body text, attributes jsonb,
+               attempts integer)
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH locked AS (
+        SELECT o.id, o.topic, o.partition_key
+        FROM workqueue.aws_outbox o
+        WHERE o.sent_at IS NULL AND o.next_attempt_at <= coalesce(p_now, now())  -- p_now: a test's clock
+        ORDER BY o.id
+        LIMIT p_limit
+        FOR UPDATE SKIP LOCKED
+    )
+    SELECT o.id, o.topic, o.message_id, o.partition_key, o.body, o.attributes, o.attempts
+    FROM locked l
+    JOIN workqueue.aws_outbox o ON o.id = l.id
+    WHERE l.partition_key IS NULL OR NOT EXISTS (
+        SELECT 1 FROM workqueue.aws_outbox e
+        WHERE e.topic = l.topic AND e.partition_key = l.partition_key AND e.sent_at IS NULL AND e.id < l.id
+          AND e.id NOT IN (SELECT x.id FROM locked x)
+    )
+    ORDER BY o.id
+$$;
+REVOKE ALL ON FUNCTION workqueue.aws_outbox_take(integer, timestamptz) FROM PUBLIC;
+
+-- Marks rows the relay sent (SNS accepted them).
+CREATE OR REPLACE FUNCTION workqueue.aws_outbox_mark_sent(p_ids bigint[], p_now timestamptz DEFAULT NULL)
+RETURNS void
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    UPDATE workqueue.aws_outbox o
+    SET sent_at = coalesce(p_now, now()), attempts = o.attempts + 1, last_error = NULL  -- p_now: a test's clock
+    WHERE o.id = ANY (p_ids)
+$$;
+REVOKE ALL ON FUNCTION workqueue.aws_outbox_mark_sent(bigint[], timestamptz) FROM PUBLIC;
+
+-- Puts off a row SNS refused or throttled by p_delay_seconds, keeping the error.
+CREATE OR REPLACE FUNCTION workqueue.aws_outbox_defer(
+    p_id bigint, p_error text, p_delay_seconds double precision, p_now timestamptz DEFAULT NULL)
+RETURNS void
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    UPDATE workqueue.aws_outbox o
+    SET attempts = o.attempts + 1, last_error = p_error,
+        next_attempt_at = coalesce(p_now, now()) + make_interval(secs => p_delay_seconds)  -- p_now: a test's clock
+    WHERE o.id = p_id
+$$;
+REVOKE ALL ON FUNCTION workqueue.aws_outbox_defer(bigint, text, double precision, timestamptz) FROM PUBLIC;
+
+-- The stored bindings, by kind and name.
+CREATE OR REPLACE FUNCTION workqueue.aws_binding_list()
+RETURNS TABLE (kind text, name text, region text, binding jsonb)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT b.kind, b.name, b.region, b.binding FROM workqueue.aws_binding b ORDER BY b.kind, b.name
+$$;
+REVOKE ALL ON FUNCTION workqueue.aws_binding_list() FROM PUBLIC;
+
+-- Replaces every stored binding with the given ones (the arrays are parallel), in one transaction.
+CREATE OR REPLACE FUNCTION workqueue.aws_binding_replace(
+    p_region text, p_kinds text[], p_names text[], p_bindings jsonb[], p_now timestamptz DEFAULT NULL)
+RETURNS void
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    DELETE FROM workqueue.aws_binding;
+    INSERT INTO workqueue.aws_binding (kind, name, region, binding, imported_at)
+    SELECT b.kind, b.name, p_region, b.binding, coalesce(p_now, now())  -- p_now: a test's clock
+    FROM unnest(p_kinds, p_names, p_bindings) AS b(kind, name, binding);
+$$;
+REVOKE ALL ON FUNCTION workqueue.aws_binding_replace(text, text[], text[], jsonb[], timestamptz) FROM PUBLIC;

@@ -625,3 +625,51 @@ JOIN subscription s ON s.id = d.subscription_id
 LEFT JOIN process p ON p.id = d.held_by
 WHERE d.id IN (SELECT value FROM json_each(:ids))
 ORDER BY d.id;
+
+-- The AWS layer's outbox and bindings (fastapi_workqueue/aws/outbox_store.py): the same operations
+-- as PostgreSQL's aws_* functions, the relay's take under a lease (relay_token, relay_until) instead
+-- of row locks, so the file's write lock is never held across an SNS call.
+
+-- name: aws_outbox_write
+INSERT INTO aws_outbox (topic, message_id, partition_key, body, attributes, created_at, next_attempt_at)
+VALUES (:topic, :message_id, :partition_key, :body, :attributes, :now, :now);
+
+-- name: aws_outbox_candidates
+-- The due unsent rows no live lease holds, oldest first.
+SELECT id, topic, message_id, partition_key, body, attributes, attempts FROM aws_outbox
+WHERE sent_at IS NULL AND next_attempt_at <= :now AND (relay_until IS NULL OR relay_until < :now)
+ORDER BY id LIMIT :limit;
+
+-- name: aws_outbox_earlier
+-- The unsent rows of a key before the given one (the relay takes a row only when it takes these too).
+SELECT id FROM aws_outbox WHERE topic = :topic AND partition_key = :key AND sent_at IS NULL AND id < :id;
+
+-- name: aws_outbox_lease
+UPDATE aws_outbox SET relay_token = :token, relay_until = :until
+WHERE id = :id AND sent_at IS NULL AND (relay_until IS NULL OR relay_until < :now);
+
+-- name: aws_outbox_mark_sent
+UPDATE aws_outbox SET sent_at = :now, attempts = attempts + 1, last_error = NULL, relay_token = NULL,
+    relay_until = NULL
+WHERE id = :id AND relay_token = :token;
+
+-- name: aws_outbox_defer
+UPDATE aws_outbox SET attempts = attempts + 1, last_error = :error, next_attempt_at = :at, relay_token = NULL,
+    relay_until = NULL
+WHERE id = :id AND relay_token = :token;
+
+-- name: aws_outbox_release
+-- The rows a pass took but did not send (behind a failed row of their key): free for the next pass.
+UPDATE aws_outbox SET relay_token = NULL, relay_until = NULL WHERE relay_token = :token AND sent_at IS NULL;
+
+-- name: aws_binding_exists
+SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'aws_binding';
+
+-- name: aws_binding_list
+SELECT kind, name, region, binding FROM aws_binding ORDER BY kind, name;
+
+-- name: aws_binding_clear
+DELETE FROM aws_binding;
+
+-- name: aws_binding_insert
+INSERT INTO aws_binding (kind, name, region, binding, imported_at) VALUES (:kind, :name, :region, :binding, :at);
