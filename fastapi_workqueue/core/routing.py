@@ -16,6 +16,7 @@ from datetime import datetime
 from importlib.metadata import entry_points
 from typing import Any
 
+from .attempts import AttemptHistoryReader, AttemptInfo
 from .envelope import PreparedMessage, PublishResult
 from .errors import ConfigurationError, TransportError
 from .processes import ProcessBeat, ProcessInfo, ProcessRegistry
@@ -335,6 +336,10 @@ class RoutingTransport:
 
     async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:
         return await self.transport_for_delivery(delivery_id).get_delivery(delivery_id, include_payload=include_payload)
+
+    async def delivery_attempts(self, delivery_id: str) -> list[AttemptInfo]:
+        transport = self.transport_for_delivery(delivery_id)
+        return await transport.delivery_attempts(delivery_id) if isinstance(transport, AttemptHistoryReader) else []
 
     async def known_messages(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         return await self.database.known_messages(ids)

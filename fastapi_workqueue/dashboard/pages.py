@@ -73,7 +73,9 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
         info, job = found
         trace_url = d.queue.settings.trace_url
         link = trace_url.replace("{trace_id}", info.trace_id) if trace_url and info.trace_id else None
-        return d.render(request, "delivery.html", {"info": info, "trace_link": link, "job": job}, viewer=seen)
+        attempts = await views.attempts_of(d.queue, delivery_id)
+        return d.render(request, "delivery.html", {"info": info, "trace_link": link, "job": job,
+                                                   "attempts": attempts}, viewer=seen)
 
     @router.get("/subscriptions/{name}/replay-all", response_class=HTMLResponse)
     async def confirm_replay_all(request: Request, name: str, principal: Operator) -> HTMLResponse:

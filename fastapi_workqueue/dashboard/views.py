@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..core.attempts import AttemptHistoryReader, AttemptInfo
 from ..core.history import StatsHistoryReader, StatsPoint
 from ..core.host import SubscriptionHealth
 from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts, LiveWorkReader
 from ..core.processes import ProcessInfo, ProcessRegistry
+from ..core.redaction import redact
 from ..core.reports import DeliveryInfo
 from ..core.topology import SubscriptionState
 from ..core.words import count
@@ -269,3 +271,13 @@ async def delivery(queue: WorkQueue, delivery_id: str, *,
     if not include_payload:
         info = info.model_copy(update={"payload": None})
     return shown(info), job
+
+
+async def attempts_of(queue: WorkQueue, delivery_id: str) -> list[AttemptInfo] | None:
+    """The kept attempts of a delivery, oldest first, errors redacted (None when the store keeps none)."""
+    transport: Any = queue.transport
+    if not isinstance(transport, AttemptHistoryReader):
+        return None
+    return [a.model_copy(update={"reason": redact(a.reason) if a.reason else a.reason,
+                                 "error": redact(a.error) if a.error else a.error})
+            for a in await transport.delivery_attempts(delivery_id)]

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
+from ..core.attempts import AttemptInfo
 from ..core.clock import SYSTEM_CLOCK, Clock, time_to_pass
 from ..core.envelope import (
     MAX_DELAY_SECONDS,
@@ -493,6 +494,18 @@ class RoutineTransport:
             return None
         rows = await self.call("get_delivery", p_delivery_id=numeric)
         return delivery_info(rows[0], None, include_payload) if rows else None
+
+    async def delivery_attempts(self, delivery_id: str) -> list[AttemptInfo]:
+        """The kept attempts of one delivery (off the happy path), oldest first."""
+        numeric = delivery_number(delivery_id)
+        if numeric is None:
+            return []
+        rows = await self.call("delivery_attempts", p_delivery_id=numeric)
+        return [
+            AttemptInfo(attempt=r["attempt"], started_at=r["started_at"], ended_at=r["ended_at"],
+                        outcome=r["outcome"], reason=r["reason"], error=r["error"], holder=holder(r))
+            for r in rows
+        ]
 
     async def known_messages(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         """Which of these MessageIDs the store has."""

@@ -180,6 +180,22 @@ CREATE INDEX delivery_message ON workqueue.delivery (message_id);
 -- changes (no index names the column a heartbeat renews).
 CREATE INDEX delivery_in_flight ON workqueue.delivery (subscription_id) WHERE status = N'InFlight';
 
+-- The attempts of a delivery off the happy path, at most 50 a delivery, removed with it (PostgreSQL's
+-- schema.sql says more). A delivery claimed and completed writes no row here.
+CREATE TABLE workqueue.delivery_attempt (
+    delivery_id  bigint NOT NULL
+                 CONSTRAINT delivery_attempt_delivery_fk REFERENCES workqueue.delivery (id) ON DELETE CASCADE,
+    id           bigint IDENTITY(1, 1) NOT NULL,
+    attempt      int NOT NULL,
+    started_at   datetimeoffset(6) NULL,
+    ended_at     datetimeoffset(6) NOT NULL,
+    held_by      uniqueidentifier NULL,
+    outcome      nvarchar(20) COLLATE Latin1_General_100_BIN2 NOT NULL,
+    reason       nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,
+    error        nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,
+    CONSTRAINT delivery_attempt_pk PRIMARY KEY CLUSTERED (delivery_id, id)
+);
+
 -- One row per (subscription, key) with live keyed work: the lock and the state of the key.
 --   holder_id: the InFlight delivery of the key (at most one, ever).
 --   next_id / next_visible_at: the delivery a claim takes next when there is no holder.
@@ -2193,7 +2209,13 @@ BEGIN
         status nvarchar(20) COLLATE Latin1_General_100_BIN2 NOT NULL,
         key_mode smallint NOT NULL,
         subscription_id int NOT NULL,
-        partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL
+        partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL,
+        attempt int NOT NULL,
+        claimed_at datetimeoffset(6) NULL,
+        held_by uniqueidentifier NULL,
+        reason nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,
+        outcome nvarchar(20) COLLATE Latin1_General_100_BIN2 NULL,
+        error nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL
     );
 
     INSERT INTO @v_i (ord, id, token, outcome, delay, reason, error, draw)
@@ -2276,10 +2298,30 @@ BEGIN
             END,
             last_error = COALESCE(p.error, d.last_error),
             settled_at = CASE WHEN p.new_status IN (N'Completed', N'Discarded', N'DeadLettered') THEN @v_now END
-        OUTPUT inserted.id, inserted.status, inserted.key_mode, inserted.subscription_id, inserted.partition_key
-        INTO @v_u (id, status, key_mode, subscription_id, partition_key)
+        OUTPUT inserted.id, inserted.status, inserted.key_mode, inserted.subscription_id, inserted.partition_key,
+               inserted.attempt, inserted.claimed_at, inserted.held_by, inserted.reason, p.outcome, p.error
+        INTO @v_u (id, status, key_mode, subscription_id, partition_key, attempt, claimed_at, held_by, reason,
+                   outcome, error)
         FROM workqueue.delivery AS d
         INNER JOIN @v_plan AS p ON p.id = d.id;
+
+        -- An attempt off the happy path is kept (delivery_attempt); a completion or a release
+        -- writes nothing there.
+        INSERT INTO workqueue.delivery_attempt (delivery_id, attempt, started_at, ended_at, held_by, outcome,
+                                                reason, error)
+        SELECT u.id, u.attempt, u.claimed_at, @v_now, u.held_by,
+               CASE WHEN u.status = N'Pending' THEN N'Failed' ELSE u.status END, u.reason, u.error
+        FROM @v_u AS u
+        WHERE u.status <> N'Completed' AND NOT (u.outcome = N'Release' AND u.status = N'Pending');
+        IF @@ROWCOUNT > 0
+        BEGIN
+            -- Keep the newest 50 attempts of each delivery.
+            DELETE a
+            FROM workqueue.delivery_attempt AS a
+            WHERE a.delivery_id IN (SELECT u.id FROM @v_u AS u WHERE u.status <> N'Completed')
+              AND a.id <= (SELECT b.id FROM workqueue.delivery_attempt AS b WHERE b.delivery_id = a.delivery_id
+                           ORDER BY b.id DESC OFFSET 50 ROWS FETCH NEXT 1 ROWS ONLY);
+        END;
 
         -- The batch's terminal settles, one row per subscription (settled_count).
         INSERT INTO workqueue.settled_count (subscription_id, completed, discarded)
@@ -2365,7 +2407,11 @@ BEGIN
         status nvarchar(20) COLLATE Latin1_General_100_BIN2 NOT NULL,
         key_mode smallint NOT NULL,
         subscription_id int NOT NULL,
-        partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL
+        partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL,
+        attempt int NOT NULL,
+        claimed_at datetimeoffset(6) NULL,
+        held_by uniqueidentifier NULL,
+        reason nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL
     );
     DECLARE @v_keys TABLE (
         ord int IDENTITY(1, 1) PRIMARY KEY,
@@ -2413,10 +2459,23 @@ BEGIN
                 lease_token = NULL,
                 lease_expires_at = NULL,
                 settled_at = CASE WHEN d.cancel_requested = 1 OR d.attempt >= d.max_attempts THEN @v_now END
-            OUTPUT inserted.id, inserted.status, inserted.key_mode, inserted.subscription_id, inserted.partition_key
-            INTO @v_u (id, status, key_mode, subscription_id, partition_key)
+            OUTPUT inserted.id, inserted.status, inserted.key_mode, inserted.subscription_id, inserted.partition_key,
+                   inserted.attempt, inserted.claimed_at, inserted.held_by, inserted.reason
+            INTO @v_u (id, status, key_mode, subscription_id, partition_key, attempt, claimed_at, held_by, reason)
             FROM workqueue.delivery AS d
             INNER JOIN @v_expired AS e ON e.id = d.id;
+
+            INSERT INTO workqueue.delivery_attempt (delivery_id, attempt, started_at, ended_at, held_by, outcome,
+                                                    reason, error)
+            SELECT u.id, u.attempt, u.claimed_at, @v_now, u.held_by, N'LeaseExpired', u.reason,
+                   N'lease expired: the holder stopped renewing it'
+            FROM @v_u AS u;
+            -- Keep the newest 50 attempts of each delivery.
+            DELETE a
+            FROM workqueue.delivery_attempt AS a
+            WHERE a.delivery_id IN (SELECT u.id FROM @v_u AS u)
+              AND a.id <= (SELECT b.id FROM workqueue.delivery_attempt AS b WHERE b.delivery_id = a.delivery_id
+                           ORDER BY b.id DESC OFFSET 50 ROWS FETCH NEXT 1 ROWS ONLY);
 
             INSERT INTO workqueue.settled_count (subscription_id, completed, discarded)
             SELECT u.subscription_id, 0, COUNT_BIG(*)
@@ -3082,9 +3141,10 @@ BEGIN
     DECLARE @v_key_holder bigint;
     DECLARE @v_result nvarchar(20) = N'NotFound';
     DECLARE @v_status nvarchar(20);
+    DECLARE @v_attempt int;
 
     SELECT @v_found = 1, @v_key_mode = d.key_mode, @v_subscription_id = d.subscription_id,
-           @v_key = d.partition_key
+           @v_key = d.partition_key, @v_attempt = d.attempt
     FROM workqueue.delivery AS d
     INNER JOIN workqueue.subscription AS s ON s.id = d.subscription_id
     WHERE d.id = @p_delivery_id AND s.name = @p_subscription;
@@ -3124,6 +3184,16 @@ BEGIN
                 IF @v_key_mode > 0
                     EXEC workqueue.refresh_partition
                         @p_subscription_id = @v_subscription_id, @p_key = @v_key, @p_mode = @v_key_mode;
+                -- The replay is kept as an attempt of its own, so the error before it reads as a
+                -- past attempt.
+                INSERT INTO workqueue.delivery_attempt (delivery_id, attempt, ended_at, outcome, reason)
+                VALUES (@p_delivery_id, @v_attempt, @v_now, N'Replayed', @p_note);
+                -- Keep the newest 50 attempts of each delivery.
+                DELETE a
+                FROM workqueue.delivery_attempt AS a
+                WHERE a.delivery_id IN (@p_delivery_id)
+                  AND a.id <= (SELECT b.id FROM workqueue.delivery_attempt AS b WHERE b.delivery_id = a.delivery_id
+                               ORDER BY b.id DESC OFFSET 50 ROWS FETCH NEXT 1 ROWS ONLY);
                 SET @v_result = N'Replayed';
                 SET @v_status = N'Pending';
             END;
@@ -3506,6 +3576,22 @@ BEGIN
     SELECT m.id AS message_id
     FROM workqueue.message AS m
     WHERE m.id IN (SELECT TRY_CAST(j.value AS uniqueidentifier) FROM OPENJSON(@p_ids) AS j);
+END;
+GO
+
+-- The kept attempts of one delivery, oldest first, each with the process that held it.
+-- returns: attempt, started_at, ended_at, outcome, reason, error, holder_id, holder_host, holder_pid, holder_started_at
+CREATE OR ALTER PROCEDURE workqueue.delivery_attempts
+    @p_delivery_id bigint
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SELECT TOP (50) a.attempt, a.started_at, a.ended_at, a.outcome, a.reason, a.error,
+           a.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid, p.started_at AS holder_started_at
+    FROM workqueue.delivery_attempt AS a
+    LEFT JOIN workqueue.process AS p ON p.id = a.held_by
+    WHERE a.delivery_id = @p_delivery_id
+    ORDER BY a.id;
 END;
 GO
 

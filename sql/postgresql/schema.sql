@@ -130,6 +130,23 @@ CREATE INDEX delivery_message ON workqueue.delivery (message_id);
 -- changes, so that no index names what a heartbeat writes and heartbeats are HOT updates.
 CREATE INDEX delivery_in_flight ON workqueue.delivery (subscription_id) WHERE status = 'InFlight';
 
+-- The attempts of a delivery off the happy path, one row each: a settle that retries, dead-letters
+-- or discards, a lease expiry, a replay (outcome Failed, DeadLettered, Discarded, LeaseExpired or
+-- Replayed). A delivery claimed and completed writes no row here. At most 50 rows a delivery (the
+-- oldest go), removed with the delivery by the foreign key.
+CREATE TABLE workqueue.delivery_attempt (
+    delivery_id  bigint NOT NULL REFERENCES workqueue.delivery (id) ON DELETE CASCADE,
+    id           bigint GENERATED ALWAYS AS IDENTITY,
+    attempt      integer NOT NULL,
+    started_at   timestamptz,
+    ended_at     timestamptz NOT NULL,
+    held_by      uuid,
+    outcome      text NOT NULL,
+    reason       text,
+    error        text,
+    PRIMARY KEY (delivery_id, id)
+);
+
 -- One row per (subscription, key) with live keyed work: the lock and the state of the key.
 --   holder_id: the InFlight delivery of the key (at most one, ever).
 --   next_id / next_visible_at: the delivery a claim takes next when there is no holder.
@@ -1640,6 +1657,7 @@ DECLARE
     v_ids bigint[];
     v_results jsonb;  -- delivery id -> its new status
     v_keyed boolean;
+    v_tried bigint[];
 BEGIN
     WITH locked AS (
         -- Item by item, in id order (the order rows are locked in), each finds and locks its row
@@ -1693,7 +1711,18 @@ BEGIN
             settled_at = CASE WHEN pl.new_status IN ('Completed', 'Discarded', 'DeadLettered') THEN v_now END
         FROM plan pl
         WHERE d.id = pl.id
-        RETURNING d.id, d.status, d.key_mode, d.subscription_id
+        RETURNING d.id, d.status, d.key_mode, d.subscription_id, d.attempt, d.claimed_at, d.held_by, d.reason,
+                  pl.outcome, pl.error
+    ), tried AS (
+        -- An attempt off the happy path is kept (delivery_attempt); a completion or a release
+        -- writes nothing there.
+        INSERT INTO workqueue.delivery_attempt AS a (delivery_id, attempt, started_at, ended_at, held_by, outcome,
+                                                     reason, error)
+        SELECT u.id, u.attempt, u.claimed_at, v_now, u.held_by,
+               CASE WHEN u.status = 'Pending' THEN 'Failed' ELSE u.status END, u.reason, u.error
+        FROM u
+        WHERE u.status <> 'Completed' AND NOT (u.outcome = 'Release' AND u.status = 'Pending')
+        RETURNING a.delivery_id
     ), counted AS (
         -- The batch's terminal settles, one row per subscription (settled_count).
         INSERT INTO workqueue.settled_count (subscription_id, completed, discarded)
@@ -1703,9 +1732,18 @@ BEGIN
         WHERE u.status IN ('Completed', 'Discarded')
         GROUP BY u.subscription_id
     )
-    SELECT array_agg(u.id), jsonb_object_agg(u.id::text, u.status), bool_or(u.key_mode > 0)
-    INTO v_ids, v_results, v_keyed
+    SELECT array_agg(u.id), jsonb_object_agg(u.id::text, u.status), bool_or(u.key_mode > 0),
+           (SELECT array_agg(t.delivery_id) FROM tried t)
+    INTO v_ids, v_results, v_keyed, v_tried
     FROM u;
+
+    IF v_tried IS NOT NULL THEN
+        -- Keep the newest 50 attempts of each delivery.
+        DELETE FROM workqueue.delivery_attempt a
+        WHERE a.delivery_id = ANY (v_tried)
+          AND a.id <= (SELECT b.id FROM workqueue.delivery_attempt b WHERE b.delivery_id = a.delivery_id
+                       ORDER BY b.id DESC OFFSET 50 LIMIT 1);
+    END IF;
 
     IF v_keyed THEN
         PERFORM pg_notify('workqueue', r.subscription_id::text) FROM workqueue.release_keys(v_ids) r;
@@ -2024,7 +2062,13 @@ BEGIN
             lease_expires_at = NULL,
             settled_at = CASE WHEN d.cancel_requested OR d.attempt >= d.max_attempts THEN v_now END
         WHERE d.id = ANY (v_expired)
-        RETURNING d.id, d.status, d.key_mode, d.subscription_id
+        RETURNING d.id, d.status, d.key_mode, d.subscription_id, d.attempt, d.claimed_at, d.held_by, d.reason
+    ), tried AS (
+        INSERT INTO workqueue.delivery_attempt (delivery_id, attempt, started_at, ended_at, held_by, outcome,
+                                                reason, error)
+        SELECT u.id, u.attempt, u.claimed_at, v_now, u.held_by, 'LeaseExpired', u.reason,
+               'lease expired: the holder stopped renewing it'
+        FROM u
     ), counted AS (
         INSERT INTO workqueue.settled_count (subscription_id, completed, discarded)
         SELECT u.subscription_id, 0, count(*)
@@ -2035,6 +2079,11 @@ BEGIN
     SELECT array_agg(u.id), array_agg(u.status), bool_or(u.key_mode > 0)
     INTO v_ids, v_results, v_keyed
     FROM u;
+
+    DELETE FROM workqueue.delivery_attempt a
+    WHERE a.delivery_id = ANY (v_ids)
+      AND a.id <= (SELECT b.id FROM workqueue.delivery_attempt b WHERE b.delivery_id = a.delivery_id
+                   ORDER BY b.id DESC OFFSET 50 LIMIT 1);
 
     IF v_keyed THEN
         PERFORM pg_notify('workqueue', r.subscription_id::text) FROM workqueue.release_keys(v_ids) r;
@@ -2363,7 +2412,7 @@ AS $$
 DECLARE
     v_d record;
 BEGIN
-    SELECT d.id, d.status, d.key_mode, d.subscription_id, d.partition_key INTO v_d
+    SELECT d.id, d.status, d.key_mode, d.subscription_id, d.partition_key, d.attempt INTO v_d
     FROM workqueue.delivery d JOIN workqueue.subscription s ON s.id = d.subscription_id
     WHERE d.id = p_delivery_id AND s.name = p_subscription;
     IF NOT FOUND THEN
@@ -2389,6 +2438,13 @@ BEGIN
     IF v_d.key_mode = 0 OR workqueue.refresh_partition(v_d.subscription_id, v_d.partition_key, v_d.key_mode) THEN
         PERFORM pg_notify('workqueue', v_d.subscription_id::text);
     END IF;
+    -- The replay is kept as an attempt of its own, so the error before it reads as a past attempt.
+    INSERT INTO workqueue.delivery_attempt (delivery_id, attempt, ended_at, outcome, reason)
+    VALUES (p_delivery_id, v_d.attempt, now(), 'Replayed', p_note);
+    DELETE FROM workqueue.delivery_attempt a
+    WHERE a.delivery_id = p_delivery_id
+      AND a.id <= (SELECT b.id FROM workqueue.delivery_attempt b WHERE b.delivery_id = p_delivery_id
+                   ORDER BY b.id DESC OFFSET 50 LIMIT 1);
     RETURN QUERY SELECT 'Replayed'::text, 'Pending'::text;
 END
 $$;
@@ -2648,6 +2704,25 @@ AS $$
     JOIN workqueue.message m ON m.id = d.message_id
     LEFT JOIN workqueue.process p ON p.id = d.held_by
     WHERE d.id = p_delivery_id
+$$;
+
+-- The kept attempts of one delivery (off the happy path: see delivery_attempt), oldest first,
+-- each with the process that held it as the registry knows it.
+CREATE OR REPLACE FUNCTION workqueue.delivery_attempts(p_delivery_id bigint)
+RETURNS TABLE (
+    attempt integer, started_at timestamptz, ended_at timestamptz, outcome text, reason text, error text,
+    holder_id uuid, holder_host text, holder_pid integer, holder_started_at timestamptz
+)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT a.attempt, a.started_at, a.ended_at, a.outcome, a.reason, a.error,
+           a.held_by, p.hostname, p.pid, p.started_at
+    FROM workqueue.delivery_attempt a
+    LEFT JOIN workqueue.process p ON p.id = a.held_by
+    WHERE a.delivery_id = p_delivery_id
+    ORDER BY a.id
+    LIMIT 50
 $$;
 
 -- Every delivery of one message, each with its subscription, as get_delivery answers, by id.

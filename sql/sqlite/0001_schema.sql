@@ -105,6 +105,22 @@ CREATE INDEX delivery_message ON delivery (message_id);
 -- changes.
 CREATE INDEX delivery_in_flight ON delivery (subscription_id) WHERE status = 'InFlight';
 
+-- The attempts of a delivery off the happy path (a settle that retries, dead-letters or discards,
+-- a lease expiry, a replay), at most 50 a delivery, removed with it (foreign key). A delivery
+-- claimed and completed writes no row here.
+CREATE TABLE delivery_attempt (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    delivery_id  INTEGER NOT NULL REFERENCES delivery (id) ON DELETE CASCADE,
+    attempt      INTEGER NOT NULL,
+    started_at   REAL,
+    ended_at     REAL NOT NULL,
+    held_by      TEXT,
+    outcome      TEXT NOT NULL,
+    reason       TEXT,
+    error        TEXT
+);
+CREATE INDEX delivery_attempt_delivery ON delivery_attempt (delivery_id, id);
+
 CREATE TABLE partition (
     subscription_id   INTEGER NOT NULL,
     partition_key     TEXT NOT NULL,

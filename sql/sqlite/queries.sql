@@ -312,7 +312,7 @@ ON CONFLICT (subscription_id) DO UPDATE
 SET completed = completed + excluded.completed, discarded = discarded + excluded.discarded;
 
 -- name: delivery_of_subscription
-SELECT d.id, d.status, d.key_mode, d.subscription_id, d.partition_key
+SELECT d.id, d.status, d.key_mode, d.subscription_id, d.partition_key, d.attempt
 FROM delivery d JOIN subscription s ON s.id = d.subscription_id
 WHERE d.id = :id AND s.name = :subscription;
 
@@ -625,3 +625,25 @@ JOIN subscription s ON s.id = d.subscription_id
 LEFT JOIN process p ON p.id = d.held_by
 WHERE d.id IN (SELECT value FROM json_each(:ids))
 ORDER BY d.id;
+
+-- name: attempt_record
+INSERT INTO delivery_attempt (delivery_id, attempt, started_at, ended_at, held_by, outcome, reason, error)
+SELECT d.id, coalesce(:attempt, d.attempt), CASE WHEN :outcome = 'Replayed' THEN NULL ELSE d.claimed_at END, :now,
+       CASE WHEN :outcome = 'Replayed' THEN NULL ELSE d.held_by END, :outcome, :reason, :error
+FROM delivery d WHERE d.id = :id;
+
+-- name: attempt_trim
+-- Keeps the newest 50 attempts of the delivery.
+DELETE FROM delivery_attempt
+WHERE delivery_id = :id AND id <= (SELECT b.id FROM delivery_attempt b WHERE b.delivery_id = :id
+                                   ORDER BY b.id DESC LIMIT 1 OFFSET 50);
+
+-- name: delivery_attempts
+SELECT a.attempt, a.started_at, a.ended_at, a.outcome, a.reason, a.error,
+       a.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid,
+       p.started_at AS holder_started_at
+FROM delivery_attempt a
+LEFT JOIN process p ON p.id = a.held_by
+WHERE a.delivery_id = :id
+ORDER BY a.id
+LIMIT 50;

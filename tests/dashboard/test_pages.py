@@ -295,6 +295,11 @@ async def test_a_replayed_delivery_that_completed_shows_its_old_error_as_a_past_
     assert "<h2>Error of an earlier attempt</h2>" in after and "(replayed since)" in after
     assert "the mail server refused ann@example.com" in after
     assert "is Pending again" not in after
+    # The attempts in order: the failure (dead-lettered), the replay with its note, then now.
+    history = after[after.index('<h2 id="attempts">'):after.index("<h2>Payload</h2>")]
+    rows = [history.index(f'class="attempt attempt-{kind}"') for kind in ("deadlettered", "replayed", "now")]
+    assert rows == sorted(rows)
+    assert "address fixed" in history and "the mail server refused ann@example.com" in history
     me = current_process()
     assert f"Last held by</dt><dd class=\"holder\"><a href=\"{UI}/processes#process-{me.id}\"" in after
     assert f"{me.hostname} pid {me.pid}" in after
