@@ -31,6 +31,7 @@ from .reports import (
     SubscriptionStats,
     SweepReport,
 )
+from .search import DeliverySearch, FoundDelivery
 from .topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
 from .transport import (
     INTERRUPT_CLAIMS,
@@ -340,6 +341,13 @@ class RoutingTransport:
     async def delivery_attempts(self, delivery_id: str) -> list[AttemptInfo]:
         transport = self.transport_for_delivery(delivery_id)
         return await transport.delivery_attempts(delivery_id) if isinstance(transport, AttemptHistoryReader) else []
+
+    async def search_deliveries(self, query: str, *, limit: int = 25) -> list[FoundDelivery]:
+        """The database's search (deliveries on a broker are found by their id only)."""
+        database = self.default
+        if not isinstance(database, DeliverySearch):
+            return []
+        return await database.search_deliveries(query, limit=limit)
 
     async def known_messages(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         return await self.database.known_messages(ids)

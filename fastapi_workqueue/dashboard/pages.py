@@ -53,6 +53,15 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
         return d.render(request, "jobs.html", {"page": await jobs_page(d.queue, datetime.now(UTC))},
                         viewer=viewer(principal))
 
+    @router.get("/search", response_class=HTMLResponse)
+    async def search(
+        request: Request, principal: Reader, q: Annotated[str, Query(max_length=512)] = "",
+    ) -> HTMLResponse:
+        query = q.strip()
+        found = await views.search(d.queue, query)
+        return d.render(request, "search.html", {"query": query, "found": found, "limit": views.SEARCH_PAGE},
+                        viewer=viewer(principal))
+
     @router.get("/subscriptions/{name}", response_class=HTMLResponse)
     async def subscription(
         request: Request, name: str, principal: Reader,

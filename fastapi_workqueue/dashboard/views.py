@@ -14,6 +14,7 @@ from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts, LiveWorkRea
 from ..core.processes import ProcessInfo, ProcessRegistry
 from ..core.redaction import redact
 from ..core.reports import DeliveryInfo
+from ..core.search import DeliverySearch, FoundDelivery
 from ..core.topology import SubscriptionState
 from ..core.words import count
 from ..web.operator_view import shown, shown_all
@@ -33,6 +34,8 @@ BULK_BATCH = 100
 """Dead letters replayed per batch of a bulk replay."""
 BULK_BATCHES = 10
 """Batches per bulk replay request: one confirmation replays at most BULK_BATCH x BULK_BATCHES."""
+SEARCH_PAGE = 50
+"""Deliveries a search shows (the newest that match)."""
 BLOCKED_SHOWN = 10
 """Blocked keys of one Ordered subscription the overview looks at (it says "10+" past them)."""
 
@@ -281,3 +284,15 @@ async def attempts_of(queue: WorkQueue, delivery_id: str) -> list[AttemptInfo] |
     return [a.model_copy(update={"reason": redact(a.reason) if a.reason else a.reason,
                                  "error": redact(a.error) if a.error else a.error})
             for a in await transport.delivery_attempts(delivery_id)]
+
+
+async def search(queue: WorkQueue, query: str) -> list[FoundDelivery] | None:
+    """The newest deliveries that match ``query`` exactly, errors redacted (None when the
+    transport cannot search; empty for an empty query)."""
+    transport: Any = queue.transport
+    if not isinstance(transport, DeliverySearch):
+        return None
+    if not query:
+        return []
+    return [f.model_copy(update={"delivery": shown(f.delivery)})
+            for f in await transport.search_deliveries(query, limit=SEARCH_PAGE)]

@@ -51,6 +51,7 @@ from ..core.reports import (
     TakenBack,
 )
 from ..core.retirement import DeleteResult, RetireResult, TopicStatus, TopicStatusChange
+from ..core.search import SEARCH_LIMIT, FoundDelivery
 from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic, TopicState
 from ..core.transport import (
     Capabilities,
@@ -506,6 +507,15 @@ class RoutineTransport:
                         outcome=r["outcome"], reason=r["reason"], error=r["error"], holder=holder(r))
             for r in rows
         ]
+
+    async def search_deliveries(self, query: str, *, limit: int = 25) -> list[FoundDelivery]:
+        """The deliveries whose id, MessageID, partition key, correlation ID or job name is
+        ``query``, newest first, at most ``limit`` (payloads left out)."""
+        query = query.strip()
+        if not query or len(query) > 512:
+            return []
+        rows = await self.call("search_deliveries", p_query=query, p_limit=max(1, min(limit, SEARCH_LIMIT)))
+        return [FoundDelivery(matched=r["matched"], delivery=delivery_info(r, None, False)) for r in rows]
 
     async def known_messages(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         """Which of these MessageIDs the store has."""

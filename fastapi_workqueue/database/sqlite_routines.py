@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +46,8 @@ Routine = Callable[..., Awaitable[list[Row]]]
 ROUTINES: dict[str, Routine] = {}
 READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions", "list_subscriptions",
              "list_topics", "schema_versions", "api_key_list", "api_key_verify", "api_key_session", "known_messages",
-             "message_deliveries", "delivery_attempts", "step_get", "stats_history", "live_counts", "blocked_keys",
+             "message_deliveries", "delivery_attempts",
+             "search_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys",
              "list_processes"}
 """Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
 
@@ -785,6 +787,34 @@ async def r_get_delivery(c: Call, p_delivery_id: int) -> list[Row]:
 @routine
 async def r_delivery_attempts(c: Call, p_delivery_id: int) -> list[Row]:
     return with_times(await c.ex.fetch("delivery_attempts", id=p_delivery_id))
+
+
+_UUID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
+
+
+@routine
+async def r_search_deliveries(c: Call, p_query: str, p_limit: int) -> list[Row]:
+    """As PostgreSQL's: a delivery id, a MessageID, a partition key, a correlation ID or a job
+    name, newest first; each branch through an index and at most ``p_limit`` messages."""
+    limit = min(max(p_limit or 25, 1), 100)
+    query = (p_query or "").strip()
+    if not query:
+        return []
+    found: dict[int, Row] = {}
+    if query.isdigit() and len(query) <= 18:
+        for row in await c.ex.fetch("delivery_get", id=int(query)):
+            found[row["delivery_id"]] = {**row, "matched": "delivery id"}
+    matched: dict[str, str] = {}
+    if _UUID.match(query):
+        matched[str(uuid.UUID(query))] = "MessageID"
+    for statement, what in (("search_partition_key", "partition key"), ("search_correlation_id", "correlation ID"),
+                            ("search_job", "job")):
+        for row in await c.ex.fetch(statement, q=query, limit=limit):
+            matched.setdefault(row["id"], what)
+    if matched:
+        for row in await c.ex.fetch("search_message_deliveries", ids=json.dumps(list(matched)), limit=limit):
+            found.setdefault(row["delivery_id"], {**row, "matched": matched[row["message_id"]]})
+    return with_times([found[i] for i in sorted(found, reverse=True)[:limit]])
 
 
 @routine

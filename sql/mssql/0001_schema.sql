@@ -123,9 +123,18 @@ CREATE TABLE workqueue.message (
     deduplication_key  nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL,
     content_hash       nvarchar(128) COLLATE Latin1_General_100_BIN2 NOT NULL,
     published_at       datetimeoffset(6) NOT NULL CONSTRAINT message_published_at_default DEFAULT SYSDATETIMEOFFSET(),
+    -- Search only (search_deliveries): the correlation ID as an index can hold it, the job name.
+    correlation_key    AS CAST(correlation_id AS nvarchar(400)),
+    job                AS CAST(JSON_VALUE(attributes, N'$.job') AS nvarchar(200)),
     CONSTRAINT message_pk PRIMARY KEY NONCLUSTERED (id)
 );
 CREATE CLUSTERED INDEX message_published_at ON workqueue.message (published_at);
+-- Search only: a message by its partition key, correlation ID or job name, newest first (a filter
+-- may not name a computed column, so only the first is filtered).
+CREATE INDEX message_partition_key ON workqueue.message (partition_key, published_at)
+    WHERE partition_key IS NOT NULL;
+CREATE INDEX message_correlation_key ON workqueue.message (correlation_key, published_at);
+CREATE INDEX message_job ON workqueue.message (job, published_at);
 
 -- key_mode: 0 = the delivery is claimed on its own (None mode, or no partition key);
 -- 1 = Exclusive key, 2 = Ordered key: claimed through its row in workqueue.partition.
@@ -3563,6 +3572,68 @@ BEGIN
     INNER JOIN workqueue.message AS m ON m.id = d.message_id
     LEFT JOIN workqueue.process AS p ON p.id = d.held_by
     WHERE d.id = @p_delivery_id;
+END;
+GO
+
+-- Deliveries found by a delivery id, a MessageID, a partition key, a correlation ID or a job name
+-- (matched says which), newest first, at most @p_limit (at most 100); each branch through an index.
+-- returns: delivery_id, subscription, message_id, topic, partition_key, status, attempt, max_attempts, visible_at, lease_expires_at, cancel_requested, progress_percent, progress_message, reason, last_error, note, created_at, claimed_at, settled_at, attributes, payload, correlation_id, holder_id, holder_host, holder_pid, holder_started_at, matched
+CREATE OR ALTER PROCEDURE workqueue.search_deliveries
+    @p_query nvarchar(512),
+    @p_limit int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    DECLARE @v_limit int = CASE WHEN @p_limit IS NULL THEN 25 WHEN @p_limit < 1 THEN 1
+                                WHEN @p_limit > 100 THEN 100 ELSE @p_limit END;
+    DECLARE @v_query nvarchar(512) = LTRIM(RTRIM(@p_query));
+    DECLARE @v_found TABLE (
+        delivery_id bigint NULL,
+        message_id uniqueidentifier NULL,
+        what nvarchar(20) COLLATE Latin1_General_100_BIN2 NOT NULL
+    );
+
+    IF @v_query <> N''
+    BEGIN
+        IF LEN(@v_query) <= 18 AND @v_query NOT LIKE N'%[^0-9]%'
+            INSERT INTO @v_found (delivery_id, what) VALUES (CAST(@v_query AS bigint), N'delivery id');
+        IF LEN(@v_query) = 36 AND TRY_CAST(@v_query AS uniqueidentifier) IS NOT NULL
+            INSERT INTO @v_found (message_id, what) VALUES (TRY_CAST(@v_query AS uniqueidentifier), N'MessageID');
+        INSERT INTO @v_found (message_id, what)
+        SELECT TOP (@v_limit) m.id, N'partition key'
+        FROM workqueue.message AS m
+        WHERE m.partition_key = @v_query
+        ORDER BY m.published_at DESC;
+        INSERT INTO @v_found (message_id, what)
+        SELECT TOP (@v_limit) m.id, N'correlation ID'
+        FROM workqueue.message AS m
+        WHERE m.correlation_key = CAST(@v_query AS nvarchar(400)) AND m.correlation_id = @v_query
+        ORDER BY m.published_at DESC;
+        INSERT INTO @v_found (message_id, what)
+        SELECT TOP (@v_limit) m.id, N'job'
+        FROM workqueue.message AS m
+        WHERE m.job = CAST(@v_query AS nvarchar(200))
+        ORDER BY m.published_at DESC;
+    END;
+
+    SELECT TOP (@v_limit) d.id AS delivery_id, s.name AS subscription, d.message_id, m.topic, d.partition_key,
+           d.status, d.attempt, d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested,
+           d.progress_percent, d.progress_message, d.reason, d.last_error, d.note, d.created_at,
+           d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id,
+           d.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid, p.started_at AS holder_started_at,
+           k.what AS matched
+    FROM (
+        SELECT x.id, f.what FROM @v_found AS f
+        INNER JOIN workqueue.delivery AS x ON x.id = f.delivery_id
+        UNION ALL
+        SELECT x.id, f.what FROM @v_found AS f
+        INNER JOIN workqueue.delivery AS x ON x.message_id = f.message_id
+    ) AS k
+    INNER JOIN workqueue.delivery AS d ON d.id = k.id
+    INNER JOIN workqueue.subscription AS s ON s.id = d.subscription_id
+    INNER JOIN workqueue.message AS m ON m.id = d.message_id
+    LEFT JOIN workqueue.process AS p ON p.id = d.held_by
+    ORDER BY d.id DESC;
 END;
 GO
 

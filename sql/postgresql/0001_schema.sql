@@ -80,6 +80,14 @@ CREATE TABLE workqueue.message (
     published_at       timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX message_published_at ON workqueue.message (published_at);
+-- Search only (search_deliveries): a message by its partition key, correlation ID or job name,
+-- newest first. Partial, so a message without one costs its publish nothing here.
+CREATE INDEX message_partition_key ON workqueue.message (partition_key, published_at)
+    WHERE partition_key IS NOT NULL;
+CREATE INDEX message_correlation_id ON workqueue.message (correlation_id, published_at)
+    WHERE correlation_id IS NOT NULL;
+CREATE INDEX message_job ON workqueue.message ((attributes ->> 'job'), published_at)
+    WHERE attributes ? 'job';
 
 -- status: Pending, InFlight, Completed, DeadLettered or Discarded. key_mode: 0 = the delivery is
 -- claimed on its own (None mode, or no partition key); 1 = Exclusive key, 2 = Ordered key: claimed
@@ -2750,6 +2758,82 @@ AS $$
     LEFT JOIN workqueue.process p ON p.id = d.held_by
     WHERE d.message_id = p_message_id
     ORDER BY d.id
+$$;
+
+-- Deliveries found by what an operator has at hand: a delivery id, a MessageID, a partition key,
+-- a correlation ID or a job name (matched says which), newest first, at most p_limit (at most
+-- 100). Every branch reads an index and at most p_limit messages: the primary keys,
+-- delivery_message, and the partial search indexes of message.
+CREATE OR REPLACE FUNCTION workqueue.search_deliveries(p_query text, p_limit integer)
+RETURNS TABLE (
+    delivery_id bigint, subscription text, message_id uuid, topic text, partition_key text,
+    status text, attempt integer, max_attempts integer, visible_at timestamptz,
+    lease_expires_at timestamptz, cancel_requested boolean, progress_percent smallint,
+    progress_message text, reason text, last_error text, note text, created_at timestamptz,
+    claimed_at timestamptz, settled_at timestamptz, attributes jsonb, payload text,
+    correlation_id text,
+    holder_id uuid, holder_host text, holder_pid integer, holder_started_at timestamptz,
+    matched text
+)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_limit integer := least(greatest(coalesce(p_limit, 25), 1), 100);
+    v_query text := btrim(p_query);
+    v_messages uuid[] := '{}';
+    v_matched text[] := '{}';
+    v_id bigint;
+BEGIN
+    IF v_query IS NULL OR v_query = '' THEN
+        RETURN;
+    END IF;
+    IF v_query ~ '^[0-9]{1,18}$' THEN
+        v_id := v_query::bigint;
+    END IF;
+    IF v_query ~* '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$' THEN
+        v_messages := ARRAY[v_query::uuid];
+        v_matched := ARRAY['MessageID'];
+    END IF;
+    SELECT v_messages || coalesce(array_agg(x.id), '{}'), v_matched || coalesce(array_agg(x.what), '{}')
+    INTO v_messages, v_matched
+    FROM (
+        (SELECT m.id, 'partition key' AS what FROM workqueue.message m
+         WHERE m.partition_key = v_query AND m.partition_key IS NOT NULL
+         ORDER BY m.published_at DESC LIMIT v_limit)
+        UNION ALL
+        (SELECT m.id, 'correlation ID' FROM workqueue.message m
+         WHERE m.correlation_id = v_query AND m.correlation_id IS NOT NULL
+         ORDER BY m.published_at DESC LIMIT v_limit)
+        UNION ALL
+        (SELECT m.id, 'job' FROM workqueue.message m
+         WHERE (m.attributes ->> 'job') = v_query AND m.attributes ? 'job'
+         ORDER BY m.published_at DESC LIMIT v_limit)
+    ) x;
+    RETURN QUERY
+    SELECT d.id, s.name, d.message_id, m.topic, d.partition_key, d.status, d.attempt,
+           d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested,
+           d.progress_percent, d.progress_message, d.reason, d.last_error, d.note, d.created_at,
+           d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id,
+           d.held_by, p.hostname, p.pid, p.started_at, f.what
+    FROM (
+        SELECT v_id AS delivery_id, NULL::uuid AS message_id, 'delivery id'::text AS what WHERE v_id IS NOT NULL
+        UNION ALL
+        SELECT NULL, u.message_id, u.what FROM unnest(v_messages, v_matched) AS u(message_id, what)
+    ) f
+    CROSS JOIN LATERAL (
+        SELECT x.* FROM workqueue.delivery x
+        WHERE (f.delivery_id IS NOT NULL AND x.id = f.delivery_id)
+           OR (f.message_id IS NOT NULL AND x.message_id = f.message_id)
+        LIMIT v_limit
+    ) d
+    JOIN workqueue.subscription s ON s.id = d.subscription_id
+    JOIN workqueue.message m ON m.id = d.message_id
+    LEFT JOIN workqueue.process p ON p.id = d.held_by
+    ORDER BY d.id DESC
+    LIMIT v_limit;
+END
 $$;
 
 -- Which of the given MessageIDs the store has.

@@ -62,6 +62,11 @@ CREATE TABLE message (
     published_at       REAL NOT NULL
 );
 CREATE INDEX message_published_at ON message (published_at);
+-- Search only (search_deliveries), partial: a message without the value costs nothing here.
+CREATE INDEX message_partition_key ON message (partition_key, published_at) WHERE partition_key IS NOT NULL;
+CREATE INDEX message_correlation_id ON message (correlation_id, published_at) WHERE correlation_id IS NOT NULL;
+CREATE INDEX message_job ON message (json_extract(attributes, '$.job'), published_at)
+    WHERE json_extract(attributes, '$.job') IS NOT NULL;
 
 -- key_mode: 0 = claimed on its own; 1 = Exclusive key, 2 = Ordered key (through partition).
 CREATE TABLE delivery (

@@ -647,3 +647,31 @@ LEFT JOIN process p ON p.id = a.held_by
 WHERE a.delivery_id = :id
 ORDER BY a.id
 LIMIT 50;
+
+-- name: search_partition_key
+SELECT m.id FROM message m WHERE m.partition_key = :q AND m.partition_key IS NOT NULL
+ORDER BY m.published_at DESC LIMIT :limit;
+
+-- name: search_correlation_id
+SELECT m.id FROM message m WHERE m.correlation_id = :q AND m.correlation_id IS NOT NULL
+ORDER BY m.published_at DESC LIMIT :limit;
+
+-- name: search_job
+SELECT m.id FROM message m
+WHERE json_extract(m.attributes, '$.job') = :q AND json_extract(m.attributes, '$.job') IS NOT NULL
+ORDER BY m.published_at DESC LIMIT :limit;
+
+-- name: search_message_deliveries
+SELECT d.id AS delivery_id, s.name AS subscription, d.message_id, m.topic, d.partition_key, d.status,
+       d.attempt, d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested, d.progress_percent,
+       d.progress_message, d.reason, d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at,
+       m.attributes, m.payload, m.correlation_id,
+       d.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid,
+       p.started_at AS holder_started_at
+FROM delivery d
+JOIN subscription s ON s.id = d.subscription_id
+JOIN message m ON m.id = d.message_id
+LEFT JOIN process p ON p.id = d.held_by
+WHERE d.message_id IN (SELECT value FROM json_each(:ids))
+ORDER BY d.id DESC
+LIMIT :limit;

@@ -578,3 +578,27 @@ async def test_the_pages_render_on_sqlite(sqlite_url: str) -> None:
         replayed = await post(client, f"{UI}/deliveries/{dead}", f"{UI}/deliveries/{dead}/replay")
         assert replayed.headers["location"].endswith("notice=Replayed")
         shop.release.set()
+
+
+async def test_the_search_box_finds_a_delivery_by_message_id_key_correlation_and_id(shop: Shop) -> None:
+    tag = str(time.time_ns())
+    [published] = await shop.queue.publish(shop.topic, [PublishRequest(
+        payload={"to": "bob@example.com"}, partition_key=f"customer-{tag}", correlation_id=f"req-{tag}")])
+    deliveries = await shop.queue.transport.message_deliveries(published.message_id)
+    async with client_for(shop) as client:
+        await sign_in(client, await key(shop, SCOPE_READ))
+        overview = (await client.get(f"{UI}/")).text
+        assert f'action="{UI}/search"' in overview and 'name="q"' in overview
+        pages = {q: (await client.get(f"{UI}/search", params={"q": q})).text
+                 for q in (str(published.message_id), f"customer-{tag}", f"req-{tag}", deliveries[0].delivery_id,
+                           f"nobody-{tag}", "<script>")}
+    for q, what in ((str(published.message_id), "MessageID"), (f"customer-{tag}", "partition key"),
+                    (f"req-{tag}", "correlation ID")):
+        page = pages[q]
+        assert page.count('<tr data-delivery="') == len(deliveries) == 3, q
+        for info in deliveries:
+            assert f'href="{UI}/deliveries/{info.delivery_id}"' in page
+        assert f"<td>{what}</td>" in page
+    assert pages[deliveries[0].delivery_id].count("<td>delivery id</td>") == 1
+    assert "Nothing matches <code>nobody-" in pages[f"nobody-{tag}"]
+    assert "<script>" not in pages["<script>"].split("<main>")[1] and "&lt;script&gt;" in pages["<script>"]
