@@ -445,10 +445,13 @@ class RoutineTransport:
         rows = await self.call("stats_history", p_since=since, p_subscription=subscription)
         return [StatsPoint.model_validate(as_dict(r)) for r in rows]
 
-    async def live_counts(self, subscription: str | None = None, *, cap: int = LIVE_COUNT_CAP) -> list[LiveCounts]:
+    async def live_counts(
+        self, subscription: str | None = None, *, cap: int = LIVE_COUNT_CAP, stuck_before: datetime | None = None
+    ) -> list[LiveCounts]:
         """Each subscription's (or one's) Pending, InFlight and DeadLettered counts, each stopping
-        at ``cap``: bounded, where stats counts every live delivery."""
-        rows = await self.call("live_counts", p_subscription=subscription, p_cap=cap)
+        at ``cap``: bounded, where stats counts every live delivery; the oldest claimable
+        delivery's wait, and the InFlight ones claimed before ``stuck_before``."""
+        rows = await self.call("live_counts", p_subscription=subscription, p_cap=cap, p_stuck_before=stuck_before)
         return [LiveCounts.model_validate({**as_dict(r), "cap": cap}) for r in rows]
 
     async def blocked_keys(

@@ -3968,16 +3968,24 @@ GO
 
 -- Each subscription's live counts, each stopping at @p_cap (a page shows "@p_cap or more"): at most
 -- @p_cap index entries a state, whatever the backlog (stats counts every live row).
--- returns: subscription, pending, in_flight, dead_lettered
+-- oldest_pending_at: since when the longest-waiting claimable work waits (the heads of
+-- delivery_claim and partition_ready); stuck: InFlight claimed before @p_stuck_before, among the
+-- first @p_cap InFlight.
+-- returns: subscription, pending, in_flight, dead_lettered, oldest_pending_at, stuck
 CREATE OR ALTER PROCEDURE workqueue.live_counts
     @p_subscription nvarchar(200) = NULL,
-    @p_cap int = 1000
+    @p_cap int = 1000,
+    @p_stuck_before datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SELECT c.subscription,
            CASE WHEN c.pending > @p_cap THEN CAST(@p_cap AS bigint) ELSE c.pending END AS pending,
-           c.in_flight, c.dead_lettered
+           c.in_flight, c.dead_lettered,
+           CASE WHEN c.claim_head IS NULL THEN c.key_head
+                WHEN c.key_head IS NULL OR c.claim_head <= c.key_head THEN c.claim_head
+                ELSE c.key_head END AS oldest_pending_at,
+           c.stuck
     FROM (
         SELECT s.name AS subscription,
                (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
@@ -3996,7 +4004,17 @@ BEGIN
                (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
                                           WHERE d.subscription_id = s.id AND d.status = N'DeadLettered'
                                           ORDER BY d.id) AS x)
-                   AS dead_lettered
+                   AS dead_lettered,
+               (SELECT TOP (1) d.visible_at FROM workqueue.delivery AS d
+                WHERE d.subscription_id = s.id AND d.status = N'Pending' AND d.key_mode = 0
+                ORDER BY d.visible_at, d.id) AS claim_head,
+               (SELECT TOP (1) p.next_visible_at FROM workqueue.partition AS p
+                WHERE p.subscription_id = s.id AND p.holder_id IS NULL AND p.next_id IS NOT NULL
+                ORDER BY p.next_visible_at) AS key_head,
+               CASE WHEN @p_stuck_before IS NULL THEN CAST(0 AS bigint) ELSE
+                   (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.claimed_at FROM workqueue.delivery AS d
+                                              WHERE d.subscription_id = s.id AND d.status = N'InFlight') AS x
+                    WHERE x.claimed_at < @p_stuck_before) END AS stuck
         FROM workqueue.subscription AS s
         WHERE @p_subscription IS NULL OR s.name = @p_subscription
     ) AS c

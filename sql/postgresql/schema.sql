@@ -3064,8 +3064,12 @@ AS $$
 $$;
 
 -- The dashboard's counts: each subscription's live counts, each stopping at p_cap (a page shows "p_cap or more").
-CREATE OR REPLACE FUNCTION workqueue.live_counts(p_subscription text DEFAULT NULL, p_cap integer DEFAULT 1000)
-RETURNS TABLE (subscription text, pending bigint, in_flight bigint, dead_lettered bigint)
+CREATE OR REPLACE FUNCTION workqueue.live_counts(
+    p_subscription text DEFAULT NULL, p_cap integer DEFAULT 1000, p_stuck_before timestamptz DEFAULT NULL
+) RETURNS TABLE (
+    subscription text, pending bigint, in_flight bigint, dead_lettered bigint, oldest_pending_at timestamptz,
+    stuck bigint
+)
 LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -3084,7 +3088,19 @@ AS $$
            (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
                                     AND d.status = 'InFlight' LIMIT p_cap) x),
            (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
-                                    AND d.status = 'DeadLettered' ORDER BY d.id LIMIT p_cap) x)
+                                    AND d.status = 'DeadLettered' ORDER BY d.id LIMIT p_cap) x),
+           -- Since when the longest-waiting claimable work waits: the head of delivery_claim and of
+           -- partition_ready (a time still to come: nothing waits yet).
+           least(
+               (SELECT d.visible_at FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                  AND d.status = 'Pending' AND d.key_mode = 0 ORDER BY d.visible_at, d.id LIMIT 1),
+               (SELECT p.next_visible_at FROM workqueue.partition p WHERE p.subscription_id = s.id
+                  AND p.holder_id IS NULL AND p.next_id IS NOT NULL ORDER BY p.next_visible_at LIMIT 1)),
+           -- InFlight deliveries claimed before p_stuck_before, among the first p_cap InFlight.
+           CASE WHEN p_stuck_before IS NULL THEN 0::bigint ELSE
+               (SELECT count(*) FILTER (WHERE x.claimed_at < p_stuck_before)
+                FROM (SELECT d.claimed_at FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                        AND d.status = 'InFlight' LIMIT p_cap) x) END
     FROM workqueue.subscription s
     WHERE p_subscription IS NULL OR s.name = p_subscription
     ORDER BY s.name

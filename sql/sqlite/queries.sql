@@ -561,7 +561,19 @@ SELECT s.name AS subscription,
        (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'InFlight'
                                 LIMIT :cap)) AS in_flight,
        (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'DeadLettered'
-                                ORDER BY d.id LIMIT :cap)) AS dead_lettered
+                                ORDER BY d.id LIMIT :cap)) AS dead_lettered,
+       -- Since when the longest-waiting claimable work waits (the heads of delivery_claim and
+       -- partition_ready; NULLs left out as PostgreSQL's least does).
+       (SELECT min(t) FROM (
+           SELECT (SELECT d.visible_at FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending'
+                     AND d.key_mode = 0 ORDER BY d.visible_at, d.id LIMIT 1) AS t
+           UNION ALL
+           SELECT (SELECT p.next_visible_at FROM partition p WHERE p.subscription_id = s.id AND p.holder_id IS NULL
+                     AND p.next_id IS NOT NULL ORDER BY p.next_visible_at LIMIT 1))) AS oldest_pending_at,
+       CASE WHEN :stuck_before IS NULL THEN 0 ELSE
+           (SELECT count(*) FROM (SELECT d.claimed_at FROM delivery d WHERE d.subscription_id = s.id
+                                    AND d.status = 'InFlight' LIMIT :cap) x WHERE x.claimed_at < :stuck_before)
+       END AS stuck
 FROM subscription s
 WHERE :subscription IS NULL OR s.name = :subscription
 ORDER BY s.name;

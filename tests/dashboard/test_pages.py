@@ -602,3 +602,32 @@ async def test_the_search_box_finds_a_delivery_by_message_id_key_correlation_and
     assert pages[deliveries[0].delivery_id].count("<td>delivery id</td>") == 1
     assert "Nothing matches <code>nobody-" in pages[f"nobody-{tag}"]
     assert "<script>" not in pages["<script>"].split("<main>")[1] and "&lt;script&gt;" in pages["<script>"]
+
+
+async def test_stuck_in_flight_and_the_oldest_pending_wait_are_flagged(pg_url: str) -> None:
+    from .shop import wait_until
+
+    shop = Shop(pg_url, stuck_after_seconds=0.5)
+    async with shop.queue.lifespan(shop.app):
+        try:
+            await shop.queue.publish(shop.topic, [{"payload": {"hold": True}}])
+            async with client_for(shop) as client:
+                await sign_in(client, await key(shop, SCOPE_READ))
+
+                async def flagged() -> str | None:
+                    page = (await client.get(f"{UI}/")).text
+                    return page if "in flight for over" in page else None
+
+                overview = await wait_until(flagged)
+                attention = overview[overview.index('id="attention"'):overview.index('id="chart"')]
+                assert f'data-attention="{shop.mail}"' in attention
+                assert f'href="{UI}/subscriptions/{shop.mail}#in-flight"' in attention
+                assert "1 delivery in flight for over 0.5 s" in attention
+                # The paused subscription's delivery waits to be claimed: its wait is shown.
+                row = overview[overview.index(f'<tr data-subscription="{shop.idle}">'):]
+                row = row[:row.index("</tr>")]
+                assert re.search(r'class="optional oldest-pending"><time datetime="[^"]+" title="claimable since ', row)
+                page = (await client.get(f"{UI}/subscriptions/{shop.mail}")).text
+                assert 'class="status status-stuck"' in page and "Stuck in flight" in page
+        finally:
+            shop.release.set()
