@@ -14,6 +14,7 @@ from fastapi.templating import Jinja2Templates
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from .. import __version__
+from ..core.processes import current_process
 from ..core.words import duration
 from .access import Viewer
 from .csrf import CSRF_COOKIE, CSRF_FIELD, csrf_token
@@ -143,6 +144,7 @@ class Dashboard:
                 "notice": NOTICES.get(notice or ""),
                 "notice_count": count if count.isdigit() and len(count) < 10 else "",
                 "path": request.url.path,
+                "here": current_process().id,
                 **context,
             },
             status_code=status_code,
