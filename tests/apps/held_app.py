@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 from typing import Any
 
 from fastapi_workqueue import Subscription, Topic, WorkContext, WorkMessage, WorkQueue, WorkQueueSettings
@@ -18,7 +17,17 @@ from fastapi_workqueue.core.host import SubscriptionPlan
 
 TOPIC = os.environ.get("HELD_APP_TOPIC", "held.topic")
 SUBSCRIPTION = os.environ.get("HELD_APP_SUBSCRIPTION", "held.sub")
-GATE = Path(os.environ.get("HELD_APP_GATE", "/nonexistent/held-app-gate"))
+GATE = os.environ.get("HELD_APP_GATE", "/nonexistent/held-app-gate")
+
+
+def _gate_open() -> bool:
+    return os.path.exists(GATE)
+
+
+async def _gate_opens() -> None:
+    """Returns once the gate file exists (polled: another process creates it)."""
+    while not _gate_open():  # noqa: ASYNC110 - the signal is a file another process writes
+        await asyncio.sleep(0.05)
 
 
 def make_queue(database_url: str | None = None, *, host: bool = True) -> WorkQueue:
@@ -39,9 +48,8 @@ def make_queue(database_url: str | None = None, *, host: bool = True) -> WorkQue
     @queue.handler("held")
     async def held(message: WorkMessage[dict[str, Any]], context: WorkContext) -> None:
         if message.payload.get("hold"):
-            while not GATE.exists():
-                await asyncio.sleep(0.05)
-        if message.payload.get("fail") and not GATE.exists():
+            await _gate_opens()
+        if message.payload.get("fail") and not _gate_open():
             raise RuntimeError(f"the warehouse API answered 503 on attempt {context.attempt}")
 
     return queue
