@@ -119,21 +119,22 @@ CREATE TABLE workqueue.message (
                        CONSTRAINT message_attributes_json CHECK (ISJSON(attributes) = 1),
     payload            nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,  -- JSON text, kept as sent
     payload_ref        nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,
-    correlation_id     nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,
+    correlation_id     nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL,  -- at most 512 (the envelope's rule)
     deduplication_key  nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL,
     content_hash       nvarchar(128) COLLATE Latin1_General_100_BIN2 NOT NULL,
     published_at       datetimeoffset(6) NOT NULL CONSTRAINT message_published_at_default DEFAULT SYSDATETIMEOFFSET(),
-    -- Search only (search_deliveries): the correlation ID as an index can hold it, the job name.
-    correlation_key    AS CAST(correlation_id AS nvarchar(400)),
+    -- Search only (search_deliveries): the job name, for message_job (PostgreSQL indexes the
+    -- expression itself).
     job                AS CAST(JSON_VALUE(attributes, N'$.job') AS nvarchar(200)),
     CONSTRAINT message_pk PRIMARY KEY NONCLUSTERED (id)
 );
 CREATE CLUSTERED INDEX message_published_at ON workqueue.message (published_at);
 -- Search only: a message by its partition key, correlation ID or job name, newest first (a filter
--- may not name a computed column, so only the first is filtered).
+-- may not name a computed column, so message_job is not filtered).
 CREATE INDEX message_partition_key ON workqueue.message (partition_key, published_at)
     WHERE partition_key IS NOT NULL;
-CREATE INDEX message_correlation_key ON workqueue.message (correlation_key, published_at);
+CREATE INDEX message_correlation_id ON workqueue.message (correlation_id, published_at)
+    WHERE correlation_id IS NOT NULL;
 CREATE INDEX message_job ON workqueue.message (job, published_at);
 
 -- key_mode: 0 = the delivery is claimed on its own (None mode, or no partition key);
@@ -3607,7 +3608,7 @@ BEGIN
         INSERT INTO @v_found (message_id, what)
         SELECT TOP (@v_limit) m.id, N'correlation ID'
         FROM workqueue.message AS m
-        WHERE m.correlation_key = CAST(@v_query AS nvarchar(400)) AND m.correlation_id = @v_query
+        WHERE m.correlation_id = @v_query
         ORDER BY m.published_at DESC;
         INSERT INTO @v_found (message_id, what)
         SELECT TOP (@v_limit) m.id, N'job'
