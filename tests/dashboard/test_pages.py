@@ -575,6 +575,13 @@ async def test_the_pages_render_on_sqlite(sqlite_url: str) -> None:
             assert page.status_code == 200, (path, page.text[:300])
         overview = (await client.get(f"{UI}/")).text
         assert '<svg class="chart"' in overview and shop.ledger in overview
+        # Search by the key finds the ledger's deliveries; the dead-lettered head lists its attempt.
+        found = (await client.get(f"{UI}/search", params={"q": "acct-1"})).text
+        assert found.count("<td>partition key</td>") >= 2 and shop.ledger in found
+        [head] = [d for d in await shop.queue.dead_letters(shop.ledger) if d.partition_key == "acct-1"]
+        assert f'href="{UI}/deliveries/{head.delivery_id}"' in found
+        page = (await client.get(f"{UI}/deliveries/{head.delivery_id}")).text
+        assert 'class="attempt attempt-deadlettered"' in page and "the ledger refused the entry" in page
         replayed = await post(client, f"{UI}/deliveries/{dead}", f"{UI}/deliveries/{dead}/replay")
         assert replayed.headers["location"].endswith("notice=Replayed")
         shop.release.set()
