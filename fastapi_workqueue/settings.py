@@ -141,6 +141,10 @@ class WorkQueueSettings(BaseSettings):
     """The server secret that signs the dashboard's session cookies (``WORKQUEUE_DASHBOARD_SECRET``,
     at least 16 characters, the same in every process); unset: derived from ``app_key``."""
 
+    dashboard_stuck_after_seconds: float = Field(default=600.0, gt=0)
+    """An InFlight delivery claimed longer ago than this is flagged as stuck on the dashboard
+    (``WORKQUEUE_DASHBOARD_STUCK_AFTER_SECONDS``; its lease may still be renewed)."""
+
     trace_url: str | None = None
     """A link to a trace in your tracing UI, with ``{trace_id}`` where the trace id goes
     (``https://tempo.example/trace/{trace_id}``): the dashboard links each delivery to the trace its

@@ -87,3 +87,33 @@ async def test_blocked_keys_are_the_dead_lettered_and_retrying_heads(store: Stor
     _, parallel = await declare(transport)
     assert await transport.blocked_keys(parallel) == []
     assert await transport.blocked_keys(unique("missing")) == []
+
+
+async def test_the_oldest_claimable_wait_and_the_stuck_in_flight(store: Store) -> None:  # noqa: F811
+    from datetime import UTC, datetime, timedelta
+
+    transport = store.transport
+    for mode in ("None", "Exclusive"):
+        topic, sub = await declare(transport, partition_mode=mode, backoff_base_seconds=3600, backoff_max_seconds=3600)
+        [counts] = await transport.live_counts(sub)
+        assert counts.oldest_pending_at is None and counts.stuck == 0
+        before = datetime.now(UTC) - timedelta(seconds=1)
+        await transport.publish(topic, [prepare(PublishRequest(payload=i, partition_key=f"k{i}")) for i in range(3)])
+        after = datetime.now(UTC) + timedelta(seconds=1)
+        [counts] = await transport.live_counts(sub, stuck_before=after)
+        assert counts.oldest_pending_at is not None and before <= counts.oldest_pending_at <= after, mode
+        assert counts.stuck == 0
+        claimed = await transport.claim(sub, 3)
+        assert len(claimed) == 3
+        [counts] = await transport.live_counts(sub)
+        assert counts.oldest_pending_at is None and counts.stuck == 0, mode  # no stuck_before: not counted
+        [counts] = await transport.live_counts(sub, stuck_before=before)
+        assert counts.stuck == 0, mode
+        [counts] = await transport.live_counts(sub, stuck_before=after + timedelta(hours=1))
+        assert counts.stuck == 3, mode
+        # A delivery waiting out its retry backoff is Pending but waits for nobody yet.
+        await transport.settle([Settlement(claimed[0].delivery_id, claimed[0].lease_token, "Fail", error="busy",
+                                           delay_seconds=3600)])
+        [counts] = await transport.live_counts(sub)
+        assert counts.pending == 1 and counts.oldest_pending_at is not None, mode
+        assert counts.oldest_pending_at > after + timedelta(minutes=30), mode

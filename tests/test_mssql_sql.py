@@ -67,6 +67,10 @@ RETURN_STATUS = frozenset({"refresh_partition", "rederive_stale"})
 """Answer through the procedure's return status instead of a result set (only other procedures
 call them; a result set would reach their client)."""
 
+SEARCH_COLUMNS = {"message": ("job",)}
+"""SQL Server's computed columns that only an index of the search reads (``message_job``: the job
+name out of the attributes); PostgreSQL and SQLite index the expression itself."""
+
 URL = "mssql+aioodbc://app:secret@db.example:1433/work?driver=ODBC+Driver+18+for+SQL+Server"
 
 
@@ -329,7 +333,9 @@ def test_other_objects_are_the_documented_ones() -> None:
     assert set(re.findall(r"CREATE TABLE workqueue\.(\w+)", ms_text)) == pg_tables
     assert set(re.findall(r"CREATE OR ALTER VIEW workqueue\.(\w+)", ms_text)) == HELPER_OBJECTS
     pg_columns = table_columns(pg_text)
-    assert table_columns(ms_text) == pg_columns, "every table has the same columns, in the same order"
+    ms_columns = {table: [c for c in columns if c not in SEARCH_COLUMNS.get(table, ())]
+                  for table, columns in table_columns(ms_text).items()}
+    assert ms_columns == pg_columns, "every table has the same columns, in the same order"
     assert all(pg_columns.values())
 
 

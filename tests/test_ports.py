@@ -18,6 +18,8 @@ async def test_a_database_transport_has_every_optional_part_but_the_interrupter(
     assert ports.processes is transport
     assert ports.live_work is transport
     assert ports.history is transport
+    assert ports.attempts is transport
+    assert ports.search is transport
     assert ports.lifecycle is transport
     assert ports.api_keys is transport
     assert ports.interrupter is None  # its claims never wait for work
@@ -39,7 +41,7 @@ def test_no_module_probes_a_transport_with_hasattr_or_getattr() -> None:
 
 
 OPTIONAL_PORTS = {"ProcessRegistry", "LiveWorkReader", "StatsHistoryReader", "TopologyLifecycle", "ApiKeyStore",
-                  "ClaimInterrupter", "TopicRouter"}
+                  "ClaimInterrupter", "TopicRouter", "AttemptHistoryReader", "DeliverySearch"}
 
 
 def test_only_the_ports_module_asks_whether_a_transport_has_an_optional_part() -> None:

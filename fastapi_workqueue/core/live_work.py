@@ -26,6 +26,11 @@ class LiveCounts(WireModel):
     in_flight: int
     dead_lettered: int
     cap: int = LIVE_COUNT_CAP
+    oldest_pending_at: datetime | None = None
+    """Since when the longest-waiting claimable delivery waits (a time still to come: none waits
+    yet; a delivery waiting out its retry backoff is not waiting to be claimed)."""
+    stuck: int = 0
+    """InFlight deliveries claimed before the ``stuck_before`` asked for (among the first ``cap``)."""
 
 
 class BlockedKey(WireModel):
@@ -46,8 +51,11 @@ class BlockedKey(WireModel):
 class LiveWorkReader(Protocol):
     """A transport with the bounded reads."""
 
-    async def live_counts(self, subscription: str | None = None, *, cap: int = LIVE_COUNT_CAP) -> list[LiveCounts]:
-        """Each subscription's (or one's) live counts, each stopping at ``cap``."""
+    async def live_counts(
+        self, subscription: str | None = None, *, cap: int = LIVE_COUNT_CAP, stuck_before: datetime | None = None
+    ) -> list[LiveCounts]:
+        """Each subscription's (or one's) live counts, each stopping at ``cap``, with the oldest
+        claimable delivery's wait and (given ``stuck_before``) the InFlight ones claimed before it."""
         ...
 
     async def blocked_keys(

@@ -3,7 +3,8 @@
 Every transport has the roles of :class:`.transport.Transport` (publishing, consuming,
 housekeeping, operator reads and actions, the topology store, message markers). What only some
 transports have is a port of its own, found when the queue is wired instead of being probed with
-``hasattr`` at each use: the process registry, live work, stats history, the topology lifecycle
+``hasattr`` at each use: the process registry, live work, stats history, attempt history, search,
+the topology lifecycle
 (retire and delete), the API key store, ending claims that wait for work (an SQS long poll), and
 routing by topic. A part of the library asks :class:`Ports` for what it needs and gets ``None``
 when the transport has no such part, so its answer ("this transport stores no API keys") is
@@ -16,11 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from .attempts import AttemptHistoryReader
 from .history import StatsHistoryReader
 from .keys import ApiKeyStore
 from .live_work import LiveWorkReader
 from .processes import ProcessRegistry
 from .retirement import TopologyLifecycle
+from .search import DeliverySearch
 from .transport import Transport
 
 
@@ -51,6 +54,8 @@ class Ports:
     processes: ProcessRegistry | None
     live_work: LiveWorkReader | None
     history: StatsHistoryReader | None
+    attempts: AttemptHistoryReader | None
+    search: DeliverySearch | None
     lifecycle: TopologyLifecycle | None
     api_keys: ApiKeyStore | None
     """Keys are the app's, not a topic's: behind a router they are the database's."""
@@ -67,6 +72,8 @@ class Ports:
             processes=transport if isinstance(transport, ProcessRegistry) else None,
             live_work=transport if isinstance(transport, LiveWorkReader) else None,
             history=transport if isinstance(transport, StatsHistoryReader) else None,
+            attempts=transport if isinstance(transport, AttemptHistoryReader) else None,
+            search=transport if isinstance(transport, DeliverySearch) else None,
             lifecycle=transport if isinstance(transport, TopologyLifecycle) else None,
             api_keys=keys_from if isinstance(keys_from, ApiKeyStore) else None,
             interrupter=transport if isinstance(transport, ClaimInterrupter) else None,

@@ -16,6 +16,7 @@ from datetime import datetime
 from importlib.metadata import entry_points
 from typing import Any
 
+from .attempts import AttemptInfo
 from .envelope import PreparedMessage, PublishResult
 from .errors import ConfigurationError, TransportError
 from .ports import Ports, interrupter_of
@@ -31,6 +32,7 @@ from .reports import (
     SubscriptionStats,
     SweepReport,
 )
+from .search import FoundDelivery
 from .topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
 from .transport import (
     Capabilities,
@@ -337,6 +339,17 @@ class RoutingTransport:
 
     async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:
         return await self.transport_for_delivery(delivery_id).get_delivery(delivery_id, include_payload=include_payload)
+
+    async def delivery_attempts(self, delivery_id: str) -> list[AttemptInfo]:
+        reader = Ports.of(self.transport_for_delivery(delivery_id)).attempts
+        return await reader.delivery_attempts(delivery_id) if reader is not None else []
+
+    async def search_deliveries(self, query: str, *, limit: int = 25) -> list[FoundDelivery]:
+        """The database's search (deliveries on a broker are found by their id only)."""
+        searcher = Ports.of(self.default).search if self.default is not None else None
+        if searcher is None:
+            return []
+        return await searcher.search_deliveries(query, limit=limit)
 
     async def known_messages(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         return await self.database.known_messages(ids)

@@ -53,6 +53,15 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
         return d.render(request, "jobs.html", {"page": await jobs_page(d.queue, datetime.now(UTC))},
                         viewer=viewer(principal))
 
+    @router.get("/search", response_class=HTMLResponse)
+    async def search(
+        request: Request, principal: Reader, q: Annotated[str, Query(max_length=512)] = "",
+    ) -> HTMLResponse:
+        query = q.strip()
+        found = await views.search(d.queue, query)
+        return d.render(request, "search.html", {"query": query, "found": found, "limit": views.SEARCH_PAGE},
+                        viewer=viewer(principal))
+
     @router.get("/subscriptions/{name}", response_class=HTMLResponse)
     async def subscription(
         request: Request, name: str, principal: Reader,
@@ -73,7 +82,9 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
         info, job = found
         trace_url = d.queue.settings.trace_url
         link = trace_url.replace("{trace_id}", info.trace_id) if trace_url and info.trace_id else None
-        return d.render(request, "delivery.html", {"info": info, "trace_link": link, "job": job}, viewer=seen)
+        attempts = await views.attempts_of(d.queue, delivery_id)
+        return d.render(request, "delivery.html", {"info": info, "trace_link": link, "job": job,
+                                                   "attempts": attempts}, viewer=seen)
 
     @router.get("/subscriptions/{name}/replay-all", response_class=HTMLResponse)
     async def confirm_replay_all(request: Request, name: str, principal: Operator) -> HTMLResponse:

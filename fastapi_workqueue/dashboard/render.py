@@ -14,9 +14,12 @@ from fastapi.templating import Jinja2Templates
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from .. import __version__
+from ..core.processes import current_process
+from ..core.words import duration
 from .access import Viewer
 from .csrf import CSRF_COOKIE, CSRF_FIELD, csrf_token
 from .session import SessionCodec, base_path, cookie_options
+from .views import waiting_since
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
@@ -75,6 +78,11 @@ def _utc_short(value: datetime | None, now: datetime | None = None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M UTC")
 
 
+def _waited(value: datetime, now: datetime) -> str:
+    """``12 min`` (how long since ``value``)."""
+    return duration(max((now - value).total_seconds(), 0.0))
+
+
 def _count(value: int, cap: int) -> str:
     return f"{cap:,}+" if value >= cap else f"{value:,}"
 
@@ -96,7 +104,8 @@ def environment() -> Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(ago=_ago, utc=_utc, utc_short=_utc_short, count=_count, last_line=_last_line, pretty=_pretty)
+    env.filters.update(ago=_ago, utc=_utc, utc_short=_utc_short, count=_count, last_line=_last_line, pretty=_pretty,
+                       waited=_waited, waiting_since=waiting_since)
     return env
 
 
@@ -135,6 +144,7 @@ class Dashboard:
                 "notice": NOTICES.get(notice or ""),
                 "notice_count": count if count.isdigit() and len(count) < 10 else "",
                 "path": request.url.path,
+                "here": current_process().id,
                 **context,
             },
             status_code=status_code,

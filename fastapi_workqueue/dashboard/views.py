@@ -7,13 +7,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Literal
 
+from ..core.attempts import AttemptInfo
 from ..core.history import StatsPoint
 from ..core.host import SubscriptionHealth
 from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts
 from ..core.processes import ProcessInfo
+from ..core.redaction import redact
 from ..core.reports import DeliveryInfo
+from ..core.search import FoundDelivery
 from ..core.topology import SubscriptionState
-from ..core.words import count
+from ..core.words import count, duration
 from ..web.operator_view import shown, shown_all
 from .causes import SCAN, Causes, group_causes
 from .jobs_view import JobRow, declared_jobs, job_name, job_queue, job_timeout
@@ -31,6 +34,8 @@ BULK_BATCH = 100
 """Dead letters replayed per batch of a bulk replay."""
 BULK_BATCHES = 10
 """Batches per bulk replay request: one confirmation replays at most BULK_BATCH x BULK_BATCHES."""
+SEARCH_PAGE = 50
+"""Deliveries a search shows (the newest that match)."""
 BLOCKED_SHOWN = 10
 """Blocked keys of one Ordered subscription the overview looks at (it says "10+" past them)."""
 
@@ -99,22 +104,37 @@ class SubscriptionPage:
     waiting_cap: int = WAITING_CAP
     causes: Causes | None = None
     """The dead letters grouped by cause (None when there are none)."""
+    stuck_before: datetime | None = None
+    """An InFlight delivery claimed before this is stuck."""
     job_queue: str | None = None
     """The job queue the subscription serves (its dead letters are failed jobs), or None."""
     jobs: list[JobRow] = field(default_factory=list)
     """The jobs declared on that queue."""
 
 
-async def counts_of(queue: WorkQueue, subscription: str | None = None) -> dict[str, LiveCounts]:
+def stuck_before(queue: WorkQueue, now: datetime) -> datetime:
+    """An InFlight delivery claimed before this is stuck (``dashboard_stuck_after_seconds``)."""
+    return now - timedelta(seconds=queue.settings.dashboard_stuck_after_seconds)
+
+
+async def counts_of(queue: WorkQueue, subscription: str | None = None,
+                    now: datetime | None = None) -> dict[str, LiveCounts]:
     """The live counts by subscription: bounded where the transport offers it, else stats."""
     live = queue.ports.live_work
     if live is not None:
-        return {c.subscription: c for c in await live.live_counts(subscription)}
+        before = stuck_before(queue, now or datetime.now(UTC))
+        return {c.subscription: c for c in await live.live_counts(subscription, stuck_before=before)}
     return {
         s.subscription: LiveCounts(subscription=s.subscription, pending=s.pending, in_flight=s.in_flight,
-                                   dead_lettered=s.dead_lettered, cap=2**62)
+                                   dead_lettered=s.dead_lettered, cap=2**62, oldest_pending_at=s.oldest_pending_at)
         for s in await queue.stats(subscription)
     }
+
+
+def waiting_since(counts: LiveCounts, now: datetime) -> datetime | None:
+    """Since when the longest-waiting claimable delivery waits, or None when none waits."""
+    oldest = counts.oldest_pending_at
+    return oldest if counts.pending and oldest is not None and oldest <= now else None
 
 
 async def history_of(queue: WorkQueue, now: datetime, subscription: str | None = None) -> tuple[list[StatsPoint], bool]:
@@ -155,11 +175,15 @@ def served_by(processes: list[ProcessInfo]) -> dict[str, int]:
     return served
 
 
-async def attention(queue: WorkQueue, rows: list[SubscriptionRow], served: dict[str, int] | None) -> list[Attention]:
+async def attention(queue: WorkQueue, rows: list[SubscriptionRow], served: dict[str, int] | None,
+                    now: datetime | None = None) -> list[Attention]:
     """What needs looking at first: dead letters, blocked Ordered keys, work nobody runs anywhere,
-    a subscription this process cannot run; alerts before warnings, then by subscription."""
+    a subscription this process cannot run, deliveries in flight for longer than the stuck
+    threshold, claimable work waiting longer than it; alerts before warnings, then by subscription."""
     found: list[Attention] = []
     live = queue.ports.live_work
+    now = now or datetime.now(UTC)
+    limit = queue.settings.dashboard_stuck_after_seconds
     for row in rows:
         state, counts = row.state, row.counts
         name = state.name
@@ -183,6 +207,16 @@ async def attention(queue: WorkQueue, rows: list[SubscriptionRow], served: dict[
         elif counts.pending and row.paused:
             found.append(Attention("warn", name, f"paused with {_many(counts.pending, cap, 'delivery')} pending",
                                    "resume it when its work may run again"))
+        if counts.stuck:
+            found.append(Attention("warn", name, f"{_many(counts.stuck, cap, 'delivery')} in flight for over "
+                                   f"{duration(limit)}",
+                                   "claimed long ago and not settled: check its progress and its holder, or "
+                                   "cancel it", "#in-flight"))
+        waiting = waiting_since(counts, now)
+        waited = 0.0 if waiting is None else (now - waiting).total_seconds()
+        if waited > limit and not row.paused:
+            found.append(Attention("warn", name, f"the oldest pending delivery waits {duration(waited)}",
+                                   "its consumers fall behind: more concurrency or more workers"))
         if row.health is not None and row.health.state in ("Error", "HandlerNotRegistered"):
             found.append(Attention("alert", name, f"{row.health.state} in this process",
                                    row.health.reason or ""))
@@ -201,7 +235,7 @@ async def overview(queue: WorkQueue) -> Overview:
     topics = {t.name: TopicView(name=t.name, status=getattr(t, "status", "Active"))
               for t in await queue.transport.list_topics()}
     subscriptions = await queue.transport.list_subscriptions()
-    counts = await counts_of(queue)
+    counts = await counts_of(queue, now=now)
     history, has_history = await history_of(queue, now)
     health = _health_by_name(queue)
     for state in sorted(subscriptions, key=lambda s: s.name):
@@ -215,7 +249,7 @@ async def overview(queue: WorkQueue) -> Overview:
     rows = [row for topic in ordered for row in topic.subscriptions]
     return Overview(now=now, topics=ordered, history=history, has_history=has_history, host=report.status,
                     host_reason=report.reason, served=served or {}, knows_processes=served is not None,
-                    attention=await attention(queue, rows, served))
+                    attention=await attention(queue, rows, served, now))
 
 
 async def find_subscription(queue: WorkQueue, name: str) -> SubscriptionState | None:
@@ -226,7 +260,7 @@ async def subscription_page(queue: WorkQueue, state: SubscriptionState, after: s
     now = datetime.now(UTC)
     name = state.name
     history, has_history = await history_of(queue, now, name)
-    row = _row(state, await counts_of(queue, name), _health_by_name(queue), history)
+    row = _row(state, await counts_of(queue, name, now), _health_by_name(queue), history)
     in_flight = shown_all(await queue.deliveries(name, "InFlight", limit=IN_FLIGHT_PAGE))
     # The first page's read also gives the causes panel its oldest SCAN dead letters (one read).
     wanted = PAGE if after is not None else max(PAGE, SCAN)
@@ -240,7 +274,8 @@ async def subscription_page(queue: WorkQueue, state: SubscriptionState, after: s
     dead = dead[:PAGE + 1]
     return SubscriptionPage(now=now, row=row, history=history, has_history=has_history, in_flight=in_flight,
                             dead_letters=dead[:PAGE], next_after=next_after, after=after, blocked=blocked,
-                            causes=causes, job_queue=(served := job_queue(name)),
+                            causes=causes, stuck_before=stuck_before(queue, now),
+                            job_queue=(served := job_queue(name)),
                             jobs=[] if served is None else declared_jobs(queue, served))
 
 
@@ -269,3 +304,25 @@ async def delivery(queue: WorkQueue, delivery_id: str, *,
     if not include_payload:
         info = info.model_copy(update={"payload": None})
     return shown(info), job
+
+
+async def attempts_of(queue: WorkQueue, delivery_id: str) -> list[AttemptInfo] | None:
+    """The kept attempts of a delivery, oldest first, errors redacted (None when the store keeps none)."""
+    reader = queue.ports.attempts
+    if reader is None:
+        return None
+    return [a.model_copy(update={"reason": redact(a.reason) if a.reason else a.reason,
+                                 "error": redact(a.error) if a.error else a.error})
+            for a in await reader.delivery_attempts(delivery_id)]
+
+
+async def search(queue: WorkQueue, query: str) -> list[FoundDelivery] | None:
+    """The newest deliveries that match ``query`` exactly, errors redacted (None when the
+    transport cannot search; empty for an empty query)."""
+    searcher = queue.ports.search
+    if searcher is None:
+        return None
+    if not query:
+        return []
+    return [f.model_copy(update={"delivery": shown(f.delivery)})
+            for f in await searcher.search_deliveries(query, limit=SEARCH_PAGE)]

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
+from ..core.attempts import AttemptInfo
 from ..core.clock import SYSTEM_CLOCK, Clock, time_to_pass
 from ..core.envelope import (
     MAX_DELAY_SECONDS,
@@ -50,6 +51,7 @@ from ..core.reports import (
     TakenBack,
 )
 from ..core.retirement import DeleteResult, RetireResult, TopicStatus, TopicStatusChange
+from ..core.search import SEARCH_LIMIT, FoundDelivery
 from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic, TopicState
 from ..core.transport import (
     Capabilities,
@@ -443,10 +445,13 @@ class RoutineTransport:
         rows = await self.call("stats_history", p_since=since, p_subscription=subscription)
         return [StatsPoint.model_validate(as_dict(r)) for r in rows]
 
-    async def live_counts(self, subscription: str | None = None, *, cap: int = LIVE_COUNT_CAP) -> list[LiveCounts]:
+    async def live_counts(
+        self, subscription: str | None = None, *, cap: int = LIVE_COUNT_CAP, stuck_before: datetime | None = None
+    ) -> list[LiveCounts]:
         """Each subscription's (or one's) Pending, InFlight and DeadLettered counts, each stopping
-        at ``cap``: bounded, where stats counts every live delivery."""
-        rows = await self.call("live_counts", p_subscription=subscription, p_cap=cap)
+        at ``cap``: bounded, where stats counts every live delivery; the oldest claimable
+        delivery's wait, and the InFlight ones claimed before ``stuck_before``."""
+        rows = await self.call("live_counts", p_subscription=subscription, p_cap=cap, p_stuck_before=stuck_before)
         return [LiveCounts.model_validate({**as_dict(r), "cap": cap}) for r in rows]
 
     async def blocked_keys(
@@ -493,6 +498,27 @@ class RoutineTransport:
             return None
         rows = await self.call("get_delivery", p_delivery_id=numeric)
         return delivery_info(rows[0], None, include_payload) if rows else None
+
+    async def delivery_attempts(self, delivery_id: str) -> list[AttemptInfo]:
+        """The kept attempts of one delivery (off the happy path), oldest first."""
+        numeric = delivery_number(delivery_id)
+        if numeric is None:
+            return []
+        rows = await self.call("delivery_attempts", p_delivery_id=numeric)
+        return [
+            AttemptInfo(attempt=r["attempt"], started_at=r["started_at"], ended_at=r["ended_at"],
+                        outcome=r["outcome"], reason=r["reason"], error=r["error"], holder=holder(r))
+            for r in rows
+        ]
+
+    async def search_deliveries(self, query: str, *, limit: int = 25) -> list[FoundDelivery]:
+        """The deliveries whose id, MessageID, partition key, correlation ID or job name is
+        ``query``, newest first, at most ``limit`` (payloads left out)."""
+        query = query.strip()
+        if not query or len(query) > 512:
+            return []
+        rows = await self.call("search_deliveries", p_query=query, p_limit=max(1, min(limit, SEARCH_LIMIT)))
+        return [FoundDelivery(matched=r["matched"], delivery=delivery_info(r, None, False)) for r in rows]
 
     async def known_messages(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         """Which of these MessageIDs the store has."""

@@ -49,8 +49,13 @@ async def r_stats_history(c: Call, p_since: datetime, p_subscription: str | None
 
 
 @routine
-async def r_live_counts(c: Call, p_subscription: str | None = None, p_cap: int = 1000) -> list[Row]:
-    return await c.ex.fetch("live_counts", subscription=p_subscription, cap=p_cap)
+async def r_live_counts(c: Call, p_subscription: str | None = None, p_cap: int = 1000,
+                        p_stuck_before: datetime | None = None) -> list[Row]:
+    rows = await c.ex.fetch("live_counts", subscription=p_subscription, cap=p_cap,
+                            stuck_before=None if p_stuck_before is None else p_stuck_before.timestamp())
+    for row in rows:
+        row["oldest_pending_at"] = ts(row["oldest_pending_at"])
+    return rows
 
 
 @routine

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +46,8 @@ Routine = Callable[..., Awaitable[list[Row]]]
 ROUTINES: dict[str, Routine] = {}
 READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions", "list_subscriptions",
              "list_topics", "schema_versions", "api_key_list", "api_key_verify", "api_key_session", "known_messages",
-             "message_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys",
+             "message_deliveries", "delivery_attempts",
+             "search_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys",
              "list_processes"}
 """Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
 
@@ -563,6 +565,8 @@ async def r_settle(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_out
             last_error=error if error is not None else d["last_error"],
             settled_at=c.now if new in ("Completed", "Discarded", "DeadLettered") else None,
         )
+        if new != "Completed" and not (outcome == "Release" and new == "Pending"):  # off the happy path
+            await _record_attempt(c, delivery_id, "Failed" if new == "Pending" else new, new_reason, error)
         results[delivery_id] = new
         settled.append((d["subscription_id"], new))
         if d["key_mode"] > 0:
@@ -572,6 +576,13 @@ async def r_settle(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_out
     for delivery_id in p_ids:
         out.append({"delivery_id": delivery_id, "result": results.get(delivery_id, "LeaseLost")})
     return out
+
+
+async def _record_attempt(c: Call, delivery_id: int, outcome: str, reason: str | None, error: str | None) -> None:
+    """Keeps an attempt off the happy path (delivery_attempt), and only the newest 50 of the delivery."""
+    await c.ex.execute("attempt_record", id=delivery_id, outcome=outcome, now=c.now, reason=reason, error=error,
+                       attempt=None)
+    await c.ex.execute("attempt_trim", id=delivery_id)
 
 
 # -- sweeper -------------------------------------------------------------------------------------
@@ -599,6 +610,7 @@ async def r_expire_leases(c: Call, p_limit: int, p_now: datetime | None = None) 
             "delivery_settle", id=d["id"], status=new, attempt=d["attempt"], visible_at=visible, reason=reason,
             last_error=error, settled_at=None if new == "Pending" else c.now,
         )
+        await _record_attempt(c, d["id"], "LeaseExpired", reason, "lease expired: the holder stopped renewing it")
         out.append({"delivery_id": d["id"], "result": new})
         if d["key_mode"] > 0:
             keys.add((d["subscription_id"], d["partition_key"], d["key_mode"]))
@@ -678,6 +690,11 @@ async def r_replay(c: Call, p_subscription: str, p_delivery_id: int, p_note: str
             await refresh_partition(c, d["subscription_id"], d["partition_key"], d["key_mode"])
         [now] = await c.ex.fetch("delivery_status", id=p_delivery_id)
         return [{"result": "NotDeadLettered", "delivery_status": now["status"]}]
+    # The replay is kept as an attempt of its own (of the attempt it ended), so the error before it
+    # reads as a past attempt.
+    await c.ex.execute("attempt_record", id=p_delivery_id, outcome="Replayed", now=c.now, reason=p_note,
+                       error=None, attempt=d["attempt"])
+    await c.ex.execute("attempt_trim", id=p_delivery_id)
     if d["key_mode"] == 0 or await refresh_partition(c, d["subscription_id"], d["partition_key"], d["key_mode"]):
         c.wake.add(d["subscription_id"])
     return [{"result": "Replayed", "delivery_status": "Pending"}]
@@ -737,7 +754,7 @@ async def r_rewrite_payload(c: Call, p_message_id: Any, p_payload: str, p_conten
 
 _TIMES = ("visible_at", "lease_expires_at", "created_at", "claimed_at", "settled_at", "oldest_pending_at",
           "head_visible_at", "expires_at", "revoked_at", "last_used_at", "published_at", "holder_started_at",
-          "started_at", "last_seen_at", "stopped_at")
+          "started_at", "last_seen_at", "stopped_at", "ended_at")
 
 
 def with_times(rows: list[Row]) -> list[Row]:
@@ -765,6 +782,39 @@ async def r_backlog(c: Call, p_subscription: str) -> list[Row]:
 @routine
 async def r_get_delivery(c: Call, p_delivery_id: int) -> list[Row]:
     return with_times(await c.ex.fetch("delivery_get", id=p_delivery_id))
+
+
+@routine
+async def r_delivery_attempts(c: Call, p_delivery_id: int) -> list[Row]:
+    return with_times(await c.ex.fetch("delivery_attempts", id=p_delivery_id))
+
+
+_UUID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
+
+
+@routine
+async def r_search_deliveries(c: Call, p_query: str, p_limit: int) -> list[Row]:
+    """As PostgreSQL's: a delivery id, a MessageID, a partition key, a correlation ID or a job
+    name, newest first; each branch through an index and at most ``p_limit`` messages."""
+    limit = min(max(p_limit or 25, 1), 100)
+    query = (p_query or "").strip()
+    if not query:
+        return []
+    found: dict[int, Row] = {}
+    if query.isdigit() and len(query) <= 18:
+        for row in await c.ex.fetch("delivery_get", id=int(query)):
+            found[row["delivery_id"]] = {**row, "matched": "delivery id"}
+    matched: dict[str, str] = {}
+    if _UUID.match(query):
+        matched[str(uuid.UUID(query))] = "MessageID"
+    for statement, what in (("search_partition_key", "partition key"), ("search_correlation_id", "correlation ID"),
+                            ("search_job", "job")):
+        for row in await c.ex.fetch(statement, q=query, limit=limit):
+            matched.setdefault(row["id"], what)
+    if matched:
+        for row in await c.ex.fetch("search_message_deliveries", ids=json.dumps(list(matched)), limit=limit):
+            found.setdefault(row["delivery_id"], {**row, "matched": matched[row["message_id"]]})
+    return with_times([found[i] for i in sorted(found, reverse=True)[:limit]])
 
 
 @routine

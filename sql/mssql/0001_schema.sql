@@ -119,13 +119,23 @@ CREATE TABLE workqueue.message (
                        CONSTRAINT message_attributes_json CHECK (ISJSON(attributes) = 1),
     payload            nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,  -- JSON text, kept as sent
     payload_ref        nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,
-    correlation_id     nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,
+    correlation_id     nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL,  -- at most 512 (the envelope's rule)
     deduplication_key  nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL,
     content_hash       nvarchar(128) COLLATE Latin1_General_100_BIN2 NOT NULL,
     published_at       datetimeoffset(6) NOT NULL CONSTRAINT message_published_at_default DEFAULT SYSDATETIMEOFFSET(),
+    -- Search only (search_deliveries): the job name, for message_job (PostgreSQL indexes the
+    -- expression itself).
+    job                AS CAST(JSON_VALUE(attributes, N'$.job') AS nvarchar(200)),
     CONSTRAINT message_pk PRIMARY KEY NONCLUSTERED (id)
 );
 CREATE CLUSTERED INDEX message_published_at ON workqueue.message (published_at);
+-- Search only: a message by its partition key, correlation ID or job name, newest first (a filter
+-- may not name a computed column, so message_job is not filtered).
+CREATE INDEX message_partition_key ON workqueue.message (partition_key, published_at)
+    WHERE partition_key IS NOT NULL;
+CREATE INDEX message_correlation_id ON workqueue.message (correlation_id, published_at)
+    WHERE correlation_id IS NOT NULL;
+CREATE INDEX message_job ON workqueue.message (job, published_at);
 
 -- key_mode: 0 = the delivery is claimed on its own (None mode, or no partition key);
 -- 1 = Exclusive key, 2 = Ordered key: claimed through its row in workqueue.partition.
@@ -179,6 +189,22 @@ CREATE INDEX delivery_message ON workqueue.delivery (message_id);
 -- The InFlight set (the sweeper filters it on lease_expires_at), on a column a heartbeat never
 -- changes (no index names the column a heartbeat renews).
 CREATE INDEX delivery_in_flight ON workqueue.delivery (subscription_id) WHERE status = N'InFlight';
+
+-- The attempts of a delivery off the happy path, at most 50 a delivery, removed with it (PostgreSQL's
+-- schema.sql says more). A delivery claimed and completed writes no row here.
+CREATE TABLE workqueue.delivery_attempt (
+    delivery_id  bigint NOT NULL
+                 CONSTRAINT delivery_attempt_delivery_fk REFERENCES workqueue.delivery (id) ON DELETE CASCADE,
+    id           bigint IDENTITY(1, 1) NOT NULL,
+    attempt      int NOT NULL,
+    started_at   datetimeoffset(6) NULL,
+    ended_at     datetimeoffset(6) NOT NULL,
+    held_by      uniqueidentifier NULL,
+    outcome      nvarchar(20) COLLATE Latin1_General_100_BIN2 NOT NULL,
+    reason       nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,
+    error        nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,
+    CONSTRAINT delivery_attempt_pk PRIMARY KEY CLUSTERED (delivery_id, id)
+);
 
 -- One row per (subscription, key) with live keyed work: the lock and the state of the key.
 --   holder_id: the InFlight delivery of the key (at most one, ever).
@@ -2193,7 +2219,13 @@ BEGIN
         status nvarchar(20) COLLATE Latin1_General_100_BIN2 NOT NULL,
         key_mode smallint NOT NULL,
         subscription_id int NOT NULL,
-        partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL
+        partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL,
+        attempt int NOT NULL,
+        claimed_at datetimeoffset(6) NULL,
+        held_by uniqueidentifier NULL,
+        reason nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,
+        outcome nvarchar(20) COLLATE Latin1_General_100_BIN2 NULL,
+        error nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL
     );
 
     INSERT INTO @v_i (ord, id, token, outcome, delay, reason, error, draw)
@@ -2276,10 +2308,30 @@ BEGIN
             END,
             last_error = COALESCE(p.error, d.last_error),
             settled_at = CASE WHEN p.new_status IN (N'Completed', N'Discarded', N'DeadLettered') THEN @v_now END
-        OUTPUT inserted.id, inserted.status, inserted.key_mode, inserted.subscription_id, inserted.partition_key
-        INTO @v_u (id, status, key_mode, subscription_id, partition_key)
+        OUTPUT inserted.id, inserted.status, inserted.key_mode, inserted.subscription_id, inserted.partition_key,
+               inserted.attempt, inserted.claimed_at, inserted.held_by, inserted.reason, p.outcome, p.error
+        INTO @v_u (id, status, key_mode, subscription_id, partition_key, attempt, claimed_at, held_by, reason,
+                   outcome, error)
         FROM workqueue.delivery AS d
         INNER JOIN @v_plan AS p ON p.id = d.id;
+
+        -- An attempt off the happy path is kept (delivery_attempt); a completion or a release
+        -- writes nothing there.
+        INSERT INTO workqueue.delivery_attempt (delivery_id, attempt, started_at, ended_at, held_by, outcome,
+                                                reason, error)
+        SELECT u.id, u.attempt, u.claimed_at, @v_now, u.held_by,
+               CASE WHEN u.status = N'Pending' THEN N'Failed' ELSE u.status END, u.reason, u.error
+        FROM @v_u AS u
+        WHERE u.status <> N'Completed' AND NOT (u.outcome = N'Release' AND u.status = N'Pending');
+        IF @@ROWCOUNT > 0
+        BEGIN
+            -- Keep the newest 50 attempts of each delivery.
+            DELETE a
+            FROM workqueue.delivery_attempt AS a
+            WHERE a.delivery_id IN (SELECT u.id FROM @v_u AS u WHERE u.status <> N'Completed')
+              AND a.id <= (SELECT b.id FROM workqueue.delivery_attempt AS b WHERE b.delivery_id = a.delivery_id
+                           ORDER BY b.id DESC OFFSET 50 ROWS FETCH NEXT 1 ROWS ONLY);
+        END;
 
         -- The batch's terminal settles, one row per subscription (settled_count).
         INSERT INTO workqueue.settled_count (subscription_id, completed, discarded)
@@ -2365,7 +2417,11 @@ BEGIN
         status nvarchar(20) COLLATE Latin1_General_100_BIN2 NOT NULL,
         key_mode smallint NOT NULL,
         subscription_id int NOT NULL,
-        partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL
+        partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL,
+        attempt int NOT NULL,
+        claimed_at datetimeoffset(6) NULL,
+        held_by uniqueidentifier NULL,
+        reason nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL
     );
     DECLARE @v_keys TABLE (
         ord int IDENTITY(1, 1) PRIMARY KEY,
@@ -2413,10 +2469,23 @@ BEGIN
                 lease_token = NULL,
                 lease_expires_at = NULL,
                 settled_at = CASE WHEN d.cancel_requested = 1 OR d.attempt >= d.max_attempts THEN @v_now END
-            OUTPUT inserted.id, inserted.status, inserted.key_mode, inserted.subscription_id, inserted.partition_key
-            INTO @v_u (id, status, key_mode, subscription_id, partition_key)
+            OUTPUT inserted.id, inserted.status, inserted.key_mode, inserted.subscription_id, inserted.partition_key,
+                   inserted.attempt, inserted.claimed_at, inserted.held_by, inserted.reason
+            INTO @v_u (id, status, key_mode, subscription_id, partition_key, attempt, claimed_at, held_by, reason)
             FROM workqueue.delivery AS d
             INNER JOIN @v_expired AS e ON e.id = d.id;
+
+            INSERT INTO workqueue.delivery_attempt (delivery_id, attempt, started_at, ended_at, held_by, outcome,
+                                                    reason, error)
+            SELECT u.id, u.attempt, u.claimed_at, @v_now, u.held_by, N'LeaseExpired', u.reason,
+                   N'lease expired: the holder stopped renewing it'
+            FROM @v_u AS u;
+            -- Keep the newest 50 attempts of each delivery.
+            DELETE a
+            FROM workqueue.delivery_attempt AS a
+            WHERE a.delivery_id IN (SELECT u.id FROM @v_u AS u)
+              AND a.id <= (SELECT b.id FROM workqueue.delivery_attempt AS b WHERE b.delivery_id = a.delivery_id
+                           ORDER BY b.id DESC OFFSET 50 ROWS FETCH NEXT 1 ROWS ONLY);
 
             INSERT INTO workqueue.settled_count (subscription_id, completed, discarded)
             SELECT u.subscription_id, 0, COUNT_BIG(*)
@@ -3082,9 +3151,10 @@ BEGIN
     DECLARE @v_key_holder bigint;
     DECLARE @v_result nvarchar(20) = N'NotFound';
     DECLARE @v_status nvarchar(20);
+    DECLARE @v_attempt int;
 
     SELECT @v_found = 1, @v_key_mode = d.key_mode, @v_subscription_id = d.subscription_id,
-           @v_key = d.partition_key
+           @v_key = d.partition_key, @v_attempt = d.attempt
     FROM workqueue.delivery AS d
     INNER JOIN workqueue.subscription AS s ON s.id = d.subscription_id
     WHERE d.id = @p_delivery_id AND s.name = @p_subscription;
@@ -3124,6 +3194,16 @@ BEGIN
                 IF @v_key_mode > 0
                     EXEC workqueue.refresh_partition
                         @p_subscription_id = @v_subscription_id, @p_key = @v_key, @p_mode = @v_key_mode;
+                -- The replay is kept as an attempt of its own, so the error before it reads as a
+                -- past attempt.
+                INSERT INTO workqueue.delivery_attempt (delivery_id, attempt, ended_at, outcome, reason)
+                VALUES (@p_delivery_id, @v_attempt, @v_now, N'Replayed', @p_note);
+                -- Keep the newest 50 attempts of each delivery.
+                DELETE a
+                FROM workqueue.delivery_attempt AS a
+                WHERE a.delivery_id IN (@p_delivery_id)
+                  AND a.id <= (SELECT b.id FROM workqueue.delivery_attempt AS b WHERE b.delivery_id = a.delivery_id
+                               ORDER BY b.id DESC OFFSET 50 ROWS FETCH NEXT 1 ROWS ONLY);
                 SET @v_result = N'Replayed';
                 SET @v_status = N'Pending';
             END;
@@ -3496,6 +3576,68 @@ BEGIN
 END;
 GO
 
+-- Deliveries found by a delivery id, a MessageID, a partition key, a correlation ID or a job name
+-- (matched says which), newest first, at most @p_limit (at most 100); each branch through an index.
+-- returns: delivery_id, subscription, message_id, topic, partition_key, status, attempt, max_attempts, visible_at, lease_expires_at, cancel_requested, progress_percent, progress_message, reason, last_error, note, created_at, claimed_at, settled_at, attributes, payload, correlation_id, holder_id, holder_host, holder_pid, holder_started_at, matched
+CREATE OR ALTER PROCEDURE workqueue.search_deliveries
+    @p_query nvarchar(512),
+    @p_limit int
+AS
+BEGIN
+    SET NOCOUNT ON;
+    DECLARE @v_limit int = CASE WHEN @p_limit IS NULL THEN 25 WHEN @p_limit < 1 THEN 1
+                                WHEN @p_limit > 100 THEN 100 ELSE @p_limit END;
+    DECLARE @v_query nvarchar(512) = LTRIM(RTRIM(@p_query));
+    DECLARE @v_found TABLE (
+        delivery_id bigint NULL,
+        message_id uniqueidentifier NULL,
+        what nvarchar(20) COLLATE Latin1_General_100_BIN2 NOT NULL
+    );
+
+    IF @v_query <> N''
+    BEGIN
+        IF LEN(@v_query) <= 18 AND @v_query NOT LIKE N'%[^0-9]%'
+            INSERT INTO @v_found (delivery_id, what) VALUES (CAST(@v_query AS bigint), N'delivery id');
+        IF LEN(@v_query) = 36 AND TRY_CAST(@v_query AS uniqueidentifier) IS NOT NULL
+            INSERT INTO @v_found (message_id, what) VALUES (TRY_CAST(@v_query AS uniqueidentifier), N'MessageID');
+        INSERT INTO @v_found (message_id, what)
+        SELECT TOP (@v_limit) m.id, N'partition key'
+        FROM workqueue.message AS m
+        WHERE m.partition_key = @v_query
+        ORDER BY m.published_at DESC;
+        INSERT INTO @v_found (message_id, what)
+        SELECT TOP (@v_limit) m.id, N'correlation ID'
+        FROM workqueue.message AS m
+        WHERE m.correlation_id = @v_query
+        ORDER BY m.published_at DESC;
+        INSERT INTO @v_found (message_id, what)
+        SELECT TOP (@v_limit) m.id, N'job'
+        FROM workqueue.message AS m
+        WHERE m.job = CAST(@v_query AS nvarchar(200))
+        ORDER BY m.published_at DESC;
+    END;
+
+    SELECT TOP (@v_limit) d.id AS delivery_id, s.name AS subscription, d.message_id, m.topic, d.partition_key,
+           d.status, d.attempt, d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested,
+           d.progress_percent, d.progress_message, d.reason, d.last_error, d.note, d.created_at,
+           d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id,
+           d.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid, p.started_at AS holder_started_at,
+           k.what AS matched
+    FROM (
+        SELECT x.id, f.what FROM @v_found AS f
+        INNER JOIN workqueue.delivery AS x ON x.id = f.delivery_id
+        UNION ALL
+        SELECT x.id, f.what FROM @v_found AS f
+        INNER JOIN workqueue.delivery AS x ON x.message_id = f.message_id
+    ) AS k
+    INNER JOIN workqueue.delivery AS d ON d.id = k.id
+    INNER JOIN workqueue.subscription AS s ON s.id = d.subscription_id
+    INNER JOIN workqueue.message AS m ON m.id = d.message_id
+    LEFT JOIN workqueue.process AS p ON p.id = d.held_by
+    ORDER BY d.id DESC;
+END;
+GO
+
 -- Which of the given MessageIDs (a JSON array) the store has.
 -- returns: message_id
 CREATE OR ALTER PROCEDURE workqueue.known_messages
@@ -3506,6 +3648,22 @@ BEGIN
     SELECT m.id AS message_id
     FROM workqueue.message AS m
     WHERE m.id IN (SELECT TRY_CAST(j.value AS uniqueidentifier) FROM OPENJSON(@p_ids) AS j);
+END;
+GO
+
+-- The kept attempts of one delivery, oldest first, each with the process that held it.
+-- returns: attempt, started_at, ended_at, outcome, reason, error, holder_id, holder_host, holder_pid, holder_started_at
+CREATE OR ALTER PROCEDURE workqueue.delivery_attempts
+    @p_delivery_id bigint
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SELECT TOP (50) a.attempt, a.started_at, a.ended_at, a.outcome, a.reason, a.error,
+           a.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid, p.started_at AS holder_started_at
+    FROM workqueue.delivery_attempt AS a
+    LEFT JOIN workqueue.process AS p ON p.id = a.held_by
+    WHERE a.delivery_id = @p_delivery_id
+    ORDER BY a.id;
 END;
 GO
 
@@ -3811,16 +3969,24 @@ GO
 
 -- Each subscription's live counts, each stopping at @p_cap (a page shows "@p_cap or more"): at most
 -- @p_cap index entries a state, whatever the backlog (stats counts every live row).
--- returns: subscription, pending, in_flight, dead_lettered
+-- oldest_pending_at: since when the longest-waiting claimable work waits (the heads of
+-- delivery_claim and partition_ready); stuck: InFlight claimed before @p_stuck_before, among the
+-- first @p_cap InFlight.
+-- returns: subscription, pending, in_flight, dead_lettered, oldest_pending_at, stuck
 CREATE OR ALTER PROCEDURE workqueue.live_counts
     @p_subscription nvarchar(200) = NULL,
-    @p_cap int = 1000
+    @p_cap int = 1000,
+    @p_stuck_before datetimeoffset(6) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
     SELECT c.subscription,
            CASE WHEN c.pending > @p_cap THEN CAST(@p_cap AS bigint) ELSE c.pending END AS pending,
-           c.in_flight, c.dead_lettered
+           c.in_flight, c.dead_lettered,
+           CASE WHEN c.claim_head IS NULL THEN c.key_head
+                WHEN c.key_head IS NULL OR c.claim_head <= c.key_head THEN c.claim_head
+                ELSE c.key_head END AS oldest_pending_at,
+           c.stuck
     FROM (
         SELECT s.name AS subscription,
                (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
@@ -3839,7 +4005,17 @@ BEGIN
                (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
                                           WHERE d.subscription_id = s.id AND d.status = N'DeadLettered'
                                           ORDER BY d.id) AS x)
-                   AS dead_lettered
+                   AS dead_lettered,
+               (SELECT TOP (1) d.visible_at FROM workqueue.delivery AS d
+                WHERE d.subscription_id = s.id AND d.status = N'Pending' AND d.key_mode = 0
+                ORDER BY d.visible_at, d.id) AS claim_head,
+               (SELECT TOP (1) p.next_visible_at FROM workqueue.partition AS p
+                WHERE p.subscription_id = s.id AND p.holder_id IS NULL AND p.next_id IS NOT NULL
+                ORDER BY p.next_visible_at) AS key_head,
+               CASE WHEN @p_stuck_before IS NULL THEN CAST(0 AS bigint) ELSE
+                   (SELECT COUNT_BIG(*) FROM (SELECT TOP (@p_cap) d.claimed_at FROM workqueue.delivery AS d
+                                              WHERE d.subscription_id = s.id AND d.status = N'InFlight') AS x
+                    WHERE x.claimed_at < @p_stuck_before) END AS stuck
         FROM workqueue.subscription AS s
         WHERE @p_subscription IS NULL OR s.name = @p_subscription
     ) AS c

@@ -80,6 +80,14 @@ CREATE TABLE workqueue.message (
     published_at       timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX message_published_at ON workqueue.message (published_at);
+-- Search only (search_deliveries): a message by its partition key, correlation ID or job name,
+-- newest first. Partial, so a message without one costs its publish nothing here.
+CREATE INDEX message_partition_key ON workqueue.message (partition_key, published_at)
+    WHERE partition_key IS NOT NULL;
+CREATE INDEX message_correlation_id ON workqueue.message (correlation_id, published_at)
+    WHERE correlation_id IS NOT NULL;
+CREATE INDEX message_job ON workqueue.message ((attributes ->> 'job'), published_at)
+    WHERE attributes ? 'job';
 
 -- status: Pending, InFlight, Completed, DeadLettered or Discarded. key_mode: 0 = the delivery is
 -- claimed on its own (None mode, or no partition key); 1 = Exclusive key, 2 = Ordered key: claimed
@@ -129,6 +137,23 @@ CREATE INDEX delivery_message ON workqueue.delivery (message_id);
 -- The InFlight set (the sweeper filters it on lease_expires_at): on a column a heartbeat never
 -- changes, so that no index names what a heartbeat writes and heartbeats are HOT updates.
 CREATE INDEX delivery_in_flight ON workqueue.delivery (subscription_id) WHERE status = 'InFlight';
+
+-- The attempts of a delivery off the happy path, one row each: a settle that retries, dead-letters
+-- or discards, a lease expiry, a replay (outcome Failed, DeadLettered, Discarded, LeaseExpired or
+-- Replayed). A delivery claimed and completed writes no row here. At most 50 rows a delivery (the
+-- oldest go), removed with the delivery by the foreign key.
+CREATE TABLE workqueue.delivery_attempt (
+    delivery_id  bigint NOT NULL REFERENCES workqueue.delivery (id) ON DELETE CASCADE,
+    id           bigint GENERATED ALWAYS AS IDENTITY,
+    attempt      integer NOT NULL,
+    started_at   timestamptz,
+    ended_at     timestamptz NOT NULL,
+    held_by      uuid,
+    outcome      text NOT NULL,
+    reason       text,
+    error        text,
+    PRIMARY KEY (delivery_id, id)
+);
 
 -- One row per (subscription, key) with live keyed work: the lock and the state of the key.
 --   holder_id: the InFlight delivery of the key (at most one, ever).
@@ -1640,6 +1665,7 @@ DECLARE
     v_ids bigint[];
     v_results jsonb;  -- delivery id -> its new status
     v_keyed boolean;
+    v_tried bigint[];
 BEGIN
     WITH locked AS (
         -- Item by item, in id order (the order rows are locked in), each finds and locks its row
@@ -1693,7 +1719,18 @@ BEGIN
             settled_at = CASE WHEN pl.new_status IN ('Completed', 'Discarded', 'DeadLettered') THEN v_now END
         FROM plan pl
         WHERE d.id = pl.id
-        RETURNING d.id, d.status, d.key_mode, d.subscription_id
+        RETURNING d.id, d.status, d.key_mode, d.subscription_id, d.attempt, d.claimed_at, d.held_by, d.reason,
+                  pl.outcome, pl.error
+    ), tried AS (
+        -- An attempt off the happy path is kept (delivery_attempt); a completion or a release
+        -- writes nothing there.
+        INSERT INTO workqueue.delivery_attempt AS a (delivery_id, attempt, started_at, ended_at, held_by, outcome,
+                                                     reason, error)
+        SELECT u.id, u.attempt, u.claimed_at, v_now, u.held_by,
+               CASE WHEN u.status = 'Pending' THEN 'Failed' ELSE u.status END, u.reason, u.error
+        FROM u
+        WHERE u.status <> 'Completed' AND NOT (u.outcome = 'Release' AND u.status = 'Pending')
+        RETURNING a.delivery_id
     ), counted AS (
         -- The batch's terminal settles, one row per subscription (settled_count).
         INSERT INTO workqueue.settled_count (subscription_id, completed, discarded)
@@ -1703,9 +1740,18 @@ BEGIN
         WHERE u.status IN ('Completed', 'Discarded')
         GROUP BY u.subscription_id
     )
-    SELECT array_agg(u.id), jsonb_object_agg(u.id::text, u.status), bool_or(u.key_mode > 0)
-    INTO v_ids, v_results, v_keyed
+    SELECT array_agg(u.id), jsonb_object_agg(u.id::text, u.status), bool_or(u.key_mode > 0),
+           (SELECT array_agg(t.delivery_id) FROM tried t)
+    INTO v_ids, v_results, v_keyed, v_tried
     FROM u;
+
+    IF v_tried IS NOT NULL THEN
+        -- Keep the newest 50 attempts of each delivery.
+        DELETE FROM workqueue.delivery_attempt a
+        WHERE a.delivery_id = ANY (v_tried)
+          AND a.id <= (SELECT b.id FROM workqueue.delivery_attempt b WHERE b.delivery_id = a.delivery_id
+                       ORDER BY b.id DESC OFFSET 50 LIMIT 1);
+    END IF;
 
     IF v_keyed THEN
         PERFORM pg_notify('workqueue', r.subscription_id::text) FROM workqueue.release_keys(v_ids) r;
@@ -2024,7 +2070,13 @@ BEGIN
             lease_expires_at = NULL,
             settled_at = CASE WHEN d.cancel_requested OR d.attempt >= d.max_attempts THEN v_now END
         WHERE d.id = ANY (v_expired)
-        RETURNING d.id, d.status, d.key_mode, d.subscription_id
+        RETURNING d.id, d.status, d.key_mode, d.subscription_id, d.attempt, d.claimed_at, d.held_by, d.reason
+    ), tried AS (
+        INSERT INTO workqueue.delivery_attempt (delivery_id, attempt, started_at, ended_at, held_by, outcome,
+                                                reason, error)
+        SELECT u.id, u.attempt, u.claimed_at, v_now, u.held_by, 'LeaseExpired', u.reason,
+               'lease expired: the holder stopped renewing it'
+        FROM u
     ), counted AS (
         INSERT INTO workqueue.settled_count (subscription_id, completed, discarded)
         SELECT u.subscription_id, 0, count(*)
@@ -2035,6 +2087,11 @@ BEGIN
     SELECT array_agg(u.id), array_agg(u.status), bool_or(u.key_mode > 0)
     INTO v_ids, v_results, v_keyed
     FROM u;
+
+    DELETE FROM workqueue.delivery_attempt a
+    WHERE a.delivery_id = ANY (v_ids)
+      AND a.id <= (SELECT b.id FROM workqueue.delivery_attempt b WHERE b.delivery_id = a.delivery_id
+                   ORDER BY b.id DESC OFFSET 50 LIMIT 1);
 
     IF v_keyed THEN
         PERFORM pg_notify('workqueue', r.subscription_id::text) FROM workqueue.release_keys(v_ids) r;
@@ -2363,7 +2420,7 @@ AS $$
 DECLARE
     v_d record;
 BEGIN
-    SELECT d.id, d.status, d.key_mode, d.subscription_id, d.partition_key INTO v_d
+    SELECT d.id, d.status, d.key_mode, d.subscription_id, d.partition_key, d.attempt INTO v_d
     FROM workqueue.delivery d JOIN workqueue.subscription s ON s.id = d.subscription_id
     WHERE d.id = p_delivery_id AND s.name = p_subscription;
     IF NOT FOUND THEN
@@ -2389,6 +2446,13 @@ BEGIN
     IF v_d.key_mode = 0 OR workqueue.refresh_partition(v_d.subscription_id, v_d.partition_key, v_d.key_mode) THEN
         PERFORM pg_notify('workqueue', v_d.subscription_id::text);
     END IF;
+    -- The replay is kept as an attempt of its own, so the error before it reads as a past attempt.
+    INSERT INTO workqueue.delivery_attempt (delivery_id, attempt, ended_at, outcome, reason)
+    VALUES (p_delivery_id, v_d.attempt, now(), 'Replayed', p_note);
+    DELETE FROM workqueue.delivery_attempt a
+    WHERE a.delivery_id = p_delivery_id
+      AND a.id <= (SELECT b.id FROM workqueue.delivery_attempt b WHERE b.delivery_id = p_delivery_id
+                   ORDER BY b.id DESC OFFSET 50 LIMIT 1);
     RETURN QUERY SELECT 'Replayed'::text, 'Pending'::text;
 END
 $$;
@@ -2650,6 +2714,25 @@ AS $$
     WHERE d.id = p_delivery_id
 $$;
 
+-- The kept attempts of one delivery (off the happy path: see delivery_attempt), oldest first,
+-- each with the process that held it as the registry knows it.
+CREATE OR REPLACE FUNCTION workqueue.delivery_attempts(p_delivery_id bigint)
+RETURNS TABLE (
+    attempt integer, started_at timestamptz, ended_at timestamptz, outcome text, reason text, error text,
+    holder_id uuid, holder_host text, holder_pid integer, holder_started_at timestamptz
+)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT a.attempt, a.started_at, a.ended_at, a.outcome, a.reason, a.error,
+           a.held_by, p.hostname, p.pid, p.started_at
+    FROM workqueue.delivery_attempt a
+    LEFT JOIN workqueue.process p ON p.id = a.held_by
+    WHERE a.delivery_id = p_delivery_id
+    ORDER BY a.id
+    LIMIT 50
+$$;
+
 -- Every delivery of one message, each with its subscription, as get_delivery answers, by id.
 CREATE OR REPLACE FUNCTION workqueue.message_deliveries(p_message_id uuid)
 RETURNS TABLE (
@@ -2675,6 +2758,82 @@ AS $$
     LEFT JOIN workqueue.process p ON p.id = d.held_by
     WHERE d.message_id = p_message_id
     ORDER BY d.id
+$$;
+
+-- Deliveries found by what an operator has at hand: a delivery id, a MessageID, a partition key,
+-- a correlation ID or a job name (matched says which), newest first, at most p_limit (at most
+-- 100). Every branch reads an index and at most p_limit messages: the primary keys,
+-- delivery_message, and the partial search indexes of message.
+CREATE OR REPLACE FUNCTION workqueue.search_deliveries(p_query text, p_limit integer)
+RETURNS TABLE (
+    delivery_id bigint, subscription text, message_id uuid, topic text, partition_key text,
+    status text, attempt integer, max_attempts integer, visible_at timestamptz,
+    lease_expires_at timestamptz, cancel_requested boolean, progress_percent smallint,
+    progress_message text, reason text, last_error text, note text, created_at timestamptz,
+    claimed_at timestamptz, settled_at timestamptz, attributes jsonb, payload text,
+    correlation_id text,
+    holder_id uuid, holder_host text, holder_pid integer, holder_started_at timestamptz,
+    matched text
+)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_limit integer := least(greatest(coalesce(p_limit, 25), 1), 100);
+    v_query text := btrim(p_query);
+    v_messages uuid[] := '{}';
+    v_matched text[] := '{}';
+    v_id bigint;
+BEGIN
+    IF v_query IS NULL OR v_query = '' THEN
+        RETURN;
+    END IF;
+    IF v_query ~ '^[0-9]{1,18}$' THEN
+        v_id := v_query::bigint;
+    END IF;
+    IF v_query ~* '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$' THEN
+        v_messages := ARRAY[v_query::uuid];
+        v_matched := ARRAY['MessageID'];
+    END IF;
+    SELECT v_messages || coalesce(array_agg(x.id), '{}'), v_matched || coalesce(array_agg(x.what), '{}')
+    INTO v_messages, v_matched
+    FROM (
+        (SELECT m.id, 'partition key' AS what FROM workqueue.message m
+         WHERE m.partition_key = v_query AND m.partition_key IS NOT NULL
+         ORDER BY m.published_at DESC LIMIT v_limit)
+        UNION ALL
+        (SELECT m.id, 'correlation ID' FROM workqueue.message m
+         WHERE m.correlation_id = v_query AND m.correlation_id IS NOT NULL
+         ORDER BY m.published_at DESC LIMIT v_limit)
+        UNION ALL
+        (SELECT m.id, 'job' FROM workqueue.message m
+         WHERE (m.attributes ->> 'job') = v_query AND m.attributes ? 'job'
+         ORDER BY m.published_at DESC LIMIT v_limit)
+    ) x;
+    RETURN QUERY
+    SELECT d.id, s.name, d.message_id, m.topic, d.partition_key, d.status, d.attempt,
+           d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested,
+           d.progress_percent, d.progress_message, d.reason, d.last_error, d.note, d.created_at,
+           d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id,
+           d.held_by, p.hostname, p.pid, p.started_at, f.what
+    FROM (
+        SELECT v_id AS delivery_id, NULL::uuid AS message_id, 'delivery id'::text AS what WHERE v_id IS NOT NULL
+        UNION ALL
+        SELECT NULL, u.message_id, u.what FROM unnest(v_messages, v_matched) AS u(message_id, what)
+    ) f
+    CROSS JOIN LATERAL (
+        SELECT x.* FROM workqueue.delivery x
+        WHERE (f.delivery_id IS NOT NULL AND x.id = f.delivery_id)
+           OR (f.message_id IS NOT NULL AND x.message_id = f.message_id)
+        LIMIT v_limit
+    ) d
+    JOIN workqueue.subscription s ON s.id = d.subscription_id
+    JOIN workqueue.message m ON m.id = d.message_id
+    LEFT JOIN workqueue.process p ON p.id = d.held_by
+    ORDER BY d.id DESC
+    LIMIT v_limit;
+END
 $$;
 
 -- Which of the given MessageIDs the store has.
@@ -2905,8 +3064,12 @@ AS $$
 $$;
 
 -- The dashboard's counts: each subscription's live counts, each stopping at p_cap (a page shows "p_cap or more").
-CREATE OR REPLACE FUNCTION workqueue.live_counts(p_subscription text DEFAULT NULL, p_cap integer DEFAULT 1000)
-RETURNS TABLE (subscription text, pending bigint, in_flight bigint, dead_lettered bigint)
+CREATE OR REPLACE FUNCTION workqueue.live_counts(
+    p_subscription text DEFAULT NULL, p_cap integer DEFAULT 1000, p_stuck_before timestamptz DEFAULT NULL
+) RETURNS TABLE (
+    subscription text, pending bigint, in_flight bigint, dead_lettered bigint, oldest_pending_at timestamptz,
+    stuck bigint
+)
 LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -2925,7 +3088,19 @@ AS $$
            (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
                                     AND d.status = 'InFlight' LIMIT p_cap) x),
            (SELECT count(*) FROM (SELECT 1 FROM workqueue.delivery d WHERE d.subscription_id = s.id
-                                    AND d.status = 'DeadLettered' ORDER BY d.id LIMIT p_cap) x)
+                                    AND d.status = 'DeadLettered' ORDER BY d.id LIMIT p_cap) x),
+           -- Since when the longest-waiting claimable work waits: the head of delivery_claim and of
+           -- partition_ready (a time still to come: nothing waits yet).
+           least(
+               (SELECT d.visible_at FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                  AND d.status = 'Pending' AND d.key_mode = 0 ORDER BY d.visible_at, d.id LIMIT 1),
+               (SELECT p.next_visible_at FROM workqueue.partition p WHERE p.subscription_id = s.id
+                  AND p.holder_id IS NULL AND p.next_id IS NOT NULL ORDER BY p.next_visible_at LIMIT 1)),
+           -- InFlight deliveries claimed before p_stuck_before, among the first p_cap InFlight.
+           CASE WHEN p_stuck_before IS NULL THEN 0::bigint ELSE
+               (SELECT count(*) FILTER (WHERE x.claimed_at < p_stuck_before)
+                FROM (SELECT d.claimed_at FROM workqueue.delivery d WHERE d.subscription_id = s.id
+                        AND d.status = 'InFlight' LIMIT p_cap) x) END
     FROM workqueue.subscription s
     WHERE p_subscription IS NULL OR s.name = p_subscription
     ORDER BY s.name

@@ -312,7 +312,7 @@ ON CONFLICT (subscription_id) DO UPDATE
 SET completed = completed + excluded.completed, discarded = discarded + excluded.discarded;
 
 -- name: delivery_of_subscription
-SELECT d.id, d.status, d.key_mode, d.subscription_id, d.partition_key
+SELECT d.id, d.status, d.key_mode, d.subscription_id, d.partition_key, d.attempt
 FROM delivery d JOIN subscription s ON s.id = d.subscription_id
 WHERE d.id = :id AND s.name = :subscription;
 
@@ -561,7 +561,19 @@ SELECT s.name AS subscription,
        (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'InFlight'
                                 LIMIT :cap)) AS in_flight,
        (SELECT count(*) FROM (SELECT 1 FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'DeadLettered'
-                                ORDER BY d.id LIMIT :cap)) AS dead_lettered
+                                ORDER BY d.id LIMIT :cap)) AS dead_lettered,
+       -- Since when the longest-waiting claimable work waits (the heads of delivery_claim and
+       -- partition_ready; NULLs left out as PostgreSQL's least does).
+       (SELECT min(t) FROM (
+           SELECT (SELECT d.visible_at FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending'
+                     AND d.key_mode = 0 ORDER BY d.visible_at, d.id LIMIT 1) AS t
+           UNION ALL
+           SELECT (SELECT p.next_visible_at FROM partition p WHERE p.subscription_id = s.id AND p.holder_id IS NULL
+                     AND p.next_id IS NOT NULL ORDER BY p.next_visible_at LIMIT 1))) AS oldest_pending_at,
+       CASE WHEN :stuck_before IS NULL THEN 0 ELSE
+           (SELECT count(*) FROM (SELECT d.claimed_at FROM delivery d WHERE d.subscription_id = s.id
+                                    AND d.status = 'InFlight' LIMIT :cap) x WHERE x.claimed_at < :stuck_before)
+       END AS stuck
 FROM subscription s
 WHERE :subscription IS NULL OR s.name = :subscription
 ORDER BY s.name;
@@ -673,3 +685,53 @@ DELETE FROM aws_binding;
 
 -- name: aws_binding_insert
 INSERT INTO aws_binding (kind, name, region, binding, imported_at) VALUES (:kind, :name, :region, :binding, :at);
+
+-- name: attempt_record
+INSERT INTO delivery_attempt (delivery_id, attempt, started_at, ended_at, held_by, outcome, reason, error)
+SELECT d.id, coalesce(:attempt, d.attempt), CASE WHEN :outcome = 'Replayed' THEN NULL ELSE d.claimed_at END, :now,
+       CASE WHEN :outcome = 'Replayed' THEN NULL ELSE d.held_by END, :outcome, :reason, :error
+FROM delivery d WHERE d.id = :id;
+
+-- name: attempt_trim
+-- Keeps the newest 50 attempts of the delivery.
+DELETE FROM delivery_attempt
+WHERE delivery_id = :id AND id <= (SELECT b.id FROM delivery_attempt b WHERE b.delivery_id = :id
+                                   ORDER BY b.id DESC LIMIT 1 OFFSET 50);
+
+-- name: delivery_attempts
+SELECT a.attempt, a.started_at, a.ended_at, a.outcome, a.reason, a.error,
+       a.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid,
+       p.started_at AS holder_started_at
+FROM delivery_attempt a
+LEFT JOIN process p ON p.id = a.held_by
+WHERE a.delivery_id = :id
+ORDER BY a.id
+LIMIT 50;
+
+-- name: search_partition_key
+SELECT m.id FROM message m WHERE m.partition_key = :q AND m.partition_key IS NOT NULL
+ORDER BY m.published_at DESC LIMIT :limit;
+
+-- name: search_correlation_id
+SELECT m.id FROM message m WHERE m.correlation_id = :q AND m.correlation_id IS NOT NULL
+ORDER BY m.published_at DESC LIMIT :limit;
+
+-- name: search_job
+SELECT m.id FROM message m
+WHERE json_extract(m.attributes, '$.job') = :q AND json_extract(m.attributes, '$.job') IS NOT NULL
+ORDER BY m.published_at DESC LIMIT :limit;
+
+-- name: search_message_deliveries
+SELECT d.id AS delivery_id, s.name AS subscription, d.message_id, m.topic, d.partition_key, d.status,
+       d.attempt, d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested, d.progress_percent,
+       d.progress_message, d.reason, d.last_error, d.note, d.created_at, d.claimed_at, d.settled_at,
+       m.attributes, m.payload, m.correlation_id,
+       d.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid,
+       p.started_at AS holder_started_at
+FROM delivery d
+JOIN subscription s ON s.id = d.subscription_id
+JOIN message m ON m.id = d.message_id
+LEFT JOIN process p ON p.id = d.held_by
+WHERE d.message_id IN (SELECT value FROM json_each(:ids))
+ORDER BY d.id DESC
+LIMIT :limit;

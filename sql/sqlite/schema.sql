@@ -62,6 +62,11 @@ CREATE TABLE message (
     published_at       REAL NOT NULL
 );
 CREATE INDEX message_published_at ON message (published_at);
+-- Search only (search_deliveries), partial: a message without the value costs nothing here.
+CREATE INDEX message_partition_key ON message (partition_key, published_at) WHERE partition_key IS NOT NULL;
+CREATE INDEX message_correlation_id ON message (correlation_id, published_at) WHERE correlation_id IS NOT NULL;
+CREATE INDEX message_job ON message (json_extract(attributes, '$.job'), published_at)
+    WHERE json_extract(attributes, '$.job') IS NOT NULL;
 
 -- key_mode: 0 = claimed on its own; 1 = Exclusive key, 2 = Ordered key (through partition).
 CREATE TABLE delivery (
@@ -104,6 +109,22 @@ CREATE INDEX delivery_message ON delivery (message_id);
 -- The InFlight set (the sweeper filters it on lease_expires_at), on a column a heartbeat never
 -- changes.
 CREATE INDEX delivery_in_flight ON delivery (subscription_id) WHERE status = 'InFlight';
+
+-- The attempts of a delivery off the happy path (a settle that retries, dead-letters or discards,
+-- a lease expiry, a replay), at most 50 a delivery, removed with it (foreign key). A delivery
+-- claimed and completed writes no row here.
+CREATE TABLE delivery_attempt (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    delivery_id  INTEGER NOT NULL REFERENCES delivery (id) ON DELETE CASCADE,
+    attempt      INTEGER NOT NULL,
+    started_at   REAL,
+    ended_at     REAL NOT NULL,
+    held_by      TEXT,
+    outcome      TEXT NOT NULL,
+    reason       TEXT,
+    error        TEXT
+);
+CREATE INDEX delivery_attempt_delivery ON delivery_attempt (delivery_id, id);
 
 CREATE TABLE partition (
     subscription_id   INTEGER NOT NULL,

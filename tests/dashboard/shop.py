@@ -32,7 +32,7 @@ class Shop:
     """The app, its queue and the names of its topic and subscriptions."""
 
     def __init__(self, database_url: str, *, authorize: Any = None, poll_seconds: float = 0.5,
-                 trace_url: str | None = None) -> None:
+                 trace_url: str | None = None, stuck_after_seconds: float = 600.0) -> None:
         self.topic = unique("orders")
         self.mail = unique("orders.mail")
         self.ledger = unique("orders.ledger")
@@ -45,6 +45,7 @@ class Shop:
                 subscriptions=[SubscriptionPlan(name=n, concurrency=2) for n in (self.mail, self.ledger)],
                 idle_poll_min_ms=20, idle_poll_max_ms=100, sweeper_interval_ms=200,
                 reconcile_interval_ms=200, shutdown_drain_ms=300, trace_url=trace_url, dashboard_secret=SECRET,
+                dashboard_stuck_after_seconds=stuck_after_seconds,
             ),
             topics=[Topic(name=self.topic)],
             subscriptions=[

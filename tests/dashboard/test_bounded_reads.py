@@ -209,6 +209,10 @@ async def test_every_page_reads_a_bounded_number_of_rows_through_indexes(million
             "ordered subscription": f"{UI}/subscriptions/{ordered}",
             "delivery": f"{UI}/deliveries/{dead}",
             "bulk replay confirmation": f"{UI}/subscriptions/{bulk}/replay-all",
+            "search by delivery id": f"{UI}/search?q={dead}",
+            "search by MessageID": f"{UI}/search?q={(await queue.get_delivery(dead)).message_id}",  # type: ignore[union-attr]
+            "search by partition key": f"{UI}/search?q=key-17",
+            "search by job name": f"{UI}/search?q=send_mail",
         }
         for name, path in pages.items():
             transport.plans = []

@@ -16,12 +16,13 @@ from typing import Any
 
 import asyncpg
 import pytest
+from fastapi import FastAPI
 
 from fastapi_workqueue.core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_READ, create_key
 from fastapi_workqueue.database.postgres import to_asyncpg_dsn
 
 from ..conftest import drop_database, recreate_database, unique
-from .shop import Shop, free_port, wait_until
+from .shop import SECRET, Shop, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -287,3 +288,116 @@ async def test_an_operator_replays_fourteen_alike_dead_letters_with_one_click(br
         assert [str(d.message_id) for d in left] == [str(other.message_id)]
     finally:
         await page.context.close()
+
+
+async def test_a_delivery_held_by_a_worker_process_and_its_attempts_after_a_failure(
+    browser: Any, pg_url: str, tmp_path: Path
+) -> None:
+    """A second process (``workqueue work``) holds a delivery: its page names that process, not
+    this one; a delivery that failed twice, was replayed and completed lists those attempts in
+    order, the failures held by the worker."""
+    import os
+    import signal
+    import sys
+
+    import uvicorn
+
+    root = ARTIFACTS.parents[2]
+    base, _, _ = pg_url.rpartition("/")
+    url = f"{base}/wq_worker_{unique('db').split('-')[1]}"
+    await recreate_database(url)
+    topic, subscription, gate = unique("held"), unique("held.sub"), tmp_path / "gate"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")},
+           "WORKQUEUE_DATABASE_URL": url, "WORKQUEUE_AUTO_MIGRATE": "1", "HELD_APP_TOPIC": topic,
+           "HELD_APP_SUBSCRIPTION": subscription, "HELD_APP_GATE": str(gate), "PYTHONPATH": str(root)}
+    saved = {k: os.environ.get(k) for k in ("HELD_APP_TOPIC", "HELD_APP_SUBSCRIPTION", "HELD_APP_GATE")}
+    os.environ.update({k: env[k] for k in saved})
+    try:
+        import importlib
+
+        from ..apps import held_app
+
+        importlib.reload(held_app)  # the names above
+        queue = held_app.make_queue(url, host=False)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    queue.settings.auto_migrate = True
+    app = FastAPI(lifespan=queue.lifespan)
+    app.mount("/work-queue/ui", queue.dashboard(secret=SECRET))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    worker: asyncio.subprocess.Process | None = None
+    ui = f"http://127.0.0.1:{port}/work-queue/ui"
+    try:
+        await wait_until(lambda: server.started or task.done())
+        assert server.started, "uvicorn did not start"
+        worker = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fastapi_workqueue", "work", "--app", "tests.apps.held_app:queue",
+            "--subscription", subscription, env=env, cwd=root,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        [held] = await queue.publish(topic, [{"payload": {"hold": True}}])
+        [failing] = await queue.publish(topic, [{"payload": {"fail": True}}])
+
+        async def delivery_of(message_id: Any, status: str) -> Any:
+            infos = await queue.transport.message_deliveries(message_id)
+            return infos[0] if infos and infos[0].status == status else None
+
+        running = await wait_until(lambda: delivery_of(held.message_id, "InFlight"), within=60)
+        dead = await wait_until(lambda: delivery_of(failing.message_id, "DeadLettered"), within=60)
+        assert running.holder is not None and running.holder.pid == worker.pid
+
+        key = await create_key(queue.transport, unique("ops"), [SCOPE_READ, SCOPE_OPERATE])  # type: ignore[arg-type]
+        context = await browser.new_context(viewport={"width": 1280, "height": 900})
+        page = await context.new_page()
+        page.set_default_timeout(15_000)
+        try:
+            await page.goto(f"{ui}/sign-in")
+            await page.fill("#api_key", key.key)
+            await page.click("form[action$='/sign-in'] button[type=submit]")
+            await page.wait_for_url(f"{ui}/")
+            # The subscription's in-flight row: held by the worker, another process.
+            await page.goto(f"{ui}/subscriptions/{subscription}")
+            holder = page.locator(f'tr[data-delivery="{running.delivery_id}"] td.holder')
+            await holder.wait_for()
+            text = await holder.inner_text()
+            assert f"pid {worker.pid}" in text and "another process" in text and "this process" not in text, text
+            await shot(page, "held-elsewhere")
+            await holder.locator("a").click()
+            await page.wait_for_selector("#processes")
+            row = page.locator(f'tr[data-process="{running.holder.process_id}"]')
+            assert f"pid {worker.pid}" in await row.inner_text() and "Running" in await row.inner_text()
+            assert "(this process)" not in await row.inner_text()
+
+            # The dead letter, replayed once the cause is gone, completes; its page lists the attempts.
+            gate.touch()
+            await page.goto(f"{ui}/deliveries/{dead.delivery_id}")
+            await page.fill("#delivery form[action$='/replay'] input[name=note]", "the warehouse is back")
+            await page.click("#delivery form[action$='/replay'] button[type=submit]")
+            await wait_until(lambda: delivery_of(failing.message_id, "Completed"), within=60)
+            await page.goto(f"{ui}/deliveries/{dead.delivery_id}")
+            rows = page.locator("table.attempts tbody tr")
+            await page.wait_for_selector("table.attempts")
+            texts = [await rows.nth(i).inner_text() for i in range(await rows.count())]
+            outcomes = [await rows.nth(i).locator("span.status").first.inner_text() for i in range(len(texts))]
+            assert outcomes == ["Failed", "DeadLettered", "Replayed", "Completed"], texts
+            assert "503 on attempt 1" in await rows.nth(0).inner_html()
+            assert "503 on attempt 2" in await rows.nth(1).inner_html()
+            for i in (0, 1):
+                assert f"pid {worker.pid}" in texts[i] and "another process" in texts[i], texts[i]
+            assert "the warehouse is back" in texts[2]
+            await shot(page, "attempt-history")
+        finally:
+            await context.close()
+    finally:
+        gate.touch()
+        if worker is not None and worker.returncode is None:
+            worker.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(worker.wait(), 30)
+        server.should_exit = True
+        await task
+        await drop_database(url)

@@ -295,6 +295,11 @@ async def test_a_replayed_delivery_that_completed_shows_its_old_error_as_a_past_
     assert "<h2>Error of an earlier attempt</h2>" in after and "(replayed since)" in after
     assert "the mail server refused ann@example.com" in after
     assert "is Pending again" not in after
+    # The attempts in order: the failure (dead-lettered), the replay with its note, then now.
+    history = after[after.index('<h2 id="attempts">'):after.index("<h2>Payload</h2>")]
+    rows = [history.index(f'class="attempt attempt-{kind}"') for kind in ("deadlettered", "replayed", "now")]
+    assert rows == sorted(rows)
+    assert "address fixed" in history and "the mail server refused ann@example.com" in history
     me = current_process()
     assert f"Last held by</dt><dd class=\"holder\"><a href=\"{UI}/processes#process-{me.id}\"" in after
     assert f"{me.hostname} pid {me.pid}" in after
@@ -570,6 +575,68 @@ async def test_the_pages_render_on_sqlite(sqlite_url: str) -> None:
             assert page.status_code == 200, (path, page.text[:300])
         overview = (await client.get(f"{UI}/")).text
         assert '<svg class="chart"' in overview and shop.ledger in overview
+        # Search by the key finds the ledger's deliveries; the dead-lettered head lists its attempt.
+        found = (await client.get(f"{UI}/search", params={"q": "acct-1"})).text
+        assert found.count("<td>partition key</td>") >= 2 and shop.ledger in found
+        [head] = [d for d in await shop.queue.dead_letters(shop.ledger) if d.partition_key == "acct-1"]
+        assert f'href="{UI}/deliveries/{head.delivery_id}"' in found
+        page = (await client.get(f"{UI}/deliveries/{head.delivery_id}")).text
+        assert 'class="attempt attempt-deadlettered"' in page and "the ledger refused the entry" in page
         replayed = await post(client, f"{UI}/deliveries/{dead}", f"{UI}/deliveries/{dead}/replay")
         assert replayed.headers["location"].endswith("notice=Replayed")
         shop.release.set()
+
+
+async def test_the_search_box_finds_a_delivery_by_message_id_key_correlation_and_id(shop: Shop) -> None:
+    tag = str(time.time_ns())
+    [published] = await shop.queue.publish(shop.topic, [PublishRequest(
+        payload={"to": "bob@example.com"}, partition_key=f"customer-{tag}", correlation_id=f"req-{tag}")])
+    deliveries = await shop.queue.transport.message_deliveries(published.message_id)
+    async with client_for(shop) as client:
+        await sign_in(client, await key(shop, SCOPE_READ))
+        overview = (await client.get(f"{UI}/")).text
+        assert f'action="{UI}/search"' in overview and 'name="q"' in overview
+        pages = {q: (await client.get(f"{UI}/search", params={"q": q})).text
+                 for q in (str(published.message_id), f"customer-{tag}", f"req-{tag}", deliveries[0].delivery_id,
+                           f"nobody-{tag}", "<script>")}
+    for q, what in ((str(published.message_id), "MessageID"), (f"customer-{tag}", "partition key"),
+                    (f"req-{tag}", "correlation ID")):
+        page = pages[q]
+        assert page.count('<tr data-delivery="') == len(deliveries) == 3, q
+        for info in deliveries:
+            assert f'href="{UI}/deliveries/{info.delivery_id}"' in page
+        assert f"<td>{what}</td>" in page
+    assert pages[deliveries[0].delivery_id].count("<td>delivery id</td>") == 1
+    assert "Nothing matches <code>nobody-" in pages[f"nobody-{tag}"]
+    assert "<script>" not in pages["<script>"].split("<main>")[1] and "&lt;script&gt;" in pages["<script>"]
+
+
+async def test_stuck_in_flight_and_the_oldest_pending_wait_are_flagged(pg_url: str) -> None:
+    from .shop import wait_until
+
+    shop = Shop(pg_url, stuck_after_seconds=0.5)
+    async with shop.queue.lifespan(shop.app):
+        try:
+            await shop.queue.publish(shop.topic, [{"payload": {"hold": True}}])
+            async with client_for(shop) as client:
+                await sign_in(client, await key(shop, SCOPE_READ))
+
+                mine = re.compile(rf'<li class="attention-warn" data-attention="{re.escape(shop.mail)}">(.*?)</li>',
+                                  re.S)
+
+                async def flagged() -> str | None:
+                    page = (await client.get(f"{UI}/")).text
+                    return page if any("in flight for over" in m for m in mine.findall(page)) else None
+
+                overview = await wait_until(flagged)
+                [item] = [m for m in mine.findall(overview) if "in flight for over" in m]
+                assert f'href="{UI}/subscriptions/{shop.mail}#in-flight"' in item
+                assert "1 delivery in flight for over 0.5 s" in item
+                # The paused subscription's delivery waits to be claimed: its wait is shown.
+                row = overview[overview.index(f'<tr data-subscription="{shop.idle}">'):]
+                row = row[:row.index("</tr>")]
+                assert re.search(r'class="optional oldest-pending"><time datetime="[^"]+" title="claimable since ', row)
+                page = (await client.get(f"{UI}/subscriptions/{shop.mail}")).text
+                assert 'class="status status-stuck"' in page and "Stuck in flight" in page
+        finally:
+            shop.release.set()

@@ -11,9 +11,16 @@ import pytest
 
 from fastapi_workqueue.database.sqlite import SqliteTransport, load_queries
 
-GROWING = {"d": "delivery", "w": "delivery", "m": "message", "p": "partition"}
+GROWING = {"d": "delivery", "w": "delivery", "m": "message", "p": "partition", "a": "delivery_attempt",
+           "b": "delivery_attempt", "delivery_attempt": "delivery_attempt"}
 STATEMENTS: dict[str, dict[str, object]] = {
-    "live_counts": {"subscription": "s", "cap": 1000},
+    "live_counts": {"subscription": "s", "cap": 1000, "stuck_before": 0.0},
+    "search_partition_key": {"q": "customer-1", "limit": 50},
+    "search_correlation_id": {"q": "req-1", "limit": 50},
+    "search_job": {"q": "send_mail", "limit": 50},
+    "search_message_deliveries": {"ids": '["a"]', "limit": 50},
+    "delivery_attempts": {"id": 1},
+    "attempt_trim": {"id": 1},
     "blocked_keys": {"subscription": "s", "limit": 25, "cap": 100, "now": 0.0},
     # SQLite plans a statement again with its bound values where they decide which partial index
     # applies, so the one listing statement serves each state through its own index.
@@ -53,5 +60,14 @@ def test_the_statement_searches_an_index(database: Path, name: str) -> None:
     searches = " ".join(plan)
     if name in ("delivery_list DeadLettered", "live_counts", "blocked_keys"):
         assert "delivery_dead_letters" in searches, "\n".join(plan)
+    for statement, index in (("search_partition_key", "message_partition_key"),
+                             ("search_correlation_id", "message_correlation_id"), ("search_job", "message_job"),
+                             ("search_message_deliveries", "delivery_message"),
+                             ("delivery_attempts", "delivery_attempt_delivery"),
+                             ("attempt_trim", "delivery_attempt_delivery")):
+        if name == statement:
+            assert index in searches, "\n".join(plan)
+    if name == "live_counts":
+        assert "delivery_claim" in searches and "partition_ready" in searches, "\n".join(plan)
     if name == "delivery_list InFlight":
         assert "delivery_in_flight" in searches, "\n".join(plan)

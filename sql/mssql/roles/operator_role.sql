@@ -57,6 +57,8 @@ GRANT EXECUTE ON OBJECT::workqueue.schema_versions TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.discard_dead_letters TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.rewrite_payload TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.message_deliveries TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.delivery_attempts TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.search_deliveries TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.stats_history TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.live_counts TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.blocked_keys TO workqueue_operator;

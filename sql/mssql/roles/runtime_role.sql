@@ -87,6 +87,8 @@ GRANT EXECUTE ON OBJECT::workqueue.list_processes TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.claim_many TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.known_messages TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.message_deliveries TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.delivery_attempts TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.search_deliveries TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.release_deduplication_key TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.step_get TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.step_put TO workqueue_runtime;

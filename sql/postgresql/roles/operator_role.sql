@@ -57,7 +57,7 @@ BEGIN
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
               'list_subscriptions', 'list_topics', 'schema_versions', 'stats_history',
               'live_counts', 'blocked_keys',
-              'discard_dead_letters', 'rewrite_payload', 'message_deliveries', 'list_processes',
+              'discard_dead_letters', 'rewrite_payload', 'message_deliveries', 'delivery_attempts', 'search_deliveries', 'list_processes',
               'retire_subscription', 'discard_pending', 'set_topic_status'])
         ORDER BY 1
     LOOP

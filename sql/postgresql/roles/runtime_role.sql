@@ -21,7 +21,7 @@
 --     workqueue_runtime after running this script and sync from the deployment with a login that
 --     holds them (the schema owner's, say);
 --   * the read-only operator views the app, its REST API and its dashboard serve: stats, backlog,
---     list_deliveries, get_delivery, message_deliveries, partitions, list_subscriptions, list_topics,
+--     list_deliveries, get_delivery, message_deliveries, delivery_attempts, search_deliveries, partitions, list_subscriptions, list_topics,
 --     schema_versions, stats_history, live_counts and blocked_keys;
 --   * the REST API's key check: api_key_verify (the key behind a prefix, answered only when the
 --     hash of the presented key matches; never a stored hash) and api_key_touch (marks a key used
@@ -94,7 +94,7 @@ BEGIN
               'list_subscriptions', 'list_topics', 'schema_versions', 'stats_history',
               'live_counts', 'blocked_keys',
               'api_key_verify', 'api_key_touch', 'api_key_session', 'api_key_end_sessions',
-              'claim_many', 'known_messages', 'message_deliveries',
+              'claim_many', 'known_messages', 'message_deliveries', 'delivery_attempts', 'search_deliveries',
               'release_deduplication_key', 'step_get', 'step_put',
               'process_beat', 'process_stop', 'list_processes'])
         ORDER BY 1
