@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.context import AbortSignal, OnceBusy, OnceStore, Progress, WorkContext
 from ..core.envelope import PreparedMessage, WorkMessage
-from ..core.outcomes import Complete, DeadLetter, Discard, FatalWorkError, Outcome, Retry
+from ..core.lifecycle import dead_letters, settlement_for
+from ..core.outcomes import Outcome
 from ..core.redaction import redacting_logger
 from .definition import DEFAULT_TRIES
 from .envelope import queue_of, topic_of
@@ -122,21 +123,20 @@ class InProcess:
                 else:
                     self.counts.released += 1
                 continue
-            final = isinstance(outcome, FatalWorkError | DeadLetter) or (
-                isinstance(outcome, Exception | Retry) and attempt >= tries)
-            if isinstance(outcome, Complete):
+            settlement = settlement_for(f"in-process-{self._deliveries}", "", outcome)
+            if settlement.kind == "Complete":
                 self.counts.processed += 1
                 _settled(context, "Completed")
-                for follow_up in outcome.then:
+                for follow_up in settlement.follow_ups:
                     next_queue = queue_of(follow_up.topic) or follow_up.topic
                     for queued in follow_up.messages:
                         if self._on_queued is not None:
                             self._on_queued(next_queue, queued)
                         todo.append((next_queue, queued, 1))
-            elif isinstance(outcome, Discard):
+            elif settlement.kind == "Discard":
                 self.counts.discarded += 1
                 _settled(context, "Discarded")
-            elif final:
+            elif dead_letters(settlement.kind, attempt, tries):
                 self.counts.failed += 1
                 _settled(context, "DeadLettered")
                 if self._raise and isinstance(outcome, Exception):
