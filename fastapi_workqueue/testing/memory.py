@@ -228,9 +228,9 @@ class MemoryTransport:
         for topic in topics:
             known = store.topics.get(topic.name)
             if known is None:
-                store.topics[topic.name] = _Topic(Topic.model_validate(topic.model_dump()))
+                store.topics[topic.name] = _Topic(Topic(**topic.model_dump(by_alias=False)))
             else:
-                known.topic = Topic.model_validate(topic.model_dump())
+                known.topic = Topic(**topic.model_dump(by_alias=False))
         for spec in subscriptions:
             current = store.subs.get(spec.name)
             if current is None:
@@ -256,7 +256,7 @@ class MemoryTransport:
         for sub in sorted(self._store.subs.values(), key=lambda s: s.spec.name):
             topic = self._store.topics.get(sub.spec.topic)
             out.append(SubscriptionState(
-                **{**sub.spec.model_dump(), "status": sub.status}, id=str(sub.id),
+                **{**sub.spec.model_dump(by_alias=False), "status": sub.status}, id=str(sub.id),
                 topic_status=topic.status if topic else "Active",
                 transport_name=topic.topic.transport if topic else "database",
                 is_fifo=topic.topic.is_fifo if topic else False,
@@ -264,7 +264,7 @@ class MemoryTransport:
         return out
 
     async def list_topics(self) -> list[Topic]:
-        return [TopicState(**t.topic.model_dump(), status=t.status)
+        return [TopicState(**t.topic.model_dump(by_alias=False), status=t.status)
                 for _, t in sorted(self._store.topics.items())]
 
     async def set_subscription_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:

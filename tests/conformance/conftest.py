@@ -1,4 +1,6 @@
-"""The transports the conformance suite runs on. Each case runs once per transport.
+"""The transports the conformance suite (``fastapi_workqueue.testing.conformance``) runs on here:
+memory, PostgreSQL, SQLite, SQL Server (where WORKQUEUE_MSSQL_URL names one) and AWS on moto. Each
+case runs once per transport.
 
 Each database harness builds its transport with a clock of its own (a ManualClock) and lets time
 pass by moving it (:meth:`Harness.advance`): claims, heartbeats, settles and sweeps run at the
@@ -27,10 +29,9 @@ from fastapi_workqueue.core.clock import ManualClock
 from fastapi_workqueue.database.mssql import MssqlTransport
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 from fastapi_workqueue.database.sqlite import SqliteTransport
-from fastapi_workqueue.testing import MemoryTransport
+from fastapi_workqueue.testing.conformance import Harness, memory_harness
 
 from ..aws.conftest import moto_url  # noqa: F401  (a fixture: a moto server for the aws harness)
-from .harness import Harness
 
 
 @dataclass
@@ -153,46 +154,11 @@ class MssqlHarness(_SessionHarness):
         assert moved == 1, f"no deduplication key {key!r} on {topic}"
 
 
-@dataclass
-class MemoryHarness:
-    """The in-memory transport: its clock moves, its store is the transport's own."""
-
-    transport: MemoryTransport
-    clock: ManualClock
-    name = "memory"
-    moves_clock = True
-
-    def session(self) -> contextlib.AbstractAsyncContextManager[Any]:
-        return _no_session()
-
-    def hold_sweep_lock(self) -> contextlib.AbstractAsyncContextManager[None]:
-        return self.transport.hold_sweep_lock()
-
-    async def advance(self, delivery_id: str, seconds: float) -> None:
-        assert await self.transport.get_delivery(delivery_id) is not None, f"no delivery {delivery_id}"
-        self.clock.advance(seconds)
-
-    async def expire_lease(self, delivery_id: str) -> None:
-        info = await self.transport.get_delivery(delivery_id)
-        assert info is not None and info.status == "InFlight" and info.lease_expires_at is not None, info
-        await self.advance(delivery_id, max((info.lease_expires_at - self.clock.now()).total_seconds(), 0.0) + 1.0)
-
-    async def advance_deduplication(self, topic: str, key: str, seconds: float) -> None:
-        # The clock moves every key (and delivery) on: as waiting out the TTL would.
-        self.clock.advance(seconds)
-
-
-@contextlib.asynccontextmanager
-async def _no_session() -> AsyncIterator[Any]:
-    pytest.skip("memory: no database transaction to publish in (capability transactional_publish=False)")
-    yield None  # pragma: no cover
-
-
 @pytest.fixture(params=["memory", "postgresql", "sqlite", "mssql", "aws"])
 async def harness(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) -> AsyncIterator[Harness]:
     if request.param == "memory":
-        memory_clock = ManualClock()
-        yield MemoryHarness(MemoryTransport(f"memory://{id(memory_clock)}", clock=memory_clock), memory_clock)
+        async with memory_harness() as memory:
+            yield memory  # type: ignore[misc]
         return
     if request.param == "aws":
         from ..aws.harness import AWS_SKIPS, aws_harness
