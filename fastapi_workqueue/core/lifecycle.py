@@ -38,6 +38,7 @@ __all__ = [
     "clamp_delay",
     "dead_letters",
     "expire_transition",
+    "is_final_attempt",
     "matches",
     "next_claimable",
     "settle_transition",
@@ -104,10 +105,15 @@ class Transition:
         return self.status != "Pending"
 
 
+def is_final_attempt(attempt: int, max_attempts: int) -> bool:
+    """True when a failure of attempt ``attempt`` dead-letters the delivery (its tries are spent)."""
+    return attempt >= max_attempts
+
+
 def dead_letters(kind: SettleKind, attempt: int, max_attempts: int) -> bool:
     """True when a settle of ``kind`` dead-letters the delivery (cancel aside): a DeadLetter, or a
     Retry or Fail of its last attempt."""
-    return kind == "DeadLetter" or (kind in ("Retry", "Fail") and attempt >= max_attempts)
+    return kind == "DeadLetter" or (kind in ("Retry", "Fail") and is_final_attempt(attempt, max_attempts))
 
 
 def settle_transition(
@@ -178,7 +184,7 @@ def expire_transition(
     kept), the final attempt DeadLettered, any other Pending again after the backoff."""
     if cancel_requested:
         return Transition("Discarded", attempt, current_reason, current_error)
-    if attempt >= max_attempts:
+    if is_final_attempt(attempt, max_attempts):
         return Transition("DeadLettered", attempt, "lease expired on the final attempt", LEASE_EXPIRED_ERROR)
     return _pending(attempt, "lease expired", LEASE_EXPIRED_ERROR, _backoff(attempt, backoff, draw), now)
 
