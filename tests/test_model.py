@@ -26,6 +26,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,6 +37,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from fastapi_workqueue import PublishRequest, Subscription, Topic
 from fastapi_workqueue.core.envelope import prepare
+from fastapi_workqueue.core.lifecycle import BackoffPolicy, expire_transition, next_claimable, settle_transition
 from fastapi_workqueue.core.transport import HeartbeatRequest, Settlement, Transport
 from fastapi_workqueue.database.postgres import PostgresTransport
 from fastapi_workqueue.database.sqlite import SqliteTransport
@@ -59,6 +61,7 @@ FAR = 3600.0  # a delay no run outlives: such a delivery stays invisible
 SLACK = 0.02  # seconds of clock rounding allowed when deciding whether a lease had expired
 KINDS = ("Complete", "Retry", "Fail", "DeadLetter", "Release")
 LIVE = ("Pending", "InFlight", "DeadLettered")
+NO_BACKOFF = BackoffPolicy(0.0, 0.0)  # the model's subscriptions retry at once
 
 Row = dict[str, Any]
 
@@ -188,6 +191,11 @@ class Delivery:
     def visible(self) -> bool:
         return self.status == "Pending" and not self.far
 
+    @property
+    def visible_at(self) -> datetime:
+        """Far in the future for a delivery waiting out a delay no run reaches, long past otherwise."""
+        return datetime.max.replace(tzinfo=UTC) if self.far else datetime.min.replace(tzinfo=UTC)
+
     def lose_lease(self) -> None:
         assert self.token is not None
         self.stale.append(self.token)
@@ -242,17 +250,10 @@ class DeliveryMachine(RuleBasedStateMachine):
         unkeyed = [d for d in self.of_role(role) if not d.keyed and d.visible]
         keys: set[str] = set()
         if role != "none":
+            now = datetime.now(UTC)
             for key in KEYS:
-                if key is None:
-                    continue
-                ds = self.key_deliveries(role, key)
-                if role == "excl":
-                    if not any(d.status == "InFlight" for d in ds) and any(d.visible for d in ds):
-                        keys.add(key)
-                else:
-                    live = [d for d in ds if d.status in LIVE]
-                    if live and live[0].visible:
-                        keys.add(key)
+                if key is not None and next_claimable(MODES[role], self.key_deliveries(role, key), now) is not None:
+                    keys.add(key)
         return unkeyed, keys
 
     def pick(self, candidates: list[Delivery], index: int) -> Delivery | None:
@@ -468,23 +469,17 @@ class DeliveryMachine(RuleBasedStateMachine):
         if d is None:
             return
         assert d.token is not None
-        if d.cancel:
-            expected = "Discarded"
-        elif kind == "Complete":
-            expected = "Completed"
-        elif kind == "Release":
-            expected = "Pending"
-        elif kind == "DeadLetter" or d.attempt >= MAX_ATTEMPTS:
-            expected = "DeadLettered"
-        else:
-            expected = "Pending"
+        transition = settle_transition(
+            kind, attempt=d.attempt, max_attempts=MAX_ATTEMPTS, now=datetime.now(UTC), backoff=NO_BACKOFF,  # type: ignore[arg-type]
+            delay=delay, cancel_requested=d.cancel,
+        )
+        expected = transition.status
         settlement = Settlement(str(d.id), d.token, kind, delay_seconds=delay, reason=f"{kind} by the model",  # type: ignore[arg-type]
                                 error=None if kind == "Complete" else "model error")
         [result] = self.run(self.transport.settle([settlement]))
         assert result == expected, (result, expected, d)
         if expected == "Pending":
-            if kind == "Release":
-                d.attempt = max(d.attempt - 1, 0)
+            d.attempt = transition.attempt
             d.far = delay == FAR
         self.after_lease_lost(d, expected)
 
@@ -533,12 +528,9 @@ class DeliveryMachine(RuleBasedStateMachine):
                 assert expires >= started - SLACK, f"a lease expired {started - expires:.3f} s ago survived a sweep"
                 continue
             assert expires <= ended + SLACK, "a sweep expired a lease before its time"
-            if d.cancel:
-                expected = "Discarded"
-            elif d.attempt >= MAX_ATTEMPTS:
-                expected = "DeadLettered"
-            else:
-                expected = "Pending"
+            expected = expire_transition(attempt=d.attempt, max_attempts=MAX_ATTEMPTS, now=datetime.now(UTC),
+                                         backoff=NO_BACKOFF, cancel_requested=d.cancel).status
+            if expected == "Pending":
                 d.far = False
             assert row["status"] == expected, (row, d)
             counts[expected] += 1

@@ -28,6 +28,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -36,7 +37,8 @@ from ..core.context import AbortReason, AbortSignal, Progress, WorkContext
 from ..core.errors import ConfigurationError
 from ..core.failures import error_text
 from ..core.handlers import HandlerSpec, PayloadInvalid, call_plain, inspect_handler
-from ..core.outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError, WorkOutcome
+from ..core.lifecycle import BackoffPolicy, backoff_seconds, clamp_delay, settle_transition, settlement_for
+from ..core.outcomes import WorkOutcome
 from ..core.redaction import redact, redacting_logger
 from ..core.tasks import TaskScope
 from .sqs_records import SqsRecord, dead_letter_entry, decode_record
@@ -94,7 +96,7 @@ class SubscriptionPolicy(BaseModel):
 
     def backoff_seconds(self, attempt: int, draw: float) -> float:
         """Full-jitter exponential backoff after ``attempt`` (from 1), as the database transport draws it."""
-        return draw * min(self.backoff_max_seconds, self.backoff_base_seconds * 2.0 ** (max(attempt, 1) - 1))
+        return backoff_seconds(attempt, BackoffPolicy(self.backoff_base_seconds, self.backoff_max_seconds), draw)
 
 
 class SqsClient(Protocol):
@@ -244,35 +246,23 @@ class SqsBatchHandler:
     async def _settle(
         self, record: SqsRecord, outcome: WorkOutcome | BaseException | None, logger: logging.LoggerAdapter[Any]
     ) -> _Verdict:
-        if outcome is None:
-            return _Verdict(record.message_id, failed=False)
-        if isinstance(outcome, Complete):
-            if outcome.then:
+        settlement = settlement_for(record.message_id, record.receipt_handle, outcome)
+        reason = settlement.reason or ""
+        if settlement.kind == "Complete":
+            if settlement.follow_ups:
                 return await self._failure(
                     record, "follow-ups", None,
                     "the Lambda adapter cannot publish follow-ups in the completion's transaction; "
                     "publish them from the handler or serve this subscription with a host consumer", logger,
                 )
             return _Verdict(record.message_id, failed=False)
-        if isinstance(outcome, Discard):
-            logger.info("discarded: %s", outcome.reason)
+        if settlement.kind == "Discard":
+            logger.info("discarded: %s", reason)
             return _Verdict(record.message_id, failed=False)
-        if isinstance(outcome, DeadLetter):
-            return await self._dead_letter(record, outcome.reason, None, logger)
-        if isinstance(outcome, Retry):
-            return await self._failure(record, outcome.reason, outcome.delay_seconds, None, logger)
-        if isinstance(outcome, FatalWorkError):
-            return await self._dead_letter(record, redact(outcome.reason), error_text(outcome), logger)
-        if isinstance(outcome, TransientWorkError):
-            return await self._failure(record, redact(outcome.reason), outcome.delay_seconds, error_text(outcome),
-                                       logger, exc=outcome)
-        if isinstance(outcome, BaseException):
-            return await self._failure(record, type(outcome).__name__, None, error_text(outcome), logger, exc=outcome)
-        return await self._failure(
-            record, "invalid outcome", None,
-            f"the handler returned {outcome!r}; return Outcome.complete(), Outcome.retry(...), "
-            "Outcome.dead_letter(...) or Outcome.discard(...)", logger,
-        )
+        if settlement.kind == "DeadLetter":
+            return await self._dead_letter(record, reason, settlement.error, logger)
+        return await self._failure(record, reason, settlement.delay_seconds, settlement.error, logger,
+                                   exc=outcome if isinstance(outcome, BaseException) else None)
 
     async def _failure(
         self, record: SqsRecord, reason: str, delay: float | None, error: str | None,
@@ -281,17 +271,17 @@ class SqsBatchHandler:
         """A failed attempt: dead-lettered when it was the last, else back after its delay."""
         policy = self._policy
         max_attempts = self._max_attempts.get(record.message_id, policy.max_attempts)
-        if record.attempt >= max_attempts:
+        transition = settle_transition(
+            "Retry", attempt=record.attempt, max_attempts=max_attempts, now=datetime.fromtimestamp(self._clock(), UTC),
+            backoff=BackoffPolicy(policy.backoff_base_seconds, policy.backoff_max_seconds, record.backoff_schedule()),
+            draw=self._rng, delay=delay,
+        )
+        if transition.status == "DeadLettered":
             return await self._dead_letter(
                 record, f"{reason} (attempt {record.attempt} of {max_attempts})", error, logger, exc=exc
             )
-        if delay is not None:
-            seconds = delay
-        elif (schedule := record.backoff_schedule()) is not None:
-            seconds = schedule[min(record.attempt, len(schedule)) - 1]
-        else:
-            seconds = policy.backoff_seconds(record.attempt, self._rng())
-        seconds = min(max(seconds, 0.0), MAX_VISIBILITY_SECONDS)
+        assert transition.wait_seconds is not None
+        seconds = clamp_delay(transition.wait_seconds, MAX_VISIBILITY_SECONDS)
         logger.warning("attempt %d of %d failed (%s); back in %.1f s", record.attempt, max_attempts,
                        reason, seconds, exc_info=exc)
         try:

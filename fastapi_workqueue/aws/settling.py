@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, cast
 
+from ..core.lifecycle import BackoffPolicy, clamp_delay, settle_transition
 from ..core.reports import DeliveryInfo, DeliveryStatus
 from ..core.transport import Settlement, SettleResult
 from . import body as bodies
@@ -63,15 +64,11 @@ class Settling:
             attributes: dict[str, str], include_payload: bool, **extra: Any,
         ) -> DeliveryInfo: ...
 
-    def _backoff(self, sub: Subscription, lease: Lease, settlement: Settlement) -> float:
-        if settlement.delay_seconds is not None:
-            return settlement.delay_seconds
-        env = bodies.decode(lease.body, str(lease.message_id))
-        steps = env.get("backoff_seconds")
-        if isinstance(steps, list) and steps:
-            return float(steps[min(lease.attempt, len(steps)) - 1])
-        ceiling = min(sub.backoff_max_seconds, sub.backoff_base_seconds * 2 ** max(lease.attempt - 1, 0))
-        return self._random.uniform(0, ceiling)
+    def _backoff(self, sub: Subscription, lease: Lease) -> BackoffPolicy:
+        """The lease's backoff: its message's own schedule, else its subscription's."""
+        steps = bodies.decode(lease.body, str(lease.message_id)).get("backoff_seconds")
+        return BackoffPolicy(sub.backoff_base_seconds, sub.backoff_max_seconds,
+                             steps if isinstance(steps, list) and steps else None)
 
     async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]:
         results: list[SettleResult] = []
@@ -134,16 +131,18 @@ class Settling:
             return result
         env = bodies.decode(lease.body, str(lease.message_id))
         max_attempts = lease.max_attempts or int(env.get("max_attempts") or sub.max_attempts)
-        if kind == "DeadLetter" or lease.attempt >= max_attempts:
-            if kind == "DeadLetter":
-                reason = settlement.reason or "DeadLettered"
-            else:
-                cause = settlement.reason if settlement.reason is not None else settlement.error
-                reason = "max attempts reached" if cause is None else f"max attempts reached: {cause}"
+        t = settle_transition(
+            kind, attempt=lease.attempt, max_attempts=max_attempts, now=datetime.now(UTC),
+            backoff=self._backoff(sub, lease), draw=self._random.random, delay=settlement.delay_seconds,
+            reason=settlement.reason, error=settlement.error,
+        )
+        if t.status == "DeadLettered":
+            reason = t.reason or "DeadLettered"
             await self.send_dead_letter(settlement.delivery_id, lease, reason, settlement.error)
             deletes.append((index, lease))
             return "DeadLettered"
-        delay = max(0, min(MAX_LEASE_SECONDS, round(self._backoff(sub, lease, settlement))))
+        assert t.wait_seconds is not None
+        delay = round(clamp_delay(t.wait_seconds, MAX_LEASE_SECONDS))
         if self._keeps_key(lease):
             result = await self._hold_head(lease, delay, lease.attempt + 1)
         else:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
+from .lifecycle import is_final_attempt
+
 MAX_PROGRESS_MESSAGE = 500
 
 
@@ -185,7 +187,7 @@ class WorkContext:
     @property
     def is_final_attempt(self) -> bool:
         """True when a failure of this attempt dead-letters the delivery."""
-        return self.attempt >= self.max_attempts
+        return is_final_attempt(self.attempt, self.max_attempts)
 
     async def heartbeat(self, progress: Progress | dict[str, Any] | None = None) -> bool:
         """Renews the lease now and stores ``progress``.

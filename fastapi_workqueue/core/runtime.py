@@ -28,8 +28,9 @@ from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext
 from .failures import error_text, handler_traceback, summary
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .leases import LocalLease, start_margin
+from .lifecycle import dead_letters, settlement_for
 from .observe import NO_OBSERVER, Observer
-from .outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError
+from .outcomes import FatalWorkError, TransientWorkError
 from .ports import interrupter_of
 from .redaction import TRACEBACK_TEXT, redact, redacting_logger
 from .request_load import RequestLoad
@@ -610,7 +611,7 @@ class Consumer:
                 raise  # not ours: the loop is going away
             if task is not None:
                 task.uncancel()
-            return self._settlement_for_abort(running) or self._failed(running, exc, _settlement_for_error(base, exc))
+            return self._settlement_for_abort(running) or self._failed(running, exc, settlement_for(*base, exc))
         except OnceBusy as exc:
             if running.signal.aborted:
                 return self._settlement_for_abort(running)
@@ -619,28 +620,14 @@ class Consumer:
         except Exception as exc:
             if running.signal.aborted and task is not None and task.cancelling():
                 task.uncancel()
-            return self._settlement_for_abort(running) or self._failed(running, exc, _settlement_for_error(base, exc))
+            return self._settlement_for_abort(running) or self._failed(running, exc, settlement_for(*base, exc))
         if running.signal.aborted:
             if task is not None and task.cancelling():
                 task.uncancel()
             return self._settlement_for_abort(running)
         if self._returned_too_late(running):
             return self._settlement_for_abort(running)
-        if outcome is None:
-            return Settlement(*base, "Complete")
-        if isinstance(outcome, Complete):
-            return Settlement(*base, "Complete", follow_ups=outcome.then)
-        if isinstance(outcome, Retry):
-            return Settlement(*base, "Retry", delay_seconds=outcome.delay_seconds, reason=outcome.reason)
-        if isinstance(outcome, DeadLetter):
-            return Settlement(*base, "DeadLetter", reason=outcome.reason)
-        if isinstance(outcome, Discard):
-            return Settlement(*base, "Discard", reason=outcome.reason)
-        return Settlement(
-            *base, "Fail", reason="invalid outcome",
-            error=f"the handler returned {outcome!r}; return Outcome.complete(), Outcome.retry(...) "
-            "Outcome.dead_letter(...) or Outcome.discard(...)",
-        )
+        return settlement_for(*base, outcome)
 
     def _returned_too_late(self, running: _Running) -> bool:
         """True when the handler returned after its lease ran out as this process counts it (it
@@ -662,7 +649,7 @@ class Consumer:
         frames folded so that the user's come first. The record carries the delivery's fields."""
         running.error = exc
         delivery = running.delivery
-        final = settlement.kind == "DeadLetter" or delivery.attempt >= delivery.max_attempts
+        final = dead_letters(settlement.kind, delivery.attempt, delivery.max_attempts)
         what = "dead-lettering it" if final else "it will be retried"
         fields = {"subscription": running.sub.name, "delivery_id": delivery.delivery_id,
                   "message_id": str(delivery.message_id), "attempt": delivery.attempt}
@@ -865,12 +852,3 @@ def _ids(runnings: Iterable[_Running], shown: int = 10) -> str:
     ids = [r.delivery.delivery_id for r in runnings]
     text = ", ".join(ids[:shown])
     return text + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
-
-
-def _settlement_for_error(base: tuple[str, str], exc: BaseException) -> Settlement:
-    if isinstance(exc, FatalWorkError):
-        return Settlement(*base, "DeadLetter", reason=redact(exc.reason), error=error_text(exc))
-    if isinstance(exc, TransientWorkError):
-        return Settlement(*base, "Retry", delay_seconds=exc.delay_seconds, reason=redact(exc.reason),
-                          error=error_text(exc))
-    return Settlement(*base, "Fail", reason=f"{type(exc).__name__}", error=error_text(exc))

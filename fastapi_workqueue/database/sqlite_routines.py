@@ -9,7 +9,6 @@ step; comments name the differences.
 from __future__ import annotations
 
 import json
-import random
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -18,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from ..core.errors import TransportError
-from ..core.filters import matches
+from ..core.lifecycle import BackoffPolicy, expire_transition, matches, settle_transition
 
 Row = dict[str, Any]
 
@@ -66,18 +65,11 @@ def epoch(value: datetime | None) -> float | None:
     return None if value is None else value.timestamp()
 
 
-def backoff_seconds(
-    attempt: int, base: float, maximum: float, schedule: str | None, draw: float | None = None
-) -> float:
-    """Full-jitter exponential backoff with the fraction ``draw`` (a fresh random one when None),
-    or the fixed schedule a delivery was published with."""
-    if schedule:
-        steps = json.loads(schedule)
-        if steps:
-            step: float = float(steps[min(max(attempt, 1), len(steps)) - 1])
-            return step
-    fraction = random.random() if draw is None else draw
-    return fraction * min(maximum, base * 2.0 ** (max(attempt, 1) - 1))
+def backoff_policy(d: Row) -> BackoffPolicy:
+    """A delivery row's backoff (its subscription's, or the schedule it was published with: JSON)."""
+    schedule = d["backoff_schedule"]
+    return BackoffPolicy(d["backoff_base_seconds"], d["backoff_max_seconds"],
+                         json.loads(schedule) if schedule else None)
 
 
 # -- partitions ----------------------------------------------------------------------------------
@@ -531,42 +523,19 @@ async def r_settle(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_out
         if not held:
             continue
         d = held[0]
-        if d["cancel_requested"]:
-            new = "Discarded"
-        elif outcome == "Complete":
-            new = "Completed"
-        elif outcome == "Discard":
-            new = "Discarded"
-        elif outcome == "Release":
-            new = "Pending"
-        elif outcome == "DeadLetter" or d["attempt"] >= d["max_attempts"]:
-            new = "DeadLettered"
-        else:
-            new = "Pending"
-        attempt = max(d["attempt"] - 1, 0) if outcome == "Release" and new == "Pending" else d["attempt"]
-        visible = None
-        if new == "Pending":
-            wait = (delay or 0.0) if outcome == "Release" else (
-                delay if delay is not None else backoff_seconds(
-                    d["attempt"], d["backoff_base_seconds"], d["backoff_max_seconds"], d["backoff_schedule"],
-                    draw))
-            visible = c.now + wait
-        if d["cancel_requested"]:
-            new_reason = d["reason"]
-        elif outcome == "Complete":
-            new_reason = None
-        elif new == "DeadLettered" and outcome != "DeadLetter":
-            cause = reason if reason is not None else error
-            new_reason = f"max attempts reached: {cause}" if cause is not None else "max attempts reached"
-        else:
-            new_reason = reason if reason is not None else d["reason"]
+        t = settle_transition(
+            outcome, attempt=d["attempt"], max_attempts=d["max_attempts"], now=datetime.fromtimestamp(c.now, UTC),
+            backoff=backoff_policy(d), draw=draw, delay=delay, reason=reason, error=error,
+            cancel_requested=bool(d["cancel_requested"]), current_reason=d["reason"], current_error=d["last_error"],
+        )
+        new = t.status
         await c.ex.execute(
-            "delivery_settle", id=delivery_id, status=new, attempt=attempt, visible_at=visible, reason=new_reason,
-            last_error=error if error is not None else d["last_error"],
-            settled_at=c.now if new in ("Completed", "Discarded", "DeadLettered") else None,
+            "delivery_settle", id=delivery_id, status=new, attempt=t.attempt,
+            visible_at=None if t.wait_seconds is None else c.now + t.wait_seconds, reason=t.reason,
+            last_error=t.last_error, settled_at=c.now if t.terminal else None,
         )
         if new != "Completed" and not (outcome == "Release" and new == "Pending"):  # off the happy path
-            await _record_attempt(c, delivery_id, "Failed" if new == "Pending" else new, new_reason, error)
+            await _record_attempt(c, delivery_id, "Failed" if new == "Pending" else new, t.reason, error)
         results[delivery_id] = new
         settled.append((d["subscription_id"], new))
         if d["key_mode"] > 0:
@@ -595,22 +564,18 @@ async def r_expire_leases(c: Call, p_limit: int, p_now: datetime | None = None) 
     keys: set[tuple[int, str, int]] = set()
     out = []
     for d in expired:
-        final = d["attempt"] >= d["max_attempts"]
-        if d["cancel_requested"]:
-            new, reason, error, visible = "Discarded", d["reason"], d["last_error"], None
-        elif final:
-            new, reason = "DeadLettered", "lease expired on the final attempt"
-            error, visible = "lease expired: the holder stopped renewing it", None
-        else:
-            new, reason = "Pending", "lease expired"
-            error = "lease expired: the holder stopped renewing it"
-            visible = c.now + backoff_seconds(d["attempt"], d["backoff_base_seconds"], d["backoff_max_seconds"],
-                                              d["backoff_schedule"])
-        await c.ex.execute(
-            "delivery_settle", id=d["id"], status=new, attempt=d["attempt"], visible_at=visible, reason=reason,
-            last_error=error, settled_at=None if new == "Pending" else c.now,
+        t = expire_transition(
+            attempt=d["attempt"], max_attempts=d["max_attempts"], now=datetime.fromtimestamp(c.now, UTC),
+            backoff=backoff_policy(d),
+            cancel_requested=bool(d["cancel_requested"]), current_reason=d["reason"], current_error=d["last_error"],
         )
-        await _record_attempt(c, d["id"], "LeaseExpired", reason, "lease expired: the holder stopped renewing it")
+        new = t.status
+        await c.ex.execute(
+            "delivery_settle", id=d["id"], status=new, attempt=t.attempt,
+            visible_at=None if t.wait_seconds is None else c.now + t.wait_seconds, reason=t.reason,
+            last_error=t.last_error, settled_at=c.now if t.terminal else None,
+        )
+        await _record_attempt(c, d["id"], "LeaseExpired", t.reason, t.last_error)
         out.append({"delivery_id": d["id"], "result": new})
         if d["key_mode"] > 0:
             keys.add((d["subscription_id"], d["partition_key"], d["key_mode"]))

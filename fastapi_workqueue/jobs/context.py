@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from ..core.context import AbortSignal, call_sync_or_async
 from ..core.envelope import MAX_DELAY_SECONDS
+from ..core.lifecycle import is_final_attempt
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +93,7 @@ class JobContext:
     @property
     def is_final_attempt(self) -> bool:
         """True when a failure of this attempt fails the job for good."""
-        return self.attempt >= self.tries
+        return is_final_attempt(self.attempt, self.tries)
 
     async def once(self, key: str, fn: Callable[[], Any], ttl_seconds: float = 86400) -> bool:
         """Runs ``fn`` (a plain or a coroutine function) unless it already succeeded for ``key`` (a

@@ -3,7 +3,7 @@
 Every dispatch is checked as a real one is (the payload against its type, the envelope's limits,
 the app key of an encrypted job) and, inside a transaction, recorded only when that transaction
 commits: a rolled-back dispatch is not there. ``await fake.work()`` then runs what was recorded,
-in the test's process, through the same runner as a worker (dependencies and the app's
+in the test's process, by the real consumer over an in-memory store (:mod:`.local`) (dependencies and the app's
 ``dependency_overrides`` included, chains continued), and returns the counts.
 
 The app whose overrides apply is the one given (``queue.fake(app=app)``), else the one app alive
@@ -23,10 +23,11 @@ from pydantic import BaseModel
 
 from ..core.envelope import PreparedMessage, PublishRequest, prepare
 from ..core.errors import ConfigurationError
+from ..testing.memory import MemoryTransport
 from .definition import Job
 from .envelope import JobEnvelope
 from .fake_app import apps_of
-from .inprocess import InProcess, JobCounts, memory_locks, memory_once
+from .local import JobCounts, LocalRun, memory_locks
 from .steps import MemorySteps
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class JobFake:
         self._waiting: list[tuple[str, PreparedMessage]] = []
         self._held_unique: set[str] = set()
         self._steps = MemorySteps()
-        self._once = memory_once()
+        self._once_store = MemoryTransport()  # job.once markers, kept while the fake lives
         self._locks = memory_locks()
         self._saved: tuple[Any, Any, Any] | None = None
 
@@ -140,7 +141,7 @@ class JobFake:
     async def work(self) -> JobCounts:
         """Runs every recorded job not run yet (and the jobs they chain), here and now, and says
         what that came to (``.processed``, ``.failed``, ``.released``, ``.discarded``)."""
-        runner = InProcess(self._jobs, once=self._once, on_queued=self._chained, raise_failures=False)
+        runner = LocalRun(self._jobs, once_store=self._once_store, on_queued=self._chained, raise_failures=False)
         queue_of_jobs = self._jobs.queue
         bound = queue_of_jobs.bound_app
         if self._waiting and self._app is None:

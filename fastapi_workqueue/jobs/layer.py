@@ -660,10 +660,10 @@ class Jobs:
     # -- running in this process -------------------------------------------------------------
 
     async def run_now(self, job: Job, queue: str, message: PreparedMessage) -> uuid.UUID:
-        """Sync mode: runs the job at its dispatch, in the caller's task (see :mod:`.inprocess`)."""
-        from .inprocess import InProcess
+        """Sync mode: runs the job at its dispatch, before the dispatch returns (see :mod:`.local`)."""
+        from .local import LocalRun
 
-        await InProcess(self).run_until_done(queue, message)
+        await LocalRun(self, once_store=self.queue.transport).run_until_done(queue, message)
         return message.message_id
 
     def caller(self, job: Job, payload: Any, job_context: JobContext, message: WorkMessage[Any],

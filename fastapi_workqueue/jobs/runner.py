@@ -203,7 +203,7 @@ class JobRunner:
             return Outcome.discard(f"{result.reason}; {_chain_note(envelope)}" if envelope.chain else result.reason)
         if isinstance(result, JobRelease):
             reason = "released by the job" if result.reason == "release" else "its overlap key was taken"
-            if context.attempt >= context.max_attempts:
+            if context.is_final_attempt:
                 reason = await self._failed(base, context, envelope, None, f"{reason} on its last try")
             else:
                 released: ReleaseReason = "overlap" if result.reason == "overlap" else "release"
@@ -262,7 +262,7 @@ class JobRunner:
         self, base: _Fields, context: WorkContext, envelope: JobEnvelope, exc: BaseException,
         reason: ReleaseReason,
     ) -> None:
-        if context.attempt >= context.max_attempts:
+        if context.is_final_attempt:
             await self._failed(base, context, envelope, exc, f"{type(exc).__name__} on its last try")
         else:
             self._after(context, lambda: base.event(JobReleased, reason=reason, error=exc))

@@ -27,6 +27,10 @@ from typing import Any
 
 import pytest
 
+# The conformance suite's cases are plain asserts in the package: rewritten like a test's, so a
+# failing case shows its values.
+pytest.register_assert_rewrite("fastapi_workqueue.testing.conformance")
+
 INI_OPTION = "workqueue_queue"
 APP_OPTION = "workqueue_app"
 

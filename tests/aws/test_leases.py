@@ -9,8 +9,8 @@ from contextlib import asynccontextmanager
 from fastapi_workqueue import PublishRequest
 from fastapi_workqueue.aws.transport import AwsTransport
 from fastapi_workqueue.core.transport import HeartbeatRequest
+from fastapi_workqueue.testing.conformance import make_world
 
-from ..conformance.harness import make_world
 from .harness import AwsHarness, aws_harness
 
 

@@ -1,4 +1,6 @@
-"""The transports the conformance suite runs on. Each case runs once per transport.
+"""The transports the conformance suite (``fastapi_workqueue.testing.conformance``) runs on here:
+memory, PostgreSQL, SQLite, SQL Server (where WORKQUEUE_MSSQL_URL names one) and AWS on moto. Each
+case runs once per transport.
 
 Each database harness builds its transport with a clock of its own (a ManualClock) and lets time
 pass by moving it (:meth:`Harness.advance`): claims, heartbeats, settles and sweeps run at the
@@ -27,9 +29,9 @@ from fastapi_workqueue.core.clock import ManualClock
 from fastapi_workqueue.database.mssql import MssqlTransport
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 from fastapi_workqueue.database.sqlite import SqliteTransport
+from fastapi_workqueue.testing.conformance import Harness, memory_harness
 
 from ..aws.conftest import moto_url  # noqa: F401  (a fixture: a moto server for the aws harness)
-from .harness import Harness
 
 
 @dataclass
@@ -152,8 +154,12 @@ class MssqlHarness(_SessionHarness):
         assert moved == 1, f"no deduplication key {key!r} on {topic}"
 
 
-@pytest.fixture(params=["postgresql", "sqlite", "mssql", "aws"])
+@pytest.fixture(params=["memory", "postgresql", "sqlite", "mssql", "aws"])
 async def harness(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) -> AsyncIterator[Harness]:
+    if request.param == "memory":
+        async with memory_harness() as memory:
+            yield memory  # type: ignore[misc]
+        return
     if request.param == "aws":
         from ..aws.harness import AWS_SKIPS, aws_harness
 

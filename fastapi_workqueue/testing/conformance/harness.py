@@ -4,22 +4,28 @@ Each transport under test provides a :class:`Harness`: the transport itself, a w
 caller's transaction (C08), a way to hold the sweep lock (C32) and a way to let time pass
 (:meth:`Harness.advance`, :meth:`Harness.expire_lease`), so that a case about a lease or a delay
 does not sleep until it passes. A database harness moves the clock its transport reads (every
-delivery ages with it); a broker's moves one delivery's visibility.
+delivery ages with it); a broker's moves one delivery's visibility. :class:`ClockHarness` is the
+harness of any transport that reads a clock it is given (:func:`memory_harness` builds one for the
+in-memory transport).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from fastapi_workqueue import PublishRequest, PublishResult, Subscription, Topic
-from fastapi_workqueue.core.envelope import prepare
-from fastapi_workqueue.core.transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
+import pytest
+
+from ...core.clock import ManualClock
+from ...core.envelope import PublishRequest, PublishResult, prepare
+from ...core.topology import Subscription, Topic
+from ...core.transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
 
 
 class Harness(Protocol):
@@ -133,8 +139,20 @@ async def cancel_refused(harness: Harness, world: World, role: str, delivery: Cl
     return True
 
 
+def require(harness: Harness, capability: str, what: str) -> None:
+    """Skips the case, saying why, when the transport lacks ``capability`` (a :class:`Capabilities` flag)."""
+    if not getattr(harness.transport.capabilities, capability):
+        pytest.skip(f"{harness.name}: {what} needs capability {capability}, which the transport does not have")
+
+
 async def make_world(transport: Transport, subscriptions: Sequence[dict[str, Any]], **topic: Any) -> World:
-    """Creates a topic and subscriptions; each dict has a ``role`` plus Subscription fields."""
+    """Creates a topic and subscriptions; each dict has a ``role`` plus Subscription fields. A
+    partition mode the transport's capabilities lack skips the case, saying why."""
+    for spec in subscriptions:
+        mode = spec.get("partition_mode", "None")
+        if mode != "None" and not getattr(transport.capabilities, mode.lower()):
+            pytest.skip(f"{transport.name}: partition mode {mode} needs capability {mode.lower()}, "
+                        "which the transport does not have")
     world = World(transport=transport, topic=unique("topic"))
     subs = []
     for spec in subscriptions:
@@ -145,6 +163,62 @@ async def make_world(transport: Transport, subscriptions: Sequence[dict[str, Any
         subs.append(Subscription(name=name, topic=world.topic, handler_key=spec.pop("handler_key", "test"), **spec))
     await transport.sync_topology([Topic(name=world.topic, **topic)], subs)
     return world
+
+
+@dataclass
+class ClockHarness:
+    """The harness of a transport that reads the clock it was given (``clock=``): time passes by
+    moving that clock, for every delivery and deduplication key at once. A transport without a
+    caller's transaction (``transactional_publish`` False) or a sweep lock skips the cases that
+    need them; a transport with ``hold_sweep_lock()`` lends it to C32."""
+
+    transport: Transport
+    clock: ManualClock
+    name: str = "transport"
+    moves_clock = True
+
+    def session(self) -> AbstractAsyncContextManager[Any]:
+        return _skipping(f"{self.name}: no caller's database transaction (capability transactional_publish)")
+
+    def hold_sweep_lock(self) -> AbstractAsyncContextManager[None]:
+        hold = getattr(self.transport, "hold_sweep_lock", None)
+        if hold is None:
+            return _skipping(f"{self.name}: the transport lends no sweep lock (hold_sweep_lock())")
+        lock: AbstractAsyncContextManager[None] = hold()
+        return lock
+
+    async def advance(self, delivery_id: str, seconds: float) -> None:
+        assert await self.transport.get_delivery(delivery_id) is not None, f"no delivery {delivery_id}"
+        self.clock.advance(seconds)
+
+    async def expire_lease(self, delivery_id: str) -> None:
+        info = await self.transport.get_delivery(delivery_id)
+        assert info is not None and info.status == "InFlight" and info.lease_expires_at is not None, info
+        await self.advance(delivery_id, max((info.lease_expires_at - self.clock.now()).total_seconds(), 0.0) + 1.0)
+
+    async def advance_deduplication(self, topic: str, key: str, seconds: float) -> None:
+        """The clock moves every key on (the transport's publish reads the same clock)."""
+        self.clock.advance(seconds)
+
+
+@contextlib.asynccontextmanager
+async def _skipping(reason: str) -> AsyncIterator[Any]:
+    pytest.skip(reason)
+    yield None  # pragma: no cover
+
+
+@contextlib.asynccontextmanager
+async def memory_harness() -> AsyncIterator[ClockHarness]:
+    """A :class:`ClockHarness` on a fresh :class:`~fastapi_workqueue.testing.MemoryTransport`."""
+    from ..memory import MemoryTransport
+
+    clock = ManualClock()
+    transport = MemoryTransport(f"memory://conformance-{uuid.uuid4().hex}", clock=clock)
+    await transport.open()
+    try:
+        yield ClockHarness(transport, clock, "memory")
+    finally:
+        await transport.close()
 
 
 async def eventually(check: Any, within: float = 5.0, interval: float = 0.02) -> Any:

@@ -1,0 +1,272 @@
+"""The delivery lifecycle's rules, written once in Python (SPEC §4): pure functions, no I/O.
+
+- :func:`backoff_seconds`: the delay before attempt ``n``'s retry (full jitter, or the schedule a
+  message was published with);
+- :func:`settle_transition` and :func:`expire_transition`: what a settle or a lease expiry makes of
+  an InFlight delivery (status, attempt, reason, error, when it is visible again);
+- :func:`settlement_for`: what a handler's outcome or exception settles as;
+- :func:`next_claimable`: which delivery of a key a claim may take, per partition mode;
+- :func:`matches` (re-exported from :mod:`.filters`): a subscription filter against attributes.
+
+The SQLite routines, the aws transport and its Lambda adapter, the runtime and the in-memory
+transport call these; PostgreSQL and SQL Server keep their own copies in their stored routines, and
+the conformance suite holds every transport to the same results. Time is an argument, never read.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Literal, Protocol, TypeVar
+
+from .failures import error_text
+from .filters import matches
+from .outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError
+from .redaction import redact
+from .transport import SettleKind, Settlement
+
+__all__ = [
+    "LEASE_EXPIRED_ERROR",
+    "BackoffPolicy",
+    "Keyed",
+    "PartitionMode",
+    "SettledStatus",
+    "Transition",
+    "backoff_seconds",
+    "clamp_delay",
+    "dead_letters",
+    "expire_transition",
+    "is_final_attempt",
+    "matches",
+    "next_claimable",
+    "settle_transition",
+    "settlement_for",
+]
+
+SettledStatus = Literal["Pending", "Completed", "DeadLettered", "Discarded"]
+PartitionMode = Literal["None", "Exclusive", "Ordered"]
+
+LEASE_EXPIRED_ERROR = "lease expired: the holder stopped renewing it"
+INVALID_OUTCOME = (
+    "the handler returned {outcome!r}; return Outcome.complete(), Outcome.retry(...), "
+    "Outcome.dead_letter(...) or Outcome.discard(...)"
+)
+
+
+# -- backoff -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BackoffPolicy:
+    """How a delivery backs off: its subscription's base and ceiling, or the fixed schedule its
+    message was published with (``BackoffSeconds``; empty or None: the subscription's)."""
+
+    base: float = 1.0
+    maximum: float = 300.0
+    schedule: Sequence[float] | None = None
+
+
+def backoff_seconds(attempt: int, policy: BackoffPolicy, draw: float) -> float:
+    """The delay before the retry of ``attempt`` (from 1; 0 counts as 1): the schedule's step for
+    that attempt (its last step once the attempts outrun it), else full jitter,
+    ``draw · min(maximum, base · 2^(attempt − 1))`` with ``draw`` in [0, 1)."""
+    n = max(attempt, 1)
+    if policy.schedule:
+        return float(policy.schedule[min(n, len(policy.schedule)) - 1])
+    return draw * min(policy.maximum, policy.base * 2.0 ** (n - 1))
+
+
+def clamp_delay(seconds: float, ceiling: float) -> float:
+    """A delay a broker can hold: at least 0, at most ``ceiling`` (SQS: 12 hours)."""
+    return min(max(seconds, 0.0), ceiling)
+
+
+# -- the settle transition -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """What a settle or a lease expiry makes of an InFlight delivery."""
+
+    status: SettledStatus
+    attempt: int
+    reason: str | None
+    last_error: str | None
+    wait_seconds: float | None = None
+    """Pending: how long until it is visible again; None otherwise."""
+    visible_at: datetime | None = None
+    """Pending: ``now + wait_seconds``; None otherwise (the delivery keeps its old value)."""
+
+    @property
+    def terminal(self) -> bool:
+        """Completed, DeadLettered or Discarded: the delivery is settled (``settled_at`` is now)."""
+        return self.status != "Pending"
+
+
+def is_final_attempt(attempt: int, max_attempts: int) -> bool:
+    """True when a failure of attempt ``attempt`` dead-letters the delivery (its tries are spent)."""
+    return attempt >= max_attempts
+
+
+def dead_letters(kind: SettleKind, attempt: int, max_attempts: int) -> bool:
+    """True when a settle of ``kind`` dead-letters the delivery (cancel aside): a DeadLetter, or a
+    Retry or Fail of its last attempt."""
+    return kind == "DeadLetter" or (kind in ("Retry", "Fail") and is_final_attempt(attempt, max_attempts))
+
+
+def settle_transition(
+    kind: SettleKind,
+    *,
+    attempt: int,
+    max_attempts: int,
+    now: datetime,
+    backoff: BackoffPolicy | Callable[[], float],
+    draw: Callable[[], float] | float | None = None,
+    delay: float | None = None,
+    reason: str | None = None,
+    error: str | None = None,
+    cancel_requested: bool = False,
+    current_reason: str | None = None,
+    current_error: str | None = None,
+) -> Transition:
+    """The settle of an InFlight delivery with its current token (SPEC §4).
+
+    A cancel-requested delivery becomes Discarded whatever the outcome, its reason kept. Complete →
+    Completed; Discard → Discarded; Release → Pending after ``delay`` (0), the attempt not spent;
+    DeadLetter → DeadLettered; Retry and Fail → Pending after ``delay`` or the backoff, or
+    DeadLettered (``max attempts reached: <reason>``) once ``attempt`` reaches ``max_attempts``.
+    ``backoff`` is the policy (``draw`` its jitter fraction, or a function giving one, drawn only
+    when needed) or a function giving the delay itself."""
+    if cancel_requested:
+        status: SettledStatus = "Discarded"
+    elif kind == "Complete":
+        status = "Completed"
+    elif kind == "Discard":
+        status = "Discarded"
+    elif kind == "Release":
+        status = "Pending"
+    elif dead_letters(kind, attempt, max_attempts):
+        status = "DeadLettered"
+    else:
+        status = "Pending"
+    if cancel_requested:
+        new_reason = current_reason
+    elif kind == "Complete":
+        new_reason = None
+    elif status == "DeadLettered" and kind != "DeadLetter":
+        cause = reason if reason is not None else error
+        new_reason = "max attempts reached" if cause is None else f"max attempts reached: {cause}"
+    else:
+        new_reason = reason if reason is not None else current_reason
+    last_error = error if error is not None else current_error
+    if status != "Pending":
+        return Transition(status, attempt, new_reason, last_error)
+    if kind == "Release":
+        return _pending(max(attempt - 1, 0), new_reason, last_error, delay or 0.0, now)
+    wait = delay if delay is not None else _backoff(attempt, backoff, draw)
+    return _pending(attempt, new_reason, last_error, wait, now)
+
+
+def expire_transition(
+    *,
+    attempt: int,
+    max_attempts: int,
+    now: datetime,
+    backoff: BackoffPolicy,
+    draw: Callable[[], float] | float | None = None,
+    cancel_requested: bool = False,
+    current_reason: str | None = None,
+    current_error: str | None = None,
+) -> Transition:
+    """A lease that ran out (the sweep): a cancel-requested delivery is Discarded (its reason
+    kept), the final attempt DeadLettered, any other Pending again after the backoff."""
+    if cancel_requested:
+        return Transition("Discarded", attempt, current_reason, current_error)
+    if is_final_attempt(attempt, max_attempts):
+        return Transition("DeadLettered", attempt, "lease expired on the final attempt", LEASE_EXPIRED_ERROR)
+    return _pending(attempt, "lease expired", LEASE_EXPIRED_ERROR, _backoff(attempt, backoff, draw), now)
+
+
+def _backoff(attempt: int, backoff: BackoffPolicy | Callable[[], float], draw: Callable[[], float] | float | None
+             ) -> float:
+    if not isinstance(backoff, BackoffPolicy):
+        return backoff()
+    if backoff.schedule:
+        return backoff_seconds(attempt, backoff, 0.0)
+    if draw is None:
+        draw = random.random
+    fraction = draw() if callable(draw) else draw
+    return backoff_seconds(attempt, backoff, fraction)
+
+
+def _pending(attempt: int, reason: str | None, error: str | None, wait: float, now: datetime) -> Transition:
+    return Transition("Pending", attempt, reason, error, wait, now + timedelta(seconds=wait))
+
+
+# -- outcome or exception → settlement -----------------------------------------------------------
+
+
+def settlement_for(delivery_id: str, lease_token: str, result: object) -> Settlement:
+    """What a handler's answer settles as: None or ``Complete`` (its follow-ups) → Complete;
+    ``Retry``, ``DeadLetter``, ``Discard`` → their kind with the reason (and delay); a
+    ``FatalWorkError`` → DeadLetter, a ``TransientWorkError`` → Retry (its delay), any other
+    exception → Fail (reason: its type's name), each with the error text; anything else → Fail
+    (``invalid outcome``)."""
+    base = (delivery_id, lease_token)
+    if result is None:
+        return Settlement(*base, "Complete")
+    if isinstance(result, Complete):
+        return Settlement(*base, "Complete", follow_ups=result.then)
+    if isinstance(result, Retry):
+        return Settlement(*base, "Retry", delay_seconds=result.delay_seconds, reason=result.reason)
+    if isinstance(result, DeadLetter):
+        return Settlement(*base, "DeadLetter", reason=result.reason)
+    if isinstance(result, Discard):
+        return Settlement(*base, "Discard", reason=result.reason)
+    if isinstance(result, FatalWorkError):
+        return Settlement(*base, "DeadLetter", reason=redact(result.reason), error=error_text(result))
+    if isinstance(result, TransientWorkError):
+        return Settlement(*base, "Retry", delay_seconds=result.delay_seconds, reason=redact(result.reason),
+                          error=error_text(result))
+    if isinstance(result, BaseException):
+        return Settlement(*base, "Fail", reason=type(result).__name__, error=error_text(result))
+    return Settlement(*base, "Fail", reason="invalid outcome", error=INVALID_OUTCOME.format(outcome=result))
+
+
+# -- claimability --------------------------------------------------------------------------------
+
+
+K = TypeVar("K", bound="Keyed")
+
+
+class Keyed(Protocol):
+    """What the claim rule reads of one delivery of a key."""
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def visible_at(self) -> datetime: ...
+
+
+def next_claimable(mode: PartitionMode, deliveries: Sequence[K], now: datetime) -> K | None:
+    """The delivery of one key a claim may take at ``now``; ``deliveries`` are the key's, in
+    publish order (their ids'). None mode: the first visible Pending one (each is claimable on its
+    own). Exclusive: none while one is InFlight, else the earliest visible Pending one (a delivery
+    waiting out its backoff does not hold the key). Ordered: the head (the first Pending, InFlight
+    or DeadLettered one), when it is Pending and visible; a retrying or dead-lettered head blocks
+    the key."""
+    if mode == "Ordered":
+        for d in deliveries:
+            if d.status in ("Pending", "InFlight", "DeadLettered"):
+                return d if d.status == "Pending" and d.visible_at <= now else None
+        return None
+    if mode == "Exclusive" and any(d.status == "InFlight" for d in deliveries):
+        return None
+    best: K | None = None
+    for d in deliveries:
+        if d.status == "Pending" and d.visible_at <= now and (best is None or d.visible_at < best.visible_at):
+            best = d
+    return best

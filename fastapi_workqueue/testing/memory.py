@@ -1,0 +1,940 @@
+"""An in-memory transport: the whole queue in this process's memory, for an application's tests.
+
+``MemoryTransport`` keeps topics, subscriptions, messages and deliveries in dicts and applies the
+rules of :mod:`fastapi_workqueue.core.lifecycle` (the same settle and expiry transitions, backoff
+and claim rules the SQLite routines run), so it passes the conformance suite
+(:mod:`fastapi_workqueue.testing.conformance`) beside the database transports. Every operation runs
+without awaiting in between, so each is atomic on its event loop.
+
+Time is its clock's (``clock=``, by default the system's): pass a
+:class:`~fastapi_workqueue.core.clock.ManualClock` and a test moves leases, retry delays and
+retention on with ``clock.advance(seconds)`` instead of sleeping. Transports built with the same
+``url`` (``memory://name``) share one store while any of them lives; ``memory://`` is a store of
+its own. What it cannot do: publish in a caller's database transaction (there is none:
+``capabilities.transactional_publish`` is False), and outlive its process.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from ..core.clock import SYSTEM_CLOCK, Clock
+from ..core.envelope import MAX_ENVELOPE_BYTES, PreparedMessage, PublishError, PublishResult, PublishStatus
+from ..core.errors import ConfigurationError, TransportError
+from ..core.lifecycle import (
+    BackoffPolicy,
+    PartitionMode,
+    Transition,
+    expire_transition,
+    matches,
+    next_claimable,
+    settle_transition,
+)
+from ..core.observe import trace_id_of
+from ..core.processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
+from ..core.reports import (
+    ActionResult,
+    Backlog,
+    BindingIssue,
+    BindingReport,
+    DeliveryInfo,
+    DeliveryStatus,
+    PartitionCondition,
+    PartitionInfo,
+    SubscriptionStats,
+    SweepReport,
+    TakenBack,
+)
+from ..core.topology import (
+    DEFAULT_RETENTION_SECONDS,
+    Subscription,
+    SubscriptionState,
+    SubscriptionStatus,
+    Topic,
+    TopicState,
+)
+from ..core.transport import (
+    Capabilities,
+    ClaimedDelivery,
+    HeartbeatRequest,
+    HeartbeatResult,
+    Settlement,
+    SettleResult,
+    WakeupListener,
+)
+from ..database.routines import follow_up_refused, settle_delay
+
+__all__ = ["MemoryTransport"]
+
+_WEEK = float(DEFAULT_RETENTION_SECONDS)
+_DEDUPLICATION_TTL = 300.0
+_CONFLICT_TEXT = (
+    "a message with this MessageID and different content was already published; use a new MessageID for new content"
+)
+_LIVE = ("Pending", "InFlight", "DeadLettered")
+
+
+@dataclass
+class _Topic:
+    topic: Topic
+    status: str = "Active"
+
+
+@dataclass
+class _Sub:
+    id: int
+    spec: Subscription
+    status: str = "Active"
+
+
+@dataclass
+class _Message:
+    id: uuid.UUID
+    topic: str
+    partition_key: str | None
+    attributes: dict[str, str]
+    headers: dict[str, str] | None
+    payload_json: str | None
+    payload_ref: str | None
+    correlation_id: str | None
+    content_hash: str
+    published_at: datetime
+
+
+@dataclass
+class _Delivery:
+    id: int
+    subscription: str
+    message_id: uuid.UUID
+    partition_key: str | None
+    mode: PartitionMode
+    max_attempts: int
+    backoff: BackoffPolicy
+    visible_at: datetime
+    created_at: datetime
+    status: DeliveryStatus = "Pending"
+    attempt: int = 0
+    lease_token: str | None = None
+    lease_expires_at: datetime | None = None
+    claimed_at: datetime | None = None
+    settled_at: datetime | None = None
+    cancel_requested: bool = False
+    reason: str | None = None
+    last_error: str | None = None
+    note: str | None = None
+    progress_percent: int | None = None
+    progress_message: str | None = None
+    held_by: uuid.UUID | None = None
+
+
+@dataclass
+class _Process:
+    beat: ProcessBeat
+    last_seen_at: datetime
+    stopped_at: datetime | None = None
+
+
+@dataclass
+class _Store:
+    """Everything a memory store holds (shared by the transports of one ``memory://name``)."""
+
+    topics: dict[str, _Topic] = field(default_factory=dict)
+    subs: dict[str, _Sub] = field(default_factory=dict)
+    messages: dict[uuid.UUID, _Message] = field(default_factory=dict)
+    deliveries: dict[int, _Delivery] = field(default_factory=dict)
+    deduplication: dict[tuple[str, str], tuple[uuid.UUID, datetime]] = field(default_factory=dict)
+    once: dict[str, tuple[str, str, datetime]] = field(default_factory=dict)
+    steps: dict[tuple[uuid.UUID, str], str] = field(default_factory=dict)
+    processes: dict[uuid.UUID, _Process] = field(default_factory=dict)
+    sweep_lock_holders: int = 0
+    last_id: int = 0
+    wakeups: list[WakeupListener] = field(default_factory=list)
+
+
+_STORES: weakref.WeakValueDictionary[str, _Store] = weakref.WeakValueDictionary()
+
+
+class MemoryTransport:
+    """The Transport contract in memory (see the module's docstring)."""
+
+    name = "memory"
+    capabilities = Capabilities(
+        transactional_publish=False,
+        wakeups=True,
+        notes=("in memory: one process, no caller's transaction",),
+    )
+
+    def __init__(self, url: str = "memory://", *, clock: Clock | None = None, rng: Any = None) -> None:
+        """``clock``: the time every rule runs at (a test's ``ManualClock``); ``rng``: where the
+        retries' jitter is drawn from (anything with ``random()``, like ``random.Random``)."""
+        if not url.startswith("memory://"):
+            raise ConfigurationError(f"a memory transport's url is memory:// or memory://<name>, got {url!r}")
+        if rng is not None and not callable(getattr(rng, "random", None)):
+            raise TypeError(f"rng must have a random() method, like random.Random; got {type(rng).__name__}")
+        self.url = url
+        self.clock: Clock = SYSTEM_CLOCK if clock is None else clock
+        self.rng: Any = random.Random() if rng is None else rng
+        name = url.removeprefix("memory://")
+        store = _STORES.get(name) if name else None
+        if store is None:
+            store = _Store()
+            if name:
+                _STORES[name] = store
+        self._store = store
+
+    # -- lifecycle of the transport ------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Nothing to open."""
+
+    async def close(self) -> None:
+        """Nothing to close: the store lives while a transport refers to it."""
+
+    async def migrate(self) -> list[str]:
+        """Nothing to migrate."""
+        return []
+
+    def _now(self) -> datetime:
+        return self.clock.now()
+
+    def _draw(self) -> float:
+        draw = float(self.rng.random())
+        if not 0.0 <= draw < 1.0:
+            raise ValueError(f"rng.random() must return a fraction in [0, 1); it returned {draw!r}")
+        return draw
+
+    def _wake(self, subscriptions: Iterable[str]) -> None:
+        for name in dict.fromkeys(subscriptions):
+            sub = self._store.subs.get(name)
+            if sub is not None:
+                for listener in list(self._store.wakeups):
+                    listener(str(sub.id))
+
+    async def add_wakeup_listener(self, listener: WakeupListener) -> None:
+        """Calls ``listener`` (with a subscription's id) when a subscription may have new work."""
+        self._store.wakeups.append(listener)
+
+    # -- topology ------------------------------------------------------------------------------
+
+    async def sync_topology(self, topics: Sequence[Topic], subscriptions: Sequence[Subscription]) -> None:
+        store = self._store
+        for topic in topics:
+            known = store.topics.get(topic.name)
+            if known is None:
+                store.topics[topic.name] = _Topic(Topic(**topic.model_dump(by_alias=False)))
+            else:
+                known.topic = Topic(**topic.model_dump(by_alias=False))
+        for spec in subscriptions:
+            current = store.subs.get(spec.name)
+            if current is None:
+                store.last_id += 1
+                store.subs[spec.name] = _Sub(store.last_id, spec, spec.status)
+                continue
+            live = [d for d in self._of(spec.name) if d.status in _LIVE]
+            if live and current.spec.topic != spec.topic:
+                raise ValueError(
+                    f"subscription {spec.name} has live deliveries of topic {current.spec.topic}; it cannot move to "
+                    f"topic {spec.topic} until they are settled or discarded"
+                )
+            if live and current.spec.partition_mode != spec.partition_mode:
+                raise ValueError(
+                    f"subscription {spec.name} has live deliveries routed for partition mode "
+                    f"{current.spec.partition_mode}; change it to {spec.partition_mode} once they are settled or "
+                    "discarded, or create a new subscription"
+                )
+            current.spec = spec
+
+    async def list_subscriptions(self) -> list[SubscriptionState]:
+        out = []
+        for sub in sorted(self._store.subs.values(), key=lambda s: s.spec.name):
+            topic = self._store.topics.get(sub.spec.topic)
+            out.append(SubscriptionState(
+                **{**sub.spec.model_dump(by_alias=False), "status": sub.status}, id=str(sub.id),
+                topic_status=topic.status if topic else "Active",
+                transport_name=topic.topic.transport if topic else "database",
+                is_fifo=topic.topic.is_fifo if topic else False,
+            ))
+        return out
+
+    async def list_topics(self) -> list[Topic]:
+        return [TopicState(**t.topic.model_dump(by_alias=False), status=t.status)
+                for _, t in sorted(self._store.topics.items())]
+
+    async def set_subscription_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:
+        sub = self._store.subs.get(subscription)
+        if sub is None:
+            return None
+        changed = sub.status != status
+        sub.status = status
+        if status == "Active" and changed:
+            self._wake([subscription])
+        return changed
+
+    # -- publish -------------------------------------------------------------------------------
+
+    async def publish(
+        self, topic: str, messages: Sequence[PreparedMessage], *, session: Any = None
+    ) -> list[PublishResult]:
+        """Publishes ``messages`` at once, all or nothing. There is no caller's transaction to
+        join: a ``session`` is refused."""
+        if session is not None:
+            raise ConfigurationError(
+                "the memory transport cannot publish in a caller's database transaction (session=...); publish "
+                "without a session, or test transactional publish on SQLite or PostgreSQL"
+            )
+        return self._publish(topic, messages)
+
+    def _publish(self, topic: str, messages: Sequence[PreparedMessage]) -> list[PublishResult]:
+        store, now = self._store, self._now()
+        known = store.topics.get(topic)
+        if known is None or known.status == "Retired":
+            code = "UnknownTopic" if known is None else "TopicRetired"
+            text = (f"topic '{topic}' does not exist; declare it in the WorkQueue topics or create it first"
+                    if known is None else
+                    f"topic '{topic}' is retired and takes no new messages; publish to the topic that replaced it, "
+                    f"or take it back with `workqueue topics resume {topic}`")
+            return [_refused(m.message_id, code, text) for m in messages]
+        cap = known.topic.max_payload_bytes
+        status: list[str] = []
+        result_ids: list[uuid.UUID] = []
+        first_by_id: dict[uuid.UUID, str] = {}
+        first_by_key: dict[str, uuid.UUID] = {}
+        for m in messages:
+            mid, key = m.message_id, m.deduplication_key
+            if cap is not None and m.envelope_bytes > cap:
+                status.append("Rejected")
+                result_ids.append(mid)
+                continue
+            if mid in first_by_id:
+                status.append("Duplicate" if first_by_id[mid] == m.content_hash else "MessageIDConflict")
+                result_ids.append(mid)
+                continue
+            first_by_id[mid] = m.content_hash
+            stored = store.messages.get(mid)
+            if stored is not None:
+                status.append("Duplicate" if stored.content_hash == m.content_hash else "MessageIDConflict")
+                result_ids.append(mid)
+                continue
+            if key is not None:
+                live = store.deduplication.get((topic, key))
+                if live is not None and live[1] > now:
+                    status.append("Duplicate")
+                    result_ids.append(live[0])
+                    continue
+                if key in first_by_key:
+                    status.append("Duplicate")
+                    result_ids.append(first_by_key[key])
+                    continue
+                first_by_key[key] = mid
+            status.append("Accepted")
+            result_ids.append(mid)
+        failed = next((i for i, s in enumerate(status) if s in ("Rejected", "MessageIDConflict")), None)
+        if failed is not None:
+            code = "EnvelopeTooLarge" if status[failed] == "Rejected" else "MessageIDConflict"
+            results = []
+            for i, s in enumerate(status):
+                if s == "Rejected":
+                    results.append(_refused(result_ids[i], "EnvelopeTooLarge", (
+                        f"the envelope is {messages[i].envelope_bytes} bytes; topic '{topic}' accepts at most {cap} "
+                        "bytes (max_payload_bytes); send a PayloadRef to the data instead")))
+                elif s == "MessageIDConflict":
+                    results.append(_refused(result_ids[i], s, _CONFLICT_TEXT, PublishStatus.MESSAGE_ID_CONFLICT))
+                else:
+                    results.append(_refused(result_ids[i], "BatchAborted", (
+                        f"not published: item {failed + 1} of this call was refused ({code}) and a publish call is "
+                        "all-or-nothing")))
+            return results
+
+        subs = [s for s in store.subs.values() if s.spec.topic == topic]
+        woken: list[str] = []
+        for m, s in zip(messages, status, strict=True):
+            if s != "Accepted":
+                continue
+            store.messages[m.message_id] = _Message(
+                m.message_id, topic, m.partition_key, dict(m.attributes), m.headers, m.payload_json, m.payload_ref,
+                m.correlation_id, m.content_hash, now)
+            if m.deduplication_key is not None:
+                store.deduplication[(topic, m.deduplication_key)] = (
+                    m.message_id, now + timedelta(seconds=m.deduplication_ttl_seconds or _DEDUPLICATION_TTL))
+            if m.not_before is not None:
+                visible = max(now, m.not_before)
+            else:
+                visible = now + timedelta(seconds=m.delay_seconds or 0.0)
+            for sub in subs:
+                if not matches(sub.spec.filter, m.attributes):
+                    continue
+                store.last_id += 1
+                mode: PartitionMode = sub.spec.partition_mode if m.partition_key is not None else "None"
+                store.deliveries[store.last_id] = _Delivery(
+                    store.last_id, sub.spec.name, m.message_id, m.partition_key, mode,
+                    m.max_attempts or sub.spec.max_attempts,
+                    BackoffPolicy(sub.spec.backoff_base_seconds, sub.spec.backoff_max_seconds,
+                                  m.backoff_seconds or None),
+                    visible, now,
+                )
+                if visible <= now:
+                    woken.append(sub.spec.name)
+        self._wake(woken)
+        return [PublishResult(status=PublishStatus(s), message_id=i) for s, i in zip(status, result_ids, strict=True)]
+
+    # -- consume -------------------------------------------------------------------------------
+
+    def _of(self, subscription: str) -> list[_Delivery]:
+        return [d for d in self._store.deliveries.values() if d.subscription == subscription]
+
+    def _claimable(self, subscription: str, now: datetime) -> list[_Delivery]:
+        """What a claim may take now, oldest due first: each visible unkeyed delivery, and per key
+        the one :func:`next_claimable` names."""
+        out: list[_Delivery] = []
+        keys: dict[str, list[_Delivery]] = {}
+        for d in self._of(subscription):
+            if d.mode == "None":
+                if d.status == "Pending" and d.visible_at <= now:
+                    out.append(d)
+            else:
+                keys.setdefault(d.partition_key or "", []).append(d)
+        for ds in keys.values():
+            nxt = next_claimable(ds[0].mode, ds, now)
+            if nxt is not None:
+                out.append(nxt)
+        out.sort(key=lambda d: (d.visible_at, d.id))
+        return out
+
+    def _active(self, subscription: str) -> _Sub | None:
+        sub = self._store.subs.get(subscription)
+        topic = self._store.topics.get(sub.spec.topic) if sub is not None else None
+        if sub is None or sub.status != "Active" or (topic is not None and topic.status == "Paused"):
+            return None
+        return sub
+
+    def _lease(self, d: _Delivery, sub: _Sub, now: datetime) -> ClaimedDelivery:
+        d.status, d.attempt = "InFlight", d.attempt + 1
+        d.lease_token = str(uuid.uuid4())
+        d.lease_expires_at = now + timedelta(seconds=sub.spec.lease_seconds)
+        d.claimed_at = now
+        d.held_by = current_process().id
+        m = self._store.messages[d.message_id]
+        return ClaimedDelivery(
+            delivery_id=str(d.id), lease_token=d.lease_token, attempt=d.attempt, max_attempts=d.max_attempts,
+            lease_expires_at=d.lease_expires_at, message_id=m.id, topic=m.topic, partition_key=m.partition_key,
+            attributes=dict(m.attributes), payload_json=m.payload_json, payload_ref=m.payload_ref,
+            correlation_id=m.correlation_id, published_at=m.published_at,
+            headers=dict(m.headers) if m.headers else None,
+        )
+
+    async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
+        sub = self._active(subscription)
+        if sub is None or limit < 1:
+            return []
+        now = self._now()
+        taken = self._claimable(subscription, now)[:limit]
+        taken.sort(key=lambda d: d.id)
+        return [self._lease(d, sub, now) for d in taken]
+
+    async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
+        """One claim across several None-mode subscriptions, the oldest due first whatever their
+        subscription; an Exclusive or Ordered one is refused (ValueError)."""
+        if isinstance(subscriptions, str):
+            raise TypeError(
+                f"claim_many takes a sequence of subscription names, got the string {subscriptions!r}; "
+                "claim one subscription with claim"
+            )
+        names = list(dict.fromkeys(subscriptions))
+        if not names or limit < 1:
+            return []
+        for name in names:
+            sub = self._store.subs.get(name)
+            if sub is not None and sub.spec.partition_mode != "None":
+                raise ValueError(
+                    f"claim_many takes None-mode subscriptions only ({name} is {sub.spec.partition_mode}); "
+                    "claim an Exclusive or Ordered subscription with claim"
+                )
+        now = self._now()
+        candidates: list[tuple[_Delivery, _Sub]] = []
+        for name in names:
+            sub = self._active(name)
+            if sub is not None:
+                candidates.extend((d, sub) for d in self._claimable(name, now))
+        candidates.sort(key=lambda c: (c[0].visible_at, c[0].id))
+        return [(sub.spec.name, self._lease(d, sub, now)) for d, sub in candidates[:limit]]
+
+    def _held(self, delivery_id: str, token: str) -> _Delivery | None:
+        d = self._store.deliveries.get(_number(delivery_id))
+        if d is None or d.status != "InFlight" or d.lease_token != str(token):
+            return None
+        return d
+
+    async def heartbeat(self, requests: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
+        now = self._now()
+        out = []
+        for r in requests:
+            d = self._held(r.delivery_id, r.lease_token)
+            if d is None:
+                out.append(HeartbeatResult(r.delivery_id, alive=False, cancel_requested=False))
+                continue
+            sub = self._store.subs[d.subscription]
+            if not d.cancel_requested:
+                d.lease_expires_at = now + timedelta(seconds=sub.spec.lease_seconds)
+            if r.percent is not None:
+                d.progress_percent = r.percent
+            if r.message is not None:
+                d.progress_message = r.message
+            out.append(HeartbeatResult(r.delivery_id, alive=not d.cancel_requested,
+                                       cancel_requested=d.cancel_requested, lease_expires_at=d.lease_expires_at))
+        return out
+
+    async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]:
+        now = self._now()
+        results: list[SettleResult] = []
+        woken: list[str] = []
+        for s in settlements:
+            d = self._held(s.delivery_id, s.lease_token)
+            if d is None:
+                results.append("LeaseLost")
+                continue
+            delay = settle_delay(s.delay_seconds)
+            t = settle_transition(
+                s.kind, attempt=d.attempt, max_attempts=d.max_attempts, now=now, backoff=d.backoff, draw=self._draw,
+                delay=delay, reason=s.reason, error=s.error, cancel_requested=d.cancel_requested,
+                current_reason=d.reason, current_error=d.last_error,
+            )
+            self._apply(d, t, now)
+            results.append(t.status)
+            woken.append(d.subscription)
+        self._wake(woken)
+        return results
+
+    def _apply(self, d: _Delivery, t: Transition, now: datetime) -> None:
+        d.status, d.attempt, d.reason, d.last_error = t.status, t.attempt, t.reason, t.last_error
+        d.lease_token = d.lease_expires_at = None
+        if t.visible_at is not None:
+            d.visible_at = t.visible_at
+        d.settled_at = now if t.terminal else None
+
+    async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
+        """Settles one delivery and, only when that completes it, publishes its follow-ups, all
+        or nothing: a follow-up the publish refuses leaves the delivery InFlight and raises a
+        :class:`TransportError` that names it."""
+        s = settlement
+        if s.kind == "Complete" and s.follow_ups:
+            d = self._held(s.delivery_id, s.lease_token)
+            if d is None:
+                return "LeaseLost"
+            if not d.cancel_requested:
+                self._check_follow_ups(s)
+        [result] = await self.settle([s])
+        if result == "Completed":
+            for follow_up in s.follow_ups:
+                self._publish(follow_up.topic, follow_up.messages)
+        return result
+
+    def _check_follow_ups(self, s: Settlement) -> None:
+        """Raises when a follow-up would be refused, before anything is written (the rollback)."""
+        for follow_up in s.follow_ups:
+            answers = self._dry_run(follow_up.topic, follow_up.messages)
+            refused = [(m, a) for m, a in zip(follow_up.messages, answers, strict=True)
+                       if a.status not in (PublishStatus.ACCEPTED, PublishStatus.DUPLICATE)]
+            if refused:
+                message, answer = next(((m, a) for m, a in refused
+                                        if a.error is None or a.error.code != "BatchAborted"), refused[0])
+                raise TransportError(follow_up_refused(s.delivery_id, follow_up.topic, message, answer))
+
+    def _dry_run(self, topic: str, messages: Sequence[PreparedMessage]) -> list[PublishResult]:
+        """What a publish would answer, writing nothing."""
+        store = self._store
+        saved = (dict(store.messages), dict(store.deliveries), dict(store.deduplication), store.last_id,
+                 store.wakeups)
+        store.wakeups = []
+        try:
+            return self._publish(topic, messages)
+        finally:
+            store.messages, store.deliveries, store.deduplication, store.last_id, store.wakeups = saved
+
+    # -- once markers --------------------------------------------------------------------------
+
+    async def once_begin(self, key: str, running_seconds: float) -> tuple[str, str | None]:
+        now = self._now()
+        held = self._store.once.get(key)
+        if held is not None and held[2] > now:
+            return ("Done" if held[0] == "Done" else "Busy"), None
+        token = str(uuid.uuid4())
+        self._store.once[key] = ("Running", token, now + timedelta(seconds=running_seconds))
+        return "Run", token
+
+    async def once_finish(self, key: str, token: str, ttl_seconds: float) -> bool:
+        held = self._store.once.get(key)
+        if held is None or held[0] != "Running" or held[1] != str(token):
+            return False
+        self._store.once[key] = ("Done", held[1], self._now() + timedelta(seconds=ttl_seconds))
+        return True
+
+    async def once_abort(self, key: str, token: str) -> bool:
+        held = self._store.once.get(key)
+        if held is None or held[0] != "Running" or held[1] != str(token):
+            return False
+        del self._store.once[key]
+        return True
+
+    async def once_renew(self, key: str, token: str, running_seconds: float) -> bool:
+        held = self._store.once.get(key)
+        if held is None or held[0] != "Running" or held[1] != str(token):
+            return False
+        self._store.once[key] = ("Running", held[1], self._now() + timedelta(seconds=running_seconds))
+        return True
+
+    # -- deduplication keys and step results -----------------------------------------------------
+
+    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID) -> bool:
+        """Frees ``key`` of ``topic`` if ``message_id`` holds it; True when it held it (live)."""
+        held = self._store.deduplication.get((topic, key))
+        if held is None or held[0] != message_id:
+            return False
+        del self._store.deduplication[(topic, key)]
+        return held[1] > self._now()
+
+    async def step_get(self, message_id: uuid.UUID, name: str) -> tuple[bool, str | None]:
+        """(True, the stored JSON) of step ``name`` of the message's work, or (False, None)."""
+        value = self._store.steps.get((message_id, name))
+        return (False, None) if value is None else (True, value)
+
+    async def step_put(self, message_id: uuid.UUID, name: str, value_json: str) -> None:
+        """Stores a step's JSON result unless one is stored already (the first write wins)."""
+        if not isinstance(value_json, str):
+            raise TypeError(f"step_put stores JSON text; serialize the value first, got {type(value_json).__name__}")
+        if message_id not in self._store.messages:
+            raise TransportError(
+                f"step put: message {message_id} is not stored (never published, or purged): a step result belongs "
+                "to a stored message"
+            )
+        self._store.steps.setdefault((message_id, name), value_json)
+
+    # -- housekeeping --------------------------------------------------------------------------
+
+    def hold_sweep_lock(self) -> _SweepLock:
+        """Holds the sweep lock as another process's pass would (``async with``): a sweep in the
+        meantime does not run (the conformance suite's C32)."""
+        return _SweepLock(self._store)
+
+    async def sweep(self, limit: int = 1000) -> SweepReport:
+        """One pass: expires leases that ran out (the lifecycle's expiry transition), then purges
+        what retention lets go. ``ran`` is False while the sweep lock is held."""
+        store = self._store
+        if store.sweep_lock_holders:
+            return SweepReport(ran=False)
+        now = self._now()
+        expired = sorted((d for d in store.deliveries.values()
+                          if d.status == "InFlight" and d.lease_expires_at is not None and d.lease_expires_at < now),
+                         key=lambda d: (d.lease_expires_at or now, d.id))[:limit]
+        taken: list[TakenBack] = []
+        for d in expired:
+            t = expire_transition(attempt=d.attempt, max_attempts=d.max_attempts, now=now, backoff=d.backoff,
+                                  draw=self._draw, cancel_requested=d.cancel_requested, current_reason=d.reason,
+                                  current_error=d.last_error)
+            self._apply(d, t, now)
+            taken.append(TakenBack(delivery_id=str(d.id), subscription=d.subscription, result=t.status,
+                                   attempt=d.attempt, holder=self._holder(d)))
+        purged_deliveries = self._purge_deliveries(now, limit)
+        purged_messages = self._purge_messages(now, limit)
+        gone = [k for k, (_, expires) in store.deduplication.items() if expires <= now][:limit]
+        for k in gone:
+            del store.deduplication[k]
+        for key in [k for k, (_, _, expires) in store.once.items() if expires <= now][:limit]:
+            del store.once[key]
+        self._wake(d.subscription for d in expired if d.status == "Pending")
+        return SweepReport(
+            ran=True, retried=sum(t.result == "Pending" for t in taken),
+            dead_lettered=sum(t.result == "DeadLettered" for t in taken),
+            discarded=sum(t.result == "Discarded" for t in taken), purged_deliveries=purged_deliveries,
+            purged_messages=purged_messages, purged_deduplication=len(gone), taken_back=taken,
+        )
+
+    def _purge_deliveries(self, now: datetime, limit: int) -> int:
+        store = self._store
+        gone = [d for d in store.deliveries.values()
+                if d.status in ("Completed", "Discarded") and d.settled_at is not None
+                and d.settled_at < now - timedelta(seconds=store.subs[d.subscription].spec.retention_seconds)]
+        gone.sort(key=lambda d: (d.settled_at or now, d.id))
+        for d in gone[:limit]:
+            del store.deliveries[d.id]
+        return len(gone[:limit])
+
+    def _purge_messages(self, now: datetime, limit: int) -> int:
+        store = self._store
+        referred = {d.message_id for d in store.deliveries.values()}
+        retention: dict[str, float] = {}
+        for sub in store.subs.values():
+            retention[sub.spec.topic] = max(retention.get(sub.spec.topic, 0.0), sub.spec.retention_seconds)
+        gone = [m for m in store.messages.values() if m.id not in referred
+                and m.published_at < now - timedelta(seconds=retention.get(m.topic, _WEEK))]
+        gone.sort(key=lambda m: m.published_at)
+        for m in gone[:limit]:
+            del store.messages[m.id]
+            for step in [k for k in store.steps if k[0] == m.id]:
+                del store.steps[step]
+        return len(gone[:limit])
+
+    async def prune(self, older_than_seconds: float) -> int:
+        """Removes Completed and Discarded deliveries settled more than ``older_than_seconds`` ago."""
+        store = self._store
+        cutoff = self._now() - timedelta(seconds=older_than_seconds)
+        gone = [i for i, d in store.deliveries.items()
+                if d.status in ("Completed", "Discarded") and d.settled_at is not None and d.settled_at < cutoff]
+        for i in gone:
+            del store.deliveries[i]
+        return len(gone)
+
+    # -- operate -------------------------------------------------------------------------------
+
+    def _claimable_count(self, sub: _Sub, now: datetime) -> int:
+        return len(self._claimable(sub.spec.name, now))
+
+    async def stats(self, subscription: str | None = None) -> list[SubscriptionStats]:
+        now = self._now()
+        out = []
+        for sub in sorted(self._store.subs.values(), key=lambda s: s.spec.name):
+            if subscription is not None and sub.spec.name != subscription:
+                continue
+            ds = self._of(sub.spec.name)
+            count = {status: sum(d.status == status for d in ds) for status in
+                     ("Pending", "InFlight", "DeadLettered", "Completed", "Discarded")}
+            pending = [d.created_at for d in ds if d.status == "Pending"]
+            out.append(SubscriptionStats(
+                subscription=sub.spec.name, topic=sub.spec.topic, status=sub.status,
+                partition_mode=sub.spec.partition_mode, pending=count["Pending"],
+                claimable=self._claimable_count(sub, now), in_flight=count["InFlight"],
+                dead_lettered=count["DeadLettered"], completed=count["Completed"], discarded=count["Discarded"],
+                oldest_pending_at=min(pending) if pending else None,
+            ))
+        return out
+
+    async def backlog(self, subscription: str) -> Backlog | None:
+        sub = self._store.subs.get(subscription)
+        if sub is None:
+            return None
+        claimable = self._claimable_count(sub, self._now()) if self._active(subscription) else 0
+        in_flight = sum(d.status == "InFlight" for d in self._of(subscription))
+        return Backlog(subscription=subscription, claimable=claimable, in_flight=in_flight,
+                       backlog=claimable + in_flight)
+
+    def _info(self, d: _Delivery, include_payload: bool) -> DeliveryInfo:
+        m = self._store.messages[d.message_id]
+        return DeliveryInfo(
+            delivery_id=str(d.id), subscription=d.subscription, message_id=d.message_id, topic=m.topic,
+            partition_key=d.partition_key, status=d.status, attempt=d.attempt, max_attempts=d.max_attempts,
+            reason=d.reason, last_error=d.last_error, note=d.note, cancel_requested=d.cancel_requested,
+            progress_percent=d.progress_percent, progress_message=d.progress_message, visible_at=d.visible_at,
+            lease_expires_at=d.lease_expires_at, created_at=d.created_at, claimed_at=d.claimed_at,
+            settled_at=d.settled_at, attributes=dict(m.attributes), correlation_id=m.correlation_id,
+            payload=json.loads(m.payload_json) if include_payload and m.payload_json is not None else None,
+            trace_id=trace_id_of(m.headers) if m.headers else None, holder=self._holder(d),
+        )
+
+    def _holder(self, d: _Delivery) -> Holder | None:
+        if d.held_by is None:
+            return None
+        known = self._store.processes.get(d.held_by)
+        if known is None:
+            return Holder(process_id=d.held_by)
+        me = known.beat.identity
+        return Holder(process_id=me.id, hostname=me.hostname, pid=me.pid, started_at=me.started_at)
+
+    # -- the process registry ------------------------------------------------------------------
+
+    async def process_beat(self, beat: ProcessBeat) -> None:
+        """Writes or renews the process's row."""
+        self._store.processes[beat.identity.id] = _Process(beat, self._now())
+
+    async def process_stop(self, process_id: uuid.UUID) -> None:
+        """Marks the process stopped (its row stays: the deliveries it held name it)."""
+        known = self._store.processes.get(process_id)
+        if known is not None:
+            known.stopped_at = self._now()
+
+    async def list_processes(self) -> list[ProcessInfo]:
+        """The known processes, live ones first."""
+        now = self._now()
+        out = []
+        for p in self._store.processes.values():
+            me = p.beat.identity
+            gone = p.last_seen_at < now - timedelta(seconds=3 * p.beat.interval_seconds)
+            out.append(ProcessInfo(
+                process_id=me.id, hostname=me.hostname, pid=me.pid, started_at=me.started_at,
+                version=package_version(), subscriptions=list(p.beat.subscriptions), slots=p.beat.slots,
+                busy=p.beat.busy, last_seen_at=p.last_seen_at, stopped_at=p.stopped_at,
+                state="Stopped" if p.stopped_at is not None else "Gone" if gone else "Running",
+                in_flight=sum(d.status == "InFlight" and d.held_by == me.id for d in self._store.deliveries.values()),
+            ))
+        out.sort(key=lambda i: (i.stopped_at is not None, -i.last_seen_at.timestamp(), str(i.process_id)))
+        return out
+
+    async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:
+        d = self._store.deliveries.get(_number(delivery_id))
+        return None if d is None else self._info(d, include_payload)
+
+    async def known_messages(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        """Which of these MessageIDs the store has."""
+        return {i for i in ids if i in self._store.messages}
+
+    async def message_deliveries(self, message_id: uuid.UUID, *, include_payload: bool = False) -> list[DeliveryInfo]:
+        """Every delivery of one message, each with its subscription, as get_delivery answers."""
+        return [self._info(d, include_payload) for d in self._store.deliveries.values() if d.message_id == message_id]
+
+    async def list_deliveries(
+        self,
+        subscription: str,
+        status: DeliveryStatus,
+        *,
+        limit: int = 100,
+        after: str | None = None,
+        include_payload: bool = False,
+    ) -> list[DeliveryInfo]:
+        after_id = max(int(after), 0) if after else 0
+        found = [d for d in self._of(subscription) if d.status == status and d.id > after_id]
+        return [self._info(d, include_payload) for d in sorted(found, key=lambda d: d.id)[:limit]]
+
+    async def partitions(
+        self, subscription: str, condition: PartitionCondition | None = None, *, limit: int = 100
+    ) -> list[PartitionInfo]:
+        now = self._now()
+        keys: dict[str, list[_Delivery]] = {}
+        for d in self._of(subscription):
+            if d.mode != "None":
+                keys.setdefault(d.partition_key or "", []).append(d)
+        out = []
+        for key, ds in sorted(keys.items()):
+            live = [d for d in ds if d.status in _LIVE]
+            if not live:
+                continue
+            mode = ds[0].mode
+            in_flight = next((d for d in ds if d.status == "InFlight"), None)
+            head: _Delivery | None
+            if in_flight is not None and mode == "Exclusive":
+                cond, head = "InFlight", in_flight
+            elif mode == "Ordered":
+                head = live[0]
+                blocked = head.status == "DeadLettered" or (
+                    head.status == "Pending" and head.attempt > 0 and head.visible_at > now)
+                cond = "InFlight" if head.status == "InFlight" else "Blocked" if blocked else "Idle"
+            else:
+                pending = sorted((d for d in ds if d.status == "Pending"), key=lambda d: (d.visible_at, d.id))
+                if not pending:
+                    continue
+                cond, head = "Idle", pending[0]
+            if condition is not None and cond != condition:
+                continue
+            waiting = sum(d.status == "Pending" and d is not head for d in ds)
+            out.append(PartitionInfo(partition_key=key, condition=cond,
+                                     head_delivery_id=str(head.id), head_status=head.status,
+                                     head_attempt=head.attempt, head_visible_at=head.visible_at,
+                                     waiting_items=waiting))
+        return out[:limit]
+
+    def _find(self, subscription: str, delivery_id: str) -> _Delivery | None:
+        d = self._store.deliveries.get(_number(delivery_id))
+        return d if d is not None and d.subscription == subscription else None
+
+    async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
+        d = self._find(subscription, delivery_id)
+        if d is None:
+            return ActionResult(result="NotFound", delivery_id=delivery_id, subscription=subscription)
+        if d.status != "DeadLettered":
+            return ActionResult(result="NotDeadLettered", delivery_id=delivery_id, subscription=subscription,
+                                status=d.status)
+        d.status, d.attempt, d.visible_at, d.note, d.reason = "Pending", 0, self._now(), note, None
+        d.settled_at, d.cancel_requested = None, False
+        self._wake([subscription])
+        return ActionResult(result="Replayed", delivery_id=delivery_id, subscription=subscription, status="Pending")
+
+    async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
+        d = self._find(subscription, delivery_id)
+        base = {"delivery_id": delivery_id, "subscription": subscription}
+        if d is None:
+            return ActionResult(result="NotFound", **base)
+        if d.status == "InFlight":
+            d.cancel_requested, d.reason = True, reason
+            return ActionResult(result="CancelRequested", cancel_requested=True, status="InFlight", **base)
+        if d.status in ("Pending", "DeadLettered"):
+            self._discard(d, reason)
+            return ActionResult(result="Discarded", status="Discarded", **base)
+        return ActionResult(result="AlreadyTerminal", status=d.status, **base)
+
+    def _discard(self, d: _Delivery, reason: str | None) -> None:
+        d.status, d.reason, d.settled_at = "Discarded", reason, self._now()
+        d.lease_token = d.lease_expires_at = None
+        self._wake([d.subscription])
+
+    async def discard_dead_letters(self, subscription: str, settled_before: datetime, limit: int = 1000) -> int:
+        """Discards the subscription's DeadLettered deliveries settled before ``settled_before``
+        (reason ``pruned``); returns how many it discarded."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        if settled_before.tzinfo is None:
+            raise ValueError(
+                "settled_before must be an aware datetime, e.g. datetime.now(UTC) - timedelta(days=7); "
+                f"got {settled_before!r} without a time zone"
+            )
+        dead = [d for d in self._of(subscription)
+                if d.status == "DeadLettered" and d.settled_at is not None and d.settled_at < settled_before]
+        for d in dead:
+            self._discard(d, "pruned")
+        return len(dead)
+
+    async def rewrite_payload(
+        self, message_id: uuid.UUID, payload_json: str, content_hash: str, envelope_bytes: int
+    ) -> bool:
+        """Replaces a stored message's payload while none of its deliveries is InFlight, Completed
+        or Discarded; False when it did not rewrite."""
+        if envelope_bytes > MAX_ENVELOPE_BYTES:
+            raise ValueError(
+                f"the rewritten envelope is {envelope_bytes} bytes; a message holds at most {MAX_ENVELOPE_BYTES} "
+                "(MAX_ENVELOPE_BYTES)"
+            )
+        m = self._store.messages.get(message_id)
+        if m is None:
+            return False
+        cap = self._store.topics[m.topic].topic.max_payload_bytes if m.topic in self._store.topics else None
+        if cap is not None and envelope_bytes > cap:
+            raise TransportError(
+                f"rewrite payload: the rewritten envelope is {envelope_bytes} bytes; topic '{m.topic}' accepts at "
+                f"most {cap} bytes (max_payload_bytes)"
+            )
+        if any(d.message_id == message_id and d.status in ("InFlight", "Completed", "Discarded")
+               for d in self._store.deliveries.values()):
+            return False
+        m.payload_json, m.content_hash = payload_json, content_hash
+        return True
+
+    async def validate_bindings(self) -> BindingReport:
+        """Nothing to bind: always ok, with a note that the store is this process's memory."""
+        return BindingReport(transport=self.name, ok=True, issues=[BindingIssue(
+            severity="Info", subject="memory", message="the queue lives in this process's memory (tests only)")])
+
+
+class _SweepLock:
+    def __init__(self, store: _Store) -> None:
+        self._store = store
+
+    async def __aenter__(self) -> None:
+        self._store.sweep_lock_holders += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._store.sweep_lock_holders -= 1
+
+
+def _number(delivery_id: str) -> int:
+    try:
+        return int(delivery_id)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _refused(message_id: uuid.UUID, code: str, text: str,
+             status: PublishStatus = PublishStatus.REJECTED) -> PublishResult:
+    return PublishResult(status=status, message_id=message_id, error=PublishError(code=code, message=text))
