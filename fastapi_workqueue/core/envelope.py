@@ -5,13 +5,14 @@ Canonical JSON comes from the public ``json.JSONEncoder`` and message IDs from a
 encoder of ``json.encoder`` built once by hand, ``UUID`` objects built by writing their slots, and
 a uuid7 of our own. Measured in turns on the 2-core machine while other work ran on it (the same
 build with only this module swapped): ``prepare`` of a one-field payload costs 6.8 µs of CPU
-instead of 5.8 µs (7 turns of 20,000, medians; the UUIDs cost the same, 2.3 against 2.4 µs). That
-is about 3 % of a message in a batch publish (about 30 µs each) and under 0.2 % of a one-message
-publish. ``bench/compare/workqueue_bench.py --only publish`` (9 turns of 20,000 messages, before
-and after alternating) gave medians of 648 and 414 messages/s one at a time and 22,119 and 22,077
-in batches of 500, with per-turn ratios from 0.55 to 1.22 and 0.39 to 1.37: the machine's noise,
-far wider than any difference. No gain of 5 % shows, and CI runs one Python (3.11), so a private
-of ``json`` could not be tested on the newest one either.
+instead of 5.8 µs (7 turns of 20,000, medians; the UUIDs cost the same, 2.3 against 2.4 µs). On
+a quiet machine a batch publish takes about 15 µs a message (67,669/s, bench/README.md), so the
+extra microsecond may be 5-7 % of it there; a one-message publish (about 270 µs) does not notice.
+``bench/compare/workqueue_bench.py --only publish`` (9 turns of 20,000 messages, before and after
+alternating) could not resolve it here: medians of 648 and 414 messages/s one at a time and 22,119
+and 22,077 in batches of 500, per-turn ratios from 0.55 to 1.22 and 0.39 to 1.37. Whatever the
+gain, the rule's second condition cannot hold: a private of ``json`` would have to be tested on the
+lowest and the newest Python the package supports, and CI runs one (3.11).
 """
 
 from __future__ import annotations
