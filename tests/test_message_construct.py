@@ -1,4 +1,7 @@
-"""The WorkMessage a handler gets is the one ``model_construct`` builds, field for field."""
+"""The WorkMessage a handler gets, and the Accepted result a publish answers, are the ones
+``model_construct`` builds, field for field. Both are built by writing pydantic's instance fields
+directly (for speed, see ``core/handlers.py``): ``scripts/test`` runs this file on the lowest pydantic
+that pyproject.toml allows as well as on the newest, so a release that changes them fails here."""
 
 from __future__ import annotations
 
@@ -9,9 +12,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from fastapi_workqueue.core.envelope import WorkMessage
+from fastapi_workqueue.core.envelope import PublishRequest, PublishResult, PublishStatus, WorkMessage, prepare
 from fastapi_workqueue.core.handlers import _construct_message
-from fastapi_workqueue.database.routines import claimed
+from fastapi_workqueue.database.routines import accepted, claimed
 
 
 def values() -> dict[str, Any]:
@@ -70,3 +73,14 @@ def test_headers_still_come_apart_from_the_attributes() -> None:
         assert delivery.attributes == {"kind": "order"}
         assert delivery.headers == {"traceparent": "00-1-2-01"}
     assert claimed(_row(None)).attributes == {} and claimed(_row({"a": "b"})).attributes == {"a": "b"}
+
+
+def test_an_accepted_result_equals_what_model_construct_builds() -> None:
+    message = prepare(PublishRequest(payload={"order_id": 7}))
+    built = accepted(message)
+    constructed = PublishResult.model_construct(status=PublishStatus.ACCEPTED, message_id=message.message_id,
+                                                error=None)
+    assert type(built) is type(constructed) and built == constructed
+    assert built.model_dump_json() == constructed.model_dump_json()
+    assert built.model_fields_set == constructed.model_fields_set
+    assert built.ok and built.model_copy(update={"error": None}).message_id == message.message_id

@@ -433,6 +433,25 @@ def test_without_an_sdk_the_observer_steps_aside() -> None:
     assert out.split() == ["True", "True"]
 
 
+def test_a_meter_provider_alone_turns_the_observer_on() -> None:
+    """The check reads both global providers through the API's public getters: an app that only
+    meters (no tracer provider) gets its metrics."""
+    code = textwrap.dedent("""
+        from opentelemetry import metrics
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from fastapi_workqueue.observability.otel import OpenTelemetryObserver
+        observer = OpenTelemetryObserver()
+        before = observer.publish_started("topic", 1)
+        reader = InMemoryMetricReader()
+        metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+        after = observer.publish_started("topic", 1)
+        print(before is None, after is not None)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True"]
+
+
 def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in registry.collect()
             for s in family.samples if not s.name.endswith("_created")}

@@ -4,6 +4,7 @@ transaction, whether it is the transaction's first statement or follows the call
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -82,3 +83,54 @@ async def test_a_publish_after_the_callers_writes_shares_their_fate(pg_url: str)
                 assert again.message_id == kept
         finally:
             await engine.dispose()
+
+
+def message_query(database_url: str) -> str:
+    """The count of one message by ID, in the queue's table of each dialect."""
+    if database_url.startswith("sqlite"):
+        return "SELECT count(*) FROM message WHERE id = :i"
+    return "SELECT count(*) FROM workqueue.message WHERE id = :i"
+
+
+@pytest.mark.parametrize(
+    "way", ["session, first statement", "session, after its writes", "connection, first statement",
+            "connection, after its writes", "savepoint"]
+)
+async def test_a_publish_joins_the_callers_transaction_whatever_began_it(database_url: str, way: str) -> None:
+    """The message is seen inside the caller's transaction, by nobody outside it, and a rollback of
+    that transaction (or of the savepoint around the publish) removes it: a publish that ran on
+    another connection, or committed on its own, fails each of these."""
+    queue, topic, _ = make_queue(database_url, [{"role": "a"}], enabled=False, auto_migrate=True)
+    count = text(message_query(database_url))
+    sqlite = database_url.startswith("sqlite")
+
+    def key(message_id: uuid.UUID) -> Any:
+        return str(message_id) if sqlite else message_id
+
+    async def seen_outside(message_id: uuid.UUID) -> int:
+        async with queue.engine.connect() as other:
+            return int(await other.scalar(count, {"i": key(message_id)}))
+
+    async with queue.lifespan(None):  # type: ignore[arg-type]
+        async with queue.engine.begin() as conn:
+            await conn.execute(text("CREATE TABLE IF NOT EXISTS joined_rows (id varchar(36) PRIMARY KEY)"))
+        for end in ("rollback", "commit"):
+            message_id = uuid.uuid4()
+            async with queue.engine.connect() as conn, AsyncSession(bind=conn) as bound:
+                handle: Any = bound if way.startswith("session") else conn
+                outer = await (bound.begin() if handle is bound else conn.begin())
+                if "after its writes" in way:
+                    await handle.execute(text("INSERT INTO joined_rows VALUES (:i)"), {"i": str(message_id)})
+                inner = await handle.begin_nested() if way == "savepoint" else None
+                [result] = await queue.publish(topic, [PublishRequest(message_id=message_id, payload=end)],
+                                               session=handle)
+                assert result.ok
+                assert await handle.scalar(count, {"i": key(message_id)}) == 1  # in the caller's transaction
+                assert await seen_outside(message_id) == 0  # and in no other
+                if end == "rollback":
+                    await (inner or outer).rollback()
+                    if inner is not None:  # the savepoint is gone, the transaction goes on
+                        assert await handle.scalar(count, {"i": key(message_id)}) == 0
+                if outer.is_active:
+                    await outer.commit()
+            assert await seen_outside(message_id) == (1 if end == "commit" else 0), (way, end)

@@ -1,6 +1,14 @@
 """Forms are protected against cross-site requests twice over: each carries the token of a cookie
 that only the dashboard's own pages can read (double submit; the cookie is SameSite=Strict), and a
-request whose ``Origin`` (or ``Sec-Fetch-Site``) says it comes from another site is refused."""
+request whose ``Origin`` (or ``Sec-Fetch-Site``) says it comes from another site is refused.
+
+Kept as it is, on the standard library's ``secrets`` and ``hmac.compare_digest``, rather than signed
+with itsdangerous or moved to a CSRF middleware: a double-submit token is a random value compared
+with its cookie, with nothing to sign unless it is bound to a session, and the sign-in form has no
+session yet, while a dashboard behind the app's own ``authorize`` has no secret shared between its
+processes (a token signed by one would be refused by the next). A middleware would do the same
+comparison for every route of the app, where these checks guard the dashboard's forms only.
+"""
 
 from __future__ import annotations
 

@@ -8,16 +8,26 @@ the cookie against the store as well: revoking or expiring the API key ends its 
 and signing out counts the key's session generation up, which ends every cookie issued before.
 A cookie claims at most :data:`MAX_SESSION_SECONDS`; one that claims a later expiry is refused
 even when its signature holds. The API key itself is never stored in the cookie.
+
+The signature is itsdangerous's (``Signer``, HMAC-SHA256, a key derived from the secret with the
+cookie's own salt), replacing a hand-written HMAC. The expiry stays in the signed value rather than
+in itsdangerous's timestamp: a ``TimestampSigner`` refuses a cookie stamped ahead of its own clock,
+and another process that issued it may run :data:`CLOCK_SKEW_SECONDS` ahead.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import hmac
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+try:
+    from itsdangerous import BadSignature, Signer
+except ImportError as exc:  # pragma: no cover - the dashboard extra installs it
+    from ..core.errors import missing_extra
+
+    raise missing_extra("the dashboard", "itsdangerous", "dashboard") from exc
 
 from ..core.errors import ConfigurationError
 from ..core.keys import ApiKeyStore, KeyRecord, Principal
@@ -43,12 +53,8 @@ NO_SECRET = (
 )
 
 
-def _b64(raw: bytes) -> str:
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
-
-
 def session_key(secret: str | bytes | None, settings: WorkQueueSettings) -> bytes:
-    """The HMAC key of the session cookies: from ``secret``, else ``WORKQUEUE_DASHBOARD_SECRET``,
+    """The secret the session cookies are signed with: from ``secret``, else ``WORKQUEUE_DASHBOARD_SECRET``,
     else ``WORKQUEUE_APP_KEY``; raises ConfigurationError saying what to set when none is."""
     if secret is None and settings.dashboard_secret is not None:
         secret = settings.dashboard_secret.get_secret_value()
@@ -64,7 +70,7 @@ def session_key(secret: str | bytes | None, settings: WorkQueueSettings) -> byte
             f"the dashboard's session secret is {len(material)} characters; use at least {MIN_SECRET_BYTES} "
             "random ones (python -c \"import secrets; print(secrets.token_urlsafe(32))\")"
         )
-    return hmac.new(material, _KEY_LABEL, hashlib.sha256).digest()
+    return material
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +88,7 @@ class SessionCodec:
 
     key: bytes
     max_age: int = DEFAULT_SESSION_SECONDS
+    _signer: Signer = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.max_age <= MAX_SESSION_SECONDS:
@@ -89,30 +96,30 @@ class SessionCodec:
                 f"session_seconds is {self.max_age}; a dashboard session lasts more than 0 and at most "
                 f"{MAX_SESSION_SECONDS} seconds ({MAX_SESSION_SECONDS // 3600} h)"
             )
-
-    def _signature(self, prefix: str, generation: int, expires: int) -> str:
-        return _b64(hmac.new(self.key, f"{prefix}.{generation}.{expires}".encode(), hashlib.sha256).digest())
+        signer = Signer(self.key, salt=_KEY_LABEL, sep=".", key_derivation="hmac", digest_method=hashlib.sha256)
+        object.__setattr__(self, "_signer", signer)  # (a field of a frozen dataclass, set once here)
 
     def issue(self, record: KeyRecord, prefix: str, now: float | None = None) -> str:
-        """A cookie value for a key that was just verified."""
+        """A cookie value for a key that was just verified: ``prefix.generation.expiry.signature``."""
         expires = int((time.time() if now is None else now) + self.max_age)
-        generation = record.session_generation
-        return f"{prefix}.{generation}.{expires}.{self._signature(prefix, generation, expires)}"
+        return self._signer.sign(f"{prefix}.{record.session_generation}.{expires}").decode()
 
     def read(self, value: str | None, now: float | None = None) -> Session | None:
         """The session a cookie claims, or None when it is missing, malformed, forged, expired or
         claims to last longer than this codec's lifetime (:data:`MAX_SESSION_SECONDS` at most)."""
-        if not value or len(value) > 200:
+        if not value or len(value) > 200 or not value.isascii():
             return None
-        parts = value.split(".")
-        if len(parts) != 4 or not (parts[0].isascii() and parts[0].isalnum()):
+        try:
+            signed = self._signer.unsign(value).decode()
+        except BadSignature:
             return None
-        prefix, generation, expires, signature = parts
-        if not (generation.isascii() and generation.isdigit() and expires.isascii() and expires.isdigit()):
+        parts = signed.split(".")
+        if len(parts) != 3 or not parts[0].isalnum():
+            return None
+        prefix, generation, expires = parts
+        if not (generation.isdigit() and expires.isdigit()):
             return None
         session = Session(prefix=prefix, generation=int(generation), expires=int(expires))
-        if not hmac.compare_digest(signature, self._signature(prefix, session.generation, session.expires)):
-            return None
         current = time.time() if now is None else now
         if not current <= session.expires <= current + self.max_age + CLOCK_SKEW_SECONDS:
             return None

@@ -1,4 +1,12 @@
-"""Runs a statement on the caller's SQLAlchemy session, inside the caller's transaction."""
+"""Runs a statement on the caller's SQLAlchemy session, inside the caller's transaction.
+
+Only SQLAlchemy's public API decides how a publish joins that transaction: ``AsyncSession.connection()``
+(which begins the session's transaction when none has), ``exec_driver_sql``, and for the drivers'
+fast paths ``AsyncConnection.get_raw_connection()`` with its ``driver_connection`` and the driver's
+own public transaction state (asyncpg's ``is_in_transaction()``, aiosqlite's ``in_transaction``).
+No private attribute of SQLAlchemy or of a driver is read; tests/test_session_publish.py fails if a
+publish does not join the caller's transaction (its rollback, or its savepoint's, removes the message).
+"""
 
 from __future__ import annotations
 

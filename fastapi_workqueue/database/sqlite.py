@@ -22,6 +22,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import aiosqlite
+
 from ..core.clock import Clock
 from ..core.errors import ConfigurationError, TransportError
 from ..core.reports import BindingIssue
@@ -130,6 +132,10 @@ class _SessionExecutor:
     changes before its writes run (two sessions would both accept one deduplication key). When
     the caller's connection is not in a transaction yet, the first statement is ``BEGIN
     IMMEDIATE``: the caller's transaction then holds the write lock until it commits or rolls back.
+
+    Whether it has begun is read from public interfaces only: SQLAlchemy's ``driver_connection``
+    (the aiosqlite connection) and aiosqlite's ``in_transaction`` (sqlite3's, true once the file's
+    transaction is open, which SQLAlchemy's own ``in_transaction()`` is not: it begins lazily).
     """
 
     def __init__(self, session: Any, queries: dict[str, str]) -> None:
@@ -143,7 +149,12 @@ class _SessionExecutor:
         """Joins the caller's transaction, starting it with ``BEGIN IMMEDIATE`` if it has not begun."""
         conn = await self._session.connection()
         raw = await conn.get_raw_connection()
-        if not getattr(raw.driver_connection, "in_transaction", True):
+        driver = raw.driver_connection
+        if not isinstance(driver, aiosqlite.Connection):
+            raise TypeError(
+                f"a session on SQLite must use the sqlite+aiosqlite driver, not {type(driver).__name__}"
+            )
+        if not driver.in_transaction:
             await conn.exec_driver_sql("BEGIN IMMEDIATE")
         self._conn = conn
 

@@ -5,13 +5,19 @@ arrives just then takes it before the request that has waited longest runs, and 
 back to the end of the line. Under load a few requests wait many turns (seconds, at 50 clients on
 two cores) while the rest pass. The gate admits requests in the order they came, one freed slot
 to the longest waiter, so a request's wait is bounded by the ones ahead of it.
+
+The order is ``asyncio.Semaphore``'s: since Python 3.11 it admits its waiters first in, first out
+and a newcomer never passes a waiter (``acquire`` waits while anyone does), and a place handed to
+a waiter that is cancelled as it wakes goes on to the next one. It replaced a hand-written gate
+that did the same; tests/test_admission.py checks those promises on the standard library's
+semaphore. This class adds what the semaphore does not say: a wait with a deadline that answers
+False instead of raising, and the counts of holders and waiters (kept here, not read from the
+semaphore's private fields).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections import deque
 
 
 class FairGate:
@@ -22,45 +28,30 @@ class FairGate:
             raise ValueError(f"limit must be at least 1, got {limit}")
         self.limit = limit
         self.held = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    @property
-    def waiting(self) -> int:
+        self.waiting = 0
         """Callers waiting for a place now."""
-        return sum(1 for waiter in self._waiters if not waiter.done())
+        self._places = asyncio.Semaphore(limit)
 
     async def acquire(self, wait_seconds: float) -> bool:
         """Takes a place, waiting up to ``wait_seconds`` behind earlier callers; False when none
         came in time (nothing is held then)."""
-        if self.held < self.limit and not self._waiters:
+        places = self._places
+        if not places.locked():  # a free place and nobody waiting: no await, no timer
+            await places.acquire()
             self.held += 1
             return True
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        self.waiting += 1
         try:
             async with asyncio.timeout(wait_seconds):
-                await waiter
+                await places.acquire()
         except TimeoutError:
-            if waiter.done() and not waiter.cancelled():
-                self.release()  # the place came as the time ran out: pass it on
-            return False
-        except BaseException:
-            if waiter.done() and not waiter.cancelled():
-                self.release()
-            raise
+            return False  # (the semaphore passed on a place that came as the time ran out)
         finally:
-            if not waiter.done():
-                waiter.cancel()
-            with contextlib.suppress(ValueError):
-                self._waiters.remove(waiter)
+            self.waiting -= 1
+        self.held += 1
         return True
 
     def release(self) -> None:
-        """Gives a place back: to the longest waiter when there is one (the count of holders
-        stays), else to the pool of free places."""
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+        """Gives a place back: to the longest waiter when there is one, else to the free places."""
         self.held -= 1
+        self._places.release()
