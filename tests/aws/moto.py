@@ -3,8 +3,8 @@ mock does not patch aiobotocore, so the transport talks HTTP to a real server pr
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -17,23 +17,24 @@ from tests.private_cluster import free_port
 
 REGION = "us-east-1"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing"}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _server_command(port: int) -> list[str]:
-    beside = Path(sys.executable).with_name("moto_server")
-    binary = str(beside) if beside.exists() else shutil.which("moto_server")
-    if binary is None:
+    """moto_server with SQS's FIFO group rule kept across concurrent receives (:mod:`.serve_moto`)."""
+    if importlib.util.find_spec("moto.server") is None:
         raise RuntimeError("moto_server is not installed: pip install 'moto[server]'")
-    return [binary, "-H", "127.0.0.1", "-p", str(port)]
+    return [sys.executable, "-m", "tests.aws.serve_moto", "-H", "127.0.0.1", "-p", str(port)]
 
 
 @contextmanager
 def moto_server() -> Iterator[str]:
-    """Starts moto_server, waits until it answers and yields its endpoint URL; stops it after."""
+    """Starts moto_server (:mod:`.serve_moto`), waits until it answers and yields its endpoint URL;
+    stops it after."""
     port = free_port()
     process = subprocess.Popen(
         _server_command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, **CREDENTIALS},
+        env={**os.environ, **CREDENTIALS}, cwd=ROOT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
