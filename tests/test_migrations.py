@@ -18,8 +18,8 @@ import pytest
 from fastapi_workqueue.core.errors import ConfigurationError
 from fastapi_workqueue.database import migration_plan, sql_files
 from fastapi_workqueue.database.migration_plan import PRE_RELEASE_FIRST_CHECKSUMS
-from fastapi_workqueue.database.migrations import apply_postgres_migrations
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
+from fastapi_workqueue.database.postgres_migrations import apply_postgres_migrations
 from fastapi_workqueue.database.sqlite import SqliteTransport
 
 from .conftest import recreate_database

@@ -23,9 +23,9 @@ import asyncpg
 import pytest
 
 from fastapi_workqueue.database import sql_files
-from fastapi_workqueue.database.migrations import apply_postgres_migrations
 from fastapi_workqueue.database.mssql import split_batches
 from fastapi_workqueue.database.postgres import to_asyncpg_dsn
+from fastapi_workqueue.database.postgres_migrations import apply_postgres_migrations
 from fastapi_workqueue.database.sqlite import SqliteTransport, split_statements
 
 from .test_migrations import scratch_url  # noqa: F401  (a fixture: an empty database of its own)

@@ -14,8 +14,8 @@ from ..core.redaction import redacting_logger
 from ..core.transport import Capabilities
 from .errors import map_error, with_retries
 from .listener import NotificationListener, NotificationSender
-from .migrations import apply_postgres_migrations
 from .pool import ConnectionPool
+from .postgres_migrations import apply_postgres_migrations
 from .routines import RandomSource, RoutineTransport, Row, accepted, backoff_schedule_json, publish_result
 from .session import SessionExecutor, after_commit, wakes_after_commit
 
