@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("compare", "jobs", "load", "experiments")
+FOLDERS = ("compare", "jobs", "load", "dashboard", "experiments")
 DOCUMENTS = ("README.md", "CHANGELOG.md", "bench/README.md", "bench/compare/peers/README.md", "docs/*.md")
 # A bench path as the documents write it; one after ``git show C:`` is the path at commit C.
 BENCH_PATH = re.compile(r"(?<![:\w/.-])bench/[\w./-]*\w")
