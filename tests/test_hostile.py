@@ -199,7 +199,7 @@ async def target(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) -
     app.include_router(queue.router)
     app.include_router(queue.health_router)
     async with queue.lifespan(app), client(app) as http:
-        key = (await create_key(queue.transport, unique("hostile"), list(SCOPES))).key  # type: ignore[arg-type]
+        key = (await create_key(queue.transport, unique("hostile"), list(SCOPES))).key
         target = Target(queue=queue, http=http, topic=topic, subs=subs, headers={"Authorization": f"Bearer {key}"},
                         handled=handled)
         await target.accept(
@@ -840,7 +840,7 @@ async def test_a_database_that_goes_away_mid_run(own_database: tuple[str, str]) 
     stop = asyncio.Event()
 
     async with queue.lifespan(app), client(app) as http:
-        key = (await create_key(queue.transport, unique("outage"), list(SCOPES))).key  # type: ignore[arg-type]
+        key = (await create_key(queue.transport, unique("outage"), list(SCOPES))).key
 
         async def publish_directly() -> None:
             while not stop.is_set():

@@ -124,7 +124,7 @@ class Keys:
     async def make(cls, transport: PostgresTransport, keys: list[str], mode: str = "Exclusive") -> Keys:
         topic, subscription = unique("hot"), unique(mode.lower())
         await transport.sync_topology([Topic(name=topic)], [Subscription(
-            name=subscription, topic=topic, handler_key="h", partition_mode=mode,  # type: ignore[arg-type]
+            name=subscription, topic=topic, handler_key="h", partition_mode=mode,
             backoff_base_seconds=0, backoff_max_seconds=0)])
         world = cls(transport, topic, subscription)
         await world.publish(*keys)

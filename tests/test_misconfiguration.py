@@ -28,10 +28,10 @@ from fastapi_workqueue.settings import unknown_variables
 
 def test_a_misspelt_setting_raises_with_the_name_it_resembles() -> None:
     with pytest.raises(ConfigurationError) as raised:
-        WorkQueueSettings(databse_url="sqlite+aiosqlite:///x.db")  # type: ignore[call-arg]
+        WorkQueueSettings(databse_url="sqlite+aiosqlite:///x.db")
     assert str(raised.value) == "WorkQueueSettings has no setting 'databse_url'; did you mean 'database_url'?"
     with pytest.raises(ConfigurationError, match=r"has no setting 'colour'; see docs/configuration\.md"):
-        WorkQueueSettings(colour="blue")  # type: ignore[call-arg]
+        WorkQueueSettings(colour="blue")
 
 
 def test_the_database_password_is_masked_in_the_repr() -> None:

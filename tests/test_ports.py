@@ -28,7 +28,7 @@ async def test_a_database_transport_has_every_optional_part_but_the_interrupter(
 
 def test_no_module_probes_a_transport_with_hasattr_or_getattr() -> None:
     """Optional parts are resolved in core/ports.py, not found by name at each use."""
-    probes = {}
+    probes: dict[str, list[int]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)

@@ -672,7 +672,7 @@ async def test_a_503_while_checking_a_key_carries_no_driver_text(
                                   + "/postgres")
     try:
         async with queue.lifespan(app), client(app) as http:
-            key = (await create_key(queue.transport, "reader", [SCOPE_READ])).key  # type: ignore[arg-type]
+            key = (await create_key(queue.transport, "reader", [SCOPE_READ])).key
             assert (await http.get(f"{PREFIX}/stats", headers={"X-API-Key": key})).status_code == 200
             await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
             await admin.execute(
@@ -774,7 +774,7 @@ async def test_a_store_that_is_gone_answers_503_to_a_caller_not_yet_authenticate
     app.include_router(queue.router)
     try:
         async with queue.lifespan(app), client(app) as http:
-            key = (await create_key(queue.transport, "reader", [SCOPE_READ])).key  # type: ignore[arg-type]
+            key = (await create_key(queue.transport, "reader", [SCOPE_READ])).key
             assert (await http.get(f"{PREFIX}/stats", headers={"X-API-Key": key})).status_code == 200
             admin = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://").rsplit("/", 1)[0]
                                           + "/postgres")

@@ -102,7 +102,7 @@ async def make_data(transport: PostgresTransport, admin: asyncpg.Connection[Any]
     subs = Subs(transport, {r: unique(f"scale-{r}") for r in modes}, {r: unique(f"scale-t-{r}") for r in modes})
     await transport.sync_topology(
         [Topic(name=t) for t in subs.topics.values()],
-        [Subscription(name=subs.names[r], topic=subs.topics[r], handler_key="h", partition_mode=m)  # type: ignore[arg-type]
+        [Subscription(name=subs.names[r], topic=subs.topics[r], handler_key="h", partition_mode=m)
          for r, m in modes.items()],
     )
     # None: 3 ready, 1 held back, 1 in flight.

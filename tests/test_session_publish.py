@@ -26,7 +26,7 @@ async def stored(engine: AsyncEngine, message_id: uuid.UUID) -> bool:
 async def test_a_publish_first_in_a_session_begins_its_transaction_and_rolls_back_with_it(pg_url: str) -> None:
     queue, topic, _ = make_queue(pg_url, [{"role": "a"}], enabled=False)
     engine = create_async_engine(pg_url)
-    async with queue.lifespan(None):  # type: ignore[arg-type]
+    async with queue.lifespan(None):
         try:
             rolled_back, committed = uuid.uuid4(), uuid.uuid4()
             async with AsyncSession(engine) as session:
@@ -54,7 +54,7 @@ async def test_a_publish_first_in_a_session_begins_its_transaction_and_rolls_bac
 async def test_a_publish_after_the_callers_writes_shares_their_fate(pg_url: str) -> None:
     queue, topic, _ = make_queue(pg_url, [{"role": "a"}], enabled=False)
     engine = create_async_engine(pg_url)
-    async with queue.lifespan(None):  # type: ignore[arg-type]
+    async with queue.lifespan(None):
         try:
             async with engine.begin() as conn:
                 await conn.execute(text("CREATE TABLE IF NOT EXISTS session_publish_rows (id uuid PRIMARY KEY)"))

@@ -58,7 +58,7 @@ async def reports(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) 
 @asynccontextmanager
 async def client(app: Reports, *scopes: str) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app.app), base_url="http://dashboard.test") as http:
-        key = await create_key(app.queue.transport, unique("person"), list(scopes))  # type: ignore[arg-type]
+        key = await create_key(app.queue.transport, unique("person"), list(scopes))
         assert (await sign_in(http, key.key)).status_code == 303
         yield http
 
