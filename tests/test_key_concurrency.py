@@ -129,6 +129,7 @@ class Keys:
         world = cls(transport, topic, subscription)
         await world.publish(*keys)
         for delivery in await transport.claim(subscription, 100):
+            assert delivery.partition_key is not None
             world.claimed[delivery.partition_key] = delivery
         assert sorted(world.claimed) == sorted(set(keys))
         return world

@@ -171,7 +171,7 @@ async def test_a_dispatch_delay_of_the_wrong_type_names_the_parameter_and_its_fo
     async with queue.lifespan(None):
         for wrong in ("5m", True, [5]):
             with pytest.raises(TypeError) as raised:
-                await queue.dispatch(mail, {"n": 1}, delay=wrong)
+                await queue.dispatch(mail, {"n": 1}, delay=wrong)  # type: ignore[arg-type]  # wrong on purpose
             assert str(raised.value) == (
                 "delay must be a number of seconds (delay=300) or a timedelta (delay=timedelta(minutes=5)); "
                 f"got {wrong!r}")

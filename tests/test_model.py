@@ -707,9 +707,13 @@ class DeliveryMachine(RuleBasedStateMachine):
 def test_the_delivery_state_machine_matches_its_model(store_name: str, tmp_path: Path) -> None:
     with asyncio.Runner(loop_factory=asyncio.new_event_loop) as runner:
         store = runner.run(open_store(store_name, tmp_path))
+        class OnThisStore(DeliveryMachine):
+            def __init__(self) -> None:
+                super().__init__(runner, store)
+
         try:
             run_state_machine_as_test(
-                lambda: DeliveryMachine(runner, store),
+                OnThisStore,
                 settings=settings(
                     max_examples=EXAMPLES,
                     stateful_step_count=STEPS,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from .support import FAST, make_queue, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
-QUIET_POLLS = {"idle_poll_min_ms": 5000, "idle_poll_max_ms": 5000}
+QUIET_POLLS: dict[str, Any] = {"idle_poll_min_ms": 5000, "idle_poll_max_ms": 5000}
 """Idle polls far apart, so every claim in these tests is one a wake-up asked for."""
 
 
@@ -75,12 +76,16 @@ async def test_two_processes_hearing_every_publish_do_not_both_claim_each_time(p
             return Outcome.complete()
 
     publishes = 30
+
+    def handled_all(n: int) -> bool:
+        return len(handled) == n
+
     async with first.lifespan(None), second.lifespan(None):
         consumers = [q.host.consumers[subs["orders"]] for q in (first, second) if q.host is not None]
         assert len(consumers) == 2
         for i in range(publishes):
             await first.publish(topic, [PublishRequest(payload=i)])
-            await wait_for(lambda n=i + 1: len(handled) == n, within=5, interval=0.002)
+            await wait_for(functools.partial(handled_all, i + 1), within=5, interval=0.002)
         empty = sum(c.empty_wake_claims for c in consumers)
     assert sorted(handled) == list(range(publishes))
     # without the back-off, the process that loses the race claims in vain at every publish

@@ -112,16 +112,18 @@ async def test_a_retry_settled_while_a_claim_renews_other_keys_keeps_its_key_in_
                                               "backoff_base_seconds": 0, "backoff_max_seconds": 0}])
         g = await world.publish(*[PublishRequest(partition_key="g", payload=f"g{i}") for i in range(2)])
         h = await world.publish(*[PublishRequest(partition_key="h", payload=f"h{i}") for i in range(2)])
+        g0, h0 = g[0].message_id, h[0].message_id
+        assert g0 is not None and h0 is not None
         heads = {c.message_id: c for c in await world.claim("x", 10)}  # g0 and h0 go; g1 and h1 are held
-        assert set(heads) == {g[0].message_id, h[0].message_id}
-        assert await world.settle(heads[h[0].message_id]) == "Completed"
+        assert set(heads) == {g0, h0}
+        assert await world.settle(heads[h0]) == "Completed"
         renew = transport._renew
         settled: list[str] = []
 
         async def renew_while_g_retries(changes: object) -> list[bool]:
             if not settled:  # the settle lands while the claim waits for SQS
                 settled.append("settling")
-                settled[0] = await world.settle(heads[g[0].message_id], "Retry", delay_seconds=0)
+                settled[0] = await world.settle(heads[g0], "Retry", delay_seconds=0)
             return await renew(changes)  # type: ignore[arg-type]
 
         transport._renew = renew_while_g_retries  # type: ignore[method-assign]
