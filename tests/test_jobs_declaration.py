@@ -79,7 +79,7 @@ def test_names_sync_functions_and_library_names_are_refused() -> None:
         async def mine(payload: dict[str, Any]) -> None:
             return None
     with pytest.raises(ConfigurationError, match="async function"):
-        @queue.job("sync.job")
+        @queue.job("sync.job")  # type: ignore[type-var]  # a sync function, on purpose
         def sync(payload: dict[str, Any]) -> None:
             return None
 

@@ -236,6 +236,7 @@ async def test_otel_metrics_are_recorded(pg_url: str) -> None:
         await wait_for(lambda: len(spans_named(f"process {subs['ok']}")) == 2)
         await wait_for(lambda: spans_named("settle"))
     data = READER.get_metrics_data()
+    assert data is not None
     points: dict[str, list[Any]] = {}
     for resource in data.resource_metrics:
         for scope in resource.scope_metrics:

@@ -54,7 +54,7 @@ from .support import FAST, wait_for
 pytestmark = pytest.mark.timeout(60)
 
 PREFIX = "/work-queue"
-ROLES = {
+ROLES: dict[str, dict[str, Any]] = {
     "plain": {"max_attempts": 1},
     "dl": {"max_attempts": 1},
     "excl": {"partition_mode": "Exclusive", "max_attempts": 1},
@@ -214,7 +214,7 @@ def test_the_table_covers_every_route_of_the_router(api: Api) -> None:
         (method, route.path)
         for route in api.queue.router.routes
         if isinstance(route, APIRoute)
-        for method in route.methods
+        for method in route.methods or ()
     }
     table = {(e.method, PREFIX + e.route) for e in ENDPOINTS}
     assert routes == table

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(60)
 async def stored(engine: AsyncEngine, message_id: uuid.UUID) -> bool:
     """Whether another connection sees the message (committed)."""
     async with engine.connect() as conn:
-        count = await conn.scalar(text("SELECT count(*) FROM workqueue.message WHERE id = :i"), {"i": message_id})
+        count: int | None = await conn.scalar(
+            text("SELECT count(*) FROM workqueue.message WHERE id = :i"), {"i": message_id})
     return count == 1
 
 

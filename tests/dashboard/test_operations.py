@@ -18,8 +18,8 @@ from fastapi_workqueue import PublishRequest
 from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.core.keys import SCOPE_READ, create_key
 from fastapi_workqueue.core.observe import carry_headers
-from fastapi_workqueue.core.processes import ProcessBeat, ProcessIdentity, current_process
-from fastapi_workqueue.core.transport import Settlement
+from fastapi_workqueue.core.processes import ProcessBeat, ProcessIdentity, ProcessRegistry, current_process
+from fastapi_workqueue.core.transport import ClaimedDelivery, Settlement
 
 from .shop import Shop, wait_until
 from .test_pages import UI, client_for, sign_in
@@ -90,6 +90,7 @@ async def test_pending_work_that_no_live_process_runs_is_flagged(shop: Shop) -> 
 
 async def test_the_processes_page_lists_live_stopped_and_gone_processes(shop: Shop) -> None:
     transport = shop.queue.transport
+    assert isinstance(transport, ProcessRegistry)
     gone = ProcessIdentity(uuid.uuid4(), "old-host", 4242, datetime.now(UTC))
     await transport.process_beat(ProcessBeat(gone, (shop.mail,), slots=2, busy=1, interval_seconds=0.05))
     me = current_process()
@@ -158,7 +159,7 @@ async def poison(shop: Shop, errors: list[str]) -> list[str]:
     transport = shop.queue.transport
     await shop.queue.resume(shop.idle)
     await transport.publish(shop.topic, [prepare(PublishRequest(payload={"n": i})) for i in range(len(errors))])
-    claimed = []
+    claimed: list[ClaimedDelivery] = []
     while len(claimed) < len(errors):
         claimed += await transport.claim(shop.idle, 100)
     await transport.settle([Settlement(c.delivery_id, c.lease_token, "DeadLetter", reason="poison", error=e)

@@ -273,9 +273,11 @@ async def test_a_replayed_delivery_that_completed_shows_its_old_error_as_a_past_
     from .shop import wait_until
 
     [result] = await shop.queue.publish(shop.topic, [{"payload": {"fail": "once", "to": "ann@example.com"}}])
+    message_id = result.message_id
+    assert message_id is not None
 
     async def mail_delivery(status: str) -> str | None:
-        deliveries = await shop.queue.transport.message_deliveries(result.message_id)
+        deliveries = await shop.queue.transport.message_deliveries(message_id)
         [info] = [d for d in deliveries if d.subscription == shop.mail]
         return info.delivery_id if info.status == status else None
 
@@ -522,7 +524,11 @@ def test_the_sign_in_needs_a_server_secret_and_caps_the_session(pg_url: str) -> 
     assert "WORKQUEUE_DASHBOARD_SECRET" in str(refused.value) and "WORKQUEUE_APP_KEY" in str(refused.value)
     with pytest.raises(ConfigurationError, match="at least 16"):
         bare.dashboard(secret="short")
-    bare.dashboard(authorize=lambda: None)  # the app's own authentication: no session to sign
+
+    async def the_apps_own(security_scopes: SecurityScopes) -> Principal:
+        return Principal(name="someone")
+
+    bare.dashboard(authorize=the_apps_own)  # the app's own authentication: no session to sign
 
     with_app_key = WorkQueue(WorkQueueSettings(database_url=pg_url, app_key=Fernet.generate_key().decode()))
     with_app_key.dashboard()
