@@ -36,7 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from fastapi_workqueue import PublishRequest, Subscription, Topic
 from fastapi_workqueue.core.envelope import prepare
-from fastapi_workqueue.core.transport import HeartbeatRequest, Settlement, Transport
+from fastapi_workqueue.core.transport import HeartbeatRequest, SettleKind, Settlement, Transport
 from fastapi_workqueue.database.postgres import PostgresTransport
 from fastapi_workqueue.database.sqlite import SqliteTransport
 
@@ -57,7 +57,7 @@ LEASE = 0.25
 MAX_ATTEMPTS = 3
 FAR = 3600.0  # a delay no run outlives: such a delivery stays invisible
 SLACK = 0.02  # seconds of clock rounding allowed when deciding whether a lease had expired
-KINDS = ("Complete", "Retry", "Fail", "DeadLetter", "Release")
+KINDS: tuple[SettleKind, ...] = ("Complete", "Retry", "Fail", "DeadLetter", "Release")
 LIVE = ("Pending", "InFlight", "DeadLettered")
 
 Row = dict[str, Any]
@@ -463,7 +463,7 @@ class DeliveryMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.in_flight()))
     @rule(index=st.integers(0, 10**6), kind=st.sampled_from(KINDS), delay=st.sampled_from([None, 0.0, FAR]))
-    def settle_current(self, index: int, kind: str, delay: float | None) -> None:
+    def settle_current(self, index: int, kind: SettleKind, delay: float | None) -> None:
         d = self.pick([x for x in self.deliveries.values() if x.status == "InFlight"], index)
         if d is None:
             return
@@ -478,7 +478,7 @@ class DeliveryMachine(RuleBasedStateMachine):
             expected = "DeadLettered"
         else:
             expected = "Pending"
-        settlement = Settlement(str(d.id), d.token, kind, delay_seconds=delay, reason=f"{kind} by the model",  # type: ignore[arg-type]
+        settlement = Settlement(str(d.id), d.token, kind, delay_seconds=delay, reason=f"{kind} by the model",
                                 error=None if kind == "Complete" else "model error")
         [result] = self.run(self.transport.settle([settlement]))
         assert result == expected, (result, expected, d)
@@ -490,18 +490,18 @@ class DeliveryMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.in_flight()))
     @rule(index=st.integers(0, 10**6), kind=st.sampled_from(KINDS), delay=st.sampled_from([None, 0.0, FAR]))
-    def settle_current_again(self, index: int, kind: str, delay: float | None) -> None:
+    def settle_current_again(self, index: int, kind: SettleKind, delay: float | None) -> None:
         """Settles weigh twice as much as other steps."""
         self.settle_current(index, kind, delay)
 
     @precondition(lambda self: bool(self.stale_candidates()))
     @rule(index=st.integers(0, 10**6), which=st.integers(0, 10), kind=st.sampled_from(KINDS))
-    def settle_stale(self, index: int, which: int, kind: str) -> None:
+    def settle_stale(self, index: int, which: int, kind: SettleKind) -> None:
         d = self.pick(self.stale_candidates(), index)
         if d is None:
             return
         token = self.stale_token(d, which)
-        [result] = self.run(self.transport.settle([Settlement(str(d.id), token, kind)]))  # type: ignore[arg-type]
+        [result] = self.run(self.transport.settle([Settlement(str(d.id), token, kind)]))
         assert result == "LeaseLost", result
         self.assert_unchanged("a settle with a stale token")
 

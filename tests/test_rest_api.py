@@ -45,7 +45,7 @@ from fastapi_workqueue.core.keys import (
     create_key,
     generate_key,
 )
-from fastapi_workqueue.core.transport import ClaimedDelivery, Settlement
+from fastapi_workqueue.core.transport import ClaimedDelivery, SettleKind, Settlement
 from fastapi_workqueue.web.auth import require_scopes
 
 from .conftest import unique
@@ -90,9 +90,9 @@ class Api:
         [claimed] = await self.queue.transport.claim(self.subs[role], 1)
         return claimed
 
-    async def settle(self, delivery: ClaimedDelivery, kind: str, **extra: Any) -> str:
+    async def settle(self, delivery: ClaimedDelivery, kind: SettleKind, **extra: Any) -> str:
         [result] = await self.queue.transport.settle(
-            [Settlement(delivery.delivery_id, delivery.lease_token, kind, **extra)]  # type: ignore[arg-type]
+            [Settlement(delivery.delivery_id, delivery.lease_token, kind, **extra)]
         )
         return result
 
