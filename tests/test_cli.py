@@ -706,8 +706,10 @@ async def test_runbook_a_delivery_is_stuck_in_flight_and_its_holder_is_dead(cli:
     registry = cli.ops.transport
     assert isinstance(registry, ProcessRegistry)
 
+    holder = held.holder
+
     async def state_of_killed() -> str | None:
-        found = [p for p in await registry.list_processes() if p.process_id == held.holder.process_id]  # type: ignore[union-attr]
+        found = [p for p in await registry.list_processes() if p.process_id == holder.process_id]
         return found[0].state if found and found[0].state == "Gone" else None
 
     assert await wait_for(state_of_killed, within=15) == "Gone"

@@ -3,10 +3,11 @@ Exclusive key that a FIFO receive hands over, and what a second process sees of 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi_workqueue import PublishRequest
+from fastapi_workqueue.aws.leases import Held
 from fastapi_workqueue.aws.transport import AwsTransport
 from fastapi_workqueue.core.transport import HeartbeatRequest
 
@@ -120,11 +121,11 @@ async def test_a_retry_settled_while_a_claim_renews_other_keys_keeps_its_key_in_
         renew = transport._renew
         settled: list[str] = []
 
-        async def renew_while_g_retries(changes: object) -> list[bool]:
+        async def renew_while_g_retries(changes: Sequence[tuple[Held, int]]) -> list[bool]:
             if not settled:  # the settle lands while the claim waits for SQS
                 settled.append("settling")
                 settled[0] = await world.settle(heads[g0], "Retry", delay_seconds=0)
-            return await renew(changes)  # type: ignore[arg-type]
+            return await renew(changes)
 
         transport._renew = renew_while_g_retries  # type: ignore[method-assign]
         [h1] = await world.claim("x", 1)  # held since the first receive: renewed before it goes

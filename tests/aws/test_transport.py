@@ -105,7 +105,8 @@ async def test_fifo_order_and_single_flight_per_key(tmp_path: Path, moto_url: st
         pending = first
         while pending:
             for d in pending:
-                seen[d.partition_key or ""].append(int(d.payload_json.split(":")[1].rstrip("}")))  # type: ignore[union-attr]
+                assert d.payload_json is not None
+                seen[d.partition_key or ""].append(int(d.payload_json.split(":")[1].rstrip("}")))
             await transport.settle([Settlement(d.delivery_id, d.lease_token, "Complete") for d in pending])
             pending = await transport.claim(sub, 10)
         assert seen == {"k1": [0, 1, 2], "k2": [0, 1, 2]}

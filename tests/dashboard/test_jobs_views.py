@@ -105,7 +105,8 @@ async def test_a_job_queue_lists_failed_jobs_by_name_to_retry_or_forget(reports:
         assert answer.status_code == 303
         answer = await post(http, here, f"{UI}/deliveries/{retry.delivery_id}/replay", back=here)
         assert answer.status_code == 303
-        assert (await reports.queue.get_delivery(forget.delivery_id)).status == "Discarded"  # type: ignore[union-attr]
+        forgotten = await reports.queue.get_delivery(forget.delivery_id)
+        assert forgotten is not None and forgotten.status == "Discarded"
 
         async def failed_again() -> bool:
             info = await reports.queue.get_delivery(retry.delivery_id)

@@ -142,7 +142,9 @@ async def test_a_session_ends_when_forged_expired_or_its_key_is_revoked(shop: Sh
         prefix, generation, expires, signature = value.split(".")
         assert (await client.get(f"{UI}/")).status_code == 200
 
-        record = await shop.queue.transport.api_key_session(prefix)  # type: ignore[attr-defined]
+        keys = shop.queue.ports.api_keys
+        assert keys is not None
+        record = await keys.api_key_session(prefix)
         assert record is not None
         # Signed as the app signs, but claiming to last ten years: refused, whatever its signature.
         ten_years = SessionCodec(key=session_key(SECRET, shop.queue.settings), max_age=MAX_SESSION_SECONDS).issue(
@@ -161,7 +163,7 @@ async def test_a_session_ends_when_forged_expired_or_its_key_is_revoked(shop: Sh
 
         client.cookies.set(SESSION_COOKIE, value, domain="dashboard.test", path=UI)
         assert (await client.get(f"{UI}/")).status_code == 200
-        await shop.queue.transport.api_key_revoke(secret.split("_")[1])  # type: ignore[attr-defined]
+        await keys.api_key_revoke(secret.split("_")[1])
         assert (await client.get(f"{UI}/")).status_code == 303
 
 
@@ -250,12 +252,14 @@ async def test_operators_replay_discard_cancel_pause_and_resume(shop: Shop) -> N
         # A cancel applies only while the delivery runs.
         refused = await post(client, sub_page, f"{UI}/deliveries/{first}/cancel")
         assert refused.headers["location"].endswith("notice=NotRunning")
-        assert (await shop.queue.get_delivery(first)).status == "Pending"  # type: ignore[union-attr]
+        waiting = await shop.queue.get_delivery(first)
+        assert waiting is not None and waiting.status == "Pending"
         await shop.queue.publish(shop.topic, [{"payload": {"hold": True}}])
         running = await views_wait_in_flight(shop)
         cancelled = await post(client, f"{UI}/deliveries/{running}", f"{UI}/deliveries/{running}/cancel")
         assert cancelled.headers["location"] == f"{UI}/deliveries/{running}?notice=CancelRequested"
-        assert (await shop.queue.get_delivery(running)).cancel_requested  # type: ignore[union-attr]
+        asked = await shop.queue.get_delivery(running)
+        assert asked is not None and asked.cancel_requested
 
         paused = await post(client, f"{UI}/subscriptions/{shop.mail}", f"{UI}/subscriptions/{shop.mail}/pause")
         assert paused.headers["location"] == f"{UI}/subscriptions/{shop.mail}?notice=Paused"
