@@ -26,7 +26,9 @@ QUIET_POLLS: dict[str, Any] = {"idle_poll_min_ms": 5000, "idle_poll_max_ms": 500
 """Idle polls far apart, so every claim in these tests is one a wake-up asked for."""
 
 
-async def test_wake_ups_during_empty_claims_back_off_and_work_is_still_taken(pg_url: str) -> None:
+async def test_wake_ups_during_empty_claims_back_off_and_work_is_still_taken(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     queue, topic, subs = make_queue(pg_url, [{"role": "idle"}], concurrency=2, **QUIET_POLLS)
     done: list[int] = []
 
@@ -47,7 +49,7 @@ async def test_wake_ups_during_empty_claims_back_off_and_work_is_still_taken(pg_
             consumer.wake()  # a NOTIFY arrives during every claim: the worst case
             return await real_claim(subscription, limit, *args, **kwargs)
 
-        consumer.transport.claim = claim_while_notified  # type: ignore[method-assign]
+        monkeypatch.setattr(consumer.transport, "claim", claim_while_notified)
         consumer.wake()
         await wait_for(lambda: consumer.empty_wake_claims >= 5)
         # the pauses between wake-up claims that found nothing: 10 ms doubling (each at least that)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
+import pytest
+
 from fastapi_workqueue import PublishRequest
 from fastapi_workqueue.aws.leases import Held
 from fastapi_workqueue.aws.transport import AwsTransport
@@ -104,7 +106,9 @@ async def test_a_heartbeat_of_a_key_keeps_its_held_messages_invisible_as_long(mo
         assert await world.claim("x", 10) == []
 
 
-async def test_a_retry_settled_while_a_claim_renews_other_keys_keeps_its_key_in_order(moto_url: str) -> None:
+async def test_a_retry_settled_while_a_claim_renews_other_keys_keeps_its_key_in_order(
+    moto_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A settle runs while a claim waits on SQS (renewing another key's held message): the retry
     still sees its key's held messages and keeps the key's head ahead of them."""
     async with aws_harness(moto_url) as harness:
@@ -127,9 +131,9 @@ async def test_a_retry_settled_while_a_claim_renews_other_keys_keeps_its_key_in_
                 settled[0] = await world.settle(heads[g0], "Retry", delay_seconds=0)
             return await renew(changes)
 
-        transport._renew = renew_while_g_retries  # type: ignore[method-assign]
+        monkeypatch.setattr(transport, "_renew", renew_while_g_retries)
         [h1] = await world.claim("x", 1)  # held since the first receive: renewed before it goes
-        transport._renew = renew  # type: ignore[method-assign]
+        monkeypatch.setattr(transport, "_renew", renew)
         assert settled == ["Pending"] and h1.message_id == h[1].message_id
         again = await world.claim_one("x")
         assert (again.message_id, again.attempt) == (g[0].message_id, 2)
