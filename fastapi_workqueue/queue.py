@@ -6,7 +6,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from fastapi import APIRouter, Depends
 from pydantic import ValidationError
@@ -356,6 +356,20 @@ class WorkQueue:
             middleware=middleware,
         )
         return decorate
+
+    @overload
+    async def dispatch(
+        self, job: JobRef, payload: Any = None, *, delay: timedelta | float | None = None, queue: str | None = None,
+        unique: None = None, unique_until: Literal["done", "processing"] = "done", unique_for: float = 3600,
+        session: Any = None,
+    ) -> uuid.UUID: ...
+
+    @overload
+    async def dispatch(
+        self, job: JobRef, payload: Any = None, *, delay: timedelta | float | None = None, queue: str | None = None,
+        unique: str | None, unique_until: Literal["done", "processing"] = "done", unique_for: float = 3600,
+        session: Any = None,
+    ) -> uuid.UUID | None: ...
 
     async def dispatch(
         self,

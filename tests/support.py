@@ -73,7 +73,7 @@ async def wait_for(check: Callable[[], Any], within: float = 10.0, interval: flo
 async def delivery_status(queue: WorkQueue, subscription: str, message_id: Any) -> Any:
     """The one delivery of ``message_id`` on ``subscription`` (any state), or None."""
     for status in ("Pending", "InFlight", "Completed", "DeadLettered", "Discarded"):
-        for info in await queue.deliveries(subscription, status, limit=1000):  # type: ignore[arg-type]
+        for info in await queue.deliveries(subscription, status, limit=1000):
             if info.message_id == message_id:
                 return info
     return None

@@ -706,8 +706,10 @@ async def test_runbook_a_delivery_is_stuck_in_flight_and_its_holder_is_dead(cli:
     registry = cli.ops.transport
     assert isinstance(registry, ProcessRegistry)
 
+    holder = held.holder
+
     async def state_of_killed() -> str | None:
-        found = [p for p in await registry.list_processes() if p.process_id == held.holder.process_id]  # type: ignore[union-attr]
+        found = [p for p in await registry.list_processes() if p.process_id == holder.process_id]
         return found[0].state if found and found[0].state == "Gone" else None
 
     assert await wait_for(state_of_killed, within=15) == "Gone"
@@ -761,16 +763,18 @@ async def test_the_role_scripts_are_reachable_from_a_wheel_install(tmp_path: Pat
 def test_the_worker_runs_outside_the_probe_for_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without uvloop, an error inside the worker carries no ImportError as its context (every
     traceback the worker logged used to show "No module named 'uvloop'")."""
+    import importlib
+
     from fastapi_workqueue.cli import work as work_module
 
-    real_import = work_module.importlib.import_module
+    real_import = importlib.import_module
 
     def no_uvloop(name: str, package: str | None = None) -> Any:
         if name == "uvloop":
             raise ImportError("No module named 'uvloop'")
         return real_import(name, package)
 
-    monkeypatch.setattr(work_module.importlib, "import_module", no_uvloop)
+    monkeypatch.setattr("fastapi_workqueue.cli.work.importlib.import_module", no_uvloop)
 
     async def fails() -> BaseException:
         try:

@@ -8,6 +8,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -54,7 +55,7 @@ async def test_follow_ups_wake_their_consumers_and_a_rolled_back_one_does_not(tr
         [Subscription(name=first, topic=first, handler_key="h"), Subscription(name=then, topic=then, handler_key="h"),
          Subscription(name=sentinel, topic=sentinel, handler_key="h")],
     )
-    ids = {s.name: s.id for s in await transport.list_subscriptions()}
+    ids = {s.name: cast(str, s.id) for s in await transport.list_subscriptions()}  # as wake-ups name them
     await transport.publish(first, [prepare(PublishRequest(payload=i)) for i in range(2)])
     one, two = await transport.claim(first, 2)
     woken: list[str] = []

@@ -274,7 +274,7 @@ def test_a_schedule_takes_every_as_a_timedelta_or_seconds() -> None:
         "by-timedelta": "2026-01-01T12:05:00+00:00", "by-seconds": "2026-01-01T12:05:00+00:00",
     }
     with pytest.raises(ConfigurationError, match="timedelta"):
-        queue.schedule(rebuild, every="5m", payload={}, name="by-text")
+        queue.schedule(rebuild, every="5m", payload={}, name="by-text")  # type: ignore[arg-type]  # text, on purpose
 
 
 async def test_a_payload_that_no_key_decrypts_fails_at_once_without_the_secret_in_its_record(

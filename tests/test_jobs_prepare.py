@@ -47,7 +47,7 @@ class Recording:
 def make(**settings: Any) -> tuple[WorkQueue, Recording]:
     transport = Recording()
     queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db", enabled=False, **settings),
-                      transport=transport)  # type: ignore[arg-type]
+                      transport=transport)  # type: ignore[arg-type]  # a recording stand-in, not a whole transport
     return queue, transport
 
 

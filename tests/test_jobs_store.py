@@ -14,7 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from fastapi_workqueue import JobContext, TransientWorkError, WorkQueue, WorkQueueSettings
-from fastapi_workqueue.jobs import JobEvent, JobPayloadInvalid
+from fastapi_workqueue.jobs import JobEvent, JobFailed, JobPayloadInvalid
 
 from .support import FAST, wait_for
 
@@ -70,7 +70,7 @@ class App:
 
         self.remind, self.fail, self.steps = remind, fail, steps
 
-    async def dispatch_each_outcome(self) -> tuple[Any, Any, Any, Any]:
+    async def dispatch_each_outcome(self) -> tuple[uuid.UUID, uuid.UUID, uuid.UUID, uuid.UUID]:
         """One job of each outcome: done, flaky (done on its second try), gone (it discards
         itself) and failed (on both its tries); their ids."""
         return (await self.queue.dispatch(self.remind, {"user_id": 1}),
@@ -149,10 +149,11 @@ async def test_without_listeners_plain_jobs_end_as_they_do_with_them(database_ur
         envelope = {"v": 1, "job": f"remind-{app.suffix}", "payload": {"user_id": "not a number"}}
         [invalid] = await queue.publish(f"jobs.{app.mail}", [{"payload": envelope}])
         assert invalid.status == "Accepted" and invalid.message_id is not None
+        invalid_id = invalid.message_id
 
-        async def statuses() -> dict[Any, str]:
-            out = {}
-            for job_id in (done, flaky, gone, failed, invalid.message_id):
+        async def statuses() -> dict[uuid.UUID, str]:
+            out: dict[uuid.UUID, str] = {}
+            for job_id in (done, flaky, gone, failed, invalid_id):
                 [info] = await queue.transport.message_deliveries(job_id)
                 out[job_id] = info.status
             return out
@@ -193,7 +194,7 @@ async def test_a_job_that_fails_for_good_ends_its_chain(database_url: str) -> No
         await wait_events(app, "JobFailed", 1)
         await asyncio.sleep(0.3)
         [failed] = [e for e in app.events if type(e).__name__ == "JobFailed"]
-        assert failed.chain_ended is True
+        assert isinstance(failed, JobFailed) and failed.chain_ended is True
         assert await queue.transport.known_messages(ids) == {ids[0]}  # the second was never queued
         [record] = await queue.failed_jobs(app.mail)
         assert "the chain ends here" in (record.error or "")
@@ -348,6 +349,7 @@ async def test_a_plain_payload_for_an_encrypted_job_fails_at_once(database_url: 
         [result] = await queue.publish(f"jobs.{queue_name}", [PublishRequest(
             attributes={"job": name}, payload={"v": 1, "job": name, "payload": {"x": "plain"}})])
         await wait_for(lambda: any(type(e).__name__ == "JobFailed" for e in events), within=30)
+        assert result.message_id is not None
         [info] = await queue.transport.message_deliveries(result.message_id)
         assert info.status == "DeadLettered" and info.attempt == 1
         assert "not encrypted" in (info.reason or "")

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from fastapi_workqueue import ConfigurationError, JobContext, WorkQueue, WorkQueueSettings
-from fastapi_workqueue.jobs import JobEvent
+from fastapi_workqueue.jobs import JobEvent, JobReleased
 from fastapi_workqueue.jobs.watchdog import THREAD_NAME
 from fastapi_workqueue.jobs.worker import UnwatchedQueues, check_fits_lease, parse_queues
 
@@ -145,8 +145,8 @@ async def test_a_timeout_aborts_the_signal_and_the_job_comes_back(database_url: 
     async with queue.lifespan(None):
         await queue.dispatch(slow, {})
         await wait_for(lambda: any(type(e).__name__ == "JobProcessed" for e in events), within=30)
-    released = [e for e in events if type(e).__name__ == "JobReleased"]
-    assert [e.reason for e in released] == ["timeout"]  # type: ignore[attr-defined]
+    released = [e for e in events if isinstance(e, JobReleased)]
+    assert [e.reason for e in released] == ["timeout"]
     assert [str(r) for r in reasons] == ["MaxProcessingSeconds"]
 
 
@@ -238,7 +238,7 @@ async def test_a_job_no_worker_knows_goes_back_until_its_tries_are_spent(databas
         await wait_for(lambda: any(type(e).__name__ == "JobFailed" for e in events), within=30)
         [failed] = await old.failed_jobs(queue_name)
     assert [type(e).__name__ for e in events] == ["JobReleased", "JobFailed"]
-    assert events[0].reason == "unknown-job"  # type: ignore[attr-defined]
+    assert isinstance(events[0], JobReleased) and events[0].reason == "unknown-job"
     assert failed.id == job_id and "declare it with @queue.job" in (failed.error or "")
 
 

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from fastapi_workqueue import PublishRequest, Subscription, Topic
 from fastapi_workqueue.core.envelope import prepare
-from fastapi_workqueue.core.transport import Settlement
+from fastapi_workqueue.core.transport import SettleKind, Settlement
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
 from .conftest import unique
@@ -124,11 +124,12 @@ class Keys:
     async def make(cls, transport: PostgresTransport, keys: list[str], mode: str = "Exclusive") -> Keys:
         topic, subscription = unique("hot"), unique(mode.lower())
         await transport.sync_topology([Topic(name=topic)], [Subscription(
-            name=subscription, topic=topic, handler_key="h", partition_mode=mode,  # type: ignore[arg-type]
+            name=subscription, topic=topic, handler_key="h", partition_mode=mode,
             backoff_base_seconds=0, backoff_max_seconds=0)])
         world = cls(transport, topic, subscription)
         await world.publish(*keys)
         for delivery in await transport.claim(subscription, 100):
+            assert delivery.partition_key is not None
             world.claimed[delivery.partition_key] = delivery
         assert sorted(world.claimed) == sorted(set(keys))
         return world
@@ -138,9 +139,9 @@ class Keys:
             self.topic, [prepare(PublishRequest(payload=key, partition_key=key)) for key in keys], session=session)
         assert all(r.status == "Accepted" for r in results)
 
-    def settlement(self, key: str, kind: str = "Complete") -> Settlement:
+    def settlement(self, key: str, kind: SettleKind = "Complete") -> Settlement:
         delivery = self.claimed[key]
-        return Settlement(delivery.delivery_id, delivery.lease_token, kind)  # type: ignore[arg-type]
+        return Settlement(delivery.delivery_id, delivery.lease_token, kind)
 
     async def in_flight(self, observer: asyncpg.Connection[Any]) -> dict[str, int]:
         rows = await observer.fetch(

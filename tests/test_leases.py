@@ -125,6 +125,7 @@ async def test_the_end_of_an_attempt_leaves_the_next_attempt_of_the_same_deliver
             try:
                 await asyncio.sleep(30)
             except asyncio.CancelledError:
+                assert context.signal.reason is not None
                 outcomes[1] = f"aborted {context.signal.reason.value}"
                 await asyncio.wait_for(second_started.wait(), 10)  # winds down slowly
             return
@@ -132,6 +133,7 @@ async def test_the_end_of_an_attempt_leaves_the_next_attempt_of_the_same_deliver
         try:
             await asyncio.sleep(3.0)  # longer than the lease: lives on heartbeats
         except asyncio.CancelledError:
+            assert context.signal.reason is not None
             outcomes[2] = f"aborted {context.signal.reason.value}"
             raise
         outcomes[2] = "done"

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 async def declare(transport: RoutineTransport, **policy: object) -> tuple[str, str]:
     topic, sub = unique("live"), unique("counted")
     await transport.sync_topology(
-        [Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="h", **policy)]  # type: ignore[arg-type]
+        [Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="h", **policy)]
     )
     return topic, sub
 

@@ -40,7 +40,7 @@ def test_it_equals_what_model_construct_builds() -> None:
 def test_it_stays_frozen() -> None:
     built = _construct_message(values())
     with pytest.raises(ValidationError):
-        built.attempt = 5  # type: ignore[misc]
+        built.attempt = 5  # type: ignore[misc]  # frozen: the assignment is the point
 
 
 def test_values_that_do_not_name_every_field_take_model_construct() -> None:

@@ -28,10 +28,10 @@ from fastapi_workqueue.settings import unknown_variables
 
 def test_a_misspelt_setting_raises_with_the_name_it_resembles() -> None:
     with pytest.raises(ConfigurationError) as raised:
-        WorkQueueSettings(databse_url="sqlite+aiosqlite:///x.db")  # type: ignore[call-arg]
+        WorkQueueSettings(databse_url="sqlite+aiosqlite:///x.db")
     assert str(raised.value) == "WorkQueueSettings has no setting 'databse_url'; did you mean 'database_url'?"
     with pytest.raises(ConfigurationError, match=r"has no setting 'colour'; see docs/configuration\.md"):
-        WorkQueueSettings(colour="blue")  # type: ignore[call-arg]
+        WorkQueueSettings(colour="blue")
 
 
 def test_the_database_password_is_masked_in_the_repr() -> None:
@@ -171,7 +171,7 @@ async def test_a_dispatch_delay_of_the_wrong_type_names_the_parameter_and_its_fo
     async with queue.lifespan(None):
         for wrong in ("5m", True, [5]):
             with pytest.raises(TypeError) as raised:
-                await queue.dispatch(mail, {"n": 1}, delay=wrong)
+                await queue.dispatch(mail, {"n": 1}, delay=wrong)  # type: ignore[arg-type]  # wrong on purpose
             assert str(raised.value) == (
                 "delay must be a number of seconds (delay=300) or a timedelta (delay=timedelta(minutes=5)); "
                 f"got {wrong!r}")

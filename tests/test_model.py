@@ -38,7 +38,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from fastapi_workqueue import PublishRequest, Subscription, Topic
 from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.core.lifecycle import BackoffPolicy, expire_transition, next_claimable, settle_transition
-from fastapi_workqueue.core.transport import HeartbeatRequest, Settlement, Transport
+from fastapi_workqueue.core.transport import HeartbeatRequest, SettleKind, Settlement, Transport
 from fastapi_workqueue.database.postgres import PostgresTransport
 from fastapi_workqueue.database.sqlite import SqliteTransport
 
@@ -59,7 +59,7 @@ LEASE = 0.25
 MAX_ATTEMPTS = 3
 FAR = 3600.0  # a delay no run outlives: such a delivery stays invisible
 SLACK = 0.02  # seconds of clock rounding allowed when deciding whether a lease had expired
-KINDS = ("Complete", "Retry", "Fail", "DeadLetter", "Release")
+KINDS: tuple[SettleKind, ...] = ("Complete", "Retry", "Fail", "DeadLetter", "Release")
 LIVE = ("Pending", "InFlight", "DeadLettered")
 NO_BACKOFF = BackoffPolicy(0.0, 0.0)  # the model's subscriptions retry at once
 
@@ -464,17 +464,17 @@ class DeliveryMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.in_flight()))
     @rule(index=st.integers(0, 10**6), kind=st.sampled_from(KINDS), delay=st.sampled_from([None, 0.0, FAR]))
-    def settle_current(self, index: int, kind: str, delay: float | None) -> None:
+    def settle_current(self, index: int, kind: SettleKind, delay: float | None) -> None:
         d = self.pick([x for x in self.deliveries.values() if x.status == "InFlight"], index)
         if d is None:
             return
         assert d.token is not None
         transition = settle_transition(
-            kind, attempt=d.attempt, max_attempts=MAX_ATTEMPTS, now=datetime.now(UTC), backoff=NO_BACKOFF,  # type: ignore[arg-type]
+            kind, attempt=d.attempt, max_attempts=MAX_ATTEMPTS, now=datetime.now(UTC), backoff=NO_BACKOFF,
             delay=delay, cancel_requested=d.cancel,
         )
         expected = transition.status
-        settlement = Settlement(str(d.id), d.token, kind, delay_seconds=delay, reason=f"{kind} by the model",  # type: ignore[arg-type]
+        settlement = Settlement(str(d.id), d.token, kind, delay_seconds=delay, reason=f"{kind} by the model",
                                 error=None if kind == "Complete" else "model error")
         [result] = self.run(self.transport.settle([settlement]))
         assert result == expected, (result, expected, d)
@@ -485,18 +485,18 @@ class DeliveryMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.in_flight()))
     @rule(index=st.integers(0, 10**6), kind=st.sampled_from(KINDS), delay=st.sampled_from([None, 0.0, FAR]))
-    def settle_current_again(self, index: int, kind: str, delay: float | None) -> None:
+    def settle_current_again(self, index: int, kind: SettleKind, delay: float | None) -> None:
         """Settles weigh twice as much as other steps."""
         self.settle_current(index, kind, delay)
 
     @precondition(lambda self: bool(self.stale_candidates()))
     @rule(index=st.integers(0, 10**6), which=st.integers(0, 10), kind=st.sampled_from(KINDS))
-    def settle_stale(self, index: int, which: int, kind: str) -> None:
+    def settle_stale(self, index: int, which: int, kind: SettleKind) -> None:
         d = self.pick(self.stale_candidates(), index)
         if d is None:
             return
         token = self.stale_token(d, which)
-        [result] = self.run(self.transport.settle([Settlement(str(d.id), token, kind)]))  # type: ignore[arg-type]
+        [result] = self.run(self.transport.settle([Settlement(str(d.id), token, kind)]))
         assert result == "LeaseLost", result
         self.assert_unchanged("a settle with a stale token")
 
@@ -699,9 +699,13 @@ class DeliveryMachine(RuleBasedStateMachine):
 def test_the_delivery_state_machine_matches_its_model(store_name: str, tmp_path: Path) -> None:
     with asyncio.Runner(loop_factory=asyncio.new_event_loop) as runner:
         store = runner.run(open_store(store_name, tmp_path))
+        class OnThisStore(DeliveryMachine):
+            def __init__(self) -> None:
+                super().__init__(runner, store)
+
         try:
             run_state_machine_as_test(
-                lambda: DeliveryMachine(runner, store),
+                OnThisStore,
                 settings=settings(
                     max_examples=EXAMPLES,
                     stateful_step_count=STEPS,

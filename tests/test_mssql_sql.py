@@ -355,9 +355,9 @@ def test_publish_answers_with_no_rows_when_every_item_is_accepted_in_both_dialec
     final_select = publish.raw[publish.raw.rindex("SELECT r.idx"):]
     assert re.search(r"WHERE EXISTS \(SELECT 1 FROM @v_result AS \w+ WHERE \w+\.status <> N'Accepted'\)", final_select)
     schema = (PG_DIR / "schema.sql").read_text(encoding="utf-8")
-    publish = schema[schema.index("CREATE OR REPLACE FUNCTION workqueue.publish("):]
-    assert "RETURN;  -- no rows: every item was Accepted" in publish[: publish.index("\n$$;")]
-    assert "RETURN;  -- no rows: Accepted" in publish
+    pg_publish = schema[schema.index("CREATE OR REPLACE FUNCTION workqueue.publish("):]
+    assert "RETURN;  -- no rows: every item was Accepted" in pg_publish[: pg_publish.index("\n$$;")]
+    assert "RETURN;  -- no rows: Accepted" in pg_publish
 
 
 # -- (c) result columns ----------------------------------------------------------------------------
@@ -619,7 +619,7 @@ async def test_opening_without_the_driver_says_what_to_install(monkeypatch: pyte
     def missing(name: str) -> Any:
         raise ImportError("libodbc.so.2: cannot open shared object file")
 
-    monkeypatch.setattr(mssql.importlib, "import_module", missing)
+    monkeypatch.setattr("fastapi_workqueue.database.mssql.importlib.import_module", missing)
     with pytest.raises(ConfigurationError) as caught:
         await MssqlTransport(URL).open()
     text = str(caught.value)

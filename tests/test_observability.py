@@ -236,6 +236,7 @@ async def test_otel_metrics_are_recorded(pg_url: str) -> None:
         await wait_for(lambda: len(spans_named(f"process {subs['ok']}")) == 2)
         await wait_for(lambda: spans_named("settle"))
     data = READER.get_metrics_data()
+    assert data is not None
     points: dict[str, list[Any]] = {}
     for resource in data.resource_metrics:
         for scope in resource.scope_metrics:
@@ -292,7 +293,7 @@ async def test_metrics_show_counters_and_the_databases_gauges(pg_url: str) -> No
     app = FastAPI(lifespan=queue.lifespan)
     app.include_router(queue.create_metrics_router(registry=registry))
     async with queue.lifespan(app):
-        key = (await create_key(queue.transport, "scraper", [SCOPE_READ])).key  # type: ignore[arg-type]
+        key = (await create_key(queue.transport, "scraper", [SCOPE_READ])).key
         await queue.publish(topic, [PublishRequest(payload=i) for i in range(3)])
         await wait_for(lambda: _settled(queue, subs))
         async with client(app) as anonymous:

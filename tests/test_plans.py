@@ -57,8 +57,9 @@ async def test_a_sweep_pass_reads_no_row_within_retention(scratch_url: str) -> N
         await conn.execute("ANALYZE workqueue.message, workqueue.delivery")
         before = {t: await rows_read(conn, t) for t in ("message", "delivery")}
         for _ in range(7):  # past the point where PL/pgSQL may switch to a generic plan
-            ran, purged_deliveries, purged_messages = await conn.fetchrow(
-                "SELECT ran, purged_deliveries, purged_messages FROM workqueue.sweep(1000)")
+            swept = await conn.fetchrow("SELECT ran, purged_deliveries, purged_messages FROM workqueue.sweep(1000)")
+            assert swept is not None
+            ran, purged_deliveries, purged_messages = swept
             assert (ran, purged_deliveries, purged_messages) == (True, 0, 0)
         after = {t: await rows_read(conn, t) for t in ("message", "delivery")}
     finally:
@@ -176,7 +177,8 @@ async def test_heartbeats_are_hot_updates_and_the_sweeper_reads_only_the_in_flig
         # The sweeper finds expired leases among the InFlight rows, whatever else the table holds.
         before = await rows_read(conn, "delivery")
         for _ in range(7):
-            assert (await conn.fetchrow("SELECT ran, retried FROM workqueue.sweep(1000)"))["retried"] == 0
+            swept = await conn.fetchrow("SELECT ran, retried FROM workqueue.sweep(1000)")
+            assert swept is not None and swept["retried"] == 0
         assert await rows_read(conn, "delivery") - before <= 7 * 100 + 50
     finally:
         await conn.close()
@@ -210,7 +212,7 @@ async def test_stats_read_the_live_work_and_no_history(scratch_url: str) -> None
         before = await rows_read(conn, "delivery")
         for _ in range(7):  # past the point where a plan may turn generic
             row = await conn.fetchrow("SELECT completed, pending FROM workqueue.stats($1)", sub)
-            assert (row["completed"], row["pending"]) == (FRESH - 20, 15)
+            assert row is not None and (row["completed"], row["pending"]) == (FRESH - 20, 15)
         read = await rows_read(conn, "delivery") - before
     finally:
         await conn.close()
@@ -264,10 +266,12 @@ async def test_one_message_to_keyed_subscriptions_is_published_in_one_call(
                     p_delay=None, p_not_before=None, p_max_attempts=None, p_backoff_schedule=None,
                     p_envelope_bytes=10)
                 assert list(result) == []  # no rows: Accepted
-            one, publish = await conn.fetchrow(
+            calls = await conn.fetchrow(
                 "SELECT pg_stat_get_xact_function_calls('workqueue.publish_one'::regproc), "
                 "pg_stat_get_xact_function_calls(p.oid) FROM pg_proc p "
                 "WHERE p.proname = 'publish' AND p.pronamespace = 'workqueue'::regnamespace")
+            assert calls is not None
+            one, publish = calls
             assert (one, publish or 0) == (3, 0)
     finally:
         await conn.close()

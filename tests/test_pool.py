@@ -12,25 +12,29 @@ from fastapi_workqueue.database.pool import ConnectionPool, PoolClosed
 from fastapi_workqueue.database.postgres import to_asyncpg_dsn
 
 
-@pytest.fixture
-def connect(pg_url: str) -> Any:
-    dsn = to_asyncpg_dsn(pg_url)
-    opened: list[asyncpg.Connection[Any]] = []
+class Connect:
+    """Opens connections for the pool and keeps each one it opened."""
 
-    async def connect() -> asyncpg.Connection[Any]:
-        conn: asyncpg.Connection[Any] = await asyncpg.connect(dsn)
-        opened.append(conn)
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.opened: list[asyncpg.Connection[Any]] = []
+
+    async def __call__(self) -> asyncpg.Connection[Any]:
+        conn: asyncpg.Connection[Any] = await asyncpg.connect(self.dsn)
+        self.opened.append(conn)
         return conn
 
-    connect.opened = opened  # type: ignore[attr-defined]
-    return connect
+
+@pytest.fixture
+def connect(pg_url: str) -> Connect:
+    return Connect(to_asyncpg_dsn(pg_url))
 
 
 async def backend(conn: asyncpg.Connection[Any]) -> int:
     return int(await conn.fetchval("SELECT pg_backend_pid()"))
 
 
-async def test_reuses_idle_connections_and_opens_min_size_up_front(connect: Any) -> None:
+async def test_reuses_idle_connections_and_opens_min_size_up_front(connect: Connect) -> None:
     pool = ConnectionPool(connect, min_size=2, max_size=4)
     await pool.open()
     assert len(connect.opened) == 2
@@ -44,7 +48,7 @@ async def test_reuses_idle_connections_and_opens_min_size_up_front(connect: Any)
     assert all(c.is_closed() for c in connect.opened)
 
 
-async def test_never_more_than_max_size_and_waiters_are_served_in_turn(connect: Any) -> None:
+async def test_never_more_than_max_size_and_waiters_are_served_in_turn(connect: Connect) -> None:
     pool = ConnectionPool(connect, min_size=0, max_size=2)
     await pool.open()
     running = 0
@@ -65,7 +69,7 @@ async def test_never_more_than_max_size_and_waiters_are_served_in_turn(connect: 
     await pool.close()
 
 
-async def test_connection_left_in_a_transaction_or_closed_is_not_reused(connect: Any) -> None:
+async def test_connection_left_in_a_transaction_or_closed_is_not_reused(connect: Connect) -> None:
     pool = ConnectionPool(connect, min_size=0, max_size=1)
     async with pool.acquire() as conn:
         first = await backend(conn)
@@ -81,7 +85,7 @@ async def test_connection_left_in_a_transaction_or_closed_is_not_reused(connect:
     await pool.close()
 
 
-async def test_a_failed_statement_keeps_the_connection(connect: Any) -> None:
+async def test_a_failed_statement_keeps_the_connection(connect: Connect) -> None:
     pool = ConnectionPool(connect, min_size=0, max_size=1)
     with pytest.raises(asyncpg.exceptions.DivisionByZeroError):
         async with pool.acquire() as conn:
@@ -92,7 +96,7 @@ async def test_a_failed_statement_keeps_the_connection(connect: Any) -> None:
     await pool.close()
 
 
-async def test_cancelled_use_drops_the_connection_and_frees_its_place(connect: Any) -> None:
+async def test_cancelled_use_drops_the_connection_and_frees_its_place(connect: Connect) -> None:
     pool = ConnectionPool(connect, min_size=0, max_size=1)
 
     async def slow() -> None:
@@ -111,7 +115,7 @@ async def test_cancelled_use_drops_the_connection_and_frees_its_place(connect: A
     await pool.close()
 
 
-async def test_a_cancelled_waiter_leaves_the_queue(connect: Any) -> None:
+async def test_a_cancelled_waiter_leaves_the_queue(connect: Connect) -> None:
     pool = ConnectionPool(connect, min_size=0, max_size=1)
     async with pool.acquire():
         waiter = asyncio.create_task(pool.get())
@@ -145,7 +149,7 @@ async def test_failed_connect_frees_its_place(pg_url: str) -> None:
     await pool.close()
 
 
-async def test_closed_pool_refuses_and_fails_its_waiters(connect: Any) -> None:
+async def test_closed_pool_refuses_and_fails_its_waiters(connect: Connect) -> None:
     pool = ConnectionPool(connect, min_size=0, max_size=1)
     held = await pool.get()
     waiter = asyncio.create_task(pool.get())
@@ -166,7 +170,7 @@ def test_sizes_are_checked() -> None:
         ConnectionPool(never, min_size=3, max_size=2)
 
 
-async def test_idle_connections_past_their_lifetime_close_down_to_min_size(connect: Any) -> None:
+async def test_idle_connections_past_their_lifetime_close_down_to_min_size(connect: Connect) -> None:
     pool = ConnectionPool(connect, min_size=1, max_size=4, max_idle_seconds=0.2)
     held = [await pool.get() for _ in range(3)]
     for conn in held:

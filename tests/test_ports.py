@@ -31,7 +31,7 @@ async def test_a_database_transport_has_every_optional_part_but_the_interrupter(
 
 def test_no_module_probes_a_transport_with_hasattr_or_getattr() -> None:
     """Optional parts are resolved in core/ports.py, not found by name at each use."""
-    probes = {}
+    probes: dict[str, list[int]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         if CONFORMANCE in path.parents:
             continue  # the shipped suite asks an outside transport for its test hooks (clock, url, sweep lock)
@@ -48,7 +48,7 @@ OPTIONAL_PORTS = {"ProcessRegistry", "LiveWorkReader", "StatsHistoryReader", "To
 
 
 def test_only_the_ports_module_asks_whether_a_transport_has_an_optional_part() -> None:
-    asked = {}
+    asked: dict[str, list[int]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         if path == PACKAGE / "core" / "ports.py":
             continue

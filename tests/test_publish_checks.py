@@ -70,7 +70,7 @@ async def test_refusals_are_logged_and_raise_for_errors_raises(
         assert not caplog.records
         conflict = await queue.publish(topic, [PublishRequest(message_id=first.message_id, payload={"n": 2})])
         refused = await queue.publish(topic, [PublishRequest(payload={"n": 3}),
-                                              PublishRequest(payload={"n": 4}, attributes={"x": 1})])  # type: ignore[dict-item]
+                                              PublishRequest(payload={"n": 4}, attributes={"x": 1})])
     lines = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert lines[0] == (logging.WARNING, f"publish to {topic}: item 0 was MessageIDConflict (MessageIDConflict): "
                                          "a message with this MessageID and different content was already "

@@ -5,7 +5,7 @@ consumers only for what is visible at once."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 
@@ -96,7 +96,7 @@ async def test_one_at_a_time_stores_what_one_batch_stores(pg_transport: Postgres
 
 async def test_one_message_wakes_only_when_visible_now(pg_url: str, pg_transport: PostgresTransport) -> None:
     topic, names = await topology(pg_transport)
-    ids = {s.name: s.id for s in await pg_transport.list_subscriptions()}
+    ids = {s.name: cast(str, s.id) for s in await pg_transport.list_subscriptions()}  # as wake-ups name them
     conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
     woken: list[str] = []
     payloads: list[str] = []

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import BackgroundTasks, Depends, FastAPI, HTTPException
-from sqlalchemy import text
+from sqlalchemy import QueuePool, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from fastapi_workqueue import PublishRequest, PublishResult, WorkQueue
@@ -151,7 +151,8 @@ async def test_a_request_that_finds_every_connection_busy_gets_503_with_retry_af
         return {"n": (await session.execute(text("SELECT 1"))).scalar_one()}
 
     async with queue.lifespan(app), client(app) as http:
-        assert queue.engine.pool.size() == 1
+        pool = queue.engine.pool
+        assert isinstance(pool, QueuePool) and pool.size() == 1
         first = asyncio.create_task(http.get("/hold"))
         await asyncio.wait_for(holding.wait(), 10)
         refused = await http.get("/quick")

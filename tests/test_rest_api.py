@@ -45,7 +45,7 @@ from fastapi_workqueue.core.keys import (
     create_key,
     generate_key,
 )
-from fastapi_workqueue.core.transport import ClaimedDelivery, Settlement
+from fastapi_workqueue.core.transport import ClaimedDelivery, SettleKind, Settlement
 from fastapi_workqueue.web.auth import require_scopes
 
 from .conftest import unique
@@ -54,7 +54,7 @@ from .support import FAST, wait_for
 pytestmark = pytest.mark.timeout(60)
 
 PREFIX = "/work-queue"
-ROLES = {
+ROLES: dict[str, dict[str, Any]] = {
     "plain": {"max_attempts": 1},
     "dl": {"max_attempts": 1},
     "excl": {"partition_mode": "Exclusive", "max_attempts": 1},
@@ -90,9 +90,9 @@ class Api:
         [claimed] = await self.queue.transport.claim(self.subs[role], 1)
         return claimed
 
-    async def settle(self, delivery: ClaimedDelivery, kind: str, **extra: Any) -> str:
+    async def settle(self, delivery: ClaimedDelivery, kind: SettleKind, **extra: Any) -> str:
         [result] = await self.queue.transport.settle(
-            [Settlement(delivery.delivery_id, delivery.lease_token, kind, **extra)]  # type: ignore[arg-type]
+            [Settlement(delivery.delivery_id, delivery.lease_token, kind, **extra)]
         )
         return result
 
@@ -214,7 +214,7 @@ def test_the_table_covers_every_route_of_the_router(api: Api) -> None:
         (method, route.path)
         for route in api.queue.router.routes
         if isinstance(route, APIRoute)
-        for method in route.methods
+        for method in route.methods or ()
     }
     table = {(e.method, PREFIX + e.route) for e in ENDPOINTS}
     assert routes == table
@@ -672,7 +672,7 @@ async def test_a_503_while_checking_a_key_carries_no_driver_text(
                                   + "/postgres")
     try:
         async with queue.lifespan(app), client(app) as http:
-            key = (await create_key(queue.transport, "reader", [SCOPE_READ])).key  # type: ignore[arg-type]
+            key = (await create_key(queue.transport, "reader", [SCOPE_READ])).key
             assert (await http.get(f"{PREFIX}/stats", headers={"X-API-Key": key})).status_code == 200
             await admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
             await admin.execute(
@@ -774,7 +774,7 @@ async def test_a_store_that_is_gone_answers_503_to_a_caller_not_yet_authenticate
     app.include_router(queue.router)
     try:
         async with queue.lifespan(app), client(app) as http:
-            key = (await create_key(queue.transport, "reader", [SCOPE_READ])).key  # type: ignore[arg-type]
+            key = (await create_key(queue.transport, "reader", [SCOPE_READ])).key
             assert (await http.get(f"{PREFIX}/stats", headers={"X-API-Key": key})).status_code == 200
             admin = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://").rsplit("/", 1)[0]
                                           + "/postgres")

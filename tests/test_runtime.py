@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections import Counter
@@ -105,7 +106,7 @@ async def test_outcomes_and_errors_map_to_delivery_states(pg_url: str) -> None:
         results = await queue.publish(
             topic, [PublishRequest(payload={"do": d}) for d in ("none", "fatal", "crash", "dead", "retry", "ok")]
         )
-        infos = [await wait_for(lambda r=r: _terminal(queue, subs["h"], r.message_id)) for r in results]
+        infos = [await wait_for(functools.partial(_terminal, queue, subs["h"], r.message_id)) for r in results]
     by_action = dict(zip(("none", "fatal", "crash", "dead", "retry", "ok"), infos, strict=True))
     assert by_action["none"].status == "Completed"
     assert by_action["ok"].status == "Completed"
@@ -144,13 +145,15 @@ async def test_a_handler_exception_is_logged_with_its_traceback_and_kept_in_last
     records = [r for r in caplog.records if r.name == "fastapi_workqueue.runtime" and r.exc_text]
     assert [r.levelno for r in records] == [logging.WARNING, logging.ERROR]
     for attempt, record in enumerate(records, 1):
-        assert record.subscription == subs["h"]
-        assert record.delivery_id == info.delivery_id
-        assert record.message_id == str(result.message_id)
-        assert record.attempt == attempt
+        fields = vars(record)  # the log call's extra fields
+        assert fields["subscription"] == subs["h"]
+        assert fields["delivery_id"] == info.delivery_id
+        assert fields["message_id"] == str(result.message_id)
+        assert fields["attempt"] == attempt
         # The traceback is logged redacted, as text; the raw exception is not left for a handler
         # to format again.
         assert record.exc_info is None
+        assert record.exc_text is not None
         assert record.exc_text.splitlines()[-1] == "RuntimeError: cannot send the welcome mail"
         assert f"ConnectionError: smtp://mailer:***@mail.internal refused attempt {attempt}" in record.exc_text
     assert "hunter2" not in caplog.text
@@ -357,7 +360,7 @@ async def test_a_handler_key_cannot_be_registered_twice(pg_url: str) -> None:
 async def test_handler_signature_problems_are_refused_at_registration(pg_url: str) -> None:
     queue, _, _ = make_queue(pg_url, [{"role": "a"}])
     with pytest.raises(ConfigurationError, match="async"):
-        queue.handler("sync")(lambda message: None)  # type: ignore[arg-type,return-value]
+        queue.handler("sync")(lambda message: None)  # type: ignore[type-var]  # a sync handler, on purpose
 
     async def loose(message: WorkMessage[Any], limit: int) -> WorkOutcome:
         return Outcome.complete()
@@ -395,11 +398,11 @@ async def test_work_errors_raised_on_purpose_log_one_line_without_a_traceback(
     caplog.set_level(logging.INFO, logger="fastapi_workqueue.runtime")
     async with queue.lifespan(None):
         [result] = await queue.publish(topic, [PublishRequest(payload="x")])
-        ended = {role: await wait_for(lambda role=role: _terminal(queue, subs[role], result.message_id))
+        ended = {role: await wait_for(functools.partial(_terminal, queue, subs[role], result.message_id))
                  for role in ("retry", "fatal")}
     assert {info.status for info in ended.values()} == {"DeadLettered"}
     records = [r for r in caplog.records if r.name == "fastapi_workqueue.runtime" and "attempt" in r.getMessage()]
-    lines = {(r.subscription, r.attempt): (r.levelno, r.getMessage()) for r in records}
+    lines = {(vars(r)["subscription"], vars(r)["attempt"]): (r.levelno, r.getMessage()) for r in records}
     assert all(r.exc_info is None and r.exc_text is None for r in records)  # no traceback
     retry_id = ended["retry"].delivery_id
     assert lines[(subs["retry"], 1)] == (logging.WARNING, (
@@ -430,6 +433,7 @@ async def test_an_unexpected_exception_logs_the_users_frames_first(
         [result] = await queue.publish(topic, [PublishRequest(payload="x")])
         info = await wait_for(lambda: _terminal(queue, subs["h"], result.message_id))
     [record] = [r for r in caplog.records if r.name == "fastapi_workqueue.runtime" and r.exc_text]
+    assert record.exc_text is not None
     lines = record.exc_text.splitlines()
     assert lines[0] == "Traceback (most recent call last):"
     # The queue's runtime, FastAPI's dependency solving and asyncio called the handler: one line.

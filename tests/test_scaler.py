@@ -18,7 +18,7 @@ import pytest
 
 from fastapi_workqueue import PublishRequest, Subscription, Topic
 from fastapi_workqueue.core.envelope import prepare
-from fastapi_workqueue.core.transport import ClaimedDelivery, Settlement
+from fastapi_workqueue.core.transport import ClaimedDelivery, SettleKind, Settlement
 from fastapi_workqueue.database import sql_files
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
@@ -84,8 +84,8 @@ class Subs:
         assert len(claimed) == limit
         return claimed
 
-    async def settle(self, delivery: ClaimedDelivery, kind: str, **extra: Any) -> None:
-        await self.transport.settle([Settlement(delivery.delivery_id, delivery.lease_token, kind, **extra)])  # type: ignore[arg-type]
+    async def settle(self, delivery: ClaimedDelivery, kind: SettleKind, **extra: Any) -> None:
+        await self.transport.settle([Settlement(delivery.delivery_id, delivery.lease_token, kind, **extra)])
 
 
 def keyed(key: str | None, n: int = 1, **fields: Any) -> list[PublishRequest]:
@@ -102,7 +102,7 @@ async def make_data(transport: PostgresTransport, admin: asyncpg.Connection[Any]
     subs = Subs(transport, {r: unique(f"scale-{r}") for r in modes}, {r: unique(f"scale-t-{r}") for r in modes})
     await transport.sync_topology(
         [Topic(name=t) for t in subs.topics.values()],
-        [Subscription(name=subs.names[r], topic=subs.topics[r], handler_key="h", partition_mode=m)  # type: ignore[arg-type]
+        [Subscription(name=subs.names[r], topic=subs.topics[r], handler_key="h", partition_mode=m)
          for r, m in modes.items()],
     )
     # None: 3 ready, 1 held back, 1 in flight.

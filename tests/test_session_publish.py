@@ -20,14 +20,15 @@ pytestmark = pytest.mark.timeout(60)
 async def stored(engine: AsyncEngine, message_id: uuid.UUID) -> bool:
     """Whether another connection sees the message (committed)."""
     async with engine.connect() as conn:
-        count = await conn.scalar(text("SELECT count(*) FROM workqueue.message WHERE id = :i"), {"i": message_id})
+        count: int | None = await conn.scalar(
+            text("SELECT count(*) FROM workqueue.message WHERE id = :i"), {"i": message_id})
     return count == 1
 
 
 async def test_a_publish_first_in_a_session_begins_its_transaction_and_rolls_back_with_it(pg_url: str) -> None:
     queue, topic, _ = make_queue(pg_url, [{"role": "a"}], enabled=False)
     engine = create_async_engine(pg_url)
-    async with queue.lifespan(None):  # type: ignore[arg-type]
+    async with queue.lifespan(None):
         try:
             rolled_back, committed = uuid.uuid4(), uuid.uuid4()
             async with AsyncSession(engine) as session:
@@ -55,7 +56,7 @@ async def test_a_publish_first_in_a_session_begins_its_transaction_and_rolls_bac
 async def test_a_publish_after_the_callers_writes_shares_their_fate(pg_url: str) -> None:
     queue, topic, _ = make_queue(pg_url, [{"role": "a"}], enabled=False)
     engine = create_async_engine(pg_url)
-    async with queue.lifespan(None):  # type: ignore[arg-type]
+    async with queue.lifespan(None):
         try:
             async with engine.begin() as conn:
                 await conn.execute(text("CREATE TABLE IF NOT EXISTS session_publish_rows (id uuid PRIMARY KEY)"))
@@ -111,7 +112,7 @@ async def test_a_publish_joins_the_callers_transaction_whatever_began_it(databas
         async with queue.engine.connect() as other:
             return int(await other.scalar(count, {"i": key(message_id)}))
 
-    async with queue.lifespan(None):  # type: ignore[arg-type]
+    async with queue.lifespan(None):
         async with queue.engine.begin() as conn:
             await conn.execute(text("CREATE TABLE IF NOT EXISTS joined_rows (id varchar(36) PRIMARY KEY)"))
         for end in ("rollback", "commit"):

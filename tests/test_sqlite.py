@@ -151,7 +151,7 @@ async def test_a_queue_on_the_default_relative_file_works_through_its_lifespan(
     monkeypatch.chdir(tmp_path)
     topic, name = unique("topic"), unique("sub")
     queue = WorkQueue(
-        WorkQueueSettings(subscriptions=[SubscriptionPlan(name=name)], **FAST),  # type: ignore[arg-type]
+        WorkQueueSettings(subscriptions=[SubscriptionPlan(name=name)], **FAST),
         topics=[Topic(name=topic)],
         subscriptions=[Subscription(name=name, topic=topic, handler_key="greet")],
     )

@@ -49,10 +49,10 @@ class Store:
                 await conn.close()
             return
         assert isinstance(self.transport, SqliteTransport)
-        async with aiosqlite.connect(self.transport.path, timeout=10) as conn:
-            await conn.executemany("UPDATE delivery SET settled_at = ? WHERE id = ?",
-                                   [(when.timestamp(), i) for i in ids])
-            await conn.commit()
+        async with aiosqlite.connect(self.transport.path, timeout=10) as db:
+            await db.executemany("UPDATE delivery SET settled_at = ? WHERE id = ?",
+                                 [(when.timestamp(), i) for i in ids])
+            await db.commit()
 
     async def drop_history_routine(self) -> None:
         conn = await asyncpg.connect(to_asyncpg_dsn(self.url))

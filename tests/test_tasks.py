@@ -178,7 +178,7 @@ async def test_cancelling_the_waiter_does_not_wait_for_the_tasks() -> None:
         await waiter
     assert not task.done()
     # End it for good: a coroutine's close() raises GeneratorExit inside it.
-    task.get_coro().close()  # type: ignore[union-attr]
+    task.get_coro().close()
     await asyncio.sleep(0)
 
 

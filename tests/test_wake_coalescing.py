@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import pytest
@@ -21,11 +22,13 @@ from .support import FAST, make_queue, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
-QUIET_POLLS = {"idle_poll_min_ms": 5000, "idle_poll_max_ms": 5000}
+QUIET_POLLS: dict[str, Any] = {"idle_poll_min_ms": 5000, "idle_poll_max_ms": 5000}
 """Idle polls far apart, so every claim in these tests is one a wake-up asked for."""
 
 
-async def test_wake_ups_during_empty_claims_back_off_and_work_is_still_taken(pg_url: str) -> None:
+async def test_wake_ups_during_empty_claims_back_off_and_work_is_still_taken(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     queue, topic, subs = make_queue(pg_url, [{"role": "idle"}], concurrency=2, **QUIET_POLLS)
     done: list[int] = []
 
@@ -46,7 +49,7 @@ async def test_wake_ups_during_empty_claims_back_off_and_work_is_still_taken(pg_
             consumer.wake()  # a NOTIFY arrives during every claim: the worst case
             return await real_claim(subscription, limit, *args, **kwargs)
 
-        consumer.transport.claim = claim_while_notified  # type: ignore[method-assign]
+        monkeypatch.setattr(consumer.transport, "claim", claim_while_notified)
         consumer.wake()
         await wait_for(lambda: consumer.empty_wake_claims >= 5)
         # the pauses between wake-up claims that found nothing: 10 ms doubling (each at least that)
@@ -82,12 +85,16 @@ async def test_two_processes_hearing_every_publish_do_not_both_claim_each_time(p
             return Outcome.complete()
 
     publishes = 30
+
+    def handled_all(n: int) -> bool:
+        return len(handled) == n
+
     async with first.lifespan(None), second.lifespan(None):
         consumers = [q.host.consumers[subs["orders"]] for q in (first, second) if q.host is not None]
         assert len(consumers) == 2
         for i in range(publishes):
             await first.publish(topic, [PublishRequest(payload=i)])
-            await wait_for(lambda n=i + 1: len(handled) == n, within=5, interval=0.002)
+            await wait_for(functools.partial(handled_all, i + 1), within=5, interval=0.002)
         empty = sum(c.empty_wake_claims for c in consumers)
     assert sorted(handled) == list(range(publishes))
     # without the back-off, the process that loses the race claims in vain at every publish

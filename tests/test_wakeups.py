@@ -38,6 +38,7 @@ async def test_publisher_does_not_listen_and_first_consumer_does(pg_url: str) ->
         await transport.add_wakeup_listener(woken.append)  # one LISTEN connection for any number
         assert await listening_backends(pg_url) == before + 1
         [state] = [s for s in await transport.list_subscriptions() if s.name == sub]
+        assert isinstance(state.id, str)  # a wake-up names its subscription by this id
         await transport.publish(topic, [prepare(PublishRequest(payload=2))])
         for _ in range(250):
             if woken.count(state.id) == 2:

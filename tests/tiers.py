@@ -157,8 +157,9 @@ def _reached(item: pytest.Item) -> _Reached:
     path = Path(item.path)
     files = [path, *_conftests(path)]
     todo = [(path, getattr(item, "originalname", item.name))]
-    if getattr(item, "cls", None) is not None:  # a method: its class is what the file defines
-        todo.append((path, item.cls.__name__))  # type: ignore[attr-defined]
+    cls: type | None = getattr(item, "cls", None)
+    if cls is not None:  # a method: its class is what the file defines
+        todo.append((path, cls.__name__))
     for name in getattr(item, "fixturenames", ()):
         owner = next((file for file in files if name in _definitions(file)), None)  # the nearest definition
         if owner is not None:

@@ -8,10 +8,13 @@ import secrets
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from .topology import check_name
 from .wire import WireModel
+
+if TYPE_CHECKING:
+    from .transport import Transport
 
 SCOPE_PUBLISH = "workqueue:publish"
 SCOPE_JOBS = "workqueue:jobs"
@@ -170,20 +173,34 @@ async def verify_key(store: ApiKeyStore, key: str) -> Principal | None:
     return None if record is None else record.principal()
 
 
+def _key_store_of(transport: ApiKeyStore | Transport) -> ApiKeyStore:
+    """The store of a queue's API keys: ``transport`` itself, or behind a router (a queue with
+    topics on AWS) its database; TypeError when it stores no keys."""
+    from .ports import Ports
+
+    # Ports.of answers a bare key store with itself, and a router with its database's store.
+    store = Ports.of(cast("Transport", transport)).api_keys
+    if store is None:
+        raise TypeError(f"{type(transport).__name__} stores no API keys: they live in the queue's database")
+    return store
+
+
 async def create_key(
-    store: ApiKeyStore, name: str, scopes: list[str], expires_at: datetime | None = None,
+    store: ApiKeyStore | Transport, name: str, scopes: list[str], expires_at: datetime | None = None,
     topics: list[str] | None = None,
 ) -> CreatedApiKey:
-    """Creates and stores a key; the returned secret is not stored anywhere. ``topics`` limits the
-    topics it may publish to (names or ``*`` patterns); None allows every topic but the job
-    queues', which also need :data:`SCOPE_JOBS`."""
+    """Creates and stores a key; the returned secret is not stored anywhere. ``store`` is the key
+    store or a queue's transport (``queue.transport``: behind a router, its database keeps the keys).
+    ``topics`` limits the topics it may publish to (names or ``*`` patterns); None allows every
+    topic but the job queues', which also need :data:`SCOPE_JOBS`."""
     if not name.strip():
         raise ValueError("an API key needs a name (who or what uses it)")
     scopes = check_scopes(scopes)
     topics = check_topics(topics)
+    keys = _key_store_of(store)
     key, prefix = generate_key()
     key_id = uuid.uuid4()
-    await store.api_key_create(key_id, name, prefix, hash_key(key), scopes, expires_at, topics)
+    await keys.api_key_create(key_id, name, prefix, hash_key(key), scopes, expires_at, topics)
     return CreatedApiKey(
         id=key_id, name=name, prefix=prefix, scopes=scopes, created_at=datetime.now(UTC), expires_at=expires_at,
         key=key, topics=topics,

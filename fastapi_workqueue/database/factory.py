@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigurationError
 
+if TYPE_CHECKING:
+    from .routines import RoutineTransport
 
-def create_database_transport(url: str, *, sqlite_busy_timeout_ms: int | None = None, **options: Any) -> Any:
+
+def create_database_transport(
+    url: str, *, sqlite_busy_timeout_ms: int | None = None, **options: Any,
+) -> RoutineTransport:
     """A transport for ``url``: ``postgresql+asyncpg://…``, ``sqlite+aiosqlite:///file.db`` or
     ``mssql+aioodbc://…`` (aioodbc is imported when the SQL Server transport opens).
     ``sqlite_busy_timeout_ms`` bounds each SQLite operation's wait for the file's write lock."""

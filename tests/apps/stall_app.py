@@ -42,7 +42,7 @@ def _stalling(transport: Transport, marker: str) -> Transport:
             _stop_once(marker, batch)
         return batch
 
-    transport.claim = claim_then_stop  # type: ignore[method-assign]
+    transport.claim = claim_then_stop  # type: ignore[method-assign]  # replaced on purpose
     return transport
 
 

@@ -235,13 +235,13 @@ def test_on_fifo_a_failure_sends_back_the_rest_of_its_group_unrun(sqs: Any) -> N
 
 def test_the_signal_aborts_before_the_functions_deadline(sqs: Any) -> None:
     policy = make_policy(sqs)
-    reasons: list[AbortReason] = []
+    reasons: list[AbortReason | None] = []
 
     async def handle(message: WorkMessage[Any], context: WorkContext) -> None:
         try:
             await asyncio.Event().wait()
         finally:
-            reasons.append(context.signal.reason)  # type: ignore[arg-type]
+            reasons.append(context.signal.reason)
 
     send(sqs, policy, {"n": 1})
     event = event_of(receive(sqs, policy.queue_url))

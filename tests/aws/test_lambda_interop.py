@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fastapi_workqueue import FatalWorkError, PublishRequest, Subscription, Topic, WorkMessage
 from fastapi_workqueue.aws.bindings import load_bindings
@@ -89,7 +89,9 @@ async def test_a_lambda_dead_letter_keeps_its_delivery_id_through_replay_and_dis
         assert {d.delivery_id for d in dead} == first_ids  # the first MessageId, as the host writes it
         assert {d.message_id for d in dead} == {p.message_id for p in published}
         by_message = {d.message_id: d.delivery_id for d in dead}
-        replayed, discarded = by_message[published[0].message_id], by_message[published[1].message_id]
+        first, second = published[0].message_id, published[1].message_id
+        assert first is not None and second is not None
+        replayed, discarded = by_message[first], by_message[second]
         info = await queue.get_delivery(discarded)
         assert info is not None and info.status == "DeadLettered"
         assert (await queue.discard(sub, discarded, "not needed")).result == "Discarded"
@@ -152,4 +154,4 @@ async def test_every_view_of_a_foreign_message_shows_the_same_message_id(tmp_pat
 
 def received_body(received: list[dict[str, Any]], contains: str) -> str:
     [body] = [m["Body"] for m in received if contains in m["Body"]]
-    return body
+    return cast(str, body)  # an SQS message's body is text

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fastapi_workqueue import PublishRequest, Subscription, Topic
-from fastapi_workqueue.core.transport import ClaimedDelivery, HeartbeatRequest, Settlement
+from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue
+from fastapi_workqueue.core.transport import ClaimedDelivery, HeartbeatRequest, SettleKind, Settlement
 
 from ..conftest import unique
 from .world import aws_of, aws_queue
@@ -16,9 +16,9 @@ from .world import aws_of, aws_queue
 pytestmark = pytest.mark.timeout(120)
 
 
-async def claim_one(queue: object, subscription: str) -> ClaimedDelivery:
+async def claim_one(queue: WorkQueue, subscription: str) -> ClaimedDelivery:
     for _ in range(5):
-        found: list[ClaimedDelivery] = await queue.transport.claim(subscription, 10)  # type: ignore[attr-defined]
+        found = await queue.transport.claim(subscription, 10)
         if found:
             [delivery] = found
             return delivery
@@ -27,7 +27,7 @@ async def claim_one(queue: object, subscription: str) -> ClaimedDelivery:
 
 @pytest.mark.parametrize("kind", ["Complete", "Retry", "DeadLetter", "Release", "Discard"])
 async def test_a_forged_token_changes_nothing_and_the_holder_still_settles(
-    tmp_path: Path, moto_url: str, kind: str,
+    tmp_path: Path, moto_url: str, kind: SettleKind,
 ) -> None:
     name = unique("t")
     sub = f"{name}.s"
@@ -36,7 +36,7 @@ async def test_a_forged_token_changes_nothing_and_the_holder_still_settles(
         await queue.publish(name, [PublishRequest(payload={})])
         delivery = await claim_one(queue, sub)
         transport = queue.transport
-        forged = Settlement(delivery.delivery_id, "forged", kind)  # type: ignore[arg-type]
+        forged = Settlement(delivery.delivery_id, "forged", kind)
         assert await transport.settle([forged]) == ["LeaseLost"]
         assert await transport.settle_with_follow_ups(forged) == "LeaseLost"
         [beat] = await transport.heartbeat([HeartbeatRequest(delivery.delivery_id, "forged", 50, "forged")])

@@ -3,10 +3,13 @@ Exclusive key that a FIFO receive hands over, and what a second process sees of 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
+import pytest
+
 from fastapi_workqueue import PublishRequest
+from fastapi_workqueue.aws.leases import Held
 from fastapi_workqueue.aws.transport import AwsTransport
 from fastapi_workqueue.core.transport import HeartbeatRequest
 from fastapi_workqueue.testing.conformance import make_world
@@ -103,7 +106,9 @@ async def test_a_heartbeat_of_a_key_keeps_its_held_messages_invisible_as_long(mo
         assert await world.claim("x", 10) == []
 
 
-async def test_a_retry_settled_while_a_claim_renews_other_keys_keeps_its_key_in_order(moto_url: str) -> None:
+async def test_a_retry_settled_while_a_claim_renews_other_keys_keeps_its_key_in_order(
+    moto_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A settle runs while a claim waits on SQS (renewing another key's held message): the retry
     still sees its key's held messages and keeps the key's head ahead of them."""
     async with aws_harness(moto_url) as harness:
@@ -112,21 +117,23 @@ async def test_a_retry_settled_while_a_claim_renews_other_keys_keeps_its_key_in_
                                               "backoff_base_seconds": 0, "backoff_max_seconds": 0}])
         g = await world.publish(*[PublishRequest(partition_key="g", payload=f"g{i}") for i in range(2)])
         h = await world.publish(*[PublishRequest(partition_key="h", payload=f"h{i}") for i in range(2)])
+        g0, h0 = g[0].message_id, h[0].message_id
+        assert g0 is not None and h0 is not None
         heads = {c.message_id: c for c in await world.claim("x", 10)}  # g0 and h0 go; g1 and h1 are held
-        assert set(heads) == {g[0].message_id, h[0].message_id}
-        assert await world.settle(heads[h[0].message_id]) == "Completed"
+        assert set(heads) == {g0, h0}
+        assert await world.settle(heads[h0]) == "Completed"
         renew = transport._renew
         settled: list[str] = []
 
-        async def renew_while_g_retries(changes: object) -> list[bool]:
+        async def renew_while_g_retries(changes: Sequence[tuple[Held, int]]) -> list[bool]:
             if not settled:  # the settle lands while the claim waits for SQS
                 settled.append("settling")
-                settled[0] = await world.settle(heads[g[0].message_id], "Retry", delay_seconds=0)
-            return await renew(changes)  # type: ignore[arg-type]
+                settled[0] = await world.settle(heads[g0], "Retry", delay_seconds=0)
+            return await renew(changes)
 
-        transport._renew = renew_while_g_retries  # type: ignore[method-assign]
+        monkeypatch.setattr(transport, "_renew", renew_while_g_retries)
         [h1] = await world.claim("x", 1)  # held since the first receive: renewed before it goes
-        transport._renew = renew  # type: ignore[method-assign]
+        monkeypatch.setattr(transport, "_renew", renew)
         assert settled == ["Pending"] and h1.message_id == h[1].message_id
         again = await world.claim_one("x")
         assert (again.message_id, again.attempt) == (g[0].message_id, 2)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkMessage, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.core.routing import RoutingTransport
 from fastapi_workqueue.core.transport import Settlement
 
 from ..conftest import unique
@@ -64,12 +65,15 @@ async def test_a_topic_moved_to_aws_runs_each_subscription_once_and_forwards_wha
 
     document = provision_queue(queue, moto_url)
     async with running(queue, document):
+        routing = queue.transport
+        assert isinstance(routing, RoutingTransport)
+        database = routing.database
         await queue.publish(name, [PublishRequest(payload={"n": 9})])
         await wait_for(lambda: sorted(ran["work"]) == [1, 2, 3, 9], within=60,
                        describe=lambda: ran)  # the three left Pending at the move, and the new one
 
         async def forwarded() -> bool:  # the forwarder's pass has settled what it sent, for both
-            rows = await queue.transport.database.stats()  # type: ignore[attr-defined]
+            rows = await database.stats()
             return all(r.pending == r.in_flight == 0 for r in rows if r.subscription.startswith(name))
 
         await wait_for(forwarded, within=60)
@@ -98,10 +102,9 @@ async def test_a_topic_moved_to_aws_runs_each_subscription_once_and_forwards_wha
         # The database's leftovers were handed over, not left Pending; its dead letter stays there,
         # reachable by its id.
         for sub in (f"{name}.work", f"{name}.archive"):
-            assert await queue.transport.database.list_deliveries(sub, "Pending") == []  # type: ignore[attr-defined]
-        forwarded = await queue.transport.database.list_deliveries(  # type: ignore[attr-defined]
-            f"{name}.archive", "Discarded")
-        assert len(forwarded) == 3 and all("forwarded to" in (d.reason or "") for d in forwarded)
+            assert await database.list_deliveries(sub, "Pending") == []
+        handed_over = await database.list_deliveries(f"{name}.archive", "Discarded")
+        assert len(handed_over) == 3 and all("forwarded to" in (d.reason or "") for d in handed_over)
         letters = await queue.dead_letters(f"{name}.archive")
         assert str(dead_id) in {d.delivery_id for d in letters}
         replayed = await queue.replay(f"{name}.archive", str(dead_id), "after the move")

@@ -31,7 +31,8 @@ async def test_a_pause_made_in_one_process_stops_claims_in_another(tmp_path: Pat
 
         assert await first.pause(sub) is True
         _, sqs = clients(moto_url)
-        queue_url = here.bindings.subscriptions[sub].queue_url  # type: ignore[union-attr]
+        assert here.bindings is not None
+        queue_url = here.bindings.subscriptions[sub].queue_url
         assert sqs.list_queue_tags(QueueUrl=queue_url)["Tags"][STATUS_TAG] == "Paused"
         # The other process learns it on its next bindings refresh (every BINDINGS_REFRESH_SECONDS).
         assert there.subscription_status(sub) == "Active"

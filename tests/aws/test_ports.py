@@ -4,13 +4,14 @@ keys (the app's, not a topic's) found in the database behind the router."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import httpx
 from fastapi import FastAPI
 
 from fastapi_workqueue import Subscription, Topic
 from fastapi_workqueue.aws.transport import AwsTransport
-from fastapi_workqueue.core.keys import SCOPE_READ, create_key
+from fastapi_workqueue.core.keys import SCOPE_READ, create_key, verify_key
 from fastapi_workqueue.core.routing import RoutingTransport
 
 from ..conftest import unique
@@ -32,7 +33,7 @@ async def test_a_mixed_queue_routes_by_topic_and_keeps_its_keys_in_the_database(
         assert ports.router is routing
         assert isinstance(ports.for_topic(cloud), AwsTransport)
         assert ports.for_subscription(f"{local}.a") is routing.database
-        assert ports.api_keys is routing.database
+        assert ports.api_keys is not None and ports.api_keys is cast(object, routing.database)
         assert ports.interrupter is routing  # it passes the interrupt on to the aws part
         assert ports.processes is routing
 
@@ -46,3 +47,7 @@ async def test_a_mixed_queue_routes_by_topic_and_keeps_its_keys_in_the_database(
         assert answer.status_code == 200, answer.text
         assert {s["Subscription"] for s in answer.json()} >= {f"{cloud}.a", f"{local}.a"}
         assert refused.status_code == 401
+
+        # create_key(queue.transport, ...), as documented: behind the router the database keeps the key.
+        routed = await create_key(routing, "routed", [SCOPE_READ])
+        assert await verify_key(ports.api_keys, routed.key) is not None

@@ -90,5 +90,7 @@ async def test_the_queue_claims_no_capability_that_only_some_of_its_transports_h
         assert (caps.cancel, caps.exact_backlog, caps.terminal_counts) == (False, False, False)
         assert caps.retry_keeps_key_busy
         assert aws_of(queue).capabilities.cancel is False
-        database = queue.transport.default
+        routing = queue.transport
+        assert isinstance(routing, RoutingTransport)
+        database = routing.default
         assert database is not None and database.capabilities.cancel and database.capabilities.terminal_counts

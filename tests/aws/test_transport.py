@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkMessage
+from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkMessage, WorkQueue
 from fastapi_workqueue.aws.bindings import Bindings, store_bindings
 from fastapi_workqueue.aws.manifest import build_manifest
 from fastapi_workqueue.core.envelope import PublishStatus
-from fastapi_workqueue.core.transport import Settlement
+from fastapi_workqueue.core.transport import ClaimedDelivery, Settlement
 
 from ..conftest import unique
 from .provision import provision
@@ -23,9 +23,9 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
 
 
-async def claim_all(queue: object, subscription: str, rounds: int = 5) -> list[object]:
-    transport = queue.transport  # type: ignore[attr-defined]
-    found: list[object] = []
+async def claim_all(queue: WorkQueue, subscription: str, rounds: int = 5) -> list[ClaimedDelivery]:
+    transport = queue.transport
+    found: list[ClaimedDelivery] = []
     for _ in range(rounds):
         batch = await transport.claim(subscription, 10)
         if not batch and found:
@@ -47,12 +47,12 @@ async def test_publish_claim_complete_beside_a_database_topic(tmp_path: Path, mo
         claimed = await claim_all(queue, f"{name}.s")
         assert len(claimed) == 1
         delivery = claimed[0]
-        assert delivery.message_id == result.message_id and delivery.attributes == {"a": "1"}  # type: ignore[attr-defined]
-        assert delivery.delivery_id.startswith("aws:") and delivery.attempt == 1  # type: ignore[attr-defined]
+        assert delivery.message_id == result.message_id and delivery.attributes == {"a": "1"}
+        assert delivery.delivery_id.startswith("aws:") and delivery.attempt == 1
         [db_delivery] = await queue.transport.claim(f"{name}.db", 10)
         assert db_delivery.message_id == db_result.message_id
         outcome = await queue.transport.settle([
-            Settlement(delivery.delivery_id, delivery.lease_token, "Complete"),  # type: ignore[attr-defined]
+            Settlement(delivery.delivery_id, delivery.lease_token, "Complete"),
             Settlement(db_delivery.delivery_id, db_delivery.lease_token, "Complete"),
         ])
         assert outcome == ["Completed", "Completed"]
@@ -83,7 +83,7 @@ async def test_filter_policies_reach_only_matching_queues(tmp_path: Path, moto_u
     async with aws_queue(sqlite_url(tmp_path), moto_url, [Topic(name=name, transport="aws")], subs) as queue:
         await queue.publish(name, [PublishRequest(payload={"i": 1}, attributes={"region": "eu", "sku": "A-1"}),
                                    PublishRequest(payload={"i": 2}, attributes={"region": "us", "sku": "B-1"})])
-        got = {s: sorted(d.attributes["region"] for d in await claim_all(queue, f"{name}.{s}"))  # type: ignore[attr-defined]
+        got = {s: sorted(d.attributes["region"] for d in await claim_all(queue, f"{name}.{s}"))
                for s in ("eu", "not-eu", "a")}
         assert got == {"eu": ["eu"], "not-eu": ["us"], "a": ["eu"]}
 
@@ -97,7 +97,7 @@ async def test_fifo_order_and_single_flight_per_key(tmp_path: Path, moto_url: st
                                    for i in range(3) for k in ("k1", "k2")])
         transport = queue.transport
         first = await transport.claim(sub, 10)
-        keys = [d.partition_key for d in first]
+        keys = [d.partition_key or "" for d in first]
         assert sorted(set(keys)) == ["k1", "k2"]
         # Nothing more of a key while its head is in flight.
         assert await transport.claim(sub, 10) == []
@@ -105,7 +105,8 @@ async def test_fifo_order_and_single_flight_per_key(tmp_path: Path, moto_url: st
         pending = first
         while pending:
             for d in pending:
-                seen[d.partition_key or ""].append(int(d.payload_json.split(":")[1].rstrip("}")))  # type: ignore[union-attr]
+                assert d.payload_json is not None
+                seen[d.partition_key or ""].append(int(d.payload_json.split(":")[1].rstrip("}")))
             await transport.settle([Settlement(d.delivery_id, d.lease_token, "Complete") for d in pending])
             pending = await transport.claim(sub, 10)
         assert seen == {"k1": [0, 1, 2], "k2": [0, 1, 2]}
@@ -122,7 +123,7 @@ async def test_redrive_after_max_attempts_then_replay_from_the_dlq(tmp_path: Pat
         for _ in range(2):
             [d] = await claim_all(queue, sub)
             results += await transport.settle([
-                Settlement(d.delivery_id, d.lease_token, "Fail", delay_seconds=0, error="boom")  # type: ignore[attr-defined]
+                Settlement(d.delivery_id, d.lease_token, "Fail", delay_seconds=0, error="boom")
             ])
         assert results == ["Pending", "DeadLettered"]
         [dead] = await queue.dead_letters(sub, include_payload=True)
@@ -133,8 +134,8 @@ async def test_redrive_after_max_attempts_then_replay_from_the_dlq(tmp_path: Pat
         assert replayed.result == "Replayed"
         assert await queue.dead_letters(sub) == []
         [again] = await claim_all(queue, sub)
-        assert again.message_id == published.message_id and again.attempt == 1  # type: ignore[attr-defined]
-        unsupported = await queue.discard(sub, again.delivery_id)  # type: ignore[attr-defined]
+        assert again.message_id == published.message_id and again.attempt == 1
+        unsupported = await queue.discard(sub, again.delivery_id)
         assert unsupported.result == "Unsupported" and "cancel" in (unsupported.reason or "")
 
 
@@ -145,9 +146,9 @@ async def test_release_uses_no_attempt_in_this_process(tmp_path: Path, moto_url:
                          [Subscription(name=sub, topic=name, handler_key="h")]) as queue:
         await queue.publish(name, [PublishRequest(payload={})])
         [d] = await claim_all(queue, sub)
-        assert await queue.transport.settle([Settlement(d.delivery_id, d.lease_token, "Release")]) == ["Pending"]  # type: ignore[attr-defined]
+        assert await queue.transport.settle([Settlement(d.delivery_id, d.lease_token, "Release")]) == ["Pending"]
         [again] = await claim_all(queue, sub)
-        assert again.attempt == 1  # type: ignore[attr-defined]
+        assert again.attempt == 1
 
 
 async def test_ordered_on_an_aws_topic_is_unsupported_in_health(tmp_path: Path, moto_url: str) -> None:
@@ -192,14 +193,14 @@ async def test_heartbeats_extend_the_visibility_and_a_forged_token_is_dead(tmp_p
         await queue.publish(name, [PublishRequest(payload={})])
         [d] = await claim_all(queue, sub)
         alive, forged = await queue.transport.heartbeat([
-            HeartbeatRequest(d.delivery_id, d.lease_token),  # type: ignore[attr-defined]
-            HeartbeatRequest(d.delivery_id, "forged"),  # type: ignore[attr-defined]
+            HeartbeatRequest(d.delivery_id, d.lease_token),
+            HeartbeatRequest(d.delivery_id, "forged"),
         ])
         assert alive.alive and alive.lease_expires_at is not None
         assert not forged.alive
-        info = await queue.get_delivery(d.delivery_id)  # type: ignore[attr-defined]
+        info = await queue.get_delivery(d.delivery_id)
         assert info is not None and info.status == "InFlight"
-        assert await queue.transport.settle([Settlement(d.delivery_id, "forged", "Complete")]) == ["LeaseLost"]  # type: ignore[attr-defined]
+        assert await queue.transport.settle([Settlement(d.delivery_id, "forged", "Complete")]) == ["LeaseLost"]
 
 
 async def test_a_delay_or_a_deduplication_key_on_a_standard_topic_is_refused(tmp_path: Path, moto_url: str) -> None:

@@ -199,7 +199,7 @@ async def test_every_page_reads_a_bounded_number_of_rows_through_indexes(million
     async with queue.lifespan(app), httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://dashboard.test"
     ) as client:
-        key = await create_key(queue.transport, "ops", [SCOPE_READ, SCOPE_OPERATE, SCOPE_ADMIN])  # type: ignore[arg-type]
+        key = await create_key(queue.transport, "ops", [SCOPE_READ, SCOPE_OPERATE, SCOPE_ADMIN])
         assert (await sign_in(client, key.key)).status_code == 303
         dead = (await queue.dead_letters(bulk, limit=1, after="500000"))[0].delivery_id
         pages = {

@@ -92,7 +92,7 @@ async def browser() -> AsyncIterator[Any]:
 
 
 async def signed_in_page(browser: Any, served: Served, *scopes: str) -> Any:
-    key = await create_key(served.shop.queue.transport, unique("person"), list(scopes))  # type: ignore[arg-type]
+    key = await create_key(served.shop.queue.transport, unique("person"), list(scopes))
     context = await browser.new_context(viewport={"width": 1280, "height": 900})
     page = await context.new_page()
     page.set_default_timeout(15_000)
@@ -198,7 +198,7 @@ async def test_a_read_only_key_sees_no_actions_and_is_refused_one(browser: Any, 
 async def test_a_phone_reads_every_page_without_scrolling_sideways(browser: Any, served: Served) -> None:
     """At 390 px wide no page is wider than the screen: tables keep to their cards."""
     shop = served.shop
-    key = await create_key(shop.queue.transport, unique("phone"), [SCOPE_READ, SCOPE_OPERATE])  # type: ignore[arg-type]
+    key = await create_key(shop.queue.transport, unique("phone"), [SCOPE_READ, SCOPE_OPERATE])
     context = await browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2,
                                         is_mobile=True, has_touch=True)
     page = await context.new_page()
@@ -351,7 +351,7 @@ async def test_a_delivery_held_by_a_worker_process_and_its_attempts_after_a_fail
         dead = await wait_until(lambda: delivery_of(failing.message_id, "DeadLettered"), within=60)
         assert running.holder is not None and running.holder.pid == worker.pid
 
-        key = await create_key(queue.transport, unique("ops"), [SCOPE_READ, SCOPE_OPERATE])  # type: ignore[arg-type]
+        key = await create_key(queue.transport, unique("ops"), [SCOPE_READ, SCOPE_OPERATE])
         context = await browser.new_context(viewport={"width": 1280, "height": 900})
         page = await context.new_page()
         page.set_default_timeout(15_000)

@@ -58,7 +58,7 @@ async def reports(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) 
 @asynccontextmanager
 async def client(app: Reports, *scopes: str) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app.app), base_url="http://dashboard.test") as http:
-        key = await create_key(app.queue.transport, unique("person"), list(scopes))  # type: ignore[arg-type]
+        key = await create_key(app.queue.transport, unique("person"), list(scopes))
         assert (await sign_in(http, key.key)).status_code == 303
         yield http
 
@@ -94,9 +94,9 @@ async def test_a_job_queue_lists_failed_jobs_by_name_to_retry_or_forget(reports:
         # The job's own policy beside the queue's defaults.
         jobs = re.search(r'<table class="grid jobs">(.*?)</table>', page, re.S)
         assert jobs, "a job queue's page lists the jobs declared on it"
-        row = text_of(re.search(rf'<tr data-job="{re.escape(reports.job_name)}">(.*?)</tr>', jobs.group(1),
-                                re.S).group(1))  # type: ignore[union-attr]
-        assert row == f"{reports.job_name} 1 2.0, 10.0 s 30 s", row
+        job_row = re.search(rf'<tr data-job="{re.escape(reports.job_name)}">(.*?)</tr>', jobs.group(1), re.S)
+        assert job_row, reports.job_name
+        assert text_of(job_row.group(1)) == f"{reports.job_name} 1 2.0, 10.0 s 30 s", text_of(job_row.group(1))
         # Forget one, retry the other: forget discards its dead letter, retry replays it (it fails again).
         by_id = {str(i.message_id): i for i in letters}
         forget, retry = by_id[str(first)], by_id[str(second)]
@@ -105,7 +105,8 @@ async def test_a_job_queue_lists_failed_jobs_by_name_to_retry_or_forget(reports:
         assert answer.status_code == 303
         answer = await post(http, here, f"{UI}/deliveries/{retry.delivery_id}/replay", back=here)
         assert answer.status_code == 303
-        assert (await reports.queue.get_delivery(forget.delivery_id)).status == "Discarded"  # type: ignore[union-attr]
+        forgotten = await reports.queue.get_delivery(forget.delivery_id)
+        assert forgotten is not None and forgotten.status == "Discarded"
 
         async def failed_again() -> bool:
             info = await reports.queue.get_delivery(retry.delivery_id)

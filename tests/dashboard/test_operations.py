@@ -18,8 +18,8 @@ from fastapi_workqueue import PublishRequest
 from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.core.keys import SCOPE_READ, create_key
 from fastapi_workqueue.core.observe import carry_headers
-from fastapi_workqueue.core.processes import ProcessBeat, ProcessIdentity, current_process
-from fastapi_workqueue.core.transport import Settlement
+from fastapi_workqueue.core.processes import ProcessBeat, ProcessIdentity, ProcessRegistry, current_process
+from fastapi_workqueue.core.transport import ClaimedDelivery, Settlement
 
 from .shop import Shop, wait_until
 from .test_pages import UI, client_for, sign_in
@@ -90,6 +90,7 @@ async def test_pending_work_that_no_live_process_runs_is_flagged(shop: Shop) -> 
 
 async def test_the_processes_page_lists_live_stopped_and_gone_processes(shop: Shop) -> None:
     transport = shop.queue.transport
+    assert isinstance(transport, ProcessRegistry)
     gone = ProcessIdentity(uuid.uuid4(), "old-host", 4242, datetime.now(UTC))
     await transport.process_beat(ProcessBeat(gone, (shop.mail,), slots=2, busy=1, interval_seconds=0.05))
     me = current_process()
@@ -158,7 +159,7 @@ async def poison(shop: Shop, errors: list[str]) -> list[str]:
     transport = shop.queue.transport
     await shop.queue.resume(shop.idle)
     await transport.publish(shop.topic, [prepare(PublishRequest(payload={"n": i})) for i in range(len(errors))])
-    claimed = []
+    claimed: list[ClaimedDelivery] = []
     while len(claimed) < len(errors):
         claimed += await transport.claim(shop.idle, 100)
     await transport.settle([Settlement(c.delivery_id, c.lease_token, "DeadLetter", reason="poison", error=e)
@@ -196,5 +197,6 @@ async def test_fourteen_identical_dead_letters_are_one_cause_replayed_in_one_act
         discarded = await http.post(f"{page_path}/selected/discard",
                                     data={"csrf": token.group(1), "back": page_path, "delivery": chosen})
         assert discarded.headers["location"].endswith("notice=DiscardedSelected&n=1")
-    statuses = {i: (await shop.queue.get_delivery(i)).status for i in ids[14:]}  # type: ignore[union-attr]
+    infos = {i: await shop.queue.get_delivery(i) for i in ids[14:]}
+    statuses = {i: info.status if info is not None else None for i, info in infos.items()}
     assert statuses == {ids[14]: "Discarded", ids[15]: "DeadLettered"}

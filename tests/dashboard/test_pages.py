@@ -142,7 +142,9 @@ async def test_a_session_ends_when_forged_expired_or_its_key_is_revoked(shop: Sh
         prefix, generation, expires, signature = value.split(".")
         assert (await client.get(f"{UI}/")).status_code == 200
 
-        record = await shop.queue.transport.api_key_session(prefix)  # type: ignore[attr-defined]
+        keys = shop.queue.ports.api_keys
+        assert keys is not None
+        record = await keys.api_key_session(prefix)
         assert record is not None
         # Signed as the app signs, but claiming to last ten years: refused, whatever its signature.
         ten_years = SessionCodec(key=session_key(SECRET, shop.queue.settings), max_age=MAX_SESSION_SECONDS).issue(
@@ -161,7 +163,7 @@ async def test_a_session_ends_when_forged_expired_or_its_key_is_revoked(shop: Sh
 
         client.cookies.set(SESSION_COOKIE, value, domain="dashboard.test", path=UI)
         assert (await client.get(f"{UI}/")).status_code == 200
-        await shop.queue.transport.api_key_revoke(secret.split("_")[1])  # type: ignore[attr-defined]
+        await keys.api_key_revoke(secret.split("_")[1])
         assert (await client.get(f"{UI}/")).status_code == 303
 
 
@@ -250,12 +252,14 @@ async def test_operators_replay_discard_cancel_pause_and_resume(shop: Shop) -> N
         # A cancel applies only while the delivery runs.
         refused = await post(client, sub_page, f"{UI}/deliveries/{first}/cancel")
         assert refused.headers["location"].endswith("notice=NotRunning")
-        assert (await shop.queue.get_delivery(first)).status == "Pending"  # type: ignore[union-attr]
+        waiting = await shop.queue.get_delivery(first)
+        assert waiting is not None and waiting.status == "Pending"
         await shop.queue.publish(shop.topic, [{"payload": {"hold": True}}])
         running = await views_wait_in_flight(shop)
         cancelled = await post(client, f"{UI}/deliveries/{running}", f"{UI}/deliveries/{running}/cancel")
         assert cancelled.headers["location"] == f"{UI}/deliveries/{running}?notice=CancelRequested"
-        assert (await shop.queue.get_delivery(running)).cancel_requested  # type: ignore[union-attr]
+        asked = await shop.queue.get_delivery(running)
+        assert asked is not None and asked.cancel_requested
 
         paused = await post(client, f"{UI}/subscriptions/{shop.mail}", f"{UI}/subscriptions/{shop.mail}/pause")
         assert paused.headers["location"] == f"{UI}/subscriptions/{shop.mail}?notice=Paused"
@@ -273,9 +277,11 @@ async def test_a_replayed_delivery_that_completed_shows_its_old_error_as_a_past_
     from .shop import wait_until
 
     [result] = await shop.queue.publish(shop.topic, [{"payload": {"fail": "once", "to": "ann@example.com"}}])
+    message_id = result.message_id
+    assert message_id is not None
 
     async def mail_delivery(status: str) -> str | None:
-        deliveries = await shop.queue.transport.message_deliveries(result.message_id)
+        deliveries = await shop.queue.transport.message_deliveries(message_id)
         [info] = [d for d in deliveries if d.subscription == shop.mail]
         return info.delivery_id if info.status == status else None
 
@@ -527,7 +533,11 @@ def test_the_sign_in_needs_a_server_secret_and_caps_the_session(pg_url: str) -> 
     assert "WORKQUEUE_DASHBOARD_SECRET" in str(refused.value) and "WORKQUEUE_APP_KEY" in str(refused.value)
     with pytest.raises(ConfigurationError, match="at least 16"):
         bare.dashboard(secret="short")
-    bare.dashboard(authorize=lambda: None)  # the app's own authentication: no session to sign
+
+    async def the_apps_own(security_scopes: SecurityScopes) -> Principal:
+        return Principal(name="someone")
+
+    bare.dashboard(authorize=the_apps_own)  # the app's own authentication: no session to sign
 
     with_app_key = WorkQueue(WorkQueueSettings(database_url=pg_url, app_key=Fernet.generate_key().decode()))
     with_app_key.dashboard()
@@ -580,8 +590,8 @@ async def test_the_pages_render_on_sqlite(sqlite_url: str) -> None:
         assert found.count("<td>partition key</td>") >= 2 and shop.ledger in found
         [head] = [d for d in await shop.queue.dead_letters(shop.ledger) if d.partition_key == "acct-1"]
         assert f'href="{UI}/deliveries/{head.delivery_id}"' in found
-        page = (await client.get(f"{UI}/deliveries/{head.delivery_id}")).text
-        assert 'class="attempt attempt-deadlettered"' in page and "the ledger refused the entry" in page
+        head_page = (await client.get(f"{UI}/deliveries/{head.delivery_id}")).text
+        assert 'class="attempt attempt-deadlettered"' in head_page and "the ledger refused the entry" in head_page
         replayed = await post(client, f"{UI}/deliveries/{dead}", f"{UI}/deliveries/{dead}/replay")
         assert replayed.headers["location"].endswith("notice=Replayed")
         shop.release.set()
@@ -591,6 +601,7 @@ async def test_the_search_box_finds_a_delivery_by_message_id_key_correlation_and
     tag = str(time.time_ns())
     [published] = await shop.queue.publish(shop.topic, [PublishRequest(
         payload={"to": "bob@example.com"}, partition_key=f"customer-{tag}", correlation_id=f"req-{tag}")])
+    assert published.message_id is not None
     deliveries = await shop.queue.transport.message_deliveries(published.message_id)
     async with client_for(shop) as client:
         await sign_in(client, await key(shop, SCOPE_READ))

@@ -33,7 +33,7 @@ import os
 import random
 import sys
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TextIO
 
 import asyncpg
 from fastapi import FastAPI
@@ -219,6 +219,10 @@ def build_queue() -> WorkQueue:
 queue = build_queue()
 
 
+class _SoakLog(logging.StreamHandler[TextIO]):
+    """The soak's stderr handler (added once however often the app is imported)."""
+
+
 def configure_logging() -> None:
     """With ``SOAK_LOG_LEVEL`` set (the runner sets INFO), the library's logs go to stderr: the runner
     reads ``running (concurrency …)`` as readiness and ``LISTEN connection re-established``."""
@@ -226,10 +230,9 @@ def configure_logging() -> None:
     if not level:
         return
     root = logging.getLogger()
-    if not any(getattr(h, "_soak", False) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _SoakLog) for h in root.handlers):
+        handler = _SoakLog(sys.stderr)
         handler.setFormatter(logging.Formatter(f"%(asctime)s [{os.getpid()}] %(levelname)s %(name)s: %(message)s"))
-        handler._soak = True  # type: ignore[attr-defined]
         root.addHandler(handler)
     logging.getLogger("fastapi_workqueue").setLevel(level)
 
