@@ -583,7 +583,10 @@ def test_the_openapi_schema_fuzzed_gets_no_server_error(database: str, pg_url: s
             operation = result.ok()
             names = {p.name for p in operation.path_parameters}
             variants: list[dict[str, Any]] = [{}]
-            if names & set(known):
+            # The real names go to every operation but a delete: deleting the retired subscription
+            # removes its deliveries by design (its own tests prove it), and the read-back below
+            # checks that nothing else a fuzzed call can do loses or changes a stored message.
+            if names & set(known) and operation.method.upper() != "DELETE":
                 variants.append({name: value for name, value in known.items() if name in names})
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
                 for path_parameters in variants:
