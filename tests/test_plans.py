@@ -165,14 +165,24 @@ async def test_heartbeats_are_hot_updates_and_the_sweeper_reads_only_the_in_flig
                     "AND datname = current_database()"):
                 break
             await asyncio.sleep(0.05)
-        updates, hot = await table_updates(conn, "delivery")
-        for beat in range(30):
-            alive = await conn.fetch("SELECT alive FROM workqueue.heartbeat($1, $2, $3, $4)",
-                                     ids, tokens, [beat] * 100, [f"step {beat}"] * 100)
-            assert [r["alive"] for r in alive] == [True] * 100
-        after_updates, after_hot = await table_updates(conn, "delivery")
-        assert after_updates - updates == 3000
-        assert after_hot - hot >= 0.9 * 3000, (after_updates - updates, after_hot - hot)
+        # Up to three counts of 30 rounds. An update is HOT only where the page could be pruned
+        # first, which takes a cleanup lock on it: a checkpoint that pins the page while writing it
+        # (the shared cluster checkpoints whenever another test drops a database) makes that update
+        # move the row instead. Such interference lowers one count; an index on a heartbeat column
+        # makes every count 0, and no retry hides that.
+        counts = []
+        for _ in range(3):
+            updates, hot = await table_updates(conn, "delivery")
+            for beat in range(30):
+                alive = await conn.fetch("SELECT alive FROM workqueue.heartbeat($1, $2, $3, $4)",
+                                         ids, tokens, [beat] * 100, [f"step {beat}"] * 100)
+                assert [r["alive"] for r in alive] == [True] * 100
+            after_updates, after_hot = await table_updates(conn, "delivery")
+            assert after_updates - updates == 3000
+            counts.append(after_hot - hot)
+            if counts[-1] >= 0.9 * 3000:
+                break
+        assert max(counts) >= 0.9 * 3000, counts
 
         # The sweeper finds expired leases among the InFlight rows, whatever else the table holds.
         before = await rows_read(conn, "delivery")
