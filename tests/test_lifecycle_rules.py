@@ -12,13 +12,17 @@ import pytest
 from fastapi_workqueue.core.lifecycle import (
     LEASE_EXPIRED_ERROR,
     BackoffPolicy,
+    BatchItem,
     backoff_seconds,
+    batch_refusals,
     clamp_delay,
+    classify_batch,
     dead_letters,
     expire_transition,
     next_claimable,
     settle_transition,
     settlement_for,
+    topic_refusal,
 )
 from fastapi_workqueue.core.outcomes import FatalWorkError, Outcome, TransientWorkError
 
@@ -176,3 +180,48 @@ def test_ordered_takes_only_a_visible_pending_head() -> None:
 def test_none_mode_takes_any_visible_pending() -> None:
     visible = D("Pending", PAST)
     assert next_claimable("None", [D("InFlight", PAST), D("Pending", FUTURE), visible], NOW) is visible
+
+
+# -- publish: all or nothing ---------------------------------------------------------------------
+
+
+def _item(mid: str, content: str = "h", key: str | None = None, size: int = 10) -> BatchItem:
+    return BatchItem(mid, content, key, size)
+
+
+def test_a_batch_is_classified_before_anything_is_written() -> None:
+    stored = {"old": "h", "other": "x"}
+    live = {"held": "holder-id"}
+    items = [_item("a"), _item("a"), _item("a", "changed"), _item("old"), _item("other"),
+             _item("b", key="held"), _item("c", key="k"), _item("d", key="k"), _item("big", size=101)]
+    verdicts = classify_batch(items, 100, stored_hash=stored.get, live_holder=live.get)
+    assert verdicts == [
+        ("Accepted", "a"), ("Duplicate", "a"), ("MessageIDConflict", "a"), ("Duplicate", "old"),
+        ("MessageIDConflict", "other"), ("Duplicate", "holder-id"), ("Accepted", "c"), ("Duplicate", "c"),
+        ("Rejected", "big"),
+    ]
+
+
+def test_a_refused_item_aborts_the_call_naming_it_from_0() -> None:
+    items = [_item("a"), _item("b", size=500), _item("c")]
+    verdicts = classify_batch(items, 100, stored_hash=lambda _: None, live_holder=lambda _: None)
+    refusals = batch_refusals(verdicts, items, topic="orders", cap=100)
+    assert refusals is not None
+    assert [(r.status, r.code) for r in refusals] == [
+        ("Rejected", "BatchAborted"), ("Rejected", "EnvelopeTooLarge"), ("Rejected", "BatchAborted")]
+    assert refusals[0].text == ("not published: item 1 of this call was refused (EnvelopeTooLarge) and a publish "
+                                "call is all-or-nothing")
+    assert "the envelope is 500 bytes; topic 'orders' accepts at most 100 bytes" in refusals[1].text
+
+
+def test_a_call_without_refusals_is_written() -> None:
+    items = [_item("a"), _item("a")]
+    verdicts = classify_batch(items, None, stored_hash=lambda _: None, live_holder=lambda _: None)
+    assert batch_refusals(verdicts, items, topic="t", cap=None) is None
+
+
+def test_a_topic_that_is_missing_or_retired_refuses_the_call_saying_what_to_do() -> None:
+    assert topic_refusal("orders", exists=False) == (
+        "UnknownTopic", "topic 'orders' does not exist; declare it in the WorkQueue topics or create it first")
+    code, text = topic_refusal("orders", exists=True)
+    assert code == "TopicRetired" and "workqueue topics resume orders" in text

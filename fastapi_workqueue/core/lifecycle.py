@@ -6,7 +6,8 @@
   an InFlight delivery (status, attempt, reason, error, when it is visible again);
 - :func:`settlement_for`: what a handler's outcome or exception settles as;
 - :func:`next_claimable`: which delivery of a key a claim may take, per partition mode;
-- :func:`matches` (re-exported from :mod:`.filters`): a subscription filter against attributes.
+- :func:`matches` (re-exported from :mod:`.filters`): a subscription filter against attributes;
+- :func:`classify_batch` and :func:`batch_refusals`: a publish call's items, all or nothing.
 
 The SQLite routines, the aws transport and its Lambda adapter, the runtime and the in-memory
 transport call these; PostgreSQL and SQL Server keep their own copies in their stored routines, and
@@ -29,13 +30,19 @@ from .transport import SettleKind, Settlement
 
 __all__ = [
     "LEASE_EXPIRED_ERROR",
+    "MESSAGE_ID_CONFLICT_TEXT",
     "BackoffPolicy",
+    "BatchItem",
+    "ItemRefusal",
     "Keyed",
     "PartitionMode",
+    "PublishVerdict",
     "SettledStatus",
     "Transition",
     "backoff_seconds",
+    "batch_refusals",
     "clamp_delay",
+    "classify_batch",
     "dead_letters",
     "expire_transition",
     "is_final_attempt",
@@ -43,6 +50,7 @@ __all__ = [
     "next_claimable",
     "settle_transition",
     "settlement_for",
+    "topic_refusal",
 ]
 
 SettledStatus = Literal["Pending", "Completed", "DeadLettered", "Discarded"]
@@ -270,3 +278,105 @@ def next_claimable(mode: PartitionMode, deliveries: Sequence[K], now: datetime) 
         if d.status == "Pending" and d.visible_at <= now and (best is None or d.visible_at < best.visible_at):
             best = d
     return best
+
+
+# -- publish: every item classified before anything is written, all or nothing -------------------
+
+PublishVerdict = Literal["Accepted", "Duplicate", "Rejected", "MessageIDConflict"]
+
+MESSAGE_ID_CONFLICT_TEXT = (
+    "a message with this MessageID and different content was already published; use a new MessageID for new content"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem:
+    """What the classification of one published message reads."""
+
+    message_id: str
+    content_hash: str
+    deduplication_key: str | None
+    envelope_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ItemRefusal:
+    """How a refused call answers one item: its status (``Rejected`` or ``MessageIDConflict``),
+    error code and text."""
+
+    status: Literal["Rejected", "MessageIDConflict"]
+    code: str
+    text: str
+
+
+def topic_refusal(topic: str, *, exists: bool) -> tuple[str, str]:
+    """The code and text of a publish to a topic that does not exist (``exists=False``) or is retired."""
+    if not exists:
+        return "UnknownTopic", f"topic '{topic}' does not exist; declare it in the WorkQueue topics or create it first"
+    return "TopicRetired", (f"topic '{topic}' is retired and takes no new messages; publish to the topic that "
+                            f"replaced it, or take it back with `workqueue topics resume {topic}`")
+
+
+def classify_batch(
+    items: Sequence[BatchItem], cap: int | None, *,
+    stored_hash: Callable[[str], str | None],
+    live_holder: Callable[[str], str | None],
+) -> list[tuple[PublishVerdict, str]]:
+    """Each item's verdict and the MessageID it answers with, in order, before anything is written.
+
+    An envelope over ``cap`` is Rejected; a MessageID seen earlier in the call or stored with the
+    same content is a Duplicate of it, with other content a MessageIDConflict; a deduplication key
+    held by a live message (``live_holder``), or by an earlier item of the call, makes a Duplicate
+    of the holder. ``stored_hash`` answers a stored message's content hash (None: not stored).
+    """
+    verdicts: list[tuple[PublishVerdict, str]] = []
+    first_by_id: dict[str, str] = {}
+    first_by_key: dict[str, str] = {}
+    for item in items:
+        mid, key = item.message_id, item.deduplication_key
+        if cap is not None and item.envelope_bytes > cap:
+            verdicts.append(("Rejected", mid))
+            continue
+        if mid in first_by_id:
+            verdicts.append(("Duplicate" if first_by_id[mid] == item.content_hash else "MessageIDConflict", mid))
+            continue
+        first_by_id[mid] = item.content_hash
+        stored = stored_hash(mid)
+        if stored is not None:
+            verdicts.append(("Duplicate" if stored == item.content_hash else "MessageIDConflict", mid))
+            continue
+        if key is not None:
+            holder = live_holder(key)
+            if holder is None:
+                holder = first_by_key.get(key)
+            if holder is not None:
+                verdicts.append(("Duplicate", holder))
+                continue
+            first_by_key[key] = mid
+        verdicts.append(("Accepted", mid))
+    return verdicts
+
+
+def batch_refusals(
+    verdicts: Sequence[tuple[PublishVerdict, str]], items: Sequence[BatchItem], *, topic: str, cap: int | None,
+) -> list[ItemRefusal] | None:
+    """None when the call may be written; else how it answers every item: the refused ones with
+    their own error, every other one ``BatchAborted`` naming the first refused item (from 0), as a
+    publish call is all-or-nothing."""
+    failed = next((i for i, (v, _) in enumerate(verdicts) if v in ("Rejected", "MessageIDConflict")), None)
+    if failed is None:
+        return None
+    code = "EnvelopeTooLarge" if verdicts[failed][0] == "Rejected" else "MessageIDConflict"
+    answers: list[ItemRefusal] = []
+    for (verdict, _), item in zip(verdicts, items, strict=True):
+        if verdict == "Rejected":
+            answers.append(ItemRefusal("Rejected", "EnvelopeTooLarge", (
+                f"the envelope is {item.envelope_bytes} bytes; topic '{topic}' accepts at most {cap} bytes "
+                "(max_payload_bytes); send a PayloadRef to the data instead")))
+        elif verdict == "MessageIDConflict":
+            answers.append(ItemRefusal("MessageIDConflict", "MessageIDConflict", MESSAGE_ID_CONFLICT_TEXT))
+        else:
+            answers.append(ItemRefusal("Rejected", "BatchAborted", (
+                f"not published: item {failed} of this call was refused ({code}) and a publish call is "
+                "all-or-nothing")))
+    return answers

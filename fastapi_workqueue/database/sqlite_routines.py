@@ -17,7 +17,16 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from ..core.errors import TransportError
-from ..core.lifecycle import BackoffPolicy, expire_transition, matches, settle_transition
+from ..core.lifecycle import (
+    BackoffPolicy,
+    BatchItem,
+    batch_refusals,
+    classify_batch,
+    expire_transition,
+    matches,
+    settle_transition,
+    topic_refusal,
+)
 
 Row = dict[str, Any]
 
@@ -259,11 +268,6 @@ async def r_list_topics(c: Call) -> list[Row]:
 
 # -- publish -------------------------------------------------------------------------------------
 
-_CONFLICT_TEXT = (
-    "a message with this MessageID and different content was already published; use a new MessageID for new content"
-)
-
-
 @routine
 async def r_publish(
     c: Call, p_topic: str, p_message_ids: Sequence[Any], p_partition_keys: Sequence[str | None],
@@ -277,71 +281,31 @@ async def r_publish(
     n = len(p_message_ids)
     ids = [str(m) for m in p_message_ids]
     topic = await c.ex.fetch("topic_get", name=p_topic)
-    if not topic:
-        text = f"topic '{p_topic}' does not exist; declare it in the WorkQueue topics or create it first"
-        return [{"idx": i + 1, "status": "Rejected", "message_id": ids[i], "error_code": "UnknownTopic",
-                 "error_message": text} for i in range(n)]
-    if topic[0]["retired_at"] is not None:
-        text = (f"topic '{p_topic}' is retired and takes no new messages; publish to the topic that replaced it, "
-                f"or take it back with `workqueue topics resume {p_topic}`")
-        return [{"idx": i + 1, "status": "Rejected", "message_id": ids[i], "error_code": "TopicRetired",
+    if not topic or topic[0]["retired_at"] is not None:
+        code, text = topic_refusal(p_topic, exists=bool(topic))
+        return [{"idx": i + 1, "status": "Rejected", "message_id": ids[i], "error_code": code,
                  "error_message": text} for i in range(n)]
     cap = topic[0]["max_payload_bytes"]
 
-    # Classify every item before writing anything (as PostgreSQL's classify-first path does).
-    status: list[str] = []
-    result_ids: list[str] = []
-    first_by_id: dict[str, tuple[int, str]] = {}
-    first_by_key: dict[str, str] = {}
-    for i in range(n):
-        mid, content, key = ids[i], p_content_hashes[i], p_deduplication_keys[i]
-        if cap is not None and p_envelope_bytes[i] > cap:
-            status.append("Rejected")
-            result_ids.append(mid)
-            continue
-        if mid in first_by_id:
-            status.append("Duplicate" if first_by_id[mid][1] == content else "MessageIDConflict")
-            result_ids.append(mid)
-            continue
-        first_by_id[mid] = (i, content)
-        stored = await c.ex.fetch("message_hash", id=mid)
-        if stored:
-            status.append("Duplicate" if stored[0]["content_hash"] == content else "MessageIDConflict")
-            result_ids.append(mid)
-            continue
-        if key is not None:
-            live = await c.ex.fetch("dedup_live", topic=p_topic, key=key, now=c.now)
-            if live:
-                status.append("Duplicate")
-                result_ids.append(str(live[0]["message_id"]))
-                continue
-            if key in first_by_key:
-                status.append("Duplicate")
-                result_ids.append(first_by_key[key])
-                continue
-            first_by_key[key] = mid
-        status.append("Accepted")
-        result_ids.append(mid)
-
-    failed = next((i for i, s in enumerate(status) if s in ("Rejected", "MessageIDConflict")), None)
-    if failed is not None:
-        code = "EnvelopeTooLarge" if status[failed] == "Rejected" else "MessageIDConflict"
-        rows = []
-        for i, s in enumerate(status):
-            if s == "Rejected":
-                text = (f"the envelope is {p_envelope_bytes[i]} bytes; topic '{p_topic}' accepts at most {cap} bytes "
-                        "(max_payload_bytes); send a PayloadRef to the data instead")
-                rows.append({"idx": i + 1, "status": s, "message_id": result_ids[i], "error_code": "EnvelopeTooLarge",
-                             "error_message": text})
-            elif s == "MessageIDConflict":
-                rows.append({"idx": i + 1, "status": s, "message_id": result_ids[i], "error_code": s,
-                             "error_message": _CONFLICT_TEXT})
-            else:
-                text = (f"not published: item {failed} of this call was refused ({code}) and a publish call is "
-                        "all-or-nothing")
-                rows.append({"idx": i + 1, "status": "Rejected", "message_id": result_ids[i],
-                             "error_code": "BatchAborted", "error_message": text})
-        return rows
+    # Classify every item before writing anything (as PostgreSQL's classify-first path does): the
+    # stored hashes and live key holders are read first, the rule is lifecycle's.
+    items = [BatchItem(ids[i], p_content_hashes[i], p_deduplication_keys[i], p_envelope_bytes[i]) for i in range(n)]
+    hashes: dict[str, str] = {}
+    holders: dict[str, str] = {}
+    for item in items:
+        if item.message_id not in hashes and (stored := await c.ex.fetch("message_hash", id=item.message_id)):
+            hashes[item.message_id] = str(stored[0]["content_hash"])
+        key = item.deduplication_key
+        if key is not None and key not in holders and (
+                live := await c.ex.fetch("dedup_live", topic=p_topic, key=key, now=c.now)):
+            holders[key] = str(live[0]["message_id"])
+    verdicts = classify_batch(items, cap, stored_hash=hashes.get, live_holder=holders.get)
+    refusals = batch_refusals(verdicts, items, topic=p_topic, cap=cap)
+    if refusals is not None:
+        return [{"idx": i + 1, "status": r.status, "message_id": verdicts[i][1], "error_code": r.code,
+                 "error_message": r.text} for i, r in enumerate(refusals)]
+    status = [v for v, _ in verdicts]
+    result_ids = [mid for _, mid in verdicts]
 
     accepted = [i for i, s in enumerate(status) if s == "Accepted"]
     subscriptions = await c.ex.fetch("subscriptions_of_topic", topic=p_topic)

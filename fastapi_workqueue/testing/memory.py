@@ -30,12 +30,16 @@ from ..core.envelope import MAX_ENVELOPE_BYTES, PreparedMessage, PublishError, P
 from ..core.errors import ConfigurationError, TransportError
 from ..core.lifecycle import (
     BackoffPolicy,
+    BatchItem,
     PartitionMode,
     Transition,
+    batch_refusals,
+    classify_batch,
     expire_transition,
     matches,
     next_claimable,
     settle_transition,
+    topic_refusal,
 )
 from ..core.observe import trace_id_of
 from ..core.processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
@@ -75,9 +79,6 @@ __all__ = ["MemoryTransport"]
 
 _WEEK = float(DEFAULT_RETENTION_SECONDS)
 _DEDUPLICATION_TTL = 300.0
-_CONFLICT_TEXT = (
-    "a message with this MessageID and different content was already published; use a new MessageID for new content"
-)
 _LIVE = ("Pending", "InFlight", "DeadLettered")
 
 
@@ -295,62 +296,28 @@ class MemoryTransport:
         store, now = self._store, self._now()
         known = store.topics.get(topic)
         if known is None or known.status == "Retired":
-            code = "UnknownTopic" if known is None else "TopicRetired"
-            text = (f"topic '{topic}' does not exist; declare it in the WorkQueue topics or create it first"
-                    if known is None else
-                    f"topic '{topic}' is retired and takes no new messages; publish to the topic that replaced it, "
-                    f"or take it back with `workqueue topics resume {topic}`")
+            code, text = topic_refusal(topic, exists=known is not None)
             return [_refused(m.message_id, code, text) for m in messages]
         cap = known.topic.max_payload_bytes
-        status: list[str] = []
-        result_ids: list[uuid.UUID] = []
-        first_by_id: dict[uuid.UUID, str] = {}
-        first_by_key: dict[str, uuid.UUID] = {}
-        for m in messages:
-            mid, key = m.message_id, m.deduplication_key
-            if cap is not None and m.envelope_bytes > cap:
-                status.append("Rejected")
-                result_ids.append(mid)
-                continue
-            if mid in first_by_id:
-                status.append("Duplicate" if first_by_id[mid] == m.content_hash else "MessageIDConflict")
-                result_ids.append(mid)
-                continue
-            first_by_id[mid] = m.content_hash
-            stored = store.messages.get(mid)
-            if stored is not None:
-                status.append("Duplicate" if stored.content_hash == m.content_hash else "MessageIDConflict")
-                result_ids.append(mid)
-                continue
-            if key is not None:
-                live = store.deduplication.get((topic, key))
-                if live is not None and live[1] > now:
-                    status.append("Duplicate")
-                    result_ids.append(live[0])
-                    continue
-                if key in first_by_key:
-                    status.append("Duplicate")
-                    result_ids.append(first_by_key[key])
-                    continue
-                first_by_key[key] = mid
-            status.append("Accepted")
-            result_ids.append(mid)
-        failed = next((i for i, s in enumerate(status) if s in ("Rejected", "MessageIDConflict")), None)
-        if failed is not None:
-            code = "EnvelopeTooLarge" if status[failed] == "Rejected" else "MessageIDConflict"
-            results = []
-            for i, s in enumerate(status):
-                if s == "Rejected":
-                    results.append(_refused(result_ids[i], "EnvelopeTooLarge", (
-                        f"the envelope is {messages[i].envelope_bytes} bytes; topic '{topic}' accepts at most {cap} "
-                        "bytes (max_payload_bytes); send a PayloadRef to the data instead")))
-                elif s == "MessageIDConflict":
-                    results.append(_refused(result_ids[i], s, _CONFLICT_TEXT, PublishStatus.MESSAGE_ID_CONFLICT))
-                else:
-                    results.append(_refused(result_ids[i], "BatchAborted", (
-                        f"not published: item {failed + 1} of this call was refused ({code}) and a publish call is "
-                        "all-or-nothing")))
-            return results
+
+        def stored_hash(message_id: str) -> str | None:
+            stored = store.messages.get(uuid.UUID(message_id))
+            return None if stored is None else stored.content_hash
+
+        def live_holder(key: str) -> str | None:
+            live = store.deduplication.get((topic, key))
+            return str(live[0]) if live is not None and live[1] > now else None
+
+        items = [BatchItem(str(m.message_id), m.content_hash, m.deduplication_key, m.envelope_bytes) for m in messages]
+        verdicts = classify_batch(items, cap, stored_hash=stored_hash, live_holder=live_holder)
+        refusals = batch_refusals(verdicts, items, topic=topic, cap=cap)
+        if refusals is not None:
+            return [_refused(uuid.UUID(mid), r.code, r.text,
+                             PublishStatus.MESSAGE_ID_CONFLICT if r.status == "MessageIDConflict"
+                             else PublishStatus.REJECTED)
+                    for (_, mid), r in zip(verdicts, refusals, strict=True)]
+        status = [v for v, _ in verdicts]
+        result_ids = [uuid.UUID(mid) for _, mid in verdicts]
 
         subs = [s for s in store.subs.values() if s.spec.topic == topic]
         woken: list[str] = []

@@ -132,6 +132,10 @@ async def test_c06_batch_is_all_or_nothing_and_keeps_array_order(harness: Harnes
     # One bad item: nothing of the call is published.
     bad = await world.publish(*[PublishRequest(payload={"i": i}) for i in range(3)], PublishRequest(payload="z" * 2000))
     assert [r.status for r in bad] == [PublishStatus.REJECTED] * 4
+    assert [r.error.code if r.error else None for r in bad] == ["BatchAborted"] * 3 + ["EnvelopeTooLarge"]
+    # The others name the refused item by its place in the call, counted from 0.
+    assert all(r.error is not None and r.error.message.startswith(
+        "not published: item 3 of this call was refused (EnvelopeTooLarge)") for r in bad[:3]), bad
     assert await world.claim("a", 50) == []
 
 
@@ -143,6 +147,8 @@ async def test_c06_conflict_in_a_batch_publishes_nothing(harness: Harness) -> No
     results = await world.publish(PublishRequest(payload=2), PublishRequest(message_id=mid, payload=3))
     assert results[1].status is PublishStatus.MESSAGE_ID_CONFLICT
     assert results[0].status is PublishStatus.REJECTED
+    assert results[0].error is not None and results[0].error.code == "BatchAborted"
+    assert results[0].error.message.startswith("not published: item 1 of this call was refused (MessageIDConflict)")
     assert await world.claim("a", 10) == []
 
 
