@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
 from fastapi_workqueue import Subscription, SubscriptionPlan, Topic, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.testing.conformance.harness import eventually
 
 from .conftest import unique
 
@@ -56,18 +56,9 @@ def make_queue(
 async def wait_for(check: Callable[[], Any], within: float = 10.0, interval: float = 0.02,
                    describe: Callable[[], Any] | None = None) -> Any:
     """Polls ``check()`` (sync or async) until it is truthy; fails after ``within`` seconds (saying
-    what ``describe()`` returns then)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
-        value = check()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"condition not met within {within} s" + (f": {describe()}" if describe else ""))
-        await asyncio.sleep(interval)
+    what ``describe()`` returns then). The conformance suite's :func:`eventually`, with the longer
+    wait an app-level test needs."""
+    return await eventually(check, within, interval, describe)
 
 
 async def delivery_status(queue: WorkQueue, subscription: str, message_id: Any) -> Any:

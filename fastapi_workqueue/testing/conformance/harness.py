@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -221,15 +221,18 @@ async def memory_harness() -> AsyncIterator[ClockHarness]:
         await transport.close()
 
 
-async def eventually(check: Any, within: float = 5.0, interval: float = 0.02) -> Any:
-    """Polls ``check()`` (sync or async) until it returns a truthy value."""
-    deadline = asyncio.get_running_loop().time() + within
+async def eventually(check: Any, within: float = 5.0, interval: float = 0.02,
+                     describe: Callable[[], Any] | None = None) -> Any:
+    """Polls ``check()`` (sync or async) until it returns a truthy value; fails after ``within``
+    seconds (saying what ``describe()`` returns then)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
     while True:
         value = check()
         if asyncio.iscoroutine(value):
             value = await value
         if value:
             return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {within} s")
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not met within {within} s" + (f": {describe()}" if describe else ""))
         await asyncio.sleep(interval)
