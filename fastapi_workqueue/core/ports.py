@@ -76,7 +76,7 @@ class Ports:
             search=transport if isinstance(transport, DeliverySearch) else None,
             lifecycle=transport if isinstance(transport, TopologyLifecycle) else None,
             api_keys=keys_from if isinstance(keys_from, ApiKeyStore) else None,
-            interrupter=transport if isinstance(transport, ClaimInterrupter) else None,
+            interrupter=interrupter_of(transport),
             router=router,
         )
 

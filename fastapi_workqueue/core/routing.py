@@ -82,8 +82,13 @@ class RoutingTransport:
     ) -> None:
         self.default = default
         self.others = others
-        self._registry = Ports.of(default).processes if default is not None else None
+        self._ports = {id(t): Ports.of(t) for t in self._all()}
+        """Each part's optional parts, resolved once."""
+        database = self._ports[id(default)] if default is not None else None
+        self._registry = database.processes if database is not None else None
         """The database's process registry: processes are the app's, not a topic's."""
+        self._search = database.search if database is not None else None
+        """The database's search (deliveries on a broker are found by their id only)."""
         self._topics = dict(topics)
         self._subscriptions = dict(subscriptions)
         base = default.capabilities if default is not None else Capabilities()
@@ -341,15 +346,14 @@ class RoutingTransport:
         return await self.transport_for_delivery(delivery_id).get_delivery(delivery_id, include_payload=include_payload)
 
     async def delivery_attempts(self, delivery_id: str) -> list[AttemptInfo]:
-        reader = Ports.of(self.transport_for_delivery(delivery_id)).attempts
+        reader = self._ports[id(self.transport_for_delivery(delivery_id))].attempts
         return await reader.delivery_attempts(delivery_id) if reader is not None else []
 
     async def search_deliveries(self, query: str, *, limit: int = 25) -> list[FoundDelivery]:
         """The database's search (deliveries on a broker are found by their id only)."""
-        searcher = Ports.of(self.default).search if self.default is not None else None
-        if searcher is None:
+        if self._search is None:
             return []
-        return await searcher.search_deliveries(query, limit=limit)
+        return await self._search.search_deliveries(query, limit=limit)
 
     async def known_messages(self, ids: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         return await self.database.known_messages(ids)

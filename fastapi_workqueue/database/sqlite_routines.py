@@ -292,13 +292,12 @@ async def r_publish(
     items = [BatchItem(ids[i], p_content_hashes[i], p_deduplication_keys[i], p_envelope_bytes[i]) for i in range(n)]
     hashes: dict[str, str] = {}
     holders: dict[str, str] = {}
-    for item in items:
-        if item.message_id not in hashes and (stored := await c.ex.fetch("message_hash", id=item.message_id)):
-            hashes[item.message_id] = str(stored[0]["content_hash"])
-        key = item.deduplication_key
-        if key is not None and key not in holders and (
-                live := await c.ex.fetch("dedup_live", topic=p_topic, key=key, now=c.now)):
-            holders[key] = str(live[0]["message_id"])
+    for mid in dict.fromkeys(item.message_id for item in items):  # each once, in order
+        if stored := await c.ex.fetch("message_hash", id=mid):
+            hashes[mid] = str(stored[0]["content_hash"])
+    for dedup_key in dict.fromkeys(item.deduplication_key for item in items if item.deduplication_key is not None):
+        if live := await c.ex.fetch("dedup_live", topic=p_topic, key=dedup_key, now=c.now):
+            holders[dedup_key] = str(live[0]["message_id"])
     verdicts = classify_batch(items, cap, stored_hash=hashes.get, live_holder=holders.get)
     refusals = batch_refusals(verdicts, items, topic=p_topic, cap=cap)
     if refusals is not None:
