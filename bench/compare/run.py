@@ -826,6 +826,7 @@ def main() -> None:
             continue
         praw, pdocs = merge_raw(peer_files[name])
         result[name] = {"summary": summarize_peer(praw), "raw": praw, "version": pdocs[0].get("version"),
+                        "none": PEERS[name].get("none", {}),
                         "python": pdocs[0].get("python"), "postgres": pdocs[0].get("postgres"),
                         "settings": pdocs[0].get("settings"),
                         "packages": pip_versions(peer_py[name], PEERS[name]["packages"])}
