@@ -159,11 +159,12 @@ async def test_without_listeners_plain_jobs_end_as_they_do_with_them(database_ur
             return out
 
         await wait_for(lambda: len(app.ran) == 2, within=30)
-        for _ in range(300):
+
+        async def settled() -> dict[uuid.UUID, str] | None:
             found = await statuses()
-            if "Pending" not in found.values() and "InFlight" not in found.values():
-                break
-            await asyncio.sleep(0.05)
+            return None if {"Pending", "InFlight"} & set(found.values()) else found
+
+        found = await wait_for(settled, within=15, interval=0.05)
         assert found == {done: "Completed", flaky: "Completed", gone: "Discarded", failed: "DeadLettered",
                          invalid.message_id: "DeadLettered"}
         assert sorted((r[1], r[2]) for r in app.ran) == [(-1, 2), (1, 1)]
