@@ -5,7 +5,6 @@ every other; docs/design/settles-and-heartbeats.md)."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import Any
 
@@ -18,6 +17,7 @@ from fastapi_workqueue.core.transport import Settlement
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
 from .conftest import unique
+from .support import wait_for
 from .test_migrations import scratch_url  # noqa: F401  (a fixture: an empty database of its own)
 
 pytestmark = pytest.mark.timeout(120)
@@ -159,12 +159,12 @@ async def test_heartbeats_are_hot_updates_and_the_sweeper_reads_only_the_in_flig
         # otherwise find to ANALYZE in the middle of the count is done now.
         await conn.execute("VACUUM ANALYZE")
         # A worker that started before this may still run here: wait it out.
-        for _ in range(600):
-            if not await conn.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker' "
-                    "AND datname = current_database()"):
-                break
-            await asyncio.sleep(0.05)
+        async def no_autovacuum() -> bool:
+            return not await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker' "
+                "AND datname = current_database()")
+
+        await wait_for(no_autovacuum, within=30, interval=0.05)
         # Up to three counts of 30 rounds. An update is HOT only where the page could be pruned
         # first, which takes a cleanup lock on it: a checkpoint that pins the page while writing it
         # (the shared cluster checkpoints whenever another test drops a database) makes that update

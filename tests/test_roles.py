@@ -3,7 +3,6 @@ on its own functions and no privilege on any table (the schema keeps every funct
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +20,7 @@ from fastapi_workqueue.database import sql_files
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
 from .conftest import unique
+from .support import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -293,11 +293,7 @@ async def test_runtime_login_receives_wakeups(pg_url: str, app_login: str) -> No
         await transport.sync_topology([Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="test")])
         [state] = [s for s in await transport.list_subscriptions() if s.name == sub]
         await transport.publish(topic, [prepare(PublishRequest(payload=1))])
-        for _ in range(250):
-            if state.id in woken:
-                break
-            await asyncio.sleep(0.02)
-        assert state.id in woken
+        await wait_for(lambda: state.id in woken, within=5, describe=lambda: woken)
         [claimed] = await transport.claim(sub, 1)
         assert await transport.settle([Settlement(claimed.delivery_id, claimed.lease_token, "Complete")]) == [
             "Completed"
