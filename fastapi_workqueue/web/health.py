@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Response
 
-from ..core.host import SubscriptionHealth
+from ..core.health import ExtensionHealth
 from ..core.wire import WireModel
 
 if TYPE_CHECKING:
     from ..queue import WorkQueue
 
 
+__all__ = ["UNHEALTHY", "ExtensionHealth", "HealthReport", "build_health_router"]
+
 UNHEALTHY = frozenset({"HandlerNotRegistered", "Error"})
 """Subscription states that make ``GET /health/extensions`` answer 503."""
-
-
-class ExtensionHealth(WireModel):
-    """The work queue's part of the health report."""
-
-    name: Literal["WorkQueue"] = "WorkQueue"
-    status: Literal["Running", "Disabled", "Stopped", "Degraded"]
-    reason: str | None = None
-    subscriptions: list[SubscriptionHealth] = []
 
 
 class HealthReport(WireModel):
