@@ -134,7 +134,7 @@ class WorkQueue:
         """The handlers registered with :meth:`handler`, by key."""
         self.request_load = self._kernel.request_load
         """The requests this process serves (those holding ``queue.session``), which its host yields to."""
-        self.health_router: APIRouter = build_health_router(self)
+        self.health_router: APIRouter = build_health_router(self._kernel)
         """``GET /health/extensions``: the state of the host and of each subscription it plans, 503
         when one is ``HandlerNotRegistered`` or in ``Error``. ``app.include_router(queue.health_router)``."""
         self._router: APIRouter | None = None
@@ -178,11 +178,11 @@ class WorkQueue:
 
         ``authorize`` takes ``SecurityScopes`` and returns a ``Principal``; it raises 401/403.
         """
-        check = authorize or api_key_authorizer(self)
-        router = build_router(self, check, prefix=prefix, max_body_bytes=max_body_bytes, max_batch=max_batch)
+        check = authorize or api_key_authorizer(self._kernel)
+        router = build_router(self._kernel, check, prefix=prefix, max_body_bytes=max_body_bytes, max_batch=max_batch)
         from .jobs.routes import build_job_router
 
-        router.include_router(build_job_router(self, check, prefix=""))
+        router.include_router(build_job_router(lambda: self.jobs, check, prefix=""))
         return router
 
     @property
@@ -201,7 +201,7 @@ class WorkQueue:
         from .observability.metrics_router import build_metrics_router
 
         return build_metrics_router(
-            self, authorize=authorize or api_key_authorizer(self),
+            self._kernel, authorize=authorize or api_key_authorizer(self._kernel),
             public=self.settings.metrics_public if public is None else public, path=path, registry=registry,
         )
 
@@ -287,7 +287,7 @@ class WorkQueue:
         if self._jobs is None:
             from .jobs.layer import Jobs
 
-            self._jobs = Jobs(self)
+            self._jobs = Jobs(self._kernel)
         return self._jobs
 
     def job(

@@ -110,7 +110,7 @@ async def run_work(
 
     The lifespan opens the queue but starts no host of its own (:func:`host_run_by_worker`); the
     worker's host runs, drains on a signal, and the lifespan's shutdown runs after the drain."""
-    from ..queue import host_run_by_worker
+    from ..core.kernel import host_run_by_worker
 
     if isinstance(plan, str):
         plan = WorkPlan(subscriptions=(plan,))

@@ -10,7 +10,7 @@ from ..core.health import ExtensionHealth
 from ..core.wire import WireModel
 
 if TYPE_CHECKING:
-    from ..queue import WorkQueue
+    from ..core.kernel import Kernel
 
 
 __all__ = ["UNHEALTHY", "ExtensionHealth", "HealthReport", "build_health_router"]
@@ -23,7 +23,8 @@ class HealthReport(WireModel):
     extensions: list[ExtensionHealth]
 
 
-def build_health_router(queue: WorkQueue) -> APIRouter:
+def build_health_router(kernel: Kernel) -> APIRouter:
+    """``GET /health/extensions`` of the queue of ``kernel``."""
     router = APIRouter(tags=["health"])
 
     @router.get(
@@ -39,7 +40,7 @@ def build_health_router(queue: WorkQueue) -> APIRouter:
         503 when any of them is HandlerNotRegistered or Error (so a load balancer takes the
         instance out), 200 otherwise. Anyone may ask, so an error's own text (a driver's, naming
         hosts and databases) is replaced by a generic reason; it is in the process's log."""
-        report = queue.health()
+        report = kernel.health()
         if report.status == "Degraded" or any(s.state in UNHEALTHY for s in report.subscriptions):
             response.status_code = 503
         public = report.model_copy(update={"subscriptions": [s.public() for s in report.subscriptions]})

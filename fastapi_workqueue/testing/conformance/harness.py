@@ -210,7 +210,7 @@ async def _skipping(reason: str) -> AsyncIterator[Any]:
 @contextlib.asynccontextmanager
 async def memory_harness() -> AsyncIterator[ClockHarness]:
     """A :class:`ClockHarness` on a fresh :class:`~fastapi_workqueue.testing.MemoryTransport`."""
-    from ..memory import MemoryTransport
+    from ...core.memory import MemoryTransport
 
     clock = ManualClock()
     transport = MemoryTransport(f"memory://conformance-{uuid.uuid4().hex}", clock=clock)
