@@ -1,4 +1,11 @@
-"""WorkQueue: the one object an app creates. Topology, handlers, publish, lifespan, routers."""
+"""WorkQueue: the one object an app creates. Topology, handlers, publish, lifespan, routers.
+
+It is the public surface and the assembly: it wires one :class:`~.core.kernel.Kernel` (with the
+database transport, the FastAPI dependency injector and the request sessions, which only the
+layers above ``core`` can build) and hands that kernel to the jobs layer, the routers, the
+dashboard and the metrics. Its own methods delegate to the kernel, the operator service and the
+jobs layer. Inside the package only ``__init__`` and the CLI's app loading import this module.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +16,11 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from fastapi import APIRouter, Depends
 
-from .core.envelope import PreparedMessage, PublishRequest, PublishResult
-from .core.handlers import HandlerFunc, HandlerSpec, unused_handlers
+from .core.envelope import PublishRequest
+from .core.handlers import HandlerFunc, unused_handlers
 from .core.health import ExtensionHealth
 from .core.host import GroupPlan, Host, SubscriptionPlan
-from .core.kernel import Kernel, host_run_by_worker, worker_runs_host
+from .core.kernel import Kernel, worker_runs_host
 from .core.observe import Observer
 from .core.ports import Ports
 from .core.published import PublishResults
@@ -66,7 +73,7 @@ F = TypeVar("F", bound=HandlerFunc)
 _warned_variables: set[str] = set()
 """Unknown ``WORKQUEUE_*`` variables already warned about in this process (once each)."""
 
-__all__ = ["WorkQueue", "host_run_by_worker"]
+__all__ = ["WorkQueue"]
 
 
 def _wired_transport(kernel: Kernel) -> Transport:
@@ -248,26 +255,6 @@ class WorkQueue:
             return func
 
         return register
-
-    def resolve_handler(self, key: str) -> HandlerSpec | None:
-        """The handler registered under ``key``, or None (for the host and the jobs layer)."""
-        return self._kernel.resolve_handler(key)
-
-    def app_needed_by(self, key: str) -> str | None:
-        """Where the handler of ``key`` takes a ``Request`` or ``HTTPConnection`` in its dependency
-        graph (``"handler 'k' -> get_settings -> request"``), or None. Such a handler reads
-        ``request.app`` and needs to run with the app (``workqueue work --app module:app``)."""
-        return self._kernel.app_needed_by(key)
-
-    def prepare_dependencies(self, key: str, func: Callable[..., Any], params: Sequence[str]) -> None:
-        """Builds and checks the dependency graph of ``func``'s ``params`` (a job's, say) under ``key``."""
-        self._kernel.prepare_dependencies(key, func, params)
-
-    async def call_with_dependencies(
-        self, key: str, func: Callable[..., Any], fixed: Mapping[str, Any], message: Any, context: Any
-    ) -> Any:
-        """Calls ``func`` with ``fixed`` arguments and its dependencies solved for this attempt."""
-        return await self._kernel.call_with_dependencies(key, func, fixed, message, context)
 
     def bind_app(self, app: ASGIApp | None) -> None:
         """The app whose ``state`` and ``dependency_overrides`` handlers see (``lifespan`` binds it)."""
@@ -570,25 +557,19 @@ class WorkQueue:
         ``groups`` default to one consumer for the job queues (``WORKQUEUE_JOB_QUEUES``) when the
         queue has jobs."""
         return self._kernel.build_host(
-            plan, groups=groups if groups is not None else self.job_groups(), max_deliveries=max_deliveries,
+            plan, groups=groups if groups is not None else self._job_groups(), max_deliveries=max_deliveries,
             stop_when_idle=stop_when_idle, **option_overrides,
         )
 
-    def job_groups(self, queues: str | None = None, concurrency: int | None = None) -> list[GroupPlan]:
-        """The consumer of the job queues: ``queues`` (``mail,*``; default ``WORKQUEUE_JOB_QUEUES``,
-        unset: every queue fairly) at ``concurrency`` (default ``WORKQUEUE_JOB_CONCURRENCY``)."""
-        if self._jobs is None or not len(self._jobs.registry):
-            return []
-        from .jobs.worker import job_group
-
-        return [job_group(queues if queues is not None else self.settings.job_queues,
-                          concurrency or self.settings.job_concurrency)]
+    def _job_groups(self) -> list[GroupPlan]:
+        """The consumer of the job queues the settings plan, when the queue declares jobs."""
+        return [] if self._jobs is None else self._jobs.groups()
 
     async def _start_host(self) -> Host:
         """Starts this process's host (the lifespan does, unless the host is off here); returns it."""
         kernel = self._kernel
         if kernel.host is None:
-            if self.job_groups():
+            if self._job_groups():
                 # The app's own host takes the job queues under the same rule as `workqueue work`.
                 from .jobs.worker import check_fits_lease, parse_queues
 
@@ -601,7 +582,7 @@ class WorkQueue:
                 log.warning("%s", problem)
             if self._jobs is not None:
                 self._jobs.schedules.start()
-                if self.job_groups():
+                if self._job_groups():
                     self._jobs.watch_queues(host, self.settings.job_queues)
         return kernel.host
 
@@ -656,19 +637,6 @@ class WorkQueue:
         Raises :class:`UnknownTopic` when neither the code nor the store knows ``topic``.
         """
         return await self._kernel.publish(topic, requests, session=session)
-
-    def envelope_cap(self, topic: str) -> int:
-        """The most bytes an envelope on ``topic`` may have (a topic may lower the library's limit)."""
-        return self._kernel.envelope_cap(topic)
-
-    async def publish_prepared(
-        self, topic: str, count: int, prepared: list[PreparedMessage], failures: dict[int, PublishResult], *,
-        session: Any = None,
-    ) -> PublishResults:
-        """The second half of :meth:`publish`, for ``count`` requests already prepared: ``prepared``
-        those that passed, ``failures`` the results of those refused, by index (then none is
-        published). For layers that prepare their messages themselves (the jobs layer)."""
-        return await self._kernel.publish_prepared(topic, count, prepared, failures, session=session)
 
     # -- operate -----------------------------------------------------------------------------
 

@@ -54,12 +54,12 @@ from .runner import JobRunner
 from .schedules import Schedules
 from .steps import TransportSteps
 from .watchdog import Overrun, Watchdog
-from .worker import GROUP_NAME, UnwatchedQueues, parse_queues
+from .worker import GROUP_NAME, UnwatchedQueues, job_group, parse_queues
 
 if TYPE_CHECKING:
     from ..core.context import WorkContext
     from ..core.envelope import WorkMessage
-    from ..core.host import Host
+    from ..core.host import GroupPlan, Host
     from ..core.kernel import Kernel
 
 log = redacting_logger("fastapi_workqueue.jobs")
@@ -169,6 +169,16 @@ class Jobs:
         if self._watcher is None:
             self._watcher = UnwatchedQueues(self, parse_queues(queues), idle=idle)
             self._watcher.start()  # (a list with * leaves nothing out: no task starts)
+
+    def groups(self, queues: str | None = None, concurrency: int | None = None) -> list[GroupPlan]:
+        """The consumer of the job queues, none while no job is declared: ``queues`` (``mail,*``;
+        default ``WORKQUEUE_JOB_QUEUES``, unset: every queue fairly) at ``concurrency`` (default
+        ``WORKQUEUE_JOB_CONCURRENCY``)."""
+        if not len(self.registry):
+            return []
+        settings = self.kernel.settings
+        return [job_group(queues if queues is not None else settings.job_queues,
+                          concurrency or settings.job_concurrency)]
 
     async def stop_watching(self) -> None:
         watcher, self._watcher = self._watcher, None
