@@ -30,7 +30,11 @@ from ...core.transport import ClaimedDelivery, HeartbeatRequest, Settlement, Set
 
 class Harness(Protocol):
     name: str
-    transport: Transport
+
+    @property
+    def transport(self) -> Transport:
+        """The transport under test (read-only here, so a harness may hold a narrower type)."""
+        ...
 
     def session(self) -> AbstractAsyncContextManager[Any]:
         """An AsyncSession on the transport's database with an open transaction."""
