@@ -120,7 +120,7 @@ class WorkQueue:
         subscriptions: Iterable[Subscription] = (),
         transport: Transport | None = None,
     ) -> None:
-        self._kernel: Kernel
+        self._kernel: Kernel  # (the sessions read the kernel's settings when they first connect)
         load = RequestLoad()
         self._sessions = RequestSessions(lambda: self._kernel.database_url(),
                                          lambda: self._kernel.settings.session_pool(), load=load)
