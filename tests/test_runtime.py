@@ -644,7 +644,7 @@ async def test_the_sweeper_logs_each_lease_it_takes_back_with_its_holder(
                 if store == "pg" else "UPDATE delivery SET lease_expires_at = lease_expires_at - 3600 WHERE id = :id")
         async with queue.engine.begin() as conn:
             await conn.execute(text(past), {"id": int(claimed.delivery_id)})
-        host = queue._host
+        host = queue.host
         assert host is not None
         assert await host.sweep_once() >= 1
     me = current_process()

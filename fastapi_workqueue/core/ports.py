@@ -44,6 +44,8 @@ class TopicRouter(Protocol):
 
     def transport_for_topic(self, topic: str) -> Transport: ...
     def transport_for_subscription(self, subscription: str) -> Transport: ...
+    def ports_for_topic(self, topic: str) -> Ports: ...
+    def ports_for_subscription(self, subscription: str) -> Ports: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +68,6 @@ class Ports:
     def of(cls, transport: Transport) -> Ports:
         """Resolves the optional parts of ``transport`` (once, when the queue is wired)."""
         router = transport if isinstance(transport, TopicRouter) else None
-        keys_from: object = router.default if router is not None else transport
         return cls(
             transport=transport,
             processes=transport if isinstance(transport, ProcessRegistry) else None,
@@ -75,7 +76,7 @@ class Ports:
             attempts=transport if isinstance(transport, AttemptHistoryReader) else None,
             search=transport if isinstance(transport, DeliverySearch) else None,
             lifecycle=transport if isinstance(transport, TopologyLifecycle) else None,
-            api_keys=keys_from if isinstance(keys_from, ApiKeyStore) else None,
+            api_keys=api_key_store_of(transport),
             interrupter=interrupter_of(transport),
             router=router,
         )
@@ -87,6 +88,21 @@ class Ports:
     def for_subscription(self, subscription: str) -> Transport:
         """The transport that serves ``subscription``."""
         return self.transport if self.router is None else self.router.transport_for_subscription(subscription)
+
+    def ports_for_topic(self, topic: str) -> Ports:
+        """The ports of the transport that stores ``topic`` (resolved once, by the router)."""
+        return self if self.router is None else self.router.ports_for_topic(topic)
+
+    def ports_for_subscription(self, subscription: str) -> Ports:
+        """The ports of the transport that serves ``subscription`` (resolved once, by the router)."""
+        return self if self.router is None else self.router.ports_for_subscription(subscription)
+
+
+def api_key_store_of(store: object) -> ApiKeyStore | None:
+    """Where the API keys of ``store`` live: ``store`` itself when it keeps them, behind a router
+    its database; None when neither keeps keys."""
+    keys_from = store.default if isinstance(store, TopicRouter) else store
+    return keys_from if isinstance(keys_from, ApiKeyStore) else None
 
 
 def interrupter_of(transport: Transport) -> ClaimInterrupter | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import time
 import uuid
@@ -23,7 +22,6 @@ from typing import Any, Protocol, TypeVar
 from ..core.attempts import AttemptInfo
 from ..core.clock import SYSTEM_CLOCK, Clock, time_to_pass
 from ..core.envelope import (
-    MAX_DELAY_SECONDS,
     MAX_ENVELOPE_BYTES,
     PreparedMessage,
     PublishError,
@@ -33,6 +31,7 @@ from ..core.envelope import (
 from ..core.errors import ConfigurationError, TransportError, WorkQueueError
 from ..core.history import StatsPoint
 from ..core.keys import ApiKeyInfo, KeyRecord
+from ..core.lifecycle import follow_up_refused, settle_delay
 from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts
 from ..core.observe import HEADERS_KEY, split_headers, trace_id_of
 from ..core.processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
@@ -787,17 +786,6 @@ CLAIM_MANY_REFUSAL = "claim_many takes None-mode subscriptions only"
 """The start of the error every dialect's claim_many raises for an Exclusive or Ordered subscription."""
 
 
-def follow_up_refused(delivery_id: str, topic: str, message: PreparedMessage, answer: PublishResult) -> str:
-    """Why settle_with_follow_ups rolled back: which follow-up message, and what the publish said."""
-    why = answer.status.value
-    if answer.error is not None:
-        why += f" ({answer.error.code}: {answer.error.message})"
-    return (
-        f"settle with follow-ups: follow-up message {message.message_id} to topic {topic!r} was refused: {why}; "
-        f"nothing was published and delivery {delivery_id} was not settled (it stays InFlight under its lease)"
-    )
-
-
 MAX_DELIVERY_ID = 2**63 - 1
 """Delivery ids are 64-bit integers in every store."""
 
@@ -810,14 +798,6 @@ def delivery_number(delivery_id: str) -> int | None:
     except ValueError:
         return None
     return numeric if 0 < numeric <= MAX_DELIVERY_ID else None
-
-
-def settle_delay(delay: float | None) -> float | None:
-    """A handler's retry delay as the stores can add it to a timestamp: at most MAX_DELAY_SECONDS
-    (a longer one would fail this settle and every sweep after it); NaN means none."""
-    if delay is None or math.isnan(delay):
-        return None
-    return min(max(delay, 0.0), MAX_DELAY_SECONDS)
 
 
 _ACCEPTED = PublishStatus.ACCEPTED

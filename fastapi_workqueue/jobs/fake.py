@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from ..core.envelope import PreparedMessage, PublishRequest, prepare
 from ..core.errors import ConfigurationError
-from ..testing.memory import MemoryTransport
+from ..core.memory import MemoryTransport
 from .definition import Job
 from .envelope import JobEnvelope
 from .fake_app import apps_of
@@ -142,11 +142,11 @@ class JobFake:
         """Runs every recorded job not run yet (and the jobs they chain), here and now, and says
         what that came to (``.processed``, ``.failed``, ``.released``, ``.discarded``)."""
         runner = LocalRun(self._jobs, once_store=self._once_store, on_queued=self._chained, raise_failures=False)
-        queue_of_jobs = self._jobs.queue
-        bound = queue_of_jobs.bound_app
+        kernel = self._jobs.kernel
+        bound = kernel.bound_app
         if self._waiting and self._app is None:
             self._app = self._find_app(bound)
-        queue_of_jobs.bind_app(self._app)  # (for these attempts only: the lifespan's app comes back after)
+        kernel.bind_app(self._app)  # (for these attempts only: the lifespan's app comes back after)
         try:
             while self._waiting:
                 queue, message = self._waiting.pop(0)
@@ -155,14 +155,14 @@ class JobFake:
                 if envelope.unique_key is not None:
                     self._held_unique.discard(envelope.unique_key)
         finally:
-            queue_of_jobs.bind_app(bound)
+            kernel.bind_app(bound)
         return runner.counts.as_counts()
 
     def _find_app(self, bound: Any) -> Any:
         """The app that serves the queue (see :mod:`.fake_app`), else the one a lifespan bound."""
         if not any(job.dependency_params for job in self._jobs.registry):
             return bound  # (no job has a dependency to override: no need to look)
-        apps = apps_of(self._jobs.queue)
+        apps = apps_of(self._jobs.kernel.facade)
         if len(apps) == 1:
             return apps[0]
         if not apps or bound in apps:

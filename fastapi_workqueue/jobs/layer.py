@@ -54,13 +54,13 @@ from .runner import JobRunner
 from .schedules import Schedules
 from .steps import TransportSteps
 from .watchdog import Overrun, Watchdog
-from .worker import GROUP_NAME, UnwatchedQueues, parse_queues
+from .worker import GROUP_NAME, UnwatchedQueues, job_group, parse_queues
 
 if TYPE_CHECKING:
     from ..core.context import WorkContext
     from ..core.envelope import WorkMessage
-    from ..core.host import Host
-    from ..queue import WorkQueue
+    from ..core.host import GroupPlan, Host
+    from ..core.kernel import Kernel
 
 log = redacting_logger("fastapi_workqueue.jobs")
 
@@ -114,21 +114,22 @@ _Entry = tuple["Job", str, Any, Any, "str | None", "float | None"]
 _LAYERS: weakref.WeakSet[Jobs] = weakref.WeakSet()
 
 
-def queues_with_jobs() -> list[WorkQueue]:
-    """The queues of this process that declare at least one job (the test plugin's default)."""
-    return [layer.queue for layer in list(_LAYERS) if len(layer.registry)]
+def queues_with_jobs() -> list[object]:
+    """The queues of this process that declare at least one job (the test plugin's default): the
+    app-facing object of each kernel (its WorkQueue)."""
+    return [layer.kernel.facade for layer in list(_LAYERS) if len(layer.registry)]
 
 
 class Jobs:
-    """Jobs of one :class:`~fastapi_workqueue.WorkQueue`."""
+    """Jobs of one :class:`~fastapi_workqueue.WorkQueue`, on its kernel."""
 
-    def __init__(self, queue: WorkQueue) -> None:
-        self.queue = queue
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
         _LAYERS.add(self)
         self.registry = JobRegistry()
         self.events = JobEvents()
         self.runner = JobRunner(self)
-        self.steps: StepStore = TransportSteps(lambda: self.queue.transport)
+        self.steps: StepStore = TransportSteps(lambda: self.kernel.transport)
         self.locks = Locks(self._once_begin, self._once_abort, self._once_renew)
         self._cipher: PayloadCipher | None = None
         self._cipher_loaded = False
@@ -169,6 +170,16 @@ class Jobs:
             self._watcher = UnwatchedQueues(self, parse_queues(queues), idle=idle)
             self._watcher.start()  # (a list with * leaves nothing out: no task starts)
 
+    def groups(self, queues: str | None = None, concurrency: int | None = None) -> list[GroupPlan]:
+        """The consumer of the job queues, none while no job is declared: ``queues`` (``mail,*``;
+        default ``WORKQUEUE_JOB_QUEUES``, unset: every queue fairly) at ``concurrency`` (default
+        ``WORKQUEUE_JOB_CONCURRENCY``)."""
+        if not len(self.registry):
+            return []
+        settings = self.kernel.settings
+        return [job_group(queues if queues is not None else settings.job_queues,
+                          concurrency or settings.job_concurrency)]
+
     async def stop_watching(self) -> None:
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
@@ -178,14 +189,14 @@ class Jobs:
 
     @property
     def lease_seconds(self) -> float:
-        return float(self.queue.settings.job_lease_seconds)
+        return float(self.kernel.settings.job_lease_seconds)
 
     @property
     def stop_timeout(self) -> float:
         """Seconds a job that ran past its timeout has to stop before the worker ends (exit 70)."""
         if self._stop_timeout is not None:
             return self._stop_timeout
-        return self.queue.settings.shutdown_drain_ms / 1000
+        return self.kernel.settings.shutdown_drain_ms / 1000
 
     @stop_timeout.setter
     def stop_timeout(self, seconds: float) -> None:
@@ -193,11 +204,11 @@ class Jobs:
 
     @property
     def sync(self) -> bool:
-        return self.queue.settings.jobs_mode == "sync"
+        return self.kernel.settings.jobs_mode == "sync"
 
     def cipher(self) -> PayloadCipher | None:
         if not self._cipher_loaded:
-            settings = self.queue.settings
+            settings = self.kernel.settings
             key = settings.app_key.get_secret_value() if settings.app_key is not None else None
             previous = settings.previous_keys.get_secret_value() if settings.previous_keys is not None else None
             self._cipher = cipher_from(key, previous)
@@ -224,7 +235,7 @@ class Jobs:
             job = define_job(name, func, **options)
             self.registry.add(job)
             try:
-                self.queue.prepare_dependencies(job.key, job.func, job.dependency_params)
+                self.kernel.prepare_dependencies(job.key, job.func, job.dependency_params)
             except ConfigurationError:
                 self.registry.remove(job.name)
                 raise
@@ -236,7 +247,7 @@ class Jobs:
     def app_needed(self) -> str | None:
         """Where a job's dependencies take a Request (so the job needs to run with the app), or None."""
         for job in self.registry:
-            where = self.queue.app_needed_by(job.key)
+            where = self.kernel.app_needed_by(job.key)
             if where is not None:
                 return where
         return None
@@ -245,12 +256,12 @@ class Jobs:
         """Adds the topic and subscription of job queue ``name`` to the queue's topology."""
         check_queue_name(name)
         topic = topic_of(name)
-        if topic in self.queue.topics:
+        if topic in self.kernel.topics:
             return
-        self.queue.add_topic(Topic(name=topic))
-        self.queue.add_subscription(self.subscription_for(name))
-        if self.queue.resolve_handler(JOBS_HANDLER) is None:
-            self.queue.handler(JOBS_HANDLER)(self.runner.run)
+        self.kernel.add_topic(Topic(name=topic))
+        self.kernel.add_subscription(self.subscription_for(name))
+        if self.kernel.resolve_handler(JOBS_HANDLER) is None:
+            self.kernel.add_handler(JOBS_HANDLER, self.runner.run)
 
     def subscription_for(self, name: str) -> Subscription:
         topic = topic_of(name)
@@ -263,17 +274,17 @@ class Jobs:
         if topic in self._synced:  # declared and in the store already: the common case, at every dispatch
             return topic
         self.declare_queue(name)
-        if self.queue.is_open:
+        if self.kernel.is_open:
             async with self._sync_lock:
                 if topic not in self._synced:
-                    await self.queue.transport.sync_topology([self.queue.topics[topic]],
-                                                             [self.queue.subscriptions[topic]])
+                    await self.kernel.transport.sync_topology([self.kernel.topics[topic]],
+                                                             [self.kernel.subscriptions[topic]])
                     self._synced.add(topic)
         return topic
 
     def mark_synced(self) -> None:
         """The queue's open() wrote the declared topology: every declared job queue is in the store."""
-        self._synced.update(t for t in self.queue.topics if queue_of(t) is not None)
+        self._synced.update(t for t in self.kernel.topics if queue_of(t) is not None)
 
     # -- building messages -------------------------------------------------------------------
 
@@ -379,7 +390,7 @@ class Jobs:
     async def _send(self, topic: str, entries: list[_Entry], session: Any, *, unique: str | None = None,
                     unique_until: UniqueUntil = "done", ttl: float | None = None) -> list[PublishResult]:
         """Publishes checked jobs to ``topic`` as ``queue.publish`` of their requests would."""
-        cap = self.queue.envelope_cap(topic)
+        cap = self.kernel.envelope_cap(topic)
         prepared: list[PreparedMessage] = []
         failures: dict[int, PublishResult] = {}
         message = self.message
@@ -389,7 +400,7 @@ class Jobs:
                                         ttl=ttl, max_envelope_bytes=cap))
             except RequestRejected as exc:
                 failures[index] = PublishResult(status=PublishStatus.REJECTED, error=exc.error)
-        return await self.queue.publish_prepared(topic, len(entries), prepared, failures, session=session)
+        return await self.kernel.publish_prepared(topic, len(entries), prepared, failures, session=session)
 
     def next_request(self, envelope: JobEnvelope) -> tuple[str, PublishRequest] | None:
         """The next job of a chain (queue, request), carrying the rest of the chain."""
@@ -541,7 +552,7 @@ class Jobs:
         topic = await self.ensure_queue(target)
         for link in links:
             await self.ensure_queue(link.queue)
-        [result] = await self._publish(lambda tx: self.queue.publish(topic, [request], session=tx), session)
+        [result] = await self._publish(lambda tx: self.kernel.publish(topic, [request], session=tx), session)
         if not result.ok:
             raise JobDispatchError(first.name, result)
         return [i for i in ids if i is not None]
@@ -550,7 +561,7 @@ class Jobs:
         """Jobs that wait or run on ``queue`` (on every job queue when None)."""
         names = [topic_of(check_queue_name(queue))] if queue is not None else None
         total = 0
-        for stats in await self.queue.stats():
+        for stats in await self.kernel.operator.stats():
             if queue_of(stats.subscription) is None or (names is not None and stats.subscription not in names):
                 continue
             total += stats.pending + stats.in_flight
@@ -562,10 +573,8 @@ class Jobs:
         self, send: Callable[[Any], Awaitable[list[PublishResult]]], session: Any, *, retry_in_savepoint: bool = False
     ) -> list[PublishResult]:
         """``send(tx)`` in the caller's transaction (retried in a savepoint for a unique key)."""
-        from ..web.session import current_session
-
-        tx = session if session is not None else current_session()
-        if tx is None or not retry_in_savepoint or self.queue.transport.name == "sqlite":
+        tx = session if session is not None else self.kernel.sessions.current()
+        if tx is None or not retry_in_savepoint or self.kernel.transport.name == "sqlite":
             # (SQLite's single writer already serializes dispatchers: the key is read under the
             # write lock, and a savepoint would turn that lock into an upgrade that fails at once.)
             return await send(tx)
@@ -582,13 +591,11 @@ class Jobs:
         raise AssertionError("unreachable")
 
     async def _in_one_transaction(self, work: Callable[[Any], Any], session: Any, *, several: bool) -> None:
-        from ..web.session import current_session
-
-        tx = session if session is not None else current_session()
+        tx = session if session is not None else self.kernel.sessions.current()
         if tx is not None or not several:
             await work(tx)
             return
-        async with self.queue.sessionmaker() as own, own.begin():
+        async with self.kernel.sessions.sessionmaker() as own, own.begin():
             await work(own)
 
     async def reencrypt(self, *, page: int = 500) -> int:
@@ -599,7 +606,7 @@ class Jobs:
         cipher = self.cipher()
         if cipher is None:
             raise ConfigurationError("reencrypting needs the app key: set WORKQUEUE_APP_KEY")
-        transport = self.queue.transport
+        transport = self.kernel.transport
         rewritten = 0
         undecryptable: list[str] = []
         for sub in await transport.list_subscriptions():
@@ -645,7 +652,7 @@ class Jobs:
         prepared = prepare(PublishRequest(message_id=info.message_id, partition_key=info.partition_key,
                                           attributes=info.attributes or {}, payload=fresh.to_json(),
                                           correlation_id=info.correlation_id))
-        done: bool = await self.queue.transport.rewrite_payload(
+        done: bool = await self.kernel.transport.rewrite_payload(
             info.message_id, prepared.payload_json, prepared.content_hash, prepared.envelope_bytes
         )
         return done
@@ -655,7 +662,7 @@ class Jobs:
         if self.fake is not None:
             return
         with contextlib.suppress(Exception):  # at worst the key expires after unique_for
-            await self.queue.transport.release_deduplication_key(topic_of(queue), key, job_id)
+            await self.kernel.transport.release_deduplication_key(topic_of(queue), key, job_id)
 
     # -- running in this process -------------------------------------------------------------
 
@@ -663,7 +670,7 @@ class Jobs:
         """Sync mode: runs the job at its dispatch, before the dispatch returns (see :mod:`.local`)."""
         from .local import LocalRun
 
-        await LocalRun(self, once_store=self.queue.transport).run_until_done(queue, message)
+        await LocalRun(self, once_store=self.kernel.transport).run_until_done(queue, message)
         return message.message_id
 
     def caller(self, job: Job, payload: Any, job_context: JobContext, message: WorkMessage[Any],
@@ -684,18 +691,18 @@ class Jobs:
             return call_plain
 
         async def call() -> Any:
-            return await self.queue.call_with_dependencies(job.key, job.func, fixed, message, context)
+            return await self.kernel.call_with_dependencies(job.key, job.func, fixed, message, context)
 
         return call
 
     async def _once_begin(self, key: str, seconds: float) -> tuple[str, str | None]:
-        return await self.queue.transport.once_begin(key, seconds)
+        return await self.kernel.transport.once_begin(key, seconds)
 
     async def _once_abort(self, key: str, token: str) -> bool:
-        return await self.queue.transport.once_abort(key, token)
+        return await self.kernel.transport.once_abort(key, token)
 
     async def _once_renew(self, key: str, token: str, seconds: float) -> bool:
-        return await self.queue.transport.once_renew(key, token, seconds)
+        return await self.kernel.transport.once_renew(key, token, seconds)
 
 
 def _item(item: Any) -> tuple[Any, Any, dict[str, Any]]:

@@ -22,13 +22,13 @@ from ..core.context import WorkContext
 from ..core.envelope import PreparedMessage, WorkMessage
 from ..core.errors import TransportError
 from ..core.handlers import HandlerSpec, call_plain
+from ..core.memory import MemoryTransport
 from ..core.outcomes import WorkOutcome
 from ..core.redaction import redacting_logger
 from ..core.runtime import Consumer
 from ..core.settler import Settler
 from ..core.topology import Topic
 from ..core.transport import Settlement, SettleResult, Transport
-from ..testing.memory import MemoryTransport
 from .envelope import queue_of, topic_of
 from .middleware import Locks
 
@@ -212,7 +212,7 @@ class LocalRun:
         while True:
             subscriptions = await store.list_subscriptions()
             settler = Settler(store)
-            consumer = Consumer(store, settler, [subscriptions], self._jobs.queue.resolve_handler, self._invoke,
+            consumer = Consumer(store, settler, [subscriptions], self._jobs.kernel.resolve_handler, self._invoke,
                                 concurrency=1, stop_when_idle=True, idle_poll_min=0.0, name="jobs in process")
             consumer.start()
             try:

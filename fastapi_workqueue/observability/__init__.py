@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ..core.observe import Observer
 
 if TYPE_CHECKING:
-    from ..settings import WorkQueueSettings
+    from ..core.settings import WorkQueueSettings
 
 __all__ = ["default_observers"]
 

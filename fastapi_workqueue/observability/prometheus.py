@@ -43,9 +43,9 @@ from . import semconv
 
 if TYPE_CHECKING:
     from ..core.envelope import PublishResult
+    from ..core.kernel import Kernel
     from ..core.reports import SubscriptionStats
     from ..core.transport import ClaimedDelivery
-    from ..queue import WorkQueue
 
 OUTCOMES = {"Complete": "completed", "Retry": "retried", "Fail": "failed", "DeadLetter": "dead_lettered",
             "Discard": "discarded", "Release": "released", None: "abandoned"}
@@ -164,8 +164,8 @@ class _Processed(ProcessScope):
 class StoreSnapshot:
     """The database's counts as the last scrape read them, reused for ``cache_seconds``."""
 
-    def __init__(self, queue: WorkQueue, cache_seconds: float, clock: Any = time.monotonic) -> None:
-        self.queue = queue
+    def __init__(self, kernel: Kernel, cache_seconds: float, clock: Any = time.monotonic) -> None:
+        self.kernel = kernel
         self.cache_seconds = cache_seconds
         self.clock = clock
         self.stats: list[SubscriptionStats] = []
@@ -180,7 +180,7 @@ class StoreSnapshot:
             now = self.clock()
             if self.read_at is not None and now - self.read_at < self.cache_seconds:
                 return
-            self.stats = await self.queue.stats()
+            self.stats = await self.kernel.operator.stats()
             self.read_at = now
             self.taken_at = datetime.now(UTC)
 

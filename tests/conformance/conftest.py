@@ -158,7 +158,7 @@ class MssqlHarness(_SessionHarness):
 async def harness(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) -> AsyncIterator[Harness]:
     if request.param == "memory":
         async with memory_harness() as memory:
-            yield memory  # type: ignore[misc]
+            yield memory
         return
     if request.param == "aws":
         from ..aws.harness import AWS_SKIPS, aws_harness
@@ -169,7 +169,7 @@ async def harness(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) 
             if skipped in AWS_SKIPS:
                 pytest.skip(f"aws: {AWS_SKIPS[skipped]}")
         async with aws_harness(request.getfixturevalue("moto_url")) as aws:
-            yield aws  # type: ignore[misc]
+            yield aws
         return
     if request.param == "mssql":
         # No SQL Server runs in CI here: the suite runs on one only where this variable names it,

@@ -12,6 +12,9 @@ retention on with ``clock.advance(seconds)`` instead of sleeping. Transports bui
 ``url`` (``memory://name``) share one store while any of them lives; ``memory://`` is a store of
 its own. What it cannot do: publish in a caller's database transaction (there is none:
 ``capabilities.transactional_publish`` is False), and outlive its process.
+
+It lives in ``core`` because the jobs layer runs on it too (the sync mode and ``queue.fake()``
+run the real consumer over it); :mod:`fastapi_workqueue.testing` exports it for an app's tests.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from ..core.clock import SYSTEM_CLOCK, Clock
-from ..core.envelope import MAX_ENVELOPE_BYTES, PreparedMessage, PublishError, PublishResult, PublishStatus
-from ..core.errors import ConfigurationError, TransportError
-from ..core.lifecycle import (
+from .clock import SYSTEM_CLOCK, Clock
+from .envelope import MAX_ENVELOPE_BYTES, PreparedMessage, PublishError, PublishResult, PublishStatus
+from .errors import ConfigurationError, TransportError
+from .lifecycle import (
     BackoffPolicy,
     BatchItem,
     PartitionMode,
@@ -36,14 +39,16 @@ from ..core.lifecycle import (
     batch_refusals,
     classify_batch,
     expire_transition,
+    follow_up_refused,
     matches,
     next_claimable,
+    settle_delay,
     settle_transition,
     topic_refusal,
 )
-from ..core.observe import trace_id_of
-from ..core.processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
-from ..core.reports import (
+from .observe import trace_id_of
+from .processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
+from .reports import (
     ActionResult,
     Backlog,
     BindingIssue,
@@ -56,7 +61,7 @@ from ..core.reports import (
     SweepReport,
     TakenBack,
 )
-from ..core.topology import (
+from .topology import (
     DEFAULT_RETENTION_SECONDS,
     Subscription,
     SubscriptionState,
@@ -64,7 +69,7 @@ from ..core.topology import (
     Topic,
     TopicState,
 )
-from ..core.transport import (
+from .transport import (
     Capabilities,
     ClaimedDelivery,
     HeartbeatRequest,
@@ -73,7 +78,6 @@ from ..core.transport import (
     SettleResult,
     WakeupListener,
 )
-from ..database.routines import follow_up_refused, settle_delay
 
 __all__ = ["MemoryTransport"]
 
