@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -75,11 +75,14 @@ if TYPE_CHECKING:
     from .jobs.layer import Jobs
     from .jobs.middleware import Middleware
     from .jobs.schedules import Schedule
+    from .jobs.status import JobStatus
 
     JobRef = Job | str | Callable[..., Any]
     """A job as dispatch and schedule take it: its function, its :class:`Job`, or its name."""
 
 F = TypeVar("F", bound=HandlerFunc)
+J = TypeVar("J", bound=Callable[..., Awaitable[Any]])
+"""A job function: it may return a value (kept with ``store_result=True``)."""
 
 _warned_variables: set[str] = set()
 """Unknown ``WORKQUEUE_*`` variables already warned about in this process (once each)."""
@@ -342,18 +345,20 @@ class WorkQueue:
         queue: str = "default",
         encrypted: bool = False,
         middleware: Sequence[Middleware] = (),
-    ) -> Callable[[F], F]:
+        store_result: bool = False,
+    ) -> Callable[[J], J]:
         """Declares a job: ``@queue.job("billing.send-invoice-reminder", tries=5, backoff=[10, 60, 300],
         timeout=30, queue="mail")`` on ``async def send(payload: Model, job: JobContext, dep = Depends(...))``.
 
         ``tries`` attempts in all; ``backoff`` the delay after failed attempt n (item n, the last
         repeating; default the queue's exponential full-jitter backoff); ``timeout`` seconds after
         which ``job.signal`` aborts and the attempt fails; ``encrypted`` stores the payload encrypted
-        with ``WORKQUEUE_APP_KEY``; ``middleware`` runs around each attempt.
+        with ``WORKQUEUE_APP_KEY``; ``middleware`` runs around each attempt; ``store_result`` keeps what
+        the job returns (JSON, at most 64 KiB) for :meth:`job_status` and :meth:`wait`.
         """
-        decorate: Callable[[F], F] = self.jobs.declare(
+        decorate: Callable[[J], J] = self.jobs.declare(
             name, tries=tries, backoff=backoff, timeout=timeout, queue=queue, encrypted=encrypted,
-            middleware=middleware,
+            middleware=middleware, store_result=store_result,
         )
         return decorate
 
@@ -431,6 +436,13 @@ class WorkQueue:
         ``catch_up=True``."""
         return self.jobs.schedules.add(job, cron=cron, every=every, payload=payload, timezone=timezone,
                                        catch_up=catch_up, name=name, queue=queue)
+
+    async def job_status(self, job_id: uuid.UUID | str) -> JobStatus | None:
+        """Where job ``job_id`` is: its state (Pending, Running, Completed, Failed, Discarded),
+        attempts, tries, times, last error and (``store_result=True``) result; None when no job
+        has that id (never dispatched, or purged with the retention)."""
+        status: JobStatus | None = await self.jobs.status(job_id)
+        return status
 
     async def failed_jobs(self, queue: str | None = None, *, limit: int = 100,
                           include_payload: bool = False) -> list[FailedJob]:

@@ -324,9 +324,10 @@ class RoutineTransport:
         return [by_id.get(s.delivery_id, "LeaseLost") for s in settlements]
 
     async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
-        """Settles one delivery and, only when that completes it, publishes each of its follow-ups
-        (``settlement.follow_ups``) to its topic, all in one transaction: the follow-ups exist if
-        and only if the completion was written. A lost lease, or a delivery an operator cancelled
+        """Settles one delivery and, only when that completes it, keeps its result
+        (``settlement.result_json``) and publishes each of its follow-ups (``settlement.follow_ups``)
+        to its topic, all in one transaction: the result and the follow-ups exist if and only if
+        the completion was written. A lost lease, or a delivery an operator cancelled
         (Discarded), publishes nothing. A follow-up message the publish refuses rolls the whole
         transaction back (the delivery stays InFlight) and raises a :class:`TransportError` that
         names it; a Duplicate (the same MessageID and content stored already) is no refusal."""
@@ -343,6 +344,9 @@ class RoutineTransport:
                                         "LeaseLost")
             if result != "Completed":
                 return result
+            if s.result_json is not None:
+                await self.call("result_put", connection=connection, p_delivery_id=int(s.delivery_id),
+                                p_value=s.result_json)
             for follow_up in s.follow_ups:
                 published = await self._publish_via(follow_up.topic, follow_up.messages, connection=connection)
                 refused = [(m, a) for m, a in zip(follow_up.messages, published, strict=True)
@@ -401,6 +405,13 @@ class RoutineTransport:
         if not isinstance(value_json, str):
             raise TypeError(f"step_put stores JSON text; serialize the value first, got {type(value_json).__name__}")
         await self.call("step_put", p_message_id=message_id, p_name=name, p_value=value_json)
+
+    # -- results -----------------------------------------------------------------------------
+
+    async def result_get(self, message_id: uuid.UUID) -> str | None:
+        """The JSON text kept when the message's delivery completed with a result, or None."""
+        rows = await self.call("result_get", p_message_id=message_id)
+        return str(rows[0]["value"]) if rows else None
 
     # -- housekeeping ------------------------------------------------------------------------
 

@@ -55,7 +55,7 @@ ROUTINES: dict[str, Routine] = {}
 READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions", "list_subscriptions",
              "list_topics", "schema_versions", "api_key_list", "api_key_verify", "api_key_session", "known_messages",
              "message_deliveries", "delivery_attempts",
-             "search_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys",
+             "search_deliveries", "step_get", "result_get", "stats_history", "live_counts", "blocked_keys",
              "list_processes"}
 """Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
 
@@ -682,7 +682,7 @@ async def r_rewrite_payload(c: Call, p_message_id: Any, p_payload: str, p_conten
 
 _TIMES = ("visible_at", "lease_expires_at", "created_at", "claimed_at", "settled_at", "oldest_pending_at",
           "head_visible_at", "expires_at", "revoked_at", "last_used_at", "published_at", "holder_started_at",
-          "started_at", "last_seen_at", "stopped_at", "ended_at")
+          "started_at", "last_seen_at", "stopped_at", "ended_at", "stored_at")
 
 
 def with_times(rows: list[Row]) -> list[Row]:
@@ -860,6 +860,20 @@ async def r_step_put(c: Call, p_message_id: Any, p_name: str, p_value: str) -> l
         )
     await c.ex.execute("step_put", message_id=mid, name=p_name, value=p_value, now=c.now)
     return [{"step_put": None}]
+
+
+# -- results -------------------------------------------------------------------------------------
+
+
+@routine
+async def r_result_put(c: Call, p_delivery_id: int, p_value: str) -> list[Row]:
+    await c.ex.execute("result_put", delivery_id=p_delivery_id, value=p_value, now=c.now)
+    return [{"result_put": None}]
+
+
+@routine
+async def r_result_get(c: Call, p_message_id: Any) -> list[Row]:
+    return with_times(await c.ex.fetch("result_get", message_id=str(p_message_id)))
 
 
 # -- API keys ------------------------------------------------------------------------------------

@@ -14,8 +14,11 @@ from .fake import Dispatched, JobFake
 from .layer import JobDispatchError
 from .middleware import JobAttempt, without_overlapping
 from .registry import UnknownJob
+from .results import MAX_RESULT_BYTES, ResultNotStorable
+from .status import JobStatus
 
 __all__ = [
+    "MAX_RESULT_BYTES",
     "Dispatched",
     "Job",
     "JobAttempt",
@@ -32,6 +35,8 @@ __all__ = [
     "JobProcessing",
     "JobRelease",
     "JobReleased",
+    "JobStatus",
+    "ResultNotStorable",
     "UnknownJob",
     "without_overlapping",
 ]

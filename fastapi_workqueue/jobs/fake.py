@@ -28,6 +28,7 @@ from .definition import Job
 from .envelope import JobEnvelope
 from .fake_app import apps_of
 from .local import JobCounts, LocalRun, memory_locks
+from .status import JobStatus
 from .steps import MemorySteps
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ class JobFake:
         self._once_store = MemoryTransport()  # job.once markers, kept while the fake lives
         self._locks = memory_locks()
         self._saved: tuple[Any, Any, Any] | None = None
+        self._statuses: dict[uuid.UUID, JobStatus] = {}
+        """What :meth:`work` made of each job it ran, by id."""
 
     # -- activation --------------------------------------------------------------------------
 
@@ -156,7 +159,22 @@ class JobFake:
                     self._held_unique.discard(envelope.unique_key)
         finally:
             queue_of_jobs.bind_app(bound)
+            self._statuses.update((status.id, status) for status in await runner.statuses())
         return runner.counts.as_counts()
+
+    def status(self, job_id: uuid.UUID) -> JobStatus | None:
+        """What ``queue.job_status`` answers under the fake: a recorded job not run yet is Pending;
+        one :meth:`work` ran is what came of it (without the attempt history); None for an id the
+        fake never recorded."""
+        found = self._statuses.get(job_id)
+        if found is not None:
+            return found
+        for queue, message in self._waiting:
+            if message.message_id == job_id:
+                record = next((r for r in self.records if r.id == job_id), None)
+                return JobStatus(id=job_id, job=None if record is None else record.job, queue=queue,
+                                 state="Pending", attempt=0, tries=message.max_attempts or 1)
+        return None
 
     def _find_app(self, bound: Any) -> Any:
         """The app that serves the queue (see :mod:`.fake_app`), else the one a lifespan bound."""

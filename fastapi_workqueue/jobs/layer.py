@@ -29,6 +29,7 @@ from ..core.envelope import (
     uuid7,
 )
 from ..core.errors import ConfigurationError, TransportError
+from ..core.message_state import MESSAGE_STATE_NEEDED
 from ..core.outcomes import FollowUp, Outcome, WorkOutcome
 from ..core.redaction import redacting_logger
 from ..core.tasks import TaskScope
@@ -48,10 +49,13 @@ from .envelope import (
 )
 from .events import JobEvents
 from .failed import FailedJobs
+from .local_status import LocalStatuses, as_job_id
 from .middleware import Locks
 from .registry import JobRegistry
+from .results import encode_result
 from .runner import JobRunner
 from .schedules import Schedules
+from .status import JobStatus, read_status
 from .steps import TransportSteps
 from .watchdog import Overrun, Watchdog
 from .worker import GROUP_NAME, UnwatchedQueues, parse_queues
@@ -145,6 +149,8 @@ class Jobs:
         self._emitting = TaskScope("workqueue-job-events")
         self._stop_timeout: float | None = None
         self._watcher: UnwatchedQueues | None = None
+        self.local_statuses = LocalStatuses()
+        """Sync mode: the statuses of the jobs run in this process (the newest ones)."""
 
     # -- events ------------------------------------------------------------------------------
 
@@ -403,13 +409,19 @@ class Jobs:
             max_attempts=first.tries, backoff_seconds=None if first.backoff is None else list(first.backoff),
         )
 
-    def completion(self, envelope: JobEnvelope) -> WorkOutcome:
-        """Complete, with the chain's next job queued in the same transaction."""
+    def completion(self, envelope: JobEnvelope, result: str | None = None) -> WorkOutcome:
+        """Complete, with the chain's next job queued and ``result`` (a stored result's text) kept
+        in the same transaction."""
         following = self.next_request(envelope)
         if following is None:
-            return Outcome.complete()
+            return Outcome.complete(result=result)
         queue, request = following
-        return Outcome.complete(then=[FollowUp(topic_of(queue), [prepare(request)])])
+        return Outcome.complete(then=[FollowUp(topic_of(queue), [prepare(request)])], result=result)
+
+    def result_text(self, job: Job, value: Any) -> str:
+        """The stored text of what ``job`` (declared ``store_result=True``) returned; raises
+        :class:`~.results.ResultNotStorable`."""
+        return encode_result(job, value, self.cipher() if job.encrypted else None)
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -657,13 +669,35 @@ class Jobs:
         with contextlib.suppress(Exception):  # at worst the key expires after unique_for
             await self.queue.transport.release_deduplication_key(topic_of(queue), key, job_id)
 
+    # -- status ------------------------------------------------------------------------------
+
+    async def status(self, job_id: uuid.UUID | str, *, reveal_encrypted: bool = True) -> JobStatus | None:
+        """The status of job ``job_id``, or None when no job has that id (never dispatched, or
+        purged with the retention). ``reveal_encrypted=False`` leaves an encrypted job's result out
+        (the REST API)."""
+        job_id = as_job_id(job_id)
+        if self.fake is not None:
+            found: JobStatus | None = self.fake.status(job_id)
+            return found
+        if self.sync:
+            return self.local_statuses.get(job_id)
+        ports = self.queue.ports
+        if ports.state is None:
+            raise ConfigurationError(MESSAGE_STATE_NEEDED)
+        return await read_status(job_id, self.queue.transport, ports.state, ports.attempts, self.cipher(),
+                                 reveal_encrypted=reveal_encrypted)
+
     # -- running in this process -------------------------------------------------------------
 
     async def run_now(self, job: Job, queue: str, message: PreparedMessage) -> uuid.UUID:
         """Sync mode: runs the job at its dispatch, before the dispatch returns (see :mod:`.local`)."""
         from .local import LocalRun
 
-        await LocalRun(self, once_store=self.queue.transport).run_until_done(queue, message)
+        run = LocalRun(self, once_store=self.queue.transport)
+        try:
+            await run.run_until_done(queue, message)
+        finally:
+            self.local_statuses.update(await run.statuses())
         return message.message_id
 
     def caller(self, job: Job, payload: Any, job_context: JobContext, message: WorkMessage[Any],

@@ -31,6 +31,8 @@ from ..core.transport import Settlement, SettleResult, Transport
 from ..testing.memory import MemoryTransport
 from .envelope import queue_of, topic_of
 from .middleware import Locks
+from .results import decode_result
+from .status import JobStatus, status_of
 
 if TYPE_CHECKING:
     from .layer import Jobs
@@ -164,6 +166,21 @@ class LocalRun:
         if failure is not None and self._raise:
             raise failure
         return self.counts
+
+    async def statuses(self) -> list[JobStatus]:
+        """The status of every job of this run (what a run's own store knows: no attempt history)."""
+        store = self.store
+        cipher = self._jobs.cipher()
+        found: list[JobStatus] = []
+        for sub in await store.list_subscriptions():
+            for state in ("Pending", "InFlight", "Completed", "DeadLettered", "Discarded"):
+                for info in await store.list_deliveries(sub.name, state, limit=1_000_000):
+                    result = None
+                    if state == "Completed":
+                        text = await store.result_get(info.message_id)
+                        result = None if text is None else decode_result(text, cipher, info.message_id)
+                    found.append(status_of(info, [], result))
+        return found
 
     async def ensure_queue(self, topic: str) -> str:
         """The job queue of ``topic`` in the run's store (created on first use)."""

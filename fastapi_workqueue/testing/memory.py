@@ -153,6 +153,7 @@ class _Store:
     deduplication: dict[tuple[str, str], tuple[uuid.UUID, datetime]] = field(default_factory=dict)
     once: dict[str, tuple[str, str, datetime]] = field(default_factory=dict)
     steps: dict[tuple[uuid.UUID, str], str] = field(default_factory=dict)
+    results: dict[uuid.UUID, str] = field(default_factory=dict)
     processes: dict[uuid.UUID, _Process] = field(default_factory=dict)
     sweep_lock_holders: int = 0
     last_id: int = 0
@@ -486,8 +487,8 @@ class MemoryTransport:
         d.settled_at = now if t.terminal else None
 
     async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
-        """Settles one delivery and, only when that completes it, publishes its follow-ups, all
-        or nothing: a follow-up the publish refuses leaves the delivery InFlight and raises a
+        """Settles one delivery and, only when that completes it, keeps its result and publishes
+        its follow-ups, all or nothing: a follow-up the publish refuses leaves the delivery InFlight and raises a
         :class:`TransportError` that names it."""
         s = settlement
         if s.kind == "Complete" and s.follow_ups:
@@ -498,6 +499,10 @@ class MemoryTransport:
                 self._check_follow_ups(s)
         [result] = await self.settle([s])
         if result == "Completed":
+            if s.result_json is not None:
+                d = self._store.deliveries.get(_number(s.delivery_id))
+                if d is not None:
+                    self._store.results[d.message_id] = s.result_json
             for follow_up in s.follow_ups:
                 self._publish(follow_up.topic, follow_up.messages)
         return result
@@ -582,6 +587,12 @@ class MemoryTransport:
             )
         self._store.steps.setdefault((message_id, name), value_json)
 
+    # -- results -------------------------------------------------------------------------------
+
+    async def result_get(self, message_id: uuid.UUID) -> str | None:
+        """The JSON text kept when the message's delivery completed with a result, or None."""
+        return self._store.results.get(message_id)
+
     # -- housekeeping --------------------------------------------------------------------------
 
     def hold_sweep_lock(self) -> _SweepLock:
@@ -645,6 +656,7 @@ class MemoryTransport:
             del store.messages[m.id]
             for step in [k for k in store.steps if k[0] == m.id]:
                 del store.steps[step]
+            store.results.pop(m.id, None)
         return len(gone[:limit])
 
     async def prune(self, older_than_seconds: float) -> int:

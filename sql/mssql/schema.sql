@@ -321,6 +321,17 @@ CREATE TABLE workqueue.step_result (
     CONSTRAINT step_result_pk PRIMARY KEY NONCLUSTERED (message_id, name)
 );
 
+-- The result of a message's work (a job declared store_result=True): JSON text written by
+-- result_put in the transaction that completes the delivery, removed with the message (ON DELETE
+-- CASCADE); clustered on stored_at as step_result is on created_at.
+CREATE TABLE workqueue.message_result (
+    message_id  uniqueidentifier NOT NULL
+                CONSTRAINT message_result_message_fk REFERENCES workqueue.message (id) ON DELETE CASCADE,
+    value       nvarchar(max) COLLATE Latin1_General_100_BIN2 NOT NULL,  -- JSON text, kept as sent
+    stored_at   datetimeoffset(6) NOT NULL CONSTRAINT message_result_stored_at_default DEFAULT SYSDATETIMEOFFSET(),
+    CONSTRAINT message_result_pk PRIMARY KEY NONCLUSTERED (message_id)
+);
+
 -- The processes that run a host; delivery.held_by names the one that claimed it (PostgreSQL's
 -- schema.sql says more).
 CREATE TABLE workqueue.process (
@@ -339,6 +350,7 @@ CREATE TABLE workqueue.process (
     CONSTRAINT process_pk PRIMARY KEY CLUSTERED (id)
 );
 CREATE CLUSTERED INDEX step_result_created_at ON workqueue.step_result (created_at);
+CREATE CLUSTERED INDEX message_result_stored_at ON workqueue.message_result (stored_at);
 GO
 
 -- ---------------------------------------------------------------------------------------------
@@ -3123,6 +3135,58 @@ BEGIN
             ROLLBACK TRANSACTION;
         THROW;
     END CATCH;
+END;
+GO
+
+-- ---------------------------------------------------------------------------------------------
+-- Results: what a completed message's work returned (a job's stored result)
+-- ---------------------------------------------------------------------------------------------
+
+-- Keeps the result of the delivery's message, in the transaction of the settle that completed it
+-- (the transport's settle_with_follow_ups); a later completion's result replaces it.
+-- returns: nothing
+CREATE OR ALTER PROCEDURE workqueue.result_put
+    @p_delivery_id bigint,
+    @p_value nvarchar(max)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
+    DECLARE @v_message_id uniqueidentifier;
+    BEGIN TRY
+        IF @v_own_transaction = 1
+            BEGIN TRANSACTION;
+        SELECT @v_message_id = d.message_id FROM workqueue.delivery AS d WHERE d.id = @p_delivery_id;
+        IF @v_message_id IS NOT NULL
+        BEGIN
+            UPDATE workqueue.message_result WITH (UPDLOCK, HOLDLOCK)
+            SET value = @p_value, stored_at = SYSDATETIMEOFFSET()
+            WHERE message_id = @v_message_id;
+            IF @@ROWCOUNT = 0
+                INSERT INTO workqueue.message_result (message_id, value) VALUES (@v_message_id, @p_value);
+        END;
+        IF @v_own_transaction = 1
+            COMMIT TRANSACTION;
+    END TRY
+    BEGIN CATCH
+        IF @v_own_transaction = 1 AND @@TRANCOUNT > 0
+            ROLLBACK TRANSACTION;
+        THROW;
+    END CATCH;
+END;
+GO
+
+-- The stored result of a message (no row when none is stored).
+-- returns: value, stored_at
+CREATE OR ALTER PROCEDURE workqueue.result_get
+    @p_message_id uniqueidentifier
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SELECT r.value, r.stored_at
+    FROM workqueue.message_result AS r
+    WHERE r.message_id = @p_message_id;
 END;
 GO
 

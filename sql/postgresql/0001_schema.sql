@@ -212,6 +212,14 @@ CREATE TABLE workqueue.step_result (
     PRIMARY KEY (message_id, name)
 );
 
+-- The result of a message's work (a job declared store_result=True): JSON text written by
+-- result_put in the transaction that completes the delivery, removed with the message (foreign key).
+CREATE TABLE workqueue.message_result (
+    message_id  uuid PRIMARY KEY REFERENCES workqueue.message (id) ON DELETE CASCADE,
+    value       text NOT NULL,              -- JSON text, kept as sent
+    stored_at   timestamptz NOT NULL DEFAULT now()
+);
+
 -- One row per subscription per minute, written by the sweeper (record_stats_history): the live
 -- counts as stats reads them and the deliveries Completed in the window since the previous row
 -- (window_seconds long). Kept a day; the dashboard charts the last hour.
@@ -2403,6 +2411,32 @@ EXCEPTION WHEN foreign_key_violation THEN
     RAISE EXCEPTION 'message % is not stored (never published, or purged): a step result belongs to a stored message',
         p_message_id USING ERRCODE = 'foreign_key_violation';
 END
+$$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Results: what a completed message's work returned (a job's stored result)
+-- ---------------------------------------------------------------------------------------------
+
+-- Keeps the result of the delivery's message. The transport calls it in the transaction of a settle
+-- that completed the delivery (settle_with_follow_ups), so a result exists if and only if that
+-- completion was written; a later completion's result (a job retried by an operator) replaces it.
+CREATE OR REPLACE FUNCTION workqueue.result_put(p_delivery_id bigint, p_value text)
+RETURNS void
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO workqueue.message_result AS r (message_id, value)
+    SELECT d.message_id, p_value FROM workqueue.delivery d WHERE d.id = p_delivery_id
+    ON CONFLICT (message_id) DO UPDATE SET value = EXCLUDED.value, stored_at = now()
+$$;
+
+-- The stored result of a message (no row when none is stored).
+CREATE OR REPLACE FUNCTION workqueue.result_get(p_message_id uuid)
+RETURNS TABLE (value text, stored_at timestamptz)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT r.value, r.stored_at FROM workqueue.message_result r WHERE r.message_id = p_message_id
 $$;
 
 -- ---------------------------------------------------------------------------------------------

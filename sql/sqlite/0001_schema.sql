@@ -208,6 +208,14 @@ CREATE TABLE step_result (
     PRIMARY KEY (message_id, name)
 );
 
+-- The result of a message's work (a job declared store_result=True): JSON text written in the
+-- transaction that completes the delivery; removed with the message.
+CREATE TABLE message_result (
+    message_id  TEXT PRIMARY KEY REFERENCES message (id) ON DELETE CASCADE,
+    value       TEXT NOT NULL,
+    stored_at   REAL NOT NULL
+);
+
 -- One row per subscription per minute, written by the sweeper (record_stats_history): the live
 -- counts and the deliveries Completed in the window since the previous row (window_seconds long).
 -- Kept a day; the dashboard charts the last hour.

@@ -471,6 +471,14 @@ SELECT value FROM step_result WHERE message_id = :message_id AND name = :name;
 INSERT INTO step_result (message_id, name, value, created_at) VALUES (:message_id, :name, :value, :now)
 ON CONFLICT (message_id, name) DO NOTHING;
 
+-- name: result_put
+INSERT INTO message_result (message_id, value, stored_at)
+SELECT d.message_id, :value, :now FROM delivery d WHERE d.id = :delivery_id
+ON CONFLICT (message_id) DO UPDATE SET value = excluded.value, stored_at = excluded.stored_at;
+
+-- name: result_get
+SELECT value, stored_at FROM message_result WHERE message_id = :message_id;
+
 -- name: api_key_create
 INSERT INTO api_key (id, name, prefix, key_hash, scopes, created_at, expires_at, topics)
 VALUES (:id, :name, :prefix, :key_hash, :scopes, :now, :expires_at, :topics);

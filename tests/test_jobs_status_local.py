@@ -1,0 +1,61 @@
+"""Job status, results, wait, debounce and groups without a worker: the test fake
+(``queue.fake()``) and sync mode (``WORKQUEUE_JOBS_MODE=sync``)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings
+
+
+def build(**settings: Any) -> tuple[WorkQueue, dict[str, Any]]:
+    queue = WorkQueue(WorkQueueSettings(**{"database_url": "sqlite+aiosqlite:///unused.db", **settings}))
+
+    @queue.job("local.total", store_result=True)
+    async def total(payload: list[int]) -> int:
+        return sum(payload)
+
+    @queue.job("local.fails", tries=2)
+    async def fails(payload: dict[str, Any]) -> None:
+        raise ValueError("never works")
+
+    @queue.job("local.unwanted")
+    async def unwanted(payload: dict[str, Any], job: JobContext) -> Any:
+        return job.discard("not wanted")
+
+    return queue, {"total": total, "fails": fails, "unwanted": unwanted}
+
+
+async def test_the_fake_answers_job_status_before_and_after_work() -> None:
+    queue, jobs = build()
+    with queue.fake() as fake:
+        summed = await queue.dispatch(jobs["total"], [1, 2, 3])
+        failing = await queue.dispatch(jobs["fails"], {})
+        unwanted = await queue.dispatch(jobs["unwanted"], {})
+        waiting = await queue.job_status(summed)
+        assert waiting is not None and (waiting.state, waiting.attempt, waiting.job) == ("Pending", 0, "local.total")
+        assert await queue.job_status(uuid.uuid4()) is None
+        await fake.work()
+        done = await queue.job_status(summed)
+        failed = await queue.job_status(failing)
+        discarded = await queue.job_status(unwanted)
+    assert done is not None and (done.state, done.result, done.attempt) == ("Completed", 6, 1)
+    assert failed is not None and failed.state == "Failed" and failed.attempt == 2
+    assert failed.error is not None and "never works" in failed.error
+    assert discarded is not None and (discarded.state, discarded.reason) == ("Discarded", "not wanted")
+
+
+async def test_sync_mode_answers_job_status_of_the_jobs_it_ran(tmp_path: Path) -> None:
+    queue, jobs = build(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", auto_migrate=True,
+                        jobs_mode="sync", enabled=False)
+    async with queue.lifespan(None):
+        summed = await queue.dispatch(jobs["total"], [4, 5])
+        done = await queue.job_status(summed)
+        assert done is not None and (done.state, done.result) == ("Completed", 9)
+        with pytest.raises(ValueError, match="never works"):
+            await queue.dispatch(jobs["fails"], {})
+        assert await queue.job_status(uuid.uuid4()) is None
