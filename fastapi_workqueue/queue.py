@@ -444,6 +444,17 @@ class WorkQueue:
         status: JobStatus | None = await self.jobs.status(job_id)
         return status
 
+    async def wait(self, job_id: uuid.UUID | str, timeout: float | timedelta | None = None) -> Any:  # noqa: ASYNC109
+        """Waits until job ``job_id`` ends and returns what it returned (JSON as stored; None unless
+        it is declared ``store_result=True``). Raises ``JobFailedError`` or ``JobDiscardedError``
+        (``fastapi_workqueue.jobs``) carrying the job's status when it did not complete,
+        ``JobNotFound`` when no job has the id, and ``TimeoutError`` after ``timeout`` seconds (a
+        ``timedelta`` too; None waits as long as it takes). PostgreSQL tells the waiter when the
+        job ends (LISTEN/NOTIFY); other stores are polled."""
+        from .jobs.waiting import wait
+
+        return await wait(self.jobs, job_id, timeout)
+
     async def failed_jobs(self, queue: str | None = None, *, limit: int = 100,
                           include_payload: bool = False) -> list[FailedJob]:
         """Jobs that failed for good (the job queues' dead letters), with their redacted error."""

@@ -1,7 +1,8 @@
 """A job's status and stored result on a real store (PostgreSQL and an SQLite file): each state
 (Pending, Running, Completed, Failed, Discarded, and Pending while it waits out a retry), the
 result of a ``store_result=True`` job (and none without it), a result too large or not JSON
-failing the job, an unknown id, and the REST route with its read scope and its 404."""
+failing the job, an unknown id, the REST route with its read scope and its 404, and ``wait``
+(told by NOTIFY on PostgreSQL, polling on SQLite)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pydantic import BaseModel
 
 from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.core.keys import SCOPE_OPERATE, SCOPE_READ, create_key
-from fastapi_workqueue.jobs import JobStatus
+from fastapi_workqueue.jobs import JobDiscardedError, JobError, JobFailedError, JobNotFound, JobStatus
 
 from .support import FAST, wait_for
 
@@ -165,3 +166,66 @@ async def test_the_status_route_needs_the_read_scope_and_answers_404_for_an_unkn
         # /jobs/failed is still the failed jobs, not a job named "failed".
         listed = await http.get("/work-queue/jobs/failed", headers={"Authorization": f"Bearer {read}"})
         assert listed.status_code == 200
+
+
+async def test_wait_returns_the_stored_result_and_raises_what_became_of_a_job(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A waiter on PostgreSQL is told by NOTIFY: with no re-check before the test's timeout, only the
+    # notice can end its wait. Elsewhere the waiter polls.
+    monkeypatch.setattr("fastapi_workqueue.jobs.waiting.RECHECK", 600.0)
+    name, queue = make_queue(database_url)
+    suffix = name.removeprefix("status-")
+    gate = asyncio.Event()
+
+    @queue.job(f"slow-sum-{suffix}", queue=name, store_result=True)
+    async def slow_sum(payload: list[int]) -> dict[str, int]:
+        await gate.wait()
+        return {"total": sum(payload)}
+
+    @queue.job(f"broken-{suffix}", queue=name, tries=2, backoff=[0])
+    async def broken(payload: dict[str, Any]) -> None:
+        raise RuntimeError("the disk is full")
+
+    @queue.job(f"skipped-{suffix}", queue=name)
+    async def skipped(payload: dict[str, Any], job: JobContext) -> Any:
+        return job.discard("nothing to do")
+
+    async with queue.lifespan(None):
+        assert (queue.ports.ends is not None) == database_url.startswith("postgresql")
+        summed = await queue.dispatch(slow_sum, [1, 2, 3])
+        await wait_for(lambda: state_of(queue, summed, "Running"), within=30)
+        reads: list[str] = []
+        read_status = queue.jobs.status
+
+        async def counted(job_id: Any, **options: Any) -> JobStatus | None:
+            found = await read_status(job_id, **options)
+            reads.append(found.state if found is not None else "unknown")
+            return found
+
+        monkeypatch.setattr(queue.jobs, "status", counted)
+        waiter = asyncio.create_task(queue.wait(summed, timeout=60))
+        await wait_for(lambda: reads)  # the waiter found it Running: it waits for the end now
+        assert reads == ["Running"]
+        gate.set()
+        assert await waiter == {"total": 6}
+        assert await queue.wait(summed) == {"total": 6}  # an ended job answers at once
+
+        failing = await queue.dispatch(broken, {})
+        with pytest.raises(JobFailedError, match="the disk is full") as failed:
+            await queue.wait(failing, timeout=timedelta(seconds=60))
+        assert failed.value.status.state == "Failed" and failed.value.status.attempt == 2
+        assert failed.value.reason is not None and "max attempts reached" in failed.value.reason
+
+        discarded = await queue.dispatch(skipped, {})
+        with pytest.raises(JobDiscardedError, match="nothing to do") as gone:
+            await queue.wait(discarded, timeout=60)
+        assert isinstance(gone.value, JobError) and gone.value.status.state == "Discarded"
+
+        later = await queue.dispatch(broken, {}, delay=3600)
+        with pytest.raises(TimeoutError, match=r"is still Pending after waiting 0\.2 s"):
+            await queue.wait(later, timeout=0.2)
+        with pytest.raises(JobNotFound, match="no job has the id"):
+            await queue.wait(uuid.uuid4(), timeout=5)
+        with pytest.raises(ValueError, match="timeout is seconds"):
+            await queue.wait(later, timeout=-1)

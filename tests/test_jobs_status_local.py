@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.jobs import JobDiscardedError, JobFailedError, JobNotFound
 
 
 def build(**settings: Any) -> tuple[WorkQueue, dict[str, Any]]:
@@ -59,3 +60,26 @@ async def test_sync_mode_answers_job_status_of_the_jobs_it_ran(tmp_path: Path) -
         with pytest.raises(ValueError, match="never works"):
             await queue.dispatch(jobs["fails"], {})
         assert await queue.job_status(uuid.uuid4()) is None
+
+
+async def test_wait_under_the_fake_and_in_sync_mode(tmp_path: Path) -> None:
+    queue, jobs = build()
+    with queue.fake() as fake:
+        summed = await queue.dispatch(jobs["total"], [1, 2])
+        failing = await queue.dispatch(jobs["fails"], {})
+        unwanted = await queue.dispatch(jobs["unwanted"], {})
+        with pytest.raises(TimeoutError, match="is still Pending"):
+            await queue.wait(summed, timeout=0.05)  # recorded, not run until work()
+        await fake.work()
+        assert await queue.wait(summed, timeout=1) == 3
+        with pytest.raises(JobFailedError, match="never works"):
+            await queue.wait(failing, timeout=1)
+        with pytest.raises(JobDiscardedError, match="not wanted"):
+            await queue.wait(unwanted, timeout=1)
+        with pytest.raises(JobNotFound):
+            await queue.wait(uuid.uuid4(), timeout=1)
+
+    synced, sync_jobs = build(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", auto_migrate=True,
+                              jobs_mode="sync", enabled=False)
+    async with synced.lifespan(None):
+        assert await synced.wait(await synced.dispatch(sync_jobs["total"], [5, 5]), timeout=1) == 10

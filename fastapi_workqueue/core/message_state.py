@@ -4,12 +4,15 @@ A completion may keep a *result* (JSON text written in the transaction that comp
 delivery: :attr:`.transport.Settlement.result_json`), read back here. The database transports and
 the memory transport implement :class:`MessageState`; a broker (SQS) keeps nothing of the kind,
 and a queue on one answers that it cannot (the jobs layer's job status, ``wait``, groups and
-debounce live in the database).
+debounce live in the database). A store that can announce the end of a delivery implements
+:class:`EndWatcher` too (PostgreSQL); a waiter elsewhere polls.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol, runtime_checkable
 
 
@@ -19,6 +22,18 @@ class MessageState(Protocol):
 
     async def result_get(self, message_id: uuid.UUID) -> str | None:
         """The JSON text kept when the message's delivery completed with a result, or None."""
+        ...
+
+
+@runtime_checkable
+class EndWatcher(Protocol):
+    """A store that announces the end of a message's delivery (PostgreSQL's LISTEN/NOTIFY), so that
+    a waiter need not poll."""
+
+    def watching_end(self, message_id: uuid.UUID) -> AbstractAsyncContextManager[asyncio.Event]:
+        """While entered, an event that is set when the message's delivery ends (Completed,
+        DeadLettered, Discarded) or when notices may have been missed: the waiter reads the
+        status again each time it is set (and now and then regardless)."""
         ...
 
 

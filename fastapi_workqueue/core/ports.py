@@ -20,7 +20,7 @@ from .attempts import AttemptHistoryReader
 from .history import StatsHistoryReader
 from .keys import ApiKeyStore
 from .live_work import LiveWorkReader
-from .message_state import MessageState
+from .message_state import EndWatcher, MessageState
 from .processes import ProcessRegistry
 from .retirement import TopologyLifecycle
 from .search import DeliverySearch
@@ -63,6 +63,8 @@ class Ports:
     router: TopicRouter | None
     state: MessageState | None = None
     """Stored results (the jobs layer's status and ``wait``): behind a router, the database's."""
+    ends: EndWatcher | None = None
+    """Announces the end of a watched delivery (``wait`` without polling): behind a router, the database's."""
 
     @classmethod
     def of(cls, transport: Transport) -> Ports:
@@ -81,6 +83,7 @@ class Ports:
             interrupter=interrupter_of(transport),
             router=router,
             state=keys_from if isinstance(keys_from, MessageState) else None,
+            ends=keys_from if isinstance(keys_from, EndWatcher) else None,
         )
 
     def for_topic(self, topic: str) -> Transport:

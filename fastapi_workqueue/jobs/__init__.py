@@ -16,6 +16,7 @@ from .middleware import JobAttempt, without_overlapping
 from .registry import UnknownJob
 from .results import MAX_RESULT_BYTES, ResultNotStorable
 from .status import JobStatus
+from .waiting import JobDiscardedError, JobError, JobFailedError, JobNotFound
 
 __all__ = [
     "MAX_RESULT_BYTES",
@@ -25,10 +26,14 @@ __all__ = [
     "JobContext",
     "JobDiscard",
     "JobDiscarded",
+    "JobDiscardedError",
     "JobDispatchError",
+    "JobError",
     "JobEvent",
     "JobFailed",
+    "JobFailedError",
     "JobFake",
+    "JobNotFound",
     "JobPayloadInvalid",
     "JobPolicy",
     "JobProcessed",

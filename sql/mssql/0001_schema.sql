@@ -171,6 +171,7 @@ CREATE TABLE workqueue.delivery (
     created_at            datetimeoffset(6) NOT NULL CONSTRAINT delivery_created_at_default DEFAULT SYSDATETIMEOFFSET(),
     settled_at            datetimeoffset(6) NULL,
     held_by               uniqueidentifier NULL,
+    watched               bit NULL,  -- PostgreSQL's NOTIFY of a job's end; a waiter here polls
     CONSTRAINT delivery_pk PRIMARY KEY CLUSTERED (id) WITH (FILLFACTOR = 80)
 );
 

@@ -119,7 +119,8 @@ CREATE TABLE workqueue.delivery (
     note                  text,
     created_at            timestamptz NOT NULL DEFAULT now(),
     settled_at            timestamptz,
-    held_by               uuid
+    held_by               uuid,
+    watched               boolean          -- true: its end is announced (delivery_ended, for wait)
 ) WITH (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.02);
 
 -- Claimable work without a key lock: the head of this index is the next delivery to claim.
@@ -2438,6 +2439,44 @@ SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT r.value, r.stored_at FROM workqueue.message_result r WHERE r.message_id = p_message_id
 $$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Ends of watched deliveries (a job's wait)
+-- ---------------------------------------------------------------------------------------------
+
+-- Asks for the end of the message's live deliveries to be announced (NOTIFY workqueue_ended with
+-- the MessageID, sent by the delivery_ended trigger in the transaction that ends one). A delivery
+-- that has ended already is left as it is: the waiter reads its status after this call.
+CREATE OR REPLACE FUNCTION workqueue.watch_message(p_message_id uuid)
+RETURNS void
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    UPDATE workqueue.delivery d SET watched = true
+    WHERE d.message_id = p_message_id AND d.status IN ('Pending', 'InFlight') AND d.watched IS NOT TRUE
+$$;
+
+-- What happens when a delivery ends (Completed, DeadLettered or Discarded), whichever routine
+-- ends it: a settle, a lease that ran out, a discard. The trigger fires only for a delivery that
+-- asks for it (its WHEN reads columns of the row alone), so an ordinary settle pays nothing.
+CREATE OR REPLACE FUNCTION workqueue.delivery_ended()
+RETURNS trigger
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF NEW.watched THEN
+        PERFORM pg_notify('workqueue_ended', NEW.message_id::text);
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER delivery_ended AFTER UPDATE OF status ON workqueue.delivery
+FOR EACH ROW
+WHEN (NEW.status IN ('Completed', 'DeadLettered', 'Discarded') AND OLD.status IS DISTINCT FROM NEW.status
+      AND NEW.watched)
+EXECUTE FUNCTION workqueue.delivery_ended();
 
 -- ---------------------------------------------------------------------------------------------
 -- Operator actions

@@ -95,7 +95,8 @@ CREATE TABLE delivery (
     note                  TEXT,
     created_at            REAL NOT NULL,
     settled_at            REAL,
-    held_by               TEXT
+    held_by               TEXT,
+    watched               INTEGER   -- PostgreSQL's NOTIFY of a job's end; a waiter here polls
 );
 CREATE INDEX delivery_claim ON delivery (subscription_id, visible_at, id)
     WHERE status = 'Pending' AND key_mode = 0;
