@@ -366,14 +366,14 @@ class WorkQueue:
     async def dispatch(
         self, job: JobRef, payload: Any = None, *, delay: timedelta | float | None = None, queue: str | None = None,
         unique: None = None, unique_until: Literal["done", "processing"] = "done", unique_for: float = 3600,
-        session: Any = None,
+        debounce: timedelta | float | None = None, debounce_key: str | None = None, session: Any = None,
     ) -> uuid.UUID: ...
 
     @overload
     async def dispatch(
         self, job: JobRef, payload: Any = None, *, delay: timedelta | float | None = None, queue: str | None = None,
         unique: str | None, unique_until: Literal["done", "processing"] = "done", unique_for: float = 3600,
-        session: Any = None,
+        debounce: timedelta | float | None = None, debounce_key: str | None = None, session: Any = None,
     ) -> uuid.UUID | None: ...
 
     async def dispatch(
@@ -386,16 +386,21 @@ class WorkQueue:
         unique: str | None = None,
         unique_until: Literal["done", "processing"] = "done",
         unique_for: float = 3600,
+        debounce: timedelta | float | None = None,
+        debounce_key: str | None = None,
         session: Any = None,
     ) -> uuid.UUID | None:
         """Validates ``payload`` and queues ``job``; returns the job id (None while ``unique`` is held).
 
         Joins ``session``'s transaction, or the request's (``queue.session``): a rollback queues
         nothing. ``delay`` is a ``timedelta`` or seconds; ``queue`` overrides the declared queue.
+        ``debounce`` (a window) with ``debounce_key``: dispatches with one key within the window make
+        one job, run once the window has passed since the last of them, with the last payload; each
+        returns that job's id.
         """
         result: uuid.UUID | None = await self.jobs.dispatch(
             job, payload, delay=delay, queue=queue, unique=unique, unique_until=unique_until, unique_for=unique_for,
-            session=session,
+            debounce=debounce, debounce_key=debounce_key, session=session,
         )
         return result
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +84,38 @@ async def test_wait_under_the_fake_and_in_sync_mode(tmp_path: Path) -> None:
                               jobs_mode="sync", enabled=False)
     async with synced.lifespan(None):
         assert await synced.wait(await synced.dispatch(sync_jobs["total"], [5, 5]), timeout=1) == 10
+
+
+async def test_the_fake_keeps_one_debounced_job_per_key_with_the_last_payload(tmp_path: Path) -> None:
+    queue, _ = build()
+    ran: list[int] = []
+
+    @queue.job("local.debounced")
+    async def debounced(payload: dict[str, int]) -> None:
+        ran.append(payload["n"])
+
+    window = timedelta(seconds=30)
+    with queue.fake() as fake:
+        first = await queue.dispatch(debounced, {"n": 1}, debounce=window, debounce_key="k")
+        second = await queue.dispatch(debounced, {"n": 2}, debounce=window, debounce_key="k")
+        other = await queue.dispatch(debounced, {"n": 9}, debounce=window, debounce_key="other")
+        assert first == second != other
+        assert fake.dispatched(debounced) == [{"n": 2}, {"n": 9}]
+        assert (await fake.work()).processed == 2
+        third = await queue.dispatch(debounced, {"n": 3}, debounce=window, debounce_key="k")
+        assert third != first  # the job ran: a new one
+        await fake.work()
+    assert ran == [2, 9, 3]
+
+    synced, _ = build(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", auto_migrate=True,
+                      jobs_mode="sync", enabled=False)
+    now: list[int] = []
+
+    @synced.job("local.debounced")
+    async def at_once(payload: dict[str, int]) -> None:
+        now.append(payload["n"])
+
+    async with synced.lifespan(None):
+        await synced.dispatch(at_once, {"n": 1}, debounce=window, debounce_key="k")
+        await synced.dispatch(at_once, {"n": 2}, debounce=window, debounce_key="k")
+    assert now == [1, 2]  # sync mode runs each dispatch at once: the window is not waited for

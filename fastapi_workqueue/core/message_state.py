@@ -1,11 +1,12 @@
 """What a store keeps about how a message's work ends, beside its deliveries.
 
 A completion may keep a *result* (JSON text written in the transaction that completes the
-delivery: :attr:`.transport.Settlement.result_json`), read back here. The database transports and
-the memory transport implement :class:`MessageState`; a broker (SQS) keeps nothing of the kind,
-and a queue on one answers that it cannot (the jobs layer's job status, ``wait``, groups and
-debounce live in the database). A store that can announce the end of a delivery implements
-:class:`EndWatcher` too (PostgreSQL); a waiter elsewhere polls.
+delivery: :attr:`.transport.Settlement.result_json`), read back here. A *debounced* message is one
+pending message per deduplication key whose payload and due time each later publish replaces. The
+database transports and the memory transport implement :class:`MessageState`; a broker (SQS)
+keeps nothing of the kind, and a queue on one answers that it cannot (the jobs layer's job status,
+``wait``, groups and debounce live in the database). A store that can announce the end of a
+delivery implements :class:`EndWatcher` too (PostgreSQL); a waiter elsewhere polls.
 """
 
 from __future__ import annotations
@@ -13,15 +14,26 @@ from __future__ import annotations
 import asyncio
 import uuid
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from .envelope import PreparedMessage
 
 
 @runtime_checkable
 class MessageState(Protocol):
-    """A store that keeps the results of completed work."""
+    """A store that keeps the results of completed work and debounces messages."""
 
     async def result_get(self, message_id: uuid.UUID) -> str | None:
         """The JSON text kept when the message's delivery completed with a result, or None."""
+        ...
+
+    async def debounce(self, topic: str, key: str, message: PreparedMessage, seconds: float, *,
+                       session: Any = None) -> uuid.UUID | None:
+        """The message holding ``topic``'s deduplication ``key`` takes ``message``'s payload and
+        comes due ``seconds`` from now (the key lives as long), while it still waits out its
+        window: every delivery Pending, unkeyed, never claimed and not yet due. Answers its
+        MessageID; otherwise frees the key and answers None (publish ``message`` with the key)."""
         ...
 
 

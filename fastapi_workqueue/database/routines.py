@@ -413,6 +413,18 @@ class RoutineTransport:
         rows = await self.call("result_get", p_message_id=message_id)
         return str(rows[0]["value"]) if rows else None
 
+    async def debounce(self, topic: str, key: str, message: PreparedMessage, seconds: float, *,
+                       session: Any = None) -> uuid.UUID | None:
+        """The pending message holding ``topic``'s ``key`` takes ``message``'s payload and comes due
+        ``seconds`` from now while it still waits out its window (its MessageID); else the key is
+        freed and None answered (see :class:`~fastapi_workqueue.core.message_state.MessageState`)."""
+        rows = await self.call(
+            "debounce", session=session, retry=session is None, p_topic=topic, p_key=key,
+            p_payload=message.payload_json, p_content_hash=message.content_hash,
+            p_envelope_bytes=message.envelope_bytes, p_seconds=seconds, p_now=self._now(),
+        )
+        return uuid.UUID(str(rows[0]["message_id"])) if rows else None
+
     # -- housekeeping ------------------------------------------------------------------------
 
     async def sweep(self, limit: int = 1000) -> SweepReport:

@@ -876,6 +876,37 @@ async def r_result_get(c: Call, p_message_id: Any) -> list[Row]:
     return with_times(await c.ex.fetch("result_get", message_id=str(p_message_id)))
 
 
+# -- debounce ------------------------------------------------------------------------------------
+
+
+@routine
+async def r_debounce(c: Call, p_topic: str, p_key: str, p_payload: str, p_content_hash: str, p_envelope_bytes: int,
+                     p_seconds: float, p_now: datetime | None = None) -> list[Row]:
+    """PostgreSQL's debounce: the message holding the key takes the payload and comes due
+    ``p_seconds`` from now while it still waits out its window; else the key is freed (no row)."""
+    c = c.at(p_now)
+    held = await c.ex.fetch("dedup_holder", topic=p_topic, key=p_key)
+    if not held:
+        return []
+    mid = str(held[0]["message_id"])
+    waiting = await c.ex.fetch("message_deliveries_waiting", message_id=mid, now=c.now)
+    if not waiting or not all(row["waiting"] for row in waiting):
+        await c.ex.execute("dedup_delete", topic=p_topic, key=p_key)
+        return []
+    topic = await c.ex.fetch("topic_get", name=p_topic)
+    cap = topic[0]["max_payload_bytes"] if topic else None
+    if cap is not None and p_envelope_bytes > cap:
+        raise TransportError(
+            f"debounce: the debounced envelope is {p_envelope_bytes} bytes; topic '{p_topic}' accepts at most {cap} "
+            "bytes (max_payload_bytes)"
+        )
+    due = c.now + p_seconds
+    await c.ex.execute("message_rewrite", id=mid, payload=p_payload, content_hash=p_content_hash)
+    await c.ex.execute("message_deliveries_push", message_id=mid, visible_at=due)
+    await c.ex.execute("dedup_expire_at", topic=p_topic, key=p_key, expires_at=due)
+    return [{"message_id": mid}]
+
+
 # -- API keys ------------------------------------------------------------------------------------
 
 

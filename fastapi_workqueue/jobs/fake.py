@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
@@ -46,6 +46,8 @@ class Dispatched:
     """The payload as the job's payload type."""
     delay_seconds: float | None = None
     unique: str | None = None
+    debounce_seconds: float | None = None
+    """The window of a debounced dispatch (its record shows the last payload dispatched)."""
 
 
 class JobFake:
@@ -63,6 +65,8 @@ class JobFake:
         self._locks = memory_locks()
         self._saved: tuple[Any, Any, Any] | None = None
         self._statuses: dict[uuid.UUID, JobStatus] = {}
+        self._debounced: dict[uuid.UUID, str] = {}
+        """The debounce key of each recorded debounced job, by id."""
         """What :meth:`work` made of each job it ran, by id."""
 
     # -- activation --------------------------------------------------------------------------
@@ -102,6 +106,32 @@ class JobFake:
             self._waiting.append((queue, prepared))
             if key is not None:
                 self._held_unique.add(key)
+
+        if not _after_commit(keep, session):
+            keep()
+        return prepared.message_id
+
+    def record_debounced(self, job: Job, data: Any, queue: str, request: PublishRequest, *, debounce_key: str,
+                         window: float, session: Any = None) -> uuid.UUID:
+        """Records a debounced dispatch: while a job dispatched with the same key waits for
+        :meth:`work`, it takes this payload (one record, the last payload) and keeps its id."""
+        for index, (waiting_queue, message) in enumerate(self._waiting):
+            if waiting_queue == queue and self._debounced.get(message.message_id) == debounce_key:
+                fresh = prepare(request.model_copy(update={"message_id": message.message_id}))
+                self._waiting[index] = (queue, fresh)
+                self.records[:] = [
+                    replace(r, payload=job.load(data), debounce_seconds=window) if r.id == message.message_id else r
+                    for r in self.records
+                ]
+                return message.message_id
+        prepared = prepare(request)
+        entry = Dispatched(job=job.name, id=prepared.message_id, queue=queue, payload=job.load(data),
+                           debounce_seconds=window)
+
+        def keep() -> None:
+            self.records.append(entry)
+            self._waiting.append((queue, prepared))
+            self._debounced[prepared.message_id] = debounce_key
 
         if not _after_commit(keep, session):
             keep()

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.envelope import (
     MAX_DELAY_SECONDS,
@@ -35,6 +35,7 @@ from ..core.redaction import redacting_logger
 from ..core.tasks import TaskScope
 from ..core.topology import Subscription, Topic
 from .context import JobContext, StepStore
+from .debounce import debounce_window, dispatch_debounced, stored_key
 from .definition import DEFAULT_TRIES, Job, check_job_name, check_queue_name, define_job
 from .encryption import PayloadCipher, PayloadUndecryptable, cipher_from
 from .envelope import (
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
     from ..queue import WorkQueue
 
 log = redacting_logger("fastapi_workqueue.jobs")
+T = TypeVar("T")
 
 JOBS_HANDLER = "workqueue.jobs"
 """The handler key of every job queue's subscription."""
@@ -435,10 +437,17 @@ class Jobs:
         unique: str | None = None,
         unique_until: UniqueUntil = "done",
         unique_for: float = DEFAULT_UNIQUE_FOR,
+        debounce: timedelta | float | None = None,
+        debounce_key: str | None = None,
         session: Any = None,
     ) -> uuid.UUID | None:
-        """Validates ``payload``, queues the job and returns its id (None: ``unique`` key held)."""
+        """Validates ``payload``, queues the job and returns its id (None: ``unique`` key held).
+        ``debounce`` with ``debounce_key``: see :mod:`.debounce`."""
         definition = self.registry.resolve(job)
+        window = debounce_window(debounce, debounce_key, unique=unique, delay=delay)
+        if window is not None:
+            assert debounce_key is not None
+            return await self._debounced(definition, payload, queue, window, debounce_key, session)
         if unique_until not in ("done", "processing"):
             raise ValueError(f"unique_until must be 'done' or 'processing', got {unique_until!r}")
         if unique is not None and not (isinstance(unique, str) and unique):
@@ -474,6 +483,19 @@ class Jobs:
         if not result.ok or result.message_id is None:
             raise JobDispatchError(definition.name, result)
         return result.message_id
+
+    async def _debounced(self, definition: Job, payload: Any, queue: str | None, window: float, key: str,
+                         session: Any) -> uuid.UUID:
+        data = definition.validate(payload)
+        target = check_queue_name(queue) if queue is not None else definition.policy.queue
+        if self.fake is not None:
+            recorded: uuid.UUID = self.fake.record_debounced(definition, data, target, self.request(definition, data),
+                                                             debounce_key=stored_key(self, definition, key),
+                                                             window=window, session=session)
+            return recorded
+        if self.sync:  # (the window is not waited for, as a delay is not)
+            return await self.run_now(definition, target, prepare(self.request(definition, data)))
+        return await dispatch_debounced(self, definition, data, target, window, key, session)
 
     async def bulk(self, items: Iterable[tuple[Any, Any]], *, session: Any = None) -> list[uuid.UUID]:
         """Queues several jobs in one transaction; every payload is checked before any is queued."""
@@ -570,9 +592,14 @@ class Jobs:
 
     # -- publishing --------------------------------------------------------------------------
 
+    async def publish_in(self, send: Callable[[Any], Awaitable[T]], session: Any) -> T:
+        """``send(tx)`` in the caller's transaction (``session``, or the request's), retried in a
+        savepoint when the store asks to try again (a key another transaction took at once)."""
+        return await self._publish(send, session, retry_in_savepoint=True)
+
     async def _publish(
-        self, send: Callable[[Any], Awaitable[list[PublishResult]]], session: Any, *, retry_in_savepoint: bool = False
-    ) -> list[PublishResult]:
+        self, send: Callable[[Any], Awaitable[T]], session: Any, *, retry_in_savepoint: bool = False
+    ) -> T:
         """``send(tx)`` in the caller's transaction (retried in a savepoint for a unique key)."""
         from ..web.session import current_session
 

@@ -593,6 +593,41 @@ class MemoryTransport:
         """The JSON text kept when the message's delivery completed with a result, or None."""
         return self._store.results.get(message_id)
 
+    async def debounce(self, topic: str, key: str, message: PreparedMessage, seconds: float, *,
+                       session: Any = None) -> uuid.UUID | None:
+        """The pending message holding ``topic``'s ``key`` takes ``message``'s payload and comes due
+        ``seconds`` from now while it still waits out its window (its MessageID); else the key is
+        freed and None answered."""
+        if session is not None:
+            raise ConfigurationError(
+                "the memory transport cannot debounce in a caller's database transaction (session=...); dispatch "
+                "without a session"
+            )
+        store, now = self._store, self._now()
+        held = store.deduplication.get((topic, key))
+        if held is None:
+            return None
+        message_id = held[0]
+        deliveries = [d for d in store.deliveries.values() if d.message_id == message_id]
+        if not deliveries or not all(d.status == "Pending" and d.mode == "None" and d.claimed_at is None
+                                     and d.visible_at > now for d in deliveries):
+            del store.deduplication[(topic, key)]
+            return None
+        known = store.topics.get(topic)
+        cap = known.topic.max_payload_bytes if known is not None else None
+        if cap is not None and message.envelope_bytes > cap:
+            raise TransportError(
+                f"debounce: the debounced envelope is {message.envelope_bytes} bytes; topic '{topic}' accepts at "
+                f"most {cap} bytes (max_payload_bytes)"
+            )
+        stored = store.messages[message_id]
+        stored.payload_json, stored.content_hash = message.payload_json, message.content_hash
+        due = now + timedelta(seconds=seconds)
+        for d in deliveries:
+            d.visible_at = due
+        store.deduplication[(topic, key)] = (message_id, due)
+        return message_id
+
     # -- housekeeping --------------------------------------------------------------------------
 
     def hold_sweep_lock(self) -> _SweepLock:

@@ -3192,6 +3192,84 @@ END;
 GO
 
 -- ---------------------------------------------------------------------------------------------
+-- Debounce: one pending message per key, its payload and due time replaced by each publish
+-- ---------------------------------------------------------------------------------------------
+
+-- The message that holds the topic's deduplication key takes the payload and comes due
+-- @p_seconds from now while it still waits out its window (every delivery Pending, unkeyed, never
+-- claimed, not yet due), and the key lives as long; answered with its MessageID. Otherwise the key
+-- is freed and no row is answered: the caller publishes a new message (PostgreSQL's says more).
+-- returns: message_id
+CREATE OR ALTER PROCEDURE workqueue.debounce
+    @p_topic nvarchar(200),
+    @p_key nvarchar(max),
+    @p_payload nvarchar(max),
+    @p_content_hash nvarchar(128),
+    @p_envelope_bytes int,
+    @p_seconds float,
+    @p_now datetimeoffset(6) = NULL
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
+    DECLARE @v_due datetimeoffset(6) = DATEADD(
+        microsecond, CAST((@p_seconds - FLOOR(@p_seconds)) * 1000000 AS int),
+        DATEADD(second, CAST(FLOOR(@p_seconds) AS int), @v_now));
+    DECLARE @v_message_id uniqueidentifier;
+    DECLARE @v_cap int;
+    DECLARE @v_replaced bit = 0;
+    DECLARE @v_message nvarchar(2048);
+    DECLARE @v_deliveries TABLE (waiting bit NOT NULL);
+
+    BEGIN TRY
+        IF @v_own_transaction = 1
+            BEGIN TRANSACTION;
+        SELECT @v_message_id = dd.message_id
+        FROM workqueue.deduplication AS dd WITH (UPDLOCK, HOLDLOCK, ROWLOCK)
+        WHERE dd.topic = @p_topic AND dd.deduplication_key = @p_key;
+        IF @v_message_id IS NOT NULL
+        BEGIN
+            INSERT INTO @v_deliveries (waiting)
+            SELECT CASE WHEN d.status = N'Pending' AND d.key_mode = 0 AND d.claimed_at IS NULL
+                             AND d.visible_at > @v_now THEN 1 ELSE 0 END
+            FROM workqueue.delivery AS d WITH (UPDLOCK, HOLDLOCK, ROWLOCK)
+            WHERE d.message_id = @v_message_id;
+            IF EXISTS (SELECT 1 FROM @v_deliveries)
+               AND NOT EXISTS (SELECT 1 FROM @v_deliveries AS x WHERE x.waiting = 0)
+            BEGIN
+                SELECT @v_cap = t.max_payload_bytes FROM workqueue.topic AS t WHERE t.name = @p_topic;
+                IF @v_cap IS NOT NULL AND @p_envelope_bytes > @v_cap
+                BEGIN
+                    SET @v_message = CONCAT(
+                        N'the debounced envelope is ', @p_envelope_bytes, N' bytes; topic ''', @p_topic,
+                        N''' accepts at most ', @v_cap, N' bytes (max_payload_bytes)');
+                    THROW 51008, @v_message, 1;
+                END;
+                UPDATE workqueue.message SET payload = @p_payload, content_hash = @p_content_hash
+                WHERE id = @v_message_id;
+                UPDATE workqueue.delivery SET visible_at = @v_due WHERE message_id = @v_message_id;
+                UPDATE workqueue.deduplication SET expires_at = @v_due
+                WHERE topic = @p_topic AND deduplication_key = @p_key;
+                SET @v_replaced = 1;
+            END
+            ELSE
+                DELETE FROM workqueue.deduplication WHERE topic = @p_topic AND deduplication_key = @p_key;
+        END;
+        IF @v_own_transaction = 1
+            COMMIT TRANSACTION;
+    END TRY
+    BEGIN CATCH
+        IF @v_own_transaction = 1 AND @@TRANCOUNT > 0
+            ROLLBACK TRANSACTION;
+        THROW;
+    END CATCH;
+    SELECT @v_message_id AS message_id WHERE @v_replaced = 1;
+END;
+GO
+
+-- ---------------------------------------------------------------------------------------------
 -- Operator actions
 -- ---------------------------------------------------------------------------------------------
 

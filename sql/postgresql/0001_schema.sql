@@ -2441,6 +2441,59 @@ AS $$
 $$;
 
 -- ---------------------------------------------------------------------------------------------
+-- Debounce: one pending message per key, its payload and due time replaced by each publish
+-- ---------------------------------------------------------------------------------------------
+
+-- The message that holds the topic's deduplication key p_key takes the payload p_payload and comes
+-- due p_seconds from now, and the key lives as long; answered with its MessageID. Only a message
+-- still waiting out its window is replaced: every delivery Pending, unkeyed, never claimed and not
+-- yet due. Otherwise (no key, or its message is due, running or ended) the key is freed and no row
+-- is answered: the caller publishes a new message with the key (a concurrent caller that published
+-- it first makes that publish a Duplicate, and the caller asks again).
+CREATE OR REPLACE FUNCTION workqueue.debounce(
+    p_topic text, p_key text, p_payload text, p_content_hash text, p_envelope_bytes integer,
+    p_seconds double precision, p_now timestamptz DEFAULT NULL
+) RETURNS TABLE (message_id uuid)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
+    v_due timestamptz := coalesce(p_now, now()) + make_interval(secs => p_seconds);
+    v_message uuid;
+    v_cap integer;
+    v_waiting boolean;
+BEGIN
+    SELECT dd.message_id INTO v_message FROM workqueue.deduplication dd
+    WHERE dd.topic = p_topic AND dd.deduplication_key = p_key
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    SELECT coalesce(bool_and(x.status = 'Pending' AND x.key_mode = 0 AND x.claimed_at IS NULL
+                             AND x.visible_at > v_now), false)
+    INTO v_waiting
+    FROM (SELECT d.status, d.key_mode, d.claimed_at, d.visible_at FROM workqueue.delivery d
+          WHERE d.message_id = v_message ORDER BY d.id FOR UPDATE) x;
+    IF NOT v_waiting THEN
+        DELETE FROM workqueue.deduplication dd WHERE dd.topic = p_topic AND dd.deduplication_key = p_key;
+        RETURN;
+    END IF;
+    SELECT t.max_payload_bytes INTO v_cap FROM workqueue.topic t WHERE t.name = p_topic;
+    IF v_cap IS NOT NULL AND p_envelope_bytes > v_cap THEN
+        RAISE EXCEPTION 'the debounced envelope is % bytes; topic % accepts at most % bytes (max_payload_bytes)',
+            p_envelope_bytes, quote_literal(p_topic), v_cap USING ERRCODE = 'program_limit_exceeded';
+    END IF;
+    UPDATE workqueue.message m SET payload = p_payload, content_hash = p_content_hash WHERE m.id = v_message;
+    UPDATE workqueue.delivery d SET visible_at = v_due WHERE d.message_id = v_message;
+    UPDATE workqueue.deduplication dd SET expires_at = v_due
+    WHERE dd.topic = p_topic AND dd.deduplication_key = p_key;
+    RETURN QUERY SELECT v_message;
+END
+$$;
+
+-- ---------------------------------------------------------------------------------------------
 -- Ends of watched deliveries (a job's wait)
 -- ---------------------------------------------------------------------------------------------
 

@@ -479,6 +479,23 @@ ON CONFLICT (message_id) DO UPDATE SET value = excluded.value, stored_at = exclu
 -- name: result_get
 SELECT value, stored_at FROM message_result WHERE message_id = :message_id;
 
+-- name: dedup_holder
+SELECT message_id FROM deduplication WHERE topic = :topic AND deduplication_key = :key;
+
+-- name: dedup_delete
+DELETE FROM deduplication WHERE topic = :topic AND deduplication_key = :key;
+
+-- name: dedup_expire_at
+UPDATE deduplication SET expires_at = :expires_at WHERE topic = :topic AND deduplication_key = :key;
+
+-- name: message_deliveries_waiting
+-- The deliveries of a message and whether each still waits out a debounce window.
+SELECT status = 'Pending' AND key_mode = 0 AND claimed_at IS NULL AND visible_at > :now AS waiting
+FROM delivery WHERE message_id = :message_id;
+
+-- name: message_deliveries_push
+UPDATE delivery SET visible_at = :visible_at WHERE message_id = :message_id;
+
 -- name: api_key_create
 INSERT INTO api_key (id, name, prefix, key_hash, scopes, created_at, expires_at, topics)
 VALUES (:id, :name, :prefix, :key_hash, :scopes, :now, :expires_at, :topics);

@@ -1,15 +1,19 @@
-"""Stored results (:mod:`fastapi_workqueue.core.message_state`): a completion keeps its result in
+"""Message state (:mod:`fastapi_workqueue.core.message_state`): a completion keeps its result in
 the transaction that completes the delivery, a settle that does not complete it keeps none, and the
-retention purge removes it with its message."""
+retention purge removes it with its message; a debounce replaces the payload of the message that
+holds a key while it waits out its window, and frees the key of one that no longer waits."""
 
 from __future__ import annotations
 
+import json
 import uuid
+from datetime import datetime, timedelta
 
+from ...core.envelope import PreparedMessage, PublishRequest, prepare
 from ...core.message_state import MessageState
 from ...core.ports import Ports
 from ...core.transport import ClaimedDelivery, Settlement
-from .harness import Harness, cancel_refused, make_world, require
+from .harness import Harness, cancel_refused, harness_now, make_world, require
 
 
 def state_of(harness: Harness) -> MessageState:
@@ -70,3 +74,61 @@ async def test_a_result_is_purged_with_its_message(harness: Harness) -> None:
             break
     assert await harness.transport.known_messages([delivery.message_id]) == set()
     assert await state.result_get(delivery.message_id) is None
+
+
+# -- debounce --------------------------------------------------------------------------------------
+
+
+def debounced(payload: object, key: str, due: datetime) -> PreparedMessage:
+    return prepare(PublishRequest(payload=payload, deduplication_key=key, deduplication_ttl_seconds=60,
+                                  not_before=due))
+
+
+async def test_debounce_replaces_the_payload_of_a_waiting_message_and_pushes_it(harness: Harness) -> None:
+    state = state_of(harness)
+    world = await make_world(harness.transport, [{"role": "a"}])
+    first = debounced({"n": 1}, "user:7", harness_now(harness) + timedelta(seconds=60))
+    [accepted] = await harness.transport.publish(world.topic, [first])
+    assert accepted.status.value == "Accepted"
+    assert await state.debounce(world.topic, "user:8", debounced({"n": 0}, "user:8", harness_now(harness)), 60) is None
+    [before] = await harness.transport.message_deliveries(first.message_id)
+    await harness.advance(before.delivery_id, 20)
+    later = debounced({"n": 2}, "user:7", harness_now(harness))
+    assert await state.debounce(world.topic, "user:7", later, 60) == first.message_id
+    [after] = await harness.transport.message_deliveries(first.message_id, include_payload=True)
+    assert after.payload == {"n": 2} and after.status == "Pending"
+    assert after.visible_at is not None and abs((after.visible_at - harness_now(harness)).total_seconds() - 60) < 5
+    # Still one message and one delivery; not claimable before its new time, claimable after it.
+    await harness.advance(before.delivery_id, 45)
+    assert await world.claim("a") == []
+    await harness.advance(before.delivery_id, 20)
+    [claimed] = await world.claim("a")
+    assert claimed.message_id == first.message_id and json.loads(claimed.payload_json or "null") == {"n": 2}
+
+
+async def test_debounce_frees_the_key_of_a_message_that_no_longer_waits(harness: Harness) -> None:
+    state = state_of(harness)
+    world = await make_world(harness.transport, [{"role": "a"}])
+    first = debounced("first", "k", harness_now(harness) + timedelta(seconds=30))
+    await harness.transport.publish(world.topic, [first])
+    [info] = await harness.transport.message_deliveries(first.message_id)
+    await harness.advance(info.delivery_id, 31)  # its window passed: it is due
+    second = debounced("second", "k", harness_now(harness) + timedelta(seconds=30))
+    assert await state.debounce(world.topic, "k", second, 30) is None
+    [fresh] = await harness.transport.publish(world.topic, [second])  # the key is free for a new message
+    assert fresh.status.value == "Accepted"
+    # A claimed (running) message is not replaced either: the key is freed for the next one.
+    [running] = await world.claim("a")
+    assert running.message_id == first.message_id
+    other = await make_world(harness.transport, [{"role": "b"}])
+    third = debounced("third", "t", harness_now(harness) + timedelta(seconds=30))
+    await harness.transport.publish(other.topic, [third])
+    await harness.advance(running.delivery_id, 31)
+    [taken] = await other.claim("b")
+    assert taken.message_id == third.message_id
+    fourth = debounced("fourth", "t", harness_now(harness) + timedelta(seconds=30))
+    assert await state.debounce(other.topic, "t", fourth, 30) is None
+    [after] = await harness.transport.publish(other.topic, [fourth])
+    assert after.status.value == "Accepted"
+    [still] = await harness.transport.message_deliveries(third.message_id, include_payload=True)
+    assert still.payload == "third" and still.status == "InFlight"
