@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from .jobs.events import E
     from .jobs.failed import FailedJob
     from .jobs.fake import JobFake
+    from .jobs.groups import JobGroup
     from .jobs.layer import Jobs
     from .jobs.middleware import Middleware
     from .jobs.schedules import Schedule
@@ -413,6 +414,15 @@ class WorkQueue:
         """Queues jobs that run one after the other; returns all their ids."""
         ids: list[uuid.UUID] = await self.jobs.chain(items, session=session)
         return ids
+
+    async def group(self, items: Iterable[tuple[Any, ...]], *, then: tuple[Any, ...], session: Any = None) -> JobGroup:
+        """Queues the jobs ``items`` (``(job, payload)``, or ``(job, payload, {"queue": ...})``) and
+        ``then``, which runs once when every one of them has ended, completed, failed or
+        discarded, and finds each one's status (and result) in ``job.group_results``. All in one
+        transaction (``session``'s, the request's, or one of its own); every payload is checked
+        first. Returns the ``JobGroup`` (its id, the members' job ids, the ``then`` job's id)."""
+        group: JobGroup = await self.jobs.group(items, then=then, session=session)
+        return group
 
     async def size(self, queue: str | None = None) -> int:
         """Jobs that wait or run on ``queue`` (every job queue when None)."""

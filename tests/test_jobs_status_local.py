@@ -119,3 +119,46 @@ async def test_the_fake_keeps_one_debounced_job_per_key_with_the_last_payload(tm
         await synced.dispatch(at_once, {"n": 1}, debounce=window, debounce_key="k")
         await synced.dispatch(at_once, {"n": 2}, debounce=window, debounce_key="k")
     assert now == [1, 2]  # sync mode runs each dispatch at once: the window is not waited for
+
+
+def with_collector(queue: WorkQueue) -> tuple[Any, list[list[tuple[str, Any]]]]:
+    seen: list[list[tuple[str, Any]]] = []
+
+    @queue.job("local.collect")
+    async def collect(payload: dict[str, Any], job: JobContext) -> None:
+        seen.append([(s.state, s.result) for s in job.group_results or []])
+
+    return collect, seen
+
+
+EXPECTED_GROUP = [("Completed", 3), ("Failed", None), ("Discarded", None), ("Completed", 3)]
+
+
+async def test_the_fake_runs_a_groups_then_job_after_its_members() -> None:
+    queue, jobs = build()
+    collect, seen = with_collector(queue)
+    members = [(jobs["total"], [1, 2]), (jobs["fails"], {}), (jobs["unwanted"], {}), (jobs["total"], [3])]
+    with queue.fake() as fake:
+        group = await queue.group(members, then=(collect, {}))
+        held = await queue.job_status(group.then_id)
+        assert held is not None and held.state == "Pending"
+        fake.assert_dispatched(collect, times=1)
+        counts = await fake.work()
+        assert (counts.processed, counts.failed, counts.discarded) == (3, 1, 1)
+        done = await queue.job_status(group.then_id)
+    assert done is not None and done.state == "Completed"
+    assert seen == [EXPECTED_GROUP]
+
+
+async def test_sync_mode_runs_a_group_and_its_then_job_at_once(tmp_path: Path) -> None:
+    queue, jobs = build(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", auto_migrate=True,
+                        jobs_mode="sync", enabled=False)
+    collect, seen = with_collector(queue)
+    async with queue.lifespan(None):
+        ok = await queue.group([(jobs["total"], [1, 2]), (jobs["total"], [5])], then=(collect, {}))
+        assert seen == [[("Completed", 3), ("Completed", 5)]]
+        assert await queue.wait(ok.then_id, timeout=1) is None
+        members = [(jobs["total"], [1, 2]), (jobs["fails"], {}), (jobs["unwanted"], {}), (jobs["total"], [3])]
+        with pytest.raises(ValueError, match="never works"):  # a member that failed: its error, as dispatch raises
+            await queue.group(members, then=(collect, {}))
+    assert seen[1] == EXPECTED_GROUP  # then ran before the failure was raised

@@ -2,7 +2,8 @@
 
 A completion may keep a *result* (JSON text written in the transaction that completes the
 delivery: :attr:`.transport.Settlement.result_json`), read back here. A *debounced* message is one
-pending message per deduplication key whose payload and due time each later publish replaces. The
+pending message per deduplication key whose payload and due time each later publish replaces. A
+*group* holds a message back until each of its member messages has ended (fan-in). The
 database transports and the memory transport implement :class:`MessageState`; a broker (SQS)
 keeps nothing of the kind, and a queue on one answers that it cannot (the jobs layer's job status,
 ``wait``, groups and debounce live in the database). A store that can announce the end of a
@@ -13,16 +14,35 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from .envelope import PreparedMessage
+    from .reports import DeliveryInfo
+
+HELD_UNTIL = datetime(9999, 12, 31, tzinfo=UTC)
+"""The ``not_before`` of a group's held message: never due until its group releases it."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupMember:
+    """A member of a group: its MessageID, when its end was counted (None: not yet), its first
+    delivery (None once the store no longer has it) and its stored result."""
+
+    message_id: uuid.UUID
+    ended_at: datetime | None
+    delivery: DeliveryInfo | None
+    result: str | None
 
 
 @runtime_checkable
 class MessageState(Protocol):
-    """A store that keeps the results of completed work and debounces messages."""
+    """A store that keeps the results of completed work, debounces messages and holds a message for
+    a group."""
 
     async def result_get(self, message_id: uuid.UUID) -> str | None:
         """The JSON text kept when the message's delivery completed with a result, or None."""
@@ -34,6 +54,18 @@ class MessageState(Protocol):
         comes due ``seconds`` from now (the key lives as long), while it still waits out its
         window: every delivery Pending, unkeyed, never claimed and not yet due. Answers its
         MessageID; otherwise frees the key and answers None (publish ``message`` with the key)."""
+        ...
+
+    async def group_create(self, group_id: uuid.UUID, members: Sequence[uuid.UUID], then: uuid.UUID, *,
+                           session: Any = None) -> int:
+        """Makes ``members`` (MessageIDs, in order) a group whose end releases ``then``: published
+        already (in ``session``'s transaction, with ``not_before`` :data:`HELD_UNTIL`), it becomes due
+        in the transaction that ends the last member, once. A member that ended already, or has no
+        delivery, counts as ended. Answers how many members have not ended."""
+        ...
+
+    async def group_members(self, group_id: uuid.UUID) -> list[GroupMember]:
+        """The members of a group, in order (empty for an unknown group)."""
         ...
 
 

@@ -34,6 +34,7 @@ from ..core.errors import ConfigurationError, TransportError, WorkQueueError
 from ..core.history import StatsPoint
 from ..core.keys import ApiKeyInfo, KeyRecord
 from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts
+from ..core.message_state import GroupMember
 from ..core.observe import HEADERS_KEY, split_headers, trace_id_of
 from ..core.processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
 from ..core.redaction import redacting_logger
@@ -424,6 +425,21 @@ class RoutineTransport:
             p_envelope_bytes=message.envelope_bytes, p_seconds=seconds, p_now=self._now(),
         )
         return uuid.UUID(str(rows[0]["message_id"])) if rows else None
+
+    async def group_create(self, group_id: uuid.UUID, members: Sequence[uuid.UUID], then: uuid.UUID, *,
+                           session: Any = None) -> int:
+        """Makes ``members`` a group whose end releases the held message ``then`` (see
+        :class:`~fastapi_workqueue.core.message_state.MessageState`); answers the members not ended."""
+        rows = await self.call("group_create", session=session, retry=session is None, p_group=group_id,
+                               p_members=list(members), p_then=then)
+        return int(rows[0]["remaining"]) if rows else 0
+
+    async def group_members(self, group_id: uuid.UUID) -> list[GroupMember]:
+        """The members of a group, in order, each with its first delivery and stored result."""
+        rows = await self.call("group_members", p_group=group_id)
+        return [GroupMember(message_id=as_uuid(r["message_id"]), ended_at=r["ended_at"],
+                            delivery=None if r["delivery_id"] is None else member_delivery(r), result=r["result"])
+                for r in rows]
 
     # -- housekeeping ------------------------------------------------------------------------
 
@@ -955,6 +971,17 @@ def delivery_info(row: Row, subscription: str | None, include_payload: bool) -> 
         payload=json_value(row["payload"]) if include_payload else None,
         holder=holder(row),
         trace_id=trace_id_of(split_headers(stored)[1]) if isinstance(stored, Mapping) else None,
+    )
+
+
+def member_delivery(row: Row) -> DeliveryInfo:
+    """A group member's delivery as ``group_members`` answers it."""
+    return DeliveryInfo(
+        delivery_id=str(row["delivery_id"]), subscription=row["subscription"], message_id=as_uuid(row["message_id"]),
+        status=row["status"], attempt=row["attempt"], max_attempts=row["max_attempts"], reason=row["reason"],
+        last_error=row["last_error"], visible_at=row["visible_at"], created_at=row["created_at"],
+        claimed_at=row["claimed_at"], settled_at=row["settled_at"],
+        attributes=user_attributes(json_value(row["attributes"])),
     )
 
 

@@ -54,8 +54,8 @@ Routine = Callable[..., Awaitable[list[Row]]]
 ROUTINES: dict[str, Routine] = {}
 READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions", "list_subscriptions",
              "list_topics", "schema_versions", "api_key_list", "api_key_verify", "api_key_session", "known_messages",
-             "message_deliveries", "delivery_attempts",
-             "search_deliveries", "step_get", "result_get", "stats_history", "live_counts", "blocked_keys",
+             "message_deliveries", "delivery_attempts", "result_get", "group_members",
+             "search_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys",
              "list_processes"}
 """Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
 
@@ -905,6 +905,32 @@ async def r_debounce(c: Call, p_topic: str, p_key: str, p_payload: str, p_conten
     await c.ex.execute("message_deliveries_push", message_id=mid, visible_at=due)
     await c.ex.execute("dedup_expire_at", topic=p_topic, key=p_key, expires_at=due)
     return [{"message_id": mid}]
+
+
+# -- groups --------------------------------------------------------------------------------------
+
+
+@routine
+async def r_group_create(c: Call, p_group: Any, p_members: Sequence[Any], p_then: Any) -> list[Row]:
+    """PostgreSQL's group_create; the trigger delivery_ended of schema.sql counts the members' ends."""
+    group = str(p_group)
+    ids = [str(m) for m in p_members]
+    await c.ex.execute("group_insert", id=group, then_message_id=str(p_then), members=len(ids), now=c.now)
+    for position, message_id in enumerate(ids, start=1):
+        await c.ex.execute("group_member_insert", group_id=group, message_id=message_id, ordinal=position)
+    await c.ex.execute("group_mark_members", group_id=group, ids=json.dumps(ids))
+    await c.ex.execute("group_members_ended", group_id=group, now=c.now)
+    [counted] = await c.ex.fetch("group_count", group_id=group)
+    if counted["remaining"] == 0:
+        await c.ex.execute("group_release", group_id=group, now=c.now)
+        for row in await c.ex.fetch("message_release", message_id=str(p_then), now=c.now):
+            c.wake.add(row["subscription_id"])
+    return [{"remaining": counted["remaining"]}]
+
+
+@routine
+async def r_group_members(c: Call, p_group: Any) -> list[Row]:
+    return with_times(await c.ex.fetch("group_members", group_id=str(p_group)))
 
 
 # -- API keys ------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from .context import JobContext, JobDiscard, JobRelease
 from .definition import Job, JobPayloadInvalid, JobPolicy
 from .events import JobDiscarded, JobEvent, JobFailed, JobProcessed, JobProcessing, JobReleased
 from .fake import Dispatched, JobFake
+from .groups import JobGroup
 from .layer import JobDispatchError
 from .middleware import JobAttempt, without_overlapping
 from .registry import UnknownJob
@@ -33,6 +34,7 @@ __all__ = [
     "JobFailed",
     "JobFailedError",
     "JobFake",
+    "JobGroup",
     "JobNotFound",
     "JobPayloadInvalid",
     "JobPolicy",

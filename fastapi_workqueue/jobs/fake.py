@@ -27,6 +27,7 @@ from ..testing.memory import MemoryTransport
 from .definition import Job
 from .envelope import JobEnvelope
 from .fake_app import apps_of
+from .groups import JobGroup
 from .local import JobCounts, LocalRun, memory_locks
 from .status import JobStatus
 from .steps import MemorySteps
@@ -66,6 +67,8 @@ class JobFake:
         self._saved: tuple[Any, Any, Any] | None = None
         self._statuses: dict[uuid.UUID, JobStatus] = {}
         self._debounced: dict[uuid.UUID, str] = {}
+        self._groups: dict[uuid.UUID, JobGroup] = {}
+        """The group of each recorded ``then`` job, by its id."""
         """The debounce key of each recorded debounced job, by id."""
         """What :meth:`work` made of each job it ran, by id."""
 
@@ -137,6 +140,23 @@ class JobFake:
             keep()
         return prepared.message_id
 
+    def record_group(self, group: JobGroup, members: list[tuple[Job, str, PreparedMessage]],
+                     then: tuple[Job, str, PreparedMessage], *, session: Any = None) -> None:
+        """Records a group: its members as dispatches, then its ``then`` job (held: :meth:`work`
+        runs it after the members, with their statuses in ``job.group_results``)."""
+        entries = [(job, queue, message) for job, queue, message in [*members, then]]
+
+        def keep() -> None:
+            for job, queue, message in entries:
+                envelope = JobEnvelope.from_json(_payload(message))
+                self.records.append(Dispatched(job=job.name, id=message.message_id, queue=queue,
+                                               payload=job.load(self._jobs.open_payload(job, envelope))))
+                self._waiting.append((queue, message))
+            self._groups[then[2].message_id] = group
+
+        if not _after_commit(keep, session):
+            keep()
+
     # -- assertions --------------------------------------------------------------------------
 
     def dispatched(self, job: Any) -> list[Any]:
@@ -183,7 +203,11 @@ class JobFake:
         try:
             while self._waiting:
                 queue, message = self._waiting.pop(0)
-                await runner.run_until_done(queue, message)
+                group = self._groups.pop(message.message_id, None)
+                if group is None:
+                    await runner.run_until_done(queue, message)
+                else:  # (its members ran before it, in this run's store)
+                    await runner.run_group([], (queue, message), group.id, list(group.member_ids))
                 envelope = JobEnvelope.from_json(_payload(message))
                 if envelope.unique_key is not None:
                     self._held_unique.discard(envelope.unique_key)

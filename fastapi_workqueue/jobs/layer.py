@@ -14,7 +14,7 @@ import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.envelope import (
@@ -50,6 +50,7 @@ from .envelope import (
 )
 from .events import JobEvents
 from .failed import FailedJobs
+from .groups import JobGroup, group_results, make_group
 from .local_status import LocalStatuses, as_job_id
 from .middleware import Locks
 from .registry import JobRegistry
@@ -332,6 +333,8 @@ class Jobs:
         unique_until: UniqueUntil = "done",
         unique_for: float = DEFAULT_UNIQUE_FOR,
         chain: Sequence[ChainLink] = (),
+        group: uuid.UUID | None = None,
+        not_before: datetime | None = None,
     ) -> PublishRequest:
         payload, encrypted = self.seal(job, data)
         policy = job.policy
@@ -340,7 +343,7 @@ class Jobs:
             job=job.name, payload=payload, encrypted=encrypted,
             timeout=policy.timeout if timeout is None else timeout,
             unique_key=None if unique is None else self.unique_key(job, unique),
-            unique_until=None if unique is None else unique_until, chain=tuple(chain),
+            unique_until=None if unique is None else unique_until, chain=tuple(chain), group=group,
         )
         fields: dict[str, Any] = {"attributes": {JOB_ATTRIBUTE: job.name}, "payload": envelope.to_json(),
                                   "max_attempts": tries or policy.tries}
@@ -349,6 +352,8 @@ class Jobs:
             fields["message_id"] = job_id
         if delay is not None:
             fields["delay_seconds"] = delay
+        if not_before is not None:
+            fields["not_before"] = not_before
         if backoff is not None:
             fields["backoff_seconds"] = list(backoff)
         if unique is not None:
@@ -629,6 +634,34 @@ class Jobs:
             return
         async with self.queue.sessionmaker() as own, own.begin():
             await work(own)
+
+    async def in_one_transaction(self, work: Callable[[Any], Any], session: Any) -> None:
+        """``work(tx)``: several writes in the caller's transaction, or in one of their own (a
+        store without a caller's transaction, the memory transport, runs them one after the other)."""
+        await self._in_one_transaction(work, session,
+                                       several=self.queue.transport.capabilities.transactional_publish)
+
+    # -- groups ------------------------------------------------------------------------------
+
+    async def group(self, items: Iterable[Any], *, then: Any, session: Any = None) -> JobGroup:
+        """Queues ``items`` (``(job, payload)`` or ``(job, payload, {"queue": ...})``) and ``then``,
+        which runs once every member ended (see :mod:`.groups`)."""
+        return await make_group(self, items, then, session)
+
+    async def group_results(self, group_id: uuid.UUID) -> list[JobStatus]:
+        """The status of each member of a group, in order (the ``then`` job's ``job.group_results``)."""
+        return await group_results(self, group_id)
+
+    async def run_group_now(self, members: list[tuple[str, PreparedMessage]], then: tuple[str, PreparedMessage],
+                            group: JobGroup) -> None:
+        """Sync mode: runs a group's members and then its ``then`` job, before ``group`` returns."""
+        from .local import LocalRun
+
+        run = LocalRun(self, once_store=self.queue.transport)
+        try:
+            await run.run_group(members, then, group.id, list(group.member_ids))
+        finally:
+            self.local_statuses.update(await run.statuses())
 
     async def reencrypt(self, *, page: int = 500) -> int:
         """Encrypts the payloads of waiting and failed encrypted jobs again with the current key

@@ -150,6 +150,9 @@ class JobRunner:
             message.message_id, job.name, context.attempt, context.max_attempts, queue, signal,
             lambda: _JobLog(log, job.name, message, context.attempt), context.once, jobs.steps,
         )
+        if envelope.group is not None:  # the then job of a group: what became of each member
+            job_context.group_id = envelope.group
+            job_context.group_results = await jobs.group_results(envelope.group)
         if envelope.unique_key is not None and envelope.unique_until == "processing":
             await jobs.release_unique(queue, envelope.unique_key, message.message_id)
         if jobs.events:  # (no event is built for a queue without listeners)

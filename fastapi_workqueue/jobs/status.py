@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..core.attempts import AttemptInfo
+from ..core.message_state import HELD_UNTIL
 from ..core.redaction import redact
 from ..core.reports import DeliveryInfo
 from ..core.wire import WireModel
@@ -88,9 +89,10 @@ def job_delivery(infos: list[DeliveryInfo]) -> DeliveryInfo | None:
     return next((info for info in infos if queue_of(info.subscription) is not None), None)
 
 
-def status_of(info: DeliveryInfo, attempts: list[AttemptInfo], result: Any, *, held: bool = False) -> JobStatus:
+def status_of(info: DeliveryInfo, attempts: list[AttemptInfo], result: Any) -> JobStatus:
     """The status of the job whose delivery is ``info``."""
     state = _STATE_OF[info.status]
+    held = info.visible_at is not None and info.visible_at >= HELD_UNTIL  # a group's then: due at no time
     return JobStatus(
         id=info.message_id, job=(info.attributes or {}).get("job"), queue=queue_of(info.subscription) or "",
         state=state, attempt=info.attempt, tries=info.max_attempts,

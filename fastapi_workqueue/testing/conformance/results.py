@@ -1,7 +1,9 @@
 """Message state (:mod:`fastapi_workqueue.core.message_state`): a completion keeps its result in
 the transaction that completes the delivery, a settle that does not complete it keeps none, and the
 retention purge removes it with its message; a debounce replaces the payload of the message that
-holds a key while it waits out its window, and frees the key of one that no longer waits."""
+holds a key while it waits out its window, and frees the key of one that no longer waits; a group
+releases its held message once, when the last of its members ended (completed, dead-lettered by a
+settle or a lease expiry, or discarded), and a member counts once."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import uuid
 from datetime import datetime, timedelta
 
 from ...core.envelope import PreparedMessage, PublishRequest, prepare
-from ...core.message_state import MessageState
+from ...core.message_state import HELD_UNTIL, MessageState
 from ...core.ports import Ports
 from ...core.transport import ClaimedDelivery, Settlement
 from .harness import Harness, cancel_refused, harness_now, make_world, require
@@ -132,3 +134,77 @@ async def test_debounce_frees_the_key_of_a_message_that_no_longer_waits(harness:
     assert after.status.value == "Accepted"
     [still] = await harness.transport.message_deliveries(third.message_id, include_payload=True)
     assert still.payload == "third" and still.status == "InFlight"
+
+
+# -- groups ----------------------------------------------------------------------------------------
+
+
+async def test_a_group_releases_its_held_message_once_every_member_ended(harness: Harness) -> None:
+    state = state_of(harness)
+    world = await make_world(harness.transport, [{"role": "a", "max_attempts": 1}])
+    members = [prepare(PublishRequest(payload=f"member {i}")) for i in range(4)]
+    then = prepare(PublishRequest(payload="then", not_before=HELD_UNTIL))
+    await harness.transport.publish(world.topic, [*members, then])
+    group = uuid.uuid4()
+    assert await state.group_create(group, [m.message_id for m in members], then.message_id) == 4
+    claimed = {c.message_id: c for c in await world.claim("a", 10)}
+    assert set(claimed) == {m.message_id for m in members}  # the held message is not claimable
+    first, second, third, fourth = (claimed[m.message_id] for m in members)
+    assert await world.settle(first) == "Completed"
+    assert await world.settle(second, "DeadLetter", reason="poison") == "DeadLettered"
+    if not await cancel_refused(harness, world, "a", third, "not wanted"):
+        discarded = await harness.transport.discard(world["a"], third.delivery_id, "not wanted")
+        assert discarded.cancel_requested
+        assert await world.settle(third) == "Discarded"  # cancel requested: it ends Discarded
+    assert await world.claim("a") == []
+    # The last member's lease runs out on its only attempt: the sweep dead-letters it and that end,
+    # too, counts.
+    await harness.expire_lease(fourth.delivery_id)
+    await harness.transport.sweep()
+    assert await world.status(fourth.delivery_id) == "DeadLettered"
+    [released] = await world.claim("a")
+    assert released.message_id == then.message_id
+    assert await world.claim("a") == []
+    listed = await state.group_members(group)
+    assert [m.message_id for m in listed] == [m.message_id for m in members]
+    assert [m.delivery.status if m.delivery else None for m in listed] == [
+        "Completed", "DeadLettered", "Discarded", "DeadLettered"]
+    assert all(m.ended_at is not None for m in listed)
+    assert await state.group_members(uuid.uuid4()) == []
+
+
+async def test_a_group_of_members_that_ended_already_releases_at_once(harness: Harness) -> None:
+    state = state_of(harness)
+    world = await make_world(harness.transport, [{"role": "a"}])
+    done = await world.publish_one(payload="done already")
+    [finished] = await world.drain("a")
+    then = prepare(PublishRequest(payload="then", not_before=HELD_UNTIL))
+    await harness.transport.publish(world.topic, [then])
+    assert done.message_id is not None
+    unknown = uuid.uuid4()  # no delivery: counts as ended
+    assert await state.group_create(uuid.uuid4(), [done.message_id, unknown], then.message_id) == 0
+    [released] = await world.claim("a")
+    assert released.message_id == then.message_id and finished.message_id == done.message_id
+
+
+async def test_a_member_counts_once_and_a_retry_does_not_end_it(harness: Harness) -> None:
+    state = state_of(harness)
+    world = await make_world(harness.transport, [{"role": "a", "max_attempts": 3}])
+    members = [prepare(PublishRequest(payload=f"m{i}")) for i in range(2)]
+    then = prepare(PublishRequest(payload="then", not_before=HELD_UNTIL))
+    await harness.transport.publish(world.topic, [*members, then])
+    group = uuid.uuid4()
+    await state.group_create(group, [m.message_id for m in members], then.message_id)
+    one, two = await world.claim("a", 2)
+    assert await world.settle(one, "Retry", delay_seconds=0) == "Pending"  # not an end
+    assert await world.settle(two) == "Completed"
+    again = await world.claim_one("a")
+    assert again.message_id == one.message_id  # the held message is still held
+    assert await world.settle(again, "DeadLetter", reason="gave up") == "DeadLettered"
+    await harness.transport.replay(world["a"], again.delivery_id, "try once more")
+    replayed = await world.claim_one("a")
+    assert replayed.message_id in (one.message_id, then.message_id)
+    # The then message was released by the first end; the replayed member does not count twice.
+    rest = await world.claim("a", 10)
+    got = {replayed.message_id, *(c.message_id for c in rest)}
+    assert got == {one.message_id, then.message_id}
