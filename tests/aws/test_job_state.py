@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -14,7 +15,8 @@ from fastapi_workqueue.aws.transport import CAPABILITIES
 from fastapi_workqueue.core.routing import RoutingTransport
 
 from ..conftest import unique
-from .world import REGION, aws_queue
+from .moto import REGION
+from .world import aws_queue
 
 
 async def test_job_state_lives_in_the_database_behind_the_router(tmp_path: Path, moto_url: str) -> None:
@@ -23,7 +25,7 @@ async def test_job_state_lives_in_the_database_behind_the_router(tmp_path: Path,
                          [Subscription(name=f"{cloud}.a", topic=cloud, handler_key="h")]) as queue:
         routing = queue.transport
         assert isinstance(routing, RoutingTransport)
-        assert queue.ports.state is routing.database and routing.capabilities.message_state
+        assert queue.ports.state is cast(object, routing.database) and routing.capabilities.message_state
 
         @queue.job(f"report-{cloud}", store_result=True)
         async def report(payload: dict[str, int]) -> int:
