@@ -229,3 +229,17 @@ async def test_wait_returns_the_stored_result_and_raises_what_became_of_a_job(
             await queue.wait(uuid.uuid4(), timeout=5)
         with pytest.raises(ValueError, match="timeout is seconds"):
             await queue.wait(later, timeout=-1)
+
+
+async def test_wait_polls_where_nothing_announces_the_end(database_url: str) -> None:
+    """With LISTEN turned off (WORKQUEUE_LISTEN=0) a waiter on PostgreSQL polls, as on SQLite."""
+    name = f"status-{uuid.uuid4().hex[:8]}"
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        job_queues=name, listen=False, **FAST))
+
+    @queue.job(f"echo-{name}", queue=name, store_result=True)
+    async def echo(payload: str) -> str:
+        return payload
+
+    async with queue.lifespan(None):
+        assert await queue.wait(await queue.dispatch(echo, "hello"), timeout=30) == "hello"

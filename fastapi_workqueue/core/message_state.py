@@ -74,10 +74,11 @@ class EndWatcher(Protocol):
     """A store that announces the end of a message's delivery (PostgreSQL's LISTEN/NOTIFY), so that
     a waiter need not poll."""
 
-    def watching_end(self, message_id: uuid.UUID) -> AbstractAsyncContextManager[asyncio.Event]:
+    def watching_end(self, message_id: uuid.UUID) -> AbstractAsyncContextManager[asyncio.Event | None]:
         """While entered, an event that is set when the message's delivery ends (Completed,
         DeadLettered, Discarded) or when notices may have been missed: the waiter reads the
-        status again each time it is set (and now and then regardless)."""
+        status again each time it is set (and now and then regardless). None when this store will
+        announce nothing after all (its listening is turned off): the waiter polls."""
         ...
 
 

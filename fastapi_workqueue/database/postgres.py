@@ -111,14 +111,15 @@ class PostgresTransport(RoutineTransport):
             self._listener = listener
 
     @contextlib.asynccontextmanager
-    async def watching_end(self, message_id: uuid.UUID) -> AsyncIterator[asyncio.Event]:
+    async def watching_end(self, message_id: uuid.UUID) -> AsyncIterator[asyncio.Event | None]:
         """While entered, an event set when the message's delivery ends (``watch_message`` marks it,
         the ``delivery_ended`` trigger notifies) or the LISTEN connection came back; the caller
-        reads the status again each time. A transport made with ``listen=False`` never sets it."""
-        event = asyncio.Event()
+        reads the status again each time. None for a transport made with ``listen=False``
+        (``WORKQUEUE_LISTEN=0``): the caller polls."""
         if not self._listen:
-            yield event
+            yield None
             return
+        event = asyncio.Event()
         await self._ends.add(message_id, event)
         try:
             await self.call("watch_message", p_message_id=message_id)
