@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
     from fastapi import FastAPI
     from prometheus_client import CollectorRegistry
+    from pydantic import JsonValue
     from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
     from starlette.types import ASGIApp
 
@@ -404,7 +405,7 @@ class WorkQueue:
         status: JobStatus | None = await self.jobs.status(job_id)
         return status
 
-    async def wait(self, job_id: uuid.UUID | str, timeout: float | timedelta | None = None) -> Any:  # noqa: ASYNC109
+    async def wait(self, job_id: uuid.UUID | str, timeout: float | timedelta | None = None) -> JsonValue:  # noqa: ASYNC109
         """Waits until job ``job_id`` ends and returns what it returned (JSON as stored; None unless
         it is declared ``store_result=True``). Raises ``JobFailedError`` or ``JobDiscardedError``
         (``fastapi_workqueue.jobs``) carrying the job's status when it did not complete,

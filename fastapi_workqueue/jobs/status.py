@@ -21,6 +21,8 @@ import uuid
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
+from pydantic import JsonValue
+
 from ..core.attempts import AttemptInfo
 from ..core.message_state import HELD_UNTIL
 from ..core.redaction import redact
@@ -73,7 +75,7 @@ class JobStatus(WireModel):
     """Why it failed, was discarded, or was retried (redacted)."""
     error: str | None = None
     """The error of its latest failed attempt (redacted)."""
-    result: Any = None
+    result: JsonValue = None
     """Completed: what the job returned, when it is declared ``store_result=True`` (JSON)."""
     attempts: list[AttemptInfo] = []
     """The attempts kept off the happy path, oldest first (a completed attempt leaves none)."""

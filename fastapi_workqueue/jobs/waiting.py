@@ -13,12 +13,14 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .local_status import as_job_id
 from .status import JobStatus
 
 if TYPE_CHECKING:
+    from pydantic import JsonValue
+
     from .layer import Jobs
 
 FIRST_POLL = 0.02
@@ -65,7 +67,7 @@ def _seconds(timeout: float | timedelta | None) -> float | None:
     return float(seconds)
 
 
-def outcome(status: JobStatus) -> Any:
+def outcome(status: JobStatus) -> JsonValue:
     """The result of an ended job, or its failure raised."""
     if status.state == "Failed":
         raise JobFailedError(status)
@@ -74,7 +76,7 @@ def outcome(status: JobStatus) -> Any:
     return status.result
 
 
-async def wait(jobs: Jobs, job_id: uuid.UUID | str, timeout: float | timedelta | None) -> Any:  # noqa: ASYNC109
+async def wait(jobs: Jobs, job_id: uuid.UUID | str, timeout: float | timedelta | None) -> JsonValue:  # noqa: ASYNC109
     """Waits until job ``job_id`` ends: returns its result (None without ``store_result``), raises
     :class:`JobFailedError` or :class:`JobDiscardedError`, :class:`JobNotFound` for an unknown id,
     and ``TimeoutError`` when ``timeout`` seconds pass first."""
