@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
     from prometheus_client import CollectorRegistry
     from pydantic import JsonValue
-    from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
     from starlette.types import ASGIApp
 
     from .jobs.definition import Job
@@ -67,6 +67,9 @@ if TYPE_CHECKING:
     from .jobs.middleware import Middleware
     from .jobs.schedules import Schedule
     from .jobs.status import JobStatus
+
+    Session = AsyncSession | AsyncConnection
+    """A caller's transaction that a publish or dispatch joins (a rollback queues nothing)."""
 
     JobRef = Job | str | Callable[..., Any]
     """A job as dispatch and schedule take it: its function, its :class:`Job`, or its name."""
@@ -313,14 +316,14 @@ class WorkQueue:
     async def dispatch(
         self, job: JobRef, payload: Any = None, *, delay: timedelta | float | None = None, queue: str | None = None,
         unique: None = None, unique_until: Literal["done", "processing"] = "done", unique_for: float = 3600,
-        debounce: timedelta | float | None = None, debounce_key: str | None = None, session: Any = None,
+        debounce: timedelta | float | None = None, debounce_key: str | None = None, session: Session | None = None,
     ) -> uuid.UUID: ...
 
     @overload
     async def dispatch(
         self, job: JobRef, payload: Any = None, *, delay: timedelta | float | None = None, queue: str | None = None,
         unique: str | None, unique_until: Literal["done", "processing"] = "done", unique_for: float = 3600,
-        debounce: timedelta | float | None = None, debounce_key: str | None = None, session: Any = None,
+        debounce: timedelta | float | None = None, debounce_key: str | None = None, session: Session | None = None,
     ) -> uuid.UUID | None: ...
 
     async def dispatch(
@@ -335,7 +338,7 @@ class WorkQueue:
         unique_for: float = 3600,
         debounce: timedelta | float | None = None,
         debounce_key: str | None = None,
-        session: Any = None,
+        session: Session | None = None,
     ) -> uuid.UUID | None:
         """Validates ``payload`` and queues ``job``; returns the job id (None while ``unique`` is held).
 
@@ -351,17 +354,19 @@ class WorkQueue:
         )
         return result
 
-    async def bulk(self, items: Iterable[tuple[Any, ...]], *, session: Any = None) -> list[uuid.UUID]:
+    async def bulk(self, items: Iterable[tuple[Any, ...]], *, session: Session | None = None) -> list[uuid.UUID]:
         """Queues ``[(job, payload), ...]`` in one transaction; one invalid payload queues none."""
         ids: list[uuid.UUID] = await self.jobs.bulk(items, session=session)
         return ids
 
-    async def chain(self, items: Iterable[tuple[Any, ...]], *, session: Any = None) -> list[uuid.UUID]:
+    async def chain(self, items: Iterable[tuple[Any, ...]], *, session: Session | None = None) -> list[uuid.UUID]:
         """Queues jobs that run one after the other; returns all their ids."""
         ids: list[uuid.UUID] = await self.jobs.chain(items, session=session)
         return ids
 
-    async def group(self, items: Iterable[tuple[Any, ...]], *, then: tuple[Any, ...], session: Any = None) -> JobGroup:
+    async def group(
+        self, items: Iterable[tuple[Any, ...]], *, then: tuple[Any, ...], session: Session | None = None
+    ) -> JobGroup:
         """Queues the jobs ``items`` (``(job, payload)``, or ``(job, payload, {"queue": ...})``) and
         ``then``, which runs once when every one of them has ended, completed, failed or
         discarded, and finds each one's status (and result) in ``job.group_results``. All in one
@@ -660,7 +665,7 @@ class WorkQueue:
         topic: str,
         requests: Sequence[PublishRequest | Mapping[str, Any]],
         *,
-        session: Any = None,
+        session: Session | None = None,
     ) -> PublishResults:
         """Publishes ``requests`` to ``topic``; one result per request, in order.
 
