@@ -312,7 +312,7 @@ def test_publish_one_is_publish_for_one_message_without_a_deduplication_key() ->
     singular = {"p_message_ids": "p_message_id", "p_partition_keys": "p_partition_key",
                 "p_payloads": "p_payload", "p_payload_refs": "p_payload_ref", "p_correlation_ids": "p_correlation_id",
                 "p_content_hashes": "p_content_hash", "p_delays": "p_delay", "p_not_befores": "p_not_before",
-                "p_backoff_schedules": "p_backoff_schedule"}
+                "p_backoff_schedules": "p_backoff_schedule", "p_priorities": "p_priority"}
     expected = tuple(singular.get(p, p) for p in publish.params if not p.startswith("p_deduplication"))
     assert one.params == expected and one.columns == publish.columns
     assert not set(tsql_routines()) & POSTGRESQL_ONLY

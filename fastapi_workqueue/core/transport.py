@@ -53,6 +53,12 @@ class Capabilities:
     """Stats count Completed and Discarded deliveries (False: SQS deletes them and counts none; 0)."""
     sweeps: bool = True
     """The sweep expires leases and purges (False: the broker does it itself, and ``sweep`` never runs)."""
+    priority: bool = True
+    """A published message's ``priority`` orders the claims of its deliveries (False: SQS, refused)."""
+    concurrency_limits: bool = True
+    """A subscription's ``max_in_flight`` and ``key_concurrency`` hold across processes (False: Unsupported)."""
+    rate_limits: bool = True
+    """A subscription's ``rate_limit`` and ``key_rate_limit`` hold across processes (False: Unsupported)."""
     notes: tuple[str, ...] = ()
 
 

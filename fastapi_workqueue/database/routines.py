@@ -221,13 +221,13 @@ class RoutineTransport:
         # One pass over the messages, then one list per column (the routine takes arrays).
         empty = self.empty_attributes
         (ids, keys, attributes, payloads, refs, correlations, hashes, dedup_keys, dedup_ttls, delays,
-         not_befores, max_attempts, backoffs, sizes) = map(list, zip(*[
+         not_befores, max_attempts, backoffs, sizes, priorities) = map(list, zip(*[
             (m.message_id, m.partition_key, m.attributes_json if m.attributes or m.headers else empty, m.payload_json,
              m.payload_ref, m.correlation_id,
              m.content_hash, m.deduplication_key,
              m.deduplication_ttl_seconds if m.deduplication_key is not None else None,
              m.delay_seconds, m.not_before, m.max_attempts,
-             backoff_schedule_json(m), m.envelope_bytes)
+             backoff_schedule_json(m), m.envelope_bytes, m.priority or None)
             for m in messages
         ], strict=True))
         rows = list(await self.call(
@@ -248,6 +248,7 @@ class RoutineTransport:
             p_max_attempts=max_attempts,
             p_backoff_schedules=backoffs,
             p_envelope_bytes=sizes,
+            p_priorities=priorities,
         ))
         if not rows:  # the routine's shorthand: every item was Accepted
             return [accepted(m) for m in messages]

@@ -95,6 +95,7 @@ async def refresh_partition(c: Call, subscription_id: int, key: str, mode: int) 
             holder = None
     next_id: int | None = None
     next_visible: float | None = None
+    next_priority = 0
     blocked: int | None = None
     if mode == 2:
         heads = await c.ex.fetch("ordered_head", subscription_id=subscription_id, key=key)
@@ -105,17 +106,17 @@ async def refresh_partition(c: Call, subscription_id: int, key: str, mode: int) 
             elif head["status"] == "DeadLettered":
                 blocked = head["id"]
             elif holder is None:
-                next_id, next_visible = head["id"], head["visible_at"]
+                next_id, next_visible, next_priority = head["id"], head["visible_at"], head["priority"]
     elif holder is None:
         nxt = await c.ex.fetch("exclusive_next", subscription_id=subscription_id, key=key)
         if nxt:
-            next_id, next_visible = nxt[0]["id"], nxt[0]["visible_at"]
+            next_id, next_visible, next_priority = nxt[0]["id"], nxt[0]["visible_at"], nxt[0]["priority"]
     if holder is None and next_id is None and blocked is None:
         await c.ex.execute("partition_delete", subscription_id=subscription_id, key=key)
         return False
     await c.ex.execute(
         "partition_set", subscription_id=subscription_id, key=key, holder_id=holder, next_id=next_id,
-        next_visible_at=next_visible, blocked_id=blocked,
+        next_visible_at=next_visible, blocked_id=blocked, next_priority=next_priority,
     )
     return holder is None and next_visible is not None and next_visible <= c.now
 
@@ -276,9 +277,10 @@ async def r_publish(
     p_deduplication_keys: Sequence[str | None], p_deduplication_ttls: Sequence[float | None],
     p_delays: Sequence[float | None], p_not_befores: Sequence[datetime | None],
     p_max_attempts: Sequence[int | None], p_backoff_schedules: Sequence[str | None],
-    p_envelope_bytes: Sequence[int],
+    p_envelope_bytes: Sequence[int], p_priorities: Sequence[int | None] | None = None,
 ) -> list[Row]:
     n = len(p_message_ids)
+    priorities = [0] * n if p_priorities is None else [p or 0 for p in p_priorities]
     ids = [str(m) for m in p_message_ids]
     topic = await c.ex.fetch("topic_get", name=p_topic)
     if not topic or topic[0]["retired_at"] is not None:
@@ -333,7 +335,7 @@ async def r_publish(
     for subscription_id, key in keyed:
         await c.ex.execute("partition_touch", subscription_id=subscription_id, key=key)
 
-    first_of_key: dict[tuple[int, str], tuple[int, int, float]] = {}
+    first_of_key: dict[tuple[int, str], tuple[int, int, float, int]] = {}
     for i, sub in pairs:
         key = p_partition_keys[i]
         partition_mode = sub["partition_mode"]
@@ -344,7 +346,7 @@ async def r_publish(
             "delivery_insert", subscription_id=sub["id"], message_id=ids[i], partition_key=key, key_mode=mode,
             max_attempts=p_max_attempts[i] or sub["max_attempts"], backoff_base_seconds=sub["backoff_base_seconds"],
             backoff_max_seconds=sub["backoff_max_seconds"], backoff_schedule=p_backoff_schedules[i],
-            visible_at=visible, now=c.now,
+            visible_at=visible, now=c.now, priority=priorities[i],
         )
         if mode == 0:
             if visible <= c.now:
@@ -353,11 +355,11 @@ async def r_publish(
         current = first_of_key.get((sub["id"], key))  # type: ignore[arg-type]
         # Ordered: the first new delivery of the key; Exclusive: its earliest visible one.
         if current is None or (mode == 1 and (visible, row["id"]) < (current[2], current[1])):
-            first_of_key[(sub["id"], key)] = (mode, row["id"], visible)  # type: ignore[index]
-    for (subscription_id, key), (mode, delivery_id, visible) in sorted(first_of_key.items()):
+            first_of_key[(sub["id"], key)] = (mode, row["id"], visible, priorities[i])  # type: ignore[index]
+    for (subscription_id, key), (mode, delivery_id, visible, priority) in sorted(first_of_key.items()):
         advanced = await c.ex.execute(
             "partition_advance", subscription_id=subscription_id, key=key, id=delivery_id, visible_at=visible,
-            key_mode=mode,
+            key_mode=mode, priority=priority,
         )
         if advanced and visible <= c.now:
             c.wake.add(subscription_id)
@@ -378,9 +380,10 @@ async def r_claim(c: Call, p_subscription: str, p_limit: int, p_holder: Any = No
     sub = subs[0]
     keyed: list[Row] = []
     if sub["partition_mode"] != "None":
-        keyed = await c.ex.fetch("partition_ready", subscription_id=sub["id"], now=c.now, limit=p_limit)
+        # Keys by the priority of their next delivery, then the earliest due.
+        keyed = await _ranked(c, "partition_ready", sub["id"], p_limit)
     share = p_limit if not keyed else max(p_limit - len(keyed), p_limit // 2)
-    unkeyed = await c.ex.fetch("claimable_unkeyed", subscription_id=sub["id"], now=c.now, limit=share)
+    unkeyed = await _ranked(c, "claimable_unkeyed", sub["id"], share) if share > 0 else []
     if keyed and len(keyed) + len(unkeyed) > p_limit:
         keyed = keyed[: p_limit - len(unkeyed)]
     out: list[Row] = []
@@ -401,8 +404,19 @@ async def r_claim(c: Call, p_subscription: str, p_limit: int, p_holder: Any = No
     mode = 1 if sub["partition_mode"] == "Exclusive" else 2
     for key in stale:
         await refresh_partition(c, sub["id"], key, mode)
-    out.sort(key=lambda r: r["delivery_id"])
+    out.sort(key=lambda r: (-r["priority"], r["delivery_id"]))
+    for row in out:
+        del row["priority"]
     return out
+
+
+async def _ranked(c: Call, query: str, subscription_id: int, limit: int) -> list[Row]:
+    """Up to ``limit`` rows of ``query`` (claimable deliveries, or keys that can run), those with a
+    priority first (``<query>_priority``: an index that is empty without them), then the others."""
+    rows = await c.ex.fetch(f"{query}_priority", subscription_id=subscription_id, now=c.now, limit=limit)
+    if len(rows) < limit:
+        rows += await c.ex.fetch(query, subscription_id=subscription_id, now=c.now, limit=limit - len(rows))
+    return rows
 
 
 async def _claimed_row(c: Call, d: Row) -> Row:
@@ -414,6 +428,7 @@ async def _claimed_row(c: Call, d: Row) -> Row:
         "message_id": m["id"], "topic": m["topic"], "partition_key": m["partition_key"],
         "attributes": m["attributes"], "payload": m["payload"], "payload_ref": m["payload_ref"],
         "correlation_id": m["correlation_id"], "published_at": ts(m["published_at"]),
+        "priority": d["priority"],
     }
 
 
@@ -433,18 +448,20 @@ async def r_claim_many(c: Call, p_subscriptions: Sequence[str], p_limit: int, p_
             f"claim_many takes None-mode subscriptions only ({keyed[0]['name']} is {keyed[0]['partition_mode']}); "
             "claim an Exclusive or Ordered subscription with claim"
         )
-    candidates: list[tuple[float, int, Row]] = []
+    candidates: list[tuple[int, float, int, Row]] = []
     for sub in subs:
         if sub["active"]:
-            for row in await c.ex.fetch("claimable_unkeyed", subscription_id=sub["id"], now=c.now, limit=p_limit):
-                candidates.append((row["visible_at"], row["id"], sub))
-    candidates.sort(key=lambda x: (x[0], x[1]))
+            for row in await _ranked(c, "claimable_unkeyed", sub["id"], p_limit):
+                candidates.append((-row["priority"], row["visible_at"], row["id"], sub))
+    candidates.sort(key=lambda x: x[:3])
     out: list[Row] = []
-    for _, candidate, sub in candidates[:p_limit]:
+    for _, _, candidate, sub in candidates[:p_limit]:
         rows = await c.ex.fetch("delivery_claim", id=candidate, token=str(uuid.uuid4()),
                                 lease_expires_at=c.now + sub["lease_seconds"], now=c.now, holder=_text(p_holder))
         if rows:
-            out.append({"subscription": sub["name"], **await _claimed_row(c, rows[0])})
+            claimed = await _claimed_row(c, rows[0])
+            del claimed["priority"]
+            out.append({"subscription": sub["name"], **claimed})
     return out
 
 

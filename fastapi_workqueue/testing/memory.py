@@ -133,6 +133,7 @@ class _Delivery:
     progress_percent: int | None = None
     progress_message: str | None = None
     held_by: uuid.UUID | None = None
+    priority: int = 0
 
 
 @dataclass
@@ -344,7 +345,7 @@ class MemoryTransport:
                     m.max_attempts or sub.spec.max_attempts,
                     BackoffPolicy(sub.spec.backoff_base_seconds, sub.spec.backoff_max_seconds,
                                   m.backoff_seconds or None),
-                    visible, now,
+                    visible, now, priority=m.priority,
                 )
                 if visible <= now:
                     woken.append(sub.spec.name)
@@ -357,8 +358,9 @@ class MemoryTransport:
         return [d for d in self._store.deliveries.values() if d.subscription == subscription]
 
     def _claimable(self, subscription: str, now: datetime) -> list[_Delivery]:
-        """What a claim may take now, oldest due first: each visible unkeyed delivery, and per key
-        the one :func:`next_claimable` names."""
+        """What a claim may take now, the highest priority first, then the oldest due: each visible
+        unkeyed delivery, and per key the one :func:`next_claimable` names (keys are ranked by the
+        priority of that delivery; within a key the order is the key's own)."""
         out: list[_Delivery] = []
         keys: dict[str, list[_Delivery]] = {}
         for d in self._of(subscription):
@@ -371,7 +373,7 @@ class MemoryTransport:
             nxt = next_claimable(ds[0].mode, ds, now)
             if nxt is not None:
                 out.append(nxt)
-        out.sort(key=lambda d: (d.visible_at, d.id))
+        out.sort(key=lambda d: (-d.priority, d.visible_at, d.id))
         return out
 
     def _active(self, subscription: str) -> _Sub | None:
@@ -402,7 +404,7 @@ class MemoryTransport:
             return []
         now = self._now()
         taken = self._claimable(subscription, now)[:limit]
-        taken.sort(key=lambda d: d.id)
+        taken.sort(key=lambda d: (-d.priority, d.id))
         return [self._lease(d, sub, now) for d in taken]
 
     async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
@@ -429,7 +431,7 @@ class MemoryTransport:
             sub = self._active(name)
             if sub is not None:
                 candidates.extend((d, sub) for d in self._claimable(name, now))
-        candidates.sort(key=lambda c: (c[0].visible_at, c[0].id))
+        candidates.sort(key=lambda c: (-c[0].priority, c[0].visible_at, c[0].id))
         return [(sub.spec.name, self._lease(d, sub, now)) for d, sub in candidates[:limit]]
 
     def _held(self, delivery_id: str, token: str) -> _Delivery | None:

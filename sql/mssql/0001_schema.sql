@@ -171,12 +171,17 @@ CREATE TABLE workqueue.delivery (
     created_at            datetimeoffset(6) NOT NULL CONSTRAINT delivery_created_at_default DEFAULT SYSDATETIMEOFFSET(),
     settled_at            datetimeoffset(6) NULL,
     held_by               uniqueidentifier NULL,
+    priority              smallint NOT NULL CONSTRAINT delivery_priority_default DEFAULT 0
+                          CONSTRAINT delivery_priority_check CHECK (priority BETWEEN 0 AND 9),
     CONSTRAINT delivery_pk PRIMARY KEY CLUSTERED (id) WITH (FILLFACTOR = 80)
 );
 
 -- Claimable work without a key lock: the head of this index is the next delivery to claim.
 CREATE INDEX delivery_claim ON workqueue.delivery (subscription_id, visible_at, id)
     WHERE status = N'Pending' AND key_mode = 0;
+-- The same work with a priority above 0, claimed first (empty while nobody publishes with one).
+CREATE INDEX delivery_claim_priority ON workqueue.delivery (subscription_id, priority, visible_at, id)
+    WHERE status = N'Pending' AND key_mode = 0 AND priority > 0;
 -- Ordered keys: the head is the lowest id among Pending, InFlight and DeadLettered.
 CREATE INDEX delivery_ordered_head ON workqueue.delivery (subscription_id, partition_key, id)
     WHERE key_mode = 2 AND status IN (N'Pending', N'InFlight', N'DeadLettered');
@@ -209,6 +214,7 @@ CREATE TABLE workqueue.delivery_attempt (
 -- One row per (subscription, key) with live keyed work: the lock and the state of the key.
 --   holder_id: the InFlight delivery of the key (at most one, ever).
 --   next_id / next_visible_at: the delivery a claim takes next when there is no holder.
+--   next_priority: the priority of next_id (0 without one): keys are claimed by it.
 --   blocked_id: Ordered only, the DeadLettered head that blocks the key.
 -- A key with none of the three has no row. A heap with a nonclustered primary key: the key is
 -- too wide to cluster on (see the top of this file).
@@ -219,6 +225,7 @@ CREATE TABLE workqueue.partition (
     next_id           bigint NULL,
     next_visible_at   datetimeoffset(6) NULL,
     blocked_id        bigint NULL,
+    next_priority     smallint NOT NULL CONSTRAINT partition_next_priority_default DEFAULT 0,
     CONSTRAINT partition_pk PRIMARY KEY NONCLUSTERED (subscription_id, partition_key) WITH (FILLFACTOR = 70)
 );
 -- Deliberately not covering partition_key: a claim reading a key through this index then reads
@@ -229,6 +236,10 @@ CREATE TABLE workqueue.partition (
 CREATE INDEX partition_ready ON workqueue.partition (subscription_id, next_visible_at)
     INCLUDE (next_id)
     WHERE holder_id IS NULL AND next_id IS NOT NULL;
+-- Keys whose next delivery has a priority above 0, claimed first (not covering either).
+CREATE INDEX partition_ready_priority ON workqueue.partition (subscription_id, next_priority, next_visible_at)
+    INCLUDE (next_id)
+    WHERE holder_id IS NULL AND next_id IS NOT NULL AND next_priority > 0;
 
 -- Keys whose partition row a settle or lease expiry could not lock (another transaction held it):
 -- their row may still name a settled holder until rederive_stale re-derives it. A heap with a
@@ -1348,7 +1359,8 @@ CREATE OR ALTER PROCEDURE workqueue.publish
     @p_not_befores nvarchar(max),
     @p_max_attempts nvarchar(max),
     @p_backoff_schedules nvarchar(max),
-    @p_envelope_bytes nvarchar(max)
+    @p_envelope_bytes nvarchar(max),
+    @p_priorities nvarchar(max) = NULL   -- NULL: every item 0
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -1388,6 +1400,7 @@ BEGIN
         max_attempts int NULL,
         backoff nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,
         bytes int NULL,
+        priority smallint NOT NULL DEFAULT 0,
         visible_at datetimeoffset(6) NULL,
         dedup_expires_at datetimeoffset(6) NULL,
         st nvarchar(20) COLLATE Latin1_General_100_BIN2 NULL,
@@ -1413,7 +1426,8 @@ BEGIN
         subscription_id int NOT NULL,
         partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL,
         key_mode smallint NOT NULL,
-        visible_at datetimeoffset(6) NOT NULL
+        visible_at datetimeoffset(6) NOT NULL,
+        priority smallint NOT NULL
     );
     DECLARE @v_result TABLE (
         idx int NOT NULL PRIMARY KEY,
@@ -1430,11 +1444,11 @@ BEGIN
         -- The parallel arrays as one row per item (PostgreSQL: unnest(...) WITH ORDINALITY).
         INSERT INTO @v_item (
             i, mid, pkey, attrs, payload, ref, corr, hash, dkey, ttl, delay, not_before,
-            max_attempts, backoff, bytes)
+            max_attempts, backoff, bytes, priority)
         SELECT CAST(m.[key] AS int) + 1, CAST(m.value AS uniqueidentifier), pk.value, ats.value,
                pl.value, pr.value, co.value, ch.value, dk.value, CAST(dt.value AS float),
                CAST(de.value AS float), CAST(nb.value AS datetimeoffset(6)), CAST(ma.value AS int),
-               bs.value, CAST(eb.value AS int)
+               bs.value, CAST(eb.value AS int), COALESCE(CAST(py.value AS smallint), 0)
         FROM OPENJSON(@p_message_ids) AS m
         LEFT JOIN OPENJSON(@p_partition_keys) AS pk ON pk.[key] = m.[key]
         LEFT JOIN OPENJSON(@p_attributes) AS ats ON ats.[key] = m.[key]
@@ -1448,7 +1462,8 @@ BEGIN
         LEFT JOIN OPENJSON(@p_not_befores) AS nb ON nb.[key] = m.[key]
         LEFT JOIN OPENJSON(@p_max_attempts) AS ma ON ma.[key] = m.[key]
         LEFT JOIN OPENJSON(@p_backoff_schedules) AS bs ON bs.[key] = m.[key]
-        LEFT JOIN OPENJSON(@p_envelope_bytes) AS eb ON eb.[key] = m.[key];
+        LEFT JOIN OPENJSON(@p_envelope_bytes) AS eb ON eb.[key] = m.[key]
+        LEFT JOIN OPENJSON(@p_priorities) AS py ON py.[key] = m.[key];
         SET @v_n = @@ROWCOUNT;
 
         IF @v_n > 0
@@ -1673,9 +1688,9 @@ BEGIN
             IF @v_failed IS NULL AND @v_accepted > 0 AND @v_has_keyed = 0
                 INSERT INTO workqueue.delivery (
                     subscription_id, message_id, partition_key, key_mode, max_attempts,
-                    backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at)
+                    backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
                 SELECT s.id, it.mid, it.pkey, 0, COALESCE(it.max_attempts, s.max_attempts),
-                       s.backoff_base_seconds, s.backoff_max_seconds, it.backoff, it.visible_at
+                       s.backoff_base_seconds, s.backoff_max_seconds, it.backoff, it.visible_at, it.priority
                 FROM @v_item AS it
                 CROSS JOIN @v_sub AS s
                 WHERE it.ok = 1 AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, it.attrs) = 1)
@@ -1714,15 +1729,15 @@ BEGIN
 
                 INSERT INTO workqueue.delivery (
                     subscription_id, message_id, partition_key, key_mode, max_attempts,
-                    backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at)
+                    backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
                 OUTPUT inserted.id, inserted.subscription_id, inserted.partition_key, inserted.key_mode,
-                       inserted.visible_at
-                INTO @v_new (id, subscription_id, partition_key, key_mode, visible_at)
+                       inserted.visible_at, inserted.priority
+                INTO @v_new (id, subscription_id, partition_key, key_mode, visible_at, priority)
                 SELECT s.id, it.mid, it.pkey,
                        CASE WHEN it.pkey IS NULL OR s.partition_mode = N'None' THEN 0
                             WHEN s.partition_mode = N'Exclusive' THEN 1 ELSE 2 END,
                        COALESCE(it.max_attempts, s.max_attempts), s.backoff_base_seconds,
-                       s.backoff_max_seconds, it.backoff, it.visible_at
+                       s.backoff_max_seconds, it.backoff, it.visible_at, it.priority
                 FROM @v_item AS it
                 CROSS JOIN @v_sub AS s
                 WHERE it.ok = 1 AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, it.attrs) = 1)
@@ -1731,7 +1746,7 @@ BEGIN
                 -- Each key that got work: its first new delivery (Ordered) or its earliest
                 -- (Exclusive) becomes the next one to claim, unless the key is held or blocked.
                 WITH first_new AS (
-                    SELECT nd.id, nd.subscription_id, nd.partition_key, nd.key_mode, nd.visible_at,
+                    SELECT nd.id, nd.subscription_id, nd.partition_key, nd.key_mode, nd.visible_at, nd.priority,
                            ROW_NUMBER() OVER (
                                PARTITION BY nd.subscription_id, nd.partition_key
                                ORDER BY CASE WHEN nd.key_mode = 1 THEN nd.visible_at END, nd.id
@@ -1740,7 +1755,7 @@ BEGIN
                     WHERE nd.key_mode > 0
                 )
                 UPDATE p
-                SET next_id = f.id, next_visible_at = f.visible_at
+                SET next_id = f.id, next_visible_at = f.visible_at, next_priority = f.priority
                 FROM workqueue.partition AS p
                 INNER JOIN first_new AS f
                     ON f.rn = 1 AND p.subscription_id = f.subscription_id AND p.partition_key = f.partition_key

@@ -119,12 +119,18 @@ CREATE TABLE workqueue.delivery (
     note                  text,
     created_at            timestamptz NOT NULL DEFAULT now(),
     settled_at            timestamptz,
-    held_by               uuid
+    held_by               uuid,
+    priority              smallint NOT NULL DEFAULT 0   -- 0..9, higher claimed first
 ) WITH (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.02);
 
 -- Claimable work without a key lock: the head of this index is the next delivery to claim.
 CREATE INDEX delivery_claim ON workqueue.delivery (subscription_id, visible_at, id)
     WHERE status = 'Pending' AND key_mode = 0;
+-- The same work with a priority above 0, claimed first, one level at a time (9 down to 1). Empty
+-- while nobody publishes with a priority: a message of priority 0 costs nothing here, and a claim
+-- probes it once (docs/design/flow-control.md).
+CREATE INDEX delivery_claim_priority ON workqueue.delivery (subscription_id, priority, visible_at, id)
+    WHERE status = 'Pending' AND key_mode = 0 AND priority > 0;
 -- Ordered keys: the head is the lowest id among Pending, InFlight and DeadLettered.
 CREATE INDEX delivery_ordered_head ON workqueue.delivery (subscription_id, partition_key, id)
     WHERE key_mode = 2 AND status IN ('Pending', 'InFlight', 'DeadLettered');
@@ -158,6 +164,7 @@ CREATE TABLE workqueue.delivery_attempt (
 -- One row per (subscription, key) with live keyed work: the lock and the state of the key.
 --   holder_id: the InFlight delivery of the key (at most one, ever).
 --   next_id / next_visible_at: the delivery a claim takes next when there is no holder.
+--   next_priority: the priority of next_id (0 without one): keys are claimed by it.
 --   blocked_id: Ordered only, the DeadLettered head that blocks the key.
 -- A key with none of the three has no row.
 CREATE TABLE workqueue.partition (
@@ -167,10 +174,14 @@ CREATE TABLE workqueue.partition (
     next_id           bigint,
     next_visible_at   timestamptz,
     blocked_id        bigint,
+    next_priority     smallint NOT NULL DEFAULT 0,
     PRIMARY KEY (subscription_id, partition_key)
 ) WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02);
 CREATE INDEX partition_ready ON workqueue.partition (subscription_id, next_visible_at)
     WHERE holder_id IS NULL AND next_id IS NOT NULL;
+-- Keys whose next delivery has a priority above 0, claimed first (as delivery_claim_priority).
+CREATE INDEX partition_ready_priority ON workqueue.partition (subscription_id, next_priority, next_visible_at)
+    WHERE holder_id IS NULL AND next_id IS NOT NULL AND next_priority > 0;
 
 -- Keys a settle or lease expiry could not hand over because another transaction (a producer)
 -- held their partition row: the row may still name a settled holder until rederive_stale
@@ -688,7 +699,8 @@ CREATE OR REPLACE FUNCTION workqueue.publish(
     p_not_befores timestamptz[],
     p_max_attempts integer[],
     p_backoff_schedules text[],
-    p_envelope_bytes integer[]
+    p_envelope_bytes integer[],
+    p_priorities smallint[] DEFAULT NULL   -- NULL: every item 0
 ) RETURNS TABLE (idx integer, status text, message_id uuid, error_code text, error_message text)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -742,12 +754,12 @@ BEGIN
                               ELSE greatest(now(), coalesce(p_not_befores[1],
                                                             now() + make_interval(secs => coalesce(p_delays[1], 0)))) END;
             INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
-                max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at)
+                max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
             SELECT s.id, p_message_ids[1], p_partition_keys[1], 0,
                    coalesce(p_max_attempts[1], s.max_attempts), s.backoff_base_seconds, s.backoff_max_seconds,
                    CASE WHEN p_backoff_schedules[1] IS NULL THEN NULL
                         ELSE ARRAY(SELECT b::double precision FROM jsonb_array_elements_text(p_backoff_schedules[1]::jsonb) AS b) END,
-                   v_visible
+                   v_visible, coalesce(p_priorities[1], 0)
             FROM workqueue.subscription s
             WHERE s.topic = p_topic AND s.partition_mode = 'None' AND s.retired_at IS NULL
               AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes[1]))
@@ -809,15 +821,16 @@ BEGIN
             -- path of one message above).
             WITH new_delivery AS (
                 INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
-                    max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at)
+                    max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
                 SELECT s.id, x.mid, x.pkey, 0,
                        coalesce(x.max_attempts, s.max_attempts), s.backoff_base_seconds, s.backoff_max_seconds,
                        CASE WHEN x.backoff IS NULL THEN NULL
                             ELSE ARRAY(SELECT b::double precision FROM jsonb_array_elements_text(x.backoff::jsonb) AS b) END,
-                       greatest(now(), coalesce(x.not_before, now() + make_interval(secs => coalesce(x.delay, 0))))
+                       greatest(now(), coalesce(x.not_before, now() + make_interval(secs => coalesce(x.delay, 0)))),
+                       coalesce(x.priority, 0)
                 FROM unnest(p_message_ids, p_partition_keys, p_attributes, p_max_attempts, p_backoff_schedules,
-                            p_not_befores, p_delays)
-                     WITH ORDINALITY AS x(mid, pkey, attrs, max_attempts, backoff, not_before, delay, i)
+                            p_not_befores, p_delays, p_priorities)
+                     WITH ORDINALITY AS x(mid, pkey, attrs, max_attempts, backoff, not_before, delay, priority, i)
                 JOIN workqueue.subscription s ON s.topic = p_topic AND s.partition_mode = 'None' AND s.retired_at IS NULL
                 WHERE (v_all OR x.i = ANY (v_first))
                   AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, x.attrs))
@@ -1062,10 +1075,11 @@ BEGIN
                             ELSE ARRAY(SELECT b::double precision FROM jsonb_array_elements_text(x.backoff::jsonb) AS b) END
                            AS backoff_schedule,
                        greatest(now(), coalesce(x.not_before, now() + make_interval(secs => coalesce(x.delay, 0))))
-                           AS visible_at
+                           AS visible_at,
+                       coalesce(x.priority, 0)::smallint AS priority
                 FROM unnest(v_accept, p_message_ids, p_partition_keys, p_attributes, p_max_attempts,
-                            p_backoff_schedules, p_not_befores, p_delays)
-                     WITH ORDINALITY AS x(ok, mid, pkey, attrs, max_attempts, backoff, not_before, delay, i)
+                            p_backoff_schedules, p_not_befores, p_delays, p_priorities)
+                     WITH ORDINALITY AS x(ok, mid, pkey, attrs, max_attempts, backoff, not_before, delay, priority, i)
                 JOIN workqueue.subscription s ON s.topic = p_topic AND s.retired_at IS NULL
                 WHERE x.ok AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, x.attrs))
             ), locked AS (
@@ -1076,19 +1090,19 @@ BEGIN
                 RETURNING p.subscription_id, p.partition_key
             ), new_delivery AS (
                 INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
-                    max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at)
+                    max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
                 SELECT t.sid, t.mid, t.pkey, t.key_mode, t.max_attempts, t.backoff_base_seconds,
-                       t.backoff_max_seconds, t.backoff_schedule, t.visible_at
+                       t.backoff_max_seconds, t.backoff_schedule, t.visible_at, t.priority
                 FROM target t
                 LEFT JOIN locked l ON l.subscription_id = t.sid AND l.partition_key = t.pkey
                 WHERE t.key_mode = 0 OR l.subscription_id IS NOT NULL
                 ORDER BY t.i, t.sid
-                RETURNING id, subscription_id, partition_key, key_mode, visible_at
+                RETURNING id, subscription_id, partition_key, key_mode, visible_at, priority
             )
             -- One row per subscription with immediately visible unkeyed work (to notify), and one
             -- per key that got work: its first new delivery (Ordered) or its earliest (Exclusive).
             SELECT DISTINCT ON (nd.subscription_id, nd.partition_key)
-                   nd.subscription_id, nd.partition_key, nd.key_mode, nd.id, nd.visible_at
+                   nd.subscription_id, nd.partition_key, nd.key_mode, nd.id, nd.visible_at, nd.priority
             FROM new_delivery nd
             WHERE nd.key_mode > 0 OR nd.visible_at <= now()
             ORDER BY nd.subscription_id, nd.partition_key, nd.key_mode DESC,
@@ -1100,7 +1114,7 @@ BEGIN
             END IF;
             -- The key's row is this transaction's since the statement above.
             UPDATE workqueue.partition p
-            SET next_id = v_key.id, next_visible_at = v_key.visible_at
+            SET next_id = v_key.id, next_visible_at = v_key.visible_at, next_priority = v_key.priority
             WHERE p.subscription_id = v_key.subscription_id AND p.partition_key = v_key.partition_key
               AND p.holder_id IS NULL
               AND ((v_key.key_mode = 2 AND p.next_id IS NULL AND p.blocked_id IS NULL)
@@ -1146,7 +1160,8 @@ CREATE OR REPLACE FUNCTION workqueue.publish_one_quiet(
     p_not_before timestamptz,
     p_max_attempts integer,
     p_backoff_schedule text,
-    p_envelope_bytes integer
+    p_envelope_bytes integer,
+    p_priority smallint DEFAULT NULL   -- NULL: 0
 ) RETURNS TABLE (idx integer, status text, message_id uuid, error_code text, error_message text,
                 wake_subscriptions integer[])
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
@@ -1182,7 +1197,7 @@ BEGIN
             p_topic, ARRAY[p_message_id], ARRAY[p_partition_key], ARRAY[p_attributes], ARRAY[p_payload],
             ARRAY[p_payload_ref], ARRAY[p_correlation_id], ARRAY[p_content_hash], ARRAY[NULL::text], NULL,
             ARRAY[p_delay], ARRAY[p_not_before], ARRAY[p_max_attempts], ARRAY[p_backoff_schedule],
-            ARRAY[p_envelope_bytes]) AS r;
+            ARRAY[p_envelope_bytes], ARRAY[p_priority]) AS r;
         RETURN;
     END IF;
     v_visible := CASE WHEN p_not_before IS NULL AND p_delay IS NULL THEN now()
@@ -1211,9 +1226,9 @@ BEGIN
         RETURNING p.subscription_id
     ), new_delivery AS (
         INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
-            max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at)
+            max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
         SELECT t.sid, p_message_id, p_partition_key, t.key_mode, t.max_attempts, t.backoff_base_seconds,
-               t.backoff_max_seconds, v_backoff, v_visible
+               t.backoff_max_seconds, v_backoff, v_visible, coalesce(p_priority, 0)
         FROM target t
         LEFT JOIN locked l ON l.subscription_id = t.sid
         WHERE t.key_mode = 0 OR l.subscription_id IS NOT NULL
@@ -1230,7 +1245,7 @@ BEGIN
         -- transaction's since the statement above.
         WITH pointed AS (
             UPDATE workqueue.partition p
-            SET next_id = x.id, next_visible_at = v_visible
+            SET next_id = x.id, next_visible_at = v_visible, next_priority = coalesce(p_priority, 0)
             FROM unnest(v_sids, v_ids, v_modes) AS x(sid, id, mode)
             WHERE x.mode > 0 AND p.subscription_id = x.sid AND p.partition_key = p_partition_key
               AND p.holder_id IS NULL
@@ -1271,7 +1286,8 @@ CREATE OR REPLACE FUNCTION workqueue.publish_one(
     p_not_before timestamptz,
     p_max_attempts integer,
     p_backoff_schedule text,
-    p_envelope_bytes integer
+    p_envelope_bytes integer,
+    p_priority smallint DEFAULT NULL   -- NULL: 0
 ) RETURNS TABLE (idx integer, status text, message_id uuid, error_code text, error_message text)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -1286,7 +1302,7 @@ BEGIN
         SELECT * FROM workqueue.publish_one_quiet(
             p_topic, p_message_id, p_partition_key, p_attributes, p_payload, p_payload_ref,
             p_correlation_id, p_content_hash, p_delay, p_not_before, p_max_attempts,
-            p_backoff_schedule, p_envelope_bytes)
+            p_backoff_schedule, p_envelope_bytes, p_priority)
     LOOP
         IF v_row.wake_subscriptions IS NOT NULL THEN
             PERFORM pg_notify('workqueue', sid::text) FROM unnest(v_row.wake_subscriptions) AS sid;
@@ -1311,9 +1327,10 @@ $$;
 -- the start of its transaction (docs/design/time.md).
 
 -- Claims up to p_limit visible deliveries of an Active subscription: attempt + 1, a fresh lease
--- token, the lease from the subscription's lease_seconds. Keys of Exclusive and Ordered
--- subscriptions are claimed through their partition row (SKIP LOCKED), one delivery per key,
--- after the keys left stale are re-derived; deliveries without a key share the claim with them.
+-- token, the lease from the subscription's lease_seconds. The highest priority first, then the
+-- earliest due. Keys of Exclusive and Ordered subscriptions are claimed through their partition
+-- row (SKIP LOCKED), one delivery per key, by the priority of the key's next delivery, after the
+-- keys left stale are re-derived; deliveries without a key share the claim with them.
 CREATE OR REPLACE FUNCTION workqueue.claim(p_subscription text, p_limit integer, p_holder uuid DEFAULT NULL,
                                           p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (
@@ -1333,7 +1350,10 @@ DECLARE
     v_sub record;
     v_keyed bigint[];
     v_keys text[];
+    v_more bigint[];
+    v_more_keys text[];
     v_unkeyed bigint[];
+    v_share integer;
     v_ids bigint[];
     v_got integer;
     v_key text;
@@ -1351,32 +1371,84 @@ BEGIN
         IF EXISTS (SELECT 1 FROM workqueue.partition_stale ps WHERE ps.subscription_id = v_sub.id) THEN
             PERFORM workqueue.rederive_stale(ARRAY[v_sub.id], p_limit);
         END IF;
-        -- Keys that can run now: their partition row is the lock.
-        SELECT array_agg(k.next_id), array_agg(k.partition_key) INTO v_keyed, v_keys
-        FROM (
-            SELECT pt.next_id, pt.partition_key
-            FROM workqueue.partition pt
-            WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
-              AND pt.next_visible_at <= v_now
-            ORDER BY pt.next_visible_at
-            LIMIT p_limit
-            FOR UPDATE SKIP LOCKED
-        ) k;
+        -- Keys that can run now: their partition row is the lock. Those whose next delivery has a
+        -- priority come first, level by level (one probe of an index that is empty without them).
+        IF EXISTS (SELECT 1 FROM workqueue.partition pt
+                   WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
+                     AND pt.next_priority > 0) THEN
+            SELECT array_agg(k.next_id), array_agg(k.partition_key) INTO v_keyed, v_keys
+            FROM (
+                SELECT pt.next_id, pt.partition_key
+                FROM unnest('{9,8,7,6,5,4,3,2,1}'::smallint[]) AS lv(priority)
+                CROSS JOIN LATERAL (
+                    SELECT pt.next_id, pt.partition_key
+                    FROM workqueue.partition pt
+                    WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
+                      AND pt.next_priority = lv.priority AND pt.next_visible_at <= v_now
+                    ORDER BY pt.next_visible_at
+                    LIMIT p_limit
+                    FOR UPDATE SKIP LOCKED
+                ) pt
+                LIMIT p_limit
+            ) k;
+        END IF;
+        IF coalesce(cardinality(v_keyed), 0) < p_limit THEN
+            SELECT array_agg(k.next_id), array_agg(k.partition_key) INTO v_more, v_more_keys
+            FROM (
+                SELECT pt.next_id, pt.partition_key
+                FROM workqueue.partition pt
+                WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
+                  AND pt.next_visible_at <= v_now AND pt.next_priority = 0
+                ORDER BY pt.next_visible_at
+                LIMIT p_limit - coalesce(cardinality(v_keyed), 0)
+                FOR UPDATE SKIP LOCKED
+            ) k;
+            IF v_more IS NOT NULL THEN
+                v_keyed := coalesce(v_keyed, '{}'::bigint[]) || v_more;
+                v_keys := coalesce(v_keys, '{}'::text[]) || v_more_keys;
+            END IF;
+        END IF;
     END IF;
 
     -- Deliveries without a key lock (None mode, or no partition key). On a keyed subscription
-    -- they share the claim with the keys: neither side can take every slot.
-    SELECT array_agg(u.id) INTO v_unkeyed
-    FROM (
-        SELECT d.id
-        FROM workqueue.delivery d
-        WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
-          AND d.visible_at <= v_now
-        ORDER BY d.visible_at, d.id
-        LIMIT CASE WHEN v_keyed IS NULL THEN p_limit
-                   ELSE greatest(p_limit - cardinality(v_keyed), p_limit / 2) END
-        FOR UPDATE SKIP LOCKED
-    ) u;
+    -- they share the claim with the keys: neither side can take every slot. Those with a priority
+    -- come first, level by level.
+    v_share := CASE WHEN v_keyed IS NULL THEN p_limit ELSE greatest(p_limit - cardinality(v_keyed), p_limit / 2) END;
+    IF v_share > 0 AND EXISTS (
+        SELECT 1 FROM workqueue.delivery d
+        WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0 AND d.priority > 0
+    ) THEN
+        SELECT array_agg(u.id) INTO v_unkeyed
+        FROM (
+            SELECT d.id
+            FROM unnest('{9,8,7,6,5,4,3,2,1}'::smallint[]) AS lv(priority)
+            CROSS JOIN LATERAL (
+                SELECT d.id
+                FROM workqueue.delivery d
+                WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
+                  AND d.priority = lv.priority AND d.visible_at <= v_now
+                ORDER BY d.visible_at, d.id
+                LIMIT v_share
+                FOR UPDATE SKIP LOCKED
+            ) d
+            LIMIT v_share
+        ) u;
+    END IF;
+    IF coalesce(cardinality(v_unkeyed), 0) < v_share THEN
+        SELECT array_agg(u.id) INTO v_more
+        FROM (
+            SELECT d.id
+            FROM workqueue.delivery d
+            WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
+              AND d.visible_at <= v_now AND d.priority = 0
+            ORDER BY d.visible_at, d.id
+            LIMIT v_share - coalesce(cardinality(v_unkeyed), 0)
+            FOR UPDATE SKIP LOCKED
+        ) u;
+        IF v_more IS NOT NULL THEN
+            v_unkeyed := coalesce(v_unkeyed, '{}'::bigint[]) || v_more;
+        END IF;
+    END IF;
     IF v_keyed IS NOT NULL AND v_unkeyed IS NOT NULL AND cardinality(v_keyed) + cardinality(v_unkeyed) > p_limit THEN
         v_keyed := v_keyed[1:p_limit - cardinality(v_unkeyed)];
         v_keys := v_keys[1:p_limit - cardinality(v_unkeyed)];
@@ -1400,10 +1472,10 @@ BEGIN
             claimed_at = v_now, held_by = p_holder, progress_percent = NULL, progress_message = NULL
         WHERE d.id = ANY (v_ids) AND d.status = 'Pending'
         RETURNING d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, d.message_id,
-                  d.partition_key, d.key_mode
+                  d.partition_key, d.key_mode, d.priority
     ), held AS (
         UPDATE workqueue.partition pt
-        SET holder_id = d.id, next_id = NULL, next_visible_at = NULL
+        SET holder_id = d.id, next_id = NULL, next_visible_at = NULL, next_priority = 0
         FROM d
         WHERE pt.subscription_id = v_sub.id AND pt.partition_key = ANY (v_keys)
           AND d.key_mode > 0 AND pt.partition_key = d.partition_key
@@ -1411,7 +1483,7 @@ BEGIN
     SELECT d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, m.id, m.topic,
            m.partition_key, m.attributes, m.payload, m.payload_ref, m.correlation_id, m.published_at
     FROM d JOIN workqueue.message m ON m.id = d.message_id
-    ORDER BY d.id;
+    ORDER BY d.priority DESC, d.id;
     GET DIAGNOSTICS v_got = ROW_COUNT;
 
     IF v_got < cardinality(v_ids) AND v_keys IS NOT NULL THEN
@@ -1427,8 +1499,8 @@ BEGIN
 END
 $$;
 
--- Claims up to p_limit visible deliveries across several None-mode subscriptions, the oldest due
--- first (visible_at, then id) whatever their subscription, each leased for its own
+-- Claims up to p_limit visible deliveries across several None-mode subscriptions, the highest
+-- priority first, then the oldest due (visible_at, then id) whatever their subscription, each leased for its own
 -- subscription's lease_seconds and answered with that subscription's name. Paused subscriptions
 -- (or topics) and unknown names give nothing; an Exclusive or Ordered one is refused (claim takes
 -- those). One read of the named subscriptions finds both. Each active subscription's claim index
@@ -1465,6 +1537,8 @@ DECLARE
     v_ids bigint[];
     v_more bigint[];
     v_due integer[];
+    v_urgent bigint[];
+    v_limit integer := p_limit;
 BEGIN
     IF p_limit < 1 OR coalesce(cardinality(p_subscriptions), 0) = 0 THEN
         RETURN;
@@ -1499,16 +1573,45 @@ BEGIN
         RETURN;
     END IF;
 
-    IF cardinality(v_due) = 1 THEN
+    -- Deliveries with a priority first, level by level, the oldest due of each level whatever
+    -- their subscription (one probe of an index that is empty without them).
+    IF EXISTS (SELECT 1 FROM workqueue.delivery d
+               WHERE d.subscription_id = ANY (v_due) AND d.status = 'Pending' AND d.key_mode = 0 AND d.priority > 0) THEN
+        SELECT array_agg(l.id) INTO v_urgent
+        FROM (
+            SELECT c.id
+            FROM unnest('{9,8,7,6,5,4,3,2,1}'::smallint[]) AS lv(priority)
+            CROSS JOIN LATERAL (
+                SELECT d.id
+                FROM unnest(v_due) AS a(sid)
+                CROSS JOIN LATERAL (
+                    SELECT d.id, d.visible_at FROM workqueue.delivery d
+                    WHERE d.subscription_id = a.sid AND d.status = 'Pending' AND d.key_mode = 0
+                      AND d.priority = lv.priority AND d.visible_at <= v_now
+                    ORDER BY d.visible_at, d.id
+                    LIMIT p_limit
+                    FOR UPDATE SKIP LOCKED
+                ) d
+                ORDER BY d.visible_at, d.id
+                LIMIT p_limit
+            ) c
+            LIMIT p_limit
+        ) l;
+        v_limit := p_limit - coalesce(cardinality(v_urgent), 0);
+    END IF;
+
+    IF v_limit <= 0 THEN
+        v_ids := v_urgent;
+    ELSIF cardinality(v_due) = 1 THEN
         -- One of them has work (a worker's usual case): its oldest due deliveries, locked as the
         -- index gives them, past the rows other claimers hold, as claim does.
         SELECT array_agg(l.id) INTO v_ids
         FROM (
             SELECT d.id FROM workqueue.delivery d
             WHERE d.subscription_id = v_due[1] AND d.status = 'Pending' AND d.key_mode = 0
-              AND d.visible_at <= v_now
+              AND d.visible_at <= v_now AND d.priority = 0
             ORDER BY d.visible_at, d.id
-            LIMIT p_limit
+            LIMIT v_limit
             FOR UPDATE SKIP LOCKED
         ) l;
         v_ids := coalesce(v_ids, '{}'::bigint[]);
@@ -1521,28 +1624,25 @@ BEGIN
             CROSS JOIN LATERAL (
                 SELECT d.id, d.visible_at FROM workqueue.delivery d
                 WHERE d.subscription_id = a.sid AND d.status = 'Pending' AND d.key_mode = 0
-                  AND d.visible_at <= v_now
+                  AND d.visible_at <= v_now AND d.priority = 0
                 ORDER BY d.visible_at, d.id
-                LIMIT p_limit
+                LIMIT v_limit
             ) d
             ORDER BY d.visible_at, d.id
-            LIMIT p_limit
+            LIMIT v_limit
         ) c;
-        IF v_candidates IS NULL THEN
-            RETURN;
-        END IF;
 
         -- Locked by id; what another claimer holds is skipped (and rechecked once locked).
         SELECT array_agg(l.id) INTO v_ids
         FROM (
             SELECT d.id FROM workqueue.delivery d
             WHERE d.id = ANY (v_candidates) AND d.status = 'Pending' AND d.key_mode = 0
-              AND d.visible_at <= v_now
+              AND d.visible_at <= v_now AND d.priority = 0
             FOR UPDATE SKIP LOCKED
         ) l;
         v_ids := coalesce(v_ids, '{}'::bigint[]);
 
-        IF cardinality(v_ids) < cardinality(v_candidates) THEN
+        IF cardinality(v_ids) < coalesce(cardinality(v_candidates), 0) THEN
             -- The skipped ones' shares, locked from their subscriptions' indexes past the rows other
             -- claimers hold (and those this claim holds already).
             SELECT array_agg(x.sid), array_agg(x.n) INTO v_sids, v_shares
@@ -1557,13 +1657,16 @@ BEGIN
             CROSS JOIN LATERAL (
                 SELECT d.id FROM workqueue.delivery d
                 WHERE d.subscription_id = k.sid AND d.status = 'Pending' AND d.key_mode = 0
-                  AND d.visible_at <= v_now AND d.id <> ALL (v_ids)
+                  AND d.visible_at <= v_now AND d.priority = 0 AND d.id <> ALL (v_ids)
                 ORDER BY d.visible_at, d.id
                 LIMIT k.n
                 FOR UPDATE SKIP LOCKED
             ) l;
             v_ids := v_ids || coalesce(v_more, '{}'::bigint[]);
         END IF;
+    END IF;
+    IF v_urgent IS NOT NULL AND v_limit > 0 THEN
+        v_ids := v_urgent || coalesce(v_ids, '{}'::bigint[]);
     END IF;
     IF cardinality(v_ids) = 0 THEN
         RETURN;
@@ -1581,12 +1684,12 @@ BEGIN
         FROM workqueue.subscription s
         WHERE d.id = ANY (v_ids) AND d.status = 'Pending' AND s.id = d.subscription_id
         RETURNING s.name, d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at,
-                  d.message_id, d.visible_at
+                  d.message_id, d.visible_at, d.priority
     )
     SELECT d.name, d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, m.id, m.topic,
            m.partition_key, m.attributes, m.payload, m.payload_ref, m.correlation_id, m.published_at
     FROM d JOIN workqueue.message m ON m.id = d.message_id
-    ORDER BY d.visible_at, d.id;
+    ORDER BY d.priority DESC, d.visible_at, d.id;
 END
 $$;
 
@@ -1782,6 +1885,7 @@ DECLARE
     v_holder bigint;
     v_next bigint;
     v_next_visible timestamptz;
+    v_next_priority smallint;
     v_blocked bigint;
     v_head record;
 BEGIN
@@ -1797,7 +1901,7 @@ BEGIN
     END IF;
 
     IF p_mode = 2 THEN
-        SELECT d.id, d.status, d.visible_at INTO v_head
+        SELECT d.id, d.status, d.visible_at, d.priority INTO v_head
         FROM workqueue.delivery d
         WHERE d.subscription_id = p_subscription_id AND d.partition_key = p_key AND d.key_mode = 2
           AND d.status IN ('Pending', 'InFlight', 'DeadLettered')
@@ -1811,10 +1915,11 @@ BEGIN
             ELSIF v_holder IS NULL THEN
                 v_next := v_head.id;
                 v_next_visible := v_head.visible_at;
+                v_next_priority := v_head.priority;
             END IF;
         END IF;
     ELSIF v_holder IS NULL THEN
-        SELECT d.id, d.visible_at INTO v_next, v_next_visible
+        SELECT d.id, d.visible_at, d.priority INTO v_next, v_next_visible, v_next_priority
         FROM workqueue.delivery d
         WHERE d.subscription_id = p_subscription_id AND d.partition_key = p_key AND d.key_mode = 1
           AND d.status = 'Pending'
@@ -1828,7 +1933,8 @@ BEGIN
         RETURN false;
     END IF;
     UPDATE workqueue.partition p
-    SET holder_id = v_holder, next_id = v_next, next_visible_at = v_next_visible, blocked_id = v_blocked
+    SET holder_id = v_holder, next_id = v_next, next_visible_at = v_next_visible, blocked_id = v_blocked,
+        next_priority = coalesce(v_next_priority, 0)
     WHERE p.subscription_id = p_subscription_id AND p.partition_key = p_key;
     RETURN v_holder IS NULL AND v_next IS NOT NULL AND v_next_visible <= now();
 END
@@ -1896,17 +2002,19 @@ BEGIN
         ), state AS (
             SELECT k.subscription_id, k.partition_key, k.key_mode,
                    o.id AS head_id, o.status AS head_status, o.visible_at AS head_visible_at,
-                   e.id AS next_pending_id, e.visible_at AS next_pending_visible_at
+                   o.priority AS head_priority,
+                   e.id AS next_pending_id, e.visible_at AS next_pending_visible_at,
+                   e.priority AS next_pending_priority
             FROM k
             LEFT JOIN LATERAL (
-                SELECT d.id, d.status, d.visible_at FROM workqueue.delivery d
+                SELECT d.id, d.status, d.visible_at, d.priority FROM workqueue.delivery d
                 WHERE k.key_mode = 2 AND d.subscription_id = k.subscription_id AND d.partition_key = k.partition_key
                   AND d.key_mode = 2 AND d.status IN ('Pending', 'InFlight', 'DeadLettered')
                 ORDER BY d.id
                 LIMIT 1
             ) o ON true
             LEFT JOIN LATERAL (
-                SELECT d.id, d.visible_at FROM workqueue.delivery d
+                SELECT d.id, d.visible_at, d.priority FROM workqueue.delivery d
                 WHERE k.key_mode = 1 AND d.subscription_id = k.subscription_id AND d.partition_key = k.partition_key
                   AND d.key_mode = 1 AND d.status = 'Pending'
                 ORDER BY d.visible_at, d.id
@@ -1915,7 +2023,7 @@ BEGIN
         ), updated AS (
             UPDATE workqueue.partition p
             SET holder_id = n.holder_id, next_id = n.next_id, next_visible_at = n.next_visible_at,
-                blocked_id = n.blocked_id
+                blocked_id = n.blocked_id, next_priority = coalesce(n.next_priority, 0)
             FROM (
                 SELECT s.subscription_id, s.partition_key, x.holder_id,
                        CASE WHEN x.holder_id IS NOT NULL THEN NULL
@@ -1924,6 +2032,9 @@ BEGIN
                        CASE WHEN x.holder_id IS NOT NULL THEN NULL
                             WHEN s.key_mode = 1 THEN s.next_pending_visible_at
                             WHEN s.head_status = 'Pending' THEN s.head_visible_at END AS next_visible_at,
+                       CASE WHEN x.holder_id IS NOT NULL THEN NULL
+                            WHEN s.key_mode = 1 THEN s.next_pending_priority
+                            WHEN s.head_status = 'Pending' THEN s.head_priority END AS next_priority,
                        CASE WHEN s.key_mode = 2 AND s.head_status = 'DeadLettered' THEN s.head_id END AS blocked_id
                 FROM state s
                 JOIN workqueue.partition cur

@@ -95,10 +95,14 @@ CREATE TABLE delivery (
     note                  TEXT,
     created_at            REAL NOT NULL,
     settled_at            REAL,
-    held_by               TEXT
+    held_by               TEXT,
+    priority              INTEGER NOT NULL DEFAULT 0   -- 0..9, higher claimed first
 );
 CREATE INDEX delivery_claim ON delivery (subscription_id, visible_at, id)
     WHERE status = 'Pending' AND key_mode = 0;
+-- The same work with a priority above 0, claimed first (empty while nobody publishes with one).
+CREATE INDEX delivery_claim_priority ON delivery (subscription_id, priority, visible_at, id)
+    WHERE status = 'Pending' AND key_mode = 0 AND priority > 0;
 CREATE INDEX delivery_ordered_head ON delivery (subscription_id, partition_key, id)
     WHERE key_mode = 2 AND status IN ('Pending', 'InFlight', 'DeadLettered');
 CREATE INDEX delivery_exclusive_next ON delivery (subscription_id, partition_key, visible_at, id)
@@ -133,10 +137,13 @@ CREATE TABLE partition (
     next_id           INTEGER,
     next_visible_at   REAL,
     blocked_id        INTEGER,
+    next_priority     INTEGER NOT NULL DEFAULT 0,   -- the priority of next_id (0 without one)
     PRIMARY KEY (subscription_id, partition_key)
 );
 CREATE INDEX partition_ready ON partition (subscription_id, next_visible_at)
     WHERE holder_id IS NULL AND next_id IS NOT NULL;
+CREATE INDEX partition_ready_priority ON partition (subscription_id, next_priority, next_visible_at)
+    WHERE holder_id IS NULL AND next_id IS NOT NULL AND next_priority > 0;
 
 CREATE TABLE deduplication (
     topic              TEXT NOT NULL,

@@ -171,53 +171,70 @@ WHERE subscription_id = :subscription_id AND partition_key = :key;
 
 -- name: partition_set
 UPDATE partition SET holder_id = :holder_id, next_id = :next_id, next_visible_at = :next_visible_at,
-                     blocked_id = :blocked_id
+                     blocked_id = :blocked_id, next_priority = coalesce(:next_priority, 0)
 WHERE subscription_id = :subscription_id AND partition_key = :key;
 
 -- name: partition_delete
 DELETE FROM partition WHERE subscription_id = :subscription_id AND partition_key = :key;
 
 -- name: partition_advance
-UPDATE partition SET next_id = :id, next_visible_at = :visible_at
+UPDATE partition SET next_id = :id, next_visible_at = :visible_at, next_priority = :priority
 WHERE subscription_id = :subscription_id AND partition_key = :key AND holder_id IS NULL
   AND ((:key_mode = 2 AND next_id IS NULL AND blocked_id IS NULL)
        OR (:key_mode = 1 AND (next_id IS NULL OR :visible_at < next_visible_at)));
 
--- name: partition_ready
-SELECT partition_key, next_id FROM partition
+-- name: partition_ready_priority
+-- Keys that can run now whose next delivery has a priority: claimed before the others.
+SELECT partition_key, next_id, next_priority FROM partition
 WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
-  AND next_visible_at <= :now
+  AND next_visible_at <= :now AND next_priority > 0
+ORDER BY next_priority DESC, next_visible_at
+LIMIT :limit;
+
+-- name: partition_ready
+SELECT partition_key, next_id, next_priority FROM partition
+WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
+  AND next_visible_at <= :now AND next_priority = 0
 ORDER BY next_visible_at
 LIMIT :limit;
 
 -- name: partition_hold
-UPDATE partition SET holder_id = :id, next_id = NULL, next_visible_at = NULL
+UPDATE partition SET holder_id = :id, next_id = NULL, next_visible_at = NULL, next_priority = 0
 WHERE subscription_id = :subscription_id AND partition_key = :key;
 
 -- name: ordered_head
-SELECT id, status, visible_at FROM delivery
+SELECT id, status, visible_at, priority FROM delivery
 WHERE subscription_id = :subscription_id AND partition_key = :key AND key_mode = 2
   AND status IN ('Pending', 'InFlight', 'DeadLettered')
 ORDER BY id LIMIT 1;
 
 -- name: exclusive_next
-SELECT id, visible_at FROM delivery
+SELECT id, visible_at, priority FROM delivery
 WHERE subscription_id = :subscription_id AND partition_key = :key AND key_mode = 1 AND status = 'Pending'
 ORDER BY visible_at, id LIMIT 1;
 
 -- name: delivery_insert
 INSERT INTO delivery (subscription_id, message_id, partition_key, key_mode, max_attempts,
-                      backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, created_at)
+                      backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, created_at, priority)
 VALUES (:subscription_id, :message_id, :partition_key, :key_mode, :max_attempts, :backoff_base_seconds,
-        :backoff_max_seconds, :backoff_schedule, :visible_at, :now)
+        :backoff_max_seconds, :backoff_schedule, :visible_at, :now, :priority)
 RETURNING id;
 
 -- name: delivery_status
 SELECT id, status FROM delivery WHERE id = :id;
 
+-- name: claimable_unkeyed_priority
+-- Claimable deliveries without a key lock that have a priority: claimed before the others.
+SELECT id, visible_at, priority, partition_key FROM delivery
+WHERE subscription_id = :subscription_id AND status = 'Pending' AND key_mode = 0 AND priority > 0
+  AND visible_at <= :now
+ORDER BY priority DESC, visible_at, id
+LIMIT :limit;
+
 -- name: claimable_unkeyed
-SELECT id, visible_at FROM delivery
-WHERE subscription_id = :subscription_id AND status = 'Pending' AND key_mode = 0 AND visible_at <= :now
+SELECT id, visible_at, priority, partition_key FROM delivery
+WHERE subscription_id = :subscription_id AND status = 'Pending' AND key_mode = 0 AND priority = 0
+  AND visible_at <= :now
 ORDER BY visible_at, id
 LIMIT :limit;
 
@@ -227,7 +244,7 @@ SET status = 'InFlight', attempt = attempt + 1, claim_count = claim_count + 1, l
     lease_expires_at = :lease_expires_at, claimed_at = :now, held_by = :holder, progress_percent = NULL,
     progress_message = NULL
 WHERE id = :id AND status = 'Pending'
-RETURNING id, lease_token, attempt, max_attempts, lease_expires_at, message_id, partition_key, key_mode;
+RETURNING id, lease_token, attempt, max_attempts, lease_expires_at, message_id, partition_key, key_mode, priority;
 
 -- name: delivery_heartbeat
 UPDATE delivery
