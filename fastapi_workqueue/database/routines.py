@@ -55,9 +55,11 @@ from ..core.search import SEARCH_LIMIT, FoundDelivery
 from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic, TopicState
 from ..core.transport import (
     Capabilities,
+    Claimed,
     ClaimedDelivery,
     HeartbeatRequest,
     HeartbeatResult,
+    HeldBack,
     Settlement,
     SettleResult,
     WakeupListener,
@@ -177,6 +179,8 @@ class RoutineTransport:
                 p_backoff_max_seconds=sub.backoff_max_seconds, p_max_processing_seconds=sub.max_processing_seconds,
                 p_heartbeat_mode=sub.heartbeat_mode, p_filter=None if sub.filter is None else json.dumps(sub.filter),
                 p_host_type=sub.host_type, p_retention_seconds=sub.retention_seconds, p_status=sub.status,
+                p_max_in_flight=sub.max_in_flight, p_key_concurrency=sub.key_concurrency,
+                p_rate_limit=sub.rate_limit, p_key_rate_limit=sub.key_rate_limit,
             )
 
     async def list_subscriptions(self) -> list[SubscriptionState]:
@@ -190,6 +194,8 @@ class RoutineTransport:
                 heartbeat_mode=r["heartbeat_mode"], filter=json_value(r["filter"]), status=r["status"],
                 host_type=r["host_type"], retention_seconds=r["retention_seconds"], topic_status=r["topic_status"],
                 transport_name=r["transport"], is_fifo=bool(r["is_fifo"]),
+                max_in_flight=r["max_in_flight"], key_concurrency=r["key_concurrency"], rate_limit=r["rate_limit"],
+                key_rate_limit=r["key_rate_limit"],
             )
             for r in rows
         ]
@@ -260,6 +266,9 @@ class RoutineTransport:
     async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
         rows = await self.call("claim", retry=False, p_subscription=subscription, p_limit=limit,
                                p_holder=current_process().id, p_now=self._now())
+        if rows and rows[-1]["delivery_id"] is None:  # a flow limit kept work back: said in a last row
+            last = rows[-1]
+            return Claimed([claimed(r) for r in rows[:-1]], HeldBack(last["held_back"], last["retry_after"]))
         return [claimed(r) for r in rows]
 
     async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
@@ -785,6 +794,7 @@ def as_uuid(value: Any) -> uuid.UUID:
 
 
 CLAIM_MANY_REFUSAL = "claim_many takes None-mode subscriptions only"
+"""How every dialect's claim_many starts its refusal of a keyed subscription or one with flow limits."""
 """The start of the error every dialect's claim_many raises for an Exclusive or Ordered subscription."""
 
 

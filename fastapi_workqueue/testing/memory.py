@@ -17,6 +17,7 @@ its own. What it cannot do: publish in a caller's database transaction (there is
 from __future__ import annotations
 
 import json
+import math
 import random
 import uuid
 import weakref
@@ -28,6 +29,7 @@ from typing import Any
 from ..core.clock import SYSTEM_CLOCK, Clock
 from ..core.envelope import MAX_ENVELOPE_BYTES, PreparedMessage, PublishError, PublishResult, PublishStatus
 from ..core.errors import ConfigurationError, TransportError
+from ..core.flow import HeldBackLimit, Rate, key_rooms, parse_rate, refill, take_limited, tokens_due_in
 from ..core.lifecycle import (
     BackoffPolicy,
     BatchItem,
@@ -66,9 +68,11 @@ from ..core.topology import (
 )
 from ..core.transport import (
     Capabilities,
+    Claimed,
     ClaimedDelivery,
     HeartbeatRequest,
     HeartbeatResult,
+    HeldBack,
     Settlement,
     SettleResult,
     WakeupListener,
@@ -156,6 +160,8 @@ class _Store:
     steps: dict[tuple[uuid.UUID, str], str] = field(default_factory=dict)
     processes: dict[uuid.UUID, _Process] = field(default_factory=dict)
     sweep_lock_holders: int = 0
+    buckets: dict[tuple[str, bool, str], tuple[float, datetime]] = field(default_factory=dict)
+    """Rate limits' token buckets: (subscription, per key, key) -> (tokens, as of)."""
     last_id: int = 0
     wakeups: list[WakeupListener] = field(default_factory=list)
 
@@ -403,9 +409,72 @@ class MemoryTransport:
         if sub is None or limit < 1:
             return []
         now = self._now()
+        if sub.spec.flow_limited:
+            return self._claim_limited(sub, limit, now)
         taken = self._claimable(subscription, now)[:limit]
         taken.sort(key=lambda d: (-d.priority, d.id))
         return [self._lease(d, sub, now) for d in taken]
+
+    def _claim_limited(self, sub: _Sub, limit: int, now: datetime) -> Claimed:
+        """claim under the subscription's flow limits (:mod:`fastapi_workqueue.core.flow`), as the
+        database transports run it."""
+        spec, name = sub.spec, sub.spec.name
+        room = limit
+        held: HeldBackLimit | None = None
+        busy = [d for d in self._of(name)
+                if d.status == "InFlight" and d.lease_expires_at is not None and d.lease_expires_at > now]
+        if spec.max_in_flight is not None and spec.max_in_flight - len(busy) < room:
+            room, held = max(spec.max_in_flight - len(busy), 0), "MaxInFlight"
+        rate = parse_rate(spec.rate_limit) if spec.rate_limit else None
+        key_rate = parse_rate(spec.key_rate_limit) if spec.key_rate_limit else None
+        stamp = now.timestamp()
+
+        def tokens(per_key: bool, key: str, r: Rate) -> float:
+            bucket = self._store.buckets.get((name, per_key, key))
+            return refill(None if bucket is None else bucket[0], None if bucket is None else bucket[1].timestamp(),
+                          stamp, r)
+
+        sub_tokens = tokens(False, "", rate) if rate is not None else 0.0
+        if rate is not None and math.floor(sub_tokens) < room:
+            room, held = math.floor(sub_tokens), "RateLimit"
+        in_flight: dict[str, int] = {}
+        for d in busy:
+            if d.partition_key is not None:
+                in_flight[d.partition_key] = in_flight.get(d.partition_key, 0) + 1
+        by_concurrency = key_rooms(spec.key_concurrency if spec.partition_mode == "None" else None, in_flight)
+
+        def key_room(key: str) -> float:
+            spare = by_concurrency(key)
+            return spare if key_rate is None else min(spare, tokens(True, key, key_rate))
+
+        candidates = self._claimable(name, now)
+        taken = take_limited(candidates, room, lambda d: d.partition_key, key_room)
+        if held is None and len(taken) < limit and len(taken) < len(candidates):
+            spent = key_rate is not None and any(
+                tokens(True, d.partition_key, key_rate) < 1 for d in candidates if d.partition_key is not None)
+            held = "KeyRateLimit" if key_rate is not None and (spent or spec.key_concurrency is None) \
+                else "KeyConcurrency"
+        taken.sort(key=lambda d: (-d.priority, d.id))
+        out = [self._lease(d, sub, now) for d in taken]
+        if out and rate is not None:
+            self._store.buckets[(name, False, "")] = (sub_tokens - len(out), now)
+        spent_keys: dict[str, int] = {}
+        for d in taken:
+            if d.partition_key is not None:
+                spent_keys[d.partition_key] = spent_keys.get(d.partition_key, 0) + 1
+        if out and key_rate is not None:
+            for key, n in spent_keys.items():
+                self._store.buckets[(name, True, key)] = (tokens(True, key, key_rate) - n, now)
+        if held is None or len(out) >= limit or len(taken) == len(candidates):
+            return Claimed(out)
+        retry: float | None = None
+        if held == "RateLimit" and rate is not None:
+            retry = tokens_due_in(sub_tokens - len(out), rate)
+        elif held == "KeyRateLimit" and key_rate is not None:
+            short = [t for t in (tokens(True, k, key_rate) for (s, per_key, k) in self._store.buckets
+                                 if s == name and per_key) if t < 1]
+            retry = tokens_due_in(max(short), key_rate) if short else None
+        return Claimed(out, HeldBack(held, retry))
 
     async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
         """One claim across several None-mode subscriptions, the oldest due first whatever their
@@ -420,10 +489,11 @@ class MemoryTransport:
             return []
         for name in names:
             sub = self._store.subs.get(name)
-            if sub is not None and sub.spec.partition_mode != "None":
+            if sub is not None and (sub.spec.partition_mode != "None" or sub.spec.flow_limited):
+                what = (f"is {sub.spec.partition_mode}" if sub.spec.partition_mode != "None" else "has flow limits")
                 raise ValueError(
-                    f"claim_many takes None-mode subscriptions only ({name} is {sub.spec.partition_mode}); "
-                    "claim an Exclusive or Ordered subscription with claim"
+                    f"claim_many takes None-mode subscriptions only ({name} {what}); "
+                    "claim an Exclusive or Ordered subscription, or one with flow limits, with claim"
                 )
         now = self._now()
         candidates: list[tuple[_Delivery, _Sub]] = []
@@ -616,6 +686,7 @@ class MemoryTransport:
             del store.deduplication[k]
         for key in [k for k, (_, _, expires) in store.once.items() if expires <= now][:limit]:
             del store.once[key]
+        self._purge_buckets(now, limit)
         self._wake(d.subscription for d in expired if d.status == "Pending")
         return SweepReport(
             ran=True, retried=sum(t.result == "Pending" for t in taken),
@@ -623,6 +694,19 @@ class MemoryTransport:
             discarded=sum(t.result == "Discarded" for t in taken), purged_deliveries=purged_deliveries,
             purged_messages=purged_messages, purged_deduplication=len(gone), taken_back=taken,
         )
+
+    def _purge_buckets(self, now: datetime, limit: int) -> None:
+        """Token buckets full again (idle), or of a subscription without such a limit any more."""
+        store = self._store
+        idle = []
+        for (name, per_key, key), (_, updated_at) in store.buckets.items():
+            sub = store.subs.get(name)
+            text = None if sub is None else sub.spec.key_rate_limit if per_key else sub.spec.rate_limit
+            rate = parse_rate(text) if text else None
+            if rate is None or updated_at + timedelta(seconds=rate.burst / rate.per_second) <= now:
+                idle.append((name, per_key, key))
+        for bucket in idle[:limit]:
+            del store.buckets[bucket]
 
     def _purge_deliveries(self, now: datetime, limit: int) -> int:
         store = self._store

@@ -59,7 +59,12 @@ CREATE TABLE workqueue.subscription (
     binding_config          jsonb,
     created_at              timestamptz NOT NULL DEFAULT now(),
     updated_at              timestamptz NOT NULL DEFAULT now(),
-    retired_at              timestamptz   -- retired: no new deliveries, what it holds drains
+    retired_at              timestamptz,  -- retired: no new deliveries, what it holds drains
+    -- Flow limits, held across every process (docs/design/flow-control.md); NULL: none.
+    max_in_flight           integer CHECK (max_in_flight IS NULL OR max_in_flight >= 1),
+    key_concurrency         integer CHECK (key_concurrency IS NULL OR key_concurrency >= 1),
+    rate_limit              text CHECK (rate_limit IS NULL OR rate_limit ~ '^[1-9][0-9]{0,8}/[smh]$'),
+    key_rate_limit          text CHECK (key_rate_limit IS NULL OR key_rate_limit ~ '^[1-9][0-9]{0,8}/[smh]$')
 );
 CREATE INDEX subscription_topic ON workqueue.subscription (topic);
 
@@ -191,6 +196,19 @@ CREATE TABLE workqueue.partition_stale (
     partition_key    text NOT NULL,
     key_mode         smallint NOT NULL,
     PRIMARY KEY (subscription_id, partition_key)
+);
+
+-- The token buckets of rate limits, shared by every process: a subscription's own (rate_limit:
+-- per_key false, partition_key '') and one per partition key (key_rate_limit), made by the first
+-- claim that spends from it and purged once it is full again (idle). tokens as of updated_at; a
+-- claim adds what the rate gave since, up to one second of tokens (at least one).
+CREATE TABLE workqueue.rate_bucket (
+    subscription_id  integer NOT NULL,
+    per_key          boolean NOT NULL,
+    partition_key    text NOT NULL,
+    tokens           double precision NOT NULL,
+    updated_at       timestamptz NOT NULL,
+    PRIMARY KEY (subscription_id, per_key, partition_key)
 );
 
 -- Deduplication keys of a topic while they live.
@@ -350,6 +368,16 @@ BEGIN
 END
 $$;
 
+-- A rate limit ('50/s', '10/m', '3/h') in tokens per second; NULL for none.
+CREATE OR REPLACE FUNCTION workqueue.rate_per_second(p_rate text)
+RETURNS double precision
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT split_part(p_rate, '/', 1)::double precision
+           / CASE split_part(p_rate, '/', 2) WHEN 's' THEN 1 WHEN 'm' THEN 60 ELSE 3600 END
+$$;
+
 -- ---------------------------------------------------------------------------------------------
 -- Topology
 -- ---------------------------------------------------------------------------------------------
@@ -378,7 +406,9 @@ CREATE OR REPLACE FUNCTION workqueue.sync_subscription(
     p_lease_seconds double precision, p_max_attempts integer,
     p_backoff_base_seconds double precision, p_backoff_max_seconds double precision,
     p_max_processing_seconds double precision, p_heartbeat_mode text, p_filter jsonb,
-    p_host_type text, p_retention_seconds double precision, p_status text DEFAULT 'Active'
+    p_host_type text, p_retention_seconds double precision, p_status text DEFAULT 'Active',
+    p_max_in_flight integer DEFAULT NULL, p_key_concurrency integer DEFAULT NULL,
+    p_rate_limit text DEFAULT NULL, p_key_rate_limit text DEFAULT NULL
 ) RETURNS integer
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -393,17 +423,20 @@ BEGIN
         INSERT INTO workqueue.subscription (
             name, topic, handler_key, partition_mode, lease_seconds, max_attempts,
             backoff_base_seconds, backoff_max_seconds, max_processing_seconds, heartbeat_mode,
-            filter, host_type, retention_seconds, status)
+            filter, host_type, retention_seconds, status, max_in_flight, key_concurrency,
+            rate_limit, key_rate_limit)
         VALUES (p_name, p_topic, p_handler_key, p_partition_mode, p_lease_seconds, p_max_attempts,
             p_backoff_base_seconds, p_backoff_max_seconds, p_max_processing_seconds, p_heartbeat_mode,
-            p_filter, p_host_type, p_retention_seconds, p_status)
+            p_filter, p_host_type, p_retention_seconds, p_status, p_max_in_flight, p_key_concurrency,
+            p_rate_limit, p_key_rate_limit)
         ON CONFLICT (name) DO NOTHING
         RETURNING id INTO v_id;
         IF v_id IS NULL THEN   -- created concurrently by another process: update it instead
             RETURN workqueue.sync_subscription(p_name, p_topic, p_handler_key, p_partition_mode,
                 p_lease_seconds, p_max_attempts, p_backoff_base_seconds, p_backoff_max_seconds,
                 p_max_processing_seconds, p_heartbeat_mode, p_filter, p_host_type,
-                p_retention_seconds, p_status);
+                p_retention_seconds, p_status, p_max_in_flight, p_key_concurrency,
+                p_rate_limit, p_key_rate_limit);
         END IF;
         RETURN v_id;
     END IF;
@@ -427,15 +460,19 @@ BEGIN
         backoff_base_seconds = p_backoff_base_seconds, backoff_max_seconds = p_backoff_max_seconds,
         max_processing_seconds = p_max_processing_seconds, heartbeat_mode = p_heartbeat_mode,
         filter = p_filter, host_type = p_host_type, retention_seconds = p_retention_seconds,
+        max_in_flight = p_max_in_flight, key_concurrency = p_key_concurrency,
+        rate_limit = p_rate_limit, key_rate_limit = p_key_rate_limit,
         updated_at = now()
     WHERE s.id = v_existing.id
       AND (s.topic, s.handler_key, s.partition_mode, s.lease_seconds, s.max_attempts,
            s.backoff_base_seconds, s.backoff_max_seconds, s.max_processing_seconds,
-           s.heartbeat_mode, s.filter, s.host_type, s.retention_seconds)
+           s.heartbeat_mode, s.filter, s.host_type, s.retention_seconds,
+           s.max_in_flight, s.key_concurrency, s.rate_limit, s.key_rate_limit)
           IS DISTINCT FROM
           (p_topic, p_handler_key, p_partition_mode, p_lease_seconds, p_max_attempts,
            p_backoff_base_seconds, p_backoff_max_seconds, p_max_processing_seconds,
-           p_heartbeat_mode, p_filter, p_host_type, p_retention_seconds);
+           p_heartbeat_mode, p_filter, p_host_type, p_retention_seconds,
+           p_max_in_flight, p_key_concurrency, p_rate_limit, p_key_rate_limit);
     RETURN v_existing.id;
 END
 $$;
@@ -568,6 +605,7 @@ BEGIN
     DELETE FROM workqueue.delivery d WHERE d.subscription_id = v_id;
     DELETE FROM workqueue.partition p WHERE p.subscription_id = v_id;
     DELETE FROM workqueue.partition_stale p WHERE p.subscription_id = v_id;
+    DELETE FROM workqueue.rate_bucket b WHERE b.subscription_id = v_id;
     DELETE FROM workqueue.settled_count c WHERE c.subscription_id = v_id;
     DELETE FROM workqueue.stats_history h WHERE h.subscription_id = v_id;
     DELETE FROM workqueue.subscription s WHERE s.id = v_id;
@@ -646,7 +684,8 @@ RETURNS TABLE (
     backoff_max_seconds double precision, max_processing_seconds double precision,
     heartbeat_mode text, filter jsonb, status text, host_type text,
     retention_seconds double precision, topic_status text, transport text, is_fifo boolean,
-    max_payload_bytes integer
+    max_payload_bytes integer, max_in_flight integer, key_concurrency integer, rate_limit text,
+    key_rate_limit text
 )
 LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -655,7 +694,8 @@ AS $$
            s.backoff_base_seconds, s.backoff_max_seconds, s.max_processing_seconds,
            s.heartbeat_mode, s.filter, CASE WHEN s.status = 'Active' AND s.retired_at IS NOT NULL THEN 'Retired' ELSE s.status END, s.host_type,
            s.retention_seconds, CASE WHEN t.status = 'Active' AND t.retired_at IS NOT NULL THEN 'Retired' ELSE t.status END, t.transport,
-           t.is_fifo, t.max_payload_bytes
+           t.is_fifo, t.max_payload_bytes, s.max_in_flight, s.key_concurrency, s.rate_limit,
+           s.key_rate_limit
     FROM workqueue.subscription s
     JOIN workqueue.topic t ON t.name = s.topic
     ORDER BY s.name
@@ -1337,7 +1377,7 @@ RETURNS TABLE (
     delivery_id bigint, lease_token uuid, attempt integer, max_attempts integer,
     lease_expires_at timestamptz, message_id uuid, topic text, partition_key text,
     attributes jsonb, payload text, payload_ref text, correlation_id text,
-    published_at timestamptz
+    published_at timestamptz, held_back text, retry_after double precision
 )
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -1348,6 +1388,7 @@ AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_sub record;
+    v_limit integer := p_limit;  -- what this claim may take: less than p_limit under a flow limit
     v_keyed bigint[];
     v_keys text[];
     v_more bigint[];
@@ -1355,24 +1396,104 @@ DECLARE
     v_unkeyed bigint[];
     v_share integer;
     v_ids bigint[];
-    v_got integer;
+    v_got integer := 0;
     v_key text;
+    -- flow limits (docs/design/flow-control.md)
+    v_held text;            -- the limit that kept claimable work back
+    v_retry double precision;
+    v_busy integer;
+    v_rate double precision;
+    v_tokens double precision;
+    v_key_rate double precision;
+    v_key_limited boolean := false;
+    v_default_room integer;
+    v_room_keys text[];     -- keys whose room is below v_default_room, and their room
+    v_rooms integer[];
+    v_blocked text[];       -- keys with no room at all
+    v_key_spent boolean;    -- a key's bucket holds no whole token
+    v_fullest double precision;
 BEGIN
-    SELECT s.id, s.partition_mode, s.lease_seconds INTO v_sub
+    SELECT s.id, s.partition_mode, s.lease_seconds, s.max_in_flight, s.rate_limit, s.key_rate_limit,
+           CASE WHEN s.partition_mode = 'None' THEN s.key_concurrency END AS key_concurrency,
+           (s.max_in_flight IS NOT NULL OR s.rate_limit IS NOT NULL OR s.key_rate_limit IS NOT NULL
+            OR (s.key_concurrency IS NOT NULL AND s.partition_mode = 'None')) AS limited
+    INTO v_sub
     FROM workqueue.subscription s JOIN workqueue.topic t ON t.name = s.topic
     WHERE s.name = p_subscription AND s.status = 'Active' AND t.status = 'Active';
     IF NOT FOUND OR p_limit < 1 THEN
         RETURN;
     END IF;
 
-    IF v_sub.partition_mode <> 'None' THEN
+    IF v_sub.limited THEN
+        -- One claim of a limited subscription at a time, across every process: the lock is the
+        -- transaction's, gone at its commit, when what it claimed is InFlight for the next one to
+        -- count. Subscriptions without limits never take it.
+        PERFORM pg_advisory_xact_lock(hashtext('workqueue.claim'), v_sub.id);
+        IF v_sub.max_in_flight IS NOT NULL THEN
+            -- A holder that died holds its slot until its lease runs out.
+            SELECT count(*) INTO v_busy FROM workqueue.delivery d
+            WHERE d.subscription_id = v_sub.id AND d.status = 'InFlight' AND d.lease_expires_at > v_now;
+            IF v_sub.max_in_flight - v_busy < v_limit THEN
+                v_limit := greatest(v_sub.max_in_flight - v_busy, 0);
+                v_held := 'MaxInFlight';
+            END IF;
+        END IF;
+        IF v_sub.rate_limit IS NOT NULL THEN
+            v_rate := workqueue.rate_per_second(v_sub.rate_limit);
+            SELECT least(greatest(1, v_rate), b.tokens + greatest(0, extract(epoch FROM v_now - b.updated_at)) * v_rate)
+            INTO v_tokens
+            FROM workqueue.rate_bucket b
+            WHERE b.subscription_id = v_sub.id AND NOT b.per_key AND b.partition_key = '';
+            v_tokens := coalesce(v_tokens, greatest(1, v_rate));
+            IF floor(v_tokens) < v_limit THEN
+                v_limit := floor(v_tokens)::integer;
+                v_held := 'RateLimit';
+            END IF;
+        END IF;
+        IF v_sub.key_concurrency IS NOT NULL OR v_sub.key_rate_limit IS NOT NULL THEN
+            -- Each key's room: key_concurrency less its InFlight deliveries, and the whole tokens of
+            -- its bucket. Only keys below the default room are listed; a key without a bucket has
+            -- a full one.
+            v_key_limited := true;
+            v_key_rate := workqueue.rate_per_second(v_sub.key_rate_limit);
+            v_default_room := least(coalesce(v_sub.key_concurrency, 2147483647),
+                                    CASE WHEN v_key_rate IS NULL THEN 2147483647
+                                         ELSE floor(greatest(1, v_key_rate))::integer END);
+            WITH busy AS (
+                SELECT d.partition_key AS k, count(*)::integer AS n FROM workqueue.delivery d
+                WHERE v_sub.key_concurrency IS NOT NULL AND d.subscription_id = v_sub.id
+                  AND d.status = 'InFlight' AND d.lease_expires_at > v_now AND d.partition_key IS NOT NULL
+                GROUP BY d.partition_key
+            ), bucket AS (
+                SELECT b.partition_key AS k,
+                       least(greatest(1, v_key_rate),
+                             b.tokens + greatest(0, extract(epoch FROM v_now - b.updated_at)) * v_key_rate) AS t
+                FROM workqueue.rate_bucket b
+                WHERE v_key_rate IS NOT NULL AND b.subscription_id = v_sub.id AND b.per_key
+            ), room AS (
+                SELECT coalesce(busy.k, bucket.k) AS k, bucket.t,
+                       least(coalesce(v_sub.key_concurrency - busy.n, 2147483647),
+                             coalesce(floor(bucket.t)::integer, 2147483647)) AS n
+                FROM busy FULL JOIN bucket ON bucket.k = busy.k
+            )
+            SELECT array_agg(r.k) FILTER (WHERE r.n < v_default_room),
+                   array_agg(greatest(r.n, 0)) FILTER (WHERE r.n < v_default_room),
+                   array_agg(r.k) FILTER (WHERE r.n <= 0),
+                   bool_or(r.n <= 0 AND floor(r.t) < 1)
+            INTO v_room_keys, v_rooms, v_blocked, v_key_spent
+            FROM room r;
+        END IF;
+    END IF;
+
+    IF v_limit > 0 AND v_sub.partition_mode <> 'None' THEN
         -- Keys a settle or the sweeper could not hand over (their producer held them) are
         -- re-derived first, where nobody holds them now; the table is empty but under contention.
         IF EXISTS (SELECT 1 FROM workqueue.partition_stale ps WHERE ps.subscription_id = v_sub.id) THEN
-            PERFORM workqueue.rederive_stale(ARRAY[v_sub.id], p_limit);
+            PERFORM workqueue.rederive_stale(ARRAY[v_sub.id], v_limit);
         END IF;
         -- Keys that can run now: their partition row is the lock. Those whose next delivery has a
         -- priority come first, level by level (one probe of an index that is empty without them).
+        -- A key a rate limit holds back (v_blocked) is passed over.
         IF EXISTS (SELECT 1 FROM workqueue.partition pt
                    WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
                      AND pt.next_priority > 0) THEN
@@ -1385,22 +1506,24 @@ BEGIN
                     FROM workqueue.partition pt
                     WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
                       AND pt.next_priority = lv.priority AND pt.next_visible_at <= v_now
+                      AND (v_blocked IS NULL OR pt.partition_key <> ALL (v_blocked))
                     ORDER BY pt.next_visible_at
-                    LIMIT p_limit
+                    LIMIT v_limit
                     FOR UPDATE SKIP LOCKED
                 ) pt
-                LIMIT p_limit
+                LIMIT v_limit
             ) k;
         END IF;
-        IF coalesce(cardinality(v_keyed), 0) < p_limit THEN
+        IF coalesce(cardinality(v_keyed), 0) < v_limit THEN
             SELECT array_agg(k.next_id), array_agg(k.partition_key) INTO v_more, v_more_keys
             FROM (
                 SELECT pt.next_id, pt.partition_key
                 FROM workqueue.partition pt
                 WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
                   AND pt.next_visible_at <= v_now AND pt.next_priority = 0
+                  AND (v_blocked IS NULL OR pt.partition_key <> ALL (v_blocked))
                 ORDER BY pt.next_visible_at
-                LIMIT p_limit - coalesce(cardinality(v_keyed), 0)
+                LIMIT v_limit - coalesce(cardinality(v_keyed), 0)
                 FOR UPDATE SKIP LOCKED
             ) k;
             IF v_more IS NOT NULL THEN
@@ -1413,88 +1536,194 @@ BEGIN
     -- Deliveries without a key lock (None mode, or no partition key). On a keyed subscription
     -- they share the claim with the keys: neither side can take every slot. Those with a priority
     -- come first, level by level.
-    v_share := CASE WHEN v_keyed IS NULL THEN p_limit ELSE greatest(p_limit - cardinality(v_keyed), p_limit / 2) END;
-    IF v_share > 0 AND EXISTS (
-        SELECT 1 FROM workqueue.delivery d
-        WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0 AND d.priority > 0
-    ) THEN
-        SELECT array_agg(u.id) INTO v_unkeyed
+    v_share := CASE WHEN v_keyed IS NULL THEN v_limit ELSE greatest(v_limit - cardinality(v_keyed), v_limit / 2) END;
+    IF v_share > 0 AND v_key_limited AND v_sub.partition_mode = 'None' THEN
+        -- Under key limits (None mode): the first candidates in claim order past the keys without
+        -- room, each key's beyond its room left out. The advisory lock keeps other claimers of
+        -- the subscription out, so nothing is locked until the UPDATE below.
+        SELECT array_agg(c.id ORDER BY c.priority DESC, c.visible_at, c.id) INTO v_unkeyed
         FROM (
-            SELECT d.id
-            FROM unnest('{9,8,7,6,5,4,3,2,1}'::smallint[]) AS lv(priority)
-            CROSS JOIN LATERAL (
+            SELECT x.id, x.priority, x.visible_at
+            FROM (
+                SELECT y.*, row_number() OVER (PARTITION BY y.partition_key
+                                               ORDER BY y.priority DESC, y.visible_at, y.id) AS rn
+                FROM (
+                    SELECT d.id, d.priority, d.visible_at, d.partition_key
+                    FROM unnest('{9,8,7,6,5,4,3,2,1}'::smallint[]) AS lv(priority)
+                    CROSS JOIN LATERAL (
+                        SELECT d.id, d.priority, d.visible_at, d.partition_key
+                        FROM workqueue.delivery d
+                        WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
+                          AND d.priority = lv.priority AND d.visible_at <= v_now
+                          AND (v_blocked IS NULL OR d.partition_key IS NULL OR d.partition_key <> ALL (v_blocked))
+                        ORDER BY d.visible_at, d.id
+                        LIMIT v_share * 4
+                    ) d
+                    WHERE EXISTS (SELECT 1 FROM workqueue.delivery e
+                                  WHERE e.subscription_id = v_sub.id AND e.status = 'Pending' AND e.key_mode = 0
+                                    AND e.priority > 0)
+                    UNION ALL
+                    SELECT * FROM (
+                        SELECT d.id, d.priority, d.visible_at, d.partition_key
+                        FROM workqueue.delivery d
+                        WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
+                          AND d.visible_at <= v_now AND d.priority = 0
+                          AND (v_blocked IS NULL OR d.partition_key IS NULL OR d.partition_key <> ALL (v_blocked))
+                        ORDER BY d.visible_at, d.id
+                        LIMIT v_share * 4
+                    ) z
+                ) y
+            ) x
+            LEFT JOIN unnest(v_room_keys, v_rooms) AS r(k, n) ON r.k = x.partition_key
+            WHERE x.partition_key IS NULL OR x.rn <= coalesce(r.n, v_default_room)
+            ORDER BY x.priority DESC, x.visible_at, x.id
+            LIMIT v_share
+        ) c;
+        IF coalesce(cardinality(v_unkeyed), 0) < v_share AND EXISTS (
+            SELECT 1 FROM workqueue.delivery d
+            WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
+              AND d.visible_at <= v_now AND NOT (d.id = ANY (coalesce(v_unkeyed, '{}'::bigint[])))
+        ) THEN
+            v_held := coalesce(v_held, CASE WHEN v_key_rate IS NOT NULL AND (v_key_spent OR v_sub.key_concurrency IS NULL)
+                                            THEN 'KeyRateLimit' ELSE 'KeyConcurrency' END);
+        END IF;
+    ELSIF v_share > 0 THEN
+        IF EXISTS (
+            SELECT 1 FROM workqueue.delivery d
+            WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0 AND d.priority > 0
+        ) THEN
+            SELECT array_agg(u.id) INTO v_unkeyed
+            FROM (
+                SELECT d.id
+                FROM unnest('{9,8,7,6,5,4,3,2,1}'::smallint[]) AS lv(priority)
+                CROSS JOIN LATERAL (
+                    SELECT d.id
+                    FROM workqueue.delivery d
+                    WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
+                      AND d.priority = lv.priority AND d.visible_at <= v_now
+                    ORDER BY d.visible_at, d.id
+                    LIMIT v_share
+                    FOR UPDATE SKIP LOCKED
+                ) d
+                LIMIT v_share
+            ) u;
+        END IF;
+        IF coalesce(cardinality(v_unkeyed), 0) < v_share THEN
+            SELECT array_agg(u.id) INTO v_more
+            FROM (
                 SELECT d.id
                 FROM workqueue.delivery d
                 WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
-                  AND d.priority = lv.priority AND d.visible_at <= v_now
+                  AND d.visible_at <= v_now AND d.priority = 0
                 ORDER BY d.visible_at, d.id
-                LIMIT v_share
+                LIMIT v_share - coalesce(cardinality(v_unkeyed), 0)
                 FOR UPDATE SKIP LOCKED
-            ) d
-            LIMIT v_share
-        ) u;
-    END IF;
-    IF coalesce(cardinality(v_unkeyed), 0) < v_share THEN
-        SELECT array_agg(u.id) INTO v_more
-        FROM (
-            SELECT d.id
-            FROM workqueue.delivery d
-            WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
-              AND d.visible_at <= v_now AND d.priority = 0
-            ORDER BY d.visible_at, d.id
-            LIMIT v_share - coalesce(cardinality(v_unkeyed), 0)
-            FOR UPDATE SKIP LOCKED
-        ) u;
-        IF v_more IS NOT NULL THEN
-            v_unkeyed := coalesce(v_unkeyed, '{}'::bigint[]) || v_more;
+            ) u;
+            IF v_more IS NOT NULL THEN
+                v_unkeyed := coalesce(v_unkeyed, '{}'::bigint[]) || v_more;
+            END IF;
         END IF;
     END IF;
-    IF v_keyed IS NOT NULL AND v_unkeyed IS NOT NULL AND cardinality(v_keyed) + cardinality(v_unkeyed) > p_limit THEN
-        v_keyed := v_keyed[1:p_limit - cardinality(v_unkeyed)];
-        v_keys := v_keys[1:p_limit - cardinality(v_unkeyed)];
+    IF v_keyed IS NOT NULL AND v_unkeyed IS NOT NULL AND cardinality(v_keyed) + cardinality(v_unkeyed) > v_limit THEN
+        v_keyed := v_keyed[1:v_limit - cardinality(v_unkeyed)];
+        v_keys := v_keys[1:v_limit - cardinality(v_unkeyed)];
     END IF;
     v_ids := coalesce(v_keyed, '{}'::bigint[]) || coalesce(v_unkeyed, '{}'::bigint[]);
-    IF cardinality(v_ids) = 0 THEN
+
+    IF cardinality(v_ids) > 0 THEN
+        IF v_sub.partition_mode = 'None' THEN
+            -- This transaction commits without waiting for its WAL to reach disk: a claim lost in a
+            -- crash of the server leaves its deliveries Pending (docs/design/claims-and-keys.md).
+            PERFORM set_config('synchronous_commit', 'off', true);
+        END IF;
+
+        RETURN QUERY
+        WITH d AS (
+            UPDATE workqueue.delivery d
+            SET status = 'InFlight', attempt = d.attempt + 1, claim_count = d.claim_count + 1,
+                lease_token = gen_random_uuid(),
+                lease_expires_at = v_now + make_interval(secs => v_sub.lease_seconds),
+                claimed_at = v_now, held_by = p_holder, progress_percent = NULL, progress_message = NULL
+            WHERE d.id = ANY (v_ids) AND d.status = 'Pending'
+            RETURNING d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, d.message_id,
+                      d.partition_key, d.key_mode, d.priority
+        ), held AS (
+            UPDATE workqueue.partition pt
+            SET holder_id = d.id, next_id = NULL, next_visible_at = NULL, next_priority = 0
+            FROM d
+            WHERE pt.subscription_id = v_sub.id AND pt.partition_key = ANY (v_keys)
+              AND d.key_mode > 0 AND pt.partition_key = d.partition_key
+        )
+        SELECT d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, m.id, m.topic,
+               m.partition_key, m.attributes, m.payload, m.payload_ref, m.correlation_id, m.published_at,
+               NULL::text, NULL::double precision
+        FROM d JOIN workqueue.message m ON m.id = d.message_id
+        ORDER BY d.priority DESC, d.id;
+        GET DIAGNOSTICS v_got = ROW_COUNT;
+
+        IF v_got < cardinality(v_ids) AND v_keys IS NOT NULL THEN
+            -- A key pointed at a delivery that was no longer Pending: re-derive those keys.
+            FOREACH v_key IN ARRAY v_keys LOOP
+                IF EXISTS (SELECT 1 FROM workqueue.partition pt
+                           WHERE pt.subscription_id = v_sub.id AND pt.partition_key = v_key AND pt.holder_id IS NULL) THEN
+                    PERFORM workqueue.refresh_partition(v_sub.id, v_key,
+                        CASE v_sub.partition_mode WHEN 'Exclusive' THEN 1 ELSE 2 END::smallint);
+                END IF;
+            END LOOP;
+        END IF;
+    END IF;
+    IF NOT v_sub.limited THEN
         RETURN;
     END IF;
-    IF v_sub.partition_mode = 'None' THEN
-        -- This transaction commits without waiting for its WAL to reach disk: a claim lost in a
-        -- crash of the server leaves its deliveries Pending (docs/design/claims-and-keys.md).
-        PERFORM set_config('synchronous_commit', 'off', true);
+
+    -- Under flow limits: what was claimed is spent from the buckets, and when a limit kept
+    -- claimable work back, one more row says which limit and when a token is due (no delivery).
+    IF v_got > 0 AND v_rate IS NOT NULL THEN
+        INSERT INTO workqueue.rate_bucket AS b (subscription_id, per_key, partition_key, tokens, updated_at)
+        VALUES (v_sub.id, false, '', v_tokens - v_got, v_now)
+        ON CONFLICT (subscription_id, per_key, partition_key)
+        DO UPDATE SET tokens = EXCLUDED.tokens, updated_at = EXCLUDED.updated_at;
     END IF;
-
-    RETURN QUERY
-    WITH d AS (
-        UPDATE workqueue.delivery d
-        SET status = 'InFlight', attempt = d.attempt + 1, claim_count = d.claim_count + 1,
-            lease_token = gen_random_uuid(),
-            lease_expires_at = v_now + make_interval(secs => v_sub.lease_seconds),
-            claimed_at = v_now, held_by = p_holder, progress_percent = NULL, progress_message = NULL
-        WHERE d.id = ANY (v_ids) AND d.status = 'Pending'
-        RETURNING d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, d.message_id,
-                  d.partition_key, d.key_mode, d.priority
-    ), held AS (
-        UPDATE workqueue.partition pt
-        SET holder_id = d.id, next_id = NULL, next_visible_at = NULL, next_priority = 0
-        FROM d
-        WHERE pt.subscription_id = v_sub.id AND pt.partition_key = ANY (v_keys)
-          AND d.key_mode > 0 AND pt.partition_key = d.partition_key
-    )
-    SELECT d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, m.id, m.topic,
-           m.partition_key, m.attributes, m.payload, m.payload_ref, m.correlation_id, m.published_at
-    FROM d JOIN workqueue.message m ON m.id = d.message_id
-    ORDER BY d.priority DESC, d.id;
-    GET DIAGNOSTICS v_got = ROW_COUNT;
-
-    IF v_got < cardinality(v_ids) AND v_keys IS NOT NULL THEN
-        -- A key pointed at a delivery that was no longer Pending: re-derive those keys.
-        FOREACH v_key IN ARRAY v_keys LOOP
-            IF EXISTS (SELECT 1 FROM workqueue.partition pt
-                       WHERE pt.subscription_id = v_sub.id AND pt.partition_key = v_key AND pt.holder_id IS NULL) THEN
-                PERFORM workqueue.refresh_partition(v_sub.id, v_key,
-                    CASE v_sub.partition_mode WHEN 'Exclusive' THEN 1 ELSE 2 END::smallint);
-            END IF;
-        END LOOP;
+    IF v_got > 0 AND v_key_rate IS NOT NULL THEN
+        INSERT INTO workqueue.rate_bucket AS b (subscription_id, per_key, partition_key, tokens, updated_at)
+        SELECT v_sub.id, true, d.partition_key, greatest(1, v_key_rate) - count(*), v_now
+        FROM workqueue.delivery d
+        WHERE d.id = ANY (v_ids) AND d.status = 'InFlight' AND d.claimed_at = v_now AND d.partition_key IS NOT NULL
+        GROUP BY d.partition_key
+        ORDER BY d.partition_key
+        ON CONFLICT (subscription_id, per_key, partition_key)
+        DO UPDATE SET tokens = least(greatest(1, v_key_rate),
+                                     b.tokens + greatest(0, extract(epoch FROM v_now - b.updated_at)) * v_key_rate)
+                               - (greatest(1, v_key_rate) - EXCLUDED.tokens),
+                      updated_at = EXCLUDED.updated_at;
+    END IF;
+    IF v_held IS NULL AND v_blocked IS NOT NULL AND v_got < p_limit THEN
+        v_held := CASE WHEN v_key_rate IS NOT NULL AND (v_key_spent OR v_sub.key_concurrency IS NULL)
+                       THEN 'KeyRateLimit' ELSE 'KeyConcurrency' END;
+    END IF;
+    IF v_held = 'RateLimit' THEN
+        v_retry := (1 - (v_tokens - v_got)) / v_rate;
+    ELSIF v_held = 'KeyRateLimit' THEN
+        -- When the fullest spent bucket of a key gets its next token.
+        SELECT max(least(greatest(1, v_key_rate),
+                         b.tokens + greatest(0, extract(epoch FROM v_now - b.updated_at)) * v_key_rate))
+        INTO v_fullest
+        FROM workqueue.rate_bucket b
+        WHERE b.subscription_id = v_sub.id AND b.per_key
+          AND b.tokens + greatest(0, extract(epoch FROM v_now - b.updated_at)) * v_key_rate < 1;
+        v_retry := (1 - v_fullest) / v_key_rate;
+    END IF;
+    IF v_held IS NOT NULL AND v_got < p_limit AND (
+        EXISTS (SELECT 1 FROM workqueue.delivery d
+                WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
+                  AND d.visible_at <= v_now)
+        OR EXISTS (SELECT 1 FROM workqueue.partition pt
+                   WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
+                     AND pt.next_visible_at <= v_now)
+    ) THEN
+        RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL::integer, NULL::integer, NULL::timestamptz,
+            NULL::uuid, NULL::text, NULL::text, NULL::jsonb, NULL::text, NULL::text, NULL::text,
+            NULL::timestamptz, v_held, CASE WHEN v_retry IS NOT NULL THEN greatest(v_retry, 0) END;
     END IF;
 END
 $$;
@@ -1543,18 +1772,22 @@ BEGIN
     IF p_limit < 1 OR coalesce(cardinality(p_subscriptions), 0) = 0 THEN
         RETURN;
     END IF;
-    SELECT bool_or(s.partition_mode <> 'None'),
+    SELECT bool_or(s.partition_mode <> 'None' OR s.max_in_flight IS NOT NULL OR s.key_concurrency IS NOT NULL
+                   OR s.rate_limit IS NOT NULL OR s.key_rate_limit IS NOT NULL),
            array_agg(s.id) FILTER (WHERE s.status = 'Active' AND t.status = 'Active')
     INTO v_has_keyed, v_active
     FROM workqueue.subscription s JOIN workqueue.topic t ON t.name = s.topic
     WHERE s.name = ANY (p_subscriptions);
     IF v_has_keyed THEN
-        SELECT format('%s is %s', s.name, s.partition_mode) INTO v_keyed
+        SELECT CASE WHEN s.partition_mode <> 'None' THEN format('%s is %s', s.name, s.partition_mode)
+                    ELSE format('%s has flow limits', s.name) END INTO v_keyed
         FROM workqueue.subscription s
-        WHERE s.name = ANY (p_subscriptions) AND s.partition_mode <> 'None'
+        WHERE s.name = ANY (p_subscriptions)
+          AND (s.partition_mode <> 'None' OR s.max_in_flight IS NOT NULL OR s.key_concurrency IS NOT NULL
+               OR s.rate_limit IS NOT NULL OR s.key_rate_limit IS NOT NULL)
         ORDER BY s.name
         LIMIT 1;
-        RAISE EXCEPTION 'claim_many takes None-mode subscriptions only (%); claim an Exclusive or Ordered subscription with claim',
+        RAISE EXCEPTION 'claim_many takes None-mode subscriptions only (%); claim an Exclusive or Ordered subscription, or one with flow limits, with claim',
             v_keyed USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF v_active IS NULL THEN
@@ -2284,6 +2517,21 @@ BEGIN
         FOR UPDATE SKIP LOCKED  -- a producer taking the expired key over holds it until it commits
     );
     GET DIAGNOSTICS v_dedup = ROW_COUNT;
+
+    -- Token buckets that are full again (idle for as long as an empty one takes to fill), or
+    -- whose subscription has no such rate limit any more.
+    DELETE FROM workqueue.rate_bucket b
+    WHERE (b.subscription_id, b.per_key, b.partition_key) IN (
+        SELECT x.subscription_id, x.per_key, x.partition_key
+        FROM workqueue.rate_bucket x
+        LEFT JOIN workqueue.subscription s ON s.id = x.subscription_id
+        CROSS JOIN LATERAL (SELECT workqueue.rate_per_second(
+                                CASE WHEN x.per_key THEN s.key_rate_limit ELSE s.rate_limit END) AS rate) r
+        WHERE r.rate IS NULL
+           OR x.updated_at + make_interval(secs => greatest(1, r.rate) / r.rate) <= v_now
+        LIMIT p_limit
+        FOR UPDATE OF x SKIP LOCKED
+    );
 
     RETURN QUERY SELECT v_deliveries, v_messages, v_dedup;
 END

@@ -45,7 +45,12 @@ CREATE TABLE subscription (
     binding_config          TEXT,
     created_at              REAL NOT NULL,
     updated_at              REAL NOT NULL,
-    retired_at              REAL   -- retired: no new deliveries, what it holds drains
+    retired_at              REAL,  -- retired: no new deliveries, what it holds drains
+    -- Flow limits, held across every process (docs/design/flow-control.md); NULL: none.
+    max_in_flight           INTEGER CHECK (max_in_flight IS NULL OR max_in_flight >= 1),
+    key_concurrency         INTEGER CHECK (key_concurrency IS NULL OR key_concurrency >= 1),
+    rate_limit              TEXT,
+    key_rate_limit          TEXT
 );
 CREATE INDEX subscription_topic ON subscription (topic);
 
@@ -144,6 +149,17 @@ CREATE INDEX partition_ready ON partition (subscription_id, next_visible_at)
     WHERE holder_id IS NULL AND next_id IS NOT NULL;
 CREATE INDEX partition_ready_priority ON partition (subscription_id, next_priority, next_visible_at)
     WHERE holder_id IS NULL AND next_id IS NOT NULL AND next_priority > 0;
+
+-- The token buckets of rate limits (PostgreSQL's schema.sql says more): a subscription's own
+-- (per_key 0, partition_key '') and one per partition key, purged once full again.
+CREATE TABLE rate_bucket (
+    subscription_id  INTEGER NOT NULL,
+    per_key          INTEGER NOT NULL,
+    partition_key    TEXT NOT NULL,
+    tokens           REAL NOT NULL,
+    updated_at       REAL NOT NULL,
+    PRIMARY KEY (subscription_id, per_key, partition_key)
+);
 
 CREATE TABLE deduplication (
     topic              TEXT NOT NULL,

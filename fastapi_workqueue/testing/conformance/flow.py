@@ -1,12 +1,15 @@
-"""Conformance C34-C36: flow control decided at claim time (priority).
+"""Conformance C34-C40: flow control decided at claim time: priority (C34-C36), ``max_in_flight``
+and ``key_concurrency`` (C37-C38), rate limits (C39-C40).
 
-A transport without the capability (``Capabilities.priority``: SQS) skips these, saying why.
+A transport without the capability (``Capabilities.priority``, ``concurrency_limits``,
+``rate_limits``: SQS has none) skips these, saying why.
 """
 
 from __future__ import annotations
 
 from fastapi_workqueue import PublishRequest
 
+from ...core.transport import Claimed, ClaimedDelivery, HeldBack
 from .harness import Harness, make_world, require
 
 
@@ -61,3 +64,78 @@ async def test_c36_high_priority_overtakes_a_backlog_in_the_next_claim(harness: 
     assert first.message_id == urgent.message_id
     [first_key] = await world.claim("k", 1)
     assert first_key.message_id == urgent.message_id
+
+
+# -- C37-C40: limits held across processes (the store counts and meters, not the process) --------
+
+
+def held_back(claimed: list[ClaimedDelivery]) -> HeldBack | None:
+    return claimed.held_back if isinstance(claimed, Claimed) else None
+
+
+async def test_c37_max_in_flight_caps_what_is_in_flight_and_frees_on_settle_and_lease_expiry(
+    harness: Harness,
+) -> None:
+    require(harness, "concurrency_limits", "max_in_flight")
+    world = await make_world(harness.transport, [{"role": "s", "max_in_flight": 3}])
+    await world.publish(*[PublishRequest(payload=i) for i in range(6)])
+    first = await world.claim("s", 10)
+    assert len(first) == 3
+    held = held_back(first)
+    assert held is not None and held.limit == "MaxInFlight" and held.retry_after is None
+    second = await world.claim("s", 10)
+    assert second == [] and held_back(second) is not None
+    await world.settle(first[0])
+    [third] = await world.claim("s", 10)
+    assert third.attempt == 1
+    # A holder that died keeps its slot until its lease runs out, then frees it.
+    await harness.expire_lease(first[1].delivery_id)
+    freed = await world.claim("s", 10)
+    assert len(freed) >= 1 and all(d.attempt == 1 for d in freed)
+
+
+async def test_c38_key_concurrency_caps_each_key_of_a_none_subscription(harness: Harness) -> None:
+    require(harness, "concurrency_limits", "key_concurrency")
+    world = await make_world(harness.transport, [{"role": "s", "key_concurrency": 2}])
+    await world.publish(*[PublishRequest(partition_key=k, payload=i) for i, k in enumerate("aaaab")],
+                        PublishRequest(payload="no key"))
+    claimed = await world.claim("s", 10)
+    assert sorted(c.partition_key or "-" for c in claimed) == ["-", "a", "a", "b"]
+    again = await world.claim("s", 10)
+    assert again == []
+    held = held_back(again)
+    assert held is not None and held.limit == "KeyConcurrency"
+    await world.settle(next(c for c in claimed if c.partition_key == "a"))
+    [more] = await world.claim("s", 10)
+    assert more.partition_key == "a" and more.attempt == 1
+
+
+async def test_c39_rate_limit_claims_within_its_tokens_and_says_when_the_next_is_due(harness: Harness) -> None:
+    require(harness, "rate_limits", "rate_limit")
+    world = await make_world(harness.transport, [{"role": "s", "rate_limit": "2/s"}])
+    await world.publish(*[PublishRequest(payload=i) for i in range(5)])
+    burst = await world.claim("s", 10)
+    assert len(burst) == 2  # a bucket holds one second of tokens
+    empty = await world.claim("s", 10)
+    assert empty == []
+    held = held_back(empty)
+    assert held is not None and held.limit == "RateLimit"
+    assert held.retry_after is not None and 0 < held.retry_after <= 0.5
+    await harness.advance(burst[0].delivery_id, 0.5)
+    [next_one] = await world.claim("s", 10)
+    assert next_one.attempt == 1  # a delivery over the limit was not claimed: no attempt spent
+
+
+async def test_c40_key_rate_limit_meters_each_key_on_its_own(harness: Harness) -> None:
+    require(harness, "rate_limits", "key_rate_limit")
+    world = await make_world(harness.transport, [{"role": "s", "key_rate_limit": "1/s"}])
+    await world.publish(*[PublishRequest(partition_key=k, payload=i) for i, k in enumerate("aab")])
+    claimed = await world.claim("s", 10)
+    assert sorted(c.partition_key or "" for c in claimed) == ["a", "b"]
+    empty = await world.claim("s", 10)
+    held = held_back(empty)
+    assert empty == [] and held is not None and held.limit == "KeyRateLimit"
+    assert held.retry_after is not None and 0 < held.retry_after <= 1.0
+    await harness.advance(claimed[0].delivery_id, 1.0)
+    [a] = await world.claim("s", 10)
+    assert a.partition_key == "a"
