@@ -342,6 +342,9 @@ class WorkQueue:
         queue: str = "default",
         encrypted: bool = False,
         middleware: Sequence[Middleware] = (),
+        priority: int = 0,
+        rate_limit: str | None = None,
+        concurrency: int | None = None,
     ) -> Callable[[F], F]:
         """Declares a job: ``@queue.job("billing.send-invoice-reminder", tries=5, backoff=[10, 60, 300],
         timeout=30, queue="mail")`` on ``async def send(payload: Model, job: JobContext, dep = Depends(...))``.
@@ -349,11 +352,14 @@ class WorkQueue:
         ``tries`` attempts in all; ``backoff`` the delay after failed attempt n (item n, the last
         repeating; default the queue's exponential full-jitter backoff); ``timeout`` seconds after
         which ``job.signal`` aborts and the attempt fails; ``encrypted`` stores the payload encrypted
-        with ``WORKQUEUE_APP_KEY``; ``middleware`` runs around each attempt.
+        with ``WORKQUEUE_APP_KEY``; ``middleware`` runs around each attempt. ``priority`` (0 to 9,
+        higher first) is what its jobs are dispatched with unless a dispatch says otherwise.
+        ``concurrency`` and ``rate_limit`` (``"50/s"``) are its queue's limits, held across every
+        process: the most jobs of the queue running at once, and started per second, minute or hour.
         """
         decorate: Callable[[F], F] = self.jobs.declare(
             name, tries=tries, backoff=backoff, timeout=timeout, queue=queue, encrypted=encrypted,
-            middleware=middleware,
+            middleware=middleware, priority=priority, rate_limit=rate_limit, concurrency=concurrency,
         )
         return decorate
 
@@ -361,14 +367,14 @@ class WorkQueue:
     async def dispatch(
         self, job: JobRef, payload: Any = None, *, delay: timedelta | float | None = None, queue: str | None = None,
         unique: None = None, unique_until: Literal["done", "processing"] = "done", unique_for: float = 3600,
-        session: Any = None,
+        session: Any = None, priority: int | None = None,
     ) -> uuid.UUID: ...
 
     @overload
     async def dispatch(
         self, job: JobRef, payload: Any = None, *, delay: timedelta | float | None = None, queue: str | None = None,
         unique: str | None, unique_until: Literal["done", "processing"] = "done", unique_for: float = 3600,
-        session: Any = None,
+        session: Any = None, priority: int | None = None,
     ) -> uuid.UUID | None: ...
 
     async def dispatch(
@@ -382,15 +388,17 @@ class WorkQueue:
         unique_until: Literal["done", "processing"] = "done",
         unique_for: float = 3600,
         session: Any = None,
+        priority: int | None = None,
     ) -> uuid.UUID | None:
         """Validates ``payload`` and queues ``job``; returns the job id (None while ``unique`` is held).
 
         Joins ``session``'s transaction, or the request's (``queue.session``): a rollback queues
-        nothing. ``delay`` is a ``timedelta`` or seconds; ``queue`` overrides the declared queue.
+        nothing. ``delay`` is a ``timedelta`` or seconds; ``queue`` overrides the declared queue;
+        ``priority`` (0 to 9, higher first) the declared priority.
         """
         result: uuid.UUID | None = await self.jobs.dispatch(
             job, payload, delay=delay, queue=queue, unique=unique, unique_until=unique_until, unique_for=unique_for,
-            session=session,
+            session=session, priority=priority,
         )
         return result
 
