@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 from .attempts import AttemptHistoryReader
 from .history import StatsHistoryReader
 from .keys import ApiKeyStore
-from .live_work import LiveWorkReader
+from .live_work import FlowStateReader, LiveWorkReader
 from .processes import ProcessRegistry
 from .retirement import TopologyLifecycle
 from .search import DeliverySearch
@@ -61,6 +61,8 @@ class Ports:
     """Keys are the app's, not a topic's: behind a router they are the database's."""
     interrupter: ClaimInterrupter | None
     router: TopicRouter | None
+    flow: FlowStateReader | None = None
+    """How full the flow limits are (behind a router: the database's, where the limits hold)."""
 
     @classmethod
     def of(cls, transport: Transport) -> Ports:
@@ -78,6 +80,7 @@ class Ports:
             api_keys=keys_from if isinstance(keys_from, ApiKeyStore) else None,
             interrupter=interrupter_of(transport),
             router=router,
+            flow=keys_from if isinstance(keys_from, FlowStateReader) else None,
         )
 
     def for_topic(self, topic: str) -> Transport:

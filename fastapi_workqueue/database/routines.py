@@ -33,7 +33,7 @@ from ..core.envelope import (
 from ..core.errors import ConfigurationError, TransportError, WorkQueueError
 from ..core.history import StatsPoint
 from ..core.keys import ApiKeyInfo, KeyRecord
-from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts
+from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, FlowState, LiveCounts
 from ..core.observe import HEADERS_KEY, split_headers, trace_id_of
 from ..core.processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
 from ..core.redaction import redacting_logger
@@ -454,6 +454,15 @@ class RoutineTransport:
         """The stats history recorded since ``since`` (at most a day back), oldest first."""
         rows = await self.call("stats_history", p_since=since, p_subscription=subscription)
         return [StatsPoint.model_validate(as_dict(r)) for r in rows]
+
+    async def flow_state(self, subscription: str, *, cap: int = LIVE_COUNT_CAP) -> FlowState | None:
+        """How full ``subscription``'s flow limits are now (:class:`FlowState`); None when unknown."""
+        rows = await self.call("flow_state", p_subscription=subscription, p_cap=cap, p_now=self._now())
+        if not rows:
+            return None
+        r = rows[0]
+        return FlowState(subscription=subscription, in_flight=r["in_flight"], tokens=r["tokens"],
+                         keys_at_limit=r["keys_at_limit"], waiting=r["waiting"], cap=cap)
 
     async def live_counts(
         self, subscription: str | None = None, *, cap: int = LIVE_COUNT_CAP, stuck_before: datetime | None = None

@@ -57,7 +57,7 @@ ROUTINES: dict[str, Routine] = {}
 READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions", "list_subscriptions",
              "list_topics", "schema_versions", "api_key_list", "api_key_verify", "api_key_session", "known_messages",
              "message_deliveries", "delivery_attempts",
-             "search_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys",
+             "search_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys", "flow_state",
              "list_processes"}
 """Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
 

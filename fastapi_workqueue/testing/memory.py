@@ -43,6 +43,7 @@ from ..core.lifecycle import (
     settle_transition,
     topic_refusal,
 )
+from ..core.live_work import LIVE_COUNT_CAP, FlowState
 from ..core.observe import trace_id_of
 from ..core.processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
 from ..core.reports import (
@@ -503,6 +504,37 @@ class MemoryTransport:
                 candidates.extend((d, sub) for d in self._claimable(name, now))
         candidates.sort(key=lambda c: (-c[0].priority, c[0].visible_at, c[0].id))
         return [(sub.spec.name, self._lease(d, sub, now)) for d, sub in candidates[:limit]]
+
+    async def flow_state(self, subscription: str, *, cap: int = LIVE_COUNT_CAP) -> FlowState | None:
+        """How full the subscription's flow limits are now (as the database transports count it)."""
+        sub = self._store.subs.get(subscription)
+        if sub is None:
+            return None
+        spec, now = sub.spec, self._now()
+        busy = [d for d in self._of(subscription)
+                if d.status == "InFlight" and d.lease_expires_at is not None and d.lease_expires_at > now]
+        tokens = None
+        if spec.rate_limit:
+            bucket = self._store.buckets.get((subscription, False, ""))
+            tokens = refill(None if bucket is None else bucket[0],
+                            None if bucket is None else bucket[1].timestamp(), now.timestamp(),
+                            parse_rate(spec.rate_limit))
+        keys: set[str] = set()
+        if spec.key_concurrency is not None and spec.partition_mode == "None":
+            running: dict[str, int] = {}
+            for d in busy:
+                if d.partition_key is not None:
+                    running[d.partition_key] = running.get(d.partition_key, 0) + 1
+            keys |= {k for k, n in running.items() if n >= spec.key_concurrency}
+        if spec.key_rate_limit:
+            key_rate = parse_rate(spec.key_rate_limit)
+            keys |= {k for (name, per_key, k), (t, at) in self._store.buckets.items()
+                     if name == subscription and per_key and refill(t, at.timestamp(), now.timestamp(), key_rate) < 1}
+        full = ((spec.max_in_flight is not None and len(busy) >= spec.max_in_flight)
+                or (tokens is not None and tokens < 1))
+        waiting = [d for d in self._claimable(subscription, now) if full or d.partition_key in keys]
+        return FlowState(subscription=subscription, in_flight=min(len(busy), cap), tokens=tokens,
+                         keys_at_limit=min(len(keys), cap), waiting=min(len(waiting), cap), cap=cap)
 
     def _held(self, delivery_id: str, token: str) -> _Delivery | None:
         d = self._store.deliveries.get(_number(delivery_id))

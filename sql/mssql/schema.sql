@@ -4411,6 +4411,86 @@ BEGIN
 END;
 GO
 
+-- How full a subscription's flow limits are (PostgreSQL's flow_state says what it counts), each
+-- count stopping at @p_cap. No row for an unknown name.
+-- returns: in_flight, tokens, keys_at_limit, waiting
+CREATE OR ALTER PROCEDURE workqueue.flow_state
+    @p_subscription nvarchar(200),
+    @p_cap int = 1000,
+    @p_now datetimeoffset(6) = NULL
+AS
+BEGIN
+    SET NOCOUNT ON;
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());
+    DECLARE @v_subscription_id int;
+    DECLARE @v_max_in_flight int;
+    DECLARE @v_key_concurrency int;
+    DECLARE @v_rate float;
+    DECLARE @v_key_rate float;
+    DECLARE @v_in_flight bigint;
+    DECLARE @v_tokens float;
+    DECLARE @v_full bit = 0;
+    DECLARE @v_waiting bigint;
+    DECLARE @v_keys TABLE (partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NOT NULL PRIMARY KEY);
+
+    SELECT @v_subscription_id = s.id, @v_max_in_flight = s.max_in_flight,
+           @v_key_concurrency = CASE WHEN s.partition_mode = N'None' THEN s.key_concurrency END,
+           @v_rate = workqueue.rate_per_second(s.rate_limit), @v_key_rate = workqueue.rate_per_second(s.key_rate_limit)
+    FROM workqueue.subscription AS s
+    WHERE s.name = @p_subscription;
+
+    IF @v_subscription_id IS NOT NULL
+    BEGIN
+        SELECT @v_in_flight = COUNT_BIG(*) FROM (
+            SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
+            WHERE d.subscription_id = @v_subscription_id AND d.status = N'InFlight' AND d.lease_expires_at > @v_now
+        ) AS x;
+        IF @v_rate IS NOT NULL
+        BEGIN
+            SELECT @v_tokens = b.tokens + CASE WHEN b.updated_at < @v_now
+                                               THEN DATEDIFF_BIG(microsecond, b.updated_at, @v_now) / 1000000.0
+                                               ELSE 0 END * @v_rate
+            FROM workqueue.rate_bucket AS b
+            WHERE b.subscription_id = @v_subscription_id AND b.per_key = 0 AND b.partition_key = N'';
+            IF @v_tokens IS NULL OR @v_tokens > CASE WHEN @v_rate > 1 THEN @v_rate ELSE 1 END
+                SET @v_tokens = CASE WHEN @v_rate > 1 THEN @v_rate ELSE 1 END;
+        END;
+        INSERT INTO @v_keys (partition_key)
+        SELECT TOP (@p_cap) k.k FROM (
+            SELECT d.partition_key AS k FROM workqueue.delivery AS d
+            WHERE @v_key_concurrency IS NOT NULL AND d.subscription_id = @v_subscription_id
+              AND d.status = N'InFlight' AND d.lease_expires_at > @v_now AND d.partition_key IS NOT NULL
+            GROUP BY d.partition_key
+            HAVING COUNT(*) >= @v_key_concurrency
+            UNION
+            SELECT b.partition_key FROM workqueue.rate_bucket AS b
+            WHERE @v_key_rate IS NOT NULL AND b.subscription_id = @v_subscription_id AND b.per_key = 1
+              AND b.tokens + CASE WHEN b.updated_at < @v_now
+                                  THEN DATEDIFF_BIG(microsecond, b.updated_at, @v_now) / 1000000.0
+                                  ELSE 0 END * @v_key_rate < 1
+        ) AS k;
+        IF (@v_max_in_flight IS NOT NULL AND @v_in_flight >= @v_max_in_flight) OR @v_tokens < 1
+            SET @v_full = 1;
+        SELECT @v_waiting = COUNT_BIG(*) FROM (
+            SELECT TOP (@p_cap) w.one FROM (
+                SELECT 1 AS one FROM workqueue.delivery AS d
+                WHERE d.subscription_id = @v_subscription_id AND d.status = N'Pending' AND d.key_mode = 0
+                  AND d.visible_at <= @v_now
+                  AND (@v_full = 1 OR d.partition_key IN (SELECT k.partition_key FROM @v_keys AS k))
+                UNION ALL
+                SELECT 1 AS one FROM workqueue.partition AS p
+                WHERE p.subscription_id = @v_subscription_id AND p.holder_id IS NULL AND p.next_id IS NOT NULL
+                  AND p.next_visible_at <= @v_now
+                  AND (@v_full = 1 OR p.partition_key IN (SELECT k.partition_key FROM @v_keys AS k))
+            ) AS w
+        ) AS x;
+    END;
+    SELECT @v_in_flight AS in_flight, @v_tokens AS tokens,
+           (SELECT COUNT_BIG(*) FROM @v_keys) AS keys_at_limit, @v_waiting AS waiting
+    WHERE @v_subscription_id IS NOT NULL;
+END;
+GO
+
 -- The heads that block keys of an Ordered subscription, oldest first, at most @p_limit: a
 -- dead-lettered head (through delivery_dead_letters) or a head waiting to be retried (through
 -- partition_ready); waiting_items counts the key's deliveries behind it, up to @p_cap.

@@ -3465,6 +3465,68 @@ AS $$
     ORDER BY s.name
 $$;
 
+-- How full a subscription's flow limits are (docs/design/flow-control.md), each count stopping at
+-- p_cap: its InFlight deliveries whose lease runs (what max_in_flight counts), the whole tokens of
+-- its rate_limit bucket now (NULL without one), its keys at their limit (key_concurrency reached or
+-- key bucket empty), and the claimable deliveries a limit holds back now (all of them while the
+-- subscription is full, else those of the keys at their limit). No row for an unknown name.
+CREATE OR REPLACE FUNCTION workqueue.flow_state(p_subscription text, p_cap integer DEFAULT 1000,
+                                               p_now timestamptz DEFAULT NULL)
+RETURNS TABLE (in_flight bigint, tokens double precision, keys_at_limit bigint, waiting bigint)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_sub record;
+    v_in_flight bigint;
+    v_tokens double precision;
+    v_keys text[];
+    v_full boolean;
+    v_waiting bigint;
+BEGIN
+    SELECT s.id, s.max_in_flight, CASE WHEN s.partition_mode = 'None' THEN s.key_concurrency END AS key_concurrency,
+           workqueue.rate_per_second(s.rate_limit) AS rate, workqueue.rate_per_second(s.key_rate_limit) AS key_rate
+    INTO v_sub
+    FROM workqueue.subscription s WHERE s.name = p_subscription;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    SELECT count(*) INTO v_in_flight FROM (
+        SELECT 1 FROM workqueue.delivery d
+        WHERE d.subscription_id = v_sub.id AND d.status = 'InFlight' AND d.lease_expires_at > v_now
+        LIMIT p_cap) x;
+    IF v_sub.rate IS NOT NULL THEN
+        SELECT least(greatest(1, v_sub.rate), b.tokens + greatest(0, extract(epoch FROM v_now - b.updated_at)) * v_sub.rate)
+        INTO v_tokens
+        FROM workqueue.rate_bucket b WHERE b.subscription_id = v_sub.id AND NOT b.per_key AND b.partition_key = '';
+        v_tokens := coalesce(v_tokens, greatest(1, v_sub.rate));
+    END IF;
+    SELECT array_agg(k.k) INTO v_keys FROM (
+        SELECT d.partition_key AS k FROM workqueue.delivery d
+        WHERE v_sub.key_concurrency IS NOT NULL AND d.subscription_id = v_sub.id AND d.status = 'InFlight'
+          AND d.lease_expires_at > v_now AND d.partition_key IS NOT NULL
+        GROUP BY d.partition_key HAVING count(*) >= v_sub.key_concurrency
+        UNION
+        SELECT b.partition_key FROM workqueue.rate_bucket b
+        WHERE v_sub.key_rate IS NOT NULL AND b.subscription_id = v_sub.id AND b.per_key
+          AND b.tokens + greatest(0, extract(epoch FROM v_now - b.updated_at)) * v_sub.key_rate < 1
+        LIMIT p_cap) k;
+    v_full := (v_sub.max_in_flight IS NOT NULL AND v_in_flight >= v_sub.max_in_flight) OR v_tokens < 1;
+    SELECT count(*) INTO v_waiting FROM (
+        SELECT 1 FROM workqueue.delivery d
+        WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0 AND d.visible_at <= v_now
+          AND (v_full OR d.partition_key = ANY (v_keys))
+        UNION ALL
+        SELECT 1 FROM workqueue.partition p
+        WHERE p.subscription_id = v_sub.id AND p.holder_id IS NULL AND p.next_id IS NOT NULL
+          AND p.next_visible_at <= v_now AND (v_full OR p.partition_key = ANY (v_keys))
+        LIMIT p_cap) x;
+    RETURN QUERY SELECT v_in_flight, v_tokens, coalesce(cardinality(v_keys), 0)::bigint, v_waiting;
+END
+$$;
+
 -- The heads that block keys of an Ordered subscription, oldest first, at most p_limit: a
 -- dead-lettered head (found through delivery_dead_letters), or a head waiting to be retried (through
 -- partition_ready); waiting_items counts the key's deliveries behind it, up to p_cap.

@@ -295,6 +295,19 @@ SELECT EXISTS (SELECT 1 FROM delivery WHERE subscription_id = :subscription_id A
     OR EXISTS (SELECT 1 FROM partition WHERE subscription_id = :subscription_id AND holder_id IS NULL
                  AND next_id IS NOT NULL AND next_visible_at <= :now) AS waiting;
 
+-- name: flow_waiting
+-- Claimable deliveries a flow limit holds back (flow_state): all while :full, else those of the
+-- keys of a JSON array, up to :cap.
+SELECT count(*) AS n FROM (
+    SELECT 1 FROM delivery
+    WHERE subscription_id = :subscription_id AND status = 'Pending' AND key_mode = 0 AND visible_at <= :now
+      AND (:full OR partition_key IN (SELECT value FROM json_each(:keys)))
+    UNION ALL
+    SELECT 1 FROM partition
+    WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
+      AND next_visible_at <= :now AND (:full OR partition_key IN (SELECT value FROM json_each(:keys)))
+    LIMIT :cap);
+
 -- name: rate_buckets
 SELECT per_key, partition_key, tokens, updated_at FROM rate_bucket WHERE subscription_id = :subscription_id;
 

@@ -1,5 +1,5 @@
-"""Conformance C34-C40: flow control decided at claim time: priority (C34-C36), ``max_in_flight``
-and ``key_concurrency`` (C37-C38), rate limits (C39-C40).
+"""Conformance C34-C41: flow control decided at claim time: priority (C34-C36), ``max_in_flight``
+and ``key_concurrency`` (C37-C38), rate limits (C39-C40), and how full the limits are (C41).
 
 A transport without the capability (``Capabilities.priority``, ``concurrency_limits``,
 ``rate_limits``: SQS has none) skips these, saying why.
@@ -7,8 +7,11 @@ A transport without the capability (``Capabilities.priority``, ``concurrency_lim
 
 from __future__ import annotations
 
+import pytest
+
 from fastapi_workqueue import PublishRequest
 
+from ...core.live_work import FlowStateReader
 from ...core.transport import Claimed, ClaimedDelivery, HeldBack
 from .harness import Harness, make_world, require
 
@@ -139,3 +142,25 @@ async def test_c40_key_rate_limit_meters_each_key_on_its_own(harness: Harness) -
     await harness.advance(claimed[0].delivery_id, 1.0)
     [a] = await world.claim("s", 10)
     assert a.partition_key == "a"
+
+
+async def test_c41_flow_state_says_how_full_the_limits_are_and_what_waits(harness: Harness) -> None:
+    require(harness, "concurrency_limits", "flow_state")
+    reader = harness.transport
+    if not isinstance(reader, FlowStateReader):
+        pytest.skip(f"{harness.name}: the transport reads no flow state (FlowStateReader)")
+    world = await make_world(harness.transport, [{"role": "s", "max_in_flight": 2, "rate_limit": "5/s"},
+                                                 {"role": "k", "key_concurrency": 1}])
+    await world.publish(*[PublishRequest(payload=i, partition_key="a" if i < 3 else "b") for i in range(5)])
+    state = await reader.flow_state(world["s"])
+    assert state is not None and (state.in_flight, state.waiting, state.keys_at_limit) == (0, 0, 0)
+    assert state.tokens is not None and state.tokens >= 4.99
+    await world.claim("s", 10)
+    state = await reader.flow_state(world["s"])
+    assert state is not None and (state.in_flight, state.waiting) == (2, 3)  # full: everything claimable waits
+    assert state.tokens is not None and 2.99 <= state.tokens < 3.5
+    await world.claim("k", 10)
+    keyed = await reader.flow_state(world["k"])
+    assert keyed is not None and (keyed.in_flight, keyed.keys_at_limit, keyed.waiting) == (2, 2, 3)
+    assert keyed.tokens is None
+    assert await reader.flow_state("no-such-subscription") is None
