@@ -129,15 +129,21 @@ class _Definition:
 
 
 @cache
-def _definitions(path: Path) -> dict[str, _Definition]:
-    """The top-level functions and classes of a test file, by name (fixtures among them)."""
+def _source(path: Path) -> tuple[list[str], list[ast.stmt]]:
+    """A file's lines and top-level statements, parsed once (none when it is missing)."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError:
-        return {}
-    lines = text.splitlines(keepends=True)
+        return [], []
+    return text.splitlines(keepends=True), ast.parse(text).body
+
+
+@cache
+def _definitions(path: Path) -> dict[str, _Definition]:
+    """The top-level functions and classes of a test file, by name (fixtures among them)."""
+    lines, body = _source(path)
     found: dict[str, _Definition] = {}
-    for node in ast.parse(text).body:
+    for node in body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names = frozenset(n.id for n in ast.walk(node) if isinstance(n, ast.Name))
             found[node.name] = _Definition("".join(lines[node.lineno - 1 : node.end_lineno]), names)
@@ -166,12 +172,8 @@ def _module_file(path: Path, module: str | None, level: int) -> Path | None:
 def _imports(path: Path) -> dict[str, str]:
     """The names a test file imports from other modules of tests/, each as ``file relative to
     tests/::name`` where it is defined (what :data:`SLOW_DEFINITIONS` may name)."""
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except OSError:
-        return {}
     found: dict[str, str] = {}
-    for node in tree.body:
+    for node in _source(path)[1]:
         if isinstance(node, ast.ImportFrom):
             source = _module_file(path, node.module, node.level)
             if source is not None:
