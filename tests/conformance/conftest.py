@@ -31,8 +31,6 @@ from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_ds
 from fastapi_workqueue.database.sqlite import SqliteTransport
 from fastapi_workqueue.testing.conformance import Harness, memory_harness
 
-from ..aws.conftest import moto_url  # noqa: F401  (a fixture: a moto server for the aws harness)
-
 
 @dataclass
 class _SessionHarness:
