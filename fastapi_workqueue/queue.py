@@ -76,7 +76,6 @@ __all__ = ["WorkQueue"]
 def _wired_transport(kernel: Kernel) -> Transport:
     """The transport of a queue built from its settings and topics: the database, and a router
     over it and the other transports its topics name (found by entry point, given the kernel)."""
-    from .core.routing import build_routing
     from .database import create_database_transport
 
     settings = kernel.settings
@@ -87,7 +86,11 @@ def _wired_transport(kernel: Kernel) -> Transport:
             kernel.database_url(), pool_max_size=settings.pool_size, listen=settings.listen,
             sqlite_busy_timeout_ms=settings.sqlite_busy_timeout_ms,
         )
-    routed = build_routing(kernel, database, list(kernel.topics.values()), list(kernel.subscriptions.values()))
+    routed = None
+    if not all(t.transport == "database" for t in kernel.topics.values()):
+        from .core.routing import build_routing
+
+        routed = build_routing(kernel, database, list(kernel.topics.values()), list(kernel.subscriptions.values()))
     transport = routed if routed is not None else database
     assert transport is not None
     return transport
@@ -95,6 +98,8 @@ def _wired_transport(kernel: Kernel) -> Transport:
 
 def _default_observers(settings: WorkQueueSettings) -> list[Observer]:
     """OpenTelemetry and Prometheus, as the settings ask and as far as they are installed."""
+    if not (settings.otel or settings.prometheus):
+        return []
     from .observability import default_observers
 
     return default_observers(settings)

@@ -156,10 +156,20 @@ class PreparedMessage:
     """True when the caller set ``message_id``; False when :func:`prepare` drew it."""
 
 
-if sys.version_info >= (3, 14):  # pragma: no cover - the tests run on 3.11
-    _uuid7 = uuid.uuid7
-else:
-    from uuid_utils.compat import uuid7 as _uuid7
+def _load_uuid7() -> uuid.UUID:
+    """Binds ``_uuid7`` on the first ID drawn, so that a process that publishes nothing (a worker)
+    never imports uuid_utils; later calls go straight to it."""
+    global _uuid7
+    if sys.version_info >= (3, 14):  # pragma: no cover - the tests run on 3.11
+        _uuid7 = uuid.uuid7
+    else:
+        from uuid_utils.compat import uuid7 as loaded
+
+        _uuid7 = loaded
+    return _uuid7()
+
+
+_uuid7: Callable[[], uuid.UUID] = _load_uuid7
 
 
 def uuid7() -> uuid.UUID:

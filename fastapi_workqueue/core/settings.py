@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -253,6 +252,8 @@ OTHER_VARIABLES = frozenset({
 
 
 def _closest(name: str, candidates: list[str]) -> str | None:
+    import difflib  # (only here: a process whose variables are all known never needs it)
+
     found = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
     return found[0] if found else None
 

@@ -21,4 +21,5 @@ class WireModel(BaseModel):
         validate_by_alias=True,
         serialize_by_alias=True,
         extra="forbid",
+        defer_build=True,
     )
