@@ -354,6 +354,24 @@ def test_switched_off_the_queue_loads_no_observer() -> None:
     assert out.strip() == "[]"
 
 
+@pytest.mark.parametrize(("setup", "counts"), [
+    ("", False),  # a worker that serves no metrics
+    ("import prometheus_client", True),  # the app's exporter, queue.metrics_router, --metrics-port
+    ("os.environ['PROMETHEUS_MULTIPROC_DIR'] = sys.argv[1]", True),  # another process serves the sum
+])
+def test_prometheus_counts_where_its_counts_can_be_served(setup: str, counts: bool, tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import os, sys
+        {setup}
+        from fastapi_workqueue import WorkQueue, WorkQueueSettings
+        queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///x.db", otel=False))
+        print(type(queue.observer).__name__, "prometheus_client" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True,
+                         cwd=tmp_path, env={k: v for k, v in os.environ.items() if "multiproc" not in k.lower()})
+    assert out.stdout.split() == (["PrometheusObserver", "True"] if counts else ["Observer", "False"])
+
+
 async def test_two_workers_count_their_attempts_and_the_app_serves_the_databases_gauges(
     pg_url: str, tmp_path: Path,
 ) -> None:
