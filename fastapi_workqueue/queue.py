@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from .core.envelope import PublishRequest
@@ -50,22 +50,30 @@ if TYPE_CHECKING:
 
     from fastapi import APIRouter, FastAPI
     from prometheus_client import CollectorRegistry
-    from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+    from pydantic import JsonValue
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
     from starlette.types import ASGIApp
 
     from .jobs.definition import Job
     from .jobs.events import E
     from .jobs.failed import FailedJob
     from .jobs.fake import JobFake
+    from .jobs.groups import JobGroup
     from .jobs.layer import Jobs
     from .jobs.middleware import Middleware
     from .jobs.schedules import Schedule
+    from .jobs.status import JobStatus
     from .web.auth import Authorizer
+
+    Session = AsyncSession | AsyncConnection
+    """A caller's transaction that a publish or dispatch joins (a rollback queues nothing)."""
 
     JobRef = Job | str | Callable[..., Any]
     """A job as dispatch and schedule take it: its function, its :class:`Job`, or its name."""
 
 F = TypeVar("F", bound=HandlerFunc)
+J = TypeVar("J", bound=Callable[..., Awaitable[Any]])
+"""A job function: it may return a value (kept with ``store_result=True``)."""
 
 _warned_variables: set[str] = set()
 """Unknown ``WORKQUEUE_*`` variables already warned about in this process (once each)."""
@@ -301,18 +309,20 @@ class WorkQueue:
         queue: str = "default",
         encrypted: bool = False,
         middleware: Sequence[Middleware] = (),
-    ) -> Callable[[F], F]:
+        store_result: bool = False,
+    ) -> Callable[[J], J]:
         """Declares a job: ``@queue.job("billing.send-invoice-reminder", tries=5, backoff=[10, 60, 300],
         timeout=30, queue="mail")`` on ``async def send(payload: Model, job: JobContext, dep = Depends(...))``.
 
         ``tries`` attempts in all; ``backoff`` the delay after failed attempt n (item n, the last
         repeating; default the queue's exponential full-jitter backoff); ``timeout`` seconds after
         which ``job.signal`` aborts and the attempt fails; ``encrypted`` stores the payload encrypted
-        with ``WORKQUEUE_APP_KEY``; ``middleware`` runs around each attempt.
+        with ``WORKQUEUE_APP_KEY``; ``middleware`` runs around each attempt; ``store_result`` keeps what
+        the job returns (JSON, at most 64 KiB) for :meth:`job_status` and :meth:`wait`.
         """
-        decorate: Callable[[F], F] = self.jobs.declare(
+        decorate: Callable[[J], J] = self.jobs.declare(
             name, tries=tries, backoff=backoff, timeout=timeout, queue=queue, encrypted=encrypted,
-            middleware=middleware,
+            middleware=middleware, store_result=store_result,
         )
         return decorate
 
@@ -320,14 +330,14 @@ class WorkQueue:
     async def dispatch(
         self, job: JobRef, payload: Any = None, *, delay: timedelta | float | None = None, queue: str | None = None,
         unique: None = None, unique_until: Literal["done", "processing"] = "done", unique_for: float = 3600,
-        session: Any = None,
+        debounce: timedelta | float | None = None, debounce_key: str | None = None, session: Session | None = None,
     ) -> uuid.UUID: ...
 
     @overload
     async def dispatch(
         self, job: JobRef, payload: Any = None, *, delay: timedelta | float | None = None, queue: str | None = None,
         unique: str | None, unique_until: Literal["done", "processing"] = "done", unique_for: float = 3600,
-        session: Any = None,
+        debounce: timedelta | float | None = None, debounce_key: str | None = None, session: Session | None = None,
     ) -> uuid.UUID | None: ...
 
     async def dispatch(
@@ -340,28 +350,44 @@ class WorkQueue:
         unique: str | None = None,
         unique_until: Literal["done", "processing"] = "done",
         unique_for: float = 3600,
-        session: Any = None,
+        debounce: timedelta | float | None = None,
+        debounce_key: str | None = None,
+        session: Session | None = None,
     ) -> uuid.UUID | None:
         """Validates ``payload`` and queues ``job``; returns the job id (None while ``unique`` is held).
 
         Joins ``session``'s transaction, or the request's (``queue.session``): a rollback queues
         nothing. ``delay`` is a ``timedelta`` or seconds; ``queue`` overrides the declared queue.
+        ``debounce`` (a window) with ``debounce_key``: dispatches with one key within the window make
+        one job, run once the window has passed since the last of them, with the last payload; each
+        returns that job's id.
         """
         result: uuid.UUID | None = await self.jobs.dispatch(
             job, payload, delay=delay, queue=queue, unique=unique, unique_until=unique_until, unique_for=unique_for,
-            session=session,
+            debounce=debounce, debounce_key=debounce_key, session=session,
         )
         return result
 
-    async def bulk(self, items: Iterable[tuple[Any, ...]], *, session: Any = None) -> list[uuid.UUID]:
+    async def bulk(self, items: Iterable[tuple[Any, ...]], *, session: Session | None = None) -> list[uuid.UUID]:
         """Queues ``[(job, payload), ...]`` in one transaction; one invalid payload queues none."""
         ids: list[uuid.UUID] = await self.jobs.bulk(items, session=session)
         return ids
 
-    async def chain(self, items: Iterable[tuple[Any, ...]], *, session: Any = None) -> list[uuid.UUID]:
+    async def chain(self, items: Iterable[tuple[Any, ...]], *, session: Session | None = None) -> list[uuid.UUID]:
         """Queues jobs that run one after the other; returns all their ids."""
         ids: list[uuid.UUID] = await self.jobs.chain(items, session=session)
         return ids
+
+    async def group(
+        self, items: Iterable[tuple[Any, ...]], *, then: tuple[Any, ...], session: Session | None = None
+    ) -> JobGroup:
+        """Queues the jobs ``items`` (``(job, payload)``, or ``(job, payload, {"queue": ...})``) and
+        ``then``, which runs once when every one of them has ended, completed, failed or
+        discarded, and finds each one's status (and result) in ``job.group_results``. All in one
+        transaction (``session``'s, the request's, or one of its own); every payload is checked
+        first. Returns the ``JobGroup`` (its id, the members' job ids, the ``then`` job's id)."""
+        group: JobGroup = await self.jobs.group(items, then=then, session=session)
+        return group
 
     async def size(self, queue: str | None = None) -> int:
         """Jobs that wait or run on ``queue`` (every job queue when None)."""
@@ -390,6 +416,24 @@ class WorkQueue:
         ``catch_up=True``."""
         return self.jobs.schedules.add(job, cron=cron, every=every, payload=payload, timezone=timezone,
                                        catch_up=catch_up, name=name, queue=queue)
+
+    async def job_status(self, job_id: uuid.UUID | str) -> JobStatus | None:
+        """Where job ``job_id`` is: its state (Pending, Running, Completed, Failed, Discarded),
+        attempts, tries, times, last error and (``store_result=True``) result; None when no job
+        has that id (never dispatched, or purged with the retention)."""
+        status: JobStatus | None = await self.jobs.status(job_id)
+        return status
+
+    async def wait(self, job_id: uuid.UUID | str, timeout: float | timedelta | None = None) -> JsonValue:  # noqa: ASYNC109
+        """Waits until job ``job_id`` ends and returns what it returned (JSON as stored; None unless
+        it is declared ``store_result=True``). Raises ``JobFailedError`` or ``JobDiscardedError``
+        (``fastapi_workqueue.jobs``) carrying the job's status when it did not complete,
+        ``JobNotFound`` when no job has the id, and ``TimeoutError`` after ``timeout`` seconds (a
+        ``timedelta`` too; None waits as long as it takes). PostgreSQL tells the waiter when the
+        job ends (LISTEN/NOTIFY); other stores are polled."""
+        from .jobs.waiting import wait
+
+        return await wait(self.jobs, job_id, timeout)
 
     async def failed_jobs(self, queue: str | None = None, *, limit: int = 100,
                           include_payload: bool = False) -> list[FailedJob]:
@@ -637,7 +681,7 @@ class WorkQueue:
         topic: str,
         requests: Sequence[PublishRequest | Mapping[str, Any]],
         *,
-        session: Any = None,
+        session: Session | None = None,
     ) -> PublishResults:
         """Publishes ``requests`` to ``topic``; one result per request, in order.
 

@@ -35,7 +35,7 @@ INTERNAL: dict[str, set[str]] = {
     "fastapi_workqueue.WorkQueue": {"bind_app", "build_host", "handlers", "kernel", "request_load"},
     "fastapi_workqueue.WorkQueueSettings": {"host_options", "session_pool"},
     "fastapi_workqueue.jobs.Job": {"key", "load", "validate"},
-    "fastapi_workqueue.jobs.JobFake": {"record"},
+    "fastapi_workqueue.jobs.JobFake": {"record", "record_debounced", "record_group"},
 }
 """Public-looking members that the reference leaves out (docs/reference.md's ``filters``)."""
 

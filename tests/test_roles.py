@@ -34,7 +34,8 @@ RUNTIME_FUNCTIONS = {
     "list_subscriptions", "list_topics", "schema_versions", "api_key_verify", "api_key_touch", "api_key_session",
     "api_key_end_sessions",
     "claim_many", "known_messages", "message_deliveries", "delivery_attempts", "search_deliveries",
-    "release_deduplication_key", "step_get", "step_put",
+    "release_deduplication_key", "step_get", "step_put", "result_put", "result_get", "watch_message",
+    "debounce", "group_create", "group_members",
     "record_stats_history", "stats_history", "live_counts", "blocked_keys",
     "process_beat", "process_stop", "list_processes",
 }

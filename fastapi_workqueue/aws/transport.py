@@ -93,10 +93,12 @@ CAPABILITIES = Capabilities(
     cancel=False,
     exact_backlog=False,
     retry_keeps_key_busy=True,
+    message_state=False,
     terminal_counts=False,
     sweeps=False,
     notes=(
         "Ordered needs a database topic",
+        "job status, stored results, wait, groups and debounce need the database (jobs live there)",
         "cancel of an in-flight message is not available on SQS",
         "a retrying Exclusive message keeps its key busy (SQS FIFO message group)",
         "a pause is the queue's workqueue:status tag: other processes stop claiming on their next bindings "

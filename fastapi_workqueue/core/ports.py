@@ -4,11 +4,10 @@ Every transport has the roles of :class:`.transport.Transport` (publishing, cons
 housekeeping, operator reads and actions, the topology store, message markers). What only some
 transports have is a port of its own, found when the queue is wired instead of being probed with
 ``hasattr`` at each use: the process registry, live work, stats history, attempt history, search,
-the topology lifecycle
-(retire and delete), the API key store, ending claims that wait for work (an SQS long poll), and
-routing by topic. A part of the library asks :class:`Ports` for what it needs and gets ``None``
-when the transport has no such part, so its answer ("this transport stores no API keys") is
-decided in one place.
+the topology lifecycle (retire and delete), the API key store, the message state (stored
+results), ending claims that wait for work (an SQS long poll), and routing by topic. A part of the
+library asks :class:`Ports` for what it needs and gets ``None`` when the transport has no such
+part, so its answer ("this transport stores no API keys") is decided in one place.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from .attempts import AttemptHistoryReader
 from .history import StatsHistoryReader
 from .keys import ApiKeyStore
 from .live_work import LiveWorkReader
+from .message_state import EndWatcher, MessageState
 from .processes import ProcessRegistry
 from .retirement import TopologyLifecycle
 from .search import DeliverySearch
@@ -63,11 +63,16 @@ class Ports:
     """Keys are the app's, not a topic's: behind a router they are the database's."""
     interrupter: ClaimInterrupter | None
     router: TopicRouter | None
+    state: MessageState | None = None
+    """Stored results (the jobs layer's status and ``wait``): behind a router, the database's."""
+    ends: EndWatcher | None = None
+    """Announces the end of a watched delivery (``wait`` without polling): behind a router, the database's."""
 
     @classmethod
     def of(cls, transport: Transport) -> Ports:
         """Resolves the optional parts of ``transport`` (once, when the queue is wired)."""
         router = transport if isinstance(transport, TopicRouter) else None
+        database: object = router.default if router is not None else transport
         return cls(
             transport=transport,
             processes=transport if isinstance(transport, ProcessRegistry) else None,
@@ -79,6 +84,8 @@ class Ports:
             api_keys=api_key_store_of(transport),
             interrupter=interrupter_of(transport),
             router=router,
+            state=database if isinstance(database, MessageState) else None,
+            ends=database if isinstance(database, EndWatcher) else None,
         )
 
     def for_topic(self, topic: str) -> Transport:

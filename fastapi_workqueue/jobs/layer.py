@@ -14,8 +14,8 @@ import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.envelope import (
     MAX_DELAY_SECONDS,
@@ -29,11 +29,13 @@ from ..core.envelope import (
     uuid7,
 )
 from ..core.errors import ConfigurationError, TransportError
+from ..core.message_state import MESSAGE_STATE_NEEDED
 from ..core.outcomes import FollowUp, Outcome, WorkOutcome
 from ..core.redaction import redacting_logger
 from ..core.tasks import TaskScope
 from ..core.topology import Subscription, Topic
 from .context import JobContext, StepStore
+from .debounce import debounce_window, dispatch_debounced, stored_key
 from .definition import DEFAULT_TRIES, Job, check_job_name, check_queue_name, define_job
 from .encryption import PayloadCipher, PayloadUndecryptable, cipher_from
 from .envelope import (
@@ -48,10 +50,14 @@ from .envelope import (
 )
 from .events import JobEvents
 from .failed import FailedJobs
+from .groups import JobGroup, group_results, make_group
+from .local_status import LocalStatuses, as_job_id
 from .middleware import Locks
 from .registry import JobRegistry
+from .results import encode_result
 from .runner import JobRunner
 from .schedules import Schedules
+from .status import JobStatus, read_status
 from .steps import TransportSteps
 from .watchdog import Overrun, Watchdog
 from .worker import GROUP_NAME, UnwatchedQueues, job_group, parse_queues
@@ -63,6 +69,7 @@ if TYPE_CHECKING:
     from ..core.kernel import Kernel
 
 log = redacting_logger("fastapi_workqueue.jobs")
+T = TypeVar("T")
 
 JOBS_HANDLER = "workqueue.jobs"
 """The handler key of every job queue's subscription."""
@@ -146,6 +153,8 @@ class Jobs:
         self._emitting = TaskScope("workqueue-job-events")
         self._stop_timeout: float | None = None
         self._watcher: UnwatchedQueues | None = None
+        self.local_statuses = LocalStatuses()
+        """Sync mode: the statuses of the jobs run in this process (the newest ones)."""
 
     # -- events ------------------------------------------------------------------------------
 
@@ -335,6 +344,8 @@ class Jobs:
         unique_until: UniqueUntil = "done",
         unique_for: float = DEFAULT_UNIQUE_FOR,
         chain: Sequence[ChainLink] = (),
+        group: uuid.UUID | None = None,
+        not_before: datetime | None = None,
     ) -> PublishRequest:
         payload, encrypted = self.seal(job, data)
         policy = job.policy
@@ -343,7 +354,7 @@ class Jobs:
             job=job.name, payload=payload, encrypted=encrypted,
             timeout=policy.timeout if timeout is None else timeout,
             unique_key=None if unique is None else self.unique_key(job, unique),
-            unique_until=None if unique is None else unique_until, chain=tuple(chain),
+            unique_until=None if unique is None else unique_until, chain=tuple(chain), group=group,
         )
         fields: dict[str, Any] = {"attributes": {JOB_ATTRIBUTE: job.name}, "payload": envelope.to_json(),
                                   "max_attempts": tries or policy.tries}
@@ -352,6 +363,8 @@ class Jobs:
             fields["message_id"] = job_id
         if delay is not None:
             fields["delay_seconds"] = delay
+        if not_before is not None:
+            fields["not_before"] = not_before
         if backoff is not None:
             fields["backoff_seconds"] = list(backoff)
         if unique is not None:
@@ -414,13 +427,19 @@ class Jobs:
             max_attempts=first.tries, backoff_seconds=None if first.backoff is None else list(first.backoff),
         )
 
-    def completion(self, envelope: JobEnvelope) -> WorkOutcome:
-        """Complete, with the chain's next job queued in the same transaction."""
+    def completion(self, envelope: JobEnvelope, result: str | None = None) -> WorkOutcome:
+        """Complete, with the chain's next job queued and ``result`` (a stored result's text) kept
+        in the same transaction."""
         following = self.next_request(envelope)
         if following is None:
-            return Outcome.complete()
+            return Outcome.complete(result=result)
         queue, request = following
-        return Outcome.complete(then=[FollowUp(topic_of(queue), [prepare(request)])])
+        return Outcome.complete(then=[FollowUp(topic_of(queue), [prepare(request)])], result=result)
+
+    def result_text(self, job: Job, value: Any) -> str:
+        """The stored text of what ``job`` (declared ``store_result=True``) returned; raises
+        :class:`~.results.ResultNotStorable`."""
+        return encode_result(job, value, self.cipher() if job.encrypted else None)
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -434,10 +453,17 @@ class Jobs:
         unique: str | None = None,
         unique_until: UniqueUntil = "done",
         unique_for: float = DEFAULT_UNIQUE_FOR,
+        debounce: timedelta | float | None = None,
+        debounce_key: str | None = None,
         session: Any = None,
     ) -> uuid.UUID | None:
-        """Validates ``payload``, queues the job and returns its id (None: ``unique`` key held)."""
+        """Validates ``payload``, queues the job and returns its id (None: ``unique`` key held).
+        ``debounce`` with ``debounce_key``: see :mod:`.debounce`."""
         definition = self.registry.resolve(job)
+        window = debounce_window(debounce, debounce_key, unique=unique, delay=delay)
+        if window is not None:
+            assert debounce_key is not None
+            return await self._debounced(definition, payload, queue, window, debounce_key, session)
         if unique_until not in ("done", "processing"):
             raise ValueError(f"unique_until must be 'done' or 'processing', got {unique_until!r}")
         if unique is not None and not (isinstance(unique, str) and unique):
@@ -473,6 +499,19 @@ class Jobs:
         if not result.ok or result.message_id is None:
             raise JobDispatchError(definition.name, result)
         return result.message_id
+
+    async def _debounced(self, definition: Job, payload: Any, queue: str | None, window: float, key: str,
+                         session: Any) -> uuid.UUID:
+        data = definition.validate(payload)
+        target = check_queue_name(queue) if queue is not None else definition.policy.queue
+        if self.fake is not None:
+            recorded: uuid.UUID = self.fake.record_debounced(definition, data, target, self.request(definition, data),
+                                                             debounce_key=stored_key(self, definition, key),
+                                                             window=window, session=session)
+            return recorded
+        if self.sync:  # (the window is not waited for, as a delay is not)
+            return await self.run_now(definition, target, prepare(self.request(definition, data)))
+        return await dispatch_debounced(self, definition, data, target, window, key, session)
 
     async def bulk(self, items: Iterable[tuple[Any, Any]], *, session: Any = None) -> list[uuid.UUID]:
         """Queues several jobs in one transaction; every payload is checked before any is queued."""
@@ -569,9 +608,14 @@ class Jobs:
 
     # -- publishing --------------------------------------------------------------------------
 
+    async def publish_in(self, send: Callable[[Any], Awaitable[T]], session: Any) -> T:
+        """``send(tx)`` in the caller's transaction (``session``, or the request's), retried in a
+        savepoint when the store asks to try again (a key another transaction took at once)."""
+        return await self._publish(send, session, retry_in_savepoint=True)
+
     async def _publish(
-        self, send: Callable[[Any], Awaitable[list[PublishResult]]], session: Any, *, retry_in_savepoint: bool = False
-    ) -> list[PublishResult]:
+        self, send: Callable[[Any], Awaitable[T]], session: Any, *, retry_in_savepoint: bool = False
+    ) -> T:
         """``send(tx)`` in the caller's transaction (retried in a savepoint for a unique key)."""
         tx = session if session is not None else self.kernel.sessions.current()
         if tx is None or not retry_in_savepoint or self.kernel.transport.name == "sqlite":
@@ -597,6 +641,34 @@ class Jobs:
             return
         async with self.kernel.sessions.sessionmaker() as own, own.begin():
             await work(own)
+
+    async def in_one_transaction(self, work: Callable[[Any], Any], session: Any) -> None:
+        """``work(tx)``: several writes in the caller's transaction, or in one of their own (a
+        store without a caller's transaction, the memory transport, runs them one after the other)."""
+        await self._in_one_transaction(work, session,
+                                       several=self.kernel.transport.capabilities.transactional_publish)
+
+    # -- groups ------------------------------------------------------------------------------
+
+    async def group(self, items: Iterable[Any], *, then: Any, session: Any = None) -> JobGroup:
+        """Queues ``items`` (``(job, payload)`` or ``(job, payload, {"queue": ...})``) and ``then``,
+        which runs once every member ended (see :mod:`.groups`)."""
+        return await make_group(self, items, then, session)
+
+    async def group_results(self, group_id: uuid.UUID) -> list[JobStatus]:
+        """The status of each member of a group, in order (the ``then`` job's ``job.group_results``)."""
+        return await group_results(self, group_id)
+
+    async def run_group_now(self, members: list[tuple[str, PreparedMessage]], then: tuple[str, PreparedMessage],
+                            group: JobGroup) -> None:
+        """Sync mode: runs a group's members and then its ``then`` job, before ``group`` returns."""
+        from .local import LocalRun
+
+        run = LocalRun(self, once_store=self.kernel.transport)
+        try:
+            await run.run_group(members, then, group.id, list(group.member_ids))
+        finally:
+            self.local_statuses.update(await run.statuses())
 
     async def reencrypt(self, *, page: int = 500) -> int:
         """Encrypts the payloads of waiting and failed encrypted jobs again with the current key
@@ -664,13 +736,35 @@ class Jobs:
         with contextlib.suppress(Exception):  # at worst the key expires after unique_for
             await self.kernel.transport.release_deduplication_key(topic_of(queue), key, job_id)
 
+    # -- status ------------------------------------------------------------------------------
+
+    async def status(self, job_id: uuid.UUID | str, *, reveal_encrypted: bool = True) -> JobStatus | None:
+        """The status of job ``job_id``, or None when no job has that id (never dispatched, or
+        purged with the retention). ``reveal_encrypted=False`` leaves an encrypted job's result out
+        (the REST API)."""
+        job_id = as_job_id(job_id)
+        if self.fake is not None:
+            found: JobStatus | None = self.fake.status(job_id)
+            return found
+        if self.sync:
+            return self.local_statuses.get(job_id)
+        ports = self.kernel.ports
+        if ports.state is None:
+            raise ConfigurationError(MESSAGE_STATE_NEEDED)
+        return await read_status(job_id, self.kernel.transport, ports.state, ports.attempts, self.cipher(),
+                                 reveal_encrypted=reveal_encrypted)
+
     # -- running in this process -------------------------------------------------------------
 
     async def run_now(self, job: Job, queue: str, message: PreparedMessage) -> uuid.UUID:
         """Sync mode: runs the job at its dispatch, before the dispatch returns (see :mod:`.local`)."""
         from .local import LocalRun
 
-        await LocalRun(self, once_store=self.kernel.transport).run_until_done(queue, message)
+        run = LocalRun(self, once_store=self.kernel.transport)
+        try:
+            await run.run_until_done(queue, message)
+        finally:
+            self.local_statuses.update(await run.statuses())
         return message.message_id
 
     def caller(self, job: Job, payload: Any, job_context: JobContext, message: WorkMessage[Any],

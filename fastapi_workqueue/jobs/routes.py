@@ -1,5 +1,6 @@
-"""The REST routes of failed jobs, beside the operator API (``queue.router``):
+"""The REST routes of jobs, beside the operator API (``queue.router``):
 
+``GET /work-queue/jobs/{id}`` (a job's status, ``workqueue:read``),
 ``GET /work-queue/jobs/failed`` (``workqueue:read``; payloads with ``workqueue:admin``),
 ``POST /work-queue/jobs/{id}/retry``, ``POST /work-queue/jobs/{id}/forget`` and
 ``POST /work-queue/jobs/failed/prune?older_than_days=N`` (``workqueue:operate``).
@@ -21,6 +22,7 @@ from ..core.wire import WireModel
 from ..web.routes import cannot_serve, document_errors
 from .definition import check_queue_name
 from .failed import MAX_DAYS, FailedJob, JobNotFailed
+from .status import JobStatus
 
 if TYPE_CHECKING:
     from ..web.auth import Authorizer
@@ -61,6 +63,17 @@ def build_job_router(jobs: Callable[[], "Jobs"], authorize: "Authorizer", *, pre
         never an encrypted one's plaintext)."""
         return await _call(jobs().failed.list(queue_name(queue_filter), limit=limit,
                                               include_payload=principal.has(SCOPE_ADMIN)))
+
+    @router.get("/{job_id}", response_model=JobStatus, summary="A job's status",
+                responses={404: {"description": "No job has this id (never dispatched, or purged)."}})
+    async def job_status(job_id: JobId, principal: Reader) -> JobStatus:
+        """The job's state, attempts, tries, times, last error and stored result (an encrypted
+        job's result is never shown), as ``queue.job_status`` answers."""
+        found: JobStatus | None = await _call(jobs().status(job_id, reveal_encrypted=False))
+        if found is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND,
+                                detail=f"no job has the id {job_id} (never dispatched, or purged with the retention)")
+        return found
 
     @router.post("/{job_id}/retry", response_model=ActionResult, summary="Queue a failed job again",
                  responses={404: {"description": "No failed job has this id."}})
