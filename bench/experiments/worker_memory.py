@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -84,7 +85,8 @@ async def stop(proc: asyncio.subprocess.Process) -> None:
 
 
 async def measure(args: argparse.Namespace, library: Path) -> dict[str, Any]:
-    await wb.ensure_database(args.dsn)
+    with contextlib.redirect_stdout(sys.stderr):  # (what it created or migrated: stdout is the JSON)
+        await wb.ensure_database(args.dsn)
     await wb.reset(args.dsn)
     proc = await start(args.dsn, library)
     try:
