@@ -1,7 +1,7 @@
 """A worker loads only what it runs: a process that builds a WorkQueue, registers a handler, starts
 its host and handles a message never imports the web framework, SQLAlchemy, the dashboard, the
-jobs layer, the AWS transport or prometheus-client (bench/README.md, memory: these cost a worker
-about 11 MB). A handler that declares a dependency brings FastAPI in, and only then.
+jobs layer, the AWS transport, prometheus-client or the OpenTelemetry API (bench/README.md, memory:
+these cost a worker about 11 MB). A handler that declares a dependency brings FastAPI in, and only then.
 
 Each case runs in a fresh interpreter, since the test session itself has imported everything.
 """
@@ -20,10 +20,13 @@ NOT_IN_A_WORKER = (
     "sqlalchemy",
     "jinja2",
     "prometheus_client",
+    "opentelemetry.trace",
+    "opentelemetry.metrics",
     "fastapi_workqueue.aws",
     "fastapi_workqueue.dashboard",
     "fastapi_workqueue.jobs",
     "fastapi_workqueue.core.routing",
+    "fastapi_workqueue.observability.otel",
     "fastapi_workqueue.observability.prometheus",
     "fastapi_workqueue.observability.metrics_router",
     "fastapi_workqueue.web.auth",
@@ -33,8 +36,8 @@ NOT_IN_A_WORKER = (
     "fastapi_workqueue.web.routes",
 )
 """What a worker on the database transport, with no job declared and no dependency in its handlers,
-does not import (a module or any of its submodules). OpenTelemetry's API stays: the queue traces
-through it whenever it is installed, as FastAPI installs it (docs/observability.md)."""
+does not import (a module or any of its submodules). Of the observability package only its
+``__init__`` and the small deferred OpenTelemetry observer load (docs/observability.md)."""
 
 WORKER = textwrap.dedent("""
     import asyncio, json, sys

@@ -125,7 +125,8 @@ class WorkQueueSettings(BaseSettings):
 
     otel: bool = True
     """Trace and measure through the OpenTelemetry API when it is installed (the ``otel`` extra);
-    ``WORKQUEUE_OTEL=0`` turns it off. The app brings the SDK and the exporters."""
+    ``WORKQUEUE_OTEL=0`` turns it off. The app brings the SDK and the exporters; the queue loads
+    the API once the process has imported it (the SDK does), so a bare worker never does."""
     prometheus: bool = True
     """Count publishes and attempts for ``queue.metrics_router`` when prometheus-client is installed
     and this process can serve them: it imported prometheus-client (``queue.metrics_router``,

@@ -2,9 +2,10 @@
 ``prometheus`` extra), built on the core's observer hooks (``fastapi_workqueue.core.observe``).
 
 Nothing here is imported unless the queue asks for an observer or a metrics router; without the
-extras installed the queue records nothing and costs nothing. Prometheus counts only in a process
-that can hand the counts to a scraper (:func:`prometheus_exported`): a worker that serves no metrics
-never loads prometheus-client, whose HTTP servers cost it about 2 MB (bench/README.md, memory).
+extras installed the queue records nothing and costs nothing. OpenTelemetry is loaded once the
+process imports its API (:mod:`.otel_deferred`: before that no SDK can be installed), and Prometheus
+counts only in a process that can hand the counts to a scraper (:func:`prometheus_exported`): a
+worker that does neither never loads them (about 2.8 MB, bench/README.md, memory).
 """
 
 from __future__ import annotations
@@ -44,13 +45,13 @@ def prometheus_exported() -> bool:
 
 
 def default_observers(settings: WorkQueueSettings) -> list[Observer]:
-    """The observers the settings ask for whose libraries are installed (Prometheus's where its
-    counts can be served: :func:`prometheus_exported`)."""
+    """The observers the settings ask for whose libraries are installed (OpenTelemetry's from when
+    its API is imported, Prometheus's where its counts can be served: :func:`prometheus_exported`)."""
     found: list[Observer] = []
     if settings.otel and _installed("opentelemetry.trace"):
-        from .otel import OpenTelemetryObserver
+        from .otel_deferred import DeferredOpenTelemetry
 
-        found.append(OpenTelemetryObserver())
+        found.append(DeferredOpenTelemetry())
     if settings.prometheus and prometheus_exported():
         from .prometheus import PrometheusObserver
 
