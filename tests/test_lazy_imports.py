@@ -112,3 +112,13 @@ def test_a_handler_that_declares_a_dependency_brings_fastapi_in(tmp_path: Path) 
     # The layers that serve HTTP stay out all the same.
     assert loaded(result["modules"], ("sqlalchemy", "jinja2", "prometheus_client", "fastapi_workqueue.dashboard",
                                       "fastapi_workqueue.jobs", "fastapi_workqueue.web.routes")) == []
+
+
+def test_the_process_registry_reads_the_installed_version_from_the_metadata_headers() -> None:
+    """``package_version`` reads only METADATA's headers (the email parser would keep about 0.5 MB
+    of the README in every process) and agrees with ``importlib.metadata``."""
+    from importlib.metadata import version
+
+    from fastapi_workqueue.core.processes import package_version
+
+    assert package_version() == version("fastapi-workqueue")
