@@ -310,6 +310,9 @@ class WorkQueue:
         encrypted: bool = False,
         middleware: Sequence[Middleware] = (),
         store_result: bool = False,
+        priority: int = 0,
+        rate_limit: str | None = None,
+        concurrency: int | None = None,
     ) -> Callable[[J], J]:
         """Declares a job: ``@queue.job("billing.send-invoice-reminder", tries=5, backoff=[10, 60, 300],
         timeout=30, queue="mail")`` on ``async def send(payload: Model, job: JobContext, dep = Depends(...))``.
@@ -318,11 +321,15 @@ class WorkQueue:
         repeating; default the queue's exponential full-jitter backoff); ``timeout`` seconds after
         which ``job.signal`` aborts and the attempt fails; ``encrypted`` stores the payload encrypted
         with ``WORKQUEUE_APP_KEY``; ``middleware`` runs around each attempt; ``store_result`` keeps what
-        the job returns (JSON, at most 64 KiB) for :meth:`job_status` and :meth:`wait`.
+        the job returns (JSON, at most 64 KiB) for :meth:`job_status` and :meth:`wait`. ``priority`` (0 to 9,
+        higher first) is what its jobs are dispatched with unless a dispatch says otherwise.
+        ``concurrency`` and ``rate_limit`` (``"50/s"``) are its queue's limits, held across every
+        process: the most jobs of the queue running at once, and started per second, minute or hour.
         """
         decorate: Callable[[J], J] = self.jobs.declare(
             name, tries=tries, backoff=backoff, timeout=timeout, queue=queue, encrypted=encrypted,
-            middleware=middleware, store_result=store_result,
+            middleware=middleware, store_result=store_result, priority=priority, rate_limit=rate_limit,
+            concurrency=concurrency,
         )
         return decorate
 
@@ -331,6 +338,7 @@ class WorkQueue:
         self, job: JobRef, payload: Any = None, *, delay: timedelta | float | None = None, queue: str | None = None,
         unique: None = None, unique_until: Literal["done", "processing"] = "done", unique_for: float = 3600,
         debounce: timedelta | float | None = None, debounce_key: str | None = None, session: Session | None = None,
+        priority: int | None = None,
     ) -> uuid.UUID: ...
 
     @overload
@@ -338,6 +346,7 @@ class WorkQueue:
         self, job: JobRef, payload: Any = None, *, delay: timedelta | float | None = None, queue: str | None = None,
         unique: str | None, unique_until: Literal["done", "processing"] = "done", unique_for: float = 3600,
         debounce: timedelta | float | None = None, debounce_key: str | None = None, session: Session | None = None,
+        priority: int | None = None,
     ) -> uuid.UUID | None: ...
 
     async def dispatch(
@@ -353,18 +362,20 @@ class WorkQueue:
         debounce: timedelta | float | None = None,
         debounce_key: str | None = None,
         session: Session | None = None,
+        priority: int | None = None,
     ) -> uuid.UUID | None:
         """Validates ``payload`` and queues ``job``; returns the job id (None while ``unique`` is held).
 
         Joins ``session``'s transaction, or the request's (``queue.session``): a rollback queues
-        nothing. ``delay`` is a ``timedelta`` or seconds; ``queue`` overrides the declared queue.
+        nothing. ``delay`` is a ``timedelta`` or seconds; ``queue`` overrides the declared queue;
+        ``priority`` (0 to 9, higher first) the declared priority.
         ``debounce`` (a window) with ``debounce_key``: dispatches with one key within the window make
         one job, run once the window has passed since the last of them, with the last payload; each
         returns that job's id.
         """
         result: uuid.UUID | None = await self.jobs.dispatch(
             job, payload, delay=delay, queue=queue, unique=unique, unique_until=unique_until, unique_for=unique_for,
-            debounce=debounce, debounce_key=debounce_key, session=session,
+            debounce=debounce, debounce_key=debounce_key, session=session, priority=priority,
         )
         return result
 

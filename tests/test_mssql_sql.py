@@ -49,7 +49,7 @@ MSSQL_FILES = sorted(MSSQL_DIR.rglob("*.sql"))
 MSSQL_SCHEMA = MSSQL_DIR / "schema.sql"
 ROUTINES_PY = ROOT / "fastapi_workqueue" / "database" / "routines.py"
 
-PURE_HELPERS = frozenset({"backoff_seconds", "filter_matches"})
+PURE_HELPERS = frozenset({"backoff_seconds", "filter_matches", "rate_per_second"})
 """PostgreSQL functions that are T-SQL functions (pure helpers); every other one is a procedure."""
 HELPER_OBJECTS = frozenset({"random_draw"})
 """SQL Server objects without a PostgreSQL twin: the view backoff_seconds draws its jitter from
@@ -320,7 +320,7 @@ def test_publish_one_is_publish_for_one_message_without_a_deduplication_key() ->
     singular = {"p_message_ids": "p_message_id", "p_partition_keys": "p_partition_key",
                 "p_payloads": "p_payload", "p_payload_refs": "p_payload_ref", "p_correlation_ids": "p_correlation_id",
                 "p_content_hashes": "p_content_hash", "p_delays": "p_delay", "p_not_befores": "p_not_before",
-                "p_backoff_schedules": "p_backoff_schedule"}
+                "p_backoff_schedules": "p_backoff_schedule", "p_priorities": "p_priority"}
     expected = tuple(singular.get(p, p) for p in publish.params if not p.startswith("p_deduplication"))
     assert one.params == expected and one.columns == publish.columns
     assert not set(tsql_routines()) & POSTGRESQL_ONLY
@@ -459,7 +459,8 @@ def test_writing_procedures_abort_and_rethrow(name: str) -> None:
 
 def test_claims_skip_locked_rows_and_the_sweep_never_waits() -> None:
     routines = tsql_routines()
-    assert _code(routines["claim"].raw).count("WITH (UPDLOCK, READPAST, ROWLOCK)") == 2
+    # keys and deliveries without a key, each those with a priority and the others
+    assert _code(routines["claim"].raw).count("WITH (UPDLOCK, READPAST, ROWLOCK)") == 4
     assert "WITH (UPDLOCK, READPAST, ROWLOCK)" in _code(routines["expire_leases"].raw)
     sweep = re.sub(r"\s+", " ", _code(routines["sweep"].raw))
     assert ("sp_getapplock @Resource = N'workqueue.sweep', @LockMode = N'Exclusive', "
@@ -540,7 +541,7 @@ def test_the_roles_split_the_routines() -> None:
             "api_key_end_sessions"} <= runtime
     assert "api_key_lookup" not in pg_functions()  # it would answer a stored hash
     helpers = {"refresh_partition", "release_keys", "rederive_stale", "fold_settled_counts", "backoff_seconds",
-               "filter_matches", "expire_leases", "purge", "delivery_ended", "release_group_message"}
+               "filter_matches", "expire_leases", "purge", "delivery_ended", "release_group_message", "rate_per_second"}
     assert not (helpers | OWNER_ONLY) & (runtime | operator | admin | aws)
     assert runtime | operator | admin | aws | helpers | OWNER_ONLY == set(pg_functions()), (
         "every function is someone's, a helper or the owner's")

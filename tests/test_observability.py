@@ -277,6 +277,29 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return found
 
 
+async def test_metrics_show_each_flow_limit_its_tokens_and_what_waits_on_it(pg_url: str) -> None:
+    """Issue 31: the limits of a subscription that has any, how full its rate bucket is, and the
+    claimable deliveries its limits hold back (read from the database at the scrape)."""
+    queue, topic, subs = make_queue(pg_url, [{"role": "limited", "max_in_flight": 2, "rate_limit": "10/s",
+                                              "status": "Paused"}, {"role": "plain", "status": "Paused"}],
+                                    metrics_cache_seconds=0)
+    registry = CollectorRegistry()
+    app = FastAPI(lifespan=queue.lifespan)
+    app.include_router(queue.create_metrics_router(registry=registry, public=True))
+    async with queue.lifespan(app):
+        await queue.publish(topic, [PublishRequest(payload=i) for i in range(5)])
+        await queue.resume(subs["limited"])
+        assert len(await queue.transport.claim(subs["limited"], 10)) == 2
+        async with client(app) as http:
+            response = await http.get("/metrics")
+    found = samples(response.text)
+    limited = subs["limited"]
+    assert found[("workqueue_flow_limit", (("limit", "max_in_flight"), ("subscription", limited)))] == 2
+    assert found[("workqueue_flow_limit", (("limit", "rate_limit"), ("subscription", limited)))] == 10
+    assert 8 <= found[("workqueue_flow_tokens", (("subscription", limited),))] <= 10
+    assert found[("workqueue_flow_waiting", (("subscription", limited),))] == 3  # full: the rest waits
+    assert not [k for k in found if k[0].startswith("workqueue_flow") and ("subscription", subs["plain"]) in k[1]]
+
 async def test_metrics_show_counters_and_the_databases_gauges(pg_url: str) -> None:
     queue, topic, subs = make_queue(pg_url, [{"role": "ok"}, {"role": "bad", "max_attempts": 1}],
                                     metrics_cache_seconds=0)

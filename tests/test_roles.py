@@ -36,7 +36,7 @@ RUNTIME_FUNCTIONS = {
     "claim_many", "known_messages", "message_deliveries", "delivery_attempts", "search_deliveries",
     "release_deduplication_key", "step_get", "step_put", "result_put", "result_get", "watch_message",
     "debounce", "group_create", "group_members",
-    "record_stats_history", "stats_history", "live_counts", "blocked_keys",
+    "record_stats_history", "stats_history", "live_counts", "blocked_keys", "flow_state",
     "process_beat", "process_stop", "list_processes",
 }
 

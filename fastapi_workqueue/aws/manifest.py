@@ -56,6 +56,13 @@ def check_subscription(subscription: Subscription, topic: Topic) -> None:
             f"SQS's maxReceiveCount limit of {MAX_RECEIVE_COUNT} for {GIVE_BACK_ALLOWANCE} give-backs; lower it "
             f"to at most {MAX_RECEIVE_COUNT - GIVE_BACK_ALLOWANCE}"
         )
+    if subscription.flow_limited:
+        limits = ", ".join(f"{k}={v!r}" for k, v in subscription.flow_limits().items())
+        raise ConfigurationError(
+            f"subscription {subscription.name!r}: {limits} needs a database topic; topic {topic.name!r} has "
+            "transport='aws', where SQS can neither count what runs across processes nor meter claims (remove "
+            "the limits, or keep the topic on 'database')"
+        )
     if subscription.partition_mode == "Exclusive" and not topic.is_fifo:
         raise ConfigurationError(
             f"subscription {subscription.name!r}: Exclusive on an aws topic needs a FIFO topic; "

@@ -96,9 +96,13 @@ CAPABILITIES = Capabilities(
     message_state=False,
     terminal_counts=False,
     sweeps=False,
+    priority=False,
+    concurrency_limits=False,
+    rate_limits=False,
     notes=(
         "Ordered needs a database topic",
         "job status, stored results, wait, groups and debounce need the database (jobs live there)",
+        "priorities, concurrency limits and rate limits need a database topic",
         "cancel of an in-flight message is not available on SQS",
         "a retrying Exclusive message keeps its key busy (SQS FIFO message group)",
         "a pause is the queue's workqueue:status tag: other processes stop claiming on their next bindings "
@@ -403,6 +407,13 @@ class AwsTransport(Receiving, Settling, OperatorViews):
                 field="delay_seconds",
                 message=f"topic {topic!r} is on the aws transport, which cannot delay a publish "
                 "(SNS has no per-message delay); publish without a delay",
+            )
+        if message.priority:
+            return PublishError(
+                code="Unsupported",
+                field="priority",
+                message=f"topic {topic!r} is on the aws transport, which has no priorities (SQS hands messages out "
+                "in its own order); publish with priority 0, or keep the topic on 'database'",
             )
         if message.deduplication_key is not None and not self._topics[topic].is_fifo:
             return PublishError(

@@ -51,6 +51,8 @@ allow more (``WORKQUEUE_MAX_MESSAGE_ATTEMPTS``): more, with a short backoff, is 
 practically never dead-letters."""
 MAX_BACKOFF_ENTRIES = 100
 """The longest ``BackoffSeconds`` list (its last entry repeats for later attempts)."""
+MIN_PRIORITY, MAX_PRIORITY = 0, 9
+"""A message's priority: 0 (the default) to 9; a subscription's deliveries run higher first."""
 MAX_PAYLOAD_DEPTH = 200
 """How deeply arrays and objects may nest in a payload. JSON serializers stop at about 255 levels
 (pydantic's, and so FastAPI's), so a deeper payload could be stored but never listed or returned."""
@@ -62,8 +64,9 @@ class PublishRequest(WireModel):
     """One message to publish. Every field is optional except what the topic needs.
 
     Reuse ``message_id`` when retrying a publish: the same ID with the same content is answered
-    ``Duplicate``. Set ``delay_seconds`` or ``not_before`` to hold the message back, and
-    ``max_attempts``/``backoff_seconds`` to give its deliveries their own retry policy.
+    ``Duplicate``. Set ``delay_seconds`` or ``not_before`` to hold the message back,
+    ``max_attempts``/``backoff_seconds`` to give its deliveries their own retry policy, and
+    ``priority`` (0 to 9, default 0) to have them claimed before those of lower priority.
     """
 
     message_id: uuid.UUID | None = None
@@ -78,6 +81,7 @@ class PublishRequest(WireModel):
     not_before: datetime | None = None
     max_attempts: int | None = Field(default=None, ge=1, le=MAX_ATTEMPTS_LIMIT)
     backoff_seconds: list[float] | None = None
+    priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
 
 class PublishStatus(StrEnum):
@@ -154,6 +158,8 @@ class PreparedMessage:
     """What the library carries beside the user's attributes (the trace context), or None."""
     message_id_given: bool = False
     """True when the caller set ``message_id``; False when :func:`prepare` drew it."""
+    priority: int = 0
+    """0 to 9: a subscription claims its deliveries of higher priority first (not part of the content)."""
 
 
 def _load_uuid7() -> uuid.UUID:
@@ -421,6 +427,7 @@ def prepare(
         backoff_seconds=backoff,
         envelope_bytes=size,
         message_id_given=request.message_id is not None,
+        priority=request.priority,
     )
 
 
@@ -445,6 +452,7 @@ def prepare_parts(
     backoff_seconds: list[float] | None = None,
     max_envelope_bytes: int = MAX_ENVELOPE_BYTES,
     encoded: tuple[str, int] | None = None,
+    priority: int = 0,
 ) -> PreparedMessage:
     """What ``prepare(PublishRequest(...))`` of these fields gives, without building the request.
 
@@ -453,7 +461,7 @@ def prepare_parts(
     of floats for ``backoff_seconds``): the jobs layer, once per job. The envelope rules are
     checked as :func:`prepare` checks them; raises :class:`RequestRejected`. ``encoded`` is the
     payload's canonical JSON and size when the caller has them (built from
-    :func:`canonical_json`'s), and then ``payload`` is not read.
+    :func:`canonical_json`'s), and then ``payload`` is not read. ``priority`` must be 0 to 9.
     """
     attributes_json, attributes_size = _attributes_part(attributes)
     if deduplication_key is not None:
@@ -480,6 +488,7 @@ def prepare_parts(
         backoff_seconds=backoff_seconds,
         envelope_bytes=size,
         message_id_given=message_id is not None,
+        priority=priority,
     )
 
 

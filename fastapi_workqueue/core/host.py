@@ -108,6 +108,16 @@ def unsupported_reason(ports: Ports, sub: SubscriptionState) -> str | None:
         return f"Ordered needs a database topic; the {transport.name} transport cannot keep order per key"
     if sub.partition_mode == "Exclusive" and not caps.exclusive:
         return f"Exclusive is not available on the {transport.name} transport"
+    limits = {k: v for k, v in sub.flow_limits().items()
+              if not (k == "key_concurrency" and sub.partition_mode != "None")}  # (1 on a keyed mode: the mode)
+    counted = [f"{k}={limits[k]!r}" for k in ("max_in_flight", "key_concurrency") if k in limits]
+    if counted and not caps.concurrency_limits:
+        return (f"{' and '.join(counted)} needs a database topic: the {transport.name} transport cannot count the "
+                "deliveries in flight across processes; remove the limit or keep the topic on 'database'")
+    metered = [f"{k}={limits[k]!r}" for k in ("rate_limit", "key_rate_limit") if k in limits]
+    if metered and not caps.rate_limits:
+        return (f"{' and '.join(metered)} needs a database topic: the {transport.name} transport cannot meter "
+                "claims across processes; remove the limit or keep the topic on 'database'")
     return None
 
 

@@ -47,6 +47,32 @@ class BlockedKey(WireModel):
     waiting_items: int
 
 
+class FlowState(WireModel):
+    """How full a subscription's flow limits are now, and what waits on them (docs/design/flow-control.md);
+    each count stops at ``cap``."""
+
+    subscription: str
+    in_flight: int
+    """InFlight deliveries whose lease runs: what ``max_in_flight`` counts."""
+    tokens: float | None = None
+    """The tokens of its ``rate_limit`` bucket now (None without a rate limit); below 1: nothing starts."""
+    keys_at_limit: int = 0
+    """Keys that may start nothing now (their ``key_concurrency`` reached, or their key bucket empty)."""
+    waiting: int = 0
+    """Claimable deliveries a limit holds back now: all of them while the subscription is full, else
+    those of the keys at their limit."""
+    cap: int = LIVE_COUNT_CAP
+
+
+@runtime_checkable
+class FlowStateReader(Protocol):
+    """A transport that reads how full a subscription's flow limits are (the database ones, and memory)."""
+
+    async def flow_state(self, subscription: str, *, cap: int = LIVE_COUNT_CAP) -> FlowState | None:
+        """The subscription's :class:`FlowState` (None when there is no such subscription)."""
+        ...
+
+
 @runtime_checkable
 class LiveWorkReader(Protocol):
     """A transport with the bounded reads."""

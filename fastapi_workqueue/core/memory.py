@@ -20,6 +20,7 @@ run the real consumer over it); :mod:`fastapi_workqueue.testing` exports it for 
 from __future__ import annotations
 
 import json
+import math
 import random
 import uuid
 import weakref
@@ -31,6 +32,7 @@ from typing import Any
 from .clock import SYSTEM_CLOCK, Clock
 from .envelope import MAX_ENVELOPE_BYTES, PreparedMessage, PublishError, PublishResult, PublishStatus
 from .errors import ConfigurationError, TransportError
+from .flow import HeldBackLimit, Rate, key_rooms, parse_rate, refill, take_limited, tokens_due_in
 from .lifecycle import (
     BackoffPolicy,
     BatchItem,
@@ -46,6 +48,7 @@ from .lifecycle import (
     settle_transition,
     topic_refusal,
 )
+from .live_work import LIVE_COUNT_CAP, FlowState
 from .message_state import GroupMember
 from .observe import trace_id_of
 from .processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
@@ -72,9 +75,11 @@ from .topology import (
 )
 from .transport import (
     Capabilities,
+    Claimed,
     ClaimedDelivery,
     HeartbeatRequest,
     HeartbeatResult,
+    HeldBack,
     Settlement,
     SettleResult,
     WakeupListener,
@@ -139,6 +144,7 @@ class _Delivery:
     progress_message: str | None = None
     held_by: uuid.UUID | None = None
     group_id: uuid.UUID | None = None
+    priority: int = 0
 
 
 @dataclass
@@ -173,6 +179,8 @@ class _Store:
     groups: dict[uuid.UUID, _Group] = field(default_factory=dict)
     processes: dict[uuid.UUID, _Process] = field(default_factory=dict)
     sweep_lock_holders: int = 0
+    buckets: dict[tuple[str, bool, str], tuple[float, datetime]] = field(default_factory=dict)
+    """Rate limits' token buckets: (subscription, per key, key) -> (tokens, as of)."""
     last_id: int = 0
     wakeups: list[WakeupListener] = field(default_factory=list)
 
@@ -362,7 +370,7 @@ class MemoryTransport:
                     m.max_attempts or sub.spec.max_attempts,
                     BackoffPolicy(sub.spec.backoff_base_seconds, sub.spec.backoff_max_seconds,
                                   m.backoff_seconds or None),
-                    visible, now,
+                    visible, now, priority=m.priority,
                 )
                 if visible <= now:
                     woken.append(sub.spec.name)
@@ -375,8 +383,9 @@ class MemoryTransport:
         return [d for d in self._store.deliveries.values() if d.subscription == subscription]
 
     def _claimable(self, subscription: str, now: datetime) -> list[_Delivery]:
-        """What a claim may take now, oldest due first: each visible unkeyed delivery, and per key
-        the one :func:`next_claimable` names."""
+        """What a claim may take now, the highest priority first, then the oldest due: each visible
+        unkeyed delivery, and per key the one :func:`next_claimable` names (keys are ranked by the
+        priority of that delivery; within a key the order is the key's own)."""
         out: list[_Delivery] = []
         keys: dict[str, list[_Delivery]] = {}
         for d in self._of(subscription):
@@ -389,7 +398,7 @@ class MemoryTransport:
             nxt = next_claimable(ds[0].mode, ds, now)
             if nxt is not None:
                 out.append(nxt)
-        out.sort(key=lambda d: (d.visible_at, d.id))
+        out.sort(key=lambda d: (-d.priority, d.visible_at, d.id))
         return out
 
     def _active(self, subscription: str) -> _Sub | None:
@@ -419,9 +428,72 @@ class MemoryTransport:
         if sub is None or limit < 1:
             return []
         now = self._now()
+        if sub.spec.flow_limited:
+            return self._claim_limited(sub, limit, now)
         taken = self._claimable(subscription, now)[:limit]
-        taken.sort(key=lambda d: d.id)
+        taken.sort(key=lambda d: (-d.priority, d.id))
         return [self._lease(d, sub, now) for d in taken]
+
+    def _claim_limited(self, sub: _Sub, limit: int, now: datetime) -> Claimed:
+        """claim under the subscription's flow limits (:mod:`fastapi_workqueue.core.flow`), as the
+        database transports run it."""
+        spec, name = sub.spec, sub.spec.name
+        room = limit
+        held: HeldBackLimit | None = None
+        busy = [d for d in self._of(name)
+                if d.status == "InFlight" and d.lease_expires_at is not None and d.lease_expires_at > now]
+        if spec.max_in_flight is not None and spec.max_in_flight - len(busy) < room:
+            room, held = max(spec.max_in_flight - len(busy), 0), "MaxInFlight"
+        rate = parse_rate(spec.rate_limit) if spec.rate_limit else None
+        key_rate = parse_rate(spec.key_rate_limit) if spec.key_rate_limit else None
+        stamp = now.timestamp()
+
+        def tokens(per_key: bool, key: str, r: Rate) -> float:
+            bucket = self._store.buckets.get((name, per_key, key))
+            return refill(None if bucket is None else bucket[0], None if bucket is None else bucket[1].timestamp(),
+                          stamp, r)
+
+        sub_tokens = tokens(False, "", rate) if rate is not None else 0.0
+        if rate is not None and math.floor(sub_tokens) < room:
+            room, held = math.floor(sub_tokens), "RateLimit"
+        in_flight: dict[str, int] = {}
+        for d in busy:
+            if d.partition_key is not None:
+                in_flight[d.partition_key] = in_flight.get(d.partition_key, 0) + 1
+        by_concurrency = key_rooms(spec.key_concurrency if spec.partition_mode == "None" else None, in_flight)
+
+        def key_room(key: str) -> float:
+            spare = by_concurrency(key)
+            return spare if key_rate is None else min(spare, tokens(True, key, key_rate))
+
+        candidates = self._claimable(name, now)
+        taken = take_limited(candidates, room, lambda d: d.partition_key, key_room)
+        if held is None and len(taken) < limit and len(taken) < len(candidates):
+            spent = key_rate is not None and any(
+                tokens(True, d.partition_key, key_rate) < 1 for d in candidates if d.partition_key is not None)
+            held = "KeyRateLimit" if key_rate is not None and (spent or spec.key_concurrency is None) \
+                else "KeyConcurrency"
+        taken.sort(key=lambda d: (-d.priority, d.id))
+        out = [self._lease(d, sub, now) for d in taken]
+        if out and rate is not None:
+            self._store.buckets[(name, False, "")] = (sub_tokens - len(out), now)
+        spent_keys: dict[str, int] = {}
+        for d in taken:
+            if d.partition_key is not None:
+                spent_keys[d.partition_key] = spent_keys.get(d.partition_key, 0) + 1
+        if out and key_rate is not None:
+            for key, n in spent_keys.items():
+                self._store.buckets[(name, True, key)] = (tokens(True, key, key_rate) - n, now)
+        if held is None or len(out) >= limit or len(taken) == len(candidates):
+            return Claimed(out)
+        retry: float | None = None
+        if held == "RateLimit" and rate is not None:
+            retry = tokens_due_in(sub_tokens - len(out), rate)
+        elif held == "KeyRateLimit" and key_rate is not None:
+            short = [t for t in (tokens(True, k, key_rate) for (s, per_key, k) in self._store.buckets
+                                 if s == name and per_key) if t < 1]
+            retry = tokens_due_in(max(short), key_rate) if short else None
+        return Claimed(out, HeldBack(held, retry))
 
     async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
         """One claim across several None-mode subscriptions, the oldest due first whatever their
@@ -436,10 +508,11 @@ class MemoryTransport:
             return []
         for name in names:
             sub = self._store.subs.get(name)
-            if sub is not None and sub.spec.partition_mode != "None":
+            if sub is not None and (sub.spec.partition_mode != "None" or sub.spec.flow_limited):
+                what = (f"is {sub.spec.partition_mode}" if sub.spec.partition_mode != "None" else "has flow limits")
                 raise ValueError(
-                    f"claim_many takes None-mode subscriptions only ({name} is {sub.spec.partition_mode}); "
-                    "claim an Exclusive or Ordered subscription with claim"
+                    f"claim_many takes None-mode subscriptions only ({name} {what}); "
+                    "claim an Exclusive or Ordered subscription, or one with flow limits, with claim"
                 )
         now = self._now()
         candidates: list[tuple[_Delivery, _Sub]] = []
@@ -447,8 +520,39 @@ class MemoryTransport:
             sub = self._active(name)
             if sub is not None:
                 candidates.extend((d, sub) for d in self._claimable(name, now))
-        candidates.sort(key=lambda c: (c[0].visible_at, c[0].id))
+        candidates.sort(key=lambda c: (-c[0].priority, c[0].visible_at, c[0].id))
         return [(sub.spec.name, self._lease(d, sub, now)) for d, sub in candidates[:limit]]
+
+    async def flow_state(self, subscription: str, *, cap: int = LIVE_COUNT_CAP) -> FlowState | None:
+        """How full the subscription's flow limits are now (as the database transports count it)."""
+        sub = self._store.subs.get(subscription)
+        if sub is None:
+            return None
+        spec, now = sub.spec, self._now()
+        busy = [d for d in self._of(subscription)
+                if d.status == "InFlight" and d.lease_expires_at is not None and d.lease_expires_at > now]
+        tokens = None
+        if spec.rate_limit:
+            bucket = self._store.buckets.get((subscription, False, ""))
+            tokens = refill(None if bucket is None else bucket[0],
+                            None if bucket is None else bucket[1].timestamp(), now.timestamp(),
+                            parse_rate(spec.rate_limit))
+        keys: set[str] = set()
+        if spec.key_concurrency is not None and spec.partition_mode == "None":
+            running: dict[str, int] = {}
+            for d in busy:
+                if d.partition_key is not None:
+                    running[d.partition_key] = running.get(d.partition_key, 0) + 1
+            keys |= {k for k, n in running.items() if n >= spec.key_concurrency}
+        if spec.key_rate_limit:
+            key_rate = parse_rate(spec.key_rate_limit)
+            keys |= {k for (name, per_key, k), (t, at) in self._store.buckets.items()
+                     if name == subscription and per_key and refill(t, at.timestamp(), now.timestamp(), key_rate) < 1}
+        full = ((spec.max_in_flight is not None and len(busy) >= spec.max_in_flight)
+                or (tokens is not None and tokens < 1))
+        waiting = [d for d in self._claimable(subscription, now) if full or d.partition_key in keys]
+        return FlowState(subscription=subscription, in_flight=min(len(busy), cap), tokens=tokens,
+                         keys_at_limit=min(len(keys), cap), waiting=min(len(waiting), cap), cap=cap)
 
     def _held(self, delivery_id: str, token: str) -> _Delivery | None:
         d = self._store.deliveries.get(_number(delivery_id))
@@ -734,6 +838,7 @@ class MemoryTransport:
             del store.deduplication[k]
         for key in [k for k, (_, _, expires) in store.once.items() if expires <= now][:limit]:
             del store.once[key]
+        self._purge_buckets(now, limit)
         self._wake(d.subscription for d in expired if d.status == "Pending")
         return SweepReport(
             ran=True, retried=sum(t.result == "Pending" for t in taken),
@@ -741,6 +846,19 @@ class MemoryTransport:
             discarded=sum(t.result == "Discarded" for t in taken), purged_deliveries=purged_deliveries,
             purged_messages=purged_messages, purged_deduplication=len(gone), taken_back=taken,
         )
+
+    def _purge_buckets(self, now: datetime, limit: int) -> None:
+        """Token buckets full again (idle), or of a subscription without such a limit any more."""
+        store = self._store
+        idle = []
+        for (name, per_key, key), (_, updated_at) in store.buckets.items():
+            sub = store.subs.get(name)
+            text = None if sub is None else sub.spec.key_rate_limit if per_key else sub.spec.rate_limit
+            rate = parse_rate(text) if text else None
+            if rate is None or updated_at + timedelta(seconds=rate.burst / rate.per_second) <= now:
+                idle.append((name, per_key, key))
+        for bucket in idle[:limit]:
+            del store.buckets[bucket]
 
     def _purge_deliveries(self, now: datetime, limit: int) -> int:
         store = self._store

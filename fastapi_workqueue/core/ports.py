@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 from .attempts import AttemptHistoryReader
 from .history import StatsHistoryReader
 from .keys import ApiKeyStore
-from .live_work import LiveWorkReader
+from .live_work import FlowStateReader, LiveWorkReader
 from .message_state import EndWatcher, MessageState
 from .processes import ProcessRegistry
 from .retirement import TopologyLifecycle
@@ -67,6 +67,8 @@ class Ports:
     """Stored results (the jobs layer's status and ``wait``): behind a router, the database's."""
     ends: EndWatcher | None = None
     """Announces the end of a watched delivery (``wait`` without polling): behind a router, the database's."""
+    flow: FlowStateReader | None = None
+    """How full the flow limits are (behind a router: the database's, where the limits hold)."""
 
     @classmethod
     def of(cls, transport: Transport) -> Ports:
@@ -86,6 +88,7 @@ class Ports:
             router=router,
             state=database if isinstance(database, MessageState) else None,
             ends=database if isinstance(database, EndWatcher) else None,
+            flow=database if isinstance(database, FlowStateReader) else None,
         )
 
     def for_topic(self, topic: str) -> Transport:

@@ -107,6 +107,9 @@ class RoutingTransport:
             exact_backlog=all(t.capabilities.exact_backlog for t in self._all()),
             terminal_counts=all(t.capabilities.terminal_counts for t in self._all()),
             retry_keeps_key_busy=any(t.capabilities.retry_keeps_key_busy for t in self._all()),
+            priority=all(t.capabilities.priority for t in self._all()),
+            concurrency_limits=all(t.capabilities.concurrency_limits for t in self._all()),
+            rate_limits=all(t.capabilities.rate_limits for t in self._all()),
         )
 
     # -- routing ---------------------------------------------------------------------------------

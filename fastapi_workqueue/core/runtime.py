@@ -37,7 +37,7 @@ from .request_load import RequestLoad
 from .settler import Settler
 from .tasks import TaskScope, cancel_and_wait
 from .topology import SubscriptionState
-from .transport import ClaimedDelivery, HeartbeatRequest, Settlement, SettleResult, Transport
+from .transport import Claimed, ClaimedDelivery, HeartbeatRequest, HeldBack, Settlement, SettleResult, Transport
 from .words import count
 
 log = redacting_logger("fastapi_workqueue.runtime")
@@ -52,6 +52,9 @@ LEFTOVER_GRACE_SECONDS = 0.5
 """Handlers that take less than this on average get a second set of deliveries claimed ahead."""
 WAKE_BACKOFF_MIN = 0.01
 """The first pause after a wake-up claim that found nothing; it doubles up to ``wake_backoff``."""
+SLOT_POLL_SECONDS = 0.1
+"""How long a consumer whose work a ``max_in_flight`` or ``key_concurrency`` limit holds back waits
+before it looks again (at once when one of its own deliveries of the subscription settles)."""
 
 Resolver = Callable[[str], HandlerSpec | None]
 
@@ -142,6 +145,9 @@ class Consumer:
         self.completed_total = 0
         self.settled_total = 0
         self._running: dict[str, _Running] = {}
+        self._held_back: HeldBack | None = None
+        """What the last claim said a flow limit kept back (None: nothing)."""
+        self._slot_settled = False
         self._wake = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._stopping = False
@@ -403,7 +409,12 @@ class Consumer:
                 self._fill()
                 if len(batch) == free:
                     continue
-            elif self.stop_when_idle and not self._held:
+            if self._held_back is not None:
+                # A flow limit keeps claimable work back: wait for it, not for new work.
+                idle = self.idle_poll_min
+                await self._wait_for_limit(self._held_back)
+                continue
+            if not batch and self.stop_when_idle and not self._held:
                 # One-shot: idle only when a claim made after this consumer's own settles were
                 # written finds nothing (settling a keyed delivery is what frees its key's next one).
                 if self.settler.backlog or self.settled_total != settled_before:
@@ -416,6 +427,27 @@ class Consumer:
             woken = self._wake.is_set()
             if not woken:
                 idle = min(idle * 2, self.idle_poll_max)
+
+    async def _wait_for_limit(self, held: HeldBack) -> None:
+        """Waits while a flow limit of the subscription holds its work back: until the next token
+        is due (``retry_after``; a wake-up brings no token, so it does not end the wait), or, for
+        a slot (``max_in_flight``, ``key_concurrency``), until one of this consumer's deliveries
+        settles or :data:`SLOT_POLL_SECONDS` pass. Stop and pause end it at once."""
+        if held.retry_after is None:
+            seconds = SLOT_POLL_SECONDS * random.uniform(0.9, 1.1)
+        else:
+            seconds = min(max(held.retry_after, 0.001), self.idle_poll_max)
+        deadline = self._clock() + seconds
+        self._slot_settled = False
+        while not self._stopping and not self._paused:
+            if held.retry_after is None and self._slot_settled:
+                return
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                return
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=remaining)
 
     async def _back_off_after_empty_wakes(self) -> bool:
         """Before a claim a wake-up asked for: waits out the pause that follows wake-up claims
@@ -458,6 +490,8 @@ class Consumer:
         handler, claim = self._handler_seconds, self._claim_seconds
         if handler is None or claim is None or handler > PREFETCH_BELOW_SECONDS or self.max_deliveries is not None:
             return 0
+        if any(s.flow_limited for group in self._groups for s in group):
+            return 0  # what is claimed ahead holds a slot (and a token) that another process could run
         return min(MAX_PREFETCH, math.ceil(self.concurrency * claim / max(handler, 1e-6)))
 
     async def _claim(self, limit: int) -> list[tuple[SubscriptionState, ClaimedDelivery]]:
@@ -465,16 +499,26 @@ class Consumer:
         A group of several subscriptions is claimed in one call, the oldest due delivery first."""
         started = self._clock()
         batch: list[tuple[SubscriptionState, ClaimedDelivery]] = []
+        held: list[HeldBack] = []
         for group in self._groups:
             wanted = limit - len(batch)
             if wanted <= 0:
                 break
-            if len(group) == 1:
-                batch.extend((group[0], d) for d in await self.transport.claim(group[0].name, wanted))
-            else:
-                by_name = {s.name: s for s in group}
-                pairs = await self.transport.claim_many([s.name for s in group], wanted)
+            # A subscription with flow limits is claimed on its own (claim_many takes none).
+            shared = [s for s in group if not s.flow_limited] if len(group) > 1 else []
+            if len(shared) > 1:
+                by_name = {s.name: s for s in shared}
+                pairs = await self.transport.claim_many([s.name for s in shared], wanted)
                 batch.extend((by_name[name], d) for name, d in pairs)
+            for sub in (s for s in group if len(shared) < 2 or s.flow_limited):
+                wanted = limit - len(batch)
+                if wanted <= 0:
+                    break
+                got = await self.transport.claim(sub.name, wanted)
+                batch.extend((sub, d) for d in got)
+                if isinstance(got, Claimed) and got.held_back is not None:
+                    held.append(got.held_back)
+        self._held_back = _soonest(held) if len(batch) < limit else None
         took = self._clock() - started
         previous = self._claim_seconds
         self._claim_seconds = took if previous is None else previous * 0.8 + took * 0.2
@@ -593,6 +637,9 @@ class Consumer:
 
     def _settled(self, settlement: Settlement, result: SettleResult | None) -> None:
         self.settled_total += 1
+        if self._held_back is not None:  # a slot a flow limit waits for may be free now
+            self._slot_settled = True
+            self._wake.set()
         if result == "Completed":
             self.completed_total += 1
         elif result == "LeaseLost" and settlement.reason != "LeaseLost":
@@ -869,6 +916,14 @@ def _work_label(running: _Running) -> str:
     context = running.context
     name = context.work_name if context is not None else None
     return f" (job {name})" if name else ""
+
+
+def _soonest(held: Sequence[HeldBack]) -> HeldBack | None:
+    """Of the limits several claims reported, the one to wait for first: a slot (no time) before
+    any token, else the token due soonest."""
+    if not held:
+        return None
+    return min(held, key=lambda h: -1.0 if h.retry_after is None else h.retry_after)
 
 
 def _ids(runnings: Iterable[_Running], shown: int = 10) -> str:

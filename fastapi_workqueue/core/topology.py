@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from .envelope import MAX_ATTEMPTS_LIMIT, MAX_DELAY_SECONDS
 from .filters import validate_filter
+from .flow import parse_rate
 from .wire import WireModel
 
 PartitionMode = Literal["None", "Exclusive", "Ordered"]
@@ -80,11 +81,25 @@ class Subscription(WireModel):
     status: SubscriptionStatus = "Active"
     host_type: HostType = "worker"
     retention_seconds: float = Field(default=DEFAULT_RETENTION_SECONDS, ge=0, le=MAX_DELAY_SECONDS)
+    # Flow limits, held across every process (docs/design/flow-control.md); None: no limit.
+    max_in_flight: int | None = Field(default=None, ge=1, le=MAX_ATTEMPTS_LIMIT)
+    """At most this many deliveries InFlight at once, in all processes together."""
+    key_concurrency: int | None = Field(default=None, ge=1, le=MAX_ATTEMPTS_LIMIT)
+    """At most this many InFlight per partition key (None mode; Exclusive and Ordered keys have 1)."""
+    rate_limit: str | None = None
+    """At most this many claims per second, minute or hour (``"50/s"``, ``"600/m"``, ``"1000/h"``)."""
+    key_rate_limit: str | None = None
+    """The same per partition key (each key its own bucket)."""
 
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
         return check_name("subscription", value)
+
+    @field_validator("rate_limit", "key_rate_limit")
+    @classmethod
+    def _rate(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else str(parse_rate(value, info.field_name or "rate_limit"))
 
     @field_validator("topic")
     @classmethod
@@ -103,7 +118,26 @@ class Subscription(WireModel):
                 f"backoff_max_seconds ({self.backoff_max_seconds}) is below backoff_base_seconds "
                 f"({self.backoff_base_seconds}); raise the maximum or lower the base"
             )
+        if self.key_concurrency not in (None, 1) and self.partition_mode != "None":
+            raise ValueError(
+                f"key_concurrency={self.key_concurrency} does not fit partition_mode {self.partition_mode!r}: its keys "
+                "run one delivery at a time already (key_concurrency 1); use partition_mode 'None' to run several "
+                "of a key at once, or leave key_concurrency out"
+            )
         return self
+
+    @property
+    def flow_limited(self) -> bool:
+        """Whether a claim must count or meter anything: a limit other than what the partition
+        mode already gives (``key_concurrency`` 1 on an Exclusive or Ordered subscription)."""
+        return (self.max_in_flight is not None or self.rate_limit is not None or self.key_rate_limit is not None
+                or (self.key_concurrency is not None and self.partition_mode == "None"))
+
+    def flow_limits(self) -> dict[str, int | str]:
+        """The limits that are set, by field name (what listings and the dashboard show)."""
+        limits = {"max_in_flight": self.max_in_flight, "key_concurrency": self.key_concurrency,
+                  "rate_limit": self.rate_limit, "key_rate_limit": self.key_rate_limit}
+        return {name: value for name, value in limits.items() if value is not None}
 
     @property
     def heartbeat_interval_seconds(self) -> float:

@@ -10,12 +10,13 @@ have (ending claims that wait for work, a process registry, API keys ...) is a p
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from .envelope import PreparedMessage, PublishResult
+from .flow import HeldBackLimit
 from .outcomes import FollowUp
 from .reports import (
     ActionResult,
@@ -56,6 +57,12 @@ class Capabilities:
     message_state: bool = True
     """Keeps what :mod:`.message_state` names: a completion's result (False: a broker keeps none;
     the jobs layer's status, results, groups and debounce live in the database)."""
+    priority: bool = True
+    """A published message's ``priority`` orders the claims of its deliveries (False: SQS, refused)."""
+    concurrency_limits: bool = True
+    """A subscription's ``max_in_flight`` and ``key_concurrency`` hold across processes (False: Unsupported)."""
+    rate_limits: bool = True
+    """A subscription's ``rate_limit`` and ``key_rate_limit`` hold across processes (False: Unsupported)."""
     notes: tuple[str, ...] = ()
 
 
@@ -82,6 +89,28 @@ class ClaimedDelivery:
     """How long after the claim call started the transport started (or restarted) this lease: the
     runtime counts the lease from then. 0 where the lease starts inside the claim (a database's
     transaction); an SQS receive that long-polled renews the lease once the message is there."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeldBack:
+    """A flow limit of the subscription kept claimable work back in a claim (none of it was claimed
+    or spent an attempt)."""
+
+    limit: HeldBackLimit
+    retry_after: float | None = None
+    """Seconds until the limit lets another delivery through (a rate limit's next token); None
+    when that waits for a delivery in flight to end (``max_in_flight``, ``key_concurrency``)."""
+
+
+class Claimed(list[ClaimedDelivery]):
+    """What :meth:`Consuming.claim` answers: the deliveries claimed, and ``held_back`` when a flow
+    limit of the subscription kept claimable work back (a plain list from a transport without limits)."""
+
+    __slots__ = ("held_back",)
+
+    def __init__(self, deliveries: Iterable[ClaimedDelivery] = (), held_back: HeldBack | None = None) -> None:
+        super().__init__(deliveries)
+        self.held_back = held_back
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,11 +184,15 @@ class Publishing(Protocol):
 class Consuming(Protocol):
     """Claiming under a lease, renewing it, and settling what was claimed."""
 
-    async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]: ...
+    async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
+        """Up to ``limit`` deliveries under lease, the highest priority first, within the
+        subscription's flow limits (a :class:`Claimed` says when one held work back)."""
+        ...
     async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
-        """One claim across several None-mode subscriptions: up to ``limit`` deliveries, the oldest
-        due first whatever their subscription, each with its subscription's name and lease. An
-        Exclusive or Ordered subscription among them is refused with a ValueError."""
+        """One claim across several None-mode subscriptions: up to ``limit`` deliveries, the highest
+        priority and then the oldest due first whatever their subscription, each with its
+        subscription's name and lease. An Exclusive or Ordered subscription among them, or one with
+        flow limits, is refused with a ValueError (claim takes those)."""
         ...
     async def heartbeat(self, requests: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]: ...
     async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]: ...

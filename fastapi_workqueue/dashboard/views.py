@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 from ..core.attempts import AttemptInfo
 from ..core.history import StatsPoint
 from ..core.host import SubscriptionHealth
-from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts
+from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, FlowState, LiveCounts
 from ..core.processes import ProcessInfo
 from ..core.redaction import redact
 from ..core.reports import DeliveryInfo
@@ -112,6 +112,8 @@ class SubscriptionPage:
     """The job queue the subscription serves (its dead letters are failed jobs), or None."""
     jobs: list[JobRow] = field(default_factory=list)
     """The jobs declared on that queue."""
+    flow: FlowState | None = None
+    """How full its flow limits are and what waits on them (None: it has none, or the store reads none)."""
 
 
 def stuck_before(kernel: Kernel, now: datetime) -> datetime:
@@ -275,11 +277,13 @@ async def subscription_page(kernel: Kernel, jobs: Callable[[], Jobs], state: Sub
         blocked = await live.blocked_keys(name, limit=PAGE, cap=WAITING_CAP)
     causes = group_causes(dead[:SCAN], complete=len(dead) <= SCAN) if dead and after is None else None
     dead = dead[:PAGE + 1]
+    flow_reader = kernel.ports.flow
+    flow = await flow_reader.flow_state(name, cap=WAITING_CAP) if state.flow_limited and flow_reader else None
     return SubscriptionPage(now=now, row=row, history=history, has_history=has_history, in_flight=in_flight,
                             dead_letters=dead[:PAGE], next_after=next_after, after=after, blocked=blocked,
                             causes=causes, stuck_before=stuck_before(kernel, now),
                             job_queue=(served := job_queue(name)),
-                            jobs=[] if served is None else declared_jobs(jobs(), served))
+                            jobs=[] if served is None else declared_jobs(jobs(), served), flow=flow)
 
 
 @dataclass

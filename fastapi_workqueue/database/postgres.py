@@ -187,6 +187,7 @@ class PostgresTransport(RoutineTransport):
             p_max_attempts=m.max_attempts,
             p_backoff_schedule=backoff_schedule_json(m),
             p_envelope_bytes=m.envelope_bytes,
+            p_priority=m.priority or None,
         )
         if not rows:  # no rows: Accepted (and, from publish_one_quiet, nobody to wake)
             return [accepted(m)]

@@ -32,7 +32,7 @@ from ..core.errors import ConfigurationError, TransportError, WorkQueueError
 from ..core.history import StatsPoint
 from ..core.keys import ApiKeyInfo, KeyRecord
 from ..core.lifecycle import follow_up_refused, settle_delay
-from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, LiveCounts
+from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, FlowState, LiveCounts
 from ..core.message_state import GroupMember
 from ..core.observe import HEADERS_KEY, split_headers, trace_id_of
 from ..core.processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
@@ -55,9 +55,11 @@ from ..core.search import SEARCH_LIMIT, FoundDelivery
 from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic, TopicState
 from ..core.transport import (
     Capabilities,
+    Claimed,
     ClaimedDelivery,
     HeartbeatRequest,
     HeartbeatResult,
+    HeldBack,
     Settlement,
     SettleResult,
     WakeupListener,
@@ -177,6 +179,8 @@ class RoutineTransport:
                 p_backoff_max_seconds=sub.backoff_max_seconds, p_max_processing_seconds=sub.max_processing_seconds,
                 p_heartbeat_mode=sub.heartbeat_mode, p_filter=None if sub.filter is None else json.dumps(sub.filter),
                 p_host_type=sub.host_type, p_retention_seconds=sub.retention_seconds, p_status=sub.status,
+                p_max_in_flight=sub.max_in_flight, p_key_concurrency=sub.key_concurrency,
+                p_rate_limit=sub.rate_limit, p_key_rate_limit=sub.key_rate_limit,
             )
 
     async def list_subscriptions(self) -> list[SubscriptionState]:
@@ -190,6 +194,8 @@ class RoutineTransport:
                 heartbeat_mode=r["heartbeat_mode"], filter=json_value(r["filter"]), status=r["status"],
                 host_type=r["host_type"], retention_seconds=r["retention_seconds"], topic_status=r["topic_status"],
                 transport_name=r["transport"], is_fifo=bool(r["is_fifo"]),
+                max_in_flight=r["max_in_flight"], key_concurrency=r["key_concurrency"], rate_limit=r["rate_limit"],
+                key_rate_limit=r["key_rate_limit"],
             )
             for r in rows
         ]
@@ -221,13 +227,13 @@ class RoutineTransport:
         # One pass over the messages, then one list per column (the routine takes arrays).
         empty = self.empty_attributes
         (ids, keys, attributes, payloads, refs, correlations, hashes, dedup_keys, dedup_ttls, delays,
-         not_befores, max_attempts, backoffs, sizes) = map(list, zip(*[
+         not_befores, max_attempts, backoffs, sizes, priorities) = map(list, zip(*[
             (m.message_id, m.partition_key, m.attributes_json if m.attributes or m.headers else empty, m.payload_json,
              m.payload_ref, m.correlation_id,
              m.content_hash, m.deduplication_key,
              m.deduplication_ttl_seconds if m.deduplication_key is not None else None,
              m.delay_seconds, m.not_before, m.max_attempts,
-             backoff_schedule_json(m), m.envelope_bytes)
+             backoff_schedule_json(m), m.envelope_bytes, m.priority or None)
             for m in messages
         ], strict=True))
         rows = list(await self.call(
@@ -248,6 +254,7 @@ class RoutineTransport:
             p_max_attempts=max_attempts,
             p_backoff_schedules=backoffs,
             p_envelope_bytes=sizes,
+            p_priorities=priorities,
         ))
         if not rows:  # the routine's shorthand: every item was Accepted
             return [accepted(m) for m in messages]
@@ -259,6 +266,9 @@ class RoutineTransport:
     async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
         rows = await self.call("claim", retry=False, p_subscription=subscription, p_limit=limit,
                                p_holder=current_process().id, p_now=self._now())
+        if rows and rows[-1]["delivery_id"] is None:  # a flow limit kept work back: said in a last row
+            last = rows[-1]
+            return Claimed([claimed(r) for r in rows[:-1]], HeldBack(last["held_back"], last["retry_after"]))
         return [claimed(r) for r in rows]
 
     async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
@@ -482,6 +492,15 @@ class RoutineTransport:
         """The stats history recorded since ``since`` (at most a day back), oldest first."""
         rows = await self.call("stats_history", p_since=since, p_subscription=subscription)
         return [StatsPoint.model_validate(as_dict(r)) for r in rows]
+
+    async def flow_state(self, subscription: str, *, cap: int = LIVE_COUNT_CAP) -> FlowState | None:
+        """How full ``subscription``'s flow limits are now (:class:`FlowState`); None when unknown."""
+        rows = await self.call("flow_state", p_subscription=subscription, p_cap=cap, p_now=self._now())
+        if not rows:
+            return None
+        r = rows[0]
+        return FlowState(subscription=subscription, in_flight=r["in_flight"], tokens=r["tokens"],
+                         keys_at_limit=r["keys_at_limit"], waiting=r["waiting"], cap=cap)
 
     async def live_counts(
         self, subscription: str | None = None, *, cap: int = LIVE_COUNT_CAP, stuck_before: datetime | None = None
@@ -822,6 +841,7 @@ def as_uuid(value: Any) -> uuid.UUID:
 
 
 CLAIM_MANY_REFUSAL = "claim_many takes None-mode subscriptions only"
+"""How every dialect's claim_many starts its refusal of a keyed subscription or one with flow limits."""
 """The start of the error every dialect's claim_many raises for an Exclusive or Ordered subscription."""
 
 

@@ -1,6 +1,6 @@
 """The dashboard's routines for SQLite, as PostgreSQL's (``sql/postgresql/schema.sql``
 says what they count and why): the stats history (``record_stats_history``, ``stats_history``) and
-the bounded reads of the live work (``live_counts``, ``blocked_keys``).
+the bounded reads of the live work (``live_counts``, ``blocked_keys``, ``flow_state``).
 
 SQLite has one writer, so the look at the last row and the insert that follows it cannot be
 interleaved with another process's: no lock of their own is needed.
@@ -8,8 +8,10 @@ interleaved with another process's: no lock of their own is needed.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
+from ..core.flow import parse_rate, refill
 from .sqlite_routines import Call, Row, epoch, routine, ts
 
 SETTLE_LAG_SECONDS = 30.0
@@ -64,3 +66,36 @@ async def r_blocked_keys(c: Call, p_subscription: str, p_limit: int, p_cap: int 
     for row in rows:
         row["head_visible_at"] = ts(row["head_visible_at"])
     return rows
+
+
+@routine
+async def r_flow_state(c: Call, p_subscription: str, p_cap: int = 1000, p_now: datetime | None = None) -> list[Row]:
+    """How full a subscription's flow limits are (as PostgreSQL's flow_state counts it)."""
+    c = c.at(p_now)
+    subs = await c.ex.fetch("subscription_get", name=p_subscription)
+    if not subs:
+        return []
+    sub = subs[0]
+    key_concurrency = sub["key_concurrency"] if sub["partition_mode"] == "None" else None
+    rate = parse_rate(sub["rate_limit"]) if sub["rate_limit"] else None
+    key_rate = parse_rate(sub["key_rate_limit"]) if sub["key_rate_limit"] else None
+    [busy] = await c.ex.fetch("in_flight_count", subscription_id=sub["id"], now=c.now)
+    in_flight = min(busy["n"], p_cap)
+    buckets = await c.ex.fetch("rate_buckets", subscription_id=sub["id"]) if rate or key_rate else []
+    tokens = None
+    if rate is not None:
+        own = [b for b in buckets if not b["per_key"]]
+        tokens = refill(own[0]["tokens"] if own else None, own[0]["updated_at"] if own else None, c.now, rate)
+    keys: set[str] = set()
+    if key_concurrency is not None:
+        keys |= {r["partition_key"] for r in await c.ex.fetch("in_flight_keys", subscription_id=sub["id"], now=c.now)
+                 if r["n"] >= key_concurrency}
+    if key_rate is not None:
+        keys |= {b["partition_key"] for b in buckets
+                 if b["per_key"] and refill(b["tokens"], b["updated_at"], c.now, key_rate) < 1}
+    full = ((sub["max_in_flight"] is not None and in_flight >= sub["max_in_flight"])
+            or (tokens is not None and tokens < 1))
+    [waiting] = await c.ex.fetch("flow_waiting", subscription_id=sub["id"], now=c.now, full=int(full),
+                                 keys=json.dumps(sorted(keys)), cap=p_cap)
+    return [{"in_flight": in_flight, "tokens": tokens, "keys_at_limit": min(len(keys), p_cap),
+             "waiting": waiting["n"]}]

@@ -9,6 +9,7 @@ step; comments name the differences.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -17,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from ..core.errors import TransportError
+from ..core.flow import Rate, key_rooms, parse_rate, refill, take_limited, tokens_due_in
 from ..core.lifecycle import (
     BackoffPolicy,
     BatchItem,
@@ -55,7 +57,7 @@ ROUTINES: dict[str, Routine] = {}
 READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions", "list_subscriptions",
              "list_topics", "schema_versions", "api_key_list", "api_key_verify", "api_key_session", "known_messages",
              "message_deliveries", "delivery_attempts", "result_get", "group_members",
-             "search_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys",
+             "search_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys", "flow_state",
              "list_processes"}
 """Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
 
@@ -95,6 +97,7 @@ async def refresh_partition(c: Call, subscription_id: int, key: str, mode: int) 
             holder = None
     next_id: int | None = None
     next_visible: float | None = None
+    next_priority = 0
     blocked: int | None = None
     if mode == 2:
         heads = await c.ex.fetch("ordered_head", subscription_id=subscription_id, key=key)
@@ -105,17 +108,17 @@ async def refresh_partition(c: Call, subscription_id: int, key: str, mode: int) 
             elif head["status"] == "DeadLettered":
                 blocked = head["id"]
             elif holder is None:
-                next_id, next_visible = head["id"], head["visible_at"]
+                next_id, next_visible, next_priority = head["id"], head["visible_at"], head["priority"]
     elif holder is None:
         nxt = await c.ex.fetch("exclusive_next", subscription_id=subscription_id, key=key)
         if nxt:
-            next_id, next_visible = nxt[0]["id"], nxt[0]["visible_at"]
+            next_id, next_visible, next_priority = nxt[0]["id"], nxt[0]["visible_at"], nxt[0]["priority"]
     if holder is None and next_id is None and blocked is None:
         await c.ex.execute("partition_delete", subscription_id=subscription_id, key=key)
         return False
     await c.ex.execute(
         "partition_set", subscription_id=subscription_id, key=key, holder_id=holder, next_id=next_id,
-        next_visible_at=next_visible, blocked_id=blocked,
+        next_visible_at=next_visible, blocked_id=blocked, next_priority=next_priority,
     )
     return holder is None and next_visible is not None and next_visible <= c.now
 
@@ -225,7 +228,7 @@ async def r_delete_subscription(c: Call, p_name: str) -> list[Row]:
     if live["n"]:
         return [{"subscription": p_name, "result": "HasDeliveries", "remaining": live["n"]}]
     for statement in ("subscription_deliveries_delete", "subscription_keys_delete", "subscription_counts_delete",
-                      "subscription_history_delete", "subscription_delete"):
+                      "subscription_history_delete", "subscription_buckets_delete", "subscription_delete"):
         await c.ex.execute(statement, id=sub["id"])
     return [{"subscription": p_name, "result": "Deleted", "remaining": 0}]
 
@@ -276,9 +279,10 @@ async def r_publish(
     p_deduplication_keys: Sequence[str | None], p_deduplication_ttls: Sequence[float | None],
     p_delays: Sequence[float | None], p_not_befores: Sequence[datetime | None],
     p_max_attempts: Sequence[int | None], p_backoff_schedules: Sequence[str | None],
-    p_envelope_bytes: Sequence[int],
+    p_envelope_bytes: Sequence[int], p_priorities: Sequence[int | None] | None = None,
 ) -> list[Row]:
     n = len(p_message_ids)
+    priorities = [0] * n if p_priorities is None else [p or 0 for p in p_priorities]
     ids = [str(m) for m in p_message_ids]
     topic = await c.ex.fetch("topic_get", name=p_topic)
     if not topic or topic[0]["retired_at"] is not None:
@@ -333,7 +337,7 @@ async def r_publish(
     for subscription_id, key in keyed:
         await c.ex.execute("partition_touch", subscription_id=subscription_id, key=key)
 
-    first_of_key: dict[tuple[int, str], tuple[int, int, float]] = {}
+    first_of_key: dict[tuple[int, str], tuple[int, int, float, int]] = {}
     for i, sub in pairs:
         key = p_partition_keys[i]
         partition_mode = sub["partition_mode"]
@@ -344,7 +348,7 @@ async def r_publish(
             "delivery_insert", subscription_id=sub["id"], message_id=ids[i], partition_key=key, key_mode=mode,
             max_attempts=p_max_attempts[i] or sub["max_attempts"], backoff_base_seconds=sub["backoff_base_seconds"],
             backoff_max_seconds=sub["backoff_max_seconds"], backoff_schedule=p_backoff_schedules[i],
-            visible_at=visible, now=c.now,
+            visible_at=visible, now=c.now, priority=priorities[i],
         )
         if mode == 0:
             if visible <= c.now:
@@ -353,11 +357,11 @@ async def r_publish(
         current = first_of_key.get((sub["id"], key))  # type: ignore[arg-type]
         # Ordered: the first new delivery of the key; Exclusive: its earliest visible one.
         if current is None or (mode == 1 and (visible, row["id"]) < (current[2], current[1])):
-            first_of_key[(sub["id"], key)] = (mode, row["id"], visible)  # type: ignore[index]
-    for (subscription_id, key), (mode, delivery_id, visible) in sorted(first_of_key.items()):
+            first_of_key[(sub["id"], key)] = (mode, row["id"], visible, priorities[i])  # type: ignore[index]
+    for (subscription_id, key), (mode, delivery_id, visible, priority) in sorted(first_of_key.items()):
         advanced = await c.ex.execute(
             "partition_advance", subscription_id=subscription_id, key=key, id=delivery_id, visible_at=visible,
-            key_mode=mode,
+            key_mode=mode, priority=priority,
         )
         if advanced and visible <= c.now:
             c.wake.add(subscription_id)
@@ -376,19 +380,28 @@ async def r_claim(c: Call, p_subscription: str, p_limit: int, p_holder: Any = No
     if not subs or p_limit < 1:
         return []
     sub = subs[0]
-    keyed: list[Row] = []
-    if sub["partition_mode"] != "None":
-        keyed = await c.ex.fetch("partition_ready", subscription_id=sub["id"], now=c.now, limit=p_limit)
-    share = p_limit if not keyed else max(p_limit - len(keyed), p_limit // 2)
-    unkeyed = await c.ex.fetch("claimable_unkeyed", subscription_id=sub["id"], now=c.now, limit=share)
-    if keyed and len(keyed) + len(unkeyed) > p_limit:
-        keyed = keyed[: p_limit - len(unkeyed)]
+    limits = Limits.of(sub)
+    if limits is None:
+        keyed: list[Row] = []
+        if sub["partition_mode"] != "None":
+            # Keys by the priority of their next delivery, then the earliest due.
+            keyed = await _ranked(c, "partition_ready", sub["id"], p_limit)
+        share = p_limit if not keyed else max(p_limit - len(keyed), p_limit // 2)
+        unkeyed = await _ranked(c, "claimable_unkeyed", sub["id"], share) if share > 0 else []
+        if keyed and len(keyed) + len(unkeyed) > p_limit:
+            keyed = keyed[: p_limit - len(unkeyed)]
+        return await _take(c, sub, keyed, unkeyed, p_holder)
+    return await _claim_limited(c, sub, limits, p_limit, p_holder)
+
+
+async def _take(c: Call, sub: Row, keyed: list[Row], unkeyed: list[Row], holder: Any) -> list[Row]:
+    """Claims the chosen keys' next deliveries and the chosen deliveries without a key lock."""
     out: list[Row] = []
     lease_expires = c.now + sub["lease_seconds"]
     stale: list[str] = []
     for candidate, key in [(k["next_id"], k["partition_key"]) for k in keyed] + [(u["id"], None) for u in unkeyed]:
         rows = await c.ex.fetch("delivery_claim", id=candidate, token=str(uuid.uuid4()),
-                                lease_expires_at=lease_expires, now=c.now, holder=_text(p_holder))
+                                lease_expires_at=lease_expires, now=c.now, holder=_text(holder))
         if not rows:
             if key is not None:
                 stale.append(key)
@@ -401,8 +414,132 @@ async def r_claim(c: Call, p_subscription: str, p_limit: int, p_holder: Any = No
     mode = 1 if sub["partition_mode"] == "Exclusive" else 2
     for key in stale:
         await refresh_partition(c, sub["id"], key, mode)
-    out.sort(key=lambda r: r["delivery_id"])
+    out.sort(key=lambda r: (-r["priority"], r["delivery_id"]))
+    for row in out:
+        del row["priority"]
     return out
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A subscription's flow limits as a claim applies them (None mode's key_concurrency only)."""
+
+    max_in_flight: int | None
+    key_concurrency: int | None
+    rate: Rate | None
+    key_rate: Rate | None
+
+    @classmethod
+    def of(cls, sub: Row) -> Limits | None:
+        key_concurrency = sub["key_concurrency"] if sub["partition_mode"] == "None" else None
+        rate = parse_rate(sub["rate_limit"]) if sub["rate_limit"] else None
+        key_rate = parse_rate(sub["key_rate_limit"]) if sub["key_rate_limit"] else None
+        if sub["max_in_flight"] is None and key_concurrency is None and rate is None and key_rate is None:
+            return None
+        return cls(sub["max_in_flight"], key_concurrency, rate, key_rate)
+
+
+async def _claim_limited(c: Call, sub: Row, limits: Limits, limit: int, holder: Any) -> list[Row]:
+    """claim under flow limits (docs/design/flow-control.md), as PostgreSQL's claim runs it; the
+    file's single writer keeps other claimers out while it counts. A last row without a delivery
+    says which limit kept claimable work back, and when a token is due."""
+    sid = sub["id"]
+    room, held = limit, None
+    if limits.max_in_flight is not None:
+        [busy] = await c.ex.fetch("in_flight_count", subscription_id=sid, now=c.now)
+        if limits.max_in_flight - busy["n"] < room:
+            room, held = max(limits.max_in_flight - busy["n"], 0), "MaxInFlight"
+    buckets: dict[tuple[bool, str], Row] = {}
+    if limits.rate or limits.key_rate:
+        rows = await c.ex.fetch("rate_buckets", subscription_id=sid)
+        buckets = {(bool(b["per_key"]), b["partition_key"]): b for b in rows}
+
+    def tokens(per_key: bool, key: str, rate: Rate) -> float:
+        b = buckets.get((per_key, key))
+        return refill(None if b is None else b["tokens"], None if b is None else b["updated_at"], c.now, rate)
+
+    sub_tokens = 0.0
+    if limits.rate is not None:
+        sub_tokens = tokens(False, "", limits.rate)
+        if math.floor(sub_tokens) < room:
+            room, held = math.floor(sub_tokens), "RateLimit"
+    in_flight: dict[str, int] = {}
+    if limits.key_concurrency is not None:
+        in_flight = {r["partition_key"]: r["n"] for r in await c.ex.fetch("in_flight_keys", subscription_id=sid,
+                                                                            now=c.now)}
+    by_concurrency = key_rooms(limits.key_concurrency, in_flight)
+
+    def key_room(key: str) -> float:
+        spare = by_concurrency(key)
+        return spare if limits.key_rate is None else min(spare, tokens(True, key, limits.key_rate))
+
+    keys = set(in_flight) | {k for per_key, k in buckets if per_key}
+    blocked = json.dumps(sorted(k for k in keys if key_room(k) < 1))
+    keyed: list[Row] = []
+    unkeyed: list[Row] = []
+    if room > 0 and sub["partition_mode"] != "None":
+        keyed = await _ranked(c, "partition_ready_past", sid, room, blocked=blocked)
+    share = room if not keyed else max(room - len(keyed), room // 2)
+    if share > 0:
+        window = await _ranked(c, "claimable_unkeyed_past", sid, share * 4, blocked=blocked)
+        window.sort(key=lambda r: (-r["priority"], r["visible_at"], r["id"]))
+        unkeyed = take_limited(window, share, lambda r: r["partition_key"],
+                               key_room if sub["partition_mode"] == "None" else lambda key: math.inf)
+    if keyed and len(keyed) + len(unkeyed) > room:
+        keyed = keyed[: room - len(unkeyed)]
+    claimed_keys = {k["partition_key"]: 1 for k in keyed}
+    for u in unkeyed:
+        if u["partition_key"] is not None:
+            claimed_keys[u["partition_key"]] = claimed_keys.get(u["partition_key"], 0) + 1
+    out = await _take(c, sub, keyed, unkeyed, holder)
+    got = len(out)
+    if got and limits.rate is not None:
+        await c.ex.execute("rate_bucket_put", subscription_id=sid, per_key=0, key="", tokens=sub_tokens - got,
+                           now=c.now)
+    if got and limits.key_rate is not None:
+        for key, n in sorted(claimed_keys.items()):
+            await c.ex.execute("rate_bucket_put", subscription_id=sid, per_key=1, key=key,
+                               tokens=tokens(True, key, limits.key_rate) - n, now=c.now)
+    if held is None and got < limit and blocked != "[]":
+        spent = limits.key_rate is not None and any(
+            tokens(True, k, limits.key_rate) < 1 for per_key, k in buckets if per_key)
+        held = "KeyRateLimit" if limits.key_rate is not None and (spent or limits.key_concurrency is None) \
+            else "KeyConcurrency"
+    if held is None and got < limit and len(unkeyed) < share:
+        held = "KeyConcurrency" if limits.key_concurrency is not None else "KeyRateLimit"
+    if held is None or got >= limit:
+        return out
+    [waiting] = await c.ex.fetch("work_waiting", subscription_id=sid, now=c.now)
+    if not waiting["waiting"]:
+        return out
+    retry: float | None = None
+    if held == "RateLimit" and limits.rate is not None:
+        retry = tokens_due_in(sub_tokens - got, limits.rate)
+    elif held == "KeyRateLimit" and limits.key_rate is not None:
+        spent_buckets = [b for (per_key, _), b in buckets.items() if per_key] + [
+            {"tokens": tokens(True, k, limits.key_rate) - n, "updated_at": c.now} for k, n in claimed_keys.items()]
+        levels = [refill(b["tokens"], b["updated_at"], c.now, limits.key_rate) for b in spent_buckets]
+        short = [t for t in levels if t < 1]
+        retry = tokens_due_in(max(short), limits.key_rate) if short else None
+    return [*out, held_row(held, retry)]
+
+
+def held_row(limit: str, retry_after: float | None) -> Row:
+    """The last row of a claim a flow limit held back: no delivery, the limit, when a token is due."""
+    return {column: None for column in CLAIM_COLUMNS} | {"held_back": limit, "retry_after": retry_after}
+
+
+CLAIM_COLUMNS = ("delivery_id", "lease_token", "attempt", "max_attempts", "lease_expires_at", "message_id", "topic",
+                 "partition_key", "attributes", "payload", "payload_ref", "correlation_id", "published_at")
+
+
+async def _ranked(c: Call, query: str, subscription_id: int, limit: int, **more: Any) -> list[Row]:
+    """Up to ``limit`` rows of ``query`` (claimable deliveries, or keys that can run), those with a
+    priority first (``<query>_priority``: an index that is empty without them), then the others."""
+    rows = await c.ex.fetch(f"{query}_priority", subscription_id=subscription_id, now=c.now, limit=limit, **more)
+    if len(rows) < limit:
+        rows += await c.ex.fetch(query, subscription_id=subscription_id, now=c.now, limit=limit - len(rows), **more)
+    return rows
 
 
 async def _claimed_row(c: Call, d: Row) -> Row:
@@ -414,6 +551,7 @@ async def _claimed_row(c: Call, d: Row) -> Row:
         "message_id": m["id"], "topic": m["topic"], "partition_key": m["partition_key"],
         "attributes": m["attributes"], "payload": m["payload"], "payload_ref": m["payload_ref"],
         "correlation_id": m["correlation_id"], "published_at": ts(m["published_at"]),
+        "priority": d["priority"],
     }
 
 
@@ -427,24 +565,28 @@ async def r_claim_many(c: Call, p_subscriptions: Sequence[str], p_limit: int, p_
     if p_limit < 1 or not p_subscriptions:
         return []
     subs = await c.ex.fetch("subscriptions_named", names=json.dumps(list(p_subscriptions)))
-    keyed = [s for s in subs if s["partition_mode"] != "None"]
+    keyed = [s for s in subs if s["partition_mode"] != "None" or s["limited"]]
     if keyed:
+        what = (f"is {keyed[0]['partition_mode']}" if keyed[0]["partition_mode"] != "None"
+                else "has flow limits")
         raise ValueError(
-            f"claim_many takes None-mode subscriptions only ({keyed[0]['name']} is {keyed[0]['partition_mode']}); "
-            "claim an Exclusive or Ordered subscription with claim"
+            f"claim_many takes None-mode subscriptions only ({keyed[0]['name']} {what}); "
+            "claim an Exclusive or Ordered subscription, or one with flow limits, with claim"
         )
-    candidates: list[tuple[float, int, Row]] = []
+    candidates: list[tuple[int, float, int, Row]] = []
     for sub in subs:
         if sub["active"]:
-            for row in await c.ex.fetch("claimable_unkeyed", subscription_id=sub["id"], now=c.now, limit=p_limit):
-                candidates.append((row["visible_at"], row["id"], sub))
-    candidates.sort(key=lambda x: (x[0], x[1]))
+            for row in await _ranked(c, "claimable_unkeyed", sub["id"], p_limit):
+                candidates.append((-row["priority"], row["visible_at"], row["id"], sub))
+    candidates.sort(key=lambda x: x[:3])
     out: list[Row] = []
-    for _, candidate, sub in candidates[:p_limit]:
+    for _, _, candidate, sub in candidates[:p_limit]:
         rows = await c.ex.fetch("delivery_claim", id=candidate, token=str(uuid.uuid4()),
                                 lease_expires_at=c.now + sub["lease_seconds"], now=c.now, holder=_text(p_holder))
         if rows:
-            out.append({"subscription": sub["name"], **await _claimed_row(c, rows[0])})
+            claimed = await _claimed_row(c, rows[0])
+            del claimed["priority"]
+            out.append({"subscription": sub["name"], **claimed})
     return out
 
 
@@ -550,11 +692,13 @@ async def r_expire_leases(c: Call, p_limit: int, p_now: datetime | None = None) 
 @routine
 async def r_purge(c: Call, p_limit: int, p_now: datetime | None = None) -> list[Row]:
     c = c.at(p_now)
-    return [{
+    purged = {
         "purged_deliveries": await _delete_settled(c, "purge_deliveries", now=c.now, limit=p_limit),
         "purged_messages": await c.ex.execute("purge_messages", now=c.now, limit=p_limit),
         "purged_deduplication": await c.ex.execute("purge_deduplication", now=c.now, limit=p_limit),
-    }]
+    }
+    await c.ex.execute("rate_buckets_purge", now=c.now, limit=p_limit)  # idle token buckets
+    return [purged]
 
 
 SWEEP_LOCK = "workqueue.sweep"

@@ -19,8 +19,9 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 from pydantic.errors import PydanticSchemaGenerationError, PydanticUserError
 
-from ..core.envelope import MAX_ATTEMPTS_LIMIT, MAX_BACKOFF_ENTRIES, MAX_DELAY_SECONDS
+from ..core.envelope import MAX_ATTEMPTS_LIMIT, MAX_BACKOFF_ENTRIES, MAX_DELAY_SECONDS, MAX_PRIORITY, MIN_PRIORITY
 from ..core.errors import ConfigurationError
+from ..core.flow import parse_rate
 from .context import JobContext
 
 DEFAULT_QUEUE = "default"
@@ -57,6 +58,15 @@ def check_queue_name(queue: str) -> str:
     return queue
 
 
+def check_priority(priority: int, what: str = "priority") -> int:
+    """A job's priority: a whole number from 0 (the default) to 9, higher first (raises ValueError)."""
+    if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(
+            f"{what} must be a whole number from {MIN_PRIORITY} to {MAX_PRIORITY} (higher runs first), got {priority!r}"
+        )
+    return priority
+
+
 def check_backoff(backoff: Sequence[float] | float | None) -> tuple[float, ...] | None:
     if backoff is None:
         return None
@@ -82,6 +92,12 @@ class JobPolicy:
     full-jitter backoff."""
     timeout: float | None = None
     queue: str = DEFAULT_QUEUE
+    priority: int = 0
+    """The priority its jobs are dispatched with (0 to 9, higher first), unless a dispatch says otherwise."""
+    concurrency: int | None = None
+    """At most this many jobs of its queue run at once, in every process: the queue's ``max_in_flight``."""
+    rate_limit: str | None = None
+    """At most this many jobs of its queue start per second, minute or hour: the queue's ``rate_limit``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tries, int) or not 1 <= self.tries <= MAX_ATTEMPTS_LIMIT:
@@ -89,6 +105,29 @@ class JobPolicy:
         if self.timeout is not None and not 0 < self.timeout <= MAX_DELAY_SECONDS:
             raise ConfigurationError(f"timeout must be a number of seconds above 0, got {self.timeout!r}")
         check_queue_name(self.queue)
+        try:
+            check_priority(self.priority)
+            if self.rate_limit is not None:
+                object.__setattr__(self, "rate_limit", str(parse_rate(self.rate_limit)))
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+        if self.concurrency is not None and (
+            type(self.concurrency) is not int or not 1 <= self.concurrency <= MAX_ATTEMPTS_LIMIT
+        ):
+            raise ConfigurationError(
+                f"concurrency must be a whole number of at least 1 (the most jobs of the queue running at once, "
+                f"in every process), got {self.concurrency!r}"
+            )
+
+    @property
+    def queue_limits(self) -> dict[str, int | str]:
+        """The limits it gives its queue, as the queue's subscription names them."""
+        limits: dict[str, int | str] = {}
+        if self.concurrency is not None:
+            limits["max_in_flight"] = self.concurrency
+        if self.rate_limit is not None:
+            limits["rate_limit"] = self.rate_limit
+        return limits
 
 
 @dataclass(slots=True, eq=False)
@@ -174,12 +213,16 @@ def define_job(
     encrypted: bool = False,
     middleware: Sequence[Any] = (),
     store_result: bool = False,
+    priority: int = 0,
+    rate_limit: str | None = None,
+    concurrency: int | None = None,
 ) -> Job:
     """Reads ``func``'s signature and checks the declaration; raises :class:`ConfigurationError`."""
     check_job_name(name)
     if not inspect.iscoroutinefunction(func):
         raise ConfigurationError(f"job {name!r} must be an async function (async def)")
-    policy = JobPolicy(tries=tries, backoff=check_backoff(backoff), timeout=timeout, queue=queue)
+    policy = JobPolicy(tries=tries, backoff=check_backoff(backoff), timeout=timeout, queue=queue, priority=priority,
+                       concurrency=concurrency, rate_limit=rate_limit)
     for mw in middleware:
         if not callable(mw):
             raise ConfigurationError(

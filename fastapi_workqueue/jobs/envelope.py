@@ -58,9 +58,12 @@ class ChainLink:
     timeout: float | None
     payload: Any = None
     encrypted: str | None = None
+    priority: int = 0
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"job": self.job, "id": str(self.id), "queue": self.queue, "tries": self.tries}
+        if self.priority:
+            data["priority"] = self.priority
         if self.backoff is not None:
             data["backoff"] = list(self.backoff)
         if self.timeout is not None:
@@ -82,6 +85,7 @@ class ChainLink:
                 backoff=None if backoff is None else tuple(float(b) for b in backoff),
                 timeout=None if data.get("timeout") is None else float(data["timeout"]),
                 payload=data.get("payload"), encrypted=data.get("encrypted"),
+                priority=int(data.get("priority") or 0),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise EnvelopeInvalid(f"a chain entry is malformed ({exc})") from None

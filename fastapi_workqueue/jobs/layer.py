@@ -36,7 +36,7 @@ from ..core.tasks import TaskScope
 from ..core.topology import Subscription, Topic
 from .context import JobContext, StepStore
 from .debounce import debounce_window, dispatch_debounced, stored_key
-from .definition import DEFAULT_TRIES, Job, check_job_name, check_queue_name, define_job
+from .definition import DEFAULT_TRIES, Job, check_job_name, check_priority, check_queue_name, define_job
 from .encryption import PayloadCipher, PayloadUndecryptable, cipher_from
 from .envelope import (
     JOB_ATTRIBUTE,
@@ -114,8 +114,8 @@ def _ttl(unique_for: float) -> float | None:
 
 _NOTHING = object()
 """No job item read yet (bulk resolves each run of items of one job once)."""
-_Entry = tuple["Job", str, Any, Any, "str | None", "float | None"]
-"""A checked job of a dispatch or bulk: (job, queue, data, sealed payload, encrypted token, delay)."""
+_Entry = tuple["Job", str, Any, Any, "str | None", "float | None", int]
+"""A checked job of a dispatch or bulk: (job, queue, data, sealed payload, encrypted token, delay, priority)."""
 
 
 _LAYERS: weakref.WeakSet[Jobs] = weakref.WeakSet()
@@ -242,6 +242,7 @@ class Jobs:
 
         def register(func: Any) -> Any:
             job = define_job(name, func, **options)
+            self.check_queue_limits(job)
             self.registry.add(job)
             try:
                 self.kernel.prepare_dependencies(job.key, job.func, job.dependency_params)
@@ -261,11 +262,42 @@ class Jobs:
                 return where
         return None
 
+    def check_queue_limits(self, job: Job) -> None:
+        """A job's limits (``concurrency``, ``rate_limit``) are its queue's: a job that declares
+        others than one already on the queue is refused (ConfigurationError), naming both."""
+        limits = job.policy.queue_limits
+        if not limits:
+            return
+        for other in self.registry:
+            if other.name == job.name or other.policy.queue != job.policy.queue:
+                continue
+            theirs = other.policy.queue_limits
+            if theirs and theirs != limits:
+                raise ConfigurationError(
+                    f"jobs {other.name!r} and {job.name!r} run on queue {job.policy.queue!r} with different limits "
+                    f"({_limits_text(other)} and {_limits_text(job)}): a queue's limits hold for every job on it; "
+                    f"put one of them on a queue of its own (queue='...'), or declare the same limits"
+                )
+
+    def queue_limits(self, name: str) -> dict[str, int | str]:
+        """The limits the jobs of queue ``name`` declare (the first job that declares any)."""
+        job: Job
+        for job in self.registry:
+            if job.policy.queue == name and job.policy.queue_limits:
+                return job.policy.queue_limits
+        return {}
+
     def declare_queue(self, name: str) -> None:
-        """Adds the topic and subscription of job queue ``name`` to the queue's topology."""
+        """Adds the topic and subscription of job queue ``name`` to the queue's topology, with the
+        limits its jobs declare (a queue declared before one of its jobs declared limits takes them)."""
         check_queue_name(name)
         topic = topic_of(name)
         if topic in self.kernel.topics:
+            known = self.kernel.subscriptions.get(topic)
+            wanted = self.subscription_for(name)
+            if known is not None and known.handler_key == JOBS_HANDLER and known.flow_limits() != wanted.flow_limits():
+                self.kernel.subscriptions[topic] = wanted
+                self._synced.discard(topic)
             return
         self.kernel.add_topic(Topic(name=topic))
         self.kernel.add_subscription(self.subscription_for(name))
@@ -275,7 +307,7 @@ class Jobs:
     def subscription_for(self, name: str) -> Subscription:
         topic = topic_of(name)
         return Subscription(name=topic, topic=topic, handler_key=JOBS_HANDLER, lease_seconds=self.lease_seconds,
-                            max_attempts=DEFAULT_TRIES)
+                            max_attempts=DEFAULT_TRIES, **self.queue_limits(name))
 
     async def ensure_queue(self, name: str) -> str:
         """The topic of job queue ``name``, declared and written to the store (once per process)."""
@@ -346,6 +378,7 @@ class Jobs:
         chain: Sequence[ChainLink] = (),
         group: uuid.UUID | None = None,
         not_before: datetime | None = None,
+        priority: int | None = None,
     ) -> PublishRequest:
         payload, encrypted = self.seal(job, data)
         policy = job.policy
@@ -370,17 +403,21 @@ class Jobs:
         if unique is not None:
             fields["deduplication_key"] = envelope.unique_key
             fields["deduplication_ttl_seconds"] = unique_for
+        chosen = policy.priority if priority is None else priority
+        if chosen:
+            fields["priority"] = chosen
         return PublishRequest(**fields)
 
-    def link(self, job: Job, data: Any, queue: str | None = None) -> ChainLink:
+    def link(self, job: Job, data: Any, queue: str | None = None, priority: int | None = None) -> ChainLink:
         payload, encrypted = self.seal(job, data)
         policy = job.policy
         return ChainLink(job=job.name, id=uuid7(), queue=queue or policy.queue, tries=policy.tries,
-                         backoff=policy.backoff, timeout=policy.timeout, payload=payload, encrypted=encrypted)
+                         backoff=policy.backoff, timeout=policy.timeout, payload=payload, encrypted=encrypted,
+                         priority=policy.priority if priority is None else priority)
 
     def message(self, job: Job, payload: Any, encrypted: str | None, *, max_envelope_bytes: int,
                 delay: float | None = None, unique: str | None = None, unique_until: UniqueUntil = "done",
-                ttl: float | None = None) -> PreparedMessage:
+                ttl: float | None = None, priority: int = 0) -> PreparedMessage:
         """``prepare(self.request(...))`` of a sealed payload (see :meth:`seal`) without building the
         request, for ``delay`` and ``ttl`` already checked (:func:`_seconds`, :func:`_ttl`); raises
         :class:`RequestRejected`."""
@@ -397,7 +434,7 @@ class Jobs:
             envelope, {JOB_ATTRIBUTE: job.name}, deduplication_key=key, deduplication_ttl_seconds=ttl,
             delay_seconds=delay, max_attempts=policy.tries,
             backoff_seconds=None if policy.backoff is None else list(policy.backoff),
-            max_envelope_bytes=max_envelope_bytes, encoded=encoded,
+            max_envelope_bytes=max_envelope_bytes, encoded=encoded, priority=priority,
         )
 
     async def _send(self, topic: str, entries: list[_Entry], session: Any, *, unique: str | None = None,
@@ -407,10 +444,10 @@ class Jobs:
         prepared: list[PreparedMessage] = []
         failures: dict[int, PublishResult] = {}
         message = self.message
-        for index, (job, _, _, payload, encrypted, delay) in enumerate(entries):
+        for index, (job, _, _, payload, encrypted, delay, priority) in enumerate(entries):
             try:
                 prepared.append(message(job, payload, encrypted, delay=delay, unique=unique, unique_until=unique_until,
-                                        ttl=ttl, max_envelope_bytes=cap))
+                                        ttl=ttl, max_envelope_bytes=cap, priority=priority))
             except RequestRejected as exc:
                 failures[index] = PublishResult(status=PublishStatus.REJECTED, error=exc.error)
         return await self.kernel.publish_prepared(topic, len(entries), prepared, failures, session=session)
@@ -425,6 +462,7 @@ class Jobs:
         return first.queue, PublishRequest(
             message_id=first.id, attributes={JOB_ATTRIBUTE: first.job}, payload=following.to_json(),
             max_attempts=first.tries, backoff_seconds=None if first.backoff is None else list(first.backoff),
+            priority=first.priority,
         )
 
     def completion(self, envelope: JobEnvelope, result: str | None = None) -> WorkOutcome:
@@ -456,10 +494,13 @@ class Jobs:
         debounce: timedelta | float | None = None,
         debounce_key: str | None = None,
         session: Any = None,
+        priority: int | None = None,
     ) -> uuid.UUID | None:
         """Validates ``payload``, queues the job and returns its id (None: ``unique`` key held).
-        ``debounce`` with ``debounce_key``: see :mod:`.debounce`."""
+        ``debounce`` with ``debounce_key``: see :mod:`.debounce`. ``priority`` (0 to 9) replaces the
+        job's declared priority for this dispatch."""
         definition = self.registry.resolve(job)
+        chosen = definition.policy.priority if priority is None else check_priority(priority)
         window = debounce_window(debounce, debounce_key, unique=unique, delay=delay)
         if window is not None:
             assert debounce_key is not None
@@ -475,7 +516,7 @@ class Jobs:
         seconds = _seconds(delay)
         if self.fake is not None or self.sync:
             request = self.request(definition, data, delay=seconds, unique=unique, unique_until=unique_until,
-                                   unique_for=unique_for)
+                                   unique_for=unique_for, priority=chosen)
             if self.fake is not None:
                 recorded: uuid.UUID | None = self.fake.record(definition, data, target, request, unique=unique,
                                                               session=session)
@@ -486,7 +527,7 @@ class Jobs:
         topic = topic_of(target)
         if topic not in self._synced:  # (else in the store already: the common case, without a coroutine)
             topic = await self.ensure_queue(target)
-        entries: list[_Entry] = [(definition, target, data, sealed, encrypted, seconds)]
+        entries: list[_Entry] = [(definition, target, data, sealed, encrypted, seconds, chosen)]
         if unique is None:
             [result] = await self._send(topic, entries, session)
         else:
@@ -535,16 +576,19 @@ class Jobs:
                 sealed, encrypted = seal(definition, data)
             else:
                 sealed, encrypted = data, None
+            priority = definition.policy.priority
+            if options and options.get("priority") is not None:
+                priority = check_priority(options["priority"])
             entries.append((definition, target, data, sealed, encrypted,
-                            _seconds(options.get("delay")) if options else None))
+                            _seconds(options.get("delay")) if options else None, priority))
         if not entries:
             return []
         if self.fake is not None:
-            return [self.fake.record(d, data, q, self.request(d, data, delay=delay), session=session)
-                    for d, q, data, _, _, delay in entries]
+            return [self.fake.record(d, data, q, self.request(d, data, delay=delay, priority=p), session=session)
+                    for d, q, data, _, _, delay, p in entries]
         if self.sync:
-            return [await self.run_now(d, q, prepare(self.request(d, data, delay=delay)))
-                    for d, q, data, _, _, delay in entries]
+            return [await self.run_now(d, q, prepare(self.request(d, data, delay=delay, priority=p)))
+                    for d, q, data, _, _, delay, p in entries]
         by_topic: dict[str, list[int]] = {}
         topics: dict[str, str] = {}
         for index, entry in enumerate(entries):
@@ -574,13 +618,15 @@ class Jobs:
         for item in items:
             job, payload, options = _item(item)
             definition = self.registry.resolve(job)
-            steps.append((definition, definition.validate(payload), options.get("queue")))
+            priority = options.get("priority")
+            steps.append((definition, definition.validate(payload), options.get("queue"),
+                          None if priority is None else check_priority(priority)))
         if not steps:
             return []
-        links = [self.link(d, data, q) for d, data, q in steps[1:]]
-        first, data, queue = steps[0]
+        links = [self.link(d, data, q, p) for d, data, q, p in steps[1:]]
+        first, data, queue, priority = steps[0]
         target = check_queue_name(queue or first.policy.queue)
-        request = self.request(first, data, job_id=uuid7(), chain=links)
+        request = self.request(first, data, job_id=uuid7(), chain=links, priority=priority)
         ids = [request.message_id, *(link.id for link in links)]
         if self.fake is not None:
             self.fake.record(first, data, target, request, session=session)
@@ -801,12 +847,24 @@ class Jobs:
 
 def _item(item: Any) -> tuple[Any, Any, dict[str, Any]]:
     if not isinstance(item, tuple | list) or len(item) not in (2, 3):
-        raise TypeError(f"each item is (job, payload) or (job, payload, {{'queue': ..., 'delay': ...}}), got {item!r}")
+        raise TypeError(
+            f"each item is (job, payload) or (job, payload, {{'queue': ..., 'delay': ..., 'priority': ...}}), "
+            f"got {item!r}"
+        )
     options = dict(item[2]) if len(item) == 3 else {}
-    unknown = set(options) - {"queue", "delay"}
+    unknown = set(options) - {"queue", "delay", "priority"}
     if unknown:
-        raise TypeError(f"unknown options {sorted(unknown)} for a job in bulk() or chain(); use queue and delay")
+        raise TypeError(
+            f"unknown options {sorted(unknown)} for a job in bulk() or chain(); use queue, delay and priority"
+        )
     return item[0], item[1], options
+
+
+def _limits_text(job: Job) -> str:
+    policy = job.policy
+    parts = [f"concurrency={policy.concurrency}" if policy.concurrency is not None else "",
+             f"rate_limit={policy.rate_limit!r}" if policy.rate_limit is not None else ""]
+    return ", ".join(p for p in parts if p) or "none"
 
 
 @contextlib.asynccontextmanager

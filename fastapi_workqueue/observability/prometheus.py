@@ -5,8 +5,10 @@ Counted in this process: ``workqueue_published_total{topic,status}``,
 ``workqueue_process_duration_seconds{subscription}`` and ``workqueue_in_flight{subscription}``.
 Read from the database when ``/metrics`` is scraped (so every process's and pod's work is in them),
 cached for ``WORKQUEUE_METRICS_CACHE_SECONDS``: ``workqueue_deliveries{subscription,status}``,
-``workqueue_backlog{subscription}``, ``workqueue_oldest_pending_age_seconds{subscription}`` and
-``workqueue_dead_letters{subscription}``. No label names a message or a key.
+``workqueue_backlog{subscription}``, ``workqueue_oldest_pending_age_seconds{subscription}``,
+``workqueue_dead_letters{subscription}``, and for a subscription with flow limits
+``workqueue_flow_limit{subscription,limit}``, ``workqueue_flow_tokens{subscription}`` and
+``workqueue_flow_waiting{subscription}``. No label names a message or a key.
 
 With prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set before the app
 starts, as for several uvicorn workers), the counters of every worker are summed at scrape time.
@@ -38,13 +40,16 @@ except ImportError as exc:
 
     raise missing_extra("Prometheus metrics", "prometheus-client", "prometheus") from exc
 
+from ..core.flow import parse_rate
 from ..core.observe import Observer, ProcessScope, PublishScope
 from . import semconv
 
 if TYPE_CHECKING:
     from ..core.envelope import PublishResult
     from ..core.kernel import Kernel
+    from ..core.live_work import FlowState
     from ..core.reports import SubscriptionStats
+    from ..core.topology import SubscriptionState
     from ..core.transport import ClaimedDelivery
 
 OUTCOMES = {"Complete": "completed", "Retry": "retried", "Fail": "failed", "DeadLetter": "dead_lettered",
@@ -169,6 +174,8 @@ class StoreSnapshot:
         self.cache_seconds = cache_seconds
         self.clock = clock
         self.stats: list[SubscriptionStats] = []
+        self.flows: list[tuple[SubscriptionState, FlowState | None]] = []
+        """Each subscription with flow limits, and how full they are."""
         self.read_at: float | None = None
         self.taken_at = datetime.now(UTC)
         self._lock = asyncio.Lock()
@@ -181,8 +188,14 @@ class StoreSnapshot:
             if self.read_at is not None and now - self.read_at < self.cache_seconds:
                 return
             self.stats = await self.kernel.operator.stats()
+            self.flows = await self._flows()
             self.read_at = now
             self.taken_at = datetime.now(UTC)
+
+    async def _flows(self) -> list[tuple[SubscriptionState, FlowState | None]]:
+        reader = self.kernel.ports.flow
+        limited = [s for s in await self.kernel.transport.list_subscriptions() if s.flow_limited]
+        return [(s, None if reader is None else await reader.flow_state(s.name)) for s in limited]
 
 
 class StoreCollector(Collector):
@@ -201,6 +214,22 @@ class StoreCollector(Collector):
                                    labels=["subscription"])
         dead = GaugeMetricFamily("workqueue_dead_letters", "Dead-lettered deliveries (database).",
                                  labels=["subscription"])
+        limit = GaugeMetricFamily("workqueue_flow_limit",
+                                  "A subscription's flow limit: max_in_flight and key_concurrency as counts, "
+                                  "rate_limit and key_rate_limit per second (database).",
+                                  labels=["subscription", "limit"])
+        tokens = GaugeMetricFamily("workqueue_flow_tokens", "Tokens in a subscription's rate_limit bucket (database).",
+                                   labels=["subscription"])
+        waiting = GaugeMetricFamily("workqueue_flow_waiting",
+                                    "Claimable deliveries a flow limit holds back now, up to 1000 (database).",
+                                    labels=["subscription"])
+        for sub, state in self.snapshot.flows:
+            for name, value in sub.flow_limits().items():
+                limit.add_metric([sub.name, name], parse_rate(value).per_second if isinstance(value, str) else value)
+            if state is not None:
+                if state.tokens is not None:
+                    tokens.add_metric([sub.name], state.tokens)
+                waiting.add_metric([sub.name], state.waiting)
         taken = self.snapshot.taken_at
         for s in self.snapshot.stats:
             for status, value in (("Pending", s.pending), ("InFlight", s.in_flight),
@@ -211,4 +240,4 @@ class StoreCollector(Collector):
             age = 0.0 if s.oldest_pending_at is None else max(0.0, (taken - s.oldest_pending_at).total_seconds())
             oldest.add_metric([s.subscription], age)
             dead.add_metric([s.subscription], s.dead_lettered)
-        return [deliveries, backlog, oldest, dead]
+        return [deliveries, backlog, oldest, dead, limit, tokens, waiting]

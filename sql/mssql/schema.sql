@@ -102,6 +102,13 @@ CREATE TABLE workqueue.subscription (
     updated_at              datetimeoffset(6) NOT NULL
                             CONSTRAINT subscription_updated_at_default DEFAULT SYSDATETIMEOFFSET(),
     retired_at              datetimeoffset(6) NULL,
+    -- Flow limits, held across every process (docs/design/flow-control.md); NULL: none.
+    max_in_flight           int NULL CONSTRAINT subscription_max_in_flight_check
+                                CHECK (max_in_flight IS NULL OR max_in_flight >= 1),
+    key_concurrency         int NULL CONSTRAINT subscription_key_concurrency_check
+                                CHECK (key_concurrency IS NULL OR key_concurrency >= 1),
+    rate_limit              nvarchar(20) COLLATE Latin1_General_100_BIN2 NULL,
+    key_rate_limit          nvarchar(20) COLLATE Latin1_General_100_BIN2 NULL,
     CONSTRAINT subscription_pk PRIMARY KEY CLUSTERED (id),
     CONSTRAINT subscription_name_unique UNIQUE (name)
 );
@@ -173,12 +180,17 @@ CREATE TABLE workqueue.delivery (
     held_by               uniqueidentifier NULL,
     watched               bit NULL,  -- PostgreSQL's NOTIFY of a job's end; a waiter here polls
     group_id              uniqueidentifier NULL,  -- a member of this group (message_group): its end is counted
+    priority              smallint NOT NULL CONSTRAINT delivery_priority_default DEFAULT 0
+                          CONSTRAINT delivery_priority_check CHECK (priority BETWEEN 0 AND 9),
     CONSTRAINT delivery_pk PRIMARY KEY CLUSTERED (id) WITH (FILLFACTOR = 80)
 );
 
 -- Claimable work without a key lock: the head of this index is the next delivery to claim.
 CREATE INDEX delivery_claim ON workqueue.delivery (subscription_id, visible_at, id)
     WHERE status = N'Pending' AND key_mode = 0;
+-- The same work with a priority above 0, claimed first (empty while nobody publishes with one).
+CREATE INDEX delivery_claim_priority ON workqueue.delivery (subscription_id, priority, visible_at, id)
+    WHERE status = N'Pending' AND key_mode = 0 AND priority > 0;
 -- Ordered keys: the head is the lowest id among Pending, InFlight and DeadLettered.
 CREATE INDEX delivery_ordered_head ON workqueue.delivery (subscription_id, partition_key, id)
     WHERE key_mode = 2 AND status IN (N'Pending', N'InFlight', N'DeadLettered');
@@ -211,6 +223,7 @@ CREATE TABLE workqueue.delivery_attempt (
 -- One row per (subscription, key) with live keyed work: the lock and the state of the key.
 --   holder_id: the InFlight delivery of the key (at most one, ever).
 --   next_id / next_visible_at: the delivery a claim takes next when there is no holder.
+--   next_priority: the priority of next_id (0 without one): keys are claimed by it.
 --   blocked_id: Ordered only, the DeadLettered head that blocks the key.
 -- A key with none of the three has no row. A heap with a nonclustered primary key: the key is
 -- too wide to cluster on (see the top of this file).
@@ -221,6 +234,7 @@ CREATE TABLE workqueue.partition (
     next_id           bigint NULL,
     next_visible_at   datetimeoffset(6) NULL,
     blocked_id        bigint NULL,
+    next_priority     smallint NOT NULL CONSTRAINT partition_next_priority_default DEFAULT 0,
     CONSTRAINT partition_pk PRIMARY KEY NONCLUSTERED (subscription_id, partition_key) WITH (FILLFACTOR = 70)
 );
 -- Deliberately not covering partition_key: a claim reading a key through this index then reads
@@ -231,6 +245,10 @@ CREATE TABLE workqueue.partition (
 CREATE INDEX partition_ready ON workqueue.partition (subscription_id, next_visible_at)
     INCLUDE (next_id)
     WHERE holder_id IS NULL AND next_id IS NOT NULL;
+-- Keys whose next delivery has a priority above 0, claimed first (not covering either).
+CREATE INDEX partition_ready_priority ON workqueue.partition (subscription_id, next_priority, next_visible_at)
+    INCLUDE (next_id)
+    WHERE holder_id IS NULL AND next_id IS NOT NULL AND next_priority > 0;
 
 -- Keys whose partition row a settle or lease expiry could not lock (another transaction held it):
 -- their row may still name a settled holder until rederive_stale re-derives it. A heap with a
@@ -240,6 +258,18 @@ CREATE TABLE workqueue.partition_stale (
     partition_key    nvarchar(512) COLLATE Latin1_General_100_BIN2 NOT NULL,
     key_mode         smallint NOT NULL,
     CONSTRAINT partition_stale_pk PRIMARY KEY NONCLUSTERED (subscription_id, partition_key)
+);
+
+-- The token buckets of rate limits, shared by every process (PostgreSQL's schema.sql says more):
+-- a subscription's own (per_key 0, partition_key '') and one per partition key, purged once full
+-- again. A heap with a nonclustered primary key: the key is too wide to cluster on.
+CREATE TABLE workqueue.rate_bucket (
+    subscription_id  int NOT NULL,
+    per_key          bit NOT NULL,
+    partition_key    nvarchar(512) COLLATE Latin1_General_100_BIN2 NOT NULL,
+    tokens           float NOT NULL,
+    updated_at       datetimeoffset(6) NOT NULL,
+    CONSTRAINT rate_bucket_pk PRIMARY KEY NONCLUSTERED (subscription_id, per_key, partition_key)
 );
 
 -- Deltas of each subscription's Completed and Discarded deliveries, whose sums are the counts
@@ -389,6 +419,18 @@ GO
 CREATE OR ALTER VIEW workqueue.random_draw
 AS
 SELECT RAND() AS value;
+GO
+
+-- A rate limit (N'50/s', N'10/m', N'3/h') in tokens per second; NULL for none.
+-- returns: rate_per_second
+CREATE OR ALTER FUNCTION workqueue.rate_per_second (@p_rate nvarchar(20))
+RETURNS float
+WITH SCHEMABINDING
+AS
+BEGIN
+    RETURN CAST(LEFT(@p_rate, CHARINDEX(N'/', @p_rate) - 1) AS float)
+        / CASE RIGHT(@p_rate, 1) WHEN N's' THEN 1.0 WHEN N'm' THEN 60.0 ELSE 3600.0 END;
+END;
 GO
 
 -- Full-jitter exponential backoff with the fraction @p_draw (a draw of RAND() when it is NULL), or
@@ -547,6 +589,8 @@ BEGIN
     DECLARE @v_holder bigint;
     DECLARE @v_next bigint;
     DECLARE @v_next_visible datetimeoffset(6);
+    DECLARE @v_next_priority smallint = 0;
+    DECLARE @v_head_priority smallint;
     DECLARE @v_blocked bigint;
     DECLARE @v_head_id bigint;
     DECLARE @v_head_status nvarchar(20);
@@ -572,7 +616,8 @@ BEGIN
 
         IF @p_mode = 2
         BEGIN
-            SELECT TOP (1) @v_head_id = d.id, @v_head_status = d.status, @v_head_visible = d.visible_at
+            SELECT TOP (1) @v_head_id = d.id, @v_head_status = d.status, @v_head_visible = d.visible_at,
+                         @v_head_priority = d.priority
             FROM workqueue.delivery AS d
             WHERE d.subscription_id = @p_subscription_id AND d.partition_key = @p_key AND d.key_mode = 2
               AND d.status IN (N'Pending', N'InFlight', N'DeadLettered')
@@ -587,11 +632,12 @@ BEGIN
                 BEGIN
                     SET @v_next = @v_head_id;
                     SET @v_next_visible = @v_head_visible;
+                    SET @v_next_priority = @v_head_priority;
                 END;
             END;
         END
         ELSE IF @v_holder IS NULL
-            SELECT TOP (1) @v_next = d.id, @v_next_visible = d.visible_at
+            SELECT TOP (1) @v_next = d.id, @v_next_visible = d.visible_at, @v_next_priority = d.priority
             FROM workqueue.delivery AS d
             WHERE d.subscription_id = @p_subscription_id AND d.partition_key = @p_key AND d.key_mode = 1
               AND d.status = N'Pending'
@@ -604,6 +650,7 @@ BEGIN
         BEGIN
             UPDATE workqueue.partition
             SET holder_id = @v_holder, next_id = @v_next, next_visible_at = @v_next_visible,
+                next_priority = @v_next_priority,
                 blocked_id = @v_blocked
             WHERE subscription_id = @p_subscription_id AND partition_key = @p_key;
             IF @v_holder IS NULL AND @v_next IS NOT NULL AND @v_next_visible <= @v_now
@@ -716,10 +763,12 @@ BEGIN
         WITH state AS (
             SELECT k.subscription_id, k.partition_key, k.key_mode,
                    o.id AS head_id, o.status AS head_status, o.visible_at AS head_visible_at,
-                   e.id AS next_pending_id, e.visible_at AS next_pending_visible_at
+                   o.priority AS head_priority,
+                   e.id AS next_pending_id, e.visible_at AS next_pending_visible_at,
+                   e.priority AS next_pending_priority
             FROM @v_keys AS k
             OUTER APPLY (
-                SELECT TOP (1) d.id, d.status, d.visible_at
+                SELECT TOP (1) d.id, d.status, d.visible_at, d.priority
                 FROM workqueue.delivery AS d
                 WHERE k.key_mode = 2 AND d.subscription_id = k.subscription_id
                   AND d.partition_key = k.partition_key AND d.key_mode = 2
@@ -727,7 +776,7 @@ BEGIN
                 ORDER BY d.id
             ) AS o
             OUTER APPLY (
-                SELECT TOP (1) d.id, d.visible_at
+                SELECT TOP (1) d.id, d.visible_at, d.priority
                 FROM workqueue.delivery AS d
                 WHERE k.key_mode = 1 AND d.subscription_id = k.subscription_id
                   AND d.partition_key = k.partition_key AND d.key_mode = 1 AND d.status = N'Pending'
@@ -742,6 +791,9 @@ BEGIN
                    CASE WHEN x.holder_id IS NOT NULL THEN NULL
                         WHEN s.key_mode = 1 THEN s.next_pending_visible_at
                         WHEN s.head_status = N'Pending' THEN s.head_visible_at END AS next_visible_at,
+                   CASE WHEN x.holder_id IS NOT NULL THEN 0
+                        WHEN s.key_mode = 1 THEN COALESCE(s.next_pending_priority, 0)
+                        WHEN s.head_status = N'Pending' THEN s.head_priority ELSE 0 END AS next_priority,
                    CASE WHEN s.key_mode = 2 AND s.head_status = N'DeadLettered' THEN s.head_id END AS blocked_id
             FROM state AS s
             INNER JOIN workqueue.partition AS cur
@@ -754,6 +806,7 @@ BEGIN
         )
         UPDATE p
         SET holder_id = n.holder_id, next_id = n.next_id, next_visible_at = n.next_visible_at,
+            next_priority = n.next_priority,
             blocked_id = n.blocked_id
         OUTPUT inserted.subscription_id, inserted.partition_key, inserted.holder_id, inserted.next_id,
                inserted.next_visible_at, inserted.blocked_id
@@ -962,7 +1015,11 @@ CREATE OR ALTER PROCEDURE workqueue.sync_subscription
     @p_filter nvarchar(max),
     @p_host_type nvarchar(20),
     @p_retention_seconds float,
-    @p_status nvarchar(20) = N'Active'
+    @p_status nvarchar(20) = N'Active',
+    @p_max_in_flight int = NULL,
+    @p_key_concurrency int = NULL,
+    @p_rate_limit nvarchar(20) = NULL,
+    @p_key_rate_limit nvarchar(20) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -987,11 +1044,13 @@ BEGIN
             INSERT INTO workqueue.subscription (
                 name, topic, handler_key, partition_mode, lease_seconds, max_attempts,
                 backoff_base_seconds, backoff_max_seconds, max_processing_seconds, heartbeat_mode,
-                filter, host_type, retention_seconds, status)
+                filter, host_type, retention_seconds, status, max_in_flight, key_concurrency, rate_limit,
+                key_rate_limit)
             OUTPUT inserted.id INTO @v_created (id)
             VALUES (@p_name, @p_topic, @p_handler_key, @p_partition_mode, @p_lease_seconds, @p_max_attempts,
                 @p_backoff_base_seconds, @p_backoff_max_seconds, @p_max_processing_seconds, @p_heartbeat_mode,
-                @p_filter, @p_host_type, @p_retention_seconds, @p_status);
+                @p_filter, @p_host_type, @p_retention_seconds, @p_status, @p_max_in_flight, @p_key_concurrency,
+                @p_rate_limit, @p_key_rate_limit);
             SELECT @v_id = c.id FROM @v_created AS c;
         END
         ELSE
@@ -1021,17 +1080,21 @@ BEGIN
                 backoff_base_seconds = @p_backoff_base_seconds, backoff_max_seconds = @p_backoff_max_seconds,
                 max_processing_seconds = @p_max_processing_seconds, heartbeat_mode = @p_heartbeat_mode,
                 filter = @p_filter, host_type = @p_host_type, retention_seconds = @p_retention_seconds,
+                max_in_flight = @p_max_in_flight, key_concurrency = @p_key_concurrency,
+                rate_limit = @p_rate_limit, key_rate_limit = @p_key_rate_limit,
                 updated_at = SYSDATETIMEOFFSET()
             FROM workqueue.subscription AS s
             WHERE s.id = @v_id
               AND NOT EXISTS (
                   SELECT s.topic, s.handler_key, s.partition_mode, s.lease_seconds, s.max_attempts,
                          s.backoff_base_seconds, s.backoff_max_seconds, s.max_processing_seconds,
-                         s.heartbeat_mode, s.filter, s.host_type, s.retention_seconds
+                         s.heartbeat_mode, s.filter, s.host_type, s.retention_seconds,
+                         s.max_in_flight, s.key_concurrency, s.rate_limit, s.key_rate_limit
                   INTERSECT
                   SELECT @p_topic, @p_handler_key, @p_partition_mode, @p_lease_seconds, @p_max_attempts,
                          @p_backoff_base_seconds, @p_backoff_max_seconds, @p_max_processing_seconds,
-                         @p_heartbeat_mode, @p_filter, @p_host_type, @p_retention_seconds
+                         @p_heartbeat_mode, @p_filter, @p_host_type, @p_retention_seconds,
+                         @p_max_in_flight, @p_key_concurrency, @p_rate_limit, @p_key_rate_limit
               );
         END;
 
@@ -1231,6 +1294,7 @@ BEGIN
                 DELETE FROM workqueue.delivery WHERE subscription_id = @v_id;
                 DELETE FROM workqueue.partition WHERE subscription_id = @v_id;
                 DELETE FROM workqueue.partition_stale WHERE subscription_id = @v_id;
+                DELETE FROM workqueue.rate_bucket WHERE subscription_id = @v_id;
                 DELETE FROM workqueue.settled_count WHERE subscription_id = @v_id;
                 DELETE FROM workqueue.stats_history WHERE subscription_id = @v_id;
                 DELETE FROM workqueue.subscription WHERE id = @v_id;
@@ -1338,7 +1402,7 @@ BEGIN
 END;
 GO
 
--- returns: id, name, topic, handler_key, partition_mode, lease_seconds, max_attempts, backoff_base_seconds, backoff_max_seconds, max_processing_seconds, heartbeat_mode, filter, status, host_type, retention_seconds, topic_status, transport, is_fifo, max_payload_bytes
+-- returns: id, name, topic, handler_key, partition_mode, lease_seconds, max_attempts, backoff_base_seconds, backoff_max_seconds, max_processing_seconds, heartbeat_mode, filter, status, host_type, retention_seconds, topic_status, transport, is_fifo, max_payload_bytes, max_in_flight, key_concurrency, rate_limit, key_rate_limit
 CREATE OR ALTER PROCEDURE workqueue.list_subscriptions
 AS
 BEGIN
@@ -1348,7 +1412,8 @@ BEGIN
            s.heartbeat_mode, s.filter, CASE WHEN s.status = N'Active' AND s.retired_at IS NOT NULL THEN N'Retired' ELSE s.status END AS status,
            s.host_type, s.retention_seconds,
            CASE WHEN t.status = N'Active' AND t.retired_at IS NOT NULL THEN N'Retired' ELSE t.status END AS topic_status,
-           t.transport, t.is_fifo, t.max_payload_bytes
+           t.transport, t.is_fifo, t.max_payload_bytes, s.max_in_flight, s.key_concurrency, s.rate_limit,
+           s.key_rate_limit
     FROM workqueue.subscription AS s
     INNER JOIN workqueue.topic AS t ON t.name = s.topic
     ORDER BY s.name;
@@ -1387,7 +1452,8 @@ CREATE OR ALTER PROCEDURE workqueue.publish
     @p_not_befores nvarchar(max),
     @p_max_attempts nvarchar(max),
     @p_backoff_schedules nvarchar(max),
-    @p_envelope_bytes nvarchar(max)
+    @p_envelope_bytes nvarchar(max),
+    @p_priorities nvarchar(max) = NULL   -- NULL: every item 0
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -1427,6 +1493,7 @@ BEGIN
         max_attempts int NULL,
         backoff nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,
         bytes int NULL,
+        priority smallint NOT NULL DEFAULT 0,
         visible_at datetimeoffset(6) NULL,
         dedup_expires_at datetimeoffset(6) NULL,
         st nvarchar(20) COLLATE Latin1_General_100_BIN2 NULL,
@@ -1452,7 +1519,8 @@ BEGIN
         subscription_id int NOT NULL,
         partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL,
         key_mode smallint NOT NULL,
-        visible_at datetimeoffset(6) NOT NULL
+        visible_at datetimeoffset(6) NOT NULL,
+        priority smallint NOT NULL
     );
     DECLARE @v_result TABLE (
         idx int NOT NULL PRIMARY KEY,
@@ -1469,11 +1537,11 @@ BEGIN
         -- The parallel arrays as one row per item (PostgreSQL: unnest(...) WITH ORDINALITY).
         INSERT INTO @v_item (
             i, mid, pkey, attrs, payload, ref, corr, hash, dkey, ttl, delay, not_before,
-            max_attempts, backoff, bytes)
+            max_attempts, backoff, bytes, priority)
         SELECT CAST(m.[key] AS int) + 1, CAST(m.value AS uniqueidentifier), pk.value, ats.value,
                pl.value, pr.value, co.value, ch.value, dk.value, CAST(dt.value AS float),
                CAST(de.value AS float), CAST(nb.value AS datetimeoffset(6)), CAST(ma.value AS int),
-               bs.value, CAST(eb.value AS int)
+               bs.value, CAST(eb.value AS int), COALESCE(CAST(py.value AS smallint), 0)
         FROM OPENJSON(@p_message_ids) AS m
         LEFT JOIN OPENJSON(@p_partition_keys) AS pk ON pk.[key] = m.[key]
         LEFT JOIN OPENJSON(@p_attributes) AS ats ON ats.[key] = m.[key]
@@ -1487,7 +1555,8 @@ BEGIN
         LEFT JOIN OPENJSON(@p_not_befores) AS nb ON nb.[key] = m.[key]
         LEFT JOIN OPENJSON(@p_max_attempts) AS ma ON ma.[key] = m.[key]
         LEFT JOIN OPENJSON(@p_backoff_schedules) AS bs ON bs.[key] = m.[key]
-        LEFT JOIN OPENJSON(@p_envelope_bytes) AS eb ON eb.[key] = m.[key];
+        LEFT JOIN OPENJSON(@p_envelope_bytes) AS eb ON eb.[key] = m.[key]
+        LEFT JOIN OPENJSON(@p_priorities) AS py ON py.[key] = m.[key];
         SET @v_n = @@ROWCOUNT;
 
         IF @v_n > 0
@@ -1712,9 +1781,9 @@ BEGIN
             IF @v_failed IS NULL AND @v_accepted > 0 AND @v_has_keyed = 0
                 INSERT INTO workqueue.delivery (
                     subscription_id, message_id, partition_key, key_mode, max_attempts,
-                    backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at)
+                    backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
                 SELECT s.id, it.mid, it.pkey, 0, COALESCE(it.max_attempts, s.max_attempts),
-                       s.backoff_base_seconds, s.backoff_max_seconds, it.backoff, it.visible_at
+                       s.backoff_base_seconds, s.backoff_max_seconds, it.backoff, it.visible_at, it.priority
                 FROM @v_item AS it
                 CROSS JOIN @v_sub AS s
                 WHERE it.ok = 1 AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, it.attrs) = 1)
@@ -1753,15 +1822,15 @@ BEGIN
 
                 INSERT INTO workqueue.delivery (
                     subscription_id, message_id, partition_key, key_mode, max_attempts,
-                    backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at)
+                    backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
                 OUTPUT inserted.id, inserted.subscription_id, inserted.partition_key, inserted.key_mode,
-                       inserted.visible_at
-                INTO @v_new (id, subscription_id, partition_key, key_mode, visible_at)
+                       inserted.visible_at, inserted.priority
+                INTO @v_new (id, subscription_id, partition_key, key_mode, visible_at, priority)
                 SELECT s.id, it.mid, it.pkey,
                        CASE WHEN it.pkey IS NULL OR s.partition_mode = N'None' THEN 0
                             WHEN s.partition_mode = N'Exclusive' THEN 1 ELSE 2 END,
                        COALESCE(it.max_attempts, s.max_attempts), s.backoff_base_seconds,
-                       s.backoff_max_seconds, it.backoff, it.visible_at
+                       s.backoff_max_seconds, it.backoff, it.visible_at, it.priority
                 FROM @v_item AS it
                 CROSS JOIN @v_sub AS s
                 WHERE it.ok = 1 AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, it.attrs) = 1)
@@ -1770,7 +1839,7 @@ BEGIN
                 -- Each key that got work: its first new delivery (Ordered) or its earliest
                 -- (Exclusive) becomes the next one to claim, unless the key is held or blocked.
                 WITH first_new AS (
-                    SELECT nd.id, nd.subscription_id, nd.partition_key, nd.key_mode, nd.visible_at,
+                    SELECT nd.id, nd.subscription_id, nd.partition_key, nd.key_mode, nd.visible_at, nd.priority,
                            ROW_NUMBER() OVER (
                                PARTITION BY nd.subscription_id, nd.partition_key
                                ORDER BY CASE WHEN nd.key_mode = 1 THEN nd.visible_at END, nd.id
@@ -1779,7 +1848,7 @@ BEGIN
                     WHERE nd.key_mode > 0
                 )
                 UPDATE p
-                SET next_id = f.id, next_visible_at = f.visible_at
+                SET next_id = f.id, next_visible_at = f.visible_at, next_priority = f.priority
                 FROM workqueue.partition AS p
                 INNER JOIN first_new AS f
                     ON f.rn = 1 AND p.subscription_id = f.subscription_id AND p.partition_key = f.partition_key
@@ -1821,7 +1890,7 @@ GO
 -- token, the lease from the subscription's current lease_seconds. Keys of Exclusive and Ordered
 -- subscriptions are claimed through their partition row, one delivery per key; deliveries
 -- without a key share the claim with the keys, so neither side can take every slot.
--- returns: delivery_id, lease_token, attempt, max_attempts, lease_expires_at, message_id, topic, partition_key, attributes, payload, payload_ref, correlation_id, published_at
+-- returns: delivery_id, lease_token, attempt, max_attempts, lease_expires_at, message_id, topic, partition_key, attributes, payload, payload_ref, correlation_id, published_at, held_back, retry_after
 CREATE OR ALTER PROCEDURE workqueue.claim
     @p_subscription nvarchar(200),
     @p_limit int,
@@ -1838,6 +1907,7 @@ BEGIN
     DECLARE @v_lease_seconds float;
     DECLARE @v_lease_expires_at datetimeoffset(6);
     DECLARE @v_mode smallint;
+    DECLARE @v_limit int = @p_limit;  -- what this claim may take: less than @p_limit under a flow limit
     DECLARE @v_keyed_count int = 0;
     DECLARE @v_unkeyed_count int = 0;
     DECLARE @v_share int;
@@ -1846,6 +1916,26 @@ BEGIN
     DECLARE @v_ord int = 0;
     DECLARE @v_key nvarchar(512);
     DECLARE @v_subscriptions nvarchar(max);
+    -- flow limits (docs/design/flow-control.md)
+    DECLARE @v_max_in_flight int;
+    DECLARE @v_key_concurrency int;
+    DECLARE @v_rate_limit nvarchar(20);
+    DECLARE @v_key_rate_limit nvarchar(20);
+    DECLARE @v_limited bit = 0;
+    DECLARE @v_held nvarchar(20);      -- the limit that kept claimable work back
+    DECLARE @v_retry float;
+    DECLARE @v_busy int;
+    DECLARE @v_rate float;
+    DECLARE @v_tokens float;
+    DECLARE @v_key_rate float;
+    DECLARE @v_key_burst float;
+    DECLARE @v_key_limited bit = 0;
+    DECLARE @v_default_room int;
+    DECLARE @v_key_spent bit = 0;
+    DECLARE @v_has_blocked bit = 0;
+    DECLARE @v_fullest float;
+    DECLARE @v_lock int;
+    DECLARE @v_resource nvarchar(255);
     DECLARE @v_keyed TABLE (
         ord int IDENTITY(1, 1) PRIMARY KEY,
         next_id bigint NOT NULL,
@@ -1853,18 +1943,41 @@ BEGIN
     );
     DECLARE @v_unkeyed TABLE (id bigint NOT NULL PRIMARY KEY, message_id uniqueidentifier NOT NULL);
     DECLARE @v_ids TABLE (id bigint NOT NULL PRIMARY KEY);
+    -- Under key limits: each key's room when below the default, and the candidates of a claim.
+    DECLARE @v_room TABLE (
+        partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NOT NULL PRIMARY KEY,
+        room int NOT NULL,
+        tokens float NULL
+    );
+    DECLARE @v_window TABLE (
+        id bigint NOT NULL PRIMARY KEY,
+        message_id uniqueidentifier NOT NULL,
+        priority smallint NOT NULL,
+        visible_at datetimeoffset(6) NOT NULL,
+        partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL
+    );
+    -- What is answered: the claimed deliveries, and (id 0) the row that says a limit held work back.
     DECLARE @v_claimed TABLE (
         id bigint NOT NULL PRIMARY KEY,
-        lease_token uniqueidentifier NOT NULL,
-        attempt int NOT NULL,
-        max_attempts int NOT NULL,
-        lease_expires_at datetimeoffset(6) NOT NULL,
-        message_id uniqueidentifier NOT NULL,
+        lease_token uniqueidentifier NULL,
+        attempt int NULL,
+        max_attempts int NULL,
+        lease_expires_at datetimeoffset(6) NULL,
+        message_id uniqueidentifier NULL,
         partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL,
-        key_mode smallint NOT NULL
+        key_mode smallint NULL,
+        priority smallint NULL,
+        held_back nvarchar(20) COLLATE Latin1_General_100_BIN2 NULL,
+        retry_after float NULL
     );
 
-    SELECT @v_subscription_id = s.id, @v_partition_mode = s.partition_mode, @v_lease_seconds = s.lease_seconds
+    SELECT @v_subscription_id = s.id, @v_partition_mode = s.partition_mode, @v_lease_seconds = s.lease_seconds,
+           @v_max_in_flight = s.max_in_flight, @v_rate_limit = s.rate_limit, @v_key_rate_limit = s.key_rate_limit,
+           @v_key_concurrency = CASE WHEN s.partition_mode = N'None' THEN s.key_concurrency END,
+           @v_limited = CASE WHEN s.max_in_flight IS NOT NULL OR s.rate_limit IS NOT NULL
+                                  OR s.key_rate_limit IS NOT NULL
+                                  OR (s.key_concurrency IS NOT NULL AND s.partition_mode = N'None')
+                             THEN 1 ELSE 0 END
     FROM workqueue.subscription AS s
     INNER JOIN workqueue.topic AS t ON t.name = s.topic
     WHERE s.name = @p_subscription AND s.status = N'Active' AND t.status = N'Active';
@@ -1879,43 +1992,203 @@ BEGIN
                 DATEADD(second, CAST(FLOOR(@v_lease_seconds) AS int), @v_now));
             SET @v_mode = CASE WHEN @v_partition_mode = N'Exclusive' COLLATE Latin1_General_100_BIN2 THEN 1 ELSE 2 END;
 
-            IF @v_partition_mode <> N'None' COLLATE Latin1_General_100_BIN2
+            IF @v_limited = 1
+            BEGIN
+                -- One claim of a limited subscription at a time, across every process: an
+                -- application lock of the transaction, gone at its commit. Subscriptions without
+                -- limits never take it.
+                SET @v_resource = CONCAT(N'workqueue.claim:', @v_subscription_id);
+                EXEC @v_lock = sp_getapplock
+                    @Resource = @v_resource,
+                    @LockMode = N'Exclusive',
+                    @LockOwner = N'Transaction';
+                IF @v_max_in_flight IS NOT NULL
+                BEGIN
+                    -- A holder that died holds its slot until its lease runs out.
+                    SELECT @v_busy = COUNT(*) FROM workqueue.delivery AS d
+                    WHERE d.subscription_id = @v_subscription_id AND d.status = N'InFlight'
+                      AND d.lease_expires_at > @v_now;
+                    IF @v_max_in_flight - @v_busy < @v_limit
+                    BEGIN
+                        SET @v_limit = CASE WHEN @v_max_in_flight > @v_busy THEN @v_max_in_flight - @v_busy ELSE 0 END;
+                        SET @v_held = N'MaxInFlight';
+                    END;
+                END;
+                IF @v_rate_limit IS NOT NULL
+                BEGIN
+                    SET @v_rate = workqueue.rate_per_second(@v_rate_limit);
+                    SELECT @v_tokens = b.tokens + CASE WHEN b.updated_at < @v_now
+                                                       THEN DATEDIFF_BIG(microsecond, b.updated_at, @v_now) / 1000000.0
+                                                       ELSE 0 END * @v_rate
+                    FROM workqueue.rate_bucket AS b
+                    WHERE b.subscription_id = @v_subscription_id AND b.per_key = 0 AND b.partition_key = N'';
+                    IF @v_tokens IS NULL OR @v_tokens > CASE WHEN @v_rate > 1 THEN @v_rate ELSE 1 END
+                        SET @v_tokens = CASE WHEN @v_rate > 1 THEN @v_rate ELSE 1 END;
+                    IF FLOOR(@v_tokens) < @v_limit
+                    BEGIN
+                        SET @v_limit = CAST(FLOOR(@v_tokens) AS int);
+                        SET @v_held = N'RateLimit';
+                    END;
+                END;
+                IF @v_key_concurrency IS NOT NULL OR @v_key_rate_limit IS NOT NULL
+                BEGIN
+                    -- Each key's room: key_concurrency less its InFlight deliveries, and the whole
+                    -- tokens of its bucket; only keys below the default room are kept.
+                    SET @v_key_limited = 1;
+                    SET @v_key_rate = workqueue.rate_per_second(@v_key_rate_limit);
+                    SET @v_key_burst = CASE WHEN @v_key_rate > 1 THEN @v_key_rate ELSE 1 END;
+                    SET @v_default_room = CASE
+                        WHEN @v_key_rate IS NULL THEN @v_key_concurrency
+                        WHEN @v_key_concurrency IS NULL OR @v_key_concurrency > FLOOR(@v_key_burst)
+                            THEN CAST(FLOOR(@v_key_burst) AS int)
+                        ELSE @v_key_concurrency END;
+                    WITH busy AS (
+                        SELECT d.partition_key AS k, COUNT(*) AS n
+                        FROM workqueue.delivery AS d
+                        WHERE @v_key_concurrency IS NOT NULL AND d.subscription_id = @v_subscription_id
+                          AND d.status = N'InFlight' AND d.lease_expires_at > @v_now AND d.partition_key IS NOT NULL
+                        GROUP BY d.partition_key
+                    ), bucket AS (
+                        SELECT b.partition_key AS k,
+                               CASE WHEN f.t > @v_key_burst THEN @v_key_burst ELSE f.t END AS t
+                        FROM workqueue.rate_bucket AS b
+                        CROSS APPLY (SELECT b.tokens + CASE WHEN b.updated_at < @v_now
+                                                            THEN DATEDIFF_BIG(microsecond, b.updated_at, @v_now) / 1000000.0
+                                                            ELSE 0 END * @v_key_rate AS t) AS f
+                        WHERE @v_key_rate IS NOT NULL AND b.subscription_id = @v_subscription_id AND b.per_key = 1
+                    ), room AS (
+                        SELECT COALESCE(busy.k, bucket.k) AS k, bucket.t,
+                               CASE WHEN bucket.t IS NOT NULL
+                                         AND (busy.n IS NULL OR FLOOR(bucket.t) < @v_key_concurrency - busy.n)
+                                    THEN CAST(FLOOR(bucket.t) AS int)
+                                    ELSE @v_key_concurrency - busy.n END AS n
+                        FROM busy FULL JOIN bucket ON bucket.k = busy.k
+                    )
+                    INSERT INTO @v_room (partition_key, room, tokens)
+                    SELECT r.k, CASE WHEN r.n > 0 THEN r.n ELSE 0 END, r.t
+                    FROM room AS r
+                    WHERE r.n < @v_default_room;
+                    IF EXISTS (SELECT 1 FROM @v_room AS r WHERE r.room = 0)
+                        SET @v_has_blocked = 1;
+                    IF EXISTS (SELECT 1 FROM @v_room AS r WHERE r.room = 0 AND FLOOR(r.tokens) < 1)
+                        SET @v_key_spent = 1;
+                END;
+            END;
+
+            IF @v_limit > 0 AND @v_partition_mode <> N'None' COLLATE Latin1_General_100_BIN2
             BEGIN
                 -- Keys a settle or the sweeper could not hand over (their producer held them) are
                 -- re-derived first, where nobody holds them now.
                 IF EXISTS (SELECT 1 FROM workqueue.partition_stale AS ps WHERE ps.subscription_id = @v_subscription_id)
                 BEGIN
                     SET @v_subscriptions = N'[' + CAST(@v_subscription_id AS nvarchar(20)) + N']';
-                    EXEC workqueue.rederive_stale @p_subscription_ids = @v_subscriptions, @p_limit = @p_limit;
+                    EXEC workqueue.rederive_stale @p_subscription_ids = @v_subscriptions, @p_limit = @v_limit;
                 END;
-                -- Keys that can run now: their partition row is the lock.
-                INSERT INTO @v_keyed (next_id, partition_key)
-                SELECT TOP (@p_limit) pt.next_id, pt.partition_key
-                FROM workqueue.partition AS pt WITH (UPDLOCK, READPAST, ROWLOCK)
-                WHERE pt.subscription_id = @v_subscription_id AND pt.holder_id IS NULL
-                  AND pt.next_id IS NOT NULL AND pt.next_visible_at <= @v_now
-                ORDER BY pt.next_visible_at;
-                SET @v_keyed_count = @@ROWCOUNT;
+                -- Keys that can run now: their partition row is the lock. Those whose next delivery
+                -- has a priority first; a key a rate limit holds back is passed over.
+                IF EXISTS (SELECT 1 FROM workqueue.partition AS pt
+                           WHERE pt.subscription_id = @v_subscription_id AND pt.holder_id IS NULL
+                             AND pt.next_id IS NOT NULL AND pt.next_priority > 0)
+                BEGIN
+                    INSERT INTO @v_keyed (next_id, partition_key)
+                    SELECT TOP (@v_limit) pt.next_id, pt.partition_key
+                    FROM workqueue.partition AS pt WITH (UPDLOCK, READPAST, ROWLOCK)
+                    WHERE pt.subscription_id = @v_subscription_id AND pt.holder_id IS NULL
+                      AND pt.next_id IS NOT NULL AND pt.next_priority > 0 AND pt.next_visible_at <= @v_now
+                      AND NOT EXISTS (SELECT 1 FROM @v_room AS r WHERE r.partition_key = pt.partition_key AND r.room = 0)
+                    ORDER BY pt.next_priority DESC, pt.next_visible_at;
+                    SET @v_keyed_count = @@ROWCOUNT;
+                END;
+                IF @v_keyed_count < @v_limit
+                BEGIN
+                    INSERT INTO @v_keyed (next_id, partition_key)
+                    SELECT TOP (@v_limit - @v_keyed_count) pt.next_id, pt.partition_key
+                    FROM workqueue.partition AS pt WITH (UPDLOCK, READPAST, ROWLOCK)
+                    WHERE pt.subscription_id = @v_subscription_id AND pt.holder_id IS NULL
+                      AND pt.next_id IS NOT NULL AND pt.next_priority = 0 AND pt.next_visible_at <= @v_now
+                      AND NOT EXISTS (SELECT 1 FROM @v_room AS r WHERE r.partition_key = pt.partition_key AND r.room = 0)
+                    ORDER BY pt.next_visible_at;
+                    SET @v_keyed_count = @v_keyed_count + @@ROWCOUNT;
+                END;
             END;
 
-            -- Deliveries without a key lock (None mode, or no partition key).
+            -- Deliveries without a key lock (None mode, or no partition key), the highest
+            -- priority first; on a keyed subscription they share the claim with the keys.
             SET @v_share = CASE
-                WHEN @v_keyed_count = 0 THEN @p_limit
-                WHEN @p_limit - @v_keyed_count > @p_limit / 2 THEN @p_limit - @v_keyed_count
-                ELSE @p_limit / 2
+                WHEN @v_keyed_count = 0 THEN @v_limit
+                WHEN @v_limit - @v_keyed_count > @v_limit / 2 THEN @v_limit - @v_keyed_count
+                ELSE @v_limit / 2
             END;
-            INSERT INTO @v_unkeyed (id, message_id)
-            SELECT TOP (@v_share) d.id, d.message_id
-            FROM workqueue.delivery AS d WITH (UPDLOCK, READPAST, ROWLOCK)
-            WHERE d.subscription_id = @v_subscription_id AND d.status = N'Pending' AND d.key_mode = 0
-              AND d.visible_at <= @v_now
-            ORDER BY d.visible_at, d.id;
-            SET @v_unkeyed_count = @@ROWCOUNT;
-
-            IF @v_keyed_count > 0 AND @v_unkeyed_count > 0 AND @v_keyed_count + @v_unkeyed_count > @p_limit
+            IF @v_share > 0 AND @v_key_limited = 1 AND @v_partition_mode = N'None' COLLATE Latin1_General_100_BIN2
             BEGIN
-                DELETE FROM @v_keyed WHERE ord > @p_limit - @v_unkeyed_count;
-                SET @v_keyed_count = @p_limit - @v_unkeyed_count;
+                -- Under key limits: a window of candidates in claim order past the keys without
+                -- room, then each key's beyond its room left out. The application lock keeps other
+                -- claimers of the subscription out, so nothing is locked until the UPDATE below.
+                INSERT INTO @v_window (id, message_id, priority, visible_at, partition_key)
+                SELECT TOP (@v_share * 4) d.id, d.message_id, d.priority, d.visible_at, d.partition_key
+                FROM workqueue.delivery AS d
+                WHERE d.subscription_id = @v_subscription_id AND d.status = N'Pending' AND d.key_mode = 0
+                  AND d.priority > 0 AND d.visible_at <= @v_now
+                  AND NOT EXISTS (SELECT 1 FROM @v_room AS r WHERE r.partition_key = d.partition_key AND r.room = 0)
+                ORDER BY d.priority DESC, d.visible_at, d.id;
+                INSERT INTO @v_window (id, message_id, priority, visible_at, partition_key)
+                SELECT TOP (@v_share * 4) d.id, d.message_id, d.priority, d.visible_at, d.partition_key
+                FROM workqueue.delivery AS d
+                WHERE d.subscription_id = @v_subscription_id AND d.status = N'Pending' AND d.key_mode = 0
+                  AND d.priority = 0 AND d.visible_at <= @v_now
+                  AND NOT EXISTS (SELECT 1 FROM @v_room AS r WHERE r.partition_key = d.partition_key AND r.room = 0)
+                ORDER BY d.visible_at, d.id;
+                WITH ranked AS (
+                    SELECT w.id, w.message_id, w.priority, w.visible_at, w.partition_key,
+                           ROW_NUMBER() OVER (PARTITION BY w.partition_key
+                                              ORDER BY w.priority DESC, w.visible_at, w.id) AS rn
+                    FROM @v_window AS w
+                )
+                INSERT INTO @v_unkeyed (id, message_id)
+                SELECT TOP (@v_share) x.id, x.message_id
+                FROM ranked AS x
+                LEFT JOIN @v_room AS r ON r.partition_key = x.partition_key
+                WHERE x.partition_key IS NULL OR x.rn <= COALESCE(r.room, @v_default_room)
+                ORDER BY x.priority DESC, x.visible_at, x.id;
+                SET @v_unkeyed_count = @@ROWCOUNT;
+                IF @v_unkeyed_count < @v_share AND @v_held IS NULL AND EXISTS (
+                    SELECT 1 FROM workqueue.delivery AS d
+                    WHERE d.subscription_id = @v_subscription_id AND d.status = N'Pending' AND d.key_mode = 0
+                      AND d.visible_at <= @v_now AND NOT EXISTS (SELECT 1 FROM @v_unkeyed AS u WHERE u.id = d.id)
+                )
+                    SET @v_held = CASE WHEN @v_key_rate IS NOT NULL AND (@v_key_spent = 1 OR @v_key_concurrency IS NULL)
+                                       THEN N'KeyRateLimit' ELSE N'KeyConcurrency' END;
+            END
+            ELSE IF @v_share > 0
+            BEGIN
+                IF EXISTS (SELECT 1 FROM workqueue.delivery AS d
+                           WHERE d.subscription_id = @v_subscription_id AND d.status = N'Pending' AND d.key_mode = 0
+                             AND d.priority > 0)
+                BEGIN
+                    INSERT INTO @v_unkeyed (id, message_id)
+                    SELECT TOP (@v_share) d.id, d.message_id
+                    FROM workqueue.delivery AS d WITH (UPDLOCK, READPAST, ROWLOCK)
+                    WHERE d.subscription_id = @v_subscription_id AND d.status = N'Pending' AND d.key_mode = 0
+                      AND d.priority > 0 AND d.visible_at <= @v_now
+                    ORDER BY d.priority DESC, d.visible_at, d.id;
+                    SET @v_unkeyed_count = @@ROWCOUNT;
+                END;
+                IF @v_unkeyed_count < @v_share
+                BEGIN
+                    INSERT INTO @v_unkeyed (id, message_id)
+                    SELECT TOP (@v_share - @v_unkeyed_count) d.id, d.message_id
+                    FROM workqueue.delivery AS d WITH (UPDLOCK, READPAST, ROWLOCK)
+                    WHERE d.subscription_id = @v_subscription_id AND d.status = N'Pending' AND d.key_mode = 0
+                      AND d.priority = 0 AND d.visible_at <= @v_now
+                    ORDER BY d.visible_at, d.id;
+                    SET @v_unkeyed_count = @v_unkeyed_count + @@ROWCOUNT;
+                END;
+            END;
+
+            IF @v_keyed_count > 0 AND @v_unkeyed_count > 0 AND @v_keyed_count + @v_unkeyed_count > @v_limit
+            BEGIN
+                DELETE FROM @v_keyed WHERE ord > @v_limit - @v_unkeyed_count;
+                SET @v_keyed_count = @v_limit - @v_unkeyed_count;
             END;
 
             INSERT INTO @v_ids (id)
@@ -1931,16 +2204,17 @@ BEGIN
                     lease_token = NEWID(), lease_expires_at = @v_lease_expires_at, claimed_at = @v_now,
                     held_by = @p_holder, progress_percent = NULL, progress_message = NULL
                 OUTPUT inserted.id, inserted.lease_token, inserted.attempt, inserted.max_attempts,
-                       inserted.lease_expires_at, inserted.message_id, inserted.partition_key, inserted.key_mode
+                       inserted.lease_expires_at, inserted.message_id, inserted.partition_key, inserted.key_mode,
+                       inserted.priority
                 INTO @v_claimed (id, lease_token, attempt, max_attempts, lease_expires_at, message_id,
-                                 partition_key, key_mode)
+                                 partition_key, key_mode, priority)
                 FROM workqueue.delivery AS d
                 INNER JOIN @v_ids AS x ON x.id = d.id
                 WHERE d.status = N'Pending';
                 SET @v_got = @@ROWCOUNT;
 
                 UPDATE pt
-                SET holder_id = c.id, next_id = NULL, next_visible_at = NULL
+                SET holder_id = c.id, next_id = NULL, next_visible_at = NULL, next_priority = 0
                 FROM workqueue.partition AS pt
                 INNER JOIN @v_claimed AS c
                     ON pt.subscription_id = @v_subscription_id AND pt.partition_key = c.partition_key
@@ -1970,6 +2244,70 @@ BEGIN
                 END;
             END;
 
+            IF @v_limited = 1
+            BEGIN
+                -- Under flow limits: what was claimed is spent from the buckets, and when a limit
+                -- kept claimable work back, a row without a delivery says which, and when a token
+                -- is due.
+                IF @v_got > 0 AND @v_rate IS NOT NULL
+                BEGIN
+                    UPDATE b SET tokens = @v_tokens - @v_got, updated_at = @v_now
+                    FROM workqueue.rate_bucket AS b
+                    WHERE b.subscription_id = @v_subscription_id AND b.per_key = 0 AND b.partition_key = N'';
+                    IF @@ROWCOUNT = 0
+                        INSERT INTO workqueue.rate_bucket (subscription_id, per_key, partition_key, tokens, updated_at)
+                        VALUES (@v_subscription_id, 0, N'', @v_tokens - @v_got, @v_now);
+                END;
+                IF @v_got > 0 AND @v_key_rate IS NOT NULL
+                BEGIN
+                    WITH spent AS (
+                        SELECT c.partition_key, COUNT(*) AS n FROM @v_claimed AS c
+                        WHERE c.partition_key IS NOT NULL GROUP BY c.partition_key
+                    )
+                    MERGE workqueue.rate_bucket AS b
+                    USING spent AS x
+                        ON b.subscription_id = @v_subscription_id AND b.per_key = 1 AND b.partition_key = x.partition_key
+                    WHEN MATCHED THEN UPDATE SET
+                        tokens = CASE WHEN b.tokens + CASE WHEN b.updated_at < @v_now
+                                                           THEN DATEDIFF_BIG(microsecond, b.updated_at, @v_now) / 1000000.0
+                                                           ELSE 0 END * @v_key_rate > @v_key_burst
+                                      THEN @v_key_burst
+                                      ELSE b.tokens + CASE WHEN b.updated_at < @v_now
+                                                           THEN DATEDIFF_BIG(microsecond, b.updated_at, @v_now) / 1000000.0
+                                                           ELSE 0 END * @v_key_rate END - x.n,
+                        updated_at = @v_now
+                    WHEN NOT MATCHED THEN
+                        INSERT (subscription_id, per_key, partition_key, tokens, updated_at)
+                        VALUES (@v_subscription_id, 1, x.partition_key, @v_key_burst - x.n, @v_now);
+                END;
+                IF @v_held IS NULL AND @v_has_blocked = 1 AND @v_got < @p_limit
+                    SET @v_held = CASE WHEN @v_key_rate IS NOT NULL AND (@v_key_spent = 1 OR @v_key_concurrency IS NULL)
+                                       THEN N'KeyRateLimit' ELSE N'KeyConcurrency' END;
+                IF @v_held = N'RateLimit' COLLATE Latin1_General_100_BIN2
+                    SET @v_retry = (1 - (@v_tokens - @v_got)) / @v_rate;
+                ELSE IF @v_held = N'KeyRateLimit' COLLATE Latin1_General_100_BIN2
+                BEGIN
+                    -- When the fullest spent bucket of a key gets its next token.
+                    SELECT @v_fullest = MAX(CASE WHEN f.t > @v_key_burst THEN @v_key_burst ELSE f.t END)
+                    FROM workqueue.rate_bucket AS b
+                    CROSS APPLY (SELECT b.tokens + CASE WHEN b.updated_at < @v_now
+                                                        THEN DATEDIFF_BIG(microsecond, b.updated_at, @v_now) / 1000000.0
+                                                        ELSE 0 END * @v_key_rate AS t) AS f
+                    WHERE b.subscription_id = @v_subscription_id AND b.per_key = 1 AND f.t < 1;
+                    SET @v_retry = (1 - @v_fullest) / @v_key_rate;
+                END;
+                IF @v_held IS NOT NULL AND @v_got < @p_limit AND (
+                    EXISTS (SELECT 1 FROM workqueue.delivery AS d
+                            WHERE d.subscription_id = @v_subscription_id AND d.status = N'Pending'
+                              AND d.key_mode = 0 AND d.visible_at <= @v_now)
+                    OR EXISTS (SELECT 1 FROM workqueue.partition AS pt
+                               WHERE pt.subscription_id = @v_subscription_id AND pt.holder_id IS NULL
+                                 AND pt.next_id IS NOT NULL AND pt.next_visible_at <= @v_now)
+                )
+                    INSERT INTO @v_claimed (id, held_back, retry_after)
+                    VALUES (0, @v_held, CASE WHEN @v_retry < 0 THEN 0 ELSE @v_retry END);
+            END;
+
             IF @v_own_transaction = 1
                 COMMIT TRANSACTION;
         END;
@@ -1979,12 +2317,12 @@ BEGIN
             ROLLBACK TRANSACTION;
         THROW;
     END CATCH;
-    SELECT c.id AS delivery_id, c.lease_token, c.attempt, c.max_attempts, c.lease_expires_at,
+    SELECT NULLIF(c.id, 0) AS delivery_id, c.lease_token, c.attempt, c.max_attempts, c.lease_expires_at,
            m.id AS message_id, m.topic, m.partition_key, m.attributes, m.payload, m.payload_ref,
-           m.correlation_id, m.published_at
+           m.correlation_id, m.published_at, c.held_back, c.retry_after
     FROM @v_claimed AS c
-    INNER JOIN workqueue.message AS m ON m.id = c.message_id
-    ORDER BY c.id;
+    LEFT JOIN workqueue.message AS m ON m.id = c.message_id
+    ORDER BY CASE WHEN c.id = 0 THEN 1 ELSE 0 END, c.priority DESC, c.id;
 END;
 GO
 
@@ -2016,7 +2354,13 @@ BEGIN
         name nvarchar(200) COLLATE Latin1_General_100_BIN2 NOT NULL,
         lease_seconds float NOT NULL
     );
-    DECLARE @v_shares TABLE (subscription_id int NOT NULL PRIMARY KEY, n int NOT NULL);
+    DECLARE @v_candidates TABLE (
+        id bigint NOT NULL PRIMARY KEY,
+        subscription_id int NOT NULL,
+        priority smallint NOT NULL,
+        visible_at datetimeoffset(6) NOT NULL
+    );
+    DECLARE @v_shares TABLE (subscription_id int NOT NULL PRIMARY KEY, urgent int NOT NULL, n int NOT NULL);
     DECLARE @v_ids TABLE (id bigint NOT NULL PRIMARY KEY);
     DECLARE @v_claimed TABLE (
         id bigint NOT NULL PRIMARY KEY,
@@ -2026,7 +2370,8 @@ BEGIN
         max_attempts int NOT NULL,
         lease_expires_at datetimeoffset(6) NOT NULL,
         message_id uniqueidentifier NOT NULL,
-        visible_at datetimeoffset(6) NOT NULL
+        visible_at datetimeoffset(6) NOT NULL,
+        priority smallint NOT NULL
     );
 
     -- Names compare in binary, as everywhere (not in the database's default collation), and a name
@@ -2035,15 +2380,17 @@ BEGIN
     SELECT DISTINCT CAST(j.value AS nvarchar(200)) COLLATE Latin1_General_100_BIN2
     FROM OPENJSON(@p_subscriptions) AS j
     WHERE j.value IS NOT NULL AND LEN(j.value) <= 200;
-    SELECT @v_keyed = MIN(CONCAT(s.name, N' is ', s.partition_mode))
+    SELECT @v_keyed = MIN(CASE WHEN s.partition_mode <> N'None' THEN CONCAT(s.name, N' is ', s.partition_mode)
+                               ELSE CONCAT(s.name, N' has flow limits') END)
     FROM workqueue.subscription AS s
     INNER JOIN @v_names AS n ON n.name = s.name
-    WHERE s.partition_mode <> N'None';
+    WHERE s.partition_mode <> N'None' OR s.max_in_flight IS NOT NULL OR s.key_concurrency IS NOT NULL
+       OR s.rate_limit IS NOT NULL OR s.key_rate_limit IS NOT NULL;
     IF @v_keyed IS NOT NULL
     BEGIN
         SET @v_message = CONCAT(
             N'claim_many takes None-mode subscriptions only (', @v_keyed,
-            N'); claim an Exclusive or Ordered subscription with claim');
+            N'); claim an Exclusive or Ordered subscription, or one with flow limits, with claim');
         THROW 51005, @v_message, 1;
     END;
 
@@ -2060,24 +2407,52 @@ BEGIN
             IF @v_own_transaction = 1
                 BEGIN TRANSACTION;
 
-            -- Each subscription's share of the @p_limit oldest due deliveries of them all.
-            INSERT INTO @v_shares (subscription_id, n)
-            SELECT c.subscription_id, COUNT(*)
-            FROM (
-                SELECT TOP (@p_limit) s.id AS subscription_id
-                FROM @v_subs AS s
-                CROSS APPLY (
-                    SELECT TOP (@p_limit) d.id, d.visible_at
-                    FROM workqueue.delivery AS d
-                    WHERE d.subscription_id = s.id AND d.status = N'Pending' AND d.key_mode = 0
-                      AND d.visible_at <= @v_now
-                    ORDER BY d.visible_at, d.id
-                ) AS d
+            -- Each subscription's candidates: those with a priority (an index that is empty without
+            -- them), then the oldest due of the others.
+            INSERT INTO @v_candidates (id, subscription_id, priority, visible_at)
+            SELECT d.id, s.id, d.priority, d.visible_at
+            FROM @v_subs AS s
+            CROSS APPLY (
+                SELECT TOP (@p_limit) d.id, d.visible_at, d.priority
+                FROM workqueue.delivery AS d
+                WHERE d.subscription_id = s.id AND d.status = N'Pending' AND d.key_mode = 0
+                  AND d.priority > 0 AND d.visible_at <= @v_now
+                ORDER BY d.priority DESC, d.visible_at, d.id
+            ) AS d;
+            INSERT INTO @v_candidates (id, subscription_id, priority, visible_at)
+            SELECT d.id, s.id, d.priority, d.visible_at
+            FROM @v_subs AS s
+            CROSS APPLY (
+                SELECT TOP (@p_limit) d.id, d.visible_at, d.priority
+                FROM workqueue.delivery AS d
+                WHERE d.subscription_id = s.id AND d.status = N'Pending' AND d.key_mode = 0
+                  AND d.priority = 0 AND d.visible_at <= @v_now
                 ORDER BY d.visible_at, d.id
+            ) AS d;
+
+            -- Each subscription's share of the @p_limit first of them all: the highest priority,
+            -- then the oldest due.
+            INSERT INTO @v_shares (subscription_id, urgent, n)
+            SELECT c.subscription_id, SUM(CASE WHEN c.priority > 0 THEN 1 ELSE 0 END),
+                   SUM(CASE WHEN c.priority = 0 THEN 1 ELSE 0 END)
+            FROM (
+                SELECT TOP (@p_limit) x.subscription_id, x.priority
+                FROM @v_candidates AS x
+                ORDER BY x.priority DESC, x.visible_at, x.id
             ) AS c
             GROUP BY c.subscription_id;
 
-            -- Each share, locked from its subscription's index past the rows other claimers hold.
+            -- Each share, locked from its subscription's indexes past the rows other claimers hold.
+            INSERT INTO @v_ids (id)
+            SELECT l.id
+            FROM @v_shares AS k
+            CROSS APPLY (
+                SELECT TOP (k.urgent) d.id, d.message_id
+                FROM workqueue.delivery AS d WITH (UPDLOCK, READPAST, ROWLOCK)
+                WHERE d.subscription_id = k.subscription_id AND d.status = N'Pending' AND d.key_mode = 0
+                  AND d.priority > 0 AND d.visible_at <= @v_now
+                ORDER BY d.priority DESC, d.visible_at, d.id
+            ) AS l;
             INSERT INTO @v_ids (id)
             SELECT l.id
             FROM @v_shares AS k
@@ -2085,7 +2460,7 @@ BEGIN
                 SELECT TOP (k.n) d.id, d.message_id
                 FROM workqueue.delivery AS d WITH (UPDLOCK, READPAST, ROWLOCK)
                 WHERE d.subscription_id = k.subscription_id AND d.status = N'Pending' AND d.key_mode = 0
-                  AND d.visible_at <= @v_now
+                  AND d.priority = 0 AND d.visible_at <= @v_now
                 ORDER BY d.visible_at, d.id
             ) AS l;
 
@@ -2097,9 +2472,10 @@ BEGIN
                     DATEADD(second, CAST(FLOOR(s.lease_seconds) AS int), @v_now)),
                 claimed_at = @v_now, held_by = @p_holder, progress_percent = NULL, progress_message = NULL
             OUTPUT inserted.id, inserted.subscription_id, inserted.lease_token, inserted.attempt,
-                   inserted.max_attempts, inserted.lease_expires_at, inserted.message_id, inserted.visible_at
+                   inserted.max_attempts, inserted.lease_expires_at, inserted.message_id, inserted.visible_at,
+                   inserted.priority
             INTO @v_claimed (id, subscription_id, lease_token, attempt, max_attempts, lease_expires_at,
-                             message_id, visible_at)
+                             message_id, visible_at, priority)
             FROM workqueue.delivery AS d
             INNER JOIN @v_ids AS x ON x.id = d.id
             INNER JOIN @v_subs AS s ON s.id = d.subscription_id
@@ -2120,7 +2496,7 @@ BEGIN
     FROM @v_claimed AS c
     INNER JOIN @v_subs AS s ON s.id = c.subscription_id
     INNER JOIN workqueue.message AS m ON m.id = c.message_id
-    ORDER BY c.visible_at, c.id;
+    ORDER BY c.priority DESC, c.visible_at, c.id;
 END;
 GO
 
@@ -2679,6 +3055,18 @@ BEGIN
         )
         DELETE FROM expired;
         SET @v_dedup = @@ROWCOUNT;
+
+        -- Token buckets that are full again (idle for as long as an empty one takes to fill), or
+        -- whose subscription has no such rate limit any more.
+        -- (An empty bucket fills in burst / rate: one second, or 1 / rate below one a second.)
+        DELETE TOP (@p_limit) b
+        FROM workqueue.rate_bucket AS b WITH (UPDLOCK, READPAST, ROWLOCK)
+        LEFT JOIN workqueue.subscription AS s ON s.id = b.subscription_id
+        CROSS APPLY (SELECT workqueue.rate_per_second(
+                         CASE WHEN b.per_key = 1 THEN s.key_rate_limit ELSE s.rate_limit END) AS rate) AS r
+        WHERE r.rate IS NULL
+           OR DATEADD(millisecond, CAST(1000.0 * (CASE WHEN r.rate > 1 THEN r.rate ELSE 1 END) / r.rate AS int),
+                      b.updated_at) <= @v_now;
 
         IF @v_own_transaction = 1
             COMMIT TRANSACTION;
@@ -4346,6 +4734,86 @@ BEGIN
         WHERE @p_subscription IS NULL OR s.name = @p_subscription
     ) AS c
     ORDER BY c.subscription;
+END;
+GO
+
+-- How full a subscription's flow limits are (PostgreSQL's flow_state says what it counts), each
+-- count stopping at @p_cap. No row for an unknown name.
+-- returns: in_flight, tokens, keys_at_limit, waiting
+CREATE OR ALTER PROCEDURE workqueue.flow_state
+    @p_subscription nvarchar(200),
+    @p_cap int = 1000,
+    @p_now datetimeoffset(6) = NULL
+AS
+BEGIN
+    SET NOCOUNT ON;
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());
+    DECLARE @v_subscription_id int;
+    DECLARE @v_max_in_flight int;
+    DECLARE @v_key_concurrency int;
+    DECLARE @v_rate float;
+    DECLARE @v_key_rate float;
+    DECLARE @v_in_flight bigint;
+    DECLARE @v_tokens float;
+    DECLARE @v_full bit = 0;
+    DECLARE @v_waiting bigint;
+    DECLARE @v_keys TABLE (partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NOT NULL PRIMARY KEY);
+
+    SELECT @v_subscription_id = s.id, @v_max_in_flight = s.max_in_flight,
+           @v_key_concurrency = CASE WHEN s.partition_mode = N'None' THEN s.key_concurrency END,
+           @v_rate = workqueue.rate_per_second(s.rate_limit), @v_key_rate = workqueue.rate_per_second(s.key_rate_limit)
+    FROM workqueue.subscription AS s
+    WHERE s.name = @p_subscription;
+
+    IF @v_subscription_id IS NOT NULL
+    BEGIN
+        SELECT @v_in_flight = COUNT_BIG(*) FROM (
+            SELECT TOP (@p_cap) d.id FROM workqueue.delivery AS d
+            WHERE d.subscription_id = @v_subscription_id AND d.status = N'InFlight' AND d.lease_expires_at > @v_now
+        ) AS x;
+        IF @v_rate IS NOT NULL
+        BEGIN
+            SELECT @v_tokens = b.tokens + CASE WHEN b.updated_at < @v_now
+                                               THEN DATEDIFF_BIG(microsecond, b.updated_at, @v_now) / 1000000.0
+                                               ELSE 0 END * @v_rate
+            FROM workqueue.rate_bucket AS b
+            WHERE b.subscription_id = @v_subscription_id AND b.per_key = 0 AND b.partition_key = N'';
+            IF @v_tokens IS NULL OR @v_tokens > CASE WHEN @v_rate > 1 THEN @v_rate ELSE 1 END
+                SET @v_tokens = CASE WHEN @v_rate > 1 THEN @v_rate ELSE 1 END;
+        END;
+        INSERT INTO @v_keys (partition_key)
+        SELECT TOP (@p_cap) k.k FROM (
+            SELECT d.partition_key AS k FROM workqueue.delivery AS d
+            WHERE @v_key_concurrency IS NOT NULL AND d.subscription_id = @v_subscription_id
+              AND d.status = N'InFlight' AND d.lease_expires_at > @v_now AND d.partition_key IS NOT NULL
+            GROUP BY d.partition_key
+            HAVING COUNT(*) >= @v_key_concurrency
+            UNION
+            SELECT b.partition_key FROM workqueue.rate_bucket AS b
+            WHERE @v_key_rate IS NOT NULL AND b.subscription_id = @v_subscription_id AND b.per_key = 1
+              AND b.tokens + CASE WHEN b.updated_at < @v_now
+                                  THEN DATEDIFF_BIG(microsecond, b.updated_at, @v_now) / 1000000.0
+                                  ELSE 0 END * @v_key_rate < 1
+        ) AS k;
+        IF (@v_max_in_flight IS NOT NULL AND @v_in_flight >= @v_max_in_flight) OR @v_tokens < 1
+            SET @v_full = 1;
+        SELECT @v_waiting = COUNT_BIG(*) FROM (
+            SELECT TOP (@p_cap) w.one FROM (
+                SELECT 1 AS one FROM workqueue.delivery AS d
+                WHERE d.subscription_id = @v_subscription_id AND d.status = N'Pending' AND d.key_mode = 0
+                  AND d.visible_at <= @v_now
+                  AND (@v_full = 1 OR d.partition_key IN (SELECT k.partition_key FROM @v_keys AS k))
+                UNION ALL
+                SELECT 1 AS one FROM workqueue.partition AS p
+                WHERE p.subscription_id = @v_subscription_id AND p.holder_id IS NULL AND p.next_id IS NOT NULL
+                  AND p.next_visible_at <= @v_now
+                  AND (@v_full = 1 OR p.partition_key IN (SELECT k.partition_key FROM @v_keys AS k))
+            ) AS w
+        ) AS x;
+    END;
+    SELECT @v_in_flight AS in_flight, @v_tokens AS tokens,
+           (SELECT COUNT_BIG(*) FROM @v_keys) AS keys_at_limit, @v_waiting AS waiting
+    WHERE @v_subscription_id IS NOT NULL;
 END;
 GO
 

@@ -59,7 +59,12 @@ CREATE TABLE workqueue.subscription (
     binding_config          jsonb,
     created_at              timestamptz NOT NULL DEFAULT now(),
     updated_at              timestamptz NOT NULL DEFAULT now(),
-    retired_at              timestamptz   -- retired: no new deliveries, what it holds drains
+    retired_at              timestamptz,  -- retired: no new deliveries, what it holds drains
+    -- Flow limits, held across every process (docs/design/flow-control.md); NULL: none.
+    max_in_flight           integer CHECK (max_in_flight IS NULL OR max_in_flight >= 1),
+    key_concurrency         integer CHECK (key_concurrency IS NULL OR key_concurrency >= 1),
+    rate_limit              text CHECK (rate_limit IS NULL OR rate_limit ~ '^[1-9][0-9]{0,8}/[smh]$'),
+    key_rate_limit          text CHECK (key_rate_limit IS NULL OR key_rate_limit ~ '^[1-9][0-9]{0,8}/[smh]$')
 );
 CREATE INDEX subscription_topic ON workqueue.subscription (topic);
 
@@ -121,12 +126,18 @@ CREATE TABLE workqueue.delivery (
     settled_at            timestamptz,
     held_by               uuid,
     watched               boolean,         -- true: its end is announced (delivery_ended, for wait)
-    group_id              uuid             -- a member of this group (message_group): its end is counted
+    group_id              uuid,            -- a member of this group (message_group): its end is counted
+    priority              smallint NOT NULL DEFAULT 0   -- 0..9, higher claimed first
 ) WITH (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.02);
 
 -- Claimable work without a key lock: the head of this index is the next delivery to claim.
 CREATE INDEX delivery_claim ON workqueue.delivery (subscription_id, visible_at, id)
     WHERE status = 'Pending' AND key_mode = 0;
+-- The same work with a priority above 0, claimed first, one level at a time (9 down to 1). Empty
+-- while nobody publishes with a priority: a message of priority 0 costs nothing here, and a claim
+-- probes it once (docs/design/flow-control.md).
+CREATE INDEX delivery_claim_priority ON workqueue.delivery (subscription_id, priority, visible_at, id)
+    WHERE status = 'Pending' AND key_mode = 0 AND priority > 0;
 -- Ordered keys: the head is the lowest id among Pending, InFlight and DeadLettered.
 CREATE INDEX delivery_ordered_head ON workqueue.delivery (subscription_id, partition_key, id)
     WHERE key_mode = 2 AND status IN ('Pending', 'InFlight', 'DeadLettered');
@@ -160,6 +171,7 @@ CREATE TABLE workqueue.delivery_attempt (
 -- One row per (subscription, key) with live keyed work: the lock and the state of the key.
 --   holder_id: the InFlight delivery of the key (at most one, ever).
 --   next_id / next_visible_at: the delivery a claim takes next when there is no holder.
+--   next_priority: the priority of next_id (0 without one): keys are claimed by it.
 --   blocked_id: Ordered only, the DeadLettered head that blocks the key.
 -- A key with none of the three has no row.
 CREATE TABLE workqueue.partition (
@@ -169,10 +181,14 @@ CREATE TABLE workqueue.partition (
     next_id           bigint,
     next_visible_at   timestamptz,
     blocked_id        bigint,
+    next_priority     smallint NOT NULL DEFAULT 0,
     PRIMARY KEY (subscription_id, partition_key)
 ) WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02);
 CREATE INDEX partition_ready ON workqueue.partition (subscription_id, next_visible_at)
     WHERE holder_id IS NULL AND next_id IS NOT NULL;
+-- Keys whose next delivery has a priority above 0, claimed first (as delivery_claim_priority).
+CREATE INDEX partition_ready_priority ON workqueue.partition (subscription_id, next_priority, next_visible_at)
+    WHERE holder_id IS NULL AND next_id IS NOT NULL AND next_priority > 0;
 
 -- Keys a settle or lease expiry could not hand over because another transaction (a producer)
 -- held their partition row: the row may still name a settled holder until rederive_stale
@@ -182,6 +198,19 @@ CREATE TABLE workqueue.partition_stale (
     partition_key    text NOT NULL,
     key_mode         smallint NOT NULL,
     PRIMARY KEY (subscription_id, partition_key)
+);
+
+-- The token buckets of rate limits, shared by every process: a subscription's own (rate_limit:
+-- per_key false, partition_key '') and one per partition key (key_rate_limit), made by the first
+-- claim that spends from it and purged once it is full again (idle). tokens as of updated_at; a
+-- claim adds what the rate gave since, up to one second of tokens (at least one).
+CREATE TABLE workqueue.rate_bucket (
+    subscription_id  integer NOT NULL,
+    per_key          boolean NOT NULL,
+    partition_key    text NOT NULL,
+    tokens           double precision NOT NULL,
+    updated_at       timestamptz NOT NULL,
+    PRIMARY KEY (subscription_id, per_key, partition_key)
 );
 
 -- Deduplication keys of a topic while they live.
@@ -373,6 +402,16 @@ BEGIN
 END
 $$;
 
+-- A rate limit ('50/s', '10/m', '3/h') in tokens per second; NULL for none.
+CREATE OR REPLACE FUNCTION workqueue.rate_per_second(p_rate text)
+RETURNS double precision
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT split_part(p_rate, '/', 1)::double precision
+           / CASE split_part(p_rate, '/', 2) WHEN 's' THEN 1 WHEN 'm' THEN 60 ELSE 3600 END
+$$;
+
 -- ---------------------------------------------------------------------------------------------
 -- Topology
 -- ---------------------------------------------------------------------------------------------
@@ -401,7 +440,9 @@ CREATE OR REPLACE FUNCTION workqueue.sync_subscription(
     p_lease_seconds double precision, p_max_attempts integer,
     p_backoff_base_seconds double precision, p_backoff_max_seconds double precision,
     p_max_processing_seconds double precision, p_heartbeat_mode text, p_filter jsonb,
-    p_host_type text, p_retention_seconds double precision, p_status text DEFAULT 'Active'
+    p_host_type text, p_retention_seconds double precision, p_status text DEFAULT 'Active',
+    p_max_in_flight integer DEFAULT NULL, p_key_concurrency integer DEFAULT NULL,
+    p_rate_limit text DEFAULT NULL, p_key_rate_limit text DEFAULT NULL
 ) RETURNS integer
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -416,17 +457,20 @@ BEGIN
         INSERT INTO workqueue.subscription (
             name, topic, handler_key, partition_mode, lease_seconds, max_attempts,
             backoff_base_seconds, backoff_max_seconds, max_processing_seconds, heartbeat_mode,
-            filter, host_type, retention_seconds, status)
+            filter, host_type, retention_seconds, status, max_in_flight, key_concurrency,
+            rate_limit, key_rate_limit)
         VALUES (p_name, p_topic, p_handler_key, p_partition_mode, p_lease_seconds, p_max_attempts,
             p_backoff_base_seconds, p_backoff_max_seconds, p_max_processing_seconds, p_heartbeat_mode,
-            p_filter, p_host_type, p_retention_seconds, p_status)
+            p_filter, p_host_type, p_retention_seconds, p_status, p_max_in_flight, p_key_concurrency,
+            p_rate_limit, p_key_rate_limit)
         ON CONFLICT (name) DO NOTHING
         RETURNING id INTO v_id;
         IF v_id IS NULL THEN   -- created concurrently by another process: update it instead
             RETURN workqueue.sync_subscription(p_name, p_topic, p_handler_key, p_partition_mode,
                 p_lease_seconds, p_max_attempts, p_backoff_base_seconds, p_backoff_max_seconds,
                 p_max_processing_seconds, p_heartbeat_mode, p_filter, p_host_type,
-                p_retention_seconds, p_status);
+                p_retention_seconds, p_status, p_max_in_flight, p_key_concurrency,
+                p_rate_limit, p_key_rate_limit);
         END IF;
         RETURN v_id;
     END IF;
@@ -450,15 +494,19 @@ BEGIN
         backoff_base_seconds = p_backoff_base_seconds, backoff_max_seconds = p_backoff_max_seconds,
         max_processing_seconds = p_max_processing_seconds, heartbeat_mode = p_heartbeat_mode,
         filter = p_filter, host_type = p_host_type, retention_seconds = p_retention_seconds,
+        max_in_flight = p_max_in_flight, key_concurrency = p_key_concurrency,
+        rate_limit = p_rate_limit, key_rate_limit = p_key_rate_limit,
         updated_at = now()
     WHERE s.id = v_existing.id
       AND (s.topic, s.handler_key, s.partition_mode, s.lease_seconds, s.max_attempts,
            s.backoff_base_seconds, s.backoff_max_seconds, s.max_processing_seconds,
-           s.heartbeat_mode, s.filter, s.host_type, s.retention_seconds)
+           s.heartbeat_mode, s.filter, s.host_type, s.retention_seconds,
+           s.max_in_flight, s.key_concurrency, s.rate_limit, s.key_rate_limit)
           IS DISTINCT FROM
           (p_topic, p_handler_key, p_partition_mode, p_lease_seconds, p_max_attempts,
            p_backoff_base_seconds, p_backoff_max_seconds, p_max_processing_seconds,
-           p_heartbeat_mode, p_filter, p_host_type, p_retention_seconds);
+           p_heartbeat_mode, p_filter, p_host_type, p_retention_seconds,
+           p_max_in_flight, p_key_concurrency, p_rate_limit, p_key_rate_limit);
     RETURN v_existing.id;
 END
 $$;
@@ -591,6 +639,7 @@ BEGIN
     DELETE FROM workqueue.delivery d WHERE d.subscription_id = v_id;
     DELETE FROM workqueue.partition p WHERE p.subscription_id = v_id;
     DELETE FROM workqueue.partition_stale p WHERE p.subscription_id = v_id;
+    DELETE FROM workqueue.rate_bucket b WHERE b.subscription_id = v_id;
     DELETE FROM workqueue.settled_count c WHERE c.subscription_id = v_id;
     DELETE FROM workqueue.stats_history h WHERE h.subscription_id = v_id;
     DELETE FROM workqueue.subscription s WHERE s.id = v_id;
@@ -669,7 +718,8 @@ RETURNS TABLE (
     backoff_max_seconds double precision, max_processing_seconds double precision,
     heartbeat_mode text, filter jsonb, status text, host_type text,
     retention_seconds double precision, topic_status text, transport text, is_fifo boolean,
-    max_payload_bytes integer
+    max_payload_bytes integer, max_in_flight integer, key_concurrency integer, rate_limit text,
+    key_rate_limit text
 )
 LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -678,7 +728,8 @@ AS $$
            s.backoff_base_seconds, s.backoff_max_seconds, s.max_processing_seconds,
            s.heartbeat_mode, s.filter, CASE WHEN s.status = 'Active' AND s.retired_at IS NOT NULL THEN 'Retired' ELSE s.status END, s.host_type,
            s.retention_seconds, CASE WHEN t.status = 'Active' AND t.retired_at IS NOT NULL THEN 'Retired' ELSE t.status END, t.transport,
-           t.is_fifo, t.max_payload_bytes
+           t.is_fifo, t.max_payload_bytes, s.max_in_flight, s.key_concurrency, s.rate_limit,
+           s.key_rate_limit
     FROM workqueue.subscription s
     JOIN workqueue.topic t ON t.name = s.topic
     ORDER BY s.name
@@ -722,7 +773,8 @@ CREATE OR REPLACE FUNCTION workqueue.publish(
     p_not_befores timestamptz[],
     p_max_attempts integer[],
     p_backoff_schedules text[],
-    p_envelope_bytes integer[]
+    p_envelope_bytes integer[],
+    p_priorities smallint[] DEFAULT NULL   -- NULL: every item 0
 ) RETURNS TABLE (idx integer, status text, message_id uuid, error_code text, error_message text)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -776,12 +828,12 @@ BEGIN
                               ELSE greatest(now(), coalesce(p_not_befores[1],
                                                             now() + make_interval(secs => coalesce(p_delays[1], 0)))) END;
             INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
-                max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at)
+                max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
             SELECT s.id, p_message_ids[1], p_partition_keys[1], 0,
                    coalesce(p_max_attempts[1], s.max_attempts), s.backoff_base_seconds, s.backoff_max_seconds,
                    CASE WHEN p_backoff_schedules[1] IS NULL THEN NULL
                         ELSE ARRAY(SELECT b::double precision FROM jsonb_array_elements_text(p_backoff_schedules[1]::jsonb) AS b) END,
-                   v_visible
+                   v_visible, coalesce(p_priorities[1], 0)
             FROM workqueue.subscription s
             WHERE s.topic = p_topic AND s.partition_mode = 'None' AND s.retired_at IS NULL
               AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes[1]))
@@ -843,15 +895,16 @@ BEGIN
             -- path of one message above).
             WITH new_delivery AS (
                 INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
-                    max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at)
+                    max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
                 SELECT s.id, x.mid, x.pkey, 0,
                        coalesce(x.max_attempts, s.max_attempts), s.backoff_base_seconds, s.backoff_max_seconds,
                        CASE WHEN x.backoff IS NULL THEN NULL
                             ELSE ARRAY(SELECT b::double precision FROM jsonb_array_elements_text(x.backoff::jsonb) AS b) END,
-                       greatest(now(), coalesce(x.not_before, now() + make_interval(secs => coalesce(x.delay, 0))))
+                       greatest(now(), coalesce(x.not_before, now() + make_interval(secs => coalesce(x.delay, 0)))),
+                       coalesce(x.priority, 0)
                 FROM unnest(p_message_ids, p_partition_keys, p_attributes, p_max_attempts, p_backoff_schedules,
-                            p_not_befores, p_delays)
-                     WITH ORDINALITY AS x(mid, pkey, attrs, max_attempts, backoff, not_before, delay, i)
+                            p_not_befores, p_delays, p_priorities)
+                     WITH ORDINALITY AS x(mid, pkey, attrs, max_attempts, backoff, not_before, delay, priority, i)
                 JOIN workqueue.subscription s ON s.topic = p_topic AND s.partition_mode = 'None' AND s.retired_at IS NULL
                 WHERE (v_all OR x.i = ANY (v_first))
                   AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, x.attrs))
@@ -1096,10 +1149,11 @@ BEGIN
                             ELSE ARRAY(SELECT b::double precision FROM jsonb_array_elements_text(x.backoff::jsonb) AS b) END
                            AS backoff_schedule,
                        greatest(now(), coalesce(x.not_before, now() + make_interval(secs => coalesce(x.delay, 0))))
-                           AS visible_at
+                           AS visible_at,
+                       coalesce(x.priority, 0)::smallint AS priority
                 FROM unnest(v_accept, p_message_ids, p_partition_keys, p_attributes, p_max_attempts,
-                            p_backoff_schedules, p_not_befores, p_delays)
-                     WITH ORDINALITY AS x(ok, mid, pkey, attrs, max_attempts, backoff, not_before, delay, i)
+                            p_backoff_schedules, p_not_befores, p_delays, p_priorities)
+                     WITH ORDINALITY AS x(ok, mid, pkey, attrs, max_attempts, backoff, not_before, delay, priority, i)
                 JOIN workqueue.subscription s ON s.topic = p_topic AND s.retired_at IS NULL
                 WHERE x.ok AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, x.attrs))
             ), locked AS (
@@ -1110,19 +1164,19 @@ BEGIN
                 RETURNING p.subscription_id, p.partition_key
             ), new_delivery AS (
                 INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
-                    max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at)
+                    max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
                 SELECT t.sid, t.mid, t.pkey, t.key_mode, t.max_attempts, t.backoff_base_seconds,
-                       t.backoff_max_seconds, t.backoff_schedule, t.visible_at
+                       t.backoff_max_seconds, t.backoff_schedule, t.visible_at, t.priority
                 FROM target t
                 LEFT JOIN locked l ON l.subscription_id = t.sid AND l.partition_key = t.pkey
                 WHERE t.key_mode = 0 OR l.subscription_id IS NOT NULL
                 ORDER BY t.i, t.sid
-                RETURNING id, subscription_id, partition_key, key_mode, visible_at
+                RETURNING id, subscription_id, partition_key, key_mode, visible_at, priority
             )
             -- One row per subscription with immediately visible unkeyed work (to notify), and one
             -- per key that got work: its first new delivery (Ordered) or its earliest (Exclusive).
             SELECT DISTINCT ON (nd.subscription_id, nd.partition_key)
-                   nd.subscription_id, nd.partition_key, nd.key_mode, nd.id, nd.visible_at
+                   nd.subscription_id, nd.partition_key, nd.key_mode, nd.id, nd.visible_at, nd.priority
             FROM new_delivery nd
             WHERE nd.key_mode > 0 OR nd.visible_at <= now()
             ORDER BY nd.subscription_id, nd.partition_key, nd.key_mode DESC,
@@ -1134,7 +1188,7 @@ BEGIN
             END IF;
             -- The key's row is this transaction's since the statement above.
             UPDATE workqueue.partition p
-            SET next_id = v_key.id, next_visible_at = v_key.visible_at
+            SET next_id = v_key.id, next_visible_at = v_key.visible_at, next_priority = v_key.priority
             WHERE p.subscription_id = v_key.subscription_id AND p.partition_key = v_key.partition_key
               AND p.holder_id IS NULL
               AND ((v_key.key_mode = 2 AND p.next_id IS NULL AND p.blocked_id IS NULL)
@@ -1180,7 +1234,8 @@ CREATE OR REPLACE FUNCTION workqueue.publish_one_quiet(
     p_not_before timestamptz,
     p_max_attempts integer,
     p_backoff_schedule text,
-    p_envelope_bytes integer
+    p_envelope_bytes integer,
+    p_priority smallint DEFAULT NULL   -- NULL: 0
 ) RETURNS TABLE (idx integer, status text, message_id uuid, error_code text, error_message text,
                 wake_subscriptions integer[])
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
@@ -1216,7 +1271,7 @@ BEGIN
             p_topic, ARRAY[p_message_id], ARRAY[p_partition_key], ARRAY[p_attributes], ARRAY[p_payload],
             ARRAY[p_payload_ref], ARRAY[p_correlation_id], ARRAY[p_content_hash], ARRAY[NULL::text], NULL,
             ARRAY[p_delay], ARRAY[p_not_before], ARRAY[p_max_attempts], ARRAY[p_backoff_schedule],
-            ARRAY[p_envelope_bytes]) AS r;
+            ARRAY[p_envelope_bytes], ARRAY[p_priority]) AS r;
         RETURN;
     END IF;
     v_visible := CASE WHEN p_not_before IS NULL AND p_delay IS NULL THEN now()
@@ -1245,9 +1300,9 @@ BEGIN
         RETURNING p.subscription_id
     ), new_delivery AS (
         INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
-            max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at)
+            max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
         SELECT t.sid, p_message_id, p_partition_key, t.key_mode, t.max_attempts, t.backoff_base_seconds,
-               t.backoff_max_seconds, v_backoff, v_visible
+               t.backoff_max_seconds, v_backoff, v_visible, coalesce(p_priority, 0)
         FROM target t
         LEFT JOIN locked l ON l.subscription_id = t.sid
         WHERE t.key_mode = 0 OR l.subscription_id IS NOT NULL
@@ -1264,7 +1319,7 @@ BEGIN
         -- transaction's since the statement above.
         WITH pointed AS (
             UPDATE workqueue.partition p
-            SET next_id = x.id, next_visible_at = v_visible
+            SET next_id = x.id, next_visible_at = v_visible, next_priority = coalesce(p_priority, 0)
             FROM unnest(v_sids, v_ids, v_modes) AS x(sid, id, mode)
             WHERE x.mode > 0 AND p.subscription_id = x.sid AND p.partition_key = p_partition_key
               AND p.holder_id IS NULL
@@ -1305,7 +1360,8 @@ CREATE OR REPLACE FUNCTION workqueue.publish_one(
     p_not_before timestamptz,
     p_max_attempts integer,
     p_backoff_schedule text,
-    p_envelope_bytes integer
+    p_envelope_bytes integer,
+    p_priority smallint DEFAULT NULL   -- NULL: 0
 ) RETURNS TABLE (idx integer, status text, message_id uuid, error_code text, error_message text)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -1320,7 +1376,7 @@ BEGIN
         SELECT * FROM workqueue.publish_one_quiet(
             p_topic, p_message_id, p_partition_key, p_attributes, p_payload, p_payload_ref,
             p_correlation_id, p_content_hash, p_delay, p_not_before, p_max_attempts,
-            p_backoff_schedule, p_envelope_bytes)
+            p_backoff_schedule, p_envelope_bytes, p_priority)
     LOOP
         IF v_row.wake_subscriptions IS NOT NULL THEN
             PERFORM pg_notify('workqueue', sid::text) FROM unnest(v_row.wake_subscriptions) AS sid;
@@ -1345,16 +1401,17 @@ $$;
 -- the start of its transaction (docs/design/time.md).
 
 -- Claims up to p_limit visible deliveries of an Active subscription: attempt + 1, a fresh lease
--- token, the lease from the subscription's lease_seconds. Keys of Exclusive and Ordered
--- subscriptions are claimed through their partition row (SKIP LOCKED), one delivery per key,
--- after the keys left stale are re-derived; deliveries without a key share the claim with them.
+-- token, the lease from the subscription's lease_seconds. The highest priority first, then the
+-- earliest due. Keys of Exclusive and Ordered subscriptions are claimed through their partition
+-- row (SKIP LOCKED), one delivery per key, by the priority of the key's next delivery, after the
+-- keys left stale are re-derived; deliveries without a key share the claim with them.
 CREATE OR REPLACE FUNCTION workqueue.claim(p_subscription text, p_limit integer, p_holder uuid DEFAULT NULL,
                                           p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (
     delivery_id bigint, lease_token uuid, attempt integer, max_attempts integer,
     lease_expires_at timestamptz, message_id uuid, topic text, partition_key text,
     attributes jsonb, payload text, payload_ref text, correlation_id text,
-    published_at timestamptz
+    published_at timestamptz, held_back text, retry_after double precision
 )
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -1365,104 +1422,348 @@ AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
     v_sub record;
+    v_limit integer := p_limit;  -- what this claim may take: less than p_limit under a flow limit
     v_keyed bigint[];
     v_keys text[];
+    v_more bigint[];
+    v_more_keys text[];
     v_unkeyed bigint[];
+    v_share integer;
     v_ids bigint[];
-    v_got integer;
+    v_got integer := 0;
     v_key text;
+    -- flow limits (docs/design/flow-control.md)
+    v_held text;            -- the limit that kept claimable work back
+    v_retry double precision;
+    v_busy integer;
+    v_rate double precision;
+    v_tokens double precision;
+    v_key_rate double precision;
+    v_key_limited boolean := false;
+    v_default_room integer;
+    v_room_keys text[];     -- keys whose room is below v_default_room, and their room
+    v_rooms integer[];
+    v_blocked text[];       -- keys with no room at all
+    v_key_spent boolean;    -- a key's bucket holds no whole token
+    v_fullest double precision;
 BEGIN
-    SELECT s.id, s.partition_mode, s.lease_seconds INTO v_sub
+    SELECT s.id, s.partition_mode, s.lease_seconds, s.max_in_flight, s.rate_limit, s.key_rate_limit,
+           CASE WHEN s.partition_mode = 'None' THEN s.key_concurrency END AS key_concurrency,
+           (s.max_in_flight IS NOT NULL OR s.rate_limit IS NOT NULL OR s.key_rate_limit IS NOT NULL
+            OR (s.key_concurrency IS NOT NULL AND s.partition_mode = 'None')) AS limited
+    INTO v_sub
     FROM workqueue.subscription s JOIN workqueue.topic t ON t.name = s.topic
     WHERE s.name = p_subscription AND s.status = 'Active' AND t.status = 'Active';
     IF NOT FOUND OR p_limit < 1 THEN
         RETURN;
     END IF;
 
-    IF v_sub.partition_mode <> 'None' THEN
+    IF v_sub.limited THEN
+        -- One claim of a limited subscription at a time, across every process: the lock is the
+        -- transaction's, gone at its commit, when what it claimed is InFlight for the next one to
+        -- count. Subscriptions without limits never take it.
+        PERFORM pg_advisory_xact_lock(hashtext('workqueue.claim'), v_sub.id);
+        IF v_sub.max_in_flight IS NOT NULL THEN
+            -- A holder that died holds its slot until its lease runs out.
+            SELECT count(*) INTO v_busy FROM workqueue.delivery d
+            WHERE d.subscription_id = v_sub.id AND d.status = 'InFlight' AND d.lease_expires_at > v_now;
+            IF v_sub.max_in_flight - v_busy < v_limit THEN
+                v_limit := greatest(v_sub.max_in_flight - v_busy, 0);
+                v_held := 'MaxInFlight';
+            END IF;
+        END IF;
+        IF v_sub.rate_limit IS NOT NULL THEN
+            v_rate := workqueue.rate_per_second(v_sub.rate_limit);
+            SELECT least(greatest(1, v_rate), b.tokens + greatest(0, extract(epoch FROM v_now - b.updated_at)) * v_rate)
+            INTO v_tokens
+            FROM workqueue.rate_bucket b
+            WHERE b.subscription_id = v_sub.id AND NOT b.per_key AND b.partition_key = '';
+            v_tokens := coalesce(v_tokens, greatest(1, v_rate));
+            IF floor(v_tokens) < v_limit THEN
+                v_limit := floor(v_tokens)::integer;
+                v_held := 'RateLimit';
+            END IF;
+        END IF;
+        IF v_sub.key_concurrency IS NOT NULL OR v_sub.key_rate_limit IS NOT NULL THEN
+            -- Each key's room: key_concurrency less its InFlight deliveries, and the whole tokens of
+            -- its bucket. Only keys below the default room are listed; a key without a bucket has
+            -- a full one.
+            v_key_limited := true;
+            v_key_rate := workqueue.rate_per_second(v_sub.key_rate_limit);
+            v_default_room := least(coalesce(v_sub.key_concurrency, 2147483647),
+                                    CASE WHEN v_key_rate IS NULL THEN 2147483647
+                                         ELSE floor(greatest(1, v_key_rate))::integer END);
+            WITH busy AS (
+                SELECT d.partition_key AS k, count(*)::integer AS n FROM workqueue.delivery d
+                WHERE v_sub.key_concurrency IS NOT NULL AND d.subscription_id = v_sub.id
+                  AND d.status = 'InFlight' AND d.lease_expires_at > v_now AND d.partition_key IS NOT NULL
+                GROUP BY d.partition_key
+            ), bucket AS (
+                SELECT b.partition_key AS k,
+                       least(greatest(1, v_key_rate),
+                             b.tokens + greatest(0, extract(epoch FROM v_now - b.updated_at)) * v_key_rate) AS t
+                FROM workqueue.rate_bucket b
+                WHERE v_key_rate IS NOT NULL AND b.subscription_id = v_sub.id AND b.per_key
+            ), room AS (
+                SELECT coalesce(busy.k, bucket.k) AS k, bucket.t,
+                       least(coalesce(v_sub.key_concurrency - busy.n, 2147483647),
+                             coalesce(floor(bucket.t)::integer, 2147483647)) AS n
+                FROM busy FULL JOIN bucket ON bucket.k = busy.k
+            )
+            SELECT array_agg(r.k) FILTER (WHERE r.n < v_default_room),
+                   array_agg(greatest(r.n, 0)) FILTER (WHERE r.n < v_default_room),
+                   array_agg(r.k) FILTER (WHERE r.n <= 0),
+                   bool_or(r.n <= 0 AND floor(r.t) < 1)
+            INTO v_room_keys, v_rooms, v_blocked, v_key_spent
+            FROM room r;
+        END IF;
+    END IF;
+
+    IF v_limit > 0 AND v_sub.partition_mode <> 'None' THEN
         -- Keys a settle or the sweeper could not hand over (their producer held them) are
         -- re-derived first, where nobody holds them now; the table is empty but under contention.
         IF EXISTS (SELECT 1 FROM workqueue.partition_stale ps WHERE ps.subscription_id = v_sub.id) THEN
-            PERFORM workqueue.rederive_stale(ARRAY[v_sub.id], p_limit);
+            PERFORM workqueue.rederive_stale(ARRAY[v_sub.id], v_limit);
         END IF;
-        -- Keys that can run now: their partition row is the lock.
-        SELECT array_agg(k.next_id), array_agg(k.partition_key) INTO v_keyed, v_keys
-        FROM (
-            SELECT pt.next_id, pt.partition_key
-            FROM workqueue.partition pt
-            WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
-              AND pt.next_visible_at <= v_now
-            ORDER BY pt.next_visible_at
-            LIMIT p_limit
-            FOR UPDATE SKIP LOCKED
-        ) k;
+        -- Keys that can run now: their partition row is the lock. Those whose next delivery has a
+        -- priority come first, level by level (one probe of an index that is empty without them).
+        -- A key a rate limit holds back (v_blocked) is passed over.
+        IF EXISTS (SELECT 1 FROM workqueue.partition pt
+                   WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
+                     AND pt.next_priority > 0) THEN
+            SELECT array_agg(k.next_id), array_agg(k.partition_key) INTO v_keyed, v_keys
+            FROM (
+                SELECT pt.next_id, pt.partition_key
+                FROM unnest('{9,8,7,6,5,4,3,2,1}'::smallint[]) AS lv(priority)
+                CROSS JOIN LATERAL (
+                    SELECT pt.next_id, pt.partition_key
+                    FROM workqueue.partition pt
+                    WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
+                      AND pt.next_priority = lv.priority AND pt.next_visible_at <= v_now
+                      AND (v_blocked IS NULL OR pt.partition_key <> ALL (v_blocked))
+                    ORDER BY pt.next_visible_at
+                    LIMIT v_limit
+                    FOR UPDATE SKIP LOCKED
+                ) pt
+                LIMIT v_limit
+            ) k;
+        END IF;
+        IF coalesce(cardinality(v_keyed), 0) < v_limit THEN
+            SELECT array_agg(k.next_id), array_agg(k.partition_key) INTO v_more, v_more_keys
+            FROM (
+                SELECT pt.next_id, pt.partition_key
+                FROM workqueue.partition pt
+                WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
+                  AND pt.next_visible_at <= v_now AND pt.next_priority = 0
+                  AND (v_blocked IS NULL OR pt.partition_key <> ALL (v_blocked))
+                ORDER BY pt.next_visible_at
+                LIMIT v_limit - coalesce(cardinality(v_keyed), 0)
+                FOR UPDATE SKIP LOCKED
+            ) k;
+            IF v_more IS NOT NULL THEN
+                v_keyed := coalesce(v_keyed, '{}'::bigint[]) || v_more;
+                v_keys := coalesce(v_keys, '{}'::text[]) || v_more_keys;
+            END IF;
+        END IF;
     END IF;
 
     -- Deliveries without a key lock (None mode, or no partition key). On a keyed subscription
-    -- they share the claim with the keys: neither side can take every slot.
-    SELECT array_agg(u.id) INTO v_unkeyed
-    FROM (
-        SELECT d.id
-        FROM workqueue.delivery d
-        WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
-          AND d.visible_at <= v_now
-        ORDER BY d.visible_at, d.id
-        LIMIT CASE WHEN v_keyed IS NULL THEN p_limit
-                   ELSE greatest(p_limit - cardinality(v_keyed), p_limit / 2) END
-        FOR UPDATE SKIP LOCKED
-    ) u;
-    IF v_keyed IS NOT NULL AND v_unkeyed IS NOT NULL AND cardinality(v_keyed) + cardinality(v_unkeyed) > p_limit THEN
-        v_keyed := v_keyed[1:p_limit - cardinality(v_unkeyed)];
-        v_keys := v_keys[1:p_limit - cardinality(v_unkeyed)];
+    -- they share the claim with the keys: neither side can take every slot. Those with a priority
+    -- come first, level by level.
+    v_share := CASE WHEN v_keyed IS NULL THEN v_limit ELSE greatest(v_limit - cardinality(v_keyed), v_limit / 2) END;
+    IF v_share > 0 AND v_key_limited AND v_sub.partition_mode = 'None' THEN
+        -- Under key limits (None mode): the first candidates in claim order past the keys without
+        -- room, each key's beyond its room left out. The advisory lock keeps other claimers of
+        -- the subscription out, so nothing is locked until the UPDATE below.
+        SELECT array_agg(c.id ORDER BY c.priority DESC, c.visible_at, c.id) INTO v_unkeyed
+        FROM (
+            SELECT x.id, x.priority, x.visible_at
+            FROM (
+                SELECT y.*, row_number() OVER (PARTITION BY y.partition_key
+                                               ORDER BY y.priority DESC, y.visible_at, y.id) AS rn
+                FROM (
+                    SELECT d.id, d.priority, d.visible_at, d.partition_key
+                    FROM unnest('{9,8,7,6,5,4,3,2,1}'::smallint[]) AS lv(priority)
+                    CROSS JOIN LATERAL (
+                        SELECT d.id, d.priority, d.visible_at, d.partition_key
+                        FROM workqueue.delivery d
+                        WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
+                          AND d.priority = lv.priority AND d.visible_at <= v_now
+                          AND (v_blocked IS NULL OR d.partition_key IS NULL OR d.partition_key <> ALL (v_blocked))
+                        ORDER BY d.visible_at, d.id
+                        LIMIT v_share * 4
+                    ) d
+                    WHERE EXISTS (SELECT 1 FROM workqueue.delivery e
+                                  WHERE e.subscription_id = v_sub.id AND e.status = 'Pending' AND e.key_mode = 0
+                                    AND e.priority > 0)
+                    UNION ALL
+                    SELECT * FROM (
+                        SELECT d.id, d.priority, d.visible_at, d.partition_key
+                        FROM workqueue.delivery d
+                        WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
+                          AND d.visible_at <= v_now AND d.priority = 0
+                          AND (v_blocked IS NULL OR d.partition_key IS NULL OR d.partition_key <> ALL (v_blocked))
+                        ORDER BY d.visible_at, d.id
+                        LIMIT v_share * 4
+                    ) z
+                ) y
+            ) x
+            LEFT JOIN unnest(v_room_keys, v_rooms) AS r(k, n) ON r.k = x.partition_key
+            WHERE x.partition_key IS NULL OR x.rn <= coalesce(r.n, v_default_room)
+            ORDER BY x.priority DESC, x.visible_at, x.id
+            LIMIT v_share
+        ) c;
+        IF coalesce(cardinality(v_unkeyed), 0) < v_share AND EXISTS (
+            SELECT 1 FROM workqueue.delivery d
+            WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
+              AND d.visible_at <= v_now AND NOT (d.id = ANY (coalesce(v_unkeyed, '{}'::bigint[])))
+        ) THEN
+            v_held := coalesce(v_held, CASE WHEN v_key_rate IS NOT NULL AND (v_key_spent OR v_sub.key_concurrency IS NULL)
+                                            THEN 'KeyRateLimit' ELSE 'KeyConcurrency' END);
+        END IF;
+    ELSIF v_share > 0 THEN
+        IF EXISTS (
+            SELECT 1 FROM workqueue.delivery d
+            WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0 AND d.priority > 0
+        ) THEN
+            SELECT array_agg(u.id) INTO v_unkeyed
+            FROM (
+                SELECT d.id
+                FROM unnest('{9,8,7,6,5,4,3,2,1}'::smallint[]) AS lv(priority)
+                CROSS JOIN LATERAL (
+                    SELECT d.id
+                    FROM workqueue.delivery d
+                    WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
+                      AND d.priority = lv.priority AND d.visible_at <= v_now
+                    ORDER BY d.visible_at, d.id
+                    LIMIT v_share
+                    FOR UPDATE SKIP LOCKED
+                ) d
+                LIMIT v_share
+            ) u;
+        END IF;
+        IF coalesce(cardinality(v_unkeyed), 0) < v_share THEN
+            SELECT array_agg(u.id) INTO v_more
+            FROM (
+                SELECT d.id
+                FROM workqueue.delivery d
+                WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
+                  AND d.visible_at <= v_now AND d.priority = 0
+                ORDER BY d.visible_at, d.id
+                LIMIT v_share - coalesce(cardinality(v_unkeyed), 0)
+                FOR UPDATE SKIP LOCKED
+            ) u;
+            IF v_more IS NOT NULL THEN
+                v_unkeyed := coalesce(v_unkeyed, '{}'::bigint[]) || v_more;
+            END IF;
+        END IF;
+    END IF;
+    IF v_keyed IS NOT NULL AND v_unkeyed IS NOT NULL AND cardinality(v_keyed) + cardinality(v_unkeyed) > v_limit THEN
+        v_keyed := v_keyed[1:v_limit - cardinality(v_unkeyed)];
+        v_keys := v_keys[1:v_limit - cardinality(v_unkeyed)];
     END IF;
     v_ids := coalesce(v_keyed, '{}'::bigint[]) || coalesce(v_unkeyed, '{}'::bigint[]);
-    IF cardinality(v_ids) = 0 THEN
+
+    IF cardinality(v_ids) > 0 THEN
+        IF v_sub.partition_mode = 'None' THEN
+            -- This transaction commits without waiting for its WAL to reach disk: a claim lost in a
+            -- crash of the server leaves its deliveries Pending (docs/design/claims-and-keys.md).
+            PERFORM set_config('synchronous_commit', 'off', true);
+        END IF;
+
+        RETURN QUERY
+        WITH d AS (
+            UPDATE workqueue.delivery d
+            SET status = 'InFlight', attempt = d.attempt + 1, claim_count = d.claim_count + 1,
+                lease_token = gen_random_uuid(),
+                lease_expires_at = v_now + make_interval(secs => v_sub.lease_seconds),
+                claimed_at = v_now, held_by = p_holder, progress_percent = NULL, progress_message = NULL
+            WHERE d.id = ANY (v_ids) AND d.status = 'Pending'
+            RETURNING d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, d.message_id,
+                      d.partition_key, d.key_mode, d.priority
+        ), held AS (
+            UPDATE workqueue.partition pt
+            SET holder_id = d.id, next_id = NULL, next_visible_at = NULL, next_priority = 0
+            FROM d
+            WHERE pt.subscription_id = v_sub.id AND pt.partition_key = ANY (v_keys)
+              AND d.key_mode > 0 AND pt.partition_key = d.partition_key
+        )
+        SELECT d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, m.id, m.topic,
+               m.partition_key, m.attributes, m.payload, m.payload_ref, m.correlation_id, m.published_at,
+               NULL::text, NULL::double precision
+        FROM d JOIN workqueue.message m ON m.id = d.message_id
+        ORDER BY d.priority DESC, d.id;
+        GET DIAGNOSTICS v_got = ROW_COUNT;
+
+        IF v_got < cardinality(v_ids) AND v_keys IS NOT NULL THEN
+            -- A key pointed at a delivery that was no longer Pending: re-derive those keys.
+            FOREACH v_key IN ARRAY v_keys LOOP
+                IF EXISTS (SELECT 1 FROM workqueue.partition pt
+                           WHERE pt.subscription_id = v_sub.id AND pt.partition_key = v_key AND pt.holder_id IS NULL) THEN
+                    PERFORM workqueue.refresh_partition(v_sub.id, v_key,
+                        CASE v_sub.partition_mode WHEN 'Exclusive' THEN 1 ELSE 2 END::smallint);
+                END IF;
+            END LOOP;
+        END IF;
+    END IF;
+    IF NOT v_sub.limited THEN
         RETURN;
     END IF;
-    IF v_sub.partition_mode = 'None' THEN
-        -- This transaction commits without waiting for its WAL to reach disk: a claim lost in a
-        -- crash of the server leaves its deliveries Pending (docs/design/claims-and-keys.md).
-        PERFORM set_config('synchronous_commit', 'off', true);
+
+    -- Under flow limits: what was claimed is spent from the buckets, and when a limit kept
+    -- claimable work back, one more row says which limit and when a token is due (no delivery).
+    IF v_got > 0 AND v_rate IS NOT NULL THEN
+        INSERT INTO workqueue.rate_bucket AS b (subscription_id, per_key, partition_key, tokens, updated_at)
+        VALUES (v_sub.id, false, '', v_tokens - v_got, v_now)
+        ON CONFLICT (subscription_id, per_key, partition_key)
+        DO UPDATE SET tokens = EXCLUDED.tokens, updated_at = EXCLUDED.updated_at;
     END IF;
-
-    RETURN QUERY
-    WITH d AS (
-        UPDATE workqueue.delivery d
-        SET status = 'InFlight', attempt = d.attempt + 1, claim_count = d.claim_count + 1,
-            lease_token = gen_random_uuid(),
-            lease_expires_at = v_now + make_interval(secs => v_sub.lease_seconds),
-            claimed_at = v_now, held_by = p_holder, progress_percent = NULL, progress_message = NULL
-        WHERE d.id = ANY (v_ids) AND d.status = 'Pending'
-        RETURNING d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, d.message_id,
-                  d.partition_key, d.key_mode
-    ), held AS (
-        UPDATE workqueue.partition pt
-        SET holder_id = d.id, next_id = NULL, next_visible_at = NULL
-        FROM d
-        WHERE pt.subscription_id = v_sub.id AND pt.partition_key = ANY (v_keys)
-          AND d.key_mode > 0 AND pt.partition_key = d.partition_key
-    )
-    SELECT d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, m.id, m.topic,
-           m.partition_key, m.attributes, m.payload, m.payload_ref, m.correlation_id, m.published_at
-    FROM d JOIN workqueue.message m ON m.id = d.message_id
-    ORDER BY d.id;
-    GET DIAGNOSTICS v_got = ROW_COUNT;
-
-    IF v_got < cardinality(v_ids) AND v_keys IS NOT NULL THEN
-        -- A key pointed at a delivery that was no longer Pending: re-derive those keys.
-        FOREACH v_key IN ARRAY v_keys LOOP
-            IF EXISTS (SELECT 1 FROM workqueue.partition pt
-                       WHERE pt.subscription_id = v_sub.id AND pt.partition_key = v_key AND pt.holder_id IS NULL) THEN
-                PERFORM workqueue.refresh_partition(v_sub.id, v_key,
-                    CASE v_sub.partition_mode WHEN 'Exclusive' THEN 1 ELSE 2 END::smallint);
-            END IF;
-        END LOOP;
+    IF v_got > 0 AND v_key_rate IS NOT NULL THEN
+        INSERT INTO workqueue.rate_bucket AS b (subscription_id, per_key, partition_key, tokens, updated_at)
+        SELECT v_sub.id, true, d.partition_key, greatest(1, v_key_rate) - count(*), v_now
+        FROM workqueue.delivery d
+        WHERE d.id = ANY (v_ids) AND d.status = 'InFlight' AND d.claimed_at = v_now AND d.partition_key IS NOT NULL
+        GROUP BY d.partition_key
+        ORDER BY d.partition_key
+        ON CONFLICT (subscription_id, per_key, partition_key)
+        DO UPDATE SET tokens = least(greatest(1, v_key_rate),
+                                     b.tokens + greatest(0, extract(epoch FROM v_now - b.updated_at)) * v_key_rate)
+                               - (greatest(1, v_key_rate) - EXCLUDED.tokens),
+                      updated_at = EXCLUDED.updated_at;
+    END IF;
+    IF v_held IS NULL AND v_blocked IS NOT NULL AND v_got < p_limit THEN
+        v_held := CASE WHEN v_key_rate IS NOT NULL AND (v_key_spent OR v_sub.key_concurrency IS NULL)
+                       THEN 'KeyRateLimit' ELSE 'KeyConcurrency' END;
+    END IF;
+    IF v_held = 'RateLimit' THEN
+        v_retry := (1 - (v_tokens - v_got)) / v_rate;
+    ELSIF v_held = 'KeyRateLimit' THEN
+        -- When the fullest spent bucket of a key gets its next token.
+        SELECT max(least(greatest(1, v_key_rate),
+                         b.tokens + greatest(0, extract(epoch FROM v_now - b.updated_at)) * v_key_rate))
+        INTO v_fullest
+        FROM workqueue.rate_bucket b
+        WHERE b.subscription_id = v_sub.id AND b.per_key
+          AND b.tokens + greatest(0, extract(epoch FROM v_now - b.updated_at)) * v_key_rate < 1;
+        v_retry := (1 - v_fullest) / v_key_rate;
+    END IF;
+    IF v_held IS NOT NULL AND v_got < p_limit AND (
+        EXISTS (SELECT 1 FROM workqueue.delivery d
+                WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0
+                  AND d.visible_at <= v_now)
+        OR EXISTS (SELECT 1 FROM workqueue.partition pt
+                   WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
+                     AND pt.next_visible_at <= v_now)
+    ) THEN
+        RETURN QUERY SELECT NULL::bigint, NULL::uuid, NULL::integer, NULL::integer, NULL::timestamptz,
+            NULL::uuid, NULL::text, NULL::text, NULL::jsonb, NULL::text, NULL::text, NULL::text,
+            NULL::timestamptz, v_held, CASE WHEN v_retry IS NOT NULL THEN greatest(v_retry, 0) END;
     END IF;
 END
 $$;
 
--- Claims up to p_limit visible deliveries across several None-mode subscriptions, the oldest due
--- first (visible_at, then id) whatever their subscription, each leased for its own
+-- Claims up to p_limit visible deliveries across several None-mode subscriptions, the highest
+-- priority first, then the oldest due (visible_at, then id) whatever their subscription, each leased for its own
 -- subscription's lease_seconds and answered with that subscription's name. Paused subscriptions
 -- (or topics) and unknown names give nothing; an Exclusive or Ordered one is refused (claim takes
 -- those). One read of the named subscriptions finds both. Each active subscription's claim index
@@ -1499,22 +1800,28 @@ DECLARE
     v_ids bigint[];
     v_more bigint[];
     v_due integer[];
+    v_urgent bigint[];
+    v_limit integer := p_limit;
 BEGIN
     IF p_limit < 1 OR coalesce(cardinality(p_subscriptions), 0) = 0 THEN
         RETURN;
     END IF;
-    SELECT bool_or(s.partition_mode <> 'None'),
+    SELECT bool_or(s.partition_mode <> 'None' OR s.max_in_flight IS NOT NULL OR s.key_concurrency IS NOT NULL
+                   OR s.rate_limit IS NOT NULL OR s.key_rate_limit IS NOT NULL),
            array_agg(s.id) FILTER (WHERE s.status = 'Active' AND t.status = 'Active')
     INTO v_has_keyed, v_active
     FROM workqueue.subscription s JOIN workqueue.topic t ON t.name = s.topic
     WHERE s.name = ANY (p_subscriptions);
     IF v_has_keyed THEN
-        SELECT format('%s is %s', s.name, s.partition_mode) INTO v_keyed
+        SELECT CASE WHEN s.partition_mode <> 'None' THEN format('%s is %s', s.name, s.partition_mode)
+                    ELSE format('%s has flow limits', s.name) END INTO v_keyed
         FROM workqueue.subscription s
-        WHERE s.name = ANY (p_subscriptions) AND s.partition_mode <> 'None'
+        WHERE s.name = ANY (p_subscriptions)
+          AND (s.partition_mode <> 'None' OR s.max_in_flight IS NOT NULL OR s.key_concurrency IS NOT NULL
+               OR s.rate_limit IS NOT NULL OR s.key_rate_limit IS NOT NULL)
         ORDER BY s.name
         LIMIT 1;
-        RAISE EXCEPTION 'claim_many takes None-mode subscriptions only (%); claim an Exclusive or Ordered subscription with claim',
+        RAISE EXCEPTION 'claim_many takes None-mode subscriptions only (%); claim an Exclusive or Ordered subscription, or one with flow limits, with claim',
             v_keyed USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF v_active IS NULL THEN
@@ -1533,16 +1840,45 @@ BEGIN
         RETURN;
     END IF;
 
-    IF cardinality(v_due) = 1 THEN
+    -- Deliveries with a priority first, level by level, the oldest due of each level whatever
+    -- their subscription (one probe of an index that is empty without them).
+    IF EXISTS (SELECT 1 FROM workqueue.delivery d
+               WHERE d.subscription_id = ANY (v_due) AND d.status = 'Pending' AND d.key_mode = 0 AND d.priority > 0) THEN
+        SELECT array_agg(l.id) INTO v_urgent
+        FROM (
+            SELECT c.id
+            FROM unnest('{9,8,7,6,5,4,3,2,1}'::smallint[]) AS lv(priority)
+            CROSS JOIN LATERAL (
+                SELECT d.id
+                FROM unnest(v_due) AS a(sid)
+                CROSS JOIN LATERAL (
+                    SELECT d.id, d.visible_at FROM workqueue.delivery d
+                    WHERE d.subscription_id = a.sid AND d.status = 'Pending' AND d.key_mode = 0
+                      AND d.priority = lv.priority AND d.visible_at <= v_now
+                    ORDER BY d.visible_at, d.id
+                    LIMIT p_limit
+                    FOR UPDATE SKIP LOCKED
+                ) d
+                ORDER BY d.visible_at, d.id
+                LIMIT p_limit
+            ) c
+            LIMIT p_limit
+        ) l;
+        v_limit := p_limit - coalesce(cardinality(v_urgent), 0);
+    END IF;
+
+    IF v_limit <= 0 THEN
+        v_ids := v_urgent;
+    ELSIF cardinality(v_due) = 1 THEN
         -- One of them has work (a worker's usual case): its oldest due deliveries, locked as the
         -- index gives them, past the rows other claimers hold, as claim does.
         SELECT array_agg(l.id) INTO v_ids
         FROM (
             SELECT d.id FROM workqueue.delivery d
             WHERE d.subscription_id = v_due[1] AND d.status = 'Pending' AND d.key_mode = 0
-              AND d.visible_at <= v_now
+              AND d.visible_at <= v_now AND d.priority = 0
             ORDER BY d.visible_at, d.id
-            LIMIT p_limit
+            LIMIT v_limit
             FOR UPDATE SKIP LOCKED
         ) l;
         v_ids := coalesce(v_ids, '{}'::bigint[]);
@@ -1555,28 +1891,25 @@ BEGIN
             CROSS JOIN LATERAL (
                 SELECT d.id, d.visible_at FROM workqueue.delivery d
                 WHERE d.subscription_id = a.sid AND d.status = 'Pending' AND d.key_mode = 0
-                  AND d.visible_at <= v_now
+                  AND d.visible_at <= v_now AND d.priority = 0
                 ORDER BY d.visible_at, d.id
-                LIMIT p_limit
+                LIMIT v_limit
             ) d
             ORDER BY d.visible_at, d.id
-            LIMIT p_limit
+            LIMIT v_limit
         ) c;
-        IF v_candidates IS NULL THEN
-            RETURN;
-        END IF;
 
         -- Locked by id; what another claimer holds is skipped (and rechecked once locked).
         SELECT array_agg(l.id) INTO v_ids
         FROM (
             SELECT d.id FROM workqueue.delivery d
             WHERE d.id = ANY (v_candidates) AND d.status = 'Pending' AND d.key_mode = 0
-              AND d.visible_at <= v_now
+              AND d.visible_at <= v_now AND d.priority = 0
             FOR UPDATE SKIP LOCKED
         ) l;
         v_ids := coalesce(v_ids, '{}'::bigint[]);
 
-        IF cardinality(v_ids) < cardinality(v_candidates) THEN
+        IF cardinality(v_ids) < coalesce(cardinality(v_candidates), 0) THEN
             -- The skipped ones' shares, locked from their subscriptions' indexes past the rows other
             -- claimers hold (and those this claim holds already).
             SELECT array_agg(x.sid), array_agg(x.n) INTO v_sids, v_shares
@@ -1591,13 +1924,16 @@ BEGIN
             CROSS JOIN LATERAL (
                 SELECT d.id FROM workqueue.delivery d
                 WHERE d.subscription_id = k.sid AND d.status = 'Pending' AND d.key_mode = 0
-                  AND d.visible_at <= v_now AND d.id <> ALL (v_ids)
+                  AND d.visible_at <= v_now AND d.priority = 0 AND d.id <> ALL (v_ids)
                 ORDER BY d.visible_at, d.id
                 LIMIT k.n
                 FOR UPDATE SKIP LOCKED
             ) l;
             v_ids := v_ids || coalesce(v_more, '{}'::bigint[]);
         END IF;
+    END IF;
+    IF v_urgent IS NOT NULL AND v_limit > 0 THEN
+        v_ids := v_urgent || coalesce(v_ids, '{}'::bigint[]);
     END IF;
     IF cardinality(v_ids) = 0 THEN
         RETURN;
@@ -1615,12 +1951,12 @@ BEGIN
         FROM workqueue.subscription s
         WHERE d.id = ANY (v_ids) AND d.status = 'Pending' AND s.id = d.subscription_id
         RETURNING s.name, d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at,
-                  d.message_id, d.visible_at
+                  d.message_id, d.visible_at, d.priority
     )
     SELECT d.name, d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, m.id, m.topic,
            m.partition_key, m.attributes, m.payload, m.payload_ref, m.correlation_id, m.published_at
     FROM d JOIN workqueue.message m ON m.id = d.message_id
-    ORDER BY d.visible_at, d.id;
+    ORDER BY d.priority DESC, d.visible_at, d.id;
 END
 $$;
 
@@ -1816,6 +2152,7 @@ DECLARE
     v_holder bigint;
     v_next bigint;
     v_next_visible timestamptz;
+    v_next_priority smallint;
     v_blocked bigint;
     v_head record;
 BEGIN
@@ -1831,7 +2168,7 @@ BEGIN
     END IF;
 
     IF p_mode = 2 THEN
-        SELECT d.id, d.status, d.visible_at INTO v_head
+        SELECT d.id, d.status, d.visible_at, d.priority INTO v_head
         FROM workqueue.delivery d
         WHERE d.subscription_id = p_subscription_id AND d.partition_key = p_key AND d.key_mode = 2
           AND d.status IN ('Pending', 'InFlight', 'DeadLettered')
@@ -1845,10 +2182,11 @@ BEGIN
             ELSIF v_holder IS NULL THEN
                 v_next := v_head.id;
                 v_next_visible := v_head.visible_at;
+                v_next_priority := v_head.priority;
             END IF;
         END IF;
     ELSIF v_holder IS NULL THEN
-        SELECT d.id, d.visible_at INTO v_next, v_next_visible
+        SELECT d.id, d.visible_at, d.priority INTO v_next, v_next_visible, v_next_priority
         FROM workqueue.delivery d
         WHERE d.subscription_id = p_subscription_id AND d.partition_key = p_key AND d.key_mode = 1
           AND d.status = 'Pending'
@@ -1862,7 +2200,8 @@ BEGIN
         RETURN false;
     END IF;
     UPDATE workqueue.partition p
-    SET holder_id = v_holder, next_id = v_next, next_visible_at = v_next_visible, blocked_id = v_blocked
+    SET holder_id = v_holder, next_id = v_next, next_visible_at = v_next_visible, blocked_id = v_blocked,
+        next_priority = coalesce(v_next_priority, 0)
     WHERE p.subscription_id = p_subscription_id AND p.partition_key = p_key;
     RETURN v_holder IS NULL AND v_next IS NOT NULL AND v_next_visible <= now();
 END
@@ -1930,17 +2269,19 @@ BEGIN
         ), state AS (
             SELECT k.subscription_id, k.partition_key, k.key_mode,
                    o.id AS head_id, o.status AS head_status, o.visible_at AS head_visible_at,
-                   e.id AS next_pending_id, e.visible_at AS next_pending_visible_at
+                   o.priority AS head_priority,
+                   e.id AS next_pending_id, e.visible_at AS next_pending_visible_at,
+                   e.priority AS next_pending_priority
             FROM k
             LEFT JOIN LATERAL (
-                SELECT d.id, d.status, d.visible_at FROM workqueue.delivery d
+                SELECT d.id, d.status, d.visible_at, d.priority FROM workqueue.delivery d
                 WHERE k.key_mode = 2 AND d.subscription_id = k.subscription_id AND d.partition_key = k.partition_key
                   AND d.key_mode = 2 AND d.status IN ('Pending', 'InFlight', 'DeadLettered')
                 ORDER BY d.id
                 LIMIT 1
             ) o ON true
             LEFT JOIN LATERAL (
-                SELECT d.id, d.visible_at FROM workqueue.delivery d
+                SELECT d.id, d.visible_at, d.priority FROM workqueue.delivery d
                 WHERE k.key_mode = 1 AND d.subscription_id = k.subscription_id AND d.partition_key = k.partition_key
                   AND d.key_mode = 1 AND d.status = 'Pending'
                 ORDER BY d.visible_at, d.id
@@ -1949,7 +2290,7 @@ BEGIN
         ), updated AS (
             UPDATE workqueue.partition p
             SET holder_id = n.holder_id, next_id = n.next_id, next_visible_at = n.next_visible_at,
-                blocked_id = n.blocked_id
+                blocked_id = n.blocked_id, next_priority = coalesce(n.next_priority, 0)
             FROM (
                 SELECT s.subscription_id, s.partition_key, x.holder_id,
                        CASE WHEN x.holder_id IS NOT NULL THEN NULL
@@ -1958,6 +2299,9 @@ BEGIN
                        CASE WHEN x.holder_id IS NOT NULL THEN NULL
                             WHEN s.key_mode = 1 THEN s.next_pending_visible_at
                             WHEN s.head_status = 'Pending' THEN s.head_visible_at END AS next_visible_at,
+                       CASE WHEN x.holder_id IS NOT NULL THEN NULL
+                            WHEN s.key_mode = 1 THEN s.next_pending_priority
+                            WHEN s.head_status = 'Pending' THEN s.head_priority END AS next_priority,
                        CASE WHEN s.key_mode = 2 AND s.head_status = 'DeadLettered' THEN s.head_id END AS blocked_id
                 FROM state s
                 JOIN workqueue.partition cur
@@ -2207,6 +2551,21 @@ BEGIN
         FOR UPDATE SKIP LOCKED  -- a producer taking the expired key over holds it until it commits
     );
     GET DIAGNOSTICS v_dedup = ROW_COUNT;
+
+    -- Token buckets that are full again (idle for as long as an empty one takes to fill), or
+    -- whose subscription has no such rate limit any more.
+    DELETE FROM workqueue.rate_bucket b
+    WHERE (b.subscription_id, b.per_key, b.partition_key) IN (
+        SELECT x.subscription_id, x.per_key, x.partition_key
+        FROM workqueue.rate_bucket x
+        LEFT JOIN workqueue.subscription s ON s.id = x.subscription_id
+        CROSS JOIN LATERAL (SELECT workqueue.rate_per_second(
+                                CASE WHEN x.per_key THEN s.key_rate_limit ELSE s.rate_limit END) AS rate) r
+        WHERE r.rate IS NULL
+           OR x.updated_at + make_interval(secs => greatest(1, r.rate) / r.rate) <= v_now
+        LIMIT p_limit
+        FOR UPDATE OF x SKIP LOCKED
+    );
 
     RETURN QUERY SELECT v_deliveries, v_messages, v_dedup;
 END
@@ -3354,6 +3713,68 @@ AS $$
     FROM workqueue.subscription s
     WHERE p_subscription IS NULL OR s.name = p_subscription
     ORDER BY s.name
+$$;
+
+-- How full a subscription's flow limits are (docs/design/flow-control.md), each count stopping at
+-- p_cap: its InFlight deliveries whose lease runs (what max_in_flight counts), the whole tokens of
+-- its rate_limit bucket now (NULL without one), its keys at their limit (key_concurrency reached or
+-- key bucket empty), and the claimable deliveries a limit holds back now (all of them while the
+-- subscription is full, else those of the keys at their limit). No row for an unknown name.
+CREATE OR REPLACE FUNCTION workqueue.flow_state(p_subscription text, p_cap integer DEFAULT 1000,
+                                               p_now timestamptz DEFAULT NULL)
+RETURNS TABLE (in_flight bigint, tokens double precision, keys_at_limit bigint, waiting bigint)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());
+    v_sub record;
+    v_in_flight bigint;
+    v_tokens double precision;
+    v_keys text[];
+    v_full boolean;
+    v_waiting bigint;
+BEGIN
+    SELECT s.id, s.max_in_flight, CASE WHEN s.partition_mode = 'None' THEN s.key_concurrency END AS key_concurrency,
+           workqueue.rate_per_second(s.rate_limit) AS rate, workqueue.rate_per_second(s.key_rate_limit) AS key_rate
+    INTO v_sub
+    FROM workqueue.subscription s WHERE s.name = p_subscription;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    SELECT count(*) INTO v_in_flight FROM (
+        SELECT 1 FROM workqueue.delivery d
+        WHERE d.subscription_id = v_sub.id AND d.status = 'InFlight' AND d.lease_expires_at > v_now
+        LIMIT p_cap) x;
+    IF v_sub.rate IS NOT NULL THEN
+        SELECT least(greatest(1, v_sub.rate), b.tokens + greatest(0, extract(epoch FROM v_now - b.updated_at)) * v_sub.rate)
+        INTO v_tokens
+        FROM workqueue.rate_bucket b WHERE b.subscription_id = v_sub.id AND NOT b.per_key AND b.partition_key = '';
+        v_tokens := coalesce(v_tokens, greatest(1, v_sub.rate));
+    END IF;
+    SELECT array_agg(k.k) INTO v_keys FROM (
+        SELECT d.partition_key AS k FROM workqueue.delivery d
+        WHERE v_sub.key_concurrency IS NOT NULL AND d.subscription_id = v_sub.id AND d.status = 'InFlight'
+          AND d.lease_expires_at > v_now AND d.partition_key IS NOT NULL
+        GROUP BY d.partition_key HAVING count(*) >= v_sub.key_concurrency
+        UNION
+        SELECT b.partition_key FROM workqueue.rate_bucket b
+        WHERE v_sub.key_rate IS NOT NULL AND b.subscription_id = v_sub.id AND b.per_key
+          AND b.tokens + greatest(0, extract(epoch FROM v_now - b.updated_at)) * v_sub.key_rate < 1
+        LIMIT p_cap) k;
+    v_full := (v_sub.max_in_flight IS NOT NULL AND v_in_flight >= v_sub.max_in_flight) OR v_tokens < 1;
+    SELECT count(*) INTO v_waiting FROM (
+        SELECT 1 FROM workqueue.delivery d
+        WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0 AND d.visible_at <= v_now
+          AND (v_full OR d.partition_key = ANY (v_keys))
+        UNION ALL
+        SELECT 1 FROM workqueue.partition p
+        WHERE p.subscription_id = v_sub.id AND p.holder_id IS NULL AND p.next_id IS NOT NULL
+          AND p.next_visible_at <= v_now AND (v_full OR p.partition_key = ANY (v_keys))
+        LIMIT p_cap) x;
+    RETURN QUERY SELECT v_in_flight, v_tokens, coalesce(cardinality(v_keys), 0)::bigint, v_waiting;
+END
 $$;
 
 -- The heads that block keys of an Ordered subscription, oldest first, at most p_limit: a

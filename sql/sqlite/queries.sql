@@ -28,10 +28,10 @@ SELECT * FROM subscription WHERE name = :name;
 -- name: subscription_insert
 INSERT INTO subscription (name, topic, handler_key, partition_mode, lease_seconds, max_attempts,
     backoff_base_seconds, backoff_max_seconds, max_processing_seconds, heartbeat_mode, filter, host_type,
-    retention_seconds, status, created_at, updated_at)
+    retention_seconds, status, created_at, updated_at, max_in_flight, key_concurrency, rate_limit, key_rate_limit)
 VALUES (:name, :topic, :handler_key, :partition_mode, :lease_seconds, :max_attempts, :backoff_base_seconds,
     :backoff_max_seconds, :max_processing_seconds, :heartbeat_mode, :filter, :host_type, :retention_seconds,
-    :status, :now, :now)
+    :status, :now, :now, :max_in_flight, :key_concurrency, :rate_limit, :key_rate_limit)
 RETURNING id;
 
 -- name: subscription_update
@@ -39,7 +39,8 @@ UPDATE subscription SET topic = :topic, handler_key = :handler_key, partition_mo
     lease_seconds = :lease_seconds, max_attempts = :max_attempts, backoff_base_seconds = :backoff_base_seconds,
     backoff_max_seconds = :backoff_max_seconds, max_processing_seconds = :max_processing_seconds,
     heartbeat_mode = :heartbeat_mode, filter = :filter, host_type = :host_type,
-    retention_seconds = :retention_seconds, updated_at = :now
+    retention_seconds = :retention_seconds, max_in_flight = :max_in_flight, key_concurrency = :key_concurrency,
+    rate_limit = :rate_limit, key_rate_limit = :key_rate_limit, updated_at = :now
 WHERE id = :id;
 
 -- name: subscription_live_count
@@ -69,6 +70,9 @@ DELETE FROM settled_count WHERE subscription_id = :id;
 
 -- name: subscription_history_delete
 DELETE FROM stats_history WHERE subscription_id = :id;
+
+-- name: subscription_buckets_delete
+DELETE FROM rate_bucket WHERE subscription_id = :id;
 
 -- name: pending_discard
 -- Up to :limit Pending deliveries of a subscription, oldest id first (discard_pending).
@@ -101,7 +105,7 @@ SELECT s.id, s.name, s.topic, s.handler_key, s.partition_mode, s.lease_seconds, 
        s.backoff_base_seconds, s.backoff_max_seconds, s.max_processing_seconds, s.heartbeat_mode, s.filter,
        CASE WHEN s.status = 'Active' AND s.retired_at IS NOT NULL THEN 'Retired' ELSE s.status END AS status, s.host_type, s.retention_seconds,
        CASE WHEN t.status = 'Active' AND t.retired_at IS NOT NULL THEN 'Retired' ELSE t.status END AS topic_status, t.transport, t.is_fifo,
-       t.max_payload_bytes
+       t.max_payload_bytes, s.max_in_flight, s.key_concurrency, s.rate_limit, s.key_rate_limit
 FROM subscription s JOIN topic t ON t.name = s.topic
 ORDER BY s.name;
 
@@ -111,13 +115,15 @@ FROM subscription WHERE topic = :topic AND retired_at IS NULL ORDER BY id;
 
 -- name: subscriptions_named
 -- The subscriptions of a JSON array of names (claim_many), active when they and their topics are.
-SELECT s.id, s.name, s.partition_mode, s.lease_seconds, s.status = 'Active' AND t.status = 'Active' AS active
+SELECT s.id, s.name, s.partition_mode, s.lease_seconds, s.status = 'Active' AND t.status = 'Active' AS active,
+       s.max_in_flight IS NOT NULL OR s.key_concurrency IS NOT NULL OR s.rate_limit IS NOT NULL
+           OR s.key_rate_limit IS NOT NULL AS limited
 FROM subscription s JOIN topic t ON t.name = s.topic
 WHERE s.name IN (SELECT value FROM json_each(:names))
 ORDER BY s.name;
 
 -- name: subscription_active
-SELECT s.id, s.partition_mode, s.lease_seconds
+SELECT s.id, s.partition_mode, s.lease_seconds, s.max_in_flight, s.key_concurrency, s.rate_limit, s.key_rate_limit
 FROM subscription s JOIN topic t ON t.name = s.topic
 WHERE s.name = :name AND s.status = 'Active' AND t.status = 'Active';
 
@@ -171,55 +177,162 @@ WHERE subscription_id = :subscription_id AND partition_key = :key;
 
 -- name: partition_set
 UPDATE partition SET holder_id = :holder_id, next_id = :next_id, next_visible_at = :next_visible_at,
-                     blocked_id = :blocked_id
+                     blocked_id = :blocked_id, next_priority = coalesce(:next_priority, 0)
 WHERE subscription_id = :subscription_id AND partition_key = :key;
 
 -- name: partition_delete
 DELETE FROM partition WHERE subscription_id = :subscription_id AND partition_key = :key;
 
 -- name: partition_advance
-UPDATE partition SET next_id = :id, next_visible_at = :visible_at
+UPDATE partition SET next_id = :id, next_visible_at = :visible_at, next_priority = :priority
 WHERE subscription_id = :subscription_id AND partition_key = :key AND holder_id IS NULL
   AND ((:key_mode = 2 AND next_id IS NULL AND blocked_id IS NULL)
        OR (:key_mode = 1 AND (next_id IS NULL OR :visible_at < next_visible_at)));
 
--- name: partition_ready
-SELECT partition_key, next_id FROM partition
+-- name: partition_ready_priority
+-- Keys that can run now whose next delivery has a priority: claimed before the others.
+SELECT partition_key, next_id, next_priority FROM partition
 WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
-  AND next_visible_at <= :now
+  AND next_visible_at <= :now AND next_priority > 0
+ORDER BY next_priority DESC, next_visible_at
+LIMIT :limit;
+
+-- name: partition_ready
+SELECT partition_key, next_id, next_priority FROM partition
+WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
+  AND next_visible_at <= :now AND next_priority = 0
 ORDER BY next_visible_at
 LIMIT :limit;
 
 -- name: partition_hold
-UPDATE partition SET holder_id = :id, next_id = NULL, next_visible_at = NULL
+UPDATE partition SET holder_id = :id, next_id = NULL, next_visible_at = NULL, next_priority = 0
 WHERE subscription_id = :subscription_id AND partition_key = :key;
 
 -- name: ordered_head
-SELECT id, status, visible_at FROM delivery
+SELECT id, status, visible_at, priority FROM delivery
 WHERE subscription_id = :subscription_id AND partition_key = :key AND key_mode = 2
   AND status IN ('Pending', 'InFlight', 'DeadLettered')
 ORDER BY id LIMIT 1;
 
 -- name: exclusive_next
-SELECT id, visible_at FROM delivery
+SELECT id, visible_at, priority FROM delivery
 WHERE subscription_id = :subscription_id AND partition_key = :key AND key_mode = 1 AND status = 'Pending'
 ORDER BY visible_at, id LIMIT 1;
 
 -- name: delivery_insert
 INSERT INTO delivery (subscription_id, message_id, partition_key, key_mode, max_attempts,
-                      backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, created_at)
+                      backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, created_at, priority)
 VALUES (:subscription_id, :message_id, :partition_key, :key_mode, :max_attempts, :backoff_base_seconds,
-        :backoff_max_seconds, :backoff_schedule, :visible_at, :now)
+        :backoff_max_seconds, :backoff_schedule, :visible_at, :now, :priority)
 RETURNING id;
 
 -- name: delivery_status
 SELECT id, status FROM delivery WHERE id = :id;
 
+-- name: claimable_unkeyed_priority
+-- Claimable deliveries without a key lock that have a priority: claimed before the others.
+SELECT id, visible_at, priority, partition_key FROM delivery
+WHERE subscription_id = :subscription_id AND status = 'Pending' AND key_mode = 0 AND priority > 0
+  AND visible_at <= :now
+ORDER BY priority DESC, visible_at, id
+LIMIT :limit;
+
 -- name: claimable_unkeyed
-SELECT id, visible_at FROM delivery
-WHERE subscription_id = :subscription_id AND status = 'Pending' AND key_mode = 0 AND visible_at <= :now
+SELECT id, visible_at, priority, partition_key FROM delivery
+WHERE subscription_id = :subscription_id AND status = 'Pending' AND key_mode = 0 AND priority = 0
+  AND visible_at <= :now
 ORDER BY visible_at, id
 LIMIT :limit;
+
+-- name: claimable_unkeyed_past_priority
+-- claimable_unkeyed_priority past the keys a flow limit holds back (a JSON array), in a window.
+SELECT id, visible_at, priority, partition_key FROM delivery
+WHERE subscription_id = :subscription_id AND status = 'Pending' AND key_mode = 0 AND priority > 0
+  AND visible_at <= :now
+  AND (partition_key IS NULL OR partition_key NOT IN (SELECT value FROM json_each(:blocked)))
+ORDER BY priority DESC, visible_at, id
+LIMIT :limit;
+
+-- name: claimable_unkeyed_past
+SELECT id, visible_at, priority, partition_key FROM delivery
+WHERE subscription_id = :subscription_id AND status = 'Pending' AND key_mode = 0 AND priority = 0
+  AND visible_at <= :now
+  AND (partition_key IS NULL OR partition_key NOT IN (SELECT value FROM json_each(:blocked)))
+ORDER BY visible_at, id
+LIMIT :limit;
+
+-- name: partition_ready_past_priority
+SELECT partition_key, next_id, next_priority FROM partition
+WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
+  AND next_visible_at <= :now AND next_priority > 0
+  AND partition_key NOT IN (SELECT value FROM json_each(:blocked))
+ORDER BY next_priority DESC, next_visible_at
+LIMIT :limit;
+
+-- name: partition_ready_past
+SELECT partition_key, next_id, next_priority FROM partition
+WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
+  AND next_visible_at <= :now AND next_priority = 0
+  AND partition_key NOT IN (SELECT value FROM json_each(:blocked))
+ORDER BY next_visible_at
+LIMIT :limit;
+
+-- name: in_flight_count
+-- A holder that died holds its slot until its lease runs out.
+SELECT count(*) AS n FROM delivery
+WHERE subscription_id = :subscription_id AND status = 'InFlight' AND lease_expires_at > :now;
+
+-- name: in_flight_keys
+SELECT partition_key, count(*) AS n FROM delivery
+WHERE subscription_id = :subscription_id AND status = 'InFlight' AND lease_expires_at > :now
+  AND partition_key IS NOT NULL
+GROUP BY partition_key;
+
+-- name: work_waiting
+-- Claimable work is left (after a claim that a flow limit held back).
+SELECT EXISTS (SELECT 1 FROM delivery WHERE subscription_id = :subscription_id AND status = 'Pending'
+                 AND key_mode = 0 AND visible_at <= :now)
+    OR EXISTS (SELECT 1 FROM partition WHERE subscription_id = :subscription_id AND holder_id IS NULL
+                 AND next_id IS NOT NULL AND next_visible_at <= :now) AS waiting;
+
+-- name: flow_waiting
+-- Claimable deliveries a flow limit holds back (flow_state): all while :full, else those of the
+-- keys of a JSON array, up to :cap.
+SELECT count(*) AS n FROM (
+    SELECT 1 FROM delivery
+    WHERE subscription_id = :subscription_id AND status = 'Pending' AND key_mode = 0 AND visible_at <= :now
+      AND (:full OR partition_key IN (SELECT value FROM json_each(:keys)))
+    UNION ALL
+    SELECT 1 FROM partition
+    WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
+      AND next_visible_at <= :now AND (:full OR partition_key IN (SELECT value FROM json_each(:keys)))
+    LIMIT :cap);
+
+-- name: rate_buckets
+SELECT per_key, partition_key, tokens, updated_at FROM rate_bucket WHERE subscription_id = :subscription_id;
+
+-- name: rate_bucket_put
+INSERT INTO rate_bucket (subscription_id, per_key, partition_key, tokens, updated_at)
+VALUES (:subscription_id, :per_key, :key, :tokens, :now)
+ON CONFLICT (subscription_id, per_key, partition_key) DO UPDATE
+SET tokens = excluded.tokens, updated_at = excluded.updated_at;
+
+-- name: rate_buckets_purge
+-- Buckets full again (idle as long as an empty one takes to fill: burst / rate, one second for a
+-- rate of at least one a second), or whose subscription has no such limit any more.
+WITH r AS (
+    SELECT b.rowid AS rid, b.updated_at, CASE WHEN b.per_key THEN s.key_rate_limit ELSE s.rate_limit END AS rate
+    FROM rate_bucket b LEFT JOIN subscription s ON s.id = b.subscription_id
+), per_second AS (
+    SELECT rid, updated_at,
+           CAST(substr(rate, 1, instr(rate, '/') - 1) AS REAL)
+           / CASE substr(rate, instr(rate, '/') + 1) WHEN 's' THEN 1 WHEN 'm' THEN 60 ELSE 3600 END AS rate
+    FROM r
+)
+DELETE FROM rate_bucket WHERE rowid IN (
+    SELECT rid FROM per_second
+    WHERE rate IS NULL OR updated_at + max(1.0, rate) / rate <= :now
+    LIMIT :limit);
 
 -- name: delivery_claim
 UPDATE delivery
@@ -227,7 +340,7 @@ SET status = 'InFlight', attempt = attempt + 1, claim_count = claim_count + 1, l
     lease_expires_at = :lease_expires_at, claimed_at = :now, held_by = :holder, progress_percent = NULL,
     progress_message = NULL
 WHERE id = :id AND status = 'Pending'
-RETURNING id, lease_token, attempt, max_attempts, lease_expires_at, message_id, partition_key, key_mode;
+RETURNING id, lease_token, attempt, max_attempts, lease_expires_at, message_id, partition_key, key_mode, priority;
 
 -- name: delivery_heartbeat
 UPDATE delivery

@@ -45,7 +45,12 @@ CREATE TABLE subscription (
     binding_config          TEXT,
     created_at              REAL NOT NULL,
     updated_at              REAL NOT NULL,
-    retired_at              REAL   -- retired: no new deliveries, what it holds drains
+    retired_at              REAL,  -- retired: no new deliveries, what it holds drains
+    -- Flow limits, held across every process (docs/design/flow-control.md); NULL: none.
+    max_in_flight           INTEGER CHECK (max_in_flight IS NULL OR max_in_flight >= 1),
+    key_concurrency         INTEGER CHECK (key_concurrency IS NULL OR key_concurrency >= 1),
+    rate_limit              TEXT,
+    key_rate_limit          TEXT
 );
 CREATE INDEX subscription_topic ON subscription (topic);
 
@@ -97,10 +102,14 @@ CREATE TABLE delivery (
     settled_at            REAL,
     held_by               TEXT,
     watched               INTEGER,  -- PostgreSQL's NOTIFY of a job's end; a waiter here polls
-    group_id              TEXT      -- a member of this group (message_group): its end is counted
+    group_id              TEXT,     -- a member of this group (message_group): its end is counted
+    priority              INTEGER NOT NULL DEFAULT 0   -- 0..9, higher claimed first
 );
 CREATE INDEX delivery_claim ON delivery (subscription_id, visible_at, id)
     WHERE status = 'Pending' AND key_mode = 0;
+-- The same work with a priority above 0, claimed first (empty while nobody publishes with one).
+CREATE INDEX delivery_claim_priority ON delivery (subscription_id, priority, visible_at, id)
+    WHERE status = 'Pending' AND key_mode = 0 AND priority > 0;
 CREATE INDEX delivery_ordered_head ON delivery (subscription_id, partition_key, id)
     WHERE key_mode = 2 AND status IN ('Pending', 'InFlight', 'DeadLettered');
 CREATE INDEX delivery_exclusive_next ON delivery (subscription_id, partition_key, visible_at, id)
@@ -135,10 +144,24 @@ CREATE TABLE partition (
     next_id           INTEGER,
     next_visible_at   REAL,
     blocked_id        INTEGER,
+    next_priority     INTEGER NOT NULL DEFAULT 0,   -- the priority of next_id (0 without one)
     PRIMARY KEY (subscription_id, partition_key)
 );
 CREATE INDEX partition_ready ON partition (subscription_id, next_visible_at)
     WHERE holder_id IS NULL AND next_id IS NOT NULL;
+CREATE INDEX partition_ready_priority ON partition (subscription_id, next_priority, next_visible_at)
+    WHERE holder_id IS NULL AND next_id IS NOT NULL AND next_priority > 0;
+
+-- The token buckets of rate limits (PostgreSQL's schema.sql says more): a subscription's own
+-- (per_key 0, partition_key '') and one per partition key, purged once full again.
+CREATE TABLE rate_bucket (
+    subscription_id  INTEGER NOT NULL,
+    per_key          INTEGER NOT NULL,
+    partition_key    TEXT NOT NULL,
+    tokens           REAL NOT NULL,
+    updated_at       REAL NOT NULL,
+    PRIMARY KEY (subscription_id, per_key, partition_key)
+);
 
 CREATE TABLE deduplication (
     topic              TEXT NOT NULL,

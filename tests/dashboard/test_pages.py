@@ -16,7 +16,7 @@ import pytest
 from fastapi import HTTPException, Request
 from fastapi.security import SecurityScopes
 
-from fastapi_workqueue import PublishRequest, WorkQueue, WorkQueueSettings
+from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.core.errors import ConfigurationError
 from fastapi_workqueue.core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_READ, Principal, create_key, hash_key
@@ -26,6 +26,7 @@ from fastapi_workqueue.dashboard import views
 from fastapi_workqueue.dashboard.session import MAX_SESSION_SECONDS, SESSION_COOKIE, SessionCodec, session_key
 from fastapi_workqueue.web.auth import require_scopes
 
+from ..conftest import unique
 from .shop import SECRET, Shop
 
 pytestmark = pytest.mark.timeout(60)
@@ -651,3 +652,27 @@ async def test_stuck_in_flight_and_the_oldest_pending_wait_are_flagged(pg_url: s
                 assert 'class="status status-stuck"' in page and "Stuck in flight" in page
         finally:
             shop.release.set()
+
+
+async def test_a_subscription_page_shows_its_flow_limits_how_full_and_what_waits(shop: Shop) -> None:
+    """Issue 31: a limited subscription's page lists its limits, how full they are (in flight
+    against max_in_flight, the rate limit's tokens) and the claimable work they hold back."""
+    limited = unique("orders.limited")
+    transport = shop.queue.transport
+    await transport.sync_topology([Topic(name=shop.topic)], [Subscription(
+        name=limited, topic=shop.topic, handler_key="nobody", max_in_flight=2, rate_limit="5/s", key_concurrency=3)])
+    await transport.publish(shop.topic, [prepare(PublishRequest(payload={"n": i})) for i in range(5)])
+    claimed = await transport.claim(limited, 10)
+    assert len(claimed) == 2
+    async with client_for(shop) as client:
+        await sign_in(client, await key(shop, SCOPE_READ))
+        page = (await client.get(f"{UI}/subscriptions/{limited}")).text
+        flow = re.search(r'<div class="flow" data-flow>(.*?)</div>', page, re.S)
+        assert flow, "the page shows no limits"
+        text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", flow.group(1)))
+        assert "at most 2 in flight: 2 now, full" in text
+        assert "at most 3 in flight per key" in text
+        assert re.search(r"rate 5/s: [345]\.\d tokens", text), text  # 3 left, refilling at 5 a second
+        assert "3 claimable waiting on a limit" in text
+        mail = (await client.get(f"{UI}/subscriptions/{shop.mail}")).text
+        assert "data-flow" not in mail  # no limits, nothing shown

@@ -61,6 +61,7 @@ GRANT EXECUTE ON OBJECT::workqueue.delivery_attempts TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.search_deliveries TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.stats_history TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.live_counts TO workqueue_operator;
+GRANT EXECUTE ON OBJECT::workqueue.flow_state TO workqueue_operator;
 GRANT EXECUTE ON OBJECT::workqueue.blocked_keys TO workqueue_operator;
 GO
 

@@ -76,6 +76,7 @@ GRANT EXECUTE ON OBJECT::workqueue.list_topics TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.schema_versions TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.stats_history TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.live_counts TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.flow_state TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.blocked_keys TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.api_key_verify TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.api_key_touch TO workqueue_runtime;

@@ -7,7 +7,7 @@
 -- (rewrite_payload: re-encryption with a new key) and run a sweeper pass (sweep,
 -- record_stats_history), and read what it acts on (stats, backlog, list_deliveries, get_delivery,
 -- message_deliveries, partitions, list_subscriptions, list_topics, schema_versions, list_processes, and the
--- dashboard's stats_history, live_counts and blocked_keys). It cannot publish,
+-- dashboard's stats_history, live_counts, blocked_keys and flow_state). It cannot publish,
 -- claim or settle (workqueue_runtime's, runtime_role.sql), nor create, list or revoke API keys
 -- (workqueue_admin's, admin_role.sql), and holds no privilege on any table or sequence.
 --
@@ -56,7 +56,7 @@ BEGIN
               'replay', 'discard', 'set_subscription_status', 'prune', 'sweep', 'record_stats_history',
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
               'list_subscriptions', 'list_topics', 'schema_versions', 'stats_history',
-              'live_counts', 'blocked_keys',
+              'live_counts', 'blocked_keys', 'flow_state',
               'discard_dead_letters', 'rewrite_payload', 'message_deliveries', 'delivery_attempts', 'search_deliveries', 'list_processes',
               'retire_subscription', 'discard_pending', 'set_topic_status'])
         ORDER BY 1

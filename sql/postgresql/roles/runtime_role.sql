@@ -24,7 +24,7 @@
 --     holds them (the schema owner's, say);
 --   * the read-only operator views the app, its REST API and its dashboard serve: stats, backlog,
 --     list_deliveries, get_delivery, message_deliveries, delivery_attempts, search_deliveries, partitions, list_subscriptions, list_topics,
---     schema_versions, stats_history, live_counts and blocked_keys;
+--     schema_versions, stats_history, live_counts, blocked_keys and flow_state;
 --   * the REST API's key check: api_key_verify (the key behind a prefix, answered only when the
 --     hash of the presented key matches; never a stored hash) and api_key_touch (marks a key used
 --     once it matched); the dashboard's sessions: api_key_session (a key's scopes and session
@@ -94,7 +94,7 @@ BEGIN
               'sync_topic', 'sync_subscription',
               'stats', 'backlog', 'list_deliveries', 'get_delivery', 'partitions',
               'list_subscriptions', 'list_topics', 'schema_versions', 'stats_history',
-              'live_counts', 'blocked_keys',
+              'live_counts', 'blocked_keys', 'flow_state',
               'api_key_verify', 'api_key_touch', 'api_key_session', 'api_key_end_sessions',
               'claim_many', 'known_messages', 'message_deliveries', 'delivery_attempts', 'search_deliveries',
               'release_deduplication_key', 'step_get', 'step_put', 'result_put', 'result_get',
