@@ -14,8 +14,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
-from fastapi import APIRouter, Depends
-
 from .core.envelope import PublishRequest
 from .core.handlers import HandlerFunc, unused_handlers
 from .core.health import ExtensionHealth
@@ -41,10 +39,8 @@ from .core.retirement import DeleteResult, RetireResult, TopicStatus, TopicStatu
 from .core.settings import WorkQueueSettings, default_database_file, unknown_variables
 from .core.topology import Subscription, SubscriptionStatus, Topic
 from .core.transport import Transport
-from .web.auth import Authorizer, api_key_authorizer
 from .web.di import DependencyInvoker
-from .web.health import build_health_router
-from .web.routes import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES, build_router
+from .web.limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES
 from .web.session import RequestSessions
 
 log = redacting_logger("fastapi_workqueue")
@@ -52,7 +48,7 @@ log = redacting_logger("fastapi_workqueue")
 if TYPE_CHECKING:
     from datetime import timedelta
 
-    from fastapi import FastAPI
+    from fastapi import APIRouter, FastAPI
     from prometheus_client import CollectorRegistry
     from pydantic import JsonValue
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
@@ -67,6 +63,7 @@ if TYPE_CHECKING:
     from .jobs.middleware import Middleware
     from .jobs.schedules import Schedule
     from .jobs.status import JobStatus
+    from .web.auth import Authorizer
 
     Session = AsyncSession | AsyncConnection
     """A caller's transaction that a publish or dispatch joins (a rollback queues nothing)."""
@@ -87,7 +84,6 @@ __all__ = ["WorkQueue"]
 def _wired_transport(kernel: Kernel) -> Transport:
     """The transport of a queue built from its settings and topics: the database, and a router
     over it and the other transports its topics name (found by entry point, given the kernel)."""
-    from .core.routing import build_routing
     from .database import create_database_transport
 
     settings = kernel.settings
@@ -98,7 +94,11 @@ def _wired_transport(kernel: Kernel) -> Transport:
             kernel.database_url(), pool_max_size=settings.pool_size, listen=settings.listen,
             sqlite_busy_timeout_ms=settings.sqlite_busy_timeout_ms,
         )
-    routed = build_routing(kernel, database, list(kernel.topics.values()), list(kernel.subscriptions.values()))
+    routed = None
+    if not all(t.transport == "database" for t in kernel.topics.values()):
+        from .core.routing import build_routing
+
+        routed = build_routing(kernel, database, list(kernel.topics.values()), list(kernel.subscriptions.values()))
     transport = routed if routed is not None else database
     assert transport is not None
     return transport
@@ -106,6 +106,8 @@ def _wired_transport(kernel: Kernel) -> Transport:
 
 def _default_observers(settings: WorkQueueSettings) -> list[Observer]:
     """OpenTelemetry and Prometheus, as the settings ask and as far as they are installed."""
+    if not (settings.otel or settings.prometheus):
+        return []
     from .observability import default_observers
 
     return default_observers(settings)
@@ -149,9 +151,7 @@ class WorkQueue:
         """The handlers registered with :meth:`handler`, by key."""
         self.request_load = self._kernel.request_load
         """The requests this process serves (those holding ``queue.session``), which its host yields to."""
-        self.health_router: APIRouter = build_health_router(self._kernel)
-        """``GET /health/extensions``: the state of the host and of each subscription it plans, 503
-        when one is ``HandlerNotRegistered`` or in ``Error``. ``app.include_router(queue.health_router)``."""
+        self._health_router: APIRouter | None = None
         self._router: APIRouter | None = None
         self._jobs: Jobs | None = None
         self._metrics_router: APIRouter | None = None
@@ -173,6 +173,17 @@ class WorkQueue:
         return self._kernel
 
     # -- routers -----------------------------------------------------------------------------
+    # Built on first use, with FastAPI: a worker that serves no HTTP never imports it.
+
+    @property
+    def health_router(self) -> APIRouter:
+        """``GET /health/extensions``: the state of the host and of each subscription it plans, 503
+        when one is ``HandlerNotRegistered`` or in ``Error``. ``app.include_router(queue.health_router)``."""
+        if self._health_router is None:
+            from .web.health import build_health_router
+
+            self._health_router = build_health_router(self._kernel)
+        return self._health_router
 
     @property
     def router(self) -> APIRouter:
@@ -193,10 +204,12 @@ class WorkQueue:
 
         ``authorize`` takes ``SecurityScopes`` and returns a ``Principal``; it raises 401/403.
         """
+        from .jobs.routes import build_job_router
+        from .web.auth import api_key_authorizer
+        from .web.routes import build_router
+
         check = authorize or api_key_authorizer(self._kernel)
         router = build_router(self._kernel, check, prefix=prefix, max_body_bytes=max_body_bytes, max_batch=max_batch)
-        from .jobs.routes import build_job_router
-
         router.include_router(build_job_router(lambda: self.jobs, check, prefix=""))
         return router
 
@@ -214,6 +227,7 @@ class WorkQueue:
         """A ``/metrics`` router: ``authorize`` replaces the API keys, ``public=True`` serves it
         to anyone, ``registry`` is a ``prometheus_client.CollectorRegistry`` of the app's own."""
         from .observability.metrics_router import build_metrics_router
+        from .web.auth import api_key_authorizer
 
         return build_metrics_router(
             self._kernel, authorize=authorize or api_key_authorizer(self._kernel),
@@ -514,6 +528,8 @@ class WorkQueue:
         ``async def endpoint(session: AsyncSession = queue.session)``. Publishes made during the
         request join its transaction; an exception rolls both back.
         """
+        from fastapi import Depends
+
         dependency: AsyncSession = Depends(self._sessions.dependency, scope="function")
         return dependency
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -126,9 +125,13 @@ class WorkQueueSettings(BaseSettings):
 
     otel: bool = True
     """Trace and measure through the OpenTelemetry API when it is installed (the ``otel`` extra);
-    ``WORKQUEUE_OTEL=0`` turns it off. The app brings the SDK and the exporters."""
+    ``WORKQUEUE_OTEL=0`` turns it off. The app brings the SDK and the exporters; the queue loads
+    the API once the process has imported it (the SDK does), so a bare worker never does."""
     prometheus: bool = True
-    """Count publishes and attempts for ``queue.metrics_router`` when prometheus-client is installed."""
+    """Count publishes and attempts for ``queue.metrics_router`` when prometheus-client is installed
+    and this process can serve them: it imported prometheus-client (``queue.metrics_router``,
+    ``workqueue work --metrics-port``, the app's own exporter) before its first publish or host start,
+    or ``PROMETHEUS_MULTIPROC_DIR`` is set."""
     metrics_public: bool = False
     """Serve ``/metrics`` without an API key (``WORKQUEUE_METRICS_PUBLIC=1``), for a scraper on a
     private network; by default it asks for a key with ``workqueue:read``."""
@@ -253,6 +256,8 @@ OTHER_VARIABLES = frozenset({
 
 
 def _closest(name: str, candidates: list[str]) -> str | None:
+    import difflib  # (only here: a process whose variables are all known never needs it)
+
     found = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
     return found[0] if found else None
 

@@ -38,6 +38,7 @@ from ..core.topology import check_name
 from ..core.wire import WireModel
 from .auth import Authorizer
 from .fastapi_internals import scopes_of, set_request_body
+from .limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES
 from .operator_view import shown, shown_all
 from .topic_access import require_topic
 
@@ -45,9 +46,6 @@ if TYPE_CHECKING:
     from ..core.kernel import Kernel
 
 T = TypeVar("T")
-
-DEFAULT_MAX_BODY_BYTES = 5 * 1024 * 1024
-DEFAULT_MAX_BATCH = 1000
 
 
 def _storable_text(value: str | None) -> str | None:
