@@ -128,10 +128,7 @@ class WorkQueueSettings(BaseSettings):
     ``WORKQUEUE_OTEL=0`` turns it off. The app brings the SDK and the exporters; the queue loads
     the API once the process has imported it (the SDK does), so a bare worker never does."""
     prometheus: bool = True
-    """Count publishes and attempts for ``queue.metrics_router`` when prometheus-client is installed
-    and this process can serve them: it imported prometheus-client (``queue.metrics_router``,
-    ``workqueue work --metrics-port``, the app's own exporter) before its first publish or host start,
-    or ``PROMETHEUS_MULTIPROC_DIR`` is set."""
+    """Count publishes and attempts for ``queue.metrics_router`` when prometheus-client is installed."""
     metrics_public: bool = False
     """Serve ``/metrics`` without an API key (``WORKQUEUE_METRICS_PUBLIC=1``), for a scraper on a
     private network; by default it asks for a key with ``workqueue:read``."""
