@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -239,41 +239,42 @@ async def _run(
                         "or Starlette app (MODULE:app) instead of the WorkQueue"
                     ))
         host = queue.build_host(plans, groups=groups, max_deliveries=budget, stop_when_idle=once, **overrides)
-        await host.start()
-        try:
-            for name in plan.subscriptions:
-                state = next((h for h in host.health() if h.subscription == name), None)
-                if state is None or state.state != "Running":
-                    kind = "Error" if state is None else state.state
-                    reason = "unknown" if state is None else (state.reason or kind)
-                    if kind == "Paused":
-                        if finite and len(plan.subscriptions) == 1 and not plan.jobs:
-                            return summary.ended(EXIT_OK, f"{name}: paused, nothing to do ({reason})")
-                        click.echo(f"workqueue work: {name}: paused ({reason}); waiting for resume", err=True)
-                    elif kind == "Error" and "does not exist" in reason:
-                        return summary.ended(EXIT_UNKNOWN_SUBSCRIPTION, reason)
-                    else:
-                        return summary.ended(_STATE_EXIT.get(kind, EXIT_ERROR), f"{name}: {kind}: {reason}")
-            if plan.jobs:
-                queue.jobs.watch_queues(host, plan.queues)
-                queue.jobs.schedules.start()
+        with _stop_on_signals() as stop:
+            await host.start()
             try:
-                await _until_done(host, max_duration_ms, finite=finite)
-            finally:
+                for name in plan.subscriptions:
+                    state = next((h for h in host.health() if h.subscription == name), None)
+                    if state is None or state.state != "Running":
+                        kind = "Error" if state is None else state.state
+                        reason = "unknown" if state is None else (state.reason or kind)
+                        if kind == "Paused":
+                            if finite and len(plan.subscriptions) == 1 and not plan.jobs:
+                                return summary.ended(EXIT_OK, f"{name}: paused, nothing to do ({reason})")
+                            click.echo(f"workqueue work: {name}: paused ({reason}); waiting for resume", err=True)
+                        elif kind == "Error" and "does not exist" in reason:
+                            return summary.ended(EXIT_UNKNOWN_SUBSCRIPTION, reason)
+                        else:
+                            return summary.ended(_STATE_EXIT.get(kind, EXIT_ERROR), f"{name}: {kind}: {reason}")
                 if plan.jobs:
-                    await queue.jobs.stop_watching()
-                    await queue.jobs.schedules.stop()
-            summary.claimed = sum(host.claimed_total(n) for n in (*plan.subscriptions, *(g.name for g in groups)))
-            return summary.ended(EXIT_OK, f"{plan.label}: ran {count(summary.claimed, 'delivery')}")
-        finally:
-            # The consumers of the plan, also those a pause retired, for their counts.
-            consumers = [c for name in plan.subscriptions
-                         for c in (*getattr(host, "_retired", {}).get(name, ()), host.consumers.get(name))]
-            consumers += [host.group_consumers.get(g.name) for g in groups]
-            await host.stop()
-            counted = [c for c in consumers if c is not None]
-            summary.settled = sum(c.settled_total for c in counted)
-            summary.completed = sum(c.completed_total for c in counted)
+                    queue.jobs.watch_queues(host, plan.queues)
+                    queue.jobs.schedules.start()
+                try:
+                    await _until_done(host, stop, max_duration_ms, finite=finite)
+                finally:
+                    if plan.jobs:
+                        await queue.jobs.stop_watching()
+                        await queue.jobs.schedules.stop()
+                summary.claimed = sum(host.claimed_total(n) for n in (*plan.subscriptions, *(g.name for g in groups)))
+                return summary.ended(EXIT_OK, f"{plan.label}: ran {count(summary.claimed, 'delivery')}")
+            finally:
+                # The consumers of the plan, also those a pause retired, for their counts.
+                consumers = [c for name in plan.subscriptions
+                             for c in (*getattr(host, "_retired", {}).get(name, ()), host.consumers.get(name))]
+                consumers += [host.group_consumers.get(g.name) for g in groups]
+                await host.stop()
+                counted = [c for c in consumers if c is not None]
+                summary.settled = sum(c.settled_total for c in counted)
+                summary.completed = sum(c.completed_total for c in counted)
     finally:
         await queue.close()
 
@@ -303,10 +304,10 @@ def run_on_fastest_loop(coroutine: Coroutine[Any, Any, T]) -> T:
     return result
 
 
-async def _until_done(host: Any, max_duration_ms: int | None, *, finite: bool) -> None:
-    """Waits for a signal or the duration limit, and (``finite``: a budget or one-shot) for the
-    budget to be spent or the queue to be idle. A long-running worker's consumer may stop and
-    start again as the subscription is paused and resumed; only a signal or the limit ends it."""
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[asyncio.Event]:
+    """An event SIGTERM and SIGINT set, from before the host starts (a signal while it starts is a
+    graceful stop as well, never the default handler's kill) until the worker has drained."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     installed = []
@@ -314,6 +315,17 @@ async def _until_done(host: Any, max_duration_ms: int | None, *, finite: bool) -
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
+    try:
+        yield stop
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+async def _until_done(host: Any, stop: asyncio.Event, max_duration_ms: int | None, *, finite: bool) -> None:
+    """Waits for ``stop`` (a signal) or the duration limit, and (``finite``: a budget or one-shot)
+    for the budget to be spent or the queue to be idle. A long-running worker's consumer may stop
+    and start again as the subscription is paused and resumed; only a signal or the limit ends it."""
     scope = TaskScope("workqueue-work-until")
     waiters: list[asyncio.Task[Any]] = [scope.spawn(stop.wait(), name="workqueue-work-signal")]
     if finite:
@@ -326,8 +338,6 @@ async def _until_done(host: Any, max_duration_ms: int | None, *, finite: bool) -
             log.info("signal received: no more claims; draining the running handlers")
     finally:
         await scope.close()
-        for sig in installed:
-            loop.remove_signal_handler(sig)
 
 
 def _serve_metrics(host: str, port: int) -> None:
