@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .jobs.context import JobContext
     from .queue import WorkQueue
     from .settings import WorkQueueSettings
-    from .web.di import current_context, current_message
+    from .web.current import current_context, current_message
 
 __all__ = [
     "MAX_ATTRIBUTES",
@@ -124,8 +124,8 @@ _ORIGINS: dict[str, str] = {
     "WorkQueue": ".queue",
     "WorkQueueError": ".core.errors",
     "WorkQueueSettings": ".settings",
-    "current_context": ".web.di",
-    "current_message": ".web.di",
+    "current_context": ".web.current",
+    "current_message": ".web.current",
 }
 
 

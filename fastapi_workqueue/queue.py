@@ -1,33 +1,27 @@
-"""WorkQueue: the one object an app creates. Topology, handlers, publish, lifespan, routers."""
+"""WorkQueue: the one object an app creates. Topology, handlers, publish, lifespan, routers.
+
+It is the public surface and the assembly: it wires one :class:`~.core.kernel.Kernel` (with the
+database transport, the FastAPI dependency injector and the request sessions, which only the
+layers above ``core`` can build) and hands that kernel to the jobs layer, the routers, the
+dashboard and the metrics. Its own methods delegate to the kernel, the operator service and the
+jobs layer. Inside the package only ``__init__`` and the CLI's app loading import this module.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from contextvars import ContextVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
-from fastapi import APIRouter, Depends
-from pydantic import ValidationError
-
-from .core.envelope import (
-    MAX_ENVELOPE_BYTES,
-    PreparedMessage,
-    PublishError,
-    PublishRequest,
-    PublishResult,
-    PublishStatus,
-    RequestRejected,
-    aborted_results,
-    prepare,
-)
-from .core.errors import ConfigurationError, UnknownTopic
-from .core.handlers import HandlerFunc, HandlerRegistry, HandlerSpec, unused_handlers
+from .core.envelope import PublishRequest
+from .core.handlers import HandlerFunc, unused_handlers
+from .core.health import ExtensionHealth
 from .core.host import GroupPlan, Host, SubscriptionPlan
-from .core.observe import NO_OBSERVER, Observer, Observers, carry_headers
+from .core.kernel import Kernel, worker_runs_host
+from .core.observe import Observer
 from .core.ports import Ports
-from .core.published import NOT_ACCEPTED_LOGGED, PublishResults, refusal
+from .core.published import PublishResults
 from .core.redaction import redacting_logger
 from .core.reports import (
     ActionResult,
@@ -41,92 +35,82 @@ from .core.reports import (
     SweepReport,
 )
 from .core.request_load import RequestLoad
-from .core.retirement import (
-    DISCARD_BATCH,
-    DeleteResult,
-    RetireResult,
-    TopicStatus,
-    TopicStatusChange,
-    TopologyLifecycle,
-)
+from .core.retirement import DeleteResult, RetireResult, TopicStatus, TopicStatusChange
+from .core.settings import WorkQueueSettings, default_database_file, unknown_variables
 from .core.topology import Subscription, SubscriptionStatus, Topic
 from .core.transport import Transport
-from .settings import WorkQueueSettings, default_database_file, unknown_variables
-from .web.auth import Authorizer, api_key_authorizer
 from .web.di import DependencyInvoker
-from .web.health import ExtensionHealth, build_health_router
-from .web.routes import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES, build_router
-from .web.session import RequestSessions, current_session
+from .web.limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES
+from .web.session import RequestSessions
 
 log = redacting_logger("fastapi_workqueue")
 
 if TYPE_CHECKING:
     from datetime import timedelta
 
-    from fastapi import FastAPI
+    from fastapi import APIRouter, FastAPI
     from prometheus_client import CollectorRegistry
-    from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+    from pydantic import JsonValue
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
     from starlette.types import ASGIApp
 
     from .jobs.definition import Job
     from .jobs.events import E
     from .jobs.failed import FailedJob
     from .jobs.fake import JobFake
+    from .jobs.groups import JobGroup
     from .jobs.layer import Jobs
     from .jobs.middleware import Middleware
     from .jobs.schedules import Schedule
+    from .jobs.status import JobStatus
+    from .web.auth import Authorizer
+
+    Session = AsyncSession | AsyncConnection
+    """A caller's transaction that a publish or dispatch joins (a rollback queues nothing)."""
 
     JobRef = Job | str | Callable[..., Any]
     """A job as dispatch and schedule take it: its function, its :class:`Job`, or its name."""
 
 F = TypeVar("F", bound=HandlerFunc)
+J = TypeVar("J", bound=Callable[..., Awaitable[Any]])
+"""A job function: it may return a value (kept with ``store_result=True``)."""
 
 _warned_variables: set[str] = set()
 """Unknown ``WORKQUEUE_*`` variables already warned about in this process (once each)."""
 
-_worker_runs_host: ContextVar[bool] = ContextVar("workqueue_worker_runs_host", default=False)
+__all__ = ["WorkQueue"]
 
 
-@contextlib.contextmanager
-def host_run_by_worker() -> Iterator[None]:
-    """Within it, app lifespans (``queue.lifespan``) open their queues but start no host.
+def _wired_transport(kernel: Kernel) -> Transport:
+    """The transport of a queue built from its settings and topics: the database, and a router
+    over it and the other transports its topics name (found by entry point, given the kernel)."""
+    from .database import create_database_transport
 
-    ``workqueue work --app module:app`` runs the app's lifespan inside it: the worker's own host
-    (one subscription, its concurrency and budget) is the only one that runs in the process.
-    """
-    token = _worker_runs_host.set(True)
-    try:
-        yield
-    finally:
-        _worker_runs_host.reset(token)
+    settings = kernel.settings
+    database: Transport | None = None
+    only_other = bool(kernel.topics) and all(t.transport != "database" for t in kernel.topics.values())
+    if settings.database_url or not only_other:
+        database = create_database_transport(
+            kernel.database_url(), pool_max_size=settings.pool_size, listen=settings.listen,
+            sqlite_busy_timeout_ms=settings.sqlite_busy_timeout_ms,
+        )
+    routed = None
+    if not all(t.transport == "database" for t in kernel.topics.values()):
+        from .core.routing import build_routing
 
-
-def _lifecycle_of(transport: Transport, what: str) -> TopologyLifecycle:
-    """The store that retires and deletes ``what`` (database transports do)."""
-    lifecycle = Ports.of(transport).lifecycle
-    if lifecycle is not None:
-        return lifecycle
-    raise ConfigurationError(
-        f"{what} lives on the {transport.name} transport, which cannot retire or delete it here; remove it from "
-        "the exported manifest and the infrastructure instead"
-    )
+        routed = build_routing(kernel, database, list(kernel.topics.values()), list(kernel.subscriptions.values()))
+    transport = routed if routed is not None else database
+    assert transport is not None
+    return transport
 
 
-def _checked(topic: str, results: list[PublishResult]) -> PublishResults:
-    """A publish's results, with its refusals logged at WARNING; raises UnknownTopic when the
-    store did not know the topic."""
-    answer = results if isinstance(results, PublishResults) else PublishResults(results)
-    for index, result in enumerate(answer):
-        if result.status in NOT_ACCEPTED_LOGGED:
-            error = result.error
-            code = error.code if error is not None else result.status.value
-            if code == "UnknownTopic":
-                raise UnknownTopic(topic, f"cannot publish to topic {topic!r}: neither the code declares it "
-                                          f"(Topic(name={topic!r})) nor the store holds it; check the name")
-            if code != "BatchAborted":
-                log.warning("publish to %s: item %d was %s (%s): %s", topic, index, result.status.value, code,
-                            refusal(result))
-    return answer
+def _default_observers(settings: WorkQueueSettings) -> list[Observer]:
+    """OpenTelemetry and Prometheus, as the settings ask and as far as they are installed."""
+    if not (settings.otel or settings.prometheus):
+        return []
+    from .observability import default_observers
+
+    return default_observers(settings)
 
 
 class WorkQueue:
@@ -146,37 +130,60 @@ class WorkQueue:
         subscriptions: Iterable[Subscription] = (),
         transport: Transport | None = None,
     ) -> None:
-        self.settings = settings if settings is not None else WorkQueueSettings()
-        """The settings the queue was made with (read from ``WORKQUEUE_*`` when none were given)."""
-        self.topics: dict[str, Topic] = {}
+        self._kernel: Kernel  # (the sessions read the kernel's settings when they first connect)
+        load = RequestLoad()
+        self._sessions = RequestSessions(lambda: self._kernel.database_url(),
+                                         lambda: self._kernel.settings.session_pool(), load=load)
+        self._kernel = Kernel(
+            settings if settings is not None else WorkQueueSettings(), transport=transport,
+            injector=DependencyInvoker(), sessions=self._sessions, request_load=load,
+            build_transport=_wired_transport, default_observers=_default_observers, facade=self,
+        )
+        self.topics: dict[str, Topic] = self._kernel.topics
         """The topics declared in code, by name."""
-        self.subscriptions: dict[str, Subscription] = {}
+        self.subscriptions: dict[str, Subscription] = self._kernel.subscriptions
         """The subscriptions declared in code, by name."""
         for topic in topics:
             self.add_topic(topic)
         for subscription in subscriptions:
             self.add_subscription(subscription)
-        self.handlers = HandlerRegistry()
-        self._invoker = DependencyInvoker()
-        self._transport = transport
-        self._ports: Ports | None = None
-        self._owns_transport = transport is None
-        self._host: Host | None = None
-        self._opened = 0
-        self.request_load = RequestLoad()
+        self.handlers = self._kernel.handlers
+        """The handlers registered with :meth:`handler`, by key."""
+        self.request_load = self._kernel.request_load
         """The requests this process serves (those holding ``queue.session``), which its host yields to."""
-        self._sessions = RequestSessions(self._database_url, lambda: self.settings.session_pool(),
-                                         load=self.request_load)
-        self.health_router: APIRouter = build_health_router(self)
-        """``GET /health/extensions``: the state of the host and of each subscription it plans, 503
-        when one is ``HandlerNotRegistered`` or in ``Error``. ``app.include_router(queue.health_router)``."""
+        self._health_router: APIRouter | None = None
         self._router: APIRouter | None = None
         self._jobs: Jobs | None = None
-        self._observers: list[Observer] = []
-        self._observer: Observer | None = None
         self._metrics_router: APIRouter | None = None
 
+    @property
+    def settings(self) -> WorkQueueSettings:
+        """The settings the queue was made with (read from ``WORKQUEUE_*`` when none were given)."""
+        return self._kernel.settings
+
+    @settings.setter
+    def settings(self, settings: WorkQueueSettings) -> None:
+        self._kernel.settings = settings
+
+    @property
+    def kernel(self) -> Kernel:
+        """What the library's own layers (jobs, REST API, dashboard, AWS, metrics) share: the
+        settings, transport and ports, handlers, observers and sessions. Internal: an app has no
+        need of it, and it may change between releases."""
+        return self._kernel
+
     # -- routers -----------------------------------------------------------------------------
+    # Built on first use, with FastAPI: a worker that serves no HTTP never imports it.
+
+    @property
+    def health_router(self) -> APIRouter:
+        """``GET /health/extensions``: the state of the host and of each subscription it plans, 503
+        when one is ``HandlerNotRegistered`` or in ``Error``. ``app.include_router(queue.health_router)``."""
+        if self._health_router is None:
+            from .web.health import build_health_router
+
+            self._health_router = build_health_router(self._kernel)
+        return self._health_router
 
     @property
     def router(self) -> APIRouter:
@@ -197,11 +204,13 @@ class WorkQueue:
 
         ``authorize`` takes ``SecurityScopes`` and returns a ``Principal``; it raises 401/403.
         """
-        check = authorize or api_key_authorizer(self)
-        router = build_router(self, check, prefix=prefix, max_body_bytes=max_body_bytes, max_batch=max_batch)
         from .jobs.routes import build_job_router
+        from .web.auth import api_key_authorizer
+        from .web.routes import build_router
 
-        router.include_router(build_job_router(self, check, prefix=""))
+        check = authorize or api_key_authorizer(self._kernel)
+        router = build_router(self._kernel, check, prefix=prefix, max_body_bytes=max_body_bytes, max_batch=max_batch)
+        router.include_router(build_job_router(lambda: self.jobs, check, prefix=""))
         return router
 
     @property
@@ -218,9 +227,10 @@ class WorkQueue:
         """A ``/metrics`` router: ``authorize`` replaces the API keys, ``public=True`` serves it
         to anyone, ``registry`` is a ``prometheus_client.CollectorRegistry`` of the app's own."""
         from .observability.metrics_router import build_metrics_router
+        from .web.auth import api_key_authorizer
 
         return build_metrics_router(
-            self, authorize=authorize or api_key_authorizer(self),
+            self._kernel, authorize=authorize or api_key_authorizer(self._kernel),
             public=self.settings.metrics_public if public is None else public, path=path, registry=registry,
         )
 
@@ -228,17 +238,11 @@ class WorkQueue:
     def observer(self) -> Observer:
         """What sees this queue's publishes, attempts and settles: OpenTelemetry and Prometheus
         when they are installed and enabled in the settings, and any :meth:`add_observer`."""
-        if self._observer is None:
-            from .observability import default_observers
-
-            found = default_observers(self.settings) + self._observers
-            self._observer = NO_OBSERVER if not found else found[0] if len(found) == 1 else Observers(found)
-        return self._observer
+        return self._kernel.observer
 
     def add_observer(self, observer: Observer) -> None:
         """Adds an observer of your own (subclass :class:`~fastapi_workqueue.core.observe.Observer`)."""
-        self._observers.append(observer)
-        self._observer = None
+        self._kernel.add_observer(observer)
 
     def dashboard(self, *, authorize: Authorizer | None = None, **options: Any) -> FastAPI:
         """The operator dashboard, an ASGI app: ``app.mount("/work-queue/ui", queue.dashboard())``.
@@ -255,22 +259,11 @@ class WorkQueue:
 
     def add_topic(self, topic: Topic) -> None:
         """Declares a topic (synced to the store at start-up)."""
-        if topic.name in self.topics and self.topics[topic.name] != topic:
-            raise ConfigurationError(f"topic {topic.name!r} is declared twice with different settings")
-        self.topics[topic.name] = topic
+        self._kernel.add_topic(topic)
 
     def add_subscription(self, subscription: Subscription) -> None:
         """Declares a subscription (synced to the store at start-up)."""
-        if subscription.name in self.subscriptions and self.subscriptions[subscription.name] != subscription:
-            raise ConfigurationError(
-                f"subscription {subscription.name!r} is declared twice with different settings"
-            )
-        if subscription.topic not in self.topics:
-            raise ConfigurationError(
-                f"subscription {subscription.name!r} names topic {subscription.topic!r}, which is not declared; "
-                f"add Topic(name={subscription.topic!r}) to the WorkQueue's topics"
-            )
-        self.subscriptions[subscription.name] = subscription
+        self._kernel.add_subscription(subscription)
 
     def handler(self, key: str) -> Callable[[F], F]:
         """Registers an async handler under ``key``; subscriptions name the key.
@@ -280,45 +273,19 @@ class WorkQueue:
         """
 
         def register(func: F) -> F:
-            spec = self.handlers.add(key, func)
-            try:
-                self._invoker.prepare(spec)
-            except ConfigurationError:
-                self.handlers.remove(key)
-                raise
+            self._kernel.add_handler(key, func)
             return func
 
         return register
 
-    def resolve_handler(self, key: str) -> HandlerSpec | None:
-        """The handler registered under ``key``, or None (for the host and the jobs layer)."""
-        return self.handlers.get(key)
-
-    def app_needed_by(self, key: str) -> str | None:
-        """Where the handler of ``key`` takes a ``Request`` or ``HTTPConnection`` in its dependency
-        graph (``"handler 'k' -> get_settings -> request"``), or None. Such a handler reads
-        ``request.app`` and needs to run with the app (``workqueue work --app module:app``)."""
-        spec = self.handlers.get(key)
-        return self._invoker.app_needed_by_key(key) if spec is None else self._invoker.app_needed_by(spec)
-
-    def prepare_dependencies(self, key: str, func: Callable[..., Any], params: Sequence[str]) -> None:
-        """Builds and checks the dependency graph of ``func``'s ``params`` (a job's, say) under ``key``."""
-        self._invoker.prepare_call(key, func, list(params))
-
-    async def call_with_dependencies(
-        self, key: str, func: Callable[..., Any], fixed: Mapping[str, Any], message: Any, context: Any
-    ) -> Any:
-        """Calls ``func`` with ``fixed`` arguments and its dependencies solved for this attempt."""
-        return await self._invoker.call(key, func, dict(fixed), message, context)
-
     def bind_app(self, app: ASGIApp | None) -> None:
         """The app whose ``state`` and ``dependency_overrides`` handlers see (``lifespan`` binds it)."""
-        self._invoker.app = app
+        self._kernel.bind_app(app)
 
     @property
     def bound_app(self) -> ASGIApp | None:
         """The app :meth:`bind_app` (or the lifespan) bound, or None."""
-        app: ASGIApp | None = self._invoker.app
+        app: ASGIApp | None = self._kernel.bound_app
         return app
 
     # -- jobs --------------------------------------------------------------------------------
@@ -329,7 +296,7 @@ class WorkQueue:
         if self._jobs is None:
             from .jobs.layer import Jobs
 
-            self._jobs = Jobs(self)
+            self._jobs = Jobs(self._kernel)
         return self._jobs
 
     def job(
@@ -342,24 +309,27 @@ class WorkQueue:
         queue: str = "default",
         encrypted: bool = False,
         middleware: Sequence[Middleware] = (),
+        store_result: bool = False,
         priority: int = 0,
         rate_limit: str | None = None,
         concurrency: int | None = None,
-    ) -> Callable[[F], F]:
+    ) -> Callable[[J], J]:
         """Declares a job: ``@queue.job("billing.send-invoice-reminder", tries=5, backoff=[10, 60, 300],
         timeout=30, queue="mail")`` on ``async def send(payload: Model, job: JobContext, dep = Depends(...))``.
 
         ``tries`` attempts in all; ``backoff`` the delay after failed attempt n (item n, the last
         repeating; default the queue's exponential full-jitter backoff); ``timeout`` seconds after
         which ``job.signal`` aborts and the attempt fails; ``encrypted`` stores the payload encrypted
-        with ``WORKQUEUE_APP_KEY``; ``middleware`` runs around each attempt. ``priority`` (0 to 9,
+        with ``WORKQUEUE_APP_KEY``; ``middleware`` runs around each attempt; ``store_result`` keeps what
+        the job returns (JSON, at most 64 KiB) for :meth:`job_status` and :meth:`wait`. ``priority`` (0 to 9,
         higher first) is what its jobs are dispatched with unless a dispatch says otherwise.
         ``concurrency`` and ``rate_limit`` (``"50/s"``) are its queue's limits, held across every
         process: the most jobs of the queue running at once, and started per second, minute or hour.
         """
-        decorate: Callable[[F], F] = self.jobs.declare(
+        decorate: Callable[[J], J] = self.jobs.declare(
             name, tries=tries, backoff=backoff, timeout=timeout, queue=queue, encrypted=encrypted,
-            middleware=middleware, priority=priority, rate_limit=rate_limit, concurrency=concurrency,
+            middleware=middleware, store_result=store_result, priority=priority, rate_limit=rate_limit,
+            concurrency=concurrency,
         )
         return decorate
 
@@ -367,14 +337,16 @@ class WorkQueue:
     async def dispatch(
         self, job: JobRef, payload: Any = None, *, delay: timedelta | float | None = None, queue: str | None = None,
         unique: None = None, unique_until: Literal["done", "processing"] = "done", unique_for: float = 3600,
-        session: Any = None, priority: int | None = None,
+        debounce: timedelta | float | None = None, debounce_key: str | None = None, session: Session | None = None,
+        priority: int | None = None,
     ) -> uuid.UUID: ...
 
     @overload
     async def dispatch(
         self, job: JobRef, payload: Any = None, *, delay: timedelta | float | None = None, queue: str | None = None,
         unique: str | None, unique_until: Literal["done", "processing"] = "done", unique_for: float = 3600,
-        session: Any = None, priority: int | None = None,
+        debounce: timedelta | float | None = None, debounce_key: str | None = None, session: Session | None = None,
+        priority: int | None = None,
     ) -> uuid.UUID | None: ...
 
     async def dispatch(
@@ -387,7 +359,9 @@ class WorkQueue:
         unique: str | None = None,
         unique_until: Literal["done", "processing"] = "done",
         unique_for: float = 3600,
-        session: Any = None,
+        debounce: timedelta | float | None = None,
+        debounce_key: str | None = None,
+        session: Session | None = None,
         priority: int | None = None,
     ) -> uuid.UUID | None:
         """Validates ``payload`` and queues ``job``; returns the job id (None while ``unique`` is held).
@@ -395,22 +369,36 @@ class WorkQueue:
         Joins ``session``'s transaction, or the request's (``queue.session``): a rollback queues
         nothing. ``delay`` is a ``timedelta`` or seconds; ``queue`` overrides the declared queue;
         ``priority`` (0 to 9, higher first) the declared priority.
+        ``debounce`` (a window) with ``debounce_key``: dispatches with one key within the window make
+        one job, run once the window has passed since the last of them, with the last payload; each
+        returns that job's id.
         """
         result: uuid.UUID | None = await self.jobs.dispatch(
             job, payload, delay=delay, queue=queue, unique=unique, unique_until=unique_until, unique_for=unique_for,
-            session=session, priority=priority,
+            debounce=debounce, debounce_key=debounce_key, session=session, priority=priority,
         )
         return result
 
-    async def bulk(self, items: Iterable[tuple[Any, ...]], *, session: Any = None) -> list[uuid.UUID]:
+    async def bulk(self, items: Iterable[tuple[Any, ...]], *, session: Session | None = None) -> list[uuid.UUID]:
         """Queues ``[(job, payload), ...]`` in one transaction; one invalid payload queues none."""
         ids: list[uuid.UUID] = await self.jobs.bulk(items, session=session)
         return ids
 
-    async def chain(self, items: Iterable[tuple[Any, ...]], *, session: Any = None) -> list[uuid.UUID]:
+    async def chain(self, items: Iterable[tuple[Any, ...]], *, session: Session | None = None) -> list[uuid.UUID]:
         """Queues jobs that run one after the other; returns all their ids."""
         ids: list[uuid.UUID] = await self.jobs.chain(items, session=session)
         return ids
+
+    async def group(
+        self, items: Iterable[tuple[Any, ...]], *, then: tuple[Any, ...], session: Session | None = None
+    ) -> JobGroup:
+        """Queues the jobs ``items`` (``(job, payload)``, or ``(job, payload, {"queue": ...})``) and
+        ``then``, which runs once when every one of them has ended, completed, failed or
+        discarded, and finds each one's status (and result) in ``job.group_results``. All in one
+        transaction (``session``'s, the request's, or one of its own); every payload is checked
+        first. Returns the ``JobGroup`` (its id, the members' job ids, the ``then`` job's id)."""
+        group: JobGroup = await self.jobs.group(items, then=then, session=session)
+        return group
 
     async def size(self, queue: str | None = None) -> int:
         """Jobs that wait or run on ``queue`` (every job queue when None)."""
@@ -439,6 +427,24 @@ class WorkQueue:
         ``catch_up=True``."""
         return self.jobs.schedules.add(job, cron=cron, every=every, payload=payload, timezone=timezone,
                                        catch_up=catch_up, name=name, queue=queue)
+
+    async def job_status(self, job_id: uuid.UUID | str) -> JobStatus | None:
+        """Where job ``job_id`` is: its state (Pending, Running, Completed, Failed, Discarded),
+        attempts, tries, times, last error and (``store_result=True``) result; None when no job
+        has that id (never dispatched, or purged with the retention)."""
+        status: JobStatus | None = await self.jobs.status(job_id)
+        return status
+
+    async def wait(self, job_id: uuid.UUID | str, timeout: float | timedelta | None = None) -> JsonValue:  # noqa: ASYNC109
+        """Waits until job ``job_id`` ends and returns what it returned (JSON as stored; None unless
+        it is declared ``store_result=True``). Raises ``JobFailedError`` or ``JobDiscardedError``
+        (``fastapi_workqueue.jobs``) carrying the job's status when it did not complete,
+        ``JobNotFound`` when no job has the id, and ``TimeoutError`` after ``timeout`` seconds (a
+        ``timedelta`` too; None waits as long as it takes). PostgreSQL tells the waiter when the
+        job ends (LISTEN/NOTIFY); other stores are polled."""
+        from .jobs.waiting import wait
+
+        return await wait(self.jobs, job_id, timeout)
 
     async def failed_jobs(self, queue: str | None = None, *, limit: int = 100,
                           include_payload: bool = False) -> list[FailedJob]:
@@ -484,53 +490,26 @@ class WorkQueue:
 
     # -- transport ---------------------------------------------------------------------------
 
-    def _database_url(self) -> str:
-        url = self.settings.database_url
-        if not url:
-            raise ConfigurationError(
-                "no database is configured: set WORKQUEUE_DATABASE_URL (for example "
-                "postgresql+asyncpg://postgres@127.0.0.1:5432/app or sqlite+aiosqlite:///app.db) or "
-                "WorkQueueSettings(database_url=...)"
-            )
-        return url
-
     @property
     def transport(self) -> Transport:
         """The transport messages live on (created from the settings on first use)."""
-        if self._transport is None:
-            from .core.routing import build_routing
-            from .database import create_database_transport
-
-            database: Transport | None = None
-            only_other = bool(self.topics) and all(t.transport != "database" for t in self.topics.values())
-            if self.settings.database_url or not only_other:
-                database = create_database_transport(
-                    self._database_url(), pool_max_size=self.settings.pool_size, listen=self.settings.listen,
-                    sqlite_busy_timeout_ms=self.settings.sqlite_busy_timeout_ms,
-                )
-            routed = build_routing(self, database, list(self.topics.values()), list(self.subscriptions.values()))
-            self._transport = routed if routed is not None else database
-            assert self._transport is not None
-        return self._transport
+        return self._kernel.transport
 
     @property
     def ports(self) -> Ports:
         """The transport's optional parts (process registry, live work, API keys ...), resolved
         once for the transport in use."""
-        transport = self.transport
-        if self._ports is None or self._ports.transport is not transport:
-            self._ports = Ports.of(transport)
-        return self._ports
+        return self._kernel.ports
 
     @property
     def is_open(self) -> bool:
         """True between :meth:`open` and :meth:`close` (inside the lifespan)."""
-        return self._opened > 0
+        return self._kernel.is_open
 
     @property
     def host(self) -> Host | None:
         """The running host, when this process runs one."""
-        return self._host
+        return self._kernel.host
 
     @property
     def engine(self) -> AsyncEngine:
@@ -549,13 +528,16 @@ class WorkQueue:
         ``async def endpoint(session: AsyncSession = queue.session)``. Publishes made during the
         request join its transaction; an exception rolls both back.
         """
+        from fastapi import Depends
+
         dependency: AsyncSession = Depends(self._sessions.dependency, scope="function")
         return dependency
 
     async def open(self) -> None:
         """Opens the transport (and migrates / syncs the topology as the settings say)."""
-        self._opened += 1
-        if self._opened > 1:
+        kernel = self._kernel
+        kernel.opened += 1
+        if kernel.opened > 1:
             return
         try:
             if self._jobs is not None:
@@ -579,23 +561,25 @@ class WorkQueue:
                 if self._jobs is not None:
                     self._jobs.mark_synced()
         except BaseException:
-            self._opened = 0
+            kernel.opened = 0
             with contextlib.suppress(Exception):
                 await self.transport.close()
             raise
 
     async def close(self) -> None:
         """Stops the host if it runs and closes the transport."""
-        if self._opened == 0:
+        kernel = self._kernel
+        if kernel.opened == 0:
             return
-        self._opened -= 1
-        if self._opened > 0:
+        kernel.opened -= 1
+        if kernel.opened > 0:
             return
         await self._stop_host()
         if self._jobs is not None:
             await self._jobs.drain_events()
-        if self._transport is not None:
-            await self._transport.close()  # first: a transport may use the sessions' engine (the aws outbox relay)
+        transport = kernel.built_transport
+        if transport is not None:
+            await transport.close()  # first: a transport may use the sessions' engine (the aws outbox relay)
         await self._sessions.dispose()
 
     @contextlib.asynccontextmanager
@@ -603,10 +587,10 @@ class WorkQueue:
         """The queue's transport opened for an operator's calls (``workqueue stats --app ...``):
         every transport its topics name (aws too), without a host, the aws outbox relay, a
         migration or a topology sync. Closed again, with the queue's engine, on the way out."""
-        if self._opened:
+        if self._kernel.is_open:
             yield self.transport
             return
-        if self._transport is None and self.settings.aws_relay:
+        if self._kernel.built_transport is None and self.settings.aws_relay:
             self.settings = self.settings.model_copy(update={"aws_relay": False})
         transport = self.transport
         await transport.open()
@@ -620,7 +604,7 @@ class WorkQueue:
 
     async def migrate(self) -> list[str]:
         """Applies pending schema migrations; returns those applied now."""
-        if self._opened:
+        if self._kernel.is_open:
             return await self.transport.migrate()
         await self.transport.open()
         try:
@@ -643,60 +627,39 @@ class WorkQueue:
 
         ``groups`` default to one consumer for the job queues (``WORKQUEUE_JOB_QUEUES``) when the
         queue has jobs."""
-        options = self.settings.host_options()
-        option_overrides.setdefault("observer", self.observer)
-        self.request_load.busy_at = self.settings.busy_requests
-        self.request_load.busy_concurrency = self.settings.busy_concurrency
-        option_overrides.setdefault("request_load", self.request_load)
-        if option_overrides:
-            from dataclasses import replace
-
-            options = replace(options, **option_overrides)
-        return Host(
-            self.transport,
-            self.resolve_handler,
-            self._invoker,
-            plan=plan if plan is not None else self.settings.subscriptions,
-            groups=groups if groups is not None else self.job_groups(),
-            options=options,
-            max_deliveries=max_deliveries,
-            stop_when_idle=stop_when_idle,
-            declared=self.subscriptions.keys(),
+        return self._kernel.build_host(
+            plan, groups=groups if groups is not None else self._job_groups(), max_deliveries=max_deliveries,
+            stop_when_idle=stop_when_idle, **option_overrides,
         )
 
-    def job_groups(self, queues: str | None = None, concurrency: int | None = None) -> list[GroupPlan]:
-        """The consumer of the job queues: ``queues`` (``mail,*``; default ``WORKQUEUE_JOB_QUEUES``,
-        unset: every queue fairly) at ``concurrency`` (default ``WORKQUEUE_JOB_CONCURRENCY``)."""
-        if self._jobs is None or not len(self._jobs.registry):
-            return []
-        from .jobs.worker import job_group
-
-        return [job_group(queues if queues is not None else self.settings.job_queues,
-                          concurrency or self.settings.job_concurrency)]
+    def _job_groups(self) -> list[GroupPlan]:
+        """The consumer of the job queues the settings plan, when the queue declares jobs."""
+        return [] if self._jobs is None else self._jobs.groups()
 
     async def _start_host(self) -> Host:
         """Starts this process's host (the lifespan does, unless the host is off here); returns it."""
-        if self._host is None:
-            if self.job_groups():
+        kernel = self._kernel
+        if kernel.host is None:
+            if self._job_groups():
                 # The app's own host takes the job queues under the same rule as `workqueue work`.
                 from .jobs.worker import check_fits_lease, parse_queues
 
                 check_fits_lease(self.jobs, parse_queues(self.settings.job_queues),
                                  self.settings.shutdown_drain_ms / 1000,
                                  stop_timeout_name="WORKQUEUE_SHUTDOWN_DRAIN_MS")
-            self._host = self.build_host()
-            await self._host.start()
-            for problem in unused_handlers(self.handlers.keys(), self._host.stored_handler_keys):
+            host = kernel.host = self.build_host()
+            await host.start()
+            for problem in unused_handlers(self.handlers.keys(), host.stored_handler_keys):
                 log.warning("%s", problem)
             if self._jobs is not None:
                 self._jobs.schedules.start()
-                if self.job_groups():
-                    self._jobs.watch_queues(self._host, self.settings.job_queues)
-        return self._host
+                if self._job_groups():
+                    self._jobs.watch_queues(host, self.settings.job_queues)
+        return kernel.host
 
     async def _stop_host(self) -> None:
         """Stops the host, its job watchers and schedules, if they run."""
-        host, self._host = self._host, None
+        host, self._kernel.host = self._kernel.host, None
         if self._jobs is not None:
             await self._jobs.stop_watching()
             await self._jobs.schedules.stop()
@@ -709,39 +672,18 @@ class WorkQueue:
         self.bind_app(app)
         await self.open()
         try:
-            off = self._host_off_reason()
+            off = self._kernel.host_off_reason()
             if off is None:
                 await self._start_host()
-            elif not _worker_runs_host.get():  # `workqueue work` runs a host of its own: nothing is off
+            elif not worker_runs_host():  # `workqueue work` runs a host of its own: nothing is off
                 log.info("work queue host is off in this process: %s", off)
             yield {"workqueue": self}
         finally:
             await self.close()
 
-    def _host_off_reason(self) -> str | None:
-        """Why the lifespan starts no host in this process, or None when it starts one.
-
-        The settings' ``enabled`` and ``disable_host`` (``WORKQUEUE_ENABLED=0``,
-        ``WORKQUEUE_DISABLE_HOST=1``, read when the settings were made) are two switches for one
-        thing: either one turns the host off, whatever the other says."""
-        if _worker_runs_host.get():
-            return "workqueue work runs its own host here"
-        if not self.settings.enabled:
-            return "WORKQUEUE_ENABLED is off (enabled=False)"
-        if self.settings.disable_host:
-            return "WORKQUEUE_DISABLE_HOST is on (disable_host=True)"
-        return None
-
     def health(self) -> ExtensionHealth:
         """The state of the host and of every subscription it plans."""
-        if self._opened == 0:
-            return ExtensionHealth(status="Stopped", reason="the app's lifespan has not started the queue")
-        if self._host is None:
-            off = self._host_off_reason() or "the host is not started"
-            return ExtensionHealth(status="Disabled", reason=f"the host is off in this process: {off}")
-        subscriptions = self._host.health()
-        degraded = any(s.state == "Error" for s in subscriptions)
-        return ExtensionHealth(status="Degraded" if degraded else "Running", subscriptions=subscriptions)
+        return self._kernel.health()
 
     # -- publish -----------------------------------------------------------------------------
 
@@ -750,7 +692,7 @@ class WorkQueue:
         topic: str,
         requests: Sequence[PublishRequest | Mapping[str, Any]],
         *,
-        session: Any = None,
+        session: Session | None = None,
     ) -> PublishResults:
         """Publishes ``requests`` to ``topic``; one result per request, in order.
 
@@ -765,96 +707,30 @@ class WorkQueue:
 
         Raises :class:`UnknownTopic` when neither the code nor the store knows ``topic``.
         """
-        cap = self.envelope_cap(topic)
-        attempts = self.settings.max_message_attempts
-        prepared: list[PreparedMessage] = []
-        failures: dict[int, PublishResult] = {}
-        for index, raw in enumerate(requests):
-            try:
-                request = raw if isinstance(raw, PublishRequest) else PublishRequest.model_validate(raw)
-                prepared.append(prepare(request, max_envelope_bytes=cap, max_attempts=attempts))
-            except RequestRejected as exc:
-                failures[index] = PublishResult(
-                    status=PublishStatus.REJECTED,
-                    message_id=getattr(raw, "message_id", None),
-                    error=exc.error,
-                )
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                failures[index] = PublishResult(
-                    status=PublishStatus.REJECTED,
-                    error=PublishError(
-                        code="InvalidRequest",
-                        message=f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}",
-                        field=str(first["loc"][0]) if first["loc"] else None,
-                    ),
-                )
-        return await self.publish_prepared(topic, len(requests), prepared, failures, session=session)
-
-    def envelope_cap(self, topic: str) -> int:
-        """The most bytes an envelope on ``topic`` may have (a topic may lower the library's limit)."""
-        declared = self.topics.get(topic)
-        if declared is not None and declared.max_payload_bytes is not None:
-            return min(MAX_ENVELOPE_BYTES, declared.max_payload_bytes)
-        return MAX_ENVELOPE_BYTES
-
-    async def publish_prepared(
-        self, topic: str, count: int, prepared: list[PreparedMessage], failures: dict[int, PublishResult], *,
-        session: Any = None,
-    ) -> PublishResults:
-        """The second half of :meth:`publish`, for ``count`` requests already prepared: ``prepared``
-        those that passed, ``failures`` the results of those refused, by index (then none is
-        published). For layers that prepare their messages themselves (the jobs layer)."""
-        if session is None:
-            session = current_session()
-        observer = self.observer
-        single = prepared[0] if len(prepared) == 1 else None
-        scope = None if observer is NO_OBSERVER else observer.publish_started(
-            topic, count, message_id=str(single.message_id) if single is not None else None,
-            correlation_id=single.correlation_id if single is not None else None,
-        )
-        if failures:
-            results = aborted_results(count, failures)
-            if scope is not None:
-                scope.end(results, None)
-            return _checked(topic, results)
-        if scope is None:
-            return _checked(topic, await self.transport.publish(topic, prepared, session=session))
-        headers = scope.headers()
-        if headers:
-            for message in prepared:
-                carry_headers(message, headers)
-        try:
-            results = await self.transport.publish(topic, prepared, session=session)
-        except BaseException as exc:
-            scope.end(None, exc)
-            raise
-        scope.end(results, None)
-        return _checked(topic, results)
+        return await self._kernel.publish(topic, requests, session=session)
 
     # -- operate -----------------------------------------------------------------------------
 
     async def sweep(self, limit: int = 1000) -> SweepReport:
         """Runs one sweeper pass now (lease expiry and retention)."""
-        return await self.transport.sweep(limit)
+        return await self._kernel.operator.sweep(limit)
 
     async def stats(self, subscription: str | None = None) -> list[SubscriptionStats]:
         """Counts by state of every subscription, or of ``subscription`` (``workqueue stats``)."""
-        return await self.transport.stats(subscription)
+        return await self._kernel.operator.stats(subscription)
 
     async def backlog(self, subscription: str) -> Backlog | None:
         """Claimable Pending (one per key where keys run one at a time) plus InFlight, as a scaler
         sees it; None when ``subscription`` does not exist."""
-        return await self.transport.backlog(subscription)
+        return await self._kernel.operator.backlog(subscription)
 
     async def dead_letters(
         self, subscription: str, *, limit: int = 100, after: str | None = None, include_payload: bool = False
     ) -> list[DeliveryInfo]:
         """The dead letters of ``subscription``, ``limit`` at a time: pass the last
         ``delivery_id`` as ``after`` for the next. ``include_payload`` adds the payloads."""
-        return await self.transport.list_deliveries(
-            subscription, "DeadLettered", limit=limit, after=after, include_payload=include_payload
-        )
+        return await self._kernel.operator.dead_letters(subscription, limit=limit, after=after,
+                                                        include_payload=include_payload)
 
     async def deliveries(
         self, subscription: str, status: DeliveryStatus, *, limit: int = 100, after: str | None = None,
@@ -862,49 +738,45 @@ class WorkQueue:
     ) -> list[DeliveryInfo]:
         """The deliveries of ``subscription`` in ``status`` (``Pending``, ``InFlight``,
         ``Completed``, ``DeadLettered``, ``Discarded``), paged as :meth:`dead_letters`."""
-        return await self.transport.list_deliveries(
-            subscription, status, limit=limit, after=after, include_payload=include_payload
-        )
+        return await self._kernel.operator.deliveries(subscription, status, limit=limit, after=after,
+                                                      include_payload=include_payload)
 
     async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:
         """One delivery whole (state, attempts, lease, progress, last error), or None."""
-        return await self.transport.get_delivery(delivery_id, include_payload=include_payload)
+        return await self._kernel.operator.get_delivery(delivery_id, include_payload=include_payload)
 
     async def partitions(
         self, subscription: str, condition: PartitionCondition | None = None, *, limit: int = 100
     ) -> list[PartitionInfo]:
         """The partition keys of ``subscription`` with live work: their head and how many wait
         behind it; ``condition`` keeps the ``Blocked``, ``InFlight`` or ``Idle`` ones."""
-        return await self.transport.partitions(subscription, condition, limit=limit)
+        return await self._kernel.operator.partitions(subscription, condition, limit=limit)
 
     async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
         """DeadLettered → Pending, same MessageID and Ordered position, attempts reset."""
-        return await self.transport.replay(subscription, delivery_id, note)
+        return await self._kernel.operator.replay(subscription, delivery_id, note)
 
     async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
         """Pending/DeadLettered → Discarded; InFlight → cancel requested (Discarded when it returns)."""
-        return await self.transport.discard(subscription, delivery_id, reason)
+        return await self._kernel.operator.discard(subscription, delivery_id, reason)
 
     async def validate_bindings(self) -> BindingReport:
         """Checks the store: schema version, capabilities, what the transport leaves out."""
-        return await self.transport.validate_bindings()
+        return await self._kernel.operator.validate_bindings()
 
     async def set_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:
         """Pauses or resumes a subscription (None when it does not exist)."""
-        changed = await self.transport.set_subscription_status(subscription, status)
-        if self._host is not None and changed:
-            await self._host.reconcile()
-        return changed
+        return await self._kernel.operator.set_status(subscription, status)
 
     async def pause(self, subscription: str) -> bool | None:
         """Stops claiming on ``subscription`` (its deliveries still arrive and wait); True when it
         changed, False when it was paused already, None when it does not exist."""
-        return await self.set_status(subscription, "Paused")
+        return await self._kernel.operator.pause(subscription)
 
     async def resume(self, subscription: str) -> bool | None:
         """Claims on ``subscription`` again after :meth:`pause`, or takes it back after
         :meth:`retire`; answers as :meth:`pause` does."""
-        return await self.set_status(subscription, "Active")
+        return await self._kernel.operator.resume(subscription)
 
     async def retire(self, subscription: str, *, discard_pending: bool = False,
                      reason: str | None = None) -> RetireResult:
@@ -913,42 +785,18 @@ class WorkQueue:
         ``discard_pending=True``, its Pending deliveries are discarded with ``reason``), and its
         counts stay readable. :meth:`resume` takes it back; ``workqueue subscriptions delete``
         removes it once it is empty. Raises :class:`ConfigurationError` when it does not exist."""
-        store = _lifecycle_of(self.ports.for_subscription(subscription), f"subscription {subscription!r}")
-        result = await store.retire_subscription(subscription)
-        if result is None:
-            raise ConfigurationError(f"subscription {subscription!r} does not exist; `workqueue subscriptions list` "
-                                     "shows the stored ones")
-        if discard_pending:
-            why = reason or "discarded when the subscription was retired"
-            discarded = 0
-            while True:
-                count = await store.discard_pending(subscription, why, DISCARD_BATCH)
-                discarded += count
-                if count < DISCARD_BATCH:
-                    break
-            result = result.model_copy(update={"discarded": discarded})
-        if self._host is not None:
-            await self._host.reconcile()
-        return result
+        return await self._kernel.operator.retire(subscription, discard_pending=discard_pending, reason=reason)
 
     async def delete_subscription(self, subscription: str) -> DeleteResult:
         """Deletes a retired subscription that holds nothing Pending, InFlight or DeadLettered, with
         its ended deliveries and counts; otherwise answers why not (``result``, ``remaining``)."""
-        store = _lifecycle_of(self.ports.for_subscription(subscription), f"subscription {subscription!r}")
-        return await store.delete_subscription(subscription)
+        return await self._kernel.operator.delete_subscription(subscription)
 
     async def set_topic_status(self, topic: str, status: TopicStatus) -> TopicStatusChange:
         """Retires (``Retired``: it refuses new messages, its subscriptions drain), pauses or takes
         back (``Active``) a topic. Raises :class:`ConfigurationError` when it does not exist."""
-        store = _lifecycle_of(self.ports.for_topic(topic), f"topic {topic!r}")
-        change = await store.set_topic_status(topic, status)
-        if change is None:
-            raise ConfigurationError(f"topic {topic!r} does not exist; `workqueue topics list` shows the stored ones")
-        if self._host is not None:
-            await self._host.reconcile()
-        return change
+        return await self._kernel.operator.set_topic_status(topic, status)
 
     async def delete_topic(self, topic: str) -> DeleteResult:
         """Deletes a retired topic that no subscription names any more; otherwise answers why not."""
-        store = _lifecycle_of(self.ports.for_topic(topic), f"topic {topic!r}")
-        return await store.delete_topic(topic)
+        return await self._kernel.operator.delete_topic(topic)

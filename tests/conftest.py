@@ -1,10 +1,11 @@
-"""Shared fixtures: a fresh PostgreSQL database per test session, transports, unique names."""
+"""Shared fixtures: a fresh PostgreSQL database per test session, a moto server per test session (the
+AWS tests and the conformance suite's aws harness share it), transports, unique names."""
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import asyncpg
@@ -114,3 +115,22 @@ async def pg_transport(pg_url: str) -> AsyncIterator[PostgresTransport]:
     await transport.open()
     yield transport
     await transport.close()
+
+
+@pytest.fixture(scope="session")
+def moto_url() -> Iterator[str]:
+    """The endpoint of a moto server started for this session (the AWS SDKs get test credentials):
+    one for tests/aws and the conformance suite's aws harness."""
+    from .aws.moto import CREDENTIALS, moto_server
+
+    saved = {k: os.environ.get(k) for k in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    try:
+        with moto_server() as url:
+            yield url
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from fastapi_workqueue.web.admission import FairGate
 
-from .support import make_queue
+from .support import make_queue, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,11 +112,9 @@ async def test_requests_waiting_for_the_session_pool_are_served_in_the_order_the
         waiting = []
         for n in range(8):
             waiting.append(asyncio.create_task(http.get(f"/n/{n}")))
-            for _ in range(10_000):  # this one queued before the next is sent
-                if gate.waiting == n + 1:
-                    break
-                await asyncio.sleep(0.001)
-            assert gate.waiting == n + 1
+            queued = n + 1  # this one queued before the next is sent
+            await wait_for(lambda: gate.waiting == queued, interval=0.001,  # noqa: B023 (awaited here)
+                           describe=lambda: gate.waiting)
         release.set()
         answers = await asyncio.gather(first, *waiting)
     assert all(a.status_code == 200 for a in answers)

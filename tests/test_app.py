@@ -115,9 +115,11 @@ async def test_pause_resume_and_new_subscriptions_take_effect_without_restart(pg
         # Paused by an operator elsewhere (not through this queue object): the reconcile loop notices.
         await queue.transport.set_subscription_status(subs["a"], "Paused")
         await wait_for(lambda: _state(queue, subs["a"]) == "Paused")
+        consumer = queue.host.consumers[subs["a"]]
+        # Its claim loop has ended (it claims nothing until resumed): what is published now waits.
+        await wait_for(lambda: consumer.claim_loop == "stopped", describe=lambda: consumer.claim_loop)
         await queue.publish(topic, [PublishRequest(payload="while paused")])
-        await asyncio.sleep(0.3)
-        assert handled == []
+        assert handled == [] and (await queue.stats(subs["a"]))[0].pending == 1
         await queue.transport.set_subscription_status(subs["a"], "Active")
         await wait_for(lambda: handled == ["while paused"])
 
@@ -162,9 +164,8 @@ async def test_disable_host_env_keeps_the_host_off(pg_url: str, monkeypatch: pyt
     app = FastAPI(lifespan=queue.lifespan)
     app.include_router(queue.health_router)
     async with queue.lifespan(app), client(app) as http:
-        assert queue.host is None
+        assert queue.host is None  # no host: no consumer in this process could claim what is published
         [result] = await queue.publish(topic, [PublishRequest(payload=1)])
-        await asyncio.sleep(0.3)
         body = (await http.get("/health/extensions")).json()
         assert body["Extensions"][0]["Status"] == "Disabled"
         info = await delivery_status(queue, subs["a"], result.message_id)

@@ -70,12 +70,28 @@ class Cli:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
         self.env.update(PYTHONPATH=str(ROOT), WORKQUEUE_DATABASE_URL=url)
         self.env.update(CLI_APP_RECORD=str(self.record), CLI_APP_FIXED=str(self.fixed))
+        self._stderr_files: dict[int, Path] = {}
 
-    async def start(self, *args: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastapi_workqueue", *args, cwd=self.folder, env=env or self.env,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )
+    async def start(self, *args: str, env: dict[str, str] | None = None,
+                    stderr: Path | None = None) -> asyncio.subprocess.Process:
+        """The command, running; its stderr goes to the file ``stderr`` (which a test can read while
+        it runs: what the worker logs is how the test sees it act) when given, to a pipe otherwise."""
+        err_to: Any = asyncio.subprocess.PIPE if stderr is None else stderr.open("wb")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "fastapi_workqueue", *args, cwd=self.folder, env=env or self.env,
+                stdout=asyncio.subprocess.PIPE, stderr=err_to,
+            )
+        finally:
+            if stderr is not None:
+                err_to.close()  # the child has its own copy
+        if stderr is not None:
+            self._stderr_files[proc.pid] = stderr
+        return proc
+
+    def stderr_so_far(self, proc: asyncio.subprocess.Process) -> str:
+        """What a command started with ``stderr=`` has written to its stderr so far."""
+        return self._stderr_files[proc.pid].read_text()
 
     async def finish(self, proc: asyncio.subprocess.Process, within: float = 30) -> Result:
         try:
@@ -85,7 +101,8 @@ class Cli:
             out, err = await proc.communicate()
             raise AssertionError(f"the command did not end within {within} s: {out!r} {err!r}") from None
         assert proc.returncode is not None
-        return Result(proc.returncode, out.decode(), err.decode())
+        err_file = self._stderr_files.pop(proc.pid, None)
+        return Result(proc.returncode, out.decode(), err.decode() if err_file is None else err_file.read_text())
 
     async def __call__(self, *args: str, expect: int | None = 0, within: float = 30,
                        env: dict[str, str] | None = None) -> Result:
@@ -113,10 +130,8 @@ class Cli:
         return [r for r in rows if r["subscription"] == subscription and (event is None or r["event"] == event)]
 
     async def wait_record(self, subscription: str, event: str, count: int = 1, within: float = 20) -> None:
-        deadline = time.monotonic() + within
-        while len(self.records(subscription, event)) < count:
-            assert time.monotonic() < deadline, f"no {event!r} record for {subscription} within {within} s"
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: len(self.records(subscription, event)) >= count, within=within, interval=0.05,
+                       describe=lambda: f"{event!r} records for {subscription}: {self.records(subscription, event)}")
 
 
 @pytest.fixture(scope="module")
@@ -305,23 +320,32 @@ async def test_pause_resume_and_work_on_a_paused_subscription(cli: Cli) -> None:
     assert (await cli("pause", "--subscription", "cli.nope", expect=1)).err.strip().endswith("does not exist")
 
 
-async def test_a_long_running_worker_waits_through_a_pause_and_resumes(cli: Cli) -> None:
+async def test_a_long_running_worker_waits_through_a_pause_and_resumes(cli: Cli, tmp_path: Path) -> None:
     sub = cli_app.PAUSED
     await cli("pause", "--subscription", sub)
-    proc = await cli.start("work", "--app", APP, "--subscription", sub)  # the app re-plans every second
+    # The app re-plans every second; what the worker logs says what it did.
+    proc = await cli.start("work", "--app", APP, "--subscription", sub, stderr=tmp_path / "worker.err")
+
+    async def logged(line: str, times: int = 1) -> None:
+        """Until the worker has logged ``line`` ``times`` times; fails at once if it exited."""
+        def seen() -> bool:
+            assert proc.returncode is None, f"the worker exited: {cli.stderr_so_far(proc)}"
+            return cli.stderr_so_far(proc).count(line) >= times
+
+        await wait_for(seen, within=20, describe=lambda: cli.stderr_so_far(proc))
+
     try:
-        await asyncio.sleep(1.5)
-        assert proc.returncode is None, "a long-running worker must not exit while its subscription is paused"
+        await logged("waiting for resume")  # it stays up
         await cli("resume", "--subscription", sub)
+        await logged(f"{sub}: running")  # the next plan starts its consumer
         [first] = await cli.publish(sub, {"n": "first"})
         await wait_for(lambda: delivery_done(cli, sub, first))
         await cli("pause", "--subscription", sub)  # paused mid-run: the worker stays up
-        await asyncio.sleep(1.5)
-        assert proc.returncode is None
+        await logged(f"{sub}: pausing")  # and its consumer has stopped claiming (it logs, then pauses it)
         [second] = await cli.publish(sub, {"n": "second"})
-        await asyncio.sleep(0.6)
         assert not await delivery_done(cli, sub, second)
         await cli("resume", "--subscription", sub)
+        await logged(f"{sub}: resumed")
         await wait_for(lambda: delivery_done(cli, sub, second))
     finally:
         if proc.returncode is None:

@@ -21,6 +21,7 @@ from fastapi_workqueue.client import PublishApiError, WorkQueueApiPublisher
 from fastapi_workqueue.core.keys import SCOPE_PUBLISH, SCOPE_READ, create_key
 
 from .conftest import unique
+from .support import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,10 +60,7 @@ async def served(pg_url: str) -> AsyncIterator[Served]:
     server = _Server(uvicorn.Config(app, lifespan="on", log_config=None, access_log=False, ws="none", http="h11"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        for _ in range(500):
-            if server.started or task.done():
-                break
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: server.started or task.done(), within=5, interval=0.01)
         assert server.started, "uvicorn did not start"
         store: Any = queue.transport
         publish_key = (await create_key(store, "producer", [SCOPE_PUBLISH])).key

@@ -107,7 +107,7 @@ def test_what_a_handler_may_take_and_which_handlers_need_an_app(sqlite_url: str)
     async def with_app(message: WorkMessage[Any], settings: Any = Depends(get_settings)) -> None:
         return None
 
-    invoker: Any = queue._invoker
+    invoker: Any = queue.kernel.injector
     assert invoker.app_needed_by(queue.handlers.get("plain")) is None
     assert invoker.app_needed_by(queue.handlers.get("app")) == "handler 'app' -> get_settings -> request"
 

@@ -31,14 +31,11 @@ DIRECTIVE = re.compile(r"^::: (\S+)[ \t]*$", re.MULTILINE)
 ANCHOR = re.compile(r'id="(fastapi_workqueue\.[\w.]+)"')
 
 INTERNAL: dict[str, set[str]] = {
-    # Called by the package's own modules (the CLI, the jobs layer, the web layer): not for users.
-    "fastapi_workqueue.WorkQueue": {
-        "app_needed_by", "bind_app", "build_host", "call_with_dependencies", "envelope_cap", "handlers",
-        "job_groups", "prepare_dependencies", "publish_prepared", "request_load", "resolve_handler",
-    },
+    # Used by the package's own modules and tests (the CLI, the jobs fake, the layers' kernel): not for users.
+    "fastapi_workqueue.WorkQueue": {"bind_app", "build_host", "handlers", "kernel", "request_load"},
     "fastapi_workqueue.WorkQueueSettings": {"host_options", "session_pool"},
     "fastapi_workqueue.jobs.Job": {"key", "load", "validate"},
-    "fastapi_workqueue.jobs.JobFake": {"record"},
+    "fastapi_workqueue.jobs.JobFake": {"record", "record_debounced", "record_group"},
 }
 """Public-looking members that the reference leaves out (docs/reference.md's ``filters``)."""
 

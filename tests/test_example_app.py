@@ -28,6 +28,8 @@ from example_app.models import AuditEntry, Order
 from fastapi_workqueue import DeliveryInfo, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.core.keys import SCOPE_READ, create_key
 
+from .support import wait_for
+
 T = TypeVar("T")
 
 WAIT_SECONDS = 20.0
@@ -78,16 +80,9 @@ def new_customer() -> str:
 
 
 async def eventually(check: Callable[[], Awaitable[T | None]], what: str, within: float = WAIT_SECONDS) -> T:
-    """Polls ``check()`` until it returns a truthy value; fails after ``within`` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
-        value = await check()
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"{what}: not within {within} s")
-        await asyncio.sleep(0.05)
+    """Polls ``check()`` until it returns a truthy value; fails after ``within`` seconds saying ``what``."""
+    value: T = await wait_for(check, within=within, interval=0.05, describe=lambda: f"{what}: not yet")
+    return value
 
 
 async def place_order(client: httpx.AsyncClient, customer: str, email: str, amount_cents: int = 1000) -> dict[str, Any]:

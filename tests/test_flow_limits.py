@@ -17,7 +17,7 @@ from fastapi_workqueue import Subscription, Topic
 from fastapi_workqueue.core.flow import Rate, parse_rate, refill, take_limited, tokens_due_in
 from fastapi_workqueue.database import create_database_transport
 from fastapi_workqueue.database.routines import RoutineTransport
-from fastapi_workqueue.testing.memory import MemoryTransport
+from fastapi_workqueue.testing import MemoryTransport
 
 from .conftest import unique
 

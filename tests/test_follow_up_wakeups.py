@@ -4,7 +4,6 @@ follow-up that rolled back wakes nobody."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from fastapi_workqueue.database.routines import RoutineTransport
 from fastapi_workqueue.database.sqlite import SqliteTransport
 
 from .conftest import unique
+from .support import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,11 +41,8 @@ async def transport(request: pytest.FixtureRequest, pg_url: str, tmp_path: Path)
 
 
 async def woken_for(woken: list[str], subscription_id: str) -> None:
-    for _ in range(250):
-        if subscription_id in woken:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"no wake-up for subscription {subscription_id}: {woken}")
+    await wait_for(lambda: subscription_id in woken, within=5,
+                   describe=lambda: f"no wake-up for subscription {subscription_id}: {woken}")
 
 
 async def test_follow_ups_wake_their_consumers_and_a_rolled_back_one_does_not(transport: RoutineTransport) -> None:

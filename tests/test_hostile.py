@@ -882,23 +882,34 @@ async def test_a_database_that_goes_away_mid_run(own_database: tuple[str, str]) 
         publishers = [asyncio.create_task(publish_directly()), asyncio.create_task(publish_over_rest())]
         try:
             await wait_for(lambda: len(handled) >= 10, within=10)
-            # Connections cut under the running app, again and again.
+            # Connections cut under the running app, again and again: each time it publishes again.
             for _ in range(5):
                 await terminate(name)
-                await asyncio.sleep(0.3)
+                before = outcomes["library: Accepted"]
+                await wait_for(lambda: outcomes["library: Accepted"] > before, within=10,  # noqa: B023 (awaited here)
+                               describe=lambda: outcomes)
             # Then no connections at all for a while; consumers that look for work meanwhile fail and back off.
             await admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
             await terminate(name)
+            at_outage = Counter(outcomes)
             consumer = queue.host.consumers[sub] if queue.host else None
             assert consumer is not None
             errors_seen: list[str | None] = []
-            for _ in range(6):
+
+            def refused_everywhere() -> bool:
+                """Until, in the outage, a claim failed (the subscription in Error) and both ways of
+                publishing were refused."""
                 consumer.wake()
-                await asyncio.sleep(0.5)
                 errors_seen.extend(s.reason for s in queue.health().subscriptions if s.state == "Error")
+                return bool(errors_seen) and all(outcomes[k] > at_outage[k] for k in (
+                    "library: TransportUnavailable, retryable=True", "REST: 503"))
+
+            await wait_for(refused_everywhere, within=20, interval=0.1, describe=lambda: (outcomes, errors_seen))
             refused = Counter(outcomes)
             await admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
-            await asyncio.sleep(2)  # publishing goes on against the database that came back
+            # Publishing goes on against the database that came back, both ways.
+            await wait_for(lambda: outcomes["library: Accepted"] > refused["library: Accepted"]
+                           and outcomes["REST: 200"] > refused["REST: 200"], within=20, describe=lambda: outcomes)
         finally:
             stop.set()
             await asyncio.gather(*publishers)

@@ -19,6 +19,8 @@ import pytest
 
 from fastapi_workqueue import WorkQueue, WorkQueueSettings
 
+from .support import wait_for
+
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,11 +61,7 @@ class Jobs:
         return [json.loads(line) for line in self.record.read_text().splitlines()]
 
     async def until(self, check: Any, within: float = 60) -> None:
-        for _ in range(int(within / 0.05)):
-            if check():
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"not met within {within} s; record: {self.events()}")
+        await wait_for(check, within=within, interval=0.05, describe=lambda: f"record: {self.events()}")
 
 
 async def test_a_job_that_ignores_its_timeout_ends_the_worker_with_70(database_url: str, tmp_path: Path) -> None:
@@ -258,10 +256,11 @@ async def test_the_jobs_commands_list_retry_forget_and_prune(fresh_url: str, tmp
         retried, forgotten, pruned = [await queue.dispatch(fail, {"n": n}) for n in range(3)]
         host = await queue._start_host()
         assert host is not None
-        for _ in range(200):
-            if len(await queue.failed_jobs(jobs.queue_name)) == 3:
-                break
-            await asyncio.sleep(0.05)
+
+        async def all_failed() -> bool:
+            return len(await queue.failed_jobs(jobs.queue_name)) == 3
+
+        await wait_for(all_failed, within=10, interval=0.05)
         await queue._stop_host()
 
     async def cli(*args: str) -> tuple[int, str]:

@@ -129,17 +129,21 @@ async def test_a_taken_overlap_key_or_a_busy_once_key_sends_the_attempt_back_say
     overlapped: list[tuple[uuid.UUID, int]] = []
     once_results: list[tuple[uuid.UUID, bool, int]] = []
     once_calls: list[uuid.UUID] = []
+    # Whoever holds a key holds it until the other attempt was sent back for it (then it lets go).
+    sent_back = {"overlap": asyncio.Event(), "once-busy": asyncio.Event()}
+    queue.listen(JobReleased, lambda e: sent_back[e.reason].set() if e.reason in sent_back else None)
 
     @queue.job(f"overlap-{suffix}", tries=5, backoff=[0], queue=name,  # back after 1 s: the key is free by then
                middleware=[without_overlapping(key_or_fn=lambda p: f"report-{p['account']}", release_after=1)])
     async def overlapping(payload: dict[str, Any], job: JobContext) -> None:
-        await asyncio.sleep(0.6)
+        if job.attempt == 1:
+            await asyncio.wait_for(sent_back["overlap"].wait(), 10)
         overlapped.append((job.id, job.attempt))
 
     @queue.job(f"once-{suffix}", tries=1, queue=name)  # one try: a once-busy return must not spend it
     async def mail_once(payload: dict[str, Any], job: JobContext) -> None:
         async def send() -> None:
-            await asyncio.sleep(0.6)
+            await asyncio.wait_for(sent_back["once-busy"].wait(), 10)
             once_calls.append(job.id)
 
         once_results.append((job.id, await job.once(f"mail-{suffix}", send), job.attempt))

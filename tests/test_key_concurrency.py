@@ -21,6 +21,7 @@ from fastapi_workqueue.core.transport import SettleKind, Settlement
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
 from .conftest import unique
+from .support import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,19 +44,15 @@ async def observer(pg_url: str) -> AsyncIterator[asyncpg.Connection[Any]]:
 async def wait_until_blocked(observer: asyncpg.Connection[Any], query_part: str, within: float = 10.0) -> None:
     """Returns once a backend of this database running a query that contains ``query_part`` waits
     for a lock (a row lock shows as a wait on another transaction)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
-        waiting = await observer.fetchval(
+    async def waiting() -> bool:
+        return bool(await observer.fetchval(
             "SELECT count(*) FROM pg_catalog.pg_stat_activity WHERE datname = current_database() "
             "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid() AND strpos(query, $1) > 0",
             query_part,
-        )
-        if waiting:
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"no call of {query_part!r} waited for a lock within {within} s")
-        await asyncio.sleep(0.01)
+        ))
+
+    await wait_for(waiting, within=within, interval=0.01,
+                   describe=lambda: f"no call of {query_part!r} waited for a lock")
 
 
 # -- 1. publish reads each subscription's partition mode where it inserts the deliveries ---------

@@ -21,6 +21,7 @@ from fastapi_workqueue.core.transport import ClaimedDelivery
 from fastapi_workqueue.database.postgres import PostgresTransport
 
 from .conftest import unique
+from .support import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -159,10 +160,7 @@ async def test_the_end_of_an_attempt_leaves_the_next_attempt_of_the_same_deliver
             assert (await transport.sweep()).expired >= 1  # ours, and any other test's leftovers
             consumer.wake()
             await asyncio.wait_for(second_started.wait(), 10)
-            for _ in range(500):
-                if 2 in outcomes:
-                    break
-                await asyncio.sleep(0.02)
+            await wait_for(lambda: 2 in outcomes, describe=lambda: outcomes)
         finally:
             await consumer.stop(1)
             await settler.close()

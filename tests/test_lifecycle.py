@@ -244,6 +244,6 @@ async def _stored(queue: WorkQueue, name: str) -> bool:
 
 
 async def _reconcile(queue: WorkQueue) -> None:
-    host = queue._host
+    host = queue.host
     assert host is not None
     await host.reconcile()

@@ -23,6 +23,7 @@ from fastapi_workqueue.database.postgres_migrations import apply_postgres_migrat
 from fastapi_workqueue.database.sqlite import SqliteTransport
 
 from .conftest import recreate_database
+from .support import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -153,18 +154,15 @@ async def test_concurrent_runners_apply_each_migration_once(scratch_url: str) ->
         await gate_tx.start()
         await gate.execute("SELECT pg_advisory_xact_lock(hashtext('workqueue.migrate')::bigint)")
         runners += [asyncio.create_task(apply_postgres_migrations(c)) for c in (first, second)]
-        waiting = 0
-        for _ in range(250):
-            waiting = await gate.fetchval(
+        async def both_waiting() -> bool:
+            return bool(await gate.fetchval(
                 "SELECT count(*) FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_database d ON d.oid = l.database "
                 "WHERE l.locktype = 'advisory' AND NOT l.granted AND d.datname = current_database()"
-            )
-            if waiting == 2:
-                break
-            await asyncio.sleep(0.02)
+            ) == 2)
+
+        await wait_for(both_waiting, within=5)
         await gate_tx.commit()
         results = await asyncio.wait_for(asyncio.gather(*runners), timeout=30)
-        assert waiting == 2
 
         assert sorted(results, key=len) == [[], labels()]
         rows = await gate.fetch("SELECT version, name, checksum, applied_at FROM workqueue.schema_migration ORDER BY 1")

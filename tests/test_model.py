@@ -3,13 +3,14 @@
 A hypothesis state machine drives a transport (PostgreSQL and SQLite, each in a database of its
 own) with random interleavings of publish (new, repeated and conflicting MessageIDs), claim,
 heartbeat and settle with the current or a stale lease token, every outcome kind, lease expiry
-(short leases, a real wait and a sweep), discard (Pending, InFlight: cancel, DeadLettered), replay
-and sweep, against a small model kept in the test. After every step the whole topic is read back
-from the store and compared with the model, and SPEC §4's invariants are checked: at most one
-InFlight delivery per key on Exclusive and Ordered subscriptions (in the rows and through
-``list_deliveries``), stale tokens change nothing, an Ordered delivery is claimed only when every
-earlier delivery of its key is Completed or Discarded and completes in publish order, no
-delivery is lost, a cancel-requested delivery ends Discarded; ``stats`` and ``partitions`` agree.
+(dead holders' leases moved into the past, then a sweep), discard (Pending, InFlight: cancel,
+DeadLettered), replay and sweep, against a small model kept in the test. After every step the
+whole topic is read back from the store and compared with the model, and SPEC §4's invariants are
+checked: at most one InFlight delivery per key on Exclusive and Ordered subscriptions (in the
+rows and through ``list_deliveries``), stale tokens change nothing, an Ordered delivery is claimed
+only when every earlier delivery of its key is Completed or Discarded and completes in publish
+order, no delivery is lost, a cancel-requested delivery ends Discarded; ``stats`` and
+``partitions`` agree.
 
 The machine runs in a sync test that owns an event loop (``asyncio.Runner``) and its transport, so
 the session loop of pytest-asyncio is never blocked. ``WORKQUEUE_MODEL_EXAMPLES`` raises the number
@@ -24,7 +25,7 @@ import sqlite3
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -55,7 +56,7 @@ ROLES = ("none", "excl", "ord")
 MODES: dict[str, Any] = {"none": "None", "excl": "Exclusive", "ord": "Ordered"}
 KEY_MODES = {"none": 0, "excl": 1, "ord": 2}
 KEYS = (None, "a", "b", "c")
-LEASE = 0.25
+LEASE = 30.0  # a run takes far less: a lease runs out only when the test moves it into the past
 MAX_ATTEMPTS = 3
 FAR = 3600.0  # a delay no run outlives: such a delivery stays invisible
 SLACK = 0.02  # seconds of clock rounding allowed when deciding whether a lease had expired
@@ -103,6 +104,10 @@ class Store:
     transport: Transport
     read_rows: Callable[[str], Coroutine[Any, Any, list[Row]]]
     cleanup: Callable[[], Coroutine[Any, Any, None]]
+    run_out: Callable[[Sequence[int]], Coroutine[Any, Any, None]]
+    """Lets these InFlight deliveries' leases run out: their expiry moves one second into the
+    database's past, as if their holders had died that long ago. (Not the transport's clock: stats
+    and partitions, which the model checks after every step, read the database's own time.)"""
 
     async def snapshot(self, topic: str) -> dict[int, Row]:
         rows = await self.read_rows(topic)
@@ -130,7 +135,12 @@ async def open_store(name: str, tmp_path: Path) -> Store:
             await pg.close()
             await drop_database(url)
 
-        return Store(name, pg, pg_rows, pg_cleanup)
+        async def pg_run_out(ids: Sequence[int]) -> None:
+            await pg.run_in_connection(lambda conn: conn.execute(
+                "UPDATE workqueue.delivery SET lease_expires_at = now() - interval '1 second' "
+                "WHERE id = ANY($1::bigint[]) AND status = 'InFlight'", list(ids)))
+
+        return Store(name, pg, pg_rows, pg_cleanup, pg_run_out)
 
     path = tmp_path / "model.db"
     sqlite = SqliteTransport(f"sqlite+aiosqlite:///{path}")
@@ -147,7 +157,12 @@ async def open_store(name: str, tmp_path: Path) -> Store:
         reader.close()
         await sqlite.close()
 
-    return Store(name, sqlite, sqlite_rows, sqlite_cleanup)
+    async def sqlite_run_out(ids: Sequence[int]) -> None:
+        with reader:  # one write transaction, committed at the end of the block
+            reader.executemany("UPDATE delivery SET lease_expires_at = ? WHERE id = ? AND status = 'InFlight'",
+                               [(time.time() - 1, i) for i in ids])
+
+    return Store(name, sqlite, sqlite_rows, sqlite_cleanup, sqlite_run_out)
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -505,11 +520,9 @@ class DeliveryMachine(RuleBasedStateMachine):
     def in_flight(self) -> list[Delivery]:
         return [d for d in self.deliveries.values() if d.status == "InFlight"]
 
-    def wait_until_expired(self, deliveries: list[Delivery]) -> None:
-        rows = self.run(self.store.snapshot(self.topic))
-        delay = max(rows[d.id]["lease_expires_at"] for d in deliveries) + SLACK - time.time()
-        if delay > 0:
-            time.sleep(delay)
+    def let_leases_run_out(self, deliveries: list[Delivery]) -> None:
+        """Their holders died a second ago: no real wait."""
+        self.run(self.store.run_out([d.id for d in deliveries]))
 
     def sweep_and_check(self) -> None:
         """Sweeps; every lease that had run out before the sweep began expires, none that ran out
@@ -543,7 +556,7 @@ class DeliveryMachine(RuleBasedStateMachine):
     @rule()
     def holders_die_and_leases_expire(self) -> None:
         """No holder renews: wait until every lease has run out, then sweep. All of them expire."""
-        self.wait_until_expired(self.in_flight())
+        self.let_leases_run_out(self.in_flight())
         self.sweep_and_check()
 
     @precondition(lambda self: bool(self.in_flight()))
@@ -553,7 +566,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         cancel-requested ones, which a heartbeat no longer renews: they are let run out."""
         cancelled = [d for d in self.in_flight() if d.cancel]
         if cancelled:
-            self.wait_until_expired(cancelled)
+            self.let_leases_run_out(cancelled)
         live = [d for d in self.in_flight() if not d.cancel]
         if live:
             renewed = self.run(self.transport.heartbeat(

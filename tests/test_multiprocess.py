@@ -40,6 +40,7 @@ import pytest
 from fastapi_workqueue import PublishRequest, PublishStatus, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.database.postgres import to_asyncpg_dsn
 from tests.conftest import unique
+from tests.support import wait_for
 from tests.workers.mp_worker import (
     LEASE_SECONDS,
     LOG_TABLES_DDL,
@@ -133,21 +134,21 @@ def tails(workers: Iterable[Worker]) -> str:
 
 
 async def wait_ready(worker: Worker, within: float = READY_TIMEOUT) -> None:
-    deadline = time.monotonic() + within
-    while f"READY {worker.pid}" not in worker.output():
+    def ready() -> bool:
         if worker.proc.poll() is not None:
             pytest.fail(f"worker {worker.label} exited before it was ready\n{worker.tail()}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"worker {worker.label} was not ready after {within} s\n{worker.tail()}")
-        await asyncio.sleep(0.05)
+        return f"READY {worker.pid}" in worker.output()
+
+    await wait_for(ready, within=within, interval=0.05,
+                   describe=lambda: f"worker {worker.label} was not ready\n{worker.tail()}")
 
 
 async def wait_exit(worker: Worker, within: float) -> int | None:
-    deadline = time.monotonic() + within
-    while worker.proc.poll() is None:
-        if time.monotonic() > deadline:
-            return None
-        await asyncio.sleep(0.05)
+    """Its exit code once it exits; None when it still runs after ``within`` seconds."""
+    try:
+        await wait_for(lambda: worker.proc.poll() is not None, within=within, interval=0.05)
+    except AssertionError:
+        return None
     return worker.proc.returncode
 
 
@@ -331,10 +332,10 @@ class PostgresProbe:
         return int(await self.conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", label))
 
     async def sessions_closed(self, label: str, within: float) -> None:
-        deadline = time.monotonic() + within
-        while n := await self.sessions(label):
-            assert time.monotonic() < deadline, f"{n} database sessions of {label} still open after {within} s"
-            await asyncio.sleep(0.02)
+        async def closed() -> bool:
+            return not await self.sessions(label)
+
+        await wait_for(closed, within=within, describe=lambda: f"database sessions of {label} still open")
 
     async def deliveries(self, subscription_ids: list[int]) -> list[Row]:
         return [dict(r) for r in await self.conn.fetch(DELIVERIES, subscription_ids)]
@@ -551,16 +552,19 @@ async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(
                 assert [r.status for r in results] == [PublishStatus.ACCEPTED] * size, results
 
         # Wait until some work is done and the victim runs handlers of both subscriptions, then kill it.
-        deadline = time.monotonic() + 30
-        while True:
-            counts = await db.status_counts(sub_ids)
-            held = await db.held_by(sub_ids, victim.pid)
-            done = all(counts.get((s, "Completed"), 0) >= KILL_AFTER_FRACTION * per_subscription for s in sub_ids)
-            if done and {r["subscription_id"] for r in held} == set(sub_ids):
-                break
-            assert time.monotonic() < deadline, f"no moment to kill the victim: {counts}\n{tails(workers)}"
+        probe = db
+        counts: dict[tuple[int, str], int] = {}
+
+        async def time_to_kill() -> bool:
+            nonlocal counts
             assert victim.proc.poll() is None, f"the victim exited on its own\n{victim.tail()}"
-            await asyncio.sleep(0.01)
+            counts = await probe.status_counts(sub_ids)
+            held = await probe.held_by(sub_ids, victim.pid)
+            done = all(counts.get((s, "Completed"), 0) >= KILL_AFTER_FRACTION * per_subscription for s in sub_ids)
+            return done and {r["subscription_id"] for r in held} == set(sub_ids)
+
+        await wait_for(time_to_kill, within=30, interval=0.01,
+                       describe=lambda: f"no moment to kill the victim: {counts}\n{tails(workers)}")
         assert await db.sessions(victim.label) != 0, "the victim's database sessions do not carry its label"
         victim.proc.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
@@ -573,29 +577,28 @@ async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(
         # The dead holder's deliveries leave InFlight once their lease runs out and a sweeper runs.
         held_attempts = {r["id"]: r["attempt"] for r in held}
         recovered_after: float | None = None
-        while held_attempts:
-            stuck = await db.stuck(held_attempts)
-            if stuck == 0:
-                recovered_after = time.monotonic() - killed_at
-                break
-            assert time.monotonic() - killed_at < SETTLE_TIMEOUT, f"{stuck} held deliveries stay InFlight"
-            await asyncio.sleep(POLL_SECONDS)
+        if held_attempts:
+            async def recovered() -> bool:
+                return await probe.stuck(held_attempts) == 0
+
+            await wait_for(recovered, within=SETTLE_TIMEOUT - (time.monotonic() - killed_at), interval=POLL_SECONDS,
+                           describe=lambda: "held deliveries stay InFlight")
+            recovered_after = time.monotonic() - killed_at
         await wait_ready(workers[-1])
 
         # Every delivery of both subscriptions ends terminal.
-        deadline = time.monotonic() + SETTLE_TIMEOUT
-        while True:
-            counts = await db.status_counts(sub_ids)
-            live = sum(n for (_, st), n in counts.items() if st in ("Pending", "InFlight"))
-            if live == 0:
-                break
-            assert time.monotonic() < deadline, (
-                f"deliveries still live after {SETTLE_TIMEOUT} s: {counts}\n{tails(workers)}"
-            )
+        async def all_terminal() -> bool:
+            nonlocal counts
             for w in workers[1:]:
                 assert w.proc.poll() is None, f"worker {w.label} died\n{w.tail()}"
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(3 * POLL_SECONDS)  # one more monitor pass over the final state
+            counts = await probe.status_counts(sub_ids)
+            return not any(n for (_, st), n in counts.items() if st in ("Pending", "InFlight"))
+
+        await wait_for(all_terminal, within=SETTLE_TIMEOUT, interval=0.1,
+                       describe=lambda: f"deliveries still live: {counts}\n{tails(workers)}")
+        # One more monitor pass over the final state: one that began after it.
+        passes = report.polls
+        await wait_for(lambda: report.polls >= passes + 2, describe=lambda: report)
         stop_monitor.set()
         await monitor  # raises if the monitor itself failed
         exit_codes = {w.label: await stop_worker(w) for w in workers[1:]}

@@ -377,6 +377,52 @@ def test_switched_off_the_queue_loads_no_observer() -> None:
     assert out.strip() == "[]"
 
 
+def test_opentelemetry_loads_when_the_process_imports_its_api(tmp_path: Path) -> None:
+    """A process that has not imported the OpenTelemetry API does not load it for the queue; once
+    the app installs an SDK (importing the API), the queue's next publish is traced."""
+    code = textwrap.dedent("""
+        import asyncio, sys
+        from fastapi_workqueue import PublishRequest, Topic, WorkQueue, WorkQueueSettings
+        queue = WorkQueue(WorkQueueSettings(database_url=sys.argv[1], auto_migrate=True, enabled=False,
+                                            prometheus=False), topics=[Topic(name="orders.placed")])
+
+        async def main() -> None:
+            async with queue.lifespan(None):
+                await queue.publish("orders.placed", [PublishRequest(payload=1)])
+                print("opentelemetry.trace" in sys.modules)
+                from opentelemetry import trace
+                from opentelemetry.sdk.trace import TracerProvider
+                from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+                from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+                exporter = InMemorySpanExporter()
+                provider = TracerProvider()
+                provider.add_span_processor(SimpleSpanProcessor(exporter))
+                trace.set_tracer_provider(provider)
+                await queue.publish("orders.placed", [PublishRequest(payload=2)])
+                print([span.name for span in exporter.get_finished_spans()])
+
+        asyncio.run(main())
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", code, f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"],
+                         capture_output=True, text=True, check=True, cwd=tmp_path, env=env)
+    assert out.stdout.splitlines() == ["False", "['send orders.placed']"]
+
+
+def test_prometheus_counts_wherever_prometheus_client_is_installed(tmp_path: Path) -> None:
+    """A process counts for the metrics router whether or not it imported prometheus-client before
+    its first publish: an app that builds its exporter late still gets every count."""
+    code = textwrap.dedent("""
+        import sys
+        from fastapi_workqueue import WorkQueue, WorkQueueSettings
+        queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///x.db", otel=False))
+        print(type(queue.observer).__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert out.stdout.split() == ["PrometheusObserver"]
+
+
+
 async def test_two_workers_count_their_attempts_and_the_app_serves_the_databases_gauges(
     pg_url: str, tmp_path: Path,
 ) -> None:

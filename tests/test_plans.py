@@ -5,7 +5,6 @@ every other; docs/design/settles-and-heartbeats.md)."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import Any
 
@@ -18,6 +17,7 @@ from fastapi_workqueue.core.transport import Settlement
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
 from .conftest import unique
+from .support import wait_for
 from .test_migrations import scratch_url  # noqa: F401  (a fixture: an empty database of its own)
 
 pytestmark = pytest.mark.timeout(120)
@@ -159,17 +159,26 @@ async def test_heartbeats_are_hot_updates_and_the_sweeper_reads_only_the_in_flig
         # otherwise find to ANALYZE in the middle of the count is done now.
         await conn.execute("VACUUM ANALYZE")
         # A worker that started before this may still run here: wait it out.
-        for _ in range(600):
-            if not await conn.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker' "
-                    "AND datname = current_database()"):
-                break
-            await asyncio.sleep(0.05)
-        # Up to three counts of 30 rounds. An update is HOT only where the page could be pruned
-        # first, which takes a cleanup lock on it: a checkpoint that pins the page while writing it
-        # (the shared cluster checkpoints whenever another test drops a database) makes that update
-        # move the row instead. Such interference lowers one count; an index on a heartbeat column
-        # makes every count 0, and no retry hides that.
+        async def no_autovacuum() -> bool:
+            return not await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker' "
+                "AND datname = current_database()")
+
+        await wait_for(no_autovacuum, within=30, interval=0.05)
+        # No index of delivery names a column a heartbeat writes, in its key or its predicate: the
+        # catalog says so whatever else runs on the server.
+        heartbeat_columns = {"lease_expires_at", "progress_percent", "progress_message"}
+        for name, definition in await conn.fetch(
+                "SELECT indexrelid::regclass::text, pg_get_indexdef(indexrelid) FROM pg_index "
+                "WHERE indrelid = 'workqueue.delivery'::regclass"):
+            named = {column for column in heartbeat_columns if column in definition}
+            assert not named, f"index {name} names {sorted(named)}: {definition}"
+        # And the server does update in place. An update is HOT only where the page could be pruned
+        # first, which takes a cleanup lock on it: a checkpoint or the background writer pinning the
+        # page (the shared cluster checkpoints whenever another test drops a database) makes that
+        # update move the row instead, so on a busy server a share of the 3,000 updates is not HOT
+        # (20 to 35 % HOT was seen with several suites on the server). An index on a heartbeat column
+        # makes every count 0: at least 10 % HOT in one of up to three counts tells the two apart.
         counts = []
         for _ in range(3):
             updates, hot = await table_updates(conn, "delivery")
@@ -182,7 +191,7 @@ async def test_heartbeats_are_hot_updates_and_the_sweeper_reads_only_the_in_flig
             counts.append(after_hot - hot)
             if counts[-1] >= 0.9 * 3000:
                 break
-        assert max(counts) >= 0.9 * 3000, counts
+        assert max(counts) >= 0.1 * 3000, counts
 
         # The sweeper finds expired leases among the InFlight rows, whatever else the table holds.
         before = await rows_read(conn, "delivery")

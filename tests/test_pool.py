@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import asyncpg
@@ -10,6 +11,8 @@ import pytest
 
 from fastapi_workqueue.database.pool import ConnectionPool, PoolClosed
 from fastapi_workqueue.database.postgres import to_asyncpg_dsn
+
+from .support import wait_for
 
 
 class Connect:
@@ -96,15 +99,21 @@ async def test_a_failed_statement_keeps_the_connection(connect: Connect) -> None
     await pool.close()
 
 
-async def test_cancelled_use_drops_the_connection_and_frees_its_place(connect: Connect) -> None:
+async def test_cancelled_use_drops_the_connection_and_frees_its_place(connect: Connect, pg_url: str) -> None:
     pool = ConnectionPool(connect, min_size=0, max_size=1)
+    marker = f"pool-cancel-{uuid.uuid4().hex}"
 
     async def slow() -> None:
         async with pool.acquire() as conn:
-            await conn.execute("SELECT pg_sleep(10)")
+            await conn.execute(f"SELECT pg_sleep(10) -- {marker}")
 
     task = asyncio.create_task(slow())
-    await asyncio.sleep(0.2)
+    observer: asyncpg.Connection[Any] = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:  # cancelled while the server runs its statement
+        await wait_for(lambda: observer.fetchval(
+            "SELECT count(*) > 0 FROM pg_stat_activity WHERE state = 'active' AND strpos(query, $1) > 0", marker))
+    finally:
+        await observer.close()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -119,7 +128,7 @@ async def test_a_cancelled_waiter_leaves_the_queue(connect: Connect) -> None:
     pool = ConnectionPool(connect, min_size=0, max_size=1)
     async with pool.acquire():
         waiter = asyncio.create_task(pool.get())
-        await asyncio.sleep(0.05)
+        await wait_for(lambda: pool.waiting == 1)
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
@@ -153,7 +162,7 @@ async def test_closed_pool_refuses_and_fails_its_waiters(connect: Connect) -> No
     pool = ConnectionPool(connect, min_size=0, max_size=1)
     held = await pool.get()
     waiter = asyncio.create_task(pool.get())
-    await asyncio.sleep(0.05)
+    await wait_for(lambda: pool.waiting == 1)
     await pool.close()
     with pytest.raises(PoolClosed):
         await waiter
@@ -171,12 +180,17 @@ def test_sizes_are_checked() -> None:
 
 
 async def test_idle_connections_past_their_lifetime_close_down_to_min_size(connect: Connect) -> None:
-    pool = ConnectionPool(connect, min_size=1, max_size=4, max_idle_seconds=0.2)
+    now = [1000.0]  # the pool's clock, moved by the test
+    pool = ConnectionPool(connect, min_size=1, max_size=4, max_idle_seconds=2.0, clock=lambda: now[0])
     held = [await pool.get() for _ in range(3)]
     for conn in held:
         pool.put(conn)
     assert pool.size == 3
-    await asyncio.sleep(0.3)
+    now[0] += 2.0
+    async with pool.acquire() as conn:  # not yet past their lifetime: all kept
+        assert await conn.fetchval("SELECT 1") == 1
+    assert pool.size == 3
+    now[0] += 0.5
     async with pool.acquire() as conn:  # giving it back retires the idle ones that aged out
         assert await conn.fetchval("SELECT 1") == 1
     assert pool.size == 1

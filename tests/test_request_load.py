@@ -64,8 +64,9 @@ async def test_consumers_hold_one_delivery_while_requests_are_busy_and_all_when_
         held = [asyncio.create_task(client.get("/hold")) for _ in range(2)]
         await wait_for(lambda: queue.request_load.busy)
         await queue.publish(topic, [PublishRequest(payload=i) for i in range(6)])
-        await wait_for(lambda: consumer.held == 1)
-        await asyncio.sleep(0.2)  # wake-ups and polls meanwhile claim nothing more
+        # It holds one and waits for a slot to free: wake-ups and polls claim nothing more meanwhile.
+        await wait_for(lambda: consumer.claim_loop == "waiting_for_slot" and consumer.held >= 1,
+                       describe=lambda: (consumer.claim_loop, consumer.held))
         assert consumer.held == 1 and queue.request_load.busy_claims >= 1
 
         requests_go_on.set()

@@ -3,7 +3,6 @@ on its own functions and no privilege on any table (the schema keeps every funct
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +20,7 @@ from fastapi_workqueue.database import sql_files
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
 from .conftest import unique
+from .support import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,7 +34,8 @@ RUNTIME_FUNCTIONS = {
     "list_subscriptions", "list_topics", "schema_versions", "api_key_verify", "api_key_touch", "api_key_session",
     "api_key_end_sessions",
     "claim_many", "known_messages", "message_deliveries", "delivery_attempts", "search_deliveries",
-    "release_deduplication_key", "step_get", "step_put",
+    "release_deduplication_key", "step_get", "step_put", "result_put", "result_get", "watch_message",
+    "debounce", "group_create", "group_members",
     "record_stats_history", "stats_history", "live_counts", "blocked_keys", "flow_state",
     "process_beat", "process_stop", "list_processes",
 }
@@ -293,11 +294,7 @@ async def test_runtime_login_receives_wakeups(pg_url: str, app_login: str) -> No
         await transport.sync_topology([Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="test")])
         [state] = [s for s in await transport.list_subscriptions() if s.name == sub]
         await transport.publish(topic, [prepare(PublishRequest(payload=1))])
-        for _ in range(250):
-            if state.id in woken:
-                break
-            await asyncio.sleep(0.02)
-        assert state.id in woken
+        await wait_for(lambda: state.id in woken, within=5, describe=lambda: woken)
         [claimed] = await transport.claim(sub, 1)
         assert await transport.settle([Settlement(claimed.delivery_id, claimed.lease_token, "Complete")]) == [
             "Completed"

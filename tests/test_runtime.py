@@ -543,9 +543,13 @@ async def test_slow_handlers_never_hold_more_than_concurrency(pg_url: str) -> No
         assert queue.host is not None
         consumer = queue.host.consumers[subs["slow"]]
         await queue.publish(topic, [PublishRequest(payload=i) for i in range(8)])
-        while len(done) < 8:
+
+        def all_done() -> bool:  # sampled every 5 ms: the most it ever held
+            nonlocal most
             most = max(most, consumer.held)
-            await asyncio.sleep(0.005)
+            return len(done) == 8
+
+        await wait_for(all_done, interval=0.005, describe=lambda: done)
     assert sorted(done) == list(range(8))
     assert most == 2  # nothing claimed ahead of free slots
 
@@ -607,8 +611,11 @@ async def test_pause_lets_running_handlers_finish_and_settle(pg_url: str) -> Non
         [health] = [h for h in queue.health().subscriptions if h.subscription == sub]
         assert health.state == "Paused"
         assert health.active == 1
+        assert queue.host is not None
+        consumer = queue.host.consumers[sub]
+        # The claim loop has ended (it claims nothing until resumed), so what is published now stays Pending.
+        await wait_for(lambda: consumer.claim_loop == "stopped", describe=lambda: consumer.claim_loop)
         await queue.publish(topic, [PublishRequest(payload="while paused")])
-        await asyncio.sleep(0.6)  # past the drain (300 ms) and a few polls (FAST): nothing new is claimed
         release.set()
         info = await wait_for(lambda: _terminal(queue, sub, slow.message_id))
         assert info.status == "Completed" and info.attempt == 1
@@ -637,7 +644,7 @@ async def test_the_sweeper_logs_each_lease_it_takes_back_with_its_holder(
                 if store == "pg" else "UPDATE delivery SET lease_expires_at = lease_expires_at - 3600 WHERE id = :id")
         async with queue.engine.begin() as conn:
             await conn.execute(text(past), {"id": int(claimed.delivery_id)})
-        host = queue._host
+        host = queue.host
         assert host is not None
         assert await host.sweep_once() >= 1
     me = current_process()

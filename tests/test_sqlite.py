@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from fastapi_workqueue import (
     ConfigurationError,
@@ -353,6 +353,13 @@ async def test_concurrent_sessions_deduplicate_as_one_writer(tmp_path: Path) -> 
     """A publish in a session holds the write lock from its first read to the session's commit,
     so a second session publishing the same deduplication key sees the first one's message."""
     async with session_queue(tmp_path, enabled=False) as (queue, topic, name):
+        begun: list[str] = []  # each session's publish starts its transaction with BEGIN IMMEDIATE
+
+        def heard(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+            if statement.startswith("BEGIN IMMEDIATE"):
+                begun.append(statement)
+
+        event.listen(queue.engine.sync_engine, "before_cursor_execute", heard)
 
         async def publish_in_own_session(payload: str) -> Any:
             async with queue.sessionmaker() as session, session.begin():
@@ -365,8 +372,10 @@ async def test_concurrent_sessions_deduplicate_as_one_writer(tmp_path: Path) -> 
             [first] = await queue.publish(
                 topic, [PublishRequest(payload="first", deduplication_key="order-7")], session=session
             )
+            assert len(begun) == 1
             second_task = asyncio.create_task(publish_in_own_session("second"))
-            await asyncio.sleep(0.3)  # the second session is under way, waiting for this one
+            # The second session asks for the write lock while this one holds it: it waits for this commit.
+            await support.wait_for(lambda: len(begun) == 2 or second_task.done(), describe=lambda: begun)
             assert not second_task.done()
         second = await second_task
         assert first.status is PublishStatus.ACCEPTED
@@ -406,8 +415,13 @@ async def test_a_call_cancelled_while_waiting_for_the_writer_leaves_no_transacti
         blocker = sqlite3.connect(transport.path, isolation_level=None, timeout=5)
         try:
             blocker.execute("BEGIN IMMEDIATE")  # another process is writing
+            sent: list[str] = []  # the statements the transport's connection starts, on its thread
+            assert transport._conn is not None
+            await transport._conn.set_trace_callback(sent.append)
             waiting = asyncio.create_task(transport.sweep())
-            await asyncio.sleep(0.3)
+            # Its BEGIN IMMEDIATE is running: SQLite's busy handler waits for the blocker's lock.
+            await support.wait_for(lambda: "BEGIN IMMEDIATE" in sent or waiting.done(), describe=lambda: sent)
+            assert not waiting.done()
             waiting.cancel()  # e.g. the host stopping its sweeper
             blocker.execute("COMMIT")
             with contextlib.suppress(asyncio.CancelledError):

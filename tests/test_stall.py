@@ -4,9 +4,9 @@ alongside the worker that took it over: no delivery in two handlers at once, no 
 Worker A claims three keys' heads and stops itself inside the claim, after the store committed it
 (tests/apps/stall_app.py). Worker B starts; its sweeper expires A's leases and B runs the
 deliveries. Once B's handlers are running, A is continued with SIGCONT. A must give the deliveries
-back instead of starting them. Every handler run is recorded with wall-clock start and end times
-by both processes; no two runs of one delivery, and no two runs of one key, may overlap. The test
-runs on PostgreSQL and on an SQLite file shared by both processes.
+back instead of starting them (it logs each one it gives back). Every handler run is recorded with
+wall-clock start and end times by both processes; no two runs of one delivery, and no two runs of
+one key, may overlap. The test runs on PostgreSQL and on an SQLite file shared by both processes.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import pytest
 from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue, WorkQueueSettings
 
 from .conftest import unique
+from .support import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,15 +77,17 @@ async def test_a_worker_stalled_inside_its_claim_past_the_lease_runs_nothing_twi
     command = [sys.executable, "-m", "fastapi_workqueue", "work", "--app", "tests.apps.stall_app:queue",
                "--subscription", name]
     workers: list[asyncio.subprocess.Process] = []
+    a_log = tmp_path / "a.err"  # what A logs, read while it runs
     async with queue.lifespan(None):
         await queue.publish(topic, [PublishRequest(partition_key=f"k{i}", payload=i) for i in range(KEYS)])
         try:
-            a = await asyncio.create_subprocess_exec(
-                *command, env={**env, "STALL_APP_STOP_MARKER": str(marker)}, cwd=ROOT,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-            )
+            with a_log.open("wb") as a_err:
+                a = await asyncio.create_subprocess_exec(
+                    *command, env={**env, "STALL_APP_STOP_MARKER": str(marker)}, cwd=ROOT,
+                    stdout=asyncio.subprocess.DEVNULL, stderr=a_err,
+                )
             workers.append(a)
-            await _until(marker.exists, "worker A to claim and stop")
+            await wait_for(marker.exists, within=30, describe=lambda: "worker A has not claimed and stopped")
             stalled = json.loads(marker.read_text())
             assert len(stalled) == KEYS
             b = await asyncio.create_subprocess_exec(
@@ -92,10 +95,13 @@ async def test_a_worker_stalled_inside_its_claim_past_the_lease_runs_nothing_twi
             )
             workers.append(b)
             # B's sweeper takes the expired leases back and B runs what A claimed.
-            await _until(lambda: _started_by(record, b.pid) >= KEYS, "worker B to run A's deliveries")
+            await wait_for(lambda: _started_by(record, b.pid) >= KEYS, within=30,
+                           describe=lambda: f"worker B has not run A's deliveries: {record.read_text()}")
             os.kill(a.pid, signal.SIGCONT)
-            await _until(lambda: _completed(record) >= KEYS, "every delivery to complete")
-            await asyncio.sleep(LEASE_SECONDS)  # time for A to do whatever it would do
+            # A's claim returns: with too little of their leases left, A gives each delivery back.
+            await wait_for(lambda: a_log.read_text().count("not started") >= KEYS, within=30,
+                           describe=lambda: a_log.read_text())
+            await wait_for(lambda: _completed(record) >= KEYS, within=30, describe=lambda: record.read_text())
         finally:
             for proc in workers:
                 with contextlib.suppress(ProcessLookupError):
@@ -103,7 +109,7 @@ async def test_a_worker_stalled_inside_its_claim_past_the_lease_runs_nothing_twi
                     proc.send_signal(signal.SIGTERM)
             for proc in workers:
                 _, stderr = await asyncio.wait_for(proc.communicate(), 30)
-                assert proc.returncode == 0, stderr.decode()
+                assert proc.returncode == 0, stderr.decode() if stderr is not None else a_log.read_text()
         [stats] = await queue.stats(name)
         assert (stats.completed, stats.pending, stats.in_flight) == (KEYS, 0, 0)
     done = runs(record)
@@ -127,10 +133,3 @@ def _completed(record: Path) -> int:
     return sum(1 for line in record.read_text().splitlines()
                if (e := json.loads(line))["event"] == "end" and e["reason"] is None)
 
-
-async def _until(check: Any, what: str, within: float = 30.0) -> None:
-    for _ in range(int(within / 0.05)):
-        if check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")

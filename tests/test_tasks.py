@@ -158,21 +158,22 @@ async def test_join_waits_for_tasks_to_end_without_cancelling_them() -> None:
 
 
 async def test_cancelling_the_waiter_does_not_wait_for_the_tasks() -> None:
-    inner_started = asyncio.Event()
+    inner_started, cancel_ignored = asyncio.Event(), asyncio.Event()
 
     async def stubborn() -> None:
         inner_started.set()
         while True:
             try:
-                await asyncio.sleep(10)
+                await asyncio.Event().wait()
             except asyncio.CancelledError:
+                cancel_ignored.set()
                 continue
 
     scope = TaskScope("owner")
     task = scope.spawn(stubborn(), watch=False)
     await inner_started.wait()
     waiter = asyncio.get_running_loop().create_task(cancel_and_wait([task]))
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(cancel_ignored.wait(), 5)  # the waiter cancelled it and now waits for its end
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter

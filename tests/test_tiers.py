@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 
+from . import tiers
 from .tiers import KINDS, TIERS
 
 
@@ -135,3 +136,46 @@ def test_a_kind_marker_that_contradicts_what_the_test_uses_stops_the_collection(
         ["*each test needs exactly one of unit, integration, aws, browser*"
          "test_sample.py::test_said_unit_but_on_a_database has unit and integration"]
     )
+
+
+def test_a_slow_helper_of_another_module_makes_slow_every_test_that_calls_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # SLOW_DEFINITIONS names a helper where it is defined; a test of another file that imports it
+    # (under its name or another) and names it, itself or through a fixture, is slow; the file's
+    # other tests are not.
+    make_tiered(pytester)
+    monkeypatch.setattr(tiers, "TESTS", pytester.path)
+    monkeypatch.setattr(tiers, "SLOW_DEFINITIONS", frozenset({"sample/helpers.py::start_worker"}))
+    package = pytester.mkpydir("sample")
+    (package / "helpers.py").write_text(textwrap.dedent("""
+        def start_worker():
+            return "a process, out of sight"
+    """))
+    (package / "test_calls.py").write_text(textwrap.dedent("""
+        import pytest
+
+        from .helpers import start_worker
+        from .helpers import start_worker as other_name
+
+
+        @pytest.fixture
+        def worker():
+            return other_name()
+
+
+        def test_calls_it():
+            start_worker()
+
+
+        def test_through_a_fixture(worker):
+            assert worker
+
+
+        def test_without_it():
+            assert 1 + 1 == 2
+    """))
+    items, _ = pytester.inline_genitems()
+    assert {item.name: item.get_closest_marker("slow") is not None for item in items} == {
+        "test_calls_it": True, "test_through_a_fixture": True, "test_without_it": False,
+    }

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import asyncpg
 
 from fastapi_workqueue import PublishRequest, Subscription, Topic
@@ -11,6 +9,7 @@ from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
 from .conftest import unique
+from .support import wait_for
 
 
 async def listening_backends(pg_url: str) -> int:
@@ -38,13 +37,10 @@ async def test_publisher_does_not_listen_and_first_consumer_does(pg_url: str) ->
         await transport.add_wakeup_listener(woken.append)  # one LISTEN connection for any number
         assert await listening_backends(pg_url) == before + 1
         [state] = [s for s in await transport.list_subscriptions() if s.name == sub]
-        assert isinstance(state.id, str)  # a wake-up names its subscription by this id
+        subscription_id = state.id
+        assert isinstance(subscription_id, str)  # a wake-up names its subscription by this id
         await transport.publish(topic, [prepare(PublishRequest(payload=2))])
-        for _ in range(250):
-            if woken.count(state.id) == 2:
-                break
-            await asyncio.sleep(0.02)
-        assert woken.count(state.id) == 2
+        await wait_for(lambda: woken.count(subscription_id) == 2, within=5, describe=lambda: woken)
     finally:
         await transport.close()
     assert await listening_backends(pg_url) == before

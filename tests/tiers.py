@@ -18,7 +18,9 @@ them at collection, so no test file needs to name them:
 
 "The code the test runs" is read from the source: the test function, the fixtures it uses (from
 its file or a conftest.py), and the functions and classes of the same file they name, followed
-name by name. Helpers imported from other modules are not followed.
+name by name. Helpers imported from another module of tests/ are not followed into, but they are
+reached under the name they have where they are defined: :data:`SLOW_DEFINITIONS` names such a
+helper once (``aws/test_cli_aws.py::workqueue``) for every test whose code calls it.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ SLOW_DEFINITIONS = frozenset({
     # (the checks of the same files that need no parse stay in the inner loop)
     "test_mssql_sql.py::parse_tree",
     # processes started through a helper of another module, or a script
+    "aws/test_cli_aws.py::workqueue",  # the `workqueue` command in a subprocess (test_cli_operator, test_move)
     "test_docs_getting_started.py::test_a_worker_process_handles_what_the_web_process_publishes",
     "test_docs_getting_started.py::test_the_first_app_welcomes_a_user_in_its_own_process",
     "test_docs_reference.py::test_every_entry_and_public_member_renders_and_no_internal_does",
@@ -86,6 +89,12 @@ SLOW_DEFINITIONS = frozenset({
     "test_jobs_outcomes.py::test_a_taken_overlap_key_or_a_busy_once_key_sends_the_attempt_back_saying_why",
     "test_leases.py::test_the_end_of_an_attempt_leaves_the_next_attempt_of_the_same_delivery_alone",
     "test_jobs_worker.py::test_a_missed_tick_is_queued_only_with_catch_up",
+    # 17 s: 13.5 s of it the test's own waits, messages arriving late in a long poll (0, 4.5 and 9 s)
+    "aws/test_lease_defaults.py::test_messages_arriving_late_in_a_long_poll_run_in_order_on_their_first_attempt",
+    # 6 s, 5 s and 3.5 s: leases of 5 s and retries on moto, in real time
+    "aws/test_lease_defaults.py::test_a_short_lease_keeps_every_attempt_and_the_librarys_dead_letter_comes_first",
+    "aws/test_fifo_order.py::test_two_workers_keep_each_keys_order_through_retries",
+    "aws/test_fifo_order.py::test_a_retrying_head_keeps_its_key_in_order",
     # 1.5 to 3 s there, mostly waiting on real time: out of the inner loop, which must stay under 2 min
     "test_claim_many.py::test_claim_many_reads_each_claim_index_up_to_the_limit_whatever_the_backlog",
     "test_example_app.py::test_processes_starting_at_once_on_an_empty_database_all_start",
@@ -120,18 +129,56 @@ class _Definition:
 
 
 @cache
-def _definitions(path: Path) -> dict[str, _Definition]:
-    """The top-level functions and classes of a test file, by name (fixtures among them)."""
+def _source(path: Path) -> tuple[list[str], list[ast.stmt]]:
+    """A file's lines and top-level statements, parsed once (none when it is missing)."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError:
-        return {}
-    lines = text.splitlines(keepends=True)
+        return [], []
+    return text.splitlines(keepends=True), ast.parse(text).body
+
+
+@cache
+def _definitions(path: Path) -> dict[str, _Definition]:
+    """The top-level functions and classes of a test file, by name (fixtures among them)."""
+    lines, body = _source(path)
     found: dict[str, _Definition] = {}
-    for node in ast.parse(text).body:
+    for node in body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names = frozenset(n.id for n in ast.walk(node) if isinstance(n, ast.Name))
             found[node.name] = _Definition("".join(lines[node.lineno - 1 : node.end_lineno]), names)
+    return found
+
+
+def _module_file(path: Path, module: str | None, level: int) -> Path | None:
+    """The file of tests/ that ``from <module> import ...`` in ``path`` reads, if it is one."""
+    parts = (module or "").split(".") if module else []
+    if level:  # relative: from the file's package, one level up per extra dot
+        base = path.resolve().parent
+        for _ in range(level - 1):
+            base = base.parent
+    elif parts and parts[0] == TESTS.name:
+        base, parts = TESTS, parts[1:]
+    else:
+        return None
+    target = base.joinpath(*parts)
+    for candidate in (target.with_suffix(".py"), target / "__init__.py"):
+        if candidate.is_file() and _relative(candidate) is not None:
+            return candidate
+    return None
+
+
+@cache
+def _imports(path: Path) -> dict[str, str]:
+    """The names a test file imports from other modules of tests/, each as ``file relative to
+    tests/::name`` where it is defined (what :data:`SLOW_DEFINITIONS` may name)."""
+    found: dict[str, str] = {}
+    for node in _source(path)[1]:
+        if isinstance(node, ast.ImportFrom):
+            source = _module_file(path, node.module, node.level)
+            if source is not None:
+                for alias in node.names:
+                    found[alias.asname or alias.name] = f"{_relative(source)}::{alias.name}"
     return found
 
 
@@ -160,10 +207,13 @@ def _reached(item: pytest.Item) -> _Reached:
     cls: type | None = getattr(item, "cls", None)
     if cls is not None:  # a method: its class is what the file defines
         todo.append((path, cls.__name__))
+    imported: set[str] = set()  # helpers of other modules, by where they are defined
     for name in getattr(item, "fixturenames", ()):
         owner = next((file for file in files if name in _definitions(file)), None)  # the nearest definition
         if owner is not None:
             todo.append((owner, name))
+        elif name in _imports(path):  # a fixture the test file imports from another module
+            imported.add(_imports(path)[name])
     seen: set[tuple[Path, str]] = set()
     parts: list[str] = []
     while todo:
@@ -174,7 +224,10 @@ def _reached(item: pytest.Item) -> _Reached:
         seen.add((file, name))
         parts.append(defined[name].source)
         todo.extend((file, used) for used in defined[name].names if used in defined)
-    return _Reached("\n".join(parts), frozenset(f"{_relative(file)}::{name}" for file, name in seen))
+        imported.update(_imports(file)[used] for used in defined[name].names if used in _imports(file))
+    return _Reached(
+        "\n".join(parts), frozenset({f"{_relative(file)}::{name}" for file, name in seen} | imported)
+    )
 
 
 def kind_of(item: pytest.Item, reached: _Reached) -> str:

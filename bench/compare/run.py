@@ -1,21 +1,24 @@
 #!/usr/bin/env python3
-"""The benchmark's one command: fastapi-workqueue against pgqueuer and procrastinate.
+"""The benchmark's one command: fastapi-workqueue against pgqueuer, procrastinate, Oban for Python and DBOS.
 
-    .venv/bin/python bench/compare/run.py                      # full run, 3 repeats, ~15-25 min
+    .venv/bin/python bench/compare/run.py                      # full run, 3 repeats, four peers and the ceiling
     .venv/bin/python bench/compare/run.py --smoke              # tiny counts, no peers, well under a minute
+    .venv/bin/python bench/compare/run.py --smoke --peer-list oban,dbos   # tiny counts, those peers too
 
 It creates the databases it needs on one PostgreSQL server, installs each peer from PyPI into a
-virtual environment of its own (cached in --peers-dir, reused when present), then runs, round by
-round, our cases (bench/compare/workqueue_bench.py, project interpreter) and the peers' scripts
-(bench/compare/peers/bench_pgqueuer.py, bench/compare/peers/bench_procrastinate.py, each with its own
-interpreter), never two at once, rotating their order each round. Our backlog and memory cases
-(no peer) follow. One JSON with every run plus median/min/max, a Markdown table with the ratios
-ours/peer and the targets, and a PNG chart are written to --out. See bench/README.md.
+virtual environment of its own (cached in --peers-dir, reused when present; Oban's on Python 3.12),
+then runs, round by round, our cases (bench/compare/workqueue_bench.py, project interpreter), the
+peers' scripts (bench/compare/peers/bench_<peer>.py, each with its own interpreter) and the pgbench
+ceiling of a single publish (bench/compare/ceiling.py), never two at once, rotating their order
+each round. Our backlog and memory cases (no peer) follow. One JSON with every run plus
+median/min/max, a Markdown table with the ratios ours/peer and the targets, and a PNG chart are
+written to --out. See bench/README.md.
 """
 
 import argparse
 import contextlib
 import datetime as dt
+import glob
 import hashlib
 import importlib.util
 import json
@@ -34,13 +37,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]  # the repository
 sys.path.insert(0, str(HERE))
 
+from compare_report import PEERS, build_report, fmt_num, fmt_stat, med, ratio  # noqa: E402, F401  (bench/jobs uses them)
 from workqueue_bench import summarize, summarize_raw  # noqa: E402
 
-PEERS = {
-    "pgqueuer": {"script": "bench_pgqueuer.py", "db": "bench_pgqueuer", "pip": ["pgqueuer>=1,<2", "asyncpg"]},
-    "procrastinate": {"script": "bench_procrastinate.py", "db": "bench_procrastinate",
-                      "pip": ["procrastinate[psycopg]>=3,<4"]},
-}
+CEILING_DB = "bench_pgbench"
+PYTHON_OPTION = {"3.11": "--peer-python", "3.12": "--peer-python312"}  # the option that names each interpreter
 CHART_PIP = ["matplotlib>=3.8"]
 DEFAULT_PG = os.environ.get("BENCH_PG_URL", "postgresql://postgres:postgres@127.0.0.1:5432")
 DEFAULT_PEERS_DIR = os.environ.get("BENCH_PEERS_DIR", "/tmp/workqueue-bench-peers")
@@ -50,11 +51,16 @@ PEER_CASES = {"publish": "enqueue", "process": "process", "latency": "latency"}
 
 FULL = {"jobs": 20000, "batch": 500, "concurrency": 10, "lat_count": 200, "lat_spacing": 0.020, "keys": 500,
         "small": 10_000, "large": 1_000_000, "first_n": 20_000, "mem_jobs": 100_000, "fill_batch": 5000,
-        "claim_calls": 250}
+        "claim_calls": 250, "dbos_c10_jobs": 1000, "ceiling_seconds": 20}
 SMOKE = {"jobs": 300, "batch": 100, "concurrency": 10, "lat_count": 20, "lat_spacing": 0.020, "keys": 20,
-         "small": 300, "large": 3000, "first_n": 300, "mem_jobs": 1000, "fill_batch": 500, "claim_calls": 20}
-
-MB = 1_000_000
+         "small": 300, "large": 3000, "first_n": 300, "mem_jobs": 1000, "fill_batch": 500, "claim_calls": 20,
+         "dbos_c10_jobs": 30, "ceiling_seconds": 2}
+# What the counts mean where the name does not say it.
+COUNT_HELP = {
+    "dbos_c10_jobs": "jobs of DBOS's concurrency run: its queue starts at most --concurrency workflows per 1 s "
+    "poll, so 20,000 would take over half an hour",
+    "ceiling_seconds": "length of one pgbench run of the ceiling",
+}
 
 
 class Log:
@@ -132,6 +138,45 @@ def ensure_venv(peers_dir: Path, name: str, pip: list[str], python: str, log: Lo
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pip], check=True,
                    timeout=1200)
     marker.write_text(json.dumps(pip))
+    return py
+
+
+def python_version_of(py: str) -> str | None:
+    """``"3.12"`` for an interpreter that runs, None for one that does not (a pyenv shim without it)."""
+    try:
+        res = subprocess.run([py, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def find_python(version: str) -> str | None:
+    """An interpreter of ``version``: ``python3.12`` on PATH if it runs, else pyenv's newest 3.12.x."""
+    root = os.environ.get("PYENV_ROOT") or str(Path.home() / ".pyenv")
+
+    def newest_first(path: str) -> list[int]:
+        release = Path(path).parents[1].name  # <root>/versions/3.12.1/bin/python3.12
+        return [int(p) for p in release.split(".") if p.isdigit()]
+
+    found = sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"), key=newest_first, reverse=True)
+    for candidate in [shutil.which(f"python{version}"), *found]:
+        if candidate and python_version_of(candidate) == version:
+            return candidate
+    return None
+
+
+def peer_interpreter(name: str, pythons: dict[str, str | None]) -> str:
+    """The interpreter that creates ``name``'s venv; says what to pass when none fits."""
+    need = PEERS[name]["python"]
+    py = pythons.get(need)
+    if py is None:
+        raise ValueError(f"{name} needs Python {need}, and none was found (not python{need} on PATH nor in pyenv's "
+                         f"versions); install it (`pyenv install {need}`) or pass {PYTHON_OPTION[need]} PATH")
+    have = python_version_of(py)
+    if have != need:
+        raise ValueError(f"{name} needs Python {need}, but {py} is {'Python ' + have if have else 'not runnable'}; "
+                         f"pass {PYTHON_OPTION[need]} PATH")
     return py
 
 
@@ -330,149 +375,6 @@ def summarize_peer(raw: dict[str, list[Any]]) -> dict[str, Any]:
     return s
 
 
-# ---------------------------------------------------------------- table
-def med(s: dict[str, Any] | None) -> float | None:
-    return None if not s else s["median"]
-
-
-def fmt_num(v: float | None, digits: int = 0) -> str:
-    if v is None:
-        return "n/a"
-    return f"{v:,.{digits}f}"
-
-
-def fmt_stat(s: dict[str, Any] | None, digits: int = 0, scale: float = 1.0) -> str:
-    if not s:
-        return "n/a"
-    return (f"{fmt_num(s['median'] * scale, digits)} [{fmt_num(s['min'] * scale, digits)}–"
-            f"{fmt_num(s['max'] * scale, digits)}]")
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
-
-
-def build_report(result: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
-    ours = result["workqueue"]["summary"]
-    pgq = (result.get("pgqueuer") or {}).get("summary") or {}
-    pro = (result.get("procrastinate") or {}).get("summary") or {}
-    conc = result["settings"]["concurrency"]
-    batch = result["settings"]["batch"]
-
-    # (label, ours stat, pgqueuer stat, procrastinate stat, digits, higher is better)
-    head = [
-        ("1. publish, 1 per call (msgs/s)", ours.get("publish_seq_msgs_per_s"),
-         pgq.get("enqueue_seq_jobs_per_s"), pro.get("enqueue_seq_jobs_per_s"), 0, True),
-        (f"2. publish, batches of {batch} (msgs/s)", ours.get("publish_batch_msgs_per_s"),
-         pgq.get("enqueue_batch500_jobs_per_s"), pro.get("enqueue_batch500_jobs_per_s"), 0, True),
-        ("3a. process, library defaults (deliveries/s)", ours.get("process_default_deliveries_per_s"),
-         pgq.get("process_default_jobs_per_s"), pro.get("process_default_jobs_per_s"), 0, True),
-        (f"3b. process, concurrency {conc} (deliveries/s)", ours.get(f"process_c{conc}_deliveries_per_s"),
-         pgq.get(f"process_c{conc}_jobs_per_s"), pro.get(f"process_c{conc}_jobs_per_s"), 0, True),
-        ("4a. latency p50 (ms)", ours.get("latency_p50_ms"), pgq.get("latency_p50_ms"),
-         pro.get("latency_p50_ms"), 1, False),
-        ("4b. latency p99 (ms)", ours.get("latency_p99_ms"), pgq.get("latency_p99_ms"),
-         pro.get("latency_p99_ms"), 1, False),
-    ]
-    rows = []
-    for label, o, p, q, digits, higher in head:
-        rows.append({
-            "measurement": label, "workqueue": o, "pgqueuer": p, "procrastinate": q,
-            "ratio_pgqueuer": ratio(med(o), med(p)), "ratio_procrastinate": ratio(med(o), med(q)),
-            "digits": digits, "higher_is_better": higher,
-        })
-
-    none = med(ours.get("process_default_deliveries_per_s"))
-    extras = [
-        (f"Exclusive, {result['settings']['keys']} keys (deliveries/s)", ours.get("exclusive_deliveries_per_s"), 0,
-         f"{fmt_num(ratio(med(ours.get('exclusive_deliveries_per_s')), none), 2)}× None"),
-        (f"Ordered, {result['settings']['keys']} keys (deliveries/s)", ours.get("ordered_deliveries_per_s"), 0,
-         f"{fmt_num(ratio(med(ours.get('ordered_deliveries_per_s')), none), 2)}× None"),
-        ("fan-out to 5 subscriptions, processing (deliveries/s)", ours.get("fanout_deliveries_per_s"), 0,
-         f"{fmt_num(ratio(med(ours.get('fanout_deliveries_per_s')), none), 2)}× None"),
-        (f"fan-out to 5 subscriptions, publish in batches of {batch} (msgs/s)",
-         ours.get("fanout_publish_messages_per_s"), 0,
-         f"{fmt_num(med(ours.get('fanout_publish_deliveries_per_s')))} deliveries/s"),
-        (f"claim round trip, {result['settings']['small']:,} Pending (ms, p50 of "
-         f"{result['settings']['claim_calls']} claims of {result['settings']['claim_limit']})",
-         ours.get("backlog_small_claim_p50_ms"), 3,
-         f"p10 {fmt_stat(ours.get('backlog_small_claim_p10_ms'), 3)} ms"),
-        (f"claim round trip, {result['settings']['large']:,} Pending (ms)", ours.get("backlog_large_claim_p50_ms"), 3,
-         f"{fmt_num(ours.get('claim_large_over_small'), 2)}× the small backlog (per repeat "
-         f"{fmt_stat(ours.get('claim_large_over_small_per_repeat'), 2)}); p10 "
-         f"{fmt_stat(ours.get('backlog_large_claim_p10_ms'), 3)} ms, "
-         f"{fmt_num(ours.get('claim_p10_large_over_small'), 2)}×"),
-        (f"process first {min(result['settings']['first_n'], result['settings']['small']):,}, "
-         f"{result['settings']['small']:,} Pending (deliveries/s)", ours.get("backlog_small_deliveries_per_s"), 0, ""),
-        (f"process first {min(result['settings']['first_n'], result['settings']['large']):,}, "
-         f"{result['settings']['large']:,} Pending (deliveries/s)", ours.get("backlog_large_deliveries_per_s"), 0,
-         f"{fmt_num(ratio(med(ours.get('backlog_large_deliveries_per_s')), med(ours.get('backlog_small_deliveries_per_s'))), 2)}"  # noqa: E501
-         "× the small backlog"),
-        (f"fill of {result['settings']['large']:,} (s, batches of {result['settings']['fill_batch']})",
-         ours.get("backlog_large_fill_seconds"), 1, ""),
-        (f"worker peak RSS draining {result['settings']['mem_jobs']:,} (VmHWM, MB)", ours.get("mem_vmhwm_kib"), 1,
-         f"at READY {fmt_stat(ours.get('mem_rss_at_ready_kib'), 1, 1024 / MB)} MB"),
-        (f"drain rate of those {result['settings']['mem_jobs']:,} (deliveries/s)", ours.get("mem_deliveries_per_s"),
-         0, ""),
-    ]
-    extra_rows = []
-    for label, stat, digits, note in extras:
-        scale = 1024 / MB if "MB" in label else 1.0
-        extra_rows.append({"measurement": label, "workqueue": stat, "digits": digits, "scale": scale, "note": note})
-
-    def target(name: str, value: float | None, limit: float, op: str, unit: str = "") -> dict[str, Any]:
-        met = None if value is None else (value >= limit if op == ">=" else value <= limit)
-        return {"target": name, "value": value, "limit": limit, "op": op, "unit": unit, "met": met}
-
-    keys, small, large = result["settings"]["keys"], result["settings"]["small"], result["settings"]["large"]
-    mem_jobs = result["settings"]["mem_jobs"]
-    p_def = med(pgq.get("process_default_jobs_per_s"))
-    r_def = med(pro.get("process_default_jobs_per_s"))
-    mem = med(ours.get("mem_vmhwm_kib"))
-    targets = [
-        target("processing at defaults vs pgqueuer's defaults", ratio(none, p_def), 1.0, ">=", "×"),
-        target("processing at defaults vs procrastinate's defaults", ratio(none, r_def), 8.0, ">=", "×"),
-        target("single publish vs pgqueuer", ratio(med(ours.get("publish_seq_msgs_per_s")),
-                                                   med(pgq.get("enqueue_seq_jobs_per_s"))), 1.0, ">=", "×"),
-        target("batch publish vs pgqueuer", ratio(med(ours.get("publish_batch_msgs_per_s")),
-                                                  med(pgq.get("enqueue_batch500_jobs_per_s"))), 0.7, ">=", "×"),
-        target("latency p50 vs pgqueuer's p50", ratio(med(ours.get("latency_p50_ms")),
-                                                      med(pgq.get("latency_p50_ms"))), 1.0, "<=", "×"),
-        target("latency p99", med(ours.get("latency_p99_ms")), 20.0, "<=", " ms"),
-        target(f"Exclusive ({keys} keys) vs None", ratio(med(ours.get("exclusive_deliveries_per_s")), none), 0.5, ">=",
-               "×"),
-        target(f"Ordered ({keys} keys) vs None", ratio(med(ours.get("ordered_deliveries_per_s")), none), 0.3, ">=",
-               "×"),
-        target(f"claim with {large:,} Pending vs {small:,}", ours.get("claim_large_over_small"), 1.3, "<=", "×"),
-        target(f"worker RSS draining {mem_jobs:,}", None if mem is None else mem * 1024 / MB, 150.0, "<=", " MB"),
-    ]
-
-    # Markdown
-    vers = result.get("versions", {})
-    lines = [
-        f"| measurement | fastapi-workqueue | pgqueuer {vers.get('pgqueuer') or ''} | "
-        f"procrastinate {vers.get('procrastinate') or ''} | ours / pgqueuer | ours / procrastinate |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for row in rows:
-        d = row["digits"]
-        lines.append(
-            f"| {row['measurement']} | {fmt_stat(row['workqueue'], d)} | {fmt_stat(row['pgqueuer'], d)} | "
-            f"{fmt_stat(row['procrastinate'], d)} | {fmt_num(row['ratio_pgqueuer'], 2)}× | "
-            f"{fmt_num(row['ratio_procrastinate'], 2)}× |"
-        )
-    lines += ["", "| our extra case | median [min–max] | note |", "| --- | --- | --- |"]
-    for row in extra_rows:
-        lines.append(f"| {row['measurement']} | {fmt_stat(row['workqueue'], row['digits'], row['scale'])} | "
-                     f"{row['note']} |")
-    lines += ["", "| target | measured | limit | met |", "| --- | --- | --- | --- |"]
-    for t in targets:
-        v = "n/a" if t["value"] is None else f"{t['value']:.2f}{t['unit']}"
-        met = "not measured" if t["met"] is None else ("yes" if t["met"] else "**no**")
-        lines.append(f"| {t['target']} | {v} | {t['op']} {t['limit']:g}{t['unit']} | {met} |")
-    return rows + extra_rows, targets, "\n".join(lines)
-
-
 # ---------------------------------------------------------------- main
 def _stop(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
@@ -489,6 +391,12 @@ def main() -> None:
                     help="our cases to run; the peers run the matching ones of publish,process,latency")
     ap.add_argument("--skip-peers", action="store_true", help="run our cases only")
     ap.add_argument("--peers", action="store_true", help="run the peers in --smoke mode too")
+    ap.add_argument("--peer-list", default=None,
+                    help=f"the peers to run, comma-separated, from {','.join(PEERS)} (default: all four); naming "
+                    "them runs them in --smoke mode too")
+    ap.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=None,
+                    help="measure the pgbench ceiling of a single publish each round (default: on when the peers "
+                    "run the publish case); needs pgbench and psql")
     ap.add_argument("--out", default=str(HERE / "results"), help="output folder")
     ap.add_argument("--pg-url", default=DEFAULT_PG, help="server URL without database ($BENCH_PG_URL)")
     ap.add_argument("--workqueue-dsn", default=None, help="database of our cases (default: <pg-url>/bench_workqueue)")
@@ -502,12 +410,16 @@ def main() -> None:
                     help="drop and recreate our database at the start (default: on)")
     ap.add_argument("--peers-dir", default=DEFAULT_PEERS_DIR, help="cache of the peer venvs ($BENCH_PEERS_DIR)")
     ap.add_argument("--peer-python", default=shutil.which("python3.11") or sys.executable,
-                    help="interpreter that creates the peer venvs")
+                    help="Python 3.11 interpreter that creates the venvs of pgqueuer, procrastinate and DBOS")
+    ap.add_argument("--peer-python312", default=None,
+                    help="Python 3.12 interpreter that creates Oban's venv (default: python3.12 on PATH if it runs, "
+                    "else the newest 3.12 of pyenv's versions)")
     ap.add_argument("--chart", action=argparse.BooleanOptionalAction, default=None,
                     help="render the PNG chart (default: on, off with --smoke); needs a venv with matplotlib")
     for key, value in FULL.items():
         ap.add_argument("--" + key.replace("_", "-"), type=type(value), default=None,
-                        help=f"default {value} (smoke {SMOKE[key]})")
+                        help=f"{COUNT_HELP.get(key, '')}{'; ' if key in COUNT_HELP else ''}default {value} "
+                        f"(smoke {SMOKE[key]})")
     args = ap.parse_args()
 
     counts = dict(SMOKE if args.smoke else FULL)
@@ -516,7 +428,12 @@ def main() -> None:
             counts[key] = getattr(args, key)
     repeats = args.repeats or (1 if args.smoke else 3)
     slow_repeats = args.slow_repeats or repeats
-    run_peers = not args.skip_peers and (args.peers or not args.smoke)
+    peer_names = list(PEERS) if args.peer_list is None else [n.strip() for n in args.peer_list.split(",") if n.strip()]
+    unknown_peers = [n for n in peer_names if n not in PEERS]
+    if unknown_peers:
+        ap.error(f"unknown peers {unknown_peers}; choose from {','.join(PEERS)}")
+    run_peers = (not args.skip_peers and bool(peer_names)
+                 and (args.peers or args.peer_list is not None or not args.smoke))
     chart = args.chart if args.chart is not None else not args.smoke
     if args.quiet_wait is None:
         args.quiet_wait = 0.0 if args.smoke else 180.0
@@ -527,6 +444,8 @@ def main() -> None:
     peer_only = sorted({PEER_CASES[w] for w in which if w in PEER_CASES})
     if not peer_only:
         run_peers = False
+    selected = peer_names if run_peers else []
+    run_ceiling = args.ceiling if args.ceiling is not None else (run_peers and "publish" in which)
 
     out = Path(args.out).resolve()
     rounds_dir = out / "rounds"
@@ -559,7 +478,8 @@ def main() -> None:
         "mode": "smoke" if args.smoke else "full",
     }
     log(f"== fastapi-workqueue benchmark ({meta['mode']}) commit {meta['commit']} at {meta['date_utc']} UTC")
-    log(f"   counts {counts}, repeats {repeats}, slow repeats {slow_repeats}, peers {run_peers}")
+    log(f"   counts {counts}, repeats {repeats}, slow repeats {slow_repeats}, "
+        f"peers {','.join(selected) or 'none'}, ceiling {run_ceiling}")
     if importlib.util.find_spec("uvloop") is None:
         # pgqueuer's worker runs on uvloop (its CLI installs and uses it); ours would run on asyncio.
         log("   note: uvloop is not installed in this interpreter, so our worker runs on asyncio; "
@@ -569,16 +489,35 @@ def main() -> None:
         # Our schema is applied from the work tree at the start of the run.
         wq_base, _, wq_name = wq_dsn.rpartition("/")
         ensure_databases(wq_base, [wq_name], log, recreate=True)
+    failures: list[str] = []
     peer_py: dict[str, Path] = {}
     peer_errors: dict[str, str] = {}
-    if run_peers:
-        ensure_databases(args.pg_url, [p["db"] for p in PEERS.values()], log)
-        for name, spec in PEERS.items():
+    if selected:
+        ensure_databases(args.pg_url, [PEERS[n]["db"] for n in selected], log)
+        pythons: dict[str, str | None] = {"3.11": args.peer_python, "3.12": args.peer_python312}
+        if pythons["3.12"] is None and any(PEERS[n]["python"] == "3.12" for n in selected):
+            pythons["3.12"] = find_python("3.12")
+        for name in selected:
             try:
-                peer_py[name] = ensure_venv(Path(args.peers_dir), name, spec["pip"], args.peer_python, log)
+                peer_py[name] = ensure_venv(Path(args.peers_dir), name, PEERS[name]["pip"],
+                                            peer_interpreter(name, pythons), log)
+            except ValueError as exc:
+                peer_errors[name] = str(exc)
             except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
                 peer_errors[name] = f"venv/install failed: {exc}"
+            if name in peer_errors:
                 log(f"!! {name}: {peer_errors[name]}")
+                failures.append(f"{name}: {peer_errors[name]}")
+    ceiling_error: str | None = None
+    if run_ceiling:
+        missing = [tool for tool in ("pgbench", "psql") if shutil.which(tool) is None]
+        if missing:
+            ceiling_error = (f"{' and '.join(missing)} not found (PostgreSQL's client programs, e.g. "
+                             "`apt-get install postgresql-client`)")
+            log(f"!! ceiling: {ceiling_error}")
+            failures.append(f"ceiling: {ceiling_error}")
+        else:
+            ensure_databases(args.pg_url, [CEILING_DB], log)
 
     ours_common = [
         sys.executable, str(HERE / "workqueue_bench.py"), "--dsn", wq_dsn,
@@ -590,12 +529,12 @@ def main() -> None:
     ]
     fast = [w for w in OUR_FAST if w in which]
     slow = [w for w in OUR_SLOW if w in which]
-    failures: list[str] = []
     noise: list[dict[str, Any]] = []
-    monitor = NoiseMonitor({wq_dsn.rpartition("/")[2], *(p["db"] for p in PEERS.values())})
+    monitor = NoiseMonitor({wq_dsn.rpartition("/")[2], CEILING_DB, *(p["db"] for p in PEERS.values())})
     monitor.start()
     our_files: list[Path] = []
     peer_files: dict[str, list[Path]] = {name: [] for name in PEERS}
+    ceiling_files: list[Path] = []
     for r in range(repeats):
         steps: list[tuple[str, list[str], Path]] = []
         if fast:
@@ -609,6 +548,13 @@ def main() -> None:
                 "--concurrency", str(counts["concurrency"]), "--repeats", "1",
                 "--lat-count", str(counts["lat_count"]), "--lat-spacing", str(counts["lat_spacing"]),
                 "--only", ",".join(peer_only), "--out", str(f),
+                *(x for opt, key in PEERS[name].get("count_args", {}).items() for x in (opt, str(counts[key]))),
+            ], f))
+        if run_ceiling and ceiling_error is None:
+            f = rounds_dir / f"ceiling_r{r + 1}.json"
+            steps.append(("ceiling", [
+                sys.executable, str(HERE / "ceiling.py"), "--dsn", db_url(args.pg_url, CEILING_DB),
+                "--seconds", str(counts["ceiling_seconds"]), "--repeats", "1", "--out", str(f),
             ], f))
         shift = r % len(steps) if steps else 0
         steps = steps[shift:] + steps[:shift]  # rotate who goes first
@@ -619,7 +565,7 @@ def main() -> None:
             if rc != 0 or not f.exists():
                 failures.append(f"{name} round {r + 1}: exit {rc}")
                 continue
-            (our_files if name == "workqueue" else peer_files[name]).append(f)
+            {"workqueue": our_files, "ceiling": ceiling_files}.get(name, peer_files.get(name, [])).append(f)
     if slow:
         f = rounds_dir / "workqueue_slow.json"
         log(f"== our backlog and memory cases ({slow_repeats} repeats)")
@@ -640,11 +586,12 @@ def main() -> None:
     result: dict[str, Any] = {
         "meta": meta,
         "settings": {**counts, "repeats": repeats, "slow_repeats": slow_repeats, "claim_limit": 4,
-                     "cases": which, "peer_cases": peer_only if run_peers else []},
+                     "cases": which, "peers": selected, "peer_cases": peer_only if run_peers else [],
+                     "ceiling": run_ceiling},
         "versions": {"fastapi-workqueue": (ours.get("versions") or {}).get("fastapi-workqueue")},
         "workqueue": ours,
     }
-    for name in PEERS:
+    for name in selected:
         if name in peer_errors:
             result[name] = {"error": peer_errors[name]}
             continue
@@ -653,11 +600,21 @@ def main() -> None:
             continue
         praw, pdocs = merge_raw(peer_files[name])
         result[name] = {"summary": summarize_peer(praw), "raw": praw, "version": pdocs[0].get("version"),
+                        "none": PEERS[name].get("none", {}),
                         "python": pdocs[0].get("python"), "postgres": pdocs[0].get("postgres"),
                         "settings": pdocs[0].get("settings"),
-                        "packages": pip_versions(peer_py[name], ["pgqueuer", "asyncpg", "uvloop", "procrastinate",
-                                                                 "psycopg", "psycopg-pool"])}
+                        "packages": pip_versions(peer_py[name], PEERS[name]["packages"])}
         result["versions"][name] = pdocs[0].get("version")
+    if run_ceiling:
+        if ceiling_error:
+            result["ceiling"] = {"error": ceiling_error}
+        elif ceiling_files:
+            craw, cdocs = merge_raw(ceiling_files)
+            result["ceiling"] = {"summary": {"insert_c1_tps": summarize([x["tps"] for x in craw.get("insert_c1", [])])},
+                                 "raw": craw, "version": cdocs[0].get("version"), "settings": cdocs[0].get("settings")}
+            result["versions"]["pgbench"] = cdocs[0].get("version")
+        else:
+            result["ceiling"] = {"error": "every pgbench step failed (run.log says why)"}
     meta["library_digest_end"] = library_digest(lib_root)
     meta["library_changed_during_run"] = meta["library_digest_end"] != meta["library_digest_start"]
     meta["loadavg_end"] = os.getloadavg()

@@ -23,7 +23,7 @@ from ..core.errors import ConfigurationError
 from .outbox_store import store_for
 
 if TYPE_CHECKING:
-    from ..queue import WorkQueue
+    from ..core.kernel import Kernel
 
 BINDINGS_VERSION = 1
 
@@ -107,8 +107,8 @@ def _write_file(path: str, document: dict[str, Any]) -> None:
     os.replace(scratch, path)
 
 
-def _bindings_file(queue: WorkQueue) -> str:
-    path = queue.settings.aws_bindings_file
+def _bindings_file(kernel: Kernel) -> str:
+    path = kernel.settings.aws_bindings_file
     if not path:
         raise ConfigurationError(
             "the queue has no database to store bindings in: set WORKQUEUE_AWS_BINDINGS_FILE "
@@ -117,13 +117,13 @@ def _bindings_file(queue: WorkQueue) -> str:
     return path
 
 
-async def load_bindings(queue: WorkQueue) -> Bindings:
+async def load_bindings(kernel: Kernel) -> Bindings:
     """The stored bindings (none stored: an empty set in the settings' region)."""
-    empty = Bindings(region=queue.settings.aws_region or "")
-    if not queue.settings.database_url:
-        text = await asyncio.to_thread(_read_file, _bindings_file(queue))
+    empty = Bindings(region=kernel.settings.aws_region or "")
+    if not kernel.settings.database_url:
+        text = await asyncio.to_thread(_read_file, _bindings_file(kernel))
         return empty if text is None else Bindings.parse(text)
-    rows = await store_for(queue.engine).list_bindings(queue.engine)
+    rows = await store_for(kernel.sessions.engine).list_bindings(kernel.sessions.engine)
     if not rows:
         return empty
     document: dict[str, Any] = {"version": BINDINGS_VERSION, "region": rows[0].region, "topics": {},
@@ -134,12 +134,12 @@ async def load_bindings(queue: WorkQueue) -> Bindings:
     return Bindings.parse(document)
 
 
-async def store_bindings(queue: WorkQueue, bindings: Bindings) -> None:
+async def store_bindings(kernel: Kernel, bindings: Bindings) -> None:
     """Replaces the stored bindings with ``bindings`` (one transaction, or one atomic file write)."""
-    if not queue.settings.database_url:
-        await asyncio.to_thread(_write_file, _bindings_file(queue), bindings.document())
+    if not kernel.settings.database_url:
+        await asyncio.to_thread(_write_file, _bindings_file(kernel), bindings.document())
         return
     items: list[tuple[str, str, BaseModel]] = [("topic", n, b) for n, b in bindings.topics.items()]
     items += [("subscription", n, b) for n, b in bindings.subscriptions.items()]
     rows = [(kind, name, json.dumps(b.model_dump(exclude_none=True))) for kind, name, b in items]
-    await store_for(queue.engine).replace_bindings(queue.engine, bindings.region, rows)
+    await store_for(kernel.sessions.engine).replace_bindings(kernel.sessions.engine, bindings.region, rows)

@@ -76,7 +76,7 @@ async def publish_follow_ups(
     """Publishes ``follow_ups`` so that they are stored when this returns (see the module's text).
     A refused message raises :class:`TransportError` and, with a database, nothing is kept."""
     if transport.settings.database_url:
-        async with transport.queue.sessionmaker() as session, session.begin():
+        async with transport.kernel.sessions.sessionmaker() as session, session.begin():
             for follow_up in follow_ups:
                 if follow_up.topic in transport._topics:
                     answers = await transport.publish(follow_up.topic, follow_up.messages, session=session)
@@ -86,7 +86,7 @@ async def publish_follow_ups(
                 _check(delivery_id, follow_up, answers, derived)
         return
     for follow_up in follow_ups:
-        if follow_up.topic not in transport._topics and follow_up.topic in transport.queue.topics:
+        if follow_up.topic not in transport._topics and follow_up.topic in transport.kernel.topics:
             raise ConfigurationError(
                 f"follow-up to topic {follow_up.topic!r} from an aws subscription: a database topic needs "
                 "a database (set WORKQUEUE_DATABASE_URL), and the topic is not an aws topic"
@@ -109,7 +109,7 @@ def _database(transport: AwsTransport, topic: str) -> Transport:
     """The queue's database transport, which the follow-up's (non-aws) topic is on."""
     from ..core.routing import RoutingTransport
 
-    router = transport.queue.transport
+    router = transport.kernel.transport
     if not isinstance(router, RoutingTransport):
         raise ConfigurationError(
             f"follow-up to topic {topic!r} from an aws subscription: the queue routes no database topics"

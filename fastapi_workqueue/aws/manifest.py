@@ -20,7 +20,7 @@ from . import naming
 from .filter_policy import FILTER_POLICY_SCOPE, render_filter_policy
 
 if TYPE_CHECKING:
-    from ..settings import WorkQueueSettings
+    from ..core.settings import WorkQueueSettings
 
 MANIFEST_VERSION = 1
 TRANSPORT = "aws"

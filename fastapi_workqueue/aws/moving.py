@@ -89,7 +89,7 @@ class MovedForwarder:
     def _database(self) -> Transport | None:
         from ..core.routing import RoutingTransport
 
-        router = self.transport.queue.transport
+        router = self.transport.kernel.transport
         return router.default if isinstance(router, RoutingTransport) else None
 
     async def run_once(self) -> int:

@@ -105,7 +105,7 @@ class OutboxRelay:
 
     async def run_once(self, limit: int = TAKE) -> PassReport:
         """One pass: takes, sends and marks up to ``limit`` rows."""
-        engine = self.engine if self.engine is not None else self.transport.queue.engine
+        engine = self.engine if self.engine is not None else self.transport.kernel.sessions.engine
         if self._store is None:
             self._store = store_for(engine)
         return await self._store.relay_pass(engine, limit, self._send, self._delay, self.clock)

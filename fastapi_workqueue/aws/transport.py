@@ -60,7 +60,7 @@ from .records import SettledRecords
 from .settling import Settling
 
 if TYPE_CHECKING:
-    from ..queue import WorkQueue
+    from ..core.kernel import Kernel
 
 __all__ = [
     "BACKLOG_UNSUPPORTED",
@@ -93,6 +93,7 @@ CAPABILITIES = Capabilities(
     cancel=False,
     exact_backlog=False,
     retry_keeps_key_busy=True,
+    message_state=False,
     terminal_counts=False,
     sweeps=False,
     priority=False,
@@ -100,6 +101,7 @@ CAPABILITIES = Capabilities(
     rate_limits=False,
     notes=(
         "Ordered needs a database topic",
+        "job status, stored results, wait, groups and debounce need the database (jobs live there)",
         "priorities, concurrency limits and rate limits need a database topic",
         "cancel of an in-flight message is not available on SQS",
         "a retrying Exclusive message keeps its key busy (SQS FIFO message group)",
@@ -111,9 +113,9 @@ CAPABILITIES = Capabilities(
 )
 
 
-def create_transport(queue: WorkQueue) -> AwsTransport:
+def create_transport(kernel: Kernel) -> AwsTransport:
     """The entry point the core's routing transport calls for ``Topic(transport="aws")``."""
-    return AwsTransport(queue)
+    return AwsTransport(kernel)
 
 
 class TopicUnboundError(TransportError):
@@ -125,9 +127,9 @@ class AwsTransport(Receiving, Settling, OperatorViews):
     name = NAME
     capabilities = CAPABILITIES
 
-    def __init__(self, queue: WorkQueue, *, bindings: Bindings | None = None) -> None:
-        self.queue = queue
-        self.settings = queue.settings
+    def __init__(self, kernel: Kernel, *, bindings: Bindings | None = None) -> None:
+        self.kernel = kernel
+        self.settings = kernel.settings
         self.bindings = bindings
         self._given_bindings = bindings is not None
         self.wait_seconds = self.settings.aws_wait_time_seconds
@@ -195,10 +197,10 @@ class AwsTransport(Receiving, Settling, OperatorViews):
             self._sqs = await stack.enter_async_context(session.client("sqs", **options))
             self._stack = stack
             self._closed = False
-            for topic in self.queue.topics.values():
+            for topic in self.kernel.topics.values():
                 if topic.transport == NAME:
                     self._topics[topic.name] = topic
-            for sub in self.queue.subscriptions.values():
+            for sub in self.kernel.subscriptions.values():
                 if sub.topic in self._topics:
                     self._subscriptions[sub.name] = sub
             await self.reload_bindings()
@@ -226,7 +228,7 @@ class AwsTransport(Receiving, Settling, OperatorViews):
         self._bindings_read = time.monotonic()
         if not self._given_bindings:
             try:
-                self.bindings = await load_bindings(self.queue)
+                self.bindings = await load_bindings(self.kernel)
                 self._bindings_failed = False
             except Exception as exc:  # the table is missing before the first migration
                 log.debug("aws bindings could not be read (%s); aws topics answer TopicUnbound", exc)

@@ -21,8 +21,8 @@ import click
 from ..core.errors import WorkQueueError
 from ..core.keys import SCOPES, create_key
 from ..core.reports import DeliveryStatus, PartitionCondition
+from ..core.settings import DEFAULT_DATABASE_URL
 from ..core.words import count
-from ..settings import DEFAULT_DATABASE_URL
 from ..web.operator_view import shown, shown_all
 from .aws import export_topology, import_bindings, lambda_policy
 from .jobs import jobs, schedules

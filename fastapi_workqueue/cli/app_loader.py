@@ -16,11 +16,15 @@ import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigurationError
 from ..core.redaction import redacting_logger
 from ..core.tasks import TaskScope
+
+if TYPE_CHECKING:
+    from ..core.settings import WorkQueueSettings
+    from ..queue import WorkQueue
 
 log = redacting_logger("fastapi_workqueue.cli")
 
@@ -70,6 +74,15 @@ def load_target(path: str) -> Target:
     raise ConfigurationError(
         f"--app {path!r} is a {type(target).__name__}, not a FastAPI or Starlette app nor a WorkQueue"
     )
+
+
+def queue_of_its_own(settings: WorkQueueSettings) -> WorkQueue:
+    """A WorkQueue of the command's own, on ``settings`` (its database), for a command that runs
+    without an app: the jobs commands, the aws bindings' lookup. The CLI makes queues here and
+    only here, as it loads them here (the package's other modules never import ``queue.py``)."""
+    from ..queue import WorkQueue
+
+    return WorkQueue(settings)
 
 
 def _import_failed(path: str, module_name: str, exc: BaseException) -> ConfigurationError:

@@ -136,7 +136,7 @@ def import_bindings(bindings_file: str, app_path: str | None) -> None:
     except (ValueError, WorkQueueError) as exc:
         raise _fail(exc) from exc
     queue = _queue(app_path)
-    _run(_with_engine(queue, module.store_bindings(queue, bindings)))
+    _run(_with_engine(queue, module.store_bindings(queue.kernel, bindings)))
     if _as_json():
         emit_json({"Topics": sorted(bindings.topics), "Subscriptions": sorted(bindings.subscriptions)})
     else:
@@ -181,7 +181,7 @@ async def _with_engine(queue: Any, awaitable: Awaitable[T]) -> T:
     try:
         return await awaitable
     finally:
-        await queue._sessions.dispose()
+        await queue.kernel.sessions.dispose()
 
 
 def validate_aws(
@@ -198,7 +198,8 @@ def validate_aws(
         except (ValueError, WorkQueueError) as exc:
             raise _fail(exc) from exc
     else:
-        bindings = _run(_with_engine(queue, _aws("bindings").load_bindings(queue))).model_dump(mode="json")
+        assert queue is not None  # (read from the app when no bindings file is given)
+        bindings = _run(_with_engine(queue, _aws("bindings").load_bindings(queue.kernel))).model_dump(mode="json")
     if endpoint_url is None and queue is not None:
         endpoint_url = getattr(queue.settings, "aws_endpoint_url", None)
     region = manifest.get("region") if isinstance(manifest, dict) else None

@@ -52,20 +52,20 @@ async def check_in_database(
 
 async def bound_on_aws(url: str) -> set[str]:
     """The subscriptions the database's stored aws bindings name (none where there are none)."""
-    from ..queue import WorkQueue
-    from ..settings import WorkQueueSettings
+    from ..core.settings import WorkQueueSettings
+    from .app_loader import queue_of_its_own
 
     try:
         from ..aws.bindings import load_bindings
     except ImportError:  # pragma: no cover - the aws extra is missing
         return set()
-    queue = WorkQueue(WorkQueueSettings(database_url=url))
+    queue = queue_of_its_own(WorkQueueSettings(database_url=url))
     try:
-        return set((await load_bindings(queue)).subscriptions)
+        return set((await load_bindings(queue.kernel)).subscriptions)
     except Exception:  # no bindings table (never migrated with it): nothing is bound
         return set()
     finally:
-        await queue._sessions.dispose()
+        await queue.kernel.sessions.dispose()
 
 
 async def check_in_app(queue: Any, transport: Any, subscription: str | None) -> None:

@@ -110,7 +110,7 @@ async def run_work(
 
     The lifespan opens the queue but starts no host of its own (:func:`host_run_by_worker`); the
     worker's host runs, drains on a signal, and the lifespan's shutdown runs after the drain."""
-    from ..queue import host_run_by_worker
+    from ..core.kernel import host_run_by_worker
 
     if isinstance(plan, str):
         plan = WorkPlan(subscriptions=(plan,))
@@ -204,7 +204,7 @@ async def _run(
             ))
         try:
             check_fits_lease(queue.jobs, parse_queues(plan.queues), stop_timeout)
-            groups = queue.job_groups(plan.queues, concurrency)
+            groups = queue.jobs.groups(plan.queues, concurrency)
         except ConfigurationError as exc:
             return summary.ended(EXIT_CONFIGURATION, str(exc))
         queue.jobs.stuck = _stop_the_process
@@ -279,14 +279,14 @@ async def _run(
 
 
 async def _handler_needing_an_app(queue: Any, subscription: str) -> str | None:
-    """Where the subscription's handler takes a Request (see ``WorkQueue.app_needed_by``)."""
+    """Where the subscription's handler takes a Request (see ``Kernel.app_needed_by``)."""
     declared = queue.subscriptions.get(subscription)
     key = declared.handler_key if declared is not None else None
     if key is None:
         with contextlib.suppress(Exception):  # the host reports an unreadable topology itself
             stored = await queue.transport.list_subscriptions()
             key = next((s.handler_key for s in stored if s.name == subscription), None)
-    return None if key is None else queue.app_needed_by(key)
+    return None if key is None else queue.kernel.app_needed_by(key)
 
 
 def run_on_fastest_loop(coroutine: Coroutine[Any, Any, T]) -> T:

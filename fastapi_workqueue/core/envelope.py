@@ -162,10 +162,20 @@ class PreparedMessage:
     """0 to 9: a subscription claims its deliveries of higher priority first (not part of the content)."""
 
 
-if sys.version_info >= (3, 14):  # pragma: no cover - the tests run on 3.11
-    _uuid7 = uuid.uuid7
-else:
-    from uuid_utils.compat import uuid7 as _uuid7
+def _load_uuid7() -> uuid.UUID:
+    """Binds ``_uuid7`` on the first ID drawn, so that a process that publishes nothing (a worker)
+    never imports uuid_utils; later calls go straight to it."""
+    global _uuid7
+    if sys.version_info >= (3, 14):  # pragma: no cover - the tests run on 3.11
+        _uuid7 = uuid.uuid7
+    else:
+        from uuid_utils.compat import uuid7 as loaded
+
+        _uuid7 = loaded
+    return _uuid7()
+
+
+_uuid7: Callable[[], uuid.UUID] = _load_uuid7
 
 
 def uuid7() -> uuid.UUID:

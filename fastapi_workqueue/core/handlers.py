@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import json
 import typing
@@ -231,8 +230,13 @@ def unused_handlers(registered: Iterable[str], used: Mapping[str, str]) -> list[
     """One warning per registered handler key that no subscription names (``used``: handler key
     -> a subscription that names it), with the key it most resembles: a typo in
     ``@queue.handler(...)`` otherwise leaves the subscription HandlerNotRegistered in silence."""
+    unused = sorted(set(registered) - set(used))
+    if not unused:
+        return []
+    import difflib  # (only here: a worker whose handlers are all used never needs it)
+
     problems = []
-    for key in sorted(set(registered) - set(used)):
+    for key in unused:
         guess = difflib.get_close_matches(key, list(used), n=1, cutoff=0.6)
         hint = (f"; did you mean {guess[0]!r} (subscription {used[guess[0]]!r})?" if guess
                 else "; declare a Subscription(handler_key=...) that names it, or remove the handler")

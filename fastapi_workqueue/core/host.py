@@ -143,11 +143,13 @@ class Host:
         max_deliveries: int | None = None,
         stop_when_idle: bool = False,
         declared: Collection[str] | None = None,
+        ports: Ports | None = None,
     ) -> None:
         """``declared``: the subscriptions the code of this process declares (None: unknown, every
         stored one counts as declared). One stored but not declared, without a handler here, is
         ``Undeclared`` rather than ``HandlerNotRegistered``: removed from the code, or a rolling
-        deploy's older instances still run it."""
+        deploy's older instances still run it. ``ports``: the transport's ports as the queue
+        resolved them (resolved here when not given)."""
         self.transport = transport
         self._declared = declared
         self._resolve = resolve
@@ -170,7 +172,7 @@ class Host:
         self._started = False
         self._reconcile_lock = asyncio.Lock()
         self._retired: dict[str, list[Consumer]] = {}  # consumers no longer planned, by subscription
-        self.ports = Ports.of(transport)
+        self.ports = ports if ports is not None and ports.transport is transport else Ports.of(transport)
         self._registry = self.ports.processes
         self.stored_handler_keys: dict[str, str] = {}
         """The handler key of each stored subscription (key -> a subscription that names it), as

@@ -8,12 +8,13 @@ import secrets
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .topology import check_name
 from .wire import WireModel
 
 if TYPE_CHECKING:
+    from .ports import Ports
     from .transport import Transport
 
 SCOPE_PUBLISH = "workqueue:publish"
@@ -173,24 +174,25 @@ async def verify_key(store: ApiKeyStore, key: str) -> Principal | None:
     return None if record is None else record.principal()
 
 
-def _key_store_of(transport: ApiKeyStore | Transport) -> ApiKeyStore:
-    """The store of a queue's API keys: ``transport`` itself, or behind a router (a queue with
-    topics on AWS) its database; TypeError when it stores no keys."""
-    from .ports import Ports
+def _key_store_of(store: ApiKeyStore | Transport | Ports) -> ApiKeyStore:
+    """The store of a queue's API keys: given ``Ports`` (``queue.ports``), their key store;
+    otherwise ``store`` itself, or behind a router (a queue with topics on AWS) its database;
+    TypeError when it stores no keys."""
+    from .ports import Ports, api_key_store_of
 
-    # Ports.of answers a bare key store with itself, and a router with its database's store.
-    store = Ports.of(cast("Transport", transport)).api_keys
-    if store is None:
-        raise TypeError(f"{type(transport).__name__} stores no API keys: they live in the queue's database")
-    return store
+    found = store.api_keys if isinstance(store, Ports) else api_key_store_of(store)
+    if found is None:
+        raise TypeError(f"{type(store).__name__} stores no API keys: they live in the queue's database")
+    return found
 
 
 async def create_key(
-    store: ApiKeyStore | Transport, name: str, scopes: list[str], expires_at: datetime | None = None,
+    store: ApiKeyStore | Transport | Ports, name: str, scopes: list[str], expires_at: datetime | None = None,
     topics: list[str] | None = None,
 ) -> CreatedApiKey:
     """Creates and stores a key; the returned secret is not stored anywhere. ``store`` is the key
-    store or a queue's transport (``queue.transport``: behind a router, its database keeps the keys).
+    store, a queue's ports (``queue.ports``) or its transport (``queue.transport``: behind a router, its
+    database keeps the keys).
     ``topics`` limits the topics it may publish to (names or ``*`` patterns); None allows every
     topic but the job queues', which also need :data:`SCOPE_JOBS`."""
     if not name.strip():

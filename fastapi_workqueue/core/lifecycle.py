@@ -16,17 +16,22 @@ the conformance suite holds every transport to the same results. Time is an argu
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
+from .envelope import MAX_DELAY_SECONDS
 from .failures import error_text
 from .filters import matches
 from .outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError
 from .redaction import redact
 from .transport import SettleKind, Settlement
+
+if TYPE_CHECKING:
+    from .envelope import PreparedMessage, PublishResult
 
 __all__ = [
     "LEASE_EXPIRED_ERROR",
@@ -89,6 +94,14 @@ def backoff_seconds(attempt: int, policy: BackoffPolicy, draw: float) -> float:
 def clamp_delay(seconds: float, ceiling: float) -> float:
     """A delay a broker can hold: at least 0, at most ``ceiling`` (SQS: 12 hours)."""
     return min(max(seconds, 0.0), ceiling)
+
+
+def settle_delay(delay: float | None) -> float | None:
+    """A handler's retry delay as the stores can add it to a timestamp: at most MAX_DELAY_SECONDS
+    (a longer one would fail this settle and every sweep after it); NaN means none."""
+    if delay is None or math.isnan(delay):
+        return None
+    return min(max(delay, 0.0), MAX_DELAY_SECONDS)
 
 
 # -- the settle transition -----------------------------------------------------------------------
@@ -226,7 +239,7 @@ def settlement_for(delivery_id: str, lease_token: str, result: object) -> Settle
     if result is None:
         return Settlement(*base, "Complete")
     if isinstance(result, Complete):
-        return Settlement(*base, "Complete", follow_ups=result.then)
+        return Settlement(*base, "Complete", follow_ups=result.then, result_json=result.result)
     if isinstance(result, Retry):
         return Settlement(*base, "Retry", delay_seconds=result.delay_seconds, reason=result.reason)
     if isinstance(result, DeadLetter):
@@ -315,6 +328,17 @@ def topic_refusal(topic: str, *, exists: bool) -> tuple[str, str]:
         return "UnknownTopic", f"topic '{topic}' does not exist; declare it in the WorkQueue topics or create it first"
     return "TopicRetired", (f"topic '{topic}' is retired and takes no new messages; publish to the topic that "
                             f"replaced it, or take it back with `workqueue topics resume {topic}`")
+
+
+def follow_up_refused(delivery_id: str, topic: str, message: PreparedMessage, answer: PublishResult) -> str:
+    """Why settle_with_follow_ups rolled back: which follow-up message, and what the publish said."""
+    why = answer.status.value
+    if answer.error is not None:
+        why += f" ({answer.error.code}: {answer.error.message})"
+    return (
+        f"settle with follow-ups: follow-up message {message.message_id} to topic {topic!r} was refused: {why}; "
+        f"nothing was published and delivery {delivery_id} was not settled (it stays InFlight under its lease)"
+    )
 
 
 def classify_batch(

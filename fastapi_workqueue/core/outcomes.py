@@ -22,9 +22,12 @@ class FollowUp:
 
 @dataclass(frozen=True, slots=True)
 class Complete:
-    """The work is done: the delivery becomes Completed (and ``then`` is published with it)."""
+    """The work is done: the delivery becomes Completed (and ``then`` is published with it).
+    ``result`` is JSON text the store keeps with the message in the same transaction (a job
+    declared ``store_result=True``), read back by ``job_status`` and ``wait``."""
 
     then: tuple[FollowUp, ...] = ()
+    result: str | None = None
     kind: ClassVar[Literal["Complete"]] = "Complete"
 
 
@@ -61,10 +64,11 @@ class Outcome:
     """Builders for handler outcomes: ``return Outcome.complete()``."""
 
     @staticmethod
-    def complete(then: Iterable[FollowUp] = ()) -> Complete:
-        """The delivery is done; ``then`` is published in the same transaction as the completion."""
+    def complete(then: Iterable[FollowUp] = (), result: str | None = None) -> Complete:
+        """The delivery is done; ``then`` is published, and ``result`` (JSON text) stored, in the same
+        transaction as the completion."""
         follow_ups = tuple(then)
-        return Complete(follow_ups) if follow_ups else _COMPLETE
+        return Complete(follow_ups, result) if follow_ups or result is not None else _COMPLETE
 
     @staticmethod
     def retry(reason: str, delay_seconds: float | None = None) -> Retry:

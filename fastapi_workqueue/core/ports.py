@@ -4,11 +4,10 @@ Every transport has the roles of :class:`.transport.Transport` (publishing, cons
 housekeeping, operator reads and actions, the topology store, message markers). What only some
 transports have is a port of its own, found when the queue is wired instead of being probed with
 ``hasattr`` at each use: the process registry, live work, stats history, attempt history, search,
-the topology lifecycle
-(retire and delete), the API key store, ending claims that wait for work (an SQS long poll), and
-routing by topic. A part of the library asks :class:`Ports` for what it needs and gets ``None``
-when the transport has no such part, so its answer ("this transport stores no API keys") is
-decided in one place.
+the topology lifecycle (retire and delete), the API key store, the message state (stored
+results), ending claims that wait for work (an SQS long poll), and routing by topic. A part of the
+library asks :class:`Ports` for what it needs and gets ``None`` when the transport has no such
+part, so its answer ("this transport stores no API keys") is decided in one place.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from .attempts import AttemptHistoryReader
 from .history import StatsHistoryReader
 from .keys import ApiKeyStore
 from .live_work import FlowStateReader, LiveWorkReader
+from .message_state import EndWatcher, MessageState
 from .processes import ProcessRegistry
 from .retirement import TopologyLifecycle
 from .search import DeliverySearch
@@ -44,6 +44,8 @@ class TopicRouter(Protocol):
 
     def transport_for_topic(self, topic: str) -> Transport: ...
     def transport_for_subscription(self, subscription: str) -> Transport: ...
+    def ports_for_topic(self, topic: str) -> Ports: ...
+    def ports_for_subscription(self, subscription: str) -> Ports: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,10 @@ class Ports:
     """Keys are the app's, not a topic's: behind a router they are the database's."""
     interrupter: ClaimInterrupter | None
     router: TopicRouter | None
+    state: MessageState | None = None
+    """Stored results (the jobs layer's status and ``wait``): behind a router, the database's."""
+    ends: EndWatcher | None = None
+    """Announces the end of a watched delivery (``wait`` without polling): behind a router, the database's."""
     flow: FlowStateReader | None = None
     """How full the flow limits are (behind a router: the database's, where the limits hold)."""
 
@@ -68,7 +74,7 @@ class Ports:
     def of(cls, transport: Transport) -> Ports:
         """Resolves the optional parts of ``transport`` (once, when the queue is wired)."""
         router = transport if isinstance(transport, TopicRouter) else None
-        keys_from: object = router.default if router is not None else transport
+        database: object = router.default if router is not None else transport
         return cls(
             transport=transport,
             processes=transport if isinstance(transport, ProcessRegistry) else None,
@@ -77,10 +83,12 @@ class Ports:
             attempts=transport if isinstance(transport, AttemptHistoryReader) else None,
             search=transport if isinstance(transport, DeliverySearch) else None,
             lifecycle=transport if isinstance(transport, TopologyLifecycle) else None,
-            api_keys=keys_from if isinstance(keys_from, ApiKeyStore) else None,
+            api_keys=api_key_store_of(transport),
             interrupter=interrupter_of(transport),
             router=router,
-            flow=keys_from if isinstance(keys_from, FlowStateReader) else None,
+            state=database if isinstance(database, MessageState) else None,
+            ends=database if isinstance(database, EndWatcher) else None,
+            flow=database if isinstance(database, FlowStateReader) else None,
         )
 
     def for_topic(self, topic: str) -> Transport:
@@ -90,6 +98,21 @@ class Ports:
     def for_subscription(self, subscription: str) -> Transport:
         """The transport that serves ``subscription``."""
         return self.transport if self.router is None else self.router.transport_for_subscription(subscription)
+
+    def ports_for_topic(self, topic: str) -> Ports:
+        """The ports of the transport that stores ``topic`` (resolved once, by the router)."""
+        return self if self.router is None else self.router.ports_for_topic(topic)
+
+    def ports_for_subscription(self, subscription: str) -> Ports:
+        """The ports of the transport that serves ``subscription`` (resolved once, by the router)."""
+        return self if self.router is None else self.router.ports_for_subscription(subscription)
+
+
+def api_key_store_of(store: object) -> ApiKeyStore | None:
+    """Where the API keys of ``store`` live: ``store`` itself when it keeps them, behind a router
+    its database; None when neither keeps keys."""
+    keys_from = store.default if isinstance(store, TopicRouter) else store
+    return keys_from if isinstance(keys_from, ApiKeyStore) else None
 
 
 def interrupter_of(transport: Transport) -> ClaimInterrupter | None:

@@ -3,7 +3,8 @@ transport its ``Topic.transport`` names, and merges the operator views of all of
 
 Transports other than ``database`` are found by name in the entry point group
 ``fastapi_workqueue.transports`` (``aws = "fastapi_workqueue.aws.transport:create_transport"``):
-each entry is a callable ``create_transport(queue) -> Transport``, so the core imports none of them.
+each entry is a callable ``create_transport(kernel) -> Transport`` that is given the queue's
+:class:`~.kernel.Kernel` (its settings, topology and sessions), so the core imports none of them.
 Deliveries of such a transport carry its name as a prefix of their ids (``aws:…``), which is how
 heartbeats, settles and ``get_delivery`` find their transport.
 """
@@ -14,7 +15,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .attempts import AttemptInfo
 from .envelope import PreparedMessage, PublishResult
@@ -45,12 +46,15 @@ from .transport import (
     WakeupListener,
 )
 
+if TYPE_CHECKING:
+    from .kernel import Kernel
+
 ENTRY_POINT_GROUP = "fastapi_workqueue.transports"
 DATABASE = "database"
 
 
-def transport_factory(name: str) -> Callable[[Any], Transport]:
-    """The ``create_transport(queue)`` of the transport registered under ``name``."""
+def transport_factory(name: str) -> Callable[[Kernel], Transport]:
+    """The ``create_transport(kernel)`` of the transport registered under ``name``."""
     found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
     if not found:
         known = sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} | {DATABASE})
@@ -59,7 +63,7 @@ def transport_factory(name: str) -> Callable[[Any], Transport]:
             f"no transport named {name!r} is installed{hint}; Topic.transport must be one of {known}"
         )
     try:
-        factory: Callable[[Any], Transport] = found[0].load()
+        factory: Callable[[Kernel], Transport] = found[0].load()
     except ImportError as exc:
         raise ConfigurationError(
             f"the {name!r} transport cannot be loaded ({exc}); install fastapi-workqueue[{name}]"
@@ -95,6 +99,7 @@ class RoutingTransport:
         self.capabilities = Capabilities(
             ordered=base.ordered, exclusive=base.exclusive, transactional_publish=base.transactional_publish,
             wakeups=base.wakeups, runtime_roles=base.runtime_roles, notes=base.notes,
+            message_state=default is not None and base.message_state,
             sweeps=any(t.capabilities.sweeps for t in self._all()),
             # What holds for some subscriptions only is not claimed for the queue as a whole (the
             # host and the operator calls ask the transport of each subscription).
@@ -128,6 +133,12 @@ class RoutingTransport:
 
     def transport_for_subscription(self, subscription: str) -> Transport:
         return self._named(self._subscriptions.get(subscription, DATABASE))
+
+    def ports_for_topic(self, topic: str) -> Ports:
+        return self._ports[id(self.transport_for_topic(topic))]
+
+    def ports_for_subscription(self, subscription: str) -> Ports:
+        return self._ports[id(self.transport_for_subscription(subscription))]
 
     def transport_for_delivery(self, delivery_id: str) -> Transport:
         prefix, sep, _ = delivery_id.partition(":")
@@ -451,13 +462,13 @@ def moved_reason(left: SubscriptionStats, transport: str) -> str | None:
 
 
 def build_routing(
-    queue: Any, default: Transport | None, topics: Sequence[Topic], subscriptions: Sequence[Subscription]
+    kernel: Kernel, default: Transport | None, topics: Sequence[Topic], subscriptions: Sequence[Subscription]
 ) -> Transport | None:
     """A routing transport when some topic names another transport than ``database``; else None."""
     names = sorted({t.transport for t in topics} - {DATABASE})
     if not names:
         return None
-    others = {name: transport_factory(name)(queue) for name in names}
+    others = {name: transport_factory(name)(kernel) for name in names}
     topic_of = {t.name: t.transport for t in topics}
     return RoutingTransport(
         default, others, topic_of, {s.name: topic_of.get(s.topic, DATABASE) for s in subscriptions}

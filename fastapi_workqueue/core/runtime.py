@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext
 from .failures import error_text, handler_traceback, summary
@@ -58,7 +58,10 @@ before it looks again (at once when one of its own deliveries of the subscriptio
 
 Resolver = Callable[[str], HandlerSpec | None]
 
-__all__ = ["Consumer", "Resolver", "Settler"]
+ClaimLoopState = Literal["stopped", "claiming", "waiting_for_slot", "waiting_for_work"]
+"""What a consumer's claim loop does now (:attr:`Consumer.claim_loop`)."""
+
+__all__ = ["ClaimLoopState", "Consumer", "Resolver", "Settler"]
 
 
 @dataclass(slots=True, eq=False)
@@ -152,6 +155,7 @@ class Consumer:
         self._tasks = TaskScope(f"workqueue-consumer:{self._name}")
         self._interrupter = interrupter_of(transport)
         self._loop_task: asyncio.Task[None] | None = None
+        self._loop_state: ClaimLoopState = "claiming"
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.last_error: str | None = None
 
@@ -186,6 +190,19 @@ class Consumer:
         return len(self._held)
 
     @property
+    def claim_loop(self) -> ClaimLoopState:
+        """What the claim loop does now: ``stopped`` (not started, or ended by a pause, a stop, a
+        spent budget or an idle one-shot run: it claims nothing until resumed), ``waiting_for_slot``
+        (every slot is held: it claims again once one frees), ``waiting_for_work`` (its last claim
+        found nothing or failed: it waits for a wake-up or its next poll) or ``claiming``.
+
+        A test that must show nothing more is claimed waits for ``stopped`` or ``waiting_for_slot``
+        instead of sleeping: the state is reached only when the consumer decided not to claim."""
+        if self._loop_task is None or self._loop_task.done():
+            return "stopped"
+        return self._loop_state
+
+    @property
     def paused(self) -> bool:
         """True while claiming is paused (running handlers go on and settle)."""
         return self._paused
@@ -198,6 +215,7 @@ class Consumer:
         self._heartbeat_task = self._tasks.spawn(self._heartbeat_loop(), name=f"workqueue-heartbeat:{self.name}")
 
     def _start_claiming(self) -> None:
+        self._loop_state = "claiming"
         self._loop_task = self._tasks.spawn(self._claim_loop(), name=f"workqueue-claim:{self.name}")
 
     def pause(self) -> None:
@@ -348,7 +366,9 @@ class Consumer:
                 free = min(free, budget)
             if free <= 0:
                 self._slot_freed.clear()
+                self._loop_state = "waiting_for_slot"
                 await self._slot_freed.wait()
+                self._loop_state = "claiming"
                 continue
             if self.settler.backlog >= SETTLE_BACKLOG_LIMIT:
                 await self.settler.wait_below(SETTLE_BACKLOG_LIMIT)
@@ -371,7 +391,9 @@ class Consumer:
                 log.warning("%s: claim failed (%s); retrying in %.2f s", self.name, exc, delay)
                 if self._on_error is not None:
                     self._on_error(str(exc))
+                self._loop_state = "waiting_for_work"
                 await self._sleep(delay)
+                self._loop_state = "claiming"
                 continue
             failures = 0
             self.last_error = None
@@ -399,7 +421,9 @@ class Consumer:
                     await self.settler.flush()
                     continue
                 return
+            self._loop_state = "waiting_for_work"
             await self._sleep(idle)
+            self._loop_state = "claiming"
             woken = self._wake.is_set()
             if not woken:
                 idle = min(idle * 2, self.idle_poll_max)

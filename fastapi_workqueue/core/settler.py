@@ -88,9 +88,9 @@ class Settler:
 
     async def _settle(self, settlements: list[Settlement], written: dict[int, SettleResult]) -> None:
         """One batch for the plain settles; one transaction each for a completion with follow-ups
-        (its messages are published with it). What is written goes into ``written``, so a retry
-        after a failure writes only the rest."""
-        plain = [s for s in settlements if not s.follow_ups and id(s) not in written]
+        or a result (its messages are published, its result kept, with it). What is written goes
+        into ``written``, so a retry after a failure writes only the rest."""
+        plain = [s for s in settlements if not s.one_transaction and id(s) not in written]
         if plain:
             scope = self._observer.settle_started(plain)
             try:
@@ -104,7 +104,7 @@ class Settler:
             for settlement, result in zip(plain, results, strict=True):
                 written[id(settlement)] = result
         for settlement in settlements:
-            if settlement.follow_ups and id(settlement) not in written:
+            if settlement.one_transaction and id(settlement) not in written:
                 written[id(settlement)] = await self._transport.settle_with_follow_ups(settlement)
 
     async def _run(self) -> None:

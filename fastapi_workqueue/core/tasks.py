@@ -59,10 +59,6 @@ class TaskScope:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def reopen(self) -> None:
         """Lets a stopped owner start again (a listener reconnecting, a host started twice)."""
         self._closed = False

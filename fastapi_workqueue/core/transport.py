@@ -54,6 +54,9 @@ class Capabilities:
     """Stats count Completed and Discarded deliveries (False: SQS deletes them and counts none; 0)."""
     sweeps: bool = True
     """The sweep expires leases and purges (False: the broker does it itself, and ``sweep`` never runs)."""
+    message_state: bool = True
+    """Keeps what :mod:`.message_state` names: a completion's result (False: a broker keeps none;
+    the jobs layer's status, results, groups and debounce live in the database)."""
     priority: bool = True
     """A published message's ``priority`` orders the claims of its deliveries (False: SQS, refused)."""
     concurrency_limits: bool = True
@@ -138,6 +141,15 @@ class Settlement:
     error: str | None = None
     follow_ups: tuple[FollowUp, ...] = ()
     """Published in the transaction that writes a ``Complete`` (see :class:`.outcomes.FollowUp`)."""
+    result_json: str | None = None
+    """Kept with the message in the transaction that writes a ``Complete`` (a job's stored result);
+    written only by :meth:`Consuming.settle_with_follow_ups`."""
+
+    @property
+    def one_transaction(self) -> bool:
+        """True when the settle writes more than the delivery (follow-ups or a result): it goes
+        through :meth:`Consuming.settle_with_follow_ups`, not a batch."""
+        return bool(self.follow_ups) or self.result_json is not None
 
 
 WakeupListener = Callable[[str], None]
@@ -185,8 +197,9 @@ class Consuming(Protocol):
     async def heartbeat(self, requests: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]: ...
     async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]: ...
     async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
-        """Writes one settlement and publishes its follow-ups in one transaction; when the settle
-        does not complete the delivery (a lost lease), nothing is published."""
+        """Writes one settlement, publishes its follow-ups and keeps its ``result_json`` in one
+        transaction; when the settle does not complete the delivery (a lost lease), nothing is
+        published or kept."""
         ...
     async def add_wakeup_listener(self, listener: WakeupListener) -> None:
         """Calls ``listener`` when a subscription may have new work. The first listener opens what

@@ -21,4 +21,8 @@ class WireModel(BaseModel):
         validate_by_alias=True,
         serialize_by_alias=True,
         extra="forbid",
+        # Validators are built when a model is first used, not at import: a worker loads the
+        # operator reports, the REST bodies and the health views it never builds (bench/README.md,
+        # memory).
+        defer_build=True,
     )

@@ -21,7 +21,7 @@ from ..web.auth import Authorizer, require_scopes, store_unavailable
 from .session import SESSION_COOKIE, SessionCodec
 
 if TYPE_CHECKING:
-    from ..queue import WorkQueue
+    from ..core.kernel import Kernel
 
 
 class SignInRequired(Exception):
@@ -44,9 +44,9 @@ class Viewer:
         return self.principal.has(SCOPE_ADMIN)
 
 
-def key_store(queue: WorkQueue) -> ApiKeyStore:
+def key_store(kernel: Kernel) -> ApiKeyStore:
     """The queue's API key store; 501 on a transport that keeps no keys."""
-    store = queue.ports.api_keys
+    store = kernel.ports.api_keys
     if store is None:
         raise HTTPException(
             status.HTTP_501_NOT_IMPLEMENTED,
@@ -56,12 +56,12 @@ def key_store(queue: WorkQueue) -> ApiKeyStore:
     return store
 
 
-def session_authorizer(queue: WorkQueue, codec: SessionCodec) -> Authorizer:
+def session_authorizer(kernel: Kernel, codec: SessionCodec) -> Authorizer:
     """The default: the API key a person signed in with, from the session cookie."""
 
     async def authorize(request: Request, security_scopes: SecurityScopes) -> Principal:
         try:
-            principal = await codec.principal(key_store(queue), request.cookies.get(SESSION_COOKIE))
+            principal = await codec.principal(key_store(kernel), request.cookies.get(SESSION_COOKIE))
         except (TransportError, ConfigurationError) as exc:
             # Not signed in yet: the driver's text (hosts, database names) goes to the log only.
             raise store_unavailable(exc) from exc

@@ -45,7 +45,7 @@ def build_actions(d: Dashboard, authorize: Authorizer) -> APIRouter:
         return f"{base_path(request)}/subscriptions/{quote(name, safe='')}"
 
     async def known_delivery(delivery_id: str) -> DeliveryInfo:
-        info = await d.queue.get_delivery(delivery_id)
+        info = await d.kernel.operator.get_delivery(delivery_id)
         if info is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"delivery {delivery_id!r} does not exist")
         return info
@@ -55,7 +55,7 @@ def build_actions(d: Dashboard, authorize: Authorizer) -> APIRouter:
         form = await checked_form(request)
         info = await known_delivery(delivery_id)
         note = text_field(form, "note") or f"replayed by {principal.name} from the dashboard"
-        result = await d.queue.replay(info.subscription, delivery_id, note)
+        result = await d.kernel.operator.replay(info.subscription, delivery_id, note)
         return back(request, form, delivery_url(request, delivery_id), result.result)
 
     @router.post("/deliveries/{delivery_id}/discard")
@@ -63,7 +63,7 @@ def build_actions(d: Dashboard, authorize: Authorizer) -> APIRouter:
         form = await checked_form(request)
         info = await known_delivery(delivery_id)
         reason = text_field(form, "reason") or f"discarded by {principal.name} from the dashboard"
-        result = await d.queue.discard(info.subscription, delivery_id, reason)
+        result = await d.kernel.operator.discard(info.subscription, delivery_id, reason)
         return back(request, form, delivery_url(request, delivery_id), result.result)
 
     @router.post("/deliveries/{delivery_id}/cancel")
@@ -74,12 +74,12 @@ def build_actions(d: Dashboard, authorize: Authorizer) -> APIRouter:
         if info.status != "InFlight":
             return back(request, form, delivery_url(request, delivery_id), "NotRunning")
         reason = text_field(form, "reason") or f"cancelled by {principal.name} from the dashboard"
-        result = await d.queue.discard(info.subscription, delivery_id, reason)
+        result = await d.kernel.operator.discard(info.subscription, delivery_id, reason)
         return back(request, form, delivery_url(request, delivery_id), result.result)
 
     async def set_status(request: Request, name: str, paused: bool) -> RedirectResponse:
         form = await checked_form(request)
-        changed = await (d.queue.pause(name) if paused else d.queue.resume(name))
+        changed = await (d.kernel.operator.pause(name) if paused else d.kernel.operator.resume(name))
         if changed is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {name!r} does not exist")
         notice = ("Paused" if paused else "Resumed") if changed else "Unchanged"
@@ -102,15 +102,15 @@ def build_actions(d: Dashboard, authorize: Authorizer) -> APIRouter:
         if form.get("confirm") != "yes":
             return RedirectResponse(f"{subscription_url(request, name)}/replay-all",
                                     status_code=status.HTTP_303_SEE_OTHER)
-        if await views.find_subscription(d.queue, name) is None:
+        if await views.find_subscription(d.kernel, name) is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {name!r} does not exist")
         note = text_field(form, "note") or f"replayed with all dead letters by {principal.name} from the dashboard"
         replayed = 0
         after: str | None = None
         for _ in range(views.BULK_BATCHES):
-            batch = await d.queue.dead_letters(name, limit=views.BULK_BATCH, after=after)
+            batch = await d.kernel.operator.dead_letters(name, limit=views.BULK_BATCH, after=after)
             for info in batch:
-                if (await d.queue.replay(name, info.delivery_id, note)).ok:
+                if (await d.kernel.operator.replay(name, info.delivery_id, note)).ok:
                     replayed += 1
             if len(batch) < views.BULK_BATCH:
                 break
@@ -120,8 +120,8 @@ def build_actions(d: Dashboard, authorize: Authorizer) -> APIRouter:
     async def act_on(name: str, ids: list[str], replay: bool, text: str) -> int:
         done = 0
         for delivery_id in ids:
-            result = await (d.queue.replay(name, delivery_id, text) if replay else
-                            d.queue.discard(name, delivery_id, text))
+            result = await (d.kernel.operator.replay(name, delivery_id, text) if replay else
+                            d.kernel.operator.discard(name, delivery_id, text))
             done += result.ok
         return done
 
@@ -132,9 +132,9 @@ def build_actions(d: Dashboard, authorize: Authorizer) -> APIRouter:
         form = await checked_form(request)
         if verb not in ("replay", "discard"):
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no action {verb!r}")
-        if await views.find_subscription(d.queue, name) is None:
+        if await views.find_subscription(d.kernel, name) is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {name!r} does not exist")
-        group = next((g for g in (await dead_letter_causes(d.queue, name)).groups if g.key == key), None)
+        group = next((g for g in (await dead_letter_causes(d.kernel, name)).groups if g.key == key), None)
         if group is None:
             return back(request, form, subscription_url(request, name), "CauseGone")
         replay = verb == "replay"

@@ -4,7 +4,7 @@ files and the headers every answer carries."""
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlencode
 
 from fastapi import Depends, FastAPI, HTTPException, Request, status
@@ -27,7 +27,8 @@ from .session import DEFAULT_SESSION_SECONDS, MAX_SESSION_SECONDS, SessionCodec,
 from .sign_in import build_sign_in
 
 if TYPE_CHECKING:
-    from ..queue import WorkQueue
+    from ..core.kernel import Kernel
+    from ..jobs.layer import Jobs
 
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
@@ -64,8 +65,19 @@ class SecurityHeaders:
         await self.app(scope, receive, send_with_headers)
 
 
+class DashboardSource(Protocol):
+    """What the dashboard reads a queue through (a ``WorkQueue`` is one): its kernel, and its jobs
+    layer, made when a page first needs it."""
+
+    @property
+    def kernel(self) -> Kernel: ...
+
+    @property
+    def jobs(self) -> Jobs: ...
+
+
 def create_dashboard(
-    queue: WorkQueue,
+    queue: DashboardSource,
     *,
     authorize: Authorizer | None = None,
     secret: str | bytes | None = None,
@@ -91,13 +103,15 @@ def create_dashboard(
             f"seconds ({MAX_SESSION_SECONDS // 3600} h)"
         )
     # With the app's own authorize no session is issued: a random key nobody holds stands in.
-    key = session_key(secret, queue.settings) if authorize is None else secrets.token_bytes(32)
+    kernel = queue.kernel
+    key = session_key(secret, kernel.settings) if authorize is None else secrets.token_bytes(32)
     codec = SessionCodec(key=key, max_age=session_seconds)
-    d = Dashboard(queue=queue, codec=codec, own_sign_in=authorize is None, poll_seconds=poll_seconds, title=title)
-    checked = authorize or session_authorizer(queue, codec)
+    d = Dashboard(kernel=kernel, jobs=lambda: queue.jobs, codec=codec, own_sign_in=authorize is None,
+                  poll_seconds=poll_seconds, title=title)
+    checked = authorize or session_authorizer(kernel, codec)
 
     async def queue_is_open() -> None:
-        if queue.health().status == "Stopped":
+        if kernel.health().status == "Stopped":
             raise HTTPException(
                 status.HTTP_503_SERVICE_UNAVAILABLE,
                 detail="the work queue is not open: mount the dashboard in the app whose lifespan runs "

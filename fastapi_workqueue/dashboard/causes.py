@@ -20,7 +20,7 @@ from ..core.reports import DeliveryInfo
 from ..web.operator_view import shown_all
 
 if TYPE_CHECKING:
-    from ..queue import WorkQueue
+    from ..core.kernel import Kernel
 
 SCAN = 200
 """Dead letters read to group them, oldest first: the subscription page's first page of them."""
@@ -90,7 +90,7 @@ def group_causes(dead_letters: list[DeliveryInfo], *, complete: bool) -> Causes:
                   complete=complete)
 
 
-async def dead_letter_causes(queue: WorkQueue, subscription: str, *, scan: int = SCAN) -> Causes:
+async def dead_letter_causes(kernel: Kernel, subscription: str, *, scan: int = SCAN) -> Causes:
     """The subscription's oldest ``scan`` dead letters grouped by cause, the largest group first."""
-    batch = shown_all(await queue.dead_letters(subscription, limit=scan + 1))  # redacted
+    batch = shown_all(await kernel.operator.dead_letters(subscription, limit=scan + 1))  # redacted
     return group_causes(batch[:scan], complete=len(batch) <= scan)

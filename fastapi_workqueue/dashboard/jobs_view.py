@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..jobs.envelope import JobEnvelope, queue_of
 
 if TYPE_CHECKING:
     from ..core.reports import DeliveryInfo
-    from ..queue import WorkQueue
+    from ..jobs.layer import Jobs
 
 JOB_ATTRIBUTE = "job"
 
@@ -71,26 +71,22 @@ def job_timeout(info: DeliveryInfo) -> float | None:
         return None
 
 
-def _layer(queue: WorkQueue) -> Any:
-    return queue.jobs
-
-
-def declared_jobs(queue: WorkQueue, on_queue: str | None = None) -> list[JobRow]:
+def declared_jobs(jobs: Jobs, on_queue: str | None = None) -> list[JobRow]:
     """The jobs this app declares (on ``on_queue`` only, when given), by name."""
     rows = [JobRow(name=job.name, queue=job.policy.queue, tries=job.policy.tries, backoff=job.policy.backoff,
                    timeout=job.policy.timeout, encrypted=job.encrypted)
-            for job in _layer(queue).registry]
+            for job in jobs.registry]
     return sorted((r for r in rows if on_queue is None or r.queue == on_queue), key=lambda r: r.name)
 
 
-async def jobs_page(queue: WorkQueue, now: datetime) -> JobsPage:
+async def jobs_page(jobs: Jobs, now: datetime) -> JobsPage:
     from ..jobs.schedules import LOOK_BACK
 
-    schedules = _layer(queue).schedules
+    schedules = jobs.schedules
     rows = []
     for item in sorted(schedules.items.values(), key=lambda s: s.name):
         rows.append(ScheduleRow(
             name=item.name, job=item.job.name, queue=item.queue or item.job.policy.queue,
             when=item.cron or f"every {item.every}", timezone=item.timezone, catch_up=item.catch_up,
             next_run=item.next_after(now), last_dispatch=await schedules.last_dispatch(item, now)))
-    return JobsPage(now=now, jobs=declared_jobs(queue), schedules=rows, look_back=LOOK_BACK)
+    return JobsPage(now=now, jobs=declared_jobs(jobs), schedules=rows, look_back=LOOK_BACK)

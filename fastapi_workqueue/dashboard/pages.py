@@ -29,14 +29,14 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
         return Viewer(principal=principal, signed_in_here=d.own_sign_in)
 
     async def subscription_or_404(name: str) -> SubscriptionState:
-        state = await views.find_subscription(d.queue, name)
+        state = await views.find_subscription(d.kernel, name)
         if state is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {name!r} does not exist")
         return state
 
     @router.get("/", response_class=HTMLResponse)
     async def overview(request: Request, principal: Reader) -> HTMLResponse:
-        data = await views.overview(d.queue)
+        data = await views.overview(d.kernel)
         rows = data.rows
         live = (sum(r.counts.pending + r.counts.in_flight for r in rows), sum(r.counts.dead_lettered for r in rows))
         chart = render_chart(data.history, data.now, label="All subscriptions", live=live)
@@ -45,12 +45,12 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
     @router.get("/processes", response_class=HTMLResponse)
     async def processes(request: Request, principal: Reader) -> HTMLResponse:
         return d.render(request, "processes.html", {
-            "processes": await views.process_list(d.queue), "now": datetime.now(UTC), "here": current_process().id,
+            "processes": await views.process_list(d.kernel), "now": datetime.now(UTC), "here": current_process().id,
         }, viewer=viewer(principal))
 
     @router.get("/jobs", response_class=HTMLResponse)
     async def jobs(request: Request, principal: Reader) -> HTMLResponse:
-        return d.render(request, "jobs.html", {"page": await jobs_page(d.queue, datetime.now(UTC))},
+        return d.render(request, "jobs.html", {"page": await jobs_page(d.jobs(), datetime.now(UTC))},
                         viewer=viewer(principal))
 
     @router.get("/search", response_class=HTMLResponse)
@@ -58,7 +58,7 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
         request: Request, principal: Reader, q: Annotated[str, Query(max_length=512)] = "",
     ) -> HTMLResponse:
         query = q.strip()
-        found = await views.search(d.queue, query)
+        found = await views.search(d.kernel, query)
         return d.render(request, "search.html", {"query": query, "found": found, "limit": views.SEARCH_PAGE},
                         viewer=viewer(principal))
 
@@ -67,7 +67,7 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
         request: Request, name: str, principal: Reader,
         after: Annotated[str | None, Query(pattern=r"^[0-9]{1,19}$")] = None,
     ) -> HTMLResponse:
-        page = await views.subscription_page(d.queue, await subscription_or_404(name), after)
+        page = await views.subscription_page(d.kernel, d.jobs, await subscription_or_404(name), after)
         counts = page.row.counts
         chart = render_chart(page.history, page.now, label=name,
                              live=(counts.pending + counts.in_flight, counts.dead_lettered))
@@ -76,20 +76,20 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
     @router.get("/deliveries/{delivery_id}", response_class=HTMLResponse)
     async def delivery(request: Request, delivery_id: str, principal: Reader) -> HTMLResponse:
         seen = viewer(principal)
-        found = await views.delivery(d.queue, delivery_id, include_payload=seen.sees_payloads)
+        found = await views.delivery(d.kernel, d.jobs, delivery_id, include_payload=seen.sees_payloads)
         if found is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"delivery {delivery_id!r} does not exist")
         info, job = found
-        trace_url = d.queue.settings.trace_url
+        trace_url = d.kernel.settings.trace_url
         link = trace_url.replace("{trace_id}", info.trace_id) if trace_url and info.trace_id else None
-        attempts = await views.attempts_of(d.queue, delivery_id)
+        attempts = await views.attempts_of(d.kernel, delivery_id)
         return d.render(request, "delivery.html", {"info": info, "trace_link": link, "job": job,
                                                    "attempts": attempts}, viewer=seen)
 
     @router.get("/subscriptions/{name}/replay-all", response_class=HTMLResponse)
     async def confirm_replay_all(request: Request, name: str, principal: Operator) -> HTMLResponse:
         state = await subscription_or_404(name)
-        counts = (await views.counts_of(d.queue, name)).get(name)
+        counts = (await views.counts_of(d.kernel, name)).get(name)
         return d.render(request, "replay_all.html", {
             "state": state, "counts": counts, "batch": views.BULK_BATCH, "most": views.BULK_BATCH * views.BULK_BATCHES,
         }, viewer=viewer(principal))

@@ -4,6 +4,7 @@ headers every answer carries."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -13,8 +14,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
-from .. import __version__
-from ..core.processes import current_process
+from ..core.processes import current_process, package_version
 from ..core.words import duration
 from .access import Viewer
 from .csrf import CSRF_COOKIE, CSRF_FIELD, csrf_token
@@ -22,7 +22,11 @@ from .session import SessionCodec, base_path, cookie_options
 from .views import waiting_since
 
 if TYPE_CHECKING:
-    from ..queue import WorkQueue
+    from ..core.kernel import Kernel
+    from ..jobs.layer import Jobs
+
+VERSION = package_version()
+"""The installed version of the package, shown in the pages' footer."""
 
 NOTICES = {
     "Replayed": "Replayed: the delivery was queued again with its attempts reset; its status above is current.",
@@ -111,9 +115,11 @@ def environment() -> Environment:
 
 @dataclass
 class Dashboard:
-    """What the routes share: the queue, the templates, the session codec and the options."""
+    """What the routes share: the queue's kernel and its jobs layer (made when a page first needs
+    it), the templates, the session codec and the options."""
 
-    queue: WorkQueue
+    kernel: Kernel
+    jobs: Callable[[], Jobs]
     codec: SessionCodec
     own_sign_in: bool
     poll_seconds: float
@@ -135,7 +141,7 @@ class Dashboard:
             {
                 "base": base_path(request),
                 "title": self.title,
-                "version": __version__,
+                "version": VERSION,
                 "csrf_field": CSRF_FIELD,
                 "csrf": token,
                 "viewer": viewer,

@@ -34,7 +34,7 @@ from ..core.keys import ApiKeyStore, KeyRecord, Principal
 from ..core.redaction import register_secrets
 
 if TYPE_CHECKING:
-    from ..settings import WorkQueueSettings
+    from ..core.settings import WorkQueueSettings
 
 SESSION_COOKIE = "workqueue_dashboard"
 DEFAULT_SESSION_SECONDS = 8 * 3600

@@ -38,7 +38,7 @@ def build_sign_in(d: Dashboard) -> APIRouter:
         base = base_path(request)
         next_path = local_path(form.get("next"), base, base + "/")
         key = form.get("api_key", "").strip()
-        store = key_store(d.queue)
+        store = key_store(d.kernel)
         try:
             record = await check_key(store, key) if key else None
         except (TransportError, ConfigurationError) as exc:
@@ -69,7 +69,7 @@ def build_sign_in(d: Dashboard) -> APIRouter:
         check_csrf(request, form)
         base = base_path(request)
         try:
-            await d.codec.end(key_store(d.queue), request.cookies.get(SESSION_COOKIE))
+            await d.codec.end(key_store(d.kernel), request.cookies.get(SESSION_COOKIE))
         except (TransportError, ConfigurationError) as exc:
             log.warning("cannot end a dashboard session at sign-out: %s", redact(str(exc)))
             return d.render(request, "error.html", {

@@ -3,6 +3,7 @@ that stops at a cap) and goes through an index, whatever the tables hold."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Literal
@@ -22,7 +23,8 @@ from .causes import SCAN, Causes, group_causes
 from .jobs_view import JobRow, declared_jobs, job_name, job_queue, job_timeout
 
 if TYPE_CHECKING:
-    from ..queue import WorkQueue
+    from ..core.kernel import Kernel
+    from ..jobs.layer import Jobs
 
 PAGE = 25
 """Dead letters a page; also the most in-flight deliveries and blocked keys a page lists."""
@@ -114,22 +116,22 @@ class SubscriptionPage:
     """How full its flow limits are and what waits on them (None: it has none, or the store reads none)."""
 
 
-def stuck_before(queue: WorkQueue, now: datetime) -> datetime:
+def stuck_before(kernel: Kernel, now: datetime) -> datetime:
     """An InFlight delivery claimed before this is stuck (``dashboard_stuck_after_seconds``)."""
-    return now - timedelta(seconds=queue.settings.dashboard_stuck_after_seconds)
+    return now - timedelta(seconds=kernel.settings.dashboard_stuck_after_seconds)
 
 
-async def counts_of(queue: WorkQueue, subscription: str | None = None,
+async def counts_of(kernel: Kernel, subscription: str | None = None,
                     now: datetime | None = None) -> dict[str, LiveCounts]:
     """The live counts by subscription: bounded where the transport offers it, else stats."""
-    live = queue.ports.live_work
+    live = kernel.ports.live_work
     if live is not None:
-        before = stuck_before(queue, now or datetime.now(UTC))
+        before = stuck_before(kernel, now or datetime.now(UTC))
         return {c.subscription: c for c in await live.live_counts(subscription, stuck_before=before)}
     return {
         s.subscription: LiveCounts(subscription=s.subscription, pending=s.pending, in_flight=s.in_flight,
                                    dead_lettered=s.dead_lettered, cap=2**62, oldest_pending_at=s.oldest_pending_at)
-        for s in await queue.stats(subscription)
+        for s in await kernel.operator.stats(subscription)
     }
 
 
@@ -139,15 +141,15 @@ def waiting_since(counts: LiveCounts, now: datetime) -> datetime | None:
     return oldest if counts.pending and oldest is not None and oldest <= now else None
 
 
-async def history_of(queue: WorkQueue, now: datetime, subscription: str | None = None) -> tuple[list[StatsPoint], bool]:
-    history = queue.ports.history
+async def history_of(kernel: Kernel, now: datetime, subscription: str | None = None) -> tuple[list[StatsPoint], bool]:
+    history = kernel.ports.history
     if history is None:
         return [], False
     return await history.stats_history(now - timedelta(minutes=CHART_MINUTES), subscription), True
 
 
-def _health_by_name(queue: WorkQueue) -> dict[str, SubscriptionHealth]:
-    return {h.subscription: h for h in queue.health().subscriptions}
+def _health_by_name(kernel: Kernel) -> dict[str, SubscriptionHealth]:
+    return {h.subscription: h for h in kernel.health().subscriptions}
 
 
 def _row(state: SubscriptionState, counts: dict[str, LiveCounts], health: dict[str, SubscriptionHealth],
@@ -161,9 +163,9 @@ def _row(state: SubscriptionState, counts: dict[str, LiveCounts], health: dict[s
     )
 
 
-async def process_list(queue: WorkQueue) -> list[ProcessInfo] | None:
+async def process_list(kernel: Kernel) -> list[ProcessInfo] | None:
     """The processes of the store's registry, live ones first (None when the store keeps none)."""
-    registry = queue.ports.processes
+    registry = kernel.ports.processes
     return None if registry is None else await registry.list_processes()
 
 
@@ -177,15 +179,15 @@ def served_by(processes: list[ProcessInfo]) -> dict[str, int]:
     return served
 
 
-async def attention(queue: WorkQueue, rows: list[SubscriptionRow], served: dict[str, int] | None,
+async def attention(kernel: Kernel, rows: list[SubscriptionRow], served: dict[str, int] | None,
                     now: datetime | None = None) -> list[Attention]:
     """What needs looking at first: dead letters, blocked Ordered keys, work nobody runs anywhere,
     a subscription this process cannot run, deliveries in flight for longer than the stuck
     threshold, claimable work waiting longer than it; alerts before warnings, then by subscription."""
     found: list[Attention] = []
-    live = queue.ports.live_work
+    live = kernel.ports.live_work
     now = now or datetime.now(UTC)
-    limit = queue.settings.dashboard_stuck_after_seconds
+    limit = kernel.settings.dashboard_stuck_after_seconds
     for row in rows:
         state, counts = row.state, row.counts
         name = state.name
@@ -232,55 +234,56 @@ def _many(value: int, cap: int, noun: str) -> str:
     return f"{value:,} {count(value, noun).partition(' ')[2]}"
 
 
-async def overview(queue: WorkQueue) -> Overview:
+async def overview(kernel: Kernel) -> Overview:
     now = datetime.now(UTC)
     topics = {t.name: TopicView(name=t.name, status=getattr(t, "status", "Active"))
-              for t in await queue.transport.list_topics()}
-    subscriptions = await queue.transport.list_subscriptions()
-    counts = await counts_of(queue, now=now)
-    history, has_history = await history_of(queue, now)
-    health = _health_by_name(queue)
+              for t in await kernel.transport.list_topics()}
+    subscriptions = await kernel.transport.list_subscriptions()
+    counts = await counts_of(kernel, now=now)
+    history, has_history = await history_of(kernel, now)
+    health = _health_by_name(kernel)
     for state in sorted(subscriptions, key=lambda s: s.name):
         topic = topics.setdefault(state.topic, TopicView(name=state.topic, status=state.topic_status))
         topic.status = state.topic_status
         topic.subscriptions.append(_row(state, counts, health, history))
-    report = queue.health()
-    processes = await process_list(queue)
+    report = kernel.health()
+    processes = await process_list(kernel)
     served = None if processes is None else served_by(processes)
     ordered = sorted(topics.values(), key=lambda t: t.name)
     rows = [row for topic in ordered for row in topic.subscriptions]
     return Overview(now=now, topics=ordered, history=history, has_history=has_history, host=report.status,
                     host_reason=report.reason, served=served or {}, knows_processes=served is not None,
-                    attention=await attention(queue, rows, served, now))
+                    attention=await attention(kernel, rows, served, now))
 
 
-async def find_subscription(queue: WorkQueue, name: str) -> SubscriptionState | None:
-    return next((s for s in await queue.transport.list_subscriptions() if s.name == name), None)
+async def find_subscription(kernel: Kernel, name: str) -> SubscriptionState | None:
+    return next((s for s in await kernel.transport.list_subscriptions() if s.name == name), None)
 
 
-async def subscription_page(queue: WorkQueue, state: SubscriptionState, after: str | None) -> SubscriptionPage:
+async def subscription_page(kernel: Kernel, jobs: Callable[[], Jobs], state: SubscriptionState,
+                            after: str | None) -> SubscriptionPage:
     now = datetime.now(UTC)
     name = state.name
-    history, has_history = await history_of(queue, now, name)
-    row = _row(state, await counts_of(queue, name, now), _health_by_name(queue), history)
-    in_flight = shown_all(await queue.deliveries(name, "InFlight", limit=IN_FLIGHT_PAGE))
+    history, has_history = await history_of(kernel, now, name)
+    row = _row(state, await counts_of(kernel, name, now), _health_by_name(kernel), history)
+    in_flight = shown_all(await kernel.operator.deliveries(name, "InFlight", limit=IN_FLIGHT_PAGE))
     # The first page's read also gives the causes panel its oldest SCAN dead letters (one read).
     wanted = PAGE if after is not None else max(PAGE, SCAN)
-    dead = shown_all(await queue.dead_letters(name, limit=wanted + 1, after=after))
+    dead = shown_all(await kernel.operator.dead_letters(name, limit=wanted + 1, after=after))
     next_after = dead[PAGE - 1].delivery_id if len(dead) > PAGE else None
-    live = queue.ports.live_work
+    live = kernel.ports.live_work
     blocked: list[BlockedKey] = []
     if state.partition_mode == "Ordered" and live is not None:
         blocked = await live.blocked_keys(name, limit=PAGE, cap=WAITING_CAP)
     causes = group_causes(dead[:SCAN], complete=len(dead) <= SCAN) if dead and after is None else None
     dead = dead[:PAGE + 1]
-    flow_reader = queue.ports.flow
+    flow_reader = kernel.ports.flow
     flow = await flow_reader.flow_state(name, cap=WAITING_CAP) if state.flow_limited and flow_reader else None
     return SubscriptionPage(now=now, row=row, history=history, has_history=has_history, in_flight=in_flight,
                             dead_letters=dead[:PAGE], next_after=next_after, after=after, blocked=blocked,
-                            causes=causes, stuck_before=stuck_before(queue, now),
+                            causes=causes, stuck_before=stuck_before(kernel, now),
                             job_queue=(served := job_queue(name)),
-                            jobs=[] if served is None else declared_jobs(queue, served), flow=flow)
+                            jobs=[] if served is None else declared_jobs(jobs(), served), flow=flow)
 
 
 @dataclass
@@ -293,26 +296,26 @@ class JobOfDelivery:
     declared: JobRow | None
 
 
-async def delivery(queue: WorkQueue, delivery_id: str, *,
+async def delivery(kernel: Kernel, jobs: Callable[[], Jobs], delivery_id: str, *,
                    include_payload: bool) -> tuple[DeliveryInfo, JobOfDelivery | None] | None:
     """A delivery (its payload only when ``include_payload``) and the job it runs, if it is one."""
-    info = await queue.get_delivery(delivery_id, include_payload=True)  # the job's timeout is in its envelope
+    info = await kernel.operator.get_delivery(delivery_id, include_payload=True)  # the job's timeout is in its envelope
     if info is None:
         return None
     job = None
     name = job_name(info)
     if name is not None:
         served = job_queue(info.subscription)
-        declared = next((j for j in declared_jobs(queue) if j.name == name), None)
+        declared = next((j for j in declared_jobs(jobs()) if j.name == name), None)
         job = JobOfDelivery(name=name, queue=served, timeout=job_timeout(info), declared=declared)
     if not include_payload:
         info = info.model_copy(update={"payload": None})
     return shown(info), job
 
 
-async def attempts_of(queue: WorkQueue, delivery_id: str) -> list[AttemptInfo] | None:
+async def attempts_of(kernel: Kernel, delivery_id: str) -> list[AttemptInfo] | None:
     """The kept attempts of a delivery, oldest first, errors redacted (None when the store keeps none)."""
-    reader = queue.ports.attempts
+    reader = kernel.ports.attempts
     if reader is None:
         return None
     return [a.model_copy(update={"reason": redact(a.reason) if a.reason else a.reason,
@@ -320,10 +323,10 @@ async def attempts_of(queue: WorkQueue, delivery_id: str) -> list[AttemptInfo] |
             for a in await reader.delivery_attempts(delivery_id)]
 
 
-async def search(queue: WorkQueue, query: str) -> list[FoundDelivery] | None:
+async def search(kernel: Kernel, query: str) -> list[FoundDelivery] | None:
     """The newest deliveries that match ``query`` exactly, errors redacted (None when the
     transport cannot search; empty for an empty query)."""
-    searcher = queue.ports.search
+    searcher = kernel.ports.search
     if searcher is None:
         return None
     if not query:

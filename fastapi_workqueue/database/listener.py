@@ -61,11 +61,15 @@ class NotificationListener:
     """
 
     def __init__(
-        self, dsn: str, channel: str, callback: Callable[[str], None], *, ping_interval: float = 30.0
+        self, dsn: str, channel: str, callback: Callable[[str], None], *, ping_interval: float = 30.0,
+        parse: Callable[[str], list[str]] = parse_wakeup,
     ) -> None:
+        """``parse`` splits a payload into what ``callback`` is called with (by default the
+        subscription ids of a wake-up, :func:`parse_wakeup`)."""
         self._dsn = dsn
         self._channel = channel
         self._callback = callback
+        self._parse = parse
         self._ping_interval = ping_interval
         self._conn: asyncpg.Connection | None = None
         self._tasks = TaskScope("workqueue-listener")
@@ -81,8 +85,8 @@ class NotificationListener:
         await self._drop()
 
     def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: object) -> None:
-        for subscription_id in parse_wakeup(str(payload)):
-            self._callback(subscription_id)
+        for item in self._parse(str(payload)):
+            self._callback(item)
 
     def _on_terminate(self, _conn: Any) -> None:
         self._lost.set()

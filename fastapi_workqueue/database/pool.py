@@ -43,11 +43,12 @@ class ConnectionPool:
     """Hands out asyncpg connections, at most ``max_size`` at once, keeping idle ones for reuse.
 
     Idle connections unused for ``max_idle_seconds`` are closed when the pool is next used, down
-    to ``min_size``.
+    to ``min_size``. ``clock`` (seconds, monotonic) is what their idle time is counted on: a test
+    passes one it moves instead of waiting.
     """
 
     def __init__(self, connect: Connect, *, min_size: int = 1, max_size: int = 10,
-                 max_idle_seconds: float = 300.0) -> None:
+                 max_idle_seconds: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
         if max_size < 1 or not 0 <= min_size <= max_size:
             raise ValueError(f"pool sizes must satisfy 0 <= min_size <= max_size and max_size >= 1, "
                              f"got min_size={min_size}, max_size={max_size}")
@@ -55,6 +56,7 @@ class ConnectionPool:
         self._min_size = min_size
         self._max_size = max_size
         self._max_idle = max_idle_seconds
+        self._clock = clock
         self._idle: deque[tuple[asyncpg.Connection[Any], float]] = deque()
         self._in_use: set[asyncpg.Connection[Any]] = set()
         self._opening = 0
@@ -66,10 +68,15 @@ class ConnectionPool:
         """Connections open or being opened."""
         return len(self._idle) + len(self._in_use) + self._opening
 
+    @property
+    def waiting(self) -> int:
+        """Callers waiting for a connection (every place taken)."""
+        return sum(1 for waiter in self._waiters if not waiter.done())
+
     async def open(self) -> None:
         """Opens ``min_size`` connections (the first failure is raised)."""
         opened = await asyncio.gather(*(self._new() for _ in range(self._min_size)), return_exceptions=True)
-        now = time.monotonic()
+        now = self._clock()
         for conn in opened:
             if not isinstance(conn, BaseException):
                 self._in_use.discard(conn)
@@ -137,7 +144,7 @@ class ConnectionPool:
                 self._in_use.add(conn)
                 waiter.set_result(conn)
                 return
-        now = time.monotonic()
+        now = self._clock()
         self._idle.append((conn, now))
         self._retire_idle(now)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import asyncpg
@@ -12,6 +15,7 @@ from ..core.clock import Clock
 from ..core.envelope import PreparedMessage, PublishResult
 from ..core.redaction import redacting_logger
 from ..core.transport import Capabilities
+from .end_notices import EndNotices
 from .errors import map_error, with_retries
 from .listener import NotificationListener, NotificationSender
 from .pool import ConnectionPool
@@ -81,6 +85,7 @@ class PostgresTransport(RoutineTransport):
         self._listener: NotificationListener | None = None
         self._sender: NotificationSender | None = None
         self._statements: dict[tuple[str, tuple[str, ...]], str] = {}
+        self._ends = EndNotices(self._dsn)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -105,7 +110,25 @@ class PostgresTransport(RoutineTransport):
             await listener.start()
             self._listener = listener
 
+    @contextlib.asynccontextmanager
+    async def watching_end(self, message_id: uuid.UUID) -> AsyncIterator[asyncio.Event | None]:
+        """While entered, an event set when the message's delivery ends (``watch_message`` marks it,
+        the ``delivery_ended`` trigger notifies) or the LISTEN connection came back; the caller
+        reads the status again each time. None for a transport made with ``listen=False``
+        (``WORKQUEUE_LISTEN=0``): the caller polls."""
+        if not self._listen:
+            yield None
+            return
+        event = asyncio.Event()
+        await self._ends.add(message_id, event)
+        try:
+            await self.call("watch_message", p_message_id=message_id)
+            yield event
+        finally:
+            self._ends.remove(message_id, event)
+
     async def close(self) -> None:
+        await self._ends.close()
         if self._listener is not None:
             await self._listener.stop()
             self._listener = None

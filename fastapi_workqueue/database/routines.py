@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import time
 import uuid
@@ -23,7 +22,6 @@ from typing import Any, Protocol, TypeVar
 from ..core.attempts import AttemptInfo
 from ..core.clock import SYSTEM_CLOCK, Clock, time_to_pass
 from ..core.envelope import (
-    MAX_DELAY_SECONDS,
     MAX_ENVELOPE_BYTES,
     PreparedMessage,
     PublishError,
@@ -33,7 +31,9 @@ from ..core.envelope import (
 from ..core.errors import ConfigurationError, TransportError, WorkQueueError
 from ..core.history import StatsPoint
 from ..core.keys import ApiKeyInfo, KeyRecord
+from ..core.lifecycle import follow_up_refused, settle_delay
 from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, FlowState, LiveCounts
+from ..core.message_state import GroupMember
 from ..core.observe import HEADERS_KEY, split_headers, trace_id_of
 from ..core.processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
 from ..core.redaction import redacting_logger
@@ -334,9 +334,10 @@ class RoutineTransport:
         return [by_id.get(s.delivery_id, "LeaseLost") for s in settlements]
 
     async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
-        """Settles one delivery and, only when that completes it, publishes each of its follow-ups
-        (``settlement.follow_ups``) to its topic, all in one transaction: the follow-ups exist if
-        and only if the completion was written. A lost lease, or a delivery an operator cancelled
+        """Settles one delivery and, only when that completes it, keeps its result
+        (``settlement.result_json``) and publishes each of its follow-ups (``settlement.follow_ups``)
+        to its topic, all in one transaction: the result and the follow-ups exist if and only if
+        the completion was written. A lost lease, or a delivery an operator cancelled
         (Discarded), publishes nothing. A follow-up message the publish refuses rolls the whole
         transaction back (the delivery stays InFlight) and raises a :class:`TransportError` that
         names it; a Duplicate (the same MessageID and content stored already) is no refusal."""
@@ -353,6 +354,9 @@ class RoutineTransport:
                                         "LeaseLost")
             if result != "Completed":
                 return result
+            if s.result_json is not None:
+                await self.call("result_put", connection=connection, p_delivery_id=int(s.delivery_id),
+                                p_value=s.result_json)
             for follow_up in s.follow_ups:
                 published = await self._publish_via(follow_up.topic, follow_up.messages, connection=connection)
                 refused = [(m, a) for m, a in zip(follow_up.messages, published, strict=True)
@@ -411,6 +415,40 @@ class RoutineTransport:
         if not isinstance(value_json, str):
             raise TypeError(f"step_put stores JSON text; serialize the value first, got {type(value_json).__name__}")
         await self.call("step_put", p_message_id=message_id, p_name=name, p_value=value_json)
+
+    # -- results -----------------------------------------------------------------------------
+
+    async def result_get(self, message_id: uuid.UUID) -> str | None:
+        """The JSON text kept when the message's delivery completed with a result, or None."""
+        rows = await self.call("result_get", p_message_id=message_id)
+        return str(rows[0]["value"]) if rows else None
+
+    async def debounce(self, topic: str, key: str, message: PreparedMessage, seconds: float, *,
+                       session: Any = None) -> uuid.UUID | None:
+        """The pending message holding ``topic``'s ``key`` takes ``message``'s payload and comes due
+        ``seconds`` from now while it still waits out its window (its MessageID); else the key is
+        freed and None answered (see :class:`~fastapi_workqueue.core.message_state.MessageState`)."""
+        rows = await self.call(
+            "debounce", session=session, retry=session is None, p_topic=topic, p_key=key,
+            p_payload=message.payload_json, p_content_hash=message.content_hash,
+            p_envelope_bytes=message.envelope_bytes, p_seconds=seconds, p_now=self._now(),
+        )
+        return uuid.UUID(str(rows[0]["message_id"])) if rows else None
+
+    async def group_create(self, group_id: uuid.UUID, members: Sequence[uuid.UUID], then: uuid.UUID, *,
+                           session: Any = None) -> int:
+        """Makes ``members`` a group whose end releases the held message ``then`` (see
+        :class:`~fastapi_workqueue.core.message_state.MessageState`); answers the members not ended."""
+        rows = await self.call("group_create", session=session, retry=session is None, p_group=group_id,
+                               p_members=list(members), p_then=then)
+        return int(rows[0]["remaining"]) if rows else 0
+
+    async def group_members(self, group_id: uuid.UUID) -> list[GroupMember]:
+        """The members of a group, in order, each with its first delivery and stored result."""
+        rows = await self.call("group_members", p_group=group_id)
+        return [GroupMember(message_id=as_uuid(r["message_id"]), ended_at=r["ended_at"],
+                            delivery=None if r["delivery_id"] is None else member_delivery(r), result=r["result"])
+                for r in rows]
 
     # -- housekeeping ------------------------------------------------------------------------
 
@@ -807,17 +845,6 @@ CLAIM_MANY_REFUSAL = "claim_many takes None-mode subscriptions only"
 """The start of the error every dialect's claim_many raises for an Exclusive or Ordered subscription."""
 
 
-def follow_up_refused(delivery_id: str, topic: str, message: PreparedMessage, answer: PublishResult) -> str:
-    """Why settle_with_follow_ups rolled back: which follow-up message, and what the publish said."""
-    why = answer.status.value
-    if answer.error is not None:
-        why += f" ({answer.error.code}: {answer.error.message})"
-    return (
-        f"settle with follow-ups: follow-up message {message.message_id} to topic {topic!r} was refused: {why}; "
-        f"nothing was published and delivery {delivery_id} was not settled (it stays InFlight under its lease)"
-    )
-
-
 MAX_DELIVERY_ID = 2**63 - 1
 """Delivery ids are 64-bit integers in every store."""
 
@@ -830,14 +857,6 @@ def delivery_number(delivery_id: str) -> int | None:
     except ValueError:
         return None
     return numeric if 0 < numeric <= MAX_DELIVERY_ID else None
-
-
-def settle_delay(delay: float | None) -> float | None:
-    """A handler's retry delay as the stores can add it to a timestamp: at most MAX_DELAY_SECONDS
-    (a longer one would fail this settle and every sweep after it); NaN means none."""
-    if delay is None or math.isnan(delay):
-        return None
-    return min(max(delay, 0.0), MAX_DELAY_SECONDS)
 
 
 _ACCEPTED = PublishStatus.ACCEPTED
@@ -952,6 +971,17 @@ def delivery_info(row: Row, subscription: str | None, include_payload: bool) -> 
         payload=json_value(row["payload"]) if include_payload else None,
         holder=holder(row),
         trace_id=trace_id_of(split_headers(stored)[1]) if isinstance(stored, Mapping) else None,
+    )
+
+
+def member_delivery(row: Row) -> DeliveryInfo:
+    """A group member's delivery as ``group_members`` answers it."""
+    return DeliveryInfo(
+        delivery_id=str(row["delivery_id"]), subscription=row["subscription"], message_id=as_uuid(row["message_id"]),
+        status=row["status"], attempt=row["attempt"], max_attempts=row["max_attempts"], reason=row["reason"],
+        last_error=row["last_error"], visible_at=row["visible_at"], created_at=row["created_at"],
+        claimed_at=row["claimed_at"], settled_at=row["settled_at"],
+        attributes=user_attributes(json_value(row["attributes"])),
     )
 
 

@@ -56,7 +56,7 @@ Routine = Callable[..., Awaitable[list[Row]]]
 ROUTINES: dict[str, Routine] = {}
 READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions", "list_subscriptions",
              "list_topics", "schema_versions", "api_key_list", "api_key_verify", "api_key_session", "known_messages",
-             "message_deliveries", "delivery_attempts",
+             "message_deliveries", "delivery_attempts", "result_get", "group_members",
              "search_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys", "flow_state",
              "list_processes"}
 """Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
@@ -826,7 +826,7 @@ async def r_rewrite_payload(c: Call, p_message_id: Any, p_payload: str, p_conten
 
 _TIMES = ("visible_at", "lease_expires_at", "created_at", "claimed_at", "settled_at", "oldest_pending_at",
           "head_visible_at", "expires_at", "revoked_at", "last_used_at", "published_at", "holder_started_at",
-          "started_at", "last_seen_at", "stopped_at", "ended_at")
+          "started_at", "last_seen_at", "stopped_at", "ended_at", "stored_at")
 
 
 def with_times(rows: list[Row]) -> list[Row]:
@@ -1004,6 +1004,77 @@ async def r_step_put(c: Call, p_message_id: Any, p_name: str, p_value: str) -> l
         )
     await c.ex.execute("step_put", message_id=mid, name=p_name, value=p_value, now=c.now)
     return [{"step_put": None}]
+
+
+# -- results -------------------------------------------------------------------------------------
+
+
+@routine
+async def r_result_put(c: Call, p_delivery_id: int, p_value: str) -> list[Row]:
+    await c.ex.execute("result_put", delivery_id=p_delivery_id, value=p_value, now=c.now)
+    return [{"result_put": None}]
+
+
+@routine
+async def r_result_get(c: Call, p_message_id: Any) -> list[Row]:
+    return with_times(await c.ex.fetch("result_get", message_id=str(p_message_id)))
+
+
+# -- debounce ------------------------------------------------------------------------------------
+
+
+@routine
+async def r_debounce(c: Call, p_topic: str, p_key: str, p_payload: str, p_content_hash: str, p_envelope_bytes: int,
+                     p_seconds: float, p_now: datetime | None = None) -> list[Row]:
+    """PostgreSQL's debounce: the message holding the key takes the payload and comes due
+    ``p_seconds`` from now while it still waits out its window; else the key is freed (no row)."""
+    c = c.at(p_now)
+    held = await c.ex.fetch("dedup_holder", topic=p_topic, key=p_key)
+    if not held:
+        return []
+    mid = str(held[0]["message_id"])
+    waiting = await c.ex.fetch("message_deliveries_waiting", message_id=mid, now=c.now)
+    if not waiting or not all(row["waiting"] for row in waiting):
+        await c.ex.execute("dedup_delete", topic=p_topic, key=p_key)
+        return []
+    topic = await c.ex.fetch("topic_get", name=p_topic)
+    cap = topic[0]["max_payload_bytes"] if topic else None
+    if cap is not None and p_envelope_bytes > cap:
+        raise TransportError(
+            f"debounce: the debounced envelope is {p_envelope_bytes} bytes; topic '{p_topic}' accepts at most {cap} "
+            "bytes (max_payload_bytes)"
+        )
+    due = c.now + p_seconds
+    await c.ex.execute("message_rewrite", id=mid, payload=p_payload, content_hash=p_content_hash)
+    await c.ex.execute("message_deliveries_push", message_id=mid, visible_at=due)
+    await c.ex.execute("dedup_expire_at", topic=p_topic, key=p_key, expires_at=due)
+    return [{"message_id": mid}]
+
+
+# -- groups --------------------------------------------------------------------------------------
+
+
+@routine
+async def r_group_create(c: Call, p_group: Any, p_members: Sequence[Any], p_then: Any) -> list[Row]:
+    """PostgreSQL's group_create; the trigger delivery_ended of schema.sql counts the members' ends."""
+    group = str(p_group)
+    ids = [str(m) for m in p_members]
+    await c.ex.execute("group_insert", id=group, then_message_id=str(p_then), members=len(ids), now=c.now)
+    for position, message_id in enumerate(ids, start=1):
+        await c.ex.execute("group_member_insert", group_id=group, message_id=message_id, ordinal=position)
+    await c.ex.execute("group_mark_members", group_id=group, ids=json.dumps(ids))
+    await c.ex.execute("group_members_ended", group_id=group, now=c.now)
+    [counted] = await c.ex.fetch("group_count", group_id=group)
+    if counted["remaining"] == 0:
+        await c.ex.execute("group_release", group_id=group, now=c.now)
+        for row in await c.ex.fetch("message_release", message_id=str(p_then), now=c.now):
+            c.wake.add(row["subscription_id"])
+    return [{"remaining": counted["remaining"]}]
+
+
+@routine
+async def r_group_members(c: Call, p_group: Any) -> list[Row]:
+    return with_times(await c.ex.fetch("group_members", group_id=str(p_group)))
 
 
 # -- API keys ------------------------------------------------------------------------------------

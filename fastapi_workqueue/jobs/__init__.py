@@ -11,27 +11,39 @@ from .context import JobContext, JobDiscard, JobRelease
 from .definition import Job, JobPayloadInvalid, JobPolicy
 from .events import JobDiscarded, JobEvent, JobFailed, JobProcessed, JobProcessing, JobReleased
 from .fake import Dispatched, JobFake
+from .groups import JobGroup
 from .layer import JobDispatchError
 from .middleware import JobAttempt, without_overlapping
 from .registry import UnknownJob
+from .results import MAX_RESULT_BYTES, ResultNotStorable
+from .status import JobStatus
+from .waiting import JobDiscardedError, JobError, JobFailedError, JobNotFound
 
 __all__ = [
+    "MAX_RESULT_BYTES",
     "Dispatched",
     "Job",
     "JobAttempt",
     "JobContext",
     "JobDiscard",
     "JobDiscarded",
+    "JobDiscardedError",
     "JobDispatchError",
+    "JobError",
     "JobEvent",
     "JobFailed",
+    "JobFailedError",
     "JobFake",
+    "JobGroup",
+    "JobNotFound",
     "JobPayloadInvalid",
     "JobPolicy",
     "JobProcessed",
     "JobProcessing",
     "JobRelease",
     "JobReleased",
+    "JobStatus",
+    "ResultNotStorable",
     "UnknownJob",
     "without_overlapping",
 ]

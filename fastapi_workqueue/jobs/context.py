@@ -7,11 +7,14 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.context import AbortSignal, call_sync_or_async
 from ..core.envelope import MAX_DELAY_SECONDS
 from ..core.lifecycle import is_final_attempt
+
+if TYPE_CHECKING:
+    from .status import JobStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +51,11 @@ class OnceRunner(Protocol):
 
 class JobContext:
     """A job's attempt: ``id`` (the same over every attempt, retry and replay: an idempotency key),
-    ``name``, ``attempt`` (from 1), ``tries``, ``queue``, ``signal`` and ``log``."""
+    ``name``, ``attempt`` (from 1), ``tries``, ``queue``, ``signal`` and ``log``; for the ``then`` job
+    of a group, ``group_id`` and ``group_results``."""
 
-    __slots__ = ("_log", "_make_log", "_once", "_steps", "attempt", "id", "name", "queue", "signal", "tries")
+    __slots__ = ("_log", "_make_log", "_once", "_steps", "attempt", "group_id", "group_results", "id", "name", "queue",
+                 "signal", "tries")
 
     def __init__(  # (the runner passes them by position: once per attempt, at a third of the cost)
         self,
@@ -77,6 +82,11 @@ class JobContext:
             self._log, self._make_log = None, log
         self._once = once
         self._steps = steps
+        self.group_id: uuid.UUID | None = None
+        """The ``then`` job of a group: the group's id (None for any other job)."""
+        self.group_results: list[JobStatus] | None = None
+        """The ``then`` job of a group: each member's :class:`~fastapi_workqueue.jobs.JobStatus`
+        (state, error, result ...), in the order the members were given; None for any other job."""
 
     def __repr__(self) -> str:
         return (f"JobContext(name={self.name!r}, id={self.id}, attempt={self.attempt}/{self.tries}, "

@@ -139,6 +139,8 @@ class Job:
     policy: JobPolicy
     encrypted: bool = False
     middleware: tuple[Any, ...] = ()
+    store_result: bool = False
+    """Its return value is stored with the job (``job_status`` and ``wait`` read it)."""
     payload_param: str | None = None
     payload_type: Any = Any
     context_param: str | None = None
@@ -210,6 +212,7 @@ def define_job(
     queue: str = DEFAULT_QUEUE,
     encrypted: bool = False,
     middleware: Sequence[Any] = (),
+    store_result: bool = False,
     priority: int = 0,
     rate_limit: str | None = None,
     concurrency: int | None = None,
@@ -225,8 +228,10 @@ def define_job(
             raise ConfigurationError(
                 f"job {name!r}: middleware {mw!r} is not callable (write async def mw(attempt, call_next))"
             )
+    if not isinstance(store_result, bool):
+        raise ConfigurationError(f"job {name!r}: store_result must be True or False, got {store_result!r}")
     return _read_signature(Job(name=name, func=func, policy=policy, encrypted=encrypted,
-                               middleware=tuple(middleware)))
+                               middleware=tuple(middleware), store_result=store_result))
 
 
 def check_job_name(name: str) -> None:

@@ -6,11 +6,11 @@ message on it: the job id is the MessageID, ``tries`` its ``max_attempts``, ``ba
 ``job`` attribute, so listings and filters show it):
 
     {"v": 1, "job": "billing.send-invoice-reminder", "payload": {...}, "timeout": 30,
-     "unique": {"key": "...", "until": "done"}, "chain": [{next job}, ...]}
+     "unique": {"key": "...", "until": "done"}, "chain": [{next job}, ...], "group": "<id>"}
 
 An encrypted job carries ``"encrypted": "<token>"`` instead of ``"payload"``. A chained job carries
 what comes after it, each entry with its own id, queue and policy, so the chain goes on with the
-policy it was dispatched with.
+policy it was dispatched with. The ``then`` job of a group names the group it waits for.
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def plain_envelope_json(job: str, payload: Any) -> tuple[str, int]:
 
 
 def envelope_json(job: str, payload: Any, encrypted: str | None = None, timeout: float | None = None,
-                  unique_key: str | None = None, unique_until: UniqueUntil | None = None) -> dict[str, Any]:
+                  unique_key: str | None = None, unique_until: UniqueUntil | None = None,
+                  group: uuid.UUID | None = None) -> dict[str, Any]:
     """The JSON of a job envelope without a chain (what :meth:`JobEnvelope.to_json` gives), built
     without the envelope object: the jobs layer's dispatch and bulk, once per job."""
     data: dict[str, Any] = {"v": VERSION, "job": job}
@@ -114,6 +115,8 @@ def envelope_json(job: str, payload: Any, encrypted: str | None = None, timeout:
         data["timeout"] = timeout
     if unique_key is not None:
         data["unique"] = {"key": unique_key, "until": unique_until or "done"}
+    if group is not None:
+        data["group"] = str(group)
     return data
 
 
@@ -128,9 +131,12 @@ class JobEnvelope:
     unique_key: str | None = None
     unique_until: UniqueUntil | None = None
     chain: tuple[ChainLink, ...] = field(default=())
+    group: uuid.UUID | None = None
+    """The group whose end this job waits for (the ``then`` job of ``queue.group``)."""
 
     def to_json(self) -> dict[str, Any]:
-        data = envelope_json(self.job, self.payload, self.encrypted, self.timeout, self.unique_key, self.unique_until)
+        data = envelope_json(self.job, self.payload, self.encrypted, self.timeout, self.unique_key, self.unique_until,
+                             self.group)
         if self.chain:
             data["chain"] = [link.to_json() for link in self.chain]
         return data
@@ -147,6 +153,7 @@ class JobEnvelope:
             )
         unique = data.get("unique")
         timeout = data.get("timeout")
+        group = data.get("group")
         chain = data.get("chain") or ()
         if not isinstance(chain, list | tuple):
             raise EnvelopeInvalid("the job's chain is not a list")
@@ -163,6 +170,7 @@ class JobEnvelope:
                 unique_key,
                 unique_until,
                 tuple(ChainLink.from_json(link) for link in chain) if chain else (),
+                None if group is None else uuid.UUID(str(group)),
             )
         except (TypeError, ValueError) as exc:
             raise EnvelopeInvalid(f"the job envelope is malformed ({exc})") from None

@@ -71,7 +71,7 @@ class FailedJobs:
     async def _queues(self, queue: str | None) -> list[str]:
         if queue is not None:
             return [topic_of(queue)]
-        return sorted(s.name for s in await self._jobs.queue.transport.list_subscriptions()
+        return sorted(s.name for s in await self._jobs.kernel.transport.list_subscriptions()
                       if queue_of(s.name) is not None)
 
     async def list(
@@ -82,14 +82,14 @@ class FailedJobs:
         for subscription in await self._queues(queue):
             if len(failed) >= limit:
                 break
-            infos = await self._jobs.queue.transport.list_deliveries(
+            infos = await self._jobs.kernel.transport.list_deliveries(
                 subscription, "DeadLettered", limit=limit - len(failed), include_payload=include_payload
             )
             failed.extend(_failed_job(info, include_payload) for info in infos)
         return failed
 
     async def _dead_letter_of(self, job_id: uuid.UUID) -> DeliveryInfo:
-        for info in await self._jobs.queue.transport.message_deliveries(job_id):
+        for info in await self._jobs.kernel.transport.message_deliveries(job_id):
             if info.status == "DeadLettered" and queue_of(info.subscription) is not None:
                 return info
         raise JobNotFailed(f"no failed job has the id {job_id} (it may have been retried, forgotten or pruned)")
@@ -97,13 +97,13 @@ class FailedJobs:
     async def retry(self, job_id: uuid.UUID, note: str | None = None) -> ActionResult:
         """Queues a failed job again: the same id, its tries counted afresh."""
         info = await self._dead_letter_of(job_id)
-        return await self._jobs.queue.transport.replay(info.subscription, info.delivery_id,
+        return await self._jobs.kernel.transport.replay(info.subscription, info.delivery_id,
                                                         note or "retried as a failed job")
 
     async def forget(self, job_id: uuid.UUID) -> ActionResult:
         """Drops a failed job (its dead letter is discarded, then purged with the retention)."""
         info = await self._dead_letter_of(job_id)
-        return await self._jobs.queue.transport.discard(info.subscription, info.delivery_id, "forgotten failed job")
+        return await self._jobs.kernel.transport.discard(info.subscription, info.delivery_id, "forgotten failed job")
 
     async def prune(self, older_than: timedelta, queue: str | None = None) -> int:
         """Forgets the jobs that failed more than ``older_than`` ago; returns how many."""
@@ -112,5 +112,5 @@ class FailedJobs:
         cutoff = datetime.now(UTC) - older_than
         total = 0
         for subscription in await self._queues(queue):
-            total += await self._jobs.queue.transport.discard_dead_letters(subscription, cutoff, PRUNE_BATCH)
+            total += await self._jobs.kernel.transport.discard_dead_letters(subscription, cutoff, PRUNE_BATCH)
         return total

@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from ..core.envelope import PreparedMessage, PublishRequest, prepare
 from ..core.errors import ConfigurationError
-from ..testing.memory import MemoryTransport
+from ..core.memory import MemoryTransport
 from .definition import Job
 from .envelope import JobEnvelope
 from .fake_app import apps_of
+from .groups import JobGroup
 from .local import JobCounts, LocalRun, memory_locks
+from .status import JobStatus
 from .steps import MemorySteps
 
 if TYPE_CHECKING:
@@ -45,6 +47,8 @@ class Dispatched:
     """The payload as the job's payload type."""
     delay_seconds: float | None = None
     unique: str | None = None
+    debounce_seconds: float | None = None
+    """The window of a debounced dispatch (its record shows the last payload dispatched)."""
 
 
 class JobFake:
@@ -61,6 +65,12 @@ class JobFake:
         self._once_store = MemoryTransport()  # job.once markers, kept while the fake lives
         self._locks = memory_locks()
         self._saved: tuple[Any, Any, Any] | None = None
+        self._statuses: dict[uuid.UUID, JobStatus] = {}
+        self._debounced: dict[uuid.UUID, str] = {}
+        self._groups: dict[uuid.UUID, JobGroup] = {}
+        """The group of each recorded ``then`` job, by its id."""
+        """The debounce key of each recorded debounced job, by id."""
+        """What :meth:`work` made of each job it ran, by id."""
 
     # -- activation --------------------------------------------------------------------------
 
@@ -104,6 +114,49 @@ class JobFake:
             keep()
         return prepared.message_id
 
+    def record_debounced(self, job: Job, data: Any, queue: str, request: PublishRequest, *, debounce_key: str,
+                         window: float, session: Any = None) -> uuid.UUID:
+        """Records a debounced dispatch: while a job dispatched with the same key waits for
+        :meth:`work`, it takes this payload (one record, the last payload) and keeps its id."""
+        for index, (waiting_queue, message) in enumerate(self._waiting):
+            if waiting_queue == queue and self._debounced.get(message.message_id) == debounce_key:
+                fresh = prepare(request.model_copy(update={"message_id": message.message_id}))
+                self._waiting[index] = (queue, fresh)
+                self.records[:] = [
+                    replace(r, payload=job.load(data), debounce_seconds=window) if r.id == message.message_id else r
+                    for r in self.records
+                ]
+                return message.message_id
+        prepared = prepare(request)
+        entry = Dispatched(job=job.name, id=prepared.message_id, queue=queue, payload=job.load(data),
+                           debounce_seconds=window)
+
+        def keep() -> None:
+            self.records.append(entry)
+            self._waiting.append((queue, prepared))
+            self._debounced[prepared.message_id] = debounce_key
+
+        if not _after_commit(keep, session):
+            keep()
+        return prepared.message_id
+
+    def record_group(self, group: JobGroup, members: list[tuple[Job, str, PreparedMessage]],
+                     then: tuple[Job, str, PreparedMessage], *, session: Any = None) -> None:
+        """Records a group: its members as dispatches, then its ``then`` job (held: :meth:`work`
+        runs it after the members, with their statuses in ``job.group_results``)."""
+        entries = [(job, queue, message) for job, queue, message in [*members, then]]
+
+        def keep() -> None:
+            for job, queue, message in entries:
+                envelope = JobEnvelope.from_json(_payload(message))
+                self.records.append(Dispatched(job=job.name, id=message.message_id, queue=queue,
+                                               payload=job.load(self._jobs.open_payload(job, envelope))))
+                self._waiting.append((queue, message))
+            self._groups[then[2].message_id] = group
+
+        if not _after_commit(keep, session):
+            keep()
+
     # -- assertions --------------------------------------------------------------------------
 
     def dispatched(self, job: Any) -> list[Any]:
@@ -142,27 +195,46 @@ class JobFake:
         """Runs every recorded job not run yet (and the jobs they chain), here and now, and says
         what that came to (``.processed``, ``.failed``, ``.released``, ``.discarded``)."""
         runner = LocalRun(self._jobs, once_store=self._once_store, on_queued=self._chained, raise_failures=False)
-        queue_of_jobs = self._jobs.queue
-        bound = queue_of_jobs.bound_app
+        kernel = self._jobs.kernel
+        bound = kernel.bound_app
         if self._waiting and self._app is None:
             self._app = self._find_app(bound)
-        queue_of_jobs.bind_app(self._app)  # (for these attempts only: the lifespan's app comes back after)
+        kernel.bind_app(self._app)  # (for these attempts only: the lifespan's app comes back after)
         try:
             while self._waiting:
                 queue, message = self._waiting.pop(0)
-                await runner.run_until_done(queue, message)
+                group = self._groups.pop(message.message_id, None)
+                if group is None:
+                    await runner.run_until_done(queue, message)
+                else:  # (its members ran before it, in this run's store)
+                    await runner.run_group([], (queue, message), group.id, list(group.member_ids))
                 envelope = JobEnvelope.from_json(_payload(message))
                 if envelope.unique_key is not None:
                     self._held_unique.discard(envelope.unique_key)
         finally:
-            queue_of_jobs.bind_app(bound)
+            kernel.bind_app(bound)
+            self._statuses.update((status.id, status) for status in await runner.statuses())
         return runner.counts.as_counts()
+
+    def status(self, job_id: uuid.UUID) -> JobStatus | None:
+        """What ``queue.job_status`` answers under the fake: a recorded job not run yet is Pending;
+        one :meth:`work` ran is what came of it (without the attempt history); None for an id the
+        fake never recorded."""
+        found = self._statuses.get(job_id)
+        if found is not None:
+            return found
+        for queue, message in self._waiting:
+            if message.message_id == job_id:
+                record = next((r for r in self.records if r.id == job_id), None)
+                return JobStatus(id=job_id, job=None if record is None else record.job, queue=queue,
+                                 state="Pending", attempt=0, tries=message.max_attempts or 1)
+        return None
 
     def _find_app(self, bound: Any) -> Any:
         """The app that serves the queue (see :mod:`.fake_app`), else the one a lifespan bound."""
         if not any(job.dependency_params for job in self._jobs.registry):
             return bound  # (no job has a dependency to override: no need to look)
-        apps = apps_of(self._jobs.queue)
+        apps = apps_of(self._jobs.kernel.facade)
         if len(apps) == 1:
             return apps[0]
         if not apps or bound in apps:

@@ -14,8 +14,8 @@ import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.envelope import (
     MAX_DELAY_SECONDS,
@@ -29,11 +29,13 @@ from ..core.envelope import (
     uuid7,
 )
 from ..core.errors import ConfigurationError, TransportError
+from ..core.message_state import MESSAGE_STATE_NEEDED
 from ..core.outcomes import FollowUp, Outcome, WorkOutcome
 from ..core.redaction import redacting_logger
 from ..core.tasks import TaskScope
 from ..core.topology import Subscription, Topic
 from .context import JobContext, StepStore
+from .debounce import debounce_window, dispatch_debounced, stored_key
 from .definition import DEFAULT_TRIES, Job, check_job_name, check_priority, check_queue_name, define_job
 from .encryption import PayloadCipher, PayloadUndecryptable, cipher_from
 from .envelope import (
@@ -48,21 +50,26 @@ from .envelope import (
 )
 from .events import JobEvents
 from .failed import FailedJobs
+from .groups import JobGroup, group_results, make_group
+from .local_status import LocalStatuses, as_job_id
 from .middleware import Locks
 from .registry import JobRegistry
+from .results import encode_result
 from .runner import JobRunner
 from .schedules import Schedules
+from .status import JobStatus, read_status
 from .steps import TransportSteps
 from .watchdog import Overrun, Watchdog
-from .worker import GROUP_NAME, UnwatchedQueues, parse_queues
+from .worker import GROUP_NAME, UnwatchedQueues, job_group, parse_queues
 
 if TYPE_CHECKING:
     from ..core.context import WorkContext
     from ..core.envelope import WorkMessage
-    from ..core.host import Host
-    from ..queue import WorkQueue
+    from ..core.host import GroupPlan, Host
+    from ..core.kernel import Kernel
 
 log = redacting_logger("fastapi_workqueue.jobs")
+T = TypeVar("T")
 
 JOBS_HANDLER = "workqueue.jobs"
 """The handler key of every job queue's subscription."""
@@ -114,21 +121,22 @@ _Entry = tuple["Job", str, Any, Any, "str | None", "float | None", int]
 _LAYERS: weakref.WeakSet[Jobs] = weakref.WeakSet()
 
 
-def queues_with_jobs() -> list[WorkQueue]:
-    """The queues of this process that declare at least one job (the test plugin's default)."""
-    return [layer.queue for layer in list(_LAYERS) if len(layer.registry)]
+def queues_with_jobs() -> list[object]:
+    """The queues of this process that declare at least one job (the test plugin's default): the
+    app-facing object of each kernel (its WorkQueue)."""
+    return [layer.kernel.facade for layer in list(_LAYERS) if len(layer.registry)]
 
 
 class Jobs:
-    """Jobs of one :class:`~fastapi_workqueue.WorkQueue`."""
+    """Jobs of one :class:`~fastapi_workqueue.WorkQueue`, on its kernel."""
 
-    def __init__(self, queue: WorkQueue) -> None:
-        self.queue = queue
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
         _LAYERS.add(self)
         self.registry = JobRegistry()
         self.events = JobEvents()
         self.runner = JobRunner(self)
-        self.steps: StepStore = TransportSteps(lambda: self.queue.transport)
+        self.steps: StepStore = TransportSteps(lambda: self.kernel.transport)
         self.locks = Locks(self._once_begin, self._once_abort, self._once_renew)
         self._cipher: PayloadCipher | None = None
         self._cipher_loaded = False
@@ -145,6 +153,8 @@ class Jobs:
         self._emitting = TaskScope("workqueue-job-events")
         self._stop_timeout: float | None = None
         self._watcher: UnwatchedQueues | None = None
+        self.local_statuses = LocalStatuses()
+        """Sync mode: the statuses of the jobs run in this process (the newest ones)."""
 
     # -- events ------------------------------------------------------------------------------
 
@@ -169,6 +179,16 @@ class Jobs:
             self._watcher = UnwatchedQueues(self, parse_queues(queues), idle=idle)
             self._watcher.start()  # (a list with * leaves nothing out: no task starts)
 
+    def groups(self, queues: str | None = None, concurrency: int | None = None) -> list[GroupPlan]:
+        """The consumer of the job queues, none while no job is declared: ``queues`` (``mail,*``;
+        default ``WORKQUEUE_JOB_QUEUES``, unset: every queue fairly) at ``concurrency`` (default
+        ``WORKQUEUE_JOB_CONCURRENCY``)."""
+        if not len(self.registry):
+            return []
+        settings = self.kernel.settings
+        return [job_group(queues if queues is not None else settings.job_queues,
+                          concurrency or settings.job_concurrency)]
+
     async def stop_watching(self) -> None:
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
@@ -178,14 +198,14 @@ class Jobs:
 
     @property
     def lease_seconds(self) -> float:
-        return float(self.queue.settings.job_lease_seconds)
+        return float(self.kernel.settings.job_lease_seconds)
 
     @property
     def stop_timeout(self) -> float:
         """Seconds a job that ran past its timeout has to stop before the worker ends (exit 70)."""
         if self._stop_timeout is not None:
             return self._stop_timeout
-        return self.queue.settings.shutdown_drain_ms / 1000
+        return self.kernel.settings.shutdown_drain_ms / 1000
 
     @stop_timeout.setter
     def stop_timeout(self, seconds: float) -> None:
@@ -193,11 +213,11 @@ class Jobs:
 
     @property
     def sync(self) -> bool:
-        return self.queue.settings.jobs_mode == "sync"
+        return self.kernel.settings.jobs_mode == "sync"
 
     def cipher(self) -> PayloadCipher | None:
         if not self._cipher_loaded:
-            settings = self.queue.settings
+            settings = self.kernel.settings
             key = settings.app_key.get_secret_value() if settings.app_key is not None else None
             previous = settings.previous_keys.get_secret_value() if settings.previous_keys is not None else None
             self._cipher = cipher_from(key, previous)
@@ -225,7 +245,7 @@ class Jobs:
             self.check_queue_limits(job)
             self.registry.add(job)
             try:
-                self.queue.prepare_dependencies(job.key, job.func, job.dependency_params)
+                self.kernel.prepare_dependencies(job.key, job.func, job.dependency_params)
             except ConfigurationError:
                 self.registry.remove(job.name)
                 raise
@@ -237,7 +257,7 @@ class Jobs:
     def app_needed(self) -> str | None:
         """Where a job's dependencies take a Request (so the job needs to run with the app), or None."""
         for job in self.registry:
-            where = self.queue.app_needed_by(job.key)
+            where = self.kernel.app_needed_by(job.key)
             if where is not None:
                 return where
         return None
@@ -272,17 +292,17 @@ class Jobs:
         limits its jobs declare (a queue declared before one of its jobs declared limits takes them)."""
         check_queue_name(name)
         topic = topic_of(name)
-        if topic in self.queue.topics:
-            known = self.queue.subscriptions.get(topic)
+        if topic in self.kernel.topics:
+            known = self.kernel.subscriptions.get(topic)
             wanted = self.subscription_for(name)
             if known is not None and known.handler_key == JOBS_HANDLER and known.flow_limits() != wanted.flow_limits():
-                self.queue.subscriptions[topic] = wanted
+                self.kernel.subscriptions[topic] = wanted
                 self._synced.discard(topic)
             return
-        self.queue.add_topic(Topic(name=topic))
-        self.queue.add_subscription(self.subscription_for(name))
-        if self.queue.resolve_handler(JOBS_HANDLER) is None:
-            self.queue.handler(JOBS_HANDLER)(self.runner.run)
+        self.kernel.add_topic(Topic(name=topic))
+        self.kernel.add_subscription(self.subscription_for(name))
+        if self.kernel.resolve_handler(JOBS_HANDLER) is None:
+            self.kernel.add_handler(JOBS_HANDLER, self.runner.run)
 
     def subscription_for(self, name: str) -> Subscription:
         topic = topic_of(name)
@@ -295,17 +315,17 @@ class Jobs:
         if topic in self._synced:  # declared and in the store already: the common case, at every dispatch
             return topic
         self.declare_queue(name)
-        if self.queue.is_open:
+        if self.kernel.is_open:
             async with self._sync_lock:
                 if topic not in self._synced:
-                    await self.queue.transport.sync_topology([self.queue.topics[topic]],
-                                                             [self.queue.subscriptions[topic]])
+                    await self.kernel.transport.sync_topology([self.kernel.topics[topic]],
+                                                             [self.kernel.subscriptions[topic]])
                     self._synced.add(topic)
         return topic
 
     def mark_synced(self) -> None:
         """The queue's open() wrote the declared topology: every declared job queue is in the store."""
-        self._synced.update(t for t in self.queue.topics if queue_of(t) is not None)
+        self._synced.update(t for t in self.kernel.topics if queue_of(t) is not None)
 
     # -- building messages -------------------------------------------------------------------
 
@@ -356,6 +376,8 @@ class Jobs:
         unique_until: UniqueUntil = "done",
         unique_for: float = DEFAULT_UNIQUE_FOR,
         chain: Sequence[ChainLink] = (),
+        group: uuid.UUID | None = None,
+        not_before: datetime | None = None,
         priority: int | None = None,
     ) -> PublishRequest:
         payload, encrypted = self.seal(job, data)
@@ -365,7 +387,7 @@ class Jobs:
             job=job.name, payload=payload, encrypted=encrypted,
             timeout=policy.timeout if timeout is None else timeout,
             unique_key=None if unique is None else self.unique_key(job, unique),
-            unique_until=None if unique is None else unique_until, chain=tuple(chain),
+            unique_until=None if unique is None else unique_until, chain=tuple(chain), group=group,
         )
         fields: dict[str, Any] = {"attributes": {JOB_ATTRIBUTE: job.name}, "payload": envelope.to_json(),
                                   "max_attempts": tries or policy.tries}
@@ -374,6 +396,8 @@ class Jobs:
             fields["message_id"] = job_id
         if delay is not None:
             fields["delay_seconds"] = delay
+        if not_before is not None:
+            fields["not_before"] = not_before
         if backoff is not None:
             fields["backoff_seconds"] = list(backoff)
         if unique is not None:
@@ -416,7 +440,7 @@ class Jobs:
     async def _send(self, topic: str, entries: list[_Entry], session: Any, *, unique: str | None = None,
                     unique_until: UniqueUntil = "done", ttl: float | None = None) -> list[PublishResult]:
         """Publishes checked jobs to ``topic`` as ``queue.publish`` of their requests would."""
-        cap = self.queue.envelope_cap(topic)
+        cap = self.kernel.envelope_cap(topic)
         prepared: list[PreparedMessage] = []
         failures: dict[int, PublishResult] = {}
         message = self.message
@@ -426,7 +450,7 @@ class Jobs:
                                         ttl=ttl, max_envelope_bytes=cap, priority=priority))
             except RequestRejected as exc:
                 failures[index] = PublishResult(status=PublishStatus.REJECTED, error=exc.error)
-        return await self.queue.publish_prepared(topic, len(entries), prepared, failures, session=session)
+        return await self.kernel.publish_prepared(topic, len(entries), prepared, failures, session=session)
 
     def next_request(self, envelope: JobEnvelope) -> tuple[str, PublishRequest] | None:
         """The next job of a chain (queue, request), carrying the rest of the chain."""
@@ -441,13 +465,19 @@ class Jobs:
             priority=first.priority,
         )
 
-    def completion(self, envelope: JobEnvelope) -> WorkOutcome:
-        """Complete, with the chain's next job queued in the same transaction."""
+    def completion(self, envelope: JobEnvelope, result: str | None = None) -> WorkOutcome:
+        """Complete, with the chain's next job queued and ``result`` (a stored result's text) kept
+        in the same transaction."""
         following = self.next_request(envelope)
         if following is None:
-            return Outcome.complete()
+            return Outcome.complete(result=result)
         queue, request = following
-        return Outcome.complete(then=[FollowUp(topic_of(queue), [prepare(request)])])
+        return Outcome.complete(then=[FollowUp(topic_of(queue), [prepare(request)])], result=result)
+
+    def result_text(self, job: Job, value: Any) -> str:
+        """The stored text of what ``job`` (declared ``store_result=True``) returned; raises
+        :class:`~.results.ResultNotStorable`."""
+        return encode_result(job, value, self.cipher() if job.encrypted else None)
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -461,13 +491,20 @@ class Jobs:
         unique: str | None = None,
         unique_until: UniqueUntil = "done",
         unique_for: float = DEFAULT_UNIQUE_FOR,
+        debounce: timedelta | float | None = None,
+        debounce_key: str | None = None,
         session: Any = None,
         priority: int | None = None,
     ) -> uuid.UUID | None:
         """Validates ``payload``, queues the job and returns its id (None: ``unique`` key held).
-        ``priority`` (0 to 9) replaces the job's declared priority for this dispatch."""
+        ``debounce`` with ``debounce_key``: see :mod:`.debounce`. ``priority`` (0 to 9) replaces the
+        job's declared priority for this dispatch."""
         definition = self.registry.resolve(job)
         chosen = definition.policy.priority if priority is None else check_priority(priority)
+        window = debounce_window(debounce, debounce_key, unique=unique, delay=delay)
+        if window is not None:
+            assert debounce_key is not None
+            return await self._debounced(definition, payload, queue, window, debounce_key, session)
         if unique_until not in ("done", "processing"):
             raise ValueError(f"unique_until must be 'done' or 'processing', got {unique_until!r}")
         if unique is not None and not (isinstance(unique, str) and unique):
@@ -503,6 +540,19 @@ class Jobs:
         if not result.ok or result.message_id is None:
             raise JobDispatchError(definition.name, result)
         return result.message_id
+
+    async def _debounced(self, definition: Job, payload: Any, queue: str | None, window: float, key: str,
+                         session: Any) -> uuid.UUID:
+        data = definition.validate(payload)
+        target = check_queue_name(queue) if queue is not None else definition.policy.queue
+        if self.fake is not None:
+            recorded: uuid.UUID = self.fake.record_debounced(definition, data, target, self.request(definition, data),
+                                                             debounce_key=stored_key(self, definition, key),
+                                                             window=window, session=session)
+            return recorded
+        if self.sync:  # (the window is not waited for, as a delay is not)
+            return await self.run_now(definition, target, prepare(self.request(definition, data)))
+        return await dispatch_debounced(self, definition, data, target, window, key, session)
 
     async def bulk(self, items: Iterable[tuple[Any, Any]], *, session: Any = None) -> list[uuid.UUID]:
         """Queues several jobs in one transaction; every payload is checked before any is queued."""
@@ -587,7 +637,7 @@ class Jobs:
         topic = await self.ensure_queue(target)
         for link in links:
             await self.ensure_queue(link.queue)
-        [result] = await self._publish(lambda tx: self.queue.publish(topic, [request], session=tx), session)
+        [result] = await self._publish(lambda tx: self.kernel.publish(topic, [request], session=tx), session)
         if not result.ok:
             raise JobDispatchError(first.name, result)
         return [i for i in ids if i is not None]
@@ -596,7 +646,7 @@ class Jobs:
         """Jobs that wait or run on ``queue`` (on every job queue when None)."""
         names = [topic_of(check_queue_name(queue))] if queue is not None else None
         total = 0
-        for stats in await self.queue.stats():
+        for stats in await self.kernel.operator.stats():
             if queue_of(stats.subscription) is None or (names is not None and stats.subscription not in names):
                 continue
             total += stats.pending + stats.in_flight
@@ -604,14 +654,17 @@ class Jobs:
 
     # -- publishing --------------------------------------------------------------------------
 
-    async def _publish(
-        self, send: Callable[[Any], Awaitable[list[PublishResult]]], session: Any, *, retry_in_savepoint: bool = False
-    ) -> list[PublishResult]:
-        """``send(tx)`` in the caller's transaction (retried in a savepoint for a unique key)."""
-        from ..web.session import current_session
+    async def publish_in(self, send: Callable[[Any], Awaitable[T]], session: Any) -> T:
+        """``send(tx)`` in the caller's transaction (``session``, or the request's), retried in a
+        savepoint when the store asks to try again (a key another transaction took at once)."""
+        return await self._publish(send, session, retry_in_savepoint=True)
 
-        tx = session if session is not None else current_session()
-        if tx is None or not retry_in_savepoint or self.queue.transport.name == "sqlite":
+    async def _publish(
+        self, send: Callable[[Any], Awaitable[T]], session: Any, *, retry_in_savepoint: bool = False
+    ) -> T:
+        """``send(tx)`` in the caller's transaction (retried in a savepoint for a unique key)."""
+        tx = session if session is not None else self.kernel.sessions.current()
+        if tx is None or not retry_in_savepoint or self.kernel.transport.name == "sqlite":
             # (SQLite's single writer already serializes dispatchers: the key is read under the
             # write lock, and a savepoint would turn that lock into an upgrade that fails at once.)
             return await send(tx)
@@ -628,14 +681,40 @@ class Jobs:
         raise AssertionError("unreachable")
 
     async def _in_one_transaction(self, work: Callable[[Any], Any], session: Any, *, several: bool) -> None:
-        from ..web.session import current_session
-
-        tx = session if session is not None else current_session()
+        tx = session if session is not None else self.kernel.sessions.current()
         if tx is not None or not several:
             await work(tx)
             return
-        async with self.queue.sessionmaker() as own, own.begin():
+        async with self.kernel.sessions.sessionmaker() as own, own.begin():
             await work(own)
+
+    async def in_one_transaction(self, work: Callable[[Any], Any], session: Any) -> None:
+        """``work(tx)``: several writes in the caller's transaction, or in one of their own (a
+        store without a caller's transaction, the memory transport, runs them one after the other)."""
+        await self._in_one_transaction(work, session,
+                                       several=self.kernel.transport.capabilities.transactional_publish)
+
+    # -- groups ------------------------------------------------------------------------------
+
+    async def group(self, items: Iterable[Any], *, then: Any, session: Any = None) -> JobGroup:
+        """Queues ``items`` (``(job, payload)`` or ``(job, payload, {"queue": ...})``) and ``then``,
+        which runs once every member ended (see :mod:`.groups`)."""
+        return await make_group(self, items, then, session)
+
+    async def group_results(self, group_id: uuid.UUID) -> list[JobStatus]:
+        """The status of each member of a group, in order (the ``then`` job's ``job.group_results``)."""
+        return await group_results(self, group_id)
+
+    async def run_group_now(self, members: list[tuple[str, PreparedMessage]], then: tuple[str, PreparedMessage],
+                            group: JobGroup) -> None:
+        """Sync mode: runs a group's members and then its ``then`` job, before ``group`` returns."""
+        from .local import LocalRun
+
+        run = LocalRun(self, once_store=self.kernel.transport)
+        try:
+            await run.run_group(members, then, group.id, list(group.member_ids))
+        finally:
+            self.local_statuses.update(await run.statuses())
 
     async def reencrypt(self, *, page: int = 500) -> int:
         """Encrypts the payloads of waiting and failed encrypted jobs again with the current key
@@ -645,7 +724,7 @@ class Jobs:
         cipher = self.cipher()
         if cipher is None:
             raise ConfigurationError("reencrypting needs the app key: set WORKQUEUE_APP_KEY")
-        transport = self.queue.transport
+        transport = self.kernel.transport
         rewritten = 0
         undecryptable: list[str] = []
         for sub in await transport.list_subscriptions():
@@ -691,7 +770,7 @@ class Jobs:
         prepared = prepare(PublishRequest(message_id=info.message_id, partition_key=info.partition_key,
                                           attributes=info.attributes or {}, payload=fresh.to_json(),
                                           correlation_id=info.correlation_id))
-        done: bool = await self.queue.transport.rewrite_payload(
+        done: bool = await self.kernel.transport.rewrite_payload(
             info.message_id, prepared.payload_json, prepared.content_hash, prepared.envelope_bytes
         )
         return done
@@ -701,7 +780,25 @@ class Jobs:
         if self.fake is not None:
             return
         with contextlib.suppress(Exception):  # at worst the key expires after unique_for
-            await self.queue.transport.release_deduplication_key(topic_of(queue), key, job_id)
+            await self.kernel.transport.release_deduplication_key(topic_of(queue), key, job_id)
+
+    # -- status ------------------------------------------------------------------------------
+
+    async def status(self, job_id: uuid.UUID | str, *, reveal_encrypted: bool = True) -> JobStatus | None:
+        """The status of job ``job_id``, or None when no job has that id (never dispatched, or
+        purged with the retention). ``reveal_encrypted=False`` leaves an encrypted job's result out
+        (the REST API)."""
+        job_id = as_job_id(job_id)
+        if self.fake is not None:
+            found: JobStatus | None = self.fake.status(job_id)
+            return found
+        if self.sync:
+            return self.local_statuses.get(job_id)
+        ports = self.kernel.ports
+        if ports.state is None:
+            raise ConfigurationError(MESSAGE_STATE_NEEDED)
+        return await read_status(job_id, self.kernel.transport, ports.state, ports.attempts, self.cipher(),
+                                 reveal_encrypted=reveal_encrypted)
 
     # -- running in this process -------------------------------------------------------------
 
@@ -709,7 +806,11 @@ class Jobs:
         """Sync mode: runs the job at its dispatch, before the dispatch returns (see :mod:`.local`)."""
         from .local import LocalRun
 
-        await LocalRun(self, once_store=self.queue.transport).run_until_done(queue, message)
+        run = LocalRun(self, once_store=self.kernel.transport)
+        try:
+            await run.run_until_done(queue, message)
+        finally:
+            self.local_statuses.update(await run.statuses())
         return message.message_id
 
     def caller(self, job: Job, payload: Any, job_context: JobContext, message: WorkMessage[Any],
@@ -730,18 +831,18 @@ class Jobs:
             return call_plain
 
         async def call() -> Any:
-            return await self.queue.call_with_dependencies(job.key, job.func, fixed, message, context)
+            return await self.kernel.call_with_dependencies(job.key, job.func, fixed, message, context)
 
         return call
 
     async def _once_begin(self, key: str, seconds: float) -> tuple[str, str | None]:
-        return await self.queue.transport.once_begin(key, seconds)
+        return await self.kernel.transport.once_begin(key, seconds)
 
     async def _once_abort(self, key: str, token: str) -> bool:
-        return await self.queue.transport.once_abort(key, token)
+        return await self.kernel.transport.once_abort(key, token)
 
     async def _once_renew(self, key: str, token: str, seconds: float) -> bool:
-        return await self.queue.transport.once_renew(key, token, seconds)
+        return await self.kernel.transport.once_renew(key, token, seconds)
 
 
 def _item(item: Any) -> tuple[Any, Any, dict[str, Any]]:

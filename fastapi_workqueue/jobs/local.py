@@ -13,7 +13,7 @@ store the fake keeps.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,15 +22,19 @@ from ..core.context import WorkContext
 from ..core.envelope import PreparedMessage, WorkMessage
 from ..core.errors import TransportError
 from ..core.handlers import HandlerSpec, call_plain
+from ..core.memory import MemoryTransport
+from ..core.message_state import HELD_UNTIL
 from ..core.outcomes import WorkOutcome
 from ..core.redaction import redacting_logger
 from ..core.runtime import Consumer
 from ..core.settler import Settler
 from ..core.topology import Topic
 from ..core.transport import Settlement, SettleResult, Transport
-from ..testing.memory import MemoryTransport
 from .envelope import queue_of, topic_of
+from .groups import LOCAL_STATE
 from .middleware import Locks
+from .results import decode_result
+from .status import JobStatus, status_of
 
 if TYPE_CHECKING:
     from .layer import Jobs
@@ -152,11 +156,28 @@ class LocalRun:
     async def run_until_done(self, queue: str, message: PreparedMessage) -> Counts:
         """Runs ``message`` and whatever it queues (a chain's next jobs) until nothing is left; in
         sync mode a job that failed for good raises its error here."""
+        return await self._run([(queue, message)])
+
+    async def run_group(self, members: list[tuple[str, PreparedMessage]], then: tuple[str, PreparedMessage],
+                        group_id: uuid.UUID, member_ids: list[uuid.UUID]) -> Counts:
+        """Runs a group: ``members`` (jobs this run ran before may be members too, ``member_ids``
+        names them all) and the held ``then`` job once they ended."""
+
+        async def make_group() -> None:
+            await self.store.group_create(group_id, member_ids, then[1].message_id)
+
+        return await self._run([*members, then], before_drain=make_group)
+
+    async def _run(self, messages: list[tuple[str, PreparedMessage]],
+                   before_drain: Callable[[], Awaitable[None]] | None = None) -> Counts:
         try:
-            topic = await self.ensure_queue(topic_of(queue))
-            [result] = await self.store.publish(topic, [message])
-            if not result.ok:
-                raise TransportError(f"job {message.message_id} could not be run here: {result.error}")
+            for queue, message in messages:
+                topic = await self.ensure_queue(topic_of(queue))
+                [result] = await self.store.publish(topic, [message])
+                if not result.ok:
+                    raise TransportError(f"job {message.message_id} could not be run here: {result.error}")
+            if before_drain is not None:
+                await before_drain()
             await self._drain()
         finally:
             await self._jobs.drain_events()
@@ -164,6 +185,21 @@ class LocalRun:
         if failure is not None and self._raise:
             raise failure
         return self.counts
+
+    async def statuses(self) -> list[JobStatus]:
+        """The status of every job of this run (what a run's own store knows: no attempt history)."""
+        store = self.store
+        cipher = self._jobs.cipher()
+        found: list[JobStatus] = []
+        for sub in await store.list_subscriptions():
+            for state in ("Pending", "InFlight", "Completed", "DeadLettered", "Discarded"):
+                for info in await store.list_deliveries(sub.name, state, limit=1_000_000):
+                    result = None
+                    if state == "Completed":
+                        text = await store.result_get(info.message_id)
+                        result = None if text is None else decode_result(text, cipher, info.message_id)
+                    found.append(status_of(info, [], result))
+        return found
 
     async def ensure_queue(self, topic: str) -> str:
         """The job queue of ``topic`` in the run's store (created on first use)."""
@@ -209,10 +245,17 @@ class LocalRun:
         """Consumes until no delivery is left Pending or InFlight, moving the store's clock on to
         the next due delivery whenever the consumer finds nothing claimable."""
         store = self.store
+        local = LOCAL_STATE.set(store)  # (a group's then job reads its group here; the consumer's tasks see it)
+        try:
+            await self._consume_all(store)
+        finally:
+            LOCAL_STATE.reset(local)
+
+    async def _consume_all(self, store: _LocalStore) -> None:
         while True:
             subscriptions = await store.list_subscriptions()
             settler = Settler(store)
-            consumer = Consumer(store, settler, [subscriptions], self._jobs.queue.resolve_handler, self._invoke,
+            consumer = Consumer(store, settler, [subscriptions], self._jobs.kernel.resolve_handler, self._invoke,
                                 concurrency=1, stop_when_idle=True, idle_poll_min=0.0, name="jobs in process")
             consumer.start()
             try:
@@ -222,7 +265,7 @@ class LocalRun:
                 await settler.close()
             waiting = [info.visible_at for sub in await store.list_subscriptions()
                        for info in await store.list_deliveries(sub.name, "Pending", limit=1000)
-                       if info.visible_at is not None]
+                       if info.visible_at is not None and info.visible_at < HELD_UNTIL]
             if not waiting:
                 return
             ahead = (min(waiting) - store.manual.now()).total_seconds()

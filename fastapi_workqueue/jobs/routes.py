@@ -1,5 +1,6 @@
-"""The REST routes of failed jobs, beside the operator API (``queue.router``):
+"""The REST routes of jobs, beside the operator API (``queue.router``):
 
+``GET /work-queue/jobs/{id}`` (a job's status, ``workqueue:read``),
 ``GET /work-queue/jobs/failed`` (``workqueue:read``; payloads with ``workqueue:admin``),
 ``POST /work-queue/jobs/{id}/retry``, ``POST /work-queue/jobs/{id}/forget`` and
 ``POST /work-queue/jobs/failed/prune?older_than_days=N`` (``workqueue:operate``).
@@ -8,7 +9,8 @@
 # No ``from __future__ import annotations``: FastAPI reads the route signatures' annotations, and
 # the aliases below are local to build_job_router.
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
 from fastapi import APIRouter, HTTPException, Path, Query, Security, status
@@ -20,10 +22,11 @@ from ..core.wire import WireModel
 from ..web.routes import cannot_serve, document_errors
 from .definition import check_queue_name
 from .failed import MAX_DAYS, FailedJob, JobNotFailed
+from .status import JobStatus
 
 if TYPE_CHECKING:
-    from ..queue import WorkQueue
     from ..web.auth import Authorizer
+    from .layer import Jobs
 
 
 T = TypeVar("T")
@@ -33,9 +36,10 @@ class Pruned(WireModel):
     pruned: int
 
 
-def build_job_router(queue: "WorkQueue", authorize: "Authorizer", *, prefix: str = "") -> APIRouter:
-    """The failed-job routes of ``queue`` under ``prefix`` + ``/jobs``, checked by ``authorize`` (the
-    operator router includes them, under its own prefix)."""
+def build_job_router(jobs: Callable[[], "Jobs"], authorize: "Authorizer", *, prefix: str = "") -> APIRouter:
+    """The failed-job routes of the jobs layer ``jobs()`` (made when a route first needs it) under
+    ``prefix`` + ``/jobs``, checked by ``authorize`` (the operator router includes them, under its
+    own prefix)."""
     router = APIRouter(prefix=f"{prefix}/jobs", tags=["jobs"])
     Reader = Annotated[Principal, Security(authorize, scopes=[SCOPE_READ])]
     Operator = Annotated[Principal, Security(authorize, scopes=[SCOPE_OPERATE])]
@@ -57,20 +61,31 @@ def build_job_router(queue: "WorkQueue", authorize: "Authorizer", *, prefix: str
     ) -> list[FailedJob]:
         """The failed jobs with their reason and redacted error (payloads for ``workqueue:admin``,
         never an encrypted one's plaintext)."""
-        return await _call(queue.failed_jobs(queue_name(queue_filter), limit=limit,
-                                             include_payload=principal.has(SCOPE_ADMIN)))
+        return await _call(jobs().failed.list(queue_name(queue_filter), limit=limit,
+                                              include_payload=principal.has(SCOPE_ADMIN)))
+
+    @router.get("/{job_id}", response_model=JobStatus, summary="A job's status",
+                responses={404: {"description": "No job has this id (never dispatched, or purged)."}})
+    async def job_status(job_id: JobId, principal: Reader) -> JobStatus:
+        """The job's state, attempts, tries, times, last error and stored result (an encrypted
+        job's result is never shown), as ``queue.job_status`` answers."""
+        found: JobStatus | None = await _call(jobs().status(job_id, reveal_encrypted=False))
+        if found is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND,
+                                detail=f"no job has the id {job_id} (never dispatched, or purged with the retention)")
+        return found
 
     @router.post("/{job_id}/retry", response_model=ActionResult, summary="Queue a failed job again",
                  responses={404: {"description": "No failed job has this id."}})
     async def retry(job_id: JobId, principal: Operator) -> ActionResult:
         """The failed job is queued again with the same id, its tries counted afresh."""
-        return await _call(queue.retry_job(job_id))
+        return await _call(jobs().failed.retry(job_id, None))
 
     @router.post("/{job_id}/forget", response_model=ActionResult, summary="Drop a failed job",
                  responses={404: {"description": "No failed job has this id."}})
     async def forget(job_id: JobId, principal: Operator) -> ActionResult:
         """The failed job is dropped (discarded)."""
-        return await _call(queue.forget_job(job_id))
+        return await _call(jobs().failed.forget(job_id))
 
     @router.post("/failed/prune", response_model=Pruned, summary="Drop old failed jobs")
     async def prune(
@@ -79,7 +94,8 @@ def build_job_router(queue: "WorkQueue", authorize: "Authorizer", *, prefix: str
         queue_filter: Annotated[str | None, Query(alias="queue")] = None,
     ) -> Pruned:
         """Drops the jobs that failed more than ``older_than_days`` ago."""
-        return Pruned(pruned=await _call(queue.prune_failed_jobs(older_than_days, queue_name(queue_filter))))
+        pruned = jobs().failed.prune(timedelta(days=older_than_days), queue_name(queue_filter))
+        return Pruned(pruned=await _call(pruned))
 
     document_errors(router)
     return router

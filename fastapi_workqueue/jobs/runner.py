@@ -7,6 +7,8 @@ turns what happened into the delivery's outcome and the job's events:
 | the attempt | outcome | event |
 |---|---|---|
 | returns None | Completed (and the next job of a chain is queued in the same transaction) | JobProcessed |
+| returns a value (``store_result=True``: kept with the job in that transaction) | Completed | JobProcessed |
+| returns what cannot be stored (``store_result=True``: not JSON, or too large) | DeadLettered | JobFailed |
 | returns ``job.release(d)``, or finds its overlap key taken | back after ``d`` s, a try used | JobReleased |
 | returns ``job.discard(reason)`` | Discarded | JobDiscarded |
 | raises (``TransientWorkError`` or any error) | back after backoff | JobReleased error |
@@ -41,6 +43,7 @@ from .encryption import PayloadUndecryptable
 from .envelope import PLAIN_KEYS, VERSION, EnvelopeInvalid, JobEnvelope, queue_of
 from .events import E, JobDiscarded, JobEvent, JobFailed, JobProcessed, JobProcessing, JobReleased, ReleaseReason
 from .middleware import JobAttempt
+from .results import ResultNotStorable
 
 if TYPE_CHECKING:
     from .layer import Jobs
@@ -147,6 +150,9 @@ class JobRunner:
             message.message_id, job.name, context.attempt, context.max_attempts, queue, signal,
             lambda: _JobLog(log, job.name, message, context.attempt), context.once, jobs.steps,
         )
+        if envelope.group is not None:  # the then job of a group: what became of each member
+            job_context.group_id = envelope.group
+            job_context.group_results = await jobs.group_results(envelope.group)
         if envelope.unique_key is not None and envelope.unique_until == "processing":
             await jobs.release_unique(queue, envelope.unique_key, message.message_id)
         if jobs.events:  # (no event is built for a queue without listeners)
@@ -210,10 +216,19 @@ class JobRunner:
                 self._after(context, lambda: base.event(JobReleased, reason=released,
                                                         delay_seconds=result.delay_seconds))
             return Outcome.retry(reason, delay_seconds=result.delay_seconds)
+        stored: str | None = None
+        job = jobs.registry.find(envelope.job)
+        if job is not None and job.store_result:
+            try:
+                stored = jobs.result_text(job, result)
+            except ResultNotStorable as exc:
+                failure = FatalWorkError(str(exc))
+                await self._failed(base, context, envelope, failure, str(exc))
+                raise failure from None
         await self._end_unique(queue, envelope, message)
         self._after(context, lambda: base.event(JobProcessed, seconds=time.monotonic() - started),
                     written="Completed", chained=bool(envelope.chain))
-        return jobs.completion(envelope)
+        return jobs.completion(envelope, stored)
 
     async def _attempt(
         self, job: Job, payload: Any, job_context: JobContext, envelope: JobEnvelope, message: WorkMessage[Any],

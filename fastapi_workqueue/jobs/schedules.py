@@ -195,7 +195,7 @@ class Schedules:
         ticks = [schedule.previous_at_or_before(now or datetime.now(UTC))]
         while len(ticks) < look_back:
             ticks.append(schedule.previous_at_or_before(ticks[-1] - timedelta(microseconds=1)))
-        known = await self._jobs.queue.transport.known_messages([schedule.tick_id(t) for t in ticks])
+        known = await self._jobs.kernel.transport.known_messages([schedule.tick_id(t) for t in ticks])
         return next((tick for tick in ticks if schedule.tick_id(tick) in known), None)
 
     async def _since_last_known(self, schedule: Schedule, latest: datetime) -> list[datetime]:
@@ -203,7 +203,7 @@ class Schedules:
         candidates = [latest]
         while len(candidates) <= MAX_CATCH_UP:
             candidates.append(schedule.previous_at_or_before(candidates[-1] - timedelta(microseconds=1)))
-        known = await self._jobs.queue.transport.known_messages([schedule.tick_id(t) for t in candidates])
+        known = await self._jobs.kernel.transport.known_messages([schedule.tick_id(t) for t in candidates])
         missing: list[datetime] = []
         for tick in candidates:
             if schedule.tick_id(tick) in known:
@@ -216,7 +216,7 @@ class Schedules:
         target = schedule.queue or schedule.job.policy.queue
         request = jobs.request(schedule.job, schedule._data, job_id=schedule.tick_id(tick))
         topic = await jobs.ensure_queue(target)
-        [result] = await jobs.queue.publish(topic, [request])
+        [result] = await jobs.kernel.publish(topic, [request])
         if result.status == PublishStatus.ACCEPTED:
             log.info("schedule %s: queued job %s for %s (%s)", schedule.name, schedule.job.name, tick.isoformat(),
                      result.message_id)

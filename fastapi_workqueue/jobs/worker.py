@@ -112,7 +112,7 @@ class UnwatchedQueues:
     async def look(self) -> list[str]:
         """Queues outside the list with jobs ready now, not warned about before; warns, naming them."""
         ready = set()
-        for stats in await self._jobs.queue.stats():
+        for stats in await self._jobs.kernel.operator.stats():
             queue = queue_of(stats.subscription)
             if queue is not None and queue not in self._taken and stats.claimable > 0:
                 ready.add(queue)

@@ -2,7 +2,8 @@
 ``prometheus`` extra), built on the core's observer hooks (``fastapi_workqueue.core.observe``).
 
 Nothing here is imported unless the queue asks for an observer or a metrics router; without the
-extras installed the queue records nothing and costs nothing.
+extras installed the queue records nothing and costs nothing. OpenTelemetry is loaded once the
+process imports its API (:mod:`.otel_deferred`: before that no SDK can be installed).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 from ..core.observe import Observer
 
 if TYPE_CHECKING:
-    from ..settings import WorkQueueSettings
+    from ..core.settings import WorkQueueSettings
 
 __all__ = ["default_observers"]
 
@@ -26,12 +27,13 @@ def _installed(module: str) -> bool:
 
 
 def default_observers(settings: WorkQueueSettings) -> list[Observer]:
-    """The observers the settings ask for whose libraries are installed."""
+    """The observers the settings ask for whose libraries are installed (OpenTelemetry's from when
+    its API is imported)."""
     found: list[Observer] = []
     if settings.otel and _installed("opentelemetry.trace"):
-        from .otel import OpenTelemetryObserver
+        from .otel_deferred import DeferredOpenTelemetry
 
-        found.append(OpenTelemetryObserver())
+        found.append(DeferredOpenTelemetry())
     if settings.prometheus and _installed("prometheus_client"):
         from .prometheus import PrometheusObserver
 

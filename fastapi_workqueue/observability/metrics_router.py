@@ -19,7 +19,7 @@ except ImportError as exc:
 from .prometheus import PrometheusObserver, StoreCollector, StoreSnapshot, metrics_for
 
 if TYPE_CHECKING:
-    from ..queue import WorkQueue
+    from ..core.kernel import Kernel
     from ..web.auth import Authorizer
 
 
@@ -31,15 +31,15 @@ def _process_part(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)
 
 
-def build_metrics_router(queue: WorkQueue, *, authorize: Authorizer, public: bool, path: str = "/metrics",
+def build_metrics_router(kernel: Kernel, *, authorize: Authorizer, public: bool, path: str = "/metrics",
                          registry: CollectorRegistry | None = None) -> APIRouter:
     """The router behind ``queue.metrics_router`` (see :meth:`WorkQueue.create_metrics_router`)."""
     target = registry if registry is not None else REGISTRY
     if target is not REGISTRY:
-        queue.add_observer(PrometheusObserver(metrics_for(target)))
+        kernel.add_observer(PrometheusObserver(metrics_for(target)))
     else:
         metrics_for(None)
-    snapshot = StoreSnapshot(queue, queue.settings.metrics_cache_seconds)
+    snapshot = StoreSnapshot(kernel, kernel.settings.metrics_cache_seconds)
     store = CollectorRegistry(auto_describe=False)
     store.register(StoreCollector(snapshot))
     router = APIRouter(tags=["metrics"])

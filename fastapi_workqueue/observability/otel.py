@@ -39,6 +39,7 @@ except ImportError as exc:
     raise missing_extra("tracing through OpenTelemetry", "opentelemetry-api", "otel") from exc
 
 from ..core.observe import Observer, ProcessScope, PublishScope, SettleScope
+from ..core.processes import package_version
 from ..core.redaction import redact, redacted_traceback
 from . import semconv as sc
 
@@ -51,14 +52,6 @@ _FAILED_OUTCOMES = {"Fail", "DeadLetter"}
 _LINKS_KEPT = 10_000
 """Attempts whose span context waits for the settle span to link to it (the oldest go first)."""
 
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("fastapi-workqueue")
-    except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
-        return "0"
 
 
 _API_PACKAGES = ("opentelemetry.trace", "opentelemetry.metrics")
@@ -78,7 +71,7 @@ class OpenTelemetryObserver(Observer):
 
     def __init__(self, tracer_provider: Any = None, meter_provider: Any = None,
                  legacy_names: bool | None = None) -> None:
-        version = _version()
+        version = package_version()
         self.tracer = trace.get_tracer("fastapi_workqueue", version, tracer_provider=tracer_provider)
         meter = metrics.get_meter("fastapi_workqueue", version, meter_provider=meter_provider)
         self.legacy = sc.emit_legacy() if legacy_names is None else legacy_names

@@ -46,11 +46,11 @@ from . import semconv
 
 if TYPE_CHECKING:
     from ..core.envelope import PublishResult
+    from ..core.kernel import Kernel
     from ..core.live_work import FlowState
     from ..core.reports import SubscriptionStats
     from ..core.topology import SubscriptionState
     from ..core.transport import ClaimedDelivery
-    from ..queue import WorkQueue
 
 OUTCOMES = {"Complete": "completed", "Retry": "retried", "Fail": "failed", "DeadLetter": "dead_lettered",
             "Discard": "discarded", "Release": "released", None: "abandoned"}
@@ -169,8 +169,8 @@ class _Processed(ProcessScope):
 class StoreSnapshot:
     """The database's counts as the last scrape read them, reused for ``cache_seconds``."""
 
-    def __init__(self, queue: WorkQueue, cache_seconds: float, clock: Any = time.monotonic) -> None:
-        self.queue = queue
+    def __init__(self, kernel: Kernel, cache_seconds: float, clock: Any = time.monotonic) -> None:
+        self.kernel = kernel
         self.cache_seconds = cache_seconds
         self.clock = clock
         self.stats: list[SubscriptionStats] = []
@@ -187,15 +187,14 @@ class StoreSnapshot:
             now = self.clock()
             if self.read_at is not None and now - self.read_at < self.cache_seconds:
                 return
-            self.stats = await self.queue.stats()
+            self.stats = await self.kernel.operator.stats()
             self.flows = await self._flows()
             self.read_at = now
             self.taken_at = datetime.now(UTC)
 
-
     async def _flows(self) -> list[tuple[SubscriptionState, FlowState | None]]:
-        reader = self.queue.ports.flow
-        limited = [s for s in await self.queue.transport.list_subscriptions() if s.flow_limited]
+        reader = self.kernel.ports.flow
+        limited = [s for s in await self.kernel.transport.list_subscriptions() if s.flow_limited]
         return [(s, None if reader is None else await reader.flow_state(s.name)) for s in limited]
 
 

@@ -20,7 +20,7 @@ from ..core.keys import Principal, verify_key
 from ..core.redaction import redact, redacting_logger
 
 if TYPE_CHECKING:
-    from ..queue import WorkQueue
+    from ..core.kernel import Kernel
 
 log = redacting_logger("fastapi_workqueue.web")
 
@@ -41,7 +41,7 @@ def require_scopes(principal: Principal, security_scopes: SecurityScopes) -> Pri
     return principal
 
 
-def api_key_authorizer(queue: WorkQueue) -> Authorizer:
+def api_key_authorizer(kernel: Kernel) -> Authorizer:
     """The default authorizer: API keys stored (hashed) by the queue's transport."""
 
     async def authorize(
@@ -57,7 +57,7 @@ def api_key_authorizer(queue: WorkQueue) -> Authorizer:
                 detail="an API key is required: send Authorization: Bearer <key> or X-API-Key: <key>",
                 headers=challenge,
             )
-        store = queue.ports.api_keys
+        store = kernel.ports.api_keys
         if store is None:
             raise HTTPException(status_code=status.HTTP_501_NOT_IMPLEMENTED, detail="this transport stores no API keys")
         try:

@@ -4,7 +4,9 @@ The whole graph is checked when the handler is registered: a dependency, however
 only other dependencies, ``Request``, ``HTTPConnection``, ``Response`` and ``SecurityScopes``;
 a query parameter, a body, a header, a cookie, a path parameter, a WebSocket or BackgroundTasks
 exist only in a real request and are refused with the path to them. The FastAPI internals this
-needs live in :mod:`fastapi_workqueue.web.fastapi_internals`.
+needs live in :mod:`fastapi_workqueue.web.fastapi_internals`, imported with FastAPI only when a
+handler declares a dependency: a worker whose handlers take just the message and the context never
+loads FastAPI.
 """
 
 from __future__ import annotations
@@ -13,24 +15,16 @@ import inspect
 import typing
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from starlette.requests import Request
-
-from ..core.context import WorkContext
-from ..core.envelope import WorkMessage
 from ..core.errors import ConfigurationError
 from ..core.handlers import HandlerSpec, call_plain
-from ..core.outcomes import WorkOutcome
-from .fastapi_internals import (
-    Dependant,
-    GraphProblem,
-    build_dependant,
-    connection_parameters,
-    request_only_parameters,
-    request_scope,
-    solve,
-)
+
+if TYPE_CHECKING:
+    from ..core.context import WorkContext
+    from ..core.envelope import WorkMessage
+    from ..core.outcomes import WorkOutcome
+    from .fastapi_internals import Dependant, GraphProblem
 
 ALLOWED = "other dependencies, Request, HTTPConnection, Response and SecurityScopes"
 
@@ -80,6 +74,8 @@ class DependencyInvoker:
         """Builds and checks the graph of ``func``'s dependency parameters ``params`` under ``key``."""
         if not params:
             return
+        from .fastapi_internals import build_dependant, request_only_parameters
+
         dependant = build_dependant(_stub_for(func, params))
         problems = request_only_parameters(dependant)
         if problems:
@@ -102,6 +98,9 @@ class DependencyInvoker:
         dependant = self._dependants.get(key)
         if dependant is None:
             return None
+        from .current import current_context, current_message
+        from .fastapi_internals import connection_parameters
+
         found = connection_parameters(dependant, ignore=(current_message, current_context))
         return _path(key, found[0]) if found else None
 
@@ -127,6 +126,8 @@ class DependencyInvoker:
         dependant = self._dependants.get(key)
         if dependant is None:
             return await func(**fixed)
+        from .fastapi_internals import request_scope, solve
+
         scope = request_scope(
             self.app, f"/workqueue/{key}", {"workqueue.message": message, "workqueue.context": context}
         )
@@ -136,19 +137,3 @@ class DependencyInvoker:
                 raise ConfigurationError(f"{key!r}: dependencies could not be resolved: {errors}")
             values.update(fixed)
             return await func(**values)
-
-
-def current_message(request: Request) -> WorkMessage[Any]:
-    """A dependency that gives the delivery's message to other dependencies of a handler."""
-    message = request.scope.get("workqueue.message")
-    if message is None:
-        raise RuntimeError("current_message is only available to work queue handlers")
-    return typing.cast(WorkMessage[Any], message)
-
-
-def current_context(request: Request) -> WorkContext:
-    """A dependency that gives the delivery's WorkContext to other dependencies of a handler."""
-    context = request.scope.get("workqueue.context")
-    if context is None:
-        raise RuntimeError("current_context is only available to work queue handlers")
-    return typing.cast(WorkContext, context)

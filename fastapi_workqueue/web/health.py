@@ -2,35 +2,29 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Response
 
-from ..core.host import SubscriptionHealth
+from ..core.health import ExtensionHealth
 from ..core.wire import WireModel
 
 if TYPE_CHECKING:
-    from ..queue import WorkQueue
+    from ..core.kernel import Kernel
 
+
+__all__ = ["UNHEALTHY", "ExtensionHealth", "HealthReport", "build_health_router"]
 
 UNHEALTHY = frozenset({"HandlerNotRegistered", "Error"})
 """Subscription states that make ``GET /health/extensions`` answer 503."""
-
-
-class ExtensionHealth(WireModel):
-    """The work queue's part of the health report."""
-
-    name: Literal["WorkQueue"] = "WorkQueue"
-    status: Literal["Running", "Disabled", "Stopped", "Degraded"]
-    reason: str | None = None
-    subscriptions: list[SubscriptionHealth] = []
 
 
 class HealthReport(WireModel):
     extensions: list[ExtensionHealth]
 
 
-def build_health_router(queue: WorkQueue) -> APIRouter:
+def build_health_router(kernel: Kernel) -> APIRouter:
+    """``GET /health/extensions`` of the queue of ``kernel``."""
     router = APIRouter(tags=["health"])
 
     @router.get(
@@ -46,7 +40,7 @@ def build_health_router(queue: WorkQueue) -> APIRouter:
         503 when any of them is HandlerNotRegistered or Error (so a load balancer takes the
         instance out), 200 otherwise. Anyone may ask, so an error's own text (a driver's, naming
         hosts and databases) is replaced by a generic reason; it is in the process's log."""
-        report = queue.health()
+        report = kernel.health()
         if report.status == "Degraded" or any(s.state in UNHEALTHY for s in report.subscriptions):
             response.status_code = 503
         public = report.model_copy(update={"subscriptions": [s.public() for s in report.subscriptions]})

@@ -38,16 +38,14 @@ from ..core.topology import check_name
 from ..core.wire import WireModel
 from .auth import Authorizer
 from .fastapi_internals import scopes_of, set_request_body
+from .limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES
 from .operator_view import shown, shown_all
 from .topic_access import require_topic
 
 if TYPE_CHECKING:
-    from ..queue import WorkQueue
+    from ..core.kernel import Kernel
 
 T = TypeVar("T")
-
-DEFAULT_MAX_BODY_BYTES = 5 * 1024 * 1024
-DEFAULT_MAX_BATCH = 1000
 
 
 def _storable_text(value: str | None) -> str | None:
@@ -185,14 +183,14 @@ class _BoundedBodyRoute(APIRoute):
 
 
 def build_router(
-    queue: "WorkQueue",
+    kernel: "Kernel",
     authorize: Authorizer,
     *,
     prefix: str = "/work-queue",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_batch: int = DEFAULT_MAX_BATCH,
 ) -> APIRouter:
-    """The publish and operator routes of ``queue``, checked by ``authorize``."""
+    """The publish and operator routes of the queue of ``kernel``, checked by ``authorize``."""
 
     class Route(_BoundedBodyRoute):
         pass
@@ -218,7 +216,7 @@ def build_router(
     async def known_subscription(name: str) -> None:
         name_exists_or_404("subscription", name)
         try:
-            names = {s.name for s in await queue.transport.list_subscriptions()}
+            names = {s.name for s in await kernel.transport.list_subscriptions()}
         except TransportError as exc:
             raise _unavailable(exc) from exc
         if name not in names:
@@ -259,12 +257,12 @@ def build_router(
                 detail=f"{len(requests)} messages in one call; at most {max_batch} are accepted",
             )
         try:
-            results = await queue.publish(topic, requests)
+            results = await kernel.publish(topic, requests)
         except UnknownTopic:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"topic {topic!r} does not exist") from None
         except TransportError as exc:
             raise _unavailable(exc) from exc
-        if not results and topic not in {t.name for t in await _call(queue.transport.list_topics())}:
+        if not results and topic not in {t.name for t in await _call(kernel.transport.list_topics())}:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"topic {topic!r} does not exist")
         problems = [
             PublishProblem(index=i, code=r.error.code, message=r.error.message, field=r.error.field)
@@ -285,7 +283,7 @@ def build_router(
         """Pending, claimable, InFlight, DeadLettered, Completed and Discarded per subscription."""
         if subscription is not None:
             await known_subscription(subscription)
-        return await _call(queue.stats(subscription))
+        return await _call(kernel.operator.stats(subscription))
 
     @router.get("/processes", response_model=list[ProcessInfo], summary="The processes that run a host")
     async def processes(principal: Reader) -> list[ProcessInfo]:
@@ -293,14 +291,14 @@ def build_router(
         start, version, what it runs, busy slots, what it holds InFlight and its state (Running,
         Stopped, or Gone once it missed three beats); live ones first. Empty when the store keeps
         no process registry."""
-        registry = queue.ports.processes
+        registry = kernel.ports.processes
         return [] if registry is None else await _call(registry.list_processes())
 
     @router.get("/subscriptions/{subscription}/backlog", response_model=Backlog, summary="Backlog for autoscalers")
     async def backlog(subscription: Sub, principal: Reader) -> Backlog:
         """Claimable Pending (single flight per key applied) plus InFlight: exact."""
         await known_subscription(subscription)
-        result = await _call(queue.backlog(subscription))
+        result = await _call(kernel.operator.backlog(subscription))
         if result is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {subscription!r} does not exist")
         return result
@@ -316,7 +314,7 @@ def build_router(
     ) -> list[DeliveryInfo]:
         """Dead-lettered deliveries, oldest first, with reason and last error (payloads for admins)."""
         await known_subscription(subscription)
-        return shown_all(await _call(queue.dead_letters(
+        return shown_all(await _call(kernel.operator.dead_letters(
             subscription, limit=limit, after=after, include_payload=principal.has(SCOPE_ADMIN)
         )))
 
@@ -332,7 +330,7 @@ def build_router(
     ) -> list[DeliveryInfo]:
         """Deliveries of one state, oldest first (payloads for admins)."""
         await known_subscription(subscription)
-        return shown_all(await _call(queue.deliveries(
+        return shown_all(await _call(kernel.operator.deliveries(
             subscription, status_, limit=limit, after=after, include_payload=principal.has(SCOPE_ADMIN)
         )))
 
@@ -341,7 +339,7 @@ def build_router(
     )
     async def delivery(subscription: Sub, delivery_id: str, principal: Reader) -> DeliveryInfo:
         """A delivery with its state, attempts, progress, reason and last error (payload for admins)."""
-        info = await _call(queue.get_delivery(delivery_id, include_payload=principal.has(SCOPE_ADMIN)))
+        info = await _call(kernel.operator.get_delivery(delivery_id, include_payload=principal.has(SCOPE_ADMIN)))
         if info is None or info.subscription != subscription:
             raise HTTPException(
                 status.HTTP_404_NOT_FOUND, detail=f"delivery {delivery_id!r} of {subscription!r} not found"
@@ -360,7 +358,7 @@ def build_router(
     ) -> DeliveryInfo:
         """A delivery whole: subscription, topic, state, attempts, lease, progress, reason, last error,
         timestamps and attributes (the payload for admins)."""
-        info = await _call(queue.get_delivery(delivery_id, include_payload=principal.has(SCOPE_ADMIN)))
+        info = await _call(kernel.operator.get_delivery(delivery_id, include_payload=principal.has(SCOPE_ADMIN)))
         if info is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"delivery {delivery_id!r} does not exist")
         return shown(info)
@@ -376,12 +374,12 @@ def build_router(
     ) -> list[PartitionInfo]:
         """Keys of an Exclusive or Ordered subscription: Blocked, InFlight or Idle, with head and waiting count."""
         await known_subscription(subscription)
-        return await _call(queue.partitions(subscription, condition, limit=limit))
+        return await _call(kernel.operator.partitions(subscription, condition, limit=limit))
 
     @router.get("/validate-bindings", response_model=BindingReport, summary="Check the queue's bindings")
     async def validate_bindings(principal: Reader) -> BindingReport:
         """Schema version, transport capabilities and what they leave out."""
-        return await _call(queue.validate_bindings())
+        return await _call(kernel.operator.validate_bindings())
 
     @router.post(
         "/subscriptions/{subscription}/deliveries/{delivery_id}/replay",
@@ -394,7 +392,7 @@ def build_router(
     ) -> Any:
         """DeadLettered → Pending, same MessageID and Ordered position, attempts reset, note kept."""
         name_exists_or_404("subscription", subscription)
-        result = await _call(queue.replay(subscription, delivery_id, body.note if body else None))
+        result = await _call(kernel.operator.replay(subscription, delivery_id, body.note if body else None))
         return _action_response(result)
 
     @router.post(
@@ -409,7 +407,7 @@ def build_router(
         """Pending/DeadLettered → Discarded. InFlight → cancel requested (CancelRequested): the handler
         is aborted with Cancelled and the delivery becomes Discarded when it returns."""
         name_exists_or_404("subscription", subscription)
-        result = await _call(queue.discard(subscription, delivery_id, body.reason if body else None))
+        result = await _call(kernel.operator.discard(subscription, delivery_id, body.reason if body else None))
         return _action_response(result)
 
     @router.post("/subscriptions/{subscription}/pause", response_model=StatusChange, summary="Pause a subscription")
@@ -431,7 +429,8 @@ def build_router(
         discarded with ``Reason``. Its counts stay readable; resume takes it back."""
         await known_subscription(subscription)
         options = body or RetireBody()
-        return await _call(queue.retire(subscription, discard_pending=options.discard_pending, reason=options.reason))
+        return await _call(kernel.operator.retire(subscription, discard_pending=options.discard_pending,
+                                                  reason=options.reason))
 
     @router.delete(
         "/subscriptions/{subscription}", response_model=DeleteResult, summary="Delete a retired subscription",
@@ -441,16 +440,16 @@ def build_router(
         """Deletes a retired subscription once nothing is Pending, InFlight or DeadLettered; 409
         with ``Result`` (NotRetired, HasDeliveries) and ``Remaining`` otherwise."""
         name_exists_or_404("subscription", subscription)
-        return _deleted(await _call(queue.delete_subscription(subscription)))
+        return _deleted(await _call(kernel.operator.delete_subscription(subscription)))
 
     @router.post("/topics/{topic}/retire", response_model=TopicStatusChange, summary="Retire a topic")
     async def retire_topic(topic: Annotated[str, Path(description="The topic's name.")],
                            principal: Operator) -> TopicStatusChange:
         """A retired topic refuses new messages (TopicRetired); its subscriptions drain."""
         name_exists_or_404("topic", topic)
-        if topic not in {t.name for t in await _call(queue.transport.list_topics())}:
+        if topic not in {t.name for t in await _call(kernel.transport.list_topics())}:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"topic {topic!r} does not exist")
-        return await _call(queue.set_topic_status(topic, "Retired"))
+        return await _call(kernel.operator.set_topic_status(topic, "Retired"))
 
     def _deleted(result: DeleteResult) -> Any:
         if result.result == "NotFound":
@@ -462,7 +461,7 @@ def build_router(
 
     async def _status(subscription: str, new: Literal["Active", "Paused"]) -> StatusChange:
         name_exists_or_404("subscription", subscription)
-        changed = await _call(queue.set_status(subscription, new))
+        changed = await _call(kernel.operator.set_status(subscription, new))
         if changed is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {subscription!r} does not exist")
         return StatusChange(subscription=subscription, status=new, changed=changed)

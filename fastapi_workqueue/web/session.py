@@ -129,6 +129,10 @@ class RequestSessions:
             self._maker = async_sessionmaker(self.engine, expire_on_commit=False)
         return self._maker
 
+    def current(self) -> AsyncSession | None:
+        """The request's session a publish made here joins (:func:`current_session`), or None."""
+        return current_session()
+
     async def dispose(self) -> None:
         if self._engine is not None:
             await self._engine.dispose()

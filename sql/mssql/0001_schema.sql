@@ -178,6 +178,8 @@ CREATE TABLE workqueue.delivery (
     created_at            datetimeoffset(6) NOT NULL CONSTRAINT delivery_created_at_default DEFAULT SYSDATETIMEOFFSET(),
     settled_at            datetimeoffset(6) NULL,
     held_by               uniqueidentifier NULL,
+    watched               bit NULL,  -- PostgreSQL's NOTIFY of a job's end; a waiter here polls
+    group_id              uniqueidentifier NULL,  -- a member of this group (message_group): its end is counted
     priority              smallint NOT NULL CONSTRAINT delivery_priority_default DEFAULT 0
                           CONSTRAINT delivery_priority_check CHECK (priority BETWEEN 0 AND 9),
     CONSTRAINT delivery_pk PRIMARY KEY CLUSTERED (id) WITH (FILLFACTOR = 80)
@@ -351,6 +353,42 @@ CREATE TABLE workqueue.step_result (
     CONSTRAINT step_result_pk PRIMARY KEY NONCLUSTERED (message_id, name)
 );
 
+-- The result of a message's work (a job declared store_result=True): JSON text written by
+-- result_put in the transaction that completes the delivery, removed with the message (ON DELETE
+-- CASCADE); clustered on stored_at as step_result is on created_at.
+CREATE TABLE workqueue.message_result (
+    message_id  uniqueidentifier NOT NULL
+                CONSTRAINT message_result_message_fk REFERENCES workqueue.message (id) ON DELETE CASCADE,
+    value       nvarchar(max) COLLATE Latin1_General_100_BIN2 NOT NULL,  -- JSON text, kept as sent
+    stored_at   datetimeoffset(6) NOT NULL CONSTRAINT message_result_stored_at_default DEFAULT SYSDATETIMEOFFSET(),
+    CONSTRAINT message_result_pk PRIMARY KEY NONCLUSTERED (message_id)
+);
+
+-- Groups (fan-in): a message held back (visible at 9999-12-31) until every member has ended
+-- (PostgreSQL's schema.sql says more). The trigger delivery_ended counts a member's first end down
+-- under the group's row lock, in the transaction that ends it; the end that reaches 0 makes the
+-- held message due, once. The group goes with its held message (ON DELETE CASCADE).
+CREATE TABLE workqueue.message_group (
+    id               uniqueidentifier NOT NULL,
+    then_message_id  uniqueidentifier NOT NULL
+                     CONSTRAINT message_group_then_fk REFERENCES workqueue.message (id) ON DELETE CASCADE,
+    members          int NOT NULL,
+    remaining        int NOT NULL,
+    created_at       datetimeoffset(6) NOT NULL CONSTRAINT message_group_created_at_default DEFAULT SYSDATETIMEOFFSET(),
+    released_at      datetimeoffset(6) NULL,
+    CONSTRAINT message_group_pk PRIMARY KEY CLUSTERED (id)
+);
+CREATE INDEX message_group_then ON workqueue.message_group (then_message_id);
+
+CREATE TABLE workqueue.message_group_member (
+    group_id    uniqueidentifier NOT NULL
+                CONSTRAINT message_group_member_group_fk REFERENCES workqueue.message_group (id) ON DELETE CASCADE,
+    message_id  uniqueidentifier NOT NULL,
+    ordinal     int NOT NULL,
+    ended_at    datetimeoffset(6) NULL,
+    CONSTRAINT message_group_member_pk PRIMARY KEY CLUSTERED (group_id, message_id)
+);
+
 -- The processes that run a host; delivery.held_by names the one that claimed it (PostgreSQL's
 -- schema.sql says more).
 CREATE TABLE workqueue.process (
@@ -369,6 +407,7 @@ CREATE TABLE workqueue.process (
     CONSTRAINT process_pk PRIMARY KEY CLUSTERED (id)
 );
 CREATE CLUSTERED INDEX step_result_created_at ON workqueue.step_result (created_at);
+CREATE CLUSTERED INDEX message_result_stored_at ON workqueue.message_result (stored_at);
 GO
 
 -- ---------------------------------------------------------------------------------------------
@@ -3511,6 +3550,293 @@ BEGIN
             ROLLBACK TRANSACTION;
         THROW;
     END CATCH;
+END;
+GO
+
+-- ---------------------------------------------------------------------------------------------
+-- Results: what a completed message's work returned (a job's stored result)
+-- ---------------------------------------------------------------------------------------------
+
+-- Keeps the result of the delivery's message, in the transaction of the settle that completed it
+-- (the transport's settle_with_follow_ups); a later completion's result replaces it.
+-- returns: nothing
+CREATE OR ALTER PROCEDURE workqueue.result_put
+    @p_delivery_id bigint,
+    @p_value nvarchar(max)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
+    DECLARE @v_message_id uniqueidentifier;
+    BEGIN TRY
+        IF @v_own_transaction = 1
+            BEGIN TRANSACTION;
+        SELECT @v_message_id = d.message_id FROM workqueue.delivery AS d WHERE d.id = @p_delivery_id;
+        IF @v_message_id IS NOT NULL
+        BEGIN
+            UPDATE workqueue.message_result WITH (UPDLOCK, HOLDLOCK)
+            SET value = @p_value, stored_at = SYSDATETIMEOFFSET()
+            WHERE message_id = @v_message_id;
+            IF @@ROWCOUNT = 0
+                INSERT INTO workqueue.message_result (message_id, value) VALUES (@v_message_id, @p_value);
+        END;
+        IF @v_own_transaction = 1
+            COMMIT TRANSACTION;
+    END TRY
+    BEGIN CATCH
+        IF @v_own_transaction = 1 AND @@TRANCOUNT > 0
+            ROLLBACK TRANSACTION;
+        THROW;
+    END CATCH;
+END;
+GO
+
+-- The stored result of a message (no row when none is stored).
+-- returns: value, stored_at
+CREATE OR ALTER PROCEDURE workqueue.result_get
+    @p_message_id uniqueidentifier
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SELECT r.value, r.stored_at
+    FROM workqueue.message_result AS r
+    WHERE r.message_id = @p_message_id;
+END;
+GO
+
+-- ---------------------------------------------------------------------------------------------
+-- Debounce: one pending message per key, its payload and due time replaced by each publish
+-- ---------------------------------------------------------------------------------------------
+
+-- The message that holds the topic's deduplication key takes the payload and comes due
+-- @p_seconds from now while it still waits out its window (every delivery Pending, unkeyed, never
+-- claimed, not yet due), and the key lives as long; answered with its MessageID. Otherwise the key
+-- is freed and no row is answered: the caller publishes a new message (PostgreSQL's says more).
+-- returns: message_id
+CREATE OR ALTER PROCEDURE workqueue.debounce
+    @p_topic nvarchar(200),
+    @p_key nvarchar(max),
+    @p_payload nvarchar(max),
+    @p_content_hash nvarchar(128),
+    @p_envelope_bytes int,
+    @p_seconds float,
+    @p_now datetimeoffset(6) = NULL
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
+    DECLARE @v_now datetimeoffset(6) = COALESCE(@p_now, SYSDATETIMEOFFSET());  -- @p_now: a test's clock
+    DECLARE @v_due datetimeoffset(6) = DATEADD(
+        microsecond, CAST((@p_seconds - FLOOR(@p_seconds)) * 1000000 AS int),
+        DATEADD(second, CAST(FLOOR(@p_seconds) AS int), @v_now));
+    DECLARE @v_message_id uniqueidentifier;
+    DECLARE @v_cap int;
+    DECLARE @v_replaced bit = 0;
+    DECLARE @v_message nvarchar(2048);
+    DECLARE @v_deliveries TABLE (waiting bit NOT NULL);
+
+    BEGIN TRY
+        IF @v_own_transaction = 1
+            BEGIN TRANSACTION;
+        SELECT @v_message_id = dd.message_id
+        FROM workqueue.deduplication AS dd WITH (UPDLOCK, HOLDLOCK, ROWLOCK)
+        WHERE dd.topic = @p_topic AND dd.deduplication_key = @p_key;
+        IF @v_message_id IS NOT NULL
+        BEGIN
+            INSERT INTO @v_deliveries (waiting)
+            SELECT CASE WHEN d.status = N'Pending' AND d.key_mode = 0 AND d.claimed_at IS NULL
+                             AND d.visible_at > @v_now THEN 1 ELSE 0 END
+            FROM workqueue.delivery AS d WITH (UPDLOCK, HOLDLOCK, ROWLOCK)
+            WHERE d.message_id = @v_message_id;
+            IF EXISTS (SELECT 1 FROM @v_deliveries)
+               AND NOT EXISTS (SELECT 1 FROM @v_deliveries AS x WHERE x.waiting = 0)
+            BEGIN
+                SELECT @v_cap = t.max_payload_bytes FROM workqueue.topic AS t WHERE t.name = @p_topic;
+                IF @v_cap IS NOT NULL AND @p_envelope_bytes > @v_cap
+                BEGIN
+                    SET @v_message = CONCAT(
+                        N'the debounced envelope is ', @p_envelope_bytes, N' bytes; topic ''', @p_topic,
+                        N''' accepts at most ', @v_cap, N' bytes (max_payload_bytes)');
+                    THROW 51008, @v_message, 1;
+                END;
+                UPDATE workqueue.message SET payload = @p_payload, content_hash = @p_content_hash
+                WHERE id = @v_message_id;
+                UPDATE workqueue.delivery SET visible_at = @v_due WHERE message_id = @v_message_id;
+                UPDATE workqueue.deduplication SET expires_at = @v_due
+                WHERE topic = @p_topic AND deduplication_key = @p_key;
+                SET @v_replaced = 1;
+            END
+            ELSE
+                DELETE FROM workqueue.deduplication WHERE topic = @p_topic AND deduplication_key = @p_key;
+        END;
+        IF @v_own_transaction = 1
+            COMMIT TRANSACTION;
+    END TRY
+    BEGIN CATCH
+        IF @v_own_transaction = 1 AND @@TRANCOUNT > 0
+            ROLLBACK TRANSACTION;
+        THROW;
+    END CATCH;
+    SELECT @v_message_id AS message_id WHERE @v_replaced = 1;
+END;
+GO
+
+-- ---------------------------------------------------------------------------------------------
+-- Groups (fan-in): a message held until its members end
+-- ---------------------------------------------------------------------------------------------
+
+-- Makes a group's held message due at @p_at (its Pending, unkeyed deliveries). SQL Server has no
+-- wake-ups: its consumers find the message on their next poll.
+-- returns: nothing
+CREATE OR ALTER PROCEDURE workqueue.release_group_message
+    @p_message_id uniqueidentifier,
+    @p_at datetimeoffset(6)
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    BEGIN TRY
+        UPDATE workqueue.delivery SET visible_at = @p_at
+        WHERE message_id = @p_message_id AND status = N'Pending' AND key_mode = 0;
+    END TRY
+    BEGIN CATCH
+        THROW;
+    END CATCH;
+END;
+GO
+
+-- What happens when deliveries end (Completed, DeadLettered or Discarded), whichever procedure ends
+-- them: a group member's first end counts its group down under the group's row lock, and the end
+-- that counts it to 0 makes the group's held message due. A statement that changes no status, or
+-- no group member's, returns at once.
+CREATE OR ALTER TRIGGER workqueue.delivery_ended ON workqueue.delivery
+AFTER UPDATE
+AS
+BEGIN
+    SET NOCOUNT ON;
+    IF NOT UPDATE(status)
+        RETURN;
+    DECLARE @v_ended TABLE (
+        group_id uniqueidentifier NOT NULL, message_id uniqueidentifier NOT NULL, ended_at datetimeoffset(6) NOT NULL
+    );
+    DECLARE @v_counted TABLE (group_id uniqueidentifier NOT NULL, ended_at datetimeoffset(6) NOT NULL);
+    DECLARE @v_released TABLE (then_message_id uniqueidentifier NOT NULL, released_at datetimeoffset(6) NOT NULL);
+    DECLARE @v_then uniqueidentifier;
+    DECLARE @v_at datetimeoffset(6);
+
+    INSERT INTO @v_ended (group_id, message_id, ended_at)
+    SELECT i.group_id, i.message_id, COALESCE(i.settled_at, SYSDATETIMEOFFSET())
+    FROM inserted AS i
+    INNER JOIN deleted AS o ON o.id = i.id
+    WHERE i.group_id IS NOT NULL AND i.status IN (N'Completed', N'DeadLettered', N'Discarded')
+      AND o.status <> i.status;
+    IF NOT EXISTS (SELECT 1 FROM @v_ended)
+        RETURN;
+
+    UPDATE mm SET ended_at = e.ended_at
+    OUTPUT inserted.group_id, inserted.ended_at INTO @v_counted (group_id, ended_at)
+    FROM workqueue.message_group_member AS mm WITH (UPDLOCK, ROWLOCK)
+    INNER JOIN @v_ended AS e ON e.group_id = mm.group_id AND e.message_id = mm.message_id
+    WHERE mm.ended_at IS NULL;
+
+    UPDATE g SET remaining = g.remaining - c.n,
+                 released_at = CASE WHEN g.remaining = c.n THEN c.at END
+    OUTPUT inserted.then_message_id, inserted.released_at INTO @v_released (then_message_id, released_at)
+    FROM workqueue.message_group AS g WITH (UPDLOCK, ROWLOCK)
+    INNER JOIN (
+        SELECT x.group_id, COUNT(*) AS n, MAX(x.ended_at) AS at FROM @v_counted AS x GROUP BY x.group_id
+    ) AS c ON c.group_id = g.id;
+
+    DECLARE released CURSOR LOCAL FAST_FORWARD FOR
+        SELECT r.then_message_id, r.released_at FROM @v_released AS r WHERE r.released_at IS NOT NULL;
+    OPEN released;
+    FETCH NEXT FROM released INTO @v_then, @v_at;
+    WHILE @@FETCH_STATUS = 0
+    BEGIN
+        EXEC workqueue.release_group_message @p_message_id = @v_then, @p_at = @v_at;
+        FETCH NEXT FROM released INTO @v_then, @v_at;
+    END;
+    CLOSE released;
+    DEALLOCATE released;
+END;
+GO
+
+-- Makes @p_members (a JSON array of MessageIDs, in order) a group whose end releases @p_then, all
+-- published in the caller's transaction (@p_then held: visible at 9999-12-31). A member that has
+-- ended already, or has no delivery, counts as ended; when every member has, @p_then is due now.
+-- returns: remaining
+CREATE OR ALTER PROCEDURE workqueue.group_create
+    @p_group uniqueidentifier,
+    @p_members nvarchar(max),
+    @p_then uniqueidentifier
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT ON;
+    DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
+    DECLARE @v_now datetimeoffset(6) = SYSDATETIMEOFFSET();
+    DECLARE @v_remaining int;
+    DECLARE @v_members TABLE (message_id uniqueidentifier NOT NULL PRIMARY KEY, ordinal int NOT NULL);
+
+    BEGIN TRY
+        IF @v_own_transaction = 1
+            BEGIN TRANSACTION;
+        INSERT INTO @v_members (message_id, ordinal)
+        SELECT CAST(j.value AS uniqueidentifier), CAST(j.[key] AS int) + 1 FROM OPENJSON(@p_members) AS j;
+        INSERT INTO workqueue.message_group (id, then_message_id, members, remaining)
+        SELECT @p_group, @p_then, COUNT(*), 0 FROM @v_members;
+        INSERT INTO workqueue.message_group_member (group_id, message_id, ordinal)
+        SELECT @p_group, v.message_id, v.ordinal FROM @v_members AS v;
+        UPDATE d SET group_id = @p_group
+        FROM workqueue.delivery AS d WITH (UPDLOCK, ROWLOCK)
+        INNER JOIN @v_members AS v ON v.message_id = d.message_id;
+        UPDATE mm SET ended_at = @v_now
+        FROM workqueue.message_group_member AS mm
+        WHERE mm.group_id = @p_group AND NOT EXISTS (
+            SELECT 1 FROM workqueue.delivery AS d
+            WHERE d.message_id = mm.message_id AND d.status IN (N'Pending', N'InFlight'));
+        SELECT @v_remaining = COUNT(*) FROM workqueue.message_group_member AS mm
+        WHERE mm.group_id = @p_group AND mm.ended_at IS NULL;
+        UPDATE workqueue.message_group
+        SET remaining = @v_remaining, released_at = CASE WHEN @v_remaining = 0 THEN @v_now END
+        WHERE id = @p_group;
+        IF @v_remaining = 0
+            EXEC workqueue.release_group_message @p_message_id = @p_then, @p_at = @v_now;
+        IF @v_own_transaction = 1
+            COMMIT TRANSACTION;
+    END TRY
+    BEGIN CATCH
+        IF @v_own_transaction = 1 AND @@TRANCOUNT > 0
+            ROLLBACK TRANSACTION;
+        THROW;
+    END CATCH;
+    SELECT @v_remaining AS remaining;
+END;
+GO
+
+-- The members of a group, in order, each with its first delivery and its stored result.
+-- returns: ordinal, message_id, ended_at, delivery_id, subscription, status, attempt, max_attempts, visible_at, reason, last_error, created_at, claimed_at, settled_at, attributes, result
+CREATE OR ALTER PROCEDURE workqueue.group_members
+    @p_group uniqueidentifier
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SELECT mm.ordinal, mm.message_id, mm.ended_at, d.id AS delivery_id, s.name AS subscription, d.status,
+           d.attempt, d.max_attempts, d.visible_at, d.reason, d.last_error, d.created_at, d.claimed_at,
+           d.settled_at, m.attributes, r.value AS result
+    FROM workqueue.message_group_member AS mm
+    OUTER APPLY (
+        SELECT TOP (1) x.id, x.subscription_id, x.status, x.attempt, x.max_attempts, x.visible_at, x.reason,
+               x.last_error, x.created_at, x.claimed_at, x.settled_at
+        FROM workqueue.delivery AS x WHERE x.message_id = mm.message_id ORDER BY x.id
+    ) AS d
+    LEFT JOIN workqueue.subscription AS s ON s.id = d.subscription_id
+    LEFT JOIN workqueue.message AS m ON m.id = mm.message_id
+    LEFT JOIN workqueue.message_result AS r ON r.message_id = mm.message_id
+    WHERE mm.group_id = @p_group
+    ORDER BY mm.ordinal;
 END;
 GO
 

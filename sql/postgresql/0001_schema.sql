@@ -125,6 +125,8 @@ CREATE TABLE workqueue.delivery (
     created_at            timestamptz NOT NULL DEFAULT now(),
     settled_at            timestamptz,
     held_by               uuid,
+    watched               boolean,         -- true: its end is announced (delivery_ended, for wait)
+    group_id              uuid,            -- a member of this group (message_group): its end is counted
     priority              smallint NOT NULL DEFAULT 0   -- 0..9, higher claimed first
 ) WITH (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.02);
 
@@ -239,6 +241,38 @@ CREATE TABLE workqueue.step_result (
     value       text NOT NULL,              -- JSON text, kept as sent
     created_at  timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (message_id, name)
+);
+
+-- The result of a message's work (a job declared store_result=True): JSON text written by
+-- result_put in the transaction that completes the delivery, removed with the message (foreign key).
+CREATE TABLE workqueue.message_result (
+    message_id  uuid PRIMARY KEY REFERENCES workqueue.message (id) ON DELETE CASCADE,
+    value       text NOT NULL,              -- JSON text, kept as sent
+    stored_at   timestamptz NOT NULL DEFAULT now()
+);
+
+-- Groups (fan-in): a message held back (its deliveries visible at 9999-12-31) until every member
+-- message has ended. remaining counts the members not ended yet; the end of each (the trigger
+-- delivery_ended, in the transaction that ends it) counts one down under the group's row lock, and
+-- the one that reaches 0 makes the held message due (released_at): exactly once, whichever
+-- processes end the last members at once. The group goes with its held message (foreign key), and
+-- its members with it.
+CREATE TABLE workqueue.message_group (
+    id               uuid PRIMARY KEY,
+    then_message_id  uuid NOT NULL REFERENCES workqueue.message (id) ON DELETE CASCADE,
+    members          integer NOT NULL,
+    remaining        integer NOT NULL,
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    released_at      timestamptz
+);
+CREATE INDEX message_group_then ON workqueue.message_group (then_message_id);
+
+CREATE TABLE workqueue.message_group_member (
+    group_id    uuid NOT NULL REFERENCES workqueue.message_group (id) ON DELETE CASCADE,
+    message_id  uuid NOT NULL,
+    ordinal     integer NOT NULL,
+    ended_at    timestamptz,
+    PRIMARY KEY (group_id, message_id)
 );
 
 -- One row per subscription per minute, written by the sweeper (record_stats_history): the live
@@ -2762,6 +2796,222 @@ EXCEPTION WHEN foreign_key_violation THEN
     RAISE EXCEPTION 'message % is not stored (never published, or purged): a step result belongs to a stored message',
         p_message_id USING ERRCODE = 'foreign_key_violation';
 END
+$$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Results: what a completed message's work returned (a job's stored result)
+-- ---------------------------------------------------------------------------------------------
+
+-- Keeps the result of the delivery's message. The transport calls it in the transaction of a settle
+-- that completed the delivery (settle_with_follow_ups), so a result exists if and only if that
+-- completion was written; a later completion's result (a job retried by an operator) replaces it.
+CREATE OR REPLACE FUNCTION workqueue.result_put(p_delivery_id bigint, p_value text)
+RETURNS void
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO workqueue.message_result AS r (message_id, value)
+    SELECT d.message_id, p_value FROM workqueue.delivery d WHERE d.id = p_delivery_id
+    ON CONFLICT (message_id) DO UPDATE SET value = EXCLUDED.value, stored_at = now()
+$$;
+
+-- The stored result of a message (no row when none is stored).
+CREATE OR REPLACE FUNCTION workqueue.result_get(p_message_id uuid)
+RETURNS TABLE (value text, stored_at timestamptz)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT r.value, r.stored_at FROM workqueue.message_result r WHERE r.message_id = p_message_id
+$$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Debounce: one pending message per key, its payload and due time replaced by each publish
+-- ---------------------------------------------------------------------------------------------
+
+-- The message that holds the topic's deduplication key p_key takes the payload p_payload and comes
+-- due p_seconds from now, and the key lives as long; answered with its MessageID. Only a message
+-- still waiting out its window is replaced: every delivery Pending, unkeyed, never claimed and not
+-- yet due. Otherwise (no key, or its message is due, running or ended) the key is freed and no row
+-- is answered: the caller publishes a new message with the key (a concurrent caller that published
+-- it first makes that publish a Duplicate, and the caller asks again).
+CREATE OR REPLACE FUNCTION workqueue.debounce(
+    p_topic text, p_key text, p_payload text, p_content_hash text, p_envelope_bytes integer,
+    p_seconds double precision, p_now timestamptz DEFAULT NULL
+) RETURNS TABLE (message_id uuid)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
+    v_due timestamptz := coalesce(p_now, now()) + make_interval(secs => p_seconds);
+    v_message uuid;
+    v_cap integer;
+    v_waiting boolean;
+BEGIN
+    SELECT dd.message_id INTO v_message FROM workqueue.deduplication dd
+    WHERE dd.topic = p_topic AND dd.deduplication_key = p_key
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    SELECT coalesce(bool_and(x.status = 'Pending' AND x.key_mode = 0 AND x.claimed_at IS NULL
+                             AND x.visible_at > v_now), false)
+    INTO v_waiting
+    FROM (SELECT d.status, d.key_mode, d.claimed_at, d.visible_at FROM workqueue.delivery d
+          WHERE d.message_id = v_message ORDER BY d.id FOR UPDATE) x;
+    IF NOT v_waiting THEN
+        DELETE FROM workqueue.deduplication dd WHERE dd.topic = p_topic AND dd.deduplication_key = p_key;
+        RETURN;
+    END IF;
+    SELECT t.max_payload_bytes INTO v_cap FROM workqueue.topic t WHERE t.name = p_topic;
+    IF v_cap IS NOT NULL AND p_envelope_bytes > v_cap THEN
+        RAISE EXCEPTION 'the debounced envelope is % bytes; topic % accepts at most % bytes (max_payload_bytes)',
+            p_envelope_bytes, quote_literal(p_topic), v_cap USING ERRCODE = 'program_limit_exceeded';
+    END IF;
+    UPDATE workqueue.message m SET payload = p_payload, content_hash = p_content_hash WHERE m.id = v_message;
+    UPDATE workqueue.delivery d SET visible_at = v_due WHERE d.message_id = v_message;
+    UPDATE workqueue.deduplication dd SET expires_at = v_due
+    WHERE dd.topic = p_topic AND dd.deduplication_key = p_key;
+    RETURN QUERY SELECT v_message;
+END
+$$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Ends of watched deliveries (a job's wait)
+-- ---------------------------------------------------------------------------------------------
+
+-- Asks for the end of the message's live deliveries to be announced (NOTIFY workqueue_ended with
+-- the MessageID, sent by the delivery_ended trigger in the transaction that ends one). A delivery
+-- that has ended already is left as it is: the waiter reads its status after this call.
+CREATE OR REPLACE FUNCTION workqueue.watch_message(p_message_id uuid)
+RETURNS void
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    UPDATE workqueue.delivery d SET watched = true
+    WHERE d.message_id = p_message_id AND d.status IN ('Pending', 'InFlight') AND d.watched IS NOT TRUE
+$$;
+
+-- What happens when a delivery ends (Completed, DeadLettered or Discarded), whichever routine
+-- ends it: a settle, a lease that ran out, a discard. The trigger fires only for a delivery that
+-- asks for it (its WHEN reads columns of the row alone), so an ordinary settle pays nothing.
+-- A watched delivery notifies its waiters; a group member's first end counts its group down, and
+-- the end that counts it to 0 makes the group's held message due now (and wakes its consumers).
+CREATE OR REPLACE FUNCTION workqueue.delivery_ended()
+RETURNS trigger
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_at timestamptz := coalesce(NEW.settled_at, now());
+    v_remaining integer;
+    v_then uuid;
+BEGIN
+    IF NEW.watched THEN
+        PERFORM pg_notify('workqueue_ended', NEW.message_id::text);
+    END IF;
+    IF NEW.group_id IS NOT NULL THEN
+        UPDATE workqueue.message_group_member mm SET ended_at = v_at
+        WHERE mm.group_id = NEW.group_id AND mm.message_id = NEW.message_id AND mm.ended_at IS NULL;
+        IF FOUND THEN
+            UPDATE workqueue.message_group g SET remaining = g.remaining - 1,
+                   released_at = CASE WHEN g.remaining = 1 THEN v_at END
+            WHERE g.id = NEW.group_id
+            RETURNING g.remaining, g.then_message_id INTO v_remaining, v_then;
+            IF v_remaining = 0 THEN
+                PERFORM workqueue.release_group_message(v_then, v_at);
+            END IF;
+        END IF;
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+-- Makes a group's held message due at p_at (its Pending deliveries) and wakes their consumers.
+CREATE OR REPLACE FUNCTION workqueue.release_group_message(p_message_id uuid, p_at timestamptz)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_subscription integer;
+BEGIN
+    FOR v_subscription IN
+        UPDATE workqueue.delivery d SET visible_at = p_at
+        WHERE d.message_id = p_message_id AND d.status = 'Pending' AND d.key_mode = 0
+        RETURNING d.subscription_id
+    LOOP
+        PERFORM pg_notify('workqueue', v_subscription::text);
+    END LOOP;
+END
+$$;
+
+CREATE TRIGGER delivery_ended AFTER UPDATE OF status ON workqueue.delivery
+FOR EACH ROW
+WHEN (NEW.status IN ('Completed', 'DeadLettered', 'Discarded') AND OLD.status IS DISTINCT FROM NEW.status
+      AND (NEW.watched OR NEW.group_id IS NOT NULL))
+EXECUTE FUNCTION workqueue.delivery_ended();
+
+-- ---------------------------------------------------------------------------------------------
+-- Groups (fan-in): a message held until its members end
+-- ---------------------------------------------------------------------------------------------
+
+-- Makes p_members (MessageIDs, in order) a group whose end releases p_then, all published in the
+-- caller's transaction (p_then with its deliveries held: visible at 9999-12-31). A member that has
+-- ended already, or has no delivery, counts as ended; when every member has, p_then is due now.
+CREATE OR REPLACE FUNCTION workqueue.group_create(p_group uuid, p_members uuid[], p_then uuid)
+RETURNS TABLE (remaining integer)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_remaining integer;
+BEGIN
+    INSERT INTO workqueue.message_group (id, then_message_id, members, remaining)
+    VALUES (p_group, p_then, cardinality(p_members), 0);
+    INSERT INTO workqueue.message_group_member (group_id, message_id, ordinal)
+    SELECT p_group, m.id, m.n::integer FROM unnest(p_members) WITH ORDINALITY AS m(id, n);
+    UPDATE workqueue.delivery d SET group_id = p_group WHERE d.message_id = ANY (p_members);
+    UPDATE workqueue.message_group_member mm SET ended_at = now()
+    WHERE mm.group_id = p_group AND NOT EXISTS (
+        SELECT 1 FROM workqueue.delivery d
+        WHERE d.message_id = mm.message_id AND d.status IN ('Pending', 'InFlight'));
+    SELECT count(*) INTO v_remaining FROM workqueue.message_group_member mm
+    WHERE mm.group_id = p_group AND mm.ended_at IS NULL;
+    UPDATE workqueue.message_group g SET remaining = v_remaining,
+           released_at = CASE WHEN v_remaining = 0 THEN now() END
+    WHERE g.id = p_group;
+    IF v_remaining = 0 THEN
+        PERFORM workqueue.release_group_message(p_then, now());
+    END IF;
+    RETURN QUERY SELECT v_remaining;
+END
+$$;
+
+-- The members of a group, in order, each with its first delivery as message_deliveries answers it
+-- (no row for a member the store no longer has: purged) and its stored result.
+CREATE OR REPLACE FUNCTION workqueue.group_members(p_group uuid)
+RETURNS TABLE (
+    ordinal integer, message_id uuid, ended_at timestamptz, delivery_id bigint, subscription text,
+    status text, attempt integer, max_attempts integer, visible_at timestamptz, reason text, last_error text,
+    created_at timestamptz, claimed_at timestamptz, settled_at timestamptz, attributes jsonb, result text
+)
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT mm.ordinal, mm.message_id, mm.ended_at, d.id, s.name, d.status, d.attempt, d.max_attempts,
+           d.visible_at, d.reason, d.last_error, d.created_at, d.claimed_at, d.settled_at, m.attributes, r.value
+    FROM workqueue.message_group_member mm
+    LEFT JOIN LATERAL (
+        SELECT x.* FROM workqueue.delivery x WHERE x.message_id = mm.message_id ORDER BY x.id LIMIT 1
+    ) d ON true
+    LEFT JOIN workqueue.subscription s ON s.id = d.subscription_id
+    LEFT JOIN workqueue.message m ON m.id = mm.message_id
+    LEFT JOIN workqueue.message_result r ON r.message_id = mm.message_id
+    WHERE mm.group_id = p_group
+    ORDER BY mm.ordinal
 $$;
 
 -- ---------------------------------------------------------------------------------------------

@@ -584,6 +584,74 @@ SELECT value FROM step_result WHERE message_id = :message_id AND name = :name;
 INSERT INTO step_result (message_id, name, value, created_at) VALUES (:message_id, :name, :value, :now)
 ON CONFLICT (message_id, name) DO NOTHING;
 
+-- name: result_put
+INSERT INTO message_result (message_id, value, stored_at)
+SELECT d.message_id, :value, :now FROM delivery d WHERE d.id = :delivery_id
+ON CONFLICT (message_id) DO UPDATE SET value = excluded.value, stored_at = excluded.stored_at;
+
+-- name: result_get
+SELECT value, stored_at FROM message_result WHERE message_id = :message_id;
+
+-- name: dedup_holder
+SELECT message_id FROM deduplication WHERE topic = :topic AND deduplication_key = :key;
+
+-- name: dedup_delete
+DELETE FROM deduplication WHERE topic = :topic AND deduplication_key = :key;
+
+-- name: dedup_expire_at
+UPDATE deduplication SET expires_at = :expires_at WHERE topic = :topic AND deduplication_key = :key;
+
+-- name: message_deliveries_waiting
+-- The deliveries of a message and whether each still waits out a debounce window.
+SELECT status = 'Pending' AND key_mode = 0 AND claimed_at IS NULL AND visible_at > :now AS waiting
+FROM delivery WHERE message_id = :message_id;
+
+-- name: message_deliveries_push
+UPDATE delivery SET visible_at = :visible_at WHERE message_id = :message_id;
+
+-- name: group_insert
+INSERT INTO message_group (id, then_message_id, members, remaining, created_at)
+VALUES (:id, :then_message_id, :members, 0, :now);
+
+-- name: group_member_insert
+INSERT INTO message_group_member (group_id, message_id, ordinal) VALUES (:group_id, :message_id, :ordinal);
+
+-- name: group_mark_members
+UPDATE delivery SET group_id = :group_id WHERE message_id IN (SELECT value FROM json_each(:ids));
+
+-- name: group_members_ended
+-- Members that ended already (or have no delivery) count as ended.
+UPDATE message_group_member SET ended_at = :now
+WHERE group_id = :group_id AND NOT EXISTS (
+    SELECT 1 FROM delivery d WHERE d.message_id = message_group_member.message_id
+      AND d.status IN ('Pending', 'InFlight'));
+
+-- name: group_count
+UPDATE message_group SET remaining = (
+    SELECT count(*) FROM message_group_member mm WHERE mm.group_id = :group_id AND mm.ended_at IS NULL)
+WHERE id = :group_id
+RETURNING remaining, then_message_id;
+
+-- name: group_release
+UPDATE message_group SET released_at = :now WHERE id = :group_id;
+
+-- name: message_release
+UPDATE delivery SET visible_at = :now
+WHERE message_id = :message_id AND status = 'Pending' AND key_mode = 0
+RETURNING subscription_id;
+
+-- name: group_members
+SELECT mm.ordinal, mm.message_id, mm.ended_at, d.id AS delivery_id, s.name AS subscription, d.status, d.attempt,
+       d.max_attempts, d.visible_at, d.reason, d.last_error, d.created_at, d.claimed_at, d.settled_at,
+       m.attributes, r.value AS result
+FROM message_group_member mm
+LEFT JOIN delivery d ON d.id = (SELECT min(x.id) FROM delivery x WHERE x.message_id = mm.message_id)
+LEFT JOIN subscription s ON s.id = d.subscription_id
+LEFT JOIN message m ON m.id = mm.message_id
+LEFT JOIN message_result r ON r.message_id = mm.message_id
+WHERE mm.group_id = :group_id
+ORDER BY mm.ordinal;
+
 -- name: api_key_create
 INSERT INTO api_key (id, name, prefix, key_hash, scopes, created_at, expires_at, topics)
 VALUES (:id, :name, :prefix, :key_hash, :scopes, :now, :expires_at, :topics);

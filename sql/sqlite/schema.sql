@@ -101,6 +101,8 @@ CREATE TABLE delivery (
     created_at            REAL NOT NULL,
     settled_at            REAL,
     held_by               TEXT,
+    watched               INTEGER,  -- PostgreSQL's NOTIFY of a job's end; a waiter here polls
+    group_id              TEXT,     -- a member of this group (message_group): its end is counted
     priority              INTEGER NOT NULL DEFAULT 0   -- 0..9, higher claimed first
 );
 CREATE INDEX delivery_claim ON delivery (subscription_id, visible_at, id)
@@ -230,6 +232,55 @@ CREATE TABLE step_result (
     created_at  REAL NOT NULL,
     PRIMARY KEY (message_id, name)
 );
+
+-- The result of a message's work (a job declared store_result=True): JSON text written in the
+-- transaction that completes the delivery; removed with the message.
+CREATE TABLE message_result (
+    message_id  TEXT PRIMARY KEY REFERENCES message (id) ON DELETE CASCADE,
+    value       TEXT NOT NULL,
+    stored_at   REAL NOT NULL
+);
+
+-- Groups (fan-in): a message held back (visible at 9999-12-31) until every member has ended
+-- (PostgreSQL's schema.sql says more). The trigger delivery_ended counts a member's first end down
+-- in the transaction that ends it (SQLite's one writer keeps two ends apart); the end that reaches
+-- 0 makes the held message due.
+CREATE TABLE message_group (
+    id               TEXT PRIMARY KEY,
+    then_message_id  TEXT NOT NULL REFERENCES message (id) ON DELETE CASCADE,
+    members          INTEGER NOT NULL,
+    remaining        INTEGER NOT NULL,
+    created_at       REAL NOT NULL,
+    released_at      REAL
+);
+CREATE INDEX message_group_then ON message_group (then_message_id);
+
+CREATE TABLE message_group_member (
+    group_id    TEXT NOT NULL REFERENCES message_group (id) ON DELETE CASCADE,
+    message_id  TEXT NOT NULL,
+    ordinal     INTEGER NOT NULL,
+    ended_at    REAL,
+    PRIMARY KEY (group_id, message_id)
+);
+
+CREATE TRIGGER delivery_ended AFTER UPDATE OF status ON delivery
+FOR EACH ROW
+WHEN NEW.group_id IS NOT NULL AND NEW.status IN ('Completed', 'DeadLettered', 'Discarded')
+     AND OLD.status IS NOT NEW.status
+BEGIN
+    UPDATE message_group SET remaining = remaining - 1
+    WHERE id = NEW.group_id AND EXISTS (
+        SELECT 1 FROM message_group_member mm
+        WHERE mm.group_id = NEW.group_id AND mm.message_id = NEW.message_id AND mm.ended_at IS NULL);
+    UPDATE message_group_member SET ended_at = coalesce(NEW.settled_at, (julianday('now') - 2440587.5) * 86400.0)
+    WHERE group_id = NEW.group_id AND message_id = NEW.message_id AND ended_at IS NULL;
+    UPDATE delivery SET visible_at = coalesce(NEW.settled_at, (julianday('now') - 2440587.5) * 86400.0)
+    WHERE status = 'Pending' AND key_mode = 0 AND message_id = (
+        SELECT g.then_message_id FROM message_group g
+        WHERE g.id = NEW.group_id AND g.remaining = 0 AND g.released_at IS NULL);
+    UPDATE message_group SET released_at = coalesce(NEW.settled_at, (julianday('now') - 2440587.5) * 86400.0)
+    WHERE id = NEW.group_id AND remaining = 0 AND released_at IS NULL;
+END;
 
 -- One row per subscription per minute, written by the sweeper (record_stats_history): the live
 -- counts and the deliveries Completed in the window since the previous row (window_seconds long).

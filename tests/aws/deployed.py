@@ -39,7 +39,7 @@ def provision_queue(queue: WorkQueue, moto_url: str) -> dict[str, Any]:
 
 async def bind(queue: WorkQueue, document: dict[str, Any]) -> None:
     """``workqueue import-bindings``: stores the bindings where the queue reads them."""
-    await store_bindings(queue, Bindings.parse(document))
+    await store_bindings(queue.kernel, Bindings.parse(document))
     await aws_of(queue).reload_bindings()
 
 

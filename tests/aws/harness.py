@@ -24,6 +24,7 @@ from fastapi_workqueue import Subscription, Topic, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.aws.bindings import Bindings
 from fastapi_workqueue.aws.manifest import build_manifest
 from fastapi_workqueue.aws.transport import AwsTransport
+from fastapi_workqueue.core.kernel import Kernel
 
 from .moto import REGION
 from .provision import provision
@@ -45,8 +46,8 @@ NO_CLOCK = MOTO_CANNOT_EMULATE["visibility timeout expiry"]
 class ProvisioningAwsTransport(AwsTransport):
     """The AWS transport whose ``sync_topology`` provisions and binds what it is given (tests only)."""
 
-    def __init__(self, queue: WorkQueue, moto_url: str) -> None:
-        super().__init__(queue, bindings=Bindings(region=REGION))
+    def __init__(self, kernel: Kernel, moto_url: str) -> None:
+        super().__init__(kernel, bindings=Bindings(region=REGION))
         self.moto_url = moto_url
 
     async def sync_topology(self, topics: Sequence[Topic], subscriptions: Sequence[Subscription]) -> None:
@@ -129,7 +130,7 @@ class AwsHarness:
 async def aws_harness(moto_url: str) -> AsyncIterator[AwsHarness]:
     queue = WorkQueue(WorkQueueSettings(database_url=None, aws_region=REGION, aws_endpoint_url=moto_url,
                                         aws_wait_time_seconds=0, aws_relay=False))
-    transport = ProvisioningAwsTransport(queue, moto_url)
+    transport = ProvisioningAwsTransport(queue.kernel, moto_url)
     await transport.open()
     try:
         yield AwsHarness(transport)

@@ -52,16 +52,16 @@ def test_bad_input_is_one_line(data: Any, message: str) -> None:
 async def test_stored_in_a_file_without_a_database(tmp_path: Path) -> None:
     path = tmp_path / "bindings.json"
     queue = WorkQueue(WorkQueueSettings(database_url=None, aws_region="us-east-1", aws_bindings_file=str(path)))
-    assert (await load_bindings(queue)).topics == {}
-    await store_bindings(queue, Bindings.parse(DOC))
+    assert (await load_bindings(queue.kernel)).topics == {}
+    await store_bindings(queue.kernel, Bindings.parse(DOC))
     assert json.loads(path.read_text()) == DOC
-    assert await load_bindings(queue) == Bindings.parse(DOC)
+    assert await load_bindings(queue.kernel) == Bindings.parse(DOC)
 
 
 async def test_without_a_database_or_a_file_it_says_what_to_set() -> None:
     queue = WorkQueue(WorkQueueSettings(database_url=None))
     with pytest.raises(ConfigurationError, match="WORKQUEUE_AWS_BINDINGS_FILE"):
-        await load_bindings(queue)
+        await load_bindings(queue.kernel)
 
 
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
@@ -70,11 +70,11 @@ async def test_stored_in_the_database(dialect: str, tmp_path: Path, pg_url: str)
     queue = WorkQueue(WorkQueueSettings(database_url=url, auto_migrate=True, aws_region="us-east-1"))
     await queue.open()
     try:
-        await store_bindings(queue, Bindings.parse(DOC))
-        assert await load_bindings(queue) == Bindings.parse(DOC)
+        await store_bindings(queue.kernel, Bindings.parse(DOC))
+        assert await load_bindings(queue.kernel) == Bindings.parse(DOC)
         smaller = Bindings.parse({**DOC, "subscriptions": {}})
-        await store_bindings(queue, smaller)
-        assert await load_bindings(queue) == smaller
-        await store_bindings(queue, Bindings(region="us-east-1"))
+        await store_bindings(queue.kernel, smaller)
+        assert await load_bindings(queue.kernel) == smaller
+        await store_bindings(queue.kernel, Bindings(region="us-east-1"))
     finally:
         await queue.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import pytest
 
 from fastapi_workqueue.aws.manifest import validate_manifest
 
+from ..support import wait_for
 from .moto import CREDENTIALS, REGION
 from .provision import clients, provision
 from .test_validate_bindings import manifest_for
@@ -285,8 +287,9 @@ def test_lambda_policy_prints_what_the_function_reads(tmp_path: Path, endpoint: 
     assert unknown.returncode == 1 and "is not declared by the app" in unknown.stderr
 
 
-def test_an_idle_worker_stops_at_once_on_sigterm(tmp_path: Path, endpoint: str) -> None:
-    """The default 20 s long poll is cancelled, not waited out."""
+async def test_an_idle_worker_stops_at_once_on_sigterm(tmp_path: Path, endpoint: str) -> None:
+    """The default 20 s long poll is cancelled, not waited out. The worker logs at DEBUG to a file the
+    test reads while it runs: the SDK's line for the request that sends the long poll says it is in flight."""
     env = app_env(tmp_path, endpoint, database_url=f"sqlite+aiosqlite:///{tmp_path / 'app.db'}")
     assert workqueue("migrate", env=env, cwd=ROOT).returncode == 0
     manifest_file = tmp_path / "manifest.json"
@@ -298,22 +301,30 @@ def test_an_idle_worker_stops_at_once_on_sigterm(tmp_path: Path, endpoint: str) 
     environ = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
     environ.update(CREDENTIALS)
     environ.update(env)
-    with subprocess.Popen([sys.executable, "-m", "fastapi_workqueue", "work", "--app", APP, "--subscription",
-                           "orders.archive"], cwd=ROOT, env=environ, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True) as proc:
-        try:
-            assert proc.stderr is not None
-            for line in proc.stderr:
-                if "orders.archive: running" in line:
-                    break
-            else:
-                raise AssertionError(f"the worker ended before it ran: {proc.wait()}")
-            time.sleep(1.0)  # its first long poll (20 s: the default, half of the 45 s lease fits it) is in flight
-            started = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=10) == 0
-            assert time.monotonic() - started < 5
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    log = tmp_path / "worker.err"
+
+    def long_poll_sent() -> bool:
+        """Its first long poll (20 s: the default, half of the 45 s lease fits it) is on its way: the
+        SDK made the request (its body says the wait) and then sent it."""
+        assert proc.returncode is None, f"the worker ended before it ran: {log.read_text()[-2000:]}"
+        lines = log.read_text().splitlines()
+        made = next((i for i, line in enumerate(lines) if "OperationModel(name=ReceiveMessage)" in line
+                     and '"WaitTimeSeconds": 20' in line), None)
+        return made is not None and any("Sending http request" in line and "AmazonSQS.ReceiveMessage" in line
+                                        for line in lines[made:])
+
+    with log.open("wb") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fastapi_workqueue", "work", "--app", APP, "--subscription", "orders.archive",
+            "--log-level", "DEBUG", cwd=ROOT, env=environ, stdout=asyncio.subprocess.DEVNULL, stderr=err,
+        )
+    try:
+        await wait_for(long_poll_sent, within=30, describe=lambda: log.read_text()[-2000:])
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0, log.read_text()[-2000:]
+        assert time.monotonic() - started < 5
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -42,7 +42,7 @@ async def test_calls_after_close_raise_and_leave_no_session_open(moto_url: str) 
                                                        list(queue.subscriptions.values()), queue.settings), moto_url))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        aws = AwsTransport(queue, bindings=bindings)
+        aws = AwsTransport(queue.kernel, bindings=bindings)
         await aws.open()
         await aws.publish(name, [prepare(PublishRequest(payload=1))])
         delivery_id = f"aws:{name}.a:00000000-0000-0000-0000-000000000000"
@@ -67,7 +67,7 @@ async def test_calls_after_close_raise_and_leave_no_session_open(moto_url: str) 
 
 async def test_a_transport_never_opened_says_so(moto_url: str) -> None:
     queue, _ = a_queue(moto_url)
-    aws = AwsTransport(queue, bindings=Bindings(region=REGION))
+    aws = AwsTransport(queue.kernel, bindings=Bindings(region=REGION))
     with pytest.raises(TransportError, match="not open"):
         _ = aws.sqs
     await aws.close()
@@ -77,7 +77,7 @@ async def test_a_failed_open_closes_its_clients(moto_url: str) -> None:
     queue, _ = a_queue(moto_url)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        aws = BrokenBindings(queue, bindings=Bindings(region=REGION))
+        aws = BrokenBindings(queue.kernel, bindings=Bindings(region=REGION))
         with pytest.raises(RuntimeError, match="bindings"):
             await aws.open()
         with pytest.raises(TransportError, match="not open"):

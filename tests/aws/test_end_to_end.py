@@ -53,7 +53,7 @@ async def test_the_same_handler_runs_on_either_transport(transport: str, tmp_pat
     try:
         if transport == "aws":
             manifest = build_manifest(list(queue.topics.values()), list(queue.subscriptions.values()), queue.settings)
-            await store_bindings(queue, Bindings.parse(provision(manifest, moto_url)))
+            await store_bindings(queue.kernel, Bindings.parse(provision(manifest, moto_url)))
             await aws_of(queue).reload_bindings()
         await queue._start_host()
         with pytest.raises(RuntimeError):

@@ -166,7 +166,7 @@ async def test_without_a_database_follow_ups_go_straight_to_sns(moto_url: str) -
                                         aws_wait_time_seconds=0, aws_relay=False),
                       topics=[*topics, Topic(name="a-database-topic")], subscriptions=subs)
     bindings = Bindings.parse(provision(build_manifest(topics, subs, queue.settings), moto_url))
-    aws = AwsTransport(queue, bindings=bindings)
+    aws = AwsTransport(queue.kernel, bindings=bindings)
     await aws.open()
     try:
         await aws.publish(name, [prepare(PublishRequest(payload="step 1"))])

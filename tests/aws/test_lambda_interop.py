@@ -27,7 +27,7 @@ async def test_a_lambda_dead_letter_is_listed_and_replayed_by_the_queue(tmp_path
     async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
         [published] = await queue.publish(name, [PublishRequest(payload={"n": 7}, partition_key="k1",
                                                                 attributes={"region": "eu"})])
-        bound = (await load_bindings(queue)).subscriptions[sub]
+        bound = (await load_bindings(queue.kernel)).subscriptions[sub]
         policy = SubscriptionPolicy(name=sub, topic=name, handler_key="h", partition_mode="Exclusive", is_fifo=True,
                                     max_attempts=3, lease_seconds=60, queue_url=bound.queue_url,
                                     dlq_url=bound.dlq_url)
@@ -70,7 +70,7 @@ async def test_a_lambda_dead_letter_keeps_its_delivery_id_through_replay_and_dis
     subs = [Subscription(name=sub, topic=name, handler_key="h", max_attempts=3)]
     async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
         published = await queue.publish(name, [PublishRequest(payload={"n": n}) for n in range(2)])
-        bound = (await load_bindings(queue)).subscriptions[sub]
+        bound = (await load_bindings(queue.kernel)).subscriptions[sub]
         policy = SubscriptionPolicy(name=sub, topic=name, handler_key="h", max_attempts=3,
                                     queue_url=bound.queue_url, dlq_url=bound.dlq_url)
         sqs = clients(moto_url)[1]
@@ -111,7 +111,7 @@ async def test_every_view_of_a_foreign_message_shows_the_same_message_id(tmp_pat
     topics = [Topic(name=name, transport="aws")]
     subs = [Subscription(name=sub, topic=name, handler_key="h", max_attempts=3)]
     async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
-        bound = (await load_bindings(queue)).subscriptions[sub]
+        bound = (await load_bindings(queue.kernel)).subscriptions[sub]
         policy = SubscriptionPolicy(name=sub, topic=name, handler_key="h", max_attempts=3,
                                     queue_url=bound.queue_url, dlq_url=bound.dlq_url)
         sqs = clients(moto_url)[1]

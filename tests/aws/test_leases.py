@@ -21,7 +21,7 @@ from .harness import AwsHarness, aws_harness
 async def another_process(harness: AwsHarness) -> AsyncIterator[AwsTransport]:
     """A second transport on the same resources and bindings, with nothing of the first's memory."""
     first = harness.transport
-    other = AwsTransport(first.queue, bindings=first.bindings)
+    other = AwsTransport(first.kernel, bindings=first.bindings)
     await other.open()
     await other.sync_topology(list(first._topics.values()), list(first._subscriptions.values()))
     try:

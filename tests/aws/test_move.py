@@ -96,7 +96,7 @@ async def test_a_topic_moved_to_aws_runs_each_subscription_once_and_forwards_wha
         attributes = sqs_client(moto_url).get_queue_attributes(
             QueueUrl=archive_queue, AttributeNames=["ApproximateNumberOfMessages"])["Attributes"]
         assert int(attributes["ApproximateNumberOfMessages"]) == 4  # three left at the move, the new one
-        await asyncio.sleep(0)
+        assert queue.host is not None and f"{name}.archive" not in queue.host.consumers  # none claims from it
         assert ran["archive"] == []
 
         # The database's leftovers were handed over, not left Pending; its dead letter stays there,

@@ -43,7 +43,7 @@ async def traced_host(tmp_path: Path, moto_url: str, exporter: InMemorySpanExpor
     url = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
     async with aws_queue(url, moto_url, topics, subs, bind=False) as deploy:  # migrate, import-bindings
         manifest = build_manifest(topics, subs, deploy.settings)
-        await store_bindings(deploy, Bindings.parse(provision(manifest, moto_url)))
+        await store_bindings(deploy.kernel, Bindings.parse(provision(manifest, moto_url)))
     queue = WorkQueue(deploy.settings.model_copy(update={
         "disable_host": False, "otel": False, "prometheus": False, "aws_relay": True, "aws_relay_interval_ms": 20,
         "idle_poll_min_ms": 10, "idle_poll_max_ms": 50,

@@ -160,7 +160,7 @@ async def test_ordered_on_an_aws_topic_is_unsupported_in_health(tmp_path: Path, 
         # The Exclusive one is bound (its consumer runs: an unbound one would be in Error); the
         # Ordered one cannot be exported, and is never consumed.
         manifest = build_manifest([topic], subs[1:], queue.settings)
-        await store_bindings(queue, Bindings.parse(provision(manifest, moto_url)))
+        await store_bindings(queue.kernel, Bindings.parse(provision(manifest, moto_url)))
         await aws_of(queue).reload_bindings()
         queue.handler("h")(_noop)
         host = queue.build_host()

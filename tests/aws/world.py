@@ -41,7 +41,7 @@ async def aws_queue(
     try:
         if bind:
             manifest = build_manifest(topics, subscriptions, queue.settings)
-            await store_bindings(queue, Bindings.parse(provision(manifest, moto_url)))
+            await store_bindings(queue.kernel, Bindings.parse(provision(manifest, moto_url)))
             await aws_of(queue).reload_bindings()
         yield queue
     finally:

@@ -31,8 +31,6 @@ from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_ds
 from fastapi_workqueue.database.sqlite import SqliteTransport
 from fastapi_workqueue.testing.conformance import Harness, memory_harness
 
-from ..aws.conftest import moto_url  # noqa: F401  (a fixture: a moto server for the aws harness)
-
 
 @dataclass
 class _SessionHarness:
@@ -158,7 +156,7 @@ class MssqlHarness(_SessionHarness):
 async def harness(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) -> AsyncIterator[Harness]:
     if request.param == "memory":
         async with memory_harness() as memory:
-            yield memory  # type: ignore[misc]
+            yield memory
         return
     if request.param == "aws":
         from ..aws.harness import AWS_SKIPS, aws_harness
@@ -169,7 +167,7 @@ async def harness(request: pytest.FixtureRequest, pg_url: str, sqlite_url: str) 
             if skipped in AWS_SKIPS:
                 pytest.skip(f"aws: {AWS_SKIPS[skipped]}")
         async with aws_harness(request.getfixturevalue("moto_url")) as aws:
-            yield aws  # type: ignore[misc]
+            yield aws
         return
     if request.param == "mssql":
         # No SQL Server runs in CI here: the suite runs on one only where this variable names it,

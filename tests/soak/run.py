@@ -65,6 +65,7 @@ from fastapi_workqueue import PublishRequest, PublishStatus, WorkQueue, WorkQueu
 from fastapi_workqueue.client import PublishApiError, WorkQueueApiPublisher
 from fastapi_workqueue.core.keys import SCOPE_OPERATE, SCOPE_PUBLISH, SCOPE_READ, create_key
 from fastapi_workqueue.database.postgres import to_asyncpg_dsn
+from fastapi_workqueue.testing.conformance.harness import eventually
 
 from ..private_cluster import ClusterError, private_cluster, restart_command_for, running_port
 from . import app as soak_app
@@ -580,6 +581,16 @@ class Soak:
         self.violations.append(text)
         print(f"VIOLATION: {text}", flush=True)
 
+    async def one_more_check(self, within: float = 30.0) -> None:
+        """Until the checker has made a whole pass over the final state (two more passes: the one
+        under way may have begun before it)."""
+        target = self.checker.polls + 2
+        try:
+            await eventually(lambda: self.checker.polls >= target, within, CHECK_INTERVAL / 2)
+        except AssertionError:
+            self.violation(f"the checker made no pass over the final state within {within:g} s "
+                           f"({self.checker.failed_polls} failed polls)")
+
     def spawn(self, name: str, subscription: str | None) -> Child:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKQUEUE_", "SOAK_"))}
         args = self.args
@@ -1057,7 +1068,7 @@ class Soak:
             drained = await self.drain()
             self.event("drained", **drained)
             await asyncio.gather(*self.tasks)
-            await asyncio.sleep(3 * CHECK_INTERVAL)  # one more checker pass over the final state
+            await self.one_more_check()
             stop.set()
             await asyncio.gather(checker, watchdog)
             codes = await self.stop_workers()

@@ -50,7 +50,7 @@ __all__ = [
 
 CASE_MODULES = (
     "publish", "lease", "outcomes", "discard_outcome", "partitions", "operator_actions", "housekeeping",
-    "follow_ups", "claim_many", "job_store", "attempts", "search", "flow",
+    "follow_ups", "claim_many", "job_store", "attempts", "search", "results", "flow",
 )
 """The modules of cases, by area (C01-C08 publish, C09-C13 lease, ...)."""
 

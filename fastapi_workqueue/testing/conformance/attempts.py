@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from fastapi_workqueue import PublishRequest
 from fastapi_workqueue.core.attempts import ATTEMPTS_KEPT, AttemptHistoryReader
+from fastapi_workqueue.core.envelope import PublishRequest
 from fastapi_workqueue.core.ports import Ports
 from fastapi_workqueue.core.processes import current_process
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastapi_workqueue import PublishRequest
+from fastapi_workqueue.core.envelope import PublishRequest
 
 from .harness import Harness, World, make_world
 

@@ -6,7 +6,7 @@ does, and counts as Discarded in stats; a cancel-requested delivery ends as it d
 
 from __future__ import annotations
 
-from fastapi_workqueue import PublishRequest
+from fastapi_workqueue.core.envelope import PublishRequest
 from fastapi_workqueue.core.transport import Settlement
 
 from .harness import Harness, cancel_refused, make_world

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastapi_workqueue import PublishRequest
+from fastapi_workqueue.core.envelope import PublishRequest
 
 from ...core.live_work import FlowStateReader
 from ...core.transport import Claimed, ClaimedDelivery, HeldBack

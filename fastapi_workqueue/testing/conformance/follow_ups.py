@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from fastapi_workqueue import PublishRequest, TransportError
-from fastapi_workqueue.core.envelope import PreparedMessage, prepare
+from fastapi_workqueue.core.envelope import PreparedMessage, PublishRequest, prepare
+from fastapi_workqueue.core.errors import TransportError
 from fastapi_workqueue.core.outcomes import FollowUp
 from fastapi_workqueue.core.transport import ClaimedDelivery, Settlement
 

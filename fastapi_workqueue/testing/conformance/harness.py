@@ -30,7 +30,11 @@ from ...core.transport import ClaimedDelivery, HeartbeatRequest, Settlement, Set
 
 class Harness(Protocol):
     name: str
-    transport: Transport
+
+    @property
+    def transport(self) -> Transport:
+        """The transport under test (read-only here, so a harness may hold a narrower type)."""
+        ...
 
     def session(self) -> AbstractAsyncContextManager[Any]:
         """An AsyncSession on the transport's database with an open transaction."""
@@ -210,7 +214,7 @@ async def _skipping(reason: str) -> AsyncIterator[Any]:
 @contextlib.asynccontextmanager
 async def memory_harness() -> AsyncIterator[ClockHarness]:
     """A :class:`ClockHarness` on a fresh :class:`~fastapi_workqueue.testing.MemoryTransport`."""
-    from ..memory import MemoryTransport
+    from ...core.memory import MemoryTransport
 
     clock = ManualClock()
     transport = MemoryTransport(f"memory://conformance-{uuid.uuid4().hex}", clock=clock)

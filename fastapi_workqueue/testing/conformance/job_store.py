@@ -9,8 +9,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from fastapi_workqueue import PublishRequest, TransportError
-from fastapi_workqueue.core.envelope import prepare
+from fastapi_workqueue.core.envelope import PublishRequest, prepare
+from fastapi_workqueue.core.errors import TransportError
 
 from .harness import Harness, age, harness_now, make_world
 

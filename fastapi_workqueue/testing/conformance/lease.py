@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from fastapi_workqueue import PublishRequest
+from fastapi_workqueue.core.envelope import PublishRequest
 from fastapi_workqueue.core.ports import Ports
 from fastapi_workqueue.core.processes import ProcessBeat, current_process
 from fastapi_workqueue.core.transport import HeartbeatRequest, Settlement

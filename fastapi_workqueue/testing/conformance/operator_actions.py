@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastapi_workqueue import PublishRequest
+from fastapi_workqueue.core.envelope import PublishRequest
 from fastapi_workqueue.core.transport import HeartbeatRequest
 
 from .harness import Harness, cancel_refused, make_world

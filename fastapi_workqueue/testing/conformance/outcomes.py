@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from fastapi_workqueue import PublishRequest
+from fastapi_workqueue.core.envelope import PublishRequest
 from fastapi_workqueue.core.transport import Settlement
 
 from .harness import Harness, eventually, harness_now, make_world

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi_workqueue import PublishRequest
+from fastapi_workqueue.core.envelope import PublishRequest
 
 from .harness import Harness, make_world
 

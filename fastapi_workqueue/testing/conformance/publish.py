@@ -7,7 +7,9 @@ import uuid
 import pytest
 from sqlalchemy import text
 
-from fastapi_workqueue import FilterError, PublishRequest, PublishStatus, Subscription
+from fastapi_workqueue.core.envelope import PublishRequest, PublishStatus
+from fastapi_workqueue.core.filters import FilterError
+from fastapi_workqueue.core.topology import Subscription
 
 from .harness import Harness, make_world, require
 

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from fastapi_workqueue import PublishRequest
+from fastapi_workqueue.core.envelope import PublishRequest
 from fastapi_workqueue.core.ports import Ports
 from fastapi_workqueue.core.search import DeliverySearch
 

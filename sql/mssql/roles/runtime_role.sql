@@ -93,6 +93,11 @@ GRANT EXECUTE ON OBJECT::workqueue.search_deliveries TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.release_deduplication_key TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.step_get TO workqueue_runtime;
 GRANT EXECUTE ON OBJECT::workqueue.step_put TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.result_put TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.result_get TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.debounce TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.group_create TO workqueue_runtime;
+GRANT EXECUTE ON OBJECT::workqueue.group_members TO workqueue_runtime;
 GO
 
 DENY SELECT, INSERT, UPDATE, DELETE ON SCHEMA::workqueue TO workqueue_runtime;

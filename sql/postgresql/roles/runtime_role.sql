@@ -9,7 +9,9 @@
 --   * the work: publish, publish_one, publish_one_quiet, claim, claim_many, heartbeat, settle (a
 --     release is a settle), and the once markers (once_begin, once_finish, once_abort, once_renew);
 --   * what the jobs layer adds: a unique job frees its key (release_deduplication_key), durable
---     steps (step_get, step_put), a schedule's look at the ticks it dispatched (known_messages);
+--     steps (step_get, step_put), stored results (result_put, result_get), a wait for a job's end
+--     (watch_message), a debounced dispatch (debounce), groups (group_create, group_members), a
+--     schedule's look at the ticks it dispatched (known_messages);
 --   * the process registry every host keeps (process_beat, process_stop) and reads
 --     (list_processes);
 --   * the sweeper, which every host runs by default (sweep, and record_stats_history, the minute
@@ -95,7 +97,8 @@ BEGIN
               'live_counts', 'blocked_keys', 'flow_state',
               'api_key_verify', 'api_key_touch', 'api_key_session', 'api_key_end_sessions',
               'claim_many', 'known_messages', 'message_deliveries', 'delivery_attempts', 'search_deliveries',
-              'release_deduplication_key', 'step_get', 'step_put',
+              'release_deduplication_key', 'step_get', 'step_put', 'result_put', 'result_get',
+              'watch_message', 'debounce', 'group_create', 'group_members',
               'process_beat', 'process_stop', 'list_processes'])
         ORDER BY 1
     LOOP

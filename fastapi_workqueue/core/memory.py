@@ -12,6 +12,9 @@ retention on with ``clock.advance(seconds)`` instead of sleeping. Transports bui
 ``url`` (``memory://name``) share one store while any of them lives; ``memory://`` is a store of
 its own. What it cannot do: publish in a caller's database transaction (there is none:
 ``capabilities.transactional_publish`` is False), and outlive its process.
+
+It lives in ``core`` because the jobs layer runs on it too (the sync mode and ``queue.fake()``
+run the real consumer over it); :mod:`fastapi_workqueue.testing` exports it for an app's tests.
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from ..core.clock import SYSTEM_CLOCK, Clock
-from ..core.envelope import MAX_ENVELOPE_BYTES, PreparedMessage, PublishError, PublishResult, PublishStatus
-from ..core.errors import ConfigurationError, TransportError
-from ..core.flow import HeldBackLimit, Rate, key_rooms, parse_rate, refill, take_limited, tokens_due_in
-from ..core.lifecycle import (
+from .clock import SYSTEM_CLOCK, Clock
+from .envelope import MAX_ENVELOPE_BYTES, PreparedMessage, PublishError, PublishResult, PublishStatus
+from .errors import ConfigurationError, TransportError
+from .flow import HeldBackLimit, Rate, key_rooms, parse_rate, refill, take_limited, tokens_due_in
+from .lifecycle import (
     BackoffPolicy,
     BatchItem,
     PartitionMode,
@@ -38,15 +41,18 @@ from ..core.lifecycle import (
     batch_refusals,
     classify_batch,
     expire_transition,
+    follow_up_refused,
     matches,
     next_claimable,
+    settle_delay,
     settle_transition,
     topic_refusal,
 )
-from ..core.live_work import LIVE_COUNT_CAP, FlowState
-from ..core.observe import trace_id_of
-from ..core.processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
-from ..core.reports import (
+from .live_work import LIVE_COUNT_CAP, FlowState
+from .message_state import GroupMember
+from .observe import trace_id_of
+from .processes import Holder, ProcessBeat, ProcessInfo, current_process, package_version
+from .reports import (
     ActionResult,
     Backlog,
     BindingIssue,
@@ -59,7 +65,7 @@ from ..core.reports import (
     SweepReport,
     TakenBack,
 )
-from ..core.topology import (
+from .topology import (
     DEFAULT_RETENTION_SECONDS,
     Subscription,
     SubscriptionState,
@@ -67,7 +73,7 @@ from ..core.topology import (
     Topic,
     TopicState,
 )
-from ..core.transport import (
+from .transport import (
     Capabilities,
     Claimed,
     ClaimedDelivery,
@@ -78,7 +84,6 @@ from ..core.transport import (
     SettleResult,
     WakeupListener,
 )
-from ..database.routines import follow_up_refused, settle_delay
 
 __all__ = ["MemoryTransport"]
 
@@ -138,7 +143,18 @@ class _Delivery:
     progress_percent: int | None = None
     progress_message: str | None = None
     held_by: uuid.UUID | None = None
+    group_id: uuid.UUID | None = None
     priority: int = 0
+
+
+@dataclass
+class _Group:
+    """A group: the held message its members' ends release, and which of them ended when."""
+
+    then: uuid.UUID
+    members: list[uuid.UUID]
+    ended: dict[uuid.UUID, datetime] = field(default_factory=dict)
+    released_at: datetime | None = None
 
 
 @dataclass
@@ -159,6 +175,8 @@ class _Store:
     deduplication: dict[tuple[str, str], tuple[uuid.UUID, datetime]] = field(default_factory=dict)
     once: dict[str, tuple[str, str, datetime]] = field(default_factory=dict)
     steps: dict[tuple[uuid.UUID, str], str] = field(default_factory=dict)
+    results: dict[uuid.UUID, str] = field(default_factory=dict)
+    groups: dict[uuid.UUID, _Group] = field(default_factory=dict)
     processes: dict[uuid.UUID, _Process] = field(default_factory=dict)
     sweep_lock_holders: int = 0
     buckets: dict[tuple[str, bool, str], tuple[float, datetime]] = field(default_factory=dict)
@@ -588,10 +606,31 @@ class MemoryTransport:
         if t.visible_at is not None:
             d.visible_at = t.visible_at
         d.settled_at = now if t.terminal else None
+        if t.terminal:
+            self._ended(d, now)
+
+    def _ended(self, d: _Delivery, at: datetime) -> None:
+        """A delivery ended: a group member's first end counts, and the last releases the group's
+        held message (as the databases' delivery_ended trigger does)."""
+        group = self._store.groups.get(d.group_id) if d.group_id is not None else None
+        if group is None or d.message_id in group.ended:
+            return
+        group.ended[d.message_id] = at
+        if len(group.ended) == len(group.members) and group.released_at is None:
+            self._release(group, at)
+
+    def _release(self, group: _Group, at: datetime) -> None:
+        group.released_at = at
+        woken = []
+        for d in self._store.deliveries.values():
+            if d.message_id == group.then and d.status == "Pending" and d.mode == "None":
+                d.visible_at = at
+                woken.append(d.subscription)
+        self._wake(woken)
 
     async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
-        """Settles one delivery and, only when that completes it, publishes its follow-ups, all
-        or nothing: a follow-up the publish refuses leaves the delivery InFlight and raises a
+        """Settles one delivery and, only when that completes it, keeps its result and publishes
+        its follow-ups, all or nothing: a follow-up the publish refuses leaves the delivery InFlight and raises a
         :class:`TransportError` that names it."""
         s = settlement
         if s.kind == "Complete" and s.follow_ups:
@@ -602,6 +641,10 @@ class MemoryTransport:
                 self._check_follow_ups(s)
         [result] = await self.settle([s])
         if result == "Completed":
+            if s.result_json is not None:
+                d = self._store.deliveries.get(_number(s.delivery_id))
+                if d is not None:
+                    self._store.results[d.message_id] = s.result_json
             for follow_up in s.follow_ups:
                 self._publish(follow_up.topic, follow_up.messages)
         return result
@@ -686,6 +729,83 @@ class MemoryTransport:
             )
         self._store.steps.setdefault((message_id, name), value_json)
 
+    # -- results -------------------------------------------------------------------------------
+
+    async def result_get(self, message_id: uuid.UUID) -> str | None:
+        """The JSON text kept when the message's delivery completed with a result, or None."""
+        return self._store.results.get(message_id)
+
+    async def debounce(self, topic: str, key: str, message: PreparedMessage, seconds: float, *,
+                       session: Any = None) -> uuid.UUID | None:
+        """The pending message holding ``topic``'s ``key`` takes ``message``'s payload and comes due
+        ``seconds`` from now while it still waits out its window (its MessageID); else the key is
+        freed and None answered."""
+        if session is not None:
+            raise ConfigurationError(
+                "the memory transport cannot debounce in a caller's database transaction (session=...); dispatch "
+                "without a session"
+            )
+        store, now = self._store, self._now()
+        held = store.deduplication.get((topic, key))
+        if held is None:
+            return None
+        message_id = held[0]
+        deliveries = [d for d in store.deliveries.values() if d.message_id == message_id]
+        if not deliveries or not all(d.status == "Pending" and d.mode == "None" and d.claimed_at is None
+                                     and d.visible_at > now for d in deliveries):
+            del store.deduplication[(topic, key)]
+            return None
+        known = store.topics.get(topic)
+        cap = known.topic.max_payload_bytes if known is not None else None
+        if cap is not None and message.envelope_bytes > cap:
+            raise TransportError(
+                f"debounce: the debounced envelope is {message.envelope_bytes} bytes; topic '{topic}' accepts at "
+                f"most {cap} bytes (max_payload_bytes)"
+            )
+        stored = store.messages[message_id]
+        stored.payload_json, stored.content_hash = message.payload_json, message.content_hash
+        due = now + timedelta(seconds=seconds)
+        for d in deliveries:
+            d.visible_at = due
+        store.deduplication[(topic, key)] = (message_id, due)
+        return message_id
+
+    async def group_create(self, group_id: uuid.UUID, members: Sequence[uuid.UUID], then: uuid.UUID, *,
+                           session: Any = None) -> int:
+        """Makes ``members`` a group whose end releases the held message ``then``; answers how many
+        members have not ended."""
+        if session is not None:
+            raise ConfigurationError(
+                "the memory transport cannot make a group in a caller's database transaction (session=...); make "
+                "it without a session"
+            )
+        store, now = self._store, self._now()
+        group = store.groups[group_id] = _Group(then, list(members))
+        live: set[uuid.UUID] = set()
+        for d in store.deliveries.values():
+            if d.message_id in group.members:
+                d.group_id = group_id
+                if d.status in ("Pending", "InFlight"):
+                    live.add(d.message_id)
+        group.ended.update((m, now) for m in group.members if m not in live)
+        if len(group.ended) == len(group.members):
+            self._release(group, now)
+        return len(group.members) - len(group.ended)
+
+    async def group_members(self, group_id: uuid.UUID) -> list[GroupMember]:
+        """The members of a group, in order, each with its first delivery and stored result."""
+        group = self._store.groups.get(group_id)
+        if group is None:
+            return []
+        out = []
+        for message_id in group.members:
+            first = min((d for d in self._store.deliveries.values() if d.message_id == message_id),
+                        key=lambda d: d.id, default=None)
+            out.append(GroupMember(message_id=message_id, ended_at=group.ended.get(message_id),
+                                   delivery=None if first is None else self._info(first, False),
+                                   result=self._store.results.get(message_id)))
+        return out
+
     # -- housekeeping --------------------------------------------------------------------------
 
     def hold_sweep_lock(self) -> _SweepLock:
@@ -763,6 +883,9 @@ class MemoryTransport:
             del store.messages[m.id]
             for step in [k for k in store.steps if k[0] == m.id]:
                 del store.steps[step]
+            store.results.pop(m.id, None)
+            for group_id in [g for g, group in store.groups.items() if group.then == m.id]:
+                del store.groups[group_id]
         return len(gone[:limit])
 
     async def prune(self, older_than_seconds: float) -> int:
@@ -953,6 +1076,7 @@ class MemoryTransport:
     def _discard(self, d: _Delivery, reason: str | None) -> None:
         d.status, d.reason, d.settled_at = "Discarded", reason, self._now()
         d.lease_token = d.lease_expires_at = None
+        self._ended(d, d.settled_at)
         self._wake([d.subscription])
 
     async def discard_dead_letters(self, subscription: str, settled_before: datetime, limit: int = 1000) -> int:
