@@ -58,6 +58,7 @@ from fastapi_workqueue import (
 
 SCRIPT = Path(__file__).resolve()
 HERE = SCRIPT.parent
+MAX_IN_FLIGHT_ENV = "WORKQUEUE_BENCH_MAX_IN_FLIGHT"
 DEFAULT_DSN = os.environ.get(
     "WORKQUEUE_BENCH_DSN", "postgresql://postgres:postgres@127.0.0.1:5432/bench_workqueue"
 )
@@ -141,8 +142,12 @@ def make_queue(dsn: str, *, host: bool, concurrency: int | None = None) -> WorkQ
     if concurrency:
         settings["subscriptions"] = [SubscriptionPlan(concurrency=concurrency)]
     topics = [Topic(name=topic) for topic, _, _ in CASES.values()]
+    # --max-in-flight N (passed on to the workers in the environment): every subscription gets that
+    # limit, to measure what a limit costs while it is never reached.
+    limit = os.environ.get(MAX_IN_FLIGHT_ENV)
+    extra: dict[str, Any] = {"max_in_flight": int(limit)} if limit else {}
     subscriptions = [
-        Subscription(name=name, topic=topic, handler_key=f"bench.{case}", partition_mode=mode)
+        Subscription(name=name, topic=topic, handler_key=f"bench.{case}", partition_mode=mode, **extra)
         for case, (topic, names, mode) in CASES.items()
         for name in names
     ]
@@ -838,7 +843,11 @@ def main() -> None:
                     help="worker event loop (default: uvloop if installed)")
     ap.add_argument("--only", default=ALL_CASES)
     ap.add_argument("--out", default=str(HERE / "results" / "workqueue.json"))
+    ap.add_argument("--max-in-flight", type=int, default=None,
+                    help="give every subscription this max_in_flight (the cost of a limit never reached)")
     args = ap.parse_args()
+    if getattr(args, "max_in_flight", None):
+        os.environ[MAX_IN_FLIGHT_ENV] = str(args.max_in_flight)
     if args.cmd == "_worker":
         worker_main(args)
     else:

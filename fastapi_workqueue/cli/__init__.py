@@ -130,10 +130,11 @@ def migrate(ctx: Context) -> None:
 @click.option("--attribute", "attributes", multiple=True, help="NAME=VALUE, repeatable.")
 @click.option("--correlation-id")
 @click.option("--count", default=1, show_default=True, type=click.IntRange(1, 100000))
+@click.option("--priority", default=0, show_default=True, type=click.IntRange(0, 9), help="0 to 9, higher first.")
 @pass_context
 def publish(
     ctx: Context, topic: str, payload: str, partition_key: str | None, attributes: tuple[str, ...],
-    correlation_id: str | None, count: int,
+    correlation_id: str | None, count: int, priority: int,
 ) -> None:
     """Publish a test message (or --count of them, in one call)."""
     from ..core.envelope import PublishRequest, RequestRejected, prepare
@@ -151,7 +152,7 @@ def publish(
     try:
         prepared = [
             prepare(PublishRequest(payload=body, partition_key=partition_key, attributes=attrs,
-                                   correlation_id=correlation_id))
+                                   correlation_id=correlation_id, priority=priority))
             for _ in range(count)
         ]
     except RequestRejected as exc:

@@ -31,6 +31,8 @@ class SubscriptionRow(WireModel):
     in_flight: int
     dead_lettered: int
     completed: int
+    limits: str = ""
+    """Its flow limits (``max_in_flight=5, rate_limit=50/s``), empty without any."""
 
 
 class TopicRow(WireModel):
@@ -110,6 +112,7 @@ def list_subscriptions(ctx: Any, app_path: str | None) -> None:
                 served_by=serving.get(state.name, 0),
                 pending=counts.pending if counts else 0, in_flight=counts.in_flight if counts else 0,
                 dead_lettered=counts.dead_lettered if counts else 0, completed=counts.completed if counts else 0,
+                limits=", ".join(f"{k}={v}" for k, v in state.flow_limits().items()),
             ))
         return rows
 
@@ -118,7 +121,7 @@ def list_subscriptions(ctx: Any, app_path: str | None) -> None:
         emit_json(rows)
     else:
         table(rows, ["name", "topic", "status", "declared", "served_by", "pending", "in_flight", "dead_lettered",
-                     "completed"])
+                     "completed", "limits"])
 
 
 @subscriptions.command("retire")
