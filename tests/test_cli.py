@@ -823,7 +823,7 @@ async def test_subscriptions_and_topics_are_listed_retired_and_deleted(cli: Cli)
     listed = {row["Name"]: row for row in await cli.json("subscriptions", "list")}
     assert listed[name] | {"ServedBy": 0} == {"Name": name, "Topic": topic, "Status": "Active", "Declared": "?",
                                               "ServedBy": 0, "Pending": 3, "InFlight": 0, "DeadLettered": 0,
-                                              "Completed": 0}
+                                              "Completed": 0, "Limits": ""}
     with_app = {row["Name"]: row for row in await cli.json("subscriptions", "list", "--app", APP)}
     assert (with_app[name]["Declared"], with_app[cli_app.BASIC]["Declared"]) == ("no", "yes")
     table_text = (await cli("subscriptions", "list")).out
