@@ -74,7 +74,7 @@ class Ports:
     def of(cls, transport: Transport) -> Ports:
         """Resolves the optional parts of ``transport`` (once, when the queue is wired)."""
         router = transport if isinstance(transport, TopicRouter) else None
-        database: object = router.default if router is not None else transport
+        database = database_of(transport)
         return cls(
             transport=transport,
             processes=transport if isinstance(transport, ProcessRegistry) else None,
@@ -108,10 +108,15 @@ class Ports:
         return self if self.router is None else self.router.ports_for_subscription(subscription)
 
 
+def database_of(store: object) -> object:
+    """``store`` itself, or behind a router its database (where keys, results and limits live)."""
+    return store.default if isinstance(store, TopicRouter) else store
+
+
 def api_key_store_of(store: object) -> ApiKeyStore | None:
     """Where the API keys of ``store`` live: ``store`` itself when it keeps them, behind a router
     its database; None when neither keeps keys."""
-    keys_from = store.default if isinstance(store, TopicRouter) else store
+    keys_from = database_of(store)
     return keys_from if isinstance(keys_from, ApiKeyStore) else None
 
 
