@@ -90,3 +90,28 @@ def test_a_result_of_before_four_peers_reads_with_its_two() -> None:
     assert table_row(table, "measurement")[2:4] == ["pgqueuer 1.6.0", "procrastinate 3.10.0"]
     assert len(table_row(table, "measurement")) == 6
     assert {t["target"] for t in targets} >= {"single publish vs pgqueuer", "batch publish vs pgqueuer"}
+
+
+def test_targets_are_the_projects_and_each_is_checked_round_by_round() -> None:
+    res = result(["pgqueuer"])
+    # Three interleaved rounds: ours beat pgqueuer's single publish 1.2x on the median and in
+    # rounds 1 and 3, not in round 2.
+    res["workqueue"]["summary"]["publish_seq_msgs_per_s"] = {"median": 3900.0, "min": 3500.0, "max": 4000.0,
+                                                             "runs": [4000.0, 3500.0, 3900.0]}
+    res["pgqueuer"]["summary"]["enqueue_seq_jobs_per_s"] = {"median": 3200.0, "min": 3100.0, "max": 3250.0,
+                                                            "runs": [3200.0, 3250.0, 3100.0]}
+    res["workqueue"]["summary"]["publish_batch_msgs_per_s"]["runs"] = [60000.0, 59000.0, 61000.0]
+    _, targets, table = build_report(res)
+    by_name = {t["target"]: t for t in targets}
+    single = by_name["single publish vs pgqueuer"]
+    assert single["limit"] == 1.2 and single["met"] is True and single["met_every_round"] is False
+    assert [round(r, 3) for r in single["rounds"]] == [1.25, 1.077, 1.258]
+    assert "| single publish vs pgqueuer | 1.22× | >= 1.2× | yes | **no** (1.25, 1.08, 1.26) |" in table
+    # The limits: 3x pgqueuer's processing, 1.2x its batch, p50 within 1 ms, p99 at most its own.
+    assert by_name["processing at defaults vs pgqueuer's defaults"]["limit"] == 3.0
+    assert by_name["batch publish vs pgqueuer"]["limit"] == 1.2
+    assert by_name["latency p50"]["op"] == "<=" and by_name["latency p50"]["limit"] == 1.0
+    assert by_name["latency p99 vs pgqueuer's p99"]["value"] == 3.0 / 4.0
+    assert by_name["worker RSS draining 100,000"]["limit"] == 50.0
+    # One run on a side and three on the other: no round-by-round verdict, only the median's.
+    assert by_name["batch publish vs pgqueuer"]["met_every_round"] is None
