@@ -1450,7 +1450,12 @@ BEGIN
     SELECT s.id, s.partition_mode, s.lease_seconds, s.max_in_flight, s.rate_limit, s.key_rate_limit,
            CASE WHEN s.partition_mode = 'None' THEN s.key_concurrency END AS key_concurrency,
            (s.max_in_flight IS NOT NULL OR s.rate_limit IS NOT NULL OR s.key_rate_limit IS NOT NULL
-            OR (s.key_concurrency IS NOT NULL AND s.partition_mode = 'None')) AS limited
+            OR (s.key_concurrency IS NOT NULL AND s.partition_mode = 'None')) AS limited,
+           -- Deliveries without a key that have a priority (one probe of an index that is empty
+           -- while nobody publishes with a priority), read with the subscription: no statement more.
+           EXISTS (SELECT 1 FROM workqueue.delivery d
+                   WHERE d.subscription_id = s.id AND d.status = 'Pending' AND d.key_mode = 0 AND d.priority > 0
+                  ) AS prioritized
     INTO v_sub
     FROM workqueue.subscription s JOIN workqueue.topic t ON t.name = s.topic
     WHERE s.name = p_subscription AND s.status = 'Active' AND t.status = 'Active';
@@ -1622,10 +1627,7 @@ BEGIN
                                             THEN 'KeyRateLimit' ELSE 'KeyConcurrency' END);
         END IF;
     ELSIF v_share > 0 THEN
-        IF EXISTS (
-            SELECT 1 FROM workqueue.delivery d
-            WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0 AND d.priority > 0
-        ) THEN
+        IF v_sub.prioritized THEN
             SELECT array_agg(u.id) INTO v_unkeyed
             FROM (
                 SELECT d.id
@@ -2035,7 +2037,7 @@ DECLARE
     v_ids bigint[];
     v_results jsonb;  -- delivery id -> its new status
     v_keyed boolean;
-    v_tried bigint[];
+    v_tried jsonb;  -- the attempts to keep, off the happy path
 BEGIN
     WITH locked AS (
         -- Item by item, in id order (the order rows are locked in), each finds and locks its row
@@ -2091,16 +2093,6 @@ BEGIN
         WHERE d.id = pl.id
         RETURNING d.id, d.status, d.key_mode, d.subscription_id, d.attempt, d.claimed_at, d.held_by, d.reason,
                   pl.outcome, pl.error
-    ), tried AS (
-        -- An attempt off the happy path is kept (delivery_attempt); a completion or a release
-        -- writes nothing there.
-        INSERT INTO workqueue.delivery_attempt AS a (delivery_id, attempt, started_at, ended_at, held_by, outcome,
-                                                     reason, error)
-        SELECT u.id, u.attempt, u.claimed_at, v_now, u.held_by,
-               CASE WHEN u.status = 'Pending' THEN 'Failed' ELSE u.status END, u.reason, u.error
-        FROM u
-        WHERE u.status <> 'Completed' AND NOT (u.outcome = 'Release' AND u.status = 'Pending')
-        RETURNING a.delivery_id
     ), counted AS (
         -- The batch's terminal settles, one row per subscription (settled_count).
         INSERT INTO workqueue.settled_count (subscription_id, completed, discarded)
@@ -2111,14 +2103,26 @@ BEGIN
         GROUP BY u.subscription_id
     )
     SELECT array_agg(u.id), jsonb_object_agg(u.id::text, u.status), bool_or(u.key_mode > 0),
-           (SELECT array_agg(t.delivery_id) FROM tried t)
+           -- An attempt off the happy path is kept (delivery_attempt); a completion or a release
+           -- writes nothing there. Gathered here and written below only when there is one, so that
+           -- a batch of completions runs no INSERT at all.
+           jsonb_agg(jsonb_build_object(
+               'delivery_id', u.id, 'attempt', u.attempt, 'started_at', u.claimed_at, 'held_by', u.held_by,
+               'outcome', CASE WHEN u.status = 'Pending' THEN 'Failed' ELSE u.status END,
+               'reason', u.reason, 'error', u.error))
+               FILTER (WHERE u.status <> 'Completed' AND NOT (u.outcome = 'Release' AND u.status = 'Pending'))
     INTO v_ids, v_results, v_keyed, v_tried
     FROM u;
 
     IF v_tried IS NOT NULL THEN
+        INSERT INTO workqueue.delivery_attempt (delivery_id, attempt, started_at, ended_at, held_by, outcome,
+                                                reason, error)
+        SELECT t.delivery_id, t.attempt, t.started_at, v_now, t.held_by, t.outcome, t.reason, t.error
+        FROM jsonb_to_recordset(v_tried) AS t(delivery_id bigint, attempt integer, started_at timestamptz,
+                                              held_by uuid, outcome text, reason text, error text);
         -- Keep the newest 50 attempts of each delivery.
         DELETE FROM workqueue.delivery_attempt a
-        WHERE a.delivery_id = ANY (v_tried)
+        WHERE a.delivery_id IN (SELECT (t ->> 'delivery_id')::bigint FROM jsonb_array_elements(v_tried) AS t)
           AND a.id <= (SELECT b.id FROM workqueue.delivery_attempt b WHERE b.delivery_id = a.delivery_id
                        ORDER BY b.id DESC OFFSET 50 LIMIT 1);
     END IF;
