@@ -2921,7 +2921,9 @@ $$;
 
 -- What happens when a delivery ends (Completed, DeadLettered or Discarded), whichever routine
 -- ends it: a settle, a lease that ran out, a discard. The trigger fires only for a delivery that
--- asks for it (its WHEN reads columns of the row alone), so an ordinary settle pays nothing.
+-- asks for it (its WHEN reads columns of the row alone). It is on settled_at, which every routine
+-- that ends a delivery writes and a claim or heartbeat never names: their statements skip the
+-- trigger before its WHEN is even prepared (a few microseconds a statement).
 -- A watched delivery notifies its waiters; a group member's first end counts its group down, and
 -- the end that counts it to 0 makes the group's held message due now (and wakes its consumers).
 CREATE OR REPLACE FUNCTION workqueue.delivery_ended()
@@ -2973,7 +2975,7 @@ BEGIN
 END
 $$;
 
-CREATE TRIGGER delivery_ended AFTER UPDATE OF status ON workqueue.delivery
+CREATE TRIGGER delivery_ended AFTER UPDATE OF settled_at ON workqueue.delivery
 FOR EACH ROW
 WHEN (NEW.status IN ('Completed', 'DeadLettered', 'Discarded') AND OLD.status IS DISTINCT FROM NEW.status
       AND (NEW.watched OR NEW.group_id IS NOT NULL))
