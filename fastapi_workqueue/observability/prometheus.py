@@ -72,6 +72,15 @@ class WorkQueueMetrics:
         self.in_flight = Gauge("workqueue_in_flight", "Attempts running in this process.", ["subscription"],
                                multiprocess_mode="livesum", registry=registry)
         self._per_subscription: dict[str, _Children] = {}
+        self._published: dict[tuple[str, str], Callable[[float], None]] = {}
+
+    def published_counter(self, topic: str, status: str) -> Callable[[float], None]:
+        """Adds to ``workqueue_published_total{topic,status}``; the child is looked up once per pair
+        (``labels()`` takes a lock each time, and a publish of one message counts once)."""
+        found = self._published.get((topic, status))
+        if found is None:
+            found = self._published[(topic, status)] = self.published.labels(topic, status).inc
+        return found
 
     def of(self, subscription: str) -> _Children:
         """The metric children of ``subscription``, looked up once (``labels()`` takes a lock each time)."""
@@ -141,14 +150,17 @@ class _Published(PublishScope):
 
     def end(self, results: Sequence[PublishResult] | None, error: BaseException | None) -> None:
         if results is None:
-            self.metrics.published.labels(self.topic, "Error").inc(self.count)
+            self.metrics.published_counter(self.topic, "Error")(self.count)
+            return
+        if len(results) == 1:
+            self.metrics.published_counter(self.topic, str(results[0].status.value))(1)
             return
         counts: dict[str, int] = {}
         for result in results:
             status = str(result.status.value)
             counts[status] = counts.get(status, 0) + 1
         for status, n in counts.items():
-            self.metrics.published.labels(self.topic, status).inc(n)
+            self.metrics.published_counter(self.topic, status)(n)
 
 
 class _Processed(ProcessScope):
