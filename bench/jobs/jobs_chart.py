@@ -27,15 +27,16 @@ def main() -> None:
     pgq = (res.get("pgqueuer") or {}).get("summary") or {}
     batch = res["settings"]["batch"]
     fig, axes = plt.subplots(1, 4, figsize=(16, 4.5))
+    # (name, figure, note): the note ("") shows only where a figure is missing (compare/chart.py's bars).
     bars(axes[0], "dispatch / publish, 1 per call", "per second",
-         [(JOBS, ours.get("dispatch_seq_jobs_per_s")), (CORE, ours.get("publish_seq_msgs_per_s"))])
+         [(JOBS, ours.get("dispatch_seq_jobs_per_s"), ""), (CORE, ours.get("publish_seq_msgs_per_s"), "")])
     bars(axes[1], f"bulk / batch publish of {batch}", "per second",
-         [(JOBS, ours.get("bulk_jobs_per_s")), (CORE, ours.get("publish_batch_msgs_per_s"))])
+         [(JOBS, ours.get("bulk_jobs_per_s"), ""), (CORE, ours.get("publish_batch_msgs_per_s"), "")])
     bars(axes[2], "processing no-ops, defaults", "per second",
-         [(JOBS, ours.get("jobs_process_per_s")), (CORE, ours.get("process_default_per_s")),
-          ("pgqueuer", pgq.get("process_default_jobs_per_s"))])
+         [(JOBS, ours.get("jobs_process_per_s"), ""), (CORE, ours.get("process_default_per_s"), ""),
+          ("pgqueuer", pgq.get("process_default_jobs_per_s"), "")])
     bars(axes[3], "jobs: one queue vs five taken fairly", "jobs/s",
-         [("1 queue", ours.get("jobs_process_per_s")), ("5 queues", ours.get("jobs_five_per_s"))])
+         [("1 queue", ours.get("jobs_process_per_s"), ""), ("5 queues", ours.get("jobs_five_per_s"), "")])
     for ax in axes[:3]:
         for patch, label in zip(ax.patches, [t.get_text() for t in ax.get_xticklabels()], strict=False):
             patch.set_color(COLORS.get(label, COLORS[JOBS]))
