@@ -52,13 +52,19 @@ def runs(s: dict[str, Any] | None) -> list[float] | None:
     return list(s["runs"]) if s and s.get("runs") else None
 
 
+def paired_ratios(a: list[float | None], b: list[float | None]) -> list[float]:
+    """a/b round by round (the two figures of a round were measured minutes apart at most, under
+    the same load); empty unless both have every round."""
+    if not a or len(a) != len(b):
+        return []
+    ratios = [ratio(x, y) for x, y in zip(a, b, strict=True)]
+    return [r for r in ratios if r is not None] if all(r is not None for r in ratios) else []
+
+
 def per_round(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[float] | None:
-    """``a / b`` round by round: the rounds are interleaved, so run i of each side ran in round i.
-    None unless both kept the same number of runs."""
-    ra, rb = runs(a), runs(b)
-    if not ra or not rb or len(ra) != len(rb) or 0 in rb:
-        return None
-    return [x / y for x, y in zip(ra, rb, strict=True)]
+    """``a / b`` round by round of two summaries (:func:`paired_ratios` of their runs: the rounds
+    are interleaved, so run i of each side ran in round i). None unless both kept every round."""
+    return paired_ratios(list(runs(a) or []), list(runs(b) or [])) or None
 
 
 def fmt_ratio(v: float | None) -> str:

@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]  # the repository
 sys.path.insert(0, str(HERE))
 
-from compare_report import PEERS, build_report, fmt_num, fmt_stat, med, ratio  # noqa: E402, F401  (bench/jobs uses them)
+from compare_report import PEERS, build_report, fmt_num, fmt_stat, med, paired_ratios, ratio  # noqa: E402, F401  (bench/jobs uses them)
 from workqueue_bench import summarize, summarize_raw  # noqa: E402
 
 CEILING_DB = "bench_pgbench"

@@ -425,15 +425,6 @@ def per_round(raw: dict[str, list[Any]], key: str) -> list[float | None]:
     return [v.get("deliveries_per_s") if isinstance(v, dict) else v for v in values]
 
 
-def paired_ratios(a: list[float | None], b: list[float | None]) -> list[float]:
-    """a/b round by round (the two figures of a round were measured minutes apart at most, under
-    the same load); empty unless both have every round."""
-    if not a or len(a) != len(b):
-        return []
-    ratios = [core_run.ratio(x, y) for x, y in zip(a, b, strict=True)]
-    return [r for r in ratios if r is not None] if all(r is not None for r in ratios) else []
-
-
 def targets_of(ours: dict[str, Any], pgq: dict[str, Any], batch: int, raw: dict[str, list[Any]] | None = None,
                praw: dict[str, list[Any]] | None = None) -> list[dict[str, Any]]:
     """The targets, each read as the ratio of the two medians; ``rounds`` lists the same ratio
@@ -456,19 +447,20 @@ def targets_of(ours: dict[str, Any], pgq: dict[str, Any], batch: int, raw: dict[
     return [
         target("dispatch, one per call, vs the core's publish", med("dispatch_seq_jobs_per_s"),
                med("publish_seq_msgs_per_s"), 0.95, "jobs/s over messages/s",
-               paired_ratios(per_round(raw, "dispatch_seq_jobs_per_s"), per_round(raw, "publish_seq_msgs_per_s"))),
+               core_run.paired_ratios(per_round(raw, "dispatch_seq_jobs_per_s"),
+                                      per_round(raw, "publish_seq_msgs_per_s"))),
         target(f"bulk of {batch} vs the core's batch publish of {batch}", med("bulk_jobs_per_s"),
                med("publish_batch_msgs_per_s"), 0.95, "jobs/s over messages/s",
-               paired_ratios(per_round(raw, "bulk_jobs_per_s"), per_round(raw, "publish_batch_msgs_per_s"))),
+               core_run.paired_ratios(per_round(raw, "bulk_jobs_per_s"), per_round(raw, "publish_batch_msgs_per_s"))),
         target("processing no-op jobs at the defaults vs the core's subscription", one,
                med("process_default_per_s"), 0.85, "jobs/s over deliveries/s",
-               paired_ratios(per_round(raw, "jobs_process"), per_round(raw, "process_default"))),
+               core_run.paired_ratios(per_round(raw, "jobs_process"), per_round(raw, "process_default"))),
         target("processing no-op jobs at the defaults vs pgqueuer's defaults", one,
                med("process_default_jobs_per_s", pgq), 2.0, "jobs/s over pgqueuer's jobs/s",
-               paired_ratios(per_round(raw, "jobs_process"), pgq_rounds)),
+               core_run.paired_ratios(per_round(raw, "jobs_process"), pgq_rounds)),
         target("five queues taken fairly vs one queue (loss at most 15 %)", five, one, 0.85,
                "jobs/s over jobs/s, same total",
-               paired_ratios(per_round(raw, "jobs_five"), per_round(raw, "jobs_process"))),
+               core_run.paired_ratios(per_round(raw, "jobs_five"), per_round(raw, "jobs_process"))),
     ]
 
 
