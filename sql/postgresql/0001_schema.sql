@@ -1302,13 +1302,12 @@ BEGIN
         RETURN;  -- Accepted
     END IF;
 
-    -- One statement reads the subscriptions once, locks the key of every keyed delivery (in
+    -- With a key, one statement reads the subscriptions once, locks the key of every keyed delivery (in
     -- subscription order, as publish does) and inserts the deliveries, each keyed one formed from
     -- its key's locked row: its id is taken after the lock.
     WITH target AS MATERIALIZED (
         SELECT s.id AS sid,
-               (CASE WHEN p_partition_key IS NULL OR s.partition_mode = 'None' THEN 0
-                     WHEN s.partition_mode = 'Exclusive' THEN 1 ELSE 2 END)::smallint AS key_mode,
+               (CASE s.partition_mode WHEN 'None' THEN 0 WHEN 'Exclusive' THEN 1 ELSE 2 END)::smallint AS key_mode,
                coalesce(p_max_attempts, s.max_attempts) AS max_attempts,
                s.backoff_base_seconds, s.backoff_max_seconds
         FROM workqueue.subscription s
@@ -1620,9 +1619,7 @@ BEGIN
                         ORDER BY d.visible_at, d.id
                         LIMIT v_share * 4
                     ) d
-                    WHERE EXISTS (SELECT 1 FROM workqueue.delivery e
-                                  WHERE e.subscription_id = v_sub.id AND e.status = 'Pending' AND e.key_mode = 0
-                                    AND e.priority > 0)
+                    WHERE v_sub.prioritized
                     UNION ALL
                     SELECT * FROM (
                         SELECT d.id, d.priority, d.visible_at, d.partition_key

@@ -113,6 +113,21 @@ async def test_c38_key_concurrency_caps_each_key_of_a_none_subscription(harness:
     assert more.partition_key == "a" and more.attempt == 1
 
 
+async def test_c38_key_concurrency_claims_the_highest_priority_first(harness: Harness) -> None:
+    require(harness, "concurrency_limits", "key_concurrency")
+    require(harness, "priority", "priority")
+    world = await make_world(harness.transport, [{"role": "s", "key_concurrency": 1}])
+    results = await world.publish(PublishRequest(partition_key="a", payload="a0", priority=0),
+                                  PublishRequest(partition_key="b", payload="b0", priority=0),
+                                  PublishRequest(partition_key="a", payload="a9", priority=9),
+                                  PublishRequest(payload="no key", priority=5))
+    ids = [r.message_id for r in results]
+    # Priority first, within each key's room: a's priority-9 delivery takes a's one slot.
+    claimed = await world.claim("s", 2)
+    assert [c.message_id for c in claimed] == [ids[2], ids[3]]
+    assert [c.message_id for c in await world.claim("s", 10)] == [ids[1]]
+
+
 async def test_c39_rate_limit_claims_within_its_tokens_and_says_when_the_next_is_due(harness: Harness) -> None:
     require(harness, "rate_limits", "rate_limit")
     world = await make_world(harness.transport, [{"role": "s", "rate_limit": "2/s"}])
