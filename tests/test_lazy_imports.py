@@ -1,9 +1,9 @@
 """A worker loads only what it runs: a process that builds a WorkQueue, registers a handler, starts
 its host and handles a message never imports the web framework, SQLAlchemy, the dashboard, the
-jobs layer, the AWS transport or the OpenTelemetry API (bench/README.md, memory: these cost a
-worker about 9 MB). prometheus-client loads where it is installed: every process counts, so that an
-app that builds its exporter late still gets every count. A handler that declares a dependency
-brings FastAPI in, and only then.
+jobs layer, the AWS transport, the OpenTelemetry API or prometheus-client (bench/README.md, memory:
+these cost a worker about 11 MB). It still counts for Prometheus, in plain Python
+(``observability.tally``), for whatever serves the counts later. A handler that declares a
+dependency brings FastAPI in, and only then.
 
 Each case runs in a fresh interpreter, since the test session itself has imported everything.
 """
@@ -11,6 +11,7 @@ Each case runs in a fresh interpreter, since the test session itself has importe
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -23,12 +24,14 @@ NOT_IN_A_WORKER = (
     "jinja2",
     "opentelemetry.trace",
     "opentelemetry.metrics",
+    "prometheus_client",
     "fastapi_workqueue.aws",
     "fastapi_workqueue.dashboard",
     "fastapi_workqueue.jobs",
     "fastapi_workqueue.core.routing",
     "fastapi_workqueue.observability.otel",
     "fastapi_workqueue.observability.metrics_router",
+    "fastapi_workqueue.observability.prometheus",
     "fastapi_workqueue.web.auth",
     "fastapi_workqueue.web.current",
     "fastapi_workqueue.web.fastapi_internals",
@@ -37,7 +40,8 @@ NOT_IN_A_WORKER = (
 )
 """What a worker on the database transport, with no job declared and no dependency in its handlers,
 does not import (a module or any of its submodules). Of the observability package only its
-``__init__`` and the small deferred OpenTelemetry observer load (docs/observability.md)."""
+``__init__``, the small deferred OpenTelemetry observer and the plain counts of :mod:`.tally` load
+(docs/observability.md)."""
 
 WORKER = textwrap.dedent("""
     import asyncio, json, sys
@@ -87,8 +91,9 @@ WORKER = textwrap.dedent("""
 
 def run_worker(tmp_path: Path, handler: str) -> dict[str, object]:
     url = f"sqlite+aiosqlite:///{tmp_path / 'worker.db'}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_")}  # (multiprocess mode loads it)
     done = subprocess.run([sys.executable, "-c", WORKER, url, handler], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+                          timeout=120, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
     result: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
     return result

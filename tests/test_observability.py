@@ -409,18 +409,32 @@ def test_opentelemetry_loads_when_the_process_imports_its_api(tmp_path: Path) ->
     assert out.stdout.splitlines() == ["False", "['send orders.placed']"]
 
 
-def test_prometheus_counts_wherever_prometheus_client_is_installed(tmp_path: Path) -> None:
-    """A process counts for the metrics router whether or not it imported prometheus-client before
-    its first publish: an app that builds its exporter late still gets every count."""
+def test_prometheus_counts_without_importing_prometheus_client_until_the_process_does(tmp_path: Path) -> None:
+    """A process counts for Prometheus whether or not it imported prometheus-client before its first
+    publish, and never imports it itself: once the app imports it (to serve the default registry),
+    the next hook exports every count since the start."""
     code = textwrap.dedent("""
-        import sys
-        from fastapi_workqueue import WorkQueue, WorkQueueSettings
-        queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///x.db", otel=False))
-        print(type(queue.observer).__name__)
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
-    assert out.stdout.split() == ["PrometheusObserver"]
+        import asyncio, sys
+        from fastapi_workqueue import PublishRequest, Topic, WorkQueue, WorkQueueSettings
 
+        async def main():
+            queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///x.db", otel=False, enabled=False),
+                              topics=[Topic(name="orders.placed")])
+            await queue.migrate()
+            async with queue.lifespan(None):
+                await queue.publish("orders.placed", [PublishRequest(payload=1), PublishRequest(payload=2)])
+                print(type(queue.observer).__name__, "prometheus_client" in sys.modules)
+                from prometheus_client import REGISTRY
+                await queue.publish("orders.placed", [PublishRequest(payload=3)])
+                print(REGISTRY.get_sample_value(
+                    "workqueue_published_total", {"topic": "orders.placed", "status": "Accepted"}))
+
+        asyncio.run(main())
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
+                         env=env)
+    assert out.stdout.splitlines() == ["TallyObserver False", "3.0"]
 
 
 async def test_two_workers_count_their_attempts_and_the_app_serves_the_databases_gauges(
@@ -528,8 +542,9 @@ def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, st
 
 
 def test_an_attempts_metrics_are_what_the_public_calls_would_count() -> None:
-    from fastapi_workqueue.observability.prometheus import OUTCOMES, WorkQueueMetrics
+    from fastapi_workqueue.observability.prometheus import WorkQueueMetrics
     from fastapi_workqueue.observability.semconv import DURATION_BUCKETS
+    from fastapi_workqueue.observability.tally import OUTCOMES
 
     fast, public = WorkQueueMetrics(CollectorRegistry()), WorkQueueMetrics(CollectorRegistry())
     children = fast.of("orders.audit")
@@ -550,3 +565,50 @@ def test_an_attempts_metrics_are_what_the_public_calls_would_count() -> None:
     assert counted[("workqueue_in_flight", (("subscription", "orders.audit"),))] == 4
     edge = ("workqueue_process_duration_seconds_bucket", (("le", "0.005"), ("subscription", "orders.audit")))
     assert counted[edge] == 3  # 0, 0.005 * 0.999 and 0.005 itself
+
+
+def test_the_tally_exports_what_prometheus_clients_own_metrics_would_count() -> None:
+    """The counts kept in plain Python read at scrape exactly as prometheus-client's own counter,
+    histogram (bucket edges included) and gauge would show the same calls."""
+    from fastapi_workqueue.core.envelope import PublishResult, PublishStatus
+    from fastapi_workqueue.observability.prometheus import WorkQueueMetrics, register_tally
+    from fastapi_workqueue.observability.semconv import DURATION_BUCKETS
+    from fastapi_workqueue.observability.tally import OUTCOMES, Durations, ProcessTally, TallyObserver
+
+    tally, public = ProcessTally(), WorkQueueMetrics(CollectorRegistry())
+    observer, exported = TallyObserver(tally), CollectorRegistry()
+    register_tally(tally, exported)
+    register_tally(tally, exported)  # once per registry
+    durations = tally.durations["orders.audit"] = Durations()
+    for amount in [0.0, *DURATION_BUCKETS, *(b * 0.999 for b in DURATION_BUCKETS),
+                   *(b * 1.001 for b in DURATION_BUCKETS), 99.0]:
+        durations.observe(amount)
+        public.duration.labels("orders.audit").observe(amount)
+    scopes = []
+    for outcome in ["Complete", "Complete", "Retry", "DeadLetter", None]:
+        scope = observer.process_started("orders.audit", None)  # type: ignore[arg-type]
+        assert scope is not None
+        scopes.append((scope, outcome))
+        public.in_flight.labels("orders.audit").inc()
+    for scope, outcome in scopes[:-1]:
+        scope.end(outcome, None)
+        public.in_flight.labels("orders.audit").dec()
+        public.processed.labels("orders.audit", OUTCOMES[outcome]).inc()
+        public.duration.labels("orders.audit").observe(0.0)
+    accepted, duplicate = PublishResult(status=PublishStatus.ACCEPTED), PublishResult(status=PublishStatus.DUPLICATE)
+    for results in ([accepted], [accepted, duplicate, accepted], None):
+        call = observer.publish_started("orders.placed", 3)
+        assert call is not None
+        call.end(results, None if results else RuntimeError("down"))
+    public.published.labels("orders.placed", "Accepted").inc(3)
+    public.published.labels("orders.placed", "Duplicate").inc()
+    public.published.labels("orders.placed", "Error").inc(3)
+    counted, expected = _samples(exported), _samples(public.registry)
+    # The four attempts ended in well under 5 ms each: the buckets of four observations of 0, and a
+    # sum a little above the public one's.
+    total = ("workqueue_process_duration_seconds_sum", (("subscription", "orders.audit"),))
+    assert 0 < counted.pop(total) - expected.pop(total) < 0.005 * 4
+    assert counted == expected
+    assert counted[("workqueue_in_flight", (("subscription", "orders.audit"),))] == 1
+    edge = ("workqueue_process_duration_seconds_bucket", (("le", "0.005"), ("subscription", "orders.audit")))
+    assert counted[edge] == 3 + 4  # 0, 0.005 * 0.999, 0.005 itself, and the four attempts

@@ -349,6 +349,9 @@ def _serve_metrics(host: str, port: int) -> None:
         raise click.UsageError(
             "--metrics-port needs prometheus-client: pip install 'fastapi-workqueue[prometheus]'"
         ) from exc
+    from ..observability.tally import export_process_tally
+
+    export_process_tally()
     try:
         start_http_server(port, addr=host)
     except OSError as exc:

@@ -35,7 +35,12 @@ def default_observers(settings: WorkQueueSettings) -> list[Observer]:
 
         found.append(DeferredOpenTelemetry())
     if settings.prometheus and _installed("prometheus_client"):
-        from .prometheus import PrometheusObserver
+        from .tally import TallyObserver, multiprocess_mode
 
-        found.append(PrometheusObserver.default())
+        if multiprocess_mode():
+            from .prometheus import PrometheusObserver
+
+            found.append(PrometheusObserver.default())
+        else:
+            found.append(TallyObserver.process())
     return found

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Security
@@ -17,6 +16,7 @@ except ImportError as exc:
     raise missing_extra("queue.metrics_router (/metrics)", "prometheus-client", "prometheus") from exc
 
 from .prometheus import PrometheusObserver, StoreCollector, StoreSnapshot, metrics_for
+from .tally import export_process_tally, multiprocess_mode
 
 if TYPE_CHECKING:
     from ..core.kernel import Kernel
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def _process_part(registry: CollectorRegistry) -> bytes:
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and registry is REGISTRY:
+    if multiprocess_mode() and registry is REGISTRY:
         merged = CollectorRegistry()
         MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
         return generate_latest(merged)
@@ -35,7 +35,9 @@ def build_metrics_router(kernel: Kernel, *, authorize: Authorizer, public: bool,
                          registry: CollectorRegistry | None = None) -> APIRouter:
     """The router behind ``queue.metrics_router`` (see :meth:`WorkQueue.create_metrics_router`)."""
     target = registry if registry is not None else REGISTRY
-    if target is not REGISTRY:
+    if not multiprocess_mode():
+        export_process_tally(target)
+    elif target is not REGISTRY:
         kernel.add_observer(PrometheusObserver(metrics_for(target)))
     else:
         metrics_for(None)

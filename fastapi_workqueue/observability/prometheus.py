@@ -2,25 +2,22 @@
 
 Counted in this process: ``workqueue_published_total{topic,status}``,
 ``workqueue_processed_total{subscription,outcome}``,
-``workqueue_process_duration_seconds{subscription}`` and ``workqueue_in_flight{subscription}``.
-Read from the database when ``/metrics`` is scraped (so every process's and pod's work is in them),
-cached for ``WORKQUEUE_METRICS_CACHE_SECONDS``: ``workqueue_deliveries{subscription,status}``,
+``workqueue_process_duration_seconds{subscription}`` and ``workqueue_in_flight{subscription}``:
+kept in plain Python by :mod:`.tally` and read by :class:`TallyCollector` at scrape, so a process
+that is never scraped never imports prometheus-client. Read from the database when ``/metrics`` is
+scraped (so every process's and pod's work is in them), cached for
+``WORKQUEUE_METRICS_CACHE_SECONDS``: ``workqueue_deliveries{subscription,status}``,
 ``workqueue_backlog{subscription}``, ``workqueue_oldest_pending_age_seconds{subscription}``,
 ``workqueue_dead_letters{subscription}``, and for a subscription with flow limits
 ``workqueue_flow_limit{subscription,limit}``, ``workqueue_flow_tokens{subscription}`` and
 ``workqueue_flow_waiting{subscription}``. No label names a message or a key.
 
 With prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set before the app
-starts, as for several uvicorn workers), the counters of every worker are summed at scrape time.
-
-Only prometheus-client's public API is used: an attempt counts through the labelled children's
-``inc`` and ``observe``, looked up once per subscription. Adding straight to the children's private
-values (``_value``, ``_buckets``, ``_sum``) skipped the checks those methods make on every call:
-an attempt's four calls cost 12.3 µs that way and 18.7 µs through the public methods, measured on
-the 2-core machine while other work ran on it (medians of 5 turns of 50,000; about 3 µs in all on
-a quiet machine, bench/README.md). Against an attempt of about 330 µs in the same conditions
-(``bench/compare/workqueue_bench.py --only process``, about 3,000 deliveries/s) that is some 2 %,
-under the 5 % end to end that would justify depending on another library's internals.
+starts, as for several uvicorn workers), the process counts through prometheus-client's own
+counters (:class:`WorkQueueMetrics`, :class:`PrometheusObserver`), whose values live in that mode's
+files, and the counters of every worker are summed at scrape time. Only prometheus-client's public
+API is used: an attempt counts through the labelled children's ``inc`` and ``observe``, looked up
+once per subscription.
 """
 
 from __future__ import annotations
@@ -33,8 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
     from prometheus_client.registry import Collector
+    from prometheus_client.utils import floatToGoString
 except ImportError as exc:
     from ..core.errors import missing_extra
 
@@ -43,6 +41,7 @@ except ImportError as exc:
 from ..core.flow import parse_rate
 from ..core.observe import Observer, ProcessScope, PublishScope
 from . import semconv
+from .tally import OUTCOMES, ProcessTally
 
 if TYPE_CHECKING:
     from ..core.envelope import PublishResult
@@ -52,14 +51,9 @@ if TYPE_CHECKING:
     from ..core.topology import SubscriptionState
     from ..core.transport import ClaimedDelivery
 
-OUTCOMES = {"Complete": "completed", "Retry": "retried", "Fail": "failed", "DeadLetter": "dead_lettered",
-            "Discard": "discarded", "Release": "released", None: "abandoned"}
-"""The ``outcome`` label of ``workqueue_processed_total``, by how the attempt was settled
-(``abandoned``: its lease was lost or the process stopped with nothing to settle)."""
-
-
 class WorkQueueMetrics:
-    """The process's metric objects, registered in one registry."""
+    """The process's metric objects, registered in one registry: what the queue counts into in
+    multiprocess mode (elsewhere it counts into a :class:`.tally.ProcessTally`)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
@@ -127,7 +121,7 @@ def metrics_for(registry: CollectorRegistry | None = None) -> WorkQueueMetrics:
 
 
 class PrometheusObserver(Observer):
-    """Counts publishes and attempts into :class:`WorkQueueMetrics`."""
+    """Counts publishes and attempts into :class:`WorkQueueMetrics` (multiprocess mode)."""
 
     def __init__(self, metrics: WorkQueueMetrics) -> None:
         self.metrics = metrics
@@ -176,6 +170,52 @@ class _Processed(ProcessScope):
         children.running(-1)
         children.processed(outcome)(1)
         children.observe(time.perf_counter() - self.started)
+
+
+_BUCKET_LABELS: list[str] = [*(floatToGoString(b) for b in semconv.DURATION_BUCKETS), "+Inf"]  # type: ignore[no-untyped-call]
+
+
+class TallyCollector(Collector):
+    """The counters, histogram and gauge of :class:`WorkQueueMetrics`, read from a
+    :class:`.tally.ProcessTally` when the registry is collected."""
+
+    def __init__(self, tally: ProcessTally) -> None:
+        self.tally = tally
+
+    def collect(self) -> Iterable[Any]:
+        tally = self.tally  # (copying a dict's items is one step for the interpreter: safe in a scrape thread)
+        published = CounterMetricFamily("workqueue_published", "Messages published, by topic and result status.",
+                                        labels=["topic", "status"])
+        for labels, count in list(tally.published.items()):
+            published.add_metric(list(labels), float(count))
+        processed = CounterMetricFamily("workqueue_processed", "Attempts finished, by subscription and outcome.",
+                                        labels=["subscription", "outcome"])
+        for labels, count in list(tally.processed.items()):
+            processed.add_metric(list(labels), float(count))
+        duration = HistogramMetricFamily("workqueue_process_duration_seconds", "Duration of an attempt (the handler).",
+                                         labels=["subscription"])
+        for subscription, durations in list(tally.durations.items()):
+            total, counts, cumulative, buckets = durations.total, list(durations.counts), 0, []
+            for label, count in zip(_BUCKET_LABELS, counts, strict=True):
+                cumulative += count
+                buckets.append((label, float(cumulative)))
+            duration.add_metric([subscription], buckets, total)
+        in_flight = GaugeMetricFamily("workqueue_in_flight", "Attempts running in this process.",
+                                      labels=["subscription"])
+        for subscription, running in list(tally.in_flight.items()):
+            in_flight.add_metric([subscription], float(running))
+        return [published, processed, duration, in_flight]
+
+
+_TALLIES: dict[int, CollectorRegistry] = {}
+
+
+def register_tally(tally: ProcessTally, registry: CollectorRegistry | None = None) -> None:
+    """Serves ``tally`` from ``registry`` (prometheus-client's default one when None), once per registry."""
+    target = registry if registry is not None else REGISTRY
+    if _TALLIES.get(id(target)) is not target:
+        target.register(TallyCollector(tally))
+        _TALLIES[id(target)] = target
 
 
 class StoreSnapshot:
