@@ -335,9 +335,12 @@ async def test_two_worker_processes_dispatch_each_tick_of_a_schedule_once(fresh_
     ticks = [e for e in jobs.events() if e["event"] == "tick"]
     ids = [e["id"] for e in ticks]
     assert len(ids) == len(set(ids)), ids  # no tick ran twice
-    # One job a second between the first tick and the last, not one per process.
+    # One job a second between the first tick and the last, not one per process: at most one per
+    # second the runs spanned, one for each end, and the tick that came due while the workers
+    # started, which runs late, at the start of the span (seen: 4 ticks in 1.99 s). Two processes
+    # each dispatching their own would give twice as many.
     span = ticks[-1]["at"] - ticks[0]["at"]
-    assert len(ticks) <= span + 2, (len(ticks), span)
+    assert len(ticks) <= span + 3, (len(ticks), span)
     async with jobs.producer.lifespan(None):
         stats = {s.subscription: s for s in await jobs.producer.stats()}
     in_store = stats[f"jobs.{jobs.queue_name}"]
