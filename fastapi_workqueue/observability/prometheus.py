@@ -26,7 +26,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -51,20 +51,34 @@ if TYPE_CHECKING:
     from ..core.topology import SubscriptionState
     from ..core.transport import ClaimedDelivery
 
+class Metric(NamedTuple):
+    """One of the process's four metrics, as :class:`WorkQueueMetrics` and :class:`TallyCollector`
+    both serve it."""
+
+    name: str
+    help: str
+    labels: list[str]
+
+
+PUBLISHED = Metric("workqueue_published", "Messages published, by topic and result status.", ["topic", "status"])
+PROCESSED = Metric("workqueue_processed", "Attempts finished, by subscription and outcome.",
+                   ["subscription", "outcome"])
+DURATION = Metric("workqueue_process_duration_seconds", "Duration of an attempt (the handler).", ["subscription"])
+IN_FLIGHT = Metric("workqueue_in_flight", "Attempts running in this process.", ["subscription"])
+
+
 class WorkQueueMetrics:
     """The process's metric objects, registered in one registry: what the queue counts into in
     multiprocess mode (elsewhere it counts into a :class:`.tally.ProcessTally`)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.published = Counter("workqueue_published", "Messages published, by topic and result status.",
-                                 ["topic", "status"], registry=registry)
-        self.processed = Counter("workqueue_processed", "Attempts finished, by subscription and outcome.",
-                                 ["subscription", "outcome"], registry=registry)
-        self.duration = Histogram("workqueue_process_duration_seconds", "Duration of an attempt (the handler).",
-                                  ["subscription"], buckets=semconv.DURATION_BUCKETS, registry=registry)
-        self.in_flight = Gauge("workqueue_in_flight", "Attempts running in this process.", ["subscription"],
-                               multiprocess_mode="livesum", registry=registry)
+        self.published = Counter(PUBLISHED.name, PUBLISHED.help, PUBLISHED.labels, registry=registry)
+        self.processed = Counter(PROCESSED.name, PROCESSED.help, PROCESSED.labels, registry=registry)
+        self.duration = Histogram(DURATION.name, DURATION.help, DURATION.labels, buckets=semconv.DURATION_BUCKETS,
+                                  registry=registry)
+        self.in_flight = Gauge(IN_FLIGHT.name, IN_FLIGHT.help, IN_FLIGHT.labels, multiprocess_mode="livesum",
+                               registry=registry)
         self._per_subscription: dict[str, _Children] = {}
         self._published: dict[tuple[str, str], Callable[[float], None]] = {}
 
@@ -176,7 +190,8 @@ _BUCKET_LABELS: list[str] = [*(floatToGoString(b) for b in semconv.DURATION_BUCK
 
 
 class TallyCollector(Collector):
-    """The counters, histogram and gauge of :class:`WorkQueueMetrics`, read from a
+    """The counters, histogram and gauge of :class:`WorkQueueMetrics` (the same names, help and
+    labels), read from a
     :class:`.tally.ProcessTally` when the registry is collected."""
 
     def __init__(self, tally: ProcessTally) -> None:
@@ -184,24 +199,20 @@ class TallyCollector(Collector):
 
     def collect(self) -> Iterable[Any]:
         tally = self.tally  # (copying a dict's items is one step for the interpreter: safe in a scrape thread)
-        published = CounterMetricFamily("workqueue_published", "Messages published, by topic and result status.",
-                                        labels=["topic", "status"])
+        published = CounterMetricFamily(PUBLISHED.name, PUBLISHED.help, labels=PUBLISHED.labels)
         for labels, count in list(tally.published.items()):
             published.add_metric(list(labels), float(count))
-        processed = CounterMetricFamily("workqueue_processed", "Attempts finished, by subscription and outcome.",
-                                        labels=["subscription", "outcome"])
+        processed = CounterMetricFamily(PROCESSED.name, PROCESSED.help, labels=PROCESSED.labels)
         for labels, count in list(tally.processed.items()):
             processed.add_metric(list(labels), float(count))
-        duration = HistogramMetricFamily("workqueue_process_duration_seconds", "Duration of an attempt (the handler).",
-                                         labels=["subscription"])
+        duration = HistogramMetricFamily(DURATION.name, DURATION.help, labels=DURATION.labels)
         for subscription, durations in list(tally.durations.items()):
             total, counts, cumulative, buckets = durations.total, list(durations.counts), 0, []
             for label, count in zip(_BUCKET_LABELS, counts, strict=True):
                 cumulative += count
                 buckets.append((label, float(cumulative)))
             duration.add_metric([subscription], buckets, total)
-        in_flight = GaugeMetricFamily("workqueue_in_flight", "Attempts running in this process.",
-                                      labels=["subscription"])
+        in_flight = GaugeMetricFamily(IN_FLIGHT.name, IN_FLIGHT.help, labels=IN_FLIGHT.labels)
         for subscription, running in list(tally.in_flight.items()):
             in_flight.add_metric([subscription], float(running))
         return [published, processed, duration, in_flight]
