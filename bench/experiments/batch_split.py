@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Where the time of a batch publish goes: ``queue.publish`` of 500 messages, the preparation alone
+(``PublishRequest`` and ``prepare()``, no database), and a one-table INSERT of 500 rows over arrays
+(``INSERT ... SELECT unnest(...)``, the shape of pgqueuer's batch enqueue) for comparison
+(bench/README.md, "What bounds the remaining targets").
+
+    .venv/bin/python bench/experiments/batch_split.py                 # 3 turns of 20,000 messages
+
+One process, one connection per path, calls of ``--batch`` awaited one after another. Each line
+gives the messages per second, and per message the wall time, the client's CPU
+(``time.process_time``) and the server's CPU (``/proc/<pid>/schedstat`` of the database's
+backends; the server must run on this machine). The database (``--database``, default
+``bench_batch_split``, on ``$BENCH_PG_URL`` or the local server) is dropped and recreated at the
+start; it holds one topic with one subscription, and the one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import asyncpg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.core.envelope import prepare
+
+TOPIC = "split.batch"
+
+
+def server_cpu(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/schedstat") as fh:
+                total += int(fh.read().split()[0])
+        except FileNotFoundError:
+            pass
+    return total / 1e9
+
+
+async def main(args: argparse.Namespace) -> None:
+    base = args.url.rstrip("/")
+    admin = await asyncpg.connect(f"{base}/postgres")
+    await admin.execute(f'DROP DATABASE IF EXISTS "{args.database}"')
+    await admin.execute(f'CREATE DATABASE "{args.database}"')
+    dsn = f"{base}/{args.database}"
+    queue = WorkQueue(WorkQueueSettings(database_url=dsn, enabled=False), topics=[Topic(name=TOPIC)],
+                      subscriptions=[Subscription(name="split-batch", topic=TOPIC, handler_key="split")])
+    await queue.migrate()
+    await queue.open()
+    conn = await asyncpg.connect(dsn)
+    await conn.execute("CREATE TABLE one_table (id bigserial PRIMARY KEY, payload jsonb, entrypoint text, "
+                       "priority int, status text DEFAULT 'queued', created timestamptz DEFAULT now())")
+    await conn.execute("CREATE INDEX ON one_table (priority, id) WHERE status = 'queued'")
+    n, batch = args.messages, args.batch
+
+    async def library() -> None:
+        for start in range(0, n, batch):
+            await queue.publish(TOPIC, [PublishRequest(payload={"i": i}) for i in range(start, start + batch)])
+
+    async def preparation() -> None:
+        for start in range(0, n, batch):
+            [prepare(PublishRequest(payload={"i": i})) for i in range(start, start + batch)]
+
+    async def one_table() -> None:
+        for start in range(0, n, batch):
+            await conn.fetch(
+                "INSERT INTO one_table (payload, entrypoint, priority) "
+                "SELECT unnest($1::jsonb[]), unnest($2::text[]), unnest($3::int[]) RETURNING id",
+                [json.dumps({"i": i}) for i in range(start, start + batch)], ["noop"] * batch, [0] * batch)
+
+    paths: dict[str, Callable[[], Awaitable[None]]] = {
+        "queue.publish": library, "preparation only": preparation, "one-table INSERT": one_table,
+    }
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
+    try:
+        for turn in range(args.turns):
+            for name, path in paths.items():
+                await conn.execute("TRUNCATE workqueue.delivery, workqueue.message, one_table CASCADE")
+                await path()  # warm-up and a table of the same size for every turn
+                await conn.execute("TRUNCATE workqueue.delivery, workqueue.message, one_table CASCADE")
+                pids = [r["pid"] for r in await admin.fetch("SELECT pid FROM pg_stat_activity WHERE datname = $1",
+                                                            args.database)]
+                s0, c0, t0 = server_cpu(pids), time.process_time(), time.perf_counter()
+                await path()
+                wall, client, server = time.perf_counter() - t0, time.process_time() - c0, server_cpu(pids) - s0
+                got = {"msgs_per_s": n / wall, "wall_us": wall / n * 1e6, "client_cpu_us": client / n * 1e6,
+                       "server_cpu_us": server / n * 1e6}
+                results[name].append(got)
+                print(f"turn {turn + 1} {name:17s} " + "  ".join(f"{k} {v:8.1f}" for k, v in got.items()), flush=True)
+    finally:
+        await conn.close()
+        await queue.close()
+        await admin.close()
+    summary = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
+    print(json.dumps({"messages": n, "batch": batch, "turns": args.turns, "medians": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432"),
+                    help="the server, without a database name")
+    ap.add_argument("--database", default="bench_batch_split")
+    ap.add_argument("--messages", type=int, default=20_000)
+    ap.add_argument("--batch", type=int, default=500)
+    ap.add_argument("--turns", type=int, default=3)
+    asyncio.run(main(ap.parse_args()))
