@@ -5,6 +5,7 @@ the whole database until it is flushed), and one NOTIFY of its own names every s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -342,3 +343,29 @@ async def test_wake_ups_sent_together_share_one_notify(pg_url: str, pg_transport
 async def _refusing(error: Exception) -> AsyncIterator[Any]:
     raise error
     yield  # pragma: no cover
+
+
+async def test_a_publish_alone_notifies_in_its_commit_and_concurrent_ones_after_theirs(
+    pg_url: str, pg_transport: PostgresTransport, listening: Heard
+) -> None:
+    """A publish in a transaction of its own, while no other such publish of the process is under
+    way, notifies in its commit: the transport's sender sends nothing, and the consumers hear of it
+    all the same. Publishes under way together go quiet: the sender wakes their consumers after
+    their commits, several in one NOTIFY."""
+    topic, ids = await two_subscriptions(pg_transport)
+    sender = pg_transport._sender
+    assert sender is not None
+    before = sender.sent
+    [result] = await pg_transport.publish(topic, [prepare(PublishRequest(payload=1))])
+    assert result.status == "Accepted"
+    await listening.until(2, ids)
+    await listening.settled(pg_url, pg_transport)
+    assert sender.sent == before
+
+    heard_before = len(listening.ids(ids))
+    answers = await asyncio.gather(*(pg_transport.publish(topic, [prepare(PublishRequest(payload=i))])
+                                     for i in range(20)))
+    assert [a.status for [a] in answers] == ["Accepted"] * 20
+    await listening.settled(pg_url, pg_transport)
+    assert sender.sent > before  # the 19 that were not alone: woken through the sender
+    assert len(listening.ids(ids)) > heard_before

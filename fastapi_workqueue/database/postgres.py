@@ -86,6 +86,8 @@ class PostgresTransport(RoutineTransport):
         self._sender: NotificationSender | None = None
         self._statements: dict[tuple[str, tuple[str, ...]], str] = {}
         self._ends = EndNotices(self._dsn)
+        self._own_publishes = 0
+        """Publishes of one message in a transaction of their own under way (see :meth:`_publish_via`)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -165,13 +167,31 @@ class PostgresTransport(RoutineTransport):
         in the publishing transaction: the subscriptions it names are woken once that transaction
         has committed (:meth:`_wake_after_commit`). Inside a transaction of the transport's own
         (``connection=``, a settle's follow-ups), or of an ``AsyncConnection`` (whose commit event
-        comes before the commit), ``publish_one`` notifies in the transaction as before."""
+        comes before the commit), ``publish_one`` notifies in the transaction as before. So does a
+        publish in a transaction of its own while no other such publish of this process is under
+        way: its commit has no commit of ours to hold up, and the consumers hear of it at the commit
+        itself, without a second round trip on a second connection (docs/design/publish-paths.md)."""
         if len(messages) != 1 or messages[0].deduplication_key is not None:
             return await super()._publish_via(topic, messages, **via)
         m = messages[0]
         session = via.get("session")
-        quiet = via.get("connection") is None and (session is None or wakes_after_commit(session))
-        rows = await self.call(
+        own = session is None and via.get("connection") is None  # a transaction of its own
+        quiet = (own and self._own_publishes > 0) or (session is not None and wakes_after_commit(session))
+        self._own_publishes += own
+        try:
+            rows = await self._publish_one(topic, m, quiet, via)
+        finally:
+            self._own_publishes -= own
+        if not rows:  # no rows: Accepted (and, from publish_one_quiet, nobody to wake)
+            return [accepted(m)]
+        row = rows[0]
+        if quiet and row["wake_subscriptions"] is not None:
+            self._wake_after_commit(session, row["wake_subscriptions"])
+            return [accepted(m)]
+        return [publish_result(row, m)]
+
+    async def _publish_one(self, topic: str, m: PreparedMessage, quiet: bool, via: dict[str, Any]) -> Sequence[Row]:
+        return await self.call(
             "publish_one_quiet" if quiet else "publish_one",
             **via,
             p_topic=topic,
@@ -189,13 +209,6 @@ class PostgresTransport(RoutineTransport):
             p_envelope_bytes=m.envelope_bytes,
             p_priority=m.priority or None,
         )
-        if not rows:  # no rows: Accepted (and, from publish_one_quiet, nobody to wake)
-            return [accepted(m)]
-        row = rows[0]
-        if quiet and row["wake_subscriptions"] is not None:
-            self._wake_after_commit(session, row["wake_subscriptions"])
-            return [accepted(m)]
-        return [publish_result(row, m)]
 
     def _wake_after_commit(self, session: Any, subscription_ids: Sequence[int]) -> None:
         """NOTIFY ``subscription_ids`` once ``session``'s transaction commits, or now when the

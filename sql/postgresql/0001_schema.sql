@@ -1367,7 +1367,8 @@ $$;
 
 -- publish_one_quiet with the NOTIFY in the caller's transaction, and publish's answers (no rows when
 -- Accepted): what the transport calls inside a transaction whose commit it cannot wait for (a
--- settle's follow-ups, a caller's AsyncConnection).
+-- settle's follow-ups, a caller's AsyncConnection), and for a publish in a transaction of its own
+-- while no other such publish of the process is under way (docs/design/publish-paths.md).
 CREATE OR REPLACE FUNCTION workqueue.publish_one(
     p_topic text,
     p_message_id uuid,
