@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -30,29 +29,16 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from probe_support import add_database_options, backends, fresh_database, server_cpu
+
 from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.core.envelope import prepare
 
 TOPIC = "split.batch"
 
 
-def server_cpu(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/schedstat") as fh:
-                total += int(fh.read().split()[0])
-        except FileNotFoundError:
-            pass
-    return total / 1e9
-
-
 async def main(args: argparse.Namespace) -> None:
-    base = args.url.rstrip("/")
-    admin = await asyncpg.connect(f"{base}/postgres")
-    await admin.execute(f'DROP DATABASE IF EXISTS "{args.database}"')
-    await admin.execute(f'CREATE DATABASE "{args.database}"')
-    dsn = f"{base}/{args.database}"
+    admin, dsn = await fresh_database(args.url, args.database)
     queue = WorkQueue(WorkQueueSettings(database_url=dsn, enabled=False), topics=[Topic(name=TOPIC)],
                       subscriptions=[Subscription(name="split-batch", topic=TOPIC, handler_key="split")])
     await queue.migrate()
@@ -88,8 +74,7 @@ async def main(args: argparse.Namespace) -> None:
                 await conn.execute("TRUNCATE workqueue.delivery, workqueue.message, one_table CASCADE")
                 await path()  # warm-up and a table of the same size for every turn
                 await conn.execute("TRUNCATE workqueue.delivery, workqueue.message, one_table CASCADE")
-                pids = [r["pid"] for r in await admin.fetch("SELECT pid FROM pg_stat_activity WHERE datname = $1",
-                                                            args.database)]
+                pids = await backends(admin, args.database)
                 s0, c0, t0 = server_cpu(pids), time.process_time(), time.perf_counter()
                 await path()
                 wall, client, server = time.perf_counter() - t0, time.process_time() - c0, server_cpu(pids) - s0
@@ -107,9 +92,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432"),
-                    help="the server, without a database name")
-    ap.add_argument("--database", default="bench_batch_split")
+    add_database_options(ap, "bench_batch_split")
     ap.add_argument("--messages", type=int, default=20_000)
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--turns", type=int, default=3)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -30,22 +29,13 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from probe_support import add_database_options, backends, fresh_database, server_cpu
+
 from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.core.transport import Settlement
 
 MODES = ("None", "Exclusive", "Ordered")
 FUNCTIONS = ("claim", "settle", "release_keys")
-
-
-def server_cpu(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/schedstat") as fh:
-                total += int(fh.read().split()[0])
-        except FileNotFoundError:
-            pass
-    return total / 1e9
 
 
 async def function_ms(queue: WorkQueue, conn: asyncpg.Connection) -> dict[str, float]:
@@ -65,7 +55,7 @@ async def one_turn(queue: WorkQueue, admin: asyncpg.Connection, conn: asyncpg.Co
         await queue.publish(f"cost.{mode.lower()}", [PublishRequest(payload={"i": i}, partition_key=f"key-{i % 500}")
                                                      for i in range(start, min(deliveries, start + 500))])
     await conn.execute("ANALYZE workqueue.delivery, workqueue.partition")
-    pids = [r["pid"] for r in await admin.fetch("SELECT pid FROM pg_stat_activity WHERE datname = $1", database)]
+    pids = await backends(admin, database)
     before = await function_ms(queue, conn)
     s0, t0 = server_cpu(pids), time.perf_counter()
     done = 0
@@ -85,12 +75,8 @@ async def one_turn(queue: WorkQueue, admin: asyncpg.Connection, conn: asyncpg.Co
 
 
 async def main(args: argparse.Namespace) -> None:
-    base = args.url.rstrip("/")
-    admin = await asyncpg.connect(f"{base}/postgres")
-    await admin.execute(f'DROP DATABASE IF EXISTS "{args.database}"')
-    await admin.execute(f'CREATE DATABASE "{args.database}"')
+    admin, dsn = await fresh_database(args.url, args.database)
     await admin.execute(f"ALTER DATABASE \"{args.database}\" SET track_functions = 'all'")
-    dsn = f"{base}/{args.database}"
     queue = WorkQueue(
         WorkQueueSettings(database_url=dsn, enabled=False),
         topics=[Topic(name=f"cost.{m.lower()}") for m in MODES],
@@ -118,9 +104,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432"),
-                    help="the server, without a database name")
-    ap.add_argument("--database", default="bench_keyed_cost")
+    add_database_options(ap, "bench_keyed_cost")
     ap.add_argument("--deliveries", type=int, default=8000)
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--turns", type=int, default=3)

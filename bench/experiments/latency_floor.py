@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -26,6 +25,8 @@ from typing import Any
 import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from probe_support import add_database_options, fresh_database
 
 from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue, WorkQueueSettings
 
@@ -49,12 +50,8 @@ async def timed(call: Callable[[], Awaitable[Any]], count: int, spacing: float) 
 
 
 async def main(args: argparse.Namespace) -> None:
-    base = args.url.rstrip("/")
-    admin = await asyncpg.connect(f"{base}/postgres")
-    await admin.execute(f'DROP DATABASE IF EXISTS "{args.database}"')
-    await admin.execute(f'CREATE DATABASE "{args.database}"')
+    admin, dsn = await fresh_database(args.url, args.database)
     await admin.close()
-    dsn = f"{base}/{args.database}"
     queue = WorkQueue(WorkQueueSettings(database_url=dsn, enabled=False), topics=[Topic(name="floor.none")],
                       subscriptions=[Subscription(name="floor-none", topic="floor.none", handler_key="floor")])
     await queue.migrate()
@@ -80,9 +77,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432"),
-                    help="the server, without a database name")
-    ap.add_argument("--database", default="bench_latency_floor")
+    add_database_options(ap, "bench_latency_floor")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--spacing", type=float, default=0.020)
     asyncio.run(main(ap.parse_args()))

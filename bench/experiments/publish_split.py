@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -32,6 +31,8 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from probe_support import add_database_options, backends, fresh_database, server_cpu
+
 from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue, WorkQueueSettings
 
 TOPIC = "split.none"
@@ -41,23 +42,6 @@ RAW_PUBLISH = (
     "p_content_hash => $4, p_delay => NULL, p_not_before => NULL, p_max_attempts => NULL, "
     "p_backoff_schedule => NULL, p_envelope_bytes => 40)"
 )
-
-
-def server_cpu(pids: list[int]) -> float:
-    """Seconds on CPU of these backends so far (0 for one that has gone)."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/schedstat") as fh:
-                total += int(fh.read().split()[0])
-        except FileNotFoundError:
-            pass
-    return total / 1e9
-
-
-async def backends(admin: asyncpg.Connection, database: str) -> list[int]:
-    rows = await admin.fetch("SELECT pid FROM pg_stat_activity WHERE datname = $1", database)
-    return [r["pid"] for r in rows]
 
 
 async def measure(admin: asyncpg.Connection, database: str, calls: int,
@@ -73,11 +57,7 @@ async def measure(admin: asyncpg.Connection, database: str, calls: int,
 
 
 async def main(args: argparse.Namespace) -> None:
-    base = args.url.rstrip("/")
-    admin = await asyncpg.connect(f"{base}/postgres")
-    await admin.execute(f'DROP DATABASE IF EXISTS "{args.database}"')
-    await admin.execute(f'CREATE DATABASE "{args.database}"')
-    dsn = f"{base}/{args.database}"
+    admin, dsn = await fresh_database(args.url, args.database)
     queue = WorkQueue(WorkQueueSettings(database_url=dsn, enabled=False), topics=[Topic(name=TOPIC)],
                       subscriptions=[Subscription(name="split-none", topic=TOPIC, handler_key="split.none")])
     await queue.migrate()
@@ -111,9 +91,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432"),
-                    help="the server, without a database name")
-    ap.add_argument("--database", default="bench_publish_split")
+    add_database_options(ap, "bench_publish_split")
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--turns", type=int, default=3)
     asyncio.run(main(ap.parse_args()))

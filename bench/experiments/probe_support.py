@@ -1,0 +1,44 @@
+"""What the probes of this folder share: a database of their own, its backends and their CPU."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import asyncpg
+
+
+def add_database_options(ap: argparse.ArgumentParser, database: str) -> None:
+    """``--url`` (the server, ``$BENCH_PG_URL`` or the local one) and ``--database`` (``database``)."""
+    ap.add_argument("--url", default=os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432"),
+                    help="the server, without a database name")
+    ap.add_argument("--database", default=database)
+
+
+async def fresh_database(url: str, database: str) -> tuple[asyncpg.Connection, str]:
+    """Drops and creates ``database`` on the server at ``url``; returns a connection to the
+    server's ``postgres`` database (the caller closes it) and the new database's URL."""
+    base = url.rstrip("/")
+    admin = await asyncpg.connect(f"{base}/postgres")
+    await admin.execute(f'DROP DATABASE IF EXISTS "{database}"')
+    await admin.execute(f'CREATE DATABASE "{database}"')
+    return admin, f"{base}/{database}"
+
+
+async def backends(admin: asyncpg.Connection, database: str) -> list[int]:
+    """The process ids of the database's backends now."""
+    rows = await admin.fetch("SELECT pid FROM pg_stat_activity WHERE datname = $1", database)
+    return [r["pid"] for r in rows]
+
+
+def server_cpu(pids: list[int]) -> float:
+    """Seconds on CPU of these backends so far (0 for one that has gone); the server must run on
+    this machine (``/proc/<pid>/schedstat``)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/schedstat") as fh:
+                total += int(fh.read().split()[0])
+        except FileNotFoundError:
+            pass
+    return total / 1e9
