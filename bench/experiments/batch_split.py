@@ -29,9 +29,9 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from probe_support import add_database_options, backends, fresh_database, server_cpu
+from probe_support import add_database_options, backends, fresh_database, one_topic_queue, server_cpu
 
-from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue, WorkQueueSettings
+from fastapi_workqueue import PublishRequest
 from fastapi_workqueue.core.envelope import prepare
 
 TOPIC = "split.batch"
@@ -39,10 +39,7 @@ TOPIC = "split.batch"
 
 async def main(args: argparse.Namespace) -> None:
     admin, dsn = await fresh_database(args.url, args.database)
-    queue = WorkQueue(WorkQueueSettings(database_url=dsn, enabled=False), topics=[Topic(name=TOPIC)],
-                      subscriptions=[Subscription(name="split-batch", topic=TOPIC, handler_key="split")])
-    await queue.migrate()
-    await queue.open()
+    queue = await one_topic_queue(dsn, TOPIC, "split-batch")
     conn = await asyncpg.connect(dsn)
     await conn.execute("CREATE TABLE one_table (id bigserial PRIMARY KEY, payload jsonb, entrypoint text, "
                        "priority int, status text DEFAULT 'queued', created timestamptz DEFAULT now())")

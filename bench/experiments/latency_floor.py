@@ -26,9 +26,9 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from probe_support import add_database_options, fresh_database
+from probe_support import add_database_options, fresh_database, one_topic_queue
 
-from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue, WorkQueueSettings
+from fastapi_workqueue import PublishRequest
 
 
 def pct(values: list[float], p: float) -> float:
@@ -52,10 +52,7 @@ async def timed(call: Callable[[], Awaitable[Any]], count: int, spacing: float) 
 async def main(args: argparse.Namespace) -> None:
     admin, dsn = await fresh_database(args.url, args.database)
     await admin.close()
-    queue = WorkQueue(WorkQueueSettings(database_url=dsn, enabled=False), topics=[Topic(name="floor.none")],
-                      subscriptions=[Subscription(name="floor-none", topic="floor.none", handler_key="floor")])
-    await queue.migrate()
-    await queue.open()
+    queue = await one_topic_queue(dsn, "floor.none", "floor-none")
     conn = await asyncpg.connect(dsn)
     await conn.execute("CREATE TABLE plain (id bigserial PRIMARY KEY, payload jsonb, "
                        "created_at timestamptz DEFAULT now())")

@@ -7,6 +7,8 @@ import os
 
 import asyncpg
 
+from fastapi_workqueue import Subscription, Topic, WorkQueue, WorkQueueSettings
+
 
 def add_database_options(ap: argparse.ArgumentParser, database: str) -> None:
     """``--url`` (the server, ``$BENCH_PG_URL`` or the local one) and ``--database`` (``database``)."""
@@ -23,6 +25,16 @@ async def fresh_database(url: str, database: str) -> tuple[asyncpg.Connection, s
     await admin.execute(f'DROP DATABASE IF EXISTS "{database}"')
     await admin.execute(f'CREATE DATABASE "{database}"')
     return admin, f"{base}/{database}"
+
+
+async def one_topic_queue(dsn: str, topic: str, subscription: str) -> WorkQueue:
+    """A queue on ``dsn`` with ``topic`` and one subscription of it (no host), migrated and open;
+    the caller closes it."""
+    queue = WorkQueue(WorkQueueSettings(database_url=dsn, enabled=False), topics=[Topic(name=topic)],
+                      subscriptions=[Subscription(name=subscription, topic=topic, handler_key=subscription)])
+    await queue.migrate()
+    await queue.open()
+    return queue
 
 
 async def backends(admin: asyncpg.Connection, database: str) -> list[int]:

@@ -31,9 +31,9 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from probe_support import add_database_options, backends, fresh_database, server_cpu
+from probe_support import add_database_options, backends, fresh_database, one_topic_queue, server_cpu
 
-from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue, WorkQueueSettings
+from fastapi_workqueue import PublishRequest
 
 TOPIC = "split.none"
 RAW_PUBLISH = (
@@ -58,10 +58,7 @@ async def measure(admin: asyncpg.Connection, database: str, calls: int,
 
 async def main(args: argparse.Namespace) -> None:
     admin, dsn = await fresh_database(args.url, args.database)
-    queue = WorkQueue(WorkQueueSettings(database_url=dsn, enabled=False), topics=[Topic(name=TOPIC)],
-                      subscriptions=[Subscription(name="split-none", topic=TOPIC, handler_key="split.none")])
-    await queue.migrate()
-    await queue.open()
+    queue = await one_topic_queue(dsn, TOPIC, "split-none")
     conn = await asyncpg.connect(dsn)
     await conn.execute("CREATE TABLE plain (id bigserial PRIMARY KEY, payload jsonb, "
                        "created_at timestamptz DEFAULT now())")
