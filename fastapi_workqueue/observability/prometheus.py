@@ -191,8 +191,7 @@ _BUCKET_LABELS: list[str] = [*(floatToGoString(b) for b in semconv.DURATION_BUCK
 
 class TallyCollector(Collector):
     """The counters, histogram and gauge of :class:`WorkQueueMetrics` (the same names, help and
-    labels), read from a
-    :class:`.tally.ProcessTally` when the registry is collected."""
+    labels), read from a :class:`.tally.ProcessTally` when the registry is collected."""
 
     def __init__(self, tally: ProcessTally) -> None:
         self.tally = tally
