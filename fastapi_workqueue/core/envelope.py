@@ -195,6 +195,12 @@ class RequestRejected(Exception):
     def __init__(self, code: str, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.error = PublishError(code=code, message=message, field=field)
+        self.message_id: uuid.UUID | None = None
+        """The MessageID the refused request gave, when its result should name it."""
+
+    def result(self) -> PublishResult:
+        """The request's answer: Rejected, with this error."""
+        return PublishResult(status=PublishStatus.REJECTED, message_id=self.message_id, error=self.error)
 
 
 def _text_field(name: str, value: str | None, limit: int = MAX_KEY_LENGTH) -> None:

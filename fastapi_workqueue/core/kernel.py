@@ -27,10 +27,8 @@ from pydantic import ValidationError
 from .envelope import (
     MAX_ENVELOPE_BYTES,
     PreparedMessage,
-    PublishError,
     PublishRequest,
     PublishResult,
-    PublishStatus,
     RequestRejected,
     WorkMessage,
     aborted_results,
@@ -294,29 +292,35 @@ class Kernel:
         """Publishes ``requests`` to ``topic``, one result per request (``WorkQueue.publish``)."""
         cap = self.envelope_cap(topic)
         attempts = self.settings.max_message_attempts
-        prepared: list[PreparedMessage] = []
-        failures: dict[int, PublishResult] = {}
-        for index, raw in enumerate(requests):
+
+        def make(index: int) -> PreparedMessage:
+            raw = requests[index]
             try:
                 request = raw if isinstance(raw, PublishRequest) else PublishRequest.model_validate(raw)
-                prepared.append(prepare(request, max_envelope_bytes=cap, max_attempts=attempts))
-            except RequestRejected as exc:
-                failures[index] = PublishResult(
-                    status=PublishStatus.REJECTED,
-                    message_id=getattr(raw, "message_id", None),
-                    error=exc.error,
-                )
             except ValidationError as exc:
-                first = exc.errors()[0]
-                failures[index] = PublishResult(
-                    status=PublishStatus.REJECTED,
-                    error=PublishError(
-                        code="InvalidRequest",
-                        message=f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}",
-                        field=str(first["loc"][0]) if first["loc"] else None,
-                    ),
-                )
-        return await self.publish_prepared(topic, len(requests), prepared, failures, session=session)
+                raise _invalid_request(exc) from exc
+            try:
+                return prepare(request, max_envelope_bytes=cap, max_attempts=attempts)
+            except RequestRejected as exc:
+                exc.message_id = getattr(raw, "message_id", None)
+                raise
+
+        return await self.publish_each(topic, len(requests), make, session=session)
+
+    async def publish_each(
+        self, topic: str, count: int, make: Callable[[int], PreparedMessage], *, session: Any = None
+    ) -> PublishResults:
+        """Publishes ``count`` messages to ``topic``: ``make(index)`` prepares the one at ``index``,
+        or raises :class:`RequestRejected` to refuse it (then none is published). For layers that
+        prepare their messages themselves (the jobs layer)."""
+        prepared: list[PreparedMessage] = []
+        failures: dict[int, PublishResult] = {}
+        for index in range(count):
+            try:
+                prepared.append(make(index))
+            except RequestRejected as exc:
+                failures[index] = exc.result()
+        return await self.publish_prepared(topic, count, prepared, failures, session=session)
 
     async def publish_prepared(
         self, topic: str, count: int, prepared: list[PreparedMessage], failures: dict[int, PublishResult], *,
@@ -408,6 +412,13 @@ class Kernel:
         subscriptions = self.host.health()
         degraded = any(s.state == "Error" for s in subscriptions)
         return ExtensionHealth(status="Degraded" if degraded else "Running", subscriptions=subscriptions)
+
+
+def _invalid_request(exc: ValidationError) -> RequestRejected:
+    """A request that is not a :class:`PublishRequest`, refused with its first error."""
+    first = exc.errors()[0]
+    return RequestRejected("InvalidRequest", f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}",
+                           str(first["loc"][0]) if first["loc"] else None)
 
 
 def _checked(topic: str, results: list[PublishResult]) -> PublishResults:

@@ -23,7 +23,6 @@ from ..core.envelope import (
     PublishRequest,
     PublishResult,
     PublishStatus,
-    RequestRejected,
     prepare,
     prepare_parts,
     uuid7,
@@ -441,16 +440,14 @@ class Jobs:
                     unique_until: UniqueUntil = "done", ttl: float | None = None) -> list[PublishResult]:
         """Publishes checked jobs to ``topic`` as ``queue.publish`` of their requests would."""
         cap = self.kernel.envelope_cap(topic)
-        prepared: list[PreparedMessage] = []
-        failures: dict[int, PublishResult] = {}
         message = self.message
-        for index, (job, _, _, payload, encrypted, delay, priority) in enumerate(entries):
-            try:
-                prepared.append(message(job, payload, encrypted, delay=delay, unique=unique, unique_until=unique_until,
-                                        ttl=ttl, max_envelope_bytes=cap, priority=priority))
-            except RequestRejected as exc:
-                failures[index] = PublishResult(status=PublishStatus.REJECTED, error=exc.error)
-        return await self.kernel.publish_prepared(topic, len(entries), prepared, failures, session=session)
+
+        def make(index: int) -> PreparedMessage:
+            job, _, _, payload, encrypted, delay, priority = entries[index]
+            return message(job, payload, encrypted, delay=delay, unique=unique, unique_until=unique_until,
+                           ttl=ttl, max_envelope_bytes=cap, priority=priority)
+
+        return await self.kernel.publish_each(topic, len(entries), make, session=session)
 
     def next_request(self, envelope: JobEnvelope) -> tuple[str, PublishRequest] | None:
         """The next job of a chain (queue, request), carrying the rest of the chain."""
