@@ -263,3 +263,57 @@ async def test_an_attempts_objects_are_freed_without_the_cycle_collector(pg_url:
         logging.disable(logging.NOTSET)
         gc.enable()
         await transport.close()
+
+
+async def test_a_consumer_claims_ahead_again_before_what_it_claimed_ahead_runs_out(pg_url: str) -> None:
+    """With deliveries claimed ahead (prefetch), the next claim goes out once half of them have
+    started, so that its round trip overlaps the rest; the consumer never holds more than
+    concurrency + prefetch."""
+    topic, name = unique("ahead"), unique("ahead-sub")
+    transport = PostgresTransport(pg_url)
+    registry = HandlerRegistry()
+    gate = asyncio.Semaphore(0)
+    finished = 0
+
+    async def handle(message: WorkMessage[Any]) -> None:
+        nonlocal finished
+        await gate.acquire()
+        finished += 1
+
+    registry.add("h", handle)
+    await transport.open()
+    try:
+        await transport.sync_topology([Topic(name=topic)], [Subscription(name=name, topic=topic, handler_key="h")])
+        [state] = [s for s in await transport.list_subscriptions() if s.name == name]
+        await transport.publish(topic, [prepare(PublishRequest(payload=i)) for i in range(40)])
+        settler = Settler(transport)
+        consumer = Consumer(transport, settler, state, registry.get, call_plain, concurrency=2, prefetch=8)
+        most = 0
+
+        def sample(value: Any) -> Any:
+            nonlocal most
+            most = max(most, consumer.held)
+            return value
+
+        consumer.start()
+        try:
+            await wait_for(lambda: sample(consumer.claimed_total == 10), interval=0.005)
+            gate.release()
+            gate.release()
+            gate.release()  # three started from the buffer: seven held, more than 2 + 8 // 2
+            await wait_for(lambda: sample(finished == 3), interval=0.005)
+            await asyncio.sleep(0.2)
+            assert sample(consumer.claimed_total) == 10  # no claim yet: half of the prefetch is still held
+            gate.release()  # the fourth: six held, and the claim ahead goes out
+            await wait_for(lambda: sample(consumer.claimed_total > 10), interval=0.005,
+                           describe=lambda: (consumer.claimed_total, consumer.held))
+            for _ in range(40):
+                gate.release()
+            await wait_for(lambda: sample(finished == 40), interval=0.005)
+        finally:
+            await consumer.stop(1)
+            await settler.close()
+        assert most <= 2 + 8  # never more than concurrency + prefetch held
+        assert consumer.claimed_total == 40
+    finally:
+        await transport.close()

@@ -357,8 +357,11 @@ class Consumer:
             else:
                 prefetch = self._prefetch_target()
             free = concurrency + prefetch - len(self._held)
-            if prefetch and len(self._held) > concurrency:
-                free = 0  # claim ahead again once what was claimed ahead is running
+            if prefetch and len(self._held) > concurrency + prefetch // 2:
+                # Claim ahead again once half of what was claimed ahead has started: the claim's
+                # round trip overlaps the other half, so fast handlers never wait for the store
+                # (the next claim tops the consumer up to concurrency + prefetch, never more).
+                free = 0
             if self.max_deliveries is not None:
                 budget = self.max_deliveries - self.claimed_total
                 if budget <= 0:
@@ -481,9 +484,9 @@ class Consumer:
         """How many deliveries to claim ahead of free slots.
 
         While handlers are short (under ``PREFETCH_BELOW_SECONDS`` on average), the runtime claims
-        ahead what the running handlers will finish within one claim round trip, so a fast
-        handler never waits for the store. Slow handlers get nothing ahead: work stays claimable
-        by other processes.
+        ahead what the running handlers will finish within one claim round trip, and claims again
+        once half of it has started, so a fast handler never waits for the store. Slow handlers
+        get nothing ahead: work stays claimable by other processes.
         """
         if self.prefetch is not None:
             return self.prefetch
