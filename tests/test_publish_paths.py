@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import asyncpg
+import pytest
 
 from fastapi_workqueue import PublishRequest, Subscription, Topic
 from fastapi_workqueue.core.envelope import prepare
@@ -148,3 +149,47 @@ async def test_one_message_answers_as_publish_does_when_it_is_not_plain(pg_trans
     [state] = [s for s in await pg_transport.list_subscriptions() if s.topic == keyed]
     [claimed] = await pg_transport.claim(state.name, 5)
     assert claimed.message_id == ordered.message_id and claimed.partition_key == "k"
+
+
+async def test_a_batch_whose_items_share_their_attributes_stores_them_on_every_item(
+    pg_transport: PostgresTransport, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call whose items all carry the same attributes (a job's name) sends them once (an array
+    of one); each item is stored, filtered and answered as when they go one per item, on the plain
+    path and on the path with deduplication keys."""
+    sent: list[tuple[int, int]] = []  # (messages, attributes) of each call of publish
+    call = pg_transport.call
+
+    async def recording(routine: str, **params: Any) -> Any:
+        if routine == "publish":
+            sent.append((len(params["p_message_ids"]), len(params["p_attributes"] or ())))
+        return await call(routine, **params)
+
+    monkeypatch.setattr(pg_transport, "call", recording)
+
+    def batches(kind: str) -> list[list[PublishRequest]]:
+        attributes = {"kind": kind}
+        return [
+            [PublishRequest(payload={"n": 0, "k": kind}, attributes=attributes),
+             PublishRequest(payload={"n": 1, "k": kind}, attributes=attributes, delay_seconds=30),
+             PublishRequest(payload={"n": 2, "k": kind}, attributes=attributes, max_attempts=7)],
+            [PublishRequest(payload={"n": 3, "k": kind}, attributes=attributes, deduplication_key=f"d-{kind}"),
+             PublishRequest(payload={"n": 4, "k": kind}, attributes=attributes, correlation_id="c-1")],
+        ]
+
+    shared_topic, shared_names = await topology(pg_transport)
+    single_topic, single_names = await topology(pg_transport)
+    for kind in ("a", "b"):
+        for batch in batches(kind):
+            results = await pg_transport.publish(shared_topic, [prepare(r) for r in batch])
+            assert [r.status for r in results] == ["Accepted"] * len(batch)
+            for request in batch:
+                [result] = await RoutineTransport.publish(pg_transport, single_topic, [prepare(request)])
+                assert result.status == "Accepted", result
+
+    assert sorted({pair for pair in sent if pair[0] > 1}) == [(2, 1), (3, 1)]
+    shared = await stored(pg_transport, shared_topic, shared_names)
+    assert shared == await stored(pg_transport, single_topic, single_names)
+    assert len(shared) == 10 + 5 + 10  # "all" and "tight" get every item, "only-a" those of kind a
+    assert {row[-1] for row in shared if row[1] == "a"} == {'{"kind": "a"}'}
+    assert {row[-1] for row in shared} == {'{"kind": "a"}', '{"kind": "b"}'}

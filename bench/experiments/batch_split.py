@@ -5,6 +5,7 @@
 (bench/README.md, "What bounds the remaining targets").
 
     .venv/bin/python bench/experiments/batch_split.py                 # 3 turns of 20,000 messages
+    .venv/bin/python bench/experiments/batch_split.py --attributes    # each message with one attribute, as a job
 
 One process, one connection per path, calls of ``--batch`` awaited one after another. Each line
 gives the messages per second, and per message the wall time, the client's CPU
@@ -46,13 +47,16 @@ async def main(args: argparse.Namespace) -> None:
     await conn.execute("CREATE INDEX ON one_table (priority, id) WHERE status = 'queued'")
     n, batch = args.messages, args.batch
 
+    attributes = {"job": "bench.noop"} if args.attributes else {}
+
     async def library() -> None:
         for start in range(0, n, batch):
-            await queue.publish(TOPIC, [PublishRequest(payload={"i": i}) for i in range(start, start + batch)])
+            await queue.publish(TOPIC, [PublishRequest(payload={"i": i}, attributes=attributes)
+                                        for i in range(start, start + batch)])
 
     async def preparation() -> None:
         for start in range(0, n, batch):
-            [prepare(PublishRequest(payload={"i": i})) for i in range(start, start + batch)]
+            [prepare(PublishRequest(payload={"i": i}, attributes=attributes)) for i in range(start, start + batch)]
 
     async def one_table() -> None:
         for start in range(0, n, batch):
@@ -93,4 +97,6 @@ if __name__ == "__main__":
     ap.add_argument("--messages", type=int, default=20_000)
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--attributes", action="store_true",
+                    help="every message carries the same attribute (job=bench.noop), as a job does")
     asyncio.run(main(ap.parse_args()))

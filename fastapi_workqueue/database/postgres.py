@@ -55,6 +55,7 @@ class PostgresTransport(RoutineTransport):
     name = "postgresql"
     dialect = "postgresql"
     empty_attributes = None  # the publish routine stores a missing value as '{}'
+    shares_attributes = True
     capabilities = Capabilities(
         ordered=True,
         exclusive=True,

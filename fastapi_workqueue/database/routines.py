@@ -99,6 +99,9 @@ class RoutineTransport:
     #: What publish sends as the attributes of a message without any: the stored form, or None
     #: where the routine reads a missing value as ``{}`` (it then need not parse one per item).
     empty_attributes: str | None = "{}"
+    #: True where publish reads attributes given once (an array of one) as every item's: a call
+    #: whose items all carry the same ones sends them once instead of once per item.
+    shares_attributes = False
 
     def __init__(self, *, rng: RandomSource | None = None, clock: Clock | None = None) -> None:
         """``rng`` draws the full-jitter fraction of each retry's backoff (one per settled item):
@@ -236,6 +239,9 @@ class RoutineTransport:
              backoff_schedule_json(m), m.envelope_bytes, m.priority or None)
             for m in messages
         ], strict=True))
+        if self.shares_attributes and len(attributes) > 1 and attributes[0] is not None \
+                and attributes.count(attributes[0]) == len(attributes):
+            attributes = attributes[:1]  # every item carries the same ones (a job's name): sent once
         rows = list(await self.call(
             "publish",
             **via,

@@ -806,6 +806,11 @@ BEGIN
     IF v_n = 0 THEN
         RETURN;
     END IF;
+    IF v_n > 1 AND cardinality(p_attributes) = 1 THEN
+        -- Attributes given once are every item's: a call whose items all carry the same ones (a
+        -- job's name) sends and parses them once.
+        p_attributes := array_fill(p_attributes[1], ARRAY[v_n]);
+    END IF;
     IF v_n = 1 AND p_deduplication_keys IS NULL THEN  -- plain expressions: no query to decide
         -- One message, the most common call: two plain statements, which cost less to run than
         -- one with data-modifying CTEs. The message INSERT carries the guard (the topic exists and
