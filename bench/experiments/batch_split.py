@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -30,7 +29,7 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from probe_support import add_database_options, backends, fresh_database, one_topic_queue, server_cpu
+from probe_support import add_database_options, backends, figures, fresh_database, medians, one_topic_queue, server_cpu
 
 from fastapi_workqueue import PublishRequest
 from fastapi_workqueue.core.envelope import prepare
@@ -82,13 +81,12 @@ async def main(args: argparse.Namespace) -> None:
                 got = {"msgs_per_s": n / wall, "wall_us": wall / n * 1e6, "client_cpu_us": client / n * 1e6,
                        "server_cpu_us": server / n * 1e6}
                 results[name].append(got)
-                print(f"turn {turn + 1} {name:17s} " + "  ".join(f"{k} {v:8.1f}" for k, v in got.items()), flush=True)
+                print(f"turn {turn + 1} {name:17s} {figures(got)}", flush=True)
     finally:
         await conn.close()
         await queue.close()
         await admin.close()
-    summary = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
-    print(json.dumps({"messages": n, "batch": batch, "turns": args.turns, "medians": summary}, indent=2))
+    print(json.dumps({"messages": n, "batch": batch, "turns": args.turns, "medians": medians(results)}, indent=2))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from probe_support import add_database_options, backends, fresh_database, server_cpu
+from probe_support import add_database_options, backends, figures, fresh_database, medians, server_cpu
 
 from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.core.transport import Settlement
@@ -92,14 +91,14 @@ async def main(args: argparse.Namespace) -> None:
             for mode in MODES:
                 got = await one_turn(queue, admin, conn, args.database, mode, args.deliveries, args.limit)
                 runs[mode].append(got)
-                print(f"turn {turn + 1} {mode:9s} " + "  ".join(f"{k} {v:6.1f}" for k, v in got.items()), flush=True)
+                print(f"turn {turn + 1} {mode:9s} {figures(got)}", flush=True)
     finally:
         await conn.close()
         await queue.close()
         await admin.close()
     print(f"medians of {args.turns} turns, µs per delivery, claims of {args.limit}:")
-    for mode, got in runs.items():
-        print(f"  {mode:9s} " + "  ".join(f"{k} {statistics.median(r[k] for r in got):6.1f}" for k in got[0]))
+    for mode, got in medians(runs).items():
+        print(f"  {mode:9s} {figures(got)}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+from collections.abc import Mapping, Sequence
 
 import asyncpg
 
@@ -54,3 +56,14 @@ def server_cpu(pids: list[int]) -> float:
         except FileNotFoundError:
             pass
     return total / 1e9
+
+
+def figures(values: Mapping[str, float], digits: int = 1) -> str:
+    """A turn's (or the medians') figures on one line: ``name value``, two spaces apart."""
+    return "  ".join(f"{name} {value:{digits + 7}.{digits}f}" for name, value in values.items())
+
+
+def medians(results: Mapping[str, Sequence[Mapping[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each path's median of each of its figures over its turns."""
+    return {path: {name: statistics.median(turn[name] for turn in turns) for name in turns[0]}
+            for path, turns in results.items()}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import time
 import uuid
@@ -31,7 +30,7 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from probe_support import add_database_options, backends, fresh_database, one_topic_queue, server_cpu
+from probe_support import add_database_options, backends, figures, fresh_database, medians, one_topic_queue, server_cpu
 
 from fastapi_workqueue import PublishRequest
 
@@ -77,12 +76,12 @@ async def main(args: argparse.Namespace) -> None:
                 await conn.execute("TRUNCATE workqueue.delivery, workqueue.message, plain RESTART IDENTITY CASCADE")
                 got = await measure(admin, args.database, args.calls, paths[name])
                 results[name].append(got)
-                print(f"turn {turn + 1} {name:28s} " + "  ".join(f"{k} {v:7.1f}" for k, v in got.items()), flush=True)
+                print(f"turn {turn + 1} {name:28s} {figures(got)}", flush=True)
     finally:
         await conn.close()
         await queue.close()
         await admin.close()
-    summary = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
+    summary = medians(results)
     print(json.dumps({"calls": args.calls, "turns": args.turns, "medians": summary}, indent=2))
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from probe_support import add_database_options, fresh_database, one_topic_queue, server_cpu
+from probe_support import add_database_options, figures, fresh_database, medians, one_topic_queue, server_cpu
 
 TOPIC = "split.sql"
 HASH = "'" + "ab" * 32 + "'"
@@ -158,13 +157,13 @@ async def main(args: argparse.Namespace) -> None:
                     await conn.execute("DROP INDEX IF EXISTS workqueue.message_job")
                 got = await measure(admin, dsn, args.database, script, args.seconds, sid)
                 results[name].append(got)
-                print(f"turn {turn + 1} {name:55s} " + "  ".join(f"{k} {v:9.2f}" for k, v in got.items()), flush=True)
+                print(f"turn {turn + 1} {name:55s} {figures(got, 2)}", flush=True)
     finally:
         await conn.close()
         await admin.close()
     print(f"medians of {args.turns} turns, per call (a call of 500 is 500 messages):")
-    for name, runs_of in results.items():
-        print(f"  {name:55s} " + "  ".join(f"{k} {statistics.median(r[k] for r in runs_of):9.2f}" for k in runs_of[0]))
+    for name, got in medians(results).items():
+        print(f"  {name:55s} {figures(got, 2)}")
 
 
 if __name__ == "__main__":
