@@ -76,8 +76,6 @@ ONE = (f"(p_topic => '{TOPIC}', p_message_id => gen_random_uuid(), p_partition_k
        "p_delay => NULL, p_not_before => NULL, p_max_attempts => NULL, p_backoff_schedule => NULL, "
        "p_envelope_bytes => 7)")
 JOB = '{"job":"bench.noop"}'
-
-
 PAYLOAD = """'{"i":1}'"""
 
 
@@ -143,6 +141,7 @@ async def main(args: argparse.Namespace) -> None:
         await conn.execute(f"CREATE FUNCTION split.{name}(p_id uuid, p_sid integer) RETURNS void {SETTINGS} "
                            f"AS $body$ {body} $body$")
     sid = await conn.fetchval("SELECT id FROM workqueue.subscription WHERE topic = $1", TOPIC)
+    message_job = await conn.fetchval("SELECT pg_get_indexdef('workqueue.message_job'::regclass)")  # as migrated
     runs = [(name, script, True) for name, script in CALLS.items()]
     runs += [(f"{name}, no message_job index", CALLS[name], False) for name in WITHOUT_INDEX]
     results: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in runs}
@@ -150,11 +149,11 @@ async def main(args: argparse.Namespace) -> None:
         for turn in range(args.turns):
             for name, script, indexed in runs:
                 await conn.execute("TRUNCATE workqueue.delivery, workqueue.message CASCADE")
-                if indexed:
-                    await conn.execute("CREATE INDEX IF NOT EXISTS message_job ON workqueue.message "
-                                       "((attributes ->> 'job'), published_at) WHERE attributes ? 'job'")
-                else:
-                    await conn.execute("DROP INDEX IF EXISTS workqueue.message_job")
+                exists = await conn.fetchval("SELECT to_regclass('workqueue.message_job') IS NOT NULL")
+                if indexed and not exists:
+                    await conn.execute(message_job)
+                elif exists and not indexed:
+                    await conn.execute("DROP INDEX workqueue.message_job")
                 got = await measure(admin, dsn, args.database, script, args.seconds, sid)
                 results[name].append(got)
                 print(f"turn {turn + 1} {name:55s} {figures(got, 2)}", flush=True)
