@@ -113,6 +113,58 @@ async def test_a_large_heartbeat_and_settle_find_each_row_by_its_key(scratch_url
     assert all(n <= 300 for n in removed), removed
 
 
+KEYS = 500
+
+
+async def test_a_keyed_claim_and_settle_touch_only_the_keys_they_take(scratch_url: str) -> None:  # noqa: F811
+    """Claims of 8 and 92 among 500 keys update only their keys' rows, each found by its key, and
+    the settle of the 100 hands those keys over item by item: no scan or join of either removes
+    more rows than the batch has. The tables have no statistics yet, as in a new database before
+    autovacuum's first pass: the claim once read every key of the subscription then, and the
+    hand-over compared every settled key with every other at any time."""
+    transport = PostgresTransport(scratch_url, listen=False, pool_max_size=2)
+    await transport.open()
+    try:
+        await transport.migrate()
+        topic, sub = unique("keys"), unique("exclusive")
+        await transport.sync_topology([Topic(name=topic)], [
+            Subscription(name=sub, topic=topic, handler_key="h", partition_mode="Exclusive")])
+        for _ in range(2):  # two messages a key: each settle hands its key to the next one
+            await transport.publish(topic, [prepare(PublishRequest(payload=i, partition_key=f"k{i}"))
+                                            for i in range(KEYS)])
+    finally:
+        await transport.close()
+
+    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+    plans: list[str] = []
+    conn.add_log_listener(lambda _conn, message: plans.append(str(message.message)))
+    try:
+        for setting in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
+                        "SET auto_explain.log_analyze = on", "SET auto_explain.log_nested_statements = on",
+                        "SET auto_explain.log_level = notice"):
+            await conn.execute(setting)
+        claimed = []
+        for limit in (8, 92):  # a claim of a few keys among many, and a larger one
+            claimed += await conn.fetch(
+                "SELECT delivery_id, lease_token, partition_key FROM workqueue.claim($1, $2)", sub, limit)
+        results = await conn.fetch(
+            "SELECT result FROM workqueue.settle($1, $2, $3, $4, $5, $6)",
+            [r["delivery_id"] for r in claimed], [r["lease_token"] for r in claimed], ["Complete"] * 100,
+            [None] * 100, [None] * 100, [None] * 100)
+        await conn.execute("SET auto_explain.log_min_duration = -1")
+        again = await conn.fetch("SELECT partition_key FROM workqueue.claim($1, $2)", sub, 2 * KEYS)
+    finally:
+        await conn.close()
+    assert len({r["partition_key"] for r in claimed}) == 100
+    assert [r["result"] for r in results] == ["Completed"] * 100
+    # Every key has work again: the 100 settled keys their second message, the others their first.
+    assert sorted(r["partition_key"] for r in again) == sorted(f"k{i}" for i in range(KEYS))
+    text = "\n".join(plans)
+    assert "workqueue.partition" in text, "auto_explain sent no plan"
+    removed = [int(n) for n in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", text)]
+    assert all(n <= 100 for n in removed), removed
+
+
 async def table_updates(conn: asyncpg.Connection[Any], table: str) -> tuple[int, int]:
     """(updates, HOT updates) of ``workqueue.<table>`` so far, this session's own included."""
     await conn.execute("SELECT pg_stat_force_next_flush()")

@@ -1712,8 +1712,7 @@ BEGIN
             UPDATE workqueue.partition pt
             SET holder_id = d.id, next_id = NULL, next_visible_at = NULL, next_priority = 0
             FROM d
-            WHERE pt.subscription_id = v_sub.id AND pt.partition_key = ANY (v_keys)
-              AND d.key_mode > 0 AND pt.partition_key = d.partition_key
+            WHERE pt.subscription_id = v_sub.id AND pt.partition_key = d.partition_key AND d.key_mode > 0
         )
         SELECT d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, m.id, m.topic,
                m.partition_key, m.attributes, m.payload, m.payload_ref, m.correlation_id, m.published_at,
@@ -2254,6 +2253,7 @@ DECLARE
     v_modes smallint[];
     v_held_sids integer[];
     v_held_keys text[];
+    v_held_modes smallint[];
 BEGIN
     SELECT array_agg(k.subscription_id ORDER BY k.subscription_id, k.partition_key),
            array_agg(k.partition_key ORDER BY k.subscription_id, k.partition_key),
@@ -2268,11 +2268,13 @@ BEGIN
     -- Lock the keys nobody else holds, in key order; the next statements then read their
     -- deliveries with a snapshot taken after every publish that touched them committed (a
     -- publish locks a key before its deliveries of that key get their ids).
-    SELECT array_agg(h.subscription_id), array_agg(h.partition_key) INTO v_held_sids, v_held_keys
+    SELECT array_agg(h.subscription_id), array_agg(h.partition_key), array_agg(h.mode)
+    INTO v_held_sids, v_held_keys, v_held_modes
     FROM (
-        SELECT p.subscription_id, p.partition_key
+        SELECT p.subscription_id, p.partition_key, k.mode
         FROM workqueue.partition p
-        JOIN unnest(v_sids, v_keys) AS k(sid, key) ON p.subscription_id = k.sid AND p.partition_key = k.key
+        JOIN unnest(v_sids, v_keys, v_modes) AS k(sid, key, mode)
+          ON p.subscription_id = k.sid AND p.partition_key = k.key
         ORDER BY p.subscription_id, p.partition_key
         FOR UPDATE OF p SKIP LOCKED
     ) h;
@@ -2293,8 +2295,7 @@ BEGIN
         RETURN QUERY
         WITH k AS (
             SELECT k.sid AS subscription_id, k.key AS partition_key, k.mode AS key_mode
-            FROM unnest(v_sids, v_keys, v_modes) AS k(sid, key, mode)
-            WHERE (k.sid, k.key) IN (SELECT * FROM unnest(v_held_sids, v_held_keys))
+            FROM unnest(v_held_sids, v_held_keys, v_held_modes) AS k(sid, key, mode)
         ), state AS (
             SELECT k.subscription_id, k.partition_key, k.key_mode,
                    o.id AS head_id, o.status AS head_status, o.visible_at AS head_visible_at,
