@@ -2254,6 +2254,9 @@ DECLARE
     v_held_sids integer[];
     v_held_keys text[];
     v_held_modes smallint[];
+    v_held_holders bigint[];
+    v_ready integer[];
+    v_emptied boolean;
 BEGIN
     SELECT array_agg(k.subscription_id ORDER BY k.subscription_id, k.partition_key),
            array_agg(k.partition_key ORDER BY k.subscription_id, k.partition_key),
@@ -2268,10 +2271,10 @@ BEGIN
     -- Lock the keys nobody else holds, in key order; the next statements then read their
     -- deliveries with a snapshot taken after every publish that touched them committed (a
     -- publish locks a key before its deliveries of that key get their ids).
-    SELECT array_agg(h.subscription_id), array_agg(h.partition_key), array_agg(h.mode)
-    INTO v_held_sids, v_held_keys, v_held_modes
+    SELECT array_agg(h.subscription_id), array_agg(h.partition_key), array_agg(h.mode), array_agg(h.holder_id)
+    INTO v_held_sids, v_held_keys, v_held_modes, v_held_holders
     FROM (
-        SELECT p.subscription_id, p.partition_key, k.mode
+        SELECT p.subscription_id, p.partition_key, k.mode, p.holder_id
         FROM workqueue.partition p
         JOIN unnest(v_sids, v_keys, v_modes) AS k(sid, key, mode)
           ON p.subscription_id = k.sid AND p.partition_key = k.key
@@ -2292,12 +2295,13 @@ BEGIN
     END IF;
 
     IF v_held_keys IS NOT NULL THEN
-        RETURN QUERY
+        -- Each locked key's state from its deliveries; its holder is the one the lock query read
+        -- (the row is locked since).
         WITH k AS (
-            SELECT k.sid AS subscription_id, k.key AS partition_key, k.mode AS key_mode
-            FROM unnest(v_held_sids, v_held_keys, v_held_modes) AS k(sid, key, mode)
+            SELECT k.sid AS subscription_id, k.key AS partition_key, k.mode AS key_mode, k.holder AS holder_id
+            FROM unnest(v_held_sids, v_held_keys, v_held_modes, v_held_holders) AS k(sid, key, mode, holder)
         ), state AS (
-            SELECT k.subscription_id, k.partition_key, k.key_mode,
+            SELECT k.subscription_id, k.partition_key, k.key_mode, k.holder_id,
                    o.id AS head_id, o.status AS head_status, o.visible_at AS head_visible_at,
                    o.priority AS head_priority,
                    e.id AS next_pending_id, e.visible_at AS next_pending_visible_at,
@@ -2334,26 +2338,30 @@ BEGIN
                             WHEN s.head_status = 'Pending' THEN s.head_priority END AS next_priority,
                        CASE WHEN s.key_mode = 2 AND s.head_status = 'DeadLettered' THEN s.head_id END AS blocked_id
                 FROM state s
-                JOIN workqueue.partition cur
-                  ON cur.subscription_id = s.subscription_id AND cur.partition_key = s.partition_key
                 CROSS JOIN LATERAL (
                     SELECT CASE WHEN s.key_mode = 2 AND s.head_status = 'InFlight' THEN s.head_id
-                                WHEN cur.holder_id = ANY (p_ids) THEN NULL
-                                ELSE cur.holder_id END AS holder_id
+                                WHEN s.holder_id = ANY (p_ids) THEN NULL
+                                ELSE s.holder_id END AS holder_id
                 ) x
             ) n
             WHERE p.subscription_id = n.subscription_id AND p.partition_key = n.partition_key
-            RETURNING p.subscription_id, p.partition_key, p.holder_id, p.next_id, p.next_visible_at, p.blocked_id
+            RETURNING p.subscription_id, p.holder_id, p.next_id, p.next_visible_at, p.blocked_id
         )
-        SELECT DISTINCT u.subscription_id FROM updated u
-        WHERE u.holder_id IS NULL AND u.next_id IS NOT NULL AND u.next_visible_at <= now();
+        SELECT array_agg(DISTINCT u.subscription_id)
+                   FILTER (WHERE u.holder_id IS NULL AND u.next_id IS NOT NULL AND u.next_visible_at <= now()),
+               bool_or(u.holder_id IS NULL AND u.next_id IS NULL AND u.blocked_id IS NULL)
+        INTO v_ready, v_emptied
+        FROM updated u;
 
         -- Keys left with nothing lose their row, in a statement of its own (a sibling of the
-        -- UPDATE in one WITH would not see the rows the UPDATE changes).
-        DELETE FROM workqueue.partition p
-        USING unnest(v_held_sids, v_held_keys) AS k(sid, key)
-        WHERE p.subscription_id = k.sid AND p.partition_key = k.key
-          AND p.holder_id IS NULL AND p.next_id IS NULL AND p.blocked_id IS NULL;
+        -- UPDATE in one WITH would not see the rows the UPDATE changes), when there is one.
+        IF v_emptied THEN
+            DELETE FROM workqueue.partition p
+            USING unnest(v_held_sids, v_held_keys) AS k(sid, key)
+            WHERE p.subscription_id = k.sid AND p.partition_key = k.key
+              AND p.holder_id IS NULL AND p.next_id IS NULL AND p.blocked_id IS NULL;
+        END IF;
+        RETURN QUERY SELECT unnest(v_ready);
     END IF;
 
     -- The next settle of a subscription also re-derives its keys that earlier ones left stale.
