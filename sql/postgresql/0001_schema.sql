@@ -71,11 +71,13 @@ CREATE INDEX subscription_topic ON workqueue.subscription (topic);
 -- ---------------------------------------------------------------------------------------------
 -- The work: messages, one delivery per matching subscription, and the state of keys
 -- ---------------------------------------------------------------------------------------------
+-- Partition keys are COLLATE "C" wherever they are stored: they compare byte by byte (as SQL
+-- Server's BIN2 columns), not by the database's locale, in every index and join on a key.
 
 CREATE TABLE workqueue.message (
     id                 uuid PRIMARY KEY,
     topic              text NOT NULL,
-    partition_key      text,
+    partition_key      text COLLATE "C",
     attributes         jsonb NOT NULL DEFAULT '{}'::jsonb,
     payload            text,              -- JSON text, kept as sent (jsonb would refuse \u0000)
     payload_ref        text,
@@ -103,7 +105,7 @@ CREATE TABLE workqueue.delivery (
     id                    bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     subscription_id       integer NOT NULL,
     message_id            uuid NOT NULL,
-    partition_key         text,
+    partition_key         text COLLATE "C",
     key_mode              smallint NOT NULL DEFAULT 0,
     status                text NOT NULL DEFAULT 'Pending',
     attempt               integer NOT NULL DEFAULT 0,
@@ -176,7 +178,7 @@ CREATE TABLE workqueue.delivery_attempt (
 -- A key with none of the three has no row.
 CREATE TABLE workqueue.partition (
     subscription_id   integer NOT NULL,
-    partition_key     text NOT NULL,
+    partition_key     text COLLATE "C" NOT NULL,
     holder_id         bigint,
     next_id           bigint,
     next_visible_at   timestamptz,
@@ -195,7 +197,7 @@ CREATE INDEX partition_ready_priority ON workqueue.partition (subscription_id, n
 -- re-derives it. Empty but under contention.
 CREATE TABLE workqueue.partition_stale (
     subscription_id  integer NOT NULL,
-    partition_key    text NOT NULL,
+    partition_key    text COLLATE "C" NOT NULL,
     key_mode         smallint NOT NULL,
     PRIMARY KEY (subscription_id, partition_key)
 );
@@ -207,7 +209,7 @@ CREATE TABLE workqueue.partition_stale (
 CREATE TABLE workqueue.rate_bucket (
     subscription_id  integer NOT NULL,
     per_key          boolean NOT NULL,
-    partition_key    text NOT NULL,
+    partition_key    text COLLATE "C" NOT NULL,
     tokens           double precision NOT NULL,
     updated_at       timestamptz NOT NULL,
     PRIMARY KEY (subscription_id, per_key, partition_key)
