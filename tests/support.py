@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -96,3 +97,21 @@ class ClaimWatch:
         """Until a claim of ``subscription`` has answered nothing."""
         await wait_for(lambda: (subscription, 0) in self.answers, within=within,
                        describe=lambda: f"claims so far: {self.answers}")
+
+
+async def explain_each_statement(conn: Any) -> list[str]:
+    """Has PostgreSQL send ``conn`` (an asyncpg connection) the plan of every statement it runs from
+    now on, nested ones included, with their actual row counts (auto_explain at level NOTICE);
+    returns the list the plans arrive in. ``SET auto_explain.log_min_duration = -1`` stops it."""
+    plans: list[str] = []
+    conn.add_log_listener(lambda _conn, message: plans.append(str(message.message)))
+    for setting in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
+                    "SET auto_explain.log_analyze = on", "SET auto_explain.log_nested_statements = on",
+                    "SET auto_explain.log_level = notice"):
+        await conn.execute(setting)
+    return plans
+
+
+def rows_removed(text: str) -> list[int]:
+    """Each count of rows a filter or a join filter removed in the plans of ``text``."""
+    return [int(n) for n in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", text)]

@@ -17,6 +17,7 @@ from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
 from .conftest import unique
+from .support import explain_each_statement
 from .test_migrations import scratch_url  # noqa: F401  (a fixture: an empty database of its own)
 from .test_plans import rows_read
 
@@ -49,14 +50,9 @@ async def test_claim_many_reads_each_claim_index_up_to_the_limit_whatever_the_ba
         await transport.close()
 
     conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
-    plans: list[str] = []
-    conn.add_log_listener(lambda _conn, message: plans.append(str(message.message)))
     try:
         await conn.execute("ANALYZE workqueue.delivery, workqueue.message, workqueue.subscription")
-        for setting in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
-                        "SET auto_explain.log_analyze = on", "SET auto_explain.log_nested_statements = on",
-                        "SET auto_explain.log_level = notice"):
-            await conn.execute(setting)
+        plans = await explain_each_statement(conn)
         before = await rows_read(conn, "delivery")
         claimed = []
         for _ in range(7):  # past the point where PL/pgSQL may switch to a generic plan

@@ -5,7 +5,6 @@ every other; docs/design/settles-and-heartbeats.md)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import asyncpg
@@ -17,7 +16,7 @@ from fastapi_workqueue.core.transport import Settlement
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
 from .conftest import unique
-from .support import wait_for
+from .support import explain_each_statement, rows_removed, wait_for
 from .test_migrations import scratch_url  # noqa: F401  (a fixture: an empty database of its own)
 
 pytestmark = pytest.mark.timeout(120)
@@ -84,16 +83,11 @@ async def test_a_large_heartbeat_and_settle_find_each_row_by_its_key(scratch_url
         await transport.close()
 
     conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
-    plans: list[str] = []
-    conn.add_log_listener(lambda _conn, message: plans.append(str(message.message)))
     try:
         await conn.execute("ANALYZE workqueue.delivery, workqueue.message")  # nothing InFlight yet
         claimed = await conn.fetch("SELECT delivery_id, lease_token FROM workqueue.claim($1, 300)", sub)
         assert len(claimed) == 300
-        for setting in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
-                        "SET auto_explain.log_analyze = on", "SET auto_explain.log_nested_statements = on",
-                        "SET auto_explain.log_level = notice"):
-            await conn.execute(setting)
+        plans = await explain_each_statement(conn)
         ids, tokens = [r["delivery_id"] for r in claimed], [r["lease_token"] for r in claimed]
         beats = await conn.fetch("SELECT alive FROM workqueue.heartbeat($1, $2, $3, $4)",
                                  ids, tokens, [50] * 300, ["half"] * 300)
@@ -109,7 +103,7 @@ async def test_a_large_heartbeat_and_settle_find_each_row_by_its_key(scratch_url
     assert [r["result"] for r in results] == ["Completed", "Pending"] * 150
     text = "\n".join(plans)
     assert "workqueue.delivery" in text or "delivery" in text, "auto_explain sent no plan"
-    removed = [int(n) for n in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", text)]
+    removed = rows_removed(text)
     assert all(n <= 300 for n in removed), removed
 
 
@@ -136,13 +130,8 @@ async def test_a_keyed_claim_and_settle_touch_only_the_keys_they_take(scratch_ur
         await transport.close()
 
     conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
-    plans: list[str] = []
-    conn.add_log_listener(lambda _conn, message: plans.append(str(message.message)))
     try:
-        for setting in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
-                        "SET auto_explain.log_analyze = on", "SET auto_explain.log_nested_statements = on",
-                        "SET auto_explain.log_level = notice"):
-            await conn.execute(setting)
+        plans = await explain_each_statement(conn)
         claimed = []
         for limit in (8, 92):  # a claim of a few keys among many, and a larger one
             claimed += await conn.fetch(
@@ -161,7 +150,7 @@ async def test_a_keyed_claim_and_settle_touch_only_the_keys_they_take(scratch_ur
     assert sorted(r["partition_key"] for r in again) == sorted(f"k{i}" for i in range(KEYS))
     text = "\n".join(plans)
     assert "workqueue.partition" in text, "auto_explain sent no plan"
-    removed = [int(n) for n in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", text)]
+    removed = rows_removed(text)
     assert all(n <= 100 for n in removed), removed
 
 
