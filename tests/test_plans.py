@@ -154,6 +154,93 @@ async def test_a_keyed_claim_and_settle_touch_only_the_keys_they_take(scratch_ur
     assert all(n <= 100 for n in removed), removed
 
 
+async def index_entries(conn: asyncpg.Connection[Any], index: str) -> int:
+    """Entries on the leaf pages of ``workqueue.<index>`` (a B-tree), dead ones included."""
+    return int(await conn.fetchval(
+        "SELECT coalesce(sum(s.live_items + s.dead_items), 0) "
+        "FROM generate_series(1, pg_relation_size($1::text::regclass) / current_setting('block_size')::int - 1) b, "
+        "LATERAL bt_page_stats($1::text, b) s WHERE s.type = 'l'", f"workqueue.{index}"))
+
+
+async def ordered_subscription(url: str, keys: int, per_key: int) -> str:
+    """A topic with one Ordered subscription and ``per_key`` messages on each of ``keys`` keys;
+    returns the subscription's name."""
+    transport = PostgresTransport(url, listen=False, pool_max_size=2)
+    await transport.open()
+    try:
+        await transport.migrate()
+        topic, sub = unique("ordered"), unique("ordered")
+        await transport.sync_topology([Topic(name=topic)], [
+            Subscription(name=sub, topic=topic, handler_key="h", partition_mode="Ordered")])
+        for _ in range(per_key):
+            await transport.publish(topic, [prepare(PublishRequest(payload=i, partition_key=f"k{i}"))
+                                            for i in range(keys)])
+    finally:
+        await transport.close()
+    return sub
+
+
+async def test_an_ordered_claim_and_settle_write_no_entry_in_the_ordered_head_index(
+    scratch_url: str,  # noqa: F811
+) -> None:
+    """The next delivery of an Ordered key is found in ``delivery_ordered_head``, which holds its
+    Pending and DeadLettered deliveries. The InFlight one is the key's holder, which the key's row
+    names, so the index leaves it out: a claim (Pending to InFlight) and a settle (InFlight to
+    Completed) add no entry to it. It once held InFlight too, and every claim added one."""
+    keys = 40  # two messages a key: 80 entries, one leaf page
+    sub = await ordered_subscription(scratch_url, keys, 2)
+    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+    try:
+        await conn.execute("CREATE EXTENSION IF NOT EXISTS pageinspect")
+        before = await index_entries(conn, "delivery_ordered_head")
+        claimed = await conn.fetch("SELECT delivery_id, lease_token, partition_key FROM workqueue.claim($1, $2)",
+                                   sub, 2 * keys)
+        after_claim = await index_entries(conn, "delivery_ordered_head")
+        results = await conn.fetch(
+            "SELECT result FROM workqueue.settle($1, $2, $3, $4, $5, $6)",
+            [r["delivery_id"] for r in claimed], [r["lease_token"] for r in claimed], ["Complete"] * keys,
+            [None] * keys, [None] * keys, [None] * keys)
+        after_settle = await index_entries(conn, "delivery_ordered_head")
+        second = await conn.fetch("SELECT partition_key FROM workqueue.claim($1, $2)", sub, 2 * keys)
+    finally:
+        await conn.close()
+    assert sorted(r["partition_key"] for r in claimed) == sorted(f"k{i}" for i in range(keys))  # heads only
+    assert [r["result"] for r in results] == ["Completed"] * keys
+    assert sorted(r["partition_key"] for r in second) == sorted(f"k{i}" for i in range(keys))
+    assert (before, after_claim, after_settle) == (2 * keys, 2 * keys, 2 * keys)
+
+
+async def test_an_ordered_key_whose_row_was_lost_is_rederived_with_its_in_flight_holder(
+    scratch_url: str,  # noqa: F811
+) -> None:
+    """``refresh_partition`` re-derives a key from its deliveries. An Ordered key's InFlight
+    delivery is not in ``delivery_ordered_head``: when the key's row is gone, it is found among the
+    subscription's InFlight deliveries and named the holder, so the key's next delivery is not
+    claimable until it settles."""
+    sub = await ordered_subscription(scratch_url, 3, 2)
+    conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
+    try:
+        sid = await conn.fetchval("SELECT id FROM workqueue.subscription WHERE name = $1", sub)
+        held = await conn.fetchrow("SELECT delivery_id, lease_token FROM workqueue.claim($1, 1)", sub)
+        assert held is not None
+        key = await conn.fetchval("SELECT partition_key FROM workqueue.delivery WHERE id = $1", held["delivery_id"])
+        await conn.execute("DELETE FROM workqueue.partition WHERE subscription_id = $1 AND partition_key = $2",
+                           sid, key)
+        claimable = await conn.fetchval("SELECT workqueue.refresh_partition($1, $2, 2::smallint)", sid, key)
+        row = await conn.fetchrow("SELECT holder_id, next_id FROM workqueue.partition "
+                                  "WHERE subscription_id = $1 AND partition_key = $2", sid, key)
+        others = await conn.fetch("SELECT partition_key FROM workqueue.claim($1, 10)", sub)
+        await conn.fetch("SELECT result FROM workqueue.settle($1, $2, $3, $4, $5, $6)",
+                         [held["delivery_id"]], [held["lease_token"]], ["Complete"], [None], [None], [None])
+        after = await conn.fetch("SELECT partition_key FROM workqueue.claim($1, 10)", sub)
+    finally:
+        await conn.close()
+    assert claimable is False
+    assert row is not None and (row["holder_id"], row["next_id"]) == (held["delivery_id"], None)
+    assert key not in {r["partition_key"] for r in others}
+    assert [r["partition_key"] for r in after] == [key]
+
+
 async def table_updates(conn: asyncpg.Connection[Any], table: str) -> tuple[int, int]:
     """(updates, HOT updates) of ``workqueue.<table>`` so far, this session's own included."""
     await conn.execute("SELECT pg_stat_force_next_flush()")

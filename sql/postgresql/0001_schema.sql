@@ -140,9 +140,11 @@ CREATE INDEX delivery_claim ON workqueue.delivery (subscription_id, visible_at, 
 -- probes it once (docs/design/flow-control.md).
 CREATE INDEX delivery_claim_priority ON workqueue.delivery (subscription_id, priority, visible_at, id)
     WHERE status = 'Pending' AND key_mode = 0 AND priority > 0;
--- Ordered keys: the head is the lowest id among Pending, InFlight and DeadLettered.
+-- Ordered keys: the next one is the lowest id among Pending and DeadLettered (a DeadLettered one
+-- blocks the key). An InFlight delivery is the key's holder, which its partition row names: left
+-- out, so that a claim writes no entry here.
 CREATE INDEX delivery_ordered_head ON workqueue.delivery (subscription_id, partition_key, id)
-    WHERE key_mode = 2 AND status IN ('Pending', 'InFlight', 'DeadLettered');
+    WHERE key_mode = 2 AND status IN ('Pending', 'DeadLettered');
 -- Exclusive keys: the next delivery is the earliest visible Pending one.
 CREATE INDEX delivery_exclusive_next ON workqueue.delivery (subscription_id, partition_key, visible_at, id)
     WHERE key_mode = 1 AND status = 'Pending';
@@ -2198,16 +2200,24 @@ BEGIN
     END IF;
 
     IF p_mode = 2 THEN
+        IF v_holder IS NULL THEN
+            -- A holder the row does not name (the row was lost): the key's InFlight delivery, from
+            -- the subscription's InFlight set (delivery_ordered_head leaves InFlight out).
+            SELECT d.id INTO v_holder
+            FROM workqueue.delivery d
+            WHERE d.subscription_id = p_subscription_id AND d.status = 'InFlight'
+              AND d.partition_key = p_key AND d.key_mode = 2
+            ORDER BY d.id
+            LIMIT 1;
+        END IF;
         SELECT d.id, d.status, d.visible_at, d.priority INTO v_head
         FROM workqueue.delivery d
         WHERE d.subscription_id = p_subscription_id AND d.partition_key = p_key AND d.key_mode = 2
-          AND d.status IN ('Pending', 'InFlight', 'DeadLettered')
+          AND d.status IN ('Pending', 'DeadLettered')
         ORDER BY d.id
         LIMIT 1;
-        IF FOUND THEN
-            IF v_head.status = 'InFlight' THEN
-                v_holder := v_head.id;
-            ELSIF v_head.status = 'DeadLettered' THEN
+        IF FOUND AND (v_holder IS NULL OR v_head.id < v_holder) THEN
+            IF v_head.status = 'DeadLettered' THEN
                 v_blocked := v_head.id;
             ELSIF v_holder IS NULL THEN
                 v_next := v_head.id;
@@ -2312,7 +2322,7 @@ BEGIN
             LEFT JOIN LATERAL (
                 SELECT d.id, d.status, d.visible_at, d.priority FROM workqueue.delivery d
                 WHERE k.key_mode = 2 AND d.subscription_id = k.subscription_id AND d.partition_key = k.partition_key
-                  AND d.key_mode = 2 AND d.status IN ('Pending', 'InFlight', 'DeadLettered')
+                  AND d.key_mode = 2 AND d.status IN ('Pending', 'DeadLettered')
                 ORDER BY d.id
                 LIMIT 1
             ) o ON true
@@ -2341,8 +2351,7 @@ BEGIN
                        CASE WHEN s.key_mode = 2 AND s.head_status = 'DeadLettered' THEN s.head_id END AS blocked_id
                 FROM state s
                 CROSS JOIN LATERAL (
-                    SELECT CASE WHEN s.key_mode = 2 AND s.head_status = 'InFlight' THEN s.head_id
-                                WHEN s.holder_id = ANY (p_ids) THEN NULL
+                    SELECT CASE WHEN s.holder_id = ANY (p_ids) THEN NULL
                                 ELSE s.holder_id END AS holder_id
                 ) x
             ) n
