@@ -12,6 +12,7 @@ import pytest
 
 from fastapi_workqueue import PublishRequest, Subscription, Topic
 from fastapi_workqueue.core.envelope import prepare
+from fastapi_workqueue.core.topology import PartitionMode
 from fastapi_workqueue.core.transport import Settlement
 from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
@@ -110,25 +111,31 @@ async def test_a_large_heartbeat_and_settle_find_each_row_by_its_key(scratch_url
 KEYS = 500
 
 
+async def keyed_subscription(url: str, mode: PartitionMode, keys: int, per_key: int) -> str:
+    """A topic with one subscription of ``mode`` and ``per_key`` messages on each of keys ``k0``..
+    (``keys`` of them), in a migrated database; returns the subscription's name."""
+    transport = PostgresTransport(url, listen=False, pool_max_size=2)
+    await transport.open()
+    try:
+        await transport.migrate()
+        topic, sub = unique("keys"), unique(mode.lower())
+        await transport.sync_topology([Topic(name=topic)], [
+            Subscription(name=sub, topic=topic, handler_key="h", partition_mode=mode)])
+        for _ in range(per_key):
+            await transport.publish(topic, [prepare(PublishRequest(payload=i, partition_key=f"k{i}"))
+                                            for i in range(keys)])
+    finally:
+        await transport.close()
+    return sub
+
+
 async def test_a_keyed_claim_and_settle_touch_only_the_keys_they_take(scratch_url: str) -> None:  # noqa: F811
     """Claims of 8 and 92 among 500 keys update only their keys' rows, each found by its key, and
     the settle of the 100 hands those keys over item by item: no scan or join of either removes
     more rows than the batch has. The tables have no statistics yet, as in a new database before
     autovacuum's first pass: the claim once read every key of the subscription then, and the
     hand-over compared every settled key with every other at any time."""
-    transport = PostgresTransport(scratch_url, listen=False, pool_max_size=2)
-    await transport.open()
-    try:
-        await transport.migrate()
-        topic, sub = unique("keys"), unique("exclusive")
-        await transport.sync_topology([Topic(name=topic)], [
-            Subscription(name=sub, topic=topic, handler_key="h", partition_mode="Exclusive")])
-        for _ in range(2):  # two messages a key: each settle hands its key to the next one
-            await transport.publish(topic, [prepare(PublishRequest(payload=i, partition_key=f"k{i}"))
-                                            for i in range(KEYS)])
-    finally:
-        await transport.close()
-
+    sub = await keyed_subscription(scratch_url, "Exclusive", KEYS, 2)  # each settle hands its key on
     conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
     try:
         plans = await explain_each_statement(conn)
@@ -162,24 +169,6 @@ async def index_entries(conn: asyncpg.Connection[Any], index: str) -> int:
         "LATERAL bt_page_stats($1::text, b) s WHERE s.type = 'l'", f"workqueue.{index}"))
 
 
-async def ordered_subscription(url: str, keys: int, per_key: int) -> str:
-    """A topic with one Ordered subscription and ``per_key`` messages on each of ``keys`` keys;
-    returns the subscription's name."""
-    transport = PostgresTransport(url, listen=False, pool_max_size=2)
-    await transport.open()
-    try:
-        await transport.migrate()
-        topic, sub = unique("ordered"), unique("ordered")
-        await transport.sync_topology([Topic(name=topic)], [
-            Subscription(name=sub, topic=topic, handler_key="h", partition_mode="Ordered")])
-        for _ in range(per_key):
-            await transport.publish(topic, [prepare(PublishRequest(payload=i, partition_key=f"k{i}"))
-                                            for i in range(keys)])
-    finally:
-        await transport.close()
-    return sub
-
-
 async def test_an_ordered_claim_and_settle_write_no_entry_in_the_ordered_head_index(
     scratch_url: str,  # noqa: F811
 ) -> None:
@@ -188,7 +177,7 @@ async def test_an_ordered_claim_and_settle_write_no_entry_in_the_ordered_head_in
     names, so the index leaves it out: a claim (Pending to InFlight) and a settle (InFlight to
     Completed) add no entry to it. It once held InFlight too, and every claim added one."""
     keys = 40  # two messages a key: 80 entries, one leaf page
-    sub = await ordered_subscription(scratch_url, keys, 2)
+    sub = await keyed_subscription(scratch_url, "Ordered", keys, 2)
     conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
     try:
         await conn.execute("CREATE EXTENSION IF NOT EXISTS pageinspect")
@@ -217,7 +206,7 @@ async def test_an_ordered_key_whose_row_was_lost_is_rederived_with_its_in_flight
     delivery is not in ``delivery_ordered_head``: when the key's row is gone, it is found among the
     subscription's InFlight deliveries and named the holder, so the key's next delivery is not
     claimable until it settles."""
-    sub = await ordered_subscription(scratch_url, 3, 2)
+    sub = await keyed_subscription(scratch_url, "Ordered", 3, 2)
     conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
     try:
         sid = await conn.fetchval("SELECT id FROM workqueue.subscription WHERE name = $1", sub)
