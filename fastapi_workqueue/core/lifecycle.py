@@ -28,6 +28,7 @@ from .failures import error_text
 from .filters import matches
 from .outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError
 from .redaction import redact
+from .topology import PartitionMode
 from .transport import SettleKind, Settlement
 
 if TYPE_CHECKING:
@@ -59,7 +60,6 @@ __all__ = [
 ]
 
 SettledStatus = Literal["Pending", "Completed", "DeadLettered", "Discarded"]
-PartitionMode = Literal["None", "Exclusive", "Ordered"]
 
 LEASE_EXPIRED_ERROR = "lease expired: the holder stopped renewing it"
 INVALID_OUTCOME = (
