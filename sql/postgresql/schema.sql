@@ -2308,9 +2308,10 @@ BEGIN
 
     IF v_held_keys IS NOT NULL THEN
         -- Each locked key's state from its deliveries; its holder is the one the lock query read
-        -- (the row is locked since).
+        -- (the row is locked since), unless that one is among the deliveries just settled.
         WITH k AS (
-            SELECT k.sid AS subscription_id, k.key AS partition_key, k.mode AS key_mode, k.holder AS holder_id
+            SELECT k.sid AS subscription_id, k.key AS partition_key, k.mode AS key_mode,
+                   CASE WHEN k.holder = ANY (p_ids) THEN NULL ELSE k.holder END AS holder_id
             FROM unnest(v_held_sids, v_held_keys, v_held_modes, v_held_holders) AS k(sid, key, mode, holder)
         ), state AS (
             SELECT k.subscription_id, k.partition_key, k.key_mode, k.holder_id,
@@ -2338,22 +2339,18 @@ BEGIN
             SET holder_id = n.holder_id, next_id = n.next_id, next_visible_at = n.next_visible_at,
                 blocked_id = n.blocked_id, next_priority = coalesce(n.next_priority, 0)
             FROM (
-                SELECT s.subscription_id, s.partition_key, x.holder_id,
-                       CASE WHEN x.holder_id IS NOT NULL THEN NULL
+                SELECT s.subscription_id, s.partition_key, s.holder_id,
+                       CASE WHEN s.holder_id IS NOT NULL THEN NULL
                             WHEN s.key_mode = 1 THEN s.next_pending_id
                             WHEN s.head_status = 'Pending' THEN s.head_id END AS next_id,
-                       CASE WHEN x.holder_id IS NOT NULL THEN NULL
+                       CASE WHEN s.holder_id IS NOT NULL THEN NULL
                             WHEN s.key_mode = 1 THEN s.next_pending_visible_at
                             WHEN s.head_status = 'Pending' THEN s.head_visible_at END AS next_visible_at,
-                       CASE WHEN x.holder_id IS NOT NULL THEN NULL
+                       CASE WHEN s.holder_id IS NOT NULL THEN NULL
                             WHEN s.key_mode = 1 THEN s.next_pending_priority
                             WHEN s.head_status = 'Pending' THEN s.head_priority END AS next_priority,
                        CASE WHEN s.key_mode = 2 AND s.head_status = 'DeadLettered' THEN s.head_id END AS blocked_id
                 FROM state s
-                CROSS JOIN LATERAL (
-                    SELECT CASE WHEN s.holder_id = ANY (p_ids) THEN NULL
-                                ELSE s.holder_id END AS holder_id
-                ) x
             ) n
             WHERE p.subscription_id = n.subscription_id AND p.partition_key = n.partition_key
             RETURNING p.subscription_id, p.holder_id, p.next_id, p.next_visible_at, p.blocked_id
