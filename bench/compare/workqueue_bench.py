@@ -293,7 +293,9 @@ def worker_main(args: argparse.Namespace) -> None:
 
 async def spawn_worker(ctx: dict[str, Any], case: str, label: str, concurrency: int | None = None,
                        latency_file: Path | None = None) -> tuple[Any, float]:
-    cmd = [sys.executable, str(SCRIPT), "_worker", "--dsn", ctx["dsn"], "--case", case,
+    # Started as a module (``-m``), so it runs from the bytecode ``compile_library`` wrote, as an
+    # app's own modules do; as ``__main__`` from its path it would be compiled in every worker.
+    cmd = [sys.executable, "-m", SCRIPT.stem, "_worker", "--dsn", ctx["dsn"], "--case", case,
            "--loop", ctx["loop"]]
     if concurrency:
         cmd += ["--concurrency", str(concurrency)]
@@ -301,7 +303,8 @@ async def spawn_worker(ctx: dict[str, Any], case: str, label: str, concurrency: 
         cmd += ["--latency-file", str(latency_file)]
     errf = open_log(ctx["log_dir"] / f"workqueue_{label}.log")
     try:
-        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=errf)
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=errf,
+                                                    cwd=HERE)
     finally:
         errf.close()
     line = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
@@ -702,6 +705,7 @@ def compile_library() -> None:
     import fastapi_workqueue
 
     compileall.compile_dir(str(Path(fastapi_workqueue.__file__).parent), quiet=1)
+    compileall.compile_file(str(SCRIPT), quiet=1)
 
 
 async def run_all(args: argparse.Namespace) -> None:
