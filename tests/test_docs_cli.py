@@ -15,7 +15,6 @@ from pathlib import Path
 import click
 
 from fastapi_workqueue import cli as cli_module
-from fastapi_workqueue.cli.work import work
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "cli.md"
@@ -24,11 +23,8 @@ EVERY_COMMAND = {"--json", "--verbose", "--database-url"}
 
 
 def command_tree() -> click.Group:
-    """The ``workqueue`` group as ``main()`` completes it (it adds ``work`` on first use)."""
-    if "work" not in cli_module.cli.commands:
-        cli_module.accept_global_options(work)
-        cli_module.cli.add_command(work)
-    return cli_module.cli
+    """The ``workqueue`` group with every command loaded (each is imported when first asked for)."""
+    return cli_module.every_command()
 
 
 def commands(group: click.Group, path: tuple[str, ...] = ()) -> Iterator[tuple[str, click.Command]]:

@@ -127,3 +127,25 @@ def test_the_process_registry_reads_the_installed_version_from_the_metadata_head
     from fastapi_workqueue.core.processes import package_version
 
     assert package_version() == version("fastapi-workqueue")
+
+
+def test_workqueue_work_loads_none_of_the_other_commands(tmp_path: Path) -> None:
+    """The ``workqueue`` group imports a command's module when the command is run or listed, so a
+    ``workqueue work`` process holds none of the operator's commands (about 0.5 MB, bench/README.md)."""
+    script = textwrap.dedent("""
+        import json, sys
+        from fastapi_workqueue.cli import main
+        sys.argv = ["workqueue", "work", "--help"]
+        try:
+            main()
+        except SystemExit as exit:
+            assert exit.code == 0, exit.code
+        print(json.dumps(sorted(sys.modules)))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Run subscriptions' handlers" in done.stdout
+    modules = json.loads(done.stdout.splitlines()[-1])
+    assert "fastapi_workqueue.cli.work" in modules
+    others = ("api_keys", "aws", "jobs", "operations", "processes", "sql_scripts", "topology")
+    assert loaded(modules, tuple(f"fastapi_workqueue.cli.{name}" for name in others)) == []

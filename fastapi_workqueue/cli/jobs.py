@@ -85,7 +85,7 @@ def forget(ctx: Any, job_id: str) -> None:
 @click.pass_obj
 def prune(ctx: Any, older_than: str, queue_name: str | None) -> None:
     """Drop the jobs that failed longer ago than --older-than days."""
-    from . import parse_duration
+    from .context import parse_duration
 
     seconds = parse_duration(older_than, bare_unit="d")
     count = _with_queue(ctx, lambda q: q.prune_failed_jobs(seconds / 86400, queue_name))

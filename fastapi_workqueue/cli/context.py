@@ -1,0 +1,130 @@
+"""What every ``workqueue`` command shares: the context of the call (database URL, ``--json``,
+``--verbose``, ``--app``), running an action on the database or the app's queue, and the options
+every command takes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import click
+
+from ..core.errors import WorkQueueError
+from ..core.settings import DEFAULT_DATABASE_URL
+
+DEFAULT_DATABASE_FILE = DEFAULT_DATABASE_URL.partition(":///")[2]
+
+T = TypeVar("T")
+
+
+class Context:
+    def __init__(
+        self, database_url: str | None, as_json: bool, verbose: bool = False, app_path: str | None = None
+    ) -> None:
+        self.database_url = database_url
+        self.as_json = as_json
+        self.verbose = verbose
+        self.app_path = app_path
+
+    def url(self) -> str:
+        if not self.database_url and os.path.isfile(DEFAULT_DATABASE_FILE):
+            # The library's default database: an app started with nothing configured uses it.
+            click.echo(f"(using {DEFAULT_DATABASE_URL}: the default database, found here)", err=True)
+            self.database_url = DEFAULT_DATABASE_URL
+        if not self.database_url:
+            raise click.UsageError(
+                "no database: pass --database-url or set WORKQUEUE_DATABASE_URL "
+                "(for example postgresql+asyncpg://postgres@127.0.0.1:5432/app, or sqlite+aiosqlite:///workqueue.db "
+                "for the embedded default)"
+            )
+        return self.database_url
+
+
+def run(
+    ctx: Context, action: Callable[[Any], Awaitable[T]], *, subscription: str | None = None,
+    delivery_id: str | None = None, app: bool = False,
+) -> T:
+    """Runs ``action(transport)`` on the database alone, or with ``app`` and ``--app`` given on the
+    app's queue (every transport of its topics, :mod:`.targets`). On the database alone, a
+    ``subscription`` or ``delivery_id`` of another transport is refused with what to pass."""
+    from .targets import on_app, on_database
+
+    async def main() -> T:
+        if app and ctx.app_path:
+            return await on_app(ctx.app_path, action, subscription)
+        return await on_database(ctx.url(), action, subscription, delivery_id)
+
+    try:
+        return asyncio.run(main())
+    except (WorkQueueError, ValueError) as exc:
+        if ctx.verbose:
+            traceback.print_exception(exc, file=sys.stderr)
+        raise click.ClickException(str(exc)) from exc
+
+
+def app_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--app MODULE:ATTR`` (default ``WORKQUEUE_APP``) of an operator command: it then reaches
+    every transport of the app's topics, aws too."""
+    from .targets import APP_HELP
+
+    def set_app(click_ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+        if value:
+            click_ctx.find_object(Context).app_path = value  # type: ignore[union-attr]
+
+    return click.option("--app", "app_path", envvar="WORKQUEUE_APP", help=APP_HELP, expose_value=False,
+                        callback=set_app)(command)
+
+
+pass_context = click.make_pass_decorator(Context)
+
+
+def parse_duration(text: str, *, bare_unit: str = "s") -> float:
+    """Seconds: ``90m``, ``12h``, ``7d``, ``3600s`` as written; a bare number is in ``bare_unit``
+    (``3600`` → 3600 s, or with ``bare_unit="d"``, ``7`` → 7 days)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip().lower()
+    try:
+        if text and text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text) * units[bare_unit]
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r} is not a duration (use 3600, 90m, 12h or 7d)") from exc
+
+
+def _set_json(click_ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        click_ctx.find_object(Context).as_json = True  # type: ignore[union-attr]
+
+
+def _set_verbose(click_ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        click_ctx.find_object(Context).verbose = True  # type: ignore[union-attr]
+
+
+def _set_database_url(click_ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value:
+        click_ctx.find_object(Context).database_url = value  # type: ignore[union-attr]
+
+
+def accept_global_options(command: click.Command) -> None:
+    """Lets ``--json``, ``--verbose`` and ``--database-url`` follow the command's name too:
+    ``workqueue stats --json``."""
+    names = {name for param in command.params for name in param.opts}
+    if "--json" not in names:
+        command.params.append(click.Option(
+            ["--json"], is_flag=True, expose_value=False, callback=_set_json, help="Print JSON instead of tables.",
+        ))
+    if "--verbose" not in names:
+        command.params.append(click.Option(
+            ["--verbose"], is_flag=True, expose_value=False, callback=_set_verbose,
+            help="Show the traceback behind an error.",
+        ))
+    if "--database-url" not in names:
+        command.params.append(click.Option(
+            ["--database-url"], expose_value=False, callback=_set_database_url,
+            help="The database URL (default: WORKQUEUE_DATABASE_URL).",
+        ))
