@@ -203,6 +203,39 @@ async def test_a_job_that_returns_after_its_lease_ran_out_is_not_processed(datab
     assert ended == [("JobReleased", 1, "lease-lost"), ("JobProcessed", 2, None)], ended
 
 
+async def test_a_unique_job_that_returns_after_its_lease_ran_out_keeps_its_key(database_url: str) -> None:
+    """The attempt that returns after its lease ran out does not free the job's unique key: the
+    job is not done (its next attempt runs it), so a dispatch with the same key is still refused
+    until that attempt ends."""
+    queue_name = names(1)[0]
+    events: list[JobEvent] = []
+    second_started, finish = asyncio.Event(), asyncio.Event()
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        job_queues=queue_name, job_lease_seconds=1.0, **FAST))
+    queue.listen(JobEvent, events.append)
+
+    @queue.job(f"blocks-{queue_name}", tries=3, backoff=[0], queue=queue_name)
+    async def blocks(payload: dict[str, Any], job: JobContext) -> None:
+        if job.attempt == 1:
+            time.sleep(1.5)  # noqa: ASYNC251 (on purpose: it blocks the loop past the lease)
+        else:
+            second_started.set()
+            await finish.wait()
+
+    async with queue.lifespan(None):
+        first = await queue.dispatch(blocks, {}, unique="the-key")
+        assert first is not None
+        await asyncio.wait_for(second_started.wait(), 30)
+        assert await queue.dispatch(blocks, {}, unique="the-key") is None  # still held: the job runs
+        finish.set()
+        await wait_for(lambda: any(type(e).__name__ == "JobProcessed" for e in events), within=30)
+        again = await queue.dispatch(blocks, {}, unique="the-key")  # done: the key is free
+        assert again is not None and again != first
+    ended = [(type(e).__name__, e.attempt, getattr(e, "reason", None)) for e in events
+             if type(e).__name__ != "JobProcessing" and e.job_id == first]
+    assert ended == [("JobReleased", 1, "lease-lost"), ("JobProcessed", 2, None)], ended
+
+
 def test_a_timeout_that_does_not_fit_the_lease_is_refused_at_start() -> None:
     queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db", job_lease_seconds=60))
 

@@ -139,6 +139,7 @@ class WorkContext:
 
     __slots__ = (
         "_heartbeat",
+        "_lease_left",
         "_once",
         "after_settle_callbacks",
         "attempt",
@@ -163,6 +164,7 @@ class WorkContext:
         log: logging.LoggerAdapter[logging.Logger],
         principal: str | None = None,
         once: OnceStore | None = None,
+        lease_left: Callable[[], float] | None = None,
     ) -> None:
         self.subscription = subscription
         self.delivery_id = delivery_id
@@ -173,6 +175,7 @@ class WorkContext:
         self.principal = principal
         self._heartbeat = heartbeat
         self._once = once
+        self._lease_left = lease_left
         self.after_settle_callbacks: list[Callable[[str | None], object]] = []
         self.work_name: str | None = None
         """What this attempt works on, for the queue's log lines (the jobs layer puts the job's
@@ -183,6 +186,15 @@ class WorkContext:
         is the settle's answer, e.g. ``"Completed"``, ``"LeaseLost"``; None when it could not be
         written). For what must happen after the store knows, not before."""
         self.after_settle_callbacks.append(callback)
+
+    @property
+    def lease_ran_out(self) -> bool:
+        """True once this attempt's lease has run out as this process counts it, or the attempt
+        was told it lost its lease: what it writes now may no longer be its to write (the store
+        may have handed the delivery to another worker). False where no lease is counted here."""
+        if self.signal.reason == AbortReason.LEASE_LOST:
+            return True
+        return self._lease_left is not None and self._lease_left() <= 0
 
     @property
     def is_final_attempt(self) -> bool:

@@ -675,6 +675,7 @@ class Consumer:
             log=_DeliveryLog(_handler_logger(sub.handler_key), sub.name, delivery),
             principal=self.principal,
             once=_OnceStore(self, running),
+            lease_left=lambda: running.lease.remaining(self._clock()),
         )
         running.context = context
         task = running.task

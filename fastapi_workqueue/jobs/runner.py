@@ -187,7 +187,7 @@ class JobRunner:
             raise
         if result is None:  # the common outcome first: no isinstance checks, no event unless heard
             if envelope.unique_key is not None:
-                await self._end_unique(queue, envelope, message)
+                await self._end_unique(queue, envelope, message, context)
             if jobs.events:
                 seconds = time.monotonic() - started
                 self._after(context, lambda: _fields(envelope, message, queue, context).event(JobProcessed,
@@ -202,7 +202,7 @@ class JobRunner:
         jobs = self._jobs
         base = _fields(envelope, message, queue, context)
         if isinstance(result, JobDiscard):
-            await self._end_unique(queue, envelope, message)
+            await self._end_unique(queue, envelope, message, context)
             self._after(context, lambda: base.event(JobDiscarded, reason=result.reason,
                                                     chain_ended=bool(envelope.chain)),
                         written="Discarded", chained=bool(envelope.chain))
@@ -225,7 +225,7 @@ class JobRunner:
                 failure = FatalWorkError(str(exc))
                 await self._failed(base, context, envelope, failure, str(exc))
                 raise failure from None
-        await self._end_unique(queue, envelope, message)
+        await self._end_unique(queue, envelope, message, context)
         self._after(context, lambda: base.event(JobProcessed, seconds=time.monotonic() - started),
                     written="Completed", chained=bool(envelope.chain))
         return jobs.completion(envelope, stored)
@@ -290,13 +290,17 @@ class JobRunner:
             if exc is not None:
                 exc.add_note(note)
             reason = f"{reason}; {note}"
-        if envelope.unique_key is not None:
+        if envelope.unique_key is not None and not context.lease_ran_out:
             await self._jobs.release_unique(base.queue, envelope.unique_key, base.job_id)
         self._after(context, lambda: base.event(JobFailed, error=exc, reason=reason, chain_ended=bool(envelope.chain)))
         return reason
 
-    async def _end_unique(self, queue: str, envelope: JobEnvelope, message: WorkMessage[Any]) -> None:
-        if envelope.unique_key is not None and envelope.unique_until != "processing":
+    async def _end_unique(self, queue: str, envelope: JobEnvelope, message: WorkMessage[Any],
+                          context: WorkContext) -> None:
+        """Frees the job's unique key (held until done) as its attempt ends, unless the attempt's
+        lease ran out first: then the job is not done (the store runs it again, perhaps on another
+        worker) and the key stays held by it."""
+        if envelope.unique_key is not None and envelope.unique_until != "processing" and not context.lease_ran_out:
             await self._jobs.release_unique(queue, envelope.unique_key, message.message_id)
 
     async def _emit(self, event: JobEvent) -> None:
