@@ -180,15 +180,21 @@ async def test_a_job_that_blocks_the_loop_past_its_timeout_is_timed_out_not_proc
     assert queue.jobs.watchdog.watching == 0
 
 
+def one_second_lease(database_url: str, queue_name: str, events: list[JobEvent]) -> WorkQueue:
+    """A worker of ``queue_name`` whose jobs are leased for 1 s, its job events kept in ``events``."""
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        job_queues=queue_name, job_lease_seconds=1.0, **FAST))
+    queue.listen(JobEvent, events.append)
+    return queue
+
+
 async def test_a_job_that_returns_after_its_lease_ran_out_is_not_processed(database_url: str) -> None:
     """A job without a timeout that blocks the loop past its lease: when it returns, the lease may
     be another worker's, so the attempt ends as a lost lease would (JobReleased lease-lost), not
     as a processed one."""
     queue_name = names(1)[0]
     events: list[JobEvent] = []
-    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
-                                        job_queues=queue_name, job_lease_seconds=1.0, **FAST))
-    queue.listen(JobEvent, events.append)
+    queue = one_second_lease(database_url, queue_name, events)
 
     @queue.job(f"blocks-{queue_name}", tries=3, backoff=[0], queue=queue_name)
     async def blocks(payload: dict[str, Any], job: JobContext) -> None:
@@ -209,10 +215,8 @@ async def test_a_unique_job_that_returns_after_its_lease_ran_out_keeps_its_key(d
     until that attempt ends."""
     queue_name = names(1)[0]
     events: list[JobEvent] = []
+    queue = one_second_lease(database_url, queue_name, events)
     second_started, finish = asyncio.Event(), asyncio.Event()
-    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
-                                        job_queues=queue_name, job_lease_seconds=1.0, **FAST))
-    queue.listen(JobEvent, events.append)
 
     @queue.job(f"blocks-{queue_name}", tries=3, backoff=[0], queue=queue_name)
     async def blocks(payload: dict[str, Any], job: JobContext) -> None:
