@@ -68,7 +68,7 @@ async def test_bench_smoke_mode_measures_every_case(tmp_path: Path) -> None:
         "publish_seq_msgs_per_s", "publish_batch_msgs_per_s",
         "process_default_deliveries_per_s", f"process_c{conc}_deliveries_per_s",
         "latency_p50_ms", "latency_p99_ms",
-        "exclusive_deliveries_per_s", "ordered_deliveries_per_s",
+        "keyed_none_deliveries_per_s", "exclusive_deliveries_per_s", "ordered_deliveries_per_s",
         "fanout_deliveries_per_s", "fanout_publish_messages_per_s",
         "backlog_small_claim_p50_ms", "backlog_large_claim_p50_ms",
         "backlog_small_deliveries_per_s", "backlog_large_deliveries_per_s", "backlog_large_fill_seconds",
@@ -77,7 +77,7 @@ async def test_bench_smoke_mode_measures_every_case(tmp_path: Path) -> None:
         assert positive(summary.get(key)), f"{key}: {summary.get(key)}"
     assert summary["claim_large_over_small"] > 0
     raw = result["workqueue"]["raw"]
-    for key in ("process_default", f"process_c{conc}", "exclusive", "ordered", "fanout", "mem"):
+    for key in ("process_default", f"process_c{conc}", "keyed_none", "exclusive", "ordered", "fanout", "mem"):
         for run in raw[key]:
             assert "warning" not in run, run
             assert run["completed_in_db"] == run["deliveries"], run

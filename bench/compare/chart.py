@@ -96,11 +96,16 @@ def main() -> None:
                       (0.02, ceiling["median"]), xycoords=("axes fraction", "data"), va="bottom", fontsize=7,
                       color="#c53030")
         a[0].set_ylim(top=max(a[0].get_ylim()[1], ceiling["max"] * 1.1))
-    keyed = [("None", stat(ours, "process_default_deliveries_per_s"), ""),
+    keyed_jobs = res["settings"].get("keyed_jobs")
+    keyed = [("None", stat(ours, "keyed_none_deliveries_per_s" if keyed_jobs else "process_default_deliveries_per_s"),
+              ""),
              ("Exclusive", stat(ours, "exclusive_deliveries_per_s"), ""),
              ("Ordered", stat(ours, "ordered_deliveries_per_s"), ""),
              ("fan-out x5", stat(ours, "fanout_deliveries_per_s"), "")]
-    bars(a[6], f"5. ours by partition mode ({res['settings']['keys']} keys), defaults", "deliveries/s", keyed)
+    title = f"5. ours by partition mode ({res['settings']['keys']} keys), defaults"
+    if keyed_jobs:
+        title += f"; keyed and None: {keyed_jobs:,}"
+    bars(a[6], title, "deliveries/s", keyed)
     for p in a[6].patches:
         p.set_color(COLORS["fastapi-workqueue"])
     backlog = [(f"{res['settings']['small']:,}", stat(ours, "backlog_small_claim_p50_ms"), ""),

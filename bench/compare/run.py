@@ -50,13 +50,16 @@ OUR_SLOW = ["backlog", "mem"]
 PEER_CASES = {"publish": "enqueue", "process": "process", "latency": "latency"}
 
 FULL = {"jobs": 20000, "batch": 500, "concurrency": 10, "lat_count": 200, "lat_spacing": 0.020, "keys": 500,
+        "keyed_jobs": 100_000,
         "small": 10_000, "large": 1_000_000, "first_n": 20_000, "mem_jobs": 100_000, "fill_batch": 5000,
         "claim_calls": 250, "dbos_c10_jobs": 1000, "ceiling_seconds": 20}
 SMOKE = {"jobs": 300, "batch": 100, "concurrency": 10, "lat_count": 20, "lat_spacing": 0.020, "keys": 20,
+         "keyed_jobs": 300,
          "small": 300, "large": 3000, "first_n": 300, "mem_jobs": 1000, "fill_batch": 500, "claim_calls": 20,
          "dbos_c10_jobs": 30, "ceiling_seconds": 2}
 # What the counts mean where the name does not say it.
 COUNT_HELP = {
+    "keyed_jobs": "deliveries of the Exclusive and Ordered cases and of the None case they are compared with",
     "dbos_c10_jobs": "jobs of DBOS's concurrency run: its queue starts at most --concurrency workflows per 1 s "
     "poll, so 20,000 would take over half an hour",
     "ceiling_seconds": "length of one pgbench run of the ceiling",
@@ -523,7 +526,8 @@ def main() -> None:
         sys.executable, str(HERE / "workqueue_bench.py"), "--dsn", wq_dsn,
         "--jobs", str(counts["jobs"]), "--batch", str(counts["batch"]), "--concurrency", str(counts["concurrency"]),
         "--lat-count", str(counts["lat_count"]), "--lat-spacing", str(counts["lat_spacing"]),
-        "--keys", str(counts["keys"]), "--small", str(counts["small"]), "--large", str(counts["large"]),
+        "--keys", str(counts["keys"]), "--keyed-jobs", str(counts["keyed_jobs"]),
+        "--small", str(counts["small"]), "--large", str(counts["large"]),
         "--first-n", str(counts["first_n"]), "--mem-jobs", str(counts["mem_jobs"]),
         "--fill-batch", str(counts["fill_batch"]), "--claim-calls", str(counts["claim_calls"]),
     ]

@@ -20,8 +20,9 @@ The method mirrors ``bench/compare/peers/bench_pgqueuer.py`` and ``bench/compare
   process_cK         the same with ``SubscriptionPlan(concurrency=K)``.
   latency            idle default worker; 200 messages published one at a time on a 20 ms grid;
                      latency = handler start - time taken right before the publish call.
-  exclusive/ordered  process_default on an Exclusive / Ordered subscription, N messages over
-                     500 partition keys.
+  exclusive/ordered  process_default on an Exclusive / Ordered subscription, --keyed-jobs messages
+                     (100,000) over 500 partition keys, compared with keyed_none: the None case
+                     at the same count.
   fanout             N/5 messages to a topic with five subscriptions (N deliveries), one default
                      worker runs all five.
   backlog_small/large  claim round trip (``queue.transport.claim``) and processing rate of the
@@ -659,7 +660,7 @@ def summarize_raw(raw: dict[str, list[Any]]) -> dict[str, Any]:
         if raw.get(key):
             s[key] = summarize(raw[key])
     for key in raw:
-        if key.startswith("process_") or key in ("exclusive", "ordered", "fanout"):
+        if key.startswith("process_") or key in ("keyed_none", "exclusive", "ordered", "fanout"):
             s[f"{key}_deliveries_per_s"] = summarize(col(key, "deliveries_per_s"))
     if raw.get("fanout"):
         s["fanout_publish_messages_per_s"] = summarize(col("fanout", "prefill_messages_per_s"))
@@ -670,8 +671,9 @@ def summarize_raw(raw: dict[str, list[Any]]) -> dict[str, Any]:
         s["latency_publish_call_p50_ms"] = summarize(col("latency", "publish_call_p50_ms"))
     none = s.get("process_default_deliveries_per_s")
     for key in ("exclusive", "ordered", "fanout"):
-        if none and s.get(f"{key}_deliveries_per_s"):
-            s[f"{key}_over_none"] = s[f"{key}_deliveries_per_s"]["median"] / none["median"]
+        base = s.get("keyed_none_deliveries_per_s") if key != "fanout" else none
+        if base and s.get(f"{key}_deliveries_per_s"):
+            s[f"{key}_over_none"] = s[f"{key}_deliveries_per_s"]["median"] / base["median"]
     for key in ("backlog_small", "backlog_large"):
         if raw.get(key):
             for field in ("claim_p10_ms", "claim_p50_ms", "claim_mean_ms", "deliveries_per_s",
@@ -752,9 +754,13 @@ async def run_all(args: argparse.Namespace) -> None:
             record("process_default", await bounded(bench_process(ctx, "none", "process_default", args.jobs), 900), r)
         if "latency" in which:
             record("latency", await bounded(bench_latency(ctx, args.lat_count, args.lat_spacing), 300), r)
+        if "exclusive" in which or "ordered" in which:
+            # The keyed cases and the None case they are compared with, at --keyed-jobs: long enough
+            # that what a run pays once (start, the last poll) does not decide the ratio.
+            record("keyed_none", await bounded(bench_process(ctx, "none", "keyed_none", args.keyed_jobs), 900), r)
         for case in ("exclusive", "ordered"):
             if case in which:
-                record(case, await bounded(bench_process(ctx, case, case, args.jobs, keys=args.keys), 900), r)
+                record(case, await bounded(bench_process(ctx, case, case, args.keyed_jobs, keys=args.keys), 900), r)
         if "fanout" in which:
             record("fanout", await bounded(bench_process(ctx, "fanout", "fanout", max(1, args.jobs // FANOUT)), 900), r)
     for r in range(args.slow_repeats if args.slow_repeats is not None else args.repeats):
@@ -786,7 +792,8 @@ async def run_all(args: argparse.Namespace) -> None:
         "settings": {
             "jobs": args.jobs, "batch": args.batch, "concurrency_run": f"SubscriptionPlan(concurrency={conc})",
             "repeats": args.repeats, "slow_repeats": args.slow_repeats, "latency_count": args.lat_count,
-            "latency_spacing_s": args.lat_spacing, "keys": args.keys, "fanout": FANOUT,
+            "latency_spacing_s": args.lat_spacing, "keys": args.keys, "keyed_jobs": args.keyed_jobs,
+            "fanout": FANOUT,
             "backlog_small": args.small, "backlog_large": args.large, "first_n": args.first_n,
             "mem_jobs": args.mem_jobs, "fill_batch": args.fill_batch, "claim_limit": args.claim_limit,
             "claim_calls": args.claim_calls, "poll_s_backlog_mem": args.poll, "poll_s_process": 0.1,
@@ -835,6 +842,8 @@ def main() -> None:
     ap.add_argument("--lat-count", type=int, default=200)
     ap.add_argument("--lat-spacing", type=float, default=0.020)
     ap.add_argument("--keys", type=int, default=500, help="partition keys of the Exclusive and Ordered cases")
+    ap.add_argument("--keyed-jobs", type=int, default=100_000,
+                    help="deliveries of the Exclusive and Ordered cases and of the None case they are compared with")
     ap.add_argument("--small", type=int, default=10_000, help="small backlog")
     ap.add_argument("--large", type=int, default=1_000_000, help="large backlog")
     ap.add_argument("--first-n", type=int, default=20_000, help="deliveries timed per backlog run")
