@@ -136,12 +136,15 @@ def build_report(result: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dic
                 row["none"][n] = PEERS[n]["none"][peer_key]
         rows.append(row)
 
-    none = med(ours.get("process_default_deliveries_per_s"))
+    none_stat = ours.get("process_default_deliveries_per_s")
+    none = med(none_stat)
     # The keyed cases are compared with the None case run at their own count (older results: 3a's).
-    keyed_none = med(ours.get("keyed_none_deliveries_per_s")) or none
-    keyed = f"{result['settings']['keys']} keys, {result['settings'].get('keyed_jobs', result['settings']['jobs']):,}"
+    keyed_none_stat = ours.get("keyed_none_deliveries_per_s") or none_stat
+    keyed_none = med(keyed_none_stat)
+    keyed_jobs = result["settings"].get("keyed_jobs", result["settings"]["jobs"])
+    keyed = f"{result['settings']['keys']} keys, {keyed_jobs:,}"
     extras = [
-        (f"None, {result['settings'].get('keyed_jobs', result['settings']['jobs']):,} deliveries (deliveries/s)",
+        (f"None, {keyed_jobs:,} deliveries (deliveries/s)",
          ours.get("keyed_none_deliveries_per_s"), 0, "what Exclusive and Ordered are compared with"),
         (f"Exclusive, {keyed} deliveries (deliveries/s)", ours.get("exclusive_deliveries_per_s"), 0,
          f"{fmt_num(ratio(med(ours.get('exclusive_deliveries_per_s')), keyed_none), 2)}× None"),
@@ -204,9 +207,6 @@ def build_report(result: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dic
     mem_jobs = result["settings"]["mem_jobs"]
     pgq = summaries.get("pgqueuer") or {}
     mem = ours.get("mem_vmhwm_kib")
-    none_stat = ours.get("process_default_deliveries_per_s")
-    keyed_none_stat = ours.get("keyed_none_deliveries_per_s") or none_stat
-    keyed_none = med(keyed_none_stat)
     targets = [
         # bench/README.md, "Targets": what the project holds itself to against the peers.
         target("processing at defaults vs pgqueuer's defaults", ratio(none, med(pgq.get("process_default_jobs_per_s"))),
