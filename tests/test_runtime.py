@@ -8,11 +8,13 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Annotated, Any
 
 import pytest
 from fastapi import Depends
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from fastapi_workqueue import (
     AbortReason,
@@ -80,6 +82,35 @@ async def test_invalid_payload_dead_letters_at_once_with_the_validation_error(pg
     assert calls == 0
     assert info.status == "DeadLettered" and info.attempt == 1
     assert "Order" in (info.reason or "") and "order_id" in (info.reason or "") and "email" in (info.reason or "")
+
+
+class StrictInvoice(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    invoice_id: uuid.UUID
+    due: datetime
+    amount: Decimal
+
+
+async def test_a_strict_payload_model_takes_the_json_forms_of_dates_ids_and_decimals(pg_url: str) -> None:
+    # The payload is validated from its JSON text: a strict model takes an ISO date string for a
+    # datetime, a UUID string for a UUID and a number for a Decimal, digit for digit.
+    queue, topic, subs = make_queue(pg_url, [{"role": "billing"}])
+    seen: list[StrictInvoice] = []
+    invoice_id = uuid.uuid4()
+
+    @queue.handler("billing")
+    async def bill(message: WorkMessage[StrictInvoice]) -> None:
+        seen.append(message.payload)
+
+    async with queue.lifespan(None):
+        [result] = await queue.publish(topic, [PublishRequest(payload={
+            "invoice_id": str(invoice_id), "due": "2026-12-31T23:59:00+00:00", "amount": 0.1,
+        })])
+        info = await wait_for(lambda: _terminal(queue, subs["billing"], result.message_id))
+    assert info.status == "Completed"
+    assert seen == [StrictInvoice(invoice_id=invoice_id, due=datetime(2026, 12, 31, 23, 59, tzinfo=UTC),
+                                  amount=Decimal("0.1"))]
 
 
 async def test_outcomes_and_errors_map_to_delivery_states(pg_url: str) -> None:
