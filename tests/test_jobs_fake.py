@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import Depends, FastAPI
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from fastapi_workqueue import ConfigurationError, JobContext, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.jobs import JobEvent, JobPayloadInvalid, without_overlapping
@@ -328,3 +330,27 @@ def test_the_fake_fixture_takes_the_app_from_the_workqueue_app_option(pytester: 
     pytester.makeini("[pytest]\nworkqueue_app = myapp:app\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+class StrictReminder(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    at: datetime
+    user: uuid.UUID
+
+
+async def test_the_fake_takes_a_strict_payload_model_as_a_real_queue_does() -> None:
+    # The fake records what the job would receive from its stored JSON: a strict model's datetime
+    # and UUID come back from their JSON forms, as the real runner gives them.
+    queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db"))
+
+    @queue.job("remind")
+    async def remind(payload: StrictReminder) -> None:
+        return None
+
+    sent = StrictReminder(at=datetime(2026, 12, 24, 18, 30, tzinfo=UTC), user=uuid.uuid4())
+    with queue.fake() as fake:
+        await queue.dispatch(remind, sent)
+        assert fake.dispatched(remind) == [sent]
+        counts = await fake.work()
+    assert (counts.processed, counts.failed) == (1, 0)

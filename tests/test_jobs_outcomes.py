@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from fastapi_workqueue import (
     ConfigurationError,
@@ -58,6 +58,32 @@ def kinds(events: list[JobEvent], job_id: uuid.UUID | None) -> list[str]:
 
 class Receipt(BaseModel):
     number: int
+
+
+class Reminder(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    at: datetime
+    user: uuid.UUID
+    slots: tuple[int, int]
+
+
+async def test_a_job_with_a_strict_payload_model_runs_with_what_was_dispatched(database_url: str) -> None:
+    # The stored payload is JSON: a strict model gets its datetime, UUID and tuple back from their
+    # JSON forms (validating the objects JSON reads as would refuse them and dead-letter the job).
+    suffix, name, queue, events = heard_queue(database_url, "strict")
+    ran: list[Reminder] = []
+
+    @queue.job(f"remind-{suffix}", queue=name)
+    async def remind(payload: Reminder) -> None:
+        ran.append(payload)
+
+    sent = Reminder(at=datetime(2026, 12, 24, 18, 30, tzinfo=UTC), user=uuid.uuid4(), slots=(2, 3))
+    async with queue.lifespan(None):
+        job = await queue.dispatch(remind, sent)
+        await wait_for(lambda: "JobProcessed" in kinds(events, job), within=30)
+    assert ran == [sent]
+    assert kinds(events, job) == ["JobProcessing", "JobProcessed"]
 
 
 async def test_middleware_of_ones_own_releases_or_discards_and_a_fatal_error_fails_at_once(

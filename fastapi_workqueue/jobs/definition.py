@@ -10,6 +10,7 @@ dispatched with.
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import typing
 from collections.abc import Awaitable, Callable, Sequence
@@ -162,9 +163,18 @@ class Job:
         return adapter.serializer.to_python(value, mode="json")
 
     def load(self, data: Any) -> Any:
-        """The stored payload as the function's payload type (raises :class:`JobPayloadInvalid`)."""
+        """The stored payload as the function's payload type (raises :class:`JobPayloadInvalid`).
+
+        ``data`` is what the payload's JSON reads as. What the Python objects do not validate is
+        validated again as JSON (pydantic's JSON mode), which a strict model needs: it takes an ISO
+        date string for a ``datetime`` only from JSON."""
+        validator = self.adapter.validator  # (once per attempt: without the wrapper)
         try:
-            return self.adapter.validator.validate_python(data)  # (once per attempt: without the wrapper)
+            return validator.validate_python(data)
+        except ValidationError:
+            pass
+        try:
+            return validator.validate_json(json.dumps(data))
         except ValidationError as exc:
             raise JobPayloadInvalid(self.name, _short(exc)) from None
 
