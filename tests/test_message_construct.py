@@ -1,19 +1,22 @@
 """The WorkMessage a handler gets, and the Accepted result a publish answers, are the ones
 ``model_construct`` builds, field for field. Both are built by writing pydantic's instance fields
-directly (for speed, see ``core/handlers.py``): ``scripts/test`` runs this file on the lowest pydantic
-that pyproject.toml allows as well as on the newest, so a release that changes them fails here."""
+directly (for speed, see ``core/handlers.py``). The payload in the message reads as ``json.loads``
+reads it (pydantic's JSON parser and JSON-mode validation, ``json`` for what that parser refuses).
+``scripts/test`` runs this file on the lowest pydantic that pyproject.toml allows as well as on the
+newest, so a release that changes any of them fails here."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from fastapi_workqueue.core.envelope import PublishRequest, PublishResult, PublishStatus, WorkMessage, prepare
-from fastapi_workqueue.core.handlers import _construct_message
+from fastapi_workqueue.core.handlers import HandlerSpec, PayloadInvalid, _construct_message
 from fastapi_workqueue.database.routines import accepted, claimed
 
 
@@ -84,3 +87,32 @@ def test_an_accepted_result_equals_what_model_construct_builds() -> None:
     assert built.model_dump_json() == constructed.model_dump_json()
     assert built.model_fields_set == constructed.model_fields_set
     assert built.ok and built.model_copy(update={"error": None}).message_id == message.message_id
+
+
+class Line(BaseModel):
+    sku: str
+    qty: int
+    price: float
+
+
+@pytest.mark.parametrize("text", [
+    '{"order_id":7,"lines":[1,2.5,-0.0,1e300,123456789012345678901234567890],"note":"caf\u00e9 \\u2603"}',
+    '"\\ud800 a lone surrogate escape"',  # pydantic's parser refuses it: json.loads reads it
+    "null", "[]", "true", '{"a":{"b":[{"c":null}]}}',
+])
+def test_a_payload_reads_as_json_loads_reads_it(text: str) -> None:
+    delivery = claimed({**_row(None), "payload": text})
+    assert HandlerSpec(key="k", func=noop).build_message(delivery, "s").payload == json.loads(text)
+
+
+def test_a_typed_payload_is_validated_from_its_json_text() -> None:
+    spec = HandlerSpec(key="k", func=noop, payload_type=list[Line])
+    text = '[{"sku":"a-1","qty":2,"price":9.5},{"sku":"\\ud800","qty":"3","price":1}]'
+    payload = spec.build_message(claimed({**_row(None), "payload": text}), "s").payload
+    assert payload == [Line(sku="a-1", qty=2, price=9.5), Line(sku="\ud800", qty=3, price=1.0)]
+    with pytest.raises(PayloadInvalid, match=r"1\.qty"):
+        spec.build_message(claimed({**_row(None), "payload": '[{"sku":"a","qty":1,"price":1},{"sku":"b"}]'}), "s")
+
+
+async def noop(message: WorkMessage[Any]) -> None:
+    return None

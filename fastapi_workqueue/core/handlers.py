@@ -76,8 +76,9 @@ class HandlerSpec:
             "published_at": delivery.published_at,
         })
 
-
     def _validate_text(self, text: str) -> Any:
+        """``text`` validated as JSON, or (a lone surrogate escape, which pydantic's parser refuses)
+        as the objects ``json.loads`` reads."""
         try:
             return self.adapter.validate_json(text)
         except ValidationError as exc:
