@@ -31,8 +31,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
 from ..core.context import AbortReason, AbortSignal, OnceBusy, WorkContext
 from ..core.envelope import WorkMessage
 from ..core.outcomes import FatalWorkError, Outcome, TransientWorkError, WorkOutcome
@@ -91,8 +89,8 @@ class JobRunner:
                 and not job.middleware and not job.dependency_params and not job.encrypted:
             context.work_name = name  # the queue's log lines name the job
             try:
-                payload = job.adapter.validator.validate_python(data["payload"])
-            except ValidationError:
+                payload = job.load(data["payload"])
+            except JobPayloadInvalid:
                 return await self._run(message, context)
             queue = self._queues.get(message.topic) or self._queue(message.topic)
             kwargs: dict[str, Any] = {}
