@@ -492,6 +492,12 @@ def database(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
     return "sqlite", f"sqlite+aiosqlite:///{tmp_path / 'workqueue.db'}"
 
 
+def taken_back_by_expiry(delivery: Row) -> bool:
+    """Whether the store took the delivery back from a holder whose lease ran out (the sweeper
+    counts a failed attempt and writes why)."""
+    return delivery["claim_count"] >= 2 and (delivery["last_error"] or "").startswith("lease expired")
+
+
 def collapse_repeats(values: list[int]) -> list[int]:
     """[0, 1, 1, 2] → [0, 1, 2]: a handler that ran twice in a row (at-least-once) counts once."""
     out: list[int] = []
@@ -619,7 +625,7 @@ async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(
         by_id = {r["id"]: r for r in rows}
         for delivery_id in held_attempts:
             taken_back = by_id[delivery_id]
-            assert taken_back["claim_count"] >= 2 and (taken_back["last_error"] or "").startswith("lease expired"), (
+            assert taken_back_by_expiry(taken_back), (
                 f"delivery {delivery_id} held by the killed worker was not taken back by lease expiry: "
                 f"{taken_back}"
             )
@@ -663,9 +669,7 @@ async def test_sigkilled_worker_keeps_exclusive_and_ordered_invariants(
         # lease (a survivor whose writes waited on a slow disk or on the file's write lock: the
         # finished run's settle then answers LeaseLost and its outcome is ignored).
         expired = {
-            (name_of[r["subscription_id"]], r["partition_key"], r["seq"])
-            for r in rows
-            if r["claim_count"] >= 2 and (r["last_error"] or "").startswith("lease expired")
+            (name_of[r["subscription_id"]], r["partition_key"], r["seq"]) for r in rows if taken_back_by_expiry(r)
         }
         assert {message_key[m] for m in duplicates} <= expired, (
             f"a message ran twice although the store never took its delivery back: {duplicates}\n{diagnostics}"
