@@ -99,6 +99,7 @@ class RoutingTransport:
         self.capabilities = Capabilities(
             ordered=base.ordered, exclusive=base.exclusive, transactional_publish=base.transactional_publish,
             wakeups=base.wakeups, runtime_roles=base.runtime_roles, notes=base.notes,
+            savepoint_retry=base.savepoint_retry,  # (the jobs layer's writes go to the database)
             message_state=default is not None and base.message_state,
             sweeps=any(t.capabilities.sweeps for t in self._all()),
             # What holds for some subscriptions only is not claimed for the queue as a whole (the

@@ -63,6 +63,11 @@ class Capabilities:
     """A subscription's ``max_in_flight`` and ``key_concurrency`` hold across processes (False: Unsupported)."""
     rate_limits: bool = True
     """A subscription's ``rate_limit`` and ``key_rate_limit`` hold across processes (False: Unsupported)."""
+    savepoint_retry: bool = True
+    """A publish in a caller's transaction that the store asks to try again (a unique job key another
+    transaction took at once) is tried again in a savepoint (False: SQLite, whose single writer
+    serializes the dispatchers already, and where a savepoint turns the caller's lock into an upgrade
+    that fails at once)."""
     notes: tuple[str, ...] = ()
 
 

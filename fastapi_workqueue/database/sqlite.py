@@ -178,6 +178,7 @@ class SqliteTransport(RoutineTransport):
         transactional_publish=True,
         wakeups=False,
         runtime_roles=False,
+        savepoint_retry=False,
         notes=(
             "no LISTEN/NOTIFY: other processes poll for new work",  # short: the CLI table cuts at 60
             "no roles: whoever can open the file can change it",

@@ -661,7 +661,7 @@ class Jobs:
     ) -> T:
         """``send(tx)`` in the caller's transaction (retried in a savepoint for a unique key)."""
         tx = session if session is not None else self.kernel.sessions.current()
-        if tx is None or not retry_in_savepoint or self.kernel.transport.name == "sqlite":
+        if tx is None or not retry_in_savepoint or not self.kernel.transport.capabilities.savepoint_retry:
             # (SQLite's single writer already serializes dispatchers: the key is read under the
             # write lock, and a savepoint would turn that lock into an upgrade that fails at once.)
             return await send(tx)

@@ -3,6 +3,7 @@ database (jobs are database topics), and a queue without a database says so."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -51,3 +52,24 @@ async def test_a_queue_without_a_database_refuses_job_state_saying_what_to_set()
         await queue.job_status(uuid.uuid4())
     with pytest.raises(ConfigurationError, match="need a store that keeps them"):
         await queue.wait(uuid.uuid4(), timeout=1)
+
+
+async def test_concurrent_unique_dispatches_on_sqlite_behind_a_router_queue_one(tmp_path: Path, moto_url: str) -> None:
+    """SQLite's single writer serializes dispatchers, so a unique dispatch in a caller's transaction
+    is not retried in a savepoint there, whether or not the queue routes other topics elsewhere."""
+    cloud = unique("cloud")
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, [Topic(name=cloud, transport="aws")],
+                         [Subscription(name=f"{cloud}.a", topic=cloud, handler_key="h")]) as queue:
+        assert isinstance(queue.transport, RoutingTransport)
+        assert not queue.transport.capabilities.savepoint_retry
+
+        @queue.job(f"remind-{cloud}")
+        async def remind(payload: dict[str, int]) -> None:
+            return None
+
+        async def dispatch_in_a_transaction() -> uuid.UUID | None:
+            async with queue.sessionmaker() as session, session.begin():
+                return await queue.dispatch(remind, {"user_id": 1}, unique="members", session=session)
+
+        results = await asyncio.gather(*(dispatch_in_a_transaction() for _ in range(8)))
+        assert len([r for r in results if r is not None]) == 1
