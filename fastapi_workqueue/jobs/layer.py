@@ -662,9 +662,7 @@ class Jobs:
         """``send(tx)`` in the caller's transaction (retried in a savepoint for a unique key)."""
         tx = session if session is not None else self.kernel.sessions.current()
         if tx is None or not retry_in_savepoint or not self.kernel.transport.capabilities.savepoint_retry:
-            # (SQLite's single writer already serializes dispatchers: the key is read under the
-            # write lock, and a savepoint would turn that lock into an upgrade that fails at once.)
-            return await send(tx)
+            return await send(tx)  # (SQLite: its single writer serializes the dispatchers already)
         # A unique key dispatched at once by another transaction: the store asks to try again. A
         # savepoint keeps the caller's transaction usable, and the second try sees the key held.
         for attempt in range(1, UNIQUE_RETRIES + 1):
