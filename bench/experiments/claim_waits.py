@@ -24,6 +24,7 @@ import asyncio
 import collections
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,7 +93,12 @@ async def main(args: argparse.Namespace) -> None:
     await admin.execute(f'CREATE DATABASE "{args.database}"')
     await admin.close()
     dsn = f"{base}/{args.database}"
-    out = Path(f"/tmp/claim_waits_{args.case}.json")
+    with tempfile.TemporaryDirectory(prefix="claim_waits_") as scratch:
+        await sample_run(args, dsn, Path(scratch) / "workqueue.json")
+
+
+async def sample_run(args: argparse.Namespace, dsn: str, out: Path) -> None:
+    """Runs the benchmark into ``out`` while sampling; prints what the samples say."""
     bench = await asyncio.create_subprocess_exec(
         sys.executable, str(BENCH), "--dsn", dsn, "--only", args.case, "--repeats", "1", "--out", str(out),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
