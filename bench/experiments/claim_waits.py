@@ -32,7 +32,7 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from probe_support import add_database_options
+from probe_support import add_database_options, fresh_database
 
 BENCH = Path(__file__).resolve().parents[1] / "compare" / "workqueue_bench.py"
 WAL_WAITS = {("IO", "WALSync"), ("LWLock", "WALWrite"), ("IO", "WALWrite")}
@@ -87,12 +87,8 @@ async def sample(dsn: str, database: str, every: float, done: asyncio.Event) -> 
 
 
 async def main(args: argparse.Namespace) -> None:
-    base = args.url.rstrip("/")
-    admin = await asyncpg.connect(f"{base}/postgres")
-    await admin.execute(f'DROP DATABASE IF EXISTS "{args.database}"')
-    await admin.execute(f'CREATE DATABASE "{args.database}"')
+    admin, dsn = await fresh_database(args.url, args.database)
     await admin.close()
-    dsn = f"{base}/{args.database}"
     with tempfile.TemporaryDirectory(prefix="claim_waits_") as scratch:
         await sample_run(args, dsn, Path(scratch) / "workqueue.json")
 
