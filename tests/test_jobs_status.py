@@ -7,6 +7,7 @@ failing the job, an unknown id, the REST route with its read scope and its 404, 
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -112,6 +113,26 @@ async def test_a_job_status_through_each_state_with_its_result(database_url: str
 async def _retrying(queue: WorkQueue, job_id: uuid.UUID) -> JobStatus | None:
     status = await queue.job_status(job_id)
     return status if status is not None and status.state == "Pending" and status.retrying else None
+
+
+async def test_results_of_jobs_that_end_at_once_are_each_kept_with_their_own_job(database_url: str) -> None:
+    name, queue = make_queue(database_url)  # four at a time: their completions are written together
+    suffix = name.removeprefix("status-")
+    gate, running = asyncio.Event(), [0]
+
+    @queue.job(f"count-{suffix}", queue=name, store_result=True)
+    async def count(payload: dict[str, Any]) -> dict[str, int]:
+        running[0] += 1
+        if running[0] % 4 == 0:
+            gate.set()
+        await gate.wait()
+        return {"n": payload["n"], "square": payload["n"] ** 2}
+
+    async with queue.lifespan(None):
+        ids = [await queue.dispatch(count, {"n": n}) for n in range(12)]
+        for n, job_id in enumerate(ids):
+            done = await wait_for(functools.partial(state_of, queue, job_id, "Completed"), within=30)
+            assert done.result == {"n": n, "square": n * n}
 
 
 async def test_a_result_that_cannot_be_stored_fails_the_job(database_url: str) -> None:

@@ -227,6 +227,10 @@ class Settling:
                 lost.extend(chunk[int(f["Id"])][0] for f in answer.get("Failed", []))
         return lost
 
+    async def settle_together(self, settlements: Sequence[Settlement]) -> list[SettleResult] | None:
+        """None: SQS has no transaction across deliveries; each goes through :meth:`settle_with_follow_ups`."""
+        return None
+
     async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
         """Publishes the follow-ups of a completion first, then deletes the message (at-least-once,
         :mod:`.follow_ups`): with a database in one committed transaction (aws topics through the

@@ -628,6 +628,10 @@ class MemoryTransport:
                 woken.append(d.subscription)
         self._wake(woken)
 
+    async def settle_together(self, settlements: Sequence[Settlement]) -> list[SettleResult] | None:
+        """None: each goes through :meth:`settle_with_follow_ups` (all in memory, one call costs nothing)."""
+        return None
+
     async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
         """Settles one delivery and, only when that completes it, keeps its result and publishes
         its follow-ups, all or nothing: a follow-up the publish refuses leaves the delivery InFlight and raises a

@@ -270,6 +270,14 @@ class RoutingTransport:
     async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
         return await self.transport_for_delivery(settlement.delivery_id).settle_with_follow_ups(settlement)
 
+    async def settle_together(self, settlements: Sequence[Settlement]) -> list[SettleResult] | None:
+        """The transport of these deliveries settles them together when they all have one; else None."""
+        groups = self._split([s.delivery_id for s in settlements])
+        if len(groups) != 1:
+            return None
+        [(transport, _)] = groups.values()
+        return await transport.settle_together(settlements)
+
     def interrupt_claims(self, subscriptions: Sequence[str]) -> None:
         """Passes the interrupt on to the transports of these subscriptions whose claims wait."""
         by_transport: dict[int, tuple[Transport, list[str]]] = {}

@@ -87,9 +87,11 @@ class Settler:
         await self._tasks.close()
 
     async def _settle(self, settlements: list[Settlement], written: dict[int, SettleResult]) -> None:
-        """One batch for the plain settles; one transaction each for a completion with follow-ups
-        or a result (its messages are published, its result kept, with it). What is written goes
-        into ``written``, so a retry after a failure writes only the rest."""
+        """One batch for the plain settles; one transaction for the completions with follow-ups or
+        a result (their messages are published, their results kept, with them), or one each when
+        the store cannot write them together. What is written goes into ``written``, so a retry
+        after a failure writes only the rest. A completion refused on its own (a follow-up the
+        publish refuses) does not hold back the others: its error is raised once they are written."""
         plain = [s for s in settlements if not s.one_transaction and id(s) not in written]
         if plain:
             scope = self._observer.settle_started(plain)
@@ -103,9 +105,23 @@ class Settler:
                 scope.end(None)
             for settlement, result in zip(plain, results, strict=True):
                 written[id(settlement)] = result
+        together = [s for s in settlements if s.one_transaction and id(s) not in written]
+        if len(together) > 1:
+            answers = await self._transport.settle_together(together)
+            if answers is not None:
+                for settlement, result in zip(together, answers, strict=True):
+                    written[id(settlement)] = result
+        refused: Exception | None = None
         for settlement in settlements:
             if settlement.one_transaction and id(settlement) not in written:
-                written[id(settlement)] = await self._transport.settle_with_follow_ups(settlement)
+                try:
+                    written[id(settlement)] = await self._transport.settle_with_follow_ups(settlement)
+                except Exception as exc:
+                    if isinstance(exc, TransportError) and exc.retryable:
+                        raise  # the store is out of reach: the batch is tried again
+                    refused = refused or exc  # (a follow-up refused) the others are written all the same
+        if refused is not None:
+            raise refused
 
     async def _run(self) -> None:
         while True:

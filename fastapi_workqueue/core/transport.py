@@ -206,6 +206,13 @@ class Consuming(Protocol):
         transaction; when the settle does not complete the delivery (a lost lease), nothing is
         published or kept."""
         ...
+    async def settle_together(self, settlements: Sequence[Settlement]) -> list[SettleResult] | None:
+        """What :meth:`settle_with_follow_ups` does for each of ``settlements``, in one transaction
+        (one commit for all), answering a result for each; or None, having written none of them,
+        when the store cannot (a broker has no such transaction) or one of them was refused (a
+        follow-up the publish refuses). The caller then writes each with
+        :meth:`settle_with_follow_ups`. A store out of reach raises, as a settle does."""
+        ...
     async def add_wakeup_listener(self, listener: WakeupListener) -> None:
         """Calls ``listener`` when a subscription may have new work. The first listener opens what
         delivers wake-ups (PostgreSQL: a LISTEN connection), so a process that only publishes

@@ -211,6 +211,18 @@ class PostgresTransport(RoutineTransport):
             p_priority=m.priority or None,
         )
 
+    async def _put_results(self, connection: Any, results: list[tuple[int, str]]) -> None:
+        """All the results in one round trip (the driver sends the calls of ``executemany`` together)."""
+        if len(results) == 1:
+            await super()._put_results(connection, results)
+            return
+        try:
+            await connection.executemany(
+                "SELECT workqueue.result_put(p_delivery_id => $1, p_value => $2)", results
+            )
+        except Exception as exc:
+            raise map_error(exc, "result put") from exc
+
     def _wake_after_commit(self, session: Any, subscription_ids: Sequence[int]) -> None:
         """NOTIFY ``subscription_ids`` once ``session``'s transaction commits, or now when the
         publish ran in a transaction of its own (committed by the time it answered)."""

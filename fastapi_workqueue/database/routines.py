@@ -347,34 +347,65 @@ class RoutineTransport:
         (Discarded), publishes nothing. A follow-up message the publish refuses rolls the whole
         transaction back (the delivery stays InFlight) and raises a :class:`TransportError` that
         names it; a Duplicate (the same MessageID and content stored already) is no refusal."""
-        s = settlement
-        draw = self._draw()
+        draws = [self._draw()]
+        [result] = await self._in_transaction(
+            "settle with follow-ups", lambda connection: self._settle_in(connection, [settlement], draws)
+        )
+        return result
 
-        async def work(connection: Any) -> SettleResult:
-            rows = await self.call(
-                "settle", connection=connection, p_ids=[int(s.delivery_id)], p_tokens=[s.lease_token],
-                p_outcomes=[s.kind], p_delays=[settle_delay(s.delay_seconds)], p_reasons=[s.reason],
-                p_errors=[s.error], p_draws=[draw], p_now=self._now(),
+    async def settle_together(self, settlements: Sequence[Settlement]) -> list[SettleResult] | None:
+        """:meth:`settle_with_follow_ups` of several settlements in one transaction (one commit
+        for all); None, with nothing written, when one of them was refused (a follow-up the publish
+        refuses: the caller then writes each on its own, which says which). Raises a retryable
+        :class:`TransportError` when the store is out of reach."""
+        draws = [self._draw() for _ in settlements]
+        try:
+            return await self._in_transaction(
+                "settle together", lambda connection: self._settle_in(connection, settlements, draws)
             )
-            result: SettleResult = next((r["result"] for r in rows if str(r["delivery_id"]) == s.delivery_id),
-                                        "LeaseLost")
-            if result != "Completed":
-                return result
-            if s.result_json is not None:
-                await self.call("result_put", connection=connection, p_delivery_id=int(s.delivery_id),
-                                p_value=s.result_json)
-            for follow_up in s.follow_ups:
-                published = await self._publish_via(follow_up.topic, follow_up.messages, connection=connection)
-                refused = [(m, a) for m, a in zip(follow_up.messages, published, strict=True)
-                           if a.status not in (PublishStatus.ACCEPTED, PublishStatus.DUPLICATE)]
-                if refused:
-                    # The message that was refused, not one the publish aborted because of it.
-                    message, answer = next(((m, a) for m, a in refused
-                                            if a.error is None or a.error.code != "BatchAborted"), refused[0])
-                    raise TransportError(follow_up_refused(s.delivery_id, follow_up.topic, message, answer))
-            return result
+        except Exception as exc:
+            if isinstance(exc, TransportError) and exc.retryable:
+                raise
+            log.debug("settling %d deliveries together failed (%s); settling each on its own", len(settlements), exc)
+            return None
 
-        return await self._in_transaction("settle with follow-ups", work)
+    async def _settle_in(self, connection: Any, settlements: Sequence[Settlement], draws: list[float]
+                         ) -> list[SettleResult]:
+        """Settles ``settlements`` in ``connection``'s transaction, then keeps the result and
+        publishes the follow-ups of each one the settle completed (raises :class:`TransportError`
+        for a follow-up the publish refuses)."""
+        rows = await self.call(
+            "settle", connection=connection, p_ids=[int(s.delivery_id) for s in settlements],
+            p_tokens=[s.lease_token for s in settlements], p_outcomes=[s.kind for s in settlements],
+            p_delays=[settle_delay(s.delay_seconds) for s in settlements], p_reasons=[s.reason for s in settlements],
+            p_errors=[s.error for s in settlements], p_draws=draws, p_now=self._now(),
+        )
+        by_id: dict[str, SettleResult] = {str(r["delivery_id"]): r["result"] for r in rows}
+        results = [by_id.get(s.delivery_id, "LeaseLost") for s in settlements]
+        completed = [s for s, result in zip(settlements, results, strict=True) if result == "Completed"]
+        kept = [(int(s.delivery_id), s.result_json) for s in completed if s.result_json is not None]
+        if kept:
+            await self._put_results(connection, kept)
+        # One publish per topic for the follow-ups of every completion, in the order they were given.
+        by_topic: dict[str, list[tuple[str, PreparedMessage]]] = {}
+        for s in completed:
+            for follow_up in s.follow_ups:
+                by_topic.setdefault(follow_up.topic, []).extend((s.delivery_id, m) for m in follow_up.messages)
+        for topic, items in by_topic.items():
+            published = await self._publish_via(topic, [m for _, m in items], connection=connection)
+            refused = [(item, a) for item, a in zip(items, published, strict=True)
+                       if a.status not in (PublishStatus.ACCEPTED, PublishStatus.DUPLICATE)]
+            if refused:
+                # The message that was refused, not one the publish aborted because of it.
+                (delivery_id, message), answer = next(
+                    ((item, a) for item, a in refused if a.error is None or a.error.code != "BatchAborted"), refused[0])
+                raise TransportError(follow_up_refused(delivery_id, topic, message, answer))
+        return results
+
+    async def _put_results(self, connection: Any, results: list[tuple[int, str]]) -> None:
+        """Keeps each (delivery id, result JSON) with the delivery's message, in ``connection``'s transaction."""
+        for delivery_id, value in results:
+            await self.call("result_put", connection=connection, p_delivery_id=delivery_id, p_value=value)
 
     def _now(self) -> datetime | None:
         """``p_now`` of a claim, heartbeat, settle or sweep: None (the database's clock) unless the

@@ -131,3 +131,45 @@ async def test_a_completion_without_follow_ups_is_a_plain_settle(harness: Harnes
     assert await harness.transport.settle_with_follow_ups(retry) == "Pending"
     [pending] = await harness.transport.list_deliveries(first["a"], "Pending")
     assert pending.delivery_id == again.delivery_id and pending.reason == "later"
+
+
+async def test_completions_settled_together_publish_what_each_would_alone(harness: Harness) -> None:
+    first = await make_world(harness.transport, [{"role": "a", "max_attempts": 3}])
+    then = await make_world(harness.transport, [{"role": "b"}])
+    for step in ("one", "two", "three"):
+        await first.publish_one(payload=step)
+    one, two, three = await first.claim("a", 3)
+    to_one, to_two, never = messages("1a", "1b"), messages("2a"), messages("not while retried")
+    settlements = [completion(one, FollowUp(then.topic, to_one)), completion(two, FollowUp(then.topic, to_two)),
+                   Settlement(three.delivery_id, three.lease_token, "Retry", delay_seconds=30,
+                              follow_ups=(FollowUp(then.topic, never),))]
+    answers = await harness.transport.settle_together(settlements)
+    if answers is None:  # a store without such a transaction (a broker): nothing is written
+        assert [await first.status(d.delivery_id) for d in (one, two, three)] == ["InFlight"] * 3
+        assert await then.claim("b") == []
+        return
+    assert answers == ["Completed", "Completed", "Pending"]
+    assert [await first.status(d.delivery_id) for d in (one, two, three)] == ["Completed", "Completed", "Pending"]
+    # In the order the completions and their follow-ups were given; nothing from the retried one.
+    assert [c.message_id for c in await then.claim("b", 10)] == [m.message_id for m in to_one + to_two]
+    assert await harness.transport.known_messages([never[0].message_id]) == set()
+
+
+async def test_a_refused_follow_up_writes_none_of_the_settlements_together(harness: Harness) -> None:
+    first = await make_world(harness.transport, [{"role": "a"}])
+    then = await make_world(harness.transport, [{"role": "b"}])
+    for step in ("one", "two"):
+        await first.publish_one(payload=step)
+    one, two = await first.claim("a", 2)
+    fine, lost = messages("fine"), messages("to no topic")
+    answers = await harness.transport.settle_together(
+        [completion(one, FollowUp(then.topic, fine)), completion(two, FollowUp(unique("no-such-topic"), lost))])
+    assert answers is None
+    assert [await first.status(d.delivery_id) for d in (one, two)] == ["InFlight", "InFlight"]
+    assert await harness.transport.known_messages([fine[0].message_id]) == set()
+    # Each on its own: the first completes with its follow-up, the second is refused as before.
+    assert await harness.transport.settle_with_follow_ups(completion(one, FollowUp(then.topic, fine))) == "Completed"
+    assert [c.message_id for c in await then.claim("b", 10)] == [fine[0].message_id]
+    with pytest.raises(TransportError):
+        await harness.transport.settle_with_follow_ups(completion(two, FollowUp(unique("no-such-topic"), lost)))
+    assert await first.status(two.delivery_id) == "InFlight"

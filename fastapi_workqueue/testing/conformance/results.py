@@ -208,3 +208,23 @@ async def test_a_member_counts_once_and_a_retry_does_not_end_it(harness: Harness
     rest = await world.claim("a", 10)
     got = {replayed.message_id, *(c.message_id for c in rest)}
     assert got == {one.message_id, then.message_id}
+
+
+async def test_completions_settled_together_keep_their_results(harness: Harness) -> None:
+    state = state_of(harness)
+    world = await make_world(harness.transport, [{"role": "a"}])
+    for payload in ("report", "count", "plain"):
+        await world.publish_one(payload=payload)
+    report, counted, plain = await world.claim("a", 3)
+    answers = await harness.transport.settle_together([
+        completion(report, '{"value":{"rows":3}}'), completion(counted, '{"value":7}'),
+        Settlement(plain.delivery_id, plain.lease_token, "Complete"),
+    ])
+    if answers is None:  # a store without such a transaction: nothing is written
+        assert await state.result_get(report.message_id) is None
+        assert await world.status(report.delivery_id) == "InFlight"
+        return
+    assert answers == ["Completed", "Completed", "Completed"]
+    assert await state.result_get(report.message_id) == '{"value":{"rows":3}}'
+    assert await state.result_get(counted.message_id) == '{"value":7}'
+    assert await state.result_get(plain.message_id) is None
