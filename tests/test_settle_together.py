@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from fastapi_workqueue import PublishRequest, WorkMessage
+from fastapi_workqueue import PublishRequest, PublishResult, WorkMessage
 from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.core.outcomes import Complete, FollowUp
 from fastapi_workqueue.core.transport import Settlement, SettleResult
@@ -37,67 +37,65 @@ class SettleTogetherWatch:
         transport.settle_together = watched
 
 
+class FourAtOnce:
+    """A queue (four at a time) whose handler holds the first four deliveries until all four run,
+    then completes each with a follow-up message to the topic, or, for the first one published, to
+    ``first_to`` when given; the follow-ups' payloads are recorded as they run."""
+
+    def __init__(self, database_url: str, *, first_to: str | None = None) -> None:
+        self.queue, self.topic, self.subs = make_queue(database_url, [{"role": "a", "lease_seconds": 60}],
+                                                       concurrency=4, auto_migrate=True)
+        self.started, self.gate, self.followed = asyncio.Event(), asyncio.Event(), list[str]()
+        running = [0]
+
+        @self.queue.handler("a")
+        async def handle(message: WorkMessage[str]) -> Complete | None:
+            if message.payload.startswith("next"):
+                self.followed.append(message.payload)
+                return None
+            running[0] += 1
+            if running[0] == 4:
+                self.started.set()
+            await self.gate.wait()  # the four end at once: their settles meet in one batch
+            # The first one published ends first, so it comes first when each is written on its own.
+            target = first_to if first_to is not None and message.payload == "0" else self.topic
+            return Complete(then=(FollowUp(target, [prepare(PublishRequest(payload=f"next {message.payload}"))]),))
+
+    async def run_four(self) -> list[PublishResult]:
+        """Publishes the four, waits until all run, and lets them end."""
+        published = await self.queue.publish(self.topic, [PublishRequest(payload=str(i)) for i in range(4)])
+        await wait_for(self.started.is_set)
+        self.gate.set()
+        return list(published)
+
+    async def statuses(self, published: list[PublishResult]) -> list[str]:
+        return [(await delivery_status(self.queue, self.subs["a"], r.message_id)).status for r in published]
+
+
 async def test_completions_ending_at_once_are_written_together_with_their_follow_ups(database_url: str) -> None:
-    queue, topic, subs = make_queue(database_url, [{"role": "a"}], concurrency=4, auto_migrate=True)
-    started, gate, followed = asyncio.Event(), asyncio.Event(), []
-    running = [0]
-
-    @queue.handler("a")
-    async def handle(message: WorkMessage[str]) -> Complete | None:
-        if message.payload.startswith("next"):
-            followed.append(message.payload)
-            return None
-        running[0] += 1
-        if running[0] == 4:
-            started.set()
-        await gate.wait()  # the four end at once: their settles meet in one batch
-        return Complete(then=(FollowUp(topic, [prepare(PublishRequest(payload=f"next {message.payload}"))]),))
-
-    async with queue.lifespan(None):
-        watch = SettleTogetherWatch(queue.transport)
-        published = await queue.publish(topic, [PublishRequest(payload=str(i)) for i in range(4)])
-        await wait_for(started.is_set)
-        gate.set()
-        await wait_for(lambda: len(followed) == 4, within=30)
-        assert sorted(followed) == ["next 0", "next 1", "next 2", "next 3"]
-        for result in published:
-            assert (await delivery_status(queue, subs["a"], result.message_id)).status == "Completed"
+    four = FourAtOnce(database_url)
+    async with four.queue.lifespan(None):
+        watch = SettleTogetherWatch(four.queue.transport)
+        published = await four.run_four()
+        await wait_for(lambda: len(four.followed) == 4, within=30)
+        assert sorted(four.followed) == ["next 0", "next 1", "next 2", "next 3"]
+        assert await four.statuses(published) == ["Completed"] * 4
     assert (4, ["Completed"] * 4) in watch.calls, watch.calls
 
 
 async def test_a_refused_follow_up_holds_back_none_of_the_completions_ending_with_it(
     database_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    queue, topic, subs = make_queue(database_url, [{"role": "a", "lease_seconds": 60}], concurrency=4,
-                                    auto_migrate=True)
-    started, gate, followed = asyncio.Event(), asyncio.Event(), []
-    running = [0]
     nowhere = unique("no-such-topic")
-
-    @queue.handler("a")
-    async def handle(message: WorkMessage[str]) -> Complete | None:
-        if message.payload.startswith("next"):
-            followed.append(message.payload)
-            return None
-        running[0] += 1
-        if running[0] == 4:
-            started.set()
-        await gate.wait()
-        # The first one published ends first, so it comes first when each is written on its own.
-        target = nowhere if message.payload == "0" else topic
-        return Complete(then=(FollowUp(target, [prepare(PublishRequest(payload=f"next {message.payload}"))]),))
-
+    four = FourAtOnce(database_url, first_to=nowhere)
     caplog.set_level(logging.ERROR, logger="fastapi_workqueue.settler")
-    async with queue.lifespan(None):
-        watch = SettleTogetherWatch(queue.transport)
-        published = await queue.publish(topic, [PublishRequest(payload=str(i)) for i in range(4)])
-        await wait_for(started.is_set)
-        gate.set()
-        await wait_for(lambda: len(followed) == 3, within=30)
-        assert sorted(followed) == ["next 1", "next 2", "next 3"]
-        statuses = [(await delivery_status(queue, subs["a"], r.message_id)).status for r in published]
+    async with four.queue.lifespan(None):
+        watch = SettleTogetherWatch(four.queue.transport)
+        published = await four.run_four()
+        await wait_for(lambda: len(four.followed) == 3, within=30)
+        assert sorted(four.followed) == ["next 1", "next 2", "next 3"]
         # The refused one stays InFlight under its lease (it runs again once the lease runs out).
-        assert statuses == ["InFlight", "Completed", "Completed", "Completed"]
+        assert await four.statuses(published) == ["InFlight", "Completed", "Completed", "Completed"]
     assert (4, None) in watch.calls, watch.calls
     [line] = [r.getMessage() for r in caplog.records if "settle failed" in r.getMessage()]
     assert line.startswith("settle failed for 1 delivery") and nowhere in line, line
