@@ -325,15 +325,22 @@ class RoutineTransport:
     async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]:
         if not settlements:
             return []
+        return await self._settle_call(settlements, [self._draw() for _ in settlements])
+
+    async def _settle_call(self, settlements: Sequence[Settlement], draws: list[float], **via: Any
+                           ) -> list[SettleResult]:
+        """The ``settle`` routine for ``settlements`` (``via`` as :meth:`call` takes it): a result
+        each, LeaseLost for one the routine did not answer."""
         rows = await self.call(
             "settle",
+            **via,
             p_ids=[int(s.delivery_id) for s in settlements],
             p_tokens=[s.lease_token for s in settlements],
             p_outcomes=[s.kind for s in settlements],
             p_delays=[settle_delay(s.delay_seconds) for s in settlements],
             p_reasons=[s.reason for s in settlements],
             p_errors=[s.error for s in settlements],
-            p_draws=[self._draw() for _ in settlements],
+            p_draws=draws,
             p_now=self._now(),
         )
         by_id: dict[str, SettleResult] = {str(r["delivery_id"]): r["result"] for r in rows}
@@ -374,14 +381,7 @@ class RoutineTransport:
         """Settles ``settlements`` in ``connection``'s transaction, then keeps the result and
         publishes the follow-ups of each one the settle completed (raises :class:`TransportError`
         for a follow-up the publish refuses)."""
-        rows = await self.call(
-            "settle", connection=connection, p_ids=[int(s.delivery_id) for s in settlements],
-            p_tokens=[s.lease_token for s in settlements], p_outcomes=[s.kind for s in settlements],
-            p_delays=[settle_delay(s.delay_seconds) for s in settlements], p_reasons=[s.reason for s in settlements],
-            p_errors=[s.error for s in settlements], p_draws=draws, p_now=self._now(),
-        )
-        by_id: dict[str, SettleResult] = {str(r["delivery_id"]): r["result"] for r in rows}
-        results = [by_id.get(s.delivery_id, "LeaseLost") for s in settlements]
+        results = await self._settle_call(settlements, draws, connection=connection)
         completed = [s for s, result in zip(settlements, results, strict=True) if result == "Completed"]
         kept = [(int(s.delivery_id), s.result_json) for s in completed if s.result_json is not None]
         if kept:
