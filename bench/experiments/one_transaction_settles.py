@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """How fast a worker runs jobs whose completion writes more than the delivery: a job declared
-``store_result=True`` (its result kept with the completion) and a chain of two jobs (the second
-published with the first's completion), against the same no-op job without either.
+``store_result=True`` (its result kept with the completion), a chain of two jobs (the second
+published with the first's completion) and a unique job (its key freed when it is done), against
+the same no-op job without any of them.
 
     .venv/bin/python bench/experiments/one_transaction_settles.py                 # 10,000 jobs a case
     .venv/bin/python bench/experiments/one_transaction_settles.py --jobs 20000
 
-Each case fills its jobs with a producer-only queue (``bulk``, or ``chain`` for the chains), then
+Each case fills its jobs with a producer-only queue (``bulk``; ``chain`` for the chains, ``dispatch``
+with ``unique=`` a key of its own for the unique jobs), then
 one queue with a host (``queue.lifespan``, the job queue at its defaults) runs them; jobs/s is the
 count over the time until every delivery is Completed (polled every 50 ms). The database
 (``--database``, default ``bench_one_transaction``, on ``$BENCH_PG_URL`` or the local server) is
@@ -62,6 +64,9 @@ async def one_case(url: str, database: str, case: str, n: int) -> float:
         if case == "chain":
             for i in range(n // 2):
                 await producer.chain([(first, {"i": i}), (second, {"i": i})])
+        elif case == "unique":
+            for i in range(n):
+                await producer.dispatch(first, {"i": i}, unique=f"key-{i}")
         else:
             for start in range(0, n, 500):
                 await producer.bulk([(first, {"i": i}) for i in range(start, min(n, start + 500))])
@@ -85,7 +90,7 @@ async def one_case(url: str, database: str, case: str, n: int) -> float:
 
 async def main(args: argparse.Namespace) -> None:
     rates: dict[str, float] = {}
-    for case in ("plain", "result", "chain"):
+    for case in ("plain", "result", "chain", "unique"):
         rates[case] = await one_case(args.url, args.database, case, args.jobs)
         print(f"{case:6s} {rates[case]:8.0f} jobs/s", flush=True)
     print(json.dumps({"jobs": args.jobs, "jobs_per_s": {k: round(v) for k, v in rates.items()}}))

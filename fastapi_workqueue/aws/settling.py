@@ -9,6 +9,7 @@ is a part of :class:`.transport.AwsTransport`."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -243,7 +244,7 @@ class Settling:
         lease = self._lease(settlement.delivery_id, settlement.lease_token)
         if settlement.kind != "Complete" or not settlement.follow_ups or lease is None:
             [result] = await self.settle([settlement])
-            return result
+            return await self._freeing(settlement, result)
         from .follow_ups import publish_follow_ups, with_derived_ids
 
         follow_ups = with_derived_ids(lease.message_id, settlement.follow_ups)
@@ -255,4 +256,14 @@ class Settling:
         }
         await publish_follow_ups(cast("AwsTransport", self), settlement.delivery_id, follow_ups, derived)
         [result] = await self.settle([settlement])
+        return await self._freeing(settlement, result)
+
+    async def _freeing(self, settlement: Settlement, result: SettleResult) -> SettleResult:
+        """Frees the deduplication keys the settlement names once it ended the delivery's work
+        (after the delete: a key freed before it could let a second job in while this one may run
+        again)."""
+        if result in ("Completed", "Discarded"):
+            for topic, key, message_id in settlement.frees:
+                with contextlib.suppress(Exception):  # at worst the key expires with its TTL
+                    await cast("AwsTransport", self).release_deduplication_key(topic, key, message_id)
         return result

@@ -239,7 +239,7 @@ def settlement_for(delivery_id: str, lease_token: str, result: object) -> Settle
     if result is None:
         return Settlement(*base, "Complete")
     if isinstance(result, Complete):
-        return Settlement(*base, "Complete", follow_ups=result.then, result_json=result.result)
+        return Settlement(*base, "Complete", follow_ups=result.then, result_json=result.result, frees=result.frees)
     if isinstance(result, Retry):
         return Settlement(*base, "Retry", delay_seconds=result.delay_seconds, reason=result.reason)
     if isinstance(result, DeadLetter):

@@ -644,6 +644,9 @@ class MemoryTransport:
             if not d.cancel_requested:
                 self._check_follow_ups(s)
         [result] = await self.settle([s])
+        if result in ("Completed", "Discarded"):
+            for topic, key, message_id in s.frees:
+                await self.release_deduplication_key(topic, key, message_id)
         if result == "Completed":
             if s.result_json is not None:
                 d = self._store.deliveries.get(_number(s.delivery_id))

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 if TYPE_CHECKING:
+    import uuid
+
     from .envelope import PreparedMessage
 
 
@@ -28,6 +30,9 @@ class Complete:
 
     then: tuple[FollowUp, ...] = ()
     result: str | None = None
+    frees: tuple[tuple[str, str, uuid.UUID], ...] = ()
+    """Deduplication keys, as (topic, key, the message that holds it), freed in the same transaction
+    when it completes or discards the delivery (a unique job's key)."""
     kind: ClassVar[Literal["Complete"]] = "Complete"
 
 
@@ -64,11 +69,12 @@ class Outcome:
     """Builders for handler outcomes: ``return Outcome.complete()``."""
 
     @staticmethod
-    def complete(then: Iterable[FollowUp] = (), result: str | None = None) -> Complete:
-        """The delivery is done; ``then`` is published, and ``result`` (JSON text) stored, in the same
-        transaction as the completion."""
+    def complete(then: Iterable[FollowUp] = (), result: str | None = None,
+                 frees: tuple[tuple[str, str, uuid.UUID], ...] = ()) -> Complete:
+        """The delivery is done; ``then`` is published, ``result`` (JSON text) stored and the
+        deduplication keys ``frees`` names freed, in the same transaction as the completion."""
         follow_ups = tuple(then)
-        return Complete(follow_ups, result) if follow_ups or result is not None else _COMPLETE
+        return Complete(follow_ups, result, frees) if follow_ups or result is not None or frees else _COMPLETE
 
     @staticmethod
     def retry(reason: str, delay_seconds: float | None = None) -> Retry:

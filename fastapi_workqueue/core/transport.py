@@ -149,12 +149,15 @@ class Settlement:
     result_json: str | None = None
     """Kept with the message in the transaction that writes a ``Complete`` (a job's stored result);
     written only by :meth:`Consuming.settle_with_follow_ups`."""
+    frees: tuple[tuple[str, str, uuid.UUID], ...] = ()
+    """Deduplication keys (topic, key, the message that holds it) freed in the transaction that
+    writes a ``Complete`` when it completes or discards the delivery (a unique job's key)."""
 
     @property
     def one_transaction(self) -> bool:
-        """True when the settle writes more than the delivery (follow-ups or a result): it goes
-        through :meth:`Consuming.settle_with_follow_ups`, not a batch."""
-        return bool(self.follow_ups) or self.result_json is not None
+        """True when the settle writes more than the delivery (follow-ups, a result, keys to free):
+        it goes through :meth:`Consuming.settle_with_follow_ups`, not a batch."""
+        return bool(self.follow_ups) or self.result_json is not None or bool(self.frees)
 
 
 WakeupListener = Callable[[str], None]

@@ -211,6 +211,18 @@ class PostgresTransport(RoutineTransport):
             p_priority=m.priority or None,
         )
 
+    async def _free_keys(self, connection: Any, keys: list[tuple[str, str, uuid.UUID]]) -> None:
+        """All the keys in one round trip (as :meth:`_put_results`)."""
+        if len(keys) == 1:
+            await super()._free_keys(connection, keys)
+            return
+        try:
+            await connection.executemany(
+                "SELECT workqueue.release_deduplication_key(p_topic => $1, p_key => $2, p_message_id => $3)", keys
+            )
+        except Exception as exc:
+            raise map_error(exc, "release deduplication key") from exc
+
     async def _put_results(self, connection: Any, results: list[tuple[int, str]]) -> None:
         """All the results in one round trip (the driver sends the calls of ``executemany`` together)."""
         if len(results) == 1:

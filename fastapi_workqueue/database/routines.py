@@ -386,6 +386,9 @@ class RoutineTransport:
         kept = [(int(s.delivery_id), s.result_json) for s in completed if s.result_json is not None]
         if kept:
             await self._put_results(connection, kept)
+        freed = [key for s, result in zip(settlements, results, strict=True) if result in ENDED for key in s.frees]
+        if freed:
+            await self._free_keys(connection, freed)
         # One publish per topic for the follow-ups of every completion, in the order they were given.
         by_topic: dict[str, list[tuple[str, PreparedMessage]]] = {}
         for s in completed:
@@ -401,6 +404,12 @@ class RoutineTransport:
                     ((item, a) for item, a in refused if a.error is None or a.error.code != "BatchAborted"), refused[0])
                 raise TransportError(follow_up_refused(delivery_id, topic, message, answer))
         return results
+
+    async def _free_keys(self, connection: Any, keys: list[tuple[str, str, uuid.UUID]]) -> None:
+        """Frees each deduplication key (topic, key, message) its message holds, in ``connection``'s transaction."""
+        for topic, key, message_id in keys:
+            await self.call("release_deduplication_key", connection=connection, p_topic=topic, p_key=key,
+                            p_message_id=message_id)
 
     async def _put_results(self, connection: Any, results: list[tuple[int, str]]) -> None:
         """Keeps each (delivery id, result JSON) with the delivery's message, in ``connection``'s transaction."""
@@ -897,6 +906,10 @@ def delivery_number(delivery_id: str) -> int | None:
 
 
 _ACCEPTED = PublishStatus.ACCEPTED
+
+ENDED: frozenset[SettleResult] = frozenset({"Completed", "Discarded"})
+"""The settle results that end a delivery's work for good with its completion: a unique job's key
+is freed (a settle that finds its lease lost leaves it held by the job, which runs again)."""
 
 
 _ACCEPTED_FIELDS = frozenset({"status", "message_id", "error"})

@@ -462,14 +462,15 @@ class Jobs:
             priority=first.priority,
         )
 
-    def completion(self, envelope: JobEnvelope, result: str | None = None) -> WorkOutcome:
-        """Complete, with the chain's next job queued and ``result`` (a stored result's text) kept
-        in the same transaction."""
+    def completion(self, envelope: JobEnvelope, result: str | None = None,
+                   frees: tuple[tuple[str, str, uuid.UUID], ...] = ()) -> WorkOutcome:
+        """Complete, with the chain's next job queued, ``result`` (a stored result's text) kept and
+        the unique keys ``frees`` names freed in the same transaction."""
         following = self.next_request(envelope)
         if following is None:
-            return Outcome.complete(result=result)
+            return Outcome.complete(result=result, frees=frees)
         queue, request = following
-        return Outcome.complete(then=[FollowUp(topic_of(queue), [prepare(request)])], result=result)
+        return Outcome.complete(then=[FollowUp(topic_of(queue), [prepare(request)])], result=result, frees=frees)
 
     def result_text(self, job: Job, value: Any) -> str:
         """The stored text of what ``job`` (declared ``store_result=True``) returned; raises

@@ -38,7 +38,7 @@ from ..core.redaction import redacting_logger
 from .context import JobContext, JobDiscard, JobRelease
 from .definition import Job, JobPayloadInvalid
 from .encryption import PayloadUndecryptable
-from .envelope import PLAIN_KEYS, VERSION, EnvelopeInvalid, JobEnvelope, queue_of
+from .envelope import PLAIN_KEYS, VERSION, EnvelopeInvalid, JobEnvelope, queue_of, topic_of
 from .events import E, JobDiscarded, JobEvent, JobFailed, JobProcessed, JobProcessing, JobReleased, ReleaseReason
 from .middleware import JobAttempt
 from .results import ResultNotStorable
@@ -184,14 +184,13 @@ class JobRunner:
             await self._after_error(_fields(envelope, message, queue, context), context, envelope, exc, why)
             raise
         if result is None:  # the common outcome first: no isinstance checks, no event unless heard
-            if envelope.unique_key is not None:
-                await self._end_unique(queue, envelope, message, context)
             if jobs.events:
                 seconds = time.monotonic() - started
                 self._after(context, lambda: _fields(envelope, message, queue, context).event(JobProcessed,
                                                                                                seconds=seconds),
                             written="Completed", chained=bool(envelope.chain))
-            return jobs.completion(envelope) if envelope.chain else None
+            frees = _frees(queue, envelope, message)
+            return jobs.completion(envelope, frees=frees) if envelope.chain or frees else None
         return await self._ended(result, envelope, message, context, queue, started)
 
     async def _ended(self, result: Any, envelope: JobEnvelope, message: WorkMessage[Any], context: WorkContext,
@@ -223,10 +222,9 @@ class JobRunner:
                 failure = FatalWorkError(str(exc))
                 await self._failed(base, context, envelope, failure, str(exc))
                 raise failure from None
-        await self._end_unique(queue, envelope, message, context)
         self._after(context, lambda: base.event(JobProcessed, seconds=time.monotonic() - started),
                     written="Completed", chained=bool(envelope.chain))
-        return jobs.completion(envelope, stored)
+        return jobs.completion(envelope, stored, _frees(queue, envelope, message))
 
     async def _attempt(
         self, job: Job, payload: Any, job_context: JobContext, envelope: JobEnvelope, message: WorkMessage[Any],
@@ -383,3 +381,12 @@ class _JobLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
         kwargs["extra"] = {**self._fields, **(kwargs.get("extra") or {})}
         return msg, kwargs
+
+
+def _frees(queue: str, envelope: JobEnvelope, message: WorkMessage[Any]) -> tuple[tuple[str, str, uuid.UUID], ...]:
+    """The unique key a completion frees in its own transaction (held until done), or none: a key
+    held until processing was freed as the attempt began, and a completion that finds its lease
+    lost frees nothing (the job runs again and keeps holding it)."""
+    if envelope.unique_key is None or envelope.unique_until == "processing":
+        return ()
+    return ((topic_of(queue), envelope.unique_key, message.message_id),)

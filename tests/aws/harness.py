@@ -179,6 +179,8 @@ AWS_SKIPS: dict[str, str] = {
     "test_c03_same_message_id_different_content_is_conflict": SNS_PUBLISH,
     "test_c04_deduplication_key_within_ttl_is_duplicate_then_accepted_after": SNS_PUBLISH,
     "test_c04_deduplication_key_repeated_within_one_call": SNS_PUBLISH,
+    "test_a_completion_frees_the_deduplication_keys_it_names_and_nothing_else_does": SNS_PUBLISH,
+    "test_completions_settled_together_free_their_keys": SNS_PUBLISH,
     "test_c06_conflict_in_a_batch_publishes_nothing": SNS_PUBLISH,
     "test_c02_batch_repeating_stored_and_own_items_answers_duplicate_for_them": SNS_PUBLISH,
     "test_a_refused_follow_up_rolls_the_completion_back[conflict]": SNS_PUBLISH,

@@ -3,6 +3,7 @@ transaction. The follow-ups exist if and only if the completion was written."""
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
@@ -173,3 +174,45 @@ async def test_a_refused_follow_up_writes_none_of_the_settlements_together(harne
     with pytest.raises(TransportError):
         await harness.transport.settle_with_follow_ups(completion(two, FollowUp(unique("no-such-topic"), lost)))
     assert await first.status(two.delivery_id) == "InFlight"
+
+
+async def test_a_completion_frees_the_deduplication_keys_it_names_and_nothing_else_does(harness: Harness) -> None:
+    world = await make_world(harness.transport, [{"role": "a", "max_attempts": 3}])
+    key = unique("unique-job")
+
+    async def second_dispatch() -> str:
+        [answer] = await world.publish(PublishRequest(payload="again", deduplication_key=key,
+                                                      deduplication_ttl_seconds=3600))
+        return answer.status.value
+
+    await world.publish_one(payload="first", deduplication_key=key, deduplication_ttl_seconds=3600)
+    delivery = await world.claim_one("a")
+    frees = ((world.topic, key, delivery.message_id),)
+    retry = Settlement(delivery.delivery_id, delivery.lease_token, "Retry", delay_seconds=0, frees=frees)
+    assert await harness.transport.settle_with_follow_ups(retry) == "Pending"
+    assert await second_dispatch() == "Duplicate"  # a retry ends nothing: the key stays held
+    again = await world.claim_one("a")
+    stale = Settlement(delivery.delivery_id, delivery.lease_token, "Complete", frees=frees)
+    assert await harness.transport.settle_with_follow_ups(stale) == "LeaseLost"
+    assert await second_dispatch() == "Duplicate"  # nor does a completion whose lease was lost
+    done = Settlement(again.delivery_id, again.lease_token, "Complete", frees=frees)
+    assert await harness.transport.settle_with_follow_ups(done) == "Completed"
+    assert await second_dispatch() == "Accepted"
+
+
+async def test_completions_settled_together_free_their_keys(harness: Harness) -> None:
+    world = await make_world(harness.transport, [{"role": "a"}])
+    keys = [unique("unique-job") for _ in range(2)]
+    for key in keys:
+        await world.publish_one(payload=key, deduplication_key=key, deduplication_ttl_seconds=3600)
+    claimed = {json.loads(d.payload_json or "null"): d for d in await world.claim("a", 2)}
+    answers = await harness.transport.settle_together([
+        Settlement(claimed[key].delivery_id, claimed[key].lease_token, "Complete",
+                   frees=((world.topic, key, claimed[key].message_id),)) for key in keys])
+    again = await world.publish(*[PublishRequest(payload="again", deduplication_key=key,
+                                                 deduplication_ttl_seconds=3600) for key in keys])
+    if answers is None:  # a store without such a transaction: nothing is written, the keys stay held
+        assert [a.status.value for a in again] == ["Duplicate", "Duplicate"]
+        return
+    assert answers == ["Completed", "Completed"]
+    assert [a.status.value for a in again] == ["Accepted", "Accepted"]
