@@ -211,29 +211,15 @@ class PostgresTransport(RoutineTransport):
             p_priority=m.priority or None,
         )
 
-    async def _free_keys(self, connection: Any, keys: list[tuple[str, str, uuid.UUID]]) -> None:
-        """All the keys in one round trip (as :meth:`_put_results`)."""
-        if len(keys) == 1:
-            await super()._free_keys(connection, keys)
+    async def _call_each(self, connection: Any, routine: str, calls: list[dict[str, Any]]) -> None:
+        """All the calls in one round trip: the driver sends the statements of ``executemany`` together."""
+        if len(calls) < 2:
+            await super()._call_each(connection, routine, calls)
             return
         try:
-            await connection.executemany(
-                "SELECT workqueue.release_deduplication_key(p_topic => $1, p_key => $2, p_message_id => $3)", keys
-            )
+            await connection.executemany(self._statement(routine, tuple(calls[0])), [tuple(c.values()) for c in calls])
         except Exception as exc:
-            raise map_error(exc, "release deduplication key") from exc
-
-    async def _put_results(self, connection: Any, results: list[tuple[int, str]]) -> None:
-        """All the results in one round trip (the driver sends the calls of ``executemany`` together)."""
-        if len(results) == 1:
-            await super()._put_results(connection, results)
-            return
-        try:
-            await connection.executemany(
-                "SELECT workqueue.result_put(p_delivery_id => $1, p_value => $2)", results
-            )
-        except Exception as exc:
-            raise map_error(exc, "result put") from exc
+            raise map_error(exc, routine.replace("_", " ")) from exc
 
     def _wake_after_commit(self, session: Any, subscription_ids: Sequence[int]) -> None:
         """NOTIFY ``subscription_ids`` once ``session``'s transaction commits, or now when the
@@ -252,12 +238,7 @@ class PostgresTransport(RoutineTransport):
         """``SELECT * FROM workqueue.<routine>(p_a => $1, …)``: named arguments, so a parameter
         that the function does not have is an error, never a silent shift. With ``connection`` (an
         asyncpg connection in a transaction, :meth:`_in_transaction`) it runs there, not retried."""
-        names = tuple(params)
-        sql = self._statements.get((routine, names))
-        if sql is None:
-            args = ", ".join(f"{name} => ${i}" for i, name in enumerate(names, 1))
-            sql = f"SELECT * FROM workqueue.{routine}({args})"
-            self._statements[(routine, names)] = sql
+        sql = self._statement(routine, tuple(params))
         # An array of nothing but NULLs travels as one NULL: every routine reads its arrays with a
         # multi-argument unnest() (which pads) or = ANY(), so the meaning is the same.
         values = []
@@ -284,6 +265,15 @@ class PostgresTransport(RoutineTransport):
         return await with_retries(
             routine.replace("_", " "), functools.partial(self._fetch, sql, values), first_failure=failure
         )
+
+    def _statement(self, routine: str, names: tuple[str, ...]) -> str:
+        """``SELECT * FROM workqueue.<routine>(p_a => $1, …)`` for these argument names (kept once built)."""
+        sql = self._statements.get((routine, names))
+        if sql is None:
+            args = ", ".join(f"{name} => ${i}" for i, name in enumerate(names, 1))
+            sql = f"SELECT * FROM workqueue.{routine}({args})"
+            self._statements[(routine, names)] = sql
+        return sql
 
     async def _fetch(self, sql: str, values: list[Any]) -> Sequence[Row]:
         pool = self.pool

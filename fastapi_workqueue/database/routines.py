@@ -383,12 +383,13 @@ class RoutineTransport:
         for a follow-up the publish refuses)."""
         results = await self._settle_call(settlements, draws, connection=connection)
         completed = [s for s, result in zip(settlements, results, strict=True) if result == "Completed"]
-        kept = [(int(s.delivery_id), s.result_json) for s in completed if s.result_json is not None]
-        if kept:
-            await self._put_results(connection, kept)
-        freed = [key for s, result in zip(settlements, results, strict=True) if result in ENDED for key in s.frees]
-        if freed:
-            await self._free_keys(connection, freed)
+        await self._call_each(connection, "result_put", [
+            {"p_delivery_id": int(s.delivery_id), "p_value": s.result_json}
+            for s in completed if s.result_json is not None])
+        await self._call_each(connection, "release_deduplication_key", [
+            {"p_topic": topic, "p_key": key, "p_message_id": message_id}
+            for s, result in zip(settlements, results, strict=True) if result in ENDED
+            for topic, key, message_id in s.frees])
         # One publish per topic for the follow-ups of every completion, in the order they were given.
         by_topic: dict[str, list[tuple[str, PreparedMessage]]] = {}
         for s in completed:
@@ -405,16 +406,11 @@ class RoutineTransport:
                 raise TransportError(follow_up_refused(delivery_id, topic, message, answer))
         return results
 
-    async def _free_keys(self, connection: Any, keys: list[tuple[str, str, uuid.UUID]]) -> None:
-        """Frees each deduplication key (topic, key, message) its message holds, in ``connection``'s transaction."""
-        for topic, key, message_id in keys:
-            await self.call("release_deduplication_key", connection=connection, p_topic=topic, p_key=key,
-                            p_message_id=message_id)
-
-    async def _put_results(self, connection: Any, results: list[tuple[int, str]]) -> None:
-        """Keeps each (delivery id, result JSON) with the delivery's message, in ``connection``'s transaction."""
-        for delivery_id, value in results:
-            await self.call("result_put", connection=connection, p_delivery_id=delivery_id, p_value=value)
+    async def _call_each(self, connection: Any, routine: str, calls: list[dict[str, Any]]) -> None:
+        """:meth:`call` of ``routine`` once for each of ``calls`` (its arguments by name, the same names
+        in each), in ``connection``'s transaction; the answers are not read."""
+        for params in calls:
+            await self.call(routine, connection=connection, **params)
 
     def _now(self) -> datetime | None:
         """``p_now`` of a claim, heartbeat, settle or sweep: None (the database's clock) unless the
