@@ -390,7 +390,8 @@ def test_result_columns_match(name: str) -> None:
 
 def transport_calls() -> dict[str, set[str]]:
     """Routine name → the keyword names ``routines.py`` passes, from ``self.call("…")`` and
-    ``self._scalar("…")`` (``self._action("…")`` adds what ``_action`` passes itself)."""
+    ``self._scalar("…")`` (``self._action("…")`` adds what ``_action`` passes itself), and from
+    ``self._call_each(connection, "…", [{"p_…": …} for …])`` (the keys of its dicts)."""
     tree = ast.parse(ROUTINES_PY.read_text(encoding="utf-8"))
     calls: dict[str, set[str]] = {}
     action_keywords: set[str] = set()
@@ -407,6 +408,12 @@ def transport_calls() -> dict[str, set[str]]:
                     calls[first.value].add("<action>")
             elif node.func.attr == "call":
                 action_keywords |= keywords
+        elif node.func.attr == "_call_each" and len(node.args) == 3 and isinstance(node.args[1], ast.Constant):
+            each = node.args[2]
+            row = each.elt if isinstance(each, ast.ListComp) else None
+            assert isinstance(row, ast.Dict), f"_call_each of {node.args[1].value!r}: pass a comprehension of dicts"
+            calls.setdefault(str(node.args[1].value), set()).update(
+                str(k.value) for k in row.keys if isinstance(k, ast.Constant))
     for names in calls.values():
         if "<action>" in names:
             names.discard("<action>")
