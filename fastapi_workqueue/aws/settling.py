@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ..core.lifecycle import BackoffPolicy, clamp_delay, settle_transition
 from ..core.reports import DeliveryInfo, DeliveryStatus
-from ..core.transport import Settlement, SettleResult
+from ..core.transport import FREES_KEYS, Settlement, SettleResult
 from . import body as bodies
 from .leases import MAX_LEASE_SECONDS, Held, Lease, change_visibility
 from .naming import BATCH
@@ -262,7 +262,7 @@ class Settling:
         """Frees the deduplication keys the settlement names once it ended the delivery's work
         (after the delete: a key freed before it could let a second job in while this one may run
         again)."""
-        if result in ("Completed", "Discarded"):
+        if result in FREES_KEYS:
             for topic, key, message_id in settlement.frees:
                 with contextlib.suppress(Exception):  # at worst the key expires with its TTL
                     await cast("AwsTransport", self).release_deduplication_key(topic, key, message_id)

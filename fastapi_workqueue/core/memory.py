@@ -74,6 +74,7 @@ from .topology import (
     TopicState,
 )
 from .transport import (
+    FREES_KEYS,
     Capabilities,
     Claimed,
     ClaimedDelivery,
@@ -644,7 +645,7 @@ class MemoryTransport:
             if not d.cancel_requested:
                 self._check_follow_ups(s)
         [result] = await self.settle([s])
-        if result in ("Completed", "Discarded"):
+        if result in FREES_KEYS:
             for topic, key, message_id in s.frees:
                 await self.release_deduplication_key(topic, key, message_id)
         if result == "Completed":

@@ -34,6 +34,11 @@ from .topology import Subscription, SubscriptionState, SubscriptionStatus, Topic
 SettleKind = Literal["Complete", "Retry", "Fail", "DeadLetter", "Release", "Discard"]
 SettleResult = Literal["Completed", "Pending", "DeadLettered", "Discarded", "LeaseLost"]
 
+FREES_KEYS: frozenset[SettleResult] = frozenset({"Completed", "Discarded"})
+"""The settle results that free the deduplication keys a settlement names (``Settlement.frees``):
+the delivery's work ended with it. A settle that finds its lease lost frees nothing (the job runs
+again and still holds its key)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:

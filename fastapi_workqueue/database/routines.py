@@ -54,6 +54,7 @@ from ..core.retirement import DeleteResult, RetireResult, TopicStatus, TopicStat
 from ..core.search import SEARCH_LIMIT, FoundDelivery
 from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic, TopicState
 from ..core.transport import (
+    FREES_KEYS,
     Capabilities,
     Claimed,
     ClaimedDelivery,
@@ -388,7 +389,7 @@ class RoutineTransport:
             for s in completed if s.result_json is not None])
         await self._call_each(connection, "release_deduplication_key", [
             {"p_topic": topic, "p_key": key, "p_message_id": message_id}
-            for s, result in zip(settlements, results, strict=True) if result in ENDED
+            for s, result in zip(settlements, results, strict=True) if result in FREES_KEYS
             for topic, key, message_id in s.frees])
         # One publish per topic for the follow-ups of every completion, in the order they were given.
         by_topic: dict[str, list[tuple[str, PreparedMessage]]] = {}
@@ -902,10 +903,6 @@ def delivery_number(delivery_id: str) -> int | None:
 
 
 _ACCEPTED = PublishStatus.ACCEPTED
-
-ENDED: frozenset[SettleResult] = frozenset({"Completed", "Discarded"})
-"""The settle results that end a delivery's work for good with its completion: a unique job's key
-is freed (a settle that finds its lease lost leaves it held by the job, which runs again)."""
 
 
 _ACCEPTED_FIELDS = frozenset({"status", "message_id", "error"})
