@@ -54,10 +54,10 @@ PURE_HELPERS = frozenset({"backoff_seconds", "filter_matches", "rate_per_second"
 HELPER_OBJECTS = frozenset({"random_draw"})
 """SQL Server objects without a PostgreSQL twin: the view backoff_seconds draws its jitter from
 (a T-SQL function may not call RAND()). It is a view, not a routine."""
-POSTGRESQL_ONLY = frozenset({"publish_one", "publish_one_quiet", "watch_message", "delivery_ended"})
+POSTGRESQL_ONLY = frozenset({"publish_one", "watch_message", "delivery_ended"})
 """PostgreSQL functions without a T-SQL routine: publish_one is publish for one message with
-scalars, and publish_one_quiet the same without its NOTIFY, which only the PostgreSQL
-transport calls (``postgres.py``); every other dialect calls publish for that too. watch_message
+scalars (and, quiet, without its NOTIFY), which only the PostgreSQL transport calls
+(``postgres.py``); every other dialect calls publish for that too. watch_message
 asks for a NOTIFY when a job ends (a waiter elsewhere polls), and delivery_ended is a trigger's
 function (SQL Server's trigger of that name is no routine)."""
 OWNER_ONLY = frozenset({"aws_binding_replace"})
@@ -315,14 +315,15 @@ def test_every_postgresql_function_has_its_routine(name: str) -> None:
 
 def test_publish_one_is_publish_for_one_message_without_a_deduplication_key() -> None:
     """The PostgreSQL-only routine: publish's parameters in the singular, less the deduplication
-    ones, and publish's result columns; only the PostgreSQL transport calls it."""
+    ones, and p_quiet; publish's result columns and the subscriptions to wake (when quiet); only
+    the PostgreSQL transport calls it."""
     publish, one = pg_functions()["publish"], pg_functions()["publish_one"]
     singular = {"p_message_ids": "p_message_id", "p_partition_keys": "p_partition_key",
                 "p_payloads": "p_payload", "p_payload_refs": "p_payload_ref", "p_correlation_ids": "p_correlation_id",
                 "p_content_hashes": "p_content_hash", "p_delays": "p_delay", "p_not_befores": "p_not_before",
                 "p_backoff_schedules": "p_backoff_schedule", "p_priorities": "p_priority"}
     expected = tuple(singular.get(p, p) for p in publish.params if not p.startswith("p_deduplication"))
-    assert one.params == expected and one.columns == publish.columns
+    assert one.params == (*expected, "p_quiet") and one.columns == (*publish.columns, "wake_subscriptions")
     assert not set(tsql_routines()) & POSTGRESQL_ONLY
     assert not set(transport_calls()) & POSTGRESQL_ONLY, "routines.py serves every dialect"
     postgres_py = (ROOT / "fastapi_workqueue" / "database" / "postgres.py").read_text(encoding="utf-8")

@@ -28,7 +28,7 @@ RUNTIME_ROLE = "workqueue_runtime"
 ROLE_SCRIPTS = {"workqueue_runtime": "runtime_role.sql", "workqueue_operator": "operator_role.sql",
                 "workqueue_admin": "admin_role.sql"}
 RUNTIME_FUNCTIONS = {
-    "publish", "publish_one", "publish_one_quiet", "claim", "heartbeat", "settle", "once_begin", "once_finish",
+    "publish", "publish_one", "claim", "heartbeat", "settle", "once_begin", "once_finish",
     "once_abort", "once_renew", "sweep",
     "sync_topic", "sync_subscription", "stats", "backlog", "list_deliveries", "get_delivery", "partitions",
     "list_subscriptions", "list_topics", "schema_versions", "api_key_verify", "api_key_touch", "api_key_session",

@@ -214,18 +214,19 @@ async def test_a_publish_on_an_async_connection_notifies_inside_its_transaction(
 
 async def publish_quietly(transport: PostgresTransport, conn: asyncpg.Connection[Any], topic: str, n: int, *,
                           delay: float | None = None) -> Any:
-    """``publish_one_quiet`` of payload ``n`` in ``conn``'s transaction, as the transport calls it."""
+    """Quiet ``publish_one`` of payload ``n`` in ``conn``'s transaction, as the transport calls it."""
     return await transport.call(
-        "publish_one_quiet", connection=conn, p_topic=topic,
+        "publish_one", connection=conn, p_topic=topic,
         p_message_id=prepare(PublishRequest(payload=n)).message_id, p_partition_key=None,
         p_attributes=None, p_payload=str(n), p_payload_ref=None, p_correlation_id=None, p_content_hash=str(n),
-        p_delay=delay, p_not_before=None, p_max_attempts=None, p_backoff_schedule=None, p_envelope_bytes=10)
+        p_delay=delay, p_not_before=None, p_max_attempts=None, p_backoff_schedule=None, p_envelope_bytes=10,
+        p_quiet=True)
 
 
 async def test_the_publishing_transaction_itself_sends_no_notify(
     pg_url: str, pg_transport: PostgresTransport, listening: Heard
 ) -> None:
-    """publish_one_quiet answers whom to wake; the transaction that called it notifies nobody."""
+    """Quiet, publish_one answers whom to wake; the transaction that called it notifies nobody."""
     topic, ids = await two_subscriptions(pg_transport)
     conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
     try:
@@ -262,6 +263,37 @@ async def test_publish_one_still_notifies_in_its_transaction_for_an_earlier_vers
     await listening.until(2, ids)
     assert listening.ids(ids) == sorted(ids, key=int)
     assert sorted(ids, key=int) == sorted((p for p in listening.payloads if p in ids), key=int)  # one id each
+
+
+async def test_publish_one_with_a_key_notifies_in_its_transaction_the_subscriptions_it_can_wake(
+    pg_url: str, pg_transport: PostgresTransport, listening: Heard
+) -> None:
+    """Not quiet, a keyed message: the Exclusive subscription whose key it becomes the next of is
+    woken, and the one without keys; a second message of the same key wakes only the latter (the
+    key has a delivery ahead of it)."""
+    topic = unique("wake-keyed")
+    keyed, plain = unique("wake-exclusive"), unique("wake-none")
+    await pg_transport.sync_topology([Topic(name=topic)], [
+        Subscription(name=keyed, topic=topic, handler_key="h", partition_mode="Exclusive"),
+        Subscription(name=plain, topic=topic, handler_key="h"),
+    ])
+    by_name = {s.name: str(s.id) for s in await pg_transport.list_subscriptions() if s.name in (keyed, plain)}
+    ids = set(by_name.values())
+    conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        for n in (1, 2):
+            async with conn.transaction():
+                rows = await pg_transport.call(
+                    "publish_one", connection=conn, p_topic=topic,
+                    p_message_id=prepare(PublishRequest(payload=n)).message_id, p_partition_key="k",
+                    p_attributes=None, p_payload=str(n), p_payload_ref=None, p_correlation_id=None,
+                    p_content_hash=str(n), p_delay=None, p_not_before=None, p_max_attempts=None,
+                    p_backoff_schedule=None, p_envelope_bytes=10)
+            assert list(rows) == []  # no rows: Accepted
+    finally:
+        await conn.close()
+    await listening.settled(pg_url, pg_transport)
+    assert listening.ids(ids) == sorted([by_name[keyed], by_name[plain], by_name[plain]], key=int)
 
 
 async def test_the_listener_wakes_each_subscription_a_payload_names(pg_url: str) -> None:

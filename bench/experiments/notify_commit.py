@@ -10,7 +10,7 @@ Exclusive and an Ordered subscription, keyed by one of 1,000 customers), in two 
 turns (the order alternates by round):
 
 - ``inside``: ``publish_one``, which calls ``pg_notify`` in the transaction (what 0029 did);
-- ``after``: ``publish_one_quiet``, whose answer is notified after the commit by the transport's
+- ``after``: ``publish_one`` quiet (``p_quiet``), whose answer is notified after the commit by the transport's
   own ``NotificationSender`` on one connection of its own (what the transport does since 0030).
 
 It prints committed transactions per second per round and the medians. The database
@@ -90,9 +90,8 @@ async def run(dsn: str, variant: str, clients: int, seconds: float) -> float:
             customer = f"customer-{(n * 7919 + k) % 1000}"
             async with conn.transaction():
                 await conn.execute("INSERT INTO orders (customer, amount) VALUES ($1, 5)", customer)
-                function = "publish_one" if variant == "inside" else "publish_one_quiet"
-                rows = await conn.fetch(f"SELECT * FROM workqueue.{function}({ARGS})",
-                                        TOPIC, uuid.uuid4(), customer, '{"order_id": 1}', "h")
+                rows = await conn.fetch(f"SELECT * FROM workqueue.publish_one({ARGS}, p_quiet => $6)",
+                                        TOPIC, uuid.uuid4(), customer, '{"order_id": 1}', "h", variant == "after")
             if variant == "after" and rows and rows[0]["wake_subscriptions"]:
                 sender.send(rows[0]["wake_subscriptions"])
             committed += 1

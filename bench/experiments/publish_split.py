@@ -36,10 +36,10 @@ from fastapi_workqueue import PublishRequest
 
 TOPIC = "split.none"
 RAW_PUBLISH = (
-    "SELECT * FROM workqueue.publish_one_quiet(p_topic => $1, p_message_id => $2, p_partition_key => NULL, "
+    "SELECT * FROM workqueue.publish_one(p_topic => $1, p_message_id => $2, p_partition_key => NULL, "
     "p_attributes => '{}'::jsonb, p_payload => $3, p_payload_ref => NULL, p_correlation_id => NULL, "
     "p_content_hash => $4, p_delay => NULL, p_not_before => NULL, p_max_attempts => NULL, "
-    "p_backoff_schedule => NULL, p_envelope_bytes => 40)"
+    "p_backoff_schedule => NULL, p_envelope_bytes => 40, p_quiet => true)"
 )
 
 
@@ -64,7 +64,7 @@ async def main(args: argparse.Namespace) -> None:
     paths: dict[str, Callable[[int], Awaitable[Any]]] = {
         "SELECT 1": lambda i: conn.fetchval("SELECT 1"),
         "plain INSERT, autocommit": lambda i: conn.execute("INSERT INTO plain (payload) VALUES ($1)", '{"i": 1}'),
-        "publish_one_quiet, raw": lambda i: conn.fetch(RAW_PUBLISH, TOPIC, uuid.uuid4(), '{"i": 1}', "x"),
+        "publish_one quiet, raw": lambda i: conn.fetch(RAW_PUBLISH, TOPIC, uuid.uuid4(), '{"i": 1}', "x"),
         "queue.publish": lambda i: queue.publish(TOPIC, [PublishRequest(payload={"i": i})]),
     }
     results: dict[str, list[dict[str, float]]] = {name: [] for name in paths}

@@ -11,10 +11,10 @@ One message per call (the single publish):
 * ``two inserts``: a function with the same settings as ours (SECURITY DEFINER, generic plans, no
   sequential scans) that inserts the message and one delivery, every value a constant;
 * ``+ topic and subscriptions read``: the message INSERT carries the topic guard, the deliveries
-  come from the topic's subscriptions (``publish_one_quiet``'s two statements, without the list
+  come from the topic's subscriptions (quiet ``publish_one``'s two statements, without the list
   of subscriptions to wake);
 * ``+ wake-up list``: the deliveries' INSERT in a CTE whose RETURNING gives that list;
-* ``publish_one_quiet`` and ``publish_one`` as shipped (``publish_one`` also notifies).
+* ``publish_one`` as shipped, quiet (``p_quiet``) and not (then it also notifies).
 
 Calls of 500 (``workqueue.publish``): without attributes, one attribute per item (each parsed),
 the same attribute given once (an array of one), and the last two again without the
@@ -93,7 +93,7 @@ CALLS = {
     "one message: two inserts": "SELECT split.two_inserts(gen_random_uuid(), :sid);",
     "one message: + topic and subscriptions read": "SELECT split.guarded(gen_random_uuid(), :sid);",
     "one message: + wake-up list": "SELECT split.wake_list(gen_random_uuid(), :sid);",
-    "one message: publish_one_quiet": f"SELECT * FROM workqueue.publish_one_quiet{ONE};",
+    "one message: publish_one quiet": f"SELECT * FROM workqueue.publish_one{ONE[:-1]}, p_quiet => true);",
     "one message: publish_one": f"SELECT * FROM workqueue.publish_one{ONE};",
     "500: no attributes": batch_call("NULL"),
     "500: one attribute per item": batch_call(PER_ITEM),

@@ -163,12 +163,12 @@ class PostgresTransport(RoutineTransport):
         return self._pool
 
     async def _publish_via(self, topic: str, messages: Sequence[PreparedMessage], **via: Any) -> list[PublishResult]:
-        """One message without a deduplication key goes to ``publish_one_quiet``: the same
-        answers as ``publish``, with a value per parameter instead of arrays of one, and no NOTIFY
-        in the publishing transaction: the subscriptions it names are woken once that transaction
-        has committed (:meth:`_wake_after_commit`). Inside a transaction of the transport's own
-        (``connection=``, a settle's follow-ups), or of an ``AsyncConnection`` (whose commit event
-        comes before the commit), ``publish_one`` notifies in the transaction as before. So does a
+        """One message without a deduplication key goes to ``publish_one``: the same answers as
+        ``publish``, with a value per parameter instead of arrays of one. Quiet (``p_quiet``), it
+        sends no NOTIFY in the publishing transaction: the subscriptions it names are woken once
+        that transaction has committed (:meth:`_wake_after_commit`). Inside a transaction of the
+        transport's own (``connection=``, a settle's follow-ups), or of an ``AsyncConnection``
+        (whose commit event comes before the commit), it notifies in the transaction. So does a
         publish in a transaction of its own while no other such publish of this process is under
         way: its commit has no commit of ours to hold up, and the consumers hear of it at the commit
         itself, without a second round trip on a second connection (docs/design/publish-paths.md)."""
@@ -183,7 +183,7 @@ class PostgresTransport(RoutineTransport):
             rows = await self._publish_one(topic, m, quiet, via)
         finally:
             self._own_publishes -= own
-        if not rows:  # no rows: Accepted (and, from publish_one_quiet, nobody to wake)
+        if not rows:  # no rows: Accepted (and, when quiet, nobody to wake)
             return [accepted(m)]
         row = rows[0]
         if quiet and row["wake_subscriptions"] is not None:
@@ -193,7 +193,7 @@ class PostgresTransport(RoutineTransport):
 
     async def _publish_one(self, topic: str, m: PreparedMessage, quiet: bool, via: dict[str, Any]) -> Sequence[Row]:
         return await self.call(
-            "publish_one_quiet" if quiet else "publish_one",
+            "publish_one",
             **via,
             p_topic=topic,
             p_message_id=m.message_id,
@@ -209,6 +209,7 @@ class PostgresTransport(RoutineTransport):
             p_backoff_schedule=backoff_schedule_json(m),
             p_envelope_bytes=m.envelope_bytes,
             p_priority=m.priority or None,
+            p_quiet=quiet,
         )
 
     async def _call_each(self, connection: Any, routine: str, calls: list[dict[str, Any]]) -> None:

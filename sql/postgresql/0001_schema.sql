@@ -1217,20 +1217,25 @@ BEGIN
 END
 $$;
 
--- publish for one message without a deduplication key, with a value per parameter, and without a
--- NOTIFY (one in the publishing transaction makes concurrent commits wait for each other's flush;
--- docs/design/publish-paths.md): the same rows and answers as publish, except that an Accepted
--- message with work to claim now answers one row (status Accepted) whose wake_subscriptions the
--- caller notifies once the transaction has committed; no rows when Accepted with nobody to wake. It
--- writes the message and its deliveries to every kind of subscription itself, keys locked and
--- pointed at as publish does; an unknown topic, a message over the cap or a stored MessageID it
--- hands to publish, which tells which.
+-- publish for one message without a deduplication key, with a value per parameter: the same rows
+-- and answers as publish. It writes the message and its deliveries to every kind of subscription
+-- itself, keys locked and pointed at as publish does; an unknown topic, a message over the cap or a
+-- stored MessageID it hands to publish, which tells which.
+--
+-- p_quiet false: the subscriptions with work to claim now are notified in this transaction, and an
+-- Accepted message answers no rows. What the transport calls inside a transaction whose commit it
+-- cannot wait for (a settle's follow-ups, a caller's AsyncConnection), and for a publish in a
+-- transaction of its own while no other such publish of the process is under way.
+-- p_quiet true: no NOTIFY (one in the publishing transaction makes concurrent commits wait for each
+-- other's flush; docs/design/publish-paths.md): an Accepted message with work to claim now answers
+-- one row (status Accepted) whose wake_subscriptions the caller notifies once the transaction has
+-- committed; no rows when Accepted with nobody to wake.
 --
 -- The functions of an order's path (publish, publish_one, claim, claim_many, heartbeat, settle and
 -- the key handling below) run with plan_cache_mode = force_generic_plan and enable_seqscan = off:
 -- each statement is planned once per session, on the indexes it was written for, instead of again
 -- on every call with the call's values.
-CREATE OR REPLACE FUNCTION workqueue.publish_one_quiet(
+CREATE OR REPLACE FUNCTION workqueue.publish_one(
     p_topic text,
     p_message_id uuid,
     p_partition_key text,
@@ -1244,7 +1249,8 @@ CREATE OR REPLACE FUNCTION workqueue.publish_one_quiet(
     p_max_attempts integer,
     p_backoff_schedule text,
     p_envelope_bytes integer,
-    p_priority smallint DEFAULT NULL   -- NULL: 0
+    p_priority smallint DEFAULT NULL,  -- NULL: 0
+    p_quiet boolean DEFAULT false
 ) RETURNS TABLE (idx integer, status text, message_id uuid, error_code text, error_message text,
                 wake_subscriptions integer[])
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
@@ -1293,6 +1299,26 @@ BEGIN
         -- Without a key (the common call) every delivery is claimed on its own and there is no
         -- key to lock: one plain INSERT, without the keyed path's statement and its key upserts
         -- (some 10-20 us of the server's ~210 us for the call, bench/README.md).
+        IF NOT p_quiet THEN
+            -- Notified from a second read of the subscriptions: cheaper than the deliveries'
+            -- RETURNING below (a subscription changed in between is woken for nothing, or not
+            -- woken and finds its work at its next poll).
+            INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
+                max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
+            SELECT s.id, p_message_id, NULL, 0, coalesce(p_max_attempts, s.max_attempts), s.backoff_base_seconds,
+                   s.backoff_max_seconds, v_backoff, v_visible, coalesce(p_priority, 0)
+            FROM workqueue.subscription s
+            WHERE s.topic = p_topic AND s.retired_at IS NULL
+              AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes))
+            ORDER BY s.id;
+            IF v_visible <= now() THEN
+                PERFORM pg_notify('workqueue', s.id::text)
+                FROM workqueue.subscription s
+                WHERE s.topic = p_topic AND s.retired_at IS NULL
+                  AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes));
+            END IF;
+            RETURN;  -- no rows: Accepted
+        END IF;
         WITH new_delivery AS (
             INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
                 max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
@@ -1360,67 +1386,17 @@ BEGIN
         SELECT array_agg(pointed.subscription_id) INTO v_notify FROM pointed;
     END IF;
     IF v_visible <= now() THEN
-        -- The subscriptions with work to claim now (its unkeyed delivery, or a key it can claim)
-        -- are answered, not notified: the caller wakes them once the transaction has committed.
+        -- The subscriptions with work to claim now: its unkeyed delivery, or a key it can claim.
         SELECT array_agg(x.sid ORDER BY x.sid) INTO v_wake
         FROM unnest(v_sids, v_modes) AS x(sid, mode)
         WHERE x.mode = 0 OR x.sid = ANY (v_notify);
-        IF v_wake IS NOT NULL THEN
+        IF v_wake IS NOT NULL AND NOT p_quiet THEN
+            PERFORM pg_notify('workqueue', sid::text) FROM unnest(v_wake) AS sid;
+        ELSIF v_wake IS NOT NULL THEN  -- quiet: the caller wakes them once the transaction has committed
             RETURN QUERY SELECT 1, 'Accepted'::text, p_message_id, NULL::text, NULL::text, v_wake;
-            RETURN;
         END IF;
     END IF;
-    RETURN;  -- no rows: Accepted, nobody to wake
-END
-$$;
-
--- publish_one_quiet with the NOTIFY in the caller's transaction, and publish's answers (no rows when
--- Accepted): what the transport calls inside a transaction whose commit it cannot wait for (a
--- settle's follow-ups, a caller's AsyncConnection), and for a publish in a transaction of its own
--- while no other such publish of the process is under way (docs/design/publish-paths.md).
-CREATE OR REPLACE FUNCTION workqueue.publish_one(
-    p_topic text,
-    p_message_id uuid,
-    p_partition_key text,
-    p_attributes jsonb,
-    p_payload text,
-    p_payload_ref text,
-    p_correlation_id text,
-    p_content_hash text,
-    p_delay double precision,
-    p_not_before timestamptz,
-    p_max_attempts integer,
-    p_backoff_schedule text,
-    p_envelope_bytes integer,
-    p_priority smallint DEFAULT NULL   -- NULL: 0
-) RETURNS TABLE (idx integer, status text, message_id uuid, error_code text, error_message text)
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-SET plan_cache_mode = force_generic_plan
-SET enable_seqscan = off
-AS $$
-#variable_conflict use_column
-DECLARE
-    v_row record;
-BEGIN
-    FOR v_row IN
-        SELECT * FROM workqueue.publish_one_quiet(
-            p_topic, p_message_id, p_partition_key, p_attributes, p_payload, p_payload_ref,
-            p_correlation_id, p_content_hash, p_delay, p_not_before, p_max_attempts,
-            p_backoff_schedule, p_envelope_bytes, p_priority)
-    LOOP
-        IF v_row.wake_subscriptions IS NOT NULL THEN
-            PERFORM pg_notify('workqueue', sid::text) FROM unnest(v_row.wake_subscriptions) AS sid;
-        ELSE
-            idx := v_row.idx;
-            status := v_row.status;
-            message_id := v_row.message_id;
-            error_code := v_row.error_code;
-            error_message := v_row.error_message;
-            RETURN NEXT;
-        END IF;
-    END LOOP;
-    RETURN;  -- no rows: Accepted
+    RETURN;  -- no rows: Accepted (quiet: with nobody to wake)
 END
 $$;
 

@@ -6,7 +6,7 @@
 -- claim, lease, settle and cancel rules cannot be bypassed with the application's connection.
 --
 -- What it may call:
---   * the work: publish, publish_one, publish_one_quiet, claim, claim_many, heartbeat, settle (a
+--   * the work: publish, publish_one, claim, claim_many, heartbeat, settle (a
 --     release is a settle), and the once markers (once_begin, once_finish, once_abort, once_renew);
 --   * what the jobs layer adds: a unique job frees its key (release_deduplication_key), durable
 --     steps (step_get, step_put), stored results (result_put, result_get), a wait for a job's end
@@ -88,7 +88,7 @@ BEGIN
         SELECT p.oid::regprocedure FROM pg_catalog.pg_proc p
         WHERE p.pronamespace = 'workqueue'::regnamespace
           AND p.proname = ANY (ARRAY[
-              'publish', 'publish_one', 'publish_one_quiet', 'claim', 'heartbeat', 'settle',
+              'publish', 'publish_one', 'claim', 'heartbeat', 'settle',
               'once_begin', 'once_finish', 'once_abort', 'once_renew',
               'sweep', 'record_stats_history',
               'sync_topic', 'sync_subscription',
