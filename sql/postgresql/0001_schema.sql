@@ -802,7 +802,6 @@ DECLARE
     v_count integer;
     v_notify integer[];
     v_key record;
-    v_visible timestamptz;
     v_all boolean;
     v_first bigint[];
     v_retired boolean;
@@ -815,55 +814,14 @@ BEGIN
         -- job's name) sends and parses them once.
         p_attributes := array_fill(p_attributes[1], ARRAY[v_n]);
     END IF;
-    IF v_n = 1 AND p_deduplication_keys IS NULL THEN  -- plain expressions: no query to decide
-        -- One message, the most common call: two plain statements, which cost less to run than
-        -- one with data-modifying CTEs. The message INSERT carries the guard (the topic exists and
-        -- is not retired, has no keyed subscription, and the message fits its cap); the
-        -- deliveries go to the topic's subscriptions without keys (the guard saw no other kind:
-        -- a keyed subscription saved in between gets none, as if saved after this call, and
-        -- never a delivery without its key's bookkeeping).
-        INSERT INTO workqueue.message AS m (id, topic, partition_key, attributes, payload, payload_ref,
-                                            correlation_id, deduplication_key, content_hash)
-        SELECT p_message_ids[1], p_topic, p_partition_keys[1], coalesce(p_attributes[1], '{}'::jsonb),
-               p_payloads[1], p_payload_refs[1], p_correlation_ids[1], NULL, p_content_hashes[1]
-        FROM workqueue.topic t
-        WHERE t.name = p_topic AND t.retired_at IS NULL
-          AND NOT EXISTS (SELECT 1 FROM workqueue.subscription s
-                          WHERE s.topic = t.name AND s.partition_mode <> 'None' AND s.retired_at IS NULL)
-          AND (t.max_payload_bytes IS NULL OR p_envelope_bytes[1] <= t.max_payload_bytes)
-        ON CONFLICT (id) DO NOTHING;
-        IF FOUND THEN
-            v_visible := CASE WHEN p_not_befores IS NULL AND p_delays IS NULL THEN now()
-                              ELSE greatest(now(), coalesce(p_not_befores[1],
-                                                            now() + make_interval(secs => coalesce(p_delays[1], 0)))) END;
-            INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
-                max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
-            SELECT s.id, p_message_ids[1], p_partition_keys[1], 0,
-                   coalesce(p_max_attempts[1], s.max_attempts), s.backoff_base_seconds, s.backoff_max_seconds,
-                   CASE WHEN p_backoff_schedules[1] IS NULL THEN NULL
-                        ELSE ARRAY(SELECT b::double precision FROM jsonb_array_elements_text(p_backoff_schedules[1]::jsonb) AS b) END,
-                   v_visible, coalesce(p_priorities[1], 0)
-            FROM workqueue.subscription s
-            WHERE s.topic = p_topic AND s.partition_mode = 'None' AND s.retired_at IS NULL
-              AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes[1]))
-            ORDER BY s.id;
-            IF v_visible <= now() THEN
-                PERFORM pg_notify('workqueue', s.id::text)
-                FROM workqueue.subscription s
-                WHERE s.topic = p_topic AND s.partition_mode = 'None' AND s.retired_at IS NULL
-                  AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes[1]));
-            END IF;
-            RETURN;  -- no rows: Accepted
-        END IF;
-        -- Not written: the guard failed or the MessageID is stored already; the paths below
-        -- tell which and answer.
-    ELSIF p_deduplication_keys IS NULL THEN
+    IF p_deduplication_keys IS NULL THEN
         -- The common case: the guard's checks for the whole call, then the messages, then their
         -- deliveries and the wake-ups. The messages go in with a plain INSERT, which costs
         -- markedly less per row than ON CONFLICT; a MessageID that is stored already (or given
         -- twice in the call) makes it fail as a whole, and the INSERT runs again with ON
         -- CONFLICT, so that what follows can tell Duplicate from MessageIDConflict as before.
-        -- (The block is a subtransaction: one per call of many messages, none for one message.)
+        -- (The block is a subtransaction, one per call. One message without a deduplication key
+        -- goes to publish_one instead, which writes it without one.)
         SELECT true INTO v_plain
         FROM workqueue.topic t
         WHERE t.name = p_topic AND t.retired_at IS NULL
@@ -1299,47 +1257,36 @@ BEGIN
         -- Without a key (the common call) every delivery is claimed on its own and there is no
         -- key to lock: one plain INSERT, without the keyed path's statement and its key upserts
         -- (some 10-20 us of the server's ~210 us for the call, bench/README.md).
-        IF NOT p_quiet THEN
-            -- Notified from a second read of the subscriptions: cheaper than the deliveries'
-            -- RETURNING below (a subscription changed in between is woken for nothing, or not
-            -- woken and finds its work at its next poll).
-            INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
-                max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
-            SELECT s.id, p_message_id, NULL, 0, coalesce(p_max_attempts, s.max_attempts), s.backoff_base_seconds,
-                   s.backoff_max_seconds, v_backoff, v_visible, coalesce(p_priority, 0)
+        INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
+            max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
+        SELECT s.id, p_message_id, NULL, 0, coalesce(p_max_attempts, s.max_attempts), s.backoff_base_seconds,
+               s.backoff_max_seconds, v_backoff, v_visible, coalesce(p_priority, 0)
+        FROM workqueue.subscription s
+        WHERE s.topic = p_topic AND s.retired_at IS NULL
+          AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes))
+        ORDER BY s.id;
+        -- Whom to wake comes from a second read of the subscriptions, one statement either way:
+        -- cheaper than the deliveries' RETURNING (about 15 us a call notifying; the same quiet). A
+        -- subscription changed in between is woken for nothing, or finds its work at its next poll.
+        IF v_visible <= now() AND NOT p_quiet THEN
+            PERFORM pg_notify('workqueue', s.id::text)
+            FROM workqueue.subscription s
+            WHERE s.topic = p_topic AND s.retired_at IS NULL
+              AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes));
+        ELSIF v_visible <= now() THEN  -- the caller wakes them once the transaction has committed
+            RETURN QUERY
+            SELECT 1, 'Accepted'::text, p_message_id, NULL::text, NULL::text, array_agg(s.id ORDER BY s.id)
             FROM workqueue.subscription s
             WHERE s.topic = p_topic AND s.retired_at IS NULL
               AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes))
-            ORDER BY s.id;
-            IF v_visible <= now() THEN
-                PERFORM pg_notify('workqueue', s.id::text)
-                FROM workqueue.subscription s
-                WHERE s.topic = p_topic AND s.retired_at IS NULL
-                  AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes));
-            END IF;
-            RETURN;  -- no rows: Accepted
+            HAVING count(*) > 0;
         END IF;
-        WITH new_delivery AS (
-            INSERT INTO workqueue.delivery (subscription_id, message_id, partition_key, key_mode,
-                max_attempts, backoff_base_seconds, backoff_max_seconds, backoff_schedule, visible_at, priority)
-            SELECT s.id, p_message_id, NULL, 0, coalesce(p_max_attempts, s.max_attempts), s.backoff_base_seconds,
-                   s.backoff_max_seconds, v_backoff, v_visible, coalesce(p_priority, 0)
-            FROM workqueue.subscription s
-            WHERE s.topic = p_topic AND s.retired_at IS NULL
-              AND (s.filter IS NULL OR workqueue.filter_matches(s.filter, p_attributes))
-            ORDER BY s.id
-            RETURNING subscription_id
-        )
-        SELECT array_agg(nd.subscription_id ORDER BY nd.subscription_id) INTO v_wake FROM new_delivery nd;
-        IF v_wake IS NOT NULL AND v_visible <= now() THEN
-            RETURN QUERY SELECT 1, 'Accepted'::text, p_message_id, NULL::text, NULL::text, v_wake;
-        END IF;
-        RETURN;  -- Accepted
+        RETURN;  -- no rows: Accepted (quiet: with nobody to wake now)
     END IF;
 
-    -- With a key, one statement reads the subscriptions once, locks the key of every keyed delivery (in
-    -- subscription order, as publish does) and inserts the deliveries, each keyed one formed from
-    -- its key's locked row: its id is taken after the lock.
+    -- With a key, one statement reads the subscriptions once, locks the key of every keyed delivery
+    -- (in subscription order, as publish does) and inserts the deliveries, each keyed one formed
+    -- from its key's locked row: its id is taken after the lock.
     WITH target AS MATERIALIZED (
         SELECT s.id AS sid,
                (CASE s.partition_mode WHEN 'None' THEN 0 WHEN 'Exclusive' THEN 1 ELSE 2 END)::smallint AS key_mode,
@@ -1392,7 +1339,7 @@ BEGIN
         WHERE x.mode = 0 OR x.sid = ANY (v_notify);
         IF v_wake IS NOT NULL AND NOT p_quiet THEN
             PERFORM pg_notify('workqueue', sid::text) FROM unnest(v_wake) AS sid;
-        ELSIF v_wake IS NOT NULL THEN  -- quiet: the caller wakes them once the transaction has committed
+        ELSIF v_wake IS NOT NULL THEN  -- the caller wakes them once the transaction has committed
             RETURN QUERY SELECT 1, 'Accepted'::text, p_message_id, NULL::text, NULL::text, v_wake;
         END IF;
     END IF;
