@@ -212,15 +212,16 @@ async def test_a_publish_on_an_async_connection_notifies_inside_its_transaction(
     assert pg_transport._sender is not None and pg_transport._sender.sent == 0  # PostgreSQL sent them
 
 
-async def publish_quietly(transport: PostgresTransport, conn: asyncpg.Connection[Any], topic: str, n: int, *,
-                          delay: float | None = None) -> Any:
-    """Quiet ``publish_one`` of payload ``n`` in ``conn``'s transaction, as the transport calls it."""
+async def publish_one(transport: PostgresTransport, conn: asyncpg.Connection[Any], topic: str, n: int, *,
+                      delay: float | None = None, key: str | None = None, quiet: bool = True) -> Any:
+    """``publish_one`` of payload ``n`` in ``conn``'s transaction, as the transport calls it (quiet
+    unless told otherwise)."""
     return await transport.call(
         "publish_one", connection=conn, p_topic=topic,
-        p_message_id=prepare(PublishRequest(payload=n)).message_id, p_partition_key=None,
+        p_message_id=prepare(PublishRequest(payload=n)).message_id, p_partition_key=key,
         p_attributes=None, p_payload=str(n), p_payload_ref=None, p_correlation_id=None, p_content_hash=str(n),
         p_delay=delay, p_not_before=None, p_max_attempts=None, p_backoff_schedule=None, p_envelope_bytes=10,
-        p_quiet=True)
+        p_quiet=quiet)
 
 
 async def test_the_publishing_transaction_itself_sends_no_notify(
@@ -231,13 +232,13 @@ async def test_the_publishing_transaction_itself_sends_no_notify(
     conn = await asyncpg.connect(to_asyncpg_dsn(pg_url))
     try:
         async with conn.transaction():
-            rows = await publish_quietly(pg_transport, conn, topic, 3)
+            rows = await publish_one(pg_transport, conn, topic, 3)
         [row] = rows
         assert (row["status"], sorted(map(str, row["wake_subscriptions"]), key=int)) == (
             "Accepted", sorted(ids, key=int))
         # Delayed: nothing to claim now, nobody to wake, no rows (Accepted).
         async with conn.transaction():
-            later = await publish_quietly(pg_transport, conn, topic, 4, delay=30.0)
+            later = await publish_one(pg_transport, conn, topic, 4, delay=30.0)
         assert list(later) == []
     finally:
         await conn.close()
@@ -283,12 +284,7 @@ async def test_publish_one_with_a_key_notifies_in_its_transaction_the_subscripti
     try:
         for n in (1, 2):
             async with conn.transaction():
-                rows = await pg_transport.call(
-                    "publish_one", connection=conn, p_topic=topic,
-                    p_message_id=prepare(PublishRequest(payload=n)).message_id, p_partition_key="k",
-                    p_attributes=None, p_payload=str(n), p_payload_ref=None, p_correlation_id=None,
-                    p_content_hash=str(n), p_delay=None, p_not_before=None, p_max_attempts=None,
-                    p_backoff_schedule=None, p_envelope_bytes=10)
+                rows = await publish_one(pg_transport, conn, topic, n, key="k", quiet=False)
             assert list(rows) == []  # no rows: Accepted
     finally:
         await conn.close()
