@@ -154,15 +154,16 @@ async def test_one_message_answers_as_publish_does_when_it_is_not_plain(pg_trans
 async def test_a_batch_whose_items_share_their_attributes_stores_them_on_every_item(
     pg_transport: PostgresTransport, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A call whose items all carry the same attributes (a job's name) sends them once (an array
-    of one); each item is stored, filtered and answered as when they go one per item, on the plain
-    path and on the path with deduplication keys."""
-    sent: list[tuple[int, int]] = []  # (messages, attributes) of each call of publish
+    """A call whose items all carry the same attributes (a job's name), or the same max attempts
+    (a job's tries), sends them once (an array of one); each item is stored, filtered and answered
+    as when they go one per item, on the plain path and on the path with deduplication keys."""
+    sent: list[tuple[int, int, int]] = []  # (messages, attributes, max attempts) of each call of publish
     call = pg_transport.call
 
     async def recording(routine: str, **params: Any) -> Any:
         if routine == "publish":
-            sent.append((len(params["p_message_ids"]), len(params["p_attributes"] or ())))
+            sent.append((len(params["p_message_ids"]), len(params["p_attributes"] or ()),
+                         len(params["p_max_attempts"] or ())))
         return await call(routine, **params)
 
     monkeypatch.setattr(pg_transport, "call", recording)
@@ -175,6 +176,7 @@ async def test_a_batch_whose_items_share_their_attributes_stores_them_on_every_i
              PublishRequest(payload={"n": 2, "k": kind}, attributes=attributes, max_attempts=7)],
             [PublishRequest(payload={"n": 3, "k": kind}, attributes=attributes, deduplication_key=f"d-{kind}"),
              PublishRequest(payload={"n": 4, "k": kind}, attributes=attributes, correlation_id="c-1")],
+            [PublishRequest(payload={"n": n, "k": kind}, attributes=attributes, max_attempts=4) for n in (5, 6, 7, 8)],
         ]
 
     shared_topic, shared_names = await topology(pg_transport)
@@ -187,9 +189,11 @@ async def test_a_batch_whose_items_share_their_attributes_stores_them_on_every_i
                 [result] = await RoutineTransport.publish(pg_transport, single_topic, [prepare(request)])
                 assert result.status == "Accepted", result
 
-    assert sorted({pair for pair in sent if pair[0] > 1}) == [(2, 1), (3, 1)]
+    assert sorted({pair for pair in sent if pair[0] > 1}) == [(2, 1, 2), (3, 1, 3), (4, 1, 1)]
     shared = await stored(pg_transport, shared_topic, shared_names)
     assert shared == await stored(pg_transport, single_topic, single_names)
-    assert len(shared) == 10 + 5 + 10  # "all" and "tight" get every item, "only-a" those of kind a
+    assert len(shared) == 18 + 9 + 18  # "all" and "tight" get every item, "only-a" those of kind a
     assert {row[-1] for row in shared if row[1] == "a"} == {'{"kind": "a"}'}
     assert {row[-1] for row in shared} == {'{"kind": "a"}', '{"kind": "b"}'}
+    # Given once, a max attempts is every item's (the subscription's own, 3 for "tight", gives way).
+    assert {row[6] for row in shared if row[0] in ('{"k":"a","n":5}', '{"k":"b","n":8}')} == {4}

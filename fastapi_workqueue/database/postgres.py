@@ -55,7 +55,7 @@ class PostgresTransport(RoutineTransport):
     name = "postgresql"
     dialect = "postgresql"
     empty_attributes = None  # the publish routine stores a missing value as '{}'
-    shares_attributes = True
+    shares_repeated_values = True
     capabilities = Capabilities(
         ordered=True,
         exclusive=True,

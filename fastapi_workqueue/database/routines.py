@@ -100,9 +100,9 @@ class RoutineTransport:
     #: What publish sends as the attributes of a message without any: the stored form, or None
     #: where the routine reads a missing value as ``{}`` (it then need not parse one per item).
     empty_attributes: str | None = "{}"
-    #: True where publish reads attributes given once (an array of one) as every item's: a call
-    #: whose items all carry the same ones sends them once instead of once per item.
-    shares_attributes = False
+    #: True where publish reads attributes or max attempts given once (an array of one) as every
+    #: item's: a call whose items all carry the same ones sends them once instead of once per item.
+    shares_repeated_values = False
 
     def __init__(self, *, rng: RandomSource | None = None, clock: Clock | None = None) -> None:
         """``rng`` draws the full-jitter fraction of each retry's backoff (one per settled item):
@@ -240,9 +240,8 @@ class RoutineTransport:
              backoff_schedule_json(m), m.envelope_bytes, m.priority or None)
             for m in messages
         ], strict=True))
-        if self.shares_attributes and len(attributes) > 1 and attributes[0] is not None \
-                and attributes.count(attributes[0]) == len(attributes):
-            attributes = attributes[:1]  # every item carries the same ones (a job's name): sent once
+        if self.shares_repeated_values:  # (a bulk of one job: its name and its tries)
+            attributes, max_attempts = sent_once(attributes), sent_once(max_attempts)
         rows = list(await self.call(
             "publish",
             **via,
@@ -919,6 +918,13 @@ def accepted(message: PreparedMessage) -> PublishResult:
     object.__setattr__(result, "__pydantic_extra__", None)
     object.__setattr__(result, "__pydantic_private__", None)
     return result
+
+
+def sent_once(column: list[Any]) -> list[Any]:
+    """``column`` as an array of one when every item holds the same value (not None), else as it is."""
+    if len(column) > 1 and column[0] is not None and column.count(column[0]) == len(column):
+        return column[:1]
+    return column
 
 
 def backoff_schedule_json(message: PreparedMessage) -> str | None:

@@ -814,6 +814,9 @@ BEGIN
         -- job's name) sends and parses them once.
         p_attributes := array_fill(p_attributes[1], ARRAY[v_n]);
     END IF;
+    IF v_n > 1 AND cardinality(p_max_attempts) = 1 THEN  -- the same for max attempts (a job's tries)
+        p_max_attempts := array_fill(p_max_attempts[1], ARRAY[v_n]);
+    END IF;
     IF p_deduplication_keys IS NULL THEN
         -- The common case: the guard's checks for the whole call, then the messages, then their
         -- deliveries and the wake-ups. The messages go in with a plain INSERT, which costs
