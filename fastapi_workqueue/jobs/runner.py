@@ -296,8 +296,10 @@ class JobRunner:
         """Frees the job's unique key (held until done) as its attempt ends, unless the attempt's
         lease ran out first: then the job is not done (the store runs it again, perhaps on another
         worker) and the key stays held by it."""
-        if envelope.unique_key is not None and envelope.unique_until != "processing" and not context.lease_ran_out:
-            await self._jobs.release_unique(queue, envelope.unique_key, message.message_id)
+        if context.lease_ran_out:
+            return
+        for _, key, job_id in _frees(queue, envelope, message):
+            await self._jobs.release_unique(queue, key, job_id)
 
     async def _emit(self, event: JobEvent) -> None:
         await self._jobs.events.emit(event)
