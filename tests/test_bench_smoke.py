@@ -57,6 +57,7 @@ async def test_bench_smoke_mode_measures_every_case(tmp_path: Path) -> None:
         raise
     finally:
         await drop_database(dsn)
+        await drop_database(f"{dsn}_small")  # the small backlog's own database
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]
 

@@ -534,7 +534,8 @@ def main() -> None:
     fast = [w for w in OUR_FAST if w in which]
     slow = [w for w in OUR_SLOW if w in which]
     noise: list[dict[str, Any]] = []
-    monitor = NoiseMonitor({wq_dsn.rpartition("/")[2], CEILING_DB, *(p["db"] for p in PEERS.values())})
+    wq_db = wq_dsn.rpartition("/")[2]
+    monitor = NoiseMonitor({wq_db, f"{wq_db}_small", CEILING_DB, *(p["db"] for p in PEERS.values())})
     monitor.start()
     our_files: list[Path] = []
     peer_files: dict[str, list[Path]] = {name: [] for name in PEERS}

@@ -26,7 +26,8 @@ The method mirrors ``bench/compare/peers/bench_pgqueuer.py`` and ``bench/compare
   fanout             N/5 messages to a topic with five subscriptions (N deliveries), one default
                      worker runs all five.
   backlog_small/large  claim round trip (``queue.transport.claim``) and processing rate of the
-                     first 20,000 deliveries with 10,000 vs 1,000,000 Pending.
+                     first 20,000 deliveries with 10,000 vs 1,000,000 Pending (two databases,
+                     both filled first; their claims are timed in turns).
   mem                peak RSS (VmHWM) of a default worker draining 100,000 deliveries.
 """
 
@@ -161,11 +162,18 @@ async def connect(dsn: str) -> Any:
     return await asyncpg.connect(asyncpg_dsn(dsn))
 
 
-async def ensure_database(dsn: str) -> None:
-    """Creates the database if it does not exist, applies the migrations, syncs the topology."""
+async def ensure_database(dsn: str, *, fresh: bool = False) -> None:
+    """Creates the database if it does not exist (``fresh``: drops it first), applies the
+    migrations, syncs the topology."""
     import asyncpg
 
     base, _, name = asyncpg_dsn(dsn).rpartition("/")
+    if fresh:
+        admin = await asyncpg.connect(f"{base}/postgres")
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        finally:
+            await admin.close()
     try:
         conn = await asyncpg.connect(asyncpg_dsn(dsn))
         await conn.close()
@@ -482,36 +490,62 @@ async def bench_latency(ctx: dict[str, Any], count: int, spacing: float, limit_s
         await stop_worker(proc)
 
 
-async def bench_backlog(ctx: dict[str, Any], label: str, backlog: int, first_n: int) -> dict[str, Any]:
-    """Claim round trip and processing rate of the first ``first_n`` with ``backlog`` Pending.
+def small_dsn(dsn: str) -> str:
+    """The database of the small backlog: the large one's name with ``_small``."""
+    base, mark, query = dsn.partition("?")
+    return f"{base}_small{mark}{query}"
 
-    Fill (calls of --fill-batch), ANALYZE, CHECKPOINT; then --claim-calls claims of --claim-limit
-    through ``queue.transport.claim`` (after 10 warm-up calls), timed one by one; the fill holds
-    that many extra deliveries, so ``backlog`` are still Pending after the claims. Then ONE
-    default worker: time from READY until the next ``first_n`` deliveries (in id order, which is
-    claim order) are finished; the worker is stopped and the tables are emptied.
+
+async def bench_backlogs(ctx: dict[str, Any], small: int, large: int, first_n: int
+                         ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The small and the large backlog, each in a database of its own and both there at once.
+
+    Fill each (calls of --fill-batch), ANALYZE, CHECKPOINT; then --claim-calls claims of
+    --claim-limit through ``queue.transport.claim`` on each, timed one by one and taken in turns
+    (after 10 warm-up calls each; which of the two goes first alternates), so that what the
+    machine does meanwhile weighs on both alike. Each fill holds that many extra deliveries, so ``small`` and
+    ``large`` are still Pending after the claims. Then, per backlog, the processing of its next
+    ``first_n`` deliveries (:func:`process_first`).
     """
-    dsn, limit, calls, warm = ctx["dsn"], ctx["claim_limit"], ctx["claim_calls"], 10
+    limit, calls, warm = ctx["claim_limit"], ctx["claim_calls"], 10
     extra = (warm + calls) * limit
-    t0 = time.perf_counter()
-    await prefill(dsn, "none", backlog + extra, ctx["fill_batch"], checkpoint=True)
-    fill_s = time.perf_counter() - t0
+    small_ctx = {**ctx, "dsn": ctx["small_dsn"]}
+    fills = []
+    for c, backlog in ((small_ctx, small), (ctx, large)):
+        t0 = time.perf_counter()
+        await prefill(c["dsn"], "none", backlog + extra, ctx["fill_batch"], checkpoint=True)
+        fills.append(time.perf_counter() - t0)
     sub = CASES["none"][1][0]
-    queue = make_queue(dsn, host=False)
-    await queue.open()
-    times = []
+    queues = [make_queue(c["dsn"], host=False) for c in (small_ctx, ctx)]
+    times: list[list[float]] = [[], []]
     try:
+        for queue in queues:
+            await queue.open()
         for i in range(warm + calls):
-            t = time.perf_counter()
-            got = await queue.transport.claim(sub, limit)
-            dt = time.perf_counter() - t
-            if len(got) != limit:
-                raise RuntimeError(f"{label}: claim returned {len(got)} deliveries, expected {limit}")
-            if i >= warm:
-                times.append(dt * 1000.0)
+            turn = list(zip(queues, times, strict=True))
+            for queue, timed in turn if i % 2 else reversed(turn):  # which goes first alternates
+                t = time.perf_counter()
+                got = await queue.transport.claim(sub, limit)
+                dt = time.perf_counter() - t
+                if len(got) != limit:
+                    raise RuntimeError(f"claim returned {len(got)} deliveries, expected {limit}")
+                if i >= warm:
+                    timed.append(dt * 1000.0)
     finally:
-        await queue.close()
-    times.sort()
+        for queue in queues:
+            await queue.close()
+    return (await process_first(small_ctx, "backlog_small", small, min(small, first_n), extra, fills[0], times[0]),
+            await process_first(ctx, "backlog_large", large, min(large, first_n), extra, fills[1], times[1]))
+
+
+async def process_first(ctx: dict[str, Any], label: str, backlog: int, first_n: int, extra: int, fill_s: float,
+                        times: list[float]) -> dict[str, Any]:
+    """ONE default worker on ``ctx``'s database, which holds ``backlog`` Pending after the ``extra``
+    that the claims took: time from READY until the next ``first_n`` deliveries (in id order, which
+    is claim order) are finished; the worker is stopped and the tables are emptied. The result
+    carries the backlog's fill time and claim times."""
+    dsn, limit, calls = ctx["dsn"], ctx["claim_limit"], ctx["claim_calls"]
+    times = sorted(times)
     conn = await connect(dsn)
     proc = None
     try:
@@ -724,6 +758,9 @@ async def run_all(args: argparse.Namespace) -> None:
     }
     compile_library()
     await ensure_database(args.dsn)
+    if "backlog" in args.only.split(","):
+        ctx["small_dsn"] = small_dsn(args.dsn)
+        await ensure_database(ctx["small_dsn"], fresh=True)
     conn = await connect(args.dsn)
     server_version = await conn.fetchval("SHOW server_version")
     migrations = [r["name"] for r in await conn.fetch("SELECT name FROM workqueue.schema_migration ORDER BY version")]
@@ -765,10 +802,9 @@ async def run_all(args: argparse.Namespace) -> None:
             record("fanout", await bounded(bench_process(ctx, "fanout", "fanout", max(1, args.jobs // FANOUT)), 900), r)
     for r in range(args.slow_repeats if args.slow_repeats is not None else args.repeats):
         if "backlog" in which:
-            record("backlog_small", await bounded(
-                bench_backlog(ctx, "backlog_small", args.small, min(args.small, args.first_n)), 1800), r)
-            record("backlog_large", await bounded(
-                bench_backlog(ctx, "backlog_large", args.large, min(args.large, args.first_n)), 3600), r)
+            small, large = await bounded(bench_backlogs(ctx, args.small, args.large, args.first_n), 5400)
+            record("backlog_small", small, r)
+            record("backlog_large", large, r)
         if "mem" in which:
             record("mem", await bounded(bench_mem(ctx, args.mem_jobs), 3600), r)
     await reset(args.dsn)
