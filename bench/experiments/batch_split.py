@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""Where the time of a batch publish goes: ``queue.publish`` of 500 messages, the preparation alone
-(``PublishRequest`` and ``prepare()``, no database), and a one-table INSERT of 500 rows over arrays
-(``INSERT ... SELECT unnest(...)``, the shape of pgqueuer's batch enqueue) for comparison
-(bench/README.md, "What bounds the remaining targets").
+"""Where the time of a batch publish goes: ``queue.publish`` of 500 messages; the same with Python's
+cyclic garbage collector off (``gc.disable()`` around the calls: what the collector's passes over
+the objects a batch keeps alive cost), with its first threshold at 10,000 instead of 700, and with
+what existed before the calls frozen (``gc.freeze()``); the preparation alone (``PublishRequest`` and
+``prepare()``, no database), and a one-table INSERT of 500 rows over arrays (``INSERT ... SELECT
+unnest(...)``, the shape of pgqueuer's batch enqueue) for comparison (bench/README.md, "What bounds
+the remaining targets").
 
     .venv/bin/python bench/experiments/batch_split.py                 # 3 turns of 20,000 messages
     .venv/bin/python bench/experiments/batch_split.py --attributes    # each message with one attribute, as a job
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 import time
@@ -35,6 +39,7 @@ from fastapi_workqueue import PublishRequest
 from fastapi_workqueue.core.envelope import prepare
 
 TOPIC = "split.batch"
+DEFAULT_THRESHOLD = gc.get_threshold()
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -64,8 +69,29 @@ async def main(args: argparse.Namespace) -> None:
                 "SELECT unnest($1::jsonb[]), unnest($2::text[]), unnest($3::int[]) RETURNING id",
                 [json.dumps({"i": i}) for i in range(start, start + batch)], ["noop"] * batch, [0] * batch)
 
+    def collector(setting: str) -> Callable[[], Awaitable[None]]:
+        """``library`` with the cyclic collector off, its first threshold at 10,000 (700 by
+        default), or what exists before the calls frozen (``gc.freeze()``, after a collection)."""
+        async def path() -> None:
+            gc.collect()
+            if setting == "off":
+                gc.disable()
+            elif setting == "threshold":
+                gc.set_threshold(10_000, *gc.get_threshold()[1:])
+            else:
+                gc.freeze()
+            try:
+                await library()
+            finally:
+                gc.enable()
+                gc.set_threshold(*DEFAULT_THRESHOLD)
+                gc.unfreeze()
+        return path
+
     paths: dict[str, Callable[[], Awaitable[None]]] = {
-        "queue.publish": library, "preparation only": preparation, "one-table INSERT": one_table,
+        "queue.publish": library, "queue.publish, gc off": collector("off"),
+        "queue.publish, gc 10,000": collector("threshold"), "queue.publish, gc frozen": collector("freeze"),
+        "preparation only": preparation, "one-table INSERT": one_table,
     }
     results: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
     try:
@@ -81,7 +107,7 @@ async def main(args: argparse.Namespace) -> None:
                 got = {"msgs_per_s": n / wall, "wall_us": wall / n * 1e6, "client_cpu_us": client / n * 1e6,
                        "server_cpu_us": server / n * 1e6}
                 results[name].append(got)
-                print(f"turn {turn + 1} {name:17s} {figures(got)}", flush=True)
+                print(f"turn {turn + 1} {name:25s} {figures(got)}", flush=True)
     finally:
         await conn.close()
         await queue.close()
