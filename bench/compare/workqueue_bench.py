@@ -503,9 +503,9 @@ async def bench_backlogs(ctx: dict[str, Any], small: int, large: int, first_n: i
     Fill each (calls of --fill-batch), ANALYZE, CHECKPOINT; then --claim-calls claims of
     --claim-limit through ``queue.transport.claim`` on each, timed one by one and taken in turns
     (after 10 warm-up calls each; which of the two goes first alternates), so that what the
-    machine does meanwhile weighs on both alike. Each fill holds that many extra deliveries, so ``small`` and
-    ``large`` are still Pending after the claims. Then, per backlog, the processing of its next
-    ``first_n`` deliveries (:func:`process_first`).
+    machine does meanwhile weighs on both alike. Each fill holds that many extra deliveries, so
+    ``small`` and ``large`` are still Pending after the claims. Then, per backlog, the processing
+    of its next ``first_n`` deliveries (:func:`process_first`).
     """
     limit, calls, warm = ctx["claim_limit"], ctx["claim_calls"], 10
     extra = (warm + calls) * limit
