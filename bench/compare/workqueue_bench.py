@@ -168,18 +168,17 @@ async def ensure_database(dsn: str, *, fresh: bool = False) -> None:
     import asyncpg
 
     base, _, name = asyncpg_dsn(dsn).rpartition("/")
-    if fresh:
+    exists = not fresh
+    if exists:
+        try:
+            conn = await asyncpg.connect(asyncpg_dsn(dsn))
+            await conn.close()
+        except asyncpg.InvalidCatalogNameError:
+            exists = False
+    if not exists:
         admin = await asyncpg.connect(f"{base}/postgres")
         try:
             await admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        finally:
-            await admin.close()
-    try:
-        conn = await asyncpg.connect(asyncpg_dsn(dsn))
-        await conn.close()
-    except asyncpg.InvalidCatalogNameError:
-        admin = await asyncpg.connect(f"{base}/postgres")
-        try:
             await admin.execute(f'CREATE DATABASE "{name}"')
         finally:
             await admin.close()
