@@ -504,7 +504,8 @@ class AwsTransport(Receiving, Settling, OperatorViews):
     async def once_renew(self, key: str, token: str, running_seconds: float) -> bool:
         raise self._needs_database("context.once")
 
-    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID) -> bool:
+    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID, *,
+                                        session: Any = None) -> bool:
         return False
 
     async def step_get(self, message_id: uuid.UUID, name: str) -> tuple[bool, str | None]:

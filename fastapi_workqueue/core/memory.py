@@ -713,8 +713,10 @@ class MemoryTransport:
 
     # -- deduplication keys and step results -----------------------------------------------------
 
-    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID) -> bool:
-        """Frees ``key`` of ``topic`` if ``message_id`` holds it; True when it held it (live)."""
+    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID, *,
+                                        session: Any = None) -> bool:
+        """Frees ``key`` of ``topic`` if ``message_id`` holds it; True when it held it (live). (No
+        caller's transaction exists here: a ``session`` is not read.)"""
         held = self._store.deduplication.get((topic, key))
         if held is None or held[0] != message_id:
             return False

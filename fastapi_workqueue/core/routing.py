@@ -311,8 +311,10 @@ class RoutingTransport:
     async def once_renew(self, key: str, token: str, running_seconds: float) -> bool:
         return await self.database.once_renew(key, token, running_seconds)
 
-    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID) -> bool:
-        return await self.transport_for_topic(topic).release_deduplication_key(topic, key, message_id)
+    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID, *,
+                                        session: Any = None) -> bool:
+        return await self.transport_for_topic(topic).release_deduplication_key(topic, key, message_id,
+                                                                               session=session)
 
     async def step_get(self, message_id: uuid.UUID, name: str) -> tuple[bool, str | None]:
         return await self.database.step_get(message_id, name)

@@ -238,8 +238,10 @@ class MessageMarkers(Protocol):
         """Holds a Running key ``running_seconds`` more while ``token`` holds it (a holder renews it as a
         heartbeat renews a lease); False once the token no longer holds the key."""
         ...
-    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID) -> bool:
-        """Frees ``key`` of ``topic`` if ``message_id`` holds it (True when it did)."""
+    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID, *,
+                                        session: Any = None) -> bool:
+        """Frees ``key`` of ``topic`` if ``message_id`` holds it (True when it did), in ``session``'s
+        transaction when one is given."""
         ...
     async def step_get(self, message_id: uuid.UUID, name: str) -> tuple[bool, str | None]:
         """The stored JSON result of step ``name`` of the message's work, if any."""

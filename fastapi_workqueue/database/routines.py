@@ -440,10 +440,11 @@ class RoutineTransport:
 
     # -- deduplication keys and step results ---------------------------------------------------
 
-    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID) -> bool:
+    async def release_deduplication_key(self, topic: str, key: str, message_id: uuid.UUID, *,
+                                        session: Any = None) -> bool:
         """Frees ``key`` of ``topic`` if ``message_id`` holds it; True when it held it (live)."""
         return bool(await self._scalar(
-            "release_deduplication_key", p_topic=topic, p_key=key, p_message_id=message_id,
+            "release_deduplication_key", session=session, p_topic=topic, p_key=key, p_message_id=message_id,
         ))
 
     async def step_get(self, message_id: uuid.UUID, name: str) -> tuple[bool, str | None]:

@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..core.clock import SYSTEM_CLOCK, time_to_pass
-from ..core.envelope import MAX_DELAY_SECONDS, PublishResult, PublishStatus, RequestRejected, prepare
+from ..core.envelope import MAX_DELAY_SECONDS, PublishRequest, PublishResult, PublishStatus, RequestRejected, prepare
 from ..core.errors import ConfigurationError, TransportError
 from ..core.message_state import MESSAGE_STATE_NEEDED
 
@@ -59,15 +59,15 @@ def stored_key(jobs: Jobs, job: Job, key: str) -> str:
     return KEY_PREFIX + jobs.unique_key(job, key)
 
 
-async def dispatch_debounced(jobs: Jobs, job: Job, data: Any, target: str, window: float, key: str,
+async def dispatch_debounced(jobs: Jobs, job: Job, request: PublishRequest, target: str, window: float, key: str,
                              session: Any) -> uuid.UUID:
-    """Queues ``job`` debounced on ``key`` and returns its id (the waiting job's, when there is one)."""
+    """Queues ``job`` debounced on ``key`` and returns its id (the waiting job's, when there is one).
+    ``request`` is the job's message (``jobs.request``), its priority included."""
     state = jobs.kernel.ports.state
     if state is None:
         raise ConfigurationError(MESSAGE_STATE_NEEDED)
     topic = await jobs.ensure_queue(target)
     dedup = stored_key(jobs, job, key)
-    request = jobs.request(job, data)
     now = time_to_pass(getattr(state, "clock", SYSTEM_CLOCK))
     timing: dict[str, Any] = {"delay_seconds": window} if now is None else \
         {"not_before": now + timedelta(seconds=window)}  # (a test's clock: due by that clock's time)

@@ -160,21 +160,22 @@ class Job:
             value = adapter.validator.validate_python(payload)
         except ValidationError as exc:
             raise JobPayloadInvalid(self.name, _short(exc)) from None
-        return adapter.serializer.to_python(value, mode="json")
+        return adapter.serializer.to_python(value, mode="json")  # (by field name: `load` reads names)
 
     def load(self, data: Any) -> Any:
         """The stored payload as the function's payload type (raises :class:`JobPayloadInvalid`).
 
         ``data`` is what the payload's JSON reads as. What the Python objects do not validate is
         validated again as JSON (pydantic's JSON mode), which a strict model needs: it takes an ISO
-        date string for a ``datetime`` only from JSON."""
+        date string for a ``datetime`` only from JSON. Fields are read by their names (as
+        :meth:`validate` writes them) and by their aliases (as a producer elsewhere may write them)."""
         validator = self.adapter.validator  # (once per attempt: without the wrapper)
         try:
-            return validator.validate_python(data)
+            return validator.validate_python(data, by_alias=True, by_name=True)
         except ValidationError:
             pass
         try:
-            return validator.validate_json(json.dumps(data))
+            return validator.validate_json(json.dumps(data), by_alias=True, by_name=True)
         except ValidationError as exc:
             raise JobPayloadInvalid(self.name, _short(exc)) from None
 

@@ -59,11 +59,15 @@ class ChainLink:
     payload: Any = None
     encrypted: str | None = None
     priority: int = 0
+    delay: float | None = None
+    """Seconds it waits once queued (after the job before it succeeded)."""
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"job": self.job, "id": str(self.id), "queue": self.queue, "tries": self.tries}
         if self.priority:
             data["priority"] = self.priority
+        if self.delay:
+            data["delay"] = self.delay
         if self.backoff is not None:
             data["backoff"] = list(self.backoff)
         if self.timeout is not None:
@@ -86,6 +90,7 @@ class ChainLink:
                 timeout=None if data.get("timeout") is None else float(data["timeout"]),
                 payload=data.get("payload"), encrypted=data.get("encrypted"),
                 priority=int(data.get("priority") or 0),
+                delay=None if data.get("delay") is None else float(data["delay"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise EnvelopeInvalid(f"a chain entry is malformed ({exc})") from None

@@ -112,6 +112,8 @@ def _ttl(unique_for: float) -> float | None:
 
 
 _NOTHING = object()
+_ENDED = frozenset({"Completed", "DeadLettered", "Discarded"})
+"""The states of a delivery that has ended (a job's message has one delivery)."""
 """No job item read yet (bulk resolves each run of items of one job once)."""
 _Entry = tuple["Job", str, Any, Any, "str | None", "float | None", int]
 """A checked job of a dispatch or bulk: (job, queue, data, sealed payload, encrypted token, delay, priority)."""
@@ -407,12 +409,13 @@ class Jobs:
             fields["priority"] = chosen
         return PublishRequest(**fields)
 
-    def link(self, job: Job, data: Any, queue: str | None = None, priority: int | None = None) -> ChainLink:
+    def link(self, job: Job, data: Any, queue: str | None = None, priority: int | None = None,
+             delay: float | None = None) -> ChainLink:
         payload, encrypted = self.seal(job, data)
         policy = job.policy
         return ChainLink(job=job.name, id=uuid7(), queue=queue or policy.queue, tries=policy.tries,
                          backoff=policy.backoff, timeout=policy.timeout, payload=payload, encrypted=encrypted,
-                         priority=policy.priority if priority is None else priority)
+                         priority=policy.priority if priority is None else priority, delay=delay)
 
     def message(self, job: Job, payload: Any, encrypted: str | None, *, max_envelope_bytes: int,
                 delay: float | None = None, unique: str | None = None, unique_until: UniqueUntil = "done",
@@ -459,7 +462,7 @@ class Jobs:
         return first.queue, PublishRequest(
             message_id=first.id, attributes={JOB_ATTRIBUTE: first.job}, payload=following.to_json(),
             max_attempts=first.tries, backoff_seconds=None if first.backoff is None else list(first.backoff),
-            priority=first.priority,
+            priority=first.priority, delay_seconds=first.delay,
         )
 
     def completion(self, envelope: JobEnvelope, result: str | None = None,
@@ -502,7 +505,7 @@ class Jobs:
         window = debounce_window(debounce, debounce_key, unique=unique, delay=delay)
         if window is not None:
             assert debounce_key is not None
-            return await self._debounced(definition, payload, queue, window, debounce_key, session)
+            return await self._debounced(definition, payload, queue, window, debounce_key, session, chosen)
         if unique_until not in ("done", "processing"):
             raise ValueError(f"unique_until must be 'done' or 'processing', got {unique_until!r}")
         if unique is not None and not (isinstance(unique, str) and unique):
@@ -529,28 +532,54 @@ class Jobs:
         if unique is None:
             [result] = await self._send(topic, entries, session)
         else:
-            [result] = await self._publish(
-                lambda tx: self._send(topic, entries, tx, unique=unique, unique_until=unique_until, ttl=ttl),
-                session, retry_in_savepoint=True,
-            )
+            result = await self._dispatch_unique(topic, entries, self.unique_key(definition, unique), unique,
+                                                 unique_until, ttl, session)
         if result.status == PublishStatus.DUPLICATE and unique is not None:
             return None
         if not result.ok or result.message_id is None:
             raise JobDispatchError(definition.name, result)
         return result.message_id
 
+    async def _dispatch_unique(self, topic: str, entries: list[_Entry], key: str, unique: str,
+                               unique_until: UniqueUntil, ttl: float | None, session: Any) -> PublishResult:
+        """Publishes a unique job. A key still held by a job that has ended (discarded or cancelled
+        by an operator, or failed by the sweeper or the store: paths that do not pass through the
+        job's own runner) is freed and the job published again, in the same transaction."""
+        async def send(tx: Any) -> PublishResult:
+            [sent] = await self._send(topic, entries, tx, unique=unique, unique_until=unique_until, ttl=ttl)
+            return sent
+
+        result = await self._publish(send, session, retry_in_savepoint=True)
+        holder = result.message_id
+        if result.status != PublishStatus.DUPLICATE or holder is None or not await self._ended(holder):
+            return result
+        transport = self.kernel.transport
+
+        async def free_and_send(tx: Any) -> PublishResult:
+            await transport.release_deduplication_key(topic, key, holder, session=tx)
+            return await send(tx)
+
+        return await self._publish(free_and_send, session, retry_in_savepoint=True)
+
+    async def _ended(self, job_id: uuid.UUID) -> bool:
+        """Whether job ``job_id`` has ended: every delivery of its message settled (a job the
+        store does not show, perhaps one of the caller's own transaction, has not)."""
+        deliveries = await self.kernel.transport.message_deliveries(job_id)
+        return bool(deliveries) and all(d.status in _ENDED for d in deliveries)
+
     async def _debounced(self, definition: Job, payload: Any, queue: str | None, window: float, key: str,
-                         session: Any) -> uuid.UUID:
+                         session: Any, priority: int) -> uuid.UUID:
         data = definition.validate(payload)
         target = check_queue_name(queue) if queue is not None else definition.policy.queue
+        request = self.request(definition, data, priority=priority)
         if self.fake is not None:
-            recorded: uuid.UUID = self.fake.record_debounced(definition, data, target, self.request(definition, data),
+            recorded: uuid.UUID = self.fake.record_debounced(definition, data, target, request,
                                                              debounce_key=stored_key(self, definition, key),
                                                              window=window, session=session)
             return recorded
         if self.sync:  # (the window is not waited for, as a delay is not)
-            return await self.run_now(definition, target, prepare(self.request(definition, data)))
-        return await dispatch_debounced(self, definition, data, target, window, key, session)
+            return await self.run_now(definition, target, prepare(request))
+        return await dispatch_debounced(self, definition, request, target, window, key, session)
 
     async def bulk(self, items: Iterable[tuple[Any, Any]], *, session: Any = None) -> list[uuid.UUID]:
         """Queues several jobs in one transaction; every payload is checked before any is queued."""
@@ -611,20 +640,22 @@ class Jobs:
 
     async def chain(self, items: Iterable[tuple[Any, Any]], *, session: Any = None) -> list[uuid.UUID]:
         """Queues the first job now; each next one is queued in the transaction that completes the
-        one before. Every payload is checked first. Returns the ids of all of them."""
+        one before. Every payload is checked first. Returns the ids of all of them. A step's
+        ``delay`` counts from when it is queued (the first: now; a next one: once the one before
+        succeeded)."""
         steps = []
         for item in items:
             job, payload, options = _item(item)
             definition = self.registry.resolve(job)
             priority = options.get("priority")
             steps.append((definition, definition.validate(payload), options.get("queue"),
-                          None if priority is None else check_priority(priority)))
+                          None if priority is None else check_priority(priority), _seconds(options.get("delay"))))
         if not steps:
             return []
-        links = [self.link(d, data, q, p) for d, data, q, p in steps[1:]]
-        first, data, queue, priority = steps[0]
+        links = [self.link(d, data, q, p, delay) for d, data, q, p, delay in steps[1:]]
+        first, data, queue, priority, delay = steps[0]
         target = check_queue_name(queue or first.policy.queue)
-        request = self.request(first, data, job_id=uuid7(), chain=links, priority=priority)
+        request = self.request(first, data, job_id=uuid7(), chain=links, priority=priority, delay=delay)
         ids = [request.message_id, *(link.id for link in links)]
         if self.fake is not None:
             self.fake.record(first, data, target, request, session=session)

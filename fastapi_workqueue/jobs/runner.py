@@ -172,9 +172,7 @@ class JobRunner:
                                                                                            reason="once-busy"))
             raise
         except asyncio.CancelledError:
-            if context.signal.reason == AbortReason.SHUTDOWN:
-                self._after(context, lambda: _fields(envelope, message, queue, context).event(JobReleased,
-                                                                                               reason="shutdown"))
+            self._aborted(context, _fields(envelope, message, queue, context), envelope)
             raise
         except FatalWorkError as exc:
             await self._failed(_fields(envelope, message, queue, context), context, envelope, exc, str(exc))
@@ -300,6 +298,22 @@ class JobRunner:
             return
         for _, key, job_id in _frees(queue, envelope, message):
             await self._jobs.release_unique(queue, key, job_id)
+
+    def _aborted(self, context: WorkContext, base: _Fields, envelope: JobEnvelope) -> None:
+        """The event of an attempt the runtime aborted (its task cancelled): released at a
+        shutdown, discarded by an operator's cancel, released (or failed, on its last try) when its
+        lease ran out; each as the store settles it."""
+        reason = context.signal.reason
+        chained = bool(envelope.chain)
+        if reason == AbortReason.SHUTDOWN:
+            self._after(context, lambda: base.event(JobReleased, reason="shutdown"))
+        elif reason == AbortReason.CANCELLED:
+            self._after(context, lambda: base.event(JobDiscarded, reason="cancelled by an operator",
+                                                    chain_ended=chained),
+                        written="Discarded", chained=chained)
+        elif reason == AbortReason.LEASE_LOST:
+            self._after(context, lambda: base.event(JobReleased, reason="lease-lost"), written="Pending",
+                        chained=chained)
 
     async def _emit(self, event: JobEvent) -> None:
         await self._jobs.events.emit(event)

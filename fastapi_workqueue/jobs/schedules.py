@@ -77,14 +77,16 @@ class Schedule:
         self._data = self.job.validate(self.payload)
 
     def ticks_between(self, after: datetime, until: datetime) -> list[datetime]:
-        """The ticks t with ``after < t <= until`` (UTC), oldest first, at most MAX_CATCH_UP + 1."""
+        """The ticks t with ``after < t <= until`` (UTC), oldest first: the newest MAX_CATCH_UP of them."""
         ticks: list[datetime] = []
-        current = after
-        while len(ticks) <= MAX_CATCH_UP:
-            current = self.next_after(current)
-            if current > until:
-                break
+        current = self.previous_at_or_before(until)
+        while current > after and len(ticks) < MAX_CATCH_UP:
             ticks.append(current)
+            earlier = self.previous_at_or_before(current - timedelta(microseconds=1))
+            if earlier >= current:  # (never expected; a guard against a clock change's repeated hour)
+                break
+            current = earlier
+        ticks.reverse()
         return ticks
 
     def next_after(self, moment: datetime) -> datetime:
@@ -201,7 +203,7 @@ class Schedules:
     async def _since_last_known(self, schedule: Schedule, latest: datetime) -> list[datetime]:
         """Ticks after the newest one the store has a message for, up to ``latest``."""
         candidates = [latest]
-        while len(candidates) <= MAX_CATCH_UP:
+        while len(candidates) < MAX_CATCH_UP:
             candidates.append(schedule.previous_at_or_before(candidates[-1] - timedelta(microseconds=1)))
         known = await self._jobs.kernel.transport.known_messages([schedule.tick_id(t) for t in candidates])
         missing: list[datetime] = []

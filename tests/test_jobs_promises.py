@@ -1,0 +1,276 @@
+"""Promises of the jobs layer checked end to end with the defaults (docs/jobs.md; the spec's jobs
+section): unique keys freed however a job ends, the events of a cancelled job, payload models
+with aliases, a debounced job's priority, a chain step's delay and the catch-up bound. Each runs
+on PostgreSQL and on SQLite."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, Field
+
+from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.jobs import JobEvent
+
+from .support import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def qname() -> str:
+    return f"rv-{uuid.uuid4().hex[:8]}"
+
+
+def make(url: str, queue_name: str, **settings: Any) -> WorkQueue:
+    """A queue with default settings, but for its store and the job queue its host takes."""
+    return WorkQueue(WorkQueueSettings(database_url=url, auto_migrate=True, subscriptions=[],
+                                       job_queues=queue_name, **settings))
+
+
+async def delivery_of(queue: WorkQueue, job_id: uuid.UUID) -> Any:
+    [info] = await queue.jobs.kernel.transport.message_deliveries(job_id)
+    return info
+
+
+async def state_becomes(queue: WorkQueue, job_id: uuid.UUID, state: str, within: float = 30.0) -> bool:
+    for _ in range(int(within / 0.05)):
+        status = await queue.job_status(job_id)
+        if status is not None and status.state == state:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+# -- 1. unique keys are not freed when the job ends outside the runner's own paths ---------------
+
+
+async def test_cancelling_a_running_unique_job_frees_its_key(database_url: str) -> None:
+    """docs/jobs.md: a unique key is "freed with unique_until="done" (the default) when the job ends
+    (done, failed or discarded ...)"; a job is Discarded "by job.discard(reason), by forget_job, or
+    by an operator"."""
+    name = qname()
+    started, finish = asyncio.Event(), asyncio.Event()
+    queue = make(database_url, name, job_lease_seconds=3)  # (heartbeats each second: the cancel is seen soon)
+
+    @queue.job(f"long-{name}", queue=name)
+    async def long(payload: dict[str, Any], job: JobContext) -> None:
+        started.set()
+        await finish.wait()  # (the first is cancelled; the second ends when the test is done)
+
+    async with queue.lifespan(None):
+        first = await queue.dispatch(long, {}, unique="k")
+        assert first is not None
+        await asyncio.wait_for(started.wait(), 30)
+        info = await delivery_of(queue, first)
+        await queue.discard(info.subscription, info.delivery_id, "cancelled by the operator")
+        assert await state_becomes(queue, first, "Discarded")
+        second = await queue.dispatch(long, {}, unique="k")
+        finish.set()
+    assert second is not None, "the cancelled (Discarded) job still holds its unique key"
+
+
+async def test_discarding_a_waiting_unique_job_frees_its_key(database_url: str) -> None:
+    """Same promise, for a job an operator discards while it waits (delayed)."""
+    name = qname()
+    queue = make(database_url, name, enabled=False)
+
+    @queue.job(f"later-{name}", queue=name)
+    async def later(payload: dict[str, Any]) -> None:
+        pass
+
+    async with queue.lifespan(None):
+        first = await queue.dispatch(later, {}, unique="k", delay=600)
+        assert first is not None
+        info = await delivery_of(queue, first)
+        await queue.discard(info.subscription, info.delivery_id, "not wanted")
+        assert await state_becomes(queue, first, "Discarded")
+        second = await queue.dispatch(later, {}, unique="k")
+    assert second is not None, "the discarded job still holds its unique key"
+
+
+async def test_a_unique_job_that_fails_by_its_lease_on_its_last_try_frees_its_key(database_url: str) -> None:
+    """Same promise, for a job that failed for good because its lease ran out on its last try
+    (docs: "returns after its lease ran out ... JobReleased(reason="lease-lost") (or JobFailed on
+    its last try)")."""
+    name = qname()
+    queue = make(database_url, name, job_lease_seconds=1.0)
+    events: list[JobEvent] = []
+    queue.listen(JobEvent, events.append)
+
+    @queue.job(f"blocks-{name}", queue=name, tries=1)
+    async def blocks(payload: dict[str, Any]) -> None:
+        time.sleep(2.5)  # noqa: ASYNC251 (on purpose: it outlives its lease)
+
+    async with queue.lifespan(None):
+        first = await queue.dispatch(blocks, {}, unique="k")
+        assert first is not None
+        await wait_for(lambda: any(type(e).__name__ == "JobFailed" for e in events), within=30)
+        assert await state_becomes(queue, first, "Failed")
+        second = await queue.dispatch(blocks, {}, unique="k")
+    assert second is not None, "the failed job still holds its unique key"
+
+
+# -- 2. an operator's cancel of a running job emits no event --------------------------------------
+
+
+async def test_cancelling_a_running_job_emits_job_discarded(database_url: str) -> None:
+    """SPEC §8 "events: processing, processed, released (with the reason), failed, discarded"; the
+    runner itself emits JobDiscarded("cancelled by an operator") when a cancel meets a job that
+    returned, but the usual cancel (the job aborted by it) ends the job Discarded in silence."""
+    name = qname()
+    started = asyncio.Event()
+    queue = make(database_url, name, job_lease_seconds=3)
+    events: list[JobEvent] = []
+    queue.listen(JobEvent, events.append)
+
+    @queue.job(f"long-{name}", queue=name)
+    async def long(payload: dict[str, Any], job: JobContext) -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    async with queue.lifespan(None):
+        first = await queue.dispatch(long, {})
+        await asyncio.wait_for(started.wait(), 30)
+        info = await delivery_of(queue, first)
+        await queue.discard(info.subscription, info.delivery_id, "cancelled by the operator")
+        assert await state_becomes(queue, first, "Discarded")
+        await asyncio.sleep(0.5)
+    assert [type(e).__name__ for e in events] == ["JobProcessing", "JobDiscarded"]
+
+
+# -- 3. a payload model with field aliases is accepted at dispatch and fails at once in the worker --
+
+
+class Aliased(BaseModel):
+    user_id: int = Field(alias="userId")
+
+
+async def test_a_payload_model_with_aliases_runs(database_url: str) -> None:
+    """docs/jobs.md: the payload is "annotated with a pydantic model or any type pydantic validates";
+    a type pydantic cannot write as JSON and read back "is refused at declaration with the reason";
+    `dispatch` "validates the payload before anything is written". Here the dispatch is accepted
+    and the job then fails for good: "userId: Field required"."""
+    name = qname()
+    queue = make(database_url, name)
+    events: list[JobEvent] = []
+    queue.listen(JobEvent, events.append)
+    got: list[int] = []
+
+    @queue.job(f"aliased-{name}", queue=name, tries=1)
+    async def aliased(payload: Aliased) -> None:
+        got.append(payload.user_id)
+
+    async with queue.lifespan(None):
+        await queue.dispatch(aliased, {"userId": 7})
+        await wait_for(lambda: any(type(e).__name__ in ("JobProcessed", "JobFailed") for e in events), within=30)
+    assert got == [7], [e for e in events if type(e).__name__ == "JobFailed"]
+
+
+# -- 4. a debounced dispatch drops its priority ---------------------------------------------------
+
+
+async def test_a_debounced_dispatch_keeps_its_priority(database_url: str) -> None:
+    """docs/jobs.md: "`priority` (0 to 9) the declared priority, for this job"; debounce goes "with
+    neither `delay` ... nor `unique`" (priority is not excluded) and "joins the caller's transaction
+    as any other". The same test with delay= instead of debounce= passes."""
+    name = qname()
+    ran: list[str] = []
+
+    def declare(queue: WorkQueue) -> Any:
+        @queue.job(f"p-{name}", queue=name)
+        async def p(payload: dict[str, Any]) -> None:
+            ran.append(payload["n"])
+        return p
+
+    producer = make(database_url, name, enabled=False)
+    p = declare(producer)
+    async with producer.lifespan(None):
+        for i in range(3):
+            await producer.dispatch(p, {"n": f"low{i}"})
+        await producer.dispatch(p, {"n": "high"}, debounce=0.2, debounce_key="k", priority=9)
+    await asyncio.sleep(0.6)  # every job is due
+    worker = make(database_url, name, job_concurrency=1)
+    declare(worker)
+    async with worker.lifespan(None):
+        await wait_for(lambda: len(ran) == 4, within=30)
+    assert ran[0] == "high", ran
+
+
+# -- 5. a chain step's delay ----------------------------------------------------------------------
+
+
+async def test_a_chain_step_waits_its_delay(database_url: str) -> None:
+    """A chain step may carry {"delay": ...} (as a bulk item may): the first step waits it from now,
+    a next one from when the one before succeeded."""
+    name = qname()
+    queue = make(database_url, name)
+    done: list[str] = []
+
+    @queue.job(f"a-{name}", queue=name)
+    async def a(payload: dict[str, Any]) -> None:
+        done.append(payload["step"])
+
+    async with queue.lifespan(None):
+        _, second = await queue.chain([(a, {"step": "first"}), (a, {"step": "second"}, {"delay": 600})])
+        await wait_for(lambda: done == ["first"], within=30)
+        later = None
+        for _ in range(200):
+            later = await queue.job_status(second)
+            if later is not None:
+                break
+            await asyncio.sleep(0.05)
+        delayed = await queue.chain([(a, {"step": "third"}, {"delay": 600}), (a, {"step": "fourth"})])
+        status = await queue.job_status(delayed[0])
+    assert later is not None and later.run_at is not None and later.created_at is not None
+    assert (later.run_at - later.created_at).total_seconds() > 500, "the second step's delay was ignored"
+    assert status is not None and status.run_at is not None and status.created_at is not None
+    assert (status.run_at - status.created_at).total_seconds() > 500, "the first step's delay was ignored"
+    assert done == ["first"]
+
+
+# -- 6. catch_up queues at most 1,000 ticks ---------------------------------------------------------------
+
+
+async def test_catch_up_queues_at_most_1000_ticks(database_url: str) -> None:
+    """docs/jobs.md (Schedules): with catch_up=True "the ticks since the last one the store knows are
+    then queued (at most 1,000)"."""
+    name = qname()
+    queue = make(database_url, name, enabled=False)
+
+    @queue.job(f"tick-{name}", queue=name)
+    async def tick(payload: dict[str, Any]) -> None:
+        pass
+
+    queue.schedule(tick, every=60, payload={}, catch_up=True)
+    async with queue.lifespan(None):
+        queued = await queue.jobs.schedules.run_due()
+        size = await queue.size(name)
+    assert queued <= 1000 and size <= 1000, (queued, size)
+
+
+def test_ticks_between_keeps_the_newest_1000() -> None:
+    """A process that missed more than 1,000 ticks (its loop blocked) queues the newest 1,000."""
+    from datetime import UTC, datetime, timedelta
+
+    from fastapi_workqueue.jobs.schedules import MAX_CATCH_UP, Schedule
+
+    queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///:memory:", enabled=False))
+
+    @queue.job("tick-bound")
+    async def tick(payload: dict[str, Any]) -> None:
+        pass
+
+    schedule = queue.schedule(tick, every=60, payload={})
+    assert isinstance(schedule, Schedule)
+    start = datetime(2026, 12, 1, tzinfo=UTC)
+    ticks = schedule.ticks_between(start, start + timedelta(minutes=1500))
+    assert len(ticks) == MAX_CATCH_UP
+    assert ticks[-1] == start + timedelta(minutes=1500)
+    assert ticks[0] == start + timedelta(minutes=501)
+    assert ticks == sorted(ticks)
+    few = schedule.ticks_between(start, start + timedelta(minutes=3, seconds=30))
+    assert few == [start + timedelta(minutes=m) for m in (1, 2, 3)]
