@@ -11,8 +11,11 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from .lifecycle import is_final_attempt
+from .redaction import redacting_logger
 
 MAX_PROGRESS_MESSAGE = 500
+
+log = redacting_logger("fastapi_workqueue.runtime")
 
 
 async def call_sync_or_async(fn: Callable[[], Any]) -> Any:
@@ -56,6 +59,14 @@ class WorkAborted(Exception):
         self.reason = reason
 
 
+def _call_listener(listener: Callable[[AbortReason], object], reason: AbortReason) -> None:
+    try:
+        listener(reason)
+    except Exception:
+        log.exception(
+            "an abort listener (%r) raised; the handler is aborted (%s) all the same", listener, reason.value)
+
+
 class AbortSignal:
     """Tells a handler that it must stop, and why.
 
@@ -87,12 +98,16 @@ class AbortSignal:
         self._reason = reason
         self._event.set()
         for listener in self._listeners:
-            listener(reason)
+            _call_listener(listener, reason)
         return True
 
     def add_listener(self, listener: Callable[[AbortReason], object]) -> None:
-        """Calls ``listener(reason)`` when the signal aborts."""
-        self._listeners.append(listener)
+        """Calls ``listener(reason)`` when the signal aborts (at once when it has). A listener that
+        raises is logged; the abort goes on (the handler's task is cancelled all the same)."""
+        if self._reason is not None:
+            _call_listener(listener, self._reason)
+        else:
+            self._listeners.append(listener)
 
     async def wait(self) -> AbortReason:
         """Waits until the signal aborts and returns the reason."""

@@ -22,6 +22,19 @@ MAX_FRAMES = 8
 """Frames kept per exception of the chain: the innermost ones."""
 
 
+def storable(text: str) -> str:
+    """``text`` as every store keeps it: a NUL (which PostgreSQL's text refuses) written ``\\x00``,
+    a lone surrogate (which no store's UTF-8 encodes) written ``\\udXXX``; other text unchanged."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "backslashreplace").decode()
+    return text
+
+
 def summary(exc: BaseException) -> str:
     """``Type: message``, as the last line of a traceback says it."""
     return "".join(traceback.format_exception_only(type(exc), exc)).rstrip("\n")
@@ -32,11 +45,12 @@ def error_text(exc: BaseException, *, limit: int = MAX_ERROR_TEXT) -> str:
     is too long, fewer frames are kept, then only ``Type: message`` (its middle cut out if need be)."""
     text = ""
     for frames in (MAX_FRAMES, 3, 1):
-        text = redact("".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-frames)))
+        text = storable(redact("".join(traceback.format_exception(type(exc), exc, exc.__traceback__,
+                                                                  limit=-frames))))
         text = text.rstrip("\n")
         if len(text) <= limit:
             return text
-    text = redact(summary(exc))
+    text = storable(redact(summary(exc)))
     if len(text) <= limit:
         return text
     head = (limit - 5) // 2

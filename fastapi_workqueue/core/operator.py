@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .errors import ConfigurationError
+from .failures import storable
 from .reports import (
     ActionResult,
     Backlog,
@@ -91,11 +92,12 @@ class Operator:
 
     async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
         """DeadLettered → Pending, same MessageID and Ordered position, attempts reset."""
-        return await self._kernel.transport.replay(subscription, delivery_id, note)
+        return await self._kernel.transport.replay(subscription, delivery_id, None if note is None else storable(note))
 
     async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
         """Pending/DeadLettered → Discarded; InFlight → cancel requested."""
-        return await self._kernel.transport.discard(subscription, delivery_id, reason)
+        return await self._kernel.transport.discard(subscription, delivery_id,
+                                                    None if reason is None else storable(reason))
 
     async def set_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:
         """Pauses or resumes a subscription (None when it does not exist)."""

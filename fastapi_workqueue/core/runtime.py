@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext
-from .failures import error_text, handler_traceback, summary
+from .failures import error_text, handler_traceback, storable, summary
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .leases import LocalLease, start_margin
 from .lifecycle import dead_letters, settlement_for
@@ -506,24 +506,33 @@ class Consumer:
         started = self._clock()
         batch: list[tuple[SubscriptionState, ClaimedDelivery]] = []
         held: list[HeldBack] = []
-        for group in self._groups:
-            wanted = limit - len(batch)
-            if wanted <= 0:
-                break
-            # A subscription with flow limits is claimed on its own (claim_many takes none).
-            shared = [s for s in group if not s.flow_limited] if len(group) > 1 else []
-            if len(shared) > 1:
-                by_name = {s.name: s for s in shared}
-                pairs = await self.transport.claim_many([s.name for s in shared], wanted)
-                batch.extend((by_name[name], d) for name, d in pairs)
-            for sub in (s for s in group if len(shared) < 2 or s.flow_limited):
+        try:
+            for group in self._groups:
                 wanted = limit - len(batch)
                 if wanted <= 0:
                     break
-                got = await self.transport.claim(sub.name, wanted)
-                batch.extend((sub, d) for d in got)
-                if isinstance(got, Claimed) and got.held_back is not None:
-                    held.append(got.held_back)
+                # A subscription with flow limits is claimed on its own (claim_many takes none).
+                shared = [s for s in group if not s.flow_limited] if len(group) > 1 else []
+                if len(shared) > 1:
+                    by_name = {s.name: s for s in shared}
+                    pairs = await self.transport.claim_many([s.name for s in shared], wanted)
+                    batch.extend((by_name[name], d) for name, d in pairs)
+                for sub in (s for s in group if len(shared) < 2 or s.flow_limited):
+                    wanted = limit - len(batch)
+                    if wanted <= 0:
+                        break
+                    got = await self.transport.claim(sub.name, wanted)
+                    batch.extend((sub, d) for d in got)
+                    if isinstance(got, Claimed) and got.held_back is not None:
+                        held.append(got.held_back)
+        except Exception as exc:
+            if not batch:
+                raise
+            # What the claims before it took is leased to this process already: it runs (the claim
+            # that failed took nothing), and the next claim tries the rest again.
+            log.warning("%s: a claim failed (%s) after %s were claimed; running those", self.name, exc,
+                        count(len(batch), "delivery"))
+            held.clear()
         self._held_back = _soonest(held) if len(batch) < limit else None
         took = self._clock() - started
         previous = self._claim_seconds
@@ -666,7 +675,7 @@ class Consumer:
         try:
             message = spec.build_message(delivery, sub.name)
         except PayloadInvalid as exc:
-            return self._failed(running, exc, Settlement(*base, "DeadLetter", reason=redact(str(exc)),
+            return self._failed(running, exc, Settlement(*base, "DeadLetter", reason=storable(redact(str(exc))),
                                                          error=error_text(exc)))
         context = WorkContext(
             subscription=sub.name,
@@ -686,6 +695,10 @@ class Consumer:
             outcome = await self._invoke(spec, message, context)
         except asyncio.CancelledError as exc:
             if not running.signal.aborted:
+                if task is not None and not task.cancelling():
+                    # Raised by the handler itself (it awaited a task somebody else cancelled), not
+                    # a cancellation of this attempt: a failed attempt, as any other exception.
+                    return self._failed(running, exc, settlement_for(*base, exc))
                 raise  # not ours: the loop is going away
             if task is not None:
                 task.uncancel()

@@ -140,20 +140,45 @@ class Settler:
                 self._in_flight = 0
                 self._written.set()
 
+    async def _each(self, settlements: list[Settlement], written: dict[int, SettleResult], refused: set[int]) -> None:
+        """Writes the settlements one by one (after the store refused them as a batch): one the
+        store refuses on its own is logged and left to its lease, and the others are written."""
+        for settlement in settlements:
+            if id(settlement) in written or id(settlement) in refused:
+                continue
+            try:
+                await self._settle([settlement], written)
+            except Exception as exc:
+                if isinstance(exc, TransportError) and exc.retryable:
+                    raise  # the store is out of reach: the rest is tried again
+                refused.add(id(settlement))
+                log.error("settle of delivery %s refused (%s); its lease will expire", settlement.delivery_id, exc)
+
     async def _write(self, batch: list[tuple[Settlement, SettleDone | None]]) -> None:
         deadline = time.monotonic() + self._give_up_after
         delay = 0.1
         settlements = [s for s, _ in batch]
         written: dict[int, SettleResult] = {}
+        refused: set[int] | None = None  # (one by one, once the store refused the batch)
         while True:
             try:
-                await self._settle(settlements, written)
-                results: list[SettleResult | None] = [written[id(s)] for s in settlements]
+                if refused is None:
+                    await self._settle(settlements, written)
+                else:
+                    await self._each(settlements, written, refused)
+                results: list[SettleResult | None] = [written.get(id(s)) for s in settlements]
                 break
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 retryable = isinstance(exc, TransportError) and exc.retryable
+                if not retryable and refused is None and len(settlements) - len(written) > 1:
+                    # One settle the store refuses (a text it cannot keep, say) must not cost the
+                    # others theirs: each is written on its own.
+                    log.warning("the store refused a batch of %s (%s); writing them one by one",
+                                count(len(settlements) - len(written), "settle"), exc)
+                    refused = set()
+                    continue
                 if time.monotonic() > deadline or not retryable:
                     log.error("settle failed for %s (%s); their leases will expire",
                               count(len(batch) - len(written), "delivery"), exc)

@@ -171,8 +171,13 @@ class JobRunner:
             self._after(context, lambda: _fields(envelope, message, queue, context).event(JobReleased,
                                                                                            reason="once-busy"))
             raise
-        except asyncio.CancelledError:
-            self._aborted(context, _fields(envelope, message, queue, context), envelope)
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if context.signal.reason is None and task is not None and not task.cancelling():
+                # The job's own (it awaited a task somebody else cancelled): a failed attempt.
+                await self._after_error(_fields(envelope, message, queue, context), context, envelope, exc, "error")
+            else:
+                self._aborted(context, _fields(envelope, message, queue, context), envelope)
             raise
         except FatalWorkError as exc:
             await self._failed(_fields(envelope, message, queue, context), context, envelope, exc, str(exc))

@@ -1,0 +1,283 @@
+"""The consumer runtime where it is easy to get wrong: a settle batch with one text the store
+cannot keep, abort listeners that raise, a claim that fails
+half-way through a consumer's groups, and a handler that raises CancelledError itself."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+import pytest
+
+from fastapi_workqueue import Outcome, PublishRequest, WorkContext, WorkMessage, WorkOutcome
+
+from .support import delivery_status, make_queue, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_a_nul_in_one_handlers_error_does_not_lose_the_other_outcomes_of_its_settle_batch(
+    pg_url: str,
+) -> None:
+    """A handler's exception text becomes last_error; PostgreSQL text cannot hold NUL. The settler
+    writes the settles of all handlers that ended together in one call, so one such failure makes
+    the whole batch fail (non-retryable): the other handlers' completions are never written, their
+    leases run out and the sweeper takes them back (here, on their only attempt: dead-lettered)."""
+    queue, topic, subs = make_queue(pg_url, [{"role": "h", "lease_seconds": 1, "max_attempts": 1}], concurrency=8)
+    payloads = ("ok1", "bad", "ok2", "ok3")
+    runs: dict[str, int] = {}
+    gate = asyncio.Event()
+
+    @queue.handler("h")
+    async def handle(message: WorkMessage[str], context: WorkContext) -> WorkOutcome:
+        runs[message.payload] = runs.get(message.payload, 0) + 1
+        await gate.wait()
+        if message.payload == "bad":
+            raise ValueError("binary field was b'\x00\x01'")
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        results = await queue.publish(topic, [PublishRequest(payload=p) for p in payloads])
+        await wait_for(lambda: len(runs) == 4)
+        gate.set()  # all four return at once: their settles share one batch
+        infos = [await wait_for(functools.partial(_terminal, queue, subs["h"], r.message_id), within=20)
+                 for r in results]
+    states = {p: (i.status, i.reason) for p, i in zip(payloads, infos, strict=True)}
+    assert runs == {"ok1": 1, "bad": 1, "ok2": 1, "ok3": 1}, runs
+    assert [states[p][0] for p in ("ok1", "ok2", "ok3")] == ["Completed"] * 3, states
+    # The failing attempt itself is settled with its error (not left for the sweeper).
+    assert states["bad"][0] == "DeadLettered" and "ValueError" in (infos[1].last_error or ""), states
+
+
+async def test_the_settler_writes_one_by_one_what_the_store_refused_as_a_batch(pg_url: str) -> None:
+    """A store that refuses one settle of a batch (not for being away: for what it holds) costs the
+    others nothing: the settler writes them one by one and gives up only the one refused."""
+    from fastapi_workqueue.core.errors import TransportError
+    from fastapi_workqueue.core.settler import Settler
+    from fastapi_workqueue.core.transport import Settlement
+
+    queue, topic, subs = make_queue(pg_url, [{"role": "h"}])
+    await queue.open()
+    try:
+        transport = queue.transport
+        results = await queue.publish(topic, [PublishRequest(payload=i) for i in range(4)])
+        claimed = await transport.claim(subs["h"], 10)
+        assert len(claimed) == 4
+
+        class RefusesPoison:
+            """The real store, refusing every settle call that carries the reason "poison"."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(transport, name)
+
+            async def settle(self, settlements: list[Settlement]) -> Any:
+                if any(s.reason == "poison" for s in settlements):
+                    raise TransportError("the store refused it", retryable=False)
+                return await transport.settle(settlements)
+
+        settler = Settler(RefusesPoison())  # type: ignore[arg-type]
+        answers: dict[str, Any] = {}
+        for index, delivery in enumerate(claimed):
+            reason = "poison" if index == 1 else None
+            kind = "DeadLetter" if reason else "Complete"
+            settler.submit(Settlement(delivery.delivery_id, delivery.lease_token, kind, reason=reason),  # type: ignore[arg-type]
+                           lambda s, r: answers.__setitem__(s.delivery_id, r))
+        await settler.flush()
+        await settler.close()
+        states = {r.message_id: (await delivery_status(queue, subs["h"], r.message_id)).status for r in results}
+    finally:
+        await queue.close()
+    by_delivery = {d.delivery_id: d for d in claimed}
+    assert sorted(answers.values(), key=str) == ["Completed", "Completed", "Completed", None]
+    assert answers[claimed[1].delivery_id] is None
+    assert states[by_delivery[claimed[1].delivery_id].message_id] == "InFlight"  # left to its lease
+    assert sorted(states.values()) == ["Completed", "Completed", "Completed", "InFlight"]
+
+
+async def test_an_abort_listener_that_raises_neither_keeps_the_abort_from_its_handler_nor_stops_heartbeats(
+    pg_url: str,
+) -> None:
+    """``context.signal.add_listener(callback)`` is documented (docs/handlers.md) for stopping work
+    started elsewhere. A callback that raises (say, killing a child process that already exited)
+    escapes ``AbortSignal.abort`` into the runtime: the operator's cancel never cancels the handler's
+    task, and the exception ends the consumer's heartbeat loop, so every other handler of the
+    consumer loses its lease while it awaits."""
+    queue, topic, subs = make_queue(pg_url, [{"role": "h", "lease_seconds": 0.9}])
+    started: dict[str, asyncio.Event] = {"a": asyncio.Event(), "b": asyncio.Event()}
+    ended: dict[str, Any] = {}
+
+    def kill_child(reason: Any) -> None:
+        raise ProcessLookupError("no such process")  # the child had already exited
+
+    @queue.handler("h")
+    async def handle(message: WorkMessage[str], context: WorkContext) -> WorkOutcome:
+        if message.payload == "a":
+            context.signal.add_listener(kill_child)
+        started[message.payload].set()
+        try:
+            await asyncio.sleep(3.0)
+        except asyncio.CancelledError:
+            ended[message.payload] = ("cancelled", context.signal.reason)
+            raise
+        ended[message.payload] = ("returned", context.signal.reason)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        [a, b] = await queue.publish(topic, [PublishRequest(payload="a"), PublishRequest(payload="b")])
+        await asyncio.wait_for(asyncio.gather(started["a"].wait(), started["b"].wait()), 10)
+        [held] = [d for d in await queue.deliveries(subs["h"], "InFlight") if d.message_id == a.message_id]
+        await queue.discard(subs["h"], held.delivery_id, "operator: stop a")
+        await wait_for(lambda: len(ended) == 2, within=15)
+        info_b = await wait_for(lambda: _terminal(queue, subs["h"], b.message_id))
+    # The cancel reaches handler a (its task is cancelled), and b, which only awaited, keeps its lease.
+    assert ended["a"][0] == "cancelled", ended
+    assert ended["b"] == ("returned", None), ended
+    assert info_b.status == "Completed" and info_b.attempt == 1
+
+
+async def test_an_abort_listener_that_raises_does_not_stop_the_shutdown_from_releasing_what_runs(
+    pg_url: str,
+) -> None:
+    """The same callback at shutdown: ``Consumer.stop`` aborts its handlers one by one and the first
+    callback that raises ends ``stop`` there. The other handlers are never aborted, nothing is
+    released, and the deliveries stay InFlight with their attempt spent after the host stopped."""
+    queue, topic, subs = make_queue(pg_url, [{"role": "h"}], shutdown_drain_ms=300)
+    started = {"a": asyncio.Event(), "b": asyncio.Event()}
+
+    def kill_child(reason: Any) -> None:
+        raise ProcessLookupError("no such process")
+
+    @queue.handler("h")
+    async def handle(message: WorkMessage[str], context: WorkContext) -> WorkOutcome:
+        if message.payload == "a":
+            context.signal.add_listener(kill_child)
+        started[message.payload].set()
+        await asyncio.sleep(5)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        results = await queue.publish(topic, [PublishRequest(payload="a"), PublishRequest(payload="b")])
+        await asyncio.wait_for(asyncio.gather(started["a"].wait(), started["b"].wait()), 10)
+    await queue.open()
+    try:
+        infos = [await delivery_status(queue, subs["h"], r.message_id) for r in results]
+    finally:
+        await queue.close()
+    # SPEC §4 shutdown: what is left is released to Pending without consuming an attempt.
+    assert [(i.status, i.attempt) for i in infos] == [("Pending", 0), ("Pending", 0)]
+
+
+async def test_a_claim_that_fails_in_a_later_group_does_not_strand_what_earlier_groups_claimed(
+    pg_url: str,
+) -> None:
+    """A consumer of several groups (a job worker's ``--queue=mail,*``) claims group by group in one
+    ``Consumer._claim`` call. When a later group's claim fails (here the database cancels it; a
+    dropped connection or a statement timeout does the same), what the earlier groups claimed is
+    already InFlight in the store but is thrown away with the exception: never started, never given
+    back, held until its lease runs out and the sweeper spends its attempt (here its only one)."""
+    import asyncpg
+
+    from fastapi_workqueue.core.host import GroupPlan
+    from fastapi_workqueue.database.postgres import to_asyncpg_dsn
+
+    queue, topic, subs = make_queue(
+        pg_url,
+        [{"role": "first", "handler_key": "h", "lease_seconds": 2, "max_attempts": 1},
+         # A flow limit: its claim takes the subscription's claim lock (a plain claim could fail the same way).
+         {"role": "second", "handler_key": "h", "max_in_flight": 10}],
+        sweeper_interval_ms=100,
+    )
+    ran: list[str] = []
+
+    @queue.handler("h")
+    async def handle(message: WorkMessage[str], context: WorkContext) -> WorkOutcome:
+        ran.append(context.subscription)
+        return Outcome.complete()
+
+    observer = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    await queue.open()
+    host = None
+    try:
+        second_id = await observer.fetchval("SELECT id FROM workqueue.subscription WHERE name = $1", subs["second"])
+        await observer.execute("SELECT pg_advisory_lock(hashtext('workqueue.claim'), $1)", second_id)
+        host = queue.build_host([], groups=[GroupPlan(name="g", patterns=(subs["first"], subs["second"]))])
+        await host.start()
+        [result] = await queue.publish(topic, [PublishRequest(payload="x")])
+
+        blocked_claims = (
+            "SELECT pid FROM pg_catalog.pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid() AND strpos(query, 'workqueue.claim') > 0")
+        first_status = (
+            "SELECT d.status FROM workqueue.delivery d JOIN workqueue.subscription s ON s.id = d.subscription_id "
+            "WHERE s.name = $1")
+        for _ in range(50):
+            # The consumer's claim of the second group waits for the lock. When the first group's
+            # claim before it in the same call took the delivery (InFlight), the database cancels
+            # the waiting claim; until then it cancels claims that took nothing (nothing is lost).
+            [row] = await wait_for(lambda: observer.fetch(blocked_claims))
+            claimed_first = await observer.fetchval(first_status, subs["first"]) == "InFlight"
+            await observer.execute("SELECT pg_cancel_backend($1)", row["pid"])
+            if claimed_first:
+                break
+        else:
+            raise AssertionError("the first group's delivery was never claimed")
+        await observer.execute("SELECT pg_advisory_unlock(hashtext('workqueue.claim'), $1)", second_id)
+        info = await wait_for(lambda: _terminal(queue, subs["first"], result.message_id), within=15)
+        await wait_for(lambda: _terminal(queue, subs["second"], result.message_id), within=15)
+    finally:
+        if host is not None:
+            await host.stop()
+        await queue.close()
+        await observer.close()
+    # The delivery claimed from the first group runs (once) and completes.
+    assert ran.count(subs["first"]) == 1, (ran, info.status, info.reason)
+    assert info.status == "Completed", (info.status, info.reason)
+
+
+async def test_a_cancelled_error_the_handler_raises_itself_spends_the_attempt(pg_url: str) -> None:
+    """A handler that awaits a child task somebody else cancelled (a client library's own timeout,
+    a watchdog) ends with ``CancelledError`` although the runtime never aborted it. ``Consumer._run``
+    takes every such error for the event loop going away and releases the delivery as at shutdown:
+    the attempt is given back, at once, every time. The message never dead-letters and spins in a
+    hot loop; SPEC: any other exception goes to Pending after backoff, or DeadLettered when the
+    attempts are spent."""
+    queue, topic, subs = make_queue(pg_url, [{"role": "h", "max_attempts": 2}])
+    runs = 0
+
+    @queue.handler("h")
+    async def handle(message: WorkMessage[str], context: WorkContext) -> WorkOutcome:
+        nonlocal runs
+        runs += 1
+        child = asyncio.create_task(asyncio.sleep(10))
+        asyncio.get_running_loop().call_soon(child.cancel)  # e.g. the child's own watchdog gave up
+        await child
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        [result] = await queue.publish(topic, [PublishRequest(payload="x")])
+        info = await wait_for(lambda: _terminal(queue, subs["h"], result.message_id), within=8,
+                              describe=lambda: f"{runs} runs so far")
+    assert info.status == "DeadLettered" and runs == 2, (info.status, runs)
+
+
+async def _terminal(queue: Any, subscription: str, message_id: Any) -> Any:
+    info = await delivery_status(queue, subscription, message_id)
+    return info if info is not None and info.status in ("Completed", "DeadLettered", "Discarded") else None
+
+
+def test_storable_text_keeps_what_every_store_can_hold() -> None:
+    """A NUL (PostgreSQL's text refuses it) and a lone surrogate (no UTF-8 encodes it) are written
+    out; anything else is kept as it is."""
+    from fastapi_workqueue.core.failures import error_text, storable
+
+    assert storable("plain") == "plain"
+    assert storable("héllo ✓") == "héllo ✓"
+    assert storable("a\x00b") == "a\\x00b"
+    assert storable("x\ud800y") == "x\\ud800y"
+    try:
+        raise ValueError("bytes b'\x00' and \udcff")
+    except ValueError as exc:
+        text = error_text(exc)
+    text.encode()  # no lone surrogate left
+    assert "\x00" not in text and "ValueError" in text
