@@ -218,7 +218,7 @@ class OperatorViews:
         attributes = {
             k: str(v.get("StringValue"))
             for k, v in message.get("MessageAttributes", {}).items()
-            if v.get("StringValue") is not None
+            if v.get("StringValue") is not None and k != bodies.NO_ATTRIBUTES
         }
         system = message.get("Attributes", {})
         env = bodies.decode(message["Body"], message["MessageId"])
@@ -334,13 +334,14 @@ class OperatorViews:
         queue_url, dlq_url = self._urls(subscription)
         origin = self._origin(message)
         env = bodies.decode(message["Body"], message["MessageId"])
-        env.pop("dead_letter", None)
+        dead = env.pop("dead_letter", None)
+        came_from = dead.get("group_id") if isinstance(dead, dict) else None
         env["origin_id"] = origin
         if note is not None:
             env["replay_note"] = note
         else:
             env.pop("replay_note", None)
-        entry: dict[str, Any] = {"QueueUrl": queue_url, "MessageBody": json.dumps(env)}
+        entry: dict[str, Any] = {"QueueUrl": queue_url, "MessageBody": bodies.dumps(env)}
         attributes = {
             k: {"DataType": v.get("DataType", "String"), "StringValue": v["StringValue"]}
             for k, v in message.get("MessageAttributes", {}).items()
@@ -350,13 +351,15 @@ class OperatorViews:
             entry["MessageAttributes"] = attributes
         if self._fifo(subscription):
             system = message.get("Attributes", {})
-            entry["MessageGroupId"] = system.get("MessageGroupId") or env.get("partition_key") or subscription
+            # (a dead letter written before each had a group of its own sits in the group it came from)
+            entry["MessageGroupId"] = (came_from or system.get("MessageGroupId") or env.get("partition_key")
+                                       or subscription)
             entry["MessageDeduplicationId"] = f"{env.get('message_id')}:replay:{uuid.uuid4().hex[:8]}"
         await self.sqs.send_message(**entry)
         await self.sqs.delete_message(QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"])
         replayed_id = f"{NAME}:{subscription}:{origin}"
         info = self._info(replayed_id, subscription, json.dumps(env), "Pending", 0,
-                          {k: v["StringValue"] for k, v in attributes.items()}, False)
+                          {k: v["StringValue"] for k, v in attributes.items() if k != bodies.NO_ATTRIBUTES}, False)
         self.records.remember(info.model_copy(update={"visible_at": datetime.now(UTC)}))
         return ActionResult(result="Replayed", delivery_id=delivery_id, subscription=subscription, status="Pending")
 

@@ -131,19 +131,30 @@ class OutboxRelay:
             pending = list(items)
             while pending:
                 chunk: list[OutboxRow] = []
+                entries: list[dict[str, Any]] = []
                 rest: list[OutboxRow] = []
+                size = 0
                 for row in pending:
                     key = (topic, row.partition_key) if row.partition_key is not None else None
                     if key is not None and key in blocked:
                         continue
-                    (chunk if len(chunk) < BATCH else rest).append(row)
+                    if rest:  # (the call is full: what follows waits, in order)
+                        rest.append(row)
+                        continue
+                    entry = self._entry(row, len(chunk), fifo)
+                    grows = bodies.entry_size(entry)
+                    if chunk and (len(chunk) == BATCH or size + grows > bodies.SNS_MAX_BYTES):
+                        rest.append(row)  # 10 a call, and at most SNS's 256 KiB in all
+                        continue
+                    chunk.append(row)
+                    entries.append(entry)
+                    size += grows
                 pending = rest
                 if not chunk:
                     break
                 if throttled:
                     failed.extend((r.id, "throttled") for r in chunk)
                     continue
-                entries = [self._entry(r, i, fifo) for i, r in enumerate(chunk)]
                 try:
                     answer = await self.transport.sns.publish_batch(TopicArn=arn, PublishBatchRequestEntries=entries)
                 except Exception as exc:
@@ -172,12 +183,13 @@ class OutboxRelay:
 
     @staticmethod
     def _entry(row: OutboxRow, index: int, fifo: bool) -> dict[str, Any]:
-        entry: dict[str, Any] = {"Id": str(index), "Message": row.body}
-        if row.attributes:
-            entry["MessageAttributes"] = bodies.sns_attributes(row.attributes)
+        attributes = dict(row.attributes)
+        deduplication_id = attributes.pop(bodies.DEDUPLICATION_ATTRIBUTE, None)
+        entry: dict[str, Any] = {"Id": str(index), "Message": row.body,
+                                 "MessageAttributes": bodies.sns_attributes(attributes)}
         if fifo:
             entry["MessageGroupId"] = row.partition_key or row.message_id
-            entry["MessageDeduplicationId"] = row.message_id
+            entry["MessageDeduplicationId"] = deduplication_id or row.message_id
         return entry
 
     @staticmethod

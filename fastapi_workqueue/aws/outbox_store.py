@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 from ..core.envelope import PreparedMessage
 from ..core.errors import ConfigurationError
+from . import body as bodies
 
 SQLITE_LEASE_SECONDS = 60.0
 """How long a SQLite relay holds the rows it took (a dead relay's rows are taken again after it)."""
@@ -163,7 +164,7 @@ class _LockingStore(OutboxStore):
             "message_ids": self._list([m.message_id for m, _ in items]),
             "partition_keys": self._list([m.partition_key for m, _ in items]),
             "bodies": self._list([body for _, body in items]),
-            "attributes": self._list([json.dumps(m.attributes) for m, _ in items]),
+            "attributes": self._list([json.dumps(bodies.outbox_attributes(m)) for m, _ in items]),
             "now": now,
         })
 
@@ -287,7 +288,7 @@ class SqliteOutboxStore(OutboxStore):
         at = now.timestamp() if now is not None else time.time()
         rows = [
             {"topic": topic, "message_id": str(m.message_id), "partition_key": m.partition_key, "body": body,
-             "attributes": json.dumps(m.attributes), "now": at}
+             "attributes": json.dumps(bodies.outbox_attributes(m)), "now": at}
             for m, body in items
         ]
         await session.execute(text(self.statements["aws_outbox_write"]), rows)

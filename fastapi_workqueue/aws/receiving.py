@@ -354,7 +354,7 @@ class Receiving:
         attributes = {
             k: str(v.get("StringValue"))
             for k, v in message.get("MessageAttributes", {}).items()
-            if v.get("StringValue") is not None
+            if v.get("StringValue") is not None and k != bodies.NO_ATTRIBUTES
         }
         message_id = bodies.message_uuid(env, origin)
         claimed_at = datetime.now(UTC)
@@ -478,14 +478,19 @@ class Receiving:
 
     async def _let_go(self, subscription: str, item: Held) -> None:
         """Makes a held message visible again (a head waiting out its retry: when it is due), not
-        charging this process an attempt for the receive SQS counts."""
+        charging this process an attempt for the receive SQS counts. A head waiting out its retry
+        comes back as the attempt it waits for: its failed attempts stay counted."""
         seconds = max(0, math.ceil(item.due - time.time())) if item.due else 0
         with contextlib.suppress(Exception):
             await self.sqs.change_message_visibility(
                 QueueUrl=item.queue_url, ReceiptHandle=item.message["ReceiptHandle"], VisibilityTimeout=seconds
             )
             delivery_id = self.delivery_id_of(subscription, item.message)
-            self._released[delivery_id] = self._released.get(delivery_id, 0) + 1
+            if item.attempt is not None:  # its next receive (one more than SQS counted) is that attempt
+                received = int(item.message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
+                self._released[delivery_id] = received + 1 - item.attempt
+            else:
+                self._released[delivery_id] = self._released.get(delivery_id, 0) + 1
 
     async def give_back_held(self, subscription: str) -> None:
         """Gives back what this process holds of ``subscription`` and has not handed over (a pause,

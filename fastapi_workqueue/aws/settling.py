@@ -199,6 +199,8 @@ class Settling:
         body = bodies.dead_letter_body(
             bodies.decode(lease.body, str(lease.message_id)), origin_id=delivery_id.rsplit(":", 1)[-1],
             subscription=lease.subscription, reason=reason, error=error, attempts=lease.attempt,
+            group_id=lease.group_id or lease.partition_key or lease.subscription if self._fifo(lease.subscription)
+            else None,
         )
         entry: dict[str, Any] = {"QueueUrl": dlq_url, "MessageBody": body}
         if lease.message_attributes:
@@ -208,8 +210,11 @@ class Settling:
                 if v.get("StringValue") is not None
             }
         if self._fifo(lease.subscription):
-            entry["MessageGroupId"] = lease.group_id or lease.partition_key or lease.subscription
-            entry["MessageDeduplicationId"] = f"{lease.message_id}:dl:{uuid.uuid4().hex[:8]}"
+            # A group of its own: a FIFO receive hands out at most 10 of one group and locks the group
+            # while they are in flight, so a key's dead letters past ten could not be read.
+            dead_id = uuid.uuid4().hex[:8]
+            entry["MessageGroupId"] = f"dl-{dead_id}-{lease.message_id}"
+            entry["MessageDeduplicationId"] = f"{lease.message_id}:dl:{dead_id}"
         await self.sqs.send_message(**entry)
 
     async def _delete(self, deletes: list[tuple[int, Lease]]) -> list[int]:

@@ -85,7 +85,7 @@ def decode_record(record: Mapping[str, Any]) -> SqsRecord:
     strings = {
         name: str(value["stringValue"])
         for name, value in raw_attributes.items()
-        if isinstance(value, Mapping) and value.get("stringValue") is not None
+        if isinstance(value, Mapping) and value.get("stringValue") is not None and name != bodies.NO_ATTRIBUTES
     }
     sent = attrs.get("SentTimestamp")
     return SqsRecord(
@@ -117,11 +117,12 @@ def dead_letter_entry(record: SqsRecord, policy: SubscriptionPolicy, reason: str
     (:func:`.body.dead_letter_body`, as the host transport writes it), its attributes, and on FIFO
     its group and a deduplication id of this SQS message."""
     body = bodies.dead_letter_body(record.envelope(), origin_id=record.origin_id, subscription=policy.name,
-                                   reason=reason, error=error, attempts=record.attempt)
+                                   reason=reason, error=error, attempts=record.attempt,
+                                   group_id=(record.group_id or policy.name) if policy.is_fifo else None)
     entry: dict[str, Any] = {"QueueUrl": policy.dlq_url, "MessageBody": body}
     if record.message_attributes:
         entry["MessageAttributes"] = {k: _send_attribute(v) for k, v in record.message_attributes.items()}
     if policy.is_fifo:
-        entry["MessageGroupId"] = record.group_id or policy.name
+        entry["MessageGroupId"] = f"dl-{record.message_id}"  # (a group of its own: see settling.send_dead_letter)
         entry["MessageDeduplicationId"] = record.message_id
     return entry

@@ -93,6 +93,7 @@ CAPABILITIES = Capabilities(
     cancel=False,
     exact_backlog=False,
     retry_keeps_key_busy=True,
+    exclusive_needs_fifo=True,
     message_state=False,
     terminal_counts=False,
     sweeps=False,
@@ -382,17 +383,16 @@ class AwsTransport(Receiving, Settling, OperatorViews):
         bound = self.bindings.topics.get(topic)
         return None if bound is None else bound.arn
 
-    def publish_entry(self, topic: str, message: PreparedMessage, index: int) -> dict[str, Any]:
-        """One PublishBatch entry of ``message``."""
-        entry: dict[str, Any] = {"Id": str(index), "Message": bodies.encode(topic, message)}
-        if message.attributes:
-            entry["MessageAttributes"] = bodies.sns_attributes(message.attributes)
+    def publish_entry(self, topic: str, message: PreparedMessage, index: int, body: str) -> dict[str, Any]:
+        """One PublishBatch entry of ``message``, whose body (:func:`.body.encode`) is ``body``."""
+        entry: dict[str, Any] = {"Id": str(index), "Message": body,
+                                 "MessageAttributes": bodies.sns_attributes(message.attributes)}
         if self._topics[topic].is_fifo:
             entry["MessageGroupId"] = message.partition_key or str(message.message_id)
-            entry["MessageDeduplicationId"] = str(message.message_id)
+            entry["MessageDeduplicationId"] = bodies.deduplication_id(message)
         return entry
 
-    def _refusal(self, topic: str, message: PreparedMessage) -> PublishError | None:
+    def _refusal(self, topic: str, message: PreparedMessage, entry: dict[str, Any]) -> PublishError | None:
         cap = self._topics[topic].max_payload_bytes
         if cap is not None and message.envelope_bytes > cap:
             return PublishError(
@@ -421,6 +421,19 @@ class AwsTransport(Receiving, Settling, OperatorViews):
                 field="deduplication_key",
                 message=f"topic {topic!r} is a standard SNS topic: deduplication keys need is_fifo=True",
             )
+        for name, value in message.attributes.items():
+            if (problem := bodies.attribute_problem(name, value)) is not None:
+                return PublishError(code="InvalidAttribute", field="attributes",
+                                    message=f"topic {topic!r} is on the aws transport: {problem}")
+        size = bodies.entry_size(entry)
+        if size > bodies.SNS_MAX_BYTES:
+            return PublishError(
+                code="EnvelopeTooLarge",
+                field="payload",
+                message=f"the message is {size} bytes as SNS counts it (the payload, the attributes and the "
+                f"library's fields of its body); SNS takes at most {bodies.SNS_MAX_BYTES}: send a PayloadRef to "
+                "the data instead",
+            )
         return None
 
     async def publish(
@@ -447,7 +460,9 @@ class AwsTransport(Receiving, Settling, OperatorViews):
                 PublishResult(status=PublishStatus.TOPIC_UNBOUND, message_id=m.message_id, error=error)
                 for m in messages
             ]
-        refusals = {i: e for i, m in enumerate(messages) if (e := self._refusal(topic, m)) is not None}
+        encoded = [bodies.encode(topic, m) for m in messages]
+        entries = [self.publish_entry(topic, m, i, encoded[i]) for i, m in enumerate(messages)]
+        refusals = {i: e for i, m in enumerate(messages) if (e := self._refusal(topic, m, entries[i])) is not None}
         if refusals:
             from ..core.envelope import aborted_results
 
@@ -461,9 +476,8 @@ class AwsTransport(Receiving, Settling, OperatorViews):
         if session is not None:
             from .outbox import write_outbox
 
-            await write_outbox(session, topic, [(m, bodies.encode(topic, m)) for m in messages])
+            await write_outbox(session, topic, list(zip(messages, encoded, strict=True)))
             return [PublishResult(status=PublishStatus.ACCEPTED, message_id=m.message_id) for m in messages]
-        entries = [self.publish_entry(topic, m, i) for i, m in enumerate(messages)]
         failed = await self.publish_batches(arn, entries)
         if failed:
             raise TransportError(
@@ -474,10 +488,10 @@ class AwsTransport(Receiving, Settling, OperatorViews):
         return [PublishResult(status=PublishStatus.ACCEPTED, message_id=m.message_id) for m in messages]
 
     async def publish_batches(self, arn: str, entries: Sequence[dict[str, Any]]) -> list[str]:
-        """PublishBatch 10 at a time; answers the failures (``"<Id>: <Code> <Message>"``)."""
+        """PublishBatch 10 at a time and at most SNS's 256 KiB a call; answers the failures
+        (``"<Id>: <Code> <Message>"``)."""
         failed: list[str] = []
-        for start in range(0, len(entries), BATCH):
-            chunk = list(entries[start : start + BATCH])
+        for chunk in bodies.batches(entries, BATCH):
             answer = await self.sns.publish_batch(TopicArn=arn, PublishBatchRequestEntries=chunk)
             failed.extend(
                 f"{f['Id']}: {f.get('Code', '')} {f.get('Message', '')}".strip() for f in answer.get("Failed", [])

@@ -108,6 +108,9 @@ def unsupported_reason(ports: Ports, sub: SubscriptionState) -> str | None:
         return f"Ordered needs a database topic; the {transport.name} transport cannot keep order per key"
     if sub.partition_mode == "Exclusive" and not caps.exclusive:
         return f"Exclusive is not available on the {transport.name} transport"
+    if sub.partition_mode == "Exclusive" and caps.exclusive_needs_fifo and not sub.is_fifo:
+        return (f"Exclusive on the {transport.name} transport needs a FIFO topic: declare topic {sub.topic!r} with "
+                "is_fifo=True (a standard queue runs one key's messages at once)")
     limits = {k: v for k, v in sub.flow_limits().items()
               if not (k == "key_concurrency" and sub.partition_mode != "None")}  # (1 on a keyed mode: the mode)
     counted = [f"{k}={limits[k]!r}" for k in ("max_in_flight", "key_concurrency") if k in limits]

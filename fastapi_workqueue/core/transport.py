@@ -73,6 +73,9 @@ class Capabilities:
     transaction took at once) is tried again in a savepoint (False: SQLite, whose single writer
     serializes the dispatchers already, and where a savepoint turns the caller's lock into an upgrade
     that fails at once)."""
+    exclusive_needs_fifo: bool = False
+    """Exclusive holds only on a FIFO topic (SQS: the key is the message group; a standard queue
+    hands one key's messages to several consumers at once)."""
     notes: tuple[str, ...] = ()
 
 

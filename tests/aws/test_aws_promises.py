@@ -1,0 +1,312 @@
+"""Promises of the aws transport checked end to end with the defaults a user gets: dead letters of a
+FIFO key past ten, deduplication keys on FIFO, what SNS refuses (empty attributes, sizes, batch
+sizes), filters on messages without attributes, a pause during a held retry, Exclusive on a
+standard topic."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from fastapi_workqueue import PublishRequest, Subscription, Topic, TransientWorkError, WorkContext, WorkMessage
+from fastapi_workqueue.core.transport import Settlement
+
+from ..conftest import unique
+from ..support import wait_for
+from .deployed import deployed_queue, provision_queue, running
+from .world import aws_of, aws_queue
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Item(BaseModel):
+    key: str
+    n: int
+
+
+async def test_every_dead_letter_of_a_fifo_key_is_listed_and_replayable(tmp_path: Path, moto_url: str) -> None:
+    """A poison Exclusive key dead-letters each of its 12 messages; the operator lists them (limit
+    100) and replays the last. On a FIFO DLQ each ReceiveMessage hands over at most 10 messages of
+    one group and then locks the group while they are in flight, so the reader sees only 10."""
+    name = unique("dlq")
+    sub = f"{name}.work"
+    topics = [Topic(name=name, transport="aws", is_fifo=True)]
+    subs = [Subscription(name=sub, topic=name, handler_key="work", partition_mode="Exclusive")]
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
+        await queue.publish(name, [PublishRequest(payload={"key": "k", "n": n}, partition_key="k")
+                                   for n in range(12)])
+        aws = aws_of(queue)
+        ids: list[str] = []
+        for _ in range(40):
+            got = await aws.claim(sub, 1)
+            for d in got:
+                assert await aws.settle([Settlement(d.delivery_id, d.lease_token, "DeadLetter",
+                                                    reason="poison")]) == ["DeadLettered"]
+                ids.append(d.delivery_id)
+            if len(ids) == 12:
+                break
+        assert len(ids) == 12
+        listed = await queue.dead_letters(sub, limit=100)
+        replayed = await queue.replay(sub, ids[-1], note="fixed")
+        assert (len(listed), replayed.result) == (12, "Replayed")
+        assert sorted(d.delivery_id for d in listed) == sorted(ids)
+
+
+
+async def _drain(queue: Any, sub: str, rounds: int = 6) -> list[Any]:
+    aws = aws_of(queue)
+    got = []
+    for _ in range(rounds):
+        batch = await aws.claim(sub, 10)
+        for d in batch:
+            got.append(d)
+            assert await aws.settle([Settlement(d.delivery_id, d.lease_token, "Complete")]) == ["Completed"]
+    return got
+
+
+
+async def test_a_deduplication_key_on_a_fifo_topic_drops_the_repeat(tmp_path: Path, moto_url: str) -> None:
+    """A FIFO aws topic accepts a deduplication key (a standard one refuses it: "deduplication keys
+    need is_fifo=True"), but the key never reaches SNS: the MessageDeduplicationId is the MessageID,
+    so a second message with the same key within its TTL is delivered too."""
+    name = unique("dedup")
+    sub = f"{name}.work"
+    topics = [Topic(name=name, transport="aws", is_fifo=True)]
+    subs = [Subscription(name=sub, topic=name, handler_key="work")]
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
+        [a] = await queue.publish(name, [PublishRequest(payload={"n": 1}, partition_key="p",
+                                                        deduplication_key="order-1")])
+        [b] = await queue.publish(name, [PublishRequest(payload={"n": 2}, partition_key="p",
+                                                        deduplication_key="order-1")])
+        assert a.status == "Accepted"
+        delivered = await _drain(queue, sub)
+        assert [d.message_id for d in delivered] == [a.message_id], (b.status, len(delivered))
+
+
+
+async def test_a_deduplication_key_through_the_outbox_drops_the_repeat(pg_url: str, moto_url: str) -> None:
+    """The same through the outbox: the relay sends the key (kept beside the row's attributes, never
+    as one of them) as the deduplication id, and the handler sees the first message only, with its
+    own attributes."""
+    name = unique("dedupo")
+    sub = f"{name}.work"
+    queue = deployed_queue(pg_url, moto_url, [Topic(name=name, transport="aws", is_fifo=True)],
+                           [Subscription(name=sub, topic=name, handler_key="work")])
+    seen: list[tuple[int, dict[str, str]]] = []
+
+    @queue.handler("work")
+    async def work(message: WorkMessage[Item], context: WorkContext) -> None:
+        seen.append((message.payload.n, dict(message.attributes)))
+
+    async with running(queue, provision_queue(queue, moto_url)):
+        for n in (1, 2):
+            async with queue.sessionmaker() as session, session.begin():
+                [result] = await queue.publish(name, [PublishRequest(
+                    payload={"key": "k", "n": n}, partition_key="k", deduplication_key="order-1",
+                    attributes={"kind": "order"})], session=session)
+                assert result.status == "Accepted"
+        async with queue.sessionmaker() as session, session.begin():
+            await queue.publish(name, [PublishRequest(payload={"key": "k", "n": 3}, partition_key="k")],
+                                session=session)
+        await wait_for(lambda: any(n == 3 for n, _ in seen), within=30)
+    assert seen == [(1, {"kind": "order"}), (3, {})], seen
+
+
+async def test_an_empty_attribute_value_is_rejected_not_accepted_and_stuck(pg_url: str, moto_url: str) -> None:
+    """An attribute with an empty string value passes the core's checks (the database transport
+    keeps it), but SNS refuses it (InvalidParameter: "must contain non-empty message attribute
+    value"). Through the outbox the publish answers Accepted, the relay is refused forever and the
+    row blocks every later message of its partition key."""
+    name = unique("empty")
+    sub = f"{name}.work"
+    queue = deployed_queue(pg_url, moto_url, [Topic(name=name, transport="aws")],
+                           [Subscription(name=sub, topic=name, handler_key="work")])
+    seen: list[int] = []
+
+    @queue.handler("work")
+    async def work(message: WorkMessage[Item], context: WorkContext) -> None:
+        seen.append(message.payload.n)
+
+    async with running(queue, provision_queue(queue, moto_url)):
+        async with queue.sessionmaker() as session, session.begin():
+            results = await queue.publish(name, [
+                PublishRequest(payload={"key": "c1", "n": 1}, partition_key="c1", attributes={"note": ""}),
+                PublishRequest(payload={"key": "c1", "n": 2}, partition_key="c1"),
+            ], session=session)
+        async with queue.sessionmaker() as session, session.begin():  # other customers, a valid publish
+            await queue.publish(name, [PublishRequest(payload={"key": f"c{n}", "n": n}, partition_key=f"c{n}")
+                                       for n in range(3, 8)], session=session)
+        statuses = [r.status for r in results]
+        await asyncio.sleep(15)  # the relay runs every second
+    assert sorted(seen)[-5:] == [3, 4, 5, 6, 7], (statuses, seen)  # unrelated keys get through
+    assert statuses[0] == "Rejected" or sorted(seen) == [1, 2, 3, 4, 5, 6, 7], (statuses, seen)
+
+
+
+async def test_an_empty_attribute_value_without_session_is_rejected(tmp_path: Path, moto_url: str) -> None:
+    name = unique("empty")
+    topics = [Topic(name=name, transport="aws")]
+    subs = [Subscription(name=f"{name}.s", topic=name, handler_key="work")]
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
+        [result] = await queue.publish(name, [PublishRequest(payload={}, attributes={"note": ""})])
+        assert result.status == "Rejected" and result.error is not None
+
+
+
+async def test_a_pause_during_a_held_heads_backoff_does_not_erase_its_failed_attempt(
+    tmp_path: Path, moto_url: str,
+) -> None:
+    """Exclusive FIFO key k: message 0 always fails (TransientWorkError, 4 s delay) while message 1
+    is held behind it, so the head waits out its delay held here as attempt 2. A pause during that
+    delay, with a message arriving on the long poll, gives everything held back; the give-back of
+    the head is counted as one that SQS charged for nothing, so after the resume its next run is
+    attempt 1 again: the failed attempt is erased and it runs more than max_attempts times."""
+    name = unique("pz")
+    sub = f"{name}.work"
+    queue = deployed_queue(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}", moto_url,
+                           [Topic(name=name, transport="aws", is_fifo=True)],
+                           [Subscription(name=sub, topic=name, handler_key="work", partition_mode="Exclusive",
+                                         max_attempts=3)])
+    runs: list[tuple[str, int, int]] = []
+    failed_once = asyncio.Event()
+
+    @queue.handler("work")
+    async def work(message: WorkMessage[Item], context: WorkContext) -> None:
+        runs.append((message.payload.key, message.payload.n, context.attempt))
+        if message.payload.n == 0:
+            failed_once.set()
+            raise TransientWorkError("down", delay_seconds=4)
+
+    async with running(queue, provision_queue(queue, moto_url)):
+        await queue.publish(name, [PublishRequest(payload={"key": "k", "n": n}, partition_key="k") for n in (0, 1)])
+        await asyncio.wait_for(failed_once.wait(), 30)
+        await asyncio.sleep(0.5)
+        assert await queue.set_status(sub, "Paused") is True
+        await queue.publish(name, [PublishRequest(payload={"key": "other", "n": 9}, partition_key="other")])
+        await asyncio.sleep(3)
+        assert await queue.set_status(sub, "Active") is True
+        await wait_for(lambda: queue.dead_letters(sub), within=60, interval=0.3)
+        await wait_for(lambda: ("k", 1, 1) in runs, within=30)
+    head = [a for k, n, a in runs if n == 0]
+    assert head == [1, 2, 3], runs
+
+
+
+async def test_a_payload_within_the_envelope_cap_is_published(tmp_path: Path, moto_url: str) -> None:
+    """The core accepts an envelope (payload + attributes) of up to 256 KiB; the aws body adds the
+    library's own fields (message_id, topic, published_at, ...) around the payload, so SNS's 256 KiB
+    limit refuses a payload the cap allows: the publish raises instead of answering Accepted or Rejected."""
+    from fastapi_workqueue.core.envelope import MAX_ENVELOPE_BYTES
+
+    name = unique("big")
+    topics = [Topic(name=name, transport="aws")]
+    subs = [Subscription(name=f"{name}.s", topic=name, handler_key="work")]
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
+        payload = "x" * (MAX_ENVELOPE_BYTES - 100)
+        [result] = await queue.publish(name, [PublishRequest(payload=payload)])
+        assert result.status in ("Accepted", "Rejected")
+        delivered = await _drain(queue, f"{name}.s", rounds=2)
+        assert result.status == "Rejected" or len(delivered) == 1
+
+
+
+async def test_a_non_ascii_payload_well_under_the_cap_is_published(tmp_path: Path, moto_url: str) -> None:
+    """A 60,000-character text of 'é' is a ~120 KB envelope (UTF-8), half the cap; the aws body is
+    written with json.dumps' default ensure_ascii, each 'é' becoming the 6 bytes '\\u00e9' (~360 KB),
+    which SNS refuses as too long."""
+    name = unique("utf")
+    topics = [Topic(name=name, transport="aws")]
+    subs = [Subscription(name=f"{name}.s", topic=name, handler_key="work")]
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
+        [result] = await queue.publish(name, [PublishRequest(payload="é" * 60_000)])
+        delivered = await _drain(queue, f"{name}.s", rounds=2)
+        assert result.status == "Accepted" and len(delivered) == 1
+
+
+
+async def test_ten_mid_sized_messages_in_one_call_stay_within_sns_batch_limit(tmp_path: Path, moto_url: str) -> None:
+    """Ten 40 KB messages, each far under the cap, in one publish: SNS's PublishBatch takes at most
+    256 KiB in all (the sum of the entries' messages; AWS answers BatchRequestTooLong above it).
+    moto does not enforce the aggregate limit, so the test checks the calls the transport makes."""
+    name = unique("agg")
+    topics = [Topic(name=name, transport="aws")]
+    subs = [Subscription(name=f"{name}.s", topic=name, handler_key="work")]
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
+        aws = aws_of(queue)
+        sizes: list[int] = []
+        real = aws.sns.publish_batch
+
+        async def recording(**kwargs: Any) -> Any:
+            sizes.append(sum(len(e["Message"].encode()) + sum(len(k) + len(v["StringValue"].encode())
+                                                              for k, v in e.get("MessageAttributes", {}).items())
+                             for e in kwargs["PublishBatchRequestEntries"]))
+            return await real(**kwargs)
+
+        aws._sns.publish_batch = recording
+        results = await queue.publish(name, [PublishRequest(payload="x" * 40_000) for _ in range(10)])
+        assert [r.status for r in results] == ["Accepted"] * 10
+    assert max(sizes) <= 262_144, sizes
+
+
+
+async def test_a_message_without_attributes_can_match_an_isnull_filter_on_sns(tmp_path: Path, moto_url: str) -> None:
+    """``isnull`` renders as ``[{"exists": false}]``; AWS documents that "exists": false "only
+    matches if at least one attribute is present. An empty set of attributes results in the filter
+    not matching". A message published with no attributes (which the database transport and the
+    SPEC deliver to an isnull subscription) reaches SNS with no MessageAttributes at all, so on AWS
+    the isnull subscription never gets it. moto matches it anyway, so the test checks the request."""
+    name = unique("isnull")
+    topics = [Topic(name=name, transport="aws")]
+    subs = [Subscription(name=f"{name}.s", topic=name, handler_key="work",
+                         filter={"field": "region", "operator": "isnull"})]
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
+        aws = aws_of(queue)
+        entries: list[dict[str, Any]] = []
+        real = aws.sns.publish_batch
+
+        async def recording(**kwargs: Any) -> Any:
+            entries.extend(kwargs["PublishBatchRequestEntries"])
+            return await real(**kwargs)
+
+        aws._sns.publish_batch = recording
+        [result] = await queue.publish(name, [PublishRequest(payload={"n": 1})])
+        assert result.status == "Accepted"
+    assert entries and entries[0].get("MessageAttributes"), entries
+
+
+
+async def test_an_exclusive_subscription_on_a_standard_aws_topic_is_unsupported(
+    tmp_path: Path, moto_url: str,
+) -> None:
+    """Exclusive needs a FIFO topic (the key is the message group): on a standard queue SQS would
+    hand one key's messages to several consumers at once. The host refuses to run it and health
+    says why, instead of running the key's deliveries in parallel."""
+    from fastapi_workqueue.aws.manifest import build_manifest
+
+    from .provision import provision
+
+    name = unique("std")
+    sub = f"{name}.work"
+    topics = [Topic(name=name, transport="aws")]
+    url = f"sqlite+aiosqlite:///{tmp_path / 'app.db'}"
+    plain = deployed_queue(url, moto_url, topics, [Subscription(name=sub, topic=name, handler_key="work")])
+    document = provision(build_manifest(topics, list(plain.subscriptions.values()), plain.settings), moto_url)
+    queue = deployed_queue(url, moto_url, topics,
+                           [Subscription(name=sub, topic=name, handler_key="work", partition_mode="Exclusive")])
+    done: list[int] = []
+
+    @queue.handler("work")
+    async def work(message: WorkMessage[Item], context: WorkContext) -> None:
+        done.append(message.payload.n)
+
+    async with running(queue, document):
+        await queue.publish(name, [PublishRequest(payload={"key": "k", "n": n}, partition_key="k") for n in range(4)])
+        state = await wait_for(lambda: next((s for s in queue.health().subscriptions if s.subscription == sub
+                                             and s.state == "Unsupported"), None), within=30)
+        await asyncio.sleep(1.0)
+    assert "FIFO" in (state.reason or ""), state
+    assert done == []
