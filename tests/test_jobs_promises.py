@@ -118,9 +118,8 @@ async def test_a_unique_job_that_fails_by_its_lease_on_its_last_try_frees_its_ke
 
 
 async def test_cancelling_a_running_job_emits_job_discarded(database_url: str) -> None:
-    """SPEC §8 "events: processing, processed, released (with the reason), failed, discarded"; the
-    runner itself emits JobDiscarded("cancelled by an operator") when a cancel meets a job that
-    returned, but the usual cancel (the job aborted by it) ends the job Discarded in silence."""
+    """SPEC §8 "events: processing, processed, released (with the reason), failed, discarded": a job an
+    operator cancels while it runs is heard as JobDiscarded("cancelled by an operator")."""
     name = qname()
     started = asyncio.Event()
     queue = make(database_url, name, job_lease_seconds=3)

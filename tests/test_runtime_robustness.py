@@ -20,10 +20,9 @@ pytestmark = pytest.mark.timeout(60)
 async def test_a_nul_in_one_handlers_error_does_not_lose_the_other_outcomes_of_its_settle_batch(
     pg_url: str,
 ) -> None:
-    """A handler's exception text becomes last_error; PostgreSQL text cannot hold NUL. The settler
-    writes the settles of all handlers that ended together in one call, so one such failure makes
-    the whole batch fail (non-retryable): the other handlers' completions are never written, their
-    leases run out and the sweeper takes them back (here, on their only attempt: dead-lettered)."""
+    """A handler's exception text becomes last_error, and PostgreSQL text cannot hold a NUL. The four
+    handlers end together, so their settles share one batch: the three completions are written, and
+    the failure with its error (the NUL written out), none left to its lease."""
     queue, topic, subs = make_queue(pg_url, [{"role": "h", "lease_seconds": 1, "max_attempts": 1}], concurrency=8)
     payloads = ("ok1", "bad", "ok2", "ok3")
     runs: dict[str, int] = {}
@@ -98,11 +97,10 @@ async def test_the_settler_writes_one_by_one_what_the_store_refused_as_a_batch(p
 async def test_an_abort_listener_that_raises_neither_keeps_the_abort_from_its_handler_nor_stops_heartbeats(
     pg_url: str,
 ) -> None:
-    """``context.signal.add_listener(callback)`` is documented (docs/handlers.md) for stopping work
-    started elsewhere. A callback that raises (say, killing a child process that already exited)
-    escapes ``AbortSignal.abort`` into the runtime: the operator's cancel never cancels the handler's
-    task, and the exception ends the consumer's heartbeat loop, so every other handler of the
-    consumer loses its lease while it awaits."""
+    """``context.signal.add_listener(callback)`` stops work started elsewhere (docs/handlers.md). A
+    callback that raises (it kills a child process that already exited) is logged: the operator's
+    cancel still cancels its handler's task, and the consumer's heartbeats go on, so the other
+    handler, which only awaits, keeps its lease and completes."""
     queue, topic, subs = make_queue(pg_url, [{"role": "h", "lease_seconds": 0.9}])
     started: dict[str, asyncio.Event] = {"a": asyncio.Event(), "b": asyncio.Event()}
     ended: dict[str, Any] = {}
@@ -139,9 +137,8 @@ async def test_an_abort_listener_that_raises_neither_keeps_the_abort_from_its_ha
 async def test_an_abort_listener_that_raises_does_not_stop_the_shutdown_from_releasing_what_runs(
     pg_url: str,
 ) -> None:
-    """The same callback at shutdown: ``Consumer.stop`` aborts its handlers one by one and the first
-    callback that raises ends ``stop`` there. The other handlers are never aborted, nothing is
-    released, and the deliveries stay InFlight with their attempt spent after the host stopped."""
+    """The same callback at shutdown: every handler is aborted all the same and what was running is
+    released to Pending without spending its attempt."""
     queue, topic, subs = make_queue(pg_url, [{"role": "h"}], shutdown_drain_ms=300)
     started = {"a": asyncio.Event(), "b": asyncio.Event()}
 
@@ -171,11 +168,10 @@ async def test_an_abort_listener_that_raises_does_not_stop_the_shutdown_from_rel
 async def test_a_claim_that_fails_in_a_later_group_does_not_strand_what_earlier_groups_claimed(
     pg_url: str,
 ) -> None:
-    """A consumer of several groups (a job worker's ``--queue=mail,*``) claims group by group in one
-    ``Consumer._claim`` call. When a later group's claim fails (here the database cancels it; a
-    dropped connection or a statement timeout does the same), what the earlier groups claimed is
-    already InFlight in the store but is thrown away with the exception: never started, never given
-    back, held until its lease runs out and the sweeper spends its attempt (here its only one)."""
+    """A consumer of several groups (a job worker's ``--queue=mail,*``) claims group by group. When a
+    later group's claim fails (here the database cancels it; a dropped connection or a statement
+    timeout does the same), what the earlier groups claimed, already InFlight in the store, runs
+    (once) and completes instead of waiting out its lease."""
     import asyncpg
 
     from fastapi_workqueue.core.host import GroupPlan
@@ -236,12 +232,10 @@ async def test_a_claim_that_fails_in_a_later_group_does_not_strand_what_earlier_
 
 
 async def test_a_cancelled_error_the_handler_raises_itself_spends_the_attempt(pg_url: str) -> None:
-    """A handler that awaits a child task somebody else cancelled (a client library's own timeout,
-    a watchdog) ends with ``CancelledError`` although the runtime never aborted it. ``Consumer._run``
-    takes every such error for the event loop going away and releases the delivery as at shutdown:
-    the attempt is given back, at once, every time. The message never dead-letters and spins in a
-    hot loop; SPEC: any other exception goes to Pending after backoff, or DeadLettered when the
-    attempts are spent."""
+    """A handler that awaits a child task somebody else cancelled (a client library's own timeout, a
+    watchdog) ends with ``CancelledError`` although the runtime never aborted it: a failed attempt,
+    as any other exception (backoff, then DeadLettered when the attempts are spent), not a give-back
+    as at shutdown, which would run it again at once, without end."""
     queue, topic, subs = make_queue(pg_url, [{"role": "h", "max_attempts": 2}])
     runs = 0
 

@@ -27,7 +27,11 @@ def api_keys() -> None:
 def api_keys_create(ctx: Context, name: str, scopes: str, expires_in: str | None, topics: tuple[str, ...]) -> None:
     """Create a key; it is shown once."""
     wanted = [s.strip() for s in scopes.split(",") if s.strip()]
-    expires = datetime.now(UTC) + timedelta(seconds=parse_duration(expires_in)) if expires_in else None
+    lifetime = parse_duration(expires_in, option="--expires-in") if expires_in else None
+    if lifetime is not None and lifetime <= 0:
+        raise click.BadParameter("a key must live longer than 0 seconds (use 3600, 90m, 12h or 30d)",
+                                 param_hint="'--expires-in'")
+    expires = datetime.now(UTC) + timedelta(seconds=lifetime) if lifetime is not None else None
     allowed = [t.strip() for t in topics] if topics else None
     created = run(ctx, lambda t: create_key(t, name, wanted, expires, allowed))
     if ctx.as_json:

@@ -82,17 +82,24 @@ def app_option(command: Callable[..., Any]) -> Callable[..., Any]:
 pass_context = click.make_pass_decorator(Context)
 
 
-def parse_duration(text: str, *, bare_unit: str = "s") -> float:
+MAX_DURATION_SECONDS = 100 * 365 * 86400
+"""The longest duration an option takes: 100 years."""
+
+
+def parse_duration(text: str, *, bare_unit: str = "s", option: str | None = None) -> float:
     """Seconds: ``90m``, ``12h``, ``7d``, ``3600s`` as written; a bare number is in ``bare_unit``
-    (``3600`` → 3600 s, or with ``bare_unit="d"``, ``7`` → 7 days)."""
+    (``3600`` → 3600 s, or with ``bare_unit="d"``, ``7`` → 7 days). ``option`` names it in errors."""
+    hint = f"'{option}'" if option else None
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     text = text.strip().lower()
     try:
-        if text and text[-1] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text) * units[bare_unit]
+        seconds = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text) * units[bare_unit]
     except ValueError as exc:
-        raise click.BadParameter(f"{text!r} is not a duration (use 3600, 90m, 12h or 7d)") from exc
+        raise click.BadParameter(f"{text!r} is not a duration (use 3600, 90m, 12h or 7d)", param_hint=hint) from exc
+    if not 0 <= seconds <= MAX_DURATION_SECONDS:  # (NaN and infinity too)
+        raise click.BadParameter(f"{text!r} is not a duration from 0 to 100 years (use 3600, 90m, 12h or 7d)",
+                                 param_hint=hint)
+    return seconds
 
 
 def _set_json(click_ctx: click.Context, param: click.Parameter, value: bool) -> None:

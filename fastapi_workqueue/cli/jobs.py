@@ -87,7 +87,7 @@ def prune(ctx: Any, older_than: str, queue_name: str | None) -> None:
     """Drop the jobs that failed longer ago than --older-than days."""
     from .context import parse_duration
 
-    seconds = parse_duration(older_than, bare_unit="d")
+    seconds = parse_duration(older_than, bare_unit="d", option="--older-than")
     count = _with_queue(ctx, lambda q: q.prune_failed_jobs(seconds / 86400, queue_name))
     if ctx.as_json:
         emit_json({"Pruned": count})

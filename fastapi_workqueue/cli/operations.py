@@ -104,7 +104,7 @@ def stats(ctx: Context, subscription: str | None) -> None:
 @app_option
 @click.option("--subscription", required=True)
 @click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 10000))
-@click.option("--after", help="Page after this delivery id.")
+@click.option("--after", callback=lambda _c, _p, v: _cursor(v), help="Page after this delivery id.")
 @click.option("--payload", "include_payload", is_flag=True, help="Include payloads.")
 @pass_context
 def dead_letters(ctx: Context, subscription: str, limit: int, after: str | None, include_payload: bool) -> None:
@@ -125,7 +125,7 @@ def dead_letters(ctx: Context, subscription: str, limit: int, after: str | None,
 @click.option("--status", "status", default="InFlight", show_default=True,
               type=click.Choice(["Pending", "InFlight", "Completed", "DeadLettered", "Discarded"]))
 @click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 10000))
-@click.option("--after", help="Page after this delivery id.")
+@click.option("--after", callback=lambda _c, _p, v: _cursor(v), help="Page after this delivery id.")
 @click.option("--payload", "include_payload", is_flag=True, help="Include payloads.")
 @pass_context
 def deliveries(
@@ -198,6 +198,14 @@ def discard(ctx: Context, subscription: str, delivery_id: str, reason: str | Non
     """Discard a Pending or DeadLettered delivery, or cancel one that runs."""
     _action(ctx, run(ctx, lambda t: t.discard(subscription, delivery_id, reason), subscription=subscription,
                      delivery_id=delivery_id, app=True))
+
+
+def _cursor(value: str | None) -> str | None:
+    """A paging cursor: a DeliveryID (digits, or ``aws:...`` on an aws subscription)."""
+    if value is None or value.isdigit() or value.startswith("aws:"):
+        return value
+    raise click.BadParameter(f"{value!r} is not a DeliveryID: give the DeliveryID of the last row of the page "
+                             "before (digits, or aws:... on an aws subscription)")
 
 
 def _action(ctx: Context, result: Any) -> None:
@@ -286,7 +294,7 @@ def validate_bindings(
 @pass_context
 def prune(ctx: Context, older_than: str) -> None:
     """Remove Completed and Discarded deliveries settled longer ago than --older-than."""
-    seconds = parse_duration(older_than)
+    seconds = parse_duration(older_than, option="--older-than")
     removed = run(ctx, lambda t: t.prune(seconds), app=True)
     if ctx.as_json:
         emit_json({"Removed": removed})

@@ -84,11 +84,12 @@ class BackoffPolicy:
 def backoff_seconds(attempt: int, policy: BackoffPolicy, draw: float) -> float:
     """The delay before the retry of ``attempt`` (from 1; 0 counts as 1): the schedule's step for
     that attempt (its last step once the attempts outrun it), else full jitter,
-    ``draw · min(maximum, base · 2^(attempt − 1))`` with ``draw`` in [0, 1)."""
+    ``draw · min(maximum, base · 2^(attempt − 1))`` with ``draw`` in [0, 1); the exponent stops at
+    64 (past it a float overflows, and any maximum is reached long before)."""
     n = max(attempt, 1)
     if policy.schedule:
         return float(policy.schedule[min(n, len(policy.schedule)) - 1])
-    return draw * min(policy.maximum, policy.base * 2.0 ** (n - 1))
+    return draw * min(policy.maximum, policy.base * 2.0 ** min(n - 1, 64))
 
 
 def clamp_delay(seconds: float, ceiling: float) -> float:

@@ -926,7 +926,8 @@ class MemoryTransport:
             out.append(SubscriptionStats(
                 subscription=sub.spec.name, topic=sub.spec.topic, status=sub.status,
                 partition_mode=sub.spec.partition_mode, pending=count["Pending"],
-                claimable=self._claimable_count(sub, now), in_flight=count["InFlight"],
+                claimable=self._claimable_count(sub, now) if self._active(sub.spec.name) else 0,
+                in_flight=count["InFlight"],
                 dead_lettered=count["DeadLettered"], completed=count["Completed"], discarded=count["Discarded"],
                 oldest_pending_at=min(pending) if pending else None,
             ))

@@ -123,7 +123,7 @@ class Operator:
             raise ConfigurationError(f"subscription {subscription!r} does not exist; `workqueue subscriptions list` "
                                      "shows the stored ones")
         if discard_pending:
-            why = reason or "discarded when the subscription was retired"
+            why = storable(reason) if reason else "discarded when the subscription was retired"
             discarded = 0
             while True:
                 count = await store.discard_pending(subscription, why, DISCARD_BATCH)

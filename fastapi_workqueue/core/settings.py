@@ -46,6 +46,12 @@ class WorkQueueSettings(BaseSettings):
             raise _settings_error(exc) from exc
         except ValidationError as exc:
             raise _validation_error(exc) from exc
+        if self.idle_poll_max_ms < self.idle_poll_min_ms:
+            raise ConfigurationError(
+                f"{_variable('idle_poll_max_ms')} ({self.idle_poll_max_ms}) is below {_variable('idle_poll_min_ms')} "
+                f"({self.idle_poll_min_ms}): the idle poll doubles from the minimum up to the maximum; raise the "
+                "maximum or lower the minimum"
+            )
 
     enabled: bool = True
     """Run the host (consumers, sweeper, reconcile loop) in this process."""
@@ -286,7 +292,8 @@ def _unknown_field(field: str) -> str:
 
 def _validation_error(exc: ValidationError) -> ConfigurationError:
     """Values of the wrong shape, each named by its variable and where in it the problem is."""
-    unknown = [str(e["loc"][0]) for e in exc.errors() if e["type"] == "extra_forbidden" and e["loc"]]
+    # (an unknown key inside a setting, WORKQUEUE_SUBSCRIPTIONS' "concurency", is that setting's problem)
+    unknown = [str(e["loc"][0]) for e in exc.errors() if e["type"] == "extra_forbidden" and len(e["loc"]) == 1]
     if unknown:
         return ConfigurationError("; ".join(_unknown_field(field) for field in unknown))
     problems: dict[str, list[str]] = {}
@@ -294,7 +301,8 @@ def _validation_error(exc: ValidationError) -> ConfigurationError:
         loc = list(error["loc"])
         field = str(loc.pop(0)) if loc else "?"
         where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
-        problems.setdefault(field, []).append(f"{where + ': ' if where else ''}{error['msg']}")
+        message = "no such key" if error["type"] == "extra_forbidden" else error["msg"]
+        problems.setdefault(field, []).append(f"{where + ': ' if where else ''}{message}")
     text = "; ".join(
         f"{_variable(field)} (WorkQueueSettings.{field}): {', '.join(found)}{_example(field)}"
         for field, found in problems.items()

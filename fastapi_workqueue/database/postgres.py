@@ -152,8 +152,10 @@ class PostgresTransport(RoutineTransport):
         return conn
 
     def _safe_url(self) -> str:
+        """The URL without its credentials: neither ``user:password@`` nor the query (which may
+        carry ``?password=``)."""
         scheme, _, rest = self.url.partition("://")
-        host = rest.rsplit("@", 1)[-1]
+        host = rest.rsplit("@", 1)[-1].split("?", 1)[0]
         return f"{scheme}://{host}"
 
     @property

@@ -330,21 +330,29 @@ class RoutineTransport:
     async def _settle_call(self, settlements: Sequence[Settlement], draws: list[float], **via: Any
                            ) -> list[SettleResult]:
         """The ``settle`` routine for ``settlements`` (``via`` as :meth:`call` takes it): a result
-        each, LeaseLost for one the routine did not answer."""
+        each, LeaseLost for one the routine did not answer, and for a delivery named again in the
+        call (its first settlement ends the attempt, so the next one's token is stale)."""
+        first: dict[str, int] = {}
+        for index, settlement in enumerate(settlements):
+            first.setdefault(settlement.delivery_id, index)
+        sent = settlements if len(first) == len(settlements) else [settlements[i] for i in first.values()]
+        if len(sent) < len(draws):
+            draws = [draws[i] for i in first.values()]
         rows = await self.call(
             "settle",
             **via,
-            p_ids=[int(s.delivery_id) for s in settlements],
-            p_tokens=[s.lease_token for s in settlements],
-            p_outcomes=[s.kind for s in settlements],
-            p_delays=[settle_delay(s.delay_seconds) for s in settlements],
-            p_reasons=[s.reason for s in settlements],
-            p_errors=[s.error for s in settlements],
+            p_ids=[int(s.delivery_id) for s in sent],
+            p_tokens=[s.lease_token for s in sent],
+            p_outcomes=[s.kind for s in sent],
+            p_delays=[settle_delay(s.delay_seconds) for s in sent],
+            p_reasons=[s.reason for s in sent],
+            p_errors=[s.error for s in sent],
             p_draws=draws,
             p_now=self._now(),
         )
         by_id: dict[str, SettleResult] = {str(r["delivery_id"]): r["result"] for r in rows}
-        return [by_id.get(s.delivery_id, "LeaseLost") for s in settlements]
+        return [by_id.get(s.delivery_id, "LeaseLost") if first[s.delivery_id] == index else "LeaseLost"
+                for index, s in enumerate(settlements)]
 
     async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
         """Settles one delivery and, only when that completes it, keeps its result

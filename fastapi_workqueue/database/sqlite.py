@@ -203,6 +203,7 @@ class SqliteTransport(RoutineTransport):
     async def open(self) -> None:
         if self._conn is not None:
             return
+        self._lock = asyncio.Lock()  # (of this open's event loop: a lock is bound to the first loop it waits on)
         try:
             import aiosqlite
         except ImportError as exc:  # pragma: no cover - only a broken install lacks a dependency

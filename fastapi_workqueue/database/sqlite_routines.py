@@ -241,7 +241,16 @@ async def r_set_topic_status(c: Call, p_name: str, p_status: str) -> list[Row]:
     if not existing:
         return []
     await c.ex.execute("topic_set_status", name=p_name, status=p_status, now=c.now)
-    return [{"topic": p_name, "status": p_status, "changed": _shown_status(existing[0]) != p_status}]
+    row = existing[0]
+    # What this call changes: a retire, whether the topic was retired; a pause, its status; a
+    # resume, either (it un-retires too).
+    if p_status == "Retired":
+        changed = row["retired_at"] is None
+    elif p_status == "Paused":
+        changed = row["status"] != "Paused"
+    else:
+        changed = row["status"] != "Active" or row["retired_at"] is not None
+    return [{"topic": p_name, "status": p_status, "changed": changed}]
 
 
 @routine

@@ -91,6 +91,7 @@ class RetireBody(WireModel):
     """Discard the Pending deliveries at once instead of letting them drain."""
     reason: str | None = Field(default=None, max_length=2000)
     """Kept with each discarded delivery."""
+    _reason = field_validator("reason")(_storable_text)
 
 
 class StatusChange(WireModel):

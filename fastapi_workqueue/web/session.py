@@ -31,6 +31,8 @@ class RequestTransaction:
     session: AsyncSession
     task: asyncio.Task[Any] | None
     open: bool = True
+    owner: object = None
+    """The :class:`RequestSessions` (one per queue) whose dependency opened it."""
 
     def joinable(self) -> bool:
         """True while the transaction is open and the caller runs in the request's own task."""
@@ -130,8 +132,10 @@ class RequestSessions:
         return self._maker
 
     def current(self) -> AsyncSession | None:
-        """The request's session a publish made here joins (:func:`current_session`), or None."""
-        return current_session()
+        """The request's session a publish made here joins (:func:`current_session`), or None: only
+        a session of this queue's own requests (another queue's may be another database)."""
+        holder = _current.get()
+        return holder.session if holder is not None and holder.owner is self and holder.joinable() else None
 
     async def dispose(self) -> None:
         if self._engine is not None:
@@ -164,7 +168,7 @@ class RequestSessions:
             try:
                 async with self.sessionmaker() as session:
                     await _checkout(session)
-                    holder = RequestTransaction(session, asyncio.current_task())
+                    holder = RequestTransaction(session, asyncio.current_task(), owner=self)
                     token = _current.set(holder)
                     try:
                         yield session

@@ -1331,7 +1331,13 @@ BEGIN
             THROW 51020, N'a topic''s status is Active, Paused or Retired', 1;
         IF @v_own_transaction = 1
             BEGIN TRANSACTION;
-        SELECT @v_old = CASE WHEN t.status = N'Active' AND t.retired_at IS NOT NULL THEN N'Retired' ELSE t.status END
+        -- What this call changes: a retire, whether the topic was retired; a pause, its status; a
+        -- resume, either (it un-retires too).
+        SELECT @v_old = CASE @p_status
+                            WHEN N'Retired' THEN CASE WHEN t.retired_at IS NULL THEN N'Active' ELSE N'Retired' END
+                            WHEN N'Paused' THEN t.status
+                            ELSE CASE WHEN t.retired_at IS NOT NULL THEN N'Retired' ELSE t.status END
+                        END
         FROM workqueue.topic AS t WITH (UPDLOCK, ROWLOCK)
         WHERE t.name = @p_name;
         UPDATE t
@@ -4224,13 +4230,16 @@ BEGIN
         SELECT COUNT_BIG(*) AS dead_lettered FROM workqueue.delivery AS d
         WHERE d.subscription_id = s.id AND d.status = N'DeadLettered'
     ) AS dl
+    JOIN workqueue.topic AS tp ON tp.name = s.topic
     OUTER APPLY (
+        -- (nothing is claimable while the subscription or its topic is paused, as backlog says)
         SELECT (SELECT COUNT_BIG(*) FROM workqueue.delivery AS d
                 WHERE d.subscription_id = s.id AND d.status = N'Pending' AND d.key_mode = 0
                   AND d.visible_at <= @v_now)
              + (SELECT COUNT_BIG(*) FROM workqueue.partition AS pt
                 WHERE pt.subscription_id = s.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
                   AND pt.next_visible_at <= @v_now) AS claimable
+        WHERE s.status = N'Active' AND tp.status = N'Active'
     ) AS cl
     WHERE @p_subscription IS NULL OR s.name = @p_subscription
     ORDER BY s.name;

@@ -362,7 +362,9 @@ AS $$
     SELECT CASE
         WHEN p_schedule IS NOT NULL AND cardinality(p_schedule) > 0
             THEN p_schedule[least(greatest(p_attempt, 1), cardinality(p_schedule))]
-        ELSE coalesce(p_draw, random()) * least(p_max, p_base * power(2::double precision, greatest(p_attempt, 1) - 1))
+        -- (the exponent capped at 64, as SQL Server's: a delivery retried past 1,024 attempts overflowed)
+        ELSE coalesce(p_draw, random()) * least(p_max, p_base * power(2::double precision,
+                                                                     least(greatest(p_attempt, 1) - 1, 64)))
     END
 $$;
 
@@ -663,7 +665,11 @@ AS $$
 DECLARE
     v_old text;
 BEGIN
-    SELECT CASE WHEN t.status = 'Active' AND t.retired_at IS NOT NULL THEN 'Retired' ELSE t.status END
+    -- What this call changes: a retire, whether the topic was retired; a pause, its status; a resume,
+    -- either (it un-retires too).
+    SELECT CASE p_status WHEN 'Retired' THEN CASE WHEN t.retired_at IS NULL THEN 'Active' ELSE 'Retired' END
+                         WHEN 'Paused' THEN t.status
+                         ELSE CASE WHEN t.retired_at IS NOT NULL THEN 'Retired' ELSE t.status END END
     INTO v_old FROM workqueue.topic t WHERE t.name = p_name FOR UPDATE;
     IF NOT FOUND THEN
         RETURN;
@@ -3231,13 +3237,16 @@ AS $$
         SELECT count(*) AS dead_lettered FROM workqueue.delivery d
         WHERE d.subscription_id = s.id AND d.status = 'DeadLettered'
     ) dl
+    JOIN workqueue.topic tp ON tp.name = s.topic
     LEFT JOIN LATERAL (
+        -- (nothing is claimable while the subscription or its topic is paused, as backlog says)
         SELECT (SELECT count(*) FROM workqueue.delivery d
                 WHERE d.subscription_id = s.id AND d.status = 'Pending' AND d.key_mode = 0
                   AND d.visible_at <= now())
              + (SELECT count(*) FROM workqueue.partition p
                 WHERE p.subscription_id = s.id AND p.holder_id IS NULL AND p.next_id IS NOT NULL
                   AND p.next_visible_at <= now()) AS claimable
+        WHERE s.status = 'Active' AND tp.status = 'Active'
     ) cl ON true
     WHERE p_subscription IS NULL OR s.name = p_subscription
     ORDER BY s.name

@@ -461,10 +461,13 @@ SELECT s.name AS subscription, s.topic, CASE WHEN s.status = 'Active' AND s.reti
      + (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 1 AND d.status = 'Pending')
      + (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.key_mode = 2
           AND d.status IN ('Pending', 'InFlight', 'DeadLettered') AND d.status = 'Pending') AS pending,
-       (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending'
-          AND d.key_mode = 0 AND d.visible_at <= :now)
-     + (SELECT count(*) FROM partition p WHERE p.subscription_id = s.id AND p.holder_id IS NULL
-          AND p.next_id IS NOT NULL AND p.next_visible_at <= :now) AS claimable,
+       -- (nothing is claimable while the subscription or its topic is paused, as backlog says)
+       CASE WHEN s.status = 'Active' AND t.status = 'Active' THEN
+           (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'Pending'
+              AND d.key_mode = 0 AND d.visible_at <= :now)
+         + (SELECT count(*) FROM partition p WHERE p.subscription_id = s.id AND p.holder_id IS NULL
+              AND p.next_id IS NOT NULL AND p.next_visible_at <= :now)
+       ELSE 0 END AS claimable,
        (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'InFlight') AS in_flight,
        (SELECT count(*) FROM delivery d WHERE d.subscription_id = s.id AND d.status = 'DeadLettered')
            AS dead_lettered,
@@ -481,7 +484,7 @@ SELECT s.name AS subscription, s.topic, CASE WHEN s.status = 'Active' AND s.reti
             WHERE d.subscription_id = s.id AND d.key_mode = 2
               AND d.status IN ('Pending', 'InFlight', 'DeadLettered') AND d.status = 'Pending') w)
            AS oldest_pending_at
-FROM subscription s
+FROM subscription s JOIN topic t ON t.name = s.topic
 WHERE :subscription IS NULL OR s.name = :subscription
 ORDER BY s.name;
 

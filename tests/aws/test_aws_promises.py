@@ -30,8 +30,8 @@ class Item(BaseModel):
 
 async def test_every_dead_letter_of_a_fifo_key_is_listed_and_replayable(tmp_path: Path, moto_url: str) -> None:
     """A poison Exclusive key dead-letters each of its 12 messages; the operator lists them (limit
-    100) and replays the last. On a FIFO DLQ each ReceiveMessage hands over at most 10 messages of
-    one group and then locks the group while they are in flight, so the reader sees only 10."""
+    100) and replays the last. A FIFO receive hands over at most 10 messages of one group and locks
+    the group while they are in flight, so each dead letter is a group of its own."""
     name = unique("dlq")
     sub = f"{name}.work"
     topics = [Topic(name=name, transport="aws", is_fifo=True)]
@@ -70,9 +70,9 @@ async def _drain(queue: Any, sub: str, rounds: int = 6) -> list[Any]:
 
 
 async def test_a_deduplication_key_on_a_fifo_topic_drops_the_repeat(tmp_path: Path, moto_url: str) -> None:
-    """A FIFO aws topic accepts a deduplication key (a standard one refuses it: "deduplication keys
-    need is_fifo=True"), but the key never reaches SNS: the MessageDeduplicationId is the MessageID,
-    so a second message with the same key within its TTL is delivered too."""
+    """A FIFO aws topic takes a deduplication key (a standard one refuses it: "deduplication keys need
+    is_fifo=True") as the SNS deduplication id: a second message with the same key within SNS's
+    window is dropped."""
     name = unique("dedup")
     sub = f"{name}.work"
     topics = [Topic(name=name, transport="aws", is_fifo=True)]
@@ -117,10 +117,9 @@ async def test_a_deduplication_key_through_the_outbox_drops_the_repeat(pg_url: s
 
 
 async def test_an_empty_attribute_value_is_rejected_not_accepted_and_stuck(pg_url: str, moto_url: str) -> None:
-    """An attribute with an empty string value passes the core's checks (the database transport
-    keeps it), but SNS refuses it (InvalidParameter: "must contain non-empty message attribute
-    value"). Through the outbox the publish answers Accepted, the relay is refused forever and the
-    row blocks every later message of its partition key."""
+    """SNS refuses an attribute with an empty value (InvalidParameter). Through the outbox the publish
+    answers Rejected at once (nothing written), instead of Accepted with a row the relay could never
+    send, which would block every later message of its partition key."""
     name = unique("empty")
     sub = f"{name}.work"
     queue = deployed_queue(pg_url, moto_url, [Topic(name=name, transport="aws")],
@@ -162,9 +161,8 @@ async def test_a_pause_during_a_held_heads_backoff_does_not_erase_its_failed_att
 ) -> None:
     """Exclusive FIFO key k: message 0 always fails (TransientWorkError, 4 s delay) while message 1
     is held behind it, so the head waits out its delay held here as attempt 2. A pause during that
-    delay, with a message arriving on the long poll, gives everything held back; the give-back of
-    the head is counted as one that SQS charged for nothing, so after the resume its next run is
-    attempt 1 again: the failed attempt is erased and it runs more than max_attempts times."""
+    delay gives everything held back; after the resume the head comes back as attempt 2 (its failed
+    attempt stays counted) and dead-letters after max_attempts runs."""
     name = unique("pz")
     sub = f"{name}.work"
     queue = deployed_queue(f"sqlite+aiosqlite:///{tmp_path / 'app.db'}", moto_url,
@@ -198,8 +196,8 @@ async def test_a_pause_during_a_held_heads_backoff_does_not_erase_its_failed_att
 
 async def test_a_payload_within_the_envelope_cap_is_published(tmp_path: Path, moto_url: str) -> None:
     """The core accepts an envelope (payload + attributes) of up to 256 KiB; the aws body adds the
-    library's own fields (message_id, topic, published_at, ...) around the payload, so SNS's 256 KiB
-    limit refuses a payload the cap allows: the publish raises instead of answering Accepted or Rejected."""
+    library's own fields around the payload, so SNS counts more: the publish answers Accepted (and
+    the message arrives) or Rejected with the reason, never an error from SNS."""
     from fastapi_workqueue.core.envelope import MAX_ENVELOPE_BYTES
 
     name = unique("big")
@@ -215,9 +213,8 @@ async def test_a_payload_within_the_envelope_cap_is_published(tmp_path: Path, mo
 
 
 async def test_a_non_ascii_payload_well_under_the_cap_is_published(tmp_path: Path, moto_url: str) -> None:
-    """A 60,000-character text of 'é' is a ~120 KB envelope (UTF-8), half the cap; the aws body is
-    written with json.dumps' default ensure_ascii, each 'é' becoming the 6 bytes '\\u00e9' (~360 KB),
-    which SNS refuses as too long."""
+    """A 60,000-character text of 'é' is a ~120 KB envelope (UTF-8), half the cap: the aws body keeps
+    it as UTF-8 (a ``\\u00e9`` escape would take six bytes a character, over SNS's limit)."""
     name = unique("utf")
     topics = [Topic(name=name, transport="aws")]
     subs = [Subscription(name=f"{name}.s", topic=name, handler_key="work")]
@@ -230,8 +227,8 @@ async def test_a_non_ascii_payload_well_under_the_cap_is_published(tmp_path: Pat
 
 async def test_ten_mid_sized_messages_in_one_call_stay_within_sns_batch_limit(tmp_path: Path, moto_url: str) -> None:
     """Ten 40 KB messages, each far under the cap, in one publish: SNS's PublishBatch takes at most
-    256 KiB in all (the sum of the entries' messages; AWS answers BatchRequestTooLong above it).
-    moto does not enforce the aggregate limit, so the test checks the calls the transport makes."""
+    256 KiB in all (the sum of the entries' messages; AWS answers BatchRequestTooLong above it), so
+    the call goes in several. moto does not enforce the aggregate limit: the test checks the calls."""
     name = unique("agg")
     topics = [Topic(name=name, transport="aws")]
     subs = [Subscription(name=f"{name}.s", topic=name, handler_key="work")]
@@ -254,11 +251,10 @@ async def test_ten_mid_sized_messages_in_one_call_stay_within_sns_batch_limit(tm
 
 
 async def test_a_message_without_attributes_can_match_an_isnull_filter_on_sns(tmp_path: Path, moto_url: str) -> None:
-    """``isnull`` renders as ``[{"exists": false}]``; AWS documents that "exists": false "only
-    matches if at least one attribute is present. An empty set of attributes results in the filter
-    not matching". A message published with no attributes (which the database transport and the
-    SPEC deliver to an isnull subscription) reaches SNS with no MessageAttributes at all, so on AWS
-    the isnull subscription never gets it. moto matches it anyway, so the test checks the request."""
+    """``isnull`` renders as ``[{"exists": false}]``, and AWS documents that "exists": false "only
+    matches if at least one attribute is present". A message published without attributes carries
+    the library's marker attribute so that it matches on AWS too. moto matches it either way, so the
+    test checks the request."""
     name = unique("isnull")
     topics = [Topic(name=name, transport="aws")]
     subs = [Subscription(name=f"{name}.s", topic=name, handler_key="work",
