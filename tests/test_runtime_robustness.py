@@ -1,5 +1,5 @@
 """The consumer runtime where it is easy to get wrong: a settle batch with one text the store
-cannot keep, abort listeners that raise, a claim that fails
+cannot keep, a lease a newer deploy shortened, abort listeners that raise, a claim that fails
 half-way through a consumer's groups, and a handler that raises CancelledError itself."""
 
 from __future__ import annotations
@@ -92,6 +92,51 @@ async def test_the_settler_writes_one_by_one_what_the_store_refused_as_a_batch(p
     assert answers[claimed[1].delivery_id] is None
     assert states[by_delivery[claimed[1].delivery_id].message_id] == "InFlight"  # left to its lease
     assert sorted(states.values()) == ["Completed", "Completed", "Completed", "InFlight"]
+
+
+async def test_a_lease_shortened_by_a_rolling_deploy_is_counted_as_the_store_grants_it(pg_url: str) -> None:
+    """A newer deploy declares the subscription with a shorter lease (synced at its start). An older
+    process, until its next reconcile (30 s by default), still counts (and heartbeats) the old, long
+    one, so the store leases what it claims and renews for that lease too: the store's lease never
+    runs out under a handler that its process counts as leased, and no second handler runs the
+    delivery at once."""
+    from fastapi_workqueue import Subscription, Topic, WorkQueue, WorkQueueSettings
+
+    queue, topic, subs = make_queue(
+        pg_url, [{"role": "long", "lease_seconds": 6, "backoff_base_seconds": 0, "backoff_max_seconds": 0}],
+        reconcile_interval_ms=30000,  # the default
+    )
+    running = 0
+    most = 0
+    runs = 0
+
+    @queue.handler("long")
+    async def long(message: WorkMessage[Any], context: WorkContext) -> WorkOutcome:
+        nonlocal running, most, runs
+        runs += 1
+        running += 1
+        most = max(most, running)
+        try:
+            await asyncio.sleep(3.0)
+        finally:
+            running -= 1
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        # The new deploy: the same subscription with a 1 s lease, synced when it opens.
+        newer = WorkQueue(
+            WorkQueueSettings(database_url=pg_url, enabled=False),
+            topics=[Topic(name=topic)],
+            subscriptions=[Subscription(name=subs["long"], topic=topic, handler_key="long", lease_seconds=1,
+                                        backoff_base_seconds=0, backoff_max_seconds=0)],
+        )
+        await newer.open()
+        await newer.close()
+        [result] = await queue.publish(topic, [PublishRequest(payload=1)])
+        await wait_for(lambda: runs >= 1)
+        await asyncio.sleep(2.5)
+        info = await delivery_status(queue, subs["long"], result.message_id)
+    assert most == 1 and runs == 1, f"{runs} runs, {most} at once; delivery {info.status} attempt {info.attempt}"
 
 
 async def test_an_abort_listener_that_raises_neither_keeps_the_abort_from_its_handler_nor_stops_heartbeats(

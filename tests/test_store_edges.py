@@ -1,5 +1,5 @@
-"""Edges of the queue's rules, the same on every store: a retry past 1,024 attempts, and a delivery
-named twice in one settle call.
+"""Edges of the queue's rules, the same on every store: a retry past 1,024 attempts, a delivery
+named twice in one settle call, and the lease a claiming process counts.
 
 Each runs on the in-memory transport, PostgreSQL and SQLite, with a transport that reads a
 ManualClock (as the conformance suite's harnesses do), so that leases and delays pass without sleeping.
@@ -84,3 +84,33 @@ async def test_a_settlement_named_twice_in_one_settle_call_is_fenced_once(store:
         Settlement(d.delivery_id, d.lease_token, "Complete"),
     ])
     assert (await w.status(d.delivery_id), results) == ("Pending", ["Pending", "LeaseLost"])
+
+
+@pytest.mark.parametrize("asked", [None, 7.5])
+async def test_a_claim_and_a_renewal_lease_for_what_the_process_counts(
+    store: tuple[Any, ManualClock], asked: float | None,
+) -> None:
+    """Inside ``counting`` a claim (and ``claim_many``) leases for the lease the claiming process
+    counts, and a heartbeat that names a lease renews for it; without them both take the
+    subscription's own (here 60 s). A newer deploy's shorter lease thus never runs out in the store
+    under a process that still counts the old one."""
+    from fastapi_workqueue.core.leases import counting
+    from fastapi_workqueue.core.transport import HeartbeatRequest
+
+    transport, clock = store
+    w = await make_world(transport, [dict(role="a", lease_seconds=60), dict(role="b", lease_seconds=60)])
+    await w.publish_one(payload=1)
+    expected = 60 if asked is None else asked
+    names = [w.subs["a"], w.subs["b"]]
+    with counting({name: asked for name in names} if asked is not None else {}):
+        [d] = await transport.claim(w.subs["a"], 1)
+        [(_, e)] = await transport.claim_many([w.subs["b"]], 1)
+    for claimed in (d, e):
+        assert claimed.lease_expires_at is not None
+        assert (claimed.lease_expires_at - clock.now()).total_seconds() == pytest.approx(expected, abs=0.01)
+    clock.advance(1)
+    beats = await transport.heartbeat([HeartbeatRequest(c.delivery_id, c.lease_token, lease_seconds=asked)
+                                       for c in (d, e)])
+    for beat in beats:
+        assert beat.alive and beat.lease_expires_at is not None
+        assert (beat.lease_expires_at - clock.now()).total_seconds() == pytest.approx(expected, abs=0.01)

@@ -10,6 +10,9 @@ have run out in the store, and another worker may hold it): the runtime gives it
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 START_MARGIN_FRACTION = 0.2
@@ -51,3 +54,25 @@ class LocalLease:
     def can_start(self, now: float) -> bool:
         """True when enough of the lease is left to start the handler."""
         return self.remaining(now) >= start_margin(self.lease_seconds)
+
+
+_COUNTED: ContextVar[Mapping[str, float] | None] = ContextVar("workqueue_counted_leases", default=None)
+
+
+@contextlib.contextmanager
+def counting(leases: Mapping[str, float]) -> Iterator[None]:
+    """Around a claim: the lease this process counts per subscription (the subscription's as it
+    last read it). A store leases what it claims here for that, not for the subscription's lease
+    as it stands now: a newer deploy may have shortened it, and a lease that ran out in the store
+    before the one the process counts would let another worker take the delivery while it runs."""
+    token = _COUNTED.set(leases)
+    try:
+        yield
+    finally:
+        _COUNTED.reset(token)
+
+
+def counted_lease(subscription: str) -> float | None:
+    """The lease the claiming process counts for ``subscription`` (:func:`counting`), or None."""
+    leases = _COUNTED.get()
+    return None if leases is None else leases.get(subscription)

@@ -92,6 +92,16 @@ def backoff_seconds(attempt: int, policy: BackoffPolicy, draw: float) -> float:
     return draw * min(policy.maximum, policy.base * 2.0 ** min(n - 1, 64))
 
 
+def granted_lease(asked: float | None, subscription: float) -> float:
+    """The lease a claim or heartbeat grants: the one the process asks for, the subscription's as
+    that process last read it (a positive, finite number of seconds), else the subscription's.
+    A newer deploy may have shortened the subscription's lease since: the lease in the store must
+    not run out before the one the process counts."""
+    if asked is not None and 0 < asked < 1e9:
+        return float(asked)
+    return subscription
+
+
 def clamp_delay(seconds: float, ceiling: float) -> float:
     """A delay a broker can hold: at least 0, at most ``ceiling`` (SQS: 12 hours)."""
     return min(max(seconds, 0.0), ceiling)

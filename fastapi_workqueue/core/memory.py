@@ -33,6 +33,7 @@ from .clock import SYSTEM_CLOCK, Clock
 from .envelope import MAX_ENVELOPE_BYTES, PreparedMessage, PublishError, PublishResult, PublishStatus
 from .errors import ConfigurationError, TransportError
 from .flow import HeldBackLimit, Rate, key_rooms, parse_rate, refill, take_limited, tokens_due_in
+from .leases import counted_lease
 from .lifecycle import (
     BackoffPolicy,
     BatchItem,
@@ -42,6 +43,7 @@ from .lifecycle import (
     classify_batch,
     expire_transition,
     follow_up_refused,
+    granted_lease,
     matches,
     next_claimable,
     settle_delay,
@@ -412,7 +414,8 @@ class MemoryTransport:
     def _lease(self, d: _Delivery, sub: _Sub, now: datetime) -> ClaimedDelivery:
         d.status, d.attempt = "InFlight", d.attempt + 1
         d.lease_token = str(uuid.uuid4())
-        d.lease_expires_at = now + timedelta(seconds=sub.spec.lease_seconds)
+        lease = granted_lease(counted_lease(sub.spec.name), sub.spec.lease_seconds)
+        d.lease_expires_at = now + timedelta(seconds=lease)
         d.claimed_at = now
         d.held_by = current_process().id
         m = self._store.messages[d.message_id]
@@ -571,7 +574,7 @@ class MemoryTransport:
                 continue
             sub = self._store.subs[d.subscription]
             if not d.cancel_requested:
-                d.lease_expires_at = now + timedelta(seconds=sub.spec.lease_seconds)
+                d.lease_expires_at = now + timedelta(seconds=granted_lease(r.lease_seconds, sub.spec.lease_seconds))
             if r.percent is not None:
                 d.progress_percent = r.percent
             if r.message is not None:

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext
 from .failures import error_text, handler_traceback, storable, summary
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
-from .leases import LocalLease, start_margin
+from .leases import LocalLease, counting, start_margin
 from .lifecycle import dead_letters, settlement_for
 from .observe import NO_OBSERVER, Observer
 from .outcomes import FatalWorkError, TransientWorkError
@@ -515,13 +515,15 @@ class Consumer:
                 shared = [s for s in group if not s.flow_limited] if len(group) > 1 else []
                 if len(shared) > 1:
                     by_name = {s.name: s for s in shared}
-                    pairs = await self.transport.claim_many([s.name for s in shared], wanted)
+                    with counting({s.name: s.lease_seconds for s in shared}):
+                        pairs = await self.transport.claim_many([s.name for s in shared], wanted)
                     batch.extend((by_name[name], d) for name, d in pairs)
                 for sub in (s for s in group if len(shared) < 2 or s.flow_limited):
                     wanted = limit - len(batch)
                     if wanted <= 0:
                         break
-                    got = await self.transport.claim(sub.name, wanted)
+                    with counting({sub.name: sub.lease_seconds}):
+                        got = await self.transport.claim(sub.name, wanted)
                     batch.extend((sub, d) for d in got)
                     if isinstance(got, Claimed) and got.held_back is not None:
                         held.append(got.held_back)
@@ -790,27 +792,31 @@ class Consumer:
     async def manual_heartbeat(self, running: _Running, progress: Progress | None) -> bool:
         delivery = running.delivery
         sent_at = self._clock()
+        lease = self._current(running.sub).lease_seconds
         try:
             [result] = await self.transport.heartbeat(
                 [HeartbeatRequest(delivery.delivery_id, delivery.lease_token,
                                   progress.percent if progress else None,
-                                  progress.message if progress else None)]
+                                  progress.message if progress else None, lease)]
             )
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             log.warning("%s: heartbeat of %s failed (%s)", self.name, delivery.delivery_id, exc)
             return not running.signal.aborted and running.lease.remaining(self._clock()) > 0
-        self._apply_heartbeat(running, result.alive, result.cancel_requested, sent_at)
+        self._apply_heartbeat(running, result.alive, result.cancel_requested, sent_at, lease)
         return result.alive and not running.signal.aborted
 
-    def _apply_heartbeat(self, running: _Running, alive: bool, cancel_requested: bool, sent_at: float) -> None:
+    def _apply_heartbeat(self, running: _Running, alive: bool, cancel_requested: bool, sent_at: float,
+                         lease_seconds: float) -> None:
+        """What a renewal answered; ``lease_seconds`` is the lease it asked the store for (the store
+        granted that one, so the process counts that one)."""
         if cancel_requested:
             self._abort(running, AbortReason.CANCELLED)
         elif not alive:
             self._abort(running, AbortReason.LEASE_LOST)
         elif not running.signal.aborted:
-            running.lease.renew(sent_at, self._current(running.sub).lease_seconds)
+            running.lease.renew(sent_at, lease_seconds)
             self._arm_lease_timer(running)
 
     def _current(self, sub: SubscriptionState) -> SubscriptionState:
@@ -839,17 +845,19 @@ class Consumer:
             ]
             if not due:
                 continue
+            leases = [self._current(r.sub).lease_seconds for r in due]
             try:
                 results = await self.transport.heartbeat(
-                    [HeartbeatRequest(r.delivery.delivery_id, r.delivery.lease_token) for r in due]
+                    [HeartbeatRequest(r.delivery.delivery_id, r.delivery.lease_token, lease_seconds=lease)
+                     for r, lease in zip(due, leases, strict=True)]
                 )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("%s: heartbeat of %s failed (%s)", self.name, count(len(due), "delivery"), exc)
                 continue
-            for running, result in zip(due, results, strict=True):
-                self._apply_heartbeat(running, result.alive, result.cancel_requested, now)
+            for running, result, lease in zip(due, results, leases, strict=True):
+                self._apply_heartbeat(running, result.alive, result.cancel_requested, now, lease)
 
 
 @functools.cache

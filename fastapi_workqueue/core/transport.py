@@ -132,6 +132,8 @@ class HeartbeatRequest:
     lease_token: str
     percent: int | None = None
     message: str | None = None
+    lease_seconds: float | None = None
+    """The lease the renewal grants (the one the process counts); None: the subscription's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,13 +204,16 @@ class Consuming(Protocol):
 
     async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
         """Up to ``limit`` deliveries under lease, the highest priority first, within the
-        subscription's flow limits (a :class:`Claimed` says when one held work back)."""
+        subscription's flow limits (a :class:`Claimed` says when one held work back). Each is
+        leased for the lease the claiming process counts when it says one
+        (:func:`.leases.counted_lease`), else for the subscription's."""
         ...
     async def claim_many(self, subscriptions: Sequence[str], limit: int) -> list[tuple[str, ClaimedDelivery]]:
         """One claim across several None-mode subscriptions: up to ``limit`` deliveries, the highest
         priority and then the oldest due first whatever their subscription, each with its
-        subscription's name and lease. An Exclusive or Ordered subscription among them, or one with
-        flow limits, is refused with a ValueError (claim takes those)."""
+        subscription's name and lease (as :meth:`claim` leases). An Exclusive or Ordered
+        subscription among them, or one with flow limits, is refused with a ValueError (claim
+        takes those)."""
         ...
     async def heartbeat(self, requests: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]: ...
     async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]: ...

@@ -31,6 +31,7 @@ from ..core.envelope import (
 from ..core.errors import ConfigurationError, TransportError, WorkQueueError
 from ..core.history import StatsPoint
 from ..core.keys import ApiKeyInfo, KeyRecord
+from ..core.leases import counted_lease
 from ..core.lifecycle import follow_up_refused, settle_delay
 from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, FlowState, LiveCounts
 from ..core.message_state import GroupMember
@@ -271,7 +272,8 @@ class RoutineTransport:
 
     async def claim(self, subscription: str, limit: int) -> list[ClaimedDelivery]:
         rows = await self.call("claim", retry=False, p_subscription=subscription, p_limit=limit,
-                               p_holder=current_process().id, p_now=self._now())
+                               p_holder=current_process().id, p_now=self._now(),
+                               p_lease_seconds=counted_lease(subscription))
         if rows and rows[-1]["delivery_id"] is None:  # a flow limit kept work back: said in a last row
             last = rows[-1]
             return Claimed([claimed(r) for r in rows[:-1]], HeldBack(last["held_back"], last["retry_after"]))
@@ -291,7 +293,8 @@ class RoutineTransport:
             return []
         try:
             rows = await self.call("claim_many", retry=False, p_subscriptions=names, p_limit=limit,
-                                   p_holder=current_process().id, p_now=self._now())
+                                   p_holder=current_process().id, p_now=self._now(),
+                                   p_lease_seconds=[counted_lease(name) for name in names])
         except WorkQueueError as exc:
             text = str(exc)
             if CLAIM_MANY_REFUSAL in text:
@@ -309,6 +312,7 @@ class RoutineTransport:
             p_percents=[r.percent for r in requests],
             p_messages=[r.message for r in requests],
             p_now=self._now(),
+            p_lease_seconds=[r.lease_seconds for r in requests],
         )
         by_id = {str(r["delivery_id"]): r for r in rows}
         results = []

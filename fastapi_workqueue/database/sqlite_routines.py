@@ -25,6 +25,7 @@ from ..core.lifecycle import (
     batch_refusals,
     classify_batch,
     expire_transition,
+    granted_lease,
     matches,
     settle_transition,
     topic_refusal,
@@ -383,12 +384,12 @@ async def r_publish(
 
 @routine
 async def r_claim(c: Call, p_subscription: str, p_limit: int, p_holder: Any = None,
-                  p_now: datetime | None = None) -> list[Row]:
+                  p_now: datetime | None = None, p_lease_seconds: float | None = None) -> list[Row]:
     c = c.at(p_now)
     subs = await c.ex.fetch("subscription_active", name=p_subscription)
     if not subs or p_limit < 1:
         return []
-    sub = subs[0]
+    sub = {**subs[0], "lease_seconds": granted_lease(p_lease_seconds, subs[0]["lease_seconds"])}
     limits = Limits.of(sub)
     if limits is None:
         keyed: list[Row] = []
@@ -566,7 +567,8 @@ async def _claimed_row(c: Call, d: Row) -> Row:
 
 @routine
 async def r_claim_many(c: Call, p_subscriptions: Sequence[str], p_limit: int, p_holder: Any = None,
-                       p_now: datetime | None = None) -> list[Row]:
+                       p_now: datetime | None = None, p_lease_seconds: Sequence[float | None] | None = None
+                       ) -> list[Row]:
     """claim across several None-mode subscriptions: each one's claim index gives at most p_limit
     candidates, and the p_limit oldest due of them all (visible_at, then id) are claimed, each with
     its own subscription's lease. (SQLite's single writer keeps two claimers apart.)"""
@@ -582,6 +584,7 @@ async def r_claim_many(c: Call, p_subscriptions: Sequence[str], p_limit: int, p_
             f"claim_many takes None-mode subscriptions only ({keyed[0]['name']} {what}); "
             "claim an Exclusive or Ordered subscription, or one with flow limits, with claim"
         )
+    asked = dict(zip(p_subscriptions, p_lease_seconds or (), strict=False))  # (each one's lease, as asked)
     candidates: list[tuple[int, float, int, Row]] = []
     for sub in subs:
         if sub["active"]:
@@ -590,8 +593,9 @@ async def r_claim_many(c: Call, p_subscriptions: Sequence[str], p_limit: int, p_
     candidates.sort(key=lambda x: x[:3])
     out: list[Row] = []
     for _, _, candidate, sub in candidates[:p_limit]:
+        lease = granted_lease(asked.get(sub["name"]), sub["lease_seconds"])
         rows = await c.ex.fetch("delivery_claim", id=candidate, token=str(uuid.uuid4()),
-                                lease_expires_at=c.now + sub["lease_seconds"], now=c.now, holder=_text(p_holder))
+                                lease_expires_at=c.now + lease, now=c.now, holder=_text(p_holder))
         if rows:
             claimed = await _claimed_row(c, rows[0])
             del claimed["priority"]
@@ -601,10 +605,13 @@ async def r_claim_many(c: Call, p_subscriptions: Sequence[str], p_limit: int, p_
 
 @routine
 async def r_heartbeat(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_percents: Sequence[int | None],
-                      p_messages: Sequence[str | None], p_now: datetime | None = None) -> list[Row]:
+                      p_messages: Sequence[str | None], p_now: datetime | None = None,
+                      p_lease_seconds: Sequence[float | None] | None = None) -> list[Row]:
     c = c.at(p_now)
     out = []
-    for delivery_id, token, percent, message in zip(p_ids, p_tokens, p_percents, p_messages, strict=True):
+    leases = p_lease_seconds if p_lease_seconds is not None else [None] * len(p_ids)
+    for delivery_id, token, percent, message, asked in zip(p_ids, p_tokens, p_percents, p_messages, leases,
+                                                           strict=True):
         held = await c.ex.fetch("delivery_held", id=delivery_id, token=str(token))
         if not held:
             out.append({"delivery_id": delivery_id, "alive": False, "cancel_requested": False,
@@ -612,7 +619,7 @@ async def r_heartbeat(c: Call, p_ids: Sequence[int], p_tokens: Sequence[str], p_
             continue
         [row] = await c.ex.fetch(
             "delivery_heartbeat", id=delivery_id, token=str(token), percent=percent, message=message,
-            lease_expires_at=c.now + held[0]["lease_seconds"],
+            lease_expires_at=c.now + granted_lease(asked, held[0]["lease_seconds"]),
         )
         cancel = bool(row["cancel_requested"])
         out.append({"delivery_id": delivery_id, "alive": not cancel, "cancel_requested": cancel,

@@ -1901,7 +1901,8 @@ CREATE OR ALTER PROCEDURE workqueue.claim
     @p_subscription nvarchar(200),
     @p_limit int,
     @p_holder uniqueidentifier = NULL,
-    @p_now datetimeoffset(6) = NULL
+    @p_now datetimeoffset(6) = NULL,
+    @p_lease_seconds float = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -1987,6 +1988,10 @@ BEGIN
     FROM workqueue.subscription AS s
     INNER JOIN workqueue.topic AS t ON t.name = s.topic
     WHERE s.name = @p_subscription AND s.status = N'Active' AND t.status = N'Active';
+    -- The lease the claiming process counts (the subscription's as it last read it), so that a newer
+    -- deploy's shorter lease cannot run out under it unseen.
+    IF @p_lease_seconds > 0 AND @p_lease_seconds < 1e9
+        SET @v_lease_seconds = @p_lease_seconds;
 
     BEGIN TRY
         IF @v_subscription_id IS NOT NULL AND @p_limit >= 1
@@ -2345,7 +2350,8 @@ CREATE OR ALTER PROCEDURE workqueue.claim_many
     @p_subscriptions nvarchar(max),
     @p_limit int,
     @p_holder uniqueidentifier = NULL,
-    @p_now datetimeoffset(6) = NULL
+    @p_now datetimeoffset(6) = NULL,
+    @p_lease_seconds nvarchar(max) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -2403,8 +2409,16 @@ BEGIN
     BEGIN TRY
         IF @p_limit >= 1
         BEGIN
+            -- Each leased for what the claiming process counts (@p_lease_seconds, in the order of
+            -- @p_subscriptions), else for the subscription's own lease.
             INSERT INTO @v_subs (id, name, lease_seconds)
-            SELECT s.id, s.name, s.lease_seconds
+            SELECT s.id, s.name,
+                   COALESCE((SELECT TOP (1) TRY_CAST(l.value AS float)
+                             FROM OPENJSON(@p_lease_seconds) AS l
+                             INNER JOIN OPENJSON(@p_subscriptions) AS o ON o.[key] = l.[key]
+                             WHERE CAST(o.value AS nvarchar(200)) COLLATE Latin1_General_100_BIN2 = s.name
+                               AND TRY_CAST(l.value AS float) > 0 AND TRY_CAST(l.value AS float) < 1e9),
+                            s.lease_seconds)
             FROM workqueue.subscription AS s
             INNER JOIN @v_names AS n ON n.name = s.name
             INNER JOIN workqueue.topic AS t ON t.name = s.topic
@@ -2515,7 +2529,8 @@ CREATE OR ALTER PROCEDURE workqueue.heartbeat
     @p_tokens nvarchar(max),
     @p_percents nvarchar(max),
     @p_messages nvarchar(max),
-    @p_now datetimeoffset(6) = NULL
+    @p_now datetimeoffset(6) = NULL,
+    @p_lease_seconds nvarchar(max) = NULL
 AS
 BEGIN
     SET NOCOUNT ON;
@@ -2527,7 +2542,8 @@ BEGIN
         id bigint NULL,
         token uniqueidentifier NULL,
         pct smallint NULL,
-        msg nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL
+        msg nvarchar(max) COLLATE Latin1_General_100_BIN2 NULL,
+        lease float NULL
     );
     DECLARE @v_u TABLE (
         id bigint NOT NULL PRIMARY KEY,
@@ -2535,13 +2551,16 @@ BEGIN
         lease_expires_at datetimeoffset(6) NULL
     );
 
-    INSERT INTO @v_i (ord, id, token, pct, msg)
+    INSERT INTO @v_i (ord, id, token, pct, msg, lease)
     SELECT CAST(a.[key] AS int), CAST(a.value AS bigint), TRY_CAST(b.value AS uniqueidentifier),
-           CAST(c.value AS smallint), e.value
+           CAST(c.value AS smallint), e.value,
+           CASE WHEN TRY_CAST(f.value AS float) > 0 AND TRY_CAST(f.value AS float) < 1e9
+                THEN TRY_CAST(f.value AS float) END
     FROM OPENJSON(@p_ids) AS a
     LEFT JOIN OPENJSON(@p_tokens) AS b ON b.[key] = a.[key]
     LEFT JOIN OPENJSON(@p_percents) AS c ON c.[key] = a.[key]
-    LEFT JOIN OPENJSON(@p_messages) AS e ON e.[key] = a.[key];
+    LEFT JOIN OPENJSON(@p_messages) AS e ON e.[key] = a.[key]
+    LEFT JOIN OPENJSON(@p_lease_seconds) AS f ON f.[key] = a.[key];
 
     BEGIN TRY
         IF @v_own_transaction = 1
@@ -2550,8 +2569,8 @@ BEGIN
         SET lease_expires_at = CASE
                 WHEN d.cancel_requested = 1 THEN d.lease_expires_at
                 ELSE DATEADD(
-                    microsecond, CAST((s.lease_seconds - FLOOR(s.lease_seconds)) * 1000000 AS int),
-                    DATEADD(second, CAST(FLOOR(s.lease_seconds) AS int), @v_now))
+                    microsecond, CAST((g.secs - FLOOR(g.secs)) * 1000000 AS int),
+                    DATEADD(second, CAST(FLOOR(g.secs) AS int), @v_now))
             END,
             progress_percent = COALESCE(i.pct, d.progress_percent),
             progress_message = COALESCE(i.msg, d.progress_message)
@@ -2560,6 +2579,7 @@ BEGIN
         FROM workqueue.delivery AS d
         INNER JOIN @v_i AS i ON i.id = d.id AND i.token = d.lease_token
         INNER JOIN workqueue.subscription AS s ON s.id = d.subscription_id
+        CROSS APPLY (SELECT COALESCE(i.lease, s.lease_seconds) AS secs) AS g  -- the process's lease, as claim
         WHERE d.status = N'InFlight';
         IF @v_own_transaction = 1
             COMMIT TRANSACTION;

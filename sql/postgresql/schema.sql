@@ -1369,7 +1369,7 @@ $$;
 -- row (SKIP LOCKED), one delivery per key, by the priority of the key's next delivery, after the
 -- keys left stale are re-derived; deliveries without a key share the claim with them.
 CREATE OR REPLACE FUNCTION workqueue.claim(p_subscription text, p_limit integer, p_holder uuid DEFAULT NULL,
-                                          p_now timestamptz DEFAULT NULL)
+                                          p_now timestamptz DEFAULT NULL, p_lease_seconds double precision DEFAULT NULL)
 RETURNS TABLE (
     delivery_id bigint, lease_token uuid, attempt integer, max_attempts integer,
     lease_expires_at timestamptz, message_id uuid, topic text, partition_key text,
@@ -1639,7 +1639,11 @@ BEGIN
             UPDATE workqueue.delivery d
             SET status = 'InFlight', attempt = d.attempt + 1, claim_count = d.claim_count + 1,
                 lease_token = gen_random_uuid(),
-                lease_expires_at = v_now + make_interval(secs => v_sub.lease_seconds),
+                -- p_lease_seconds: the lease the claiming process counts (the subscription's as it last read
+                -- it), so that a newer deploy's shorter lease cannot run out under it unseen.
+                lease_expires_at = v_now + make_interval(secs => CASE
+                    WHEN p_lease_seconds > 0 AND p_lease_seconds < 1e9 THEN p_lease_seconds
+                    ELSE v_sub.lease_seconds END),
                 claimed_at = v_now, held_by = p_holder, progress_percent = NULL, progress_message = NULL
             WHERE d.id = ANY (v_ids) AND d.status = 'Pending'
             RETURNING d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, d.message_id,
@@ -1737,7 +1741,8 @@ $$;
 -- concurrent claimers take different deliveries and none comes back short while work waits.
 -- Commits as a claim without keys does (synchronous_commit off).
 CREATE OR REPLACE FUNCTION workqueue.claim_many(p_subscriptions text[], p_limit integer, p_holder uuid DEFAULT NULL,
-                                               p_now timestamptz DEFAULT NULL)
+                                               p_now timestamptz DEFAULT NULL,
+                                               p_lease_seconds double precision[] DEFAULT NULL)
 RETURNS TABLE (
     subscription text, delivery_id bigint, lease_token uuid, attempt integer, max_attempts integer,
     lease_expires_at timestamptz, message_id uuid, topic text, partition_key text,
@@ -1908,7 +1913,11 @@ BEGIN
         UPDATE workqueue.delivery d
         SET status = 'InFlight', attempt = d.attempt + 1, claim_count = d.claim_count + 1,
             lease_token = gen_random_uuid(),
-            lease_expires_at = v_now + make_interval(secs => s.lease_seconds),
+            -- (each for the lease the claiming process counts, p_lease_seconds in the order of
+            -- p_subscriptions, as claim leases)
+            lease_expires_at = v_now + make_interval(secs => coalesce(
+                (SELECT l.secs FROM unnest(p_subscriptions, p_lease_seconds) AS l(name, secs)
+                 WHERE l.name = s.name AND l.secs > 0 AND l.secs < 1e9 LIMIT 1), s.lease_seconds)),
             claimed_at = v_now, held_by = p_holder, progress_percent = NULL, progress_message = NULL
         FROM workqueue.subscription s
         WHERE d.id = ANY (v_ids) AND d.status = 'Pending' AND s.id = d.subscription_id
@@ -1927,7 +1936,7 @@ $$;
 -- indexed column (no index names lease_expires_at or the progress): a HOT update.
 CREATE OR REPLACE FUNCTION workqueue.heartbeat(
     p_ids bigint[], p_tokens uuid[], p_percents smallint[], p_messages text[],
-    p_now timestamptz DEFAULT NULL
+    p_now timestamptz DEFAULT NULL, p_lease_seconds double precision[] DEFAULT NULL
 ) RETURNS TABLE (delivery_id bigint, alive boolean, cancel_requested boolean, lease_expires_at timestamptz)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -1940,8 +1949,9 @@ DECLARE
     v_found jsonb;  -- delivery id -> [cancel_requested, lease_expires_at]
 BEGIN
     WITH locked AS (
-        SELECT d.id, d.subscription_id, i.pct, i.msg
-        FROM (SELECT * FROM unnest(p_ids, p_tokens, p_percents, p_messages) AS t(id, token, pct, msg)
+        SELECT d.id, d.subscription_id, i.pct, i.msg, i.lease
+        FROM (SELECT * FROM unnest(p_ids, p_tokens, p_percents, p_messages, p_lease_seconds)
+                                AS t(id, token, pct, msg, lease)
               ORDER BY t.id OFFSET 0) i
         CROSS JOIN LATERAL (
             SELECT x.id, x.status, x.subscription_id
@@ -1954,7 +1964,9 @@ BEGIN
     ), u AS (
         UPDATE workqueue.delivery d
         SET lease_expires_at = CASE WHEN d.cancel_requested THEN d.lease_expires_at
-                                    ELSE v_now + make_interval(secs => s.lease_seconds) END,
+                                    ELSE v_now + make_interval(secs => CASE  -- the process's lease, as claim
+                                        WHEN l.lease > 0 AND l.lease < 1e9 THEN l.lease ELSE s.lease_seconds END)
+                               END,
             progress_percent = coalesce(l.pct, d.progress_percent),
             progress_message = coalesce(l.msg, d.progress_message)
         FROM locked l
