@@ -9,12 +9,13 @@ Needs ``httpx`` (``pip install 'fastapi-workqueue[client]'``).
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from .core.envelope import PublishRequest, PublishResult, uuid7
+from .core.envelope import PublishRequest, PublishResult, RequestRejected, canonical_json, uuid7
 from .core.errors import WorkQueueError
 
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}
@@ -90,7 +91,7 @@ class WorkQueueApiPublisher:
         every retry failed.
         """
         prepared = self.with_ids(requests)
-        body = [r.model_dump(mode="json", by_alias=True, exclude_none=True) for r in prepared]
+        body = [_body(r) for r in prepared]
         url = f"{self._base_url}{self._prefix}/topics/{topic}/messages"
         last_error: Any = None
         for attempt in range(self._retries + 1):
@@ -109,6 +110,19 @@ class WorkQueueApiPublisher:
         if isinstance(last_error, PublishApiError):
             raise last_error
         raise PublishApiError(0, f"the API could not be reached: {last_error}")
+
+
+def _body(request: PublishRequest) -> dict[str, Any]:
+    """One item of the call's body: the request's fields by their wire names, and its payload as
+    ``queue.publish`` stores it (:func:`.core.envelope.canonical_json`: a model by its field names,
+    None fields kept; NaN, infinities and what is not JSON refused here, as the API would with 422)."""
+    item = request.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"payload"})
+    try:
+        payload_json, _ = canonical_json(request.payload)
+    except RequestRejected as exc:
+        raise PublishApiError(422, exc.error.message) from None
+    item["Payload"] = json.loads(payload_json)
+    return item
 
 
 def _refusal(response: Any) -> PublishApiError:

@@ -93,7 +93,8 @@ async def test_a_claim_and_a_renewal_lease_for_what_the_process_counts(
     """Inside ``counting`` a claim (and ``claim_many``) leases for the lease the claiming process
     counts, and a heartbeat that names a lease renews for it; without them both take the
     subscription's own (here 60 s). A newer deploy's shorter lease thus never runs out in the store
-    under a process that still counts the old one."""
+    under a process that still counts the old one. (Within half a second: the test's clock may move
+    with the real one between the call and the reading.)"""
     from fastapi_workqueue.core.leases import counting
     from fastapi_workqueue.core.transport import HeartbeatRequest
 
@@ -107,10 +108,10 @@ async def test_a_claim_and_a_renewal_lease_for_what_the_process_counts(
         [(_, e)] = await transport.claim_many([w.subs["b"]], 1)
     for claimed in (d, e):
         assert claimed.lease_expires_at is not None
-        assert (claimed.lease_expires_at - clock.now()).total_seconds() == pytest.approx(expected, abs=0.01)
+        assert (claimed.lease_expires_at - clock.now()).total_seconds() == pytest.approx(expected, abs=0.5)
     clock.advance(1)
     beats = await transport.heartbeat([HeartbeatRequest(c.delivery_id, c.lease_token, lease_seconds=asked)
                                        for c in (d, e)])
     for beat in beats:
         assert beat.alive and beat.lease_expires_at is not None
-        assert (beat.lease_expires_at - clock.now()).total_seconds() == pytest.approx(expected, abs=0.01)
+        assert (beat.lease_expires_at - clock.now()).total_seconds() == pytest.approx(expected, abs=0.5)

@@ -25,7 +25,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
@@ -328,6 +328,14 @@ def _check_schedule(request: PublishRequest) -> int:
         raise RequestRejected(
             "InvalidField", "NotBefore needs a time zone (for example 2026-01-01T00:00:00Z)", "not_before"
         )
+    if request.not_before is not None:
+        try:
+            request.not_before.astimezone(UTC)
+        except OverflowError:  # (9999-12-31T23:59:59-05:00 is in the year 10000 in UTC)
+            raise RequestRejected(
+                "InvalidField", "NotBefore is past 9999-12-31T23:59:59Z, the last time the stores can hold; give an "
+                "earlier time", "not_before"
+            ) from None
     if request.backoff_seconds is not None:
         return _check_backoff(request.backoff_seconds)
     return 0

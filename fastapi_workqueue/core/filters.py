@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .observe import HEADERS_KEY
+
 OPERATORS = ("eq", "neq", "startswith", "isnull", "isnotnull")
 _VALUE_OPERATORS = {"eq", "neq", "startswith"}
 
@@ -47,6 +49,9 @@ def _leaf(spec: Mapping[str, Any]) -> dict[str, Any]:
     field, operator = spec.get("field"), spec.get("operator")
     if not isinstance(field, str) or not field:
         raise FilterError("every leaf needs a non-empty string 'field' naming an attribute")
+    if field == HEADERS_KEY:
+        raise FilterError(f"{HEADERS_KEY!r} is the library's own (the trace context a message carries), not an "
+                          "attribute a filter can read; filter on an attribute the publisher sets")
     if operator not in OPERATORS:
         raise FilterError(f"operator {operator!r} is not supported")
     if operator in _VALUE_OPERATORS:

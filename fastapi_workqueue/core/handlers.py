@@ -56,7 +56,8 @@ class HandlerSpec:
             payload = None if text is None else _parse_json(text)
         else:
             try:
-                payload = self.adapter.validate_python(None) if text is None else self._validate_text(text)
+                payload = self.adapter.validate_python(None, by_alias=True, by_name=True) if text is None \
+                    else self._validate_text(text)
             except ValidationError as exc:
                 raise PayloadInvalid(
                     f"payload does not validate against {_type_name(self.payload_type)}: "
@@ -78,12 +79,13 @@ class HandlerSpec:
 
     def _validate_text(self, text: str) -> Any:
         """``text`` validated as JSON, or (a lone surrogate escape, which pydantic's parser refuses)
-        as the objects ``json.loads`` reads."""
+        as the objects ``json.loads`` reads. A model's fields are read by their names (as
+        ``queue.publish`` writes a model) and by their aliases (as another producer may)."""
         try:
-            return self.adapter.validate_json(text)
+            return self.adapter.validate_json(text, by_alias=True, by_name=True)
         except ValidationError as exc:
             if any(error["type"] == "json_invalid" for error in exc.errors(include_url=False)):
-                return self.adapter.validate_python(json.loads(text))
+                return self.adapter.validate_python(json.loads(text), by_alias=True, by_name=True)
             raise
 
 

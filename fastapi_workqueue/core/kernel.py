@@ -17,6 +17,7 @@ nothing here imports SQLAlchemy when it runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import replace
@@ -45,7 +46,7 @@ from .published import NOT_ACCEPTED_LOGGED, PublishResults, refusal
 from .redaction import redacting_logger
 from .request_load import RequestLoad
 from .settings import WorkQueueSettings
-from .topology import Subscription, Topic
+from .topology import Subscription, Topic, check_name
 from .transport import Transport
 
 if TYPE_CHECKING:
@@ -329,6 +330,10 @@ class Kernel:
         """The second half of :meth:`publish`, for ``count`` requests already prepared: ``prepared``
         those that passed, ``failures`` the results of those refused, by index (then none is
         published). For layers that prepare their messages themselves (the jobs layer)."""
+        if not _nameable(topic):  # (no topic can have it: the store would refuse it as text, not as a name)
+            raise _unknown_topic(topic)
+        if count == 0 and topic not in {t.name for t in await self.transport.list_topics()}:
+            raise _unknown_topic(topic)  # (a call with nothing to publish never reaches the store's check)
         if session is None:
             session = self.sessions.current()
         observer = self.observer
@@ -421,6 +426,21 @@ def _invalid_request(exc: ValidationError) -> RequestRejected:
                            str(first["loc"][0]) if first["loc"] else None)
 
 
+def _unknown_topic(topic: str) -> UnknownTopic:
+    return UnknownTopic(topic, f"cannot publish to topic {topic!r}: neither the code declares it "
+                               f"(Topic(name={topic!r})) nor the store holds it; check the name")
+
+
+@functools.lru_cache(maxsize=256)
+def _nameable(topic: str) -> bool:
+    """Whether ``topic`` can name a topic at all (checked once per name a process publishes to)."""
+    try:
+        check_name("topic", topic)
+    except ValueError:
+        return False
+    return True
+
+
 def _checked(topic: str, results: list[PublishResult]) -> PublishResults:
     """A publish's results, with its refusals logged at WARNING; raises UnknownTopic when the
     store did not know the topic."""
@@ -430,8 +450,7 @@ def _checked(topic: str, results: list[PublishResult]) -> PublishResults:
             error = result.error
             code = error.code if error is not None else result.status.value
             if code == "UnknownTopic":
-                raise UnknownTopic(topic, f"cannot publish to topic {topic!r}: neither the code declares it "
-                                          f"(Topic(name={topic!r})) nor the store holds it; check the name")
+                raise _unknown_topic(topic)
             if code != "BatchAborted":
                 log.warning("publish to %s: item %d was %s (%s): %s", topic, index, result.status.value, code,
                             refusal(result))

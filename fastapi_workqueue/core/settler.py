@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from .errors import TransportError
 from .observe import NO_OBSERVER, Observer
@@ -15,6 +16,8 @@ from .transport import Settlement, SettleResult, Transport
 from .words import count
 
 log = redacting_logger("fastapi_workqueue.settler")
+
+T = TypeVar("T")
 
 SettleDone = Callable[[Settlement, SettleResult | None], None]
 """Called once a settle is written (with its result) or given up (with None)."""
@@ -86,6 +89,19 @@ class Settler:
             self._task = None
         await self._tasks.close()
 
+    async def _observed(self, settlements: list[Settlement], write: Awaitable[T]) -> T:
+        """``write``, the store's call that settles ``settlements``, inside the observers' settle scope."""
+        scope = self._observer.settle_started(settlements)
+        try:
+            answer = await write
+        except BaseException as exc:
+            if scope is not None:
+                scope.end(exc)
+            raise
+        if scope is not None:
+            scope.end(None)
+        return answer
+
     async def _settle(self, settlements: list[Settlement], written: dict[int, SettleResult]) -> None:
         """One batch for the plain settles; one transaction for the completions with follow-ups or
         a result (their messages are published, their results kept, with them), or one each when
@@ -94,20 +110,12 @@ class Settler:
         publish refuses) does not hold back the others: its error is raised once they are written."""
         plain = [s for s in settlements if not s.one_transaction and id(s) not in written]
         if plain:
-            scope = self._observer.settle_started(plain)
-            try:
-                results = await self._transport.settle(plain)
-            except BaseException as exc:
-                if scope is not None:
-                    scope.end(exc)
-                raise
-            if scope is not None:
-                scope.end(None)
+            results = await self._observed(plain, self._transport.settle(plain))
             for settlement, result in zip(plain, results, strict=True):
                 written[id(settlement)] = result
         together = [s for s in settlements if s.one_transaction and id(s) not in written]
         if len(together) > 1:
-            answers = await self._transport.settle_together(together)
+            answers = await self._observed(together, self._transport.settle_together(together))
             if answers is not None:
                 for settlement, result in zip(together, answers, strict=True):
                     written[id(settlement)] = result
@@ -115,7 +123,8 @@ class Settler:
         for settlement in settlements:
             if settlement.one_transaction and id(settlement) not in written:
                 try:
-                    written[id(settlement)] = await self._transport.settle_with_follow_ups(settlement)
+                    written[id(settlement)] = await self._observed(
+                        [settlement], self._transport.settle_with_follow_ups(settlement))
                 except Exception as exc:
                     if isinstance(exc, TransportError) and exc.retryable:
                         raise  # the store is out of reach: the batch is tried again

@@ -147,7 +147,8 @@ class OpenTelemetryObserver(Observer):
     def settle_started(self, settlements: Sequence[Settlement]) -> SettleScope | None:
         if self._off():
             return None
-        links = [Link(c) for s in settlements if (c := self._attempts.pop(s.delivery_id, None)) is not None]
+        # (read, not taken: a write that fails is tried again, and its next span links them too)
+        links = [Link(c) for s in settlements if (c := self._attempts.get(s.delivery_id)) is not None]
         attributes: dict[str, Any] = sc.operation("settle", "settle", self.legacy)
         if len(settlements) != 1:
             attributes[sc.BATCH_COUNT] = len(settlements)
@@ -155,7 +156,7 @@ class OpenTelemetryObserver(Observer):
             attributes["messaging.workqueue.outcome"] = settlements[0].kind
         span = self.tracer.start_span("settle", context=otel_context.Context(), kind=SpanKind.CLIENT,
                                       attributes=attributes, links=links)
-        return _Settle(self, span)
+        return _Settle(self, span, [s.delivery_id for s in settlements])
 
     def _remember(self, delivery_id: str, span: trace.Span) -> None:
         span_context = span.get_span_context()
@@ -247,8 +248,8 @@ class _Process(ProcessScope):
 
 
 class _Settle(SettleScope):
-    def __init__(self, observer: OpenTelemetryObserver, span: trace.Span) -> None:
-        self.observer, self.span = observer, span
+    def __init__(self, observer: OpenTelemetryObserver, span: trace.Span, delivery_ids: list[str]) -> None:
+        self.observer, self.span, self.delivery_ids = observer, span, delivery_ids
         self.started = time.perf_counter()
 
     def end(self, error: BaseException | None) -> None:
@@ -256,5 +257,8 @@ class _Settle(SettleScope):
         if error is not None:
             _fail(self.span, type(error).__qualname__, error)
             attributes[sc.ERROR_TYPE] = type(error).__qualname__
+        else:  # written: the attempts are settled, their links are done with
+            for delivery_id in self.delivery_ids:
+                self.observer._attempts.pop(delivery_id, None)
         self.span.end()
         self.observer.operation_duration.record(time.perf_counter() - self.started, attributes)

@@ -1673,10 +1673,7 @@ BEGIN
                 WITH item AS (
                     SELECT it.i, it.mid, it.hash, it.dkey, it.bytes,
                            MIN(it.i) OVER (PARTITION BY it.mid) AS first_by_id,
-                           FIRST_VALUE(it.hash) OVER (PARTITION BY it.mid ORDER BY it.i) AS first_hash,
-                           CASE WHEN it.dkey IS NULL THEN NULL
-                                ELSE MIN(it.i) OVER (PARTITION BY it.dkey) END AS first_by_dkey,
-                           FIRST_VALUE(it.mid) OVER (PARTITION BY it.dkey ORDER BY it.i) AS first_mid_by_dkey
+                           FIRST_VALUE(it.hash) OVER (PARTITION BY it.mid ORDER BY it.i) AS first_hash
                     FROM @v_item AS it
                 )
                 UPDATE target
@@ -1687,14 +1684,12 @@ BEGIN
                         WHEN s.id IS NOT NULL AND s.content_hash = item.hash THEN N'Duplicate'
                         WHEN s.id IS NOT NULL THEN N'MessageIDConflict'
                         WHEN lk.message_id IS NOT NULL THEN N'Duplicate'
-                        WHEN item.first_by_dkey < item.i THEN N'Duplicate'
                         ELSE N'Accepted'
                     END,
                     result_id = CASE
                         WHEN @v_cap IS NOT NULL AND item.bytes > @v_cap THEN item.mid
                         WHEN item.first_by_id < item.i OR s.id IS NOT NULL THEN item.mid
                         WHEN lk.message_id IS NOT NULL THEN lk.message_id
-                        WHEN item.first_by_dkey < item.i THEN item.first_mid_by_dkey
                         ELSE item.mid
                     END
                 FROM @v_item AS target
@@ -1703,6 +1698,18 @@ BEGIN
                 LEFT JOIN workqueue.deduplication AS lk
                     ON @v_has_dedup = 1 AND lk.topic = @p_topic AND lk.deduplication_key = item.dkey
                    AND lk.expires_at > @v_now;
+                -- A key of the call is taken by its first item that is written; an item refused or a
+                -- Duplicate by its MessageID takes none (the rule of core/lifecycle.py classify_batch).
+                UPDATE target
+                SET st = N'Duplicate', result_id = k.first_mid
+                FROM @v_item AS target
+                INNER JOIN (
+                    SELECT a.dkey, a.i AS first_i, a.mid AS first_mid
+                    FROM (SELECT t.dkey, t.i, t.mid, ROW_NUMBER() OVER (PARTITION BY t.dkey ORDER BY t.i) AS rn
+                          FROM @v_item AS t
+                          WHERE t.st = N'Accepted' AND t.dkey IS NOT NULL) AS a
+                    WHERE a.rn = 1
+                ) AS k ON k.dkey = target.dkey AND target.st = N'Accepted' AND k.first_i < target.i;
                 UPDATE @v_item SET ok = CASE WHEN st = N'Accepted' THEN 1 ELSE 0 END;
 
                 SELECT @v_failed = MIN(it.i) FROM @v_item AS it WHERE it.st IN (N'Rejected', N'MessageIDConflict');

@@ -1015,9 +1015,7 @@ BEGIN
         WITH item AS (
             SELECT x.i::integer AS i, x.mid, x.hash, x.dkey, x.bytes,
                    min(x.i) OVER (PARTITION BY x.mid) AS first_by_id,
-                   first_value(x.hash) OVER (PARTITION BY x.mid ORDER BY x.i) AS first_hash,
-                   CASE WHEN x.dkey IS NULL THEN NULL ELSE min(x.i) OVER (PARTITION BY x.dkey) END AS first_by_dkey,
-                   first_value(x.mid) OVER (PARTITION BY x.dkey ORDER BY x.i) AS first_mid_by_dkey
+                   first_value(x.hash) OVER (PARTITION BY x.mid ORDER BY x.i) AS first_hash
             FROM unnest(p_message_ids, p_content_hashes, p_deduplication_keys, p_envelope_bytes)
                  WITH ORDINALITY AS x(mid, hash, dkey, bytes, i)
         ), stored AS (
@@ -1026,8 +1024,8 @@ BEGIN
             SELECT dd.deduplication_key, dd.message_id FROM workqueue.deduplication dd
             WHERE v_has_dedup AND dd.topic = p_topic AND dd.deduplication_key = ANY (p_deduplication_keys)
               AND dd.expires_at > now()
-        ), classified AS (
-            SELECT it.i,
+        ), first_pass AS (
+            SELECT it.i, it.mid, it.dkey,
                 CASE
                     WHEN v_cap IS NOT NULL AND it.bytes > v_cap THEN 'Rejected'
                     WHEN it.first_by_id < it.i AND it.first_hash = it.hash THEN 'Duplicate'
@@ -1035,19 +1033,30 @@ BEGIN
                     WHEN s.id IS NOT NULL AND s.content_hash = it.hash THEN 'Duplicate'
                     WHEN s.id IS NOT NULL THEN 'MessageIDConflict'
                     WHEN lk.message_id IS NOT NULL THEN 'Duplicate'
-                    WHEN it.first_by_dkey < it.i THEN 'Duplicate'
                     ELSE 'Accepted'
                 END AS st,
                 CASE
                     WHEN v_cap IS NOT NULL AND it.bytes > v_cap THEN it.mid
                     WHEN it.first_by_id < it.i OR s.id IS NOT NULL THEN it.mid
                     WHEN lk.message_id IS NOT NULL THEN lk.message_id
-                    WHEN it.first_by_dkey < it.i THEN it.first_mid_by_dkey
                     ELSE it.mid
                 END AS result_id
             FROM item it
             LEFT JOIN stored s ON s.id = it.mid
             LEFT JOIN live_key lk ON lk.deduplication_key = it.dkey
+        ), key_taken AS (
+            -- A key of the call is taken by its first item that is written; an item refused or a
+            -- Duplicate by its MessageID takes none (the rule of core/lifecycle.py classify_batch).
+            SELECT f.dkey, min(f.i) AS first_i, (array_agg(f.mid ORDER BY f.i))[1] AS first_mid
+            FROM first_pass f
+            WHERE f.st = 'Accepted' AND f.dkey IS NOT NULL
+            GROUP BY f.dkey
+        ), classified AS (
+            SELECT f.i,
+                   CASE WHEN k.first_i < f.i THEN 'Duplicate' ELSE f.st END AS st,
+                   CASE WHEN k.first_i < f.i THEN k.first_mid ELSE f.result_id END AS result_id
+            FROM first_pass f
+            LEFT JOIN key_taken k ON k.dkey = f.dkey AND f.st = 'Accepted'
         )
         SELECT array_agg(c.st ORDER BY c.i), array_agg(c.result_id ORDER BY c.i),
                array_agg(c.st = 'Accepted' ORDER BY c.i),
