@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import json
 import logging
@@ -105,21 +106,38 @@ async def run_work(
     concurrency: int | None = None,
     max_duration_ms: int | None = None,
     shutdown_drain_ms: int | None = None,
+    as_json: bool = False,
 ) -> WorkSummary:
     """Runs the plan until done, inside ``app``'s lifespan when an app is given.
 
     The lifespan opens the queue but starts no host of its own (:func:`host_run_by_worker`); the
-    worker's host runs, drains on a signal, and the lifespan's shutdown runs after the drain."""
-    from ..core.kernel import host_run_by_worker
-
+    worker's host runs, drains on a signal, and the lifespan's shutdown runs after the drain. A
+    signal from the start on (the app's lifespan starting included) is a graceful stop. ``as_json``:
+    the summary a job stuck past its stop timeout ends the process with goes out as JSON too."""
     if isinstance(plan, str):
         plan = WorkPlan(subscriptions=(plan,))
     summary = WorkSummary(plan.label)
+    with _stop_on_signals() as stop:
+        return await _run_in_app(queue, plan, summary, stop, app=app, app_path=app_path, once=once,
+                                 max_deliveries=max_deliveries, concurrency=concurrency,
+                                 max_duration_ms=max_duration_ms, shutdown_drain_ms=shutdown_drain_ms,
+                                 as_json=as_json)
+
+
+async def _run_in_app(
+    queue: Any, plan: WorkPlan, summary: WorkSummary, stop: asyncio.Event, *, app: Any, app_path: str, once: bool,
+    max_deliveries: int | None, concurrency: int | None, max_duration_ms: int | None,
+    shutdown_drain_ms: int | None, as_json: bool,
+) -> WorkSummary:
+    from ..core.kernel import host_run_by_worker
 
     async def run(on: Any, *, needs_no_app: bool) -> WorkSummary:
+        if stop.is_set():  # (a signal while the app's lifespan started: nothing is claimed)
+            return summary.ended(EXIT_OK, f"{plan.label}: stopped by a signal before it started")
         return await _run(
-            on, plan, summary, needs_no_app=needs_no_app, once=once, max_deliveries=max_deliveries,
+            on, plan, summary, stop, needs_no_app=needs_no_app, once=once, max_deliveries=max_deliveries,
             concurrency=concurrency, max_duration_ms=max_duration_ms, shutdown_drain_ms=shutdown_drain_ms,
+            as_json=as_json,
         )
 
     if app is None:
@@ -152,12 +170,13 @@ def _one_line(text: str) -> str:
     return lines[-1].strip() if lines else text
 
 
-def _stop_the_process(overrun: Any) -> None:
+def _stop_the_process(overrun: Any, *, summary: WorkSummary, as_json: bool) -> None:
     """A job is still running the stop timeout after its timeout (it blocks the event loop, or
-    swallowed the cancellation): end the worker with exit code 70. Called from the jobs' watchdog
-    thread, so it works while the loop is blocked; ``os._exit`` because the loop cannot be trusted
-    to run a clean shutdown. The delivery comes back when its lease runs out; a supervisor starts
-    a new worker."""
+    swallowed the cancellation): end the worker with exit code 70, its reason line on stderr and
+    (``--json``) its summary on stdout, as every other exit. Called from the jobs' watchdog thread,
+    so it works while the loop is blocked; ``os._exit`` because the loop cannot be trusted to run a
+    clean shutdown. The delivery comes back when its lease runs out; a supervisor starts a new
+    worker."""
     log.critical(
         "job %s (%s) ignored its timeout of %g s and is still running %g s later (it blocks the event loop or "
         "swallowed the cancellation); ending the worker with exit code %d: the job comes back when its lease "
@@ -166,6 +185,15 @@ def _stop_the_process(overrun: Any) -> None:
     for handler in logging.getLogger().handlers:
         with contextlib.suppress(Exception):
             handler.flush()
+    summary.ended(EXIT_JOB_STUCK, (
+        f"job {overrun.job.name} ({overrun.context.id}) ignored its timeout of {overrun.timeout:g} s and the stop "
+        f"timeout of {overrun.stop_timeout:g} s; it comes back when its lease runs out"))
+    with contextlib.suppress(Exception):  # (straight to the descriptors: the loop is not to be trusted)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(2, f"workqueue work: {summary.reason}\n".encode())
+        if as_json:
+            os.write(1, f"{summary.as_json()}\n".encode())
     os._exit(EXIT_JOB_STUCK)
 
 
@@ -173,6 +201,7 @@ async def _run(
     queue: Any,
     plan: WorkPlan,
     summary: WorkSummary,
+    stop: asyncio.Event,
     *,
     needs_no_app: bool,
     once: bool,
@@ -180,6 +209,7 @@ async def _run(
     concurrency: int | None,
     max_duration_ms: int | None,
     shutdown_drain_ms: int | None,
+    as_json: bool,
 ) -> WorkSummary:
     budget = max_deliveries if max_deliveries is not None else (1 if once else None)
     # A long-running worker (no --once, no --max) stays up through a pause, as a deployment's
@@ -207,7 +237,7 @@ async def _run(
             groups = queue.jobs.groups(plan.queues, concurrency)
         except ConfigurationError as exc:
             return summary.ended(EXIT_CONFIGURATION, str(exc))
-        queue.jobs.stuck = _stop_the_process
+        queue.jobs.stuck = functools.partial(_stop_the_process, summary=summary, as_json=as_json)
         queue.jobs.stop_timeout = stop_timeout
     mode = ", ".join(part for part in (
         "once" if once else "", f"at most {count(budget, 'delivery')}" if budget is not None else "",
@@ -239,42 +269,42 @@ async def _run(
                         "or Starlette app (MODULE:app) instead of the WorkQueue"
                     ))
         host = queue.build_host(plans, groups=groups, max_deliveries=budget, stop_when_idle=once, **overrides)
-        with _stop_on_signals() as stop:
-            await host.start()
+        await host.start()
+        try:
+            for name in plan.subscriptions:
+                state = next((h for h in host.health() if h.subscription == name), None)
+                if state is None or state.state != "Running":
+                    kind = "Error" if state is None else state.state
+                    reason = "unknown" if state is None else (state.reason or kind)
+                    if kind == "Paused":
+                        if finite and len(plan.subscriptions) == 1 and not plan.jobs:
+                            return summary.ended(EXIT_OK, f"{name}: paused, nothing to do ({reason})")
+                        click.echo(f"workqueue work: {name}: paused ({reason}); waiting for resume", err=True)
+                    elif kind == "Error" and "does not exist" in reason:
+                        return summary.ended(EXIT_UNKNOWN_SUBSCRIPTION, reason)
+                    else:
+                        return summary.ended(_STATE_EXIT.get(kind, EXIT_ERROR), f"{name}: {kind}: {reason}")
+            if plan.jobs:
+                queue.jobs.watch_queues(host, plan.queues)
+                queue.jobs.schedules.start()
             try:
-                for name in plan.subscriptions:
-                    state = next((h for h in host.health() if h.subscription == name), None)
-                    if state is None or state.state != "Running":
-                        kind = "Error" if state is None else state.state
-                        reason = "unknown" if state is None else (state.reason or kind)
-                        if kind == "Paused":
-                            if finite and len(plan.subscriptions) == 1 and not plan.jobs:
-                                return summary.ended(EXIT_OK, f"{name}: paused, nothing to do ({reason})")
-                            click.echo(f"workqueue work: {name}: paused ({reason}); waiting for resume", err=True)
-                        elif kind == "Error" and "does not exist" in reason:
-                            return summary.ended(EXIT_UNKNOWN_SUBSCRIPTION, reason)
-                        else:
-                            return summary.ended(_STATE_EXIT.get(kind, EXIT_ERROR), f"{name}: {kind}: {reason}")
-                if plan.jobs:
-                    queue.jobs.watch_queues(host, plan.queues)
-                    queue.jobs.schedules.start()
-                try:
-                    await _until_done(host, stop, max_duration_ms, finite=finite)
-                finally:
-                    if plan.jobs:
-                        await queue.jobs.stop_watching()
-                        await queue.jobs.schedules.stop()
-                summary.claimed = sum(host.claimed_total(n) for n in (*plan.subscriptions, *(g.name for g in groups)))
-                return summary.ended(EXIT_OK, f"{plan.label}: ran {count(summary.claimed, 'delivery')}")
+                await _until_done(host, stop, max_duration_ms, finite=finite)
             finally:
-                # The consumers of the plan, also those a pause retired, for their counts.
-                consumers = [c for name in plan.subscriptions
-                             for c in (*getattr(host, "_retired", {}).get(name, ()), host.consumers.get(name))]
-                consumers += [host.group_consumers.get(g.name) for g in groups]
-                await host.stop()
-                counted = [c for c in consumers if c is not None]
-                summary.settled = sum(c.settled_total for c in counted)
-                summary.completed = sum(c.completed_total for c in counted)
+                if plan.jobs:
+                    await queue.jobs.stop_watching()
+                    await queue.jobs.schedules.stop()
+        finally:
+            # The consumers of the plan, also those a pause retired, for their counts; read after
+            # the stop, so a claim that returned during the drain is counted.
+            consumers = [c for name in plan.subscriptions
+                         for c in (*getattr(host, "_retired", {}).get(name, ()), host.consumers.get(name))]
+            consumers += [host.group_consumers.get(g.name) for g in groups]
+            await host.stop()
+            counted = [c for c in consumers if c is not None]
+            summary.claimed = sum(c.claimed_total for c in counted)
+            summary.settled = sum(c.settled_total for c in counted)
+            summary.completed = sum(c.completed_total for c in counted)
+        return summary.ended(EXIT_OK, f"{plan.label}: ran {count(summary.claimed, 'delivery')}")
     finally:
         await queue.close()
 
@@ -423,5 +453,6 @@ def work(
     coroutine = run_work(
         target.queue, plan, app=target.app, app_path=app_path, once=once, max_deliveries=max_deliveries,
         concurrency=concurrency, max_duration_ms=max_duration_ms, shutdown_drain_ms=shutdown_drain_ms,
+        as_json=as_json,
     )
     _finish(run_on_fastest_loop(coroutine), as_json=as_json)

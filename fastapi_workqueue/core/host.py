@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from .budget import DeliveryBudget
 from .handlers import Invoker
 from .observe import NO_OBSERVER, Observer
 from .ports import Ports
@@ -161,6 +162,8 @@ class Host:
         self.groups = list(groups)
         self.options = options
         self._max_deliveries = max_deliveries
+        self._budget = DeliveryBudget(max_deliveries) if max_deliveries is not None else None
+        """One budget for every consumer: ``max_deliveries`` bounds what the host receives."""
         self._stop_when_idle = stop_when_idle
         self.settler = Settler(transport, observer=options.observer)
         self.consumers: dict[str, Consumer] = {}
@@ -288,7 +291,7 @@ class Host:
                         idle_poll_max=self.options.idle_poll_max_ms / 1000,
                         wake_backoff=self.options.wake_backoff_ms / 1000,
                         principal=self.options.principal,
-                        max_deliveries=self._max_deliveries,
+                        max_deliveries=self._max_deliveries, budget=self._budget,
                         stop_when_idle=self._stop_when_idle,
                         observer=self.options.observer,
                         request_load=self.options.request_load,
@@ -366,7 +369,7 @@ class Host:
                     idle_poll_max=self.options.idle_poll_max_ms / 1000,
                     wake_backoff=self.options.wake_backoff_ms / 1000,
                     principal=self.options.principal, max_deliveries=self._max_deliveries,
-                    stop_when_idle=self._stop_when_idle, observer=self.options.observer,
+                    budget=self._budget, stop_when_idle=self._stop_when_idle, observer=self.options.observer,
                     request_load=self.options.request_load,
                 )
                 self.group_consumers[plan.name] = consumer

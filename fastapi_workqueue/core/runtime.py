@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .budget import DeliveryBudget
 from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext
 from .failures import error_text, handler_traceback, storable, summary
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
@@ -108,6 +109,7 @@ class Consumer:
         principal: str | None = None,
         max_deliveries: int | None = None,
         stop_when_idle: bool = False,
+        budget: DeliveryBudget | None = None,
         prefetch: int | None = None,
         on_error: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -152,6 +154,12 @@ class Consumer:
         """What the last claim said a flow limit kept back (None: nothing)."""
         self._slot_settled = False
         self._wake = asyncio.Event()
+        self.budget = budget if budget is not None else (
+            DeliveryBudget(max_deliveries) if max_deliveries is not None else None)
+        """How many deliveries may still be claimed: this consumer's ``max_deliveries``, or the one
+        budget a host shares among its consumers (``workqueue work --once`` and ``--max``)."""
+        if self.budget is not None:
+            self.budget.watch(self._wake)
         self._slot_freed = asyncio.Event()
         self._stopping = False
         self._paused = False
@@ -365,11 +373,15 @@ class Consumer:
                 # round trip overlaps the other half, so fast handlers never wait for the store
                 # (the next claim tops the consumer up to concurrency + prefetch, never more).
                 free = 0
-            if self.max_deliveries is not None:
-                budget = self.max_deliveries - self.claimed_total
-                if budget <= 0:
+            if self.budget is not None:
+                if self.budget.remaining <= 0:
                     return
-                free = min(free, budget)
+                if self.budget.available <= 0:  # (claims of other consumers under way hold the rest)
+                    self._wake.clear()
+                    self.budget.wake_when_settled(self._wake)
+                    await self._wake.wait()  # (a stop wakes it too)
+                    continue
+                free = min(free, self.budget.available)
             if free <= 0:
                 self._slot_freed.clear()
                 self._loop_state = "waiting_for_slot"
@@ -387,7 +399,7 @@ class Consumer:
                 load.busy_claims += 1
             try:
                 sent_at = self._clock()
-                batch = await self._claim(free) if self._groups else []
+                batch = await self._claim_within_budget(free) if self._groups else []
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -499,6 +511,20 @@ class Consumer:
         if any(s.flow_limited for group in self._groups for s in group):
             return 0  # what is claimed ahead holds a slot (and a token) that another process could run
         return min(MAX_PREFETCH, math.ceil(self.concurrency * claim / max(handler, 1e-6)))
+
+    async def _claim_within_budget(self, limit: int) -> list[tuple[SubscriptionState, ClaimedDelivery]]:
+        """:meth:`_claim`, what it brings taken off the budget (reserved while the claim is out)."""
+        budget = self.budget
+        if budget is None:
+            return await self._claim(limit)
+        reserved = budget.reserve(limit)
+        got = 0
+        try:
+            batch = await self._claim(reserved)
+            got = len(batch)
+            return batch
+        finally:
+            budget.settle(reserved, got)
 
     async def _claim(self, limit: int) -> list[tuple[SubscriptionState, ClaimedDelivery]]:
         """Up to ``limit`` deliveries: from the first group while it has claimable work, then the next.
