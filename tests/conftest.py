@@ -3,6 +3,7 @@ AWS tests and the conformance suite's aws harness share it), transports, unique 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -101,7 +102,14 @@ async def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIter
     if request.param == "sqlite":
         yield f"sqlite+aiosqlite:///{tmp_path / 'fresh.db'}"
         return
-    url = PG_URL.rpartition("/")[0] + f"/workqueue_fresh_{uuid.uuid4().hex[:8]}"
+    async with private_database("workqueue_fresh") as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def private_database(prefix: str) -> AsyncIterator[str]:
+    """A PostgreSQL database of its own beside the session's (``<prefix>_<random>``), empty, dropped after."""
+    url = PG_URL.rpartition("/")[0] + f"/{prefix}_{uuid.uuid4().hex[:8]}"
     await recreate_database(url)
     try:
         yield url

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 from fastapi import FastAPI
 from sqlalchemy import text
@@ -15,17 +14,9 @@ from fastapi_workqueue import PublishRequest, Subscription, SubscriptionPlan, To
 
 from .conftest import drop_database, recreate_database, unique
 from .support import FAST, make_queue
+from .test_request_transactions import client, pending
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def client(app: FastAPI) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-
-async def pending(queue: WorkQueue, subscription: str) -> int:
-    [stats] = await queue.stats(subscription)
-    return stats.pending
 
 
 async def test_a_publish_to_a_second_queue_does_not_join_the_first_queues_request_session(

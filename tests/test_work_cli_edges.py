@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 from fastapi_workqueue import WorkQueue, WorkQueueSettings
 
 from .apps import cli_app
-from .conftest import PG_URL, drop_database, recreate_database
+from .conftest import private_database
 from .test_cli import APP, Cli
 from .test_jobs_cli import Jobs
 
@@ -28,12 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 async def own_db() -> AsyncIterator[str]:
     """A migrated PostgreSQL database of the test's own: these workers leave deliveries behind in the
     CLI app's subscriptions, which the other CLI tests share in the session's database."""
-    url = PG_URL.rpartition("/")[0] + f"/workqueue_work_{uuid.uuid4().hex[:8]}"
-    await recreate_database(url)
-    try:
+    async with private_database("workqueue_work") as url:
         yield url
-    finally:
-        await drop_database(url)
 
 
 @pytest.fixture

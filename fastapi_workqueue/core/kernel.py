@@ -17,7 +17,6 @@ nothing here imports SQLAlchemy when it runs.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import replace
@@ -46,7 +45,7 @@ from .published import NOT_ACCEPTED_LOGGED, PublishResults, refusal
 from .redaction import redacting_logger
 from .request_load import RequestLoad
 from .settings import WorkQueueSettings
-from .topology import Subscription, Topic, check_name
+from .topology import Subscription, Topic, is_name
 from .transport import Transport
 
 if TYPE_CHECKING:
@@ -330,7 +329,7 @@ class Kernel:
         """The second half of :meth:`publish`, for ``count`` requests already prepared: ``prepared``
         those that passed, ``failures`` the results of those refused, by index (then none is
         published). For layers that prepare their messages themselves (the jobs layer)."""
-        if not _nameable(topic):  # (no topic can have it: the store would refuse it as text, not as a name)
+        if not is_name(topic):  # (no topic can have it: the store would refuse it as text, not as a name)
             raise _unknown_topic(topic)
         if count == 0 and topic not in {t.name for t in await self.transport.list_topics()}:
             raise _unknown_topic(topic)  # (a call with nothing to publish never reaches the store's check)
@@ -429,16 +428,6 @@ def _invalid_request(exc: ValidationError) -> RequestRejected:
 def _unknown_topic(topic: str) -> UnknownTopic:
     return UnknownTopic(topic, f"cannot publish to topic {topic!r}: neither the code declares it "
                                f"(Topic(name={topic!r})) nor the store holds it; check the name")
-
-
-@functools.lru_cache(maxsize=256)
-def _nameable(topic: str) -> bool:
-    """Whether ``topic`` can name a topic at all (checked once per name a process publishes to)."""
-    try:
-        check_name("topic", topic)
-    except ValueError:
-        return False
-    return True
 
 
 def _checked(topic: str, results: list[PublishResult]) -> PublishResults:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Literal
 
@@ -30,6 +31,13 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,199}$")
 def is_job_topic(topic: str) -> bool:
     """Whether ``topic`` is a job queue's (``jobs.*``), whose messages the job runner runs as jobs."""
     return topic.startswith(JOB_TOPIC_PREFIX)
+
+
+@functools.lru_cache(maxsize=256)
+def is_name(value: str) -> bool:
+    """Whether ``value`` can name a topic or subscription at all (one that cannot names none; checked
+    once per name a process meets)."""
+    return bool(_NAME.match(value))
 
 
 def check_name(kind: str, value: str) -> str:

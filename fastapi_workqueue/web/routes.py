@@ -34,7 +34,7 @@ from ..core.reports import (
     SubscriptionStats,
 )
 from ..core.retirement import DeleteResult, RetireResult, TopicStatusChange
-from ..core.topology import check_name
+from ..core.topology import is_name
 from ..core.wire import WireModel
 from .auth import Authorizer
 from .fastapi_internals import scopes_of, set_request_body
@@ -75,15 +75,6 @@ class DiscardBody(WireModel):
     reason: str | None = None
 
     _reason = field_validator("reason")(_storable_text)
-
-
-def _is_name(value: str) -> bool:
-    """Whether ``value`` can name a topic or subscription at all (one that cannot does not exist)."""
-    try:
-        check_name("topic", value)
-    except ValueError:
-        return False
-    return True
 
 
 class RetireBody(WireModel):
@@ -211,7 +202,7 @@ def build_router(
     def name_exists_or_404(kind: str, name: str) -> None:
         # A name no topic or subscription can have is not sent to the store (where a NUL byte, say,
         # is an encoding error rather than "no such row").
-        if not _is_name(name):
+        if not is_name(name):
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"{kind} {name!r} does not exist")
 
     async def known_subscription(name: str) -> None:
