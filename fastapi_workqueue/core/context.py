@@ -67,6 +67,14 @@ def _call_listener(listener: Callable[[AbortReason], object], reason: AbortReaso
             "an abort listener (%r) raised; the handler is aborted (%s) all the same", listener, reason.value)
 
 
+def cancelled_by_the_handler(signal: AbortSignal) -> bool:
+    """Whether a ``CancelledError`` that ended a handler is the handler's own (it awaited a task
+    somebody else cancelled): the runtime did not abort it, and nobody cancelled the task it runs
+    in. Such an attempt failed, as with any other exception."""
+    task = asyncio.current_task()
+    return signal.reason is None and task is not None and not task.cancelling()
+
+
 class AbortSignal:
     """Tells a handler that it must stop, and why.
 

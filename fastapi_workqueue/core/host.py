@@ -427,15 +427,6 @@ class Host:
             return "Running", RETRY_KEEPS_KEY_BUSY.format(name=serving.name)
         return "Running", None
 
-    def claimed_total(self, subscription: str) -> int:
-        """Deliveries claimed for ``subscription`` (or by group consumer ``subscription``) since the
-        host started, across pauses."""
-        group = self.group_consumers.get(subscription)
-        if group is not None:
-            return group.claimed_total
-        consumers = [*self._retired.get(subscription, ()), self.consumers.get(subscription)]
-        return sum(c.claimed_total for c in consumers if c is not None)
-
     def health(self) -> list[SubscriptionHealth]:
         """Each planned subscription's state, with what runs now."""
         report = []

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .budget import DeliveryBudget
-from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext
+from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext, cancelled_by_the_handler
 from .failures import error_text, handler_traceback, storable, summary
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .leases import LocalLease, counting, start_margin
@@ -723,9 +723,7 @@ class Consumer:
             outcome = await self._invoke(spec, message, context)
         except asyncio.CancelledError as exc:
             if not running.signal.aborted:
-                if task is not None and not task.cancelling():
-                    # Raised by the handler itself (it awaited a task somebody else cancelled), not
-                    # a cancellation of this attempt: a failed attempt, as any other exception.
+                if cancelled_by_the_handler(running.signal):
                     return self._failed(running, exc, settlement_for(*base, exc))
                 raise  # not ours: the loop is going away
             if task is not None:

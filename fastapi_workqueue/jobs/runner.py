@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..core.context import AbortReason, AbortSignal, OnceBusy, WorkContext
+from ..core.context import AbortReason, AbortSignal, OnceBusy, WorkContext, cancelled_by_the_handler
 from ..core.envelope import WorkMessage
 from ..core.outcomes import FatalWorkError, Outcome, TransientWorkError, WorkOutcome
 from ..core.redaction import redacting_logger
@@ -172,9 +172,7 @@ class JobRunner:
                                                                                            reason="once-busy"))
             raise
         except asyncio.CancelledError as exc:
-            task = asyncio.current_task()
-            if context.signal.reason is None and task is not None and not task.cancelling():
-                # The job's own (it awaited a task somebody else cancelled): a failed attempt.
+            if cancelled_by_the_handler(context.signal):
                 await self._after_error(_fields(envelope, message, queue, context), context, envelope, exc, "error")
             else:
                 self._aborted(context, _fields(envelope, message, queue, context), envelope)

@@ -254,8 +254,6 @@ def build_router(
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"topic {topic!r} does not exist") from None
         except TransportError as exc:
             raise _unavailable(exc) from exc
-        if not results and topic not in {t.name for t in await _call(kernel.transport.list_topics())}:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"topic {topic!r} does not exist")
         problems = [
             PublishProblem(index=i, code=r.error.code, message=r.error.message, field=r.error.field)
             for i, r in enumerate(results)
