@@ -7,17 +7,19 @@ import asyncio
 from typing import Any
 
 import pytest
+from fastapi import FastAPI
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import SpanKind
+from prometheus_client import CollectorRegistry
 
-from fastapi_workqueue import Outcome, PublishRequest, WorkMessage, WorkOutcome
+from fastapi_workqueue import Outcome, PublishRequest, WorkContext, WorkMessage, WorkOutcome
 from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.core.outcomes import FollowUp
 
 from .support import make_queue, wait_for
-from .test_observability import EXPORTER, fresh_spans, spans_named  # noqa: F401
+from .test_observability import EXPORTER, client, fresh_spans, samples, spans_named  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -130,3 +132,50 @@ async def test_a_settle_written_on_the_second_try_still_links_to_its_attempt(pg_
     written = [s for s in settles if s.status.is_ok]
     assert len(settles) == 2 and len(written) == 1, [(s.name, s.status.status_code) for s in settles]
     assert [link.context.span_id for link in written[0].links] == [process.context.span_id]
+
+
+async def test_a_cancelled_attempt_counts_as_discarded_and_a_lost_lease_as_abandoned(pg_url: str) -> None:
+    """``workqueue_processed_total``'s outcome says what became of the attempt, as docs/observability.md
+    lists them: an operator's cancel discards the delivery (it counted ``failed``), a lease that ran
+    out under the handler abandons the attempt (it counted ``failed`` too)."""
+    queue, topic, subs = make_queue(pg_url, [{"role": "cancel", "lease_seconds": 3},
+                                             {"role": "lost", "lease_seconds": 1, "heartbeat_mode": "Manual"}],
+                                    metrics_cache_seconds=0)
+    started: list[str] = []
+
+    @queue.handler("cancel")
+    async def cancel(message: WorkMessage[Any], context: WorkContext) -> WorkOutcome:
+        started.append("cancel")
+        await asyncio.sleep(30)
+        return Outcome.complete()
+
+    @queue.handler("lost")
+    async def lost(message: WorkMessage[Any], context: WorkContext) -> WorkOutcome:
+        started.append("lost")
+        if context.attempt == 1:
+            await asyncio.sleep(30)  # no heartbeat: the lease runs out under it
+        return Outcome.complete()
+
+    registry = CollectorRegistry()
+    app = FastAPI()
+    app.include_router(queue.create_metrics_router(registry=registry, public=True))
+    async with queue.lifespan(app):
+        await queue.publish(topic, [PublishRequest(payload=1)])
+        await wait_for(lambda: started.count("cancel") == 1)
+        [running] = await queue.deliveries(subs["cancel"], "InFlight")
+        await queue.discard(subs["cancel"], running.delivery_id, "not needed")
+
+        async def counted() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+            async with client(app) as http:
+                found = samples((await http.get("/metrics")).text)
+            mine = {k: v for k, v in found.items() if k[0] == "workqueue_processed_total"}
+            done = mine.get(("workqueue_processed_total", (("outcome", "completed"), ("subscription", subs["lost"]))))
+            cancelled = [k for k in mine if ("subscription", subs["cancel"]) in k[1]]
+            return mine if done == 1 and cancelled else None
+
+        found = await wait_for(counted, within=20)
+    by_outcome = {(dict(labels)["subscription"], dict(labels)["outcome"]): value
+                  for (_, labels), value in found.items()}
+    assert by_outcome.get((subs["cancel"], "discarded")) == 1
+    assert by_outcome.get((subs["lost"], "abandoned")) == 1
+    assert (subs["cancel"], "failed") not in by_outcome and (subs["lost"], "failed") not in by_outcome

@@ -115,3 +115,33 @@ async def test_a_claim_and_a_renewal_lease_for_what_the_process_counts(
     for beat in beats:
         assert beat.alive and beat.lease_expires_at is not None
         assert (beat.lease_expires_at - clock.now()).total_seconds() == pytest.approx(expected, abs=0.5)
+
+
+@pytest.mark.parametrize("kind", ["memory", "postgresql", "sqlite"])
+async def test_the_oldest_pending_wait_counts_from_when_a_delivery_became_due(
+        kind: str, pg_url: str, sqlite_url: str) -> None:
+    """``stats().oldest_pending_at`` (and ``workqueue_oldest_pending_age_seconds``, which operators
+    alert on) is since when the longest-waiting due delivery waits: a message delayed by an hour
+    is not waiting, however long ago it was published (it counted from its creation)."""
+    from datetime import UTC, datetime, timedelta
+
+    if kind == "memory":
+        transport: Any = MemoryTransport(f"memory://oldest-{uuid.uuid4().hex}")
+    elif kind == "postgresql":
+        transport = PostgresTransport(pg_url, listen=False, pool_max_size=4)
+    else:
+        transport = SqliteTransport(sqlite_url)
+    await transport.open()
+    try:
+        w = await make_world(transport, [dict(role="a")])
+        await w.publish_one(payload="later", not_before=datetime.now(UTC) + timedelta(hours=1))
+        [stats] = await transport.stats(w["a"])
+        assert stats.pending == 1 and stats.oldest_pending_at is None
+        before = datetime.now(UTC)
+        await w.publish_one(payload="now")
+        after = datetime.now(UTC)
+        [stats] = await transport.stats(w["a"])
+        assert stats.pending == 2 and stats.oldest_pending_at is not None
+        assert before - timedelta(seconds=1) <= stats.oldest_pending_at <= after + timedelta(seconds=1)
+    finally:
+        await transport.close()

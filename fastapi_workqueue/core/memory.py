@@ -925,7 +925,7 @@ class MemoryTransport:
             ds = self._of(sub.spec.name)
             count = {status: sum(d.status == status for d in ds) for status in
                      ("Pending", "InFlight", "DeadLettered", "Completed", "Discarded")}
-            pending = [d.created_at for d in ds if d.status == "Pending"]
+            pending = [d.visible_at for d in ds if d.status == "Pending" and d.visible_at <= now]
             out.append(SubscriptionStats(
                 subscription=sub.spec.name, topic=sub.spec.topic, status=sub.status,
                 partition_mode=sub.spec.partition_mode, pending=count["Pending"],

@@ -29,6 +29,8 @@ class SubscriptionStats(WireModel):
     completed: int
     discarded: int
     oldest_pending_at: datetime | None = None
+    """Since when the longest-waiting due Pending delivery waits: the time it became claimable (its
+    publish, its ``not_before``, the end of its retry's backoff). None when none is due."""
     reason: str | None = Field(default=None, exclude_if=lambda value: value is None)
     """What an operator should know of the counts and what to do (a subscription whose topic moved
     to another transport, with deliveries left in the database)."""

@@ -665,7 +665,7 @@ class Consumer:
             raise
         finally:
             if scope is not None:
-                scope.end(settlement.kind if settlement is not None else None, running.error)
+                scope.end(_observed_outcome(running.signal.reason, settlement), running.error)
             self._drop(running)
             took = self._clock() - running.started_at
             previous = self._handler_seconds
@@ -983,3 +983,12 @@ def _ids(runnings: Iterable[_Running], shown: int = 10) -> str:
     ids = [r.delivery.delivery_id for r in runnings]
     text = ", ".join(ids[:shown])
     return text + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
+
+
+def _observed_outcome(aborted: AbortReason | None, settlement: Settlement | None) -> str | None:
+    """What the observers count an attempt as: its settlement's kind, except that a cancelled
+    attempt is discarded (the store discards a delivery flagged for cancel whatever it is settled
+    with) and one whose lease ran out is abandoned (None), as docs/observability.md says."""
+    if settlement is None or aborted == AbortReason.LEASE_LOST:
+        return None
+    return "Discard" if aborted == AbortReason.CANCELLED else settlement.kind

@@ -29,6 +29,7 @@ from ..core.envelope import (
     PublishStatus,
 )
 from ..core.errors import ConfigurationError, TransportError, WorkQueueError
+from ..core.failures import storable
 from ..core.history import StatsPoint
 from ..core.keys import ApiKeyInfo, KeyRecord
 from ..core.leases import counted_lease
@@ -627,8 +628,8 @@ class RoutineTransport:
         """The deliveries whose id, MessageID, partition key, correlation ID or job name is
         ``query``, newest first, at most ``limit`` (payloads left out)."""
         query = query.strip()
-        if not query or len(query) > 512:
-            return []
+        if not query or len(query) > 512 or storable(query) != query:
+            return []  # no id or name is stored with a NUL or a lone surrogate
         rows = await self.call("search_deliveries", p_query=query, p_limit=max(1, min(limit, SEARCH_LIMIT)))
         return [FoundDelivery(matched=r["matched"], delivery=delivery_info(r, None, False)) for r in rows]
 

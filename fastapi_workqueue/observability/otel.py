@@ -233,13 +233,14 @@ class _Process(ProcessScope):
             error_type = type(error).__qualname__
         elif outcome in _FAILED_OUTCOMES:
             error_type = outcome
+        elif outcome is None:
+            error_type = "abandoned"  # its lease ran out under it, or nothing was left to settle
         if outcome is not None:
             self.span.set_attribute("messaging.workqueue.outcome", outcome)
         if error_type is not None:
             _fail(self.span, error_type, error)
         self.span.end()
-        if outcome is not None:
-            self.observer._remember(self.delivery.delivery_id, self.span)
+        self.observer._remember(self.delivery.delivery_id, self.span)  # the settle that follows links to it
         attributes: dict[str, Any] = {sc.MESSAGING_SYSTEM: sc.SYSTEM, sc.OPERATION_NAME: "process",
                                       sc.DESTINATION_NAME: self.delivery.topic, sc.CONSUMER_GROUP: self.subscription}
         if error_type is not None:

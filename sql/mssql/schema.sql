@@ -2135,6 +2135,7 @@ BEGIN
             SET @v_share = CASE
                 WHEN @v_keyed_count = 0 THEN @v_limit
                 WHEN @v_limit - @v_keyed_count > @v_limit / 2 THEN @v_limit - @v_keyed_count
+                WHEN @v_limit = 1 THEN 1  -- a claim of one looks for one of each (below)
                 ELSE @v_limit / 2
             END;
             IF @v_share > 0 AND @v_key_limited = 1 AND @v_partition_mode = N'None' COLLATE Latin1_General_100_BIN2
@@ -2205,8 +2206,30 @@ BEGIN
 
             IF @v_keyed_count > 0 AND @v_unkeyed_count > 0 AND @v_keyed_count + @v_unkeyed_count > @v_limit
             BEGIN
-                DELETE FROM @v_keyed WHERE ord > @v_limit - @v_unkeyed_count;
-                SET @v_keyed_count = @v_limit - @v_unkeyed_count;
+                IF @v_limit = 1
+                BEGIN
+                    -- One of each: the first in claim order is taken.
+                    IF EXISTS (SELECT 1
+                               FROM @v_keyed AS k INNER JOIN workqueue.delivery AS kd ON kd.id = k.next_id
+                               CROSS JOIN @v_unkeyed AS u INNER JOIN workqueue.delivery AS ud ON ud.id = u.id
+                               WHERE kd.priority < ud.priority
+                                  OR (kd.priority = ud.priority AND (kd.visible_at > ud.visible_at
+                                      OR (kd.visible_at = ud.visible_at AND kd.id > ud.id))))
+                    BEGIN
+                        DELETE FROM @v_keyed;
+                        SET @v_keyed_count = 0;
+                    END
+                    ELSE
+                    BEGIN
+                        DELETE FROM @v_unkeyed;
+                        SET @v_unkeyed_count = 0;
+                    END;
+                END
+                ELSE
+                BEGIN
+                    DELETE FROM @v_keyed WHERE ord > @v_limit - @v_unkeyed_count;
+                    SET @v_keyed_count = @v_limit - @v_unkeyed_count;
+                END;
             END;
 
             INSERT INTO @v_ids (id)
@@ -4237,15 +4260,18 @@ BEGIN
         GROUP BY c.subscription_id
     ) AS t ON t.subscription_id = s.id
     OUTER APPLY (
-        SELECT COUNT_BIG(*) AS pending, MIN(w.created_at) AS oldest_pending_at
+        -- oldest_pending_at: since when the longest-waiting due delivery waits (one still
+        -- delayed or backing off is not waiting yet)
+        SELECT COUNT_BIG(*) AS pending,
+               MIN(CASE WHEN w.visible_at <= SYSDATETIMEOFFSET() THEN w.visible_at END) AS oldest_pending_at
         FROM (
-            SELECT d.created_at FROM workqueue.delivery AS d
+            SELECT d.visible_at FROM workqueue.delivery AS d
             WHERE d.subscription_id = s.id AND d.status = N'Pending' AND d.key_mode = 0
             UNION ALL
-            SELECT d.created_at FROM workqueue.delivery AS d
+            SELECT d.visible_at FROM workqueue.delivery AS d
             WHERE d.subscription_id = s.id AND d.status = N'Pending' AND d.key_mode = 1
             UNION ALL
-            SELECT d.created_at FROM workqueue.delivery AS d
+            SELECT d.visible_at FROM workqueue.delivery AS d
             WHERE d.subscription_id = s.id AND d.status = N'Pending' AND d.key_mode = 2
         ) AS w
     ) AS p

@@ -1545,9 +1545,11 @@ BEGIN
     END IF;
 
     -- Deliveries without a key lock (None mode, or no partition key). On a keyed subscription
-    -- they share the claim with the keys: neither side can take every slot. Those with a priority
-    -- come first, level by level.
-    v_share := CASE WHEN v_keyed IS NULL THEN v_limit ELSE greatest(v_limit - cardinality(v_keyed), v_limit / 2) END;
+    -- they share the claim with the keys: neither side can take every slot. A claim of one looks
+    -- for one of each and keeps the first in claim order (below). Those with a priority come
+    -- first, level by level.
+    v_share := CASE WHEN v_keyed IS NULL THEN v_limit
+                    ELSE greatest(v_limit - cardinality(v_keyed), v_limit / 2, CASE WHEN v_limit = 1 THEN 1 ELSE 0 END) END;
     IF v_share > 0 AND v_key_limited AND v_sub.partition_mode = 'None' THEN
         -- Under key limits (None mode): the first candidates in claim order past the keys without
         -- room, each key's beyond its room left out. The advisory lock keeps other claimers of
@@ -1631,8 +1633,18 @@ BEGIN
         END IF;
     END IF;
     IF v_keyed IS NOT NULL AND v_unkeyed IS NOT NULL AND cardinality(v_keyed) + cardinality(v_unkeyed) > v_limit THEN
-        v_keyed := v_keyed[1:v_limit - cardinality(v_unkeyed)];
-        v_keys := v_keys[1:v_limit - cardinality(v_unkeyed)];
+        IF v_limit = 1 THEN  -- one of each: the first in claim order is taken
+            IF (SELECT (-k.priority, k.visible_at, k.id) > (-u.priority, u.visible_at, u.id)
+                FROM workqueue.delivery k, workqueue.delivery u WHERE k.id = v_keyed[1] AND u.id = v_unkeyed[1]) THEN
+                v_keyed := NULL;
+                v_keys := NULL;
+            ELSE
+                v_unkeyed := NULL;
+            END IF;
+        ELSE
+            v_keyed := v_keyed[1:v_limit - cardinality(v_unkeyed)];
+            v_keys := v_keys[1:v_limit - cardinality(v_unkeyed)];
+        END IF;
     END IF;
     v_ids := coalesce(v_keyed, '{}'::bigint[]) || coalesce(v_unkeyed, '{}'::bigint[]);
 
@@ -3238,15 +3250,17 @@ AS $$
         GROUP BY c.subscription_id
     ) t ON t.subscription_id = s.id
     CROSS JOIN LATERAL (
-        SELECT count(*) AS pending, min(w.created_at) AS oldest_pending_at
+        -- oldest_pending_at: since when the longest-waiting due delivery waits (one still
+        -- delayed or backing off is not waiting yet)
+        SELECT count(*) AS pending, min(w.visible_at) FILTER (WHERE w.visible_at <= now()) AS oldest_pending_at
         FROM (
-            SELECT d.created_at FROM workqueue.delivery d
+            SELECT d.visible_at FROM workqueue.delivery d
             WHERE d.subscription_id = s.id AND d.status = 'Pending' AND d.key_mode = 0
             UNION ALL
-            SELECT d.created_at FROM workqueue.delivery d
+            SELECT d.visible_at FROM workqueue.delivery d
             WHERE d.subscription_id = s.id AND d.status = 'Pending' AND d.key_mode = 1
             UNION ALL
-            SELECT d.created_at FROM workqueue.delivery d
+            SELECT d.visible_at FROM workqueue.delivery d
             WHERE d.subscription_id = s.id AND d.status = 'Pending' AND d.key_mode = 2
         ) w
     ) p

@@ -191,14 +191,14 @@ WHERE subscription_id = :subscription_id AND partition_key = :key AND holder_id 
 
 -- name: partition_ready_priority
 -- Keys that can run now whose next delivery has a priority: claimed before the others.
-SELECT partition_key, next_id, next_priority FROM partition
+SELECT partition_key, next_id, next_priority, next_visible_at FROM partition
 WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
   AND next_visible_at <= :now AND next_priority > 0
 ORDER BY next_priority DESC, next_visible_at
 LIMIT :limit;
 
 -- name: partition_ready
-SELECT partition_key, next_id, next_priority FROM partition
+SELECT partition_key, next_id, next_priority, next_visible_at FROM partition
 WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
   AND next_visible_at <= :now AND next_priority = 0
 ORDER BY next_visible_at
@@ -262,7 +262,7 @@ ORDER BY visible_at, id
 LIMIT :limit;
 
 -- name: partition_ready_past_priority
-SELECT partition_key, next_id, next_priority FROM partition
+SELECT partition_key, next_id, next_priority, next_visible_at FROM partition
 WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
   AND next_visible_at <= :now AND next_priority > 0
   AND partition_key NOT IN (SELECT value FROM json_each(:blocked))
@@ -270,7 +270,7 @@ ORDER BY next_priority DESC, next_visible_at
 LIMIT :limit;
 
 -- name: partition_ready_past
-SELECT partition_key, next_id, next_priority FROM partition
+SELECT partition_key, next_id, next_priority, next_visible_at FROM partition
 WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
   AND next_visible_at <= :now AND next_priority = 0
   AND partition_key NOT IN (SELECT value FROM json_each(:blocked))
@@ -473,16 +473,18 @@ SELECT s.name AS subscription, s.topic, CASE WHEN s.status = 'Active' AND s.reti
            AS dead_lettered,
        coalesce((SELECT c.completed FROM settled_count c WHERE c.subscription_id = s.id), 0) AS completed,
        coalesce((SELECT c.discarded FROM settled_count c WHERE c.subscription_id = s.id), 0) AS discarded,
-       (SELECT min(w.created_at) FROM (
-            SELECT d.created_at FROM delivery d
+       -- since when the longest-waiting due delivery waits (one still delayed is not waiting yet)
+       (SELECT min(w.visible_at) FROM (
+            SELECT d.visible_at FROM delivery d
             WHERE d.subscription_id = s.id AND d.status = 'Pending' AND d.key_mode = 0
             UNION ALL
-            SELECT d.created_at FROM delivery d
+            SELECT d.visible_at FROM delivery d
             WHERE d.subscription_id = s.id AND d.key_mode = 1 AND d.status = 'Pending'
             UNION ALL
-            SELECT d.created_at FROM delivery d
+            SELECT d.visible_at FROM delivery d
             WHERE d.subscription_id = s.id AND d.key_mode = 2
-              AND d.status IN ('Pending', 'InFlight', 'DeadLettered') AND d.status = 'Pending') w)
+              AND d.status IN ('Pending', 'InFlight', 'DeadLettered') AND d.status = 'Pending') w
+        WHERE w.visible_at <= :now)
            AS oldest_pending_at
 FROM subscription s JOIN topic t ON t.name = s.topic
 WHERE :subscription IS NULL OR s.name = :subscription

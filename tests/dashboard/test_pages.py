@@ -610,7 +610,7 @@ async def test_the_search_box_finds_a_delivery_by_message_id_key_correlation_and
         assert f'action="{UI}/search"' in overview and 'name="q"' in overview
         pages = {q: (await client.get(f"{UI}/search", params={"q": q})).text
                  for q in (str(published.message_id), f"customer-{tag}", f"req-{tag}", deliveries[0].delivery_id,
-                           f"nobody-{tag}", "<script>")}
+                           f"nobody-{tag}", "<script>", f"customer-{tag}\x00")}
     for q, what in ((str(published.message_id), "MessageID"), (f"customer-{tag}", "partition key"),
                     (f"req-{tag}", "correlation ID")):
         page = pages[q]
@@ -621,6 +621,11 @@ async def test_the_search_box_finds_a_delivery_by_message_id_key_correlation_and
     assert pages[deliveries[0].delivery_id].count("<td>delivery id</td>") == 1
     assert "Nothing matches <code>nobody-" in pages[f"nobody-{tag}"]
     assert "<script>" not in pages["<script>"].split("<main>")[1] and "&lt;script&gt;" in pages["<script>"]
+    # No stored name holds a NUL or a lone surrogate: such a query finds nothing (it was a 503
+    # with the driver's words).
+    odd = pages[f"customer-{tag}\x00"]
+    assert "Nothing matches" in odd and '<tr data-delivery="' not in odd
+    assert await shop.queue.transport.search_deliveries("\ud800") == []  # type: ignore[attr-defined]
 
 
 async def test_stuck_in_flight_and_the_oldest_pending_wait_are_flagged(pg_url: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fastapi_workqueue.core.envelope import PublishRequest
 
 from .harness import Harness, make_world
@@ -140,3 +142,31 @@ async def test_keyless_deliveries_on_keyed_subscription_are_not_serialized(harne
     await world.publish(*[PublishRequest(payload=i) for i in range(3)], PublishRequest(partition_key="k", payload=9))
     claimed = await world.claim("x", 10)
     assert len(claimed) == 4
+
+
+async def test_claim_of_one_takes_the_first_in_claim_order_keyed_or_not(harness: Harness) -> None:
+    """A claim of one on a keyed subscription takes whichever delivery comes first in claim order,
+    with a key or without: neither side waits for the other's backlog to empty (a consumer of
+    concurrency 1 with slow handlers claims one at a time)."""
+    if not harness.transport.capabilities.priority:
+        pytest.skip(f"{harness.name}: no claim order to keep (no priority, no due time)")
+    world = await make_world(harness.transport, [{"role": "x", "partition_mode": "Exclusive"}])
+    published = []
+    for key in (None, "a", "b", "c", None, "d", None):
+        published += await world.publish(PublishRequest(partition_key=key, payload=key))
+    drained = await world.drain("x")
+    assert [d.message_id for d in drained] == [r.message_id for r in published]
+
+
+async def test_claim_of_one_on_a_keyed_subscription_follows_priority(harness: Harness) -> None:
+    """The same with priorities: the highest first, keyed or not, then the one due earliest."""
+    if not harness.transport.capabilities.priority:
+        pytest.skip(f"{harness.name}: the transport refuses priorities")
+    world = await make_world(harness.transport, [{"role": "o", "partition_mode": "Ordered"}])
+    sent = [(None, 0), ("a", 0), ("b", 0), (None, 5), ("c", 3), (None, 3)]
+    ids = {}
+    for key, priority in sent:
+        [result] = await world.publish(PublishRequest(partition_key=key, payload=[key, priority], priority=priority))
+        ids[result.message_id] = (key, priority)
+    drained = [ids[d.message_id] for d in await world.drain("o")]
+    assert drained == [(None, 5), ("c", 3), (None, 3), (None, 0), ("a", 0), ("b", 0)]
