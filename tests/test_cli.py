@@ -44,6 +44,7 @@ APP = "tests.apps.cli_app:queue"
 COMMANDS = (
     "migrate", "publish", "stats", "dead-letters", "deliveries", "delivery", "partitions", "replay", "discard",
     "backlog", "pause", "resume", "validate-bindings", "api-keys", "prune", "sql", "work", "subscriptions", "topics",
+    "attempts", "search",
 )
 
 
@@ -298,6 +299,21 @@ async def test_tables_and_one_delivery_show_the_cause_of_an_error_and_no_secret(
     assert "hunter2" not in with_payload["LastError"] + with_payload["Reason"]
     missing = await cli("delivery", "999999999", expect=1)
     assert "does not exist" in one_line(missing.err)
+
+    # Its attempts, and finding it by what an operator has at hand.
+    attempts = await cli.json("attempts", dead["DeliveryID"])
+    assert [a["Outcome"] for a in attempts][-1] == "DeadLettered" and attempts[-1]["Attempt"] == dead["Attempt"]
+    assert attempts[-1]["Error"].endswith(cause.replace("hunter2", "***")) and "hunter2" not in json.dumps(attempts)
+    shown = (await cli("attempts", dead["DeliveryID"])).out
+    assert shown.splitlines()[0].split() == ["Attempt", "Outcome", "StartedAt", "EndedAt", "Reason", "Error"]
+    assert "mailbox full" in shown and "hunter2" not in shown
+    assert "does not exist" in one_line((await cli("attempts", "999999999", expect=1)).err)
+    found = await cli.json("search", message)
+    assert [(f["Matched"], f["Delivery"]["DeliveryID"]) for f in found] == [("MessageID", dead["DeliveryID"])]
+    by_key = (await cli("search", "customer-7", "--limit", "100")).out
+    assert by_key.splitlines()[0].split()[:3] == ["Matched", "Subscription", "DeliveryID"]
+    assert any(dead["DeliveryID"] in line and "partition key" in line for line in by_key.splitlines())
+    assert (await cli("search", f"nobody-{uuid.uuid4().hex}")).out.startswith("nothing matches")
     await cli("discard", "--subscription", sub, "--delivery", dead["DeliveryID"])
 
 

@@ -186,6 +186,8 @@ ENDPOINTS = [
     Endpoint("deliveries", "GET", "/subscriptions/{subscription}/deliveries", SCOPE_READ, "?status=DeadLettered"),
     Endpoint("delivery", "GET", "/subscriptions/{subscription}/deliveries/{delivery_id}", SCOPE_READ),
     Endpoint("delivery-by-id", "GET", "/deliveries/{delivery_id}", SCOPE_READ),
+    Endpoint("attempts", "GET", "/deliveries/{delivery_id}/attempts", SCOPE_READ),
+    Endpoint("search", "GET", "/search", SCOPE_READ, "?q=nobody"),
     Endpoint("partitions", "GET", "/subscriptions/{subscription}/partitions", SCOPE_READ, "?condition=Blocked"),
     Endpoint("validate-bindings", "GET", "/validate-bindings", SCOPE_READ),
     Endpoint("processes", "GET", "/processes", SCOPE_READ),
@@ -458,6 +460,41 @@ async def test_one_delivery_by_its_id_whole_with_secrets_taken_out_of_its_errors
         assert response.status_code == 404 and "does not exist" in response.json()["detail"]
     schema = (await api.http.get("/openapi.json")).json()
     assert "404" in schema["paths"][f"{PREFIX}/deliveries/{{delivery_id}}"]["get"]["responses"]
+
+
+async def test_a_deliverys_attempts_and_the_search_with_secrets_taken_out(api: Api) -> None:
+    """``GET /deliveries/{id}/attempts`` lists what the dashboard's delivery page shows of its
+    attempts, and ``GET /search?q=`` finds deliveries as its search box does; both redact."""
+    tag = unique("acct")
+    [published] = await api.publish("dl", PublishRequest(payload={"n": 1}, partition_key=tag, correlation_id=tag))
+    batch = await api.queue.transport.claim(api.subs["dl"], 1000)
+    [claimed] = [c for c in batch if c.message_id == published.message_id]
+    for other in batch:
+        if other is not claimed:
+            await api.settle(other, "Release")
+    error = "Traceback (most recent call last):\n  ...\nOSError: cannot reach postgresql://app:hunter2@db/orders"
+    await api.settle(claimed, "DeadLetter", reason="poison: password=hunter2", error=error)
+    read = api.bearer(SCOPE_READ)
+    attempts = await api.http.get(f"{PREFIX}/deliveries/{claimed.delivery_id}/attempts", headers=read)
+    assert attempts.status_code == 200, attempts.text
+    [attempt] = attempts.json()
+    assert (attempt["Attempt"], attempt["Outcome"]) == (1, "DeadLettered")
+    assert attempt["Reason"] == "poison: password=***" and attempt["StartedAt"] and attempt["EndedAt"]
+    assert attempt["Error"].endswith("postgresql://app:***@db/orders") and "hunter2" not in attempts.text
+    for missing in ("999999999", "not-a-number"):
+        response = await api.http.get(f"{PREFIX}/deliveries/{missing}/attempts", headers=read)
+        assert response.status_code == 404 and "does not exist" in response.json()["detail"]
+    found = await api.http.get(f"{PREFIX}/search", params={"q": tag}, headers=read)
+    assert found.status_code == 200, found.text
+    rows = found.json()
+    # Listed once, with the first way it matched (it was listed once per way on PostgreSQL).
+    assert [(r["Matched"], r["Delivery"]["DeliveryID"]) for r in rows] == [("partition key", claimed.delivery_id)]
+    assert "hunter2" not in found.text and rows[0]["Delivery"]["Payload"] is None
+    by_id = (await api.http.get(f"{PREFIX}/search", params={"q": str(published.message_id)}, headers=read)).json()
+    assert [(r["Matched"], r["Delivery"]["DeliveryID"]) for r in by_id] == [("MessageID", claimed.delivery_id)]
+    assert (await api.http.get(f"{PREFIX}/search", params={"q": f"nobody-{tag}"}, headers=read)).json() == []
+    for bad in ({"q": ""}, {"q": "x", "limit": "0"}, {"q": "x", "limit": "101"}):
+        assert (await api.http.get(f"{PREFIX}/search", params=bad, headers=read)).status_code == 422, bad
 
 
 async def test_unknown_subscription_or_delivery_is_404(api: Api) -> None:

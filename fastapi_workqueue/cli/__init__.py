@@ -28,6 +28,7 @@ __all__ = [
 
 COMMANDS: dict[str, str] = {
     "api-keys": "api_keys:api_keys",
+    "attempts": "operations:attempts",
     "backlog": "operations:backlog",
     "dead-letters": "operations:dead_letters",
     "deliveries": "operations:deliveries",
@@ -46,6 +47,7 @@ COMMANDS: dict[str, str] = {
     "replay": "operations:replay",
     "resume": "operations:resume",
     "schedules": "jobs:schedules",
+    "search": "operations:search",
     "sql": "sql_scripts:sql",
     "stats": "operations:stats",
     "subscriptions": "topology:subscriptions",

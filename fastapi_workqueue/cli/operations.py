@@ -1,17 +1,21 @@
-"""The operator's commands on the store: migrate, publish, stats, deliveries, dead letters,
-partitions, replay, discard, backlog, pause, resume, validate-bindings and prune."""
+"""The operator's commands on the store: migrate, publish, stats, deliveries, a delivery and its
+attempts, search, dead letters, partitions, replay, discard, backlog, pause, resume,
+validate-bindings and prune."""
 
 from __future__ import annotations
 
 import json
 import sys
+import uuid
+from datetime import datetime
 from typing import Any
 
 import click
+from pydantic import BaseModel
 
 from ..core.reports import DeliveryStatus, PartitionCondition
 from ..core.words import count
-from ..web.operator_view import shown, shown_all
+from ..web.operator_view import shown, shown_all, shown_attempts, shown_found
 from .context import Context, app_option, parse_duration, pass_context, run
 from .output import emit_json, record, table
 
@@ -157,6 +161,71 @@ def delivery(ctx: Context, delivery_id: str, include_payload: bool) -> None:
         emit_json(shown(info))
     else:
         record(shown(info))
+
+
+@click.command()
+@app_option
+@click.argument("delivery_id")
+@pass_context
+def attempts(ctx: Context, delivery_id: str) -> None:
+    """A delivery's kept attempts, oldest first: those that did not simply complete (failed,
+    dead-lettered, discarded, lease expired, replayed), each with its reason and error."""
+    from ..core.attempts import AttemptHistoryReader, AttemptInfo
+
+    async def read(transport: Any) -> list[AttemptInfo] | None:
+        if not isinstance(transport, AttemptHistoryReader):
+            raise click.ClickException("this transport keeps no attempt history")
+        if await transport.get_delivery(delivery_id) is None:  # type: ignore[attr-defined]
+            return None
+        return await transport.delivery_attempts(delivery_id)
+
+    rows = run(ctx, read, delivery_id=delivery_id, app=True)
+    if rows is None:
+        raise click.ClickException(f"delivery {delivery_id!r} does not exist")
+    rows = shown_attempts(rows)
+    if ctx.as_json:
+        emit_json(rows)
+    else:
+        table(rows, ["attempt", "outcome", "started_at", "ended_at", "reason", "error"],
+              empty="(none: no attempt of it failed, expired, or was dead-lettered, discarded or replayed)")
+
+
+@click.command()
+@app_option
+@click.argument("query")
+@click.option("--limit", default=25, show_default=True, type=click.IntRange(1, 100))
+@pass_context
+def search(ctx: Context, query: str, limit: int) -> None:
+    """The deliveries whose id, MessageID, partition key, correlation ID or job name is QUERY
+    (exactly), newest first."""
+    from ..core.search import DeliverySearch, FoundDelivery
+
+    async def find(transport: Any) -> list[FoundDelivery]:
+        if not isinstance(transport, DeliverySearch):
+            raise click.ClickException("this transport cannot search")
+        return await transport.search_deliveries(query, limit=limit)
+
+    found = shown_found(run(ctx, find, app=True))
+    if ctx.as_json:
+        emit_json(found)
+        return
+    rows = [_FoundRow(matched=f.matched, **f.delivery.model_dump(include=set(_FoundRow.model_fields), by_alias=False))
+            for f in found]
+    table(rows, list(_FoundRow.model_fields), empty=f"nothing matches {query!r}")
+
+
+class _FoundRow(BaseModel):
+    """A row of ``search``'s table: what matched, and the delivery."""
+
+    matched: str
+    subscription: str
+    delivery_id: str
+    message_id: uuid.UUID
+    topic: str | None
+    partition_key: str | None
+    status: str
+    attempt: int
+    created_at: datetime | None
 
 
 @click.command()

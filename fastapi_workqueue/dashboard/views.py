@@ -13,12 +13,11 @@ from ..core.history import StatsPoint
 from ..core.host import SubscriptionHealth
 from ..core.live_work import LIVE_COUNT_CAP, BlockedKey, FlowState, LiveCounts
 from ..core.processes import ProcessInfo
-from ..core.redaction import redact
 from ..core.reports import DeliveryInfo
 from ..core.search import FoundDelivery
 from ..core.topology import SubscriptionState
 from ..core.words import count, duration
-from ..web.operator_view import shown, shown_all
+from ..web.operator_view import shown, shown_all, shown_attempts, shown_found
 from .causes import SCAN, Causes, group_causes
 from .jobs_view import JobRow, declared_jobs, job_name, job_queue, job_timeout
 
@@ -318,9 +317,7 @@ async def attempts_of(kernel: Kernel, delivery_id: str) -> list[AttemptInfo] | N
     reader = kernel.ports.attempts
     if reader is None:
         return None
-    return [a.model_copy(update={"reason": redact(a.reason) if a.reason else a.reason,
-                                 "error": redact(a.error) if a.error else a.error})
-            for a in await reader.delivery_attempts(delivery_id)]
+    return shown_attempts(await reader.delivery_attempts(delivery_id))
 
 
 async def search(kernel: Kernel, query: str) -> list[FoundDelivery] | None:
@@ -331,5 +328,4 @@ async def search(kernel: Kernel, query: str) -> list[FoundDelivery] | None:
         return None
     if not query:
         return []
-    return [f.model_copy(update={"delivery": shown(f.delivery)})
-            for f in await searcher.search_deliveries(query, limit=SEARCH_PAGE)]
+    return shown_found(await searcher.search_deliveries(query, limit=SEARCH_PAGE))

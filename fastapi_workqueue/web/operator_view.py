@@ -1,4 +1,5 @@
-"""What operators are shown of a delivery, over REST and in the CLI: error text without secrets.
+"""What operators are shown of a delivery, over REST, in the CLI and on the dashboard: error text
+without secrets.
 
 ``reason`` and ``last_error`` hold what handlers raised, and drivers and HTTP clients like to put
 credentials into their messages; :func:`~fastapi_workqueue.core.redaction.redact` takes them out
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..core.attempts import AttemptInfo
 from ..core.redaction import redact
 from ..core.reports import DeliveryInfo
+from ..core.search import FoundDelivery
 
 
 def shown(info: DeliveryInfo) -> DeliveryInfo:
@@ -24,3 +27,15 @@ def shown(info: DeliveryInfo) -> DeliveryInfo:
 def shown_all(infos: Iterable[DeliveryInfo]) -> list[DeliveryInfo]:
     """:func:`shown` for each."""
     return [shown(info) for info in infos]
+
+
+def shown_attempts(attempts: Iterable[AttemptInfo]) -> list[AttemptInfo]:
+    """Kept attempts with their reasons and errors redacted."""
+    return [a.model_copy(update={"reason": redact(a.reason) if a.reason else a.reason,
+                                 "error": redact(a.error) if a.error else a.error})
+            for a in attempts]
+
+
+def shown_found(found: Iterable[FoundDelivery]) -> list[FoundDelivery]:
+    """Search results with each delivery :func:`shown`."""
+    return [f.model_copy(update={"delivery": shown(f.delivery)}) for f in found]

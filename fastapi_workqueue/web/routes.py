@@ -19,6 +19,7 @@ from fastapi.routing import APIRoute
 from pydantic import Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..core.attempts import AttemptInfo
 from ..core.envelope import PublishRequest, PublishResult
 from ..core.errors import ConfigurationError, TransportError, TransportUnavailable, UnknownTopic
 from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_PUBLISH, SCOPE_READ, Principal
@@ -34,12 +35,13 @@ from ..core.reports import (
     SubscriptionStats,
 )
 from ..core.retirement import DeleteResult, RetireResult, TopicStatusChange
+from ..core.search import SEARCH_LIMIT, FoundDelivery
 from ..core.topology import is_name
 from ..core.wire import WireModel
 from .auth import Authorizer
 from .fastapi_internals import scopes_of, set_request_body
 from .limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES
-from .operator_view import shown, shown_all
+from .operator_view import shown, shown_all, shown_attempts, shown_found
 from .topic_access import require_topic
 
 if TYPE_CHECKING:
@@ -352,6 +354,47 @@ def build_router(
         if info is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"delivery {delivery_id!r} does not exist")
         return shown(info)
+
+    @router.get(
+        "/deliveries/{delivery_id}/attempts",
+        response_model=list[AttemptInfo],
+        summary="A delivery's kept attempts",
+        responses={404: {"description": "No delivery has this id."},
+                   501: {"description": "The transport keeps no attempt history (aws)."}},
+    )
+    async def delivery_attempts(
+        delivery_id: Annotated[str, Path(description="The delivery's id, as the listings show it.")],
+        principal: Reader,
+    ) -> list[AttemptInfo]:
+        """The attempts of a delivery that did not simply complete, oldest first: each one's start,
+        end, outcome (Failed, DeadLettered, Discarded, LeaseExpired, Replayed), reason, error and
+        holder. A delivery that completed on its first try has none."""
+        reader = kernel.ports.attempts
+        if reader is None:
+            raise HTTPException(status.HTTP_501_NOT_IMPLEMENTED,
+                                detail="this queue's transport keeps no attempt history")
+        if await _call(kernel.operator.get_delivery(delivery_id)) is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"delivery {delivery_id!r} does not exist")
+        return shown_attempts(await _call(reader.delivery_attempts(delivery_id)))
+
+    @router.get(
+        "/search",
+        response_model=list[FoundDelivery],
+        summary="Find deliveries",
+        responses={501: {"description": "The transport cannot search (aws)."}},
+    )
+    async def search(
+        principal: Reader,
+        q: Annotated[str, Query(min_length=1, max_length=512,
+                                description="A delivery id, MessageID, partition key, correlation ID or job name.")],
+        limit: Annotated[int, Query(ge=1, le=SEARCH_LIMIT)] = 25,
+    ) -> list[FoundDelivery]:
+        """The deliveries whose id, MessageID, partition key, correlation ID or job name is ``q``
+        (exactly), newest first, each with what matched (payloads left out)."""
+        searcher = kernel.ports.search
+        if searcher is None:
+            raise HTTPException(status.HTTP_501_NOT_IMPLEMENTED, detail="this queue's transport cannot search")
+        return shown_found(await _call(searcher.search_deliveries(q, limit=limit)))
 
     @router.get(
         "/subscriptions/{subscription}/partitions", response_model=list[PartitionInfo], summary="Keys and their state"

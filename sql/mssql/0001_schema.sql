@@ -4365,6 +4365,7 @@ BEGIN
                                 WHEN @p_limit > 100 THEN 100 ELSE @p_limit END;
     DECLARE @v_query nvarchar(512) = LTRIM(RTRIM(@p_query));
     DECLARE @v_found TABLE (
+        ord int IDENTITY(1, 1) NOT NULL,
         delivery_id bigint NULL,
         message_id uniqueidentifier NULL,
         what nvarchar(20) COLLATE Latin1_General_100_BIN2 NOT NULL
@@ -4400,13 +4401,17 @@ BEGIN
            d.held_by AS holder_id, p.hostname AS holder_host, p.pid AS holder_pid, p.started_at AS holder_started_at,
            k.what AS matched
     FROM (
-        SELECT x.id, f.what FROM @v_found AS f
-        INNER JOIN workqueue.delivery AS x ON x.id = f.delivery_id
-        UNION ALL
-        SELECT x.id, f.what FROM @v_found AS f
-        INNER JOIN workqueue.delivery AS x ON x.message_id = f.message_id
+        -- Each delivery once, with the first way it matched (in the order found above).
+        SELECT u.id, u.what, ROW_NUMBER() OVER (PARTITION BY u.id ORDER BY u.ord) AS rn
+        FROM (
+            SELECT x.id, f.what, f.ord FROM @v_found AS f
+            INNER JOIN workqueue.delivery AS x ON x.id = f.delivery_id
+            UNION ALL
+            SELECT x.id, f.what, f.ord FROM @v_found AS f
+            INNER JOIN workqueue.delivery AS x ON x.message_id = f.message_id
+        ) AS u
     ) AS k
-    INNER JOIN workqueue.delivery AS d ON d.id = k.id
+    INNER JOIN workqueue.delivery AS d ON d.id = k.id AND k.rn = 1
     INNER JOIN workqueue.subscription AS s ON s.id = d.subscription_id
     INNER JOIN workqueue.message AS m ON m.id = d.message_id
     LEFT JOIN workqueue.process AS p ON p.id = d.held_by

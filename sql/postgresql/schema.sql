@@ -3438,16 +3438,20 @@ BEGIN
          WHERE (m.attributes ->> 'job') = v_query AND m.attributes ? 'job'
          ORDER BY m.published_at DESC LIMIT v_limit)
     ) x;
+    -- Each delivery once, with the first way it matched (in the order above).
     RETURN QUERY
-    SELECT d.id, s.name, d.message_id, m.topic, d.partition_key, d.status, d.attempt,
+    SELECT DISTINCT ON (d.id)
+           d.id, s.name, d.message_id, m.topic, d.partition_key, d.status, d.attempt,
            d.max_attempts, d.visible_at, d.lease_expires_at, d.cancel_requested,
            d.progress_percent, d.progress_message, d.reason, d.last_error, d.note, d.created_at,
            d.claimed_at, d.settled_at, m.attributes, m.payload, m.correlation_id,
            d.held_by, p.hostname, p.pid, p.started_at, f.what
     FROM (
-        SELECT v_id AS delivery_id, NULL::uuid AS message_id, 'delivery id'::text AS what WHERE v_id IS NOT NULL
+        SELECT v_id AS delivery_id, NULL::uuid AS message_id, 'delivery id'::text AS what, 0::bigint AS ord
+        WHERE v_id IS NOT NULL
         UNION ALL
-        SELECT NULL, u.message_id, u.what FROM unnest(v_messages, v_matched) AS u(message_id, what)
+        SELECT NULL, u.message_id, u.what, u.ord
+        FROM unnest(v_messages, v_matched) WITH ORDINALITY AS u(message_id, what, ord)
     ) f
     CROSS JOIN LATERAL (
         SELECT x.* FROM workqueue.delivery x
@@ -3458,7 +3462,7 @@ BEGIN
     JOIN workqueue.subscription s ON s.id = d.subscription_id
     JOIN workqueue.message m ON m.id = d.message_id
     LEFT JOIN workqueue.process p ON p.id = d.held_by
-    ORDER BY d.id DESC
+    ORDER BY d.id DESC, f.ord
     LIMIT v_limit;
 END
 $$;
