@@ -400,11 +400,19 @@ class DeliveryMachine(RuleBasedStateMachine):
         unkeyed, keys = self.claimable(role)
         # How a claim shares its limit between keys and unkeyed deliveries (neither takes every slot).
         n_keys = min(limit, len(keys))
-        share = limit if n_keys == 0 else max(limit - n_keys, limit // 2)
+        share = limit if n_keys == 0 else max(limit - n_keys, limit // 2, 1 if limit == 1 else 0)
         n_unkeyed = min(share, len(unkeyed))
-        if n_keys and n_keys + n_unkeyed > limit:
-            n_keys = limit - n_unkeyed
         rows = self.rows
+        if n_keys and n_keys + n_unkeyed > limit:
+            if limit == 1:
+                # One of each: the first in claim order (the earliest due, then the lowest id) is taken.
+                now = datetime.now(UTC)
+                heads = [next_claimable(MODES[role], self.key_deliveries(role, key), now) for key in keys]
+                first_key = min((rows[h.id]["visible_at"], h.id) for h in heads if h is not None)
+                first_unkeyed = min((rows[d.id]["visible_at"], d.id) for d in unkeyed)
+                n_keys, n_unkeyed = (0, 1) if first_unkeyed < first_key else (1, 0)
+            else:
+                n_keys = limit - n_unkeyed
 
         claimed = self.run(self.transport.claim(self.subs[role], limit))
         got = [int(c.delivery_id) for c in claimed]
