@@ -170,14 +170,16 @@ def delivery(ctx: Context, delivery_id: str, include_payload: bool) -> None:
 def attempts(ctx: Context, delivery_id: str) -> None:
     """A delivery's kept attempts, oldest first: those that did not simply complete (failed,
     dead-lettered, discarded, lease expired, replayed), each with its reason and error."""
-    from ..core.attempts import AttemptHistoryReader, AttemptInfo
+    from ..core.attempts import AttemptInfo
+    from ..core.ports import Ports
 
     async def read(transport: Any) -> list[AttemptInfo] | None:
-        if not isinstance(transport, AttemptHistoryReader):
+        reader = Ports.of(transport).attempts
+        if reader is None:
             raise click.ClickException("this transport keeps no attempt history")
-        if await transport.get_delivery(delivery_id) is None:  # type: ignore[attr-defined]
+        if await transport.get_delivery(delivery_id) is None:
             return None
-        return await transport.delivery_attempts(delivery_id)
+        return await reader.delivery_attempts(delivery_id)
 
     rows = run(ctx, read, delivery_id=delivery_id, app=True)
     if rows is None:
@@ -198,12 +200,14 @@ def attempts(ctx: Context, delivery_id: str) -> None:
 def search(ctx: Context, query: str, limit: int) -> None:
     """The deliveries whose id, MessageID, partition key, correlation ID or job name is QUERY
     (exactly), newest first."""
-    from ..core.search import DeliverySearch, FoundDelivery
+    from ..core.ports import Ports
+    from ..core.search import FoundDelivery
 
     async def find(transport: Any) -> list[FoundDelivery]:
-        if not isinstance(transport, DeliverySearch):
+        searcher = Ports.of(transport).search
+        if searcher is None:
             raise click.ClickException("this transport cannot search")
-        return await transport.search_deliveries(query, limit=limit)
+        return await searcher.search_deliveries(query, limit=limit)
 
     found = shown_found(run(ctx, find, app=True))
     if ctx.as_json:
