@@ -25,6 +25,8 @@ import pytest
 
 from tests import support
 
+from .conftest import private_database
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "getting-started.md"
 
@@ -135,3 +137,20 @@ async def test_a_worker_process_handles_what_the_web_process_publishes(app_folde
         assert out.decode().startswith("workqueue work: users.welcome: ran 1 delivery"), out.decode()
         assert await welcomed(client, user_id), "the worker did not welcome the user"
     assert "welcome mail sent to grace@example.com" in err.decode()
+
+
+async def test_the_first_app_runs_on_postgresql_too(app_folder: Path) -> None:
+    """The page says production runs on PostgreSQL: the same file, pointed at it, welcomes a user
+    (its timestamp column takes the aware time the handler writes)."""
+    log = app_folder / "uvicorn.log"
+    async with private_database("getting_started") as url, \
+            uvicorn(app_folder, log, WORKQUEUE_DATABASE_URL=url) as client:
+        user_id = await sign_up(client, "ada@example.com")
+
+        async def done() -> Any:
+            return await welcomed(client, user_id)
+
+        body = await support.wait_for(done, within=20, interval=0.1)
+        assert body["welcomed_at"].endswith("+00:00"), body
+    text = text_of(log)
+    assert "welcome mail sent to ada@example.com" in text and "Traceback" not in text, text

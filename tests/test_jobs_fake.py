@@ -354,3 +354,33 @@ async def test_the_fake_takes_a_strict_payload_model_as_a_real_queue_does() -> N
         assert fake.dispatched(remind) == [sent]
         counts = await fake.work()
     assert (counts.processed, counts.failed) == (1, 0)
+
+
+def test_the_queue_option_may_be_quoted_in_pytest_ini(pytester: pytest.Pytester) -> None:
+    """docs/jobs.md writes the option ``workqueue_queue = "myapp.main:queue"``: pytest.ini keeps the
+    quotes in the value (pyproject.toml does not), which made the module '"myapp' unknown."""
+    pytester.makeini('[pytest]\nworkqueue_queue = "myapp:queue"\n')
+    pytester.makepyfile(myapp="""
+from fastapi_workqueue import WorkQueue, WorkQueueSettings
+
+queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db"))
+other = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db"))
+
+@queue.job("hello.greet")
+async def greet(payload: dict) -> None:
+    return None
+
+@other.job("hello.other")
+async def other_job(payload: dict) -> None:
+    return None
+""")
+    pytester.makepyfile(test_user="""
+import asyncio
+from myapp import greet, queue
+
+def test_it(workqueue_fake):
+    asyncio.run(queue.dispatch(greet, {"n": 1}))
+    workqueue_fake.assert_dispatched(greet, times=1)
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)

@@ -231,6 +231,31 @@ async def test_a_chain_step_waits_its_delay(database_url: str) -> None:
     assert done == ["first"]
 
 
+async def test_a_whole_chain_is_waited_for_by_its_ids_in_order(database_url: str) -> None:
+    """docs/jobs.md (Chains): a later step's id is unknown until the one before succeeded
+    (JobNotFound), and waiting for the ids in order waits for the whole chain."""
+    from fastapi_workqueue.jobs.waiting import JobNotFound
+
+    name = qname()
+    queue = make(database_url, name)
+    gate = asyncio.Event()
+
+    @queue.job(f"step-{name}", queue=name, store_result=True)
+    async def step(payload: dict[str, Any]) -> int:
+        if payload["n"] == 1:
+            await gate.wait()
+        return int(payload["n"]) * 10
+
+    async with queue.lifespan(None):
+        ids = await queue.chain([(step, {"n": n}) for n in (1, 2, 3)])
+        assert await queue.job_status(ids[2]) is None
+        with pytest.raises(JobNotFound):
+            await queue.wait(ids[2], timeout=5)
+        gate.set()
+        results = [await queue.wait(job_id, timeout=30) for job_id in ids]
+    assert results == [10, 20, 30]
+
+
 # -- 6. catch_up queues at most 1,000 ticks ---------------------------------------------------------------
 
 

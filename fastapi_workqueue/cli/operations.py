@@ -174,7 +174,7 @@ def attempts(ctx: Context, delivery_id: str) -> None:
     from ..core.ports import Ports
 
     async def read(transport: Any) -> list[AttemptInfo] | None:
-        reader = Ports.of(transport).attempts
+        reader = Ports.of(transport).ports_for_delivery(delivery_id).attempts
         if reader is None:
             raise click.ClickException("this transport keeps no attempt history")
         if await transport.get_delivery(delivery_id) is None:

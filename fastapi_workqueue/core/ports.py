@@ -46,6 +46,7 @@ class TopicRouter(Protocol):
     def transport_for_subscription(self, subscription: str) -> Transport: ...
     def ports_for_topic(self, topic: str) -> Ports: ...
     def ports_for_subscription(self, subscription: str) -> Ports: ...
+    def ports_for_delivery(self, delivery_id: str) -> Ports: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +82,9 @@ class Ports:
             live_work=transport if isinstance(transport, LiveWorkReader) else None,
             history=transport if isinstance(transport, StatsHistoryReader) else None,
             attempts=transport if isinstance(transport, AttemptHistoryReader) else None,
-            search=transport if isinstance(transport, DeliverySearch) else None,
+            # Behind a router, the database's (deliveries on a broker are found by their id only).
+            search=searcher if isinstance(searcher := database if router is not None else transport,
+                                          DeliverySearch) else None,
             lifecycle=transport if isinstance(transport, TopologyLifecycle) else None,
             api_keys=api_key_store_of(transport),
             interrupter=interrupter_of(transport),
@@ -106,6 +109,10 @@ class Ports:
     def ports_for_subscription(self, subscription: str) -> Ports:
         """The ports of the transport that serves ``subscription`` (resolved once, by the router)."""
         return self if self.router is None else self.router.ports_for_subscription(subscription)
+
+    def ports_for_delivery(self, delivery_id: str) -> Ports:
+        """The ports of the transport that holds ``delivery_id`` (its attempts: ``.attempts``)."""
+        return self if self.router is None else self.router.ports_for_delivery(delivery_id)
 
 
 def database_of(store: object) -> object:

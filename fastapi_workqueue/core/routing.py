@@ -141,6 +141,9 @@ class RoutingTransport:
     def ports_for_subscription(self, subscription: str) -> Ports:
         return self._ports[id(self.transport_for_subscription(subscription))]
 
+    def ports_for_delivery(self, delivery_id: str) -> Ports:
+        return self._ports[id(self.transport_for_delivery(delivery_id))]
+
     def transport_for_delivery(self, delivery_id: str) -> Transport:
         prefix, sep, _ = delivery_id.partition(":")
         if sep and prefix in self.others:

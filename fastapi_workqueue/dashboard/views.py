@@ -314,7 +314,7 @@ async def delivery(kernel: Kernel, jobs: Callable[[], Jobs], delivery_id: str, *
 
 async def attempts_of(kernel: Kernel, delivery_id: str) -> list[AttemptInfo] | None:
     """The kept attempts of a delivery, oldest first, errors redacted (None when the store keeps none)."""
-    reader = kernel.ports.attempts
+    reader = kernel.ports.ports_for_delivery(delivery_id).attempts
     if reader is None:
         return None
     return shown_attempts(await reader.delivery_attempts(delivery_id))

@@ -514,6 +514,7 @@ async def _claim_limited(c: Call, sub: Row, limits: Limits, limit: int, holder: 
         window.sort(key=lambda r: (-r["priority"], r["visible_at"], r["id"]))
         unkeyed = take_limited(window, share, lambda r: r["partition_key"],
                                key_room if sub["partition_mode"] == "None" else lambda key: math.inf)
+    unkeyed_found = len(unkeyed)  # before a claim of one keeps only one side
     keyed, unkeyed = _split(room, keyed, unkeyed)
     claimed_keys = {k["partition_key"]: 1 for k in keyed}
     for u in unkeyed:
@@ -533,7 +534,7 @@ async def _claim_limited(c: Call, sub: Row, limits: Limits, limit: int, holder: 
             tokens(True, k, limits.key_rate) < 1 for per_key, k in buckets if per_key)
         held = "KeyRateLimit" if limits.key_rate is not None and (spent or limits.key_concurrency is None) \
             else "KeyConcurrency"
-    if held is None and got < limit and len(unkeyed) < share:
+    if held is None and got < limit and unkeyed_found < share:
         held = "KeyConcurrency" if limits.key_concurrency is not None else "KeyRateLimit"
     if held is None or got >= limit:
         return out

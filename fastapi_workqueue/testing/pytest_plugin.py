@@ -60,6 +60,8 @@ def workqueue_app(request: pytest.FixtureRequest) -> Any:
 
 
 def _load(option: str, path: str, what: str, example: str) -> Any:
+    # pytest.ini and setup.cfg keep quotes as part of the value; pyproject.toml's TOML strings do not.
+    path = path.strip().strip("\"'")
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise pytest.UsageError(f"{option} = {path!r} does not name {what}: write MODULE:ATTR, e.g. \"{example}\"")

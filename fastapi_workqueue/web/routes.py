@@ -369,10 +369,10 @@ def build_router(
         """The attempts of a delivery that did not simply complete, oldest first: each one's start,
         end, outcome (Failed, DeadLettered, Discarded, LeaseExpired, Replayed), reason, error and
         holder. A delivery that completed on its first try has none."""
-        reader = kernel.ports.attempts
+        reader = kernel.ports.ports_for_delivery(delivery_id).attempts
         if reader is None:
             raise HTTPException(status.HTTP_501_NOT_IMPLEMENTED,
-                                detail="this queue's transport keeps no attempt history")
+                                detail=f"the transport of delivery {delivery_id!r} keeps no attempt history")
         if await _call(kernel.operator.get_delivery(delivery_id)) is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"delivery {delivery_id!r} does not exist")
         return shown_attempts(await _call(reader.delivery_attempts(delivery_id)))

@@ -242,12 +242,10 @@ CREATE TABLE workqueue.partition (
 -- and discard hold on the row (taken through the primary key). SQL Server locks index entries,
 -- not logical rows; a covering index would let a claim and a publisher lock different entries
 -- of one partition row.
-CREATE INDEX partition_ready ON workqueue.partition (subscription_id, next_visible_at)
-    INCLUDE (next_id)
+CREATE INDEX partition_ready ON workqueue.partition (subscription_id, next_visible_at, next_id)
     WHERE holder_id IS NULL AND next_id IS NOT NULL;
 -- Keys whose next delivery has a priority above 0, claimed first (not covering either).
-CREATE INDEX partition_ready_priority ON workqueue.partition (subscription_id, next_priority, next_visible_at)
-    INCLUDE (next_id)
+CREATE INDEX partition_ready_priority ON workqueue.partition (subscription_id, next_priority, next_visible_at, next_id)
     WHERE holder_id IS NULL AND next_id IS NOT NULL AND next_priority > 0;
 
 -- Keys whose partition row a settle or lease expiry could not lock (another transaction held it):
@@ -2114,7 +2112,7 @@ BEGIN
                     WHERE pt.subscription_id = @v_subscription_id AND pt.holder_id IS NULL
                       AND pt.next_id IS NOT NULL AND pt.next_priority > 0 AND pt.next_visible_at <= @v_now
                       AND NOT EXISTS (SELECT 1 FROM @v_room AS r WHERE r.partition_key = pt.partition_key AND r.room = 0)
-                    ORDER BY pt.next_priority DESC, pt.next_visible_at;
+                    ORDER BY pt.next_priority DESC, pt.next_visible_at, pt.next_id;
                     SET @v_keyed_count = @@ROWCOUNT;
                 END;
                 IF @v_keyed_count < @v_limit
@@ -2125,7 +2123,7 @@ BEGIN
                     WHERE pt.subscription_id = @v_subscription_id AND pt.holder_id IS NULL
                       AND pt.next_id IS NOT NULL AND pt.next_priority = 0 AND pt.next_visible_at <= @v_now
                       AND NOT EXISTS (SELECT 1 FROM @v_room AS r WHERE r.partition_key = pt.partition_key AND r.room = 0)
-                    ORDER BY pt.next_visible_at;
+                    ORDER BY pt.next_visible_at, pt.next_id;
                     SET @v_keyed_count = @v_keyed_count + @@ROWCOUNT;
                 END;
             END;

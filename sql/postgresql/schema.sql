@@ -188,10 +188,10 @@ CREATE TABLE workqueue.partition (
     next_priority     smallint NOT NULL DEFAULT 0,
     PRIMARY KEY (subscription_id, partition_key)
 ) WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02);
-CREATE INDEX partition_ready ON workqueue.partition (subscription_id, next_visible_at)
+CREATE INDEX partition_ready ON workqueue.partition (subscription_id, next_visible_at, next_id)
     WHERE holder_id IS NULL AND next_id IS NOT NULL;
 -- Keys whose next delivery has a priority above 0, claimed first (as delivery_claim_priority).
-CREATE INDEX partition_ready_priority ON workqueue.partition (subscription_id, next_priority, next_visible_at)
+CREATE INDEX partition_ready_priority ON workqueue.partition (subscription_id, next_priority, next_visible_at, next_id)
     WHERE holder_id IS NULL AND next_id IS NOT NULL AND next_priority > 0;
 
 -- Keys a settle or lease expiry could not hand over because another transaction (a producer)
@@ -1518,7 +1518,7 @@ BEGIN
                     WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
                       AND pt.next_priority = lv.priority AND pt.next_visible_at <= v_now
                       AND (v_blocked IS NULL OR pt.partition_key <> ALL (v_blocked))
-                    ORDER BY pt.next_visible_at
+                    ORDER BY pt.next_visible_at, pt.next_id
                     LIMIT v_limit
                     FOR UPDATE SKIP LOCKED
                 ) pt
@@ -1533,7 +1533,7 @@ BEGIN
                 WHERE pt.subscription_id = v_sub.id AND pt.holder_id IS NULL AND pt.next_id IS NOT NULL
                   AND pt.next_visible_at <= v_now AND pt.next_priority = 0
                   AND (v_blocked IS NULL OR pt.partition_key <> ALL (v_blocked))
-                ORDER BY pt.next_visible_at
+                ORDER BY pt.next_visible_at, pt.next_id
                 LIMIT v_limit - coalesce(cardinality(v_keyed), 0)
                 FOR UPDATE SKIP LOCKED
             ) k;

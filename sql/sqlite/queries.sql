@@ -194,14 +194,14 @@ WHERE subscription_id = :subscription_id AND partition_key = :key AND holder_id 
 SELECT partition_key, next_id, next_priority, next_visible_at FROM partition
 WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
   AND next_visible_at <= :now AND next_priority > 0
-ORDER BY next_priority DESC, next_visible_at
+ORDER BY next_priority DESC, next_visible_at, next_id
 LIMIT :limit;
 
 -- name: partition_ready
 SELECT partition_key, next_id, next_priority, next_visible_at FROM partition
 WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
   AND next_visible_at <= :now AND next_priority = 0
-ORDER BY next_visible_at
+ORDER BY next_visible_at, next_id
 LIMIT :limit;
 
 -- name: partition_hold
@@ -266,7 +266,7 @@ SELECT partition_key, next_id, next_priority, next_visible_at FROM partition
 WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
   AND next_visible_at <= :now AND next_priority > 0
   AND partition_key NOT IN (SELECT value FROM json_each(:blocked))
-ORDER BY next_priority DESC, next_visible_at
+ORDER BY next_priority DESC, next_visible_at, next_id
 LIMIT :limit;
 
 -- name: partition_ready_past
@@ -274,7 +274,7 @@ SELECT partition_key, next_id, next_priority, next_visible_at FROM partition
 WHERE subscription_id = :subscription_id AND holder_id IS NULL AND next_id IS NOT NULL
   AND next_visible_at <= :now AND next_priority = 0
   AND partition_key NOT IN (SELECT value FROM json_each(:blocked))
-ORDER BY next_visible_at
+ORDER BY next_visible_at, next_id
 LIMIT :limit;
 
 -- name: in_flight_count

@@ -147,9 +147,9 @@ CREATE TABLE partition (
     next_priority     INTEGER NOT NULL DEFAULT 0,   -- the priority of next_id (0 without one)
     PRIMARY KEY (subscription_id, partition_key)
 );
-CREATE INDEX partition_ready ON partition (subscription_id, next_visible_at)
+CREATE INDEX partition_ready ON partition (subscription_id, next_visible_at, next_id)
     WHERE holder_id IS NULL AND next_id IS NOT NULL;
-CREATE INDEX partition_ready_priority ON partition (subscription_id, next_priority, next_visible_at)
+CREATE INDEX partition_ready_priority ON partition (subscription_id, next_priority, next_visible_at, next_id)
     WHERE holder_id IS NULL AND next_id IS NOT NULL AND next_priority > 0;
 
 -- The token buckets of rate limits (PostgreSQL's schema.sql says more): a subscription's own

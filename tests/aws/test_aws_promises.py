@@ -306,3 +306,44 @@ async def test_an_exclusive_subscription_on_a_standard_aws_topic_is_unsupported(
         await asyncio.sleep(1.0)
     assert "FIFO" in (state.reason or ""), state
     assert done == []
+
+
+async def test_the_attempts_of_an_aws_delivery_are_unsupported_not_none(tmp_path: Path, moto_url: str) -> None:
+    """docs/rest-api.md: ``GET /deliveries/{id}/attempts`` answers 501 on a transport that keeps no
+    attempt history. On a queue with a database and an aws topic it answered ``200 []`` for an aws
+    dead letter that had failed twice, as if none of its attempts had failed; a database delivery of
+    the same queue still lists its attempts, and the search still reaches the database."""
+    import httpx
+    from fastapi import FastAPI
+
+    from fastapi_workqueue.core.keys import SCOPE_READ, create_key
+
+    from .test_transport import claim_all, sqlite_url
+
+    name, local = unique("t"), unique("local")
+    topics = [Topic(name=name, transport="aws"), Topic(name=local)]
+    subs = [Subscription(name=f"{name}.s", topic=name, handler_key="h", max_attempts=2),
+            Subscription(name=f"{local}.s", topic=local, handler_key="h", max_attempts=1)]
+    async with aws_queue(sqlite_url(tmp_path), moto_url, topics, subs) as queue:
+        await queue.publish(name, [PublishRequest(payload={"x": 1})])
+        for _ in range(2):
+            [d] = await claim_all(queue, f"{name}.s")
+            await queue.transport.settle([Settlement(d.delivery_id, d.lease_token, "Fail", delay_seconds=0,
+                                                     error="boom")])
+        [dead] = await queue.dead_letters(f"{name}.s")
+        assert dead.status == "DeadLettered" and dead.attempt == 2
+        await queue.publish(local, [PublishRequest(payload={"x": 2}, correlation_id=f"req-{local}")])
+        [here] = await queue.transport.claim(f"{local}.s", 1)
+        await queue.transport.settle([Settlement(here.delivery_id, here.lease_token, "Fail", error="boom")])
+        assert queue.ports.api_keys is not None
+        key = await create_key(queue.ports.api_keys, "reader", [SCOPE_READ])
+        app = FastAPI()
+        app.include_router(queue.router)
+        headers = {"Authorization": f"Bearer {key.key}"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            remote = await http.get(f"/work-queue/deliveries/{dead.delivery_id}/attempts", headers=headers)
+            kept = await http.get(f"/work-queue/deliveries/{here.delivery_id}/attempts", headers=headers)
+            found = await http.get("/work-queue/search", params={"q": f"req-{local}"}, headers=headers)
+    assert remote.status_code == 501 and "keeps no attempt history" in remote.json()["detail"], remote.text
+    assert [a["Outcome"] for a in kept.json()] == ["DeadLettered"], kept.text
+    assert [f["Delivery"]["DeliveryID"] for f in found.json()] == [here.delivery_id], found.text

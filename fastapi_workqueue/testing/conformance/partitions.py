@@ -170,3 +170,16 @@ async def test_claim_of_one_on_a_keyed_subscription_follows_priority(harness: Ha
         ids[result.message_id] = (key, priority)
     drained = [ids[d.message_id] for d in await world.drain("o")]
     assert drained == [(None, 5), ("c", 3), (None, 3), (None, 0), ("a", 0), ("b", 0)]
+
+
+@pytest.mark.parametrize("mode", ["Exclusive", "Ordered"])
+async def test_claim_of_one_in_one_publish_call_follows_its_order(harness: Harness, mode: str) -> None:
+    """The messages of one publish call are due at the same time: claim order is then the order of
+    the call (the delivery id), for the keys among themselves as for the deliveries without a key."""
+    if not harness.transport.capabilities.priority:
+        pytest.skip(f"{harness.name}: no claim order to keep (no priority, no due time)")
+    world = await make_world(harness.transport, [{"role": "x", "partition_mode": mode}])
+    keys = ["b", None, "a", "c", None]
+    published = await world.publish(*[PublishRequest(partition_key=k, payload=k) for k in keys])
+    key_of = {r.message_id: k for r, k in zip(published, keys, strict=True)}
+    assert [key_of[d.message_id] for d in await world.drain("x")] == keys
