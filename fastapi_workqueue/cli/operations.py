@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from ..core.reports import DeliveryStatus, PartitionCondition
 from ..core.words import count
-from ..web.operator_view import shown, shown_all, shown_attempts, shown_found
+from ..web.operator_view import found_deliveries, kept_attempts, shown, shown_all
 from .context import Context, app_option, parse_duration, pass_context, run
 from .output import emit_json, record, table
 
@@ -173,18 +173,15 @@ def attempts(ctx: Context, delivery_id: str) -> None:
     from ..core.attempts import AttemptInfo
     from ..core.ports import Ports
 
-    async def read(transport: Any) -> list[AttemptInfo] | None:
-        reader = Ports.of(transport).ports_for_delivery(delivery_id).attempts
-        if reader is None:
-            raise click.ClickException("this transport keeps no attempt history")
+    async def read(transport: Any) -> list[AttemptInfo]:
         if await transport.get_delivery(delivery_id) is None:
-            return None
-        return await reader.delivery_attempts(delivery_id)
+            raise click.ClickException(f"delivery {delivery_id!r} does not exist")
+        kept = await kept_attempts(Ports.of(transport), delivery_id)
+        if kept is None:
+            raise click.ClickException(f"the transport of delivery {delivery_id!r} keeps no attempt history")
+        return kept
 
     rows = run(ctx, read, delivery_id=delivery_id, app=True)
-    if rows is None:
-        raise click.ClickException(f"delivery {delivery_id!r} does not exist")
-    rows = shown_attempts(rows)
     if ctx.as_json:
         emit_json(rows)
     else:
@@ -204,12 +201,12 @@ def search(ctx: Context, query: str, limit: int) -> None:
     from ..core.search import FoundDelivery
 
     async def find(transport: Any) -> list[FoundDelivery]:
-        searcher = Ports.of(transport).search
-        if searcher is None:
+        found = await found_deliveries(Ports.of(transport), query, limit)
+        if found is None:
             raise click.ClickException("this transport cannot search")
-        return await searcher.search_deliveries(query, limit=limit)
+        return found
 
-    found = shown_found(run(ctx, find, app=True))
+    found = run(ctx, find, app=True)
     if ctx.as_json:
         emit_json(found)
         return

@@ -17,7 +17,7 @@ from ..core.reports import DeliveryInfo
 from ..core.search import FoundDelivery
 from ..core.topology import SubscriptionState
 from ..core.words import count, duration
-from ..web.operator_view import shown, shown_all, shown_attempts, shown_found
+from ..web.operator_view import found_deliveries, kept_attempts, shown, shown_all
 from .causes import SCAN, Causes, group_causes
 from .jobs_view import JobRow, declared_jobs, job_name, job_queue, job_timeout
 
@@ -314,18 +314,12 @@ async def delivery(kernel: Kernel, jobs: Callable[[], Jobs], delivery_id: str, *
 
 async def attempts_of(kernel: Kernel, delivery_id: str) -> list[AttemptInfo] | None:
     """The kept attempts of a delivery, oldest first, errors redacted (None when the store keeps none)."""
-    reader = kernel.ports.ports_for_delivery(delivery_id).attempts
-    if reader is None:
-        return None
-    return shown_attempts(await reader.delivery_attempts(delivery_id))
+    return await kept_attempts(kernel.ports, delivery_id)
 
 
 async def search(kernel: Kernel, query: str) -> list[FoundDelivery] | None:
     """The newest deliveries that match ``query`` exactly, errors redacted (None when the
     transport cannot search; empty for an empty query)."""
-    searcher = kernel.ports.search
-    if searcher is None:
-        return None
     if not query:
-        return []
-    return shown_found(await searcher.search_deliveries(query, limit=SEARCH_PAGE))
+        return [] if kernel.ports.search is not None else None
+    return await found_deliveries(kernel.ports, query, SEARCH_PAGE)

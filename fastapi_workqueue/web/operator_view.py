@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..core.attempts import AttemptInfo
+from ..core.ports import Ports
 from ..core.redaction import redact
 from ..core.reports import DeliveryInfo
 from ..core.search import FoundDelivery
@@ -39,3 +40,16 @@ def shown_attempts(attempts: Iterable[AttemptInfo]) -> list[AttemptInfo]:
 def shown_found(found: Iterable[FoundDelivery]) -> list[FoundDelivery]:
     """Search results with each delivery :func:`shown`."""
     return [f.model_copy(update={"delivery": shown(f.delivery)}) for f in found]
+
+
+async def kept_attempts(ports: Ports, delivery_id: str) -> list[AttemptInfo] | None:
+    """The kept attempts of a delivery, oldest first, redacted; None where the transport that holds
+    it keeps none (an aws delivery behind the router). Empty for an unknown delivery."""
+    reader = ports.ports_for_delivery(delivery_id).attempts
+    return None if reader is None else shown_attempts(await reader.delivery_attempts(delivery_id))
+
+
+async def found_deliveries(ports: Ports, query: str, limit: int) -> list[FoundDelivery] | None:
+    """The newest deliveries that match ``query`` exactly, redacted; None where no store searches."""
+    searcher = ports.search
+    return None if searcher is None else shown_found(await searcher.search_deliveries(query, limit=limit))

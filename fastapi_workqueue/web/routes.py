@@ -41,7 +41,7 @@ from ..core.wire import WireModel
 from .auth import Authorizer
 from .fastapi_internals import scopes_of, set_request_body
 from .limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES
-from .operator_view import shown, shown_all, shown_attempts, shown_found
+from .operator_view import found_deliveries, kept_attempts, shown, shown_all
 from .topic_access import require_topic
 
 if TYPE_CHECKING:
@@ -369,13 +369,13 @@ def build_router(
         """The attempts of a delivery that did not simply complete, oldest first: each one's start,
         end, outcome (Failed, DeadLettered, Discarded, LeaseExpired, Replayed), reason, error and
         holder. A delivery that completed on its first try has none."""
-        reader = kernel.ports.ports_for_delivery(delivery_id).attempts
-        if reader is None:
-            raise HTTPException(status.HTTP_501_NOT_IMPLEMENTED,
-                                detail=f"the transport of delivery {delivery_id!r} keeps no attempt history")
         if await _call(kernel.operator.get_delivery(delivery_id)) is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"delivery {delivery_id!r} does not exist")
-        return shown_attempts(await _call(reader.delivery_attempts(delivery_id)))
+        attempts = await _call(kept_attempts(kernel.ports, delivery_id))
+        if attempts is None:
+            raise HTTPException(status.HTTP_501_NOT_IMPLEMENTED,
+                                detail=f"the transport of delivery {delivery_id!r} keeps no attempt history")
+        return attempts
 
     @router.get(
         "/search",
@@ -391,10 +391,10 @@ def build_router(
     ) -> list[FoundDelivery]:
         """The deliveries whose id, MessageID, partition key, correlation ID or job name is ``q``
         (exactly), newest first, each with what matched (payloads left out)."""
-        searcher = kernel.ports.search
-        if searcher is None:
+        found = await _call(found_deliveries(kernel.ports, q, limit))
+        if found is None:
             raise HTTPException(status.HTTP_501_NOT_IMPLEMENTED, detail="this queue's transport cannot search")
-        return shown_found(await _call(searcher.search_deliveries(q, limit=limit)))
+        return found
 
     @router.get(
         "/subscriptions/{subscription}/partitions", response_model=list[PartitionInfo], summary="Keys and their state"
