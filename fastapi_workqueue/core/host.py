@@ -161,7 +161,6 @@ class Host:
         self.plan = list(plan)
         self.groups = list(groups)
         self.options = options
-        self._max_deliveries = max_deliveries
         self._budget = DeliveryBudget(max_deliveries) if max_deliveries is not None else None
         """One budget for every consumer: ``max_deliveries`` bounds what the host receives."""
         self._stop_when_idle = stop_when_idle
@@ -291,7 +290,7 @@ class Host:
                         idle_poll_max=self.options.idle_poll_max_ms / 1000,
                         wake_backoff=self.options.wake_backoff_ms / 1000,
                         principal=self.options.principal,
-                        max_deliveries=self._max_deliveries, budget=self._budget,
+                        budget=self._budget,
                         stop_when_idle=self._stop_when_idle,
                         observer=self.options.observer,
                         request_load=self.options.request_load,
@@ -368,8 +367,8 @@ class Host:
                     idle_poll_min=self.options.idle_poll_min_ms / 1000,
                     idle_poll_max=self.options.idle_poll_max_ms / 1000,
                     wake_backoff=self.options.wake_backoff_ms / 1000,
-                    principal=self.options.principal, max_deliveries=self._max_deliveries,
-                    budget=self._budget, stop_when_idle=self._stop_when_idle, observer=self.options.observer,
+                    principal=self.options.principal, budget=self._budget,
+                    stop_when_idle=self._stop_when_idle, observer=self.options.observer,
                     request_load=self.options.request_load,
                 )
                 self.group_consumers[plan.name] = consumer

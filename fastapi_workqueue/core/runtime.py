@@ -135,7 +135,6 @@ class Consumer:
         self._empty_wake_at = 0.0
         self.empty_wake_claims = 0
         self.principal = principal
-        self.max_deliveries = max_deliveries
         self.stop_when_idle = stop_when_idle
         self.prefetch = prefetch
         self._on_error = on_error
@@ -506,7 +505,7 @@ class Consumer:
         if self.prefetch is not None:
             return self.prefetch
         handler, claim = self._handler_seconds, self._claim_seconds
-        if handler is None or claim is None or handler > PREFETCH_BELOW_SECONDS or self.max_deliveries is not None:
+        if handler is None or claim is None or handler > PREFETCH_BELOW_SECONDS or self.budget is not None:
             return 0
         if any(s.flow_limited for group in self._groups for s in group):
             return 0  # what is claimed ahead holds a slot (and a token) that another process could run
