@@ -246,9 +246,13 @@ async def test_a_claim_that_fails_in_a_later_group_does_not_strand_what_earlier_
         await host.start()
         [result] = await queue.publish(topic, [PublishRequest(payload="x")])
 
-        blocked_claims = (
-            "SELECT pid FROM pg_catalog.pg_stat_activity WHERE datname = current_database() "
-            "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid() AND strpos(query, 'workqueue.claim') > 0")
+        # A claim waiting for the observer's lock, as the lock manager has it now (pg_stat_activity
+        # may still show a backend that has already left the wait, and a cancel sent to it would
+        # land on its next statement: the settle of what the first group claimed).
+        waiting = "pg_backend_pid() = ANY(pg_catalog.pg_blocking_pids(pid)) AND strpos(query, 'workqueue.claim') > 0"
+        blocked_claims = f"SELECT pid FROM pg_catalog.pg_stat_activity WHERE {waiting}"
+        cancel_if_waiting = (
+            f"SELECT pg_cancel_backend(pid) FROM pg_catalog.pg_stat_activity WHERE pid = $1 AND {waiting}")
         first_status = (
             "SELECT d.status FROM workqueue.delivery d JOIN workqueue.subscription s ON s.id = d.subscription_id "
             "WHERE s.name = $1")
@@ -259,7 +263,8 @@ async def test_a_claim_that_fails_in_a_later_group_does_not_strand_what_earlier_
             # cancels claims that took nothing (nothing is lost).
             [row] = await wait_for(lambda: observer.fetch(blocked_claims))
             claimed_first = await observer.fetchval(first_status, subs["first"]) != "Pending"
-            await observer.execute("SELECT pg_cancel_backend($1)", row["pid"])
+            if not await observer.fetchval(cancel_if_waiting, row["pid"]):
+                continue  # it left the wait (a cancel before this one): look again
             if claimed_first:
                 break
         else:
