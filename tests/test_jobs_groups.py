@@ -109,6 +109,8 @@ class GroupWorkers:
 
     def __init__(self, url: str, tmp_path: Path) -> None:
         self.queue_name = f"groups-{uuid.uuid4().hex[:8]}"
+        self.tmp_path = tmp_path
+        self.logs: dict[int, Path] = {}
         self.record = tmp_path / "record.jsonl"
         self.record.touch()
         self.release = tmp_path / "release"
@@ -123,11 +125,20 @@ class GroupWorkers:
                                                    subscriptions=[])
 
     async def start(self, concurrency: int) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fastapi_workqueue", "work", "--app", "tests.apps.group_app:queue",
-            "--queue", self.queue_name, "--concurrency", str(concurrency), env=self.env, cwd=ROOT,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        )
+        """A worker process; what it logs goes to ``log_of(process)`` (a pipe nobody reads while it
+        runs would fill and stop it)."""
+        log = self.tmp_path / f"worker-{len(self.logs)}.err"
+        with log.open("wb") as err:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "fastapi_workqueue", "work", "--app", "tests.apps.group_app:queue",
+                "--queue", self.queue_name, "--concurrency", str(concurrency), env=self.env, cwd=ROOT,
+                stdout=asyncio.subprocess.DEVNULL, stderr=err,
+            )
+        self.logs[process.pid] = log
+        return process
+
+    def log_of(self, process: asyncio.subprocess.Process) -> str:
+        return self.logs[process.pid].read_text()[-3000:]
 
     def events(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.record.read_text().splitlines()]
@@ -154,8 +165,8 @@ async def test_members_ending_at_once_in_two_processes_run_then_once(database_ur
             for process in processes:
                 process.send_signal(signal.SIGTERM)
             for process in processes:
-                _, stderr = await asyncio.wait_for(process.communicate(), 30)
-                assert process.returncode == 0, stderr.decode()
+                await asyncio.wait_for(process.wait(), 30)
+                assert process.returncode == 0, workers.log_of(process)
     thens = [e for e in workers.events() if e["event"] == "then"]
     assert sorted(int(e["group"]) for e in thens) == list(range(groups))  # each group's then ran once
     for event in thens:

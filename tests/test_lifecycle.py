@@ -182,10 +182,11 @@ async def test_a_rename_across_a_rolling_deploy_loses_nothing(database_url: str,
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
     env.update(PYTHONPATH=str(ROOT), WORKQUEUE_DATABASE_URL=database_url, ROLLING_TOPIC=topic, ROLLING_OLD=old,
                ROLLING_RECORD=str(record), WORKQUEUE_AUTO_MIGRATE="1")
-    previous = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fastapi_workqueue", "work", "--app", "tests.apps.rolling_app:queue",
-        "--subscription", old, cwd=tmp_path, env=env, stderr=asyncio.subprocess.PIPE,
-    )
+    with (tmp_path / "previous.err").open("wb") as previous_log:  # a pipe nobody reads would fill
+        previous = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fastapi_workqueue", "work", "--app", "tests.apps.rolling_app:queue",
+            "--subscription", old, cwd=tmp_path, env=env, stderr=previous_log,
+        )
     queue = WorkQueue(
         WorkQueueSettings(database_url=database_url, auto_migrate=True, **FAST,
                           subscriptions=[SubscriptionPlan(name="*")]),
@@ -227,7 +228,7 @@ async def test_a_rename_across_a_rolling_deploy_loses_nothing(database_url: str,
             assert by_old() == list(range(5))  # the retired subscription got none of the later ones
             assert (await stats_of(queue, old)).pending == 0
             previous.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(previous.wait(), 30) == 0
+            assert await asyncio.wait_for(previous.wait(), 30) == 0, (tmp_path / "previous.err").read_text()[-3000:]
             assert (await queue.delete_subscription(old)).ok
             await _reconcile(queue)
             assert old not in (await health())

@@ -77,7 +77,10 @@ async def test_a_worker_stalled_inside_its_claim_past_the_lease_runs_nothing_twi
     command = [sys.executable, "-m", "fastapi_workqueue", "work", "--app", "tests.apps.stall_app:queue",
                "--subscription", name]
     workers: list[asyncio.subprocess.Process] = []
-    a_log = tmp_path / "a.err"  # what A logs, read while it runs
+    # What the workers log goes to files: a pipe nobody reads while they run fills (64 KB: B's
+    # sweeper logs a line for each lease it takes back, other tests' too in the session's database)
+    # and stops the worker that writes to it.
+    a_log, b_log = tmp_path / "a.err", tmp_path / "b.err"
     async with queue.lifespan(None):
         await queue.publish(topic, [PublishRequest(partition_key=f"k{i}", payload=i) for i in range(KEYS)])
         try:
@@ -90,9 +93,10 @@ async def test_a_worker_stalled_inside_its_claim_past_the_lease_runs_nothing_twi
             await wait_for(marker.exists, within=30, describe=lambda: "worker A has not claimed and stopped")
             stalled = json.loads(marker.read_text())
             assert len(stalled) == KEYS
-            b = await asyncio.create_subprocess_exec(
-                *command, env=env, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-            )
+            with b_log.open("wb") as b_err:
+                b = await asyncio.create_subprocess_exec(
+                    *command, env=env, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=b_err,
+                )
             workers.append(b)
             # B's sweeper takes the expired leases back and B runs what A claimed.
             await wait_for(lambda: _started_by(record, b.pid) >= KEYS, within=30,
@@ -107,9 +111,9 @@ async def test_a_worker_stalled_inside_its_claim_past_the_lease_runs_nothing_twi
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGCONT)
                     proc.send_signal(signal.SIGTERM)
-            for proc in workers:
-                _, stderr = await asyncio.wait_for(proc.communicate(), 30)
-                assert proc.returncode == 0, stderr.decode() if stderr is not None else a_log.read_text()
+            for proc, log in zip(workers, (a_log, b_log), strict=False):
+                await asyncio.wait_for(proc.wait(), 30)
+                assert proc.returncode == 0, log.read_text()[-3000:]
         [stats] = await queue.stats(name)
         assert (stats.completed, stats.pending, stats.in_flight) == (KEYS, 0, 0)
     done = runs(record)
