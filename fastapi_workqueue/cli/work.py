@@ -296,14 +296,12 @@ async def _run(
         finally:
             # The consumers of the plan, also those a pause retired, for their counts; read after
             # the stop, so a claim that returned during the drain is counted.
-            consumers = [c for name in plan.subscriptions
-                         for c in (*getattr(host, "_retired", {}).get(name, ()), host.consumers.get(name))]
-            consumers += [host.group_consumers.get(g.name) for g in groups]
+            consumers = [c for name in plan.subscriptions for c in host.consumers_of(name)]
+            consumers += [c for g in groups if (c := host.group_consumers.get(g.name)) is not None]
             await host.stop()
-            counted = [c for c in consumers if c is not None]
-            summary.claimed = sum(c.claimed_total for c in counted)
-            summary.settled = sum(c.settled_total for c in counted)
-            summary.completed = sum(c.completed_total for c in counted)
+            summary.claimed = sum(c.claimed_total for c in consumers)
+            summary.settled = sum(c.settled_total for c in consumers)
+            summary.completed = sum(c.completed_total for c in consumers)
         return summary.ended(EXIT_OK, f"{plan.label}: ran {count(summary.claimed, 'delivery')}")
     finally:
         await queue.close()

@@ -240,6 +240,12 @@ class Host:
     def _all_consumers(self) -> list[Consumer]:
         return [*self.consumers.values(), *self.group_consumers.values()]
 
+    def consumers_of(self, subscription: str) -> list[Consumer]:
+        """Every consumer this host ran for ``subscription`` on its own: those a pause or a new plan
+        retired, then the current one (for counts that span them, as ``workqueue work`` reports)."""
+        current = self.consumers.get(subscription)
+        return [*self._retired.get(subscription, ()), *([current] if current is not None else [])]
+
     # -- planning ----------------------------------------------------------------------------
 
     def _concurrency_for(self, name: str) -> int | None:
