@@ -495,6 +495,12 @@ async def test_a_deliverys_attempts_and_the_search_with_secrets_taken_out(api: A
     assert (await api.http.get(f"{PREFIX}/search", params={"q": f"nobody-{tag}"}, headers=read)).json() == []
     for bad in ({"q": ""}, {"q": "x", "limit": "0"}, {"q": "x", "limit": "101"}):
         assert (await api.http.get(f"{PREFIX}/search", params=bad, headers=read)).status_code == 422, bad
+    # The schema names the values a client can expect, as it does for every other closed set.
+    models = (await api.http.get("/openapi.json")).json()["components"]["schemas"]
+    assert set(models["AttemptInfo"]["properties"]["Outcome"]["enum"]) == {
+        "Failed", "DeadLettered", "Discarded", "LeaseExpired", "Replayed"}
+    assert set(models["FoundDelivery"]["properties"]["Matched"]["enum"]) == {
+        "delivery id", "MessageID", "partition key", "correlation ID", "job"}
 
 
 async def test_unknown_subscription_or_delivery_is_404(api: Api) -> None:

@@ -28,7 +28,7 @@ class AttemptInfo(WireModel):
     attempt: int
     started_at: datetime | None = None
     ended_at: datetime
-    outcome: str
+    outcome: AttemptOutcome
     reason: str | None = None
     error: str | None = None
     holder: Holder | None = None

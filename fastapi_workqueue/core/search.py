@@ -19,7 +19,7 @@ Matched = Literal["delivery id", "MessageID", "partition key", "correlation ID",
 class FoundDelivery(WireModel):
     """A delivery a search found, and what of it matched the query."""
 
-    matched: str
+    matched: Matched
     delivery: DeliveryInfo
 
 
