@@ -47,6 +47,8 @@ def test_unknown_variables_name_the_closest_setting() -> None:
     environ = {
         "WORKQUEUE_DATABSE_URL": "x", "WORKQUEUE_DATABASE_URL": "y", "WORKQUEUE_CONCURENCY": "2",
         "WORKQUEUE_APP": "app:app", "WORKQUEUE_SUBSCRIPTION_POLICY": "{}", "WORKQUEUE_XYZZY": "1", "HOME": "/",
+        # the project's test suite's, exported by a contributor who also runs the example app
+        "WORKQUEUE_TEST_DATABASE_URL": "postgresql+asyncpg://postgres@127.0.0.1/t", "WORKQUEUE_MSSQL_URL": "mssql://",
     }
     assert unknown_variables(environ) == [
         "WORKQUEUE_CONCURENCY is not a setting of fastapi-workqueue and is ignored; "

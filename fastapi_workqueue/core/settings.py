@@ -254,8 +254,13 @@ OTHER_VARIABLES = frozenset({
     "WORKQUEUE_APP",  # the CLI's --app
     "WORKQUEUE_ALLOW_DESTRUCTIVE",  # the CLI's guard for destructive commands
     "WORKQUEUE_SUBSCRIPTION_POLICY",  # the Lambda adapter's policy
+    # The project's own test suite and benchmarks (README, docs/sql-server.md): a contributor who
+    # exports them runs the example app too, and they are no typo.
+    "WORKQUEUE_TEST_DATABASE_URL", "WORKQUEUE_MSSQL_URL", "WORKQUEUE_MODEL_EXAMPLES", "WORKQUEUE_MODEL_STEPS",
+    "WORKQUEUE_FUZZ_EXAMPLES", "WORKQUEUE_BENCH_DSN", "WORKQUEUE_BENCH_MAX_IN_FLIGHT",
 })
-"""``WORKQUEUE_*`` variables the package reads outside the settings."""
+"""``WORKQUEUE_*`` variables read outside the settings: by the package, or by the project's
+tests and benchmarks."""
 
 
 def _closest(name: str, candidates: list[str]) -> str | None:
