@@ -191,6 +191,25 @@ class _Store:
 _STORES: weakref.WeakValueDictionary[str, _Store] = weakref.WeakValueDictionary()
 
 
+def _claim_order(d: _Delivery) -> tuple[int, datetime, int]:
+    return (-d.priority, d.visible_at, d.id)
+
+
+def _shared(candidates: list[_Delivery], room: int) -> list[_Delivery]:
+    """What a claim of ``room`` takes of ``candidates`` (in claim order), as the database stores
+    share it: on a keyed subscription neither the keys nor the deliveries without a key take every
+    slot (the others get at least half), and a claim of one takes whichever comes first."""
+    keyed = [d for d in candidates if d.mode != "None"][:room]
+    if not keyed:
+        return candidates[:room]
+    unkeyed = [d for d in candidates if d.mode == "None"][: max(room - len(keyed), room // 2, 1 if room == 1 else 0)]
+    if len(keyed) + len(unkeyed) <= room:
+        return keyed + unkeyed
+    if room == 1:
+        return [min(keyed[0], unkeyed[0], key=_claim_order)]
+    return keyed[: room - len(unkeyed)] + unkeyed
+
+
 class MemoryTransport:
     """The Transport contract in memory (see the module's docstring)."""
 
@@ -401,7 +420,7 @@ class MemoryTransport:
             nxt = next_claimable(ds[0].mode, ds, now)
             if nxt is not None:
                 out.append(nxt)
-        out.sort(key=lambda d: (-d.priority, d.visible_at, d.id))
+        out.sort(key=_claim_order)
         return out
 
     def _active(self, subscription: str) -> _Sub | None:
@@ -434,7 +453,7 @@ class MemoryTransport:
         now = self._now()
         if sub.spec.flow_limited:
             return self._claim_limited(sub, limit, now)
-        taken = self._claimable(subscription, now)[:limit]
+        taken = _shared(self._claimable(subscription, now), limit)
         taken.sort(key=lambda d: (-d.priority, d.id))
         return [self._lease(d, sub, now) for d in taken]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from fastapi_workqueue.core.envelope import PublishRequest
@@ -156,6 +158,26 @@ async def test_claim_of_one_takes_the_first_in_claim_order_keyed_or_not(harness:
         published += await world.publish(PublishRequest(partition_key=key, payload=key))
     drained = await world.drain("x")
     assert [d.message_id for d in drained] == [r.message_id for r in published]
+
+
+@pytest.mark.parametrize("keys_first", [True, False])
+async def test_a_claim_on_a_keyed_subscription_shares_its_room(harness: Harness, keys_first: bool) -> None:
+    """A claim of several on a keyed subscription gives neither side every slot: with more keys and
+    more deliveries without a key ready than it has room for, a claim of 4 takes 2 keys and 2
+    without a key, whichever were published first (the in-memory transport once took the first 4
+    in claim order)."""
+    if not harness.transport.capabilities.priority:
+        pytest.skip(f"{harness.name}: no claim order to keep (no priority, no due time)")
+    world = await make_world(harness.transport, [{"role": "x", "partition_mode": "Exclusive"}])
+    keyed = [PublishRequest(partition_key=f"k{i}", payload=i) for i in range(6)]
+    unkeyed = [PublishRequest(payload=i) for i in range(6)]
+    for batch in ((keyed, unkeyed) if keys_first else (unkeyed, keyed)):
+        await world.publish(*batch)
+    claimed = await world.claim("x", 4)
+    assert sorted(d.partition_key is None for d in claimed) == [False, False, True, True], claimed
+    # Each side in its own claim order: the first keys, the first deliveries without a key.
+    assert sorted(d.partition_key for d in claimed if d.partition_key is not None) == ["k0", "k1"]
+    assert sorted(json.loads(d.payload_json or "0") for d in claimed if d.partition_key is None) == [0, 1]
 
 
 async def test_claim_of_one_on_a_keyed_subscription_follows_priority(harness: Harness) -> None:
