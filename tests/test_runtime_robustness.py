@@ -306,6 +306,52 @@ async def test_a_cancelled_error_the_handler_raises_itself_spends_the_attempt(pg
     assert info.status == "DeadLettered" and runs == 2, (info.status, runs)
 
 
+async def test_a_group_waiting_out_a_rate_limit_runs_new_work_of_its_unlimited_subscription_at_once(
+    pg_url: str,
+) -> None:
+    """A consumer of a group (a job worker's ``--queue=mail,*``) whose rate-limited subscription has
+    work held back waits for the limit's next token (here up to the idle poll, 30 s). Work published
+    meanwhile to a subscription of the group without a limit needs no token: its wake-up ends the
+    wait, and it runs at once."""
+    from fastapi_workqueue import Subscription, SubscriptionPlan, Topic, WorkQueue, WorkQueueSettings
+    from fastapi_workqueue.core.host import GroupPlan
+
+    from .conftest import unique
+    from .support import FAST
+
+    limited_topic, free_topic, limited, free = unique("lim-t"), unique("free-t"), unique("lim"), unique("free")
+    queue = WorkQueue(
+        WorkQueueSettings(database_url=pg_url, **{**FAST, "idle_poll_max_ms": 30000},
+                          subscriptions=[SubscriptionPlan(name=limited), SubscriptionPlan(name=free)]),
+        topics=[Topic(name=limited_topic), Topic(name=free_topic)],
+        subscriptions=[Subscription(name=limited, topic=limited_topic, handler_key="h", rate_limit="1/m"),
+                       Subscription(name=free, topic=free_topic, handler_key="h")],
+    )
+    ran: list[str] = []
+
+    @queue.handler("h")
+    async def handle(message: WorkMessage[str], context: WorkContext) -> None:
+        ran.append(message.payload)
+
+    await queue.open()
+    host = None
+    try:
+        host = queue.build_host([], groups=[GroupPlan(name="g", patterns=(limited, free))])
+        await host.start()
+        consumer = host.group_consumers["g"]
+        await queue.publish(limited_topic, [PublishRequest(payload="limited-1"), PublishRequest(payload="limited-2")])
+        # One token: the first runs, the second is held back for a minute.
+        await wait_for(lambda: ran == ["limited-1"] and consumer.claim_loop == "waiting_for_limit",
+                       describe=lambda: (ran, consumer.claim_loop))
+        await queue.publish(free_topic, [PublishRequest(payload="free")])
+        await wait_for(lambda: "free" in ran, within=10, describe=lambda: (ran, consumer.claim_loop))
+        assert ran == ["limited-1", "free"]
+    finally:
+        if host is not None:
+            await host.stop()
+        await queue.close()
+
+
 async def _terminal(queue: Any, subscription: str, message_id: Any) -> Any:
     info = await delivery_status(queue, subscription, message_id)
     return info if info is not None and info.status in ("Completed", "DeadLettered", "Discarded") else None

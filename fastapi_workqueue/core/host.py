@@ -466,7 +466,7 @@ class Host:
         name = self._by_id.get(subscription_id)
         target = self._consumer_of.get(name) if name is not None else None
         if target is not None:
-            target.wake()
+            target.wake(name)
 
     @property
     def beat_interval(self) -> float:

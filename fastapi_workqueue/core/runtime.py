@@ -62,7 +62,7 @@ before it looks again (at once when one of its own deliveries of the subscriptio
 
 Resolver = Callable[[str], HandlerSpec | None]
 
-ClaimLoopState = Literal["stopped", "claiming", "waiting_for_slot", "waiting_for_work"]
+ClaimLoopState = Literal["stopped", "claiming", "waiting_for_slot", "waiting_for_work", "waiting_for_limit"]
 """What a consumer's claim loop does now (:attr:`Consumer.claim_loop`)."""
 
 __all__ = ["ClaimLoopState", "Consumer", "Resolver", "Settler"]
@@ -153,6 +153,9 @@ class Consumer:
         """What the last claim said a flow limit kept back (None: nothing)."""
         self._slot_settled = False
         self._wake = asyncio.Event()
+        self._woken_unlimited = False
+        """A wake-up since the last claim named work of a subscription without a flow limit (or
+        named none): a wait for a flow limit of another one of the group then ends."""
         self.budget = budget if budget is not None else (
             DeliveryBudget(max_deliveries) if max_deliveries is not None else None)
         """How many deliveries may still be claimed: this consumer's ``max_deliveries``, or the one
@@ -204,7 +207,9 @@ class Consumer:
         """What the claim loop does now: ``stopped`` (not started, or ended by a pause, a stop, a
         spent budget or an idle one-shot run: it claims nothing until resumed), ``waiting_for_slot``
         (every slot is held: it claims again once one frees), ``waiting_for_work`` (its last claim
-        found nothing or failed: it waits for a wake-up or its next poll) or ``claiming``.
+        found nothing or failed: it waits for a wake-up or its next poll), ``waiting_for_limit`` (a
+        flow limit kept claimable work back: it waits for the limit's next token or slot) or
+        ``claiming``.
 
         A test that must show nothing more is claimed waits for ``stopped`` or ``waiting_for_slot``
         instead of sleeping: the state is reached only when the consumer decided not to claim."""
@@ -249,8 +254,12 @@ class Consumer:
         if self._loop_task is None or self._loop_task.done():
             self._start_claiming()
 
-    def wake(self) -> None:
-        """New work may be claimable: look now instead of at the next poll."""
+    def wake(self, subscription: str | None = None) -> None:
+        """New work may be claimable (of ``subscription``, or of any of this consumer's): look now
+        instead of at the next poll."""
+        if subscription is None or any(s.name == subscription and not s.flow_limited
+                                       for group in self._groups for s in group):
+            self._woken_unlimited = True
         self._wake.set()
 
     def update(self, subscription: SubscriptionState | Groups, concurrency: int | None = None) -> None:
@@ -393,6 +402,7 @@ class Consumer:
             if woken and await self._back_off_after_empty_wakes():
                 continue
             self._wake.clear()
+            self._woken_unlimited = False  # what the claim below looks for
             settled_before = self.settled_total
             if load is not None and load.busy:
                 load.busy_claims += 1
@@ -429,7 +439,9 @@ class Consumer:
             if self._held_back is not None:
                 # A flow limit keeps claimable work back: wait for it, not for new work.
                 idle = self.idle_poll_min
+                self._loop_state = "waiting_for_limit"
                 await self._wait_for_limit(self._held_back)
+                self._loop_state = "claiming"
                 continue
             if not batch and self.stop_when_idle and not self._held:
                 # One-shot: idle only when a claim made after this consumer's own settles were
@@ -449,15 +461,17 @@ class Consumer:
         """Waits while a flow limit of the subscription holds its work back: until the next token
         is due (``retry_after``; a wake-up brings no token, so it does not end the wait), or, for
         a slot (``max_in_flight``, ``key_concurrency``), until one of this consumer's deliveries
-        settles or :data:`SLOT_POLL_SECONDS` pass. Stop and pause end it at once."""
+        settles or :data:`SLOT_POLL_SECONDS` pass. Stop and pause end it at once, and so does a
+        wake-up for a subscription of the group that has no flow limit: its work waits for no token."""
         if held.retry_after is None:
             seconds = SLOT_POLL_SECONDS * random.uniform(0.9, 1.1)
         else:
             seconds = min(max(held.retry_after, 0.001), self.idle_poll_max)
         deadline = self._clock() + seconds
         self._slot_settled = False
+        unlimited = any(not s.flow_limited for group in self._groups for s in group)
         while not self._stopping and not self._paused:
-            if held.retry_after is None and self._slot_settled:
+            if (held.retry_after is None and self._slot_settled) or (unlimited and self._woken_unlimited):
                 return
             remaining = deadline - self._clock()
             if remaining <= 0:
