@@ -685,3 +685,37 @@ async def test_the_sweeper_logs_each_lease_it_takes_back_with_its_holder(
               if r.name == "fastapi_workqueue.host" and f"delivery {claimed.delivery_id} " in r.getMessage()]
     assert line == (f"sweeper: took back delivery {claimed.delivery_id} of {subs['slow']} on attempt 1 from "
                     f"{me.hostname} pid {me.pid}, whose lease ran out; it will be retried")
+
+
+async def test_a_sweeper_pass_that_takes_back_many_leases_logs_the_first_and_counts_the_rest(
+    fresh_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A crashed worker that held hundreds of deliveries costs the log 20 lines and one of counts by
+    subscription, not a line each."""
+    from sqlalchemy import text
+
+    from fastapi_workqueue.core.host import TAKEN_BACK_LOGGED
+
+    store = "sqlite" if fresh_url.startswith("sqlite") else "pg"
+    queue, topic, subs = make_queue(fresh_url, [{"role": "a"}, {"role": "b"}], sweeper_enabled=False,
+                                    auto_migrate=True)
+    caplog.set_level(logging.INFO, logger="fastapi_workqueue.host")
+    async with queue.lifespan(None):  # no handler is registered: only the test claims
+        await queue.publish(topic, [PublishRequest(payload=i) for i in range(30)])
+        claimed = [*await queue.transport.claim(subs["a"], 30), *await queue.transport.claim(subs["b"], 30)]
+        past = ("UPDATE workqueue.delivery SET lease_expires_at = now() - interval '1 second' WHERE status = 'InFlight'"
+                if store == "pg" else "UPDATE delivery SET lease_expires_at = lease_expires_at - 3600 "
+                "WHERE status = 'InFlight'")
+        async with queue.engine.begin() as conn:
+            await conn.execute(text(past))
+        host = queue.host
+        assert host is not None
+        assert await host.sweep_once() == len(claimed) == 60
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "fastapi_workqueue.host" and "sweeper:" in r.getMessage()]
+    assert len(lines) == TAKEN_BACK_LOGGED + 1, lines
+    assert all(line.startswith("sweeper: took back delivery ") for line in lines[:-1])
+    named = Counter(line.split(" of ")[1].split(" ")[0] for line in lines[:-1])
+    rest = {name: 30 - named[name] for name in subs.values()}
+    shown = ", ".join(f"{n} of {name}" for name, n in sorted(rest.items()) if n)
+    assert lines[-1] == f"sweeper: also took back 40 deliveries whose leases ran out in this pass ({shown})"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -22,6 +23,7 @@ from .tasks import TaskScope
 from .topology import SubscriptionState
 from .transport import Transport
 from .wire import WireModel
+from .words import count
 
 log = redacting_logger("fastapi_workqueue.host")
 
@@ -130,6 +132,10 @@ _TAKEN_BACK = {
     "DeadLettered": "dead-lettered: that was its final attempt",
     "Discarded": "discarded: its cancel was requested",
 }
+
+TAKEN_BACK_LOGGED = 20
+"""The leases a sweeper pass logs one by one; the rest of a pass (a crashed worker that held
+hundreds) is one line of counts by subscription."""
 
 
 class Host:
@@ -514,13 +520,19 @@ class Host:
             report = await self.transport.sweep(self.options.sweep_batch)
             if not report.ran:
                 break
-            for lease in report.taken_back:
+            for lease in report.taken_back[:TAKEN_BACK_LOGGED]:
                 log.info("sweeper: took back delivery %s of %s on attempt %d from %s, whose lease ran out; %s",
                          lease.delivery_id, lease.subscription, lease.attempt,
                          lease.holder.label() if lease.holder is not None else "a process the store does not name",
                          _TAKEN_BACK[lease.result],
                          extra={"subscription": lease.subscription, "delivery_id": lease.delivery_id,
                                 "attempt": lease.attempt})
+            rest = report.taken_back[TAKEN_BACK_LOGGED:]
+            if rest:
+                by_subscription = Counter(lease.subscription for lease in rest)
+                log.info("sweeper: also took back %s whose leases ran out in this pass (%s)",
+                         count(len(rest), "delivery"),
+                         ", ".join(f"{n} of {name}" for name, n in sorted(by_subscription.items())))
             expired += report.expired
             if report.expired:
                 for consumer in self._all_consumers():
