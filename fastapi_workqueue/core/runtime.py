@@ -440,7 +440,8 @@ class Consumer:
                 # A flow limit keeps claimable work back: wait for it, not for new work.
                 idle = self.idle_poll_min
                 self._loop_state = "waiting_for_limit"
-                await self._wait_for_limit(self._held_back)
+                # A wake-up that ended the wait makes the next claim a wake-up claim (its pause applies).
+                woken = await self._wait_for_limit(self._held_back)
                 self._loop_state = "claiming"
                 continue
             if not batch and self.stop_when_idle and not self._held:
@@ -457,12 +458,13 @@ class Consumer:
             if not woken:
                 idle = min(idle * 2, self.idle_poll_max)
 
-    async def _wait_for_limit(self, held: HeldBack) -> None:
+    async def _wait_for_limit(self, held: HeldBack) -> bool:
         """Waits while a flow limit of the subscription holds its work back: until the next token
         is due (``retry_after``; a wake-up brings no token, so it does not end the wait), or, for
         a slot (``max_in_flight``, ``key_concurrency``), until one of this consumer's deliveries
         settles or :data:`SLOT_POLL_SECONDS` pass. Stop and pause end it at once, and so does a
-        wake-up for a subscription of the group that has no flow limit: its work waits for no token."""
+        wake-up for a subscription of the group that has no flow limit: its work waits for no token
+        (True then)."""
         if held.retry_after is None:
             seconds = SLOT_POLL_SECONDS * random.uniform(0.9, 1.1)
         else:
@@ -471,14 +473,17 @@ class Consumer:
         self._slot_settled = False
         unlimited = any(not s.flow_limited for group in self._groups for s in group)
         while not self._stopping and not self._paused:
-            if (held.retry_after is None and self._slot_settled) or (unlimited and self._woken_unlimited):
-                return
+            if unlimited and self._woken_unlimited:
+                return True
+            if held.retry_after is None and self._slot_settled:
+                return False
             remaining = deadline - self._clock()
             if remaining <= 0:
-                return
+                return False
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=remaining)
+        return False
 
     async def _back_off_after_empty_wakes(self) -> bool:
         """Before a claim a wake-up asked for: waits out the pause that follows wake-up claims
