@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -160,15 +161,22 @@ async def test_claim_of_one_takes_the_first_in_claim_order_keyed_or_not(harness:
     assert [d.message_id for d in drained] == [r.message_id for r in published]
 
 
+@pytest.mark.parametrize("limits", [{}, {"max_in_flight": 100}, {"rate_limit": "100/s"}],
+                         ids=["no-limit", "max_in_flight", "rate_limit"])
 @pytest.mark.parametrize("keys_first", [True, False])
-async def test_a_claim_on_a_keyed_subscription_shares_its_room(harness: Harness, keys_first: bool) -> None:
+async def test_a_claim_on_a_keyed_subscription_shares_its_room(
+    harness: Harness, keys_first: bool, limits: dict[str, Any]
+) -> None:
     """A claim of several on a keyed subscription gives neither side every slot: with more keys and
     more deliveries without a key ready than it has room for, a claim of 4 takes 2 keys and 2
-    without a key, whichever were published first (the in-memory transport once took the first 4
-    in claim order)."""
+    without a key, whichever were published first, under a flow limit with room to spare as
+    without one (the in-memory transport once took the first 4 in claim order)."""
     if not harness.transport.capabilities.priority:
         pytest.skip(f"{harness.name}: no claim order to keep (no priority, no due time)")
-    world = await make_world(harness.transport, [{"role": "x", "partition_mode": "Exclusive"}])
+    caps = harness.transport.capabilities
+    if ("max_in_flight" in limits and not caps.concurrency_limits) or ("rate_limit" in limits and not caps.rate_limits):
+        pytest.skip(f"{harness.name}: the transport has no such flow limit")
+    world = await make_world(harness.transport, [{"role": "x", "partition_mode": "Exclusive", **limits}])
     keyed = [PublishRequest(partition_key=f"k{i}", payload=i) for i in range(6)]
     unkeyed = [PublishRequest(payload=i) for i in range(6)]
     for batch in ((keyed, unkeyed) if keys_first else (unkeyed, keyed)):
