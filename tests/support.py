@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi_workqueue import Subscription, SubscriptionPlan, Topic, WorkQueue, WorkQueueSettings
@@ -118,16 +120,19 @@ def rows_removed(text: str) -> list[int]:
     return [int(n) for n in re.findall(r"Rows Removed by (?:Join )?Filter: (\d+)", text)]
 
 
-async def sweep_until_done(transport: Any, passes: int = 20) -> set[str]:
+async def sweep_until_done(transport: Any, passes: int = 20, *, survive_errors: bool = False) -> set[str]:
     """Sweeps until a pass takes no lease back; returns the deliveries taken back. A pass takes at
     most its limit (1,000), oldest lease first, and the session's database holds other tests'
-    leases too: a clock moved ahead finds theirs run out as well. A pass that raises counts as one
-    that took nothing (a test of a sweep that must not wedge then sees what it left)."""
+    leases too: a clock moved ahead finds theirs run out as well. With ``survive_errors`` a pass
+    that raises ends the sweeping (a test of a sweep that must not wedge then sees what it left);
+    otherwise the error is the test's."""
     taken: set[str] = set()
     for _ in range(passes):
         try:
             report = await transport.sweep()
         except Exception:
+            if not survive_errors:
+                raise
             return taken
         taken |= {t.delivery_id for t in report.taken_back}
         if report.ran and not report.taken_back:
@@ -135,3 +140,46 @@ async def sweep_until_done(transport: Any, passes: int = 20) -> set[str]:
         if not report.ran:  # another pass holds the sweep lock
             await asyncio.sleep(0.05)
     return taken
+
+
+class LoggedProcess:
+    """A subprocess whose stdout and stderr go to files, read once it has ended: a pipe nobody
+    reads while the process runs fills (64 KB) and stops it. ``communicate()`` waits and answers
+    both as an ``asyncio.subprocess.Process`` would."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, out: Path, err: Path) -> None:
+        self.proc, self.out, self.err = proc, out, err
+
+    @classmethod
+    async def start(cls, *command: str, logs: Path, **kwargs: Any) -> LoggedProcess:
+        """Starts ``command`` (``asyncio.create_subprocess_exec``'s other arguments in ``kwargs``);
+        its output goes to two new files in the folder ``logs`` (a test's ``tmp_path``)."""
+        stem = f"process-{uuid.uuid4().hex[:8]}"
+        out, err = logs / f"{stem}.out", logs / f"{stem}.err"
+        with out.open("wb") as stdout, err.open("wb") as stderr:
+            proc = await asyncio.create_subprocess_exec(*command, stdout=stdout, stderr=stderr, **kwargs)
+        return cls(proc, out, err)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def send_signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+    async def communicate(self) -> tuple[bytes, bytes]:
+        await self.proc.wait()
+        return self.out.read_bytes(), self.err.read_bytes()
+
+    def stderr_so_far(self) -> str:
+        return self.err.read_text(errors="replace")

@@ -19,7 +19,7 @@ import pytest
 
 from fastapi_workqueue import WorkQueue, WorkQueueSettings
 
-from .support import wait_for
+from .support import LoggedProcess, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,6 +38,7 @@ async def run_cli(env: dict[str, str], *args: str, **more_env: str) -> tuple[int
 class Jobs:
     def __init__(self, url: str, tmp_path: Path, **env: str) -> None:
         self.queue_name = f"app-{uuid.uuid4().hex[:8]}"
+        self.tmp_path = tmp_path
         self.record = tmp_path / "record.jsonl"
         self.record.touch()
         self.env = {**os.environ, "WORKQUEUE_DATABASE_URL": url, "JOBS_APP_QUEUE": self.queue_name,
@@ -51,10 +52,10 @@ class Jobs:
         self.producer.settings = WorkQueueSettings(database_url=url, auto_migrate=True, enabled=False,
                                                    subscriptions=[])
 
-    async def start(self, *args: str, **env: str) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(
+    async def start(self, *args: str, **env: str) -> LoggedProcess:
+        return await LoggedProcess.start(
             sys.executable, "-m", "fastapi_workqueue", "work", "--app", "tests.apps.jobs_app:queue", *args,
-            env={**self.env, **env}, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            logs=self.tmp_path, env={**self.env, **env}, cwd=ROOT,
         )
 
     def events(self) -> list[dict[str, Any]]:
