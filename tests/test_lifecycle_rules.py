@@ -225,3 +225,27 @@ def test_a_topic_that_is_missing_or_retired_refuses_the_call_saying_what_to_do()
         "UnknownTopic", "topic 'orders' does not exist; declare it in the WorkQueue topics or create it first")
     code, text = topic_refusal("orders", exists=True)
     assert code == "TopicRetired" and "workqueue topics resume orders" in text
+
+
+@pytest.mark.parametrize(("room", "keys", "share"), [
+    (4, 0, 4), (4, 6, 2), (4, 4, 2), (4, 1, 3), (5, 5, 2), (1, 0, 1), (1, 1, 1), (1, 3, 1), (2, 2, 1),
+])
+def test_a_claim_leaves_the_deliveries_without_a_key_at_least_half_its_room(room: int, keys: int, share: int) -> None:
+    from fastapi_workqueue.core.lifecycle import unkeyed_share
+
+    assert unkeyed_share(room, min(keys, room)) == share
+
+
+def test_split_claim_gives_the_keys_what_the_others_leave_and_a_claim_of_one_to_the_first() -> None:
+    from fastapi_workqueue.core.lifecycle import split_claim
+
+    def order(d: tuple[int, int]) -> tuple[int, int]:
+        return d
+
+    keys, others = [(0, 1), (0, 3), (0, 5), (0, 7)], [(0, 2), (0, 4)]
+    assert split_claim(4, keys, others, order, order) == ([(0, 1), (0, 3)], others)  # 2 + 2
+    assert split_claim(6, keys, others, order, order) == (keys, others)  # room for all
+    assert split_claim(1, keys[:1], others[:1], order, order) == (keys[:1], [])  # the key comes first
+    assert split_claim(1, [(0, 3)], [(0, 2)], order, order) == ([], [(0, 2)])
+    assert split_claim(1, [(-9, 3)], [(0, 2)], order, order) == ([(-9, 3)], [])  # a higher priority first
+    assert split_claim(3, [], others, order, order) == ([], others)

@@ -6,6 +6,8 @@
   an InFlight delivery (status, attempt, reason, error, when it is visible again);
 - :func:`settlement_for`: what a handler's outcome or exception settles as;
 - :func:`next_claimable`: which delivery of a key a claim may take, per partition mode;
+- :func:`unkeyed_share` and :func:`split_claim`: how a claim on a keyed subscription shares its
+  room between the keys and the deliveries without a key;
 - :func:`matches` (re-exported from :mod:`.filters`): a subscription filter against attributes;
 - :func:`classify_batch` and :func:`batch_refusals`: a publish call's items, all or nothing.
 
@@ -21,7 +23,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from .envelope import MAX_DELAY_SECONDS
 from .failures import error_text, storable
@@ -56,7 +58,9 @@ __all__ = [
     "next_claimable",
     "settle_transition",
     "settlement_for",
+    "split_claim",
     "topic_refusal",
+    "unkeyed_share",
 ]
 
 SettledStatus = Literal["Pending", "Completed", "DeadLettered", "Discarded"]
@@ -303,6 +307,32 @@ def next_claimable(mode: PartitionMode, deliveries: Sequence[K], now: datetime) 
             best = d
     return best
 
+
+
+D = TypeVar("D")
+E = TypeVar("E")
+
+
+def unkeyed_share(room: int, keys: int) -> int:
+    """How many deliveries without a key lock a claim of ``room`` looks for beside ``keys`` keys
+    that can run (their number capped at ``room``): on a keyed subscription neither side takes
+    every slot, the others keep at least half; a claim of one looks for one of each and keeps the
+    first in claim order (:func:`split_claim`)."""
+    return room if not keys else max(room - keys, room // 2, 1 if room == 1 else 0)
+
+
+def split_claim(
+    room: int, keyed: list[D], unkeyed: list[E], first_key: Callable[[D], Any], first_unkeyed: Callable[[E], Any]
+) -> tuple[list[D], list[E]]:
+    """The keys and the deliveries without a key that a claim of ``room`` takes, each side in claim
+    order and the unkeyed side already cut to :func:`unkeyed_share`: the keys give way to it. At a
+    room of one the first in claim order wins, by ``first_key`` and ``first_unkeyed`` (each side's
+    ``(-priority, due time, id)``)."""
+    if not keyed or len(keyed) + len(unkeyed) <= room:
+        return keyed, unkeyed
+    if room == 1:
+        return ([], unkeyed) if first_key(keyed[0]) > first_unkeyed(unkeyed[0]) else (keyed, [])
+    return keyed[: room - len(unkeyed)], unkeyed
 
 # -- publish: every item classified before anything is written, all or nothing -------------------
 

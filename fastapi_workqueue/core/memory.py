@@ -48,7 +48,9 @@ from .lifecycle import (
     next_claimable,
     settle_delay,
     settle_transition,
+    split_claim,
     topic_refusal,
+    unkeyed_share,
 )
 from .live_work import LIVE_COUNT_CAP, FlowState
 from .message_state import GroupMember
@@ -195,27 +197,13 @@ def _claim_order(d: _Delivery) -> tuple[int, datetime, int]:
     return (-d.priority, d.visible_at, d.id)
 
 
-def _share(room: int, keyed: list[_Delivery]) -> int:
-    """How many deliveries without a key a claim of ``room`` takes beside ``keyed`` (the keys that
-    can run), as the database stores share it: neither side takes every slot."""
-    return room if not keyed else max(room - len(keyed), room // 2, 1 if room == 1 else 0)
-
-
-def _split(room: int, keyed: list[_Delivery], unkeyed: list[_Delivery]) -> list[_Delivery]:
-    """The keys give way to what :func:`_share` kept for the others; a claim of one takes whichever
-    of the two comes first in claim order."""
-    if not keyed or len(keyed) + len(unkeyed) <= room:
-        return keyed + unkeyed
-    if room == 1:
-        return [min(keyed[0], unkeyed[0], key=_claim_order)]
-    return keyed[: room - len(unkeyed)] + unkeyed
-
-
 def _shared(candidates: list[_Delivery], room: int) -> list[_Delivery]:
     """What a claim of ``room`` takes of ``candidates`` (in claim order) on a subscription without
     flow limits."""
     keyed = [d for d in candidates if d.mode != "None"][:room]
-    return _split(room, keyed, [d for d in candidates if d.mode == "None"][: _share(room, keyed)])
+    unkeyed = [d for d in candidates if d.mode == "None"][: unkeyed_share(room, len(keyed))]
+    taken, others = split_claim(room, keyed, unkeyed, _claim_order, _claim_order)
+    return taken + others
 
 
 class MemoryTransport:
@@ -501,10 +489,11 @@ class MemoryTransport:
         # The keys that can run and the deliveries without a key lock share the room, as on the
         # databases; a partition key limits the latter too on None mode (key_concurrency, key_rate).
         keyed = [d for d in candidates if d.mode != "None" and key_room(d.partition_key or "") >= 1][:room]
-        share = _share(room, keyed)
-        unkeyed = take_limited([d for d in candidates if d.mode == "None"], share, lambda d: d.partition_key,
+        unkeyed = take_limited([d for d in candidates if d.mode == "None"], unkeyed_share(room, len(keyed)),
+                               lambda d: d.partition_key,
                                key_room if spec.partition_mode == "None" else lambda key: math.inf)
-        taken = _split(room, keyed, unkeyed)
+        keyed, unkeyed = split_claim(room, keyed, unkeyed, _claim_order, _claim_order)
+        taken = keyed + unkeyed
         if held is None and len(taken) < limit and len(taken) < len(candidates):
             spent = key_rate is not None and any(
                 tokens(True, d.partition_key, key_rate) < 1 for d in candidates if d.partition_key is not None)

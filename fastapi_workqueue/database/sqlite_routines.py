@@ -28,7 +28,9 @@ from ..core.lifecycle import (
     granted_lease,
     matches,
     settle_transition,
+    split_claim,
     topic_refusal,
+    unkeyed_share,
 )
 
 Row = dict[str, Any]
@@ -396,31 +398,17 @@ async def r_claim(c: Call, p_subscription: str, p_limit: int, p_holder: Any = No
         if sub["partition_mode"] != "None":
             # Keys by the priority of their next delivery, then the earliest due.
             keyed = await _ranked(c, "partition_ready", sub["id"], p_limit)
-        share = _share(p_limit, keyed)
+        share = unkeyed_share(p_limit, len(keyed))
         unkeyed = await _ranked(c, "claimable_unkeyed", sub["id"], share) if share > 0 else []
         keyed, unkeyed = _split(p_limit, keyed, unkeyed)
         return await _take(c, sub, keyed, unkeyed, p_holder)
     return await _claim_limited(c, sub, limits, p_limit, p_holder)
 
 
-def _share(room: int, keyed: list[Row]) -> int:
-    """How many deliveries without a key a claim of ``room`` looks for beside ``keyed``, the keys
-    that can run: on a keyed subscription neither side takes every slot; a claim of one looks for
-    one of each and keeps the first in claim order (:func:`_split`)."""
-    return room if not keyed else max(room - len(keyed), room // 2, 1 if room == 1 else 0)
-
-
 def _split(room: int, keyed: list[Row], unkeyed: list[Row]) -> tuple[list[Row], list[Row]]:
-    """The keys and the deliveries without a key that a claim of ``room`` takes: the keys give way
-    to what :func:`_share` kept for the others; at a room of one the first in claim order wins."""
-    if not keyed or len(keyed) + len(unkeyed) <= room:
-        return keyed, unkeyed
-    if room == 1:
-        k, u = keyed[0], unkeyed[0]
-        if (-k["next_priority"], k["next_visible_at"], k["next_id"]) > (-u["priority"], u["visible_at"], u["id"]):
-            return [], unkeyed
-        return keyed, []
-    return keyed[: room - len(unkeyed)], unkeyed
+    """The keys and the deliveries without a key that a claim of ``room`` takes."""
+    return split_claim(room, keyed, unkeyed, lambda k: (-k["next_priority"], k["next_visible_at"], k["next_id"]),
+                       lambda u: (-u["priority"], u["visible_at"], u["id"]))
 
 
 async def _take(c: Call, sub: Row, keyed: list[Row], unkeyed: list[Row], holder: Any) -> list[Row]:
@@ -508,7 +496,7 @@ async def _claim_limited(c: Call, sub: Row, limits: Limits, limit: int, holder: 
     unkeyed: list[Row] = []
     if room > 0 and sub["partition_mode"] != "None":
         keyed = await _ranked(c, "partition_ready_past", sid, room, blocked=blocked)
-    share = _share(room, keyed)
+    share = unkeyed_share(room, len(keyed))
     if share > 0:
         window = await _ranked(c, "claimable_unkeyed_past", sid, share * 4, blocked=blocked)
         window.sort(key=lambda r: (-r["priority"], r["visible_at"], r["id"]))
