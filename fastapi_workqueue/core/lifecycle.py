@@ -308,7 +308,6 @@ def next_claimable(mode: PartitionMode, deliveries: Sequence[K], now: datetime) 
     return best
 
 
-
 D = TypeVar("D")
 E = TypeVar("E")
 
@@ -333,6 +332,7 @@ def split_claim(
     if room == 1:
         return ([], unkeyed) if first_key(keyed[0]) > first_unkeyed(unkeyed[0]) else (keyed, [])
     return keyed[: room - len(unkeyed)], unkeyed
+
 
 # -- publish: every item classified before anything is written, all or nothing -------------------
 
