@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,9 @@ class Subs:
     transport: PostgresTransport
     names: dict[str, str]
     topics: dict[str, str]
+    held: dict[str, ClaimedDelivery] = field(default_factory=dict)
+    """What the test claimed and has not settled (given back at its end: the session's database
+    is every later test's, and their sweeps would find these leases)."""
 
     async def publish(self, role: str, *requests: PublishRequest) -> None:
         results = await self.transport.publish(self.topics[role], [prepare(r) for r in requests])
@@ -81,11 +84,19 @@ class Subs:
 
     async def claim(self, role: str, limit: int = 1) -> list[ClaimedDelivery]:
         claimed = await self.transport.claim(self.names[role], limit)
+        self.held.update((d.delivery_id, d) for d in claimed)
         assert len(claimed) == limit
         return claimed
 
     async def settle(self, delivery: ClaimedDelivery, kind: SettleKind, **extra: Any) -> None:
+        self.held.pop(delivery.delivery_id, None)
         await self.transport.settle([Settlement(delivery.delivery_id, delivery.lease_token, kind, **extra)])
+
+    async def give_back(self) -> None:
+        """Releases every delivery the test still holds."""
+        held, self.held = list(self.held.values()), {}
+        if held:
+            await self.transport.settle([Settlement(d.delivery_id, d.lease_token, "Release") for d in held])
 
 
 def keyed(key: str | None, n: int = 1, **fields: Any) -> list[PublishRequest]:
@@ -149,17 +160,20 @@ async def test_the_documented_query_counts_what_backlog_counts(
     pg_transport: PostgresTransport, admin: asyncpg.Connection[Any], scaler: asyncpg.Connection[Any]
 ) -> None:
     subs, expected = await make_data(pg_transport, admin)
-    got: dict[str, int] = {}
-    for role, name in subs.names.items():
-        value = await scaler.fetchval(QUERY, name)
-        backlog = await pg_transport.backlog(name)
-        assert backlog is not None
-        assert value == min(backlog.claimable, 1000) + min(backlog.in_flight, 1000), role
-        got[role] = value
-    assert got == expected
-    big = await pg_transport.backlog(subs.names["big"])
-    assert big is not None and (big.claimable, big.in_flight) == (1200, 1100)  # backlog itself is exact
-    assert await scaler.fetchrow(QUERY, unique("no-such-subscription")) is None
+    try:
+        got: dict[str, int] = {}
+        for role, name in subs.names.items():
+            value = await scaler.fetchval(QUERY, name)
+            backlog = await pg_transport.backlog(name)
+            assert backlog is not None
+            assert value == min(backlog.claimable, 1000) + min(backlog.in_flight, 1000), role
+            got[role] = value
+        assert got == expected
+        big = await pg_transport.backlog(subs.names["big"])
+        assert big is not None and (big.claimable, big.in_flight) == (1200, 1100)  # backlog itself is exact
+        assert await scaler.fetchrow(QUERY, unique("no-such-subscription")) is None
+    finally:
+        await subs.give_back()
 
 
 async def test_the_scaler_role_can_read_only_what_the_query_needs(
