@@ -185,6 +185,8 @@ class Consumer:
 
     def _set_groups(self, groups: Groups) -> None:
         self._groups = [list(group) for group in groups if group]
+        # The subscriptions without a flow limit: a wake-up of one ends a wait for another's limit.
+        self._unlimited = frozenset(s.name for group in self._groups for s in group if not s.flow_limited)
         if self._groups:
             self.subscription = self._groups[0][0]
 
@@ -257,8 +259,7 @@ class Consumer:
     def wake(self, subscription: str | None = None) -> None:
         """New work may be claimable (of ``subscription``, or of any of this consumer's): look now
         instead of at the next poll."""
-        if subscription is None or any(s.name == subscription and not s.flow_limited
-                                       for group in self._groups for s in group):
+        if subscription is None or subscription in self._unlimited:
             self._woken_unlimited = True
         self._wake.set()
 
@@ -471,9 +472,8 @@ class Consumer:
             seconds = min(max(held.retry_after, 0.001), self.idle_poll_max)
         deadline = self._clock() + seconds
         self._slot_settled = False
-        unlimited = any(not s.flow_limited for group in self._groups for s in group)
         while not self._stopping and not self._paused:
-            if unlimited and self._woken_unlimited:
+            if self._unlimited and self._woken_unlimited:
                 return True
             if held.retry_after is None and self._slot_settled:
                 return False
