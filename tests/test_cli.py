@@ -183,7 +183,21 @@ async def test_entry_point_help_and_database_url(cli: Cli) -> None:
     await cli("--database-url", "sqlite+aiosqlite:///workqueue.db", "migrate", env=no_url)
     found = await cli("--json", "stats", env=no_url)
     assert found.json() == [] and "workqueue.db" in found.err
+    # A misspelt variable is named, with the one it resembles, before the command runs: here it is
+    # why the command reads ./workqueue.db and not the database the operator meant.
+    typo = await cli("--json", "stats", env={**no_url, "WORKQUEUE_DATABSE_URL": cli.url})
+    assert typo.json() == []
+    assert ("warning: WORKQUEUE_DATABSE_URL is not a setting of fastapi-workqueue and is ignored; did you mean "
+            "WORKQUEUE_DATABASE_URL?") in typo.err.splitlines()
     (cli.folder / "workqueue.db").unlink()
+    # A URL that cannot be read says what to change, without the password it holds: an operator
+    # command exits 1, `work` 2 (bad configuration).
+    malformed = "postgresql+asyncpg//app:s3cret-pw@127.0.0.1/db"
+    bad = await cli("--database-url", malformed, "stats", env=no_url, expect=1)
+    assert "the database URL does not start with a scheme and '://'" in bad.err and "s3cret" not in bad.err
+    bad_work = await cli("work", "--app", APP, "--subscription", cli_app.IDLE, "--once",
+                         env={**no_url, "WORKQUEUE_DATABASE_URL": malformed}, expect=2)
+    assert "does not start with a scheme and '://'" in reason(bad_work.err) and "s3cret" not in bad_work.err
     # Before the command or after it.
     [stats] = (await cli("--database-url", cli.url, "--json", "stats", "--subscription", cli_app.IDLE,
                          env=no_url)).json()

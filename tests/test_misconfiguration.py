@@ -43,6 +43,32 @@ def test_the_database_password_is_masked_in_the_repr() -> None:
     assert settings.database_url == "postgresql+asyncpg://app:s3cret-pw@db.internal:5432/orders"
 
 
+MALFORMED_URLS = [
+    ("postgresql+asyncpg//app:s3cret-pw@127.0.0.1/db", "does not start with a scheme and '://' (it begins "
+     "'postgresql+asyncpg'); write it as postgresql+asyncpg://user:password@host:5432/db"),
+    ("postgresql+asyncpg:/app:s3cret-pw@127.0.0.1/db", "does not start with a scheme and '://'"),
+    ("app:s3cret-pw@127.0.0.1/db", "does not start with a scheme and '://' (it begins 'app')"),
+    ("postgresql+asyncpg://app:s3cret@pw@127.0.0.1:5432/db", "has more than one '@' before its host: a password "
+     "(or user name) with '@', ':', '/', '?' or '#' in it must be percent-encoded ('@' as %40"),
+]
+
+
+@pytest.mark.parametrize(("url", "says"), MALFORMED_URLS, ids=["no-colon", "one-slash", "no-scheme", "two-at"])
+def test_a_malformed_database_url_says_what_to_change_without_its_password(url: str, says: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        WorkQueueSettings(database_url=url)
+    message = str(raised.value)
+    assert message.startswith("WORKQUEUE_DATABASE_URL (WorkQueueSettings.database_url): ")
+    assert says in message and "s3cret" not in message
+    # The transport's factory (the CLI's --database-url) checks the same, in its own words.
+    from fastapi_workqueue.database import create_database_transport
+
+    with pytest.raises(ConfigurationError) as raised:
+        create_database_transport(url)
+    assert str(raised.value).startswith("the database URL ") and says in str(raised.value)
+    assert "s3cret" not in str(raised.value)
+
+
 def test_unknown_variables_name_the_closest_setting() -> None:
     environ = {
         "WORKQUEUE_DATABSE_URL": "x", "WORKQUEUE_DATABASE_URL": "y", "WORKQUEUE_CONCURENCY": "2",

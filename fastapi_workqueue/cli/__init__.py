@@ -91,6 +91,11 @@ def _accept_global_options_everywhere(command: click.Command) -> None:
 def cli(click_ctx: click.Context, database_url: str | None, as_json: bool, verbose: bool) -> None:
     """Operate a fastapi-workqueue: publish, inspect, replay, discard, run workers."""
     click_ctx.obj = Context(database_url, as_json, verbose)
+    if click_ctx.invoked_subcommand != "work":  # (`work` starts the app, whose queue warns in its log)
+        from ..core.settings import unknown_variables
+
+        for problem in unknown_variables():
+            click.echo(f"warning: {problem}", err=True)
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
+from .database_url import database_scheme
 from .envelope import DEFAULT_MAX_MESSAGE_ATTEMPTS, MAX_ATTEMPTS_LIMIT
 from .errors import ConfigurationError
 from .host import HostOptions, SubscriptionPlan
@@ -176,6 +177,16 @@ class WorkQueueSettings(BaseSettings):
     """The subscriptions served by a Lambda function rather than a host
     (``WORKQUEUE_AWS_LAMBDA_SUBSCRIPTIONS='["documents.archive"]'``): the manifest gives them a
     ``lambda`` block and hosts do not consume them."""
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        if value:
+            try:
+                database_scheme(value, source="the URL")
+            except ConfigurationError as exc:
+                raise ValueError(str(exc)) from None
+        return value
 
     @field_validator("trace_url")
     @classmethod

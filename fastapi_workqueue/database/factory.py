@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..core.database_url import EXAMPLES, database_scheme
 from ..core.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -16,7 +17,7 @@ def create_database_transport(
     """A transport for ``url``: ``postgresql+asyncpg://…``, ``sqlite+aiosqlite:///file.db`` or
     ``mssql+aioodbc://…`` (aioodbc is imported when the SQL Server transport opens).
     ``sqlite_busy_timeout_ms`` bounds each SQLite operation's wait for the file's write lock."""
-    scheme = url.partition("://")[0].split("+", 1)[0].lower()
+    scheme = database_scheme(url)
     if scheme == "sqlite":
         from .sqlite import SqliteTransport
 
@@ -35,8 +36,4 @@ def create_database_transport(
         from .mssql import MssqlTransport
 
         return MssqlTransport(url, **options)
-    raise ConfigurationError(
-        f"database URL scheme {scheme!r} is not supported; use postgresql+asyncpg://user@host/db, "
-        "sqlite+aiosqlite:///path/to/file.db or "
-        "mssql+aioodbc://user:password@host/db?driver=ODBC+Driver+18+for+SQL+Server"
-    )
+    raise ConfigurationError(f"database URL scheme {scheme!r} is not supported; use {EXAMPLES}")

@@ -12,7 +12,9 @@ from typing import Any, TypeVar, cast
 import asyncpg
 
 from ..core.clock import Clock
+from ..core.database_url import database_scheme
 from ..core.envelope import PreparedMessage, PublishResult
+from ..core.errors import ConfigurationError
 from ..core.redaction import redacting_logger
 from ..core.transport import Capabilities
 from .end_notices import EndNotices
@@ -32,13 +34,9 @@ CHANNEL = "workqueue"
 
 def to_asyncpg_dsn(url: str) -> str:
     """``postgresql+asyncpg://…`` (SQLAlchemy style) → ``postgresql://…`` (libpq style)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        raise ValueError(f"database URL {url!r} has no scheme; use postgresql+asyncpg://user@host/db")
-    base = scheme.split("+", 1)[0]
-    if base not in ("postgresql", "postgres"):
-        raise ValueError(f"database URL scheme {scheme!r} is not PostgreSQL")
-    return f"postgresql://{rest}"
+    if database_scheme(url) not in ("postgresql", "postgres"):
+        raise ConfigurationError(f"database URL scheme {url.partition('://')[0]!r} is not PostgreSQL")
+    return f"postgresql://{url.partition('://')[2]}"
 
 
 async def _init_connection(conn: asyncpg.Connection[Any]) -> None:

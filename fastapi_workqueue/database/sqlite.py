@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from ..core.clock import Clock
+from ..core.database_url import database_scheme
 from ..core.errors import ConfigurationError, TransportError
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
@@ -60,9 +61,9 @@ _FILE_URL_HINT = (
 
 def sqlite_path(url: str) -> str:
     """``sqlite+aiosqlite:///relative.db`` / ``sqlite:////absolute.db`` → a file path."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or not scheme.startswith("sqlite"):
-        raise ValueError(f"database URL {url!r} is not SQLite; use sqlite+aiosqlite:///path/to/file.db")
+    if database_scheme(url) != "sqlite":
+        raise ConfigurationError("the database URL is not SQLite; use sqlite+aiosqlite:///path/to/file.db")
+    rest = url.partition("://")[2]
     path = rest[1:] if rest.startswith("/") else rest
     path = path.split("?", 1)[0]
     if path == ":memory:" or path.startswith("file::memory:"):
