@@ -21,6 +21,8 @@ from .support import FAST, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
+THIS_FILE = str(Path(__file__).resolve())
+
 
 def names(n: int) -> list[str]:
     suffix = uuid.uuid4().hex[:6]
@@ -177,6 +179,49 @@ async def test_a_job_that_blocks_the_loop_past_its_timeout_is_timed_out_not_proc
     [alarm] = [r for r in caplog.records if r.levelno == logging.CRITICAL]
     assert alarm.threadName == THREAD_NAME and "still running 0.3 s after its timeout of 0.2 s" in alarm.getMessage()
     assert "blocks the event loop" in alarm.getMessage() and "workqueue work" in alarm.getMessage()
+    assert queue.jobs.watchdog.watching == 0
+
+
+async def test_a_job_held_up_by_another_that_blocks_the_loop_is_not_blamed(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job with a timeout awaits politely while another job, without a timeout, blocks the loop
+    past the first one's timeout and stop timeout: its cancellation cannot run until the loop does.
+    The watchdog does not blame it (no critical error, which ends a ``workqueue work`` worker with
+    70): it warns once, naming the code that holds the loop, and gives the job the stop timeout
+    again. Both then end as they should: the polite one timed out, the blocking one processed."""
+    queue_name = names(1)[0]
+    events: list[JobEvent] = []
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        job_queues=queue_name, **FAST))  # (a stop timeout of 0.3 s)
+    queue.listen(JobEvent, events.append)
+
+    polite_name, hog_name = f"polite-{queue_name}", f"hog-{queue_name}"
+
+    @queue.job(polite_name, timeout=1.0, tries=1, queue=queue_name)
+    async def polite(payload: dict[str, Any], job: JobContext) -> None:
+        await asyncio.sleep(30)
+
+    @queue.job(hog_name, tries=1, queue=queue_name)
+    async def hog(payload: dict[str, Any], job: JobContext) -> None:
+        time.sleep(3)  # noqa: ASYNC251 (on purpose: the other job's timer and cancellation wait)
+
+    def ended(name: str) -> list[str]:
+        return [type(e).__name__ for e in events if e.job == name and type(e).__name__ != "JobProcessing"]
+
+    caplog.set_level(logging.WARNING, logger="fastapi_workqueue.jobs")
+    async with queue.lifespan(None):
+        await queue.dispatch(polite, {})
+        await wait_for(lambda: any(e.job == polite_name for e in events), within=30)
+        await queue.dispatch(hog, {})  # (it starts well within the other's timeout of 1 s)
+        await wait_for(lambda: ended(polite_name) and ended(hog_name), within=30)
+    assert ended(polite_name) == ["JobFailed"] and ended(hog_name) == ["JobProcessed"]
+    assert [r for r in caplog.records if r.levelno >= logging.CRITICAL] == []
+    [held] = [r for r in caplog.records if "blocked by other code" in r.getMessage()]
+    assert held.threadName == THREAD_NAME and held.levelno == logging.WARNING
+    message = held.getMessage()
+    assert message.startswith(f"job {polite_name} (") and "is past its timeout of 1 s" in message
+    assert f"{THIS_FILE}:" in message and " in hog)" in message
     assert queue.jobs.watchdog.watching == 0
 
 

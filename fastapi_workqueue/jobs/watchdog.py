@@ -7,10 +7,22 @@ watchdog lives outside the loop, in a daemon thread of its own: each attempt wit
 watched until it ends, and when one is still running ``stop_timeout`` seconds after its timeout,
 the watchdog calls the jobs layer's ``stuck`` policy from its thread. ``workqueue work`` logs and
 ends the process with exit code 70 there; an app's own host logs a critical error.
+
+Before it blames the job, the watchdog asks the loop: it schedules a callback from its thread and
+waits for it a moment. When the loop does not answer and the task it is running is not the job's,
+other code blocks the loop (another job, a handler), and the job's cancellation has not had its
+turn yet: the watchdog warns once, naming where the loop is held, and gives the job the stop
+timeout again. It blames the job when the job's own task holds the blocked loop, or when the loop
+runs (the job swallowed the cancellation) and the job had a stop timeout of running loop since.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +46,13 @@ class Overrun:
     stop_timeout: float
     deadline: float = field(default=0.0)
     """When the attempt is overdue, on the watchdog's clock."""
+    loop: asyncio.AbstractEventLoop | None = None
+    task: asyncio.Task[Any] | None = None
+    """The loop and the task the attempt runs on (None outside a loop)."""
+    thread_id: int = 0
+    held_up: bool = False
+    """Its last deadline found the loop blocked by other code."""
+    ended: bool = False
 
 
 class Watch:
@@ -65,6 +84,9 @@ class Watchdog:
     def watch(self, job: Any, context: Any, timeout: float, stop_timeout: float) -> Watch:
         """Watches an attempt that starts now with ``timeout`` seconds and ``stop_timeout`` after them."""
         overrun = Overrun(job, context, timeout, stop_timeout, self._clock() + timeout + stop_timeout)
+        with contextlib.suppress(RuntimeError):  # (not on a loop: nothing to ask, the deadline alone decides)
+            overrun.loop, overrun.task = asyncio.get_running_loop(), asyncio.current_task()
+        overrun.thread_id = threading.get_ident()
         with self._changed:
             self._watched.add(overrun)
             if self._thread is None or not self._thread.is_alive():
@@ -81,7 +103,15 @@ class Watchdog:
 
     def _forget(self, overrun: Overrun) -> None:
         with self._changed:
+            overrun.ended = True
             self._watched.discard(overrun)
+
+    def _again(self, overrun: Overrun) -> None:
+        """Watches ``overrun`` for another stop timeout."""
+        with self._changed:
+            if not overrun.ended:
+                overrun.deadline = self._clock() + overrun.stop_timeout
+                self._watched.add(overrun)
 
     def _run(self) -> None:
         while True:
@@ -96,6 +126,76 @@ class Watchdog:
                 self._watched.difference_update(overdue)
             for overrun in overdue:
                 try:
-                    self._on_overrun(overrun)
+                    if self._to_blame(overrun):
+                        self._on_overrun(overrun)
                 except Exception:  # (the thread must go on watching the others)
                     log.exception("the policy for job %s that ran past its timeout failed", overrun.job.name)
+
+    def _to_blame(self, overrun: Overrun) -> bool:
+        """Whether the overdue attempt itself keeps running (see the module's docstring); when other
+        code holds the loop, it is watched for another stop timeout instead."""
+        loop = overrun.loop
+        if loop is None:
+            return True
+        answered = threading.Event()
+        try:
+            loop.call_soon_threadsafe(answered.set)
+        except RuntimeError:  # (the loop is closed: the attempt is no longer running)
+            return False
+        if answered.wait(min(PROBE_SECONDS, overrun.stop_timeout)):
+            if overrun.ended:
+                return False
+            if overrun.held_up:  # (the loop runs again: the cancellation has had its turn only now)
+                overrun.held_up = False
+                self._again(overrun)
+                return False
+            return True
+        running = _running_task(loop)
+        if overrun.ended:
+            return False
+        if running is overrun.task or running is None:
+            return True
+        if not overrun.held_up:
+            overrun.held_up = True
+            log.warning(
+                "job %s (%s) is past its timeout of %g s, but the event loop is blocked by other code (%s) and has "
+                "not run its cancellation; it gets %g s more once the loop runs. Code that blocks the loop holds "
+                "up every job and request of this process: await the blocking call in a thread "
+                "(asyncio.to_thread)", overrun.job.name, overrun.context.id, overrun.timeout,
+                _where(overrun.thread_id, running), overrun.stop_timeout,
+            )
+        self._again(overrun)
+        return False
+
+
+PROBE_SECONDS = 0.2
+"""How long the watchdog waits for the loop to run a callback before it takes the loop as blocked."""
+
+_PATHS = sysconfig.get_paths()
+_LIBRARY = (*{_PATHS["stdlib"], _PATHS["platstdlib"]}, os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")
+"""The standard library, this package and frozen modules: never where the application blocks."""
+_INSTALLED = (*_LIBRARY, *{_PATHS["purelib"], _PATHS["platlib"]})
+
+
+def _running_task(loop: asyncio.AbstractEventLoop) -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task(loop)
+    except RuntimeError:  # pragma: no cover - a closed loop
+        return None
+
+
+def _where(thread_id: int, task: asyncio.Task[Any]) -> str:
+    """Where the loop's thread is now: the task's name and the innermost frame of the application's
+    code (outside the standard library, installed packages and this package; failing that, the
+    innermost outside the first two)."""
+    stack = []
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    for skipped in (_INSTALLED, _LIBRARY):
+        for frame in stack:
+            code = frame.f_code
+            if not code.co_filename.startswith(skipped):
+                return f"task {task.get_name()!r}, at {code.co_filename}:{frame.f_lineno} in {code.co_name}"
+    return f"task {task.get_name()!r}"
