@@ -46,6 +46,7 @@ from ..core.transport import (
 )
 from . import body as bodies
 from .bindings import Bindings, load_bindings
+from .client_calls import ClientCalls
 from .leases import MAX_LEASE_SECONDS, Held, Lease
 from .naming import BATCH, NAME
 from .operator_views import (
@@ -151,6 +152,7 @@ class AwsTransport(Receiving, Settling, OperatorViews):
         self._sns: Any = None
         self._sqs: Any = None
         self._closed = False
+        self._calls = ClientCalls()
         self.relay: Any = None
         self.forwarder: Any = None
         self._random = random.Random()
@@ -193,9 +195,10 @@ class AwsTransport(Receiving, Settling, OperatorViews):
         stack = contextlib.AsyncExitStack()
         session = aioboto3.Session()
         options = {"region_name": self.settings.aws_region, "endpoint_url": self.settings.aws_endpoint_url}
+        calls = self._calls = ClientCalls()
         try:
-            self._sns = await stack.enter_async_context(session.client("sns", **options))
-            self._sqs = await stack.enter_async_context(session.client("sqs", **options))
+            self._sns = calls.wrap(await stack.enter_async_context(session.client("sns", **options)))
+            self._sqs = calls.wrap(await stack.enter_async_context(session.client("sqs", **options)))
             self._stack = stack
             self._closed = False
             for topic in self.kernel.topics.values():
@@ -266,8 +269,9 @@ class AwsTransport(Receiving, Settling, OperatorViews):
     async def close(self) -> None:
         """Stops the long polls in flight and gives back what is held here (visibility 0, or what
         is left of a retry's delay; SQS counts that receive, so another process's next attempt
-        number is one higher), stops the relay, then closes the SNS and SQS clients: a later call
-        raises TransportError instead of opening new ones."""
+        number is one higher), stops the relay, waits for the client calls under way (a publish,
+        say: the clients closed under it would send it again), then closes the SNS and SQS
+        clients: a later call raises TransportError instead of opening new ones."""
         if self._stack is None:
             return
         try:
@@ -278,6 +282,7 @@ class AwsTransport(Receiving, Settling, OperatorViews):
             if self.relay is not None:
                 relay, self.relay = self.relay, None
                 await relay.stop()
+            await self._calls.drain()
         finally:
             stack, self._stack = self._stack, None
             self._sns = self._sqs = None

@@ -3,8 +3,11 @@ is left unclosed (an unclosed aiohttp session would warn with a ResourceWarning)
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import json
 import warnings
+from typing import Any
 
 import pytest
 
@@ -12,12 +15,13 @@ from fastapi_workqueue import PublishRequest, Subscription, Topic, TransportErro
 from fastapi_workqueue.aws.bindings import Bindings
 from fastapi_workqueue.aws.manifest import build_manifest
 from fastapi_workqueue.aws.transport import AwsTransport
-from fastapi_workqueue.core.envelope import prepare
+from fastapi_workqueue.core.envelope import PublishStatus, prepare
 from fastapi_workqueue.core.transport import HeartbeatRequest
 
 from ..conftest import unique
+from ..support import wait_for
 from .moto import REGION
-from .provision import provision
+from .provision import clients, provision
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,6 +67,48 @@ async def test_calls_after_close_raise_and_leave_no_session_open(moto_url: str) 
         await aws.close()  # a second close does nothing
         del aws
         assert unclosed_sessions(caught) == []
+
+
+async def test_close_waits_for_a_publish_in_flight_which_reaches_sqs_once(moto_url: str) -> None:
+    """The queue closes (an app shuts down) while a publish's PublishBatch is under way: close waits
+    for it, and the message reaches the subscription's queue once (clients closed under the call
+    made the HTTP library send it again, on a connection left open, which could also hang). A call
+    that comes while close waits is refused with what to do, and no session is left open."""
+    queue, name = a_queue(moto_url)
+    document = provision(build_manifest(list(queue.topics.values()), list(queue.subscriptions.values()),
+                                        queue.settings), moto_url)
+    queue_url = document["subscriptions"][f"{name}.a"]["queue_url"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for round_ in range(3):
+            aws = AwsTransport(queue.kernel, bindings=Bindings.parse(document))
+            await aws.open()
+            publish = asyncio.create_task(aws.publish(name, [prepare(PublishRequest(payload=round_))]))
+            # (the PublishBatch is sent, its answer not yet read)
+            calls = aws._calls
+            await wait_for(lambda: calls.running > 0, within=5, interval=0.0005)  # noqa: B023
+            closing = asyncio.create_task(aws.close())
+            await asyncio.sleep(0)
+            with pytest.raises(TransportError, match=r"the aws transport is closing \(the queue shuts down\): "
+                               r"publish_batch was not sent; call again once the queue is open"):
+                await aws.publish(name, [prepare(PublishRequest(payload="late"))])
+            await asyncio.wait_for(closing, 30)
+            [result] = await asyncio.wait_for(publish, 5)
+            assert result.status == PublishStatus.ACCEPTED
+            del aws
+        assert unclosed_sessions(caught) == []
+    _, sqs = clients(moto_url)
+    bodies: list[Any] = []
+    while answer := (await asyncio.to_thread(sqs.receive_message, QueueUrl=queue_url, MaxNumberOfMessages=10,
+                                             VisibilityTimeout=60, WaitTimeSeconds=0)).get("Messages"):
+        bodies.extend(published(m["Body"])["payload"] for m in answer)
+    assert sorted(bodies) == [0, 1, 2]
+
+
+def published(body: str) -> Any:
+    """The library's body of an SQS message (inside SNS's envelope unless delivered raw)."""
+    found = json.loads(body)
+    return json.loads(found["Message"]) if "Message" in found else found
 
 
 async def test_a_transport_never_opened_says_so(moto_url: str) -> None:

@@ -1,0 +1,102 @@
+"""The SNS and SQS clients as the transport hands them out: every call is counted while it runs,
+so that closing the transport waits for the calls in flight before it closes the clients.
+
+A client closed under a call does not end the call: the HTTP library retries it on a new
+connection of its own (a second ``PublishBatch``, so the messages reach SQS twice) and that
+connection may never answer or be closed. So :meth:`ClientCalls.drain` refuses new calls and
+waits for those under way, within a bound, before the clients close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from ..core.errors import TransportError
+from ..core.redaction import redacting_logger
+from ..core.words import count
+
+log = redacting_logger("fastapi_workqueue.aws")
+
+DRAIN_SECONDS = 30.0
+"""How long closing waits for the client calls in flight (a call that takes longer is cut off)."""
+
+
+class ClientCalls:
+    """The calls in flight on a transport's clients, and whether new ones are still taken."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.draining = False
+
+    def wrap(self, client: Any) -> CountedClient:
+        """``client`` with each of its calls counted here."""
+        return CountedClient(client, self)
+
+    async def drain(self, within: float = DRAIN_SECONDS) -> None:
+        """Refuses new calls and waits up to ``within`` seconds for those under way."""
+        self.draining = True
+        if self.running:
+            try:
+                await asyncio.wait_for(self._idle.wait(), within)
+            except TimeoutError:
+                log.warning("aws: closing with %s still under way after %g s; they are cut off",
+                            count(self.running, "client call"), within)
+
+    def enter(self, name: str) -> None:
+        if self.draining:
+            raise TransportError(
+                f"the aws transport is closing (the queue shuts down): {name} was not sent; call again once the "
+                "queue is open", retryable=False,
+            )
+        self.running += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.running -= 1
+        if not self.running:
+            self._idle.set()
+
+
+class CountedClient:
+    """An aiobotocore client whose API operations (``publish_batch``, ``receive_message``: the
+    names of ``client.meta.method_to_api_mapping``) are counted by :class:`ClientCalls`; every
+    other attribute (``exceptions``, ``meta``, ``get_paginator``) is the client's own."""
+
+    __slots__ = ("_calls", "_client", "_operations")
+
+    def __init__(self, client: Any, calls: ClientCalls) -> None:
+        self._client = client
+        self._calls = calls
+        self._operations = frozenset(client.meta.method_to_api_mapping)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+        if name not in self._operations:
+            return method
+        return _counted(method, name, self._calls)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """The wrapper's own three slots here; anything else on the client (a method replaced to
+        watch its calls, as a test does: it is counted all the same)."""
+        if name in CountedClient.__slots__:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._client, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self._client, name)
+
+
+def _counted(method: Callable[..., Any], name: str, calls: ClientCalls) -> Callable[..., Any]:
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        calls.enter(name)
+        try:
+            return await method(*args, **kwargs)
+        finally:
+            calls.leave()
+
+    return call
