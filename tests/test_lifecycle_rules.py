@@ -190,21 +190,21 @@ def _item(mid: str, content: str = "h", key: str | None = None, size: int = 10) 
 
 
 def test_a_batch_is_classified_before_anything_is_written() -> None:
-    stored = {"old": "h", "other": "x"}
+    stored = {"old": ("t", "h"), "other": ("t", "x"), "elsewhere": ("another-topic", "h")}
     live = {"held": "holder-id"}
-    items = [_item("a"), _item("a"), _item("a", "changed"), _item("old"), _item("other"),
+    items = [_item("a"), _item("a"), _item("a", "changed"), _item("old"), _item("other"), _item("elsewhere"),
              _item("b", key="held"), _item("c", key="k"), _item("d", key="k"), _item("big", size=101)]
-    verdicts = classify_batch(items, 100, stored_hash=stored.get, live_holder=live.get)
+    verdicts = classify_batch(items, 100, topic="t", stored=stored.get, live_holder=live.get)
     assert verdicts == [
         ("Accepted", "a"), ("Duplicate", "a"), ("MessageIDConflict", "a"), ("Duplicate", "old"),
-        ("MessageIDConflict", "other"), ("Duplicate", "holder-id"), ("Accepted", "c"), ("Duplicate", "c"),
-        ("Rejected", "big"),
+        ("MessageIDConflict", "other"), ("MessageIDConflict", "elsewhere"), ("Duplicate", "holder-id"),
+        ("Accepted", "c"), ("Duplicate", "c"), ("Rejected", "big"),
     ]
 
 
 def test_a_refused_item_aborts_the_call_naming_it_from_0() -> None:
     items = [_item("a"), _item("b", size=500), _item("c")]
-    verdicts = classify_batch(items, 100, stored_hash=lambda _: None, live_holder=lambda _: None)
+    verdicts = classify_batch(items, 100, topic="orders", stored=lambda _: None, live_holder=lambda _: None)
     refusals = batch_refusals(verdicts, items, topic="orders", cap=100)
     assert refusals is not None
     assert [(r.status, r.code) for r in refusals] == [
@@ -216,7 +216,7 @@ def test_a_refused_item_aborts_the_call_naming_it_from_0() -> None:
 
 def test_a_call_without_refusals_is_written() -> None:
     items = [_item("a"), _item("a")]
-    verdicts = classify_batch(items, None, stored_hash=lambda _: None, live_holder=lambda _: None)
+    verdicts = classify_batch(items, None, topic="t", stored=lambda _: None, live_holder=lambda _: None)
     assert batch_refusals(verdicts, items, topic="t", cap=None) is None
 
 

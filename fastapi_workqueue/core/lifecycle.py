@@ -339,7 +339,8 @@ def split_claim(
 PublishVerdict = Literal["Accepted", "Duplicate", "Rejected", "MessageIDConflict"]
 
 MESSAGE_ID_CONFLICT_TEXT = (
-    "a message with this MessageID and different content was already published; use a new MessageID for new content"
+    "a message with this MessageID and different content, or on another topic, was already published; use a new "
+    "MessageID for new content"
 )
 
 
@@ -383,16 +384,17 @@ def follow_up_refused(delivery_id: str, topic: str, message: PreparedMessage, an
 
 
 def classify_batch(
-    items: Sequence[BatchItem], cap: int | None, *,
-    stored_hash: Callable[[str], str | None],
+    items: Sequence[BatchItem], cap: int | None, *, topic: str,
+    stored: Callable[[str], tuple[str, str] | None],
     live_holder: Callable[[str], str | None],
 ) -> list[tuple[PublishVerdict, str]]:
     """Each item's verdict and the MessageID it answers with, in order, before anything is written.
 
-    An envelope over ``cap`` is Rejected; a MessageID seen earlier in the call or stored with the
-    same content is a Duplicate of it, with other content a MessageIDConflict; a deduplication key
-    held by a live message (``live_holder``), or by an earlier item of the call, makes a Duplicate
-    of the holder. ``stored_hash`` answers a stored message's content hash (None: not stored).
+    An envelope over ``cap`` is Rejected; a MessageID seen earlier in the call or stored on
+    ``topic`` with the same content is a Duplicate of it, with other content or on another topic
+    a MessageIDConflict; a deduplication key held by a live message (``live_holder``), or by an
+    earlier item of the call, makes a Duplicate of the holder. ``stored`` answers a stored
+    message's topic and content hash (None: not stored).
     """
     verdicts: list[tuple[PublishVerdict, str]] = []
     first_by_id: dict[str, str] = {}
@@ -406,9 +408,9 @@ def classify_batch(
             verdicts.append(("Duplicate" if first_by_id[mid] == item.content_hash else "MessageIDConflict", mid))
             continue
         first_by_id[mid] = item.content_hash
-        stored = stored_hash(mid)
-        if stored is not None:
-            verdicts.append(("Duplicate" if stored == item.content_hash else "MessageIDConflict", mid))
+        found = stored(mid)
+        if found is not None:
+            verdicts.append(("Duplicate" if found == (topic, item.content_hash) else "MessageIDConflict", mid))
             continue
         if key is not None:
             holder = live_holder(key)

@@ -344,16 +344,16 @@ class MemoryTransport:
             return [_refused(m.message_id, code, text) for m in messages]
         cap = known.topic.max_payload_bytes
 
-        def stored_hash(message_id: str) -> str | None:
-            stored = store.messages.get(uuid.UUID(message_id))
-            return None if stored is None else stored.content_hash
+        def stored(message_id: str) -> tuple[str, str] | None:
+            found = store.messages.get(uuid.UUID(message_id))
+            return None if found is None else (found.topic, found.content_hash)
 
         def live_holder(key: str) -> str | None:
             live = store.deduplication.get((topic, key))
             return str(live[0]) if live is not None and live[1] > now else None
 
         items = [BatchItem(str(m.message_id), m.content_hash, m.deduplication_key, m.envelope_bytes) for m in messages]
-        verdicts = classify_batch(items, cap, stored_hash=stored_hash, live_holder=live_holder)
+        verdicts = classify_batch(items, cap, topic=topic, stored=stored, live_holder=live_holder)
         refusals = batch_refusals(verdicts, items, topic=topic, cap=cap)
         if refusals is not None:
             return [_refused(uuid.UUID(mid), r.code, r.text,

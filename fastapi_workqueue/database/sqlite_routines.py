@@ -306,15 +306,15 @@ async def r_publish(
     # Classify every item before writing anything (as PostgreSQL's classify-first path does): the
     # stored hashes and live key holders are read first, the rule is lifecycle's.
     items = [BatchItem(ids[i], p_content_hashes[i], p_deduplication_keys[i], p_envelope_bytes[i]) for i in range(n)]
-    hashes: dict[str, str] = {}
+    hashes: dict[str, tuple[str, str]] = {}
     holders: dict[str, str] = {}
     for mid in dict.fromkeys(item.message_id for item in items):  # each once, in order
         if stored := await c.ex.fetch("message_hash", id=mid):
-            hashes[mid] = str(stored[0]["content_hash"])
+            hashes[mid] = (str(stored[0]["topic"]), str(stored[0]["content_hash"]))
     for dedup_key in dict.fromkeys(item.deduplication_key for item in items if item.deduplication_key is not None):
         if live := await c.ex.fetch("dedup_live", topic=p_topic, key=dedup_key, now=c.now):
             holders[dedup_key] = str(live[0]["message_id"])
-    verdicts = classify_batch(items, cap, stored_hash=hashes.get, live_holder=holders.get)
+    verdicts = classify_batch(items, cap, topic=p_topic, stored=hashes.get, live_holder=holders.get)
     refusals = batch_refusals(verdicts, items, topic=p_topic, cap=cap)
     if refusals is not None:
         return [{"idx": i + 1, "status": r.status, "message_id": verdicts[i][1], "error_code": r.code,

@@ -1634,7 +1634,7 @@ BEGIN
                     UPDATE it
                     SET st = CASE
                             WHEN it.i = f.first_by_id AND ins.id IS NOT NULL THEN N'Accepted'
-                            WHEN s.content_hash = it.hash THEN N'Duplicate'
+                            WHEN s.content_hash = it.hash AND s.topic = @p_topic THEN N'Duplicate'
                             ELSE N'MessageIDConflict'
                         END,
                         result_id = it.mid
@@ -1654,7 +1654,7 @@ BEGIN
                                it.mid,
                                CASE WHEN it.st = N'MessageIDConflict' THEN it.st ELSE N'BatchAborted' END,
                                CASE WHEN it.st = N'MessageIDConflict'
-                                    THEN N'a message with this MessageID and different content was already published; use a new MessageID for new content'
+                                    THEN N'a message with this MessageID and different content, or on another topic, was already published; use a new MessageID for new content'
                                     ELSE CONCAT(N'not published: item ', @v_failed - 1,
                                                 N' of this call was refused (MessageIDConflict) and a publish call is all-or-nothing')
                                END
@@ -1679,7 +1679,7 @@ BEGIN
                         WHEN @v_cap IS NOT NULL AND item.bytes > @v_cap THEN N'Rejected'
                         WHEN item.first_by_id < item.i AND item.first_hash = item.hash THEN N'Duplicate'
                         WHEN item.first_by_id < item.i THEN N'MessageIDConflict'
-                        WHEN s.id IS NOT NULL AND s.content_hash = item.hash THEN N'Duplicate'
+                        WHEN s.id IS NOT NULL AND s.content_hash = item.hash AND s.topic = @p_topic THEN N'Duplicate'
                         WHEN s.id IS NOT NULL THEN N'MessageIDConflict'
                         WHEN lk.message_id IS NOT NULL THEN N'Duplicate'
                         ELSE N'Accepted'
@@ -1732,7 +1732,7 @@ BEGIN
                                    N' accepts at most ', @v_cap,
                                    N' bytes (max_payload_bytes); send a PayloadRef to the data instead')
                                WHEN N'MessageIDConflict'
-                                   THEN N'a message with this MessageID and different content was already published; use a new MessageID for new content'
+                                   THEN N'a message with this MessageID and different content, or on another topic, was already published; use a new MessageID for new content'
                                ELSE CONCAT(N'not published: item ', @v_failed - 1, N' of this call was refused (',
                                            @v_failed_code, N') and a publish call is all-or-nothing')
                            END

@@ -901,7 +901,7 @@ BEGIN
             ), classified AS (
                 SELECT it.i, it.mid,
                        CASE WHEN it.first_by_id = it.i AND it.mid = ANY (v_inserted) THEN 'Accepted'
-                            WHEN s.content_hash = it.hash THEN 'Duplicate'
+                            WHEN s.content_hash = it.hash AND s.topic = p_topic THEN 'Duplicate'
                             ELSE 'MessageIDConflict' END AS st
                 FROM item it
                 LEFT JOIN workqueue.message s ON s.id = it.mid AND s.id = ANY (p_message_ids)
@@ -919,7 +919,7 @@ BEGIN
                        x.mid,
                        CASE WHEN x.st = 'MessageIDConflict' THEN x.st ELSE 'BatchAborted' END,
                        CASE WHEN x.st = 'MessageIDConflict'
-                            THEN 'a message with this MessageID and different content was already published; use a new MessageID for new content'
+                            THEN 'a message with this MessageID and different content, or on another topic, was already published; use a new MessageID for new content'
                             ELSE format('not published: item %s of this call was refused (MessageIDConflict) and a publish call is all-or-nothing',
                                         v_failed - 1) END
                 FROM unnest(v_status, v_ids) WITH ORDINALITY AS x(st, mid, i);
@@ -983,7 +983,7 @@ BEGIN
             ), classified AS (
                 SELECT it.i, it.mid,
                        CASE WHEN it.first_by_id = it.i AND it.mid = ANY (v_inserted) THEN 'Accepted'
-                            WHEN s.content_hash = it.hash THEN 'Duplicate'
+                            WHEN s.content_hash = it.hash AND s.topic = p_topic THEN 'Duplicate'
                             ELSE 'MessageIDConflict' END AS st
                 FROM item it
                 LEFT JOIN workqueue.message s ON s.id = it.mid AND s.id = ANY (p_message_ids)
@@ -1001,7 +1001,7 @@ BEGIN
                        x.mid,
                        CASE WHEN x.st = 'MessageIDConflict' THEN x.st ELSE 'BatchAborted' END,
                        CASE WHEN x.st = 'MessageIDConflict'
-                            THEN 'a message with this MessageID and different content was already published; use a new MessageID for new content'
+                            THEN 'a message with this MessageID and different content, or on another topic, was already published; use a new MessageID for new content'
                             ELSE format('not published: item %s of this call was refused (MessageIDConflict) and a publish call is all-or-nothing',
                                         v_failed - 1) END
                 FROM unnest(v_status, v_ids) WITH ORDINALITY AS x(st, mid, i);
@@ -1019,7 +1019,7 @@ BEGIN
             FROM unnest(p_message_ids, p_content_hashes, p_deduplication_keys, p_envelope_bytes)
                  WITH ORDINALITY AS x(mid, hash, dkey, bytes, i)
         ), stored AS (
-            SELECT m.id, m.content_hash FROM workqueue.message m WHERE m.id = ANY (p_message_ids)
+            SELECT m.id, m.topic, m.content_hash FROM workqueue.message m WHERE m.id = ANY (p_message_ids)
         ), live_key AS (
             SELECT dd.deduplication_key, dd.message_id FROM workqueue.deduplication dd
             WHERE v_has_dedup AND dd.topic = p_topic AND dd.deduplication_key = ANY (p_deduplication_keys)
@@ -1030,7 +1030,7 @@ BEGIN
                     WHEN v_cap IS NOT NULL AND it.bytes > v_cap THEN 'Rejected'
                     WHEN it.first_by_id < it.i AND it.first_hash = it.hash THEN 'Duplicate'
                     WHEN it.first_by_id < it.i THEN 'MessageIDConflict'
-                    WHEN s.id IS NOT NULL AND s.content_hash = it.hash THEN 'Duplicate'
+                    WHEN s.id IS NOT NULL AND s.content_hash = it.hash AND s.topic = p_topic THEN 'Duplicate'
                     WHEN s.id IS NOT NULL THEN 'MessageIDConflict'
                     WHEN lk.message_id IS NOT NULL THEN 'Duplicate'
                     ELSE 'Accepted'
@@ -1076,7 +1076,7 @@ BEGIN
                 CASE x.st
                     WHEN 'Rejected' THEN format('the envelope is %s bytes; topic %L accepts at most %s bytes (max_payload_bytes); send a PayloadRef to the data instead',
                                                 x.bytes, p_topic, v_cap)
-                    WHEN 'MessageIDConflict' THEN 'a message with this MessageID and different content was already published; use a new MessageID for new content'
+                    WHEN 'MessageIDConflict' THEN 'a message with this MessageID and different content, or on another topic, was already published; use a new MessageID for new content'
                     ELSE format('not published: item %s of this call was refused (%s) and a publish call is all-or-nothing',
                                 v_failed - 1, v_failed_code) END
             FROM unnest(v_status, v_ids, p_envelope_bytes) WITH ORDINALITY AS x(st, mid, bytes, i);

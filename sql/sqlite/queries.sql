@@ -128,7 +128,7 @@ FROM subscription s JOIN topic t ON t.name = s.topic
 WHERE s.name = :name AND s.status = 'Active' AND t.status = 'Active';
 
 -- name: message_hash
-SELECT id, content_hash FROM message WHERE id = :id;
+SELECT id, topic, content_hash FROM message WHERE id = :id;
 
 -- name: message_insert
 INSERT INTO message (id, topic, partition_key, attributes, payload, payload_ref, correlation_id,

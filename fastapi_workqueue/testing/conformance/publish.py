@@ -50,6 +50,30 @@ async def test_c03_same_message_id_different_content_is_conflict(harness: Harnes
     assert len(claimed) == 1 and '"v":1' in (claimed[0].payload_json or "").replace(" ", "")
 
 
+@pytest.mark.parametrize("shape", ["plain", "partition-key", "deduplication-key"])
+async def test_c03_same_message_id_on_another_topic_is_conflict(harness: Harness, shape: str) -> None:
+    """A MessageID is unique across topics: the same id and content published to a second topic is
+    not a Duplicate (the second topic's subscriptions would never get it), but a conflict. Each
+    shape takes another path of the stores' publish."""
+    first = await make_world(harness.transport, [{"role": "a"}])
+    second = await make_world(harness.transport, [{"role": "b"}])
+    mid = uuid.uuid4()
+    extra: dict[str, str] = {
+        "plain": {}, "partition-key": {"partition_key": "k"}, "deduplication-key": {"deduplication_key": "d"},
+    }[shape]
+    [accepted] = await first.publish(PublishRequest(message_id=mid, payload={"v": 1}, **extra))
+    [elsewhere] = await second.publish(PublishRequest(message_id=mid, payload={"v": 1}, **extra))
+    assert accepted.status is PublishStatus.ACCEPTED
+    assert elsewhere.status is PublishStatus.MESSAGE_ID_CONFLICT, elsewhere
+    assert elsewhere.error is not None and "or on another topic" in elsewhere.error.message
+    # Within a call too: nothing of it is published.
+    results = await second.publish(PublishRequest(payload=2), PublishRequest(message_id=mid, payload={"v": 1}, **extra))
+    assert [r.status for r in results] == [PublishStatus.REJECTED, PublishStatus.MESSAGE_ID_CONFLICT]
+    assert await second.claim("b", 10) == []
+    [claimed] = await first.claim("a", 10)
+    assert claimed.message_id == mid
+
+
 async def test_c04_deduplication_key_within_ttl_is_duplicate_then_accepted_after(harness: Harness) -> None:
     # The TTL passes on the harness's clock: a real 0.6 s TTL raced the second publish on a loaded machine.
     world = await make_world(harness.transport, [{"role": "a"}])
