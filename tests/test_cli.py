@@ -724,6 +724,10 @@ async def test_runbook_a_delivery_is_stuck_in_flight_and_its_handler_is_alive(cl
         assert stats["InFlight"] == 1
         [running] = await cli.json("deliveries", "--subscription", sub, "--status", "InFlight")
         assert running["MessageID"] == message
+        # The table, as the runbook runs it, names the holder: the worker's host and pid.
+        header, row = (await cli("deliveries", "--subscription", sub, "--status", "InFlight")).out.splitlines()
+        assert header.split()[:4] == ["DeliveryID", "MessageID", "Topic", "PartitionKey"] and "Holder" in header
+        assert f"{socket.gethostname()} pid {proc.pid}" in row
 
         # 2. Cancel it: cancel requested; the handler is told Cancelled at its next heartbeat.
         cancelled = await cli.json("discard", "--subscription", sub, "--delivery", running["DeliveryID"],

@@ -142,8 +142,8 @@ def deliveries(
     if ctx.as_json:
         emit_json(rows)
     else:
-        table(rows, [*DELIVERY_COLUMNS, "reason", "last_error", "created_at", *DELIVERY_TIMES,
-                     *(["payload"] if include_payload else [])])
+        table(rows, [*DELIVERY_COLUMNS, *(["holder"] if status == "InFlight" else []), "reason", "last_error",
+                     "created_at", *DELIVERY_TIMES, *(["payload"] if include_payload else [])])
 
 
 @click.command()

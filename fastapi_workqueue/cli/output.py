@@ -10,6 +10,8 @@ from typing import Any
 import click
 from pydantic import BaseModel
 
+from ..core.processes import Holder
+
 
 def to_jsonable(value: Any) -> Any:
     if isinstance(value, BaseModel):
@@ -58,6 +60,8 @@ def _cell(value: Any, *, keep_end: bool = False, cut: bool = False) -> list[str]
     """The lines of one cell: the value's text, wrapped at :data:`CELL_WIDTH` (or cut there)."""
     if value is None:
         return ["-"]
+    if isinstance(value, Holder):
+        return [value.label()]
     if isinstance(value, list | tuple | set | frozenset):
         text = ",".join(str(v) for v in value)
     elif hasattr(value, "isoformat"):

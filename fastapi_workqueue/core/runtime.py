@@ -683,7 +683,7 @@ class Consumer:
             raise
         finally:
             if scope is not None:
-                scope.end(_observed_outcome(running.signal.reason, settlement), running.error)
+                scope.end(_observed_outcome(running.signal.reason, settlement, running.delivery), running.error)
             self._drop(running)
             took = self._clock() - running.started_at
             previous = self._handler_seconds
@@ -1003,10 +1003,17 @@ def _ids(runnings: Iterable[_Running], shown: int = 10) -> str:
     return text + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
 
 
-def _observed_outcome(aborted: AbortReason | None, settlement: Settlement | None) -> str | None:
-    """What the observers count an attempt as: its settlement's kind, except that a cancelled
-    attempt is discarded (the store discards a delivery flagged for cancel whatever it is settled
-    with) and one whose lease ran out is abandoned (None), as docs/observability.md says."""
+def _observed_outcome(
+    aborted: AbortReason | None, settlement: Settlement | None, delivery: ClaimedDelivery,
+) -> str | None:
+    """What the observers count an attempt as: how it ends the delivery, as docs/observability.md
+    says. Its settlement's kind, except that a cancelled attempt is discarded (the store discards a
+    delivery flagged for cancel whatever it is settled with), a Retry or Fail of the last attempt
+    dead-letters, and one whose lease ran out is abandoned (None)."""
     if settlement is None or aborted == AbortReason.LEASE_LOST:
         return None
-    return "Discard" if aborted == AbortReason.CANCELLED else settlement.kind
+    if aborted == AbortReason.CANCELLED:
+        return "Discard"
+    if dead_letters(settlement.kind, delivery.attempt, delivery.max_attempts):
+        return "DeadLetter"
+    return settlement.kind
