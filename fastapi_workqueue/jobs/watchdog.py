@@ -13,7 +13,8 @@ waits for it a moment. When the loop does not answer and the task it is running 
 other code blocks the loop (another job, a handler), and the job's cancellation has not had its
 turn yet: the watchdog warns once, naming where the loop is held, and gives the job the stop
 timeout again. It blames the job when the job's own task holds the blocked loop, or when the loop
-runs (the job swallowed the cancellation) and the job had a stop timeout of running loop since.
+answers and the job still runs (it swallowed the cancellation), a stop timeout after the loop
+was last found held.
 """
 
 from __future__ import annotations
