@@ -15,6 +15,7 @@ from fastapi.security import SecurityScopes
 
 from fastapi_workqueue import (
     ConfigurationError,
+    FatalWorkError,
     Outcome,
     PublishRequest,
     WorkContext,
@@ -158,3 +159,37 @@ async def test_handlers_see_the_app_state_and_its_dependency_overrides(sqlite_ur
         await wait_for(completed)
     assert seen == [("fake", "from the app", 1), ("smtp", "from the app", 1)]
     assert events == ["fake opened", "fake closed", "real"]
+
+
+async def test_a_yield_dependency_that_swallows_the_handlers_exception_does_not_turn_it_into_a_success(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``try: yield … except Exception: rollback()`` without raising again: FastAPI answers such a
+    request 500. The attempt ends as the handler's exception says (a FatalWorkError dead-letters
+    at once), the dependency's cleanup ran, and a warning says what to change."""
+    queue, topic, subs = make_queue(sqlite_url, [{"role": "a"}])
+    events: list[str] = []
+
+    async def unit_of_work() -> AsyncIterator[str]:
+        try:
+            yield "uow"
+        except Exception as exc:
+            events.append(f"rolled back after {type(exc).__name__}")  # and no raise
+
+    @queue.handler("a")
+    async def handle(message: WorkMessage[Any], uow: Annotated[str, Depends(unit_of_work)]) -> WorkOutcome:
+        raise FatalWorkError("the order does not exist")
+
+    caplog.set_level("WARNING", logger="fastapi_workqueue.handlers")
+    async with queue.lifespan(FastAPI(lifespan=queue.lifespan)):
+        await queue.publish(topic, [PublishRequest(payload=1)])
+
+        async def settled() -> Any:
+            [stats] = await queue.stats(subs["a"])
+            return stats if stats.dead_lettered + stats.completed else None
+
+        stats = await wait_for(settled)
+    assert (stats.dead_lettered, stats.completed) == (1, 0)
+    assert events == ["rolled back after FatalWorkError"]
+    [warning] = [r.getMessage() for r in caplog.records if "did not raise it again" in r.getMessage()]
+    assert warning.startswith("'a") and "caught the FatalWorkError the handler raised" in warning

@@ -19,12 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigurationError
 from ..core.handlers import HandlerSpec, call_plain
+from ..core.redaction import redacting_logger
 
 if TYPE_CHECKING:
     from ..core.context import WorkContext
     from ..core.envelope import WorkMessage
     from ..core.outcomes import WorkOutcome
     from .fastapi_internals import Dependant, GraphProblem
+
+log = redacting_logger("fastapi_workqueue.handlers")
 
 ALLOWED = "other dependencies, Request, HTTPConnection, Response and SecurityScopes"
 
@@ -131,9 +134,21 @@ class DependencyInvoker:
         scope = request_scope(
             self.app, f"/workqueue/{key}", {"workqueue.message": message, "workqueue.context": context}
         )
+        raised: BaseException | None = None
         async with AsyncExitStack() as request_stack, AsyncExitStack() as function_stack:
             values, errors = await solve(dependant, scope, self.app, request_stack, function_stack)
             if errors:
                 raise ConfigurationError(f"{key!r}: dependencies could not be resolved: {errors}")
             values.update(fixed)
-            return await func(**values)
+            try:
+                return await func(**values)
+            except BaseException as exc:
+                raised = exc
+                raise
+        # Here only when a yield dependency caught what the handler raised and did not raise it
+        # again. FastAPI answers such a request 500; the attempt fails as the handler failed.
+        assert raised is not None
+        log.warning("%r: a yield dependency caught the %s the handler raised and did not raise it again; the "
+                    "attempt ends as the exception says all the same (raise it again in the dependency's except "
+                    "block, as FastAPI asks)", key, type(raised).__name__)
+        raise raised
