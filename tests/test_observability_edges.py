@@ -138,7 +138,9 @@ async def test_a_cancelled_attempt_counts_as_discarded_and_a_lost_lease_as_aband
     """``workqueue_processed_total``'s outcome says what became of the attempt, as docs/observability.md
     lists them: an operator's cancel discards the delivery (it counted ``failed``), a lease that ran
     out under the handler abandons the attempt (it counted ``failed`` too)."""
-    queue, topic, subs = make_queue(pg_url, [{"role": "cancel", "lease_seconds": 3},
+    # (a lease of 6 s: its heartbeats, every 2 s, hold it through a loaded machine's delays, so the
+    # attempt ends by the cancel and not by a lost lease)
+    queue, topic, subs = make_queue(pg_url, [{"role": "cancel", "lease_seconds": 6},
                                              {"role": "lost", "lease_seconds": 1, "heartbeat_mode": "Manual"}],
                                     metrics_cache_seconds=0)
     started: list[str] = []

@@ -272,14 +272,16 @@ async def test_manual_heartbeat_reports_cancel_and_lost_lease_aborts(pg_url: str
 
 
 async def test_auto_heartbeat_keeps_a_long_handler_leased(pg_url: str) -> None:
-    queue, topic, subs = make_queue(pg_url, [{"role": "long", "lease_seconds": 0.6}])
+    # A handler of 2.5 leases. (A lease of 0.6 s, renewed every 0.2 s, ran out on a loaded machine
+    # when one renewal came 0.4 s late; at 2 s a renewal may be 1.3 s late.)
+    queue, topic, subs = make_queue(pg_url, [{"role": "long", "lease_seconds": 2.0}])
     runs = 0
 
     @queue.handler("long")
     async def long(message: WorkMessage[Any], context: WorkContext) -> WorkOutcome:
         nonlocal runs
         runs += 1
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(5.0)
         assert not context.signal.aborted
         return Outcome.complete()
 
