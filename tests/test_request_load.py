@@ -76,3 +76,33 @@ async def test_consumers_hold_one_delivery_while_requests_are_busy_and_all_when_
         handlers_go_on.set()
         await wait_for(lambda: len(done) == 6)
     assert sorted(done) == list(range(6))
+
+
+async def test_a_handler_that_takes_the_request_session_is_not_counted_as_a_request(pg_url: str) -> None:
+    """``queue.session`` in a handler (as the app's endpoints take it) is the host's own work: four
+    handlers holding it at once do not make the process busy, and the consumer keeps its full
+    concurrency (it fell to ``busy_concurrency``, one, and slowed its own host)."""
+    queue, topic, subs = make_queue(pg_url, [{"role": "work"}], concurrency=4, busy_requests=2,
+                                    busy_concurrency=1)
+    go_on = asyncio.Event()
+    holding: list[int] = []
+    done: list[int] = []
+
+    @queue.handler("work")
+    async def work(message: WorkMessage[int], session: AsyncSession = queue.session) -> WorkOutcome:
+        await session.execute(text("SELECT 1"))
+        holding.append(message.payload)
+        await go_on.wait()
+        done.append(message.payload)
+        return Outcome.complete()
+
+    async with queue.lifespan(FastAPI(lifespan=queue.lifespan)):
+        assert queue.host is not None
+        consumer = queue.host.consumers[subs["work"]]
+        await queue.publish(topic, [PublishRequest(payload=i) for i in range(6)])
+        await wait_for(lambda: len(holding) == 4, describe=lambda: (holding, queue.request_load.in_flight))
+        assert queue.request_load.in_flight == 0 and not queue.request_load.busy
+        assert consumer.active == 4
+        go_on.set()
+        await wait_for(lambda: len(done) == 6)
+    assert sorted(done) == list(range(6)) and queue.request_load.busy_claims == 0

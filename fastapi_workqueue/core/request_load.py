@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
+
+IN_ATTEMPT: ContextVar[bool] = ContextVar("workqueue_in_attempt", default=False)
+"""True while a handler's (or job's) dependencies are solved and it runs: a request session it
+takes is not a request of the process, and does not count in :class:`RequestLoad`."""
 
 
 class RequestLoad:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.errors import ConfigurationError
 from ..core.handlers import HandlerSpec, call_plain
 from ..core.redaction import redacting_logger
+from ..core.request_load import IN_ATTEMPT
 
 if TYPE_CHECKING:
     from ..core.context import WorkContext
@@ -129,11 +130,21 @@ class DependencyInvoker:
         dependant = self._dependants.get(key)
         if dependant is None:
             return await func(**fixed)
-        from .fastapi_internals import request_scope, solve
+        from .fastapi_internals import request_scope
 
         scope = request_scope(
             self.app, f"/workqueue/{key}", {"workqueue.message": message, "workqueue.context": context}
         )
+        attempt = IN_ATTEMPT.set(True)  # (a request session it takes is the host's work, not a request)
+        try:
+            return await self._solve_and_call(key, func, dependant, scope, fixed)
+        finally:
+            IN_ATTEMPT.reset(attempt)
+
+    async def _solve_and_call(self, key: str, func: Callable[..., Any], dependant: Dependant,
+                              scope: dict[str, Any], fixed: dict[str, Any]) -> Any:
+        from .fastapi_internals import solve
+
         raised: BaseException | None = None
         async with AsyncExitStack() as request_stack, AsyncExitStack() as function_stack:
             values, errors = await solve(dependant, scope, self.app, request_stack, function_stack)

@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..core.request_load import RequestLoad
+from ..core.request_load import IN_ATTEMPT, RequestLoad
 from ..core.session_pool import SessionPool
 from .admission import FairGate
 
@@ -158,9 +158,12 @@ class RequestSessions:
 
         The commit covers whatever the session holds then: an endpoint that committed early and
         went on writing has that later work committed too. The request counts in the process's
-        :class:`RequestLoad` from before it waits for a connection until its session is closed.
+        :class:`RequestLoad` from before it waits for a connection until its session is closed
+        (a handler's attempt that takes it does not count: it is the host's own work).
         """
-        self._load.enter()
+        counted = not IN_ATTEMPT.get()
+        if counted:
+            self._load.enter()
         try:
             gate = self.gate
             if not await gate.acquire(self._wait_seconds):
@@ -185,4 +188,5 @@ class RequestSessions:
             finally:
                 gate.release()
         finally:
-            self._load.leave()
+            if counted:
+                self._load.leave()
