@@ -135,3 +135,39 @@ async def test_a_publish_joins_the_callers_transaction_whatever_began_it(databas
                 if outer.is_active:
                     await outer.commit()
             assert await seen_outside(message_id) == (1 if end == "commit" else 0), (way, end)
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_request_session_made_under_a_loop_now_closed_is_made_again(pg_url: str) -> None:
+    """A test without the app's lifespan (``httpx.ASGITransport``) makes the request sessions'
+    engine under its own event loop, and nothing disposes of it. The next test, whose client runs
+    the lifespan on a new loop (``TestClient``), gets a new engine: the old one's connections
+    belong to the closed loop (every request answered 500)."""
+    import asyncio
+    import gc
+    import warnings
+
+    import httpx
+    from fastapi import FastAPI
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # starlette's notice about httpx2, not what is tested
+        from fastapi.testclient import TestClient
+
+    queue, _, _ = make_queue(pg_url, [{"role": "a"}])
+    app = FastAPI(lifespan=queue.lifespan)
+
+    @app.get("/one")
+    async def one(session: AsyncSession = queue.session) -> int:
+        return int((await session.execute(text("SELECT 1"))).scalar_one())
+
+    async def without_lifespan() -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+            return (await client.get("/one")).status_code
+
+    assert asyncio.run(without_lifespan()) == 200
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert [client.get("/one").status_code for _ in range(3)] == [200, 200, 200]
+    # The first engine's connection was left with its loop (Python warns of it when it is
+    # collected): collected here, not in whichever test runs next.
+    gc.collect()

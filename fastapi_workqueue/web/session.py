@@ -104,12 +104,17 @@ class RequestSessions:
         self._pool = pool
         self._load = load if load is not None else RequestLoad()
         self._engine: AsyncEngine | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._maker: async_sessionmaker[AsyncSession] | None = None
         self._gate: FairGate | None = None
         self._wait_seconds = 5.0
 
     @property
     def engine(self) -> AsyncEngine:
+        """The engine of the request sessions, made on first use. One made under an event loop that
+        has since closed (a test's, without the app's lifespan to dispose of it) is left behind and a
+        new one made: its connections belong to that loop and cannot serve another."""
+        self._drop_if_stale()
         if self._engine is None:
             from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -121,10 +126,21 @@ class RequestSessions:
                 url, pool_size=pool.size, max_overflow=pool.overflow, pool_timeout=pool.timeout_seconds,
                 pool_pre_ping=pool.pre_ping, **options,
             )
+            try:
+                self._loop = asyncio.get_running_loop()
+            except RuntimeError:  # (made outside a loop: its first connection decides)
+                self._loop = None
         return self._engine
+
+    def _drop_if_stale(self) -> None:
+        if self._engine is not None and self._loop is not None and self._loop.is_closed():
+            self._engine.sync_engine.dispose(close=False)  # (dropped, not closed: their loop is gone)
+            self._engine = self._maker = self._gate = None
+            self._loop = None
 
     @property
     def sessionmaker(self) -> async_sessionmaker[AsyncSession]:
+        self._drop_if_stale()
         if self._maker is None:
             from sqlalchemy.ext.asyncio import async_sessionmaker
 
@@ -147,6 +163,7 @@ class RequestSessions:
     @property
     def gate(self) -> FairGate:
         """Admits requests to the pool first come, first served (see :mod:`.admission`)."""
+        self._drop_if_stale()
         if self._gate is None:
             pool = self._pool()
             self._gate = FairGate(pool.size + pool.overflow)
