@@ -14,6 +14,8 @@ from pydantic import BaseModel
 
 from fastapi_workqueue import ConfigurationError, WorkQueue, WorkQueueSettings
 
+from .support import FAST, wait_for
+
 
 class Mail(BaseModel):
     to: str
@@ -124,3 +126,37 @@ async def test_bulk_items_and_chain_steps_take_a_priority(opened: WorkQueue) -> 
     assert opened.jobs.link(opened.jobs.registry.resolve("mail.newsletter"), {"to": "y"}).to_json().get(
         "priority") is None
     assert second is not None
+
+
+async def test_a_limit_a_later_deploy_gives_one_job_queue_does_not_stop_the_others(fresh_url: str) -> None:
+    """A worker serves two job queues without limits (one claim across both, claim_many); a new
+    deploy gives one of them a ``concurrency``. Before the worker reads the subscriptions again (its
+    reconcile interval is long here), the store refuses its claim across both: it claims each on its
+    own instead, so the jobs of both queues still run at once (every claim failed, and retried, until
+    the next reconcile: 30 s by default)."""
+    ran: list[str] = []
+
+    def declare(queue: WorkQueue, limited: bool) -> list[Any]:
+        @queue.job("flow.a", queue="qa", concurrency=2 if limited else None)
+        async def first(payload: dict[str, Any]) -> None:
+            ran.append("qa")
+
+        @queue.job("flow.b", queue="qb")
+        async def second(payload: dict[str, Any]) -> None:
+            ran.append("qb")
+
+        return [first, second]
+
+    worker = WorkQueue(WorkQueueSettings(database_url=fresh_url, auto_migrate=True, subscriptions=[],
+                                         **{**FAST, "reconcile_interval_ms": 600_000}))
+    declare(worker, limited=False)
+    deploy = WorkQueue(WorkQueueSettings(database_url=fresh_url, auto_migrate=True, enabled=False, subscriptions=[]))
+    first, second = declare(deploy, limited=True)
+    async with worker.lifespan(None):
+        await worker.dispatch("flow.b", {})
+        await wait_for(lambda: ran == ["qb"])  # the worker claims across both queues
+        async with deploy.lifespan(None):  # (its topology sync writes the limit)
+            assert deploy.subscriptions["jobs.qa"].max_in_flight == 2
+            await deploy.dispatch(second, {})
+            await deploy.dispatch(first, {})
+            await wait_for(lambda: sorted(ran) == ["qa", "qb", "qb"], within=4, describe=lambda: ran)

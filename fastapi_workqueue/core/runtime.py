@@ -38,7 +38,16 @@ from .request_load import RequestLoad
 from .settler import Settler
 from .tasks import TaskScope, cancel_and_wait
 from .topology import SubscriptionState
-from .transport import Claimed, ClaimedDelivery, HeartbeatRequest, HeldBack, Settlement, SettleResult, Transport
+from .transport import (
+    CLAIM_MANY_REFUSAL,
+    Claimed,
+    ClaimedDelivery,
+    HeartbeatRequest,
+    HeldBack,
+    Settlement,
+    SettleResult,
+    Transport,
+)
 from .words import count
 
 log = redacting_logger("fastapi_workqueue.runtime")
@@ -122,6 +131,7 @@ class Consumer:
         self.transport = transport
         self.settler = settler
         self._groups: list[list[SubscriptionState]] = []
+        self._claim_each = False
         self.subscription: SubscriptionState
         self._set_groups([[subscription]] if isinstance(subscription, SubscriptionState) else subscription)
         self._name = name or self.subscription.name
@@ -185,6 +195,7 @@ class Consumer:
 
     def _set_groups(self, groups: Groups) -> None:
         self._groups = [list(group) for group in groups if group]
+        self._claim_each = False  # (the subscriptions as read now: claim_many takes the unlimited ones)
         # The subscriptions without a flow limit: a wake-up of one ends a wait for another's limit.
         self._unlimited = frozenset(s.name for group in self._groups for s in group if not s.flow_limited)
         if self._groups:
@@ -556,12 +567,24 @@ class Consumer:
                 if wanted <= 0:
                     break
                 # A subscription with flow limits is claimed on its own (claim_many takes none).
-                shared = [s for s in group if not s.flow_limited] if len(group) > 1 else []
+                shared = [s for s in group if not s.flow_limited] if len(group) > 1 and not self._claim_each else []
                 if len(shared) > 1:
                     by_name = {s.name: s for s in shared}
-                    with counting({s.name: s.lease_seconds for s in shared}):
-                        pairs = await self.transport.claim_many([s.name for s in shared], wanted)
-                    batch.extend((by_name[name], d) for name, d in pairs)
+                    try:
+                        with counting({s.name: s.lease_seconds for s in shared}):
+                            pairs = await self.transport.claim_many([s.name for s in shared], wanted)
+                    except ValueError as exc:
+                        if CLAIM_MANY_REFUSAL not in str(exc):
+                            raise
+                        # The store has a limit or a partition mode for one of them that this
+                        # consumer has not read yet (a deploy changed it): each is claimed on its
+                        # own until the host reads the subscriptions again.
+                        log.info("%s: %s; claiming its subscriptions one by one until they are read again",
+                                 self.name, exc)
+                        self._claim_each = True
+                        shared = []
+                    else:
+                        batch.extend((by_name[name], d) for name, d in pairs)
                 for sub in (s for s in group if len(shared) < 2 or s.flow_limited):
                     wanted = limit - len(batch)
                     if wanted <= 0:

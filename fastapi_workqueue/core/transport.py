@@ -170,6 +170,10 @@ class Settlement:
         return bool(self.follow_ups) or self.result_json is not None or bool(self.frees)
 
 
+CLAIM_MANY_REFUSAL = "claim_many takes None-mode subscriptions only"
+"""How every transport's claim_many starts its refusal (a ValueError) of a keyed subscription or
+one with flow limits."""
+
 WakeupListener = Callable[[str], None]
 """Called with a subscription id when it may have new claimable work."""
 

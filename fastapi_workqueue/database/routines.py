@@ -56,6 +56,7 @@ from ..core.retirement import DeleteResult, RetireResult, TopicStatus, TopicStat
 from ..core.search import SEARCH_LIMIT, FoundDelivery
 from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic, TopicState
 from ..core.transport import (
+    CLAIM_MANY_REFUSAL,
     FREES_KEYS,
     Capabilities,
     Claimed,
@@ -896,9 +897,6 @@ def as_uuid(value: Any) -> uuid.UUID:
     return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
 
 
-CLAIM_MANY_REFUSAL = "claim_many takes None-mode subscriptions only"
-"""How every dialect's claim_many starts its refusal of a keyed subscription or one with flow limits."""
-"""The start of the error every dialect's claim_many raises for an Exclusive or Ordered subscription."""
 
 
 MAX_DELIVERY_ID = 2**63 - 1
