@@ -14,3 +14,6 @@ class SessionPool:
     overflow: int = 0
     timeout_seconds: float = 5.0
     pre_ping: bool = False
+    sqlite_busy_seconds: float = 30.0
+    """SQLite: how long a statement of a request session waits for the file's write lock
+    (``WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS``, as the queue's own calls)."""

@@ -93,7 +93,8 @@ class WorkQueueSettings(BaseSettings):
     sqlite_busy_timeout_ms: int = Field(default=30000, ge=1)
     """SQLite: how long one operation waits in all for the file's write lock (behind this process's
     other callers, in SQLite's busy handler and between attempts) before it fails with a
-    retryable error. Every call has this one bound, whatever the number of callers."""
+    retryable error. Every call has this one bound, whatever the number of callers; a statement
+    of a request session (``queue.session``) waits as long."""
     busy_requests: int = Field(default=2, ge=0)
     """Requests first: while this many requests of this process hold a request session
     (``queue.session``) at once, each consumer of its host claims only up to ``busy_concurrency``
@@ -206,6 +207,7 @@ class WorkQueueSettings(BaseSettings):
         return SessionPool(
             size=self.session_pool_size, overflow=self.session_pool_overflow,
             timeout_seconds=self.session_pool_timeout_ms / 1000, pre_ping=self.session_pool_pre_ping,
+            sqlite_busy_seconds=self.sqlite_busy_timeout_ms / 1000,
         )
 
     @property

@@ -330,6 +330,13 @@ class SqliteTransport(RoutineTransport):
             "retry it", retryable=True,
         )
 
+    def _busy_if_locked(self, error: Exception) -> Exception:
+        """The busy error, which says what the bound is and to retry, for the driver's "database is
+        locked" (SQLite's busy handler gave up); any other error as it is."""
+        if isinstance(error, TransportError) and error.retryable and ("locked" in str(error) or "busy" in str(error)):
+            return error if str(error).startswith("the SQLite file ") else self._busy()
+        return error
+
     async def call(
         self, routine: str, *, retry: bool = True, session: Any = None, connection: Any = None, **params: Any
     ) -> Sequence[Row]:
@@ -344,11 +351,11 @@ class SqliteTransport(RoutineTransport):
                 call = Call(executor, time.time())  # the time once the write lock is held, as below
                 rows = await fn(call, **params)
             except (sqlite3.Error, ValueError) as exc:
-                raise _mapped(exc, operation) from exc
+                raise self._busy_if_locked(_mapped(exc, operation)) from exc
             except Exception as exc:  # SQLAlchemy wraps the driver's error: map the original
                 orig = getattr(exc, "orig", None)
                 if isinstance(orig, sqlite3.Error):
-                    raise _mapped(orig, operation) from exc
+                    raise self._busy_if_locked(_mapped(orig, operation)) from exc
                 raise
             if call.wake:
                 self._wake_after_commit(session, call.wake)
@@ -375,7 +382,10 @@ class SqliteTransport(RoutineTransport):
                     raise _mapped(exc, operation) from exc
             except TransportError as exc:
                 if not (retry and exc.retryable) or time.monotonic() + RETRY_PAUSE_SECONDS >= deadline:
-                    raise
+                    busy = self._busy_if_locked(exc)
+                    if busy is exc:
+                        raise
+                    raise busy from exc
                 await asyncio.sleep(RETRY_PAUSE_SECONDS)
                 continue
             for subscription_id in call.wake:

@@ -120,8 +120,9 @@ class RequestSessions:
 
             url = to_sqlalchemy_url(self._url_getter())
             pool = self._pool()
-            # SQLite: wait for the single writer instead of failing at once.
-            options: dict[str, Any] = {"connect_args": {"timeout": 10}} if url.startswith("sqlite") else {}
+            # SQLite: wait for the single writer instead of failing at once, as the queue's own calls do.
+            options: dict[str, Any] = (
+                {"connect_args": {"timeout": pool.sqlite_busy_seconds}} if url.startswith("sqlite") else {})
             self._engine = create_async_engine(
                 url, pool_size=pool.size, max_overflow=pool.overflow, pool_timeout=pool.timeout_seconds,
                 pool_pre_ping=pool.pre_ping, **options,
