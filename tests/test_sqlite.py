@@ -199,6 +199,32 @@ async def test_a_missing_directory_says_what_to_change(tmp_path: Path) -> None:
     assert not missing.parent.exists()  # nothing was created behind the user's back
 
 
+async def test_a_file_the_process_cannot_write_says_where_and_what_to_change() -> None:
+    # (/proc takes no new file, even from root, whom a directory's mode does not stop)
+    queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:////proc/workqueue-test.db", enabled=False))
+    with pytest.raises(ConfigurationError) as error:
+        await queue.open()
+    assert str(error.value).startswith("cannot open the SQLite file '/proc/workqueue-test.db' for writing (")
+    assert "put it in a directory this process can write" in str(error.value)
+
+
+async def test_a_percent_encoded_path_names_the_file_the_request_sessions_open(tmp_path: Path) -> None:
+    """``%20`` in the URL is a space, for the queue as for SQLAlchemy: a publish in a request
+    session finds the queue's tables (they went to another file, ``x%20y/q.db``)."""
+    folder = tmp_path / "x y"
+    folder.mkdir()
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path}/x%20y/q.db", enabled=False,
+                                        auto_migrate=True),
+                      topics=[Topic(name="t")], subscriptions=[Subscription(name="s", topic="t", handler_key="h")])
+    async with queue.lifespan(None):
+        async with queue.sessionmaker() as session, session.begin():
+            [result] = await queue.publish("t", [PublishRequest(payload=1)], session=session)
+        assert result.status is PublishStatus.ACCEPTED
+        [stats] = await queue.stats("s")
+        assert stats.pending == 1
+    assert sorted(os.listdir(tmp_path)) == ["x y"] and "q.db" in os.listdir(folder)
+
+
 @pytest.mark.parametrize("url", ["sqlite+aiosqlite:///:memory:", "sqlite:///:memory:", "sqlite+aiosqlite://"])
 async def test_memory_or_no_file_says_what_to_change(url: str) -> None:
     queue = WorkQueue(WorkQueueSettings(database_url=url, enabled=False))

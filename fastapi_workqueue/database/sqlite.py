@@ -21,6 +21,7 @@ import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
+from urllib.parse import unquote
 
 import aiosqlite
 
@@ -65,7 +66,9 @@ def sqlite_path(url: str) -> str:
         raise ConfigurationError("the database URL is not SQLite; use sqlite+aiosqlite:///path/to/file.db")
     rest = url.partition("://")[2]
     path = rest[1:] if rest.startswith("/") else rest
-    path = path.split("?", 1)[0]
+    # Percent-encoded as SQLAlchemy reads it (%20 a space), so that the request sessions' engine
+    # and the queue open one file.
+    path = unquote(path.split("?", 1)[0])
     if path == ":memory:" or path.startswith("file::memory:"):
         raise ConfigurationError(
             f"SQLite needs a file that every connection and process of the queue shares, not :memory: ({url!r}); "
@@ -220,7 +223,7 @@ class SqliteTransport(RoutineTransport):
         try:
             conn = await aiosqlite.connect(self.path, isolation_level=None, timeout=self.busy_timeout)
         except sqlite3.Error as exc:
-            raise ConfigurationError(f"cannot open the SQLite file {self.path!r}: {exc}") from exc
+            raise _cannot_write(self.path, exc) from exc
         try:
             await conn.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
             row = await _switch_to_wal(conn, self.busy_timeout)
@@ -240,6 +243,8 @@ class SqliteTransport(RoutineTransport):
                     f"{self.path!r} is not an SQLite database ({exc}); point WORKQUEUE_DATABASE_URL at a new or "
                     "existing queue file"
                 ) from exc
+            if "unable to open" in str(exc) or "readonly" in str(exc):
+                raise _cannot_write(self.path, exc) from exc
             raise _mapped(exc, "open the SQLite file") from exc
         except BaseException:
             await conn.close()
@@ -407,6 +412,13 @@ class SqliteTransport(RoutineTransport):
 
     async def dialect_issues(self) -> list[BindingIssue]:
         return [BindingIssue(severity="Info", subject="sqlite", message=note) for note in self.capabilities.notes]
+
+
+def _cannot_write(path: str, exc: BaseException) -> ConfigurationError:
+    return ConfigurationError(
+        f"cannot open the SQLite file {path!r} for writing ({exc}): the queue writes the file and, beside it, "
+        "its -wal and -shm files; put it in a directory this process can write, on a local disk"
+    )
 
 
 def _mapped(exc: BaseException, operation: str) -> Exception:
