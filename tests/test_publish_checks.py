@@ -13,7 +13,15 @@ from fastapi import FastAPI
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from fastapi_workqueue import PublishFailed, PublishRequest, PublishResults, UnknownTopic
+from fastapi_workqueue import (
+    PublishFailed,
+    PublishRequest,
+    PublishResults,
+    Topic,
+    UnknownTopic,
+    WorkQueue,
+    WorkQueueSettings,
+)
 
 from .conftest import unique
 from .support import make_queue
@@ -73,8 +81,8 @@ async def test_refusals_are_logged_and_raise_for_errors_raises(
                                               PublishRequest(payload={"n": 4}, attributes={"x": 1})])
     lines = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert lines[0] == (logging.WARNING, f"publish to {topic}: item 0 was MessageIDConflict (MessageIDConflict): "
-                                         "a message with this MessageID and different content was already "
-                                         "published; use a new MessageID for new content")
+                                         "a message with this MessageID and different content, or on another "
+                                         "topic, was already published; use a new MessageID for new content")
     assert len(lines) == 2 and lines[1][0] == logging.WARNING
     assert lines[1][1].startswith(f"publish to {topic}: item 1 was Rejected (")  # the item refused, not BatchAborted
     with pytest.raises(PublishFailed) as raised:
@@ -83,3 +91,23 @@ async def test_refusals_are_logged_and_raise_for_errors_raises(
     assert str(raised.value).startswith("2 of 2 requests were not published: item 0: Rejected BatchAborted:")
     with pytest.raises(PublishFailed, match="item 0: MessageIDConflict MessageIDConflict: a message with this"):
         conflict.raise_for_errors()
+
+
+async def test_a_topic_declared_in_code_of_a_queue_never_opened_says_what_to_run(database_url: str) -> None:
+    """The queue's lifespan never ran (a mounted sub-app's, say), yet an endpoint's request session
+    works and a publish joins it: the queue's topics are not in the store, and the error says so
+    rather than that the code does not declare the topic."""
+    async with WorkQueue(WorkQueueSettings(database_url=database_url, enabled=False, auto_migrate=True)).lifespan(None):
+        pass  # (the store is migrated; nothing wrote this queue's topics to it)
+    topic = unique("unopened")
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, enabled=False), topics=[Topic(name=topic)])
+    try:
+        with pytest.raises(UnknownTopic) as raised:
+            async with queue.sessionmaker() as session, session.begin():
+                await queue.publish(topic, [PublishRequest(payload=1)], session=session)
+    finally:
+        await queue.close()
+        await queue.engine.dispose()
+    assert str(raised.value).startswith(f"cannot publish to topic {topic!r}: the code declares it, but the queue "
+                                        "was never opened")
+    assert "lifespan=queue.lifespan" in str(raised.value) and "await queue.open()" in str(raised.value)

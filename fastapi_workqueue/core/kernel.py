@@ -330,9 +330,9 @@ class Kernel:
         those that passed, ``failures`` the results of those refused, by index (then none is
         published). For layers that prepare their messages themselves (the jobs layer)."""
         if not is_name(topic):  # (no topic can have it: the store would refuse it as text, not as a name)
-            raise _unknown_topic(topic)
+            raise self._unknown_topic(topic)
         if count == 0 and topic not in {t.name for t in await self.transport.list_topics()}:
-            raise _unknown_topic(topic)  # (a call with nothing to publish never reaches the store's check)
+            raise self._unknown_topic(topic)  # (a call with nothing to publish never reaches the store's check)
         if session is None:
             session = self.sessions.current()
         observer = self.observer
@@ -345,9 +345,9 @@ class Kernel:
             results = aborted_results(count, failures)
             if scope is not None:
                 scope.end(results, None)
-            return _checked(topic, results)
+            return _checked(topic, results, self._unknown_topic)
         if scope is None:
-            return _checked(topic, await self.transport.publish(topic, prepared, session=session))
+            return _checked(topic, await self.transport.publish(topic, prepared, session=session), self._unknown_topic)
         headers = scope.headers()
         if headers:
             for message in prepared:
@@ -358,7 +358,7 @@ class Kernel:
             scope.end(None, exc)
             raise
         scope.end(results, None)
-        return _checked(topic, results)
+        return _checked(topic, results, self._unknown_topic)
 
     # -- host -----------------------------------------------------------------------------------
 
@@ -406,6 +406,19 @@ class Kernel:
             return "WORKQUEUE_DISABLE_HOST is on (disable_host=True)"
         return None
 
+    def _unknown_topic(self, topic: str) -> UnknownTopic:
+        """The store does not hold ``topic``: why, as far as this queue can tell."""
+        if topic in self.topics and self.opened == 0:
+            why = ("the code declares it, but the queue was never opened, so its topics were not written to the "
+                   "store: run the app with lifespan=queue.lifespan (a mounted app's lifespan does not run: give "
+                   "the outer app the queue's lifespan) or `await queue.open()` first")
+        elif topic in self.topics and not self.settings.sync_topology:
+            why = ("the code declares it, but WORKQUEUE_SYNC_TOPOLOGY is off, so the queue does not write its "
+                   "topics to the store: turn it on in one process, or create the topic there")
+        else:
+            why = f"neither the code declares it (Topic(name={topic!r})) nor the store holds it; check the name"
+        return UnknownTopic(topic, f"cannot publish to topic {topic!r}: {why}")
+
     def health(self) -> ExtensionHealth:
         """The state of the host and of every subscription it plans."""
         if self.opened == 0:
@@ -425,12 +438,7 @@ def _invalid_request(exc: ValidationError) -> RequestRejected:
                            str(first["loc"][0]) if first["loc"] else None)
 
 
-def _unknown_topic(topic: str) -> UnknownTopic:
-    return UnknownTopic(topic, f"cannot publish to topic {topic!r}: neither the code declares it "
-                               f"(Topic(name={topic!r})) nor the store holds it; check the name")
-
-
-def _checked(topic: str, results: list[PublishResult]) -> PublishResults:
+def _checked(topic: str, results: list[PublishResult], unknown: Callable[[str], UnknownTopic]) -> PublishResults:
     """A publish's results, with its refusals logged at WARNING; raises UnknownTopic when the
     store did not know the topic."""
     answer = results if isinstance(results, PublishResults) else PublishResults(results)
@@ -439,7 +447,7 @@ def _checked(topic: str, results: list[PublishResult]) -> PublishResults:
             error = result.error
             code = error.code if error is not None else result.status.value
             if code == "UnknownTopic":
-                raise _unknown_topic(topic)
+                raise unknown(topic)
             if code != "BatchAborted":
                 log.warning("publish to %s: item %d was %s (%s): %s", topic, index, result.status.value, code,
                             refusal(result))
