@@ -576,7 +576,9 @@ class MemoryTransport:
                      if name == subscription and per_key and refill(t, at.timestamp(), now.timestamp(), key_rate) < 1}
         full = ((spec.max_in_flight is not None and len(busy) >= spec.max_in_flight)
                 or (tokens is not None and tokens < 1))
-        waiting = [d for d in self._claimable(subscription, now) if full or d.partition_key in keys]
+        topic = self._store.topics.get(spec.topic)
+        paused = sub.status == "Paused" or (topic is not None and topic.status == "Paused")
+        waiting = [] if paused else [d for d in self._claimable(subscription, now) if full or d.partition_key in keys]
         return FlowState(subscription=subscription, in_flight=min(len(busy), cap), tokens=tokens,
                          keys_at_limit=min(len(keys), cap), waiting=min(len(waiting), cap), cap=cap)
 

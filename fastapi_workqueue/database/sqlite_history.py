@@ -95,7 +95,12 @@ async def r_flow_state(c: Call, p_subscription: str, p_cap: int = 1000, p_now: d
                  if b["per_key"] and refill(b["tokens"], b["updated_at"], c.now, key_rate) < 1}
     full = ((sub["max_in_flight"] is not None and in_flight >= sub["max_in_flight"])
             or (tokens is not None and tokens < 1))
-    [waiting] = await c.ex.fetch("flow_waiting", subscription_id=sub["id"], now=c.now, full=int(full),
-                                 keys=json.dumps(sorted(keys)), cap=p_cap)
+    topic = await c.ex.fetch("topic_get", name=sub["topic"])
+    paused = sub["status"] == "Paused" or (bool(topic) and topic[0]["status"] == "Paused")
+    waiting = 0  # (paused: nothing is claimable, so no limit holds anything back)
+    if not paused:
+        [found] = await c.ex.fetch("flow_waiting", subscription_id=sub["id"], now=c.now, full=int(full),
+                                   keys=json.dumps(sorted(keys)), cap=p_cap)
+        waiting = found["n"]
     return [{"in_flight": in_flight, "tokens": tokens, "keys_at_limit": min(len(keys), p_cap),
-             "waiting": waiting["n"]}]
+             "waiting": waiting}]

@@ -4822,12 +4822,15 @@ BEGIN
     DECLARE @v_tokens float;
     DECLARE @v_full bit = 0;
     DECLARE @v_waiting bigint;
+    DECLARE @v_paused bit = 0;
     DECLARE @v_keys TABLE (partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NOT NULL PRIMARY KEY);
 
     SELECT @v_subscription_id = s.id, @v_max_in_flight = s.max_in_flight,
            @v_key_concurrency = CASE WHEN s.partition_mode = N'None' THEN s.key_concurrency END,
-           @v_rate = workqueue.rate_per_second(s.rate_limit), @v_key_rate = workqueue.rate_per_second(s.key_rate_limit)
+           @v_rate = workqueue.rate_per_second(s.rate_limit), @v_key_rate = workqueue.rate_per_second(s.key_rate_limit),
+           @v_paused = CASE WHEN s.status = N'Paused' OR t.status = N'Paused' THEN 1 ELSE 0 END
     FROM workqueue.subscription AS s
+    INNER JOIN workqueue.topic AS t ON t.name = s.topic
     WHERE s.name = @p_subscription;
 
     IF @v_subscription_id IS NOT NULL
@@ -4866,12 +4869,12 @@ BEGIN
             SELECT TOP (@p_cap) w.one FROM (
                 SELECT 1 AS one FROM workqueue.delivery AS d
                 WHERE d.subscription_id = @v_subscription_id AND d.status = N'Pending' AND d.key_mode = 0
-                  AND d.visible_at <= @v_now
+                  AND d.visible_at <= @v_now AND @v_paused = 0  -- (paused: nothing is claimable)
                   AND (@v_full = 1 OR d.partition_key IN (SELECT k.partition_key FROM @v_keys AS k))
                 UNION ALL
                 SELECT 1 AS one FROM workqueue.partition AS p
                 WHERE p.subscription_id = @v_subscription_id AND p.holder_id IS NULL AND p.next_id IS NOT NULL
-                  AND p.next_visible_at <= @v_now
+                  AND p.next_visible_at <= @v_now AND @v_paused = 0
                   AND (@v_full = 1 OR p.partition_key IN (SELECT k.partition_key FROM @v_keys AS k))
             ) AS w
         ) AS x;

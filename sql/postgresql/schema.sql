@@ -3759,9 +3759,10 @@ DECLARE
     v_waiting bigint;
 BEGIN
     SELECT s.id, s.max_in_flight, CASE WHEN s.partition_mode = 'None' THEN s.key_concurrency END AS key_concurrency,
-           workqueue.rate_per_second(s.rate_limit) AS rate, workqueue.rate_per_second(s.key_rate_limit) AS key_rate
+           workqueue.rate_per_second(s.rate_limit) AS rate, workqueue.rate_per_second(s.key_rate_limit) AS key_rate,
+           (s.status = 'Paused' OR t.status = 'Paused') AS paused
     INTO v_sub
-    FROM workqueue.subscription s WHERE s.name = p_subscription;
+    FROM workqueue.subscription s JOIN workqueue.topic t ON t.name = s.topic WHERE s.name = p_subscription;
     IF NOT FOUND THEN
         RETURN;
     END IF;
@@ -3789,11 +3790,11 @@ BEGIN
     SELECT count(*) INTO v_waiting FROM (
         SELECT 1 FROM workqueue.delivery d
         WHERE d.subscription_id = v_sub.id AND d.status = 'Pending' AND d.key_mode = 0 AND d.visible_at <= v_now
-          AND (v_full OR d.partition_key = ANY (v_keys))
+          AND (v_full OR d.partition_key = ANY (v_keys)) AND NOT v_sub.paused  -- (paused: nothing is claimable)
         UNION ALL
         SELECT 1 FROM workqueue.partition p
         WHERE p.subscription_id = v_sub.id AND p.holder_id IS NULL AND p.next_id IS NOT NULL
-          AND p.next_visible_at <= v_now AND (v_full OR p.partition_key = ANY (v_keys))
+          AND p.next_visible_at <= v_now AND (v_full OR p.partition_key = ANY (v_keys)) AND NOT v_sub.paused
         LIMIT p_cap) x;
     RETURN QUERY SELECT v_in_flight, v_tokens, coalesce(cardinality(v_keys), 0)::bigint, v_waiting;
 END

@@ -12,6 +12,7 @@ import pytest
 from fastapi_workqueue.core.envelope import PublishRequest
 
 from ...core.live_work import FlowStateReader
+from ...core.ports import Ports
 from ...core.transport import Claimed, ClaimedDelivery, HeldBack
 from .harness import Harness, make_world, require
 
@@ -178,4 +179,17 @@ async def test_c41_flow_state_says_how_full_the_limits_are_and_what_waits(harnes
     keyed = await reader.flow_state(world["k"])
     assert keyed is not None and (keyed.in_flight, keyed.keys_at_limit, keyed.waiting) == (2, 2, 3)
     assert keyed.tokens is None
+    # Paused, the subscription or its topic: nothing is claimable, so no limit holds anything back.
+    await harness.transport.set_subscription_status(world["s"], "Paused")
+    paused = await reader.flow_state(world["s"])
+    assert paused is not None and (paused.in_flight, paused.waiting) == (2, 0)
+    lifecycle = Ports.of(harness.transport).lifecycle
+    if lifecycle is not None:
+        await lifecycle.set_topic_status(world.topic, "Paused")
+        paused = await reader.flow_state(world["k"])
+        assert paused is not None and (paused.keys_at_limit, paused.waiting) == (2, 0)
+        await lifecycle.set_topic_status(world.topic, "Active")
+    await harness.transport.set_subscription_status(world["s"], "Active")
+    resumed = await reader.flow_state(world["s"])
+    assert resumed is not None and resumed.waiting == 3
     assert await reader.flow_state("no-such-subscription") is None
