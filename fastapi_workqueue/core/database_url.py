@@ -13,6 +13,8 @@ EXAMPLES = (
 )
 
 _HEAD = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*")
+_KNOWN_HEAD = re.compile(r"(?:postgresql|postgres|sqlite|mssql)(?:\+[a-z0-9]+)?", re.IGNORECASE)
+"""What an error may repeat of a URL's start: a scheme the library knows (anything else may be a secret)."""
 
 
 def database_scheme(url: str, *, source: str = "the database URL") -> str:
@@ -22,7 +24,7 @@ def database_scheme(url: str, *, source: str = "the database URL") -> str:
     :class:`ConfigurationError` naming ``source`` and what to change."""
     scheme, sep, rest = url.partition("://")
     if not sep or not _HEAD.fullmatch(scheme):
-        head = _HEAD.match(url)
+        head = _KNOWN_HEAD.match(url)
         begins = f" (it begins {head.group(0)!r})" if head else ""
         raise ConfigurationError(
             f"{source} does not start with a scheme and '://'{begins}; write it as {EXAMPLES}"

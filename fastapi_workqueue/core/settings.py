@@ -37,7 +37,9 @@ class WorkQueueSettings(BaseSettings):
     ``WORKQUEUE_SUBSCRIPTIONS='[{"name": "*", "concurrency": 8}]'``, ``WORKQUEUE_DISABLE_HOST=1`` …
     """
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+    # (hide_input_in_errors: a value refused, a database URL with its password say, stays out of the
+    # ValidationError that a printed traceback shows as the ConfigurationError's cause)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", hide_input_in_errors=True)
 
     def __init__(self, **values: Any) -> None:
         """Reads the environment; a value that cannot work raises ConfigurationError in one line."""
