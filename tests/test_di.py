@@ -192,4 +192,60 @@ async def test_a_yield_dependency_that_swallows_the_handlers_exception_does_not_
     assert (stats.dead_lettered, stats.completed) == (1, 0)
     assert events == ["rolled back after FatalWorkError"]
     [warning] = [r.getMessage() for r in caplog.records if "did not raise it again" in r.getMessage()]
-    assert warning.startswith("'a") and "caught the FatalWorkError the handler raised" in warning
+    assert warning.startswith("'a") and "caught the FatalWorkError raised under it" in warning
+
+
+async def test_a_swallowed_exception_rolls_back_the_request_session_and_one_raised_by_a_dependency_fails_too(
+    sqlite_url: str,
+) -> None:
+    """A unit of work over ``queue.session`` (declared ``scope="function"``, as it must be) that
+    catches the handler's exception: the session's dependency sees none, yet what the handler wrote
+    is rolled back, not committed before the attempt fails. And a dependency that raises while the
+    others are solved, caught by one entered before it, fails the attempt with its own error."""
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    queue, topic, subs = make_queue(sqlite_url, [{"role": "a"}, {"role": "b"}])
+
+    async def unit_of_work(session: AsyncSession = queue.session) -> AsyncIterator[AsyncSession]:
+        try:  # noqa: SIM105 (the pattern under test: caught, and no raise)
+            yield session
+        except Exception:
+            pass
+
+    @queue.handler("a")
+    async def handle(message: WorkMessage[Any],
+                     session: AsyncSession = Depends(unit_of_work, scope="function")) -> WorkOutcome:
+        await session.execute(text("INSERT INTO di_rows (n) VALUES (1)"))
+        raise FatalWorkError("after the write")
+
+    async def lenient() -> AsyncIterator[str]:
+        try:  # noqa: SIM105 (caught, and no raise)
+            yield "lenient"
+        except Exception:
+            pass
+
+    async def broken(first: str = Depends(lenient)) -> str:
+        raise LookupError("the account service is down")
+
+    @queue.handler("b")
+    async def needs_broken(message: WorkMessage[Any], value: str = Depends(broken)) -> WorkOutcome:
+        return Outcome.complete()
+
+    async with queue.lifespan(FastAPI(lifespan=queue.lifespan)):
+        async with queue.engine.begin() as conn:
+            await conn.execute(text("CREATE TABLE di_rows (n INTEGER)"))
+        await queue.publish(topic, [PublishRequest(payload=1)])
+
+        async def dead(role: str) -> Any:
+            [stats] = await queue.stats(subs[role])
+            return stats if stats.dead_lettered + stats.completed else None
+
+        a = await wait_for(lambda: dead("a"))
+        assert (a.dead_lettered, a.completed) == (1, 0)
+        async with queue.engine.connect() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM di_rows"))).scalar_one() == 0
+        b = await wait_for(lambda: dead("b"))
+        assert b.completed == 0 and b.dead_lettered == 1
+        [letter] = await queue.dead_letters(subs["b"])
+        assert letter.last_error is not None and "LookupError: the account service is down" in letter.last_error

@@ -144,22 +144,26 @@ class DependencyInvoker:
     async def _solve_and_call(self, key: str, func: Callable[..., Any], dependant: Dependant,
                               scope: dict[str, Any], fixed: dict[str, Any]) -> Any:
         from .fastapi_internals import solve
+        from .session import fail_request_transaction
 
         raised: BaseException | None = None
         async with AsyncExitStack() as request_stack, AsyncExitStack() as function_stack:
-            values, errors = await solve(dependant, scope, self.app, request_stack, function_stack)
-            if errors:
-                raise ConfigurationError(f"{key!r}: dependencies could not be resolved: {errors}")
-            values.update(fixed)
             try:
+                values, errors = await solve(dependant, scope, self.app, request_stack, function_stack)
+                if errors:
+                    raise ConfigurationError(f"{key!r}: dependencies could not be resolved: {errors}")
+                values.update(fixed)
                 return await func(**values)
             except BaseException as exc:
                 raised = exc
+                fail_request_transaction()  # (its session rolls back, whatever a dependency does with exc)
                 raise
-        # Here only when a yield dependency caught what the handler raised and did not raise it
-        # again. FastAPI answers such a request 500; the attempt fails as the handler failed.
-        assert raised is not None
-        log.warning("%r: a yield dependency caught the %s the handler raised and did not raise it again; the "
+        # Here only when a yield dependency caught what was raised (by the handler, or by another
+        # dependency as they were solved) and did not raise it again. FastAPI answers such a request
+        # 500; the attempt fails as it would have without the dependency.
+        if raised is None:  # pragma: no cover - the block above returns or raises
+            raise RuntimeError(f"{key!r}: the dependencies ended the attempt without a result")
+        log.warning("%r: a yield dependency caught the %s raised under it and did not raise it again; the "
                     "attempt ends as the exception says all the same (raise it again in the dependency's except "
                     "block, as FastAPI asks)", key, type(raised).__name__)
         raise raised

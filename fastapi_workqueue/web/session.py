@@ -33,6 +33,9 @@ class RequestTransaction:
     open: bool = True
     owner: object = None
     """The :class:`RequestSessions` (one per queue) whose dependency opened it."""
+    failed: bool = False
+    """The handler it serves raised (:func:`fail_request_transaction`): it rolls back, even when
+    a dependency caught the exception and its own dependency saw none."""
 
     def joinable(self) -> bool:
         """True while the transaction is open and the caller runs in the request's own task."""
@@ -46,6 +49,14 @@ class RequestTransaction:
 
 
 _current: ContextVar[RequestTransaction | None] = ContextVar("workqueue_request_transaction", default=None)
+
+
+def fail_request_transaction() -> None:
+    """The handler (or job) of this attempt raised: the request session it holds rolls back when
+    its dependency closes, whatever the dependencies between them did with the exception."""
+    holder = _current.get()
+    if holder is not None and holder.open:
+        holder.failed = True
 
 
 def current_session() -> AsyncSession | None:
@@ -199,7 +210,10 @@ class RequestSessions:
                         raise
                     else:
                         holder.open = False
-                        await session.commit()
+                        if holder.failed:  # (a dependency caught what the handler raised)
+                            await session.rollback()
+                        else:
+                            await session.commit()
                     finally:
                         holder.open = False
                         _current.reset(token)
