@@ -197,23 +197,25 @@ async def test_a_job_held_up_by_another_that_blocks_the_loop_is_not_blamed(
     queue.listen(JobEvent, events.append)
 
     polite_name, hog_name = f"polite-{queue_name}", f"hog-{queue_name}"
+    polite_started = asyncio.Event()
 
     @queue.job(polite_name, timeout=1.0, tries=1, queue=queue_name)
     async def polite(payload: dict[str, Any], job: JobContext) -> None:
+        polite_started.set()
         await asyncio.sleep(30)
 
     @queue.job(hog_name, tries=1, queue=queue_name)
     async def hog(payload: dict[str, Any], job: JobContext) -> None:
-        time.sleep(3)  # noqa: ASYNC251 (on purpose: the other job's timer and cancellation wait)
+        await polite_started.wait()  # (so that the other's timer runs, and runs out, while this blocks)
+        time.sleep(2.0)  # noqa: ASYNC251 (on purpose: the other job's timer and cancellation wait)
 
     def ended(name: str) -> list[str]:
         return [type(e).__name__ for e in events if e.job == name and type(e).__name__ != "JobProcessing"]
 
     caplog.set_level(logging.WARNING, logger="fastapi_workqueue.jobs")
     async with queue.lifespan(None):
+        await queue.dispatch(hog, {})
         await queue.dispatch(polite, {})
-        await wait_for(lambda: any(e.job == polite_name for e in events), within=30)
-        await queue.dispatch(hog, {})  # (it starts well within the other's timeout of 1 s)
         await wait_for(lambda: ended(polite_name) and ended(hog_name), within=30)
     assert ended(polite_name) == ["JobFailed"] and ended(hog_name) == ["JobProcessed"]
     assert [r for r in caplog.records if r.levelno >= logging.CRITICAL] == []
@@ -223,6 +225,35 @@ async def test_a_job_held_up_by_another_that_blocks_the_loop_is_not_blamed(
     assert message.startswith(f"job {polite_name} (") and "is past its timeout of 1 s" in message
     assert f"{THIS_FILE}:" in message and " in hog)" in message
     assert queue.jobs.watchdog.watching == 0
+
+
+async def test_a_job_that_blocks_the_loop_from_a_task_it_started_is_blamed_after_a_second_window(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The blocking code runs in a task the job started (``asyncio.gather``): the loop's task is not
+    the job's, so the watchdog first takes it for other code and waits; held past the job's timeout
+    and stop timeout once more, the job is blamed all the same (an app's host logs it critical)."""
+    queue_name = names(1)[0]
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        job_queues=queue_name, **FAST))  # (a stop timeout of 0.3 s)
+    events: list[JobEvent] = []
+    queue.listen(JobEvent, events.append)
+
+    async def child() -> None:
+        time.sleep(2.5)  # noqa: ASYNC251 (on purpose)
+
+    @queue.job(f"spawns-{queue_name}", timeout=0.2, tries=1, queue=queue_name)
+    async def spawns(payload: dict[str, Any], job: JobContext) -> None:
+        await asyncio.gather(child())
+
+    caplog.set_level(logging.WARNING, logger="fastapi_workqueue.jobs")
+    async with queue.lifespan(None):
+        await queue.dispatch(spawns, {})
+        await wait_for(lambda: any(type(e).__name__ == "JobFailed" for e in events), within=30)
+    found = [(r.levelno, r.getMessage()) for r in caplog.records if r.threadName == THREAD_NAME]
+    assert [level for level, _ in found] == [logging.WARNING, logging.CRITICAL], found
+    assert "blocked by other code (task " in found[0][1] and " in child)" in found[0][1]
+    assert found[1][1].startswith(f"job spawns-{queue_name} (")
 
 
 def one_second_lease(database_url: str, queue_name: str, events: list[JobEvent]) -> WorkQueue:

@@ -12,9 +12,10 @@ Before it blames the job, the watchdog asks the loop: it schedules a callback fr
 waits for it a moment. When the loop does not answer and the task it is running is not the job's,
 other code blocks the loop (another job, a handler), and the job's cancellation has not had its
 turn yet: the watchdog warns once, naming where the loop is held, and gives the job the stop
-timeout again. It blames the job when the job's own task holds the blocked loop, or when the loop
-answers and the job still runs (it swallowed the cancellation), a stop timeout after the loop
-was last found held.
+timeout again, and again while the loop stays held, for as long as the job's timeout and stop
+timeout once more. It blames the job when the job's own task holds the blocked loop, when the
+loop answers promptly and the job still runs (it swallowed the cancellation), or when other
+code held the loop past that second window (it may be a task the job started).
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ class Overrun:
     """The loop and the task the attempt runs on (None outside a loop)."""
     thread_id: int = 0
     held_up: bool = False
-    """Its last deadline found the loop blocked by other code."""
+    """Its last deadline found the loop blocked by other code (or found it answering late)."""
+    held_since: float | None = None
+    """When a deadline first found the loop held by other code."""
     ended: bool = False
 
 
@@ -143,10 +146,14 @@ class Watchdog:
             loop.call_soon_threadsafe(answered.set)
         except RuntimeError:  # (the loop is closed: the attempt is no longer running)
             return False
+        asked = self._clock()
         if answered.wait(min(PROBE_SECONDS, overrun.stop_timeout)):
+            late = self._clock() - asked > PROMPT_SECONDS
             if overrun.ended:
                 return False
-            if overrun.held_up:  # (the loop runs again: the cancellation has had its turn only now)
+            if overrun.held_up or late:
+                # The loop runs again only now: the job's cancellation has had its turn only now
+                # (the answer, queued while the loop was held, may even have run before it).
                 overrun.held_up = False
                 self._again(overrun)
                 return False
@@ -154,10 +161,11 @@ class Watchdog:
         running = _running_task(loop)
         if overrun.ended:
             return False
-        if running is overrun.task or running is None:
+        if running is not None and running is overrun.task:
             return True
-        if not overrun.held_up:
-            overrun.held_up = True
+        now = self._clock()
+        if overrun.held_since is None:
+            overrun.held_since = now
             log.warning(
                 "job %s (%s) is past its timeout of %g s, but the event loop is blocked by other code (%s) and has "
                 "not run its cancellation; it gets %g s more once the loop runs. Code that blocks the loop holds "
@@ -165,12 +173,18 @@ class Watchdog:
                 "(asyncio.to_thread)", overrun.job.name, overrun.context.id, overrun.timeout,
                 _where(overrun.thread_id, running), overrun.stop_timeout,
             )
+        elif now - overrun.held_since > overrun.timeout + overrun.stop_timeout:
+            # Held that long, it may be the job's own code after all (a task the job started is
+            # another task): the job is blamed as when its own task holds the loop.
+            return True
+        overrun.held_up = True
         self._again(overrun)
         return False
 
-
 PROBE_SECONDS = 0.2
 """How long the watchdog waits for the loop to run a callback before it takes the loop as blocked."""
+PROMPT_SECONDS = 0.05
+"""An answer later than this came from a loop that was held until just now."""
 
 _PATHS = sysconfig.get_paths()
 _LIBRARY = (*{_PATHS["stdlib"], _PATHS["platstdlib"]}, os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")
@@ -185,7 +199,7 @@ def _running_task(loop: asyncio.AbstractEventLoop) -> asyncio.Task[Any] | None:
         return None
 
 
-def _where(thread_id: int, task: asyncio.Task[Any]) -> str:
+def _where(thread_id: int, task: asyncio.Task[Any] | None) -> str:
     """Where the loop's thread is now: the task's name and the innermost frame of the application's
     code (outside the standard library, installed packages and this package; failing that, the
     innermost outside the first two)."""
@@ -198,5 +212,9 @@ def _where(thread_id: int, task: asyncio.Task[Any]) -> str:
         for frame in stack:
             code = frame.f_code
             if not code.co_filename.startswith(skipped):
-                return f"task {task.get_name()!r}, at {code.co_filename}:{frame.f_lineno} in {code.co_name}"
-    return f"task {task.get_name()!r}"
+                return f"{_named(task)}, at {code.co_filename}:{frame.f_lineno} in {code.co_name}"
+    return _named(task)
+
+
+def _named(task: asyncio.Task[Any] | None) -> str:
+    return "a callback of the loop" if task is None else f"task {task.get_name()!r}"
