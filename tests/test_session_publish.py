@@ -165,6 +165,7 @@ def test_a_request_session_made_under_a_loop_now_closed_is_made_again(pg_url: st
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
             return (await client.get("/one")).status_code
 
+    assert queue.engine is not None  # (made here, outside any loop: the first loop to use it owns it)
     assert asyncio.run(without_lifespan()) == 200
     with TestClient(app, raise_server_exceptions=False) as client:
         assert [client.get("/one").status_code for _ in range(3)] == [200, 200, 200]

@@ -415,6 +415,10 @@ class Kernel:
         elif topic in self.topics and not self.settings.sync_topology:
             why = ("the code declares it, but WORKQUEUE_SYNC_TOPOLOGY is off, so the queue does not write its "
                    "topics to the store: turn it on in one process, or create the topic there")
+        elif topic in self.topics:
+            why = ("the code declares it, but the store this publish went to does not hold it: a session on "
+                   "another database, or the topic was deleted since the queue opened (it is written again at "
+                   "the next start)")
         else:
             why = f"neither the code declares it (Topic(name={topic!r})) nor the store holds it; check the name"
         return UnknownTopic(topic, f"cannot publish to topic {topic!r}: {why}")

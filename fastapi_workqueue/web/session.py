@@ -11,6 +11,7 @@ committed, or part of a transaction that its owner, the request, still holds and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -140,11 +141,14 @@ class RequestSessions:
             )
             try:
                 self._loop = asyncio.get_running_loop()
-            except RuntimeError:  # (made outside a loop: its first connection decides)
+            except RuntimeError:  # (made outside a loop: the first loop that uses it, see _drop_if_stale)
                 self._loop = None
         return self._engine
 
     def _drop_if_stale(self) -> None:
+        if self._engine is not None and self._loop is None:  # (made outside a loop: the first one to use it)
+            with contextlib.suppress(RuntimeError):
+                self._loop = asyncio.get_running_loop()
         if self._engine is not None and self._loop is not None and self._loop.is_closed():
             self._engine.sync_engine.dispose(close=False)  # (dropped, not closed: their loop is gone)
             self._engine = self._maker = self._gate = None
