@@ -10,7 +10,9 @@ waits for those under way, within a bound, before the clients close.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
 from typing import Any
 
 from ..core.errors import TransportError
@@ -18,6 +20,9 @@ from ..core.redaction import redacting_logger
 from ..core.words import count
 
 log = redacting_logger("fastapi_workqueue.aws")
+
+_IN_OPERATION: ContextVar[bool] = ContextVar("workqueue_aws_operation", default=False)
+"""True inside :meth:`ClientCalls.operation`: its calls go on while the transport closes."""
 
 DRAIN_SECONDS = 30.0
 """How long closing waits for the client calls in flight (a call that takes longer is cut off)."""
@@ -46,8 +51,20 @@ class ClientCalls:
                 log.warning("aws: closing with %s still under way after %g s; they are cut off",
                             count(self.running, "client call"), within)
 
+    @contextlib.asynccontextmanager
+    async def operation(self, name: str) -> AsyncIterator[None]:
+        """Several calls that make one operation (a publish sent 10 messages a call): closing waits
+        for all of them, and refuses the operation only before its first."""
+        self.enter(name)
+        token = _IN_OPERATION.set(True)
+        try:
+            yield
+        finally:
+            _IN_OPERATION.reset(token)
+            self.leave()
+
     def enter(self, name: str) -> None:
-        if self.draining:
+        if self.draining and not _IN_OPERATION.get():
             raise TransportError(
                 f"the aws transport is closing (the queue shuts down): {name} was not sent; call again once the "
                 "queue is open", retryable=False,

@@ -287,6 +287,7 @@ class AwsTransport(Receiving, Settling, OperatorViews):
             stack, self._stack = self._stack, None
             self._sns = self._sqs = None
             self._closed = True
+            self._calls = ClientCalls()  # (closed, not closing: a later call says so)
             await stack.aclose()
 
     async def migrate(self) -> list[str]:
@@ -483,7 +484,8 @@ class AwsTransport(Receiving, Settling, OperatorViews):
 
             await write_outbox(session, topic, list(zip(messages, encoded, strict=True)))
             return [PublishResult(status=PublishStatus.ACCEPTED, message_id=m.message_id) for m in messages]
-        failed = await self.publish_batches(arn, entries)
+        async with self._calls.operation("publish"):  # (closing waits for every call of it, or refuses it whole)
+            failed = await self.publish_batches(arn, entries)
         if failed:
             raise TransportError(
                 f"SNS refused {len(failed)} of {len(entries)} messages of topic {topic!r} "

@@ -70,10 +70,11 @@ async def test_calls_after_close_raise_and_leave_no_session_open(moto_url: str) 
 
 
 async def test_close_waits_for_a_publish_in_flight_which_reaches_sqs_once(moto_url: str) -> None:
-    """The queue closes (an app shuts down) while a publish's PublishBatch is under way: close waits
-    for it, and the message reaches the subscription's queue once (clients closed under the call
-    made the HTTP library send it again, on a connection left open, which could also hang). A call
-    that comes while close waits is refused with what to do, and no session is left open."""
+    """The queue closes (an app shuts down) while a publish is under way: close waits for it,
+    every PublishBatch of it (12 messages go in two), and each message reaches the subscription's
+    queue once (clients closed under a call made the HTTP library send it again, on a connection
+    left open, which could also hang; a publish cut between its calls would be sent again whole). A
+    publish that comes while close waits is refused with what to do, and no session is left open."""
     queue, name = a_queue(moto_url)
     document = provision(build_manifest(list(queue.topics.values()), list(queue.subscriptions.values()),
                                         queue.settings), moto_url)
@@ -83,18 +84,19 @@ async def test_close_waits_for_a_publish_in_flight_which_reaches_sqs_once(moto_u
         for round_ in range(3):
             aws = AwsTransport(queue.kernel, bindings=Bindings.parse(document))
             await aws.open()
-            publish = asyncio.create_task(aws.publish(name, [prepare(PublishRequest(payload=round_))]))
-            # (the PublishBatch is sent, its answer not yet read)
+            requests = [prepare(PublishRequest(payload=[round_, i])) for i in range(12)]
+            publish = asyncio.create_task(aws.publish(name, requests))
+            # (the first PublishBatch is sent, its answer not yet read)
             calls = aws._calls
-            await wait_for(lambda: calls.running > 0, within=5, interval=0.0005)  # noqa: B023
+            await wait_for(lambda: calls.running > 1, within=5, interval=0.0005)  # noqa: B023
             closing = asyncio.create_task(aws.close())
             await asyncio.sleep(0)
             with pytest.raises(TransportError, match=r"the aws transport is closing \(the queue shuts down\): "
-                               r"publish_batch was not sent; call again once the queue is open"):
+                               r"publish was not sent; call again once the queue is open"):
                 await aws.publish(name, [prepare(PublishRequest(payload="late"))])
             await asyncio.wait_for(closing, 30)
-            [result] = await asyncio.wait_for(publish, 5)
-            assert result.status == PublishStatus.ACCEPTED
+            results = await asyncio.wait_for(publish, 5)
+            assert [r.status for r in results] == [PublishStatus.ACCEPTED] * 12
             del aws
         assert unclosed_sessions(caught) == []
     _, sqs = clients(moto_url)
@@ -102,7 +104,7 @@ async def test_close_waits_for_a_publish_in_flight_which_reaches_sqs_once(moto_u
     while answer := (await asyncio.to_thread(sqs.receive_message, QueueUrl=queue_url, MaxNumberOfMessages=10,
                                              VisibilityTimeout=60, WaitTimeSeconds=0)).get("Messages"):
         bodies.extend(published(m["Body"])["payload"] for m in answer)
-    assert sorted(bodies) == [0, 1, 2]
+    assert sorted(bodies) == [[r, i] for r in range(3) for i in range(12)]
 
 
 def published(body: str) -> Any:
