@@ -519,6 +519,8 @@ def document_errors(router: APIRouter) -> None:
             route.openapi_extra = {**(route.openapi_extra or {}), "x-required-scopes": scopes}
         if "{subscription}" in route.path:
             route.responses.setdefault(404, {"description": "The subscription (or delivery) does not exist."})
+        elif "{topic}" in route.path:
+            route.responses.setdefault(404, {"description": "The topic does not exist."})
         route.responses.setdefault(503, {"description": "The store is unavailable; retry (see Retry-After)."})
 
 
