@@ -205,7 +205,7 @@ async def test_a_swallowed_exception_rolls_back_the_request_session_and_one_rais
     from sqlalchemy import text
     from sqlalchemy.ext.asyncio import AsyncSession
 
-    queue, topic, subs = make_queue(sqlite_url, [{"role": "a"}, {"role": "b"}])
+    queue, topic, subs = make_queue(sqlite_url, [{"role": "a"}, {"role": "b", "max_attempts": 1}])
 
     async def unit_of_work(session: AsyncSession = queue.session) -> AsyncIterator[AsyncSession]:
         try:  # noqa: SIM105 (the pattern under test: caught, and no raise)
@@ -249,3 +249,44 @@ async def test_a_swallowed_exception_rolls_back_the_request_session_and_one_rais
         assert b.completed == 0 and b.dead_lettered == 1
         [letter] = await queue.dead_letters(subs["b"])
         assert letter.last_error is not None and "LookupError: the account service is down" in letter.last_error
+
+
+async def test_a_sync_mode_job_that_fails_once_leaves_the_request_that_dispatched_it_to_commit(
+    sqlite_url: str,
+) -> None:
+    """``jobs_mode="sync"`` runs a job inside the request that dispatches it. Its first attempt
+    fails: the request's own session (not the job's) keeps its outcome, and commits."""
+    import httpx
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings
+
+    queue = WorkQueue(WorkQueueSettings(database_url=sqlite_url, auto_migrate=True, jobs_mode="sync", enabled=False))
+    attempts: list[int] = []
+
+    def settings_dependency() -> str:
+        return "settings"
+
+    @queue.job("flaky", tries=2)
+    async def flaky(payload: dict[str, Any], job: JobContext, s: str = Depends(settings_dependency)) -> None:
+        attempts.append(job.attempt)
+        if job.attempt == 1:
+            raise ValueError("the first try fails, the second works")
+
+    app = FastAPI(lifespan=queue.lifespan)
+
+    @app.post("/order")
+    async def order(session: AsyncSession = queue.session) -> dict[str, str]:
+        await session.execute(text("INSERT INTO sync_orders (n) VALUES (1)"))
+        await queue.dispatch(flaky, {})
+        return {"ok": "yes"}
+
+    async with queue.lifespan(app):
+        async with queue.engine.begin() as conn:
+            await conn.execute(text("CREATE TABLE sync_orders (n INTEGER)"))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+            assert (await client.post("/order")).status_code == 200
+        async with queue.engine.connect() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM sync_orders"))).scalar_one() == 1
+    assert attempts == [1, 2]

@@ -417,8 +417,8 @@ class Kernel:
                    "topics to the store: turn it on in one process, or create the topic there")
         elif topic in self.topics:
             why = ("the code declares it, but the store this publish went to does not hold it: a session on "
-                   "another database, or the topic was deleted since the queue opened (it is written again at "
-                   "the next start)")
+                   "another database, a topic declared after the queue opened, or one deleted since (the "
+                   "queue writes its topics to the store when it opens)")
         else:
             why = f"neither the code declares it (Topic(name={topic!r})) nor the store holds it; check the name"
         return UnknownTopic(topic, f"cannot publish to topic {topic!r}: {why}")

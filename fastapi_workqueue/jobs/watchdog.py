@@ -12,10 +12,11 @@ Before it blames the job, the watchdog asks the loop: it schedules a callback fr
 waits for it a moment. When the loop does not answer and the task it is running is not the job's,
 other code blocks the loop (another job, a handler), and the job's cancellation has not had its
 turn yet: the watchdog warns once, naming where the loop is held, and gives the job the stop
-timeout again, and again while the loop stays held, for as long as the job's timeout and stop
-timeout once more. It blames the job when the job's own task holds the blocked loop, when the
-loop answers promptly and the job still runs (it swallowed the cancellation), or when other
-code held the loop past that second window (it may be a task the job started).
+timeout again, and again while the loop stays held (or answers late), for as long as the job's
+timeout and stop timeout once more and at least 30 s. It blames the job when the job's own task
+holds the blocked loop, when the loop answers promptly and the job still runs (it swallowed the
+cancellation), or when the loop stayed held past that second window (it may be a task the job
+started; and the process's heartbeats have lapsed by then too).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class Watchdog:
         self._on_overrun = on_overrun
         self._clock = clock
         self._watched: set[Overrun] = set()
+        self.held_floor = HELD_FLOOR_SECONDS
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -114,7 +116,7 @@ class Watchdog:
         """Watches ``overrun`` for another stop timeout."""
         with self._changed:
             if not overrun.ended:
-                overrun.deadline = self._clock() + overrun.stop_timeout
+                overrun.deadline = self._clock() + max(overrun.stop_timeout, PROBE_SECONDS)
                 self._watched.add(overrun)
 
     def _run(self) -> None:
@@ -147,11 +149,11 @@ class Watchdog:
         except RuntimeError:  # (the loop is closed: the attempt is no longer running)
             return False
         asked = self._clock()
-        if answered.wait(min(PROBE_SECONDS, overrun.stop_timeout)):
+        if answered.wait(max(min(PROBE_SECONDS, overrun.stop_timeout), PROMPT_SECONDS * 2)):
             late = self._clock() - asked > PROMPT_SECONDS
             if overrun.ended:
                 return False
-            if overrun.held_up or late:
+            if (overrun.held_up or late) and not self._held_too_long(overrun):
                 # The loop runs again only now: the job's cancellation has had its turn only now
                 # (the answer, queued while the loop was held, may even have run before it).
                 overrun.held_up = False
@@ -163,9 +165,8 @@ class Watchdog:
             return False
         if running is not None and running is overrun.task:
             return True
-        now = self._clock()
         if overrun.held_since is None:
-            overrun.held_since = now
+            overrun.held_since = self._clock()
             log.warning(
                 "job %s (%s) is past its timeout of %g s, but the event loop is blocked by other code (%s) and has "
                 "not run its cancellation; it gets %g s more once the loop runs. Code that blocks the loop holds "
@@ -173,18 +174,31 @@ class Watchdog:
                 "(asyncio.to_thread)", overrun.job.name, overrun.context.id, overrun.timeout,
                 _where(overrun.thread_id, running), overrun.stop_timeout,
             )
-        elif now - overrun.held_since > overrun.timeout + overrun.stop_timeout:
+        elif self._held_too_long(overrun):
             # Held that long, it may be the job's own code after all (a task the job started is
-            # another task): the job is blamed as when its own task holds the loop.
+            # another task), and the process's leases lapse: the job is blamed as when its own
+            # task holds the loop.
             return True
         overrun.held_up = True
         self._again(overrun)
         return False
 
+    def _held_too_long(self, overrun: Overrun) -> bool:
+        """Whether the loop was first found held (or late) more than the job's timeout and stop
+        timeout, and at least :attr:`held_floor` seconds, ago (so that no job is waited for forever)."""
+        now = self._clock()
+        if overrun.held_since is None:
+            overrun.held_since = now
+            return False
+        return now - overrun.held_since > max(overrun.timeout + overrun.stop_timeout, self.held_floor)
+
 PROBE_SECONDS = 0.2
 """How long the watchdog waits for the loop to run a callback before it takes the loop as blocked."""
 PROMPT_SECONDS = 0.05
 """An answer later than this came from a loop that was held until just now."""
+HELD_FLOOR_SECONDS = 30.0
+"""The least time a job past its timeout is waited for while other code holds the loop (a third of
+the default job lease: past it the process's heartbeats have lapsed too)."""
 
 _PATHS = sysconfig.get_paths()
 _LIBRARY = (*{_PATHS["stdlib"], _PATHS["platstdlib"]}, os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")

@@ -144,9 +144,10 @@ class DependencyInvoker:
     async def _solve_and_call(self, key: str, func: Callable[..., Any], dependant: Dependant,
                               scope: dict[str, Any], fixed: dict[str, Any]) -> Any:
         from .fastapi_internals import solve
-        from .session import fail_request_transaction
+        from .session import current_request_transaction, fail_request_transaction
 
         raised: BaseException | None = None
+        before = current_request_transaction()
         async with AsyncExitStack() as request_stack, AsyncExitStack() as function_stack:
             try:
                 values, errors = await solve(dependant, scope, self.app, request_stack, function_stack)
@@ -156,7 +157,7 @@ class DependencyInvoker:
                 return await func(**values)
             except BaseException as exc:
                 raised = exc
-                fail_request_transaction()  # (its session rolls back, whatever a dependency does with exc)
+                fail_request_transaction(before)  # (its session rolls back, whatever a dependency does with exc)
                 raise
         # Here only when a yield dependency caught what was raised (by the handler, or by another
         # dependency as they were solved) and did not raise it again. FastAPI answers such a request

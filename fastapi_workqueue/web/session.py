@@ -52,11 +52,19 @@ class RequestTransaction:
 _current: ContextVar[RequestTransaction | None] = ContextVar("workqueue_request_transaction", default=None)
 
 
-def fail_request_transaction() -> None:
-    """The handler (or job) of this attempt raised: the request session it holds rolls back when
-    its dependency closes, whatever the dependencies between them did with the exception."""
+def current_request_transaction() -> RequestTransaction | None:
+    """The request session the code running here would join (or None): what an attempt finds
+    before it solves its dependencies, to tell its own session from one it runs inside."""
+    return _current.get()
+
+
+def fail_request_transaction(before: RequestTransaction | None) -> None:
+    """The handler (or job) of this attempt raised: the request session it opened rolls back when
+    its dependency closes, whatever the dependencies between them did with the exception. Only
+    one it opened (not ``before``, the one found before its dependencies were solved: a request
+    a sync-mode job runs inside keeps its own outcome)."""
     holder = _current.get()
-    if holder is not None and holder.open:
+    if holder is not None and holder is not before and holder.open and holder.task is asyncio.current_task():
         holder.failed = True
 
 
