@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 from fastapi import FastAPI, HTTPException, Request, status
 from fastapi.routing import APIRoute
@@ -353,6 +354,11 @@ async def test_a_bad_item_is_422_with_index_and_field_and_nothing_is_published(a
     headers = api.bearer(SCOPE_PUBLISH)
     [before] = await api.queue.stats(api.subs["plain"])
     good = [str(uuid.uuid4()) for _ in range(2)]
+    # Every 422 below, in either shape, is what the OpenAPI schema says a 422 is (a generated client
+    # parses it).
+    openapi = (await api.http.get("/openapi.json")).json()
+    declared = openapi["paths"][f"{PREFIX}/topics/{{topic}}/messages"]["post"]["responses"]["422"]
+    schema = {**declared["content"]["application/json"]["schema"], "components": openapi["components"]}
 
     # Refused by the envelope rules: the library's shape, one problem per refused item.
     response = await api.http.post(url, headers=headers, json=[
@@ -362,6 +368,7 @@ async def test_a_bad_item_is_422_with_index_and_field_and_nothing_is_published(a
     ])
     assert response.status_code == 422, response.text
     body = response.json()
+    jsonschema.validate(body, schema)
     assert body["detail"] == [{
         "Index": 1, "Code": "InvalidAttribute", "Field": "attributes",
         "Message": body["detail"][0]["Message"],
@@ -374,6 +381,7 @@ async def test_a_bad_item_is_422_with_index_and_field_and_nothing_is_published(a
     for bad, field_name in (({"Payload": 2, "MaxAttempts": 0}, "MaxAttempts"), ({"Payload": 2, "Bogus": 1}, "Bogus")):
         response = await api.http.post(url, headers=headers, json=[{"MessageID": good[0], "Payload": 1}, bad])
         assert response.status_code == 422, response.text
+        jsonschema.validate(response.json(), schema)
         [problem] = response.json()["detail"]
         assert problem["loc"] == ["body", 1, field_name]
 
@@ -381,8 +389,10 @@ async def test_a_bad_item_is_422_with_index_and_field_and_nothing_is_published(a
     response = await api.http.post(url, headers=headers, json=[{"Payload": 1}, {"Payload": "z" * (256 * 1024)}])
     assert response.status_code == 422 and response.json()["detail"][0]["Index"] == 1
     assert response.json()["detail"][0]["Code"] == "EnvelopeTooLarge"
+    jsonschema.validate(response.json(), schema)
     response = await api.http.post(url, headers=headers, json={"Payload": 1})
     assert response.status_code == 422
+    jsonschema.validate(response.json(), schema)
 
     [after] = await api.queue.stats(api.subs["plain"])
     assert after.pending == before.pending

@@ -16,7 +16,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.attempts import AttemptInfo
@@ -107,6 +107,22 @@ class PublishRefused(WireModel):
 
     detail: list[PublishProblem] = Field(alias="detail")
     results: list[PublishResult] = Field(alias="results")
+
+
+class RequestProblem(BaseModel):
+    """One error of a body that is not an array of publish requests, as FastAPI words it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class RequestInvalid(BaseModel):
+    """422 answer to a body that does not validate (FastAPI's own shape): nothing was published."""
+
+    detail: list[RequestProblem]
 
 
 def _renderable(exc: RequestValidationError) -> RequestValidationError:
@@ -226,7 +242,9 @@ def build_router(
             404: {"description": "The topic does not exist."},
             409: {"model": PublishRefused, "description": "A MessageID was reused for other content."},
             413: {"description": "The body or the batch is too large."},
-            422: {"model": PublishRefused, "description": "An item is invalid; nothing was published."},
+            422: {"model": PublishRefused | RequestInvalid,
+                  "description": "An item is invalid (PublishRefused), or the body is not an array of publish "
+                                 "requests (FastAPI's validation errors); nothing was published."},
             503: {"description": "The store is unavailable; retry with the same MessageIDs."},
         },
     )
