@@ -421,3 +421,42 @@ async def test_sync_mode_runs_a_job_at_its_dispatch(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="never works"):
             await queue.dispatch(job, {"n": -1})
         assert await queue.size() == 0  # nothing was queued
+
+
+async def test_a_sync_mode_job_that_fails_once_leaves_the_request_that_dispatched_it_to_commit(tmp_path: Path) -> None:
+    """``jobs_mode="sync"`` runs a job inside the request that dispatches it. Its first attempt
+    fails: the request's own session (not the job's) keeps its outcome, and commits."""
+    import httpx
+    from fastapi import Depends, FastAPI
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'sync.db'}"
+    queue = WorkQueue(WorkQueueSettings(database_url=url, auto_migrate=True, jobs_mode="sync", enabled=False))
+    attempts: list[int] = []
+
+    def settings_dependency() -> str:
+        return "settings"
+
+    @queue.job("flaky", tries=2)
+    async def flaky(payload: dict[str, Any], job: JobContext, s: str = Depends(settings_dependency)) -> None:
+        attempts.append(job.attempt)
+        if job.attempt == 1:
+            raise ValueError("the first try fails, the second works")
+
+    app = FastAPI(lifespan=queue.lifespan)
+
+    @app.post("/order")
+    async def order(session: AsyncSession = queue.session) -> dict[str, str]:
+        await session.execute(text("INSERT INTO sync_orders (n) VALUES (1)"))
+        await queue.dispatch(flaky, {})
+        return {"ok": "yes"}
+
+    async with queue.lifespan(app):
+        async with queue.engine.begin() as conn:
+            await conn.execute(text("CREATE TABLE sync_orders (n INTEGER)"))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+            assert (await client.post("/order")).status_code == 200
+        async with queue.engine.connect() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM sync_orders"))).scalar_one() == 1
+    assert attempts == [1, 2]
