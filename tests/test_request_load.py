@@ -63,6 +63,9 @@ async def test_consumers_hold_one_delivery_while_requests_are_busy_and_all_when_
         consumer = queue.host.consumers[subs["work"]]
         held = [asyncio.create_task(client.get("/hold")) for _ in range(2)]
         await wait_for(lambda: queue.request_load.busy)
+        # A claim already under way when the requests came sized itself before: it may still take
+        # four of what is published next. Publish once the consumer is between claims.
+        await wait_for(lambda: consumer.claim_loop == "waiting_for_work", interval=0.001)
         await queue.publish(topic, [PublishRequest(payload=i) for i in range(6)])
         # It holds one and waits for a slot to free: wake-ups and polls claim nothing more meanwhile.
         await wait_for(lambda: consumer.claim_loop == "waiting_for_slot" and consumer.held >= 1,
