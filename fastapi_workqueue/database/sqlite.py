@@ -245,7 +245,7 @@ class SqliteTransport(RoutineTransport):
                 ) from exc
             if "unable to open" in str(exc) or "readonly" in str(exc):
                 raise _cannot_write(self.path, exc) from exc
-            raise _mapped(exc, "open the SQLite file") from exc
+            raise _mapped(exc, "open the SQLite file", self._busy) from exc
         except BaseException:
             await conn.close()
             raise
@@ -335,13 +335,6 @@ class SqliteTransport(RoutineTransport):
             "retry it", retryable=True,
         )
 
-    def _busy_if_locked(self, error: Exception) -> Exception:
-        """The busy error, which says what the bound is and to retry, for the driver's "database is
-        locked" (SQLite's busy handler gave up); any other error as it is."""
-        if isinstance(error, TransportError) and error.retryable and ("locked" in str(error) or "busy" in str(error)):
-            return error if str(error).startswith("the SQLite file ") else self._busy()
-        return error
-
     async def call(
         self, routine: str, *, retry: bool = True, session: Any = None, connection: Any = None, **params: Any
     ) -> Sequence[Row]:
@@ -356,11 +349,11 @@ class SqliteTransport(RoutineTransport):
                 call = Call(executor, time.time())  # the time once the write lock is held, as below
                 rows = await fn(call, **params)
             except (sqlite3.Error, ValueError) as exc:
-                raise self._busy_if_locked(_mapped(exc, operation)) from exc
+                raise _mapped(exc, operation, self._busy) from exc
             except Exception as exc:  # SQLAlchemy wraps the driver's error: map the original
                 orig = getattr(exc, "orig", None)
                 if isinstance(orig, sqlite3.Error):
-                    raise self._busy_if_locked(_mapped(orig, operation)) from exc
+                    raise _mapped(orig, operation, self._busy) from exc
                 raise
             if call.wake:
                 self._wake_after_commit(session, call.wake)
@@ -384,13 +377,10 @@ class SqliteTransport(RoutineTransport):
                         call = Call(_ConnectionExecutor(conn, self._queries), time.time())
                         result = await work(call)
                 except (sqlite3.Error, ValueError) as exc:
-                    raise _mapped(exc, operation) from exc
+                    raise _mapped(exc, operation, self._busy) from exc
             except TransportError as exc:
                 if not (retry and exc.retryable) or time.monotonic() + RETRY_PAUSE_SECONDS >= deadline:
-                    busy = self._busy_if_locked(exc)
-                    if busy is exc:
-                        raise
-                    raise busy from exc
+                    raise
                 await asyncio.sleep(RETRY_PAUSE_SECONDS)
                 continue
             for subscription_id in call.wake:
@@ -421,7 +411,9 @@ def _cannot_write(path: str, exc: BaseException) -> ConfigurationError:
     )
 
 
-def _mapped(exc: BaseException, operation: str) -> Exception:
+def _mapped(exc: BaseException, operation: str, busy: Callable[[], TransportError]) -> Exception:
+    """The driver's error as the library's; ``busy()`` for a locked file (SQLite's own busy handler
+    gave up), the one error that says what the bound is and to retry."""
     if isinstance(exc, ValueError):
         return ConfigurationError(str(exc))
     text = str(exc)
@@ -430,7 +422,9 @@ def _mapped(exc: BaseException, operation: str) -> Exception:
             f"{operation}: the work queue schema is missing ({text}); run `queue.migrate()` (or `workqueue migrate`), "
             "or set WORKQUEUE_AUTO_MIGRATE=1"
         )
-    return TransportError(f"{operation}: {text}", retryable="locked" in text or "busy" in text)
+    if "locked" in text or "busy" in text:
+        return busy()
+    return TransportError(f"{operation}: {text}")
 
 
 async def _switch_to_wal(conn: Any, wait_seconds: float) -> Any:
