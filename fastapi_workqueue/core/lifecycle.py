@@ -372,6 +372,14 @@ def topic_refusal(topic: str, *, exists: bool) -> tuple[str, str]:
                             f"replaced it, or take it back with `workqueue topics resume {topic}`")
 
 
+def repeats_stored_call(items: Sequence[BatchItem], *, topic: str,
+                        stored: Callable[[str], tuple[str, str] | None]) -> bool:
+    """Whether every item repeats a message stored on ``topic`` with the same content: a producer's
+    retry of a call the topic took before it retired, which answers ``Duplicate`` (what it stored
+    stands) instead of ``TopicRetired``."""
+    return bool(items) and all(stored(item.message_id) == (topic, item.content_hash) for item in items)
+
+
 def follow_up_refused(delivery_id: str, topic: str, message: PreparedMessage, answer: PublishResult) -> str:
     """Why settle_with_follow_ups rolled back: which follow-up message, and what the publish said."""
     why = answer.status.value

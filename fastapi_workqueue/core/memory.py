@@ -46,6 +46,7 @@ from .lifecycle import (
     granted_lease,
     matches,
     next_claimable,
+    repeats_stored_call,
     settle_delay,
     settle_transition,
     split_claim,
@@ -339,14 +340,18 @@ class MemoryTransport:
     def _publish(self, topic: str, messages: Sequence[PreparedMessage]) -> list[PublishResult]:
         store, now = self._store, self._now()
         known = store.topics.get(topic)
-        if known is None or known.status == "Retired":
-            code, text = topic_refusal(topic, exists=known is not None)
-            return [_refused(m.message_id, code, text) for m in messages]
-        cap = known.topic.max_payload_bytes
 
         def stored(message_id: str) -> tuple[str, str] | None:
             found = store.messages.get(uuid.UUID(message_id))
             return None if found is None else (found.topic, found.content_hash)
+
+        if known is None or known.status == "Retired":
+            items = [BatchItem(str(m.message_id), m.content_hash, None, m.envelope_bytes) for m in messages]
+            if known is not None and repeats_stored_call(items, topic=topic, stored=stored):
+                return [PublishResult(message_id=m.message_id, status=PublishStatus.DUPLICATE) for m in messages]
+            code, text = topic_refusal(topic, exists=known is not None)
+            return [_refused(m.message_id, code, text) for m in messages]
+        cap = known.topic.max_payload_bytes
 
         def live_holder(key: str) -> str | None:
             live = store.deduplication.get((topic, key))

@@ -27,6 +27,7 @@ from ..core.lifecycle import (
     expire_transition,
     granted_lease,
     matches,
+    repeats_stored_call,
     settle_transition,
     split_claim,
     topic_refusal,
@@ -283,6 +284,17 @@ async def r_list_topics(c: Call) -> list[Row]:
 
 # -- publish -------------------------------------------------------------------------------------
 
+async def _repeats_stored_call(c: Call, topic: str, ids: Sequence[str], hashes: Sequence[str],
+                               sizes: Sequence[int]) -> bool:
+    """Whether a call to a retired topic repeats messages it stored before (lifecycle's rule)."""
+    stored: dict[str, tuple[str, str]] = {}
+    for mid in dict.fromkeys(ids):
+        if found := await c.ex.fetch("message_hash", id=mid):
+            stored[mid] = (str(found[0]["topic"]), str(found[0]["content_hash"]))
+    items = [BatchItem(ids[i], hashes[i], None, sizes[i]) for i in range(len(ids))]
+    return repeats_stored_call(items, topic=topic, stored=stored.get)
+
+
 @routine
 async def r_publish(
     c: Call, p_topic: str, p_message_ids: Sequence[Any], p_partition_keys: Sequence[str | None],
@@ -298,6 +310,9 @@ async def r_publish(
     ids = [str(m) for m in p_message_ids]
     topic = await c.ex.fetch("topic_get", name=p_topic)
     if not topic or topic[0]["retired_at"] is not None:
+        if topic and await _repeats_stored_call(c, p_topic, ids, p_content_hashes, p_envelope_bytes):
+            return [{"idx": i + 1, "status": "Duplicate", "message_id": ids[i], "error_code": None,
+                     "error_message": None} for i in range(n)]
         code, text = topic_refusal(p_topic, exists=bool(topic))
         return [{"idx": i + 1, "status": "Rejected", "message_id": ids[i], "error_code": code,
                  "error_message": text} for i in range(n)]

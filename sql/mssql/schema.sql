@@ -1577,6 +1577,15 @@ BEGIN
                    CONCAT(N'topic ', @v_quoted_topic,
                           N' does not exist; declare it in the WorkQueue topics or create it first')
             FROM @v_item AS it;
+        ELSE IF @v_n > 0 AND @v_topic_retired = 1 AND NOT EXISTS (
+                SELECT 1 FROM @v_item AS it
+                WHERE NOT EXISTS (SELECT 1 FROM workqueue.message AS s
+                                  WHERE s.id = it.mid AND s.topic = @p_topic AND s.content_hash = it.hash))
+            -- Every item repeats a message the topic took before it retired: a producer's retry,
+            -- answered as before (Duplicate), so that it does not take what it stored for lost.
+            INSERT INTO @v_result (idx, status, message_id, error_code, error_message)
+            SELECT it.i, N'Duplicate', it.mid, NULL, NULL
+            FROM @v_item AS it;
         ELSE IF @v_n > 0 AND @v_topic_retired = 1
             INSERT INTO @v_result (idx, status, message_id, error_code, error_message)
             SELECT it.i, N'Rejected', it.mid, N'TopicRetired',

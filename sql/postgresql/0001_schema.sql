@@ -945,6 +945,15 @@ BEGIN
         RETURN;
     END IF;
     IF v_retired THEN
+        IF NOT EXISTS (SELECT 1 FROM unnest(p_message_ids, p_content_hashes) AS x(mid, hash)
+                       WHERE NOT EXISTS (SELECT 1 FROM workqueue.message s
+                                         WHERE s.id = x.mid AND s.topic = p_topic AND s.content_hash = x.hash)) THEN
+            -- Every item repeats a message the topic took before it retired: a producer's retry,
+            -- answered as before (Duplicate), so that it does not take what it stored for lost.
+            RETURN QUERY SELECT i::integer, 'Duplicate'::text, m, NULL::text, NULL::text
+            FROM unnest(p_message_ids) WITH ORDINALITY AS x(m, i);
+            RETURN;
+        END IF;
         RETURN QUERY SELECT i::integer, 'Rejected'::text, m, 'TopicRetired'::text,
             format('topic %L is retired and takes no new messages; publish to the topic that replaced it, '
                    'or take it back with `workqueue topics resume %s`', p_topic, p_topic)

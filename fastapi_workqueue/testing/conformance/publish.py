@@ -11,6 +11,7 @@ from fastapi_workqueue.core.envelope import PublishRequest, PublishStatus
 from fastapi_workqueue.core.filters import FilterError
 from fastapi_workqueue.core.topology import Subscription
 
+from ...core.ports import Ports
 from .harness import Harness, make_world, require
 
 
@@ -72,6 +73,34 @@ async def test_c03_same_message_id_on_another_topic_is_conflict(harness: Harness
     assert await second.claim("b", 10) == []
     [claimed] = await first.claim("a", 10)
     assert claimed.message_id == mid
+
+
+@pytest.mark.parametrize("shape", ["plain", "partition-key", "deduplication-key", "batch"])
+async def test_c03_retry_after_the_topic_retired_is_duplicate(harness: Harness, shape: str) -> None:
+    """A producer's retry of a call the topic took before it retired answers Duplicate, as it did
+    before: a refusal would read as if what it stored were lost. Anything new is TopicRetired."""
+    lifecycle = Ports.of(harness.transport).lifecycle
+    if lifecycle is None:
+        pytest.skip(f"{harness.name}: topics cannot be retired (TopologyLifecycle)")
+    world = await make_world(harness.transport, [{"role": "a"}])
+    extra: dict[str, str] = {
+        "plain": {}, "partition-key": {"partition_key": "k"}, "deduplication-key": {"deduplication_key": "d"},
+        "batch": {},
+    }[shape]
+    calls = 3 if shape == "batch" else 1
+    requests = [PublishRequest(message_id=uuid.uuid4(), payload={"v": n}, **extra) for n in range(calls)]
+    assert {r.status for r in await world.publish(*requests)} == {PublishStatus.ACCEPTED}
+    assert (await lifecycle.set_topic_status(world.topic, "Retired")) is not None
+    again = await world.publish(*requests)
+    assert [(r.status, r.message_id) for r in again] == [
+        (PublishStatus.DUPLICATE, r.message_id) for r in requests]
+    new = [PublishRequest(message_id=r.message_id, payload={"v": "changed"}, **extra) for r in requests]
+    refused = await world.publish(*new)
+    assert {r.status for r in refused} == {PublishStatus.REJECTED}
+    assert {r.error.code for r in refused if r.error is not None} == {"TopicRetired"}
+    mixed = await world.publish(*requests, PublishRequest(payload={"v": "new"}, **extra))
+    assert {r.error.code for r in mixed if r.error is not None} == {"TopicRetired"}
+    assert len(await world.claim("a", 10)) == calls
 
 
 async def test_c04_deduplication_key_within_ttl_is_duplicate_then_accepted_after(harness: Harness) -> None:
