@@ -1181,10 +1181,9 @@ class _SweepLock:
 
 
 def _number(delivery_id: str) -> int:
-    try:
-        return int(delivery_id)
-    except (TypeError, ValueError):
-        return 0
+    """The id as the store keeps it; 0 (no delivery) unless written as the listings write ids."""
+    text = str(delivery_id)
+    return int(text) if text.isascii() and text.isdigit() and not text.startswith("0") else 0
 
 
 def _refused(message_id: uuid.UUID, code: str, text: str,

@@ -904,13 +904,13 @@ MAX_DELIVERY_ID = 2**63 - 1
 
 
 def delivery_number(delivery_id: str) -> int | None:
-    """A delivery id as the stores keep it, or None when no delivery can have it (not a number, or
-    outside the 64-bit range the driver would refuse to send)."""
-    try:
-        numeric = int(delivery_id)
-    except ValueError:
+    """A delivery id as the stores keep it, or None when no delivery can have it: not written as
+    the listings write ids (ASCII digits, no sign, no leading zero or blank: ``0012`` is not
+    delivery 12), or outside the 64-bit range the driver would refuse to send."""
+    if not (delivery_id.isascii() and delivery_id.isdigit()) or delivery_id.startswith("0") or len(delivery_id) > 19:
         return None
-    return numeric if 0 < numeric <= MAX_DELIVERY_ID else None
+    numeric = int(delivery_id)
+    return numeric if numeric <= MAX_DELIVERY_ID else None
 
 
 _ACCEPTED = PublishStatus.ACCEPTED

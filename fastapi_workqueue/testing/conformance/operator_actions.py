@@ -31,6 +31,21 @@ async def test_c25_replay_dead_letter_keeps_message_id_resets_attempts_keeps_not
     assert (await harness.transport.replay(world["a"], "999999999", None)).result == "NotFound"
 
 
+async def test_c25_a_delivery_id_is_read_only_as_the_listings_write_it(harness: Harness) -> None:
+    """An id written another way (a leading zero, a sign, a blank) names no delivery: reading or
+    acting on it answers not found, never the delivery whose number it parses to."""
+    world = await make_world(harness.transport, [{"role": "a", "max_attempts": 1}])
+    await world.publish(PublishRequest(payload=1))
+    delivery = await world.claim_one("a")
+    await world.settle(delivery, "Fail", error="boom")
+    for other in (f"0{delivery.delivery_id}", f"+{delivery.delivery_id}", f" {delivery.delivery_id}"):
+        assert await harness.transport.get_delivery(other) is None, other
+        assert (await harness.transport.replay(world["a"], other, None)).result == "NotFound", other
+        assert (await harness.transport.discard(world["a"], other, None)).result == "NotFound", other
+    [dead] = await harness.transport.list_deliveries(world["a"], "DeadLettered")
+    assert dead.delivery_id == delivery.delivery_id
+
+
 async def test_c26_discard_pending_or_dead_lettered_keeps_reason(harness: Harness) -> None:
     world = await make_world(harness.transport, [{"role": "a", "max_attempts": 1}])
     await world.publish(PublishRequest(payload=1), PublishRequest(payload=2))
