@@ -369,6 +369,15 @@ async def test_deep_nesting_is_accepted_to_a_limit_and_never_a_500(target: Targe
     await target.check()
 
 
+async def test_a_body_that_is_not_utf8_is_refused_with_a_reason(target: Target) -> None:
+    # Latin-1 from a client that did not encode its JSON: a 400 that names the byte, not a bare one.
+    for body, offset in ((b'[{"Payload": "caf\xe9"}]', 17), (b"\xff[]", 0)):
+        response = await target.post(content=body)
+        assert_4xx(response, "not UTF-8", status=400)
+        assert f"at offset {offset}" in response.json()["detail"], response.text
+    await target.check()
+
+
 async def test_unicode_and_nul(target: Target) -> None:
     # Unicode everywhere a string goes, NUL in payload strings (and keys of payload objects): accepted,
     # stored verbatim, and handed to the handler as sent.

@@ -187,6 +187,13 @@ class _BoundedBodyRoute(APIRoute):
                         detail="the JSON body is nested too deeply to parse; send flatter JSON "
                         "(a few hundred levels are fine)",
                     ) from exc
+                if exc.status_code == status.HTTP_400_BAD_REQUEST and isinstance(exc.__cause__, UnicodeDecodeError):
+                    bad = exc.__cause__
+                    raise HTTPException(
+                        status.HTTP_400_BAD_REQUEST,
+                        detail=f"the body is not UTF-8 (byte 0x{bad.object[bad.start]:02x} at offset {bad.start} "
+                        "cannot be read); send the JSON encoded as UTF-8",
+                    ) from exc
                 raise
 
         return bounded
