@@ -6,16 +6,20 @@ How the limits hold at claim time is the conformance suite's (C37-C40, every tra
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator
 from typing import Any
 
+import asyncpg
 import pytest
 from pydantic import ValidationError
 
-from fastapi_workqueue import Subscription, Topic
+from fastapi_workqueue import PublishRequest, Subscription, Topic
+from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.core.flow import Rate, parse_rate, refill, take_limited, tokens_due_in
 from fastapi_workqueue.database import create_database_transport
+from fastapi_workqueue.database.postgres import to_asyncpg_dsn
 from fastapi_workqueue.database.routines import RoutineTransport
 from fastapi_workqueue.testing import MemoryTransport
 
@@ -112,3 +116,29 @@ async def test_the_limits_round_trip_through_the_store(store: Any) -> None:
                                                                                 "max_in_flight": 7})])
     [stored] = [s for s in await store.list_subscriptions() if s.name == name]
     assert stored.flow_limits() == {"max_in_flight": 7, "key_concurrency": 3, "key_rate_limit": "10/m"}
+
+
+async def test_a_limited_claim_counts_time_from_when_it_holds_the_lock(pg_url: str) -> None:
+    """A claim that waited for the limited claim's lock reads the time once it holds it: read at
+    the start of its transaction, it set the bucket's time back behind the claim before it, and
+    the next claim refilled that second twice (20 claimed at once under a burst of 10)."""
+    store = create_database_transport(pg_url)
+    await store.open()
+    late = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        topic, name = unique("t"), unique("s")
+        await store.sync_topology([Topic(name=topic)], [Subscription(name=name, topic=topic, handler_key="h",
+                                                                     rate_limit="10/s")])
+        await store.publish(topic, [prepare(PublishRequest(payload=i)) for i in range(40)])
+        async with late.transaction():  # its now() is this moment: a claim that waits a second for the lock
+            await late.execute("SELECT now()")
+            await asyncio.sleep(1.0)
+            first = await store.claim(name, 5)  # the bucket's full burst of 10, less 5, at T + 1 s
+            waited = await late.fetch("SELECT delivery_id FROM workqueue.claim($1, 5) WHERE delivery_id IS NOT NULL",
+                                      name)
+        after = await store.claim(name, 10)  # at once: the bucket refilled only the moments since
+        assert (len(first), len(waited)) == (5, 5)
+        assert len(after) < 5, f"{len(after)} claimed at once after the bucket was spent"
+    finally:
+        await late.close()
+        await store.close()

@@ -2027,6 +2027,15 @@ BEGIN
                     @Resource = @v_resource,
                     @LockMode = N'Exclusive',
                     @LockOwner = N'Transaction';
+                -- The time as of the lock, not of the call: a claim that waited for it must not
+                -- set a bucket's time back behind the claim before it (its refill would count twice).
+                IF @p_now IS NULL
+                BEGIN
+                    SET @v_now = SYSDATETIMEOFFSET();
+                    SET @v_lease_expires_at = DATEADD(
+                        microsecond, CAST((@v_lease_seconds - FLOOR(@v_lease_seconds)) * 1000000 AS int),
+                        DATEADD(second, CAST(FLOOR(@v_lease_seconds) AS int), @v_now));
+                END;
                 IF @v_max_in_flight IS NOT NULL
                 BEGIN
                     -- A holder that died holds its slot until its lease runs out.

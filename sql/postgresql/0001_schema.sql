@@ -1449,6 +1449,11 @@ BEGIN
         -- transaction's, gone at its commit, when what it claimed is InFlight for the next one to
         -- count. Subscriptions without limits never take it.
         PERFORM pg_advisory_xact_lock(hashtext('workqueue.claim'), v_sub.id);
+        -- The time as of the lock, not of the call: a claim that waited for it must not set a
+        -- bucket's time back behind the claim before it, or the next one refills that time twice.
+        IF p_now IS NULL THEN
+            v_now := clock_timestamp();
+        END IF;
         IF v_sub.max_in_flight IS NOT NULL THEN
             -- A holder that died holds its slot until its lease runs out.
             SELECT count(*) INTO v_busy FROM workqueue.delivery d
