@@ -186,17 +186,23 @@ TIMED = ("claim", "claim_many", "heartbeat", "settle", "expire_leases", "purge",
 @pytest.mark.parametrize("name", TIMED)
 def test_each_timed_routine_reads_the_given_time_or_its_databases_once(name: str) -> None:
     """PostgreSQL: ``coalesce(p_now, now())`` once and no other ``now()``; SQL Server the same with
-    ``SYSDATETIMEOFFSET()`` (no server runs here: the text is checked)."""
+    ``SYSDATETIMEOFFSET()`` (no server runs here: the text is checked). A claim of a limited
+    subscription reads the clock again once it holds the claim lock, and only without a given time."""
     from fastapi_workqueue.database import sql_files
+
+    relock_pg = "IF p_now IS NULL THEN\n            v_now := clock_timestamp();"
+    relock_ms = "IF @p_now IS NULL\n                BEGIN\n                    SET @v_now = SYSDATETIMEOFFSET();"
 
     pg = sql_files.read("postgresql", "schema.sql")
     start = pg.index(f"CREATE OR REPLACE FUNCTION workqueue.{name}(")
     function = pg[start: pg.index("\n$$;\n", pg.index("AS $$", start))]
     assert "p_now timestamptz DEFAULT NULL" in function[: function.index("AS $$")]
     assert function.count("now()") == 1 and "v_now timestamptz := coalesce(p_now, now());" in function
+    assert function.count("clock_timestamp()") == function.count(relock_pg) == (name == "claim")
 
     ms = sql_files.read("mssql", "schema.sql")
     start = ms.index(f"CREATE OR ALTER PROCEDURE workqueue.{name}\n")
     procedure = ms[start: ms.index("\nGO\n", start)]
     assert "@p_now datetimeoffset(6) = NULL" in procedure[: procedure.index("\nAS\n")]
-    assert procedure.count("SYSDATETIMEOFFSET()") == 1 and "COALESCE(@p_now, SYSDATETIMEOFFSET())" in procedure
+    assert procedure.count("SYSDATETIMEOFFSET()") == 1 + (name == "claim")
+    assert "COALESCE(@p_now, SYSDATETIMEOFFSET())" in procedure and procedure.count(relock_ms) == (name == "claim")
