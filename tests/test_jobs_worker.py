@@ -63,6 +63,31 @@ async def test_strict_order_takes_the_first_queue_before_any_job_of_the_next(dat
     assert ran == [first] * 5 + [second] * 5
 
 
+async def test_the_apps_host_takes_only_the_job_queues_its_list_names(database_url: str) -> None:
+    """WORKQUEUE_JOB_QUEUES narrows an app's own host as --queue narrows a worker, with the default
+    subscription plan (``*``) in place: a job of a queue the list leaves out stays Pending."""
+    taken, left = names(2)
+    ran: list[str] = []
+    producer = queue_with(database_url, [taken, left], None, ran, enabled=False)
+    async with producer.lifespan(None):
+        await producer.dispatch(f"job-{left}", {})
+        await producer.dispatch(f"job-{taken}", {})
+    app = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, job_queues=taken, **FAST))
+    for name in (taken, left):
+        @app.job(f"job-{name}", queue=name)
+        async def job(payload: dict[str, Any], job: JobContext) -> None:
+            ran.append(job.queue)
+    assert [p.name for p in app.settings.subscriptions] == ["*"]
+    async with app.lifespan(None):
+        await wait_for(lambda: ran == [taken], within=30)
+        await asyncio.sleep(1.0)  # several polls of the host
+        health = {s.subscription: s.state for s in app.health().subscriptions}
+        [counts] = await app.stats(f"jobs.{left}")
+    assert ran == [taken]
+    assert health.get(f"jobs.{taken}") == "Running" and f"jobs.{left}" not in health
+    assert counts.pending == 1
+
+
 async def test_fair_order_takes_the_oldest_due_job_of_any_queue(fresh_url: str) -> None:
     database_url = fresh_url
     a, b, c = names(3)

@@ -199,7 +199,9 @@ async def test_a_handler_exception_is_logged_with_its_traceback_and_kept_in_last
 
 
 async def test_operator_cancel_aborts_running_handler_and_discards(pg_url: str) -> None:
-    queue, topic, subs = make_queue(pg_url, [{"role": "slow", "lease_seconds": 0.9}])
+    # The cancel arrives with a heartbeat (every lease/3). A lease of 0.9 s ran out on a loaded
+    # machine before a renewal came back, and the handler ended LeaseLost instead.
+    queue, topic, subs = make_queue(pg_url, [{"role": "slow", "lease_seconds": 3.0}])
     started = asyncio.Event()
     reasons: list[AbortReason | None] = []
 

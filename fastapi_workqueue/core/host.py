@@ -20,7 +20,7 @@ from .redaction import redacting_logger
 from .request_load import RequestLoad
 from .runtime import Consumer, Resolver, Settler
 from .tasks import TaskScope
-from .topology import SubscriptionState
+from .topology import SubscriptionState, is_job_topic
 from .transport import Transport
 from .wire import WireModel
 from .words import count
@@ -254,12 +254,15 @@ class Host:
 
     # -- planning ----------------------------------------------------------------------------
 
-    def _concurrency_for(self, name: str) -> int | None:
-        named = next((p for p in self.plan if p.name == name), None)
+    def _concurrency_for(self, sub: SubscriptionState) -> int | None:
+        """The concurrency the plan gives ``sub``; None when it does not take it. ``*`` leaves out
+        the job queues' subscriptions: the job queues' own consumer (a group) takes those that the
+        process's queue list names, and no other."""
+        named = next((p for p in self.plan if p.name == sub.name), None)
         if named is not None:
             return named.concurrency
         wildcard = next((p for p in self.plan if p.name == WAKE_ALL), None)
-        return None if wildcard is None else wildcard.concurrency
+        return None if wildcard is None or is_job_topic(sub.topic) else wildcard.concurrency
 
     async def reconcile(self) -> None:
         """Re-plans from the stored topology: starts, pauses, resumes and updates consumers."""
@@ -287,7 +290,7 @@ class Host:
         for sub in subscriptions:
             if sub.host_type != "worker" or sub.name in served:
                 continue
-            concurrency = self._concurrency_for(sub.name)
+            concurrency = self._concurrency_for(sub)
             if concurrency is None:
                 continue
             seen.add(sub.name)

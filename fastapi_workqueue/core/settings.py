@@ -65,7 +65,8 @@ class WorkQueueSettings(BaseSettings):
     system_principal: str | None = None
     """Who handlers act as; handed to them as ``context.principal``."""
     subscriptions: list[SubscriptionPlan] = Field(default_factory=lambda: [SubscriptionPlan()])
-    """Which subscriptions this process runs (``*``: every one) and how many deliveries of each at once."""
+    """Which subscriptions this process runs (``*``: every one but the job queues', which ``job_queues``
+    picks) and how many deliveries of each at once."""
     idle_poll_min_ms: int = Field(default=250, ge=1)
     """The first poll interval of an idle consumer."""
     idle_poll_max_ms: int = Field(default=5000, ge=1)
