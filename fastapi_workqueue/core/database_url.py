@@ -36,3 +36,69 @@ def database_scheme(url: str, *, source: str = "the database URL") -> str:
             "'?' or '#' in it must be percent-encoded ('@' as %40; urllib.parse.quote(password, safe='') gives it)"
         )
     return scheme.split("+", 1)[0].lower()
+
+
+TLS_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+"""The TLS modes of a PostgreSQL URL, libpq's ``sslmode`` values (asyncpg's ``ssl`` takes the same)."""
+
+LIBPQ_TLS_PARAMETERS = frozenset({
+    "sslmode", "sslrootcert", "sslcert", "sslkey", "sslpassword", "sslcrl", "sslnegotiation",
+    "ssl_min_protocol_version", "ssl_max_protocol_version",
+})
+"""The TLS parameters of a libpq-style PostgreSQL URL (``?sslmode=require&sslrootcert=…``)."""
+
+
+def _query_items(url: str) -> tuple[str, list[tuple[str, str]]]:
+    """``url`` before its query, and the query's items as written (each ``key`` and its raw ``key=value``)."""
+    base, sep, query = url.partition("?")
+    if not sep:
+        return url, []
+    return base, [(item.partition("=")[0], item) for item in query.split("&") if item]
+
+
+def _joined(base: str, items: list[tuple[str, str]]) -> str:
+    return base + ("?" + "&".join(raw for _, raw in items) if items else "")
+
+
+def _tls_mode(value: str, spelling: str) -> str:
+    mode = value.strip().lower()
+    if mode not in TLS_MODES:
+        raise ConfigurationError(
+            f"the database URL's {spelling}={value!r} is not a TLS mode; use one of {', '.join(TLS_MODES)} "
+            "(require for a server that must use TLS, verify-full to check its certificate too)"
+        )
+    return mode
+
+
+def libpq_tls(url: str) -> str:
+    """A PostgreSQL URL with its TLS mode written as libpq writes it (``sslmode=``), for a driver
+    that reads the URL as libpq does (asyncpg's DSN): SQLAlchemy's spelling ``ssl=require`` becomes
+    ``sslmode=require``. Both spellings at once must agree."""
+    base, items = _query_items(url)
+    ssl = [raw.partition("=")[2] for key, raw in items if key == "ssl"]
+    if not ssl:
+        for key, raw in items:
+            if key == "sslmode":
+                _tls_mode(raw.partition("=")[2], "sslmode")
+        return url
+    mode = _tls_mode(ssl[-1], "ssl")
+    given = [_tls_mode(raw.partition("=")[2], "sslmode") for key, raw in items if key == "sslmode"]
+    if given and given[-1] != mode:
+        raise ConfigurationError(
+            f"the database URL gives two TLS modes, ssl={ssl[-1]!r} and sslmode={given[-1]!r}; keep one of them"
+        )
+    kept = [(key, raw) for key, raw in items if key not in ("ssl", "sslmode")]
+    return _joined(base, [*kept, ("sslmode", f"sslmode={mode}")])
+
+
+def split_libpq_tls(url: str) -> tuple[str, str | None]:
+    """A PostgreSQL URL for SQLAlchemy's asyncpg dialect, which hands every query parameter to
+    ``asyncpg.connect`` as an argument and so refuses libpq's ``sslmode``, ``sslrootcert``, …: the
+    URL without them, and a DSN that carries them (``postgresql://?sslmode=require``; asyncpg
+    reads it beside the other arguments), or None when the URL has none."""
+    base, items = _query_items(libpq_tls(url))
+    tls = [(key, raw) for key, raw in items if key in LIBPQ_TLS_PARAMETERS]
+    if not tls:
+        return url, None
+    return _joined(base, [(key, raw) for key, raw in items if key not in LIBPQ_TLS_PARAMETERS]), _joined(
+        "postgresql://", tls)

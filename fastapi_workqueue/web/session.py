@@ -17,6 +17,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..core.database_url import split_libpq_tls
 from ..core.request_load import IN_ATTEMPT, RequestLoad
 from ..core.session_pool import SessionPool
 from .admission import FairGate
@@ -143,6 +144,11 @@ class RequestSessions:
             # SQLite: wait for the single writer instead of failing at once, as the queue's own calls do.
             options: dict[str, Any] = (
                 {"connect_args": {"timeout": pool.sqlite_busy_seconds}} if url.startswith("sqlite") else {})
+            if url.startswith("postgresql+asyncpg://"):
+                # libpq's TLS parameters (sslmode=require, sslrootcert=...), as the queue's own pool reads them.
+                url, tls = split_libpq_tls(url)
+                if tls is not None:
+                    options = {"connect_args": {"dsn": tls}}
             self._engine = create_async_engine(
                 url, pool_size=pool.size, max_overflow=pool.overflow, pool_timeout=pool.timeout_seconds,
                 pool_pre_ping=pool.pre_ping, **options,
