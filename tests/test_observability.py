@@ -28,12 +28,13 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from fastapi_workqueue import Outcome, PublishRequest, WorkMessage, WorkOutcome, WorkQueue
+from fastapi_workqueue import Outcome, PublishRequest, UnknownTopic, WorkMessage, WorkOutcome, WorkQueue
 from fastapi_workqueue.core.keys import SCOPE_READ, create_key
 from fastapi_workqueue.core.observe import HEADERS_KEY
 from fastapi_workqueue.observability.otel import OpenTelemetryObserver
 from fastapi_workqueue.observability.semconv import emit_legacy
 
+from .conftest import unique
 from .support import delivery_status, make_queue, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -318,6 +319,10 @@ async def test_metrics_show_counters_and_the_databases_gauges(pg_url: str) -> No
     async with queue.lifespan(app):
         key = (await create_key(queue.transport, "scraper", [SCOPE_READ])).key
         await queue.publish(topic, [PublishRequest(payload=i) for i in range(3)])
+        made_up = [unique("junk") for _ in range(3)]  # a caller's names: they must not add a series each
+        for name in made_up:
+            with pytest.raises(UnknownTopic):
+                await queue.publish(name, [PublishRequest(payload=0)])
         await wait_for(lambda: _settled(queue, subs))
         async with client(app) as anonymous:
             assert (await anonymous.get("/metrics")).status_code == 401
@@ -327,6 +332,8 @@ async def test_metrics_show_counters_and_the_databases_gauges(pg_url: str) -> No
         stats = {s.subscription: s for s in await queue.stats()}
     found = samples(response.text)
     assert found[("workqueue_published_total", (("status", "Accepted"), ("topic", topic)))] == 3
+    assert found[("workqueue_published_total", (("status", "Rejected"), ("topic", "(unknown)")))] >= 3
+    assert not [k for k in found if any(value in made_up for _, value in k[1])]
     assert found[("workqueue_processed_total", (("outcome", "completed"), ("subscription", subs["ok"])))] == 3
     # An attempt counts by how it ends the delivery: the last one of a failing handler dead-letters.
     assert found[("workqueue_processed_total", (("outcome", "dead_lettered"), ("subscription", subs["bad"])))] == 3

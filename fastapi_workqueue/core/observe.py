@@ -26,6 +26,22 @@ HEADERS_KEY = "$workqueue"
 """The reserved name, in a message's stored attributes, of the headers the library carries."""
 
 
+UNKNOWN_TOPIC_LABEL = "(unknown)"
+"""The topic a publish to a topic the store does not hold is counted under (see :func:`topic_label`)."""
+
+
+def topic_label(topic: str, results: Sequence[PublishResult] | None, error: BaseException | None) -> str:
+    """The topic a publish is counted under in per-topic metrics: its name, or
+    :data:`UNKNOWN_TOPIC_LABEL` when no such topic exists. A name comes from the caller (a REST
+    publish key among them), so made-up names must not add a series each."""
+    if results:
+        first = results[0].error
+        return UNKNOWN_TOPIC_LABEL if first is not None and first.code == "UnknownTopic" else topic
+    from .errors import UnknownTopic
+
+    return UNKNOWN_TOPIC_LABEL if isinstance(error, UnknownTopic) else topic
+
+
 class PublishScope:
     """One publish call, from before the transport writes until its results are known."""
 

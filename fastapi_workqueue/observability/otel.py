@@ -38,7 +38,7 @@ except ImportError as exc:
 
     raise missing_extra("tracing through OpenTelemetry", "opentelemetry-api", "otel") from exc
 
-from ..core.observe import Observer, ProcessScope, PublishScope, SettleScope
+from ..core.observe import Observer, ProcessScope, PublishScope, SettleScope, topic_label
 from ..core.processes import package_version
 from ..core.redaction import redact, redacted_traceback
 from . import semconv as sc
@@ -204,7 +204,7 @@ class _Send(PublishScope):
             _fail(self.span, error_type, error)
         self.span.end()
         attributes: dict[str, Any] = {sc.MESSAGING_SYSTEM: sc.SYSTEM, sc.OPERATION_NAME: "send",
-                                      sc.DESTINATION_NAME: self.topic}
+                                      sc.DESTINATION_NAME: topic_label(self.topic, results, error)}
         if error_type is not None:
             attributes[sc.ERROR_TYPE] = error_type
         self.observer.operation_duration.record(time.perf_counter() - self.started, attributes)

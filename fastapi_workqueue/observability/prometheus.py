@@ -39,7 +39,7 @@ except ImportError as exc:
     raise missing_extra("Prometheus metrics", "prometheus-client", "prometheus") from exc
 
 from ..core.flow import parse_rate
-from ..core.observe import Observer, ProcessScope, PublishScope
+from ..core.observe import Observer, ProcessScope, PublishScope, topic_label
 from . import semconv
 from .tally import OUTCOMES, ProcessTally
 
@@ -157,18 +157,19 @@ class _Published(PublishScope):
         self.metrics, self.topic, self.count = metrics, topic, count
 
     def end(self, results: Sequence[PublishResult] | None, error: BaseException | None) -> None:
+        topic = topic_label(self.topic, results, error)
         if results is None:
-            self.metrics.published_counter(self.topic, "Error")(self.count)
+            self.metrics.published_counter(topic, "Error")(self.count)
             return
         if len(results) == 1:
-            self.metrics.published_counter(self.topic, str(results[0].status.value))(1)
+            self.metrics.published_counter(topic, str(results[0].status.value))(1)
             return
         counts: dict[str, int] = {}
         for result in results:
             status = str(result.status.value)
             counts[status] = counts.get(status, 0) + 1
         for status, n in counts.items():
-            self.metrics.published_counter(self.topic, status)(n)
+            self.metrics.published_counter(topic, status)(n)
 
 
 class _Processed(ProcessScope):

@@ -21,7 +21,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..core.observe import Observer, ProcessScope, PublishScope
+from ..core.observe import Observer, ProcessScope, PublishScope, topic_label
 from .semconv import DURATION_BUCKETS
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class _Published(PublishScope):
         self.published, self.topic, self.count = published, topic, count
 
     def end(self, results: Sequence[PublishResult] | None, error: BaseException | None) -> None:
-        published, topic = self.published, self.topic
+        published, topic = self.published, topic_label(self.topic, results, error)
         if results is None:
             key = (topic, "Error")
             published[key] = published.get(key, 0) + self.count
