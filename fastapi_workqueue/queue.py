@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from .core.envelope import PublishRequest
+from .core.errors import TransportError
 from .core.handlers import HandlerFunc, unused_handlers
 from .core.health import ExtensionHealth
 from .core.host import GroupPlan, Host, SubscriptionPlan
@@ -655,7 +656,22 @@ class WorkQueue:
                 self._jobs.schedules.start()
                 if self._job_groups():
                     self._jobs.watch_queues(host, self.settings.job_queues)
+                    await self._warn_of_unknown_queues()
         return kernel.host
+
+    async def _warn_of_unknown_queues(self) -> None:
+        """Warns of a job queue that ``WORKQUEUE_JOB_QUEUES`` names and nothing uses (a misspelling:
+        the host would wait on it for nothing)."""
+        from .jobs.worker import parse_queues, unknown_queues
+
+        try:
+            unknown = await unknown_queues(self.jobs, parse_queues(self.settings.job_queues), self.transport)
+        except TransportError:
+            return  # (the host reports the store's trouble itself)
+        if unknown:
+            declared = sorted({job.policy.queue for job in self.jobs.registry})
+            log.warning("WORKQUEUE_JOB_QUEUES names job queue(s) %s that no job declares and the store does not hold; "
+                        "the app's job queues are %s", ", ".join(map(repr, unknown)), ", ".join(declared))
 
     async def _stop_host(self) -> None:
         """Stops the host, its job watchers and schedules, if they run."""

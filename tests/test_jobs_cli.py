@@ -147,6 +147,20 @@ async def test_a_worker_whose_jobs_do_not_fit_the_lease_refuses_to_start(databas
     assert "'app.long' (timeout 100 s)" in stderr.decode() and "WORKQUEUE_JOB_LEASE_SECONDS" in stderr.decode()
 
 
+async def test_a_worker_on_a_queue_nothing_uses_says_so_and_exits_3(database_url: str, tmp_path: Path) -> None:
+    """A misspelt --queue is refused, as a misspelt --subscription is: a worker on it would wait for
+    nothing. A queue a job declares, or that the store holds, is taken."""
+    jobs = Jobs(database_url, tmp_path)
+    worker = await jobs.start("--queue", f"{jobs.queue_name},{jobs.queue_name}-typo", "--once")
+    _, stderr = await asyncio.wait_for(worker.communicate(), 60)
+    assert worker.returncode == 3, stderr.decode()
+    assert f"job queue(s) '{jobs.queue_name}-typo' do not exist" in stderr.decode()
+    assert f"the app's job queues are {jobs.queue_name}, {jobs.queue_name}-long" in stderr.decode()
+    fine = await jobs.start("--queue", jobs.queue_name, "--once")
+    _, stderr = await asyncio.wait_for(fine.communicate(), 60)
+    assert fine.returncode == 0, stderr.decode()
+
+
 async def test_without_overlapping_holds_across_two_worker_processes(database_url: str, tmp_path: Path) -> None:
     jobs = Jobs(database_url, tmp_path)
     async with jobs.producer.lifespan(None):

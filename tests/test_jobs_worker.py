@@ -88,6 +88,18 @@ async def test_the_apps_host_takes_only_the_job_queues_its_list_names(database_u
     assert counts.pending == 1
 
 
+async def test_the_apps_host_warns_of_a_job_queue_nothing_uses(database_url: str,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    real, = names(1)
+    app = queue_with(database_url, [real], f"{real},{real}-typo", [])
+    with caplog.at_level(logging.WARNING, logger="fastapi_workqueue"):
+        async with app.lifespan(None):
+            pass
+    warned = [r.getMessage() for r in caplog.records if "WORKQUEUE_JOB_QUEUES" in r.getMessage()]
+    assert warned == [f"WORKQUEUE_JOB_QUEUES names job queue(s) '{real}-typo' that no job declares and the store "
+                      f"does not hold; the app's job queues are {real}"]
+
+
 async def test_fair_order_takes_the_oldest_due_job_of_any_queue(fresh_url: str) -> None:
     database_url = fresh_url
     a, b, c = names(3)

@@ -253,6 +253,16 @@ async def _run(
     except TransportError as exc:
         return summary.ended(EXIT_ERROR, str(exc))
     try:
+        if plan.jobs and plan.queues:
+            from ..jobs.worker import parse_queues, unknown_queues
+
+            unknown = await unknown_queues(queue.jobs, parse_queues(plan.queues), queue.transport)
+            if unknown:
+                declared = sorted({job.policy.queue for job in queue.jobs.registry})
+                return summary.ended(EXIT_UNKNOWN_SUBSCRIPTION, (
+                    f"job queue(s) {', '.join(map(repr, unknown))} do not exist: no job of the app declares them and "
+                    f"the store holds none; the app's job queues are {', '.join(declared)} (check --queue)"
+                ))
         if needs_no_app:
             for name in plan.subscriptions:
                 where = await _handler_needing_an_app(queue, name)

@@ -22,6 +22,7 @@ from .definition import check_queue_name
 from .envelope import TOPIC_PREFIX, queue_of, topic_of
 
 if TYPE_CHECKING:
+    from ..core.transport import Transport
     from .layer import Jobs
 
 log = redacting_logger("fastapi_workqueue.jobs")
@@ -55,6 +56,17 @@ def job_group(spec: str | None, concurrency: int) -> GroupPlan:
     """The host's group consumer for a queue list."""
     patterns = tuple(f"{TOPIC_PREFIX}*" if name == OTHERS else topic_of(name) for name in parse_queues(spec))
     return GroupPlan(name=GROUP_NAME, patterns=patterns, concurrency=concurrency)
+
+
+async def unknown_queues(jobs: Jobs, queues: list[str], transport: Transport) -> list[str]:
+    """The named queues of a queue list (``*`` aside) that no declared job uses and the store holds
+    no topic of: most likely misspelt, as a worker on them would wait for nothing."""
+    declared = {job.policy.queue for job in jobs.registry}
+    named = [q for q in queues if q != OTHERS and q not in declared]
+    if not named:
+        return []
+    stored = {topic.name for topic in await transport.list_topics()}
+    return [q for q in named if topic_of(q) not in stored]
 
 
 def check_fits_lease(jobs: Jobs, queues: list[str], stop_timeout: float, *,
