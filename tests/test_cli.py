@@ -189,6 +189,12 @@ async def test_entry_point_help_and_database_url(cli: Cli) -> None:
     assert typo.json() == []
     assert ("warning: WORKQUEUE_DATABSE_URL is not a setting of fastapi-workqueue and is ignored; did you mean "
             "WORKQUEUE_DATABASE_URL?") in typo.err.splitlines()
+    # So is a value an app would refuse to start with; the operator command still runs.
+    bad_value = await cli("--json", "stats", env={**no_url, "WORKQUEUE_POOL_SIZE": "ten"})
+    assert bad_value.json() == []
+    assert ("warning: WORKQUEUE_POOL_SIZE (WorkQueueSettings.pool_size): Input should be a valid integer, unable "
+            "to parse string as an integer; an app started with these variables would refuse to start"
+            ) in bad_value.err.splitlines()
     (cli.folder / "workqueue.db").unlink()
     # A URL that cannot be read says what to change, without the password it holds: an operator
     # command exits 1, `work` 2 (bad configuration).

@@ -91,11 +91,24 @@ def _accept_global_options_everywhere(command: click.Command) -> None:
 def cli(click_ctx: click.Context, database_url: str | None, as_json: bool, verbose: bool) -> None:
     """Operate a fastapi-workqueue: publish, inspect, replay, discard, run workers."""
     click_ctx.obj = Context(database_url, as_json, verbose)
-    if click_ctx.invoked_subcommand != "work":  # (`work` starts the app, whose queue warns in its log)
-        from ..core.settings import unknown_variables
-
-        for problem in unknown_variables():
+    if click_ctx.invoked_subcommand != "work":  # (`work` starts the app, which refuses or warns itself)
+        for problem in environment_problems():
             click.echo(f"warning: {problem}", err=True)
+
+
+def environment_problems() -> list[str]:
+    """What is wrong with the ``WORKQUEUE_*`` variables: names that are no setting, and values an app
+    would refuse to start with. An operator command warns of them and goes on (it may be what
+    repairs the app), where the app stops."""
+    from ..core.errors import ConfigurationError
+    from ..core.settings import WorkQueueSettings, unknown_variables
+
+    problems = unknown_variables()
+    try:
+        WorkQueueSettings()
+    except ConfigurationError as exc:
+        problems.append(f"{exc}; an app started with these variables would refuse to start")
+    return problems
 
 
 def main() -> None:
