@@ -660,6 +660,7 @@ async def test_an_unknown_subscription_in_the_plan_is_an_error_naming_it(db_url:
     async with queue.lifespan(app), client(app) as http:
         report = queue.health()
         assert report.status == "Degraded"
+        assert report.reason == f"1 subscription in Error ({missing}); each says why"
         [entry] = [s for s in report.subscriptions if s.subscription == missing]
         assert entry.state == "Error" and entry.reason is not None
         assert missing in entry.reason and "does not exist" in entry.reason and "declare it" in entry.reason

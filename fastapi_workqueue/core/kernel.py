@@ -47,6 +47,7 @@ from .request_load import RequestLoad
 from .settings import WorkQueueSettings
 from .topology import Subscription, Topic, is_name
 from .transport import Transport
+from .words import count
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -431,8 +432,12 @@ class Kernel:
             off = self.host_off_reason() or "the host is not started"
             return ExtensionHealth(status="Disabled", reason=f"the host is off in this process: {off}")
         subscriptions = self.host.health()
-        degraded = any(s.state == "Error" for s in subscriptions)
-        return ExtensionHealth(status="Degraded" if degraded else "Running", subscriptions=subscriptions)
+        failing = [s.subscription for s in subscriptions if s.state == "Error"]
+        if not failing:
+            return ExtensionHealth(status="Running", subscriptions=subscriptions)
+        shown = ", ".join(failing[:5]) + (f" and {len(failing) - 5} more" if len(failing) > 5 else "")
+        return ExtensionHealth(status="Degraded", subscriptions=subscriptions,
+                               reason=f"{count(len(failing), 'subscription')} in Error ({shown}); each says why")
 
 
 def _invalid_request(exc: ValidationError) -> RequestRejected:
