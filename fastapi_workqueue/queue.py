@@ -207,9 +207,10 @@ class WorkQueue:
         """
         from .jobs.routes import build_job_router
         from .web.auth import api_key_authorizer
+        from .web.cross_site import same_site_or_preflighted
         from .web.routes import build_router
 
-        check = authorize or api_key_authorizer(self._kernel)
+        check = same_site_or_preflighted(authorize or api_key_authorizer(self._kernel))
         router = build_router(self._kernel, check, prefix=prefix, max_body_bytes=max_body_bytes, max_batch=max_batch)
         router.include_router(build_job_router(lambda: self.jobs, check, prefix=""))
         return router

@@ -873,6 +873,56 @@ async def test_a_custom_authorize_dependency_replaces_api_keys(api: Api) -> None
     assert "/ops/stats" in schema["paths"]
 
 
+async def test_a_cookie_authorize_is_not_open_to_another_sites_forms(api: Api) -> None:
+    """With an ``authorize`` that reads a session cookie, a page of another site that makes the
+    browser post a form (or a fetch without headers of its own) cannot change the queue; the app's
+    own pages, clients that are not browsers, and requests a browser preflights can."""
+
+    async def by_session(request: Request, security_scopes: SecurityScopes) -> Principal:
+        if request.cookies.get("session") != "staff-session":
+            raise HTTPException(status.HTTP_401_UNAUTHORIZED, detail="sign in")
+        return require_scopes(Principal(name="staff", scopes=frozenset({SCOPE_READ, SCOPE_OPERATE})), security_scopes)
+
+    custom = FastAPI()
+    custom.include_router(api.queue.create_router(authorize=by_session, prefix="/ops"))
+    sub = api.subs["excl"]
+
+    async def status_of() -> str:
+        [stats] = await api.queue.stats(sub)
+        return stats.status
+
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    async with client(custom) as http:
+        http.cookies.set("session", "staff-session")
+        for sent_from in ({"sec-fetch-site": "cross-site", "origin": "https://evil.example"},
+                          {"sec-fetch-site": "same-site", "origin": "https://evil.t"},
+                          {"origin": "https://evil.example"}, {"origin": "null"}):
+            for route in ("pause", "retire"):
+                refused = await http.post(f"/ops/subscriptions/{sub}/{route}", headers={**sent_from, **form},
+                                          content=b"")
+                assert refused.status_code == 403, (sent_from, refused.text)
+                assert "cross-site request forgery" in refused.json()["detail"]
+            assert (await http.post(f"/ops/subscriptions/{sub}/pause", headers=sent_from)).status_code == 403
+            assert await status_of() == "Active"
+        # Reading is not refused: another site's page cannot read the answer.
+        assert (await http.get("/ops/stats", headers={"sec-fetch-site": "cross-site"})).status_code == 200
+        # The app's own page, and a client that is not a browser.
+        own = await http.post(f"/ops/subscriptions/{sub}/pause", headers={"sec-fetch-site": "same-origin", **form})
+        assert own.status_code == 200 and await status_of() == "Paused"
+        assert (await http.post(f"/ops/subscriptions/{sub}/resume")).status_code == 200
+        # A request a browser sends across sites only after the app's CORS answered its preflight.
+        preflighted = await http.post(f"/ops/subscriptions/{sub}/pause", json={},
+                                      headers={"sec-fetch-site": "cross-site", "origin": "https://partner.example"})
+        assert preflighted.status_code == 200
+        assert (await http.post(f"/ops/subscriptions/{sub}/resume")).status_code == 200
+    # With API keys (the default router) a key in a header is what a form cannot send.
+    key = api.keys["all"]
+    across = await api.http.post(f"{PREFIX}/subscriptions/{sub}/pause", headers={
+        "X-API-Key": key, "sec-fetch-site": "cross-site", **form})
+    assert across.status_code == 200
+    assert (await api.http.post(f"{PREFIX}/subscriptions/{sub}/resume", headers={"X-API-Key": key})).status_code == 200
+
+
 async def test_every_route_is_in_the_openapi_schema_with_its_security_scheme(api: Api) -> None:
     schema = (await api.http.get("/openapi.json")).json()
     schemes = schema["components"]["securitySchemes"]
