@@ -5,7 +5,8 @@ MessageID made from the schedule's name and the tick's time. The store keeps one
 MessageID, so whichever process comes first queues the job and the others are told it exists:
 exactly one dispatch per tick, with no leader that could vanish. A tick missed while every process
 was down is not queued afterwards, unless the schedule has ``catch_up=True``; then the ticks since
-the last one the store knows are queued (at most :data:`MAX_CATCH_UP` of them).
+the last one the store knows are queued (at most :data:`MAX_CATCH_UP` of them; none when the store
+knows none of them: a new schedule, or one whose jobs the retention purged).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ NAMESPACE = uuid.UUID("6f1c1f0e-5d2a-4f54-9a53-0f3a5b1d7c41")
 LATE_GRACE = timedelta(minutes=1)
 """A tick is still queued when the scheduler sees it this late (it was busy, or just started)."""
 MAX_CATCH_UP = 1000
+CLOCK_CHANGE_WINDOW = timedelta(hours=3)
+"""How far back a step back in local time looks for a change of the clock (summer time shifts it by
+an hour, two at most anywhere)."""
 MAX_SLEEP_SECONDS = 60.0
 LOOK_BACK = 60
 """Ticks :meth:`Schedules.last_dispatch` looks back over."""
@@ -110,8 +114,16 @@ class Schedule:
 
         local = moment.astimezone(self._tz)
         itr = croniter(str(self.cron), local + timedelta(microseconds=1))
-        previous: datetime = itr.get_prev(datetime)
-        return previous.astimezone(UTC)
+        found: datetime = itr.get_prev(datetime).astimezone(UTC)
+        if found > moment:
+            # A step back in local time inside an hour the clock repeats (summer time ended) can
+            # land after ``moment``: start again from before that hour.
+            found = self.previous_at_or_before(moment - CLOCK_CHANGE_WINDOW)
+        # And one that crosses the repeated hour lands before it, skipping its ticks: counted
+        # forward, as the dispatch loop counts (next_after), every tick is found once.
+        while (following := self.next_after(found)) <= moment:
+            found = following
+        return found
 
     def tick_id(self, tick: datetime) -> uuid.UUID:
         return uuid.uuid5(NAMESPACE, f"{self.name}@{tick.astimezone(UTC).isoformat()}")
@@ -186,9 +198,16 @@ class Schedules:
             return schedule.ticks_between(last_seen, moment)
         # First look since this process started.
         latest = schedule.previous_at_or_before(moment)
+        on_time = [latest] if moment - latest <= LATE_GRACE else []
         if not schedule.catch_up:
-            return [latest] if moment - latest <= LATE_GRACE else []
-        return await self._since_last_known(schedule, latest)
+            return on_time
+        missed = await self._since_last_known(schedule, latest)
+        if missed is None:
+            log.info("schedule %s: the store holds none of its last %d ticks (a new schedule, or its jobs were "
+                     "purged with the retention): nothing to catch up, it runs from now on", schedule.name,
+                     MAX_CATCH_UP)
+            return on_time
+        return missed
 
     async def last_dispatch(self, schedule: Schedule, now: datetime | None = None, *,
                             look_back: int = LOOK_BACK) -> datetime | None:
@@ -200,8 +219,10 @@ class Schedules:
         known = await self._jobs.kernel.transport.known_messages([schedule.tick_id(t) for t in ticks])
         return next((tick for tick in ticks if schedule.tick_id(tick) in known), None)
 
-    async def _since_last_known(self, schedule: Schedule, latest: datetime) -> list[datetime]:
-        """Ticks after the newest one the store has a message for, up to ``latest``."""
+    async def _since_last_known(self, schedule: Schedule, latest: datetime) -> list[datetime] | None:
+        """Ticks after the newest one the store has a message for, up to ``latest``; None when it
+        has none of the last MAX_CATCH_UP: there is nothing to count from (every one of them would
+        be queued for a schedule that never ran)."""
         candidates = [latest]
         while len(candidates) < MAX_CATCH_UP:
             candidates.append(schedule.previous_at_or_before(candidates[-1] - timedelta(microseconds=1)))
@@ -209,9 +230,9 @@ class Schedules:
         missing: list[datetime] = []
         for tick in candidates:
             if schedule.tick_id(tick) in known:
-                break
+                return sorted(missing)
             missing.append(tick)
-        return sorted(missing)
+        return None
 
     async def _dispatch(self, schedule: Schedule, tick: datetime) -> bool:
         jobs = self._jobs
