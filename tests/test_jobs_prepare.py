@@ -183,3 +183,33 @@ async def test_an_encrypted_job_carries_its_token_not_its_payload() -> None:
     assert "payload" not in envelope
     assert json.loads(Fernet(key.encode()).decrypt(envelope["encrypted"].encode())) == {"text": "plaintext", "n": 0}
     assert "plaintext" not in message.payload_json
+
+
+class Blob(BaseModel):
+    data: bytes
+
+
+async def test_a_payload_json_cannot_carry_is_refused_not_changed(tmp_path: Any) -> None:
+    """NaN and infinities, which JSON has no numbers for, are refused as any payload's are: they
+    reached the job as None. Bytes that are not UTF-8 raise JobPayloadInvalid naming the cure."""
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", auto_migrate=True,
+                                        enabled=False))
+
+    @queue.job("notes.any")
+    async def anything(payload: dict[str, Any]) -> None:
+        return None
+
+    @queue.job("notes.blob")
+    async def blob(payload: Blob) -> None:
+        return None
+
+    async with queue.lifespan(None):
+        for bad in ({"f": float("nan")}, {"nested": [1.0, float("inf")]}, {"f": float("-inf")}):
+            with pytest.raises(JobDispatchError, match="the Payload is not JSON: Out of range float values"):
+                await queue.dispatch(anything, bad)
+        with pytest.raises(JobPayloadInvalid, match=r"bytes that are not UTF-8 .* send them as base64"):
+            await queue.dispatch(blob, {"data": b"\xff\xfe"})
+        assert await queue.size() == 0
+        await queue.dispatch(anything, {"f": 1.5})
+        await queue.dispatch(blob, {"data": b"text"})
+        assert await queue.size() == 2

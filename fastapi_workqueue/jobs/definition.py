@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from pydantic.errors import PydanticSchemaGenerationError, PydanticUserError
 
 from ..core.envelope import MAX_ATTEMPTS_LIMIT, MAX_BACKOFF_ENTRIES, MAX_DELAY_SECONDS, MAX_PRIORITY, MIN_PRIORITY
@@ -160,7 +160,13 @@ class Job:
             value = adapter.validator.validate_python(payload)
         except ValidationError as exc:
             raise JobPayloadInvalid(self.name, _short(exc)) from None
-        return adapter.serializer.to_python(value, mode="json")  # (by field name: `load` reads names)
+        try:
+            return adapter.serializer.to_python(value, mode="json")  # (by field name: `load` reads names)
+        except UnicodeDecodeError as exc:  # bytes that are not UTF-8, which JSON cannot carry as text
+            raise JobPayloadInvalid(self.name, (
+                f"bytes that are not UTF-8 ({exc.reason} at byte {exc.start}) cannot be stored as JSON; send them "
+                "as base64 (a pydantic Base64Bytes field) or store them elsewhere and pass a reference"
+            )) from None
 
     def load(self, data: Any) -> Any:
         """The stored payload as the function's payload type (raises :class:`JobPayloadInvalid`).
@@ -192,7 +198,12 @@ def _short(exc: ValidationError) -> str:
 def _json_adapter(name: str, tp: Any) -> TypeAdapter[Any]:
     """A TypeAdapter for ``tp``, refused unless pydantic can write it as JSON and read it back."""
     try:
-        adapter: TypeAdapter[Any] = TypeAdapter(tp)
+        # NaN and infinities are written as themselves, not as null (pydantic's default), so that the
+        # publish refuses them as it refuses them in any payload: JSON has no such numbers. (A model
+        # carries its own configuration.)
+        own = isinstance(tp, type) and issubclass(tp, BaseModel)
+        config = None if own else ConfigDict(ser_json_inf_nan="constants")
+        adapter: TypeAdapter[Any] = TypeAdapter(tp, config=config)
         adapter.json_schema(mode="validation")
         adapter.json_schema(mode="serialization")
     except (PydanticSchemaGenerationError, PydanticUserError, TypeError) as exc:
