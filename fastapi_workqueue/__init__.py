@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         WorkMessage,
     )
     from .core.errors import (
+        ActionRefused,
         ConfigurationError,
         PublishFailed,
         TransportError,
@@ -45,6 +46,7 @@ __all__ = [
     "MAX_ENVELOPE_BYTES",
     "AbortReason",
     "AbortSignal",
+    "ActionRefused",
     "ActionResult",
     "Backlog",
     "ConfigurationError",
@@ -91,6 +93,7 @@ _ORIGINS: dict[str, str] = {
     "MAX_ENVELOPE_BYTES": ".core.envelope",
     "AbortReason": ".core.context",
     "AbortSignal": ".core.context",
+    "ActionRefused": ".core.errors",
     "ActionResult": ".core.reports",
     "Backlog": ".core.reports",
     "ConfigurationError": ".core.errors",

@@ -160,6 +160,8 @@ async def test_the_rest_api_retires_and_deletes_with_the_scopes_it_needs(databas
         retired = await http.post(f"{path}/retire", headers={"X-API-Key": operate})
         assert retired.status_code == 200 and retired.json() == {"Subscription": subs["r"], "Status": "Retired",
                                                                   "Changed": True, "Discarded": 0}
+        paused = await http.post(f"{path}/pause", headers={"X-API-Key": operate})
+        assert paused.status_code == 409 and "is retired and cannot be paused" in paused.json()["detail"]
         assert (await http.delete(path, headers={"X-API-Key": operate})).status_code == 403
         busy = await http.delete(path, headers={"X-API-Key": admin})
         assert busy.status_code == 409 and busy.json() == {"Name": subs["r"], "Result": "HasDeliveries",

@@ -28,6 +28,11 @@ class UnknownTopic(ConfigurationError):
         self.topic = topic
 
 
+class ActionRefused(WorkQueueError):
+    """The store refused an operator action in the state it found the subscription or topic in
+    (a pause of a retired subscription); nothing changed, and the message says what to do instead."""
+
+
 class PublishFailed(WorkQueueError):
     """Raised by ``raise_for_errors()`` of a publish's results: ``failures`` are the results (with
     their index in the call) that were not Accepted or Duplicate."""

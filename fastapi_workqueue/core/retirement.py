@@ -6,7 +6,8 @@ instance that still declares it keeps running it. An operator retires it once no
 * **retire** (``queue.retire(name)``, ``workqueue subscriptions retire``): publish gives it no new
   delivery from then on; what it holds still drains (a process with its handler keeps claiming),
   or is discarded at once with ``discard_pending=True``. Its counts stay readable; listings show
-  it ``Retired``; ``resume`` takes it back.
+  it ``Retired``; ``resume`` takes it back. A paused subscription that is retired is paused no
+  more (it drains), and a retired one cannot be paused (:class:`~.errors.ActionRefused`).
 * **delete** (``workqueue subscriptions delete``, admin): removes a retired subscription once
   nothing is Pending, InFlight or DeadLettered, and refuses with the count otherwise.
 
@@ -24,6 +25,16 @@ TopicStatus = Literal["Active", "Paused", "Retired"]
 DeleteOutcome = Literal["Deleted", "NotFound", "NotRetired", "HasDeliveries", "HasSubscriptions"]
 DISCARD_BATCH = 1000
 """Pending deliveries discarded per transaction when a retire discards them."""
+
+
+def retired_not_paused(subscription: str) -> str:
+    """Why a retired subscription is not paused (the store refuses it)."""
+    return (
+        f"subscription {subscription!r} is retired and cannot be paused: it takes no new deliveries and drains what "
+        "it holds, and as Paused it would seem to accrue them; to stop the drain, discard what it holds "
+        f"(`workqueue subscriptions retire {subscription} --discard-pending`), or take it back first "
+        f"(`workqueue resume --subscription {subscription}`) and then pause it"
+    )
 
 
 class RetireResult(WireModel):

@@ -11,6 +11,7 @@ from urllib.parse import quote, urlencode
 from fastapi import APIRouter, HTTPException, Request, Security, status
 from fastapi.responses import RedirectResponse
 
+from ..core.errors import ActionRefused
 from ..core.keys import SCOPE_OPERATE, SCOPE_READ, Principal
 from ..core.reports import DeliveryInfo
 from ..web.auth import Authorizer
@@ -79,7 +80,10 @@ def build_actions(d: Dashboard, authorize: Authorizer) -> APIRouter:
 
     async def set_status(request: Request, name: str, paused: bool) -> RedirectResponse:
         form = await checked_form(request)
-        changed = await (d.kernel.operator.pause(name) if paused else d.kernel.operator.resume(name))
+        try:
+            changed = await (d.kernel.operator.pause(name) if paused else d.kernel.operator.resume(name))
+        except ActionRefused:
+            return back(request, form, subscription_url(request, name), "RetiredNotPaused")
         if changed is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {name!r} does not exist")
         notice = ("Paused" if paused else "Resumed") if changed else "Unchanged"

@@ -40,6 +40,8 @@ NOTICES = {
     "Paused": "Paused: no more claims; deliveries still accrue, and running handlers finish.",
     "Resumed": "Resumed: claiming again.",
     "Unchanged": "Nothing changed: the subscription was already so.",
+    "RetiredNotPaused": "Not paused: the subscription is retired (it takes no new deliveries and drains what it "
+                        "holds). Resume it first, or retire it again discarding what is pending.",
     "ReplayedAll": "Dead letters replayed.",
     "ReplayedGroup": "The cause's dead letters were replayed.",
     "DiscardedGroup": "The cause's dead letters were discarded.",

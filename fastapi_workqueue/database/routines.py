@@ -28,7 +28,7 @@ from ..core.envelope import (
     PublishResult,
     PublishStatus,
 )
-from ..core.errors import ConfigurationError, TransportError, WorkQueueError
+from ..core.errors import ActionRefused, ConfigurationError, TransportError, WorkQueueError
 from ..core.failures import storable
 from ..core.history import StatsPoint
 from ..core.keys import ApiKeyInfo, KeyRecord
@@ -52,7 +52,7 @@ from ..core.reports import (
     SweepReport,
     TakenBack,
 )
-from ..core.retirement import DeleteResult, RetireResult, TopicStatus, TopicStatusChange
+from ..core.retirement import DeleteResult, RetireResult, TopicStatus, TopicStatusChange, retired_not_paused
 from ..core.search import SEARCH_LIMIT, FoundDelivery
 from ..core.topology import Subscription, SubscriptionState, SubscriptionStatus, Topic, TopicState
 from ..core.transport import (
@@ -217,6 +217,8 @@ class RoutineTransport:
 
     async def set_subscription_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:
         rows = await self.call("set_subscription_status", p_name=subscription, p_status=status)
+        if rows and status == "Paused" and rows[0]["status"] == "Retired":
+            raise ActionRefused(retired_not_paused(subscription))
         return None if not rows else bool(rows[0]["changed"])
 
     # -- publish -----------------------------------------------------------------------------

@@ -187,6 +187,8 @@ async def r_set_subscription_status(c: Call, p_name: str, p_status: str) -> list
     existing = await c.ex.fetch("subscription_get", name=p_name)
     if not existing:
         return []
+    if p_status == "Paused" and existing[0]["retired_at"] is not None:
+        return [{"subscription": p_name, "status": "Retired", "changed": False}]  # refused (PostgreSQL's words)
     old = _shown_status(existing[0]) if p_status == "Active" else existing[0]["status"]
     await c.ex.execute("subscription_set_status", name=p_name, status=p_status, now=c.now)
     if p_status == "Active" and old != "Active":
@@ -205,6 +207,8 @@ async def r_retire_subscription(c: Call, p_name: str) -> list[Row]:
     if not existing:
         return []
     await c.ex.execute("subscription_retire", name=p_name, now=c.now)
+    if existing[0]["retired_at"] is None and existing[0]["status"] == "Paused":
+        c.wake.add(existing[0]["id"])  # a paused one is paused no more: it drains
     return [{"subscription": p_name, "status": "Retired", "changed": existing[0]["retired_at"] is None}]
 
 

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.attempts import AttemptInfo
 from ..core.envelope import PublishRequest, PublishResult
-from ..core.errors import ConfigurationError, TransportError, TransportUnavailable, UnknownTopic
+from ..core.errors import ActionRefused, ConfigurationError, TransportError, TransportUnavailable, UnknownTopic
 from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_PUBLISH, SCOPE_READ, Principal
 from ..core.processes import ProcessInfo
 from ..core.reports import (
@@ -519,7 +519,10 @@ def build_router(
 
     async def _status(subscription: str, new: Literal["Active", "Paused"]) -> StatusChange:
         name_exists_or_404("subscription", subscription)
-        changed = await _call(kernel.operator.set_status(subscription, new))
+        try:
+            changed = await _call(kernel.operator.set_status(subscription, new))
+        except ActionRefused as exc:  # (a pause of a retired subscription)
+            raise HTTPException(status.HTTP_409_CONFLICT, detail=str(exc)) from None
         if changed is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"subscription {subscription!r} does not exist")
         return StatusChange(subscription=subscription, status=new, changed=changed)

@@ -1120,6 +1120,7 @@ BEGIN
     SET XACT_ABORT ON;
     DECLARE @v_own_transaction bit = CASE WHEN @@TRANCOUNT = 0 THEN 1 ELSE 0 END;
     DECLARE @v_old nvarchar(20);
+    DECLARE @v_retired bit = 0;
     DECLARE @v_result TABLE (
         subscription nvarchar(200) COLLATE Latin1_General_100_BIN2 NOT NULL,
         status nvarchar(20) COLLATE Latin1_General_100_BIN2 NOT NULL,
@@ -1132,10 +1133,15 @@ BEGIN
 
         -- Resume (Active) takes back a retired subscription too.
         SELECT @v_old = CASE WHEN @p_status = N'Active' AND s.status = N'Active' AND s.retired_at IS NOT NULL
-                             THEN N'Retired' ELSE s.status END
+                             THEN N'Retired' ELSE s.status END,
+               @v_retired = CASE WHEN s.retired_at IS NULL THEN 0 ELSE 1 END
         FROM workqueue.subscription AS s WITH (UPDLOCK, ROWLOCK)
         WHERE s.name = @p_name;
-        IF @v_old IS NOT NULL
+        IF @v_old IS NOT NULL AND @p_status = N'Paused' AND @v_retired = 1
+            -- Refused (status Retired, nothing changed): a paused retired subscription would show
+            -- Paused, where deliveries accrue, while it takes none.
+            INSERT INTO @v_result (subscription, status, changed) VALUES (@p_name, N'Retired', 0);
+        ELSE IF @v_old IS NOT NULL
         BEGIN
             UPDATE s
             SET status = @p_status,
@@ -1162,7 +1168,8 @@ END;
 GO
 
 -- Retires a subscription (retired_at): publish gives it no new delivery from the commit on, while
--- what it holds still drains and its counts stay readable; listings show it Retired.
+-- what it holds still drains (a paused one is paused no more) and its counts stay readable;
+-- listings show it Retired, and it cannot be paused.
 -- returns: subscription, status, changed
 CREATE OR ALTER PROCEDURE workqueue.retire_subscription
     @p_name nvarchar(200)
@@ -1181,7 +1188,7 @@ BEGIN
         FROM workqueue.subscription AS s WITH (UPDLOCK, ROWLOCK)
         WHERE s.name = @p_name;
         UPDATE s
-        SET retired_at = SYSDATETIMEOFFSET(), updated_at = SYSDATETIMEOFFSET()
+        SET retired_at = SYSDATETIMEOFFSET(), status = N'Active', updated_at = SYSDATETIMEOFFSET()
         FROM workqueue.subscription AS s
         WHERE s.name = @p_name AND s.retired_at IS NULL;
         IF @v_own_transaction = 1

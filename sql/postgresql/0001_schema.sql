@@ -526,9 +526,17 @@ AS $$
 #variable_conflict use_column
 DECLARE
     v_old text;
+    v_retired boolean;
 BEGIN
-    SELECT s.status INTO v_old FROM workqueue.subscription s WHERE s.name = p_name FOR UPDATE;
+    SELECT s.status, s.retired_at IS NOT NULL INTO v_old, v_retired
+    FROM workqueue.subscription s WHERE s.name = p_name FOR UPDATE;
     IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF p_status = 'Paused' AND v_retired THEN
+        -- Refused (status Retired, nothing changed): a paused retired subscription would show
+        -- Paused, where deliveries accrue, while it takes none.
+        RETURN QUERY SELECT p_name, 'Retired'::text, false;
         RETURN;
     END IF;
     IF p_status = 'Active' THEN  -- resume takes back a retired subscription too
@@ -547,9 +555,9 @@ END
 $$;
 
 -- Retires a subscription (retired_at): publish gives it no new delivery from the commit on, while
--- what it holds still drains (claims go on: its status stays Active, or Paused) and its counts stay
--- readable; listings show it Retired. resume (set_subscription_status 'Active') takes it back.
--- changed is false when it was retired already.
+-- what it holds still drains (claims go on: a paused one is paused no more) and its counts stay
+-- readable; listings show it Retired, and it cannot be paused. resume (set_subscription_status
+-- 'Active') takes it back. changed is false when it was retired already.
 CREATE OR REPLACE FUNCTION workqueue.retire_subscription(p_name text)
 RETURNS TABLE (subscription text, status text, changed boolean)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
@@ -564,8 +572,11 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    UPDATE workqueue.subscription s SET retired_at = now(), updated_at = now()
+    UPDATE workqueue.subscription s SET retired_at = now(), status = 'Active', updated_at = now()
     WHERE s.name = p_name AND s.retired_at IS NULL;
+    IF v_old = 'Paused' THEN  -- it drains from now on
+        PERFORM pg_notify('workqueue', (SELECT s.id::text FROM workqueue.subscription s WHERE s.name = p_name));
+    END IF;
     RETURN QUERY SELECT p_name, 'Retired'::text, v_old <> 'Retired';
 END
 $$;

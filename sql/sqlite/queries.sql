@@ -54,7 +54,8 @@ SET status = :status, retired_at = CASE WHEN :status = 'Active' THEN NULL ELSE r
 WHERE name = :name AND (status <> :status OR (:status = 'Active' AND retired_at IS NOT NULL));
 
 -- name: subscription_retire
-UPDATE subscription SET retired_at = :now, updated_at = :now WHERE name = :name AND retired_at IS NULL;
+-- A paused one is paused no more: it drains (and cannot be paused while retired).
+UPDATE subscription SET retired_at = :now, status = 'Active', updated_at = :now WHERE name = :name AND retired_at IS NULL;
 
 -- name: subscription_delete
 DELETE FROM subscription WHERE id = :id;

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from fastapi_workqueue.core.envelope import PublishRequest
+from fastapi_workqueue.core.errors import ActionRefused
 from fastapi_workqueue.core.transport import HeartbeatRequest
 
+from ...core.ports import Ports
 from .harness import Harness, cancel_refused, make_world
 
 
@@ -140,6 +142,31 @@ async def test_c30_paused_subscription_accrues_but_is_not_claimed_until_resumed(
     assert await harness.transport.set_subscription_status(world["a"], "Active") is True
     assert len(await world.claim("a", 10)) == 2
     assert await harness.transport.set_subscription_status("no-such-subscription", "Paused") is None
+
+
+async def test_c30_a_retired_subscription_is_never_shown_paused(harness: Harness) -> None:
+    """Retired and Paused exclude each other: a retired subscription cannot be paused (it would show
+    Paused, where deliveries accrue, while it takes none), and a paused one that is retired is
+    paused no more: it shows Retired and drains."""
+    lifecycle = Ports.of(harness.transport).lifecycle
+    if lifecycle is None:
+        pytest.skip(f"{harness.name}: subscriptions cannot be retired (TopologyLifecycle)")
+    world = await make_world(harness.transport, [{"role": "a"}, {"role": "b"}])
+    await world.publish(PublishRequest(payload=1))
+    await lifecycle.retire_subscription(world["a"])
+    with pytest.raises(ActionRefused, match=r"is retired and cannot be paused.*--discard-pending"):
+        await harness.transport.set_subscription_status(world["a"], "Paused")
+    [stats] = await harness.transport.stats(world["a"])
+    assert stats.status == "Retired" and stats.pending == 1
+    # Paused, then retired: no longer paused, it drains what it holds.
+    assert await harness.transport.set_subscription_status(world["b"], "Paused") is True
+    await lifecycle.retire_subscription(world["b"])
+    [stats] = await harness.transport.stats(world["b"])
+    assert stats.status == "Retired"
+    assert len(await world.claim("b", 10)) == 1
+    # Resume takes either back.
+    assert await harness.transport.set_subscription_status(world["a"], "Active") is True
+    assert await harness.transport.set_subscription_status(world["a"], "Paused") is True
 
 
 async def test_listings_fill_every_field_a_single_delivery_has(harness: Harness) -> None:
