@@ -198,6 +198,48 @@ async def test_a_handler_exception_is_logged_with_its_traceback_and_kept_in_last
     assert "hunter2" not in (info.last_error or "")
 
 
+@pytest.mark.parametrize("mode", ["Auto", "Manual"])
+async def test_a_cancelled_handler_that_winds_down_keeps_its_key_until_it_returns(pg_url: str, mode: str) -> None:
+    """A handler that takes long to stop after a cancel (clean-up, or one that ignores it) holds
+    its Exclusive key until it returns: its lease is renewed meanwhile, where it ran out and the
+    sweeper discarded the delivery and ran the key's next message beside it (SPEC 4: Discarded as
+    soon as the handler returns, freeing its key)."""
+    queue, topic, subs = make_queue(pg_url, [{"role": "k", "lease_seconds": 3.0, "partition_mode": "Exclusive",
+                                              "heartbeat_mode": mode}])
+    started = asyncio.Event()
+    spans: dict[int, list[float]] = {}
+    reasons: list[AbortReason | None] = []
+    loop = asyncio.get_running_loop()
+
+    @queue.handler("k")
+    async def handle(message: WorkMessage[dict[str, int]], context: WorkContext) -> WorkOutcome:
+        n = message.payload["n"]
+        spans[n] = [loop.time()]
+        started.set()
+        try:
+            for _ in range(100 if n == 1 else 0):  # (Manual: the handler renews; Auto: the runtime does too)
+                if not await context.heartbeat():
+                    await asyncio.sleep(30)  # the runtime's cancel arrives meanwhile
+                await asyncio.sleep(0.3)
+        except asyncio.CancelledError:
+            reasons.append(context.signal.reason)
+            await asyncio.shield(asyncio.sleep(7.0))  # over two leases of clean-up
+        spans[n].append(loop.time())
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        [first, _] = await queue.publish(topic, [PublishRequest(payload={"n": n}, partition_key="key") for n in (1, 2)])
+        await asyncio.wait_for(started.wait(), 10)
+        [running] = await queue.deliveries(subs["k"], "InFlight")
+        assert (await queue.discard(subs["k"], running.delivery_id, "operator: stop")).cancel_requested
+        await wait_for(lambda: len(spans.get(2, [])) == 2, within=30)
+        info = await queue.transport.get_delivery(running.delivery_id)
+    assert reasons == [AbortReason.CANCELLED]
+    assert spans[2][0] >= spans[1][1], (spans, "the key's next message ran beside the cancelled one")
+    assert info is not None and info.status == "Discarded" and info.reason == "operator: stop"
+    assert info.message_id == first.message_id
+
+
 async def test_operator_cancel_aborts_running_handler_and_discards(pg_url: str) -> None:
     # The cancel arrives with a heartbeat (every lease/3). A lease of 0.9 s ran out on a loaded
     # machine before a renewal came back, and the handler ended LeaseLost instead.

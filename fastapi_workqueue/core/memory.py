@@ -602,8 +602,8 @@ class MemoryTransport:
                 out.append(HeartbeatResult(r.delivery_id, alive=False, cancel_requested=False))
                 continue
             sub = self._store.subs[d.subscription]
-            if not d.cancel_requested:
-                d.lease_expires_at = now + timedelta(seconds=granted_lease(r.lease_seconds, sub.spec.lease_seconds))
+            # (a cancel-requested one too: its handler is winding down, and its key stays busy)
+            d.lease_expires_at = now + timedelta(seconds=granted_lease(r.lease_seconds, sub.spec.lease_seconds))
             if r.percent is not None:
                 d.progress_percent = r.percent
             if r.message is not None:

@@ -878,6 +878,11 @@ class Consumer:
         granted that one, so the process counts that one)."""
         if cancel_requested:
             self._abort(running, AbortReason.CANCELLED)
+            if running.signal.reason is AbortReason.CANCELLED:
+                # The store renewed it: the key stays busy while the handler winds down, and the
+                # delivery becomes Discarded when it returns (SPEC 4), not when the lease runs out.
+                running.lease.renew(sent_at, lease_seconds)
+                self._arm_lease_timer(running)
         elif not alive:
             self._abort(running, AbortReason.LEASE_LOST)
         elif not running.signal.aborted:
@@ -903,9 +908,12 @@ class Consumer:
             # Manual: the handler renews its own lease; deliveries held ahead are renewed here.
             waiting = {id(r) for r in self._buffer}
             now = self._clock()
+            # A cancelled handler that has not returned yet is renewed here too (Manual mode
+            # included: it was told to stop), so that its key stays busy until it returns.
             due = [
                 r for r in self._held.values()
-                if not r.signal.aborted and (r.sub.heartbeat_mode != "Manual" or id(r) in waiting)
+                if ((not r.signal.aborted and (r.sub.heartbeat_mode != "Manual" or id(r) in waiting))
+                    or r.signal.reason is AbortReason.CANCELLED)
                 and now - r.lease.renewed_at >= self._current(r.sub).heartbeat_interval_seconds * 0.95
             ]
             if not due:

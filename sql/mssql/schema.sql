@@ -2619,12 +2619,10 @@ BEGIN
         IF @v_own_transaction = 1
             BEGIN TRANSACTION;
         UPDATE d
-        SET lease_expires_at = CASE
-                WHEN d.cancel_requested = 1 THEN d.lease_expires_at
-                ELSE DATEADD(
-                    microsecond, CAST((g.secs - FLOOR(g.secs)) * 1000000 AS int),
-                    DATEADD(second, CAST(FLOOR(g.secs) AS int), @v_now))
-            END,
+        -- A cancel-requested delivery is renewed too (its handler is winding down; its key stays busy).
+        SET lease_expires_at = DATEADD(
+                microsecond, CAST((g.secs - FLOOR(g.secs)) * 1000000 AS int),
+                DATEADD(second, CAST(FLOOR(g.secs) AS int), @v_now)),
             progress_percent = COALESCE(i.pct, d.progress_percent),
             progress_message = COALESCE(i.msg, d.progress_message)
         OUTPUT inserted.id, inserted.cancel_requested, inserted.lease_expires_at

@@ -2009,10 +2009,11 @@ BEGIN
         WHERE d.status = 'InFlight'
     ), u AS (
         UPDATE workqueue.delivery d
-        SET lease_expires_at = CASE WHEN d.cancel_requested THEN d.lease_expires_at
-                                    ELSE v_now + make_interval(secs => CASE  -- the process's lease, as claim
-                                        WHEN l.lease > 0 AND l.lease < 1e9 THEN l.lease ELSE s.lease_seconds END)
-                               END,
+        -- A cancel-requested delivery is renewed too: its holder is alive and its handler is
+        -- winding down, and its key stays busy until the handler returns (a dead holder stops
+        -- renewing, and lease expiry discards it).
+        SET lease_expires_at = v_now + make_interval(secs => CASE  -- the process's lease, as claim
+                                   WHEN l.lease > 0 AND l.lease < 1e9 THEN l.lease ELSE s.lease_seconds END),
             progress_percent = coalesce(l.pct, d.progress_percent),
             progress_message = coalesce(l.msg, d.progress_message)
         FROM locked l

@@ -344,8 +344,9 @@ WHERE id = :id AND status = 'Pending'
 RETURNING id, lease_token, attempt, max_attempts, lease_expires_at, message_id, partition_key, key_mode, priority;
 
 -- name: delivery_heartbeat
+-- A cancel-requested delivery is renewed too (its handler is winding down; its key stays busy).
 UPDATE delivery
-SET lease_expires_at = CASE WHEN cancel_requested THEN lease_expires_at ELSE :lease_expires_at END,
+SET lease_expires_at = :lease_expires_at,
     progress_percent = coalesce(:percent, progress_percent),
     progress_message = coalesce(:message, progress_message)
 WHERE id = :id AND lease_token = :token AND status = 'InFlight'

@@ -86,6 +86,17 @@ async def test_c27_discard_in_flight_requests_cancel_then_discarded_never_retrie
     assert result.result == "CancelRequested" and result.cancel_requested
     [hb] = await harness.transport.heartbeat([HeartbeatRequest(running.delivery_id, running.lease_token)])
     assert hb.cancel_requested and not hb.alive
+    # The heartbeat renews the lease of the handler that winds down: its holder is alive, and lease
+    # expiry (the holder's death) would discard it and free its key while the handler still runs.
+    await harness.advance(running.delivery_id, 50)  # of its 60 s lease
+    before = await harness.transport.get_delivery(running.delivery_id)
+    await harness.transport.heartbeat([HeartbeatRequest(running.delivery_id, running.lease_token)])
+    after = await harness.transport.get_delivery(running.delivery_id)
+    assert before is not None and after is not None and before.lease_expires_at is not None
+    assert after.lease_expires_at is not None and after.lease_expires_at > before.lease_expires_at
+    await harness.advance(running.delivery_id, 30)  # past the lease it had before the renewal
+    assert (await harness.transport.sweep()).ran
+    assert await world.status(running.delivery_id) == "InFlight"
     # The key stays busy until the holder returns ...
     assert await world.claim("x") == []
     # ... and whatever it returns, the delivery is Discarded and the key is free.
