@@ -480,6 +480,25 @@ async def test_a_handler_longer_than_the_drain_is_released_without_spending_its_
     assert dropped["Result"] == "Discarded"
 
 
+async def test_a_handler_that_ignores_the_stop_is_left_behind_and_the_worker_exits(cli: Cli) -> None:
+    """After the drain the delivery goes back to Pending (SPEC 4), so another worker may take it: a
+    handler that ignores the stop must not go on beside that one, nor keep the worker up for it."""
+    sub = cli_app.SLOW
+    started = len(cli.records(sub, "started"))
+    [message] = await cli.publish(sub, {"stubborn": 120})
+    proc = await cli.start("work", "--app", APP, "--subscription", sub, "--shutdown-drain-ms", "300")
+    await cli.wait_record(sub, "started", started + 1)
+    proc.send_signal(signal.SIGTERM)
+    result = await cli.finish(proc, within=30)  # not the 120 s the handler would take
+    assert result.code == 0, result.err
+    assert cli.records(sub, "ignored")[-1]["reason"] == "Shutdown"
+    assert "1 handler still run after the stop and went back to Pending" in result.err
+    [pending] = await cli.json("deliveries", "--subscription", sub, "--status", "Pending")
+    assert (pending["MessageID"], pending["Attempt"]) == (message, 0)
+    assert (await cli.json("discard", "--subscription", sub, "--delivery", pending["DeliveryID"], "--reason", "test")
+            )["Result"] == "Discarded"
+
+
 # -- work --app MODULE:app: the app's lifespan, its state and its overrides ---------------------
 
 LIFESPAN_APP = "tests.apps.lifespan_app:app"

@@ -29,6 +29,7 @@ import click
 from ..core.errors import ConfigurationError, TransportError
 from ..core.host import SubscriptionPlan
 from ..core.redaction import redact, redacting_logger
+from ..core.runtime import HANDLER_TASK_PREFIX
 from ..core.tasks import TaskScope
 from ..core.words import count
 from .app_loader import LifespanFailed, app_lifespan, load_target, queue_from_lifespan_state
@@ -463,4 +464,29 @@ def work(
         concurrency=concurrency, max_duration_ms=max_duration_ms, shutdown_drain_ms=shutdown_drain_ms,
         as_json=as_json,
     )
-    _finish(run_on_fastest_loop(coroutine), as_json=as_json)
+
+    async def then_leave_abandoned_handlers() -> WorkSummary:
+        summary = await coroutine
+        _exit_without_abandoned_handlers(summary, as_json=as_json)
+        return summary
+
+    _finish(run_on_fastest_loop(then_leave_abandoned_handlers()), as_json=as_json)
+
+
+def _exit_without_abandoned_handlers(summary: WorkSummary, *, as_json: bool) -> None:
+    """Ends the process now when handlers ignored the stop: the host released their deliveries to
+    Pending, so another worker may run them, and a handler still running here would run beside it
+    (on an Exclusive key too). Waiting for them, as the event loop's end would, could take forever."""
+    abandoned = [t for t in asyncio.all_tasks()
+                 if t is not asyncio.current_task() and not t.done() and t.get_name().startswith(HANDLER_TASK_PREFIX)]
+    if not abandoned:
+        return
+    log.warning("%s still run after the stop and went back to Pending; the worker exits without waiting for "
+                "them (they would run beside the worker that takes them next)",
+                count(len(abandoned), "handler"))
+    if summary.code != EXIT_OK or not as_json:
+        os.write(2 if summary.code != EXIT_OK else 1, f"workqueue work: {summary.reason}\n".encode())
+    if as_json:
+        os.write(1, f"{summary.as_json()}\n".encode())
+    logging.shutdown()
+    os._exit(summary.code)

@@ -57,6 +57,8 @@ SETTLE_BACKLOG_LIMIT = 1000
 """A consumer claims no more while this many of the process's outcomes wait to be written."""
 PREFETCH_BELOW_SECONDS = 0.05
 """Handlers that take less than this on average get a second set of deliveries claimed ahead."""
+HANDLER_TASK_PREFIX = "workqueue-handler:"
+"""The name of a handler's task begins so (its delivery id follows)."""
 MAX_PREFETCH = 200
 """The most deliveries claimed ahead of free slots. Claims of no-op handlers take 4-6 ms on a busy
 2-core machine, in which the worker runs about 50 deliveries: with 100 ahead (claiming again at
@@ -663,7 +665,8 @@ class Consumer:
             running.timers.append(
                 loop.call_later(sub.max_processing_seconds, self._abort, running, AbortReason.MAX_PROCESSING_SECONDS)
             )
-        running.task = self._tasks.spawn(self._run(running), name=f"workqueue-handler:{running.delivery.delivery_id}")
+        name = f"{HANDLER_TASK_PREFIX}{running.delivery.delivery_id}"
+        running.task = self._tasks.spawn(self._run(running), name=name)
 
     def _arm_lease_timer(self, running: _Running) -> None:
         """Aborts the handler with LeaseLost when its lease runs out without a renewal."""

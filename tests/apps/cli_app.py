@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from typing import Any
 
 from fastapi_workqueue import (
@@ -95,6 +96,14 @@ async def run(message: WorkMessage[dict[str, Any]], context: WorkContext) -> Wor
             await asyncio.sleep(60)
         finally:
             record(event="aborted", reason=str(context.signal.reason), **seen)
+    if payload.get("stubborn"):  # ignores every cancel for that many seconds
+        record(event="started", **seen)
+        end = time.monotonic() + float(payload["stubborn"])
+        while time.monotonic() < end:
+            try:
+                await asyncio.sleep(0.2)
+            except asyncio.CancelledError:
+                record(event="ignored", reason=str(context.signal.reason), **seen)
     if payload.get("sleep"):
         record(event="started", **seen)
         try:
