@@ -123,8 +123,9 @@ class OperatorViews:
         if not found:
             return None
         stats = found[0]
-        return Backlog(
-            subscription=subscription, claimable=stats.claimable, in_flight=stats.in_flight, backlog=stats.pending
+        return Backlog(  # (SQS's in-flight count holds the retries waiting out their backoff, too)
+            subscription=subscription, claimable=stats.claimable, in_flight=stats.in_flight,
+            backlog=stats.claimable + stats.in_flight,
         )
 
     async def get_delivery(self, delivery_id: str, *, include_payload: bool = False) -> DeliveryInfo | None:

@@ -86,7 +86,10 @@ class Settling:
         for index in lost:
             results[index] = "LeaseLost"
         for index, settlement, lease in settled:
-            self._leases.pop(settlement.delivery_id, None)
+            if self._leases.get(settlement.delivery_id) is lease:
+                # (only this settle's lease: a retry due at once may have been received again while
+                # the batch settled, and the new attempt's lease is under the same delivery id)
+                del self._leases[settlement.delivery_id]
             receipt = Receipt(lease.queue_url, lease.receipt)
             if results[index] == "Completed":
                 self._remember(settlement.delivery_id, lease, "Completed", receipt, reason=settlement.reason)

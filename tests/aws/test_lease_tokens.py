@@ -70,3 +70,57 @@ async def test_the_token_of_an_earlier_receive_is_refused(tmp_path: Path, moto_u
         assert not beat.alive
         assert await queue.transport.settle([Settlement(second.delivery_id, second.lease_token, "Complete")]) == [
             "Completed"]
+
+
+async def test_a_retry_received_again_while_its_settle_ends_keeps_the_new_lease(
+    tmp_path: Path, moto_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A retry due at once (its backoff drew 0 s) is visible as soon as the settle has changed its
+    visibility, and an open long poll may receive it before the settle ends: the settle must then
+    leave the new attempt's lease alone (it has the same delivery id), or that attempt's outcome is
+    refused and the message runs a third time a lease later."""
+    name = unique("t")
+    sub = f"{name}.s"
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, [Topic(name=name, transport="aws")],
+                         [Subscription(name=sub, topic=name, handler_key="h", lease_seconds=30)]) as queue:
+        await queue.publish(name, [PublishRequest(payload={})])
+        first = await claim_one(queue, sub)
+        transport = aws_of(queue)
+        visibility = transport._visibility
+        again: list[ClaimedDelivery] = []
+
+        async def received_meanwhile(*args: object, **kwargs: object) -> object:
+            result = await visibility(*args, **kwargs)  # type: ignore[arg-type]
+            again.append(await claim_one(queue, sub))  # the open poll takes it before the settle ends
+            return result
+
+        monkeypatch.setattr(transport, "_visibility", received_meanwhile)
+        assert await queue.transport.settle([Settlement(first.delivery_id, first.lease_token, "Retry",
+                                                        delay_seconds=0)]) == ["Pending"]
+        monkeypatch.setattr(transport, "_visibility", visibility)
+        [second] = again
+        assert second.delivery_id == first.delivery_id and second.lease_token != first.lease_token
+        assert second.attempt == 2
+        assert await queue.transport.settle([Settlement(second.delivery_id, second.lease_token, "Complete")]) == [
+            "Completed"]
+        done = await queue.get_delivery(second.delivery_id)
+        assert done is not None and done.status == "Completed"
+
+
+async def test_the_backlog_counts_what_runs_as_an_autoscaler_needs(tmp_path: Path, moto_url: str) -> None:
+    """Backlog = claimable + InFlight (SPEC 7): work that runs keeps its workers."""
+    name = unique("t")
+    sub = f"{name}.s"
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, [Topic(name=name, transport="aws")],
+                         [Subscription(name=sub, topic=name, handler_key="h", lease_seconds=30)]) as queue:
+        await queue.publish(name, [PublishRequest(payload={"n": n}) for n in range(3)])
+        running: list[ClaimedDelivery] = []
+        for _ in range(5):
+            running += await queue.transport.claim(sub, 1)
+            if running:
+                break
+        assert len(running) == 1
+        backlog = await queue.backlog(sub)
+        assert backlog is not None
+        assert (backlog.claimable, backlog.in_flight, backlog.backlog) == (2, 1, 3)
+        await queue.transport.settle([Settlement(running[0].delivery_id, running[0].lease_token, "Complete")])
