@@ -66,6 +66,8 @@ class Receive:
     """When it was sent (monotonic)."""
     sent_at: float
     """When it was sent (epoch seconds)."""
+    ends: float = 0.0
+    """By when SQS has answered it (monotonic): its wait, and a second's margin."""
     task: asyncio.Task[list[dict[str, Any]]] = field(init=False)
 
 
@@ -80,6 +82,7 @@ class Receiving:
         _held: dict[str, list[Held]]
         _released: dict[str, int]
         _receiving: dict[str, Receive]
+        _polls: list[Receive]
         _wakes: dict[str, asyncio.Event]
         _interrupted: set[str]
         _redrive_counts: dict[str, int]
@@ -171,6 +174,9 @@ class Receiving:
         receive = Receive(queue_url, time.monotonic(), time.time())
         lease = self._lease_seconds(sub)
         wait = self.long_poll_seconds(sub) if wait is None else wait
+        receive.ends = receive.sent + wait + 1.0
+        now = receive.sent
+        self._polls = [r for r in self._polls if r.ends > now] + [receive]
 
         async def call() -> list[dict[str, Any]]:
             answer = await self.sqs.receive_message(
@@ -184,6 +190,17 @@ class Receiving:
         receive.task.add_done_callback(functools.partial(self._received, sub.name))
         self._receiving[sub.name] = receive
         return receive
+
+    def open_poll_seconds(self, queue_url: str, *, cancelled_only: bool = False) -> int:
+        """Seconds until no receive this process sent to ``queue_url`` can still take a message:
+        one in flight (unless ``cancelled_only``), or one cancelled here that SQS still runs (a
+        cancelled ReceiveMessage is not cancelled on the server; what it takes there is lost to
+        everyone until its lease runs out)."""
+        now = time.monotonic()
+        return max((math.ceil(r.ends - now) for r in self._polls
+                    if r.queue_url == queue_url and r.ends > now
+                    and (r.task.cancelled() or (not cancelled_only and not r.task.done()))),
+                   default=0)
 
     def _received(self, subscription: str, task: asyncio.Task[list[dict[str, Any]]]) -> None:
         """A long poll answered while its subscription was paused: what it brought goes back."""
@@ -481,6 +498,8 @@ class Receiving:
         charging this process an attempt for the receive SQS counts. A head waiting out its retry
         comes back as the attempt it waits for: its failed attempts stay counted."""
         seconds = max(0, math.ceil(item.due - time.time())) if item.due else 0
+        # (after a stop cancelled the receives: visible once they have surely ended in SQS)
+        seconds = max(seconds, self.open_poll_seconds(item.queue_url, cancelled_only=True))
         with contextlib.suppress(Exception):
             await self.sqs.change_message_visibility(
                 QueueUrl=item.queue_url, ReceiptHandle=item.message["ReceiptHandle"], VisibilityTimeout=seconds

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ..core.lifecycle import BackoffPolicy, clamp_delay, settle_transition
 from ..core.reports import DeliveryInfo, DeliveryStatus
+from ..core.runtime import SHUTDOWN_RELEASE_REASON
 from ..core.transport import FREES_KEYS, Settlement, SettleResult
 from . import body as bodies
 from .leases import MAX_LEASE_SECONDS, Held, Lease, change_visibility
@@ -53,6 +54,8 @@ class Settling:
         def _lease(self, delivery_id: str, token: str) -> Lease | None: ...
 
         def _lease_seconds(self, sub: Subscription) -> int: ...
+
+        def open_poll_seconds(self, queue_url: str) -> int: ...
 
         def _wake(self, subscription: str) -> None: ...
 
@@ -123,6 +126,11 @@ class Settling:
             return "Completed" if kind == "Complete" else "Discarded"
         if kind == "Release":
             delay = max(0, min(MAX_LEASE_SECONDS, math.ceil(settlement.delay_seconds or 0)))
+            if settlement.reason == SHUTDOWN_RELEASE_REASON:
+                # Visible once this process's receives have surely ended: one that its stop
+                # cancels runs on in SQS, and would take the message where nobody handles it (a
+                # lease's stall, an attempt spent), not from the worker that should.
+                delay = max(delay, self.open_poll_seconds(lease.queue_url))
             held_here = self._keeps_key(lease)
             result = await (self._hold_head(lease, delay, lease.attempt) if held_here else
                             self._visibility(lease, delay))

@@ -142,6 +142,8 @@ class AwsTransport(Receiving, Settling, OperatorViews):
         self._held: dict[str, list[Held]] = {}
         self._released: dict[str, int] = {}
         self._receiving: dict[str, Receive] = {}
+        self._polls: list[Receive] = []
+        """The receives sent lately, until SQS has surely answered each (see open_poll_seconds)."""
         self._wakes: dict[str, asyncio.Event] = {}
         self._interrupted: set[str] = set()
         self._redrive_counts: dict[str, int] = {}

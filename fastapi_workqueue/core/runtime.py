@@ -57,6 +57,8 @@ SETTLE_BACKLOG_LIMIT = 1000
 """A consumer claims no more while this many of the process's outcomes wait to be written."""
 PREFETCH_BELOW_SECONDS = 0.05
 """Handlers that take less than this on average get a second set of deliveries claimed ahead."""
+SHUTDOWN_RELEASE_REASON = "released at shutdown"
+"""The reason of the Release a stopping host gives back what it holds with."""
 HANDLER_TASK_PREFIX = "workqueue-handler:"
 """The name of a handler's task begins so (its delivery id follows)."""
 MAX_PREFETCH = 200
@@ -312,7 +314,7 @@ class Consumer:
         if self._buffer:
             log.info("%s: stopping; %s claimed ahead go back to Pending: %s",
                      self.name, count(len(self._buffer), "delivery"), _ids(self._buffer))
-        self._release_buffer("released at shutdown")
+        self._release_buffer(SHUTDOWN_RELEASE_REASON)
         if self._running:
             log.info("%s: stopping; %d running handlers get %.1f s to finish: %s",
                      self.name, len(self._running), drain_seconds, _ids(self._running.values()))
@@ -333,7 +335,7 @@ class Consumer:
             with contextlib.suppress(Exception):
                 await self.transport.settle(
                     [Settlement(r.delivery.delivery_id, r.delivery.lease_token, "Release",
-                                reason="released at shutdown") for r in leftovers]
+                                reason=SHUTDOWN_RELEASE_REASON) for r in leftovers]
                 )
         if self._heartbeat_task is not None:
             await cancel_and_wait([self._heartbeat_task], owner=self.name)
@@ -841,7 +843,7 @@ class Consumer:
         if reason is None:
             return None
         if reason == AbortReason.SHUTDOWN:
-            return Settlement(*base, "Release", reason="released at shutdown")
+            return Settlement(*base, "Release", reason=SHUTDOWN_RELEASE_REASON)
         if reason == AbortReason.CANCELLED:
             # The delivery is flagged: any outcome makes it Discarded.
             return Settlement(*base, "Fail", reason="Cancelled")

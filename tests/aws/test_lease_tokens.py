@@ -3,11 +3,14 @@ on the aws transport: its settle and heartbeat answer LeaseLost, the holder's st
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
 
 from fastapi_workqueue import PublishRequest, Subscription, Topic, WorkQueue
+from fastapi_workqueue.core.runtime import SHUTDOWN_RELEASE_REASON
 from fastapi_workqueue.core.transport import ClaimedDelivery, HeartbeatRequest, SettleKind, Settlement
 
 from ..conftest import unique
@@ -124,3 +127,37 @@ async def test_the_backlog_counts_what_runs_as_an_autoscaler_needs(tmp_path: Pat
         assert backlog is not None
         assert (backlog.claimable, backlog.in_flight, backlog.backlog) == (2, 1, 3)
         await queue.transport.settle([Settlement(running[0].delivery_id, running[0].lease_token, "Complete")])
+
+
+async def test_a_shutdown_release_waits_out_the_receives_the_stop_cancels(tmp_path: Path, moto_url: str) -> None:
+    """A stop cancels the open long poll here, but SQS runs it to its end: a delivery released at
+    shutdown becomes visible only after it, so that the orphaned poll cannot take it (where nobody
+    would handle it: a lease's stall and an attempt spent). The next worker gets it at once after,
+    as attempt 2: SQS counts the receives, and the give-back is uncounted only in the process that
+    made it (docs/aws.md); an orphaned receive would make it 3, a lease later."""
+    name = unique("t")
+    sub = f"{name}.s"
+    db = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
+    topics, subs = [Topic(name=name, transport="aws")], [Subscription(name=sub, topic=name, handler_key="h",
+                                                                       lease_seconds=30)]
+    async with aws_queue(db, moto_url, topics, subs, aws_wait_time_seconds=3) as stopping:
+        await stopping.publish(name, [PublishRequest(payload={})])
+        [running] = await stopping.transport.claim(sub, 1)
+        polling = asyncio.create_task(stopping.transport.claim(sub, 1))  # the worker's next long poll
+        await asyncio.sleep(0.3)
+        assert await stopping.transport.settle([Settlement(running.delivery_id, running.lease_token, "Release",
+                                                           reason=SHUTDOWN_RELEASE_REASON)]) == ["Pending"]
+        polling.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await polling
+    # The queue closed (its receive cancelled, still open in SQS for up to 3 s more).
+    async with aws_queue(db, moto_url, topics, subs, bind=False) as next_worker:
+        await aws_of(next_worker).reload_bindings()
+        found: list[ClaimedDelivery] = []
+        for _ in range(40):
+            found = await next_worker.transport.claim(sub, 1)
+            if found:
+                break
+            await asyncio.sleep(0.25)
+        assert [(d.message_id, d.attempt) for d in found] == [(running.message_id, 2)]
+        await next_worker.transport.settle([Settlement(found[0].delivery_id, found[0].lease_token, "Complete")])
