@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel, ValidationError
+from typing_extensions import TypedDict
 
 from fastapi_workqueue import JobContext, Topic, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.core.envelope import (
@@ -212,4 +213,36 @@ async def test_a_payload_json_cannot_carry_is_refused_not_changed(tmp_path: Any)
         assert await queue.size() == 0
         await queue.dispatch(anything, {"f": 1.5})
         await queue.dispatch(blob, {"data": b"text"})
+        assert await queue.size() == 2
+
+
+@dataclasses.dataclass
+class Point:
+    x: float
+
+
+class Pair(TypedDict):
+    left: int
+    right: int
+
+
+async def test_dataclass_and_typeddict_payloads_keep_their_own_configuration(tmp_path: Any) -> None:
+    """Payload types that carry their own pydantic configuration (a dataclass, a TypedDict) are
+    declared and dispatched as before; NaN inside them is refused by the publish all the same."""
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", auto_migrate=True,
+                                        enabled=False))
+
+    @queue.job("notes.point")
+    async def point(payload: Point) -> None:
+        return None
+
+    @queue.job("notes.pair")
+    async def pair(payload: Pair) -> None:
+        return None
+
+    async with queue.lifespan(None):
+        await queue.dispatch(point, {"x": 1.5})
+        await queue.dispatch(pair, {"left": 1, "right": 2})
+        with pytest.raises((JobDispatchError, JobPayloadInvalid)):
+            await queue.dispatch(point, {"x": float("nan")})
         assert await queue.size() == 2

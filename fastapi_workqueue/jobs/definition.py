@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 from pydantic.errors import PydanticSchemaGenerationError, PydanticUserError
 
 from ..core.envelope import MAX_ATTEMPTS_LIMIT, MAX_BACKOFF_ENTRIES, MAX_DELAY_SECONDS, MAX_PRIORITY, MIN_PRIORITY
@@ -201,9 +201,13 @@ def _json_adapter(name: str, tp: Any) -> TypeAdapter[Any]:
         # NaN and infinities are written as themselves, not as null (pydantic's default), so that the
         # publish refuses them as it refuses them in any payload: JSON has no such numbers. (A model
         # carries its own configuration.)
-        own = isinstance(tp, type) and issubclass(tp, BaseModel)
-        config = None if own else ConfigDict(ser_json_inf_nan="constants")
-        adapter: TypeAdapter[Any] = TypeAdapter(tp, config=config)
+        adapter: TypeAdapter[Any]
+        try:
+            adapter = TypeAdapter(tp, config=ConfigDict(ser_json_inf_nan="constants"))
+        except PydanticUserError as exc:
+            if exc.code != "type-adapter-config-unused":
+                raise
+            adapter = TypeAdapter(tp)  # (a model, dataclass or TypedDict: its own configuration)
         adapter.json_schema(mode="validation")
         adapter.json_schema(mode="serialization")
     except (PydanticSchemaGenerationError, PydanticUserError, TypeError) as exc:
