@@ -532,6 +532,10 @@ async def test_unknown_subscription_or_delivery_is_404(api: Api) -> None:
     for action in ("pause", "resume"):
         response = await api.http.post(f"{PREFIX}/subscriptions/{nope}/{action}", headers=headers)
         assert response.status_code == 404
+    for action in ("replay", "discard"):  # the subscription is what is missing, and the answer says so
+        response = await api.http.post(f"{PREFIX}/subscriptions/{nope}/deliveries/{api.sample_id}/{action}",
+                                       headers=headers)
+        assert response.status_code == 404 and response.json()["detail"] == f"subscription {nope!r} does not exist"
     for listing in ("dead-letters", "deliveries"):
         response = await api.http.get(f"{PREFIX}/subscriptions/{api.subs['dl']}/{listing}?after=abc", headers=headers)
         assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["query", "after"]

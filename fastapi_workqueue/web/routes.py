@@ -451,6 +451,8 @@ def build_router(
         """DeadLettered → Pending, same MessageID and Ordered position, attempts reset, note kept."""
         name_exists_or_404("subscription", subscription)
         result = await _call(kernel.operator.replay(subscription, delivery_id, body.note if body else None))
+        if result.result == "NotFound":
+            await known_subscription(subscription)  # (a 404 that names the subscription when it is the one missing)
         return _action_response(result)
 
     @router.post(
@@ -466,6 +468,8 @@ def build_router(
         is aborted with Cancelled and the delivery becomes Discarded when it returns."""
         name_exists_or_404("subscription", subscription)
         result = await _call(kernel.operator.discard(subscription, delivery_id, body.reason if body else None))
+        if result.result == "NotFound":
+            await known_subscription(subscription)  # (a 404 that names the subscription when it is the one missing)
         return _action_response(result)
 
     @router.post("/subscriptions/{subscription}/pause", response_model=StatusChange, summary="Pause a subscription")
