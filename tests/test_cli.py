@@ -753,6 +753,9 @@ async def test_runbook_a_delivery_is_stuck_in_flight_and_its_handler_is_alive(cl
         header, row = (await cli("deliveries", "--subscription", sub, "--status", "InFlight")).out.splitlines()
         assert header.split()[:4] == ["DeliveryID", "MessageID", "Topic", "PartitionKey"] and "Holder" in header
         assert f"{socket.gethostname()} pid {proc.pid}" in row
+        whole = (await cli("delivery", running["DeliveryID"])).out.splitlines()
+        assert [line.split(None, 1)[1] for line in whole if line.startswith("Holder ")] == [
+            f"{socket.gethostname()} pid {proc.pid}"]  # (as the table shows it; it printed snake_case keys)
 
         # 2. Cancel it: cancel requested; the handler is told Cancelled at its next heartbeat.
         cancelled = await cli.json("discard", "--subscription", sub, "--delivery", running["DeliveryID"],

@@ -86,8 +86,13 @@ def record(row: BaseModel) -> None:
     values = row.model_dump(mode="json", by_alias=False)
     width = max(len(to_wire_name(name)) for name in values)
     for name, value in values.items():
+        raw = getattr(row, name, None)
         if value is None:
             text = "-"
+        elif isinstance(raw, Holder):
+            text = raw.label()  # (as the tables show it)
+        elif isinstance(raw, BaseModel):  # a nested model: its fields as the JSON names them
+            text = json.dumps(raw.model_dump(mode="json", by_alias=True), ensure_ascii=False)
         elif name == "payload":
             text = json.dumps(value, ensure_ascii=False, indent=2)
         elif isinstance(value, dict | list):
