@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from ..core.errors import TransportError
 from ..core.flow import Rate, key_rooms, parse_rate, refill, take_limited, tokens_due_in
 from ..core.lifecycle import (
+    LEASE_EXPIRED_ERROR,
     BackoffPolicy,
     BatchItem,
     batch_refusals,
@@ -722,7 +723,7 @@ async def r_expire_leases(c: Call, p_limit: int, p_now: datetime | None = None) 
             visible_at=None if t.wait_seconds is None else c.now + t.wait_seconds, reason=t.reason,
             last_error=t.last_error, settled_at=c.now if t.terminal else None,
         )
-        await _record_attempt(c, d["id"], "LeaseExpired", t.reason, t.last_error)
+        await _record_attempt(c, d["id"], "LeaseExpired", t.reason, LEASE_EXPIRED_ERROR)  # (cancelled too)
         out.append({"delivery_id": d["id"], "result": new})
         if d["key_mode"] > 0:
             keys.add((d["subscription_id"], d["partition_key"], d["key_mode"]))

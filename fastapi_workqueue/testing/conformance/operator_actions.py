@@ -126,6 +126,10 @@ async def test_c28_cancel_requested_with_dead_holder_is_discarded_at_lease_expir
     assert report.discarded >= 1
     assert await world.status(delivery.delivery_id) == "Discarded"
     assert await world.claim("a") == []
+    attempts = Ports.of(harness.transport).attempts
+    if attempts is not None:  # the kept attempt says how it ended, in every store's words
+        [kept] = await attempts.delivery_attempts(delivery.delivery_id)
+        assert (kept.outcome, kept.error) == ("LeaseExpired", "lease expired: the holder stopped renewing it")
 
 
 async def test_c29_release_on_shutdown_returns_to_pending_without_consuming_attempt(harness: Harness) -> None:
