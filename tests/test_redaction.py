@@ -28,6 +28,12 @@ from fastapi_workqueue.core.redaction import MASK, RedactingFilter, redact, reda
         ("password=hunter2 user=bob", "password=*** user=bob"),
         ('api_key: "k-123"', 'api_key: "***"'),
         ("aws_secret_access_key=ABCD/efgh", "aws_secret_access_key=***"),
+        ("token eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjMifQ.SflKxwRJSMeKKF2QT4 refused",
+         "token *** refused"),
+        ("signing failed with -----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0B\n-----END PRIVATE KEY----- here",
+         "signing failed with -----BEGIN PRIVATE KEY-----*** here"),
+        ("-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA\n-----END RSA PRIVATE KEY-----",
+         "-----BEGIN RSA PRIVATE KEY-----***"),
     ],
 )
 def test_credentials_are_masked(text: str, expected: str) -> None:

@@ -3,9 +3,10 @@
 What a handler's exception says is kept as ``last_error`` and shown to anyone with
 ``workqueue:read``; drivers and HTTP clients like to put credentials into their messages. The
 patterns below cover what such messages carry: passwords in URLs, ``Authorization`` and cookie
-headers, bearer tokens, the queue's own API keys, and ``name=value`` pairs whose name says
-secret. :func:`redact` also replaces literal values: those it is given, and those registered with
-:func:`register_secrets` (the jobs layer registers the app's encryption keys there).
+headers, bearer tokens, JSON web tokens, PEM private keys, the queue's own API keys, and
+``name=value`` pairs whose name says secret. :func:`redact` also replaces literal values: those it
+is given, and those registered with :func:`register_secrets` (the jobs layer registers the app's
+encryption keys there).
 
 The same function serves every place text leaves the process: the stored ``last_error``, the log
 records of the package's loggers (:func:`redacting_logger` puts :class:`RedactingFilter` on them)
@@ -35,7 +36,12 @@ _NAMED_SECRET = re.compile(
     r"|app[_\-]?key|credential)s?[\"']?\s*[:=]\s*[\"']?)(?P<secret>[^\s\"',;&)}\]]+)",
     re.IGNORECASE,
 )
-_PATTERNS = (_URL_PASSWORD, _AUTH_HEADER, _BEARER, _COOKIE, _API_KEY, _NAMED_SECRET)
+_PEM_PRIVATE_KEY = re.compile(
+    r"(?P<head>-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----)(?P<secret>[\s\S]*?-----END [A-Z0-9 ]*PRIVATE KEY-----)"
+)
+_JWT = re.compile(r"(?P<head>)(?P<secret>\beyJ[A-Za-z0-9_\-]{4,}\.eyJ[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]*)")
+"""A JSON web token on its own (its header and claims both begin ``{"``, ``eyJ`` in base64url)."""
+_PATTERNS = (_PEM_PRIVATE_KEY, _URL_PASSWORD, _AUTH_HEADER, _BEARER, _COOKIE, _API_KEY, _NAMED_SECRET, _JWT)
 _REGISTERED: set[str] = set()
 MIN_SECRET_LENGTH = 4
 
