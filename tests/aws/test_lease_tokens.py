@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,16 @@ from ..conftest import unique
 from .world import aws_of, aws_queue
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@contextlib.asynccontextmanager
+async def one_subscription(tmp_path: Path, moto_url: str) -> AsyncIterator[tuple[WorkQueue, str, str]]:
+    """An opened queue with one aws topic and its subscription (lease 30 s): the queue, topic, subscription."""
+    name = unique("t")
+    sub = f"{name}.s"
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, [Topic(name=name, transport="aws")],
+                         [Subscription(name=sub, topic=name, handler_key="h", lease_seconds=30)]) as queue:
+        yield queue, name, sub
 
 
 async def claim_one(queue: WorkQueue, subscription: str) -> ClaimedDelivery:
@@ -32,10 +43,7 @@ async def claim_one(queue: WorkQueue, subscription: str) -> ClaimedDelivery:
 async def test_a_forged_token_changes_nothing_and_the_holder_still_settles(
     tmp_path: Path, moto_url: str, kind: SettleKind,
 ) -> None:
-    name = unique("t")
-    sub = f"{name}.s"
-    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, [Topic(name=name, transport="aws")],
-                         [Subscription(name=sub, topic=name, handler_key="h", lease_seconds=30)]) as queue:
+    async with one_subscription(tmp_path, moto_url) as (queue, name, sub):
         await queue.publish(name, [PublishRequest(payload={})])
         delivery = await claim_one(queue, sub)
         transport = queue.transport
@@ -57,10 +65,7 @@ async def test_a_forged_token_changes_nothing_and_the_holder_still_settles(
 
 
 async def test_the_token_of_an_earlier_receive_is_refused(tmp_path: Path, moto_url: str) -> None:
-    name = unique("t")
-    sub = f"{name}.s"
-    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, [Topic(name=name, transport="aws")],
-                         [Subscription(name=sub, topic=name, handler_key="h", lease_seconds=30)]) as queue:
+    async with one_subscription(tmp_path, moto_url) as (queue, name, sub):
         await queue.publish(name, [PublishRequest(payload={})])
         first = await claim_one(queue, sub)
         release = Settlement(first.delivery_id, first.lease_token, "Release")
@@ -82,10 +87,7 @@ async def test_a_retry_received_again_while_its_settle_ends_keeps_the_new_lease(
     visibility, and an open long poll may receive it before the settle ends: the settle must then
     leave the new attempt's lease alone (it has the same delivery id), or that attempt's outcome is
     refused and the message runs a third time a lease later."""
-    name = unique("t")
-    sub = f"{name}.s"
-    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, [Topic(name=name, transport="aws")],
-                         [Subscription(name=sub, topic=name, handler_key="h", lease_seconds=30)]) as queue:
+    async with one_subscription(tmp_path, moto_url) as (queue, name, sub):
         await queue.publish(name, [PublishRequest(payload={})])
         first = await claim_one(queue, sub)
         transport = aws_of(queue)
@@ -112,10 +114,7 @@ async def test_a_retry_received_again_while_its_settle_ends_keeps_the_new_lease(
 
 async def test_the_backlog_counts_what_runs_as_an_autoscaler_needs(tmp_path: Path, moto_url: str) -> None:
     """Backlog = claimable + InFlight (SPEC 7): work that runs keeps its workers."""
-    name = unique("t")
-    sub = f"{name}.s"
-    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, [Topic(name=name, transport="aws")],
-                         [Subscription(name=sub, topic=name, handler_key="h", lease_seconds=30)]) as queue:
+    async with one_subscription(tmp_path, moto_url) as (queue, name, sub):
         await queue.publish(name, [PublishRequest(payload={"n": n}) for n in range(3)])
         running: list[ClaimedDelivery] = []
         for _ in range(5):
