@@ -472,10 +472,9 @@ class DeliveryMachine(RuleBasedStateMachine):
         [result] = self.run(self.transport.heartbeat([HeartbeatRequest(str(d.id), d.token, percent, message)]))
         assert result.alive is (not d.cancel) and result.cancel_requested is d.cancel, (result, d)
         assert result.lease_expires_at is not None
-        if d.cancel:
-            assert abs(result.lease_expires_at.timestamp() - before) < 0.001, "a cancelled lease was renewed"
-        else:
-            assert result.lease_expires_at.timestamp() >= before, "a heartbeat shortened the lease"
+        # A cancel-requested lease is renewed too: its holder is alive and its handler winds down,
+        # and the key stays busy until it returns (the heartbeat still answers cancelled).
+        assert result.lease_expires_at.timestamp() >= before, "a heartbeat shortened the lease"
         d.progress = (
             percent if percent is not None else d.progress[0],
             message if message is not None else d.progress[1],
