@@ -582,7 +582,8 @@ class DeliveryMachine(RuleBasedStateMachine):
     @rule()
     def sweep(self) -> None:
         """A sweep while the holders live: every lease is renewed just before and none expires, but
-        cancel-requested ones, which a heartbeat no longer renews: they are let run out."""
+        the cancel-requested ones, whose holders are let die here: their leases run out and lease
+        expiry discards them (a live holder's heartbeat renews them; ``heartbeat_current`` checks)."""
         cancelled = [d for d in self.in_flight() if d.cancel]
         if cancelled:
             self.let_leases_run_out(cancelled)
