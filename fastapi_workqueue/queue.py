@@ -670,7 +670,7 @@ class WorkQueue:
         except TransportError:
             return  # (the host reports the store's trouble itself)
         if unknown:
-            declared = sorted({job.policy.queue for job in self.jobs.registry})
+            declared = sorted(self.jobs.registry.queues())
             log.warning("WORKQUEUE_JOB_QUEUES names job queue(s) %s that no job declares and the store does not hold; "
                         "the app's job queues are %s", ", ".join(map(repr, unknown)), ", ".join(declared))
 

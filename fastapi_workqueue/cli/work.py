@@ -259,7 +259,7 @@ async def _run(
 
             unknown = await unknown_queues(queue.jobs, parse_queues(plan.queues), queue.transport)
             if unknown:
-                declared = sorted({job.policy.queue for job in queue.jobs.registry})
+                declared = sorted(queue.jobs.registry.queues())
                 return summary.ended(EXIT_UNKNOWN_SUBSCRIPTION, (
                     f"job queue(s) {', '.join(map(repr, unknown))} do not exist: no job of the app declares them and "
                     f"the store holds none; the app's job queues are {', '.join(declared)} (check --queue)"

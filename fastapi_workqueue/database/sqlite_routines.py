@@ -289,13 +289,19 @@ async def r_list_topics(c: Call) -> list[Row]:
 
 # -- publish -------------------------------------------------------------------------------------
 
-async def _repeats_stored_call(c: Call, topic: str, ids: Sequence[str], hashes: Sequence[str],
-                               sizes: Sequence[int]) -> bool:
-    """Whether a call to a retired topic repeats messages it stored before (lifecycle's rule)."""
+async def _stored_hashes(c: Call, ids: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """The topic and content hash of each id already stored (each id read once)."""
     stored: dict[str, tuple[str, str]] = {}
     for mid in dict.fromkeys(ids):
         if found := await c.ex.fetch("message_hash", id=mid):
             stored[mid] = (str(found[0]["topic"]), str(found[0]["content_hash"]))
+    return stored
+
+
+async def _repeats_stored_call(c: Call, topic: str, ids: Sequence[str], hashes: Sequence[str],
+                               sizes: Sequence[int]) -> bool:
+    """Whether a call to a retired topic repeats messages it stored before (lifecycle's rule)."""
+    stored = await _stored_hashes(c, ids)
     items = [BatchItem(ids[i], hashes[i], None, sizes[i]) for i in range(len(ids))]
     return repeats_stored_call(items, topic=topic, stored=stored.get)
 
@@ -326,11 +332,8 @@ async def r_publish(
     # Classify every item before writing anything (as PostgreSQL's classify-first path does): the
     # stored hashes and live key holders are read first, the rule is lifecycle's.
     items = [BatchItem(ids[i], p_content_hashes[i], p_deduplication_keys[i], p_envelope_bytes[i]) for i in range(n)]
-    hashes: dict[str, tuple[str, str]] = {}
+    hashes = await _stored_hashes(c, ids)
     holders: dict[str, str] = {}
-    for mid in dict.fromkeys(item.message_id for item in items):  # each once, in order
-        if stored := await c.ex.fetch("message_hash", id=mid):
-            hashes[mid] = (str(stored[0]["topic"]), str(stored[0]["content_hash"]))
     for dedup_key in dict.fromkeys(item.deduplication_key for item in items if item.deduplication_key is not None):
         if live := await c.ex.fetch("dedup_live", topic=p_topic, key=dedup_key, now=c.now):
             holders[dedup_key] = str(live[0]["message_id"])

@@ -60,6 +60,7 @@ class JobRegistry:
         return len(self._by_name)
 
     def queues(self) -> set[str]:
+        """The queues the declared jobs use."""
         return {job.policy.queue for job in self._by_name.values()}
 
 

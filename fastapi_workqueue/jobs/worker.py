@@ -61,7 +61,7 @@ def job_group(spec: str | None, concurrency: int) -> GroupPlan:
 async def unknown_queues(jobs: Jobs, queues: list[str], transport: Transport) -> list[str]:
     """The named queues of a queue list (``*`` aside) that no declared job uses and the store holds
     no topic of: most likely misspelt, as a worker on them would wait for nothing."""
-    declared = {job.policy.queue for job in jobs.registry}
+    declared = jobs.registry.queues()
     named = [q for q in queues if q != OTHERS and q not in declared]
     if not named:
         return []
