@@ -28,7 +28,15 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from fastapi_workqueue import Outcome, PublishRequest, UnknownTopic, WorkMessage, WorkOutcome, WorkQueue
+from fastapi_workqueue import (
+    Outcome,
+    PublishRequest,
+    UnknownTopic,
+    WorkContext,
+    WorkMessage,
+    WorkOutcome,
+    WorkQueue,
+)
 from fastapi_workqueue.core.keys import SCOPE_READ, create_key
 from fastapi_workqueue.core.observe import HEADERS_KEY
 from fastapi_workqueue.observability.otel import OpenTelemetryObserver
@@ -154,6 +162,43 @@ async def test_a_failing_attempt_records_its_error_type(pg_url: str) -> None:
     assert dict(process.attributes or {})["error.type"] == "LookupError"
     assert process.status.status_code == trace.StatusCode.ERROR
     assert [e.name for e in process.events] == ["exception"]
+    # The settle span says how the attempt ends the delivery, as the process span does: its last
+    # attempt failed, so it is dead-lettered.
+    await wait_for(lambda: spans_named("settle"))
+    [settle] = spans_named("settle")
+    assert dict(process.attributes or {})["messaging.workqueue.outcome"] == "DeadLetter"
+    assert dict(settle.attributes or {})["messaging.workqueue.outcome"] == "DeadLetter"
+
+
+async def test_a_cancelled_attempts_settle_span_says_discard(pg_url: str) -> None:
+    """An operator's cancel: the handler notices at its heartbeat and returns; the store discards the
+    delivery, and both spans of the attempt say so (the settle span does not repeat the Fail the
+    runtime writes for an aborted attempt)."""
+    queue, topic, subs = make_queue(pg_url, [{"role": "slow", "lease_seconds": 6}])
+    started = asyncio.Event()
+
+    @queue.handler("slow")
+    async def slow(message: WorkMessage[Any], context: WorkContext) -> WorkOutcome:
+        started.set()
+        for _ in range(200):
+            if not await context.heartbeat():
+                break
+            await asyncio.sleep(0.05)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        await queue.publish(topic, [PublishRequest(payload={})])
+        await asyncio.wait_for(started.wait(), 10)
+        [running] = await queue.deliveries(subs["slow"], "InFlight")
+        await queue.discard(subs["slow"], running.delivery_id, "not needed")
+        await wait_for(lambda: spans_named("settle"))
+        [info] = await queue.deliveries(subs["slow"], "Discarded")
+    assert info.delivery_id == running.delivery_id
+    [process] = spans_named(f"process {subs['slow']}")
+    [settle] = spans_named("settle")
+    assert process.context.span_id in [link.context.span_id for link in settle.links]
+    assert dict(process.attributes or {})["messaging.workqueue.outcome"] == "Discard"
+    assert dict(settle.attributes or {})["messaging.workqueue.outcome"] == "Discard"
 
 
 def _call_the_mail_api() -> None:

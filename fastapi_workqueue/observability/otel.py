@@ -87,7 +87,8 @@ class OpenTelemetryObserver(Observer):
                                          description="Messages a publish call sent.")
         self.consumed = meter.create_counter(sc.CONSUMED_MESSAGES, unit="{message}",
                                              description="Deliveries handed to a handler.")
-        self._attempts: OrderedDict[str, trace.SpanContext] = OrderedDict()
+        self._attempts: OrderedDict[str, tuple[trace.SpanContext, str | None]] = OrderedDict()
+        """Each ended attempt's span and outcome, by delivery id, for the settle that follows."""
         self._on = tracer_provider is not None or meter_provider is not None
 
     def _off(self) -> bool:
@@ -148,21 +149,25 @@ class OpenTelemetryObserver(Observer):
         if self._off():
             return None
         # (read, not taken: a write that fails is tried again, and its next span links them too)
-        links = [Link(c) for s in settlements if (c := self._attempts.get(s.delivery_id)) is not None]
+        ended = [self._attempts.get(s.delivery_id) for s in settlements]
+        links = [Link(e[0]) for e in ended if e is not None]
         attributes: dict[str, Any] = sc.operation("settle", "settle", self.legacy)
         if len(settlements) != 1:
             attributes[sc.BATCH_COUNT] = len(settlements)
         else:
-            attributes["messaging.workqueue.outcome"] = settlements[0].kind
+            # how the attempt ends the delivery, as its process span says (a cancelled attempt's
+            # Fail is Discarded by the store), or the settlement's kind
+            outcome = ended[0][1] if ended[0] is not None else None
+            attributes["messaging.workqueue.outcome"] = outcome or settlements[0].kind
         span = self.tracer.start_span("settle", context=otel_context.Context(), kind=SpanKind.CLIENT,
                                       attributes=attributes, links=links)
         return _Settle(self, span, [s.delivery_id for s in settlements])
 
-    def _remember(self, delivery_id: str, span: trace.Span) -> None:
+    def _remember(self, delivery_id: str, span: trace.Span, outcome: str | None) -> None:
         span_context = span.get_span_context()
         if not span_context.is_valid:
             return
-        self._attempts[delivery_id] = span_context
+        self._attempts[delivery_id] = (span_context, outcome)
         while len(self._attempts) > _LINKS_KEPT:
             self._attempts.popitem(last=False)
 
@@ -240,7 +245,7 @@ class _Process(ProcessScope):
         if error_type is not None:
             _fail(self.span, error_type, error)
         self.span.end()
-        self.observer._remember(self.delivery.delivery_id, self.span)  # the settle that follows links to it
+        self.observer._remember(self.delivery.delivery_id, self.span, outcome)  # the settle that follows links to it
         attributes: dict[str, Any] = {sc.MESSAGING_SYSTEM: sc.SYSTEM, sc.OPERATION_NAME: "process",
                                       sc.DESTINATION_NAME: self.delivery.topic, sc.CONSUMER_GROUP: self.subscription}
         if error_type is not None:
