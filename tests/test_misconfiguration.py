@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from fastapi_workqueue import (
     ConfigurationError,
+    PublishRequest,
     Subscription,
     Topic,
     TransportUnavailable,
@@ -227,3 +228,44 @@ async def test_the_apps_host_refuses_a_job_whose_timeout_does_not_fit_the_lease(
     assert str(raised.value) == (
         "job(s) 'exports.build' (timeout 25 s): the timeout plus the stop timeout (8 s) does not fit in the job "
         "lease (30 s); lower the timeout or WORKQUEUE_SHUTDOWN_DRAIN_MS, or raise WORKQUEUE_JOB_LEASE_SECONDS")
+
+
+async def test_a_password_with_a_slash_connects_and_never_shows(pg_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """SQLAlchemy reads a URL's password up to the ``@``, so ``/`` may stand in it unencoded (as in a
+    generated base64 password); the queue's own connections read it the same way instead of taking
+    its head for the port, and an error never repeats it."""
+    secret = "Head99/tail+x"
+    url = pg_url.replace("://postgres@", f"://postgres:{secret}@")
+    assert url != pg_url
+    queue = WorkQueue(WorkQueueSettings(database_url=url), topics=[Topic(name="slash.t")],
+                      subscriptions=[Subscription(name="slash.s", topic="slash.t", handler_key="h")])
+    await queue.open()
+    try:
+        [result] = await queue.publish("slash.t", [PublishRequest(payload={"n": 1})])
+        assert result.status == "Accepted", result
+        async with queue.sessionmaker() as session, session.begin():  # the request sessions read it alike
+            [joined] = await queue.publish("slash.t", [PublishRequest(payload={"n": 2})], session=session)
+        assert joined.status == "Accepted"
+        assert len(await queue.deliveries("slash.s", "Pending")) == 2
+    finally:
+        await queue.close()
+    missing = url.rsplit("/", 1)[0] + "/workqueue_no_such_database"
+    with pytest.raises(ConfigurationError) as raised:
+        await WorkQueue(WorkQueueSettings(database_url=missing)).open()
+    assert "does not exist" in str(raised.value) and "Head99" not in str(raised.value)
+    assert "Head99" not in caplog.text
+
+
+def test_the_app_keys_are_masked_once_the_settings_are_read() -> None:
+    """The app key, the earlier keys and the dashboard secret are masked in every redacted text as
+    soon as settings hold them, whether or not an encrypted job or the dashboard ever uses them."""
+    from cryptography.fernet import Fernet
+
+    from fastapi_workqueue.core.redaction import redact
+
+    key, old_one, old_two = (Fernet.generate_key().decode() for _ in range(3))
+    secret = "dashboard-secret-" + Fernet.generate_key().decode()[:12]
+    text = f"boom: {key} / {old_one} / {old_two} / {secret}"
+    assert redact(text) == text
+    WorkQueueSettings(app_key=key, previous_keys=f"{old_one}, {old_two}", dashboard_secret=secret)
+    assert redact(text) == "boom: *** / *** / *** / ***"

@@ -19,6 +19,7 @@ from fastapi_workqueue.core.redaction import MASK, RedactingFilter, redact, reda
     ("text", "expected"),
     [
         ("connect postgresql://app:s3cret@db:5432/x failed", "connect postgresql://app:***@db:5432/x failed"),
+        ("connect postgresql://app:s3/cr?t#@db:5432/x failed", "connect postgresql://app:***@db:5432/x failed"),
         ("Authorization: Bearer abc.def-ghi", "Authorization: Bearer ***"),
         ('headers={"authorization": "Bearer xyz"}', 'headers={"authorization": "Bearer ***"}'),
         ("sent bearer eyJhbGciOi.J9 upstream", "sent bearer *** upstream"),

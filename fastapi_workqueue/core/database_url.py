@@ -4,6 +4,7 @@ repeating the URL (it may hold a password)."""
 from __future__ import annotations
 
 import re
+from urllib.parse import quote, unquote
 
 from .errors import ConfigurationError
 
@@ -36,6 +37,24 @@ def database_scheme(url: str, *, source: str = "the database URL") -> str:
             "'?' or '#' in it must be percent-encoded ('@' as %40; urllib.parse.quote(password, safe='') gives it)"
         )
     return scheme.split("+", 1)[0].lower()
+
+
+_USER_INFO = re.compile(r"(?P<user>[^:/@]*)(?::(?P<password>[^@]*))?@")
+
+
+def encoded_user_info(rest: str) -> str:
+    """A URL's part after ``://`` with its user name and password percent-encoded, read as
+    SQLAlchemy reads them (the password runs to the first ``@``, so it may hold ``/``, ``?`` or
+    ``#`` unencoded): libpq-style parsers, asyncpg's among them, would end the host at such a
+    character and take the password's head for the port."""
+    match = _USER_INFO.match(rest)
+    if match is None:
+        return rest
+    user, password = (unquote(match.group("user")), match.group("password"))
+    info = quote(user, safe="")
+    if password is not None:
+        info += ":" + quote(unquote(password), safe="")
+    return f"{info}@{rest[match.end():]}"
 
 
 TLS_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")

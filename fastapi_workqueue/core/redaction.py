@@ -22,7 +22,9 @@ from collections.abc import Iterable
 
 MASK = "***"
 
-_URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^\s:/@]*:)(?P<secret>[^\s@/]+)(?=@)")
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^\s:/@]*:)(?P<secret>[^\s@]+)(?=@)")
+"""A URL's password: from the ``:`` after the user name to the next ``@``, as SQLAlchemy reads a
+database URL (a password may hold ``/``, ``?`` or ``#`` unencoded there)."""
 _AUTH_HEADER = re.compile(
     r"(?P<head>\b(?:proxy-)?authorization\b[\"']?\s*[:=]\s*[\"']?(?:(?:bearer|basic|token|digest)\s+)?)"
     r"(?P<secret>[^\s\"',;]+)",

@@ -14,7 +14,7 @@ from .database_url import database_scheme
 from .envelope import DEFAULT_MAX_MESSAGE_ATTEMPTS, MAX_ATTEMPTS_LIMIT
 from .errors import ConfigurationError
 from .host import HostOptions, SubscriptionPlan
-from .redaction import redact
+from .redaction import redact, register_secrets
 from .session_pool import SessionPool
 
 ENV_PREFIX = "WORKQUEUE_"
@@ -190,6 +190,15 @@ class WorkQueueSettings(BaseSettings):
                 database_scheme(value, source="the URL")
             except ConfigurationError as exc:
                 raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("app_key", "previous_keys", "dashboard_secret")
+    @classmethod
+    def _masked_everywhere(cls, value: SecretStr | None) -> SecretStr | None:
+        """Registers the keys with the redaction as soon as they are read, whether or not a cipher
+        or a dashboard of this process ever uses them (a handler's error may quote them)."""
+        if value is not None:
+            register_secrets(part.strip() for part in value.get_secret_value().split(","))
         return value
 
     @field_validator("trace_url")

@@ -12,7 +12,7 @@ from typing import Any, TypeVar, cast
 import asyncpg
 
 from ..core.clock import Clock
-from ..core.database_url import database_scheme, libpq_tls
+from ..core.database_url import database_scheme, encoded_user_info, libpq_tls
 from ..core.envelope import PreparedMessage, PublishResult
 from ..core.errors import ConfigurationError
 from ..core.redaction import redacting_logger
@@ -37,7 +37,7 @@ def to_asyncpg_dsn(url: str) -> str:
     mode as libpq writes it (``ssl=require`` → ``sslmode=require``)."""
     if database_scheme(url) not in ("postgresql", "postgres"):
         raise ConfigurationError(f"database URL scheme {url.partition('://')[0]!r} is not PostgreSQL")
-    return libpq_tls(f"postgresql://{url.partition('://')[2]}")
+    return libpq_tls(f"postgresql://{encoded_user_info(url.partition('://')[2])}")
 
 
 async def _init_connection(conn: asyncpg.Connection[Any]) -> None:
