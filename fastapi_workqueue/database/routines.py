@@ -94,6 +94,20 @@ SYSTEM_RANDOM: RandomSource = random.Random()
 jitter spreads retries out; it guards no secret, so it need not read the OS for every draw)."""
 
 
+def distinct_rounds(ids: Sequence[str]) -> list[list[int]]:
+    """The indexes of ``ids`` in rounds that each name an id at most once, in the order given: the
+    first mention of every id, then the second, and so on (one round when all differ)."""
+    seen: dict[str, int] = {}
+    rounds: list[list[int]] = []
+    for index, key in enumerate(ids):
+        n = seen.get(key, 0)
+        seen[key] = n + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append(index)
+    return rounds
+
+
 class RoutineTransport:
     """The Transport contract on top of the queue routines of one database."""
 
@@ -309,25 +323,31 @@ class RoutineTransport:
     async def heartbeat(self, requests: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
         if not requests:
             return []
-        rows = await self.call(
-            "heartbeat",
-            p_ids=[int(r.delivery_id) for r in requests],
-            p_tokens=[r.lease_token for r in requests],
-            p_percents=[r.percent for r in requests],
-            p_messages=[r.message for r in requests],
-            p_now=self._now(),
-            p_lease_seconds=[r.lease_seconds for r in requests],
-        )
-        by_id = {str(r["delivery_id"]): r for r in rows}
-        results = []
-        for request in requests:
-            row = by_id.get(request.delivery_id)
-            results.append(HeartbeatResult(
-                delivery_id=request.delivery_id,
-                alive=bool(row and row["alive"]),
-                cancel_requested=bool(row and row["cancel_requested"]),
-                lease_expires_at=row["lease_expires_at"] if row else None,
-            ))
+        results: list[HeartbeatResult] = []
+        answers: dict[int, HeartbeatResult] = {}
+        # (a delivery named twice, by a stale attempt and the current one, goes in two calls: the
+        # routine answers by delivery id, and each token must be weighed on its own)
+        for indexes in distinct_rounds([r.delivery_id for r in requests]):
+            sent = [requests[i] for i in indexes]
+            rows = await self.call(
+                "heartbeat",
+                p_ids=[int(r.delivery_id) for r in sent],
+                p_tokens=[r.lease_token for r in sent],
+                p_percents=[r.percent for r in sent],
+                p_messages=[r.message for r in sent],
+                p_now=self._now(),
+                p_lease_seconds=[r.lease_seconds for r in sent],
+            )
+            by_id = {str(r["delivery_id"]): r for r in rows}
+            for i in indexes:
+                row = by_id.get(requests[i].delivery_id)
+                answers[i] = HeartbeatResult(
+                    delivery_id=requests[i].delivery_id,
+                    alive=bool(row and row["alive"]),
+                    cancel_requested=bool(row and row["cancel_requested"]),
+                    lease_expires_at=row["lease_expires_at"] if row else None,
+                )
+        results.extend(answers[i] for i in range(len(requests)))
         return results
 
     async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]:
@@ -338,29 +358,28 @@ class RoutineTransport:
     async def _settle_call(self, settlements: Sequence[Settlement], draws: list[float], **via: Any
                            ) -> list[SettleResult]:
         """The ``settle`` routine for ``settlements`` (``via`` as :meth:`call` takes it): a result
-        each, LeaseLost for one the routine did not answer, and for a delivery named again in the
-        call (its first settlement ends the attempt, so the next one's token is stale)."""
-        first: dict[str, int] = {}
-        for index, settlement in enumerate(settlements):
-            first.setdefault(settlement.delivery_id, index)
-        sent = settlements if len(first) == len(settlements) else [settlements[i] for i in first.values()]
-        if len(sent) < len(draws):
-            draws = [draws[i] for i in first.values()]
-        rows = await self.call(
-            "settle",
-            **via,
-            p_ids=[int(s.delivery_id) for s in sent],
-            p_tokens=[s.lease_token for s in sent],
-            p_outcomes=[s.kind for s in sent],
-            p_delays=[settle_delay(s.delay_seconds) for s in sent],
-            p_reasons=[s.reason for s in sent],
-            p_errors=[s.error for s in sent],
-            p_draws=draws,
-            p_now=self._now(),
-        )
-        by_id: dict[str, SettleResult] = {str(r["delivery_id"]): r["result"] for r in rows}
-        return [by_id.get(s.delivery_id, "LeaseLost") if first[s.delivery_id] == index else "LeaseLost"
-                for index, s in enumerate(settlements)]
+        each, LeaseLost for one the routine did not answer. A delivery named twice (a settle held
+        back past its lease, and the next attempt's) goes in two calls, in the order given, so
+        that each token is weighed on its own: only the current one settles."""
+        results: list[SettleResult] = ["LeaseLost"] * len(settlements)
+        for indexes in distinct_rounds([s.delivery_id for s in settlements]):
+            sent = [settlements[i] for i in indexes]
+            rows = await self.call(
+                "settle",
+                **via,
+                p_ids=[int(s.delivery_id) for s in sent],
+                p_tokens=[s.lease_token for s in sent],
+                p_outcomes=[s.kind for s in sent],
+                p_delays=[settle_delay(s.delay_seconds) for s in sent],
+                p_reasons=[s.reason for s in sent],
+                p_errors=[s.error for s in sent],
+                p_draws=[draws[i] for i in indexes],
+                p_now=self._now(),
+            )
+            by_id: dict[str, SettleResult] = {str(r["delivery_id"]): r["result"] for r in rows}
+            for i in indexes:
+                results[i] = by_id.get(settlements[i].delivery_id, "LeaseLost")
+        return results
 
     async def settle_with_follow_ups(self, settlement: Settlement) -> SettleResult:
         """Settles one delivery and, only when that completes it, keeps its result

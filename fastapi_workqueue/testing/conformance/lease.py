@@ -127,6 +127,35 @@ async def test_c11_stale_token_changes_nothing_and_reports_lease_lost(harness: H
     assert await world.settle(new) == "Completed"
 
 
+async def test_c11_one_call_naming_a_delivery_twice_weighs_each_token(harness: Harness) -> None:
+    """A settle held back past its lease can share a call with the next attempt's (a consumer
+    settles in batches): the stale token is LeaseLost and the current one settles, in either
+    order; a heartbeat call naming both answers each on its own."""
+    world = await make_world(
+        harness.transport,
+        [{"role": "a", "lease_seconds": LEASE, "max_attempts": 2, "backoff_base_seconds": 0,
+          "backoff_max_seconds": 0}],
+    )
+    for stale_first in (True, False):
+        await world.publish_one(payload=stale_first)
+        old = await world.claim_one("a")
+        await harness.expire_lease(old.delivery_id)
+        await harness.transport.sweep()
+        new = await world.claim_one("a")
+        assert new.delivery_id == old.delivery_id and new.attempt == 2
+
+        beats = await harness.transport.heartbeat([HeartbeatRequest(old.delivery_id, old.lease_token),
+                                                   HeartbeatRequest(new.delivery_id, new.lease_token)])
+        assert [b.alive for b in beats] == [False, True]
+        stale = Settlement(old.delivery_id, old.lease_token, "Fail", reason="held back", error="x")
+        current = Settlement(new.delivery_id, new.lease_token, "Complete")
+        pair = [stale, current] if stale_first else [current, stale]
+        results = await harness.transport.settle(pair)
+        assert results == (["LeaseLost", "Completed"] if stale_first else ["Completed", "LeaseLost"])
+        info = await harness.transport.get_delivery(new.delivery_id)
+        assert info is not None and info.status == "Completed" and info.attempt == 2
+
+
 async def test_c11_forged_token_settle_is_rejected(harness: Harness) -> None:
     world = await make_world(harness.transport, [{"role": "a"}])
     await world.publish_one(payload=1)
