@@ -393,6 +393,33 @@ async def test_the_runtime_role_cannot_mint_keys_prune_replay_or_pause(
     assert await admin.fetchval("SELECT count(*) FROM workqueue.api_key WHERE name LIKE 'minted-%'") == 0
 
 
+async def test_the_runtime_role_sweeps_by_the_servers_clock_only(
+    pg_url: str, admin: asyncpg.Connection[Any], pg_transport: PostgresTransport, app_login: str
+) -> None:
+    """The sweeper runs under the runtime role, but a clock of the caller's (``p_now``, a test's)
+    is the schema owner's: moved forward, it would take back a lease that has time left."""
+    topic, sub = unique("topic"), unique("held")
+    await pg_transport.sync_topology([Topic(name=topic)], [Subscription(name=sub, topic=topic, handler_key="h",
+                                                                          lease_seconds=600)])
+    await pg_transport.publish(topic, [prepare(PublishRequest(payload=1))])
+    [claimed] = await pg_transport.claim(sub, 1)
+    conn = await asyncpg.connect(to_asyncpg_dsn(url_as(pg_url, app_login)))
+    try:
+        refused = r"p_now \(a test.s clock\) is given only by the owner of schema workqueue"
+        with pytest.raises(asyncpg.exceptions.InsufficientPrivilegeError, match=refused):
+            await conn.fetch("SELECT * FROM workqueue.sweep(1000, now() + interval '1 hour')")
+        [swept] = await conn.fetch("SELECT * FROM workqueue.sweep(1000)")
+        assert swept["retried"] == 0
+    finally:
+        await conn.close()
+    info = await pg_transport.get_delivery(claimed.delivery_id)
+    assert info is not None and info.status == "InFlight" and info.attempt == 1
+    # The owner (a test's clock) may.
+    [owner] = await admin.fetch("SELECT * FROM workqueue.sweep(1000, now() + interval '1 hour')")
+    assert (await pg_transport.get_delivery(claimed.delivery_id)).status == "Pending"  # type: ignore[union-attr]
+    assert owner["ran"] is True
+
+
 async def test_the_operator_role_replays_but_cannot_mint_keys_or_publish(
     pg_url: str, admin: asyncpg.Connection[Any], pg_transport: PostgresTransport
 ) -> None:

@@ -3236,6 +3236,11 @@ BEGIN
         purged_deduplication int NOT NULL
     );
 
+    -- @p_now, a test's clock, is the database owner's only: the runtime and operator roles run
+    -- sweeps, and a clock of their choosing would take back leases that have time left.
+    IF @p_now IS NOT NULL AND IS_MEMBER(N'db_owner') = 0 AND IS_SRVROLEMEMBER(N'sysadmin') = 0
+        THROW 51040, N'@p_now (a test''s clock) is given only by the owner of the database; call sweep without it', 1;
+
     BEGIN TRY
         IF @v_own_transaction = 1
             BEGIN TRANSACTION;

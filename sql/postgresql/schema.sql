@@ -2642,13 +2642,21 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
-    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock
+    v_now timestamptz := coalesce(p_now, now());  -- p_now: a test's clock, the owner's only
     v_retried integer;
     v_dead integer;
     v_discarded integer;
     v_purge record;
     v_taken_back jsonb;
 BEGIN
+    -- p_now, a test's clock, is given only by a member of the schema's owner (or a superuser): the
+    -- runtime and operator roles run sweeps, and with a clock of their choosing they could take back
+    -- leases that have time left and purge what retention keeps.
+    IF p_now IS NOT NULL AND NOT pg_has_role(
+            session_user, (SELECT n.nspowner FROM pg_namespace n WHERE n.nspname = 'workqueue'), 'MEMBER') THEN
+        RAISE EXCEPTION 'p_now (a test''s clock) is given only by the owner of schema workqueue; call sweep without it'
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
     IF NOT pg_try_advisory_xact_lock(hashtext('workqueue.sweep')::bigint) THEN
         RETURN QUERY SELECT false, 0, 0, 0, 0, 0, 0, '[]'::jsonb;
         RETURN;
