@@ -3,6 +3,7 @@ on its own functions and no privilege on any table (the schema keeps every funct
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
@@ -611,3 +612,22 @@ async def test_the_aws_role_runs_the_outbox_through_its_functions_and_touches_no
         await admin.execute("DELETE FROM workqueue.aws_outbox WHERE topic = $1", topic)
         if not existed:
             await drop_role(admin, role)
+
+
+async def test_role_scripts_run_at_once_by_several_deploy_jobs_all_succeed(
+    pg_url: str, admin: asyncpg.Connection[Any]
+) -> None:
+    """Deploy jobs that run the role scripts at the same moment (each as one transaction, as
+    ``psql -1`` or one string sends them) take turns instead of failing with ``tuple concurrently
+    updated`` on the catalog rows their grants rewrite."""
+    script = "\n".join(sql_files.read("postgresql", "roles", name) for name in ROLE_SCRIPTS.values())
+    async with contextlib.AsyncExitStack() as stack:
+        for role in ROLE_SCRIPTS:
+            await stack.enter_async_context(scripted_role(admin, role))
+        connections = [await asyncpg.connect(to_asyncpg_dsn(pg_url)) for _ in range(3)]
+        try:
+            for _ in range(4):
+                await asyncio.gather(*(conn.execute(script) for conn in connections))
+        finally:
+            for conn in connections:
+                await conn.close()

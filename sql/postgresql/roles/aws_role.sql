@@ -22,6 +22,14 @@
 -- (`workqueue sql print roles/aws_role.sql` prints it from a wheel install.) Idempotent; run it
 -- again after every upgrade: it takes away every other privilege the role held in the schema.
 
+-- Runs at the same moment (deploy jobs starting together) take turns: each holds this lock until
+-- its transaction ends, so run the script as one transaction (psql -1, or one string from a driver).
+DO $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('workqueue.roles')::bigint);
+END
+$$;
+
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_aws') THEN

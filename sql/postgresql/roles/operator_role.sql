@@ -21,6 +21,14 @@
 -- (whose header has the steps): it grants EXECUTE on the functions listed below and takes away
 -- every other. Idempotent, plain SQL.
 
+-- Runs at the same moment (deploy jobs starting together) take turns: each holds this lock until
+-- its transaction ends, so run the script as one transaction (psql -1, or one string from a driver).
+DO $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('workqueue.roles')::bigint);
+END
+$$;
+
 -- The role, unless it exists. A concurrent run that creates it first is not an error.
 DO $$
 BEGIN

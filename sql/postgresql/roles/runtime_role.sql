@@ -56,6 +56,14 @@
 -- one string (which PostgreSQL runs as one transaction). The role is cluster-wide; the grants are
 -- made in the current database.
 
+-- Runs at the same moment (deploy jobs starting together) take turns: each holds this lock until
+-- its transaction ends, so run the script as one transaction (psql -1, or one string from a driver).
+DO $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('workqueue.roles')::bigint);
+END
+$$;
+
 -- The role, unless it exists. A concurrent run that creates it first is not an error.
 DO $$
 BEGIN

@@ -20,6 +20,14 @@
 -- The script is idempotent and uses plain SQL only (no psql meta-commands), so it can be sent as
 -- one string. The role is cluster-wide; the grants are made in the current database.
 
+-- Runs at the same moment (deploy jobs starting together) take turns: each holds this lock until
+-- its transaction ends, so run the script as one transaction (psql -1, or one string from a driver).
+DO $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('workqueue.roles')::bigint);
+END
+$$;
+
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'workqueue_scaler') THEN
