@@ -397,3 +397,32 @@ async def test_a_publish_alone_notifies_in_its_commit_and_concurrent_ones_after_
     await listening.settled(pg_url, pg_transport)
     assert sender.sent > before  # the 19 that were not alone: woken through the sender
     assert len(listening.ids(ids)) > heard_before
+
+
+async def test_a_listener_that_cannot_connect_yet_lets_the_process_start_and_listens_later(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A LISTEN connection refused at start (here: its database is not there yet; in production,
+    the server's last connection slot taken) does not stop the process: consumers poll, the watch
+    connects in the background, wakes everyone once and then hears each wake-up."""
+    from .conftest import drop_database
+
+    woken: list[str] = []
+    channel = unique("late_channel").replace("-", "_")
+    url = pg_url.rsplit("/", 1)[0] + "/" + unique("wq_late").replace("-", "_")
+    listener = NotificationListener(to_asyncpg_dsn(url), channel, woken.append)
+    try:
+        await listener.start()
+        assert "LISTEN connection failed" in caplog.text and "consumers poll" in caplog.text
+        assert woken == []
+        await drop_database(url, create=True)
+        await wait_for(lambda: woken == [WAKE_ALL], within=15)
+        conn = await asyncpg.connect(to_asyncpg_dsn(url))
+        try:
+            await conn.execute("SELECT pg_notify($1, '7')", channel)
+            await wait_for(lambda: woken == [WAKE_ALL, "7"], within=5)
+        finally:
+            await conn.close()
+    finally:
+        await listener.stop()
+        await drop_database(url)

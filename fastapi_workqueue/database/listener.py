@@ -76,7 +76,14 @@ class NotificationListener:
         self._lost = asyncio.Event()
 
     async def start(self) -> None:
-        await self._connect()
+        """Connects and listens. A connection refused now (the server's connection slots all taken,
+        say) is no reason to stop the process: consumers poll, as without LISTEN, and the watch
+        connects again in the background."""
+        try:
+            await self._connect()
+        except Exception as exc:
+            log.warning("LISTEN connection failed (%s); consumers poll until it is made (retrying in the "
+                        "background)", exc)
         self._tasks.reopen()
         self._tasks.spawn(self._watch(), name="workqueue-listener")
 
