@@ -88,6 +88,47 @@ async def test_background_tasks_and_late_cleanups_publish_in_their_own_transacti
         assert await pending(queue, sub) == 2
 
 
+async def test_the_requests_own_session_handed_to_a_background_task_is_refused_not_lost(database_url: str) -> None:
+    """``BackgroundTasks`` runs after the response, when the request's transaction has committed and
+    its session closed: a publish or dispatch with ``session=`` that session is refused with what to
+    do instead (it would begin a transaction nobody commits, and on SQLite hold the write lock), and
+    the same call without ``session=`` commits on its own."""
+    from fastapi_workqueue import ConfigurationError
+
+    queue, topic, sub = await make(database_url)
+
+    @queue.job(unique("later-job"))
+    async def later_job(n: int) -> None: ...
+
+    app = FastAPI(lifespan=queue.lifespan)
+    refusals: list[str] = []
+    results: list[PublishResult] = []
+
+    async def later(session: AsyncSession) -> None:
+        for call in (lambda: queue.publish(topic, [PublishRequest(payload="late")], session=session),
+                     lambda: queue.dispatch(later_job, 1, session=session)):
+            try:
+                await call()
+            except ConfigurationError as exc:
+                refusals.append(str(exc))
+        results.extend(await queue.publish(topic, [PublishRequest(payload="own")]))
+
+    @app.post("/signup")
+    async def signup(tasks: BackgroundTasks, session: AsyncSession = queue.session) -> dict[str, str]:
+        [joined] = await queue.publish(topic, [PublishRequest(payload="in the request")], session=session)
+        assert joined.status == "Accepted"
+        tasks.add_task(later, session)
+        return {"ok": "yes"}
+
+    async with queue.lifespan(app), client(app) as http:
+        assert (await http.post("/signup")).status_code == 200
+        assert len(refusals) == 2, refusals
+        assert all("its request has ended" in r and "Publish without session=" in r for r in refusals)
+        assert [r.status.value for r in results] == ["Accepted"]
+        # the request's publish and the task's own: nothing else, and the store is not held
+        assert await asyncio.wait_for(pending(queue, sub), 10) == 2
+
+
 async def test_another_task_does_not_join_an_open_request_transaction(database_url: str) -> None:
     """A task running beside the request (asyncio.gather, create_task) has its own transaction, so
     the request failing afterwards does not take that task's message with it."""

@@ -114,6 +114,11 @@ class SessionSource(Protocol):
         """The request's session a publish made here joins, or None (see ``web/session.py``)."""
         ...
 
+    def resolve(self, session: Any) -> Any:
+        """The transaction a publish joins: ``session`` when given (refused when it is a request's
+        session whose request has ended), else :meth:`current`."""
+        ...
+
     async def dispose(self) -> None: ...
 
 
@@ -334,8 +339,7 @@ class Kernel:
             raise self._unknown_topic(topic)
         if count == 0 and topic not in {t.name for t in await self.transport.list_topics()}:
             raise self._unknown_topic(topic)  # (a call with nothing to publish never reaches the store's check)
-        if session is None:
-            session = self.sessions.current()
+        session = self.sessions.resolve(session)
         observer = self.observer
         single = prepared[0] if len(prepared) == 1 else None
         scope = None if observer is NO_OBSERVER else observer.publish_started(

@@ -692,7 +692,7 @@ class Jobs:
         self, send: Callable[[Any], Awaitable[T]], session: Any, *, retry_in_savepoint: bool = False
     ) -> T:
         """``send(tx)`` in the caller's transaction (retried in a savepoint for a unique key)."""
-        tx = session if session is not None else self.kernel.sessions.current()
+        tx = self.kernel.sessions.resolve(session)
         if tx is None or not retry_in_savepoint or not self.kernel.transport.capabilities.savepoint_retry:
             return await send(tx)  # (SQLite: its single writer serializes the dispatchers already)
         # A unique key dispatched at once by another transaction: the store asks to try again. A
@@ -708,7 +708,7 @@ class Jobs:
         raise AssertionError("unreachable")
 
     async def _in_one_transaction(self, work: Callable[[Any], Any], session: Any, *, several: bool) -> None:
-        tx = session if session is not None else self.kernel.sessions.current()
+        tx = self.kernel.sessions.resolve(session)
         if tx is not None or not several:
             await work(tx)
             return

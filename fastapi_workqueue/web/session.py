@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core.database_url import split_libpq_tls
+from ..core.errors import ConfigurationError
 from ..core.request_load import IN_ATTEMPT, RequestLoad
 from ..core.session_pool import SessionPool
 from .admission import FairGate
@@ -109,6 +110,9 @@ def to_sqlalchemy_url(url: str) -> str:
 
 RETRY_AFTER_SECONDS = 1
 
+REQUEST_ENDED = "fastapi_workqueue.request_ended"
+"""The key in a request session's ``info`` set once its request has ended (:meth:`RequestSessions.resolve`)."""
+
 
 class RequestSessions:
     """Owns the SQLAlchemy engine for request sessions, created on first use.
@@ -183,6 +187,22 @@ class RequestSessions:
         holder = _current.get()
         return holder.session if holder is not None and holder.owner is self and holder.joinable() else None
 
+    def resolve(self, session: Any) -> Any:
+        """The transaction a publish joins: ``session`` when given, else :meth:`current`. A
+        request's own session whose request has ended (handed to a background task, say) is
+        refused: its transaction was committed or rolled back with the request, and a publish on
+        it would begin one that nobody commits."""
+        if session is None:
+            return self.current()
+        info = getattr(session, "info", None)
+        if isinstance(info, dict) and info.get(REQUEST_ENDED):
+            raise ConfigurationError(
+                "this session is the request's (queue.session), and its request has ended: its transaction "
+                "was committed or rolled back with the request. Publish without session= (the publish "
+                "commits on its own), or within the request"
+            )
+        return session
+
     async def dispose(self) -> None:
         if self._engine is not None:
             await self._engine.dispose()
@@ -234,6 +254,7 @@ class RequestSessions:
                             await session.commit()
                     finally:
                         holder.open = False
+                        session.info[REQUEST_ENDED] = True
                         _current.reset(token)
             finally:
                 gate.release()
