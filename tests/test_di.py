@@ -161,6 +161,37 @@ async def test_handlers_see_the_app_state_and_its_dependency_overrides(sqlite_ur
     assert events == ["fake opened", "fake closed", "real"]
 
 
+async def test_a_plain_starlette_app_runs_handlers_with_dependencies(sqlite_url: str) -> None:
+    """A Starlette app (no ``dependency_overrides``) hosts handlers that take dependencies: they see
+    its state, and nothing is overridden."""
+    from starlette.applications import Starlette
+
+    queue, topic, subs = make_queue(sqlite_url, [{"role": "a"}])
+    seen: list[tuple[str, Any]] = []
+
+    async def mailer() -> AsyncIterator[str]:
+        yield "smtp"
+
+    @queue.handler("a")
+    async def handle(message: WorkMessage[Any], m: str = Depends(mailer),
+                     settings: Any = Depends(get_settings)) -> WorkOutcome:
+        seen.append((m, settings))
+        return Outcome.complete()
+
+    app = Starlette(lifespan=queue.lifespan)
+    app.state.settings = "from the starlette app"
+    async with queue.lifespan(app):
+        await queue.publish(topic, [PublishRequest(payload=1)])
+        await wait_for(lambda: seen)
+
+        async def completed() -> bool:
+            [stats] = await queue.stats(subs["a"])
+            return stats.completed == 1
+
+        await wait_for(completed)
+    assert seen == [("smtp", "from the starlette app")]
+
+
 async def test_a_yield_dependency_that_swallows_the_handlers_exception_does_not_turn_it_into_a_success(
     sqlite_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

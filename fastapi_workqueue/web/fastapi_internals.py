@@ -142,7 +142,9 @@ async def solve(
     solved = await solve_dependencies(
         request=Request(scope),
         dependant=dependant,
-        dependency_overrides_provider=overrides_provider,
+        # (a Starlette app has no overrides: FastAPI reads the attribute of whatever it is given)
+        dependency_overrides_provider=overrides_provider if hasattr(overrides_provider, "dependency_overrides")
+        else None,
         async_exit_stack=request_stack,
         embed_body_fields=False,
     )
