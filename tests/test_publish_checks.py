@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,6 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from fastapi_workqueue import (
+    ConfigurationError,
     PublishFailed,
     PublishRequest,
     PublishResults,
@@ -111,3 +113,25 @@ async def test_a_topic_declared_in_code_of_a_queue_never_opened_says_what_to_run
     assert str(raised.value).startswith(f"cannot publish to topic {topic!r}: the code declares it, but the queue "
                                         "was never opened")
     assert "lifespan=queue.lifespan" in str(raised.value) and "await queue.open()" in str(raised.value)
+
+
+async def test_a_fresh_store_of_a_queue_never_opened_says_to_open_it_not_to_set_auto_migrate(tmp_path: Path) -> None:
+    """A test without the app's lifespan (an ASGITransport runs none) on a fresh database: the
+    schema is missing because nothing opened the queue, which would have migrated it; the error
+    says that, not only to turn on the setting that is already on."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'fresh.db'}"
+    queue = WorkQueue(WorkQueueSettings(database_url=url, enabled=False, auto_migrate=True),
+                      topics=[Topic(name="fresh.t")])
+    try:
+        with pytest.raises(ConfigurationError) as raised:
+            async with queue.sessionmaker() as session, session.begin():  # (an endpoint's request session)
+                await queue.publish("fresh.t", [PublishRequest(payload=1)], session=session)
+    finally:
+        await queue.close()
+        await queue.engine.dispose()
+    assert "the work queue schema is missing" in str(raised.value)
+    assert "The queue was never opened: run the app with lifespan=queue.lifespan" in str(raised.value)
+    # Opened, it migrates and publishes.
+    async with queue.lifespan(None):
+        [result] = await queue.publish("fresh.t", [PublishRequest(payload=1)])
+    assert result.status == "Accepted"

@@ -2,6 +2,7 @@
 
 ``WorkQueueError``
  ├── ``ConfigurationError``   bad settings, topology or handler registration: fix and restart
+ │    ├── ``SchemaMissing``   the store has no work queue schema, or an older one: migrate
  │    └── ``UnknownTopic``    a publish named a topic that neither the code nor the store knows
  ├── ``PublishFailed``        ``results.raise_for_errors()``: some requests were not accepted
  └── ``TransportError``       the store failed; ``retryable`` says whether trying again may help
@@ -17,6 +18,10 @@ class WorkQueueError(Exception):
 
 class ConfigurationError(WorkQueueError):
     """Settings, topology or handler registration that cannot work; the message says what to change."""
+
+
+class SchemaMissing(ConfigurationError):
+    """The store has no work queue schema (or an older one): run the migrations."""
 
 
 class UnknownTopic(ConfigurationError):

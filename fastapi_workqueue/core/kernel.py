@@ -34,7 +34,7 @@ from .envelope import (
     aborted_results,
     prepare,
 )
-from .errors import ConfigurationError, UnknownTopic
+from .errors import ConfigurationError, SchemaMissing, UnknownTopic
 from .handlers import HandlerFunc, HandlerRegistry, HandlerSpec
 from .health import ExtensionHealth
 from .host import GroupPlan, Host, SubscriptionPlan
@@ -352,18 +352,32 @@ class Kernel:
                 scope.end(results, None)
             return _checked(topic, results, self._unknown_topic)
         if scope is None:
-            return _checked(topic, await self.transport.publish(topic, prepared, session=session), self._unknown_topic)
+            return _checked(topic, await self._to_store(topic, prepared, session), self._unknown_topic)
         headers = scope.headers()
         if headers:
             for message in prepared:
                 carry_headers(message, headers)
         try:
-            results = await self.transport.publish(topic, prepared, session=session)
+            results = await self._to_store(topic, prepared, session)
         except BaseException as exc:
             scope.end(None, exc)
             raise
         scope.end(results, None)
         return _checked(topic, results, self._unknown_topic)
+
+    async def _to_store(self, topic: str, prepared: list[PreparedMessage], session: Any) -> list[PublishResult]:
+        """The transport's publish; a store without the schema, reached by a queue that was never
+        opened, says that first (opening migrates when the settings ask for it)."""
+        try:
+            return await self.transport.publish(topic, prepared, session=session)
+        except SchemaMissing as exc:
+            if self.opened:
+                raise
+            raise SchemaMissing(
+                f"{exc}. The queue was never opened: run the app with lifespan=queue.lifespan (a test's "
+                "ASGITransport runs none: enter queue.lifespan(app) around it) or `await queue.open()` first; "
+                "opening migrates when the settings ask for it"
+            ) from exc
 
     # -- host -----------------------------------------------------------------------------------
 

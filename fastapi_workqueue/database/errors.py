@@ -7,7 +7,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from ..core.errors import ConfigurationError, TransportError, TransportUnavailable
+from ..core.errors import ConfigurationError, SchemaMissing, TransportError, TransportUnavailable
 
 T = TypeVar("T")
 
@@ -53,7 +53,7 @@ def map_error(exc: BaseException, operation: str) -> Exception:
             "the runtime role"
         )
     if code in _MISSING_SCHEMA_SQLSTATES:
-        return ConfigurationError(
+        return SchemaMissing(
             f"{operation}: the work queue schema is missing or out of date ({text}); run "
             "`queue.migrate()` (or `workqueue migrate`), or set WORKQUEUE_AUTO_MIGRATE=1"
         )

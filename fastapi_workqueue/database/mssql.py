@@ -33,7 +33,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 from ..core.clock import Clock
-from ..core.errors import ConfigurationError, TransportError, TransportUnavailable
+from ..core.errors import ConfigurationError, SchemaMissing, TransportError, TransportUnavailable
 from ..core.redaction import redacting_logger
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
@@ -226,7 +226,7 @@ def map_mssql_error(exc: BaseException, operation: str) -> Exception:
             "the schema owner: run them as the owner, not with WORKQUEUE_AUTO_MIGRATE under the runtime user"
         )
     if number in _MISSING_SCHEMA:
-        return ConfigurationError(
+        return SchemaMissing(
             f"{operation}: the work queue schema is missing or out of date ({text}); run "
             "`queue.migrate()` (or `workqueue migrate`), or set WORKQUEUE_AUTO_MIGRATE=1"
         )

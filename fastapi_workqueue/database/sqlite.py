@@ -27,7 +27,7 @@ import aiosqlite
 
 from ..core.clock import Clock
 from ..core.database_url import database_scheme
-from ..core.errors import ConfigurationError, TransportError
+from ..core.errors import ConfigurationError, SchemaMissing, TransportError
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
 from . import sqlite_history  # noqa: F401  (registers the stats history routines)
@@ -418,7 +418,7 @@ def _mapped(exc: BaseException, operation: str, busy: Callable[[], TransportErro
         return ConfigurationError(str(exc))
     text = str(exc)
     if "no such table" in text:
-        return ConfigurationError(
+        return SchemaMissing(
             f"{operation}: the work queue schema is missing ({text}); run `queue.migrate()` (or `workqueue migrate`), "
             "or set WORKQUEUE_AUTO_MIGRATE=1"
         )
