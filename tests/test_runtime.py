@@ -199,7 +199,9 @@ async def test_a_handler_exception_is_logged_with_its_traceback_and_kept_in_last
 
 
 @pytest.mark.parametrize("mode", ["Auto", "Manual"])
-async def test_a_cancelled_handler_that_winds_down_keeps_its_key_until_it_returns(pg_url: str, mode: str) -> None:
+async def test_a_cancelled_handler_that_winds_down_keeps_its_key_until_it_returns(
+    pg_url: str, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """A handler that takes long to stop after a cancel (clean-up, or one that ignores it) holds
     its Exclusive key until it returns: its lease is renewed meanwhile, where it ran out and the
     sweeper discarded the delivery and ran the key's next message beside it (SPEC 4: Discarded as
@@ -238,6 +240,11 @@ async def test_a_cancelled_handler_that_winds_down_keeps_its_key_until_it_return
     assert spans[2][0] >= spans[1][1], (spans, "the key's next message ran beside the cancelled one")
     assert info is not None and info.status == "Discarded" and info.reason == "operator: stop"
     assert info.message_id == first.message_id
+    # The operator is told, once, why the delivery stays InFlight after the cancel.
+    told = [m for m in caplog.messages if "was cancelled and its handler has not returned" in m]
+    assert told == [f"{subs['k']}: delivery {running.delivery_id} was cancelled and its handler has not returned; it "
+                    "keeps the delivery and its key until it does (a handler stops at context.signal; stopping this "
+                    "process ends it)"]
 
 
 async def test_operator_cancel_aborts_running_handler_and_discards(pg_url: str) -> None:

@@ -98,6 +98,8 @@ class _Running:
     released: bool = False
     context: WorkContext | None = None
     error: BaseException | None = None
+    cancel_told: bool = False
+    """The log has said that this cancelled handler has not returned (once)."""
 
 
 Groups = Sequence[Sequence[SubscriptionState]]
@@ -923,6 +925,13 @@ class Consumer:
             ]
             if not due:
                 continue
+            for running in due:
+                if running.signal.reason is AbortReason.CANCELLED and not running.cancel_told:
+                    running.cancel_told = True
+                    log.warning(
+                        "%s: delivery %s was cancelled and its handler has not returned; it keeps the delivery "
+                        "and its key until it does (a handler stops at context.signal; stopping this process "
+                        "ends it)", running.sub.name, running.delivery.delivery_id)
             leases = [self._current(r.sub).lease_seconds for r in due]
             try:
                 results = await self.transport.heartbeat(
