@@ -168,7 +168,7 @@ def lambda_policy(subscription: str, app_path: str | None, bindings_file: str | 
         except (ValueError, WorkQueueError) as exc:
             raise _fail(exc) from exc
     else:
-        bindings = _run(_with_engine(queue, module.load_bindings(queue)))
+        bindings = _run(_with_engine(queue, module.load_bindings(queue.kernel)))
     try:
         policy = _aws("lambda_policy").lambda_policy(sub, topic, bindings, region=queue.settings.aws_region)
     except WorkQueueError as exc:

@@ -256,10 +256,16 @@ def test_export_refuses_names_that_map_to_one_queue(tmp_path: Path, endpoint: st
     assert "'orders.email'" in line and ("'orders-email'" in line or "'orders.email.dlq'" in line)
 
 
-def test_lambda_policy_prints_what_the_function_reads(tmp_path: Path, endpoint: str) -> None:
+@pytest.mark.parametrize("store", ["file", "database"])
+def test_lambda_policy_prints_what_the_function_reads(tmp_path: Path, endpoint: str, store: str) -> None:
+    """The bindings read from where ``import-bindings`` stored them: the bindings file of a queue
+    without a database, or the queue's database."""
     from fastapi_workqueue.aws.lambda_handler import POLICY_ENV, SubscriptionPolicy
 
-    env = app_env(tmp_path, endpoint)
+    env = app_env(tmp_path, endpoint,
+                  database_url=f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}" if store == "database" else "")
+    if store == "database":
+        assert workqueue("migrate", env=env, cwd=ROOT).returncode == 0
     manifest_file = tmp_path / "manifest.json"
     assert workqueue("export-topology", "--transport", "aws", "--app", APP, "--output", str(manifest_file),
                      env=env, cwd=ROOT).returncode == 0
