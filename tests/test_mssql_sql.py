@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 from sqlfluff.core import FluffConfig, Linter
 
-from fastapi_workqueue.core.errors import ConfigurationError, TransportError
+from fastapi_workqueue.core.errors import ConfigurationError, SchemaMissing, TransportError
 from fastapi_workqueue.database import create_database_transport, mssql
 from fastapi_workqueue.database.mssql import MssqlTransport
 from fastapi_workqueue.database.sql_files import migrations
@@ -614,7 +614,7 @@ def test_rows_are_normalised() -> None:
         ("[Microsoft][ODBC Driver 18 for SQL Server][SQL Server]a message with the same MessageID was "
          "published concurrently; retry the publish (51001) (SQLExecDirectW)", TransportError, True),
         ("[Microsoft][ODBC Driver 18 for SQL Server][SQL Server]Could not find stored procedure "
-         "'workqueue.claim'. (2812) (SQLExecDirectW)", ConfigurationError, None),
+         "'workqueue.claim'. (2812) (SQLExecDirectW)", SchemaMissing, None),
         ("[Microsoft][ODBC Driver 18 for SQL Server][SQL Server]The EXECUTE permission was denied on the "
          "object 'claim' (229) (SQLExecDirectW)", ConfigurationError, None),
         ("[Microsoft][ODBC Driver 18 for SQL Server][SQL Server]subscription s has live deliveries (51002) "
