@@ -1109,7 +1109,8 @@ class MemoryTransport:
         if d is None:
             return ActionResult(result="NotFound", **base)
         if d.status == "InFlight":
-            d.cancel_requested, d.reason = True, reason
+            if not d.cancel_requested:  # (a second cancel keeps the first one's reason)
+                d.cancel_requested, d.reason = True, reason
             return ActionResult(result="CancelRequested", cancel_requested=True, status="InFlight", **base)
         if d.status in ("Pending", "DeadLettered"):
             self._discard(d, reason)

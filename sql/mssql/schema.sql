@@ -4061,7 +4061,8 @@ BEGIN
             BEGIN
                 -- An InFlight delivery is only flagged: that needs no key lock.
                 UPDATE workqueue.delivery
-                SET cancel_requested = 1, reason = @p_reason
+                -- (a second cancel keeps the first one's reason)
+                SET reason = CASE WHEN cancel_requested = 1 THEN reason ELSE @p_reason END, cancel_requested = 1
                 WHERE id = @p_delivery_id AND status = N'InFlight';
                 IF @@ROWCOUNT > 0
                 BEGIN

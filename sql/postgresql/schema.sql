@@ -3135,7 +3135,9 @@ BEGIN
     END IF;
     FOR v_try IN 1..3 LOOP
         -- An InFlight delivery is only flagged: that needs no key lock.
-        UPDATE workqueue.delivery d SET cancel_requested = true, reason = p_reason
+        -- (a second cancel keeps the first one's reason: the operator's word is not overwritten)
+        UPDATE workqueue.delivery d
+        SET reason = CASE WHEN d.cancel_requested THEN d.reason ELSE p_reason END, cancel_requested = true
         WHERE d.id = p_delivery_id AND d.status = 'InFlight';
         IF FOUND THEN
             RETURN QUERY SELECT 'CancelRequested'::text, true, 'InFlight'::text;

@@ -437,7 +437,8 @@ UPDATE delivery SET status = 'Pending', attempt = 0, visible_at = :now, note = :
 WHERE id = :id AND status = 'DeadLettered';
 
 -- name: delivery_cancel
-UPDATE delivery SET cancel_requested = 1, reason = :reason WHERE id = :id AND status = 'InFlight';
+UPDATE delivery SET reason = CASE WHEN cancel_requested = 1 THEN reason ELSE :reason END, cancel_requested = 1
+WHERE id = :id AND status = 'InFlight';
 
 -- name: dead_letters_discard
 -- Up to :limit dead letters of a subscription settled before :settled_before, oldest id first.

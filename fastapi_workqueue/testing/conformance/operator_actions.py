@@ -84,6 +84,9 @@ async def test_c27_discard_in_flight_requests_cancel_then_discarded_never_retrie
         return
     result = await harness.transport.discard(world["x"], running.delivery_id, "hung")
     assert result.result == "CancelRequested" and result.cancel_requested
+    # A second cancel answers the same and keeps the first one's reason.
+    again = await harness.transport.discard(world["x"], running.delivery_id, "asked again")
+    assert again.result == "CancelRequested" and again.cancel_requested
     [hb] = await harness.transport.heartbeat([HeartbeatRequest(running.delivery_id, running.lease_token)])
     assert hb.cancel_requested and not hb.alive
     # The heartbeat renews the lease of the handler that winds down: its holder is alive, and lease
