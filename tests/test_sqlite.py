@@ -21,6 +21,7 @@ import random
 import signal
 import socket
 import sqlite3
+import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
@@ -205,7 +206,44 @@ async def test_a_file_the_process_cannot_write_says_where_and_what_to_change() -
     with pytest.raises(ConfigurationError) as error:
         await queue.open()
     assert str(error.value).startswith("cannot open the SQLite file '/proc/workqueue-test.db' for writing (")
-    assert "put it in a directory this process can write" in str(error.value)
+    assert "make the file and its directory writable by this process" in str(error.value)
+
+
+READ_ONLY_OPEN = """
+import asyncio, sys
+from fastapi_workqueue import ConfigurationError, WorkQueue, WorkQueueSettings
+
+async def main() -> None:
+    queue = WorkQueue(WorkQueueSettings(database_url=sys.argv[1], enabled=False))
+    try:
+        await queue.open()
+    except ConfigurationError as exc:
+        print("ConfigurationError:", exc)
+    else:
+        await queue.close()
+        print("opened")
+
+asyncio.run(main())
+"""
+
+
+def test_a_read_only_queue_file_is_refused_at_open_not_at_every_write(tmp_path: Path) -> None:
+    """A file this process may read but not write (its directory writable): SQLite would open it
+    read-only and fail each write as it came, a claim loop retrying forever; the queue refuses it at
+    open, as it does a directory it cannot write. (Root is not stopped by a file's mode: the
+    process runs without the capability that lets it pass.)"""
+    path = tmp_path / "queue.db"
+    url = f"sqlite+aiosqlite:///{path}"
+    assert subprocess.run([sys.executable, "-c", READ_ONLY_OPEN, url], capture_output=True, text=True,
+                          check=True).stdout.strip() == "opened"
+    path.chmod(0o444)
+    command = [sys.executable, "-c", READ_ONLY_OPEN, url]
+    if os.geteuid() == 0:
+        command = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--", *command]
+    shown = subprocess.run(command, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    assert shown == (f"ConfigurationError: cannot open the SQLite file {str(path)!r} for writing (the file is "
+                     "read-only for this process): the queue writes the file and, beside it, its -wal and -shm "
+                     "files; make the file and its directory writable by this process, on a local disk")
 
 
 async def test_a_percent_encoded_path_names_the_file_the_request_sessions_open(tmp_path: Path) -> None:
@@ -718,3 +756,15 @@ async def test_api_keys_are_marked_used_after_the_match_and_live_names_are_uniqu
             await create_key(transport, "deploy-bot", ["workqueue:read"])
         assert await transport.api_key_revoke("deploy-bot") == 1
         assert (await create_key(transport, "deploy-bot", ["workqueue:read"])).name == "deploy-bot"
+
+
+async def test_an_upper_case_scheme_is_the_same_sqlite_url(tmp_path: Path) -> None:
+    """URL schemes are case-insensitive: ``SQLITE+AIOSQLITE://`` is the SQLite default, migrated at
+    start-up, and the request sessions open it too."""
+    settings = WorkQueueSettings(database_url=f"SQLite+AIOSQLITE:///{tmp_path / 'queue.db'}", enabled=False)
+    assert settings.database_url == f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}"
+    assert settings.migrate_at_start
+    queue = WorkQueue(settings, topics=[Topic(name="upper.t")])
+    async with queue.lifespan(None), queue.sessionmaker() as session, session.begin():
+        [result] = await queue.publish("upper.t", [PublishRequest(payload=1)], session=session)
+    assert result.status == "Accepted"

@@ -220,6 +220,9 @@ class SqliteTransport(RoutineTransport):
                 f"the directory {_directory(self.path)!r} of the SQLite file {self.path!r} does not exist; "
                 "create it, or " + _FILE_URL_HINT + " in a directory that exists"
             )
+        if _read_only(self.path):
+            # (SQLite would open it read-only, and every write would fail later, one at a time)
+            raise _cannot_write(self.path, PermissionError("the file is read-only for this process"))
         try:
             conn = await aiosqlite.connect(self.path, isolation_level=None, timeout=self.busy_timeout)
         except sqlite3.Error as exc:
@@ -404,10 +407,15 @@ class SqliteTransport(RoutineTransport):
         return [BindingIssue(severity="Info", subject="sqlite", message=note) for note in self.capabilities.notes]
 
 
+def _read_only(path: str) -> bool:
+    """Whether the file exists and this process may not write it."""
+    return os.path.exists(path) and not os.access(path, os.W_OK)
+
+
 def _cannot_write(path: str, exc: BaseException) -> ConfigurationError:
     return ConfigurationError(
         f"cannot open the SQLite file {path!r} for writing ({exc}): the queue writes the file and, beside it, "
-        "its -wal and -shm files; put it in a directory this process can write, on a local disk"
+        "its -wal and -shm files; make the file and its directory writable by this process, on a local disk"
     )
 
 
