@@ -190,6 +190,8 @@ class WorkQueueSettings(BaseSettings):
                 database_scheme(value, source="the URL")
             except ConfigurationError as exc:
                 raise ValueError(str(exc)) from None
+            scheme, sep, rest = value.partition("://")
+            value = scheme.lower() + sep + rest  # (schemes are case-insensitive; the drivers' names are not)
         return value
 
     @field_validator("app_key", "previous_keys", "dashboard_secret")
