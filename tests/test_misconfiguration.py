@@ -269,3 +269,19 @@ def test_the_app_keys_are_masked_once_the_settings_are_read() -> None:
     assert redact(text) == text
     WorkQueueSettings(app_key=key, previous_keys=f"{old_one}, {old_two}", dashboard_secret=secret)
     assert redact(text) == "boom: *** / *** / *** / ***"
+
+
+async def test_libpqs_connect_timeout_in_the_url_is_the_connect_timeout(pg_url: str) -> None:
+    """``?connect_timeout=5`` (libpq's parameter) is taken as the connection timeout by the queue's
+    pool and by the request sessions, not sent to the server as a setting it does not know; a value
+    that is no number of seconds is refused with how to write it."""
+    queue = WorkQueue(WorkQueueSettings(database_url=f"{pg_url}?connect_timeout=5"),
+                      topics=[Topic(name="timeout.t")])
+    async with queue.lifespan(None):
+        [own] = await queue.publish("timeout.t", [PublishRequest(payload=1)])
+        async with queue.sessionmaker() as session, session.begin():
+            [joined] = await queue.publish("timeout.t", [PublishRequest(payload=2)], session=session)
+    await queue.engine.dispose()
+    assert (own.status, joined.status) == ("Accepted", "Accepted")
+    with pytest.raises(ConfigurationError, match=r"connect_timeout='soon' is not a number of seconds above 0"):
+        await WorkQueue(WorkQueueSettings(database_url=f"{pg_url}?connect_timeout=soon")).open()

@@ -121,3 +121,24 @@ def split_libpq_tls(url: str) -> tuple[str, str | None]:
         return url, None
     return _joined(base, [(key, raw) for key, raw in items if key not in LIBPQ_TLS_PARAMETERS]), _joined(
         "postgresql://", tls)
+
+
+def pop_connect_timeout(url: str) -> tuple[str, float | None]:
+    """A PostgreSQL URL without libpq's ``connect_timeout`` (seconds), and that timeout (None when
+    the URL gives none). asyncpg takes it as an argument, not as a URL parameter: left in, it would
+    reach the server as a setting it does not know."""
+    base, items = _query_items(url)
+    given = [raw.partition("=")[2] for key, raw in items if key == "connect_timeout"]
+    if not given:
+        return url, None
+    try:
+        seconds = float(given[-1])
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ConfigurationError(
+            f"the database URL's connect_timeout={given[-1]!r} is not a number of seconds above 0; write it as "
+            "connect_timeout=10"
+        )
+    return _joined(base, [(key, raw) for key, raw in items if key != "connect_timeout"]), seconds
+

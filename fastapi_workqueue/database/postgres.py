@@ -12,7 +12,7 @@ from typing import Any, TypeVar, cast
 import asyncpg
 
 from ..core.clock import Clock
-from ..core.database_url import database_scheme, encoded_user_info, libpq_tls
+from ..core.database_url import database_scheme, encoded_user_info, libpq_tls, pop_connect_timeout
 from ..core.envelope import PreparedMessage, PublishResult
 from ..core.errors import ConfigurationError
 from ..core.redaction import redacting_logger
@@ -76,10 +76,11 @@ class PostgresTransport(RoutineTransport):
     ) -> None:
         super().__init__(rng=rng, clock=clock)
         self.url = url
-        self._dsn = to_asyncpg_dsn(url)
+        dsn, url_timeout = pop_connect_timeout(to_asyncpg_dsn(url))
+        self._dsn = dsn
         self._pool_min_size = pool_min_size
         self._pool_max_size = pool_max_size
-        self._connect_timeout = connect_timeout
+        self._connect_timeout = url_timeout if url_timeout is not None else connect_timeout
         self._pool: ConnectionPool | None = None
         self._listen = listen
         self._listener: NotificationListener | None = None
