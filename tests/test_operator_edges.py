@@ -168,3 +168,32 @@ def test_api_keys_create_refuses_a_lifetime_that_is_not_one(database_url: str, l
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert "--expires-in" in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not result.stdout.strip()
+
+
+async def test_an_operators_note_and_reason_are_kept_redacted_wherever_they_show(database_url: str) -> None:
+    """A replay's note and a discard's reason are stored redacted, like a handler's error: a key
+    or password pasted into them never shows in the delivery's page, its attempts or the listings."""
+    from fastapi_workqueue.core.transport import Settlement
+
+    queue, app, topic, sub = await _app(database_url)
+    secret = "wq_abc123_NOTEDSECRETNOTEDSECRET"
+    async with queue.lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                      base_url="http://api") as http:
+        key = (await create_key(queue.transport, unique("rvw"), list(SCOPES))).key
+        await queue.publish(topic, [PublishRequest(payload=n) for n in range(2)])
+        claimed = await queue.transport.claim(sub, 2)
+        assert len(claimed) == 2
+        for delivery in claimed:
+            await queue.transport.settle([Settlement(delivery.delivery_id, delivery.lease_token, "DeadLetter")])
+        replayed, discarded = (d.delivery_id for d in claimed)
+        auth = {"Authorization": f"Bearer {key}"}
+        assert (await http.post(f"/work-queue/subscriptions/{sub}/deliveries/{replayed}/replay", headers=auth,
+                                json={"Note": f"retry with {secret} and password=hunter2"})).status_code == 200
+        assert (await http.post(f"/work-queue/subscriptions/{sub}/deliveries/{discarded}/discard", headers=auth,
+                                json={"Reason": f"dropped, {secret}"})).status_code == 200
+        shown = [(await http.get(path, headers=auth)).text for path in (
+            f"/work-queue/deliveries/{replayed}", f"/work-queue/deliveries/{replayed}/attempts",
+            f"/work-queue/deliveries/{discarded}", f"/work-queue/subscriptions/{sub}/deliveries?status=Discarded")]
+    assert all("NOTEDSECRET" not in text and "hunter2" not in text for text in shown), shown
+    assert "retry with wq_abc123_*** and password=***" in shown[0]
+    assert "dropped, wq_abc123_***" in shown[2]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from .errors import ConfigurationError
 from .failures import storable
+from .redaction import redact
 from .reports import (
     ActionResult,
     Backlog,
@@ -92,12 +93,13 @@ class Operator:
 
     async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
         """DeadLettered → Pending, same MessageID and Ordered position, attempts reset."""
-        return await self._kernel.transport.replay(subscription, delivery_id, None if note is None else storable(note))
+        return await self._kernel.transport.replay(subscription, delivery_id,
+                                                   None if note is None else storable(redact(note)))
 
     async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
         """Pending/DeadLettered → Discarded; InFlight → cancel requested."""
         return await self._kernel.transport.discard(subscription, delivery_id,
-                                                    None if reason is None else storable(reason))
+                                                    None if reason is None else storable(redact(reason)))
 
     async def set_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:
         """Pauses or resumes a subscription (None when it does not exist)."""
@@ -123,7 +125,7 @@ class Operator:
             raise ConfigurationError(f"subscription {subscription!r} does not exist; `workqueue subscriptions list` "
                                      "shows the stored ones")
         if discard_pending:
-            why = storable(reason) if reason else "discarded when the subscription was retired"
+            why = storable(redact(reason)) if reason else "discarded when the subscription was retired"
             discarded = 0
             while True:
                 count = await store.discard_pending(subscription, why, DISCARD_BATCH)
