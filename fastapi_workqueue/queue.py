@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from .core.envelope import PublishRequest
-from .core.errors import TransportError
+from .core.errors import ConfigurationError, TransportError
 from .core.handlers import HandlerFunc, unused_handlers
 from .core.health import ExtensionHealth
 from .core.host import GroupPlan, Host, SubscriptionPlan
@@ -37,7 +37,7 @@ from .core.reports import (
 )
 from .core.request_load import RequestLoad
 from .core.retirement import DeleteResult, RetireResult, TopicStatus, TopicStatusChange
-from .core.settings import WorkQueueSettings, default_database_file, unknown_variables
+from .core.settings import WorkQueueSettings, default_database_file, misspelt_database_url, unknown_variables
 from .core.topology import Subscription, SubscriptionStatus, Topic
 from .core.transport import Transport
 from .web.di import DependencyInvoker
@@ -548,6 +548,13 @@ class WorkQueue:
                 if problem not in _warned_variables:
                     _warned_variables.add(problem)
                     log.warning("%s", problem)
+            if self.settings.uses_default_database and (misspelt := misspelt_database_url()) is not None:
+                # (a mis-deployed process must fail loudly, not run on a file of its own)
+                raise ConfigurationError(
+                    f"{misspelt} is not a setting of fastapi-workqueue; did you mean WORKQUEUE_DATABASE_URL? No "
+                    f"database URL is set, so the queue would live in the default SQLite file "
+                    f"{default_database_file()}: correct the variable's name"
+                )
             if self.settings.uses_default_database:
                 log.warning(
                     "no database is configured (neither WORKQUEUE_DATABASE_URL nor database_url): the queue "

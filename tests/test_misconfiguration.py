@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
@@ -26,6 +27,8 @@ from fastapi_workqueue import (
 )
 from fastapi_workqueue.core.words import count
 from fastapi_workqueue.settings import unknown_variables
+
+ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def test_a_misspelt_setting_raises_with_the_name_it_resembles() -> None:
@@ -104,6 +107,38 @@ async def test_the_queue_warns_of_an_unknown_variable_when_it_opens(
     [warning] = [r for r in caplog.records if "WORKQUEUE_SWEEPER_INTERVALL_MS" in r.getMessage()]
     assert warning.levelno == logging.WARNING
     assert warning.getMessage().endswith("did you mean WORKQUEUE_SWEEPER_INTERVAL_MS?")
+
+
+async def test_a_misspelt_database_url_with_none_set_stops_the_queue_and_the_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no database URL set, a variable that resembles WORKQUEUE_DATABASE_URL is a mis-deployed
+    process: it fails at start instead of running on a default SQLite file of its own (a warning
+    alone let a worker drain nothing and exit 0). With a URL set, the variable is only a warning."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORKQUEUE_DATABASE_URL", raising=False)
+    monkeypatch.setenv("WORKQUEUE_DATABSE_URL", "postgresql+asyncpg://app@db.internal/orders")
+    queue = WorkQueue(WorkQueueSettings(enabled=False))
+    with pytest.raises(ConfigurationError) as raised:
+        async with queue.lifespan(None):
+            pass
+    assert str(raised.value) == (
+        "WORKQUEUE_DATABSE_URL is not a setting of fastapi-workqueue; did you mean WORKQUEUE_DATABASE_URL? No "
+        f"database URL is set, so the queue would live in the default SQLite file {tmp_path / 'workqueue.db'}: "
+        "correct the variable's name")
+    assert not (tmp_path / "workqueue.db").exists()
+    env = {k: v for k, v in os.environ.items() if k != "WORKQUEUE_DATABASE_URL"}
+    env["PYTHONPATH"] = ROOT
+    worker = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "fastapi_workqueue", "work", "--app", "tests.apps.cli_app:queue",
+                         "--subscription", "cli.basic", "--once"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert worker.returncode == 2, (worker.returncode, worker.stderr)
+    assert "did you mean WORKQUEUE_DATABASE_URL?" in worker.stderr and "Traceback" not in worker.stderr
+    # A URL given: the stray variable only warns.
+    async with WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}",
+                                           enabled=False)).lifespan(None):
+        pass
 
 
 async def test_a_handler_no_subscription_names_is_a_warning_with_the_closest_key(

@@ -302,18 +302,32 @@ def setting_names() -> list[str]:
     return list(WorkQueueSettings.model_fields)
 
 
-def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
-    """One sentence per ``WORKQUEUE_*`` variable of the environment that names no setting, with
-    the variable it most resembles (a typo is otherwise silently ignored)."""
+def _unknown(environ: Mapping[str, str] | None) -> list[tuple[str, str | None]]:
+    """Each ``WORKQUEUE_*`` variable that names no setting, with the variable it most resembles."""
     known = {_variable(name) for name in setting_names()} | OTHER_VARIABLES
-    problems = []
+    found = []
     for name in sorted(os.environ if environ is None else environ):
         if name.upper().startswith(ENV_PREFIX) and name.upper() not in known:
             suffix = _closest(name.upper().removeprefix(ENV_PREFIX), sorted(k.removeprefix(ENV_PREFIX) for k in known))
-            guess = None if suffix is None else ENV_PREFIX + suffix
-            hint = f"; did you mean {guess}?" if guess else "; see docs/configuration.md for the settings"
-            problems.append(f"{name} is not a setting of fastapi-workqueue and is ignored{hint}")
-    return problems
+            found.append((name, None if suffix is None else ENV_PREFIX + suffix))
+    return found
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One sentence per ``WORKQUEUE_*`` variable of the environment that names no setting, with
+    the variable it most resembles (a typo is otherwise silently ignored)."""
+    return [
+        f"{name} is not a setting of fastapi-workqueue and is ignored"
+        + (f"; did you mean {guess}?" if guess else "; see docs/configuration.md for the settings")
+        for name, guess in _unknown(environ)
+    ]
+
+
+def misspelt_database_url(environ: Mapping[str, str] | None = None) -> str | None:
+    """The variable of the environment that names no setting but most resembles
+    ``WORKQUEUE_DATABASE_URL`` (a misspelt database URL), or None."""
+    database = _variable("database_url")
+    return next((name for name, guess in _unknown(environ) if guess == database), None)
 
 
 def _unknown_field(field: str) -> str:
