@@ -768,3 +768,32 @@ async def test_an_upper_case_scheme_is_the_same_sqlite_url(tmp_path: Path) -> No
     async with queue.lifespan(None), queue.sessionmaker() as session, session.begin():
         [result] = await queue.publish("upper.t", [PublishRequest(payload=1)], session=session)
     assert result.status == "Accepted"
+
+
+def test_a_directory_where_the_file_should_be_is_refused_and_leaves_no_thread_behind(tmp_path: Path) -> None:
+    """The URL names a directory: a ConfigurationError that says so, before the driver starts its
+    connection thread (a thread left behind died with 'Event loop is closed' once the loop ended)."""
+    import threading
+
+    folder = tmp_path / "queue.db"
+    folder.mkdir()
+    died: list[str] = []
+    previous = threading.excepthook
+    threading.excepthook = lambda args: died.append(f"{args.exc_type.__name__}: {args.exc_value}")
+    try:
+        messages = []
+        for _ in range(5):
+            async def once() -> None:
+                queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{folder}", enabled=False))
+                with pytest.raises(ConfigurationError) as raised:
+                    await queue.open()
+                messages.append(str(raised.value))
+                await queue.close()
+            asyncio.run(once())
+        time.sleep(0.5)
+    finally:
+        threading.excepthook = previous
+    assert set(messages) == {f"{str(folder)!r} is a directory, not an SQLite file; set WORKQUEUE_DATABASE_URL to "
+                             "sqlite+aiosqlite:///relative/file.db (in the working directory) or "
+                             "sqlite+aiosqlite:////absolute/path/file.db (a file in that directory)"}
+    assert died == []

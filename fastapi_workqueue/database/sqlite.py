@@ -220,6 +220,10 @@ class SqliteTransport(RoutineTransport):
                 f"the directory {_directory(self.path)!r} of the SQLite file {self.path!r} does not exist; "
                 "create it, or " + _FILE_URL_HINT + " in a directory that exists"
             )
+        if _is_directory(self.path):  # (refused before the driver starts a thread for it)
+            raise ConfigurationError(
+                f"{self.path!r} is a directory, not an SQLite file; " + _FILE_URL_HINT + " (a file in that directory)"
+            )
         if _read_only(self.path):
             # (SQLite would open it read-only, and every write would fail later, one at a time)
             raise _cannot_write(self.path, PermissionError("the file is read-only for this process"))
@@ -405,6 +409,10 @@ class SqliteTransport(RoutineTransport):
 
     async def dialect_issues(self) -> list[BindingIssue]:
         return [BindingIssue(severity="Info", subject="sqlite", message=note) for note in self.capabilities.notes]
+
+
+def _is_directory(path: str) -> bool:
+    return os.path.isdir(path)
 
 
 def _read_only(path: str) -> bool:
