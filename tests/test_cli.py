@@ -923,3 +923,21 @@ async def test_processes_lists_the_workers_that_ran(cli: Cli) -> None:
     assert mine["State"] == "Stopped" and mine["Subscriptions"] == [cli_app.IDLE] and mine["InFlight"] == 0
     text = (await cli("processes")).out
     assert f" {proc.pid} " in text and "Stopped" in text
+
+
+async def test_the_summary_counts_only_the_settlements_the_store_took(cli: Cli) -> None:
+    """A worker frozen past its lease (SIGSTOP) while another process's sweeper takes the delivery
+    back: its late settlement changes nothing (LeaseLost), and the summary says 0 settled."""
+    sub = cli_app.HANG  # (a lease of 1.5 s)
+    await cli.publish(sub, {"sleep": 2})
+    worker = await cli.start("work", "--app", APP, "--subscription", sub, "--once", "--json")
+    await cli.wait_record(sub, "started")
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.sleep(2.5)  # past the lease, and no heartbeat went out
+        assert (await cli.ops.transport.sweep()).retried >= 1
+    finally:
+        worker.send_signal(signal.SIGCONT)
+    ran = await cli.finish(worker)
+    summary = json.loads(one_line(ran.out))
+    assert (summary["Claimed"], summary["Settled"], summary["Completed"]) == (1, 0, 0), (summary, ran.err)

@@ -311,7 +311,7 @@ async def _run(
             consumers += [c for g in groups if (c := host.group_consumers.get(g.name)) is not None]
             await host.stop()
             summary.claimed = sum(c.claimed_total for c in consumers)
-            summary.settled = sum(c.settled_total for c in consumers)
+            summary.settled = sum(c.settled_total - c.lost_total for c in consumers)  # (what the store took)
             summary.completed = sum(c.completed_total for c in consumers)
         return summary.ended(EXIT_OK, f"{plan.label}: ran {count(summary.claimed, 'delivery')}")
     finally:

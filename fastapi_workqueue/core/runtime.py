@@ -164,6 +164,8 @@ class Consumer:
         self.claimed_total = 0
         self.completed_total = 0
         self.settled_total = 0
+        self.lost_total = 0
+        """Settlements the store answered LeaseLost (the lease ran out first): they changed nothing."""
         self._running: dict[str, _Running] = {}
         self._held_back: HeldBack | None = None
         """What the last claim said a flow limit kept back (None: nothing)."""
@@ -733,7 +735,9 @@ class Consumer:
             self._wake.set()
         if result == "Completed":
             self.completed_total += 1
-        elif result == "LeaseLost" and settlement.reason != "LeaseLost":
+        elif result == "LeaseLost":
+            self.lost_total += 1
+        if result == "LeaseLost" and settlement.reason != "LeaseLost":
             log.warning("%s: delivery %s settled after its lease was lost; outcome ignored",
                         self.name, settlement.delivery_id)
 
