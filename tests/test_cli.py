@@ -651,8 +651,10 @@ async def test_api_keys_create_list_revoke(cli: Cli) -> None:
     assert "no active key" in again.err
     assert "revoked 1 key(s)" in (await cli("api-keys", "revoke", "ops")).out
 
-    bad = await cli("api-keys", "create", "--name", "x", "--scopes", "workqueue:everything", expect=1)
-    assert "workqueue:publish" in bad.err
+    # A scope that does not exist, or none, is a usage error (exit 2) that lists the scopes.
+    bad = await cli("api-keys", "create", "--name", "x", "--scopes", "workqueue:everything", expect=2)
+    assert "unknown scope(s) 'workqueue:everything'; use one or more of workqueue:publish" in bad.err
+    assert "no scope given" in (await cli("api-keys", "create", "--name", "x", "--scopes", " , ", expect=2)).err
     assert "a name" in (await cli("api-keys", "create", "--name", " ", "--scopes", "workqueue:read", expect=1)).err
 
 

@@ -27,6 +27,11 @@ def api_keys() -> None:
 def api_keys_create(ctx: Context, name: str, scopes: str, expires_in: str | None, topics: tuple[str, ...]) -> None:
     """Create a key; it is shown once."""
     wanted = [s.strip() for s in scopes.split(",") if s.strip()]
+    unknown = [s for s in wanted if s not in SCOPES]
+    if unknown or not wanted:
+        raise click.BadParameter(
+            f"{'unknown scope(s) ' + ', '.join(map(repr, unknown)) if unknown else 'no scope given'}; use one or "
+            f"more of {', '.join(SCOPES)}, comma-separated", param_hint="'--scopes'")
     lifetime = parse_duration(expires_in, option="--expires-in") if expires_in else None
     if lifetime is not None and lifetime <= 0:
         raise click.BadParameter("a key must live longer than 0 seconds (use 3600, 90m, 12h or 30d)",
