@@ -328,7 +328,7 @@ class RoutineTransport:
         # (a delivery named twice, by a stale attempt and the current one, goes in two calls: the
         # routine answers by delivery id, and each token must be weighed on its own)
         for indexes in distinct_rounds([r.delivery_id for r in requests]):
-            sent = [requests[i] for i in indexes]
+            sent = requests if len(indexes) == len(requests) else [requests[i] for i in indexes]
             rows = await self.call(
                 "heartbeat",
                 p_ids=[int(r.delivery_id) for r in sent],
@@ -363,7 +363,7 @@ class RoutineTransport:
         that each token is weighed on its own: only the current one settles."""
         results: list[SettleResult] = ["LeaseLost"] * len(settlements)
         for indexes in distinct_rounds([s.delivery_id for s in settlements]):
-            sent = [settlements[i] for i in indexes]
+            sent = settlements if len(indexes) == len(settlements) else [settlements[i] for i in indexes]
             rows = await self.call(
                 "settle",
                 **via,
@@ -373,7 +373,7 @@ class RoutineTransport:
                 p_delays=[settle_delay(s.delay_seconds) for s in sent],
                 p_reasons=[s.reason for s in sent],
                 p_errors=[s.error for s in sent],
-                p_draws=[draws[i] for i in indexes],
+                p_draws=draws if len(indexes) == len(draws) else [draws[i] for i in indexes],
                 p_now=self._now(),
             )
             by_id: dict[str, SettleResult] = {str(r["delivery_id"]): r["result"] for r in rows}
