@@ -553,7 +553,7 @@ class WorkQueue:
                 raise ConfigurationError(
                     f"{misspelt} is not a setting of fastapi-workqueue; did you mean WORKQUEUE_DATABASE_URL? No "
                     f"database URL is set, so the queue would live in the default SQLite file "
-                    f"{default_database_file()}: correct the variable's name"
+                    f"{default_database_file()}: name the variable WORKQUEUE_DATABASE_URL"
                 )
             if self.settings.uses_default_database:
                 log.warning(

@@ -125,7 +125,7 @@ async def test_a_misspelt_database_url_with_none_set_stops_the_queue_and_the_wor
     assert str(raised.value) == (
         "WORKQUEUE_DATABSE_URL is not a setting of fastapi-workqueue; did you mean WORKQUEUE_DATABASE_URL? No "
         f"database URL is set, so the queue would live in the default SQLite file {tmp_path / 'workqueue.db'}: "
-        "correct the variable's name")
+        "name the variable WORKQUEUE_DATABASE_URL")
     assert not (tmp_path / "workqueue.db").exists()
     env = {k: v for k, v in os.environ.items() if k != "WORKQUEUE_DATABASE_URL"}
     env["PYTHONPATH"] = ROOT
@@ -135,6 +135,12 @@ async def test_a_misspelt_database_url_with_none_set_stops_the_queue_and_the_wor
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert worker.returncode == 2, (worker.returncode, worker.stderr)
     assert "did you mean WORKQUEUE_DATABASE_URL?" in worker.stderr and "Traceback" not in worker.stderr
+    # A name that does not resemble it, but a database URL for a value, is meant as it too.
+    monkeypatch.delenv("WORKQUEUE_DATABSE_URL")
+    monkeypatch.setenv("WORKQUEUE_POSTGRES_URL", "postgresql://app@db.internal/orders")
+    with pytest.raises(ConfigurationError, match=r"^WORKQUEUE_POSTGRES_URL is not a setting .* name the variable"):
+        async with WorkQueue(WorkQueueSettings(enabled=False)).lifespan(None):
+            pass
     # A URL given: the stray variable only warns.
     async with WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}",
                                            enabled=False)).lifespan(None):

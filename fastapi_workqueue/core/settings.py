@@ -323,11 +323,17 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     ]
 
 
+_DATABASE_URL_VALUE = re.compile(r"\s*(?:postgresql|postgres|sqlite|mssql)(?:\+[a-z0-9]+)?://", re.IGNORECASE)
+
+
 def misspelt_database_url(environ: Mapping[str, str] | None = None) -> str | None:
-    """The variable of the environment that names no setting but most resembles
-    ``WORKQUEUE_DATABASE_URL`` (a misspelt database URL), or None."""
+    """The variable of the environment that names no setting but was meant as the database URL
+    (a misspelt database URL): it most resembles ``WORKQUEUE_DATABASE_URL``, or its value is a
+    database URL (``WORKQUEUE_POSTGRES_URL=postgresql://…``); None when there is none."""
+    values = os.environ if environ is None else environ
     database = _variable("database_url")
-    return next((name for name, guess in _unknown(environ) if guess == database), None)
+    return next((name for name, guess in _unknown(environ)
+                 if guess == database or _DATABASE_URL_VALUE.match(values.get(name, ""))), None)
 
 
 def _unknown_field(field: str) -> str:
