@@ -772,3 +772,30 @@ async def test_a_sweeper_pass_that_takes_back_many_leases_logs_the_first_and_cou
     rest = {name: 30 - named[name] for name in subs.values()}
     shown = ", ".join(f"{n} of {name}" for name, n in sorted(rest.items()) if n)
     assert lines[-1] == f"sweeper: also took back 40 deliveries whose leases ran out in this pass ({shown})"
+
+
+async def test_a_handler_that_returns_no_outcome_is_logged_at_each_attempt(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``return True`` (or a dict, a string) is a programming error: each attempt says so in the
+    log, as a raised exception is (WARNING while it will be retried, ERROR when it dead-letters),
+    not only the dead letter's stored error."""
+    queue, topic, subs = make_queue(sqlite_url, [{"role": "r", "max_attempts": 2, "backoff_base_seconds": 0,
+                                                  "backoff_max_seconds": 0}])
+
+    @queue.handler("r")
+    async def handle(message: WorkMessage[Any]) -> Any:
+        return True
+
+    caplog.set_level(logging.WARNING, logger="fastapi_workqueue")
+    async with queue.lifespan(None):
+        [published] = await queue.publish(topic, [PublishRequest(payload=1)])
+        info = await wait_for(lambda: _terminal(queue, subs["r"], published.message_id))
+    assert info.status == "DeadLettered"
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "the handler returned True" in r.getMessage()]
+    tail = "the handler returned True; return Outcome.complete(), Outcome.retry(...), Outcome.dead_letter(...) or " \
+           "Outcome.discard(...)"
+    assert said == [
+        (logging.WARNING, f"{subs['r']}: delivery {info.delivery_id} attempt 1 of 2: {tail}; it will be retried"),
+        (logging.ERROR, f"{subs['r']}: delivery {info.delivery_id} attempt 2 of 2: {tail}; dead-lettering it"),
+    ]

@@ -244,6 +244,10 @@ def _pending(attempt: int, reason: str | None, error: str | None, wait: float, n
 # -- outcome or exception → settlement -----------------------------------------------------------
 
 
+INVALID_OUTCOME_REASON = "invalid outcome"
+"""The reason of a Fail for a handler that returned what is no outcome."""
+
+
 def settlement_for(delivery_id: str, lease_token: str, result: object) -> Settlement:
     """What a handler's answer settles as: None or ``Complete`` (its follow-ups) → Complete;
     ``Retry``, ``DeadLetter``, ``Discard`` → their kind with the reason (and delay); a
@@ -268,7 +272,7 @@ def settlement_for(delivery_id: str, lease_token: str, result: object) -> Settle
                           error=error_text(result))
     if isinstance(result, BaseException):
         return Settlement(*base, "Fail", reason=type(result).__name__, error=error_text(result))
-    return Settlement(*base, "Fail", reason="invalid outcome", error=INVALID_OUTCOME.format(outcome=result))
+    return Settlement(*base, "Fail", reason=INVALID_OUTCOME_REASON, error=INVALID_OUTCOME.format(outcome=result))
 
 
 # -- claimability --------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext, 
 from .failures import error_text, handler_traceback, storable, summary
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .leases import LocalLease, counting, start_margin
-from .lifecycle import dead_letters, settlement_for
+from .lifecycle import INVALID_OUTCOME_REASON, dead_letters, settlement_for
 from .observe import NO_OBSERVER, Observer
 from .outcomes import FatalWorkError, TransientWorkError
 from .ports import interrupter_of
@@ -796,7 +796,17 @@ class Consumer:
             return self._settlement_for_abort(running)
         if self._returned_too_late(running):
             return self._settlement_for_abort(running)
-        return settlement_for(*base, outcome)
+        settlement = settlement_for(*base, outcome)
+        if settlement.reason == INVALID_OUTCOME_REASON and settlement.kind == "Fail":
+            # (a programming error, logged as a raised one is: the stored error alone says it too late)
+            delivery = running.delivery
+            final = dead_letters(settlement.kind, delivery.attempt, delivery.max_attempts)
+            log.log(logging.ERROR if final else logging.WARNING, "%s: delivery %s%s attempt %d of %d: %s; %s",
+                    running.sub.name, delivery.delivery_id, _work_label(running), delivery.attempt,
+                    delivery.max_attempts, settlement.error, "dead-lettering it" if final else "it will be retried",
+                    extra={"subscription": running.sub.name, "delivery_id": delivery.delivery_id,
+                           "message_id": str(delivery.message_id), "attempt": delivery.attempt})
+        return settlement
 
     def _returned_too_late(self, running: _Running) -> bool:
         """True when the handler returned after its lease ran out as this process counts it (it
