@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -943,3 +944,23 @@ async def test_the_summary_counts_only_the_settlements_the_store_took(cli: Cli) 
     ran = await cli.finish(worker)
     summary = json.loads(one_line(ran.out))
     assert (summary["Claimed"], summary["Settled"], summary["Completed"]) == (1, 0, 0), (summary, ran.err)
+
+
+def test_publishing_with_the_app_to_a_topic_it_declares_before_it_ever_started_says_to_start_it(
+    tmp_path: Path,
+) -> None:
+    """``--app`` syncs no topology: a topic the app declares is not in a store the app never
+    started on, and the refusal says how it gets there (there is no command that creates it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}
+    env.update(PYTHONPATH=str(ROOT), WORKQUEUE_DATABASE_URL=f"sqlite+aiosqlite:///{tmp_path / 'fresh.db'}")
+
+    def workqueue(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "fastapi_workqueue", *args], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+
+    assert workqueue("migrate").returncode == 0
+    refused = workqueue("publish", "--app", APP, "--topic", cli_app.BASIC, "--payload", "{}")
+    assert refused.returncode == 1
+    assert f"topic '{cli_app.BASIC}' does not exist" in refused.stderr
+    assert "a topic the app declares is written to the store when the app, or `workqueue work --app`, starts: " \
+           "start it once, then publish" in refused.stderr

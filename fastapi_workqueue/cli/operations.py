@@ -76,7 +76,12 @@ def publish(
         table(results, ["status", "message_id"])
     if any(not r.ok for r in results):
         first = next(r for r in results if not r.ok)
-        raise click.ClickException(first.error.message if first.error else first.status.value)
+        message = first.error.message if first.error else first.status.value
+        if first.error is not None and first.error.code == "UnknownTopic" and ctx.app_path:
+            # (--app syncs no topology: a topic the app declares is in the store once the app has started)
+            message += ("; a topic the app declares is written to the store when the app, or `workqueue work "
+                        "--app`, starts: start it once, then publish")
+        raise click.ClickException(message)
 
 
 @click.command()
