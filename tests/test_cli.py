@@ -964,3 +964,9 @@ def test_publishing_with_the_app_to_a_topic_it_declares_before_it_ever_started_s
     assert f"topic '{cli_app.BASIC}' does not exist" in refused.stderr
     assert "a topic the app declares is written to the store when the app, or `workqueue work --app`, starts: " \
            "start it once, then publish" in refused.stderr
+
+
+async def test_work_without_a_subscription_on_an_app_without_jobs_names_the_app(cli: Cli) -> None:
+    ran = await cli("work", "--app", APP, "--once", expect=2)
+    assert f"--app {APP} declares no jobs: declare them with @queue.job(...)" in ran.err
+    assert "--subscription NAME" in ran.err and "object at 0x" not in ran.err

@@ -138,7 +138,7 @@ async def _run_in_app(
         return await _run(
             on, plan, summary, stop, needs_no_app=needs_no_app, once=once, max_deliveries=max_deliveries,
             concurrency=concurrency, max_duration_ms=max_duration_ms, shutdown_drain_ms=shutdown_drain_ms,
-            as_json=as_json,
+            as_json=as_json, app_path=app_path,
         )
 
     if app is None:
@@ -211,6 +211,7 @@ async def _run(
     max_duration_ms: int | None,
     shutdown_drain_ms: int | None,
     as_json: bool,
+    app_path: str = "",
 ) -> WorkSummary:
     budget = max_deliveries if max_deliveries is not None else (1 if once else None)
     # A long-running worker (no --once, no --max) stays up through a pause, as a deployment's
@@ -230,8 +231,8 @@ async def _run(
 
         if queue._jobs is None or not len(queue.jobs.registry):
             return summary.ended(EXIT_CONFIGURATION, (
-                f"--app {queue!r} declares no jobs: declare them with @queue.job(...) in a module the app imports, "
-                "or run subscriptions with --subscription"
+                f"--app {app_path or 'the queue'} declares no jobs: declare them with @queue.job(...) in a module "
+                "the app imports, or run its subscriptions with --subscription NAME (repeat it for several)"
             ))
         try:
             check_fits_lease(queue.jobs, parse_queues(plan.queues), stop_timeout)
