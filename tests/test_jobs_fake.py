@@ -79,6 +79,42 @@ async def test_dispatches_are_recorded_and_work_runs_them_with_dependencies_and_
     assert events.count("JobProcessed:billing.send-invoice-reminder") == 2
 
 
+async def test_a_wait_beside_work_gets_the_result_and_the_status_is_never_missing() -> None:
+    """docs/jobs.md: under the fake "a wait on it times out unless something runs work()
+    meanwhile, and one it ran is what came of it": a wait started before work() returns the result
+    (it raised JobNotFound while work() ran), and the status goes Pending -> Completed, never None."""
+    queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db"))
+
+    @queue.job("answer.later", store_result=True)
+    async def answer(payload: dict[str, Any]) -> int:
+        return 42
+
+    @queue.job("answer.slowly")
+    async def slowly(payload: dict[str, Any]) -> None:
+        await asyncio.sleep(0.05)
+
+    with queue.fake() as fake:
+        job_id = await queue.dispatch(answer, {})
+        slow_id = await queue.dispatch(slowly, {})
+        seen: list[str | None] = []
+
+        async def watch() -> None:
+            while True:
+                status = await queue.job_status(slow_id)
+                seen.append(None if status is None else status.state)
+                await asyncio.sleep(0.005)
+
+        waiter = asyncio.create_task(queue.wait(job_id, timeout=5))
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0.01)
+        counts = await fake.work()
+        await asyncio.sleep(0.02)
+        watcher.cancel()
+        assert counts.processed == 2
+        assert await waiter == 42
+    assert None not in seen and seen[0] == "Pending" and seen[-1] == "Completed", seen
+
+
 async def test_retries_happen_in_work_and_a_job_that_keeps_failing_counts_as_failed() -> None:
     queue, jobs, (sent, events) = build()
     with queue.fake() as fake:

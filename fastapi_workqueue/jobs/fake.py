@@ -202,18 +202,23 @@ class JobFake:
         kernel.bind_app(self._app)  # (for these attempts only: the lifespan's app comes back after)
         try:
             while self._waiting:
-                queue, message = self._waiting.pop(0)
+                # (it stays listed, Pending, while it runs, and its status is known before the next
+                # one runs: a wait() beside work() never finds it missing)
+                queue, message = self._waiting[0]
                 group = self._groups.pop(message.message_id, None)
-                if group is None:
-                    await runner.run_until_done(queue, message)
-                else:  # (its members ran before it, in this run's store)
-                    await runner.run_group([], (queue, message), group.id, list(group.member_ids))
+                try:
+                    if group is None:
+                        await runner.run_until_done(queue, message)
+                    else:  # (its members ran before it, in this run's store)
+                        await runner.run_group([], (queue, message), group.id, list(group.member_ids))
+                finally:
+                    self._statuses.update((status.id, status) for status in await runner.statuses())
+                    self._waiting.pop(0)
                 envelope = JobEnvelope.from_json(_payload(message))
                 if envelope.unique_key is not None:
                     self._held_unique.discard(envelope.unique_key)
         finally:
             kernel.bind_app(bound)
-            self._statuses.update((status.id, status) for status in await runner.statuses())
         return runner.counts.as_counts()
 
     def status(self, job_id: uuid.UUID) -> JobStatus | None:
