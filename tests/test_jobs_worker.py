@@ -394,14 +394,22 @@ async def test_a_job_no_worker_knows_goes_back_until_its_tries_are_spent(databas
     assert failed.id == job_id and "declare it with @queue.job" in (failed.error or "")
 
 
-async def test_two_processes_dispatch_each_tick_of_a_schedule_once(database_url: str) -> None:
+@pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "encrypted"])
+async def test_two_processes_dispatch_each_tick_of_a_schedule_once(
+    database_url: str, encrypted: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each tick is queued once, quietly: the process that finds it queued says nothing (an
+    encrypted job's tick, other bytes in each process, answers MessageIDConflict there)."""
+    from cryptography.fernet import Fernet
+
     queue_name = names(1)[0]
+    key = Fernet.generate_key().decode()
     processes = []
     for _ in range(2):
         queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
-                                            enabled=False, **FAST))
+                                            enabled=False, app_key=key, **FAST))
 
-        @queue.job(f"tick-{queue_name}", queue=queue_name)
+        @queue.job(f"tick-{queue_name}", queue=queue_name, encrypted=encrypted)
         async def tick(payload: dict[str, Any]) -> None:
             return None
 
@@ -419,6 +427,7 @@ async def test_two_processes_dispatch_each_tick_of_a_schedule_once(database_url:
         assert await processes[0].size(queue_name) == 4
         listing = processes[0].jobs.schedules.listing(start)
         assert listing[0]["NextRun"] == "2026-12-01T10:05:00+00:00"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 async def test_a_missed_tick_is_queued_only_with_catch_up(database_url: str) -> None:

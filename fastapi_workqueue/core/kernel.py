@@ -29,6 +29,7 @@ from .envelope import (
     PreparedMessage,
     PublishRequest,
     PublishResult,
+    PublishStatus,
     RequestRejected,
     WorkMessage,
     aborted_results,
@@ -293,9 +294,12 @@ class Kernel:
         return MAX_ENVELOPE_BYTES
 
     async def publish(
-        self, topic: str, requests: Sequence[PublishRequest | Mapping[str, Any]], *, session: Any = None
+        self, topic: str, requests: Sequence[PublishRequest | Mapping[str, Any]], *, session: Any = None,
+        conflict_expected: bool = False,
     ) -> PublishResults:
-        """Publishes ``requests`` to ``topic``, one result per request (``WorkQueue.publish``)."""
+        """Publishes ``requests`` to ``topic``, one result per request (``WorkQueue.publish``).
+        ``conflict_expected``: a MessageIDConflict is an answer the caller expects (a schedule's tick
+        another process queued with other bytes), not logged as a refusal."""
         cap = self.envelope_cap(topic)
         attempts = self.settings.max_message_attempts
 
@@ -311,10 +315,12 @@ class Kernel:
                 exc.message_id = getattr(raw, "message_id", None)
                 raise
 
-        return await self.publish_each(topic, len(requests), make, session=session)
+        return await self.publish_each(topic, len(requests), make, session=session,
+                                       conflict_expected=conflict_expected)
 
     async def publish_each(
-        self, topic: str, count: int, make: Callable[[int], PreparedMessage], *, session: Any = None
+        self, topic: str, count: int, make: Callable[[int], PreparedMessage], *, session: Any = None,
+        conflict_expected: bool = False,
     ) -> PublishResults:
         """Publishes ``count`` messages to ``topic``: ``make(index)`` prepares the one at ``index``,
         or raises :class:`RequestRejected` to refuse it (then none is published). For layers that
@@ -326,11 +332,12 @@ class Kernel:
                 prepared.append(make(index))
             except RequestRejected as exc:
                 failures[index] = exc.result()
-        return await self.publish_prepared(topic, count, prepared, failures, session=session)
+        return await self.publish_prepared(topic, count, prepared, failures, session=session,
+                                           conflict_expected=conflict_expected)
 
     async def publish_prepared(
         self, topic: str, count: int, prepared: list[PreparedMessage], failures: dict[int, PublishResult], *,
-        session: Any = None,
+        session: Any = None, conflict_expected: bool = False,
     ) -> PublishResults:
         """The second half of :meth:`publish`, for ``count`` requests already prepared: ``prepared``
         those that passed, ``failures`` the results of those refused, by index (then none is
@@ -350,9 +357,10 @@ class Kernel:
             results = aborted_results(count, failures)
             if scope is not None:
                 scope.end(results, None)
-            return _checked(topic, results, self._unknown_topic)
+            return _checked(topic, results, self._unknown_topic, conflict_expected)
         if scope is None:
-            return _checked(topic, await self._to_store(topic, prepared, session), self._unknown_topic)
+            return _checked(topic, await self._to_store(topic, prepared, session), self._unknown_topic,
+                            conflict_expected)
         headers = scope.headers()
         if headers:
             for message in prepared:
@@ -363,7 +371,7 @@ class Kernel:
             scope.end(None, exc)
             raise
         scope.end(results, None)
-        return _checked(topic, results, self._unknown_topic)
+        return _checked(topic, results, self._unknown_topic, conflict_expected)
 
     async def _to_store(self, topic: str, prepared: list[PreparedMessage], session: Any) -> list[PublishResult]:
         """The transport's publish; a store without the schema, reached by a queue that was never
@@ -465,11 +473,14 @@ def _invalid_request(exc: ValidationError) -> RequestRejected:
                            str(first["loc"][0]) if first["loc"] else None)
 
 
-def _checked(topic: str, results: list[PublishResult], unknown: Callable[[str], UnknownTopic]) -> PublishResults:
-    """A publish's results, with its refusals logged at WARNING; raises UnknownTopic when the
-    store did not know the topic."""
+def _checked(topic: str, results: list[PublishResult], unknown: Callable[[str], UnknownTopic],
+             conflict_expected: bool = False) -> PublishResults:
+    """A publish's results, with its refusals logged at WARNING (a MessageIDConflict the caller
+    expects aside); raises UnknownTopic when the store did not know the topic."""
     answer = results if isinstance(results, PublishResults) else PublishResults(results)
     for index, result in enumerate(answer):
+        if conflict_expected and result.status == PublishStatus.MESSAGE_ID_CONFLICT:
+            continue
         if result.status in NOT_ACCEPTED_LOGGED:
             error = result.error
             code = error.code if error is not None else result.status.value

@@ -239,7 +239,9 @@ class Schedules:
         target = schedule.queue or schedule.job.policy.queue
         request = jobs.request(schedule.job, schedule._data, job_id=schedule.tick_id(tick))
         topic = await jobs.ensure_queue(target)
-        [result] = await jobs.kernel.publish(topic, [request])
+        # (an encrypted job's tick differs byte for byte from process to process: the one another
+        # process queued answers MessageIDConflict here, as a plain job's answers Duplicate)
+        [result] = await jobs.kernel.publish(topic, [request], conflict_expected=True)
         if result.status == PublishStatus.ACCEPTED:
             log.info("schedule %s: queued job %s for %s (%s)", schedule.name, schedule.job.name, tick.isoformat(),
                      result.message_id)
