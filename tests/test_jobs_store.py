@@ -282,6 +282,43 @@ async def test_an_encrypted_payload_never_reaches_the_store_in_the_clear(databas
         await wait_for(lambda: seen == [secret], within=30)
 
 
+async def test_an_encrypted_jobs_steps_and_once_keys_never_reach_the_store_in_the_clear(database_url: str) -> None:
+    """``job.step`` results of an ``encrypted=True`` job are stored encrypted and its ``job.once``
+    keys as keyed hashes: the next attempt still reads the step back and skips the once."""
+    from cryptography.fernet import Fernet
+
+    secret = f"alice-{uuid.uuid4().hex}@example.com"
+    queue_name = f"sec{uuid.uuid4().hex[:8]}"
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        app_key=Fernet.generate_key().decode(), job_queues=queue_name, **FAST))
+    ran: list[tuple[int, str, bool]] = []
+    steps: list[str] = []
+
+    async def look_up() -> dict[str, str]:
+        steps.append("ran")
+        return {"address": secret}
+
+    @queue.job(f"mail-{uuid.uuid4().hex[:6]}", encrypted=True, queue=queue_name, tries=2, backoff=0)
+    async def mail(payload: dict[str, str], job: JobContext) -> None:
+        found = await job.step("look-up", look_up)
+        sent = await job.once(f"welcome:{payload['to']}", lambda: None)
+        ran.append((job.attempt, found["address"], sent))
+        if job.attempt == 1:
+            raise RuntimeError("the mail server is busy")
+
+    async with queue.lifespan(None):
+        job_id = await queue.dispatch(mail, {"to": secret})
+        assert job_id is not None
+        await wait_for(lambda: len(ran) == 2, within=30)
+        found, stored = await queue.transport.step_get(job_id, "look-up")
+        state, token = await queue.transport.once_begin(f"welcome:{secret}", 5)
+        if token is not None:
+            await queue.transport.once_abort(f"welcome:{secret}", token)
+    assert ran == [(1, secret, True), (2, secret, False)] and steps == ["ran"]
+    assert found and stored is not None and secret not in stored and "encrypted" in stored
+    assert state != "Done"  # the once key in the clear was never stored
+
+
 async def test_an_encrypted_jobs_unique_key_is_stored_as_a_keyed_hash_and_still_unique(database_url: str) -> None:
     """The unique key of an encrypted job (an e-mail address, say) is not stored in clear, in the
     envelope nor in the deduplication table: it is an HMAC under the app key, so a second process

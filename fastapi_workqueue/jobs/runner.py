@@ -42,6 +42,7 @@ from .envelope import PLAIN_KEYS, VERSION, EnvelopeInvalid, JobEnvelope, queue_o
 from .events import E, JobDiscarded, JobEvent, JobFailed, JobProcessed, JobProcessing, JobReleased, ReleaseReason
 from .middleware import JobAttempt
 from .results import ResultNotStorable
+from .steps import SealedSteps, sealed_once
 
 if TYPE_CHECKING:
     from .layer import Jobs
@@ -144,9 +145,12 @@ class JobRunner:
         else:  # its own, which its timeout aborts too
             signal = AbortSignal()
             context.signal.add_listener(signal.abort)
+        steps, once = jobs.steps, context.once
+        if job.encrypted and (cipher := jobs.cipher()) is not None:  # (its steps and once keys sealed too)
+            steps, once = SealedSteps(steps, cipher), sealed_once(once, cipher)
         job_context = JobContext(
             message.message_id, job.name, context.attempt, context.max_attempts, queue, signal,
-            lambda: _JobLog(log, job.name, message, context.attempt), context.once, jobs.steps,
+            lambda: _JobLog(log, job.name, message, context.attempt), once, steps,
         )
         if envelope.group is not None:  # the then job of a group: what became of each member
             job_context.group_id = envelope.group

@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from ..core.transport import Transport
+
+if TYPE_CHECKING:
+    from .context import OnceRunner, StepStore
+    from .encryption import PayloadCipher
 
 
 class TransportSteps:
@@ -42,6 +46,36 @@ class MemorySteps:
     async def put(self, job_id: uuid.UUID, name: str, value: Any) -> Any:
         stored = self.results[(job_id, name)] = json.loads(step_json(name, value))
         return stored
+
+
+class SealedSteps:
+    """The steps of an ``encrypted=True`` job: each result stored encrypted with the app key, as
+    its payload and result are (a result stored in the clear before is read as it is)."""
+
+    def __init__(self, inner: StepStore, cipher: PayloadCipher) -> None:
+        self._inner = inner
+        self._cipher = cipher
+
+    async def get(self, job_id: uuid.UUID, name: str) -> tuple[bool, Any]:
+        found, value = await self._inner.get(job_id, name)
+        if found and isinstance(value, dict) and value.keys() == {"encrypted"}:
+            return True, self._cipher.decrypt(value["encrypted"])
+        return found, value
+
+    async def put(self, job_id: uuid.UUID, name: str, value: Any) -> Any:
+        plain = json.loads(step_json(name, value))
+        await self._inner.put(job_id, name, {"encrypted": self._cipher.encrypt(plain)})
+        return plain
+
+
+def sealed_once(once: OnceRunner, cipher: PayloadCipher) -> OnceRunner:
+    """``job.once`` of an ``encrypted=True`` job: its key stored as a keyed hash under the app key
+    (``hmac-sha256:<hex>``), as a unique key is, so the key is not stored in the clear."""
+
+    async def run(key: str, fn: Callable[[], Any], *, ttl_seconds: float = 86400) -> bool:
+        return await once(f"hmac-sha256:{cipher.digest(key)}", fn, ttl_seconds=ttl_seconds)
+
+    return run
 
 
 def step_json(name: str, value: Any) -> str:
