@@ -932,9 +932,11 @@ async def test_the_summary_counts_only_the_settlements_the_store_took(cli: Cli) 
     """A worker frozen past its lease (SIGSTOP) while another process's sweeper takes the delivery
     back: its late settlement changes nothing (LeaseLost), and the summary says 0 settled."""
     sub = cli_app.HANG  # (a lease of 1.5 s)
-    await cli.publish(sub, {"sleep": 2})
+    before = len(cli.records(sub, "started"))  # (other tests of the module ran handlers here too)
+    [message_id] = await cli.publish(sub, {"sleep": 2})
     worker = await cli.start("work", "--app", APP, "--subscription", sub, "--once", "--json")
-    await cli.wait_record(sub, "started")
+    await cli.wait_record(sub, "started", count=before + 1)
+    assert cli.records(sub, "started")[-1]["message_id"] == message_id
     worker.send_signal(signal.SIGSTOP)
     try:
         await asyncio.sleep(2.5)  # past the lease, and no heartbeat went out
