@@ -799,13 +799,7 @@ class Consumer:
         settlement = settlement_for(*base, outcome)
         if settlement.reason == INVALID_OUTCOME_REASON and settlement.kind == "Fail":
             # (a programming error, logged as a raised one is: the stored error alone says it too late)
-            delivery = running.delivery
-            final = dead_letters(settlement.kind, delivery.attempt, delivery.max_attempts)
-            log.log(logging.ERROR if final else logging.WARNING, "%s: delivery %s%s attempt %d of %d: %s; %s",
-                    running.sub.name, delivery.delivery_id, _work_label(running), delivery.attempt,
-                    delivery.max_attempts, settlement.error, "dead-lettering it" if final else "it will be retried",
-                    extra={"subscription": running.sub.name, "delivery_id": delivery.delivery_id,
-                           "message_id": str(delivery.message_id), "attempt": delivery.attempt})
+            self._log_attempt(running, settlement, settlement.error or INVALID_OUTCOME_REASON)
         return settlement
 
     def _returned_too_late(self, running: _Running) -> bool:
@@ -827,22 +821,16 @@ class Consumer:
         with its reason and cause; any other exception keeps its traceback, the queue's calling
         frames folded so that the user's come first. The record carries the delivery's fields."""
         running.error = exc
+        if isinstance(exc, TransientWorkError | FatalWorkError):
+            cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+            self._log_attempt(running, settlement, f"{type(exc).__name__}: {exc.reason}"
+                              + (f" (caused by {summary(cause)})" if cause is not None else ""))
+            return settlement
         delivery = running.delivery
         final = dead_letters(settlement.kind, delivery.attempt, delivery.max_attempts)
         what = "dead-lettering it" if final else "it will be retried"
-        fields = {"subscription": running.sub.name, "delivery_id": delivery.delivery_id,
-                  "message_id": str(delivery.message_id), "attempt": delivery.attempt}
+        fields = _delivery_fields(running)
         work = _work_label(running)
-        if isinstance(exc, TransientWorkError | FatalWorkError):
-            cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
-            log.log(
-                logging.ERROR if final else logging.WARNING,
-                "%s: delivery %s%s attempt %d of %d: %s: %s%s; %s",
-                running.sub.name, delivery.delivery_id, work, delivery.attempt, delivery.max_attempts,
-                type(exc).__name__, exc.reason, f" (caused by {summary(cause)})" if cause is not None else "", what,
-                extra=fields,
-            )
-            return settlement
         log.log(
             logging.ERROR if final else logging.WARNING,
             "%s: delivery %s%s (message %s) failed on attempt %d of %d with %s; %s",
@@ -852,6 +840,15 @@ class Consumer:
             extra={**fields, TRACEBACK_TEXT: handler_traceback(exc)},
         )
         return settlement
+
+    def _log_attempt(self, running: _Running, settlement: Settlement, detail: str) -> None:
+        """One line for a failed attempt: WARNING while it will be retried, ERROR when it dead-letters."""
+        delivery = running.delivery
+        final = dead_letters(settlement.kind, delivery.attempt, delivery.max_attempts)
+        log.log(logging.ERROR if final else logging.WARNING, "%s: delivery %s%s attempt %d of %d: %s; %s",
+                running.sub.name, delivery.delivery_id, _work_label(running), delivery.attempt,
+                delivery.max_attempts, detail, "dead-lettering it" if final else "it will be retried",
+                extra=_delivery_fields(running))
 
     def _settlement_for_abort(self, running: _Running) -> Settlement | None:
         reason = running.signal.reason
@@ -1053,6 +1050,13 @@ def _soonest(held: Sequence[HeldBack]) -> HeldBack | None:
     if not held:
         return None
     return min(held, key=lambda h: -1.0 if h.retry_after is None else h.retry_after)
+
+
+def _delivery_fields(running: _Running) -> dict[str, Any]:
+    """The delivery's fields a log record of its attempt carries."""
+    delivery = running.delivery
+    return {"subscription": running.sub.name, "delivery_id": delivery.delivery_id,
+            "message_id": str(delivery.message_id), "attempt": delivery.attempt}
 
 
 def _ids(runnings: Iterable[_Running], shown: int = 10) -> str:

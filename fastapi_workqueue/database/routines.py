@@ -17,7 +17,7 @@ import uuid
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from ..core.attempts import AttemptInfo
 from ..core.clock import SYSTEM_CLOCK, Clock, time_to_pass
@@ -323,8 +323,7 @@ class RoutineTransport:
     async def heartbeat(self, requests: Sequence[HeartbeatRequest]) -> list[HeartbeatResult]:
         if not requests:
             return []
-        results: list[HeartbeatResult] = []
-        answers: dict[int, HeartbeatResult] = {}
+        results: list[HeartbeatResult | None] = [None] * len(requests)
         # (a delivery named twice, by a stale attempt and the current one, goes in two calls: the
         # routine answers by delivery id, and each token must be weighed on its own)
         for indexes in distinct_rounds([r.delivery_id for r in requests]):
@@ -341,14 +340,13 @@ class RoutineTransport:
             by_id = {str(r["delivery_id"]): r for r in rows}
             for i in indexes:
                 row = by_id.get(requests[i].delivery_id)
-                answers[i] = HeartbeatResult(
+                results[i] = HeartbeatResult(
                     delivery_id=requests[i].delivery_id,
                     alive=bool(row and row["alive"]),
                     cancel_requested=bool(row and row["cancel_requested"]),
                     lease_expires_at=row["lease_expires_at"] if row else None,
                 )
-        results.extend(answers[i] for i in range(len(requests)))
-        return results
+        return cast(list[HeartbeatResult], results)  # (every index is answered in its round)
 
     async def settle(self, settlements: Sequence[Settlement]) -> list[SettleResult]:
         if not settlements:
