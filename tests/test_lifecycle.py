@@ -250,3 +250,87 @@ async def _reconcile(queue: WorkQueue) -> None:
     host = queue.host
     assert host is not None
     await host.reconcile()
+
+
+def _release(url: str, topic: str, subscriptions: list[Subscription], *, topics: list[str] | None = None,
+             enabled: bool = True) -> WorkQueue:
+    """One release of an app: its topics (``topic`` and ``topics``) and subscriptions, the host
+    planning only these subscriptions."""
+    return WorkQueue(
+        WorkQueueSettings(database_url=url, auto_migrate=True, enabled=enabled, **FAST,
+                          subscriptions=[SubscriptionPlan(name=s.name) for s in subscriptions]),
+        topics=[Topic(name=name) for name in [topic, *(topics or [])]],
+        subscriptions=subscriptions,
+    )
+
+
+async def test_a_release_that_renames_a_handler_key_leaves_the_older_instances_serving(database_url: str) -> None:
+    topic, sub = unique("rename-key"), unique("rename-key-sub")
+    older = _release(database_url, topic, [Subscription(name=sub, topic=topic, handler_key="mail.v1")])
+    seen: list[int] = []
+
+    @older.handler("mail.v1")
+    async def mail(message: WorkMessage[dict[str, int]]) -> None:
+        seen.append(message.payload["n"])
+
+    app = FastAPI(lifespan=older.lifespan)
+    app.include_router(older.health_router)
+    newer = _release(database_url, topic, [Subscription(name=sub, topic=topic, handler_key="mail.v2")], enabled=False)
+    async with older.lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                      base_url="http://t") as http, newer.lifespan(None):
+            # the next release has synced its key (its host is off here)
+            assert [s.handler_key for s in await older.transport.list_subscriptions() if s.name == sub] == ["mail.v2"]
+            await _reconcile(older)
+            answer = await http.get("/health/extensions")
+            assert answer.status_code == 200, answer.text
+            [entry] = answer.json()["Extensions"][0]["Subscriptions"]
+            assert (entry["State"], entry["Reason"]) == ("Running", None)
+            await newer.publish(topic, [PublishRequest(payload={"n": n}) for n in range(3)])
+            await wait_for(lambda: sorted(seen) == [0, 1, 2], within=30)  # the older instance's own handler ran
+
+
+async def test_a_subscription_does_not_move_to_another_topic_and_a_refused_sync_writes_nothing(
+    database_url: str,
+) -> None:
+    created, placed, audit = unique("move-from"), unique("move-to"), unique("move-audit")
+    sub = unique("move-sub")
+    first = _release(database_url, created, [Subscription(name=sub, topic=created, handler_key="h")], enabled=False)
+    async with first.lifespan(None):
+        pass  # stored on its topic, no work left: a move would once have been applied in silence
+    moved = _release(database_url, created, [Subscription(name=sub, topic=placed, handler_key="h"),
+                                             Subscription(name=audit, topic=placed, handler_key="h")],
+                     topics=[placed], enabled=False)
+    with pytest.raises(ConfigurationError) as info:
+        async with moved.lifespan(None):
+            pass
+    message = str(info.value)
+    assert f"subscription {sub} is on topic {created} in the store, and the code puts it on topic {placed}" in message
+    assert f"declare a new subscription on {placed} and retire {sub}" in message
+    async with first.lifespan(None):
+        stored = {s.name: s.topic for s in await first.transport.list_subscriptions()}
+        assert stored[sub] == created and audit not in stored  # nothing of the refused release was written
+        assert placed not in {t.name for t in await first.transport.list_topics()}
+        [result] = await first.publish(created, [PublishRequest(payload={"n": 1})])
+        assert result.ok
+        assert (await stats_of(first, sub)).pending == 1  # the older release's publishes still reach it
+
+
+async def test_a_served_subscription_deleted_by_an_operator_is_logged_where_it_ran(
+    database_url: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    topic, sub = unique("deleted-live"), unique("deleted-live-sub")
+    queue = _release(database_url, topic, [Subscription(name=sub, topic=topic, handler_key="h")])
+
+    @queue.handler("h")
+    async def handle(message: WorkMessage[dict[str, int]]) -> None:
+        return None
+
+    async with queue.lifespan(None):
+        assert sub in (queue.host.consumers if queue.host is not None else {})
+        await queue.retire(sub)
+        assert (await queue.delete_subscription(sub)).ok
+        with caplog.at_level("WARNING", logger="fastapi_workqueue.host"):
+            await _reconcile(queue)
+        assert sub not in (queue.host.consumers if queue.host is not None else {})
+    [record] = [r for r in caplog.records if r.name == "fastapi_workqueue.host" and sub in r.getMessage()]
+    assert "no longer in the store (deleted): this process stops serving it" in record.getMessage()

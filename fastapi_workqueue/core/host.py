@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -152,14 +152,16 @@ class Host:
         options: HostOptions = HostOptions(),
         max_deliveries: int | None = None,
         stop_when_idle: bool = False,
-        declared: Collection[str] | None = None,
+        declared: Mapping[str, str] | Collection[str] | None = None,
         ports: Ports | None = None,
     ) -> None:
         """``declared``: the subscriptions the code of this process declares (None: unknown, every
         stored one counts as declared). One stored but not declared, without a handler here, is
         ``Undeclared`` rather than ``HandlerNotRegistered``: removed from the code, or a rolling
-        deploy's older instances still run it. ``ports``: the transport's ports as the queue
-        resolved them (resolved here when not given)."""
+        deploy's older instances still run it. Given as a mapping (name -> handler key), a declared
+        subscription runs with this process's handler key, whatever key the store holds: in a
+        rolling deploy that renames a handler, the older instances keep serving it with theirs.
+        ``ports``: the transport's ports as the queue resolved them (resolved here when not given)."""
         self.transport = transport
         self._declared = declared
         self._resolve = resolve
@@ -187,7 +189,7 @@ class Host:
         self._registry = self.ports.processes
         self.stored_handler_keys: dict[str, str] = {}
         """The handler key of each stored subscription (key -> a subscription that names it), as
-        the last reconcile read them."""
+        the last reconcile read them (this process's own key for one its code declares)."""
         self._beat_failing = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -281,6 +283,7 @@ class Host:
             await self._apply(subscriptions)
 
     async def _apply(self, subscriptions: list[SubscriptionState]) -> None:
+        subscriptions = [self._own_handler_key(s) for s in subscriptions]
         self.stored_handler_keys = {s.handler_key: s.name for s in subscriptions}
         health: dict[str, SubscriptionHealth] = {}
         self._by_id = {str(s.id): s.name for s in subscriptions}
@@ -346,8 +349,15 @@ class Host:
                     reason=reason,
                     concurrency=entry.concurrency,
                 )
+        stored = {s.name for s in subscriptions}
         for name in list(self.consumers):
             if name not in seen:
+                if name not in stored:
+                    log.warning(
+                        "%s: no longer in the store (deleted): this process stops serving it; a start of a release "
+                        "that declares it creates it again", name)
+                else:
+                    log.info("%s: stopping (no longer planned here)", name)
                 self._stop_later(self.consumers.pop(name))
         self._health = health
         self._consumer_of = consumer_of
@@ -406,6 +416,16 @@ class Host:
         self._retired.setdefault(consumer.subscription.name, []).append(consumer)
         self._retiring.spawn(consumer.stop(self.options.shutdown_drain_ms / 1000),
                              name=f"workqueue-retire:{consumer.name}")
+
+    def _own_handler_key(self, sub: SubscriptionState) -> SubscriptionState:
+        """``sub`` with the handler key this process's code declares for it (the stored one
+        otherwise): the key the store holds is the one the last release to sync wrote."""
+        declared = self._declared
+        if isinstance(declared, Mapping):
+            key = declared.get(sub.name)
+            if key is not None and key != sub.handler_key:
+                return sub.model_copy(update={"handler_key": key})
+        return sub
 
     def _desired_state(self, sub: SubscriptionState) -> tuple[HealthState, str | None]:
         reason = unsupported_reason(self.ports, sub)

@@ -415,7 +415,7 @@ class Kernel:
             options=options,
             max_deliveries=max_deliveries,
             stop_when_idle=stop_when_idle,
-            declared=self.subscriptions.keys(),
+            declared={name: sub.handler_key for name, sub in self.subscriptions.items()},
             ports=self.ports,
         )
 

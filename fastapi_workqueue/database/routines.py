@@ -186,23 +186,31 @@ class RoutineTransport:
     # -- topology ----------------------------------------------------------------------------
 
     async def sync_topology(self, topics: Sequence[Topic], subscriptions: Sequence[Subscription]) -> None:
-        for topic in topics:
-            await self.call(
-                "sync_topic", p_name=topic.name, p_max_payload_bytes=topic.max_payload_bytes,
-                p_is_fifo=topic.is_fifo, p_transport=topic.transport,
-            )
-        for sub in subscriptions:
-            await self.call(
-                "sync_subscription",
-                p_name=sub.name, p_topic=sub.topic, p_handler_key=sub.handler_key,
-                p_partition_mode=sub.partition_mode, p_lease_seconds=sub.lease_seconds,
-                p_max_attempts=sub.max_attempts, p_backoff_base_seconds=sub.backoff_base_seconds,
-                p_backoff_max_seconds=sub.backoff_max_seconds, p_max_processing_seconds=sub.max_processing_seconds,
-                p_heartbeat_mode=sub.heartbeat_mode, p_filter=None if sub.filter is None else json.dumps(sub.filter),
-                p_host_type=sub.host_type, p_retention_seconds=sub.retention_seconds, p_status=sub.status,
-                p_max_in_flight=sub.max_in_flight, p_key_concurrency=sub.key_concurrency,
-                p_rate_limit=sub.rate_limit, p_key_rate_limit=sub.key_rate_limit,
-            )
+        """Writes the declared topics and subscriptions in one transaction: a change the store
+        refuses (a subscription moved to another topic, a partition mode changed under live work)
+        leaves the whole topology as it was, not half of it written."""
+
+        async def write(connection: Any) -> None:
+            for topic in topics:
+                await self.call(
+                    "sync_topic", connection=connection, p_name=topic.name,
+                    p_max_payload_bytes=topic.max_payload_bytes, p_is_fifo=topic.is_fifo, p_transport=topic.transport,
+                )
+            for sub in subscriptions:
+                await self.call(
+                    "sync_subscription", connection=connection,
+                    p_name=sub.name, p_topic=sub.topic, p_handler_key=sub.handler_key,
+                    p_partition_mode=sub.partition_mode, p_lease_seconds=sub.lease_seconds,
+                    p_max_attempts=sub.max_attempts, p_backoff_base_seconds=sub.backoff_base_seconds,
+                    p_backoff_max_seconds=sub.backoff_max_seconds,
+                    p_max_processing_seconds=sub.max_processing_seconds, p_heartbeat_mode=sub.heartbeat_mode,
+                    p_filter=None if sub.filter is None else json.dumps(sub.filter), p_host_type=sub.host_type,
+                    p_retention_seconds=sub.retention_seconds, p_status=sub.status,
+                    p_max_in_flight=sub.max_in_flight, p_key_concurrency=sub.key_concurrency,
+                    p_rate_limit=sub.rate_limit, p_key_rate_limit=sub.key_rate_limit,
+                )
+
+        await self._in_transaction("sync topology", write)
 
     async def list_subscriptions(self) -> list[SubscriptionState]:
         rows = await self.call("list_subscriptions")

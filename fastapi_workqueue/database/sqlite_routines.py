@@ -167,12 +167,15 @@ async def r_sync_subscription(c: Call, **p: Any) -> list[Row]:
         [row] = await c.ex.fetch("subscription_insert", **params, now=c.now)
         return [{"sync_subscription": row["id"]}]
     current = existing[0]
-    live = (await c.ex.fetch("subscription_live_count", id=current["id"]))[0]["n"]
-    if live and current["topic"] != params["topic"]:
+    if current["topic"] != params["topic"]:
+        name, old, new = params["name"], current["topic"], params["topic"]
         raise ValueError(
-            f"subscription {params['name']} has live deliveries of topic {current['topic']}; it cannot move to topic "
-            f"{params['topic']} until they are settled or discarded"
+            f"subscription {name} is on topic {old} in the store, and the code puts it on topic {new}: a "
+            f"subscription does not move between topics (what processes still running the code before publish to "
+            f"{old} would reach it no more); declare a new subscription on {new} and retire {name} (`workqueue "
+            f"subscriptions retire {name}`), or retire and delete {name} first"
         )
+    live = (await c.ex.fetch("subscription_live_count", id=current["id"]))[0]["n"]
     if live and current["partition_mode"] != params["partition_mode"]:
         raise ValueError(
             f"subscription {params['name']} has live deliveries routed for partition mode {current['partition_mode']}; "

@@ -1053,13 +1053,14 @@ BEGIN
         END
         ELSE
         BEGIN
-            IF @v_topic <> @p_topic COLLATE Latin1_General_100_BIN2 AND EXISTS (
-                SELECT 1 FROM workqueue.delivery AS d
-                WHERE d.subscription_id = @v_id AND d.status IN (N'Pending', N'InFlight', N'DeadLettered')
-            )
+            IF @v_topic <> @p_topic COLLATE Latin1_General_100_BIN2
             BEGIN
-                SET @v_message = CONCAT(N'subscription ', @p_name, N' has live deliveries of topic ', @v_topic,
-                    N'; it cannot move to topic ', @p_topic, N' until they are settled or discarded');
+                SET @v_message = CONCAT(N'subscription ', @p_name, N' is on topic ', @v_topic,
+                    N' in the store, and the code puts it on topic ', @p_topic,
+                    N': a subscription does not move between topics (what processes still running the code before publish to ',
+                    @v_topic, N' would reach it no more); declare a new subscription on ', @p_topic, N' and retire ',
+                    @p_name, N' (`workqueue subscriptions retire ', @p_name, N'`), or retire and delete ', @p_name,
+                    N' first');
                 THROW 51002, @v_message, 1;
             END;
             IF @v_partition_mode <> @p_partition_mode COLLATE Latin1_General_100_BIN2 AND EXISTS (

@@ -439,8 +439,9 @@ AS $$
 $$;
 
 -- Creates or updates a subscription's definition. The status (Active/Paused) is the operators'
--- and is only set when the subscription is created. Its topic and partition mode cannot change
--- while it has live work (its deliveries were routed for the old ones).
+-- and is only set when the subscription is created. Its topic never changes (a rolling deploy's
+-- older processes still publish to the old one); its partition mode cannot change while it has
+-- live work (its deliveries were routed for the old one).
 CREATE OR REPLACE FUNCTION workqueue.sync_subscription(
     p_name text, p_topic text, p_handler_key text, p_partition_mode text,
     p_lease_seconds double precision, p_max_attempts integer,
@@ -480,12 +481,10 @@ BEGIN
         END IF;
         RETURN v_id;
     END IF;
-    IF v_existing.topic <> p_topic AND EXISTS (
-        SELECT 1 FROM workqueue.delivery d
-        WHERE d.subscription_id = v_existing.id AND d.status IN ('Pending', 'InFlight', 'DeadLettered')
-    ) THEN
-        RAISE EXCEPTION 'subscription % has live deliveries of topic %; it cannot move to topic % until they are settled or discarded',
-            p_name, v_existing.topic, p_topic USING ERRCODE = 'object_in_use';
+    IF v_existing.topic <> p_topic THEN
+        RAISE EXCEPTION 'subscription % is on topic % in the store, and the code puts it on topic %: a subscription does not move between topics (what processes still running the code before publish to % would reach it no more); declare a new subscription on % and retire % (`workqueue subscriptions retire %`), or retire and delete % first',
+            p_name, v_existing.topic, p_topic, v_existing.topic, p_topic, p_name, p_name, p_name
+            USING ERRCODE = 'object_in_use';
     END IF;
     IF v_existing.partition_mode <> p_partition_mode AND EXISTS (
         SELECT 1 FROM workqueue.delivery d
