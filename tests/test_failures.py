@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from fastapi_workqueue import PublishRequest, WorkMessage
 from fastapi_workqueue.core.failures import MAX_ERROR_TEXT, error_text
+
+from .support import make_queue, wait_for
 
 
 def _recurse(n: int) -> None:
@@ -53,3 +60,42 @@ def test_the_text_is_bounded_and_still_says_what_failed() -> None:
 
 def test_an_exception_without_message_or_traceback_is_its_type() -> None:
     assert error_text(TimeoutError()) == "TimeoutError"
+
+
+def test_the_input_a_validation_error_quotes_is_left_out() -> None:
+    class Card(BaseModel):
+        card_number: str
+
+    payload = {"cardNumber": "4111", "cvv": "CVV-" + "SECRET-987"}  # (the traceback quotes this line)
+    try:
+        Card.model_validate(payload)
+    except ValidationError as exc:
+        text = error_text(exc)
+    assert "CVV-SECRET-987" not in text and "4111" not in text
+    assert "card_number" in text and "Field required [type=missing, input_value=..., input_type=dict]" in text
+
+
+class Payment(BaseModel):
+    amount: int
+    card_number: str
+
+
+async def test_a_payload_that_does_not_validate_is_not_quoted_in_the_stored_error(database_url: str) -> None:
+    queue, topic, subs = make_queue(database_url, [{"role": "pay", "max_attempts": 1}], auto_migrate=True)
+
+    @queue.handler("pay")
+    async def pay(message: WorkMessage[Payment]) -> None:
+        raise AssertionError("never called: the payload does not validate")
+
+    async with queue.lifespan(None):
+        await queue.publish(topic, [PublishRequest(payload={"amount": 5, "cardNumber": "4111",
+                                                            "cvv": "CVV-SECRET-987"})])
+
+        async def dead() -> list[Any]:
+            return list(await queue.deliveries(subs["pay"], "DeadLettered"))
+
+        await wait_for(dead, within=30)
+        [letter] = await dead()
+    stored = f"{letter.reason} {letter.last_error}"
+    assert "card_number: Field required" in stored
+    assert "CVV-SECRET-987" not in stored and "4111" not in stored

@@ -20,6 +20,10 @@ from fastapi_workqueue.core.redaction import MASK, RedactingFilter, redact, reda
     [
         ("connect postgresql://app:s3cret@db:5432/x failed", "connect postgresql://app:***@db:5432/x failed"),
         ("connect postgresql://app:s3/cr?t#@db:5432/x failed", "connect postgresql://app:***@db:5432/x failed"),
+        ("connect postgresql://app:p@ssSECRETword@db.internal/app failed",
+         "connect postgresql://app:***@db.internal/app failed"),
+        ("password='SECRET words here' refused", "password='***' refused"),
+        ('config {"password": "SECRET words here", "user": "bob"}', 'config {"password": "***", "user": "bob"}'),
         ("Authorization: Bearer abc.def-ghi", "Authorization: Bearer ***"),
         ('headers={"authorization": "Bearer xyz"}', 'headers={"authorization": "Bearer ***"}'),
         ("sent bearer eyJhbGciOi.J9 upstream", "sent bearer *** upstream"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import traceback
 from collections.abc import Iterator
 
@@ -20,6 +21,10 @@ MAX_ERROR_TEXT = 4000
 """The most characters of error text stored per delivery."""
 MAX_FRAMES = 8
 """Frames kept per exception of the chain: the innermost ones."""
+
+_VALIDATION_INPUT = re.compile(r"input_value=.*?, input_type=")
+"""The input a pydantic validation error quotes (a payload, say): REST shows the stored text to
+callers who may not read payloads, so it is left out there."""
 
 
 def storable(text: str) -> str:
@@ -45,16 +50,21 @@ def error_text(exc: BaseException, *, limit: int = MAX_ERROR_TEXT) -> str:
     is too long, fewer frames are kept, then only ``Type: message`` (its middle cut out if need be)."""
     text = ""
     for frames in (MAX_FRAMES, 3, 1):
-        text = storable(redact("".join(traceback.format_exception(type(exc), exc, exc.__traceback__,
-                                                                  limit=-frames))))
+        text = storable(_without_inputs(redact("".join(
+            traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-frames)))))
         text = text.rstrip("\n")
         if len(text) <= limit:
             return text
-    text = storable(redact(summary(exc)))
+    text = storable(_without_inputs(redact(summary(exc))))
     if len(text) <= limit:
         return text
     head = (limit - 5) // 2
     return f"{text[:head]} ... {text[-(limit - 5 - head):]}"
+
+
+def _without_inputs(text: str) -> str:
+    """``text`` with the inputs that pydantic's validation errors quote replaced by ``...``."""
+    return _VALIDATION_INPUT.sub("input_value=..., input_type=", text) if "input_value=" in text else text
 
 
 def _library_roots() -> tuple[str, ...]:

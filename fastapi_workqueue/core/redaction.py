@@ -22,9 +22,10 @@ from collections.abc import Iterable
 
 MASK = "***"
 
-_URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^\s:/@]*:)(?P<secret>[^\s@]+)(?=@)")
-"""A URL's password: from the ``:`` after the user name to the next ``@``, as SQLAlchemy reads a
-database URL (a password may hold ``/``, ``?`` or ``#`` unencoded there)."""
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^\s:/@]*:)(?P<secret>\S+)(?=@)")
+"""A URL's password: from the ``:`` after the user name to the last ``@`` before a space (a
+password may hold ``/``, ``?``, ``#`` or ``@`` unencoded, and readers disagree on which ``@``
+ends it, so the longest reading is masked)."""
 _AUTH_HEADER = re.compile(
     r"(?P<head>\b(?:proxy-)?authorization\b[\"']?\s*[:=]\s*[\"']?(?:(?:bearer|basic|token|digest)\s+)?)"
     r"(?P<secret>[^\s\"',;]+)",
@@ -33,17 +34,23 @@ _AUTH_HEADER = re.compile(
 _BEARER = re.compile(r"(?P<head>\bbearer\s+)(?P<secret>[A-Za-z0-9\-._~+/]+=*)", re.IGNORECASE)
 _COOKIE = re.compile(r"(?P<head>\b(?:set-)?cookie\b[\"']?\s*[:=]\s*[\"']?)(?P<secret>[^\r\n\"']+)", re.IGNORECASE)
 _API_KEY = re.compile(r"(?P<head>\bwq_[0-9a-zA-Z]+_)(?P<secret>[A-Za-z0-9\-_]+)")
-_NAMED_SECRET = re.compile(
-    r"(?P<head>\b[\w\-]*(?:password|passwd|pwd|secret|token|api[_\-]?key|apikey|access[_\-]?key|private[_\-]?key"
-    r"|app[_\-]?key|credential)s?[\"']?\s*[:=]\s*[\"']?)(?P<secret>[^\s\"',;&)}\]]+)",
-    re.IGNORECASE,
+_SECRET_NAME = (
+    r"\b[\w\-]*(?:password|passwd|pwd|secret|token|api[_\-]?key|apikey|access[_\-]?key|private[_\-]?key"
+    r"|app[_\-]?key|credential)s?[\"']?\s*[:=]\s*"
 )
+_NAMED_SECRET = re.compile(rf"(?P<head>{_SECRET_NAME}[\"']?)(?P<secret>[^\s\"',;&)}}\]]+)", re.IGNORECASE)
+_NAMED_SECRET_QUOTED = (
+    re.compile(rf"(?P<head>{_SECRET_NAME}\")(?P<secret>[^\"\r\n]+)", re.IGNORECASE),
+    re.compile(rf"(?P<head>{_SECRET_NAME}')(?P<secret>[^'\r\n]+)", re.IGNORECASE),
+)
+"""A quoted value whose name says secret: masked up to its closing quote, spaces and all."""
 _PEM_PRIVATE_KEY = re.compile(
     r"(?P<head>-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----)(?P<secret>[\s\S]*?-----END [A-Z0-9 ]*PRIVATE KEY-----)"
 )
 _JWT = re.compile(r"(?P<head>)(?P<secret>\beyJ[A-Za-z0-9_\-]{4,}\.eyJ[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]*)")
 """A JSON web token on its own (its header and claims both begin ``{"``, ``eyJ`` in base64url)."""
-_PATTERNS = (_PEM_PRIVATE_KEY, _URL_PASSWORD, _AUTH_HEADER, _BEARER, _COOKIE, _API_KEY, _NAMED_SECRET, _JWT)
+_PATTERNS = (_PEM_PRIVATE_KEY, _URL_PASSWORD, _AUTH_HEADER, _BEARER, _COOKIE, _API_KEY, *_NAMED_SECRET_QUOTED,
+             _NAMED_SECRET, _JWT)
 _REGISTERED: set[str] = set()
 MIN_SECRET_LENGTH = 4
 
