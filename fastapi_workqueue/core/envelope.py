@@ -215,6 +215,17 @@ def _text_field(name: str, value: str | None, limit: int = MAX_KEY_LENGTH) -> No
     _utf8_len(value, name, "InvalidField")
 
 
+def _attribute_text(name: str, text: str, part: str, limit: int) -> None:
+    """An attribute's name or value, checked as :func:`_text_field` checks a field, with a
+    refusal that says which attribute and which of its parts."""
+    try:
+        _text_field("attributes", text, limit)
+    except RequestRejected as exc:
+        shown = repr(name if len(name) <= 40 else name[:40] + "…")
+        detail = exc.error.message.removeprefix("Attributes ")
+        raise RequestRejected(exc.error.code, f"attribute {shown}: its {part} {detail}", "attributes") from None
+
+
 _encode: Callable[[Any], str] = json.JSONEncoder(
     ensure_ascii=False, separators=(",", ":"), sort_keys=True, allow_nan=False, check_circular=False
 ).encode
@@ -287,8 +298,8 @@ def _check_attributes(attributes: dict[str, Any]) -> None:
                 "(filters compare strings)",
                 "attributes",
             )
-        _text_field("attributes", name, 256)
-        _text_field("attributes", value, 1024)
+        _attribute_text(name, name, "name", 256)
+        _attribute_text(name, value, "value", 1024)
         if name == HEADERS_KEY:
             raise RequestRejected(
                 "InvalidAttribute",

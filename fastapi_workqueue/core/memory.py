@@ -1097,7 +1097,7 @@ class MemoryTransport:
             return ActionResult(result="NotFound", delivery_id=delivery_id, subscription=subscription)
         if d.status != "DeadLettered":
             return ActionResult(result="NotDeadLettered", delivery_id=delivery_id, subscription=subscription,
-                                status=d.status)
+                                status=d.status, cancel_requested=d.cancel_requested)
         d.status, d.attempt, d.visible_at, d.note, d.reason = "Pending", 0, self._now(), note, None
         d.settled_at, d.cancel_requested = None, False
         self._wake([subscription])

@@ -800,11 +800,16 @@ class RoutineTransport:
             return ActionResult(result="NotFound", delivery_id=delivery_id, subscription=subscription)
         rows = await self.call(routine, p_subscription=subscription, p_delivery_id=numeric, **text)
         row = rows[0]
+        cancel_requested = bool(row.get("cancel_requested", False))
+        if row["result"] == "NotDeadLettered" and row["delivery_status"] == "InFlight" and not cancel_requested:
+            # (the refusal names the delivery's state; whether a cancel waits on it is read here)
+            info = await self.get_delivery(delivery_id)
+            cancel_requested = info is not None and info.cancel_requested
         return ActionResult(
             result=row["result"],
             delivery_id=delivery_id,
             subscription=subscription,
-            cancel_requested=bool(row.get("cancel_requested", False)),
+            cancel_requested=cancel_requested,
             status=row["delivery_status"],
         )
 

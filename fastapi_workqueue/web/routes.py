@@ -161,9 +161,11 @@ class _BoundedBodyRoute(APIRoute):
 
         async def bounded(request: Request) -> Response:
             declared = request.headers.get("content-length")
+            advice = ("publish in smaller calls" if request.url.path.endswith("/messages")
+                      else "send a shorter note or reason")
             too_large = JSONResponse(
                 status_code=status.HTTP_413_CONTENT_TOO_LARGE,
-                content={"detail": f"the body is larger than {limit} bytes; publish in smaller calls"},
+                content={"detail": f"the body is larger than {limit} bytes; {advice}"},
             )
             if declared is not None and declared.isdigit() and int(declared) > limit:
                 return too_large

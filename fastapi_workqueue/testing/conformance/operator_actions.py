@@ -87,6 +87,9 @@ async def test_c27_discard_in_flight_requests_cancel_then_discarded_never_retrie
     # A second cancel answers the same and keeps the first one's reason.
     again = await harness.transport.discard(world["x"], running.delivery_id, "asked again")
     assert again.result == "CancelRequested" and again.cancel_requested
+    # A replay, refused, says the delivery's state as a listing does: InFlight, its cancel requested.
+    refused = await harness.transport.replay(world["x"], running.delivery_id, None)
+    assert (refused.result, refused.status, refused.cancel_requested) == ("NotDeadLettered", "InFlight", True)
     [hb] = await harness.transport.heartbeat([HeartbeatRequest(running.delivery_id, running.lease_token)])
     assert hb.cancel_requested and not hb.alive
     # The heartbeat renews the lease of the handler that winds down: its holder is alive, and lease
