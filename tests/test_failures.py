@@ -99,3 +99,14 @@ async def test_a_payload_that_does_not_validate_is_not_quoted_in_the_stored_erro
     stored = f"{letter.reason} {letter.last_error}"
     assert "card_number: Field required" in stored
     assert "CVV-SECRET-987" not in stored and "4111" not in stored
+
+
+def test_a_handlers_reason_is_kept_bounded_and_redacted() -> None:
+    from fastapi_workqueue import FatalWorkError, Outcome
+    from fastapi_workqueue.core.lifecycle import settlement_for
+
+    for outcome in (Outcome.retry("x" * 250_000 + " token=abc123"), Outcome.dead_letter("y" * 250_000),
+                    FatalWorkError("z" * 250_000)):
+        reason = settlement_for("1", "t", outcome).reason
+        assert reason is not None and len(reason) == MAX_ERROR_TEXT and " ... " in reason
+    assert settlement_for("1", "t", Outcome.discard("password=hunter2 gone")).reason == "password=*** gone"

@@ -337,6 +337,9 @@ async def test_size_limits_are_413_with_the_limit(target: Target) -> None:
     discard = f"{PREFIX}/subscriptions/{target.subs['held']}/deliveries/1/discard"
     response = await target.post({"Reason": "r" * (6 * 1024 * 1024)}, path=discard)
     assert_4xx(response, "larger than 5242880 bytes; send a shorter note or reason", status=413)
+    replay = f"{PREFIX}/subscriptions/{target.subs['held']}/deliveries/1/replay"
+    response = await target.post({"Note": "n" * 2001}, path=replay)
+    assert_4xx(response, "Note", "is 2001 characters; at most 2000 are allowed", status=422)
 
     # Under the byte limit, over the envelope cap: the item is named.
     response = await target.post([{"Payload": 1}, {"Payload": "z" * (256 * 1024)}])
@@ -474,9 +477,9 @@ async def test_huge_and_too_many_attributes(target: Target) -> None:
         {"Payload": 2, "Attributes": {f"a{i}": str(i) for i in range(10)}},
     )
     for attributes, phrases in (
-        ({"big": "x" * 1025}, ("attribute 'big': its value is 1025 characters; at most 1024",)),
+        ({"big": "x" * 1025}, ("Attributes['big']: its value is 1025 characters; at most 1024",)),
         ({"big": "x" * (1024 * 1024)}, ("at most 1024",)),
-        ({"n" * 257: "v"}, (f"attribute '{'n' * 40}…': its name is 257 characters; at most 256",)),
+        ({"n" * 257: "v"}, (f"Attributes['{'n' * 40}…']: its name is 257 characters; at most 256",)),
         ({f"a{i}": str(i) for i in range(11)}, ("11 attributes", "at most 10")),
     ):
         assert_4xx(await target.post([{"Payload": 1, "Attributes": attributes}]), *phrases, status=422)

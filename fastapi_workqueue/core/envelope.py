@@ -223,7 +223,7 @@ def _attribute_text(name: str, text: str, part: str, limit: int) -> None:
     except RequestRejected as exc:
         shown = repr(name if len(name) <= 40 else name[:40] + "…")
         detail = exc.error.message.removeprefix("Attributes ")
-        raise RequestRejected(exc.error.code, f"attribute {shown}: its {part} {detail}", "attributes") from None
+        raise RequestRejected(exc.error.code, f"Attributes[{shown}]: its {part} {detail}", "attributes") from None
 
 
 _encode: Callable[[Any], str] = json.JSONEncoder(

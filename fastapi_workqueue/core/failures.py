@@ -55,7 +55,16 @@ def error_text(exc: BaseException, *, limit: int = MAX_ERROR_TEXT) -> str:
         text = text.rstrip("\n")
         if len(text) <= limit:
             return text
-    text = storable(_without_inputs(redact(summary(exc))))
+    return _bounded(storable(_without_inputs(redact(summary(exc)))), limit)
+
+
+def stored_reason(reason: str, *, limit: int = MAX_ERROR_TEXT) -> str:
+    """A handler's reason (of a retry, a dead letter, a discard or a work error) as the delivery
+    keeps it: redacted, storable and at most ``limit`` characters, its middle cut out if need be."""
+    return _bounded(storable(redact(reason)), limit)
+
+
+def _bounded(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     head = (limit - 5) // 2

@@ -26,10 +26,9 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from .envelope import MAX_DELAY_SECONDS
-from .failures import error_text, storable
+from .failures import error_text, stored_reason
 from .filters import matches
 from .outcomes import Complete, DeadLetter, Discard, FatalWorkError, Retry, TransientWorkError
-from .redaction import redact
 from .topology import PartitionMode
 from .transport import SettleKind, Settlement
 
@@ -260,15 +259,15 @@ def settlement_for(delivery_id: str, lease_token: str, result: object) -> Settle
     if isinstance(result, Complete):
         return Settlement(*base, "Complete", follow_ups=result.then, result_json=result.result, frees=result.frees)
     if isinstance(result, Retry):
-        return Settlement(*base, "Retry", delay_seconds=result.delay_seconds, reason=storable(result.reason))
+        return Settlement(*base, "Retry", delay_seconds=result.delay_seconds, reason=stored_reason(result.reason))
     if isinstance(result, DeadLetter):
-        return Settlement(*base, "DeadLetter", reason=storable(result.reason))
+        return Settlement(*base, "DeadLetter", reason=stored_reason(result.reason))
     if isinstance(result, Discard):
-        return Settlement(*base, "Discard", reason=storable(result.reason))
+        return Settlement(*base, "Discard", reason=stored_reason(result.reason))
     if isinstance(result, FatalWorkError):
-        return Settlement(*base, "DeadLetter", reason=storable(redact(result.reason)), error=error_text(result))
+        return Settlement(*base, "DeadLetter", reason=stored_reason(result.reason), error=error_text(result))
     if isinstance(result, TransientWorkError):
-        return Settlement(*base, "Retry", delay_seconds=result.delay_seconds, reason=storable(redact(result.reason)),
+        return Settlement(*base, "Retry", delay_seconds=result.delay_seconds, reason=stored_reason(result.reason),
                           error=error_text(result))
     if isinstance(result, BaseException):
         return Settlement(*base, "Fail", reason=type(result).__name__, error=error_text(result))

@@ -50,8 +50,13 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+MAX_NOTE_LENGTH = 2000
+"""The most characters of an operator's note or reason (the dashboard's forms allow as many)."""
+
+
 def _storable_text(value: str | None) -> str | None:
-    """Text the stores can keep: no NUL character, and valid Unicode (no lone surrogate)."""
+    """Text the stores can keep: no NUL character, valid Unicode (no lone surrogate), at most
+    :data:`MAX_NOTE_LENGTH` characters."""
     if value is None:
         return value
     if "\x00" in value:
@@ -60,6 +65,8 @@ def _storable_text(value: str | None) -> str | None:
         value.encode()
     except UnicodeEncodeError as exc:
         raise ValueError(f"is not valid Unicode ({exc.reason}); send UTF-8 text") from exc
+    if len(value) > MAX_NOTE_LENGTH:
+        raise ValueError(f"is {len(value)} characters; at most {MAX_NOTE_LENGTH} are allowed")
     return value
 
 
@@ -82,8 +89,8 @@ class DiscardBody(WireModel):
 class RetireBody(WireModel):
     discard_pending: bool = False
     """Discard the Pending deliveries at once instead of letting them drain."""
-    reason: str | None = Field(default=None, max_length=2000)
-    """Kept with each discarded delivery."""
+    reason: str | None = None
+    """Kept with each discarded delivery (at most 2,000 characters)."""
     _reason = field_validator("reason")(_storable_text)
 
 
