@@ -172,3 +172,26 @@ def test_a_request_session_made_under_a_loop_now_closed_is_made_again(pg_url: st
     # The first engine's connection was left with its loop (Python warns of it when it is
     # collected): collected here, not in whichever test runs next.
     gc.collect()
+
+
+async def test_the_urls_driver_and_server_parameters_reach_the_queue_and_its_sessions(pg_url: str) -> None:
+    """``application_name`` (a server setting), libpq's ``connect_timeout`` and SQLAlchemy's own
+    ``prepared_statement_cache_size`` in one URL: the queue and the request sessions both open,
+    and both connect as the URL says."""
+    name = f"wq-{uuid.uuid4().hex[:8]}"
+    url = f"{pg_url}?application_name={name}&connect_timeout=5&prepared_statement_cache_size=0"
+    queue, topic, _ = make_queue(url, [{"role": "a"}], auto_migrate=True, enabled=False)
+    async with queue.lifespan(None):
+        async with queue.sessionmaker() as session:
+            assert await session.scalar(text("SELECT current_setting('application_name')")) == name
+            [result] = await queue.publish(topic, [PublishRequest(payload=1)], session=session)
+            await session.commit()
+        assert result.ok
+        async with queue.sessionmaker() as session:
+            mine = await session.scalar(
+                text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :n"), {"n": name})
+        assert mine is not None and mine >= 2  # the queue's own pool and the session's connection
+        # No prepared statement kept on the queue's own connections (what a pooler without them needs).
+        kept = await queue.transport.run_in_connection(  # type: ignore[attr-defined]
+            lambda conn: conn.fetchval("SELECT count(*) FROM pg_prepared_statements"))
+        assert kept == 0

@@ -123,6 +123,42 @@ def split_libpq_tls(url: str) -> tuple[str, str | None]:
         "postgresql://", tls)
 
 
+SQLALCHEMY_ASYNCPG_PARAMETERS = frozenset({"prepared_statement_cache_size", "async_fallback"})
+"""Query parameters that SQLAlchemy's asyncpg dialect reads itself (neither asyncpg's nor the server's)."""
+
+
+def split_for_sqlalchemy(url: str) -> tuple[str, str | None]:
+    """A PostgreSQL URL for SQLAlchemy's asyncpg dialect, which hands every query parameter it does
+    not know to ``asyncpg.connect`` as an argument (and so refuses ``application_name``, libpq's
+    ``sslmode``, …): the URL with only the dialect's own parameters, and a DSN with every other
+    one (``postgresql://?application_name=app&sslmode=require``), which asyncpg reads as it reads
+    the queue's own URL; None when there is none."""
+    base, items = _query_items(libpq_tls(url))
+    rest = [(key, raw) for key, raw in items if key not in SQLALCHEMY_ASYNCPG_PARAMETERS]
+    if not rest:
+        return url, None
+    own = [(key, raw) for key, raw in items if key in SQLALCHEMY_ASYNCPG_PARAMETERS]
+    return _joined(base, own), _joined("postgresql://", rest)
+
+
+def pop_statement_cache_size(url: str) -> tuple[str, int | None]:
+    """A PostgreSQL URL without SQLAlchemy's own parameters, and the size its
+    ``prepared_statement_cache_size`` gives asyncpg's statement cache (None when it gives none):
+    the queue's own connections honour it (0 for a pool that keeps no prepared statements) rather
+    than send it to the server as a setting it does not know."""
+    base, items = _query_items(url)
+    given = [raw.partition("=")[2] for key, raw in items if key == "prepared_statement_cache_size"]
+    kept = _joined(base, [(key, raw) for key, raw in items if key not in SQLALCHEMY_ASYNCPG_PARAMETERS])
+    if not given:
+        return kept, None
+    if not given[-1].isdigit():
+        raise ConfigurationError(
+            f"the database URL's prepared_statement_cache_size={given[-1]!r} is not a whole number; write it as "
+            "prepared_statement_cache_size=0 (no prepared statements kept) or a size such as 100"
+        )
+    return kept, int(given[-1])
+
+
 def pop_connect_timeout(url: str) -> tuple[str, float | None]:
     """A PostgreSQL URL without libpq's ``connect_timeout`` (seconds), and that timeout (None when
     the URL gives none). asyncpg takes it as an argument, not as a URL parameter: left in, it would

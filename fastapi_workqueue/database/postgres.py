@@ -12,7 +12,13 @@ from typing import Any, TypeVar, cast
 import asyncpg
 
 from ..core.clock import Clock
-from ..core.database_url import database_scheme, encoded_user_info, libpq_tls, pop_connect_timeout
+from ..core.database_url import (
+    database_scheme,
+    encoded_user_info,
+    libpq_tls,
+    pop_connect_timeout,
+    pop_statement_cache_size,
+)
 from ..core.envelope import PreparedMessage, PublishResult
 from ..core.errors import ConfigurationError
 from ..core.redaction import redacting_logger
@@ -77,6 +83,7 @@ class PostgresTransport(RoutineTransport):
         super().__init__(rng=rng, clock=clock)
         self.url = url
         dsn, url_timeout = pop_connect_timeout(to_asyncpg_dsn(url))
+        dsn, self._statement_cache_size = pop_statement_cache_size(dsn)
         self._dsn = dsn
         self._pool_min_size = pool_min_size
         self._pool_max_size = pool_max_size
@@ -143,7 +150,9 @@ class PostgresTransport(RoutineTransport):
             await pool.close()
 
     async def _connect(self) -> asyncpg.Connection[Any]:
-        conn: asyncpg.Connection[Any] = await asyncpg.connect(self._dsn, timeout=self._connect_timeout)
+        options: dict[str, Any] = ({} if self._statement_cache_size is None
+                                   else {"statement_cache_size": self._statement_cache_size})
+        conn: asyncpg.Connection[Any] = await asyncpg.connect(self._dsn, timeout=self._connect_timeout, **options)
         try:
             await _init_connection(conn)
         except BaseException:

@@ -17,7 +17,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..core.database_url import pop_connect_timeout, split_libpq_tls
+from ..core.database_url import pop_connect_timeout, split_for_sqlalchemy
 from ..core.errors import ConfigurationError
 from ..core.request_load import IN_ATTEMPT, RequestLoad
 from ..core.session_pool import SessionPool
@@ -149,13 +149,13 @@ class RequestSessions:
             options: dict[str, Any] = (
                 {"connect_args": {"timeout": pool.sqlite_busy_seconds}} if url.startswith("sqlite") else {})
             if url.startswith("postgresql+asyncpg://"):
-                # libpq's TLS parameters (sslmode=require, sslrootcert=...) and connect_timeout, as the
-                # queue's own pool reads them.
+                # The URL's parameters (application_name, libpq's sslmode, sslrootcert, …, and
+                # connect_timeout) as the queue's own pool reads them.
                 url, seconds = pop_connect_timeout(url)
-                url, tls = split_libpq_tls(url)
+                url, driver = split_for_sqlalchemy(url)
                 connect_args: dict[str, Any] = {}
-                if tls is not None:
-                    connect_args["dsn"] = tls
+                if driver is not None:
+                    connect_args["dsn"] = driver
                 if seconds is not None:
                     connect_args["timeout"] = seconds
                 if connect_args:
