@@ -192,6 +192,10 @@ BLOCKED_EXTRAS = [
      "from fastapi_workqueue import WorkQueue, WorkQueueSettings\n"
      "WorkQueue(WorkQueueSettings(database_url='sqlite+aiosqlite:///x.db')).dashboard()",
      "the dashboard needs jinja2: install the dashboard extra, pip install 'fastapi-workqueue[dashboard]'"),
+    ("asyncpg",
+     "from fastapi_workqueue import WorkQueue, WorkQueueSettings\n"
+     "WorkQueue(WorkQueueSettings(database_url='postgresql+asyncpg://app@127.0.0.1/app')).engine",
+     "PostgreSQL needs asyncpg: pip install 'fastapi-workqueue[postgres]'"),
 ]
 
 
@@ -326,3 +330,22 @@ async def test_libpqs_connect_timeout_in_the_url_is_the_connect_timeout(pg_url: 
     assert (own.status, joined.status) == ("Accepted", "Accepted")
     with pytest.raises(ConfigurationError, match=r"connect_timeout='soon' is not a number of seconds above 0"):
         await WorkQueue(WorkQueueSettings(database_url=f"{pg_url}?connect_timeout=soon")).open()
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("mysql://app@127.0.0.1/app", "database URL scheme 'mysql' is not supported; use"),
+    ("sqlite+aiosqlite:///:memory:", "SQLite needs a file that every connection and process of the queue shares"),
+    ("sqlite+aiosqlite:///no/such/dir/app.db", "of the SQLite file 'no/such/dir/app.db' does not exist; create it"),
+])
+def test_the_request_sessions_engine_checks_its_url_as_the_queue_does(url: str, says: str) -> None:
+    """``queue.engine`` (which an app's lifespan may use before the queue opens) refuses what the
+    queue refuses, with the same words, instead of a driver's error."""
+    with pytest.raises(ConfigurationError, match=says):
+        WorkQueue(WorkQueueSettings(database_url=url)).engine  # noqa: B018 (made on first use)
+
+
+def test_the_request_sessions_use_the_queues_async_driver_whatever_the_url_names(tmp_path: Path) -> None:
+    engine = WorkQueue(WorkQueueSettings(database_url=f"sqlite+pysqlite:///{tmp_path / 'app.db'}")).engine
+    assert engine.url.drivername == "sqlite+aiosqlite"
+    engine = WorkQueue(WorkQueueSettings(database_url="postgresql+psycopg2://app@127.0.0.1/app")).engine
+    assert engine.url.drivername == "postgresql+asyncpg"

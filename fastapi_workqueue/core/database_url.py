@@ -3,6 +3,7 @@ repeating the URL (it may hold a password)."""
 
 from __future__ import annotations
 
+import os
 import re
 from urllib.parse import quote, unquote
 
@@ -178,3 +179,44 @@ def pop_connect_timeout(url: str) -> tuple[str, float | None]:
         )
     return _joined(base, [(key, raw) for key, raw in items if key != "connect_timeout"]), seconds
 
+
+
+FILE_URL_HINT = (
+    "set WORKQUEUE_DATABASE_URL to sqlite+aiosqlite:///relative/file.db (in the working directory) or "
+    "sqlite+aiosqlite:////absolute/path/file.db"
+)
+
+
+def sqlite_path(url: str) -> str:
+    """``sqlite+aiosqlite:///relative.db`` / ``sqlite:////absolute.db`` → a file path."""
+    if database_scheme(url) != "sqlite":
+        raise ConfigurationError("the database URL is not SQLite; use sqlite+aiosqlite:///path/to/file.db")
+    rest = url.partition("://")[2]
+    path = rest[1:] if rest.startswith("/") else rest
+    # Percent-encoded as SQLAlchemy reads it (%20 a space), so that the request sessions' engine
+    # and the queue open one file.
+    path = unquote(path.split("?", 1)[0])
+    if path == ":memory:" or path.startswith("file::memory:"):
+        raise ConfigurationError(
+            f"SQLite needs a file that every connection and process of the queue shares, not :memory: ({url!r}); "
+            + FILE_URL_HINT
+        )
+    if not path:
+        raise ConfigurationError(f"the SQLite URL {url!r} names no file; " + FILE_URL_HINT)
+    return path
+
+
+def sqlite_directory(path: str) -> str:
+    """The directory an SQLite file lives in (its path made absolute)."""
+    return os.path.dirname(os.path.abspath(path))
+
+
+def missing_sqlite_directory(path: str) -> ConfigurationError | None:
+    """The error for an SQLite file whose directory does not exist (None when it does)."""
+    directory = sqlite_directory(path)
+    if os.path.isdir(directory):
+        return None
+    return ConfigurationError(
+        f"the directory {directory!r} of the SQLite file {path!r} does not exist; create it, or "
+        + FILE_URL_HINT + " in a directory that exists"
+    )

@@ -21,12 +21,11 @@ import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
-from urllib.parse import unquote
 
 import aiosqlite
 
 from ..core.clock import Clock
-from ..core.database_url import database_scheme
+from ..core.database_url import FILE_URL_HINT, missing_sqlite_directory, sqlite_path
 from ..core.errors import ConfigurationError, SchemaMissing, TransportError
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
@@ -52,39 +51,6 @@ def load_queries() -> dict[str, str]:
     text = read("sqlite", "queries.sql")
     parts = _NAME.split(text)
     return {parts[i]: parts[i + 1].strip().rstrip(";") for i in range(1, len(parts), 2)}
-
-
-_FILE_URL_HINT = (
-    "set WORKQUEUE_DATABASE_URL to sqlite+aiosqlite:///relative/file.db (in the working directory) or "
-    "sqlite+aiosqlite:////absolute/path/file.db"
-)
-
-
-def sqlite_path(url: str) -> str:
-    """``sqlite+aiosqlite:///relative.db`` / ``sqlite:////absolute.db`` → a file path."""
-    if database_scheme(url) != "sqlite":
-        raise ConfigurationError("the database URL is not SQLite; use sqlite+aiosqlite:///path/to/file.db")
-    rest = url.partition("://")[2]
-    path = rest[1:] if rest.startswith("/") else rest
-    # Percent-encoded as SQLAlchemy reads it (%20 a space), so that the request sessions' engine
-    # and the queue open one file.
-    path = unquote(path.split("?", 1)[0])
-    if path == ":memory:" or path.startswith("file::memory:"):
-        raise ConfigurationError(
-            f"SQLite needs a file that every connection and process of the queue shares, not :memory: ({url!r}); "
-            + _FILE_URL_HINT
-        )
-    if not path:
-        raise ConfigurationError(f"the SQLite URL {url!r} names no file; " + _FILE_URL_HINT)
-    return path
-
-
-def _directory_exists(path: str) -> bool:
-    return os.path.isdir(_directory(path))
-
-
-def _directory(path: str) -> str:
-    return os.path.dirname(os.path.abspath(path))
 
 
 def split_statements(script: str) -> list[str]:
@@ -215,14 +181,12 @@ class SqliteTransport(RoutineTransport):
                 "SQLite needs aiosqlite, a dependency of fastapi-workqueue: reinstall the package, "
                 "or pip install 'aiosqlite>=0.20'"
             ) from exc
-        if not _directory_exists(self.path):
-            raise ConfigurationError(
-                f"the directory {_directory(self.path)!r} of the SQLite file {self.path!r} does not exist; "
-                "create it, or " + _FILE_URL_HINT + " in a directory that exists"
-            )
+        missing = missing_sqlite_directory(self.path)
+        if missing is not None:
+            raise missing
         if _is_directory(self.path):  # (refused before the driver starts a thread for it)
             raise ConfigurationError(
-                f"{self.path!r} is a directory, not an SQLite file; " + _FILE_URL_HINT + " (a file in that directory)"
+                f"{self.path!r} is a directory, not an SQLite file; " + FILE_URL_HINT + " (a file in that directory)"
             )
         if _read_only(self.path):
             # (SQLite would open it read-only, and every write would fail later, one at a time)

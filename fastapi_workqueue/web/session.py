@@ -12,12 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..core.database_url import pop_connect_timeout, split_for_sqlalchemy
+from ..core.database_url import (
+    EXAMPLES,
+    database_scheme,
+    missing_sqlite_directory,
+    pop_connect_timeout,
+    split_for_sqlalchemy,
+    sqlite_path,
+)
 from ..core.errors import ConfigurationError
 from ..core.request_load import IN_ATTEMPT, RequestLoad
 from ..core.session_pool import SessionPool
@@ -99,13 +107,24 @@ def _busy() -> Exception:
 
 
 def to_sqlalchemy_url(url: str) -> str:
-    """Picks the async driver SQLAlchemy needs when the URL names none."""
-    scheme, _, rest = url.partition("://")
+    """The URL the request sessions' engine opens, checked as the queue checks its own: the async
+    driver the queue uses (asyncpg, aiosqlite, aioodbc) whatever driver the URL names, since a
+    publish joins the session's connection; :class:`ConfigurationError` saying what to change
+    for a scheme the queue does not take, a missing extra, or an SQLite file that cannot be one."""
+    scheme = database_scheme(url)
+    rest = url.partition("://")[2]
     if scheme in ("postgresql", "postgres"):
+        if importlib.util.find_spec("asyncpg") is None:
+            raise ConfigurationError("PostgreSQL needs asyncpg: pip install 'fastapi-workqueue[postgres]'")
         return f"postgresql+asyncpg://{rest}"
     if scheme == "sqlite":
+        missing = missing_sqlite_directory(sqlite_path(url))
+        if missing is not None:
+            raise missing
         return f"sqlite+aiosqlite://{rest}"
-    return url
+    if scheme == "mssql":
+        return f"mssql+aioodbc://{rest}"
+    raise ConfigurationError(f"database URL scheme {scheme!r} is not supported; use {EXAMPLES}")
 
 
 RETRY_AFTER_SECONDS = 1
