@@ -455,7 +455,7 @@ class MemoryTransport:
         if sub.spec.flow_limited:
             return self._claim_limited(sub, limit, now)
         taken = _shared(self._claimable(subscription, now), limit)
-        taken.sort(key=lambda d: (-d.priority, d.id))
+        taken.sort(key=_claim_order)  # the highest priority first, then the earliest due
         return [self._lease(d, sub, now) for d in taken]
 
     def _claim_limited(self, sub: _Sub, limit: int, now: datetime) -> Claimed:
@@ -504,7 +504,7 @@ class MemoryTransport:
                 tokens(True, d.partition_key, key_rate) < 1 for d in candidates if d.partition_key is not None)
             held = "KeyRateLimit" if key_rate is not None and (spent or spec.key_concurrency is None) \
                 else "KeyConcurrency"
-        taken.sort(key=lambda d: (-d.priority, d.id))
+        taken.sort(key=_claim_order)  # the highest priority first, then the earliest due
         out = [self._lease(d, sub, now) for d in taken]
         if out and rate is not None:
             self._store.buckets[(name, False, "")] = (sub_tokens - len(out), now)

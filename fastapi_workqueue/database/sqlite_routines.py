@@ -442,7 +442,9 @@ async def _take(c: Call, sub: Row, keyed: list[Row], unkeyed: list[Row], holder:
     out: list[Row] = []
     lease_expires = c.now + sub["lease_seconds"]
     stale: list[str] = []
-    for candidate, key in [(k["next_id"], k["partition_key"]) for k in keyed] + [(u["id"], None) for u in unkeyed]:
+    due: dict[Any, Any] = {}  # delivery id -> when it became due (the answer's order, after priority)
+    for candidate, key, visible in ([(k["next_id"], k["partition_key"], k["next_visible_at"]) for k in keyed]
+                                    + [(u["id"], None, u["visible_at"]) for u in unkeyed]):
         rows = await c.ex.fetch("delivery_claim", id=candidate, token=str(uuid.uuid4()),
                                 lease_expires_at=lease_expires, now=c.now, holder=_text(holder))
         if not rows:
@@ -452,12 +454,14 @@ async def _take(c: Call, sub: Row, keyed: list[Row], unkeyed: list[Row], holder:
         d = rows[0]
         if d["key_mode"] > 0:
             await c.ex.execute("partition_hold", subscription_id=sub["id"], key=d["partition_key"], id=d["id"])
-        out.append(await _claimed_row(c, d))
+        row = await _claimed_row(c, d)
+        due[row["delivery_id"]] = visible
+        out.append(row)
     # A key that pointed at a delivery no longer Pending is re-derived.
     mode = 1 if sub["partition_mode"] == "Exclusive" else 2
     for key in stale:
         await refresh_partition(c, sub["id"], key, mode)
-    out.sort(key=lambda r: (-r["priority"], r["delivery_id"]))
+    out.sort(key=lambda r: (-r["priority"], due[r["delivery_id"]], r["delivery_id"]))
     for row in out:
         del row["priority"]
     return out

@@ -1996,6 +1996,7 @@ BEGIN
         partition_key nvarchar(512) COLLATE Latin1_General_100_BIN2 NULL,
         key_mode smallint NULL,
         priority smallint NULL,
+        visible_at datetimeoffset(6) NULL,
         held_back nvarchar(20) COLLATE Latin1_General_100_BIN2 NULL,
         retry_after float NULL
     );
@@ -2270,9 +2271,9 @@ BEGIN
                     held_by = @p_holder, progress_percent = NULL, progress_message = NULL
                 OUTPUT inserted.id, inserted.lease_token, inserted.attempt, inserted.max_attempts,
                        inserted.lease_expires_at, inserted.message_id, inserted.partition_key, inserted.key_mode,
-                       inserted.priority
+                       inserted.priority, inserted.visible_at
                 INTO @v_claimed (id, lease_token, attempt, max_attempts, lease_expires_at, message_id,
-                                 partition_key, key_mode, priority)
+                                 partition_key, key_mode, priority, visible_at)
                 FROM workqueue.delivery AS d
                 INNER JOIN @v_ids AS x ON x.id = d.id
                 WHERE d.status = N'Pending';
@@ -2387,7 +2388,7 @@ BEGIN
            m.correlation_id, m.published_at, c.held_back, c.retry_after
     FROM @v_claimed AS c
     LEFT JOIN workqueue.message AS m ON m.id = c.message_id
-    ORDER BY CASE WHEN c.id = 0 THEN 1 ELSE 0 END, c.priority DESC, c.id;
+    ORDER BY CASE WHEN c.id = 0 THEN 1 ELSE 0 END, c.priority DESC, c.visible_at, c.id;
 END;
 GO
 

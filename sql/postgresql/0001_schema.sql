@@ -1692,7 +1692,7 @@ BEGIN
                 claimed_at = v_now, held_by = p_holder, progress_percent = NULL, progress_message = NULL
             WHERE d.id = ANY (v_ids) AND d.status = 'Pending'
             RETURNING d.id, d.lease_token, d.attempt, d.max_attempts, d.lease_expires_at, d.message_id,
-                      d.partition_key, d.key_mode, d.priority
+                      d.partition_key, d.key_mode, d.priority, d.visible_at
         ), held AS (
             UPDATE workqueue.partition pt
             SET holder_id = d.id, next_id = NULL, next_visible_at = NULL, next_priority = 0
@@ -1703,7 +1703,7 @@ BEGIN
                m.partition_key, m.attributes, m.payload, m.payload_ref, m.correlation_id, m.published_at,
                NULL::text, NULL::double precision
         FROM d JOIN workqueue.message m ON m.id = d.message_id
-        ORDER BY d.priority DESC, d.id;
+        ORDER BY d.priority DESC, d.visible_at, d.id;   -- the highest priority first, then the earliest due
         GET DIAGNOSTICS v_got = ROW_COUNT;
 
         IF v_got < cardinality(v_ids) AND v_keys IS NOT NULL THEN

@@ -14,7 +14,7 @@ from fastapi_workqueue.core.envelope import PublishRequest
 from ...core.live_work import FlowStateReader
 from ...core.ports import Ports
 from ...core.transport import Claimed, ClaimedDelivery, HeldBack
-from .harness import Harness, make_world, require
+from .harness import Harness, age, make_world, require
 
 
 async def test_c34_priority_higher_first_then_publish_order(harness: Harness) -> None:
@@ -33,6 +33,21 @@ async def test_c34_one_claim_answers_its_deliveries_highest_priority_first(harne
     results = await world.publish(*[PublishRequest(payload=i, priority=p) for i, p in enumerate([1, 0, 7, 3])])
     claimed = await world.claim("s", 3)
     assert [c.message_id for c in claimed] == [results[2].message_id, results[3].message_id, results[0].message_id]
+
+
+async def test_c34_one_claim_answers_equal_priorities_in_the_order_they_became_due(harness: Harness) -> None:
+    """Within a priority, the order is when each delivery became due, not when it was published:
+    the answer of one claim runs in that order."""
+    require(harness, "priority", "priority")
+    world = await make_world(harness.transport, [{"role": "s"}])
+    late, now, soon, urgent = await world.publish(
+        PublishRequest(payload="late", delay_seconds=10), PublishRequest(payload="now"),
+        PublishRequest(payload="soon", delay_seconds=5), PublishRequest(payload="urgent", delay_seconds=10, priority=1),
+    )
+    waiting = await harness.transport.list_deliveries(world["s"], "Pending")
+    await age(harness, [d.delivery_id for d in waiting], 20)
+    claimed = await world.claim("s", 4)
+    assert [c.message_id for c in claimed] == [r.message_id for r in (urgent, now, soon, late)]
 
 
 async def test_c35_priority_picks_keys_but_never_reorders_an_ordered_key(harness: Harness) -> None:
