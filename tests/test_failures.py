@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from pydantic import BaseModel, ValidationError
 
 from fastapi_workqueue import PublishRequest, WorkMessage
@@ -110,3 +111,15 @@ def test_a_handlers_reason_is_kept_bounded_and_redacted() -> None:
         reason = settlement_for("1", "t", outcome).reason
         assert reason is not None and len(reason) == MAX_ERROR_TEXT and " ... " in reason
     assert settlement_for("1", "t", Outcome.discard("password=hunter2 gone")).reason == "password=*** gone"
+
+
+@pytest.mark.parametrize("delay", [-5, float("nan"), float("inf"), 1e12])
+def test_a_retry_delay_that_is_no_number_of_seconds_is_refused_where_it_is_asked_for(delay: float) -> None:
+    from fastapi_workqueue import Outcome, TransientWorkError
+
+    for ask in (lambda: Outcome.retry("later", delay_seconds=delay), lambda: TransientWorkError("later", delay)):
+        with pytest.raises(ValueError, match="delay_seconds must be a number of seconds from 0 to 3153600000"):
+            ask()
+    assert Outcome.retry("later", delay_seconds=0).delay_seconds == 0
+    assert TransientWorkError("later", 2.5).delay_seconds == 2.5
+    assert TransientWorkError("later").delay_seconds is None

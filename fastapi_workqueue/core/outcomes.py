@@ -79,9 +79,7 @@ class Outcome:
     @staticmethod
     def retry(reason: str, delay_seconds: float | None = None) -> Retry:
         """Retry after ``delay_seconds``, or after full-jitter backoff; dead-letters when attempts are spent."""
-        if delay_seconds is not None and delay_seconds < 0:
-            raise ValueError(f"delay_seconds must be >= 0, got {delay_seconds}")
-        return Retry(reason=reason, delay_seconds=delay_seconds)
+        return Retry(reason=reason, delay_seconds=checked_delay(delay_seconds))
 
     @staticmethod
     def dead_letter(reason: str) -> DeadLetter:
@@ -96,6 +94,24 @@ class Outcome:
 
 _COMPLETE = Complete()
 
+MAX_RETRY_DELAY_SECONDS = 100 * 365 * 24 * 3600.0
+"""The longest retry delay a handler may ask for (100 years, as for a publish's delay)."""
+
+
+def checked_delay(delay_seconds: float | None) -> float | None:
+    """A retry delay a handler asked for: None (the backoff decides), or a number of seconds from
+    0 to 100 years; anything else is a ValueError that says so (NaN and infinity included)."""
+    if delay_seconds is None:
+        return None
+    if isinstance(delay_seconds, bool) or not isinstance(delay_seconds, int | float):
+        raise TypeError(f"delay_seconds must be a number of seconds or None, got {type(delay_seconds).__name__}")
+    if not 0 <= delay_seconds <= MAX_RETRY_DELAY_SECONDS:  # (False for NaN)
+        raise ValueError(
+            f"delay_seconds must be a number of seconds from 0 to {MAX_RETRY_DELAY_SECONDS:.0f} (100 years), "
+            f"got {delay_seconds}; pass None to let the backoff decide"
+        )
+    return float(delay_seconds)
+
 
 class TransientWorkError(Exception):
     """Raise for a temporary problem (rate limit, outage): the delivery is retried with backoff."""
@@ -103,7 +119,7 @@ class TransientWorkError(Exception):
     def __init__(self, reason: str, delay_seconds: float | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
-        self.delay_seconds = delay_seconds
+        self.delay_seconds = checked_delay(delay_seconds)
 
 
 class FatalWorkError(Exception):
