@@ -891,6 +891,8 @@ async def test_subscriptions_and_topics_are_listed_retired_and_deleted(cli: Cli)
                                               "Completed": 0, "Limits": ""}
     with_app = {row["Name"]: row for row in await cli.json("subscriptions", "list", "--app", APP)}
     assert (with_app[name]["Declared"], with_app[cli_app.BASIC]["Declared"]) == ("no", "yes")
+    by_variable = await cli("--json", "subscriptions", "list", env={**cli.env, "WORKQUEUE_APP": APP})
+    assert {row["Name"]: row["Declared"] for row in by_variable.json()}[cli_app.BASIC] == "yes"
     table_text = (await cli("subscriptions", "list")).out
     assert name in table_text and "Declared" in table_text
 

@@ -107,7 +107,8 @@ def reencrypt(ctx: Any) -> None:
 
 
 @click.command("schedules")
-@click.option("--app", "app_path", required=True, help="MODULE:ATTR of your app or WorkQueue, where schedules live.")
+@click.option("--app", "app_path", envvar="WORKQUEUE_APP", required=True,
+              help="MODULE:ATTR of your app or WorkQueue, where schedules live.")
 @click.pass_obj
 def schedules(ctx: Any, app_path: str) -> None:
     """The app's schedules, each with its next run."""

@@ -89,7 +89,8 @@ def subscriptions() -> None:
 
 
 @subscriptions.command("list")
-@click.option("--app", "app_path", help="MODULE:ATTR of your app or WorkQueue: say which ones its code declares.")
+@click.option("--app", "app_path", envvar="WORKQUEUE_APP",
+              help="MODULE:ATTR of your app or WorkQueue: say which ones its code declares.")
 @click.pass_obj
 def list_subscriptions(ctx: Any, app_path: str | None) -> None:
     """The stored subscriptions: status, whether code declares them, who serves them, counts."""
@@ -157,7 +158,8 @@ def topics() -> None:
 
 
 @topics.command("list")
-@click.option("--app", "app_path", help="MODULE:ATTR of your app or WorkQueue: say which ones its code declares.")
+@click.option("--app", "app_path", envvar="WORKQUEUE_APP",
+              help="MODULE:ATTR of your app or WorkQueue: say which ones its code declares.")
 @click.pass_obj
 def list_topics(ctx: Any, app_path: str | None) -> None:
     """The stored topics: transport, status, whether code declares them, their subscriptions."""

@@ -408,8 +408,9 @@ def _finish(summary: WorkSummary, *, as_json: bool) -> None:
 
 
 @click.command()
-@click.option("--app", "app_path", required=True,
-              help="MODULE:ATTR of your FastAPI or Starlette app (e.g. myapp.main:app), or of its WorkQueue.")
+@click.option("--app", "app_path", envvar="WORKQUEUE_APP", required=True,
+              help="MODULE:ATTR of your FastAPI or Starlette app (e.g. myapp.main:app), or of its WorkQueue "
+                   "(default: WORKQUEUE_APP).")
 @click.option("--subscription", "subscriptions", multiple=True,
               help="A subscription to run (repeat for several, each with a consumer of its own).")
 @click.option("--queue", "queues", default=None,
