@@ -10,21 +10,26 @@ the operator tools) holds for jobs.
 from .context import JobContext, JobDiscard, JobRelease
 from .definition import Job, JobPayloadInvalid, JobPolicy
 from .events import JobDiscarded, JobEvent, JobFailed, JobProcessed, JobProcessing, JobReleased
+from .failed import FailedJob
 from .fake import Dispatched, JobFake
 from .groups import JobGroup
 from .layer import JobDispatchError
+from .local import JobCounts
 from .middleware import JobAttempt, without_overlapping
 from .registry import UnknownJob
 from .results import MAX_RESULT_BYTES, ResultNotStorable
+from .schedules import Schedule
 from .status import JobStatus
 from .waiting import JobDiscardedError, JobError, JobFailedError, JobNotFound
 
 __all__ = [
     "MAX_RESULT_BYTES",
     "Dispatched",
+    "FailedJob",
     "Job",
     "JobAttempt",
     "JobContext",
+    "JobCounts",
     "JobDiscard",
     "JobDiscarded",
     "JobDiscardedError",
@@ -44,6 +49,7 @@ __all__ = [
     "JobReleased",
     "JobStatus",
     "ResultNotStorable",
+    "Schedule",
     "UnknownJob",
     "without_overlapping",
 ]

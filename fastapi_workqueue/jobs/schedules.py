@@ -126,6 +126,8 @@ class Schedule:
         return found
 
     def tick_id(self, tick: datetime) -> uuid.UUID:
+        """The job id of this schedule's dispatch at ``tick``: the same in every process, so one
+        tick is one job however many processes dispatch it."""
         return uuid.uuid5(NAMESPACE, f"{self.name}@{tick.astimezone(UTC).isoformat()}")
 
 
