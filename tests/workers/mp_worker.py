@@ -42,7 +42,7 @@ from fastapi_workqueue import (
     WorkQueueSettings,
 )
 from fastapi_workqueue.database.postgres import to_asyncpg_dsn
-from fastapi_workqueue.database.sqlite import sqlite_path
+from fastapi_workqueue.core.database_url import sqlite_path
 
 EXCLUSIVE_HANDLER = "mp.exclusive"
 ORDERED_HANDLER = "mp.ordered"
