@@ -41,8 +41,8 @@ from fastapi_workqueue import (
     WorkQueue,
     WorkQueueSettings,
 )
-from fastapi_workqueue.database.postgres import to_asyncpg_dsn
 from fastapi_workqueue.core.database_url import sqlite_path
+from fastapi_workqueue.database.postgres import to_asyncpg_dsn
 
 EXCLUSIVE_HANDLER = "mp.exclusive"
 ORDERED_HANDLER = "mp.ordered"
