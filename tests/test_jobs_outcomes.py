@@ -388,3 +388,43 @@ async def test_the_queues_log_lines_of_a_job_name_the_job(database_url: str, cap
     assert f"(message {first})" in digest and "LookupError" in digest
     assert "FatalWorkError: the archive is read-only" in archived
     assert str(second) not in digest
+
+
+async def test_a_plain_step_that_blocks_runs_beside_the_loop_and_keeps_the_lease(database_url: str) -> None:
+    """A step whose plain function blocks (a synchronous HTTP client, say) for longer than the
+    job's lease: it runs in a worker thread, so the loop goes on (heartbeats renew the lease) and
+    the step and the job run once."""
+    import time
+
+    suffix = uuid.uuid4().hex[:8]
+    name = f"blocking-step-{suffix}"
+    queue = make_queue(database_url, name, job_lease_seconds=1.0)
+    charged: list[int] = []
+    attempts: list[int] = []
+    ticks: list[float] = []
+
+    def charge() -> dict[str, int]:
+        time.sleep(2.5)  # blocks its thread, past the 1 s lease
+        charged.append(1)
+        return {"id": 7}
+
+    @queue.job(f"fulfil-{suffix}", queue=name, tries=3, store_result=True)
+    async def fulfil(payload: dict[str, Any], job: JobContext) -> Any:
+        attempts.append(job.attempt)
+        ticker = asyncio.ensure_future(_tick(ticks))
+        try:
+            return await job.step("charge", charge)
+        finally:
+            ticker.cancel()
+
+    async with queue.lifespan(None):
+        job_id = await queue.dispatch(fulfil, {})
+        assert await queue.wait(job_id, timeout=30) == {"id": 7}
+    assert charged == [1] and attempts == [1]
+    assert len(ticks) >= 10  # the loop ran on while the step blocked (a tick every 50 ms)
+
+
+async def _tick(ticks: list[float]) -> None:
+    while True:
+        await asyncio.sleep(0.05)
+        ticks.append(asyncio.get_running_loop().time())

@@ -20,8 +20,16 @@ log = redacting_logger("fastapi_workqueue.runtime")
 
 async def call_sync_or_async(fn: Callable[[], Any]) -> Any:
     """Calls ``fn`` and awaits what it returns when that is awaitable: ``once`` and ``step`` take
-    ``lambda: mailer.send(...)`` whether ``send`` is a coroutine function or a plain one."""
-    result = fn()
+    ``lambda: mailer.send(...)`` whether ``send`` is a coroutine function or a plain one.
+
+    A coroutine function runs on the event loop. Anything else is called in a worker thread, so a
+    plain function that blocks (a payment client's HTTP call) does not stop the loop, and with it
+    the heartbeats that keep the lease: blocked past the lease, the step would run again
+    elsewhere. What the call returns, when awaitable (a lambda around a coroutine function gives
+    its coroutine), is awaited on the loop."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn()
+    result = await asyncio.to_thread(fn)
     if inspect.isawaitable(result):
         result = await result
     return result
