@@ -8,6 +8,7 @@ step back finds (``ticks_between``, what the dispatch loop queues after a busy s
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -122,3 +123,54 @@ async def test_catch_up_with_no_tick_known_starts_from_now(tmp_path: Any) -> Non
     async with other.lifespan(None):
         assert await other.jobs.schedules.run_due(datetime(2026, 12, 1, 9, 0, tzinfo=UTC)) == 0  # 03:00 long past
         assert await other.size() == 0
+
+
+@pytest.mark.parametrize(("cron", "says"), [
+    ("0 */5 * * * *", "is not a cron expression (five fields: minute hour day-of-month month day-of-week, "
+                      "e.g. '*/5 * * * *') (a sixth field would be read as seconds)"),
+    ("* * * * * *", "a sixth field would be read as seconds"),
+    ("0 0 31 2 *", "never matches a date"),
+])
+def test_a_cron_that_cannot_mean_five_fields_or_never_matches_is_refused_at_declaration(cron: str, says: str) -> None:
+    from fastapi_workqueue import ConfigurationError
+
+    queue = _queue()
+
+    @queue.job(f"tick-{uuid.uuid4().hex[:8]}")
+    async def tick(payload: dict[str, Any]) -> None:
+        return None
+
+    with pytest.raises(ConfigurationError, match=re.escape(says)):
+        queue.schedule(tick, cron=cron, payload={})
+    assert queue.schedule(tick, cron="@hourly", payload={}, name="macro").cron == "@hourly"
+
+
+async def test_a_schedule_whose_next_tick_fails_leaves_the_others_running(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", auto_migrate=True,
+                                        enabled=False, **FAST))
+
+    @queue.job(f"tick-{uuid.uuid4().hex[:8]}")
+    async def tick(payload: dict[str, Any]) -> None:
+        return None
+
+    broken = queue.schedule(tick, every=timedelta(seconds=60), payload={}, name="broken")
+    queue.schedule(tick, every=timedelta(seconds=60), payload={}, name="fine")
+
+    for method in ("previous_at_or_before", "next_after"):
+        original = getattr(Schedule, method)
+
+        def failing(self: Schedule, moment: datetime, original: Any = original) -> datetime:
+            if self.name == "broken":
+                raise RuntimeError("no next tick")
+            return original(self, moment)  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(Schedule, method, failing)
+    async with queue.lifespan(None):
+        schedules = queue.jobs.schedules
+        with pytest.raises(RuntimeError, match="no next tick"):
+            await schedules.run_due(datetime(2026, 12, 1, 8, 0, 1, tzinfo=UTC))
+        assert "fine" in schedules._last and "broken" not in schedules._last  # the fine one ran its tick
+        now = datetime.now(UTC)
+        assert schedules._next_tick(broken, now) == now + timedelta(seconds=60)

@@ -71,11 +71,20 @@ class Schedule:
                 from croniter import croniter
             except ImportError as exc:
                 raise missing_extra(f"schedule {self.name!r} (a cron expression)", "croniter", "jobs") from exc
-            if not croniter.is_valid(self.cron):
+            fields = self.cron.split()
+            if not croniter.is_valid(self.cron) or (len(fields) != 5 and not self.cron.startswith("@")):
+                seconds = " (a sixth field would be read as seconds)" if len(fields) == 6 else ""
                 raise ConfigurationError(
                     f"schedule {self.name!r}: {self.cron!r} is not a cron expression (five fields: minute hour "
-                    "day-of-month month day-of-week, e.g. '*/5 * * * *')"
+                    f"day-of-month month day-of-week, e.g. '*/5 * * * *'){seconds}"
                 )
+            try:
+                croniter(self.cron, datetime.now(self._tz)).get_next(datetime)
+            except Exception:  # croniter's CroniterBadDateError: no date within its search matches
+                raise ConfigurationError(
+                    f"schedule {self.name!r}: {self.cron!r} never matches a date (a day that no month has, such as "
+                    "'0 0 31 2 *'); check the day-of-month and month fields"
+                ) from None
         elif self.every is not None and self.every.total_seconds() < 1:
             raise ConfigurationError(f"schedule {self.name!r}: every must be at least one second, got {self.every}")
         self._data = self.job.validate(self.payload)
@@ -187,11 +196,18 @@ class Schedules:
         """Dispatches every tick due at ``now``; returns how many this process queued."""
         moment = now or datetime.now(UTC)
         queued = 0
+        failed: Exception | None = None
         for schedule in list(self.items.values()):
-            for tick in await self._due(schedule, moment):
-                if await self._dispatch(schedule, tick):
-                    queued += 1
+            try:  # (one schedule's failure leaves the others to run)
+                for tick in await self._due(schedule, moment):
+                    if await self._dispatch(schedule, tick):
+                        queued += 1
+            except Exception as exc:
+                failed = failed or exc
+                continue
             self._last[schedule.name] = moment
+        if failed is not None:
+            raise failed
         return queued
 
     async def _due(self, schedule: Schedule, moment: datetime) -> list[datetime]:
@@ -263,6 +279,15 @@ class Schedules:
             except Exception as exc:  # the store is away: the next look tries again
                 log.warning("schedules: could not queue the due ticks (%s)", exc)
             now = datetime.now(UTC)
-            upcoming = min((s.next_after(now) for s in self.items.values()), default=now + timedelta(seconds=60))
+            upcoming = min((self._next_tick(s, now) for s in self.items.values()), default=now + timedelta(seconds=60))
             await asyncio.sleep(min(max((upcoming - now).total_seconds(), 0.05), MAX_SLEEP_SECONDS))
+
+    def _next_tick(self, schedule: Schedule, now: datetime) -> datetime:
+        """The schedule's next tick after ``now``; a minute from now for one whose next tick cannot
+        be found (logged), so that one schedule never stops the others."""
+        try:
+            return schedule.next_after(now)
+        except Exception as exc:
+            log.error("schedule %s: cannot find its next tick (%s); the other schedules run on", schedule.name, exc)
+            return now + timedelta(seconds=60)
 
