@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 import threading
 from typing import Any
 
 import pytest
 from fastapi import Depends, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, SecretStr, computed_field
 
 from fastapi_workqueue import ConfigurationError, JobContext, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.jobs import JobPayloadInvalid, UnknownJob
@@ -94,6 +95,62 @@ def test_a_payload_type_that_cannot_round_trip_through_json_is_refused_with_the_
     @queue.job("dates.job")  # a datetime is written as an ISO string and read back: allowed
     async def dates(payload: dt.datetime) -> None:
         return None
+
+
+class Card(BaseModel):
+    number: str
+    cvv: SecretStr
+
+
+class Charge(BaseModel):
+    amount: int
+    card: Card
+
+
+class Audited(BaseModel):
+    amount: int
+    internal: int = Field(exclude=True)
+
+
+class Doubled(BaseModel, extra="forbid"):
+    amount: int
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def doubled(self) -> int:
+        return self.amount * 2
+
+
+@pytest.mark.parametrize(("payload_type", "says"), [
+    (Charge, "a SecretStr is written as '**********' (keep the secret out of the payload, or use a plain str "
+             "field with encrypted=True)"),
+    (list[Card], "a SecretStr is written as '**********'"),
+    (Audited, "Audited.internal is required but left out of the JSON (exclude=True); give it a default"),
+    (Doubled, "Doubled writes its computed fields (doubled) into the JSON and forbids extra fields"),
+])
+def test_a_payload_type_whose_json_does_not_read_back_as_given_is_refused(payload_type: Any, says: str) -> None:
+    """Accepted at dispatch, such a payload would reach the job changed (a secret as its mask) or
+    fail at run time, without a retry."""
+    queue = make()
+
+    async def job(payload: Any) -> None:
+        return None
+
+    job.__annotations__["payload"] = payload_type
+    with pytest.raises(ConfigurationError, match=re.escape(says)):
+        queue.job("lossy.job")(job)
+
+
+async def test_a_job_without_a_payload_parameter_refuses_a_payload() -> None:
+    queue = make()
+
+    @queue.job("stats.rebuild-all")
+    async def rebuild_all() -> None:
+        return None
+
+    with pytest.raises(JobPayloadInvalid, match="the job takes no payload"):
+        await queue.dispatch(rebuild_all, {"user_id": 7})
+    assert not queue.is_open
 
 
 def test_a_nested_request_only_dependency_is_refused_with_its_path() -> None:

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Secret, SecretBytes, SecretStr, TypeAdapter, ValidationError
 from pydantic.errors import PydanticSchemaGenerationError, PydanticUserError
 
 from ..core.envelope import MAX_ATTEMPTS_LIMIT, MAX_BACKOFF_ENTRIES, MAX_DELAY_SECONDS, MAX_PRIORITY, MIN_PRIORITY
@@ -155,6 +155,11 @@ class Job:
 
     def validate(self, payload: Any) -> Any:
         """The payload as JSON-ready data, after validation against the payload type."""
+        if self.payload_param is None and payload is not None and payload != {}:
+            raise JobPayloadInvalid(self.name, (
+                f"the job takes no payload (its function has no payload parameter), got a {type(payload).__name__}; "
+                "dispatch it without one, or give the function a payload parameter"
+            ))
         adapter = self.adapter  # (its validator and serializer themselves: the adapter's wrappers cost as much)
         try:
             value = adapter.validator.validate_python(payload)
@@ -217,7 +222,35 @@ def _json_adapter(name: str, tp: Any) -> TypeAdapter[Any]:
             "a job payload is stored as JSON: use a pydantic model of strings, numbers, booleans, lists and "
             "objects (pass IDs, not records or open resources)"
         ) from None
+    problems = _lost_in_json(tp, set())
+    if problems:
+        raise ConfigurationError(
+            f"job {name!r}: its payload would not come back from JSON as it was given: {'; '.join(problems[:3])}"
+        )
     return adapter
+
+
+def _lost_in_json(tp: Any, seen: set[type]) -> list[str]:
+    """What of a payload type pydantic writes as JSON in a form that does not read back as given
+    (the job would get another value, or fail at run time after a dispatch that was accepted)."""
+    problems: list[str] = []
+    if isinstance(tp, type) and issubclass(tp, SecretStr | SecretBytes | Secret):
+        problems.append(f"a {tp.__name__} is written as '**********' (keep the secret out of the payload, or use a "
+                        "plain str field with encrypted=True)")
+    elif isinstance(tp, type) and issubclass(tp, BaseModel) and tp not in seen:
+        seen.add(tp)
+        for field_name, info in tp.model_fields.items():
+            if info.exclude is True and info.is_required():
+                problems.append(f"{tp.__name__}.{field_name} is required but left out of the JSON (exclude=True); "
+                                "give it a default or include it")
+            problems += _lost_in_json(info.annotation, seen)
+        if tp.model_computed_fields and tp.model_config.get("extra") == "forbid":
+            names = ", ".join(tp.model_computed_fields)
+            problems.append(f"{tp.__name__} writes its computed fields ({names}) into the JSON and forbids extra "
+                            "fields when it reads it back; allow or ignore extra fields")
+    for arg in typing.get_args(tp):
+        problems += _lost_in_json(arg, seen)
+    return problems
 
 
 def _has_dependency(param: inspect.Parameter, annotation: Any) -> bool:
