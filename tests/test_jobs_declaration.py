@@ -201,3 +201,18 @@ async def test_an_undeclared_job_or_a_bad_payload_is_refused_before_anything_is_
     with pytest.raises(JobPayloadInvalid, match=r"user_id"):
         await queue.dispatch(remind, {"user_id": "not a number"})
     assert not queue.is_open  # nothing was opened, let alone written
+
+
+def test_a_dependency_that_takes_the_job_context_is_refused_with_what_to_use() -> None:
+    queue = make()
+
+    async def report_name(job: JobContext) -> str:
+        return job.name
+
+    with pytest.raises(ConfigurationError, match=re.escape(
+            "job 'reports.build': one of its dependencies takes a parameter typed JobContext, which FastAPI can "
+            "only read from a request")) as refused:
+        @queue.job("reports.build")
+        async def build(payload: dict[str, Any], name: str = Depends(report_name)) -> None:
+            return None
+    assert "Depends(current_context)" in str(refused.value)

@@ -12,6 +12,7 @@ loads FastAPI.
 from __future__ import annotations
 
 import inspect
+import re
 import typing
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -80,7 +81,18 @@ class DependencyInvoker:
             return
         from .fastapi_internals import build_dependant, request_only_parameters
 
-        dependant = build_dependant(_stub_for(func, params))
+        try:
+            dependant = build_dependant(_stub_for(func, params))
+        except Exception as exc:  # FastAPI's own refusal of a parameter type (FastAPIError, …)
+            kind, _, name = key.partition(":") if key.startswith("job:") else ("handler", "", key)
+            text = str(exc).strip()
+            typed = re.search(r"<class '(?:[\w.]*\.)?(\w+)'>", text)
+            what = (f"one of its dependencies takes a parameter typed {typed.group(1)}, which FastAPI can only read "
+                    "from a request" if typed else f"FastAPI cannot build its dependencies ({text[:200]})")
+            raise ConfigurationError(
+                f"{kind} {name!r}: {what}; a dependency may take only {ALLOWED}: take the running attempt's "
+                "context or message with Depends(current_context) or Depends(current_message)"
+            ) from exc
         problems = request_only_parameters(dependant)
         if problems:
             first = problems[0]
