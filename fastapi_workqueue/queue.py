@@ -459,6 +459,16 @@ class WorkQueue:
         result: ActionResult = await self.jobs.failed.retry(uuid.UUID(str(job_id)), note)
         return result
 
+    async def cancel_job(self, job_id: uuid.UUID | str, reason: str | None = None) -> ActionResult:
+        """Cancels a job by its id: a waiting one ends Discarded at once (``Discarded``); a running
+        one has its cancel requested (``CancelRequested``: its ``job.signal`` aborts, and it ends
+        Discarded whatever it returns, never retried). Raises ``LookupError`` when no job with the
+        id waits or runs (a failed one: ``forget_job``)."""
+        from .jobs.cancel import cancel_job
+
+        result: ActionResult = await cancel_job(self.jobs, uuid.UUID(str(job_id)), reason)
+        return result
+
     async def forget_job(self, job_id: uuid.UUID | str) -> ActionResult:
         """Drops a failed job."""
         result: ActionResult = await self.jobs.failed.forget(uuid.UUID(str(job_id)))

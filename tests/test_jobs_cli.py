@@ -295,6 +295,12 @@ async def test_the_jobs_commands_list_retry_forget_and_prune(fresh_url: str, tmp
     assert code == 1 and "no failed job has the id" in out
     code, out = await cli("jobs", "forget", str(forgotten))
     assert code == 0, out
+    code, out = await cli("jobs", "cancel", str(pruned))  # failed: it runs no more
+    assert code == 1 and f"job {pruned} has failed, so it runs no more; drop it with forget_job" in out
+    async with queue.lifespan(None):
+        waiting = await queue.dispatch(fail, {"n": 3}, delay=3600)
+    code, out = await cli("--json", "jobs", "cancel", str(waiting), "--reason", "not needed")
+    assert code == 0 and json.loads(out)["Result"] == "Discarded", out
     # --older-than counts days: a job that failed seconds ago is younger than one day, older than none.
     code, out = await cli("--json", "jobs", "prune", "--older-than", "1", "--queue", jobs.queue_name)
     assert code == 0 and json.loads(out) == {"Pruned": 0}, out

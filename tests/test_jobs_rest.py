@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -9,7 +10,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from fastapi_workqueue import WorkQueue, WorkQueueSettings
+from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_READ, create_key
 
 from .support import FAST, wait_for
@@ -77,3 +78,45 @@ async def test_the_job_routes_document_their_scopes_and_errors(database_url: str
         assert f"Requires the scope `{scope}`" in operation["description"], path
         assert {name for requirement in operation["security"] for name in requirement} == {"HTTPBearer",
                                                                                             "APIKeyHeader"}
+
+
+async def test_a_job_is_cancelled_by_its_id_waiting_or_running(database_url: str) -> None:
+    queue_name = f"cancel-{uuid.uuid4().hex[:8]}"
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        job_queues=queue_name, job_lease_seconds=3, **FAST))  # (a beat a second)
+    started: list[uuid.UUID] = []
+
+    @queue.job(f"export-{queue_name}", queue=queue_name, tries=3)
+    async def export(payload: dict[str, Any], job: JobContext) -> None:
+        started.append(job.id)
+        await asyncio.sleep(60)  # until it is stopped
+
+    app = FastAPI(lifespan=queue.lifespan)
+    app.include_router(queue.router)
+    async with queue.lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                      base_url="http://api") as http:
+        operate = {"Authorization": f"Bearer {(await create_key(queue.transport, queue_name, [SCOPE_OPERATE])).key}"}
+        running = await queue.dispatch(export, {})
+        await wait_for(lambda: started == [running], within=30)
+        asked = await http.post(f"/work-queue/jobs/{running}/cancel", json={"Reason": "export no longer needed"},
+                                headers=operate)
+        assert asked.status_code == 200 and asked.json()["Result"] == "CancelRequested", asked.text
+        status = await wait_for(lambda: _ended(queue, running), within=30)
+        assert status.state == "Discarded" and status.reason == "export no longer needed"
+
+        waiting = await queue.dispatch(export, {}, delay=3600)
+        result = await queue.cancel_job(waiting)
+        assert result.result == "Discarded"
+        ended = await queue.job_status(waiting)
+        assert ended is not None and ended.state == "Discarded"
+        assert started == [running]  # the waiting one never ran
+
+        with pytest.raises(LookupError, match=f"no job with the id {waiting} is waiting or running"):
+            await queue.cancel_job(waiting)
+        unknown = await http.post(f"/work-queue/jobs/{uuid.uuid4()}/cancel", headers=operate)
+        assert unknown.status_code == 404 and "never dispatched" in unknown.json()["detail"]
+
+
+async def _ended(queue: WorkQueue, job_id: uuid.UUID) -> Any:
+    status = await queue.job_status(job_id)
+    return status if status is not None and status.state in ("Discarded", "Completed", "Failed") else None

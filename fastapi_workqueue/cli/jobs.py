@@ -1,6 +1,6 @@
 """``workqueue jobs ...`` and ``workqueue schedules``: failed jobs, re-encryption, the schedules.
 
-``jobs failed|retry|forget|prune`` and ``jobs reencrypt`` work on the store alone (the app key
+``jobs failed|cancel|retry|forget|prune`` and ``jobs reencrypt`` work on the store alone (the app key
 comes from ``WORKQUEUE_APP_KEY``); ``schedules`` needs the app (``--app``), where they are declared.
 """
 
@@ -66,6 +66,16 @@ def failed(ctx: Any, queue_name: str | None, limit: int, include_payload: bool) 
 def retry(ctx: Any, job_id: str, note: str | None) -> None:
     """Queue a failed job again, with the same id."""
     result = _with_queue(ctx, lambda q: q.retry_job(_uuid(job_id), note))
+    _action(ctx, result)
+
+
+@jobs.command("cancel")
+@click.argument("job_id")
+@click.option("--reason", help="Why it is cancelled (kept with the job).")
+@click.pass_obj
+def cancel(ctx: Any, job_id: str, reason: str | None) -> None:
+    """Cancel a waiting job (Discarded at once) or a running one (its cancel requested)."""
+    result = _with_queue(ctx, lambda q: q.cancel_job(_uuid(job_id), reason))
     _action(ctx, result)
 
 

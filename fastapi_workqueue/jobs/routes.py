@@ -2,6 +2,7 @@
 
 ``GET /work-queue/jobs/{id}`` (a job's status, ``workqueue:read``),
 ``GET /work-queue/jobs/failed`` (``workqueue:read``; payloads with ``workqueue:admin``),
+``POST /work-queue/jobs/{id}/cancel`` (a waiting or running job, with an optional ``{"Reason": …}``),
 ``POST /work-queue/jobs/{id}/retry``, ``POST /work-queue/jobs/{id}/forget`` and
 ``POST /work-queue/jobs/failed/prune?older_than_days=N`` (``workqueue:operate``).
 """
@@ -19,7 +20,7 @@ from ..core.errors import ConfigurationError, TransportError
 from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_READ, Principal
 from ..core.reports import ActionResult
 from ..core.wire import WireModel
-from ..web.routes import cannot_serve, document_errors
+from ..web.routes import DiscardBody, cannot_serve, document_errors
 from .definition import check_queue_name
 from .failed import MAX_DAYS, FailedJob, JobNotFailed
 from .status import JobStatus
@@ -80,6 +81,15 @@ def build_job_router(jobs: Callable[[], "Jobs"], authorize: "Authorizer", *, pre
     async def retry(job_id: JobId, principal: Operator) -> ActionResult:
         """The failed job is queued again with the same id, its tries counted afresh."""
         return await _call(jobs().failed.retry(job_id, None))
+
+    @router.post("/{job_id}/cancel", response_model=ActionResult, summary="Cancel a waiting or running job",
+                 responses={404: {"description": "No job with this id waits or runs."}})
+    async def cancel(job_id: JobId, principal: Operator, body: DiscardBody | None = None) -> ActionResult:
+        """A waiting job ends Discarded at once; a running one has its cancel requested
+        (``CancelRequested``): it ends Discarded whatever it returns, never retried."""
+        from .cancel import cancel_job
+
+        return await _call(cancel_job(jobs(), job_id, body.reason if body is not None else None))
 
     @router.post("/{job_id}/forget", response_model=ActionResult, summary="Drop a failed job",
                  responses={404: {"description": "No failed job has this id."}})
