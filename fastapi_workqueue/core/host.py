@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import time
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ log = redacting_logger("fastapi_workqueue.host")
 
 HealthState = Literal["Running", "Paused", "HandlerNotRegistered", "Undeclared", "Retired", "Unsupported", "Error"]
 WAKE_ALL = "*"
+
+STOP_SETTLE_GRACE_SECONDS = 2.0
+"""How long past its drains a stop waits for the store (its last settles, the process registry)."""
 
 
 class SubscriptionPlan(WireModel):
@@ -226,8 +230,12 @@ class Host:
         if not self._started:
             return
         self._started = False
-        await self._loops.close()
         drain = self.options.shutdown_drain_ms / 1000
+        # The settles still to write get the stop's time (handlers drain, then the aborted ones do,
+        # 2 x the drain) and a moment more: while the store is out of reach, the process ends in
+        # time and their leases bring the deliveries back.
+        self.settler.give_up_by(time.monotonic() + 2 * drain + STOP_SETTLE_GRACE_SECONDS)
+        await self._loops.close()
         await asyncio.gather(*(c.stop(drain) for c in self._all_consumers()), self._retiring.join(),
                              return_exceptions=True)
         await self._retiring.close()
@@ -237,9 +245,9 @@ class Host:
         await self.settler.close()
         if self._registry is not None:
             try:
-                await self._registry.process_stop(current_process().id)
-            except Exception as exc:
-                log.warning("cannot mark this process stopped in the process registry (%s)", exc)
+                await asyncio.wait_for(self._registry.process_stop(current_process().id), STOP_SETTLE_GRACE_SECONDS)
+            except Exception as exc:  # (its beats stop: it shows Gone once it missed three)
+                log.warning("cannot mark this process stopped in the process registry (%s)", exc or "no answer")
 
     async def wait_finished(self) -> None:
         """Waits until every consumer's claim loop ended (budget spent, or idle in one-shot mode)."""

@@ -336,11 +336,11 @@ class Consumer:
                         self.name, count(len(leftovers), "handler"), _ids(leftovers))
             for running in leftovers:
                 running.released = True
-            with contextlib.suppress(Exception):
-                await self.transport.settle(
+            with contextlib.suppress(Exception):  # (the store out of reach: their leases bring them back)
+                await asyncio.wait_for(self.transport.settle(
                     [Settlement(r.delivery.delivery_id, r.delivery.lease_token, "Release",
                                 reason=SHUTDOWN_RELEASE_REASON) for r in leftovers]
-                )
+                ), max(drain_seconds, 1.0))
         if self._heartbeat_task is not None:
             await cancel_and_wait([self._heartbeat_task], owner=self.name)
         # What is left are handlers that ignored Shutdown (their deliveries were released above):

@@ -46,6 +46,9 @@ class Settler:
         self._tasks = TaskScope("workqueue-settler")
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._give_up_at: float | None = None
+        """A stop's deadline (monotonic): a batch the store has not taken by then is given up."""
+        self._stopping = asyncio.Event()
 
     @property
     def backlog(self) -> int:
@@ -78,6 +81,13 @@ class Settler:
         while self.backlog:
             self._idle.clear()
             await self._idle.wait()
+
+    def give_up_by(self, moment: float) -> None:
+        """From now on, a batch the store has not taken by ``moment`` (``time.monotonic()``) is
+        given up, its deliveries left to their leases: a stop while the store is out of reach ends
+        within its deadline instead of retrying for ``give_up_after`` seconds a batch."""
+        self._give_up_at = moment if self._give_up_at is None else min(self._give_up_at, moment)
+        self._stopping.set()
 
     async def close(self) -> None:
         """Writes what is queued, then stops."""
@@ -163,6 +173,12 @@ class Settler:
                 refused.add(id(settlement))
                 log.error("settle of delivery %s refused (%s); its lease will expire", settlement.delivery_id, exc)
 
+    def _loop_deadline(self) -> float | None:
+        """When the attempt under way must end (the loop's clock): a stop's deadline, or None."""
+        if self._give_up_at is None:
+            return None
+        return asyncio.get_running_loop().time() + max(self._give_up_at - time.monotonic(), 0)
+
     async def _write(self, batch: list[tuple[Settlement, SettleDone | None]]) -> None:
         deadline = time.monotonic() + self._give_up_after
         delay = 0.1
@@ -171,10 +187,11 @@ class Settler:
         refused: set[int] | None = None  # (one by one, once the store refused the batch)
         while True:
             try:
-                if refused is None:
-                    await self._settle(settlements, written)
-                else:
-                    await self._each(settlements, written, refused)
+                async with asyncio.timeout_at(self._loop_deadline()):
+                    if refused is None:
+                        await self._settle(settlements, written)
+                    else:
+                        await self._each(settlements, written, refused)
                 results: list[SettleResult | None] = [written.get(id(s)) for s in settlements]
                 break
             except asyncio.CancelledError:
@@ -188,13 +205,20 @@ class Settler:
                                 count(len(settlements) - len(written), "settle"), exc)
                     refused = set()
                     continue
-                if time.monotonic() > deadline or not retryable:
+                if isinstance(exc, TimeoutError):  # (the stop's deadline passed while the store was silent)
+                    exc, retryable = TransportError("the store did not answer before the stop's deadline"), True
+                stopping = self._give_up_at is not None and time.monotonic() >= self._give_up_at
+                if time.monotonic() > deadline or not retryable or stopping:
                     log.error("settle failed for %s (%s); their leases will expire",
                               count(len(batch) - len(written), "delivery"), exc)
                     results = [written.get(id(s)) for s in settlements]
                     break
                 log.warning("settle failed (%s); retrying in %.1f s", exc, delay)
-                await asyncio.sleep(delay)
+                if self._give_up_at is None:
+                    with contextlib.suppress(TimeoutError):  # (a stop wakes it: one more try, within its deadline)
+                        await asyncio.wait_for(self._stopping.wait(), delay)
+                else:
+                    await asyncio.sleep(max(min(delay, self._give_up_at - time.monotonic()), 0))
                 delay = min(delay * 2, 5.0)
         for (settlement, done), result in zip(batch, results, strict=True):
             if done is not None:
