@@ -9,6 +9,7 @@ import time
 import weakref
 from typing import Any
 
+import asyncpg
 import pytest
 
 from fastapi_workqueue import PublishRequest, Subscription, Topic, TransientWorkError, WorkContext, WorkMessage
@@ -18,7 +19,7 @@ from fastapi_workqueue.core.leases import LocalLease, start_margin
 from fastapi_workqueue.core.runtime import Consumer
 from fastapi_workqueue.core.settler import Settler
 from fastapi_workqueue.core.transport import ClaimedDelivery
-from fastapi_workqueue.database.postgres import PostgresTransport
+from fastapi_workqueue.database.postgres import PostgresTransport, to_asyncpg_dsn
 
 from .conftest import unique
 from .support import wait_for
@@ -168,6 +169,63 @@ async def test_the_end_of_an_attempt_leaves_the_next_attempt_of_the_same_deliver
         [info] = await transport.list_deliveries(name, "Completed")
         assert info.attempt == 2
     finally:
+        await transport.close()
+
+
+async def test_a_renewal_answered_after_its_handler_returned_aborts_nothing(
+    pg_url: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A heartbeat held up (here by a row lock) until its handler has returned: its answer belongs
+    to an attempt that ended, so it neither re-arms that attempt's lease timer (which then "lost"
+    a lease it no longer held) nor aborts its signal."""
+    transport = PostgresTransport(pg_url, listen=False, pool_max_size=4)
+    topic, name = unique("topic"), unique("sub")
+    started, release = asyncio.Event(), asyncio.Event()
+    signals: list[str] = []
+    registry = HandlerRegistry()
+
+    async def handle(message: WorkMessage[Any], context: WorkContext) -> None:
+        context.signal.add_listener(lambda reason: signals.append(reason.value))
+        started.set()
+        await release.wait()
+
+    registry.add("h", handle)
+    await transport.open()
+    locker = await asyncpg.connect(to_asyncpg_dsn(pg_url))
+    try:
+        await transport.sync_topology(
+            [Topic(name=topic)], [Subscription(name=name, topic=topic, handler_key="h", lease_seconds=1.2)])
+        [state] = [s for s in await transport.list_subscriptions() if s.name == name]
+        await transport.publish(topic, [prepare(PublishRequest(payload=1))])
+        settler = Settler(transport)
+        consumer = Consumer(transport, settler, state, registry.get, call_plain, concurrency=1, idle_poll_max=0.2)
+        consumer.start()
+        try:
+            await asyncio.wait_for(started.wait(), 10)
+            lock = locker.transaction()
+            await lock.start()
+            await locker.execute("SELECT 1 FROM workqueue.delivery WHERE subscription_id = "
+                                 "(SELECT id FROM workqueue.subscription WHERE name = $1) FOR UPDATE", name)
+
+            async def renewal_waits() -> bool:  # (asked outside the lock's transaction, which sees one snapshot)
+                return bool(await transport.run_in_connection(lambda conn: conn.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND query LIKE '%workqueue.heartbeat%'")))
+
+            await wait_for(renewal_waits, within=10)
+            release.set()  # the handler returns while its renewal waits for the row
+            await asyncio.sleep(0.2)
+            with caplog.at_level(logging.INFO, logger="fastapi_workqueue"):
+                await lock.commit()
+                [done] = await wait_for(lambda: transport.list_deliveries(name, "Completed"), within=10)
+                await asyncio.sleep(2.0)  # past the lease the old answer would have armed again
+        finally:
+            await consumer.stop(1)
+            await settler.close()
+        assert done.attempt == 1 and signals == []
+        assert not [r.getMessage() for r in caplog.records if "LeaseLost" in r.getMessage()]
+    finally:
+        await locker.close()
         await transport.close()
 
 

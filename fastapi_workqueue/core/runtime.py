@@ -955,6 +955,8 @@ class Consumer:
                 log.warning("%s: heartbeat of %s failed (%s)", self.name, count(len(due), "delivery"), exc)
                 continue
             for running, result, lease in zip(due, results, leases, strict=True):
+                if self._held.get(running.delivery.lease_token) is not running:
+                    continue  # its attempt ended while the renewal was under way: the answer is for nobody
                 self._apply_heartbeat(running, result.alive, result.cancel_requested, now, lease)
 
 
