@@ -98,8 +98,23 @@ SNS_MAX_BYTES = 262_144
 _ATTRIBUTE_NAME = re.compile(r"(?!\.)(?!.*\.\.)(?!.*\.$)(?!(?i:aws|amazon)\.)[A-Za-z0-9_.\-]{1,256}")
 
 
+_GROUP_ID = re.compile(r"[\x21-\x7e]{1,128}")
+"""What SNS takes as a FIFO topic's MessageGroupId: 1 to 128 ASCII letters, digits and punctuation."""
+
+
+def group_id_problem(partition_key: str) -> str | None:
+    """Why SNS would refuse ``partition_key`` as a FIFO MessageGroupId, or None."""
+    if _GROUP_ID.fullmatch(partition_key):
+        return None
+    return (f"partition key {partition_key[:40]!r}{'…' if len(partition_key) > 40 else ''} is not one a FIFO topic "
+            "takes as its message group: 1 to 128 ASCII letters, digits and punctuation, no spaces or other "
+            "characters; map it (an id, or a hash of it) to such a key")
+
+
 def attribute_problem(name: str, value: str) -> str | None:
-    """Why SNS would refuse attribute ``name`` with ``value``, or None."""
+    """Why SNS would refuse attribute ``name`` with ``value`` (or the library would drop it), or None."""
+    if name == NO_ATTRIBUTES:
+        return f"attribute name {name!r} is reserved for the library (it marks a message without attributes); rename it"
     if not _ATTRIBUTE_NAME.fullmatch(name):
         return (f"attribute name {name!r} is not one SNS takes: 1 to 256 letters, digits, '_', '-' and '.', not "
                 "starting or ending with '.', no '..', not starting with 'AWS.' or 'Amazon.'")

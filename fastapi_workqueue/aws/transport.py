@@ -433,6 +433,10 @@ class AwsTransport(Receiving, Settling, OperatorViews):
             if (problem := bodies.attribute_problem(name, value)) is not None:
                 return PublishError(code="InvalidAttribute", field="attributes",
                                     message=f"topic {topic!r} is on the aws transport: {problem}")
+        if message.partition_key is not None and self._topics[topic].is_fifo and (
+                problem := bodies.group_id_problem(message.partition_key)) is not None:
+            return PublishError(code="InvalidPartitionKey", field="partition_key",
+                                message=f"topic {topic!r} is a FIFO topic on the aws transport: {problem}")
         size = bodies.entry_size(entry)
         if size > bodies.SNS_MAX_BYTES:
             return PublishError(

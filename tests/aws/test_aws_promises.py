@@ -156,6 +156,36 @@ async def test_an_empty_attribute_value_without_session_is_rejected(tmp_path: Pa
 
 
 
+@pytest.mark.parametrize("key", ["k" * 129, "order 42", "kunde-müller", "tab\tkey"])
+async def test_a_partition_key_sns_refuses_as_a_fifo_group_is_rejected_at_the_publish(
+    tmp_path: Path, moto_url: str, key: str,
+) -> None:
+    """SNS takes 1 to 128 ASCII letters, digits and punctuation as a FIFO topic's MessageGroupId (the
+    test server takes anything): another key is Rejected before anything is sent or stored."""
+    name = unique("group")
+    topics = [Topic(name=name, transport="aws", is_fifo=True)]
+    subs = [Subscription(name=f"{name}.s", topic=name, handler_key="work", partition_mode="Exclusive")]
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
+        refused, fine = await queue.publish(name, [PublishRequest(payload={}, partition_key=key),
+                                                   PublishRequest(payload={}, partition_key="k" * 128)])
+        assert refused.status == "Rejected" and refused.error is not None
+        assert (refused.error.code, refused.error.field) == ("InvalidPartitionKey", "partition_key")
+        assert "1 to 128 ASCII letters, digits and punctuation" in refused.error.message
+        assert fine.error is not None and fine.error.code == "BatchAborted"  # a call is all or nothing
+        [alone] = await queue.publish(name, [PublishRequest(payload={}, partition_key="order-42/eu")])
+        assert alone.status == "Accepted"
+
+
+async def test_the_librarys_own_attribute_name_is_rejected_not_dropped(tmp_path: Path, moto_url: str) -> None:
+    name = unique("reserved")
+    topics = [Topic(name=name, transport="aws")]
+    subs = [Subscription(name=f"{name}.s", topic=name, handler_key="work")]
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
+        [result] = await queue.publish(name, [PublishRequest(payload={}, attributes={"workqueue.none": "yes"})])
+        assert result.status == "Rejected" and result.error is not None and result.error.code == "InvalidAttribute"
+        assert "reserved for the library" in result.error.message
+
+
 async def test_a_pause_during_a_held_heads_backoff_does_not_erase_its_failed_attempt(
     tmp_path: Path, moto_url: str,
 ) -> None:
