@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from typing import Any
 
-from ..core.errors import TransportError
+from ..core.errors import ConfigurationError, TransportError, TransportUnavailable, WorkQueueError
 from ..core.redaction import redacting_logger
 from ..core.words import count
 
@@ -113,7 +113,42 @@ def _counted(method: Callable[..., Any], name: str, calls: ClientCalls) -> Calla
         calls.enter(name)
         try:
             return await method(*args, **kwargs)
+        except Exception as exc:
+            mapped = library_error(exc, name)
+            if mapped is None:
+                raise
+            raise mapped from exc
         finally:
             calls.leave()
 
     return call
+
+
+_BUSY_CODES = frozenset({"Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
+                         "TooManyRequestsException", "ServiceUnavailable", "InternalError", "InternalFailure",
+                         "RequestLimitExceeded", "KMSThrottlingException"})
+"""Error codes of SNS and SQS that say "not now" rather than "never"."""
+
+
+def library_error(exc: BaseException, operation: str) -> WorkQueueError | None:
+    """The library's error for a call SNS or SQS could not take now (no connection, a timeout,
+    throttling, a server error): :class:`TransportUnavailable` or a retryable
+    :class:`TransportError`, as a database transport raises them; :class:`ConfigurationError` when
+    no credentials are found. None for any other error (a missing queue, a refused parameter),
+    which its caller reads as botocore raised it."""
+    from botocore.exceptions import ClientError, ConnectionError, HTTPClientError, NoCredentialsError
+
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    api = "".join(part.capitalize() for part in operation.split("_"))
+    if isinstance(exc, NoCredentialsError):
+        return ConfigurationError(
+            f"aws {api}: {text}; give the process AWS credentials (a role, AWS_PROFILE, or AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY)")
+    if isinstance(exc, ConnectionError | HTTPClientError):
+        return TransportUnavailable(f"aws {api}: SNS/SQS cannot be reached ({text}); retry later")
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        if error.get("Code") in _BUSY_CODES or int(status) >= 500:
+            return TransportError(f"aws {api}: {text}; retry later", retryable=True)
+    return None

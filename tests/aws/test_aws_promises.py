@@ -12,12 +12,21 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from fastapi_workqueue import PublishRequest, Subscription, Topic, TransientWorkError, WorkContext, WorkMessage
+from fastapi_workqueue import (
+    PublishRequest,
+    Subscription,
+    Topic,
+    TransientWorkError,
+    TransportUnavailable,
+    WorkContext,
+    WorkMessage,
+)
 from fastapi_workqueue.core.transport import Settlement
 
 from ..conftest import unique
 from ..support import wait_for
 from .deployed import deployed_queue, provision_queue, running
+from .moto import CREDENTIALS, moto_server
 from .world import aws_of, aws_queue
 
 pytestmark = pytest.mark.timeout(300)
@@ -184,6 +193,28 @@ async def test_the_librarys_own_attribute_name_is_rejected_not_dropped(tmp_path:
         [result] = await queue.publish(name, [PublishRequest(payload={}, attributes={"workqueue.none": "yes"})])
         assert result.status == "Rejected" and result.error is not None and result.error.code == "InvalidAttribute"
         assert "reserved for the library" in result.error.message
+
+
+async def test_a_publish_while_sns_cannot_be_reached_raises_transport_unavailable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not botocore's own error: the library's, retryable, as a database transport raises it (the
+    REST API answers it 503 with Retry-After)."""
+    for variable, value in CREDENTIALS.items():
+        monkeypatch.setenv(variable, value)
+    name = unique("away")
+    topics = [Topic(name=name, transport="aws")]
+    subs = [Subscription(name=f"{name}.s", topic=name, handler_key="work")]
+    server = moto_server()  # a server of this test's own, stopped under the open queue
+    url = server.__enter__()
+    try:
+        async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", url, topics, subs) as queue:
+            server.__exit__(None, None, None)
+            with pytest.raises(TransportUnavailable, match="SNS/SQS cannot be reached") as raised:
+                await queue.publish(name, [PublishRequest(payload={})])
+            assert raised.value.retryable and "PublishBatch" in str(raised.value)
+    finally:
+        server.__exit__(None, None, None)
 
 
 async def test_a_pause_during_a_held_heads_backoff_does_not_erase_its_failed_attempt(
