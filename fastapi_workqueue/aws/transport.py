@@ -241,8 +241,9 @@ class AwsTransport(Receiving, Settling, OperatorViews):
                 self.bindings = Bindings(region=self.settings.aws_region or "")
                 self._bindings_failed = True
         assert self.bindings is not None
-        await self.refresh_statuses()
-        await self.read_redrive_counts()
+        # (side by side: while SQS cannot be reached each read waits out botocore's retries, and a
+        # start that read them one after another waited that long for every subscription)
+        await asyncio.gather(self.refresh_statuses(), self.read_redrive_counts())
         return self.bindings
 
     async def read_redrive_counts(self) -> None:
@@ -250,11 +251,13 @@ class AwsTransport(Receiving, Settling, OperatorViews):
         delivery's last attempt (:mod:`.receiving`). A queue whose policy cannot be read keeps the
         count last read."""
         assert self.bindings is not None
-        for name in list(self._subscriptions):
-            bound = self.bindings.subscriptions.get(name)
+        bindings = self.bindings
+
+        async def read(name: str) -> None:
+            bound = bindings.subscriptions.get(name)
             if bound is None:
                 self._redrive_counts.pop(name, None)
-                continue
+                return
             try:
                 answer = await self.sqs.get_queue_attributes(QueueUrl=bound.queue_url,
                                                              AttributeNames=["RedrivePolicy"])
@@ -262,11 +265,13 @@ class AwsTransport(Receiving, Settling, OperatorViews):
                 count = int(json.loads(policy)["maxReceiveCount"]) if policy else None
             except Exception as exc:
                 log.warning("aws: the redrive policy of %s could not be read (%s)", name, exc)
-                continue
+                return
             if count is None:
                 self._redrive_counts.pop(name, None)
             else:
                 self._redrive_counts[name] = count
+
+        await asyncio.gather(*(read(name) for name in list(self._subscriptions)))
 
     async def close(self) -> None:
         """Stops the long polls in flight and gives back what is held here (visibility 0, or what
@@ -331,21 +336,25 @@ class AwsTransport(Receiving, Settling, OperatorViews):
         """Reads the ``workqueue:status`` tag of each bound subscription's queue: a pause made by
         any process (``workqueue pause``, the REST API, another host) reaches this one here."""
         assert self.bindings is not None
-        for name in list(self._subscriptions):
-            bound = self.bindings.subscriptions.get(name)
+        bindings = self.bindings
+
+        async def read(name: str) -> None:
+            bound = bindings.subscriptions.get(name)
             if bound is None:
-                continue
+                return
             try:
                 answer = await self.sqs.list_queue_tags(QueueUrl=bound.queue_url)
             except Exception as exc:  # a status read that fails keeps the last one (never stops the host)
                 log.warning("aws: the status tag of %s could not be read (%s); keeping %s",
                             name, exc, self.subscription_status(name))
-                continue
+                return
             value = answer.get("Tags", {}).get(STATUS_TAG)
             if value in ("Active", "Paused"):
                 self._status[name] = value
             else:
                 self._status.pop(name, None)
+
+        await asyncio.gather(*(read(name) for name in list(self._subscriptions)))
 
     async def list_topics(self) -> list[Topic]:
         return list(self._topics.values())

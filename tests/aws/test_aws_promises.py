@@ -6,6 +6,7 @@ standard topic."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,15 @@ from fastapi_workqueue import (
     TransportUnavailable,
     WorkContext,
     WorkMessage,
+    WorkQueue,
+    WorkQueueSettings,
 )
 from fastapi_workqueue.core.transport import Settlement
 
 from ..conftest import unique
 from ..support import wait_for
 from .deployed import deployed_queue, provision_queue, running
-from .moto import CREDENTIALS, moto_server
+from .moto import CREDENTIALS, REGION, moto_server
 from .world import aws_of, aws_queue
 
 pytestmark = pytest.mark.timeout(300)
@@ -215,6 +218,33 @@ async def test_a_publish_while_sns_cannot_be_reached_raises_transport_unavailabl
             assert raised.value.retryable and "PublishBatch" in str(raised.value)
     finally:
         server.__exit__(None, None, None)
+
+
+async def test_a_start_while_sqs_cannot_be_reached_waits_one_round_of_retries_not_one_per_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each bound queue's status tag and redrive policy are read at start; with SQS out of reach
+    each read waits out botocore's retries (about 5 s here), so they are read side by side: six
+    subscriptions once took a minute and a half to start."""
+    for variable, value in CREDENTIALS.items():
+        monkeypatch.setenv(variable, value)
+    name = unique("start-away")
+    topics = [Topic(name=name, transport="aws")]
+    subs = [Subscription(name=f"{name}.s{n}", topic=name, handler_key="work") for n in range(6)]
+    database = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
+    with moto_server() as url:
+        async with aws_queue(database, url, topics, subs):
+            pass  # provisioned and bound: the bindings are stored
+    queue = WorkQueue(WorkQueueSettings(database_url=database, aws_region=REGION, aws_endpoint_url=url,
+                                        aws_wait_time_seconds=0, aws_relay=False, disable_host=True),
+                      topics=topics, subscriptions=subs)
+    started = time.monotonic()
+    await queue.open()
+    try:
+        took = time.monotonic() - started
+    finally:
+        await queue.close()
+    assert took < 25, f"the start took {took:.1f} s"
 
 
 async def test_a_pause_during_a_held_heads_backoff_does_not_erase_its_failed_attempt(
