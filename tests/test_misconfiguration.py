@@ -255,6 +255,10 @@ async def test_a_dispatch_delay_of_the_wrong_type_names_the_parameter_and_its_fo
             assert str(raised.value) == (
                 "delay must be a number of seconds (delay=300) or a timedelta (delay=timedelta(minutes=5)); "
                 f"got {wrong!r}")
+        for too_far in (float("nan"), 1e12):
+            with pytest.raises(ValueError, match=r"delay must be a number of seconds from 0 to 3153600000 "
+                                                 r"\(100 years\), got (nan|1000000000000.0); for a later run"):
+                await queue.dispatch(mail, {"n": 1}, delay=too_far)
         assert await queue.size("default") == 0
         await queue.dispatch(mail, {"n": 1}, delay=300)
         assert await queue.size("default") == 1

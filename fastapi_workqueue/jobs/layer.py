@@ -99,8 +99,9 @@ def _seconds(delay: timedelta | float | None) -> float | None:
         raise TypeError(f"delay must be {DELAY_FORMS}; got {delay!r}")
     if seconds < 0:
         raise ValueError(f"delay must not be negative, got {delay!r}")
-    if not seconds <= MAX_DELAY_SECONDS:  # (NaN too) refused as a request with it is refused
-        return PublishRequest(delay_seconds=seconds).delay_seconds
+    if not seconds <= MAX_DELAY_SECONDS:  # (NaN too)
+        raise ValueError(f"delay must be a number of seconds from 0 to {MAX_DELAY_SECONDS:.0f} (100 years), "
+                         f"got {delay!r}; for a later run, schedule the job or dispatch it nearer the time")
     return seconds
 
 
