@@ -174,3 +174,18 @@ async def test_a_schedule_whose_next_tick_fails_leaves_the_others_running(
         assert "fine" in schedules._last and "broken" not in schedules._last  # the fine one ran its tick
         now = datetime.now(UTC)
         assert schedules._next_tick(broken, now) == now + timedelta(seconds=60)
+
+
+def test_a_timezone_on_an_every_schedule_is_refused_saying_cron_takes_it() -> None:
+    from fastapi_workqueue import ConfigurationError
+
+    queue = _queue()
+
+    @queue.job(f"tick-{uuid.uuid4().hex[:8]}")
+    async def tick(payload: dict[str, Any]) -> None:
+        return None
+
+    with pytest.raises(ConfigurationError, match=re.escape(
+            "timezone='Europe/Berlin' applies to cron schedules; an every= schedule ticks on whole multiples")):
+        queue.schedule(tick, every=timedelta(days=1), payload={}, timezone="Europe/Berlin")
+    assert queue.schedule(tick, every=timedelta(days=1), payload={}, timezone="UTC").every == timedelta(days=1)

@@ -87,6 +87,12 @@ class Schedule:
                 ) from None
         elif self.every is not None and self.every.total_seconds() < 1:
             raise ConfigurationError(f"schedule {self.name!r}: every must be at least one second, got {self.every}")
+        elif self.every is not None and self.timezone != "UTC":
+            raise ConfigurationError(
+                f"schedule {self.name!r}: timezone={self.timezone!r} applies to cron schedules; an every= schedule "
+                "ticks on whole multiples of its interval counted in UTC. For a run at a local time, give a cron "
+                "expression with the timezone (cron='0 0 * * *' for local midnight)"
+            )
         self._data = self.job.validate(self.payload)
 
     def ticks_between(self, after: datetime, until: datetime) -> list[datetime]:
