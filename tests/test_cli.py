@@ -271,6 +271,10 @@ async def test_publish_stats_backlog_dead_letters_replay_discard(cli: Cli) -> No
     assert "AlreadyTerminal" in again.out
     missing = await cli.json("replay", "--subscription", sub, "--delivery", "999999999", expect=1)
     assert missing["Result"] == "NotFound"
+    message_id = str(uuid.uuid4())  # a MessageID (or a job's id) where a DeliveryID goes
+    by_message = await cli("discard", "--subscription", sub, "--delivery", message_id, expect=1)
+    assert f"`workqueue search {message_id}` lists its deliveries" in by_message.err
+    assert f"`workqueue jobs cancel {message_id}`" in by_message.err
     unknown = await cli("dead-letters", "--subscription", "cli.nope", expect=1)
     assert "does not exist" in one_line(unknown.err)
     refused = await cli("publish", "--topic", "cli.nope", "--payload", "1", expect=1)

@@ -210,8 +210,8 @@ def test_a_dependency_that_takes_the_job_context_is_refused_with_what_to_use() -
         return job.name
 
     with pytest.raises(ConfigurationError, match=re.escape(
-            "job 'reports.build': one of its dependencies takes a parameter typed JobContext, which FastAPI can "
-            "only read from a request")) as refused:
+            "job 'reports.build': one of its dependencies takes a parameter typed JobContext "
+            "(job 'reports.build' -> report_name -> job), which FastAPI can only read from a request")) as refused:
         @queue.job("reports.build")
         async def build(payload: dict[str, Any], name: str = Depends(report_name)) -> None:
             return None

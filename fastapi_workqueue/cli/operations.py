@@ -292,8 +292,20 @@ def _action(ctx: Context, result: Any) -> None:
         if getattr(result, "reason", None):
             extra = f": {result.reason}"
         click.echo(f"{result.result}: delivery {result.delivery_id} of {result.subscription}{extra}")
+        if result.result == "NotFound" and _is_uuid(result.delivery_id):
+            click.echo(f"{result.delivery_id} reads as a MessageID (or a job's id), not a DeliveryID: "
+                       f"`workqueue search {result.delivery_id}` lists its deliveries; a job is cancelled with "
+                       f"`workqueue jobs cancel {result.delivery_id}`", err=True)
     if not result.ok:
         sys.exit(1)
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
 
 
 @click.command()

@@ -54,6 +54,42 @@ def _stub_for(func: Callable[..., Any], names: list[str]) -> Any:
     return stub
 
 
+def _path_to_type(func: Callable[..., Any], names: list[str], type_name: str,
+                  seen: frozenset[int] = frozenset()) -> list[str] | None:
+    """The chain of dependency names and the parameter under ``func``'s dependency parameters
+    ``names`` that is annotated with a class named ``type_name`` (FastAPI's error names the class,
+    not where it is), or None."""
+    try:
+        hints = typing.get_type_hints(func, include_extras=True)
+        parameters = inspect.signature(func).parameters
+    except (TypeError, ValueError, NameError):
+        return None
+    for pname, param in parameters.items():
+        if pname not in names:
+            continue
+        annotation = hints.get(pname, param.annotation)
+        depends = param.default if hasattr(param.default, "dependency") else next(
+            (m for m in getattr(annotation, "__metadata__", ()) if hasattr(m, "dependency")), None)
+        call = getattr(depends, "dependency", None)
+        if call is None or id(call) in seen:
+            continue
+        label = getattr(call, "__name__", type(call).__name__)
+        try:
+            inner = typing.get_type_hints(call, include_extras=True)
+            inner_params = list(inspect.signature(call).parameters)
+        except (TypeError, ValueError, NameError):
+            continue
+        for inner_name in inner_params:
+            bare = inner.get(inner_name)
+            bare = typing.get_args(bare)[0] if typing.get_origin(bare) is typing.Annotated else bare
+            if getattr(bare, "__name__", None) == type_name:
+                return [label, inner_name]
+        deeper = _path_to_type(call, inner_params, type_name, seen | {id(call)})
+        if deeper is not None:
+            return [label, *deeper]
+    return None
+
+
 def _path(key: str, problem: GraphProblem) -> str:
     kind, _, name = key.partition(":") if key.startswith("job:") else ("handler", "", key)
     return " -> ".join((f"{kind} {name!r}", *problem.chain, problem.parameter))
@@ -87,8 +123,10 @@ class DependencyInvoker:
             kind, _, name = key.partition(":") if key.startswith("job:") else ("handler", "", key)
             text = str(exc).strip()
             typed = re.search(r"<class '(?:[\w.]*\.)?(\w+)'>", text)
-            what = (f"one of its dependencies takes a parameter typed {typed.group(1)}, which FastAPI can only read "
-                    "from a request" if typed else f"FastAPI cannot build its dependencies ({text[:200]})")
+            chain = _path_to_type(func, params, typed.group(1)) if typed else None
+            where = f" ({' -> '.join((f'{kind} {name!r}', *chain))})" if chain else ""
+            what = (f"one of its dependencies takes a parameter typed {typed.group(1)}{where}, which FastAPI can "
+                    "only read from a request" if typed else f"FastAPI cannot build its dependencies ({text[:200]})")
             raise ConfigurationError(
                 f"{kind} {name!r}: {what}; a dependency may take only {ALLOWED}: take the running attempt's "
                 "context or message with Depends(current_context) or Depends(current_message)"
