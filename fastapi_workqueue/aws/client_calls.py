@@ -124,6 +124,16 @@ def _counted(method: Callable[..., Any], name: str, calls: ClientCalls) -> Calla
     return call
 
 
+class AwsServiceBusy(TransportError):
+    """SNS or SQS answered "not now" (throttling, a server error): retryable. ``response`` is
+    botocore's error response, as on the ``ClientError`` it stands for, so code that reads the
+    AWS error code (``response["Error"]["Code"]``) reads it here too."""
+
+    def __init__(self, message: str, response: dict[str, Any]) -> None:
+        super().__init__(message, retryable=True)
+        self.response = response
+
+
 _BUSY_CODES = frozenset({"Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
                          "TooManyRequestsException", "ServiceUnavailable", "InternalError", "InternalFailure",
                          "RequestLimitExceeded", "KMSThrottlingException"})
@@ -150,5 +160,5 @@ def library_error(exc: BaseException, operation: str) -> WorkQueueError | None:
         error = exc.response.get("Error", {})
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
         if error.get("Code") in _BUSY_CODES or int(status) >= 500:
-            return TransportError(f"aws {api}: {text}; retry later", retryable=True)
+            return AwsServiceBusy(f"aws {api}: {text}; retry later", exc.response)
     return None

@@ -38,10 +38,12 @@ class _Checker:
 
     async def _get(self, subject: str, what: str, call: Any, **kwargs: Any) -> dict[str, str] | None:
         """The ``Attributes`` a Get* call answers, or None after recording why there are none."""
+        from .client_calls import AwsServiceBusy
+
         client_error = importlib.import_module("botocore.exceptions").ClientError
         try:
             answer = await call(**kwargs)
-        except client_error as exc:
+        except (client_error, AwsServiceBusy) as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             if code in _MISSING:
                 self.error(subject, f"{what} does not exist: {REEXPORT}")

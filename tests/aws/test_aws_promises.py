@@ -18,6 +18,7 @@ from fastapi_workqueue import (
     Subscription,
     Topic,
     TransientWorkError,
+    TransportError,
     TransportUnavailable,
     WorkContext,
     WorkMessage,
@@ -438,3 +439,22 @@ async def test_the_attempts_of_an_aws_delivery_are_unsupported_not_none(tmp_path
     assert remote.status_code == 501 and "keeps no attempt history" in remote.json()["detail"], remote.text
     assert [a["Outcome"] for a in kept.json()] == ["DeadLettered"], kept.text
     assert [f["Delivery"]["DeliveryID"] for f in found.json()] == [here.delivery_id], found.text
+
+
+def test_a_throttle_is_retryable_and_keeps_the_aws_error_code_its_readers_look_for() -> None:
+    """The outbox relay backs off on a throttled PublishBatch and validate-bindings names the code:
+    both read the AWS error code from the error, which the library's mapped error keeps."""
+    from botocore.exceptions import ClientError
+
+    from fastapi_workqueue.aws.client_calls import library_error
+    from fastapi_workqueue.aws.leases import client_error_code
+    from fastapi_workqueue.aws.outbox import THROTTLED, _code
+
+    throttled = ClientError({"Error": {"Code": "Throttling", "Message": "Rate exceeded"},
+                             "ResponseMetadata": {"HTTPStatusCode": 400}}, "PublishBatch")
+    mapped = library_error(throttled, "publish_batch")
+    assert isinstance(mapped, TransportError) and mapped.retryable and "aws PublishBatch" in str(mapped)
+    assert _code(mapped) == client_error_code(mapped) == "Throttling" and "Throttling" in THROTTLED
+    refused = ClientError({"Error": {"Code": "InvalidParameter", "Message": "no"},
+                           "ResponseMetadata": {"HTTPStatusCode": 400}}, "PublishBatch")
+    assert library_error(refused, "publish_batch") is None  # read by its callers as botocore raised it
