@@ -6,8 +6,10 @@ and queue given at dispatch, a chain that a discard ends, and once/step with pla
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import uuid
+import warnings
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -428,3 +430,28 @@ async def _tick(ticks: list[float]) -> None:
     while True:
         await asyncio.sleep(0.05)
         ticks.append(asyncio.get_running_loop().time())
+
+
+async def test_a_step_whose_lambda_needs_the_loop_still_runs(database_url: str) -> None:
+    """A plain function runs in a worker thread; one that builds its awaitable with the loop
+    (``asyncio.gather``) finds none there and runs on the loop."""
+    suffix = uuid.uuid4().hex[:8]
+    name = f"loop-step-{suffix}"
+    queue = make_queue(database_url, name)
+
+    async def fetch(n: int) -> int:
+        await asyncio.sleep(0)
+        return n
+
+    @queue.job(f"both-{suffix}", queue=name, tries=1, store_result=True)
+    async def both(payload: dict[str, Any], job: JobContext) -> Any:
+        return await job.step("fetch-both", lambda: asyncio.gather(fetch(1), fetch(2)))
+
+    async with queue.lifespan(None):
+        job_id = await queue.dispatch(both, {})
+        with warnings.catch_warnings(record=True) as warned:  # (the coroutines the thread's try left)
+            warnings.simplefilter("always")
+            result = await queue.wait(job_id, timeout=30)
+            gc.collect()
+    assert result == [1, 2]
+    assert all("never awaited" in str(w.message) for w in warned)

@@ -26,13 +26,31 @@ async def call_sync_or_async(fn: Callable[[], Any]) -> Any:
     plain function that blocks (a payment client's HTTP call) does not stop the loop, and with it
     the heartbeats that keep the lease: blocked past the lease, the step would run again
     elsewhere. What the call returns, when awaitable (a lambda around a coroutine function gives
-    its coroutine), is awaited on the loop."""
+    its coroutine), is awaited on the loop. One that needs the loop itself to build what it
+    returns (``lambda: asyncio.gather(...)``) finds none in the thread and is called again on the
+    loop (what it did before it asked runs twice, and Python warns of the coroutines it left: give
+    such work as a coroutine function instead)."""
     if inspect.iscoroutinefunction(fn):
         return await fn()
-    result = await asyncio.to_thread(fn)
+    outcome = await asyncio.to_thread(_call_off_loop, fn)
+    result = fn() if outcome is _NEEDS_LOOP else outcome
     if inspect.isawaitable(result):
         result = await result
     return result
+
+
+_NEEDS_LOOP = object()
+
+
+def _call_off_loop(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a worker thread, or :data:`_NEEDS_LOOP` when it asked for the event loop there
+    (asyncio's "no current event loop" / "no running event loop")."""
+    try:
+        return fn()
+    except RuntimeError as exc:
+        if "event loop" not in str(exc):
+            raise
+        return _NEEDS_LOOP
 
 
 class AbortReason(StrEnum):
