@@ -67,3 +67,23 @@ def test_transports_of_one_name_share_a_store_and_others_do_not() -> None:
     assert one._store is same._store and other._store is not one._store
     with pytest.raises(ConfigurationError, match="memory://"):
         MemoryTransport("sqlite:///x.db")
+
+
+async def test_a_subscription_does_not_move_to_another_topic_and_a_refused_sync_writes_nothing() -> None:
+    """As on the databases: a move is refused whether or not the subscription holds work, and
+    nothing of the refused topology is written."""
+    transport = MemoryTransport()
+    await transport.open()
+    try:
+        await transport.sync_topology([Topic(name="orders.created")],
+                                      [Subscription(name="orders.mail", topic="orders.created", handler_key="h")])
+        with pytest.raises(ValueError, match="is on topic orders.created in the store, and the code puts it on topic "
+                                             "orders.placed: a subscription does not move between topics"):
+            await transport.sync_topology(
+                [Topic(name="orders.created"), Topic(name="orders.placed")],
+                [Subscription(name="orders.audit", topic="orders.placed", handler_key="h"),
+                 Subscription(name="orders.mail", topic="orders.placed", handler_key="h")])
+        assert {t.name for t in await transport.list_topics()} == {"orders.created"}
+        assert {s.name: s.topic for s in await transport.list_subscriptions()} == {"orders.mail": "orders.created"}
+    finally:
+        await transport.close()

@@ -618,7 +618,7 @@ def test_rows_are_normalised() -> None:
         ("[Microsoft][ODBC Driver 18 for SQL Server][SQL Server]The EXECUTE permission was denied on the "
          "object 'claim' (229) (SQLExecDirectW)", ConfigurationError, None),
         ("[Microsoft][ODBC Driver 18 for SQL Server][SQL Server]subscription s has live deliveries (51002) "
-         "(SQLExecDirectW)", TransportError, False),
+         "(SQLExecDirectW)", ConfigurationError, None),
     ],
 )
 def test_driver_errors_are_mapped(message: str, kind: type[Exception], retryable: bool | None) -> None:

@@ -271,6 +271,27 @@ class MemoryTransport:
 
     async def sync_topology(self, topics: Sequence[Topic], subscriptions: Sequence[Subscription]) -> None:
         store = self._store
+        # Every refusal before any write: a refused sync leaves the topology as it was (as the
+        # databases' one transaction does).
+        for spec in subscriptions:
+            current = store.subs.get(spec.name)
+            if current is None:
+                continue
+            name, old, new = spec.name, current.spec.topic, spec.topic
+            if old != new:
+                raise ValueError(
+                    f"subscription {name} is on topic {old} in the store, and the code puts it on topic {new}: a "
+                    f"subscription does not move between topics (what processes still running the code before "
+                    f"publish to {old} would reach it no more); declare a new subscription on {new} and retire "
+                    f"{name} (`workqueue subscriptions retire {name}`), or retire and delete {name} first"
+                )
+            live = [d for d in self._of(spec.name) if d.status in _LIVE]
+            if live and current.spec.partition_mode != spec.partition_mode:
+                raise ValueError(
+                    f"subscription {spec.name} has live deliveries routed for partition mode "
+                    f"{current.spec.partition_mode}; change it to {spec.partition_mode} once they are settled or "
+                    "discarded, or create a new subscription"
+                )
         for topic in topics:
             known = store.topics.get(topic.name)
             if known is None:
@@ -282,20 +303,8 @@ class MemoryTransport:
             if current is None:
                 store.last_id += 1
                 store.subs[spec.name] = _Sub(store.last_id, spec, spec.status)
-                continue
-            live = [d for d in self._of(spec.name) if d.status in _LIVE]
-            if live and current.spec.topic != spec.topic:
-                raise ValueError(
-                    f"subscription {spec.name} has live deliveries of topic {current.spec.topic}; it cannot move to "
-                    f"topic {spec.topic} until they are settled or discarded"
-                )
-            if live and current.spec.partition_mode != spec.partition_mode:
-                raise ValueError(
-                    f"subscription {spec.name} has live deliveries routed for partition mode "
-                    f"{current.spec.partition_mode}; change it to {spec.partition_mode} once they are settled or "
-                    "discarded, or create a new subscription"
-                )
-            current.spec = spec
+            else:
+                current.spec = spec
 
     async def list_subscriptions(self) -> list[SubscriptionState]:
         out = []

@@ -209,6 +209,11 @@ def native_error(exc: BaseException) -> tuple[str | None, int | None, str]:
     return state, number, message or type(exc).__name__
 
 
+_OBJECT_IN_USE = 51002
+"""THROW 51002: PostgreSQL's object_in_use (a subscription moved to another topic, a partition mode
+changed under live work), a ConfigurationError as there."""
+
+
 def map_mssql_error(exc: BaseException, operation: str) -> Exception:
     """A driver exception as a :class:`TransportError` (or a configuration error)."""
     if isinstance(exc, TransportError | ConfigurationError):
@@ -225,6 +230,8 @@ def map_mssql_error(exc: BaseException, operation: str) -> Exception:
             "(operator_role.sql) and API key management workqueue_admin (admin_role.sql), and migrations need "
             "the schema owner: run them as the owner, not with WORKQUEUE_AUTO_MIGRATE under the runtime user"
         )
+    if number == _OBJECT_IN_USE:  # sync_subscription: a change the stored subscription forbids
+        return ConfigurationError(f"{operation}: {text}")
     if number in _MISSING_SCHEMA:
         return SchemaMissing(
             f"{operation}: the work queue schema is missing or out of date ({text}); run "
