@@ -4,6 +4,7 @@ the real consumer over the queue in memory, and the listings the host reconciles
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 from pydantic import BaseModel
@@ -77,8 +78,9 @@ async def test_a_subscription_does_not_move_to_another_topic_and_a_refused_sync_
     try:
         await transport.sync_topology([Topic(name="orders.created")],
                                       [Subscription(name="orders.mail", topic="orders.created", handler_key="h")])
-        with pytest.raises(ValueError, match="is on topic orders.created in the store, and the code puts it on topic "
-                                             "orders.placed: a subscription does not move between topics"):
+        with pytest.raises(ValueError, match=re.escape(
+                "is on topic orders.created in the store, and the code puts it on topic orders.placed: a "
+                "subscription does not move between topics")):
             await transport.sync_topology(
                 [Topic(name="orders.created"), Topic(name="orders.placed")],
                 [Subscription(name="orders.audit", topic="orders.placed", handler_key="h"),
