@@ -99,3 +99,40 @@ async def test_a_refused_follow_up_holds_back_none_of_the_completions_ending_wit
     assert (4, None) in watch.calls, watch.calls
     [line] = [r.getMessage() for r in caplog.records if "settle failed" in r.getMessage()]
     assert line.startswith("settle failed for 1 delivery") and nowhere in line, line
+
+
+async def test_a_stops_deadline_is_that_stops_only(database_url: str) -> None:
+    """A settler started again after a stop (a host's second start) writes its settles: the first
+    stop's deadline for giving up no longer holds."""
+    import time
+
+    from fastapi_workqueue import PublishRequest, Subscription, Topic
+    from fastapi_workqueue.core.envelope import prepare
+    from fastapi_workqueue.core.settler import Settler
+    from fastapi_workqueue.core.transport import Settlement
+    from fastapi_workqueue.database import create_database_transport
+
+    from .conftest import unique
+
+    transport = create_database_transport(database_url)
+    await transport.open()
+    try:
+        await transport.migrate()
+        topic, name = unique("deadline"), unique("deadline-sub")
+        await transport.sync_topology([Topic(name=topic)], [Subscription(name=name, topic=topic, handler_key="h")])
+        await transport.publish(topic, [prepare(PublishRequest(payload=1))])
+        [claimed] = await transport.claim(name, 1)
+        settler = Settler(transport)
+        settler.start()
+        settler.give_up_by(time.monotonic() + 0.05)  # what a host's stop does
+        await settler.close()
+        await asyncio.sleep(0.1)  # that deadline has passed
+        settler.start()
+        results: list[object] = []
+        settler.submit(Settlement(claimed.delivery_id, claimed.lease_token, "Complete"),
+                       lambda settlement, result: results.append(result))
+        await settler.flush()
+        await settler.close()
+        assert results == ["Completed"]
+    finally:
+        await transport.close()

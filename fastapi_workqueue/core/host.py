@@ -245,7 +245,7 @@ class Host:
         await self.settler.close()
         if self._registry is not None:
             try:
-                await asyncio.wait_for(self._registry.process_stop(current_process().id), STOP_SETTLE_GRACE_SECONDS)
+                await asyncio.wait_for(self._registry.process_stop(current_process().id), 1.5)
             except Exception as exc:  # (its beats stop: it shows Gone once it missed three)
                 log.warning("cannot mark this process stopped in the process registry (%s)", exc or "no answer")
 

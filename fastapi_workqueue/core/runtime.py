@@ -313,8 +313,15 @@ class Consumer:
         if self._request_load is not None:
             self._request_load.unsubscribe(self._slot_freed.set)
         if self._loop_task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+            # A claim under way ends at once; one the store does not answer within 1.5 s (out of
+            # reach) is cancelled: what it may have claimed comes back when its lease runs out. So a
+            # stop keeps to 2 x the drain and 5 s, the store away or not (docs/production.md).
+            done, _ = await asyncio.wait([self._loop_task], timeout=min(max(drain_seconds, 0.5), 1.5))
+            if not done:
+                await cancel_and_wait([self._loop_task], owner=self.name)
+            else:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._loop_task
         if self._buffer:
             log.info("%s: stopping; %s claimed ahead go back to Pending: %s",
                      self.name, count(len(self._buffer), "delivery"), _ids(self._buffer))
@@ -340,7 +347,7 @@ class Consumer:
                 await asyncio.wait_for(self.transport.settle(
                     [Settlement(r.delivery.delivery_id, r.delivery.lease_token, "Release",
                                 reason=SHUTDOWN_RELEASE_REASON) for r in leftovers]
-                ), max(drain_seconds, 1.0))
+                ), 1.0)  # (within the stop's bound: 2 x the drain and 2 s, the settler's deadline)
         if self._heartbeat_task is not None:
             await cancel_and_wait([self._heartbeat_task], owner=self.name)
         # What is left are handlers that ignored Shutdown (their deliveries were released above):

@@ -58,6 +58,8 @@ class Settler:
     def start(self) -> None:
         if self._task is None:
             self._closing = False
+            self._give_up_at = None  # (a stop's deadline is that stop's)
+            self._stopping.clear()
             self._tasks.reopen()
             self._task = self._tasks.spawn(self._run(), name="workqueue-settler")
 
