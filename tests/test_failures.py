@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
@@ -123,3 +124,17 @@ def test_a_retry_delay_that_is_no_number_of_seconds_is_refused_where_it_is_asked
     assert Outcome.retry("later", delay_seconds=0).delay_seconds == 0
     assert TransientWorkError("later", 2.5).delay_seconds == 2.5
     assert TransientWorkError("later").delay_seconds is None
+
+
+def test_a_kept_reason_is_redacted_again_once_a_secret_is_registered() -> None:
+    from fastapi_workqueue.core.failures import stored_reason
+    from fastapi_workqueue.core.redaction import _REGISTERED, register_secrets
+
+    secret = "k3y-" + uuid.uuid4().hex
+    reason = f"upstream refused {secret}"
+    assert stored_reason(reason) == reason  # (kept for the next time)
+    try:
+        register_secrets([secret])
+        assert stored_reason(reason) == "upstream refused ***"
+    finally:
+        _REGISTERED.discard(secret)

@@ -9,13 +9,14 @@ passed through :func:`.redaction.redact`.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
 import traceback
 from collections.abc import Iterator
 
-from .redaction import redact
+from .redaction import redact, registered_secrets
 
 MAX_ERROR_TEXT = 4000
 """The most characters of error text stored per delivery."""
@@ -60,7 +61,14 @@ def error_text(exc: BaseException, *, limit: int = MAX_ERROR_TEXT) -> str:
 
 def stored_reason(reason: str, *, limit: int = MAX_ERROR_TEXT) -> str:
     """A handler's reason (of a retry, a dead letter, a discard or a work error) as the delivery
-    keeps it: redacted, storable and at most ``limit`` characters, its middle cut out if need be."""
+    keeps it: redacted, storable and at most ``limit`` characters, its middle cut out if need be.
+    Kept for the reasons seen last (a job's release or overlap gives the same few again and again;
+    redaction costs some 20 µs), anew once more secrets are registered."""
+    return _stored_reason(reason, limit, registered_secrets())
+
+
+@functools.lru_cache(maxsize=1024)
+def _stored_reason(reason: str, limit: int, secrets: int) -> str:
     return _bounded(storable(redact(reason)), limit)
 
 

@@ -60,6 +60,11 @@ def register_secrets(values: Iterable[str]) -> None:
     _REGISTERED.update(v for v in values if v and len(v) >= MIN_SECRET_LENGTH)
 
 
+def registered_secrets() -> int:
+    """How many literal secrets are registered (a cache of redacted text is keyed by it)."""
+    return len(_REGISTERED)
+
+
 def _mask(match: re.Match[str]) -> str:
     secret = match.group("secret")
     if secret == MASK:
