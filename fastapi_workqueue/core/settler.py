@@ -175,10 +175,9 @@ class Settler:
                 refused.add(id(settlement))
                 log.error("settle of delivery %s refused (%s); its lease will expire", settlement.delivery_id, exc)
 
-    def _loop_deadline(self) -> float | None:
-        """When the attempt under way must end (the loop's clock): a stop's deadline, or None."""
-        if self._give_up_at is None:
-            return None
+    def _loop_deadline(self) -> float:
+        """When the attempt under way must end, on the loop's clock: the stop's deadline."""
+        assert self._give_up_at is not None
         return asyncio.get_running_loop().time() + max(self._give_up_at - time.monotonic(), 0)
 
     async def _write(self, batch: list[tuple[Settlement, SettleDone | None]]) -> None:
@@ -189,11 +188,13 @@ class Settler:
         refused: set[int] | None = None  # (one by one, once the store refused the batch)
         while True:
             try:
-                async with asyncio.timeout_at(self._loop_deadline()):
-                    if refused is None:
-                        await self._settle(settlements, written)
-                    else:
-                        await self._each(settlements, written, refused)
+                attempt = (self._settle(settlements, written) if refused is None
+                           else self._each(settlements, written, refused))
+                if self._give_up_at is None:
+                    await attempt
+                else:  # (a stop is under way: the attempt ends by its deadline)
+                    async with asyncio.timeout_at(self._loop_deadline()):
+                        await attempt
                 results: list[SettleResult | None] = [written.get(id(s)) for s in settlements]
                 break
             except asyncio.CancelledError:
