@@ -189,3 +189,5 @@ def test_a_timezone_on_an_every_schedule_is_refused_saying_cron_takes_it() -> No
             "timezone='Europe/Berlin' applies to cron schedules; an every= schedule ticks on whole multiples")):
         queue.schedule(tick, every=timedelta(days=1), payload={}, timezone="Europe/Berlin")
     assert queue.schedule(tick, every=timedelta(days=1), payload={}, timezone="UTC").every == timedelta(days=1)
+    for name in ("Etc/UTC", "GMT", "Zulu"):  # UTC by its other names
+        assert queue.schedule(tick, every=60, payload={}, timezone=name, name=f"in-{name}").timezone == name

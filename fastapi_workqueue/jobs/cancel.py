@@ -33,7 +33,12 @@ async def cancel_job(jobs: Jobs, job_id: uuid.UUID, reason: str | None = None) -
     found = [info for info in await transport.message_deliveries(job_id) if queue_of(info.subscription) is not None]
     for info in found:
         if info.status in LIVE_STATES:
-            return await transport.discard(info.subscription, info.delivery_id, reason or "cancelled by an operator")
+            result = await transport.discard(info.subscription, info.delivery_id,
+                                             reason or "cancelled by an operator")
+            if result.result in ("AlreadyTerminal", "NotFound"):  # it ended between the look and the discard
+                raise JobNotCancellable(f"no job with the id {job_id} is waiting or running (it ended "
+                                        f"{result.status or 'just now'})")
+            return result
     if any(info.status == "DeadLettered" for info in found):
         raise JobNotCancellable(f"job {job_id} has failed, so it runs no more; drop it with forget_job "
                                 f"(`workqueue jobs forget {job_id}`) or queue it again with retry_job")

@@ -42,6 +42,16 @@ LOOK_BACK = 60
 """Ticks :meth:`Schedules.last_dispatch` looks back over."""
 
 
+_UTC_NAMES = frozenset({"UTC", "Etc/UTC", "Etc/UCT", "UCT", "Etc/GMT", "GMT", "Etc/Zulu", "Zulu", "Etc/Universal",
+                        "Universal", "Etc/Greenwich", "Greenwich", "GMT0", "Etc/GMT0", "Etc/GMT+0", "Etc/GMT-0"})
+"""UTC's other names in the time zone database: no offset, ever."""
+
+
+def _always_utc(zone: ZoneInfo) -> bool:
+    """Whether ``zone`` is UTC by one of its names (``Etc/UTC``, ``GMT``, ``Zulu``)."""
+    return zone.key in _UTC_NAMES
+
+
 @dataclass(slots=True)
 class Schedule:
     """One schedule: a job, its payload and when it runs."""
@@ -87,7 +97,7 @@ class Schedule:
                 ) from None
         elif self.every is not None and self.every.total_seconds() < 1:
             raise ConfigurationError(f"schedule {self.name!r}: every must be at least one second, got {self.every}")
-        elif self.every is not None and self.timezone != "UTC":
+        elif self.every is not None and not _always_utc(self._tz):
             raise ConfigurationError(
                 f"schedule {self.name!r}: timezone={self.timezone!r} applies to cron schedules; an every= schedule "
                 "ticks on whole multiples of its interval counted in UTC. For a run at a local time, give a cron "
