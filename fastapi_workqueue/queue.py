@@ -558,14 +558,15 @@ class WorkQueue:
                 if problem not in _warned_variables:
                     _warned_variables.add(problem)
                     log.warning("%s", problem)
-            if self.settings.uses_default_database and (misspelt := misspelt_database_url()) is not None:
+            default_file = self.settings.uses_default_database and kernel.given_database_url is None
+            if default_file and (misspelt := misspelt_database_url()) is not None:
                 # (a mis-deployed process must fail loudly, not run on a file of its own)
                 raise ConfigurationError(
                     f"{misspelt} is not a setting of fastapi-workqueue; did you mean WORKQUEUE_DATABASE_URL? No "
                     f"database URL is set, so the queue would live in the default SQLite file "
                     f"{default_database_file()}: name the variable WORKQUEUE_DATABASE_URL"
                 )
-            if self.settings.uses_default_database:
+            if default_file:
                 log.warning(
                     "no database is configured (neither WORKQUEUE_DATABASE_URL nor database_url): the queue "
                     "lives in the default SQLite file %s", default_database_file(),

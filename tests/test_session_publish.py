@@ -195,3 +195,33 @@ async def test_the_urls_driver_and_server_parameters_reach_the_queue_and_its_ses
         kept = await queue.transport.run_in_connection(  # type: ignore[attr-defined]
             lambda conn: conn.fetchval("SELECT count(*) FROM pg_prepared_statements"))
         assert kept == 0
+
+
+async def test_the_request_sessions_open_the_database_of_a_transport_given_to_the_queue(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``WorkQueue(transport=create_database_transport(url))`` with no database in the settings:
+    a publish in a request session lands where the queue reads (it went to ./workqueue.db)."""
+    from fastapi_workqueue import ConfigurationError, Subscription, Topic, WorkQueue, WorkQueueSettings
+    from fastapi_workqueue.database import create_database_transport
+
+    monkeypatch.delenv("WORKQUEUE_DATABASE_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    url = f"sqlite+aiosqlite:///{tmp_path / 'test.db'}"
+    queue = WorkQueue(WorkQueueSettings(auto_migrate=True, enabled=False),
+                      topics=[Topic(name="signups")],
+                      subscriptions=[Subscription(name="signups.mail", topic="signups", handler_key="mail")],
+                      transport=create_database_transport(url))
+    async with queue.lifespan(None):
+        async with queue.sessionmaker() as session, session.begin():
+            [result] = await queue.publish("signups", [PublishRequest(payload=1)], session=session)
+        assert result.ok
+        [stats] = await queue.stats("signups.mail")
+        assert stats.pending == 1
+    assert not (tmp_path / "workqueue.db").exists()
+
+    other = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'other.db'}"),
+                      transport=create_database_transport(url))
+    with pytest.raises(ConfigurationError, match="the request sessions \\(queue.session\\) would write where the "
+                                                 "queue does not read"):
+        _ = other.engine

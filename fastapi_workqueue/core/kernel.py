@@ -165,6 +165,9 @@ class Kernel:
         and routers refer to, for the code that looks for the app serving the queue (the jobs fake)."""
         self._build_transport = build_transport
         self._transport = transport
+        self._given_url: str | None = (
+            getattr(transport, "url", None) if isinstance(getattr(transport, "url", None), str) else None)
+        """The database URL of a database transport given at construction (the request sessions open it)."""
         self._ports: Ports | None = None
         self._default_observers = default_observers
         self._observers: list[Observer] = []
@@ -233,8 +236,19 @@ class Kernel:
     # -- transport ------------------------------------------------------------------------------
 
     def database_url(self) -> str:
-        """The database URL of the settings; ConfigurationError saying what to set when there is none."""
+        """The database URL of the settings, or of the database transport given to the queue;
+        ConfigurationError saying what to set when there is none, or when the two name different
+        databases (the request sessions would write where the queue does not read)."""
         url = self.settings.database_url
+        given = self._given_url
+        if given is not None:
+            if self.settings.uses_default_database or url == given:
+                return given
+            raise ConfigurationError(
+                "the transport given to the queue stores in one database and the settings' database_url "
+                "(WORKQUEUE_DATABASE_URL) names another: the request sessions (queue.session) would write "
+                "where the queue does not read. Leave database_url unset, or give the transport's URL"
+            )
         if not url:
             raise ConfigurationError(
                 "no database is configured: set WORKQUEUE_DATABASE_URL (for example "
@@ -242,6 +256,11 @@ class Kernel:
                 "WorkQueueSettings(database_url=...)"
             )
         return url
+
+    @property
+    def given_database_url(self) -> str | None:
+        """The URL of the database transport given to the queue at construction, or None."""
+        return self._given_url
 
     @property
     def transport(self) -> Transport:
