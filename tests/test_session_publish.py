@@ -3,6 +3,7 @@ transaction, whether it is the transaction's first statement or follows the call
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
@@ -222,6 +223,6 @@ async def test_the_request_sessions_open_the_database_of_a_transport_given_to_th
 
     other = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'other.db'}"),
                       transport=create_database_transport(url))
-    with pytest.raises(ConfigurationError, match="the request sessions \\(queue.session\\) would write where the "
-                                                 "queue does not read"):
+    with pytest.raises(ConfigurationError, match=re.escape(
+            "the request sessions (queue.session) would write where the queue does not read")):
         _ = other.engine
