@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -215,6 +216,20 @@ async def test_work_finds_an_app_that_includes_the_queues_router_or_is_given_one
         await post(other, "/users/3/remind")
         await fake.work()
     assert sent == [(1, "router-app-mailer"), (3, "other-mailer")]
+
+
+async def test_work_that_finds_no_app_says_the_overrides_do_not_apply(caplog: pytest.LogCaptureFixture) -> None:
+    """No app serves the queue (its lifespan reaches the queue some other way) and none is bound:
+    the jobs' dependencies run as declared, and work() says so once."""
+    queue, jobs, (sent, _) = build()
+    with queue.fake() as fake, caplog.at_level(logging.WARNING, logger="fastapi_workqueue.jobs"):
+        await queue.dispatch(jobs["send"], {"user_id": 4})
+        await fake.work()
+        await queue.dispatch(jobs["send"], {"user_id": 5})
+        await fake.work()
+    told = [r.getMessage() for r in caplog.records if "no app serves this queue" in r.getMessage()]
+    assert len(told) == 1 and "queue.fake(app=app)" in told[0]
+    assert [user for user, _ in sent] == [4, 5]
 
 
 def test_the_fake_fixture_comes_with_the_package(pytester: pytest.Pytester) -> None:

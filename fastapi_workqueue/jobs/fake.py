@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from ..core.envelope import PreparedMessage, PublishRequest, prepare
 from ..core.errors import ConfigurationError
 from ..core.memory import MemoryTransport
+from ..core.redaction import redacting_logger
 from .definition import Job
 from .envelope import JobEnvelope
 from .fake_app import apps_of
@@ -34,6 +35,8 @@ from .steps import MemorySteps
 
 if TYPE_CHECKING:
     from .layer import Jobs
+
+log = redacting_logger("fastapi_workqueue.jobs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,7 @@ class JobFake:
         self._debounced: dict[uuid.UUID, str] = {}
         self._groups: dict[uuid.UUID, JobGroup] = {}
         """The group of each recorded ``then`` job, by its id."""
+        self._told_no_app = False
         """The debounce key of each recorded debounced job, by id."""
         """What :meth:`work` made of each job it ran, by id."""
 
@@ -242,6 +246,12 @@ class JobFake:
         apps = apps_of(self._jobs.kernel.facade)
         if len(apps) == 1:
             return apps[0]
+        if not apps and bound is None and not self._told_no_app:
+            self._told_no_app = True
+            log.warning(
+                "fake.work(): no app serves this queue and none is bound, so the jobs' dependencies run as "
+                "declared, without any app's dependency_overrides: pass the app, queue.fake(app=app) (or "
+                "workqueue_app = \"myapp.main:app\" in your pytest configuration)")
         if not apps or bound in apps:
             return bound
         raise ConfigurationError(
