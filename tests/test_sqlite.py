@@ -797,3 +797,15 @@ def test_a_directory_where_the_file_should_be_is_refused_and_leaves_no_thread_be
                              "sqlite+aiosqlite:///relative/file.db (in the working directory) or "
                              "sqlite+aiosqlite:////absolute/path/file.db (a file in that directory)"}
     assert died == []
+
+
+def test_a_misspelt_option_of_the_sqlite_transport_is_refused(tmp_path: Path) -> None:
+    """``clok=ManualClock()`` would leave the transport on the system clock, in silence."""
+    from fastapi_workqueue.core.clock import ManualClock
+    from fastapi_workqueue.database import create_database_transport
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
+    with pytest.raises(TypeError, match="unexpected keyword argument 'clok'; it takes busy_timeout_ms, rng and clock"):
+        create_database_transport(url, clok=ManualClock())
+    clock = ManualClock()
+    assert create_database_transport(url, clock=clock, pool_max_size=4, listen=False).clock is clock

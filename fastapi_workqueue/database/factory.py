@@ -16,7 +16,11 @@ def create_database_transport(
 ) -> RoutineTransport:
     """A transport for ``url``: ``postgresql+asyncpg://…``, ``sqlite+aiosqlite:///file.db`` or
     ``mssql+aioodbc://…`` (aioodbc is imported when the SQL Server transport opens).
-    ``sqlite_busy_timeout_ms`` bounds each SQLite operation's wait for the file's write lock."""
+    ``sqlite_busy_timeout_ms`` bounds each SQLite operation's wait for the file's write lock.
+    ``clock=`` (a :class:`~fastapi_workqueue.core.clock.ManualClock` in tests) is the time claims,
+    heartbeats, settles, sweeps and prunes run at, ``rng=`` the source of the retries' jitter;
+    the server databases also take ``pool_min_size``, ``pool_max_size``, ``listen`` and
+    ``connect_timeout``. Any other option is a TypeError."""
     scheme = database_scheme(url)
     if scheme == "sqlite":
         from .sqlite import SqliteTransport

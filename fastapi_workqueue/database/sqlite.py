@@ -137,6 +137,11 @@ class _SessionExecutor:
         return int(result.rowcount)
 
 
+SERVER_OPTIONS = frozenset({"pool_min_size", "pool_max_size", "listen", "connect_timeout"})
+"""Options of the server databases' transports that one SQLite file has no use for (the queue
+passes them whatever the database)."""
+
+
 class SqliteTransport(RoutineTransport):
     """The database transport on one SQLite file, through aiosqlite."""
 
@@ -159,6 +164,10 @@ class SqliteTransport(RoutineTransport):
         self, url: str, *, busy_timeout_ms: int = BUSY_TIMEOUT_MS, rng: RandomSource | None = None,
         clock: Clock | None = None, **_options: Any
     ) -> None:
+        unknown = sorted(set(_options) - SERVER_OPTIONS)
+        if unknown:  # (a misspelt clock= would leave the transport on the system clock in silence)
+            raise TypeError(f"SqliteTransport() got an unexpected keyword argument {unknown[0]!r}; it takes "
+                            "busy_timeout_ms, rng and clock (and ignores a server's pool and LISTEN options)")
         super().__init__(rng=rng, clock=clock)
         if busy_timeout_ms < 1:
             raise ConfigurationError(f"the SQLite busy timeout must be at least 1 ms, got {busy_timeout_ms}")
