@@ -69,6 +69,13 @@ async def test_dispatches_are_recorded_and_work_runs_them_with_dependencies_and_
         assert first is not None and len(ids) == 2 and ids[0] != ids[1]
         fake.assert_dispatched(jobs["send"], times=3)
         fake.assert_dispatched(jobs["send"], times=1, where=lambda p: p.user_id == 2)
+        # A failed assertion shows what was dispatched; a field the payload lacks is named.
+        with pytest.raises(AssertionError, match=r"dispatched 0 time\(s\) with \{'user_id': 9\}, expected 1; "
+                                                 r"'billing.send-invoice-reminder' was dispatched with: "
+                                                 r"Reminder\(user_id=1\); Reminder\(user_id=0\)"):
+            fake.assert_dispatched(jobs["send"], times=1, where={"user_id": 9})
+        with pytest.raises(TypeError, match="where= names 'user', which Reminder has no field of"):
+            fake.assert_dispatched(jobs["send"], where={"user": 1})
         fake.assert_not_dispatched(jobs["rebuild"])  # chained: queued when the one before succeeds
         assert fake.dispatched(jobs["send"]) == [Reminder(user_id=1), Reminder(user_id=0), Reminder(user_id=2)]
         counts = await fake.work()

@@ -175,12 +175,15 @@ class JobFake:
         ``where`` accepts: a predicate on the payload, or a mapping of fields the payload must have,
         ``where={"user_id": 1}``)."""
         name = self._jobs.registry.resolve(job).name
-        payloads = [p for p in self.dispatched(job) if where is None or _matches(p, where)]
+        every = self.dispatched(job)
+        payloads = [p for p in every if where is None or _matches(p, where)]
         if times is None and not payloads:
-            raise AssertionError(f"job {name!r} was not dispatched{_matching(where)}; dispatched: {self._summary()}")
+            raise AssertionError(f"job {name!r} was not dispatched{_matching(where)}; dispatched: {self._summary()}"
+                                 f"{_payloads_of(name, every)}")
         if times is not None and len(payloads) != times:
             raise AssertionError(
                 f"job {name!r} was dispatched {len(payloads)} time(s){_matching(where)}, expected {times}"
+                f"{_payloads_of(name, every)}"
             )
 
     def assert_not_dispatched(self, job: Any) -> None:
@@ -284,7 +287,20 @@ def _matches(payload: Any, where: Callable[[Any], bool] | Mapping[str, Any]) -> 
             f"where={dict(where)!r} compares fields, but this job's payload is a {type(payload).__name__}: "
             "pass a predicate instead, where=lambda payload: ..."
         )
+    unknown = [key for key in where if key not in fields]
+    if unknown and isinstance(payload, BaseModel):  # (a misspelt field would only ever fail to match)
+        raise TypeError(f"where= names {unknown[0]!r}, which {type(payload).__name__} has no field of; its fields "
+                        f"are {', '.join(type(payload).model_fields)}")
     return all(key in fields and fields[key] == value for key, value in where.items())
+
+
+def _payloads_of(name: str, payloads: list[Any], shown: int = 5) -> str:
+    """The payloads ``name`` was dispatched with, for a failed assertion (the first ``shown``)."""
+    if not payloads:
+        return ""
+    listed = "; ".join(repr(p) for p in payloads[:shown])
+    more = f" and {len(payloads) - shown} more" if len(payloads) > shown else ""
+    return f"; {name!r} was dispatched with: {listed}{more}"
 
 
 def _matching(where: Callable[[Any], bool] | Mapping[str, Any] | None) -> str:
