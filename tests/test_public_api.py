@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
+
 import fastapi_workqueue
 
 ISSUE_NAMES = [
@@ -41,3 +43,17 @@ def test_the_readme_shows_every_name_of_the_quick_start() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     for name in ISSUE_NAMES:
         assert name in readme, name
+
+
+def test_a_conformance_skip_that_names_no_case_is_refused() -> None:
+    """A misspelt or stale case name in ``install(skips=...)`` would skip nothing, in silence."""
+    from fastapi_workqueue.testing.conformance import install, memory_harness
+
+    with pytest.raises(ValueError, match="skips names 'test_c04_dedup', which is no conformance case; did you mean "
+                                         "'test_c04_"):
+        install({}, memory_harness, skips={"test_c04_dedup": "no keys here"})
+    namespace: dict[str, object] = {}
+    install(namespace, memory_harness, skips={"test_c27_discard_in_flight_requests_cancel_then_discarded_never_retried"
+                                              "[Complete]": "one parameter"})
+    assert "harness" in namespace and "test_c27_discard_in_flight_requests_cancel_then_discarded_never_retried" in (
+        namespace)

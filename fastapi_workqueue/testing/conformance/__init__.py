@@ -75,6 +75,16 @@ def install(
     ``namespace`` (pass ``globals()``). ``skips`` maps a case's name, or ``name[param]`` for one
     of its parameters, to the reason it does not apply to this transport."""
     reasons = dict(skips or {})
+    found = cases()
+    unknown = sorted(name for name in reasons if name.split("[", 1)[0] not in found)
+    if unknown:  # (a misspelt or stale name would skip nothing, in silence)
+        import difflib
+
+        given = unknown[0].split("[", 1)[0]
+        guess = [c for c in found if c.startswith(given)][:1] or difflib.get_close_matches(given, list(found), n=1,
+                                                                                            cutoff=0.5)
+        hint = f"; did you mean {guess[0]!r}?" if guess else "; the cases are the test_* names of cases()"
+        raise ValueError(f"skips names {unknown[0]!r}, which is no conformance case{hint}")
 
     @pytest.fixture
     async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
@@ -85,5 +95,5 @@ def install(
         async with make_harness() as built:
             yield built
 
-    namespace.update(cases())
+    namespace.update(found)
     namespace["harness"] = harness
