@@ -442,3 +442,26 @@ def test_it(workqueue_fake):
 """)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize(("option", "says"), [
+    ("myapp:queu", "workqueue_queue = 'myapp:queu': 'myapp' has no 'queu'"),
+    ("myapp:app", "workqueue_queue = 'myapp:app' is a FastAPI, not a WorkQueue; name the queue"),
+    ("nomodule:queue", "workqueue_queue = 'nomodule:queue': module 'nomodule' cannot be imported"),
+])
+def test_a_queue_option_that_names_no_queue_says_which_option(pytester: pytest.Pytester, option: str,
+                                                               says: str) -> None:
+    pytester.makeini(f"[pytest]\nworkqueue_queue = {option}\n")
+    pytester.makepyfile(myapp="""
+from fastapi import FastAPI
+from fastapi_workqueue import WorkQueue, WorkQueueSettings
+
+queue = WorkQueue(WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db"))
+app = FastAPI()
+""")
+    pytester.makepyfile(test_user="""
+def test_it(workqueue_fake):
+    pass
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert says in result.stdout.str() + result.stderr.str()

@@ -65,9 +65,18 @@ def _load(option: str, path: str, what: str, example: str) -> Any:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise pytest.UsageError(f"{option} = {path!r} does not name {what}: write MODULE:ATTR, e.g. \"{example}\"")
-    target: Any = importlib.import_module(module_name)
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise pytest.UsageError(f"{option} = {path!r}: module {module_name!r} cannot be imported ({exc})") from exc
     for part in attr.split("."):
+        if not hasattr(target, part):
+            raise pytest.UsageError(f"{option} = {path!r}: {module_name!r} has no {attr!r} ({part!r} is missing); "
+                                    f"name {what}, e.g. \"{example}\"")
         target = getattr(target, part)
+    if option == INI_OPTION and not hasattr(target, "fake"):
+        raise pytest.UsageError(f"{option} = {path!r} is a {type(target).__name__}, not a WorkQueue; name the queue, "
+                                f"e.g. \"{example}\" (the app goes in {APP_OPTION})")
     return target
 
 
