@@ -22,35 +22,14 @@ async def call_sync_or_async(fn: Callable[[], Any]) -> Any:
     """Calls ``fn`` and awaits what it returns when that is awaitable: ``once`` and ``step`` take
     ``lambda: mailer.send(...)`` whether ``send`` is a coroutine function or a plain one.
 
-    A coroutine function runs on the event loop. Anything else is called in a worker thread, so a
-    plain function that blocks (a payment client's HTTP call) does not stop the loop, and with it
-    the heartbeats that keep the lease: blocked past the lease, the step would run again
-    elsewhere. What the call returns, when awaitable (a lambda around a coroutine function gives
-    its coroutine), is awaited on the loop. One that needs the loop itself to build what it
-    returns (``lambda: asyncio.gather(...)``) finds none in the thread and is called again on the
-    loop (what it did before it asked runs twice, and Python warns of the coroutines it left: give
-    such work as a coroutine function instead)."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn()
-    outcome = await asyncio.to_thread(_call_off_loop, fn)
-    result = fn() if outcome is _NEEDS_LOOP else outcome
+    ``fn`` runs on the event loop, as written: a plain function that blocks (a synchronous HTTP
+    client) holds the loop, and with it the heartbeats that keep the lease; give it as
+    ``lambda: asyncio.to_thread(payments.charge, ...)``, whose coroutine runs it in a thread. (Run
+    in a thread of its own by default, a function would run twice where it needs the loop.)"""
+    result = fn()
     if inspect.isawaitable(result):
         result = await result
     return result
-
-
-_NEEDS_LOOP = object()
-
-
-def _call_off_loop(fn: Callable[[], Any]) -> Any:
-    """``fn()`` in a worker thread, or :data:`_NEEDS_LOOP` when it asked for the event loop there
-    (asyncio's "no current event loop" / "no running event loop")."""
-    try:
-        return fn()
-    except RuntimeError as exc:
-        if "event loop" not in str(exc):
-            raise
-        return _NEEDS_LOOP
 
 
 class AbortReason(StrEnum):
