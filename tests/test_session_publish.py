@@ -226,3 +226,20 @@ async def test_the_request_sessions_open_the_database_of_a_transport_given_to_th
     with pytest.raises(ConfigurationError, match=re.escape(
             "the request sessions (queue.session) would write where the queue does not read")):
         _ = other.engine
+
+
+async def test_a_session_behind_a_pooler_without_prepared_statements_publishes(pg_url: str) -> None:
+    """``?prepared_statement_cache_size=0``: a transaction pooler hands each transaction some server
+    connection, which knows none of the statements prepared before (``DEALLOCATE ALL`` stands for
+    it here). A publish in the session, and SQLAlchemy's own statements, never count on one."""
+    url = f"{pg_url}?prepared_statement_cache_size=0"
+    queue, topic, subs = make_queue(url, [{"role": "a"}], auto_migrate=True, enabled=False)
+    async with queue.lifespan(None):
+        for n in range(3):
+            async with queue.sessionmaker() as session, session.begin():
+                await session.execute(text("DEALLOCATE ALL"))
+                assert await session.scalar(text("SELECT :n").bindparams(n=n)) == n
+                [result] = await queue.publish(topic, [PublishRequest(payload=n)], session=session)
+                assert result.ok
+        [stats] = await queue.stats(subs["a"])
+        assert stats.pending == 3

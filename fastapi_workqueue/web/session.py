@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from ..core.database_url import (
     database_scheme,
     missing_sqlite_directory,
     pop_connect_timeout,
+    pop_statement_cache_size,
     split_for_sqlalchemy,
     sqlite_path,
 )
@@ -129,6 +131,11 @@ def to_sqlalchemy_url(url: str) -> str:
 
 RETRY_AFTER_SECONDS = 1
 
+
+def _unique_statement_name() -> str:
+    """A prepared statement's name no other connection's statement has (behind a pooler)."""
+    return f"__workqueue_{uuid.uuid4().hex}__"
+
 REQUEST_ENDED = "fastapi_workqueue.request_ended"
 """The key in a request session's ``info`` set once its request has ended (:meth:`RequestSessions.resolve`)."""
 
@@ -171,12 +178,20 @@ class RequestSessions:
                 # The URL's parameters (application_name, libpq's sslmode, sslrootcert, …, and
                 # connect_timeout) as the queue's own pool reads them.
                 url, seconds = pop_connect_timeout(url)
+                _, cache_size = pop_statement_cache_size(url)
                 url, driver = split_for_sqlalchemy(url)
                 connect_args: dict[str, Any] = {}
                 if driver is not None:
                     connect_args["dsn"] = driver
                 if seconds is not None:
                     connect_args["timeout"] = seconds
+                if cache_size == 0:
+                    # A pooler that keeps no prepared statements (PgBouncer in transaction mode):
+                    # asyncpg's own cache off too (a publish in the session runs on its connection),
+                    # and SQLAlchemy's statements named uniquely, so that one never meets another's
+                    # name on a server connection the pooler hands around.
+                    connect_args["statement_cache_size"] = 0
+                    connect_args["prepared_statement_name_func"] = _unique_statement_name
                 if connect_args:
                     options = {"connect_args": connect_args}
             self._engine = create_async_engine(
