@@ -499,6 +499,14 @@ async def test_hostile_ids_and_query_parameters(target: Target) -> None:
                                      params={"after": "99999999999999999999999", "status": "Pending"},
                                      headers=target.headers)
     assert response.status_code == 200 and response.json() == []
+    # An aws subscription's cursor (aws:<subscription>:<MessageId>) pages its listings; a database
+    # subscription gave no such id, so nothing comes after it.
+    for listing in ("dead-letters", "deliveries?status=Pending"):
+        path, _, query = listing.partition("?")
+        response = await target.http.get(f"{PREFIX}/subscriptions/{sub}/{path}",
+                                         params={**dict([query.split("=")] if query else []),
+                                                 "after": "aws:orders.mail:9b2c-41aa"}, headers=target.headers)
+        assert response.status_code == 200 and response.json() == [], response.text
     for params in ({"limit": "0"}, {"limit": str(10**9)}, {"limit": "abc"}, {"status": "Bogus"},
                    {"after": "-1"}, {"after": "1 OR 1=1"}):
         response = await target.http.get(f"{PREFIX}/subscriptions/{sub}/deliveries", params=params,

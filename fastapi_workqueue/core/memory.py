@@ -1055,6 +1055,8 @@ class MemoryTransport:
         after: str | None = None,
         include_payload: bool = False,
     ) -> list[DeliveryInfo]:
+        if after and not after.isdigit():
+            return []  # (another transport's id, aws:...: this subscription gave none such)
         after_id = max(int(after), 0) if after else 0
         found = [d for d in self._of(subscription) if d.status == status and d.id > after_id]
         return [self._info(d, include_payload) for d in sorted(found, key=lambda d: d.id)[:limit]]

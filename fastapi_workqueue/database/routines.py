@@ -683,6 +683,8 @@ class RoutineTransport:
         after: str | None = None,
         include_payload: bool = False,
     ) -> list[DeliveryInfo]:
+        if after and not after.isdigit():
+            return []  # (another transport's id, aws:...: this subscription gave none such)
         after_id = max(int(after), 0) if after else 0
         if after_id > MAX_DELIVERY_ID:
             return []  # nothing comes after the largest id there can be

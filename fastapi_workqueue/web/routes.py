@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+_CURSOR = r"^([0-9]+|aws:[A-Za-z0-9_.:\-]{1,400})$"
+"""A paging cursor: a delivery id as the listings write it (digits; ``aws:...`` on an aws subscription)."""
+
 MAX_NOTE_LENGTH = 2000
 """The most characters of an operator's note or reason (the dashboard's forms allow as many)."""
 
@@ -336,7 +339,8 @@ def build_router(
         subscription: Sub,
         principal: Reader,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-        after: Annotated[str | None, Query(description="Page after this delivery id.", pattern=r"^[0-9]+$")] = None,
+        after: Annotated[str | None, Query(description="Page after this delivery id (the last of the page before).",
+                                              pattern=_CURSOR)] = None,
     ) -> list[DeliveryInfo]:
         """Dead-lettered deliveries, oldest first, with reason and last error (payloads for admins)."""
         await known_subscription(subscription)
@@ -352,7 +356,8 @@ def build_router(
         principal: Reader,
         status_: Annotated[DeliveryStatus, Query(alias="status")] = "InFlight",
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-        after: Annotated[str | None, Query(description="Page after this delivery id.", pattern=r"^[0-9]+$")] = None,
+        after: Annotated[str | None, Query(description="Page after this delivery id (the last of the page before).",
+                                              pattern=_CURSOR)] = None,
     ) -> list[DeliveryInfo]:
         """Deliveries of one state, oldest first (payloads for admins)."""
         await known_subscription(subscription)
