@@ -41,7 +41,7 @@ from .health import ExtensionHealth
 from .host import GroupPlan, Host, SubscriptionPlan
 from .observe import NO_OBSERVER, Observer, Observers, carry_headers
 from .operator import Operator
-from .ports import Ports
+from .ports import Ports, database_url_of
 from .published import NOT_ACCEPTED_LOGGED, PublishResults, refusal
 from .redaction import redacting_logger
 from .request_load import RequestLoad
@@ -165,8 +165,7 @@ class Kernel:
         and routers refer to, for the code that looks for the app serving the queue (the jobs fake)."""
         self._build_transport = build_transport
         self._transport = transport
-        self._given_url: str | None = (
-            getattr(transport, "url", None) if isinstance(getattr(transport, "url", None), str) else None)
+        self._given_url: str | None = None if transport is None else database_url_of(transport)
         """The database URL of a database transport given at construction (the request sessions open it)."""
         self._ports: Ports | None = None
         self._default_observers = default_observers

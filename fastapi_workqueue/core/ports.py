@@ -127,6 +127,19 @@ def api_key_store_of(store: object) -> ApiKeyStore | None:
     return keys_from if isinstance(keys_from, ApiKeyStore) else None
 
 
+@runtime_checkable
+class StoredAtUrl(Protocol):
+    """A transport that stores in the database its ``url`` names (the database transports)."""
+
+    url: str
+
+
+def database_url_of(transport: object) -> str | None:
+    """The URL of the database ``transport`` stores in (behind a router, its database's), or None."""
+    store = database_of(transport)
+    return store.url if isinstance(store, StoredAtUrl) and isinstance(store.url, str) else None
+
+
 def interrupter_of(transport: Transport) -> ClaimInterrupter | None:
     """The part of ``transport`` that ends waiting claims, if it has one."""
     return transport if isinstance(transport, ClaimInterrupter) else None
