@@ -245,9 +245,10 @@ class Host:
         await self.settler.close()
         if self._registry is not None:
             try:
-                await asyncio.wait_for(self._registry.process_stop(current_process().id), 1.5)
+                await asyncio.wait_for(self._registry.process_stop(current_process().id), 1.0)
             except Exception as exc:  # (its beats stop: it shows Gone once it missed three)
-                log.warning("cannot mark this process stopped in the process registry (%s)", exc or "no answer")
+                log.warning("cannot mark this process stopped in the process registry (%s)",
+                            str(exc) or "no answer within 1 s")
 
     async def wait_finished(self) -> None:
         """Waits until every consumer's claim loop ended (budget spent, or idle in one-shot mode)."""

@@ -200,6 +200,8 @@ class Settler:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if isinstance(exc, TimeoutError):  # (the stop's deadline passed while the store was silent)
+                    exc = TransportError("the store did not answer before the stop's deadline", retryable=True)
                 retryable = isinstance(exc, TransportError) and exc.retryable
                 if not retryable and refused is None and len(settlements) - len(written) > 1:
                     # One settle the store refuses (a text it cannot keep, say) must not cost the
@@ -208,8 +210,6 @@ class Settler:
                                 count(len(settlements) - len(written), "settle"), exc)
                     refused = set()
                     continue
-                if isinstance(exc, TimeoutError):  # (the stop's deadline passed while the store was silent)
-                    exc, retryable = TransportError("the store did not answer before the stop's deadline"), True
                 stopping = self._give_up_at is not None and time.monotonic() >= self._give_up_at
                 if time.monotonic() > deadline or not retryable or stopping:
                     log.error("settle failed for %s (%s); their leases will expire",

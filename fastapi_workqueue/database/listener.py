@@ -108,8 +108,10 @@ class NotificationListener:
     async def _drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None and not conn.is_closed():
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close(), timeout=2)
+            try:
+                await asyncio.wait_for(conn.close(), timeout=1)
+            except Exception:  # (a server that does not answer: the socket is dropped, a stop keeps to its bound)
+                conn.terminate()
 
     async def _watch(self) -> None:
         delay = 0.5
