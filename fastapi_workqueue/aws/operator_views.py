@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import TransportError
+from ..core.errors import TransportCannot, TransportError
 from ..core.reports import (
     ActionResult,
     Backlog,
@@ -311,7 +311,7 @@ class OperatorViews:
     async def partitions(
         self, subscription: str, condition: PartitionCondition | None = None, *, limit: int = 100
     ) -> list[PartitionInfo]:
-        raise TransportError(f"Unsupported: {BACKLOG_UNSUPPORTED}", retryable=False)
+        raise TransportCannot(f"Unsupported: {BACKLOG_UNSUPPORTED}")
 
     def _terminal_answer(self, subscription: str, delivery_id: str) -> ActionResult | None:
         """AlreadyTerminal for a delivery this process completed or discarded, else None."""

@@ -62,6 +62,14 @@ class TransportError(WorkQueueError):
         self.retryable = retryable
 
 
+class TransportCannot(TransportError):
+    """The transport cannot do this at all (a broker's limit, such as per-key counts on SQS): not
+    retryable; the REST API answers 501, as for other things a transport does not keep."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False)
+
+
 class TransportUnavailable(TransportError):
     """The store cannot be reached right now; retry later (publishes keep their MessageIDs)."""
 

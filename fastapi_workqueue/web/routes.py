@@ -21,7 +21,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.attempts import AttemptInfo
 from ..core.envelope import PublishRequest, PublishResult
-from ..core.errors import ActionRefused, ConfigurationError, TransportError, TransportUnavailable, UnknownTopic
+from ..core.errors import (
+    ActionRefused,
+    ConfigurationError,
+    TransportCannot,
+    TransportError,
+    TransportUnavailable,
+    UnknownTopic,
+)
 from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_PUBLISH, SCOPE_READ, Principal
 from ..core.processes import ProcessInfo
 from ..core.reports import (
@@ -597,6 +604,8 @@ def cannot_serve(exc: ConfigurationError) -> HTTPException:
 
 
 def _unavailable(exc: TransportError) -> HTTPException:
+    if isinstance(exc, TransportCannot):
+        return HTTPException(status.HTTP_501_NOT_IMPLEMENTED, detail=str(exc))
     if isinstance(exc, TransportUnavailable) or exc.retryable:
         return HTTPException(
             status.HTTP_503_SERVICE_UNAVAILABLE, detail=f"the queue's store is unavailable: {exc}",

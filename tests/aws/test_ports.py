@@ -44,6 +44,10 @@ async def test_a_mixed_queue_routes_by_topic_and_keeps_its_keys_in_the_database(
             answer = await client.get("/work-queue/stats",
                                       headers={"Authorization": f"Bearer {key.key}"})
             refused = await client.get("/work-queue/stats", headers={"Authorization": "Bearer wq_nope"})
+            # What SQS cannot tell (a backlog per key) is 501 with the reason, as attempts and search are.
+            partitions = await client.get(f"/work-queue/subscriptions/{cloud}.a/partitions",
+                                          headers={"Authorization": f"Bearer {key.key}"})
+        assert partitions.status_code == 501 and "not a backlog per partition key" in partitions.text
         assert answer.status_code == 200, answer.text
         assert {s["Subscription"] for s in answer.json()} >= {f"{cloud}.a", f"{local}.a"}
         assert refused.status_code == 401
