@@ -180,7 +180,9 @@ async def test_the_urls_driver_and_server_parameters_reach_the_queue_and_its_ses
     ``prepared_statement_cache_size`` in one URL: the queue and the request sessions both open,
     and both connect as the URL says."""
     name = f"wq-{uuid.uuid4().hex[:8]}"
-    url = f"{pg_url}?application_name={name}&connect_timeout=5&prepared_statement_cache_size=0"
+    # (libpq's client-only keepalives and gssencmode shape libpq's socket; the server knows them not)
+    url = (f"{pg_url}?application_name={name}&connect_timeout=5&prepared_statement_cache_size=0"
+           "&keepalives=1&keepalives_idle=30&gssencmode=disable")
     queue, topic, _ = make_queue(url, [{"role": "a"}], auto_migrate=True, enabled=False)
     async with queue.lifespan(None):
         async with queue.sessionmaker() as session:
@@ -243,3 +245,15 @@ async def test_a_session_behind_a_pooler_without_prepared_statements_publishes(p
                 assert result.ok
         [stats] = await queue.stats(subs["a"])
         assert stats.pending == 3
+
+
+
+async def test_libpqs_fallback_application_name_names_the_connections(pg_url: str) -> None:
+    name = f"wq-fallback-{uuid.uuid4().hex[:8]}"
+    queue, _, _ = make_queue(f"{pg_url}?fallback_application_name={name}&keepalives_count=3", [{"role": "a"}],
+                             auto_migrate=True, enabled=False)
+    async with queue.lifespan(None), queue.sessionmaker() as session:
+        assert await session.scalar(text("SELECT current_setting('application_name')")) == name
+        seen = await session.scalar(
+            text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :n"), {"n": name})
+        assert seen is not None and seen >= 2  # the queue's own pool and this session

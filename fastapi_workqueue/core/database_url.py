@@ -124,6 +124,28 @@ def split_libpq_tls(url: str) -> tuple[str, str | None]:
         "postgresql://", tls)
 
 
+LIBPQ_CLIENT_ONLY = frozenset({
+    "keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count", "tcp_user_timeout",
+    "gssencmode", "channel_binding", "requiressl", "sslcompression", "sslsni", "requirepeer", "gssdelegation",
+    "load_balance_hosts", "hostaddr", "fallback_application_name",
+})
+"""libpq's parameters that shape its own connection and never reach the server; asyncpg, which
+sends every parameter it does not know to the server as a setting, would have the server refuse them."""
+
+
+def without_client_only(url: str) -> str:
+    """A PostgreSQL URL without libpq's client-only parameters (:data:`LIBPQ_CLIENT_ONLY`), its
+    ``fallback_application_name`` kept as the ``application_name`` when the URL gives none."""
+    base, items = _query_items(url)
+    if not any(key in LIBPQ_CLIENT_ONLY for key, _ in items):
+        return url
+    kept = [(key, raw) for key, raw in items if key not in LIBPQ_CLIENT_ONLY]
+    fallback = [raw.partition("=")[2] for key, raw in items if key == "fallback_application_name"]
+    if fallback and not any(key == "application_name" for key, _ in kept):
+        kept.append(("application_name", f"application_name={fallback[-1]}"))
+    return _joined(base, kept)
+
+
 SQLALCHEMY_ASYNCPG_PARAMETERS = frozenset({"prepared_statement_cache_size", "async_fallback"})
 """Query parameters that SQLAlchemy's asyncpg dialect reads itself (neither asyncpg's nor the server's)."""
 
@@ -134,12 +156,10 @@ def split_for_sqlalchemy(url: str) -> tuple[str, str | None]:
     ``sslmode``, …): the URL with only the dialect's own parameters, and a DSN with every other
     one (``postgresql://?application_name=app&sslmode=require``), which asyncpg reads as it reads
     the queue's own URL; None when there is none."""
-    base, items = _query_items(libpq_tls(url))
+    base, items = _query_items(libpq_tls(without_client_only(url)))
     rest = [(key, raw) for key, raw in items if key not in SQLALCHEMY_ASYNCPG_PARAMETERS]
-    if not rest:
-        return url, None
     own = [(key, raw) for key, raw in items if key in SQLALCHEMY_ASYNCPG_PARAMETERS]
-    return _joined(base, own), _joined("postgresql://", rest)
+    return _joined(base, own), (_joined("postgresql://", rest) if rest else None)
 
 
 def pop_statement_cache_size(url: str) -> tuple[str, int | None]:

@@ -18,6 +18,7 @@ from ..core.database_url import (
     libpq_tls,
     pop_connect_timeout,
     pop_statement_cache_size,
+    without_client_only,
 )
 from ..core.envelope import PreparedMessage, PublishResult
 from ..core.errors import ConfigurationError
@@ -43,7 +44,7 @@ def to_asyncpg_dsn(url: str) -> str:
     mode as libpq writes it (``ssl=require`` → ``sslmode=require``)."""
     if database_scheme(url) not in ("postgresql", "postgres"):
         raise ConfigurationError(f"database URL scheme {url.partition('://')[0]!r} is not PostgreSQL")
-    return libpq_tls(f"postgresql://{encoded_user_info(url.partition('://')[2])}")
+    return libpq_tls(without_client_only(f"postgresql://{encoded_user_info(url.partition('://')[2])}"))
 
 
 async def _init_connection(conn: asyncpg.Connection[Any]) -> None:
