@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from fastapi import Depends, Request
-from pydantic import BaseModel, Field, SecretStr, computed_field
+from pydantic import BaseModel, Field, SecretStr, computed_field, field_serializer
 
 from fastapi_workqueue import ConfigurationError, JobContext, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.jobs import JobPayloadInvalid, UnknownJob
@@ -139,6 +139,53 @@ def test_a_payload_type_whose_json_does_not_read_back_as_given_is_refused(payloa
     job.__annotations__["payload"] = payload_type
     with pytest.raises(ConfigurationError, match=re.escape(says)):
         queue.job("lossy.job")(job)
+
+
+class Price(BaseModel):
+    cents: int
+
+    @field_serializer("cents")
+    def as_text(self, cents: int) -> str:
+        return f"{cents / 100:.2f} EUR"
+
+
+class Labelled(BaseModel):
+    name: str
+    label: str = Field(default="none", exclude=True)
+
+
+class Stamped(BaseModel):
+    at: dt.datetime
+
+    @field_serializer("at")
+    def iso(self, at: dt.datetime) -> str:
+        return at.isoformat()
+
+
+async def test_a_payload_whose_json_does_not_read_back_as_given_is_refused_at_dispatch() -> None:
+    """A custom serializer, or a field left out of the JSON, is checked at each dispatch: the job
+    would get another value, or fail at run time without a retry."""
+    queue = make()
+
+    @queue.job("billing.charge")
+    async def charge(payload: Price) -> None:
+        return None
+
+    @queue.job("labels.print")
+    async def label(payload: Labelled) -> None:
+        return None
+
+    @queue.job("events.stamp")
+    async def stamp(payload: Stamped) -> None:
+        return None
+
+    with pytest.raises(JobPayloadInvalid, match=r"its JSON does not read back .cents: Input should be a valid integer"):
+        await queue.dispatch(charge, Price(cents=1250))
+    with pytest.raises(JobPayloadInvalid, match=r"it reads back from its JSON as .*label='none'.*not as given"):
+        await queue.dispatch(label, Labelled(name="a", label="fragile"))
+    assert not queue.is_open  # refused before anything was opened
+    stamped = queue.jobs.registry.find("events.stamp")
+    assert stamped is not None and stamped.validate(Stamped(at=dt.datetime(2026, 1, 2, tzinfo=dt.UTC)))
 
 
 async def test_a_job_without_a_payload_parameter_refuses_a_payload() -> None:

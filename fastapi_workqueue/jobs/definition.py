@@ -147,6 +147,9 @@ class Job:
     context_param: str | None = None
     dependency_params: list[str] = field(default_factory=list)
     adapter: TypeAdapter[Any] = field(default_factory=lambda: TypeAdapter(Any))
+    reads_back_checked: bool = False
+    """Its payload type writes JSON in a way of its own (a custom serializer, a field left out of
+    the JSON): each dispatch reads the payload back and refuses one that does not come back as given."""
 
     @property
     def key(self) -> str:
@@ -166,12 +169,32 @@ class Job:
         except ValidationError as exc:
             raise JobPayloadInvalid(self.name, _short(exc)) from None
         try:
-            return adapter.serializer.to_python(value, mode="json")  # (by field name: `load` reads names)
+            data = adapter.serializer.to_python(value, mode="json")  # (by field name: `load` reads names)
         except UnicodeDecodeError as exc:  # bytes that are not UTF-8, which JSON cannot carry as text
             raise JobPayloadInvalid(self.name, (
                 f"bytes that are not UTF-8 ({exc.reason} at byte {exc.start}) cannot be stored as JSON; send them "
                 "as base64 (a pydantic Base64Bytes field) or store them elsewhere and pass a reference"
             )) from None
+        if self.reads_back_checked:
+            self._check_reads_back(value, data)
+        return data
+
+    def _check_reads_back(self, value: Any, data: Any) -> None:
+        """Refuses a payload whose JSON does not read back as ``value`` (the job would get another
+        value, or fail at run time without a retry)."""
+        try:
+            back = self.load(data)
+        except JobPayloadInvalid as exc:
+            why = str(exc).partition("is invalid: ")[2] or str(exc)
+            raise JobPayloadInvalid(self.name, (
+                f"its JSON does not read back ({why}): a custom serializer writes what its field does not read; "
+                "make the serializer and the field agree"
+            )) from None
+        if back != value:
+            raise JobPayloadInvalid(self.name, (
+                f"it reads back from its JSON as {back!r}, not as given ({value!r}): a custom serializer or a "
+                "field with exclude=True changes it; make them agree, or leave the field out of the payload"
+            ))
 
     def load(self, data: Any) -> Any:
         """The stored payload as the function's payload type (raises :class:`JobPayloadInvalid`).
@@ -228,6 +251,20 @@ def _json_adapter(name: str, tp: Any) -> TypeAdapter[Any]:
             f"job {name!r}: its payload would not come back from JSON as it was given: {'; '.join(problems[:3])}"
         )
     return adapter
+
+
+def _writes_its_own_json(tp: Any, seen: set[type]) -> bool:
+    """Whether a model in ``tp`` has a custom serializer or leaves a field out of its JSON: what it
+    writes may not read back as given, so each dispatch checks it (other types cost nothing)."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel) and tp not in seen:
+        seen.add(tp)
+        decorators = tp.__pydantic_decorators__
+        if decorators.field_serializers or decorators.model_serializers:
+            return True
+        for info in tp.model_fields.values():
+            if info.exclude is True or _writes_its_own_json(info.annotation, seen):
+                return True
+    return any(_writes_its_own_json(arg, seen) for arg in typing.get_args(tp))
 
 
 def _lost_in_json(tp: Any, seen: set[type]) -> list[str]:
@@ -327,4 +364,5 @@ def _read_signature(job: Job) -> Job:
                 "give it a dependency (name = Depends(...)) or remove it"
             )
     job.adapter = _json_adapter(name, job.payload_type)
+    job.reads_back_checked = _writes_its_own_json(job.payload_type, set())
     return job
