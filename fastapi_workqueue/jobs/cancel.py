@@ -42,5 +42,7 @@ async def cancel_job(jobs: Jobs, job_id: uuid.UUID, reason: str | None = None) -
     if any(info.status == "DeadLettered" for info in found):
         raise JobNotCancellable(f"job {job_id} has failed, so it runs no more; drop it with forget_job "
                                 f"(`workqueue jobs forget {job_id}`) or queue it again with retry_job")
-    ended = f" (it ended {found[0].status})" if found else " (never dispatched, or purged with the retention)"
+    ended = (f" (it ended {found[0].status})" if found else
+             " (never dispatched; a later link of a chain, queued only when the one before completes: cancel "
+             "that one; or purged with the retention)")
     raise JobNotCancellable(f"no job with the id {job_id} is waiting or running{ended}")
