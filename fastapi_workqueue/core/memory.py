@@ -77,6 +77,7 @@ from .topology import (
     SubscriptionStatus,
     Topic,
     TopicState,
+    topic_move_refused,
 )
 from .transport import (
     FREES_KEYS,
@@ -277,14 +278,8 @@ class MemoryTransport:
             current = store.subs.get(spec.name)
             if current is None:
                 continue
-            name, old, new = spec.name, current.spec.topic, spec.topic
-            if old != new:
-                raise ValueError(
-                    f"subscription {name} is on topic {old} in the store, and the code puts it on topic {new}: a "
-                    f"subscription does not move between topics (what processes still running the code before "
-                    f"publish to {old} would reach it no more); declare a new subscription on {new} and retire "
-                    f"{name} (`workqueue subscriptions retire {name}`), or retire and delete {name} first"
-                )
+            if current.spec.topic != spec.topic:
+                raise ValueError(topic_move_refused(spec.name, current.spec.topic, spec.topic))
             live = [d for d in self._of(spec.name) if d.status in _LIVE]
             if live and current.spec.partition_mode != spec.partition_mode:
                 raise ValueError(

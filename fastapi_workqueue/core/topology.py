@@ -50,6 +50,16 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+def topic_move_refused(subscription: str, stored: str, declared: str) -> str:
+    """Why a stored subscription does not move to another topic (the words of every store)."""
+    return (
+        f"subscription {subscription} is on topic {stored} in the store, and the code puts it on topic {declared}: "
+        f"a subscription does not move between topics (what processes still running the code before publish to "
+        f"{stored} would reach it no more); declare a new subscription on {declared} and retire {subscription} "
+        f"(`workqueue subscriptions retire {subscription}`), or retire and delete {subscription} first"
+    )
+
+
 class Topic(WireModel):
     """A named stream that producers publish to."""
 

@@ -34,6 +34,7 @@ from ..core.lifecycle import (
     topic_refusal,
     unkeyed_share,
 )
+from ..core.topology import topic_move_refused
 
 Row = dict[str, Any]
 
@@ -168,13 +169,7 @@ async def r_sync_subscription(c: Call, **p: Any) -> list[Row]:
         return [{"sync_subscription": row["id"]}]
     current = existing[0]
     if current["topic"] != params["topic"]:
-        name, old, new = params["name"], current["topic"], params["topic"]
-        raise ValueError(
-            f"subscription {name} is on topic {old} in the store, and the code puts it on topic {new}: a "
-            f"subscription does not move between topics (what processes still running the code before publish to "
-            f"{old} would reach it no more); declare a new subscription on {new} and retire {name} (`workqueue "
-            f"subscriptions retire {name}`), or retire and delete {name} first"
-        )
+        raise ValueError(topic_move_refused(params["name"], current["topic"], params["topic"]))
     live = (await c.ex.fetch("subscription_live_count", id=current["id"]))[0]["n"]
     if live and current["partition_mode"] != params["partition_mode"]:
         raise ValueError(
