@@ -196,6 +196,10 @@ BLOCKED_EXTRAS = [
      "from fastapi_workqueue import WorkQueue, WorkQueueSettings\n"
      "WorkQueue(WorkQueueSettings(database_url='postgresql+asyncpg://app@127.0.0.1/app')).engine",
      "PostgreSQL needs asyncpg: pip install 'fastapi-workqueue[postgres]'"),
+    ("asyncpg",
+     "from fastapi_workqueue.database import create_database_transport\n"
+     "create_database_transport('postgres://app@127.0.0.1/app')",
+     "PostgreSQL needs asyncpg: pip install 'fastapi-workqueue[postgres]'"),
 ]
 
 
@@ -352,4 +356,6 @@ def test_the_request_sessions_use_the_queues_async_driver_whatever_the_url_names
     engine = WorkQueue(WorkQueueSettings(database_url=f"sqlite+pysqlite:///{tmp_path / 'app.db'}")).engine
     assert engine.url.drivername == "sqlite+aiosqlite"
     engine = WorkQueue(WorkQueueSettings(database_url="postgresql+psycopg2://app@127.0.0.1/app")).engine
+    assert engine.url.drivername == "postgresql+asyncpg"
+    engine = WorkQueue(WorkQueueSettings(database_url="postgres://app@127.0.0.1/app")).engine
     assert engine.url.drivername == "postgresql+asyncpg"

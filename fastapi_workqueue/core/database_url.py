@@ -3,8 +3,10 @@ repeating the URL (it may hold a password)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+from typing import Literal
 from urllib.parse import quote, unquote
 
 from .errors import ConfigurationError
@@ -38,6 +40,29 @@ def database_scheme(url: str, *, source: str = "the database URL") -> str:
             "'?' or '#' in it must be percent-encoded ('@' as %40; urllib.parse.quote(password, safe='') gives it)"
         )
     return scheme.split("+", 1)[0].lower()
+
+
+DatabaseKind = Literal["postgresql", "sqlite", "mssql"]
+"""The databases the library stores in."""
+
+POSTGRES_NEEDS_ASYNCPG = "PostgreSQL needs asyncpg: pip install 'fastapi-workqueue[postgres]'"
+
+
+def database_kind(url: str) -> DatabaseKind:
+    """Which database ``url`` names (``postgres://`` is PostgreSQL), after :func:`database_scheme`'s
+    checks; :class:`ConfigurationError` for a scheme the library does not store in, and for
+    PostgreSQL when asyncpg (the ``postgres`` extra) is not installed. Both the queue's transport
+    and the request sessions' engine check a URL here."""
+    scheme = database_scheme(url)
+    if scheme in ("postgresql", "postgres"):
+        if importlib.util.find_spec("asyncpg") is None:
+            raise ConfigurationError(POSTGRES_NEEDS_ASYNCPG)
+        return "postgresql"
+    if scheme == "sqlite":
+        return "sqlite"
+    if scheme == "mssql":
+        return "mssql"
+    raise ConfigurationError(f"database URL scheme {scheme!r} is not supported; use {EXAMPLES}")
 
 
 _USER_INFO = re.compile(r"(?P<user>[^:/@]*)(?::(?P<password>[^@]*))?@")

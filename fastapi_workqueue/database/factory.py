@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..core.database_url import EXAMPLES, database_scheme
+from ..core.database_url import POSTGRES_NEEDS_ASYNCPG, database_kind
 from ..core.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -21,23 +21,19 @@ def create_database_transport(
     heartbeats, settles, sweeps and prunes run at, ``rng=`` the source of the retries' jitter;
     the server databases also take ``pool_min_size``, ``pool_max_size``, ``listen`` and
     ``connect_timeout``. Any other option is a TypeError."""
-    scheme = database_scheme(url)
-    if scheme == "sqlite":
+    kind = database_kind(url)
+    if kind == "sqlite":
         from .sqlite import SqliteTransport
 
         if sqlite_busy_timeout_ms is not None:
             options["busy_timeout_ms"] = sqlite_busy_timeout_ms
         return SqliteTransport(url, **options)
-    if scheme in ("postgresql", "postgres"):
+    if kind == "postgresql":
         try:
             from .postgres import PostgresTransport
         except ImportError as exc:  # pragma: no cover - depends on the installed extras
-            raise ConfigurationError(
-                "PostgreSQL needs asyncpg: pip install 'fastapi-workqueue[postgres]'"
-            ) from exc
+            raise ConfigurationError(POSTGRES_NEEDS_ASYNCPG) from exc
         return PostgresTransport(url, **options)
-    if scheme == "mssql":
-        from .mssql import MssqlTransport
+    from .mssql import MssqlTransport
 
-        return MssqlTransport(url, **options)
-    raise ConfigurationError(f"database URL scheme {scheme!r} is not supported; use {EXAMPLES}")
+    return MssqlTransport(url, **options)

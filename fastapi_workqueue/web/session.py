@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
@@ -20,8 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core.database_url import (
-    EXAMPLES,
-    database_scheme,
+    database_kind,
     missing_sqlite_directory,
     pop_connect_timeout,
     pop_statement_cache_size,
@@ -113,20 +111,14 @@ def to_sqlalchemy_url(url: str) -> str:
     driver the queue uses (asyncpg, aiosqlite, aioodbc) whatever driver the URL names, since a
     publish joins the session's connection; :class:`ConfigurationError` saying what to change
     for a scheme the queue does not take, a missing extra, or an SQLite file that cannot be one."""
-    scheme = database_scheme(url)
+    kind = database_kind(url)
     rest = url.partition("://")[2]
-    if scheme in ("postgresql", "postgres"):
-        if importlib.util.find_spec("asyncpg") is None:
-            raise ConfigurationError("PostgreSQL needs asyncpg: pip install 'fastapi-workqueue[postgres]'")
-        return f"postgresql+asyncpg://{rest}"
-    if scheme == "sqlite":
+    if kind == "sqlite":
         missing = missing_sqlite_directory(sqlite_path(url))
         if missing is not None:
             raise missing
         return f"sqlite+aiosqlite://{rest}"
-    if scheme == "mssql":
-        return f"mssql+aioodbc://{rest}"
-    raise ConfigurationError(f"database URL scheme {scheme!r} is not supported; use {EXAMPLES}")
+    return f"{kind}+{'asyncpg' if kind == 'postgresql' else 'aioodbc'}://{rest}"
 
 
 RETRY_AFTER_SECONDS = 1
