@@ -924,6 +924,24 @@ async def test_subscriptions_and_topics_are_listed_retired_and_deleted(cli: Cli)
     assert "does not exist" in unknown.err
 
 
+async def test_the_lists_read_the_database_the_app_names(cli: Cli) -> None:
+    """``subscriptions list --app`` and ``topics list --app`` with no ``--database-url`` read the
+    app's own database, as ``stats --app`` does, instead of asking for a URL."""
+    (cli.folder / "own_url_app.py").write_text(
+        "from fastapi_workqueue import WorkQueue, WorkQueueSettings\n"
+        "from tests.apps import cli_app\n"
+        f"queue = WorkQueue(WorkQueueSettings(database_url={cli.url!r}, enabled=False),\n"
+        "                  topics=list(cli_app.queue.topics.values()),\n"
+        "                  subscriptions=list(cli_app.queue.subscriptions.values()))\n"
+    )
+    no_url = {k: v for k, v in cli.env.items() if k != "WORKQUEUE_DATABASE_URL"}
+    subscriptions = await cli("--json", "subscriptions", "list", "--app", "own_url_app:queue", env=no_url)
+    assert {row["Name"]: row["Declared"] for row in subscriptions.json()}[cli_app.BASIC] == "yes"
+    topics = await cli("--json", "topics", "list", "--app", "own_url_app:queue", env=no_url)
+    [basic] = [row for row in topics.json() if row["Name"] == cli_app.queue.subscriptions[cli_app.BASIC].topic]
+    assert (basic["Declared"], basic["Subscriptions"]) == ("yes", 1)
+
+
 async def test_processes_lists_the_workers_that_ran(cli: Cli) -> None:
     proc = await cli.start("work", "--app", APP, "--subscription", cli_app.IDLE, "--once")
     assert (await cli.finish(proc)).code == 0

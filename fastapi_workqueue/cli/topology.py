@@ -15,6 +15,7 @@ import click
 from ..core.errors import ConfigurationError
 from ..core.retirement import DeleteResult
 from ..core.wire import WireModel
+from .context import Context, run
 from .jobs import _with_queue
 from .output import emit_json, table
 
@@ -45,10 +46,14 @@ class TopicRow(WireModel):
     subscriptions: int
 
 
-def _declared_by(app_path: str | None) -> tuple[set[str], set[str]] | None:
-    """The subscriptions and topics the app's code declares (None without ``--app``)."""
+def _declared_by(ctx: Context, app_path: str | None) -> tuple[set[str], set[str]] | None:
+    """The subscriptions and topics the app's code declares (None without ``--app``). Given
+    ``--app``, the command reads the app's own stores too (its database, and aws where its topics
+    are), unless ``--database-url`` names a database."""
     if app_path is None:
         return None
+    if not ctx.database_url:
+        ctx.app_path = app_path
     from .app_loader import load_target
 
     try:
@@ -90,17 +95,17 @@ def subscriptions() -> None:
 
 @subscriptions.command("list")
 @click.option("--app", "app_path", envvar="WORKQUEUE_APP",
-              help="MODULE:ATTR of your app or WorkQueue: say which ones its code declares.")
+              help="MODULE:ATTR of your app or WorkQueue: say which ones its code declares (and read its stores).")
 @click.pass_obj
 def list_subscriptions(ctx: Any, app_path: str | None) -> None:
     """The stored subscriptions: status, whether code declares them, who serves them, counts."""
-    declared = _declared_by(app_path)
+    declared = _declared_by(ctx, app_path)
 
-    async def read(queue: Any) -> list[SubscriptionRow]:
-        states = await queue.transport.list_subscriptions()
-        stats = {s.subscription: s for s in await queue.stats()}
+    async def read(transport: Any) -> list[SubscriptionRow]:
+        states = await transport.list_subscriptions()
+        stats = {s.subscription: s for s in await transport.stats()}
         serving: dict[str, int] = {}
-        for process in await queue.transport.list_processes():
+        for process in await transport.list_processes():
             if process.state == "Running":
                 for name in process.subscriptions:
                     serving[name] = serving.get(name, 0) + 1
@@ -117,7 +122,7 @@ def list_subscriptions(ctx: Any, app_path: str | None) -> None:
             ))
         return rows
 
-    rows = _with_queue(ctx, read)
+    rows = run(ctx, read, app=True)
     if ctx.as_json:
         emit_json(rows)
     else:
@@ -159,24 +164,24 @@ def topics() -> None:
 
 @topics.command("list")
 @click.option("--app", "app_path", envvar="WORKQUEUE_APP",
-              help="MODULE:ATTR of your app or WorkQueue: say which ones its code declares.")
+              help="MODULE:ATTR of your app or WorkQueue: say which ones its code declares (and read its stores).")
 @click.pass_obj
 def list_topics(ctx: Any, app_path: str | None) -> None:
     """The stored topics: transport, status, whether code declares them, their subscriptions."""
-    declared = _declared_by(app_path)
+    declared = _declared_by(ctx, app_path)
 
-    async def read(queue: Any) -> list[TopicRow]:
+    async def read(transport: Any) -> list[TopicRow]:
         subscriptions_of: dict[str, int] = {}
-        for state in await queue.transport.list_subscriptions():
+        for state in await transport.list_subscriptions():
             subscriptions_of[state.topic] = subscriptions_of.get(state.topic, 0) + 1
         return [
             TopicRow(name=t.name, transport=t.transport, status=getattr(t, "status", "Active"),
                      declared=_yes_no(t.name, None if declared is None else declared[1]),
                      subscriptions=subscriptions_of.get(t.name, 0))
-            for t in await queue.transport.list_topics()
+            for t in await transport.list_topics()
         ]
 
-    rows = _with_queue(ctx, read)
+    rows = run(ctx, read, app=True)
     if ctx.as_json:
         emit_json(rows)
     else:
