@@ -28,6 +28,8 @@ from fastapi_workqueue import WorkQueue, WorkQueueSettings
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference.md"
 DIRECTIVE = re.compile(r"^::: (\S+)[ \t]*$", re.MULTILINE)
+SUMMARY_ONLY = re.compile(r"^::: (\S+)[ \t]*\n    options:\n      members: false[ \t]*$", re.MULTILINE)
+"""Entries rendered without their members (``members: false``): a transport, whose methods are the port."""
 ANCHOR = re.compile(r'id="(fastapi_workqueue\.[\w.]+)"')
 
 INTERNAL: dict[str, set[str]] = {
@@ -98,7 +100,9 @@ def instance_attributes() -> set[str]:
 
 
 def documented_classes() -> dict[str, type]:
-    return {path: obj for path in directives() if inspect.isclass(obj := resolve(path))}
+    """The classes the page renders with their members."""
+    summary_only = set(SUMMARY_ONLY.findall(REFERENCE.read_text(encoding="utf-8")))
+    return {path: obj for path in directives() if path not in summary_only and inspect.isclass(obj := resolve(path))}
 
 
 @pytest.fixture(scope="module")

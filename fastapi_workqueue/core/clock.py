@@ -41,6 +41,7 @@ class ManualClock:
         self.offset = timedelta()
 
     def now(self) -> datetime:
+        """The real time plus every :meth:`advance` so far, timezone-aware."""
         return datetime.now(UTC) + self.offset
 
     def advance(self, seconds: float) -> datetime:

@@ -29,6 +29,10 @@ from ...core.transport import ClaimedDelivery, HeartbeatRequest, Settlement, Set
 
 
 class Harness(Protocol):
+    """What the conformance cases drive a transport through: the transport, a caller's session
+    and the sweep lock where it has them, and time made to pass. :class:`ClockHarness` is one for
+    every transport that reads a :class:`~fastapi_workqueue.core.clock.ManualClock`."""
+
     name: str
 
     @property
@@ -182,9 +186,11 @@ class ClockHarness:
     moves_clock = True
 
     def session(self) -> AbstractAsyncContextManager[Any]:
+        """Skips the case: this harness has no caller's database transaction."""
         return _skipping(f"{self.name}: no caller's database transaction (capability transactional_publish)")
 
     def hold_sweep_lock(self) -> AbstractAsyncContextManager[None]:
+        """The transport's own ``hold_sweep_lock()``, or a skip of the case without one."""
         hold = getattr(self.transport, "hold_sweep_lock", None)
         if hold is None:
             return _skipping(f"{self.name}: the transport lends no sweep lock (hold_sweep_lock())")
@@ -192,10 +198,12 @@ class ClockHarness:
         return lock
 
     async def advance(self, delivery_id: str, seconds: float) -> None:
+        """Moves the clock ``seconds`` on (every delivery ages with it)."""
         assert await self.transport.get_delivery(delivery_id) is not None, f"no delivery {delivery_id}"
         self.clock.advance(seconds)
 
     async def expire_lease(self, delivery_id: str) -> None:
+        """Moves the clock one second past the InFlight delivery's lease."""
         info = await self.transport.get_delivery(delivery_id)
         assert info is not None and info.status == "InFlight" and info.lease_expires_at is not None, info
         await self.advance(delivery_id, max((info.lease_expires_at - self.clock.now()).total_seconds(), 0.0) + 1.0)
