@@ -47,7 +47,7 @@ from .web.session import RequestSessions
 log = redacting_logger("fastapi_workqueue")
 
 if TYPE_CHECKING:
-    from datetime import timedelta
+    from datetime import datetime, timedelta
 
     from fastapi import APIRouter, FastAPI
     from prometheus_client import CollectorRegistry
@@ -429,6 +429,15 @@ class WorkQueue:
         ``catch_up=True``."""
         return self.jobs.schedules.add(job, cron=cron, every=every, payload=payload, timezone=timezone,
                                        catch_up=catch_up, name=name, queue=queue)
+
+    async def run_schedules(self, now: datetime | None = None) -> int:
+        """Queues every schedule's tick that is due at ``now`` (an aware datetime; default: the
+        current time), as the host's schedule loop does, and returns how many this call queued (a
+        tick already queued, by this process or another, is not queued again). The first call looks
+        back a minute (or, with ``catch_up=True``, to the last tick the store knows); each later
+        call queues the ticks after the previous call's ``now``. For tests, under ``queue.fake()``
+        (the ticks are recorded) or with the host stopped (its loop moves with the real time)."""
+        return await self.jobs.schedules.run_due(now)
 
     async def job_status(self, job_id: uuid.UUID | str) -> JobStatus | None:
         """Where job ``job_id`` is: its state (Pending, Running, Completed, Failed, Discarded),

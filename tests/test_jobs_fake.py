@@ -465,3 +465,20 @@ def test_it(workqueue_fake):
 """)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     assert says in result.stdout.str() + result.stderr.str()
+
+
+async def test_a_schedule_is_tested_by_running_its_ticks_at_a_given_time() -> None:
+    """``queue.run_schedules(now)`` under the fake records each due tick once, with the schedule's
+    payload, and ``work()`` runs them: a schedule is tested without waiting for the clock."""
+    queue, jobs, (sent, _) = build()
+    queue.schedule(jobs["send"], cron="*/5 * * * *", payload={"user_id": 7})
+    with queue.fake() as fake:
+        assert await queue.run_schedules(datetime(2026, 12, 1, 8, 0, 10, tzinfo=UTC)) == 1
+        assert await queue.run_schedules(datetime(2026, 12, 1, 8, 0, 40, tzinfo=UTC)) == 0  # the same tick
+        assert await queue.run_schedules(datetime(2026, 12, 1, 8, 11, tzinfo=UTC)) == 2     # 08:05 and 08:10
+        fake.assert_dispatched(jobs["send"], times=3, where={"user_id": 7})
+        assert len({entry.id for entry in fake.records}) == 3
+        assert (await fake.work()).processed == 3
+    assert sent == [(7, "smtp")]  # (job.once: one mail per user, whatever the ticks)
+    with pytest.raises(ValueError, match="has no time zone; give an aware datetime"):
+        await queue.run_schedules(datetime(2026, 12, 1, 8, 15))

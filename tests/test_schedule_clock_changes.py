@@ -106,7 +106,7 @@ async def test_catch_up_with_no_tick_known_starts_from_now(tmp_path: Any) -> Non
     schedule = queue.schedule(daily, cron="0 3 * * *", payload={}, catch_up=True)
     assert isinstance(schedule, Schedule)
     async with queue.lifespan(None):
-        assert await queue.jobs.schedules.run_due(datetime(2026, 12, 1, 3, 0, 20, tzinfo=UTC)) == 1  # due now
+        assert await queue.run_schedules(datetime(2026, 12, 1, 3, 0, 20, tzinfo=UTC)) == 1  # due now
         # Known from now on: a process that starts after two missed days catches those up.
         queue.jobs.schedules._last.clear()
         assert await queue.jobs.schedules.run_due(datetime(2026, 12, 3, 9, 0, tzinfo=UTC)) == 2

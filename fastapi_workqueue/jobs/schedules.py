@@ -210,6 +210,8 @@ class Schedules:
 
     async def run_due(self, now: datetime | None = None) -> int:
         """Dispatches every tick due at ``now``; returns how many this process queued."""
+        if now is not None and now.utcoffset() is None:
+            raise ValueError(f"now={now!r} has no time zone; give an aware datetime (datetime(..., tzinfo=UTC))")
         moment = now or datetime.now(UTC)
         queued = 0
         failed: Exception | None = None
@@ -272,6 +274,10 @@ class Schedules:
         jobs = self._jobs
         target = schedule.queue or schedule.job.policy.queue
         request = jobs.request(schedule.job, schedule._data, job_id=schedule.tick_id(tick))
+        if jobs.fake is not None:  # (a test's queue.fake(): the tick is recorded, once)
+            if any(entry.id == request.message_id for entry in jobs.fake.records):
+                return False
+            return jobs.fake.record(schedule.job, schedule._data, target, request) is not None
         topic = await jobs.ensure_queue(target)
         # (an encrypted job's tick differs byte for byte from process to process: the one another
         # process queued answers MessageIDConflict here, as a plain job's answers Duplicate)
