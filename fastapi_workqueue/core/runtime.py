@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import heapq
 import logging
 import math
 import random
@@ -22,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from .budget import DeliveryBudget
@@ -69,6 +71,12 @@ LEFTOVER_GRACE_SECONDS = 0.5
 """How long a stopping consumer waits, after releasing them, for handlers that ignored Shutdown."""
 WAKE_BACKOFF_MIN = 0.01
 """The first pause after a wake-up claim that found nothing; it doubles up to ``wake_backoff``."""
+GIVES_BACK: frozenset[str] = frozenset({"Retry", "Fail", "Release"})
+"""The settlements that may leave a delivery Pending, due again later."""
+GIVEN_BACK_TRACKED = 32
+"""The most deliveries given back that a consumer looks up the due time of before it sleeps."""
+GIVEN_BACK_MARGIN_SECONDS = 0.005
+"""How long after a given-back delivery's due time the idle claim loop looks for it."""
 SLOT_POLL_SECONDS = 0.1
 """How long a consumer whose work a ``max_in_flight`` or ``key_concurrency`` limit holds back waits
 before it looks again (at once when one of its own deliveries of the subscription settles)."""
@@ -185,6 +193,13 @@ class Consumer:
         self._paused = False
         self._tasks = TaskScope(f"workqueue-consumer:{self._name}")
         self._interrupter = interrupter_of(transport)
+        self._given_back: list[str] = []
+        """Deliveries this consumer settled back to Pending (a retry, a failed attempt with tries
+        left, a release) whose due time it has not looked up yet."""
+        self._due_back: list[float] = []
+        """When those deliveries come due (a heap of ``clock()`` times)."""
+        self._claim_sent_at = 0.0
+        self._recheck = False
         self._loop_task: asyncio.Task[None] | None = None
         self._loop_state: ClaimLoopState = "claiming"
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -434,7 +449,7 @@ class Consumer:
             if load is not None and load.busy:
                 load.busy_claims += 1
             try:
-                sent_at = self._clock()
+                sent_at = self._claim_sent_at = self._clock()
                 batch = await self._claim_within_budget(free) if self._groups else []
             except asyncio.CancelledError:
                 raise
@@ -479,11 +494,50 @@ class Consumer:
                     continue
                 return
             self._loop_state = "waiting_for_work"
-            await self._sleep(idle)
+            due_in = await self._until_given_back_due(idle)
+            await self._sleep(due_in, jitter=due_in >= idle)
             self._loop_state = "claiming"
-            woken = self._wake.is_set()
+            woken = self._wake.is_set() and not self._recheck
+            self._recheck = False
             if not woken:
                 idle = min(idle * 2, self.idle_poll_max)
+
+    async def _until_given_back_due(self, idle: float) -> float:
+        """``idle``, or less when a delivery this consumer gave back comes due sooner: the store
+        draws a retry's delay (with jitter) and nothing wakes a consumer when it comes due, while
+        the idle poll may have grown to seconds. Looked up once per delivery, only when idle."""
+        if self._given_back:
+            given, self._given_back = self._given_back, []
+            for delivery_id in given:
+                try:
+                    info = await self.transport.get_delivery(delivery_id)
+                except Exception:  # (a hint only: the idle poll still finds it)
+                    continue
+                if info is not None and info.status == "Pending" and info.visible_at is not None:
+                    wait = (info.visible_at - datetime.now(UTC)).total_seconds()
+                    heapq.heappush(self._due_back, self._clock() + max(wait, 0.0))
+        due = self._due_back
+        while due and due[0] <= self._claim_sent_at:  # (the last claim looked after it came due)
+            heapq.heappop(due)
+        if not due:
+            return idle
+        return min(idle, max(due[0] - self._clock(), 0.0) + GIVEN_BACK_MARGIN_SECONDS)
+
+    def _given_back_when_pending(
+        self, settled: Callable[[Settlement, SettleResult | None], None]
+    ) -> Callable[[Settlement, SettleResult | None], None]:
+        """``settled``, and a note of the delivery when the store left it Pending (and a wake-up of
+        an idle claim loop, so that its sleep is cut to when the delivery comes due)."""
+
+        def done(settlement: Settlement, result: SettleResult | None) -> None:
+            settled(settlement, result)
+            if result == "Pending" and not self._stopping and len(self._given_back) < GIVEN_BACK_TRACKED:
+                self._given_back.append(settlement.delivery_id)
+                if self._loop_state == "waiting_for_work":
+                    self._recheck = True
+                    self._wake.set()
+
+        return done
 
     async def _wait_for_limit(self, held: HeldBack) -> bool:
         """Waits while a flow limit of the subscription holds its work back: until the next token
@@ -623,12 +677,12 @@ class Consumer:
         self._claim_seconds = took if previous is None else previous * 0.8 + took * 0.2
         return batch
 
-    async def _sleep(self, seconds: float) -> None:
+    async def _sleep(self, seconds: float, *, jitter: bool = True) -> None:
         """Sleeps until a wake-up or ``seconds`` (with jitter, so processes do not poll in step)."""
         if self._wake.is_set() or self._stopping or self._paused:
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout=seconds * random.uniform(0.9, 1.1))
+            await asyncio.wait_for(self._wake.wait(), timeout=seconds * random.uniform(0.9, 1.1) if jitter else seconds)
 
     def _hold(self, sub: SubscriptionState, delivery: ClaimedDelivery, sent_at: float) -> None:
         """Takes a claimed delivery under lease, waiting for a free slot. The lease is counted from
@@ -729,7 +783,10 @@ class Consumer:
             self._handler_seconds = took if previous is None else previous * 0.9 + took * 0.1
             if settlement is not None and not running.released:
                 callbacks = running.context.after_settle_callbacks if running.context is not None else ()
-                self.settler.submit(settlement, self._settled if not callbacks else _then(self._settled, callbacks))
+                done = self._settled if not callbacks else _then(self._settled, callbacks)
+                if settlement.kind in GIVES_BACK and running.sub.transport_name == "database":
+                    done = self._given_back_when_pending(done)
+                self.settler.submit(settlement, done)
             # (the context's heartbeat and once, and the error's traceback, refer back to it: no cycle is left)
             running.context = running.error = None
             self._fill()
