@@ -49,6 +49,9 @@ class Settler:
         self._give_up_at: float | None = None
         """A stop's deadline (monotonic): a batch the store has not taken by then is given up."""
         self._stopping = asyncio.Event()
+        self._attempt_timeout: asyncio.Timeout | None = None
+        """The timeout of the write under way: a stop that begins while it waits on the store moves
+        it to the stop's deadline."""
 
     @property
     def backlog(self) -> int:
@@ -90,6 +93,9 @@ class Settler:
         within its deadline instead of retrying for ``give_up_after`` seconds a batch."""
         self._give_up_at = moment if self._give_up_at is None else min(self._give_up_at, moment)
         self._stopping.set()
+        if self._attempt_timeout is not None and not self._attempt_timeout.expired():
+            # (a write that began before the stop, waiting on a store that does not answer)
+            self._attempt_timeout.reschedule(self._loop_deadline())
 
     async def close(self) -> None:
         """Writes what is queued, then stops."""
@@ -190,11 +196,14 @@ class Settler:
             try:
                 attempt = (self._settle(settlements, written) if refused is None
                            else self._each(settlements, written, refused))
-                if self._give_up_at is None:
-                    await attempt
-                else:  # (a stop is under way: the attempt ends by its deadline)
-                    async with asyncio.timeout_at(self._loop_deadline()):
+                # (during a stop, or once one begins, the attempt ends by the stop's deadline)
+                try:
+                    async with asyncio.timeout_at(
+                        None if self._give_up_at is None else self._loop_deadline()
+                    ) as self._attempt_timeout:
                         await attempt
+                finally:
+                    self._attempt_timeout = None
                 results: list[SettleResult | None] = [written.get(id(s)) for s in settlements]
                 break
             except asyncio.CancelledError:

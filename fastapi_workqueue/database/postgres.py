@@ -37,6 +37,8 @@ log = redacting_logger("fastapi_workqueue.postgres")
 T = TypeVar("T")
 
 CHANNEL = "workqueue"
+POOL_CLOSE_SECONDS = 1.0
+"""How long a close waits for the server to see the pool's connections off before dropping them."""
 
 
 def to_asyncpg_dsn(url: str) -> str:
@@ -148,7 +150,10 @@ class PostgresTransport(RoutineTransport):
             await sender.close()
         if self._pool is not None:
             pool, self._pool = self._pool, None
-            await pool.close()
+            try:  # (a server that does not answer: asyncpg ends the connections without a goodbye)
+                await asyncio.wait_for(pool.close(), POOL_CLOSE_SECONDS)
+            except TimeoutError:
+                log.warning("the database did not answer while the pool closed; its connections were dropped")
 
     async def _connect(self) -> asyncpg.Connection[Any]:
         options: dict[str, Any] = ({} if self._statement_cache_size is None

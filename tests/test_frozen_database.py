@@ -1,0 +1,121 @@
+"""A stop while the database stops answering (frozen: connections stay open, nothing comes back).
+
+A refused connection fails at once; a frozen server leaves every call waiting. The test puts a TCP
+relay between the queue and PostgreSQL and, mid-run, stops relaying bytes either way (what a
+SIGSTOPped server or a network partition looks like to the client). The stop must keep to its
+documented bound (docs/production.md: 2 x the drain plus 5 s), whatever still waits on the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import urllib.parse
+from collections.abc import AsyncIterator
+
+import pytest
+
+from fastapi_workqueue import (
+    PublishRequest,
+    Subscription,
+    SubscriptionPlan,
+    Topic,
+    WorkMessage,
+    WorkQueue,
+    WorkQueueSettings,
+)
+
+from .conftest import unique
+from .support import FAST, wait_for
+
+
+class FreezableRelay:
+    """Relays TCP between clients and PostgreSQL until :meth:`freeze`; then holds every connection
+    open and passes nothing on, in either direction."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.frozen = asyncio.Event()
+        self.server: asyncio.Server | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    def freeze(self) -> None:
+        self.frozen.set()
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self.writers += [writer, up_writer]
+        for source, sink in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pipe(source, sink))
+            self.tasks.add(task)
+
+    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+            while chunk := await source.read(65536):
+                if self.frozen.is_set():
+                    await asyncio.Event().wait()  # (held open, never answered)
+                sink.write(chunk)
+                await sink.drain()
+
+
+@pytest.fixture
+async def relay(pg_url: str) -> AsyncIterator[tuple[FreezableRelay, str]]:
+    parts = urllib.parse.urlsplit(pg_url)
+    relay = FreezableRelay(parts.hostname or "127.0.0.1", parts.port or 5432)
+    port = await relay.start()
+    netloc = parts.netloc.rsplit("@", 1)
+    host = f"127.0.0.1:{port}"
+    url = urllib.parse.urlunsplit(parts._replace(netloc=f"{netloc[0]}@{host}" if len(netloc) == 2 else host))
+    try:
+        yield relay, url
+    finally:
+        await relay.close()
+
+
+async def test_a_stop_while_the_database_is_frozen_keeps_to_its_bound(relay: tuple[FreezableRelay, str]) -> None:
+    freezer, url = relay
+    drain = 0.5
+    topic, sub = unique("frozen"), unique("frozen-sub")
+    queue = WorkQueue(
+        WorkQueueSettings(database_url=url, auto_migrate=True, subscriptions=[SubscriptionPlan(name=sub)],
+                          **{**FAST, "shutdown_drain_ms": int(drain * 1000)}),
+        topics=[Topic(name=topic)],
+        subscriptions=[Subscription(name=sub, topic=topic, handler_key="frozen", lease_seconds=30)],
+    )
+    returned: list[int] = []
+    frozen = asyncio.Event()
+
+    @queue.handler("frozen")
+    async def work(message: WorkMessage[dict[str, int]]) -> None:
+        await frozen.wait()  # returns once the database is frozen: its settle waits on it
+        returned.append(message.payload["n"])
+
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(queue.lifespan(None))
+        await queue.publish(topic, [PublishRequest(payload={"n": n}) for n in range(2)])
+        host = queue.host
+        assert host is not None
+        await wait_for(lambda: len(host.consumers[sub]._running) == 2, within=10)
+        freezer.freeze()
+        frozen.set()
+        await wait_for(lambda: len(returned) == 2, within=10)
+        await asyncio.sleep(0.3)  # the settle is on its way into the frozen server
+        started = time.monotonic()
+        await stack.aclose()
+        stopped_in = time.monotonic() - started
+    assert stopped_in < 2 * drain + 5, f"the stop took {stopped_in:.1f} s"
