@@ -47,6 +47,14 @@ class PublishFailed(WorkQueueError):
         self.failures = failures
 
 
+class TransactionAborted(WorkQueueError):
+    """The commit of a transaction a publish joined was refused: a statement in that transaction
+    had failed (and was caught), so the database would have rolled the whole transaction back at
+    its commit, the publish with it (PostgreSQL does so without an error). Nothing was committed or
+    published; run the work again in a new transaction. A statement that may fail goes inside a
+    savepoint (``async with session.begin_nested():``), whose rollback leaves the transaction whole."""
+
+
 def missing_extra(feature: str, package: str, extra: str) -> ConfigurationError:
     """The error for a feature whose optional dependency is not installed: names the extra."""
     return ConfigurationError(

@@ -30,7 +30,7 @@ from .listener import NotificationListener, NotificationSender
 from .pool import ConnectionPool
 from .postgres_migrations import apply_postgres_migrations
 from .routines import RandomSource, RoutineTransport, Row, accepted, backoff_schedule_json, publish_result
-from .session import SessionExecutor, after_commit, wakes_after_commit
+from .session import SessionExecutor, after_commit, statement_failed, wakes_after_commit
 
 log = redacting_logger("fastapi_workqueue.postgres")
 
@@ -358,5 +358,9 @@ async def fetch_asyncpg(session: Any, sql: str, args: Sequence[Any]) -> Sequence
     driver = raw.driver_connection
     if not isinstance(driver, asyncpg.Connection) or not driver.is_in_transaction():
         return await executor.fetch(sql, args)
-    rows: Sequence[Any] = await driver.fetch(sql, *args)
+    try:
+        rows: Sequence[Any] = await driver.fetch(sql, *args)
+    except asyncpg.PostgresError:
+        statement_failed(conn)  # (the transaction is aborted: its commit is refused, not a silent rollback)
+        raise
     return rows

@@ -11,6 +11,7 @@ publish does not join the caller's transaction (its rollback, or its savepoint's
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,13 +40,85 @@ class SessionExecutor:
         from sqlalchemy.ext.asyncio import AsyncSession
 
         if isinstance(self._session, AsyncSession):
-            return await self._session.connection()
+            conn = await self._session.connection()
+            joined(self._session, conn)
+            return conn
         return self._session
 
     async def fetch(self, sql: str, args: Sequence[Any]) -> list[Mapping[str, Any]]:
         conn = await self.connection()
         result = await conn.exec_driver_sql(sql, tuple(args))
         return list(result.mappings().all())
+
+
+_JOINED = "fastapi_workqueue.joined"
+"""The key in ``Session.info`` of the connection a statement of the queue (a publish) ran on in the
+session's transaction: its commit is checked by :func:`_refuse_an_aborted_commit`."""
+_FAILED_IN = "fastapi_workqueue.failed_in"
+"""The key in a connection's ``info`` of the transaction (a weak reference) in which a statement failed."""
+
+
+def joined(session: Any, conn: Any) -> None:
+    """Notes that a statement of the queue runs in ``session``'s transaction on ``conn`` (an
+    ``AsyncConnection``): the session's commit is refused if a statement of that transaction failed
+    and left it aborted."""
+    _listen_for_failures()
+    session.sync_session.info[_JOINED] = conn.sync_connection
+
+
+def statement_failed(conn: Any) -> None:
+    """Notes that a statement failed in ``conn``'s transaction (an ``AsyncConnection``; for a
+    statement sent on its driver connection, which SQLAlchemy's error event does not see)."""
+    _note_failure(conn.sync_connection)
+
+
+@functools.cache
+def _listen_for_failures() -> None:
+    """Listens, the first time a publish joins a session, for a failed statement on any engine
+    (only errors call it) and for a commit of any session (a dict look-up unless a publish joined)."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+    from sqlalchemy.orm import Session
+
+    event.listen(Engine, "handle_error", lambda context: _note_failure(context.connection))
+    event.listen(Session, "before_commit", _refuse_an_aborted_commit)
+
+
+def _note_failure(connection: Any) -> None:
+    try:
+        transaction = None if connection is None else connection.get_transaction()
+        if transaction is not None:
+            connection.info[_FAILED_IN] = weakref.ref(transaction)
+    except Exception:  # (an invalidated connection: its transaction is gone anyway)
+        return
+
+
+def _refuse_an_aborted_commit(sync: Any) -> None:
+    """Before the commit of a session a publish joined: when a statement failed in its transaction
+    (caught by the caller), asks the database whether the transaction is still whole. PostgreSQL
+    answers a COMMIT of an aborted transaction with a rollback and no error, which would leave the
+    caller holding Accepted MessageIDs of messages that never existed; the commit raises instead."""
+    if sync.in_nested_transaction():
+        return  # (a savepoint released: the transaction goes on)
+    connection = sync.info.pop(_JOINED, None)
+    if connection is None:
+        return
+    failed_in = connection.info.get(_FAILED_IN)
+    if failed_in is None or failed_in() is not connection.get_transaction():
+        return
+    from sqlalchemy.exc import DBAPIError
+
+    from ..core.errors import TransactionAborted
+
+    try:
+        connection.exec_driver_sql("SELECT 1")
+    except DBAPIError as exc:
+        raise TransactionAborted(
+            "the transaction this session's publish joined had failed: a statement in it raised and was caught, "
+            "so its commit would roll everything back, the publish included. Nothing was committed; run the work "
+            "again in a new transaction, with a statement that may fail inside a savepoint "
+            "(async with session.begin_nested(): ...)"
+        ) from exc
 
 
 _AFTER_COMMIT = "fastapi_workqueue.after_commit"
