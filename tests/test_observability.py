@@ -415,6 +415,24 @@ async def test_public_metrics_need_no_key_and_show_a_waiting_backlog(pg_url: str
     assert found[("workqueue_oldest_pending_age_seconds", (("subscription", subs["idle"]),))] >= 0
 
 
+async def test_metrics_answer_without_the_store_and_say_so(pg_url: str) -> None:
+    """A scrape while the store cannot be read (the queue not open here; an outage in
+    test_hostile.py) answers 200 with the process's counters and ``workqueue_store_up 0``, not 500."""
+    queue, topic, subs = make_queue(pg_url, [{"role": "idle"}], metrics_public=True, metrics_cache_seconds=0)
+    app = FastAPI()
+    app.include_router(queue.metrics_router)
+    async with client(app) as http:
+        away = await http.get("/metrics")
+        async with opened(queue):
+            await queue.publish(topic, [PublishRequest(payload=1)])
+            back = await http.get("/metrics")
+    assert away.status_code == 200 and samples(away.text)[("workqueue_store_up", ())] == 0
+    assert "workqueue_deliveries{" not in away.text
+    found = samples(back.text)
+    assert found[("workqueue_store_up", ())] == 1
+    assert found[("workqueue_deliveries", (("status", "Pending"), ("subscription", subs["idle"])))] == 1
+
+
 def test_switched_off_the_queue_loads_no_observer() -> None:
     """With ``otel`` and ``prometheus`` off, the queue has no observer and loads neither of ours
     (nor prometheus-client)."""

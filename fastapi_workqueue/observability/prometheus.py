@@ -38,10 +38,14 @@ except ImportError as exc:
 
     raise missing_extra("Prometheus metrics", "prometheus-client", "prometheus") from exc
 
+from ..core.errors import TransportError
 from ..core.flow import parse_rate
 from ..core.observe import Observer, ProcessScope, PublishScope, topic_label
+from ..core.redaction import redacting_logger
 from . import semconv
 from .tally import OUTCOMES, ProcessTally
+
+log = redacting_logger("fastapi_workqueue.metrics")
 
 if TYPE_CHECKING:
     from ..core.envelope import PublishResult
@@ -241,6 +245,9 @@ class StoreSnapshot:
         """Each subscription with flow limits, and how full they are."""
         self.read_at: float | None = None
         self.taken_at = datetime.now(UTC)
+        self.store_up = True
+        """Whether the last read reached the store: while it does not, the scrape answers with the
+        process's own counters, ``workqueue_store_up 0`` and none of the database's gauges."""
         self._lock = asyncio.Lock()
 
     async def refresh(self) -> None:
@@ -250,8 +257,16 @@ class StoreSnapshot:
             now = self.clock()
             if self.read_at is not None and now - self.read_at < self.cache_seconds:
                 return
-            self.stats = await self.kernel.operator.stats()
-            self.flows = await self._flows()
+            try:
+                self.stats = await self.kernel.operator.stats()
+                self.flows = await self._flows()
+            except (TransportError, RuntimeError) as exc:  # (out of reach, or the queue is not open)
+                if self.store_up:
+                    log.warning("metrics: the store's gauges are left out while it cannot be read (%s)", exc)
+                self.store_up, self.stats, self.flows = False, [], []
+                self.read_at = now
+                return
+            self.store_up = True
             self.read_at = now
             self.taken_at = datetime.now(UTC)
 
@@ -303,4 +318,7 @@ class StoreCollector(Collector):
             age = 0.0 if s.oldest_pending_at is None else max(0.0, (taken - s.oldest_pending_at).total_seconds())
             oldest.add_metric([s.subscription], age)
             dead.add_metric([s.subscription], s.dead_lettered)
-        return [deliveries, backlog, oldest, dead, limit, tokens, waiting]
+        up = GaugeMetricFamily("workqueue_store_up", "1 when the last scrape read the store, 0 when it could not "
+                               "(the database's gauges are then left out).")
+        up.add_metric([], 1.0 if self.snapshot.store_up else 0.0)
+        return [up, deliveries, backlog, oldest, dead, limit, tokens, waiting]
