@@ -62,6 +62,39 @@ async def test_health_reports_each_planned_subscription(pg_url: str) -> None:
         assert states[subs["orphan"]][0] == "HandlerNotRegistered"
         assert "orphan" in states[subs["orphan"]][1]
         assert states[missing][0] == "Error" and "does not exist" in states[missing][1]
+        assert ext["Status"] == "Degraded" and ext["Reason"].startswith("2 subscriptions in Error or "
+                                                                         "HandlerNotRegistered (")
+
+
+async def test_health_is_503_while_the_lifespan_has_not_started_the_queue(pg_url: str) -> None:
+    """A forgotten ``lifespan=queue.lifespan`` (or a mounted app, whose lifespan does not run): the
+    process consumes nothing, so a load balancer takes it out; a web process whose host is off on
+    purpose stays 200."""
+    queue, _, _ = make_queue(pg_url, [{"role": "run"}])
+    off, _, _ = make_queue(pg_url, [{"role": "run"}], disable_host=True)
+    for q, expected in ((queue, 503), (off, 200)):
+        app = FastAPI()  # (no lifespan)
+        app.include_router(q.health_router)
+        async with client(app) as http:
+            response = await http.get("/health/extensions")
+        [ext] = response.json()["Extensions"]
+        assert (response.status_code, ext["Status"]) == (expected, "Stopped")
+        if expected == 503:
+            assert "run the app with lifespan=queue.lifespan" in ext["Reason"]
+
+
+async def test_a_subscription_that_is_not_served_is_logged_once(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue, _, subs = make_queue(pg_url, [{"role": "orphan"}])
+    caplog.set_level(logging.WARNING, logger="fastapi_workqueue")
+    async with queue.lifespan(None):
+        assert queue.host is not None
+        await queue.host.reconcile()  # (a second pass: logged once, not at every reconcile)
+    lines = [r.getMessage() for r in caplog.records if subs["orphan"] in r.getMessage()]
+    assert lines == [f"{subs['orphan']}: not served by this process (HandlerNotRegistered): no handler is "
+                     "registered under 'orphan' in this process; register it with @queue.handler(...) and import "
+                     "its module"]
 
 
 async def test_health_is_503_for_a_handler_not_registered_and_200_for_running_paused_unsupported(
@@ -94,7 +127,7 @@ async def test_health_is_503_for_a_handler_not_registered_and_200_for_running_pa
         response = await bad.get("/health/extensions")
         assert response.status_code == 503  # a load balancer takes this instance out
         [ext] = response.json()["Extensions"]
-        assert ext["Status"] == "Running"  # the body is the report as before
+        assert ext["Status"] == "Degraded"  # (the host says which subscription is not served)
         states = {s["Subscription"]: s["State"] for s in ext["Subscriptions"]}
         assert states == {orphan_subs["run"]: "Running", orphan_subs["orphan"]: "HandlerNotRegistered"}
 

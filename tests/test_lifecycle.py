@@ -22,6 +22,7 @@ from fastapi_workqueue import (
     Subscription,
     SubscriptionPlan,
     Topic,
+    WorkContext,
     WorkMessage,
     WorkQueue,
     WorkQueueSettings,
@@ -240,6 +241,38 @@ async def test_a_rename_across_a_rolling_deploy_loses_nothing(database_url: str,
             await previous.wait()
     assert codes and set(codes) == {200}
     assert sorted(seen) == list(range(10))
+
+
+async def test_a_rename_that_keeps_the_handler_runs_the_new_name_only(database_url: str) -> None:
+    """The new release declares orders.notify-v2 with the handler orders.notify had: it runs the new
+    subscription and reports the old one Undeclared (with the retire command), not both, which would
+    run the handler twice for every message."""
+    topic, old, new = unique("keep"), unique("keep.notify"), unique("keep.notify-v2")
+    previous = _release(database_url, topic, [Subscription(name=old, topic=topic, handler_key="notify")],
+                        enabled=False)
+    async with previous.lifespan(None):
+        pass  # the previous release stored its subscription
+    queue = WorkQueue(
+        WorkQueueSettings(database_url=database_url, auto_migrate=True, **FAST,
+                          subscriptions=[SubscriptionPlan(name="*")]),
+        topics=[Topic(name=topic)],
+        subscriptions=[Subscription(name=new, topic=topic, handler_key="notify")],
+    )
+    calls: list[str] = []
+
+    @queue.handler("notify")
+    async def notify(message: WorkMessage[Any], context: WorkContext) -> None:
+        calls.append(context.subscription)
+
+    async with queue.lifespan(None):
+        await queue.publish(topic, [PublishRequest(payload={"n": n}) for n in range(3)])
+        await wait_for(lambda: len(calls) == 3, within=20)
+        await _reconcile(queue)
+        states = {s.subscription: s for s in queue.health().subscriptions}
+        assert (await stats_of(queue, old)).pending == 3  # kept for the instances that still declare it
+    assert calls == [new] * 3
+    assert states[old].state == "Undeclared" and states[new].state == "Running"
+    assert f"`workqueue subscriptions retire {old}`" in (states[old].reason or "")
 
 
 async def _stored(queue: WorkQueue, name: str) -> bool:

@@ -347,11 +347,13 @@ class Host:
         for entry in self.plan:
             if entry.name != WAKE_ALL and entry.name not in seen and entry.name not in health:
                 known = next((s for s in subscriptions if s.name == entry.name), None)
-                reason = (
-                    f"subscription {entry.name!r} is served outside this host (host_type external)"
-                    if known is not None
-                    else f"subscription {entry.name!r} does not exist; declare it or check the name"
-                )
+                if known is not None:
+                    reason = f"subscription {entry.name!r} is served outside this host (host_type external)"
+                elif self._declared is not None and entry.name in self._declared:
+                    reason = (f"subscription {entry.name!r} is declared here but not in the store (deleted since this "
+                              "process started?); a start of a release that declares it creates it again")
+                else:
+                    reason = f"subscription {entry.name!r} does not exist; declare it or check the name"
                 health[entry.name] = SubscriptionHealth(
                     subscription=entry.name,
                     state="Unsupported" if known is not None else "Error",
@@ -359,15 +361,23 @@ class Host:
                     concurrency=entry.concurrency,
                 )
         stored = {s.name for s in subscriptions}
+        deleted: set[str] = set()
         for name in list(self.consumers):
             if name not in seen:
                 if name not in stored:
+                    deleted.add(name)
                     log.warning(
                         "%s: no longer in the store (deleted): this process stops serving it; a start of a release "
                         "that declares it creates it again", name)
                 else:
                     log.info("%s: stopping (no longer planned here)", name)
                 self._stop_later(self.consumers.pop(name))
+        for name, now in health.items():
+            before = self._health.get(name)
+            if (now.state in ("HandlerNotRegistered", "Error") and name not in deleted
+                    and (before is None or before.state != now.state)):
+                # (health says it too, but nobody may be asking: the log is where a newcomer looks)
+                log.warning("%s: not served by this process (%s): %s", name, now.state, now.reason)
         self._health = health
         self._consumer_of = consumer_of
 
@@ -441,6 +451,18 @@ class Host:
         if reason is not None:
             return "Unsupported", reason
         retired = sub.status == "Retired" or sub.topic_status == "Retired"
+        declared = self._declared
+        if (isinstance(declared, Mapping) and sub.name not in declared and not retired
+                and sub.handler_key in declared.values() and all(p.name != sub.name for p in self.plan)):
+            # Renamed, the handler kept: the new name runs it here, not the old one as well (unless
+            # the process's plan names the old one: then it is run on purpose).
+            now = sorted(name for name, key in declared.items() if key == sub.handler_key)
+            return "Undeclared", (
+                f"subscription {sub.name!r} is stored, but no code in this process declares it; its handler "
+                f"{sub.handler_key!r} serves {', '.join(map(repr, now))} here. If it was renamed, retire it: "
+                f"`workqueue subscriptions retire {sub.name}` (until then it gets a delivery of every message, "
+                "which instances that still declare it run)"
+            )
         if self._resolve(sub.handler_key) is None:
             if retired:
                 return "Retired", (

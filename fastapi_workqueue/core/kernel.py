@@ -471,17 +471,24 @@ class Kernel:
     def health(self) -> ExtensionHealth:
         """The state of the host and of every subscription it plans."""
         if self.opened == 0:
+            if self.host_off_reason() is None:
+                return ExtensionHealth(status="Stopped", reason=(
+                    "the app's lifespan has not started the queue, so nothing is consumed in this process: run "
+                    "the app with lifespan=queue.lifespan (a mounted app's lifespan does not run: give the outer "
+                    "app the queue's lifespan)"))
             return ExtensionHealth(status="Stopped", reason="the app's lifespan has not started the queue")
         if self.host is None:
             off = self.host_off_reason() or "the host is not started"
             return ExtensionHealth(status="Disabled", reason=f"the host is off in this process: {off}")
         subscriptions = self.host.health()
-        failing = [s.subscription for s in subscriptions if s.state == "Error"]
+        failing = [s for s in subscriptions if s.state in ("Error", "HandlerNotRegistered")]
         if not failing:
             return ExtensionHealth(status="Running", subscriptions=subscriptions)
-        shown = ", ".join(failing[:5]) + (f" and {len(failing) - 5} more" if len(failing) > 5 else "")
+        shown = ", ".join(s.subscription for s in failing[:5]) + (
+            f" and {len(failing) - 5} more" if len(failing) > 5 else "")
+        states = " or ".join(sorted({s.state for s in failing}))
         return ExtensionHealth(status="Degraded", subscriptions=subscriptions,
-                               reason=f"{count(len(failing), 'subscription')} in Error ({shown}); each says why")
+                               reason=f"{count(len(failing), 'subscription')} in {states} ({shown}); each says why")
 
 
 def _invalid_request(exc: ValidationError) -> RequestRejected:
