@@ -928,7 +928,7 @@ async def test_the_lists_read_the_database_the_app_names(cli: Cli) -> None:
     """``subscriptions list --app`` and ``topics list --app`` with no ``--database-url`` read the
     app's own database, as ``stats --app`` does, instead of asking for a URL."""
     (cli.folder / "own_url_app.py").write_text(
-        "from fastapi_workqueue import WorkQueue, WorkQueueSettings\n"
+        "from fastapi_workqueue import WorkMessage, WorkQueue, WorkQueueSettings\n"
         "from tests.apps import cli_app\n"
         f"queue = WorkQueue(WorkQueueSettings(database_url={cli.url!r}, enabled=False),\n"
         "                  topics=list(cli_app.queue.topics.values()),\n"
@@ -940,6 +940,30 @@ async def test_the_lists_read_the_database_the_app_names(cli: Cli) -> None:
     topics = await cli("--json", "topics", "list", "--app", "own_url_app:queue", env=no_url)
     [basic] = [row for row in topics.json() if row["Name"] == cli_app.queue.subscriptions[cli_app.BASIC].topic]
     assert (basic["Declared"], basic["Subscriptions"]) == ("yes", 1)
+
+
+async def test_a_worker_of_one_subscription_keeps_the_apps_schedules(cli: Cli) -> None:
+    """Web processes with WORKQUEUE_DISABLE_HOST=1 and ``workqueue work --subscription`` (the split
+    Getting started recommends): the worker is the only host, so it keeps the schedules."""
+    job_queue = f"ticks{uuid.uuid4().hex[:8]}"
+    (cli.folder / "schedule_app.py").write_text(
+        "from typing import Any\n"
+        "from fastapi_workqueue import WorkMessage, WorkQueue, WorkQueueSettings\n"
+        "from tests.apps import cli_app\n"
+        "queue = WorkQueue(WorkQueueSettings(), topics=list(cli_app.queue.topics.values()),\n"
+        "                  subscriptions=list(cli_app.queue.subscriptions.values()))\n"
+        "@queue.handler('cli.record')\n"
+        "async def idle(message: WorkMessage[Any]) -> None: ...\n"
+        f"@queue.job('tick', queue={job_queue!r})\n"
+        "async def tick(payload: dict[str, Any]) -> None: ...\n"
+        "queue.schedule(tick, every=1, payload={})\n"
+    )
+    worker = await cli.start("work", "--app", "schedule_app:queue", "--subscription", cli_app.IDLE)
+    try:
+        await wait_for(lambda: cli.ops.size(job_queue), within=20)  # a tick queued (no worker takes it)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert (await cli.finish(worker)).code == 0
 
 
 async def test_processes_lists_the_workers_that_ran(cli: Cli) -> None:

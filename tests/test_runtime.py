@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -457,6 +458,14 @@ async def test_handler_signature_problems_are_refused_at_registration(pg_url: st
 
     with pytest.raises(ConfigurationError, match="WorkMessage"):
         queue.handler("nomsg")(no_message)
+
+    async def like_a_job(payload: dict[str, Any]) -> None:  # (a job's shape: the payload itself)
+        pass
+
+    with pytest.raises(ConfigurationError, match=re.escape(
+            "parameter 'payload' is annotated as the payload; a handler takes the message, which carries it: "
+            "write message: WorkMessage[dict[str, Any]] and read message.payload")):
+        queue.handler("payload")(like_a_job)
 
 
 @pytest.mark.parametrize("store", ["pg", "sqlite"])

@@ -296,14 +296,20 @@ async def _run(
                         return summary.ended(EXIT_UNKNOWN_SUBSCRIPTION, reason)
                     else:
                         return summary.ended(_STATE_EXIT.get(kind, EXIT_ERROR), f"{name}: {kind}: {reason}")
+            # Every long-running process whose host runs keeps the schedules, whatever it consumes
+            # (a tick is queued once however many do): a worker of one subscription beside web
+            # processes without a host is the only host there may be.
+            schedules = not finite and queue._jobs is not None and bool(queue._jobs.schedules.items)
             if plan.jobs:
                 queue.jobs.watch_queues(host, plan.queues)
+            if schedules:
                 queue.jobs.schedules.start()
             try:
                 await _until_done(host, stop, max_duration_ms, finite=finite)
             finally:
                 if plan.jobs:
                     await queue.jobs.stop_watching()
+                if schedules:
                     await queue.jobs.schedules.stop()
         finally:
             # The consumers of the plan, also those a pause retired, for their counts; read after

@@ -169,6 +169,13 @@ def inspect_handler(key: str, func: HandlerFunc) -> HandlerSpec:
                 and not declared_dependency
                 and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL)
             ):
+                if spec.message_param is None and name in ("message", "payload", "msg", "data"):
+                    shown = "Any" if annotation is param.empty else (
+                        inspect.formatannotation(annotation).replace("typing.", ""))
+                    raise ConfigurationError(
+                        f"handler {key!r}: parameter {name!r} is annotated as the payload; a handler takes the "
+                        f"message, which carries it: write message: WorkMessage[{shown}] and read message.payload"
+                    )
                 raise ConfigurationError(
                     f"handler {key!r}: parameter {name!r} is neither the WorkMessage nor the WorkContext "
                     "and has no default; give it a dependency (name = Depends(...)) or remove it"
