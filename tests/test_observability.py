@@ -684,3 +684,48 @@ def test_the_tally_exports_what_prometheus_clients_own_metrics_would_count() -> 
     assert counted[("workqueue_in_flight", (("subscription", "orders.audit"),))] == 1
     edge = ("workqueue_process_duration_seconds_bucket", (("le", "0.005"), ("subscription", "orders.audit")))
     assert counted[edge] == 3 + 4  # 0, 0.005 * 0.999, 0.005 itself, and the four attempts
+
+
+def test_a_dead_processs_in_flight_gauge_leaves_the_multiprocess_sum(tmp_path: Path) -> None:
+    """Multiprocess mode: a worker killed mid-work (and started again by its server) left its
+    ``workqueue_in_flight`` file behind, summed for ever. A scrape forgets the live gauges of
+    processes that no longer run; counters (a dead process's work was done) stay."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    worker = textwrap.dedent("""
+        import os, sys
+        from fastapi_workqueue.observability.prometheus import metrics_for
+        metrics = metrics_for(None)
+        metrics.in_flight.labels(subscription="s").inc(int(sys.argv[1]))
+        metrics.processed.labels(subscription="s", outcome="completed").inc(5)
+        print(os.getpid())
+        if sys.argv[2] == "stay":
+            sys.stdout.flush()
+            sys.stdin.read()
+    """)
+    dead = subprocess.run([sys.executable, "-c", worker, "2", "exit"], env=env, capture_output=True, text=True,
+                          check=True, timeout=60)
+    alive = subprocess.Popen([sys.executable, "-c", worker, "3", "stay"], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert alive.stdout is not None
+        alive_pid = int(alive.stdout.readline())
+        scrape = textwrap.dedent("""
+            import os
+            from prometheus_client import CollectorRegistry, generate_latest
+            from prometheus_client.multiprocess import MultiProcessCollector
+            from fastapi_workqueue.observability.metrics_router import forget_dead_processes
+            print(forget_dead_processes(os.environ["PROMETHEUS_MULTIPROC_DIR"]))
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            print(generate_latest(registry).decode())
+        """)
+        ran = subprocess.run([sys.executable, "-c", scrape], env=env, capture_output=True, text=True, check=True,
+                             timeout=60)
+    finally:
+        alive.communicate("", timeout=30)
+    forgotten, text = ran.stdout.split("\n", 1)
+    assert forgotten == f"[{int(dead.stdout)}]" and alive_pid != int(dead.stdout)
+    found = samples(text)
+    assert found[("workqueue_in_flight", (("subscription", "s"),))] == 3  # the live process's only
+    assert found[("workqueue_processed_total", (("outcome", "completed"), ("subscription", "s")))] == 10

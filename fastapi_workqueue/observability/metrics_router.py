@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Security
@@ -9,7 +11,7 @@ from fastapi.responses import Response
 
 try:
     from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
-    from prometheus_client.multiprocess import MultiProcessCollector
+    from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 except ImportError as exc:
     from ..core.errors import missing_extra
 
@@ -23,8 +25,33 @@ if TYPE_CHECKING:
     from ..web.auth import Authorizer
 
 
+_LIVE_FILE = re.compile(r"gauge_live\w*?_(\d+)\.db")
+
+
+def forget_dead_processes(directory: str) -> list[int]:
+    """Removes the live gauges (``workqueue_in_flight``: mode ``livesum``) of processes of this
+    machine that no longer run, as ``mark_process_dead`` would in a server's child-exit hook
+    (uvicorn has none): a worker killed and started again would be summed twice. Returns the pids."""
+    gone = []
+    for name in os.listdir(directory):
+        match = _LIVE_FILE.fullmatch(name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            gone.append(pid)
+        except PermissionError:  # (alive, another user's)
+            continue
+    for pid in set(gone):
+        mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+    return sorted(set(gone))
+
+
 def _process_part(registry: CollectorRegistry) -> bytes:
     if multiprocess_mode() and registry is REGISTRY:
+        forget_dead_processes(os.environ["PROMETHEUS_MULTIPROC_DIR"])
         merged = CollectorRegistry()
         MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
         return generate_latest(merged)
