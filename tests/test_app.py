@@ -370,3 +370,16 @@ def _state(queue: WorkQueue, name: str) -> str | None:
     if host is None:
         return None
     return next((h.state for h in host.health() if h.subscription == name), None)
+
+
+async def test_the_rest_api_of_a_queue_not_open_says_so(pg_url: str) -> None:
+    """A forgotten lifespan: the routes say the queue is not open (and where to fix it), not that
+    the store is away and to retry."""
+    queue, _, _ = make_queue(pg_url, [{"role": "run"}])
+    app = FastAPI()  # (no lifespan)
+    app.include_router(queue.router)
+    async with client(app) as http:
+        answer = await http.get("/work-queue/stats", headers={"X-API-Key": "wq_anything"})
+    assert answer.status_code == 503
+    assert answer.json()["detail"].startswith("the work queue is not open: include its routers in the app whose "
+                                              "lifespan runs queue.lifespan")

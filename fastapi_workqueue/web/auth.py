@@ -57,6 +57,8 @@ def api_key_authorizer(kernel: Kernel) -> Authorizer:
                 detail="an API key is required: send Authorization: Bearer <key> or X-API-Key: <key>",
                 headers=challenge,
             )
+        if not kernel.is_open:
+            raise not_open()
         store = kernel.ports.api_keys
         if store is None:
             raise HTTPException(status_code=status.HTTP_501_NOT_IMPLEMENTED, detail="this transport stores no API keys")
@@ -73,6 +75,15 @@ def api_key_authorizer(kernel: Kernel) -> Authorizer:
         return require_scopes(principal, security_scopes)
 
     return authorize
+
+
+def not_open() -> HTTPException:
+    """503 for a route of a queue whose app's lifespan has not opened it: retrying will not help."""
+    return HTTPException(
+        status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        detail="the work queue is not open: include its routers in the app whose lifespan runs queue.lifespan "
+        "(FastAPI(lifespan=queue.lifespan); a mounted app's lifespan does not run)",
+    )
 
 
 def store_unavailable(exc: Exception) -> HTTPException:
