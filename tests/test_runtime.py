@@ -248,10 +248,13 @@ async def test_a_cancelled_handler_that_winds_down_keeps_its_key_until_it_return
                     "process ends it)"]
 
 
-async def test_operator_cancel_aborts_running_handler_and_discards(pg_url: str) -> None:
+async def test_operator_cancel_aborts_running_handler_and_discards(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
     # The cancel arrives with a heartbeat (every lease/3). A lease of 0.9 s ran out on a loaded
     # machine before a renewal came back, and the handler ended LeaseLost instead.
     queue, topic, subs = make_queue(pg_url, [{"role": "slow", "lease_seconds": 3.0}])
+    caplog.set_level(logging.INFO, logger="fastapi_workqueue")
     started = asyncio.Event()
     reasons: list[AbortReason | None] = []
 
@@ -273,6 +276,8 @@ async def test_operator_cancel_aborts_running_handler_and_discards(pg_url: str) 
         info = await wait_for(lambda: _terminal(queue, subs["slow"], result.message_id))
     assert reasons == [AbortReason.CANCELLED]
     assert info.status == "Discarded" and info.reason == "operator: hung"
+    [aborted] = [r for r in caplog.records if r.getMessage().endswith(f"{running.delivery_id} aborted (Cancelled)")]
+    assert (aborted.__dict__["delivery_id"], aborted.__dict__["subscription"]) == (running.delivery_id, subs["slow"])
 
 
 async def test_manual_heartbeat_reports_cancel_and_lost_lease_aborts(pg_url: str) -> None:

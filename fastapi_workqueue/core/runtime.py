@@ -747,7 +747,8 @@ class Consumer:
     def _abort(self, running: _Running, reason: AbortReason) -> None:
         """Signals the handler why it must stop and cancels its task."""
         if running.signal.abort(reason):
-            log.info("%s: delivery %s aborted (%s)", self.name, running.delivery.delivery_id, reason.value)
+            log.info("%s: delivery %s aborted (%s)", self.name, running.delivery.delivery_id, reason.value,
+                     extra=_delivery_fields(running))
             # A task that has not started yet sees the signal when it does (cancelling it then would
             # skip its clean-up).
             if running.entered and running.task is not None and not running.task.done():
@@ -876,7 +877,7 @@ class Consumer:
         if running.signal.abort(AbortReason.LEASE_LOST):
             log.warning("%s: delivery %s: the handler returned after its lease of %.1f s ran out (it blocked the "
                         "event loop?); its outcome is ignored", self.name, running.delivery.delivery_id,
-                        running.lease.lease_seconds)
+                        running.lease.lease_seconds, extra=_delivery_fields(running))
         return True
 
     def _failed(self, running: _Running, exc: BaseException, settlement: Settlement) -> Settlement:
