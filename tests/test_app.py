@@ -383,3 +383,20 @@ async def test_the_rest_api_of_a_queue_not_open_says_so(pg_url: str) -> None:
     assert answer.status_code == 503
     assert answer.json()["detail"].startswith("the work queue is not open: include its routers in the app whose "
                                               "lifespan runs queue.lifespan")
+
+
+async def test_a_request_session_while_the_database_is_away_answers_503(unused_tcp_port: int) -> None:
+    """The request's connection cannot be had (the server is down): 503 with Retry-After, as for a
+    pool with every connection busy, not a bare 500."""
+    queue = WorkQueue(WorkQueueSettings(database_url=f"postgresql+asyncpg://postgres@127.0.0.1:{unused_tcp_port}/x"))
+    app = FastAPI()
+
+    @app.get("/orders")
+    async def orders(session: AsyncSession = queue.session) -> dict[str, str]:
+        return {"never": "here"}
+
+    async with client(app) as http:
+        answer = await http.get("/orders")
+    await queue.engine.dispose()
+    assert (answer.status_code, answer.headers.get("Retry-After")) == (503, "1")
+    assert answer.json() == {"detail": "the database cannot be reached right now; retry shortly"}

@@ -27,6 +27,7 @@ from ..core.database_url import (
     sqlite_path,
 )
 from ..core.errors import ConfigurationError
+from ..core.redaction import redacting_logger
 from ..core.request_load import IN_ATTEMPT, RequestLoad
 from ..core.session_pool import SessionPool
 from .admission import FairGate
@@ -93,6 +94,15 @@ async def _checkout(session: AsyncSession) -> None:
         await session.connection()
     except PoolTimeout:
         raise _busy() from None
+    except Exception as exc:
+        from ..core.errors import TransportUnavailable
+        from ..database.errors import map_error
+
+        mapped = map_error(getattr(exc, "orig", None) or exc, "a request's database connection")
+        if not isinstance(mapped, TransportUnavailable):
+            raise
+        log.warning("%s", mapped)  # (the driver's text, redacted; the answer says only that it is away)
+        raise _away() from None
 
 
 def _busy() -> Exception:
@@ -102,6 +112,17 @@ def _busy() -> Exception:
     return HTTPException(
         status_code=503,
         detail="every database connection of this process is in use; retry shortly",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
+
+
+def _away() -> Exception:
+    """503 with ``Retry-After``: the database cannot be reached for the request's connection."""
+    from fastapi import HTTPException
+
+    return HTTPException(
+        status_code=503,
+        detail="the database cannot be reached right now; retry shortly",
         headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
     )
 
@@ -122,6 +143,8 @@ def to_sqlalchemy_url(url: str) -> str:
 
 
 RETRY_AFTER_SECONDS = 1
+
+log = redacting_logger("fastapi_workqueue.session")
 
 
 def _unique_statement_name() -> str:
