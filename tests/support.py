@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi_workqueue import Subscription, SubscriptionPlan, Topic, WorkQueue, WorkQueueSettings
+from fastapi_workqueue import (
+    PublishRequest,
+    Subscription,
+    SubscriptionPlan,
+    Topic,
+    WorkMessage,
+    WorkQueue,
+    WorkQueueSettings,
+)
 from fastapi_workqueue.testing.conformance.harness import eventually
 
 from .conftest import unique
@@ -183,3 +193,36 @@ class LoggedProcess:
 
     def stderr_so_far(self) -> str:
         return self.err.read_text(errors="replace")
+
+
+async def stop_time_in_an_outage(url: str, cut_off: Callable[[], Awaitable[None]], drain: float = 0.5) -> float:
+    """Seconds a queue's stop takes when ``cut_off()`` has taken its database away while two
+    handlers ran: they return once it is away, so their settles meet the outage."""
+    topic, sub = unique("outage-stop"), unique("outage-stop-sub")
+    queue = WorkQueue(
+        WorkQueueSettings(database_url=url, auto_migrate=True, subscriptions=[SubscriptionPlan(name=sub)],
+                          **{**FAST, "shutdown_drain_ms": int(drain * 1000)}),
+        topics=[Topic(name=topic)],
+        subscriptions=[Subscription(name=sub, topic=topic, handler_key="outage-stop", lease_seconds=30)],
+    )
+    returned: list[int] = []
+    away = asyncio.Event()
+
+    @queue.handler("outage-stop")
+    async def work(message: WorkMessage[dict[str, int]]) -> None:
+        await away.wait()
+        returned.append(message.payload["n"])
+
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(queue.lifespan(None))
+        await queue.publish(topic, [PublishRequest(payload={"n": n}) for n in range(2)])
+        host = queue.host
+        assert host is not None
+        await wait_for(lambda: len(host.consumers[sub]._running) == 2, within=10)
+        await cut_off()
+        away.set()
+        await wait_for(lambda: len(returned) == 2, within=10)
+        await asyncio.sleep(0.3)  # the settle is on its way into the outage
+        started = time.monotonic()
+        await stack.aclose()
+        return time.monotonic() - started

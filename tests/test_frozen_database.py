@@ -10,24 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import urllib.parse
 from collections.abc import AsyncIterator
 
 import pytest
 
-from fastapi_workqueue import (
-    PublishRequest,
-    Subscription,
-    SubscriptionPlan,
-    Topic,
-    WorkMessage,
-    WorkQueue,
-    WorkQueueSettings,
-)
-
-from .conftest import unique
-from .support import FAST, wait_for
+from .support import stop_time_in_an_outage
 
 
 class FreezableRelay:
@@ -89,33 +77,9 @@ async def relay(pg_url: str) -> AsyncIterator[tuple[FreezableRelay, str]]:
 
 async def test_a_stop_while_the_database_is_frozen_keeps_to_its_bound(relay: tuple[FreezableRelay, str]) -> None:
     freezer, url = relay
-    drain = 0.5
-    topic, sub = unique("frozen"), unique("frozen-sub")
-    queue = WorkQueue(
-        WorkQueueSettings(database_url=url, auto_migrate=True, subscriptions=[SubscriptionPlan(name=sub)],
-                          **{**FAST, "shutdown_drain_ms": int(drain * 1000)}),
-        topics=[Topic(name=topic)],
-        subscriptions=[Subscription(name=sub, topic=topic, handler_key="frozen", lease_seconds=30)],
-    )
-    returned: list[int] = []
-    frozen = asyncio.Event()
 
-    @queue.handler("frozen")
-    async def work(message: WorkMessage[dict[str, int]]) -> None:
-        await frozen.wait()  # returns once the database is frozen: its settle waits on it
-        returned.append(message.payload["n"])
-
-    async with contextlib.AsyncExitStack() as stack:
-        await stack.enter_async_context(queue.lifespan(None))
-        await queue.publish(topic, [PublishRequest(payload={"n": n}) for n in range(2)])
-        host = queue.host
-        assert host is not None
-        await wait_for(lambda: len(host.consumers[sub]._running) == 2, within=10)
+    async def freeze() -> None:
         freezer.freeze()
-        frozen.set()
-        await wait_for(lambda: len(returned) == 2, within=10)
-        await asyncio.sleep(0.3)  # the settle is on its way into the frozen server
-        started = time.monotonic()
-        await stack.aclose()
-        stopped_in = time.monotonic() - started
-    assert stopped_in < 2 * drain + 5, f"the stop took {stopped_in:.1f} s"
+
+    stopped_in = await stop_time_in_an_outage(url, freeze, drain=0.5)
+    assert stopped_in < 2 * 0.5 + 5, f"the stop took {stopped_in:.1f} s"

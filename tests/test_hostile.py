@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import time
@@ -60,7 +59,7 @@ from fastapi_workqueue.database import create_database_transport
 from fastapi_workqueue.database.postgres import to_asyncpg_dsn
 
 from .conftest import PG_URL, drop_database, recreate_database, unique
-from .support import FAST, wait_for
+from .support import FAST, stop_time_in_an_outage, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -846,35 +845,12 @@ async def test_a_stop_while_the_database_is_away_ends_within_its_drains(own_data
     """SIGTERM in an outage: the settles that cannot be written are given up at the stop's deadline
     (2 x the drain and a moment), not retried for a minute each; the leases bring the work back."""
     url, name = own_database
-    topic, sub = unique("stop-outage"), unique("stop-outage-sub")
-    queue = WorkQueue(
-        WorkQueueSettings(database_url=url, auto_migrate=True, subscriptions=[SubscriptionPlan(name=sub)],
-                          **{**FAST, "shutdown_drain_ms": 500}),
-        topics=[Topic(name=topic)],
-        subscriptions=[Subscription(name=sub, topic=topic, handler_key="stop-outage", lease_seconds=30)],
-    )
-    returned: list[int] = []
-    cut = asyncio.Event()
 
-    @queue.handler("stop-outage")
-    async def work(message: WorkMessage[dict[str, int]]) -> None:
-        await cut.wait()  # returns once the database is away: its settle cannot be written
-        returned.append(message.payload["n"])
-
-    async with contextlib.AsyncExitStack() as stack:
-        await stack.enter_async_context(queue.lifespan(None))
-        await queue.publish(topic, [PublishRequest(payload={"n": n}) for n in range(2)])
-        host = queue.host
-        assert host is not None
-        await wait_for(lambda: len(host.consumers[sub]._running) == 2, within=10)
+    async def refuse() -> None:
         await admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
         await terminate(name)
-        cut.set()
-        await wait_for(lambda: len(returned) == 2, within=10)
-        await asyncio.sleep(0.3)  # the settler has tried and failed at least once
-        started = time.monotonic()
-        await stack.aclose()
-        stopped_in = time.monotonic() - started
+
+    stopped_in = await stop_time_in_an_outage(url, refuse, drain=0.5)
     assert stopped_in < 2 * 0.5 + 5, f"the stop took {stopped_in:.1f} s"
 
 
