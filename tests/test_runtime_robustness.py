@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from typing import Any
 
 import pytest
@@ -372,3 +373,37 @@ def test_storable_text_keeps_what_every_store_can_hold() -> None:
         text = error_text(exc)
     text.encode()  # no lone surrogate left
     assert "\x00" not in text and "ValueError" in text
+
+
+@pytest.mark.parametrize("store", ["postgresql", "sqlite"])
+async def test_a_delivery_whose_lease_ran_out_before_its_handler_began_is_not_run(
+    store: str, pg_url: str, sqlite_url: str
+) -> None:
+    """Two deliveries claimed together; the first handler blocks the event loop past the lease.
+    The second's task was made in time, but its first step comes after its lease ran out (another
+    worker may hold it, and its key, by then): it is given back, never begun late."""
+    url = pg_url if store == "postgresql" else sqlite_url
+    queue, topic, subs = make_queue(url, [{"role": "w", "lease_seconds": 1.5}], concurrency=2)
+    began_late: list[bool] = []
+
+    @queue.handler("w")
+    async def handle(message: WorkMessage[str], context: WorkContext) -> WorkOutcome:
+        if message.payload == "block":
+            if context.attempt == 1:
+                time.sleep(2.5)  # noqa: ASYNC251 (blocks the event loop on purpose, past the 1.5 s lease)
+            return Outcome.complete()
+        began_late.append(context.lease_ran_out)  # (before any await: what runs if it is begun)
+        await asyncio.sleep(0)
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        # One publish, one claim of both: the blocking one (priority 9) is begun first.
+        await queue.publish(topic, [PublishRequest(payload="block", priority=9), PublishRequest(payload="victim")])
+        await wait_for(lambda: began_late, within=20)
+        await wait_for(lambda: _all_completed(queue, subs["w"]), within=20)
+    assert began_late == [False]
+
+
+async def _all_completed(queue: Any, subscription: str) -> bool:
+    [stats] = await queue.stats(subscription)
+    return bool(stats.completed == 2)

@@ -813,6 +813,15 @@ class Consumer:
         delivery = running.delivery
         sub = running.sub
         base = (delivery.delivery_id, delivery.lease_token)
+        remaining = running.lease.remaining(self._clock())
+        if remaining < start_margin(running.lease.lease_seconds):
+            # Its task was made in time, but the process stalled (a handler blocked the event loop)
+            # before its first step: the store may have handed the delivery, and its key, to another
+            # worker since. Given back without running the handler, as a late claim is (_fill).
+            log.warning("%s: delivery %s not started: %.2f s of its %.1f s lease left (this process stalled before "
+                        "its handler began); giving it back", self.name, delivery.delivery_id, max(remaining, 0.0),
+                        running.lease.lease_seconds, extra=_delivery_fields(running))
+            return Settlement(*base, "Release", reason="released: too little of its lease was left to start")
         spec = self._resolve(sub.handler_key)
         if spec is None:
             # The handler went away (a reconcile raced us): give the delivery back untouched.
