@@ -101,8 +101,8 @@ def _refuse_an_aborted_commit(sync: Any) -> None:
     if sync.in_nested_transaction():
         return  # (a savepoint released: the transaction goes on)
     connection = sync.info.pop(_JOINED, None)
-    if connection is None:
-        return
+    if connection is None or connection.closed or connection.invalidated:
+        return  # (joined by an earlier transaction of the session, which rolled back)
     failed_in = connection.info.get(_FAILED_IN)
     if failed_in is None or failed_in() is not connection.get_transaction():
         return
