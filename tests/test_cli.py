@@ -941,6 +941,44 @@ async def test_the_lists_read_the_database_the_app_names(cli: Cli) -> None:
     [basic] = [row for row in topics.json() if row["Name"] == cli_app.queue.subscriptions[cli_app.BASIC].topic]
     assert (basic["Declared"], basic["Subscriptions"]) == ("yes", 1)
 
+    # WORKQUEUE_DATABASE_URL naming another database does not pull --app away from its own, as for
+    # stats --app; a --database-url on the command line does (the app then says what it declares).
+    other = f"sqlite+aiosqlite:///{cli.folder / 'other.db'}"
+    await cli("--database-url", other, "migrate", env=no_url)
+    elsewhere = {**no_url, "WORKQUEUE_DATABASE_URL": other}
+    listed = await cli("--json", "subscriptions", "list", "--app", "own_url_app:queue", env=elsewhere)
+    assert cli_app.BASIC in {row["Name"] for row in listed.json()}
+    stats = await cli("--json", "stats", "--app", "own_url_app:queue", env=elsewhere)
+    assert cli_app.BASIC in {row["Subscription"] for row in stats.json()}
+    given = await cli("--json", "subscriptions", "list", "--app", "own_url_app:queue", "--database-url", other,
+                      env=no_url)
+    assert given.json() == []  # (that database holds no subscription)
+
+
+async def test_an_operators_reason_has_the_same_limit_on_every_path(cli: Cli) -> None:
+    """2,000 characters, as the REST API and the dashboard's forms allow: the CLI refused nothing
+    (a 120,000-character reason was stored, and widened every table that listed it)."""
+    refused = await cli("discard", "--subscription", cli_app.IDLE, "--delivery", "1", "--reason", "x" * 2001,
+                        expect=2)
+    assert "Invalid value for '--reason': it is 2001 characters; at most 2000 are allowed" in refused.err
+    # ... and is redacted as on every other path (the CLI wrote it raw)
+    [message_id] = await cli.publish(cli_app.IDLE, {"n": 1})
+    [pending] = [d for d in await cli.json("deliveries", "--subscription", cli_app.IDLE, "--status", "Pending",
+                                           "--limit", "10000") if d["MessageID"] == message_id]
+    await cli("discard", "--subscription", cli_app.IDLE, "--delivery", pending["DeliveryID"], "--reason",
+              "moved: postgresql://ops:s3cret@db/app")
+    shown = await cli.json("delivery", pending["DeliveryID"])
+    assert shown["Status"] == "Discarded" and "moved" in shown["Reason"] and "s3cret" not in shown["Reason"]
+
+
+async def test_app_and_database_url_both_on_the_command_line_are_refused(cli: Cli) -> None:
+    """Both name a place to act on: an action lands in one of them only if the operator says which."""
+    refused = await cli("pause", "--subscription", cli_app.IDLE, "--app", APP, "--database-url", cli.url, expect=2)
+    assert "--app and --database-url name two places to act on; pass one of them" in refused.err
+    by_variable = await cli("--json", "stats", "--subscription", cli_app.IDLE, "--database-url", cli.url,
+                            env={**cli.env, "WORKQUEUE_APP": APP})
+    assert [row["Subscription"] for row in by_variable.json()] == [cli_app.IDLE]  # (the given database)
+
 
 async def test_a_worker_of_one_subscription_keeps_the_apps_schedules(cli: Cli) -> None:
     """Web processes with WORKQUEUE_DISABLE_HOST=1 and ``workqueue work --subscription`` (the split

@@ -105,10 +105,13 @@ async def test_a_job_is_cancelled_by_its_id_waiting_or_running(database_url: str
         assert status.state == "Discarded" and status.reason == "export no longer needed"
 
         waiting = await queue.dispatch(export, {}, delay=3600)
-        result = await queue.cancel_job(waiting)
+        with pytest.raises(ValueError, match="the reason is 2001 characters; at most 2000 are allowed"):
+            await queue.cancel_job(waiting, "x" * 2001)
+        result = await queue.cancel_job(waiting, "moved: postgresql://ops:s3cret@db/app")
         assert result.result == "Discarded"
         ended = await queue.job_status(waiting)
         assert ended is not None and ended.state == "Discarded"
+        assert ended.reason is not None and "s3cret" not in ended.reason  # (redacted, as every stored reason)
         assert started == [running]  # the waiting one never ran
 
         with pytest.raises(LookupError, match=f"no job with the id {waiting} is waiting or running"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 import click
+from click.core import ParameterSource
 
 from .context import (
     DEFAULT_DATABASE_FILE,
@@ -91,6 +92,7 @@ def _accept_global_options_everywhere(command: click.Command) -> None:
 def cli(click_ctx: click.Context, database_url: str | None, as_json: bool, verbose: bool) -> None:
     """Operate a fastapi-workqueue: publish, inspect, replay, discard, run workers."""
     click_ctx.obj = Context(database_url, as_json, verbose)
+    click_ctx.obj.url_given = click_ctx.get_parameter_source("database_url") == ParameterSource.COMMANDLINE
     if click_ctx.invoked_subcommand != "work":  # (`work` starts the app, which refuses or warns itself)
         for problem in environment_problems():
             click.echo(f"warning: {problem}", err=True)

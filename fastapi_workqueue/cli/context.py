@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from ..core.errors import WorkQueueError
 from ..core.settings import DEFAULT_DATABASE_URL
@@ -29,6 +30,23 @@ class Context:
         self.as_json = as_json
         self.verbose = verbose
         self.app_path = app_path
+        self.url_given = False
+        """``--database-url`` was given on the command line (not read from WORKQUEUE_DATABASE_URL)."""
+        self.app_given = False
+        """``--app`` was given on the command line (not read from WORKQUEUE_APP)."""
+
+    def acts_on_app(self) -> bool:
+        """Whether a command that takes ``--app`` acts on the app's own stores: ``--app`` (or
+        WORKQUEUE_APP) is set and no ``--database-url`` on the command line says otherwise. Both on
+        the command line name two places to act on: refused, so a change never lands in the other."""
+        if not self.app_path:
+            return False
+        if self.url_given and self.app_given:
+            raise click.UsageError(
+                "--app and --database-url name two places to act on; pass one of them: --app reaches the "
+                "app's own stores (its database, and aws where its topics are), --database-url one database"
+            )
+        return not self.url_given
 
     def url(self) -> str:
         if not self.database_url and os.path.isfile(DEFAULT_DATABASE_FILE):
@@ -54,7 +72,8 @@ def run(
     from .targets import on_app, on_database
 
     async def main() -> T:
-        if app and ctx.app_path:
+        if app and ctx.acts_on_app():
+            assert ctx.app_path is not None
             return await on_app(ctx.app_path, action, subscription)
         return await on_database(ctx.url(), action, subscription, delivery_id)
 
@@ -73,7 +92,10 @@ def app_option(command: Callable[..., Any]) -> Callable[..., Any]:
 
     def set_app(click_ctx: click.Context, param: click.Parameter, value: str | None) -> None:
         if value:
-            click_ctx.find_object(Context).app_path = value  # type: ignore[union-attr]
+            context = click_ctx.find_object(Context)
+            assert context is not None
+            context.app_path = value
+            context.app_given = click_ctx.get_parameter_source("app_path") == ParameterSource.COMMANDLINE
 
     return click.option("--app", "app_path", envvar="WORKQUEUE_APP", help=APP_HELP, expose_value=False,
                         callback=set_app)(command)
@@ -114,7 +136,10 @@ def _set_verbose(click_ctx: click.Context, param: click.Parameter, value: bool) 
 
 def _set_database_url(click_ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     if value:
-        click_ctx.find_object(Context).database_url = value  # type: ignore[union-attr]
+        context = click_ctx.find_object(Context)
+        assert context is not None
+        context.database_url = value
+        context.url_given = True
 
 
 def accept_global_options(command: click.Command) -> None:

@@ -77,7 +77,7 @@ def publish(
     if any(not r.ok for r in results):
         first = next(r for r in results if not r.ok)
         message = first.error.message if first.error else first.status.value
-        if first.error is not None and first.error.code == "UnknownTopic" and ctx.app_path:
+        if first.error is not None and first.error.code == "UnknownTopic" and ctx.acts_on_app():
             # (--app syncs no topology: a topic the app declares is in the store once the app has started)
             message += ("; a topic the app declares is written to the store when the app, or `workqueue work "
                         "--app`, starts: start it once, then publish")
@@ -93,7 +93,7 @@ def stats(ctx: Context, subscription: str | None) -> None:
     from .targets import PASS_APP, database_subscriptions_elsewhere
 
     async def read(transport: Any) -> tuple[list[Any], set[str]]:
-        elsewhere = set() if ctx.app_path else await database_subscriptions_elsewhere(transport)
+        elsewhere = set() if ctx.acts_on_app() else await database_subscriptions_elsewhere(transport)
         return [r for r in await transport.stats(subscription) if r.subscription not in elsewhere], elsewhere
 
     rows, elsewhere = run(ctx, read, subscription=subscription, app=True)
@@ -259,7 +259,8 @@ def partitions(ctx: Context, subscription: str, condition: PartitionCondition | 
 @pass_context
 def replay(ctx: Context, subscription: str, delivery_id: str, note: str | None) -> None:
     """Replay a dead letter: Pending again, same MessageID and Ordered position."""
-    _action(ctx, run(ctx, lambda t: t.replay(subscription, delivery_id, note), subscription=subscription,
+    text = _operator_text(note, "--note")
+    _action(ctx, run(ctx, lambda t: t.replay(subscription, delivery_id, text), subscription=subscription,
                      delivery_id=delivery_id, app=True))
 
 
@@ -271,13 +272,24 @@ def replay(ctx: Context, subscription: str, delivery_id: str, note: str | None) 
 @pass_context
 def discard(ctx: Context, subscription: str, delivery_id: str, reason: str | None) -> None:
     """Discard a Pending or DeadLettered delivery, or cancel one that runs."""
-    _action(ctx, run(ctx, lambda t: t.discard(subscription, delivery_id, reason), subscription=subscription,
+    text = _operator_text(reason, "--reason")
+    _action(ctx, run(ctx, lambda t: t.discard(subscription, delivery_id, text), subscription=subscription,
                      delivery_id=delivery_id, app=True))
+
+
+def _operator_text(text: str | None, option: str) -> str | None:
+    """A note or reason as the stores keep it (redacted), checked as every other path checks it."""
+    from ..core.operator import operator_text
+
+    try:
+        return operator_text(text, "it")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=f"'{option}'") from None
 
 
 def _cursor(value: str | None) -> str | None:
     """A paging cursor: a DeliveryID (digits, or ``aws:...`` on an aws subscription)."""
-    if value is None or value.isdigit() or value.startswith("aws:"):
+    if value is None or (value.isascii() and value.isdigit()) or value.startswith("aws:"):
         return value
     raise click.BadParameter(f"{value!r} is not a DeliveryID: give the DeliveryID of the last row of the page "
                              "before (digits, or aws:... on an aws subscription)")

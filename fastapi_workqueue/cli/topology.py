@@ -49,10 +49,10 @@ class TopicRow(WireModel):
 def _declared_by(ctx: Context, app_path: str | None) -> tuple[set[str], set[str]] | None:
     """The subscriptions and topics the app's code declares (None without ``--app``). Given
     ``--app``, the command reads the app's own stores too (its database, and aws where its topics
-    are), unless ``--database-url`` names a database."""
+    are), unless ``--database-url`` on the command line names a database."""
     if app_path is None:
         return None
-    if not ctx.database_url:
+    if not ctx.url_given:  # (a --database-url on the command line: that database, the app saying what it declares)
         ctx.app_path = app_path
     from .app_loader import load_target
 

@@ -197,7 +197,7 @@ def pop_statement_cache_size(url: str) -> tuple[str, int | None]:
     kept = _joined(base, [(key, raw) for key, raw in items if key not in SQLALCHEMY_ASYNCPG_PARAMETERS])
     if not given:
         return kept, None
-    if not given[-1].isdigit():
+    if not (given[-1].isascii() and given[-1].isdigit()):
         raise ConfigurationError(
             f"the database URL's prepared_statement_cache_size={given[-1]!r} is not a whole number; write it as "
             "prepared_statement_cache_size=0 (no prepared statements kept) or a size such as 100"

@@ -1050,7 +1050,7 @@ class MemoryTransport:
         after: str | None = None,
         include_payload: bool = False,
     ) -> list[DeliveryInfo]:
-        if after and not after.isdigit():
+        if after and not (after.isascii() and after.isdigit()):
             return []  # (another transport's id, aws:...: this subscription gave none such)
         after_id = max(int(after), 0) if after else 0
         found = [d for d in self._of(subscription) if d.status == status and d.id > after_id]

@@ -32,6 +32,21 @@ if TYPE_CHECKING:
     from .ports import Ports
 
 
+
+MAX_NOTE_LENGTH = 2000
+"""The most characters of an operator's note or reason, however it is given (REST, CLI, dashboard,
+Python): the dashboard's forms allow as many."""
+
+
+def operator_text(text: str | None, what: str) -> str | None:
+    """An operator's note or reason as the stores keep it (redacted, storable); ValueError naming
+    ``what`` when it is longer than :data:`MAX_NOTE_LENGTH` characters."""
+    if text is None:
+        return None
+    if len(text) > MAX_NOTE_LENGTH:
+        raise ValueError(f"{what} is {len(text)} characters; at most {MAX_NOTE_LENGTH} are allowed")
+    return storable(redact(text))
+
 class Operator:
     """What an operator reads and does, on the kernel's transport (see the module's docstring)."""
 
@@ -93,13 +108,11 @@ class Operator:
 
     async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
         """DeadLettered → Pending, same MessageID and Ordered position, attempts reset."""
-        return await self._kernel.transport.replay(subscription, delivery_id,
-                                                   None if note is None else storable(redact(note)))
+        return await self._kernel.transport.replay(subscription, delivery_id, operator_text(note, "the note"))
 
     async def discard(self, subscription: str, delivery_id: str, reason: str | None = None) -> ActionResult:
         """Pending/DeadLettered → Discarded; InFlight → cancel requested."""
-        return await self._kernel.transport.discard(subscription, delivery_id,
-                                                    None if reason is None else storable(redact(reason)))
+        return await self._kernel.transport.discard(subscription, delivery_id, operator_text(reason, "the reason"))
 
     async def set_status(self, subscription: str, status: SubscriptionStatus) -> bool | None:
         """Pauses or resumes a subscription (None when it does not exist)."""
@@ -119,13 +132,14 @@ class Operator:
     async def retire(self, subscription: str, *, discard_pending: bool = False,
                      reason: str | None = None) -> RetireResult:
         """Retires a subscription (``WorkQueue.retire``); ConfigurationError when it does not exist."""
+        operator_text(reason, "the reason")
         store = _lifecycle_of(self._kernel.ports.ports_for_subscription(subscription), f"subscription {subscription!r}")
         result = await store.retire_subscription(subscription)
         if result is None:
             raise ConfigurationError(f"subscription {subscription!r} does not exist; `workqueue subscriptions list` "
                                      "shows the stored ones")
         if discard_pending:
-            why = storable(redact(reason)) if reason else "discarded when the subscription was retired"
+            why = operator_text(reason, "the reason") or "discarded when the subscription was retired"
             discarded = 0
             while True:
                 count = await store.discard_pending(subscription, why, DISCARD_BATCH)

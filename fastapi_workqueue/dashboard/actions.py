@@ -156,7 +156,8 @@ def build_actions(d: Dashboard, authorize: Authorizer) -> APIRouter:
         check_csrf(request, form)
         if verb not in ("replay", "discard"):
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no action {verb!r}")
-        ids = [i for i in dict.fromkeys(values.get("delivery", [])) if i.isdigit() or i.startswith("aws:")]
+        ids = [i for i in dict.fromkeys(values.get("delivery", []))
+               if (i.isascii() and i.isdigit()) or i.startswith("aws:")]
         if not ids:
             return back(request, form, subscription_url(request, name), "NothingSelected")
         replay = verb == "replay"

@@ -150,7 +150,7 @@ class Dashboard:
                 "own_sign_in": self.own_sign_in,
                 "poll_ms": int(self.poll_seconds * 1000),
                 "notice": NOTICES.get(notice or ""),
-                "notice_count": count if count.isdigit() and len(count) < 10 else "",
+                "notice_count": count if count.isascii() and count.isdigit() and len(count) < 10 else "",
                 "path": request.url.path,
                 "here": current_process().id,
                 **context,

@@ -117,7 +117,7 @@ class SessionCodec:
         if len(parts) != 3 or not parts[0].isalnum():
             return None
         prefix, generation, expires = parts
-        if not (generation.isdigit() and expires.isdigit()):
+        if not (f"{generation}{expires}".isascii() and generation.isdigit() and expires.isdigit()):
             return None
         session = Session(prefix=prefix, generation=int(generation), expires=int(expires))
         current = time.time() if now is None else now

@@ -33,7 +33,7 @@ def parse_wakeup(payload: str) -> list[str]:
     """The subscription ids a notification names: ``"3,5"`` gives ``["3", "5"]``; ``"*"``, or a
     payload that is not a list of ids, gives ``["*"]`` (wake everyone: a wake-up is only a hint)."""
     parts = payload.split(",")
-    if all(part.isdigit() for part in parts):
+    if all(part.isascii() and part.isdigit() for part in parts):
         return parts
     return [WAKE_ALL]
 

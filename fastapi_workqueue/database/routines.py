@@ -683,7 +683,7 @@ class RoutineTransport:
         after: str | None = None,
         include_payload: bool = False,
     ) -> list[DeliveryInfo]:
-        if after and not after.isdigit():
+        if after and not (after.isascii() and after.isdigit()):
             return []  # (another transport's id, aws:...: this subscription gave none such)
         after_id = max(int(after), 0) if after else 0
         if after_id > MAX_DELIVERY_ID:

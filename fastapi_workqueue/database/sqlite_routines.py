@@ -921,7 +921,7 @@ async def r_search_deliveries(c: Call, p_query: str, p_limit: int) -> list[Row]:
     if not query:
         return []
     found: dict[int, Row] = {}
-    if query.isdigit() and len(query) <= 18:
+    if query.isascii() and query.isdigit() and len(query) <= 18:  # (not '³' or '٣': int() reads those)
         for row in await c.ex.fetch("delivery_get", id=int(query)):
             found[row["delivery_id"]] = {**row, "matched": "delivery id"}
     matched: dict[str, str] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING
 
+from ..core.operator import operator_text
 from ..core.reports import ActionResult
 from .envelope import queue_of
 from .failed import JobNotFailed
@@ -29,12 +30,12 @@ LIVE_STATES = ("Pending", "InFlight")
 async def cancel_job(jobs: Jobs, job_id: uuid.UUID, reason: str | None = None) -> ActionResult:
     """Cancels job ``job_id`` (see the module); raises :class:`JobNotCancellable` when it has ended
     or no job has the id."""
+    text = operator_text(reason, "the reason") or "cancelled by an operator"
     transport = jobs.kernel.transport
     found = [info for info in await transport.message_deliveries(job_id) if queue_of(info.subscription) is not None]
     for info in found:
         if info.status in LIVE_STATES:
-            result = await transport.discard(info.subscription, info.delivery_id,
-                                             reason or "cancelled by an operator")
+            result = await transport.discard(info.subscription, info.delivery_id, text)
             if result.result in ("AlreadyTerminal", "NotFound"):  # it ended between the look and the discard
                 raise JobNotCancellable(f"no job with the id {job_id} is waiting or running (it ended "
                                         f"{result.status or 'just now'})")

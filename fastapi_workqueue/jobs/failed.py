@@ -12,6 +12,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from ..core.operator import operator_text
 from ..core.redaction import redact
 from ..core.reports import ActionResult, DeliveryInfo
 from ..core.wire import WireModel
@@ -96,9 +97,9 @@ class FailedJobs:
 
     async def retry(self, job_id: uuid.UUID, note: str | None = None) -> ActionResult:
         """Queues a failed job again: the same id, its tries counted afresh."""
+        text = operator_text(note, "the note") or "retried as a failed job"
         info = await self._dead_letter_of(job_id)
-        return await self._jobs.kernel.transport.replay(info.subscription, info.delivery_id,
-                                                        note or "retried as a failed job")
+        return await self._jobs.kernel.transport.replay(info.subscription, info.delivery_id, text)
 
     async def forget(self, job_id: uuid.UUID) -> ActionResult:
         """Drops a failed job (its dead letter is discarded, then purged with the retention)."""

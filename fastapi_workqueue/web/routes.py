@@ -30,6 +30,7 @@ from ..core.errors import (
     UnknownTopic,
 )
 from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_PUBLISH, SCOPE_READ, Principal
+from ..core.operator import MAX_NOTE_LENGTH
 from ..core.processes import ProcessInfo
 from ..core.reports import (
     ActionResult,
@@ -60,8 +61,6 @@ T = TypeVar("T")
 _CURSOR = r"^([0-9]+|aws:[A-Za-z0-9_.:\-]{1,400})$"
 """A paging cursor: a delivery id as the listings write it (digits; ``aws:...`` on an aws subscription)."""
 
-MAX_NOTE_LENGTH = 2000
-"""The most characters of an operator's note or reason (the dashboard's forms allow as many)."""
 
 
 def _storable_text(value: str | None) -> str | None:
@@ -184,7 +183,7 @@ class _BoundedBodyRoute(APIRoute):
                 status_code=status.HTTP_413_CONTENT_TOO_LARGE,
                 content={"detail": f"the body is larger than {limit} bytes; {advice}"},
             )
-            if declared is not None and declared.isdigit() and int(declared) > limit:
+            if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
                 return too_large
             if request.method in ("POST", "PUT", "PATCH"):
                 chunks: list[bytes] = []
@@ -312,7 +311,8 @@ def build_router(
             return JSONResponse(status_code=code, content=body.model_dump(mode="json", by_alias=True))
         return results
 
-    @router.get("/stats", response_model=list[SubscriptionStats], summary="Delivery counts by state")
+    @router.get("/stats", response_model=list[SubscriptionStats], summary="Delivery counts by state",
+                responses={404: {"description": "No subscription has this name."}})
     async def stats(
         principal: Reader, subscription: Annotated[str | None, Query(description="One subscription.")] = None
     ) -> list[SubscriptionStats]:
@@ -493,7 +493,9 @@ def build_router(
             await known_subscription(subscription)  # (a 404 that names the subscription when it is the one missing)
         return _action_response(result)
 
-    @router.post("/subscriptions/{subscription}/pause", response_model=StatusChange, summary="Pause a subscription")
+    @router.post("/subscriptions/{subscription}/pause", response_model=StatusChange, summary="Pause a subscription",
+                 responses={409: {"description": "The subscription is retired: a pause is refused (it would show "
+                                                 "Paused while it takes no deliveries)."}})
     async def pause(subscription: Sub, principal: Operator) -> StatusChange:
         """Stops claiming; deliveries still accrue."""
         return await _status(subscription, "Paused")

@@ -53,5 +53,6 @@ async def test_a_delivery_is_found_by_each_of_its_handles(harness: Harness) -> N
         ("delivery id", first.delivery.delivery_id)]
     assert by_id[0].delivery.payload is None
 
-    for nothing in ("", "   ", f"customer-{tag}-x", str(uuid.uuid4()), "x" * 600):
-        assert await found(nothing) == []
+    wide = "".join(chr(ord(c) + 0xFEE0) for c in first.delivery.delivery_id)  # (its id in full-width digits)
+    for nothing in ("", "   ", f"customer-{tag}-x", str(uuid.uuid4()), "x" * 600, wide, "³", "٣"):
+        assert await found(nothing) == [], nothing  # (int() reads other scripts' digits: an id is ASCII)
