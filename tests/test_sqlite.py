@@ -809,3 +809,30 @@ def test_a_misspelt_option_of_the_sqlite_transport_is_refused(tmp_path: Path) ->
         create_database_transport(url, clok=ManualClock())
     clock = ManualClock()
     assert create_database_transport(url, clock=clock, pool_max_size=4, listen=False).clock is clock
+
+
+async def test_an_api_key_call_does_not_wait_for_the_files_writer(tmp_path: Path) -> None:
+    """A REST read with a key used a moment ago needs no write (its last-used mark is written at most
+    once a minute): it answers while another connection holds the file's write lock (a request
+    transaction that published, say), instead of waiting for it and answering 503."""
+    from fastapi import FastAPI
+
+    from fastapi_workqueue.core.keys import SCOPE_READ, create_key
+
+    path = tmp_path / "q.db"
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{path}", auto_migrate=True,
+                                        enabled=False, sqlite_busy_timeout_ms=1000))
+    app = FastAPI()
+    app.include_router(queue.router)
+    async with queue.lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                      base_url="http://t") as http:
+        headers = {"X-API-Key": (await create_key(queue.transport, "reader", [SCOPE_READ])).key}
+        assert (await http.get("/work-queue/stats", headers=headers)).status_code == 200  # (marked used now)
+        writer = sqlite3.connect(path, isolation_level=None)
+        try:
+            writer.execute("BEGIN IMMEDIATE")  # the file's write lock, held
+            answer = await http.get("/work-queue/stats", headers=headers)
+        finally:
+            writer.execute("ROLLBACK")
+            writer.close()
+    assert answer.status_code == 200, answer.text

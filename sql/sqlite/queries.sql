@@ -668,6 +668,10 @@ VALUES (:id, :name, :prefix, :key_hash, :scopes, :now, :expires_at, :topics);
 UPDATE api_key SET last_used_at = :now
 WHERE id = :id AND revoked_at IS NULL AND (last_used_at IS NULL OR last_used_at < :now - 60);
 
+-- name: api_key_touch_due
+SELECT 1 FROM api_key
+WHERE id = :id AND revoked_at IS NULL AND (last_used_at IS NULL OR last_used_at < :now - 60);
+
 -- name: api_key_live_name
 SELECT id FROM api_key WHERE name = :name AND revoked_at IS NULL;
 
