@@ -46,6 +46,7 @@ from fastapi_workqueue import (
     WorkQueue,
     WorkQueueSettings,
 )
+from fastapi_workqueue.core.database_url import sqlite_path
 from fastapi_workqueue.core.envelope import prepare
 from fastapi_workqueue.core.transport import Settlement
 from fastapi_workqueue.database import create_database_transport
@@ -836,3 +837,44 @@ async def test_an_api_key_call_does_not_wait_for_the_files_writer(tmp_path: Path
             writer.execute("ROLLBACK")
             writer.close()
     assert answer.status_code == 200, answer.text
+
+
+async def test_a_file_that_holds_tables_named_as_the_queues_is_refused_with_their_names(tmp_path: Path) -> None:
+    """An app's own ``message`` table in the queue's file: the start (and ``workqueue migrate``) says
+    which tables clash and what to do, instead of SQLite's bare error or a traceback; the app's rows
+    stay as they were."""
+    path = tmp_path / "shared.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE message (id INTEGER PRIMARY KEY, body TEXT)")
+        conn.execute("INSERT INTO message (body) VALUES ('the app''s own')")
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{path}", auto_migrate=True,
+                                        enabled=False))
+    with pytest.raises(ConfigurationError, match=r"already holds tables named as the queue's \(message\): give "
+                                                 r"the queue a file of its own"):
+        async with queue.lifespan(None):
+            pass
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT body FROM message").fetchall() == [("the app's own",)]
+
+
+def test_workqueue_migrate_on_a_file_with_tables_named_as_the_queues_says_which(tmp_path: Path) -> None:
+    path = tmp_path / "shared.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE delivery (id INTEGER PRIMARY KEY)")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("WORKQUEUE_")}, "PYTHONPATH": str(ROOT)}
+    migrate = subprocess.run([sys.executable, "-m", "fastapi_workqueue", "--database-url",
+                              f"sqlite+aiosqlite:///{path}", "migrate"], env=env, capture_output=True, text=True,
+                             timeout=60)
+    assert migrate.returncode == 1 and "Traceback" not in migrate.stderr
+    assert "already holds tables named as the queue's (delivery)" in migrate.stderr
+
+
+@pytest.mark.parametrize("url", ["sqlite+aiosqlite:///data?v2/queue.db", "sqlite+aiosqlite:///queue.db?mode=ro",
+                                 "sqlite+aiosqlite:///queue#1.db"])
+def test_a_question_mark_or_hash_after_the_sqlite_path_is_refused(url: str) -> None:
+    """The queue would open the part before it, another file, in silence; percent-encoded it is the path."""
+    with pytest.raises(ConfigurationError, match=r"must be percent-encoded \(%3F, %23\)"):
+        create_database_transport(url)
+    with pytest.raises(ConfigurationError, match=r"must be percent-encoded \(%3F, %23\)"):
+        WorkQueue(WorkQueueSettings(database_url=url)).engine  # noqa: B018 (the request sessions' engine)
+    assert sqlite_path("sqlite+aiosqlite:///data%3Fv2/queue.db") == "data?v2/queue.db"

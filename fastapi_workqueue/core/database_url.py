@@ -240,7 +240,13 @@ def sqlite_path(url: str) -> str:
     path = rest[1:] if rest.startswith("/") else rest
     # Percent-encoded as SQLAlchemy reads it (%20 a space), so that the request sessions' engine
     # and the queue open one file.
-    path = unquote(path.split("?", 1)[0])
+    if "?" in path or "#" in path:
+        # (the queue's own connection would open the part before it, in silence: another file)
+        raise ConfigurationError(
+            "the SQLite URL has a '?' or '#' after its path: the queue takes no parameters there, and a '?' "
+            "or '#' in the file's path must be percent-encoded (%3F, %23); " + FILE_URL_HINT
+        )
+    path = unquote(path)
     if path == ":memory:" or path.startswith("file::memory:"):
         raise ConfigurationError(
             f"SQLite needs a file that every connection and process of the queue shares, not :memory: ({url!r}); "

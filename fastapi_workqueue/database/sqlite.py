@@ -37,6 +37,9 @@ from .session import after_commit
 from .sql_files import read
 from .sqlite_routines import READ_ONLY, ROUTINES, Call
 
+_CREATED_TABLE = re.compile(r"^CREATE TABLE (?:IF NOT EXISTS )?(\w+)", re.MULTILINE | re.IGNORECASE)
+"""The tables a migration creates."""
+
 BUSY_TIMEOUT_MS = 30_000
 """How long one operation waits for the file's write lock in all (``WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS``):
 behind this process's other callers, inside SQLite's busy handler, and between attempts."""
@@ -248,15 +251,38 @@ class SqliteTransport(RoutineTransport):
             recorded = {row[0]: row[1] for row in await cursor.fetchall()}
             await cursor.close()
             applied: list[str] = []
-            for migration in pending("sqlite", recorded):
+            todo = pending("sqlite", recorded)
+            if not recorded:  # (a file the queue has not migrated yet)
+                await self._refuse_foreign_tables(conn, "\n".join(m.sql for m in todo))
+            for migration in todo:
                 for statement in split_statements(migration.sql):
-                    await conn.execute(statement)
+                    try:
+                        await conn.execute(statement)
+                    except sqlite3.OperationalError as exc:
+                        raise ConfigurationError(
+                            f"the SQLite file {self.path!r} cannot take the queue's schema ({migration.label}: "
+                            f"{exc}); give the queue a file of its own"
+                        ) from exc
                 await conn.execute(
                     "INSERT INTO schema_migration (version, name, checksum, applied_at) VALUES (?, ?, ?, ?)",
                     (migration.version, migration.name, migration.checksum, time.time()),
                 )
                 applied.append(migration.label)
             return applied
+
+    async def _refuse_foreign_tables(self, conn: Any, schema: str) -> None:
+        """Before the first migration of a file: the tables it would create must not exist already
+        (another application's, sharing the file), or the start fails on SQLite's bare error."""
+        wanted = set(_CREATED_TABLE.findall(schema)) - {"schema_migration"}
+        cursor = await conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        taken = sorted(wanted & {row[0] for row in await cursor.fetchall()})
+        await cursor.close()
+        if taken:
+            raise ConfigurationError(
+                f"the SQLite file {self.path!r} already holds tables named as the queue's ({', '.join(taken)}): "
+                "give the queue a file of its own (WORKQUEUE_DATABASE_URL=sqlite+aiosqlite:///queue.db), or "
+                "rename those tables; the queue's tables are listed in docs/sqlite.md"
+            )
 
     @contextlib.asynccontextmanager
     async def _transaction(self, *, write: bool = True, deadline: float | None = None) -> Any:
@@ -345,8 +371,10 @@ class SqliteTransport(RoutineTransport):
         """Marks a key used, at most once a minute. Whether it is due is read first, beside the
         writer: a REST call takes the file's write lock only when the mark is due, instead of
         waiting behind a long write (a request transaction that published) on every call."""
-        [row] = await self.call("api_key_touch_due", p_id=uuid.UUID(key_id))
-        if row["api_key_touch_due"]:
+        async def due(c: Call) -> bool:
+            return bool(await c.ex.fetch("api_key_touch_due", id=str(uuid.UUID(key_id)), now=c.now))
+
+        if await self._run("api key touch", due, write=False, retry=True):
             await super().api_key_touch(key_id)
 
     async def _in_transaction(self, operation: str, work: Callable[[Any], Awaitable[T]]) -> T:

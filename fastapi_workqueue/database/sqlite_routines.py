@@ -64,7 +64,7 @@ READ_ONLY = {"stats", "backlog", "get_delivery", "list_deliveries", "partitions"
              "list_topics", "schema_versions", "api_key_list", "api_key_verify", "api_key_session", "known_messages",
              "message_deliveries", "delivery_attempts", "result_get", "group_members",
              "search_deliveries", "step_get", "stats_history", "live_counts", "blocked_keys", "flow_state",
-             "list_processes", "api_key_touch_due"}
+             "list_processes"}
 """Routines that only read: they run in a deferred transaction, beside a writer (WAL)."""
 
 
@@ -1156,12 +1156,6 @@ async def r_api_key_session(c: Call, p_prefix: str) -> list[Row]:
 async def r_api_key_end_sessions(c: Call, p_id: Any, p_session_generation: int) -> list[Row]:
     await c.ex.execute("api_key_end_sessions", id=str(p_id), session_generation=p_session_generation)
     return [{"api_key_end_sessions": None}]
-
-
-@routine
-async def r_api_key_touch_due(c: Call, p_id: Any) -> list[Row]:
-    """Whether :func:`r_api_key_touch` would write (read only: a deferred transaction)."""
-    return [{"api_key_touch_due": bool(await c.ex.fetch("api_key_touch_due", id=str(p_id), now=c.now))}]
 
 
 @routine
