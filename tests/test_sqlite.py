@@ -878,3 +878,34 @@ def test_a_question_mark_or_hash_after_the_sqlite_path_is_refused(url: str) -> N
     with pytest.raises(ConfigurationError, match=r"must be percent-encoded \(%3F, %23\)"):
         WorkQueue(WorkQueueSettings(database_url=url)).engine  # noqa: B018 (the request sessions' engine)
     assert sqlite_path("sqlite+aiosqlite:///data%3Fv2/queue.db") == "data?v2/queue.db"
+
+
+async def test_a_request_whose_publish_meets_a_busy_file_answers_503(tmp_path: Path) -> None:
+    """The file's write lock held past ``sqlite_busy_timeout_ms``: the request's publish fails as
+    retryable, and the request answers 503 with Retry-After (it answered a bare 500), nothing kept."""
+    from fastapi import FastAPI
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    path = tmp_path / "q.db"
+    topic = Topic(name="busy.orders")
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{path}", auto_migrate=True,
+                                        enabled=False, sqlite_busy_timeout_ms=300), topics=[topic])
+    app = FastAPI()
+
+    @app.post("/orders")
+    async def order(session: AsyncSession = queue.session) -> dict[str, str]:
+        await queue.publish(topic.name, [PublishRequest(payload={"n": 1})])
+        return {"ok": "yes"}
+
+    async with queue.lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                      base_url="http://t") as http:
+        writer = sqlite3.connect(path, isolation_level=None)
+        try:
+            writer.execute("BEGIN IMMEDIATE")
+            answer = await http.post("/orders")
+        finally:
+            writer.execute("ROLLBACK")
+            writer.close()
+        assert (answer.status_code, answer.headers.get("Retry-After")) == (503, "1"), answer.text
+        assert "busy or unreachable" in answer.json()["detail"]
+        assert (await http.post("/orders")).status_code == 200  # (the lock free again)

@@ -26,7 +26,7 @@ from ..core.database_url import (
     split_for_sqlalchemy,
     sqlite_path,
 )
-from ..core.errors import ConfigurationError
+from ..core.errors import ConfigurationError, TransportError
 from ..core.redaction import redacting_logger
 from ..core.request_load import IN_ATTEMPT, RequestLoad
 from ..core.session_pool import SessionPool
@@ -116,15 +116,11 @@ def _busy() -> Exception:
     )
 
 
-def _away() -> Exception:
-    """503 with ``Retry-After``: the database cannot be reached for the request's connection."""
+def _away(detail: str = "the database cannot be reached right now; retry shortly") -> Exception:
+    """503 with ``Retry-After``: the store cannot serve the request now (unreachable, or busy)."""
     from fastapi import HTTPException
 
-    return HTTPException(
-        status_code=503,
-        detail="the database cannot be reached right now; retry shortly",
-        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-    )
+    return HTTPException(status_code=503, detail=detail, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def to_sqlalchemy_url(url: str) -> str:
@@ -298,9 +294,14 @@ class RequestSessions:
                     token = _current.set(holder)
                     try:
                         yield session
-                    except BaseException:
+                    except BaseException as exc:
                         holder.open = False
                         await session.rollback()
+                        if counted and isinstance(exc, TransportError) and exc.retryable:
+                            # (a publish that met a busy or unreachable store: retry later, not a bare 500)
+                            log.warning("a request's publish could not be written (%s); answered 503", exc)
+                            raise _away("the queue's store could not take the request's publish now (busy or "
+                                        "unreachable); retry shortly") from exc
                         raise
                     else:
                         holder.open = False
