@@ -162,3 +162,21 @@ def library_error(exc: BaseException, operation: str) -> WorkQueueError | None:
         if error.get("Code") in _BUSY_CODES or int(status) >= 500:
             return AwsServiceBusy(f"aws {api}: {text}; retry later", exc.response)
     return None
+
+
+def sns_refusal(exc: BaseException, topic: str) -> TransportError | None:
+    """The library's error for a publish SNS refused outright (the topic gone, a permission or a
+    key it lacks): a :class:`TransportError` naming the topic, SNS's code and what to check, not
+    botocore's exception. None for an error that is not SNS's answer."""
+    from botocore.exceptions import ClientError
+
+    if not isinstance(exc, ClientError):
+        return None
+    error = exc.response.get("Error", {})
+    code, message = error.get("Code", "?"), error.get("Message", "")
+    return TransportError(
+        f"SNS refused the publish to topic {topic!r} ({code}: {message}); check the topic's AWS resources and "
+        "this process's permissions (`workqueue validate-bindings --transport aws`), then publish the messages "
+        "again with the same MessageIDs (those SNS took are answered Duplicate downstream only on FIFO topics)",
+        retryable=False,
+    )

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.envelope import PreparedMessage
 from ..core.redaction import redacting_logger
 from ..core.tasks import TaskScope
+from ..core.words import count
 from . import body as bodies
 from .outbox_store import SQLITE_LEASE_SECONDS, OutboxRow, OutboxStore, PassReport, store_for
 
@@ -179,6 +180,8 @@ class OutboxRelay:
                         sent.append(row.id)
                 if self.after_batch is not None:
                     await self.after_batch(chunk)
+        if failed and not throttled:
+            _log_refused(rows, failed)
         return sent, failed, throttled
 
     @staticmethod
@@ -195,3 +198,16 @@ class OutboxRelay:
     @staticmethod
     def _delay(attempts: int) -> float:
         return random.uniform(0, min(300.0, 1.0 * 2 ** min(attempts, 10)))
+
+
+def _log_refused(rows: list[OutboxRow], failed: list[tuple[int, str]]) -> None:
+    """One WARNING per topic for the committed rows SNS (or the bindings) refused this pass: they
+    stay in the outbox and are tried again later, and only the log says why."""
+    topic_of = {row.id: row.topic for row in rows}
+    by_topic: dict[str, list[str]] = {}
+    for row_id, error in failed:
+        by_topic.setdefault(topic_of.get(row_id, "?"), []).append(error)
+    for topic, errors in by_topic.items():
+        log.warning("outbox: %s of topic %s not sent (%s); kept in the outbox and tried again later: check the "
+                    "topic's AWS resources and permissions (`workqueue validate-bindings --transport aws`)",
+                    count(len(errors), "committed message"), topic, errors[0])

@@ -46,7 +46,7 @@ from ..core.transport import (
 )
 from . import body as bodies
 from .bindings import Bindings, load_bindings
-from .client_calls import ClientCalls
+from .client_calls import ClientCalls, sns_refusal
 from .leases import MAX_LEASE_SECONDS, Held, Lease
 from .naming import BATCH, NAME
 from .operator_views import (
@@ -500,7 +500,15 @@ class AwsTransport(Receiving, Settling, OperatorViews):
             await write_outbox(session, topic, list(zip(messages, encoded, strict=True)))
             return [PublishResult(status=PublishStatus.ACCEPTED, message_id=m.message_id) for m in messages]
         async with self._calls.operation("publish"):  # (closing waits for every call of it, or refuses it whole)
-            failed = await self.publish_batches(arn, entries)
+            try:
+                failed = await self.publish_batches(arn, entries)
+            except TransportError:
+                raise
+            except Exception as exc:
+                refused = sns_refusal(exc, topic)
+                if refused is None:
+                    raise
+                raise refused from exc
         if failed:
             raise TransportError(
                 f"SNS refused {len(failed)} of {len(entries)} messages of topic {topic!r} "

@@ -124,3 +124,28 @@ async def test_one_relay_at_a_time_forwards_a_key(database_url: str, moto_url: s
         assert during == [0]
         assert (await second.run_once()).sent == 0
         assert len(await receive_all(queue, sub)) == 3
+
+
+async def test_a_topic_sns_refuses_is_said_on_both_paths(
+    database_url: str, moto_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SNS topic is gone (deleted, or a permission lost): a direct publish raises the library's
+    TransportError naming the topic and SNS's code, not botocore's exception; a committed outbox row
+    stays in the outbox, and the relay says so at WARNING (it said nothing)."""
+    from fastapi_workqueue import TransportError
+
+    name = unique("t")
+    async with aws_queue(database_url, moto_url, [Topic(name=name, transport="aws")],
+                         [Subscription(name=f"{name}.s", topic=name, handler_key="h")]) as queue:
+        transport = aws_of(queue)
+        arn = transport.topic_arn(name)
+        assert arn is not None
+        await transport.sns.delete_topic(TopicArn=arn)
+        with pytest.raises(TransportError, match=rf"SNS refused the publish to topic '{name}' \(NotFound"):
+            await queue.publish(name, [PublishRequest(payload=1)])
+        async with queue.sessionmaker() as session, session.begin():
+            await queue.publish(name, [PublishRequest(payload=2)], session=session)
+        caplog.set_level("WARNING", logger="fastapi_workqueue.aws.outbox")
+        assert (await OutboxRelay(transport).run_once()).sent == 0
+    [line] = [r.getMessage() for r in caplog.records if r.name == "fastapi_workqueue.aws.outbox"]
+    assert line.startswith(f"outbox: 1 committed message of topic {name} not sent (NotFound")
