@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 CANCEL_UNSUPPORTED = "SQS cannot cancel an in-flight message; wait for it to settle, or discard it once dead-lettered"
 WAITING_UNSUPPORTED = (
-    "SQS cannot address a waiting message by id: only dead letters (on the DLQ) can be discarded; "
-    "let it run, or dead-letter it from its handler"
+    "it is not among the dead letters (on the DLQ), the only messages SQS can address by id: it waits, runs in "
+    "another process (which alone can tell), or has ended; let it run, or dead-letter it from its handler"
 )
 BACKLOG_UNSUPPORTED = "SQS reports approximate queue counts only, not a backlog per partition key"
 
