@@ -7,7 +7,9 @@ one group, and a long poll goes on skipping a group whose messages were deleted 
 SQS never hands a group's messages to a second receive while some are in flight, and the
 aws transport's Exclusive order relies on that. Here every ReceiveMessage pass and every call that
 changes a message (send, delete, visibility, purge) runs under one lock, and a long poll looks
-again every ``POLL_SECONDS`` with the groups in flight read afresh.
+again every ``POLL_SECONDS`` with the groups in flight read afresh. Messages whose visibility ran
+out leave the in-flight set before each pass, so that a group whose messages all timed out
+together starts again from its first (moto's loop handed out the last).
 """
 
 from __future__ import annotations
@@ -37,12 +39,22 @@ def receive_message(self: SQSBackend, queue_name: str, count: int, wait_seconds_
     end = time.monotonic() + wait_seconds_timeout
     while True:
         with LOCK:
+            _release_timed_out(queue)
             found = _receive(self, queue_name, count, 0, visibility_timeout, message_attribute_names)
         left = end - time.monotonic()
         if found or left <= 0:
             return found
         with queue._messages_lock:  # notified by a send
             queue._messages_lock.wait(min(POLL_SECONDS, left))
+
+
+def _release_timed_out(queue: Any) -> None:
+    """Forgets, before a receive, every in-flight message whose visibility ran out. moto's receive
+    does so only when its loop reaches each one: of a FIFO group whose messages all timed out
+    together, the group stays "in flight" until the loop reaches the last, which then goes out
+    first; SQS hands the group's first message out first."""
+    for message in [m for m in queue.pending_messages if m.visible]:
+        queue.pending_messages.discard(message)
 
 
 def _locked(method: Callable[..., Any]) -> Callable[..., Any]:

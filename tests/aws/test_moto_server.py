@@ -44,3 +44,22 @@ def test_overlapping_receives_never_share_a_message_group(moto_url: str) -> None
             for group in {body.split(":")[0] for body in received}:
                 assert [b for b in received if b.startswith(f"{group}:")] == [
                     f"{group}:{n}" for n in range(sum(b.startswith(f"{group}:") for b in received))]
+
+
+def test_a_group_whose_messages_all_timed_out_starts_again_from_its_first(moto_url: str) -> None:
+    """Three messages of one group received together and all let go (their visibility runs out
+    together, as after a worker's SIGKILL): the next receive hands out the group's first message,
+    as SQS does (plain moto handed out its last)."""
+    import time
+
+    sqs = sqs_client(moto_url)
+    url = sqs.create_queue(QueueName=f"{unique('timeout')}.fifo", Attributes={"FifoQueue": "true"})["QueueUrl"]
+    for n in range(3):
+        sqs.send_message(QueueUrl=url, MessageBody=f"m{n}", MessageGroupId="g", MessageDeduplicationId=f"m{n}")
+    held = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10, VisibilityTimeout=60)["Messages"]
+    assert [m["Body"] for m in held] == ["m0", "m1", "m2"]
+    for message in held:  # (m0 first)
+        sqs.change_message_visibility(QueueUrl=url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=1)
+    time.sleep(1.5)
+    again = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=1, WaitTimeSeconds=5)["Messages"]
+    assert [m["Body"] for m in again] == ["m0"]
