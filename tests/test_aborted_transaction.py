@@ -80,6 +80,8 @@ async def test_an_own_session_whose_transaction_aborted_refuses_its_commit(pg_ur
                 await session.execute(text("SELECT 1 / 0"))
             with pytest.raises(TransactionAborted, match="inside a savepoint"):
                 await session.commit()
+            with pytest.raises(TransactionAborted):  # (a second commit of it too: never a silent rollback)
+                await session.commit()
         assert result.message_id is not None and not await _known(queue, result.message_id)
         async with queue.sessionmaker() as session:  # the same session class afterwards: commits as before
             [later] = await queue.publish(topic, [PublishRequest(payload=2)], session=session)

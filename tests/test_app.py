@@ -79,8 +79,9 @@ async def test_health_is_503_while_the_lifespan_has_not_started_the_queue(pg_url
             response = await http.get("/health/extensions")
         [ext] = response.json()["Extensions"]
         assert (response.status_code, ext["Status"]) == (expected, "Stopped")
-        if expected == 503:
-            assert "run the app with lifespan=queue.lifespan" in ext["Reason"]
+        if expected == 503:  # (SPEC: each subscription the host would run is in Error, and says why)
+            [sub] = ext["Subscriptions"]
+            assert sub["State"] == "Error" and "run the app with lifespan=queue.lifespan" in sub["Reason"]
 
 
 async def test_a_subscription_that_is_not_served_is_logged_once(

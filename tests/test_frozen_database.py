@@ -13,6 +13,7 @@ import contextlib
 import urllib.parse
 from collections.abc import AsyncIterator
 
+import asyncpg
 import pytest
 
 from .support import stop_time_in_an_outage
@@ -83,3 +84,23 @@ async def test_a_stop_while_the_database_is_frozen_keeps_to_its_bound(relay: tup
 
     stopped_in = await stop_time_in_an_outage(url, freeze, drain=0.5)
     assert stopped_in < 2 * 0.5 + 5, f"the stop took {stopped_in:.1f} s"
+
+
+async def test_a_pool_closed_while_the_server_is_frozen_leaves_no_connection_open(
+    relay: tuple[FreezableRelay, str],
+) -> None:
+    """Idle connections are seen off together, within the bound; those the frozen server never
+    answers are terminated, not left open (a bound on the whole close cancelled it midway)."""
+    from fastapi_workqueue.database.pool import ConnectionPool
+    from fastapi_workqueue.database.postgres import to_asyncpg_dsn
+
+    freezer, url = relay
+    pool = ConnectionPool(lambda: asyncpg.connect(to_asyncpg_dsn(url)), min_size=0, max_size=5)
+    held = [await pool.get() for _ in range(5)]
+    for conn in held:
+        pool.put(conn)
+    freezer.freeze()
+    started = asyncio.get_running_loop().time()
+    await pool.close(within=1.0)
+    assert asyncio.get_running_loop().time() - started < 2.0
+    assert [conn.is_closed() for conn in held] == [True] * 5

@@ -506,3 +506,32 @@ async def test_a_sync_mode_job_that_fails_once_leaves_the_request_that_dispatche
         async with queue.engine.connect() as conn:
             assert (await conn.execute(text("SELECT count(*) FROM sync_orders"))).scalar_one() == 1
     assert attempts == [1, 2]
+
+
+@pytest.mark.parametrize("job_queues", [None, "other,default"])
+async def test_a_job_dispatched_to_a_queue_no_job_declares_runs(database_url: str, job_queues: str | None) -> None:
+    """``dispatch(job, queue="other")`` makes the queue's topic and subscription when the host runs:
+    they share the jobs' one handler with the declared queues, and are served, never taken for a
+    renamed subscription (which a release stops running)."""
+    other = f"other-{uuid.uuid4().hex[:8]}"
+    queues = {} if job_queues is None else {"job_queues": job_queues.replace("other", other)}
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, **queues, **FAST))
+    ran: list[int] = []
+
+    @queue.job(f"count-{other}")
+    async def count(payload: dict[str, int]) -> None:
+        ran.append(payload["n"])
+
+    async with queue.lifespan(None):
+        await queue.dispatch(count, {"n": 1})
+        job_id = await queue.dispatch(count, {"n": 2}, queue=other)
+        assert queue.host is not None
+        await wait_for(lambda: sorted(ran) == [1, 2], within=20,
+                       describe=lambda: (ran, [(h.subscription, h.state) for h in queue.health().subscriptions]))
+        await wait_for(lambda: _completed(queue, job_id), within=20)  # (its settle follows the run)
+
+
+async def _completed(queue: WorkQueue, job_id: uuid.UUID | None) -> bool:
+    assert job_id is not None
+    status = await queue.job_status(job_id)
+    return status is not None and status.state == "Completed"

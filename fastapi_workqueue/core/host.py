@@ -453,6 +453,7 @@ class Host:
         retired = sub.status == "Retired" or sub.topic_status == "Retired"
         declared = self._declared
         if (isinstance(declared, Mapping) and sub.name not in declared and not retired
+                and not is_job_topic(sub.topic)  # (every job queue shares one handler; queues come and go)
                 and sub.handler_key in declared.values() and all(p.name != sub.name for p in self.plan)):
             # Renamed, the handler kept: the new name runs it here, not the old one as well (unless
             # the process's plan names the old one: then it is run on purpose).

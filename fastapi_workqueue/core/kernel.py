@@ -38,7 +38,7 @@ from .envelope import (
 from .errors import ConfigurationError, SchemaMissing, UnknownTopic
 from .handlers import HandlerFunc, HandlerRegistry, HandlerSpec
 from .health import ExtensionHealth
-from .host import GroupPlan, Host, SubscriptionPlan
+from .host import GroupPlan, Host, SubscriptionHealth, SubscriptionPlan
 from .observe import NO_OBSERVER, Observer, Observers, carry_headers
 from .operator import Operator
 from .ports import Ports, database_url_of
@@ -46,7 +46,7 @@ from .published import NOT_ACCEPTED_LOGGED, PublishResults, refusal
 from .redaction import redacting_logger
 from .request_load import RequestLoad
 from .settings import WorkQueueSettings
-from .topology import Subscription, Topic, is_name
+from .topology import Subscription, Topic, is_job_topic, is_name
 from .transport import Transport
 from .words import count
 
@@ -468,14 +468,31 @@ class Kernel:
             why = f"neither the code declares it (Topic(name={topic!r})) nor the store holds it; check the name"
         return UnknownTopic(topic, f"cannot publish to topic {topic!r}: {why}")
 
+    def _planned_here(self) -> list[tuple[str, int]]:
+        """The subscriptions the host would run, by the plan (``*``: every declared one the host
+        serves, with a handler registered here), with their concurrency."""
+        plans = self.settings.subscriptions
+        wildcard = next((p for p in plans if p.name == "*"), None)
+        named = [(p.name, p.concurrency) for p in plans if p.name != "*"]
+        if wildcard is not None:
+            seen = {name for name, _ in named}
+            named += [(name, wildcard.concurrency) for name, sub in sorted(self.subscriptions.items())
+                      if name not in seen and sub.host_type == "worker" and not is_job_topic(sub.topic)
+                      and self.handlers.get(sub.handler_key) is not None]
+        return named
+
     def health(self) -> ExtensionHealth:
         """The state of the host and of every subscription it plans."""
         if self.opened == 0:
             if self.host_off_reason() is None:
-                return ExtensionHealth(status="Stopped", reason=(
-                    "the app's lifespan has not started the queue, so nothing is consumed in this process: run "
-                    "the app with lifespan=queue.lifespan (a mounted app's lifespan does not run: give the outer "
-                    "app the queue's lifespan)"))
+                # Each subscription the host would run is in Error: not served (SPEC: health is 503).
+                why = ("not served: the app's lifespan has not started the queue; run the app with "
+                       "lifespan=queue.lifespan (a mounted app's lifespan does not run: give the outer app the "
+                       "queue's lifespan)")
+                planned = [SubscriptionHealth(subscription=name, state="Error", reason=why, concurrency=concurrency)
+                           for name, concurrency in self._planned_here()]
+                return ExtensionHealth(status="Stopped", subscriptions=planned, reason=(
+                    "the app's lifespan has not started the queue, so nothing is consumed in this process"))
             return ExtensionHealth(status="Stopped", reason="the app's lifespan has not started the queue")
         if self.host is None:
             off = self.host_off_reason() or "the host is not started"

@@ -148,8 +148,9 @@ class ConnectionPool:
         self._idle.append((conn, now))
         self._retire_idle(now)
 
-    async def close(self) -> None:
-        """Closes the idle connections and terminates those still in use."""
+    async def close(self, within: float = 5.0) -> None:
+        """Closes the idle connections (all at once, for at most ``within`` seconds; those the
+        server has not seen off by then are terminated) and terminates those still in use."""
         self._closed = True
         idle = [conn for conn, _ in self._idle]
         self._idle.clear()
@@ -160,11 +161,18 @@ class ConnectionPool:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(PoolClosed("the connection pool is closed"))
-        for conn in idle:
-            try:
-                await asyncio.wait_for(conn.close(), timeout=5)
-            except Exception:
-                conn.terminate()
+        if not idle:
+            return
+        closing = {asyncio.ensure_future(conn.close()): conn for conn in idle}
+        try:
+            await asyncio.wait(closing, timeout=within)
+        finally:  # (also when the close itself is cancelled: no connection is left open)
+            for task, conn in closing.items():
+                if not task.done():
+                    task.cancel()
+                    conn.terminate()
+                elif task.cancelled() or task.exception() is not None:
+                    conn.terminate()
 
     async def _new(self) -> asyncpg.Connection[Any]:
         self._opening += 1

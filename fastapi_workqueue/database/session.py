@@ -100,11 +100,15 @@ def _refuse_an_aborted_commit(sync: Any) -> None:
     caller holding Accepted MessageIDs of messages that never existed; the commit raises instead."""
     if sync.in_nested_transaction():
         return  # (a savepoint released: the transaction goes on)
-    connection = sync.info.pop(_JOINED, None)
-    if connection is None or connection.closed or connection.invalidated:
-        return  # (joined by an earlier transaction of the session, which rolled back)
+    connection = sync.info.get(_JOINED)
+    if connection is None:
+        return
+    if connection.closed or connection.invalidated:
+        del sync.info[_JOINED]  # (joined by an earlier transaction of the session, which rolled back)
+        return
     failed_in = connection.info.get(_FAILED_IN)
     if failed_in is None or failed_in() is not connection.get_transaction():
+        del sync.info[_JOINED]
         return
     from sqlalchemy.exc import DBAPIError
 
@@ -118,7 +122,8 @@ def _refuse_an_aborted_commit(sync: Any) -> None:
             "so its commit would roll everything back, the publish included. Nothing was committed; run the work "
             "again in a new transaction, with a statement that may fail inside a savepoint "
             "(async with session.begin_nested(): ...)"
-        ) from exc
+        ) from exc  # (the mark stays: a second commit of the same transaction is refused too)
+    del sync.info[_JOINED]
 
 
 _AFTER_COMMIT = "fastapi_workqueue.after_commit"

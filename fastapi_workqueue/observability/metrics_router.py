@@ -30,8 +30,9 @@ _LIVE_FILE = re.compile(r"gauge_live\w*?_(\d+)\.db")
 
 def forget_dead_processes(directory: str) -> list[int]:
     """Removes the live gauges (``workqueue_in_flight``: mode ``livesum``) of processes of this
-    machine that no longer run, as ``mark_process_dead`` would in a server's child-exit hook
-    (uvicorn has none): a worker killed and started again would be summed twice. Returns the pids."""
+    machine (this PID namespace: the folder must not be shared across containers) that no longer
+    run, as ``mark_process_dead`` would in a server's child-exit hook (uvicorn has none): a worker
+    killed and started again would be summed twice. Returns the pids."""
     gone = []
     for name in os.listdir(directory):
         match = _LIVE_FILE.fullmatch(name)
@@ -45,7 +46,10 @@ def forget_dead_processes(directory: str) -> list[int]:
         except PermissionError:  # (alive, another user's)
             continue
     for pid in set(gone):
-        mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+        try:
+            mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+        except FileNotFoundError:  # (another worker's scrape removed it first)
+            continue
     return sorted(set(gone))
 
 

@@ -32,21 +32,19 @@ def build_health_router(kernel: Kernel) -> APIRouter:
         response_model=HealthReport,
         summary="Work queue health",
         responses={503: {"model": HealthReport, "description": "A planned subscription is HandlerNotRegistered "
-                         "or in Error, or the lifespan has not started the queue; the body is the same report."}},
+                         "or in Error; the body is the same report."}},
     )
     async def extensions_health(response: Response) -> HealthReport:
         """Each planned subscription: Running, Paused, HandlerNotRegistered, Unsupported or Error.
 
         503 when any of them is HandlerNotRegistered or Error (so a load balancer takes the
-        instance out), and when the app's lifespan has not started the queue in a process whose
-        host would run (nothing is consumed there); 200 otherwise. Anyone may ask, so an error's
+        instance out; each one the host would run is in Error while the app's lifespan has not
+        started the queue), 200 otherwise. Anyone may ask, so an error's
         own text (a driver's, naming hosts and databases) is replaced by a generic reason; it is in
         the process's log."""
         report = kernel.health()
         if report.status == "Degraded" or any(s.state in UNHEALTHY for s in report.subscriptions):
             response.status_code = 503
-        elif report.status == "Stopped" and kernel.host_off_reason() is None:
-            response.status_code = 503  # (its host would run here: nothing is consumed)
         public = report.model_copy(update={"subscriptions": [s.public() for s in report.subscriptions]})
         return HealthReport(extensions=[public])
 
