@@ -480,5 +480,8 @@ async def test_a_schedule_is_tested_by_running_its_ticks_at_a_given_time() -> No
         assert len({entry.id for entry in fake.records}) == 3
         assert (await fake.work()).processed == 3
     assert sent == [(7, "smtp")]  # (job.once: one mail per user, whatever the ticks)
+    with queue.fake() as again:  # (a later test's fake starts afresh, whatever the one before ran)
+        assert await queue.run_schedules(datetime(2026, 12, 1, 8, 5, 10, tzinfo=UTC)) == 1
+        again.assert_dispatched(jobs["send"], times=1)
     with pytest.raises(ValueError, match="has no time zone; give an aware datetime"):
         await queue.run_schedules(datetime(2026, 12, 1, 8, 15))

@@ -319,6 +319,47 @@ async def test_an_encrypted_jobs_steps_and_once_keys_never_reach_the_store_in_th
     assert state != "Done"  # the once key in the clear was never stored
 
 
+async def test_an_encrypted_jobs_once_is_not_run_again_after_a_key_rotation(database_url: str) -> None:
+    """The first attempt ran ``job.once`` under the old key and failed; a worker on the new key
+    (the old one among WORKQUEUE_PREVIOUS_KEYS) retries it: the marker is found under the old key's
+    hash, and the side effect is not run a second time."""
+    from cryptography.fernet import Fernet
+
+    old, new = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    name, queue_name = f"rot-{uuid.uuid4().hex[:6]}", f"rot{uuid.uuid4().hex[:8]}"
+    sent: list[int] = []
+    attempts: list[int] = []
+
+    def release(**keys: Any) -> WorkQueue:
+        queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                            job_queues=queue_name, **keys, **FAST))
+
+        @queue.job(name, encrypted=True, queue=queue_name, tries=1)
+        async def charge(payload: dict[str, int], job: JobContext) -> None:
+            attempts.append(job.attempt)
+            await job.once(f"charge:{payload['order']}", lambda: sent.append(payload["order"]))
+            if len(attempts) == 1:
+                raise RuntimeError("the receipt mail failed after the charge")
+
+        return queue
+
+    first = release(app_key=old)
+    async with first.lifespan(None):
+        job_id = await first.dispatch(name, {"order": 7})
+        assert job_id is not None
+        await wait_for(lambda: _job_state(first, job_id, "Failed"), within=30)
+    rotated = release(app_key=new, previous_keys=old)
+    async with rotated.lifespan(None):
+        await rotated.retry_job(job_id)
+        await wait_for(lambda: _job_state(rotated, job_id, "Completed"), within=30)
+    assert sent == [7] and len(attempts) == 2
+
+
+async def _job_state(queue: WorkQueue, job_id: uuid.UUID, state: str) -> bool:
+    status = await queue.job_status(job_id)
+    return status is not None and status.state == state
+
+
 async def test_an_encrypted_jobs_unique_key_is_stored_as_a_keyed_hash_and_still_unique(database_url: str) -> None:
     """The unique key of an encrypted job (an e-mail address, say) is not stored in clear, in the
     envelope nor in the deduplication table: it is an HMAC under the app key, so a second process

@@ -45,15 +45,21 @@ class PayloadCipher:
         register_secrets(k.strip() for k in keys)
         self._current = fernets[0]
         self._all = MultiFernet(fernets)
-        # A key of its own for digests, derived from the current key's bytes (never Fernet's own halves).
-        self._digest_key = hmac.new(base64.urlsafe_b64decode(keys[0].strip().encode()), DIGEST_LABEL,
-                                    hashlib.sha256).digest()
+        # A key of its own for digests, derived from each key's bytes (never Fernet's own halves).
+        digest_keys = [hmac.new(base64.urlsafe_b64decode(key.strip().encode()), DIGEST_LABEL, hashlib.sha256).digest()
+                       for key in keys]
+        self._digest_key, self._previous_digest_keys = digest_keys[0], digest_keys[1:]
 
     def digest(self, text: str) -> str:
         """A keyed hash (HMAC-SHA256, hex) of ``text`` under the current key: equal texts give equal
         digests in every process that has the key, and the text cannot be read back or guessed
         from the digest without it."""
         return hmac.new(self._digest_key, text.encode(), hashlib.sha256).hexdigest()
+
+    def previous_digests(self, text: str) -> list[str]:
+        """:meth:`digest` of ``text`` under each previous key (WORKQUEUE_PREVIOUS_KEYS), newest
+        first: what a process on an older key wrote before a rotation."""
+        return [hmac.new(key, text.encode(), hashlib.sha256).hexdigest() for key in self._previous_digest_keys]
 
     def encrypt(self, data: Any) -> str:
         """The JSON of ``data``, encrypted with the current key."""

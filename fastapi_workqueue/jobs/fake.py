@@ -80,6 +80,7 @@ class JobFake:
 
     def __enter__(self) -> JobFake:
         self._saved = (self._jobs.fake, self._jobs.steps, self._jobs.locks)
+        self._jobs.schedules.forget_looks()  # (queue.run_schedules under this fake starts afresh)
         self._jobs.fake = self
         self._jobs.steps = self._steps
         self._jobs.locks = self._locks
@@ -88,6 +89,7 @@ class JobFake:
     def __exit__(self, *exc: object) -> None:
         if self._saved is not None:
             self._jobs.fake, self._jobs.steps, self._jobs.locks = self._saved
+            self._jobs.schedules.forget_looks()
             self._saved = None
 
     async def __aenter__(self) -> JobFake:

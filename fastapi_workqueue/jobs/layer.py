@@ -863,6 +863,11 @@ class Jobs:
 
         return call
 
+    async def once_state(self, key: str) -> str:
+        """Where ``job.once``'s marker ``key`` stands, without taking it: ``Done``, ``Busy`` or ``Free``
+        (in the store, or in the fake's memory under ``queue.fake()``)."""
+        return await self.locks.state(key)
+
     async def _once_begin(self, key: str, seconds: float) -> tuple[str, str | None]:
         return await self.kernel.transport.once_begin(key, seconds)
 

@@ -56,6 +56,15 @@ class Locks:
         state, token = await self._begin(key, seconds)
         return token if state == "Run" and token is not None else None
 
+    async def state(self, key: str) -> str:
+        """Where ``key`` stands, without keeping it: ``Done`` (a once marker), ``Busy`` (held) or
+        ``Free`` (it was, for the moment it took to look)."""
+        state, token = await self._begin(key, 60.0)
+        if state == "Run" and token is not None:
+            await self._end(key, token)
+            return "Free"
+        return "Done" if state == "Done" else "Busy"
+
     async def renew(self, key: str, token: str, seconds: float) -> bool:
         """Holds ``key`` for ``seconds`` from now; False when ``token`` no longer holds it."""
         return await self._renew(key, token, seconds)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from ..core.errors import ConfigurationError
+from .encryption import PayloadUndecryptable
 
 if TYPE_CHECKING:
     from .definition import Job
@@ -69,5 +70,11 @@ def decode_result(text: str, cipher: PayloadCipher | None, job_id: uuid.UUID, *,
                 f"the result of job {job_id} is encrypted (the job is encrypted=True): reading it needs the app key, "
                 "set WORKQUEUE_APP_KEY"
             )
-        return cipher.decrypt(stored["encrypted"])
+        try:
+            return cipher.decrypt(stored["encrypted"])
+        except PayloadUndecryptable:
+            raise PayloadUndecryptable(
+                f"the result of job {job_id} was encrypted with a key this process does not hold: give it that key "
+                "(WORKQUEUE_APP_KEY, or WORKQUEUE_PREVIOUS_KEYS during a rotation)"
+            ) from None
     return stored.get("value")

@@ -147,7 +147,7 @@ class JobRunner:
             context.signal.add_listener(signal.abort)
         steps, once = jobs.steps, context.once
         if job.encrypted and (cipher := jobs.cipher()) is not None:  # (its steps and once keys sealed too)
-            steps, once = SealedSteps(steps, cipher), sealed_once(once, cipher)
+            steps, once = SealedSteps(steps, cipher), sealed_once(once, cipher, jobs.once_state)
         job_context = JobContext(
             message.message_id, job.name, context.attempt, context.max_attempts, queue, signal,
             lambda: _JobLog(log, job.name, message, context.attempt), once, steps,

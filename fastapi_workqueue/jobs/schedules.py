@@ -208,6 +208,11 @@ class Schedules:
         self._task = None
         await self._tasks.close()
 
+    def forget_looks(self) -> None:
+        """Forgets when each schedule last looked: the next :meth:`run_due` is a first look (a
+        test's ``queue.fake()`` starts so, whatever an earlier test's fake ran)."""
+        self._last.clear()
+
     async def run_due(self, now: datetime | None = None) -> int:
         """Dispatches every tick due at ``now``; returns how many this process queued."""
         if now is not None and now.utcoffset() is None:

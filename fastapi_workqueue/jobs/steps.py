@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
+from ..core.context import OnceBusy
 from ..core.transport import Transport
 
 if TYPE_CHECKING:
@@ -68,11 +69,24 @@ class SealedSteps:
         return plain
 
 
-def sealed_once(once: OnceRunner, cipher: PayloadCipher) -> OnceRunner:
+OnceProbe = Callable[[str], Awaitable[str]]
+"""Where a once key stands, without taking it: ``"Done"``, ``"Busy"`` (an attempt runs its function
+now) or ``"Free"``."""
+
+
+def sealed_once(once: OnceRunner, cipher: PayloadCipher, probe: OnceProbe) -> OnceRunner:
     """``job.once`` of an ``encrypted=True`` job: its key stored as a keyed hash under the app key
-    (``hmac-sha256:<hex>``), as a unique key is, so the key is not stored in the clear."""
+    (``hmac-sha256:<hex>``), as a unique key is, so the key is not stored in the clear. After a key
+    rotation the marker an earlier attempt wrote is under a previous key's hash: it is looked for
+    there first (``probe``), so the function does not run again."""
 
     async def run(key: str, fn: Callable[[], Any], *, ttl_seconds: float = 86400) -> bool:
+        for older in cipher.previous_digests(key):
+            state = await probe(f"hmac-sha256:{older}")
+            if state == "Done":
+                return False
+            if state == "Busy":
+                raise OnceBusy(key)
         return await once(f"hmac-sha256:{cipher.digest(key)}", fn, ttl_seconds=ttl_seconds)
 
     return run
