@@ -32,6 +32,8 @@ from typing import Any
 
 import asyncpg
 
+from ..core.tasks import TaskScope
+
 Connect = Callable[[], Awaitable["asyncpg.Connection[Any]"]]
 
 
@@ -163,15 +165,13 @@ class ConnectionPool:
                 waiter.set_exception(PoolClosed("the connection pool is closed"))
         if not idle:
             return
-        closing = {asyncio.ensure_future(conn.close()): conn for conn in idle}
+        scope = TaskScope("workqueue-pool-close")
+        closing = {scope.spawn(conn.close(), name="workqueue-pool-close", watch=False): conn for conn in idle}
         try:
-            await asyncio.wait(closing, timeout=within)
+            await scope.close(grace=1.0, finish_within=within)
         finally:  # (also when the close itself is cancelled: no connection is left open)
             for task, conn in closing.items():
-                if not task.done():
-                    task.cancel()
-                    conn.terminate()
-                elif task.cancelled() or task.exception() is not None:
+                if not task.done() or task.cancelled() or task.exception() is not None:
                     conn.terminate()
 
     async def _new(self) -> asyncpg.Connection[Any]:
