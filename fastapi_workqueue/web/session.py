@@ -107,13 +107,7 @@ async def _checkout(session: AsyncSession) -> None:
 
 def _busy() -> Exception:
     """503 with ``Retry-After``: no connection of the pool freed in time."""
-    from fastapi import HTTPException
-
-    return HTTPException(
-        status_code=503,
-        detail="every database connection of this process is in use; retry shortly",
-        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-    )
+    return _away("every database connection of this process is in use; retry shortly")
 
 
 def _away(detail: str = "the database cannot be reached right now; retry shortly") -> Exception:
