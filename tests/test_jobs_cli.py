@@ -253,8 +253,69 @@ async def test_a_step_and_once_are_not_repeated_after_a_sigkilled_worker(databas
         second.send_signal(signal.SIGTERM)
         await asyncio.wait_for(second.communicate(), 60)
     kinds = [(e["event"], e.get("attempt")) for e in jobs.events()]
-    assert kinds == [("charge", 1), ("mail", 1), ("waiting", 1), ("done", 2)], kinds
+    # (the killed attempt's end is heard from the sweeper of the worker that took its lease back)
+    assert kinds == [("charge", 1), ("mail", 1), ("waiting", 1), ("released", 1), ("done", 2)], kinds
+    released = jobs.events()[3]
+    assert (released["reason"], released["pid"]) == ("lease-lost", second.pid)
     assert jobs.events()[-1]["charge"] == f"ch-{job_id}"
+
+
+async def test_a_job_whose_worker_is_killed_on_its_last_try_is_heard_failed_once(
+    database_url: str, tmp_path: Path
+) -> None:
+    """SPEC §8 "events: ... failed": a job whose worker was SIGKILLed in its last try is failed by
+    the sweeper of another worker, which hears JobFailed for it, once."""
+    jobs = Jobs(database_url, tmp_path, JOBS_APP_LEASE="2", JOBS_APP_RECORD_ENDS="1")
+    async with jobs.producer.lifespan(None):
+        job_id = await jobs.producer.dispatch(jobs.app.slow, {"n": 1, "seconds": 60})
+    first = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "0.2")
+    await jobs.until(lambda: any(e["event"] == "slow-start" for e in jobs.events()))
+    first.kill()
+    await first.wait()
+    second = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "0.2")
+    try:
+        await jobs.until(lambda: any(e["event"] == "failed" for e in jobs.events()))
+        await asyncio.sleep(1.0)  # (time for a second event, were there one)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(second.communicate(), 60)
+    ends = [e for e in jobs.events() if e["event"] in ("failed", "discarded", "released")]
+    assert len(ends) == 1, ends
+    [failed] = ends
+    assert (failed["id"], failed["job"], failed["attempt"], failed["tries"], failed["pid"]) == (
+        str(job_id), "app.slow", 1, 1, second.pid)
+    assert "lease ran out on its last try" in failed["reason"]
+    async with jobs.producer.lifespan(None):
+        status = await jobs.producer.job_status(job_id)
+    assert status is not None and status.state == "Failed"
+
+
+async def test_a_job_that_blocks_its_loop_past_its_lease_on_its_last_try_is_heard_failed_once(
+    database_url: str, tmp_path: Path
+) -> None:
+    """The worker that blocked comes back after a sweeper (the other worker's, or its own as its
+    loop comes back) took its lease back and failed the job: the sweeper's JobFailed is heard, and
+    no second event for the attempt from the worker that ran it."""
+    jobs = Jobs(database_url, tmp_path, JOBS_APP_LEASE="2", JOBS_APP_RECORD_ENDS="1")
+    async with jobs.producer.lifespan(None):
+        job_id = await jobs.producer.dispatch(jobs.app.hogs, {"seconds": 6})
+    first = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "0.2")
+    await jobs.until(lambda: any(e["event"] == "hog-start" for e in jobs.events()))
+    second = await jobs.start("--queue", jobs.queue_name, "--stop-timeout", "0.2")
+    try:
+        await jobs.until(lambda: any(e["event"] == "hog-end" for e in jobs.events()))
+        await asyncio.sleep(1.5)  # (the blocked worker settles what it returned, and would emit)
+    finally:
+        for worker in (first, second):
+            worker.send_signal(signal.SIGTERM)
+        for worker in (first, second):
+            await asyncio.wait_for(worker.communicate(), 60)
+    ends = [e for e in jobs.events() if e["event"] in ("failed", "discarded", "released", "processed")]
+    assert [(e["event"], e["id"]) for e in ends] == [("failed", str(job_id))], jobs.events()
+    assert "lease ran out on its last try" in ends[0]["reason"]
+    async with jobs.producer.lifespan(None):
+        status = await jobs.producer.job_status(job_id)
+    assert status is not None and status.state == "Failed"
 
 
 async def test_the_jobs_commands_list_retry_forget_and_prune(fresh_url: str, tmp_path: Path) -> None:

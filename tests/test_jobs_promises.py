@@ -141,6 +141,43 @@ async def test_cancelling_a_running_job_emits_job_discarded(database_url: str) -
     assert [type(e).__name__ for e in events] == ["JobProcessing", "JobDiscarded"]
 
 
+async def test_a_sweep_that_takes_back_jobs_leases_tells_what_became_of_each(database_url: str) -> None:
+    """A job's worker that stops mid-attempt hears nothing more: the sweep that takes its lease back
+    emits what became of the job (docs/jobs.md, Events): JobFailed on its last try, JobDiscarded
+    when an operator had cancelled it, JobReleased("lease-lost") when it comes back."""
+    name = qname()
+    queue = make(database_url, name, job_lease_seconds=1.0, enabled=False)  # (no host: this test holds the leases)
+    events: list[JobEvent] = []
+    queue.listen(JobEvent, events.append)
+
+    @queue.job(f"last-{name}", queue=name, tries=1)
+    async def last(payload: dict[str, Any]) -> None: ...
+
+    @queue.job(f"again-{name}", queue=name, tries=3, backoff=[30])
+    async def again(payload: dict[str, Any]) -> None: ...
+
+    async with queue.lifespan(None):
+        failed = await queue.dispatch(last, {})
+        released = await queue.dispatch(again, {})
+        cancelled = await queue.dispatch(again, {})
+        transport = queue.jobs.kernel.transport
+        claimed = await transport.claim(f"jobs.{name}", 10)  # (a worker that claims them and stops)
+        assert {c.message_id for c in claimed} == {failed, released, cancelled}
+        info = await delivery_of(queue, cancelled)
+        await queue.discard(info.subscription, info.delivery_id, "stop it")
+        await asyncio.sleep(1.2)
+        await queue.sweep()
+        await wait_for(lambda: len(events) == 3, within=10, describe=lambda: events)
+    by_id = {e.job_id: e for e in events}
+    assert (type(by_id[failed]).__name__, by_id[failed].job, by_id[failed].attempt, by_id[failed].tries) == (
+        "JobFailed", f"last-{name}", 1, 1)
+    assert "lease ran out on its last try" in getattr(by_id[failed], "reason", "")
+    assert (type(by_id[released]).__name__, getattr(by_id[released], "reason", None)) == ("JobReleased", "lease-lost")
+    assert 20 < (getattr(by_id[released], "delay_seconds", None) or 0) <= 30
+    assert (type(by_id[cancelled]).__name__, getattr(by_id[cancelled], "reason", None)) == (
+        "JobDiscarded", "cancelled by an operator")
+
+
 # -- 3. a payload model with field aliases is accepted at dispatch and fails at once in the worker --
 
 

@@ -6,9 +6,9 @@ import asyncio
 import fnmatch
 import time
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
@@ -25,6 +25,9 @@ from .topology import SubscriptionState, is_job_topic
 from .transport import Transport
 from .wire import WireModel
 from .words import count
+
+if TYPE_CHECKING:
+    from .reports import TakenBack
 
 log = redacting_logger("fastapi_workqueue.host")
 
@@ -99,6 +102,8 @@ class HostOptions:
     """Sees publishes, attempts and settles (traces and metrics)."""
     request_load: RequestLoad | None = None
     """The requests this process serves, which its consumers yield to (:mod:`.request_load`)."""
+    on_taken_back: Callable[[Sequence[TakenBack]], None] | None = None
+    """Hears the leases each sweeper pass took back (must not raise)."""
 
 
 RETRY_KEEPS_KEY_BUSY = (
@@ -588,6 +593,8 @@ class Host:
                 log.info("sweeper: also took back %s whose leases ran out in this pass (%s)",
                          count(len(rest), "delivery"),
                          ", ".join(f"{n} of {name}" for name, n in sorted(by_subscription.items())))
+            if report.taken_back and self.options.on_taken_back is not None:
+                self.options.on_taken_back(report.taken_back)
             expired += report.expired
             if report.expired:
                 for consumer in self._all_consumers():

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
     from .context import WorkContext
     from .outcomes import WorkOutcome
+    from .reports import TakenBack
 
 log = redacting_logger("fastapi_workqueue")
 
@@ -171,6 +172,20 @@ class Kernel:
         self._default_observers = default_observers
         self._observers: list[Observer] = []
         self._observer: Observer | None = None
+        self.taken_back_listeners: list[Callable[[Sequence[TakenBack]], None]] = []
+        """Hear the leases a sweeper pass of this process took back (the jobs layer's events for a
+        job whose worker stopped): called with each pass's :attr:`SweepReport.taken_back`."""
+
+    def leases_taken_back(self, taken_back: Sequence[TakenBack]) -> None:
+        """Tells :attr:`taken_back_listeners` of the leases a sweeper pass took back; a listener's
+        error is logged, never raised (the pass stands)."""
+        if not taken_back:
+            return
+        for listener in self.taken_back_listeners:
+            try:
+                listener(taken_back)
+            except Exception:
+                log.exception("a listener of the leases the sweeper took back failed")
 
     # -- topology and handlers ----------------------------------------------------------------
 
@@ -419,6 +434,7 @@ class Kernel:
         """A host for the registered handlers; ``plan`` defaults to the settings' subscriptions."""
         options = self.settings.host_options()
         option_overrides.setdefault("observer", self.observer)
+        option_overrides.setdefault("on_taken_back", self.leases_taken_back)
         self.request_load.busy_at = self.settings.busy_requests
         self.request_load.busy_concurrency = self.settings.busy_concurrency
         option_overrides.setdefault("request_load", self.request_load)

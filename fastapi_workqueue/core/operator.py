@@ -103,8 +103,11 @@ class Operator:
     # -- actions --------------------------------------------------------------------------------
 
     async def sweep(self, limit: int = 1000) -> SweepReport:
-        """One sweeper pass now (lease expiry and retention)."""
-        return await self._kernel.transport.sweep(limit)
+        """One sweeper pass now (lease expiry and retention); the leases it took back are told to
+        the kernel's listeners, as a host's pass tells them."""
+        report = await self._kernel.transport.sweep(limit)
+        self._kernel.leases_taken_back(report.taken_back)
+        return report
 
     async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
         """DeadLettered → Pending, same MessageID and Ordered position, attempts reset."""

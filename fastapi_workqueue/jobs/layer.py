@@ -58,6 +58,7 @@ from .runner import JobRunner
 from .schedules import Schedules
 from .status import JobStatus, read_status
 from .steps import TransportSteps
+from .taken_back import taken_back_event
 from .watchdog import Overrun, Watchdog
 from .worker import GROUP_NAME, UnwatchedQueues, job_group, parse_queues
 
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     from ..core.envelope import WorkMessage
     from ..core.host import GroupPlan, Host
     from ..core.kernel import Kernel
+    from ..core.reports import TakenBack
 
 log = redacting_logger("fastapi_workqueue.jobs")
 T = TypeVar("T")
@@ -157,12 +159,33 @@ class Jobs:
         self._watcher: UnwatchedQueues | None = None
         self.local_statuses = LocalStatuses()
         """Sync mode: the statuses of the jobs run in this process (the newest ones)."""
+        kernel.taken_back_listeners.append(self._taken_back)
 
     # -- events ------------------------------------------------------------------------------
 
     def emit_soon(self, event: Any) -> None:
         """Calls the listeners of ``event`` in a task of their own (from a settle's callback)."""
         self._emitting.spawn(self.events.emit(event), name="workqueue-job-event")
+
+    def _taken_back(self, taken_back: Sequence[TakenBack]) -> None:
+        """Emits the event of each job whose lease this process's sweeper took back (its worker
+        stopped: :mod:`.taken_back`), when the queue has listeners."""
+        if not self.events:
+            return
+        for item in taken_back:
+            queue = queue_of(item.subscription)
+            if queue is not None:
+                self._emitting.spawn(self._emit_taken_back(item, queue), name="workqueue-job-event")
+
+    async def _emit_taken_back(self, item: TakenBack, queue: str) -> None:
+        try:
+            info = await self.kernel.transport.get_delivery(item.delivery_id, include_payload=True)
+        except Exception as exc:
+            log.warning("the event of job delivery %s, whose lease the sweeper took back (%s), was not emitted: "
+                        "the store did not answer (%s)", item.delivery_id, item.result, exc)
+            return
+        if info is not None:
+            await self.events.emit(taken_back_event(item, info, queue))
 
     async def drain_events(self) -> None:
         """Waits for the listeners still running (the queue's close)."""

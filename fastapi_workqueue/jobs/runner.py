@@ -13,7 +13,7 @@ turns what happened into the delivery's outcome and the job's events:
 | returns ``job.discard(reason)`` | Discarded | JobDiscarded |
 | raises (``TransientWorkError`` or any error) | back after backoff | JobReleased error |
 | runs past its timeout (also: returns after it, having blocked the loop) | back after backoff | JobReleased timeout |
-| returns after its lease ran out (it blocked the loop) | whatever the store made of it | JobReleased lease-lost |
+| returns after its lease ran out (blocked loop), or its worker died | as the sweeper wrote | the sweeper's |
 | raises on its last try, or ``FatalWorkError`` | DeadLettered | JobFailed |
 | has a payload that cannot be decrypted or validated | DeadLettered at once | JobFailed |
 | names a job this process does not know | back after backoff | JobReleased unknown-job |
@@ -332,22 +332,26 @@ class JobRunner:
         failed jobs when JobFailed is heard).
 
         ``written`` is what the store answers when it wrote the outcome (``"Completed"`` for
-        JobProcessed, ``"Discarded"`` for JobDiscarded). An attempt the store did not settle so (its
-        lease ran out first: it blocked the event loop, or the store was away) was not processed;
-        what became of it is emitted instead (:func:`_not_written`)."""
+        JobProcessed, ``"Discarded"`` for JobDiscarded). An attempt the store settled otherwise was
+        not processed; what became of it is emitted instead (:func:`_not_written`). An attempt the
+        store did not settle (its lease was taken back first: ``LeaseLost``; or the store was away,
+        so the lease runs out) emits nothing: the sweeper that takes the lease back emits what
+        became of the job (:mod:`.taken_back`), once."""
         if self._jobs.events:
             event = make()
             emit_soon = self._jobs.emit_soon
-            if written is None:
-                context.after_settle(lambda _result: emit_soon(event))
-            else:
-                context.after_settle(lambda result: emit_soon(
-                    event if result == written else _not_written(event, result, chained)))
+
+            def settled(result: str | None) -> None:
+                if result is None or result == "LeaseLost":
+                    return
+                emit_soon(event if written is None or result == written else _not_written(event, result, chained))
+
+            context.after_settle(settled)
 
 
-def _not_written(event: JobEvent, result: str | None, chained: bool) -> JobEvent:
+def _not_written(event: JobEvent, result: str, chained: bool) -> JobEvent:
     """What an attempt that ended as ``event`` came to when the store settled it as ``result``
-    instead: its lease ran out before it ended, so its outcome was not this attempt's to write."""
+    instead (an operator's cancel turns any outcome into Discarded)."""
     fields = _Fields(event.job, event.job_id, event.queue, event.attempt, event.tries)
     if result == "DeadLettered":  # (the lease ran out on its last try: a failed attempt)
         reason = "its lease ran out before the attempt ended, on its last try"

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings
-from fastapi_workqueue.jobs import JobProcessed, JobReleased, without_overlapping
+from fastapi_workqueue.jobs import JobDiscarded, JobFailed, JobProcessed, JobReleased, without_overlapping
 
 QUEUE = os.environ.get("JOBS_APP_QUEUE", "jobs-app")
 
@@ -109,6 +109,14 @@ async def slow(payload: dict[str, Any], job: JobContext) -> None:
     record(event="slow-end", n=payload["n"], attempt=job.attempt, id=str(job.id))
 
 
+@queue.job("app.hogs", tries=1, queue=QUEUE)
+async def hogs(payload: dict[str, Any], job: JobContext) -> None:
+    """Blocks the event loop for the payload's ``seconds`` (no timeout); one try only."""
+    record(event="hog-start", attempt=job.attempt, id=str(job.id))
+    time.sleep(float(payload["seconds"]))  # noqa: ASYNC251 (on purpose: it blocks the loop past its lease)
+    record(event="hog-end", attempt=job.attempt, id=str(job.id))
+
+
 def record_release(event: JobReleased) -> None:
     record(event="released", reason=event.reason, id=str(event.job_id), attempt=event.attempt)
 
@@ -121,6 +129,15 @@ if os.environ.get("JOBS_APP_RECORD_PROCESSED"):
         record(event="processed", id=str(event.job_id), attempt=event.attempt)
 
     queue.listen(JobProcessed, record_processed)
+
+
+if os.environ.get("JOBS_APP_RECORD_ENDS"):
+    def record_end(event: JobFailed | JobDiscarded) -> None:
+        record(event="failed" if isinstance(event, JobFailed) else "discarded", id=str(event.job_id),
+               attempt=event.attempt, tries=event.tries, job=event.job, reason=event.reason)
+
+    queue.listen(JobFailed, record_end)
+    queue.listen(JobDiscarded, record_end)
 
 
 if os.environ.get("JOBS_APP_SCHEDULE"):
