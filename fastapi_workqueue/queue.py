@@ -436,7 +436,8 @@ class WorkQueue:
         tick already queued, by this process or another, is not queued again). The first call looks
         back a minute (or, with ``catch_up=True``, to the last tick the store knows); each later
         call queues the ticks after the previous call's ``now``. For tests, under ``queue.fake()``
-        (the ticks are recorded) or with the host stopped (its loop moves with the real time)."""
+        (the ticks are recorded) or on a queue open without its host (``await queue.open()``, or
+        ``disable_host=True``): a host's loop moves with the real time."""
         return await self.jobs.schedules.run_due(now)
 
     async def job_status(self, job_id: uuid.UUID | str) -> JobStatus | None:

@@ -162,3 +162,29 @@ async def test_sync_mode_runs_a_group_and_its_then_job_at_once(tmp_path: Path) -
         with pytest.raises(ValueError, match="never works"):  # a member that failed: its error, as dispatch raises
             await queue.group(members, then=(collect, {}))
     assert seen[1] == EXPECTED_GROUP  # then ran before the failure was raised
+
+
+async def test_sync_mode_keeps_a_steps_result_across_the_jobs_tries(database_url: str) -> None:
+    """docs/jobs.md, sync mode: the job "goes through the same steps" as in a worker; a durable
+    step's function runs once, and a later try gets its stored result (the step's result is kept
+    beside the job, in the run's own store, whatever the queue's store is)."""
+    queue = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, jobs_mode="sync",
+                                        enabled=False, subscriptions=[]))
+    charged: list[int] = []
+
+    @queue.job(f"charge-{uuid.uuid4().hex[:8]}", tries=3, backoff=[0], store_result=True)
+    async def charge(payload: dict[str, Any], job: JobContext) -> dict[str, Any]:
+        async def pay() -> dict[str, Any]:
+            charged.append(job.attempt)
+            return {"charge": "ch-1"}
+
+        result = await job.step("pay", pay)
+        if job.attempt == 1:
+            raise RuntimeError("the mail server is down")
+        return {**result, "attempt": job.attempt}
+
+    async with queue.lifespan(None):
+        job_id = await queue.dispatch(charge, {})
+        status = await queue.job_status(job_id)
+    assert charged == [1]
+    assert status is not None and (status.state, status.result) == ("Completed", {"charge": "ch-1", "attempt": 2})

@@ -394,6 +394,55 @@ async def test_a_job_no_worker_knows_goes_back_until_its_tries_are_spent(databas
     assert failed.id == job_id and "declare it with @queue.job" in (failed.error or "")
 
 
+async def test_a_worker_leaves_another_apps_job_queue_without_spending_its_jobs_tries(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two apps on one database, each with job queues of its own: a worker taking every queue
+    (``*``) that meets a job it does not know on a queue none of its jobs uses gives the job back
+    untouched and leaves that queue (health: Undeclared); the app that declares the job runs it."""
+    mine, theirs = names(2)
+    ran: list[str] = []
+    app_a = queue_with(database_url, [mine], None, ran)  # (every queue, fairly)
+    app_b = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                        job_queues=theirs, **FAST))
+
+    @app_b.job(f"b-{theirs}", queue=theirs, tries=1)
+    async def b_job(payload: dict[str, Any]) -> None:
+        ran.append(f"b:{payload['n']}")
+
+    producer_b = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], enabled=False, **FAST))
+
+    @producer_b.job(f"b-{theirs}", queue=theirs, tries=1)
+    async def b_sent(payload: dict[str, Any]) -> None: ...
+
+    async with app_a.lifespan(None):
+        async with producer_b.lifespan(None):  # (app b's web process: no worker of b runs yet)
+            ids = [await producer_b.dispatch(b_sent, {"n": n}) for n in range(3)]
+        with caplog.at_level(logging.WARNING, logger="fastapi_workqueue.jobs"):
+            await wait_for(lambda: any("is another app's" in r.getMessage() and repr(theirs) in r.getMessage()
+                                       for r in caplog.records), within=30)
+            await asyncio.sleep(0.5)
+        health = {s.subscription: s for s in app_a.health().subscriptions}
+        assert health[f"jobs.{theirs}"].state == "Undeclared", health
+        assert "no code of this app declares" in (health[f"jobs.{theirs}"].reason or "")
+        assert health[f"jobs.{mine}"].state == "Running"
+        assert not any(r.startswith("b:") for r in ran)
+        async with app_b.lifespan(None):
+            async def ended() -> list[Any]:
+                statuses = [await app_b.job_status(i) for i in ids if i is not None]
+                return [(s.state, s.attempt) for s in statuses if s is not None and s.state != "Pending"
+                        and s.state != "Running"]
+
+            async def all_ended() -> bool:
+                return len(await ended()) == 3
+
+            await wait_for(all_ended, within=30)
+            assert await ended() == [("Completed", 1)] * 3  # (not a try spent by the app that left them)
+    assert sorted(r for r in ran if r.startswith("b:")) == ["b:0", "b:1", "b:2"]
+    warned = [r for r in caplog.records if "is another app's" in r.getMessage() and repr(theirs) in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]  # (once; other tests' queues may be left too)
+
+
 @pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "encrypted"])
 async def test_two_processes_dispatch_each_tick_of_a_schedule_once(
     database_url: str, encrypted: bool, caplog: pytest.LogCaptureFixture

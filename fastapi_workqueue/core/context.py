@@ -56,6 +56,16 @@ class OnceBusy(Exception):
         self.key = key
 
 
+class GivenBack(Exception):
+    """Raised by a handler for a delivery this process does not run (the jobs layer: a job of
+    another app's queue). The runtime gives it back after ``delay_seconds`` without spending an
+    attempt, as it does for :class:`OnceBusy`."""
+
+    def __init__(self, reason: str, delay_seconds: float = 1.0) -> None:
+        super().__init__(reason)
+        self.delay_seconds = delay_seconds
+
+
 class WorkAborted(Exception):
     """Raised by :meth:`AbortSignal.raise_if_aborted` inside an aborted handler."""
 

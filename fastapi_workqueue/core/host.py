@@ -45,6 +45,10 @@ class SubscriptionPlan(WireModel):
     concurrency: int = Field(default=4, ge=1)
 
 
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
 @dataclass(frozen=True, slots=True)
 class GroupPlan:
     """One consumer for several subscriptions sharing ``concurrency`` slots (a job worker's queues).
@@ -58,6 +62,9 @@ class GroupPlan:
     name: str
     patterns: tuple[str, ...]
     concurrency: int = 4
+    leaves: Callable[[str], str | None] | None = None
+    """For a subscription a glob pattern matches: why this process leaves it (the jobs layer:
+    another app's job queue), or None to take it. A subscription a pattern names is always taken."""
 
 
 STORE_FAILED_REASON = (
@@ -296,6 +303,20 @@ class Host:
                 return
             await self._apply(subscriptions)
 
+    async def replan(self) -> None:
+        """Re-plans now, as the reconcile loop does, while the host runs (a stopped host, or one
+        that stops meanwhile, is left as it is)."""
+        async with self._reconcile_lock:
+            if not self._started:
+                return
+            try:
+                subscriptions = await self.transport.list_subscriptions()
+            except Exception as exc:
+                log.warning("re-plan: cannot read subscriptions (%s); the reconcile loop tries again", exc)
+                return
+            if self._started:
+                await self._apply(subscriptions)
+
     async def _apply(self, subscriptions: list[SubscriptionState]) -> None:
         subscriptions = [self._own_handler_key(s) for s in subscriptions]
         self.stored_handler_keys = {s.handler_key: s.name for s in subscriptions}
@@ -397,6 +418,8 @@ class Host:
             mine: set[str] = set()
             for pattern in plan.patterns:
                 members = [s for s in subscriptions if s.name not in served and fnmatch.fnmatchcase(s.name, pattern)]
+                if plan.leaves is not None and _is_glob(pattern):
+                    members = self._left_out(members, plan.leaves, health)
                 served.update(s.name for s in members)
                 mine.update(s.name for s in members)
                 group = []
@@ -434,6 +457,19 @@ class Host:
             if consumer is not None:
                 consumer_of.update(dict.fromkeys(mine, consumer))
         return served
+
+    @staticmethod
+    def _left_out(members: list[SubscriptionState], leaves: Callable[[str], str | None],
+                  health: dict[str, SubscriptionHealth]) -> list[SubscriptionState]:
+        """``members`` without those the group leaves, which health reports ``Undeclared``."""
+        kept = []
+        for sub in members:
+            why = leaves(sub.name)
+            if why is None:
+                kept.append(sub)
+            else:
+                health[sub.name] = SubscriptionHealth(subscription=sub.name, state="Undeclared", reason=why)
+        return kept
 
     def _stop_later(self, consumer: Consumer) -> None:
         """Stops a consumer that is no longer planned, draining it in the background."""

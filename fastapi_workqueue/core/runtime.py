@@ -27,7 +27,15 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from .budget import DeliveryBudget
-from .context import AbortReason, AbortSignal, OnceBusy, Progress, WorkContext, cancelled_by_the_handler
+from .context import (
+    AbortReason,
+    AbortSignal,
+    GivenBack,
+    OnceBusy,
+    Progress,
+    WorkContext,
+    cancelled_by_the_handler,
+)
 from .failures import error_text, handler_traceback, storable, summary
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .leases import LocalLease, counting, start_margin
@@ -860,6 +868,10 @@ class Consumer:
                 return self._settlement_for_abort(running)
             # Another attempt runs the same once() key: come back later without spending a try.
             return Settlement(*base, "Release", delay_seconds=ONCE_BUSY_RETRY_SECONDS, reason=str(exc))
+        except GivenBack as exc:
+            if running.signal.aborted:
+                return self._settlement_for_abort(running)
+            return Settlement(*base, "Release", delay_seconds=exc.delay_seconds, reason=str(exc))
         except Exception as exc:
             if running.signal.aborted and task is not None and task.cancelling():
                 task.uncancel()

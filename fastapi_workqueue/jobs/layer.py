@@ -60,7 +60,7 @@ from .status import JobStatus, read_status
 from .steps import TransportSteps
 from .taken_back import taken_back_event
 from .watchdog import Overrun, Watchdog
-from .worker import GROUP_NAME, UnwatchedQueues, job_group, parse_queues
+from .worker import GROUP_NAME, OTHERS, UnwatchedQueues, job_group, parse_queues
 
 if TYPE_CHECKING:
     from ..core.context import WorkContext
@@ -159,6 +159,11 @@ class Jobs:
         self._watcher: UnwatchedQueues | None = None
         self.local_statuses = LocalStatuses()
         """Sync mode: the statuses of the jobs run in this process (the newest ones)."""
+        self.foreign: dict[str, str] = {}
+        """The job queues this process leaves as another app's, with the reason (:meth:`leave_queue`)."""
+        self._named_queues: set[str] = set()
+        self._job_host: Host | None = None
+        """The host that runs this process's job group (:meth:`watch_queues`)."""
         kernel.taken_back_listeners.append(self._taken_back)
 
     # -- events ------------------------------------------------------------------------------
@@ -195,7 +200,10 @@ class Jobs:
 
     def watch_queues(self, host: Host, queues: str | None) -> None:
         """Starts the warning about jobs ready on queues that the strict list ``queues`` (the host's
-        job group) leaves out; it looks while the host runs no job."""
+        job group) leaves out; it looks while the host runs no job. The host is the one
+        :meth:`leave_queue` re-plans."""
+        self._job_host = host
+
         def idle() -> bool:
             consumer = host.group_consumers.get(GROUP_NAME)
             return consumer is None or consumer.held == 0
@@ -211,8 +219,36 @@ class Jobs:
         if not len(self.registry):
             return []
         settings = self.kernel.settings
-        return [job_group(queues if queues is not None else settings.job_queues,
-                          concurrency or settings.job_concurrency)]
+        spec = queues if queues is not None else settings.job_queues
+        self._named_queues.update(q for q in parse_queues(spec) if q != OTHERS)
+        return [job_group(spec, concurrency or settings.job_concurrency, leaves=self._leaves)]
+
+    # -- another app's job queues ------------------------------------------------------------
+
+    def leave_queue(self, queue: str, job: str) -> bool:
+        """Called for a job this process does not know, found on ``queue``: when no declared job
+        uses the queue and the worker's queue list does not name it, the queue is another app's
+        (two apps on one database). The worker leaves it from now on (its ``*`` no longer takes
+        it; health says ``Undeclared``) and True is returned: the job goes back untouched, for the
+        app that declares it. False: the job is this app's business (a rolling deploy)."""
+        if queue in self._named_queues or queue in self.registry.queues():
+            return False
+        if queue not in self.foreign:
+            self.foreign[queue] = reason = (
+                f"job queue {queue!r} holds job {job!r}, which no code of this app declares, and no job of this app "
+                "uses the queue: it is another app's (two apps on one database?), and this process leaves its jobs "
+                "to the app that declares them; name the queue in the worker's queue list (--queue, "
+                "WORKQUEUE_JOB_QUEUES) to take it anyway"
+            )
+            log.warning("%s", reason)
+            host = self._job_host
+            if host is not None:  # (its job group lets the queue go now, not at the next reconcile)
+                self._emitting.spawn(host.replan(), name="workqueue-jobs-leave-queue")
+        return True
+
+    def _leaves(self, subscription: str) -> str | None:
+        queue = queue_of(subscription)
+        return None if queue is None else self.foreign.get(queue)
 
     async def stop_watching(self) -> None:
         watcher, self._watcher = self._watcher, None

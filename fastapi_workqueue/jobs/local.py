@@ -35,6 +35,7 @@ from .groups import LOCAL_STATE
 from .middleware import Locks
 from .results import decode_result
 from .status import JobStatus, status_of
+from .steps import LOCAL_STEPS
 
 if TYPE_CHECKING:
     from .layer import Jobs
@@ -246,9 +247,11 @@ class LocalRun:
         the next due delivery whenever the consumer finds nothing claimable."""
         store = self.store
         local = LOCAL_STATE.set(store)  # (a group's then job reads its group here; the consumer's tasks see it)
+        steps = LOCAL_STEPS.set(store)  # (and its steps keep their results here, beside the job)
         try:
             await self._consume_all(store)
         finally:
+            LOCAL_STEPS.reset(steps)
             LOCAL_STATE.reset(local)
 
     async def _consume_all(self, store: _LocalStore) -> None:

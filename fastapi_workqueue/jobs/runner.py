@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..core.context import AbortReason, AbortSignal, OnceBusy, WorkContext, cancelled_by_the_handler
+from ..core.context import AbortReason, AbortSignal, GivenBack, OnceBusy, WorkContext, cancelled_by_the_handler
 from ..core.envelope import WorkMessage
 from ..core.outcomes import FatalWorkError, Outcome, TransientWorkError, WorkOutcome
 from ..core.redaction import redacting_logger
@@ -125,9 +125,13 @@ class JobRunner:
         jobs = self._jobs
         job = jobs.registry.find(envelope.job)
         if job is None:
+            if jobs.leave_queue(queue, envelope.job):
+                raise GivenBack(f"job {envelope.job!r} is not declared by this app, which leaves queue {queue!r}")
             error = TransientWorkError(
                 f"no job named {envelope.job!r} is declared in this process; declare it with "
-                f"@queue.job({envelope.job!r}) in a module the worker imports"
+                f"@queue.job({envelope.job!r}) in a module the worker imports (another app that shares this "
+                f"database and job queue {queue!r} runs jobs this app does not know: give each app queues of "
+                "its own)"
             )
             await self._after_error(_fields(envelope, message, queue, context), context, envelope, error,
                                     "unknown-job")

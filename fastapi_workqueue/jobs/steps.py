@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from pydantic_core import PydanticSerializationError, to_jsonable_python
@@ -17,20 +18,29 @@ if TYPE_CHECKING:
     from .encryption import PayloadCipher
 
 
+LOCAL_STEPS: ContextVar[Transport | None] = ContextVar("workqueue_local_steps", default=None)
+"""The store of a run in this process (sync mode): the job it runs is stored there, and so are its
+steps' results."""
+
+
 class TransportSteps:
-    """Step results in the queue's store, one per job id and step name, purged with the job."""
+    """Step results in the queue's store, one per job id and step name, purged with the job (in
+    the store of a run in this process while one runs: :data:`LOCAL_STEPS`)."""
 
     def __init__(self, transport: Callable[[], Transport]) -> None:
         self._transport = transport
 
+    def _store(self) -> Transport:
+        return LOCAL_STEPS.get() or self._transport()
+
     async def get(self, job_id: uuid.UUID, name: str) -> tuple[bool, Any]:
-        found, value = await self._transport().step_get(job_id, name)
+        found, value = await self._store().step_get(job_id, name)
         return found, None if value is None else json.loads(value)
 
     async def put(self, job_id: uuid.UUID, name: str, value: Any) -> Any:
         """Stores ``value`` as JSON and returns it as JSON gives it back."""
         text = step_json(name, value)
-        await self._transport().step_put(job_id, name, text)
+        await self._store().step_put(job_id, name, text)
         return json.loads(text)
 
 

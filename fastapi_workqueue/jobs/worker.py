@@ -52,10 +52,11 @@ def parse_queues(spec: str | None) -> list[str]:
     return names
 
 
-def job_group(spec: str | None, concurrency: int) -> GroupPlan:
-    """The host's group consumer for a queue list."""
+def job_group(spec: str | None, concurrency: int, leaves: Callable[[str], str | None] | None = None) -> GroupPlan:
+    """The host's group consumer for a queue list; ``*`` leaves the queues ``leaves`` names a reason
+    for (another app's)."""
     patterns = tuple(f"{TOPIC_PREFIX}*" if name == OTHERS else topic_of(name) for name in parse_queues(spec))
-    return GroupPlan(name=GROUP_NAME, patterns=patterns, concurrency=concurrency)
+    return GroupPlan(name=GROUP_NAME, patterns=patterns, concurrency=concurrency, leaves=leaves)
 
 
 async def unknown_queues(jobs: Jobs, queues: list[str], transport: Transport) -> list[str]:
