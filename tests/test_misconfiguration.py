@@ -96,6 +96,24 @@ def test_unknown_variables_name_the_closest_setting() -> None:
     ]
 
 
+def test_a_variable_naming_a_subscription_field_says_where_that_field_is_set() -> None:
+    """A flow limit is set per subscription in the code: the warning says so, and never offers
+    a variable of the project's own benchmarks (which would do nothing for the app) as the fix."""
+    said = unknown_variables({"WORKQUEUE_MAX_IN_FLIGHT": "1", "WORKQUEUE_MAXINFLIGHT": "1",
+                              "WORKQUEUE_KEY_CONCURRENCY": "2", "WORKQUEUE_RATE_LIMIT": "5/s"})
+    assert len(said) == 4
+    for line, field in zip(said, ["key_concurrency", "max_in_flight", "max_in_flight", "rate_limit"], strict=True):
+        assert f"is ignored; {field} is set per subscription, in the code: Subscription(..., {field}=...)" in line
+        assert "BENCH" not in line
+    [typo] = unknown_variables({"WORKQUEUE_BENCH_MAX_INFLIGHT": "1"})
+    assert "BENCH_MAX_IN_FLIGHT" not in typo
+
+
+def test_a_rate_above_the_largest_names_the_largest() -> None:
+    with pytest.raises(ValueError, match="from 1 to 999,999,999"):
+        Subscription(name="s", topic="t", handler_key="h", rate_limit="1000000000/s")
+
+
 async def test_the_queue_warns_of_an_unknown_variable_when_it_opens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

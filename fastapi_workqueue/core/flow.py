@@ -36,6 +36,8 @@ RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 """The periods a rate may be given per: a second, a minute, an hour."""
 
 _RATE = re.compile(r"^([1-9][0-9]{0,8})/([smh])$")
+MAX_RATE_COUNT = 999_999_999
+"""The largest N of a rate (nine digits, as the store's CHECK allows)."""
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -70,8 +72,8 @@ def parse_rate(text: str, field: str = "rate_limit") -> Rate:
     match = _RATE.match(cleaned) if isinstance(cleaned, str) else None
     if match is None:
         raise ValueError(
-            f"{field} {text!r} is not a rate: write N/s, N/m or N/h with a whole number N from 1, "
-            "e.g. '50/s' (50 a second) or '10/m' (10 a minute)"
+            f"{field} {text!r} is not a rate: write N/s, N/m or N/h with a whole number N from 1 to "
+            f"{MAX_RATE_COUNT:,}, e.g. '50/s' (50 a second) or '10/m' (10 a minute)"
         )
     return Rate(int(match.group(1)), RATE_UNITS[match.group(2)])
 

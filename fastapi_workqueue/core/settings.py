@@ -277,12 +277,16 @@ def _settings_error(exc: SettingsError) -> ConfigurationError:
     return ConfigurationError(f"{_variable(field)} is not valid JSON{cause}{_example(field)}")
 
 
-OTHER_VARIABLES = frozenset({
+PACKAGE_VARIABLES = frozenset({
     "WORKQUEUE_APP",  # the CLI's --app
     "WORKQUEUE_ALLOW_DESTRUCTIVE",  # the CLI's guard for destructive commands
     "WORKQUEUE_SUBSCRIPTION_POLICY",  # the Lambda adapter's policy
+})
+"""``WORKQUEUE_*`` variables the package reads outside the settings."""
+
+OTHER_VARIABLES = PACKAGE_VARIABLES | frozenset({
     # The project's own test suite and benchmarks (README, docs/sql-server.md): a contributor who
-    # exports them runs the example app too, and they are no typo.
+    # exports them runs the example app too, and they are no typo. Never offered as a guess.
     "WORKQUEUE_TEST_DATABASE_URL", "WORKQUEUE_MSSQL_URL", "WORKQUEUE_MODEL_EXAMPLES", "WORKQUEUE_MODEL_STEPS",
     "WORKQUEUE_FUZZ_EXAMPLES", "WORKQUEUE_BENCH_DSN", "WORKQUEUE_BENCH_MAX_IN_FLIGHT",
 })
@@ -304,23 +308,43 @@ def setting_names() -> list[str]:
 
 def _unknown(environ: Mapping[str, str] | None) -> list[tuple[str, str | None]]:
     """Each ``WORKQUEUE_*`` variable that names no setting, with the variable it most resembles."""
-    known = {_variable(name) for name in setting_names()} | OTHER_VARIABLES
+    offered = {_variable(name) for name in setting_names()} | PACKAGE_VARIABLES
+    known = offered | OTHER_VARIABLES
     found = []
     for name in sorted(os.environ if environ is None else environ):
         if name.upper().startswith(ENV_PREFIX) and name.upper() not in known:
-            suffix = _closest(name.upper().removeprefix(ENV_PREFIX), sorted(k.removeprefix(ENV_PREFIX) for k in known))
+            suffix = _closest(name.upper().removeprefix(ENV_PREFIX),
+                              sorted(k.removeprefix(ENV_PREFIX) for k in offered))
             found.append((name, None if suffix is None else ENV_PREFIX + suffix))
     return found
 
 
+def _subscription_field(variable: str) -> str | None:
+    """The field of a subscription that ``variable`` names (``WORKQUEUE_MAX_IN_FLIGHT``:
+    ``max_in_flight``), or None."""
+    from .topology import Subscription
+
+    squashed = variable.upper().removeprefix(ENV_PREFIX).replace("_", "").lower()
+    return next((f for f in Subscription.model_fields if f != "name" and f.replace("_", "") == squashed), None)
+
+
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     """One sentence per ``WORKQUEUE_*`` variable of the environment that names no setting, with
-    the variable it most resembles (a typo is otherwise silently ignored)."""
-    return [
-        f"{name} is not a setting of fastapi-workqueue and is ignored"
-        + (f"; did you mean {guess}?" if guess else "; see docs/configuration.md for the settings")
-        for name, guess in _unknown(environ)
-    ]
+    the variable it most resembles (a typo is otherwise silently ignored), or the subscription
+    field it names (those are set in the code, per subscription)."""
+    said = []
+    for name, guess in _unknown(environ):
+        field = _subscription_field(name)
+        if field is not None:
+            hint = (f"; {field} is set per subscription, in the code: Subscription(..., {field}=...) "
+                    "(a job queue's limits: @queue.job(..., concurrency=..., rate_limit=...)); "
+                    "see docs/configuration.md")
+        elif guess:
+            hint = f"; did you mean {guess}?"
+        else:
+            hint = "; see docs/configuration.md for the settings"
+        said.append(f"{name} is not a setting of fastapi-workqueue and is ignored{hint}")
+    return said
 
 
 _DATABASE_URL_VALUE = re.compile(r"\s*(?:postgresql|postgres|sqlite|mssql)(?:\+[a-z0-9]+)?://", re.IGNORECASE)
