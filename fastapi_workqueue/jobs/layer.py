@@ -177,20 +177,20 @@ class Jobs:
         stopped: :mod:`.taken_back`), when the queue has listeners."""
         if not self.events:
             return
-        for item in taken_back:
-            queue = queue_of(item.subscription)
-            if queue is not None:
-                self._emitting.spawn(self._emit_taken_back(item, queue), name="workqueue-job-event")
+        jobs = [(item, queue) for item in taken_back if (queue := queue_of(item.subscription)) is not None]
+        if jobs:  # (one task a pass, reading one delivery at a time: a pass may take back a thousand)
+            self._emitting.spawn(self._emit_taken_back(jobs), name="workqueue-job-event")
 
-    async def _emit_taken_back(self, item: TakenBack, queue: str) -> None:
-        try:
-            info = await self.kernel.transport.get_delivery(item.delivery_id, include_payload=True)
-        except Exception as exc:
-            log.warning("the event of job delivery %s, whose lease the sweeper took back (%s), was not emitted: "
-                        "the store did not answer (%s)", item.delivery_id, item.result, exc)
-            return
-        if info is not None:
-            await self.events.emit(taken_back_event(item, info, queue))
+    async def _emit_taken_back(self, jobs: list[tuple[TakenBack, str]]) -> None:
+        for item, queue in jobs:
+            try:
+                info = await self.kernel.transport.get_delivery(item.delivery_id, include_payload=True)
+            except Exception as exc:
+                log.warning("the event of job delivery %s, whose lease the sweeper took back (%s), was not "
+                            "emitted: the store did not answer (%s)", item.delivery_id, item.result, exc)
+                continue
+            if info is not None:
+                await self.events.emit(taken_back_event(item, info, queue))
 
     async def drain_events(self) -> None:
         """Waits for the listeners still running (the queue's close)."""
