@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.core.errors import TransportError
 from fastapi_workqueue.jobs import JobEvent
 
 from .support import wait_for
@@ -176,6 +177,72 @@ async def test_a_sweep_that_takes_back_jobs_leases_tells_what_became_of_each(dat
     assert 20 < (getattr(by_id[released], "delay_seconds", None) or 0) <= 30
     assert (type(by_id[cancelled]).__name__, getattr(by_id[cancelled], "reason", None)) == (
         "JobDiscarded", "cancelled by an operator")
+
+
+async def test_a_sweep_emits_only_the_events_of_jobs_its_app_declares(database_url: str) -> None:
+    """Two apps on one database: a sweep takes back every lease of the database, the other app's
+    too; its process hears the events of its own app's jobs only."""
+    mine, theirs = qname(), qname()
+    app_a = make(database_url, mine, job_lease_seconds=1.0, enabled=False)
+    app_b = make(database_url, theirs, job_lease_seconds=1.0, enabled=False)
+    heard: list[JobEvent] = []
+    app_a.listen(JobEvent, heard.append)
+
+    @app_a.job(f"a-{mine}", queue=mine, tries=1)
+    async def a_job(payload: dict[str, Any]) -> None: ...
+
+    @app_b.job(f"b-{theirs}", queue=theirs, tries=1)
+    async def b_job(payload: dict[str, Any]) -> None: ...
+
+    async with app_a.lifespan(None), app_b.lifespan(None):
+        a_id = await app_a.dispatch(a_job, {})
+        b_id = await app_b.dispatch(b_job, {})
+        for queue, name in ((app_a, mine), (app_b, theirs)):  # (each app's worker claims, then dies)
+            assert len(await queue.jobs.kernel.transport.claim(f"jobs.{name}", 10)) == 1
+        await asyncio.sleep(1.2)
+        report = await app_a.sweep()
+        assert {t.subscription for t in report.taken_back} >= {f"jobs.{mine}", f"jobs.{theirs}"}
+        await wait_for(lambda: heard, within=10)
+        await asyncio.sleep(0.3)
+    assert [(type(e).__name__, e.job_id) for e in heard] == [("JobFailed", a_id)], heard
+    assert b_id is not None
+
+
+async def test_a_failure_whose_settle_answer_was_lost_is_still_heard(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store wrote a job's failure, but the answer was lost (the connection dropped after the
+    commit): the settler writes it again and the store answers LeaseLost, since the first write
+    ended the lease. No sweeper will take that lease back, so the worker emits JobFailed itself."""
+    transport_class: Any = None
+    lost: list[Any] = []
+    name = qname()
+    queue = make(database_url, name)
+    heard: list[JobEvent] = []
+    queue.listen(JobEvent, heard.append)
+
+    @queue.job(f"boom-{name}", queue=name, tries=1)
+    async def boom(payload: dict[str, Any]) -> None:
+        raise RuntimeError("boom")
+
+    async with queue.lifespan(None):
+        transport_class = type(queue.jobs.kernel.transport)
+        real_settle = transport_class.settle
+
+        async def answer_lost(self: Any, settlements: Any) -> Any:
+            results = await real_settle(self, settlements)
+            if not lost and any(s.kind in ("Fail", "DeadLetter") for s in settlements):
+                lost.append(results)
+                raise TransportError("the connection dropped after the commit", retryable=True)
+            return results
+
+        monkeypatch.setattr(transport_class, "settle", answer_lost)
+        job_id = await queue.dispatch(boom, {})
+        assert await state_becomes(queue, job_id, "Failed")
+        await wait_for(lambda: any(type(e).__name__ == "JobFailed" for e in heard), within=10,
+                       describe=lambda: heard)
+    assert lost == [["DeadLettered"]]
+    assert [type(e).__name__ for e in heard] == ["JobProcessing", "JobFailed"]
 
 
 # -- 3. a payload model with field aliases is accepted at dispatch and fails at once in the worker --

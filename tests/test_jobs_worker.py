@@ -419,7 +419,7 @@ async def test_a_worker_leaves_another_apps_job_queue_without_spending_its_jobs_
         async with producer_b.lifespan(None):  # (app b's web process: no worker of b runs yet)
             ids = [await producer_b.dispatch(b_sent, {"n": n}) for n in range(3)]
         with caplog.at_level(logging.WARNING, logger="fastapi_workqueue.jobs"):
-            await wait_for(lambda: any("is another app's" in r.getMessage() and repr(theirs) in r.getMessage()
+            await wait_for(lambda: any("taken for another app's" in r.getMessage() and repr(theirs) in r.getMessage()
                                        for r in caplog.records), within=30)
             await asyncio.sleep(0.5)
         health = {s.subscription: s for s in app_a.health().subscriptions}
@@ -439,8 +439,56 @@ async def test_a_worker_leaves_another_apps_job_queue_without_spending_its_jobs_
             await wait_for(all_ended, within=30)
             assert await ended() == [("Completed", 1)] * 3  # (not a try spent by the app that left them)
     assert sorted(r for r in ran if r.startswith("b:")) == ["b:0", "b:1", "b:2"]
-    warned = [r for r in caplog.records if "is another app's" in r.getMessage() and repr(theirs) in r.getMessage()]
+    warned = [r for r in caplog.records
+              if "taken for another app's" in r.getMessage() and repr(theirs) in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in warned]  # (once; other tests' queues may be left too)
+
+
+async def test_a_worker_keeps_a_queue_its_app_dispatches_to_though_an_unknown_job_waits_there(
+    database_url: str
+) -> None:
+    """A queue the app uses through ``dispatch(..., queue=...)`` only (no job declares it) is the
+    app's: a worker process that never dispatches, meeting a job it does not know there (a job a
+    rolling deploy renamed), still takes the queue, since a job of its app waits there too; the
+    unknown job spends its tries, as on any of the app's queues."""
+    urgent = names(1)[0]
+    old_release = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                              enabled=False, **FAST))
+
+    @old_release.job(f"notify-{urgent}", tries=1)
+    async def notify_old(payload: dict[str, Any]) -> None: ...
+
+    producer = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], enabled=False, **FAST))
+
+    @producer.job(f"notify2-{urgent}")
+    async def notify_sent(payload: dict[str, Any]) -> None: ...
+
+    async with old_release.lifespan(None):
+        old_id = await old_release.dispatch(notify_old, {"n": "old"}, queue=urgent)
+    async with producer.lifespan(None):
+        mine = [await producer.dispatch(notify_sent, {"n": n}, queue=urgent) for n in range(3)]
+
+    ran: list[Any] = []
+    worker = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], **FAST))  # (every queue)
+
+    @worker.job(f"notify2-{urgent}")
+    async def notify2(payload: dict[str, Any]) -> None:
+        ran.append(payload["n"])
+
+    async with worker.lifespan(None):
+        await wait_for(lambda: sorted(ran) == [0, 1, 2], within=30, describe=lambda: ran)
+        status = {s.subscription: s.state for s in worker.health().subscriptions}
+        assert status[f"jobs.{urgent}"] == "Running", status
+        async with producer.lifespan(None):
+            await producer.dispatch(notify_sent, {"n": 3}, queue=urgent)
+        await wait_for(lambda: 3 in ran, within=30, describe=lambda: ran)
+
+        async def old_failed() -> bool:
+            found = await worker.job_status(old_id)
+            return found is not None and found.state == "Failed"
+
+        await wait_for(old_failed, within=30)
+    assert all(job_id is not None for job_id in mine)
 
 
 @pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "encrypted"])

@@ -105,8 +105,11 @@ def test_a_variable_naming_a_subscription_field_says_where_that_field_is_set() -
     for line, field in zip(said, ["key_concurrency", "max_in_flight", "max_in_flight", "rate_limit"], strict=True):
         assert f"is ignored; {field} is set per subscription, in the code: Subscription(..., {field}=...)" in line
         assert "BENCH" not in line
+    assert "@queue.job(..., concurrency=...)" in said[1] and "@queue.job" not in said[0]
     [typo] = unknown_variables({"WORKQUEUE_BENCH_MAX_INFLIGHT": "1"})
     assert "BENCH_MAX_IN_FLIGHT" not in typo
+    [other_field] = unknown_variables({"WORKQUEUE_LEASE_SECONDS": "30"})  # (a field, but also near a setting)
+    assert other_field.endswith("did you mean WORKQUEUE_JOB_LEASE_SECONDS?")
 
 
 def test_a_rate_above_the_largest_names_the_largest() -> None:

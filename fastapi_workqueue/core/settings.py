@@ -319,26 +319,30 @@ def _unknown(environ: Mapping[str, str] | None) -> list[tuple[str, str | None]]:
     return found
 
 
-def _subscription_field(variable: str) -> str | None:
-    """The field of a subscription that ``variable`` names (``WORKQUEUE_MAX_IN_FLIGHT``:
-    ``max_in_flight``), or None."""
-    from .topology import Subscription
+_FLOW_FIELDS = {"max_in_flight": "concurrency", "key_concurrency": None, "rate_limit": "rate_limit",
+                "key_rate_limit": None}
+"""A subscription's flow limits, each with the argument of ``@queue.job`` that sets it for a job queue."""
 
+
+def _flow_field(variable: str) -> str | None:
+    """The flow limit of a subscription that ``variable`` names (``WORKQUEUE_MAX_IN_FLIGHT``:
+    ``max_in_flight``), or None."""
     squashed = variable.upper().removeprefix(ENV_PREFIX).replace("_", "").lower()
-    return next((f for f in Subscription.model_fields if f != "name" and f.replace("_", "") == squashed), None)
+    return next((f for f in _FLOW_FIELDS if f.replace("_", "") == squashed), None)
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     """One sentence per ``WORKQUEUE_*`` variable of the environment that names no setting, with
-    the variable it most resembles (a typo is otherwise silently ignored), or the subscription
-    field it names (those are set in the code, per subscription)."""
+    the variable it most resembles (a typo is otherwise silently ignored), or the subscription's
+    flow limit it names (those are set in the code, per subscription)."""
     said = []
     for name, guess in _unknown(environ):
-        field = _subscription_field(name)
+        field = _flow_field(name)
         if field is not None:
-            hint = (f"; {field} is set per subscription, in the code: Subscription(..., {field}=...) "
-                    "(a job queue's limits: @queue.job(..., concurrency=..., rate_limit=...)); "
-                    "see docs/configuration.md")
+            job_argument = _FLOW_FIELDS[field]
+            hint = (f"; {field} is set per subscription, in the code: Subscription(..., {field}=...)"
+                    + (f" (a job queue's: @queue.job(..., {job_argument}=...))" if job_argument else "")
+                    + "; see docs/configuration.md")
         elif guess:
             hint = f"; did you mean {guess}?"
         else:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -71,6 +73,13 @@ if TYPE_CHECKING:
 
 log = redacting_logger("fastapi_workqueue.jobs")
 T = TypeVar("T")
+
+LEAVE_SECONDS = 300.0
+"""How long a worker leaves a job queue it took for another app's before it looks again."""
+OWN_JOBS_LOOKED_AT = 100
+"""How many waiting (and running) jobs of a queue are read to learn whether the queue is this app's."""
+TAKEN_BACK_READS = 16
+"""How many deliveries whose lease a sweep took back are read at once, for their jobs' events."""
 
 JOBS_HANDLER = "workqueue.jobs"
 """The handler key of every job queue's subscription."""
@@ -159,11 +168,16 @@ class Jobs:
         self._watcher: UnwatchedQueues | None = None
         self.local_statuses = LocalStatuses()
         """Sync mode: the statuses of the jobs run in this process (the newest ones)."""
-        self.foreign: dict[str, str] = {}
-        """The job queues this process leaves as another app's, with the reason (:meth:`leave_queue`)."""
+        self.foreign: dict[str, tuple[str, float]] = {}
+        """The job queues this process leaves as another app's: the reason, and until when
+        (``time.monotonic()``; :meth:`leave_queue`)."""
+        self.own_queues: set[str] = set()
+        """The job queues a job this app declares ran from, in this process: never left."""
         self._named_queues: set[str] = set()
         self._job_host: Host | None = None
         """The host that runs this process's job group (:meth:`watch_queues`)."""
+        self._replan_pending = False
+        self._replanning = TaskScope("workqueue-jobs-replan")
         kernel.taken_back_listeners.append(self._taken_back)
 
     # -- events ------------------------------------------------------------------------------
@@ -178,19 +192,28 @@ class Jobs:
         if not self.events:
             return
         jobs = [(item, queue) for item in taken_back if (queue := queue_of(item.subscription)) is not None]
-        if jobs:  # (one task a pass, reading one delivery at a time: a pass may take back a thousand)
+        if jobs:  # (one task a pass: a pass may take back a thousand)
             self._emitting.spawn(self._emit_taken_back(jobs), name="workqueue-job-event")
 
     async def _emit_taken_back(self, jobs: list[tuple[TakenBack, str]]) -> None:
-        for item, queue in jobs:
-            try:
-                info = await self.kernel.transport.get_delivery(item.delivery_id, include_payload=True)
-            except Exception as exc:
-                log.warning("the event of job delivery %s, whose lease the sweeper took back (%s), was not "
-                            "emitted: the store did not answer (%s)", item.delivery_id, item.result, exc)
-                continue
-            if info is not None:
-                await self.events.emit(taken_back_event(item, info, queue))
+        """Reads the deliveries a few at a time and emits the event of each job this app declares
+        (the sweep is the database's: with two apps on one database, it takes back the other app's
+        leases too, whose events are not this app's to hear)."""
+        transport = self.kernel.transport
+        for start in range(0, len(jobs), TAKEN_BACK_READS):
+            chunk = jobs[start:start + TAKEN_BACK_READS]
+            infos = await asyncio.gather(*(transport.get_delivery(item.delivery_id, include_payload=True)
+                                           for item, _ in chunk), return_exceptions=True)
+            for (item, queue), info in zip(chunk, infos, strict=True):
+                if isinstance(info, BaseException):
+                    log.warning("the event of job delivery %s, whose lease the sweeper took back (%s), was not "
+                                "emitted: the store did not answer (%s)", item.delivery_id, item.result, info)
+                    continue
+                if info is None:
+                    continue
+                event = taken_back_event(item, info, queue)
+                if self.registry.find(event.job) is not None:
+                    self.emit_soon(event)
 
     async def drain_events(self) -> None:
         """Waits for the listeners still running (the queue's close)."""
@@ -203,6 +226,9 @@ class Jobs:
         job group) leaves out; it looks while the host runs no job. The host is the one
         :meth:`leave_queue` re-plans."""
         self._job_host = host
+        if self._replan_pending:
+            self._replan_pending = False
+            self._replanning.spawn(host.replan(), name="workqueue-jobs-replan")
 
         def idle() -> bool:
             consumer = host.group_consumers.get(GROUP_NAME)
@@ -225,35 +251,77 @@ class Jobs:
 
     # -- another app's job queues ------------------------------------------------------------
 
-    def leave_queue(self, queue: str, job: str) -> bool:
-        """Called for a job this process does not know, found on ``queue``: when no declared job
-        uses the queue and the worker's queue list does not name it, the queue is another app's
-        (two apps on one database). The worker leaves it from now on (its ``*`` no longer takes
-        it; health says ``Undeclared``) and True is returned: the job goes back untouched, for the
-        app that declares it. False: the job is this app's business (a rolling deploy)."""
-        if queue in self._named_queues or queue in self.registry.queues():
+    async def leave_queue(self, queue: str, job: str) -> bool:
+        """Called for a job this process does not know, found on ``queue``. When nothing says the
+        queue is this app's (no declared job uses it, the worker's queue list does not name it,
+        this process never dispatched to it nor ran a known job from it, and none of the jobs
+        waiting or running on it is one this app declares), it is taken for another app's (two
+        apps on one database): the worker leaves it for :data:`LEAVE_SECONDS` (its ``*`` does not
+        take it; health says ``Undeclared``), then looks again, and True is returned: the job goes
+        back untouched, for the app that declares it. False: the job is this app's business (a
+        rolling deploy), and spends its tries."""
+        if (queue in self.own_queues or queue in self._named_queues or topic_of(queue) in self.kernel.topics
+                or queue in self.registry.queues() or await self._holds_own_jobs(queue)
+                or queue in self.own_queues):  # (again: a job of the app may have run from it meanwhile)
             return False
-        if queue not in self.foreign:
-            self.foreign[queue] = reason = (
-                f"job queue {queue!r} holds job {job!r}, which no code of this app declares, and no job of this app "
-                "uses the queue: it is another app's (two apps on one database?), and this process leaves its jobs "
-                "to the app that declares them; name the queue in the worker's queue list (--queue, "
-                "WORKQUEUE_JOB_QUEUES) to take it anyway"
+        now = time.monotonic()
+        left = self.foreign.get(queue)
+        if left is None or left[1] <= now:
+            reason = (
+                f"job queue {queue!r} holds job {job!r}, which no code of this app declares, and nothing says the "
+                "queue is this app's (no job of it uses the queue, nor was one dispatched to or run from it here): "
+                "it is taken for another app's (two apps on one database?), and this process leaves its jobs to "
+                f"the app that declares them, looking again every {LEAVE_SECONDS / 60:g} minutes; name the queue in "
+                "the worker's queue list (--queue, WORKQUEUE_JOB_QUEUES) to take it anyway"
             )
-            log.warning("%s", reason)
-            host = self._job_host
-            if host is not None:  # (its job group lets the queue go now, not at the next reconcile)
-                self._emitting.spawn(host.replan(), name="workqueue-jobs-leave-queue")
+            self.foreign[queue] = (reason, now + LEAVE_SECONDS)
+            log.log(logging.WARNING if left is None else logging.DEBUG, "%s", reason)
+            self._replan_soon()
         return True
+
+    async def _holds_own_jobs(self, queue: str) -> bool:
+        """Whether a job this app declares waits or runs on ``queue`` (the first ones of each
+        state are looked at; an error answers True: the queue is kept)."""
+        transport = self.kernel.transport
+        try:
+            for state in ("Pending", "InFlight"):
+                for info in await transport.list_deliveries(topic_of(queue), state, limit=OWN_JOBS_LOOKED_AT):
+                    name = (info.attributes or {}).get("job")
+                    if name is not None and self.registry.find(name) is not None:
+                        self.own_queue(queue)
+                        return True
+        except Exception as exc:
+            log.warning("job queue %r holds a job this app does not declare, and its jobs could not be read "
+                        "(%s): the queue is kept", queue, exc)
+            return True
+        return False
+
+    def own_queue(self, queue: str) -> None:
+        """Notes that a job this app declares ran from ``queue``: the queue is this app's, never left."""
+        self.own_queues.add(queue)
+        if self.foreign.pop(queue, None) is not None:
+            self._replan_soon()
 
     def _leaves(self, subscription: str) -> str | None:
         queue = queue_of(subscription)
-        return None if queue is None else self.foreign.get(queue)
+        left = None if queue is None else self.foreign.get(queue)
+        return None if left is None or left[1] <= time.monotonic() else left[0]
+
+    def _replan_soon(self) -> None:
+        """Has the host of this process's job group re-plan now (not at its next reconcile)."""
+        host = self._job_host
+        if host is None:  # (not known yet: watch_queues re-plans once it is)
+            self._replan_pending = True
+            return
+        self._replanning.spawn(host.replan(), name="workqueue-jobs-replan")
 
     async def stop_watching(self) -> None:
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             await watcher.stop()
+        await self._replanning.close()
+        self._replanning.reopen()
+        self._job_host = None
 
     # -- settings ----------------------------------------------------------------------------
 

@@ -94,6 +94,8 @@ class JobRunner:
             except JobPayloadInvalid:
                 return await self._run(message, context)
             queue = self._queues.get(message.topic) or self._queue(message.topic)
+            if queue not in jobs.own_queues:
+                jobs.own_queue(queue)
             kwargs: dict[str, Any] = {}
             if job.payload_param is not None:
                 kwargs[job.payload_param] = payload
@@ -125,7 +127,7 @@ class JobRunner:
         jobs = self._jobs
         job = jobs.registry.find(envelope.job)
         if job is None:
-            if jobs.leave_queue(queue, envelope.job):
+            if await jobs.leave_queue(queue, envelope.job):
                 raise GivenBack(f"job {envelope.job!r} is not declared by this app, which leaves queue {queue!r}")
             error = TransientWorkError(
                 f"no job named {envelope.job!r} is declared in this process; declare it with "
@@ -136,6 +138,8 @@ class JobRunner:
             await self._after_error(_fields(envelope, message, queue, context), context, envelope, error,
                                     "unknown-job")
             raise error
+        if queue not in jobs.own_queues:
+            jobs.own_queue(queue)
         try:
             payload = job.load(jobs.open_payload(job, envelope) if job.encrypted else envelope.payload)
         except (PayloadUndecryptable, JobPayloadInvalid) as exc:
@@ -337,18 +341,24 @@ class JobRunner:
 
         ``written`` is what the store answers when it wrote the outcome (``"Completed"`` for
         JobProcessed, ``"Discarded"`` for JobDiscarded). An attempt the store settled otherwise was
-        not processed; what became of it is emitted instead (:func:`_not_written`). An attempt the
-        store did not settle (its lease was taken back first: ``LeaseLost``; or the store was away,
-        so the lease runs out) emits nothing: the sweeper that takes the lease back emits what
-        became of the job (:mod:`.taken_back`), once."""
+        not processed; what became of it is emitted instead (:func:`_not_written`). An attempt that
+        ended after its lease ran out, whose settle the store answers ``LeaseLost`` (the sweeper
+        took the lease back) or not at all, emits nothing: the sweeper that takes the lease back
+        emits what became of the job (:mod:`.taken_back`), once. ``LeaseLost`` for an attempt that
+        ended within its lease is the answer to a repeat of a settle whose first answer was lost
+        (the store wrote it): the event is emitted then, as no lease is left to take back."""
         if self._jobs.events:
             event = make()
             emit_soon = self._jobs.emit_soon
+            ran_out = context.lease_ran_out
 
             def settled(result: str | None) -> None:
-                if result is None or result == "LeaseLost":
+                if result is None or (result == "LeaseLost" and ran_out):
                     return
-                emit_soon(event if written is None or result == written else _not_written(event, result, chained))
+                if result == "LeaseLost" or written is None or result == written:
+                    emit_soon(event)
+                else:
+                    emit_soon(_not_written(event, result, chained))
 
             context.after_settle(settled)
 
