@@ -444,6 +444,43 @@ async def test_a_worker_leaves_another_apps_job_queue_without_spending_its_jobs_
     assert len(warned) == 1, [r.getMessage() for r in warned]  # (once; other tests' queues may be left too)
 
 
+async def test_a_worker_looks_again_at_a_queue_it_left(database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue taken for another app's is left for a while, not for good: once the while has
+    passed, the worker takes it again (and a job of its own app found there keeps it)."""
+    from fastapi_workqueue.jobs import layer
+
+    monkeypatch.setattr(layer, "LEAVE_SECONDS", 1.0)
+    theirs = names(1)[0]
+    ran: list[str] = []
+    app_a = queue_with(database_url, [], None, ran, reconcile_interval_ms=200)
+    other = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], enabled=False, **FAST))
+
+    @other.job(f"b-{theirs}", queue=theirs)
+    async def b_sent(payload: dict[str, Any]) -> None: ...
+
+    @other.job(f"a-{theirs}")  # (app a's web process, later: it sends a job of app a there)
+    async def a_sent(payload: dict[str, Any]) -> None: ...
+
+    @app_a.job(f"a-{theirs}")  # (app a declares a job it may send there later)
+    async def a_job(payload: dict[str, Any]) -> None:
+        ran.append("a")
+
+    def state() -> str | None:
+        found = {s.subscription: s.state for s in app_a.health().subscriptions}
+        return found.get(f"jobs.{theirs}")
+
+    async with app_a.lifespan(None):
+        async with other.lifespan(None):
+            await other.dispatch(b_sent, {})
+        await wait_for(lambda: state() == "Undeclared", within=30, describe=state)
+        await wait_for(lambda: state() == "Running", within=30, describe=state)  # (looked again)
+        async with other.lifespan(None):
+            await other.dispatch(a_sent, {}, queue=theirs)  # (a job of app a, on that queue)
+        await wait_for(lambda: ran == ["a"], within=30, describe=lambda: (ran, state()))
+        await asyncio.sleep(1.5)
+        assert state() == "Running"  # (its own job ran from it: the queue is app a's from now on)
+
+
 async def test_a_worker_keeps_a_queue_its_app_dispatches_to_though_an_unknown_job_waits_there(
     database_url: str
 ) -> None:
