@@ -447,9 +447,9 @@ async def test_a_worker_leaves_another_apps_job_queue_without_spending_its_jobs_
 async def test_a_worker_looks_again_at_a_queue_it_left(database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A queue taken for another app's is left for a while, not for good: once the while has
     passed, the worker takes it again (and a job of its own app found there keeps it)."""
-    from fastapi_workqueue.jobs import layer
+    from fastapi_workqueue.jobs import queue_owners
 
-    monkeypatch.setattr(layer, "LEAVE_SECONDS", 1.0)
+    monkeypatch.setattr(queue_owners, "LEAVE_SECONDS", 1.0)
     theirs = names(1)[0]
     ran: list[str] = []
     app_a = queue_with(database_url, [], None, ran, reconcile_interval_ms=200)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import time
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -54,6 +52,7 @@ from .failed import FailedJobs
 from .groups import JobGroup, group_results, make_group
 from .local_status import LocalStatuses, as_job_id
 from .middleware import Locks
+from .queue_owners import QueueOwners
 from .registry import JobRegistry
 from .results import encode_result
 from .runner import JobRunner
@@ -74,10 +73,6 @@ if TYPE_CHECKING:
 log = redacting_logger("fastapi_workqueue.jobs")
 T = TypeVar("T")
 
-LEAVE_SECONDS = 300.0
-"""How long a worker leaves a job queue it took for another app's before it looks again."""
-OWN_JOBS_LOOKED_AT = 100
-"""How many waiting (and running) jobs of a queue are read to learn whether the queue is this app's."""
 TAKEN_BACK_READS = 16
 """How many deliveries whose lease a sweep took back are read at once, for their jobs' events."""
 
@@ -168,16 +163,8 @@ class Jobs:
         self._watcher: UnwatchedQueues | None = None
         self.local_statuses = LocalStatuses()
         """Sync mode: the statuses of the jobs run in this process (the newest ones)."""
-        self.foreign: dict[str, tuple[str, float]] = {}
-        """The job queues this process leaves as another app's: the reason, and until when
-        (``time.monotonic()``; :meth:`leave_queue`)."""
-        self.own_queues: set[str] = set()
-        """The job queues a job this app declares ran from, in this process: never left."""
-        self._named_queues: set[str] = set()
-        self._job_host: Host | None = None
-        """The host that runs this process's job group (:meth:`watch_queues`)."""
-        self._replan_pending = False
-        self._replanning = TaskScope("workqueue-jobs-replan")
+        self.owners = QueueOwners(self)
+        """Which job queues are this app's, and which this process leaves as another app's."""
         kernel.taken_back_listeners.append(self._taken_back)
 
     # -- events ------------------------------------------------------------------------------
@@ -224,11 +211,8 @@ class Jobs:
     def watch_queues(self, host: Host, queues: str | None) -> None:
         """Starts the warning about jobs ready on queues that the strict list ``queues`` (the host's
         job group) leaves out; it looks while the host runs no job. The host is the one
-        :meth:`leave_queue` re-plans."""
-        self._job_host = host
-        if self._replan_pending:
-            self._replan_pending = False
-            self._replanning.spawn(host.replan(), name="workqueue-jobs-replan")
+        re-planned when a queue is left as another app's (:class:`.queue_owners.QueueOwners`)."""
+        self.owners.watch(host)
 
         def idle() -> bool:
             consumer = host.group_consumers.get(GROUP_NAME)
@@ -246,82 +230,14 @@ class Jobs:
             return []
         settings = self.kernel.settings
         spec = queues if queues is not None else settings.job_queues
-        self._named_queues.update(q for q in parse_queues(spec) if q != OTHERS)
-        return [job_group(spec, concurrency or settings.job_concurrency, leaves=self._leaves)]
-
-    # -- another app's job queues ------------------------------------------------------------
-
-    async def leave_queue(self, queue: str, job: str) -> bool:
-        """Called for a job this process does not know, found on ``queue``. When nothing says the
-        queue is this app's (no declared job uses it, the worker's queue list does not name it,
-        this process never dispatched to it nor ran a known job from it, and none of the jobs
-        waiting or running on it is one this app declares), it is taken for another app's (two
-        apps on one database): the worker leaves it for :data:`LEAVE_SECONDS` (its ``*`` does not
-        take it; health says ``Undeclared``), then looks again, and True is returned: the job goes
-        back untouched, for the app that declares it. False: the job is this app's business (a
-        rolling deploy), and spends its tries."""
-        if (queue in self.own_queues or queue in self._named_queues or topic_of(queue) in self.kernel.topics
-                or queue in self.registry.queues() or await self._holds_own_jobs(queue)
-                or queue in self.own_queues):  # (again: a job of the app may have run from it meanwhile)
-            return False
-        now = time.monotonic()
-        left = self.foreign.get(queue)
-        if left is None or left[1] <= now:
-            reason = (
-                f"job queue {queue!r} holds job {job!r}, which no code of this app declares, and nothing says the "
-                "queue is this app's (no job of it uses the queue, nor was one dispatched to or run from it here): "
-                "it is taken for another app's (two apps on one database?), and this process leaves its jobs to "
-                f"the app that declares them, looking again every {LEAVE_SECONDS / 60:g} minutes; name the queue in "
-                "the worker's queue list (--queue, WORKQUEUE_JOB_QUEUES) to take it anyway"
-            )
-            self.foreign[queue] = (reason, now + LEAVE_SECONDS)
-            log.log(logging.WARNING if left is None else logging.DEBUG, "%s", reason)
-            self._replan_soon()
-        return True
-
-    async def _holds_own_jobs(self, queue: str) -> bool:
-        """Whether a job this app declares waits or runs on ``queue`` (the first ones of each
-        state are looked at; an error answers True: the queue is kept)."""
-        transport = self.kernel.transport
-        try:
-            for state in ("Pending", "InFlight"):
-                for info in await transport.list_deliveries(topic_of(queue), state, limit=OWN_JOBS_LOOKED_AT):
-                    name = (info.attributes or {}).get("job")
-                    if name is not None and self.registry.find(name) is not None:
-                        self.own_queue(queue)
-                        return True
-        except Exception as exc:
-            log.warning("job queue %r holds a job this app does not declare, and its jobs could not be read "
-                        "(%s): the queue is kept", queue, exc)
-            return True
-        return False
-
-    def own_queue(self, queue: str) -> None:
-        """Notes that a job this app declares ran from ``queue``: the queue is this app's, never left."""
-        self.own_queues.add(queue)
-        if self.foreign.pop(queue, None) is not None:
-            self._replan_soon()
-
-    def _leaves(self, subscription: str) -> str | None:
-        queue = queue_of(subscription)
-        left = None if queue is None else self.foreign.get(queue)
-        return None if left is None or left[1] <= time.monotonic() else left[0]
-
-    def _replan_soon(self) -> None:
-        """Has the host of this process's job group re-plan now (not at its next reconcile)."""
-        host = self._job_host
-        if host is None:  # (not known yet: watch_queues re-plans once it is)
-            self._replan_pending = True
-            return
-        self._replanning.spawn(host.replan(), name="workqueue-jobs-replan")
+        self.owners.named.update(q for q in parse_queues(spec) if q != OTHERS)
+        return [job_group(spec, concurrency or settings.job_concurrency, leaves=self.owners.leaves)]
 
     async def stop_watching(self) -> None:
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             await watcher.stop()
-        await self._replanning.close()
-        self._replanning.reopen()
-        self._job_host = None
+        await self.owners.close()
 
     # -- settings ----------------------------------------------------------------------------
 

@@ -94,8 +94,8 @@ class JobRunner:
             except JobPayloadInvalid:
                 return await self._run(message, context)
             queue = self._queues.get(message.topic) or self._queue(message.topic)
-            if queue not in jobs.own_queues:
-                jobs.own_queue(queue)
+            if queue not in jobs.owners.own:
+                jobs.owners.ran_from(queue)
             kwargs: dict[str, Any] = {}
             if job.payload_param is not None:
                 kwargs[job.payload_param] = payload
@@ -127,7 +127,7 @@ class JobRunner:
         jobs = self._jobs
         job = jobs.registry.find(envelope.job)
         if job is None:
-            if await jobs.leave_queue(queue, envelope.job):
+            if await jobs.owners.leave(queue, envelope.job):
                 raise GivenBack(f"job {envelope.job!r} is not declared by this app, which leaves queue {queue!r}")
             error = TransientWorkError(
                 f"no job named {envelope.job!r} is declared in this process; declare it with "
@@ -138,8 +138,8 @@ class JobRunner:
             await self._after_error(_fields(envelope, message, queue, context), context, envelope, error,
                                     "unknown-job")
             raise error
-        if queue not in jobs.own_queues:
-            jobs.own_queue(queue)
+        if queue not in jobs.owners.own:
+            jobs.owners.ran_from(queue)
         try:
             payload = job.load(jobs.open_payload(job, envelope) if job.encrypted else envelope.payload)
         except (PayloadUndecryptable, JobPayloadInvalid) as exc:
