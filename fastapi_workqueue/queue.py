@@ -9,8 +9,11 @@ jobs layer. Inside the package only ``__init__`` and the CLI's app loading impor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -45,6 +48,14 @@ from .web.limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES
 from .web.session import RequestSessions
 
 log = redacting_logger("fastapi_workqueue")
+
+_OPEN_ELSEWHERE = (
+    "the queue is open already, but it was opened {where} and never closed: its connections belong to "
+    "that event loop, where nothing serves them now (the host would stall and publishes would fail). Close it "
+    "where it was opened (await queue.close() before that loop ends), or open it only in the app's lifespan; "
+    "for work before the server starts (migrating, creating tables) use queue.migrate() or queue.engine, which "
+    "leave the queue closed"
+)
 
 if TYPE_CHECKING:
     from datetime import datetime, timedelta
@@ -558,9 +569,17 @@ class WorkQueue:
     async def open(self) -> None:
         """Opens the transport (and migrates / syncs the topology as the settings say)."""
         kernel = self._kernel
+        here = (os.getpid(), asyncio.get_running_loop())
+        if kernel.opened > 0 and kernel.opened_in is not None:
+            pid, loop = kernel.opened_in[0], kernel.opened_in[1]()
+            if pid != here[0] or loop is not here[1]:
+                raise ConfigurationError(_OPEN_ELSEWHERE.format(
+                    where="in the parent process, before this one was forked (a --preload master, say)"
+                    if pid != here[0] else "in another event loop (at import time with asyncio.run(...), say)"))
         kernel.opened += 1
         if kernel.opened > 1:
             return
+        kernel.opened_in = (here[0], weakref.ref(here[1]))
         try:
             if self._jobs is not None:
                 self._jobs.check()
@@ -679,8 +698,9 @@ class WorkQueue:
                                  stop_timeout_name="WORKQUEUE_SHUTDOWN_DRAIN_MS")
             host = kernel.host = self.build_host()
             await host.start()
-            for problem in unused_handlers(self.handlers.keys(), host.stored_handler_keys):
-                log.warning("%s", problem)
+            if host.reconciled:  # (else the store's subscriptions are not known: health says why)
+                for problem in unused_handlers(self.handlers.keys(), host.stored_handler_keys):
+                    log.warning("%s", problem)
             if self._jobs is not None:
                 self._jobs.schedules.start()
                 if self._job_groups():

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -380,3 +381,101 @@ def test_the_request_sessions_use_the_queues_async_driver_whatever_the_url_names
     assert engine.url.drivername == "postgresql+asyncpg"
     engine = WorkQueue(WorkQueueSettings(database_url="postgres://app@127.0.0.1/app")).engine
     assert engine.url.drivername == "postgresql+asyncpg"
+
+
+async def test_health_names_what_the_host_would_run_while_it_cannot_read_the_store(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SPEC §6: health answers 503 when a planned subscription is in Error. A host whose first
+    reconcile cannot read the store's subscriptions (a login without EXECUTE on them, say) planned
+    nothing: it reports what its plan and the code say it would run, in Error, until a reconcile
+    reads them; then it runs them. No false "no subscription names it" warning meanwhile."""
+    name = f"mc-{os.getpid()}-{id(caplog)}"
+    queue = WorkQueue(
+        WorkQueueSettings(database_url=database_url, auto_migrate=True, reconcile_interval_ms=200,
+                          idle_poll_min_ms=20, idle_poll_max_ms=100),
+        topics=[Topic(name=name)],
+        subscriptions=[Subscription(name=f"{name}.s", topic=name, handler_key=f"{name}.work")],
+    )
+    done: list[int] = []
+
+    @queue.handler(f"{name}.work")
+    async def work(message: WorkMessage[dict[str, int]]) -> None:
+        done.append(message.payload["n"])
+
+    app = FastAPI(lifespan=queue.lifespan)
+    app.include_router(queue.health_router)
+    refused = True
+    transport_class = type(queue.transport)
+    real = transport_class.list_subscriptions
+
+    async def list_subscriptions(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if refused:
+            raise TransportUnavailable("permission denied for function list_subscriptions")
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(transport_class, "list_subscriptions", list_subscriptions)
+    caplog.set_level(logging.WARNING, logger="fastapi_workqueue")
+    async with queue.lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                      base_url="http://test") as http:
+        answer = await http.get("/health/extensions")
+        assert answer.status_code == 503, answer.text
+        [body] = answer.json()["Extensions"]
+        assert body["Status"] == "Degraded"
+        assert [(s["Subscription"], s["State"]) for s in body["Subscriptions"]] == [(f"{name}.s", "Error")]
+        assert "permission denied" not in answer.text  # (the driver's words stay in the log)
+        await queue.publish(name, [PublishRequest(payload={"n": 1})])
+        refused = False
+        for _ in range(200):
+            if done == [1]:
+                break
+            await asyncio.sleep(0.05)
+        assert done == [1]
+        assert (await http.get("/health/extensions")).status_code == 200
+    assert not [r for r in caplog.records if "no subscription names it" in r.getMessage()]
+
+
+def test_a_queue_left_open_in_another_event_loop_is_refused_at_the_next_open() -> None:
+    """A queue opened at import time (``asyncio.run(queue.open())``) and never closed holds
+    connections of a loop that no longer runs; the lifespan's open in the server's loop says so,
+    instead of a host that stalls while health says Running."""
+    from fastapi_workqueue.testing import MemoryTransport
+
+    # (an in-memory store: nothing of it waits on a thread after the test, as an SQLite connection would)
+    queue = WorkQueue(WorkQueueSettings(enabled=False), transport=MemoryTransport())
+    asyncio.run(queue.open())
+
+    async def lifespan() -> None:
+        async with queue.lifespan(None):
+            pass
+
+    with pytest.raises(ConfigurationError, match=r"opened in another event loop .* and never closed"):
+        asyncio.run(lifespan())
+
+
+def test_a_queue_left_open_before_a_fork_is_refused_in_the_child() -> None:
+    """The same, for a queue opened in a parent process that then forked (gunicorn's --preload)."""
+    script = """
+import asyncio, os, sys
+from fastapi_workqueue import ConfigurationError, WorkQueue, WorkQueueSettings
+from fastapi_workqueue.testing import MemoryTransport
+queue = WorkQueue(WorkQueueSettings(enabled=False), transport=MemoryTransport())
+asyncio.run(queue.open())
+pid = os.fork()
+if pid == 0:
+    async def lifespan():
+        async with queue.lifespan(None):
+            pass
+    try:
+        asyncio.run(lifespan())
+    except ConfigurationError as exc:
+        print("refused:", exc, flush=True)
+        os._exit(0)
+    os._exit(1)
+_, status = os.waitpid(pid, 0)
+os._exit(os.waitstatus_to_exitcode(status))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "refused: the queue is open already, but it was opened in the parent process, before this one was " \
+           "forked" in done.stdout

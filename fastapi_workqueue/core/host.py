@@ -207,6 +207,8 @@ class Host:
         """The handler key of each stored subscription (key -> a subscription that names it), as
         the last reconcile read them (this process's own key for one its code declares)."""
         self._beat_failing = False
+        self.reconciled = False
+        """True once a reconcile read the store's subscriptions and planned from them."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -294,11 +296,15 @@ class Host:
                 subscriptions = await self.transport.list_subscriptions()
             except Exception as exc:
                 log.error("reconcile: cannot read subscriptions (%s)", exc)
+                if not self.reconciled:  # (never planned: what it would run is what fails)
+                    for name, concurrency in self._planned_names():
+                        self._health.setdefault(name, SubscriptionHealth(
+                            subscription=name, state="Error", concurrency=concurrency))
                 for name in self._health:
                     if name not in self.consumers:
                         self._health[name] = SubscriptionHealth(
                             subscription=name, state="Error", reason=f"cannot read the topology: {exc}",
-                            reason_is_detail=True,
+                            reason_is_detail=True, concurrency=self._health[name].concurrency,
                         )
                 return
             await self._apply(subscriptions)
@@ -317,7 +323,29 @@ class Host:
             if self._started:
                 await self._apply(subscriptions)
 
+    def _planned_names(self) -> list[tuple[str, int]]:
+        """The subscriptions this host would run by its plan and groups, as far as the code
+        declares them (with their concurrency): what its health names before it could read the
+        store's."""
+        declared = list(self._declared) if self._declared is not None else []
+        planned = [(p.name, p.concurrency) for p in self.plan if p.name != WAKE_ALL]
+        seen = {name for name, _ in planned}
+        wildcard = next((p for p in self.plan if p.name == WAKE_ALL), None)
+        for name in sorted(declared):
+            if name in seen:
+                continue
+            group = next((g for g in self.groups if any(fnmatch.fnmatchcase(name, p) for p in g.patterns)), None)
+            if group is not None:
+                planned.append((name, group.concurrency))
+            elif wildcard is not None and not is_job_topic(name):
+                planned.append((name, wildcard.concurrency))
+            else:
+                continue
+            seen.add(name)
+        return planned
+
     async def _apply(self, subscriptions: list[SubscriptionState]) -> None:
+        self.reconciled = True
         subscriptions = [self._own_handler_key(s) for s in subscriptions]
         self.stored_handler_keys = {s.handler_key: s.name for s in subscriptions}
         health: dict[str, SubscriptionHealth] = {}

@@ -159,6 +159,8 @@ class Kernel:
         """The host this process runs, while it runs (the queue's lifespan or ``workqueue work`` sets it)."""
         self.opened = 0
         """How many ``open()`` calls no ``close()`` has ended yet."""
+        self.opened_in: tuple[int, Callable[[], object]] | None = None
+        """The process and (a weak reference to) the event loop of the first ``open()`` still open."""
         self.operator = Operator(self)
         """The operator calls (stats, dead letters, replay, pause, retire ...), written once."""
         self.facade = facade
