@@ -571,11 +571,13 @@ class WorkQueue:
         kernel = self._kernel
         here = (os.getpid(), asyncio.get_running_loop())
         if kernel.opened > 0 and kernel.opened_in is not None:
+            # (another loop that still runs, a test client's thread say, shares the queue as before)
             pid, loop = kernel.opened_in[0], kernel.opened_in[1]()
-            if pid != here[0] or loop is not here[1]:
+            if pid != here[0] or loop is None or loop.is_closed():
                 raise ConfigurationError(_OPEN_ELSEWHERE.format(
                     where="in the parent process, before this one was forked (a --preload master, say)"
-                    if pid != here[0] else "in another event loop (at import time with asyncio.run(...), say)"))
+                    if pid != here[0] else "in an event loop that has ended (at import time with asyncio.run(...), "
+                    "say)"))
         kernel.opened += 1
         if kernel.opened > 1:
             return

@@ -449,7 +449,7 @@ def test_a_queue_left_open_in_another_event_loop_is_refused_at_the_next_open() -
         async with queue.lifespan(None):
             pass
 
-    with pytest.raises(ConfigurationError, match=r"opened in another event loop .* and never closed"):
+    with pytest.raises(ConfigurationError, match=r"opened in an event loop that has ended .* and never closed"):
         asyncio.run(lifespan())
 
 

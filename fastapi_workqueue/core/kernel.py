@@ -16,6 +16,7 @@ nothing here imports SQLAlchemy when it runs.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
@@ -159,7 +160,7 @@ class Kernel:
         """The host this process runs, while it runs (the queue's lifespan or ``workqueue work`` sets it)."""
         self.opened = 0
         """How many ``open()`` calls no ``close()`` has ended yet."""
-        self.opened_in: tuple[int, Callable[[], object]] | None = None
+        self.opened_in: tuple[int, Callable[[], asyncio.AbstractEventLoop | None]] | None = None
         """The process and (a weak reference to) the event loop of the first ``open()`` still open."""
         self.operator = Operator(self)
         """The operator calls (stats, dead letters, replay, pause, retire ...), written once."""
