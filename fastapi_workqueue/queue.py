@@ -573,11 +573,12 @@ class WorkQueue:
         if kernel.opened > 0 and kernel.opened_in is not None:
             # (another loop that still runs, a test client's thread say, shares the queue as before)
             pid, loop = kernel.opened_in[0], kernel.opened_in[1]()
-            if pid != here[0] or loop is None or loop.is_closed():
+            ended = loop is not here[1] and (loop is None or loop.is_closed() or not loop.is_running())
+            if pid != here[0] or ended:
                 raise ConfigurationError(_OPEN_ELSEWHERE.format(
                     where="in the parent process, before this one was forked (a --preload master, say)"
-                    if pid != here[0] else "in an event loop that has ended (at import time with asyncio.run(...), "
-                    "say)"))
+                    if pid != here[0] else "in an event loop that no longer runs (at import time with "
+                    "asyncio.run(...), say)"))
         kernel.opened += 1
         if kernel.opened > 1:
             return

@@ -449,7 +449,7 @@ def test_a_queue_left_open_in_another_event_loop_is_refused_at_the_next_open() -
         async with queue.lifespan(None):
             pass
 
-    with pytest.raises(ConfigurationError, match=r"opened in an event loop that has ended .* and never closed"):
+    with pytest.raises(ConfigurationError, match=r"opened in an event loop that no longer runs .* and never closed"):
         asyncio.run(lifespan())
 
 
@@ -479,3 +479,49 @@ os._exit(os.waitstatus_to_exitcode(status))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "refused: the queue is open already, but it was opened in the parent process, before this one was " \
            "forked" in done.stdout
+
+
+def test_a_queue_left_open_in_a_loop_that_stopped_but_was_not_closed_is_refused_too() -> None:
+    """The older idiom, ``loop.run_until_complete(queue.open())`` on a loop that is never closed:
+    that loop runs no more, so its connections serve nothing either."""
+    from fastapi_workqueue.testing import MemoryTransport
+
+    queue = WorkQueue(WorkQueueSettings(enabled=False), transport=MemoryTransport())
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(queue.open())
+
+        async def lifespan() -> None:
+            async with queue.lifespan(None):
+                pass
+
+        with pytest.raises(ConfigurationError, match=r"opened in an event loop that no longer runs"):
+            asyncio.run(lifespan())
+        loop.run_until_complete(queue.close())
+    finally:
+        loop.close()
+
+
+def test_two_test_clients_at_once_share_the_queue(tmp_path: Path) -> None:
+    """A queue another loop holds open while that loop still runs (a first TestClient's) is shared
+    by a second TestClient's lifespan, as before: only an ended loop's, or a parent's, is refused."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # starlette's notice about httpx2, not what is tested
+        from fastapi.testclient import TestClient
+
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", auto_migrate=True,
+                                        enabled=False), topics=[Topic(name="t")])
+    app = FastAPI(lifespan=queue.lifespan)
+
+    @app.post("/p")
+    async def publish() -> str:
+        [result] = await queue.publish("t", [PublishRequest(payload={"n": 1})])
+        return str(result.status.value)
+
+    with TestClient(app) as first:
+        assert first.post("/p").json() == "Accepted"
+        with TestClient(app) as second:
+            assert second.post("/p").json() == "Accepted"
+            assert first.post("/p").json() == "Accepted"

@@ -301,7 +301,7 @@ class Host:
                         self._health.setdefault(name, SubscriptionHealth(
                             subscription=name, state="Error", concurrency=concurrency))
                 for name in self._health:
-                    if name not in self.consumers:
+                    if name not in self._consumer_of:  # (what a consumer serves runs on, and says so there)
                         self._health[name] = SubscriptionHealth(
                             subscription=name, state="Error", reason=f"cannot read the topology: {exc}",
                             reason_is_detail=True, concurrency=self._health[name].concurrency,

@@ -517,6 +517,10 @@ class Kernel:
             off = self.host_off_reason() or "the host is not started"
             return ExtensionHealth(status="Disabled", reason=f"the host is off in this process: {off}")
         subscriptions = self.host.health()
+        if not self.host.reconciled:  # (whatever the list holds: nothing is planned from the store yet)
+            return ExtensionHealth(status="Degraded", subscriptions=subscriptions, reason=(
+                "the host has not read the store's subscriptions yet, so it consumes nothing; this process's "
+                "log says why"))
         failing = [s for s in subscriptions if s.state in ("Error", "HandlerNotRegistered")]
         if not failing:
             return ExtensionHealth(status="Running", subscriptions=subscriptions)
