@@ -307,21 +307,14 @@ class Host:
                             reason_is_detail=True, concurrency=self._health[name].concurrency,
                         )
                 return
-            await self._apply(subscriptions)
+            if self._started:  # (a host that stopped meanwhile is left as it is)
+                await self._apply(subscriptions)
 
     async def replan(self) -> None:
         """Re-plans now, as the reconcile loop does, while the host runs (a stopped host, or one
         that stops meanwhile, is left as it is)."""
-        async with self._reconcile_lock:
-            if not self._started:
-                return
-            try:
-                subscriptions = await self.transport.list_subscriptions()
-            except Exception as exc:
-                log.warning("re-plan: cannot read subscriptions (%s); the reconcile loop tries again", exc)
-                return
-            if self._started:
-                await self._apply(subscriptions)
+        if self._started:
+            await self.reconcile()
 
     def _planned_names(self) -> list[tuple[str, int]]:
         """The subscriptions this host would run by its plan and groups, as far as the code
