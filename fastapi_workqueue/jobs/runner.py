@@ -17,6 +17,7 @@ turns what happened into the delivery's outcome and the job's events:
 | raises on its last try, or ``FatalWorkError`` | DeadLettered | JobFailed |
 | has a payload that cannot be decrypted or validated | DeadLettered at once | JobFailed |
 | names a job this process does not know | back after backoff | JobReleased unknown-job |
+| names such a job on a queue that is not this app's (:mod:`.queue_owners`) | back at once, no try used | none |
 | meets ``once()`` busy in another attempt | back in 5 s, no try used | JobReleased once-busy |
 | is stopped by a shutdown | back at once, no try used | JobReleased shutdown |
 """
