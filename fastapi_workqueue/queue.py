@@ -555,16 +555,16 @@ class WorkQueue:
         return self._sessions.sessionmaker
 
     @property
-    def session(self) -> AsyncSession:
+    def session(self) -> Any:
         """A dependency: a session in a transaction per request, committed before the response.
 
-        ``async def endpoint(session: AsyncSession = queue.session)``. Publishes made during the
+        ``async def endpoint(session: AsyncSession = queue.session)``; ``Depends(queue.session)``
+        and ``Annotated[AsyncSession, queue.session]`` mean the same. Publishes made during the
         request join its transaction; an exception rolls both back.
         """
-        from fastapi import Depends
+        from .web.session_dependency import SessionDependency
 
-        dependency: AsyncSession = Depends(self._sessions.dependency, scope="function")
-        return dependency
+        return SessionDependency(self._sessions.dependency)
 
     async def open(self) -> None:
         """Opens the transport (and migrates / syncs the topology as the settings say)."""

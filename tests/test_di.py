@@ -281,3 +281,62 @@ async def test_a_swallowed_exception_rolls_back_the_request_session_and_one_rais
         [letter] = await queue.dead_letters(subs["b"])
         assert letter.last_error is not None and "LookupError: the account service is down" in letter.last_error
 
+
+
+async def test_depends_of_queue_session_is_the_request_session_committed_before_the_response(
+    sqlite_url: str,
+) -> None:
+    """``Depends(queue.session)``, the spelling FastAPI users reach for, is the same dependency as
+    ``= queue.session``: one session a request, its publish committed with the row before the
+    response, both rolled back when the endpoint raises; and a handler may take it the same way."""
+    import warnings
+
+    import httpx
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    queue, topic, subs = make_queue(sqlite_url, [{"role": "a"}])
+    seen: list[bool] = []
+
+    @queue.handler("a")
+    async def handle(message: WorkMessage[Any], session: AsyncSession = Depends(queue.session)) -> WorkOutcome:
+        seen.append(session.in_transaction())
+        return Outcome.complete()
+
+    app = FastAPI(lifespan=queue.lifespan)
+
+    @app.post("/rows/{n}")
+    async def add(n: int, same: Annotated[AsyncSession, queue.session],
+                  session: AsyncSession = Depends(queue.session),
+                  plain: AsyncSession = queue.session) -> dict[str, Any]:
+        await session.execute(text("INSERT INTO dep_rows (n) VALUES (:n)"), {"n": n})
+        await queue.publish(topic, [PublishRequest(payload=n)])
+        if n < 0:
+            raise LookupError("after the write and the publish")
+        return {"one_session": session is same is plain}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with queue.lifespan(app):
+        async with queue.engine.begin() as conn:
+            await conn.execute(text("CREATE TABLE dep_rows (n INTEGER)"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            ok = await client.post("/rows/1")
+            assert ok.status_code == 200 and ok.json() == {"one_session": True}
+            # (committed before the response: the row is there as soon as the answer is)
+            async with queue.engine.connect() as conn:
+                assert (await conn.execute(text("SELECT count(*) FROM dep_rows"))).scalar_one() == 1
+            failed = await client.post("/rows/-1")
+            assert failed.status_code == 500
+
+        async def done() -> Any:
+            [stats] = await queue.stats(subs["a"])
+            return stats if stats.completed else None
+
+        stats = await wait_for(done)
+        assert stats.completed == 1 and seen == [True]
+        async with queue.engine.connect() as conn:
+            assert (await conn.execute(text("SELECT n FROM dep_rows"))).scalars().all() == [1]
+        [stats] = await queue.stats(subs["a"])
+        assert stats.completed == 1 and stats.pending == 0
