@@ -368,6 +368,44 @@ def test_a_timeout_that_does_not_fit_the_lease_is_refused_at_start() -> None:
 
 
 async def test_a_job_no_worker_knows_goes_back_until_its_tries_are_spent(database_url: str) -> None:
+    """Past its grace (here none), a job this worker does not declare spends its tries."""
+    queue_name = names(1)[0]
+    producer = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
+                                           enabled=False, **FAST))
+
+    @producer.job(f"new-{queue_name}", tries=2, backoff=[0], queue=queue_name)
+    async def new(payload: dict[str, Any]) -> None:
+        return None
+
+    async with producer.lifespan(None):
+        job_id = await producer.dispatch(new, {})
+    events: list[JobEvent] = []
+    old = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], job_queues=queue_name,
+                                      job_unknown_grace_seconds=0, **FAST))
+
+    @old.job(f"other-{queue_name}", queue=queue_name)  # this deploy does not know the new job yet
+    async def other(payload: dict[str, Any]) -> None:
+        return None
+
+    old.listen(JobEvent, events.append)
+    async with old.lifespan(None):
+        await wait_for(lambda: any(type(e).__name__ == "JobFailed" for e in events), within=30)
+        [failed] = await old.failed_jobs(queue_name)
+    assert [type(e).__name__ for e in events] == ["JobReleased", "JobFailed"]
+    assert isinstance(events[0], JobReleased) and events[0].reason == "unknown-job"
+    assert failed.id == job_id and "declare it with @queue.job" in (failed.error or "")
+
+
+async def test_a_rolling_deploys_new_job_waits_for_a_worker_that_declares_it_without_spending_tries(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker of the release before, meeting a job the new release dispatched on their app's
+    queue, gives it back again and again within the grace, no try spent (it used to spend the
+    default five tries in seconds and fail a job that never ran); a worker that declares it then
+    runs it on its first try. The warning is given once, however often the job comes back."""
+    from fastapi_workqueue.jobs import runner
+
+    monkeypatch.setattr(runner, "UNKNOWN_JOB_BACK_SECONDS", 0.1, raising=False)
     queue_name = names(1)[0]
     producer = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
                                            enabled=False, **FAST))
@@ -381,17 +419,33 @@ async def test_a_job_no_worker_knows_goes_back_until_its_tries_are_spent(databas
     events: list[JobEvent] = []
     old = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], job_queues=queue_name, **FAST))
 
-    @old.job(f"other-{queue_name}", queue=queue_name)  # this deploy does not know the new job yet
+    @old.job(f"other-{queue_name}", queue=queue_name)  # this release does not know the new job yet
     async def other(payload: dict[str, Any]) -> None:
         return None
 
     old.listen(JobEvent, events.append)
-    async with old.lifespan(None):
-        await wait_for(lambda: any(type(e).__name__ == "JobFailed" for e in events), within=30)
-        [failed] = await old.failed_jobs(queue_name)
-    assert [type(e).__name__ for e in events] == ["JobReleased", "JobFailed"]
-    assert isinstance(events[0], JobReleased) and events[0].reason == "unknown-job"
-    assert failed.id == job_id and "declare it with @queue.job" in (failed.error or "")
+    with caplog.at_level(logging.WARNING, logger="fastapi_workqueue.jobs"):
+        async with old.lifespan(None):
+            await wait_for(lambda: len(events) >= 5, within=30, describe=lambda: events)
+            status = await old.job_status(job_id)
+            assert status is not None and status.state == "Pending", status
+            assert await old.failed_jobs(queue_name) == []
+    assert {(type(e).__name__, e.attempt, getattr(e, "reason", None)) for e in events} == {
+        ("JobReleased", 1, "unknown-job")}
+    warnings = [r.getMessage() for r in caplog.records if "is not declared in this process" in r.getMessage()]
+    assert len(warnings) == 1 and "WORKQUEUE_JOB_UNKNOWN_GRACE_SECONDS" in warnings[0], warnings
+
+    ran: list[int] = []
+    new_release = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], job_queues=queue_name,
+                                              **FAST))
+
+    @new_release.job(f"new-{queue_name}", tries=2, backoff=[0], queue=queue_name)
+    async def new_here(payload: dict[str, Any], job: JobContext) -> None:
+        ran.append(job.attempt)
+
+    async with new_release.lifespan(None):
+        await wait_for(lambda: ran, within=30)
+    assert ran == [1]
 
 
 async def test_a_worker_leaves_another_apps_job_queue_without_spending_its_jobs_tries(
@@ -506,7 +560,8 @@ async def test_a_worker_keeps_a_queue_its_app_dispatches_to_though_an_unknown_jo
         mine = [await producer.dispatch(notify_sent, {"n": n}, queue=urgent) for n in range(3)]
 
     ran: list[Any] = []
-    worker = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], **FAST))  # (every queue)
+    worker = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], job_unknown_grace_seconds=0,
+                                         **FAST))  # (every queue; the unknown job spends its tries at once)
 
     @worker.job(f"notify2-{urgent}")
     async def notify2(payload: dict[str, Any]) -> None:

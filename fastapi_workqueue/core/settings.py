@@ -129,6 +129,10 @@ class WorkQueueSettings(BaseSettings):
     """How many jobs this process's host runs at once, over all the queues it takes."""
     job_lease_seconds: float = Field(default=90.0, gt=0)
     """The lease of a job queue's deliveries; a job's timeout plus the stop timeout must fit in it."""
+    job_unknown_grace_seconds: float = Field(default=900.0, ge=0, le=86400)
+    """How long after its dispatch a job that this worker does not declare, on one of its app's
+    queues (a rolling deploy's new job, met by a worker of the release before), goes back every 5 s
+    without spending a try, for a worker that knows it; after that it spends its tries. 0: at once."""
     app_key: SecretStr | None = None
     """The Fernet key that encrypts the payloads of ``encrypted=True`` jobs (``WORKQUEUE_APP_KEY``)."""
     previous_keys: SecretStr | None = None

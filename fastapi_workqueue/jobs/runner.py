@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ..core.context import AbortReason, AbortSignal, GivenBack, OnceBusy, WorkContext, cancelled_by_the_handler
@@ -49,6 +50,11 @@ if TYPE_CHECKING:
     from .layer import Jobs
 
 log = redacting_logger("fastapi_workqueue.jobs")
+
+UNKNOWN_JOB_BACK_SECONDS = 5.0
+"""When a job this worker does not declare comes back, within its grace (``job_unknown_grace_seconds``)."""
+UNKNOWN_JOB_WARN_SECONDS = 60.0
+"""The least time between two warnings of one worker about one undeclared job."""
 
 
 class JobTimedOut(TransientWorkError):
@@ -76,6 +82,7 @@ class JobRunner:
     def __init__(self, jobs: Jobs) -> None:
         self._jobs = jobs
         self._queues: dict[str, str] = {}
+        self._unknown_warned: dict[str, float] = {}
 
     async def run(self, message: WorkMessage[Any], context: WorkContext) -> WorkOutcome | None:
         """Runs one attempt of the job in ``message`` (registered as the job queues' handler)."""
@@ -112,6 +119,30 @@ class JobRunner:
             return await self._ended(result, JobEnvelope(name, data["payload"]), message, context, queue, started)
         return await self._run(message, context)
 
+    def _in_grace(self, message: WorkMessage[Any]) -> bool:
+        """True while a job this worker does not declare goes back without spending a try: within
+        ``job_unknown_grace_seconds`` of its dispatch."""
+        grace = float(self._jobs.kernel.settings.job_unknown_grace_seconds)
+        published = message.published_at
+        if grace <= 0 or published is None:
+            return False
+        if published.tzinfo is None:
+            published = published.replace(tzinfo=UTC)
+        return (datetime.now(UTC) - published).total_seconds() < grace
+
+    def _warn_unknown(self, name: str, queue: str) -> None:
+        """Says, at most once a minute per job name, that a job this worker does not declare went back."""
+        now = time.monotonic()
+        if now - self._unknown_warned.get(name, -UNKNOWN_JOB_WARN_SECONDS) < UNKNOWN_JOB_WARN_SECONDS:
+            return
+        self._unknown_warned[name] = now
+        log.warning(
+            "job %r on queue %r is not declared in this process: it goes back without spending a try, for a "
+            "worker that declares it (a rolling deploy), until WORKQUEUE_JOB_UNKNOWN_GRACE_SECONDS after its "
+            "dispatch; then it spends its tries. Declare it with @queue.job(%r) in a module the worker imports",
+            name, queue, name,
+        )
+
     def _queue(self, topic: str) -> str:
         """The job queue of a topic (read once per topic)."""
         queue = self._queues[topic] = queue_of(topic) or topic
@@ -136,8 +167,12 @@ class JobRunner:
                 f"database and job queue {queue!r} runs jobs this app does not know: give each app queues of "
                 "its own)"
             )
-            await self._after_error(_fields(envelope, message, queue, context), context, envelope, error,
-                                    "unknown-job")
+            base = _fields(envelope, message, queue, context)
+            if self._in_grace(message):  # (a rolling deploy's: a worker of the new release runs it)
+                self._after(context, lambda: base.event(JobReleased, reason="unknown-job", error=error))
+                self._warn_unknown(envelope.job, queue)
+                raise GivenBack(str(error), delay_seconds=UNKNOWN_JOB_BACK_SECONDS)
+            await self._after_error(base, context, envelope, error, "unknown-job")
             raise error
         if queue not in jobs.owners.own:
             jobs.owners.ran_from(queue)
