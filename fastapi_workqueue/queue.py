@@ -41,7 +41,7 @@ from .core.reports import (
 from .core.request_load import RequestLoad
 from .core.retirement import DeleteResult, RetireResult, TopicStatus, TopicStatusChange
 from .core.settings import WorkQueueSettings, default_database_file, misspelt_database_url, unknown_variables
-from .core.topology import Subscription, SubscriptionStatus, Topic
+from .core.topology import Subscription, SubscriptionStatus, Topic, is_job_topic
 from .core.transport import Transport
 from .web.di import DependencyInvoker
 from .web.limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES
@@ -124,6 +124,12 @@ def _default_observers(settings: WorkQueueSettings) -> list[Observer]:
 
     return default_observers(settings)
 
+
+_JOB_TOPIC_NAME = (
+    "{what}: topics whose names start with 'jobs.' are the job queues' (@queue.job), whose one subscription "
+    "the jobs layer declares and its job workers run: this one would never be served. Name the topic otherwise "
+    "({name!r}, say), or declare a job with @queue.job(..., queue=...)"
+)
 
 class WorkQueue:
     """A durable work queue for a FastAPI or Starlette app.
@@ -276,6 +282,10 @@ class WorkQueue:
 
     def add_subscription(self, subscription: Subscription) -> None:
         """Declares a subscription (synced to the store at start-up)."""
+        if is_job_topic(subscription.topic):
+            raise ConfigurationError(_JOB_TOPIC_NAME.format(
+                what=f"subscription {subscription.name!r} names topic {subscription.topic!r}",
+                name=subscription.topic.removeprefix("jobs.")))
         self._kernel.add_subscription(subscription)
 
     def handler(self, key: str) -> Callable[[F], F]:

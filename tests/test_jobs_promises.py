@@ -6,6 +6,7 @@ on PostgreSQL and on SQLite."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any
@@ -378,6 +379,36 @@ async def test_catch_up_queues_at_most_1000_ticks(database_url: str) -> None:
         queued = await queue.jobs.schedules.run_due()
         size = await queue.size(name)
     assert queued <= 1000 and size <= 1000, (queued, size)
+
+
+@pytest.mark.parametrize("down_minutes", [999, 1500])
+async def test_catch_up_after_an_outage_longer_than_1000_ticks_queues_the_newest_1000(
+    database_url: str, down_minutes: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every process down for 1,500 ticks of a minutely schedule (25 hours): the newest 1,000 are
+    queued, with a warning. It queued none: a tick the store knew lay past the 1,000 it looked at,
+    so the schedule was taken for a new one ("nothing to catch up")."""
+    from datetime import UTC, datetime, timedelta
+
+    name = qname()
+    queue = make(database_url, name, enabled=False)
+
+    @queue.job(f"tick-{name}", queue=name)
+    async def tick(payload: dict[str, Any]) -> None:
+        pass
+
+    queue.schedule(tick, every=60, payload={}, catch_up=True)
+    start = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    async with queue.lifespan(None):
+        assert await queue.jobs.schedules.run_due(start) == 1  # (the schedule's first tick, on time)
+        queue.jobs.schedules.forget_looks()  # (every process down: the next look is a first look)
+        with caplog.at_level(logging.INFO, logger="fastapi_workqueue.jobs.schedules"):
+            queued = await queue.jobs.schedules.run_due(start + timedelta(minutes=down_minutes))
+        size = await queue.size(name)
+    assert queued == min(down_minutes, 1000) and size == 1 + queued, (queued, size)
+    said = [r.getMessage() for r in caplog.records if r.name == "fastapi_workqueue.jobs.schedules"]
+    assert not any("nothing to catch up" in line for line in said), said
+    assert any("the newest 1000 are queued" in line for line in said) == (down_minutes > 1000), said
 
 
 def test_ticks_between_keeps_the_newest_1000() -> None:

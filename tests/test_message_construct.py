@@ -114,5 +114,25 @@ def test_a_typed_payload_is_validated_from_its_json_text() -> None:
         spec.build_message(claimed({**_row(None), "payload": '[{"sku":"a","qty":1,"price":1},{"sku":"b"}]'}), "s")
 
 
+@pytest.mark.parametrize("payload_type", [Any, dict[str, int]], ids=["any", "typed"])
+def test_a_payload_this_process_cannot_read_is_invalid_not_a_crash(payload_type: Any) -> None:
+    """A publisher that raised its int_max_str_digits stored an integer of 5,000 digits: reading it
+    raised ValueError out of the attempt's task, which then lost its lease on every try and was
+    dead-lettered as "lease expired", its error never kept. It is an invalid payload now
+    (dead-lettered at once, saying why)."""
+    text = '{"n":' + "9" * 5000 + "}"
+    spec = HandlerSpec(key="k", func=noop, payload_type=payload_type)
+    with pytest.raises(PayloadInvalid, match=r"cannot be read as JSON in this process: ValueError: .*4300"):
+        spec.build_message(claimed({**_row(None), "payload": text}), "s")
+
+
+def test_an_integer_over_4300_digits_is_refused_without_the_advice_to_raise_the_limit() -> None:
+    from fastapi_workqueue.core.envelope import RequestRejected, prepare
+
+    with pytest.raises(RequestRejected, match=r"more than 4,300 digits.*send it as a string") as refused:
+        prepare(PublishRequest(payload={"n": 10**5000}))
+    assert "set_int_max_str_digits" not in str(refused.value)
+
+
 async def noop(message: WorkMessage[Any]) -> None:
     return None

@@ -415,6 +415,36 @@ async def test_public_metrics_need_no_key_and_show_a_waiting_backlog(pg_url: str
     assert found[("workqueue_oldest_pending_age_seconds", (("subscription", subs["idle"]),))] >= 0
 
 
+async def test_the_oldest_pending_age_goes_by_the_databases_clock_not_the_processs(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process whose clock runs an hour ahead of PostgreSQL's read an age of 3,600 s for a
+    delivery that had waited a second (and one an hour behind read 0, so the alert never fired):
+    the age is the database's time of the read less the time it stamped."""
+    from datetime import UTC, datetime, timedelta
+
+    from fastapi_workqueue.core import clock
+    from fastapi_workqueue.observability import prometheus
+
+    class Ahead(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return datetime.now(tz or UTC) + timedelta(hours=1)
+
+    queue, topic, subs = make_queue(pg_url, [{"role": "idle"}], metrics_public=True, metrics_cache_seconds=0)
+    app = FastAPI()
+    app.include_router(queue.metrics_router)
+    async with opened(queue):
+        await queue.publish(topic, [PublishRequest(payload=1)])
+        monkeypatch.setattr(prometheus, "datetime", Ahead)
+        monkeypatch.setattr(clock, "datetime", Ahead)
+        async with client(app) as http:
+            response = await http.get("/metrics")
+    assert response.status_code == 200
+    age = samples(response.text)[("workqueue_oldest_pending_age_seconds", (("subscription", subs["idle"]),))]
+    assert 0 <= age < 600, age
+
+
 async def test_metrics_answer_without_the_store_and_say_so(pg_url: str) -> None:
     """A scrape while the store cannot be read (the queue not open here; an outage in
     test_hostile.py) answers 200 with the process's counters and ``workqueue_store_up 0``, not 500."""

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 import pytest
 from fastapi import Depends
 from pydantic import BaseModel, ConfigDict
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from fastapi_workqueue import (
     AbortReason,
@@ -407,6 +408,89 @@ async def test_shutdown_aborts_after_drain_and_releases_without_consuming_attemp
         assert (await delivery_status(queue, subs["slow"], quick.message_id)).status == "Completed"
     finally:
         await queue.close()
+
+
+async def test_a_handler_that_finishes_its_work_after_the_shutdowns_abort_completes_it(pg_url: str) -> None:
+    """A handler that catches the shutdown's abort, finishes its work and returns complete within
+    the second drain completes its delivery: it was released, and the work ran again after the
+    restart. One that stops (raises, or returns a retry) is released without spending a try."""
+    queue, topic, subs = make_queue(pg_url, [{"role": "slow"}], shutdown_drain_ms=500)
+    started: set[str] = set()
+    runs: list[tuple[str, AbortReason | None]] = []
+
+    @queue.handler("slow")
+    async def slow(message: WorkMessage[str], context: WorkContext) -> WorkOutcome:
+        started.add(message.payload)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            runs.append((message.payload, context.signal.reason))
+            await asyncio.sleep(0.05)  # (finishes what it started)
+            if message.payload == "finishes":
+                return Outcome.complete()
+            if message.payload == "retries":
+                return Outcome.retry("stopped by the shutdown")
+            raise
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        results = await queue.publish(topic, [PublishRequest(payload=p) for p in ("finishes", "retries", "stops")])
+        await wait_for(lambda: len(started) == 3, within=10)
+    assert sorted(runs) == [(p, AbortReason.SHUTDOWN) for p in ("finishes", "retries", "stops")]
+    await queue.open()
+    try:
+        finished, retried, stopped = [await delivery_status(queue, subs["slow"], r.message_id) for r in results]
+        assert (finished.status, finished.attempt) == ("Completed", 1)
+        assert (retried.status, retried.attempt) == ("Pending", 0)
+        assert (stopped.status, stopped.attempt) == ("Pending", 0)
+    finally:
+        await queue.close()
+
+
+@pytest.mark.parametrize("through", ["sessionmaker", "dependency"])
+async def test_an_attempt_that_finds_no_free_session_goes_back_without_spending_a_try(
+    pg_url: str, through: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Handlers that hold sessions longer than the pool's timeout, more at once than the pool has
+    connections: the attempts that wait in vain for one go back without spending a try (they
+    failed and were dead-lettered, healthy work lost to the process's own shortage), and the
+    warning names the setting to raise."""
+    from sqlalchemy import text
+
+    queue, topic, subs = make_queue(pg_url, [{"role": "a", "max_attempts": 1}], concurrency=3,
+                                    session_pool_size=1, session_pool_timeout_ms=200)
+    done: list[int] = []
+
+    async def hold(session: AsyncSession, n: int) -> None:
+        await session.execute(text("SELECT 1"))
+        await asyncio.sleep(0.5)
+        done.append(n)
+
+    if through == "sessionmaker":
+        @queue.handler("a")
+        async def handle(message: WorkMessage[int]) -> WorkOutcome:
+            async with queue.sessionmaker() as session:
+                await hold(session, message.payload)
+            return Outcome.complete()
+    else:
+        @queue.handler("a")
+        async def handle_with(message: WorkMessage[int], session: AsyncSession = queue.session) -> WorkOutcome:
+            await hold(session, message.payload)
+            return Outcome.complete()
+
+    with caplog.at_level(logging.WARNING, logger="fastapi_workqueue.runtime"):
+        async with queue.lifespan(None):
+            await queue.publish(topic, [PublishRequest(payload=n) for n in range(4)])
+
+            async def all_done() -> Any:
+                [stats] = await queue.stats(subs["a"])
+                return stats if stats.completed + stats.dead_lettered == 4 else None
+
+            stats = await wait_for(all_done, within=30)
+    assert (stats.completed, stats.dead_lettered) == (4, 0)
+    assert sorted(done) == [0, 1, 2, 3]
+    said = [r.getMessage() for r in caplog.records if "found no free database connection" in r.getMessage()]
+    assert said and "WORKQUEUE_SESSION_POOL_SIZE" in said[0], said
 
 
 async def test_exclusive_keys_never_run_twice_at_once_in_one_process(pg_url: str) -> None:

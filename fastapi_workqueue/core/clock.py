@@ -62,3 +62,16 @@ def time_to_pass(clock: Clock) -> datetime | None:
         raise ValueError(f"{type(clock).__name__}.now() must return an aware datetime, e.g. datetime.now(UTC); "
                          f"got {moment!r}")
     return moment
+
+
+async def store_now(transport: object) -> datetime:
+    """The time by the store's clock, for ages of what it stamped (the oldest Pending delivery's
+    wait, a delivery's time in flight): the database's own where it has one (a process whose
+    clock is off from the database's would otherwise read ages that are off by as much), the
+    transport's clock where it was given one, the process's otherwise."""
+    reader = getattr(transport, "store_now", None)
+    if reader is not None:
+        moment: datetime = await reader()
+        return moment
+    clock = getattr(transport, "clock", None)
+    return clock.now() if isinstance(clock, Clock) else datetime.now(UTC)

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import math
+import re
 import sys
 import uuid
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import PydanticSerializationError
 
 from .observe import HEADERS_KEY
 from .wire import WireModel, to_wire_name
@@ -347,6 +349,12 @@ def _check_schedule(request: PublishRequest) -> int:
                 "InvalidField", "NotBefore is past 9999-12-31T23:59:59Z, the last time the stores can hold; give an "
                 "earlier time", "not_before"
             ) from None
+        ahead = (request.not_before - datetime.now(UTC)).total_seconds()
+        if ahead > MAX_DELAY_SECONDS:  # (as DelaySeconds: 2206-01-01 for 2026-01-01 is a typo, not a plan)
+            raise RequestRejected(
+                "InvalidField", f"NotBefore {request.not_before.isoformat()} is more than 100 years ahead; a message "
+                "is held back at most 100 years (as DelaySeconds): check the year", "not_before"
+            )
     if request.backoff_seconds is not None:
         return _check_backoff(request.backoff_seconds)
     return 0
@@ -380,15 +388,41 @@ def _check_attempts(max_attempts: int | None, limit: int) -> None:
         )
 
 
+def serialization_problem(exc: Exception) -> str:
+    """What pydantic's serializer refused, in words that say what to change (without the value)."""
+    text = str(exc)
+    mismatch = re.search(r"Expected `([^`]+)`.*?field_name='([^']*)'.*?input_type=(\w+)", text, re.S)
+    if mismatch is not None:
+        return (f"{mismatch[2]}: expected {mismatch[1]}, got a {mismatch[3]} (a model instance is not validated "
+                "again: one changed after it was built, or built with model_construct, can hold a value of another "
+                "type; build it with its constructor or model_validate)")
+    unknown = re.search(r"Unable to serialize unknown type: <class '([^']+)'>", text)
+    if unknown is not None:
+        return (f"a value of type {unknown[1]} cannot be stored as JSON; pass JSON values (str, int, float, bool, "
+                "None, lists and dicts) or types pydantic writes as JSON (datetime, UUID, Decimal, models)")
+    return text.splitlines()[-1].strip() or text
+
+
 def canonical_json(payload: Any) -> tuple[str, int]:
     """The canonical JSON of a payload (keys sorted, no spaces) and its UTF-8 size, as a publish
     stores it; raises :class:`RequestRejected` for what is not JSON or nests too deep."""
-    if type(payload) not in _JSON_TYPES and isinstance(payload, BaseModel):  # (isinstance of a model is slow)
-        payload = payload.model_dump(mode="json")
     try:
+        if type(payload) not in _JSON_TYPES and isinstance(payload, BaseModel):  # (isinstance of a model is slow)
+            # (a model is not validated again: a field set to another type after it was built is refused)
+            payload = payload.model_dump(mode="json", warnings="error")
         # Keys sorted: the stored form is canonical, so equal content hashes equally.
         payload_json = _encode(payload)
+    except PydanticSerializationError as exc:
+        raise RequestRejected(
+            "InvalidPayload", f"the Payload is not JSON: {serialization_problem(exc)}", "payload"
+        ) from exc
     except (TypeError, ValueError) as exc:
+        if "int_max_str_digits" in str(exc) or "Exceeds the limit" in str(exc):
+            # (raising the process's limit would let it through, to a worker that cannot read it)
+            raise RequestRejected(
+                "InvalidPayload", "the Payload holds an integer of more than 4,300 digits, which a worker cannot "
+                "read back; send it as a string", "payload"
+            ) from exc
         raise RequestRejected(
             "InvalidPayload", f"the Payload is not JSON: {exc}; send JSON values only", "payload"
         ) from exc

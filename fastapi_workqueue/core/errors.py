@@ -83,3 +83,9 @@ class TransportUnavailable(TransportError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, retryable=True)
+
+
+class SessionPoolExhausted(WorkQueueError):
+    """A handler's attempt waited in vain for a connection of the process's session pool (every one
+    held by the process's other requests and handlers): the runtime gives the delivery back without
+    spending a try, and says which setting to raise."""

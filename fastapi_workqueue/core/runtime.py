@@ -19,6 +19,7 @@ import heapq
 import logging
 import math
 import random
+import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -36,12 +37,13 @@ from .context import (
     WorkContext,
     cancelled_by_the_handler,
 )
+from .errors import SessionPoolExhausted
 from .failures import error_text, handler_traceback, storable, summary
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .leases import LocalLease, counting, start_margin
 from .lifecycle import INVALID_OUTCOME_REASON, dead_letters, settlement_for
 from .observe import NO_OBSERVER, Observer
-from .outcomes import FatalWorkError, TransientWorkError
+from .outcomes import Complete, FatalWorkError, TransientWorkError
 from .ports import interrupter_of
 from .redaction import TRACEBACK_TEXT, redact, redacting_logger
 from .request_load import RequestLoad
@@ -63,6 +65,25 @@ from .words import count
 log = redacting_logger("fastapi_workqueue.runtime")
 
 ONCE_BUSY_RETRY_SECONDS = 5.0
+POOL_BUSY_RETRY_SECONDS = 1.0
+"""When a delivery whose attempt found no free database connection comes back."""
+POOL_WARN_SECONDS = 30.0
+_pool_warned: dict[str, float] = {}
+
+
+def _pool_exhausted(exc: BaseException) -> bool:
+    """Whether the attempt failed for want of a database connection of a pool of this process (the
+    session pool, or an engine of the app's own): SessionPoolExhausted, or SQLAlchemy's pool
+    TimeoutError, raised or behind what was raised."""
+    errors = sys.modules.get("sqlalchemy.exc")
+    cause: BaseException | None = exc
+    for _ in range(4):
+        if cause is None:
+            return False
+        if isinstance(cause, SessionPoolExhausted) or (errors is not None and isinstance(cause, errors.TimeoutError)):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 SETTLE_BACKLOG_LIMIT = 1000
 """A consumer claims no more while this many of the process's outcomes wait to be written."""
 PREFETCH_BELOW_SECONDS = 0.05
@@ -875,11 +896,21 @@ class Consumer:
         except Exception as exc:
             if running.signal.aborted and task is not None and task.cancelling():
                 task.uncancel()
-            return self._settlement_for_abort(running) or self._failed(running, exc, settlement_for(*base, exc))
+            aborted = self._settlement_for_abort(running)
+            if aborted is not None:
+                return aborted
+            if _pool_exhausted(exc):  # (the process's shortage, not the message's: no try spent)
+                self._warn_pool(running, exc)
+                return Settlement(*base, "Release", delay_seconds=POOL_BUSY_RETRY_SECONDS, reason=summary(exc))
+            return self._failed(running, exc, settlement_for(*base, exc))
         if running.signal.aborted:
             if task is not None and task.cancelling():
                 task.uncancel()
-            return self._settlement_for_abort(running)
+            finished = outcome is None or isinstance(outcome, Complete)
+            if not (running.signal.reason == AbortReason.SHUTDOWN and finished):
+                return self._settlement_for_abort(running)
+            # (a handler that finished its work anyway, within the shutdown's drain: released, the
+            # work would run again after the restart; its lease is still held, so it completes)
         if self._returned_too_late(running):
             return self._settlement_for_abort(running)
         settlement = settlement_for(*base, outcome)
@@ -887,6 +918,21 @@ class Consumer:
             # (a programming error, logged as a raised one is: the stored error alone says it too late)
             self._log_attempt(running, settlement, settlement.error or INVALID_OUTCOME_REASON)
         return settlement
+
+    def _warn_pool(self, running: _Running, exc: BaseException) -> None:
+        """Says, at most once every :data:`POOL_WARN_SECONDS` per subscription, that an attempt found
+        no free database connection and went back."""
+        now = time.monotonic()
+        if now - _pool_warned.get(self.name, -POOL_WARN_SECONDS) < POOL_WARN_SECONDS:
+            return
+        _pool_warned[self.name] = now
+        log.warning(
+            "%s: delivery %s found no free database connection (%s): it goes back in %g s without spending a try. "
+            "More handlers of this process hold a session at once than its pool has connections: raise "
+            "WORKQUEUE_SESSION_POOL_SIZE (or WORKQUEUE_SESSION_POOL_OVERFLOW) to the subscriptions' concurrency plus "
+            "the requests in flight, or lower the concurrency", self.name, running.delivery.delivery_id,
+            summary(exc), POOL_BUSY_RETRY_SECONDS,
+        )
 
     def _returned_too_late(self, running: _Running) -> bool:
         """True when the handler returned after its lease ran out as this process counts it (it

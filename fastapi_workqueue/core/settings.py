@@ -16,6 +16,7 @@ from .errors import ConfigurationError
 from .host import HostOptions, SubscriptionPlan
 from .redaction import redact, register_secrets
 from .session_pool import SessionPool
+from .topology import MIN_LEASE_SECONDS
 
 ENV_PREFIX = "WORKQUEUE_"
 SUBSCRIPTIONS_EXAMPLE = """WORKQUEUE_SUBSCRIPTIONS='[{"name": "*", "concurrency": 4}]'"""
@@ -127,7 +128,7 @@ class WorkQueueSettings(BaseSettings):
     ``mail,*`` (``*``: every other queue, fairly, at its place). Unset: every queue, fairly."""
     job_concurrency: int = Field(default=4, ge=1)
     """How many jobs this process's host runs at once, over all the queues it takes."""
-    job_lease_seconds: float = Field(default=90.0, gt=0)
+    job_lease_seconds: float = Field(default=90.0, ge=MIN_LEASE_SECONDS)
     """The lease of a job queue's deliveries; a job's timeout plus the stop timeout must fit in it."""
     job_unknown_grace_seconds: float = Field(default=900.0, ge=0, le=86400)
     """How long after its dispatch a job that this worker does not declare, on one of its app's

@@ -22,6 +22,9 @@ StoredStatus = Literal["Active", "Paused", "Retired"]
 HostType = Literal["worker", "external"]
 
 DEFAULT_RETENTION_SECONDS = 7 * 24 * 3600
+MIN_LEASE_SECONDS = 0.5
+"""The shortest lease a subscription (or a job queue) takes: one shorter ran out before its handler
+could start, so every delivery went back unrun and was dead-lettered."""
 JOB_TOPIC_PREFIX = "jobs."
 """The topics (and subscriptions) of the jobs layer's queues: job queue ``Q`` is topic ``jobs.Q``."""
 
@@ -89,7 +92,7 @@ class Subscription(WireModel):
     partition_mode: PartitionMode = "None"
     # Durations at most MAX_DELAY_SECONDS: the stores add them to timestamps, and one that overflows
     # would fail every claim, settle or sweep pass that uses it.
-    lease_seconds: float = Field(default=60, gt=0, le=MAX_DELAY_SECONDS)
+    lease_seconds: float = Field(default=60, ge=MIN_LEASE_SECONDS, le=MAX_DELAY_SECONDS)
     max_attempts: int = Field(default=5, ge=1, le=MAX_ATTEMPTS_LIMIT)
     backoff_base_seconds: float = Field(default=1, ge=0, le=MAX_DELAY_SECONDS)
     backoff_max_seconds: float = Field(default=300, ge=0, le=MAX_DELAY_SECONDS)

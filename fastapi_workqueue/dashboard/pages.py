@@ -3,12 +3,12 @@
 # No ``from __future__ import annotations``: FastAPI reads the route signatures, whose annotations
 # name aliases local to the builder.
 
-from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Request, Security, status
 from fastapi.responses import HTMLResponse
 
+from ..core.clock import store_now
 from ..core.keys import SCOPE_OPERATE, SCOPE_READ, Principal
 from ..core.processes import current_process
 from ..core.topology import SubscriptionState
@@ -45,12 +45,13 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
     @router.get("/processes", response_class=HTMLResponse)
     async def processes(request: Request, principal: Reader) -> HTMLResponse:
         return d.render(request, "processes.html", {
-            "processes": await views.process_list(d.kernel), "now": datetime.now(UTC), "here": current_process().id,
+            "processes": await views.process_list(d.kernel), "now": await store_now(d.kernel.transport),
+            "here": current_process().id,
         }, viewer=viewer(principal))
 
     @router.get("/jobs", response_class=HTMLResponse)
     async def jobs(request: Request, principal: Reader) -> HTMLResponse:
-        return d.render(request, "jobs.html", {"page": await jobs_page(d.jobs(), datetime.now(UTC))},
+        return d.render(request, "jobs.html", {"page": await jobs_page(d.jobs(), await store_now(d.kernel.transport))},
                         viewer=viewer(principal))
 
     @router.get("/search", response_class=HTMLResponse)

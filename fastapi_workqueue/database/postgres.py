@@ -7,6 +7,7 @@ import contextlib
 import functools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from datetime import datetime
 from typing import Any, TypeVar, cast
 
 import asyncpg
@@ -289,6 +290,15 @@ class PostgresTransport(RoutineTransport):
             sql = f"SELECT * FROM workqueue.{routine}({args})"
             self._statements[(routine, names)] = sql
         return sql
+
+    async def store_now(self) -> datetime:
+        """The database's time now (``clock_timestamp()``), or the transport's clock when it was given one."""
+        injected = self._now()
+        if injected is not None:
+            return injected
+        rows = await self._fetch("SELECT clock_timestamp() AS now", [])
+        moment: datetime = rows[0]["now"]
+        return moment
 
     async def _fetch(self, sql: str, values: list[Any]) -> Sequence[Row]:
         pool = self.pool

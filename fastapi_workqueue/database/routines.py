@@ -16,7 +16,7 @@ import time
 import uuid
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar, cast
 
 from ..core.attempts import AttemptInfo
@@ -452,6 +452,12 @@ class RoutineTransport:
         in each), in ``connection``'s transaction; the answers are not read."""
         for params in calls:
             await self.call(routine, connection=connection, **params)
+
+    async def store_now(self) -> datetime:
+        """The time by the store's clock (:func:`..core.clock.store_now`): the transport's clock
+        when it was given one; else the process's, which is an SQLite store's clock (PostgreSQL
+        reads its own)."""
+        return self._now() or datetime.now(UTC)
 
     def _now(self) -> datetime | None:
         """``p_now`` of a claim, heartbeat, settle or sweep: None (the database's clock) unless the

@@ -19,8 +19,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Secret, SecretBytes, SecretStr, TypeAdapter, ValidationError
 from pydantic.errors import PydanticSchemaGenerationError, PydanticUserError
+from pydantic_core import PydanticSerializationError
 
-from ..core.envelope import MAX_ATTEMPTS_LIMIT, MAX_BACKOFF_ENTRIES, MAX_DELAY_SECONDS, MAX_PRIORITY, MIN_PRIORITY
+from ..core.envelope import (
+    MAX_ATTEMPTS_LIMIT,
+    MAX_BACKOFF_ENTRIES,
+    MAX_DELAY_SECONDS,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    serialization_problem,
+)
 from ..core.errors import ConfigurationError
 from ..core.flow import parse_rate
 from .context import JobContext
@@ -168,8 +176,11 @@ class Job:
             value = adapter.validator.validate_python(payload)
         except ValidationError as exc:
             raise JobPayloadInvalid(self.name, _short(exc)) from None
-        try:
-            data = adapter.serializer.to_python(value, mode="json")  # (by field name: `load` reads names)
+        try:  # (by field name: `load` reads names; a model instance is not validated again, so a value
+            # of another type in one of its fields, set after it was built, fails here, not at the worker)
+            data = adapter.serializer.to_python(value, mode="json", warnings="error")
+        except PydanticSerializationError as exc:
+            raise JobPayloadInvalid(self.name, serialization_problem(exc)) from None
         except UnicodeDecodeError as exc:  # bytes that are not UTF-8, which JSON cannot carry as text
             raise JobPayloadInvalid(self.name, (
                 f"bytes that are not UTF-8 ({exc.reason} at byte {exc.start}) cannot be stored as JSON; send them "
@@ -366,3 +377,4 @@ def _read_signature(job: Job) -> Job:
     job.adapter = _json_adapter(name, job.payload_type)
     job.reads_back_checked = _writes_its_own_json(job.payload_type, set())
     return job
+

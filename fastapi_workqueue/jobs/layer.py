@@ -554,8 +554,10 @@ class Jobs:
             raise ValueError(f"unique_until must be 'done' or 'processing', got {unique_until!r}")
         if unique is not None and not (isinstance(unique, str) and unique):
             raise ValueError(f"unique must be a non-empty string key, got {unique!r}")
-        if unique_for <= 0:
-            raise ValueError(f"unique_for must be above 0 seconds, got {unique_for!r}")
+        if isinstance(unique_for, bool) or not isinstance(unique_for, int | float) \
+                or not 0 < unique_for <= MAX_DELAY_SECONDS:  # (NaN too)
+            raise ValueError(f"unique_for must be a number of seconds above 0 and at most {MAX_DELAY_SECONDS:.0f} "
+                             f"(100 years), got {unique_for!r}")
         data = definition.validate(payload)
         target = check_queue_name(queue) if queue is not None else definition.policy.queue
         seconds = _seconds(delay)

@@ -5,20 +5,21 @@ MessageID made from the schedule's name and the tick's time. The store keeps one
 MessageID, so whichever process comes first queues the job and the others are told it exists:
 exactly one dispatch per tick, with no leader that could vanish. A tick missed while every process
 was down is not queued afterwards, unless the schedule has ``catch_up=True``; then the ticks since
-the last one the store knows are queued (at most :data:`MAX_CATCH_UP` of them; none when the store
-knows none of them: a new schedule, or one whose jobs the retention purged).
+the last one the store knows are queued (the newest :data:`MAX_CATCH_UP` of them; none when the
+store knows no earlier tick: a new schedule, or one whose jobs the retention purged).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from ..core.envelope import PublishStatus
+from ..core.envelope import MAX_DELAY_SECONDS, PublishStatus
 from ..core.errors import ConfigurationError, missing_extra
 from ..core.redaction import redacting_logger
 from ..core.tasks import TaskScope
@@ -34,6 +35,12 @@ NAMESPACE = uuid.UUID("6f1c1f0e-5d2a-4f54-9a53-0f3a5b1d7c41")
 LATE_GRACE = timedelta(minutes=1)
 """A tick is still queued when the scheduler sees it this late (it was busy, or just started)."""
 MAX_CATCH_UP = 1000
+"""The most missed ticks a ``catch_up=True`` schedule queues (the newest)."""
+CATCH_UP_PROBES = 13
+"""How far back, in doublings of the newest MAX_CATCH_UP ticks' span, a catch-up looks for a tick the
+store knows when none of those is known (13: 4,096 spans, over 7 years of a minutely schedule)."""
+PROBE_TICKS = 3
+"""Consecutive ticks looked up at each of those points."""
 CLOCK_CHANGE_WINDOW = timedelta(hours=3)
 """How far back a step back in local time looks for a change of the clock (summer time shifts it by
 an hour, two at most anywhere)."""
@@ -97,6 +104,10 @@ class Schedule:
                 ) from None
         elif self.every is not None and self.every.total_seconds() < 1:
             raise ConfigurationError(f"schedule {self.name!r}: every must be at least one second, got {self.every}")
+        elif self.every is not None and self.every.total_seconds() > MAX_DELAY_SECONDS:
+            raise ConfigurationError(
+                f"schedule {self.name!r}: every must be at most 100 years ({MAX_DELAY_SECONDS:.0f} s), "
+                f"got {self.every}")
         elif self.every is not None and not _always_utc(self._tz):
             raise ConfigurationError(
                 f"schedule {self.name!r}: timezone={self.timezone!r} applies to cron schedules; an every= schedule "
@@ -177,6 +188,9 @@ class Schedules:
                     f"schedule {key!r}: every={every!r} is neither a timedelta nor a number of seconds; "
                     "write every=timedelta(minutes=5) or every=300"
                 )
+            if not math.isfinite(every) or every > MAX_DELAY_SECONDS:
+                raise ConfigurationError(f"schedule {key!r}: every={every!r} must be a finite number of seconds, at "
+                                         f"most {MAX_DELAY_SECONDS:.0f} (100 years)")
             every = timedelta(seconds=every)
         if key in self.items:
             raise ConfigurationError(
@@ -244,9 +258,8 @@ class Schedules:
             return on_time
         missed = await self._since_last_known(schedule, latest)
         if missed is None:
-            log.info("schedule %s: the store holds none of its last %d ticks (a new schedule, or its jobs were "
-                     "purged with the retention): nothing to catch up, it runs from now on", schedule.name,
-                     MAX_CATCH_UP)
+            log.info("schedule %s: the store holds none of its earlier ticks (a new schedule, or its jobs were "
+                     "purged with the retention): nothing to catch up, it runs from now on", schedule.name)
             return on_time
         return missed
 
@@ -273,7 +286,20 @@ class Schedules:
             if schedule.tick_id(tick) in known:
                 return sorted(missing)
             missing.append(tick)
+        if await self._known_before(schedule, latest, candidates[-1]):
+            log.warning("schedule %s: every process was down for more than %d of its ticks (since before %s): the "
+                        "newest %d are queued, the older ones are not", schedule.name, MAX_CATCH_UP,
+                        candidates[-1].isoformat(), MAX_CATCH_UP)
+            return sorted(missing)
         return None
+
+    async def _known_before(self, schedule: Schedule, latest: datetime, oldest: datetime) -> bool:
+        """Whether the store knows a tick older than ``oldest``, which tells a schedule that was down
+        longer than MAX_CATCH_UP ticks from one that never ran: the MAX_CATCH_UP ticks before it, and
+        a few ticks at 2, 4, 8 ... times their span further back (up to :data:`CATCH_UP_PROBES`
+        doublings), where a schedule that ran for a while before it went down left ticks."""
+        ids = await asyncio.to_thread(_probe_ids, schedule, latest, oldest)  # (a cron's ticks cost CPU)
+        return bool(ids) and bool(await self._jobs.kernel.transport.known_messages(ids))
 
     async def _dispatch(self, schedule: Schedule, tick: datetime) -> bool:
         jobs = self._jobs
@@ -318,3 +344,21 @@ class Schedules:
             log.error("schedule %s: cannot find its next tick (%s); the other schedules run on", schedule.name, exc)
             return now + timedelta(seconds=60)
 
+
+def _probe_ids(schedule: Schedule, latest: datetime, oldest: datetime) -> list[uuid.UUID]:
+    """The tick ids :meth:`Schedules._known_before` looks up."""
+    span = max(latest - oldest, timedelta(seconds=1))
+    ids: list[uuid.UUID] = []
+    try:
+        tick = schedule.previous_at_or_before(oldest - timedelta(microseconds=1))
+        for _ in range(MAX_CATCH_UP):
+            ids.append(schedule.tick_id(tick))
+            tick = schedule.previous_at_or_before(tick - timedelta(microseconds=1))
+        for power in range(1, CATCH_UP_PROBES):
+            tick = schedule.previous_at_or_before(oldest - span * (2 ** power))
+            for _ in range(PROBE_TICKS):
+                ids.append(schedule.tick_id(tick))
+                tick = schedule.previous_at_or_before(tick - timedelta(microseconds=1))
+    except (OverflowError, ValueError, OSError):  # (before the first year a datetime holds)
+        pass
+    return ids

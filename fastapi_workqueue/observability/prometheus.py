@@ -38,6 +38,7 @@ except ImportError as exc:
 
     raise missing_extra("Prometheus metrics", "prometheus-client", "prometheus") from exc
 
+from ..core.clock import store_now
 from ..core.errors import TransportError
 from ..core.flow import parse_rate
 from ..core.observe import Observer, ProcessScope, PublishScope, topic_label
@@ -260,6 +261,7 @@ class StoreSnapshot:
             try:
                 self.stats = await self.kernel.operator.stats()
                 self.flows = await self._flows()
+                taken_at = await store_now(self.kernel.transport)  # (the clock that stamped the stats' times)
             except (TransportError, RuntimeError) as exc:  # (out of reach, or the queue is not open)
                 if self.store_up:
                     log.warning("metrics: the store's gauges are left out while it cannot be read (%s)", exc)
@@ -268,7 +270,7 @@ class StoreSnapshot:
                 return
             self.store_up = True
             self.read_at = now
-            self.taken_at = datetime.now(UTC)
+            self.taken_at = taken_at
 
     async def _flows(self) -> list[tuple[SubscriptionState, FlowState | None]]:
         reader = self.kernel.ports.flow

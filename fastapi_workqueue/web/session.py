@@ -26,7 +26,7 @@ from ..core.database_url import (
     split_for_sqlalchemy,
     sqlite_path,
 )
-from ..core.errors import ConfigurationError, TransportError
+from ..core.errors import ConfigurationError, SessionPoolExhausted, TransportError
 from ..core.redaction import redacting_logger
 from ..core.request_load import IN_ATTEMPT, RequestLoad
 from ..core.session_pool import SessionPool
@@ -280,6 +280,9 @@ class RequestSessions:
         try:
             gate = self.gate
             if not await gate.acquire(self._wait_seconds):
+                if not counted:  # (a handler's attempt: the runtime gives its delivery back, no try spent)
+                    raise SessionPoolExhausted(
+                        f"every connection of this process's session pool was in use for {self._wait_seconds:g} s")
                 raise _busy()
             try:
                 async with self.sessionmaker() as session:
