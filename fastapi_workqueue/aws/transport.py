@@ -30,6 +30,7 @@ import random
 import time
 import uuid
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..core.envelope import PreparedMessage, PublishError, PublishResult, PublishStatus
@@ -418,10 +419,12 @@ class AwsTransport(Receiving, Settling, OperatorViews):
                 message=f"the envelope is {message.envelope_bytes} bytes; topic {topic!r} accepts at most {cap} "
                 "bytes (max_payload_bytes); send a PayloadRef to the data instead",
             )
-        if message.delay_seconds or message.not_before is not None:
+        held_until = message.not_before
+        if message.delay_seconds or (held_until is not None and held_until > datetime.now(UTC)):
+            # (a NotBefore already past holds nothing back: due now, as on every transport)
             return PublishError(
                 code="Unsupported",
-                field="delay_seconds",
+                field="delay_seconds" if message.delay_seconds else "not_before",
                 message=f"topic {topic!r} is on the aws transport, which cannot delay a publish "
                 "(SNS has no per-message delay); publish without a delay",
             )

@@ -48,6 +48,7 @@ class JobPayloadInvalid(ValueError):
     def __init__(self, job: str, errors: str) -> None:
         super().__init__(f"the payload for job {job!r} is invalid: {errors}")
         self.job = job
+        self.errors = errors
 
 
 _VALID_QUEUES: set[str] = set()
@@ -181,6 +182,10 @@ class Job:
             data = adapter.serializer.to_python(value, mode="json", warnings="error")
         except PydanticSerializationError as exc:
             raise JobPayloadInvalid(self.name, serialization_problem(exc)) from None
+        except (ValueError, RecursionError) as exc:
+            if "depth" not in str(exc) and not isinstance(exc, RecursionError):
+                raise
+            raise JobPayloadInvalid(self.name, "it nests deeper than a payload may (200 levels); flatten it") from None
         except UnicodeDecodeError as exc:  # bytes that are not UTF-8, which JSON cannot carry as text
             raise JobPayloadInvalid(self.name, (
                 f"bytes that are not UTF-8 ({exc.reason} at byte {exc.start}) cannot be stored as JSON; send them "

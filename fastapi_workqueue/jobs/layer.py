@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.envelope import (
     MAX_DELAY_SECONDS,
+    MAX_KEY_LENGTH,
     PreparedMessage,
     PublishRequest,
     PublishResult,
@@ -35,7 +36,15 @@ from ..core.tasks import TaskScope
 from ..core.topology import Subscription, Topic
 from .context import JobContext, StepStore
 from .debounce import debounce_window, dispatch_debounced, stored_key
-from .definition import DEFAULT_TRIES, Job, check_job_name, check_priority, check_queue_name, define_job
+from .definition import (
+    DEFAULT_TRIES,
+    Job,
+    JobPayloadInvalid,
+    check_job_name,
+    check_priority,
+    check_queue_name,
+    define_job,
+)
 from .encryption import PayloadCipher, PayloadUndecryptable, cipher_from
 from .envelope import (
     JOB_ATTRIBUTE,
@@ -85,10 +94,12 @@ UNIQUE_RETRIES = 3
 class JobDispatchError(RuntimeError):
     """The store refused a job (the result says why); nothing of the call was queued."""
 
-    def __init__(self, job: str, result: PublishResult) -> None:
+    def __init__(self, job: str, result: PublishResult, *, item: int | None = None) -> None:
         detail = result.error.message if result.error is not None else result.status.value
-        super().__init__(f"job {job!r} was not queued: {detail}")
+        which = "" if item is None else f" (bulk item {item})"
+        super().__init__(f"job {job!r}{which} was not queued: {detail}")
         self.result = result
+        self.item = item
 
 
 DELAY_FORMS = "a number of seconds (delay=300) or a timedelta (delay=timedelta(minutes=5))"
@@ -390,7 +401,12 @@ class Jobs:
         keyed hash under the app key (``<job>:hmac-sha256:<hex>``), so it is not stored in clear and
         equal keys still meet in every process that has the same WORKQUEUE_APP_KEY."""
         if not job.encrypted:
-            return f"{job.name}:{unique}"
+            stored = f"{job.name}:{unique}"
+            if len(stored) > MAX_KEY_LENGTH:  # (refused as this key, not as the stored one the caller never set)
+                raise ValueError(f"unique is {len(unique)} characters; for job {job.name!r} at most "
+                                 f"{MAX_KEY_LENGTH - len(job.name) - 1} are allowed (the key is stored after the job's "
+                                 "name); pass a shorter key, or a hash of it")
+            return stored
         cipher = self.cipher()
         if cipher is None:
             raise ConfigurationError(
@@ -642,7 +658,10 @@ class Jobs:
             if job is not last:  # (the same job item after item: resolved once)
                 definition, last = resolve(job), job
             assert definition is not None
-            data = definition.validate(payload)
+            try:
+                data = definition.validate(payload)
+            except JobPayloadInvalid as exc:  # (which of the items: nothing is queued)
+                raise JobPayloadInvalid(definition.name, f"bulk item {len(entries)}: {exc.errors}") from None
             target = check_queue_name(options.get("queue") or definition.policy.queue) if options \
                 else definition.policy.queue
             if definition.encrypted:
@@ -676,9 +695,13 @@ class Jobs:
             for topic, indexes in by_topic.items():
                 chosen = entries if len(indexes) == len(entries) else [entries[i] for i in indexes]
                 results = await self._send(topic, chosen, tx)
+                refused = [(index, result) for index, result in zip(indexes, results, strict=True)
+                           if not result.ok or result.message_id is None]
+                if refused:  # (the item that was refused, not the first of those it aborted)
+                    index, result = next(((i, r) for i, r in refused
+                                          if r.error is None or r.error.code != "BatchAborted"), refused[0])
+                    raise JobDispatchError(entries[index][0].name, result, item=index)
                 for index, result in zip(indexes, results, strict=True):
-                    if not result.ok or result.message_id is None:
-                        raise JobDispatchError(entries[index][0].name, result)
                     ids[index] = result.message_id
 
         await self._in_one_transaction(publish_all, session, several=len(by_topic) > 1)

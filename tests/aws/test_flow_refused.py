@@ -39,6 +39,26 @@ async def test_a_priority_on_an_aws_topic_is_refused_at_publish(tmp_path: Path, 
         assert plain.status == PublishStatus.ACCEPTED
 
 
+async def test_a_not_before_already_past_is_due_now_on_an_aws_topic_and_one_ahead_is_refused(
+    tmp_path: Path, moto_url: str
+) -> None:
+    """A NotBefore in the past asks for no delay (due at once, as on every transport): it was
+    refused as "cannot delay a publish"."""
+    from datetime import UTC, datetime, timedelta
+
+    name = unique("t")
+    async with aws_queue(sqlite_url(tmp_path), moto_url, [Topic(name=name, transport="aws")],
+                         [Subscription(name=f"{name}.s", topic=name, handler_key="h")]) as queue:
+        past = datetime(2000, 1, 1, tzinfo=UTC)
+        [taken] = await queue.transport.publish(name, [prepare(PublishRequest(payload={}, not_before=past))])
+        assert taken.status == PublishStatus.ACCEPTED, taken
+        ahead = datetime.now(UTC) + timedelta(minutes=5)
+        [refused] = await queue.transport.publish(name, [prepare(PublishRequest(payload={}, not_before=ahead))])
+        assert refused.status == PublishStatus.REJECTED and refused.error is not None
+        assert (refused.error.code, refused.error.field) == ("Unsupported", "not_before")
+        assert "cannot delay a publish" in refused.error.message
+
+
 @pytest.mark.parametrize(("limits", "named", "why"), [
     ({"max_in_flight": 5}, "max_in_flight=5", "cannot count"),
     ({"key_concurrency": 2}, "key_concurrency=2", "cannot count"),
