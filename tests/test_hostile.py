@@ -59,7 +59,7 @@ from fastapi_workqueue.database import create_database_transport
 from fastapi_workqueue.database.postgres import to_asyncpg_dsn
 
 from .conftest import PG_URL, drop_database, recreate_database, unique
-from .support import FAST, stop_time_in_an_outage, wait_for
+from .support import FAST, delivery_status, stop_time_in_an_outage, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -977,3 +977,53 @@ async def test_a_database_that_goes_away_mid_run(own_database: tuple[str, str]) 
         assert time.monotonic() - started < 3
         health = queue.health()
         assert health.status == "Running" and all(s.state == "Running" for s in health.subscriptions), health
+
+
+async def test_a_settle_that_meets_a_statement_timeout_is_tried_again_not_given_up(
+    own_database: tuple[str, str],
+) -> None:
+    """An operator's lock on the deliveries for 2 s with a statement_timeout of 0.5 s on the
+    database: the settle of a handler that completed then was given up at once ("not retryable";
+    its lease would expire and the handler run again). It is tried again until it is written, and
+    the handler runs once."""
+    url, name = own_database
+    topic, sub = unique("locked"), unique("locked-sub")
+    runs: Counter[str] = Counter()
+    entered, release = asyncio.Event(), asyncio.Event()
+    queue = WorkQueue(
+        WorkQueueSettings(database_url=url, auto_migrate=True, sweeper_interval_ms=200, shutdown_drain_ms=500,
+                          subscriptions=[SubscriptionPlan(name=sub, concurrency=1)]),
+        topics=[Topic(name=topic)],
+        subscriptions=[Subscription(name=sub, topic=topic, handler_key="locked", lease_seconds=30)],
+    )
+
+    @queue.handler("locked")
+    async def work(message: WorkMessage[Any]) -> None:
+        runs[str(message.message_id)] += 1
+        entered.set()
+        await release.wait()
+
+    async with queue.lifespan(None):
+        [result] = await queue.publish(topic, [PublishRequest(payload={})])
+        await asyncio.wait_for(entered.wait(), 10)
+        await admin(f"ALTER DATABASE \"{name}\" SET statement_timeout = '500ms'")
+        await terminate(name)  # (the pooled connections come back with the setting)
+        locker = await asyncpg.connect(to_asyncpg_dsn(url))
+        try:
+            tx = locker.transaction()
+            await tx.start()
+            await locker.execute("SET statement_timeout = 0")
+            await locker.execute("LOCK TABLE workqueue.delivery IN ACCESS EXCLUSIVE MODE")
+            release.set()  # (the handler completes while the table is locked)
+            await asyncio.sleep(2.0)
+            await tx.rollback()
+        finally:
+            await locker.close()
+
+        async def settled() -> Any:
+            info = await delivery_status(queue, sub, result.message_id)
+            return info if info.status == "Completed" else None
+
+        info = await wait_for(settled, within=30)
+        await asyncio.sleep(1.0)  # (a second run would have been claimed by now, were the settle lost)
+    assert info.attempt == 1 and runs[str(result.message_id)] == 1, (info, runs)

@@ -12,6 +12,8 @@ from ..core.errors import ConfigurationError, SchemaMissing, TransportError, Tra
 T = TypeVar("T")
 
 _RETRYABLE_SQLSTATES = {"40001", "40P01", "55P03"}  # serialization, deadlock, lock not available
+_PASSING_SQLSTATES = {"57014"}  # query_canceled: a statement_timeout (a lock held long, a slow server) ends
+_RESOURCES_SQLSTATES_PREFIX = "53"  # insufficient resources: disk full, out of memory, too many connections
 _UNAVAILABLE_SQLSTATES_PREFIX = ("08", "57P")  # connection exceptions, operator intervention
 _MISSING_SCHEMA_SQLSTATES = {"3F000", "42883", "42P01"}  # schema, function, table missing
 _AUTH_SQLSTATES = {"28000", "28P01"}
@@ -57,8 +59,11 @@ def map_error(exc: BaseException, operation: str) -> Exception:
             f"{operation}: the work queue schema is missing or out of date ({text}); run "
             "`queue.migrate()` (or `workqueue migrate`), or set WORKQUEUE_AUTO_MIGRATE=1"
         )
-    if code in _RETRYABLE_SQLSTATES:
+    if code in _RETRYABLE_SQLSTATES or code in _PASSING_SQLSTATES:
         return TransportError(f"{operation}: {text}", retryable=True)
+    if code is not None and code.startswith(_RESOURCES_SQLSTATES_PREFIX):
+        # (the server lacks room or connections now: a settle given up for it runs the handler again)
+        return TransportUnavailable(f"{operation}: the database is short of resources ({text}); retry later")
     if code is not None and (
         code.startswith(_UNAVAILABLE_SQLSTATES_PREFIX)
         # 55000 at connect time: ALTER DATABASE … ALLOW_CONNECTIONS false (maintenance), for a while

@@ -27,7 +27,7 @@ import aiosqlite
 
 from ..core.clock import Clock
 from ..core.database_url import FILE_URL_HINT, missing_sqlite_directory, sqlite_path
-from ..core.errors import ConfigurationError, SchemaMissing, TransportError
+from ..core.errors import ConfigurationError, SchemaMissing, TransportError, TransportUnavailable
 from ..core.reports import BindingIssue
 from ..core.transport import Capabilities
 from . import sqlite_history  # noqa: F401  (registers the stats history routines)
@@ -179,6 +179,8 @@ class SqliteTransport(RoutineTransport):
         self.path = sqlite_path(url)
         self.busy_timeout = busy_timeout_ms / 1000
         self._conn: Any = None
+        self._file: tuple[int, int] | None = None  # (device, inode) of the file as it was opened
+        self._file_path = self.path
         self._lock = asyncio.Lock()
         self._queries = load_queries()
         self._busy_ms = busy_timeout_ms  # what the connection's PRAGMA busy_timeout is set to
@@ -234,6 +236,22 @@ class SqliteTransport(RoutineTransport):
             await conn.close()
             raise
         self._conn = conn
+        self._file_path = _absolute(self.path)  # (as SQLite opened it: a later chdir changes no file)
+        self._file = _file_identity(self._file_path)
+
+    def _check_file(self, operation: str) -> None:
+        """Refuses a write once the file this process opened was deleted or replaced at its path: it
+        would go on into the unlinked file, answer Accepted, and be lost when the process ends
+        (while other processes use a new file at the path)."""
+        opened = self._file
+        if opened is None:
+            return
+        now = _file_identity(self._file_path)
+        if now != opened:
+            raise TransportError(  # (not retried: it does not pass by itself)
+                f"{operation}: the SQLite file {self.path!r} was deleted or replaced while this process had it open; "
+                "what it wrote since is in the old file, which no other process sees: nothing more is written "
+                "to it. Restore the file, or restart the process to open the file at the path")
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -313,6 +331,7 @@ class SqliteTransport(RoutineTransport):
             raise self._busy() from None
         try:
             if write:
+                self._check_file("a write")
                 await self._wait_at_most(conn, deadline)
             try:
                 await conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
@@ -350,6 +369,7 @@ class SqliteTransport(RoutineTransport):
             return await fn(connection, **params)
         operation = routine.replace("_", " ")
         if session is not None:
+            self._check_file(operation)
             executor = _SessionExecutor(session, self._queries)
             try:
                 await executor.begin()
@@ -437,6 +457,22 @@ def _cannot_write(path: str, exc: BaseException) -> ConfigurationError:
     )
 
 
+def _absolute(path: str) -> str:
+    return path if os.path.basename(path) == ":memory:" or "file::memory:" in path else os.path.abspath(path)
+
+
+def _file_identity(path: str) -> tuple[int, int] | None:
+    """The (device, inode) of the file at ``path``; None for an in-memory database, and (0, 0) when
+    nothing is there."""
+    if os.path.basename(path) == ":memory:" or "file::memory:" in path:
+        return None
+    try:
+        found = os.stat(path)
+    except OSError:
+        return (0, 0)
+    return (found.st_dev, found.st_ino)
+
+
 def _mapped(exc: BaseException, operation: str, busy: Callable[[], TransportError]) -> Exception:
     """The driver's error as the library's; ``busy()`` for a locked file (SQLite's own busy handler
     gave up), the one error that says what the bound is and to retry."""
@@ -450,6 +486,8 @@ def _mapped(exc: BaseException, operation: str, busy: Callable[[], TransportErro
         )
     if "locked" in text or "busy" in text:
         return busy()
+    if "disk is full" in text or "disk I/O error" in text:  # (SQLITE_FULL, SQLITE_IOERR: for a while, retried)
+        return TransportUnavailable(f"{operation}: the SQLite file cannot be written now ({text}); retry later")
     return TransportError(f"{operation}: {text}")
 
 

@@ -84,3 +84,50 @@ def test_a_subscription_of_a_job_queues_topic_is_refused_at_declaration() -> Non
                       topics=[Topic(name="orders")],
                       subscriptions=[Subscription(name="jobs.mail", topic="orders", handler_key="mail")])
     assert "jobs.mail" in queue.subscriptions  # (a subscription's own name is free)
+
+
+def test_a_server_short_of_resources_or_a_statement_timeout_is_passing_not_final() -> None:
+    """Disk full, out of connections and a statement timeout were "not retryable": a settle that
+    met one was given up at once (its handler ran again once its lease ran out), and a request's
+    session answered 500 instead of 503 with Retry-After when the server had no connection left."""
+    import sqlite3
+
+    import asyncpg
+
+    from fastapi_workqueue.core.errors import TransportError, TransportUnavailable
+    from fastapi_workqueue.database.errors import map_error
+    from fastapi_workqueue.database.sqlite import _mapped
+
+    for exc in (asyncpg.exceptions.DiskFullError("could not extend file: No space left on device"),
+                asyncpg.exceptions.TooManyConnectionsError("sorry, too many clients already")):
+        mapped = map_error(exc, "settle")
+        assert isinstance(mapped, TransportUnavailable) and mapped.retryable, mapped
+    timed_out = map_error(asyncpg.exceptions.QueryCanceledError("canceling statement due to statement timeout"),
+                          "settle")
+    assert isinstance(timed_out, TransportError) and timed_out.retryable
+    full = _mapped(sqlite3.OperationalError("database or disk is full"), "settle", lambda: TransportError("busy"))
+    assert isinstance(full, TransportUnavailable) and full.retryable
+    refused = map_error(asyncpg.exceptions.CheckViolationError("new row violates check constraint"), "settle")
+    assert isinstance(refused, TransportError) and not refused.retryable
+
+
+async def test_a_publish_after_the_sqlite_file_was_deleted_is_refused_not_lost(tmp_path: Any) -> None:
+    """The file deleted under a running process: every publish answered Accepted into the unlinked
+    file (health 200, nothing logged), and all of it was gone when the process ended."""
+    import contextlib
+    import os
+
+    from fastapi_workqueue import Topic
+    from fastapi_workqueue.core.errors import TransportError
+
+    path = tmp_path / "q.db"
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{path}", auto_migrate=True, enabled=False),
+                      topics=[Topic(name="t")])
+    async with queue.lifespan(None):
+        [first] = await queue.publish("t", [PublishRequest(payload=1)])
+        assert first.status == PublishStatus.ACCEPTED
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(f"{path}{suffix}")
+        with pytest.raises(TransportError, match=r"was deleted or replaced while this process had it open"):
+            await queue.publish("t", [PublishRequest(payload=2)])
