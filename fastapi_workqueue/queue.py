@@ -282,7 +282,8 @@ class WorkQueue:
 
     def add_subscription(self, subscription: Subscription) -> None:
         """Declares a subscription (synced to the store at start-up)."""
-        if is_job_topic(subscription.topic):
+        if is_job_topic(subscription.topic) and subscription.host_type == "worker":  # (an external one is served
+            # outside the host, by a Lambda say)
             raise ConfigurationError(_JOB_TOPIC_NAME.format(
                 what=f"subscription {subscription.name!r} names topic {subscription.topic!r}",
                 name=subscription.topic.removeprefix("jobs.")))

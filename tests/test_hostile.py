@@ -994,7 +994,7 @@ async def test_a_settle_that_meets_a_statement_timeout_is_tried_again_not_given_
         WorkQueueSettings(database_url=url, auto_migrate=True, sweeper_interval_ms=200, shutdown_drain_ms=500,
                           subscriptions=[SubscriptionPlan(name=sub, concurrency=1)]),
         topics=[Topic(name=topic)],
-        subscriptions=[Subscription(name=sub, topic=topic, handler_key="locked", lease_seconds=30)],
+        subscriptions=[Subscription(name=sub, topic=topic, handler_key="locked", lease_seconds=4)],
     )
 
     @queue.handler("locked")
@@ -1025,5 +1025,5 @@ async def test_a_settle_that_meets_a_statement_timeout_is_tried_again_not_given_
             return info if info.status == "Completed" else None
 
         info = await wait_for(settled, within=30)
-        await asyncio.sleep(1.0)  # (a second run would have been claimed by now, were the settle lost)
+        await asyncio.sleep(5.0)  # (past the lease: a lost settle would have brought a second run by now)
     assert info.attempt == 1 and runs[str(result.message_id)] == 1, (info, runs)

@@ -139,8 +139,8 @@ async def test_a_bulk_with_one_envelope_too_large_queues_none() -> None:
     with pytest.raises(JobDispatchError) as caught:
         await queue.bulk([(write, {"text": "a"}), (write, {"text": "x" * 300})])
     assert transport.published == []
-    assert caught.value.result.error is not None
-    assert caught.value.result.error.code == "BatchAborted"
+    assert caught.value.result.error is not None  # (the item refused, not item 0 that was aborted with it)
+    assert (caught.value.result.error.code, caught.value.item) == ("EnvelopeTooLarge", 1)
     with pytest.raises(JobDispatchError, match=r"is \d+ bytes"):
         await queue.dispatch(write, {"text": "x" * 300})
     assert transport.published == []

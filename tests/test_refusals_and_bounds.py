@@ -23,6 +23,11 @@ def test_a_lease_too_short_to_start_a_handler_is_refused(lease: float) -> None:
     with pytest.raises(ConfigurationError, match=r"WORKQUEUE_JOB_LEASE_SECONDS.*greater than or equal to 0\.5"):
         WorkQueueSettings(database_url="sqlite+aiosqlite:///unused.db", job_lease_seconds=lease)
     assert Subscription(name="s", topic="t", handler_key="h", lease_seconds=0.5).lease_seconds == 0.5
+    # What an earlier release stored still reads (the bound is the declaration's, not the store's).
+    from fastapi_workqueue.core.topology import SubscriptionState
+
+    stored = SubscriptionState(id=1, name="s", topic="t", handler_key="h", lease_seconds=0.25)
+    assert stored.lease_seconds == 0.25
 
 
 @pytest.mark.parametrize("every", [float("nan"), float("inf"), 1e12, timedelta(days=365 * 101)])
@@ -131,3 +136,11 @@ async def test_a_publish_after_the_sqlite_file_was_deleted_is_refused_not_lost(t
                 os.remove(f"{path}{suffix}")
         with pytest.raises(TransportError, match=r"was deleted or replaced while this process had it open"):
             await queue.publish("t", [PublishRequest(payload=2)])
+
+
+def test_the_held_time_of_a_groups_message_is_not_taken_for_a_typo() -> None:
+    from fastapi_workqueue.core.envelope import _HELD_UNTIL, prepare
+    from fastapi_workqueue.core.message_state import HELD_UNTIL
+
+    assert _HELD_UNTIL == HELD_UNTIL
+    assert prepare(PublishRequest(payload=1, not_before=HELD_UNTIL)).not_before == HELD_UNTIL

@@ -378,7 +378,10 @@ async def test_a_bad_item_is_422_with_index_and_field_and_nothing_is_published(a
     assert [r["Error"]["Code"] for r in body["results"]] == ["BatchAborted", "InvalidAttribute", "BatchAborted"]
 
     # Refused by the request model: FastAPI's shape, the location names the index and the field.
-    for bad, field_name in (({"Payload": 2, "MaxAttempts": 0}, "MaxAttempts"), ({"Payload": 2, "Bogus": 1}, "Bogus")):
+    # (a true or a "5" for a number was read as 1 or 5)
+    for bad, field_name in (({"Payload": 2, "MaxAttempts": 0}, "MaxAttempts"), ({"Payload": 2, "Bogus": 1}, "Bogus"),
+                            ({"Payload": 2, "Priority": True}, "Priority"),
+                            ({"Payload": 2, "DelaySeconds": "5"}, "DelaySeconds")):
         response = await api.http.post(url, headers=headers, json=[{"MessageID": good[0], "Payload": 1}, bad])
         assert response.status_code == 422, response.text
         jsonschema.validate(response.json(), schema)

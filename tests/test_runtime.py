@@ -411,15 +411,16 @@ async def test_shutdown_aborts_after_drain_and_releases_without_consuming_attemp
 
 
 async def test_a_handler_that_finishes_its_work_after_the_shutdowns_abort_completes_it(pg_url: str) -> None:
-    """A handler that catches the shutdown's abort, finishes its work and returns complete within
-    the second drain completes its delivery: it was released, and the work ran again after the
-    restart. One that stops (raises, or returns a retry) is released without spending a try."""
+    """A handler that catches the shutdown's abort, finishes its work and returns
+    ``Outcome.complete()`` within the second drain completes its delivery: it was released, and the
+    work ran again after the restart. One that stops (raises, returns None or a retry) is released
+    without spending a try."""
     queue, topic, subs = make_queue(pg_url, [{"role": "slow"}], shutdown_drain_ms=500)
     started: set[str] = set()
     runs: list[tuple[str, AbortReason | None]] = []
 
     @queue.handler("slow")
-    async def slow(message: WorkMessage[str], context: WorkContext) -> WorkOutcome:
+    async def slow(message: WorkMessage[str], context: WorkContext) -> WorkOutcome | None:
         started.add(message.payload)
         try:
             await asyncio.sleep(30)
@@ -430,19 +431,24 @@ async def test_a_handler_that_finishes_its_work_after_the_shutdowns_abort_comple
                 return Outcome.complete()
             if message.payload == "retries":
                 return Outcome.retry("stopped by the shutdown")
+            if message.payload == "returns":
+                return None  # (stops as asked: its work is not done)
             raise
         return Outcome.complete()
 
     async with queue.lifespan(None):
-        results = await queue.publish(topic, [PublishRequest(payload=p) for p in ("finishes", "retries", "stops")])
-        await wait_for(lambda: len(started) == 3, within=10)
-    assert sorted(runs) == [(p, AbortReason.SHUTDOWN) for p in ("finishes", "retries", "stops")]
+        kinds = ("finishes", "retries", "stops", "returns")
+        results = await queue.publish(topic, [PublishRequest(payload=p) for p in kinds])
+        await wait_for(lambda: len(started) == 4, within=10)
+    assert sorted(runs) == sorted((p, AbortReason.SHUTDOWN) for p in kinds)
     await queue.open()
     try:
-        finished, retried, stopped = [await delivery_status(queue, subs["slow"], r.message_id) for r in results]
+        finished, retried, stopped, returned = [await delivery_status(queue, subs["slow"], r.message_id)
+                                                for r in results]
         assert (finished.status, finished.attempt) == ("Completed", 1)
         assert (retried.status, retried.attempt) == ("Pending", 0)
         assert (stopped.status, stopped.attempt) == ("Pending", 0)
+        assert (returned.status, returned.attempt) == ("Pending", 0)
     finally:
         await queue.close()
 
@@ -491,6 +497,37 @@ async def test_an_attempt_that_finds_no_free_session_goes_back_without_spending_
     assert sorted(done) == [0, 1, 2, 3]
     said = [r.getMessage() for r in caplog.records if "found no free database connection" in r.getMessage()]
     assert said and "WORKQUEUE_SESSION_POOL_SIZE" in said[0], said
+
+
+async def test_a_handler_that_never_gets_a_session_spends_its_tries_after_a_few_free_give_backs(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sessions at once from a pool of one: the second never comes. Given back without a try
+    for ever, the delivery would never end; after a few free give-backs it spends its tries."""
+    from fastapi_workqueue.core import runtime
+
+    monkeypatch.setattr(runtime, "POOL_FREE_GIVE_BACKS", 2)
+    monkeypatch.setattr(runtime, "POOL_BUSY_RETRY_SECONDS", 0.05)
+    queue, topic, subs = make_queue(pg_url, [{"role": "a", "max_attempts": 2}], concurrency=1,
+                                    session_pool_size=1, session_pool_timeout_ms=100)
+    runs: list[int] = []
+
+    @queue.handler("a")
+    async def handle(message: WorkMessage[int], session: AsyncSession = queue.session) -> WorkOutcome:
+        runs.append(message.attempt)
+        async with queue.sessionmaker() as second:
+            await second.connection()
+        return Outcome.complete()
+
+    async with queue.lifespan(None):
+        await queue.publish(topic, [PublishRequest(payload=1)])
+
+        async def ended() -> Any:
+            [stats] = await queue.stats(subs["a"])
+            return stats if stats.dead_lettered else None
+
+        await wait_for(ended, within=30)
+    assert len(runs) == 2 + 2, runs  # (two free give-backs, then its two tries)
 
 
 async def test_exclusive_keys_never_run_twice_at_once_in_one_process(pg_url: str) -> None:

@@ -470,7 +470,7 @@ class AwsTransport(Receiving, Settling, OperatorViews):
                 'with transport="aws"',
             )
             rejected = PublishStatus.REJECTED
-            return [PublishResult(status=rejected, message_id=m.message_id, error=error) for m in messages]
+            return [PublishResult(status=rejected, message_id=None, error=error) for _ in messages]
         arn = self.topic_arn(topic)
         if arn is None:
             error = PublishError(
@@ -493,7 +493,7 @@ class AwsTransport(Receiving, Settling, OperatorViews):
             return aborted_results(
                 len(messages),
                 {
-                    i: PublishResult(status=PublishStatus.REJECTED, message_id=messages[i].message_id, error=e)
+                    i: PublishResult(status=PublishStatus.REJECTED, message_id=None, error=e)  # (as every store)
                     for i, e in refusals.items()
                 },
             )

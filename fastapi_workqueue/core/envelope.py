@@ -78,12 +78,14 @@ class PublishRequest(WireModel):
     payload_ref: str | None = None
     correlation_id: str | None = None
     deduplication_key: str | None = None
-    deduplication_ttl_seconds: float | None = Field(default=None, gt=0, le=MAX_DELAY_SECONDS, allow_inf_nan=False)
-    delay_seconds: float | None = Field(default=None, ge=0, le=MAX_DELAY_SECONDS, allow_inf_nan=False)
+    # (numbers as numbers: a true or a "5" is a caller's mistake, refused, not read as 1 or 5)
+    deduplication_ttl_seconds: float | None = Field(default=None, gt=0, le=MAX_DELAY_SECONDS, allow_inf_nan=False,
+                                                    strict=True)
+    delay_seconds: float | None = Field(default=None, ge=0, le=MAX_DELAY_SECONDS, allow_inf_nan=False, strict=True)
     not_before: datetime | None = None
-    max_attempts: int | None = Field(default=None, ge=1, le=MAX_ATTEMPTS_LIMIT)
+    max_attempts: int | None = Field(default=None, ge=1, le=MAX_ATTEMPTS_LIMIT, strict=True)
     backoff_seconds: list[float] | None = None
-    priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY, strict=True)
 
 
 class PublishStatus(StrEnum):
@@ -331,6 +333,10 @@ def _attributes_part(attributes: dict[str, Any]) -> tuple[str, int]:
         raise
 
 
+_HELD_UNTIL = datetime(9999, 12, 31, tzinfo=UTC)
+""":data:`.message_state.HELD_UNTIL`: a group's held message, due at no time until released."""
+
+
 def _check_schedule(request: PublishRequest) -> int:
     """Checks the request's times and backoff; answers the size the backoff adds to the envelope."""
     if request.delay_seconds is not None and request.not_before is not None:
@@ -350,7 +356,9 @@ def _check_schedule(request: PublishRequest) -> int:
                 "earlier time", "not_before"
             ) from None
         ahead = (request.not_before - datetime.now(UTC)).total_seconds()
-        if ahead > MAX_DELAY_SECONDS:  # (as DelaySeconds: 2206-01-01 for 2026-01-01 is a typo, not a plan)
+        # (as DelaySeconds: 2206-01-01 for 2026-01-01 is a typo, not a plan; a group's held message
+        # waits until its group releases it, at 9999-12-31)
+        if ahead > MAX_DELAY_SECONDS and request.not_before != _HELD_UNTIL:
             raise RequestRejected(
                 "InvalidField", f"NotBefore {request.not_before.isoformat()} is more than 100 years ahead; a message "
                 "is held back at most 100 years (as DelaySeconds): check the year", "not_before"
@@ -408,8 +416,7 @@ def canonical_json(payload: Any) -> tuple[str, int]:
     stores it; raises :class:`RequestRejected` for what is not JSON or nests too deep."""
     try:
         if type(payload) not in _JSON_TYPES and isinstance(payload, BaseModel):  # (isinstance of a model is slow)
-            # (a model is not validated again: a field set to another type after it was built is refused)
-            payload = payload.model_dump(mode="json", warnings="error")
+            payload = payload.model_dump(mode="json")
         # Keys sorted: the stored form is canonical, so equal content hashes equally.
         payload_json = _encode(payload)
     except PydanticSerializationError as exc:

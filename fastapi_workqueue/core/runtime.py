@@ -68,6 +68,8 @@ ONCE_BUSY_RETRY_SECONDS = 5.0
 POOL_BUSY_RETRY_SECONDS = 1.0
 """When a delivery whose attempt found no free database connection comes back."""
 POOL_WARN_SECONDS = 30.0
+POOL_FREE_GIVE_BACKS = 10
+"""How often one delivery goes back without spending a try for want of a database connection."""
 _pool_warned: dict[str, float] = {}
 
 
@@ -175,6 +177,7 @@ class Consumer:
         self.settler = settler
         self._groups: list[list[SubscriptionState]] = []
         self._claim_each = False
+        self._pool_backs: dict[str, int] = {}  # (delivery id: times given back for want of a connection)
         self.subscription: SubscriptionState
         self._set_groups([[subscription]] if isinstance(subscription, SubscriptionState) else subscription)
         self._name = name or self.subscription.name
@@ -899,18 +902,21 @@ class Consumer:
             aborted = self._settlement_for_abort(running)
             if aborted is not None:
                 return aborted
-            if _pool_exhausted(exc):  # (the process's shortage, not the message's: no try spent)
+            if _pool_exhausted(exc) and self._free_pool_back(running.delivery.delivery_id):
+                # (the process's shortage, not the message's: no try spent, a bounded number of times,
+                # since a handler that always waits in vain, needing two sessions of a pool of one say, would
+                # otherwise come back for ever)
                 self._warn_pool(running, exc)
                 return Settlement(*base, "Release", delay_seconds=POOL_BUSY_RETRY_SECONDS, reason=summary(exc))
             return self._failed(running, exc, settlement_for(*base, exc))
         if running.signal.aborted:
             if task is not None and task.cancelling():
                 task.uncancel()
-            finished = outcome is None or isinstance(outcome, Complete)
-            if not (running.signal.reason == AbortReason.SHUTDOWN and finished):
+            # A handler that says, with an explicit Outcome.complete(), that it finished its work anyway
+            # within the shutdown's drain completes it (released, the work would run again after the
+            # restart; its lease is still held). None is how a handler stops as asked: released.
+            if not (running.signal.reason == AbortReason.SHUTDOWN and isinstance(outcome, Complete)):
                 return self._settlement_for_abort(running)
-            # (a handler that finished its work anyway, within the shutdown's drain: released, the
-            # work would run again after the restart; its lease is still held, so it completes)
         if self._returned_too_late(running):
             return self._settlement_for_abort(running)
         settlement = settlement_for(*base, outcome)
@@ -918,6 +924,17 @@ class Consumer:
             # (a programming error, logged as a raised one is: the stored error alone says it too late)
             self._log_attempt(running, settlement, settlement.error or INVALID_OUTCOME_REASON)
         return settlement
+
+    def _free_pool_back(self, delivery_id: str) -> bool:
+        """Whether a delivery whose attempt found no free connection goes back without spending a try:
+        at most :data:`POOL_FREE_GIVE_BACKS` times in this process; then its attempts count again."""
+        backs = self._pool_backs.get(delivery_id, 0)
+        if backs >= POOL_FREE_GIVE_BACKS:
+            return False
+        if len(self._pool_backs) >= 1000:  # (bounded: the oldest is forgotten)
+            del self._pool_backs[next(iter(self._pool_backs))]
+        self._pool_backs[delivery_id] = backs + 1
+        return True
 
     def _warn_pool(self, running: _Running, exc: BaseException) -> None:
         """Says, at most once every :data:`POOL_WARN_SECONDS` per subscription, that an attempt found

@@ -92,7 +92,7 @@ class Subscription(WireModel):
     partition_mode: PartitionMode = "None"
     # Durations at most MAX_DELAY_SECONDS: the stores add them to timestamps, and one that overflows
     # would fail every claim, settle or sweep pass that uses it.
-    lease_seconds: float = Field(default=60, ge=MIN_LEASE_SECONDS, le=MAX_DELAY_SECONDS)
+    lease_seconds: float = Field(default=60, gt=0, le=MAX_DELAY_SECONDS)
     max_attempts: int = Field(default=5, ge=1, le=MAX_ATTEMPTS_LIMIT)
     backoff_base_seconds: float = Field(default=1, ge=0, le=MAX_DELAY_SECONDS)
     backoff_max_seconds: float = Field(default=300, ge=0, le=MAX_DELAY_SECONDS)
@@ -134,6 +134,12 @@ class Subscription(WireModel):
 
     @model_validator(mode="after")
     def _backoff(self) -> Subscription:
+        if self.lease_seconds < MIN_LEASE_SECONDS and type(self) is Subscription:
+            # (at declaration: a subscription an earlier release stored with a shorter lease still reads)
+            raise ValueError(
+                f"lease_seconds is {self.lease_seconds:g}; at least {MIN_LEASE_SECONDS:g} s is needed (a shorter lease "
+                "runs out before a handler can start: every delivery would go back unrun until it is dead-lettered)"
+            )
         if self.backoff_max_seconds < self.backoff_base_seconds:
             raise ValueError(
                 f"backoff_max_seconds ({self.backoff_max_seconds}) is below backoff_base_seconds "

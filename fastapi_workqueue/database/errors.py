@@ -61,7 +61,8 @@ def map_error(exc: BaseException, operation: str) -> Exception:
         )
     if code in _RETRYABLE_SQLSTATES or code in _PASSING_SQLSTATES:
         return TransportError(f"{operation}: {text}", retryable=True)
-    if code is not None and code.startswith(_RESOURCES_SQLSTATES_PREFIX):
+    if code is not None and code.startswith(_RESOURCES_SQLSTATES_PREFIX) and code != "53400":
+        # (53400, configuration_limit_exceeded: temp_file_limit, a limit a retry meets again)
         # (the server lacks room or connections now: a settle given up for it runs the handler again)
         return TransportUnavailable(f"{operation}: the database is short of resources ({text}); retry later")
     if code is not None and (

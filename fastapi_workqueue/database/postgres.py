@@ -296,7 +296,10 @@ class PostgresTransport(RoutineTransport):
         injected = self._now()
         if injected is not None:
             return injected
-        rows = await self._fetch("SELECT clock_timestamp() AS now", [])
+        try:
+            rows = await self._fetch("SELECT clock_timestamp() AS now", [])
+        except Exception as exc:  # (as every call: the library's own error, which its callers handle)
+            raise map_error(exc, "read the database's time") from exc
         moment: datetime = rows[0]["now"]
         return moment
 

@@ -177,22 +177,33 @@ class Job:
             value = adapter.validator.validate_python(payload)
         except ValidationError as exc:
             raise JobPayloadInvalid(self.name, _short(exc)) from None
-        try:  # (by field name: `load` reads names; a model instance is not validated again, so a value
-            # of another type in one of its fields, set after it was built, fails here, not at the worker)
-            data = adapter.serializer.to_python(value, mode="json", warnings="error")
+        # A model instance is not validated again: one changed after it was built (or built with
+        # model_construct) may hold a value of another type, which the worker would refuse. Its JSON
+        # is read back as the worker reads it, and refused here when it does not read.
+        instance = value is payload and isinstance(payload, BaseModel)
+        try:  # (by field name: `load` reads names)
+            data = adapter.serializer.to_python(value, mode="json", warnings="none" if instance else True)
         except PydanticSerializationError as exc:
             raise JobPayloadInvalid(self.name, serialization_problem(exc)) from None
-        except (ValueError, RecursionError) as exc:
-            if "depth" not in str(exc) and not isinstance(exc, RecursionError):
-                raise
-            raise JobPayloadInvalid(self.name, "it nests deeper than a payload may (200 levels); flatten it") from None
         except UnicodeDecodeError as exc:  # bytes that are not UTF-8, which JSON cannot carry as text
             raise JobPayloadInvalid(self.name, (
                 f"bytes that are not UTF-8 ({exc.reason} at byte {exc.start}) cannot be stored as JSON; send them "
                 "as base64 (a pydantic Base64Bytes field) or store them elsewhere and pass a reference"
             )) from None
+        except (ValueError, RecursionError) as exc:  # (after UnicodeDecodeError, a ValueError too)
+            if "depth" not in str(exc) and not isinstance(exc, RecursionError):
+                raise
+            raise JobPayloadInvalid(self.name, "it nests deeper than a payload may (200 levels); flatten it") from None
         if self.reads_back_checked:
             self._check_reads_back(value, data)
+        elif instance:
+            try:
+                self.load(data)
+            except JobPayloadInvalid as exc:
+                raise JobPayloadInvalid(self.name, (
+                    f"{exc.errors} (a model instance is not validated again: one changed after it was built, or "
+                    "built with model_construct, can hold a value of another type; build it with its constructor "
+                    "or model_validate)")) from None
         return data
 
     def _check_reads_back(self, value: Any, data: Any) -> None:

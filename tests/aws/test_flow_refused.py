@@ -56,6 +56,7 @@ async def test_a_not_before_already_past_is_due_now_on_an_aws_topic_and_one_ahea
         [refused] = await queue.transport.publish(name, [prepare(PublishRequest(payload={}, not_before=ahead))])
         assert refused.status == PublishStatus.REJECTED and refused.error is not None
         assert (refused.error.code, refused.error.field) == ("Unsupported", "not_before")
+        assert refused.message_id is None  # (a refusal carries no MessageID, on every store: nothing was stored)
         assert "cannot delay a publish" in refused.error.message
 
 

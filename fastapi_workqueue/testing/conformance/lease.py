@@ -197,8 +197,9 @@ async def test_c12_expired_lease_makes_delivery_claimable_with_attempt_counted(h
 
 
 async def test_c12_a_short_lease_runs_out_in_real_time(harness: Harness) -> None:
-    """The real-time path: no harness clock, a 0.3 s lease, and sweeps until it is taken back."""
-    lease = 0.3
+    """The real-time path: no harness clock, a 0.5 s lease (the shortest a subscription takes), and
+    sweeps until it is taken back."""
+    lease = 0.5
     world = await make_world(
         harness.transport,
         [{"role": "a", "lease_seconds": lease, "max_attempts": 3, "backoff_base_seconds": 0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -59,7 +60,7 @@ async def test_c03_same_message_id_on_another_topic_is_conflict(harness: Harness
     first = await make_world(harness.transport, [{"role": "a"}])
     second = await make_world(harness.transport, [{"role": "b"}])
     mid = uuid.uuid4()
-    extra: dict[str, str] = {
+    extra: dict[str, Any] = {
         "plain": {}, "partition-key": {"partition_key": "k"}, "deduplication-key": {"deduplication_key": "d"},
     }[shape]
     [accepted] = await first.publish(PublishRequest(message_id=mid, payload={"v": 1}, **extra))
@@ -83,7 +84,7 @@ async def test_c03_retry_after_the_topic_retired_is_duplicate(harness: Harness, 
     if lifecycle is None:
         pytest.skip(f"{harness.name}: topics cannot be retired (TopologyLifecycle)")
     world = await make_world(harness.transport, [{"role": "a"}])
-    extra: dict[str, str] = {
+    extra: dict[str, Any] = {
         "plain": {}, "partition-key": {"partition_key": "k"}, "deduplication-key": {"deduplication_key": "d"},
         "batch": {},
     }[shape]
