@@ -64,14 +64,16 @@ def time_to_pass(clock: Clock) -> datetime | None:
     return moment
 
 
-async def store_now(transport: object) -> datetime:
-    """The time by the store's clock, for ages of what it stamped (the oldest Pending delivery's
-    wait, a delivery's time in flight): the database's own where it has one (a process whose
-    clock is off from the database's would otherwise read ages that are off by as much), the
-    transport's clock where it was given one, the process's otherwise."""
-    reader = getattr(transport, "store_now", None)
-    if reader is not None:
-        moment: datetime = await reader()
-        return moment
-    clock = getattr(transport, "clock", None)
-    return clock.now() if isinstance(clock, Clock) else datetime.now(UTC)
+
+@runtime_checkable
+class StoreClock(Protocol):
+    """A transport that tells the time by its store's clock (the database's, where it has one)."""
+
+    async def store_now(self) -> datetime: ...
+
+
+async def store_now(clock: StoreClock | None) -> datetime:
+    """The time by the store's clock (``queue.ports.clock``), for ages of what it stamped (the
+    oldest Pending delivery's wait, a delivery's time in flight): a process whose clock is off from
+    the database's would otherwise read ages off by as much. The process's clock without one."""
+    return datetime.now(UTC) if clock is None else await clock.store_now()

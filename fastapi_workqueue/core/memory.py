@@ -251,6 +251,10 @@ class MemoryTransport:
     def _now(self) -> datetime:
         return self.clock.now()
 
+    async def store_now(self) -> datetime:
+        """The time by this store's clock."""
+        return self.clock.now()
+
     def _draw(self) -> float:
         draw = float(self.rng.random())
         if not 0.0 <= draw < 1.0:

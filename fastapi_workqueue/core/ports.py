@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from .attempts import AttemptHistoryReader
+from .clock import StoreClock
 from .history import StatsHistoryReader
 from .keys import ApiKeyStore
 from .live_work import FlowStateReader, LiveWorkReader
@@ -70,6 +71,8 @@ class Ports:
     """Announces the end of a watched delivery (``wait`` without polling): behind a router, the database's."""
     flow: FlowStateReader | None = None
     """How full the flow limits are (behind a router: the database's, where the limits hold)."""
+    clock: StoreClock | None = None
+    """The store's time (behind a router: the database's, whose stamps the reports carry)."""
 
     @classmethod
     def of(cls, transport: Transport) -> Ports:
@@ -92,6 +95,7 @@ class Ports:
             state=database if isinstance(database, MessageState) else None,
             ends=database if isinstance(database, EndWatcher) else None,
             flow=database if isinstance(database, FlowStateReader) else None,
+            clock=database if isinstance(database, StoreClock) else None,
         )
 
     def for_topic(self, topic: str) -> Transport:

@@ -45,14 +45,14 @@ def build_pages(d: Dashboard, authorize: Authorizer) -> APIRouter:
     @router.get("/processes", response_class=HTMLResponse)
     async def processes(request: Request, principal: Reader) -> HTMLResponse:
         return d.render(request, "processes.html", {
-            "processes": await views.process_list(d.kernel), "now": await store_now(d.kernel.transport),
+            "processes": await views.process_list(d.kernel), "now": await store_now(d.kernel.ports.clock),
             "here": current_process().id,
         }, viewer=viewer(principal))
 
     @router.get("/jobs", response_class=HTMLResponse)
     async def jobs(request: Request, principal: Reader) -> HTMLResponse:
-        return d.render(request, "jobs.html", {"page": await jobs_page(d.jobs(), await store_now(d.kernel.transport))},
-                        viewer=viewer(principal))
+        now = await store_now(d.kernel.ports.clock)
+        return d.render(request, "jobs.html", {"page": await jobs_page(d.jobs(), now)}, viewer=viewer(principal))
 
     @router.get("/search", response_class=HTMLResponse)
     async def search(

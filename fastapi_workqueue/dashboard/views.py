@@ -126,7 +126,7 @@ async def counts_of(kernel: Kernel, subscription: str | None = None,
     """The live counts by subscription: bounded where the transport offers it, else stats."""
     live = kernel.ports.live_work
     if live is not None:
-        before = stuck_before(kernel, now or await store_now(kernel.transport))
+        before = stuck_before(kernel, now or await store_now(kernel.ports.clock))
         return {c.subscription: c for c in await live.live_counts(subscription, stuck_before=before)}
     return {
         s.subscription: LiveCounts(subscription=s.subscription, pending=s.pending, in_flight=s.in_flight,
@@ -186,7 +186,7 @@ async def attention(kernel: Kernel, rows: list[SubscriptionRow], served: dict[st
     threshold, claimable work waiting longer than it; alerts before warnings, then by subscription."""
     found: list[Attention] = []
     live = kernel.ports.live_work
-    now = now or await store_now(kernel.transport)
+    now = now or await store_now(kernel.ports.clock)
     limit = kernel.settings.dashboard_stuck_after_seconds
     for row in rows:
         state, counts = row.state, row.counts
@@ -235,7 +235,7 @@ def _many(value: int, cap: int, noun: str) -> str:
 
 
 async def overview(kernel: Kernel) -> Overview:
-    now = await store_now(kernel.transport)  # (the clock that stamped what the page shows the age of)
+    now = await store_now(kernel.ports.clock)  # (the clock that stamped what the page shows the age of)
     topics = {t.name: TopicView(name=t.name, status=getattr(t, "status", "Active"))
               for t in await kernel.transport.list_topics()}
     subscriptions = await kernel.transport.list_subscriptions()
@@ -262,7 +262,7 @@ async def find_subscription(kernel: Kernel, name: str) -> SubscriptionState | No
 
 async def subscription_page(kernel: Kernel, jobs: Callable[[], Jobs], state: SubscriptionState,
                             after: str | None) -> SubscriptionPage:
-    now = await store_now(kernel.transport)
+    now = await store_now(kernel.ports.clock)
     name = state.name
     history, has_history = await history_of(kernel, now, name)
     row = _row(state, await counts_of(kernel, name, now), _health_by_name(kernel), history)

@@ -180,7 +180,7 @@ class Job:
         # A model instance is not validated again: one changed after it was built (or built with
         # model_construct) may hold a value of another type, which the worker would refuse. Its JSON
         # is read back as the worker reads it, and refused here when it does not read.
-        instance = value is payload and isinstance(payload, BaseModel)
+        instance = value is payload and type(payload) is not dict and isinstance(payload, BaseModel)
         try:  # (by field name: `load` reads names)
             data = adapter.serializer.to_python(value, mode="json", warnings="none" if instance else True)
         except PydanticSerializationError as exc:

@@ -261,7 +261,7 @@ class StoreSnapshot:
             try:
                 self.stats = await self.kernel.operator.stats()
                 self.flows = await self._flows()
-                taken_at = await store_now(self.kernel.transport)  # (the clock that stamped the stats' times)
+                taken_at = await store_now(self.kernel.ports.clock)  # (the clock that stamped the stats' times)
             except (TransportError, RuntimeError) as exc:  # (out of reach, or the queue is not open)
                 if self.store_up:
                     log.warning("metrics: the store's gauges are left out while it cannot be read (%s)", exc)
