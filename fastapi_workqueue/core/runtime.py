@@ -72,20 +72,6 @@ POOL_FREE_GIVE_BACKS = 10
 """How often one delivery goes back without spending a try for want of a database connection."""
 _pool_warned: dict[str, float] = {}
 
-
-def _pool_exhausted(exc: BaseException) -> bool:
-    """Whether the attempt failed for want of a database connection of a pool of this process (the
-    session pool, or an engine of the app's own): SessionPoolExhausted, or SQLAlchemy's pool
-    TimeoutError, raised or behind what was raised."""
-    errors = sys.modules.get("sqlalchemy.exc")
-    cause: BaseException | None = exc
-    for _ in range(4):
-        if cause is None:
-            return False
-        if isinstance(cause, SessionPoolExhausted) or (errors is not None and isinstance(cause, errors.TimeoutError)):
-            return True
-        cause = cause.__cause__ or cause.__context__
-    return False
 SETTLE_BACKLOG_LIMIT = 1000
 """A consumer claims no more while this many of the process's outcomes wait to be written."""
 PREFETCH_BELOW_SECONDS = 0.05
@@ -143,6 +129,21 @@ class _Running:
 
 Groups = Sequence[Sequence[SubscriptionState]]
 """Subscriptions one consumer serves: groups in strict order, the subscriptions of a group fairly."""
+
+
+def _pool_exhausted(exc: BaseException) -> bool:
+    """Whether the attempt failed for want of a database connection of a pool of this process (the
+    session pool, or an engine of the app's own): SessionPoolExhausted, or SQLAlchemy's pool
+    TimeoutError, raised or behind what was raised."""
+    errors = sys.modules.get("sqlalchemy.exc")
+    cause: BaseException | None = exc
+    for _ in range(4):
+        if cause is None:
+            return False
+        if isinstance(cause, SessionPoolExhausted) or (errors is not None and isinstance(cause, errors.TimeoutError)):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 class Consumer:
