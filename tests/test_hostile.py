@@ -38,6 +38,8 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core.result import Ok
 from schemathesis.generation.modes import GenerationMode
 from schemathesis.python import asgi as schemathesis_asgi
+from sqlalchemy import text as sql_text
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from fastapi_workqueue import (
     ConfigurationError,
@@ -1027,3 +1029,46 @@ async def test_a_settle_that_meets_a_statement_timeout_is_tried_again_not_given_
         info = await wait_for(settled, within=30)
         await asyncio.sleep(5.0)  # (past the lease: a lost settle would have brought a second run by now)
     assert info.attempt == 1 and runs[str(result.message_id)] == 1, (info, runs)
+
+
+async def test_a_request_session_answers_503_when_the_server_has_no_connection_left(
+    own_database: tuple[str, str],
+) -> None:
+    """The app's login at its connection limit (SQLSTATE 53300, as a full max_connections): an
+    endpoint that takes ``queue.session`` answered 500 with the driver's traceback; it answers 503
+    with Retry-After, as for a database out of reach, and 200 once a connection is free again."""
+    url, name = own_database
+    role = f"wq_limited_{os.getpid()}"
+    await admin(f'DROP ROLE IF EXISTS "{role}"')
+    await admin(f"CREATE ROLE \"{role}\" LOGIN PASSWORD 'pw'")
+    await admin(f'ALTER DATABASE "{name}" OWNER TO "{role}"')
+    limited = url.replace("postgres@", f"{role}:pw@", 1)
+    assert limited != url
+    queue = WorkQueue(WorkQueueSettings(database_url=limited, auto_migrate=True, enabled=False))
+    app = FastAPI(lifespan=queue.lifespan)
+
+    @app.get("/count")
+    async def count(session: AsyncSession = queue.session) -> dict[str, int]:
+        return {"one": (await session.execute(sql_text("SELECT 1"))).scalar_one()}
+
+    try:
+        async with queue.lifespan(app), client(app) as http:
+            held = int(await admin("SELECT count(*) FROM pg_stat_activity WHERE usename = $1", role))
+            await admin(f'ALTER ROLE "{role}" CONNECTION LIMIT {held}')  # (none more for the request)
+            try:
+                refused = await http.get("/count")
+            finally:
+                await admin(f'ALTER ROLE "{role}" CONNECTION LIMIT -1')
+            assert refused.status_code == 503, refused.text
+            assert refused.headers.get("retry-after") is not None
+            served = await http.get("/count")
+            assert served.status_code == 200 and served.json() == {"one": 1}
+    finally:
+        await terminate(name)
+        await admin(f'ALTER DATABASE "{name}" OWNER TO postgres')
+        inside = await asyncpg.connect(to_asyncpg_dsn(url))
+        try:
+            await inside.execute(f'REASSIGN OWNED BY "{role}" TO postgres; DROP OWNED BY "{role}"')
+        finally:
+            await inside.close()
+        await admin(f'DROP ROLE IF EXISTS "{role}"')
