@@ -139,8 +139,7 @@ async def test_a_publish_after_the_sqlite_file_was_deleted_is_refused_not_lost(t
 
 
 def test_the_held_time_of_a_groups_message_is_not_taken_for_a_typo() -> None:
-    from fastapi_workqueue.core.envelope import _HELD_UNTIL, prepare
+    from fastapi_workqueue.core.envelope import prepare
     from fastapi_workqueue.core.message_state import HELD_UNTIL
 
-    assert _HELD_UNTIL == HELD_UNTIL
     assert prepare(PublishRequest(payload=1, not_before=HELD_UNTIL)).not_before == HELD_UNTIL

@@ -70,7 +70,6 @@ POOL_BUSY_RETRY_SECONDS = 1.0
 POOL_WARN_SECONDS = 30.0
 POOL_FREE_GIVE_BACKS = 10
 """How often one delivery goes back without spending a try for want of a database connection."""
-_pool_warned: dict[str, float] = {}
 
 SETTLE_BACKLOG_LIMIT = 1000
 """A consumer claims no more while this many of the process's outcomes wait to be written."""
@@ -179,6 +178,7 @@ class Consumer:
         self._groups: list[list[SubscriptionState]] = []
         self._claim_each = False
         self._pool_backs: dict[str, int] = {}  # (delivery id: times given back for want of a connection)
+        self._pool_warned_at = -math.inf
         self.subscription: SubscriptionState
         self._set_groups([[subscription]] if isinstance(subscription, SubscriptionState) else subscription)
         self._name = name or self.subscription.name
@@ -938,12 +938,12 @@ class Consumer:
         return True
 
     def _warn_pool(self, running: _Running, exc: BaseException) -> None:
-        """Says, at most once every :data:`POOL_WARN_SECONDS` per subscription, that an attempt found
+        """Says, at most once every :data:`POOL_WARN_SECONDS` per consumer, that an attempt found
         no free database connection and went back."""
         now = time.monotonic()
-        if now - _pool_warned.get(self.name, -POOL_WARN_SECONDS) < POOL_WARN_SECONDS:
+        if now - self._pool_warned_at < POOL_WARN_SECONDS:
             return
-        _pool_warned[self.name] = now
+        self._pool_warned_at = now
         log.warning(
             "%s: delivery %s found no free database connection (%s): it goes back in %g s without spending a try. "
             "More handlers of this process hold a session at once than its pool has connections: raise "

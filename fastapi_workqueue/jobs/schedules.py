@@ -129,6 +129,13 @@ class Schedule:
         ticks.reverse()
         return ticks
 
+    def ticks_back(self, moment: datetime, count: int) -> list[datetime]:
+        """The ``count`` ticks at or before ``moment``, newest first."""
+        ticks = [self.previous_at_or_before(moment)]
+        while len(ticks) < count:
+            ticks.append(self.previous_at_or_before(ticks[-1] - timedelta(microseconds=1)))
+        return ticks
+
     def next_after(self, moment: datetime) -> datetime:
         """The first tick after ``moment`` (UTC in, UTC out)."""
         if self.every is not None:
@@ -267,9 +274,7 @@ class Schedules:
                             look_back: int = LOOK_BACK) -> datetime | None:
         """The newest of the schedule's last ``look_back`` ticks that the store holds a job for
         (queued by any process), or None (none of them; or pruned since)."""
-        ticks = [schedule.previous_at_or_before(now or datetime.now(UTC))]
-        while len(ticks) < look_back:
-            ticks.append(schedule.previous_at_or_before(ticks[-1] - timedelta(microseconds=1)))
+        ticks = schedule.ticks_back(now or datetime.now(UTC), look_back)
         known = await self._jobs.kernel.transport.known_messages([schedule.tick_id(t) for t in ticks])
         return next((tick for tick in ticks if schedule.tick_id(tick) in known), None)
 
@@ -277,9 +282,7 @@ class Schedules:
         """Ticks after the newest one the store has a message for, up to ``latest``; None when it
         has none of the last MAX_CATCH_UP: there is nothing to count from (every one of them would
         be queued for a schedule that never ran)."""
-        candidates = [latest]
-        while len(candidates) < MAX_CATCH_UP:
-            candidates.append(schedule.previous_at_or_before(candidates[-1] - timedelta(microseconds=1)))
+        candidates = schedule.ticks_back(latest, MAX_CATCH_UP)
         known = await self._jobs.kernel.transport.known_messages([schedule.tick_id(t) for t in candidates])
         missing: list[datetime] = []
         for tick in candidates:
@@ -348,17 +351,11 @@ class Schedules:
 def _probe_ids(schedule: Schedule, latest: datetime, oldest: datetime) -> list[uuid.UUID]:
     """The tick ids :meth:`Schedules._known_before` looks up."""
     span = max(latest - oldest, timedelta(seconds=1))
-    ids: list[uuid.UUID] = []
+    ticks: list[datetime] = []
     try:
-        tick = schedule.previous_at_or_before(oldest - timedelta(microseconds=1))
-        for _ in range(MAX_CATCH_UP):
-            ids.append(schedule.tick_id(tick))
-            tick = schedule.previous_at_or_before(tick - timedelta(microseconds=1))
+        ticks += schedule.ticks_back(oldest - timedelta(microseconds=1), MAX_CATCH_UP)
         for power in range(1, CATCH_UP_PROBES):
-            tick = schedule.previous_at_or_before(oldest - span * (2 ** power))
-            for _ in range(PROBE_TICKS):
-                ids.append(schedule.tick_id(tick))
-                tick = schedule.previous_at_or_before(tick - timedelta(microseconds=1))
+            ticks += schedule.ticks_back(oldest - span * (2 ** power), PROBE_TICKS)
     except (OverflowError, ValueError, OSError):  # (before the first year a datetime holds)
         pass
-    return ids
+    return [schedule.tick_id(tick) for tick in ticks]
