@@ -20,6 +20,7 @@ from .processes import ProcessBeat, current_process
 from .redaction import redacting_logger
 from .request_load import RequestLoad
 from .runtime import Consumer, Resolver, Settler
+from .stalls import stall_reason
 from .tasks import TaskScope
 from .topology import SubscriptionState, is_job_topic
 from .transport import Transport
@@ -104,6 +105,9 @@ class HostOptions:
     sweeper_interval_ms: int = 60000
     reconcile_interval_ms: int = 30000
     sweep_batch: int = 1000
+    stalled_store_call_ms: int = 30000
+    """A claim or a settle that has waited this long for the store is logged and puts the
+    subscriptions it holds up in Error (:mod:`.stalls`); 0 turns the look off."""
     principal: str | None = None
     observer: Observer = NO_OBSERVER
     """Sees publishes, attempts and settles (traces and metrics)."""
@@ -111,6 +115,16 @@ class HostOptions:
     """The requests this process serves, which its consumers yield to (:mod:`.request_load`)."""
     on_taken_back: Callable[[Sequence[TakenBack]], None] | None = None
     """Hears the leases each sweeper pass took back (must not raise)."""
+
+
+def _stall_of(consumer: Consumer, after: float, settles_stalled: float | None) -> str | None:
+    """Why a consumer's subscriptions are held up by a call that waits too long, or None."""
+    claim_stalled = consumer.claim_watch.stalled(after)
+    if claim_stalled is not None:
+        return stall_reason("its claim", claim_stalled)
+    if settles_stalled is not None:
+        return stall_reason("writing this process's settles", settles_stalled)
+    return None
 
 
 RETRY_KEEPS_KEY_BUSY = (
@@ -238,6 +252,8 @@ class Host:
             self._loops.spawn(self._sweep_loop(), name="workqueue-sweeper")
         if self.options.reconcile_interval_ms > 0:
             self._loops.spawn(self._reconcile_loop(), name="workqueue-reconcile")
+        if self.options.stalled_store_call_ms > 0:
+            self._loops.spawn(self._stall_loop(), name="workqueue-stalls")
 
     async def stop(self) -> None:
         """Stops claiming everywhere, drains (SPEC §4), releases leftovers, stops the loops."""
@@ -558,6 +574,8 @@ class Host:
     def health(self) -> list[SubscriptionHealth]:
         """Each planned subscription's state, with what runs now."""
         report = []
+        after = self.options.stalled_store_call_ms / 1000
+        settles_stalled = self.settler.watch.stalled(after)
         for name, entry in sorted(self._health.items()):
             consumer = self.consumers.get(name)
             group = None if consumer is not None else self._consumer_of.get(name)
@@ -576,10 +594,25 @@ class Host:
                                                  "reason_is_detail": detail})
             elif consumer is not None:
                 entry = entry.model_copy(update={"active": consumer.active})
+            serving = consumer or group
+            if entry.state == "Running" and serving is not None:
+                stalled = _stall_of(serving, after, settles_stalled)
+                if stalled is not None:
+                    entry = entry.model_copy(update={"state": "Error", "reason": stalled})
             report.append(entry)
         return report
 
     # -- loops -------------------------------------------------------------------------------
+
+    async def _stall_loop(self) -> None:
+        """Looks at the claims and settles under way every few seconds: one that has waited
+        ``stalled_store_call_ms`` is logged once (and again when it returns, :mod:`.stalls`)."""
+        after = self.options.stalled_store_call_ms / 1000
+        while True:
+            await asyncio.sleep(min(max(after / 4, 0.05), 5.0))
+            self.settler.watch.check(after)
+            for consumer in self._all_consumers():
+                consumer.claim_watch.check(after)
 
     def _on_wakeup(self, subscription_id: str) -> None:
         if subscription_id == WAKE_ALL:

@@ -48,6 +48,7 @@ from .ports import interrupter_of
 from .redaction import TRACEBACK_TEXT, redact, redacting_logger
 from .request_load import RequestLoad
 from .settler import Settler
+from .stalls import StallWatch
 from .tasks import TaskScope, cancel_and_wait
 from .topology import SubscriptionState
 from .transport import (
@@ -237,6 +238,8 @@ class Consumer:
         self._loop_state: ClaimLoopState = "claiming"
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.last_error: str | None = None
+        self.claim_watch = StallWatch(f"{self._name}: a claim", clock)
+        """The claim under way, for the host's look at calls that wait too long (:mod:`.stalls`)."""
 
     # -- control -----------------------------------------------------------------------------
 
@@ -483,7 +486,11 @@ class Consumer:
                 load.busy_claims += 1
             try:
                 sent_at = self._claim_sent_at = self._clock()
-                batch = await self._claim_within_budget(free) if self._groups else []
+                self.claim_watch.begin()
+                try:
+                    batch = await self._claim_within_budget(free) if self._groups else []
+                finally:
+                    self.claim_watch.end()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

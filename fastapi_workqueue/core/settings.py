@@ -85,6 +85,10 @@ class WorkQueueSettings(BaseSettings):
     """Time between sweeper passes (the dashboard's chart gets a point a minute at most)."""
     reconcile_interval_ms: int = Field(default=30000, ge=0)
     """How often the host reads the subscriptions again (a pause, a resume, a new one); 0 turns it off."""
+    stalled_store_call_ms: int = Field(default=30000, ge=0)
+    """A claim or a settle that has waited this long for the store (a lock another session holds,
+    a stalled store) is logged at WARNING and puts the subscriptions it holds up in Error, so
+    health answers 503 until it returns; 0 turns the look off."""
     disable_host: bool = False
     """``WORKQUEUE_DISABLE_HOST=1`` keeps the host off in one process without touching the rest."""
     auto_migrate: bool | None = None
@@ -260,6 +264,7 @@ class WorkQueueSettings(BaseSettings):
             sweeper_enabled=self.sweeper_enabled,
             sweeper_interval_ms=self.sweeper_interval_ms,
             reconcile_interval_ms=self.reconcile_interval_ms,
+            stalled_store_call_ms=self.stalled_store_call_ms,
             principal=self.system_principal,
         )
 

@@ -11,6 +11,7 @@ from typing import TypeVar
 from .errors import TransportError
 from .observe import NO_OBSERVER, Observer
 from .redaction import redacting_logger
+from .stalls import StallWatch
 from .tasks import TaskScope
 from .transport import Settlement, SettleResult, Transport
 from .words import count
@@ -49,6 +50,8 @@ class Settler:
         self._give_up_at: float | None = None
         """A stop's deadline (monotonic): a batch the store has not taken by then is given up."""
         self._stopping = asyncio.Event()
+        self.watch = StallWatch("writing settles")
+        """The write under way, for the host's look at calls that wait too long (:mod:`.stalls`)."""
         self._attempt_timeout: asyncio.Timeout | None = None
         """The timeout of the write under way: a stop that begins while it waits on the store moves
         it to the stop's deadline."""
@@ -201,8 +204,10 @@ class Settler:
                     async with asyncio.timeout_at(
                         None if self._give_up_at is None else self._loop_deadline()
                     ) as self._attempt_timeout:
+                        self.watch.begin()
                         await attempt
                 finally:
+                    self.watch.end()
                     self._attempt_timeout = None
                 results: list[SettleResult | None] = [written.get(id(s)) for s in settlements]
                 break
