@@ -4,6 +4,7 @@ of one process wait at once, and then fails with a retryable error; nothing is l
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +22,19 @@ pytestmark = pytest.mark.timeout(60)
 
 BOUND_MS = 1500
 PUBLISHERS = 5
+
+TRY_LOCK = """
+import sqlite3, sys, time
+conn = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=float(sys.argv[2]))
+started = time.monotonic()
+try:
+    conn.execute("BEGIN IMMEDIATE")
+except sqlite3.OperationalError as exc:
+    print("refused", exc, flush=True)
+else:
+    conn.execute("ROLLBACK")
+    print("took", time.monotonic() - started, flush=True)
+"""
 
 HOLD_LOCK = """
 import sqlite3, sys, time
@@ -156,5 +170,33 @@ async def test_a_caller_cancelled_as_the_lock_is_granted_is_cancelled(tmp_path: 
             with pytest.raises(asyncio.CancelledError):
                 await call
             assert not transport._lock.locked()
+    finally:
+        await transport.close()
+
+
+async def test_a_blocked_event_loop_does_not_hold_the_files_write_lock(tmp_path: Path) -> None:
+    """A process whose event loop blocks (a handler's ``time.sleep``) just after one of its writes
+    began: the write runs to its end on the connection's thread, so another process gets the write
+    lock at once, not after the block (it waited, and its heartbeats with it: its leases ran out)."""
+    transport, topic = await queue_file(tmp_path)
+    try:
+        assert transport._conn is not None
+        sent: list[str] = []  # the statements the transport's connection starts, on its thread
+        await transport._conn.set_trace_callback(sent.append)
+        for turn in range(3):
+            sent.clear()
+            publish = asyncio.create_task(transport.publish(topic, [prepare(PublishRequest(payload=turn))]))
+            deadline = time.monotonic() + 5
+            while "BEGIN IMMEDIATE" not in sent:  # (the publish has begun its transaction)
+                assert time.monotonic() < deadline, sent
+                await asyncio.sleep(0)
+            other = subprocess.Popen(  # noqa: ASYNC220 (started while the event loop blocks, on purpose)
+                [sys.executable, "-c", TRY_LOCK, transport.path, "1.0"], stdout=subprocess.PIPE, text=True)
+            time.sleep(3.0)  # noqa: ASYNC251 (the event loop blocks, as a handler's sleep would block it)
+            answer, _ = other.communicate(timeout=10)
+            [result] = await transport.publish(topic, [prepare(PublishRequest(payload="after"))])
+            assert (await publish)[0].ok and result.ok
+            assert answer.startswith("took"), answer  # (before: "refused database is locked")
+            assert float(answer.split()[1]) < 0.5, answer
     finally:
         await transport.close()

@@ -36,6 +36,7 @@ from .routines import RandomSource, RoutineTransport, Row
 from .session import after_commit
 from .sql_files import read
 from .sqlite_routines import READ_ONLY, ROUTINES, Call
+from .sqlite_thread import CallerGone, Cancelled, ThreadConnection, run_to_end
 
 _CREATED_TABLE = re.compile(r"^CREATE TABLE (?:IF NOT EXISTS )?(\w+)", re.MULTILINE | re.IGNORECASE)
 """The tables a migration creates."""
@@ -73,27 +74,28 @@ def split_statements(script: str) -> list[str]:
 
 
 class _ConnectionExecutor:
-    """Runs named statements on the transport's own aiosqlite connection."""
+    """Runs named statements on the transport's own connection, on its thread (:mod:`.sqlite_thread`):
+    the awaits of a routine complete at once, so the routine runs there from start to end."""
 
-    def __init__(self, conn: Any, queries: dict[str, str]) -> None:
+    def __init__(self, conn: sqlite3.Connection, queries: dict[str, str]) -> None:
         self._conn = conn
         self._queries = queries
 
     async def fetch(self, query: str, /, **params: Any) -> list[dict[str, Any]]:
-        cursor = await self._conn.execute(self._queries[query], params)
+        cursor = self._conn.execute(self._queries[query], params)
         try:
-            rows = await cursor.fetchall()
+            rows = cursor.fetchall()
             columns = [c[0] for c in cursor.description or ()]
         finally:
-            await cursor.close()
+            cursor.close()
         return [dict(zip(columns, row, strict=True)) for row in rows]
 
     async def execute(self, query: str, /, **params: Any) -> int:
-        cursor = await self._conn.execute(self._queries[query], params)
+        cursor = self._conn.execute(self._queries[query], params)
         try:
             return int(cursor.rowcount)
         finally:
-            await cursor.close()
+            cursor.close()
 
 
 class _SessionExecutor:
@@ -147,7 +149,8 @@ passes them whatever the database)."""
 
 
 class SqliteTransport(RoutineTransport):
-    """The database transport on one SQLite file, through aiosqlite."""
+    """The database transport on one SQLite file: its own connection on a thread of its own
+    (:mod:`.sqlite_thread`), a caller's session through aiosqlite."""
 
     name = "sqlite"
     dialect = "sqlite"
@@ -178,7 +181,7 @@ class SqliteTransport(RoutineTransport):
         self.url = url
         self.path = sqlite_path(url)
         self.busy_timeout = busy_timeout_ms / 1000
-        self._conn: Any = None
+        self._conn: ThreadConnection | None = None
         self._file: tuple[int, int] | None = None  # (device, inode) of the file as it was opened
         self._file_path = self.path
         self._lock = asyncio.Lock()
@@ -189,13 +192,6 @@ class SqliteTransport(RoutineTransport):
         if self._conn is not None:
             return
         self._lock = asyncio.Lock()  # (of this open's event loop: a lock is bound to the first loop it waits on)
-        try:
-            import aiosqlite
-        except ImportError as exc:  # pragma: no cover - only a broken install lacks a dependency
-            raise ConfigurationError(
-                "SQLite needs aiosqlite, a dependency of fastapi-workqueue: reinstall the package, "
-                "or pip install 'aiosqlite>=0.20'"
-            ) from exc
         missing = missing_sqlite_directory(self.path)
         if missing is not None:
             raise missing
@@ -207,13 +203,13 @@ class SqliteTransport(RoutineTransport):
             # (SQLite would open it read-only, and every write would fail later, one at a time)
             raise _cannot_write(self.path, PermissionError("the file is read-only for this process"))
         try:
-            conn = await aiosqlite.connect(self.path, isolation_level=None, timeout=self.busy_timeout)
+            conn = await ThreadConnection.connect(self.path, self.busy_timeout)
         except sqlite3.Error as exc:
             raise _cannot_write(self.path, exc) from exc
         try:
             await conn.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
-            row = await _switch_to_wal(conn, self.busy_timeout)
-            mode = str(row[0]).lower() if row else "unknown"
+            rows = await _switch_to_wal(conn, self.busy_timeout)
+            mode = str(rows[0][0]).lower() if rows else "unknown"
             if mode != "wal":
                 # Without WAL, readers block the writer and "database is locked" errors follow.
                 raise ConfigurationError(
@@ -260,41 +256,40 @@ class SqliteTransport(RoutineTransport):
 
     async def migrate(self) -> list[str]:
         """Applies every migration not yet recorded, in one transaction, one process at a time."""
-        async with self._transaction() as conn:
-            await conn.execute(
+
+        def apply(conn: sqlite3.Connection) -> list[str]:
+            conn.execute(
                 "CREATE TABLE IF NOT EXISTS schema_migration (version INTEGER PRIMARY KEY, name TEXT NOT NULL, "
                 "checksum TEXT NOT NULL, applied_at REAL NOT NULL)"
             )
-            cursor = await conn.execute("SELECT version, checksum FROM schema_migration")
-            recorded = {row[0]: row[1] for row in await cursor.fetchall()}
-            await cursor.close()
+            recorded = {row[0]: row[1] for row in conn.execute("SELECT version, checksum FROM schema_migration")}
             applied: list[str] = []
             todo = pending("sqlite", recorded)
             if not recorded:  # (a file the queue has not migrated yet)
-                await self._refuse_foreign_tables(conn, "\n".join(m.sql for m in todo))
+                self._refuse_foreign_tables(conn, "\n".join(m.sql for m in todo))
             for migration in todo:
                 for statement in split_statements(migration.sql):
                     try:
-                        await conn.execute(statement)
+                        conn.execute(statement)
                     except sqlite3.OperationalError as exc:
                         raise ConfigurationError(
                             f"the SQLite file {self.path!r} cannot take the queue's schema ({migration.label}: "
                             f"{exc}); give the queue a file of its own"
                         ) from exc
-                await conn.execute(
+                conn.execute(
                     "INSERT INTO schema_migration (version, name, checksum, applied_at) VALUES (?, ?, ?, ?)",
                     (migration.version, migration.name, migration.checksum, time.time()),
                 )
                 applied.append(migration.label)
             return applied
 
-    async def _refuse_foreign_tables(self, conn: Any, schema: str) -> None:
+        return await self._transaction(apply)
+
+    def _refuse_foreign_tables(self, conn: sqlite3.Connection, schema: str) -> None:
         """Before the first migration of a file: the tables it would create must not exist already
         (another application's, sharing the file), or the start fails on SQLite's bare error."""
         wanted = set(_CREATED_TABLE.findall(schema)) - {"schema_migration"}
-        cursor = await conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-        taken = sorted(wanted & {row[0] for row in await cursor.fetchall()})
-        await cursor.close()
+        taken = sorted(wanted & {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")})
         if taken:
             raise ConfigurationError(
                 f"the SQLite file {self.path!r} already holds tables named as the queue's ({', '.join(taken)}): "
@@ -302,20 +297,20 @@ class SqliteTransport(RoutineTransport):
                 "rename those tables; the queue's tables are listed in docs/sqlite.md"
             )
 
-    @contextlib.asynccontextmanager
-    async def _transaction(self, *, write: bool = True, deadline: float | None = None) -> Any:
-        """One transaction on the transport's connection, one at a time in this process.
+    async def _transaction(self, work: Callable[[sqlite3.Connection], T], *, write: bool = True,
+                           deadline: float | None = None) -> T:
+        """``work(connection)`` in one transaction of the transport's connection, run whole on its
+        thread (:mod:`.sqlite_thread`), one at a time in this process.
 
         ``deadline`` (monotonic) bounds the whole wait for the write lock: for this process's
         other callers first, then in SQLite's busy handler, whose timeout is lowered to what is
         left. Past it the call fails with a retryable :class:`TransportError` and nothing of it
         was applied.
 
-        ``BEGIN`` and ``COMMIT`` are inside the ``try``: aiosqlite runs statements on its own
-        thread in order, so a caller cancelled while ``BEGIN IMMEDIATE`` waits for another
-        process's writer leaves that ``BEGIN`` to complete later; the ``ROLLBACK`` queued behind
-        it ends the transaction instead of leaving the connection inside it, holding the write
-        lock. A failed ``COMMIT`` is rolled back the same way.
+        A caller cancelled while the transaction waits or runs (a host stopping its sweeper) has
+        it rolled back instead of committed, unless its ``COMMIT`` has begun; one still queued
+        behind this process's other calls never starts. A failed ``COMMIT`` is rolled back too:
+        the connection is never left inside a transaction, holding the write lock.
         """
         conn = self._conn
         if conn is None:
@@ -329,29 +324,46 @@ class SqliteTransport(RoutineTransport):
                 await self._lock.acquire()
         except TimeoutError:
             raise self._busy() from None
+        cancelled = Cancelled()
+        raw = conn.raw
+
+        def whole() -> T:
+            if cancelled.is_set():
+                raise CallerGone
+            if write:
+                self._wait_at_most(raw, deadline)
+            raw.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            try:
+                result = work(raw)
+                if cancelled.is_set():
+                    raise CallerGone
+                raw.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(Exception):  # "no transaction is active" when COMMIT failed
+                    raw.execute("ROLLBACK")
+                raise
+            return result
+
         try:
             if write:
                 self._check_file("a write")
-                await self._wait_at_most(conn, deadline)
             try:
-                await conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-                yield conn
-                await conn.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(Exception):  # "no transaction is active" when BEGIN failed
-                    await conn.execute("ROLLBACK")
+                return await conn.run(whole)
+            except asyncio.CancelledError:
+                cancelled.set()
                 raise
         finally:
             self._lock.release()
 
-    async def _wait_at_most(self, conn: Any, deadline: float) -> None:
+    def _wait_at_most(self, conn: sqlite3.Connection, deadline: float) -> None:
         """Lowers SQLite's busy timeout to what is left before ``deadline`` (and restores it when a
-        later call has the whole bound again), so the busy handler never waits past it."""
+        later call has the whole bound again), so the busy handler never waits past it. On the
+        connection's thread."""
         left = max(int((deadline - time.monotonic()) * 1000), 1)
         full = int(self.busy_timeout * 1000)
         wanted = left if left < full - 100 else full
         if wanted != self._busy_ms:
-            await conn.execute(f"PRAGMA busy_timeout = {wanted}")
+            conn.execute(f"PRAGMA busy_timeout = {wanted}")
             self._busy_ms = wanted
 
     def _busy(self) -> TransportError:
@@ -407,12 +419,15 @@ class SqliteTransport(RoutineTransport):
         it named. One bound for the whole call, however many callers wait in this process: a busy
         file is tried again while time is left, then the call fails with a retryable error."""
         deadline = time.monotonic() + self.busy_timeout
+        queries = self._queries
         while True:
+            def routine(conn: sqlite3.Connection) -> tuple[T, Call]:
+                call = Call(_ConnectionExecutor(conn, queries), time.time())  # (the time once the lock is held)
+                return run_to_end(work(call)), call
+
             try:
                 try:
-                    async with self._transaction(write=write, deadline=deadline) as conn:
-                        call = Call(_ConnectionExecutor(conn, self._queries), time.time())
-                        result = await work(call)
+                    result, call = await self._transaction(routine, write=write, deadline=deadline)
                 except (sqlite3.Error, ValueError) as exc:
                     raise _mapped(exc, operation, self._busy) from exc
             except TransportError as exc:
@@ -491,8 +506,8 @@ def _mapped(exc: BaseException, operation: str, busy: Callable[[], TransportErro
     return TransportError(f"{operation}: {text}")
 
 
-async def _switch_to_wal(conn: Any, wait_seconds: float) -> Any:
-    """``PRAGMA journal_mode = WAL``, tried again while another process holds the file's lock.
+async def _switch_to_wal(conn: ThreadConnection, wait_seconds: float) -> list[Any]:
+    """``PRAGMA journal_mode = WAL`` (its rows), tried again while another process holds the file's lock.
 
     Two processes opening a new file at once both switch it; SQLite may answer "database is
     locked" at once instead of waiting out the busy timeout, since waiting could deadlock.
@@ -500,12 +515,8 @@ async def _switch_to_wal(conn: Any, wait_seconds: float) -> Any:
     deadline = time.monotonic() + wait_seconds
     while True:
         try:
-            cursor = await conn.execute("PRAGMA journal_mode = WAL")
+            return await conn.execute("PRAGMA journal_mode = WAL")
         except sqlite3.OperationalError as exc:
             if "locked" not in str(exc) or time.monotonic() >= deadline:
                 raise
             await asyncio.sleep(0.02)
-            continue
-        row = await cursor.fetchone()
-        await cursor.close()
-        return row
