@@ -102,6 +102,7 @@ CAPABILITIES = Capabilities(
     priority=False,
     concurrency_limits=False,
     rate_limits=False,
+    claims_wait=True,
     notes=(
         "Ordered needs a database topic",
         "job status, stored results, wait, groups and debounce need the database (jobs live there)",

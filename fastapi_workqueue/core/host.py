@@ -117,9 +117,9 @@ class HostOptions:
     """Hears the leases each sweeper pass took back (must not raise)."""
 
 
-def _stall_of(consumer: Consumer, after: float, settles_stalled: float | None) -> str | None:
+def _stall_of(consumer: Consumer, claims_watched: bool, after: float, settles_stalled: float | None) -> str | None:
     """Why a consumer's subscriptions are held up by a call that waits too long, or None."""
-    claim_stalled = consumer.claim_watch.stalled(after)
+    claim_stalled = consumer.claim_watch.stalled(after) if claims_watched else None
     if claim_stalled is not None:
         return stall_reason("its claim", claim_stalled)
     if settles_stalled is not None:
@@ -596,7 +596,7 @@ class Host:
                 entry = entry.model_copy(update={"active": consumer.active})
             serving = consumer or group
             if entry.state == "Running" and serving is not None:
-                stalled = _stall_of(serving, after, settles_stalled)
+                stalled = _stall_of(serving, self._claims_watched(serving), after, settles_stalled)
                 if stalled is not None:
                     entry = entry.model_copy(update={"state": "Error", "reason": stalled})
             report.append(entry)
@@ -612,7 +612,14 @@ class Host:
             await asyncio.sleep(min(max(after / 4, 0.05), 5.0))
             self.settler.watch.check(after)
             for consumer in self._all_consumers():
-                consumer.claim_watch.check(after)
+                if self._claims_watched(consumer):
+                    consumer.claim_watch.check(after)
+
+    def _claims_watched(self, consumer: Consumer) -> bool:
+        """Whether how long the claims of ``consumer`` take tells of a stalled store: not where a
+        claim may wait for work to arrive (an SQS long poll)."""
+        return not any(self.ports.for_subscription(sub.name).capabilities.claims_wait
+                       for group in consumer.groups for sub in group)
 
     def _on_wakeup(self, subscription_id: str) -> None:
         if subscription_id == WAKE_ALL:

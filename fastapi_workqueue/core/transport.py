@@ -76,6 +76,9 @@ class Capabilities:
     exclusive_needs_fifo: bool = False
     """Exclusive holds only on a FIFO topic (SQS: the key is the message group; a standard queue
     hands one key's messages to several consumers at once)."""
+    claims_wait: bool = False
+    """A claim may wait for work to arrive (SQS's long poll, a held head's retry delay): how long
+    it takes says nothing of a stalled store, so the host does not report it (:mod:`.stalls`)."""
     notes: tuple[str, ...] = ()
 
 

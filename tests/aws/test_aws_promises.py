@@ -458,3 +458,36 @@ def test_a_throttle_is_retryable_and_keeps_the_aws_error_code_its_readers_look_f
     refused = ClientError({"Error": {"Code": "InvalidParameter", "Message": "no"},
                            "ResponseMetadata": {"HTTPStatusCode": 400}}, "PublishBatch")
     assert library_error(refused, "publish_batch") is None  # read by its callers as botocore raised it
+
+
+async def test_an_idle_sqs_long_poll_is_not_a_stalled_store(
+    tmp_path: Path, moto_url: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An idle consumer's receive long-polls SQS for 20 s (the default): far past a stall limit of
+    1 s, it waits for work, not for a stalled store. Health stays Running and nothing is logged,
+    while the database subscription's claims are still watched (core/stalls.py)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="fastapi_workqueue")
+    name = unique("idle")
+    sub = f"{name}.work"
+    topics = [Topic(name=name, transport="aws")]
+    subscriptions = [Subscription(name=sub, topic=name, handler_key="work")]
+    url = f"sqlite+aiosqlite:///{tmp_path / 'app.db'}"
+    queue = deployed_queue(url, moto_url, topics, subscriptions, stalled_store_call_ms=1000)
+    done: list[int] = []
+
+    @queue.handler("work")
+    async def work(message: WorkMessage[Item]) -> None:
+        done.append(message.payload.n)
+
+    async with running(queue, provision_queue(queue, moto_url)):
+        consumer = await wait_for(lambda: queue.host and queue.host.consumers.get(sub), within=30)
+        # (a receive under way for over 1 s: the long poll)
+        await wait_for(lambda: (consumer.claim_watch.waited() or 0) > 2.5, within=30, interval=0.1)
+        [entry] = [s for s in queue.health().subscriptions if s.subscription == sub]
+        assert entry.state == "Running", entry
+        await queue.publish(name, [PublishRequest(payload={"key": "k", "n": 1})])
+        await wait_for(lambda: done == [1], within=30)
+    said = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert not said, said
