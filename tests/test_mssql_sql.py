@@ -21,6 +21,7 @@ conformance suite (tests/conformance) runs on one when WORKQUEUE_MSSQL_URL is se
 from __future__ import annotations
 
 import ast
+import asyncio
 import functools
 import json
 import re
@@ -696,3 +697,21 @@ async def test_validate_bindings_reports_read_committed_snapshot_off(monkeypatch
 async def test_validate_bindings_is_ok_with_read_committed_snapshot_on(monkeypatch: pytest.MonkeyPatch) -> None:
     report = await _fake_transport(monkeypatch, rcsi=True).validate_bindings()
     assert report.ok, report.issues
+
+
+def test_the_store_clock_reads_the_database_time_as_the_procedures_do() -> None:
+    """``store_now`` (ages on the dashboard and in Prometheus) reads SQL Server's clock, the one its
+    procedures read (SYSDATETIMEOFFSET), not the process's: the statement parses as T-SQL and asks
+    for that function; a transport given a clock answers that clock's time without a call."""
+    parsed = Linter(config=FluffConfig(overrides={"dialect": "tsql"})).parse_string(mssql.STORE_NOW_SQL + "\n")
+    assert parsed.tree is not None and not list(parsed.tree.recursive_crawl("unparsable"))
+    assert "SYSDATETIMEOFFSET()" in mssql.STORE_NOW_SQL
+    procedures = " ".join(p.read_text(encoding="utf-8") for p in MSSQL_FILES)
+    assert "SYSDATETIMEOFFSET()" in procedures
+
+    class Fixed:
+        def now(self) -> datetime:
+            return datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+    transport = MssqlTransport(URL, clock=Fixed())
+    assert asyncio.run(transport.store_now()) == datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)

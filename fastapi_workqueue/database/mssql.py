@@ -29,7 +29,7 @@ import re
 import struct
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 from ..core.clock import Clock
@@ -59,6 +59,8 @@ UUID_COLUMNS = frozenset({"id", "message_id", "lease_token", "token"})
 """Result columns that may hold a ``uniqueidentifier`` (normalised to lower case)."""
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+STORE_NOW_SQL = "SELECT SYSDATETIMEOFFSET() AS now"
+"""The database's time, by the clock its procedures read (``store_now``)."""
 _GO = re.compile(r"^\s*GO\s*(?:--.*)?$", re.IGNORECASE)
 _NATIVE_ERROR = re.compile(r"\((\d+)\)\s*\(SQL\w+\)")
 _DRIVER_PREFIX = re.compile(r"^(?:\s*\[[^\]]*\])+\s*")
@@ -424,6 +426,26 @@ class MssqlTransport(RoutineTransport):
         if retry:
             return await with_retries(operation, run)
         return await run()
+
+    async def store_now(self) -> datetime:
+        """The database's time now (``SYSDATETIMEOFFSET()``, the clock its procedures read), or the
+        transport's clock when it was given one."""
+        injected = self._now()
+        if injected is not None:
+            return injected
+
+        async def run() -> Sequence[Row]:
+            try:
+                async with self.pool.acquire() as conn:
+                    return await fetch_rows(conn, STORE_NOW_SQL, ())
+            except Exception as exc:
+                raise map_mssql_error(exc, "read the database's time") from exc
+
+        rows = await with_retries("read the database's time", run)
+        moment = rows[0]["now"]
+        if not isinstance(moment, datetime):  # (a driver that answers text for datetimeoffset)
+            moment = datetime.fromisoformat(str(moment))
+        return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
     async def _in_transaction(self, operation: str, work: Callable[[Any], Awaitable[T]]) -> T:
         """``work(conn)`` in one explicit transaction on a pooled connection (each procedure sees
