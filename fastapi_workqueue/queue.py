@@ -229,7 +229,8 @@ class WorkQueue:
 
         check = same_site_or_preflighted(authorize or api_key_authorizer(self._kernel))
         router = build_router(self._kernel, check, prefix=prefix, max_body_bytes=max_body_bytes, max_batch=max_batch)
-        router.include_router(build_job_router(lambda: self.jobs, check, prefix=""))
+        # (the operator routes' route class: the same body bound and parse errors for the job routes)
+        router.include_router(build_job_router(lambda: self.jobs, check, prefix="", route_class=router.route_class))
         return router
 
     @property

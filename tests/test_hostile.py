@@ -20,6 +20,7 @@ import json
 import os
 import time
 import urllib.parse
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -385,6 +386,25 @@ async def test_a_body_that_is_not_utf8_is_refused_with_a_reason(target: Target) 
         assert_4xx(response, "not UTF-8", status=400)
         assert f"at offset {offset}" in response.json()["detail"], response.text
     await target.check()
+
+
+async def test_an_integer_too_long_to_read_is_a_400_that_says_to_send_a_string(target: Target) -> None:
+    # Python reads at most 4,300 digits of an integer: a bare "error parsing the body" said nothing.
+    for body in (b'[{"Payload": {"n": ' + b"9" * 5000 + b"}}]", b'[{"Payload": ' + b"1" * 4301 + b"}]"):
+        assert_4xx(await target.post(content=body), "more than 4,300 digits", "as a string", status=400)
+    await target.accept({"Payload": {"n": int("9" * 4000)}})  # (within the limit: kept)
+    await target.check()
+
+
+async def test_the_job_routes_bound_and_explain_their_bodies_as_the_operator_routes_do(target: Target) -> None:
+    # POST /jobs/{id}/cancel takes a body: it is bounded (413) and an unreadable one says why.
+    path = f"{PREFIX}/jobs/{uuid.uuid4()}/cancel"
+    too_large = await target.post(content=b'{"Reason": "' + b"x" * (6 * 1024 * 1024) + b'"}', path=path)
+    assert_4xx(too_large, "larger than", status=413)
+    for body, phrase in ((b'{"Reason": ' + b"9" * 5000 + b"}", "as a string"),
+                         (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+                         (b'{"Reason": "caf\xe9"}', "not UTF-8")):
+        assert_4xx(await target.post(content=body, path=path), phrase, status=400)
 
 
 async def test_unicode_and_nul(target: Target) -> None:

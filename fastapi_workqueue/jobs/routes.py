@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
 from fastapi import APIRouter, HTTPException, Path, Query, Security, status
+from fastapi.routing import APIRoute
 
 from ..core.errors import ConfigurationError, TransportError
 from ..core.keys import SCOPE_ADMIN, SCOPE_OPERATE, SCOPE_READ, Principal
@@ -37,11 +38,12 @@ class Pruned(WireModel):
     pruned: int
 
 
-def build_job_router(jobs: Callable[[], "Jobs"], authorize: "Authorizer", *, prefix: str = "") -> APIRouter:
+def build_job_router(jobs: Callable[[], "Jobs"], authorize: "Authorizer", *, prefix: str = "",
+                     route_class: type[APIRoute] = APIRoute) -> APIRouter:
     """The failed-job routes of the jobs layer ``jobs()`` (made when a route first needs it) under
     ``prefix`` + ``/jobs``, checked by ``authorize`` (the operator router includes them, under its
-    own prefix)."""
-    router = APIRouter(prefix=f"{prefix}/jobs", tags=["jobs"])
+    own prefix, with its ``route_class``: its bound on bodies and its answers to unreadable ones)."""
+    router = APIRouter(prefix=f"{prefix}/jobs", tags=["jobs"], route_class=route_class)
     Reader = Annotated[Principal, Security(authorize, scopes=[SCOPE_READ])]
     Operator = Annotated[Principal, Security(authorize, scopes=[SCOPE_OPERATE])]
     JobId = Annotated[uuid.UUID, Path(description="The job's id (its MessageID).")]

@@ -205,6 +205,14 @@ class _BoundedBodyRoute(APIRoute):
                         detail="the JSON body is nested too deeply to parse; send flatter JSON "
                         "(a few hundred levels are fine)",
                     ) from exc
+                cause = exc.__cause__
+                if (exc.status_code == status.HTTP_400_BAD_REQUEST and isinstance(cause, ValueError)
+                        and "integer string conversion" in str(cause)):  # (Python's int_max_str_digits)
+                    raise HTTPException(
+                        status.HTTP_400_BAD_REQUEST,
+                        detail="the JSON body holds an integer of more than 4,300 digits, which cannot be read; "
+                        "send it as a string",
+                    ) from exc
                 if exc.status_code == status.HTTP_400_BAD_REQUEST and isinstance(exc.__cause__, UnicodeDecodeError):
                     bad = exc.__cause__
                     raise HTTPException(
