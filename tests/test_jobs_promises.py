@@ -364,9 +364,8 @@ async def test_a_whole_chain_is_waited_for_by_its_ids_in_order(database_url: str
 # -- 6. catch_up queues at most 1,000 ticks ---------------------------------------------------------------
 
 
-async def test_catch_up_queues_at_most_1000_ticks(database_url: str) -> None:
-    """docs/jobs.md (Schedules): with catch_up=True "the ticks since the last one the store knows are
-    then queued (at most 1,000)"."""
+def minutely_catching_up(database_url: str) -> tuple[WorkQueue, str]:
+    """A queue (no host) with a job ``tick-<queue>`` scheduled every minute with ``catch_up``; and its queue's name."""
     name = qname()
     queue = make(database_url, name, enabled=False)
 
@@ -375,6 +374,13 @@ async def test_catch_up_queues_at_most_1000_ticks(database_url: str) -> None:
         pass
 
     queue.schedule(tick, every=60, payload={}, catch_up=True)
+    return queue, name
+
+
+async def test_catch_up_queues_at_most_1000_ticks(database_url: str) -> None:
+    """docs/jobs.md (Schedules): with catch_up=True "the ticks since the last one the store knows are
+    then queued (at most 1,000)"."""
+    queue, name = minutely_catching_up(database_url)
     async with queue.lifespan(None):
         queued = await queue.jobs.schedules.run_due()
         size = await queue.size(name)
@@ -390,14 +396,7 @@ async def test_catch_up_after_an_outage_longer_than_1000_ticks_queues_the_newest
     so the schedule was taken for a new one ("nothing to catch up")."""
     from datetime import UTC, datetime, timedelta
 
-    name = qname()
-    queue = make(database_url, name, enabled=False)
-
-    @queue.job(f"tick-{name}", queue=name)
-    async def tick(payload: dict[str, Any]) -> None:
-        pass
-
-    queue.schedule(tick, every=60, payload={}, catch_up=True)
+    queue, name = minutely_catching_up(database_url)
     start = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
     async with queue.lifespan(None):
         assert await queue.jobs.schedules.run_due(start) == 1  # (the schedule's first tick, on time)

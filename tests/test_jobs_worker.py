@@ -367,9 +367,9 @@ def test_a_timeout_that_does_not_fit_the_lease_is_refused_at_start() -> None:
     check_fits_lease(queue.jobs, ["other"], 8.0)  # a worker that does not take its queue does not care
 
 
-async def test_a_job_no_worker_knows_goes_back_until_its_tries_are_spent(database_url: str) -> None:
-    """Past its grace (here none), a job this worker does not declare spends its tries."""
-    queue_name = names(1)[0]
+async def dispatched_by_a_new_release(database_url: str, queue_name: str) -> Any:
+    """The id of job ``new-<queue_name>`` (two tries, no backoff), dispatched by a release that
+    declares it and runs no worker."""
     producer = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
                                            enabled=False, **FAST))
 
@@ -378,16 +378,29 @@ async def test_a_job_no_worker_knows_goes_back_until_its_tries_are_spent(databas
         return None
 
     async with producer.lifespan(None):
-        job_id = await producer.dispatch(new, {})
-    events: list[JobEvent] = []
-    old = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], job_queues=queue_name,
-                                      job_unknown_grace_seconds=0, **FAST))
+        return await producer.dispatch(new, {})
 
-    @old.job(f"other-{queue_name}", queue=queue_name)  # this deploy does not know the new job yet
+
+def release_before(database_url: str, queue_name: str, events: list[JobEvent], **settings: Any) -> WorkQueue:
+    """A worker of the release before on ``queue_name``: it declares another job of the queue, not
+    the new one; its job events go to ``events``."""
+    old = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], job_queues=queue_name,
+                                      **settings, **FAST))
+
+    @old.job(f"other-{queue_name}", queue=queue_name)  # this release does not know the new job yet
     async def other(payload: dict[str, Any]) -> None:
         return None
 
     old.listen(JobEvent, events.append)
+    return old
+
+
+async def test_a_job_no_worker_knows_goes_back_until_its_tries_are_spent(database_url: str) -> None:
+    """Past its grace (here none), a job this worker does not declare spends its tries."""
+    queue_name = names(1)[0]
+    job_id = await dispatched_by_a_new_release(database_url, queue_name)
+    events: list[JobEvent] = []
+    old = release_before(database_url, queue_name, events, job_unknown_grace_seconds=0)
     async with old.lifespan(None):
         await wait_for(lambda: any(type(e).__name__ == "JobFailed" for e in events), within=30)
         [failed] = await old.failed_jobs(queue_name)
@@ -407,23 +420,9 @@ async def test_a_rolling_deploys_new_job_waits_for_a_worker_that_declares_it_wit
 
     monkeypatch.setattr(runner, "UNKNOWN_JOB_BACK_SECONDS", 0.1, raising=False)
     queue_name = names(1)[0]
-    producer = WorkQueue(WorkQueueSettings(database_url=database_url, auto_migrate=True, subscriptions=[],
-                                           enabled=False, **FAST))
-
-    @producer.job(f"new-{queue_name}", tries=2, backoff=[0], queue=queue_name)
-    async def new(payload: dict[str, Any]) -> None:
-        return None
-
-    async with producer.lifespan(None):
-        job_id = await producer.dispatch(new, {})
+    job_id = await dispatched_by_a_new_release(database_url, queue_name)
     events: list[JobEvent] = []
-    old = WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[], job_queues=queue_name, **FAST))
-
-    @old.job(f"other-{queue_name}", queue=queue_name)  # this release does not know the new job yet
-    async def other(payload: dict[str, Any]) -> None:
-        return None
-
-    old.listen(JobEvent, events.append)
+    old = release_before(database_url, queue_name, events)
     with caplog.at_level(logging.WARNING, logger="fastapi_workqueue.jobs"):
         async with old.lifespan(None):
             await wait_for(lambda: len(events) >= 5, within=30, describe=lambda: events)
