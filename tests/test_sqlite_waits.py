@@ -7,7 +7,7 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -200,3 +200,41 @@ async def test_a_blocked_event_loop_does_not_hold_the_files_write_lock(tmp_path:
             assert float(answer.split()[1]) < 0.5, answer
     finally:
         await transport.close()
+
+
+async def test_a_call_cancelled_while_another_process_writes_frees_the_connection_at_once(tmp_path: Path) -> None:
+    """A sweep waiting in SQLite's busy handler for another process's writer, cancelled (a host
+    stopping): its wait is interrupted, so this process's next calls and its close do not wait
+    out the busy timeout (20 s here) behind it; nothing of it was applied."""
+    transport = create_database_transport(f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}",
+                                          sqlite_busy_timeout_ms=20_000)
+    assert isinstance(transport, SqliteTransport)
+    await transport.open()
+    await transport.migrate()
+    await transport.sync_topology([Topic(name="t")], [Subscription(name="s", topic="t", handler_key="h")])
+    try:
+        assert transport._conn is not None
+        sent: list[str] = []
+        await transport._conn.set_trace_callback(sent.append)
+        async with write_lock_held_elsewhere(transport.path, 15):
+            sweep = asyncio.create_task(transport.sweep())
+            await asyncio.wait_for(_until(lambda: "BEGIN IMMEDIATE" in sent), 5)
+            await asyncio.sleep(0.2)  # (in the busy handler now)
+            sweep.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await sweep
+            started = time.monotonic()
+            [stats] = await transport.stats("s")  # a read: it needs the connection, not the write lock
+            assert time.monotonic() - started < 2.0
+            assert stats.pending == 0
+        report = await transport.sweep()  # (the other writer gone: the connection writes again)
+        assert report.ran
+    finally:
+        started = time.monotonic()
+        await transport.close()
+        assert time.monotonic() - started < 2.0
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    while not check():  # noqa: ASYNC110 (what it waits for happens on another thread)
+        await asyncio.sleep(0.01)

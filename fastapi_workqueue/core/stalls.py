@@ -19,9 +19,10 @@ log = redacting_logger("fastapi_workqueue.stalls")
 
 STALL_CAUSES = (
     "another session may hold a lock on the queue's tables (a migration, a VACUUM FULL or a LOCK TABLE: "
-    "see pg_locks and pg_stat_activity; on SQLite, another process's open write transaction), or the store "
-    "has stalled"
+    "see pg_locks and pg_stat_activity), or the store has stalled"
 )
+"""(On SQLite a call waits for another process's write lock at most ``WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS``,
+30 s by default, and then fails as busy, which health shows as the subscription's error.)"""
 
 
 class StallWatch:

@@ -14,7 +14,7 @@ it). ``validate-bindings`` says so.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import os
 import re
 import sqlite3
@@ -36,7 +36,7 @@ from .routines import RandomSource, RoutineTransport, Row
 from .session import after_commit
 from .sql_files import read
 from .sqlite_routines import READ_ONLY, ROUTINES, Call
-from .sqlite_thread import CallerGone, Cancelled, ThreadConnection, run_to_end
+from .sqlite_thread import ThreadConnection, run_to_end
 
 _CREATED_TABLE = re.compile(r"^CREATE TABLE (?:IF NOT EXISTS )?(\w+)", re.MULTILINE | re.IGNORECASE)
 """The tables a migration creates."""
@@ -45,6 +45,9 @@ BUSY_TIMEOUT_MS = 30_000
 """How long one operation waits for the file's write lock in all (``WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS``):
 behind this process's other callers, inside SQLite's busy handler, and between attempts."""
 RETRY_PAUSE_SECONDS = 0.05
+BUSY_SLICE_MS = 100
+"""The longest one wait of SQLite's busy handler for another process's writer, after which the
+transport looks whether its caller is still there and its bound not passed, then waits again."""
 
 _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
 
@@ -308,9 +311,7 @@ class SqliteTransport(RoutineTransport):
         was applied.
 
         A caller cancelled while the transaction waits or runs (a host stopping its sweeper) has
-        it rolled back instead of committed, unless its ``COMMIT`` has begun; one still queued
-        behind this process's other calls never starts. A failed ``COMMIT`` is rolled back too:
-        the connection is never left inside a transaction, holding the write lock.
+        it rolled back, as :meth:`.ThreadConnection.transaction` says.
         """
         conn = self._conn
         if conn is None:
@@ -324,47 +325,33 @@ class SqliteTransport(RoutineTransport):
                 await self._lock.acquire()
         except TimeoutError:
             raise self._busy() from None
-        cancelled = Cancelled()
-        raw = conn.raw
-
-        def whole() -> T:
-            if cancelled.is_set():
-                raise CallerGone
-            if write:
-                self._wait_at_most(raw, deadline)
-            raw.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-            try:
-                result = work(raw)
-                if cancelled.is_set():
-                    raise CallerGone
-                raw.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(Exception):  # "no transaction is active" when COMMIT failed
-                    raw.execute("ROLLBACK")
-                raise
-            return result
-
         try:
             if write:
                 self._check_file("a write")
-            try:
-                return await conn.run(whole)
-            except asyncio.CancelledError:
-                cancelled.set()
-                raise
+            return await conn.transaction(functools.partial(self._begin, write, deadline), work)
         finally:
             self._lock.release()
 
-    def _wait_at_most(self, conn: sqlite3.Connection, deadline: float) -> None:
-        """Lowers SQLite's busy timeout to what is left before ``deadline`` (and restores it when a
-        later call has the whole bound again), so the busy handler never waits past it. On the
-        connection's thread."""
-        left = max(int((deadline - time.monotonic()) * 1000), 1)
-        full = int(self.busy_timeout * 1000)
-        wanted = left if left < full - 100 else full
-        if wanted != self._busy_ms:
-            conn.execute(f"PRAGMA busy_timeout = {wanted}")
-            self._busy_ms = wanted
+    def _begin(self, write: bool, deadline: float, conn: sqlite3.Connection, cancelled: Callable[[], bool]) -> None:
+        """``BEGIN IMMEDIATE`` (or ``BEGIN`` for a read), on the connection's thread. While another
+        process holds the write lock, SQLite's busy handler waits for it in slices of at most
+        BUSY_SLICE_MS, and between them this gives up once ``deadline`` (monotonic) has passed or
+        the caller is gone: SQLite's own wait cannot be interrupted, a slice ends soon enough."""
+        if not write:
+            conn.execute("BEGIN")
+            return
+        while True:
+            left = max(int((deadline - time.monotonic()) * 1000), 1)
+            wanted = min(left, BUSY_SLICE_MS)
+            if wanted != self._busy_ms:
+                conn.execute(f"PRAGMA busy_timeout = {wanted}")
+                self._busy_ms = wanted
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc) or cancelled() or time.monotonic() >= deadline:
+                    raise
 
     def _busy(self) -> TransportError:
         return TransportError(
@@ -488,6 +475,12 @@ def _file_identity(path: str) -> tuple[int, int] | None:
     return (found.st_dev, found.st_ino)
 
 
+def _is_busy(exc: BaseException) -> bool:
+    """Whether SQLite refused for want of the file's lock (its busy handler gave up)."""
+    text = str(exc)
+    return "locked" in text or "busy" in text
+
+
 def _mapped(exc: BaseException, operation: str, busy: Callable[[], TransportError]) -> Exception:
     """The driver's error as the library's; ``busy()`` for a locked file (SQLite's own busy handler
     gave up), the one error that says what the bound is and to retry."""
@@ -499,7 +492,7 @@ def _mapped(exc: BaseException, operation: str, busy: Callable[[], TransportErro
             f"{operation}: the work queue schema is missing ({text}); run `queue.migrate()` (or `workqueue migrate`), "
             "or set WORKQUEUE_AUTO_MIGRATE=1"
         )
-    if "locked" in text or "busy" in text:
+    if _is_busy(exc):
         return busy()
     if "disk is full" in text or "disk I/O error" in text:  # (SQLITE_FULL, SQLITE_IOERR: for a while, retried)
         return TransportUnavailable(f"{operation}: the SQLite file cannot be written now ({text}); retry later")

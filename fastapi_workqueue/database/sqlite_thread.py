@@ -15,11 +15,14 @@ step, driven on the thread by :func:`run_to_end`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from ..core.errors import TransportError
 
 T = TypeVar("T")
 
@@ -44,9 +47,27 @@ class CallerGone(Exception):
     """The caller of a transaction stopped waiting for it (cancelled): it is rolled back."""
 
 
-class Cancelled(threading.Event):
-    """Set when the caller of a transaction stopped waiting for it: the thread rolls it back
-    instead of committing it, unless the commit has begun."""
+class _Turn:
+    """One transaction's state, shared by its caller (on the loop) and the connection's thread."""
+
+    __slots__ = ("cancelled", "lock", "phase")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.phase = "queued"
+        """queued, working (BEGIN and the work: a cancel interrupts it), ending (COMMIT or
+        ROLLBACK: never interrupted) or done."""
+
+
+def _roll_back(raw: sqlite3.Connection) -> None:
+    """Ends the open transaction, if any, without a commit ("no transaction is active" when the
+    failure was BEGIN's or COMMIT's own)."""
+    for _ in range(3):
+        with contextlib.suppress(sqlite3.Error):
+            raw.execute("ROLLBACK")
+        if not raw.in_transaction:
+            return
 
 
 class ThreadConnection:
@@ -57,6 +78,7 @@ class ThreadConnection:
         self._pool = pool
         self.raw = raw
         """The connection itself: for functions that :meth:`run` runs on its thread only."""
+        self._closed = False
 
     @classmethod
     async def connect(cls, path: str, busy_seconds: float) -> ThreadConnection:
@@ -73,7 +95,62 @@ class ThreadConnection:
 
     async def run(self, work: Callable[[], T]) -> T:
         """``work()`` on the connection's thread, after what was sent before."""
+        if self._closed:
+            raise TransportError("the SQLite transport is closed; use it inside the WorkQueue's lifespan")
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+    async def transaction(self, begin: Callable[[sqlite3.Connection, Callable[[], bool]], None],
+                          work: Callable[[sqlite3.Connection], T]) -> T:
+        """``begin(connection, cancelled)``, ``work(connection)`` and ``COMMIT``, whole on the
+        connection's thread; rolled back when ``work`` raises.
+
+        A caller cancelled meanwhile has it rolled back instead of committed, unless its
+        ``COMMIT`` has begun: one still queued never starts, a statement under way is
+        interrupted, and ``begin`` (waiting for another process's writer) can give up at once
+        when ``cancelled()`` turns true, so that a stop does not wait out the busy timeout. The
+        connection is never left inside a transaction, holding the file's write lock.
+        """
+        turn = _Turn()
+        raw = self.raw
+
+        def whole() -> T:
+            with turn.lock:
+                if turn.cancelled:
+                    raise CallerGone
+                turn.phase = "working"
+            try:
+                try:
+                    begin(raw, lambda: turn.cancelled)
+                    result = work(raw)
+                except BaseException:
+                    with turn.lock:
+                        turn.phase = "ending"
+                    _roll_back(raw)
+                    raise
+                with turn.lock:
+                    turn.phase = "ending"
+                    gone = turn.cancelled
+                if gone:
+                    _roll_back(raw)
+                    raise CallerGone
+                try:
+                    raw.execute("COMMIT")
+                except BaseException:
+                    _roll_back(raw)
+                    raise
+                return result
+            finally:
+                with turn.lock:
+                    turn.phase = "done"
+
+        try:
+            return await self.run(whole)
+        except asyncio.CancelledError:
+            with turn.lock:
+                turn.cancelled = True
+                if turn.phase == "working":
+                    raw.interrupt()
+            raise
 
     async def execute(self, sql: str, params: Any = ()) -> list[Any]:
         """One statement; its rows (none for a statement that returns none)."""
@@ -95,4 +172,5 @@ class ThreadConnection:
         try:
             await self.run(self.raw.close)
         finally:
+            self._closed = True
             self._pool.shutdown(wait=False)
