@@ -120,3 +120,32 @@ async def test_a_handler_whose_follow_up_transaction_aborted_is_retried_not_comp
         await wait_for(lambda: len(attempts) >= 2, within=20)
     assert attempts[:2] == [1, 2] and seen == [2]  # the first attempt's follow-up was never Accepted in silence
     assert subs["first"]
+
+
+async def test_a_connection_whose_transaction_aborted_refuses_its_commit(pg_url: str) -> None:
+    """The same with a bare ``AsyncConnection`` (``engine.begin()``): its commit raises
+    ``TransactionAborted`` instead of rolling back the publish in silence; a failure inside a
+    savepoint commits as usual."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    queue, topic, _ = make_queue(pg_url, [{"role": "a"}], enabled=False)
+    engine = create_async_engine(pg_url)
+    try:
+        async with queue.lifespan(None):
+            with pytest.raises(TransactionAborted, match="inside a savepoint"):
+                async with engine.begin() as conn:
+                    [lost] = await queue.publish(topic, [PublishRequest(payload=1)], session=conn)
+                    with pytest.raises(DBAPIError):
+                        await conn.execute(text("SELECT 1 / 0"))
+            assert lost.message_id is not None and not await _known(queue, lost.message_id)
+            async with engine.begin() as conn:  # a savepoint's failure leaves the transaction whole
+                [kept] = await queue.publish(topic, [PublishRequest(payload=2)], session=conn)
+                with contextlib.suppress(DBAPIError):
+                    async with conn.begin_nested():
+                        await conn.execute(text("SELECT 1 / 0"))
+            assert kept.message_id is not None and await _known(queue, kept.message_id)
+            async with engine.begin() as conn:  # (the same connection from the pool: commits as before)
+                [later] = await queue.publish(topic, [PublishRequest(payload=3)], session=conn)
+            assert later.message_id is not None and await _known(queue, later.message_id)
+    finally:
+        await engine.dispose()

@@ -43,6 +43,7 @@ class SessionExecutor:
             conn = await self._session.connection()
             joined(self._session, conn)
             return conn
+        joined_connection(self._session)
         return self._session
 
     async def fetch(self, sql: str, args: Sequence[Any]) -> list[Mapping[str, Any]]:
@@ -54,6 +55,9 @@ class SessionExecutor:
 _JOINED = "fastapi_workqueue.joined"
 """The key in ``Session.info`` of the connection a statement of the queue (a publish) ran on in the
 session's transaction: its commit is checked by :func:`_refuse_an_aborted_commit`."""
+_PUBLISHED_IN = "fastapi_workqueue.published_in"
+"""The key in a connection's ``info`` of the transaction (a weak reference) a statement of the queue
+ran in on a bare ``AsyncConnection``: its commit is checked by :func:`_refuse_an_aborted_connection_commit`."""
 _FAILED_IN = "fastapi_workqueue.failed_in"
 """The key in a connection's ``info`` of the transaction (a weak reference) in which a statement failed."""
 
@@ -64,6 +68,17 @@ def joined(session: Any, conn: Any) -> None:
     and left it aborted."""
     _listen_for_failures()
     session.sync_session.info[_JOINED] = conn.sync_connection
+
+
+def joined_connection(conn: Any) -> None:
+    """Notes that a statement of the queue runs in the transaction of ``conn``, a bare
+    ``AsyncConnection`` (no session around it): its commit is refused, as a session's is, if a
+    statement of that transaction failed and left it aborted."""
+    _listen_for_failures()
+    sync = conn.sync_connection
+    transaction = None if sync is None else sync.get_transaction()
+    if transaction is not None:
+        sync.info[_PUBLISHED_IN] = weakref.ref(transaction)
 
 
 def statement_failed(conn: Any) -> None:
@@ -82,6 +97,7 @@ def _listen_for_failures() -> None:
 
     event.listen(Engine, "handle_error", lambda context: _note_failure(context.connection))
     event.listen(Session, "before_commit", _refuse_an_aborted_commit)
+    event.listen(Engine, "commit", _refuse_an_aborted_connection_commit)
 
 
 def _note_failure(connection: Any) -> None:
@@ -110,6 +126,28 @@ def _refuse_an_aborted_commit(sync: Any) -> None:
     if failed_in is None or failed_in() is not connection.get_transaction():
         del sync.info[_JOINED]
         return
+    _check_whole(connection, "session")
+    del sync.info[_JOINED]
+
+
+def _refuse_an_aborted_connection_commit(connection: Any) -> None:
+    """Before the commit of a bare connection's transaction a publish joined: as
+    :func:`_refuse_an_aborted_commit` for a session."""
+    published_in = connection.info.get(_PUBLISHED_IN)
+    if published_in is None:
+        return
+    transaction = connection.get_transaction()
+    failed_in = connection.info.get(_FAILED_IN)
+    if published_in() is not transaction or failed_in is None or failed_in() is not transaction:
+        del connection.info[_PUBLISHED_IN]  # (an earlier transaction's, or nothing failed in this one)
+        return
+    _check_whole(connection, "connection")
+    del connection.info[_PUBLISHED_IN]
+
+
+def _check_whole(connection: Any, holder: str) -> None:
+    """Raises :class:`TransactionAborted` when ``connection``'s transaction (where a statement
+    failed) is aborted; the mark stays then, so a second commit of it is refused too."""
     from sqlalchemy.exc import DBAPIError
 
     from ..core.errors import TransactionAborted
@@ -118,12 +156,11 @@ def _refuse_an_aborted_commit(sync: Any) -> None:
         connection.exec_driver_sql("SELECT 1")
     except DBAPIError as exc:
         raise TransactionAborted(
-            "the transaction this session's publish joined had failed: a statement in it raised and was caught, "
+            f"the transaction this {holder}'s publish joined had failed: a statement in it raised and was caught, "
             "so its commit would roll everything back, the publish included. Nothing was committed; run the work "
-            "again in a new transaction, with a statement that may fail inside a savepoint "
-            "(async with session.begin_nested(): ...)"
-        ) from exc  # (the mark stays: a second commit of the same transaction is refused too)
-    del sync.info[_JOINED]
+            f"again in a new transaction, with a statement that may fail inside a savepoint "
+            f"(async with {holder}.begin_nested(): ...)"
+        ) from exc
 
 
 _AFTER_COMMIT = "fastapi_workqueue.after_commit"
