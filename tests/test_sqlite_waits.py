@@ -238,3 +238,18 @@ async def test_a_call_cancelled_while_another_process_writes_frees_the_connectio
 async def _until(check: Callable[[], bool]) -> None:
     while not check():  # noqa: ASYNC110 (what it waits for happens on another thread)
         await asyncio.sleep(0.01)
+
+
+async def test_work_on_the_connections_thread_sees_the_callers_context(tmp_path: Path) -> None:
+    """What runs on the connection's thread (a routine, what it logs) runs in the caller's context
+    variables, as ``asyncio.to_thread`` runs a function."""
+    import contextvars
+
+    request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="none")
+    transport, _ = await queue_file(tmp_path)
+    try:
+        assert transport._conn is not None
+        request_id.set("r-42")
+        assert await transport._conn.run(request_id.get) == "r-42"
+    finally:
+        await transport.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import sqlite3
 import threading
 from collections.abc import Awaitable, Callable
@@ -97,7 +98,8 @@ class ThreadConnection:
         """``work()`` on the connection's thread, after what was sent before."""
         if self._closed:
             raise TransportError("the SQLite transport is closed; use it inside the WorkQueue's lifespan")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+        # (in the caller's context, as asyncio.to_thread runs a function: what a routine logs keeps it)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, contextvars.copy_context().run, work)
 
     async def transaction(self, begin: Callable[[sqlite3.Connection, Callable[[], bool]], None],
                           work: Callable[[sqlite3.Connection], T]) -> T:
