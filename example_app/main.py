@@ -43,7 +43,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, HTTPException
 from pydantic import BaseModel, Field
 from sqlalchemy import select, text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from fastapi_workqueue import (
@@ -285,7 +285,10 @@ def build_router(queue: WorkQueue) -> APIRouter:
             raise HTTPException(409, f"customer {body.name!r} exists")
         customer = Customer(name=body.name, email=body.email)
         session.add(customer)
-        await session.flush()
+        try:
+            await session.flush()
+        except IntegrityError:  # (signed up by a request running beside this one)
+            raise HTTPException(409, f"customer {body.name!r} exists") from None
         customer.welcome_job_id = await queue.dispatch("customers.send-welcome-mail", {"customer": body.name})
         await session.flush()
         await session.refresh(customer)

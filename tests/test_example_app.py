@@ -219,6 +219,17 @@ async def test_a_failure_after_publishing_rolls_back_the_order_and_its_message(e
         assert await find_delivery(example.queue, subscription, message_id) is None
 
 
+async def test_sign_ups_of_one_name_at_once_answer_one_201_and_409s(example: Example) -> None:
+    """Ten requests sign up one name at the same moment: one is created, the others are told the
+    customer exists (409), none fails with the database's unique-constraint error (500)."""
+    import asyncio
+
+    name = new_customer()
+    answers = await asyncio.gather(*(
+        example.client.post("/customers", json={"name": name, "email": f"{name}@example.com"}) for _ in range(10)))
+    assert sorted(a.status_code for a in answers) == [201] + [409] * 9, [(a.status_code, a.text[:120]) for a in answers]
+
+
 async def test_audit_lines_follow_publish_order_per_customer(example: Example) -> None:
     customer = new_customer()
     order_ids = [

@@ -145,3 +145,43 @@ async def test_nothing_is_said_of_calls_that_answer_in_time_or_with_the_look_off
     said = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage() or "answered after" in
             r.getMessage()]
     assert not said, said
+
+
+async def test_on_sqlite_a_claim_behind_another_writer_is_said_with_what_holds_an_sqlite_file(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same on an SQLite file whose write lock another process holds (within the busy
+    timeout): the reason names what holds an SQLite file's lock, not PostgreSQL's views."""
+    import sqlite3
+
+    caplog.set_level(logging.INFO, logger="fastapi_workqueue")
+    path = tmp_path / "queue.db"
+    topic, sub = unique("stall"), unique("stall-sub")
+    queue = WorkQueue(
+        WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{path}", stalled_store_call_ms=500,
+                          sqlite_busy_timeout_ms=20_000, idle_poll_min_ms=50, idle_poll_max_ms=100,
+                          shutdown_drain_ms=500, subscriptions=[SubscriptionPlan(name=sub, concurrency=1)]),
+        topics=[Topic(name=topic)],
+        subscriptions=[Subscription(name=sub, topic=topic, handler_key=sub)],
+    )
+    handled: list[Any] = []
+
+    @queue.handler(sub)
+    async def work(message: WorkMessage[Any]) -> None:
+        handled.append(message.payload)
+
+    async with queue.lifespan(None):
+        writer = sqlite3.connect(path, isolation_level=None)
+        try:
+            writer.execute("BEGIN IMMEDIATE")  # (another process's writer, holding the lock)
+            entry = await wait_for(lambda: next((s for s in queue.health().subscriptions if s.state == "Error"), None),
+                                   within=10, interval=0.05)
+        finally:
+            writer.execute("ROLLBACK")
+            writer.close()
+        assert "SQLite file's write lock" in (entry.reason or "") and "pg_locks" not in (entry.reason or ""), entry
+        await wait_for(lambda: queue.health().subscriptions[0].state == "Running", within=10, interval=0.05)
+        await queue.publish(topic, [PublishRequest(payload={"n": 1})])
+        await wait_for(lambda: handled == [{"n": 1}], within=10)
+    said = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert said and all("SQLite file's write lock" in line for line in said), said

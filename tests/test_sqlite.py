@@ -909,3 +909,47 @@ async def test_a_request_whose_publish_meets_a_busy_file_answers_503(tmp_path: P
         assert (answer.status_code, answer.headers.get("Retry-After")) == (503, "1"), answer.text
         assert "busy or unreachable" in answer.json()["detail"]
         assert (await http.post("/orders")).status_code == 200  # (the lock free again)
+
+
+async def test_a_request_whose_own_write_meets_a_busy_file_answers_503(tmp_path: Path) -> None:
+    """The endpoint writes its own row before it publishes (as the README's example does): with the
+    file's write lock held past the busy timeout, that write fails with SQLite's "database is
+    locked", and the request answers 503 with Retry-After, as a publish that met it does (it
+    answered a bare 500); nothing is kept."""
+    from fastapi import FastAPI
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    path = tmp_path / "q.db"
+    topic = Topic(name="busy.orders")
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{path}", auto_migrate=True,
+                                        enabled=False, sqlite_busy_timeout_ms=300), topics=[topic])
+    app = FastAPI()
+
+    @app.post("/orders")
+    async def order(session: AsyncSession = queue.session) -> dict[str, str]:
+        await session.execute(text("INSERT INTO orders (n) VALUES (1)"))
+        await queue.publish(topic.name, [PublishRequest(payload={"n": 1})])
+        return {"ok": "yes"}
+
+    setup = sqlite3.connect(path, isolation_level=None)
+    setup.execute("CREATE TABLE orders (n INTEGER)")
+    setup.close()
+    async with queue.lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                      base_url="http://t") as http:
+        writer = sqlite3.connect(path, isolation_level=None)
+        try:
+            writer.execute("BEGIN IMMEDIATE")
+            answer = await http.post("/orders")
+        finally:
+            writer.execute("ROLLBACK")
+            writer.close()
+        assert (answer.status_code, answer.headers.get("Retry-After")) == (503, "1"), answer.text
+        assert "busy" in answer.json()["detail"]
+        assert (await http.post("/orders")).status_code == 200  # (the lock free again)
+    reader = sqlite3.connect(path)
+    try:  # (the 503's row and message rolled back: one of each, the second request's)
+        assert reader.execute("SELECT count(*) FROM orders").fetchone() == (1,)
+        assert reader.execute("SELECT count(*) FROM message").fetchone() == (1,)
+    finally:
+        reader.close()

@@ -20,7 +20,7 @@ from .processes import ProcessBeat, current_process
 from .redaction import redacting_logger
 from .request_load import RequestLoad
 from .runtime import Consumer, Resolver, Settler
-from .stalls import stall_reason
+from .stalls import stall_causes, stall_reason
 from .tasks import TaskScope
 from .topology import SubscriptionState, is_job_topic
 from .transport import Transport
@@ -117,13 +117,14 @@ class HostOptions:
     """Hears the leases each sweeper pass took back (must not raise)."""
 
 
-def _stall_of(consumer: Consumer, claims_watched: bool, after: float, settles_stalled: float | None) -> str | None:
+def _stall_of(consumer: Consumer, claims_watched: bool, after: float, settles_stalled: float | None,
+              causes: str) -> str | None:
     """Why a consumer's subscriptions are held up by a call that waits too long, or None."""
     claim_stalled = consumer.claim_watch.stalled(after) if claims_watched else None
     if claim_stalled is not None:
-        return stall_reason("its claim", claim_stalled)
+        return stall_reason("its claim", claim_stalled, causes)
     if settles_stalled is not None:
-        return stall_reason("writing this process's settles", settles_stalled)
+        return stall_reason("writing this process's settles", settles_stalled, causes)
     return None
 
 
@@ -596,7 +597,8 @@ class Host:
                 entry = entry.model_copy(update={"active": consumer.active})
             serving = consumer or group
             if entry.state == "Running" and serving is not None:
-                stalled = _stall_of(serving, self._claims_watched(serving), after, settles_stalled)
+                stalled = _stall_of(serving, self._claims_watched(serving), after, settles_stalled,
+                                    self._stall_causes(serving))
                 if stalled is not None:
                     entry = entry.model_copy(update={"state": "Error", "reason": stalled})
             report.append(entry)
@@ -610,10 +612,15 @@ class Host:
         after = self.options.stalled_store_call_ms / 1000
         while True:
             await asyncio.sleep(min(max(after / 4, 0.05), 5.0))
-            self.settler.watch.check(after)
+            self.settler.watch.check(after, stall_causes(self.transport.name))
             for consumer in self._all_consumers():
                 if self._claims_watched(consumer):
-                    consumer.claim_watch.check(after)
+                    consumer.claim_watch.check(after, self._stall_causes(consumer))
+
+    def _stall_causes(self, consumer: Consumer) -> str:
+        """What may keep the calls of ``consumer`` waiting, by the store of its first subscription."""
+        first = consumer.groups[0][0].name if consumer.groups and consumer.groups[0] else None
+        return stall_causes(self.transport.name if first is None else self.ports.for_subscription(first).name)
 
     def _claims_watched(self, consumer: Consumer) -> bool:
         """Whether how long the claims of ``consumer`` take tells of a stalled store: not where a

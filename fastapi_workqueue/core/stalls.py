@@ -21,8 +21,23 @@ STALL_CAUSES = (
     "another session may hold a lock on the queue's tables (a migration, a VACUUM FULL or a LOCK TABLE: "
     "see pg_locks and pg_stat_activity), or the store has stalled"
 )
-"""(On SQLite a call waits for another process's write lock at most ``WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS``,
-30 s by default, and then fails as busy, which health shows as the subscription's error.)"""
+"""What keeps a call of a server database waiting, as the log and health say it."""
+SQLITE_STALL_CAUSES = (
+    "another process may hold the SQLite file's write lock (a request's session that published and has not "
+    "committed, or a stalled process), or the disk has stalled"
+)
+"""The same for an SQLite file. (A call there waits for another process's write lock at most
+``WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS``, 30 s by default, and then fails as busy, which health shows
+as the subscription's error.)"""
+MSSQL_STALL_CAUSES = (
+    "another session may hold a lock on the queue's tables (a migration, an index rebuild: see "
+    "sys.dm_tran_locks and sys.dm_exec_requests), or the store has stalled"
+)
+
+
+def stall_causes(transport_name: str) -> str:
+    """What may keep a call of the transport named ``transport_name`` waiting."""
+    return {"sqlite": SQLITE_STALL_CAUSES, "mssql": MSSQL_STALL_CAUSES}.get(transport_name, STALL_CAUSES)
 
 
 class StallWatch:
@@ -58,15 +73,16 @@ class StallWatch:
         waited = self.waited()
         return waited if after > 0 and waited is not None and waited >= after else None
 
-    def check(self, after: float) -> None:
-        """Logs, once per call, a call that has waited ``after`` seconds or more."""
+    def check(self, after: float, causes: str = STALL_CAUSES) -> None:
+        """Logs, once per call, a call that has waited ``after`` seconds or more, with what may
+        keep it waiting (:func:`stall_causes`)."""
         waited = self.stalled(after)
         if waited is not None and not self._warned:
             self._warned = True
             log.warning("%s has waited %.0f s for the store: %s; nothing is lost, the call goes on waiting",
-                        self.what, waited, STALL_CAUSES)
+                        self.what, waited, causes)
 
 
-def stall_reason(what: str, waited: float) -> str:
+def stall_reason(what: str, waited: float, causes: str = STALL_CAUSES) -> str:
     """The health reason of a subscription that a stalled call holds up."""
-    return f"{what} has waited {waited:.0f} s for the store: {STALL_CAUSES}"
+    return f"{what} has waited {waited:.0f} s for the store: {causes}"

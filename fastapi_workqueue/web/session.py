@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sqlite3
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
@@ -103,6 +104,16 @@ async def _checkout(session: AsyncSession) -> None:
             raise
         log.warning("%s", mapped)  # (the driver's text, redacted; the answer says only that it is away)
         raise _away() from None
+
+
+def _sqlite_busy(exc: BaseException) -> bool:
+    """Whether ``exc`` is SQLite's "database is locked" (or busy) from a statement of the request's
+    session, through SQLAlchemy (its ``orig``)."""
+    orig = getattr(exc, "orig", None)
+    if not isinstance(orig, sqlite3.OperationalError):
+        return False
+    text = str(orig)
+    return "locked" in text or "busy" in text
 
 
 def _busy() -> Exception:
@@ -299,6 +310,13 @@ class RequestSessions:
                             log.warning("a request's publish could not be written (%s); answered 503", exc)
                             raise _away("the queue's store could not take the request's publish now (busy or "
                                         "unreachable); retry shortly") from exc
+                        if counted and _sqlite_busy(exc):
+                            # (the endpoint's own write met the file's lock, held by another writer past the
+                            # busy timeout: the same answer as a publish that met it)
+                            log.warning("a request's write found the SQLite file busy (%s); answered 503",
+                                        getattr(exc, "orig", exc))
+                            raise _away("the database file is busy (another writer held its lock past "
+                                        "WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS); retry shortly") from exc
                         raise
                     else:
                         holder.open = False
