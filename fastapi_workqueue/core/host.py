@@ -117,17 +117,6 @@ class HostOptions:
     """Hears the leases each sweeper pass took back (must not raise)."""
 
 
-def _stall_of(consumer: Consumer, claims_watched: bool, after: float, settles_stalled: float | None,
-              causes: str) -> str | None:
-    """Why a consumer's subscriptions are held up by a call that waits too long, or None."""
-    claim_stalled = consumer.claim_watch.stalled(after) if claims_watched else None
-    if claim_stalled is not None:
-        return stall_reason("its claim", claim_stalled, causes)
-    if settles_stalled is not None:
-        return stall_reason("writing this process's settles", settles_stalled, causes)
-    return None
-
-
 RETRY_KEEPS_KEY_BUSY = (
     "on the {name} transport a retrying Exclusive message keeps its key busy until its retry delay "
     "has passed (an SQS FIFO message group waits for its head), unlike the database transport"
@@ -597,8 +586,7 @@ class Host:
                 entry = entry.model_copy(update={"active": consumer.active})
             serving = consumer or group
             if entry.state == "Running" and serving is not None:
-                stalled = _stall_of(serving, self._claims_watched(serving), after, settles_stalled,
-                                    self._stall_causes(serving))
+                stalled = self._stall_of(serving, after, settles_stalled)
                 if stalled is not None:
                     entry = entry.model_copy(update={"state": "Error", "reason": stalled})
             report.append(entry)
@@ -616,6 +604,15 @@ class Host:
             for consumer in self._all_consumers():
                 if self._claims_watched(consumer):
                     consumer.claim_watch.check(after, self._stall_causes(consumer))
+
+    def _stall_of(self, consumer: Consumer, after: float, settles_stalled: float | None) -> str | None:
+        """Why the subscriptions of ``consumer`` are held up by a call that waits too long, or None."""
+        claim_stalled = consumer.claim_watch.stalled(after)
+        if claim_stalled is not None and self._claims_watched(consumer):
+            return stall_reason("its claim", claim_stalled, self._stall_causes(consumer))
+        if settles_stalled is not None:
+            return stall_reason("writing this process's settles", settles_stalled, self._stall_causes(consumer))
+        return None
 
     def _stall_causes(self, consumer: Consumer) -> str:
         """What may keep the calls of ``consumer`` waiting, by the store of its first subscription."""
