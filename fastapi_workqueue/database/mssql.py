@@ -29,7 +29,7 @@ import re
 import struct
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import UTC, datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 from ..core.clock import Clock
@@ -442,10 +442,8 @@ class MssqlTransport(RoutineTransport):
                 raise map_mssql_error(exc, "read the database's time") from exc
 
         rows = await with_retries("read the database's time", run)
-        moment = rows[0]["now"]
-        if not isinstance(moment, datetime):  # (a driver that answers text for datetimeoffset)
-            moment = datetime.fromisoformat(str(moment))
-        return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+        moment: datetime = rows[0]["now"]  # (aware: datetimeoffset goes through decode_datetimeoffset)
+        return moment
 
     async def _in_transaction(self, operation: str, work: Callable[[Any], Awaitable[T]]) -> T:
         """``work(conn)`` in one explicit transaction on a pooled connection (each procedure sees

@@ -350,7 +350,7 @@ class SqliteTransport(RoutineTransport):
                 conn.execute("BEGIN IMMEDIATE")
                 return
             except sqlite3.OperationalError as exc:
-                if not _is_busy(exc) or cancelled() or time.monotonic() >= deadline:
+                if not is_busy(exc) or cancelled() or time.monotonic() >= deadline:
                     raise
 
     def _busy(self) -> TransportError:
@@ -475,7 +475,7 @@ def _file_identity(path: str) -> tuple[int, int] | None:
     return (found.st_dev, found.st_ino)
 
 
-def _is_busy(exc: BaseException) -> bool:
+def is_busy(exc: BaseException) -> bool:
     """Whether SQLite refused for want of the file's lock (its busy handler gave up)."""
     text = str(exc)
     return "locked" in text or "busy" in text
@@ -492,7 +492,7 @@ def _mapped(exc: BaseException, operation: str, busy: Callable[[], TransportErro
             f"{operation}: the work queue schema is missing ({text}); run `queue.migrate()` (or `workqueue migrate`), "
             "or set WORKQUEUE_AUTO_MIGRATE=1"
         )
-    if _is_busy(exc):
+    if is_busy(exc):
         return busy()
     if "disk is full" in text or "disk I/O error" in text:  # (SQLITE_FULL, SQLITE_IOERR: for a while, retried)
         return TransportUnavailable(f"{operation}: the SQLite file cannot be written now ({text}); retry later")

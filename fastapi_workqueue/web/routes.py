@@ -213,8 +213,8 @@ class _BoundedBodyRoute(APIRoute):
                         detail="the JSON body holds an integer of more than 4,300 digits, which cannot be read; "
                         "send it as a string",
                     ) from exc
-                if exc.status_code == status.HTTP_400_BAD_REQUEST and isinstance(exc.__cause__, UnicodeDecodeError):
-                    bad = exc.__cause__
+                if exc.status_code == status.HTTP_400_BAD_REQUEST and isinstance(cause, UnicodeDecodeError):
+                    bad = cause
                     raise HTTPException(
                         status.HTTP_400_BAD_REQUEST,
                         detail=f"the body is not UTF-8 (byte 0x{bad.object[bad.start]:02x} at offset {bad.start} "

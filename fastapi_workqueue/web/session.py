@@ -112,8 +112,9 @@ def _sqlite_busy(exc: BaseException) -> bool:
     orig = getattr(exc, "orig", None)
     if not isinstance(orig, sqlite3.OperationalError):
         return False
-    text = str(orig)
-    return "locked" in text or "busy" in text
+    from ..database.sqlite import is_busy
+
+    return is_busy(orig)
 
 
 def _busy() -> Exception:
