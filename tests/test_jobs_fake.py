@@ -485,3 +485,15 @@ async def test_a_schedule_is_tested_by_running_its_ticks_at_a_given_time() -> No
         again.assert_dispatched(jobs["send"], times=1)
     with pytest.raises(ValueError, match="has no time zone; give an aware datetime"):
         await queue.run_schedules(datetime(2026, 12, 1, 8, 15))
+
+
+async def test_a_schedule_of_seconds_first_looks_back_a_minute_under_the_fake() -> None:
+    """A first look (a fake starts as a process does) records the ticks of the last minute after
+    the newest one recorded, and only the newest when none is: as on a store."""
+    queue, jobs, _ = build()
+    queue.schedule(jobs["send"], every=10, payload={"user_id": 8})
+    with queue.fake() as fake:
+        assert await queue.run_schedules(datetime(2026, 12, 1, 8, 0, 1, tzinfo=UTC)) == 1  # 08:00:00
+        queue.jobs.schedules.forget_looks()
+        assert await queue.run_schedules(datetime(2026, 12, 1, 8, 0, 35, tzinfo=UTC)) == 3  # :10, :20, :30
+        assert sorted(e.id for e in fake.records) == sorted({e.id for e in fake.records})

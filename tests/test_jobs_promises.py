@@ -410,6 +410,35 @@ async def test_catch_up_after_an_outage_longer_than_1000_ticks_queues_the_newest
     assert any("the newest 1000 are queued" in line for line in said) == (down_minutes > 1000), said
 
 
+async def test_a_restart_queues_every_tick_of_the_last_minute_after_the_newest_known(database_url: str) -> None:
+    """docs/jobs.md (Schedules): "A tick missed while every process was down is not queued
+    afterwards (a tick seen up to a minute late still is)". A schedule of every 5 s across a
+    restart of 22 s: only the newest tick was queued, the four before it (7 to 17 s late) never.
+    A new schedule still starts with one tick, and a minute's outage still loses its ticks."""
+    from datetime import UTC, datetime, timedelta
+
+    name = qname()
+    queue = make(database_url, name, enabled=False)
+
+    @queue.job(f"every5-{name}", queue=name)
+    async def tick(payload: dict[str, Any]) -> None:
+        pass
+
+    queue.schedule(tick, every=5, payload={})
+    start = datetime(2026, 12, 1, 12, 0, 1, tzinfo=UTC)
+    schedules = queue.jobs.schedules
+    async with queue.lifespan(None):
+        assert await queue.run_schedules(start) == 1  # (new: its newest tick, not a minute of them)
+        assert await queue.run_schedules(start + timedelta(seconds=5)) == 1
+        schedules.forget_looks()  # (every process down from +5 s to +27 s)
+        assert await queue.run_schedules(start + timedelta(seconds=27)) == 4  # (+10, +15, +20, +25)
+        schedules.forget_looks()  # (and again, the newest known tick inside the minute: nothing new)
+        assert await queue.run_schedules(start + timedelta(seconds=28)) == 0
+        schedules.forget_looks()  # (down for more than the minute: only the newest)
+        assert await queue.run_schedules(start + timedelta(seconds=200)) == 1
+        assert await queue.size(name) == 7
+
+
 def test_ticks_between_keeps_the_newest_1000() -> None:
     """A process that missed more than 1,000 ticks (its loop blocked) queues the newest 1,000."""
     from datetime import UTC, datetime, timedelta

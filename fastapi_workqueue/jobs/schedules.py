@@ -262,13 +262,28 @@ class Schedules:
         latest = schedule.previous_at_or_before(moment)
         on_time = [latest] if moment - latest <= LATE_GRACE else []
         if not schedule.catch_up:
-            return on_time
+            return await self._late_ticks(schedule, moment) if on_time else on_time
         missed = await self._since_last_known(schedule, latest)
         if missed is None:
             log.info("schedule %s: the store holds none of its earlier ticks (a new schedule, or its jobs were "
                      "purged with the retention): nothing to catch up, it runs from now on", schedule.name)
             return on_time
         return missed
+
+    async def _late_ticks(self, schedule: Schedule, moment: datetime) -> list[datetime]:
+        """The ticks of the last :data:`LATE_GRACE` that came after the newest one the store
+        knows (a schedule of less than a minute, across a restart of every process: each tick
+        seen up to a minute late is queued); the newest alone when the store knows none of them
+        (a new schedule starts from now, not with a minute of ticks at once)."""
+        recent = schedule.ticks_between(moment - LATE_GRACE - timedelta(microseconds=1), moment)
+        if len(recent) <= 1:
+            return recent
+        ids = [schedule.tick_id(t) for t in recent]
+        fake = self._jobs.fake
+        known = ({entry.id for entry in fake.records} if fake is not None
+                 else await self._jobs.kernel.transport.known_messages(ids))
+        newest_known = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] in known), None)
+        return recent[-1:] if newest_known is None else recent[newest_known + 1:]
 
     async def last_dispatch(self, schedule: Schedule, now: datetime | None = None, *,
                             look_back: int = LOOK_BACK) -> datetime | None:
