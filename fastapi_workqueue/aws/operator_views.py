@@ -6,7 +6,6 @@ the reason. :class:`OperatorViews` is a part of :class:`.transport.AwsTransport`
 
 from __future__ import annotations
 
-import contextlib
 import json
 import uuid
 from collections.abc import Sequence
@@ -27,12 +26,13 @@ from ..core.reports import (
 )
 from . import body as bodies
 from .leases import Lease
-from .naming import BATCH, NAME
+from .naming import NAME
 
 if TYPE_CHECKING:
     from ..core.topology import Subscription, SubscriptionStatus, Topic
     from ..core.transport import Capabilities
     from .bindings import Bindings
+    from .dead_letter_reads import DeadLetterReads
     from .records import SettledRecords
 
 CANCEL_UNSUPPORTED = "SQS cannot cancel an in-flight message; wait for it to settle, or discard it once dead-lettered"
@@ -70,6 +70,7 @@ class OperatorViews:
         _topics: dict[str, Topic]
         _subscriptions: dict[str, Subscription]
         _leases: dict[str, Lease]
+        _dead_letter_reads: DeadLetterReads
 
         @property
         def sqs(self) -> Any: ...
@@ -240,35 +241,15 @@ class OperatorViews:
         return info
 
     async def _read_dead_letters(self, subscription: str, limit: int) -> list[dict[str, Any]]:
-        """Up to ``limit`` DLQ messages, each received once and made visible again at once."""
-        _, dlq_url = self._urls(subscription)
-        seen: dict[str, dict[str, Any]] = {}
-        empty_rounds = 0
-        while len(seen) < limit and empty_rounds < 2:
-            answer = await self.sqs.receive_message(
-                QueueUrl=dlq_url,
-                MaxNumberOfMessages=BATCH,
-                WaitTimeSeconds=0,
-                VisibilityTimeout=2,
-                MessageSystemAttributeNames=["All"],
-                MessageAttributeNames=["All"],
-            )
-            fresh = [m for m in answer.get("Messages", []) if m["MessageId"] not in seen]
-            if not fresh:
-                empty_rounds += 1
-                continue
-            for message in fresh:
-                seen[message["MessageId"]] = message
-        for message in seen.values():
-            with contextlib.suppress(Exception):
-                await self.sqs.change_message_visibility(
-                    QueueUrl=dlq_url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=0
-                )
-        return list(seen.values())[:limit]
+        """Up to ``limit`` DLQ messages, for a listing or a lookup (:mod:`.dead_letter_reads`)."""
+        return (await self._dead_letter_reads.listed(subscription))[:limit]
 
-    async def _find_dead_letter(self, subscription: str, origin: str) -> dict[str, Any] | None:
-        """The DLQ message of the delivery ``origin`` (or whose own MessageId it is)."""
-        for message in await self._read_dead_letters(subscription, 1000):
+    async def _find_dead_letter(self, subscription: str, origin: str, *, fresh: bool = False) -> dict[str, Any] | None:
+        """The DLQ message of the delivery ``origin`` (or whose own MessageId it is); ``fresh``:
+        read now, for a replay or discard that holds the subscription's read lock."""
+        messages = (await self._dead_letter_reads.read(subscription, 1000) if fresh
+                    else await self._read_dead_letters(subscription, 1000))
+        for message in messages:
             if origin in (self._origin(message), message["MessageId"]):
                 return message
         return None
@@ -324,10 +305,14 @@ class OperatorViews:
     async def replay(self, subscription: str, delivery_id: str, note: str | None = None) -> ActionResult:
         """Moves a dead letter back to its queue: same body (MessageID) and delivery id, the
         operator's note, attempts start again (a new SQS message, received for the first time)."""
+        async with self._dead_letter_reads.lock(subscription):  # (two replays of one must not both find it)
+            return await self._replay(subscription, delivery_id, note)
+
+    async def _replay(self, subscription: str, delivery_id: str, note: str | None) -> ActionResult:
         parts = split_delivery_id(delivery_id)
         message = None
         if parts is not None and parts[0] == subscription and subscription in self._bound():
-            message = await self._find_dead_letter(subscription, parts[1])
+            message = await self._find_dead_letter(subscription, parts[1], fresh=True)
         if message is None:
             known = delivery_id in self._leases or self.records.get(delivery_id) is not None
             result = "NotDeadLettered" if known else "NotFound"
@@ -397,12 +382,14 @@ class OperatorViews:
         parts = split_delivery_id(delivery_id)
         if parts is None or parts[0] != subscription or subscription not in self._bound():
             return ActionResult(result="NotFound", delivery_id=delivery_id, subscription=subscription)
-        message = await self._find_dead_letter(subscription, parts[1])
-        if message is None:
-            return ActionResult(
-                result="Unsupported", delivery_id=delivery_id, subscription=subscription, reason=WAITING_UNSUPPORTED
-            )
-        await self._discard_dead_letter(subscription, message, reason)
+        async with self._dead_letter_reads.lock(subscription):
+            message = await self._find_dead_letter(subscription, parts[1], fresh=True)
+            if message is None:
+                return ActionResult(
+                    result="Unsupported", delivery_id=delivery_id, subscription=subscription,
+                    reason=WAITING_UNSUPPORTED,
+                )
+            await self._discard_dead_letter(subscription, message, reason)
         return ActionResult(result="Discarded", delivery_id=delivery_id, subscription=subscription, status="Discarded")
 
     async def _discard_dead_letter(self, subscription: str, message: dict[str, Any], reason: str | None) -> None:
@@ -427,12 +414,13 @@ class OperatorViews:
         cutoff = settled_before.timestamp() * 1000
         gone = 0
         while True:
-            old = [
-                m for m in await self._read_dead_letters(subscription, 1000)
-                if int(m.get("Attributes", {}).get("SentTimestamp", "0")) < cutoff
-            ][:limit]
-            for message in old:
-                await self._discard_dead_letter(subscription, message, "pruned")
+            async with self._dead_letter_reads.lock(subscription):
+                old = [
+                    m for m in await self._dead_letter_reads.read(subscription, 1000)
+                    if int(m.get("Attributes", {}).get("SentTimestamp", "0")) < cutoff
+                ][:limit]
+                for message in old:
+                    await self._discard_dead_letter(subscription, message, "pruned")
             gone += len(old)
             if len(old) < limit:
                 return gone

@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..core.envelope import PreparedMessage, PublishError, PublishResult, PublishStatus
-from ..core.errors import ConfigurationError, TransportError, missing_extra
+from ..core.errors import ConfigurationError, TransportError, TransportNotReady, missing_extra
 from ..core.redaction import redacting_logger
 from ..core.reports import (
     SweepReport,
@@ -48,6 +48,7 @@ from ..core.transport import (
 from . import body as bodies
 from .bindings import Bindings, load_bindings
 from .client_calls import ClientCalls, sns_refusal
+from .dead_letter_reads import DeadLetterReads
 from .leases import MAX_LEASE_SECONDS, Held, Lease
 from .naming import BATCH, NAME
 from .operator_views import (
@@ -141,6 +142,7 @@ class AwsTransport(Receiving, Settling, OperatorViews):
         self._subscriptions: dict[str, Subscription] = {}
         self._status: dict[str, SubscriptionStatus] = {}
         self._leases: dict[str, Lease] = {}
+        self._dead_letter_reads = DeadLetterReads(lambda: self.sqs, lambda name: self._urls(name)[1])
         self._held: dict[str, list[Held]] = {}
         self._released: dict[str, int] = {}
         self._receiving: dict[str, Receive] = {}
@@ -385,10 +387,9 @@ class AwsTransport(Receiving, Settling, OperatorViews):
         assert self.bindings is not None
         bound = self.bindings.subscriptions.get(subscription)
         if bound is None:
-            raise TransportError(
+            raise TransportNotReady(
                 f"subscription {subscription!r} is not bound: apply the Terraform module, then run "
-                "`workqueue import-bindings bindings.json`",
-                retryable=True,
+                "`workqueue import-bindings bindings.json`"
             )
         return bound.queue_url, bound.dlq_url
 

@@ -78,6 +78,15 @@ class TransportCannot(TransportError):
         super().__init__(message, retryable=False)
 
 
+class TransportNotReady(TransportError):
+    """The transport is not set up for this yet (an aws subscription whose resources are not
+    bound): retryable once it is. Its text says what to do and names no host or secret, so health
+    shows it to anyone, where a driver's error is replaced."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=True)
+
+
 class TransportUnavailable(TransportError):
     """The store cannot be reached right now; retry later (publishes keep their MessageIDs)."""
 

@@ -573,13 +573,13 @@ class Host:
                 entry = entry.model_copy(update={"active": group.active_for(name)})
                 if entry.state == "Running" and group.last_error is not None:
                     entry = entry.model_copy(update={"state": "Error", "reason": group.last_error,
-                                                     "reason_is_detail": True})
+                                                     "reason_is_detail": not group.last_error_public})
             elif consumer is not None and entry.state == "Running":
                 state: HealthState = "Running"
                 reason = entry.reason
                 detail = entry.reason_is_detail
                 if consumer.last_error is not None:
-                    state, reason, detail = "Error", consumer.last_error, True
+                    state, reason, detail = "Error", consumer.last_error, not consumer.last_error_public
                 entry = entry.model_copy(update={"active": consumer.active, "state": state, "reason": reason,
                                                  "reason_is_detail": detail})
             elif consumer is not None:

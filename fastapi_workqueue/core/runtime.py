@@ -37,7 +37,7 @@ from .context import (
     WorkContext,
     cancelled_by_the_handler,
 )
-from .errors import SessionPoolExhausted
+from .errors import SessionPoolExhausted, TransportNotReady
 from .failures import error_text, handler_traceback, storable, summary
 from .handlers import HandlerSpec, Invoker, PayloadInvalid
 from .leases import LocalLease, counting, start_margin
@@ -238,6 +238,8 @@ class Consumer:
         self._loop_state: ClaimLoopState = "claiming"
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.last_error: str | None = None
+        self.last_error_public = False
+        """Whether :attr:`last_error` may be shown to anyone (a :class:`TransportNotReady`'s text)."""
         self.claim_watch = StallWatch(f"{self._name}: a claim", clock)
         """The claim under way, for the host's look at calls that wait too long (:mod:`.stalls`)."""
 
@@ -496,6 +498,7 @@ class Consumer:
             except Exception as exc:
                 failures += 1
                 self.last_error = str(exc)
+                self.last_error_public = isinstance(exc, TransportNotReady)
                 delay = min(self.idle_poll_max, self.idle_poll_min * 2 ** min(failures, 6))
                 log.warning("%s: claim failed (%s); retrying in %.2f s", self.name, exc, delay)
                 if self._on_error is not None:

@@ -441,6 +441,95 @@ async def test_the_attempts_of_an_aws_delivery_are_unsupported_not_none(tmp_path
     assert [f["Delivery"]["DeliveryID"] for f in found.json()] == [here.delivery_id], found.text
 
 
+async def _dead_lettered(queue: WorkQueue, sub: str, count: int) -> list[str]:
+    """Claims and dead-letters ``count`` deliveries of ``sub``; their ids."""
+    aws = aws_of(queue)
+    ids: list[str] = []
+    for _ in range(40):
+        for d in await aws.claim(sub, 10):
+            assert await aws.settle([Settlement(d.delivery_id, d.lease_token, "DeadLetter",
+                                                reason="poison")]) == ["DeadLettered"]
+            ids.append(d.delivery_id)
+        if len(ids) == count:
+            return ids
+    raise AssertionError(f"dead-lettered {len(ids)} of {count}")
+
+
+async def test_operator_reads_at_once_do_not_hide_dead_letters_from_each_other(tmp_path: Path, moto_url: str) -> None:
+    """docs/rest-api.md: dead letters are "each listed once across the pages" and ``GET
+    /deliveries/{id}`` is 404 only "when unknown". SQS has no peek: a read receives the DLQ's
+    messages, which hides them from any other read until it gives them back. Two listings and a
+    lookup at once came back empty or partial, and the lookup of an existing dead letter None.
+    Now reads of one process share one read, and a read of another process (a second queue on the
+    same resources) waits for what the first holds."""
+    name = unique("dlqr")
+    sub = f"{name}.work"
+    topics = [Topic(name=name, transport="aws")]
+    subs = [Subscription(name=sub, topic=name, handler_key="work")]
+    url = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
+    async with aws_queue(url, moto_url, topics, subs) as queue:
+        await queue.publish(name, [PublishRequest(payload={"n": n}) for n in range(6)])
+        ids = await _dead_lettered(queue, sub, 6)
+        for _ in range(3):
+            first, second, one = await asyncio.gather(queue.dead_letters(sub), queue.dead_letters(sub),
+                                                      queue.get_delivery(ids[0]))
+            assert sorted(d.delivery_id for d in first) == sorted(ids)
+            assert sorted(d.delivery_id for d in second) == sorted(ids)
+            assert one is not None and one.status == "DeadLettered"
+        async with aws_queue(url, moto_url, topics, subs, bind=False) as other:
+            for _ in range(3):
+                here, there = await asyncio.gather(queue.dead_letters(sub), other.dead_letters(sub))
+                assert (len(here), len(there)) == (6, 6)
+
+
+async def test_two_replays_of_one_dead_letter_at_once_replay_it_once(tmp_path: Path, moto_url: str) -> None:
+    """A replay reads the DLQ afresh under the subscription's read lock: two at once in one process
+    (and a listing beside them) move the dead letter back once, and the other answers that it is
+    no longer dead-lettered."""
+    name = unique("dlq2")
+    sub = f"{name}.work"
+    topics = [Topic(name=name, transport="aws")]
+    subs = [Subscription(name=sub, topic=name, handler_key="work")]
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
+        await queue.publish(name, [PublishRequest(payload={"n": 1})])
+        [dead] = await _dead_lettered(queue, sub, 1)
+        a, b, _ = await asyncio.gather(queue.replay(sub, dead), queue.replay(sub, dead), queue.dead_letters(sub))
+        assert sorted([a.result, b.result]) == ["NotDeadLettered", "Replayed"], (a, b)
+        again = await _drain(queue, sub)
+        assert len(again) == 1 and await queue.dead_letters(sub) == []
+
+
+async def test_health_of_an_unbound_aws_subscription_says_to_bind_it(tmp_path: Path, moto_url: str) -> None:
+    """docs/aws.md lets an app deploy before its aws resources exist. Its consumer's claims then
+    fail with "not bound: apply the Terraform module, then run `workqueue import-bindings`", and
+    health (which answers anyone) said "the queue's store is unavailable or refused a call", as for
+    a driver's error that may name hosts. That text names none, so health shows it."""
+    import httpx
+    from fastapi import FastAPI
+
+    name = unique("unbound")
+    sub = f"{name}.work"
+    queue = deployed_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, [Topic(name=name, transport="aws")],
+                           [Subscription(name=sub, topic=name, handler_key="work")])
+
+    @queue.handler("work")
+    async def work(message: WorkMessage[Item]) -> None:
+        pass
+
+    app = FastAPI()
+    app.include_router(queue.health_router)
+    async with running(queue), httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        async def unbound() -> Any:
+            answer = await http.get("/health/extensions")
+            [entry] = [s for e in answer.json()["Extensions"] for s in e["Subscriptions"] if s["Subscription"] == sub]
+            return (answer, entry) if entry["State"] == "Error" else None
+
+        answer, entry = await wait_for(unbound, within=30, interval=0.2)
+    assert answer.status_code == 503
+    assert "is not bound: apply the Terraform module" in entry["Reason"], entry
+    assert "workqueue import-bindings" in entry["Reason"], entry
+
+
 def test_a_throttle_is_retryable_and_keeps_the_aws_error_code_its_readers_look_for() -> None:
     """The outbox relay backs off on a throttled PublishBatch and validate-bindings names the code:
     both read the AWS error code from the error, which the library's mapped error keeps."""
