@@ -253,3 +253,63 @@ async def test_work_on_the_connections_thread_sees_the_callers_context(tmp_path:
         assert await transport._conn.run(request_id.get) == "r-42"
     finally:
         await transport.close()
+
+
+async def test_a_migrated_file_starts_while_another_process_writes(tmp_path: Path) -> None:
+    """A start on a file migrated already reads what is applied beside the writer and takes no
+    write lock: it does not wait for another process's write (a request transaction that published)."""
+    transport, _ = await queue_file(tmp_path)
+    await transport.close()
+    other = create_database_transport(transport.url, sqlite_busy_timeout_ms=BOUND_MS)
+    async with write_lock_held_elsewhere(transport.path, 20):
+        await other.open()
+        try:
+            started = time.monotonic()
+            assert await other.migrate() == []
+            assert time.monotonic() - started < BOUND_MS / 1000
+        finally:
+            await other.close()
+
+
+async def test_a_migration_that_meets_a_held_lock_fails_with_the_busy_error(tmp_path: Path) -> None:
+    """A migration past the bound failed with the driver's bare "database is locked" (and
+    ``workqueue work`` with exit code 1 and a traceback); it is the retryable busy error every
+    other call gives, and nothing of the migration was applied."""
+    import sqlite3
+
+    path = tmp_path / "new.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA journal_mode = WAL").fetchall()
+    transport = create_database_transport(f"sqlite+aiosqlite:///{path}", sqlite_busy_timeout_ms=300)
+    await transport.open()
+    try:
+        async with write_lock_held_elsewhere(str(path), 20):
+            with pytest.raises(TransportError) as caught:
+                await transport.migrate()
+        assert caught.value.retryable
+        assert "is busy: its write lock was not free within 0.3 s" in str(caught.value), caught.value
+        assert await transport.migrate() != []  # (the file free again: the whole schema, from the start)
+    finally:
+        await transport.close()
+
+
+async def test_an_operator_command_keeps_the_busy_bound_setting(tmp_path: Path) -> None:
+    """``WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS`` bounds a command's wait too: the CLI built its transport
+    from the URL alone, so a command waited the default 30 s whatever the setting said."""
+    import os
+
+    transport, _ = await queue_file(tmp_path)
+    await transport.close()
+
+    async def command(*args: str, bound: str) -> tuple[int | None, str]:
+        env = {**os.environ, "WORKQUEUE_DATABASE_URL": transport.url, "WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS": bound}
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "fastapi_workqueue", *args, env=env,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        _, err = await proc.communicate()
+        return proc.returncode, err.decode()
+
+    async with write_lock_held_elsewhere(transport.path, 40):
+        code, err = await command("pause", "--subscription", "s", bound="300")
+    assert code != 0 and "is busy: its write lock was not free within 0.3 s" in err, (code, err)
+    code, err = await command("pause", "--subscription", "s", bound="soon")
+    assert code != 0 and "WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS='soon': give a whole number of milliseconds" in err, err

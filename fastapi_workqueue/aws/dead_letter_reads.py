@@ -28,6 +28,10 @@ HIDDEN_POLL_SECONDS = 0.2
 Message = dict[str, Any]
 
 
+class _ReadAbandoned(Exception):
+    """The read a listing waited for ended with its caller's cancellation: read again."""
+
+
 class DeadLetterReads:
     """The reads of each subscription's DLQ in this process: one at a time, shared by listings."""
 
@@ -46,19 +50,28 @@ class DeadLetterReads:
 
     async def listed(self, subscription: str) -> list[Message]:
         """The DLQ's messages (up to 1,000), for a listing or a lookup: a read already under way
-        for the subscription is shared."""
-        shared = self._shared.get(subscription)
-        if shared is None:
-            shared = asyncio.ensure_future(self._locked_read(subscription))
-            self._shared[subscription] = shared
-            shared.add_done_callback(lambda done: self._forget(subscription, done))
-        return list(await asyncio.shield(shared))
-
-    def _forget(self, subscription: str, done: asyncio.Future[list[Message]]) -> None:
-        if self._shared.get(subscription) is done:
-            del self._shared[subscription]
-        if not done.cancelled():
-            done.exception()  # (read by a waiter, or by nobody: not "never retrieved")
+        for the subscription is shared (one whose caller was cancelled is not: the next reads)."""
+        while (shared := self._shared.get(subscription)) is not None:
+            try:
+                return list(await asyncio.shield(shared))
+            except _ReadAbandoned:
+                continue
+        shared = self._shared[subscription] = asyncio.get_running_loop().create_future()
+        try:
+            found = await self._locked_read(subscription)
+        except asyncio.CancelledError:
+            shared.set_exception(_ReadAbandoned())
+            raise
+        except Exception as exc:
+            shared.set_exception(exc)
+            raise
+        finally:
+            if self._shared.get(subscription) is shared:
+                del self._shared[subscription]
+            if shared.done():
+                shared.exception()  # (read by its waiters, or by none: never "not retrieved")
+        shared.set_result(found)
+        return list(found)
 
     async def _locked_read(self, subscription: str) -> list[Message]:
         async with self.lock(subscription):

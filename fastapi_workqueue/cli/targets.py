@@ -8,6 +8,7 @@ with an empty list or a change that reaches nothing.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -19,6 +20,26 @@ T = TypeVar("T")
 APP_HELP = ("MODULE:ATTR of your app or its WorkQueue: the command reaches every transport of its topics "
             "(aws too). Default: WORKQUEUE_APP.")
 PASS_APP = "pass --app MODULE:ATTR (your app or its WorkQueue) or set WORKQUEUE_APP"
+
+
+BUSY_TIMEOUT_VARIABLE = "WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS"
+
+
+def sqlite_busy_timeout_ms() -> int | None:
+    """``WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS`` as the queue's settings read it (None: not set, the
+    transport's default), for a command that builds a transport from the URL alone."""
+    raw = os.environ.get(BUSY_TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigurationError(
+            f"{BUSY_TIMEOUT_VARIABLE}={raw!r}: give a whole number of milliseconds, at least 1 (default 30000)"
+        )
+    return value
 
 
 def elsewhere(what: str, transport: str) -> ConfigurationError:
@@ -101,7 +122,8 @@ async def on_database(
     """Runs ``action`` on the database transport alone, after :func:`check_in_database`."""
     from ..database import create_database_transport
 
-    transport = create_database_transport(url, listen=False, pool_max_size=2)
+    transport = create_database_transport(url, listen=False, pool_max_size=2,
+                                          sqlite_busy_timeout_ms=sqlite_busy_timeout_ms())
     await transport.open()
     try:
         await check_in_database(url, transport, subscription, delivery_id)

@@ -286,7 +286,23 @@ class SqliteTransport(RoutineTransport):
                 applied.append(migration.label)
             return applied
 
-        return await self._transaction(apply)
+        def recorded_now(conn: sqlite3.Connection) -> dict[int, str] | None:
+            try:
+                return {row[0]: row[1] for row in conn.execute("SELECT version, checksum FROM schema_migration")}
+            except sqlite3.OperationalError as exc:
+                if "no such table" in str(exc):
+                    return None
+                raise
+
+        try:
+            # (read first, beside a writer: a file migrated already takes no write lock, so a
+            # process that starts while another writes does not wait for it)
+            recorded = await self._transaction(recorded_now, write=False)
+            if recorded is not None and not pending("sqlite", recorded):
+                return []
+            return await self._transaction(apply)
+        except sqlite3.Error as exc:
+            raise _mapped(exc, "migrate", self._busy) from exc
 
     def _refuse_foreign_tables(self, conn: sqlite3.Connection, schema: str) -> None:
         """Before the first migration of a file: the tables it would create must not exist already
