@@ -313,3 +313,45 @@ async def test_an_operator_command_keeps_the_busy_bound_setting(tmp_path: Path) 
     assert code != 0 and "is busy: its write lock was not free within 0.3 s" in err, (code, err)
     code, err = await command("pause", "--subscription", "s", bound="soon")
     assert code != 0 and "WORKQUEUE_SQLITE_BUSY_TIMEOUT_MS='soon': give a whole number of milliseconds" in err, err
+
+
+SLOW_QUERY = ("WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 5000000) "
+              "SELECT count(*) FROM n")
+
+
+async def test_a_session_cancelled_in_a_statement_does_not_leave_the_file_locked(tmp_path: Path) -> None:
+    """A task cancelled while its session's statement runs (a request's timeout, a handler past its
+    time) had its connection closed by SQLAlchemy, but the statement's cursor outlived the close and
+    SQLite keeps a connection with live statements open, in its transaction: the file stayed locked
+    for every process until the garbage collector ran. The queue's engine rolls back first."""
+    from sqlalchemy import text
+
+    from fastapi_workqueue import WorkQueue, WorkQueueSettings
+
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'queue.db'}", enabled=False,
+                                        auto_migrate=True, sqlite_busy_timeout_ms=BOUND_MS),
+                      topics=[Topic(name="t")], subscriptions=[Subscription(name="s", topic="t", handler_key="h")])
+
+    async def request() -> None:
+        async with queue.sessionmaker() as session, session.begin():
+            await queue.publish("t", [PublishRequest(payload="cancelled")], session=session)
+            await session.execute(text(SLOW_QUERY))
+
+    async with queue.lifespan(None):
+        transport = queue.transport
+        assert isinstance(transport, SqliteTransport)
+        for _ in range(3):
+            task = asyncio.create_task(request())
+            await asyncio.sleep(0.15)  # (inside the slow statement)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # Another process writes at once, and so does the queue's own connection.
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-c", TRY_LOCK, transport.path, "1",
+                                                        stdout=asyncio.subprocess.PIPE)
+            out, _ = await proc.communicate()
+            assert out.startswith(b"took"), out
+            [result] = await queue.publish("t", [PublishRequest(payload="after")])
+            assert result.ok
+        payloads = [d.payload for d in await queue.deliveries("s", "Pending", include_payload=True)]
+    assert payloads == ["after"] * 3, payloads

@@ -215,6 +215,12 @@ class RequestSessions:
                 url, pool_size=pool.size, max_overflow=pool.overflow, pool_timeout=pool.timeout_seconds,
                 pool_pre_ping=pool.pre_ping, **options,
             )
+            if url.startswith("sqlite"):  # (a cancelled statement's connection must not keep the file locked)
+                from sqlalchemy import event
+
+                from ..database.sqlite_engine import roll_back_before_close
+
+                event.listen(self._engine.sync_engine, "connect", roll_back_before_close)
             try:
                 self._loop = asyncio.get_running_loop()
             except RuntimeError:  # (made outside a loop: the first loop that uses it, see _drop_if_stale)
