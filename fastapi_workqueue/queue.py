@@ -594,6 +594,7 @@ class WorkQueue:
         kernel.opened += 1
         if kernel.opened > 1:
             return
+        kernel.ended = False
         kernel.opened_in = (here[0], weakref.ref(here[1]))
         try:
             if self._jobs is not None:
@@ -638,6 +639,7 @@ class WorkQueue:
         kernel.opened -= 1
         if kernel.opened > 0:
             return
+        kernel.ended = True
         await self._stop_host()
         if self._jobs is not None:
             await self._jobs.drain_events()

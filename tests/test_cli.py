@@ -184,12 +184,11 @@ async def test_entry_point_help_and_database_url(cli: Cli) -> None:
     await cli("--database-url", "sqlite+aiosqlite:///workqueue.db", "migrate", env=no_url)
     found = await cli("--json", "stats", env=no_url)
     assert found.json() == [] and "workqueue.db" in found.err
-    # A misspelt variable is named, with the one it resembles, before the command runs: here it is
-    # why the command reads ./workqueue.db and not the database the operator meant.
-    typo = await cli("--json", "stats", env={**no_url, "WORKQUEUE_DATABSE_URL": cli.url})
-    assert typo.json() == []
-    assert ("warning: WORKQUEUE_DATABSE_URL is not a setting of fastapi-workqueue and is ignored; did you mean "
-            "WORKQUEUE_DATABASE_URL?") in typo.err.splitlines()
+    # A misspelt database URL variable is named, with the one it meant, and the command refuses, as
+    # the app does: it would read ./workqueue.db, not the database the operator meant.
+    typo = await cli("--json", "stats", env={**no_url, "WORKQUEUE_DATABSE_URL": cli.url}, expect=2)
+    assert ("Error: WORKQUEUE_DATABSE_URL is not a setting of fastapi-workqueue; did you mean "
+            "WORKQUEUE_DATABASE_URL? No database URL is set") in typo.err, typo.err
     # So is a value an app would refuse to start with; the operator command still runs.
     bad_value = await cli("--json", "stats", env={**no_url, "WORKQUEUE_POOL_SIZE": "ten"})
     assert bad_value.json() == []

@@ -56,8 +56,9 @@ MALFORMED_URLS = [
     # (only a scheme the library knows is repeated: the start of anything else may be the secret)
     ("app:s3cret-pw@127.0.0.1/db", "does not start with a scheme and '://'; write it as"),
     ("s3cret-pw", "does not start with a scheme and '://'; write it as"),
+    # (only '@' needs it: '/', '?', '#' and ':' may stand in a password unencoded, docs/configuration.md)
     ("postgresql+asyncpg://app:s3cret@pw@127.0.0.1:5432/db", "has more than one '@' before its host: a password "
-     "(or user name) with '@', ':', '/', '?' or '#' in it must be percent-encoded ('@' as %40"),
+     "(or user name) with '@' in it must be percent-encoded ('@' as %40"),
 ]
 
 
@@ -109,8 +110,30 @@ def test_a_variable_naming_a_subscription_field_says_where_that_field_is_set() -
     assert "@queue.job(..., concurrency=...)" in said[1] and "@queue.job" not in said[0]
     [typo] = unknown_variables({"WORKQUEUE_BENCH_MAX_INFLIGHT": "1"})
     assert "BENCH_MAX_IN_FLIGHT" not in typo
-    [other_field] = unknown_variables({"WORKQUEUE_LEASE_SECONDS": "30"})  # (a field, but also near a setting)
-    assert other_field.endswith("did you mean WORKQUEUE_JOB_LEASE_SECONDS?")
+    # (fields near a setting's name: a lease or an attempt count of a subscription is no job lease
+    # and no cap on what a message may ask for, which "did you mean" would have offered)
+    [lease] = unknown_variables({"WORKQUEUE_LEASE_SECONDS": "30"})
+    assert ("lease_seconds is set per subscription, in the code: Subscription(..., lease_seconds=...) "
+            "(a job queue's: WORKQUEUE_JOB_LEASE_SECONDS)") in lease, lease
+    [attempts] = unknown_variables({"WORKQUEUE_MAX_ATTEMPTS": "3"})
+    assert "max_attempts is set per subscription" in attempts and "did you mean" not in attempts, attempts
+
+
+@pytest.mark.parametrize("field", ["max_in_flight", "rate_limit", "lease_seconds", "max_attempts"])
+def test_a_keyword_naming_a_subscription_field_says_where_that_field_is_set(field: str) -> None:
+    """``WorkQueueSettings(max_in_flight=...)`` said only "see docs/configuration.md", and
+    ``lease_seconds=``/``max_attempts=`` offered a setting that does something else."""
+    with pytest.raises(ConfigurationError) as raised:
+        WorkQueueSettings(**{field: 3})
+    assert f"{field} is set per subscription, in the code: Subscription(..., {field}=...)" in str(raised.value)
+    assert "did you mean" not in str(raised.value)
+
+
+def test_a_variable_whose_value_is_a_database_url_is_taken_for_the_database_url() -> None:
+    """docs/configuration.md's own example, ``WORKQUEUE_POSTGRES_URL=postgresql://…``, was answered
+    "did you mean WORKQUEUE_TRACE_URL?"."""
+    [said] = unknown_variables({"WORKQUEUE_POSTGRES_URL": "postgresql+asyncpg://u@h/db"})
+    assert said.endswith("did you mean WORKQUEUE_DATABASE_URL? (its value is a database URL)"), said
 
 
 def test_a_rate_above_the_largest_names_the_largest() -> None:
@@ -167,6 +190,76 @@ async def test_a_misspelt_database_url_with_none_set_stops_the_queue_and_the_wor
     async with WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}",
                                            enabled=False)).lifespan(None):
         pass
+
+
+async def test_a_command_with_a_misspelt_database_url_refuses_instead_of_reading_the_default_file(
+    tmp_path: Path,
+) -> None:
+    """``WORKQUEUE_POSTGRES_URL=postgresql://…`` with a ``workqueue.db`` in the folder: the app
+    refuses, and a command answered from that file, which nobody meant."""
+    (tmp_path / "workqueue.db").write_bytes(b"")
+    env = {k: v for k, v in os.environ.items() if k != "WORKQUEUE_DATABASE_URL"}
+    env.update(PYTHONPATH=ROOT, WORKQUEUE_POSTGRES_URL="postgresql+asyncpg://app@db.internal/orders")
+    command = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fastapi_workqueue", "stats"],
+                                      env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert command.returncode == 2, (command.returncode, command.stderr)
+    assert ("WORKQUEUE_POSTGRES_URL is not a setting of fastapi-workqueue; did you mean WORKQUEUE_DATABASE_URL?"
+            in command.stderr), command.stderr
+    assert "Traceback" not in command.stderr
+    # An empty WORKQUEUE_DATABASE_URL: the app refuses it, and so does a command (it read the file).
+    env = {k: v for k, v in env.items() if k != "WORKQUEUE_POSTGRES_URL"}
+    env["WORKQUEUE_DATABASE_URL"] = ""
+    command = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fastapi_workqueue", "stats"],
+                                      env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert command.returncode == 2 and "WORKQUEUE_DATABASE_URL is set, but empty" in command.stderr, command.stderr
+
+
+async def test_publishing_without_the_lifespan_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An app without the queue's lifespan answered publishes Accepted and logged nothing: its
+    messages waited, and only health told. The first publish of such a process says so (a process
+    that only publishes turns its host off and hears nothing); after the lifespan ended, health says
+    it ended instead of telling to add it."""
+    caplog.set_level(logging.WARNING, logger="fastapi_workqueue")
+    url = f"sqlite+aiosqlite:///{tmp_path / 'q.db'}"
+    topics, subs = [Topic(name="t")], [Subscription(name="s", topic="t", handler_key="h")]
+    async with WorkQueue(WorkQueueSettings(database_url=url, enabled=False), topics=topics,
+                         subscriptions=subs).lifespan(None):
+        pass  # (the schema and the topic)
+    queue = WorkQueue(WorkQueueSettings(database_url=url), topics=topics, subscriptions=subs)
+
+    @queue.handler("h")
+    async def handle(message: WorkMessage[Any]) -> None:
+        pass
+
+    for n in range(2):  # (as a request of the app does: in its session)
+        async with queue.sessionmaker() as session, session.begin():
+            [result] = await queue.publish("t", [PublishRequest(payload=n)], session=session)
+        assert result.ok
+    said = [r.getMessage() for r in caplog.records if "while the queue is not open" in r.getMessage()]
+    assert len(said) == 1 and "the app's lifespan has not started it" in said[0], said
+    assert "run the app with lifespan=queue.lifespan" in said[0]
+    quiet = WorkQueue(WorkQueueSettings(database_url=url, disable_host=True), topics=topics, subscriptions=subs)
+    caplog.clear()
+    async with quiet.sessionmaker() as session, session.begin():
+        await quiet.publish("t", [PublishRequest(payload="only publishes")], session=session)
+    assert not [r for r in caplog.records if "while the queue is not open" in r.getMessage()]
+    await quiet.engine.dispose()
+    async with queue.lifespan(None):
+        pass
+    health = queue.health()
+    assert health.status == "Stopped" and "has ended in this process" in (health.reason or ""), health
+    assert [s.reason for s in health.subscriptions] == [
+        "not served: the queue's lifespan has ended in this process (the app is stopping or has stopped)"]
+
+
+@pytest.mark.parametrize("given", [PublishRequest(payload=1), {"Payload": 1}, "payload"])
+async def test_a_publish_of_one_request_not_in_a_list_says_to_pass_a_list(tmp_path: Path, given: Any) -> None:
+    queue = WorkQueue(WorkQueueSettings(database_url=f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", enabled=False))
+    with pytest.raises(TypeError, match=r"publish takes a list of requests, got \w+: queue.publish\('t', "
+                                        r"\[PublishRequest\(payload=...\)\]\)"):
+        await queue.publish("t", given)
 
 
 async def test_a_handler_no_subscription_names_is_a_warning_with_the_closest_key(
@@ -525,3 +618,12 @@ def test_two_test_clients_at_once_share_the_queue(tmp_path: Path) -> None:
         with TestClient(app) as second:
             assert second.post("/p").json() == "Accepted"
             assert first.post("/p").json() == "Accepted"
+
+
+async def test_an_empty_database_url_variable_is_named_as_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It said "no database is configured: set WORKQUEUE_DATABASE_URL" to a process that had set it."""
+    monkeypatch.setenv("WORKQUEUE_DATABASE_URL", "")
+    queue = WorkQueue(WorkQueueSettings(enabled=False))
+    with pytest.raises(ConfigurationError, match=r"^WORKQUEUE_DATABASE_URL is set, but empty: set "):
+        async with queue.lifespan(None):
+            pass

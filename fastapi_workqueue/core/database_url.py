@@ -36,8 +36,8 @@ def database_scheme(url: str, *, source: str = "the database URL") -> str:
     authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
     if authority.count("@") > 1:
         raise ConfigurationError(
-            f"{source} has more than one '@' before its host: a password (or user name) with '@', ':', '/', "
-            "'?' or '#' in it must be percent-encoded ('@' as %40; urllib.parse.quote(password, safe='') gives it)"
+            f"{source} has more than one '@' before its host: a password (or user name) with '@' in it must be "
+            "percent-encoded ('@' as %40; urllib.parse.quote(password, safe='') gives it)"
         )
     return scheme.split("+", 1)[0].lower()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import replace
@@ -161,6 +162,9 @@ class Kernel:
         self.opened = 0
         """How many ``open()`` calls no ``close()`` has ended yet."""
         self.opened_in: tuple[int, Callable[[], asyncio.AbstractEventLoop | None]] | None = None
+        self.ended = False
+        """The queue was open in this process and has been closed since (its lifespan ended)."""
+        self._said_not_open = False
         """The process and (a weak reference to) the event loop of the first ``open()`` still open."""
         self.operator = Operator(self)
         """The operator calls (stats, dead letters, replay, pause, retire ...), written once."""
@@ -267,8 +271,9 @@ class Kernel:
                 "where the queue does not read. Leave database_url unset, or give the transport's URL"
             )
         if not url:
+            empty = "WORKQUEUE_DATABASE_URL is set, but empty" if "WORKQUEUE_DATABASE_URL" in os.environ else None
             raise ConfigurationError(
-                "no database is configured: set WORKQUEUE_DATABASE_URL (for example "
+                f"{empty or 'no database is configured'}: set WORKQUEUE_DATABASE_URL (for example "
                 "postgresql+asyncpg://postgres@127.0.0.1:5432/app or sqlite+aiosqlite:///app.db) or "
                 "WorkQueueSettings(database_url=...)"
             )
@@ -336,6 +341,11 @@ class Kernel:
         """Publishes ``requests`` to ``topic``, one result per request (``WorkQueue.publish``).
         ``conflict_expected``: a MessageIDConflict is an answer the caller expects (a schedule's tick
         another process queued with other bytes), not logged as a refusal."""
+        if isinstance(requests, (PublishRequest, Mapping, str, bytes)) or not isinstance(requests, Sequence):
+            raise TypeError(
+                f"publish takes a list of requests, got {type(requests).__name__}: "
+                f"queue.publish({topic!r}, [PublishRequest(payload=...)]) (a dict per request works too)"
+            )
         cap = self.envelope_cap(topic)
         attempts = self.settings.max_message_attempts
 
@@ -382,6 +392,14 @@ class Kernel:
             raise self._unknown_topic(topic)
         if count == 0 and topic not in {t.name for t in await self.transport.list_topics()}:
             raise self._unknown_topic(topic)  # (a call with nothing to publish never reaches the store's check)
+        if self.opened == 0 and not self._said_not_open and self.host_off_reason() is None:
+            self._said_not_open = True
+            log.warning(
+                "publishing to %r while the queue is not open in this process (%s): the message is stored, but "
+                "nothing here consumes it; run the app with lifespan=queue.lifespan (a mounted app's lifespan "
+                "does not run), or set WORKQUEUE_DISABLE_HOST=1 in a process that only publishes", topic,
+                "its lifespan has ended" if self.ended else "the app's lifespan has not started it",
+            )
         session = self.sessions.resolve(session)
         observer = self.observer
         single = prepared[0] if len(prepared) == 1 else None
@@ -503,16 +521,20 @@ class Kernel:
     def health(self) -> ExtensionHealth:
         """The state of the host and of every subscription it plans."""
         if self.opened == 0:
+            ended = "the queue's lifespan has ended in this process (the app is stopping or has stopped)"
             if self.host_off_reason() is None:
                 # Each subscription the host would run is in Error: not served (SPEC: health is 503).
-                why = ("not served: the app's lifespan has not started the queue; run the app with "
+                why = (f"not served: {ended}" if self.ended else
+                       "not served: the app's lifespan has not started the queue; run the app with "
                        "lifespan=queue.lifespan (a mounted app's lifespan does not run: give the outer app the "
                        "queue's lifespan)")
                 planned = [SubscriptionHealth(subscription=name, state="Error", reason=why, concurrency=concurrency)
                            for name, concurrency in self._planned_here()]
                 return ExtensionHealth(status="Stopped", subscriptions=planned, reason=(
+                    f"{ended}, so nothing is consumed here" if self.ended else
                     "the app's lifespan has not started the queue, so nothing is consumed in this process"))
-            return ExtensionHealth(status="Stopped", reason="the app's lifespan has not started the queue")
+            return ExtensionHealth(status="Stopped", reason=ended if self.ended else
+                                   "the app's lifespan has not started the queue")
         if self.host is None:
             off = self.host_off_reason() or "the host is not started"
             return ExtensionHealth(status="Disabled", reason=f"the host is off in this process: {off}")

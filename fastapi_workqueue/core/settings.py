@@ -329,30 +329,43 @@ def _unknown(environ: Mapping[str, str] | None) -> list[tuple[str, str | None]]:
     return found
 
 
-_FLOW_FIELDS = {"max_in_flight": "concurrency", "key_concurrency": None, "rate_limit": "rate_limit",
-                "key_rate_limit": None}
-"""A subscription's flow limits, each with the argument of ``@queue.job`` that sets it for a job queue."""
+_JOB_EQUIVALENTS = {
+    "max_in_flight": "@queue.job(..., concurrency=...)", "rate_limit": "@queue.job(..., rate_limit=...)",
+    "max_attempts": "@queue.job(..., tries=...)", "lease_seconds": "WORKQUEUE_JOB_LEASE_SECONDS",
+    "backoff_base_seconds": "@queue.job(..., backoff=...)",
+}
+"""What sets a subscription field for a job queue, where something does."""
 
 
-def _flow_field(variable: str) -> str | None:
-    """The flow limit of a subscription that ``variable`` names (``WORKQUEUE_MAX_IN_FLIGHT``:
-    ``max_in_flight``), or None."""
-    squashed = variable.upper().removeprefix(ENV_PREFIX).replace("_", "").lower()
-    return next((f for f in _FLOW_FIELDS if f.replace("_", "") == squashed), None)
+def _subscription_field(name: str) -> str | None:
+    """The field of ``Subscription`` that ``name`` names (``WORKQUEUE_MAX_IN_FLIGHT`` or
+    ``max_in_flight``: ``max_in_flight``), if it names no setting; else None."""
+    from .topology import Subscription  # (only for an unknown name)
+
+    squashed = name.upper().removeprefix(ENV_PREFIX).replace("_", "").lower()
+    return next((f for f in Subscription.model_fields
+                 if f.replace("_", "") == squashed and f not in WorkQueueSettings.model_fields), None)
+
+
+def _per_subscription(field: str) -> str:
+    job = _JOB_EQUIVALENTS.get(field)
+    return (f"{field} is set per subscription, in the code: Subscription(..., {field}=...)"
+            + (f" (a job queue's: {job})" if job else "") + "; see docs/configuration.md")
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     """One sentence per ``WORKQUEUE_*`` variable of the environment that names no setting, with
-    the variable it most resembles (a typo is otherwise silently ignored), or the subscription's
-    flow limit it names (those are set in the code, per subscription)."""
+    the variable it most resembles (a typo is otherwise silently ignored; one whose value is a
+    database URL is taken for ``WORKQUEUE_DATABASE_URL``), or the subscription field it names
+    (those are set in the code, per subscription)."""
+    values = os.environ if environ is None else environ
     said = []
     for name, guess in _unknown(environ):
-        field = _flow_field(name)
+        field = _subscription_field(name)
         if field is not None:
-            job_argument = _FLOW_FIELDS[field]
-            hint = (f"; {field} is set per subscription, in the code: Subscription(..., {field}=...)"
-                    + (f" (a job queue's: @queue.job(..., {job_argument}=...))" if job_argument else "")
-                    + "; see docs/configuration.md")
+            hint = "; " + _per_subscription(field)
+        elif _DATABASE_URL_VALUE.match(values.get(name, "")):
+            hint = f"; did you mean {_variable('database_url')}? (its value is a database URL)"
         elif guess:
             hint = f"; did you mean {guess}?"
         else:
@@ -375,6 +388,8 @@ def misspelt_database_url(environ: Mapping[str, str] | None = None) -> str | Non
 
 
 def _unknown_field(field: str) -> str:
+    if (per_subscription := _subscription_field(field)) is not None:
+        return f"WorkQueueSettings has no setting {field!r}; {_per_subscription(per_subscription)}"
     guess = _closest(field, setting_names())
     hint = f"did you mean {guess!r}?" if guess else "see docs/configuration.md for the settings"
     return f"WorkQueueSettings has no setting {field!r}; {hint}"
