@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import subprocess
 import sys
 import traceback
@@ -627,3 +628,20 @@ async def test_an_empty_database_url_variable_is_named_as_empty(monkeypatch: pyt
     with pytest.raises(ConfigurationError, match=r"^WORKQUEUE_DATABASE_URL is set, but empty: set "):
         async with queue.lifespan(None):
             pass
+
+
+@pytest.mark.parametrize(("build", "says"), [
+    (lambda: Subscription(name="s", topic="t", handler_key="h", max_attempt=3),  # type: ignore[call-arg]
+     "Subscription has no field 'max_attempt'; did you mean 'max_attempts'?"),
+    (lambda: Subscription(name="s", topic="t", handler_key="h", LeaseSecond=3),  # type: ignore[call-arg]
+     "Subscription has no field 'LeaseSecond'; did you mean 'lease_seconds'?"),
+    (lambda: Topic(name="t", transprt="aws"),  # type: ignore[call-arg]
+     "Topic has no field 'transprt'; did you mean 'transport'?"),
+    (lambda: Topic(name="t", xyzzy=1),  # type: ignore[call-arg]
+     "Topic has no field 'xyzzy'; its fields: name, transport"),
+])
+def test_a_misspelt_argument_of_a_topic_or_subscription_names_the_field_it_resembles(build: Any, says: str) -> None:
+    """pydantic said only "Extra inputs are not permitted"."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        build()
+    assert Subscription(name="s", topic="t", handler_key="h", MaxAttempts=3).max_attempts == 3  # type: ignore[call-arg]

@@ -11,7 +11,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from .envelope import MAX_ATTEMPTS_LIMIT, MAX_DELAY_SECONDS
 from .filters import validate_filter
 from .flow import parse_rate
-from .wire import WireModel
+from .wire import WireModel, unknown_keys_named
 
 PartitionMode = Literal["None", "Exclusive", "Ordered"]
 HeartbeatMode = Literal["Auto", "Manual"]
@@ -66,6 +66,11 @@ def topic_move_refused(subscription: str, stored: str, declared: str) -> str:
 class Topic(WireModel):
     """A named stream that producers publish to."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        return unknown_keys_named(cls, data)
+
     name: str
     transport: str = "database"
     max_payload_bytes: int | None = Field(default=None, gt=0)
@@ -85,6 +90,11 @@ class TopicState(Topic):
 
 class Subscription(WireModel):
     """A named consumer of a topic: every matching message gives it one delivery."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        return unknown_keys_named(cls, data)
 
     name: str
     topic: str

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
 _ACRONYMS = {"id": "ID", "ttl": "TTL", "url": "URL"}
@@ -26,3 +28,24 @@ class WireModel(BaseModel):
         # memory).
         defer_build=True,
     )
+
+
+def unknown_keys_named(model: type[BaseModel], data: Any) -> Any:
+    """For a ``model_validator(mode="before")``: refuses a key the model does not have with the
+    field it most resembles (``max_attempt`` → ``max_attempts``), where pydantic says only "Extra
+    inputs are not permitted"."""
+    if not isinstance(data, dict):
+        return data
+    known = {name: name for name in model.model_fields}
+    known.update({to_wire_name(name): name for name in model.model_fields})
+    unknown = [key for key in data if isinstance(key, str) and key not in known]
+    if not unknown:
+        return data
+    import difflib  # (only for a mistake)
+
+    said = []
+    for key in unknown:
+        guess = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+        hint = f"did you mean {known[guess[0]]!r}?" if guess else f"its fields: {', '.join(model.model_fields)}"
+        said.append(f"{model.__name__} has no field {key!r}; {hint}")
+    raise ValueError("; ".join(said))
