@@ -240,6 +240,10 @@ async def test_publish_stats_backlog_dead_letters_replay_discard(cli: Cli) -> No
         "Subscription": sub, "Claimable": 5, "InFlight": 0, "Backlog": 5,
     }
     assert sub in (await cli("stats")).out and "Claimable" in (await cli("backlog", "--subscription", sub)).out
+    # docs/production.md: `workqueue stats` shows "the oldest Pending delivery's time" (the table too)
+    header, row = (await cli("stats", "--subscription", sub)).out.splitlines()
+    assert header.split()[-1] == "OldestPendingAt"
+    assert row.split()[-1] == stats["OldestPendingAt"][:19] + "+00:00", (row, stats)
 
     ran = await cli.work(sub, "--once", "--max", "10")
     assert one_line(ran.out) == f"workqueue work: {sub}: ran 5 deliveries"

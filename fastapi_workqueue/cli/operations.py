@@ -106,7 +106,7 @@ def stats(ctx: Context, subscription: str | None) -> None:
         emit_json(rows)
     else:
         table(rows, ["subscription", "status", "partition_mode", "pending", "claimable", "in_flight",
-                     "dead_lettered", "completed", "discarded"])
+                     "dead_lettered", "completed", "discarded", "oldest_pending_at"])
 
 
 @click.command("dead-letters")
