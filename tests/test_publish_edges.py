@@ -44,7 +44,7 @@ from contextlib import asynccontextmanager  # noqa: E402
 import httpx  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.security import SecurityScopes  # noqa: E402
-from pydantic import BaseModel, Field  # noqa: E402
+from pydantic import BaseModel, Field, ValidationError  # noqa: E402
 
 from fastapi_workqueue.client import PublishApiError, WorkQueueApiPublisher  # noqa: E402
 from fastapi_workqueue.core.keys import SCOPES, Principal  # noqa: E402
@@ -153,6 +153,24 @@ async def test_a_not_before_past_the_stores_range_is_rejected_not_raised_or_stor
         soon = datetime.now(UTC) + timedelta(days=365 * 99)
         assert (await queue.publish(topic, [PublishRequest(payload=2, not_before=soon)])).ok
         assert len(await queue.deliveries(subs["a"], "Pending", limit=10)) == 1
+
+
+def test_a_not_before_before_the_first_time_says_to_give_a_later_one() -> None:
+    """0001-01-01T00:00:00+05:00 is in the year 0 in UTC: it was refused with "past
+    9999-12-31T23:59:59Z ... give an earlier time", the opposite of the fix."""
+    from fastapi_workqueue.core.envelope import RequestRejected, prepare
+
+    with pytest.raises(RequestRejected, match=r"before 0001-01-01T00:00:00Z, the first time .* give a later time"):
+        prepare(PublishRequest(payload=1, not_before=datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=5)))))
+
+
+@pytest.mark.parametrize("backoff", [["1"], [True], ["2.5", False]])
+def test_backoff_seconds_take_numbers_only(backoff: list[object]) -> None:
+    """Rest-api.md: a wrong type is a 422. ``BackoffSeconds: ["1"]`` or ``[true]`` were taken as 1, where
+    ``DelaySeconds: "5"`` and ``MaxAttempts: true`` are refused."""
+    with pytest.raises(ValidationError, match="Input should be a valid number"):
+        PublishRequest.model_validate({"Payload": 1, "BackoffSeconds": backoff})
+    assert PublishRequest.model_validate({"Payload": 1, "BackoffSeconds": [1, 2.5]}).backoff_seconds == [1.0, 2.5]
 
 
 # -- a topic name no topic can have -----------------------------------------------------------------

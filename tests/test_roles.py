@@ -549,6 +549,20 @@ async def test_a_name_a_live_key_has_is_refused_until_it_is_revoked(pg_transport
     assert again.name == name
 
 
+async def test_a_name_that_reads_as_another_keys_prefix_or_id_is_refused(pg_transport: PostgresTransport) -> None:
+    """`api-keys revoke X` takes a prefix, an id or a name: a key named as another key's prefix made
+    one revoke of that name revoke both."""
+    from fastapi_workqueue.core.keys import create_key
+
+    other = await create_key(pg_transport, unique("other"), ["workqueue:read"])
+    for name in (other.prefix, other.prefix.upper(), str(other.id), other.id.hex):
+        with pytest.raises(ValueError, match="cannot read as a key's prefix or id"):
+            await create_key(pg_transport, name, ["workqueue:read"])
+    assert await pg_transport.api_key_revoke(other.prefix) == 1
+    kept = await create_key(pg_transport, unique("deploy-bot-1a2b3c4d5e6f"), ["workqueue:read"])  # (a name with one)
+    assert await pg_transport.api_key_revoke(kept.prefix) == 1
+
+
 # -- the AWS layer's functions ------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import PydanticSerializationError
@@ -85,7 +85,7 @@ class PublishRequest(WireModel):
     delay_seconds: float | None = Field(default=None, ge=0, le=MAX_DELAY_SECONDS, allow_inf_nan=False, strict=True)
     not_before: datetime | None = None
     max_attempts: int | None = Field(default=None, ge=1, le=MAX_ATTEMPTS_LIMIT, strict=True)
-    backoff_seconds: list[float] | None = None
+    backoff_seconds: list[Annotated[float, Field(strict=True)]] | None = None
     priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY, strict=True)
 
 
@@ -347,7 +347,12 @@ def _check_schedule(request: PublishRequest) -> int:
     if request.not_before is not None:
         try:
             request.not_before.astimezone(UTC)
-        except OverflowError:  # (9999-12-31T23:59:59-05:00 is in the year 10000 in UTC)
+        except OverflowError:  # (9999-12-31T23:59:59-05:00 is in the year 10000 in UTC, 0001-01-01T00:00+05:00 in 0)
+            if request.not_before.year == 1:
+                raise RequestRejected(
+                    "InvalidField", "NotBefore is before 0001-01-01T00:00:00Z, the first time the stores can hold; "
+                    "give a later time (a time already past is due at once)", "not_before"
+                ) from None
             raise RequestRejected(
                 "InvalidField", "NotBefore is past 9999-12-31T23:59:59Z, the last time the stores can hold; give an "
                 "earlier time", "not_before"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import re
 import secrets
 import uuid
 from dataclasses import dataclass, field
@@ -134,6 +135,11 @@ def check_topics(topics: list[str] | None) -> list[str] | None:
     return sorted(set(topics))
 
 
+_LOOKS_LIKE_A_HANDLE = re.compile(r"[0-9a-fA-F]{12}|[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?"
+                                  r"[0-9a-fA-F]{12}|[0-9a-fA-F]{32}")
+"""A key's prefix (12 hex digits) or id (a UUID): what ``api-keys revoke`` also takes."""
+
+
 def generate_key() -> tuple[str, str]:
     """A new secret key and its public prefix: ``wq_<prefix>_<secret>``."""
     prefix = secrets.token_hex(6)
@@ -197,6 +203,11 @@ async def create_key(
     topic but the job queues', which also need :data:`SCOPE_JOBS`."""
     if not name.strip():
         raise ValueError("an API key needs a name (who or what uses it)")
+    if _LOOKS_LIKE_A_HANDLE.fullmatch(name.strip()):
+        # (`workqueue api-keys revoke X` takes a prefix, an id or a name: this name would also
+        # match another key's prefix or id, and revoke both)
+        raise ValueError(f"an API key's name cannot read as a key's prefix or id ({name!r}); give it a name that "
+                         "says who or what uses it")
     scopes = check_scopes(scopes)
     topics = check_topics(topics)
     keys = _key_store_of(store)
