@@ -371,6 +371,9 @@ async def test_metrics_show_counters_and_the_databases_gauges(pg_url: str) -> No
         await wait_for(lambda: _settled(queue, subs))
         async with client(app) as anonymous:
             assert (await anonymous.get("/metrics")).status_code == 401
+            # (and its OpenAPI entry says so)
+            declared = (await anonymous.get("/openapi.json")).json()["paths"]["/metrics"]["get"]["responses"]
+            assert {"200", "401", "403"} <= set(declared), declared
         async with client(app, Authorization=f"Bearer {key}") as http:
             response = await http.get("/metrics")
         assert response.status_code == 200

@@ -946,6 +946,8 @@ async def test_every_route_is_in_the_openapi_schema_with_its_security_scheme(api
             assert "404" in operation["responses"], endpoint.name
         if endpoint.name in ("replay", "discard"):
             assert "ActionResult" in json.dumps(operation["responses"]["409"]), endpoint.name
+        if "requestBody" in operation:  # (read before the key is checked: unreadable or too large)
+            assert {"400", "413"} <= set(operation["responses"]), endpoint.name
     publish = schema["paths"][f"{PREFIX}/topics/{{topic}}/messages"]["post"]
     assert {"404", "409", "413", "422"} <= set(publish["responses"])
     assert publish["requestBody"]["content"]["application/json"]["schema"]["type"] == "array"

@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
 from fastapi import APIRouter, HTTPException, Path, Query, Security, status
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
 from ..core.errors import ConfigurationError, TransportError
@@ -53,8 +54,9 @@ def build_job_router(jobs: Callable[[], "Jobs"], authorize: "Authorizer", *, pre
             return None
         try:
             return check_queue_name(name)
-        except ConfigurationError as exc:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=str(exc)) from None
+        except ConfigurationError as exc:  # (as FastAPI's own 422: a list of errors, as the schema says)
+            raise RequestValidationError([{"type": "value_error", "loc": ["query", "queue"], "msg": str(exc),
+                                           "input": name}]) from None
 
     @router.get("/failed", response_model=list[FailedJob], summary="Jobs that failed for good")
     async def failed(

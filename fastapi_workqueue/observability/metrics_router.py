@@ -78,8 +78,13 @@ def build_metrics_router(kernel: Kernel, *, authorize: Authorizer, public: bool,
     router = APIRouter(tags=["metrics"])
     dependencies: list[Any] = [] if public else [Security(authorize, scopes=["workqueue:read"])]
 
+    answers: dict[int | str, dict[str, Any]] = {} if public else {
+        401: {"description": "No API key, or one that is unknown, expired or revoked."},
+        403: {"description": "The credential lacks the scope `workqueue:read`."},
+    }
+
     @router.get(path, summary="Prometheus metrics", dependencies=dependencies,
-                response_class=Response, include_in_schema=True)
+                response_class=Response, include_in_schema=True, responses=answers)
     async def metrics() -> Response:
         await snapshot.refresh()
         body = _process_part(target) + generate_latest(store)

@@ -584,6 +584,10 @@ def document_errors(router: APIRouter) -> None:
             route.responses.setdefault(404, {"description": "The subscription (or delivery) does not exist."})
         elif "{topic}" in route.path:
             route.responses.setdefault(404, {"description": "The topic does not exist."})
+        if route.body_field is not None:  # (the route class reads the body first, whoever sends it)
+            route.responses.setdefault(400, {"description": "The body cannot be read: not UTF-8, nested too deeply, "
+                                                            "or an integer of more than 4,300 digits."})
+            route.responses.setdefault(413, {"description": "The body is larger than the REST API reads."})
         route.responses.setdefault(503, {"description": "The store is unavailable; retry (see Retry-After)."})
 
 
