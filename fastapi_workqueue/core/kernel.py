@@ -162,10 +162,10 @@ class Kernel:
         self.opened = 0
         """How many ``open()`` calls no ``close()`` has ended yet."""
         self.opened_in: tuple[int, Callable[[], asyncio.AbstractEventLoop | None]] | None = None
+        """The process and (a weak reference to) the event loop of the first ``open()`` still open."""
         self.ended = False
         """The queue was open in this process and has been closed since (its lifespan ended)."""
         self._said_not_open = False
-        """The process and (a weak reference to) the event loop of the first ``open()`` still open."""
         self.operator = Operator(self)
         """The operator calls (stats, dead letters, replay, pause, retire ...), written once."""
         self.facade = facade
@@ -392,13 +392,14 @@ class Kernel:
             raise self._unknown_topic(topic)
         if count == 0 and topic not in {t.name for t in await self.transport.list_topics()}:
             raise self._unknown_topic(topic)  # (a call with nothing to publish never reaches the store's check)
-        if self.opened == 0 and not self._said_not_open and self.host_off_reason() is None:
+        if self.opened == 0 and not self.ended and not self._said_not_open and self.host_off_reason() is None:
+            # (never opened here: not a publish of a handler draining while the lifespan ends)
             self._said_not_open = True
             log.warning(
-                "publishing to %r while the queue is not open in this process (%s): the message is stored, but "
-                "nothing here consumes it; run the app with lifespan=queue.lifespan (a mounted app's lifespan "
-                "does not run), or set WORKQUEUE_DISABLE_HOST=1 in a process that only publishes", topic,
-                "its lifespan has ended" if self.ended else "the app's lifespan has not started it",
+                "publishing to %r while the queue is not open in this process (the app's lifespan has not started "
+                "it): the message is stored, but nothing here consumes it; run the app with lifespan=queue.lifespan "
+                "(a mounted app's lifespan does not run), or set WORKQUEUE_DISABLE_HOST=1 in a process that only "
+                "publishes", topic,
             )
         session = self.sessions.resolve(session)
         observer = self.observer
