@@ -272,12 +272,12 @@ def unused_handlers(registered: Iterable[str], used: Mapping[str, str]) -> list[
     unused = sorted(set(registered) - set(used))
     if not unused:
         return []
-    import difflib  # (only here: a worker whose handlers are all used never needs it)
+    from .words import closest
 
     problems = []
     for key in unused:
-        guess = difflib.get_close_matches(key, list(used), n=1, cutoff=0.6)
-        hint = (f"; did you mean {guess[0]!r} (subscription {used[guess[0]]!r})?" if guess
+        guess = closest(key, used)
+        hint = (f"; did you mean {guess!r} (subscription {used[guess]!r})?" if guess
                 else "; declare a Subscription(handler_key=...) that names it, or remove the handler")
         problems.append(f"handler {key!r} is registered, but no subscription names it{hint}")
     return problems

@@ -17,6 +17,7 @@ from .host import HostOptions, SubscriptionPlan
 from .redaction import redact, register_secrets
 from .session_pool import SessionPool
 from .topology import MIN_LEASE_SECONDS
+from .words import closest
 
 ENV_PREFIX = "WORKQUEUE_"
 SUBSCRIPTIONS_EXAMPLE = """WORKQUEUE_SUBSCRIPTIONS='[{"name": "*", "concurrency": 4}]'"""
@@ -304,13 +305,6 @@ OTHER_VARIABLES = PACKAGE_VARIABLES | frozenset({
 tests and benchmarks."""
 
 
-def _closest(name: str, candidates: list[str]) -> str | None:
-    import difflib  # (only here: a process whose variables are all known never needs it)
-
-    found = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-    return found[0] if found else None
-
-
 def setting_names() -> list[str]:
     """The names of every setting (``database_url``, ...)."""
     return list(WorkQueueSettings.model_fields)
@@ -323,7 +317,7 @@ def _unknown(environ: Mapping[str, str] | None) -> list[tuple[str, str | None]]:
     found = []
     for name in sorted(os.environ if environ is None else environ):
         if name.upper().startswith(ENV_PREFIX) and name.upper() not in known:
-            suffix = _closest(name.upper().removeprefix(ENV_PREFIX),
+            suffix = closest(name.upper().removeprefix(ENV_PREFIX),
                               sorted(k.removeprefix(ENV_PREFIX) for k in offered))
             found.append((name, None if suffix is None else ENV_PREFIX + suffix))
     return found
@@ -390,7 +384,7 @@ def misspelt_database_url(environ: Mapping[str, str] | None = None) -> str | Non
 def _unknown_field(field: str) -> str:
     if (per_subscription := _subscription_field(field)) is not None:
         return f"WorkQueueSettings has no setting {field!r}; {_per_subscription(per_subscription)}"
-    guess = _closest(field, setting_names())
+    guess = closest(field, setting_names())
     hint = f"did you mean {guess!r}?" if guess else "see docs/configuration.md for the settings"
     return f"WorkQueueSettings has no setting {field!r}; {hint}"
 

@@ -41,11 +41,11 @@ def unknown_keys_named(model: type[BaseModel], data: Any) -> Any:
     unknown = [key for key in data if isinstance(key, str) and key not in known]
     if not unknown:
         return data
-    import difflib  # (only for a mistake)
+    from .words import closest
 
     said = []
     for key in unknown:
-        guess = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-        hint = f"did you mean {known[guess[0]]!r}?" if guess else f"its fields: {', '.join(model.model_fields)}"
+        guess = closest(key, known)
+        hint = f"did you mean {known[guess]!r}?" if guess else f"its fields: {', '.join(model.model_fields)}"
         said.append(f"{model.__name__} has no field {key!r}; {hint}")
     raise ValueError("; ".join(said))

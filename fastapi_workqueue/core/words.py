@@ -1,6 +1,9 @@
-"""Counted nouns and durations for the messages people read: ``1 delivery``, ``2 deliveries``, ``10 min``."""
+"""Counted nouns, durations and guesses for the messages people read: ``1 delivery``, ``2 deliveries``,
+``10 min``, "did you mean ..."."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 _PLURALS = {"delivery": "deliveries"}
 
@@ -21,3 +24,11 @@ def duration(seconds: float) -> str:
     if seconds < 172800:
         return f"{seconds / 3600:.0f} h"
     return f"{seconds / 86400:.0f} d"
+
+
+def closest(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate ``name`` most resembles (a typo's "did you mean"), or None."""
+    import difflib  # (only for a mistake: a process that makes none never needs it)
+
+    found = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return found[0] if found else None
