@@ -542,11 +542,6 @@ async def test_unknown_subscription_or_delivery_is_404(api: Api) -> None:
     for listing in ("dead-letters", "deliveries"):
         response = await api.http.get(f"{PREFIX}/subscriptions/{api.subs['dl']}/{listing}?after=abc", headers=headers)
         assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["query", "after"]
-        # (the aws form on a database subscription names none of its deliveries: it answered 200 [],
-        # which reads as "no more pages")
-        other = await api.http.get(f"{PREFIX}/subscriptions/{api.subs['dl']}/{listing}",
-                                   params={"after": "aws:forged", "status": "DeadLettered"}, headers=headers)
-        assert other.status_code == 422 and "its ids are digits" in other.json()["detail"][0]["msg"], other.text
         page = await api.http.get(f"{PREFIX}/subscriptions/{api.subs['dl']}/{listing}",
                                   params={"after": api.sample_id, "status": "DeadLettered"}, headers=headers)
         assert page.status_code == 200 and api.sample_id not in {d["DeliveryID"] for d in page.json()}

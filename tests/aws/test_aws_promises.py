@@ -436,17 +436,9 @@ async def test_the_attempts_of_an_aws_delivery_are_unsupported_not_none(tmp_path
             remote = await http.get(f"/work-queue/deliveries/{dead.delivery_id}/attempts", headers=headers)
             kept = await http.get(f"/work-queue/deliveries/{here.delivery_id}/attempts", headers=headers)
             found = await http.get("/work-queue/search", params={"q": f"req-{local}"}, headers=headers)
-            # (a database cursor on an aws subscription: every aws id sorts after digits, so it gave
-            # the first page again)
-            digits = await http.get(f"/work-queue/subscriptions/{name}.s/dead-letters", params={"after": "12"},
-                                    headers=headers)
-            paged = await http.get(f"/work-queue/subscriptions/{name}.s/dead-letters",
-                                   params={"after": dead.delivery_id}, headers=headers)
     assert remote.status_code == 501 and "keeps no attempt history" in remote.json()["detail"], remote.text
     assert [a["Outcome"] for a in kept.json()] == ["DeadLettered"], kept.text
     assert [f["Delivery"]["DeliveryID"] for f in found.json()] == [here.delivery_id], found.text
-    assert digits.status_code == 422 and "its ids are aws:..." in digits.json()["detail"][0]["msg"], digits.text
-    assert paged.status_code == 200 and paged.json() == [], paged.text
 
 
 async def _dead_lettered(queue: WorkQueue, sub: str, count: int) -> list[str]:
