@@ -269,18 +269,28 @@ class OperatorViews:
         after: str | None = None,
         include_payload: bool = False,
     ) -> list[DeliveryInfo]:
+        # After an id this subscription never gave (a database id, another subscription's) nothing
+        # comes, as on the database transports; never the first page again, which would turn a
+        # client's paging loop into an endless one.
+        foreign = after is not None and not after.startswith(f"{NAME}:{subscription}:")
         if status == "InFlight":
-            return [
-                self._lease_info(d, lease, include_payload)
-                for d, lease in self._leases.items()
-                if lease.subscription == subscription and lease.lease_expires_at > datetime.now(UTC)
-            ][:limit]
+            if foreign:
+                return []
+            held = sorted(
+                (self._lease_info(d, lease, include_payload)
+                 for d, lease in self._leases.items()
+                 if lease.subscription == subscription and lease.lease_expires_at > datetime.now(UTC)),
+                key=lambda i: i.delivery_id,
+            )
+            return [i for i in held if after is None or i.delivery_id > after][:limit]
         if status != "DeadLettered":
             raise TransportError(
                 f"the aws transport lists DeadLettered deliveries (from the DLQ) and this "
                 f"process's InFlight ones, not {status}: SQS cannot list a queue",
                 retryable=False,
             )
+        if foreign:
+            return []
         infos = [
             self._dead_info(subscription, m, include_payload) for m in await self._read_dead_letters(subscription, 1000)
         ]

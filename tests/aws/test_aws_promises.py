@@ -580,3 +580,42 @@ async def test_an_idle_sqs_long_poll_is_not_a_stalled_store(
         await wait_for(lambda: done == [1], within=30)
     said = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
     assert not said, said
+
+
+async def test_listings_page_on_aws_and_another_subscriptions_cursor_ends_them(tmp_path: Path, moto_url: str) -> None:
+    """docs/rest-api.md: a listing pages with ``after`` (the last id of the page before), each
+    delivery listed once across the pages. Paging with limit 2 lists five dead letters, and five
+    InFlight deliveries, once each (InFlight ignored ``after`` and gave the first page again, so a
+    client's paging loop never ended); after another subscription's id nothing comes."""
+    name = unique("dlqp")
+    sub = f"{name}.work"
+    topics = [Topic(name=name, transport="aws")]
+    subs = [Subscription(name=sub, topic=name, handler_key="work")]
+
+    async def paged(status: Any) -> list[str]:
+        seen: list[str] = []
+        after: str | None = None
+        for _ in range(10):
+            page = await queue.deliveries(sub, status, limit=2, after=after)
+            if not page:
+                break
+            seen += [d.delivery_id for d in page]
+            after = page[-1].delivery_id
+        return seen
+
+    async with aws_queue(f"sqlite+aiosqlite:///{tmp_path / 'q.db'}", moto_url, topics, subs) as queue:
+        await queue.publish(name, [PublishRequest(payload={"n": n}) for n in range(5)])
+        ids = await _dead_lettered(queue, sub, 5)
+        seen = await paged("DeadLettered")
+        assert sorted(seen) == sorted(ids) and len(seen) == 5
+        await queue.publish(name, [PublishRequest(payload={"n": n}) for n in range(5)])
+        held: list[str] = []
+        for _ in range(20):
+            held += [d.delivery_id for d in await aws_of(queue).claim(sub, 10)]
+            if len(held) == 5:
+                break
+        seen = await paged("InFlight")
+        assert sorted(seen) == sorted(held) and len(seen) == 5
+        other = f"aws:{name}.other:abc"
+        assert await queue.dead_letters(sub, after=other) == []
+        assert await queue.deliveries(sub, "InFlight", after=other) == []
