@@ -40,7 +40,7 @@ from .core.reports import (
 )
 from .core.request_load import RequestLoad
 from .core.retirement import DeleteResult, RetireResult, TopicStatus, TopicStatusChange
-from .core.settings import WorkQueueSettings, default_database_file, misspelt_database_url, unknown_variables
+from .core.settings import WorkQueueSettings, default_database_file, misspelt_database_url_problem, unknown_variables
 from .core.topology import Subscription, SubscriptionStatus, Topic, is_job_topic
 from .core.transport import Transport
 from .web.di import DependencyInvoker
@@ -604,13 +604,11 @@ class WorkQueue:
                     _warned_variables.add(problem)
                     log.warning("%s", problem)
             default_file = self.settings.uses_default_database and kernel.given_database_url is None
-            if default_file and (misspelt := misspelt_database_url()) is not None:
-                # (a mis-deployed process must fail loudly, not run on a file of its own)
-                raise ConfigurationError(
-                    f"{misspelt} is not a setting of fastapi-workqueue; did you mean WORKQUEUE_DATABASE_URL? No "
-                    f"database URL is set, so the queue would live in the default SQLite file "
-                    f"{default_database_file()}: name the variable WORKQUEUE_DATABASE_URL"
-                )
+            if default_file and (misspelt := misspelt_database_url_problem(
+                f", so the queue would live in the default SQLite file {default_database_file()}: name the "
+                "variable WORKQUEUE_DATABASE_URL"
+            )) is not None:
+                raise ConfigurationError(misspelt)
             if default_file:
                 log.warning(
                     "no database is configured (neither WORKQUEUE_DATABASE_URL nor database_url): the queue "

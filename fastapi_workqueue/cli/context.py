@@ -50,7 +50,7 @@ class Context:
 
     def url(self) -> str:
         if not self.database_url:
-            from ..core.settings import misspelt_database_url
+            from ..core.settings import misspelt_database_url_problem
 
             if "WORKQUEUE_DATABASE_URL" in os.environ:  # (set, but empty: as the app refuses it)
                 raise click.UsageError(
@@ -58,12 +58,10 @@ class Context:
                     "postgresql+asyncpg://postgres@127.0.0.1:5432/app, or sqlite+aiosqlite:///workqueue.db), "
                     "unset it for the default file, or pass --database-url"
                 )
-            if (misspelt := misspelt_database_url()) is not None:
-                # (as the app refuses: a command must not answer from a file nobody meant)
-                raise click.UsageError(
-                    f"{misspelt} is not a setting of fastapi-workqueue; did you mean WORKQUEUE_DATABASE_URL? No "
-                    "database URL is set: name the variable WORKQUEUE_DATABASE_URL, or pass --database-url"
-                )
+            if (problem := misspelt_database_url_problem(
+                ": name the variable WORKQUEUE_DATABASE_URL, or pass --database-url"
+            )) is not None:  # (as the app refuses: a command must not answer from a file nobody meant)
+                raise click.UsageError(problem)
         if not self.database_url and os.path.isfile(DEFAULT_DATABASE_FILE):
             # The library's default database: an app started with nothing configured uses it.
             click.echo(f"(using {DEFAULT_DATABASE_URL}: the default database, found here)", err=True)

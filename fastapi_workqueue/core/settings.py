@@ -381,6 +381,15 @@ def misspelt_database_url(environ: Mapping[str, str] | None = None) -> str | Non
                  if guess == database or _DATABASE_URL_VALUE.match(values.get(name, ""))), None)
 
 
+def misspelt_database_url_problem(remedy: str) -> str | None:
+    """The refusal of a process started with a misspelt database URL and none set (it must fail
+    loudly, not run on a file nobody meant), ending with ``remedy``; None when there is none."""
+    if (misspelt := misspelt_database_url()) is None:
+        return None
+    return (f"{misspelt} is not a setting of fastapi-workqueue; did you mean WORKQUEUE_DATABASE_URL? No "
+            f"database URL is set{remedy}")
+
+
 def _unknown_field(field: str) -> str:
     if (per_subscription := _subscription_field(field)) is not None:
         return f"WorkQueueSettings has no setting {field!r}; {_per_subscription(per_subscription)}"
