@@ -3,6 +3,7 @@ transaction, whether it is the transaction's first statement or follows the call
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
 from typing import Any
@@ -136,6 +137,34 @@ async def test_a_publish_joins_the_callers_transaction_whatever_began_it(databas
                 if outer.is_active:
                     await outer.commit()
             assert await seen_outside(message_id) == (1 if end == "commit" else 0), (way, end)
+
+
+@pytest.mark.parametrize("end", ["rollback", "commit"])
+async def test_a_released_first_savepoint_still_ends_with_the_transaction(database_url: str, end: str) -> None:
+    """docs/publishing.md: a statement that may fail goes in ``session.begin_nested()``, and if the
+    endpoint then raises, its rows and messages roll back together. On SQLite a savepoint that was
+    the transaction's first statement opened the file's transaction itself, and its release was the
+    commit: the row and the message stayed when the transaction then rolled back."""
+    queue, topic, _ = make_queue(database_url, [{"role": "a"}], enabled=False, auto_migrate=True)
+    count = text(message_query(database_url))
+    message_id = uuid.uuid4()
+    key: Any = str(message_id) if database_url.startswith("sqlite") else message_id
+    async with queue.lifespan(None):
+        async with queue.engine.begin() as conn:
+            await conn.execute(text("CREATE TABLE IF NOT EXISTS saved_rows (id varchar(36) PRIMARY KEY)"))
+        with pytest.raises(RuntimeError) if end == "rollback" else contextlib.nullcontext():
+            async with queue.sessionmaker() as session, session.begin():
+                async with session.begin_nested():
+                    await session.execute(text("INSERT INTO saved_rows VALUES (:i)"), {"i": str(message_id)})
+                    [result] = await queue.publish(topic, [PublishRequest(message_id=message_id, payload=1)],
+                                                   session=session)
+                    assert result.ok
+                if end == "rollback":
+                    raise RuntimeError("the endpoint fails after the savepoint")
+        async with queue.engine.connect() as other:
+            rows = await other.scalar(text("SELECT count(*) FROM saved_rows WHERE id = :i"), {"i": str(message_id)})
+            messages = await other.scalar(count, {"i": key})
+        assert (rows, messages) == ((0, 0) if end == "rollback" else (1, 1))
 
 
 @pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")

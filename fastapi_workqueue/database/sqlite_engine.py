@@ -51,3 +51,15 @@ def roll_back_before_close(dbapi_connection: Any, record: Any) -> None:
     driver = getattr(dbapi_connection, "driver_connection", None)
     if type(driver) is aiosqlite.Connection:
         driver.__class__ = RollingBackConnection
+
+
+def begin_before_a_first_savepoint(conn: Any, name: Any) -> None:
+    """A ``savepoint`` listener of the engine: a savepoint that would open the file's transaction
+    (the session's first statement, ``async with session.begin_nested():``) is preceded by
+    ``BEGIN IMMEDIATE``. Python's sqlite3 begins a transaction only before a data statement, so a
+    first ``SAVEPOINT`` opened it itself, and its ``RELEASE`` was the ``COMMIT``: what the savepoint
+    wrote stayed when the request then failed. ``IMMEDIATE``, as the queue begins a session it
+    publishes in: a savepoint is there to write, and a write lock taken later could fail at once."""
+    driver = getattr(conn.connection, "driver_connection", None)
+    if isinstance(driver, aiosqlite.Connection) and not driver.in_transaction:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")

@@ -218,9 +218,10 @@ class RequestSessions:
             if url.startswith("sqlite"):  # (a cancelled statement's connection must not keep the file locked)
                 from sqlalchemy import event
 
-                from ..database.sqlite_engine import roll_back_before_close
+                from ..database.sqlite_engine import begin_before_a_first_savepoint, roll_back_before_close
 
                 event.listen(self._engine.sync_engine, "connect", roll_back_before_close)
+                event.listen(self._engine.sync_engine, "savepoint", begin_before_a_first_savepoint)
             try:
                 self._loop = asyncio.get_running_loop()
             except RuntimeError:  # (made outside a loop: the first loop that uses it, see _drop_if_stale)
