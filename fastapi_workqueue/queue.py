@@ -737,6 +737,12 @@ class WorkQueue:
             log.warning("WORKQUEUE_JOB_QUEUES names job queue(s) %s that no job declares and the store does not hold; "
                         "the app's job queues are %s", ", ".join(map(repr, unknown)), ", ".join(declared))
 
+    def _takes_dependencies(self) -> bool:
+        """Whether a handler or a job of this queue takes dependencies (an app's overrides apply)."""
+        if any(spec.other_params for spec in self._kernel.handlers.specs()):
+            return True
+        return self._jobs is not None and any(job.dependency_params for job in self._jobs.registry)
+
     async def _stop_host(self) -> None:
         """Stops the host, its job watchers and schedules, if they run."""
         host, self._kernel.host = self._kernel.host, None
@@ -748,7 +754,19 @@ class WorkQueue:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any = None) -> AsyncIterator[dict[str, Any]]:
-        """The app's lifespan: ``FastAPI(lifespan=queue.lifespan)``, or ``async with queue.lifespan(app):``."""
+        """The app's lifespan: ``FastAPI(lifespan=queue.lifespan)``, or ``async with queue.lifespan(app):``.
+
+        Entered without an app (``async with queue.lifespan():``, as a test may), the handlers and
+        jobs that take dependencies see the one app alive in the process that serves this queue
+        (its lifespan is the queue's, or it includes the queue's routers), with its
+        ``dependency_overrides`` and ``state``; when there is none, or several, none."""
+        if app is None and self._takes_dependencies():
+            from .web.serving_apps import apps_of
+
+            found = apps_of(self)
+            if len(found) == 1:
+                app = found[0]
+                log.debug("queue.lifespan() without an app: dependencies see the app that serves the queue")
         self.bind_app(app)
         await self.open()
         try:

@@ -161,6 +161,39 @@ async def test_handlers_see_the_app_state_and_its_dependency_overrides(sqlite_ur
     assert events == ["fake opened", "fake closed", "real"]
 
 
+async def test_a_lifespan_entered_without_the_app_still_sees_its_overrides() -> None:
+    """docs/testing.md enters ``queue.lifespan()`` with no app; docs/handlers.md says
+    ``app.dependency_overrides`` applies to handlers. The app whose lifespan is the queue's had its
+    overrides ignored there, in silence, and the test ran the real mailer. Two apps that serve the
+    queue leave it with none (whose overrides would it be?)."""
+    from fastapi_workqueue import Subscription, Topic, WorkQueue, WorkQueueSettings
+    from fastapi_workqueue.testing import MemoryTransport
+
+    def real_mailer() -> str:
+        return "real"
+
+    async def sent_with(apps: int) -> list[str]:
+        queue = WorkQueue(WorkQueueSettings(database_url=None), transport=MemoryTransport(),
+                          topics=[Topic(name="signups")],
+                          subscriptions=[Subscription(name="signups.welcome", topic="signups", handler_key="welcome")])
+        sent: list[str] = []
+
+        @queue.handler("welcome")
+        async def welcome(message: WorkMessage[Any], mailer: str = Depends(real_mailer)) -> None:
+            sent.append(mailer)
+
+        made = [FastAPI(lifespan=queue.lifespan) for _ in range(apps)]
+        for app in made:
+            app.dependency_overrides[real_mailer] = lambda: "fake"
+        async with queue.lifespan():
+            await queue.publish("signups", [PublishRequest(payload={"email": "a@example.com"})])
+            await wait_for(lambda: sent)
+        return sent
+
+    assert await sent_with(1) == ["fake"]
+    assert await sent_with(2) == ["real"]
+
+
 async def test_a_plain_starlette_app_runs_handlers_with_dependencies(sqlite_url: str) -> None:
     """A Starlette app (no ``dependency_overrides``) hosts handlers that take dependencies: they see
     its state, and nothing is overridden."""

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from fastapi_workqueue import (
     ConfigurationError,
@@ -29,6 +30,7 @@ from fastapi_workqueue import (
 )
 from fastapi_workqueue.core.words import count
 from fastapi_workqueue.settings import unknown_variables
+from fastapi_workqueue.testing import MemoryTransport
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -645,3 +647,26 @@ def test_a_misspelt_argument_of_a_topic_or_subscription_names_the_field_it_resem
     with pytest.raises(ValueError, match=re.escape(says)):
         build()
     assert Subscription(name="s", topic="t", handler_key="h", MaxAttempts=3).max_attempts == 3  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("database_url", [None, "unset", "memory://"])
+async def test_a_request_session_on_the_memory_transport_says_to_test_on_sqlite(database_url: str | None) -> None:
+    """docs/testing.md: an app whose endpoints take ``queue.session`` is tested on an SQLite file,
+    not on MemoryTransport. Its first request there said the settings named another database, and
+    each fix it offered (leave database_url unset, give the transport's URL) raised that the
+    scheme 'memory' is not supported; now every way says what to do instead."""
+    settings = WorkQueueSettings() if database_url == "unset" else WorkQueueSettings(database_url=database_url)
+    queue = WorkQueue(settings, transport=MemoryTransport())
+    app = FastAPI(lifespan=queue.lifespan)
+
+    @app.post("/orders")
+    async def create(session: AsyncSession = queue.session) -> dict[str, str]:
+        return {"ok": "yes"}
+
+    async with queue.lifespan(app):
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app")
+        async with http:
+            with pytest.raises(ConfigurationError) as raised:
+                await http.post("/orders")
+    assert "MemoryTransport" in str(raised.value) and "sqlite+aiosqlite" in str(raised.value)
+    assert "docs/testing.md" in str(raised.value) and "not supported" not in str(raised.value)

@@ -246,6 +246,10 @@ class HandlerRegistry:
     def keys(self) -> list[str]:
         return sorted(self._handlers)
 
+    def specs(self) -> list[HandlerSpec]:
+        """The registered handlers."""
+        return list(self._handlers.values())
+
 
 def _qualname(func: Callable[..., Any]) -> str:
     return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"

@@ -262,6 +262,14 @@ class Kernel:
         databases (the request sessions would write where the queue does not read)."""
         url = self.settings.database_url
         given = self._given_url
+        if given is not None and not self.transport.capabilities.transactional_publish:
+            raise ConfigurationError(
+                f"queue.session (and queue.engine, queue.sessionmaker) opens the queue's SQL database, and "
+                f"the transport given to the queue ({type(self.transport).__name__}) keeps no such database: "
+                "give the queue a database transport, or, in a test, an SQLite file of the test's own "
+                "(WorkQueueSettings(database_url=f\"sqlite+aiosqlite:///{tmp_path / 'test.db'}\") and no "
+                "transport; docs/testing.md)"
+            )
         if given is not None:
             if self.settings.uses_default_database or url == given:
                 return given

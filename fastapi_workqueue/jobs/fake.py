@@ -7,7 +7,7 @@ in the test's process, by the real consumer over an in-memory store (:mod:`.loca
 ``dependency_overrides`` included, chains continued), and returns the counts.
 
 The app whose overrides apply is the one given (``queue.fake(app=app)``), else the one app alive
-in the process that serves the queue (:mod:`.fake_app`: its lifespan is the queue's, or it
+in the process that serves the queue (:mod:`fastapi_workqueue.web.serving_apps`: its lifespan is the queue's, or it
 includes the queue's routers), found also when its lifespan never ran (``httpx.ASGITransport``),
 else the app a lifespan bound.
 """
@@ -25,9 +25,9 @@ from ..core.envelope import PreparedMessage, PublishRequest, prepare
 from ..core.errors import ConfigurationError
 from ..core.memory import MemoryTransport
 from ..core.redaction import redacting_logger
+from ..web.serving_apps import apps_of
 from .definition import Job
 from .envelope import JobEnvelope
-from .fake_app import apps_of
 from .groups import JobGroup
 from .local import JobCounts, LocalRun, memory_locks
 from .status import JobStatus
@@ -245,7 +245,7 @@ class JobFake:
         return None
 
     def _find_app(self, bound: Any) -> Any:
-        """The app that serves the queue (see :mod:`.fake_app`), else the one a lifespan bound."""
+        """The app that serves the queue (:mod:`fastapi_workqueue.web.serving_apps`), else the one bound."""
         if not any(job.dependency_params for job in self._jobs.registry):
             return bound  # (no job has a dependency to override: no need to look)
         apps = apps_of(self._jobs.kernel.facade)

@@ -1,12 +1,13 @@
-"""Which app ``fake.work()`` solves job dependencies with when the app's lifespan did not run.
+"""The apps alive in the process that serve a queue: whose dependency overrides its handlers and
+jobs see when no lifespan bound an app.
 
-A lifespan binds its app to the queue (``queue.bind_app``), and job dependencies then see the
-app's ``dependency_overrides``. A test that drives the app without its lifespan
-(``httpx.ASGITransport`` runs none) leaves the queue without an app, and the real dependencies
-would run. So the fake looks for the app among the Starlette and FastAPI apps alive in the
-process: one whose lifespan is the queue's (``FastAPI(lifespan=queue.lifespan)``, also once
-routers' lifespans are merged into it, or a lifespan function that uses the queue by name), or
-that includes one of the queue's routers.
+A lifespan binds its app to the queue (``queue.bind_app``), and dependencies then see the app's
+``state`` and ``dependency_overrides``. A test that enters ``queue.lifespan()`` without the app,
+or drives the app without its lifespan (``httpx.ASGITransport`` runs none, ``fake.work()``),
+leaves the queue without an app, and the real dependencies would run. So the queue looks for the
+app among the Starlette and FastAPI apps alive in the process: one whose lifespan is the queue's
+(``FastAPI(lifespan=queue.lifespan)``, also once routers' lifespans are merged into it, or a
+lifespan function that uses the queue by name), or that includes one of the queue's routers.
 """
 
 from __future__ import annotations
