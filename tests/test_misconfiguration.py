@@ -175,6 +175,12 @@ async def test_a_misspelt_database_url_with_none_set_stops_the_queue_and_the_wor
         f"database URL is set, so the queue would live in the default SQLite file {tmp_path / 'workqueue.db'}: "
         "name the variable WORKQUEUE_DATABASE_URL")
     assert not (tmp_path / "workqueue.db").exists()
+    # An app's own lifespan that creates its tables before the queue's (docs/getting-started.md) is
+    # refused too, before it writes them to a file nobody meant.
+    with pytest.raises(ConfigurationError, match=r"did you mean WORKQUEUE_DATABASE_URL\? .* the app's sessions"):
+        async with WorkQueue(WorkQueueSettings(enabled=False)).engine.begin():
+            pass
+    assert not (tmp_path / "workqueue.db").exists()
     env = {k: v for k, v in os.environ.items() if k != "WORKQUEUE_DATABASE_URL"}
     env["PYTHONPATH"] = ROOT
     worker = await asyncio.to_thread(

@@ -47,7 +47,7 @@ from .ports import Ports, database_url_of
 from .published import NOT_ACCEPTED_LOGGED, PublishResults, refusal
 from .redaction import redacting_logger
 from .request_load import RequestLoad
-from .settings import WorkQueueSettings
+from .settings import WorkQueueSettings, default_database_file, misspelt_database_url_problem
 from .topology import Subscription, Topic, is_job_topic, is_name
 from .transport import Transport
 from .words import count
@@ -278,6 +278,11 @@ class Kernel:
                 "(WORKQUEUE_DATABASE_URL) names another: the request sessions (queue.session) would write "
                 "where the queue does not read. Leave database_url unset, or give the transport's URL"
             )
+        if self.settings.uses_default_database and (misspelt := misspelt_database_url_problem(
+            f", so the app's sessions (queue.session, queue.engine) would write to the default SQLite file "
+            f"{default_database_file()}: name the variable WORKQUEUE_DATABASE_URL"
+        )) is not None:  # (before the app writes its tables to a file nobody meant, as the queue's start)
+            raise ConfigurationError(misspelt)
         if not url:
             empty = "WORKQUEUE_DATABASE_URL is set, but empty" if "WORKQUEUE_DATABASE_URL" in os.environ else None
             raise ConfigurationError(
