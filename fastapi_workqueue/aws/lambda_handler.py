@@ -104,6 +104,8 @@ class SqsClient(Protocol):
 
     def change_message_visibility(self, **kwargs: Any) -> Any: ...
 
+    def change_message_visibility_batch(self, **kwargs: Any) -> Any: ...
+
     def send_message(self, **kwargs: Any) -> Any: ...
 
 
@@ -182,12 +184,31 @@ class SqsBatchHandler:
         """A FIFO group's records one after the other; after a failure the rest come back untouched,
         so the group keeps its order."""
         verdicts: list[_Verdict] = []
+        unrun: list[SqsRecord] = []
         for record in records:
             if verdicts and verdicts[-1].failed:
                 verdicts.append(_Verdict(record.message_id, failed=True))
+                unrun.append(record)
                 continue
             verdicts.append(await self._run(record, deadline))
+        if unrun:
+            await self._give_back(unrun)
         return verdicts
+
+    async def _give_back(self, records: Sequence[SqsRecord]) -> None:
+        """Makes the records behind a failed one visible again at once. Listed as failures they
+        would stay in flight for the whole visibility timeout, and SQS hands out nothing of a FIFO
+        group while one of its messages is in flight: the failed head would wait that long, not its
+        backoff delay. Visible, they wait only for the head (in flight for its delay), then follow it."""
+        for start in range(0, len(records), 10):  # (SQS's batch limit)
+            chunk = records[start:start + 10]
+            try:
+                await self._sqs("change_message_visibility_batch", QueueUrl=self._policy.queue_url, Entries=[
+                    {"Id": str(i), "ReceiptHandle": r.receipt_handle, "VisibilityTimeout": 0}
+                    for i, r in enumerate(chunk)
+                ])
+            except Exception as exc:  # (they still come back, after the timeout they were received with)
+                log.warning("could not give back %d message(s) behind a failed one: %s", len(chunk), exc)
 
     async def _run(self, record: SqsRecord, deadline: float | None) -> _Verdict:
         try:
@@ -199,7 +220,7 @@ class SqsBatchHandler:
         policy = self._policy
         logger = _RecordLog(redacting_logger(f"fastapi_workqueue.handler.{policy.handler_key}"), policy.name, record)
         try:
-            delivery = record.claimed(policy.topic, policy.max_attempts)
+            delivery = record.claimed(policy.name, policy.topic, policy.max_attempts)
             self._max_attempts[record.message_id] = delivery.max_attempts
             message = self._spec.build_message(delivery, policy.name)
         except PayloadInvalid as exc:
@@ -209,7 +230,7 @@ class SqsBatchHandler:
         signal = AbortSignal()
         context = WorkContext(
             subscription=policy.name,
-            delivery_id=record.message_id,
+            delivery_id=delivery.delivery_id,
             attempt=record.attempt,
             max_attempts=delivery.max_attempts,
             signal=signal,
@@ -298,7 +319,7 @@ class SqsBatchHandler:
     ) -> _Verdict:
         """Sends the message to the dead-letter queue; Lambda deletes it from the queue once the
         send succeeded. A failed send lists it as a failure, so the redrive policy catches it."""
-        logger.error("dead-lettering message %s: %s", record.message_id, reason, exc_info=exc)
+        logger.error("dead-lettering %s: %s", record.delivery_id(self._policy.name), reason, exc_info=exc)
         try:
             await self._sqs("send_message", **dead_letter_entry(record, self._policy, reason, error))
         except Exception as sqs_exc:
@@ -378,7 +399,8 @@ class _RecordLog(logging.LoggerAdapter[logging.Logger]):
 
     def __init__(self, logger: logging.Logger, subscription: str, record: SqsRecord) -> None:
         super().__init__(logger, {})
-        self._fields = {"subscription": subscription, "delivery_id": record.message_id, "attempt": record.attempt}
+        self._fields = {"subscription": subscription, "delivery_id": record.delivery_id(subscription),
+                        "attempt": record.attempt}
 
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
         kwargs["extra"] = {**self._fields, **(kwargs.get("extra") or {})}

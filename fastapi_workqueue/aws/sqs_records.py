@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.transport import ClaimedDelivery
 from . import body as bodies
+from .naming import NAME
 
 if TYPE_CHECKING:
     from .lambda_handler import SubscriptionPolicy
@@ -45,20 +46,25 @@ class SqsRecord:
         its body): the last part of the id the host transport's operator views give it."""
         return bodies.origin_of(self.envelope(), self.message_id)
 
+    def delivery_id(self, subscription: str) -> str:
+        """``aws:<subscription>:<origin>``: the id a host consumer and the operator views give the
+        delivery (the same across its receives, its dead letter and its replays)."""
+        return f"{NAME}:{subscription}:{self.origin_id}"
+
     def backoff_schedule(self) -> list[float] | None:
         """The message's own backoff schedule (``backoff_seconds`` of its publish), or None."""
         steps = self.envelope().get("backoff_seconds")
         return [float(s) for s in steps] if isinstance(steps, list) and steps else None
 
-    def claimed(self, topic: str, max_attempts: int) -> ClaimedDelivery:
-        """The record as the delivery a host consumer would have claimed (a ``max_attempts`` the
-        message was published with wins over the subscription's)."""
+    def claimed(self, subscription: str, topic: str, max_attempts: int) -> ClaimedDelivery:
+        """The record as the delivery a host consumer of ``subscription`` would have claimed (a
+        ``max_attempts`` the message was published with wins over the subscription's)."""
         env = self.envelope()
         message_id = bodies.message_uuid(env, self.origin_id)
         published = env.get("published_at")
         headers = env.get("headers")
         return ClaimedDelivery(
-            delivery_id=self.message_id,
+            delivery_id=self.delivery_id(subscription),
             lease_token=self.receipt_handle,
             attempt=self.attempt,
             max_attempts=int(env.get("max_attempts") or max_attempts),

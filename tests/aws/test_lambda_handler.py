@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 import uuid
 from typing import Any
 
@@ -117,7 +118,7 @@ def test_a_completed_message_is_not_listed_and_the_handler_sees_the_host_message
     assert message.attributes == {"region": "eu"}
     assert message.correlation_id == "corr-1"
     assert message.published_at is not None and message.published_at.year == 2026
-    assert message.delivery_id == event["Records"][0]["messageId"]
+    assert message.delivery_id == context.delivery_id == f"aws:{policy.name}:{event['Records'][0]['messageId']}"
     assert (context.attempt, context.max_attempts, context.subscription) == (1, 3, policy.name)
 
 
@@ -234,6 +235,35 @@ def test_on_fifo_a_failure_sends_back_the_rest_of_its_group_unrun(sqs: Any) -> N
     ids = {json.loads(r["body"])["payload"]["n"]: r["messageId"] for r in event["Records"]}
     assert sorted(f["itemIdentifier"] for f in answer["batchItemFailures"]) == sorted([ids[1], ids[2]])
     assert sorted(ran) == [1, 3]
+
+
+def test_on_fifo_a_failed_head_comes_back_after_its_delay_and_its_group_follows_in_order(sqs: Any) -> None:
+    """docs/aws.md: before it lists a retry, the adapter sets the visibility to the backoff delay,
+    "so the retry waits as it would on a host". The records behind a failed head stayed in flight
+    for the queue's whole visibility timeout (60 s here), and SQS hands out nothing of a FIFO group
+    while one of its messages is in flight: the head came back after a minute, not its 1 s."""
+    policy = make_policy(sqs, fifo=True, max_attempts=5)
+    ran: list[tuple[int, int]] = []
+
+    async def handle(message: WorkMessage[Any]) -> Any:
+        ran.append((message.payload["n"], message.attempt))
+        return Outcome.retry("later", delay_seconds=1) if ran == [(0, 1)] else None
+
+    for n in range(3):
+        send(sqs, policy, {"n": n}, key="same-key")
+    messages = receive(sqs, policy.queue_url)
+    assert len(messages) == 3
+    handler = sqs_handler(handle, policy=policy, sqs_client=sqs)
+    answer = handler(event_of(messages))
+    assert len(answer["batchItemFailures"]) == 3 and ran == [(0, 1)]
+    again: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 15
+    while not again and time.monotonic() < deadline:
+        again = sqs.receive_message(QueueUrl=policy.queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=1,
+                                    AttributeNames=["All"], MessageAttributeNames=["All"]).get("Messages", [])
+    assert [json.loads(m["Body"])["payload"]["n"] for m in again] == [0, 1, 2], again
+    assert handler(event_of(again)) == {"batchItemFailures": []}
+    assert [n for n, _ in ran] == [0, 0, 1, 2] and ran[1] == (0, 2)
 
 
 def test_the_signal_aborts_before_the_functions_deadline(sqs: Any) -> None:

@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 from typing import Any, cast
 
-from fastapi_workqueue import FatalWorkError, PublishRequest, Subscription, Topic, WorkMessage
+from fastapi_workqueue import FatalWorkError, PublishRequest, Subscription, Topic, WorkContext, WorkMessage
 from fastapi_workqueue.aws.bindings import load_bindings
 from fastapi_workqueue.aws.lambda_handler import SubscriptionPolicy, sqs_handler
 from fastapi_workqueue.core.transport import Settlement
@@ -75,7 +75,10 @@ async def test_a_lambda_dead_letter_keeps_its_delivery_id_through_replay_and_dis
                                     queue_url=bound.queue_url, dlq_url=bound.dlq_url)
         sqs = clients(moto_url)[1]
 
-        async def poison(message: WorkMessage[Any]) -> None:
+        handed: list[tuple[str, str]] = []
+
+        async def poison(message: WorkMessage[Any], context: WorkContext) -> None:
+            handed.append((message.delivery_id, context.delivery_id))
             raise FatalWorkError("cannot be printed")
 
         received = receive(sqs, bound.queue_url)
@@ -84,6 +87,9 @@ async def test_a_lambda_dead_letter_keeps_its_delivery_id_through_replay_and_dis
         for message in received:  # Lambda deletes what the answer did not list
             sqs.delete_message(QueueUrl=bound.queue_url, ReceiptHandle=message["ReceiptHandle"])
         first_ids = {f"aws:{sub}:{m['MessageId']}" for m in received}
+        # The handler sees the id the operator's commands take (it saw the bare SQS MessageId,
+        # which `workqueue delivery` does not know and a replay changes).
+        assert {m for m, _ in handed} == {c for _, c in handed} == first_ids
 
         dead = await queue.dead_letters(sub)
         assert {d.delivery_id for d in dead} == first_ids  # the first MessageId, as the host writes it
