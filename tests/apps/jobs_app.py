@@ -118,6 +118,8 @@ async def hogs(payload: dict[str, Any], job: JobContext) -> None:
 
 
 def record_release(event: JobReleased) -> None:
+    if event.queue != QUEUE:  # (a job of an earlier test on the same database, whose lease a sweeper here took back)
+        return
     record(event="released", reason=event.reason, id=str(event.job_id), attempt=event.attempt)
 
 
@@ -133,6 +135,8 @@ if os.environ.get("JOBS_APP_RECORD_PROCESSED"):
 
 if os.environ.get("JOBS_APP_RECORD_ENDS"):
     def record_end(event: JobFailed | JobDiscarded) -> None:
+        if event.queue != QUEUE:  # (as above)
+            return
         record(event="failed" if isinstance(event, JobFailed) else "discarded", id=str(event.job_id),
                attempt=event.attempt, tries=event.tries, job=event.job, reason=event.reason)
 
