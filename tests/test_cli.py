@@ -927,6 +927,26 @@ async def test_subscriptions_and_topics_are_listed_retired_and_deleted(cli: Cli)
     assert "does not exist" in unknown.err
 
 
+async def test_the_lifecycle_commands_warn_of_a_malformed_variable_and_go_on(cli: Cli) -> None:
+    """docs/configuration.md: the operator commands warn of a value an app would refuse "and go on
+    (the command may be what repairs the app)". The runbook's own retire, delete and the jobs
+    commands ended in a traceback and did nothing with WORKQUEUE_SUBSCRIPTIONS malformed."""
+    topic, name = f"cli.bad-{uuid.uuid4().hex[:8]}", f"cli.bad.mail-{uuid.uuid4().hex[:8]}"
+    declaring = WorkQueue(WorkQueueSettings(database_url=cli.url, enabled=False), topics=[Topic(name=topic)],
+                          subscriptions=[Subscription(name=name, topic=topic, handler_key="life")])
+    async with declaring.lifespan(None):
+        pass
+    env = {**cli.env, "WORKQUEUE_SUBSCRIPTIONS": '[{"name": "s.work"', "WORKQUEUE_IDLE_POLL_MAX_MS": "abc"}
+    for args, out in ((("subscriptions", "retire", name), f"{name}: Retired"),
+                      (("subscriptions", "delete", name), f"{name}: deleted"),
+                      (("topics", "retire", topic), f"{topic}: Retired"),
+                      (("topics", "delete", topic), f"{topic}: deleted"),
+                      (("jobs", "failed"), "")):
+        done = await cli(*args, env=env)
+        assert "Traceback" not in done.err and "WORKQUEUE_SUBSCRIPTIONS is not valid JSON" in done.err, done.err
+        assert out in done.out, (args, done.out)
+
+
 async def test_the_lists_read_the_database_the_app_names(cli: Cli) -> None:
     """``subscriptions list --app`` and ``topics list --app`` with no ``--database-url`` read the
     app's own database, as ``stats --app`` does, instead of asking for a URL."""

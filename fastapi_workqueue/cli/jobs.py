@@ -20,11 +20,11 @@ T = TypeVar("T")
 
 def _with_queue(ctx: Any, action: Callable[[Any], Awaitable[T]]) -> T:
     """Runs ``action(queue)`` on a WorkQueue opened on the command's database, with no host."""
-    from ..core.settings import WorkQueueSettings
+    from ..core.settings import settings_beside_invalid_variables
     from .app_loader import queue_of_its_own
 
-    queue = queue_of_its_own(WorkQueueSettings(database_url=ctx.url(), enabled=False, sync_topology=False,
-                                               auto_migrate=False, pool_size=2, listen=False))
+    queue = queue_of_its_own(settings_beside_invalid_variables(
+        database_url=ctx.url(), enabled=False, sync_topology=False, auto_migrate=False, pool_size=2, listen=False))
 
     async def main() -> T:
         await queue.open()

@@ -73,14 +73,14 @@ async def check_in_database(
 
 async def bound_on_aws(url: str) -> set[str]:
     """The subscriptions the database's stored aws bindings name (none where there are none)."""
-    from ..core.settings import WorkQueueSettings
+    from ..core.settings import settings_beside_invalid_variables
     from .app_loader import queue_of_its_own
 
     try:
         from ..aws.bindings import load_bindings
     except ImportError:  # pragma: no cover - the aws extra is missing
         return set()
-    queue = queue_of_its_own(WorkQueueSettings(database_url=url))
+    queue = queue_of_its_own(settings_beside_invalid_variables(database_url=url))
     try:
         return set((await load_bindings(queue.kernel)).subscriptions)
     except Exception:  # no bindings table (never migrated with it): nothing is bound

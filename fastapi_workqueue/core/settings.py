@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
@@ -52,10 +52,10 @@ class WorkQueueSettings(BaseSettings):
         except ValidationError as exc:
             raise _validation_error(exc) from exc
         if self.idle_poll_max_ms < self.idle_poll_min_ms:
-            raise ConfigurationError(
+            raise SettingsInvalid(
                 f"{_variable('idle_poll_max_ms')} ({self.idle_poll_max_ms}) is below {_variable('idle_poll_min_ms')} "
                 f"({self.idle_poll_min_ms}): the idle poll doubles from the minimum up to the maximum; raise the "
-                "maximum or lower the minimum"
+                "maximum or lower the minimum", ["idle_poll_max_ms", "idle_poll_min_ms"],
             )
 
     enabled: bool = True
@@ -280,12 +280,38 @@ def _example(field: str) -> str:
     return ""
 
 
+class SettingsInvalid(ConfigurationError):
+    """Settings whose values cannot work; ``fields`` names them."""
+
+    def __init__(self, message: str, fields: Sequence[str]) -> None:
+        super().__init__(message)
+        self.fields = tuple(fields)
+
+
+def settings_beside_invalid_variables(**values: Any) -> WorkQueueSettings:
+    """``WorkQueueSettings(**values)``, leaving out the ``WORKQUEUE_*`` variables whose values cannot
+    work: for an operator command, which warns of them and goes on (it may be what repairs the app).
+    A value given here that cannot work still raises."""
+    saved: dict[str, str] = {}
+    try:
+        while True:
+            try:
+                return WorkQueueSettings(**values)
+            except SettingsInvalid as exc:
+                dropped = {_variable(f) for f in exc.fields if f not in values} & set(os.environ)
+                if not dropped:
+                    raise
+                saved.update((name, os.environ.pop(name)) for name in dropped)
+    finally:
+        os.environ.update(saved)
+
+
 def _settings_error(exc: SettingsError) -> ConfigurationError:
     """A value of the environment that does not parse (not JSON, where JSON is expected)."""
     match = _FIELD_IN_SETTINGS_ERROR.search(str(exc))
     field = match.group("field") if match else "?"
     cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
-    return ConfigurationError(f"{_variable(field)} is not valid JSON{cause}{_example(field)}")
+    return SettingsInvalid(f"{_variable(field)} is not valid JSON{cause}{_example(field)}", [field])
 
 
 PACKAGE_VARIABLES = frozenset({
@@ -415,4 +441,4 @@ def _validation_error(exc: ValidationError) -> ConfigurationError:
         f"{_variable(field)} (WorkQueueSettings.{field}): {', '.join(found)}{_example(field)}"
         for field, found in problems.items()
     )
-    return ConfigurationError(text)
+    return SettingsInvalid(text, list(problems))
