@@ -500,7 +500,7 @@ async def test_a_handler_that_ignores_the_stop_is_left_behind_and_the_worker_exi
     result = await cli.finish(proc, within=30)  # not the 120 s the handler would take
     assert result.code == 0, result.err
     assert cli.records(sub, "ignored")[-1]["reason"] == "Shutdown"
-    assert "1 handler still run after the stop and went back to Pending" in result.err
+    assert "1 handler still run after the stop; their deliveries were released (back to Pending" in result.err
     [pending] = await cli.json("deliveries", "--subscription", sub, "--status", "Pending")
     assert (pending["MessageID"], pending["Attempt"]) == (message, 0)
     assert (await cli.json("discard", "--subscription", sub, "--delivery", pending["DeliveryID"], "--reason", "test")

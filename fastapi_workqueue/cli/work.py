@@ -489,9 +489,9 @@ def _exit_without_abandoned_handlers(summary: WorkSummary, *, as_json: bool) -> 
                  if t is not asyncio.current_task() and not t.done() and t.get_name().startswith(HANDLER_TASK_PREFIX)]
     if not abandoned:
         return
-    log.warning("%s still run after the stop and went back to Pending; the worker exits without waiting for "
-                "them (they would run beside the worker that takes them next)",
-                count(len(abandoned), "handler"))
+    log.warning("%s still run after the stop; their deliveries were released (back to Pending, or Discarded "
+                "where a cancel was asked) and the worker exits without waiting for them (they would run beside "
+                "the worker that takes them next)", count(len(abandoned), "handler"))
     if summary.code != EXIT_OK or not as_json:
         os.write(2 if summary.code != EXIT_OK else 1, f"workqueue work: {summary.reason}\n".encode())
     if as_json:
