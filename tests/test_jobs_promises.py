@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 from fastapi_workqueue import JobContext, WorkQueue, WorkQueueSettings
 from fastapi_workqueue.core.errors import TransportError
 from fastapi_workqueue.jobs import JobEvent
+from fastapi_workqueue.testing import MemoryTransport
 
 from .support import wait_for
 
@@ -413,8 +414,9 @@ async def test_catch_up_after_an_outage_longer_than_1000_ticks_queues_the_newest
 async def test_a_restart_queues_every_tick_of_the_last_minute_after_the_newest_known(database_url: str) -> None:
     """docs/jobs.md (Schedules): "A tick missed while every process was down is not queued
     afterwards (a tick seen up to a minute late still is)". A schedule of every 5 s across a
-    restart of 22 s: only the newest tick was queued, the four before it (7 to 17 s late) never.
-    A new schedule still starts with one tick, and a minute's outage still loses its ticks."""
+    restart of 22 s: only the newest tick was queued, the four before it (7 to 17 s late) never;
+    and after an outage of more than a minute, none of the last minute's but the newest. A new
+    schedule still starts with one tick, and an outage still loses the ticks more than a minute late."""
     from datetime import UTC, datetime, timedelta
 
     name = qname()
@@ -434,9 +436,9 @@ async def test_a_restart_queues_every_tick_of_the_last_minute_after_the_newest_k
         assert await queue.run_schedules(start + timedelta(seconds=27)) == 4  # (+10, +15, +20, +25)
         schedules.forget_looks()  # (and again, the newest known tick inside the minute: nothing new)
         assert await queue.run_schedules(start + timedelta(seconds=28)) == 0
-        schedules.forget_looks()  # (down for more than the minute: only the newest)
-        assert await queue.run_schedules(start + timedelta(seconds=200)) == 1
-        assert await queue.size(name) == 7
+        schedules.forget_looks()  # (down for more than the minute: the last minute's, +145 to +200, not the rest)
+        assert await queue.run_schedules(start + timedelta(seconds=200)) == 12
+        assert await queue.size(name) == 18
 
 
 def test_ticks_between_keeps_the_newest_1000() -> None:
@@ -461,3 +463,82 @@ def test_ticks_between_keeps_the_newest_1000() -> None:
     assert ticks == sorted(ticks)
     few = schedule.ticks_between(start, start + timedelta(minutes=3, seconds=30))
     assert few == [start + timedelta(minutes=m) for m in (1, 2, 3)]
+
+
+# -- the settle of an attempt that ended in time waits past the lease -----------------------------
+
+
+class SettlesLate(MemoryTransport):
+    """A store whose first settle waits past the lease while a sweep takes the lease back: what
+    another process's write lock held that long does on SQLite."""
+
+    def __init__(self, wait: float) -> None:
+        super().__init__()
+        self.wait = wait
+        self.first = True
+
+    async def _late(self) -> None:
+        if self.first:
+            self.first = False
+            await asyncio.sleep(self.wait)
+            await self.sweep()
+
+    async def settle(self, settlements: Any) -> Any:
+        await self._late()
+        return await super().settle(settlements)
+
+    async def settle_with_follow_ups(self, settlement: Any) -> Any:
+        await self._late()
+        return await super().settle_with_follow_ups(settlement)
+
+
+async def test_a_completion_the_store_refused_after_the_lease_ran_out_is_not_heard_processed() -> None:
+    """docs/jobs.md: when a sweeper took the lease back first, "the outcome is not written: that
+    sweeper's process emits JobReleased(reason="lease-lost") ..., and the worker that comes back
+    emits nothing more for that attempt". An attempt that returned within its lease but whose
+    settle waited past it was heard JobProcessed, and again when it ran a second time."""
+    name = qname()
+    queue = WorkQueue(WorkQueueSettings(database_url=None, subscriptions=[], job_queues=name, job_lease_seconds=1),
+                      transport=SettlesLate(wait=1.5))
+    events: list[JobEvent] = []
+    queue.listen(JobEvent, events.append)
+    runs: list[int] = []
+
+    @queue.job(f"quick-{name}", queue=name)
+    async def quick(payload: dict[str, Any], job: JobContext) -> None:
+        runs.append(job.attempt)
+
+    async with queue.lifespan(None):
+        job_id = await queue.dispatch(quick, {})
+        assert await state_becomes(queue, job_id, "Completed")
+        await asyncio.sleep(0.3)  # (time for a late event, were there one)
+    assert runs == [1, 2]
+    processed = [e.attempt for e in events if type(e).__name__ == "JobProcessed"]
+    assert processed == [2], [(type(e).__name__, e.attempt) for e in events]
+
+
+async def test_a_running_job_cancelled_then_stopped_by_a_shutdown_is_heard_discarded(database_url: str) -> None:
+    """docs/jobs.md: a job "cancelled by an operator while it runs" ends Discarded with
+    JobDiscarded(reason="cancelled by an operator"). Cancelled, then stopped by a shutdown before a
+    heartbeat told it of the cancel, it ended Discarded in the store but was heard JobReleased
+    (reason="shutdown"): a listener was told it would come back, and it never does."""
+    name = qname()
+    started = asyncio.Event()
+    queue = make(database_url, name)  # (a 90 s lease: no heartbeat tells the attempt of the cancel)
+    events: list[JobEvent] = []
+    queue.listen(JobEvent, events.append)
+
+    @queue.job(f"long-{name}", queue=name)
+    async def long(payload: dict[str, Any], job: JobContext) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    async with queue.lifespan(None):
+        job_id = await queue.dispatch(long, {})
+        await asyncio.wait_for(started.wait(), 30)
+        assert (await queue.cancel_job(job_id, "op cancel")).result == "CancelRequested"
+    async with make(database_url, name, enabled=False).lifespan(None) as state:
+        status = await state["workqueue"].job_status(job_id)
+    assert status is not None and status.state == "Discarded"
+    ends = [(type(e).__name__, getattr(e, "reason", None)) for e in events if type(e).__name__ != "JobProcessing"]
+    assert ends == [("JobDiscarded", "cancelled by an operator")], ends

@@ -356,8 +356,9 @@ class JobRunner:
         lease ran out; each as the store settles it."""
         reason = context.signal.reason
         chained = bool(envelope.chain)
-        if reason == AbortReason.SHUTDOWN:
-            self._after(context, lambda: base.event(JobReleased, reason="shutdown"))
+        if reason == AbortReason.SHUTDOWN:  # (Discarded instead when an operator's cancel came first)
+            self._after(context, lambda: base.event(JobReleased, reason="shutdown"), written="Pending",
+                        chained=chained)
         elif reason == AbortReason.CANCELLED:
             self._after(context, lambda: base.event(JobDiscarded, reason="cancelled by an operator",
                                                     chain_ended=chained),
@@ -378,18 +379,19 @@ class JobRunner:
         ``written`` is what the store answers when it wrote the outcome (``"Completed"`` for
         JobProcessed, ``"Discarded"`` for JobDiscarded). An attempt the store settled otherwise was
         not processed; what became of it is emitted instead (:func:`_not_written`). An attempt that
-        ended after its lease ran out, whose settle the store answers ``LeaseLost`` (the sweeper
-        took the lease back) or not at all, emits nothing: the sweeper that takes the lease back
-        emits what became of the job (:mod:`.taken_back`), once. ``LeaseLost`` for an attempt that
-        ended within its lease is the answer to a repeat of a settle whose first answer was lost
-        (the store wrote it): the event is emitted then, as no lease is left to take back."""
+        whose settle the store answers ``LeaseLost`` after the lease ran out (the sweeper took the
+        lease back: the attempt ran past it, or its settle waited past it for the store), or not
+        at all, emits nothing: the sweeper that takes the lease back emits what became of the job
+        (:mod:`.taken_back`), once. ``LeaseLost`` while the lease still runs is the answer to a
+        repeat of a settle whose first answer was lost (the store wrote it): the event is emitted
+        then, as no lease is left to take back."""
         if self._jobs.events:
             event = make()
             emit_soon = self._jobs.emit_soon
-            ran_out = context.lease_ran_out
 
             def settled(result: str | None) -> None:
-                if result is None or (result == "LeaseLost" and ran_out):
+                # (the lease as it stands when the answer comes, not when the attempt ended)
+                if result is None or (result == "LeaseLost" and context.lease_ran_out):
                     return
                 if result == "LeaseLost" or written is None or result == written:
                     emit_soon(event)

@@ -275,15 +275,27 @@ class Schedules:
         knows (a schedule of less than a minute, across a restart of every process: each tick
         seen up to a minute late is queued); the newest alone when the store knows none of them
         (a new schedule starts from now, not with a minute of ticks at once)."""
-        recent = schedule.ticks_between(moment - LATE_GRACE - timedelta(microseconds=1), moment)
+        start = moment - LATE_GRACE - timedelta(microseconds=1)
+        recent = schedule.ticks_between(start, moment)
         if len(recent) <= 1:
             return recent
         ids = [schedule.tick_id(t) for t in recent]
-        fake = self._jobs.fake
-        known = ({entry.id for entry in fake.records} if fake is not None
-                 else await self._jobs.kernel.transport.known_messages(ids))
+        known = await self._known(ids)
         newest_known = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] in known), None)
-        return recent[-1:] if newest_known is None else recent[newest_known + 1:]
+        if newest_known is not None:
+            return recent[newest_known + 1:]
+        # None of the last minute's: every one of them came after the newest the store knows, if it
+        # knows an earlier one (all processes were down for longer than the minute); else the
+        # schedule is new and starts from now.
+        earlier = [schedule.tick_id(t) for t in schedule.ticks_back(start, MAX_CATCH_UP)]
+        return recent if await self._known(earlier) else recent[-1:]
+
+    async def _known(self, ids: list[uuid.UUID]) -> set[uuid.UUID]:
+        """Which of the tick ids ``ids`` the store (or the fake) holds a job for."""
+        fake = self._jobs.fake
+        if fake is not None:
+            return {entry.id for entry in fake.records} & set(ids)
+        return await self._jobs.kernel.transport.known_messages(ids)
 
     async def last_dispatch(self, schedule: Schedule, now: datetime | None = None, *,
                             look_back: int = LOOK_BACK) -> datetime | None:
