@@ -147,6 +147,41 @@ async def test_a_stored_subscription_no_code_declares_is_undeclared_and_healthy(
     assert f"`workqueue subscriptions retire {name}`" in entry["Reason"]
 
 
+async def test_deleting_a_subscription_the_plan_still_names_keeps_the_instance_healthy(database_url: str) -> None:
+    """docs/runbooks.md ("A subscription was removed"): the last step deletes it. Every instance
+    whose WORKQUEUE_SUBSCRIPTIONS still named it then answered 503 for good ("does not exist"),
+    which takes them all out of their load balancer. Deleted while the process ran, it is
+    Undeclared (healthy) with the plan to mend; a process that starts with that plan is not."""
+    writer, _, subs = make_queue(database_url, [{"role": "orphan"}], auto_migrate=True, enabled=False)
+    async with writer.lifespan(None):
+        pass  # stores the topic and the subscription, as an earlier release did
+    name = subs["orphan"]
+
+    def planned() -> WorkQueue:
+        return WorkQueue(WorkQueueSettings(database_url=database_url, subscriptions=[SubscriptionPlan(name=name)],
+                                           **FAST))
+
+    queue = planned()
+    app = FastAPI(lifespan=queue.lifespan)
+    app.include_router(queue.health_router)
+    async with queue.lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                      base_url="http://t") as http:
+        assert (await http.get("/health/extensions")).status_code == 200
+        await queue.retire(name)
+        assert (await queue.delete_subscription(name)).ok
+        await wait_for(lambda: any(word in (queue.health().subscriptions[0].reason or "")
+                                   for word in ("deleted", "does not exist")))  # (the next reconcile)
+        answer = await http.get("/health/extensions")
+        assert answer.status_code == 200, answer.text
+        [entry] = answer.json()["Extensions"][0]["Subscriptions"]
+        assert entry["State"] == "Undeclared"
+        assert "deleted" in entry["Reason"] and "WORKQUEUE_SUBSCRIPTIONS" in entry["Reason"]
+    fresh = planned()
+    async with fresh.lifespan(None):
+        [entry] = fresh.health().subscriptions
+    assert entry.state == "Error" and "WORKQUEUE_SUBSCRIPTIONS" in (entry.reason or "")
+
+
 async def test_the_rest_api_retires_and_deletes_with_the_scopes_it_needs(database_url: str) -> None:
     queue, topic, subs = make_queue(database_url, [{"role": "r"}], auto_migrate=True, enabled=False)
     app = FastAPI(lifespan=queue.lifespan)

@@ -184,6 +184,9 @@ class Host:
         ``ports``: the transport's ports as the queue resolved them (resolved here when not given)."""
         self.transport = transport
         self._declared = declared
+        self._ever_stored: set[str] = set()
+        """The subscriptions the store held at some reconcile of this host: one the plan names that
+        is gone was deleted while the process ran, not misspelt."""
         self._resolve = resolve
         self._invoke = invoke
         self.plan = list(plan)
@@ -347,6 +350,7 @@ class Host:
         self.reconciled = True
         subscriptions = [self._own_handler_key(s) for s in subscriptions]
         self.stored_handler_keys = {s.handler_key: s.name for s in subscriptions}
+        self._ever_stored.update(s.name for s in subscriptions)
         health: dict[str, SubscriptionHealth] = {}
         self._by_id = {str(s.id): s.name for s in subscriptions}
         consumer_of: dict[str, Consumer] = {}
@@ -400,18 +404,23 @@ class Host:
         for entry in self.plan:
             if entry.name != WAKE_ALL and entry.name not in seen and entry.name not in health:
                 known = next((s for s in subscriptions if s.name == entry.name), None)
+                planned_state: HealthState = "Unsupported" if known is not None else "Error"
                 if known is not None:
                     reason = f"subscription {entry.name!r} is served outside this host (host_type external)"
                 elif self._declared is not None and entry.name in self._declared:
                     reason = (f"subscription {entry.name!r} is declared here but not in the store (deleted since this "
                               "process started?); a start of a release that declares it creates it again")
+                elif entry.name in self._ever_stored:
+                    # (deleted by an operator, as the runbook's last step: nothing is left to serve,
+                    # and every instance out of its load balancer for a stale plan would help no one)
+                    planned_state = "Undeclared"
+                    reason = (f"subscription {entry.name!r} was deleted from the store while this process ran, and "
+                              "the plan (WORKQUEUE_SUBSCRIPTIONS) still names it: take it out of the plan")
                 else:
-                    reason = f"subscription {entry.name!r} does not exist; declare it or check the name"
+                    reason = (f"subscription {entry.name!r} does not exist; declare it or check the name (the plan, "
+                              "WORKQUEUE_SUBSCRIPTIONS, names it)")
                 health[entry.name] = SubscriptionHealth(
-                    subscription=entry.name,
-                    state="Unsupported" if known is not None else "Error",
-                    reason=reason,
-                    concurrency=entry.concurrency,
+                    subscription=entry.name, state=planned_state, reason=reason, concurrency=entry.concurrency,
                 )
         stored = {s.name for s in subscriptions}
         deleted: set[str] = set()
