@@ -90,13 +90,15 @@ class OperatorViews:
         return attributes
 
     async def stats(self, subscription: str | None = None) -> list[SubscriptionStats]:
-        """From the queue attributes (approximate, as SQS reports them); unbound subscriptions are left out."""
+        """From the queue attributes (approximate, as SQS reports them); unbound subscriptions are
+        left out of the whole list, and ``subscription`` unbound raises TransportNotReady (which
+        says to bind it), not an empty answer that reads as "does not exist"."""
         names = [subscription] if subscription is not None else sorted(self._subscriptions)
         found: list[SubscriptionStats] = []
         assert self.bindings is not None
         for name in names:
             sub = self._sub(name)
-            if name not in self.bindings.subscriptions:
+            if name not in self.bindings.subscriptions and subscription is None:
                 continue
             queue_url, dlq_url = self._urls(name)
             queue, dlq = await self._attributes(queue_url), await self._attributes(dlq_url)

@@ -93,7 +93,7 @@ def stats(ctx: Context, subscription: str | None) -> None:
     from .targets import PASS_APP, database_subscriptions_elsewhere
 
     async def read(transport: Any) -> tuple[list[Any], set[str]]:
-        elsewhere = set() if ctx.acts_on_app() else await database_subscriptions_elsewhere(transport)
+        elsewhere = set() if ctx.acts_on_app() else await database_subscriptions_elsewhere(transport, ctx.url())
         return [r for r in await transport.stats(subscription) if r.subscription not in elsewhere], elsewhere
 
     rows, elsewhere = run(ctx, read, subscription=subscription, app=True)
@@ -141,9 +141,20 @@ def deliveries(
     ctx: Context, subscription: str, status: DeliveryStatus, limit: int, after: str | None, include_payload: bool
 ) -> None:
     """Deliveries of one state, oldest first: find the id of a stuck InFlight delivery."""
-    rows = shown_all(run(ctx, lambda t: t.list_deliveries(
-        subscription, status, limit=limit, after=after, include_payload=include_payload),
-        subscription=subscription, app=True))
+    from .targets import held_elsewhere_note
+
+    note: list[str] = []
+
+    async def listing(transport: Any) -> list[Any]:
+        found = await transport.list_deliveries(subscription, status, limit=limit, after=after,
+                                                include_payload=include_payload)
+        if status == "InFlight" and not found and after is None:
+            note.extend(await held_elsewhere_note(transport, subscription))
+        return list(found)
+
+    rows = shown_all(run(ctx, listing, subscription=subscription, app=True))
+    for line in note:
+        click.echo(line, err=True)
     if ctx.as_json:
         emit_json(rows)
     else:

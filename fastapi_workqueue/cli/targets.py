@@ -132,6 +132,25 @@ async def on_database(
         await transport.close()
 
 
-async def database_subscriptions_elsewhere(transport: Any) -> set[str]:
-    """The subscriptions the database lists on a topic of another transport (moved to aws)."""
-    return {s.name for s in await transport.list_subscriptions() if s.transport_name != DATABASE}
+async def database_subscriptions_elsewhere(transport: Any, url: str) -> set[str]:
+    """The subscriptions on a topic of another transport that the database knows of: listed there
+    (moved to aws) or named by its stored aws bindings (an app whose topics were on aws from the
+    start, which the database's topology never held)."""
+    listed = await transport.list_subscriptions()
+    on_database = {s.name for s in listed if s.transport_name == DATABASE}
+    return {s.name for s in listed if s.transport_name != DATABASE} | (await bound_on_aws(url) - on_database)
+
+
+async def held_elsewhere_note(transport: Any, subscription: str) -> list[str]:
+    """Why a broker's subscription lists no InFlight deliveries to this command (one line, or none
+    on the database, which lists every process's): a broker lists what the asking process holds,
+    and a command holds nothing; how many are in flight is its count."""
+    serving = getattr(transport, "transport_for_subscription", lambda _s: transport)(subscription)
+    name = getattr(serving, "name", DATABASE)
+    if name == DATABASE:
+        return []
+    counts = await transport.stats(subscription)
+    in_flight = counts[0].in_flight if counts else 0
+    return [f"(the {name} transport lists the InFlight deliveries of the process that asks, and this command "
+            f"holds none: {name} counts {in_flight} in flight (`workqueue stats`); the REST API of a process that "
+            "runs the subscription lists the ones it holds)"]

@@ -85,9 +85,8 @@ class Ports:
             live_work=transport if isinstance(transport, LiveWorkReader) else None,
             history=transport if isinstance(transport, StatsHistoryReader) else None,
             attempts=transport if isinstance(transport, AttemptHistoryReader) else None,
-            # Behind a router, the database's (deliveries on a broker are found by their id only).
-            search=searcher if isinstance(searcher := database if router is not None else transport,
-                                          DeliverySearch) else None,
+            # Behind a router, the router's: the database's search, and a delivery on a broker by its id.
+            search=_searcher(transport, router, database),
             lifecycle=transport if isinstance(transport, TopologyLifecycle) else None,
             api_keys=api_key_store_of(transport),
             interrupter=interrupter_of(transport),
@@ -136,6 +135,14 @@ class StoredAtUrl(Protocol):
     """A transport that stores in the database its ``url`` names (the database transports)."""
 
     url: str
+
+
+def _searcher(transport: Transport, router: object, database: object) -> DeliverySearch | None:
+    """What searches deliveries: the transport; behind a router, the router when its database
+    searches (the database's search, and a delivery on a broker found by its id)."""
+    if router is None:
+        return transport if isinstance(transport, DeliverySearch) else None
+    return router if isinstance(router, DeliverySearch) and isinstance(database, DeliverySearch) else None
 
 
 def database_url_of(transport: object) -> str | None:

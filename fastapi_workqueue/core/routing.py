@@ -378,7 +378,12 @@ class RoutingTransport:
         return await reader.delivery_attempts(delivery_id) if reader is not None else []
 
     async def search_deliveries(self, query: str, *, limit: int = 25) -> list[FoundDelivery]:
-        """The database's search (deliveries on a broker are found by their id only)."""
+        """The database's search; a delivery on a broker is found by its id only (a broker cannot
+        be searched), as ``get_delivery`` finds it."""
+        serving = self.transport_for_delivery(query)
+        if serving is not self.database:
+            info = await serving.get_delivery(query)
+            return [] if info is None else [FoundDelivery(matched="delivery id", delivery=info)]
         if self._search is None:
             return []
         return await self._search.search_deliveries(query, limit=limit)

@@ -528,6 +528,12 @@ async def test_health_of_an_unbound_aws_subscription_says_to_bind_it(tmp_path: P
     assert answer.status_code == 503
     assert "is not bound: apply the Terraform module" in entry["Reason"], entry
     assert "workqueue import-bindings" in entry["Reason"], entry
+    # Its counts (`workqueue stats --subscription`, GET /stats?subscription=) say so too: they were
+    # an empty answer, which the command read as "does not exist".
+    async with running(queue):
+        with pytest.raises(TransportError, match="is not bound: apply the Terraform module"):
+            await queue.stats(sub)
+        assert sub not in {row.subscription for row in await queue.stats()}
 
 
 def test_a_throttle_is_retryable_and_keeps_the_aws_error_code_its_readers_look_for() -> None:

@@ -102,3 +102,31 @@ def test_without_the_app_an_aws_subscription_is_refused_with_what_to_pass(
     [line] = run.stderr.strip().splitlines()
     assert "is on the aws transport, which the database alone cannot reach" in line
     assert "pass --app MODULE:ATTR (your app or its WorkQueue) or set WORKQUEUE_APP" in line
+
+
+def test_what_the_commands_cannot_list_on_aws_they_say_instead_of_answering_nothing(
+    deployed: tuple[dict[str, str], dict[str, Any]],
+) -> None:
+    """docs/cli.md: "`stats` notes on stderr the aws subscriptions it leaves out"; it answered an
+    empty table in silence for an app whose topics were on aws from the start (the database's
+    topology never held them, only its bindings). docs/runbooks.md's first step for a stuck
+    delivery (`deliveries --status InFlight`) answered "(none)" while stats counted some in flight;
+    and a search by an aws delivery id found nothing, though `delivery` shows it."""
+    env, _ = deployed
+    stats = workqueue("stats", env=env, cwd=ROOT)
+    assert stats.returncode == 0, stats.stderr
+    assert "subscription(s) of aws topics are not listed" in stats.stderr and "orders.email" in stats.stderr
+
+    held = workqueue("deliveries", "--subscription", "orders.email", "--status", "InFlight", "--app", APP,
+                     env=env, cwd=ROOT)
+    assert held.returncode == 0, held.stderr
+    assert "lists the InFlight deliveries of the process that asks" in held.stderr
+    assert "in flight (`workqueue stats`)" in held.stderr
+
+    listed = workqueue("--json", "dead-letters", "--subscription", "orders.email", "--app", APP, env=env, cwd=ROOT)
+    first = json.loads(listed.stdout)[0]["DeliveryID"]
+    found = workqueue("--json", "search", first, "--app", APP, env=env, cwd=ROOT)
+    assert found.returncode == 0, found.stderr
+    [hit] = json.loads(found.stdout)
+    assert (hit["Matched"], hit["Delivery"]["DeliveryID"], hit["Delivery"]["Status"]) == (
+        "delivery id", first, "DeadLettered")
