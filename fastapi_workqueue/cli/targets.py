@@ -145,8 +145,10 @@ async def held_elsewhere_note(transport: Any, subscription: str) -> list[str]:
     """Why a broker's subscription lists no InFlight deliveries to this command (one line, or none
     on the database, which lists every process's): a broker lists what the asking process holds,
     and a command holds nothing; how many are in flight is its count."""
-    serving = getattr(transport, "transport_for_subscription", lambda _s: transport)(subscription)
-    name = getattr(serving, "name", DATABASE)
+    from ..core.ports import Ports
+
+    router = Ports.of(transport).router
+    name = (transport if router is None else router.transport_for_subscription(subscription)).name
     if name == DATABASE:
         return []
     counts = await transport.stats(subscription)

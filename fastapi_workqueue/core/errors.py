@@ -19,6 +19,9 @@ class WorkQueueError(Exception):
 class ConfigurationError(WorkQueueError):
     """Settings, topology or handler registration that cannot work; the message says what to change."""
 
+    fields: tuple[str, ...] = ()
+    """The settings whose values cannot work, when the error is about settings."""
+
 
 class SchemaMissing(ConfigurationError):
     """The store has no work queue schema (or an older one): run the migrations."""

@@ -52,7 +52,7 @@ class WorkQueueSettings(BaseSettings):
         except ValidationError as exc:
             raise _validation_error(exc) from exc
         if self.idle_poll_max_ms < self.idle_poll_min_ms:
-            raise SettingsInvalid(
+            raise _settings_invalid(
                 f"{_variable('idle_poll_max_ms')} ({self.idle_poll_max_ms}) is below {_variable('idle_poll_min_ms')} "
                 f"({self.idle_poll_min_ms}): the idle poll doubles from the minimum up to the maximum; raise the "
                 "maximum or lower the minimum", ["idle_poll_max_ms", "idle_poll_min_ms"],
@@ -280,12 +280,11 @@ def _example(field: str) -> str:
     return ""
 
 
-class SettingsInvalid(ConfigurationError):
-    """Settings whose values cannot work; ``fields`` names them."""
-
-    def __init__(self, message: str, fields: Sequence[str]) -> None:
-        super().__init__(message)
-        self.fields = tuple(fields)
+def _settings_invalid(message: str, fields: Sequence[str]) -> ConfigurationError:
+    """A ConfigurationError about settings whose values cannot work; its ``fields`` names them."""
+    error = ConfigurationError(message)
+    error.fields = tuple(fields)
+    return error
 
 
 def settings_beside_invalid_variables(**values: Any) -> WorkQueueSettings:
@@ -297,7 +296,7 @@ def settings_beside_invalid_variables(**values: Any) -> WorkQueueSettings:
         while True:
             try:
                 return WorkQueueSettings(**values)
-            except SettingsInvalid as exc:
+            except ConfigurationError as exc:
                 dropped = {_variable(f) for f in exc.fields if f not in values} & set(os.environ)
                 if not dropped:
                     raise
@@ -311,7 +310,7 @@ def _settings_error(exc: SettingsError) -> ConfigurationError:
     match = _FIELD_IN_SETTINGS_ERROR.search(str(exc))
     field = match.group("field") if match else "?"
     cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
-    return SettingsInvalid(f"{_variable(field)} is not valid JSON{cause}{_example(field)}", [field])
+    return _settings_invalid(f"{_variable(field)} is not valid JSON{cause}{_example(field)}", [field])
 
 
 PACKAGE_VARIABLES = frozenset({
@@ -441,4 +440,4 @@ def _validation_error(exc: ValidationError) -> ConfigurationError:
         f"{_variable(field)} (WorkQueueSettings.{field}): {', '.join(found)}{_example(field)}"
         for field, found in problems.items()
     )
-    return SettingsInvalid(text, list(problems))
+    return _settings_invalid(text, list(problems))
