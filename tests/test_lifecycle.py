@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,12 @@ async def test_a_retired_topic_refuses_messages_and_is_deleted_once_empty(databa
         [refused] = await queue.publish(topic, [PublishRequest(payload={"n": 1})])
         assert refused.status == "Rejected" and refused.error is not None
         assert refused.error.code == "TopicRetired" and f"workqueue topics resume {topic}" in refused.error.message
+        # (it names no MessageID: the store's refusal carried one made for it, never stored; a
+        # refused request names only the MessageID its caller gave)
+        assert refused.message_id is None
+        given = uuid.uuid4()
+        [named] = await queue.publish(topic, [PublishRequest(message_id=given, payload={"n": 1})])
+        assert (named.status, named.message_id) == ("Rejected", given)
         assert [getattr(t, "status", None) for t in await queue.transport.list_topics() if t.name == topic] == [
             "Retired"]
         assert (await queue.delete_topic(topic)).result == "HasSubscriptions"

@@ -135,3 +135,16 @@ async def test_a_fresh_store_of_a_queue_never_opened_says_to_open_it_not_to_set_
     async with queue.lifespan(None):
         [result] = await queue.publish("fresh.t", [PublishRequest(payload=1)])
     assert result.status == "Accepted"
+
+
+def test_a_deduplication_ttl_without_a_key_is_refused() -> None:
+    """A TTL with no key deduplicates nothing: accepted in silence, its sender believed it did."""
+    from fastapi_workqueue.core.envelope import RequestRejected, prepare
+
+    for request in (PublishRequest(payload=1, deduplication_ttl_seconds=600),
+                    PublishRequest(payload=1, deduplication_ttl_seconds=600, partition_key="k")):
+        with pytest.raises(RequestRejected) as refused:
+            prepare(request)
+        assert (refused.value.error.code, refused.value.error.field) == ("InvalidField", "deduplication_ttl_seconds")
+        assert "without a DeduplicationKey" in refused.value.error.message
+    assert prepare(PublishRequest(payload=1, deduplication_ttl_seconds=600, deduplication_key="k")).deduplication_key

@@ -49,7 +49,7 @@ def publish(
     correlation_id: str | None, count: int, priority: int,
 ) -> None:
     """Publish a test message (or --count of them, in one call)."""
-    from ..core.envelope import PublishRequest, RequestRejected, prepare
+    from ..core.envelope import PublishRequest, RequestRejected, named_as_given, prepare
 
     try:
         body = json.loads(payload)
@@ -69,7 +69,10 @@ def publish(
         ]
     except RequestRejected as exc:
         raise click.ClickException(exc.error.message) from exc
-    results = run(ctx, lambda t: t.publish(topic, prepared), app=True)
+    async def publish_prepared(transport: Any) -> list[Any]:
+        return named_as_given(await transport.publish(topic, prepared), prepared)
+
+    results = run(ctx, publish_prepared, app=True)
     if ctx.as_json:
         emit_json(results)
     else:

@@ -24,7 +24,7 @@ import math
 import re
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -463,6 +463,10 @@ def prepare(
         _text_field("deduplication_key", request.deduplication_key)
         _text_field("correlation_id", request.correlation_id)
         _text_field("payload_ref", request.payload_ref, 2048)
+        if request.deduplication_key is None and request.deduplication_ttl_seconds is not None:
+            raise _ttl_without_key()
+    elif request.deduplication_ttl_seconds is not None:
+        raise _ttl_without_key()
     backoff = request.backoff_seconds
     schedule_size = _check_schedule(request) if request.not_before is not None or backoff is not None else 0
     if request.max_attempts is not None:
@@ -492,6 +496,13 @@ def prepare(
         message_id_given=request.message_id is not None,
         priority=request.priority,
     )
+
+
+def _ttl_without_key() -> RequestRejected:
+    """A TTL with no key to live for: refused, or its sender would think it deduplicates."""
+    return RequestRejected(
+        "InvalidField", "DeduplicationTTLSeconds is given without a DeduplicationKey, and does nothing alone: "
+        "give the DeduplicationKey it is the time to live of, or leave the TTL out", "deduplication_ttl_seconds")
 
 
 def _too_large(size: int, max_envelope_bytes: int) -> RequestRejected:
@@ -577,4 +588,16 @@ def aborted_results(
                 ),
             )
         )
+    return results
+
+
+def named_as_given(results: list[PublishResult], prepared: Sequence[PreparedMessage]) -> list[PublishResult]:
+    """``results`` (a store's answers to ``prepared``) with each refused one naming the MessageID its
+    caller gave, and no other: one the library made for the request was never stored, and a caller
+    must not keep it."""
+    for index, result in enumerate(results):
+        if result.status is PublishStatus.REJECTED and result.message_id is not None:
+            message = prepared[index]
+            results[index] = result.model_copy(
+                update={"message_id": message.message_id if message.message_id_given else None})
     return results

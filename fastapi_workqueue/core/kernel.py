@@ -35,6 +35,7 @@ from .envelope import (
     RequestRejected,
     WorkMessage,
     aborted_results,
+    named_as_given,
     prepare,
 )
 from .errors import ConfigurationError, SchemaMissing, UnknownTopic
@@ -445,7 +446,7 @@ class Kernel:
         """The transport's publish; a store without the schema, reached by a queue that was never
         opened, says that first (opening migrates when the settings ask for it)."""
         try:
-            return await self.transport.publish(topic, prepared, session=session)
+            results = await self.transport.publish(topic, prepared, session=session)
         except SchemaMissing as exc:
             if self.opened:
                 raise
@@ -454,6 +455,7 @@ class Kernel:
                 "ASGITransport runs none: enter queue.lifespan(app) around it) or `await queue.open()` first; "
                 "opening migrates when the settings ask for it"
             ) from exc
+        return named_as_given(results, prepared)
 
     # -- host -----------------------------------------------------------------------------------
 

@@ -303,8 +303,9 @@ def build_router(
             )
         try:
             results = await kernel.publish(topic, requests)
-        except UnknownTopic:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"topic {topic!r} does not exist") from None
+        except UnknownTopic as exc:  # (its text says why: not declared, not in this store, or not synced)
+            why = str(exc).split(": ", 1)[-1]
+            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"topic {topic!r} does not exist ({why})") from None
         except TransportError as exc:
             raise _unavailable(exc) from exc
         problems = [
