@@ -286,8 +286,10 @@ async def test_an_edited_0001_alone_is_a_changed_migration_not_the_old_chain(scr
     await write_schema_migration(scratch_url, [(1, "schema", "edited")])
     conn = await asyncpg.connect(to_asyncpg_dsn(scratch_url))
     try:
-        with pytest.raises(ConfigurationError, match="migration 0001_schema was changed after it was applied"):
+        with pytest.raises(ConfigurationError, match="0001_schema was changed after it was applied") as refused:
             await apply_postgres_migrations(conn)
+        # (and what its user does about it: it said only how to ship a schema change)
+        assert "DROP SCHEMA workqueue CASCADE) or use a new database and run `workqueue migrate`" in str(refused.value)
     finally:
         await conn.close()
 

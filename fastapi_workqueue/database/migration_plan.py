@@ -62,7 +62,9 @@ def pending(dialect: str, recorded: Mapping[int, str]) -> list[MigrationFile]:
             missing.append(migration)
         elif checksum != migration.checksum:
             raise ConfigurationError(
-                f"migration {migration.label} was changed after it was applied to this database; "
-                "ship schema changes as a new migration file"
+                f"migration {migration.label} was changed after it was applied to this database: the database "
+                f"was made by another build of this release, which this one cannot upgrade; move or finish the "
+                f"work it holds, then {_START_AGAIN.get(dialect, 'start from an empty database')} and run "
+                "`workqueue migrate` (a change to a shipped schema belongs in a new migration file)"
             )
     return missing
