@@ -34,10 +34,15 @@ class SqsRecord:
     attributes: dict[str, str] = field(default_factory=dict)
     message_attributes: dict[str, dict[str, Any]] = field(default_factory=dict)
     sent_at: datetime | None = None
+    decoded: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    """The body decoded once (:func:`decode_record`), as :meth:`envelope` answers it."""
 
     def envelope(self) -> dict[str, Any]:
         """The body as the library wrote it (``message_id``, ``payload``, ...), or the whole body as the
-        payload when another producer sent it (text when it is not JSON): :func:`.body.decode`."""
+        payload when another producer sent it (text when it is not JSON): :func:`.body.decode`. Read,
+        never changed: each view of the record (its delivery, its id, its dead letter) shares it."""
+        if self.decoded is not None:
+            return self.decoded
         return bodies.decode(self.body, self.message_id)
 
     @property
@@ -104,6 +109,7 @@ def decode_record(record: Mapping[str, Any]) -> SqsRecord:
         attributes=strings,
         message_attributes={k: dict(v) for k, v in raw_attributes.items() if isinstance(v, Mapping)},
         sent_at=datetime.fromtimestamp(int(sent) / 1000, UTC) if sent else None,
+        decoded=bodies.decode(record["body"], record["messageId"]),
     )
 
 
