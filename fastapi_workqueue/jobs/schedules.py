@@ -275,8 +275,7 @@ class Schedules:
         knows (a schedule of less than a minute, across a restart of every process: each tick
         seen up to a minute late is queued); the newest alone when the store knows none of them
         (a new schedule starts from now, not with a minute of ticks at once)."""
-        start = moment - LATE_GRACE - timedelta(microseconds=1)
-        recent = schedule.ticks_between(start, moment)
+        recent = schedule.ticks_between(moment - LATE_GRACE - timedelta(microseconds=1), moment)
         if len(recent) <= 1:
             return recent
         ids = [schedule.tick_id(t) for t in recent]
@@ -287,8 +286,7 @@ class Schedules:
         # None of the last minute's: every one of them came after the newest the store knows, if it
         # knows an earlier one (all processes were down for longer than the minute); else the
         # schedule is new and starts from now.
-        earlier = [schedule.tick_id(t) for t in schedule.ticks_back(start, MAX_CATCH_UP)]
-        return recent if await self._known(earlier) else recent[-1:]
+        return recent if await self._known_before(schedule, moment, recent[0]) else recent[-1:]
 
     async def _known(self, ids: list[uuid.UUID]) -> set[uuid.UUID]:
         """Which of the tick ids ``ids`` the store (or the fake) holds a job for."""
@@ -329,7 +327,7 @@ class Schedules:
         a few ticks at 2, 4, 8 ... times their span further back (up to :data:`CATCH_UP_PROBES`
         doublings), where a schedule that ran for a while before it went down left ticks."""
         ids = await asyncio.to_thread(_probe_ids, schedule, latest, oldest)  # (a cron's ticks cost CPU)
-        return bool(ids) and bool(await self._jobs.kernel.transport.known_messages(ids))
+        return bool(ids) and bool(await self._known(ids))
 
     async def _dispatch(self, schedule: Schedule, tick: datetime) -> bool:
         jobs = self._jobs
